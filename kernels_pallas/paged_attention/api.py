@@ -1,0 +1,140 @@
+"""Paged attention over position-free (unrotated) or rotated keys, for a ragged batch.
+
+Cache layout (one layer): k_pages, v_pages [P, B, K, D] (vLLM's layout: a new token's K/V is one
+contiguous row, so writes are a plain row scatter; a (page, head) tile is a strided 2-D box that
+TMA loads directly).
+
+`write_kv` stores new K/V rows (never rotated in `position_free` mode); `paged_attention` reads them
+back through the block table. In `position_free` mode the keys are rotated at read time by their
+logical position in *this* request, so one physical page can serve many requests at different
+offsets. Queries are always passed unrotated and rotated by their own logical position.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.paged_attention.metadata import AttentionMetadata
+from kernels_pallas.rope import apply_rope
+
+KV_MODES = ("position_free", "rotated")
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping):
+    """Scatter new K/V rows into their slots; rows with slot -1 are dropped.
+
+    Args:
+      k_pages, v_pages: [P, B, K, D] cache of one layer.
+      k, v: [T, K, D] new rows (unrotated in position_free mode).
+      slot_mapping: [T] int32 flat slot page * B + offset, or -1.
+    Returns:
+      (k_pages, v_pages) updated.
+    """
+    num_pages, page_size, kv_heads, head_dim = k_pages.shape
+    if k.shape[1:] != (kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"write_kv: k/v {k.shape}/{v.shape} do not match pages {k_pages.shape}")
+    flat = num_pages * page_size
+    slots = jnp.where(slot_mapping < 0, flat, slot_mapping)  # out of range -> dropped
+    k_flat = k_pages.reshape(flat, kv_heads, head_dim).at[slots].set(k.astype(k_pages.dtype), mode="drop")
+    v_flat = v_pages.reshape(flat, kv_heads, head_dim).at[slots].set(v.astype(v_pages.dtype), mode="drop")
+    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+
+
+def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, *,
+                    kv_mode: str = "position_free", attention_scaling: float = 1.0,
+                    sm_scale: float | None = None, implementation: str | None = None,
+                    interpret: bool = False):
+    """Causal, window-limited attention of a ragged batch over a paged cache.
+
+    Args:
+      q: [T, H, D] unrotated queries.
+      k_pages, v_pages: [P, B, K, D] (H % K == 0).
+      metadata: AttentionMetadata for this batch.
+      inv_freq: [R/2] float32 RoPE inverse frequencies (R <= D; dims past R are not rotated).
+      kv_mode: "position_free" (keys stored unrotated, rotated here) or "rotated".
+      attention_scaling: RoPE cos/sin scale (1.0 for default, llama3 and linear scaling).
+      sm_scale: softmax scale, default 1/sqrt(D).
+      implementation: None (best available), "xla", or a kernel name.
+      interpret: run Pallas kernels in interpret mode (CPU).
+    Returns:
+      [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
+      position p satisfies window_start <= p <= query position.
+    """
+    _validate(q, k_pages, v_pages, metadata, inv_freq, kv_mode)
+    if sm_scale is None:
+        sm_scale = q.shape[-1] ** -0.5
+    if implementation in (None, "xla"):
+        return _xla_paged_attention(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                                    attention_scaling=attention_scaling, sm_scale=sm_scale)
+    raise ValueError(f"paged_attention: unknown implementation {implementation!r}")
+
+
+def _validate(q, k_pages, v_pages, md, inv_freq, kv_mode):
+    if kv_mode not in KV_MODES:
+        raise ValueError(f"paged_attention: kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
+    if q.ndim != 3 or k_pages.ndim != 4:
+        raise ValueError(f"paged_attention: q must be [T, H, D] and pages [P, B, K, D], "
+                         f"got q{q.shape} k_pages{k_pages.shape}")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"paged_attention: k_pages {k_pages.shape} != v_pages {v_pages.shape}")
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    if k_pages.shape[3] != head_dim:
+        raise ValueError(f"paged_attention: head_dim of q ({head_dim}) != pages ({k_pages.shape[3]})")
+    if heads % kv_heads:
+        raise ValueError(f"paged_attention: {heads} query heads not a multiple of {kv_heads} kv heads")
+    if 2 * inv_freq.shape[-1] > head_dim:
+        raise ValueError(f"paged_attention: rotary dim {2 * inv_freq.shape[-1]} > head_dim {head_dim}")
+    for name in ("q_positions", "q_window_start", "q_seq", "slot_mapping"):
+        if getattr(md, name).shape != (tokens,):
+            raise ValueError(f"paged_attention: metadata.{name} must be [{tokens}], "
+                             f"got {getattr(md, name).shape}")
+    seqs = md.block_tables.shape[0]
+    for name in ("block_pos_start", "block_num_valid"):
+        if getattr(md, name).shape != md.block_tables.shape:
+            raise ValueError(f"paged_attention: metadata.{name} must match block_tables "
+                             f"{md.block_tables.shape}, got {getattr(md, name).shape}")
+    if md.cu_q_lens.shape != (seqs + 1,) or md.num_blocks.shape != (seqs,):
+        raise ValueError(f"paged_attention: cu_q_lens must be [{seqs + 1}] and num_blocks [{seqs}]")
+
+
+@functools.partial(jax.named_call, name="xla_paged_attention")
+def _xla_paged_attention(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attention_scaling,
+                         sm_scale):
+    """Gather + dense fallback: runs anywhere; memory O(T * NB * B * K * D)."""
+    tokens, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    seqs, max_blocks = md.block_tables.shape
+    group = heads // kv_heads
+    n_keys = max_blocks * page_size
+
+    offsets = jnp.arange(page_size, dtype=jnp.int32)
+    key_pos = (md.block_pos_start[:, :, None] + offsets).reshape(seqs, n_keys)  # [S, N]
+    in_use = jnp.arange(max_blocks)[None, :] < md.num_blocks[:, None]  # [S, NB]
+    valid = ((offsets[None, None, :] < md.block_num_valid[:, :, None]) & in_use[:, :, None])
+    valid = valid.reshape(seqs, n_keys)  # [S, N]
+
+    keys = k_pages[md.block_tables].reshape(seqs, n_keys, kv_heads, head_dim)  # [S, N, K, D]
+    values = v_pages[md.block_tables].reshape(seqs, n_keys, kv_heads, head_dim)
+    if kv_mode == "position_free":
+        keys = apply_rope(keys.reshape(seqs * n_keys, kv_heads, head_dim), key_pos.reshape(-1),
+                          inv_freq, attention_scaling).reshape(keys.shape)
+    q_rot = apply_rope(q, md.q_positions, inv_freq, attention_scaling)  # [T, H, D]
+
+    seq = jnp.clip(md.q_seq, 0, seqs - 1)
+    k_t = keys[seq].astype(jnp.float32)  # [T, N, K, D]
+    v_t = values[seq].astype(jnp.float32)
+    q_g = q_rot.astype(jnp.float32).reshape(tokens, kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tnkd->tkgn", q_g, k_t) * sm_scale  # [T, K, G, N]
+    kp = key_pos[seq]  # [T, N]
+    mask = (valid[seq] & (kp <= md.q_positions[:, None]) & (kp >= md.q_window_start[:, None]))
+    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.exp(scores - row_max)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    out = jnp.einsum("tkgn,tnkd->tkgd", probs, v_t) / jnp.where(denom == 0, 1.0, denom)
+    return out.reshape(tokens, heads, head_dim).astype(q.dtype)

@@ -1,0 +1,28 @@
+"""Rotate-half RoPE, HF transformers' convention, shared by the kernels and the models.
+
+cos/sin are computed in float32 from `positions * inv_freq` (the same product HF forms), scaled by
+`attention_scaling`, cast to the input dtype, and applied to the first R = 2 * len(inv_freq) dims
+of each head; the remaining D - R dims pass through (partial rotary).
+"""
+
+import jax.numpy as jnp
+
+
+def rope_cos_sin(positions, inv_freq, attention_scaling: float = 1.0):
+    """positions [T] int -> cos, sin [T, R] float32 (R = 2 * len(inv_freq))."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, R]
+    return jnp.cos(emb) * attention_scaling, jnp.sin(emb) * attention_scaling
+
+
+def apply_rope(x, positions, inv_freq, attention_scaling: float = 1.0):
+    """x [T, N, D], positions [T] -> x rotated by each token's position, same dtype as x."""
+    rot = 2 * inv_freq.shape[-1]
+    cos, sin = rope_cos_sin(positions, inv_freq, attention_scaling)
+    cos = cos.astype(x.dtype)[:, None, :]  # [T, 1, R]
+    sin = sin.astype(x.dtype)[:, None, :]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated_half = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    out = x_rot * cos + rotated_half * sin
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
