@@ -1,0 +1,36 @@
+"""Small pure-JAX building blocks shared by the model families (shapes: configs/model_config.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x, weight, eps: float, *, unit_offset: bool = False):
+    """RMSNorm as HF computes it. x [..., E], weight [E] -> [..., E] in x's dtype.
+
+    Llama: normalise in float32, cast to x's dtype, then multiply by weight.
+    unit_offset (Qwen3.5 / Gemma): multiply by (1 + weight) in float32, then cast.
+    """
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * normed.astype(x.dtype)
+
+
+def swiglu_mlp(x, w_gate, w_up, w_down):
+    """x [T, E], w_gate/w_up [E, F], w_down [F, E] -> [T, E]: down(silu(gate(x)) * up(x))."""
+    gate = jnp.einsum("te,ef->tf", x, w_gate)  # [T, F]
+    up = jnp.einsum("te,ef->tf", x, w_up)  # [T, F]
+    return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, w_down)  # [T, E]
+
+
+def embed(tokens, table):
+    """tokens [T] int32, table [V, E] -> [T, E]; out-of-range ids (bucket padding) are clipped."""
+    return jnp.take(table, tokens, axis=0, mode="clip")
+
+
+def logits_from_hidden(x, lm_head_ev):
+    """x [N, E], lm_head [E, V] -> logits [N, V] float32 (accumulated in float32)."""
+    return jnp.einsum("ne,ev->nv", x, lm_head_ev, preferred_element_type=jnp.float32)
