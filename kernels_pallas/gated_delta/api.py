@@ -1,0 +1,121 @@
+"""Gated delta rule (Qwen3.5 Gated DeltaNet core): chunked prefill with exact checkpoints, decode.
+
+Callers pass q/k already L2-normalised (the model does it in float32, as HF does) and the gates in
+their final form: g = log decay (<= 0), beta in (0, 1). The state is [Dk, Dv] per value head and is
+always float32. Chunk boundaries are counted from the first given token; callers that resume a
+sequence in the middle keep checkpoints exact by resuming only at multiples of `chunk_size` (or by
+left-aligning with no-op tokens, see `noop_pad_left`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.gated_delta import chunked
+
+IMPLEMENTATIONS = (None, "xla", "pallas_triton")
+
+
+def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, chunk_size=64,
+            implementation=None, interpret=False, solve="blocked", inter_dtype=None):
+    """Chunked gated delta rule over a batch of equal-length sequences.
+
+    Args:
+      q, k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv] (Hv % Hk == 0; value head h reads key head
+        h // (Hv // Hk)).
+      g: [N, T, Hv] log decay; beta: [N, T, Hv].
+      state0: [N, Hv, Dk, Dv] state before the first token (None: zeros).
+      checkpoint_at: None, [M] or [N, M] int token offsets, multiples of chunk_size in [0, T]
+        (a trailing offset T is allowed even when T is not a multiple). Static Python ints are
+        validated here; traced values must be valid (invalid ones are clamped).
+      scale: query scale, default Dk ** -0.5.
+      chunk_size: C, the checkpoint granularity.
+      implementation: None or "xla" (lax.scan), "pallas_triton" (GPU kernel for the state scan).
+      interpret: run the Pallas kernel in interpret mode (CPU tests).
+      solve: in-chunk UT solve, "blocked" (block-recursive inverse) or "trsm".
+      inter_dtype: intermediates' dtype (None: float32; bfloat16 for speed with bf16 inputs).
+    Returns:
+      out [N, T, Hv, Dv] in v's dtype, final_state [N, Hv, Dk, Dv] float32, and
+      checkpoint_states [N, M, Hv, Dk, Dv] float32 (None when checkpoint_at is None): the state
+      after checkpoint_at[m] tokens.
+    """
+    n, t_len, hk, dk = _validate(q, k, v, g, beta, state0)
+    hv, dv = v.shape[2:]
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"gated_delta.prefill: implementation must be one of {IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    if scale is None:
+        scale = dk ** -0.5
+    ckpt = None
+    if checkpoint_at is not None:
+        ckpt = _checkpoint_chunks(checkpoint_at, n, t_len, chunk_size)
+    if state0 is None:
+        state0 = jnp.zeros((n, hv, dk, dv), jnp.float32)
+    pad = (-t_len) % chunk_size
+    if pad:  # trailing no-op tokens: g = 0 (no decay), beta = 0 and k = 0 (no write)
+        q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+                            for x in (q, k, v, g, beta))
+    scan_fn = None
+    if implementation == "pallas_triton":
+        from kernels_pallas.gated_delta import scan_triton
+        scan_fn = functools.partial(scan_triton.state_scan, interpret=interpret)
+    out, final, ckpt_states = chunked.chunked_gated_delta(
+        q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size, scan_fn=scan_fn,
+        solve=solve, inter_dtype=inter_dtype)
+    return out[:, :t_len].astype(v.dtype), final, ckpt_states
+
+
+def decode_step(q, k, v, g, beta, state, *, scale=None):
+    """One token per sequence.
+
+    Args:
+      q, k: [N, Hk, Dk]; v: [N, Hv, Dv]; g, beta: [N, Hv]; state: [N, Hv, Dk, Dv].
+    Returns:
+      out [N, Hv, Dv] in v's dtype, new state [N, Hv, Dk, Dv] float32.
+    """
+    _validate(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state)
+    dk = k.shape[-1]
+    out, new = chunked.recurrent_step(q, k, v, g, beta, state,
+                                      scale=dk ** -0.5 if scale is None else scale)
+    return out.astype(v.dtype), new
+
+
+def _checkpoint_chunks(checkpoint_at, n, t_len, chunk):
+    """Token offsets -> [N, M] indices into the per-chunk states (index NT = final state)."""
+    n_chunks = -(-t_len // chunk)
+    if isinstance(checkpoint_at, (list, tuple)) or (
+            hasattr(checkpoint_at, "dtype") and not isinstance(checkpoint_at, jax.core.Tracer)):
+        import numpy as np
+        arr = np.asarray(checkpoint_at)
+        if arr.ndim not in (1, 2) or (arr.ndim == 2 and arr.shape[0] != n):
+            raise ValueError(f"gated_delta.prefill: checkpoint_at must be [M] or [{n}, M], "
+                             f"got shape {arr.shape}")
+        bad = (arr < 0) | (arr > t_len) | ((arr % chunk != 0) & (arr != t_len))
+        if bad.any():
+            raise ValueError(f"gated_delta.prefill: checkpoint_at offsets {arr[bad].tolist()} are not "
+                             f"multiples of chunk_size={chunk} in [0, {t_len}]")
+    idx = jnp.asarray(checkpoint_at, jnp.int32)
+    idx = jnp.where(idx >= t_len, n_chunks, idx // chunk)
+    idx = jnp.clip(idx, 0, n_chunks)
+    return jnp.broadcast_to(idx, (n, idx.shape[-1])) if idx.ndim == 1 else idx
+
+
+def _validate(q, k, v, g, beta, state):
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"gated_delta: q and k must both be [N, T, Hk, Dk], got q{q.shape} k{k.shape}")
+    n, t_len, hk, dk = k.shape
+    if v.ndim != 4 or v.shape[:2] != (n, t_len):
+        raise ValueError(f"gated_delta: v must be [{n}, {t_len}, Hv, Dv], got {v.shape}")
+    hv = v.shape[2]
+    if hv % hk:
+        raise ValueError(f"gated_delta: value heads ({hv}) must be a multiple of key heads ({hk})")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (n, t_len, hv):
+            raise ValueError(f"gated_delta: {name} must be [{n}, {t_len}, {hv}], got {x.shape}")
+    if state is not None and state.shape != (n, hv, dk, v.shape[3]):
+        raise ValueError(f"gated_delta: state must be [{n}, {hv}, {dk}, {v.shape[3]}], "
+                         f"got {state.shape}")
+    return n, t_len, hk, dk
