@@ -8,6 +8,7 @@ configs/model_config.py. Attention is reached only through `kernels_pallas.paged
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -155,18 +156,33 @@ def param_axes(cfg: ModelConfig) -> LlamaParams:
 
 def init_params(cfg: ModelConfig, key, dtype=jnp.float32) -> LlamaParams:
     """Deterministic random weights (normal, std 0.02; norms 1) from `key`."""
-    shapes = _shapes(cfg)
+    return init_from_shapes(_shapes(cfg), key, dtype)
+
+
+# Below this many parameters, numpy draws the weights (XLA's RNG compile dominates on CPU);
+# above it, jax.random draws them on the default device.
+_NUMPY_INIT_MAX = 64 << 20
+
+
+def init_from_shapes(shapes, key, dtype):
+    """Random params for a pytree of shape tuples: 1-D leaves are ones (norm weights), others
+    normal(0, 0.02). Deterministic in `key`."""
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
-    keys = jax.random.split(key, len(leaves))
-
-    @jax.jit
-    def make(keys):
+    total = sum(int(np.prod(s)) for s in leaves)
+    if total <= _NUMPY_INIT_MAX:
+        rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
         out = [jnp.ones(s, dtype) if len(s) == 1 else
-               (0.02 * jax.random.normal(kk, s, jnp.float32)).astype(dtype)
+               jnp.asarray(0.02 * rng.standard_normal(s, np.float32), dtype) for s in leaves]
+    else:
+        keys = jax.random.split(key, len(leaves))
+        out = [jnp.ones(s, dtype) if len(s) == 1 else _normal(kk, s, jnp.dtype(dtype))
                for kk, s in zip(keys, leaves)]
-        return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, out)
 
-    return make(keys)
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key, shape, dtype):
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:

@@ -19,7 +19,9 @@ ROPE_TYPES = ("default", "llama3", "linear")
 
 def _base_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    return (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    # torch's float32 pow(scalar, tensor) is correctly rounded: form it in float64, round once.
+    powers = (np.float64(rope.theta) ** exponents.astype(np.float64)).astype(np.float32)
+    return (np.float32(1.0) / powers).astype(np.float32)
 
 
 def _llama3(inv: np.ndarray, rope: RopeConfig) -> np.ndarray:
@@ -27,9 +29,10 @@ def _llama3(inv: np.ndarray, rope: RopeConfig) -> np.ndarray:
     old_ctx = rope.original_max_position_embeddings
     low_wavelen = old_ctx / rope.low_freq_factor
     high_wavelen = old_ctx / rope.high_freq_factor
-    wavelen = (np.float32(2 * math.pi) / inv).astype(np.float32)
+    # torch evaluates `scalar / tensor` as reciprocal(tensor) * scalar; mirror it bit for bit.
+    wavelen = ((np.float32(1) / inv) * np.float32(2 * math.pi)).astype(np.float32)
     scaled = np.where(wavelen > low_wavelen, inv / factor, inv).astype(np.float32)
-    smooth = ((np.float32(old_ctx) / wavelen - np.float32(rope.low_freq_factor))
+    smooth = (((np.float32(1) / wavelen) * np.float32(old_ctx) - np.float32(rope.low_freq_factor))
               / np.float32(rope.high_freq_factor - rope.low_freq_factor)).astype(np.float32)
     smoothed = ((np.float32(1) - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)

@@ -1,0 +1,109 @@
+"""`load_model`: an HF folder or a preset name -> config, params, family module and tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from configs.model_config import ModelConfig
+from configs.presets import get_preset, is_preset, preset_names
+from minipic_jax.loading import param_cache
+from minipic_jax.loading.hf_config import model_config_from_folder
+from minipic_jax.loading.safetensors_io import SafetensorsReader, weight_files
+from minipic_jax.loading.tokenizer import Tokenizer, load_tokenizer
+from minipic_jax.models import get_family
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Without an explicit cache_dir, only checkpoints at least this large are cached (a tiny model
+# converts faster than orbax writes it).
+AUTO_CACHE_MIN_BYTES = 256 << 20
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    params: Any  # the family's params pytree
+    family: ModuleType  # implements minipic_jax/models/interface.py
+    tokenizer: Tokenizer | None
+    source: str  # "folder:<abs path>" or "preset:<name>"
+    from_cache: bool = False  # params came from the orbax cache (conversion skipped)
+
+
+def _dtype(dtype) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return jnp.dtype(dtype).type
+
+
+def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
+               cache_dir: str | pathlib.Path | None = None) -> LoadedModel:
+    """Load an HF checkpoint folder or instantiate a preset with deterministic random weights.
+
+    Args:
+      model: a folder with config.json + *.safetensors (single or sharded with an index), or a
+        preset name from configs/presets.py (e.g. "tiny-llama3", "llama3_1_8b").
+      dtype: "float32" or "bfloat16" (params and compute dtype).
+      seed: PRNG seed for preset weights.
+      cache_dir: orbax cache of converted params. None: the default cache
+        ($MINIPIC_JAX_CACHE_DIR or ~/.cache/minipic_jax/params), used for checkpoints of at least
+        256 MiB; a path: always cache there.
+    Raises:
+      ValueError naming the problem: unknown preset or missing folder (lists presets), folder
+      without weights, unsupported model_type/architecture, missing or mis-shaped tensor.
+    """
+    jdtype = _dtype(dtype)
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        return _load_folder(path, jdtype, cache_dir)
+    if isinstance(model, str) and is_preset(model):
+        cfg = get_preset(model)
+        family = get_family(cfg.model_type)
+        params = family.init_params(cfg, jax.random.key(seed), jdtype)
+        return LoadedModel(cfg, params, family, load_tokenizer(None, cfg), f"preset:{model}")
+    raise ValueError(f"model {str(model)!r} is neither an existing folder nor a known preset; "
+                     f"presets: {', '.join(preset_names())}")
+
+
+def _load_folder(folder: pathlib.Path, dtype, cache_dir) -> LoadedModel:
+    folder = folder.resolve()
+    _, family, cfg = model_config_from_folder(folder)
+    files = weight_files(folder)
+    if not files:
+        others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" (found {others}; only safetensors are supported)" if others else ""
+        raise ValueError(f"{folder} has no *.safetensors weights{hint}")
+    tokenizer = load_tokenizer(folder, cfg)
+    source = f"folder:{folder}"
+
+    use_cache = cache_dir is not None or sum(f.stat().st_size for f in files) >= AUTO_CACHE_MIN_BYTES
+    entry = None
+    if use_cache:
+        root = pathlib.Path(cache_dir) if cache_dir is not None else param_cache.default_cache_dir()
+        key = param_cache.cache_key(folder, files + [folder / "config.json"], dtype,
+                                    family.__name__)
+        entry = root / key
+        abstract = jax.eval_shape(lambda: family.init_params(cfg, jax.random.key(0), dtype))
+        params = param_cache.restore(entry, abstract)
+        if params is not None:
+            return LoadedModel(cfg, params, family, tokenizer, source, from_cache=True)
+
+    reader = SafetensorsReader(files)
+    needed = family.hf_tensor_names(cfg)
+    missing = [n for n in needed if n not in reader]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"{folder}: checkpoint is missing tensor(s) {missing[:5]}{more} "
+                         f"needed by the {cfg.model_type} model")
+    params = family.convert_hf(reader.get, cfg, dtype)
+    if entry is not None:
+        param_cache.save(entry, params)
+    return LoadedModel(cfg, params, family, tokenizer, source)
