@@ -1,0 +1,105 @@
+"""Host-side paged KV block pool: ref counts, chained-hash prefix cache, LRU free list.
+
+Plain Python over ints (DESIGN §3). A block registered under a hash is *pending* until the
+sequence that owns it has computed all its tokens, then *ready*. Other sequences may share a
+pending block and wait for it instead of computing it twice; if its owner goes away (preempted)
+the first waiter to reach it claims it. Freed blocks join the tail of an LRU free list (a
+sequence's blocks in reverse order, so its last blocks are evicted first) and keep their hash
+until the block is reused; a ready block evicted that way can be handed to the host tier.
+"""
+
+from __future__ import annotations
+
+import collections
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
+                 on_evict=None):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.on_evict = on_evict  # callable(block, hash, confirm) for ready blocks being reused
+        self.ref = [0] * num_blocks
+        self.hash = [-1] * num_blocks
+        self.confirm: list[tuple | None] = [None] * num_blocks  # tokens kept to confirm hits
+        self.ready = [False] * num_blocks
+        self.owner = [-1] * num_blocks
+        self.free = collections.OrderedDict((b, None) for b in range(num_blocks))
+        self.table: dict[int, int] = {}  # hash -> block
+        self.num_evicted = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def lookup(self, h: int, confirm: tuple) -> int | None:
+        """Block holding hash `h` whose kept tokens equal `confirm` (collisions are misses)."""
+        if not self.enable_caching:
+            return None
+        b = self.table.get(h)
+        if b is None or self.confirm[b] != confirm:
+            return None
+        return b
+
+    def share(self, b: int) -> None:
+        if self.ref[b] == 0:
+            del self.free[b]
+        self.ref[b] += 1
+
+    def allocate(self) -> int:
+        """Take the least recently freed block (evicting its cached content)."""
+        if not self.free:
+            raise RuntimeError("BlockManager.allocate: no free block (caller must check)")
+        b, _ = self.free.popitem(last=False)
+        if self.hash[b] != -1:
+            if self.ready[b] and self.on_evict is not None:
+                self.on_evict(b, self.hash[b], self.confirm[b])
+            self.num_evicted += 1
+            self._unregister(b)
+        self.ref[b] = 1
+        self.ready[b] = False
+        self.owner[b] = -1
+        return b
+
+    def register(self, b: int, h: int, confirm: tuple, owner: int, ready: bool = False) -> None:
+        """Publish block b under hash h (first publisher wins; later duplicates stay private)."""
+        if not self.enable_caching or h in self.table:
+            return
+        self.table[h] = b
+        self.hash[b] = h
+        self.confirm[b] = confirm
+        self.ready[b] = ready
+        self.owner[b] = -1 if ready else owner
+
+    def mark_ready(self, b: int) -> None:
+        self.ready[b] = True
+        self.owner[b] = -1
+
+    def is_pending(self, b: int) -> bool:
+        return self.hash[b] != -1 and not self.ready[b]
+
+    def release(self, blocks, seq_id: int) -> None:
+        """Drop one reference to each block, last block first."""
+        for b in reversed(blocks):
+            if self.owner[b] == seq_id:
+                self.owner[b] = -1
+            self.ref[b] -= 1
+            if self.ref[b] < 0:
+                raise RuntimeError(f"BlockManager.release: block {b} freed twice")
+            if self.ref[b] == 0:
+                if self.hash[b] != -1 and not self.ready[b]:
+                    self._unregister(b)  # half-computed content is worthless
+                self.free[b] = None
+
+    def _unregister(self, b: int) -> None:
+        if self.table.get(self.hash[b]) == b:
+            del self.table[self.hash[b]]
+        self.hash[b] = -1
+        self.confirm[b] = None
+        self.ready[b] = False
+        self.owner[b] = -1

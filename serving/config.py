@@ -1,0 +1,109 @@
+"""The engine's one configuration dataclass, validated once (vLLM option names).
+
+Bucketing (the only place that says how shapes are padded so compiles stay bounded):
+  * query tokens per step T: powers of two from `min_token_bucket` up to `max_num_batched_tokens`
+    (rounded up to a power of two);
+  * sequences per step S: min(T bucket, seat count), so one step shape per T bucket;
+  * block-table width NB: fixed at ceil(max_model_len / block_size).
+So the runner compiles at most len(token_buckets) step variants per sampling mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+KV_MODES = ("position_free", "rotated", "pic_off")
+POLICIES = ("fcfs", "barrier", "isps")
+HASH_ALGOS = ("xxhash64", "sha256")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config:
+    """Engine options. Marker/pad ids default per model family (see `default_marker_ids`)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # device pool size; None -> from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.8
+    enable_prefix_caching: bool = True
+    kv_mode: str = "position_free"  # "position_free" (MiniPIC), "rotated" (baseline), "pic_off"
+    hash_algo: str = "xxhash64"
+    scheduling_policy: str = "fcfs"  # "fcfs" | "barrier" | "isps"
+    isps_span_seats: int = 8  # extra batch rows for span-only prefills under isps
+    cpu_offload_gb: float = 0.0
+    pad_token_id: int | None = None
+    ssep_token_id: int | None = None
+    pdep_token_id: int | None = None
+    max_logprobs: int = 20
+    min_token_bucket: int = 8
+    attn_impl: str | None = None
+    watermark_blocks: int = 0  # free blocks kept back at admission (decode headroom)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Config.{name} must be positive, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"Config.block_size must be a power of two, got {self.block_size}")
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"Config.kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"Config.scheduling_policy must be one of {POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"Config.hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"Config.num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"Config.cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"Config.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_num_seqs ({self.max_num_seqs}) so every decode fits one step")
+        ids = {k: getattr(self, k) for k in ("pad_token_id", "ssep_token_id", "pdep_token_id")
+               if getattr(self, k) is not None}
+        if len(set(ids.values())) != len(ids):
+            raise ValueError(f"Config: pad/ssep/pdep token ids must differ, got {ids}")
+
+    # -- derived shapes ---------------------------------------------------------------------
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def num_seats(self) -> int:
+        """Batch rows the runner reserves: request seats plus span-prefill seats under isps."""
+        extra = self.isps_span_seats if self.scheduling_policy == "isps" else 0
+        return self.max_num_seqs + extra
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        top = next_power_of_2(self.max_num_batched_tokens)
+        b, out = min(self.min_token_bucket, top), []
+        while b < top:
+            out.append(b)
+            b *= 2
+        return tuple(out) + (top,)
+
+    def token_bucket(self, n: int) -> int:
+        for b in self.token_buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"{n} tokens exceed the largest bucket {self.token_buckets[-1]}")
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        return min(token_bucket, self.num_seats)
+
+
+def default_marker_ids(vocab_size: int) -> dict[str, int]:
+    """Family defaults: Llama-3 vocab uses reserved specials (pad = <|finetune_right_pad_id|>);
+    any other vocab uses its last three ids (pad V-1, ssep V-2, pdep V-3)."""
+    if vocab_size == 128256:
+        return {"pad_token_id": 128004, "ssep_token_id": 128002, "pdep_token_id": 128003}
+    return {"pad_token_id": vocab_size - 1, "ssep_token_id": vocab_size - 2,
+            "pdep_token_id": vocab_size - 3}

@@ -1,0 +1,72 @@
+"""Chained block hashes (DESIGN §3): h_i = H(parent, tokens_i, kind).
+
+Two chains run over a prompt's full blocks:
+  * the prefix chain p_i = H(p_{i-1}, tokens_i, "P") over the whole prompt (PDEP blocks use it:
+    their KV depends on everything before them);
+  * a span chain s_i = H(s_{i-1} or h_0, tokens_i, "S") that restarts at each SSEP block, so a
+    span's key depends on its own tokens only and is valid at any offset in any request.
+h_0 is derived from the cache salt, which isolates tenants. Kinds keep the chains disjoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import xxhash
+
+_SEED = 0x6D696E69706963  # "minipic"
+
+
+def _to_bytes(tokens) -> bytes:
+    return np.asarray(tokens, dtype=np.int64).tobytes()
+
+
+def make_hash_fn(algo: str = "xxhash64"):
+    """Returns H(parent: int, tokens, kind: bytes) -> int (64-bit)."""
+    if algo == "xxhash64":
+        def h(parent: int, tokens, kind: bytes) -> int:
+            x = xxhash.xxh64(seed=_SEED)
+            x.update(parent.to_bytes(8, "little"))
+            x.update(kind)
+            x.update(_to_bytes(tokens))
+            return x.intdigest()
+    elif algo == "sha256":
+        def h(parent: int, tokens, kind: bytes) -> int:
+            x = hashlib.sha256(parent.to_bytes(8, "little"))
+            x.update(kind)
+            x.update(_to_bytes(tokens))
+            return int.from_bytes(x.digest()[:8], "little")
+    else:
+        raise ValueError(f"unknown hash algo {algo!r}; use 'xxhash64' or 'sha256'")
+    return h
+
+
+def root_hash(hash_fn, cache_salt: str | None) -> int:
+    """h_0 for a tenant: a fixed seed, or one derived from `cache_salt`."""
+    salt = (cache_salt or "").encode()
+    return hash_fn(_SEED, np.frombuffer(salt.ljust(-(-len(salt) // 8) * 8, b"\0"), np.int64)
+                   if salt else (), b"R")
+
+
+def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int) -> list[int]:
+    """Hash of every full block of `tokens`.
+
+    Args:
+      tokens: prompt token ids (pads and markers included).
+      span_block: per block, True inside an SSEP span, False inside a PDEP segment.
+      span_start: per block, True where an SSEP span begins (its chain restarts from h0).
+      h0: root hash (per cache salt).
+    Returns:
+      one int per full block (a partial last block gets none).
+    """
+    keys, prefix, span = [], h0, h0
+    for j in range(len(tokens) // block_size):
+        blk = tokens[j * block_size:(j + 1) * block_size]
+        prefix = hash_fn(prefix, blk, b"P")
+        if span_block[j]:
+            span = hash_fn(h0 if span_start[j] else span, blk, b"S")
+            keys.append(span)
+        else:
+            keys.append(prefix)
+    return keys

@@ -1,0 +1,68 @@
+"""Where a prompt's segments, pads and logical positions are (DESIGN §3, the three primitives).
+
+A marker (SSEP or PDEP id) counts only at a block start; elsewhere it is plain text. Block 0
+without a marker behaves as PDEP. Pad tokens are invisible: they take no logical position, are
+never fed as queries, and a block stores its valid (non-pad) tokens as a prefix of its slots.
+Generated tokens extend the last segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class PromptLayout:
+    is_pad: np.ndarray  # [N] bool
+    pos: np.ndarray  # [N] int32 logical position (pads: the next valid token's)
+    win: np.ndarray  # [N] int32 smallest logical position the token may attend
+    slot_off: np.ndarray  # [N] int32 slot of the token inside its block (valid tokens only)
+    block_valid: np.ndarray  # [NBp] int32 valid tokens per prompt block
+    block_pos_start: np.ndarray  # [NBp] int32 logical position of each block's first slot
+    span_block: np.ndarray  # [NBp] bool block lies in an SSEP span
+    span_start: np.ndarray  # [NBp] bool an SSEP span starts at this block
+    seg_start: np.ndarray  # [NBp] bool a segment (block 0, SSEP or PDEP) starts at this block
+    num_valid: int  # non-pad prompt tokens
+    last_win: int  # window start of the last segment (generated tokens inherit it)
+    last_valid_index: int  # index of the last non-pad prompt token
+    has_markers: bool
+
+
+def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | None,
+                 pdep_id: int | None, markers: bool = True) -> PromptLayout:
+    """Analyse a prompt (markers and pads already placed). `markers=False` treats all as text."""
+    t = np.asarray(tokens, dtype=np.int64)
+    n = t.shape[0]
+    nb = -(-n // block_size)
+    is_pad = (t == pad_id) if (markers and pad_id is not None) else np.zeros(n, bool)
+    valid = ~is_pad
+    before = np.cumsum(valid, dtype=np.int32) - valid  # valid tokens before each index
+    starts = np.arange(nb) * block_size
+    first = t[starts]
+    if markers:
+        is_ssep = first == ssep_id if ssep_id is not None else np.zeros(nb, bool)
+        is_pdep = first == pdep_id if pdep_id is not None else np.zeros(nb, bool)
+    else:
+        is_ssep = is_pdep = np.zeros(nb, bool)
+    seg_start = is_ssep | is_pdep
+    seg_start[0] = True
+    seg_id = np.cumsum(seg_start) - 1  # [NBp]
+    seg_first_block = np.flatnonzero(seg_start)
+    seg_span = is_ssep[seg_first_block]
+    span_block = seg_span[seg_id]
+    seg_win = np.where(seg_span, before[starts[seg_first_block]], 0).astype(np.int32)
+    blk = np.arange(n) // block_size
+    win = seg_win[seg_id[blk]]
+    block_pos_start = before[starts].astype(np.int32)
+    slot_off = (before - block_pos_start[blk]).astype(np.int32)
+    block_valid = np.add.reduceat(valid.astype(np.int32), starts) if n else np.zeros(0, np.int32)
+    valid_idx = np.flatnonzero(valid)
+    return PromptLayout(
+        is_pad=is_pad, pos=before.astype(np.int32), win=win.astype(np.int32), slot_off=slot_off,
+        block_valid=block_valid.astype(np.int32), block_pos_start=block_pos_start,
+        span_block=span_block, span_start=is_ssep & seg_start, seg_start=seg_start,
+        num_valid=int(valid.sum()), last_win=int(seg_win[-1]) if nb else 0,
+        last_valid_index=int(valid_idx[-1]) if valid_idx.size else -1,
+        has_markers=bool(is_ssep.any() or is_pdep.any()))

@@ -1,0 +1,293 @@
+"""The engine: add_request / step / has_unfinished over scheduler + block manager + runner.
+
+One `step()` = schedule (host) -> host-tier page moves -> one jitted device call -> advance
+frontiers, append sampled tokens, finish requests. Public so custom loops and Ray actors can
+drive it; `minipic_jax.LLM` is a thin batch wrapper over it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import jax
+import numpy as np
+
+from minipic_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from serving.block_manager import BlockManager
+from serving.config import Config, default_marker_ids
+from serving.hashing import make_hash_fn, root_hash
+from serving.layout import build_layout
+from serving.metrics import EngineStats
+from serving.model_runner import ModelRunner
+from serving.offload import HostKVTier, PageMover
+from serving.scheduler import Scheduler
+from serving.sequence import Sequence, Status
+
+
+def _kv_bytes_per_block(cache, num_blocks: int, block_size: int) -> int:
+    from serving.offload import page_leaf
+    return sum(x.nbytes for x in jax.tree.leaves(cache) if page_leaf(x, num_blocks, block_size)
+               ) // num_blocks
+
+
+class LLMEngine:
+    def __init__(self, loaded, config: Config, *, dtype, seed: int = 0):
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        mcfg = loaded.cfg
+        self.vocab_size = mcfg.vocab_size
+        self.hybrid = bool(getattr(loaded.family, "IS_HYBRID", False))
+        if self.hybrid and config.scheduling_policy == "isps":
+            config.scheduling_policy = "fcfs"
+        self.markers = resolve_markers(config, mcfg.vocab_size)
+        self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        num_blocks = config.num_kv_blocks or self._default_num_blocks(mcfg, dtype)
+        self.runner = ModelRunner(config, loaded, num_blocks, dtype)
+        self.num_blocks = num_blocks
+        self.bytes_per_block = _kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
+        self.offload = None
+        self._evicted: list[tuple[int, int, tuple]] = []
+        caching = config.enable_prefix_caching and not self.hybrid
+        if config.cpu_offload_gb > 0 and caching:
+            cap = int(config.cpu_offload_gb * (1 << 30)) // max(self.bytes_per_block, 1)
+            self.offload = HostKVTier(cap)
+            self.mover = PageMover(num_blocks, config.block_size)
+        self.bm = BlockManager(num_blocks, config.block_size, enable_caching=caching,
+                               on_evict=self._on_evict if self.offload else None)
+        hash_fn = make_hash_fn(config.hash_algo)
+        self.scheduler = Scheduler(config, self.bm, hash_fn, lambda s: root_hash(hash_fn, s),
+                                   offload=self.offload, hybrid=self.hybrid,
+                                   markers={"pad": self.markers["pad_token_id"],
+                                            "ssep": self.markers["ssep_token_id"],
+                                            "pdep": self.markers["pdep_token_id"]})
+        self.seed = seed
+        self._counter = itertools.count()
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+
+    # -- sizing --------------------------------------------------------------------------------
+    def _default_num_blocks(self, mcfg, dtype) -> int:
+        cfg = self.config
+        per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * np.dtype(dtype).itemsize
+        want = cfg.max_num_seqs * cfg.max_blocks_per_seq
+        try:
+            stats = jax.local_devices()[0].memory_stats() or {}
+        except Exception:  # noqa: BLE001 - CPU backends may not report memory
+            stats = {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] * cfg.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+            return max(2, int(free // (per_token * cfg.block_size)))
+        return max(2, min(want, 4096))
+
+    # -- requests ------------------------------------------------------------------------------
+    def validate(self, request_id, prompt_token_ids, sampling_params):
+        """Raise a ValueError naming the request for input the engine cannot run; returns the
+        prompt layout. Nothing is touched, so other requests are unaffected."""
+        cfg = self.config
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"request {request_id!r}: prompt token ids must be integers")
+        bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
+        if bad.size:
+            k = int(bad[0])
+            raise ValueError(f"request {request_id!r}: token id {ids[k]} at index {k} is outside "
+                             f"the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= cfg.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens is too long "
+                             f"for max_model_len={cfg.max_model_len} (it needs room for at "
+                             f"least one generated token)")
+        m = self.markers
+        layout = build_layout(ids, cfg.block_size, pad_id=m["pad_token_id"],
+                              ssep_id=m["ssep_token_id"], pdep_id=m["pdep_token_id"],
+                              markers=cfg.kv_mode != "pic_off")
+        if layout.num_valid == 0:
+            raise ValueError(f"request {request_id!r}: prompt holds only pad tokens "
+                             f"(pad_token_id={m['pad_token_id']})")
+        if cfg.kv_mode == "rotated" and layout.has_markers:
+            blk = int(np.flatnonzero(layout.seg_start[1:])[0]) + 1 if layout.seg_start[1:].any() else 0
+            raise ValueError(f"request {request_id!r}: SSEP/PDEP marker at token index "
+                             f"{blk * cfg.block_size} but kv_mode='rotated' cannot reuse spans at "
+                             f"other offsets; use kv_mode='position_free' or remove the markers")
+        max_tokens = sampling_params.max_tokens or cfg.max_model_len
+        total = min(len(ids) + max_tokens, cfg.max_model_len)
+        need = -(-total // cfg.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"request {request_id!r}: needs {need} KV blocks "
+                             f"({total} tokens / block_size {cfg.block_size}) but the pool has "
+                             f"only {self.num_blocks}; raise num_kv_blocks or lower max_tokens")
+        if sampling_params.logprobs is not None and sampling_params.logprobs > cfg.max_logprobs:
+            raise ValueError(f"request {request_id!r}: logprobs={sampling_params.logprobs} > "
+                             f"max_logprobs={cfg.max_logprobs}")
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r}: request id already in use")
+        return layout
+
+    def add_request(self, request_id, prompt_token_ids, sampling_params, *,
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    prompt: str | None = None) -> None:
+        """Queue one request (validated first; a bad one raises and changes nothing)."""
+        layout = self.validate(request_id, prompt_token_ids, sampling_params)
+        seed = sampling_params.seed
+        if seed is None:
+            seed = hash((self.seed, next(self._counter))) & 0x7FFFFFFF
+        seq = Sequence(request_id, prompt_token_ids, layout, sampling_params,
+                       self.config.block_size, seed=seed, cache_salt=cache_salt,
+                       arrival_time=arrival_time)
+        seq.prompt_text = prompt
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+            seq.status = Status.FINISHED
+        else:
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    has_unfinished_requests = has_unfinished
+
+    # -- offload -------------------------------------------------------------------------------
+    def _on_evict(self, block, h, confirm):
+        self._evicted.append((block, h, confirm))
+
+    def _move_pages(self):
+        if self._evicted:
+            blocks = [b for b, _, _ in self._evicted]
+            batch = self.mover.gather(self.runner.cache, blocks)
+            self.offload.pending.append(batch)
+            for row, (_, h, confirm) in enumerate(self._evicted):
+                self.offload.put(h, confirm, batch, row)
+            self._evicted = []
+        copy_in = self.scheduler.pending_copy_in
+        if copy_in:
+            sources = [self.offload.get(h) for _, h in copy_in]
+            self.runner.cache = self.mover.scatter(self.runner.cache, [b for b, _ in copy_in],
+                                                   sources)
+            self.scheduler.pending_copy_in = []
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        batch = sched.schedule()
+        if self.offload is not None:
+            self._move_pages()
+        if not batch:
+            if sched.has_unfinished():
+                raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
+                                   "for the waiting request?)")
+            return []
+        num_lp = 0
+        for e in batch:
+            if e.sample and e.seq.sampling_params.logprobs is not None:
+                num_lp = max(num_lp, e.seq.sampling_params.logprobs)
+        if num_lp:
+            num_lp = min(1 << (num_lp - 1).bit_length() if num_lp > 1 else 1,
+                         self.config.max_logprobs)
+        t1 = time.perf_counter()
+        out, t_wait = self._run(batch, num_lp)
+        t2 = time.perf_counter()
+        sched.advance(batch)
+        finished = self._postprocess(batch, out, num_lp)
+        if self.offload is not None:
+            self.offload.materialize()
+        t3 = time.perf_counter()
+        self.stats.record_step(batch, total=t3 - t0, device_wait=t_wait)
+        return finished
+
+    def _run(self, batch, num_lp):
+        tw = [0.0]
+        out = self.runner.run(batch, num_logprobs=num_lp, timer=tw)
+        return out, tw[0]
+
+    def _postprocess(self, batch, out, num_lp) -> list[RequestOutput]:
+        finished = []
+        now = time.time()
+        tokens = out["tokens"]
+        for i, e in enumerate(batch):
+            if not e.sample:
+                continue
+            seq = e.seq
+            sp = seq.sampling_params
+            tok = int(tokens[i])
+            if sp.logprobs is not None:
+                d = {tok: Logprob(float(out["logprob"][i]),
+                                  int(out["rank"][i]) if "rank" in out else None)}
+                if sp.logprobs:
+                    for r in range(sp.logprobs):
+                        tid = int(out["top_ids"][i, r])
+                        if tid not in d:
+                            d[tid] = Logprob(float(out["top_logprobs"][i, r]), r + 1)
+                seq.output_logprobs.append(d)
+            seq.cum_logprob = getattr(seq, "cum_logprob", 0.0) + float(out["logprob"][i])
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            n_out = seq.num_output_tokens
+            reason = None
+            if n_out >= sp.min_tokens and tok in sp.stop_token_ids:
+                reason, seq.stop_reason = "stop", tok
+            elif n_out >= sp.min_tokens and not sp.ignore_eos and tok in self.eos_ids:
+                reason = "stop"
+            elif sp.max_tokens is not None and n_out >= sp.max_tokens:
+                reason = "length"
+            elif len(seq) >= self.config.max_model_len:
+                reason = "length"
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                self.stats.record_finish(seq)
+                finished.append(self.make_output(seq))
+                self._seqs.pop(seq.request_id, None)
+        return finished
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        sp = seq.sampling_params
+        ids = seq.output_token_ids
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        lps = None
+        if sp.logprobs is not None:
+            lps = seq.output_logprobs
+            if self.tokenizer is not None:
+                for d in lps:
+                    for tid, lp in d.items():
+                        lp.decoded_token = self.tokenizer.decode([tid])
+        comp = CompletionOutput(0, text, list(ids), getattr(seq, "cum_logprob", None), lps,
+                                seq.finish_reason, seq.stop_reason)
+        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                                 seq.finished_time, seq.num_preemptions)
+        return RequestOutput(seq.request_id, getattr(seq, "prompt_text", None),
+                             list(seq.prompt_token_ids), [comp], seq.is_finished,
+                             seq.num_cached_tokens, metrics)
+
+    def get_stats(self) -> dict:
+        return self.stats.summary(self)
+
+
+def resolve_markers(config: Config, vocab_size: int) -> dict[str, int]:
+    """Family defaults filled in, then checked: distinct, inside the vocabulary."""
+    ids = default_marker_ids(vocab_size)
+    for k in ids:
+        if getattr(config, k) is not None:
+            ids[k] = getattr(config, k)
+    for k, v in ids.items():
+        if not 0 <= v < vocab_size:
+            raise ValueError(f"{k}={v} is outside the vocabulary [0, {vocab_size})")
+    if ids["ssep_token_id"] == ids["pad_token_id"] or ids["pdep_token_id"] == ids["pad_token_id"]:
+        raise ValueError(f"marker ids must differ from pad_token_id={ids['pad_token_id']}: "
+                         f"ssep_token_id={ids['ssep_token_id']}, pdep_token_id={ids['pdep_token_id']}")
+    if ids["ssep_token_id"] == ids["pdep_token_id"]:
+        raise ValueError(f"ssep_token_id and pdep_token_id must differ, both {ids['ssep_token_id']}")
+    return ids

@@ -1,0 +1,70 @@
+"""Sampling on device: greedy / temperature / top-k / top-p, per-row seeds, top-k logprobs.
+
+Static switches (few compile variants): `all_greedy` skips noise, `use_filter` enables the
+top-k/top-p sort, `num_logprobs` > 0 also returns the top logprobs of the raw distribution
+(vLLM's default: logprobs of the model's logits before temperature and filtering).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: jax.Array  # [S] float32 (0 = greedy)
+    top_k: jax.Array  # [S] int32 (0 = off)
+    top_p: jax.Array  # [S] float32 (1 = off)
+    seed: jax.Array  # [S] uint32 per-request seed
+    step: jax.Array  # [S] int32 index of the token being sampled within its request
+
+
+def sample(logits, sm: SamplingMetadata, *, all_greedy: bool, use_filter: bool,
+           num_logprobs: int):
+    """logits [S, V] float32 -> dict(tokens [S], logprob [S], top_ids [S, k], top_logprobs [S, k])."""
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+    if all_greedy:
+        tokens = greedy
+    else:
+        temp = jnp.where(sm.temperature > 0, sm.temperature, 1.0)[:, None]
+        scaled = logits / temp
+        if use_filter:
+            scaled = _top_k_top_p(scaled, sm.top_k, sm.top_p)
+
+        def noise(seed, step):
+            key = jax.random.fold_in(jax.random.key(seed), step)
+            return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
+
+        g = jax.vmap(noise)(sm.seed, sm.step)  # [S, V]
+        sampled = jnp.argmax(scaled + g, axis=-1).astype(jnp.int32)
+        tokens = jnp.where(sm.temperature > 0, sampled, greedy)
+    out = {"tokens": tokens,
+           "logprob": jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]}
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logp, num_logprobs)  # [S, k]
+        out["top_ids"] = top_ids.astype(jnp.int32)
+        out["top_logprobs"] = top_lp
+        # rank of the sampled token (1 = most likely), vLLM's Logprob.rank
+        out["rank"] = 1 + jnp.sum(logp > out["logprob"][:, None], axis=-1).astype(jnp.int32)
+    return out
+
+
+def _top_k_top_p(x, top_k, top_p):
+    """Mask logits outside each row's top-k and nucleus top-p set to -inf."""
+    vocab = x.shape[-1]
+    sorted_x = jnp.sort(x, axis=-1)[:, ::-1]  # [S, V] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)  # [S, 1]
+    probs = jax.nn.softmax(jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_x, -jnp.inf),
+                           axis=-1)
+    cum = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted entry
+    keep_sorted = cum < top_p[:, None]
+    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_x, (n_keep - 1)[:, None], axis=-1)
+    threshold = jnp.maximum(kth, pth)
+    return jnp.where(x >= threshold, x, -jnp.inf)

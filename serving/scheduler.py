@@ -1,0 +1,358 @@
+"""Continuous batching: what runs this step (decodes, prefill chunks, span prefills).
+
+Order of a step: decodes of running sequences (one token each; a sequence that needs a new block
+when none is free preempts the newest running one, which is recomputed later), then prefill
+chunks of running sequences, then admissions from the waiting queue (FCFS), all under
+`max_num_batched_tokens`. Policies:
+  * fcfs:    as above.
+  * barrier: a sequence may compute its final segment only when no running sequence still has
+             span (non-final) tokens to compute -- the paper's baseline.
+  * isps:    as fcfs, plus leftover budget prefills SSEP spans of *waiting* requests as span
+             jobs (position-free KV does not care where a span is computed), so their spans are
+             cache hits by the time they get a seat.
+A chunk walks a sequence's blocks in order: a ready cached block is skipped, a block another live
+sequence is still computing stalls the chunk (computed once), pads are skipped for free.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import dataclasses
+import time
+
+import numpy as np
+
+from serving.layout import build_layout
+from serving.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    token_idx: np.ndarray  # [n] int token indices fed as queries this step
+    new_computed: int  # frontier after the step
+    sample: bool  # the sequence's last token is computed: sample its next token
+    reset: bool  # recurrent state starts from zero
+
+
+class Scheduler:
+    def __init__(self, config, block_manager, hash_fn, root_hash_fn, *, offload=None,
+                 markers: dict | None = None, hybrid: bool = False):
+        self.cfg = config
+        self.bm = block_manager
+        self.hash_fn = hash_fn
+        self.root_hash_fn = root_hash_fn  # cache_salt -> h0
+        self.offload = offload
+        self.markers = markers or {}
+        self.hybrid = hybrid
+        self.caching = config.enable_prefix_caching and not hybrid
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.span_jobs: list[Sequence] = []
+        self.free_seats = list(range(config.max_num_seqs))[::-1]
+        self.free_span_seats = list(range(config.max_num_seqs, config.num_seats))[::-1]
+        self.pending_copy_in: list[tuple[int, int]] = []  # (block, host hash) for this step
+        self.num_preemptions = 0
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # -- queue --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.span_jobs)
+
+    # -- hashing and admission ----------------------------------------------------------------
+    def _hashes(self, seq: Sequence) -> list[int]:
+        if seq.block_hashes is None:
+            if not self.caching:
+                seq.block_hashes = []
+            else:
+                lay = seq.layout
+                seq.block_hashes = _block_keys(self.hash_fn, seq.prompt_token_ids, self.cfg.block_size,
+                                               lay, self.root_hash_fn(seq.cache_salt))
+        return seq.block_hashes
+
+    def _hit_limit(self, seq: Sequence) -> int:
+        """Blocks [0, limit) may be cache hits: full prompt blocks before the one holding the last
+        valid prompt token (at least one token is computed to produce logits)."""
+        last_blk = seq.layout.last_valid_index // self.cfg.block_size
+        return min(len(self._hashes(seq)), last_blk)
+
+    def _confirm(self, seq: Sequence, j: int) -> tuple:
+        b = self.cfg.block_size
+        return tuple(seq.prompt_token_ids[j * b:(j + 1) * b])
+
+    def _try_allocate(self, seq: Sequence, seats: list[int]) -> bool:
+        if not seats:
+            return False
+        bm, hashes, limit = self.bm, self._hashes(seq), self._hit_limit(seq)
+        plan = []  # (kind, block or hash) per logical block
+        need = 0
+        for j in range(seq.num_blocks_needed):
+            if j < limit:
+                b = bm.lookup(hashes[j], self._confirm(seq, j))
+                if b is not None:
+                    plan.append(("hit", b))
+                    need += bm.ref[b] == 0
+                    continue
+                if self.offload is not None and self.offload.contains(hashes[j]):
+                    plan.append(("host", None))
+                    need += 1
+                    continue
+            plan.append(("new", None))
+            need += 1
+        if need > bm.num_free - self.cfg.watermark_blocks * (not seq.is_span_job):
+            return False
+        for j, (kind, b) in enumerate(plan):
+            if kind == "hit":
+                bm.share(b)
+                seq.block_table.append(b)
+                if not seq.ever_admitted and j < len(hashes):
+                    seq.num_cached_tokens += self.cfg.block_size
+                continue
+            b = bm.allocate()
+            seq.block_table.append(b)
+            h = hashes[j] if j < len(hashes) else None
+            if kind == "host" and self.offload.contains(h):
+                bm.register(b, h, self._confirm(seq, j), seq.seq_id, ready=True)
+                if bm.hash[b] == h:
+                    self.pending_copy_in.append((b, h))
+                    if not seq.ever_admitted:
+                        seq.num_cached_tokens += self.cfg.block_size
+                    continue
+            seq.owned.add(j)
+            if h is not None:
+                bm.register(b, h, self._confirm(seq, j), seq.seq_id)
+        seq.seat = seats.pop()
+        seq.status = Status.RUNNING
+        seq.needs_reset = True
+        seq.ready_ptr = 0
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.time()
+        seq.ever_admitted = True
+        return True
+
+    def _free(self, seq: Sequence) -> None:
+        self.bm.release(seq.block_table, seq.seq_id)
+        seq.block_table = []
+        seq.owned = set()
+        if seq.seat >= 0:
+            (self.free_span_seats if seq.is_span_job else self.free_seats).append(seq.seat)
+        seq.seat = -1
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop blocks, keep the generated tokens."""
+        self._free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if seq.is_span_job:
+            self.span_jobs.remove(seq)
+        else:
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self._free(seq)
+        seq.status = Status.FINISHED
+        seq.finished_time = time.time()
+        if seq.is_span_job:
+            self.span_jobs.remove(seq)
+        else:
+            self.running.remove(seq)
+
+    # -- chunk planning -----------------------------------------------------------------------
+    def _plan_chunk(self, seq: Sequence, budget: int, stop_at: int | None = None):
+        """Token indices to compute next (at most `budget` valid ones), and the new frontier."""
+        bs, bm = self.cfg.block_size, self.bm
+        total = len(seq) if stop_at is None else min(stop_at, len(seq))
+        i, parts, n = seq.num_computed, [], 0
+        while i < total and n < budget:
+            j = i // bs
+            if j not in seq.owned:  # a shared (hit or waited-for) block, entered at its start
+                b = seq.block_table[j]
+                if bm.ready[b] or bm.hash[b] == -1:
+                    i = (j + 1) * bs
+                    continue
+                if bm.owner[b] != -1:
+                    break  # another sequence is computing it: wait
+                bm.owner[b] = seq.seq_id  # its owner went away: claim it
+                seq.owned.add(j)
+            end = min((j + 1) * bs, total)
+            idx = np.arange(i, end)
+            if i < seq.num_prompt_tokens:
+                idx = idx[~seq.layout.is_pad[np.minimum(idx, seq.num_prompt_tokens - 1)]
+                          | (idx >= seq.num_prompt_tokens)]
+            if idx.size > budget - n:
+                idx = idx[:budget - n]
+                end = int(idx[-1]) + 1
+                if end < seq.num_prompt_tokens:  # trailing pads of the block come for free
+                    rest = seq.layout.is_pad[end:min((j + 1) * bs, seq.num_prompt_tokens)]
+                    if rest.size and rest.all():
+                        end += rest.size
+            parts.append(idx)
+            n += idx.size
+            i = end
+        idx = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return idx, i
+
+    def _final_start(self, seq: Sequence) -> int:
+        """Token index where the final segment begins (0 if the prompt is one segment)."""
+        if not hasattr(seq, "_final_start"):
+            lay, bs = seq.layout, self.cfg.block_size
+            starts = np.flatnonzero(_segment_starts(lay))
+            seq._final_start = int(starts[-1]) * bs if starts.size else 0
+        return seq._final_start
+
+    def _entry(self, seq, idx, new_computed) -> ScheduledSeq:
+        sample = (not seq.is_span_job) and new_computed >= len(seq)
+        e = ScheduledSeq(seq, idx, new_computed, sample, seq.needs_reset)
+        return e
+
+    # -- the step -----------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        cfg, bm = self.cfg, self.bm
+        budget = cfg.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        self.pending_copy_in = []
+
+        # 1. decodes
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING or seq.is_prefilling:
+                continue
+            if not self._ensure_block(seq):
+                continue  # preempted itself
+            idx = np.array([len(seq) - 1])
+            batch.append(self._entry(seq, idx, len(seq)))
+            budget -= 1
+
+        # 2. running prefills
+        barrier_open = True
+        if cfg.scheduling_policy == "barrier":
+            barrier_open = not any(s.num_computed < self._final_start(s) for s in self.running)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.is_prefilling:
+                continue
+            stop = None if barrier_open else self._final_start(seq)
+            idx, new = self._plan_chunk(seq, budget, stop)
+            if new > seq.num_computed:
+                batch.append(self._entry(seq, idx, new))
+                budget -= idx.size
+
+        # 3. admissions
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if not self._try_allocate(seq, self.free_seats):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            stop = None
+            if cfg.scheduling_policy == "barrier" and (not barrier_open or any(
+                    s.num_computed < self._final_start(s) for s in self.running)):
+                stop = self._final_start(seq)
+            idx, new = self._plan_chunk(seq, budget, stop)
+            if new > seq.num_computed:
+                batch.append(self._entry(seq, idx, new))
+                budget -= idx.size
+
+        # 4. span jobs (isps): running ones first, then new ones for waiting requests
+        if cfg.scheduling_policy == "isps" and self.caching:
+            for job in self.span_jobs:
+                if budget <= 0:
+                    break
+                idx, new = self._plan_chunk(job, budget)
+                if new > job.num_computed:
+                    batch.append(self._entry(job, idx, new))
+                    budget -= idx.size
+            for seq in itertools.islice(self.waiting, 4 * cfg.max_num_seqs):
+                if budget <= 0 or not self.free_span_seats:
+                    break
+                for job in self._span_jobs_for(seq):
+                    if not self.free_span_seats or not self._try_allocate(job, self.free_span_seats):
+                        break
+                    self.span_jobs.append(job)
+                    idx, new = self._plan_chunk(job, budget)
+                    if new > job.num_computed:
+                        batch.append(self._entry(job, idx, new))
+                        budget -= idx.size
+        for e in batch:
+            self.query_tokens += e.token_idx.size
+        return batch
+
+    def _ensure_block(self, seq: Sequence) -> bool:
+        """Make room for the token at index len-1; preempt newest sequences if needed."""
+        need = (len(seq) - 1) // self.cfg.block_size + 1
+        while len(seq.block_table) < need:
+            if self.bm.num_free == 0:
+                victim = self.span_jobs[-1] if self.span_jobs else self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    return False
+                continue
+            seq.block_table.append(self.bm.allocate())
+            seq.owned.add(len(seq.block_table) - 1)
+        return True
+
+    def _span_jobs_for(self, seq: Sequence) -> list[Sequence]:
+        """Span-only prefill jobs for a waiting request's SSEP spans that nobody has cached or
+        is computing (each span job computes one span at offset 0)."""
+        if seq.ever_admitted or getattr(seq, "span_scanned", False):
+            return []
+        seq.span_scanned = True
+        lay, bs = seq.layout, self.cfg.block_size
+        hashes = self._hashes(seq)
+        limit = self._hit_limit(seq)
+        jobs, starts = [], np.flatnonzero(_segment_starts(lay))
+        for k, j0 in enumerate(starts):
+            j1 = int(starts[k + 1]) if k + 1 < len(starts) else len(lay.block_valid)
+            if not lay.span_start[j0] or j1 > limit:
+                continue
+            last = j1 - 1
+            if self.bm.lookup(hashes[last], self._confirm(seq, last)) is not None:
+                continue
+            if self.offload is not None and self.offload.contains(hashes[last]):
+                continue
+            toks = seq.prompt_token_ids[j0 * bs:j1 * bs]
+            job_layout = build_layout(toks, bs, pad_id=self.markers.get("pad"),
+                                      ssep_id=self.markers.get("ssep"),
+                                      pdep_id=self.markers.get("pdep"))
+            job = Sequence(f"span:{seq.request_id}:{j0}", toks, job_layout, None, bs, seed=0,
+                           cache_salt=seq.cache_salt, is_span_job=True)
+            job.block_hashes = hashes[j0:j1]
+            jobs.append(job)
+        return jobs
+
+    # -- after the step -----------------------------------------------------------------------
+    def advance(self, batch: list[ScheduledSeq]) -> None:
+        """Move frontiers, publish finished blocks, retire span jobs."""
+        bs, bm = self.cfg.block_size, self.bm
+        for e in batch:
+            seq = e.seq
+            if seq.status != Status.RUNNING:
+                continue
+            seq.num_computed = e.new_computed
+            seq.needs_reset = False
+            j = seq.ready_ptr
+            while (j + 1) * bs <= seq.num_computed and j < len(seq.block_table):
+                b = seq.block_table[j]
+                if j in seq.owned and bm.is_pending(b) and bm.owner[b] == seq.seq_id:
+                    bm.mark_ready(b)
+                j += 1
+            seq.ready_ptr = j
+            if seq.is_span_job and seq.num_computed >= len(seq):
+                self.finish(seq)
+
+
+def _segment_starts(lay) -> np.ndarray:
+    return lay.seg_start
+
+
+def _block_keys(hash_fn, tokens, block_size, lay, h0):
+    from serving.hashing import block_keys
+    return block_keys(hash_fn, tokens, block_size, lay.span_block, lay.span_start, h0)

@@ -1,0 +1,113 @@
+"""One request as the engine sees it: tokens, layout, blocks, progress, timing."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import numpy as np
+
+from serving.layout import PromptLayout
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Prompt + generated tokens. `num_computed` is a token index (pads included): every token
+    before it has its K/V in the cache (computed here, or a ready cache hit)."""
+
+    def __init__(self, request_id, prompt_token_ids, layout: PromptLayout, sampling_params,
+                 block_size: int, *, seed: int, cache_salt: str | None = None,
+                 is_span_job: bool = False, arrival_time: float | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.layout = layout
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.seed = seed
+        self.cache_salt = cache_salt
+        self.is_span_job = is_span_job
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] | None = None  # full prompt blocks, computed once
+        self.num_computed = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the cache (first admission)
+        self.owned: set[int] = set()  # blocks this sequence computes (and publishes)
+        self.seat = -1  # batch row / recurrent-state slot while running
+        self.needs_reset = True  # recurrent state starts from zero on the next chunk
+        self.ever_admitted = False
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+        self.output_logprobs: list = []
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.num_preemptions = 0
+        # Block-level layout over all tokens (prompt blocks, then generated ones).
+        self.block_valid = list(layout.block_valid)
+        self.block_pos_start = list(layout.block_pos_start)
+        self.num_valid = layout.num_valid
+
+    # -- sizes ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks_needed(self) -> int:
+        return -(-len(self.token_ids) // self.block_size)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < len(self.token_ids) - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append_token(self, token: int) -> None:
+        """A generated token: always valid, takes the next logical position, extends the last
+        segment (its window start is the layout's last_win)."""
+        blk = len(self.token_ids) // self.block_size
+        if blk == len(self.block_valid):
+            self.block_valid.append(0)
+            self.block_pos_start.append(self.num_valid)
+        self.block_valid[blk] += 1
+        self.token_ids.append(token)
+        self.num_valid += 1
+
+    # -- per-token geometry for a range of token indices ----------------------------------------
+    def geometry(self, idx: np.ndarray):
+        """idx [n] token indices -> (pos, win, slot_off, is_pad), each [n]."""
+        lay, n_p = self.layout, self.num_prompt_tokens
+        if idx.size and idx[-1] < n_p:
+            return lay.pos[idx], lay.win[idx], lay.slot_off[idx], lay.is_pad[idx]
+        gen = idx >= n_p
+        pi = np.minimum(idx, max(n_p - 1, 0))
+        pos = np.where(gen, lay.num_valid + (idx - n_p), lay.pos[pi])
+        win = np.where(gen, lay.last_win, lay.win[pi])
+        blk = idx // self.block_size
+        bps = np.asarray(self.block_pos_start, np.int32)[blk]
+        slot = np.where(gen, pos - bps, lay.slot_off[pi])
+        pad = np.where(gen, False, lay.is_pad[pi])
+        return (pos.astype(np.int32), win.astype(np.int32), slot.astype(np.int32),
+                pad.astype(bool))
