@@ -1,0 +1,98 @@
+"""Histogram estimators, the replan rule, and the robustness bound on random instances."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner import (DecayingHistogram, EmpiricalHistogram, Replanner, expected_recompute,
+                     max_gap, place, regret_bound, tv_distance)
+
+
+def test_empirical_histogram_matches_counts():
+    rng = np.random.default_rng()
+    n = 50
+    depths = rng.integers(0, n + 1, size=333)
+    h = EmpiricalHistogram(n, smoothing=0.25)
+    h.observe(depths[:100])
+    h.observe(depths[100:].tolist())
+    counts = np.array([(depths == t).sum() for t in range(n + 1)], dtype=float)
+    assert np.allclose(h.pmf(), (counts + 0.25) / (333 + 0.25 * (n + 1)))
+    assert h.total == 333
+
+
+def test_decaying_histogram_matches_direct_weights():
+    rng = np.random.default_rng()
+    n, half_life = 20, 7.0
+    depths = rng.integers(0, n + 1, size=3000)  # long enough to cross the internal rescale
+    h = DecayingHistogram(n, half_life=half_life, smoothing=0.1)
+    for part in np.array_split(depths, [1, 2, 50, 1700]):
+        h.observe(part)
+    age = np.arange(depths.size)[::-1]  # last observation has age 0
+    w = 0.5 ** (age / half_life)
+    want = np.bincount(depths, weights=w, minlength=n + 1) + 0.1
+    assert np.allclose(h.pmf(), want / want.sum(), rtol=1e-9)
+    assert h.total == pytest.approx(w.sum(), rel=1e-9)
+
+
+def test_estimator_errors():
+    with pytest.raises(ValueError, match=r"depth \[1\] = 11 is outside 0\.\.N = 0\.\.10"):
+        EmpiricalHistogram(10).observe([3, 11])
+    with pytest.raises(ValueError, match="integers"):
+        EmpiricalHistogram(10).observe([1.5])
+    with pytest.raises(ValueError, match="undefined"):
+        EmpiricalHistogram(10, smoothing=0).pmf()
+    with pytest.raises(ValueError, match="half_life"):
+        DecayingHistogram(10, half_life=0)
+    with pytest.raises(ValueError, match="different depth ranges"):
+        tv_distance([1, 1], [1, 1, 1])
+    with pytest.raises(ValueError, match="tv must be"):
+        regret_bound(1.5, [], 10)
+
+
+def test_tv_distance():
+    rng = np.random.default_rng()
+    p, q = rng.random(30), rng.random(30)
+    want = 0.5 * sum(abs(a / p.sum() - b / q.sum()) for a, b in zip(p, q))
+    assert tv_distance(p, q) == pytest.approx(want)
+    assert tv_distance(p, 3 * p) == pytest.approx(0.0)
+
+
+def test_replanner_every_k_and_on_drift():
+    rng = np.random.default_rng()
+    n = 200
+    shallow = lambda k: rng.integers(0, 40, size=k)  # noqa: E731
+    deep = lambda k: rng.integers(160, n + 1, size=k)  # noqa: E731
+    est = DecayingHistogram(n, half_life=50, smoothing=0.01)
+    est.observe(shallow(500))
+    rp = Replanner(est, budget=4, every=10_000, tv_threshold=0.3)
+    assert rp.replans == 1 and np.all(rp.positions < 40)
+    for _ in range(5):  # same distribution: no replan
+        assert not rp.observe(shallow(20))
+    fired = [rp.observe(deep(10)) for _ in range(30)]
+    assert any(fired) and rp.replans >= 2
+    assert np.all(rp.positions >= 160)  # the new plan follows the new traffic
+    assert rp.drift() <= 0.3  # after any observe: just replanned, or still within the threshold
+    rp2 = Replanner(EmpiricalHistogram(n), budget=2, every=25, tv_threshold=1.0)
+    fired = [rp2.observe(shallow(5)) for _ in range(10)]
+    assert fired == [False, False, False, False, True] * 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 120), budget=st.integers(0, 10), seed=st.integers(0, 2**32 - 1),
+       mix=st.floats(0.0, 1.0))
+def test_robustness_bound_holds(n, budget, seed, mix):
+    rng = np.random.default_rng(seed)
+    p = rng.gamma(0.3, size=n + 1) + 1e-12
+    p /= p.sum()
+    other = rng.gamma(0.3, size=n + 1) + 1e-12
+    q = (1 - mix) * p + mix * other / other.sum()  # an estimate at a controlled distance
+    tv = tv_distance(p, q)
+    c_p, c_q = place(p, budget), place(q, budget)
+    regret = expected_recompute(p, c_q) - expected_recompute(p, c_p)
+    assert regret >= -1e-12
+    assert regret <= tv * (max_gap(c_q, n) + max_gap(c_p, n)) + 1e-12
+    assert regret <= regret_bound(tv, c_q, n) + 1e-12 <= 2 * n * tv + 2e-12
+    # the per-placement step of the proof: |E_p[C] - E_q[C]| <= TV * G(C)
+    gap = abs(expected_recompute(p, c_q) - expected_recompute(q, c_q))
+    assert gap <= tv * max_gap(c_q, n) + 1e-12
