@@ -1,0 +1,146 @@
+"""Gated delta rule over a ragged batch (flat token stream, several sequences, per-sequence state).
+
+Prefill packs the tokens into chunks: sequence s starts a fresh chunk and is shifted right by
+`pos0[s] % C` no-op tokens (g = 0, beta = 0, k = q = v = 0: the state passes through unchanged), so
+chunk boundaries fall on multiples of C of each sequence's *own* position. A state checkpoint at an
+aligned position c is then computed by exactly the operations of a prefill that stopped at c.
+Static bound on packed chunks: ceil(T / C) + 2 S. One state scan runs over all packed chunks and
+restarts from the sequence's initial state at its first chunk.
+
+When no sequence has more than one token (decode), a lax.cond takes the one-step recurrence
+instead (no chunk padding).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.gated_delta import chunked
+
+
+def _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks):
+    """Where each token and chunk goes. Returns dict of int32 arrays (see ragged_prefill)."""
+    seqs = cu_q_lens.shape[0] - 1
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+    shift = jnp.where(lens > 0, pos0 % chunk, 0)  # [S]
+    n_ch = (shift + lens + chunk - 1) // chunk  # [S] chunks of each sequence
+    first = jnp.cumsum(n_ch) - n_ch  # [S] first packed chunk of each sequence
+    rows = jnp.arange(n_tokens, dtype=jnp.int32)
+    seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, seqs - 1)
+    valid = rows < cu_q_lens[-1]
+    dest = first[seq_of_row] * chunk + shift[seq_of_row] + rows - cu_q_lens[seq_of_row]
+    dest = jnp.where(valid, dest, n_chunks * chunk)  # out of range -> dropped
+    chunk_ids = jnp.arange(n_chunks, dtype=jnp.int32)
+    seq_of_chunk = jnp.clip(jnp.searchsorted(first + n_ch, chunk_ids, side="right"), 0, seqs - 1)
+    restart = (chunk_ids == first[seq_of_chunk]) & (n_ch[seq_of_chunk] > 0)
+    return dict(lens=lens, shift=shift, n_ch=n_ch, first=first, dest=dest,
+                seq_of_chunk=seq_of_chunk, restart=restart)
+
+
+def _pack(x, dest, size):
+    """x [T, ...] -> [size, ...] zeros except rows dest (out-of-range dest dropped)."""
+    buf = jnp.zeros((size,) + x.shape[1:], x.dtype)
+    return buf.at[dest].set(x, mode="drop")
+
+
+def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0):
+    """lax.scan over packed chunks; at a restart chunk the carry is replaced by state0[seq].
+
+    w, kd [1, H, NC, C, Dk], u [1, H, NC, C, Dv], decay_last [1, H, NC], state0 [S, H, Dk, Dv].
+    Returns v_new [1, H, NC, C, Dv], entering [NC, H, Dk, Dv] (state entering each chunk),
+    before [NC + 1, H, Dk, Dv] (the carry before any restart substitution: state at the end of
+    chunk c - 1; entry NC is the end of the last chunk).
+    """
+    def step(s, xs):
+        w_c, u_c, kd_c, dl_c, rs_c, sq_c = xs
+        s = jnp.where(rs_c, state0[sq_c], s)
+        v_new = u_c - jnp.einsum("hcd,hde->hce", w_c, s)
+        s_next = s * dl_c[:, None, None] + jnp.einsum("hcd,hce->hde", kd_c, v_new)
+        return s_next, (v_new, s, s_next)
+
+    xs = tuple(jnp.moveaxis(x[0], 1, 0) for x in (w, u, kd, decay_last)) + (restart, seq_of_chunk)
+    init = jnp.zeros(state0.shape[1:], jnp.float32)
+    _, (v_new, entering, ends) = jax.lax.scan(step, init, xs)
+    before = jnp.concatenate([init[None], ends], axis=0)
+    return jnp.moveaxis(v_new, 0, 1)[None], entering, before
+
+
+def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, scale=None,
+                   chunk=64):
+    """Chunked gated delta rule for a flat ragged batch.
+
+    Args:
+      q, k: [T, Hk, Dk] (L2-normalised); v: [T, Hv, Dv]; g, beta: [T, Hv].
+      cu_q_lens: [S+1] int32 row offsets of each sequence (rows past cu_q_lens[-1] are padding).
+      pos0: [S] int32 position (tokens already in the state) of each sequence's first new token.
+      state0: [S, Hv, Dk, Dv] float32 state of each sequence before its new tokens.
+      checkpoint_at: None or [S, M] int32 absolute positions (multiples of chunk, within
+        [pos0, pos0 + len]) whose states to return; -1 = none (returns state0 there).
+    Returns:
+      out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None.
+    """
+    n_tokens, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    seqs = cu_q_lens.shape[0] - 1
+    scale = dk ** -0.5 if scale is None else scale
+    n_chunks = -(-n_tokens // chunk) + 2 * seqs
+    pk = _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks)
+    f32 = jnp.float32
+    if hv != hk:
+        q = jnp.repeat(q, hv // hk, axis=1)
+        k = jnp.repeat(k, hv // hk, axis=1)
+    size = n_chunks * chunk
+    packed = [_pack(x.astype(f32), pk["dest"], size)[None] for x in (q, k, v, g, beta)]
+    qc, kc, vc, gc, bc = (chunked.to_chunks(x, chunk) for x in packed)  # [1, H, NC, C, ...]
+    parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
+    v_new, entering, before = _restart_scan(parts["w"], parts["u"], parts["kd"],
+                                            parts["decay_last"], pk["restart"],
+                                            pk["seq_of_chunk"], state0.astype(f32))
+    out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
+                               jnp.moveaxis(entering, 0, 1)[None])
+    out = chunked.from_chunks(out)[0]  # [NC * C, Hv, Dv]
+    out = jnp.take(out, pk["dest"], axis=0, mode="fill", fill_value=0.0)  # [T, Hv, Dv]
+    has = pk["lens"] > 0
+    final = jnp.where(has[:, None, None, None], before[pk["first"] + pk["n_ch"]], state0)
+    ckpt = None
+    if checkpoint_at is not None:
+        rel = checkpoint_at - pos0[:, None] + pk["shift"][:, None]  # [S, M] packed offset
+        bound = pk["first"][:, None] + rel // chunk  # boundary index into `before`
+        use = (checkpoint_at >= 0) & (rel > 0) & has[:, None]
+        bound = jnp.clip(jnp.where(use, bound, 0), 0, n_chunks)
+        ckpt = jnp.where(use[..., None, None, None], before[bound], state0[:, None])
+    return out, final, ckpt
+
+
+def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None,
+                       scale=None, chunk=64):
+    """`ragged_prefill`, or the one-step recurrence when every sequence has <= 1 token (same
+    contract; checkpoints, if asked, are then the state0 / final state as positions say)."""
+    seqs = cu_q_lens.shape[0] - 1
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    dk = k.shape[-1]
+    scale_ = dk ** -0.5 if scale is None else scale
+
+    def decode(ops):
+        q_, k_, v_, g_, b_, s0 = ops
+        rows = jnp.clip(cu_q_lens[:-1], 0, q_.shape[0] - 1)  # [S] the one row of each sequence
+        out_s, new = chunked.recurrent_step(q_[rows], k_[rows], v_[rows], g_[rows], b_[rows], s0,
+                                            scale=scale_)
+        has = lens > 0
+        new = jnp.where(has[:, None, None, None], new, s0)
+        dest = jnp.where(has, rows, q_.shape[0])
+        out = jnp.zeros(v_.shape, jnp.float32).at[dest].set(out_s, mode="drop")
+        ckpt = None
+        if checkpoint_at is not None:
+            after = (checkpoint_at == (pos0 + lens)[:, None]) & has[:, None]
+            ckpt = jnp.where(after[..., None, None, None], new[:, None], s0[:, None])
+        return out, new, ckpt
+
+    def prefill(ops):
+        return ragged_prefill(*ops[:5], cu_q_lens, pos0, ops[5], checkpoint_at=checkpoint_at,
+                              scale=scale, chunk=chunk)
+
+    ops = (q, k, v, g, beta, state0.astype(jnp.float32))
+    del seqs
+    return jax.lax.cond(jnp.max(lens) <= 1, decode, prefill, ops)
