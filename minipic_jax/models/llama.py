@@ -169,7 +169,7 @@ def init_from_shapes(shapes, key, dtype):
     normal(0, 0.02). Deterministic in `key`."""
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
     total = sum(int(np.prod(s)) for s in leaves)
-    if total <= _NUMPY_INIT_MAX:
+    if total <= _NUMPY_INIT_MAX and not isinstance(key, jax.core.Tracer):  # eval_shape traces
         rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
         out = [jnp.ones(s, dtype) if len(s) == 1 else
                jnp.asarray(0.02 * rng.standard_normal(s, np.float32), dtype) for s in leaves]

@@ -89,9 +89,11 @@ def jitted_forward(family):
 
 
 def prefill_logits(family, params, cfg, prompts, *, page_size: int = 4, kv_mode="position_free",
-                   dtype=jnp.float32, seed: int = 0):
-    """All prompts in ONE ragged call; returns per-prompt logits [Lp, V] (numpy float32)."""
-    pager = SimplePager(len(prompts), max(len(p) for p in prompts), page_size, seed)
+                   dtype=jnp.float32, seed: int = 0, max_len: int | None = None):
+    """All prompts in ONE ragged call; returns per-prompt logits [Lp, V] (numpy float32).
+
+    max_len (default: the longest prompt) sizes the block tables; fix it to share compiles."""
+    pager = SimplePager(len(prompts), max_len or max(len(p) for p in prompts), page_size, seed)
     cache = family.init_cache(cfg, pager.num_pages, page_size, len(prompts), dtype)
     md, _, total = pager.step([len(p) for p in prompts])
     tokens = np.zeros(md.num_tokens, np.int32)
@@ -105,7 +107,7 @@ def prefill_logits(family, params, cfg, prompts, *, page_size: int = 4, kv_mode=
 
 def greedy_generate(family, params, cfg, prompts, max_new_tokens: int, *, page_size: int = 4,
                     kv_mode="position_free", dtype=jnp.float32, stop_on_eos: bool = True,
-                    seed: int = 0):
+                    seed: int = 0, max_len: int | None = None):
     """Greedy decoding through the paged cache: one ragged prefill, then batched decode steps.
 
     Returns (tokens, step_logits): per prompt the generated ids, and per prompt a list of the
@@ -113,7 +115,8 @@ def greedy_generate(family, params, cfg, prompts, max_new_tokens: int, *, page_s
     cfg.eos_token_ids stops (when stop_on_eos) and sits idle in later steps.
     """
     n = len(prompts)
-    pager = SimplePager(n, max(len(p) for p in prompts) + max_new_tokens, page_size, seed)
+    pager = SimplePager(n, max_len or max(len(p) for p in prompts) + max_new_tokens, page_size,
+                        seed)
     cache = family.init_cache(cfg, pager.num_pages, page_size, n, dtype)
     fwd = jitted_forward(family)
     out = [[] for _ in range(n)]
