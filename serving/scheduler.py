@@ -127,6 +127,7 @@ class Scheduler:
             if h is not None:
                 bm.register(b, h, self._confirm(seq, j), seq.seq_id)
         seq.seat = seats.pop()
+        seq.synced_blocks = 0  # the runner's host block-table row for this seat is stale
         seq.status = Status.RUNNING
         seq.needs_reset = True
         seq.ready_ptr = 0
