@@ -16,8 +16,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
+from kernels_pallas.paged_attention.triton_ragged import ragged_paged_attention_triton
 from kernels_pallas.rope import apply_rope
 
 KV_MODES = ("position_free", "rotated")
@@ -46,7 +48,7 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
 def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, *,
                     kv_mode: str = "position_free", attention_scaling: float = 1.0,
                     sm_scale: float | None = None, implementation: str | None = None,
-                    interpret: bool = False):
+                    interpret: bool = False, kernel_options: dict | None = None):
     """Causal, window-limited attention of a ragged batch over a paged cache.
 
     Args:
@@ -57,19 +59,58 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       kv_mode: "position_free" (keys stored unrotated, rotated here) or "rotated".
       attention_scaling: RoPE cos/sin scale (1.0 for default, llama3 and linear scaling).
       sm_scale: softmax scale, default 1/sqrt(D).
-      implementation: None (best available), "xla", or a kernel name.
+      implementation: None (the Pallas kernel on GPU when its shape limits allow, else XLA),
+        "xla", or "triton" (Pallas, Triton lowering; runs on CPU with interpret=True).
       interpret: run Pallas kernels in interpret mode (CPU).
+      kernel_options: optional dict of tile sizes for the Pallas kernel (block_q, block_k,
+        num_warps, num_stages).
     Returns:
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
     """
     _validate(q, k_pages, v_pages, metadata, inv_freq, kv_mode)
+    _validate_values(q, k_pages, metadata)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
-    if implementation in (None, "xla"):
+    options = dict(kernel_options or {})
+    if implementation is None:
+        on_gpu = jax.default_backend() == "gpu"
+        fits = not _triton_limits(q, k_pages, inv_freq, options.get("block_k", 64))
+        implementation = "triton" if (on_gpu or interpret) and fits else "xla"
+    if implementation == "xla":
         return _xla_paged_attention(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
                                     attention_scaling=attention_scaling, sm_scale=sm_scale)
+    if implementation == "triton":
+        problem = _triton_limits(q, k_pages, inv_freq, options.get("block_k", 64))
+        if problem:
+            raise ValueError(f"paged_attention: implementation='triton' {problem}")
+        q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
+        return ragged_paged_attention_triton(
+            q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
+            attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret,
+            **options)
     raise ValueError(f"paged_attention: unknown implementation {implementation!r}")
+
+
+def _is_pow2(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+def _triton_limits(q, k_pages, inv_freq, block_k):
+    """Why the Triton kernel cannot take these shapes ('' when it can): Triton tiles are powers of 2."""
+    head_dim, page_size, half = q.shape[-1], k_pages.shape[1], inv_freq.shape[-1]
+    if not _is_pow2(head_dim) or head_dim < 16:
+        return f"needs a power-of-2 head_dim >= 16, got {head_dim}"
+    if half and not _is_pow2(half):
+        return f"needs a power-of-2 rotary half-dim, got {half}"
+    if not _is_pow2(block_k) or block_k % page_size or block_k < 16:
+        return f"needs block_k (power of 2, >= 16) to be a multiple of page size {page_size}"
+    return ""
+
+
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+_INT_FIELDS = ("q_positions", "q_window_start", "q_seq", "cu_q_lens", "num_blocks", "block_tables",
+               "block_pos_start", "block_num_valid", "slot_mapping")
 
 
 def _validate(q, k_pages, v_pages, md, inv_freq, kv_mode):
@@ -99,6 +140,47 @@ def _validate(q, k_pages, v_pages, md, inv_freq, kv_mode):
                              f"{md.block_tables.shape}, got {getattr(md, name).shape}")
     if md.cu_q_lens.shape != (seqs + 1,) or md.num_blocks.shape != (seqs,):
         raise ValueError(f"paged_attention: cu_q_lens must be [{seqs + 1}] and num_blocks [{seqs}]")
+    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if x.dtype not in _FLOATS:
+            raise ValueError(f"paged_attention: {name} dtype must be float32/bfloat16/float16, "
+                             f"got {x.dtype}")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"paged_attention: k_pages {k_pages.dtype} != v_pages {v_pages.dtype}")
+    if not jnp.issubdtype(inv_freq.dtype, jnp.floating):
+        raise ValueError(f"paged_attention: inv_freq must be floating, got {inv_freq.dtype}")
+    for name in _INT_FIELDS:
+        if getattr(md, name).dtype != jnp.int32:
+            raise ValueError(f"paged_attention: metadata.{name} must be int32, "
+                             f"got {getattr(md, name).dtype}")
+
+
+def _validate_values(q, k_pages, md):
+    """Data-dependent checks; they need concrete arrays, so they are skipped under jit (tracers)."""
+    fields = (md.cu_q_lens, md.num_blocks, md.block_tables, md.block_num_valid)
+    if any(isinstance(x, jax.core.Tracer) for x in fields):
+        return
+    cu, nb, tables, n_valid = (np.asarray(x) for x in fields)
+    num_pages, page_size = k_pages.shape[:2]
+    max_blocks = tables.shape[1]
+    if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] > q.shape[0]:
+        raise ValueError(f"paged_attention: cu_q_lens must rise from 0 to at most {q.shape[0]} "
+                         f"tokens, got {cu.tolist()}")
+    bad = np.flatnonzero((nb < 0) | (nb > max_blocks))
+    if bad.size:
+        s = int(bad[0])
+        raise ValueError(f"paged_attention: sequence {s} uses {int(nb[s])} blocks, table holds "
+                         f"{max_blocks}")
+    in_use = np.arange(max_blocks)[None, :] < nb[:, None]
+    bad = np.argwhere(in_use & ((tables < 0) | (tables >= num_pages)))
+    if bad.size:
+        s, b = (int(i) for i in bad[0])
+        raise ValueError(f"paged_attention: block_tables[{s}, {b}] = {int(tables[s, b])} is "
+                         f"outside the pool [0, {num_pages})")
+    bad = np.argwhere(in_use & ((n_valid < 0) | (n_valid > page_size)))
+    if bad.size:
+        s, b = (int(i) for i in bad[0])
+        raise ValueError(f"paged_attention: block_num_valid[{s}, {b}] = {int(n_valid[s, b])} "
+                         f"not in [0, {page_size}]")
 
 
 @functools.partial(jax.named_call, name="xla_paged_attention")

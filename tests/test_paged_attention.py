@@ -1,0 +1,178 @@
+"""Paged attention (Pallas kernel in interpret mode, and the XLA fallback) vs the numpy reference.
+
+On CPU the Pallas kernel runs through the Pallas interpreter (`interpret=True`); on a GPU machine
+set MINIPIC_COMPILED=1 to run the same cases compiled.
+"""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kernels_pallas.paged_attention.api import paged_attention, write_kv
+from kernels_pallas.paged_attention.random_inputs import inv_freq_for, random_batch
+from kernels_pallas.paged_attention.reference import (paged_attention_reference,
+                                                     rotate_keys_reference)
+from kernels_pallas.paged_attention.triton_ragged import ragged_paged_attention_triton
+from kernels_pallas.rope import apply_rope
+
+INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+# (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv_mode, specs)
+MIXED = [(9, 5, 0), (0, 1, 0), (21, 1, 6), (3, 7, 2), (0, 12, 0)]
+DECODE = [(13, 1, 0), (30, 1, 9), (5, 1, 0), (1, 1, 1)]
+CASES = [
+    (jnp.float32, 2, 1, 64, 64, 4, "position_free", MIXED),
+    (jnp.float32, 1, 4, 128, 32, 8, "position_free", MIXED),
+    (jnp.bfloat16, 1, 8, 256, 64, 4, "position_free", MIXED),
+    (jnp.float32, 2, 4, 64, 16, 4, "position_free", DECODE),
+    (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", DECODE),
+    (jnp.float32, 1, 4, 64, 64, 4, "rotated", MIXED),
+]
+
+
+def _inputs(seed, dtype, kv_heads, group, head_dim, rotary_dim, page_size, specs, pad_tokens=2,
+            share=True):
+    rng = np.random.default_rng(seed)
+    md, num_pages, tokens = random_batch(rng, specs, page_size=page_size, pad_prob=0.4,
+                                         share=share, pad_tokens=pad_tokens)
+    heads = kv_heads * group
+    q = jnp.asarray(rng.standard_normal((tokens, heads, head_dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((num_pages, page_size, kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((num_pages, page_size, kv_heads, head_dim)), dtype)
+    return q, k, v, md, jnp.asarray(inv_freq_for(head_dim, rotary_dim))
+
+
+def _rel_l2(out, ref):
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _check(out, ref, md, dtype):
+    n = int(md.cu_q_lens[-1])
+    out = np.asarray(out).astype(np.float64)[:n]
+    assert np.all(np.isfinite(out)), "kernel left rows unwritten (NaN poison survived)"
+    err = _rel_l2(out, ref[:n])
+    assert err < TOL[dtype], f"relative L2 error {err:.2e} >= {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{jnp.dtype(c[0]).name}-K{c[1]}G{c[2]}"
+                         f"-D{c[3]}R{c[4]}-B{c[5]}-{c[6]}-{len(c[7])}seq")
+def test_kernel_matches_reference_poisoned(case):
+    dtype, kv_heads, group, head_dim, rot, page_size, kv_mode, specs = case
+    q, k, v, md, inv = _inputs(1, dtype, kv_heads, group, head_dim, rot, page_size, specs)
+    ref = paged_attention_reference(q, k, v, md, inv, kv_mode=kv_mode)
+    q_rot = apply_rope(q, md.q_positions, inv)
+    tokens, heads, _ = q.shape
+    for block_q in (None, 1):
+        bq = block_q or (max(1, 16 // group) if tokens <= md.num_seqs else max(1, 64 // group))
+        poison = jnp.full(((tokens + bq) * heads, head_dim), jnp.nan, dtype)
+        out = ragged_paged_attention_triton(
+            q_rot, k, v, md, inv, rotate_keys=kv_mode == "position_free", attention_scaling=1.0,
+            sm_scale=head_dim ** -0.5, block_q=bq, block_k=max(16, page_size),
+            out=poison, interpret=INTERPRET)
+        _check(out, ref, md, dtype)
+        assert np.all(np.isnan(np.asarray(out, np.float32)[int(md.cu_q_lens[-1]):])), \
+            "kernel wrote rows that belong to no sequence"
+
+
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+def test_api_matches_reference(implementation):
+    dtype, kv_heads, group, head_dim, rot, page_size, kv_mode, specs = CASES[1]
+    q, k, v, md, inv = _inputs(2, dtype, kv_heads, group, head_dim, rot, page_size, specs)
+    out = paged_attention(q, k, v, md, inv, kv_mode=kv_mode, implementation=implementation,
+                          interpret=INTERPRET, kernel_options={"block_k": 16})
+    _check(out, paged_attention_reference(q, k, v, md, inv, kv_mode=kv_mode), md, dtype)
+
+
+def test_api_under_jit_and_attention_scaling():
+    dtype, kv_heads, group, head_dim, rot, page_size, _, specs = CASES[0]
+    q, k, v, md, inv = _inputs(3, dtype, kv_heads, group, head_dim, rot, page_size, specs)
+    fn = jax.jit(lambda q, k, v, md: paged_attention(
+        q, k, v, md, inv, attention_scaling=0.8, sm_scale=0.3, implementation="triton",
+        interpret=INTERPRET, kernel_options={"block_k": 16}))
+    ref = paged_attention_reference(q, k, v, md, inv, attention_scaling=0.8, sm_scale=0.3)
+    _check(fn(q, k, v, md), ref, md, dtype)
+
+
+@settings(max_examples=8, deadline=None)
+@given(offset=st.integers(0, 200_000), seed=st.integers(0, 2**31 - 1))
+def test_rotation_at_read_equals_classic_path(offset, seed):
+    """Keys stored unrotated + rotated at read == keys rotated before caching, at any offset."""
+    q, k, v, md, inv = _inputs(seed, jnp.float32, 1, 4, 64, 32, 4, [(10, 3, 0), (6, 1, 2)],
+                               share=False)
+    md = _replace(md, q_positions=md.q_positions + offset,
+                  q_window_start=md.q_window_start + offset,
+                  block_pos_start=md.block_pos_start + offset)
+    # The classic path: every stored key rotated by its logical position before the cache write.
+    tables, starts = np.asarray(md.block_tables), np.asarray(md.block_pos_start)
+    n_valid, nb = np.asarray(md.block_num_valid), np.asarray(md.num_blocks)
+    k_rot = np.asarray(k, np.float64).copy()
+    for s in range(tables.shape[0]):
+        for b in range(nb[s]):
+            page = tables[s, b]
+            pos = starts[s, b] + np.arange(n_valid[s, b])
+            k_rot[page, : n_valid[s, b]] = rotate_keys_reference(k[page, : n_valid[s, b]], pos, inv)
+    k_rot = jnp.asarray(k_rot, jnp.float32)
+    opts = dict(implementation="triton", interpret=INTERPRET, kernel_options={"block_k": 16})
+    free = paged_attention(q, k, v, md, inv, kv_mode="position_free", **opts)
+    classic = paged_attention(q, k_rot, v, md, inv, kv_mode="rotated", **opts)
+    n = int(md.cu_q_lens[-1])
+    assert _rel_l2(np.asarray(free)[:n], np.asarray(classic).astype(np.float64)[:n]) < 1e-5
+
+
+def test_write_kv_roundtrip():
+    rng = np.random.default_rng(4)
+    pages = jnp.asarray(rng.standard_normal((5, 4, 2, 8)), jnp.float32)
+    k_new = jnp.asarray(rng.standard_normal((6, 2, 8)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((6, 2, 8)), jnp.float32)
+    slots = np.array([3, 17, -1, 0, 19, -1], np.int32)
+    k_out, v_out = write_kv(pages, pages, k_new, v_new, jnp.asarray(slots))
+    k_exp = np.asarray(pages).reshape(20, 2, 8).copy()
+    v_exp = k_exp.copy()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            k_exp[slot], v_exp[slot] = np.asarray(k_new[t]), np.asarray(v_new[t])
+    np.testing.assert_array_equal(np.asarray(k_out).reshape(20, 2, 8), k_exp)
+    np.testing.assert_array_equal(np.asarray(v_out).reshape(20, 2, 8), v_exp)
+
+
+def _replace(md, **kw):
+    return dataclasses.replace(md, **kw)
+
+
+def test_validation_errors():
+    q, k, v, md, inv = _inputs(5, jnp.float32, 2, 2, 16, 16, 4, [(5, 2, 0), (3, 1, 0)])
+    call = lambda *a, **kw: paged_attention(*a, implementation="xla", **kw)
+    with pytest.raises(ValueError, match="multiple of"):
+        call(q[:, :3], k, v, md, inv)
+    with pytest.raises(ValueError, match="head_dim"):
+        call(q[..., :8], k, v, md, inv)
+    with pytest.raises(ValueError, match="dtype"):
+        call(q.astype(jnp.int32), k, v, md, inv)
+    with pytest.raises(ValueError, match="k_pages"):
+        call(q, k, v.astype(jnp.bfloat16), md, inv)
+    with pytest.raises(ValueError, match="kv_mode"):
+        call(q, k, v, md, inv, kv_mode="roped")
+    with pytest.raises(ValueError, match="outside the pool"):
+        call(q, k, v, _replace(md, block_tables=md.block_tables.at[1, 0].set(k.shape[0])), inv)
+    with pytest.raises(ValueError, match="outside the pool"):
+        call(q, k, v, _replace(md, block_tables=md.block_tables.at[0, 0].set(-1)), inv)
+    with pytest.raises(ValueError, match="uses 9 blocks"):
+        call(q, k, v, _replace(md, num_blocks=md.num_blocks.at[0].set(9)), inv)
+    with pytest.raises(ValueError, match="block_num_valid"):
+        call(q, k, v, _replace(md, block_num_valid=md.block_num_valid.at[0, 0].set(5)), inv)
+    with pytest.raises(ValueError, match="cu_q_lens"):
+        call(q, k, v, _replace(md, cu_q_lens=md.cu_q_lens.at[-1].set(q.shape[0] + 1)), inv)
+    with pytest.raises(ValueError, match="int32"):
+        call(q, k, v, _replace(md, q_positions=md.q_positions.astype(jnp.int16)), inv)
+    with pytest.raises(ValueError, match="metadata.q_positions"):
+        call(q, k, v, _replace(md, q_positions=md.q_positions[:-1]), inv)
+    with pytest.raises(ValueError, match="unknown implementation"):
+        paged_attention(q, k, v, md, inv, implementation="cuda")
+    with pytest.raises(ValueError, match="power-of-2 rotary"):
+        paged_attention(q, k, v, md, jnp.ones((3,), jnp.float32), implementation="triton")
