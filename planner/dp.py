@@ -44,7 +44,19 @@ class Frontier:
     """OPT(m) for m = 0..M and an optimal placement for each (costs are convex in m)."""
 
     costs: np.ndarray  # [M+1] float64 expected recompute with at most m checkpoints
-    placements: tuple  # M+1 sorted int64 position arrays
+    args: np.ndarray = dataclasses.field(repr=False)  # [layers, K+1] int32 argmins of the DP
+    bins: np.ndarray = dataclasses.field(repr=False)  # [K+1] position of each bin (bins[0] = 0)
+
+    def placement(self, m: int) -> np.ndarray:
+        """An optimal placement of at most m checkpoints (sorted int64 positions)."""
+        if not 0 <= m < self.costs.size:
+            raise ValueError(f"m must be in 0..{self.costs.size - 1}, got {m}")
+        return _backtrack(self.args, min(m, self.args.shape[0]), self.bins)
+
+    @property
+    def placements(self) -> tuple:
+        """Optimal placements for every m = 0..M."""
+        return tuple(self.placement(m) for m in range(self.costs.size))
 
     def marginal_savings(self) -> np.ndarray:
         """[M] expected tokens saved by the m-th checkpoint (nonincreasing, by convexity)."""
@@ -61,6 +73,9 @@ class Frontier:
             raise ValueError(f"price must be a finite number >= 0, got {price}")
         total = self.costs + price * np.arange(self.costs.size)
         return int(np.argmin(total))
+
+
+MAX_TABLE = 2**28  # argmin entries kept for backtracking (int32: 1 GiB); past it use the Lagrangian
 
 
 def _prepare(pmf, candidates):
@@ -89,7 +104,6 @@ class _Hull:
         z = np.diff(b)  # [K] secant slopes of the points (x_s, b_s)
         if not self.uniform:
             z /= self.dx
-        self.scratch.fill(-1)
         z, _, r, nb = _pava(z, self.dx.copy(), self.scratch)
         starts = r[:nb]  # [H] hull vertex where each hull segment starts
         slopes = z[starts]  # [H] nondecreasing
@@ -137,6 +151,20 @@ def _backtrack(args, m, pos):
     return np.asarray(sorted(out), dtype=np.int64)
 
 
+def _run(pmf, max_budget, candidates):
+    max_budget = check_budget(max_budget)
+    x, q, const, pos = _prepare(pmf, candidates)
+    layers = min(max_budget, x.size - 1)  # more layers than bins cannot help
+    if layers * x.size > MAX_TABLE:
+        raise ValueError(
+            f"budget {max_budget} over {x.size - 1} candidate positions needs a "
+            f"{layers} x {x.size} argmin table (> {MAX_TABLE} entries); use "
+            f"planner.place_lagrangian for budgets this large, or fewer candidates")
+    ends, args = _layers(x, q, layers)
+    costs = np.concatenate([ends, np.full(max_budget - layers, ends[-1])]) + const
+    return Frontier(costs=costs, args=args, bins=pos)
+
+
 def frontier(pmf, max_budget: int, candidates=None) -> Frontier:
     """OPT(m) and an optimal placement for every m = 0..max_budget, in one pass of the DP.
 
@@ -145,21 +173,13 @@ def frontier(pmf, max_budget: int, candidates=None) -> Frontier:
       max_budget: largest number of checkpoints M.
       candidates: optional positions in 1..N that checkpoints may use (default: all of 1..N).
     Returns:
-      Frontier with costs [M+1] (E[r] in tokens) and placements.
+      Frontier: costs [M+1] (E[r] in tokens) and `placement(m)`. Time O(M K) plus a search per
+      layer, memory 4 M K bytes (K = candidates that carry mass).
     """
-    max_budget = check_budget(max_budget)
-    x, q, const, pos = _prepare(pmf, candidates)
-    layers = min(max_budget, x.size - 1)  # more layers than bins cannot help
-    ends, args = _layers(x, q, layers)
-    costs = np.concatenate([ends, np.full(max_budget - layers, ends[-1])]) + const
-    placements = [_backtrack(args, min(m, layers), pos) for m in range(max_budget + 1)]
-    return Frontier(costs=costs, placements=tuple(placements))
+    return _run(pmf, max_budget, candidates)
 
 
 def solve(pmf, budget: int, candidates=None) -> np.ndarray:
     """An optimal placement of at most `budget` checkpoints (sorted int64 positions in 1..N)."""
-    budget = check_budget(budget)
-    x, q, const, pos = _prepare(pmf, candidates)
-    layers = min(budget, x.size - 1)
-    _, args = _layers(x, q, layers)
-    return _backtrack(args, layers, pos)
+    fr = _run(pmf, budget, candidates)
+    return fr.placement(budget)

@@ -5,8 +5,8 @@ Rule-based strategies ignore the pmf except for its length N (= len(pmf) - 1):
   balanced  `budget` evenly spaced positions: floor(i (N+1) / (budget+1)), i = 1..budget. The
             segments differ in length by at most one, which is optimal for a uniform pmf and
             minimises the worst-case recompute (the longest gap).
-  block     every `block_size` tokens (B, 2B, ...). Without `block_size`, the coarsest block that
-            fits the budget, B = ceil(N / budget).
+  block     every `block_size` tokens (B, 2B, ...). Without `block_size`, the finest block that
+            fits the budget: B = N // (budget + 1) + 1, the smallest B with N // B <= budget.
   log       powers of two 1, 2, 4, ... <= N.
   sqrt      every ceil(sqrt(N)) tokens.
   dp        the exact optimum (planner.dp).
@@ -35,7 +35,7 @@ def _rule_positions(strategy: str, n: int, budget: int, block_size) -> np.ndarra
         m = min(budget, n)
         return (np.arange(1, m + 1) * (n + 1)) // (m + 1)
     if strategy == "block":
-        step = math.ceil(n / budget) if block_size is None else block_size
+        step = n // (budget + 1) + 1 if block_size is None else block_size
         return np.arange(step, n + 1, step)[:budget]
     if strategy == "log":
         return (1 << np.arange(n.bit_length()))[:budget]

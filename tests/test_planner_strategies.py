@@ -43,7 +43,7 @@ def test_rule_positions():
     assert place(p, 5, "none").size == 0
     assert place(p, 100, "block", block_size=64).tolist() == list(range(64, 1001, 64))
     assert place(p, 3, "block", block_size=64).tolist() == [64, 128, 192]
-    assert place(p, 4, "block").tolist() == [250, 500, 750, 1000]
+    assert place(p, 4, "block").tolist() == [201, 402, 603, 804]  # B = 1000 // 5 + 1
     assert place(p, 100, "log").tolist() == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     assert place(p, 100, "sqrt").tolist() == list(range(32, 1001, 32))
     assert place(p, 3, "balanced").tolist() == [250, 500, 750]

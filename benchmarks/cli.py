@@ -1,0 +1,40 @@
+"""`minipic-bench`: one entry point, one module per subcommand.
+
+    minipic-bench planner --help
+    python -m benchmarks.cli planner ...
+
+A subcommand module provides `add_parser(parser)` (adds its arguments to the given argparse
+parser) and `run(args) -> int | None`. Register it in COMMANDS; only the chosen module is imported,
+so a subcommand's heavy imports (jax, torch) never slow down the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "planner": ("benchmarks.planner_bench",
+                "checkpoint placement: token savings vs budget per strategy, DP timing, drift"),
+}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="minipic-bench", description="minipic-jax benchmarks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == chosen:
+            mod = importlib.import_module(module)
+            mod.add_parser(p)
+            p.set_defaults(_run=mod.run)
+    args = parser.parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
