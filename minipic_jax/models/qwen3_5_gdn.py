@@ -1,0 +1,148 @@
+"""Qwen3.5 Gated DeltaNet token mixer over a ragged batch, with its per-slot state.
+
+Shape letters beyond configs/model_config.py: C conv channels (2 Hk Dk + Hv Dv), Kc conv kernel,
+Hk/Hv linear-attention key/value heads, Dk/Dv their head dims, M checkpoints per sequence.
+
+HF transformers 5.24.0 `Qwen3_5GatedDeltaNet` is the oracle: in_proj_qkv -> causal depthwise conv
+(state = the last Kc - 1 inputs) -> silu -> split q/k/v; beta = sigmoid(b); g = -exp(A_log) *
+softplus(a + dt_bias); q, k L2-normalised in float32; gated delta rule; RMSNormGated (weight * x,
+no unit offset) times silu(z); out_proj.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.gated_delta.ragged import ragged_gated_delta
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GDNParams:
+    w_qkv: jax.Array  # [E, C]
+    w_z: jax.Array  # [E, Hv, Dv]
+    w_b: jax.Array  # [E, Hv]
+    w_a: jax.Array  # [E, Hv]
+    conv_w: jax.Array  # [C, Kc]
+    dt_bias: jax.Array  # [Hv]
+    a_log: jax.Array  # [Hv]
+    norm: jax.Array  # [Dv]
+    w_out: jax.Array  # [Hv, Dv, E]
+
+
+def gdn_dims(cfg):
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return hk, hv, dk, dv, 2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim
+
+
+def gdn_shapes(cfg) -> GDNParams:
+    e = cfg.hidden_size
+    hk, hv, dk, dv, c, kc = gdn_dims(cfg)
+    return GDNParams(w_qkv=(e, c), w_z=(e, hv, dv), w_b=(e, hv), w_a=(e, hv), conv_w=(c, kc),
+                     dt_bias=(hv,), a_log=(hv,), norm=(dv,), w_out=(hv, dv, e))
+
+
+def gdn_axes() -> GDNParams:
+    return GDNParams(w_qkv=("embed", "gdn_conv"), w_z=("embed", "gdn_heads", "gdn_v"),
+                     w_b=("embed", "gdn_heads"), w_a=("embed", "gdn_heads"),
+                     conv_w=("gdn_conv", None), dt_bias=("gdn_heads",), a_log=("gdn_heads",),
+                     norm=("gdn_v",), w_out=("gdn_heads", "gdn_v", "embed"))
+
+
+def state_shapes(cfg, slots: int):
+    """(conv [slots, C, Kc - 1], delta [slots, Hv, Dk, Dv]) of one GDN layer."""
+    hk, hv, dk, dv, c, kc = gdn_dims(cfg)
+    return (slots, c, kc - 1), (slots, hv, dk, dv)
+
+
+def l2norm(x, eps=1e-6):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _history(x, conv0, cu_q_lens, pos0, seq, end_pos):
+    """The Kc - 1 conv inputs just before absolute positions `end_pos` of sequences `seq`.
+
+    x [T, C] new inputs; conv0 [S, C, Kc-1] inputs before pos0 (oldest first); seq, end_pos
+    [...] int32 (end_pos >= pos0[seq] - ... is fine: older inputs come from conv0).
+    Returns [..., C, Kc - 1].
+    """
+    n_tokens = x.shape[0]
+    hist = conv0.shape[-1]
+    offs = jnp.arange(hist, dtype=jnp.int32) - hist  # -(Kc-1) .. -1
+    rel = end_pos[..., None] - pos0[seq][..., None] + offs  # [..., Kc-1] relative to pos0
+    from_x = x[jnp.clip(cu_q_lens[seq][..., None] + rel, 0, n_tokens - 1)]  # [..., Kc-1, C]
+    from_state = conv0[seq[..., None], :, jnp.clip(hist + rel, 0, hist - 1)]  # [..., Kc-1, C]
+    out = jnp.where((rel >= 0)[..., None], from_x, from_state.astype(x.dtype))
+    return jnp.swapaxes(out, -1, -2)
+
+
+def causal_conv(x, conv_w, conv0, cu_q_lens, pos0, seq_of_row):
+    """Depthwise causal conv of each sequence's new inputs, left context from its conv state.
+
+    x [T, C]; conv_w [C, Kc]; conv0 [S, C, Kc-1]. Returns silu(conv) [T, C] (float32 math).
+    """
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32)
+    end = pos0[seq_of_row] + rows - cu_q_lens[seq_of_row]  # position of each token
+    past = _history(x, conv0, cu_q_lens, pos0, seq_of_row, end)  # [T, C, Kc-1]
+    window = jnp.concatenate([past, x[:, :, None]], axis=-1).astype(jnp.float32)  # [T, C, Kc]
+    out = jnp.einsum("tck,ck->tc", window, conv_w.astype(jnp.float32))
+    return jax.nn.silu(out)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+    """HF Qwen3_5RMSNormGated: weight * normalise(x) (cast back), times silu(gate) in float32."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    out = weight * normed.astype(dtype)
+    return (out.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
+
+
+def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None):
+    """The GDN token mixer for a ragged batch.
+
+    Args:
+      h: [T, E] normed hidden states; conv0 [S, C, Kc-1] and delta0 [S, Hv, Dk, Dv] (float32) the
+        states of each sequence before its new tokens; cu_q_lens [S+1]; pos0 [S] position of each
+        sequence's first new token; checkpoint_at None or [S, M] absolute positions (multiples of
+        64, -1 = none).
+    Returns:
+      out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], and checkpoints (conv [S, M, C, Kc-1],
+      delta [S, M, Hv, Dk, Dv]) or None.
+    """
+    hk, hv, dk, dv, c, kc = gdn_dims(cfg)
+    n_tokens = h.shape[0]
+    seqs = cu_q_lens.shape[0] - 1
+    rows = jnp.arange(n_tokens, dtype=jnp.int32)
+    seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, seqs - 1)
+    mixed = jnp.einsum("te,ec->tc", h, p.w_qkv)  # [T, C]
+    z = jnp.einsum("te,ehv->thv", h, p.w_z)  # [T, Hv, Dv]
+    b = jnp.einsum("te,eh->th", h, p.w_b)  # [T, Hv]
+    a = jnp.einsum("te,eh->th", h, p.w_a)  # [T, Hv]
+    conv_out = causal_conv(mixed, p.conv_w, conv0, cu_q_lens, pos0, seq_of_row).astype(h.dtype)
+    q = conv_out[:, :hk * dk].reshape(n_tokens, hk, dk)
+    k = conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk)
+    v = conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv)
+    beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(p.a_log.astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
+    core, delta, delta_ck = ragged_gated_delta(l2norm(q), l2norm(k), v, g, beta, cu_q_lens, pos0,
+                                               delta0, checkpoint_at=checkpoint_at)
+    core = core.astype(h.dtype)  # [T, Hv, Dv]
+    normed = gated_rms_norm(core, z, p.norm, cfg.rms_norm_eps)
+    out = jnp.einsum("thv,hve->te", normed, p.w_out)
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    seq_ids = jnp.arange(seqs, dtype=jnp.int32)
+    conv = _history(mixed, conv0, cu_q_lens, pos0, seq_ids, pos0 + lens).astype(conv0.dtype)
+    ckpt = None
+    if checkpoint_at is not None:
+        ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])
+        conv_ck = _history(mixed, conv0, cu_q_lens, pos0, jnp.broadcast_to(
+            seq_ids[:, None], ck_pos.shape), ck_pos).astype(conv0.dtype)
+        ckpt = (conv_ck, delta_ck)
+    return out, conv, delta, ckpt
