@@ -1,0 +1,86 @@
+"""Block manager and hashing on plain ints, against brute-force expectations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.block_manager import BlockManager
+from serving.hashing import block_keys, make_hash_fn, root_hash
+
+
+def test_lru_free_list_reverse_order_and_hash_kept_until_reuse():
+    bm = BlockManager(6, 4)
+    a = [bm.allocate() for _ in range(3)]
+    for j, b in enumerate(a):
+        bm.register(b, 100 + j, (j,), owner=1)
+        bm.mark_ready(b)
+    bm.release(a, 1)  # freed last block first
+    assert list(bm.free)[-3:] == a[::-1]
+    assert bm.lookup(100, (0,)) == a[0]  # still cached while free
+    got = [bm.allocate() for _ in range(4)]  # 3 never-used blocks first, then a[2] (LRU tail)
+    assert got[3] == a[2] and bm.lookup(102, (2,)) is None and bm.num_evicted == 1
+    assert bm.lookup(101, (1,)) == a[1]
+
+
+def test_refcounts_sharing_and_confirm_tokens():
+    bm = BlockManager(4, 4)
+    b = bm.allocate()
+    bm.register(b, 7, (1, 2, 3, 4), owner=1)
+    bm.mark_ready(b)
+    assert bm.lookup(7, (1, 2, 3, 5)) is None  # a hash collision is a miss
+    bm.share(b)
+    assert bm.ref[b] == 2
+    bm.release([b], 1)
+    assert b not in bm.free
+    bm.release([b], 2)
+    assert b in bm.free and bm.lookup(7, (1, 2, 3, 4)) == b
+    bm.share(b)  # a hit on a free block takes it off the free list
+    assert b not in bm.free and bm.num_free == 3
+    with pytest.raises(RuntimeError, match="freed twice"):
+        bm.release([b], 3)
+        bm.release([b], 3)
+
+
+def test_pending_blocks_owner_and_unregister_when_unfinished():
+    bm = BlockManager(4, 4)
+    b = bm.allocate()
+    bm.register(b, 9, (0,), owner=1)
+    assert bm.is_pending(b) and bm.owner[b] == 1
+    bm.share(b)  # a waiter
+    bm.release([b], 1)  # owner preempted: block stays, ownerless, still pending
+    assert bm.is_pending(b) and bm.owner[b] == -1
+    bm.release([b], 2)  # nobody finished it: the half-written content is not cached
+    assert bm.lookup(9, (0,)) is None
+
+
+def test_first_publisher_wins_and_caching_off():
+    bm = BlockManager(4, 4)
+    b1, b2 = bm.allocate(), bm.allocate()
+    bm.register(b1, 5, (1,), owner=1)
+    bm.register(b2, 5, (1,), owner=2)
+    assert bm.lookup(5, (1,)) == b1 and bm.hash[b2] == -1
+    off = BlockManager(4, 4, enable_caching=False)
+    c = off.allocate()
+    off.register(c, 5, (1,), owner=1)
+    assert off.lookup(5, (1,)) is None
+
+
+@pytest.mark.parametrize("algo", ["xxhash64", "sha256"])
+def test_span_keys_are_offset_free_and_prefix_keys_are_not(algo, fresh_rng):
+    h = make_hash_fn(algo)
+    h0 = root_hash(h, None)
+    span = [int(t) for t in fresh_rng.integers(0, 1000, 8)]
+    pre1, pre2 = [1] * 4, [2] * 8
+    # blocks of 4: [pre | span span] and [pre pre | span span]
+    k1 = block_keys(h, pre1 + span, 4, [False, True, True], [False, True, False], h0)
+    k2 = block_keys(h, pre2 + span, 4, [False, False, True, True],
+                    [False, False, True, False], h0)
+    assert k1[1:] == k2[2:]  # same span -> same keys at any offset
+    p1 = block_keys(h, pre1 + span, 4, [False] * 3, [False] * 3, h0)
+    p2 = block_keys(h, pre2 + span, 4, [False] * 4, [False] * 4, h0)
+    assert not set(p1) & set(p2)  # PDEP keys depend on the whole prefix
+    assert root_hash(h, "tenant") != h0
+    salted = block_keys(h, pre1 + span, 4, [False, True, True], [False, True, False],
+                        root_hash(h, "tenant"))
+    assert not set(salted) & set(k1)
