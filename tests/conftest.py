@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -31,4 +32,4 @@ def fresh_rng(request):
     """A numpy Generator seeded from the test id plus a random salt (printed on failure)."""
     salt = int(np.random.SeedSequence().entropy % (1 << 32))
     print(f"fresh_rng salt={salt}")
-    return np.random.default_rng([salt, abs(hash(request.node.nodeid)) % (1 << 32)])
+    return np.random.default_rng([salt, zlib.crc32(request.node.nodeid.encode())])

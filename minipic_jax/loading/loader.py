@@ -45,7 +45,7 @@ def _dtype(dtype) -> Any:
 
 
 def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
-               cache_dir: str | pathlib.Path | None = None) -> LoadedModel:
+               cache_dir: str | pathlib.Path | None | bool = None) -> LoadedModel:
     """Load an HF checkpoint folder or instantiate a preset with deterministic random weights.
 
     Args:
@@ -55,7 +55,7 @@ def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
       seed: PRNG seed for preset weights.
       cache_dir: orbax cache of converted params. None: the default cache
         ($MINIPIC_JAX_CACHE_DIR or ~/.cache/minipic_jax/params), used for checkpoints of at least
-        256 MiB; a path: always cache there.
+        256 MiB; a path: always cache there; False: never cache.
     Raises:
       ValueError naming the problem: unknown preset or missing folder (lists presets), folder
       without weights, unsupported model_type/architecture, missing or mis-shaped tensor.
@@ -84,7 +84,8 @@ def _load_folder(folder: pathlib.Path, dtype, cache_dir) -> LoadedModel:
     tokenizer = load_tokenizer(folder, cfg)
     source = f"folder:{folder}"
 
-    use_cache = cache_dir is not None or sum(f.stat().st_size for f in files) >= AUTO_CACHE_MIN_BYTES
+    use_cache = cache_dir is not False and (
+        cache_dir is not None or sum(f.stat().st_size for f in files) >= AUTO_CACHE_MIN_BYTES)
     entry = None
     if use_cache:
         root = pathlib.Path(cache_dir) if cache_dir is not None else param_cache.default_cache_dir()

@@ -8,17 +8,16 @@ configs/model_config.py. Attention is reached only through `kernels_pallas.paged
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from configs.model_config import ModelConfig, RopeConfig
 from kernels_pallas.paged_attention.api import KV_MODES, paged_attention, write_kv
 from kernels_pallas.rope import apply_rope
 from minipic_jax.models import layers, rope
 from minipic_jax.models.hf_weights import take
+from minipic_jax.models.param_init import init_from_shapes
 
 MODEL_TYPES = ("llama", "mistral")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -138,10 +137,6 @@ def _shapes(cfg: ModelConfig) -> LlamaParams:
                        lm_head=None if cfg.tie_word_embeddings else (e, v))
 
 
-def _is_shape(x):
-    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
-
-
 def param_axes(cfg: ModelConfig) -> LlamaParams:
     """Logical axis names per param (same structure; leaves are tuples of names)."""
     layer = LayerParams(
@@ -157,32 +152,6 @@ def param_axes(cfg: ModelConfig) -> LlamaParams:
 def init_params(cfg: ModelConfig, key, dtype=jnp.float32) -> LlamaParams:
     """Deterministic random weights (normal, std 0.02; norms 1) from `key`."""
     return init_from_shapes(_shapes(cfg), key, dtype)
-
-
-# Below this many parameters, numpy draws the weights (XLA's RNG compile dominates on CPU);
-# above it, jax.random draws them on the default device.
-_NUMPY_INIT_MAX = 64 << 20
-
-
-def init_from_shapes(shapes, key, dtype):
-    """Random params for a pytree of shape tuples: 1-D leaves are ones (norm weights), others
-    normal(0, 0.02). Deterministic in `key`."""
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
-    total = sum(int(np.prod(s)) for s in leaves)
-    if total <= _NUMPY_INIT_MAX and not isinstance(key, jax.core.Tracer):  # eval_shape traces
-        rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
-        out = [jnp.ones(s, dtype) if len(s) == 1 else
-               jnp.asarray(0.02 * rng.standard_normal(s, np.float32), dtype) for s in leaves]
-    else:
-        keys = jax.random.split(key, len(leaves))
-        out = [jnp.ones(s, dtype) if len(s) == 1 else _normal(kk, s, jnp.dtype(dtype))
-               for kk, s in zip(keys, leaves)]
-    return jax.tree.unflatten(treedef, out)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(key, shape, dtype):
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:
@@ -209,7 +178,8 @@ def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32) -> LlamaParams:
                         cfg.intermediate_size, cfg.vocab_size)
 
     def get(name, shape, fn=lambda x: x):
-        return jnp.asarray(np.ascontiguousarray(fn(take(get_tensor, name, shape))), dtype=dtype)
+        # Transfer as stored (copied: never alias the memory map), then cast and re-layout on device.
+        return fn(jnp.array(take(get_tensor, name, shape), copy=True).astype(dtype))
 
     layer_list = []
     for i in range(cfg.num_layers):
