@@ -81,6 +81,13 @@ class LLMEngine:
             return max(2, int(free // (per_token * cfg.block_size)))
         return max(2, min(want, 4096))
 
+    def warmup(self, modes=((True, False, 0),)) -> None:
+        """Compile the step for every token bucket and each (all_greedy, use_filter,
+        num_logprobs) sampling mode, so a run that follows compiles nothing."""
+        for all_greedy, use_filter, num_logprobs in modes:
+            self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
+                               num_logprobs=num_logprobs)
+
     # -- requests ------------------------------------------------------------------------------
     def validate(self, request_id, prompt_token_ids, sampling_params):
         """Raise a ValueError naming the request for input the engine cannot run; returns the

@@ -87,6 +87,23 @@ class ModelRunner:
                      num_logprobs=num_logprobs)
         return cache, out
 
+    def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
+               num_logprobs: int = 0) -> None:
+        """Compile every token bucket for one sampling mode with empty steps (nothing written)."""
+        for t in self.config.token_buckets:
+            s = self.config.seq_bucket(t)
+            spec, size = _layout(t, s, self.nb)
+            ints = np.zeros(size, np.int32)
+            o, (n,) = spec["slot_mapping"]
+            ints[o:o + n] = -1
+            o, (n,) = spec["state_slots"]
+            ints[o:o + n] = self.scratch_slot
+            floats = np.ones(2 * s, np.float32)
+            self.cache, out = self._step(self.params, self.cache, ints, floats, t=t, s=s,
+                                         all_greedy=all_greedy, use_filter=use_filter,
+                                         num_logprobs=num_logprobs)
+            jax.block_until_ready(out)
+
     # -- host ----------------------------------------------------------------------------------
     def _sync_rows(self, seq) -> None:
         seat, k = seq.seat, getattr(seq, "synced_blocks", 0)
