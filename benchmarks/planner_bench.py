@@ -260,6 +260,7 @@ def run(args) -> int:
             best = max(r[s] for s in BASELINES)
             gap = r["dp"] / best if math.isfinite(best) else math.nan
             saved = min(r[s + "_cost"] for s in BASELINES) - r["dp_cost"]
+            saved = saved if abs(saved) > 1e-9 else 0.0
             print(f"  M = {r['budget']:>5}                    " +
                   "".join(f"{_fmt(r[s]):>10}" for s in (*BASELINES, "dp")) +
                   f"   {gap:7.2f}  {saved:10.1f}")
