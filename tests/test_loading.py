@@ -123,6 +123,14 @@ def test_registry_names_supported_types():
 # ----------------------------------------------------------------------------- formats
 
 
+@pytest.mark.parametrize("name", ["llama_mha", "llama_gqa4_tied_hd16", "mistral_gqa4"])
+def test_converter_reads_every_checkpoint_tensor(name):
+    """No weight in an HF checkpoint is silently ignored (e.g. a bias we do not model)."""
+    m = load_model(FIXTURES / name)
+    names = SafetensorsReader(weight_files(FIXTURES / name)).names()
+    assert sorted(m.family.hf_tensor_names(m.cfg)) == sorted(names)
+
+
 def test_sharded_and_single_file_give_identical_params(tmp_path):
     sharded = FIXTURES / "llama_gqa4_tied_hd16"
     assert (sharded / "model.safetensors.index.json").exists() and len(weight_files(sharded)) > 1

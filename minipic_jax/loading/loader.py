@@ -49,8 +49,9 @@ def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
     """Load an HF checkpoint folder or instantiate a preset with deterministic random weights.
 
     Args:
-      model: a folder with config.json + *.safetensors (single or sharded with an index), or a
-        preset name from configs/presets.py (e.g. "tiny-llama3", "llama3_1_8b").
+      model: a folder with config.json + *.safetensors (single or sharded with an index), an
+        "org/name" repo id already in the local HF hub cache (no download), or a preset name
+        from configs/presets.py (e.g. "tiny-llama3", "llama3_1_8b").
       dtype: "float32" or "bfloat16" (params and compute dtype).
       seed: PRNG seed for preset weights.
       cache_dir: orbax cache of converted params. None: the default cache
@@ -64,13 +65,27 @@ def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
     path = pathlib.Path(model).expanduser()
     if path.is_dir():
         return _load_folder(path, jdtype, cache_dir)
+    cached = _hf_cache_snapshot(str(model))
+    if cached is not None:
+        return _load_folder(cached, jdtype, cache_dir)
     if isinstance(model, str) and is_preset(model):
         cfg = get_preset(model)
         family = get_family(cfg.model_type)
         params = family.init_params(cfg, jax.random.key(seed), jdtype)
         return LoadedModel(cfg, params, family, load_tokenizer(None, cfg), f"preset:{model}")
-    raise ValueError(f"model {str(model)!r} is neither an existing folder nor a known preset; "
-                     f"presets: {', '.join(preset_names())}")
+    raise ValueError(f"model {str(model)!r} is not an existing folder, a repo id in the local "
+                     f"HF cache, or a known preset; presets: {', '.join(preset_names())}")
+
+
+def _hf_cache_snapshot(model: str) -> pathlib.Path | None:
+    """An "org/name" repo id already in the local HF hub cache (never downloads)."""
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        return pathlib.Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # not cached, or not a valid repo id
+        return None
 
 
 def _load_folder(folder: pathlib.Path, dtype, cache_dir) -> LoadedModel:
