@@ -80,6 +80,7 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
     Returns:
       out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None.
     """
+    cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     n_tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     seqs = cu_q_lens.shape[0] - 1
@@ -117,6 +118,7 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
                        scale=None, chunk=64):
     """`ragged_prefill`, or the one-step recurrence when every sequence has <= 1 token (same
     contract; checkpoints, if asked, are then the state0 / final state as positions say)."""
+    cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     seqs = cu_q_lens.shape[0] - 1
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
     dk = k.shape[-1]

@@ -1,0 +1,129 @@
+"""Chunked / Pallas / ragged gated delta rule vs the token-by-token float64 recurrence; exact
+checkpoints (bitwise) at chunk boundaries."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.gated_delta import api, ragged, reference
+
+
+def _inputs(rng, n, t, hk, hv, dk, dv, state=True):
+    def l2(x):
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+    q = l2(rng.standard_normal((n, t, hk, dk))).astype(np.float32)
+    k = l2(rng.standard_normal((n, t, hk, dk))).astype(np.float32)
+    v = rng.standard_normal((n, t, hv, dv)).astype(np.float32)
+    # Qwen3.5-like gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
+    a_log = np.log(rng.uniform(0.01, 4, hv))
+    g = (-np.exp(a_log) * np.log1p(np.exp(rng.standard_normal((n, t, hv)) - 1))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((n, t, hv))))).astype(np.float32)
+    s0 = rng.standard_normal((n, hv, dk, dv)).astype(np.float32) if state else None
+    return q, k, v, g, beta, s0
+
+
+@pytest.mark.parametrize("solve", ["blocked", "trsm"])
+def test_chunked_matches_token_recurrence(fresh_rng, solve):
+    n, t, hk, hv, dk, dv, chunk = 2, 83, 2, 4, 16, 8, 16  # T not a multiple of the chunk; GVA 2
+    q, k, v, g, beta, s0 = _inputs(fresh_rng, n, t, hk, hv, dk, dv)
+    ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0)
+    ck = [0, 32, 64, 80, t]
+    out, final, cks = api.prefill(q, k, v, g, beta, s0, checkpoint_at=ck, chunk_size=chunk,
+                                  solve=solve)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(final), ref_states[:, -1], atol=2e-5, rtol=0)
+    assert cks.shape == (n, len(ck), hv, dk, dv)
+    np.testing.assert_array_equal(np.asarray(cks[:, 0]), s0)
+    for m, c in enumerate(ck[1:], 1):
+        np.testing.assert_allclose(np.asarray(cks[:, m]), ref_states[:, c - 1], atol=2e-5)
+
+
+def test_pallas_scan_interpret_matches_xla(fresh_rng):
+    q, k, v, g, beta, s0 = _inputs(fresh_rng, 1, 96, 1, 2, 16, 16)
+    ck = np.array([[32, 96, 0]])
+    xla = api.prefill(q, k, v, g, beta, s0, checkpoint_at=ck, chunk_size=32)
+    pal = api.prefill(q, k, v, g, beta, s0, checkpoint_at=ck, chunk_size=32,
+                      implementation="pallas_triton", interpret=True)
+    for a, b in zip(xla, pal):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=0)
+
+
+def test_decode_step_matches_recurrence(fresh_rng):
+    q, k, v, g, beta, s0 = _inputs(fresh_rng, 3, 1, 2, 4, 8, 8)
+    ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0)
+    out, state = api.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
+    np.testing.assert_allclose(np.asarray(out), ref_out[:, 0], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state), ref_states[:, 0], atol=1e-5)
+
+
+def test_checkpoint_is_bitwise_state_of_shorter_prefill(fresh_rng):
+    """State after chunk-aligned c from a long prefill == final state of a prefill that stopped
+    at c, bit for bit (fp32, CPU)."""
+    q, k, v, g, beta, s0 = _inputs(fresh_rng, 1, 200, 2, 2, 16, 16)
+    ck = [64, 128, 192]
+    _, _, cks = jax.jit(lambda *a: api.prefill(*a, checkpoint_at=ck))(q, k, v, g, beta, s0)
+    for m, c in enumerate(ck):
+        _, final, _ = jax.jit(api.prefill)(q[:, :c], k[:, :c], v[:, :c], g[:, :c], beta[:, :c], s0)
+        np.testing.assert_array_equal(np.asarray(cks[:, m]), np.asarray(final))
+
+
+def test_ragged_matches_per_sequence_recurrence(fresh_rng):
+    hk, hv, dk, dv, chunk = 1, 2, 8, 8, 16
+    lens, pos0 = [20, 0, 5, 37, 16], [3, 0, 16, 0, 32]  # shifted starts, an empty sequence
+    t = sum(lens) + 5  # bucket padding rows at the end
+    q, k, v, g, beta, _ = _inputs(fresh_rng, 1, t, hk, hv, dk, dv, state=False)
+    s0 = fresh_rng.standard_normal((len(lens), hv, dk, dv)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    ck = np.array([[16, -1], [-1, -1], [16, 16], [32, 16], [48, 32]], np.int32)
+    fn = jax.jit(lambda *a: ragged.ragged_gated_delta(*a, checkpoint_at=jnp.asarray(ck),
+                                                      chunk=chunk))
+    out, fin, cks = fn(q[0], k[0], v[0], g[0], beta[0], cu, np.array(pos0, np.int32), s0)
+    out, fin, cks = np.asarray(out), np.asarray(fin), np.asarray(cks)
+    assert np.all(out[cu[-1]:] == 0)
+    for s in range(len(lens)):
+        a, e = cu[s], cu[s + 1]
+        if a == e:
+            np.testing.assert_array_equal(fin[s], s0[s])
+            continue
+        ro, rs = reference.gated_delta_reference(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e],
+                                                 beta[:, a:e], s0[s:s + 1])
+        np.testing.assert_allclose(out[a:e], ro[0], atol=2e-5)
+        np.testing.assert_allclose(fin[s], rs[0, -1], atol=2e-5)
+        for m in range(ck.shape[1]):
+            rel = ck[s, m] - pos0[s]
+            want = s0[s] if ck[s, m] < 0 or rel == 0 else rs[0, rel - 1]
+            np.testing.assert_allclose(cks[s, m], want, atol=2e-5)
+
+
+def test_ragged_decode_batch(fresh_rng):
+    """Every sequence has <= 1 token: the one-step path, idle sequences keep their state."""
+    lens, pos0 = [1, 0, 1], [7, 0, 64]
+    q, k, v, g, beta, _ = _inputs(fresh_rng, 1, 4, 2, 2, 8, 8, state=False)
+    s0 = fresh_rng.standard_normal((3, 2, 8, 8)).astype(np.float32)
+    cu = np.array([0, 1, 1, 2], np.int32)
+    out, fin, _ = ragged.ragged_gated_delta(q[0], k[0], v[0], g[0], beta[0], cu,
+                                            np.array(pos0, np.int32), s0)
+    np.testing.assert_array_equal(np.asarray(fin[1]), s0[1])
+    for s, row in ((0, 0), (2, 1)):
+        ro, rs = reference.gated_delta_reference(q[:, row:row + 1], k[:, row:row + 1],
+                                                 v[:, row:row + 1], g[:, row:row + 1],
+                                                 beta[:, row:row + 1], s0[s:s + 1])
+        np.testing.assert_allclose(np.asarray(out[row]), ro[0, 0], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(fin[s]), rs[0, -1], atol=1e-5)
+
+
+def test_bad_inputs_raise():
+    q = np.zeros((1, 10, 2, 8), np.float32)
+    v = np.zeros((1, 10, 3, 8), np.float32)
+    g = np.zeros((1, 10, 3), np.float32)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        api.prefill(q, q, v, g, g)
+    v = np.zeros((1, 10, 4, 8), np.float32)
+    g = np.zeros((1, 10, 4), np.float32)
+    with pytest.raises(ValueError, match="checkpoint_at offsets"):
+        api.prefill(q, q, v, g, g, checkpoint_at=[5], chunk_size=4)
+    with pytest.raises(ValueError, match="g must be"):
+        api.prefill(q, q, v, g[:, :5], g)
+    with pytest.raises(ValueError, match="implementation"):
+        api.prefill(q, q, v, g, g, implementation="cuda")
