@@ -16,6 +16,8 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
+    "attention": ("benchmarks.attention_bench",
+                  "paged attention kernel: decode TB/s, prefill TFLOP/s, RoPE-at-read overhead"),
     "planner": ("benchmarks.planner_bench",
                 "checkpoint placement: token savings vs budget per strategy, DP timing, drift"),
 }

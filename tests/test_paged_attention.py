@@ -17,7 +17,8 @@ from kernels_pallas.paged_attention.api import paged_attention, write_kv
 from kernels_pallas.paged_attention.random_inputs import inv_freq_for, random_batch
 from kernels_pallas.paged_attention.reference import (paged_attention_reference,
                                                      rotate_keys_reference)
-from kernels_pallas.paged_attention.triton_ragged import ragged_paged_attention_triton
+from kernels_pallas.paged_attention.triton_ragged import (default_block_q, out_rows,
+                                                          ragged_paged_attention_triton)
 from kernels_pallas.rope import apply_rope
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
@@ -69,8 +70,8 @@ def test_kernel_matches_reference_poisoned(case):
     q_rot = apply_rope(q, md.q_positions, inv)
     tokens, heads, _ = q.shape
     for block_q in (None, 1):
-        bq = block_q or (max(1, 16 // group) if tokens <= md.num_seqs else max(1, 64 // group))
-        poison = jnp.full(((tokens + bq) * heads, head_dim), jnp.nan, dtype)
+        bq = block_q or default_block_q(tokens, md.num_seqs, group)
+        poison = jnp.full((out_rows(tokens, heads, kv_heads, bq), head_dim), jnp.nan, dtype)
         out = ragged_paged_attention_triton(
             q_rot, k, v, md, inv, rotate_keys=kv_mode == "position_free", attention_scaling=1.0,
             sm_scale=head_dim ** -0.5, block_q=bq, block_k=max(16, page_size),

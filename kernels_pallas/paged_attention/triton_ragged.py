@@ -44,6 +44,24 @@ def tile_schedule(cu_q_lens, num_tokens: int, block_q: int):
     return jnp.where(live, seq, -1), jnp.where(live, start, 0)
 
 
+def tile_rows(block_q: int, group: int) -> int:
+    """Query rows of a tile: block_q * G rounded up to a power of 2 >= 16 (Triton dot limits)."""
+    rows = 16
+    while rows < block_q * group:
+        rows *= 2
+    return rows
+
+
+def out_rows(tokens: int, heads: int, kv_heads: int, block_q: int) -> int:
+    """Rows of the flat output buffer: spare tile rows land past T * H (unique rows per tile)."""
+    return (tokens + tile_rows(block_q, heads // kv_heads)) * heads
+
+
+def default_block_q(tokens: int, seqs: int, group: int) -> int:
+    """Decode-only batches: one token per tile; otherwise 64 query rows per tile."""
+    return max(1, 16 // group) if tokens <= seqs else max(1, 64 // group)
+
+
 def _dot(a, b, contract_b, precise):
     """a [M, C] . b (contracting b's dim contract_b) -> [M, N] float32."""
     precision = lax.Precision.HIGHEST if precise else None
@@ -63,7 +81,7 @@ def _kernel(tile_seq_ref, tile_start_ref, cu_ref, qpos_ref, qwin_ref, nb_ref, bt
             block_q, block_k, half, rotate_keys, scaling, skip_empty, cdtype):
     o_ref = rest[-1]
     group = heads // kv_heads
-    rows = block_q * group
+    rows = tile_rows(block_q, group)
     rot = 2 * half
     precise = cdtype == jnp.float32
     tile = pl.program_id(0)
@@ -76,7 +94,7 @@ def _kernel(tile_seq_ref, tile_start_ref, cu_ref, qpos_ref, qwin_ref, nb_ref, bt
         end = cu_ref[seq + 1]
         r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
         tok = start + r // group  # [M]
-        row_ok = tok < end
+        row_ok = (tok < end) & (r < block_q * group)  # rows past block_q * G pad the dot to 16
         tok_c = jnp.minimum(tok, end - 1)
         q_row = tok_c * heads + h * group + r % group  # [M]
         q_pos = qpos_ref[tok_c]
@@ -157,7 +175,7 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     """Pallas/Triton ragged paged attention. q_rot [T, H, D] already rotated by its positions.
 
     attention_scaling multiplies the keys' cos/sin (queries come rotated with the same scaling);
-    sm_scale is folded into q. `out`, if given, is a [(T + block_q) * H, D] buffer the kernel
+    sm_scale is folded into q. `out`, if given, is an [out_rows(...), D] buffer the kernel
     writes into (aliased; tests poison it); rows of no sequence keep its contents.
     Returns [T, H, D].
     """
@@ -165,7 +183,7 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
     if block_q is None:
-        block_q = max(1, 16 // group) if tokens <= md.num_seqs else max(1, 64 // group)
+        block_q = default_block_q(tokens, md.num_seqs, group)
     half = inv_freq.shape[0]
     tile_seq, tile_start = tile_schedule(md.cu_q_lens, tokens, block_q)
     cdtype = jnp.float32 if q_rot.dtype == jnp.float32 else q_rot.dtype
@@ -173,7 +191,7 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     k_flat = k_pages.reshape(num_pages * page_size * kv_heads, head_dim)
     v_flat = v_pages.reshape(num_pages * page_size * kv_heads, head_dim)
     q_flat = (q_flat.astype(jnp.float32) * sm_scale).astype(q_rot.dtype)
-    out_rows = (tokens + block_q) * heads
+    n_out = out_rows(tokens, heads, kv_heads, block_q)
     kernel = functools.partial(
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_q=block_q, block_k=block_k, half=half, rotate_keys=rotate_keys,
@@ -189,7 +207,7 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         args.append(out)
     res = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((out_rows, head_dim), q_rot.dtype),
+        out_shape=jax.ShapeDtypeStruct((n_out, head_dim), q_rot.dtype),
         grid=(tile_seq.shape[0], kv_heads),
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),

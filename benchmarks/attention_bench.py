@@ -1,0 +1,258 @@
+"""`minipic-bench attention`: paged attention speed on the GPU next to its anchors, one run.
+
+Decode: S sequences x 1 token over ctx cached keys (block tables randomly permuted) -> effective
+K+V bandwidth (bytes of K and V read once / time). Prefill: causal chunks -> TFLOP/s counted on the
+causal (unmasked) pairs only, 4 * H * D FLOPs per (query, key) pair. Anchors measured in the same
+process: device copy rate, XLA gather + dense (decode), JAX's Pallas `paged_attention` (decode),
+cuDNN via `jax.nn.dot_product_attention` (prefill), JAX's Mosaic GPU `attention_mgpu` (prefill).
+Timing: warm-up, then `iters` calls dispatched back to back and one block_until_ready, repeated
+`reps` times; the median per-call time is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+import numpy as np
+
+
+def add_parser(p: argparse.ArgumentParser):
+    p.add_argument("--seqs", type=int, default=64)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--prefill", type=str, nargs="*", default=["4x8192+0", "4x1024+7168"],
+                   help="SEQSxNEW+CACHED prefill shapes")
+    p.add_argument("--sweep", action="store_true", help="also sweep kernel tile options")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--json", type=str, default=None, help="write all rows to this file")
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script only")
+
+
+def _time(fn, *args, iters, reps):
+    import jax
+    out = fn(*args)
+    jax.block_until_ready(out)
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def _decode_inputs(rng, seqs, ctx, heads, kv_heads, head_dim, page_size, dtype):
+    import jax.numpy as jnp
+    from kernels_pallas.paged_attention.metadata import AttentionMetadata
+    per_seq = ctx // page_size
+    num_pages = seqs * per_seq + 8
+    tables = rng.permutation(num_pages)[: seqs * per_seq].reshape(seqs, per_seq).astype(np.int32)
+    md = AttentionMetadata(
+        q_positions=jnp.full((seqs,), ctx - 1, jnp.int32),
+        q_window_start=jnp.zeros((seqs,), jnp.int32),
+        q_seq=jnp.arange(seqs, dtype=jnp.int32),
+        cu_q_lens=jnp.arange(seqs + 1, dtype=jnp.int32),
+        num_blocks=jnp.full((seqs,), per_seq, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        block_pos_start=jnp.asarray(np.tile(np.arange(per_seq, dtype=np.int32) * page_size,
+                                            (seqs, 1))),
+        block_num_valid=jnp.full((seqs, per_seq), page_size, jnp.int32),
+        slot_mapping=jnp.full((seqs,), -1, jnp.int32),
+    )
+    import jax
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    k1, k2, k3 = jax.random.split(key, 3)
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    q = jax.random.normal(k1, (seqs, heads, head_dim), dtype)
+    k = jax.random.normal(k2, shape, dtype)
+    v = jax.random.normal(k3, shape, dtype)
+    return q, k, v, md
+
+
+def _prefill_inputs(rng, seqs, new, cached, heads, kv_heads, head_dim, page_size, dtype):
+    import jax
+    import jax.numpy as jnp
+    from kernels_pallas.paged_attention.metadata import AttentionMetadata
+    total = new + cached
+    per_seq = total // page_size
+    num_pages = seqs * per_seq + 8
+    tables = rng.permutation(num_pages)[: seqs * per_seq].reshape(seqs, per_seq).astype(np.int32)
+    pos = np.tile(np.arange(cached, total, dtype=np.int32), seqs)
+    md = AttentionMetadata(
+        q_positions=jnp.asarray(pos),
+        q_window_start=jnp.zeros((seqs * new,), jnp.int32),
+        q_seq=jnp.asarray(np.repeat(np.arange(seqs, dtype=np.int32), new)),
+        cu_q_lens=jnp.asarray(np.arange(seqs + 1, dtype=np.int32) * new),
+        num_blocks=jnp.full((seqs,), per_seq, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        block_pos_start=jnp.asarray(np.tile(np.arange(per_seq, dtype=np.int32) * page_size,
+                                            (seqs, 1))),
+        block_num_valid=jnp.full((seqs, per_seq), page_size, jnp.int32),
+        slot_mapping=jnp.full((seqs * new,), -1, jnp.int32),
+    )
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    k1, k2, k3 = jax.random.split(key, 3)
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    q = jax.random.normal(k1, (seqs * new, heads, head_dim), dtype)
+    k = jax.random.normal(k2, shape, dtype)
+    v = jax.random.normal(k3, shape, dtype)
+    return q, k, v, md
+
+
+def _row(rows, **kw):
+    rows.append(kw)
+    unit = "TB/s" if "tbps" in kw else "TFLOP/s"
+    val = kw.get("tbps", kw.get("tflops"))
+    print(f"  {kw['case']:<16} {kw['impl']:<40} {kw['ms']:8.3f} ms  {val:7.2f} {unit}", flush=True)
+
+
+def _safe(rows, case, impl, fn, *args, iters, reps, work, unit):
+    try:
+        t = _time(fn, *args, iters=iters, reps=reps)
+    except Exception as e:  # an anchor that does not build here must not sink the whole run
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        print(f"  {case:<16} {impl:<40} FAILED {msg}", flush=True)
+        rows.append(dict(case=case, impl=impl, error=msg))
+        return None
+    _row(rows, case=case, impl=impl, ms=t * 1e3, **{unit: work / t / 1e12})
+    return t
+
+
+def run(args) -> int:
+    import jax
+    import jax.numpy as jnp
+    from kernels_pallas.paged_attention.api import _xla_paged_attention, paged_attention, write_kv
+    from kernels_pallas.paged_attention.random_inputs import inv_freq_for
+
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    rng = np.random.default_rng(0)
+    dtype = jnp.bfloat16
+    H, K, D, B = args.heads, args.kv_heads, args.head_dim, args.page_size
+    inv = jnp.asarray(inv_freq_for(D, theta=500000.0))
+    it = dict(iters=args.iters, reps=args.reps)
+    rows = []
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
+
+    x = jnp.ones((1 << (16 if args.interpret else 30),), jnp.bfloat16)  # 2 GiB
+    _safe(rows, "copy", "x * 2 (read + write)", jax.jit(lambda a: a * 2), x, work=2 * x.nbytes,
+          unit="tbps", **it)
+    del x
+
+    def ours(kv_mode, **opts):
+        return jax.jit(lambda q, k, v, md: paged_attention(
+            q, k, v, md, inv, kv_mode=kv_mode, implementation="triton", kernel_options=opts,
+            interpret=args.interpret))
+
+    for ctx in args.contexts:
+        case = f"decode ctx{ctx}"
+        q, k, v, md = _decode_inputs(rng, args.seqs, ctx, H, K, D, B, dtype)
+        kv_bytes = 2 * args.seqs * ctx * K * D * q.dtype.itemsize
+        t_rot = _safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
+                      work=kv_bytes, unit="tbps", **it)
+        t_free = _safe(rows, case, "ours triton position_free", ours("position_free"), q, k, v,
+                       md, work=kv_bytes, unit="tbps", **it)
+        if t_rot and t_free:
+            print(f"  {case:<16} RoPE-at-read overhead {100 * (t_free / t_rot - 1):+.1f}%")
+            rows.append(dict(case=case, overhead_pct=100 * (t_free / t_rot - 1)))
+        if args.sweep:
+            for bk, nw, ns in ((32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
+                               (128, 8, 3)):
+                _safe(rows, case, f"ours position_free bk{bk} w{nw} s{ns}",
+                      ours("position_free", block_k=bk, num_warps=nw, num_stages=ns),
+                      q, k, v, md, work=kv_bytes, unit="tbps", **it)
+        xla = jax.jit(lambda q, k, v, md: _xla_paged_attention(
+            q, k, v, md, inv, kv_mode="position_free", attention_scaling=1.0, sm_scale=D ** -0.5))
+        _safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, work=kv_bytes,
+              unit="tbps", **it)
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+        k_t, v_t = jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)  # [K, P, B, D] (its layout)
+        lengths = jnp.full((args.seqs,), ctx, jnp.int32)
+        for ppcb, splits in ((8, 16), (16, 8)):
+            fn = jax.jit(lambda q, k, v, bt, ln, ppcb=ppcb, splits=splits: jax_pa.paged_attention(
+                q, k, v, bt, ln, pages_per_compute_block=ppcb, k_splits=splits))
+            _safe(rows, case, f"jax pallas paged_attention p{ppcb} s{splits}", fn, q, k_t, v_t,
+                  md.block_tables, lengths, work=kv_bytes, unit="tbps", **it)
+        del k_t, v_t
+        # Writing this step's new K/V rows as a separate step (what fusion would save).
+        new = jnp.ones((args.seqs, K, D), dtype)
+        slots = jnp.asarray(np.asarray(md.block_tables)[:, -1] * B + B - 1, jnp.int32)
+        wk = jax.jit(write_kv, donate_argnums=(0, 1))
+        kk, vv = jnp.copy(k), jnp.copy(v)
+        del k, v, q
+        t0 = None
+        try:
+            for _ in range(3):
+                kk, vv = wk(kk, vv, new, new, slots)
+            jax.block_until_ready(kk)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                kk, vv = wk(kk, vv, new, new, slots)
+            jax.block_until_ready(kk)
+            t_w = (time.perf_counter() - t0) / 20
+            print(f"  {case:<16} write_kv separate step {t_w * 1e3:8.3f} ms")
+            rows.append(dict(case=case, impl="write_kv separate", ms=t_w * 1e3))
+        except Exception as e:
+            print(f"  {case:<16} write_kv FAILED {type(e).__name__}")
+        del kk, vv
+
+    for spec in args.prefill:
+        seqs, rest = spec.split("x")
+        new, cached = (int(a) for a in rest.split("+"))
+        seqs = int(seqs)
+        case = f"prefill {spec}"
+        q, k, v, md = _prefill_inputs(rng, seqs, new, cached, H, K, D, B, dtype)
+        pairs = seqs * sum(cached + i + 1 for i in range(new))
+        flops = 4.0 * H * D * pairs
+        t_rot = _safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
+                      work=flops, unit="tflops", **it)
+        t_free = _safe(rows, case, "ours triton position_free", ours("position_free"), q, k, v,
+                       md, work=flops, unit="tflops", **it)
+        if t_rot and t_free:
+            print(f"  {case:<16} RoPE-at-read overhead {100 * (t_free / t_rot - 1):+.1f}%")
+            rows.append(dict(case=case, overhead_pct=100 * (t_free / t_rot - 1)))
+        if args.sweep:
+            for bq, bk, nw, ns in ((16, 64, 4, 2), (32, 64, 8, 2), (16, 128, 8, 2),
+                                   (32, 32, 4, 3), (32, 64, 4, 3)):
+                _safe(rows, case, f"ours position_free bq{bq} bk{bk} w{nw} s{ns}",
+                      ours("position_free", block_q=bq, block_k=bk, num_warps=nw, num_stages=ns),
+                      q, k, v, md, work=flops, unit="tflops", **it)
+        if cached == 0:
+            qd = q.reshape(seqs, new, H, D)
+            kd = jax.random.normal(jax.random.key(1), (seqs, new, K, D), dtype)
+            vd = jax.random.normal(jax.random.key(2), (seqs, new, K, D), dtype)
+            cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="cudnn"))
+            _safe(rows, case, "cudnn dot_product_attention (dense)", cudnn, qd, kd, vd,
+                  work=flops, unit="tflops", **it)
+            try:
+                from jax.experimental.pallas.ops.gpu import attention_mgpu as amg
+                cfg = amg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                       causal=True)
+                mg = jax.jit(lambda q, k, v: amg.attention(q, k, v, cfg))
+                _safe(rows, case, "jax attention_mgpu (dense)", mg, qd, kd, vd, work=flops,
+                      unit="tflops", **it)
+            except Exception as e:
+                print(f"  {case:<16} attention_mgpu FAILED {type(e).__name__}: {e}"[:300])
+            del qd, kd, vd
+        del q, k, v
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="attention_bench")
+    add_parser(parser)
+    raise SystemExit(run(parser.parse_args()))
