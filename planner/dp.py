@@ -96,8 +96,7 @@ class _Hull:
         self.dx = np.diff(x)  # [K]
         self.uniform = bool(np.all(self.dx == 1.0))
         self.y = y  # [K+1] nondecreasing
-        self.scratch = np.empty(x.size, dtype=np.intp)  # [K+1] PAVA block starts
-        self.last = x.size - 1
+        self.scratch = np.empty(x.size, dtype=np.intp)  # [K+1] PAVA block starts, then K
 
     def argmin(self, b):
         """For each query y_j, the smallest s minimising b_s - x_s * y_j."""
@@ -105,15 +104,15 @@ class _Hull:
         if not self.uniform:
             z /= self.dx
         z, _, r, nb = _pava(z, self.dx.copy(), self.scratch)
-        starts = r[:nb]  # [H] hull vertex where each hull segment starts
-        slopes = z[starts]  # [H] nondecreasing
+        verts = r[: nb + 1]  # [H+1] hull vertices: where each hull segment starts, then K
+        slopes = z[verts[:-1]]  # [H] nondecreasing
         # count[j] = number of segments with slope < y_j; the minimiser is the vertex after them.
         if 8 * nb < self.y.size:  # few segments: search them in y, then spread by a cumsum
             first = np.searchsorted(self.y, slopes, side="right")  # [H] first j with y_j > slope
             count = np.cumsum(np.bincount(first, minlength=self.y.size + 1)[: self.y.size])
         else:
             count = np.searchsorted(slopes, self.y, side="left")  # [K+1]
-        return np.append(starts, self.last)[count]
+        return verts[count]
 
 
 def _layers(x, q, max_m):
@@ -129,11 +128,15 @@ def _layers(x, q, max_m):
     args = np.empty((max_m, k1), dtype=np.int32)
     hull = _Hull(x, y) if max_m else None
     b = np.empty(k1)  # [K+1]
+    srow = np.empty(k1, dtype=np.intp)  # [K+1]
+    xp1 = xp[1:]
     for m in range(max_m):
         b[0] = 0.0  # s = 0: no checkpoint at all before row j
         np.subtract(d[:-1], base[1:], out=b[1:])  # b_s = D_{m-1}[s-1] - X[s] + x_s Q[s]
-        s = np.minimum(hull.argmin(b), rows)
-        d = b[s] + xp[1:] - x[s] * y  # D_m[j] = g(s) + w(s, j)
+        s = np.minimum(hull.argmin(b), rows, out=srow)
+        d = b[s]  # D_m[j] = g(s) + w(s, j) = b_s + X[j+1] - x_s Q[j+1]
+        d += xp1
+        d -= (s if hull.uniform else x[s]) * y
         args[m] = s
         ends.append(d[-1])
     return np.asarray(ends), args
