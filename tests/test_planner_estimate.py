@@ -56,6 +56,12 @@ def test_tv_distance():
     want = 0.5 * sum(abs(a / p.sum() - b / q.sum()) for a, b in zip(p, q))
     assert tv_distance(p, q) == pytest.approx(want)
     assert tv_distance(p, 3 * p) == pytest.approx(0.0)
+    cand = [5, 17, 29]  # bins [0,5) [5,17) [17,29) [29,29]
+    edges = [0, 5, 17, 29, 30]
+    pb = [p[a:b].sum() / p.sum() for a, b in zip(edges, edges[1:])]
+    qb = [q[a:b].sum() / q.sum() for a, b in zip(edges, edges[1:])]
+    assert tv_distance(p, q, cand) == pytest.approx(0.5 * sum(abs(a - b) for a, b in zip(pb, qb)))
+    assert tv_distance(p, q, cand) <= tv_distance(p, q) + 1e-12
 
 
 def test_replanner_every_k_and_on_drift():
@@ -80,19 +86,21 @@ def test_replanner_every_k_and_on_drift():
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 120), budget=st.integers(0, 10), seed=st.integers(0, 2**32 - 1),
-       mix=st.floats(0.0, 1.0))
-def test_robustness_bound_holds(n, budget, seed, mix):
+       mix=st.floats(0.0, 1.0), chunk=st.sampled_from([None, 4, 16]))
+def test_robustness_bound_holds(n, budget, seed, mix, chunk):
     rng = np.random.default_rng(seed)
     p = rng.gamma(0.3, size=n + 1) + 1e-12
     p /= p.sum()
     other = rng.gamma(0.3, size=n + 1) + 1e-12
     q = (1 - mix) * p + mix * other / other.sum()  # an estimate at a controlled distance
-    tv = tv_distance(p, q)
-    c_p, c_q = place(p, budget), place(q, budget)
+    cand = None if chunk is None else list(range(chunk, n + 1, chunk))
+    tv = tv_distance(p, q, cand)  # over candidate bins when placements are restricted to them
+    assert tv <= tv_distance(p, q) + 1e-12
+    c_p, c_q = place(p, budget, candidates=cand), place(q, budget, candidates=cand)
     regret = expected_recompute(p, c_q) - expected_recompute(p, c_p)
     assert regret >= -1e-12
     assert regret <= tv * (max_gap(c_q, n) + max_gap(c_p, n)) + 1e-12
     assert regret <= regret_bound(tv, c_q, n) + 1e-12 <= 2 * n * tv + 2e-12
-    # the per-placement step of the proof: |E_p[C] - E_q[C]| <= TV * G(C)
-    gap = abs(expected_recompute(p, c_q) - expected_recompute(q, c_q))
-    assert gap <= tv * max_gap(c_q, n) + 1e-12
+    if cand is None:  # the per-placement step of the proof: |E_p[C] - E_q[C]| <= TV * G(C)
+        gap = abs(expected_recompute(p, c_q) - expected_recompute(q, c_q))
+        assert gap <= tv * max_gap(c_q, n) + 1e-12
