@@ -97,15 +97,16 @@ def config_from_hf(hf: dict) -> ModelConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ValueError(f"config.json: {flag}=true is not supported by the Llama family")
-    max_pos = int(hf.get("max_position_embeddings", 2048 if model_type == "llama" else 131072))
-    window = hf.get("sliding_window")
+    max_pos = int(hf.get("max_position_embeddings", 131072 if model_type == "mistral" else 2048))
+    mistral = model_type == "mistral"  # absent keys take HF's class defaults
+    window = hf.get("sliding_window", 4096 if mistral else None)
     if window is not None and int(window) < max_pos:
         raise ValueError(f"config.json: sliding_window={window} < max_position_embeddings="
                          f"{max_pos}; sliding-window attention is not supported")
     heads = int(hf["num_attention_heads"])
-    eos = hf.get("eos_token_id")
+    eos = hf.get("eos_token_id", 2)
     eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    bos = hf.get("bos_token_id")
+    bos = hf.get("bos_token_id", 1)
     return ModelConfig(
         model_type=model_type,
         vocab_size=int(hf["vocab_size"]),
@@ -113,7 +114,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         intermediate_size=int(hf["intermediate_size"]),
         num_layers=int(hf["num_hidden_layers"]),
         num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        num_kv_heads=int(hf.get("num_key_value_heads", 8 if mistral else None) or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=_rope_from_hf(hf),
