@@ -131,8 +131,9 @@ def test_bfloat16_load_runs_and_tracks_fp32():
     got = testing.prefill_logits(m.family, m.params, m.cfg, ref["prompts"], dtype=jnp.bfloat16)
     for g, want in zip(got, ref["logits"]):
         assert g.dtype == np.float32 and np.isfinite(g).all()
-        scale = np.abs(want[:len(g)]).max()
-        assert np.abs(g - want[:len(g)]).max() <= 0.05 * scale  # bf16 rounding, not a bug
+        want = want[:len(g)]
+        # bf16 keeps 8 mantissa bits (0.4% per rounding); measured ~1-2% relative L2 here.
+        assert np.linalg.norm(g - want) <= 0.04 * np.linalg.norm(want)
 
 
 def _ref_python() -> str | None:
