@@ -95,7 +95,7 @@ def test_rotated_kv_mode_gives_the_same_logits(fresh_rng):
         np.testing.assert_allclose(np.stack(a), np.stack(b), atol=1e-5)
 
 
-def test_forward_writes_only_its_slots_and_returns_all_rows_by_default():
+def test_jitted_forward_donates_cache_writes_only_its_slots_returns_all_rows():
     m = load_model(FIXTURES / "llama_gqa4_tied_hd16")
     pager = testing.SimplePager(1, 16, page_size=4, seed=0)
     cache = m.family.init_cache(m.cfg, pager.num_pages, 4, 1, jnp.float32)
@@ -104,7 +104,9 @@ def test_forward_writes_only_its_slots_and_returns_all_rows_by_default():
     toks[:n] = np.arange(6) + 40
     fwd = jax.jit(m.family.forward, static_argnames=("cfg", "kv_mode", "attn_impl"),
                   donate_argnames=("cache",))
+    donated = jax.tree.leaves(cache)
     logits, cache = fwd(m.params, jnp.asarray(toks), md, cache, cfg=m.cfg)
+    assert all(x.is_deleted() for x in donated)  # the cache really is donated (updated in place)
     assert logits.shape == (md.num_tokens, m.cfg.vocab_size) and logits.dtype == jnp.float32
     written = np.zeros(pager.num_pages * 4, bool)
     written[np.asarray(md.slot_mapping)[:n]] = True
