@@ -70,6 +70,8 @@ def test_folder_without_config(tmp_path):
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "gelu"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                          "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
 ])
 def test_unsupported_config_is_named(tmp_path, edit, pattern):
     folder = _copy("llama_mha", tmp_path)
@@ -77,6 +79,13 @@ def test_unsupported_config_is_named(tmp_path, edit, pattern):
     (folder / "config.json").write_text(json.dumps({**cfg, **edit}))
     with pytest.raises(ValueError, match=pattern):
         load_model(folder)
+
+
+def test_generation_config_eos_ids_are_added(tmp_path):
+    folder = _copy("llama_mha", tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [258, 257]}))
+    m = load_model(folder)
+    assert m.cfg.eos_token_ids == (257, 258) and m.tokenizer.eos_token_ids == (257, 258)
 
 
 def test_mistral_sliding_window_is_rejected(tmp_path):

@@ -103,6 +103,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if window is not None and int(window) < max_pos:
         raise ValueError(f"config.json: sliding_window={window} < max_position_embeddings="
                          f"{max_pos}; sliding-window attention is not supported")
+    rope_cfg = _rope_from_hf(hf)
+    if rope_cfg.partial_rotary_factor != 1.0:  # HF's Llama cannot run it either
+        raise ValueError(f"config.json: partial_rotary_factor={rope_cfg.partial_rotary_factor} is "
+                         f"not supported by the Llama family")
     heads = int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id", 2)
     eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
@@ -117,7 +121,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         num_kv_heads=int(hf.get("num_key_value_heads", 8 if mistral else None) or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(hf),
+        rope=rope_cfg,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos,
         bos_token_id=None if bos is None else int(bos),
