@@ -86,10 +86,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             ids, text = self.to_token_ids(p, i)
             rid = str(self._next_id + i)
-            try:
-                engine.validate(rid, ids, sp)
-            except ValueError as err:
-                raise ValueError(f"request {i}: {err}") from None
+            engine.validate(rid, ids, sp, label=f"request {i}")
             reqs.append((rid, ids, text, sp))
         self._next_id += len(prompts)
         for rid, ids, text, sp in reqs:

@@ -89,23 +89,24 @@ class LLMEngine:
                                num_logprobs=num_logprobs)
 
     # -- requests ------------------------------------------------------------------------------
-    def validate(self, request_id, prompt_token_ids, sampling_params):
+    def validate(self, request_id, prompt_token_ids, sampling_params, *, label: str | None = None):
         """Raise a ValueError naming the request for input the engine cannot run; returns the
         prompt layout. Nothing is touched, so other requests are unaffected."""
         cfg = self.config
+        who = label or f"request {request_id!r}"
         ids = list(prompt_token_ids)
         if not ids:
-            raise ValueError(f"request {request_id!r}: empty prompt")
+            raise ValueError(f"{who}: empty prompt")
         arr = np.asarray(ids)
         if arr.dtype.kind not in "iu":
-            raise ValueError(f"request {request_id!r}: prompt token ids must be integers")
+            raise ValueError(f"{who}: prompt token ids must be integers")
         bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
         if bad.size:
             k = int(bad[0])
-            raise ValueError(f"request {request_id!r}: token id {ids[k]} at index {k} is outside "
+            raise ValueError(f"{who}: token id {ids[k]} at index {k} is outside "
                              f"the vocabulary [0, {self.vocab_size})")
         if len(ids) >= cfg.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens is too long "
+            raise ValueError(f"{who}: prompt of {len(ids)} tokens is too long "
                              f"for max_model_len={cfg.max_model_len} (it needs room for at "
                              f"least one generated token)")
         m = self.markers
@@ -113,25 +114,25 @@ class LLMEngine:
                               ssep_id=m["ssep_token_id"], pdep_id=m["pdep_token_id"],
                               markers=cfg.kv_mode != "pic_off")
         if layout.num_valid == 0:
-            raise ValueError(f"request {request_id!r}: prompt holds only pad tokens "
+            raise ValueError(f"{who}: prompt holds only pad tokens "
                              f"(pad_token_id={m['pad_token_id']})")
         if cfg.kv_mode == "rotated" and layout.has_markers:
             blk = int(np.flatnonzero(layout.seg_start[1:])[0]) + 1 if layout.seg_start[1:].any() else 0
-            raise ValueError(f"request {request_id!r}: SSEP/PDEP marker at token index "
+            raise ValueError(f"{who}: SSEP/PDEP marker at token index "
                              f"{blk * cfg.block_size} but kv_mode='rotated' cannot reuse spans at "
                              f"other offsets; use kv_mode='position_free' or remove the markers")
         max_tokens = sampling_params.max_tokens or cfg.max_model_len
         total = min(len(ids) + max_tokens, cfg.max_model_len)
         need = -(-total // cfg.block_size)
         if need > self.num_blocks:
-            raise ValueError(f"request {request_id!r}: needs {need} KV blocks "
+            raise ValueError(f"{who}: needs {need} KV blocks "
                              f"({total} tokens / block_size {cfg.block_size}) but the pool has "
                              f"only {self.num_blocks}; raise num_kv_blocks or lower max_tokens")
         if sampling_params.logprobs is not None and sampling_params.logprobs > cfg.max_logprobs:
-            raise ValueError(f"request {request_id!r}: logprobs={sampling_params.logprobs} > "
+            raise ValueError(f"{who}: logprobs={sampling_params.logprobs} > "
                              f"max_logprobs={cfg.max_logprobs}")
         if request_id in self._seqs:
-            raise ValueError(f"request {request_id!r}: request id already in use")
+            raise ValueError(f"{who}: request id already in use")
         return layout
 
     def add_request(self, request_id, prompt_token_ids, sampling_params, *,
@@ -222,23 +223,23 @@ class LLMEngine:
     def _postprocess(self, batch, out, num_lp) -> list[RequestOutput]:
         finished = []
         now = time.time()
-        tokens = out["tokens"]
+        tokens = out["tokens"].tolist()
+        logprob = out["logprob"].tolist()
         for i, e in enumerate(batch):
             if not e.sample:
                 continue
             seq = e.seq
             sp = seq.sampling_params
-            tok = int(tokens[i])
+            tok = tokens[i]
             if sp.logprobs is not None:
-                d = {tok: Logprob(float(out["logprob"][i]),
-                                  int(out["rank"][i]) if "rank" in out else None)}
+                d = {tok: Logprob(logprob[i], int(out["rank"][i]) if "rank" in out else None)}
                 if sp.logprobs:
                     for r in range(sp.logprobs):
                         tid = int(out["top_ids"][i, r])
                         if tid not in d:
                             d[tid] = Logprob(float(out["top_logprobs"][i, r]), r + 1)
                 seq.output_logprobs.append(d)
-            seq.cum_logprob = getattr(seq, "cum_logprob", 0.0) + float(out["logprob"][i])
+            seq.cum_logprob += logprob[i]
             seq.append_token(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -271,7 +272,7 @@ class LLMEngine:
                 for d in lps:
                     for tid, lp in d.items():
                         lp.decoded_token = self.tokenizer.decode([tid])
-        comp = CompletionOutput(0, text, list(ids), getattr(seq, "cum_logprob", None), lps,
+        comp = CompletionOutput(0, text, list(ids), seq.cum_logprob, lps,
                                 seq.finish_reason, seq.stop_reason)
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                                  seq.finished_time, seq.num_preemptions)

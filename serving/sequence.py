@@ -50,6 +50,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.output_logprobs: list = []
+        self.cum_logprob = 0.0
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -1,0 +1,191 @@
+"""`minipic-bench engine`: the paged engine on one GPU (Llama-3-8B shape, random bf16 weights).
+
+Three measurements, one engine, one run:
+  1. copy rate: device-to-device copy of a large array (the anchor for the memory floor);
+  2. decode step at batch B, context C (synthetic context: the KV pages are allocated and read
+     in full, their values do not matter): engine.step() wall time, its host share (scheduling,
+     hashing, metadata, postprocess = step time minus the wait for the device), the jitted step
+     alone, and the memory floor (weight bytes + K/V bytes read) / copy rate;
+  3. a R-request RAG-style run (shared system prompt, SSEP document spans, random questions and
+     output lengths) after `engine.warmup()`: XLA backend compiles counted through
+     jax.monitoring during the run (goal 0), throughput in vLLM's line format, cache hit rate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def add_parser(p):
+    p.add_argument("--model", default="llama3_8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--decode-steps", type=int, default=20)
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--min-token-bucket", type=int, default=128)
+    p.add_argument("--copy-gb", type=float, default=4.0)
+    p.add_argument("--attn-impl", default=None, help="paged_attention implementation (None = best)")
+    p.add_argument("--skip-run", action="store_true", help="only the decode measurement")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+
+
+def _copy_rate(gb: float) -> float:
+    import jax
+    import jax.numpy as jnp
+    n = int(gb * (1 << 30)) // 2
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * jnp.bfloat16(1.0001))
+    jax.block_until_ready(f(x))
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        best = min(best, time.perf_counter() - t)
+    del x
+    return 2 * n * 2 / best  # bytes read + written per second
+
+
+def _prime_decode(engine, batch: int, ctx: int, steps: int, rng):
+    """Admit `batch` requests with ctx-1 prompt tokens as if their prompts were computed."""
+    from minipic_jax import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"decode-{i}", rng.integers(0, 120000, ctx - 1).tolist(), sp)
+    sched = engine.scheduler
+    while sched.waiting:
+        seq = sched.waiting[0]
+        if not sched._try_allocate(seq, sched.free_seats):
+            raise RuntimeError("pool too small for the decode batch")
+        sched.waiting.popleft()
+        sched.running.append(seq)
+        seq.num_computed = len(seq) - 1  # synthetic context: the next step is a decode
+
+
+def _rag_workload(n: int, rng, block_size: int, markers: dict):
+    from minipic_jax import Prompt, Span, build_prompt
+    system = rng.integers(0, 120000, 90).tolist()
+    docs = [rng.integers(0, 120000, int(rng.integers(30, 250))).tolist() for _ in range(64)]
+    prompts, max_tokens = [], []
+    for _ in range(n):
+        picked = rng.choice(len(docs), size=int(rng.integers(1, 5)), replace=False)
+        q = rng.integers(0, 120000, int(rng.integers(5, 60))).tolist()
+        segs = [Prompt(system), *[Span(docs[d]) for d in picked], Prompt(q)]
+        prompts.append(build_prompt(segs, block_size=block_size, **markers))
+        max_tokens.append(int(rng.integers(4, 48)))
+    return prompts, max_tokens
+
+
+def run(args) -> int:
+    import jax
+    import numpy as np
+    from jax import monitoring
+
+    from minipic_jax import LLM, SamplingParams
+
+    compiles = {"n": 0}
+
+    def on_event(name, *a, **k):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles["n"] += 1
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    res = {"device": str(jax.devices()[0].device_kind), "model": args.model, "dtype": args.dtype,
+           "batch": args.batch, "ctx": args.ctx}
+    t0 = time.perf_counter()
+    res["copy_rate_GBps"] = _copy_rate(args.copy_gb) / 1e9
+    print(f"copy rate: {res['copy_rate_GBps']:.0f} GB/s", flush=True)
+
+    bs = 16
+    max_len = args.ctx + 64
+    nb_per_seq = -(-max_len // bs)
+    llm = LLM(args.model, dtype=args.dtype, seed=0, max_num_seqs=args.batch,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
+              block_size=bs, num_kv_blocks=args.batch * nb_per_seq + 64,
+              min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl)
+    engine = llm.llm_engine
+    cfg = engine.loaded.cfg
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.loaded.params))
+    res["load_s"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    engine.warmup()
+    res["warmup_s"] = time.perf_counter() - t
+    res["compiles_in_warmup"] = compiles["n"]
+    print(f"loaded in {res['load_s']:.1f} s, warm-up compiled {engine.runner.num_compiles} step "
+          f"shapes in {res['warmup_s']:.1f} s", flush=True)
+
+    # -- decode step ------------------------------------------------------------------------
+    rng = np.random.default_rng(0)
+    _prime_decode(engine, args.batch, args.ctx, args.decode_steps, rng)
+    engine.step()  # first decode step (transfers, allocator warm-up)
+    walls, waits = [], []
+    for _ in range(args.decode_steps):
+        s0, w0 = engine.stats.step_time, engine.stats.device_wait
+        engine.step()
+        walls.append(engine.stats.step_time - s0)
+        waits.append(engine.stats.device_wait - w0)
+    r = engine.runner
+    ints, floats, kw = r.last_inputs
+    cache = r.cache
+    for _ in range(2):
+        cache, out = r._step(r.params, cache, ints, floats, **kw)
+    jax.block_until_ready(out)
+    dev = []
+    for _ in range(10):
+        t = time.perf_counter()
+        cache, out = r._step(r.params, cache, ints, floats, **kw)
+        jax.block_until_ready(out)
+        dev.append(time.perf_counter() - t)
+    r.cache = cache
+    kv_bytes = (args.batch * args.ctx * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                * np.dtype(jax.numpy.dtype(args.dtype)).itemsize)
+    floor = (weight_bytes + kv_bytes) / (res["copy_rate_GBps"] * 1e9)
+    step_wall = float(np.median(walls))
+    res.update(weight_GB=weight_bytes / 1e9, kv_GB=kv_bytes / 1e9, floor_ms=floor * 1e3,
+               decode_step_wall_ms=step_wall * 1e3, decode_step_device_ms=float(np.median(dev)) * 1e3,
+               decode_host_share=float(np.median([(w - d) / w for w, d in zip(walls, waits)])),
+               decode_wall_over_floor=step_wall / floor,
+               decode_device_over_floor=float(np.median(dev)) / floor)
+    print(f"decode batch {args.batch} ctx {args.ctx}: step {res['decode_step_wall_ms']:.2f} ms "
+          f"(jitted step alone {res['decode_step_device_ms']:.2f} ms), floor {floor * 1e3:.2f} ms "
+          f"-> {res['decode_wall_over_floor']:.2f}x floor; host share "
+          f"{100 * res['decode_host_share']:.1f}%", flush=True)
+    for i in range(args.batch):
+        engine.abort_request(f"decode-{i}")
+
+    # -- R-request run ----------------------------------------------------------------------
+    if not args.skip_run:
+        prompts, max_tokens = _rag_workload(args.num_requests, rng, bs, engine.markers)
+        sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        before = dict(engine.get_stats())
+        c0 = compiles["n"]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        after = engine.get_stats()
+        n_in = sum(len(o.prompt_token_ids) for o in outs)
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps = after["steps"] - before["steps"]
+        res.update(
+            run_requests=len(outs), run_elapsed_s=elapsed, requests_per_second=len(outs) / elapsed,
+            tokens_per_second=(n_in + n_out) / elapsed, output_tokens_per_second=n_out / elapsed,
+            run_compiles_after_warmup=compiles["n"] - c0,
+            run_step_shapes_added=after["num_compiles"] - before["num_compiles"],
+            run_steps=steps, run_prompt_tokens=n_in, run_output_tokens=n_out,
+            run_cached_tokens=sum(o.num_cached_tokens for o in outs),
+            run_preemptions=after["preemptions"] - before["preemptions"])
+        print(f"Throughput: {len(outs) / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.2f} "
+              f"total tokens/s, {n_out / elapsed:.2f} output tokens/s")
+        print(f"{len(outs)} requests in {steps} steps: compiles after warm-up "
+              f"{res['run_compiles_after_warmup']}, cache hits {res['run_cached_tokens']} of "
+              f"{n_in} prompt tokens, preemptions {res['run_preemptions']}", flush=True)
+    res["engine_stats"] = engine.get_stats()
+    res["total_s"] = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "engine_bench.json"), "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    print(json.dumps({k: v for k, v in res.items() if k != "engine_stats"}, default=str))
+    return 0
