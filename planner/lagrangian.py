@@ -89,10 +89,20 @@ def place_lagrangian(pmf, budget: int, candidates=None, max_iter: int = 100) -> 
     x, q, const, pos = _prepare(pmf, candidates)
     # adding one checkpoint saves at most OPT(0) <= x_K, so above that price none is worth it
     lo, hi = 0.0, float(x[-1]) + 1.0
+    # continuum guess: spacing L(t) = sqrt(2 lam / p(t)) gives M = integral sqrt(p / (2 lam)) dt
+    mass = float(np.sum(np.sqrt(q[1:] * np.diff(x))))
+    guess = mass**2 / (2.0 * budget**2) if budget else hi
     best = (np.asarray([], dtype=np.int64), 0.0)
     best_cnt, bound, it = -1, -np.inf, 0
     for it in range(1, max_iter + 1):
-        lam = 0.5 * (lo + hi) if it > 1 else 0.0
+        if it == 1:
+            lam = 0.0
+        elif it == 2 and lo < guess < hi:
+            lam = guess
+        elif lo == 0.0:
+            lam = hi / 4.0
+        else:  # bisect in log space while the bracket is wide, then plainly
+            lam = float(np.sqrt(lo * hi)) if hi > 2.0 * lo else 0.5 * (lo + hi)
         val, cnt, chosen = _penalised(x, q, lam)
         bound = max(bound, val - lam * budget + const)
         if cnt <= budget and cnt > best_cnt:
