@@ -20,6 +20,13 @@ import warnings
 import numpy as np
 
 
+# (kv_group, block_k, num_warps, num_stages) and (block_q, block_k, num_warps, num_stages)
+DECODE_SWEEP = ((1, 32, 4, 2), (2, 32, 4, 2), (4, 16, 4, 2), (4, 32, 4, 2), (8, 16, 4, 2),
+                (8, 16, 8, 2), (2, 64, 4, 3), (4, 32, 8, 3))
+PREFILL_SWEEP = ((16, 64, 4, 2), (32, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2),
+                 (16, 64, 4, 3))
+
+
 def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--heads", type=int, default=32)
@@ -143,10 +150,33 @@ def run(args) -> int:
     rows = []
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
 
-    x = jnp.ones((1 << (16 if args.interpret else 30),), jnp.bfloat16)  # 2 GiB
-    _safe(rows, "copy", "x * 2 (read + write)", jax.jit(lambda a: a * 2), x, work=2 * x.nbytes,
-          unit="tbps", **it)
+    x = jnp.ones((1 << (16 if args.interpret else 30),), jnp.float32)  # 4 GiB
+    _safe(rows, "copy", "xla x + 1 f32 (read + write)", jax.jit(lambda a: a + 1), x,
+          work=2 * x.nbytes, unit="tbps", **it)
     del x
+    if not args.interpret:
+        try:
+            import torch
+            a = torch.empty(1 << 30, dtype=torch.float32, device="cuda")
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            ts = []
+            for _ in range(args.reps):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(args.iters):
+                    b.copy_(a)
+                e1.record()
+                torch.cuda.synchronize()
+                ts.append(e0.elapsed_time(e1) / 1e3 / args.iters)
+            t = statistics.median(ts)
+            _row(rows, case="copy", impl="torch copy_ f32 4 GiB (read + write)", ms=t * 1e3,
+                 tbps=2 * a.numel() * 4 / t / 1e12)
+            del a, b
+            torch.cuda.empty_cache()
+        except Exception as e:
+            print(f"  copy torch FAILED {type(e).__name__}: {e}"[:200])
 
     def ours(kv_mode, **opts):
         return jax.jit(lambda q, k, v, md: paged_attention(
@@ -165,11 +195,11 @@ def run(args) -> int:
             print(f"  {case:<16} RoPE-at-read overhead {100 * (t_free / t_rot - 1):+.1f}%")
             rows.append(dict(case=case, overhead_pct=100 * (t_free / t_rot - 1)))
         if args.sweep:
-            for bk, nw, ns in ((32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
-                               (128, 8, 3)):
-                _safe(rows, case, f"ours position_free bk{bk} w{nw} s{ns}",
-                      ours("position_free", block_k=bk, num_warps=nw, num_stages=ns),
-                      q, k, v, md, work=kv_bytes, unit="tbps", **it)
+            for kvg, bk, nw, ns in DECODE_SWEEP:
+                for mode in ("rotated", "position_free"):
+                    _safe(rows, case, f"ours {mode} kvg{kvg} bk{bk} w{nw} s{ns}",
+                          ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
+                          q, k, v, md, work=kv_bytes, unit="tbps", **it)
         xla = jax.jit(lambda q, k, v, md: _xla_paged_attention(
             q, k, v, md, inv, kv_mode="position_free", attention_scaling=1.0, sm_scale=D ** -0.5))
         _safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, work=kv_bytes,
@@ -221,11 +251,11 @@ def run(args) -> int:
             print(f"  {case:<16} RoPE-at-read overhead {100 * (t_free / t_rot - 1):+.1f}%")
             rows.append(dict(case=case, overhead_pct=100 * (t_free / t_rot - 1)))
         if args.sweep:
-            for bq, bk, nw, ns in ((16, 64, 4, 2), (32, 64, 8, 2), (16, 128, 8, 2),
-                                   (32, 32, 4, 3), (32, 64, 4, 3)):
-                _safe(rows, case, f"ours position_free bq{bq} bk{bk} w{nw} s{ns}",
-                      ours("position_free", block_q=bq, block_k=bk, num_warps=nw, num_stages=ns),
-                      q, k, v, md, work=flops, unit="tflops", **it)
+            for bq, bk, nw, ns in PREFILL_SWEEP:
+                for mode in ("rotated", "position_free"):
+                    _safe(rows, case, f"ours {mode} bq{bq} bk{bk} w{nw} s{ns}",
+                          ours(mode, block_q=bq, block_k=bk, num_warps=nw, num_stages=ns),
+                          q, k, v, md, work=flops, unit="tflops", **it)
         if cached == 0:
             qd = q.reshape(seqs, new, H, D)
             kd = jax.random.normal(jax.random.key(1), (seqs, new, K, D), dtype)
@@ -239,13 +269,30 @@ def run(args) -> int:
                 cfg = amg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                                        causal=True)
                 mg = jax.jit(lambda q, k, v: amg.attention(q, k, v, cfg))
-                _safe(rows, case, "jax attention_mgpu (dense)", mg, qd, kd, vd, work=flops,
+                f16 = [a.astype(jnp.float16) for a in (qd, kd, vd)]  # its scratch is fp16
+                _safe(rows, case, "jax attention_mgpu fp16 (dense)", mg, *f16, work=flops,
                       unit="tflops", **it)
+                del f16
             except Exception as e:
                 print(f"  {case:<16} attention_mgpu FAILED {type(e).__name__}: {e}"[:300])
             del qd, kd, vd
         del q, k, v
 
+    print("\nbest per case and mode:")
+    best = {}
+    for r in rows:
+        if "impl" in r and "error" not in r and "ours" in r["impl"]:
+            mode = "position_free" if "position_free" in r["impl"] else "rotated"
+            key = (r["case"], mode)
+            val = r.get("tbps", r.get("tflops"))
+            if val is not None and (key not in best or val > best[key][0]):
+                best[key] = (val, r["impl"])
+    for (case, mode), (val, impl) in sorted(best.items()):
+        print(f"  {case:<20} {mode:<14} {val:8.2f}  ({impl})")
+    for case in sorted({c for c, _ in best}):
+        if (case, "rotated") in best and (case, "position_free") in best:
+            ratio = best[(case, "rotated")][0] / best[(case, "position_free")][0]
+            print(f"  {case:<20} RoPE-at-read overhead (best vs best) {100 * (ratio - 1):+.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

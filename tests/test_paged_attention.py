@@ -41,12 +41,20 @@ def _inputs(seed, dtype, kv_heads, group, head_dim, rotary_dim, page_size, specs
             share=True):
     rng = np.random.default_rng(seed)
     md, num_pages, tokens = random_batch(rng, specs, page_size=page_size, pad_prob=0.4,
-                                         share=share, pad_tokens=pad_tokens)
+                                         share=share, pad_tokens=pad_tokens,
+                                         shuffle_entries=seed % 2 == 1)
     heads = kv_heads * group
     q = jnp.asarray(rng.standard_normal((tokens, heads, head_dim)), dtype)
-    k = jnp.asarray(rng.standard_normal((num_pages, page_size, kv_heads, head_dim)), dtype)
-    v = jnp.asarray(rng.standard_normal((num_pages, page_size, kv_heads, head_dim)), dtype)
-    return q, k, v, md, jnp.asarray(inv_freq_for(head_dim, rotary_dim))
+    k = rng.standard_normal((num_pages, page_size, kv_heads, head_dim))
+    v = rng.standard_normal((num_pages, page_size, kv_heads, head_dim))
+    # Slots no sequence may read (pads past a block's valid prefix, unused pages) hold NaN.
+    readable = np.zeros((num_pages, page_size), bool)
+    for s in range(md.num_seqs):
+        for b in range(int(md.num_blocks[s])):
+            readable[int(md.block_tables[s, b]), : int(md.block_num_valid[s, b])] = True
+    k[~readable], v[~readable] = np.nan, np.nan
+    return (q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), md,
+            jnp.asarray(inv_freq_for(head_dim, rotary_dim)))
 
 
 def _rel_l2(out, ref):
@@ -65,17 +73,21 @@ def _check(out, ref, md, dtype):
                          f"-D{c[3]}R{c[4]}-B{c[5]}-{c[6]}-{len(c[7])}seq")
 def test_kernel_matches_reference_poisoned(case):
     dtype, kv_heads, group, head_dim, rot, page_size, kv_mode, specs = case
-    q, k, v, md, inv = _inputs(1, dtype, kv_heads, group, head_dim, rot, page_size, specs)
+    seed = CASES.index(case)  # odd seeds also shuffle table entries out of logical order
+    q, k, v, md, inv = _inputs(seed, dtype, kv_heads, group, head_dim, rot, page_size, specs)
     ref = paged_attention_reference(q, k, v, md, inv, kv_mode=kv_mode)
     q_rot = apply_rope(q, md.q_positions, inv)
     tokens, heads, _ = q.shape
-    for block_q in (None, 1):
-        bq = block_q or default_block_q(tokens, md.num_seqs, group)
-        poison = jnp.full((out_rows(tokens, heads, kv_heads, bq), head_dim), jnp.nan, dtype)
+    variants = [{}, {"block_q": 1, "kv_group": kv_heads},
+                {"prerotate": default_block_q(tokens, md.num_seqs, group) * group < 64}]
+    for opts in variants:
+        bq = opts.get("block_q") or default_block_q(tokens, md.num_seqs, group)
+        rows = out_rows(tokens, heads, kv_heads, bq, opts.get("kv_group", 1))
+        poison = jnp.full((rows, head_dim), jnp.nan, dtype)
         out = ragged_paged_attention_triton(
             q_rot, k, v, md, inv, rotate_keys=kv_mode == "position_free", attention_scaling=1.0,
-            sm_scale=head_dim ** -0.5, block_q=bq, block_k=max(16, page_size),
-            out=poison, interpret=INTERPRET)
+            sm_scale=head_dim ** -0.5, block_k=max(16, page_size), out=poison,
+            interpret=INTERPRET, **opts)
         _check(out, ref, md, dtype)
         assert np.all(np.isnan(np.asarray(out, np.float32)[int(md.cu_q_lens[-1]):])), \
             "kernel wrote rows that belong to no sequence"
@@ -112,12 +124,14 @@ def test_rotation_at_read_equals_classic_path(offset, seed):
     # The classic path: every stored key rotated by its logical position before the cache write.
     tables, starts = np.asarray(md.block_tables), np.asarray(md.block_pos_start)
     n_valid, nb = np.asarray(md.block_num_valid), np.asarray(md.num_blocks)
-    k_rot = np.asarray(k, np.float64).copy()
+    k_np = np.asarray(k).astype(np.float64)
+    k_rot = k_np.copy()
     for s in range(tables.shape[0]):
         for b in range(nb[s]):
             page = tables[s, b]
             pos = starts[s, b] + np.arange(n_valid[s, b])
-            k_rot[page, : n_valid[s, b]] = rotate_keys_reference(k[page, : n_valid[s, b]], pos, inv)
+            k_rot[page, : n_valid[s, b]] = rotate_keys_reference(k_np[page, : n_valid[s, b]], pos,
+                                                                      inv)
     k_rot = jnp.asarray(k_rot, jnp.float32)
     opts = dict(implementation="triton", interpret=INTERPRET, kernel_options={"block_k": 16})
     free = paged_attention(q, k, v, md, inv, kv_mode="position_free", **opts)

@@ -201,6 +201,7 @@ def _xla_paged_attention(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attentio
 
     keys = k_pages[md.block_tables].reshape(seqs, n_keys, kv_heads, head_dim)  # [S, N, K, D]
     values = v_pages[md.block_tables].reshape(seqs, n_keys, kv_heads, head_dim)
+    values = jnp.where(valid[:, :, None, None], values, 0)  # pad slots may hold garbage (NaN)
     if kv_mode == "position_free":
         keys = apply_rope(keys.reshape(seqs * n_keys, kv_heads, head_dim), key_pos.reshape(-1),
                           inv_freq, attention_scaling).reshape(keys.shape)

@@ -4,7 +4,8 @@ Each sequence is (cached, new, window): `cached` keys already in the cache, `new
 K/V are also in the cache (written before attention), window = logical window start of its queries
 (0 = whole prefix). Blocks get random physical pages; with `pad_prob` a block holds fewer valid
 slots than the page size (pads inside blocks take no position); with `share` the second block of
-every later sequence maps to sequence 0's first physical page, at a different logical offset.
+every later sequence maps to sequence 0's first physical page, at a different logical offset;
+with `shuffle_entries` each table's in-use entries are permuted (positions travel with them).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kernels_pallas.paged_attention.metadata import AttentionMetadata
 
 
 def random_batch(rng, specs, *, page_size, extra_pages=3, pad_prob=0.0, share=False,
-                 pad_tokens=0, extra_table_cols=1):
+                 pad_tokens=0, extra_table_cols=1, shuffle_entries=False):
     """specs: list of (cached, new, window) -> (AttentionMetadata, num_pages, q_tokens)."""
     seq_blocks = []  # per sequence: list of (num_valid, pos_start)
     for cached, new, _ in specs:
@@ -49,6 +50,10 @@ def random_batch(rng, specs, *, page_size, extra_pages=3, pad_prob=0.0, share=Fa
             n_valid[s, b] = valid
         if share and s > 0 and len(blocks) > 1:
             tables[s, 1] = tables[0, 0]  # same page, logical start blocks[1] != 0
+        if shuffle_entries:  # table order need not follow logical order
+            perm = rng.permutation(len(blocks))
+            for arr in (tables, starts, n_valid):
+                arr[s, : len(blocks)] = arr[s, perm]
         tables[s, len(blocks):] = rng.integers(0, num_pages, max_blocks - len(blocks))
         total = cached + new
         q_pos += list(range(cached, total))

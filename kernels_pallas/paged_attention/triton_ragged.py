@@ -18,6 +18,7 @@ Why Triton and not Mosaic GPU here: see README in this folder (kernel notes).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,38 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 _NEG_INF = float("-inf")
+
+
+def tile_step_range(md, tile_seq, tile_start, block_q: int, pages_per_step: int):
+    """[lo, hi) key steps that can hold a key visible to some query of each tile.
+
+    A step is live for a tile when some valid key in it has window_start_min <= pos <= q_pos_max
+    over the tile's queries; steps outside the first..last live step are skipped by the loop
+    bounds (no branch inside the loop, so Triton can pipeline the loads). With block positions
+    ascending (the usual case) this is exactly causal + window block skipping.
+    """
+    seqs, max_blocks = md.block_tables.shape
+    steps = -(-max_blocks // pages_per_step)
+    pad = steps * pages_per_step - max_blocks
+    start = jnp.pad(md.block_pos_start, ((0, 0), (0, pad)))
+    n_valid = jnp.pad(md.block_num_valid, ((0, 0), (0, pad)))
+    in_use = jnp.arange(steps * pages_per_step)[None, :] < md.num_blocks[:, None]
+    used = in_use & (n_valid > 0)
+    big = jnp.iinfo(jnp.int32).max
+    lo_pos = jnp.where(used, start, big).reshape(seqs, steps, pages_per_step).min(-1)  # [S, St]
+    hi_pos = jnp.where(used, start + n_valid - 1, -1).reshape(seqs, steps, pages_per_step).max(-1)
+    tokens = md.q_positions.shape[0]
+    seq = jnp.maximum(tile_seq, 0)
+    rows = jnp.clip(tile_start[:, None] + jnp.arange(block_q)[None, :], 0, tokens - 1)  # [NT, Q]
+    row_ok = tile_start[:, None] + jnp.arange(block_q)[None, :] < md.cu_q_lens[seq + 1][:, None]
+    q_max = jnp.where(row_ok, md.q_positions[rows], -1).max(-1)  # [NT]
+    w_min = jnp.where(row_ok, md.q_window_start[rows], big).min(-1)
+    live = (lo_pos[seq] <= q_max[:, None]) & (hi_pos[seq] >= w_min[:, None])  # [NT, St]
+    live &= (tile_seq >= 0)[:, None]
+    idx = jnp.arange(steps, dtype=jnp.int32)
+    lo = jnp.min(jnp.where(live, idx, steps), axis=1)
+    hi = jnp.max(jnp.where(live, idx + 1, 0), axis=1)
+    return lo.astype(jnp.int32), jnp.maximum(hi, lo).astype(jnp.int32)
 
 
 def tile_schedule(cu_q_lens, num_tokens: int, block_q: int):
@@ -52,9 +85,9 @@ def tile_rows(block_q: int, group: int) -> int:
     return rows
 
 
-def out_rows(tokens: int, heads: int, kv_heads: int, block_q: int) -> int:
+def out_rows(tokens: int, heads: int, kv_heads: int, block_q: int, kv_group: int = 1) -> int:
     """Rows of the flat output buffer: spare tile rows land past T * H (unique rows per tile)."""
-    return (tokens + tile_rows(block_q, heads // kv_heads)) * heads
+    return (tokens + tile_rows(block_q, heads // kv_heads * kv_group)) * heads
 
 
 def default_block_q(tokens: int, seqs: int, group: int) -> int:
@@ -76,16 +109,40 @@ def _dot_nt(a, b, precise):
     return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
 
 
-def _kernel(tile_seq_ref, tile_start_ref, cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref,
+_TWO_PI_HI = 6.28125  # 2*pi split so that n * _TWO_PI_HI is exact for |n| < 2**15
+_TWO_PI_LO = 0.0019353071795864769
+
+
+def _cos_sin(angle, fast):
+    """cos/sin of float32 angles. fast (GPU): Cody-Waite reduction to [-pi, pi], then the SFU's
+    cos.approx/sin.approx (abs error ~1e-6); libdevice's precise cosf/sinf cost ~25 instructions
+    each and made RoPE-at-read 5x slower than the rotated kernel. Interpret mode: jnp on the
+    reduced angle (exercises the reduction on CPU)."""
+    n = jnp.floor(angle * (1.0 / (2.0 * math.pi)) + 0.5)
+    r = (angle - n * _TWO_PI_HI) - n * _TWO_PI_LO
+    if not fast:
+        return jnp.cos(r), jnp.sin(r)
+    shape = [jax.ShapeDtypeStruct(r.shape, jnp.float32)]
+    [cos] = pltriton.elementwise_inline_asm("cos.approx.ftz.f32 $0, $1;", args=[r],
+                                            constraints="=r,r", pack=1, result_shape_dtypes=shape)
+    [sin] = pltriton.elementwise_inline_asm("sin.approx.ftz.f32 $0, $1;", args=[r],
+                                            constraints="=r,r", pack=1, result_shape_dtypes=shape)
+    return cos, sin
+
+
+def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref,
             bnv_ref, inv_ref, q_ref, k_ref, v_ref, *rest, heads, kv_heads, head_dim, page_size,
-            block_q, block_k, half, rotate_keys, scaling, skip_empty, cdtype):
+            block_q, block_k, kv_group, half, rotate_keys, k_contiguous, scaling,
+            fast_trig, cdtype):
     o_ref = rest[-1]
     group = heads // kv_heads
-    rows = tile_rows(block_q, group)
+    row_heads = group * kv_group  # query heads served by one program (kv_group kv heads)
+    rows = tile_rows(block_q, row_heads)
+    n_keys = block_k * kv_group  # key rows of one step: block_k keys x kv_group kv heads
     rot = 2 * half
     precise = cdtype == jnp.float32
     tile = pl.program_id(0)
-    h = pl.program_id(1)
+    h0 = pl.program_id(1) * kv_group
     seq = tile_seq_ref[tile]
 
     @pl.when(seq >= 0)
@@ -93,10 +150,11 @@ def _kernel(tile_seq_ref, tile_start_ref, cu_ref, qpos_ref, qwin_ref, nb_ref, bt
         start = tile_start_ref[tile]
         end = cu_ref[seq + 1]
         r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-        tok = start + r // group  # [M]
-        row_ok = (tok < end) & (r < block_q * group)  # rows past block_q * G pad the dot to 16
+        tok = start + r // row_heads  # [M]
+        row_ok = (tok < end) & (r < block_q * row_heads)  # rows past that pad the dot to 16
         tok_c = jnp.minimum(tok, end - 1)
-        q_row = tok_c * heads + h * group + r % group  # [M]
+        q_row = tok_c * heads + h0 * group + r % row_heads  # [M]
+        row_kv = (r % row_heads) // group  # [M] kv head (within the group) of each row
         q_pos = qpos_ref[tok_c]
         q_win = qwin_ref[tok_c]
 
@@ -112,30 +170,49 @@ def _kernel(tile_seq_ref, tile_start_ref, cu_ref, qpos_ref, qwin_ref, nb_ref, bt
                 q_all = jnp.where(d >= rot, q_all, jnp.zeros_like(q_all))
             q_all = q_all.astype(cdtype)
 
-        j = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        n = lax.broadcasted_iota(jnp.int32, (n_keys,), 0)
+        key, n_kv = n // kv_group, n % kv_group  # key rows are (key, kv head) interleaved
         pages_per_step = block_k // page_size
-        n_steps = (nb_ref[seq] + pages_per_step - 1) // pages_per_step
         max_blocks = bt_ref.shape[1]
 
-        def body(step, carry):
-            b = step * pages_per_step + j // page_size  # [N] block-table entry of each key
-            slot = j % page_size
+        def key_meta(step, key):
+            b = step * pages_per_step + key // page_size  # block-table entry of each key
+            slot = key % page_size
             b_c = jnp.minimum(b, max_blocks - 1)
-            page = bt_ref[seq, b_c]
-            k_pos = bps_ref[seq, b_c] + slot  # [N]
-            k_ok = (b < nb_ref[seq]) & (slot < bnv_ref[seq, b_c])
+            pos = bps_ref[seq, b_c] + slot
+            ok = (b < nb_ref[seq]) & (slot < bnv_ref[seq, b_c])
+            return b_c, slot, pos, ok
+
+        def body(step, carry):
+            b_c, slot, k_pos, k_ok = key_meta(step, key)  # [N]
             mask = (k_ok[None, :] & row_ok[:, None] & (k_pos[None, :] <= q_pos[:, None])
                     & (k_pos[None, :] >= q_win[:, None]))  # [M, N]
+            if kv_group > 1:
+                mask &= row_kv[:, None] == n_kv[None, :]
 
             def compute(carry):
                 acc, m_i, l_i = carry
-                k_row = (page * page_size + slot) * kv_heads + h  # [N]
-                s = jnp.zeros((rows, block_k), jnp.float32)
+                page = jnp.where(k_ok, bt_ref[seq, b_c], 0)  # never follow an unused entry
+                kv_row = (page * page_size + slot) * kv_heads + h0 + n_kv  # [N]
+                k_row = kv_row
+                if k_contiguous:  # keys pre-rotated into [S, NB, B, K, D]
+                    k_row = ((seq * max_blocks + b_c) * page_size + slot) * kv_heads + h0 + n_kv
+                s = jnp.zeros((rows, n_keys), jnp.float32)
                 if split:
                     k_lo = k_ref[k_row, pl.ds(0, half)].astype(jnp.float32)  # [N, R/2]
                     k_hi = k_ref[k_row, pl.ds(half, half)].astype(jnp.float32)
-                    ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
-                    cos, sin = jnp.cos(ang) * scaling, jnp.sin(ang) * scaling
+                    if kv_group == 1:
+                        ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
+                        cos, sin = _cos_sin(ang, fast_trig)
+                    else:  # one cos/sin per key, shared by the kv_group heads
+                        kk = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+                        pos1 = key_meta(step, kk)[2]
+                        ang = pos1.astype(jnp.float32)[:, None] * inv[None, :]  # [Nk, R/2]
+                        cos, sin = _cos_sin(ang, fast_trig)
+                        shape = (block_k, kv_group, half)
+                        cos = jnp.broadcast_to(cos[:, None, :], shape).reshape(n_keys, half)
+                        sin = jnp.broadcast_to(sin[:, None, :], shape).reshape(n_keys, half)
+                    cos, sin = cos * scaling, sin * scaling
                     k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
                     s += _dot_nt(q_lo, k_lo.astype(cdtype), precise)
                     s += _dot_nt(q_hi, k_hi.astype(cdtype), precise)
@@ -147,57 +224,92 @@ def _kernel(tile_seq_ref, tile_start_ref, cu_ref, qpos_ref, qwin_ref, nb_ref, bt
                 p = jnp.exp(s - m_safe[:, None])
                 alpha = jnp.exp(m_i - m_safe)
                 l_i = l_i * alpha + jnp.sum(p, axis=1)
-                v = v_ref[k_row, :].astype(cdtype)  # [N, D]
+                v = v_ref[kv_row, :]  # [N, D]
+                v = jnp.where(k_ok[:, None], v, jnp.zeros_like(v)).astype(cdtype)  # pads may be NaN
                 acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)
                 return acc, m_new, l_i
 
-            if not skip_empty:
-                return compute(carry)
-            any_live = jnp.max(mask.astype(jnp.int32)) > 0
-            return lax.cond(any_live, compute, lambda c: c, carry)
+            return compute(carry)
 
         acc = jnp.zeros((rows, head_dim), jnp.float32)
         m_i = jnp.full((rows,), _NEG_INF, jnp.float32)
         l_i = jnp.zeros((rows,), jnp.float32)
-        acc, m_i, l_i = lax.fori_loop(0, n_steps, body, (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(tile_lo_ref[tile], tile_hi_ref[tile], body, (acc, m_i, l_i))
         out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_row = tok * heads + h * group + r % group  # unclamped: padded output rows absorb spares
+        o_row = tok * heads + h0 * group + r % row_heads  # unclamped: spare rows stay unique
         col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
         # Both indices as arrays: the interpreter can discharge a masked store only in that form.
         pltriton.store(o_ref.at[o_row[:, None], col], out.astype(o_ref.dtype),
                        mask=jnp.broadcast_to(row_ok[:, None], out.shape))
 
 
+def prerotate_keys(k_pages, md, inv_freq, attention_scaling):
+    """Gather each sequence's keys through its block table and rotate them by their logical
+    positions (float32 math): [S, NB, B, K, D]. For prefill, where each key is read by many query
+    tiles, rotating once here is cheaper than rotating per tile in the kernel."""
+    seqs, max_blocks = md.block_tables.shape
+    page_size = k_pages.shape[1]
+    half = inv_freq.shape[0]
+    keys = k_pages[jnp.clip(md.block_tables, 0, k_pages.shape[0] - 1)]  # [S, NB, B, K, D]
+    pos = md.block_pos_start[:, :, None] + jnp.arange(page_size, dtype=jnp.int32)  # [S, NB, B]
+    ang = pos.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [S, NB, B, R/2]
+    cos = (jnp.cos(ang) * attention_scaling)[:, :, :, None, :]
+    sin = (jnp.sin(ang) * attention_scaling)[:, :, :, None, :]
+    x = keys.astype(jnp.float32)
+    lo, hi = x[..., :half], x[..., half:2 * half]
+    rotated = jnp.concatenate([lo * cos - hi * sin, hi * cos + lo * sin, x[..., 2 * half:]], -1)
+    del seqs, max_blocks
+    return rotated.astype(k_pages.dtype)
+
+
 def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                                   attention_scaling: float, sm_scale: float, block_q: int | None = None,
-                                  block_k: int = 64, num_warps: int = 4, num_stages: int = 2,
-                                  out=None, interpret: bool = False):
+                                  block_k: int = 64, kv_group: int = 1, prerotate: bool | None = None,
+                                  num_warps: int = 4, num_stages: int = 2, out=None,
+                                  interpret: bool = False):
     """Pallas/Triton ragged paged attention. q_rot [T, H, D] already rotated by its positions.
 
+    rotate_keys: keys are stored unrotated (position_free) and rotated by logical position.
     attention_scaling multiplies the keys' cos/sin (queries come rotated with the same scaling);
-    sm_scale is folded into q. `out`, if given, is an [out_rows(...), D] buffer the kernel
-    writes into (aliased; tests poison it); rows of no sequence keep its contents.
-    Returns [T, H, D].
+    sm_scale is folded into q. block_q: tokens per query tile (default: 1 token for decode-only
+    batches, 64 / G otherwise); block_k: keys per step (a multiple of the page size);
+    kv_group: kv heads per program (their K/V rows are adjacent in memory; cos/sin is computed
+    once per key for all of them); prerotate: rotate keys once per sequence before the kernel
+    (default: for prefill-shaped tiles, where every key is read by many query tiles).
+    `out`, if given, is an [out_rows(...), D] buffer the kernel writes into (aliased; tests
+    poison it); rows of no sequence keep its contents. Returns [T, H, D].
     """
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
+    if kv_heads % kv_group:
+        raise ValueError(f"kv_group {kv_group} must divide kv heads {kv_heads}")
     if block_q is None:
         block_q = default_block_q(tokens, md.num_seqs, group)
+    if prerotate is None:
+        prerotate = block_q * group >= 64
     half = inv_freq.shape[0]
+    if block_k % page_size:
+        raise ValueError(f"block_k {block_k} must be a multiple of the page size {page_size}")
     tile_seq, tile_start = tile_schedule(md.cu_q_lens, tokens, block_q)
+    tile_lo, tile_hi = tile_step_range(md, tile_seq, tile_start, block_q, block_k // page_size)
     cdtype = jnp.float32 if q_rot.dtype == jnp.float32 else q_rot.dtype
     q_flat = q_rot.reshape(tokens * heads, head_dim)
-    k_flat = k_pages.reshape(num_pages * page_size * kv_heads, head_dim)
-    v_flat = v_pages.reshape(num_pages * page_size * kv_heads, head_dim)
     q_flat = (q_flat.astype(jnp.float32) * sm_scale).astype(q_rot.dtype)
-    n_out = out_rows(tokens, heads, kv_heads, block_q)
+    k_contiguous = bool(rotate_keys and half and prerotate)
+    if k_contiguous:
+        k_flat = prerotate_keys(k_pages, md, inv_freq, attention_scaling).reshape(-1, head_dim)
+    else:
+        k_flat = k_pages.reshape(num_pages * page_size * kv_heads, head_dim)
+    v_flat = v_pages.reshape(num_pages * page_size * kv_heads, head_dim)
+    n_out = out_rows(tokens, heads, kv_heads, block_q, kv_group)
     kernel = functools.partial(
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
-        block_q=block_q, block_k=block_k, half=half, rotate_keys=rotate_keys,
+        block_q=block_q, block_k=block_k, kv_group=kv_group, half=half,
+        rotate_keys=rotate_keys and not k_contiguous, k_contiguous=k_contiguous,
         scaling=float(attention_scaling),
-        skip_empty=block_q * group > 16, cdtype=cdtype)
-    args = [tile_seq, tile_start, md.cu_q_lens, md.q_positions, md.q_window_start, md.num_blocks,
+        fast_trig=not interpret, cdtype=cdtype)
+    args = [tile_seq, tile_start, tile_lo, tile_hi, md.cu_q_lens, md.q_positions, md.q_window_start, md.num_blocks,
             md.block_tables, md.block_pos_start, md.block_num_valid,
             inv_freq.astype(jnp.float32) if half else jnp.zeros((1,), jnp.float32),
             q_flat, k_flat, v_flat]
@@ -208,7 +320,7 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     res = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n_out, head_dim), q_rot.dtype),
-        grid=(tile_seq.shape[0], kv_heads),
+        grid=(tile_seq.shape[0], kv_heads // kv_group),
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
