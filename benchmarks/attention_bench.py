@@ -22,9 +22,8 @@ import numpy as np
 
 # (kv_group, block_k, num_warps, num_stages) and (block_q, block_k, num_warps, num_stages)
 DECODE_SWEEP = ((1, 32, 4, 2), (2, 32, 4, 2), (4, 16, 4, 2), (4, 32, 4, 2), (8, 16, 4, 2),
-                (8, 16, 8, 2), (2, 64, 4, 3), (4, 32, 8, 3))
-PREFILL_SWEEP = ((16, 64, 4, 2), (32, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2),
-                 (16, 64, 4, 3))
+                (8, 16, 8, 2))
+PREFILL_SWEEP = ((32, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2))
 
 
 def add_parser(p: argparse.ArgumentParser):
