@@ -32,8 +32,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def add_parser(p) -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    p.add_argument("--workloads", nargs="+", default=["longdoc", "sysprompt", "rag", "rag-multihop"],
-                   choices=["longdoc", "sysprompt", "rag", "rag-multihop"])
+    names = ["longdoc", "sysprompt", "rag", "rag-multihop"]
+    p.add_argument("--workloads", nargs="+", default=names, choices=names)
     p.add_argument("--chunk", type=int, default=wl.CHUNK, help="checkpoint granularity (tokens)")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     p.add_argument("--drift-requests", type=int, default=60000, help="0 skips the drift replay")
@@ -117,7 +117,9 @@ def drift_replay(a: wl.Workload, b: wl.Workload, budget: int, requests: int, chu
     cand = np.arange(chunk, n + 1, chunk)
     i = np.arange(requests)
     w = 0.05 + 0.9 * np.clip((i - requests / 3) / (requests / 3), 0.0, 1.0)
-    draw = lambda work, k: rng.choice(work.depths, size=k, p=work.weights / work.weights.sum())  # noqa: E731
+    def draw(work, k):
+        return rng.choice(work.depths, size=k, p=work.weights / work.weights.sum())
+
     depths = np.where(rng.random(requests) < w, draw(b, requests), draw(a, requests))
     pa, pb = a.pmf(n) / a.weights.sum(), b.pmf(n) / b.weights.sum()
     warm, batch = 2000, 100
@@ -218,12 +220,13 @@ def _plot(results: dict, plot_dir: str) -> list:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     if results.get("drift"):
-        fig, axes = plt.subplots(1, len(results["drift"]), figsize=(5.5 * len(results["drift"]), 3.6),
-                                 squeeze=False)
+        cols = len(results["drift"])
+        fig, axes = plt.subplots(1, cols, figsize=(5.5 * cols, 3.6), squeeze=False)
         for ax, dr in zip(axes[0], results["drift"]):
             x = np.arange(len(dr["window_mix"]))
-            for k, ys in dr["window_savings"].items():
-                ax.plot(x, np.minimum(ys, 1e4), label=k, lw=2 if k in ("decaying", "oracle") else 1)
+            for name, ys in dr["window_savings"].items():
+                ax.plot(x, np.minimum(ys, 1e4), label=name,
+                        lw=2 if name in ("decaying", "oracle") else 1)
             ax.set(yscale="log", xlabel="stream window (drifts sysprompt -> longdoc)",
                    title=f"drift replay, M = {dr['budget']}")
             ax.grid(alpha=0.3)
@@ -268,9 +271,9 @@ def run(args) -> int:
         results["block_match"][name] = bm
         print("block caching vs DP: block B -> checkpoints (positions | mean stored per entry)")
         for r in bm:
-            print(f"  B = {r['block_size']:>5}: block {r['block_count']:>5} | {r['block_stored']:8.1f}"
-                  f"   dp {r['dp_count']:>5} | {r['dp_stored']:8.1f}   (E[r] {r['block_cost']:.1f} vs "
-                  f"{r['dp_cost']:.1f})")
+            print(f"  B = {r['block_size']:>5}: block {r['block_count']:>5} | "
+                  f"{r['block_stored']:8.1f}   dp {r['dp_count']:>5} | {r['dp_stored']:8.1f}   "
+                  f"(E[r] {r['block_cost']:.1f} vs {r['dp_cost']:.1f})")
 
     if args.drift_requests:
         a, b = wl.sysprompt(), wl.longdoc()
@@ -280,7 +283,8 @@ def run(args) -> int:
             print(f"\n## drift sysprompt -> longdoc, M = {m}, {args.drift_requests} requests: "
                   "savings factor over the stream")
             print("  " + "  ".join(f"{k} {_fmt(v)}" for k, v in dr["savings"].items()) +
-                  f"   replans {dr['replans']}, estimator+replan time {dr['estimator_seconds']:.1f} s")
+                  f"   replans {dr['replans']}, "
+                  f"estimator+replan time {dr['estimator_seconds']:.1f} s")
 
     if args.timing != "none":
         results["timing"] = dp_timing(args.timing)

@@ -165,7 +165,8 @@ def rag(multihop: bool = False, step: int = 2) -> Workload:
     header = encode(RAG_HEADER)
     requests = []
     for sample in _musique():
-        passages = [encode(f"Passage {i + 1}: {c['text']}\n\n") for i, c in enumerate(sample["ctxs"])]
+        passages = [encode(f"Passage {i + 1}: {c['text']}\n\n")
+                    for i, c in enumerate(sample["ctxs"])]
         question = encode(f"Question: {sample['question']}\nAnswer:")
         counts = range(step, len(passages) + 1, step) if multihop else [len(passages)]
         for k in counts:

@@ -68,7 +68,7 @@ def _check_depths(depths, n: int) -> np.ndarray:
 
 
 class EmpiricalHistogram:
-    """Counts of observed depths with additive (Laplace) smoothing: (count + a) / (total + a (N+1))."""
+    """Counts of observed depths, additively (Laplace) smoothed: (count + a) / (total + a (N+1))."""
 
     def __init__(self, n: int, smoothing: float = 0.5):
         if n < 0 or smoothing < 0:
@@ -138,7 +138,8 @@ class Replanner:
     def __init__(self, estimator: EmpiricalHistogram, budget: int, *, strategy: str = "dp",
                  candidates=None, every: int = 1000, tv_threshold: float = 0.1):
         if every < 1 or not 0.0 < tv_threshold <= 1.0:
-            raise ValueError(f"need every >= 1 and 0 < tv_threshold <= 1, got {every}, {tv_threshold}")
+            raise ValueError(
+                f"need every >= 1 and 0 < tv_threshold <= 1, got {every}, {tv_threshold}")
         self.estimator, self.budget, self.strategy = estimator, budget, strategy
         self.candidates, self.every, self.tv_threshold = candidates, every, tv_threshold
         self.replans = 0

@@ -60,7 +60,8 @@ def _penalised(x, q, lam):
         hs.append(j)
         hb.append(b_new)
         y = qp[j + 1]
-        while len(hs) - head >= 2 and hb[head + 1] - xs[hs[head + 1]] * y <= hb[head] - xs[hs[head]] * y:
+        while (len(hs) - head >= 2
+               and hb[head + 1] - xs[hs[head + 1]] * y <= hb[head] - xs[hs[head]] * y):
             head += 1
         s = hs[head]
         f[j] = hb[head] - xs[s] * y + xp[j + 1]
@@ -116,5 +117,6 @@ def place_lagrangian(pmf, budget: int, candidates=None, max_iter: int = 100) -> 
             hi = lam
     positions, cost = best
     optimal = cost <= bound + 1e-12 * max(abs(bound), 1.0)
-    return LagrangianResult(positions=np.sort(positions), cost=float(cost), lower_bound=float(bound),
-                            attained=best_cnt == budget, optimal=bool(optimal), iterations=it)
+    return LagrangianResult(positions=np.sort(positions), cost=float(cost),
+                            lower_bound=float(bound), attained=best_cnt == budget,
+                            optimal=bool(optimal), iterations=it)

@@ -1,4 +1,4 @@
-"""The placement cost model: input checks, expected recompute, and exact compression onto candidates.
+"""The placement cost model: input checks, expected recompute, exact compression onto candidates.
 
 A cached prefix has positions 0..N. A future request overlaps it to depth t with probability
 `pmf[t]`. Checkpoints C (positions in 1..N; position 0, the empty state, is always available) let a
@@ -6,7 +6,8 @@ hit at depth t resume from l(t; C) = max({0} u {c in C: c <= t}) and recompute t
 
     E[r](C) = sum_t pmf[t] * (t - l(t; C)).
 
-`pmf` may be unnormalised counts; it is divided by its sum, so costs are expected tokens per request.
+`pmf` may be unnormalised counts; it is divided by its sum, so costs are expected tokens per
+request.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def check_pmf(pmf, name: str = "pmf") -> np.ndarray:
     """Returns `pmf` as float64 [N+1], normalised to sum 1; raises ValueError on bad input."""
     p = np.asarray(pmf, dtype=np.float64)
     if p.ndim != 1 or p.size == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D array over depths 0..N, got shape {p.shape}")
+        raise ValueError(
+            f"{name} must be a non-empty 1-D array over depths 0..N, got shape {p.shape}")
     bad = np.flatnonzero(~np.isfinite(p))
     if bad.size:
         raise ValueError(f"{name} has a non-finite value {p[bad[0]]} at depth {bad[0]}")

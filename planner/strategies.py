@@ -50,7 +50,8 @@ def _snap(positions: np.ndarray, candidates: np.ndarray) -> np.ndarray:
     return np.unique(candidates[idx[idx >= 0]])
 
 
-def place(pmf, budget: int, strategy: str = "dp", candidates=None, *, block_size=None) -> np.ndarray:
+def place(pmf, budget: int, strategy: str = "dp", candidates=None, *,
+          block_size=None) -> np.ndarray:
     """Checkpoint positions for a cached prefix of length N = len(pmf) - 1.
 
     Args:

@@ -57,7 +57,8 @@ def close(a, b):
 @st.composite
 def pmfs(draw, max_n):
     n = draw(st.integers(1, max_n))
-    vals = draw(st.lists(st.one_of(st.just(0.0), st.floats(1e-3, 1.0)), min_size=n + 1, max_size=n + 1))
+    value = st.one_of(st.just(0.0), st.floats(1e-3, 1.0))
+    vals = draw(st.lists(value, min_size=n + 1, max_size=n + 1))
     if sum(vals) == 0:
         vals[draw(st.integers(0, n))] = 1.0
     return np.asarray(vals)
