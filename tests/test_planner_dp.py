@@ -171,3 +171,19 @@ def test_lagrangian_attains_on_generic_random_pmf():
         res = place_lagrangian(p, budget)
         assert res.attained and len(res.positions) == budget
         assert close(res.cost, opts[budget])
+
+
+def test_dp_and_lagrangian_agree_on_irregular_candidates():
+    """Two independent exact algorithms (PAVA-hull layers vs a convex-hull-trick price search)
+    on uneven candidate spacing, where the hull needs its weights."""
+    rng = np.random.default_rng()
+    n = 6000
+    p = rng.gamma(0.5, size=n + 1)
+    cand = np.sort(rng.choice(np.arange(1, n + 1), size=700, replace=False))
+    opts = frontier(p, 40, candidates=cand).costs
+    for budget in [3, 40]:
+        res = place_lagrangian(p, budget, candidates=cand)
+        assert set(res.positions.tolist()) <= set(cand.tolist())
+        assert res.attained and len(res.positions) == budget  # generic data: no ties
+        assert close(res.cost, opts[budget])
+        assert close(direct_cost(p, res.positions.tolist()), opts[budget])
