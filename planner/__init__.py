@@ -10,10 +10,11 @@ from planner.estimate import (DecayingHistogram, EmpiricalHistogram, Replanner, 
                               tv_distance)
 from planner.lagrangian import LagrangianResult, place_lagrangian
 from planner.placement import expected_recompute, max_gap
+from planner.priced import PricedResult, place_priced
 from planner.strategies import STRATEGIES, place
 
 __all__ = [
     "STRATEGIES", "DecayingHistogram", "EmpiricalHistogram", "Frontier", "LagrangianResult",
-    "Replanner", "expected_recompute", "frontier", "max_gap", "place", "place_lagrangian",
-    "regret_bound", "tv_distance",
+    "PricedResult", "Replanner", "expected_recompute", "frontier", "max_gap", "place",
+    "place_lagrangian", "place_priced", "regret_bound", "tv_distance",
 ]

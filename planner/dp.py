@@ -78,11 +78,13 @@ class Frontier:
 MAX_TABLE = 2**28  # argmin entries kept for backtracking (int32: 1 GiB); past it use the Lagrangian
 
 
-def _prepare(pmf, candidates):
+def _prepare(pmf, candidates, drop_empty: bool = True):
     p = check_pmf(pmf)
     n = p.size - 1
     cand = np.arange(1, n + 1) if candidates is None else candidates
     x, q, const, cand = compress(p, cand)
+    if not drop_empty:
+        return x, q, const, np.concatenate([[0], cand])
     # A checkpoint on a bin with no mass can move right to the next bin with mass (or be dropped)
     # at no loss, so zero-mass bins are never needed: dropping them is exact and shrinks K.
     keep = np.concatenate([[True], q[1:] > 0])

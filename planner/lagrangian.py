@@ -34,8 +34,10 @@ class LagrangianResult:
 def _penalised(x, q, lam):
     """One pass of the online DP f[j] = min_s g(s) + w(s, j), g(s) = f[s-1] + lam, g(0) = 0.
 
+    `lam` is one price for every bin, or a list with the price of each bin (entry 0 unused).
     Returns (F without the constant, number of checkpoints, chosen bin indices).
     """
+    price = lam if isinstance(lam, list) else [lam] * len(x)
     k1 = len(x)
     qp = np.concatenate([[0.0], np.cumsum(q)]).tolist()  # Q
     xp = np.concatenate([[0.0], np.cumsum(q * x)]).tolist()  # X
@@ -47,7 +49,7 @@ def _penalised(x, q, lam):
     head = 0
     for j in range(k1):
         # add the line of s = j (it needs f[j-1], known now)
-        g = 0.0 if j == 0 else f[j - 1] + lam
+        g = 0.0 if j == 0 else f[j - 1] + price[j]
         m_new, b_new = -xs[j], g - xp[j] + xs[j] * qp[j]
         while len(hs) - head >= 2:
             m1, b1, m2, b2 = -xs[hs[-2]], hb[-2], -xs[hs[-1]], hb[-1]
