@@ -1,0 +1,171 @@
+"""Qwen3.5 hybrid family vs HF transformers 5.24.0 (torch path) fixtures; recurrent state cache,
+exact resume from chunk-aligned checkpoints, and generation through the public LLM API."""
+
+import copy
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES
+
+from minipic_jax import LLM, SamplingParams
+from minipic_jax.loading import load_model
+from minipic_jax.models import qwen3_5, testing
+from minipic_jax.models.interface import RecurrentMetadata
+
+QWEN_FIXTURES = ("qwen3_5_gva2", "qwen3_5_tied")
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name):
+    return load_model(str(FIXTURES / name))
+
+
+def _ref(name):
+    ref = np.load(FIXTURES / name / "reference.npz")
+    n = sum(1 for k in ref.files if k.startswith("prompt_"))
+    return {key: [ref[f"{key}_{i}"] for i in range(n)]
+            for key in ("prompt", "greedy", "logits", "conv", "delta")}
+
+
+_fwd = jax.jit(qwen3_5.forward_with_checkpoints, static_argnames=("cfg", "kv_mode", "attn_impl"))
+
+
+def _step(lm, pager, cache, seq_tokens, *, slots=None, reset=None, checkpoint_at=None):
+    """One ragged call appending seq_tokens[s] to sequence s; returns (logits [T, V], cache, ck)."""
+    md, _, total = pager.step([len(t) for t in seq_tokens])
+    tokens = np.zeros(md.num_tokens, np.int32)
+    tokens[:total] = np.concatenate([np.asarray(t, np.int32) for t in seq_tokens])
+    rec = None
+    if slots is not None:
+        rec = RecurrentMetadata(state_slots=jnp.asarray(slots, jnp.int32),
+                                reset=jnp.asarray(reset, bool))
+    ck = None if checkpoint_at is None else jnp.asarray(checkpoint_at, jnp.int32)
+    logits, cache, cks = _fwd(lm.params, jnp.asarray(tokens), md, cache, cfg=lm.cfg, recurrent=rec,
+                              checkpoint_at=ck)
+    return np.asarray(logits)[:total], cache, cks
+
+
+@pytest.mark.parametrize("name", QWEN_FIXTURES)
+def test_logits_and_greedy_match_hf(name):
+    lm, ref = _model(name), _ref(name)
+    assert lm.family is qwen3_5 and qwen3_5.IS_HYBRID
+    full = [np.concatenate([p, g[:-1]]) for p, g in zip(ref["prompt"], ref["greedy"])]
+    # all prompts in ONE ragged call (lengths 10, 75, 155: 0, 1 and 2 chunk boundaries)
+    got = testing.prefill_logits(lm.family, lm.params, lm.cfg, full, page_size=16)
+    for i, (g, want) in enumerate(zip(got, ref["logits"])):
+        assert np.abs(g - want).max() <= 1e-4, f"prompt {i}"
+    tokens, _ = testing.greedy_generate(lm.family, lm.params, lm.cfg, ref["prompt"],
+                                        len(ref["greedy"][0]), page_size=16, stop_on_eos=False)
+    for i, (t, want) in enumerate(zip(tokens, ref["greedy"])):
+        assert t == want.tolist(), f"prompt {i}"
+
+
+@pytest.mark.parametrize("name", QWEN_FIXTURES)
+def test_states_match_hf_cache(name):
+    """conv (last Kc-1 inputs) and delta states after prefilling each prompt equal HF's cache
+    (fp32 rounding grows with depth: ~1e-6 at the first GDN layer, ~1e-5 at the last)."""
+    lm, ref = _model(name), _ref(name)
+    prompts = ref["prompt"]
+    pager = testing.SimplePager(len(prompts), max(map(len, prompts)), 16)
+    cache = lm.family.init_cache(lm.cfg, pager.num_pages, 16, len(prompts), jnp.float32)
+    _, cache, _ = _step(lm, pager, cache, prompts)
+    for s in range(len(prompts)):
+        state = qwen3_5.extract_state(cache, s)
+        kc1 = state["conv"].shape[-1]
+        np.testing.assert_allclose(state["conv"], ref["conv"][s][..., -kc1:], atol=5e-5, rtol=0)
+        np.testing.assert_allclose(state["delta"], ref["delta"][s], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n,cut", [(250, 192), (170, 128)])
+def test_exact_resume_from_checkpoint(n, cut, fresh_rng, name="qwen3_5_gva2"):
+    """A long prefill's checkpoint at chunk-aligned `cut` vs a prefill that stopped at `cut`.
+
+    (250, 192): both prefills fall in the same token bucket (256), every op is shape-identical,
+    so the states must agree bit for bit. (170, 128): buckets 256 vs 128; the GDN kernel is still
+    chunk-exact, but XLA:CPU's dense matmuls round differently at another shape, so the states
+    there agree to fp32 rounding only. Resuming from the checkpoint is bitwise the same as
+    resuming from the stopped prefill's own state; against the one-shot prefill (other shapes)
+    the logits agree to the same rounding floor as a plain prefix prefill does (<= 1e-4)."""
+    lm = _model(name)
+    prompt = fresh_rng.integers(0, 256, size=n).astype(np.int32)
+    # A: one long prefill that also returns the states after 64 and `cut` tokens
+    pager_a = testing.SimplePager(1, n + 8, 16, seed=1)
+    cache_a = lm.family.init_cache(lm.cfg, pager_a.num_pages, 16, 1, jnp.float32)
+    logits_a, cache_a, cks = _step(lm, pager_a, cache_a, [prompt], checkpoint_at=[[64, cut]])
+    # B: a prefill that stops at `cut` (slot 0)
+    pager_b = testing.SimplePager(1, n + 8, 16, seed=2)
+    cache_b = lm.family.init_cache(lm.cfg, pager_b.num_pages, 16, 2, jnp.float32)
+    _, cache_b, _ = _step(lm, pager_b, cache_b, [prompt[:cut]], slots=[0], reset=[True])
+    stopped = qwen3_5.extract_state(cache_b, 0)
+    ck = {k: np.asarray(v[:, 0, 1]) for k, v in cks.items()}  # [Lg, ...] at position `cut`
+    same_bucket = testing._bucket(n) == testing._bucket(cut)
+    for key in ("delta", "conv"):
+        if same_bucket:
+            np.testing.assert_array_equal(ck[key], stopped[key])  # bit for bit
+        else:
+            np.testing.assert_allclose(ck[key], stopped[key], atol=1e-4, rtol=0)
+    # Resume the rest twice with identical shapes: from B's own state (slot 0), and from A's
+    # checkpoint restored as host arrays into slot 1.
+    pager_r = copy.deepcopy(pager_b)
+    logits_own, cache_own, _ = _step(lm, pager_b, cache_b, [prompt[cut:]], slots=[0],
+                                     reset=[False])
+    cache_r = qwen3_5.restore_state(cache_b, 1, ck)
+    logits_r, cache_r, _ = _step(lm, pager_r, cache_r, [prompt[cut:]], slots=[1], reset=[False])
+    if same_bucket:
+        np.testing.assert_array_equal(logits_r, logits_own)
+    assert np.abs(logits_r - logits_a[cut:]).max() <= 1e-4
+    # and the greedy continuations agree
+    out = []
+    for pager, cache, slot, first in ((pager_a, cache_a, 0, logits_a[-1]),
+                                      (pager_r, cache_r, 1, logits_r[-1])):
+        toks = [int(np.argmax(first))]
+        for _ in range(5):
+            lg, cache, _ = _step(lm, pager, cache, [[toks[-1]]], slots=[slot], reset=[False])
+            toks.append(int(np.argmax(lg[-1])))
+        out.append(toks)
+    assert out[0] == out[1]
+
+
+def test_checkpoint_bytes_match_analytic_size():
+    lm = _model("qwen3_5_gva2")
+    cache = lm.family.init_cache(lm.cfg, 4, 16, 3, jnp.float32)
+    state = qwen3_5.extract_state(cache, 2)
+    size = qwen3_5.state_nbytes(lm.cfg)
+    assert state["conv"].nbytes + state["delta"].nbytes == size["total"]
+    assert state["conv"][0].nbytes + state["delta"][0].nbytes == size["per_layer"]
+    # Qwen3.5-0.8B: 18 GDN layers of 16 x 128 x 128; 6 attention layers, 2 KV heads of 256.
+    from configs.presets import get_preset
+    cfg = get_preset("qwen3_5_0_8b")
+    big = qwen3_5.state_nbytes(cfg, conv_dtype=jnp.bfloat16, delta_dtype=jnp.bfloat16)
+    assert big["layers"] == 18 and big["per_layer_delta"] == 16 * 128 * 128 * 2
+    kv_per_token = cfg.layer_types.count("full_attention") * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert big["layers"] * big["per_layer_delta"] / kv_per_token == 768
+
+
+def test_config_from_hf_composite_and_errors():
+    import json
+    hf = json.loads((FIXTURES / "qwen3_5_tied" / "config.json").read_text())
+    text = dict(hf)
+    composite = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": True}
+    cfg = qwen3_5.config_from_hf(composite)
+    assert cfg.layer_types == tuple(hf["layer_types"]) and cfg.rotary_dim == 8
+    assert qwen3_5.hf_tensor_names(cfg)[0].startswith("model.language_model.")
+    with pytest.raises(ValueError, match="layer_types"):
+        qwen3_5.config_from_hf(dict(hf, layer_types=["linear_attention"]))
+    with pytest.raises(ValueError, match="not a Qwen3.5 type"):
+        qwen3_5.config_from_hf(dict(hf, model_type="llama"))
+
+
+def test_llm_generate_matches_hf_with_chunked_prefill():
+    """Public API: small token budget -> prompts prefilled in non-aligned pieces, 2 seats reused."""
+    ref = _ref("qwen3_5_gva2")
+    llm = LLM(model=str(FIXTURES / "qwen3_5_gva2"), block_size=16, max_model_len=256,
+              num_kv_blocks=64, max_num_batched_tokens=48, max_num_seqs=2)
+    prompts = [{"prompt_token_ids": p.tolist()} for p in ref["prompt"]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=len(ref["greedy"][0])),
+                        use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == ref["greedy"][i].tolist(), f"prompt {i}"
