@@ -20,6 +20,8 @@ COMMANDS = {
                   "paged attention kernel: decode TB/s, prefill TFLOP/s, RoPE-at-read overhead"),
     "planner": ("benchmarks.planner_bench",
                 "checkpoint placement: token savings vs budget per strategy, DP timing, drift"),
+    "gdn": ("benchmarks.gdn_bench",
+            "Gated DeltaNet chunked prefill (XLA / Pallas) vs fla chunk_gated_delta_rule"),
     "engine": ("benchmarks.engine_bench",
                "paged engine: decode step vs memory floor, host share, compiles over a 1000-request run"),
 }

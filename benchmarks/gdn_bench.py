@@ -4,7 +4,8 @@ One sequence, Qwen3.5-0.8B GDN layer shape (16 heads, Dk = Dv = 128, bf16 inputs
 Times the recurrent core only (q/k already L2-normalised, gates given), median of repeats, and
 checks each variant's output against fla's (relative error) in the same run.
 
-  python -m benchmarks.gdn_bench --tokens 8192 32768 [--no-fla] [--json out.json]
+  minipic-bench gdn --tokens 8192 32768 [--no-fla] [--json out.json]
+  python -m benchmarks.gdn_bench ...   (same)
 """
 
 from __future__ import annotations
@@ -94,16 +95,24 @@ def jax_variants():
     }
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_parser(parser):
+    """Arguments of `minipic-bench gdn`."""
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--checkpoints", type=int, default=16, help="M for the checkpoint run")
     parser.add_argument("--variants", nargs="*", default=None)
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
 
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_parser(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args):
+    """Run the benchmark; prints one line per variant and a table (ms, x fla, rel err)."""
     import jax
     import jax.numpy as jnp
     rows = []
