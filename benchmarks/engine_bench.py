@@ -142,12 +142,14 @@ def run(args) -> int:
     _prime_decode(engine, args.batch, args.ctx, args.decode_steps, rng)
     _randomize_cache(engine.runner)
     engine.step()  # first decode step (transfers, allocator warm-up)
-    walls, waits = [], []
+    walls, waits, work = [], [], []
+    st = engine.stats
     for _ in range(args.decode_steps):
-        s0, w0 = engine.stats.step_time, engine.stats.device_wait
+        s0, w0, h0 = st.step_time, st.device_wait, st.schedule + st.build + st.post
         engine.step()
-        walls.append(engine.stats.step_time - s0)
-        waits.append(engine.stats.device_wait - w0)
+        walls.append(st.step_time - s0)
+        waits.append(st.device_wait - w0)
+        work.append(st.schedule + st.build + st.post - h0)
     r = engine.runner
     ints, floats, kw = r.last_inputs
     cache = r.cache
@@ -160,6 +162,24 @@ def run(args) -> int:
         cache, out = r._step(r.params, cache, ints, floats, **kw)
         jax.block_until_ready(out)
         dev.append(time.perf_counter() - t)
+    # the same step with one context block per sequence: what is not KV reading
+    from serving.model_runner import _layout
+    spec, _ = _layout(kw["t"], kw["s"], r.nb)
+    o, (n,) = spec["num_blocks"]
+    short = ints.copy()
+    short[o:o + n] = np.minimum(short[o:o + n], 1)
+    o, (n,) = spec["q_window_start"]
+    op, _ = spec["q_positions"]
+    short[o:o + n] = short[op:op + n]  # attend to the query's own position only
+    for _ in range(2):
+        cache, out = r._step(r.params, cache, short, floats, **kw)
+    jax.block_until_ready(out)
+    dev_short = []
+    for _ in range(10):
+        t = time.perf_counter()
+        cache, out = r._step(r.params, cache, short, floats, **kw)
+        jax.block_until_ready(out)
+        dev_short.append(time.perf_counter() - t)
     r.cache = cache
     kv_bytes = (args.batch * args.ctx * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                 * np.dtype(jax.numpy.dtype(args.dtype)).itemsize)
@@ -170,12 +190,20 @@ def run(args) -> int:
                floor_ms_all_weights=(weight_bytes + kv_bytes) / (res["copy_rate_GBps"] * 1e9) * 1e3,
                decode_step_wall_ms=step_wall * 1e3, decode_step_device_ms=float(np.median(dev)) * 1e3,
                decode_host_share=float(np.median([(w - d) / w for w, d in zip(walls, waits)])),
+               decode_host_work_share=float(np.median([h / w for w, h in zip(walls, work)])),
+               decode_host_work_ms=float(np.median(work)) * 1e3,
+               decode_step_no_context_ms=float(np.median(dev_short)) * 1e3,
+               decode_kv_read_TBps=kv_bytes / ((np.median(dev) - np.median(dev_short)) * 1e12),
+               host_ms_per_step=dict(engine.get_stats()["host_ms_per_step"]),
                decode_wall_over_floor=step_wall / floor,
                decode_device_over_floor=float(np.median(dev)) / floor)
     print(f"decode batch {args.batch} ctx {args.ctx}: step {res['decode_step_wall_ms']:.2f} ms "
           f"(jitted step alone {res['decode_step_device_ms']:.2f} ms), floor {floor * 1e3:.2f} ms "
-          f"-> {res['decode_wall_over_floor']:.2f}x floor; host share "
-          f"{100 * res['decode_host_share']:.1f}%", flush=True)
+          f"-> {res['decode_wall_over_floor']:.2f}x floor; host work "
+          f"{res['decode_host_work_ms']:.2f} ms = {100 * res['decode_host_work_share']:.1f}% "
+          f"(1 - wait/wall: {100 * res['decode_host_share']:.1f}%); same step with 1 context "
+          f"block {res['decode_step_no_context_ms']:.2f} ms -> attention reads K/V at "
+          f"{res['decode_kv_read_TBps']:.2f} TB/s", flush=True)
     for i in range(args.batch):
         engine.abort_request(f"decode-{i}")
     os.makedirs(args.out, exist_ok=True)
@@ -189,6 +217,7 @@ def run(args) -> int:
         before = dict(engine.get_stats())
         c0 = compiles["n"]
         dw0 = engine.stats.device_wait
+        hw0 = st.schedule + st.build + st.post
         t = time.perf_counter()
         outs = llm.generate(prompts, sps, use_tqdm=False)
         elapsed = time.perf_counter() - t
@@ -206,12 +235,15 @@ def run(args) -> int:
             run_preemptions=after["preemptions"] - before["preemptions"],
             run_host_share=1 - ((after["step_time_s"] - before["step_time_s"]) and
                                 (engine.stats.device_wait - dw0) /
-                                (after["step_time_s"] - before["step_time_s"])))
+                                (after["step_time_s"] - before["step_time_s"])),
+            run_host_work_share=(st.schedule + st.build + st.post - hw0) /
+            (after["step_time_s"] - before["step_time_s"]))
         print(f"Throughput: {len(outs) / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.2f} "
               f"total tokens/s, {n_out / elapsed:.2f} output tokens/s")
         print(f"{len(outs)} requests in {steps} steps: compiles after warm-up "
               f"{res['run_compiles_after_warmup']}, cache hits {res['run_cached_tokens']} of "
-              f"{n_in} prompt tokens, preemptions {res['run_preemptions']}", flush=True)
+              f"{n_in} prompt tokens, preemptions {res['run_preemptions']}, host work "
+              f"{100 * res['run_host_work_share']:.1f}% of step time", flush=True)
     res["engine_stats"] = engine.get_stats()
     res["total_s"] = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)

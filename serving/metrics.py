@@ -15,11 +15,20 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
     finished: int = 0
+    dispatch: float = 0.0  # inside the jitted call (argument handling, launch)
+    schedule: float = 0.0  # host: scheduler, hashing, block manager
+    build: float = 0.0  # host: metadata packing
+    post: float = 0.0  # host: frontiers, sampled tokens, finishing
 
-    def record_step(self, batch, *, total: float, device_wait: float) -> None:
+    def record_step(self, batch, *, total: float, device_wait: float, dispatch: float = 0.0,
+                    schedule: float = 0.0, build: float = 0.0, post: float = 0.0) -> None:
         self.steps += 1
         self.step_time += total
         self.device_wait += device_wait
+        self.dispatch += dispatch
+        self.schedule += schedule
+        self.build += build
+        self.post += post
         self.query_tokens += sum(e.token_idx.size for e in batch)
 
     def record_finish(self, seq) -> None:
@@ -48,5 +57,9 @@ class EngineStats:
             "preemptions": engine.scheduler.num_preemptions,
             "step_time_s": self.step_time,
             "host_time_share": host / self.step_time if self.step_time else 0.0,
+            "host_work_share": ((self.schedule + self.build + self.post) / self.step_time
+                                if self.step_time else 0.0),
+            "host_ms_per_step": {k: 1e3 * getattr(self, k) / max(self.steps, 1)
+                                 for k in ("schedule", "build", "dispatch", "post")},
             "num_compiles": engine.runner.num_compiles,
         }
