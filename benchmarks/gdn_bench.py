@@ -84,7 +84,24 @@ def jax_variants():
         parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=q.shape[-1] ** -0.5, solve=solve)
         return tuple(x.astype(bf16) for x in (parts["w"], parts["u"], parts["kd"]))
 
+    def fused(q, k, v, g, beta, ck=None, block_v=32):
+        from kernels_pallas.gated_delta import fused_triton
+        n, t_len, _, dk = k.shape
+        state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
+        idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
+                                                       (n, len(ck)))
+        return fused_triton.fused_gated_delta(q, k, v, g, beta, state0, idx, scale=dk ** -0.5,
+                                              block_v=block_v)
+
+    def fused_intra(q, k, v, g, beta, ck=None):
+        from kernels_pallas.gated_delta import fused_triton
+        return fused_triton.intra_chunk_fused(k, v, g, beta)
+
     return {
+        "intra_only_fused": fused_intra,
+        "fused_bv16": functools.partial(fused, block_v=16),
+        "fused_bv32": fused,
+        "fused_bv64": functools.partial(fused, block_v=64),
         "intra_only_blocked_bf16": intra_only,
         "intra_only_trsm_bf16": functools.partial(intra_only, solve="trsm"),
         "xla_scan_trsm_f32": mk(implementation="xla", solve="trsm"),
@@ -137,7 +154,7 @@ def run(args):
         ck = tuple(int(c) * 64 for c in np.linspace(1, n_chunks, args.checkpoints).round())
         for name, fn in variants.items():
             for with_ck in (False, True):
-                if with_ck and not name.startswith("pallas_blocked_bf16") and name != "xla_scan_trsm_f32":
+                if with_ck and name not in ("pallas_blocked_bf16", "fused_bv32"):
                     continue
                 try:
                     f = jax.jit(functools.partial(fn, ck=ck if with_ck else None))

@@ -49,6 +49,21 @@ def test_pallas_scan_interpret_matches_xla(fresh_rng):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=0)
 
 
+def test_pallas_fused_interpret_matches_reference(fresh_rng):
+    n, t, hk, hv, dk, dv = 2, 83, 2, 4, 16, 16  # GVA 2, T padded to the chunk inside
+    q, k, v, g, beta, s0 = _inputs(fresh_rng, n, t, hk, hv, dk, dv)
+    ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0)
+    ck = np.array([[0, 32, 83], [64, 16, 32]])
+    out, final, cks = api.prefill(q, k, v, g, beta, s0, checkpoint_at=ck, chunk_size=16,
+                                  implementation="pallas_fused", interpret=True)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(final), ref_states[:, -1], atol=2e-5, rtol=0)
+    for b in range(n):
+        for m, c in enumerate(ck[b]):
+            want = s0[b] if c == 0 else ref_states[b, c - 1]
+            np.testing.assert_allclose(np.asarray(cks[b, m]), want, atol=2e-5)
+
+
 def test_decode_step_matches_recurrence(fresh_rng):
     q, k, v, g, beta, s0 = _inputs(fresh_rng, 3, 1, 2, 4, 8, 8)
     ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0)

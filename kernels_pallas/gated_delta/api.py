@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.gated_delta import chunked
 
-IMPLEMENTATIONS = (None, "xla", "pallas_triton")
+IMPLEMENTATIONS = (None, "xla", "pallas_triton", "pallas_fused")
 
 
 def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, chunk_size=64,
@@ -33,7 +33,9 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
         validated here; traced values must be valid (invalid ones are clamped).
       scale: query scale, default Dk ** -0.5.
       chunk_size: C, the checkpoint granularity.
-      implementation: None or "xla" (lax.scan), "pallas_triton" (GPU kernel for the state scan).
+      implementation: None or "xla" (lax.scan), "pallas_triton" (GPU kernel for the state scan,
+        XLA for the rest), "pallas_fused" (three GPU kernels: intra-chunk UT solve, state scan,
+        output; see fused_triton.py).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       solve: in-chunk UT solve, "blocked" (block-recursive inverse) or "trsm".
       inter_dtype: intermediates' dtype (None: float32; bfloat16 for speed with bf16 inputs).
@@ -58,6 +60,12 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
     if pad:  # trailing no-op tokens: g = 0 (no decay), beta = 0 and k = 0 (no write)
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
                             for x in (q, k, v, g, beta))
+    if implementation == "pallas_fused":
+        from kernels_pallas.gated_delta import fused_triton
+        out, final, ckpt_states = fused_triton.fused_gated_delta(
+            q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size,
+            dot_dtype=inter_dtype, interpret=interpret)
+        return out[:, :t_len], final, ckpt_states
     scan_fn = None
     if implementation == "pallas_triton":
         from kernels_pallas.gated_delta import scan_triton
