@@ -75,13 +75,13 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
     options = dict(kernel_options or {})
     if implementation is None:
         on_gpu = jax.default_backend() == "gpu"
-        fits = not _triton_limits(q, k_pages, inv_freq, options.get("block_k", 64))
+        fits = not _triton_limits(q, k_pages, inv_freq, options.get("block_k"))
         implementation = "triton" if (on_gpu or interpret) and fits else "xla"
     if implementation == "xla":
         return _xla_paged_attention(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
                                     attention_scaling=attention_scaling, sm_scale=sm_scale)
     if implementation == "triton":
-        problem = _triton_limits(q, k_pages, inv_freq, options.get("block_k", 64))
+        problem = _triton_limits(q, k_pages, inv_freq, options.get("block_k"))
         if problem:
             raise ValueError(f"paged_attention: implementation='triton' {problem}")
         q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
@@ -99,6 +99,8 @@ def _is_pow2(n):
 def _triton_limits(q, k_pages, inv_freq, block_k):
     """Why the Triton kernel cannot take these shapes ('' when it can): Triton tiles are powers of 2."""
     head_dim, page_size, half = q.shape[-1], k_pages.shape[1], inv_freq.shape[-1]
+    if block_k is None:
+        block_k = max(32, page_size)
     if not _is_pow2(head_dim) or head_dim < 16:
         return f"needs a power-of-2 head_dim >= 16, got {head_dim}"
     if half and not _is_pow2(half):
@@ -211,7 +213,8 @@ def _xla_paged_attention(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attentio
     k_t = keys[seq].astype(jnp.float32)  # [T, N, K, D]
     v_t = values[seq].astype(jnp.float32)
     q_g = q_rot.astype(jnp.float32).reshape(tokens, kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,tnkd->tkgn", q_g, k_t) * sm_scale  # [T, K, G, N]
+    hi = jax.lax.Precision.HIGHEST  # fp32 means fp32 (GPUs default to TF32 for f32 dots)
+    scores = jnp.einsum("tkgd,tnkd->tkgn", q_g, k_t, precision=hi) * sm_scale  # [T, K, G, N]
     kp = key_pos[seq]  # [T, N]
     mask = (valid[seq] & (kp <= md.q_positions[:, None]) & (kp >= md.q_window_start[:, None]))
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
@@ -219,5 +222,5 @@ def _xla_paged_attention(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attentio
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     probs = jnp.exp(scores - row_max)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
-    out = jnp.einsum("tkgn,tnkd->tkgd", probs, v_t) / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("tkgn,tnkd->tkgd", probs, v_t, precision=hi) / jnp.where(denom == 0, 1.0, denom)
     return out.reshape(tokens, heads, head_dim).astype(q.dtype)

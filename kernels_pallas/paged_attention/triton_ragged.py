@@ -91,8 +91,17 @@ def out_rows(tokens: int, heads: int, kv_heads: int, block_q: int, kv_group: int
 
 
 def default_block_q(tokens: int, seqs: int, group: int) -> int:
-    """Decode-only batches: one token per tile; otherwise 64 query rows per tile."""
-    return max(1, 16 // group) if tokens <= seqs else max(1, 64 // group)
+    """Decode-only batches: one token per tile; otherwise 128 query rows per tile."""
+    return max(1, 16 // group) if tokens <= seqs else max(1, 128 // group)
+
+
+def default_options(tokens: int, seqs: int, group: int) -> dict:
+    """Tile options picked by the H200 sweep in benchmarks/RESULTS.md (Attention kernel)."""
+    if tokens <= seqs:
+        return dict(block_q=default_block_q(tokens, seqs, group), block_k=32, num_warps=4,
+                    num_stages=2)
+    return dict(block_q=default_block_q(tokens, seqs, group), block_k=64, num_warps=4,
+                num_stages=3)
 
 
 def _dot(a, b, contract_b, precise):
@@ -170,6 +179,8 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
                 q_all = jnp.where(d >= rot, q_all, jnp.zeros_like(q_all))
             q_all = q_all.astype(cdtype)
 
+        col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+        d_ok = col < head_dim  # all true: gives the V load mask its full [N, D] shape
         n = lax.broadcasted_iota(jnp.int32, (n_keys,), 0)
         key, n_kv = n // kv_group, n % kv_group  # key rows are (key, kv head) interleaved
         pages_per_step = block_k // page_size
@@ -224,8 +235,10 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
                 p = jnp.exp(s - m_safe[:, None])
                 alpha = jnp.exp(m_i - m_safe)
                 l_i = l_i * alpha + jnp.sum(p, axis=1)
-                v = v_ref[kv_row, :]  # [N, D]
-                v = jnp.where(k_ok[:, None], v, jnp.zeros_like(v)).astype(cdtype)  # pads may be NaN
+                # Masked load (pads may hold NaN; 0 * NaN would poison P @ V). A predicated load
+                # feeds the dot directly, which keeps it pipelinable; a where() after it did not.
+                v = pltriton.load(v_ref.at[kv_row[:, None], col], mask=k_ok[:, None] & d_ok,
+                                  other=0.0).astype(cdtype)  # [N, D]
                 acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)
                 return acc, m_new, l_i
 
@@ -237,7 +250,6 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
         acc, m_i, l_i = lax.fori_loop(tile_lo_ref[tile], tile_hi_ref[tile], body, (acc, m_i, l_i))
         out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_row = tok * heads + h0 * group + r % row_heads  # unclamped: spare rows stay unique
-        col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
         # Both indices as arrays: the interpreter can discharge a masked store only in that form.
         pltriton.store(o_ref.at[o_row[:, None], col], out.astype(o_ref.dtype),
                        mask=jnp.broadcast_to(row_ok[:, None], out.shape))
@@ -264,8 +276,9 @@ def prerotate_keys(k_pages, md, inv_freq, attention_scaling):
 
 def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                                   attention_scaling: float, sm_scale: float, block_q: int | None = None,
-                                  block_k: int = 64, kv_group: int = 1, prerotate: bool | None = None,
-                                  num_warps: int = 4, num_stages: int = 2, out=None,
+                                  block_k: int | None = None, kv_group: int = 1,
+                                  prerotate: bool | None = None, num_warps: int | None = None,
+                                  num_stages: int | None = None, out=None,
                                   interpret: bool = False):
     """Pallas/Triton ragged paged attention. q_rot [T, H, D] already rotated by its positions.
 
@@ -284,8 +297,11 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     group = heads // kv_heads
     if kv_heads % kv_group:
         raise ValueError(f"kv_group {kv_group} must divide kv heads {kv_heads}")
-    if block_q is None:
-        block_q = default_block_q(tokens, md.num_seqs, group)
+    defaults = default_options(tokens, md.num_seqs, group)
+    block_q = defaults["block_q"] if block_q is None else block_q
+    block_k = max(defaults["block_k"], page_size) if block_k is None else block_k
+    num_warps = defaults["num_warps"] if num_warps is None else num_warps
+    num_stages = defaults["num_stages"] if num_stages is None else num_stages
     if prerotate is None:
         prerotate = block_q * group >= 64
     half = inv_freq.shape[0]
