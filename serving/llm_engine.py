@@ -222,6 +222,7 @@ class LLMEngine:
         now = time.time()
         tokens = out["tokens"].tolist()
         logprob = out["logprob"].tolist()
+        eos, max_len = self.eos_ids, self.config.max_model_len
         for i, e in enumerate(batch):
             if not e.sample:
                 continue
@@ -240,15 +241,16 @@ class LLMEngine:
             seq.append_token(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            n_out = seq.num_output_tokens
+            n_tok = len(seq.token_ids)
+            n_out = n_tok - seq.num_prompt_tokens
             reason = None
-            if n_out >= sp.min_tokens and tok in sp.stop_token_ids:
-                reason, seq.stop_reason = "stop", tok
-            elif n_out >= sp.min_tokens and not sp.ignore_eos and tok in self.eos_ids:
-                reason = "stop"
-            elif sp.max_tokens is not None and n_out >= sp.max_tokens:
-                reason = "length"
-            elif len(seq) >= self.config.max_model_len:
+            if n_out >= sp.min_tokens and (tok in eos or tok in sp.stop_token_ids):
+                if tok in sp.stop_token_ids:
+                    reason, seq.stop_reason = "stop", tok
+                elif not sp.ignore_eos:
+                    reason = "stop"
+            if reason is None and ((sp.max_tokens is not None and n_out >= sp.max_tokens)
+                                   or n_tok >= max_len):
                 reason = "length"
             if reason is not None:
                 seq.finish_reason = reason

@@ -222,13 +222,15 @@ class Scheduler:
         self.pending_copy_in = []
 
         # 1. decodes
+        bs = cfg.block_size
+        running = Status.RUNNING
         for seq in list(self.running):
-            if seq.status != Status.RUNNING or seq.is_prefilling:
+            n = len(seq.token_ids)
+            if seq.status is not running or seq.num_computed < n - 1:
                 continue
-            if not self._ensure_block(seq):
+            if (n - 1) // bs >= len(seq.block_table) and not self._ensure_block(seq):
                 continue  # preempted itself
-            idx = np.array([len(seq) - 1])
-            batch.append(self._entry(seq, idx, len(seq)))
+            batch.append(ScheduledSeq(seq, np.array([n - 1]), n, True, seq.needs_reset))
             budget -= 1
 
         # 2. running prefills
