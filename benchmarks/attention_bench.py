@@ -36,6 +36,7 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--prefill", type=str, nargs="*", default=["4x8192+0", "4x1024+7168"],
                    help="SEQSxNEW+CACHED prefill shapes")
     p.add_argument("--sweep", action="store_true", help="also sweep kernel tile options")
+    p.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU decode kernel")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--json", type=str, default=None, help="write all rows to this file")
@@ -199,6 +200,13 @@ def run(args) -> int:
                     _safe(rows, case, f"ours {mode} kvg{kvg} bk{bk} w{nw} s{ns}",
                           ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
                           q, k, v, md, work=kv_bytes, unit="tbps", **it)
+        if args.mosaic:  # experimental Mosaic GPU decode kernel (TMA + wgmma)
+            for mode in ("rotated", "position_free"):
+                fn = jax.jit(lambda q, k, v, md, mode=mode: paged_attention(
+                    q, k, v, md, inv, kv_mode=mode, implementation="mosaic",
+                    interpret=args.interpret))
+                _safe(rows, case, f"ours mosaic {mode}", fn, q, k, v, md, work=kv_bytes,
+                      unit="tbps", **it)
         xla = jax.jit(lambda q, k, v, md: _xla_paged_attention(
             q, k, v, md, inv, kv_mode="position_free", attention_scaling=1.0, sm_scale=D ** -0.5))
         _safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, work=kv_bytes,
@@ -282,6 +290,8 @@ def run(args) -> int:
     for r in rows:
         if "impl" in r and "error" not in r and "ours" in r["impl"]:
             mode = "position_free" if "position_free" in r["impl"] else "rotated"
+            if "mosaic" in r["impl"]:
+                mode = "mosaic " + mode
             key = (r["case"], mode)
             val = r.get("tbps", r.get("tflops"))
             if val is not None and (key not in best or val > best[key][0]):

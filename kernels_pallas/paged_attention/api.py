@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
+from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic, mosaic_limits
 from kernels_pallas.paged_attention.triton_ragged import ragged_paged_attention_triton
 from kernels_pallas.rope import apply_rope
 
@@ -60,10 +61,11 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       attention_scaling: RoPE cos/sin scale (1.0 for default, llama3 and linear scaling).
       sm_scale: softmax scale, default 1/sqrt(D).
       implementation: None (the Pallas kernel on GPU when its shape limits allow, else XLA),
-        "xla", or "triton" (Pallas, Triton lowering; runs on CPU with interpret=True).
+        "xla", "triton" (Pallas, Triton lowering; ragged prefill + decode), or "mosaic"
+        (Pallas Mosaic GPU, decode-only, experimental). Both run on CPU with interpret=True.
       interpret: run Pallas kernels in interpret mode (CPU).
-      kernel_options: optional dict of tile sizes for the Pallas kernel (block_q, block_k,
-        num_warps, num_stages).
+      kernel_options: optional dict of options for the Pallas kernel: triton (block_q,
+        block_k, kv_group, prerotate, num_warps, num_stages), mosaic (pages_per_step).
     Returns:
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
@@ -89,6 +91,22 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
             q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
             attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret,
             **options)
+    if implementation == "mosaic":
+        pps = options.pop("pages_per_step", max(1, 64 // k_pages.shape[1]))
+        problem = mosaic_limits(q, k_pages, inv_freq, kv_mode == "position_free", pps)
+        if problem:
+            raise ValueError(f"paged_attention: implementation='mosaic' {problem}")
+        if not isinstance(metadata.cu_q_lens, jax.core.Tracer):
+            lens = np.diff(np.asarray(metadata.cu_q_lens))
+            if np.any(lens > 1):
+                raise ValueError("paged_attention: implementation='mosaic' is decode-only; "
+                                 f"sequence {int(np.argmax(lens > 1))} has {int(lens.max())} "
+                                 "query tokens")
+        q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
+        return decode_attention_mosaic(
+            q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
+            attention_scaling=attention_scaling, sm_scale=sm_scale, pages_per_step=pps,
+            interpret=interpret)
     raise ValueError(f"paged_attention: unknown implementation {implementation!r}")
 
 
