@@ -83,16 +83,18 @@ def test_checkpoint_is_bitwise_state_of_shorter_prefill(fresh_rng):
         np.testing.assert_array_equal(np.asarray(cks[:, m]), np.asarray(final))
 
 
-def test_ragged_matches_per_sequence_recurrence(fresh_rng):
-    hk, hv, dk, dv, chunk = 1, 2, 8, 8, 16
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused"])
+def test_ragged_matches_per_sequence_recurrence(fresh_rng, impl):
+    hk, hv, dk, dv, chunk = 1, 2, 16, 16, 16
     lens, pos0 = [20, 0, 5, 37, 16], [3, 0, 16, 0, 32]  # shifted starts, an empty sequence
     t = sum(lens) + 5  # bucket padding rows at the end
     q, k, v, g, beta, _ = _inputs(fresh_rng, 1, t, hk, hv, dk, dv, state=False)
     s0 = fresh_rng.standard_normal((len(lens), hv, dk, dv)).astype(np.float32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     ck = np.array([[16, -1], [-1, -1], [16, 16], [32, 16], [48, 32]], np.int32)
-    fn = jax.jit(lambda *a: ragged.ragged_gated_delta(*a, checkpoint_at=jnp.asarray(ck),
-                                                      chunk=chunk))
+    fn = jax.jit(lambda *a: ragged.ragged_gated_delta(
+        *a, checkpoint_at=jnp.asarray(ck), chunk=chunk, implementation=impl,
+        interpret=impl != "xla"))
     out, fin, cks = fn(q[0], k[0], v[0], g[0], beta[0], cu, np.array(pos0, np.int32), s0)
     out, fin, cks = np.asarray(out), np.asarray(fin), np.asarray(cks)
     assert np.all(out[cu[-1]:] == 0)

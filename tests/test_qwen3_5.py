@@ -30,10 +30,12 @@ def _ref(name):
             for key in ("prompt", "greedy", "logits", "conv", "delta")}
 
 
-_fwd = jax.jit(qwen3_5.forward_with_checkpoints, static_argnames=("cfg", "kv_mode", "attn_impl"))
+_fwd = jax.jit(qwen3_5.forward_with_checkpoints,
+               static_argnames=("cfg", "kv_mode", "attn_impl", "gdn_impl"))
 
 
-def _step(lm, pager, cache, seq_tokens, *, slots=None, reset=None, checkpoint_at=None):
+def _step(lm, pager, cache, seq_tokens, *, slots=None, reset=None, checkpoint_at=None,
+          gdn_impl=None):
     """One ragged call appending seq_tokens[s] to sequence s; returns (logits [T, V], cache, ck)."""
     md, _, total = pager.step([len(t) for t in seq_tokens])
     tokens = np.zeros(md.num_tokens, np.int32)
@@ -44,7 +46,7 @@ def _step(lm, pager, cache, seq_tokens, *, slots=None, reset=None, checkpoint_at
                                 reset=jnp.asarray(reset, bool))
     ck = None if checkpoint_at is None else jnp.asarray(checkpoint_at, jnp.int32)
     logits, cache, cks = _fwd(lm.params, jnp.asarray(tokens), md, cache, cfg=lm.cfg, recurrent=rec,
-                              checkpoint_at=ck)
+                              checkpoint_at=ck, gdn_impl=gdn_impl)
     return np.asarray(logits)[:total], cache, cks
 
 
@@ -61,6 +63,27 @@ def test_logits_and_greedy_match_hf(name):
                                         len(ref["greedy"][0]), page_size=16, stop_on_eos=False)
     for i, (t, want) in enumerate(zip(tokens, ref["greedy"])):
         assert t == want.tolist(), f"prompt {i}"
+
+
+def test_pallas_gdn_path_matches_hf(name="qwen3_5_gva2"):
+    """The Pallas GDN kernels (interpret mode on CPU) inside the model: same HF parity, and the
+    same checkpoints as the XLA path (to fp32 rounding, which grows with depth as in
+    test_states_match_hf_cache: the two paths solve the UT system differently)."""
+    lm, ref = _model(name), _ref(name)
+    full = [np.concatenate([p, g[:-1]]) for p, g in zip(ref["prompt"], ref["greedy"])]
+    outs = {}
+    for impl in ("xla", "pallas_fused_interpret"):
+        pager = testing.SimplePager(len(full), max(map(len, full)), 16)
+        cache = lm.family.init_cache(lm.cfg, pager.num_pages, 16, len(full), jnp.float32)
+        ck = [[-1], [64], [64]]
+        outs[impl] = _step(lm, pager, cache, full, checkpoint_at=ck, gdn_impl=impl)
+    logits = outs["pallas_fused_interpret"][0]
+    bounds = np.cumsum([0] + [len(f) for f in full])
+    for i, want in enumerate(ref["logits"]):
+        assert np.abs(logits[bounds[i]:bounds[i + 1]] - want).max() <= 1e-4, f"prompt {i}"
+    for key in ("delta", "conv"):
+        np.testing.assert_allclose(np.asarray(outs["pallas_fused_interpret"][2][key]),
+                                   np.asarray(outs["xla"][2][key]), atol=5e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", QWEN_FIXTURES)

@@ -126,6 +126,25 @@ def intra_chunk_fused(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=Fals
     )(k, v, g.astype(jnp.float32), beta)
 
 
+def output_fused(q, k, gc, v_new, states, *, scale, chunk, dot_dtype, out_dtype, interpret=False,
+                 num_warps=4):
+    """Kernel 3 alone: O [N, T, Hv, Dv] from q/k [N, T, Hk, Dk], gc [N, T, Hv], V' and the
+    states entering each chunk [N, Hv, NT, Dk, Dv]."""
+    n, t_len, hk, dk = k.shape
+    hv, dv = v_new.shape[2:]
+    tok, gate_spec = _specs(chunk, hv // hk)
+    return pl.pallas_call(
+        functools.partial(_output_kernel, chunk=chunk, scale=scale, dot_dtype=dot_dtype),
+        grid=(n, t_len // chunk, hv),
+        in_specs=[tok(dk, False), tok(dk, False), gate_spec, tok(dv),
+                  pl.BlockSpec((None, None, None, dk, dv), lambda b, c, h: (b, h, c, 0, 0))],
+        out_specs=tok(dv),
+        out_shape=jax.ShapeDtypeStruct((n, t_len, hv, dv), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+    )(q, k, gc, v_new, states)
+
+
 def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=64, block_v=32,
                       dot_dtype=None, interpret=False, num_warps=4):
     """Chunked gated delta rule; same contract as `chunked.chunked_gated_delta` (T % chunk == 0).
@@ -171,15 +190,8 @@ def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=6
         compiler_params=params, interpret=interpret,
     )(w, u, kd, dl, state0.astype(jnp.float32), slot_map)
 
-    out = pl.pallas_call(
-        functools.partial(_output_kernel, chunk=chunk, scale=scale, dot_dtype=dot_dtype),
-        grid=(n, nt, hv),
-        in_specs=[tok(dk, False), tok(dk, False), gate_spec, tok(dv),
-                  pl.BlockSpec((None, None, None, dk, dv), lambda b, c, h: (b, h, c, 0, 0))],
-        out_specs=tok(dv),
-        out_shape=jax.ShapeDtypeStruct((n, t_len, hv, dv), v.dtype),
-        compiler_params=params, interpret=interpret,
-    )(q, k, gc, v_new, states)
+    out = output_fused(q, k, gc, v_new, states, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
+                       out_dtype=v.dtype, interpret=interpret, num_warps=num_warps)
 
     ckpt_states = None
     if ckpt_idx is not None:

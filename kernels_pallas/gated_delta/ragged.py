@@ -67,7 +67,7 @@ def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0):
 
 
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, scale=None,
-                   chunk=64):
+                   chunk=64, implementation=None, interpret=False):
     """Chunked gated delta rule for a flat ragged batch.
 
     Args:
@@ -77,6 +77,8 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
       state0: [S, Hv, Dk, Dv] float32 state of each sequence before its new tokens.
       checkpoint_at: None or [S, M] int32 absolute positions (multiples of chunk, within
         [pos0, pos0 + len]) whose states to return; -1 = none (returns state0 there).
+      implementation: None / "xla" (lax.scan) or "pallas_fused" (ragged_triton.py, GPU; on CPU
+        only with interpret=True).
     Returns:
       out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None.
     """
@@ -87,11 +89,38 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
     scale = dk ** -0.5 if scale is None else scale
     n_chunks = -(-n_tokens // chunk) + 2 * seqs
     pk = _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks)
+    size = n_chunks * chunk
+    has = pk["lens"] > 0
+    ck_rel = ck_bound = None
+    if checkpoint_at is not None:
+        ck_rel = checkpoint_at - pos0[:, None] + pk["shift"][:, None]  # [S, M] packed offset
+        ck_use = (checkpoint_at >= 0) & (ck_rel > 0) & has[:, None]
+        ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] + ck_rel // chunk, 0), 0,
+                            n_chunks)  # boundary index: end of chunk bound - 1
+    final_bound = pk["first"] + pk["n_ch"]  # [S]
+    if implementation == "pallas_fused":
+        from kernels_pallas.gated_delta import ragged_triton
+        packed = [_pack(x, pk["dest"], size)[None] for x in (q, k, v, g, beta)]
+        bounds = final_bound if ck_bound is None else jnp.concatenate(
+            [final_bound, ck_bound.reshape(-1)])
+        out, bound_states = ragged_triton.packed_gated_delta(
+            *packed, pk["restart"], pk["seq_of_chunk"], state0, bounds, scale=scale, chunk=chunk,
+            interpret=interpret)
+        out = jnp.take(out[0], pk["dest"], axis=0, mode="fill", fill_value=0)
+        final = jnp.where(has[:, None, None, None], bound_states[:seqs], state0)
+        ckpt = None
+        if ck_bound is not None:
+            ckpt = jnp.where(ck_use[..., None, None, None],
+                             bound_states[seqs:].reshape(ck_bound.shape + state0.shape[1:]),
+                             state0[:, None])
+        return out.astype(jnp.float32), final, ckpt
+    if implementation not in (None, "xla"):
+        raise ValueError(f"ragged_prefill: implementation must be None, 'xla' or 'pallas_fused', "
+                         f"got {implementation!r}")
     f32 = jnp.float32
     if hv != hk:
         q = jnp.repeat(q, hv // hk, axis=1)
         k = jnp.repeat(k, hv // hk, axis=1)
-    size = n_chunks * chunk
     packed = [_pack(x.astype(f32), pk["dest"], size)[None] for x in (q, k, v, g, beta)]
     qc, kc, vc, gc, bc = (chunked.to_chunks(x, chunk) for x in packed)  # [1, H, NC, C, ...]
     parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
@@ -102,20 +131,15 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
                                jnp.moveaxis(entering, 0, 1)[None])
     out = chunked.from_chunks(out)[0]  # [NC * C, Hv, Dv]
     out = jnp.take(out, pk["dest"], axis=0, mode="fill", fill_value=0.0)  # [T, Hv, Dv]
-    has = pk["lens"] > 0
-    final = jnp.where(has[:, None, None, None], before[pk["first"] + pk["n_ch"]], state0)
+    final = jnp.where(has[:, None, None, None], before[final_bound], state0)
     ckpt = None
-    if checkpoint_at is not None:
-        rel = checkpoint_at - pos0[:, None] + pk["shift"][:, None]  # [S, M] packed offset
-        bound = pk["first"][:, None] + rel // chunk  # boundary index into `before`
-        use = (checkpoint_at >= 0) & (rel > 0) & has[:, None]
-        bound = jnp.clip(jnp.where(use, bound, 0), 0, n_chunks)
-        ckpt = jnp.where(use[..., None, None, None], before[bound], state0[:, None])
+    if ck_bound is not None:
+        ckpt = jnp.where(ck_use[..., None, None, None], before[ck_bound], state0[:, None])
     return out, final, ckpt
 
 
 def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None,
-                       scale=None, chunk=64):
+                       scale=None, chunk=64, implementation=None, interpret=False):
     """`ragged_prefill`, or the one-step recurrence when every sequence has <= 1 token (same
     contract; checkpoints, if asked, are then the state0 / final state as positions say)."""
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
@@ -141,7 +165,8 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
 
     def prefill(ops):
         return ragged_prefill(*ops[:5], cu_q_lens, pos0, ops[5], checkpoint_at=checkpoint_at,
-                              scale=scale, chunk=chunk)
+                              scale=scale, chunk=chunk, implementation=implementation,
+                              interpret=interpret)
 
     ops = (q, k, v, g, beta, state0.astype(jnp.float32))
     del seqs

@@ -29,6 +29,7 @@ IS_HYBRID = True
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 LAYER_TYPES = ("full_attention", "linear_attention")
 CHUNK = 64  # recurrent checkpoint granularity (the chunked kernel's chunk size)
+GDN_IMPLS = (None, "xla", "pallas_fused", "pallas_fused_interpret")
 
 
 @jax.tree_util.register_dataclass
@@ -250,16 +251,20 @@ def _recurrent_inputs(metadata, recurrent, n_seqs):
 def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen35Cache,
                              cfg: ModelConfig, *, recurrent=None, logits_indices=None,
                              kv_mode: str = "position_free", attn_impl: str | None = None,
-                             checkpoint_at=None):
+                             checkpoint_at=None, gdn_impl: str | None = None):
     """`forward`, plus the recurrent states at chunk-aligned positions of each sequence.
 
     checkpoint_at: None or [S, M] int32 absolute positions (multiples of CHUNK inside
       [pos0, pos0 + new tokens] of the sequence; -1 = none).
+    gdn_impl: GDN prefill kernel: None / "xla" (lax.scan), "pallas_fused" (Pallas Triton, GPU),
+      "pallas_fused_interpret" (same, interpret mode for CPU tests).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
       conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers).
     """
     if kv_mode not in KV_MODES:
         raise ValueError(f"forward: kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
+    if gdn_impl not in GDN_IMPLS:
+        raise ValueError(f"forward: gdn_impl must be one of {GDN_IMPLS}, got {gdn_impl!r}")
     _check(cfg)
     seqs = metadata.num_seqs
     pos0, recurrent = _recurrent_inputs(metadata, recurrent, seqs)
@@ -285,7 +290,8 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
                 conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
                 delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
                 out, conv, delta, ck = gdn_mixer(h, lp.mixer, conv0, delta0, metadata.cu_q_lens,
-                                                 pos0, cfg, checkpoint_at=checkpoint_at)
+                                                 pos0, cfg, checkpoint_at=checkpoint_at,
+                                                 impl=gdn_impl)
                 new["conv"].append(conv_c.at[slots].set(conv))
                 new["delta"].append(delta_c.at[slots].set(delta))
                 if ck is not None:
@@ -311,11 +317,12 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
 
 def forward(params: Qwen35Params, tokens, metadata, cache: Qwen35Cache, cfg: ModelConfig, *,
             recurrent=None, logits_indices=None, kv_mode: str = "position_free",
-            attn_impl: str | None = None):
+            attn_impl: str | None = None, gdn_impl: str | None = None):
     """One ragged step (see interface.py). `recurrent` gives each sequence's state slot and
     whether it starts fresh; None means slot s for sequence s, fresh when it starts at
-    position 0. Sequences with no tokens this step keep their state. Returns (logits, cache)."""
+    position 0. Sequences with no tokens this step keep their state. gdn_impl: see
+    forward_with_checkpoints. Returns (logits, cache)."""
     logits, cache, _ = forward_with_checkpoints(
         params, tokens, metadata, cache, cfg, recurrent=recurrent, logits_indices=logits_indices,
-        kv_mode=kv_mode, attn_impl=attn_impl)
+        kv_mode=kv_mode, attn_impl=attn_impl, gdn_impl=gdn_impl)
     return logits, cache
