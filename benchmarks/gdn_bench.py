@@ -84,14 +84,14 @@ def jax_variants():
         parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=q.shape[-1] ** -0.5, solve=solve)
         return tuple(x.astype(bf16) for x in (parts["w"], parts["u"], parts["kd"]))
 
-    def fused(q, k, v, g, beta, ck=None, block_v=32):
+    def fused(q, k, v, g, beta, ck=None, block_v=32, prefetch=False):
         from kernels_pallas.gated_delta import fused_triton
         n, t_len, _, dk = k.shape
         state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
         idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
                                                        (n, len(ck)))
         return fused_triton.fused_gated_delta(q, k, v, g, beta, state0, idx, scale=dk ** -0.5,
-                                              block_v=block_v)
+                                              block_v=block_v, prefetch=prefetch)
 
     def fused_intra(q, k, v, g, beta, ck=None):
         from kernels_pallas.gated_delta import fused_triton
@@ -102,6 +102,8 @@ def jax_variants():
         "fused_bv16": functools.partial(fused, block_v=16),
         "fused_bv32": fused,
         "fused_bv64": functools.partial(fused, block_v=64),
+        "fused_bv16_pf": functools.partial(fused, block_v=16, prefetch=True),
+        "fused_bv32_pf": functools.partial(fused, block_v=32, prefetch=True),
         "intra_only_blocked_bf16": intra_only,
         "intra_only_trsm_bf16": functools.partial(intra_only, solve="trsm"),
         "xla_scan_trsm_f32": mk(implementation="xla", solve="trsm"),

@@ -1,6 +1,8 @@
 """Chunked / Pallas / ragged gated delta rule vs the token-by-token float64 recurrence; exact
 checkpoints (bitwise) at chunk boundaries."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,20 @@ def test_pallas_fused_interpret_matches_reference(fresh_rng):
         for m, c in enumerate(ck[b]):
             want = s0[b] if c == 0 else ref_states[b, c - 1]
             np.testing.assert_allclose(np.asarray(cks[b, m]), want, atol=2e-5)
+
+
+def test_fused_prefetch_scan_is_bitwise_plain_scan(fresh_rng):
+    from kernels_pallas.gated_delta import fused_triton
+    q, k, v, g, beta, s0 = _inputs(fresh_rng, 2, 64, 1, 2, 16, 32)
+    ck = jnp.array([[0, 2, 4], [1, 1, 3]])
+    run = functools.partial(fused_triton.fused_gated_delta, q, k, v, g, beta, s0, ck, scale=0.25,
+                            chunk=16, block_v=16, interpret=True)
+    ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0, scale=0.25)
+    plain, pre = run(), run(prefetch=True)
+    for a, b in zip(plain, pre):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(pre[0]), ref_out, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(pre[2][1, 2]), ref_states[1, 47], atol=2e-5)
 
 
 def test_decode_step_matches_recurrence(fresh_rng):

@@ -84,6 +84,37 @@ def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, slot_ref, vnew_ref, state
     save_checkpoint(n_chunks, s)
 
 
+def _scan_kernel_prefetch(w_ref, u_ref, kd_ref, dl_ref, s0_ref, slot_ref, vnew_ref, states_ref,
+                          final_ref, ckpt_ref, *, n_chunks, chunk, dot_dtype):
+    """`_scan_kernel` with chunk c+1's W/U/KD/decay/slot loaded while chunk c computes (carried
+    in the loop state), so global-load latency leaves the sequential critical path."""
+    def load(c):
+        c = jnp.minimum(c, n_chunks - 1)
+        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        return (w_ref[rows, :].astype(dot_dtype), u_ref[rows, :].astype(jnp.float32),
+                kd_ref[rows, :].astype(dot_dtype), dl_ref[c], slot_ref[c])
+
+    def save_checkpoint(slot, s):
+        @pl.when(slot >= 0)
+        def _():
+            ckpt_ref[slot] = s
+
+    def body(c, carry):
+        s, (w, u, kd, dl, slot) = carry
+        nxt = load(c + 1)
+        states_ref[c] = s.astype(states_ref.dtype)
+        save_checkpoint(slot, s)
+        v_new = u - jnp.dot(w, s.astype(dot_dtype), preferred_element_type=jnp.float32)
+        vnew_ref[pl.ds(pl.multiple_of(c * chunk, chunk), chunk), :] = v_new.astype(vnew_ref.dtype)
+        upd = jax.lax.dot_general(kd, v_new.astype(dot_dtype), (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+        return s * dl + upd, nxt
+
+    s, _ = jax.lax.fori_loop(0, n_chunks, body, (s0_ref[...].astype(jnp.float32), load(0)))
+    final_ref[...] = s
+    save_checkpoint(slot_ref[n_chunks], s)
+
+
 def _output_kernel(q_ref, k_ref, gc_ref, vnew_ref, s_ref, o_ref, *, chunk, scale, dot_dtype):
     # q/k [C, Dk]; gc [C]; vnew [C, Dv]; s [Dk, Dv]; o [C, Dv]
     gc = gc_ref[...]
@@ -146,12 +177,12 @@ def output_fused(q, k, gc, v_new, states, *, scale, chunk, dot_dtype, out_dtype,
 
 
 def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=64, block_v=32,
-                      dot_dtype=None, interpret=False, num_warps=4):
+                      dot_dtype=None, interpret=False, num_warps=4, prefetch=False):
     """Chunked gated delta rule; same contract as `chunked.chunked_gated_delta` (T % chunk == 0).
 
     dot_dtype: matmul operand dtype (default: v's dtype; bf16 inputs -> bf16 MMAs, fp32 acc).
     Intermediates (W, U, KD, V', per-chunk states) are stored in dot_dtype; the carried state,
-    the final state and the checkpoints are float32.
+    the final state and the checkpoints are float32. prefetch: use `_scan_kernel_prefetch`.
     """
     n, t_len, hk, dk = k.shape
     hv, dv = v.shape[2:]
@@ -175,7 +206,8 @@ def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=6
     seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda b, h, j: (b, 0, h, j))
     state_spec = pl.BlockSpec((None, None, dk, block_v), lambda b, h, j: (b, h, 0, j))
     v_new, states, final, ckpt = pl.pallas_call(
-        functools.partial(_scan_kernel, n_chunks=nt, chunk=chunk, dot_dtype=dot_dtype),
+        functools.partial(_scan_kernel_prefetch if prefetch else _scan_kernel, n_chunks=nt,
+                          chunk=chunk, dot_dtype=dot_dtype),
         grid=(n, hv, dv // block_v),
         in_specs=[seq_k, seq_v, seq_k, pl.BlockSpec((None, None, nt), lambda b, h, j: (b, h, 0)),
                   state_spec, pl.BlockSpec((None, nt + 1), lambda b, h, j: (b, 0))],
