@@ -21,7 +21,7 @@ INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 CASES = [
     (jnp.bfloat16, 2, 4, 128, 16, 4, "position_free", [(70, 1, 0), (5, 1, 0), (130, 1, 20)]),
     (jnp.float16, 1, 8, 128, 16, 4, "rotated", [(40, 1, 0), (0, 1, 0)]),
-    (jnp.bfloat16, 1, 2, 256, 32, 2, "position_free", [(90, 1, 7), (3, 1, 0)]),
+    (jnp.bfloat16, 1, 2, 128, 32, 2, "position_free", [(90, 1, 7), (3, 1, 0)]),
 ]
 
 
@@ -62,6 +62,9 @@ def test_mosaic_rejects_what_it_cannot_run():
         paged_attention(q, k, v, md, inv, implementation="mosaic", interpret=True)
     with pytest.raises(ValueError, match="full rotary"):
         paged_attention(q, k, v, md, inv[:16], implementation="mosaic", interpret=True)
+    q2, k2, v2, md2, inv2 = _inputs(0, jnp.bfloat16, 1, 2, 256, 32, [(20, 1, 0)])
+    with pytest.raises(ValueError, match="shared memory"):  # D = 256 needs 266 KiB of SMEM
+        paged_attention(q2, k2, v2, md2, inv2, implementation="mosaic", interpret=True)
     with pytest.raises(ValueError, match="bf16/f16"):
         paged_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                         md, inv, implementation="mosaic", interpret=True)

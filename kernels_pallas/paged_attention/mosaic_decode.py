@@ -13,8 +13,9 @@ logical position (block_pos_start + slot: a select chain over the step's pages),
 swizzled SMEM and contracted by two wgmmas (lo and hi halves). cos/sin: Cody-Waite reduction to
 [-pi, pi], then the approximate SFU functions (approx_math).
 
-Limits: bf16/f16; full rotary (R == D) with R/2 a multiple of 64 (D = 128, 256), or rotated mode
-with D a multiple of 128; pages_per_step * B a multiple of 64. Pad slots must hold finite values
+Limits: bf16/f16; full rotary (R == D) with R/2 a multiple of 64, or rotated mode with D a
+multiple of 128; pages_per_step * B a multiple of 64; SMEM within 227 KiB, so D = 128 only in
+practice (D = 256 needs 266 KiB: it compiled only after the limit check said so, on 2026-11-30). Pad slots must hold finite values
 (p = 0 times a NaN value is NaN inside the wgmma); the engine's cache starts zeroed and only
 ever holds finite K/V.
 """
@@ -31,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _ROWS = 64  # wgmma M
+_SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
 _TWO_PI_HI = 6.28125
 _TWO_PI_LO = 0.0019353071795864769
 
@@ -48,7 +50,21 @@ def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step):
         return f"needs full rotary with R/2 a multiple of 64, got R={2 * half}, D={head_dim}"
     if head_dim % 128 and not rotate_keys:
         return f"needs head_dim a multiple of 128 in rotated mode, got {head_dim}"
+    need = smem_bytes(head_dim, pages_per_step * page_size, q.dtype.itemsize)
+    if need > _SMEM_LIMIT:
+        return (f"needs {need} bytes of shared memory for head_dim {head_dim}, block "
+                f"{pages_per_step * page_size}; the H200 has {_SMEM_LIMIT} per block")
     return ""
+
+
+def smem_bytes(head_dim, block_k, itemsize):
+    """SMEM of one CTA: q halves, inv_freq tile (f32), 2 stages of K halves + V, rotated K
+    halves, output and probabilities."""
+    half = head_dim // 2
+    return (2 * _ROWS * half * itemsize + block_k * half * 4
+            + 2 * (2 * block_k * half + block_k * head_dim) * itemsize
+            + 2 * block_k * half * itemsize + _ROWS * head_dim * itemsize
+            + _ROWS * block_k * itemsize + 1024)
 
 
 def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwin_ref, inv_ref,

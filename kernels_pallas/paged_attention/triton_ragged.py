@@ -12,7 +12,10 @@ their two halves, rotated in float32 by each key's logical position (block_pos_s
 contracted against the matching halves of the (already rotated) queries; the pass-through dims
 (partial rotary) are a third product. Online softmax in float32.
 
-Why Triton and not Mosaic GPU here: see README in this folder (kernel notes).
+Backend: Pallas' Triton lowering (deprecated in JAX 0.11, a stepping stone behind api.py). It is
+the production path because it handles the whole ragged batch (prefill tiles, decode, any G,
+partial rotary, fp32) and measured faster than our Mosaic GPU decode kernel (mosaic_decode.py)
+on the H200; see benchmarks/RESULTS.md, "Attention kernel".
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def default_block_q(tokens: int, seqs: int, group: int) -> int:
 def default_options(tokens: int, seqs: int, group: int) -> dict:
     """Tile options picked by the H200 sweep in benchmarks/RESULTS.md (Attention kernel)."""
     if tokens <= seqs:
-        return dict(block_q=default_block_q(tokens, seqs, group), block_k=32, num_warps=4,
+        return dict(block_q=default_block_q(tokens, seqs, group), block_k=64, num_warps=4,
                     num_stages=2)
     return dict(block_q=default_block_q(tokens, seqs, group), block_k=64, num_warps=4,
                 num_stages=3)
