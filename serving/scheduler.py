@@ -264,6 +264,18 @@ class Scheduler:
                 batch.append(self._entry(seq, idx, new))
                 budget -= idx.size
 
+        # barrier: a final segment another request waits on can hold the barrier shut; when
+        # nothing else can move, open it for this step (progress over strict phase order)
+        if not batch and cfg.scheduling_policy == "barrier":
+            for seq in self.running:
+                if budget <= 0:
+                    break
+                if seq.is_prefilling:
+                    idx, new = self._plan_chunk(seq, budget)
+                    if new > seq.num_computed:
+                        batch.append(self._entry(seq, idx, new))
+                        budget -= idx.size
+
         # 4. span jobs (isps): running ones first, then new ones for waiting requests
         if cfg.scheduling_policy == "isps" and self.caching:
             for job in self.span_jobs:
