@@ -93,6 +93,27 @@ def test_kernel_matches_reference_poisoned(case):
             "kernel wrote rows that belong to no sequence"
 
 
+DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv_mode, options)
+    (jnp.float32, 4, 2, 64, 16, 4, "position_free", {"kv_group": 4, "splits": 3, "block_k": 16}),
+    (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 1, "splits": 2,
+                                                         "block_k": 16}),
+    (jnp.float32, 2, 4, 64, 64, 4, "rotated", {"kv_group": 2, "splits": 1, "block_k": 16}),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{jnp.dtype(c[0]).name}-K{c[1]}"
+                         f"G{c[2]}-D{c[3]}R{c[4]}-{c[6]}-kvg{c[7]['kv_group']}s{c[7]['splits']}")
+def test_decode_kernel_matches_reference(case):
+    """Decode kernel: partial outputs start as NaN, so unwritten rows would show."""
+    dtype, kv_heads, group, head_dim, rot, page_size, kv_mode, opts = case
+    specs = DECODE + [(7, 0, 0)]  # plus a sequence with no query this step
+    q, k, v, md, inv = _inputs(DECODE_CASES.index(case) + 11, dtype, kv_heads, group, head_dim,
+                               rot, page_size, specs)
+    out = paged_attention(q, k, v, md, inv, kv_mode=kv_mode, implementation="triton_decode",
+                          interpret=INTERPRET, kernel_options=opts)
+    _check(out, paged_attention_reference(q, k, v, md, inv, kv_mode=kv_mode), md, dtype)
+
+
 @pytest.mark.parametrize("implementation", ["triton", "xla"])
 def test_api_matches_reference(implementation):
     dtype, kv_heads, group, head_dim, rot, page_size, kv_mode, specs = CASES[1]
@@ -189,5 +210,7 @@ def test_validation_errors():
         call(q, k, v, _replace(md, q_positions=md.q_positions[:-1]), inv)
     with pytest.raises(ValueError, match="unknown implementation"):
         paged_attention(q, k, v, md, inv, implementation="cuda")
+    with pytest.raises(ValueError, match="decode-only"):
+        paged_attention(q, k, v, md, inv, implementation="triton_decode", interpret=True)
     with pytest.raises(ValueError, match="power-of-2 rotary"):
         paged_attention(q, k, v, md, jnp.ones((3,), jnp.float32), implementation="triton")

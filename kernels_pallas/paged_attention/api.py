@@ -20,6 +20,7 @@ import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic, mosaic_limits
+from kernels_pallas.paged_attention.triton_decode import decode_paged_attention_triton
 from kernels_pallas.paged_attention.triton_ragged import ragged_paged_attention_triton
 from kernels_pallas.rope import apply_rope
 
@@ -61,11 +62,14 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       attention_scaling: RoPE cos/sin scale (1.0 for default, llama3 and linear scaling).
       sm_scale: softmax scale, default 1/sqrt(D).
       implementation: None (the Pallas kernel on GPU when its shape limits allow, else XLA),
-        "xla", "triton" (Pallas, Triton lowering; ragged prefill + decode), or "mosaic"
-        (Pallas Mosaic GPU, decode-only, experimental). Both run on CPU with interpret=True.
+        "xla", "triton" (Pallas, Triton lowering; ragged prefill + decode), "triton_decode"
+        (decode-only: at most one query per sequence; cos/sin once per key for several kv
+        heads, split-K), or "mosaic" (Pallas Mosaic GPU, decode-only, experimental). The
+        Pallas ones run on CPU with interpret=True.
       interpret: run Pallas kernels in interpret mode (CPU).
       kernel_options: optional dict of options for the Pallas kernel: triton (block_q,
-        block_k, kv_group, prerotate, num_warps, num_stages), mosaic (pages_per_step).
+        block_k, kv_group, prerotate, num_warps, num_stages), triton_decode (kv_group, splits,
+        block_k, num_warps, num_stages), mosaic (pages_per_step).
     Returns:
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
@@ -91,23 +95,39 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
             q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
             attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret,
             **options)
+    if implementation == "triton_decode":
+        problem = _triton_limits(q, k_pages, inv_freq, options.get("block_k", 32))
+        if problem:
+            raise ValueError(f"paged_attention: implementation='triton_decode' {problem}")
+        _check_decode_only(metadata, implementation)
+        q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
+        return decode_paged_attention_triton(
+            q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
+            attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret,
+            **options)
     if implementation == "mosaic":
         pps = options.pop("pages_per_step", max(1, 64 // k_pages.shape[1]))
         problem = mosaic_limits(q, k_pages, inv_freq, kv_mode == "position_free", pps)
         if problem:
             raise ValueError(f"paged_attention: implementation='mosaic' {problem}")
-        if not isinstance(metadata.cu_q_lens, jax.core.Tracer):
-            lens = np.diff(np.asarray(metadata.cu_q_lens))
-            if np.any(lens > 1):
-                raise ValueError("paged_attention: implementation='mosaic' is decode-only; "
-                                 f"sequence {int(np.argmax(lens > 1))} has {int(lens.max())} "
-                                 "query tokens")
+        _check_decode_only(metadata, implementation)
         q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
         return decode_attention_mosaic(
             q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
             attention_scaling=attention_scaling, sm_scale=sm_scale, pages_per_step=pps,
             interpret=interpret)
     raise ValueError(f"paged_attention: unknown implementation {implementation!r}")
+
+
+def _check_decode_only(md, implementation):
+    """Decode kernels take at most one query per sequence (checked when not tracing)."""
+    if isinstance(md.cu_q_lens, jax.core.Tracer):
+        return
+    lens = np.diff(np.asarray(md.cu_q_lens))
+    if np.any(lens > 1):
+        s = int(np.argmax(lens > 1))
+        raise ValueError(f"paged_attention: implementation={implementation!r} is decode-only; "
+                         f"sequence {s} has {int(lens[s])} query tokens")
 
 
 def _is_pow2(n):
