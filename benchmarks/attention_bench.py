@@ -22,6 +22,8 @@ import numpy as np
 
 # (kv_group, block_k, num_warps, num_stages) and (block_q, block_k, num_warps, num_stages)
 DECODE_SWEEP = ((1, 64, 4, 2), (1, 64, 8, 2), (1, 32, 4, 3), (1, 16, 4, 2))
+# (kv_group, splits, block_k, num_warps, num_stages) for implementation="triton_decode"
+DECODE_KERNEL_SWEEP = ((8, 8, 32, 8, 2), (4, 4, 32, 4, 2), (8, 4, 64, 8, 2), (2, 4, 64, 4, 2))
 PREFILL_SWEEP = ((32, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2))
 
 
@@ -37,6 +39,8 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--sweep", nargs="?", const="all", default="", choices=["", "decode", "all"],
                    help="also sweep kernel tile options (decode only, or all)")
     p.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU decode kernel")
+    p.add_argument("--decode-kernel", action="store_true",
+                   help="also time the decode-only Triton kernel (triton_decode) configs")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--json", type=str, default=None, help="write all rows to this file")
@@ -200,6 +204,16 @@ def run(args) -> int:
                     _safe(rows, case, f"ours {mode} kvg{kvg} bk{bk} w{nw} s{ns}",
                           ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
                           q, k, v, md, work=kv_bytes, unit="tbps", **it)
+        if args.decode_kernel:  # decode-only Triton kernel: cos/sin shared across kv heads
+            for kvg, splits, bk, nw, ns in DECODE_KERNEL_SWEEP:
+                for mode in ("rotated", "position_free"):
+                    opts = dict(kv_group=kvg, splits=splits, block_k=bk, num_warps=nw,
+                                num_stages=ns)
+                    fn = jax.jit(lambda q, k, v, md, mode=mode, opts=opts: paged_attention(
+                        q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
+                        kernel_options=opts, interpret=args.interpret))
+                    _safe(rows, case, f"ours decode {mode} kvg{kvg} sp{splits} bk{bk} w{nw}",
+                          fn, q, k, v, md, work=kv_bytes, unit="tbps", **it)
         if args.mosaic:  # experimental Mosaic GPU decode kernel (TMA + wgmma)
             for mode in ("rotated", "position_free"):
                 fn = jax.jit(lambda q, k, v, md, mode=mode: paged_attention(
@@ -292,6 +306,8 @@ def run(args) -> int:
             mode = "position_free" if "position_free" in r["impl"] else "rotated"
             if "mosaic" in r["impl"]:
                 mode = "mosaic " + mode
+            if "ours decode" in r["impl"]:
+                mode = "decode-kernel " + mode
             key = (r["case"], mode)
             val = r.get("tbps", r.get("tflops"))
             if val is not None and (key not in best or val > best[key][0]):
@@ -299,9 +315,12 @@ def run(args) -> int:
     for (case, mode), (val, impl) in sorted(best.items()):
         print(f"  {case:<20} {mode:<14} {val:8.2f}  ({impl})")
     for case in sorted({c for c, _ in best}):
-        if (case, "rotated") in best and (case, "position_free") in best:
-            ratio = best[(case, "rotated")][0] / best[(case, "position_free")][0]
-            print(f"  {case:<20} RoPE-at-read overhead (best vs best) {100 * (ratio - 1):+.1f}%")
+        for prefix in ("", "decode-kernel ", "mosaic "):
+            rot, free = (case, prefix + "rotated"), (case, prefix + "position_free")
+            if rot in best and free in best:
+                ratio = best[rot][0] / best[free][0]
+                print(f"  {case:<20} {prefix}RoPE-at-read overhead (best vs best) "
+                      f"{100 * (ratio - 1):+.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
