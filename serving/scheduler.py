@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from serving.hashing import block_keys
 from serving.layout import build_layout
 from serving.sequence import Sequence, Status
 
@@ -71,8 +72,9 @@ class Scheduler:
                 seq.block_hashes = []
             else:
                 lay = seq.layout
-                seq.block_hashes = _block_keys(self.hash_fn, seq.prompt_token_ids, self.cfg.block_size,
-                                               lay, self.root_hash_fn(seq.cache_salt))
+                seq.block_hashes = block_keys(self.hash_fn, seq.prompt_token_ids,
+                                              self.cfg.block_size, lay.span_block, lay.span_start,
+                                              self.root_hash_fn(seq.cache_salt))
         return seq.block_hashes
 
     def _hit_limit(self, seq: Sequence) -> int:
@@ -205,14 +207,13 @@ class Scheduler:
         """Token index where the final segment begins (0 if the prompt is one segment)."""
         if not hasattr(seq, "_final_start"):
             lay, bs = seq.layout, self.cfg.block_size
-            starts = np.flatnonzero(_segment_starts(lay))
+            starts = np.flatnonzero(lay.seg_start)
             seq._final_start = int(starts[-1]) * bs if starts.size else 0
         return seq._final_start
 
     def _entry(self, seq, idx, new_computed) -> ScheduledSeq:
         sample = (not seq.is_span_job) and new_computed >= len(seq)
-        e = ScheduledSeq(seq, idx, new_computed, sample, seq.needs_reset)
-        return e
+        return ScheduledSeq(seq, idx, new_computed, sample, seq.needs_reset)
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
@@ -323,7 +324,7 @@ class Scheduler:
         lay, bs = seq.layout, self.cfg.block_size
         hashes = self._hashes(seq)
         limit = self._hit_limit(seq)
-        jobs, starts = [], np.flatnonzero(_segment_starts(lay))
+        jobs, starts = [], np.flatnonzero(lay.seg_start)
         for k, j0 in enumerate(starts):
             j1 = int(starts[k + 1]) if k + 1 < len(starts) else len(lay.block_valid)
             if not lay.span_start[j0] or j1 > limit:
@@ -363,11 +364,3 @@ class Scheduler:
             if seq.is_span_job and seq.num_computed >= len(seq):
                 self.finish(seq)
 
-
-def _segment_starts(lay) -> np.ndarray:
-    return lay.seg_start
-
-
-def _block_keys(hash_fn, tokens, block_size, lay, h0):
-    from serving.hashing import block_keys
-    return block_keys(hash_fn, tokens, block_size, lay.span_block, lay.span_start, h0)
