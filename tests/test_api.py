@@ -139,3 +139,17 @@ def test_request_that_never_fits_and_markers_in_rotated_mode():
     with pytest.raises(ValueError, match="request 0: .*marker at token index 16 .*rotated"):
         rot.generate([[Prompt([256, 1, 2]), Span([3, 4])]], SamplingParams(max_tokens=2),
                      use_tqdm=False)
+
+
+def test_abort_frees_blocks_and_others_finish(llm):
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    eng.add_request("keep", [256] + list(range(40, 70)), sp)
+    eng.add_request("drop", [256] + list(range(80, 110)), sp)
+    eng.step()
+    eng.abort_request("drop")
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [o.request_id for o in outs] == ["keep"] and len(outs[0].outputs[0].token_ids) == 6
+    assert eng.bm.num_used == 0 and not any(eng.bm.ref)
