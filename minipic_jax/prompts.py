@@ -38,7 +38,8 @@ class Span:
 
 
 def is_structured(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and any(isinstance(x, (Prompt, Span)) for x in prompt)
+    """A list of segments (its first element is a Prompt or Span), not a list of token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (Prompt, Span))
 
 
 def _encode(seg, tokenizer, first: bool) -> list[int]:
