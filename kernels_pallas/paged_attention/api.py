@@ -96,7 +96,8 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
             attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret,
             **options)
     if implementation == "triton_decode":
-        problem = _triton_limits(q, k_pages, inv_freq, options.get("block_k", 32))
+        problem = _triton_limits(q, k_pages, inv_freq,
+                                 options.get("block_k", max(64, k_pages.shape[1])))
         if problem:
             raise ValueError(f"paged_attention: implementation='triton_decode' {problem}")
         _check_decode_only(metadata, implementation)

@@ -122,22 +122,29 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, inv_re
 
 
 def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
-                                  attention_scaling: float, sm_scale: float, kv_group: int = 8,
-                                  splits: int = 8, block_k: int = 32, num_warps: int = 8,
-                                  num_stages: int = 2, interpret: bool = False):
+                                  attention_scaling: float, sm_scale: float, kv_group: int = 2,
+                                  splits: int | None = None, block_k: int | None = None,
+                                  num_warps: int = 4, num_stages: int = 2,
+                                  interpret: bool = False):
     """Decode-only paged attention (each sequence has at most one query: row cu_q_lens[s]).
 
     q_rot [T, H, D] rotated by its positions; kv_group kv heads per program (cos/sin computed once
-    per key for all of them); splits programs per sequence over its key range. Returns [T, H, D];
+    per key for all of them); splits programs per sequence over its key range (default: enough
+    for ~1024 programs, at most 16). Defaults are the best position_free config of the H200 run in
+    benchmarks/RESULTS.md; kv_group 8 with block_k 64 overflows SMEM at D=128. Returns [T, H, D];
     rows that are no sequence's query are zero.
     """
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     seqs = md.block_tables.shape[0]
     kv_group = min(kv_group, kv_heads)
+    block_k = max(64, page_size) if block_k is None else block_k
     if kv_heads % kv_group or block_k % page_size:
         raise ValueError(f"kv_group {kv_group} must divide {kv_heads} kv heads and block_k "
                          f"{block_k} be a multiple of the page size {page_size}")
+    if splits is None:
+        programs = seqs * (kv_heads // kv_group)
+        splits = max(1, min(16, -(-1024 // programs)))
     half = inv_freq.shape[0]
     cdtype = jnp.float32 if q_rot.dtype == jnp.float32 else q_rot.dtype
     q_flat = (q_rot.reshape(tokens * heads, head_dim).astype(jnp.float32) * sm_scale)
