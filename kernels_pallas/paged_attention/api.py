@@ -61,7 +61,8 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       kv_mode: "position_free" (keys stored unrotated, rotated here) or "rotated".
       attention_scaling: RoPE cos/sin scale (1.0 for default, llama3 and linear scaling).
       sm_scale: softmax scale, default 1/sqrt(D).
-      implementation: None (the Pallas kernel on GPU when its shape limits allow, else XLA),
+      implementation: None (the ragged Pallas kernel on GPU when its shape limits allow, else
+        XLA; for steps known to be decode-only pass "triton_decode": 1.3-1.5x faster there),
         "xla", "triton" (Pallas, Triton lowering; ragged prefill + decode), "triton_decode"
         (decode-only: at most one query per sequence; cos/sin once per key for several kv
         heads, split-K), or "mosaic" (Pallas Mosaic GPU, decode-only, experimental). The
