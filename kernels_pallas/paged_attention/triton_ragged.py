@@ -204,48 +204,46 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
             if kv_group > 1:
                 mask &= row_kv[:, None] == n_kv[None, :]
 
-            def compute(carry):
-                acc, m_i, l_i = carry
-                page = jnp.where(k_ok, bt_ref[seq, b_c], 0)  # never follow an unused entry
-                kv_row = (page * page_size + slot) * kv_heads + h0 + n_kv  # [N]
-                k_row = kv_row
-                if k_contiguous:  # keys pre-rotated into [S, NB, B, K, D]
-                    k_row = ((seq * max_blocks + b_c) * page_size + slot) * kv_heads + h0 + n_kv
-                s = jnp.zeros((rows, n_keys), jnp.float32)
-                if split:
-                    k_lo = k_ref[k_row, pl.ds(0, half)].astype(jnp.float32)  # [N, R/2]
-                    k_hi = k_ref[k_row, pl.ds(half, half)].astype(jnp.float32)
-                    if kv_group == 1:
-                        ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
-                        cos, sin = _cos_sin(ang, fast_trig)
-                    else:  # one cos/sin per key, shared by the kv_group heads
-                        kk = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-                        pos1 = key_meta(step, kk)[2]
-                        ang = pos1.astype(jnp.float32)[:, None] * inv[None, :]  # [Nk, R/2]
-                        cos, sin = _cos_sin(ang, fast_trig)
-                        shape = (block_k, kv_group, half)
-                        cos = jnp.broadcast_to(cos[:, None, :], shape).reshape(n_keys, half)
-                        sin = jnp.broadcast_to(sin[:, None, :], shape).reshape(n_keys, half)
+            acc, m_i, l_i = carry
+            page = jnp.where(k_ok, bt_ref[seq, b_c], 0)  # never follow an unused entry
+            kv_row = (page * page_size + slot) * kv_heads + h0 + n_kv  # [N]
+            k_row = kv_row
+            if k_contiguous:  # keys pre-rotated into [S, NB, B, K, D]
+                k_row = ((seq * max_blocks + b_c) * page_size + slot) * kv_heads + h0 + n_kv
+            s = jnp.zeros((rows, n_keys), jnp.float32)
+            if split:
+                k_lo = k_ref[k_row, pl.ds(0, half)].astype(jnp.float32)  # [N, R/2]
+                k_hi = k_ref[k_row, pl.ds(half, half)].astype(jnp.float32)
+                if kv_group == 1:
+                    ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
+                    cos, sin = _cos_sin(ang, fast_trig)
+                else:  # one cos/sin per key, shared by the kv_group heads
+                    kk = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+                    pos1 = key_meta(step, kk)[2]
+                    ang = pos1.astype(jnp.float32)[:, None] * inv[None, :]  # [Nk, R/2]
+                    cos, sin = _cos_sin(ang, fast_trig)
+                    shape = (block_k, kv_group, half)
+                    cos = jnp.broadcast_to(cos[:, None, :], shape).reshape(n_keys, half)
+                    sin = jnp.broadcast_to(sin[:, None, :], shape).reshape(n_keys, half)
+                if scaling != 1.0:
                     cos, sin = cos * scaling, sin * scaling
-                    k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-                    s += _dot_nt(q_lo, k_lo.astype(cdtype), precise)
-                    s += _dot_nt(q_hi, k_hi.astype(cdtype), precise)
-                if not split or rot < head_dim:
-                    s += _dot_nt(q_all, k_ref[k_row, :].astype(cdtype), precise)
-                s = jnp.where(mask, s, _NEG_INF)
-                m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-                m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-                p = jnp.exp(s - m_safe[:, None])
-                alpha = jnp.exp(m_i - m_safe)
-                l_i = l_i * alpha + jnp.sum(p, axis=1)
-                # Masked load (pads may hold NaN; 0 * NaN would poison P @ V). A predicated load
-                # feeds the dot directly, which keeps it pipelinable; a where() after it did not.
-                v = pltriton.load(v_ref.at[kv_row[:, None], col], mask=k_ok[:, None] & d_ok,
-                                  other=0.0).astype(cdtype)  # [N, D]
-                acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)
-                return acc, m_new, l_i
-
-            return compute(carry)
+                k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
+                s += _dot_nt(q_lo, k_lo.astype(cdtype), precise)
+                s += _dot_nt(q_hi, k_hi.astype(cdtype), precise)
+            if not split or rot < head_dim:
+                s += _dot_nt(q_all, k_ref[k_row, :].astype(cdtype), precise)
+            s = jnp.where(mask, s, _NEG_INF)
+            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+            p = jnp.exp(s - m_safe[:, None])
+            alpha = jnp.exp(m_i - m_safe)
+            l_i = l_i * alpha + jnp.sum(p, axis=1)
+            # Masked load (pads may hold NaN; 0 * NaN would poison P @ V). A predicated load
+            # feeds the dot directly, which keeps it pipelinable; a where() after it did not.
+            v = pltriton.load(v_ref.at[kv_row[:, None], col], mask=k_ok[:, None] & d_ok,
+                              other=0.0).astype(cdtype)  # [N, D]
+            acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)
+            return acc, m_new, l_i
 
         acc = jnp.zeros((rows, head_dim), jnp.float32)
         m_i = jnp.full((rows,), _NEG_INF, jnp.float32)
@@ -289,8 +287,8 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     attention_scaling multiplies the keys' cos/sin (queries come rotated with the same scaling);
     sm_scale is folded into q. block_q: tokens per query tile (default: 1 token for decode-only
     batches, 64 / G otherwise); block_k: keys per step (a multiple of the page size);
-    kv_group: kv heads per program (their K/V rows are adjacent in memory; cos/sin is computed
-    once per key for all of them); prerotate: rotate keys once per sequence before the kernel
+    kv_group: kv heads per program through a block-diagonal tile (their K/V rows are adjacent;
+    cos/sin once per key for all of them; slower than 1 on the H200, see RESULTS.md); prerotate: rotate keys once per sequence before the kernel
     (default: for prefill-shaped tiles, where every key is read by many query tiles).
     `out`, if given, is an [out_rows(...), D] buffer the kernel writes into (aliased; tests
     poison it); rows of no sequence keep its contents. Returns [T, H, D].
