@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kernels_pallas.paged_attention.api import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+
 KV_MODES = ("position_free", "rotated", "pic_off")
 POLICIES = ("fcfs", "barrier", "isps")
 HASH_ALGOS = ("xxhash64", "sha256")
@@ -43,6 +45,9 @@ class Config:
     max_logprobs: int = 20
     min_token_bucket: int = 8
     attn_impl: str | None = None
+    # Kernel for steps that are decode-only (one query per sequence). None: "triton_decode" on a
+    # GPU when attn_impl is None (1.3-1.5x faster there, benchmarks/RESULTS.md), else attn_impl.
+    decode_attn_impl: str | None = None
     watermark_blocks: int = 0  # free blocks kept back at admission (decode headroom)
 
     def __post_init__(self):
@@ -53,6 +58,11 @@ class Config:
             raise ValueError(f"Config.block_size must be a power of two, got {self.block_size}")
         if self.kv_mode not in KV_MODES:
             raise ValueError(f"Config.kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        for name in ("attn_impl", "decode_attn_impl"):
+            impl = getattr(self, name)
+            if impl is not None and impl not in ATTENTION_IMPLEMENTATIONS:
+                raise ValueError(f"Config.{name} must be None or one of "
+                                 f"{ATTENTION_IMPLEMENTATIONS}, got {impl!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"Config.scheduling_policy must be one of {POLICIES}, "
                              f"got {self.scheduling_policy!r}")

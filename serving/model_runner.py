@@ -62,7 +62,9 @@ class ModelRunner:
         self.h_valid = np.zeros((seats, self.nb), np.int32)
         self._bufs: dict = {}
         self._step = jax.jit(self._step_impl, donate_argnums=(1,),
-                             static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs"))
+                             static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
+                                              "decode_only"))
+        self.decode_impl = _decode_impl(config)
 
     @property
     def num_compiles(self) -> int:
@@ -70,7 +72,7 @@ class ModelRunner:
 
     # -- device --------------------------------------------------------------------------------
     def _step_impl(self, params, cache, ints, floats, *, t, s, all_greedy, use_filter,
-                   num_logprobs):
+                   num_logprobs, decode_only=False):
         spec, _ = _layout(t, s, self.nb)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
@@ -83,7 +85,7 @@ class ModelRunner:
         logits, cache = self.family.forward(
             params, f["tokens"], md, cache, self.mcfg, recurrent=rec,
             logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
-            attn_impl=self.config.attn_impl)
+            attn_impl=self.decode_impl if decode_only else self.config.attn_impl)
         sm = SamplingMetadata(temperature=floats[:s], top_k=f["top_k"], top_p=floats[s:],
                               seed=f["seed"].astype(jnp.uint32), step=f["step"])
         out = sample(logits, sm, all_greedy=all_greedy, use_filter=use_filter,
@@ -93,7 +95,11 @@ class ModelRunner:
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
                num_logprobs: int = 0) -> None:
         """Compile every token bucket for one sampling mode with empty steps (nothing written)."""
-        for t in self.config.token_buckets:
+        variants = [(t, False) for t in self.config.token_buckets]
+        if self.decode_impl != self.config.attn_impl:  # decode-only steps compile their own kernel
+            top = self.config.token_bucket(self.config.num_seats)
+            variants += [(t, True) for t in self.config.token_buckets if t <= top]
+        for t, decode_only in variants:
             s = self.config.seq_bucket(t)
             spec, size = _layout(t, s, self.nb)
             ints = np.zeros(size, np.int32)
@@ -104,7 +110,7 @@ class ModelRunner:
             floats = np.ones(2 * s, np.float32)
             self.cache, out = self._step(self.params, self.cache, ints, floats, t=t, s=s,
                                          all_greedy=all_greedy, use_filter=use_filter,
-                                         num_logprobs=num_logprobs)
+                                         num_logprobs=num_logprobs, decode_only=decode_only)
             jax.block_until_ready(out)
 
     # -- host ----------------------------------------------------------------------------------
@@ -180,8 +186,9 @@ class ModelRunner:
         all_greedy = all(sp.temperature == 0 for sp in sps)
         use_filter = any(sp.temperature > 0 and ((sp.top_k or 0) > 0 or sp.top_p < 1)
                          for sp in sps)
+        decode_only = d == n_seq and self.decode_impl != cfg.attn_impl
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
-                  num_logprobs=num_logprobs)
+                  num_logprobs=num_logprobs, decode_only=decode_only)
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
         self.cache, packed = self._step(self.params, self.cache, ints, floats, **kw)
@@ -227,6 +234,15 @@ class ModelRunner:
         v["cu_q_lens"][1:d + 1] = ar + 1
         v["num_blocks"][:d] = blk + 1
         v["logits_indices"][:d] = ar
+
+
+def _decode_impl(config) -> str | None:
+    """The attention kernel for decode-only steps (see Config.decode_attn_impl)."""
+    if config.decode_attn_impl is not None:
+        return config.decode_attn_impl
+    if config.attn_impl is None and jax.default_backend() == "gpu":
+        return "triton_decode"
+    return config.attn_impl
 
 
 def _pack(out, num_logprobs):

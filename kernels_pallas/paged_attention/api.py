@@ -25,6 +25,7 @@ from kernels_pallas.paged_attention.triton_ragged import ragged_paged_attention_
 from kernels_pallas.rope import apply_rope
 
 KV_MODES = ("position_free", "rotated")
+IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "mosaic")
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
@@ -66,7 +67,7 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         "xla", "triton" (Pallas, Triton lowering; ragged prefill + decode), "triton_decode"
         (decode-only: at most one query per sequence; cos/sin once per key for several kv
         heads, split-K), or "mosaic" (Pallas Mosaic GPU, decode-only, experimental). The
-        Pallas ones run on CPU with interpret=True.
+        Pallas ones run on CPU in interpret mode (forced there when named explicitly).
       interpret: run Pallas kernels in interpret mode (CPU).
       kernel_options: optional dict of options for the Pallas kernel: triton (block_q,
         block_k, kv_group, prerotate, num_warps, num_stages), triton_decode (kv_group, splits,
@@ -84,6 +85,8 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         on_gpu = jax.default_backend() == "gpu"
         fits = not _triton_limits(q, k_pages, inv_freq, options.get("block_k"))
         implementation = "triton" if (on_gpu or interpret) and fits else "xla"
+    if implementation != "xla" and jax.default_backend() == "cpu":
+        interpret = True  # a Pallas kernel named explicitly can only run interpreted on CPU
     if implementation == "xla":
         return _xla_paged_attention(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
                                     attention_scaling=attention_scaling, sm_scale=sm_scale)

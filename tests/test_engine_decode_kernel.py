@@ -1,0 +1,36 @@
+"""Decode-only steps run their own kernel (Config.decode_attn_impl): same tokens and logprobs."""
+
+import numpy as np
+import pytest
+
+import kernels_pallas.paged_attention.api as attention_api
+from minipic_jax import LLM, SamplingParams
+
+
+def test_decode_only_steps_use_decode_kernel_and_match_xla(monkeypatch, fresh_rng):
+    prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (5, 23, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    expected = LLM("tiny_llama", max_num_seqs=4, attn_impl="xla").generate(
+        prompts, params, use_tqdm=False)
+
+    traced = []
+    kernel = attention_api.decode_paged_attention_triton
+
+    def spy(*args, **kwargs):
+        traced.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention_api, "decode_paged_attention_triton", spy)
+    llm = LLM("tiny_llama", max_num_seqs=4, attn_impl="xla", decode_attn_impl="triton_decode")
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert traced, "decode-only steps did not reach the decode kernel"
+    for want, out in zip(expected, got):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        lp_want = [d[t].logprob for d, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+        lp_got = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        np.testing.assert_allclose(lp_got, lp_want, atol=1e-4)
+
+
+def test_unknown_kernel_is_an_error_before_any_work():
+    with pytest.raises(ValueError, match="Config.decode_attn_impl must be None or one of"):
+        LLM("tiny_llama", max_num_seqs=2, decode_attn_impl="nope")
