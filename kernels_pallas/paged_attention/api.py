@@ -42,10 +42,16 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     if k.shape[1:] != (kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(f"write_kv: k/v {k.shape}/{v.shape} do not match pages {k_pages.shape}")
     flat = num_pages * page_size
-    slots = jnp.where(slot_mapping < 0, flat, slot_mapping)  # out of range -> dropped
-    k_flat = k_pages.reshape(flat, kv_heads, head_dim).at[slots].set(k.astype(k_pages.dtype), mode="drop")
-    v_flat = v_pages.reshape(flat, kv_heads, head_dim).at[slots].set(v.astype(v_pages.dtype), mode="drop")
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    # Every row gets a distinct index (real slots are distinct by construction; dropped rows go
+    # to distinct out-of-range indices), so XLA may scatter without atomics or serialisation.
+    rows = jnp.arange(slot_mapping.shape[0], dtype=jnp.int32)
+    slots = jnp.where(slot_mapping < 0, flat + rows, slot_mapping)
+
+    def scatter(pages, new):
+        return pages.reshape(flat, kv_heads, head_dim).at[slots].set(
+            new.astype(pages.dtype), mode="drop", unique_indices=True).reshape(pages.shape)
+
+    return scatter(k_pages, k), scatter(v_pages, v)
 
 
 def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, *,
