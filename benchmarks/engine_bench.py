@@ -32,6 +32,10 @@ def add_parser(p):
     p.add_argument("--attn-impl", default=None, help="paged_attention implementation (None = best)")
     p.add_argument("--skip-run", action="store_true", help="only the decode measurement")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--host-only", action="store_true",
+                   help="CPU host-path profile: the R-request run with the jitted step stubbed out "
+                        "(schedule / build / post timed, no device work; use a tiny --model)")
+    p.add_argument("--profile", action="store_true", help="with --host-only: cProfile top 25")
 
 
 def _copy_rate(gb: float) -> float:
@@ -94,7 +98,70 @@ def _rag_workload(n: int, rng, block_size: int, markers: dict):
     return prompts, max_tokens
 
 
+class _StubStep:
+    """Stands in for the runner's jitted step: returns the cache and a packed [S, C] output with
+    random token ids, so the host path runs exactly as in a real step without device work."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        import numpy as np
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+
+    def __call__(self, params, cache, ints, floats, *, t, s, num_logprobs=0, **_):
+        import numpy as np
+        out = np.zeros((s, 2 + (1 + 2 * num_logprobs if num_logprobs else 0)), np.float32)
+        out[:, 0] = self.rng.integers(0, self.vocab, s)
+        return cache, out
+
+    def _cache_size(self) -> int:
+        return 0
+
+
+def run_host_only(args) -> int:
+    """The R-request RAG run with the device step stubbed (host time only, any backend)."""
+    import cProfile
+    import pstats
+
+    import numpy as np
+
+    from minipic_jax import LLM, SamplingParams
+    bs = 16
+    llm = LLM(args.model, dtype="float32", seed=0, max_num_seqs=args.batch,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.ctx + 64,
+              block_size=bs, num_kv_blocks=args.batch * (-(-(args.ctx + 64) // bs)) + 64,
+              min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl)
+    engine = llm.llm_engine
+    engine.runner._step = _StubStep(engine.vocab_size)
+    rng = np.random.default_rng(0)
+    prompts, max_tokens = _rag_workload(args.num_requests, rng, bs, engine.markers)
+    sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    for i, (ids, sp) in enumerate(zip(prompts, sps)):
+        engine.add_request(str(i), ids, sp)
+    prof = cProfile.Profile() if args.profile else None
+    outs = []
+    t = time.perf_counter()
+    if prof:
+        prof.enable()
+    while engine.has_unfinished():
+        outs += engine.step()
+    if prof:
+        prof.disable()
+    elapsed = time.perf_counter() - t
+    st = engine.get_stats()
+    ms = st["host_ms_per_step"]
+    print(f"host-only: {len(outs)} requests, {st['steps']} steps in {elapsed:.2f} s; per step (ms): "
+          f"schedule {ms['schedule']:.3f} build {ms['build']:.3f} post {ms['post']:.3f} "
+          f"dispatch(stub) {ms['dispatch']:.3f}; host work "
+          f"{ms['schedule'] + ms['build'] + ms['post']:.3f} ms/step; "
+          f"cached {sum(o.num_cached_tokens for o in outs)} prompt tokens")
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return 0
+
+
 def run(args) -> int:
+    if args.host_only:
+        return run_host_only(args)
     import jax
     import numpy as np
     from jax import monitoring
