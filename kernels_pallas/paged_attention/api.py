@@ -22,25 +22,44 @@ from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic, mosaic_limits
 from kernels_pallas.paged_attention.triton_decode import decode_paged_attention_triton
 from kernels_pallas.paged_attention.triton_ragged import ragged_paged_attention_triton
+from kernels_pallas.paged_attention.triton_write import write_kv_triton
 from kernels_pallas.rope import apply_rope
 
 KV_MODES = ("position_free", "rotated")
 IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "mosaic")
 
 
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
+WRITE_IMPLEMENTATIONS = ("xla", "triton")
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping, *, implementation: str | None = None,
+             interpret: bool = False):
     """Scatter new K/V rows into their slots; rows with slot -1 are dropped.
 
     Args:
       k_pages, v_pages: [P, B, K, D] cache of one layer.
       k, v: [T, K, D] new rows (unrotated in position_free mode).
-      slot_mapping: [T] int32 flat slot page * B + offset, or -1.
+      slot_mapping: [T] int32 flat slot page * B + offset, or -1; real slots are distinct.
+      implementation: None (the Pallas row copy on GPU, XLA elsewhere), "xla" (a scatter) or
+        "triton" (Pallas, Triton lowering, pages aliased in place; triton_write.py). A named
+        Pallas implementation runs interpreted on CPU.
+      interpret: run the Pallas kernel in interpret mode.
     Returns:
       (k_pages, v_pages) updated.
     """
     num_pages, page_size, kv_heads, head_dim = k_pages.shape
     if k.shape[1:] != (kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(f"write_kv: k/v {k.shape}/{v.shape} do not match pages {k_pages.shape}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
+    if implementation is None:
+        implementation = "triton" if jax.default_backend() == "gpu" or interpret else "xla"
+    if implementation not in WRITE_IMPLEMENTATIONS:
+        raise ValueError(f"write_kv: unknown implementation {implementation!r}; "
+                         f"use one of {WRITE_IMPLEMENTATIONS}")
+    if implementation == "triton":
+        return write_kv_triton(k_pages, v_pages, k, v, slot_mapping,
+                               interpret=interpret or jax.default_backend() == "cpu")
     flat = num_pages * page_size
     # Every row gets a distinct index (real slots are distinct by construction; dropped rows go
     # to distinct out-of-range indices), so XLA may scatter without atomics or serialisation.
