@@ -30,6 +30,8 @@ def add_parser(p):
     p.add_argument("--min-token-bucket", type=int, default=128)
     p.add_argument("--copy-gb", type=float, default=4.0)
     p.add_argument("--attn-impl", default=None, help="paged_attention implementation (None = best)")
+    p.add_argument("--write-impl", default=None, choices=("xla", "triton"),
+                   help="write_kv implementation (None = triton on GPU)")
     p.add_argument("--skip-run", action="store_true", help="only the decode measurement")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--host-only", action="store_true",
@@ -187,9 +189,11 @@ def run(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, seed=0, max_num_seqs=args.batch,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
               block_size=bs, num_kv_blocks=args.batch * nb_per_seq + 64,
-              min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl)
+              min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl,
+              write_kv_impl=args.write_impl)
     engine = llm.llm_engine
     cfg = engine.loaded.cfg
+    res["write_kv_impl"] = args.write_impl or "default (triton on GPU)"
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.loaded.params))
     embed = getattr(engine.loaded.params, "embed", None)
     tied = getattr(engine.loaded.params, "lm_head", 0) is None

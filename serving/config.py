@@ -49,6 +49,9 @@ class Config:
     # GPU when attn_impl is None (1.3-1.5x faster there, benchmarks/RESULTS.md), else attn_impl.
     decode_attn_impl: str | None = None
     watermark_blocks: int = 0  # free blocks kept back at admission (decode headroom)
+    # write_kv implementation for attention layers (Llama family): None = the Pallas row copy
+    # on GPU, XLA elsewhere; "xla" or "triton" to force one.
+    write_kv_impl: str | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -63,6 +66,9 @@ class Config:
             if impl is not None and impl not in ATTENTION_IMPLEMENTATIONS:
                 raise ValueError(f"Config.{name} must be None or one of "
                                  f"{ATTENTION_IMPLEMENTATIONS}, got {impl!r}")
+        if self.write_kv_impl not in (None, "xla", "triton"):
+            raise ValueError(f"Config.write_kv_impl must be None, 'xla' or 'triton', "
+                             f"got {self.write_kv_impl!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"Config.scheduling_policy must be one of {POLICIES}, "
                              f"got {self.scheduling_policy!r}")

@@ -19,18 +19,19 @@ _SEED = 0x6D696E69706963  # "minipic"
 
 
 def _to_bytes(tokens) -> bytes:
+    if isinstance(tokens, (bytes, memoryview)):  # already int64 bytes (block_keys)
+        return tokens
     return np.asarray(tokens, dtype=np.int64).tobytes()
 
 
 def make_hash_fn(algo: str = "xxhash64"):
     """Returns H(parent: int, tokens, kind: bytes) -> int (64-bit)."""
     if algo == "xxhash64":
-        def h(parent: int, tokens, kind: bytes) -> int:
-            x = xxhash.xxh64(seed=_SEED)
-            x.update(parent.to_bytes(8, "little"))
-            x.update(kind)
-            x.update(_to_bytes(tokens))
-            return x.intdigest()
+        digest = xxhash.xxh64_intdigest
+
+        def h(parent: int, tokens, kind: bytes) -> int:  # one call over parent | kind | tokens
+            return digest(b"".join((parent.to_bytes(8, "little"), kind, _to_bytes(tokens))),
+                          _SEED)
     elif algo == "sha256":
         def h(parent: int, tokens, kind: bytes) -> int:
             x = hashlib.sha256(parent.to_bytes(8, "little"))
@@ -61,8 +62,11 @@ def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int
       one int per full block (a partial last block gets none).
     """
     keys, prefix, span = [], h0, h0
-    for j in range(len(tokens) // block_size):
-        blk = tokens[j * block_size:(j + 1) * block_size]
+    n = len(tokens) // block_size
+    raw = memoryview(np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes())
+    step = 8 * block_size
+    for j in range(n):
+        blk = raw[j * step:(j + 1) * step]  # the block's tokens as int64 bytes
         prefix = hash_fn(prefix, blk, b"P")
         if span_block[j]:
             span = hash_fn(h0 if span_start[j] else span, blk, b"S")

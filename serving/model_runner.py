@@ -82,10 +82,11 @@ class ModelRunner:
             block_pos_start=f["block_pos_start"], block_num_valid=f["block_num_valid"],
             slot_mapping=f["slot_mapping"])
         rec = RecurrentMetadata(state_slots=f["state_slots"], reset=f["reset"] > 0)
+        extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
         logits, cache = self.family.forward(
             params, f["tokens"], md, cache, self.mcfg, recurrent=rec,
             logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
-            attn_impl=self.decode_impl if decode_only else self.config.attn_impl)
+            attn_impl=self.decode_impl if decode_only else self.config.attn_impl, **extra)
         sm = SamplingMetadata(temperature=floats[:s], top_k=f["top_k"], top_p=floats[s:],
                               seed=f["seed"].astype(jnp.uint32), step=f["step"])
         out = sample(logits, sm, all_greedy=all_greedy, use_filter=use_filter,

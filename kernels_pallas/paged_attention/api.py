@@ -53,7 +53,9 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, implementation: str | None
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
     if implementation is None:
-        implementation = "triton" if jax.default_backend() == "gpu" or interpret else "xla"
+        small = num_pages * page_size * kv_heads * head_dim < 2 ** 31  # int32 offsets
+        implementation = "triton" if (jax.default_backend() == "gpu" or interpret) and small \
+            else "xla"
     if implementation not in WRITE_IMPLEMENTATIONS:
         raise ValueError(f"write_kv: unknown implementation {implementation!r}; "
                          f"use one of {WRITE_IMPLEMENTATIONS}")

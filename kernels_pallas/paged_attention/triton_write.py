@@ -51,6 +51,8 @@ def write_kv_triton(k_pages, v_pages, k, v, slot_mapping, *, rows: int | None = 
     if rows & (rows - 1):
         raise ValueError(f"write_kv_triton: rows per program must be a power of 2, got {rows}")
     flat = num_pages * page_size
+    if flat * width >= 2 ** 31 or tokens * width >= 2 ** 31:
+        raise ValueError(f"write_kv_triton: {flat} x {width} page elements overflow int32 offsets")
     kernel = functools.partial(_kernel, tokens=tokens, width=width, rows=rows, cols=cols)
     kp, vp = pl.pallas_call(
         kernel,

@@ -219,7 +219,8 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, max_num_seqs: i
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 
-def _attention_block(x, lp: LayerParams, k_pages, v_pages, metadata, cfg, inv, kv_mode, attn_impl):
+def _attention_block(x, lp: LayerParams, k_pages, v_pages, metadata, cfg, inv, kv_mode, attn_impl,
+                     write_impl=None):
     scaling = rope.attention_scaling(cfg)
     h = layers.rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)  # [T, E]
     q = jnp.einsum("te,ehd->thd", h, lp.wq)  # [T, H, D]
@@ -227,7 +228,8 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, metadata, cfg, inv, k
     v = jnp.einsum("te,ekd->tkd", h, lp.wv)  # [T, K, D]
     if kv_mode == "rotated":
         k = apply_rope(k, metadata.q_positions, inv, scaling)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping,
+                                implementation=write_impl)
     attn = paged_attention(q, k_pages, v_pages, metadata, inv, kv_mode=kv_mode,
                            attention_scaling=scaling, implementation=attn_impl)  # [T, H, D]
     return x + jnp.einsum("thd,hde->te", attn, lp.wo), k_pages, v_pages
@@ -235,7 +237,7 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, metadata, cfg, inv, k
 
 def forward(params: LlamaParams, tokens, metadata, cache: KVCache, cfg: ModelConfig, *,
             recurrent=None, logits_indices=None, kv_mode: str = "position_free",
-            attn_impl: str | None = None):
+            attn_impl: str | None = None, write_impl: str | None = None):
     """One ragged step: writes this step's K/V into the cache and returns logits.
 
     Args:
@@ -248,6 +250,7 @@ def forward(params: LlamaParams, tokens, metadata, cache: KVCache, cfg: ModelCon
       logits_indices: [N] int32 rows of T to compute logits for; None = all rows.
       kv_mode: "position_free" (keys stored unrotated) or "rotated".
       attn_impl: paged_attention implementation (None = best available).
+      write_impl: write_kv implementation (None = best available).
     Returns:
       (logits [N, V] float32, updated KVCache).
     """
@@ -261,7 +264,7 @@ def forward(params: LlamaParams, tokens, metadata, cache: KVCache, cfg: ModelCon
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 x, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], metadata, cfg, inv,
-                                             kv_mode, attn_impl)
+                                             kv_mode, attn_impl, write_impl)
             with jax.named_scope("mlp"):
                 h = layers.rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
                 x = x + layers.swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down)
