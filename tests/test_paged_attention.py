@@ -93,27 +93,57 @@ def test_kernel_matches_reference_poisoned(case):
             "kernel wrote rows that belong to no sequence"
 
 
-DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv_mode, options)
-    (jnp.float32, 4, 2, 64, 16, 4, "position_free", {"kv_group": 4, "splits": 3, "block_k": 16}),
+DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv_mode, options,
+    # attention_scaling: llama3/linear use 1.0, YaRN not)
+    (jnp.float32, 4, 2, 64, 16, 4, "position_free", {"kv_group": 4, "splits": 3, "block_k": 16},
+     0.8),
     (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 1, "splits": 2,
-                                                         "block_k": 16}),
-    (jnp.float32, 2, 4, 64, 64, 4, "rotated", {"kv_group": 2, "splits": 1, "block_k": 16}),
+                                                         "block_k": 16}, 1.0),
+    (jnp.float32, 2, 4, 64, 64, 4, "rotated", {"kv_group": 2, "splits": 1, "block_k": 16}, 1.0),
+    # RoPE-at-read variants: cos/sin from a table; queries turned back per page ("page": 4 and
+    # 2 pages per tile, and 8 x 8 = 64 query rows merged at the end).
+    (jnp.float32, 4, 2, 64, 16, 4, "position_free", {"kv_group": 2, "splits": 3, "block_k": 16,
+                                                      "rope": "table", "max_position": 64}, 0.8),
+    (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 2, "splits": 2,
+                                                         "block_k": 16, "rope": "table_bf16",
+                                                         "max_position": 40}, 1.0),
+    (jnp.float32, 4, 2, 64, 16, 4, "position_free", {"kv_group": 4, "splits": 3, "block_k": 16,
+                                                      "rope": "page"}, 0.8),
+    (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 1, "splits": 2,
+                                                         "block_k": 16, "rope": "page"}, 1.0),
+    (jnp.float32, 2, 8, 64, 64, 4, "position_free", {"kv_group": 2, "splits": 2, "block_k": 32,
+                                                      "rope": "page"}, 1.0),
 ]
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{jnp.dtype(c[0]).name}-K{c[1]}"
-                         f"G{c[2]}-D{c[3]}R{c[4]}-{c[6]}-kvg{c[7]['kv_group']}s{c[7]['splits']}")
+                         f"G{c[2]}-D{c[3]}R{c[4]}-{c[6]}-kvg{c[7]['kv_group']}s{c[7]['splits']}"
+                         f"bk{c[7]['block_k']}-{c[7].get('rope', 'trig')}")
 def test_decode_kernel_matches_reference(case):
     """Decode kernel: partial outputs start as NaN, so unwritten rows would show."""
-    dtype, kv_heads, group, head_dim, rot, page_size, kv_mode, opts = case
+    dtype, kv_heads, group, head_dim, rot, page_size, kv_mode, opts, scaling = case
     specs = DECODE + [(7, 0, 0)]  # plus a sequence with no query this step
     q, k, v, md, inv = _inputs(DECODE_CASES.index(case) + 11, dtype, kv_heads, group, head_dim,
                                rot, page_size, specs)
-    scaling = 0.8 if DECODE_CASES.index(case) == 0 else 1.0  # llama3/linear use 1.0; YaRN not
     out = paged_attention(q, k, v, md, inv, kv_mode=kv_mode, implementation="triton_decode",
                           attention_scaling=scaling, interpret=INTERPRET, kernel_options=opts)
     ref = paged_attention_reference(q, k, v, md, inv, kv_mode=kv_mode, attention_scaling=scaling)
     _check(out, ref, md, dtype)
+
+
+def test_decode_rope_table_bounds():
+    """rope='table' needs max_position above every query position."""
+    q, k, v, md, inv = _inputs(6, jnp.float32, 2, 2, 16, 16, 4, DECODE)
+    call = lambda **opts: paged_attention(q, k, v, md, inv, implementation="triton_decode",
+                                          interpret=True, kernel_options=dict(rope="table", **opts))
+    with pytest.raises(ValueError, match="max_position"):
+        call()
+    top = int(np.max(np.asarray(md.q_positions)[: int(md.cu_q_lens[-1])]))
+    with pytest.raises(ValueError, match="max_position"):
+        call(max_position=top)
+    with pytest.raises(ValueError, match="rope must be one of"):
+        paged_attention(q, k, v, md, inv, implementation="triton_decode", interpret=True,
+                        kernel_options=dict(rope="cordic"))
 
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"])

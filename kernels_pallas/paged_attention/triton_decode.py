@@ -21,15 +21,19 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas.paged_attention.triton_ragged import _cos_sin, _dot, _dot_nt, tile_rows
 
 _NEG_INF = float("-inf")
+ROPE_MODES = ("trig", "table", "table_bf16", "page")
 
 
-def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, inv_ref, q_ref, k_ref,
-            v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *, heads, kv_heads, head_dim, page_size, block_k, kv_group,
-            splits, half, rotate_keys, scaling, fast_trig, cdtype):
+def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
+            v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *, heads, kv_heads, head_dim, page_size,
+            block_k, kv_group, splits, half, rotate_keys, rope, scaling, fast_trig, cdtype):
     group = heads // kv_heads
-    rows = tile_rows(1, group)
-    rot = 2 * half
+    pages_per_step = block_k // page_size
     split_rot = rotate_keys and half > 0
+    by_page = split_rot and rope == "page"
+    q_pages = pages_per_step if by_page else 1  # "page": one query row set per page of a tile
+    rows = tile_rows(q_pages, group)
+    rot = 2 * half
     precise = cdtype == jnp.float32
     s, hg, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seqs = nb_ref.shape[0]
@@ -39,23 +43,26 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, inv_re
     has_q = cu_ref[s + 1] > cu_ref[s]
     q_pos, q_win = qpos_ref[tok], qwin_ref[tok]
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    row_ok = (r < group) & has_q
-    r_c = jnp.minimum(r, group - 1)
-    pages_per_step = block_k // page_size
+    row_ok = (r < q_pages * group) & has_q
+    r_g, r_p = r % group, r // group  # [M] query head in the group, page of the tile
     n_steps = (nb_ref[s] + pages_per_step - 1) // pages_per_step
     per_split = (n_steps + splits - 1) // splits
     lo = split * per_split
     hi = jnp.minimum(lo + per_split, n_steps)
     j = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
-    if split_rot:
-        inv = inv_ref[...].astype(jnp.float32)  # [R/2]
+    if split_rot and rope != "table":
+        inv = rope_ref[...].astype(jnp.float32)  # [R/2]
+    if by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
+        ang = (j % page_size).astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
+        cos_slot, sin_slot = _cos_sin(ang, fast_trig)
+        cos_slot, sin_slot = cos_slot * scaling, sin_slot * scaling
 
     def load_q(h):
-        q_row = tok * heads + h * group + r_c  # [M]
+        q_row = tok * heads + h * group + r_g  # [M]
         if split_rot:
-            q_lo = q_ref[q_row, pl.ds(0, half)].astype(cdtype)
-            q_hi = q_ref[q_row, pl.ds(half, half)].astype(cdtype)
+            q_lo = q_ref[q_row, pl.ds(0, half)]
+            q_hi = q_ref[q_row, pl.ds(half, half)]
         else:
             q_lo = q_hi = None
         q_all = None
@@ -67,6 +74,23 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, inv_re
             q_all = q_all.astype(cdtype)
         return q_lo, q_hi, q_all
 
+    def key_cos_sin(step, k_pos):
+        """cos/sin [N, R/2] turning the keys (trig, table) or [M, R/2] turning the queries back
+        by their row's page start (page); computed once per tile for the kv_group heads."""
+        if rope == "table":
+            idx = jnp.clip(k_pos, 0, rope_ref.shape[0] - 1)  # pads/future keys are masked
+            return (rope_ref[idx, pl.ds(0, half)].astype(jnp.float32),
+                    rope_ref[idx, pl.ds(half, half)].astype(jnp.float32))
+        if rope == "page":
+            b_r = jnp.minimum(step * pages_per_step + r_p, max_blocks - 1)  # [M]
+            ang = bps_ref[s, b_r].astype(jnp.float32)[:, None] * inv[None, :]
+            return _cos_sin(ang, fast_trig)
+        ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]
+        cos, sin = _cos_sin(ang, fast_trig)
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        return cos, sin
+
     def body(step, carry):
         b = step * pages_per_step + j // page_size
         slot = j % page_size
@@ -75,11 +99,10 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, inv_re
         k_ok = (b < nb_ref[s]) & (slot < bnv_ref[s, b_c])
         page = jnp.where(k_ok, bt_ref[s, b_c], 0)
         mask = row_ok[:, None] & (k_ok & (k_pos <= q_pos) & (k_pos >= q_win))[None, :]  # [M, N]
-        if split_rot:  # once per key, shared by the kv_group heads below
-            ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]
-            cos, sin = _cos_sin(ang, fast_trig)
-            if scaling != 1.0:
-                cos, sin = cos * scaling, sin * scaling
+        if by_page:
+            mask &= r_p[:, None] == (j // page_size)[None, :]
+        if split_rot:
+            cos, sin = key_cos_sin(step, k_pos)
         out = []
         for i in range(kv_group):
             h = hg * kv_group + i
@@ -90,9 +113,15 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, inv_re
             if split_rot:
                 k_lo = k_ref[kv_row, pl.ds(0, half)].astype(jnp.float32)
                 k_hi = k_ref[kv_row, pl.ds(half, half)].astype(jnp.float32)
-                k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-                sc += _dot_nt(q_lo, k_lo.astype(cdtype), precise)
-                sc += _dot_nt(q_hi, k_hi.astype(cdtype), precise)
+                if by_page:  # q . R(base + slot) k == (R(-base) q) . (R(slot) k)
+                    q_lo, q_hi = q_lo.astype(jnp.float32), q_hi.astype(jnp.float32)
+                    q_lo, q_hi = q_lo * cos + q_hi * sin, q_hi * cos - q_lo * sin
+                    k_lo, k_hi = (k_lo * cos_slot - k_hi * sin_slot,
+                                  k_hi * cos_slot + k_lo * sin_slot)
+                else:
+                    k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
+                sc += _dot_nt(q_lo.astype(cdtype), k_lo.astype(cdtype), precise)
+                sc += _dot_nt(q_hi.astype(cdtype), k_hi.astype(cdtype), precise)
             if q_all is not None:
                 sc += _dot_nt(q_all, k_ref[kv_row, :].astype(cdtype), precise)
             sc = jnp.where(mask, sc, _NEG_INF)
@@ -112,20 +141,34 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, inv_re
     carry = lax.fori_loop(lo, hi, body, init)
     for i in range(kv_group):
         acc, m_i, l_i = carry[i]
+        if q_pages > 1:
+            acc, m_i, l_i = _merge_page_rows(acc, m_i, l_i, r_g, row_ok)
         h = hg * kv_group + i
         o_row = (split * seqs + s) * heads + h * group + r  # rows >= G are masked (not written)
+        store = row_ok & (r < group)
         safe_l = jnp.where(l_i == 0.0, 1.0, l_i)
         pltriton.store(o_ref.at[o_row[:, None], col], acc / safe_l[:, None],
-                       mask=jnp.broadcast_to(row_ok[:, None], acc.shape))
+                       mask=jnp.broadcast_to(store[:, None], acc.shape))
         lse = jnp.where(l_i == 0.0, _NEG_INF, m_i + jnp.log(safe_l))
-        pltriton.store(lse_ref.at[o_row], lse, mask=row_ok)
+        pltriton.store(lse_ref.at[o_row], lse, mask=store)
+
+
+def _merge_page_rows(acc, m_i, l_i, r_g, row_ok):
+    """Log-sum-exp merge of the rows that hold one query head (one row per page of a tile):
+    every row comes back with its head's merged (acc, m, l). acc [M, D]; m, l, r_g, row_ok [M]."""
+    same = (r_g[:, None] == r_g[None, :]) & row_ok[None, :]  # [M, M]
+    m_g = jnp.max(jnp.where(same, m_i[None, :], _NEG_INF), axis=1)
+    w = jnp.where(row_ok, jnp.exp(m_i - jnp.where(m_g == _NEG_INF, 0.0, m_g)), 0.0)  # [M]
+    l_g = jnp.sum(jnp.where(same, (l_i * w)[None, :], 0.0), axis=1)
+    acc_g = _dot(same.astype(jnp.float32), acc * w[:, None], 0, True)  # sum over the head's rows
+    return acc_g, m_g, l_g
 
 
 def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                                   attention_scaling: float, sm_scale: float, kv_group: int = 2,
                                   splits: int | None = None, block_k: int | None = None,
-                                  num_warps: int = 4, num_stages: int = 2,
-                                  interpret: bool = False):
+                                  num_warps: int = 4, num_stages: int = 2, rope: str = "trig",
+                                  max_position: int | None = None, interpret: bool = False):
     """Decode-only paged attention (each sequence has at most one query: row cu_q_lens[s]).
 
     q_rot [T, H, D] rotated by its positions; kv_group kv heads per program (cos/sin computed once
@@ -133,7 +176,20 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     for ~1024 programs, at most 16). Defaults are the best position_free config of the H200 run in
     benchmarks/RESULTS.md; kv_group 8 with block_k 64 overflows SMEM at D=128. Returns [T, H, D];
     rows that are no sequence's query are zero.
+
+    rope (position_free only) picks how keys get their cos/sin:
+      "trig": range reduction + SFU cos/sin of pos * inv_freq per key (shared by kv_group heads).
+      "table", "table_bf16": gathered by key position from a [max_position, R] float32 / bfloat16
+        table (cos | sin, attention_scaling folded in) built once per call (~4 MB f32 at 8192 x
+        R 128: stays in L2). Needs max_position > every query position (visible keys are at most
+        the query's position; checked when not tracing); bf16 adds ~2e-3 relative error to keys.
+      "page": no trig per key. A key at base + slot (base = its block's logical start) scores
+        (R(-base) q) . (R(slot) k): the slot's cos/sin are one loop-invariant [block_k, R/2] tile,
+        and each tile's queries are turned back by the start of each of its pages (the query
+        rows become pages_per_step x G, merged by log-sum-exp at the end).
     """
+    if rope not in ROPE_MODES:
+        raise ValueError(f"triton_decode: rope must be one of {ROPE_MODES}, got {rope!r}")
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     seqs = md.block_tables.shape[0]
@@ -149,12 +205,18 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     cdtype = jnp.float32 if q_rot.dtype == jnp.float32 else q_rot.dtype
     q_flat = (q_rot.reshape(tokens * heads, head_dim).astype(jnp.float32) * sm_scale)
     q_flat = q_flat.astype(q_rot.dtype)
-    rows = tile_rows(1, heads // kv_heads)
+    by_page = rotate_keys and half and rope == "page"
+    rows = tile_rows(block_k // page_size if by_page else 1, heads // kv_heads)
+    rope_in = inv_freq.astype(jnp.float32) if half else jnp.zeros((1,), jnp.float32)
+    if rotate_keys and half and rope.startswith("table"):
+        _check_max_position(md, max_position)
+        rope_in = rope_table(inv_freq, max_position, attention_scaling,
+                             jnp.bfloat16 if rope == "table_bf16" else jnp.float32)
     n_out = splits * seqs * heads + rows  # spare rows past the end absorb masked lanes
     kernel = functools.partial(
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
-        scaling=float(attention_scaling), fast_trig=not interpret, cdtype=cdtype)
+        rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling), fast_trig=not interpret, cdtype=cdtype)
     # Partial outputs start as NaN (aliased in): a row the kernel fails to write poisons the
     # merged result instead of passing silently. Costs one small fill per call.
     o_init = jnp.full((n_out, head_dim), jnp.nan, jnp.float32)
@@ -170,8 +232,7 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         name="decode_paged_attention",
     )(md.cu_q_lens, md.q_positions, md.q_window_start, md.num_blocks, md.block_tables,
       md.block_pos_start, md.block_num_valid,
-      inv_freq.astype(jnp.float32) if half else jnp.zeros((1,), jnp.float32),
-      q_flat, k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), o_init, lse_init)
+      rope_in, q_flat, k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), o_init, lse_init)
     n = splits * seqs * heads
     out = out[:n].reshape(splits, seqs, heads, head_dim)
     lse = lse[:n].reshape(splits, seqs, heads)
@@ -185,3 +246,25 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     dest = jnp.where(q_len > 0, md.cu_q_lens[:-1], tokens)
     res = jnp.zeros((tokens, heads, head_dim), q_rot.dtype)
     return res.at[dest].set(merged, mode="drop")
+
+
+def rope_table(inv_freq, max_position: int, attention_scaling: float, dtype):
+    """[max_position, R] cos | sin of pos * inv_freq (angle formed in float32, as HF does)."""
+    ang = jnp.arange(max_position, dtype=jnp.float32)[:, None] * inv_freq.astype(jnp.float32)
+    table = jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling
+    return table.astype(dtype)
+
+
+def _check_max_position(md, max_position):
+    """The table covers positions [0, max_position): every query (hence every key it sees)."""
+    if not isinstance(max_position, int) or max_position <= 0:
+        raise ValueError(f"triton_decode: rope='table' needs kernel_options max_position (a "
+                         f"positive int bounding the positions), got {max_position!r}")
+    if isinstance(md.q_positions, jax.core.Tracer) or isinstance(md.cu_q_lens, jax.core.Tracer):
+        return
+    n = int(md.cu_q_lens[-1])
+    pos, win = md.q_positions[:n], md.q_window_start[:n]
+    if n and (int(jnp.max(pos)) >= max_position or int(jnp.min(win)) < 0):
+        raise ValueError(f"triton_decode: rope='table' covers positions [0, {max_position}) "
+                         f"(max_position) but queries span [{int(jnp.min(win))}, "
+                         f"{int(jnp.max(pos))}]")
