@@ -22,8 +22,10 @@ import numpy as np
 
 # (kv_group, block_k, num_warps, num_stages) and (block_q, block_k, num_warps, num_stages)
 DECODE_SWEEP = ((1, 64, 4, 2), (1, 64, 8, 2), (1, 32, 4, 3), (1, 16, 4, 2))
-# (kv_group, splits, block_k, num_warps, num_stages) for implementation="triton_decode"
-DECODE_KERNEL_SWEEP = ((8, 8, 32, 8, 2), (4, 4, 32, 4, 2), (8, 4, 64, 8, 2), (2, 4, 64, 4, 2))
+# (kv_group, splits, block_k, num_warps, num_stages) for implementation="triton_decode"; each is
+# timed rotated and position_free with every `rope` variant (splits 0 = the kernel's default).
+DECODE_KERNEL_SWEEP = ((2, 4, 64, 4, 2), (1, 0, 64, 4, 2), (4, 4, 32, 4, 2))
+DECODE_ROPE = ("trig", "table", "table_bf16", "page", "page_bf16")
 PREFILL_SWEEP = ((32, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2))
 
 
@@ -41,6 +43,12 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU decode kernel")
     p.add_argument("--decode-kernel", action="store_true",
                    help="also time the decode-only Triton kernel (triton_decode) configs")
+    p.add_argument("--decode-rope", nargs="+", default=list(DECODE_ROPE), choices=DECODE_ROPE,
+                   help="triton_decode RoPE-at-read variants (kernel option rope) to time")
+    p.add_argument("--decode-configs", nargs="+", default=None, metavar="KVG,SPLITS,BK,W,S",
+                   help="triton_decode configs (default: DECODE_KERNEL_SWEEP; splits 0 = auto)")
+    p.add_argument("--decode-kernel-only", action="store_true",
+                   help="decode: time only the copy anchor and the triton_decode sweep")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--json", type=str, default=None, help="write all rows to this file")
@@ -187,10 +195,31 @@ def run(args) -> int:
             q, k, v, md, inv, kv_mode=kv_mode, implementation="triton", kernel_options=opts,
             interpret=args.interpret))
 
+    configs = DECODE_KERNEL_SWEEP if args.decode_configs is None else [
+        tuple(int(x) for x in c.split(",")) for c in args.decode_configs]
+    rope_table = {}  # (config tag, "rotated" or rope variant, ctx) -> bytes / s
     for ctx in args.contexts:
         case = f"decode ctx{ctx}"
         q, k, v, md = _decode_inputs(rng, args.seqs, ctx, H, K, D, B, dtype)
         kv_bytes = 2 * args.seqs * ctx * K * D * q.dtype.itemsize
+        if args.decode_kernel:  # decode-only Triton kernel, rotated vs each RoPE-at-read variant
+            for cfg in configs:
+                kvg, splits, bk, nw, ns = cfg
+                opts = dict(kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns,
+                            **({"splits": splits} if splits else {}))
+                tag = f"kvg{kvg} sp{splits or 'auto'} bk{bk} w{nw}"
+                for mode, rope in [("rotated", "trig")] + [("position_free", r)
+                                                         for r in args.decode_rope]:
+                    o = dict(opts, rope=rope, max_position=ctx)  # positions here are < ctx
+                    fn = jax.jit(lambda q, k, v, md, mode=mode, o=o: paged_attention(
+                        q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
+                        kernel_options=o, interpret=args.interpret))
+                    name = f"ours decode {mode}{'' if mode == 'rotated' else ' ' + rope} {tag}"
+                    t = _safe(rows, case, name, fn, q, k, v, md, work=kv_bytes, unit="tbps", **it)
+                    if t:
+                        rope_table[(tag, mode if mode == "rotated" else rope, ctx)] = kv_bytes / t
+        if args.decode_kernel_only:
+            continue
         t_rot = _safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
                       work=kv_bytes, unit="tbps", **it)
         t_free = _safe(rows, case, "ours triton position_free", ours("position_free"), q, k, v,
@@ -204,16 +233,6 @@ def run(args) -> int:
                     _safe(rows, case, f"ours {mode} kvg{kvg} bk{bk} w{nw} s{ns}",
                           ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
                           q, k, v, md, work=kv_bytes, unit="tbps", **it)
-        if args.decode_kernel:  # decode-only Triton kernel: cos/sin shared across kv heads
-            for kvg, splits, bk, nw, ns in DECODE_KERNEL_SWEEP:
-                for mode in ("rotated", "position_free"):
-                    opts = dict(kv_group=kvg, splits=splits, block_k=bk, num_warps=nw,
-                                num_stages=ns)
-                    fn = jax.jit(lambda q, k, v, md, mode=mode, opts=opts: paged_attention(
-                        q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
-                        kernel_options=opts, interpret=args.interpret))
-                    _safe(rows, case, f"ours decode {mode} kvg{kvg} sp{splits} bk{bk} w{nw}",
-                          fn, q, k, v, md, work=kv_bytes, unit="tbps", **it)
         if args.mosaic:  # experimental Mosaic GPU decode kernel (TMA + wgmma)
             for mode in ("rotated", "position_free"):
                 fn = jax.jit(lambda q, k, v, md, mode=mode: paged_attention(
@@ -321,10 +340,31 @@ def run(args) -> int:
                 ratio = best[rot][0] / best[free][0]
                 print(f"  {case:<20} {prefix}RoPE-at-read overhead (best vs best) "
                       f"{100 * (ratio - 1):+.1f}%")
+    _print_rope_table(rope_table, args.contexts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _print_rope_table(table, contexts):
+    """triton_decode: TB/s rotated vs each RoPE-at-read variant, overhead in time vs rotated."""
+    if not table:
+        return
+    print("\ntriton_decode RoPE-at-read variants (TB/s; overhead = time vs rotated, same config):")
+    head = "".join(f" | ctx{c} TB/s  overhead" for c in contexts)
+    print(f"  {'config':<24} {'rope':<11}{head}")
+    for tag in dict.fromkeys(t for t, _, _ in table):
+        for rope in dict.fromkeys(r for t, r, _ in table if t == tag):
+            cells = ""
+            for c in contexts:
+                val, rot = table.get((tag, rope, c)), table.get((tag, "rotated", c))
+                if val is None:
+                    cells += f" | {'FAILED':>9} {'':>9}"
+                    continue
+                over = f"{100 * (rot / val - 1):+8.1f}%" if rot and rope != "rotated" else " " * 9
+                cells += f" | {val / 1e12:9.2f} {over}"
+            print(f"  {tag:<24} {rope:<11}{cells}")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,8 @@ DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv
                                                          "block_k": 16, "rope": "page"}, 1.0),
     (jnp.float32, 2, 8, 64, 64, 4, "position_free", {"kv_group": 2, "splits": 2, "block_k": 32,
                                                       "rope": "page"}, 1.0),
+    (jnp.bfloat16, 2, 4, 128, 64, 4, "position_free", {"kv_group": 2, "splits": 2,
+                                                        "block_k": 16, "rope": "page_bf16"}, 0.8),
 ]
 
 

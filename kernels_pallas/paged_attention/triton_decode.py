@@ -21,7 +21,7 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas.paged_attention.triton_ragged import _cos_sin, _dot, _dot_nt, tile_rows
 
 _NEG_INF = float("-inf")
-ROPE_MODES = ("trig", "table", "table_bf16", "page")
+ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16")
 
 
 def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
@@ -30,7 +30,8 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     group = heads // kv_heads
     pages_per_step = block_k // page_size
     split_rot = rotate_keys and half > 0
-    by_page = split_rot and rope == "page"
+    by_page = split_rot and rope.startswith("page")
+    kdtype = cdtype if rope == "page_bf16" else jnp.float32  # dtype of the slot rotation math
     q_pages = pages_per_step if by_page else 1  # "page": one query row set per page of a tile
     rows = tile_rows(q_pages, group)
     rot = 2 * half
@@ -56,7 +57,8 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     if by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
         ang = (j % page_size).astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
         cos_slot, sin_slot = _cos_sin(ang, fast_trig)
-        cos_slot, sin_slot = cos_slot * scaling, sin_slot * scaling
+        cos_slot = (cos_slot * scaling).astype(kdtype)
+        sin_slot = (sin_slot * scaling).astype(kdtype)
 
     def load_q(h):
         q_row = tok * heads + h * group + r_g  # [M]
@@ -81,7 +83,7 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
             idx = jnp.clip(k_pos, 0, rope_ref.shape[0] - 1)  # pads/future keys are masked
             return (rope_ref[idx, pl.ds(0, half)].astype(jnp.float32),
                     rope_ref[idx, pl.ds(half, half)].astype(jnp.float32))
-        if rope == "page":
+        if by_page:
             b_r = jnp.minimum(step * pages_per_step + r_p, max_blocks - 1)  # [M]
             ang = bps_ref[s, b_r].astype(jnp.float32)[:, None] * inv[None, :]
             return _cos_sin(ang, fast_trig)
@@ -111,8 +113,8 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
             kv_row = (page * page_size + slot) * kv_heads + h  # [N]
             sc = jnp.zeros((rows, block_k), jnp.float32)
             if split_rot:
-                k_lo = k_ref[kv_row, pl.ds(0, half)].astype(jnp.float32)
-                k_hi = k_ref[kv_row, pl.ds(half, half)].astype(jnp.float32)
+                k_lo = k_ref[kv_row, pl.ds(0, half)].astype(kdtype)
+                k_hi = k_ref[kv_row, pl.ds(half, half)].astype(kdtype)
                 if by_page:  # q . R(base + slot) k == (R(-base) q) . (R(slot) k)
                     q_lo, q_hi = q_lo.astype(jnp.float32), q_hi.astype(jnp.float32)
                     q_lo, q_hi = q_lo * cos + q_hi * sin, q_hi * cos - q_lo * sin
@@ -136,8 +138,9 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
             out.append((acc, m_new, l_i))
         return tuple(out)
 
-    init = tuple((jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG_INF, jnp.float32),
-                  jnp.zeros((rows,), jnp.float32)) for _ in range(kv_group))
+    init = tuple((jnp.zeros((rows, head_dim), jnp.float32),
+                  jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
+                 for _ in range(kv_group))
     carry = lax.fori_loop(lo, hi, body, init)
     for i in range(kv_group):
         acc, m_i, l_i = carry[i]
@@ -187,6 +190,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         (R(-base) q) . (R(slot) k): the slot's cos/sin are one loop-invariant [block_k, R/2] tile,
         and each tile's queries are turned back by the start of each of its pages (the query
         rows become pages_per_step x G, merged by log-sum-exp at the end).
+      "page_bf16": "page" with the slot cos/sin and the key rotation in bf16 (for bf16 inputs; no
+        float32 round trip of the keys, ~2x the rounding error of "page").
     """
     if rope not in ROPE_MODES:
         raise ValueError(f"triton_decode: rope must be one of {ROPE_MODES}, got {rope!r}")
@@ -205,7 +210,7 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     cdtype = jnp.float32 if q_rot.dtype == jnp.float32 else q_rot.dtype
     q_flat = (q_rot.reshape(tokens * heads, head_dim).astype(jnp.float32) * sm_scale)
     q_flat = q_flat.astype(q_rot.dtype)
-    by_page = rotate_keys and half and rope == "page"
+    by_page = rotate_keys and half and rope.startswith("page")
     rows = tile_rows(block_k // page_size if by_page else 1, heads // kv_heads)
     rope_in = inv_freq.astype(jnp.float32) if half else jnp.zeros((1,), jnp.float32)
     if rotate_keys and half and rope.startswith("table"):
@@ -216,7 +221,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     kernel = functools.partial(
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
-        rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling), fast_trig=not interpret, cdtype=cdtype)
+        rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling),
+        fast_trig=not interpret, cdtype=cdtype)
     # Partial outputs start as NaN (aliased in): a row the kernel fails to write poisons the
     # merged result instead of passing silently. Costs one small fill per call.
     o_init = jnp.full((n_out, head_dim), jnp.nan, jnp.float32)
@@ -232,7 +238,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         name="decode_paged_attention",
     )(md.cu_q_lens, md.q_positions, md.q_window_start, md.num_blocks, md.block_tables,
       md.block_pos_start, md.block_num_valid,
-      rope_in, q_flat, k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), o_init, lse_init)
+      rope_in, q_flat, k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), o_init,
+      lse_init)
     n = splits * seqs * heads
     out = out[:n].reshape(splits, seqs, heads, head_dim)
     lse = lse[:n].reshape(splits, seqs, heads)
