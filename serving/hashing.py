@@ -50,7 +50,8 @@ def root_hash(hash_fn, cache_salt: str | None) -> int:
                    if salt else (), b"R")
 
 
-def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int) -> list[int]:
+def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int,
+               memo: dict | None = None) -> list[int]:
     """Hash of every full block of `tokens`.
 
     Args:
@@ -58,19 +59,41 @@ def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int
       span_block: per block, True inside an SSEP span, False inside a PDEP segment.
       span_start: per block, True where an SSEP span begins (its chain restarts from h0).
       h0: root hash (per cache salt).
+      memo: optional dict reused across calls: a span's chain depends only on (h0, its tokens),
+        so a span seen before (the common case for position-free reuse) is not hashed again.
     Returns:
       one int per full block (a partial last block gets none).
     """
-    keys, prefix, span = [], h0, h0
     n = len(tokens) // block_size
-    raw = memoryview(np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes())
+    raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
     step = 8 * block_size
-    for j in range(n):
-        blk = raw[j * step:(j + 1) * step]  # the block's tokens as int64 bytes
-        prefix = hash_fn(prefix, blk, b"P")
-        if span_block[j]:
-            span = hash_fn(h0 if span_start[j] else span, blk, b"S")
-            keys.append(span)
-        else:
+    blocks = [raw[j * step:(j + 1) * step] for j in range(n)]  # int64 bytes per block
+    keys, prefix, span = [], h0, h0
+    j = 0
+    while j < n:
+        prefix = hash_fn(prefix, blocks[j], b"P")
+        if not span_block[j]:
             keys.append(prefix)
+            j += 1
+            continue
+        # a span run: from here while blocks stay in the span (a new SSEP restarts the chain)
+        end = j + 1
+        while end < n and span_block[end] and not span_start[end]:
+            end += 1
+        got = None
+        if memo is not None and span_start[j]:
+            mk = (h0, block_size, raw[j * step:end * step])
+            got = memo.get(mk)
+        if got is None:
+            got, span = [], (h0 if span_start[j] else span)
+            for i in range(j, end):
+                span = hash_fn(span, blocks[i], b"S")
+                got.append(span)
+            if memo is not None and span_start[j]:
+                memo[mk] = got
+        keys.extend(got)
+        span = got[-1]
+        for i in range(j + 1, end):
+            prefix = hash_fn(prefix, blocks[i], b"P")
+        j = end
     return keys

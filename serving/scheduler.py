@@ -48,6 +48,7 @@ class Scheduler:
         self.markers = markers or {}
         self.hybrid = hybrid
         self.caching = config.enable_prefix_caching and not hybrid
+        self.span_memo: dict = {}  # (h0, block size, span bytes) -> span chain keys
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.span_jobs: list[Sequence] = []
@@ -72,9 +73,11 @@ class Scheduler:
                 seq.block_hashes = []
             else:
                 lay = seq.layout
+                if len(self.span_memo) > 65536:  # bound the memo (it only saves hashing)
+                    self.span_memo.clear()
                 seq.block_hashes = block_keys(self.hash_fn, seq.prompt_token_ids,
                                               self.cfg.block_size, lay.span_block, lay.span_start,
-                                              self.root_hash_fn(seq.cache_salt))
+                                              self.root_hash_fn(seq.cache_salt), self.span_memo)
         return seq.block_hashes
 
     def _hit_limit(self, seq: Sequence) -> int:

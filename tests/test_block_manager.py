@@ -84,3 +84,45 @@ def test_span_keys_are_offset_free_and_prefix_keys_are_not(algo, fresh_rng):
     salted = block_keys(h, pre1 + span, 4, [False, True, True], [False, True, False],
                         root_hash(h, "tenant"))
     assert not set(salted) & set(k1)
+
+
+def _chain_reference(h, tokens, bs, span_block, span_start, h0):
+    """The chained keys written out block by block (module docstring of serving/hashing.py)."""
+    keys, prefix, span = [], h0, h0
+    for j in range(len(tokens) // bs):
+        blk = tokens[j * bs:(j + 1) * bs]
+        prefix = h(prefix, blk, b"P")
+        if span_block[j]:
+            span = h(h0 if span_start[j] else span, blk, b"S")
+        keys.append(span if span_block[j] else prefix)
+    return keys
+
+
+@pytest.mark.parametrize("algo", ["xxhash64", "sha256"])
+def test_block_keys_with_span_memo_match_reference(algo, fresh_rng):
+    """Random segment structures, repeated spans, two salts, one shared memo: same keys."""
+    h = make_hash_fn(algo)
+    memo = {}
+    docs = [[int(t) for t in fresh_rng.integers(0, 50, int(fresh_rng.integers(1, 4)) * 4)]
+            for _ in range(3)]
+    for _ in range(40):
+        h0 = root_hash(h, str(fresh_rng.integers(0, 2)))
+        toks, sb, ss = [], [], []
+        for _ in range(int(fresh_rng.integers(1, 5))):
+            if fresh_rng.random() < 0.6:
+                d = docs[int(fresh_rng.integers(0, 3))]
+                toks += d
+                sb += [True] * (len(d) // 4)
+                ss += [True] + [False] * (len(d) // 4 - 1)
+            else:
+                n = int(fresh_rng.integers(1, 3)) * 4
+                toks += [int(t) for t in fresh_rng.integers(0, 50, n)]
+                sb += [False] * (n // 4)
+                ss += [False] * (n // 4)
+        toks += [7] * int(fresh_rng.integers(0, 4))  # partial last block: no key
+        sb.append(False)
+        ss.append(False)
+        want = _chain_reference(h, toks, 4, sb, ss, h0)
+        assert block_keys(h, toks, 4, sb, ss, h0, memo) == want
+        assert block_keys(h, toks, 4, sb, ss, h0) == want
+    assert memo  # the memo was used
