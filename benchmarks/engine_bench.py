@@ -141,21 +141,22 @@ def run_host_only(args) -> int:
         engine.add_request(str(i), ids, sp)
     prof = cProfile.Profile() if args.profile else None
     outs = []
-    t = time.perf_counter()
+    t, cpu0 = time.perf_counter(), time.process_time()
     if prof:
         prof.enable()
     while engine.has_unfinished():
         outs += engine.step()
     if prof:
         prof.disable()
-    elapsed = time.perf_counter() - t
+    elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu0
     st = engine.get_stats()
     ms = st["host_ms_per_step"]
     print(f"host-only: {len(outs)} requests, {st['steps']} steps in {elapsed:.2f} s; per step (ms): "
           f"schedule {ms['schedule']:.3f} build {ms['build']:.3f} post {ms['post']:.3f} "
           f"dispatch(stub) {ms['dispatch']:.3f}; host work "
           f"{ms['schedule'] + ms['build'] + ms['post']:.3f} ms/step; "
-          f"cached {sum(o.num_cached_tokens for o in outs)} prompt tokens")
+          f"cached {sum(o.num_cached_tokens for o in outs)} prompt tokens; process CPU "
+          f"{1e3 * cpu / max(st['steps'], 1):.3f} ms/step")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     return 0

@@ -7,6 +7,7 @@ drive it; `minipic_jax.LLM` is a thin batch wrapper over it.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 
@@ -87,6 +88,10 @@ class LLMEngine:
         for all_greedy, use_filter, num_logprobs in modes:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
                                num_logprobs=num_logprobs)
+        # Tracing and compiling leave millions of long-lived objects (jaxprs, caches): move
+        # them out of the cyclic GC's reach so collections during serving stay short.
+        gc.collect()
+        gc.freeze()
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, request_id, prompt_token_ids, sampling_params, *, label: str | None = None):

@@ -116,7 +116,7 @@ class ModelRunner:
 
     # -- host ----------------------------------------------------------------------------------
     def _sync_rows(self, seq) -> None:
-        seat, k = seq.seat, getattr(seq, "synced_blocks", 0)
+        seat, k = seq.seat, seq.synced_blocks
         n = min(len(seq.block_table), len(seq.block_valid))
         if k < n:
             self.h_tables[seat, k:n] = seq.block_table[k:n]
@@ -174,7 +174,10 @@ class ModelRunner:
         v["reset"][:n_seq] = [e.reset for e in batch]
         sampled = [i for i, e in enumerate(batch) if e.sample]
         sps = [batch[i].seq.sampling_params for i in sampled]
-        if sampled:
+        all_greedy = all(sp.temperature == 0 for sp in sps)
+        use_filter = (not all_greedy) and any(
+            sp.temperature > 0 and ((sp.top_k or 0) > 0 or sp.top_p < 1) for sp in sps)
+        if sampled and not all_greedy:  # greedy rows read none of these (argmax of the logits)
             seqs = [batch[i].seq for i in sampled]
             v["top_k"][sampled] = [max(sp.top_k or 0, 0) for sp in sps]
             v["seed"][sampled] = [q.seed & 0x7FFFFFFF for q in seqs]
@@ -184,9 +187,6 @@ class ModelRunner:
         np.take(self.h_tables, seats, axis=0, out=v["block_tables"][:n_seq])
         np.take(self.h_pos_start, seats, axis=0, out=v["block_pos_start"][:n_seq])
         np.take(self.h_valid, seats, axis=0, out=v["block_num_valid"][:n_seq])
-        all_greedy = all(sp.temperature == 0 for sp in sps)
-        use_filter = any(sp.temperature > 0 and ((sp.top_k or 0) > 0 or sp.top_p < 1)
-                         for sp in sps)
         decode_only = d == n_seq and self.decode_impl != cfg.attn_impl
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only)
@@ -217,18 +217,21 @@ class ModelRunner:
         bs = self.block_size
         seqs = [e.seq for e in entries]
         for q in seqs:
-            if len(q.block_table) > getattr(q, "synced_blocks", 0):
+            if len(q.block_table) > q.synced_blocks:
                 self._sync_rows(q)
         d = len(seqs)
         seats = np.asarray(seats)
-        last = np.fromiter((len(q.token_ids) - 1 for q in seqs), np.int64, d)
-        pos = np.fromiter((q.num_valid - 1 for q in seqs), np.int32, d)
+        # one pass over the sequences: [last token index, position, window start, token]
+        cols = np.array([(len(q.token_ids) - 1, q.num_valid - 1, q.layout.last_win, q.token_ids[-1])
+                         for q in seqs], np.int64).reshape(d, 4)
+        last = cols[:, 0]
+        pos = cols[:, 1].astype(np.int32)
         blk = last // bs
         bps = self.h_pos_start[seats, blk]
         self.h_valid[seats, blk] = pos - bps + 1
-        v["tokens"][:d] = [q.token_ids[-1] for q in seqs]
+        v["tokens"][:d] = cols[:, 3]
         v["q_positions"][:d] = pos
-        v["q_window_start"][:d] = [q.layout.last_win for q in seqs]
+        v["q_window_start"][:d] = cols[:, 2]
         v["slot_mapping"][:d] = self.h_tables[seats, blk] * bs + pos - bps
         ar = np.arange(d, dtype=np.int32)
         v["q_seq"][:d] = ar

@@ -28,7 +28,7 @@ from serving.layout import build_layout
 from serving.sequence import Sequence, Status
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     token_idx: np.ndarray  # [n] int token indices fed as queries this step
@@ -49,6 +49,7 @@ class Scheduler:
         self.hybrid = hybrid
         self.caching = config.enable_prefix_caching and not hybrid
         self.span_memo: dict = {}  # (h0, block size, span bytes) -> span chain keys
+        self._arange = np.arange(config.max_model_len + 1)  # decode token_idx = 1-row views
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.span_jobs: list[Sequence] = []
@@ -86,9 +87,13 @@ class Scheduler:
         last_blk = seq.layout.last_valid_index // self.cfg.block_size
         return min(len(self._hashes(seq)), last_blk)
 
-    def _confirm(self, seq: Sequence, j: int) -> tuple:
-        b = self.cfg.block_size
-        return tuple(seq.prompt_token_ids[j * b:(j + 1) * b])
+    def _confirm(self, seq: Sequence, j: int) -> bytes:
+        """Block j's prompt tokens (int64 bytes), kept with a cached block to confirm hits."""
+        raw = getattr(seq, "_prompt_bytes", None)
+        if raw is None:
+            raw = seq._prompt_bytes = np.asarray(seq.prompt_token_ids, np.int64).tobytes()
+        step = 8 * self.cfg.block_size
+        return raw[j * step:(j + 1) * step]
 
     def _try_allocate(self, seq: Sequence, seats: list[int]) -> bool:
         if not seats:
@@ -227,14 +232,14 @@ class Scheduler:
 
         # 1. decodes
         bs = cfg.block_size
-        running = Status.RUNNING
+        running, ar = Status.RUNNING, self._arange
         for seq in list(self.running):
             n = len(seq.token_ids)
             if seq.status is not running or seq.num_computed < n - 1:
                 continue
             if (n - 1) // bs >= len(seq.block_table) and not self._ensure_block(seq):
                 continue  # preempted itself
-            batch.append(ScheduledSeq(seq, np.array([n - 1]), n, True, seq.needs_reset))
+            batch.append(ScheduledSeq(seq, ar[n - 1:n], n, True, seq.needs_reset))
             budget -= 1
 
         # 2. running prefills

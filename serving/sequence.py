@@ -45,6 +45,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the cache (first admission)
         self.owned: set[int] = set()  # blocks this sequence computes (and publishes)
         self.seat = -1  # batch row / recurrent-state slot while running
+        self.synced_blocks = 0  # block-table entries already copied to the runner's host rows
         self.needs_reset = True  # recurrent state starts from zero on the next chunk
         self.ever_admitted = False
         self.finish_reason: str | None = None
