@@ -6,6 +6,12 @@ decode 50-60% slower than the rotated kernel on the H200. Here one program walks
 `kv_group` kv heads in turn (per-head accumulators, unrolled), computing cos/sin for the tile's
 keys once; the key range of a sequence is split over `splits` programs (flash-decoding) to keep
 the GPU full, and the partial results are merged with their log-sum-exp outside the kernel.
+
+Kernel option `rope` picks where the keys' cos/sin come from (see decode_paged_attention_triton):
+per-key trig ("trig", default), an L2-resident position table ("table", "table_bf16"), or no
+per-key trig at all ("page", "page_bf16": queries turned back by each page's start, keys turned
+only by their slot in the page). Turning the query per key instead of the key costs G times the
+rotation work (G = H/K query heads per kv head) and does not map onto the dot, so keys are turned.
 """
 
 from __future__ import annotations
