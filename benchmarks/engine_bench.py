@@ -153,7 +153,7 @@ def run_host_only(args) -> int:
     ms = st["host_ms_per_step"]
     print(f"host-only: {len(outs)} requests, {st['steps']} steps in {elapsed:.2f} s; per step (ms): "
           f"schedule {ms['schedule']:.3f} build {ms['build']:.3f} post {ms['post']:.3f} "
-          f"dispatch(stub) {ms['dispatch']:.3f}; host work "
+          f"dispatch(stub) {ms['dispatch']:.3f} overlapped {ms['overlap']:.3f}; host work "
           f"{ms['schedule'] + ms['build'] + ms['post']:.3f} ms/step; "
           f"cached {sum(o.num_cached_tokens for o in outs)} prompt tokens; process CPU "
           f"{1e3 * cpu / max(st['steps'], 1):.3f} ms/step")
@@ -315,7 +315,9 @@ def run(args) -> int:
         print(f"{len(outs)} requests in {steps} steps: compiles after warm-up "
               f"{res['run_compiles_after_warmup']}, cache hits {res['run_cached_tokens']} of "
               f"{n_in} prompt tokens, preemptions {res['run_preemptions']}, host work "
-              f"{100 * res['run_host_work_share']:.1f}% of step time", flush=True)
+              f"{100 * res['run_host_work_share']:.1f}% of step time (per step ms: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in after["host_ms_per_step"].items())
+              + "; overlap = frontier updates done while the device computes)", flush=True)
     res["engine_stats"] = engine.get_stats()
     res["total_s"] = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)

@@ -210,16 +210,19 @@ class LLMEngine:
             num_lp = min(1 << (num_lp - 1).bit_length() if num_lp > 1 else 1,
                          self.config.max_logprobs)
         t1 = time.perf_counter()
-        tw = [0.0, 0.0]
-        out = self.runner.run(batch, num_logprobs=num_lp, timer=tw)
+        tw = [0.0, 0.0, 0.0]
+        # while the device computes: frontiers move (advance needs no sampled token) and the
+        # next waiting prompts get their block hashes
+        out = self.runner.run(batch, num_logprobs=num_lp, timer=tw,
+                              during=lambda: (sched.advance(batch), sched.prepare_waiting()))
         t2 = time.perf_counter()
-        sched.advance(batch)
         finished = self._postprocess(batch, out, num_lp)
         if self.offload is not None:
             self.offload.materialize()
         t3 = time.perf_counter()
         self.stats.record_step(batch, total=t3 - t0, device_wait=tw[1], dispatch=tw[0],
-                               schedule=t1 - t0, build=t2 - t1 - tw[0] - tw[1], post=t3 - t2)
+                               schedule=t1 - t0, build=t2 - t1 - tw[0] - tw[1] - tw[2],
+                               post=t3 - t2, overlap=tw[2])
         return finished
 
     def _postprocess(self, batch, out, num_lp) -> list[RequestOutput]:

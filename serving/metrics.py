@@ -18,10 +18,12 @@ class EngineStats:
     dispatch: float = 0.0  # inside the jitted call (argument handling, launch)
     schedule: float = 0.0  # host: scheduler, hashing, block manager
     build: float = 0.0  # host: metadata packing
-    post: float = 0.0  # host: frontiers, sampled tokens, finishing
+    post: float = 0.0  # host: sampled tokens, finishing
+    overlap: float = 0.0  # host work done while the device computes (frontiers): not in post
 
     def record_step(self, batch, *, total: float, device_wait: float, dispatch: float = 0.0,
-                    schedule: float = 0.0, build: float = 0.0, post: float = 0.0) -> None:
+                    schedule: float = 0.0, build: float = 0.0, post: float = 0.0,
+                    overlap: float = 0.0) -> None:
         self.steps += 1
         self.step_time += total
         self.device_wait += device_wait
@@ -29,6 +31,7 @@ class EngineStats:
         self.schedule += schedule
         self.build += build
         self.post += post
+        self.overlap += overlap
         self.query_tokens += sum(e.token_idx.size for e in batch)
 
     def record_finish(self, seq) -> None:
@@ -60,6 +63,6 @@ class EngineStats:
             "host_work_share": ((self.schedule + self.build + self.post) / self.step_time
                                 if self.step_time else 0.0),
             "host_ms_per_step": {k: 1e3 * getattr(self, k) / max(self.steps, 1)
-                                 for k in ("schedule", "build", "dispatch", "post")},
+                                 for k in ("schedule", "build", "dispatch", "post", "overlap")},
             "num_compiles": engine.runner.num_compiles,
         }

@@ -126,9 +126,11 @@ class ModelRunner:
         if n:
             self.h_valid[seat, n - 1] = seq.block_valid[n - 1]
 
-    def run(self, batch, *, num_logprobs: int = 0, timer=None):
+    def run(self, batch, *, num_logprobs: int = 0, timer=None, during=None):
         """Execute one scheduled batch. Returns host numpy outputs (rows = batch order):
-        tokens [S], logprob [S], and with num_logprobs: rank [S], top_ids / top_logprobs [S, k]."""
+        tokens [S], logprob [S], and with num_logprobs: rank [S], top_ids / top_logprobs [S, k].
+        `during()` (optional) runs on the host after the step is dispatched and before its
+        outputs are awaited, i.e. while the device computes (host work that needs no output)."""
         cfg, bs = self.config, self.block_size
         real = sum(e.token_idx.size for e in batch)
         t = cfg.token_bucket(max(real, 1))
@@ -194,9 +196,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.cache, packed = self._step(self.params, self.cache, ints, floats, **kw)
         t1 = time.perf_counter()
+        if during is not None:
+            during()
+        t2 = time.perf_counter()
         packed = np.asarray(packed)  # the step's one host sync (one transfer)
-        if timer is not None:  # (dispatch, wait) seconds
-            timer[:] = [t1 - t0, time.perf_counter() - t1]
+        if timer is not None:  # (dispatch, wait, overlapped host work) seconds
+            timer[:] = [t1 - t0, time.perf_counter() - t2, t2 - t1]
         return _unpack(packed, num_logprobs)
 
     def _buffers(self, t: int, s: int):

@@ -87,13 +87,17 @@ class Scheduler:
         last_blk = seq.layout.last_valid_index // self.cfg.block_size
         return min(len(self._hashes(seq)), last_blk)
 
+    @staticmethod
+    def _prompt_bytes(seq: Sequence) -> bytes:
+        raw = getattr(seq, "_raw_prompt", None)
+        if raw is None:
+            raw = seq._raw_prompt = np.asarray(seq.prompt_token_ids, np.int64).tobytes()
+        return raw
+
     def _confirm(self, seq: Sequence, j: int) -> bytes:
         """Block j's prompt tokens (int64 bytes), kept with a cached block to confirm hits."""
-        raw = getattr(seq, "_prompt_bytes", None)
-        if raw is None:
-            raw = seq._prompt_bytes = np.asarray(seq.prompt_token_ids, np.int64).tobytes()
         step = 8 * self.cfg.block_size
-        return raw[j * step:(j + 1) * step]
+        return self._prompt_bytes(seq)[j * step:(j + 1) * step]
 
     def _try_allocate(self, seq: Sequence, seats: list[int]) -> bool:
         if not seats:
@@ -101,9 +105,14 @@ class Scheduler:
         bm, hashes, limit = self.bm, self._hashes(seq), self._hit_limit(seq)
         plan = []  # (kind, block or hash) per logical block
         need = 0
+        # bm.lookup inlined (hot): a hit needs the hash in the table and equal kept tokens
+        table = bm.table if bm.enable_caching else {}
+        kept, raw, step = bm.confirm, self._prompt_bytes(seq), 8 * self.cfg.block_size
         for j in range(seq.num_blocks_needed):
             if j < limit:
-                b = bm.lookup(hashes[j], self._confirm(seq, j))
+                b = table.get(hashes[j])
+                if b is not None and kept[b] != raw[j * step:(j + 1) * step]:
+                    b = None  # a hash collision is a miss
                 if b is not None:
                     plan.append(("hit", b))
                     need += bm.ref[b] == 0
@@ -351,6 +360,12 @@ class Scheduler:
             job.block_hashes = hashes[j0:j1]
             jobs.append(job)
         return jobs
+
+    def prepare_waiting(self, max_seqs: int = 8) -> None:
+        """Hash the next waiting requests' prompt blocks ahead of their admission (no effect on
+        what is scheduled; the engine calls it while the device computes a step)."""
+        for seq in itertools.islice(self.waiting, max_seqs):
+            self._hashes(seq)
 
     # -- after the step -----------------------------------------------------------------------
     def advance(self, batch: list[ScheduledSeq]) -> None:
