@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -24,17 +25,17 @@ def _next_pow2(n: int) -> int:
 
 def _kernel(slot_ref, k_ref, v_ref, kp_in, vp_in, kp_ref, vp_ref, *, tokens, width, rows, cols):
     del kp_in, vp_in  # aliased to kp_ref / vp_ref
-    r = pl.program_id(0) * rows + jnp.arange(rows, dtype=jnp.int32)  # [R] token rows
+    r = pl.program_id(0) * rows + lax.broadcasted_iota(jnp.int32, (rows,), 0)  # [R] token rows
     in_range = r < tokens
     r_safe = jnp.where(in_range, r, 0)
     slot = pltriton.load(slot_ref.at[r_safe], mask=in_range, other=-1)  # [R]
     ok = in_range & (slot >= 0)
     dest = jnp.where(ok, slot, 0)
-    col = jnp.arange(cols, dtype=jnp.int32)  # [C] (C = K * D rounded up to a power of 2)
-    mask = ok[:, None] & (col < width)[None, :]  # [R, C]
+    col = lax.broadcasted_iota(jnp.int32, (1, cols), 1)  # [1, C] (K * D up to a power of 2)
+    mask = ok[:, None] & (col < width)  # [R, C]
     for src, dst in ((k_ref, kp_ref), (v_ref, vp_ref)):
-        x = pltriton.load(src.at[r_safe[:, None], col[None, :]], mask=mask, other=0)
-        pltriton.store(dst.at[dest[:, None], col[None, :]], x.astype(dst.dtype), mask=mask)
+        x = pltriton.load(src.at[r_safe[:, None], col], mask=mask, other=0)
+        pltriton.store(dst.at[dest[:, None], col], x.astype(dst.dtype), mask=mask)
 
 
 def write_kv_triton(k_pages, v_pages, k, v, slot_mapping, *, rows: int | None = None,
