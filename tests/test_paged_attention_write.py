@@ -2,7 +2,11 @@
 
 Oracle: a numpy loop that copies each row with slot >= 0 into a flat copy of the pages. Fresh
 random slots (distinct, some -1), random pages and rows, bf16 and fp32, odd K * D widths.
+On a GPU, `JAX_PLATFORMS=cuda MINIPIC_COMPILED=1 pytest tests/test_paged_attention_write.py`
+runs the same cases compiled (Triton).
 """
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +14,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas.paged_attention.api import write_kv
+
+INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 
 
 def _case(rng, pages, page_size, kv_heads, head_dim, tokens, dtype, drop_frac=0.25):
@@ -38,8 +44,8 @@ def _oracle(kp, vp, k, v, slots):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("dims,tokens,rows", [((9, 4, 2, 16), 13, None), ((5, 8, 3, 8), 17, 2),
                                               ((6, 4, 1, 32), 1, 1)])
-def test_triton_write_matches_oracle_and_xla(dtype, dims, tokens, rows):
-    rng = np.random.default_rng()
+def test_triton_write_matches_oracle_and_xla(dtype, dims, tokens, rows, fresh_rng):
+    rng = fresh_rng
     args, slots = _case(rng, *dims, tokens, dtype)
     want_k, want_v = _oracle(*args[:4], slots)
     if rows is None:
@@ -47,7 +53,7 @@ def test_triton_write_matches_oracle_and_xla(dtype, dims, tokens, rows):
             *args, implementation="triton")
     else:
         from kernels_pallas.paged_attention.triton_write import write_kv_triton
-        got_k, got_v = write_kv_triton(*args, rows=rows, interpret=True)
+        got_k, got_v = write_kv_triton(*args, rows=rows, interpret=INTERPRET)
     xla_k, xla_v = write_kv(*args, implementation="xla")
     for got, xla, want in ((got_k, xla_k, want_k), (got_v, xla_v, want_v)):
         assert got.dtype == dtype and got.shape == want.shape
@@ -55,8 +61,8 @@ def test_triton_write_matches_oracle_and_xla(dtype, dims, tokens, rows):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(xla, np.float32))
 
 
-def test_triton_write_all_dropped_leaves_pages():
-    rng = np.random.default_rng()
+def test_triton_write_all_dropped_leaves_pages(fresh_rng):
+    rng = fresh_rng
     args, _ = _case(rng, 4, 4, 2, 16, 6, jnp.float32, drop_frac=1.1)
     kp, vp = write_kv(*args, implementation="triton")
     np.testing.assert_array_equal(np.asarray(kp), np.asarray(args[0]))
@@ -72,3 +78,16 @@ def test_write_kv_bad_input():
         write_kv(*args[:4], args[4][:3])
     with pytest.raises(ValueError, match="do not match pages"):
         write_kv(args[0], args[1], args[2][:, :1], args[3][:, :1], args[4])
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_triton_write_dropped_rows_next_to_slot_zero(rows, fresh_rng):
+    """Dropped rows share a program with a real write to slot 0 (masked lanes must not undo it)."""
+    args, _ = _case(fresh_rng, 4, 4, 2, 16, 8, jnp.float32)
+    slots = np.array([-1, 0, -1, 5, 9, -1, -1, 3], np.int32)
+    args = (*args[:4], jnp.asarray(slots))
+    from kernels_pallas.paged_attention.triton_write import write_kv_triton
+    got_k, got_v = write_kv_triton(*args, rows=rows, interpret=INTERPRET)
+    want_k, want_v = _oracle(*args[:4], slots)
+    np.testing.assert_array_equal(np.asarray(got_k), want_k)
+    np.testing.assert_array_equal(np.asarray(got_v), want_v)

@@ -23,16 +23,27 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _kernel(slot_ref, k_ref, v_ref, kp_in, vp_in, kp_ref, vp_ref, *, tokens, width, rows, cols):
+def _kernel(slot_ref, k_ref, v_ref, kp_in, vp_in, kp_ref, vp_ref, *, tokens, width, rows, cols,
+            interpret):
     del kp_in, vp_in  # aliased to kp_ref / vp_ref
     r = pl.program_id(0) * rows + lax.broadcasted_iota(jnp.int32, (rows,), 0)  # [R] token rows
     in_range = r < tokens
     r_safe = jnp.where(in_range, r, 0)
     slot = pltriton.load(slot_ref.at[r_safe], mask=in_range, other=-1)  # [R]
     ok = in_range & (slot >= 0)
-    dest = jnp.where(ok, slot, 0)
     col = lax.broadcasted_iota(jnp.int32, (1, cols), 1)  # [1, C] (K * D up to a power of 2)
-    mask = ok[:, None] & (col < width)  # [R, C]
+    if interpret:
+        # The interpreter stores masked lanes by writing back what they read, which races with
+        # a real write to the same row; so dropped rows repeat the program's last kept row
+        # (same slot, same values) and only a program with no kept row is masked off.
+        last = jnp.max(jnp.where(ok, r_safe, -1))
+        lead_slot = jnp.max(jnp.where(r_safe == last, slot, -1))
+        r_safe = jnp.where(ok, r_safe, jnp.maximum(last, 0))
+        dest = jnp.where(ok, slot, jnp.maximum(lead_slot, 0))
+        mask = (last >= 0) & (col < width) & jnp.ones((rows, 1), jnp.bool_)  # [R, C]
+    else:  # masked lanes write nothing
+        dest = jnp.where(ok, slot, 0)
+        mask = ok[:, None] & (col < width)  # [R, C]
     for src, dst in ((k_ref, kp_ref), (v_ref, vp_ref)):
         x = pltriton.load(src.at[r_safe[:, None], col], mask=mask, other=0)
         pltriton.store(dst.at[dest[:, None], col], x.astype(dst.dtype), mask=mask)
@@ -54,7 +65,8 @@ def write_kv_triton(k_pages, v_pages, k, v, slot_mapping, *, rows: int | None = 
     flat = num_pages * page_size
     if flat * width >= 2 ** 31 or tokens * width >= 2 ** 31:
         raise ValueError(f"write_kv_triton: {flat} x {width} page elements overflow int32 offsets")
-    kernel = functools.partial(_kernel, tokens=tokens, width=width, rows=rows, cols=cols)
+    kernel = functools.partial(_kernel, tokens=tokens, width=width, rows=rows, cols=cols,
+                               interpret=interpret)
     kp, vp = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((flat, width), k_pages.dtype),
