@@ -153,10 +153,19 @@ def run_host_only(args) -> int:
     ms = st["host_ms_per_step"]
     print(f"host-only: {len(outs)} requests, {st['steps']} steps in {elapsed:.2f} s; per step (ms): "
           f"schedule {ms['schedule']:.3f} build {ms['build']:.3f} post {ms['post']:.3f} "
-          f"dispatch(stub) {ms['dispatch']:.3f} overlapped {ms['overlap']:.3f}; host work "
+          f"dispatch(stub) {ms['dispatch']:.3f} overlapped {ms.get('overlap', 0.0):.3f}; host work "
           f"{ms['schedule'] + ms['build'] + ms['post']:.3f} ms/step; "
           f"cached {sum(o.num_cached_tokens for o in outs)} prompt tokens; process CPU "
           f"{1e3 * cpu / max(st['steps'], 1):.3f} ms/step")
+    # pure decode steps at batch B, context C (as in the GPU decode measurement)
+    _prime_decode(engine, args.batch, args.ctx, args.decode_steps, rng)
+    engine.step()
+    h = engine.stats
+    h0, n0 = h.schedule + h.build + h.post, h.steps
+    for _ in range(args.decode_steps):
+        engine.step()
+    print(f"host-only decode steps (batch {args.batch}, ctx {args.ctx}): host work "
+          f"{1e3 * (h.schedule + h.build + h.post - h0) / (h.steps - n0):.3f} ms/step")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     return 0
