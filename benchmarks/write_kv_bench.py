@@ -23,8 +23,8 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--variants", nargs="+", default=["xla", "triton", "triton-r1", "triton-r16", "plain"],
-                   choices=["xla", "triton", "triton-r1", "triton-r16", "plain"],
+    names = ["xla", "triton", "triton-r1", "triton-r16", "plain"]
+    p.add_argument("--variants", nargs="+", default=names, choices=names,
                    help="triton-rN: N token rows per program (default ~4096 elements)")
 
 
