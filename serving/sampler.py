@@ -63,7 +63,8 @@ def _top_k_top_p(x, top_k, top_p):
     probs = jax.nn.softmax(jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_x, -jnp.inf),
                            axis=-1)
     cum = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted entry
-    keep_sorted = cum < top_p[:, None]
+    # top_p >= 1 keeps everything (a float32 cumsum can reach 1.0 before the last entry)
+    keep_sorted = (cum < top_p[:, None]) | (top_p[:, None] >= 1.0)
     n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
     pth = jnp.take_along_axis(sorted_x, (n_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth, pth)

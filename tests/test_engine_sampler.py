@@ -61,3 +61,13 @@ def test_sample_greedy_logprobs_and_seeded_draws(fresh_rng):
                                all_greedy=False, use_filter=True, num_logprobs=0)["tokens"])[4:]
              for j in range(6)]
     assert len({tuple(d) for d in draws}) > 1  # the step index changes the draw
+
+
+def test_top_p_one_keeps_every_token():
+    """top_p = 1 (and no top-k) keeps the whole vocabulary even when the float32 running sum of
+    the sorted probabilities reaches 1.0 before the last, tiny entry."""
+    logits = np.full((1, 64), -30.0, np.float32)
+    logits[0, 0] = 10.0
+    got = np.asarray(_top_k_top_p(jnp.asarray(logits), jnp.zeros(1, jnp.int32),
+                                  jnp.ones(1, jnp.float32)))
+    assert np.isfinite(got).all()
