@@ -85,16 +85,18 @@ class BlockManager:
 
     def release(self, blocks, seq_id: int) -> None:
         """Drop one reference to each block, last block first."""
+        ref, owner, free = self.ref, self.owner, self.free  # locals: this loop is hot
         for b in reversed(blocks):
-            if self.owner[b] == seq_id:
-                self.owner[b] = -1
-            self.ref[b] -= 1
-            if self.ref[b] < 0:
-                raise RuntimeError(f"BlockManager.release: block {b} freed twice")
-            if self.ref[b] == 0:
+            if owner[b] == seq_id:
+                owner[b] = -1
+            r = ref[b] - 1
+            ref[b] = r
+            if r <= 0:
+                if r < 0:
+                    raise RuntimeError(f"BlockManager.release: block {b} freed twice")
                 if self.hash[b] != -1 and not self.ready[b]:
                     self._unregister(b)  # half-computed content is worthless
-                self.free[b] = None
+                free[b] = None
 
     def _unregister(self, b: int) -> None:
         if self.table.get(self.hash[b]) == b:
