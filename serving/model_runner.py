@@ -159,11 +159,19 @@ class ModelRunner:
             last = int(idx[-1]) if n else e.new_computed - 1
             if n:
                 lo = int(idx[0])
-                toks = np.asarray(seq.token_ids[lo:last + 1], np.int32)
-                v["tokens"][row:row + n] = toks[idx - lo]
-                pos, win, off, _ = seq.geometry(idx)
-                v["q_positions"][row:row + n] = pos
-                v["q_window_start"][row:row + n] = win
+                if last - lo + 1 == n and last < seq.num_prompt_tokens:
+                    # contiguous prompt tokens (no pads skipped): slices instead of gathers
+                    lay = seq.layout
+                    v["tokens"][row:row + n] = seq.token_ids[lo:last + 1]
+                    v["q_positions"][row:row + n] = lay.pos[lo:last + 1]
+                    v["q_window_start"][row:row + n] = lay.win[lo:last + 1]
+                    off = lay.slot_off[lo:last + 1]
+                else:
+                    toks = np.asarray(seq.token_ids[lo:last + 1], np.int32)
+                    v["tokens"][row:row + n] = toks[idx - lo]
+                    pos, win, off, _ = seq.geometry(idx)
+                    v["q_positions"][row:row + n] = pos
+                    v["q_window_start"][row:row + n] = win
                 tbl = np.asarray(seq.block_table[lo // bs:last // bs + 1], np.int32)
                 v["slot_mapping"][row:row + n] = tbl[idx // bs - lo // bs] * bs + off
             v["q_seq"][row:row + n] = i
