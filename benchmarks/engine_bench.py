@@ -32,6 +32,9 @@ def add_parser(p):
     p.add_argument("--attn-impl", default=None, help="paged_attention implementation (None = best)")
     p.add_argument("--write-impl", default=None, choices=("xla", "triton"),
                    help="write_kv implementation (None = triton on GPU)")
+    p.add_argument("--decode-rope", default=None,
+                   choices=("trig", "table", "table_bf16", "page", "page_bf16"),
+                   help="RoPE-at-read variant of the decode kernel (Config.decode_attn_options)")
     p.add_argument("--skip-run", action="store_true", help="only the decode measurement")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--host-only", action="store_true",
@@ -200,10 +203,12 @@ def run(args) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
               block_size=bs, num_kv_blocks=args.batch * nb_per_seq + 64,
               min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl,
-              write_kv_impl=args.write_impl)
+              write_kv_impl=args.write_impl,
+              decode_attn_options={"rope": args.decode_rope} if args.decode_rope else None)
     engine = llm.llm_engine
     cfg = engine.loaded.cfg
     res["write_kv_impl"] = args.write_impl or "default (triton on GPU)"
+    res["decode_rope"] = args.decode_rope or "default (trig)"
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.loaded.params))
     embed = getattr(engine.loaded.params, "embed", None)
     tied = getattr(engine.loaded.params, "lm_head", 0) is None

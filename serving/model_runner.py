@@ -65,6 +65,7 @@ class ModelRunner:
                              static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
                                               "decode_only"))
         self.decode_impl = _decode_impl(config)
+        self.decode_options = _decode_options(config)
 
     @property
     def num_compiles(self) -> int:
@@ -83,6 +84,8 @@ class ModelRunner:
             slot_mapping=f["slot_mapping"])
         rec = RecurrentMetadata(state_slots=f["state_slots"], reset=f["reset"] > 0)
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
+        if decode_only and self.decode_options:
+            extra["attn_options"] = self.decode_options
         logits, cache = self.family.forward(
             params, f["tokens"], md, cache, self.mcfg, recurrent=rec,
             logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
@@ -97,7 +100,7 @@ class ModelRunner:
                num_logprobs: int = 0) -> None:
         """Compile every token bucket for one sampling mode with empty steps (nothing written)."""
         variants = [(t, False) for t in self.config.token_buckets]
-        if self.decode_impl != self.config.attn_impl:  # decode-only steps compile their own kernel
+        if self.decode_impl != self.config.attn_impl or self.decode_options:  # own decode kernel
             top = self.config.token_bucket(self.config.num_seats)
             variants += [(t, True) for t in self.config.token_buckets if t <= top]
         for t, decode_only in variants:
@@ -197,7 +200,8 @@ class ModelRunner:
         np.take(self.h_tables, seats, axis=0, out=v["block_tables"][:n_seq])
         np.take(self.h_pos_start, seats, axis=0, out=v["block_pos_start"][:n_seq])
         np.take(self.h_valid, seats, axis=0, out=v["block_num_valid"][:n_seq])
-        decode_only = d == n_seq and self.decode_impl != cfg.attn_impl
+        decode_only = d == n_seq and (self.decode_impl != cfg.attn_impl
+                                      or bool(self.decode_options))
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only)
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
@@ -260,6 +264,14 @@ def _decode_impl(config) -> str | None:
     if config.attn_impl is None and jax.default_backend() == "gpu":
         return "triton_decode"
     return config.attn_impl
+
+
+def _decode_options(config) -> dict:
+    """kernel_options of decode-only steps; table RoPE variants get max_position = max_model_len."""
+    options = dict(config.decode_attn_options or {})
+    if str(options.get("rope", "")).startswith("table"):
+        options.setdefault("max_position", config.max_model_len)
+    return options
 
 
 def _pack(out, num_logprobs):

@@ -62,3 +62,30 @@ def test_triton_kv_write_matches_xla_write(monkeypatch, fresh_rng):
         np.testing.assert_allclose(lp_got, lp_want, atol=1e-5)
     with pytest.raises(ValueError, match="Config.write_kv_impl"):
         LLM("tiny_llama", write_kv_impl="cuda")
+
+
+def test_decode_rope_table_option_matches_xla(monkeypatch, fresh_rng):
+    """The table RoPE variant of the decode kernel, selected through Config.decode_attn_options."""
+    seen = []
+    kernel = attention_api.decode_paged_attention_triton
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("rope"))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention_api, "decode_paged_attention_triton", spy)
+    prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (7, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1)
+    expected = LLM("tiny_llama", max_num_seqs=2, attn_impl="xla").generate(
+        prompts, params, use_tqdm=False)
+    llm = LLM("tiny_llama", max_num_seqs=2, attn_impl="xla", decode_attn_impl="triton_decode",
+              decode_attn_options={"rope": "table"})
+    assert llm.llm_engine.runner.decode_options == {"rope": "table",
+                                                    "max_position": llm.config.max_model_len}
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert seen and set(seen) == {"table"}, seen
+    for want, out in zip(expected, got):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        lp_want = [d[t].logprob for d, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+        lp_got = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        np.testing.assert_allclose(lp_got, lp_want, atol=1e-4)

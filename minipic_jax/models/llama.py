@@ -220,7 +220,7 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, max_num_seqs: i
 
 
 def _attention_block(x, lp: LayerParams, k_pages, v_pages, metadata, cfg, inv, kv_mode, attn_impl,
-                     write_impl=None):
+                     write_impl=None, attn_options=None):
     scaling = rope.attention_scaling(cfg)
     h = layers.rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)  # [T, E]
     q = jnp.einsum("te,ehd->thd", h, lp.wq)  # [T, H, D]
@@ -231,13 +231,15 @@ def _attention_block(x, lp: LayerParams, k_pages, v_pages, metadata, cfg, inv, k
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping,
                                 implementation=write_impl)
     attn = paged_attention(q, k_pages, v_pages, metadata, inv, kv_mode=kv_mode,
-                           attention_scaling=scaling, implementation=attn_impl)  # [T, H, D]
+                           attention_scaling=scaling, implementation=attn_impl,
+                           kernel_options=attn_options)  # [T, H, D]
     return x + jnp.einsum("thd,hde->te", attn, lp.wo), k_pages, v_pages
 
 
 def forward(params: LlamaParams, tokens, metadata, cache: KVCache, cfg: ModelConfig, *,
             recurrent=None, logits_indices=None, kv_mode: str = "position_free",
-            attn_impl: str | None = None, write_impl: str | None = None):
+            attn_impl: str | None = None, write_impl: str | None = None,
+            attn_options: dict | None = None):
     """One ragged step: writes this step's K/V into the cache and returns logits.
 
     Args:
@@ -251,6 +253,7 @@ def forward(params: LlamaParams, tokens, metadata, cache: KVCache, cfg: ModelCon
       kv_mode: "position_free" (keys stored unrotated) or "rotated".
       attn_impl: paged_attention implementation (None = best available).
       write_impl: write_kv implementation (None = best available).
+      attn_options: paged_attention kernel_options (e.g. {"rope": "table", "max_position": n}).
     Returns:
       (logits [N, V] float32, updated KVCache).
     """
@@ -264,7 +267,7 @@ def forward(params: LlamaParams, tokens, metadata, cache: KVCache, cfg: ModelCon
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 x, kp, vp = _attention_block(x, lp, cache.k[i], cache.v[i], metadata, cfg, inv,
-                                             kv_mode, attn_impl, write_impl)
+                                             kv_mode, attn_impl, write_impl, attn_options)
             with jax.named_scope("mlp"):
                 h = layers.rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
                 x = x + layers.swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down)
