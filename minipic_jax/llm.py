@@ -23,7 +23,8 @@ class LLM:
         max_num_batched_tokens, max_model_len, block_size, num_kv_blocks, enable_prefix_caching,
         kv_mode ("position_free" | "rotated" | "pic_off"), scheduling_policy ("fcfs" | "barrier" |
         "isps"), cpu_offload_gb, pad_token_id / ssep_token_id / pdep_token_id (defaults: Llama-3
-        vocab -> 128004 / 128002 / 128003; any other vocab V -> V-1 / V-2 / V-3), hash_algo.
+        vocab -> 128004 / 128002 / 128003; any other vocab: its three highest non-BOS/EOS ids),
+        hash_algo.
     """
 
     def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0, **engine_args: Any):

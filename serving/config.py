@@ -120,10 +120,14 @@ class Config:
         return min(token_bucket, self.num_seats)
 
 
-def default_marker_ids(vocab_size: int) -> dict[str, int]:
+def default_marker_ids(vocab_size: int, reserved=()) -> dict[str, int]:
     """Family defaults: Llama-3 vocab uses reserved specials (pad = <|finetune_right_pad_id|>);
-    any other vocab uses its last three ids (pad V-1, ssep V-2, pdep V-3)."""
+    any other vocab uses its three highest ids that are not in `reserved` (BOS/EOS ids), in the
+    order pad, ssep, pdep."""
     if vocab_size == 128256:
         return {"pad_token_id": 128004, "ssep_token_id": 128002, "pdep_token_id": 128003}
-    return {"pad_token_id": vocab_size - 1, "ssep_token_id": vocab_size - 2,
-            "pdep_token_id": vocab_size - 3}
+    taken = set(reserved)
+    free = [i for i in range(vocab_size - 1, -1, -1) if i not in taken][:3]
+    if len(free) < 3:
+        raise ValueError(f"vocabulary of {vocab_size} ids has no room for pad/ssep/pdep markers")
+    return dict(zip(("pad_token_id", "ssep_token_id", "pdep_token_id"), free))

@@ -42,8 +42,11 @@ class LLMEngine:
         self.hybrid = bool(getattr(loaded.family, "IS_HYBRID", False))
         if self.hybrid and config.scheduling_policy == "isps":
             config.scheduling_policy = "fcfs"
-        self.markers = resolve_markers(config, mcfg.vocab_size)
         self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        reserved = self.eos_ids | {i for i in (mcfg.bos_token_id,
+                                               getattr(self.tokenizer, "bos_token_id", None))
+                                   if i is not None}
+        self.markers = resolve_markers(config, mcfg.vocab_size, reserved)
         num_blocks = config.num_kv_blocks or self._default_num_blocks(mcfg, dtype)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
         self.num_blocks = num_blocks
@@ -291,9 +294,10 @@ class LLMEngine:
         return self.stats.summary(self)
 
 
-def resolve_markers(config: Config, vocab_size: int) -> dict[str, int]:
-    """Family defaults filled in, then checked: distinct, inside the vocabulary."""
-    ids = default_marker_ids(vocab_size)
+def resolve_markers(config: Config, vocab_size: int, reserved=()) -> dict[str, int]:
+    """Family defaults (avoiding the `reserved` BOS/EOS ids) filled in, then checked: distinct,
+    inside the vocabulary."""
+    ids = default_marker_ids(vocab_size, reserved)
     for k in ids:
         if getattr(config, k) is not None:
             ids[k] = getattr(config, k)

@@ -153,3 +153,12 @@ def test_abort_frees_blocks_and_others_finish(llm):
         outs += eng.step()
     assert [o.request_id for o in outs] == ["keep"] and len(outs[0].outputs[0].token_ids) == 6
     assert eng.bm.num_used == 0 and not any(eng.bm.ref)
+
+
+def test_default_marker_ids_avoid_bos_and_eos():
+    """A 260-id vocabulary whose EOS is 257 and BOS 256: markers take the highest other ids."""
+    from pathlib import Path
+    llm = LLM(str(Path(__file__).parent / "fixtures" / "llama_mha"))
+    markers = llm.llm_engine.markers
+    assert markers == {"pad_token_id": 259, "ssep_token_id": 258, "pdep_token_id": 255}
+    assert not set(markers.values()) & (llm.llm_engine.eos_ids | {256})
