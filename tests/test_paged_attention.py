@@ -186,7 +186,7 @@ def test_rotation_at_read_equals_classic_path(offset, seed):
             page = tables[s, b]
             pos = starts[s, b] + np.arange(n_valid[s, b])
             k_rot[page, : n_valid[s, b]] = rotate_keys_reference(k_np[page, : n_valid[s, b]], pos,
-                                                                      inv)
+                                                                      np.asarray(inv))
     k_rot = jnp.asarray(k_rot, jnp.float32)
     opts = dict(implementation="triton", interpret=INTERPRET, kernel_options={"block_k": 16})
     free = paged_attention(q, k, v, md, inv, kv_mode="position_free", **opts)
