@@ -87,11 +87,11 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             ids, text = self.to_token_ids(p, i)
             rid = str(self._next_id + i)
-            engine.validate(rid, ids, sp, label=f"request {i}")
-            reqs.append((rid, ids, text, sp))
+            layout = engine.validate(rid, ids, sp, label=f"request {i}")
+            reqs.append((rid, ids, text, sp, layout))
         self._next_id += len(prompts)
-        for rid, ids, text, sp in reqs:
-            engine.add_request(rid, ids, sp, cache_salt=cache_salt, prompt=text)
+        for rid, ids, text, sp, layout in reqs:
+            engine._enqueue(rid, ids, sp, layout, cache_salt=cache_salt, prompt=text)
         order = {rid: i for i, (rid, *_rest) in enumerate(reqs)}
         results: list = [None] * len(reqs)
         bar = None

@@ -148,6 +148,12 @@ class LLMEngine:
                     prompt: str | None = None) -> None:
         """Queue one request (validated first; a bad one raises and changes nothing)."""
         layout = self.validate(request_id, prompt_token_ids, sampling_params)
+        self._enqueue(request_id, prompt_token_ids, sampling_params, layout,
+                      cache_salt=cache_salt, arrival_time=arrival_time, prompt=prompt)
+
+    def _enqueue(self, request_id, prompt_token_ids, sampling_params, layout, *,
+                 cache_salt=None, arrival_time=None, prompt=None) -> None:
+        """Queue a request that `validate` accepted, with the layout it returned."""
         seed = sampling_params.seed
         if seed is None:
             seed = hash((self.seed, next(self._counter))) & 0x7FFFFFFF

@@ -66,6 +66,8 @@ class ModelRunner:
                                               "decode_only"))
         self.decode_impl = _decode_impl(config)
         self.decode_options = _decode_options(config)
+        # decode-only steps compile their own variant only when it differs from the general one
+        self.separate_decode = self.decode_impl != config.attn_impl or bool(self.decode_options)
 
     @property
     def num_compiles(self) -> int:
@@ -100,7 +102,7 @@ class ModelRunner:
                num_logprobs: int = 0) -> None:
         """Compile every token bucket for one sampling mode with empty steps (nothing written)."""
         variants = [(t, False) for t in self.config.token_buckets]
-        if self.decode_impl != self.config.attn_impl or self.decode_options:  # own decode kernel
+        if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
             variants += [(t, True) for t in self.config.token_buckets if t <= top]
         for t, decode_only in variants:
@@ -200,8 +202,7 @@ class ModelRunner:
         np.take(self.h_tables, seats, axis=0, out=v["block_tables"][:n_seq])
         np.take(self.h_pos_start, seats, axis=0, out=v["block_pos_start"][:n_seq])
         np.take(self.h_valid, seats, axis=0, out=v["block_num_valid"][:n_seq])
-        decode_only = d == n_seq and (self.decode_impl != cfg.attn_impl
-                                      or bool(self.decode_options))
+        decode_only = d == n_seq and self.separate_decode
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only)
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone

@@ -17,6 +17,15 @@ REPO = FIXTURES.parents[1]
 LLAMA_FIXTURES = ("llama_mha", "llama_gqa2_llama3rope", "llama_gqa4_tied_hd16", "mistral_gqa4")
 
 
+def make_tiny_llm(**overrides):
+    """The engine tests' `LLM`: the tiny_llama preset on a small pool (block size 16)."""
+    from minipic_jax import LLM
+    args = dict(dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
+                max_model_len=256, block_size=16, num_kv_blocks=128)
+    args.update(overrides)
+    return LLM("tiny_llama", **args)
+
+
 def hf_reference(folder: pathlib.Path) -> dict:
     """A fixture's reference.npz as {prompts, greedy, logits: lists per prompt, inv_freq}."""
     ref = np.load(folder / "reference.npz")

@@ -5,17 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipic_jax import LLM, Prompt, SamplingParams, Span, build_prompt
+from conftest import make_tiny_llm as make_llm
+from minipic_jax import Prompt, SamplingParams, Span, build_prompt
 
 B = 16
 SP = SamplingParams(temperature=0.0, max_tokens=3)
-
-
-def make_llm(**kw):
-    args = dict(dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
-                max_model_len=256, block_size=B, num_kv_blocks=128)
-    args.update(kw)
-    return LLM("tiny_llama", **args)
 
 
 @pytest.fixture(scope="module")

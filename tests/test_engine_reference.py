@@ -12,17 +12,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dense_reference import check_against_reference
-from minipic_jax import LLM, Prompt, SamplingParams, Span, build_prompt
+from conftest import make_tiny_llm
+from minipic_jax import Prompt, SamplingParams, Span, build_prompt
 
 B = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1)
 
 
 def make_llm(**kw):
-    args = dict(dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
-                max_model_len=256, block_size=B, num_kv_blocks=96)
-    args.update(kw)
-    return LLM("tiny_llama", **args)
+    return make_tiny_llm(**{"num_kv_blocks": 96, **kw})
 
 
 @pytest.fixture(scope="module")
