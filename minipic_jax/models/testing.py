@@ -31,15 +31,16 @@ class SimplePager:
         self.pages: list[list[int]] = [[] for _ in range(num_seqs)]
         self.lengths = [0] * num_seqs
 
-    def step(self, new_counts: list[int]):
-        """Metadata for appending new_counts[s] tokens to each sequence s (0 = idle this step).
+    def step(self, new_counts: list[int], min_tokens: int = 0):
+        """Metadata for appending new_counts[s] tokens to each sequence s (0 = idle this step),
+        padded to the token bucket of max(total, min_tokens).
 
         Returns (metadata, logits_indices [T_pad] int32 (row of each sequence's last new token,
         then padding), num_real_rows).
         """
         seqs = len(self.pages)
         total = sum(new_counts)
-        t_pad = _bucket(total)
+        t_pad = _bucket(max(total, min_tokens))
         q_pos = np.zeros(t_pad, np.int32)
         q_seq = np.zeros(t_pad, np.int32)
         slots = np.full(t_pad, -1, np.int32)
