@@ -1,0 +1,377 @@
+"""Ragged prefill attention in Pallas Mosaic GPU (Hopper: TMA, wgmma, warp specialisation).
+
+Two steps behind `api.paged_attention(implementation="mosaic_prefill")`:
+
+1. Pre-pass (XLA, one fusion): each sequence's keys and values are gathered through its block table
+   into contiguous buffers [S, K, N, D] (N = table entries x page size, padded to BLOCK_KV), keys
+   rotated by their logical position in position_free mode (float32 math), pad slots zeroed, and a
+   key-position row [S, N] written next to them (pads and unused entries get a sentinel position
+   that no query can see). Both kv modes share the kernel; RoPE-at-read costs only the rotation here.
+   Queries come rotated, are scaled by sm_scale * log2(e) (the kernel's softmax runs in base 2) and
+   padded by one tile of rows.
+2. Kernel: one CTA per (query head, tile of 128 query tokens of one sequence), three warpgroups.
+   Two compute warpgroups own 64 query rows each; the third streams K, V and key positions of the
+   tile's live key steps by TMA into a 2-stage ring (full / free barriers), FA3 style. The two
+   compute warpgroups take turns on the tensor cores (a schedule barrier): QK^T and PV by wgmma,
+   online softmax in float32 registers. The key steps [lo, hi) of a tile are those with a key that
+   some query of the tile may see (causal end, window start); steps in [mlo, mhi) need no mask
+   (every key valid and visible to every row), the others mask with the key positions (loaded as a
+   column vector) against each row's position and window start. All ranges are computed on device
+   from the metadata, so the whole op is jittable.
+
+Output rows: a warpgroup whose 64 rows all belong to its sequence stores them by TMA straight into
+[T, H, D]; the partial tail of a sequence goes to a side buffer [S, H, 128, D] and is scattered into
+place after the kernel (a TMA box cannot stop at a sequence end).
+
+Limits (mosaic_prefill_limits): bf16/f16, head_dim 64 or 128 (SMEM), H a multiple of K.
+Interpret mode (CPU, Mosaic GPU interpreter) routes P through SMEM for the PV wgmma (the
+interpreter supports only SMEM operands); compiled, P stays in registers (wgmma's A operand).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_Q = 64  # query rows per compute warpgroup (wgmma M)
+TILE_Q = 2 * BLOCK_Q  # query tokens per CTA
+BLOCK_KV = 128  # keys per step
+STAGES = 2  # K/V ring depth
+_SENTINEL = 1 << 30  # position of pad / unused key slots: after every query
+_SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
+_LOG2E = math.log2(math.e)
+# Columns of the per-tile schedule (int32 [NT, 8]).
+_SEQ, _START, _LO, _MLO, _MHI, _HI = range(6)
+
+
+def smem_bytes(head_dim: int, itemsize: int, interpret: bool = False) -> int:
+    """SMEM of one CTA: Q/O tiles, the K and V ring, positions, (P tiles when interpreted)."""
+    q = 2 * BLOCK_Q * head_dim * itemsize
+    kv = 2 * STAGES * BLOCK_KV * head_dim * itemsize
+    pos = STAGES * BLOCK_KV * 4 + 2 * 2 * BLOCK_Q * 4
+    p = 2 * BLOCK_Q * BLOCK_KV * itemsize if interpret else 0
+    return q + kv + pos + p + 1024
+
+
+def mosaic_prefill_limits(q, k_pages) -> str:
+    """Why this kernel cannot take these shapes ('' when it can)."""
+    head_dim = q.shape[-1]
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
+        return f"needs bf16/f16 q and pages of the same dtype, got {q.dtype}/{k_pages.dtype}"
+    if head_dim not in (64, 128):
+        return f"needs head_dim 64 or 128, got {head_dim}"
+    need = smem_bytes(head_dim, q.dtype.itemsize)
+    if need > _SMEM_LIMIT:
+        return f"needs {need} bytes of shared memory; the H200 has {_SMEM_LIMIT} per block"
+    return ""
+
+
+def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_scaling: float):
+    """Contiguous per-sequence K/V and key positions (the pre-pass).
+
+    Returns k, v [S, K, N, D] (keys rotated when rotate_keys; pad slots zero) and key_pos [S, N]
+    int32 (_SENTINEL for pad slots and unused entries), N = NB * B rounded up to BLOCK_KV.
+    """
+    seqs, max_blocks = md.block_tables.shape
+    num_pages, page_size, kv_heads, head_dim = k_pages.shape
+    n = max_blocks * page_size
+    n_pad = -(-n // BLOCK_KV) * BLOCK_KV
+    slot = jnp.arange(page_size, dtype=jnp.int32)
+    in_use = jnp.arange(max_blocks)[None, :] < md.num_blocks[:, None]  # [S, NB]
+    valid = (slot[None, None, :] < md.block_num_valid[:, :, None]) & in_use[:, :, None]
+    pos = md.block_pos_start[:, :, None] + slot  # [S, NB, B]
+    tables = jnp.clip(md.block_tables, 0, num_pages - 1)
+    keys = k_pages[tables]  # [S, NB, B, K, D]
+    values = v_pages[tables]
+    half = inv_freq.shape[0]
+    if rotate_keys and half:
+        ang = pos.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [S, NB, B, R/2]
+        cos = (jnp.cos(ang) * attention_scaling)[:, :, :, None, :]
+        sin = (jnp.sin(ang) * attention_scaling)[:, :, :, None, :]
+        x = keys.astype(jnp.float32)
+        lo, hi = x[..., :half], x[..., half:2 * half]
+        keys = jnp.concatenate([lo * cos - hi * sin, hi * cos + lo * sin, x[..., 2 * half:]], -1)
+    ok = valid[..., None, None]
+    keys = jnp.where(ok, keys, 0).astype(k_pages.dtype)  # pads may hold NaN
+    values = jnp.where(ok, values, 0).astype(v_pages.dtype)
+
+    def lay_out(x):  # [S, NB, B, K, D] -> [S, K, N_pad, D]
+        x = jnp.moveaxis(x.reshape(seqs, n, kv_heads, head_dim), 2, 1)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
+
+    key_pos = jnp.where(valid, pos, _SENTINEL).reshape(seqs, n)
+    key_pos = jnp.pad(key_pos, ((0, 0), (0, n_pad - n)), constant_values=_SENTINEL)
+    return lay_out(keys), lay_out(values), key_pos.astype(jnp.int32)
+
+
+def tile_schedule(md, key_pos, num_tokens: int):
+    """int32 [NT, 8]: per tile (seq or -1, first token, lo, mlo, mhi, hi) key steps; see module doc.
+
+    Tiles are TILE_Q tokens of one sequence, NT = ceil(T / TILE_Q) + S (a static bound); heavy
+    tiles (late in their sequence) come first so the causal tail of the grid is short.
+    """
+    seqs = md.cu_q_lens.shape[0] - 1
+    cu = md.cu_q_lens
+    num_tiles = -(-num_tokens // TILE_Q) + seqs
+    q_lens = cu[1:] - cu[:-1]
+    n_tiles = (q_lens + TILE_Q - 1) // TILE_Q
+    last = jnp.cumsum(n_tiles)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.searchsorted(last, tile, side="right").astype(jnp.int32)
+    live_tile = seq < seqs
+    seq = jnp.minimum(seq, seqs - 1)
+    start = cu[seq] + (tile - (last[seq] - n_tiles[seq])) * TILE_Q
+    start = jnp.where(live_tile, start, 0)
+
+    steps = key_pos.shape[1] // BLOCK_KV
+    kp = key_pos.reshape(seqs, steps, BLOCK_KV)
+    ok = kp < _SENTINEL
+    big = jnp.iinfo(jnp.int32).max
+    k_min = jnp.where(ok, kp, big).min(-1)  # [S, St]
+    k_max = jnp.where(ok, kp, -1).max(-1)
+    full = ok.all(-1)
+    rows = start[:, None] + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]  # [NT, TQ]
+    own = (rows < cu[seq + 1][:, None]) & live_tile[:, None]
+    rows = jnp.clip(rows, 0, num_tokens - 1)
+    qp, qw = md.q_positions[rows], md.q_window_start[rows]
+    q_max = jnp.where(own, qp, -1).max(-1)[:, None]
+    q_min = jnp.where(own, qp, big).min(-1)[:, None]
+    w_min = jnp.where(own, qw, big).min(-1)[:, None]
+    w_max = jnp.where(own, qw, -1).max(-1)[:, None]
+    live = (k_min[seq] <= q_max) & (k_max[seq] >= w_min)  # [NT, St]
+    no_mask = full[seq] & (k_max[seq] <= q_min) & (k_min[seq] >= w_max)
+    idx = jnp.arange(steps, dtype=jnp.int32)[None, :]
+    lo = jnp.min(jnp.where(live, idx, steps), axis=1)
+    hi = jnp.maximum(jnp.max(jnp.where(live, idx + 1, 0), axis=1), lo)
+    lo = jnp.where(hi > lo, lo, 0)
+    hi = jnp.where(hi > lo, hi, 0)
+    in_range = (idx >= lo[:, None]) & (idx < hi[:, None])
+    mlo = jnp.min(jnp.where(in_range & no_mask, idx, steps), axis=1)
+    mlo = jnp.minimum(mlo, hi)
+    mhi = jnp.min(jnp.where((idx >= mlo[:, None]) & ~no_mask, idx, steps), axis=1)
+    mhi = jnp.minimum(mhi, hi)
+    sched = jnp.stack([jnp.where(live_tile, seq, -1), start, lo, mlo, mhi, hi,
+                       jnp.zeros_like(lo), jnp.zeros_like(lo)], axis=1).astype(jnp.int32)
+    return sched[::-1]  # heavy (late) tiles first; spare tiles (seq -1) were last
+
+
+def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref, side_ref,
+            q_smem, k_smem, v_smem, kpos_smem, qpos_smem, qwin_smem, p_smem,
+            q_bar, k_bar, v_bar, k_free, v_free, sched_bar, *, group, dtype, interpret):
+    h = lax.axis_index("h")
+    t = lax.axis_index("t")
+    wg = lax.axis_index("wg")
+    seq = sched_ref[t, _SEQ]
+    start = sched_ref[t, _START]
+    lo, mlo, mhi, hi = (sched_ref[t, c] for c in (_LO, _MLO, _MHI, _HI))
+    n_steps = hi - lo
+    head_dim = q_smem.shape[-1]
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(sched_bar)
+        plgpu.barrier_wait(sched_bar)
+
+    @pl.when((seq >= 0) & (wg < 2))
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        row0 = start + wg * BLOCK_Q
+        qo = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BLOCK_Q), h], qo, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(qpos_ref.at[pl.ds(row0, BLOCK_Q)], qpos_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(qwin_ref.at[pl.ds(row0, BLOCK_Q)], qwin_smem.at[wg], q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        q_pos = plgpu.load(qpos_smem.at[wg], layout=row_layout)  # [BQ]
+        q_win = plgpu.load(qwin_smem.at[wg], layout=row_layout)
+
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+
+        @pl.when(n_steps > 0)
+        def _():
+            plgpu.barrier_wait(k_bar.at[0])
+
+        pl.when(wg == 1)(schedule_barrier)  # the two warpgroups alternate from here on
+
+        def step_fn(step, carry, masked):
+            acc, m_i, l_i = carry
+            i = step - lo
+            slot = lax.rem(i, STAGES)
+
+            def compute_qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
+                schedule_barrier()
+                return acc_ref[...]
+
+            s = pl.run_scoped(compute_qk, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+            shape = s.shape
+            if masked:
+                k_pos = plgpu.load(kpos_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                k_pos = lax.broadcast_in_dim(k_pos, shape, [1])
+                mask = ((k_pos <= lax.broadcast_in_dim(q_pos, shape, [0]))
+                        & (k_pos >= lax.broadcast_in_dim(q_win, shape, [0])))
+                s = jnp.where(mask, s, -jnp.inf)
+            plgpu.barrier_arrive(k_free.at[slot])
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            if masked:  # a row may have seen no key yet
+                m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            if not interpret:
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            plgpu.barrier_arrive(sched_bar)  # softmax done
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched_bar)  # tensor cores free
+
+            def wait_next_k():
+                @pl.when(i + 1 < n_steps)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, STAGES)])
+
+            if interpret:  # the interpreter's wgmma takes SMEM operands only
+                p_smem.at[wg][...] = p16
+                plgpu.commit_smem()
+
+                def compute_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                    wait_next_k()
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(compute_pv, plgpu.ACC(acc.shape, jnp.float32))
+            else:
+                def compute_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    wait_next_k()
+
+                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(lo, mlo, functools.partial(step_fn, masked=True), carry)
+        carry = lax.fori_loop(mlo, mhi, functools.partial(step_fn, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(mhi, hi, functools.partial(step_fn, masked=True), carry)
+        pl.when(wg == 0)(schedule_barrier)
+
+        l_i = jnp.where(l_i == 0.0, 1.0, l_i)
+        qo[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        whole = row0 + BLOCK_Q <= sched_ref[t, 6]  # all 64 rows belong to this sequence
+
+        @pl.when(whole)
+        def _():
+            plgpu.copy_smem_to_gmem(qo, o_ref.at[pl.ds(row0, BLOCK_Q), h])
+
+        @pl.when(jnp.logical_not(whole))
+        def _():
+            plgpu.copy_smem_to_gmem(qo, side_ref.at[seq, h, pl.ds(wg * BLOCK_Q, BLOCK_Q)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when((seq >= 0) & (wg == 2))
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(h, jnp.int32(group))
+
+        def issue_k(step, slot):
+            keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
+            plgpu.copy_gmem_to_smem(k_ref.at[seq, kv_head, keys], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(kpos_ref.at[seq, keys], kpos_smem.at[slot], k_bar.at[slot])
+
+        def issue_v(step, slot):
+            keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
+            plgpu.copy_gmem_to_smem(v_ref.at[seq, kv_head, keys], v_smem.at[slot], v_bar.at[slot])
+
+        for j in range(STAGES):
+            @pl.when(j < n_steps)
+            def _():
+                issue_k(lo + j, j)
+                issue_v(lo + j, j)
+
+        def refill(i, _):
+            slot = lax.rem(i, STAGES)
+            plgpu.barrier_wait(k_free.at[slot])
+            issue_k(lo + i + STAGES, slot)
+            plgpu.barrier_wait(v_free.at[slot])
+            issue_v(lo + i + STAGES, slot)
+            return _
+
+        lax.fori_loop(0, jnp.maximum(n_steps - STAGES, 0), refill, None)
+
+
+def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
+                             attention_scaling: float, sm_scale: float, interpret=False):
+    """Ragged causal, window-limited attention for prefill-shaped batches (see module doc).
+
+    q_rot: [T, H, D] queries already rotated by their positions; k_pages, v_pages [P, B, K, D].
+    rotate_keys: keys stored unrotated (position_free), rotated in the pre-pass.
+    interpret: False (compile for the GPU), True (Mosaic GPU interpreter on CPU) or a
+    plgpu.InterpretGPUParams. Returns [T, H, D] in q's dtype; rows of no sequence are garbage.
+    """
+    tokens, heads, head_dim = q_rot.shape
+    kv_heads = k_pages.shape[2]
+    seqs = md.block_tables.shape[0]
+    dtype = q_rot.dtype
+    interp = bool(interpret)
+    k_buf, v_buf, key_pos = gather_kv(k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
+                                      attention_scaling=attention_scaling)
+    sched = tile_schedule(md, key_pos, tokens)
+    seq_end = md.cu_q_lens[jnp.maximum(sched[:, _SEQ], 0) + 1]
+    sched = sched.at[:, 6].set(seq_end)
+    num_tiles = sched.shape[0]
+    # Rows past T (a tile's tail) read zeros / position -1 (sees no key).
+    q_in = jnp.pad((q_rot.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(dtype),
+                   ((0, TILE_Q), (0, 0), (0, 0)))
+    q_pos = jnp.pad(md.q_positions, (0, TILE_Q), constant_values=-1)
+    q_win = jnp.pad(md.q_window_start, (0, TILE_Q))
+
+    sw = plgpu.SwizzleTransform(128)
+    tiled = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), sw)
+    scratch = [
+        plgpu.SMEM((2, BLOCK_Q, head_dim), dtype, transforms=tiled),  # Q, then O
+        plgpu.SMEM((STAGES, BLOCK_KV, head_dim), dtype, transforms=tiled),  # K ring
+        plgpu.SMEM((STAGES, BLOCK_KV, head_dim), dtype, transforms=tiled),  # V ring
+        plgpu.SMEM((STAGES, BLOCK_KV), jnp.int32),  # key positions
+        plgpu.SMEM((2, BLOCK_Q), jnp.int32),  # query positions
+        plgpu.SMEM((2, BLOCK_Q), jnp.int32),  # query window starts
+        plgpu.SMEM((2, BLOCK_Q, BLOCK_KV), dtype, transforms=tiled) if interp else None,  # P
+        plgpu.Barrier(num_arrivals=3, num_barriers=2),  # q_bar: Q + positions + windows
+        plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # k_bar: K + key positions
+        plgpu.Barrier(num_barriers=STAGES),  # v_bar
+        plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # k_free (both compute wgs)
+        plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # v_free
+        plgpu.Barrier(num_arrivals=2),  # schedule barrier
+    ]
+    kernel = functools.partial(_kernel, group=heads // kv_heads, dtype=dtype, interpret=interp)
+    call = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((tokens, heads, head_dim), dtype),
+                  jax.ShapeDtypeStruct((seqs, heads, TILE_Q, head_dim), dtype)),
+        grid=(heads, num_tiles), grid_names=("h", "t"), num_threads=3, thread_name="wg",
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
+    out, side = call(sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win)
+
+    # Scatter each sequence's partial tail (its last tile's warpgroups that were not whole).
+    cu = md.cu_q_lens
+    q_lens = cu[1:] - cu[:-1]
+    last_start = cu[:-1] + jnp.maximum(q_lens - 1, 0) // TILE_Q * TILE_Q  # [S]
+    r = jnp.arange(TILE_Q, dtype=jnp.int32)
+    tok = last_start[:, None] + r[None, :]  # [S, TQ]
+    chunk_end = last_start[:, None] + (r[None, :] // BLOCK_Q + 1) * BLOCK_Q
+    take = (tok < cu[1:, None]) & (chunk_end > cu[1:, None])
+    dest = jnp.where(take, tok, tokens).reshape(-1)
+    rows = jnp.moveaxis(side, 1, 2).reshape(seqs * TILE_Q, heads, head_dim)
+    return out.at[dest].set(rows, mode="drop")
