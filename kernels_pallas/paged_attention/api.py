@@ -20,13 +20,15 @@ import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic, mosaic_limits
+from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
+                                                           prefill_attention_mosaic)
 from kernels_pallas.paged_attention.triton_decode import decode_paged_attention_triton
 from kernels_pallas.paged_attention.triton_ragged import ragged_paged_attention_triton
 from kernels_pallas.paged_attention.triton_write import write_kv_triton
 from kernels_pallas.rope import apply_rope
 
 KV_MODES = ("position_free", "rotated")
-IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "mosaic")
+IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "mosaic", "mosaic_prefill")
 
 
 WRITE_IMPLEMENTATIONS = ("xla", "triton")
@@ -93,8 +95,11 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         XLA; for steps known to be decode-only pass "triton_decode": 1.3-1.5x faster there),
         "xla", "triton" (Pallas, Triton lowering; ragged prefill + decode), "triton_decode"
         (decode-only: at most one query per sequence; cos/sin once per key for several kv
-        heads, split-K), or "mosaic" (Pallas Mosaic GPU, decode-only, experimental). The
-        Pallas ones run on CPU in interpret mode (forced there when named explicitly).
+        heads, split-K), "mosaic" (Pallas Mosaic GPU, decode-only, experimental) or
+        "mosaic_prefill" (Pallas Mosaic GPU flash attention for prefill-shaped batches: keys
+        gathered (and rotated, position_free) once per sequence, then TMA + wgmma, warp
+        specialised; mosaic_prefill.py). The Pallas ones run on CPU in interpret mode (forced
+        there when named explicitly).
       interpret: run Pallas kernels in interpret mode (CPU).
       kernel_options: optional dict of options for the Pallas kernel: triton (block_q,
         block_k, kv_group, prerotate, num_warps, num_stages), triton_decode (kv_group, splits,
@@ -150,6 +155,14 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
             q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
             attention_scaling=attention_scaling, sm_scale=sm_scale, pages_per_step=pps,
             interpret=interpret)
+    if implementation == "mosaic_prefill":
+        problem = mosaic_prefill_limits(q, k_pages)
+        if problem:
+            raise ValueError(f"paged_attention: implementation='mosaic_prefill' {problem}")
+        q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
+        return prefill_attention_mosaic(
+            q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
+            attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret)
     raise ValueError(f"paged_attention: unknown implementation {implementation!r}")
 
 
