@@ -52,7 +52,13 @@ def root_hash(hash_fn, cache_salt: str | None) -> int:
 
 def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int,
                memo: dict | None = None) -> list[int]:
-    """Hash of every full block of `tokens`.
+    """Hash of every full block of `tokens` (see `block_keys_and_tail`)."""
+    return block_keys_and_tail(hash_fn, tokens, block_size, span_block, span_start, h0, memo)[0]
+
+
+def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start, h0: int,
+                        memo: dict | None = None) -> tuple[list[int], tuple[int, int]]:
+    """Hash of every full block of `tokens`, and the chains' tail (prefix, span) after them.
 
     Args:
       tokens: prompt token ids (pads and markers included).
@@ -62,7 +68,8 @@ def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int
       memo: optional dict reused across calls: a span's chain depends only on (h0, its tokens),
         so a span seen before (the common case for position-free reuse) is not hashed again.
     Returns:
-      one int per full block (a partial last block gets none).
+      one int per full block (a partial last block gets none), and (prefix, span): the two
+      chains after the last full block, from which `next_block_key` continues.
     """
     n = len(tokens) // block_size
     raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
@@ -96,4 +103,18 @@ def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int
         for i in range(j + 1, end):
             prefix = hash_fn(prefix, blocks[i], b"P")
         j = end
-    return keys
+    return keys, (prefix, span)
+
+
+def next_block_key(hash_fn, tail: tuple[int, int], tokens, in_span: bool, starts_span: bool,
+                   h0: int) -> tuple[int, tuple[int, int]]:
+    """Key of the block after `tail` (as `block_keys` would give it) and the new tail.
+
+    Used for blocks completed during generation: they extend the prompt's last segment, so a later
+    prompt that repeats prompt + output finds them, and a preempted request finds its own."""
+    prefix, span = tail
+    prefix = hash_fn(prefix, tokens, b"P")
+    if not in_span:
+        return prefix, (prefix, span)
+    span = hash_fn(h0 if starts_span else span, tokens, b"S")
+    return span, (prefix, span)

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from serving.hashing import block_keys
+from serving.hashing import block_keys_and_tail, next_block_key
 from serving.layout import build_layout
 from serving.sequence import Sequence, Status
 
@@ -76,28 +76,51 @@ class Scheduler:
                 lay = seq.layout
                 if len(self.span_memo) > 65536:  # bound the memo (it only saves hashing)
                     self.span_memo.clear()
-                seq.block_hashes = block_keys(self.hash_fn, seq.prompt_token_ids,
-                                              self.cfg.block_size, lay.span_block, lay.span_start,
-                                              self.root_hash_fn(seq.cache_salt), self.span_memo)
+                seq.block_hashes, seq.chain_tail = block_keys_and_tail(
+                    self.hash_fn, seq.prompt_token_ids, self.cfg.block_size, lay.span_block,
+                    lay.span_start, self.root_hash_fn(seq.cache_salt), self.span_memo)
         return seq.block_hashes
 
     def _hit_limit(self, seq: Sequence) -> int:
-        """Blocks [0, limit) may be cache hits: full prompt blocks before the one holding the last
-        valid prompt token (at least one token is computed to produce logits)."""
-        last_blk = seq.layout.last_valid_index // self.cfg.block_size
-        return min(len(self._hashes(seq)), last_blk)
+        """Blocks [0, limit) may be cache hits: full blocks with a key before the one holding the
+        last token to compute (the last valid prompt token, or for a preempted request its last
+        generated token: at least one token is computed to produce logits)."""
+        last = len(seq) - 1 if seq.num_output_tokens else seq.layout.last_valid_index
+        return min(len(self._hashes(seq)), last // self.cfg.block_size)
 
     @staticmethod
     def _prompt_bytes(seq: Sequence) -> bytes:
+        """The sequence's tokens as int64 bytes: the prompt's, plus the generated ones once a
+        preempted request comes back (its generated blocks can be hits too)."""
         raw = getattr(seq, "_raw_prompt", None)
-        if raw is None:
-            raw = seq._raw_prompt = np.asarray(seq.prompt_token_ids, np.int64).tobytes()
+        if raw is None or len(raw) != 8 * len(seq.token_ids):
+            raw = seq._raw_prompt = np.asarray(seq.token_ids, np.int64).tobytes()
         return raw
 
     def _confirm(self, seq: Sequence, j: int) -> bytes:
-        """Block j's prompt tokens (int64 bytes), kept with a cached block to confirm hits."""
+        """Block j's tokens (int64 bytes), kept with a cached block to confirm hits."""
         step = 8 * self.cfg.block_size
         return self._prompt_bytes(seq)[j * step:(j + 1) * step]
+
+    def _publish_generated(self, seq: Sequence, j: int, b: int) -> None:
+        """Register block j, completed during generation (the prompt's partial last block filled
+        by output tokens, or a block of output tokens), under the key a prompt repeating these
+        tokens would give it. A block that starts with a generated marker id stops this: such a
+        prompt would be laid out differently from here on."""
+        bs, lay = self.cfg.block_size, seq.layout
+        first = seq.token_ids[j * bs]
+        if j * bs >= seq.num_prompt_tokens and first in self.markers.values():
+            seq.chain_tail = None
+            return
+        if j < len(lay.span_block):  # the prompt's partial last block
+            in_span, starts = bool(lay.span_block[j]), bool(lay.span_start[j])
+        else:
+            in_span, starts = bool(lay.span_block[-1]) if len(lay.span_block) else False, False
+        tokens = seq.token_ids[j * bs:(j + 1) * bs]
+        h, seq.chain_tail = next_block_key(self.hash_fn, seq.chain_tail, tokens, in_span, starts,
+                                           self.root_hash_fn(seq.cache_salt))
+        seq.block_hashes.append(h)
+        self.bm.register(b, h, np.asarray(tokens, np.int64).tobytes(), seq.seq_id, ready=True)
 
     def _try_allocate(self, seq: Sequence, seats: list[int]) -> bool:
         if not seats:
@@ -380,8 +403,12 @@ class Scheduler:
             j = seq.ready_ptr
             while (j + 1) * bs <= seq.num_computed and j < len(seq.block_table):
                 b = seq.block_table[j]
-                if j in seq.owned and bm.is_pending(b) and bm.owner[b] == seq.seq_id:
-                    bm.mark_ready(b)
+                if j in seq.owned:
+                    if bm.is_pending(b) and bm.owner[b] == seq.seq_id:
+                        bm.mark_ready(b)
+                    elif (self.caching and j == len(seq.block_hashes) and bm.hash[b] == -1
+                          and seq.chain_tail is not None and not seq.is_span_job):
+                        self._publish_generated(seq, j, b)
                 j += 1
             seq.ready_ptr = j
             if seq.is_span_job and seq.num_computed >= len(seq):

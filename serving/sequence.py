@@ -40,7 +40,8 @@ class Sequence:
         self.is_span_job = is_span_job
         self.status = Status.WAITING
         self.block_table: list[int] = []
-        self.block_hashes: list[int] | None = None  # full prompt blocks, computed once
+        self.block_hashes: list[int] | None = None  # full prompt blocks, then generated ones
+        self.chain_tail: tuple[int, int] | None = None  # hash chains after the last key
         self.num_computed = 0
         self.num_cached_tokens = 0  # prompt tokens served from the cache (first admission)
         self.owned: set[int] = set()  # blocks this sequence computes (and publishes)

@@ -104,3 +104,30 @@ def test_barrier_computes_all_spans_before_any_final_prompt(fresh_rng):
     last_span = max(i for i, _, span in log if span)
     first_final = min(i for i, final, _ in log if final)
     assert last_span < first_final, log
+
+
+@pytest.mark.parametrize("structured", [False, True])
+def test_generated_blocks_are_hits_for_a_prompt_that_repeats_them(llm, fresh_rng, structured):
+    """Blocks filled during generation are published under the key a prompt repeating prompt +
+    output gives them (prefix chain, or the span chain when the prompt ends in a span), and the
+    continuation computed from those hits equals one computed with caching off."""
+    if structured:
+        segs = [Prompt(toks(fresh_rng, 5)), Span(toks(fresh_rng, int(fresh_rng.integers(20, 40)))),
+                Prompt(toks(fresh_rng, int(fresh_rng.integers(3, 12))))]
+        if fresh_rng.integers(2):
+            segs = segs[:2]  # the prompt ends inside a span: output extends the span
+        first = ids(llm, segs)
+    else:
+        first = toks(fresh_rng, int(fresh_rng.integers(10, 40)))
+    gen = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    out = llm.generate([first], gen, use_tqdm=False)[0].outputs[0].token_ids
+    keep = int(fresh_rng.integers(33, 47))
+    second = first + list(out[:keep]) + toks(fresh_rng, 3)
+    got = llm.generate([second], SP, use_tqdm=False)[0]
+    computed = len(first) + len(out) - 1  # the last sampled token is never fed back
+    reusable = min(computed, len(first) + keep, len(second) - 1) // B * B
+    assert reusable > len(first) // B * B  # at least one block holds generated tokens
+    assert got.num_cached_tokens == reusable
+    fresh = make_llm(enable_prefix_caching=False).generate([second], SP, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert got.outputs[0].token_ids == fresh.outputs[0].token_ids
