@@ -45,10 +45,15 @@ def add_parser(p: argparse.ArgumentParser):
                    help="also time the decode-only Triton kernel (triton_decode) configs")
     p.add_argument("--decode-rope", nargs="+", default=list(DECODE_ROPE), choices=DECODE_ROPE,
                    help="triton_decode RoPE-at-read variants (kernel option rope) to time")
+    p.add_argument("--decode-variants", nargs="+", default=None, metavar="MODE[+OPT]",
+                   help="triton_decode variants instead of rotated + --decode-rope: 'rotated' or a "
+                        "rope variant, each optionally +prefetch / +packed (kernel options)")
     p.add_argument("--decode-configs", nargs="+", default=None, metavar="KVG,SPLITS,BK,W,S",
                    help="triton_decode configs (default: DECODE_KERNEL_SWEEP; splits 0 = auto)")
     p.add_argument("--decode-kernel-only", action="store_true",
                    help="decode: time only the copy anchor and the triton_decode sweep")
+    p.add_argument("--prefill-impl", default="triton", choices=["triton", "mosaic_prefill", "both"],
+                   help="prefill kernels of ours to time (mosaic_prefill: with its pre-pass alone)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--json", type=str, default=None, help="write all rows to this file")
@@ -208,16 +213,19 @@ def run(args) -> int:
                 opts = dict(kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns,
                             **({"splits": splits} if splits else {}))
                 tag = f"kvg{kvg} sp{splits or 'auto'} bk{bk} w{nw}"
-                for mode, rope in [("rotated", "trig")] + [("position_free", r)
-                                                         for r in args.decode_rope]:
-                    o = dict(opts, rope=rope, max_position=ctx)  # positions here are < ctx
+                for variant in args.decode_variants or ["rotated"] + args.decode_rope:
+                    rope, *flags = variant.split("+")
+                    mode = "rotated" if rope == "rotated" else "position_free"
+                    o = dict(opts, rope="trig" if mode == "rotated" else rope,
+                             max_position=ctx, **{f: True for f in flags})  # positions < ctx
                     fn = jax.jit(lambda q, k, v, md, mode=mode, o=o: paged_attention(
                         q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
                         kernel_options=o, interpret=args.interpret))
-                    name = f"ours decode {mode}{'' if mode == 'rotated' else ' ' + rope} {tag}"
+                    label = variant if variant.startswith("rotated") else f"{mode} {variant}"
+                    name = f"ours decode {label} {tag}"
                     t = _safe(rows, case, name, fn, q, k, v, md, work=kv_bytes, unit="tbps", **it)
                     if t:
-                        rope_table[(tag, mode if mode == "rotated" else rope, ctx)] = kv_bytes / t
+                        rope_table[(tag, variant, ctx)] = kv_bytes / t
         if args.decode_kernel_only:
             continue
         t_rot = _safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
@@ -283,13 +291,27 @@ def run(args) -> int:
         q, k, v, md = _prefill_inputs(rng, seqs, new, cached, H, K, D, B, dtype)
         pairs = seqs * sum(cached + i + 1 for i in range(new))
         flops = 4.0 * H * D * pairs
-        t_rot = _safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
-                      work=flops, unit="tflops", **it)
-        t_free = _safe(rows, case, "ours triton position_free", ours("position_free"), q, k, v,
-                       md, work=flops, unit="tflops", **it)
-        if t_rot and t_free:
-            print(f"  {case:<16} RoPE-at-read overhead {100 * (t_free / t_rot - 1):+.1f}%")
-            rows.append(dict(case=case, overhead_pct=100 * (t_free / t_rot - 1)))
+        impls = ["triton", "mosaic_prefill"] if args.prefill_impl == "both" else [args.prefill_impl]
+        for impl in impls:
+            t = {}
+            for mode in ("rotated", "position_free"):
+                fn = ours(mode) if impl == "triton" else jax.jit(
+                    lambda q, k, v, md, mode=mode: paged_attention(
+                        q, k, v, md, inv, kv_mode=mode, implementation=impl,
+                        interpret=args.interpret))
+                t[mode] = _safe(rows, case, f"ours {impl} {mode}", fn, q, k, v, md, work=flops,
+                                unit="tflops", **it)
+            if t["rotated"] and t["position_free"]:
+                over = 100 * (t["position_free"] / t["rotated"] - 1)
+                print(f"  {case:<16} {impl} RoPE-at-read overhead {over:+.1f}%")
+                rows.append(dict(case=case, impl=impl, overhead_pct=over))
+            if impl == "mosaic_prefill":  # its gather(+rotate) pre-pass alone (in the time above)
+                from kernels_pallas.paged_attention.mosaic_prefill import gather_kv
+                for mode in ("rotated", "position_free"):
+                    pre = jax.jit(lambda k, v, md, mode=mode: gather_kv(
+                        k, v, md, inv, rotate_keys=mode == "position_free", attention_scaling=1.0))
+                    _safe(rows, case, f"pre-pass alone {mode} (ms)", pre, k, v, md, work=flops,
+                          unit="tflops", **it)
         if args.sweep == "all":
             for bq, bk, nw, ns in PREFILL_SWEEP:
                 for mode in ("rotated", "position_free"):
@@ -348,23 +370,29 @@ def run(args) -> int:
 
 
 def _print_rope_table(table, contexts):
-    """triton_decode: TB/s rotated vs each RoPE-at-read variant, overhead in time vs rotated."""
+    """triton_decode: TB/s rotated vs each RoPE-at-read variant; overhead in time vs rotated
+    mode of the same config, and vs the best rotated config of the run ("best")."""
     if not table:
         return
-    print("\ntriton_decode RoPE-at-read variants (TB/s; overhead = time vs rotated, same config):")
-    head = "".join(f" | ctx{c} TB/s  overhead" for c in contexts)
-    print(f"  {'config':<24} {'rope':<11}{head}")
+    print("\ntriton_decode RoPE-at-read variants (TB/s; overhead = time vs rotated, same config "
+          "/ vs best rotated):")
+    best = {c: max([v for (t, r, cc), v in table.items() if cc == c and r.startswith("rotated")],
+                   default=None) for c in contexts}
+    head = "".join(f" | ctx{c} TB/s  same  best" for c in contexts)
+    print(f"  {'config':<22} {'variant':<28}{head}")
     for tag in dict.fromkeys(t for t, _, _ in table):
         for rope in dict.fromkeys(r for t, r, _ in table if t == tag):
             cells = ""
             for c in contexts:
                 val, rot = table.get((tag, rope, c)), table.get((tag, "rotated", c))
                 if val is None:
-                    cells += f" | {'FAILED':>9} {'':>9}"
+                    cells += f" | {'FAILED':>9} {'':>13}"
                     continue
-                over = f"{100 * (rot / val - 1):+8.1f}%" if rot and rope != "rotated" else " " * 9
+                over = " " * 14
+                if rot and rope != "rotated":
+                    over = f"{100 * (rot / val - 1):+6.1f}%{100 * (best[c] / val - 1):+6.1f}%"
                 cells += f" | {val / 1e12:9.2f} {over}"
-            print(f"  {tag:<24} {rope:<11}{cells}")
+            print(f"  {tag:<22} {rope:<28}{cells}")
 
 
 if __name__ == "__main__":

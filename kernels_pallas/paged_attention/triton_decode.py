@@ -32,7 +32,8 @@ ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16")
 
 def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
             v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *, heads, kv_heads, head_dim, page_size,
-            block_k, kv_group, splits, half, rotate_keys, rope, scaling, fast_trig, cdtype):
+            block_k, kv_group, splits, half, rotate_keys, rope, scaling, fast_trig, cdtype,
+            prefetch, packed):
     group = heads // kv_heads
     pages_per_step = block_k // page_size
     split_rot = rotate_keys and half > 0
@@ -58,6 +59,7 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     hi = jnp.minimum(lo + per_split, n_steps)
     j = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    col_h = lax.broadcasted_iota(jnp.int32, (1, max(half, 1)), 1)
     if split_rot and rope != "table":
         inv = rope_ref[...].astype(jnp.float32)  # [R/2]
     if by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
@@ -82,56 +84,104 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
             q_all = q_all.astype(cdtype)
         return q_lo, q_hi, q_all
 
-    def key_cos_sin(step, k_pos):
-        """cos/sin [N, R/2] turning the keys (trig, table) or [M, R/2] turning the queries back
-        by their row's page start (page); computed once per tile for the kv_group heads."""
-        if rope == "table":
-            idx = jnp.clip(k_pos, 0, rope_ref.shape[0] - 1)  # pads/future keys are masked
-            return (rope_ref[idx, pl.ds(0, half)].astype(jnp.float32),
-                    rope_ref[idx, pl.ds(half, half)].astype(jnp.float32))
-        if by_page:
-            b_r = jnp.minimum(step * pages_per_step + r_p, max_blocks - 1)  # [M]
-            ang = bps_ref[s, b_r].astype(jnp.float32)[:, None] * inv[None, :]
-            return _cos_sin(ang, fast_trig)
-        ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]
-        cos, sin = _cos_sin(ang, fast_trig)
-        if scaling != 1.0:
-            cos, sin = cos * scaling, sin * scaling
-        return cos, sin
-
-    def body(step, carry):
+    def tile_keys(step):
+        """A step's keys: logical position, valid, flat row of kv head 0, block index; [N]."""
         b = step * pages_per_step + j // page_size
         slot = j % page_size
         b_c = jnp.minimum(b, max_blocks - 1)
-        k_pos = bps_ref[s, b_c] + slot  # [N]
+        k_pos = bps_ref[s, b_c] + slot
         k_ok = (b < nb_ref[s]) & (slot < bnv_ref[s, b_c])
         page = jnp.where(k_ok, bt_ref[s, b_c], 0)
+        return k_pos, k_ok, (page * page_size + slot) * kv_heads
+
+    def key_cos_sin(step, k_pos):
+        """cos/sin [N, R/2] turning the keys (trig, table) or [M, R/2] turning the queries back
+        by their row's page start (page); computed once per tile for the kv_group heads.
+        packed: (cos, sin, -sin) in bfloat16 for the bf16x2 rotation."""
+        if rope == "table":
+            idx = jnp.clip(k_pos, 0, rope_ref.shape[0] - 1)  # pads/future keys are masked
+            cos, sin = rope_ref[idx, pl.ds(0, half)], rope_ref[idx, pl.ds(half, half)]
+            if not packed:
+                cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
+        elif by_page:
+            b_r = jnp.minimum(step * pages_per_step + r_p, max_blocks - 1)  # [M]
+            ang = bps_ref[s, b_r].astype(jnp.float32)[:, None] * inv[None, :]
+            return _cos_sin(ang, fast_trig)
+        else:
+            ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]
+            cos, sin = _cos_sin(ang, fast_trig)
+            if scaling != 1.0:
+                cos, sin = cos * scaling, sin * scaling
+        if packed:
+            cos, sin = cos.astype(jnp.bfloat16), sin.astype(jnp.bfloat16)
+            return cos, sin, -sin
+        return cos, sin
+
+    def load_keys(step, live):
+        """Key tiles of a step as stored (halves when rotating) for the kv_group heads, and the
+        step's cos/sin. prefetch: loaded one step ahead (masked by `live`: the look-ahead past
+        the last step moves no bytes) and carried in registers, so their latency overlaps the
+        current step's math instead of stalling it."""
+        k_pos, k_ok, row0 = tile_keys(step)
+        tiles = []
+        for i in range(kv_group):
+            kv_row = row0 + hg * kv_group + i  # [N]
+            if prefetch:
+                ok = (k_ok & live)[:, None]
+                ld = lambda c0, width, cc: pltriton.load(
+                    k_ref.at[kv_row[:, None], c0 + cc], mask=ok & (cc < width), other=0.0)
+                lo_hi = (ld(0, half, col_h), ld(half, half, col_h)) if split_rot else ()
+                full = (ld(0, head_dim, col),) if not split_rot or rot < head_dim else ()
+            else:
+                lo_hi = ((k_ref[kv_row, pl.ds(0, half)], k_ref[kv_row, pl.ds(half, half)])
+                         if split_rot else ())
+                full = (k_ref[kv_row, :],) if not split_rot or rot < head_dim else ()
+            tiles.append(lo_hi + full)
+        cs = key_cos_sin(step, k_pos) if split_rot else ()
+        return tuple(tiles), cs
+
+    def turn_keys(k_lo, k_hi, cs):
+        """Rotated halves of a key tile (f32 math, or bf16x2 FMAs when packed)."""
+        if packed:
+            cos, sin, nsin = cs
+            return (_fma2_bf16(k_lo, cos, k_hi, nsin, fast_trig),
+                    _fma2_bf16(k_hi, cos, k_lo, sin, fast_trig))
+        cos, sin = cs
+        k_lo, k_hi = k_lo.astype(jnp.float32), k_hi.astype(jnp.float32)
+        return k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
+
+    def body(step, carry):
+        state, ahead = carry
+        if prefetch:
+            (tiles, cs), ahead = ahead, load_keys(step + 1, step + 1 < hi)
+        else:
+            tiles, cs = load_keys(step, True)
+        k_pos, k_ok, row0 = tile_keys(step)
         mask = row_ok[:, None] & (k_ok & (k_pos <= q_pos) & (k_pos >= q_win))[None, :]  # [M, N]
         if by_page:
             mask &= r_p[:, None] == (j // page_size)[None, :]
-        if split_rot:
-            cos, sin = key_cos_sin(step, k_pos)
         out = []
         for i in range(kv_group):
             h = hg * kv_group + i
-            acc, m_i, l_i = carry[i]
-            q_lo, q_hi, q_all = load_q(h)
-            kv_row = (page * page_size + slot) * kv_heads + h  # [N]
+            acc, m_i, l_i = state[i]
+            q_lo, q_hi, q_all = qs[i]
+            kv_row = row0 + h  # [N]
             sc = jnp.zeros((rows, block_k), jnp.float32)
             if split_rot:
-                k_lo = k_ref[kv_row, pl.ds(0, half)].astype(kdtype)
-                k_hi = k_ref[kv_row, pl.ds(half, half)].astype(kdtype)
+                k_lo, k_hi = tiles[i][0], tiles[i][1]
                 if by_page:  # q . R(base + slot) k == (R(-base) q) . (R(slot) k)
+                    cos, sin = cs
+                    k_lo, k_hi = k_lo.astype(kdtype), k_hi.astype(kdtype)
                     q_lo, q_hi = q_lo.astype(jnp.float32), q_hi.astype(jnp.float32)
                     q_lo, q_hi = q_lo * cos + q_hi * sin, q_hi * cos - q_lo * sin
                     k_lo, k_hi = (k_lo * cos_slot - k_hi * sin_slot,
                                   k_hi * cos_slot + k_lo * sin_slot)
                 else:
-                    k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
+                    k_lo, k_hi = turn_keys(k_lo, k_hi, cs)
                 sc += _dot_nt(q_lo.astype(cdtype), k_lo.astype(cdtype), precise)
                 sc += _dot_nt(q_hi.astype(cdtype), k_hi.astype(cdtype), precise)
             if q_all is not None:
-                sc += _dot_nt(q_all, k_ref[kv_row, :].astype(cdtype), precise)
+                sc += _dot_nt(q_all, tiles[i][-1].astype(cdtype), precise)
             sc = jnp.where(mask, sc, _NEG_INF)
             m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
             m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
@@ -142,12 +192,14 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                               mask=k_ok[:, None] & (col < head_dim), other=0.0).astype(cdtype)
             acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)
             out.append((acc, m_new, l_i))
-        return tuple(out)
+        return tuple(out), ahead
 
     init = tuple((jnp.zeros((rows, head_dim), jnp.float32),
                   jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
                  for _ in range(kv_group))
-    carry = lax.fori_loop(lo, hi, body, init)
+    qs = [load_q(hg * kv_group + i) for i in range(kv_group)]  # loop-invariant query rows
+    ahead = load_keys(lo, lo < hi) if prefetch else ()
+    carry, _ = lax.fori_loop(lo, hi, body, (init, ahead))
     for i in range(kv_group):
         acc, m_i, l_i = carry[i]
         if q_pages > 1:
@@ -160,6 +212,22 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                        mask=jnp.broadcast_to(store[:, None], acc.shape))
         lse = jnp.where(l_i == 0.0, _NEG_INF, m_i + jnp.log(safe_l))
         pltriton.store(lse_ref.at[o_row], lse, mask=store)
+
+
+def _fma2_bf16(a, c, b, s, fast):
+    """a * c + b * s on bfloat16 tiles, two lanes per instruction (mul.rn.bf16x2 then
+    fma.rn.bf16x2): 2 instructions per 2 rotated elements instead of unpack, 2 float32 FMAs
+    and repack per element. The product b * s is rounded to bf16 before the add. Interpret
+    mode: the same roundings in jnp (bf16 x bf16 is exact in float32)."""
+    if not fast:
+        t = (b.astype(jnp.float32) * s.astype(jnp.float32)).astype(jnp.bfloat16)
+        return (a.astype(jnp.float32) * c.astype(jnp.float32)
+                + t.astype(jnp.float32)).astype(jnp.bfloat16)
+    [out] = pltriton.elementwise_inline_asm(
+        "{ .reg .b32 t; mul.rn.bf16x2 t, $3, $4; fma.rn.bf16x2 $0, $1, $2, t; }",
+        args=[a, c, b, s], constraints="=r,r,r,r,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.bfloat16)])
+    return out
 
 
 def _merge_page_rows(acc, m_i, l_i, r_g, row_ok):
@@ -177,7 +245,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
                                   attention_scaling: float, sm_scale: float, kv_group: int = 2,
                                   splits: int | None = None, block_k: int | None = None,
                                   num_warps: int = 4, num_stages: int = 2, rope: str = "trig",
-                                  max_position: int | None = None, interpret: bool = False):
+                                  max_position: int | None = None, prefetch: bool = False,
+                                  packed: bool = False, interpret: bool = False):
     """Decode-only paged attention (each sequence has at most one query: row cu_q_lens[s]).
 
     q_rot [T, H, D] rotated by its positions; kv_group kv heads per program (cos/sin computed once
@@ -201,6 +270,10 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     """
     if rope not in ROPE_MODES:
         raise ValueError(f"triton_decode: rope must be one of {ROPE_MODES}, got {rope!r}")
+    packed = bool(packed) and rotate_keys and inv_freq.shape[0] > 0
+    if packed and (q_rot.dtype != jnp.bfloat16 or rope.startswith("page")):
+        raise ValueError(f"triton_decode: packed=True (bf16x2 key rotation) needs bfloat16 "
+                         f"inputs and rope trig/table/table_bf16, got {q_rot.dtype} and {rope!r}")
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     seqs = md.block_tables.shape[0]
@@ -228,7 +301,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
         rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling),
-        fast_trig=not interpret, cdtype=cdtype)
+        fast_trig=not interpret, cdtype=cdtype, prefetch=bool(prefetch),
+        packed=packed and (interpret or block_k * half >= 4 * 32 * num_warps))
     # Partial outputs start as NaN (aliased in): a row the kernel fails to write poisons the
     # merged result instead of passing silently. Costs one small fill per call.
     o_init = jnp.full((n_out, head_dim), jnp.nan, jnp.float32)
