@@ -36,6 +36,14 @@ def add_parser(p):
                    choices=("trig", "table", "table_bf16", "page", "page_bf16"),
                    help="RoPE-at-read variant of the decode kernel (Config.decode_attn_options)")
     p.add_argument("--skip-run", action="store_true", help="only the decode measurement")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip engine.warmup() (the decode step compiles on its first call)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="keep separate Q/K/V and gate/up weights (Config.fuse_weights=False)")
+    p.add_argument("--breakdown", nargs="?", const="full", choices=("full", "lite"), default=None,
+                   help="after the decode measurement: stage-removal variants, sampler variants "
+                        "and a profiler summary of the decode step (benchmarks/decode_breakdown.py;"
+                        " 'lite': step, 1 block, GEMM chain and weight read only)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--host-only", action="store_true",
                    help="CPU host-path profile: the R-request run with the jitted step stubbed out "
@@ -191,7 +199,8 @@ def run(args) -> int:
 
     monitoring.register_event_duration_secs_listener(on_event)
     res = {"device": str(jax.devices()[0].device_kind), "model": args.model, "dtype": args.dtype,
-           "batch": args.batch, "ctx": args.ctx}
+           "batch": args.batch, "ctx": args.ctx, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "fuse_weights": not args.no_fuse}
     t0 = time.perf_counter()
     res["copy_rate_GBps"] = _copy_rate(args.copy_gb) / 1e9
     print(f"copy rate: {res['copy_rate_GBps']:.0f} GB/s", flush=True)
@@ -204,7 +213,8 @@ def run(args) -> int:
               block_size=bs, num_kv_blocks=args.batch * nb_per_seq + 64,
               min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl,
               write_kv_impl=args.write_impl,
-              decode_attn_options={"rope": args.decode_rope} if args.decode_rope else None)
+              decode_attn_options={"rope": args.decode_rope} if args.decode_rope else None,
+              fuse_weights=not args.no_fuse)
     engine = llm.llm_engine
     cfg = engine.loaded.cfg
     res["write_kv_impl"] = args.write_impl or "default (triton on GPU)"
@@ -217,7 +227,8 @@ def run(args) -> int:
     read_bytes = weight_bytes - (embed.nbytes if embed is not None and not tied else 0)
     res["load_s"] = time.perf_counter() - t0
     t = time.perf_counter()
-    engine.warmup()
+    if not args.no_warmup:
+        engine.warmup()
     res["warmup_s"] = time.perf_counter() - t
     res["compiles_in_warmup"] = compiles["n"]
     print(f"loaded in {res['load_s']:.1f} s, warm-up compiled {engine.runner.num_compiles} step "
@@ -290,6 +301,13 @@ def run(args) -> int:
           f"(1 - wait/wall: {100 * res['decode_host_share']:.1f}%); same step with 1 context "
           f"block {res['decode_step_no_context_ms']:.2f} ms -> attention reads K/V at "
           f"{res['decode_kv_read_TBps']:.2f} TB/s", flush=True)
+    if args.breakdown:
+        from benchmarks.decode_breakdown import run_breakdown
+        bd = run_breakdown(engine, args)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "breakdown.json"), "w") as f:
+            json.dump(dict(bd, floor_ms=res["floor_ms"], copy_rate_GBps=res["copy_rate_GBps"]),
+                      f, indent=2, default=str)
     for i in range(args.batch):
         engine.abort_request(f"decode-{i}")
     os.makedirs(args.out, exist_ok=True)

@@ -56,6 +56,10 @@ class Config:
     # write_kv implementation for attention layers (Llama family): None = the Pallas row copy
     # on GPU, XLA elsewhere; "xla" or "triton" to force one.
     write_kv_impl: str | None = None
+    # Concatenate the weights that read the same input (Llama: QKV, gate/up) once at engine
+    # start, so each is one GEMM per layer (fewer kernels; the engine then holds the fused
+    # arrays in loaded.params). Families without `fuse_params` ignore it.
+    fuse_weights: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

@@ -48,6 +48,12 @@ class ModelRunner:
         self.config = config
         self.family = loaded.family
         self.mcfg = loaded.cfg
+        fuse = getattr(loaded.family, "fuse_params", None)
+        if config.fuse_weights and fuse is not None:
+            # one layer at a time, originals deleted as they are fused (peak: one extra layer)
+            params, loaded.params = loaded.params, None
+            loaded.params = fuse(params, consume=True)
+            del params
         self.params = loaded.params
         self.block_size = config.block_size
         self.nb = config.max_blocks_per_seq

@@ -26,7 +26,10 @@ class SamplingMetadata:
 def sample(logits, sm: SamplingMetadata, *, all_greedy: bool, use_filter: bool,
            num_logprobs: int):
     """logits [S, V] float32 -> dict(tokens [S], logprob [S], top_ids [S, k], top_logprobs [S, k])."""
-    logp = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
+    # log_softmax(x)[i] = (x[i] - max) - log(sum(exp(x - max))), evaluated only where needed
+    # (the full [S, V] log-probabilities are built only for top-k logprobs).
+    x_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
+    lse = jnp.log(jnp.sum(jnp.exp(logits - x_max), axis=-1, keepdims=True))  # [S, 1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
     if all_greedy:
         tokens = greedy
@@ -43,9 +46,10 @@ def sample(logits, sm: SamplingMetadata, *, all_greedy: bool, use_filter: bool,
         g = jax.vmap(noise)(sm.seed, sm.step)  # [S, V]
         sampled = jnp.argmax(scaled + g, axis=-1).astype(jnp.int32)
         tokens = jnp.where(sm.temperature > 0, sampled, greedy)
-    out = {"tokens": tokens,
-           "logprob": jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]}
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)  # [S, 1]
+    out = {"tokens": tokens, "logprob": ((picked - x_max) - lse)[:, 0]}
     if num_logprobs:
+        logp = (logits - x_max) - lse  # [S, V]
         top_lp, top_ids = jax.lax.top_k(logp, num_logprobs)  # [S, k]
         out["top_ids"] = top_ids.astype(jnp.int32)
         out["top_logprobs"] = top_lp

@@ -39,9 +39,44 @@ class LayerParams:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class FusedLayerParams:
+    """LayerParams with the projections that read the same input concatenated (one GEMM each):
+    wqkv = [wq | wk | wv] over heads, w_gate_up = [w_gate | w_up] over F. See `fuse_params`.
+    The LayerParams names (wq, ..., w_up) stay readable as slices (copies; for references)."""
+    attn_norm: jax.Array  # [E]
+    wqkv: jax.Array  # [E, H + 2K, D]
+    wo: jax.Array  # [H, D, E]
+    mlp_norm: jax.Array  # [E]
+    w_gate_up: jax.Array  # [E, 2F]
+    w_down: jax.Array  # [F, E]
+    num_heads: int = dataclasses.field(default=0, metadata=dict(static=True))  # H
+
+    @property
+    def wq(self):
+        return self.wqkv[:, :self.num_heads]
+
+    @property
+    def wk(self):
+        return self.wqkv[:, self.num_heads:(self.wqkv.shape[1] + self.num_heads) // 2]
+
+    @property
+    def wv(self):
+        return self.wqkv[:, (self.wqkv.shape[1] + self.num_heads) // 2:]
+
+    @property
+    def w_gate(self):
+        return self.w_gate_up[:, :self.w_down.shape[0]]
+
+    @property
+    def w_up(self):
+        return self.w_gate_up[:, self.w_down.shape[0]:]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LlamaParams:
     embed: jax.Array  # [V, E]
-    layers: tuple[LayerParams, ...]  # L entries
+    layers: tuple[LayerParams | FusedLayerParams, ...]  # L entries
     final_norm: jax.Array  # [E]
     lm_head: jax.Array | None  # [E, V]; None when tied to embed
 
@@ -208,6 +243,43 @@ def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32) -> LlamaParams:
     )
 
 
+@jax.jit
+def _fuse_layer(lp: LayerParams) -> FusedLayerParams:
+    return FusedLayerParams(
+        attn_norm=lp.attn_norm, wqkv=jnp.concatenate([lp.wq, lp.wk, lp.wv], axis=1),
+        wo=lp.wo, mlp_norm=lp.mlp_norm,
+        w_gate_up=jnp.concatenate([lp.w_gate, lp.w_up], axis=1), w_down=lp.w_down,
+        num_heads=lp.wq.shape[1])
+
+
+def fuse_params(params: LlamaParams, *, consume: bool = False) -> LlamaParams:
+    """Params with fused QKV and gate/up projections (fewer, larger GEMMs per layer; the same
+    products, so outputs agree up to the GEMM's accumulation order). Done one layer at a time;
+    with consume=True each original layer's arrays are deleted once fused, so peak memory grows
+    by one layer only (the caller must hold no other reference to `params`)."""
+    names = ("wq", "wk", "wv", "w_gate", "w_up")
+    uses: dict[int, int] = {}  # array id -> layers still to fuse that read it (shared arrays)
+    for lp in params.layers:
+        if isinstance(lp, LayerParams):
+            for n in names:
+                uses[id(getattr(lp, n))] = uses.get(id(getattr(lp, n)), 0) + 1
+    fused = []
+    for lp in params.layers:
+        if isinstance(lp, FusedLayerParams):
+            fused.append(lp)
+            continue
+        f = _fuse_layer(lp)
+        if consume:
+            jax.block_until_ready(f)
+            for n in names:
+                w = getattr(lp, n)
+                uses[id(w)] -= 1
+                if uses[id(w)] == 0 and w is not params.embed and w is not params.lm_head:
+                    w.delete()
+        fused.append(f)
+    return dataclasses.replace(params, layers=tuple(fused))
+
+
 # ----------------------------------------------------------------------------- cache + forward
 
 
@@ -219,13 +291,28 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, max_num_seqs: i
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 
+def _swiglu_fused(x, w_gate_up, w_down):
+    """layers.swiglu_mlp with w_gate_up = [w_gate | w_up] ([E, 2F]): one GEMM for both."""
+    f = w_down.shape[0]
+    gate_up = jnp.einsum("te,ef->tf", x, w_gate_up)  # [T, 2F]
+    return jnp.einsum("tf,fe->te", jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], w_down)  # [T, E]
+
+
 def _attention_block(x, lp: LayerParams, k_pages, v_pages, metadata, cfg, inv, kv_mode, attn_impl,
                      write_impl=None, attn_options=None):
     scaling = rope.attention_scaling(cfg)
     h = layers.rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)  # [T, E]
-    q = jnp.einsum("te,ehd->thd", h, lp.wq)  # [T, H, D]
-    k = jnp.einsum("te,ekd->tkd", h, lp.wk)  # [T, K, D]
-    v = jnp.einsum("te,ekd->tkd", h, lp.wv)  # [T, K, D]
+    if isinstance(lp, FusedLayerParams):
+        qkv = jnp.einsum("te,end->tnd", h, lp.wqkv)  # [T, H + 2K, D]
+        nh, nk = cfg.num_heads, cfg.num_kv_heads
+        if lp.wqkv.shape[1] != nh + 2 * nk:
+            raise ValueError(f"llama.forward: wqkv has {lp.wqkv.shape[1]} heads, config wants "
+                             f"{nh} + 2 x {nk}")
+        q, k, v = qkv[:, :nh], qkv[:, nh:nh + nk], qkv[:, nh + nk:]
+    else:
+        q = jnp.einsum("te,ehd->thd", h, lp.wq)  # [T, H, D]
+        k = jnp.einsum("te,ekd->tkd", h, lp.wk)  # [T, K, D]
+        v = jnp.einsum("te,ekd->tkd", h, lp.wv)  # [T, K, D]
     if kv_mode == "rotated":
         k = apply_rope(k, metadata.q_positions, inv, scaling)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping,
@@ -270,7 +357,10 @@ def forward(params: LlamaParams, tokens, metadata, cache: KVCache, cfg: ModelCon
                                              kv_mode, attn_impl, write_impl, attn_options)
             with jax.named_scope("mlp"):
                 h = layers.rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-                x = x + layers.swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down)
+                if isinstance(lp, FusedLayerParams):
+                    x = x + _swiglu_fused(h, lp.w_gate_up, lp.w_down)
+                else:
+                    x = x + layers.swiglu_mlp(h, lp.w_gate, lp.w_up, lp.w_down)
         new_k.append(kp)
         new_v.append(vp)
     with jax.named_scope("lm_head"):

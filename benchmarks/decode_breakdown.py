@@ -1,0 +1,296 @@
+"""`minipic-bench engine --breakdown`: where the decode step's device time goes.
+
+Runs after the engine bench's decode measurement, on the same engine (batch B, context C, random
+K/V, the runner's last decode inputs), in the same process. Each variant is the runner's jitted
+step (or a piece of it) timed two ways: `blocked` = median of calls each waited for (what the
+bench's "jitted step alone" measures: host dispatch latency included) and `pipelined` = N calls
+issued back to back, then one wait (device throughput).
+
+Stage removal (bench-only stand-ins patched into the Llama module while the variant traces):
+  step             the engine's decode step as is (fused weights when the runner fused them)
+  step_unfused     same, separate Q/K/V and gate/up weights
+  step_1blk        same, one context block per sequence (what is not K/V reading)
+  no_attention     attention replaced by its query (K/V write kept)
+  no_attn_write    attention and K/V write removed (K/V projections kept alive)
+  gemm_chain       only the weight GEMMs, residual adds and the lm_head + argmax
+  weights_read     every weight a step reads, summed (one reduction per array): the achievable
+                   read rate of these arrays, kernel launches included
+  lm_head_sample   final norm + lm_head + the sampler (greedy)
+  sample_*         the sampler alone on [B, V] float32 logits
+plus a jax.profiler trace of three decode steps summarised on the device (top kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import os
+import tempfile
+import time
+
+
+def _timed(call, n: int = 10) -> dict:
+    """call() -> array to wait on. Returns blocked / pipelined ms."""
+    import jax
+    import numpy as np
+    for _ in range(2):
+        jax.block_until_ready(call())
+    blocked = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(call())
+        blocked.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    outs = [call() for _ in range(n)]
+    jax.block_until_ready(outs)
+    return {"blocked_ms": float(np.median(blocked)) * 1e3,
+            "pipelined_ms": (time.perf_counter() - t) / n * 1e3}
+
+
+@contextlib.contextmanager
+def _patched(module, **attrs):
+    old = {k: getattr(module, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def _standins():
+    """Attention -> its query; write -> nothing, with K + V folded into the next query so the
+    K/V projections stay live."""
+    import jax.numpy as jnp
+    held = {}
+
+    def write(k_pages, v_pages, k, v, slot_mapping, **_):
+        held["kv"] = k + v
+        return k_pages, v_pages
+
+    def attend(q, k_pages, v_pages, metadata, inv_freq, **_):
+        kv = held.pop("kv", None)
+        if kv is not None:
+            q = q + jnp.repeat(kv, q.shape[1] // kv.shape[1], axis=1)
+        return q
+
+    return write, attend
+
+
+def _unfuse(params, cfg):
+    import dataclasses
+
+    import jax
+
+    from minipic_jax.models import llama
+    h, k, f = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+
+    @jax.jit
+    def one(lp):
+        if isinstance(lp, llama.LayerParams):
+            return lp
+        return llama.LayerParams(
+            attn_norm=lp.attn_norm, wq=lp.wqkv[:, :h], wk=lp.wqkv[:, h:h + k],
+            wv=lp.wqkv[:, h + k:], wo=lp.wo, mlp_norm=lp.mlp_norm, w_gate=lp.w_gate_up[:, :f],
+            w_up=lp.w_gate_up[:, f:], w_down=lp.w_down)
+
+    return dataclasses.replace(params, layers=tuple(one(lp) for lp in params.layers))
+
+
+def _gemm_chain(params, x, cfg):
+    """Weight GEMMs + residual adds + lm_head + argmax, nothing else."""
+    import jax
+    import jax.numpy as jnp
+
+    from minipic_jax.models import llama
+    h, k, f = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    for lp in params.layers:
+        if isinstance(lp, llama.FusedLayerParams):
+            qkv = jnp.einsum("te,end->tnd", x, lp.wqkv)
+            q = qkv[:, :h] + jnp.repeat(qkv[:, h:h + k] + qkv[:, h + k:], h // k, axis=1)
+            x = x + jnp.einsum("thd,hde->te", q, lp.wo)
+            gu = jnp.einsum("te,ef->tf", x, lp.w_gate_up)
+            x = x + jnp.einsum("tf,fe->te", jax.nn.silu(gu[:, :f]) * gu[:, f:], lp.w_down)
+        else:
+            q = jnp.einsum("te,ehd->thd", x, lp.wq)
+            kv = jnp.einsum("te,ekd->tkd", x, lp.wk) + jnp.einsum("te,ekd->tkd", x, lp.wv)
+            q = q + jnp.repeat(kv, h // k, axis=1)
+            x = x + jnp.einsum("thd,hde->te", q, lp.wo)
+            g = jnp.einsum("te,ef->tf", x, lp.w_gate)
+            u = jnp.einsum("te,ef->tf", x, lp.w_up)
+            x = x + jnp.einsum("tf,fe->te", jax.nn.silu(g) * u, lp.w_down)
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    logits = jnp.einsum("ne,ev->nv", x, head, preferred_element_type=jnp.float32)
+    return jnp.argmax(logits, axis=-1)
+
+
+def _sample_old(logits):
+    """The sampler's greedy path before this change (full [S, V] log_softmax, then a gather)."""
+    import jax
+    import jax.numpy as jnp
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+def _profile(call, steps: int = 3, top: int = 25) -> dict:
+    """jax.profiler trace of `steps` calls; device kernels aggregated by name."""
+    import jax
+    from jax.profiler import ProfileData
+    jax.block_until_ready(call())
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        for _ in range(steps):
+            jax.block_until_ready(call())
+    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    data = ProfileData.from_file(path)
+    by_name, lines, spans, kernel_lines = {}, {}, [], []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            evs = list(line.events)
+            lines[f"{plane.name}/{line.name}"] = (len(evs), sum(e.duration_ns for e in evs) / 1e6)
+            kernel_lines.append((line.name, evs))
+    streams = [x for x in kernel_lines if x[0].startswith("Stream")]
+    for _, evs in streams or [x for x in kernel_lines if not x[0].startswith("XLA")]:
+        for e in evs:
+            n, t = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (n + 1, t + e.duration_ns / 1e6)
+            spans.append((e.start_ns, e.end_ns))
+    busy, end = 0.0, None
+    for s, e in sorted(spans):  # union of kernel intervals
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"kernels_per_step": sum(n for n, _ in by_name.values()) / steps,
+            "kernel_busy_ms_per_step": busy / 1e6 / steps,
+            "first_to_last_kernel_ms_per_step": span / 1e6 / steps,
+            "lines": {k: {"events": n, "ms": t} for k, (n, t) in lines.items()},
+            "top": [{"name": k[:90], "calls_per_step": n / steps, "ms_per_step": t / steps}
+                    for k, (n, t) in rows[:top]]}
+
+
+def run_breakdown(engine, args) -> dict:
+    """All variants on the primed engine (its runner's last inputs are a batch x ctx decode)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from minipic_jax.models import layers, llama
+    from serving import sampler as smp
+    from serving.model_runner import _layout
+    r = engine.runner
+    cfg = r.mcfg
+    ints, floats, kw = r.last_inputs
+    spec, _ = _layout(kw["t"], kw["s"], r.nb)
+    short = ints.copy()
+    o, (n,) = spec["num_blocks"]
+    short[o:o + n] = np.minimum(short[o:o + n], 1)
+    o, (n,) = spec["q_window_start"]
+    op, _ = spec["q_positions"]
+    short[o:o + n] = short[op:op + n]
+    res, state = {}, {"cache": r.cache}
+    statics = ("t", "s", "all_greedy", "use_filter", "num_logprobs", "decode_only")
+
+    def fresh_step():  # a new jit of the runner's step (traced under the current patches)
+        return jax.jit(functools.partial(r._step_impl), donate_argnums=(1,),
+                       static_argnames=statics)
+
+    def stepper(fn, params, ii):
+        def call():
+            state["cache"], out = fn(params, state["cache"], ii, floats, **kw)
+            return out
+        return call
+
+    def record(name, timing, note=""):
+        res[name] = dict(timing, note=note)
+        print(f"  {name:18s} blocked {timing['blocked_ms']:7.2f} ms  pipelined "
+              f"{timing['pipelined_ms']:7.2f} ms  {note}", flush=True)
+
+    fused = any(isinstance(lp, llama.FusedLayerParams) for lp in r.params.layers)
+    print(f"breakdown (batch {args.batch}, ctx {args.ctx}, runner weights "
+          f"{'fused' if fused else 'unfused'}):", flush=True)
+    record("step", _timed(stepper(r._step, r.params, ints)))
+    record("step_1blk", _timed(stepper(r._step, r.params, short)))
+    lite = getattr(args, "breakdown", "full") == "lite"
+    unfused = _unfuse(r.params, cfg) if fused and not lite else r.params
+    if fused and not lite:
+        plain = fresh_step()
+        record("step_unfused", _timed(stepper(plain, unfused, ints)))
+        record("step_unfused_1blk", _timed(stepper(plain, unfused, short)))
+    if not lite:
+        write, attend = _standins()
+        with _patched(llama, paged_attention=attend):
+            record("no_attention", _timed(stepper(fresh_step(), r.params, ints)),
+                   "attention -> q, K/V write kept")
+        write, attend = _standins()
+        with _patched(llama, paged_attention=attend, write_kv=write):
+            record("no_attn_write", _timed(stepper(fresh_step(), r.params, ints)),
+                   "attention and K/V write removed")
+    x = (0.5 * jax.random.normal(jax.random.key(3), (kw["s"], cfg.hidden_size))).astype(
+        r.params.embed.dtype)
+    chain = jax.jit(functools.partial(_gemm_chain, cfg=cfg))
+    record("gemm_chain", _timed(lambda: chain(r.params, x)), "weight GEMMs + lm_head only")
+    if fused and not lite:
+        record("gemm_chain_unfused", _timed(lambda: chain(unfused, x)))
+    del unfused
+    read = [w for w in jax.tree.leaves(r.params) if w is not r.params.embed or
+            r.params.lm_head is None]
+    nbytes = sum(w.nbytes for w in read)
+    summed = jax.jit(lambda ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))
+    t = _timed(lambda: summed(read))
+    record("weights_read", t, f"{nbytes / 1e9:.2f} GB at {nbytes / t['pipelined_ms'] / 1e9:.2f} "
+                              f"TB/s (pipelined)")
+    if lite:
+        r.cache = state["cache"]
+        return res
+    head = r.params.embed.T if r.params.lm_head is None else r.params.lm_head
+    sm = smp.SamplingMetadata(
+        temperature=jnp.full((kw["s"],), 0.8), top_k=jnp.full((kw["s"],), 50, jnp.int32),
+        top_p=jnp.full((kw["s"],), 0.9), seed=jnp.arange(kw["s"], dtype=jnp.uint32),
+        step=jnp.zeros((kw["s"],), jnp.int32))
+
+    def head_fn(x, head, final_norm, old):
+        h = layers.rms_norm(x, final_norm, cfg.rms_norm_eps)
+        logits = layers.logits_from_hidden(h, head)
+        if old:
+            return _sample_old(logits)
+        return smp.sample(logits, sm, all_greedy=True, use_filter=False, num_logprobs=0)
+
+    hf = jax.jit(head_fn, static_argnames="old")
+    record("lm_head_sample", _timed(lambda: hf(x, head, r.params.final_norm, False)))
+    record("lm_head_sample_old", _timed(lambda: hf(x, head, r.params.final_norm, True)),
+           "previous greedy path (full log_softmax)")
+    logits = jax.random.normal(jax.random.key(4), (kw["s"], cfg.vocab_size), jnp.float32) * 3
+    modes = {"greedy": (True, False, 0), "temperature": (False, False, 0),
+             "top_k_top_p": (False, True, 0), "logprobs20": (True, False, 20)}
+    for name, (g, f, lp) in modes.items():
+        fn = jax.jit(functools.partial(smp.sample, all_greedy=g, use_filter=f, num_logprobs=lp))
+        record(f"sample_{name}", _timed(lambda fn=fn: fn(logits, sm)))
+    old = jax.jit(_sample_old)
+    record("sample_greedy_old", _timed(lambda: old(logits)))
+    r.cache = state["cache"]
+    try:
+        prof = _profile(stepper(r._step, r.params, ints))
+        r.cache = state["cache"]
+        res["profile"] = prof
+        print("profile lines: " + "; ".join(f"{k} {v['events']} ev {v['ms']:.1f} ms"
+                                            for k, v in prof["lines"].items()))
+        print(f"profile: {prof['kernels_per_step']:.0f} kernels/step, busy "
+              f"{prof['kernel_busy_ms_per_step']:.2f} ms of "
+              f"{prof['first_to_last_kernel_ms_per_step']:.2f} ms first-to-last kernel", flush=True)
+        for row in prof["top"]:
+            print(f"    {row['ms_per_step']:7.3f} ms  x{row['calls_per_step']:5.0f}  {row['name']}")
+    except Exception as e:  # noqa: BLE001 - the timings above stand without the trace
+        r.cache = state["cache"]
+        res["profile_error"] = repr(e)
+        print(f"profile failed: {e!r}", flush=True)
+    return res
