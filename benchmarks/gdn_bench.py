@@ -65,6 +65,12 @@ def run_fla(inputs, reps):
     return ms, out.float().cpu().numpy(), final.float().cpu().numpy()
 
 
+# the fused path as measured in runs 2-3 (row-substitution solve, [Dk, BV] state, BV = 16)
+OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
+                   scan_stages=2, ckpt_store="when", out_warps=4)
+CKPT_VARIANTS = ("pallas_blocked_bf16", "fused", "fused_old", "fused_best", "fused_best_mask")
+
+
 def jax_variants():
     import jax.numpy as jnp
     from kernels_pallas.gated_delta import api
@@ -84,14 +90,14 @@ def jax_variants():
         parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=q.shape[-1] ** -0.5, solve=solve)
         return tuple(x.astype(bf16) for x in (parts["w"], parts["u"], parts["kd"]))
 
-    def fused(q, k, v, g, beta, ck=None, block_v=32, prefetch=False):
+    def fused(q, k, v, g, beta, ck=None, **opts):
         from kernels_pallas.gated_delta import fused_triton
         n, t_len, _, dk = k.shape
         state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
         idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
                                                        (n, len(ck)))
         return fused_triton.fused_gated_delta(q, k, v, g, beta, state0, idx, scale=dk ** -0.5,
-                                              block_v=block_v, prefetch=prefetch)
+                                              **opts)
 
     def fused_intra(q, k, v, g, beta, ck=None):
         from kernels_pallas.gated_delta import fused_triton
@@ -99,11 +105,9 @@ def jax_variants():
 
     return {
         "intra_only_fused": fused_intra,
-        "fused_bv16": functools.partial(fused, block_v=16),
-        "fused_bv32": fused,
-        "fused_bv64": functools.partial(fused, block_v=64),
-        "fused_bv16_pf": functools.partial(fused, block_v=16, prefetch=True),
-        "fused_bv32_pf": functools.partial(fused, block_v=32, prefetch=True),
+        "fused": fused,  # fused_triton.DEFAULTS
+        "fused_old": functools.partial(fused, **OLD_DEFAULT),
+        "fused_bv32_old": functools.partial(fused, **{**OLD_DEFAULT, "block_v": 32}),
         "intra_only_blocked_bf16": intra_only,
         "intra_only_trsm_bf16": functools.partial(intra_only, solve="trsm"),
         "xla_scan_trsm_f32": mk(implementation="xla", solve="trsm"),
@@ -114,6 +118,95 @@ def jax_variants():
     }
 
 
+# (layout, block_v, num_warps, num_stages) tried by --sweep for the state scan
+SCAN_CONFIGS = ([("kv", 16, 4, 2)]
+                + [("vk", bv, nw, ns) for bv in (16, 32, 64) for nw in (1, 2, 4)
+                   for ns in (1, 2, 3)]
+                + [("vk", 64, 8, 2), ("vk", 128, 4, 2), ("vk", 128, 8, 2)]
+                + [("kv", bv, nw, ns) for bv in (16, 32) for nw in (2, 4) for ns in (1, 2, 3)
+                   if (bv, nw, ns) != (16, 4, 2)])
+INTRA_CONFIGS = [("subst", 4), ("subst", 8), ("blocked", 1), ("blocked", 2), ("blocked", 4),
+                 ("blocked", 8)]
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def sweep(inputs, reps, deadline):
+    """Time each fused kernel alone (intra solve, state scan, output) over its options at one T.
+
+    Returns (rows, best): rows of dict(part, variant, ms, rel_err) (rel_err against the old
+    default's outputs) and the fastest correct options as `fused_gated_delta` keyword args.
+    """
+    import jax
+    import jax.numpy as jnp
+    from kernels_pallas.gated_delta import fused_triton, intra_blocked, scan_fused
+    bf16 = jnp.bfloat16
+    q, k, v, g, beta = (jnp.asarray(x) for x in inputs)
+    q, k, v, beta = (x.astype(bf16) for x in (q, k, v, beta))
+    rows = []
+
+    def timed(part, label, fn, args, ref=None):  # ref: [(output index, expected)]
+        if time.perf_counter() > deadline:
+            print(f"sweep {part} {label}: skipped (time budget)", flush=True)
+            return None
+        try:
+            f = jax.jit(fn)
+            ms = time_jax(f, args, reps)
+            out = f(*args)
+            err = None if ref is None else max(_rel(out[i], r) for i, r in ref)
+            rows.append(dict(part=part, variant=label, ms=ms, rel_err=err))
+            print(f"sweep {part} {label}: {ms:.3f} ms rel_err={err}", flush=True)
+            return out
+        except Exception as e:
+            print(f"sweep {part} {label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            return None
+
+    ref_intra = jax.jit(fused_triton.intra_chunk_fused)(k, v, g, beta)
+    for kind, nw in INTRA_CONFIGS:
+        fn = fused_triton.intra_chunk_fused if kind == "subst" else intra_blocked.intra_chunk_blocked
+        timed("intra", f"{kind}_w{nw}", functools.partial(fn, num_warps=nw), (k, v, g, beta),
+              [(0, ref_intra[0]), (1, ref_intra[1])])
+    w, u, kd, gc = ref_intra
+    dl = jnp.moveaxis(jnp.exp(gc[:, 63::64, :]), 1, 2)
+    s0 = jnp.zeros((1, v.shape[2], k.shape[3], v.shape[3]), jnp.float32)
+    ref_scan = jax.jit(functools.partial(scan_fused.state_scan, layout="kv", block_v=16))(
+        w, u, kd, dl, s0)
+    states = {}
+    for layout, bv, nw, ns in SCAN_CONFIGS:
+        out = timed("scan", f"{layout}_bv{bv}_w{nw}_s{ns}", functools.partial(
+            scan_fused.state_scan, layout=layout, block_v=bv, num_warps=nw, num_stages=ns),
+            (w, u, kd, dl, s0), [(0, ref_scan[0]), (2, ref_scan[2])])
+        if out is not None:
+            states.setdefault(layout, out)
+    for layout, out in states.items():
+        for nw in (4, 8):
+            timed("output", f"{layout}_w{nw}", functools.partial(
+                fused_triton.output_fused, scale=k.shape[-1] ** -0.5, chunk=64, dot_dtype=bf16,
+                out_dtype=bf16, num_warps=nw, states_t=layout == "vk"),
+                (q, k, gc, out[0], out[1]))
+
+    def fastest(part, prefix=""):
+        ok = [r for r in rows if r["part"] == part and r["variant"].startswith(prefix)
+              and (r["rel_err"] is None or r["rel_err"] < 2e-2)]
+        return min(ok, key=lambda r: r["ms"])["variant"] if ok else None
+
+    best = {}
+    if (name := fastest("intra")):
+        kind, nw = name.split("_w")
+        best.update(intra=kind, intra_warps=int(nw))
+    if (name := fastest("scan")):
+        layout, bv, nw, ns = name.split("_")
+        best.update(layout=layout, block_v=int(bv[2:]), scan_warps=int(nw[1:]),
+                    scan_stages=int(ns[1:]))
+        if (name := fastest("output", layout)):
+            best.update(out_warps=int(name.split("_w")[1]))
+    print(f"sweep best: {best}", flush=True)
+    return rows, best
+
+
 def add_parser(parser):
     """Arguments of `minipic-bench gdn`."""
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
@@ -122,6 +215,10 @@ def add_parser(parser):
     parser.add_argument("--variants", nargs="*", default=None)
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the fused kernels alone over their options at the largest T "
+                             "and add fused_best (the fastest correct combination)")
+    parser.add_argument("--sweep-budget-s", type=float, default=150.0)
 
 
 def main(argv=None):
@@ -134,21 +231,33 @@ def run(args):
     """Run the benchmark; prints one line per variant and a table (ms, x fla, rel err)."""
     import jax
     import jax.numpy as jnp
-    rows = []
+    rows, sweep_rows = [], []
     variants = jax_variants()
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants}
+    fla_ref = {}
+    for tokens in args.tokens:  # the anchor first, for every T
+        if args.no_fla:
+            break
+        try:
+            ms, ref_out, _ = run_fla(make_inputs(tokens), args.reps)
+            fla_ref[tokens] = ref_out
+            rows.append(dict(tokens=tokens, variant="fla_chunk_gated_delta_rule", ms=ms,
+                             rel_err=0.0))
+            print(f"T={tokens} fla: {ms:.3f} ms", flush=True)
+        except Exception as e:  # report and go on with our variants
+            print(f"T={tokens} fla failed: {type(e).__name__}: {e}", flush=True)
+    best = None
+    if args.sweep:
+        t_sweep = max(args.tokens)
+        sweep_rows, best = sweep(make_inputs(t_sweep), max(3, args.reps // 3),
+                                 time.perf_counter() + args.sweep_budget_s)
+        fused = jax_variants()["fused"]
+        variants["fused_best"] = functools.partial(fused, **best)
+        variants["fused_best_mask"] = functools.partial(fused, **best, ckpt_store="mask")
     for tokens in args.tokens:
         inputs = make_inputs(tokens)
-        ref_out = ref_final = None
-        if not args.no_fla:
-            try:
-                ms, ref_out, ref_final = run_fla(inputs, args.reps)
-                rows.append(dict(tokens=tokens, variant="fla_chunk_gated_delta_rule", ms=ms,
-                                 rel_err=0.0))
-                print(f"T={tokens} fla: {ms:.3f} ms", flush=True)
-            except Exception as e:  # report and go on with our variants
-                print(f"T={tokens} fla failed: {type(e).__name__}: {e}", flush=True)
+        ref_out = fla_ref.get(tokens)
         q, k, v, g, beta = (jnp.asarray(x) for x in inputs)
         jin = (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), g,
                beta.astype(jnp.bfloat16))
@@ -156,7 +265,8 @@ def run(args):
         ck = tuple(int(c) * 64 for c in np.linspace(1, n_chunks, args.checkpoints).round())
         for name, fn in variants.items():
             for with_ck in (False, True):
-                if with_ck and name not in ("pallas_blocked_bf16", "fused_bv32"):
+                if (with_ck and name not in CKPT_VARIANTS) or (
+                        not with_ck and name.endswith("_mask")):
                     continue
                 try:
                     f = jax.jit(functools.partial(fn, ck=ck if with_ck else None))
@@ -177,9 +287,16 @@ def run(args):
         ratio = r["ms"] / fla[r["tokens"]] if r["tokens"] in fla else float("nan")
         err = "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
         print(f"{r['tokens']:>7} {r['variant']:<34} {r['ms']:>8.3f} {ratio:>6.2f} {err:>9}")
+    if sweep_rows:
+        print(f"\nsweep at T={max(args.tokens)} (each kernel alone; rel_err vs the old default)")
+        for r in sweep_rows:
+            err = "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
+            print(f"{r['part']:>7} {r['variant']:<26} {r['ms']:>8.3f} {err:>9}")
+        print(f"best: {best}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(device=str(jax.devices()[0]), rows=rows), fh, indent=1)
+            json.dump(dict(device=str(jax.devices()[0]), rows=rows, sweep=sweep_rows,
+                           best=best), fh, indent=1)
 
 
 if __name__ == "__main__":

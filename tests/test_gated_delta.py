@@ -1,14 +1,20 @@
 """Chunked / Pallas / ragged gated delta rule vs the token-by-token float64 recurrence; exact
-checkpoints (bitwise) at chunk boundaries."""
+checkpoints (bitwise) at chunk boundaries.
+
+The Pallas kernels run in interpret mode; on a GPU, `MINIPIC_COMPILED=1 pytest
+tests/test_gated_delta.py` compiles them instead (float32 operands -> IEEE dots)."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.gated_delta import api, ragged, reference
+from kernels_pallas.gated_delta import api, fused_triton, ragged, reference
+
+INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 
 
 def _inputs(rng, n, t, hk, hv, dk, dv, state=True):
@@ -57,7 +63,7 @@ def test_pallas_fused_interpret_matches_reference(fresh_rng):
     ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0)
     ck = np.array([[0, 32, 83], [64, 16, 32]])
     out, final, cks = api.prefill(q, k, v, g, beta, s0, checkpoint_at=ck, chunk_size=16,
-                                  implementation="pallas_fused", interpret=True)
+                                  implementation="pallas_fused", interpret=INTERPRET)
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(final), ref_states[:, -1], atol=2e-5, rtol=0)
     for b in range(n):
@@ -66,18 +72,56 @@ def test_pallas_fused_interpret_matches_reference(fresh_rng):
             np.testing.assert_allclose(np.asarray(cks[b, m]), want, atol=2e-5)
 
 
-def test_fused_prefetch_scan_is_bitwise_plain_scan(fresh_rng):
-    from kernels_pallas.gated_delta import fused_triton
-    q, k, v, g, beta, s0 = _inputs(fresh_rng, 2, 64, 1, 2, 16, 32)
-    ck = jnp.array([[0, 2, 4], [1, 1, 3]])
-    run = functools.partial(fused_triton.fused_gated_delta, q, k, v, g, beta, s0, ck, scale=0.25,
-                            chunk=16, block_v=16, interpret=True)
+# (intra solve, state layout, checkpoint store, BV): the default and the other kernel options
+FUSED_OPTIONS = [{}, dict(intra="subst", layout="kv", ckpt_store="mask", block_v=16),
+                 dict(layout="vk", ckpt_store="mask", block_v=32),
+                 dict(intra="subst", layout="vk", block_v=16)]
+
+
+@pytest.mark.parametrize("opts", FUSED_OPTIONS, ids=lambda o: "-".join(map(str, o.values()))
+                         or "default")
+def test_fused_options_match_reference(fresh_rng, opts):
+    """Chunk 64 (four 16-row sub-blocks in the blocked solve), GVA 2, Dv split in BV blocks;
+    checkpoints (duplicates, 0, the end) equal the recurrence's states."""
+    q, k, v, g, beta, s0 = _inputs(fresh_rng, 2, 128, 1, 2, 32, 32)
+    ck = jnp.array([[0, 1, 2], [1, 1, 2]])  # chunk indices (2 = final)
+    run = jax.jit(lambda *a: fused_triton.fused_gated_delta(
+        *a, scale=0.25, chunk=64, interpret=INTERPRET, **opts))
+    out, final, cks = run(q, k, v, g, beta, s0, ck)
     ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0, scale=0.25)
-    plain, pre = run(), run(prefetch=True)
-    for a, b in zip(plain, pre):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_allclose(np.asarray(pre[0]), ref_out, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(pre[2][1, 2]), ref_states[1, 47], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(final), ref_states[:, -1], atol=2e-5, rtol=0)
+    for b in range(2):
+        for m, c in enumerate(np.asarray(ck[b])):
+            want = s0[b] if c == 0 else ref_states[b, 64 * c - 1]
+            np.testing.assert_allclose(np.asarray(cks[b, m]), want, atol=2e-5)
+    # no checkpoints asked: a kernel without checkpoint code, same out / final bit for bit
+    out0, final0, none = jax.jit(lambda *a: fused_triton.fused_gated_delta(
+        *a, scale=0.25, chunk=64, interpret=INTERPRET, **opts))(q, k, v, g, beta, s0)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(out0), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(final0), np.asarray(final))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="bitwise equality is asserted on CPU (interpret mode)")
+@pytest.mark.parametrize("opts", FUSED_OPTIONS[:2], ids=["default", "subst-kv-mask"])
+def test_fused_checkpoint_is_bitwise_state_of_shorter_prefill(fresh_rng, opts):
+    q, k, v, g, beta, s0 = _inputs(fresh_rng, 1, 192, 1, 1, 16, 16)
+    ck = jnp.array([[1, 2]])
+    _, _, cks = fused_triton.fused_gated_delta(q, k, v, g, beta, s0, ck, scale=0.25, chunk=64,
+                                               interpret=True, **opts)
+    for m, c in enumerate((64, 128)):
+        _, final, _ = fused_triton.fused_gated_delta(
+            q[:, :c], k[:, :c], v[:, :c], g[:, :c], beta[:, :c], s0, scale=0.25, chunk=64,
+            interpret=True, **opts)
+        np.testing.assert_array_equal(np.asarray(cks[:, m]), np.asarray(final))
+
+
+def test_fused_rejects_unknown_option(fresh_rng):
+    q, k, v, g, beta, s0 = _inputs(fresh_rng, 1, 16, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match="unknown options"):
+        fused_triton.fused_gated_delta(q, k, v, g, beta, s0, scale=0.25, chunk=16,
+                                       interpret=True, prefetch=True)
 
 
 def test_decode_step_matches_recurrence(fresh_rng):
@@ -110,7 +154,7 @@ def test_ragged_matches_per_sequence_recurrence(fresh_rng, impl):
     ck = np.array([[16, -1], [-1, -1], [16, 16], [32, 16], [48, 32]], np.int32)
     fn = jax.jit(lambda *a: ragged.ragged_gated_delta(
         *a, checkpoint_at=jnp.asarray(ck), chunk=chunk, implementation=impl,
-        interpret=impl != "xla"))
+        interpret=impl != "xla" and INTERPRET))
     out, fin, cks = fn(q[0], k[0], v[0], g[0], beta[0], cu, np.array(pos0, np.int32), s0)
     out, fin, cks = np.asarray(out), np.asarray(fin), np.asarray(cks)
     assert np.all(out[cu[-1]:] == 0)

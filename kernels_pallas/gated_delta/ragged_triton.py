@@ -6,6 +6,8 @@ Scan kernel, grid (Hv, Dv / BV), one packed stream (N = 1): at chunk c
     boundary state (before any restart) -> fp32 slot `slot[c]` if asked (finals, checkpoints)
     s = state0[seq[c]] if restart[c] else s
     state entering c -> states[c] (for the output kernel); V' = U - W s; s = dl s + KD^T V'
+The state layout ("kv" [Dk, BV] or "vk" [BV, Dk]) and the other kernel options follow
+fused_triton.DEFAULTS (see scan_fused.py).
 """
 
 from __future__ import annotations
@@ -17,39 +19,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.gated_delta import fused_triton
+from kernels_pallas.gated_delta import fused_triton, scan_fused
 
 
 def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_ref, slot_ref,
-                         vnew_ref, states_ref, bound_ref, *, n_chunks, chunk, dot_dtype):
-    # w/kd [T, Dk]; u/vnew [T, BV]; dl/restart/seq [NC]; s0 [S, Dk, BV]; slot [NC + 1];
-    # states [NC, Dk, BV]; bound [M, Dk, BV] float32
-    def save(c, s):
-        slot = slot_ref[c]
-
-        @pl.when(slot >= 0)
-        def _():
-            bound_ref[slot] = s
+                         vnew_ref, states_ref, bound_ref, *, n_chunks, chunk, dot_dtype, layout):
+    # w/kd [T, Dk]; u/vnew [T, BV]; dl/restart/seq [NC]; slot [NC + 1]; "kv": s0 [S, Dk, BV],
+    # states [NC, Dk, BV], bound [M, Dk, BV] float32; "vk": last two axes swapped
+    save = scan_fused.saver(slot_ref, bound_ref)
 
     def body(c, s):
         save(c, s)
         s = jnp.where(restart_ref[c] > 0, s0_ref[seq_ref[c]].astype(jnp.float32), s)
         states_ref[c] = s.astype(states_ref.dtype)
-        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        v_new = u_ref[rows, :].astype(jnp.float32) - fused_triton._dot(w_ref[rows, :], s,
-                                                                        dot_dtype)
-        vnew_ref[rows, :] = v_new.astype(vnew_ref.dtype)
-        upd = jax.lax.dot_general(kd_ref[rows, :].astype(dot_dtype), v_new.astype(dot_dtype),
-                                  (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return s * dl_ref[c] + upd
+        return scan_fused.step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
+                               dot_dtype=dot_dtype, layout=layout)
 
-    dk, bv = states_ref.shape[1:]
-    s = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((dk, bv), jnp.float32))
+    s = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros(states_ref.shape[1:], jnp.float32))
     save(n_chunks, s)
 
 
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
-                       chunk=64, block_v=32, dot_dtype=None, interpret=False, num_warps=4):
+                       chunk=64, dot_dtype=None, interpret=False, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -57,41 +48,60 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
       restart, seq_of_chunk: [NC] int32; state0: [S, Hv, Dk, Dv] float32.
       bounds: [B] int32 boundary indices in [0, NC] whose pre-restart carry to return (boundary
         j = end of chunk j - 1).
+      options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
       out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32.
     """
+    unknown = set(options) - set(fused_triton.DEFAULTS)
+    if unknown:
+        raise ValueError(f"gated_delta packed_gated_delta: unknown options {sorted(unknown)}")
+    opt = {**fused_triton.DEFAULTS, **options}
     _, t_len, hk, dk = k.shape
     hv, dv = v.shape[2:]
     nc = t_len // chunk
     seqs = state0.shape[0]
     dot_dtype = v.dtype if dot_dtype is None else dot_dtype
-    w, u, kd, gc = fused_triton.intra_chunk_fused(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
-                                                  interpret=interpret, num_warps=num_warps)
+    w, u, kd, gc = fused_triton.intra(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
+                                      interpret=interpret, kind=opt["intra"],
+                                      num_warps=opt["intra_warps"])
     dl = jnp.exp(gc[0, chunk - 1::chunk, :]).T  # [Hv, NC]
     n_b = bounds.shape[0]
     slot_map = jnp.full((nc + 1,), -1, jnp.int32).at[bounds].set(jnp.arange(n_b, dtype=jnp.int32))
-    block_v = min(block_v, dv)
+    block_v = min(opt["block_v"], dv)
+    layout = opt["layout"]
+    if layout not in scan_fused.LAYOUTS:
+        raise ValueError(f"gated_delta packed_gated_delta: layout must be one of "
+                         f"{scan_fused.LAYOUTS}, got {layout!r}")
+    vk = layout == "vk"
+    blk = (block_v, dk) if vk else (dk, block_v)
+    s_idx = (lambda j: (j, 0)) if vk else (lambda j: (0, j))
     seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j: (0, 0, h, 0))
     seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda h, j: (0, 0, h, j))
     per_chunk = pl.BlockSpec((nc,), lambda h, j: (0,))
+    st = (dv, dk) if vk else (dk, dv)
+    s0 = jnp.swapaxes(state0, -1, -2) if vk else state0
     v_new, states, bound = pl.pallas_call(
-        functools.partial(_restart_scan_kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype),
+        functools.partial(_restart_scan_kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype,
+                          layout=layout),
         grid=(hv, dv // block_v),
         in_specs=[seq_k, seq_v, seq_k, pl.BlockSpec((None, nc), lambda h, j: (h, 0)), per_chunk,
-                  per_chunk, pl.BlockSpec((seqs, None, dk, block_v), lambda h, j: (0, h, 0, j)),
+                  per_chunk, pl.BlockSpec((seqs, None, *blk), lambda h, j: (0, h, *s_idx(j))),
                   pl.BlockSpec((nc + 1,), lambda h, j: (0,))],
-        out_specs=[seq_v, pl.BlockSpec((None, None, nc, dk, block_v),
-                                       lambda h, j: (0, h, 0, 0, j)),
-                   pl.BlockSpec((n_b, None, dk, block_v), lambda h, j: (0, h, 0, j))],
+        out_specs=[seq_v, pl.BlockSpec((None, None, nc, *blk),
+                                       lambda h, j: (0, h, 0, *s_idx(j))),
+                   pl.BlockSpec((n_b, None, *blk), lambda h, j: (0, h, *s_idx(j)))],
         out_shape=[jax.ShapeDtypeStruct((1, t_len, hv, dv), dot_dtype),
-                   jax.ShapeDtypeStruct((1, hv, nc, dk, dv), dot_dtype),
-                   jax.ShapeDtypeStruct((n_b, hv, dk, dv), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+                   jax.ShapeDtypeStruct((1, hv, nc, *st), dot_dtype),
+                   jax.ShapeDtypeStruct((n_b, hv, *st), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=opt["scan_warps"],
+                                             num_stages=opt["scan_stages"]),
         interpret=interpret,
     )(w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
-      state0.astype(jnp.float32), slot_map)
+      s0.astype(jnp.float32), slot_map)
     out = fused_triton.output_fused(q, k, gc, v_new, states, scale=scale, chunk=chunk,
                                     dot_dtype=dot_dtype, out_dtype=v.dtype, interpret=interpret,
-                                    num_warps=num_warps)
+                                    num_warps=opt["out_warps"], states_t=vk)
+    if vk:
+        bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter
     return out, bound[winner]

@@ -1,0 +1,118 @@
+"""Intra-chunk UT solve in 16-row sub-blocks (Pallas, Triton backend).
+
+Same outputs as `fused_triton.intra_chunk_fused` (W, U, KD in dot dtype, gc float32, all in the
+caller's [N, T, H, D] layout), but the unit lower-triangular system (I + A) [W | U] = [B_w | B_u]
+of a chunk of C rows is solved in sub-blocks of S = 16 rows instead of by C sequential
+row-substitution steps over a [C, C] tile:
+  - A_ij = (beta_i K_i) K_j^T * exp(gc_i - gc_j) for the C/S (C/S + 1) / 2 blocks j <= i (strictly
+    lower inside a diagonal block): small MMAs straight from the key rows;
+  - X_ii = (I + A_ii)^-1 by the exact product for a nilpotent matrix: with N = A_ii strictly lower
+    (N^S = 0), (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(S/2)) (float32 IEEE dots; exact
+    algebra, no truncated series);
+  - block forward substitution: W_i = X_ii (B_w,i - sum_{j<i} A_ij W_j), the same for U.
+Sub-blocks are read from and written to the refs by row slices, so no register tile is sliced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t
+
+_SUB = 16
+
+
+def _unit_lower_inverse(n, sub):
+    """(I + n)^-1 for strictly lower n [S, S] (S a power of 2): (I - n) prod (I + n^(2^k))."""
+    eye = (jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
+           == jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 1)).astype(jnp.float32)
+    x = eye - n
+    p = n
+    power = 2
+    while power < sub:
+        p = _dot(p, p, jnp.float32)  # n^power
+        x = x + _dot(x, p, jnp.float32)  # x (I + n^power)
+        power *= 2
+    return x
+
+
+def _intra_blocked_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, chunk,
+                          sub, dot_dtype):
+    # k_ref [C, Dk], v_ref [C, Dv], g_ref/beta_ref [C]; outputs w/kd [C, Dk], u [C, Dv], gc [C]
+    f32 = jnp.float32
+    nb = chunk // sub
+    rows = [pl.ds(i * sub, sub) for i in range(nb)]
+    last = jax.lax.broadcasted_iota(jnp.int32, (sub,), 0) == sub - 1
+    gcs, off = [], jnp.zeros((), f32)
+    for r in rows:  # chunk-cumulative gates, one sub-block at a time
+        gc_i = jnp.cumsum(g_ref[r].astype(f32)) + off
+        gcs.append(gc_i)
+        off = jnp.sum(jnp.where(last, gc_i, 0.0))
+    g_last = off
+    ri = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
+    ci = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
+    ks = [k_ref[r].astype(f32) for r in rows]
+    ws, us = [], []
+    for i, r in enumerate(rows):
+        beta = beta_ref[r].astype(f32)
+        kb = ks[i] * beta[:, None]
+        gam = jnp.exp(jnp.where(ri > ci, gcs[i][:, None] - gcs[i][None, :], -jnp.inf))
+        x_ii = _unit_lower_inverse(_dot_t(kb, ks[i], dot_dtype) * gam, sub)
+        rw = ks[i] * (beta * jnp.exp(gcs[i]))[:, None]  # [S, Dk]
+        ru = v_ref[r].astype(f32) * beta[:, None]  # [S, Dv]
+        for j in range(i):
+            a_ij = _dot_t(kb, ks[j], dot_dtype) * jnp.exp(gcs[i][:, None] - gcs[j][None, :])
+            rw = rw - _dot(a_ij, ws[j], dot_dtype)
+            ru = ru - _dot(a_ij, us[j], dot_dtype)
+        ws.append(_dot(x_ii, rw, dot_dtype))
+        us.append(_dot(x_ii, ru, dot_dtype))
+        w_ref[r, :] = ws[i].astype(w_ref.dtype)
+        u_ref[r, :] = us[i].astype(u_ref.dtype)
+        kd_ref[r, :] = (ks[i] * jnp.exp(g_last - gcs[i])[:, None]).astype(kd_ref.dtype)
+        gc_ref[r] = gcs[i]
+
+
+def intra_chunk_blocked(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=False,
+                        num_warps=4, num_stages=2):
+    """Kernel 1 of the fused path, blocked solve.
+
+    Args:
+      k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv]; g, beta: [N, T, Hv] (T a multiple of chunk).
+    Returns:
+      w, kd [N, T, Hv, Dk] and u [N, T, Hv, Dv] in dot_dtype (default v's dtype), gc [N, T, Hv]
+      float32 (gates cumulated inside each chunk).
+    """
+    n, t_len, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    if t_len % chunk:
+        raise ValueError(f"gated_delta intra_chunk_blocked: T={t_len} not a multiple of "
+                         f"chunk={chunk}")
+    sub = min(_SUB, chunk)
+    if chunk % sub or sub & (sub - 1):
+        raise ValueError(f"gated_delta intra_chunk_blocked: chunk={chunk} must be a multiple of "
+                         f"{sub} (a power of 2)")
+    dot_dtype = v.dtype if dot_dtype is None else dot_dtype
+    rep = hv // hk
+
+    def tok(d, key=False):
+        if key:
+            return pl.BlockSpec((None, chunk, None, d), lambda b, c, h: (b, c, h // rep, 0))
+        return pl.BlockSpec((None, chunk, None, d), lambda b, c, h: (b, c, h, 0))
+    gate = pl.BlockSpec((None, chunk, None), lambda b, c, h: (b, c, h))
+    return pl.pallas_call(
+        functools.partial(_intra_blocked_kernel, chunk=chunk, sub=sub, dot_dtype=dot_dtype),
+        grid=(n, t_len // chunk, hv),
+        in_specs=[tok(dk, True), tok(dv), gate, gate],
+        out_specs=[tok(dk), tok(dv), tok(dk), gate],
+        out_shape=[jax.ShapeDtypeStruct((n, t_len, hv, dk), dot_dtype),
+                   jax.ShapeDtypeStruct((n, t_len, hv, dv), dot_dtype),
+                   jax.ShapeDtypeStruct((n, t_len, hv, dk), dot_dtype),
+                   jax.ShapeDtypeStruct((n, t_len, hv), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(k, v, g.astype(jnp.float32), beta)

@@ -1,0 +1,152 @@
+"""Sequential state scan of the fused chunked gated delta rule (Pallas, Triton backend).
+
+Grid (N, Hv, Dv / BV): each program walks all chunks of one sequence for one value head and BV
+value columns, its float32 state slice in registers. Per chunk c (rows of the [N, T, H, D] inputs):
+    states[c] = S (dot dtype, for the output kernel); checkpoint slot[c] <- S (float32, if asked)
+    V' = U_c - W_c S ;  S = exp(gc_last) S + KD_c^T V'
+Two state layouts:
+  - "kv": S is [Dk, BV]; S and V' are the right-hand (B) operands of the two MMAs, so each step
+    moves them from the accumulator layout through shared memory.
+  - "vk": S^T is [BV, Dk] (like fla's state_v_first); V'^T = U^T - S^T W^T and
+    S^T = exp(gc_last) S^T + V'^T KD make S^T and V'^T the left-hand (A) operands, which Triton can
+    feed from registers; W and KD, loaded from memory, are the B operands. States, final state and
+    checkpoints come out as [.., Dv, Dk] (the wrapper transposes final / checkpoints back).
+Checkpoint stores: "when" (branch on slot >= 0) or "mask" (predicated store, no branch); with no
+checkpoints asked the kernel has no checkpoint code at all.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t, dot_tn as _dot_tn
+
+LAYOUTS = ("kv", "vk")
+CKPT_STORES = ("when", "mask")
+
+
+def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout):
+    """One chunk: V' (stored) from the state s entering chunk c, and the state leaving it."""
+    rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    if layout == "kv":  # s [Dk, BV]
+        v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], s, dot_dtype)
+        vnew_ref[rows, :] = v_new.astype(vnew_ref.dtype)
+        return s * dl_ref[c] + _dot_tn(kd_ref[rows, :], v_new, dot_dtype)
+    # s = S^T [BV, Dk]
+    v_t = u_ref[rows, :].astype(jnp.float32).T - _dot_t(s, w_ref[rows, :], dot_dtype)
+    vnew_ref[rows, :] = v_t.T.astype(vnew_ref.dtype)
+    return s * dl_ref[c] + _dot(v_t, kd_ref[rows, :], dot_dtype)
+
+
+def saver(slot_ref, ckpt_ref, store="when"):
+    """save(c, s): write s to checkpoint slot slot_ref[c] if that is >= 0 (no-op without refs)."""
+    if slot_ref is None:
+        return lambda c, s: None
+
+    def save(c, s):
+        slot = slot_ref[c]
+        if store == "mask":
+            plgpu.store(ckpt_ref.at[jnp.maximum(slot, 0)], s,
+                        mask=jnp.broadcast_to(slot >= 0, s.shape))
+            return
+
+        @pl.when(slot >= 0)
+        def _():
+            ckpt_ref[slot] = s
+    return save
+
+
+def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, dot_dtype, layout,
+                 store, with_ckpt):
+    # w/kd [T, Dk]; u/vnew [T, BV]; dl [NT]; "kv": s0/final [Dk, BV], states [NT, Dk, BV],
+    # ckpt [M, Dk, BV]; "vk": the same with the last two axes swapped; slot [NT + 1]
+    if with_ckpt:
+        slot_ref, vnew_ref, states_ref, final_ref, ckpt_ref = refs
+    else:
+        (vnew_ref, states_ref, final_ref), slot_ref, ckpt_ref = refs, None, None
+    save = saver(slot_ref, ckpt_ref, store)
+
+    def body(c, s):
+        states_ref[c] = s.astype(states_ref.dtype)
+        save(c, s)
+        return step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
+                    dot_dtype=dot_dtype, layout=layout)
+
+    s = jax.lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(jnp.float32))
+    final_ref[...] = s
+    save(n_chunks, s)
+
+
+def state_scan(w, u, kd, dl, state0, slot_map=None, n_ckpt=1, *, chunk=64, block_v=16,
+               layout="vk", ckpt_store="when", dot_dtype=None, num_warps=4, num_stages=2,
+               interpret=False):
+    """Run the scan kernel.
+
+    Args:
+      w, kd: [N, T, Hv, Dk]; u: [N, T, Hv, Dv] (from the intra-chunk kernel).
+      dl: [N, Hv, NT] float32 per-chunk total decay exp(gc_last).
+      state0: [N, Hv, Dk, Dv] float32.
+      slot_map: None (no checkpoints) or [N, NT + 1] int32, the checkpoint slot in [0, n_ckpt)
+        that boundary j writes (boundary j = state entering chunk j; NT = final), -1 for none.
+    Returns:
+      v_new [N, T, Hv, Dv] (dot dtype); states entering each chunk, [N, Hv, NT, Dk, Dv] ("kv") or
+      [N, Hv, NT, Dv, Dk] ("vk"), dot dtype; final [N, Hv, Dk, Dv] float32; checkpoint slots
+      [N, Hv, n_ckpt, Dk, Dv] float32 (None without slot_map).
+    """
+    if layout not in LAYOUTS or ckpt_store not in CKPT_STORES:
+        raise ValueError(f"gated_delta state_scan: layout must be one of {LAYOUTS} and ckpt_store "
+                         f"one of {CKPT_STORES}, got {layout!r}, {ckpt_store!r}")
+    n, t_len, hv, dk = w.shape
+    dv = u.shape[-1]
+    nt = t_len // chunk
+    block_v = min(block_v, dv)
+    if dv % block_v:
+        raise ValueError(f"gated_delta state_scan: Dv={dv} not a multiple of block_v={block_v}")
+    dot_dtype = w.dtype if dot_dtype is None else dot_dtype
+    vk = layout == "vk"
+
+    def st_spec(*lead):  # a [Dk, BV] ("kv") / [BV, Dk] ("vk") state block behind `lead` axes
+        nl = len(lead)
+        if vk:
+            return pl.BlockSpec((None, None, *lead, block_v, dk),
+                                lambda b, h, j: (b, h, *([0] * nl), j, 0))
+        return pl.BlockSpec((None, None, *lead, dk, block_v),
+                            lambda b, h, j: (b, h, *([0] * nl), 0, j))
+
+    def st_shape(*lead, dtype):
+        return jax.ShapeDtypeStruct((n, hv, *lead, *((dv, dk) if vk else (dk, dv))), dtype)
+
+    seq_k = pl.BlockSpec((None, t_len, None, dk), lambda b, h, j: (b, 0, h, 0))
+    seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda b, h, j: (b, 0, h, j))
+    s0 = jnp.swapaxes(state0, -1, -2) if vk else state0
+    in_specs = [seq_k, seq_v, seq_k, pl.BlockSpec((None, None, nt), lambda b, h, j: (b, h, 0)),
+                st_spec()]
+    args = [w, u, kd, dl.astype(jnp.float32), s0.astype(jnp.float32)]
+    out_specs = [seq_v, st_spec(nt), st_spec()]
+    out_shape = [jax.ShapeDtypeStruct((n, t_len, hv, dv), dot_dtype),
+                 st_shape(nt, dtype=dot_dtype), st_shape(dtype=jnp.float32)]
+    with_ckpt = slot_map is not None
+    if with_ckpt:
+        in_specs.append(pl.BlockSpec((None, nt + 1), lambda b, h, j: (b, 0)))
+        args.append(slot_map.astype(jnp.int32))
+        out_specs.append(st_spec(n_ckpt))
+        out_shape.append(st_shape(n_ckpt, dtype=jnp.float32))
+    outs = pl.pallas_call(
+        functools.partial(_scan_kernel, n_chunks=nt, chunk=chunk, dot_dtype=dot_dtype,
+                          layout=layout, store=ckpt_store, with_ckpt=with_ckpt),
+        grid=(n, hv, dv // block_v),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(*args)
+    v_new, states, final = outs[:3]
+    ckpt = outs[3] if with_ckpt else None
+    if vk:
+        final = jnp.swapaxes(final, -1, -2)
+        ckpt = None if ckpt is None else jnp.swapaxes(ckpt, -1, -2)
+    return v_new, states, final, ckpt
