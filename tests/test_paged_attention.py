@@ -115,26 +115,29 @@ DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv
                                                       "rope": "page"}, 1.0),
     (jnp.bfloat16, 2, 4, 128, 64, 4, "position_free", {"kv_group": 2, "splits": 2,
                                                         "block_k": 16, "rope": "page_bf16"}, 0.8),
-    # prefetch: key tiles (and cos/sin) loaded one step ahead in registers; packed: bf16x2
-    # rotation (inline PTX when compiled, the same roundings in jnp when interpreted).
+    # packed: bf16x2 key rotation (inline PTX when compiled, the same roundings in jnp when
+    # interpreted); on by default for bf16, so the bf16 cases above use it unless packed=False.
     (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 2, "splits": 2,
                                                          "block_k": 16, "rope": "table_bf16",
-                                                         "max_position": 40, "packed": True,
-                                                         "prefetch": True}, 0.8),
+                                                         "max_position": 40, "packed": True},
+     0.8),
     (jnp.bfloat16, 2, 2, 64, 32, 8, "position_free", {"kv_group": 1, "splits": 3, "block_k": 32,
                                                        "packed": True}, 1.0),
-    (jnp.float32, 4, 2, 64, 16, 4, "position_free", {"kv_group": 4, "splits": 3, "block_k": 16,
-                                                      "rope": "table", "max_position": 64,
-                                                      "prefetch": True}, 1.0),
-    (jnp.float32, 2, 4, 64, 64, 4, "rotated", {"kv_group": 2, "splits": 2, "block_k": 16,
-                                               "prefetch": True}, 1.0),
+    (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 2, "splits": 2,
+                                                         "block_k": 16, "packed": False}, 0.8),
+    # max_position alone: rope defaults to table_bf16 (bf16) / table (fp32)
+    (jnp.bfloat16, 4, 2, 64, 64, 4, "position_free", {"kv_group": 4, "splits": 2, "block_k": 16,
+                                                      "max_position": 48}, 1.0),
+    (jnp.float32, 2, 4, 64, 64, 4, "position_free", {"kv_group": 2, "splits": 2, "block_k": 16,
+                                                     "max_position": 48}, 0.8),
 ]
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{jnp.dtype(c[0]).name}-K{c[1]}"
                          f"G{c[2]}-D{c[3]}R{c[4]}-{c[6]}-kvg{c[7]['kv_group']}s{c[7]['splits']}"
-                         f"bk{c[7]['block_k']}-{c[7].get('rope', 'trig')}"
-                         + "".join(f"-{f}" for f in ("packed", "prefetch") if c[7].get(f)))
+                         f"bk{c[7]['block_k']}-{c[7].get('rope', 'auto')}"
+                         + "".join(f"-{f}{c[7][f]}" for f in ("packed", "max_position")
+                                   if f in c[7]))
 def test_decode_kernel_matches_reference(case):
     """Decode kernel: partial outputs start as NaN, so unwritten rows would show."""
     dtype, kv_heads, group, head_dim, rot, page_size, kv_mode, opts, scaling = case

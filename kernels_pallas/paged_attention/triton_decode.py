@@ -12,6 +12,9 @@ per-key trig ("trig", default), an L2-resident position table ("table", "table_b
 per-key trig at all ("page", "page_bf16": queries turned back by each page's start, keys turned
 only by their slot in the page). Turning the query per key instead of the key costs G times the
 rotation work (G = H/K query heads per kv head) and does not map onto the dot, so keys are turned.
+What RoPE-at-read cost here was the rotation's instruction count (unpack bf16 -> f32, 4 FMAs per
+pair, repack), not table bytes or load pipelining (carrying key tiles one step ahead in registers
+was 1.6-2x slower): option `packed` (default for bf16) rotates two lanes per bf16x2 PTX FMA.
 """
 
 from __future__ import annotations
@@ -31,9 +34,8 @@ ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16")
 
 
 def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
-            v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *, heads, kv_heads, head_dim, page_size,
-            block_k, kv_group, splits, half, rotate_keys, rope, scaling, fast_trig, cdtype,
-            prefetch, packed):
+            v_ref, lse_in_ref, o_ref, lse_ref, *, heads, kv_heads, head_dim, page_size, block_k,
+            kv_group, splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed):
     group = heads // kv_heads
     pages_per_step = block_k // page_size
     split_rot = rotate_keys and half > 0
@@ -59,7 +61,6 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     hi = jnp.minimum(lo + per_split, n_steps)
     j = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
-    col_h = lax.broadcasted_iota(jnp.int32, (1, max(half, 1)), 1)
     if split_rot and rope != "table":
         inv = rope_ref[...].astype(jnp.float32)  # [R/2]
     if by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
@@ -117,28 +118,17 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
             return cos, sin, -sin
         return cos, sin
 
-    def load_keys(step, live):
-        """Key tiles of a step as stored (halves when rotating) for the kv_group heads, and the
-        step's cos/sin. prefetch: loaded one step ahead (masked by `live`: the look-ahead past
-        the last step moves no bytes) and carried in registers, so their latency overlaps the
-        current step's math instead of stalling it."""
-        k_pos, k_ok, row0 = tile_keys(step)
+    def load_keys(row0):
+        """Key tiles of a step as stored (halves when rotating) for the kv_group heads. Loading
+        them one step ahead into registers (carried by the loop) measured 1.6-2x slower."""
         tiles = []
         for i in range(kv_group):
             kv_row = row0 + hg * kv_group + i  # [N]
-            if prefetch:
-                ok = (k_ok & live)[:, None]
-                ld = lambda c0, width, cc: pltriton.load(
-                    k_ref.at[kv_row[:, None], c0 + cc], mask=ok & (cc < width), other=0.0)
-                lo_hi = (ld(0, half, col_h), ld(half, half, col_h)) if split_rot else ()
-                full = (ld(0, head_dim, col),) if not split_rot or rot < head_dim else ()
-            else:
-                lo_hi = ((k_ref[kv_row, pl.ds(0, half)], k_ref[kv_row, pl.ds(half, half)])
-                         if split_rot else ())
-                full = (k_ref[kv_row, :],) if not split_rot or rot < head_dim else ()
+            lo_hi = ((k_ref[kv_row, pl.ds(0, half)], k_ref[kv_row, pl.ds(half, half)])
+                     if split_rot else ())
+            full = (k_ref[kv_row, :],) if not split_rot or rot < head_dim else ()
             tiles.append(lo_hi + full)
-        cs = key_cos_sin(step, k_pos) if split_rot else ()
-        return tuple(tiles), cs
+        return tiles
 
     def turn_keys(k_lo, k_hi, cs):
         """Rotated halves of a key tile (f32 math, or bf16x2 FMAs when packed)."""
@@ -150,13 +140,10 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
         k_lo, k_hi = k_lo.astype(jnp.float32), k_hi.astype(jnp.float32)
         return k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
 
-    def body(step, carry):
-        state, ahead = carry
-        if prefetch:
-            (tiles, cs), ahead = ahead, load_keys(step + 1, step + 1 < hi)
-        else:
-            tiles, cs = load_keys(step, True)
+    def body(step, state):
         k_pos, k_ok, row0 = tile_keys(step)
+        tiles = load_keys(row0)
+        cs = key_cos_sin(step, k_pos) if split_rot else ()
         mask = row_ok[:, None] & (k_ok & (k_pos <= q_pos) & (k_pos >= q_win))[None, :]  # [M, N]
         if by_page:
             mask &= r_p[:, None] == (j // page_size)[None, :]
@@ -192,14 +179,13 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                               mask=k_ok[:, None] & (col < head_dim), other=0.0).astype(cdtype)
             acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)
             out.append((acc, m_new, l_i))
-        return tuple(out), ahead
+        return tuple(out)
 
     init = tuple((jnp.zeros((rows, head_dim), jnp.float32),
                   jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
                  for _ in range(kv_group))
     qs = [load_q(hg * kv_group + i) for i in range(kv_group)]  # loop-invariant query rows
-    ahead = load_keys(lo, lo < hi) if prefetch else ()
-    carry, _ = lax.fori_loop(lo, hi, body, (init, ahead))
+    carry = lax.fori_loop(lo, hi, body, init)
     for i in range(kv_group):
         acc, m_i, l_i = carry[i]
         if q_pages > 1:
@@ -244,9 +230,9 @@ def _merge_page_rows(acc, m_i, l_i, r_g, row_ok):
 def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                                   attention_scaling: float, sm_scale: float, kv_group: int = 2,
                                   splits: int | None = None, block_k: int | None = None,
-                                  num_warps: int = 4, num_stages: int = 2, rope: str = "trig",
-                                  max_position: int | None = None, prefetch: bool = False,
-                                  packed: bool = False, interpret: bool = False):
+                                  num_warps: int = 4, num_stages: int = 2,
+                                  rope: str | None = None, max_position: int | None = None,
+                                  packed: bool | None = None, interpret: bool = False):
     """Decode-only paged attention (each sequence has at most one query: row cu_q_lens[s]).
 
     q_rot [T, H, D] rotated by its positions; kv_group kv heads per program (cos/sin computed once
@@ -255,7 +241,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     benchmarks/RESULTS.md; kv_group 8 with block_k 64 overflows SMEM at D=128. Returns [T, H, D];
     rows that are no sequence's query are zero.
 
-    rope (position_free only) picks how keys get their cos/sin:
+    rope (position_free only) picks how keys get their cos/sin (default: "table_bf16" for bf16
+    inputs, "table" otherwise, when max_position is given; else "trig"):
       "trig": range reduction + SFU cos/sin of pos * inv_freq per key (shared by kv_group heads).
       "table", "table_bf16": gathered by key position from a [max_position, R] float32 / bfloat16
         table (cos | sin, attention_scaling folded in) built once per call (~4 MB f32 at 8192 x
@@ -267,11 +254,19 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         rows become pages_per_step x G, merged by log-sum-exp at the end).
       "page_bf16": "page" with the slot cos/sin and the key rotation in bf16 (for bf16 inputs; no
         float32 round trip of the keys, ~2x the rounding error of "page").
+    packed (bf16 inputs, rope trig/table/table_bf16; default on for those): keys rotated two
+      lanes per instruction (PTX mul/fma.rn.bf16x2, cos/sin in bf16) instead of unpacking to
+      float32: the rotation was the cost of RoPE-at-read here, not bytes or load pipelining.
     """
+    bf16 = q_rot.dtype == jnp.bfloat16
+    if rope is None:
+        rope = "trig" if max_position is None else "table_bf16" if bf16 else "table"
     if rope not in ROPE_MODES:
         raise ValueError(f"triton_decode: rope must be one of {ROPE_MODES}, got {rope!r}")
+    if packed is None:
+        packed = bf16 and not rope.startswith("page")
     packed = bool(packed) and rotate_keys and inv_freq.shape[0] > 0
-    if packed and (q_rot.dtype != jnp.bfloat16 or rope.startswith("page")):
+    if packed and (not bf16 or rope.startswith("page")):
         raise ValueError(f"triton_decode: packed=True (bf16x2 key rotation) needs bfloat16 "
                          f"inputs and rope trig/table/table_bf16, got {q_rot.dtype} and {rope!r}")
     tokens, heads, head_dim = q_rot.shape
@@ -301,25 +296,24 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
         rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling),
-        fast_trig=not interpret, cdtype=cdtype, prefetch=bool(prefetch),
-        packed=packed and (interpret or block_k * half >= 4 * 32 * num_warps))
-    # Partial outputs start as NaN (aliased in): a row the kernel fails to write poisons the
-    # merged result instead of passing silently. Costs one small fill per call.
-    o_init = jnp.full((n_out, head_dim), jnp.nan, jnp.float32)
+        fast_trig=not interpret, cdtype=cdtype,
+        packed=packed and (interpret or block_k * half >= 4 * 32 * num_warps))  # >= 4 per lane
+    # Partial log-sum-exps start as NaN (aliased in; out and lse rows are stored under the
+    # same mask): a row the kernel fails to write poisons the merged result instead of passing
+    # silently, at the cost of a [n_out] fill rather than [n_out, D].
     lse_init = jnp.full((n_out,), jnp.nan, jnp.float32)
     out, lse = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((n_out, head_dim), jnp.float32),
                    jax.ShapeDtypeStruct((n_out,), jnp.float32)),
-        input_output_aliases={11: 0, 12: 1},
+        input_output_aliases={11: 1},
         grid=(seqs, kv_heads // kv_group, splits),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_paged_attention",
     )(md.cu_q_lens, md.q_positions, md.q_window_start, md.num_blocks, md.block_tables,
       md.block_pos_start, md.block_num_valid,
-      rope_in, q_flat, k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), o_init,
-      lse_init)
+      rope_in, q_flat, k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), lse_init)
     n = splits * seqs * heads
     out = out[:n].reshape(splits, seqs, heads, head_dim)
     lse = lse[:n].reshape(splits, seqs, heads)
