@@ -47,7 +47,8 @@ def add_parser(p: argparse.ArgumentParser):
                    help="triton_decode RoPE-at-read variants (kernel option rope) to time")
     p.add_argument("--decode-variants", nargs="+", default=None, metavar="MODE[+OPT]",
                    help="triton_decode variants instead of rotated + --decode-rope: 'rotated' or a "
-                        "rope variant, each optionally +prefetch / +packed (kernel options)")
+                        "rope variant, each optionally +OPTION / +noOPTION (boolean kernel "
+                        "options, e.g. table_bf16+nopacked)")
     p.add_argument("--decode-configs", nargs="+", default=None, metavar="KVG,SPLITS,BK,W,S",
                    help="triton_decode configs (default: DECODE_KERNEL_SWEEP; splits 0 = auto)")
     p.add_argument("--decode-kernel-only", action="store_true",
@@ -217,7 +218,8 @@ def run(args) -> int:
                     rope, *flags = variant.split("+")
                     mode = "rotated" if rope == "rotated" else "position_free"
                     o = dict(opts, rope="trig" if mode == "rotated" else rope,
-                             max_position=ctx, **{f: True for f in flags})  # positions < ctx
+                             max_position=ctx,  # positions here are < ctx
+                             **{f.removeprefix("no"): not f.startswith("no") for f in flags})
                     fn = jax.jit(lambda q, k, v, md, mode=mode, o=o: paged_attention(
                         q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
                         kernel_options=o, interpret=args.interpret))

@@ -8,7 +8,8 @@ keys once; the key range of a sequence is split over `splits` programs (flash-de
 the GPU full, and the partial results are merged with their log-sum-exp outside the kernel.
 
 Kernel option `rope` picks where the keys' cos/sin come from (see decode_paged_attention_triton):
-per-key trig ("trig", default), an L2-resident position table ("table", "table_bf16"), or no
+per-key trig ("trig"), an L2-resident position table ("table", "table_bf16": the default when
+the caller gives max_position), or no
 per-key trig at all ("page", "page_bf16": queries turned back by each page's start, keys turned
 only by their slot in the page). Turning the query per key instead of the key costs G times the
 rotation work (G = H/K query heads per kv head) and does not map onto the dot, so keys are turned.
