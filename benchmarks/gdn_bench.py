@@ -125,6 +125,9 @@ SCAN_CONFIGS = ([("kv", 16, 4, 2)]
                 + [("vk", 64, 8, 2), ("vk", 128, 4, 2), ("vk", 128, 8, 2)]
                 + [("kv", bv, nw, ns) for bv in (16, 32) for nw in (2, 4) for ns in (1, 2, 3)
                    if (bv, nw, ns) != (16, 4, 2)])
+# (block_v, num_warps, num_stages) of "vk" scans reading U^T / writing V'^T (not yet wired into
+# fused_best: measured alone)
+SCAN_UT_CONFIGS = [(16, 1, 2), (16, 2, 2), (32, 2, 2), (32, 4, 2), (64, 4, 2)]
 INTRA_CONFIGS = [("subst", 4), ("subst", 8), ("blocked", 1), ("blocked", 2), ("blocked", 4),
                  ("blocked", 8)]
 
@@ -175,6 +178,12 @@ def sweep(inputs, reps, deadline):
     ref_scan = jax.jit(functools.partial(scan_fused.state_scan, layout="kv", block_v=16))(
         w, u, kd, dl, s0)
     states = {}
+    u_t = jnp.transpose(u, (0, 2, 3, 1))  # [N, Hv, Dv, T] for the u_transposed scans
+    ref_vt = jnp.transpose(ref_scan[0], (0, 2, 3, 1))
+    for bv, nw, ns in SCAN_UT_CONFIGS:
+        timed("scan", f"vkT_bv{bv}_w{nw}_s{ns}", functools.partial(
+            scan_fused.state_scan, layout="vk", block_v=bv, num_warps=nw, num_stages=ns,
+            u_transposed=True), (w, u_t, kd, dl, s0), [(0, ref_vt), (2, ref_scan[2])])
     for layout, bv, nw, ns in SCAN_CONFIGS:
         out = timed("scan", f"{layout}_bv{bv}_w{nw}_s{ns}", functools.partial(
             scan_fused.state_scan, layout=layout, block_v=bv, num_warps=nw, num_stages=ns),
@@ -188,8 +197,8 @@ def sweep(inputs, reps, deadline):
                 out_dtype=bf16, num_warps=nw, states_t=layout == "vk"),
                 (q, k, gc, out[0], out[1]))
 
-    def fastest(part, prefix=""):
-        ok = [r for r in rows if r["part"] == part and r["variant"].startswith(prefix)
+    def fastest(part, *prefixes):
+        ok = [r for r in rows if r["part"] == part and r["variant"].startswith(prefixes or "")
               and (r["rel_err"] is None or r["rel_err"] < 2e-2)]
         return min(ok, key=lambda r: r["ms"])["variant"] if ok else None
 
@@ -197,7 +206,7 @@ def sweep(inputs, reps, deadline):
     if (name := fastest("intra")):
         kind, nw = name.split("_w")
         best.update(intra=kind, intra_warps=int(nw))
-    if (name := fastest("scan")):
+    if (name := fastest("scan", "kv_", "vk_")):  # the layouts fused_gated_delta has
         layout, bv, nw, ns = name.split("_")
         best.update(layout=layout, block_v=int(bv[2:]), scan_warps=int(nw[1:]),
                     scan_stages=int(ns[1:]))

@@ -30,16 +30,20 @@ LAYOUTS = ("kv", "vk")
 CKPT_STORES = ("when", "mask")
 
 
-def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout):
+def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout, ut=False):
     """One chunk: V' (stored) from the state s entering chunk c, and the state leaving it."""
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     if layout == "kv":  # s [Dk, BV]
         v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], s, dot_dtype)
         vnew_ref[rows, :] = v_new.astype(vnew_ref.dtype)
         return s * dl_ref[c] + _dot_tn(kd_ref[rows, :], v_new, dot_dtype)
-    # s = S^T [BV, Dk]
-    v_t = u_ref[rows, :].astype(jnp.float32).T - _dot_t(s, w_ref[rows, :], dot_dtype)
-    vnew_ref[rows, :] = v_t.T.astype(vnew_ref.dtype)
+    # s = S^T [BV, Dk]; with ut, U and V' are stored transposed ([BV, T] blocks)
+    u_t = u_ref[:, rows] if ut else u_ref[rows, :].T
+    v_t = u_t.astype(jnp.float32) - _dot_t(s, w_ref[rows, :], dot_dtype)
+    if ut:
+        vnew_ref[:, rows] = v_t.astype(vnew_ref.dtype)
+    else:
+        vnew_ref[rows, :] = v_t.T.astype(vnew_ref.dtype)
     return s * dl_ref[c] + _dot(v_t, kd_ref[rows, :], dot_dtype)
 
 
@@ -62,7 +66,7 @@ def saver(slot_ref, ckpt_ref, store="when"):
 
 
 def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, dot_dtype, layout,
-                 store, with_ckpt):
+                 store, with_ckpt, ut):
     # w/kd [T, Dk]; u/vnew [T, BV]; dl [NT]; "kv": s0/final [Dk, BV], states [NT, Dk, BV],
     # ckpt [M, Dk, BV]; "vk": the same with the last two axes swapped; slot [NT + 1]
     if with_ckpt:
@@ -75,7 +79,7 @@ def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, d
         states_ref[c] = s.astype(states_ref.dtype)
         save(c, s)
         return step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
-                    dot_dtype=dot_dtype, layout=layout)
+                    dot_dtype=dot_dtype, layout=layout, ut=ut)
 
     s = jax.lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(jnp.float32))
     final_ref[...] = s
@@ -84,7 +88,7 @@ def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, d
 
 def state_scan(w, u, kd, dl, state0, slot_map=None, n_ckpt=1, *, chunk=64, block_v=16,
                layout="vk", ckpt_store="when", dot_dtype=None, num_warps=4, num_stages=2,
-               interpret=False):
+               interpret=False, u_transposed=False):
     """Run the scan kernel.
 
     Args:
@@ -93,8 +97,9 @@ def state_scan(w, u, kd, dl, state0, slot_map=None, n_ckpt=1, *, chunk=64, block
       state0: [N, Hv, Dk, Dv] float32.
       slot_map: None (no checkpoints) or [N, NT + 1] int32, the checkpoint slot in [0, n_ckpt)
         that boundary j writes (boundary j = state entering chunk j; NT = final), -1 for none.
+      u_transposed: u is [N, Hv, Dv, T] and v_new comes out so ("vk" only).
     Returns:
-      v_new [N, T, Hv, Dv] (dot dtype); states entering each chunk, [N, Hv, NT, Dk, Dv] ("kv") or
+      v_new [N, T, Hv, Dv] (dot dtype; [N, Hv, Dv, T] with u_transposed); states entering each chunk, [N, Hv, NT, Dk, Dv] ("kv") or
       [N, Hv, NT, Dv, Dk] ("vk"), dot dtype; final [N, Hv, Dk, Dv] float32; checkpoint slots
       [N, Hv, n_ckpt, Dk, Dv] float32 (None without slot_map).
     """
@@ -102,7 +107,9 @@ def state_scan(w, u, kd, dl, state0, slot_map=None, n_ckpt=1, *, chunk=64, block
         raise ValueError(f"gated_delta state_scan: layout must be one of {LAYOUTS} and ckpt_store "
                          f"one of {CKPT_STORES}, got {layout!r}, {ckpt_store!r}")
     n, t_len, hv, dk = w.shape
-    dv = u.shape[-1]
+    dv = u.shape[2] if u_transposed else u.shape[-1]
+    if u_transposed and layout != "vk":
+        raise ValueError("gated_delta state_scan: u_transposed needs layout 'vk'")
     nt = t_len // chunk
     block_v = min(block_v, dv)
     if dv % block_v:
@@ -123,12 +130,16 @@ def state_scan(w, u, kd, dl, state0, slot_map=None, n_ckpt=1, *, chunk=64, block
 
     seq_k = pl.BlockSpec((None, t_len, None, dk), lambda b, h, j: (b, 0, h, 0))
     seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda b, h, j: (b, 0, h, j))
+    v_shape = (n, t_len, hv, dv)
+    if u_transposed:
+        seq_v = pl.BlockSpec((None, None, block_v, t_len), lambda b, h, j: (b, h, j, 0))
+        v_shape = (n, hv, dv, t_len)
     s0 = jnp.swapaxes(state0, -1, -2) if vk else state0
     in_specs = [seq_k, seq_v, seq_k, pl.BlockSpec((None, None, nt), lambda b, h, j: (b, h, 0)),
                 st_spec()]
     args = [w, u, kd, dl.astype(jnp.float32), s0.astype(jnp.float32)]
     out_specs = [seq_v, st_spec(nt), st_spec()]
-    out_shape = [jax.ShapeDtypeStruct((n, t_len, hv, dv), dot_dtype),
+    out_shape = [jax.ShapeDtypeStruct(v_shape, dot_dtype),
                  st_shape(nt, dtype=dot_dtype), st_shape(dtype=jnp.float32)]
     with_ckpt = slot_map is not None
     if with_ckpt:
@@ -138,7 +149,8 @@ def state_scan(w, u, kd, dl, state0, slot_map=None, n_ckpt=1, *, chunk=64, block
         out_shape.append(st_shape(n_ckpt, dtype=jnp.float32))
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, n_chunks=nt, chunk=chunk, dot_dtype=dot_dtype,
-                          layout=layout, store=ckpt_store, with_ckpt=with_ckpt),
+                          layout=layout, store=ckpt_store, with_ckpt=with_ckpt,
+                          ut=u_transposed),
         grid=(n, hv, dv // block_v),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
