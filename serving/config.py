@@ -48,9 +48,10 @@ class Config:
     # Kernel for steps that are decode-only (one query per sequence). None: "triton_decode" on a
     # GPU when attn_impl is None (1.3-1.5x faster there, benchmarks/RESULTS.md), else attn_impl.
     decode_attn_impl: str | None = None
-    # kernel_options for decode-only steps, e.g. {"rope": "table"} (the RoPE-at-read variant that
-    # measured fastest, benchmarks/RESULTS.md; "max_position" defaults to max_model_len). Off by
-    # default until measured end to end in the engine.
+    # kernel_options for decode-only steps, e.g. {"rope": "table"} ("max_position" defaults to
+    # max_model_len). None: with the triton_decode kernel and max_model_len <= 16384, only
+    # {"max_position": max_model_len}, so the kernel's default for a known bound (table RoPE,
+    # measured faster end to end: benchmarks/RESULTS.md, engine run 4) applies; {} = no options.
     decode_attn_options: dict | None = None
     watermark_blocks: int = 0  # free blocks kept back at admission (decode headroom)
     # write_kv implementation for attention layers (Llama family): None = the Pallas row copy

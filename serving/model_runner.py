@@ -273,9 +273,26 @@ def _decode_impl(config) -> str | None:
     return config.attn_impl
 
 
+# Largest max_model_len for which decode steps hand the kernel a position bound by default
+# (the triton_decode kernel then gathers key cos/sin from a [max_position, R] table instead of
+# computing them per key; the table should stay small enough to live in L2).
+DEFAULT_TABLE_MAX_POSITION = 16384
+
+
 def _decode_options(config) -> dict:
-    """kernel_options of decode-only steps; table RoPE variants get max_position = max_model_len."""
-    options = dict(config.decode_attn_options or {})
+    """kernel_options of decode-only steps; table RoPE variants get max_position = max_model_len.
+
+    With decode_attn_options=None and the triton_decode kernel, max_position = max_model_len
+    (up to DEFAULT_TABLE_MAX_POSITION) is passed, so the kernel's default RoPE-at-read variant for
+    a known bound applies (table lookups: 5.8% faster decode step than per-key trig, engine bench
+    in benchmarks/RESULTS.md). Pass decode_attn_options={} to keep the kernel's unbounded
+    default."""
+    if config.decode_attn_options is None:
+        if _decode_impl(config) == "triton_decode" and \
+                config.max_model_len <= DEFAULT_TABLE_MAX_POSITION:
+            return {"max_position": config.max_model_len}
+        return {}
+    options = dict(config.decode_attn_options)
     if str(options.get("rope", "")).startswith("table"):
         options.setdefault("max_position", config.max_model_len)
     return options
