@@ -19,9 +19,11 @@ Two steps behind `api.paged_attention(implementation="mosaic_prefill")`:
    column vector) against each row's position and window start. All ranges are computed on device
    from the metadata, so the whole op is jittable.
 
-Output rows: a warpgroup whose 64 rows all belong to its sequence stores them by TMA straight into
-[T, H, D]; the partial tail of a sequence goes to a side buffer [S, H, 128, D] and is scattered into
-place after the kernel (a TMA box cannot stop at a sequence end).
+Rows: a sequence's tiles start at its first row rounded down to a multiple of 8 (Mosaic GPU needs
+TMA row offsets it can prove 8-aligned), so a tile may compute a few rows of its neighbours. A
+warpgroup whose 64 rows all belong to its sequence stores them by TMA straight into [T, H, D]; the
+others (at most the first and the last tile of a sequence) go to a side buffer [S, 2, H, 128, D]
+and are scattered into place after the kernel (a TMA box cannot stop at a sequence boundary).
 
 Limits (mosaic_prefill_limits): bf16/f16, head_dim 64 or 128 (SMEM), H a multiple of K.
 Interpret mode (CPU, Mosaic GPU interpreter) routes P through SMEM for the PV wgmma (the
@@ -46,8 +48,9 @@ STAGES = 2  # K/V ring depth
 _SENTINEL = 1 << 30  # position of pad / unused key slots: after every query
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
 _LOG2E = math.log2(math.e)
+_ALIGN = 8  # query tiles start at rows that are multiples of this (TMA box / SMEM tiling)
 # Columns of the per-tile schedule (int32 [NT, 8]).
-_SEQ, _START, _LO, _MLO, _MHI, _HI = range(6)
+_SEQ, _START, _LO, _MLO, _MHI, _HI, _Q0, _Q1 = range(8)
 
 
 def smem_bytes(head_dim: int, itemsize: int, interpret: bool = False) -> int:
@@ -110,23 +113,32 @@ def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_sc
     return lay_out(keys), lay_out(values), key_pos.astype(jnp.int32)
 
 
-def tile_schedule(md, key_pos, num_tokens: int):
-    """int32 [NT, 8]: per tile (seq or -1, first token, lo, mlo, mhi, hi) key steps; see module doc.
+def tile_rows(cu_q_lens):
+    """First row of each sequence's first tile (cu rounded down to _ALIGN) and its tile count."""
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    base = cu_q_lens[:-1] // _ALIGN * _ALIGN  # [S]
+    n_tiles = jnp.where(q_lens > 0, (cu_q_lens[1:] - base + TILE_Q - 1) // TILE_Q, 0)
+    return base, n_tiles
 
-    Tiles are TILE_Q tokens of one sequence, NT = ceil(T / TILE_Q) + S (a static bound); heavy
-    tiles (late in their sequence) come first so the causal tail of the grid is short.
+
+def tile_schedule(md, key_pos, num_tokens: int):
+    """int32 [NT, 8]: per tile (seq or -1, first row, lo, mlo, mhi, hi key steps, the sequence's
+    first and end rows); see module doc.
+
+    A sequence's tiles are TILE_Q rows starting at its first row rounded down to _ALIGN (a tile
+    may hold a few rows of the neighbouring sequences: computed, never stored); NT is a static
+    bound. Heavy tiles (late in their sequence) come first so the causal tail of the grid is short.
     """
     seqs = md.cu_q_lens.shape[0] - 1
     cu = md.cu_q_lens
-    num_tiles = -(-num_tokens // TILE_Q) + seqs
-    q_lens = cu[1:] - cu[:-1]
-    n_tiles = (q_lens + TILE_Q - 1) // TILE_Q
+    num_tiles = -(-(num_tokens + _ALIGN * seqs) // TILE_Q) + seqs
+    base, n_tiles = tile_rows(cu)
     last = jnp.cumsum(n_tiles)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.searchsorted(last, tile, side="right").astype(jnp.int32)
     live_tile = seq < seqs
     seq = jnp.minimum(seq, seqs - 1)
-    start = cu[seq] + (tile - (last[seq] - n_tiles[seq])) * TILE_Q
+    start = base[seq] + (tile - (last[seq] - n_tiles[seq])) * TILE_Q
     start = jnp.where(live_tile, start, 0)
 
     steps = key_pos.shape[1] // BLOCK_KV
@@ -137,7 +149,7 @@ def tile_schedule(md, key_pos, num_tokens: int):
     k_max = jnp.where(ok, kp, -1).max(-1)
     full = ok.all(-1)
     rows = start[:, None] + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]  # [NT, TQ]
-    own = (rows < cu[seq + 1][:, None]) & live_tile[:, None]
+    own = (rows >= cu[seq][:, None]) & (rows < cu[seq + 1][:, None]) & live_tile[:, None]
     rows = jnp.clip(rows, 0, num_tokens - 1)
     qp, qw = md.q_positions[rows], md.q_window_start[rows]
     q_max = jnp.where(own, qp, -1).max(-1)[:, None]
@@ -156,8 +168,8 @@ def tile_schedule(md, key_pos, num_tokens: int):
     mlo = jnp.minimum(mlo, hi)
     mhi = jnp.min(jnp.where((idx >= mlo[:, None]) & ~no_mask, idx, steps), axis=1)
     mhi = jnp.minimum(mhi, hi)
-    sched = jnp.stack([jnp.where(live_tile, seq, -1), start, lo, mlo, mhi, hi,
-                       jnp.zeros_like(lo), jnp.zeros_like(lo)], axis=1).astype(jnp.int32)
+    sched = jnp.stack([jnp.where(live_tile, seq, -1), start, lo, mlo, mhi, hi, cu[seq],
+                       cu[seq + 1]], axis=1).astype(jnp.int32)
     return sched[::-1]  # heavy (late) tiles first; spare tiles (seq -1) were last
 
 
@@ -180,7 +192,7 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
     @pl.when((seq >= 0) & (wg < 2))
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        row0 = start + wg * BLOCK_Q
+        row0 = pl.multiple_of(start + wg * BLOCK_Q, _ALIGN)
         qo = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BLOCK_Q), h], qo, q_bar.at[wg])
         plgpu.copy_gmem_to_smem(qpos_ref.at[pl.ds(row0, BLOCK_Q)], qpos_smem.at[wg], q_bar.at[wg])
@@ -267,7 +279,11 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
         l_i = jnp.where(l_i == 0.0, 1.0, l_i)
         qo[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
-        whole = row0 + BLOCK_Q <= sched_ref[t, 6]  # all 64 rows belong to this sequence
+        # Whole: all 64 rows belong to this sequence. Else the rows go to the side buffer: slot 0
+        # for the sequence's first tile, 1 for its last (a tile never starts past its seq's start
+        # unless it is not the first).
+        whole = (row0 >= sched_ref[t, _Q0]) & (row0 + BLOCK_Q <= sched_ref[t, _Q1])
+        side_slot = (start > sched_ref[t, _Q0]).astype(jnp.int32)
 
         @pl.when(whole)
         def _():
@@ -275,7 +291,8 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
 
         @pl.when(jnp.logical_not(whole))
         def _():
-            plgpu.copy_smem_to_gmem(qo, side_ref.at[seq, h, pl.ds(wg * BLOCK_Q, BLOCK_Q)])
+            plgpu.copy_smem_to_gmem(
+                qo, side_ref.at[seq, side_slot, h, pl.ds(wg * BLOCK_Q, BLOCK_Q)])
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -327,8 +344,6 @@ def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_ke
     k_buf, v_buf, key_pos = gather_kv(k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
                                       attention_scaling=attention_scaling)
     sched = tile_schedule(md, key_pos, tokens)
-    seq_end = md.cu_q_lens[jnp.maximum(sched[:, _SEQ], 0) + 1]
-    sched = sched.at[:, 6].set(seq_end)
     num_tiles = sched.shape[0]
     # Rows past T (a tile's tail) read zeros / position -1 (sees no key).
     q_in = jnp.pad((q_rot.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(dtype),
@@ -357,21 +372,23 @@ def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_ke
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((tokens, heads, head_dim), dtype),
-                  jax.ShapeDtypeStruct((seqs, heads, TILE_Q, head_dim), dtype)),
+                  jax.ShapeDtypeStruct((seqs, 2, heads, TILE_Q, head_dim), dtype)),
         grid=(heads, num_tiles), grid_names=("h", "t"), num_threads=3, thread_name="wg",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
     out, side = call(sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win)
 
-    # Scatter each sequence's partial tail (its last tile's warpgroups that were not whole).
+    # Scatter the rows of the warpgroups that were not whole (first and last tile of a sequence).
     cu = md.cu_q_lens
-    q_lens = cu[1:] - cu[:-1]
-    last_start = cu[:-1] + jnp.maximum(q_lens - 1, 0) // TILE_Q * TILE_Q  # [S]
+    base, n_tiles = tile_rows(cu)
+    first = jnp.stack([base, base + jnp.maximum(n_tiles - 1, 0) * TILE_Q], 1)  # [S, 2]
     r = jnp.arange(TILE_Q, dtype=jnp.int32)
-    tok = last_start[:, None] + r[None, :]  # [S, TQ]
-    chunk_end = last_start[:, None] + (r[None, :] // BLOCK_Q + 1) * BLOCK_Q
-    take = (tok < cu[1:, None]) & (chunk_end > cu[1:, None])
+    tok = first[:, :, None] + r  # [S, 2, TQ]
+    chunk = first[:, :, None] + r // BLOCK_Q * BLOCK_Q
+    lo, hi = cu[:-1, None, None], cu[1:, None, None]
+    take = (tok >= lo) & (tok < hi) & ((chunk < lo) | (chunk + BLOCK_Q > hi))
+    take &= jnp.array([True, False])[None, :, None] | (n_tiles > 1)[:, None, None]
     dest = jnp.where(take, tok, tokens).reshape(-1)
-    rows = jnp.moveaxis(side, 1, 2).reshape(seqs * TILE_Q, heads, head_dim)
+    rows = jnp.moveaxis(side, 2, 3).reshape(seqs * 2 * TILE_Q, heads, head_dim)
     return out.at[dest].set(rows, mode="drop")
