@@ -68,7 +68,8 @@ def run_fla(inputs, reps):
 # the fused path as measured in runs 2-3 (row-substitution solve, [Dk, BV] state, BV = 16)
 OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
                    scan_stages=2, ckpt_store="when", out_warps=4)
-CKPT_VARIANTS = ("pallas_blocked_bf16", "fused", "fused_old", "fused_best", "fused_best_mask")
+CKPT_VARIANTS = ("pallas_blocked_bf16", "fused", "fused_old", "fused_best", "fused_best_mask",
+                 "fused_when")
 
 
 def jax_variants():
@@ -108,6 +109,9 @@ def jax_variants():
         "fused": fused,  # fused_triton.DEFAULTS
         "fused_old": functools.partial(fused, **OLD_DEFAULT),
         "fused_bv32_old": functools.partial(fused, **{**OLD_DEFAULT, "block_v": 32}),
+        "fused_when": functools.partial(fused, ckpt_store="when"),  # checkpoint runs only
+        "fused_s4": functools.partial(fused, scan_stages=4),
+        "fused_kv": functools.partial(fused, layout="kv"),
         "intra_only_blocked_bf16": intra_only,
         "intra_only_trsm_bf16": functools.partial(intra_only, solve="trsm"),
         "xla_scan_trsm_f32": mk(implementation="xla", solve="trsm"),
@@ -275,7 +279,7 @@ def run(args):
         for name, fn in variants.items():
             for with_ck in (False, True):
                 if (with_ck and name not in CKPT_VARIANTS) or (
-                        not with_ck and name.endswith("_mask")):
+                        not with_ck and name.endswith(("_mask", "_when"))):
                     continue
                 try:
                     f = jax.jit(functools.partial(fn, ck=ck if with_ck else None))

@@ -72,10 +72,10 @@ def test_pallas_fused_interpret_matches_reference(fresh_rng):
             np.testing.assert_allclose(np.asarray(cks[b, m]), want, atol=2e-5)
 
 
-# (intra solve, state layout, checkpoint store, BV): the default and the other kernel options
+# the default and other kernel options (intra solve, state layout, checkpoint store, BV)
 FUSED_OPTIONS = [{}, dict(intra="subst", layout="kv", ckpt_store="mask", block_v=16),
-                 dict(layout="vk", ckpt_store="mask", block_v=32),
-                 dict(intra="subst", layout="vk", block_v=16)]
+                 dict(layout="vk", ckpt_store="when", block_v=32),
+                 dict(intra="subst", layout="kv", ckpt_store="segments", block_v=32)]
 
 
 @pytest.mark.parametrize("opts", FUSED_OPTIONS, ids=lambda o: "-".join(map(str, o.values()))
@@ -84,7 +84,7 @@ def test_fused_options_match_reference(fresh_rng, opts):
     """Chunk 64 (four 16-row sub-blocks in the blocked solve), GVA 2, Dv split in BV blocks;
     checkpoints (duplicates, 0, the end) equal the recurrence's states."""
     q, k, v, g, beta, s0 = _inputs(fresh_rng, 2, 128, 1, 2, 32, 32)
-    ck = jnp.array([[0, 1, 2], [1, 1, 2]])  # chunk indices (2 = final)
+    ck = jnp.array([[2, 0, 1], [1, 2, 1]])  # chunk indices (2 = final), unsorted, repeated
     run = jax.jit(lambda *a: fused_triton.fused_gated_delta(
         *a, scale=0.25, chunk=64, interpret=INTERPRET, **opts))
     out, final, cks = run(q, k, v, g, beta, s0, ck)

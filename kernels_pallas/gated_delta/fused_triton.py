@@ -128,8 +128,9 @@ def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_war
     raise ValueError(f"gated_delta fused: intra must be 'blocked' or 'subst', got {kind!r}")
 
 
-DEFAULTS = dict(intra="blocked", intra_warps=4, layout="vk", block_v=16, scan_warps=4,
-                scan_stages=2, ckpt_store="when", out_warps=4)
+# fastest correct options of the run-4 sweep (benchmarks/RESULTS.md, "Gated DeltaNet")
+DEFAULTS = dict(intra="blocked", intra_warps=2, layout="vk", block_v=16, scan_warps=4,
+                scan_stages=3, ckpt_store="segments", out_warps=4)
 
 
 def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=64,
@@ -148,28 +149,16 @@ def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=6
         raise ValueError(f"gated_delta fused_gated_delta: unknown options {sorted(unknown)}; "
                          f"known: {sorted(DEFAULTS)}")
     opt = {**DEFAULTS, **options}
-    n, t_len = k.shape[:2]
-    nt = t_len // chunk
     dot_dtype = v.dtype if dot_dtype is None else dot_dtype
     w, u, kd, gc = intra(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype, interpret=interpret,
                          kind=opt["intra"], num_warps=opt["intra_warps"])
     dl = jnp.moveaxis(jnp.exp(gc[:, chunk - 1::chunk, :]), 1, 2)  # [N, Hv, NT]
-    slot_map, n_ckpt = None, 1
-    if ckpt_idx is not None:
-        n_ckpt = ckpt_idx.shape[1]
-        slot_map = jnp.full((n, nt + 1), -1, jnp.int32).at[jnp.arange(n)[:, None], ckpt_idx].set(
-            jnp.arange(n_ckpt, dtype=jnp.int32)[None, :])
-    v_new, states, final, ckpt = scan_fused.state_scan(
-        w, u, kd, dl, state0.astype(jnp.float32), slot_map, n_ckpt, chunk=chunk,
+    v_new, states, final, ckpt_states = scan_fused.state_scan(
+        w, u, kd, dl, state0.astype(jnp.float32), ckpt_idx, chunk=chunk,
         block_v=opt["block_v"], layout=opt["layout"], ckpt_store=opt["ckpt_store"],
         dot_dtype=dot_dtype, num_warps=opt["scan_warps"], num_stages=opt["scan_stages"],
         interpret=interpret)
     out = output_fused(q, k, gc, v_new, states, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
                        out_dtype=v.dtype, interpret=interpret, num_warps=opt["out_warps"],
                        states_t=opt["layout"] == "vk")
-    ckpt_states = None
-    if ckpt_idx is not None:
-        winner = jnp.take_along_axis(slot_map, ckpt_idx, axis=1)  # [N, M] (duplicates share)
-        ckpt_states = jnp.take_along_axis(ckpt, winner[:, None, :, None, None], axis=2)
-        ckpt_states = jnp.moveaxis(ckpt_states, 2, 1)  # [N, M, Hv, Dk, Dv]
     return out, final, ckpt_states

@@ -11,7 +11,9 @@ Two state layouts:
     S^T = exp(gc_last) S^T + V'^T KD make S^T and V'^T the left-hand (A) operands, which Triton can
     feed from registers; W and KD, loaded from memory, are the B operands. States, final state and
     checkpoints come out as [.., Dv, Dk] (the wrapper transposes final / checkpoints back).
-Checkpoint stores: "when" (branch on slot >= 0) or "mask" (predicated store, no branch); with no
+Checkpoints (the carried float32 state at chunk boundaries): "segments" runs the chunk loop from
+one sorted boundary to the next and stores the state in between (default: no per-chunk checkpoint
+code), "when" branches on a per-boundary slot map every chunk, "mask" stores predicated; with no
 checkpoints asked the kernel has no checkpoint code at all.
 """
 
@@ -27,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t, dot_tn as _dot_tn
 
 LAYOUTS = ("kv", "vk")
-CKPT_STORES = ("when", "mask")
+CKPT_STORES = ("segments", "when", "mask")
 
 
 def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout, ut=False):
@@ -48,7 +50,7 @@ def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layo
 
 
 def saver(slot_ref, ckpt_ref, store="when"):
-    """save(c, s): write s to checkpoint slot slot_ref[c] if that is >= 0 (no-op without refs)."""
+    """save(c, s): write s to checkpoint slot slot_ref[c] if that is >= 0 (no-op without slots)."""
     if slot_ref is None:
         return lambda c, s: None
 
@@ -66,13 +68,18 @@ def saver(slot_ref, ckpt_ref, store="when"):
 
 
 def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, dot_dtype, layout,
-                 store, with_ckpt, ut):
-    # w/kd [T, Dk]; u/vnew [T, BV]; dl [NT]; "kv": s0/final [Dk, BV], states [NT, Dk, BV],
-    # ckpt [M, Dk, BV]; "vk": the same with the last two axes swapped; slot [NT + 1]
-    if with_ckpt:
-        slot_ref, vnew_ref, states_ref, final_ref, ckpt_ref = refs
+                 store, n_ckpt, ut):
+    # w/kd [T, Dk]; u/vnew [T, BV] ([BV, T] if ut); dl [NT]; "kv": s0/final [Dk, BV],
+    # states [NT, Dk, BV]; "vk": the same with the last two axes swapped.
+    # "segments": bnd/order [M] (sorted boundaries, their checkpoint index), ckpt [M, Dk, BV];
+    # "when"/"mask": slot [NT + 1], ckpt [M, Dk, BV] ("kv") / [M, BV, Dk] ("vk")
+    slot_ref = bnd_ref = order_ref = ckpt_ref = None
+    if not n_ckpt:
+        vnew_ref, states_ref, final_ref = refs
+    elif store == "segments":
+        bnd_ref, order_ref, vnew_ref, states_ref, final_ref, ckpt_ref = refs
     else:
-        (vnew_ref, states_ref, final_ref), slot_ref, ckpt_ref = refs, None, None
+        slot_ref, vnew_ref, states_ref, final_ref, ckpt_ref = refs
     save = saver(slot_ref, ckpt_ref, store)
 
     def body(c, s):
@@ -81,13 +88,22 @@ def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, d
         return step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
                     dot_dtype=dot_dtype, layout=layout, ut=ut)
 
-    s = jax.lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(jnp.float32))
+    s, start = s0_ref[...].astype(jnp.float32), 0
+    if bnd_ref is not None:  # run up to each boundary in turn; the loops hold no checkpoint code
+        def segment(p, carry):
+            s, start = carry
+            end = bnd_ref[p]
+            s = jax.lax.fori_loop(start, end, body, s)
+            ckpt_ref[order_ref[p]] = s.T if layout == "vk" else s
+            return s, end
+        s, start = jax.lax.fori_loop(0, n_ckpt, segment, (s, jnp.int32(0)))
+    s = jax.lax.fori_loop(start, n_chunks, body, s)
     final_ref[...] = s
     save(n_chunks, s)
 
 
-def state_scan(w, u, kd, dl, state0, slot_map=None, n_ckpt=1, *, chunk=64, block_v=16,
-               layout="vk", ckpt_store="when", dot_dtype=None, num_warps=4, num_stages=2,
+def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, layout="vk",
+               ckpt_store="segments", dot_dtype=None, num_warps=4, num_stages=3,
                interpret=False, u_transposed=False):
     """Run the scan kernel.
 
@@ -95,13 +111,16 @@ def state_scan(w, u, kd, dl, state0, slot_map=None, n_ckpt=1, *, chunk=64, block
       w, kd: [N, T, Hv, Dk]; u: [N, T, Hv, Dv] (from the intra-chunk kernel).
       dl: [N, Hv, NT] float32 per-chunk total decay exp(gc_last).
       state0: [N, Hv, Dk, Dv] float32.
-      slot_map: None (no checkpoints) or [N, NT + 1] int32, the checkpoint slot in [0, n_ckpt)
-        that boundary j writes (boundary j = state entering chunk j; NT = final), -1 for none.
+      ckpt_idx: None or [N, M] int32 chunk boundaries in [0, NT] (boundary j = the state entering
+        chunk j; NT = the final state) whose carried float32 state to return; repeats allowed.
+      ckpt_store: "segments" (the chunk loop runs from one sorted boundary to the next and
+        stores the state in between: no per-chunk checkpoint code), "when" (a branch on a
+        per-boundary slot map each chunk) or "mask" (a predicated store each chunk).
       u_transposed: u is [N, Hv, Dv, T] and v_new comes out so ("vk" only).
     Returns:
-      v_new [N, T, Hv, Dv] (dot dtype; [N, Hv, Dv, T] with u_transposed); states entering each chunk, [N, Hv, NT, Dk, Dv] ("kv") or
-      [N, Hv, NT, Dv, Dk] ("vk"), dot dtype; final [N, Hv, Dk, Dv] float32; checkpoint slots
-      [N, Hv, n_ckpt, Dk, Dv] float32 (None without slot_map).
+      v_new [N, T, Hv, Dv] ([N, Hv, Dv, T] with u_transposed), dot dtype; the states entering each
+      chunk, [N, Hv, NT, Dk, Dv] ("kv") or [N, Hv, NT, Dv, Dk] ("vk"), dot dtype; final
+      [N, Hv, Dk, Dv] float32; checkpoints [N, M, Hv, Dk, Dv] float32 (None without ckpt_idx).
     """
     if layout not in LAYOUTS or ckpt_store not in CKPT_STORES:
         raise ValueError(f"gated_delta state_scan: layout must be one of {LAYOUTS} and ckpt_store "
@@ -141,24 +160,42 @@ def state_scan(w, u, kd, dl, state0, slot_map=None, n_ckpt=1, *, chunk=64, block
     out_specs = [seq_v, st_spec(nt), st_spec()]
     out_shape = [jax.ShapeDtypeStruct(v_shape, dot_dtype),
                  st_shape(nt, dtype=dot_dtype), st_shape(dtype=jnp.float32)]
-    with_ckpt = slot_map is not None
-    if with_ckpt:
-        in_specs.append(pl.BlockSpec((None, nt + 1), lambda b, h, j: (b, 0)))
-        args.append(slot_map.astype(jnp.int32))
+    n_ckpt = 0 if ckpt_idx is None else ckpt_idx.shape[1]
+    slot_map = None
+    per_seq = lambda m: pl.BlockSpec((None, m), lambda b, h, j: (b, 0))  # noqa: E731
+    if n_ckpt and ckpt_store == "segments":
+        ckpt_idx = jnp.clip(ckpt_idx.astype(jnp.int32), 0, nt)
+        order = jnp.argsort(ckpt_idx, axis=1).astype(jnp.int32)
+        in_specs += [per_seq(n_ckpt), per_seq(n_ckpt)]
+        args += [jnp.take_along_axis(ckpt_idx, order, axis=1), order]
+        # written in the returned layout: a [Dk, BV] block of [N, M, Hv, Dk, Dv]
+        out_specs.append(pl.BlockSpec((None, n_ckpt, None, dk, block_v),
+                                      lambda b, h, j: (b, 0, h, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((n, n_ckpt, hv, dk, dv), jnp.float32))
+    elif n_ckpt:  # slot_map[n, j]: the slot boundary j writes (-1: none); repeats share one
+        slot_map = jnp.full((n, nt + 1), -1, jnp.int32).at[jnp.arange(n)[:, None], ckpt_idx].set(
+            jnp.arange(n_ckpt, dtype=jnp.int32)[None, :])
+        in_specs.append(per_seq(nt + 1))
+        args.append(slot_map)
         out_specs.append(st_spec(n_ckpt))
         out_shape.append(st_shape(n_ckpt, dtype=jnp.float32))
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, n_chunks=nt, chunk=chunk, dot_dtype=dot_dtype,
-                          layout=layout, store=ckpt_store, with_ckpt=with_ckpt,
-                          ut=u_transposed),
+                          layout=layout, store=ckpt_store, n_ckpt=n_ckpt, ut=u_transposed),
         grid=(n, hv, dv // block_v),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(*args)
     v_new, states, final = outs[:3]
-    ckpt = outs[3] if with_ckpt else None
     if vk:
         final = jnp.swapaxes(final, -1, -2)
-        ckpt = None if ckpt is None else jnp.swapaxes(ckpt, -1, -2)
+    ckpt = None
+    if slot_map is not None:
+        ckpt = jnp.swapaxes(outs[3], -1, -2) if vk else outs[3]  # [N, Hv, slots, Dk, Dv]
+        winner = jnp.take_along_axis(slot_map, ckpt_idx, axis=1)  # [N, M] slot holding each
+        ckpt = jnp.moveaxis(jnp.take_along_axis(ckpt, winner[:, None, :, None, None], axis=2),
+                            2, 1)
+    elif n_ckpt:
+        ckpt = outs[3]
     return v_new, states, final, ckpt
