@@ -87,7 +87,7 @@ def test_mosaic_prefill_compiled_path_lowers_for_cuda(head_dim, fresh_rng):
     from jax import export
     from kernels_pallas.paged_attention.mosaic_prefill import prefill_attention_mosaic
     q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 2, 2, head_dim, None, 0.3, True,
-                               [(40, 300, 0), (0, 20, 5)])
+                               [(40, 301, 0), (0, 20, 5)])  # T = 321: not a multiple of 8
     for rotate in (False, True):
         fn = jax.jit(lambda q, k, v, md, rotate=rotate: prefill_attention_mosaic(
             q, k, v, md, inv, rotate_keys=rotate, attention_scaling=1.0, sm_scale=0.1))

@@ -345,11 +345,14 @@ def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_ke
                                       attention_scaling=attention_scaling)
     sched = tile_schedule(md, key_pos, tokens)
     num_tiles = sched.shape[0]
-    # Rows past T (a tile's tail) read zeros / position -1 (sees no key).
+    # Row counts of tiled GMEM arrays must be multiples of _ALIGN. Rows past T (a tile's tail)
+    # read zeros / position -1 (sees no key).
+    rows_out = -(-tokens // _ALIGN) * _ALIGN
+    extra = rows_out - tokens + TILE_Q
     q_in = jnp.pad((q_rot.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(dtype),
-                   ((0, TILE_Q), (0, 0), (0, 0)))
-    q_pos = jnp.pad(md.q_positions, (0, TILE_Q), constant_values=-1)
-    q_win = jnp.pad(md.q_window_start, (0, TILE_Q))
+                   ((0, extra), (0, 0), (0, 0)))
+    q_pos = jnp.pad(md.q_positions, (0, extra), constant_values=-1)
+    q_win = jnp.pad(md.q_window_start, (0, extra))
 
     sw = plgpu.SwizzleTransform(128)
     tiled = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), sw)
@@ -371,7 +374,7 @@ def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_ke
     kernel = functools.partial(_kernel, group=heads // kv_heads, dtype=dtype, interpret=interp)
     call = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((tokens, heads, head_dim), dtype),
+        out_type=(jax.ShapeDtypeStruct((rows_out, heads, head_dim), dtype),
                   jax.ShapeDtypeStruct((seqs, 2, heads, TILE_Q, head_dim), dtype)),
         grid=(heads, num_tiles), grid_names=("h", "t"), num_threads=3, thread_name="wg",
         scratch_types=scratch,
@@ -391,4 +394,5 @@ def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_ke
     take &= jnp.array([True, False])[None, :, None] | (n_tiles > 1)[:, None, None]
     dest = jnp.where(take, tok, tokens).reshape(-1)
     rows = jnp.moveaxis(side, 2, 3).reshape(seqs * 2 * TILE_Q, heads, head_dim)
+    out = out[:tokens] if rows_out != tokens else out
     return out.at[dest].set(rows, mode="drop")
