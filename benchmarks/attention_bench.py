@@ -307,13 +307,22 @@ def run(args) -> int:
                 over = 100 * (t["position_free"] / t["rotated"] - 1)
                 print(f"  {case:<16} {impl} RoPE-at-read overhead {over:+.1f}%")
                 rows.append(dict(case=case, impl=impl, overhead_pct=over))
-            if impl == "mosaic_prefill":  # its gather(+rotate) pre-pass alone (in the time above)
-                from kernels_pallas.paged_attention.mosaic_prefill import gather_kv
+            if impl == "mosaic_prefill":  # its parts alone (all inside the times above)
+                from kernels_pallas.paged_attention import mosaic_prefill as mp
                 for mode in ("rotated", "position_free"):
-                    pre = jax.jit(lambda k, v, md, mode=mode: gather_kv(
+                    pre = jax.jit(lambda k, v, md, mode=mode: mp.gather_kv(
                         k, v, md, inv, rotate_keys=mode == "position_free", attention_scaling=1.0))
-                    _safe(rows, case, f"pre-pass alone {mode} (ms)", pre, k, v, md, work=flops,
-                          unit="tflops", **it)
+                    _safe(rows, case, f"part: gather(+rotate) {mode} (ms)", pre, k, v, md,
+                          work=flops, unit="tflops", **it)
+                prep = jax.jit(lambda q, k, v, md: mp.prepare(
+                    q, k, v, md, inv, rotate_keys=False, attention_scaling=1.0, sm_scale=D ** -0.5))
+                _safe(rows, case, "part: prepare rotated (ms)", prep, q, k, v, md, work=flops,
+                      unit="tflops", **it)
+                inputs = jax.block_until_ready(prep(q, k, v, md))
+                kern = jax.jit(lambda x: mp.run_kernel(x, kv_heads=K))
+                _safe(rows, case, "part: kernel alone (TFLOP/s)", kern, inputs, work=flops,
+                      unit="tflops", **it)
+                del inputs
         if args.sweep == "all":
             for bq, bk, nw, ns in PREFILL_SWEEP:
                 for mode in ("rotated", "position_free"):

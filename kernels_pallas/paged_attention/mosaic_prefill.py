@@ -3,7 +3,8 @@
 Two steps behind `api.paged_attention(implementation="mosaic_prefill")`:
 
 1. Pre-pass (XLA, one fusion): each sequence's keys and values are gathered through its block table
-   into contiguous buffers [S, K, N, D] (N = table entries x page size, padded to BLOCK_KV), keys
+   into contiguous buffers [S, N, K, D] (N = table entries x page size, padded to BLOCK_KV; the
+   pages' own row layout, so the gather moves whole pages and needs no transpose), keys
    rotated by their logical position in position_free mode (float32 math), pad slots zeroed, and a
    key-position row [S, N] written next to them (pads and unused entries get a sentinel position
    that no query can see). Both kv modes share the kernel; RoPE-at-read costs only the rotation here.
@@ -41,16 +42,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-BLOCK_Q = 64  # query rows per compute warpgroup (wgmma M)
-TILE_Q = 2 * BLOCK_Q  # query tokens per CTA
-BLOCK_KV = 128  # keys per step
+from kernels_pallas.paged_attention.mosaic_prefill_prep import (  # noqa: F401 (re-exported)
+    _ALIGN, _HI, _LO, _MHI, _MLO, _Q0, _Q1, _SEQ, _START, BLOCK_KV, BLOCK_Q, TILE_Q, gather_kv,
+    scatter_tails, tile_schedule)
+
 STAGES = 2  # K/V ring depth
-_SENTINEL = 1 << 30  # position of pad / unused key slots: after every query
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
 _LOG2E = math.log2(math.e)
-_ALIGN = 8  # query tiles start at rows that are multiples of this (TMA box / SMEM tiling)
-# Columns of the per-tile schedule (int32 [NT, 8]).
-_SEQ, _START, _LO, _MLO, _MHI, _HI, _Q0, _Q1 = range(8)
 
 
 def smem_bytes(head_dim: int, itemsize: int, interpret: bool = False) -> int:
@@ -73,104 +71,6 @@ def mosaic_prefill_limits(q, k_pages) -> str:
     if need > _SMEM_LIMIT:
         return f"needs {need} bytes of shared memory; the H200 has {_SMEM_LIMIT} per block"
     return ""
-
-
-def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_scaling: float):
-    """Contiguous per-sequence K/V and key positions (the pre-pass).
-
-    Returns k, v [S, K, N, D] (keys rotated when rotate_keys; pad slots zero) and key_pos [S, N]
-    int32 (_SENTINEL for pad slots and unused entries), N = NB * B rounded up to BLOCK_KV.
-    """
-    seqs, max_blocks = md.block_tables.shape
-    num_pages, page_size, kv_heads, head_dim = k_pages.shape
-    n = max_blocks * page_size
-    n_pad = -(-n // BLOCK_KV) * BLOCK_KV
-    slot = jnp.arange(page_size, dtype=jnp.int32)
-    in_use = jnp.arange(max_blocks)[None, :] < md.num_blocks[:, None]  # [S, NB]
-    valid = (slot[None, None, :] < md.block_num_valid[:, :, None]) & in_use[:, :, None]
-    pos = md.block_pos_start[:, :, None] + slot  # [S, NB, B]
-    tables = jnp.clip(md.block_tables, 0, num_pages - 1)
-    keys = k_pages[tables]  # [S, NB, B, K, D]
-    values = v_pages[tables]
-    half = inv_freq.shape[0]
-    if rotate_keys and half:
-        ang = pos.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [S, NB, B, R/2]
-        cos = (jnp.cos(ang) * attention_scaling)[:, :, :, None, :]
-        sin = (jnp.sin(ang) * attention_scaling)[:, :, :, None, :]
-        x = keys.astype(jnp.float32)
-        lo, hi = x[..., :half], x[..., half:2 * half]
-        keys = jnp.concatenate([lo * cos - hi * sin, hi * cos + lo * sin, x[..., 2 * half:]], -1)
-    ok = valid[..., None, None]
-    keys = jnp.where(ok, keys, 0).astype(k_pages.dtype)  # pads may hold NaN
-    values = jnp.where(ok, values, 0).astype(v_pages.dtype)
-
-    def lay_out(x):  # [S, NB, B, K, D] -> [S, K, N_pad, D]
-        x = jnp.moveaxis(x.reshape(seqs, n, kv_heads, head_dim), 2, 1)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
-
-    key_pos = jnp.where(valid, pos, _SENTINEL).reshape(seqs, n)
-    key_pos = jnp.pad(key_pos, ((0, 0), (0, n_pad - n)), constant_values=_SENTINEL)
-    return lay_out(keys), lay_out(values), key_pos.astype(jnp.int32)
-
-
-def tile_rows(cu_q_lens):
-    """First row of each sequence's first tile (cu rounded down to _ALIGN) and its tile count."""
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    base = cu_q_lens[:-1] // _ALIGN * _ALIGN  # [S]
-    n_tiles = jnp.where(q_lens > 0, (cu_q_lens[1:] - base + TILE_Q - 1) // TILE_Q, 0)
-    return base, n_tiles
-
-
-def tile_schedule(md, key_pos, num_tokens: int):
-    """int32 [NT, 8]: per tile (seq or -1, first row, lo, mlo, mhi, hi key steps, the sequence's
-    first and end rows); see module doc.
-
-    A sequence's tiles are TILE_Q rows starting at its first row rounded down to _ALIGN (a tile
-    may hold a few rows of the neighbouring sequences: computed, never stored); NT is a static
-    bound. Heavy tiles (late in their sequence) come first so the causal tail of the grid is short.
-    """
-    seqs = md.cu_q_lens.shape[0] - 1
-    cu = md.cu_q_lens
-    num_tiles = -(-(num_tokens + _ALIGN * seqs) // TILE_Q) + seqs
-    base, n_tiles = tile_rows(cu)
-    last = jnp.cumsum(n_tiles)
-    tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(last, tile, side="right").astype(jnp.int32)
-    live_tile = seq < seqs
-    seq = jnp.minimum(seq, seqs - 1)
-    start = base[seq] + (tile - (last[seq] - n_tiles[seq])) * TILE_Q
-    start = jnp.where(live_tile, start, 0)
-
-    steps = key_pos.shape[1] // BLOCK_KV
-    kp = key_pos.reshape(seqs, steps, BLOCK_KV)
-    ok = kp < _SENTINEL
-    big = jnp.iinfo(jnp.int32).max
-    k_min = jnp.where(ok, kp, big).min(-1)  # [S, St]
-    k_max = jnp.where(ok, kp, -1).max(-1)
-    full = ok.all(-1)
-    rows = start[:, None] + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]  # [NT, TQ]
-    own = (rows >= cu[seq][:, None]) & (rows < cu[seq + 1][:, None]) & live_tile[:, None]
-    rows = jnp.clip(rows, 0, num_tokens - 1)
-    qp, qw = md.q_positions[rows], md.q_window_start[rows]
-    q_max = jnp.where(own, qp, -1).max(-1)[:, None]
-    q_min = jnp.where(own, qp, big).min(-1)[:, None]
-    w_min = jnp.where(own, qw, big).min(-1)[:, None]
-    w_max = jnp.where(own, qw, -1).max(-1)[:, None]
-    live = (k_min[seq] <= q_max) & (k_max[seq] >= w_min)  # [NT, St]
-    no_mask = full[seq] & (k_max[seq] <= q_min) & (k_min[seq] >= w_max)
-    idx = jnp.arange(steps, dtype=jnp.int32)[None, :]
-    lo = jnp.min(jnp.where(live, idx, steps), axis=1)
-    hi = jnp.maximum(jnp.max(jnp.where(live, idx + 1, 0), axis=1), lo)
-    lo = jnp.where(hi > lo, lo, 0)
-    hi = jnp.where(hi > lo, hi, 0)
-    in_range = (idx >= lo[:, None]) & (idx < hi[:, None])
-    mlo = jnp.min(jnp.where(in_range & no_mask, idx, steps), axis=1)
-    mlo = jnp.minimum(mlo, hi)
-    mhi = jnp.min(jnp.where((idx >= mlo[:, None]) & ~no_mask, idx, steps), axis=1)
-    mhi = jnp.minimum(mhi, hi)
-    sched = jnp.stack([jnp.where(live_tile, seq, -1), start, lo, mlo, mhi, hi, cu[seq],
-                       cu[seq + 1]], axis=1).astype(jnp.int32)
-    return sched[::-1]  # heavy (late) tiles first; spare tiles (seq -1) were last
 
 
 def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref, side_ref,
@@ -303,12 +203,12 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
 
         def issue_k(step, slot):
             keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
-            plgpu.copy_gmem_to_smem(k_ref.at[seq, kv_head, keys], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[seq, keys, kv_head], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(kpos_ref.at[seq, keys], kpos_smem.at[slot], k_bar.at[slot])
 
         def issue_v(step, slot):
             keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
-            plgpu.copy_gmem_to_smem(v_ref.at[seq, kv_head, keys], v_smem.at[slot], v_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[seq, keys, kv_head], v_smem.at[slot], v_bar.at[slot])
 
         for j in range(STAGES):
             @pl.when(j < n_steps)
@@ -336,24 +236,37 @@ def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_ke
     interpret: False (compile for the GPU), True (Mosaic GPU interpreter on CPU) or a
     plgpu.InterpretGPUParams. Returns [T, H, D] in q's dtype; rows of no sequence are garbage.
     """
-    tokens, heads, head_dim = q_rot.shape
-    kv_heads = k_pages.shape[2]
-    seqs = md.block_tables.shape[0]
-    dtype = q_rot.dtype
-    interp = bool(interpret)
+    inputs = prepare(q_rot, k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
+                     attention_scaling=attention_scaling, sm_scale=sm_scale)
+    out, side = run_kernel(inputs, kv_heads=k_pages.shape[2], interpret=interpret)
+    return scatter_tails(out, side, md, q_rot.shape[0])
+
+
+def prepare(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_scaling, sm_scale):
+    """Everything before the kernel: (sched, q_in, k, v, key_pos, q_pos, q_win)."""
+    tokens = q_rot.shape[0]
     k_buf, v_buf, key_pos = gather_kv(k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
                                       attention_scaling=attention_scaling)
     sched = tile_schedule(md, key_pos, tokens)
-    num_tiles = sched.shape[0]
     # Row counts of tiled GMEM arrays must be multiples of _ALIGN. Rows past T (a tile's tail)
     # read zeros / position -1 (sees no key).
-    rows_out = -(-tokens // _ALIGN) * _ALIGN
-    extra = rows_out - tokens + TILE_Q
-    q_in = jnp.pad((q_rot.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(dtype),
+    extra = -(-tokens // _ALIGN) * _ALIGN - tokens + TILE_Q
+    q_in = jnp.pad((q_rot.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(q_rot.dtype),
                    ((0, extra), (0, 0), (0, 0)))
     q_pos = jnp.pad(md.q_positions, (0, extra), constant_values=-1)
     q_win = jnp.pad(md.q_window_start, (0, extra))
+    return sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win
 
+
+def run_kernel(inputs, *, kv_heads: int, interpret=False):
+    """The Mosaic GPU kernel on prepare()'s outputs -> (out [T8, H, D], side [S, 2, H, 128, D])."""
+    sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win = inputs
+    rows_out = q_in.shape[0] - TILE_Q
+    _, heads, head_dim = q_in.shape
+    seqs = k_buf.shape[0]
+    dtype = q_in.dtype
+    num_tiles = sched.shape[0]
+    interp = bool(interpret)
     sw = plgpu.SwizzleTransform(128)
     tiled = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), sw)
     scratch = [
@@ -380,19 +293,4 @@ def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_ke
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
-    out, side = call(sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win)
-
-    # Scatter the rows of the warpgroups that were not whole (first and last tile of a sequence).
-    cu = md.cu_q_lens
-    base, n_tiles = tile_rows(cu)
-    first = jnp.stack([base, base + jnp.maximum(n_tiles - 1, 0) * TILE_Q], 1)  # [S, 2]
-    r = jnp.arange(TILE_Q, dtype=jnp.int32)
-    tok = first[:, :, None] + r  # [S, 2, TQ]
-    chunk = first[:, :, None] + r // BLOCK_Q * BLOCK_Q
-    lo, hi = cu[:-1, None, None], cu[1:, None, None]
-    take = (tok >= lo) & (tok < hi) & ((chunk < lo) | (chunk + BLOCK_Q > hi))
-    take &= jnp.array([True, False])[None, :, None] | (n_tiles > 1)[:, None, None]
-    dest = jnp.where(take, tok, tokens).reshape(-1)
-    rows = jnp.moveaxis(side, 2, 3).reshape(seqs * 2 * TILE_Q, heads, head_dim)
-    out = out[:tokens] if rows_out != tokens else out
-    return out.at[dest].set(rows, mode="drop")
+    return call(sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win)
