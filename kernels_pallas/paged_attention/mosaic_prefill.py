@@ -29,6 +29,9 @@ and are scattered into place after the kernel (a TMA box cannot stop at a sequen
 Limits (mosaic_prefill_limits): bf16/f16, head_dim 64 or 128 (SMEM), H a multiple of K.
 Interpret mode (CPU, Mosaic GPU interpreter) routes P through SMEM for the PV wgmma (the
 interpreter supports only SMEM operands); compiled, P stays in registers (wgmma's A operand).
+Call it interpreted eagerly, not under an outer jax.jit: there the interpreter (which runs the
+three warpgroups as threads of nested JAX computations) hung on the 2-core CI machine
+(2026-11-30), while the eager call takes ~15 s for the test batches.
 """
 
 from __future__ import annotations
