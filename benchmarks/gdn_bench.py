@@ -129,9 +129,6 @@ SCAN_CONFIGS = ([("kv", 16, 4, 2)]
                 + [("vk", 64, 8, 2), ("vk", 128, 4, 2), ("vk", 128, 8, 2)]
                 + [("kv", bv, nw, ns) for bv in (16, 32) for nw in (2, 4) for ns in (1, 2, 3)
                    if (bv, nw, ns) != (16, 4, 2)])
-# (block_v, num_warps, num_stages) of "vk" scans reading U^T / writing V'^T (not yet wired into
-# fused_best: measured alone)
-SCAN_UT_CONFIGS = [(16, 1, 2), (16, 2, 2), (32, 2, 2), (32, 4, 2), (64, 4, 2)]
 INTRA_CONFIGS = [("subst", 4), ("subst", 8), ("blocked", 1), ("blocked", 2), ("blocked", 4),
                  ("blocked", 8)]
 
@@ -173,7 +170,8 @@ def sweep(inputs, reps, deadline):
 
     ref_intra = jax.jit(fused_triton.intra_chunk_fused)(k, v, g, beta)
     for kind, nw in INTRA_CONFIGS:
-        fn = fused_triton.intra_chunk_fused if kind == "subst" else intra_blocked.intra_chunk_blocked
+        fn = (fused_triton.intra_chunk_fused if kind == "subst"
+              else intra_blocked.intra_chunk_blocked)
         timed("intra", f"{kind}_w{nw}", functools.partial(fn, num_warps=nw), (k, v, g, beta),
               [(0, ref_intra[0]), (1, ref_intra[1])])
     w, u, kd, gc = ref_intra
@@ -182,12 +180,6 @@ def sweep(inputs, reps, deadline):
     ref_scan = jax.jit(functools.partial(scan_fused.state_scan, layout="kv", block_v=16))(
         w, u, kd, dl, s0)
     states = {}
-    u_t = jnp.transpose(u, (0, 2, 3, 1))  # [N, Hv, Dv, T] for the u_transposed scans
-    ref_vt = jnp.transpose(ref_scan[0], (0, 2, 3, 1))
-    for bv, nw, ns in SCAN_UT_CONFIGS:
-        timed("scan", f"vkT_bv{bv}_w{nw}_s{ns}", functools.partial(
-            scan_fused.state_scan, layout="vk", block_v=bv, num_warps=nw, num_stages=ns,
-            u_transposed=True), (w, u_t, kd, dl, s0), [(0, ref_vt), (2, ref_scan[2])])
     for layout, bv, nw, ns in SCAN_CONFIGS:
         out = timed("scan", f"{layout}_bv{bv}_w{nw}_s{ns}", functools.partial(
             scan_fused.state_scan, layout=layout, block_v=bv, num_warps=nw, num_stages=ns),

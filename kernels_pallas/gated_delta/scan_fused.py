@@ -2,19 +2,21 @@
 
 Grid (N, Hv, Dv / BV): each program walks all chunks of one sequence for one value head and BV
 value columns, its float32 state slice in registers. Per chunk c (rows of the [N, T, H, D] inputs):
-    states[c] = S (dot dtype, for the output kernel); checkpoint slot[c] <- S (float32, if asked)
+    states[c] = S (dot dtype, for the output kernel); S (float32) if c is a checkpoint boundary
     V' = U_c - W_c S ;  S = exp(gc_last) S + KD_c^T V'
 Two state layouts:
   - "kv": S is [Dk, BV]; S and V' are the right-hand (B) operands of the two MMAs, so each step
     moves them from the accumulator layout through shared memory.
   - "vk": S^T is [BV, Dk] (like fla's state_v_first); V'^T = U^T - S^T W^T and
     S^T = exp(gc_last) S^T + V'^T KD make S^T and V'^T the left-hand (A) operands, which Triton can
-    feed from registers; W and KD, loaded from memory, are the B operands. States, final state and
-    checkpoints come out as [.., Dv, Dk] (the wrapper transposes final / checkpoints back).
+    feed from registers; W and KD, loaded from memory, are the B operands. The per-chunk states
+    come out as [.., Dv, Dk] (the output kernel reads them so); the final state is transposed
+    back by the wrapper, "segments" checkpoints by the kernel (one store per checkpoint).
 Checkpoints (the carried float32 state at chunk boundaries): "segments" runs the chunk loop from
-one sorted boundary to the next and stores the state in between (default: no per-chunk checkpoint
-code), "when" branches on a per-boundary slot map every chunk, "mask" stores predicated; with no
-checkpoints asked the kernel has no checkpoint code at all.
+one sorted boundary to the next and stores the state in between (default: no per-chunk
+checkpoint code), "when" branches on a per-boundary slot map every chunk, "mask" stores
+predicated (costs in benchmarks/RESULTS.md); with no checkpoints asked the kernel has no
+checkpoint code at all.
 """
 
 from __future__ import annotations
@@ -32,20 +34,16 @@ LAYOUTS = ("kv", "vk")
 CKPT_STORES = ("segments", "when", "mask")
 
 
-def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout, ut=False):
+def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout):
     """One chunk: V' (stored) from the state s entering chunk c, and the state leaving it."""
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     if layout == "kv":  # s [Dk, BV]
         v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], s, dot_dtype)
         vnew_ref[rows, :] = v_new.astype(vnew_ref.dtype)
         return s * dl_ref[c] + _dot_tn(kd_ref[rows, :], v_new, dot_dtype)
-    # s = S^T [BV, Dk]; with ut, U and V' are stored transposed ([BV, T] blocks)
-    u_t = u_ref[:, rows] if ut else u_ref[rows, :].T
-    v_t = u_t.astype(jnp.float32) - _dot_t(s, w_ref[rows, :], dot_dtype)
-    if ut:
-        vnew_ref[:, rows] = v_t.astype(vnew_ref.dtype)
-    else:
-        vnew_ref[rows, :] = v_t.T.astype(vnew_ref.dtype)
+    # s = S^T [BV, Dk]
+    v_t = u_ref[rows, :].astype(jnp.float32).T - _dot_t(s, w_ref[rows, :], dot_dtype)
+    vnew_ref[rows, :] = v_t.T.astype(vnew_ref.dtype)
     return s * dl_ref[c] + _dot(v_t, kd_ref[rows, :], dot_dtype)
 
 
@@ -68,8 +66,8 @@ def saver(slot_ref, ckpt_ref, store="when"):
 
 
 def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, dot_dtype, layout,
-                 store, n_ckpt, ut):
-    # w/kd [T, Dk]; u/vnew [T, BV] ([BV, T] if ut); dl [NT]; "kv": s0/final [Dk, BV],
+                 store, n_ckpt):
+    # w/kd [T, Dk]; u/vnew [T, BV]; dl [NT]; "kv": s0/final [Dk, BV],
     # states [NT, Dk, BV]; "vk": the same with the last two axes swapped.
     # "segments": bnd/order [M] (sorted boundaries, their checkpoint index), ckpt [M, Dk, BV];
     # "when"/"mask": slot [NT + 1], ckpt [M, Dk, BV] ("kv") / [M, BV, Dk] ("vk")
@@ -86,7 +84,7 @@ def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, d
         states_ref[c] = s.astype(states_ref.dtype)
         save(c, s)
         return step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
-                    dot_dtype=dot_dtype, layout=layout, ut=ut)
+                    dot_dtype=dot_dtype, layout=layout)
 
     s, start = s0_ref[...].astype(jnp.float32), 0
     if bnd_ref is not None:  # run up to each boundary in turn; the loops hold no checkpoint code
@@ -104,7 +102,7 @@ def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, d
 
 def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, layout="vk",
                ckpt_store="segments", dot_dtype=None, num_warps=4, num_stages=3,
-               interpret=False, u_transposed=False):
+               interpret=False):
     """Run the scan kernel.
 
     Args:
@@ -116,9 +114,8 @@ def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, lay
       ckpt_store: "segments" (the chunk loop runs from one sorted boundary to the next and
         stores the state in between: no per-chunk checkpoint code), "when" (a branch on a
         per-boundary slot map each chunk) or "mask" (a predicated store each chunk).
-      u_transposed: u is [N, Hv, Dv, T] and v_new comes out so ("vk" only).
     Returns:
-      v_new [N, T, Hv, Dv] ([N, Hv, Dv, T] with u_transposed), dot dtype; the states entering each
+      v_new [N, T, Hv, Dv] in dot dtype; the states entering each
       chunk, [N, Hv, NT, Dk, Dv] ("kv") or [N, Hv, NT, Dv, Dk] ("vk"), dot dtype; final
       [N, Hv, Dk, Dv] float32; checkpoints [N, M, Hv, Dk, Dv] float32 (None without ckpt_idx).
     """
@@ -126,9 +123,7 @@ def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, lay
         raise ValueError(f"gated_delta state_scan: layout must be one of {LAYOUTS} and ckpt_store "
                          f"one of {CKPT_STORES}, got {layout!r}, {ckpt_store!r}")
     n, t_len, hv, dk = w.shape
-    dv = u.shape[2] if u_transposed else u.shape[-1]
-    if u_transposed and layout != "vk":
-        raise ValueError("gated_delta state_scan: u_transposed needs layout 'vk'")
+    dv = u.shape[-1]
     nt = t_len // chunk
     block_v = min(block_v, dv)
     if dv % block_v:
@@ -149,16 +144,12 @@ def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, lay
 
     seq_k = pl.BlockSpec((None, t_len, None, dk), lambda b, h, j: (b, 0, h, 0))
     seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda b, h, j: (b, 0, h, j))
-    v_shape = (n, t_len, hv, dv)
-    if u_transposed:
-        seq_v = pl.BlockSpec((None, None, block_v, t_len), lambda b, h, j: (b, h, j, 0))
-        v_shape = (n, hv, dv, t_len)
     s0 = jnp.swapaxes(state0, -1, -2) if vk else state0
     in_specs = [seq_k, seq_v, seq_k, pl.BlockSpec((None, None, nt), lambda b, h, j: (b, h, 0)),
                 st_spec()]
     args = [w, u, kd, dl.astype(jnp.float32), s0.astype(jnp.float32)]
     out_specs = [seq_v, st_spec(nt), st_spec()]
-    out_shape = [jax.ShapeDtypeStruct(v_shape, dot_dtype),
+    out_shape = [jax.ShapeDtypeStruct((n, t_len, hv, dv), dot_dtype),
                  st_shape(nt, dtype=dot_dtype), st_shape(dtype=jnp.float32)]
     n_ckpt = 0 if ckpt_idx is None else ckpt_idx.shape[1]
     slot_map = None
@@ -181,7 +172,7 @@ def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, lay
         out_shape.append(st_shape(n_ckpt, dtype=jnp.float32))
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, n_chunks=nt, chunk=chunk, dot_dtype=dot_dtype,
-                          layout=layout, store=ckpt_store, n_ckpt=n_ckpt, ut=u_transposed),
+                          layout=layout, store=ckpt_store, n_ckpt=n_ckpt),
         grid=(n, hv, dv // block_v),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
