@@ -24,9 +24,9 @@ INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 # (dtype, kv_heads, group, head_dim, rotary_dim, kv_mode, pad_prob, shuffle, specs): specs are
 # (cached, new, window) per sequence; > 128 new tokens spans two query tiles, > 128 keys two steps.
 CASES = [
-    # no pads: the tiles' middle key steps take the unmasked path
+    # no pads: the tiles' middle key steps take the unmasked path; window 150 skips key step 0
     (jnp.bfloat16, 1, 2, 64, None, "position_free", 0.0, False,
-     [(96, 150, 0), (0, 37, 0), (5, 1, 0)]),
+     [(96, 150, 0), (0, 37, 0), (5, 1, 0), (200, 30, 150)]),
     (jnp.bfloat16, 2, 2, 128, None, "rotated", 0.3, True, [(40, 70, 17), (0, 20, 0), (130, 1, 3)]),
     (jnp.float16, 1, 3, 64, 32, "position_free", 0.3, True, [(20, 140, 60), (0, 9, 0)]),
 ]

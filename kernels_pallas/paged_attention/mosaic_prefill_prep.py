@@ -100,12 +100,12 @@ def tile_schedule(md, key_pos, num_tokens: int):
     w_min = jnp.where(own, qw, big).min(-1)[:, None]
     w_max = jnp.where(own, qw, -1).max(-1)[:, None]
     live = (k_min[seq] <= q_max) & (k_max[seq] >= w_min)  # [NT, St]
-    no_mask = full[seq] & (k_max[seq] <= q_min) & (k_min[seq] >= w_max)
+    no_mask = full[seq] & (k_max[seq] <= q_min) & (k_min[seq] >= w_max) & live
     idx = jnp.arange(steps, dtype=jnp.int32)[None, :]
     lo = jnp.min(jnp.where(live, idx, steps), axis=1)
     hi = jnp.maximum(jnp.max(jnp.where(live, idx + 1, 0), axis=1), lo)
-    lo = jnp.where(hi > lo, lo, 0)
-    hi = jnp.where(hi > lo, hi, 0)
+    any_live = hi > lo
+    lo, hi = jnp.where(any_live, lo, 0), jnp.where(any_live, hi, 0)
     in_range = (idx >= lo[:, None]) & (idx < hi[:, None])
     mlo = jnp.min(jnp.where(in_range & no_mask, idx, steps), axis=1)
     mlo = jnp.minimum(mlo, hi)
