@@ -5,9 +5,10 @@ Two steps behind `api.paged_attention(implementation="mosaic_prefill")`:
 1. Pre-pass (XLA, mosaic_prefill_prep.py): each sequence's keys and values are gathered through
    its block table into contiguous buffers [S, N, K, D] (N = table entries x page size, padded to
    BLOCK_KV; the pages' own row layout, so the gather moves whole pages and needs no transpose),
-   keys rotated by their logical position in position_free mode (float32 math), pad slots zeroed, and a
-   key-position row [S, N] written next to them (pads and unused entries get a sentinel position
-   that no query can see). Both kv modes share the kernel; RoPE-at-read costs only the rotation here.
+   keys rotated by their logical position in position_free mode (float32 math), pad slots zeroed,
+   and a key-position row [S, N] written next to them (pads and unused entries get a sentinel
+   position that no query can see). Both kv modes share the kernel; RoPE-at-read costs only the
+   rotation here.
    Queries come rotated, are scaled by sm_scale * log2(e) (the kernel's softmax runs in base 2) and
    padded by one tile of rows.
 2. Kernel: one CTA per (query head, tile of 128 query tokens of one sequence), three warpgroups.
