@@ -3,6 +3,7 @@ exact resume from chunk-aligned checkpoints, and generation through the public L
 
 import copy
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -66,24 +67,29 @@ def test_logits_and_greedy_match_hf(name):
         assert t == want.tolist(), f"prompt {i}"
 
 
+COMPILED = os.environ.get("MINIPIC_COMPILED") == "1"
+PALLAS_GDN = "pallas_fused" if COMPILED else "pallas_fused_interpret"
+
+
 def test_pallas_gdn_path_matches_hf(name="qwen3_5_gva2"):
-    """The Pallas GDN kernels (interpret mode on CPU) inside the model: same HF parity, and the
-    same checkpoints as the XLA path (to fp32 rounding, which grows with depth as in
-    test_states_match_hf_cache: the two paths solve the UT system differently)."""
+    """The Pallas GDN kernels (interpret mode on CPU; compiled with MINIPIC_COMPILED=1 on a GPU)
+    inside the model: same HF parity, and the same checkpoints as the XLA path (to fp32 rounding,
+    which grows with depth as in test_states_match_hf_cache: the two paths solve the UT system
+    differently)."""
     lm, ref = _model(name), _ref(name)
     full = [np.concatenate([p, g[:-1]]) for p, g in zip(ref["prompt"], ref["greedy"])]
     outs = {}
-    for impl in ("xla", "pallas_fused_interpret"):
+    for impl in ("xla", PALLAS_GDN):
         pager = testing.SimplePager(len(full), max(map(len, full)), 16)
         cache = lm.family.init_cache(lm.cfg, pager.num_pages, 16, len(full), jnp.float32)
         ck = [[-1], [64], [64]]
         outs[impl] = _step(lm, pager, cache, full, checkpoint_at=ck, gdn_impl=impl)
-    logits = outs["pallas_fused_interpret"][0]
+    logits = outs[PALLAS_GDN][0]
     bounds = np.cumsum([0] + [len(f) for f in full])
     for i, want in enumerate(ref["logits"]):
         assert np.abs(logits[bounds[i]:bounds[i + 1]] - want).max() <= 1e-4, f"prompt {i}"
     for key in ("delta", "conv"):
-        np.testing.assert_allclose(np.asarray(outs["pallas_fused_interpret"][2][key]),
+        np.testing.assert_allclose(np.asarray(outs[PALLAS_GDN][2][key]),
                                    np.asarray(outs["xla"][2][key]), atol=5e-5, rtol=0)
 
 
