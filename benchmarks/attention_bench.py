@@ -57,6 +57,10 @@ def add_parser(p: argparse.ArgumentParser):
                    help="prefill kernels of ours to time (mosaic_prefill: with its pre-pass alone)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--ab-reps", type=int, default=0,
+                   help="also time rotated vs position_free interleaved (ABBA order) for this many "
+                        "rep pairs and report the median ratio: the RoPE-at-read overhead without "
+                        "the drift between separately timed rows (decode kernel and prefill)")
     p.add_argument("--json", type=str, default=None, help="write all rows to this file")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script only")
 
@@ -74,6 +78,47 @@ def _time(fn, *args, iters, reps):
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
+
+
+def _ab_time(fa, fb, *args, iters, reps):
+    """Times fa and fb interleaved (ABBA per rep pair, so drift cancels) -> (median ms of a,
+    median ms of b, median of the per-pair ratios b / a, their 25th and 75th percentiles)."""
+    import jax
+
+    def once(fn):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / iters
+
+    for fn in (fa, fb, fa, fb):
+        jax.block_until_ready(fn(*args))
+    ta, tb, ratios = [], [], []
+    for r in range(reps):
+        if r % 2:
+            b, a = once(fb), once(fa)
+        else:
+            a, b = once(fa), once(fb)
+        ta.append(a)
+        tb.append(b)
+        ratios.append(b / a)
+    q = np.percentile(ratios, [25, 50, 75])
+    return statistics.median(ta) * 1e3, statistics.median(tb) * 1e3, q[1], q[0], q[2]
+
+
+def _ab_row(rows, case, label, fa, fb, *args, reps, iters):
+    try:
+        ma, mb, med, lo, hi = _ab_time(fa, fb, *args, iters=iters, reps=reps)
+    except Exception as e:  # a config that does not compile must not stop the run
+        print(f"  {case:<16} A/B {label} FAILED {type(e).__name__}: {e}"[:300])
+        return
+    print(f"  {case:<16} A/B {label}: rotated {ma:.4f} ms, position_free {mb:.4f} ms, "
+          f"overhead median {100 * (med - 1):+.2f}% [IQR {100 * (lo - 1):+.2f}, "
+          f"{100 * (hi - 1):+.2f}] over {reps} interleaved pairs", flush=True)
+    rows.append(dict(case=case, impl=f"A/B {label}", rotated_ms=ma, position_free_ms=mb,
+                     overhead_median_pct=100 * (med - 1), overhead_p25_pct=100 * (lo - 1),
+                     overhead_p75_pct=100 * (hi - 1), pairs=reps))
 
 
 def _decode_inputs(rng, seqs, ctx, heads, kv_heads, head_dim, page_size, dtype):
@@ -228,6 +273,14 @@ def run(args) -> int:
                     t = _safe(rows, case, name, fn, q, k, v, md, work=kv_bytes, unit="tbps", **it)
                     if t:
                         rope_table[(tag, variant, ctx)] = kv_bytes / t
+                if args.ab_reps:  # rotated vs the engine's position_free default, interleaved
+                    def dec(mode, o):
+                        return jax.jit(lambda q, k, v, md: paged_attention(
+                            q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
+                            kernel_options=o, interpret=args.interpret))
+                    _ab_row(rows, case, f"decode {tag} (position_free: max_position default)",
+                            dec("rotated", opts), dec("position_free", dict(opts, max_position=ctx)),
+                            q, k, v, md, reps=args.ab_reps, iters=args.iters)
         if args.decode_kernel_only:
             continue
         t_rot = _safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
@@ -310,6 +363,13 @@ def run(args) -> int:
                 over = 100 * (t["position_free"] / t["rotated"] - 1)
                 print(f"  {case:<16} {impl} RoPE-at-read overhead {over:+.1f}%")
                 rows.append(dict(case=case, impl=impl, overhead_pct=over))
+                if args.ab_reps:
+                    fns = [ours(m) if impl == "triton" else jax.jit(
+                        lambda q, k, v, md, m=m: paged_attention(
+                            q, k, v, md, inv, kv_mode=m, implementation=impl,
+                            interpret=args.interpret)) for m in ("rotated", "position_free")]
+                    _ab_row(rows, case, f"prefill {impl}", *fns, q, k, v, md,
+                            reps=args.ab_reps, iters=args.iters)
             if impl == "mosaic_prefill":  # its parts alone (all inside the times above)
                 from kernels_pallas.paged_attention import mosaic_prefill as mp
                 for mode in ("rotated", "position_free"):
