@@ -19,6 +19,8 @@ import warnings
 
 import numpy as np
 
+from benchmarks.attention_inputs import decode_inputs, prefill_inputs
+from benchmarks.timing import ab_row, row, safe
 
 # (kv_group, block_k, num_warps, num_stages) and (block_q, block_k, num_warps, num_stages)
 DECODE_SWEEP = ((1, 64, 4, 2), (1, 64, 8, 2), (1, 32, 4, 3), (1, 16, 4, 2))
@@ -65,139 +67,6 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script only")
 
 
-def _time(fn, *args, iters, reps):
-    import jax
-    out = fn(*args)
-    jax.block_until_ready(out)
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
-
-
-def _ab_time(fa, fb, *args, iters, reps):
-    """Times fa and fb interleaved (ABBA per rep pair, so drift cancels) -> (median ms of a,
-    median ms of b, median of the per-pair ratios b / a, their 25th and 75th percentiles)."""
-    import jax
-
-    def once(fn):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / iters
-
-    for fn in (fa, fb, fa, fb):
-        jax.block_until_ready(fn(*args))
-    ta, tb, ratios = [], [], []
-    for r in range(reps):
-        if r % 2:
-            b, a = once(fb), once(fa)
-        else:
-            a, b = once(fa), once(fb)
-        ta.append(a)
-        tb.append(b)
-        ratios.append(b / a)
-    q = np.percentile(ratios, [25, 50, 75])
-    return statistics.median(ta) * 1e3, statistics.median(tb) * 1e3, q[1], q[0], q[2]
-
-
-def _ab_row(rows, case, label, fa, fb, *args, reps, iters):
-    try:
-        ma, mb, med, lo, hi = _ab_time(fa, fb, *args, iters=iters, reps=reps)
-    except Exception as e:  # a config that does not compile must not stop the run
-        print(f"  {case:<16} A/B {label} FAILED {type(e).__name__}: {e}"[:300])
-        return
-    print(f"  {case:<16} A/B {label}: rotated {ma:.4f} ms, position_free {mb:.4f} ms, "
-          f"overhead median {100 * (med - 1):+.2f}% [IQR {100 * (lo - 1):+.2f}, "
-          f"{100 * (hi - 1):+.2f}] over {reps} interleaved pairs", flush=True)
-    rows.append(dict(case=case, impl=f"A/B {label}", rotated_ms=ma, position_free_ms=mb,
-                     overhead_median_pct=100 * (med - 1), overhead_p25_pct=100 * (lo - 1),
-                     overhead_p75_pct=100 * (hi - 1), pairs=reps))
-
-
-def _decode_inputs(rng, seqs, ctx, heads, kv_heads, head_dim, page_size, dtype):
-    import jax.numpy as jnp
-    from kernels_pallas.paged_attention.metadata import AttentionMetadata
-    per_seq = ctx // page_size
-    num_pages = seqs * per_seq + 8
-    tables = rng.permutation(num_pages)[: seqs * per_seq].reshape(seqs, per_seq).astype(np.int32)
-    md = AttentionMetadata(
-        q_positions=jnp.full((seqs,), ctx - 1, jnp.int32),
-        q_window_start=jnp.zeros((seqs,), jnp.int32),
-        q_seq=jnp.arange(seqs, dtype=jnp.int32),
-        cu_q_lens=jnp.arange(seqs + 1, dtype=jnp.int32),
-        num_blocks=jnp.full((seqs,), per_seq, jnp.int32),
-        block_tables=jnp.asarray(tables),
-        block_pos_start=jnp.asarray(np.tile(np.arange(per_seq, dtype=np.int32) * page_size,
-                                            (seqs, 1))),
-        block_num_valid=jnp.full((seqs, per_seq), page_size, jnp.int32),
-        slot_mapping=jnp.full((seqs,), -1, jnp.int32),
-    )
-    import jax
-    key = jax.random.key(int(rng.integers(1 << 30)))
-    k1, k2, k3 = jax.random.split(key, 3)
-    shape = (num_pages, page_size, kv_heads, head_dim)
-    q = jax.random.normal(k1, (seqs, heads, head_dim), dtype)
-    k = jax.random.normal(k2, shape, dtype)
-    v = jax.random.normal(k3, shape, dtype)
-    return q, k, v, md
-
-
-def _prefill_inputs(rng, seqs, new, cached, heads, kv_heads, head_dim, page_size, dtype):
-    import jax
-    import jax.numpy as jnp
-    from kernels_pallas.paged_attention.metadata import AttentionMetadata
-    total = new + cached
-    per_seq = total // page_size
-    num_pages = seqs * per_seq + 8
-    tables = rng.permutation(num_pages)[: seqs * per_seq].reshape(seqs, per_seq).astype(np.int32)
-    pos = np.tile(np.arange(cached, total, dtype=np.int32), seqs)
-    md = AttentionMetadata(
-        q_positions=jnp.asarray(pos),
-        q_window_start=jnp.zeros((seqs * new,), jnp.int32),
-        q_seq=jnp.asarray(np.repeat(np.arange(seqs, dtype=np.int32), new)),
-        cu_q_lens=jnp.asarray(np.arange(seqs + 1, dtype=np.int32) * new),
-        num_blocks=jnp.full((seqs,), per_seq, jnp.int32),
-        block_tables=jnp.asarray(tables),
-        block_pos_start=jnp.asarray(np.tile(np.arange(per_seq, dtype=np.int32) * page_size,
-                                            (seqs, 1))),
-        block_num_valid=jnp.full((seqs, per_seq), page_size, jnp.int32),
-        slot_mapping=jnp.full((seqs * new,), -1, jnp.int32),
-    )
-    key = jax.random.key(int(rng.integers(1 << 30)))
-    k1, k2, k3 = jax.random.split(key, 3)
-    shape = (num_pages, page_size, kv_heads, head_dim)
-    q = jax.random.normal(k1, (seqs * new, heads, head_dim), dtype)
-    k = jax.random.normal(k2, shape, dtype)
-    v = jax.random.normal(k3, shape, dtype)
-    return q, k, v, md
-
-
-def _row(rows, **kw):
-    rows.append(kw)
-    unit = "TB/s" if "tbps" in kw else "TFLOP/s"
-    val = kw.get("tbps", kw.get("tflops"))
-    print(f"  {kw['case']:<16} {kw['impl']:<40} {kw['ms']:8.3f} ms  {val:7.2f} {unit}", flush=True)
-
-
-def _safe(rows, case, impl, fn, *args, iters, reps, work, unit):
-    try:
-        t = _time(fn, *args, iters=iters, reps=reps)
-    except Exception as e:  # an anchor that does not build here must not sink the whole run
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        print(f"  {case:<16} {impl:<40} FAILED {msg}", flush=True)
-        rows.append(dict(case=case, impl=impl, error=msg))
-        return None
-    _row(rows, case=case, impl=impl, ms=t * 1e3, **{unit: work / t / 1e12})
-    return t
-
-
 def run(args) -> int:
     import jax
     import jax.numpy as jnp
@@ -214,7 +83,7 @@ def run(args) -> int:
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
 
     x = jnp.ones((1 << (16 if args.interpret else 30),), jnp.float32)  # 4 GiB
-    _safe(rows, "copy", "xla x + 1 f32 (read + write)", jax.jit(lambda a: a + 1), x,
+    safe(rows, "copy", "xla x + 1 f32 (read + write)", jax.jit(lambda a: a + 1), x,
           work=2 * x.nbytes, unit="tbps", **it)
     del x
     if not args.interpret:
@@ -234,7 +103,7 @@ def run(args) -> int:
                 torch.cuda.synchronize()
                 ts.append(e0.elapsed_time(e1) / 1e3 / args.iters)
             t = statistics.median(ts)
-            _row(rows, case="copy", impl="torch copy_ f32 4 GiB (read + write)", ms=t * 1e3,
+            row(rows, case="copy", impl="torch copy_ f32 4 GiB (read + write)", ms=t * 1e3,
                  tbps=2 * a.numel() * 4 / t / 1e12)
             del a, b
             torch.cuda.empty_cache()
@@ -251,7 +120,7 @@ def run(args) -> int:
     rope_table = {}  # (config tag, "rotated" or rope variant, ctx) -> bytes / s
     for ctx in args.contexts:
         case = f"decode ctx{ctx}"
-        q, k, v, md = _decode_inputs(rng, args.seqs, ctx, H, K, D, B, dtype)
+        q, k, v, md = decode_inputs(rng, args.seqs, ctx, H, K, D, B, dtype)
         kv_bytes = 2 * args.seqs * ctx * K * D * q.dtype.itemsize
         if args.decode_kernel:  # decode-only Triton kernel, rotated vs each RoPE-at-read variant
             for cfg in configs:
@@ -270,7 +139,7 @@ def run(args) -> int:
                         kernel_options=o, interpret=args.interpret))
                     label = variant if variant.startswith("rotated") else f"{mode} {variant}"
                     name = f"ours decode {label} {tag}"
-                    t = _safe(rows, case, name, fn, q, k, v, md, work=kv_bytes, unit="tbps", **it)
+                    t = safe(rows, case, name, fn, q, k, v, md, work=kv_bytes, unit="tbps", **it)
                     if t:
                         rope_table[(tag, variant, ctx)] = kv_bytes / t
                 if args.ab_reps:  # rotated vs the engine's position_free default, interleaved
@@ -278,14 +147,14 @@ def run(args) -> int:
                         return jax.jit(lambda q, k, v, md: paged_attention(
                             q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
                             kernel_options=o, interpret=args.interpret))
-                    _ab_row(rows, case, f"decode {tag} (position_free: max_position default)",
+                    ab_row(rows, case, f"decode {tag} (position_free: max_position default)",
                             dec("rotated", opts), dec("position_free", dict(opts, max_position=ctx)),
                             q, k, v, md, reps=args.ab_reps, iters=args.iters)
         if args.decode_kernel_only:
             continue
-        t_rot = _safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
+        t_rot = safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
                       work=kv_bytes, unit="tbps", **it)
-        t_free = _safe(rows, case, "ours triton position_free", ours("position_free"), q, k, v,
+        t_free = safe(rows, case, "ours triton position_free", ours("position_free"), q, k, v,
                        md, work=kv_bytes, unit="tbps", **it)
         if t_rot and t_free:
             print(f"  {case:<16} RoPE-at-read overhead {100 * (t_free / t_rot - 1):+.1f}%")
@@ -293,7 +162,7 @@ def run(args) -> int:
         if args.sweep in ("decode", "all"):
             for kvg, bk, nw, ns in DECODE_SWEEP:
                 for mode in ("rotated", "position_free"):
-                    _safe(rows, case, f"ours {mode} kvg{kvg} bk{bk} w{nw} s{ns}",
+                    safe(rows, case, f"ours {mode} kvg{kvg} bk{bk} w{nw} s{ns}",
                           ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
                           q, k, v, md, work=kv_bytes, unit="tbps", **it)
         if args.mosaic:  # experimental Mosaic GPU decode kernel (TMA + wgmma)
@@ -301,11 +170,11 @@ def run(args) -> int:
                 fn = jax.jit(lambda q, k, v, md, mode=mode: paged_attention(
                     q, k, v, md, inv, kv_mode=mode, implementation="mosaic",
                     interpret=args.interpret))
-                _safe(rows, case, f"ours mosaic {mode}", fn, q, k, v, md, work=kv_bytes,
+                safe(rows, case, f"ours mosaic {mode}", fn, q, k, v, md, work=kv_bytes,
                       unit="tbps", **it)
         xla = jax.jit(lambda q, k, v, md: _xla_paged_attention(
             q, k, v, md, inv, kv_mode="position_free", attention_scaling=1.0, sm_scale=D ** -0.5))
-        _safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, work=kv_bytes,
+        safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, work=kv_bytes,
               unit="tbps", **it)
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
         k_t, v_t = jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)  # [K, P, B, D] (its layout)
@@ -313,7 +182,7 @@ def run(args) -> int:
         for ppcb, splits in ((8, 16), (16, 8)):
             fn = jax.jit(lambda q, k, v, bt, ln, ppcb=ppcb, splits=splits: jax_pa.paged_attention(
                 q, k, v, bt, ln, pages_per_compute_block=ppcb, k_splits=splits))
-            _safe(rows, case, f"jax pallas paged_attention p{ppcb} s{splits}", fn, q, k_t, v_t,
+            safe(rows, case, f"jax pallas paged_attention p{ppcb} s{splits}", fn, q, k_t, v_t,
                   md.block_tables, lengths, work=kv_bytes, unit="tbps", **it)
         del k_t, v_t
         # Writing this step's new K/V rows as a separate step (what fusion would save).
@@ -343,7 +212,7 @@ def run(args) -> int:
         new, cached = (int(a) for a in rest.split("+"))
         seqs = int(seqs)
         case = f"prefill {spec}"
-        q, k, v, md = _prefill_inputs(rng, seqs, new, cached, H, K, D, B, dtype)
+        q, k, v, md = prefill_inputs(rng, seqs, new, cached, H, K, D, B, dtype)
         pairs = seqs * sum(cached + i + 1 for i in range(new))
         flops = 4.0 * H * D * pairs
         impls = ["triton", "mosaic_prefill"] if args.prefill_impl == "both" else [args.prefill_impl]
@@ -357,7 +226,7 @@ def run(args) -> int:
                     lambda q, k, v, md, mode=mode: paged_attention(
                         q, k, v, md, inv, kv_mode=mode, implementation=impl,
                         interpret=args.interpret))
-                t[mode] = _safe(rows, case, f"ours {impl} {mode}", fn, q, k, v, md, work=flops,
+                t[mode] = safe(rows, case, f"ours {impl} {mode}", fn, q, k, v, md, work=flops,
                                 unit="tflops", **it)
             if t["rotated"] and t["position_free"]:
                 over = 100 * (t["position_free"] / t["rotated"] - 1)
@@ -368,28 +237,28 @@ def run(args) -> int:
                         lambda q, k, v, md, m=m: paged_attention(
                             q, k, v, md, inv, kv_mode=m, implementation=impl,
                             interpret=args.interpret)) for m in ("rotated", "position_free")]
-                    _ab_row(rows, case, f"prefill {impl}", *fns, q, k, v, md,
+                    ab_row(rows, case, f"prefill {impl}", *fns, q, k, v, md,
                             reps=args.ab_reps, iters=args.iters)
             if impl == "mosaic_prefill":  # its parts alone (all inside the times above)
                 from kernels_pallas.paged_attention import mosaic_prefill as mp
                 for mode in ("rotated", "position_free"):
                     pre = jax.jit(lambda k, v, md, mode=mode: mp.gather_kv(
                         k, v, md, inv, rotate_keys=mode == "position_free", attention_scaling=1.0))
-                    _safe(rows, case, f"part: gather(+rotate) {mode} (ms)", pre, k, v, md,
+                    safe(rows, case, f"part: gather(+rotate) {mode} (ms)", pre, k, v, md,
                           work=flops, unit="tflops", **it)
                 prep = jax.jit(lambda q, k, v, md: mp.prepare(
                     q, k, v, md, inv, rotate_keys=False, attention_scaling=1.0, sm_scale=D ** -0.5))
-                _safe(rows, case, "part: prepare rotated (ms)", prep, q, k, v, md, work=flops,
+                safe(rows, case, "part: prepare rotated (ms)", prep, q, k, v, md, work=flops,
                       unit="tflops", **it)
                 inputs = jax.block_until_ready(prep(q, k, v, md))
                 kern = jax.jit(lambda x: mp.run_kernel(x, kv_heads=K))
-                _safe(rows, case, "part: kernel alone (TFLOP/s)", kern, inputs, work=flops,
+                safe(rows, case, "part: kernel alone (TFLOP/s)", kern, inputs, work=flops,
                       unit="tflops", **it)
                 del inputs
         if args.sweep == "all":
             for bq, bk, nw, ns in PREFILL_SWEEP:
                 for mode in ("rotated", "position_free"):
-                    _safe(rows, case, f"ours {mode} bq{bq} bk{bk} w{nw} s{ns}",
+                    safe(rows, case, f"ours {mode} bq{bq} bk{bk} w{nw} s{ns}",
                           ours(mode, block_q=bq, block_k=bk, num_warps=nw, num_stages=ns),
                           q, k, v, md, work=flops, unit="tflops", **it)
         if cached == 0:
@@ -398,7 +267,7 @@ def run(args) -> int:
             vd = jax.random.normal(jax.random.key(2), (seqs, new, K, D), dtype)
             cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation="cudnn"))
-            _safe(rows, case, "cudnn dot_product_attention (dense)", cudnn, qd, kd, vd,
+            safe(rows, case, "cudnn dot_product_attention (dense)", cudnn, qd, kd, vd,
                   work=flops, unit="tflops", **it)
             try:
                 from jax.experimental.pallas.ops.gpu import attention_mgpu as amg
@@ -406,7 +275,7 @@ def run(args) -> int:
                                        causal=True)
                 mg = jax.jit(lambda q, k, v: amg.attention(q, k, v, cfg))
                 f16 = [a.astype(jnp.float16) for a in (qd, kd, vd)]  # its scratch is fp16
-                _safe(rows, case, "jax attention_mgpu fp16 (dense)", mg, *f16, work=flops,
+                safe(rows, case, "jax attention_mgpu fp16 (dense)", mg, *f16, work=flops,
                       unit="tflops", **it)
                 del f16
             except Exception as e:

@@ -1,0 +1,90 @@
+"""Timing helpers shared by the kernel benchmarks: back-to-back calls with one wait per rep,
+interleaved A/B ratios, and rows that survive a variant that fails to build."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+
+def time_calls(fn, *args, iters, reps):
+    """Median seconds per call: after two warm-up calls, `iters` calls dispatched back to back and
+    one wait, repeated `reps` times."""
+    import jax
+    out = fn(*args)
+    jax.block_until_ready(out)
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def ab_time(fa, fb, *args, iters, reps):
+    """Times fa and fb interleaved (ABBA per rep pair, so drift cancels) -> (median ms of a,
+    median ms of b, median of the per-pair ratios b / a, their 25th and 75th percentiles)."""
+    import jax
+
+    def once(fn):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / iters
+
+    for fn in (fa, fb, fa, fb):
+        jax.block_until_ready(fn(*args))
+    ta, tb, ratios = [], [], []
+    for r in range(reps):
+        if r % 2:
+            b, a = once(fb), once(fa)
+        else:
+            a, b = once(fa), once(fb)
+        ta.append(a)
+        tb.append(b)
+        ratios.append(b / a)
+    q = np.percentile(ratios, [25, 50, 75])
+    return statistics.median(ta) * 1e3, statistics.median(tb) * 1e3, q[1], q[0], q[2]
+
+
+def ab_row(rows, case, label, fa, fb, *args, reps, iters):
+    """`ab_time` of rotated (fa) vs position_free (fb) into a printed row."""
+    try:
+        ma, mb, med, lo, hi = ab_time(fa, fb, *args, iters=iters, reps=reps)
+    except Exception as e:  # a config that does not compile must not stop the run
+        print(f"  {case:<16} A/B {label} FAILED {type(e).__name__}: {e}"[:300])
+        return
+    print(f"  {case:<16} A/B {label}: rotated {ma:.4f} ms, position_free {mb:.4f} ms, "
+          f"overhead median {100 * (med - 1):+.2f}% [IQR {100 * (lo - 1):+.2f}, "
+          f"{100 * (hi - 1):+.2f}] over {reps} interleaved pairs", flush=True)
+    rows.append(dict(case=case, impl=f"A/B {label}", rotated_ms=ma, position_free_ms=mb,
+                     overhead_median_pct=100 * (med - 1), overhead_p25_pct=100 * (lo - 1),
+                     overhead_p75_pct=100 * (hi - 1), pairs=reps))
+
+
+def row(rows, **kw):
+    """Append one result row (case, impl, ms, and tbps or tflops) and print it."""
+    rows.append(kw)
+    unit = "TB/s" if "tbps" in kw else "TFLOP/s"
+    val = kw.get("tbps", kw.get("tflops"))
+    print(f"  {kw['case']:<16} {kw['impl']:<40} {kw['ms']:8.3f} ms  {val:7.2f} {unit}", flush=True)
+
+
+def safe(rows, case, impl, fn, *args, iters, reps, work, unit):
+    """`time_calls` into a row (work / time in TB/s or TFLOP/s); a variant that fails to build
+    becomes an error row instead of ending the run. Returns seconds per call or None."""
+    try:
+        t = time_calls(fn, *args, iters=iters, reps=reps)
+    except Exception as e:  # an anchor that does not build here must not sink the whole run
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        print(f"  {case:<16} {impl:<40} FAILED {msg}", flush=True)
+        rows.append(dict(case=case, impl=impl, error=msg))
+        return None
+    row(rows, case=case, impl=impl, ms=t * 1e3, **{unit: work / t / 1e12})
+    return t
