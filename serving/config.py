@@ -61,6 +61,11 @@ class Config:
     # start, so each is one GEMM per layer (fewer kernels; the engine then holds the fused
     # arrays in loaded.params). Families without `fuse_params` ignore it.
     fuse_weights: bool = True
+    # Overlap the host with the device (vLLM's option name): step N+1 is scheduled, built and
+    # dispatched before step N's sampled tokens are read back; decode rows take their input
+    # token from the previous step's sampled tokens on device. One step in flight at most.
+    # False = the synchronous loop (schedule, run, read back, then the next step).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

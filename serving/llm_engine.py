@@ -3,6 +3,17 @@
 One `step()` = schedule (host) -> host-tier page moves -> one jitted device call -> advance
 frontiers, append sampled tokens, finish requests. Public so custom loops and Ray actors can
 drive it; `minipic_jax.LLM` is a thin batch wrapper over it.
+
+Async scheduling (Config.async_scheduling, the default) overlaps the host with the device, one
+step in flight: step() schedules and dispatches step N+1, then reads back step N's tokens (the
+one sync, while N+1 runs), finishes requests, and advances N+1's frontiers. A token sampled by
+the step in flight is a placeholder on the host (Sequence.num_pending) whose value the next
+decode reads on device. Consequences: requests finished at step N are returned by the next
+step() call; a request that stops on a stop/EOS token at step N had a row in N+1 whose output
+is discarded (its KV write lands in its own freed block, rewritten before any reader; its block
+is never published). Explicit synchronous fallback: before preempting, the scheduler has the
+engine read back the step in flight first (`_read_back_early`), so preempted sequences never hold
+a pending token (counted in get_stats()["sync_fallbacks"]).
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from serving.metrics import EngineStats
 from serving.model_runner import ModelRunner
 from serving.offload import HostKVTier, PageMover
 from serving.scheduler import Scheduler
-from serving.sequence import Sequence, Status
+from serving.sequence import Sequence, Status  # noqa: F401
 
 
 def _kv_bytes_per_block(cache, num_blocks: int, block_size: int) -> int:
@@ -70,6 +81,14 @@ class LLMEngine:
         self._counter = itertools.count()
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
+        # async scheduling: (batch, runner handle) of the step in flight, per-call timers
+        self._inflight = None
+        self._early: list[RequestOutput] = []
+        self._t_wait = self._t_early = 0.0
+        self.num_sync_fallbacks = 0  # read-backs forced before a preemption
+        self.num_discarded_rows = 0  # rows of requests that had finished (or were aborted)
+        if config.async_scheduling:
+            self.scheduler.before_preempt = self._read_back_early
 
     # -- sizing --------------------------------------------------------------------------------
     def _default_num_blocks(self, mcfg, dtype) -> int:
@@ -166,6 +185,8 @@ class LLMEngine:
 
     def abort_request(self, request_id) -> None:
         seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            seq.ends_with_pending = False  # async: its in-flight token is discarded
         if seq is None or seq.is_finished:
             return
         if seq in self.scheduler.waiting:
@@ -199,8 +220,103 @@ class LLMEngine:
             self.scheduler.pending_copy_in = []
 
     # -- the step ------------------------------------------------------------------------------
+    def _num_logprobs(self, batch) -> int:
+        num_lp = 0
+        for e in batch:
+            if e.sample and e.seq.sampling_params.logprobs is not None:
+                num_lp = max(num_lp, e.seq.sampling_params.logprobs)
+        if num_lp:
+            num_lp = min(1 << (num_lp - 1).bit_length() if num_lp > 1 else 1,
+                         self.config.max_logprobs)
+        return num_lp
+
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
+        """Run one engine step; returns the requests that finished in it (async scheduling:
+        those whose last token the previous step sampled, see the module docstring)."""
+        if self.config.async_scheduling:
+            return self._step_async()
+        return self._step_sync()
+
+    def _resolve(self, inflight) -> list[RequestOutput]:
+        """Read back a dispatched step's outputs (waits for it) and apply them."""
+        batch, handle = inflight
+        t0 = time.perf_counter()
+        out = self.runner.fetch(handle)
+        t1 = time.perf_counter()
+        self._t_wait += t1 - t0
+        return self._postprocess(batch, out, handle[1], pending=True)
+
+    def _read_back_early(self) -> bool:
+        """Scheduler hook before a preemption: read back the step in flight now (a synchronous
+        step). Returns whether there was one."""
+        if self._inflight is None:
+            return False
+        t0 = time.perf_counter()
+        inflight, self._inflight = self._inflight, None
+        self._early += self._resolve(inflight)
+        self.num_sync_fallbacks += 1
+        self._t_early += time.perf_counter() - t0
+        return True
+
+    def _step_async(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        self._t_wait = self._t_early = 0.0
+        batch = sched.schedule()
+        if self.offload is not None:
+            self._move_pages()
+        finished, self._early = self._early, []
+        t1 = time.perf_counter()
+        dispatch = overlap = 0.0
+        if batch:
+            handle = self.runner.launch(batch, num_logprobs=self._num_logprobs(batch),
+                                        use_prev=True)
+            dispatch = self.runner.last_dispatch
+            t2 = time.perf_counter()
+            inflight, self._inflight = self._inflight, (batch, handle)
+            if inflight is not None:  # step N's tokens, while step N+1 runs
+                finished += self._resolve(inflight)
+            t3 = time.perf_counter()
+            sched.advance(batch)
+            sched.prepare_waiting()
+            running, max_len = Status.RUNNING, self.config.max_model_len
+            for e in batch:
+                seq = e.seq
+                if e.sample and seq.status is running:
+                    seq.append_placeholder()
+                    if len(seq.token_ids) >= max_len or seq.will_finish_by_length:
+                        # finished whatever the token: free now, as the sync loop would here
+                        sched.finish(seq)
+                        seq.ends_with_pending = True
+            overlap = time.perf_counter() - t3
+        elif self._inflight is not None:
+            t2 = t1
+            inflight, self._inflight = self._inflight, None
+            finished += self._resolve(inflight)
+        elif sched.has_unfinished():
+            raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
+                               "for the waiting request?)")
+        else:
+            return finished
+        if self._inflight is not None and not sched.has_unfinished():
+            inflight, self._inflight = self._inflight, None  # drain: nothing left to overlap
+            finished += self._resolve(inflight)
+        if self.offload is not None:
+            self.offload.materialize()
+        total = time.perf_counter() - t0
+        st = self.stats
+        if batch:
+            schedule, build = t1 - t0 - self._t_early, t2 - t1 - dispatch
+            st.record_step(batch, total=total, device_wait=self._t_wait, dispatch=dispatch,
+                           schedule=schedule, build=build, overlap=overlap,
+                           post=total - schedule - build - dispatch - self._t_wait - overlap)
+        else:  # a read-back only: its time counts, it is no device step
+            st.step_time += total
+            st.device_wait += self._t_wait
+            st.post += total - self._t_wait
+        return finished
+
+    def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler
         batch = sched.schedule()
@@ -211,13 +327,7 @@ class LLMEngine:
                 raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
                                    "for the waiting request?)")
             return []
-        num_lp = 0
-        for e in batch:
-            if e.sample and e.seq.sampling_params.logprobs is not None:
-                num_lp = max(num_lp, e.seq.sampling_params.logprobs)
-        if num_lp:
-            num_lp = min(1 << (num_lp - 1).bit_length() if num_lp > 1 else 1,
-                         self.config.max_logprobs)
+        num_lp = self._num_logprobs(batch)
         t1 = time.perf_counter()
         tw = [0.0, 0.0, 0.0]
         # while the device computes: frontiers move (advance needs no sampled token) and the
@@ -234,8 +344,12 @@ class LLMEngine:
                                post=t3 - t2, overlap=tw[2])
         return finished
 
-    def _postprocess(self, batch, out, num_lp) -> list[RequestOutput]:
+    def _postprocess(self, batch, out, num_lp, pending: bool = False) -> list[RequestOutput]:
+        """Append (sync) or fill in (`pending`: async placeholders) each sampling row's token,
+        then apply stop conditions. Async rows of requests that are no longer running (finished
+        at the previous step, or aborted) are discarded."""
         finished = []
+        running = Status.RUNNING
         now = time.time()
         tokens = out["tokens"].tolist()
         logprob = out["logprob"].tolist()
@@ -244,10 +358,17 @@ class LLMEngine:
             if not e.sample:
                 continue
             seq = e.seq
+            if pending and (not seq.num_pending or
+                            (seq.status is not running and not seq.ends_with_pending)):
+                self.num_discarded_rows += 1
+                self.stats.query_tokens -= e.token_idx.size
+                continue
             sp = seq.sampling_params
             tok = tokens[i]
             if sp.logprobs is not None:
-                d = {tok: Logprob(logprob[i], int(out["rank"][i]) if "rank" in out else None)}
+                # rank only for logprobs >= 1 (the step computes ranks when any row asks for
+                # top logprobs; with logprobs=0 it would depend on the batch's other rows)
+                d = {tok: Logprob(logprob[i], int(out["rank"][i]) if sp.logprobs else None)}
                 if sp.logprobs:
                     for r in range(sp.logprobs):
                         tid = int(out["top_ids"][i, r])
@@ -255,7 +376,10 @@ class LLMEngine:
                             d[tid] = Logprob(float(out["top_logprobs"][i, r]), r + 1)
                 seq.output_logprobs.append(d)
             seq.cum_logprob += logprob[i]
-            seq.append_token(tok)
+            if pending:
+                seq.resolve_placeholder(tok)
+            else:
+                seq.append_token(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             n_tok = len(seq.token_ids)
@@ -271,7 +395,10 @@ class LLMEngine:
                 reason = "length"
             if reason is not None:
                 seq.finish_reason = reason
-                self.scheduler.finish(seq)
+                if seq.ends_with_pending:  # async: already finished by length
+                    seq.ends_with_pending = False
+                else:
+                    self.scheduler.finish(seq)
                 self.stats.record_finish(seq)
                 finished.append(self.make_output(seq))
                 self._seqs.pop(seq.request_id, None)
@@ -297,7 +424,14 @@ class LLMEngine:
                              seq.num_cached_tokens, metrics)
 
     def get_stats(self) -> dict:
-        return self.stats.summary(self)
+        """EngineStats.summary plus the async-scheduling counters. With async scheduling the
+        host works while the device computes: host_time_share (1 - wait / wall) is then the
+        host's busy share, not device idle time; host_work_share stays host work / step time."""
+        out = self.stats.summary(self)
+        out.update(async_scheduling=self.config.async_scheduling,
+                   sync_fallbacks=self.num_sync_fallbacks,
+                   discarded_rows=self.num_discarded_rows)
+        return out
 
 
 def resolve_markers(config: Config, vocab_size: int, reserved=()) -> dict[str, int]:

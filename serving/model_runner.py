@@ -5,6 +5,12 @@ sampling ints) into one int32 buffer and the float sampling inputs into one floa
 step is one dispatch with two transfers in and one device_get out (the only host sync). Shapes
 are bucketed by `Config.token_buckets` (see serving/config.py); the KV cache is donated.
 Block-table rows live in host arrays indexed by seat and are updated incrementally.
+
+Async scheduling (Config.async_scheduling): the step also takes `prev` [seats + 1], the last
+token sampled per seat, kept on device. An input token -(seat + 1) is read from it (a decode
+whose token the previous step sampled and the host has not read yet), and every sampling row
+writes its token to prev[sample_seat] (other rows write the scratch entry). So step N+1 is
+dispatched before step N's tokens reach the host (`launch` now, `fetch` later).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from minipic_jax.models.interface import RecurrentMetadata
 from serving.sampler import SamplingMetadata, sample
 
 _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
-_S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "seed", "step")
+_S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "seed", "step",
+             "sample_seat")
 _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
 
 
@@ -67,6 +74,8 @@ class ModelRunner:
         self.h_pos_start = np.zeros((seats, self.nb), np.int32)
         self.h_valid = np.zeros((seats, self.nb), np.int32)
         self._bufs: dict = {}
+        self._parity = 0  # async: two host buffer sets alternate (one step in flight)
+        self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
         self._step = jax.jit(self._step_impl, donate_argnums=(1,),
                              static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
                                               "decode_only"))
@@ -80,7 +89,7 @@ class ModelRunner:
         return self._step._cache_size()
 
     # -- device --------------------------------------------------------------------------------
-    def _step_impl(self, params, cache, ints, floats, *, t, s, all_greedy, use_filter,
+    def _step_impl(self, params, cache, ints, floats, prev=None, *, t, s, all_greedy, use_filter,
                    num_logprobs, decode_only=False):
         spec, _ = _layout(t, s, self.nb)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
@@ -91,18 +100,29 @@ class ModelRunner:
             block_pos_start=f["block_pos_start"], block_num_valid=f["block_num_valid"],
             slot_mapping=f["slot_mapping"])
         rec = RecurrentMetadata(state_slots=f["state_slots"], reset=f["reset"] > 0)
+        tokens = f["tokens"]
+        if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
+            tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
         if decode_only and self.decode_options:
             extra["attn_options"] = self.decode_options
         logits, cache = self.family.forward(
-            params, f["tokens"], md, cache, self.mcfg, recurrent=rec,
+            params, tokens, md, cache, self.mcfg, recurrent=rec,
             logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
             attn_impl=self.decode_impl if decode_only else self.config.attn_impl, **extra)
         sm = SamplingMetadata(temperature=floats[:s], top_k=f["top_k"], top_p=floats[s:],
                               seed=f["seed"].astype(jnp.uint32), step=f["step"])
         out = sample(logits, sm, all_greedy=all_greedy, use_filter=use_filter,
                      num_logprobs=num_logprobs)
+        if prev is not None:
+            prev = prev.at[f["sample_seat"]].set(out["tokens"])  # [seats + 1]
+            return cache, _pack(out, num_logprobs), prev
         return cache, _pack(out, num_logprobs)
+
+    def _prev(self):
+        if self.prev_tokens is None:
+            self.prev_tokens = jnp.zeros(self.config.num_seats + 1, jnp.int32)
+        return self.prev_tokens
 
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
                num_logprobs: int = 0) -> None:
@@ -117,12 +137,17 @@ class ModelRunner:
             ints = np.zeros(size, np.int32)
             o, (n,) = spec["slot_mapping"]
             ints[o:o + n] = -1
-            o, (n,) = spec["state_slots"]
-            ints[o:o + n] = self.scratch_slot
+            for name in ("state_slots", "sample_seat"):
+                o, (n,) = spec[name]
+                ints[o:o + n] = self.scratch_slot
             floats = np.ones(2 * s, np.float32)
-            self.cache, out = self._step(self.params, self.cache, ints, floats, t=t, s=s,
-                                         all_greedy=all_greedy, use_filter=use_filter,
-                                         num_logprobs=num_logprobs, decode_only=decode_only)
+            kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
+                      num_logprobs=num_logprobs, decode_only=decode_only)
+            if self.config.async_scheduling:
+                self.cache, out, self.prev_tokens = self._step(self.params, self.cache, ints,
+                                                               floats, self._prev(), **kw)
+            else:
+                self.cache, out = self._step(self.params, self.cache, ints, floats, **kw)
             jax.block_until_ready(out)
 
     # -- host ----------------------------------------------------------------------------------
@@ -142,16 +167,40 @@ class ModelRunner:
         tokens [S], logprob [S], and with num_logprobs: rank [S], top_ids / top_logprobs [S, k].
         `during()` (optional) runs on the host after the step is dispatched and before its
         outputs are awaited, i.e. while the device computes (host work that needs no output)."""
+        handle = self.launch(batch, num_logprobs=num_logprobs)
+        t1 = time.perf_counter()
+        if during is not None:
+            during()
+        t2 = time.perf_counter()
+        out = self.fetch(handle)  # the step's one host sync (one transfer)
+        if timer is not None:  # (dispatch, wait, overlapped host work) seconds
+            timer[:] = [self.last_dispatch, time.perf_counter() - t2, t2 - t1]
+        return out
+
+    def fetch(self, handle) -> dict:
+        """Wait for a launched step and read its outputs (see `run`)."""
+        packed, num_logprobs = handle
+        return _unpack(np.asarray(packed), num_logprobs)
+
+    def launch(self, batch, *, num_logprobs: int = 0, use_prev: bool = False):
+        """Build one scheduled batch's inputs and dispatch its step without waiting; returns the
+        handle `fetch` reads. With `use_prev` (async scheduling) a sequence whose last token is
+        pending (Sequence.num_pending) takes it from the device-side `prev_tokens`, and the
+        step's sampled tokens update `prev_tokens`; the host input buffers then alternate
+        between two sets, so building step N+1 never touches step N's (still in flight)."""
         cfg, bs = self.config, self.block_size
         real = sum(e.token_idx.size for e in batch)
         t = cfg.token_bucket(max(real, 1))
         s = cfg.seq_bucket(t)
-        ints, floats, v = self._buffers(t, s)
+        if use_prev:
+            self._parity ^= 1
+        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0)
         ints.fill(0)
         floats[:s] = 0.0
         floats[s:] = 1.0
         v["slot_mapping"][:] = -1
         v["state_slots"][:] = self.scratch_slot
+        v["sample_seat"][:] = self.scratch_slot
         n_seq = len(batch)
         seats = [e.seq.seat for e in batch]
         # Decodes come first (scheduler order): one generated token each, filled vectorised.
@@ -185,6 +234,8 @@ class ModelRunner:
                     v["q_window_start"][row:row + n] = win
                 tbl = np.asarray(seq.block_table[lo // bs:last // bs + 1], np.int32)
                 v["slot_mapping"][row:row + n] = tbl[idx // bs - lo // bs] * bs + off
+                if seq.num_pending and last == len(seq.token_ids) - 1:
+                    v["tokens"][row + n - 1] = -1 - seq.seat  # read on device from prev
             v["q_seq"][row:row + n] = i
             row += n
             v["cu_q_lens"][i + 1] = row
@@ -198,6 +249,7 @@ class ModelRunner:
         all_greedy = all(sp.temperature == 0 for sp in sps)
         use_filter = (not all_greedy) and any(
             sp.temperature > 0 and ((sp.top_k or 0) > 0 or sp.top_p < 1) for sp in sps)
+        v["sample_seat"][sampled] = [seats[i] for i in sampled]
         if sampled and not all_greedy:  # greedy rows read none of these (argmax of the logits)
             seqs = [batch[i].seq for i in sampled]
             v["top_k"][sampled] = [max(sp.top_k or 0, 0) for sp in sps]
@@ -213,21 +265,20 @@ class ModelRunner:
                   num_logprobs=num_logprobs, decode_only=decode_only)
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
-        self.cache, packed = self._step(self.params, self.cache, ints, floats, **kw)
-        t1 = time.perf_counter()
-        if during is not None:
-            during()
-        t2 = time.perf_counter()
-        packed = np.asarray(packed)  # the step's one host sync (one transfer)
-        if timer is not None:  # (dispatch, wait, overlapped host work) seconds
-            timer[:] = [t1 - t0, time.perf_counter() - t2, t2 - t1]
-        return _unpack(packed, num_logprobs)
+        if use_prev:
+            self.cache, packed, self.prev_tokens = self._step(self.params, self.cache, ints,
+                                                              floats, self._prev(), **kw)
+        else:
+            self.cache, packed = self._step(self.params, self.cache, ints, floats, **kw)
+        self.last_dispatch = time.perf_counter() - t0
+        return packed, num_logprobs
 
-    def _buffers(self, t: int, s: int):
+    def _buffers(self, t: int, s: int, parity: int = 0):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached
-        the device before its outputs are read, which happens before the next build (reuse
-        also avoids fresh page faults every step)."""
-        key = (t, s)
+        the device before its outputs are read, which happens before the next build of the
+        same buffer set (sync: the next step; async: the step after next, see `launch`).
+        Reuse also avoids fresh page faults every step."""
+        key = (t, s, parity)
         if key not in self._bufs:
             spec, size = _layout(t, s, self.nb)
             ints = np.zeros(size, np.int32)
@@ -253,7 +304,8 @@ class ModelRunner:
         blk = last // bs
         bps = self.h_pos_start[seats, blk]
         self.h_valid[seats, blk] = pos - bps + 1
-        v["tokens"][:d] = cols[:, 3]
+        tok = cols[:, 3]
+        v["tokens"][:d] = np.where(tok < 0, -1 - seats, tok)  # pending: -(seat + 1), see launch
         v["q_positions"][:d] = pos
         v["q_window_start"][:d] = cols[:, 2]
         v["slot_mapping"][:d] = self.h_tables[seats, blk] * bs + pos - bps

@@ -57,6 +57,10 @@ class Scheduler:
         self.free_span_seats = list(range(config.max_num_seqs, config.num_seats))[::-1]
         self.pending_copy_in: list[tuple[int, int]] = []  # (block, host hash) for this step
         self.num_preemptions = 0
+        # Called before a preemption (async scheduling): the engine reads back the step in
+        # flight first, so no preempted sequence holds a pending token (see _ensure_block).
+        self.before_preempt = None
+        self._resolved_early = False
         self.hit_tokens = 0
         self.query_tokens = 0
 
@@ -148,9 +152,15 @@ class Scheduler:
             need += 1
         if need > bm.num_free - self.cfg.watermark_blocks * (not seq.is_span_job):
             return False
-        for j, (kind, b) in enumerate(plan):
+        # take every planned hit off the free list before allocating: an allocation evicts the
+        # least recently freed block, which may be a cached block planned as a later hit
+        # take every planned hit off the free list before allocating: an allocation evicts the
+        # least recently freed block, which may be a cached block planned as a later hit
+        for kind, b in plan:
             if kind == "hit":
                 bm.share(b)
+        for j, (kind, b) in enumerate(plan):
+            if kind == "hit":
                 seq.block_table.append(b)
                 if not seq.ever_admitted and j < len(hashes):
                     seq.num_cached_tokens += self.cfg.block_size
@@ -273,6 +283,10 @@ class Scheduler:
                 continue  # preempted itself
             batch.append(ScheduledSeq(seq, ar[n - 1:n], n, True, seq.needs_reset))
             budget -= 1
+        if self._resolved_early:  # sequences finished by the read-back lose their rows
+            self._resolved_early = False
+            batch = [e for e in batch if e.seq.status is running]
+            budget = cfg.max_num_batched_tokens - len(batch)
 
         # 2. running prefills
         barrier_open = True
@@ -345,6 +359,11 @@ class Scheduler:
         """Make room for the token at index len-1; preempt newest sequences if needed."""
         need = (len(seq) - 1) // self.cfg.block_size + 1
         while len(seq.block_table) < need:
+            if self.bm.num_free == 0 and self.before_preempt is not None and self.before_preempt():
+                self._resolved_early = True
+                if seq.status is not Status.RUNNING:
+                    return False  # it finished with the token read back
+                continue  # finished sequences may have freed blocks
             if self.bm.num_free == 0:
                 victim = self.span_jobs[-1] if self.span_jobs else self.running[-1]
                 self.preempt(victim)

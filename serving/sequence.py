@@ -19,6 +19,10 @@ class Status(enum.Enum):
 
 _ids = itertools.count()
 
+# Stands in token_ids for a token sampled by a step still in flight (async scheduling): counted in
+# every length and block quantity like a real token; its value lives on the device until read.
+PLACEHOLDER = -1
+
 
 class Sequence:
     """Prompt + generated tokens. `num_computed` is a token index (pads included): every token
@@ -58,6 +62,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.num_preemptions = 0
+        self.num_pending = 0  # trailing PLACEHOLDER tokens (0 or 1: one step in flight at most)
+        # async: finished (blocks and seat freed) because its pending token reaches the length
+        # limit, whatever its value; the token is still read back and reported
+        self.ends_with_pending = False
         # Block-level layout over all tokens (prompt blocks, then generated ones).
         self.block_valid = list(layout.block_valid)
         self.block_pos_start = list(layout.block_pos_start)
@@ -97,6 +105,22 @@ class Sequence:
         self.block_valid[blk] += 1
         self.token_ids.append(token)
         self.num_valid += 1
+
+    def append_placeholder(self) -> None:
+        """The token a dispatched step samples, before its value is read back."""
+        self.append_token(PLACEHOLDER)
+        self.num_pending += 1
+
+    def resolve_placeholder(self, token: int) -> None:
+        """The pending last token's value, read back from its step."""
+        self.token_ids[-1] = token
+        self.num_pending -= 1
+
+    @property
+    def will_finish_by_length(self) -> bool:
+        """The pending token reaches max_tokens (whatever its value): no more decodes."""
+        mt = self.sampling_params.max_tokens
+        return mt is not None and len(self.token_ids) - self.num_prompt_tokens >= mt
 
     # -- per-token geometry for a range of token indices ----------------------------------------
     def geometry(self, idx: np.ndarray):
