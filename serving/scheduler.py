@@ -109,11 +109,14 @@ class Scheduler:
     def _publish_generated(self, seq: Sequence, j: int, b: int) -> None:
         """Register block j, completed during generation (the prompt's partial last block filled
         by output tokens, or a block of output tokens), under the key a prompt repeating these
-        tokens would give it. A block that starts with a generated marker id stops this: such a
-        prompt would be laid out differently from here on."""
+        tokens would give it. A block that starts with a generated marker id, or holds a
+        generated pad id, stops this: such a prompt would be laid out differently from here on
+        (its pads take no slot, while the generated ones hold K/V)."""
         bs, lay = self.cfg.block_size, seq.layout
         first = seq.token_ids[j * bs]
-        if j * bs >= seq.num_prompt_tokens and first in self.markers.values():
+        gen = seq.token_ids[max(j * bs, seq.num_prompt_tokens):(j + 1) * bs]
+        if (j * bs >= seq.num_prompt_tokens and first in self.markers.values()) or \
+                ("pad" in self.markers and self.markers["pad"] in gen):
             seq.chain_tail = None
             return
         if j < len(lay.span_block):  # the prompt's partial last block

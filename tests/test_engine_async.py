@@ -185,3 +185,34 @@ def test_admission_never_evicts_its_own_planned_hit():
     assert [bm.hash[second.block_table[j]] for j in span_blocks] == \
         [second.block_hashes[j] for j in span_blocks]
     assert second.num_cached_tokens == 2 * bs
+
+
+def test_generated_pad_id_stops_generated_block_publishing(fresh_rng):
+    """Regression (scheduler): a generated token equal to pad_token_id is real text (it holds
+    K/V), but a prompt repeating it lays it out as an invisible pad, so the block holding it
+    (and every later one) must not be published as a hit for such a prompt."""
+    first = [int(t) for t in fresh_rng.integers(0, 500, int(fresh_rng.integers(1, 12)) + B)]
+    gen = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+    out = make_tiny_llm().generate([first], gen, use_tqdm=False)[0].outputs[0].token_ids
+    n0 = len(first)
+    # a generated token in the prompt's partial last block (there the generated block keys
+    # continue the prompt's), absent from the prompt and the earlier output
+    cands = [k for k in range(B - n0 % B)
+             if out[k] not in first and out[k] not in out[:k] and out[k] < 509]
+    if not cands:
+        pytest.skip("the output repeats all its tokens")
+    k = cands[0]
+    pad = out[k]
+    llm = make_tiny_llm(pad_token_id=pad)
+    again = llm.generate([first], gen, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == out  # the prompt has no pad: same layout, same tokens
+    second = first + list(out[:-2]) + [1, 2, 3]  # blocks past the pad's would be hits too
+    sp = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
+    got = llm.generate([second], sp, use_tqdm=False)[0]
+    assert got.num_cached_tokens == (n0 + k) // B * B  # up to the block holding the pad id
+    fresh = make_tiny_llm(pad_token_id=pad, enable_prefix_caching=False).generate(
+        [second], sp, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == fresh.outputs[0].token_ids
+    for a, b in zip(got.outputs[0].logprobs, fresh.outputs[0].logprobs):
+        t = next(iter(a))
+        assert abs(a[t].logprob - b[t].logprob) < 1e-5
