@@ -157,8 +157,6 @@ class Scheduler:
             return False
         # take every planned hit off the free list before allocating: an allocation evicts the
         # least recently freed block, which may be a cached block planned as a later hit
-        # take every planned hit off the free list before allocating: an allocation evicts the
-        # least recently freed block, which may be a cached block planned as a later hit
         for kind, b in plan:
             if kind == "hit":
                 bm.share(b)
