@@ -397,6 +397,7 @@ class LLMEngine:
                 seq.finish_reason = reason
                 if seq.ends_with_pending:  # async: already finished by length
                     seq.ends_with_pending = False
+                    seq.finished_time = time.time()  # its last token arrives now
                 else:
                     self.scheduler.finish(seq)
                 self.stats.record_finish(seq)

@@ -69,6 +69,10 @@ def run_both(salt, stops, n=12, reference=False, **kw):
         runs[mode] = llm.generate(prompts, sps, use_tqdm=False)
         stats[mode] = eng.get_stats()
         check_no_leaks(llm)
+    for o in runs[True]:  # per-request metrics stay ordered (a token's arrival is its time)
+        mt = o.metrics
+        assert mt.arrival_time <= mt.first_scheduled_time <= mt.first_token_time <= \
+            mt.finished_time, mt
     m = eng.markers
     for p, sp, o in zip(prompts, sps, runs[True]):
         if reference and sp.temperature == 0:
