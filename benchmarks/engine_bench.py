@@ -58,19 +58,18 @@ def add_parser(p):
 
 
 def _copy_rate(gb: float) -> float:
-    import jax
+    """Device copy rate (bytes read + written per second) of a jitted elementwise pass over a
+    `gb` GiB bf16 array: 10 calls back to back per rep (so dispatch latency is not counted), median
+    of 5 reps, as the attention benchmark times its anchors."""
     import jax.numpy as jnp
+    import jax
+    from benchmarks.timing import time_calls
     n = int(gb * (1 << 30)) // 2
     x = jnp.ones((n,), jnp.bfloat16)
     f = jax.jit(lambda a: a * jnp.bfloat16(1.0001))
-    jax.block_until_ready(f(x))
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        best = min(best, time.perf_counter() - t)
+    t = time_calls(f, x, iters=10, reps=5)
     del x
-    return 2 * n * 2 / best  # bytes read + written per second
+    return 2 * n * 2 / t
 
 
 def _prime_decode(engine, batch: int, ctx: int, steps: int, rng):
@@ -225,7 +224,7 @@ def run(args) -> int:
     engine = llm.llm_engine
     cfg = engine.loaded.cfg
     res["write_kv_impl"] = args.write_impl or "default (triton on GPU)"
-    res["decode_rope"] = args.decode_rope or "default (trig)"
+    res["decode_rope"] = args.decode_rope or "engine default (table, max_model_len)"
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.loaded.params))
     embed = getattr(engine.loaded.params, "embed", None)
     tied = getattr(engine.loaded.params, "lm_head", 0) is None
