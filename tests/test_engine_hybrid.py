@@ -29,3 +29,19 @@ def test_hybrid_greedy_matches_hf_with_chunks_and_preemption():
         assert o.num_cached_tokens == 0  # prefix caching is off for hybrid models (for now)
         alone = llm.generate([p], sp, use_tqdm=False)[0]  # no preemption when alone
         assert alone.outputs[0].token_ids == o.outputs[0].token_ids
+
+
+def test_hybrid_decode_steps_run_the_decode_kernel():
+    """Decode-only steps compile their own variant with the decode kernel and its options (what
+    the engine does on a GPU by default): a hybrid model must accept them and keep HF's tokens."""
+    folder = FIXTURES / "qwen3_5_gva2"
+    npz = np.load(folder / "reference.npz")
+    prompts = [npz[f"prompt_{i}"].tolist() for i in range(2)]
+    greedy = [npz[f"greedy_{i}"].tolist() for i in range(2)]
+    llm = LLM(str(folder), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=192,
+              attn_impl="xla", decode_attn_impl="triton_decode")
+    runner = llm.llm_engine.runner
+    assert runner.separate_decode and runner.decode_options == {"max_position": 192}
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for o, want in zip(llm.generate(prompts, sp, use_tqdm=False), greedy):
+        assert o.outputs[0].token_ids == want[:4]

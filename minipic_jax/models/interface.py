@@ -9,10 +9,13 @@ A family module exposes:
   hf_tensor_names(cfg) -> list[str]                              # every tensor convert_hf reads
   init_cache(cfg, num_pages, page_size, max_num_seqs, dtype) -> cache pytree
   forward(params, tokens, metadata, cache, cfg, *, recurrent=None, logits_indices=None,
-          kv_mode="position_free", attn_impl=None) -> (logits, cache)
+          kv_mode="position_free", attn_impl=None, write_impl=None, attn_options=None)
+          -> (logits, cache)
       tokens [T] int32; metadata kernels_pallas AttentionMetadata; logits_indices [N] int32 rows
-      of T to compute logits for (default: all T) -> logits [N, V] float32. Pure and jit-able,
-      cache donated by the caller.
+      of T to compute logits for (default: all T) -> logits [N, V] float32. attn_impl /
+      write_impl / attn_options: paged_attention's implementation and kernel_options and
+      write_kv's implementation for every attention layer (the engine's decode-only steps pass
+      their own). Pure and jit-able, cache donated by the caller.
 """
 
 import dataclasses

@@ -221,7 +221,8 @@ def restore_state(cache: Qwen35Cache, slot: int, state: dict) -> Qwen35Cache:
 # ----------------------------------------------------------------------------- forward
 
 
-def _attention(x, p: AttnParams, k_pages, v_pages, metadata, cfg, inv, kv_mode, attn_impl):
+def _attention(x, p: AttnParams, k_pages, v_pages, metadata, cfg, inv, kv_mode, attn_impl,
+               write_impl=None, attn_options=None):
     eps = cfg.rms_norm_eps
     q = layers.rms_norm(jnp.einsum("te,ehd->thd", x, p.wq), p.q_norm, eps, unit_offset=True)
     gate = jnp.einsum("te,ehd->thd", x, p.wgate)  # [T, H, D]
@@ -230,9 +231,11 @@ def _attention(x, p: AttnParams, k_pages, v_pages, metadata, cfg, inv, kv_mode, 
     scaling = rope.attention_scaling(cfg)
     if kv_mode == "rotated":
         k = apply_rope(k, metadata.q_positions, inv, scaling)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping,
+                                implementation=write_impl)
     attn = paged_attention(q, k_pages, v_pages, metadata, inv, kv_mode=kv_mode,
-                           attention_scaling=scaling, implementation=attn_impl)  # [T, H, D]
+                           attention_scaling=scaling, implementation=attn_impl,
+                           kernel_options=attn_options)  # [T, H, D]
     attn = attn * jax.nn.sigmoid(gate)
     return jnp.einsum("thd,hde->te", attn, p.wo), k_pages, v_pages
 
@@ -251,7 +254,8 @@ def _recurrent_inputs(metadata, recurrent, n_seqs):
 def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen35Cache,
                              cfg: ModelConfig, *, recurrent=None, logits_indices=None,
                              kv_mode: str = "position_free", attn_impl: str | None = None,
-                             checkpoint_at=None, gdn_impl: str | None = None):
+                             checkpoint_at=None, gdn_impl: str | None = None,
+                             write_impl: str | None = None, attn_options: dict | None = None):
     """`forward`, plus the recurrent states at chunk-aligned positions of each sequence.
 
     checkpoint_at: None or [S, M] int32 absolute positions (multiples of CHUNK inside
@@ -280,7 +284,7 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
             h = layers.rms_norm(x, lp.attn_norm, eps, unit_offset=True)
             if cfg.layer_types[i] == "full_attention":
                 out, kp, vp = _attention(h, lp.mixer, cache.k[ia], cache.v[ia], metadata, cfg,
-                                         inv, kv_mode, attn_impl)
+                                         inv, kv_mode, attn_impl, write_impl, attn_options)
                 new["k"].append(kp)
                 new["v"].append(vp)
                 ia += 1
@@ -317,12 +321,14 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
 
 def forward(params: Qwen35Params, tokens, metadata, cache: Qwen35Cache, cfg: ModelConfig, *,
             recurrent=None, logits_indices=None, kv_mode: str = "position_free",
-            attn_impl: str | None = None, gdn_impl: str | None = None):
+            attn_impl: str | None = None, gdn_impl: str | None = None,
+            write_impl: str | None = None, attn_options: dict | None = None):
     """One ragged step (see interface.py). `recurrent` gives each sequence's state slot and
     whether it starts fresh; None means slot s for sequence s, fresh when it starts at
     position 0. Sequences with no tokens this step keep their state. gdn_impl: see
     forward_with_checkpoints. Returns (logits, cache)."""
     logits, cache, _ = forward_with_checkpoints(
         params, tokens, metadata, cache, cfg, recurrent=recurrent, logits_indices=logits_indices,
-        kv_mode=kv_mode, attn_impl=attn_impl, gdn_impl=gdn_impl)
+        kv_mode=kv_mode, attn_impl=attn_impl, gdn_impl=gdn_impl, write_impl=write_impl,
+        attn_options=attn_options)
     return logits, cache
