@@ -204,9 +204,14 @@ def run_breakdown(engine, args) -> dict:
         return jax.jit(functools.partial(r._step_impl), donate_argnums=(1,),
                        static_argnames=statics)
 
+    # the engine's own step variant: in async mode decode tokens come from the device-side
+    # last sampled tokens (`prev`), as in ModelRunner
+    prev = (r.prev_tokens,) if r.prev_tokens is not None else ()
+
     def stepper(fn, params, ii):
         def call():
-            state["cache"], out = fn(params, state["cache"], ii, floats, **kw)
+            result = fn(params, state["cache"], ii, floats, *prev, **kw)
+            state["cache"], out = result[0], result[1]
             return out
         return call
 
