@@ -141,3 +141,21 @@ def default_marker_ids(vocab_size: int, reserved=()) -> dict[str, int]:
     if len(free) < 3:
         raise ValueError(f"vocabulary of {vocab_size} ids has no room for pad/ssep/pdep markers")
     return dict(zip(("pad_token_id", "ssep_token_id", "pdep_token_id"), free))
+
+
+def resolve_markers(config: Config, vocab_size: int, reserved=()) -> dict[str, int]:
+    """Family defaults (avoiding the `reserved` BOS/EOS ids) filled in, then checked: distinct,
+    inside the vocabulary."""
+    ids = default_marker_ids(vocab_size, reserved)
+    for k in ids:
+        if getattr(config, k) is not None:
+            ids[k] = getattr(config, k)
+    for k, v in ids.items():
+        if not 0 <= v < vocab_size:
+            raise ValueError(f"{k}={v} is outside the vocabulary [0, {vocab_size})")
+    if ids["ssep_token_id"] == ids["pad_token_id"] or ids["pdep_token_id"] == ids["pad_token_id"]:
+        raise ValueError(f"marker ids must differ from pad_token_id={ids['pad_token_id']}: "
+                         f"ssep_token_id={ids['ssep_token_id']}, pdep_token_id={ids['pdep_token_id']}")
+    if ids["ssep_token_id"] == ids["pdep_token_id"]:
+        raise ValueError(f"ssep_token_id and pdep_token_id must differ, both {ids['ssep_token_id']}")
+    return ids

@@ -25,14 +25,15 @@ import time
 import jax
 import numpy as np
 
-from minipic_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from minipic_jax.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
-from serving.config import Config, default_marker_ids
+from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
 from serving.layout import build_layout
 from serving.metrics import EngineStats
 from serving.model_runner import ModelRunner
 from serving.offload import HostKVTier, PageMover
+from serving.request_output import request_output
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status  # noqa: F401
 
@@ -382,17 +383,7 @@ class LLMEngine:
                 seq.append_token(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            n_tok = len(seq.token_ids)
-            n_out = n_tok - seq.num_prompt_tokens
-            reason = None
-            if n_out >= sp.min_tokens and (tok in eos or tok in sp.stop_token_ids):
-                if tok in sp.stop_token_ids:
-                    reason, seq.stop_reason = "stop", tok
-                elif not sp.ignore_eos:
-                    reason = "stop"
-            if reason is None and ((sp.max_tokens is not None and n_out >= sp.max_tokens)
-                                   or n_tok >= max_len):
-                reason = "length"
+            reason = seq.stop_check(tok, eos, max_len)
             if reason is not None:
                 seq.finish_reason = reason
                 if seq.ends_with_pending:  # async: already finished by length
@@ -406,23 +397,7 @@ class LLMEngine:
         return finished
 
     def make_output(self, seq: Sequence) -> RequestOutput:
-        sp = seq.sampling_params
-        ids = seq.output_token_ids
-        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-        lps = None
-        if sp.logprobs is not None:
-            lps = seq.output_logprobs
-            if self.tokenizer is not None:
-                for d in lps:
-                    for tid, lp in d.items():
-                        lp.decoded_token = self.tokenizer.decode([tid])
-        comp = CompletionOutput(0, text, list(ids), seq.cum_logprob, lps,
-                                seq.finish_reason, seq.stop_reason)
-        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                 seq.finished_time, seq.num_preemptions)
-        return RequestOutput(seq.request_id, getattr(seq, "prompt_text", None),
-                             list(seq.prompt_token_ids), [comp], seq.is_finished,
-                             seq.num_cached_tokens, metrics)
+        return request_output(seq, self.tokenizer)
 
     def get_stats(self) -> dict:
         """EngineStats.summary plus the async-scheduling counters. With async scheduling the
@@ -434,20 +409,3 @@ class LLMEngine:
                    discarded_rows=self.num_discarded_rows)
         return out
 
-
-def resolve_markers(config: Config, vocab_size: int, reserved=()) -> dict[str, int]:
-    """Family defaults (avoiding the `reserved` BOS/EOS ids) filled in, then checked: distinct,
-    inside the vocabulary."""
-    ids = default_marker_ids(vocab_size, reserved)
-    for k in ids:
-        if getattr(config, k) is not None:
-            ids[k] = getattr(config, k)
-    for k, v in ids.items():
-        if not 0 <= v < vocab_size:
-            raise ValueError(f"{k}={v} is outside the vocabulary [0, {vocab_size})")
-    if ids["ssep_token_id"] == ids["pad_token_id"] or ids["pdep_token_id"] == ids["pad_token_id"]:
-        raise ValueError(f"marker ids must differ from pad_token_id={ids['pad_token_id']}: "
-                         f"ssep_token_id={ids['ssep_token_id']}, pdep_token_id={ids['pdep_token_id']}")
-    if ids["ssep_token_id"] == ids["pdep_token_id"]:
-        raise ValueError(f"ssep_token_id and pdep_token_id must differ, both {ids['ssep_token_id']}")
-    return ids

@@ -122,6 +122,23 @@ class Sequence:
         mt = self.sampling_params.max_tokens
         return mt is not None and len(self.token_ids) - self.num_prompt_tokens >= mt
 
+    def stop_check(self, tok: int, eos_ids, max_model_len: int) -> str | None:
+        """After appending sampled token `tok`: "stop" (a stop token, or EOS unless ignore_eos,
+        once min_tokens are out; sets stop_reason for stop tokens), "length" (max_tokens or
+        max_model_len reached) or None."""
+        sp = self.sampling_params
+        n_tok = len(self.token_ids)
+        n_out = n_tok - self.num_prompt_tokens
+        if n_out >= sp.min_tokens and (tok in eos_ids or tok in sp.stop_token_ids):
+            if tok in sp.stop_token_ids:
+                self.stop_reason = tok
+                return "stop"
+            if not sp.ignore_eos:
+                return "stop"
+        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or n_tok >= max_model_len:
+            return "length"
+        return None
+
     # -- per-token geometry for a range of token indices ----------------------------------------
     def geometry(self, idx: np.ndarray):
         """idx [n] token indices -> (pos, win, slot_off, is_pad), each [n]."""

@@ -1,0 +1,28 @@
+"""RequestOutput (minipic_jax.outputs, vLLM-shaped) from an engine Sequence."""
+
+from __future__ import annotations
+
+from minipic_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from serving.sequence import Sequence
+
+
+def request_output(seq: Sequence, tokenizer) -> RequestOutput:
+    """The vLLM-shaped RequestOutput of a finished (or running) sequence; text and logprob
+    tokens decoded with `tokenizer` when there is one."""
+    sp = seq.sampling_params
+    ids = seq.output_token_ids
+    text = tokenizer.decode(ids) if tokenizer is not None else ""
+    lps = None
+    if sp.logprobs is not None:
+        lps = seq.output_logprobs
+        if tokenizer is not None:
+            for d in lps:
+                for tid, lp in d.items():
+                    lp.decoded_token = tokenizer.decode([tid])
+    comp = CompletionOutput(0, text, list(ids), seq.cum_logprob, lps,
+                            seq.finish_reason, seq.stop_reason)
+    metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                             seq.finished_time, seq.num_preemptions)
+    return RequestOutput(seq.request_id, getattr(seq, "prompt_text", None),
+                         list(seq.prompt_token_ids), [comp], seq.is_finished,
+                         seq.num_cached_tokens, metrics)
