@@ -178,6 +178,22 @@ def _profile(call, steps: int = 3, top: int = 25) -> dict:
                     for k, (n, t) in rows[:top]]}
 
 
+def one_block_inputs(runner, ints, kw):
+    """The runner's packed step inputs with one context block per sequence, each query attending
+    to its own position only: the same step minus (almost all) K/V reading."""
+    import numpy as np
+
+    from serving.model_runner import _layout
+    spec, _ = _layout(kw["t"], kw["s"], runner.nb)
+    short = ints.copy()
+    o, (n,) = spec["num_blocks"]
+    short[o:o + n] = np.minimum(short[o:o + n], 1)
+    o, (n,) = spec["q_window_start"]
+    op, _ = spec["q_positions"]
+    short[o:o + n] = short[op:op + n]
+    return short
+
+
 def run_breakdown(engine, args) -> dict:
     """All variants on the primed engine (its runner's last inputs are a batch x ctx decode)."""
     import jax
@@ -186,17 +202,10 @@ def run_breakdown(engine, args) -> dict:
 
     from minipic_jax.models import layers, llama
     from serving import sampler as smp
-    from serving.model_runner import _layout
     r = engine.runner
     cfg = r.mcfg
     ints, floats, kw = r.last_inputs
-    spec, _ = _layout(kw["t"], kw["s"], r.nb)
-    short = ints.copy()
-    o, (n,) = spec["num_blocks"]
-    short[o:o + n] = np.minimum(short[o:o + n], 1)
-    o, (n,) = spec["q_window_start"]
-    op, _ = spec["q_positions"]
-    short[o:o + n] = short[op:op + n]
+    short = one_block_inputs(r, ints, kw)
     res, state = {}, {"cache": r.cache}
     statics = ("t", "s", "all_greedy", "use_filter", "num_logprobs", "decode_only")
 

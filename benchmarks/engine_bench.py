@@ -263,33 +263,21 @@ def run(args) -> int:
         return r._step(r.params, cache, ii, floats, *prev, **kw)[:2]
 
     cache = r.cache
-    for _ in range(2):
-        cache, out = jitted(cache, ints)
-    jax.block_until_ready(out)
-    dev = []
-    for _ in range(10):
-        t = time.perf_counter()
-        cache, out = jitted(cache, ints)
-        jax.block_until_ready(out)
-        dev.append(time.perf_counter() - t)
+
+    def blocked(ii, n=10):  # seconds per call, each waited for, after 2 warm-up calls
+        nonlocal cache
+        times = []
+        for _ in range(n + 2):
+            t = time.perf_counter()
+            cache, out = jitted(cache, ii)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t)
+        return times[2:]
+
+    dev = blocked(ints)
     # the same step with one context block per sequence: what is not KV reading
-    from serving.model_runner import _layout
-    spec, _ = _layout(kw["t"], kw["s"], r.nb)
-    o, (n,) = spec["num_blocks"]
-    short = ints.copy()
-    short[o:o + n] = np.minimum(short[o:o + n], 1)
-    o, (n,) = spec["q_window_start"]
-    op, _ = spec["q_positions"]
-    short[o:o + n] = short[op:op + n]  # attend to the query's own position only
-    for _ in range(2):
-        cache, out = jitted(cache, short)
-    jax.block_until_ready(out)
-    dev_short = []
-    for _ in range(10):
-        t = time.perf_counter()
-        cache, out = jitted(cache, short)
-        jax.block_until_ready(out)
-        dev_short.append(time.perf_counter() - t)
+    from benchmarks.decode_breakdown import one_block_inputs
+    dev_short = blocked(one_block_inputs(r, ints, kw))
     r.cache = cache
     kv_bytes = (args.batch * args.ctx * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                 * np.dtype(jax.numpy.dtype(args.dtype)).itemsize)

@@ -7,28 +7,37 @@ import kernels_pallas.paged_attention.api as attention_api
 from minipic_jax import LLM, SamplingParams
 
 
+def spy_on(monkeypatch, module, name, record=lambda kwargs: 1):
+    """Wrap module.name so each call appends record(kwargs) to the returned list."""
+    calls, kernel = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(record(kwargs))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def assert_same_tokens_and_logprobs(expected, got, atol):
+    for want, out in zip(expected, got):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        lp_want = [d[t].logprob for d, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+        lp_got = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        np.testing.assert_allclose(lp_got, lp_want, atol=atol)
+
+
 def test_decode_only_steps_use_decode_kernel_and_match_xla(monkeypatch, fresh_rng):
     prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (5, 23, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
     expected = LLM("tiny_llama", max_num_seqs=4, attn_impl="xla").generate(
         prompts, params, use_tqdm=False)
 
-    traced = []
-    kernel = attention_api.decode_paged_attention_triton
-
-    def spy(*args, **kwargs):
-        traced.append(1)
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(attention_api, "decode_paged_attention_triton", spy)
+    traced = spy_on(monkeypatch, attention_api, "decode_paged_attention_triton")
     llm = LLM("tiny_llama", max_num_seqs=4, attn_impl="xla", decode_attn_impl="triton_decode")
     got = llm.generate(prompts, params, use_tqdm=False)
     assert traced, "decode-only steps did not reach the decode kernel"
-    for want, out in zip(expected, got):
-        assert out.outputs[0].token_ids == want.outputs[0].token_ids
-        lp_want = [d[t].logprob for d, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
-        lp_got = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-        np.testing.assert_allclose(lp_got, lp_want, atol=1e-4)
+    assert_same_tokens_and_logprobs(expected, got, atol=1e-4)
 
 
 def test_unknown_kernel_is_an_error_before_any_work():
@@ -45,35 +54,18 @@ def test_triton_kv_write_matches_xla_write(monkeypatch, fresh_rng):
     kw = dict(max_num_seqs=2, max_num_batched_tokens=16, attn_impl="xla")
     expected = LLM("tiny_llama", write_kv_impl="xla", **kw).generate(prompts, params,
                                                                      use_tqdm=False)
-    traced = []
-    kernel = api.write_kv_triton
-
-    def spy(*args, **kwargs):
-        traced.append(1)
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(api, "write_kv_triton", spy)
+    traced = spy_on(monkeypatch, api, "write_kv_triton")
     got = LLM("tiny_llama", write_kv_impl="triton", **kw).generate(prompts, params, use_tqdm=False)
     assert traced, "write_kv_impl='triton' did not reach the Pallas write"
-    for want, out in zip(expected, got):
-        assert out.outputs[0].token_ids == want.outputs[0].token_ids
-        lp_want = [d[t].logprob for d, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
-        lp_got = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-        np.testing.assert_allclose(lp_got, lp_want, atol=1e-5)
+    assert_same_tokens_and_logprobs(expected, got, atol=1e-5)
     with pytest.raises(ValueError, match="Config.write_kv_impl"):
         LLM("tiny_llama", write_kv_impl="cuda")
 
 
 def test_decode_rope_table_option_matches_xla(monkeypatch, fresh_rng):
     """The table RoPE variant of the decode kernel, selected through Config.decode_attn_options."""
-    seen = []
-    kernel = attention_api.decode_paged_attention_triton
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("rope"))
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(attention_api, "decode_paged_attention_triton", spy)
+    seen = spy_on(monkeypatch, attention_api, "decode_paged_attention_triton",
+                  lambda kwargs: kwargs.get("rope"))
     prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (7, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1)
     expected = LLM("tiny_llama", max_num_seqs=2, attn_impl="xla").generate(
@@ -84,8 +76,4 @@ def test_decode_rope_table_option_matches_xla(monkeypatch, fresh_rng):
                                                     "max_position": llm.config.max_model_len}
     got = llm.generate(prompts, params, use_tqdm=False)
     assert seen and set(seen) == {"table"}, seen
-    for want, out in zip(expected, got):
-        assert out.outputs[0].token_ids == want.outputs[0].token_ids
-        lp_want = [d[t].logprob for d, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
-        lp_got = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-        np.testing.assert_allclose(lp_got, lp_want, atol=1e-4)
+    assert_same_tokens_and_logprobs(expected, got, atol=1e-4)

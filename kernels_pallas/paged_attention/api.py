@@ -126,46 +126,33 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
     if implementation == "xla":
         return _xla_paged_attention(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
                                     attention_scaling=attention_scaling, sm_scale=sm_scale)
+    rotate_keys = kv_mode == "position_free"
     if implementation == "triton":
         problem = _triton_limits(q, k_pages, inv_freq, options.get("block_k"))
-        if problem:
-            raise ValueError(f"paged_attention: implementation='triton' {problem}")
-        q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
-        return ragged_paged_attention_triton(
-            q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
-            attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret,
-            **options)
-    if implementation == "triton_decode":
+        kernel = functools.partial(ragged_paged_attention_triton, **options)
+        decode_only = False
+    elif implementation == "triton_decode":
         problem = _triton_limits(q, k_pages, inv_freq,
                                  options.get("block_k", max(64, k_pages.shape[1])))
-        if problem:
-            raise ValueError(f"paged_attention: implementation='triton_decode' {problem}")
-        _check_decode_only(metadata, implementation)
-        q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
-        return decode_paged_attention_triton(
-            q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
-            attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret,
-            **options)
-    if implementation == "mosaic":
+        kernel = functools.partial(decode_paged_attention_triton, **options)
+        decode_only = True
+    elif implementation == "mosaic":
         pps = options.pop("pages_per_step", max(1, 64 // k_pages.shape[1]))
-        problem = mosaic_limits(q, k_pages, inv_freq, kv_mode == "position_free", pps)
-        if problem:
-            raise ValueError(f"paged_attention: implementation='mosaic' {problem}")
-        _check_decode_only(metadata, implementation)
-        q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
-        return decode_attention_mosaic(
-            q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
-            attention_scaling=attention_scaling, sm_scale=sm_scale, pages_per_step=pps,
-            interpret=interpret)
-    if implementation == "mosaic_prefill":
+        problem = mosaic_limits(q, k_pages, inv_freq, rotate_keys, pps)
+        kernel = functools.partial(decode_attention_mosaic, pages_per_step=pps)
+        decode_only = True
+    elif implementation == "mosaic_prefill":
         problem = mosaic_prefill_limits(q, k_pages)
-        if problem:
-            raise ValueError(f"paged_attention: implementation='mosaic_prefill' {problem}")
-        q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
-        return prefill_attention_mosaic(
-            q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
-            attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret)
-    raise ValueError(f"paged_attention: unknown implementation {implementation!r}")
+        kernel, decode_only = prefill_attention_mosaic, False
+    else:
+        raise ValueError(f"paged_attention: unknown implementation {implementation!r}")
+    if problem:
+        raise ValueError(f"paged_attention: implementation={implementation!r} {problem}")
+    if decode_only:
+        _check_decode_only(metadata, implementation)
+    q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
+    return kernel(q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=rotate_keys,
+                  attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret)
 
 
 def _check_decode_only(md, implementation):

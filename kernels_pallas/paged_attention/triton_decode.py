@@ -28,7 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.paged_attention.triton_ragged import _cos_sin, _dot, _dot_nt, tile_rows
+from kernels_pallas.paged_attention.triton_ragged import (_cos_sin, _dot, _dot_nt,
+                                                           _online_softmax, tile_rows)
 
 _NEG_INF = float("-inf")
 ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16")
@@ -170,12 +171,7 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                 sc += _dot_nt(q_hi.astype(cdtype), k_hi.astype(cdtype), precise)
             if q_all is not None:
                 sc += _dot_nt(q_all, tiles[i][-1].astype(cdtype), precise)
-            sc = jnp.where(mask, sc, _NEG_INF)
-            m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
-            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-            p = jnp.exp(sc - m_safe[:, None])
-            alpha = jnp.exp(m_i - m_safe)
-            l_i = l_i * alpha + jnp.sum(p, axis=1)
+            p, alpha, m_new, l_i = _online_softmax(sc, mask, m_i, l_i)
             v = pltriton.load(v_ref.at[kv_row[:, None], col],
                               mask=k_ok[:, None] & (col < head_dim), other=0.0).astype(cdtype)
             acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)

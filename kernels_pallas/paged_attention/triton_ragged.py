@@ -121,6 +121,18 @@ def _dot_nt(a, b, precise):
     return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
 
 
+def _online_softmax(s, mask, m_i, l_i):
+    """One flash-attention step over a score tile s [M, N] (masked to -inf where ~mask):
+    returns (p [M, N], alpha [M] to rescale the accumulator by, new row max, new row sum).
+    Fully masked rows keep max -inf and take exp(.. - 0) = 0 (no NaN)."""
+    s = jnp.where(mask, s, _NEG_INF)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    p = jnp.exp(s - m_safe[:, None])
+    alpha = jnp.exp(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + jnp.sum(p, axis=1)
+
+
 _TWO_PI_HI = 6.28125  # 2*pi split so that n * _TWO_PI_HI is exact for |n| < 2**15
 _TWO_PI_LO = 0.0019353071795864769
 
@@ -232,12 +244,7 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
                 s += _dot_nt(q_hi, k_hi.astype(cdtype), precise)
             if not split or rot < head_dim:
                 s += _dot_nt(q_all, k_ref[k_row, :].astype(cdtype), precise)
-            s = jnp.where(mask, s, _NEG_INF)
-            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-            p = jnp.exp(s - m_safe[:, None])
-            alpha = jnp.exp(m_i - m_safe)
-            l_i = l_i * alpha + jnp.sum(p, axis=1)
+            p, alpha, m_new, l_i = _online_softmax(s, mask, m_i, l_i)
             # Masked load (pads may hold NaN; 0 * NaN would poison P @ V). A predicated load
             # feeds the dot directly, which keeps it pipelinable; a where() after it did not.
             v = pltriton.load(v_ref.at[kv_row[:, None], col], mask=k_ok[:, None] & d_ok,
