@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from serving.hashing import block_keys_and_tail, next_block_key
 from serving.layout import build_layout
+from serving.prefix_keys import PrefixKeys
 from serving.sequence import Sequence, Status
 
 
@@ -42,13 +42,12 @@ class Scheduler:
                  markers: dict | None = None, hybrid: bool = False):
         self.cfg = config
         self.bm = block_manager
-        self.hash_fn = hash_fn
-        self.root_hash_fn = root_hash_fn  # cache_salt -> h0
         self.offload = offload
         self.markers = markers or {}
         self.hybrid = hybrid
         self.caching = config.enable_prefix_caching and not hybrid
-        self.span_memo: dict = {}  # (h0, block size, span bytes) -> span chain keys
+        self.keys = PrefixKeys(config.block_size, hash_fn, root_hash_fn, self.markers,
+                               self.caching)
         self._arange = np.arange(config.max_model_len + 1)  # decode token_idx = 1-row views
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -71,73 +70,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.span_jobs)
 
-    # -- hashing and admission ----------------------------------------------------------------
-    def _hashes(self, seq: Sequence) -> list[int]:
-        if seq.block_hashes is None:
-            if not self.caching:
-                seq.block_hashes = []
-            else:
-                lay = seq.layout
-                if len(self.span_memo) > 65536:  # bound the memo (it only saves hashing)
-                    self.span_memo.clear()
-                seq.block_hashes, seq.chain_tail = block_keys_and_tail(
-                    self.hash_fn, seq.prompt_token_ids, self.cfg.block_size, lay.span_block,
-                    lay.span_start, self.root_hash_fn(seq.cache_salt), self.span_memo)
-        return seq.block_hashes
-
-    def _hit_limit(self, seq: Sequence) -> int:
-        """Blocks [0, limit) may be cache hits: full blocks with a key before the one holding the
-        last token to compute (the last valid prompt token, or for a preempted request its last
-        generated token: at least one token is computed to produce logits)."""
-        last = len(seq) - 1 if seq.num_output_tokens else seq.layout.last_valid_index
-        return min(len(self._hashes(seq)), last // self.cfg.block_size)
-
-    @staticmethod
-    def _prompt_bytes(seq: Sequence) -> bytes:
-        """The sequence's tokens as int64 bytes: the prompt's, plus the generated ones once a
-        preempted request comes back (its generated blocks can be hits too)."""
-        raw = getattr(seq, "_raw_prompt", None)
-        if raw is None or len(raw) != 8 * len(seq.token_ids):
-            raw = seq._raw_prompt = np.asarray(seq.token_ids, np.int64).tobytes()
-        return raw
-
-    def _confirm(self, seq: Sequence, j: int) -> bytes:
-        """Block j's tokens (int64 bytes), kept with a cached block to confirm hits."""
-        step = 8 * self.cfg.block_size
-        return self._prompt_bytes(seq)[j * step:(j + 1) * step]
-
-    def _publish_generated(self, seq: Sequence, j: int, b: int) -> None:
-        """Register block j, completed during generation (the prompt's partial last block filled
-        by output tokens, or a block of output tokens), under the key a prompt repeating these
-        tokens would give it. A block that starts with a generated marker id, or holds a
-        generated pad id, stops this: such a prompt would be laid out differently from here on
-        (its pads take no slot, while the generated ones hold K/V)."""
-        bs, lay = self.cfg.block_size, seq.layout
-        first = seq.token_ids[j * bs]
-        gen = seq.token_ids[max(j * bs, seq.num_prompt_tokens):(j + 1) * bs]
-        if (j * bs >= seq.num_prompt_tokens and first in self.markers.values()) or \
-                ("pad" in self.markers and self.markers["pad"] in gen):
-            seq.chain_tail = None
-            return
-        if j < len(lay.span_block):  # the prompt's partial last block
-            in_span, starts = bool(lay.span_block[j]), bool(lay.span_start[j])
-        else:
-            in_span, starts = bool(lay.span_block[-1]) if len(lay.span_block) else False, False
-        tokens = seq.token_ids[j * bs:(j + 1) * bs]
-        h, seq.chain_tail = next_block_key(self.hash_fn, seq.chain_tail, tokens, in_span, starts,
-                                           self.root_hash_fn(seq.cache_salt))
-        seq.block_hashes.append(h)
-        self.bm.register(b, h, np.asarray(tokens, np.int64).tobytes(), seq.seq_id, ready=True)
-
+    # -- admission ----------------------------------------------------------------------------
     def _try_allocate(self, seq: Sequence, seats: list[int]) -> bool:
         if not seats:
             return False
-        bm, hashes, limit = self.bm, self._hashes(seq), self._hit_limit(seq)
+        bm, hashes, limit = self.bm, self.keys.hashes(seq), self.keys.hit_limit(seq)
         plan = []  # (kind, block or hash) per logical block
         need = 0
         # bm.lookup inlined (hot): a hit needs the hash in the table and equal kept tokens
         table = bm.table if bm.enable_caching else {}
-        kept, raw, step = bm.confirm, self._prompt_bytes(seq), 8 * self.cfg.block_size
+        kept, raw, step = bm.confirm, self.keys.token_bytes(seq), 8 * self.cfg.block_size
         for j in range(seq.num_blocks_needed):
             if j < limit:
                 b = table.get(hashes[j])
@@ -170,7 +112,7 @@ class Scheduler:
             seq.block_table.append(b)
             h = hashes[j] if j < len(hashes) else None
             if kind == "host" and self.offload.contains(h):
-                bm.register(b, h, self._confirm(seq, j), seq.seq_id, ready=True)
+                bm.register(b, h, self.keys.confirm(seq, j), seq.seq_id, ready=True)
                 if bm.hash[b] == h:
                     self.pending_copy_in.append((b, h))
                     if not seq.ever_admitted:
@@ -178,7 +120,7 @@ class Scheduler:
                     continue
             seq.owned.add(j)
             if h is not None:
-                bm.register(b, h, self._confirm(seq, j), seq.seq_id)
+                bm.register(b, h, self.keys.confirm(seq, j), seq.seq_id)
         seq.seat = seats.pop()
         seq.synced_blocks = 0  # the runner's host block-table row for this seat is stale
         seq.status = Status.RUNNING
@@ -382,15 +324,15 @@ class Scheduler:
             return []
         seq.span_scanned = True
         lay, bs = seq.layout, self.cfg.block_size
-        hashes = self._hashes(seq)
-        limit = self._hit_limit(seq)
+        hashes = self.keys.hashes(seq)
+        limit = self.keys.hit_limit(seq)
         jobs, starts = [], np.flatnonzero(lay.seg_start)
         for k, j0 in enumerate(starts):
             j1 = int(starts[k + 1]) if k + 1 < len(starts) else len(lay.block_valid)
             if not lay.span_start[j0] or j1 > limit:
                 continue
             last = j1 - 1
-            if self.bm.lookup(hashes[last], self._confirm(seq, last)) is not None:
+            if self.bm.lookup(hashes[last], self.keys.confirm(seq, last)) is not None:
                 continue
             if self.offload is not None and self.offload.contains(hashes[last]):
                 continue
@@ -408,7 +350,7 @@ class Scheduler:
         """Hash the next waiting requests' prompt blocks ahead of their admission (no effect on
         what is scheduled; the engine calls it while the device computes a step)."""
         for seq in itertools.islice(self.waiting, max_seqs):
-            self._hashes(seq)
+            self.keys.hashes(seq)
 
     # -- after the step -----------------------------------------------------------------------
     def advance(self, batch: list[ScheduledSeq]) -> None:
@@ -428,7 +370,7 @@ class Scheduler:
                         bm.mark_ready(b)
                     elif (self.caching and j == len(seq.block_hashes) and bm.hash[b] == -1
                           and seq.chain_tail is not None and not seq.is_span_job):
-                        self._publish_generated(seq, j, b)
+                        self.keys.publish_generated(seq, j, b, bm)
                 j += 1
             seq.ready_ptr = j
             if seq.is_span_job and seq.num_computed >= len(seq):

@@ -1,0 +1,81 @@
+"""The prefix-cache keys of a sequence's blocks (host, plain Python): prompt blocks hashed once
+(serving/hashing.py chains), blocks completed during generation keyed as a prompt repeating them
+would key them, and the token bytes kept with a cached block to confirm hits."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from serving.hashing import block_keys_and_tail, next_block_key
+from serving.sequence import Sequence
+
+_MEMO_LIMIT = 65536  # span-chain memo entries (it only saves hashing)
+
+
+class PrefixKeys:
+    def __init__(self, block_size: int, hash_fn, root_hash_fn, markers: dict, caching: bool):
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        self.root_hash_fn = root_hash_fn  # cache_salt -> h0
+        self.markers = markers  # {"pad", "ssep", "pdep"} -> id
+        self.caching = caching
+        self.span_memo: dict = {}  # (h0, block size, span bytes) -> span chain keys
+
+    def hashes(self, seq: Sequence) -> list[int]:
+        """Keys of the sequence's full prompt blocks (computed once), then of its published
+        generated blocks; [] with caching off."""
+        if seq.block_hashes is None:
+            if not self.caching:
+                seq.block_hashes = []
+            else:
+                lay = seq.layout
+                if len(self.span_memo) > _MEMO_LIMIT:
+                    self.span_memo.clear()
+                seq.block_hashes, seq.chain_tail = block_keys_and_tail(
+                    self.hash_fn, seq.prompt_token_ids, self.block_size, lay.span_block,
+                    lay.span_start, self.root_hash_fn(seq.cache_salt), self.span_memo)
+        return seq.block_hashes
+
+    def hit_limit(self, seq: Sequence) -> int:
+        """Blocks [0, limit) may be cache hits: full blocks with a key before the one holding the
+        last token to compute (the last valid prompt token, or for a preempted request its last
+        generated token: at least one token is computed to produce logits)."""
+        last = len(seq) - 1 if seq.num_output_tokens else seq.layout.last_valid_index
+        return min(len(self.hashes(seq)), last // self.block_size)
+
+    @staticmethod
+    def token_bytes(seq: Sequence) -> bytes:
+        """The sequence's tokens as int64 bytes: the prompt's, plus the generated ones once a
+        preempted request comes back (its generated blocks can be hits too)."""
+        raw = getattr(seq, "_token_bytes", None)
+        if raw is None or len(raw) != 8 * len(seq.token_ids):
+            raw = seq._token_bytes = np.asarray(seq.token_ids, np.int64).tobytes()
+        return raw
+
+    def confirm(self, seq: Sequence, j: int) -> bytes:
+        """Block j's tokens (int64 bytes), kept with a cached block to confirm hits."""
+        step = 8 * self.block_size
+        return self.token_bytes(seq)[j * step:(j + 1) * step]
+
+    def publish_generated(self, seq: Sequence, j: int, b: int, bm) -> None:
+        """Register block j (physical block b), completed during generation (the prompt's
+        partial last block filled by output tokens, or a block of output tokens), under the key a
+        prompt repeating these tokens would give it. A block that starts with a generated marker
+        id, or holds a generated pad id, stops this: such a prompt would be laid out differently
+        from here on (its pads take no slot, while the generated ones hold K/V)."""
+        bs, lay = self.block_size, seq.layout
+        first = seq.token_ids[j * bs]
+        gen = seq.token_ids[max(j * bs, seq.num_prompt_tokens):(j + 1) * bs]
+        if (j * bs >= seq.num_prompt_tokens and first in self.markers.values()) or \
+                ("pad" in self.markers and self.markers["pad"] in gen):
+            seq.chain_tail = None
+            return
+        if j < len(lay.span_block):  # the prompt's partial last block
+            in_span, starts = bool(lay.span_block[j]), bool(lay.span_start[j])
+        else:
+            in_span, starts = bool(lay.span_block[-1]) if len(lay.span_block) else False, False
+        tokens = seq.token_ids[j * bs:(j + 1) * bs]
+        h, seq.chain_tail = next_block_key(self.hash_fn, seq.chain_tail, tokens, in_span, starts,
+                                           self.root_hash_fn(seq.cache_salt))
+        seq.block_hashes.append(h)
+        bm.register(b, h, np.asarray(tokens, np.int64).tobytes(), seq.seq_id, ready=True)
