@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import time
 
 import numpy as np
@@ -34,18 +33,9 @@ def make_inputs(tokens, heads=16, dim=128, seed=0):
 
 
 def time_jax(fn, args, reps):
-    import jax
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    jax.block_until_ready(fn(*args))
-    inner = 10
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner * 1e3)
-    return statistics.median(times)
+    """Median ms per call (10 calls back to back per rep, after warm-up)."""
+    from benchmarks.timing import time_calls
+    return time_calls(fn, *args, iters=10, reps=reps) * 1e3
 
 
 def run_fla(inputs, reps):
