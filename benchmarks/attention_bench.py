@@ -20,7 +20,7 @@ import warnings
 import numpy as np
 
 from benchmarks.attention_inputs import decode_inputs, prefill_inputs
-from benchmarks.timing import ab_row, row, safe
+from benchmarks.timing import ab_row, profile_kernels, row, safe
 
 # (kv_group, block_k, num_warps, num_stages) and (block_q, block_k, num_warps, num_stages)
 DECODE_SWEEP = ((1, 64, 4, 2), (1, 64, 8, 2), (1, 32, 4, 3), (1, 16, 4, 2))
@@ -63,6 +63,9 @@ def add_parser(p: argparse.ArgumentParser):
                    help="also time rotated vs position_free interleaved (ABBA order) for this many "
                         "rep pairs and report the median ratio: the RoPE-at-read overhead without "
                         "the drift between separately timed rows (decode kernel and prefill)")
+    p.add_argument("--profile", action="store_true",
+                   help="decode kernel configs: also print each call's kernels and their device "
+                        "time (jax.profiler), to separate the kernel from the glue around it")
     p.add_argument("--json", type=str, default=None, help="write all rows to this file")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script only")
 
@@ -150,6 +153,12 @@ def run(args) -> int:
                     ab_row(rows, case, f"decode {tag} (position_free: max_position default)",
                             dec("rotated", opts), dec("position_free", dict(opts, max_position=ctx)),
                             q, k, v, md, reps=args.ab_reps, iters=args.iters)
+                if args.profile:  # device time of each kernel of the call (kernel vs glue)
+                    for mode, o in (("rotated", opts), ("position_free", dict(opts, max_position=ctx))):
+                        fn = jax.jit(lambda q, k, v, md, mode=mode, o=o: paged_attention(
+                            q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
+                            kernel_options=o, interpret=args.interpret))
+                        _profile_row(rows, case, f"decode {tag} {mode}", fn, q, k, v, md)
         if args.decode_kernel_only:
             continue
         t_rot = safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
@@ -310,6 +319,21 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _profile_row(rows, case, label, fn, *args, calls: int = 5):
+    """Kernels of `calls` traced calls, device ms per call, into a printed row."""
+    try:
+        prof = profile_kernels(lambda: fn(*args), steps=calls, top=8)
+    except Exception as e:  # noqa: BLE001 - the timed rows stand without the trace
+        print(f"  {case:<16} profile {label} FAILED {type(e).__name__}: {e}"[:300])
+        return
+    parts = ", ".join(f"{r['name'][:40]} {1e3 * r['ms_per_step']:.1f} us"
+                      for r in prof["top"])
+    print(f"  {case:<16} profile {label}: {prof['kernels_per_step']:.0f} kernels, busy "
+          f"{1e3 * prof['kernel_busy_ms_per_step']:.1f} us of "
+          f"{1e3 * prof['first_to_last_kernel_ms_per_step']:.1f} us: {parts}", flush=True)
+    rows.append(dict(case=case, impl=f"profile {label}", profile=prof))
 
 
 def _print_rope_table(table, contexts):

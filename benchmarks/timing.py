@@ -88,3 +88,50 @@ def safe(rows, case, impl, fn, *args, iters, reps, work, unit):
         return None
     row(rows, case=case, impl=impl, ms=t * 1e3, **{unit: work / t / 1e12})
     return t
+
+
+def profile_kernels(call, steps: int = 3, top: int = 25) -> dict:
+    """jax.profiler trace of `steps` calls; device kernels aggregated by name (per call)."""
+    import glob
+    import os
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+    jax.block_until_ready(call())
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        for _ in range(steps):
+            jax.block_until_ready(call())
+    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    data = ProfileData.from_file(path)
+    by_name, lines, spans, kernel_lines = {}, {}, [], []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            evs = list(line.events)
+            lines[f"{plane.name}/{line.name}"] = (len(evs), sum(e.duration_ns for e in evs) / 1e6)
+            kernel_lines.append((line.name, evs))
+    streams = [x for x in kernel_lines if x[0].startswith("Stream")]
+    for _, evs in streams or [x for x in kernel_lines if not x[0].startswith("XLA")]:
+        for e in evs:
+            n, t = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (n + 1, t + e.duration_ns / 1e6)
+            spans.append((e.start_ns, e.end_ns))
+    busy, end = 0.0, None
+    for s, e in sorted(spans):  # union of kernel intervals
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"kernels_per_step": sum(n for n, _ in by_name.values()) / steps,
+            "kernel_busy_ms_per_step": busy / 1e6 / steps,
+            "first_to_last_kernel_ms_per_step": span / 1e6 / steps,
+            "lines": {k: {"events": n, "ms": t} for k, (n, t) in lines.items()},
+            "top": [{"name": k[:90], "calls_per_step": n / steps, "ms_per_step": t / steps}
+                    for k, (n, t) in rows[:top]]}

@@ -17,6 +17,7 @@ from kernels_pallas.paged_attention.api import paged_attention, write_kv
 from kernels_pallas.paged_attention.random_inputs import inv_freq_for, random_batch
 from kernels_pallas.paged_attention.reference import (paged_attention_reference,
                                                      rotate_keys_reference)
+from kernels_pallas.paged_attention.triton_decode import rope_table
 from kernels_pallas.paged_attention.triton_ragged import (default_block_q, out_rows,
                                                           ragged_paged_attention_triton)
 from kernels_pallas.rope import apply_rope
@@ -148,6 +149,20 @@ def test_decode_kernel_matches_reference(case):
                           attention_scaling=scaling, interpret=INTERPRET, kernel_options=opts)
     ref = paged_attention_reference(q, k, v, md, inv, kv_mode=kv_mode, attention_scaling=scaling)
     _check(out, ref, md, dtype)
+    pad_rows = np.asarray(out, np.float32)[int(md.cu_q_lens[-1]):]
+    assert pad_rows.size and np.all(pad_rows == 0), "rows that are no sequence's query must be 0"
+
+
+def test_decode_rope_table_host_matches_traced():
+    """The host-built cos|sin table (concrete inv_freq) equals the one built in the graph."""
+    inv = jnp.asarray(inv_freq_for(64, theta=10000.0 * (1 + np.random.default_rng().random())))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        host = rope_table(inv, 300, 0.8, dtype)
+        traced = jax.jit(lambda i: rope_table(i, 300, 0.8, dtype))(inv)
+        assert host.shape == traced.shape == (300, 64) and host.dtype == traced.dtype
+        tol = 2e-6 if dtype == jnp.float32 else 8e-3  # float32 trig ulps / one bf16 rounding step
+        np.testing.assert_allclose(np.asarray(host, np.float32), np.asarray(traced, np.float32),
+                                   atol=tol, rtol=0)
 
 
 def test_decode_rope_table_bounds():

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -48,7 +49,6 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     rot = 2 * half
     precise = cdtype == jnp.float32
     s, hg, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    seqs = nb_ref.shape[0]
     tokens = qpos_ref.shape[0]
     max_blocks = bt_ref.shape[1]
     tok = jnp.minimum(cu_ref[s], tokens - 1)
@@ -188,7 +188,7 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
         if q_pages > 1:
             acc, m_i, l_i = _merge_page_rows(acc, m_i, l_i, r_g, row_ok)
         h = hg * kv_group + i
-        o_row = (split * seqs + s) * heads + h * group + r  # rows >= G are masked (not written)
+        o_row = (split * tokens + tok) * heads + h * group + r  # rows >= G masked (not written)
         store = row_ok & (r < group)
         safe_l = jnp.where(l_i == 0.0, 1.0, l_i)
         pltriton.store(o_ref.at[o_row[:, None], col], acc / safe_l[:, None],
@@ -288,16 +288,17 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         _check_max_position(md, max_position)
         rope_in = rope_table(inv_freq, max_position, attention_scaling,
                              jnp.bfloat16 if rope == "table_bf16" else jnp.float32)
-    n_out = splits * seqs * heads + rows  # spare rows past the end absorb masked lanes
+    # Partial results are stored by query token ([splits, T, H] rows), so merging them is one
+    # elementwise pass with no scatter. Partial log-sum-exps start as NaN (aliased in; out and lse
+    # rows are stored under the same mask): a query row the kernel fails to write poisons the
+    # result instead of passing silently, at the cost of a [n_out] fill rather than [n_out, D].
+    n_out = splits * tokens * heads + rows  # spare rows past the end absorb masked lanes
     kernel = functools.partial(
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
         rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling),
         fast_trig=not interpret, cdtype=cdtype,
         packed=packed and (interpret or block_k * half >= 4 * 32 * num_warps))  # >= 4 per lane
-    # Partial log-sum-exps start as NaN (aliased in; out and lse rows are stored under the
-    # same mask): a row the kernel fails to write poisons the merged result instead of passing
-    # silently, at the cost of a [n_out] fill rather than [n_out, D].
     lse_init = jnp.full((n_out,), jnp.nan, jnp.float32)
     out, lse = pl.pallas_call(
         kernel,
@@ -311,26 +312,55 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     )(md.cu_q_lens, md.q_positions, md.q_window_start, md.num_blocks, md.block_tables,
       md.block_pos_start, md.block_num_valid,
       rope_in, q_flat, k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), lse_init)
-    n = splits * seqs * heads
-    out = out[:n].reshape(splits, seqs, heads, head_dim)
-    lse = lse[:n].reshape(splits, seqs, heads)
-    # A split that saw no visible key wrote l = 0, lse = -inf: it gets weight 0 below.
-    q_len = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
-    m = jnp.max(lse, axis=0)  # [S, H]
-    w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0)[None])  # [splits, S, H]
-    num = jnp.sum(jnp.where(w[..., None] > 0, out, 0.0) * w[..., None], axis=0)
-    den = jnp.sum(w, axis=0)[..., None]
-    merged = (num / jnp.where(den == 0, 1.0, den)).astype(q_rot.dtype)  # [S, H, D]
-    dest = jnp.where(q_len > 0, md.cu_q_lens[:-1], tokens)
-    res = jnp.zeros((tokens, heads, head_dim), q_rot.dtype)
-    return res.at[dest].set(merged, mode="drop")
+    n = splits * tokens * heads
+    return merge_splits(out[:n].reshape(splits, tokens, heads, head_dim),
+                        lse[:n].reshape(splits, tokens, heads), md).astype(q_rot.dtype)
+
+
+def merge_splits(out, lse, md):
+    """Log-sum-exp merge of the splits' partial results, one elementwise pass (splits unrolled).
+
+    out [splits, T, H, D], lse [splits, T, H]; a split that saw no visible key has lse = -inf and
+    weight 0. Rows that are no sequence's query (never written by the kernel) come back zero.
+    """
+    seq = jnp.clip(md.q_seq, 0, md.num_blocks.shape[0] - 1)
+    t = jnp.arange(md.q_seq.shape[0], dtype=jnp.int32)
+    is_query = (md.cu_q_lens[seq] == t) & (md.cu_q_lens[seq + 1] > t)  # [T]
+    m = functools.reduce(jnp.maximum, list(lse))  # [T, H]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    num = den = 0.0
+    for o_i, lse_i in zip(out, lse):
+        w = jnp.exp(lse_i - m)[..., None]  # [T, H, 1]
+        num = num + jnp.where(w > 0, o_i, 0.0) * w
+        den = den + w
+    merged = num / jnp.where(den == 0, 1.0, den)
+    return jnp.where(is_query[:, None, None], merged, 0.0)
 
 
 def rope_table(inv_freq, max_position: int, attention_scaling: float, dtype):
-    """[max_position, R] cos | sin of pos * inv_freq (angle formed in float32, as HF does)."""
-    ang = jnp.arange(max_position, dtype=jnp.float32)[:, None] * inv_freq.astype(jnp.float32)
-    table = jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling
-    return table.astype(dtype)
+    """[max_position, R] cos | sin of pos * inv_freq (angle formed in float32, as HF does).
+
+    A concrete inv_freq (a model constant: the usual case, also under jit) gets a table built
+    once on the host and reused by every call and layer; a traced one builds it in the graph."""
+    if isinstance(inv_freq, jax.core.Tracer):
+        ang = jnp.arange(max_position, dtype=jnp.float32)[:, None] * inv_freq.astype(jnp.float32)
+        table = jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling
+        return table.astype(dtype)
+    inv = np.asarray(inv_freq, np.float32)
+    return jnp.asarray(_host_rope_table(inv.tobytes(), max_position, float(attention_scaling),
+                                        jnp.dtype(dtype).name))  # a constant of the jitted call
+
+
+@functools.lru_cache(maxsize=16)
+def _host_rope_table(inv_bytes: bytes, max_position: int, scaling: float, dtype: str):
+    """The traced branch of rope_table in numpy (float32 angle, cos/sin rounded once)."""
+    inv = np.frombuffer(inv_bytes, np.float32)
+    ang = np.arange(max_position, dtype=np.float32)[:, None] * inv  # float32, as HF forms it
+    ang = ang.astype(np.float64)
+    table = np.concatenate([np.cos(ang), np.sin(ang)], axis=1) * scaling
+    table = table.astype(np.float32).astype(jnp.dtype(dtype))
+    table.flags.writeable = False  # shared by every caller
+    return table
 
 
 def _check_max_position(md, max_position):
