@@ -121,6 +121,7 @@ def run(args) -> int:
     configs = DECODE_KERNEL_SWEEP if args.decode_configs is None else [
         tuple(int(x) for x in c.split(",")) for c in args.decode_configs]
     rope_table = {}  # (config tag, "rotated" or rope variant, ctx) -> bytes / s
+    device_time = {}  # (config tag, ctx, kv mode) -> (busy us, kernel us) per call, profiled
     for ctx in args.contexts:
         case = f"decode ctx{ctx}"
         q, k, v, md = decode_inputs(rng, args.seqs, ctx, H, K, D, B, dtype)
@@ -130,7 +131,7 @@ def run(args) -> int:
                 kvg, splits, bk, nw, ns = cfg
                 opts = dict(kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns,
                             **({"splits": splits} if splits else {}))
-                tag = f"kvg{kvg} sp{splits or 'auto'} bk{bk} w{nw}"
+                tag = f"kvg{kvg} sp{splits or 'auto'} bk{bk} w{nw} s{ns}"
                 for variant in args.decode_variants or ["rotated"] + args.decode_rope:
                     rope, *flags = variant.split("+")
                     mode = "rotated" if rope == "rotated" else "position_free"
@@ -158,7 +159,9 @@ def run(args) -> int:
                         fn = jax.jit(lambda q, k, v, md, mode=mode, o=o: paged_attention(
                             q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
                             kernel_options=o, interpret=args.interpret))
-                        _profile_row(rows, case, f"decode {tag} {mode}", fn, q, k, v, md)
+                        busy = _profile_row(rows, case, f"decode {tag} {mode}", fn, q, k, v, md)
+                        if busy:
+                            device_time[(tag, ctx, mode)] = busy
         if args.decode_kernel_only:
             continue
         t_rot = safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
@@ -315,25 +318,49 @@ def run(args) -> int:
                 print(f"  {case:<20} {prefix}RoPE-at-read overhead (best vs best) "
                       f"{100 * (ratio - 1):+.1f}%")
     _print_rope_table(rope_table, args.contexts)
+    _print_device_table(device_time, args.contexts, args.seqs, K, D, 2)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
 
 
-def _profile_row(rows, case, label, fn, *args, calls: int = 5):
-    """Kernels of `calls` traced calls, device ms per call, into a printed row."""
+def _profile_row(rows, case, label, fn, *args, calls: int = 10):
+    """Kernels of `calls` traced calls, device ms per call, into a printed row -> (busy us,
+    attention kernel us) per call, or None."""
     try:
         prof = profile_kernels(lambda: fn(*args), steps=calls, top=8)
     except Exception as e:  # noqa: BLE001 - the timed rows stand without the trace
         print(f"  {case:<16} profile {label} FAILED {type(e).__name__}: {e}"[:300])
-        return
+        return None
     parts = ", ".join(f"{r['name'][:40]} {1e3 * r['ms_per_step']:.1f} us"
                       for r in prof["top"])
     print(f"  {case:<16} profile {label}: {prof['kernels_per_step']:.0f} kernels, busy "
           f"{1e3 * prof['kernel_busy_ms_per_step']:.1f} us of "
           f"{1e3 * prof['first_to_last_kernel_ms_per_step']:.1f} us: {parts}", flush=True)
     rows.append(dict(case=case, impl=f"profile {label}", profile=prof))
+    kernel = sum(r["ms_per_step"] for r in prof["top"] if r["name"].startswith("decode_paged"))
+    return 1e3 * prof["kernel_busy_ms_per_step"], 1e3 * kernel
+
+
+def _print_device_table(device_time, contexts, seqs, kv_heads, head_dim, itemsize):
+    """Profiled device time per call (every kernel of the call / the attention kernel alone):
+    bandwidth without the host's dispatch gaps between calls, and the RoPE-at-read overhead."""
+    if not device_time:
+        return
+    print("\ntriton_decode device time per call (profiler; busy = all kernels of the call):")
+    for tag in dict.fromkeys(t for t, _, _ in device_time):
+        for ctx in contexts:
+            rot, free = device_time.get((tag, ctx, "rotated")), device_time.get(
+                (tag, ctx, "position_free"))
+            if not (rot and free and rot[0] > 0 and rot[1] > 0):
+                continue
+            kv_bytes = 2 * seqs * ctx * kv_heads * head_dim * itemsize
+            print(f"  {tag:<24} ctx{ctx:<6} busy rotated {rot[0]:6.1f} us "
+                  f"({kv_bytes / rot[0] / 1e6:.2f} TB/s), position_free {free[0]:6.1f} us "
+                  f"({kv_bytes / free[0] / 1e6:.2f} TB/s), overhead "
+                  f"{100 * (free[0] / rot[0] - 1):+.1f}%; kernel alone {rot[1]:.1f} / "
+                  f"{free[1]:.1f} us ({100 * (free[1] / rot[1] - 1):+.1f}%)")
 
 
 def _print_rope_table(table, contexts):
