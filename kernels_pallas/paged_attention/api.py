@@ -155,6 +155,72 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
                   attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret)
 
 
+def write_kv_and_attend(q, k, v, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, *,
+                        kv_mode: str = "position_free", attention_scaling: float = 1.0,
+                        sm_scale: float | None = None, implementation: str | None = None,
+                        write_impl: str | None = None, interpret: bool = False,
+                        kernel_options: dict | None = None):
+    """A layer's cache step: write this step's K/V rows, then attend (`write_kv`, then
+    `paged_attention`; same arguments). Returns (out [T, H, D], k_pages, v_pages).
+
+    k is as stored (rotated by the caller in "rotated" mode). With implementation
+    "triton_decode" and kernel_options["fused_write"] = True, the decode kernel writes the rows
+    itself and scores each new key from its input (no separate write kernel, no read-back): every
+    query's slot must hold its own key (at the query's position) in a page no other sequence of
+    the batch reads (checked when not tracing), as in a decode step.
+    """
+    options = dict(kernel_options or {})
+    fused = bool(options.pop("fused_write", False))
+    if not (fused and implementation == "triton_decode"):
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping,
+                                    implementation=write_impl, interpret=interpret)
+        out = paged_attention(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                              attention_scaling=attention_scaling, sm_scale=sm_scale,
+                              implementation=implementation, interpret=interpret,
+                              kernel_options=options)
+        return out, k_pages, v_pages
+    _validate(q, k_pages, v_pages, metadata, inv_freq, kv_mode)
+    _validate_values(q, k_pages, metadata)
+    if k.shape != (q.shape[0],) + k_pages.shape[2:] or v.shape != k.shape:
+        raise ValueError(f"write_kv_and_attend: k/v {k.shape}/{v.shape} must be [T, K, D] = "
+                         f"{(q.shape[0],) + k_pages.shape[2:]}")
+    problem = _triton_limits(q, k_pages, inv_freq, options.get("block_k", max(64, k_pages.shape[1])))
+    if problem:
+        raise ValueError(f"write_kv_and_attend: fused_write with triton_decode {problem}")
+    _check_decode_only(metadata, implementation)
+    _check_new_slots(metadata, k_pages.shape[1])
+    rot = lambda x: apply_rope(x, metadata.q_positions, inv_freq, attention_scaling)
+    k_rot = k if kv_mode == "rotated" else rot(k)
+    return decode_paged_attention_triton(
+        rot(q), k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
+        attention_scaling=attention_scaling, sm_scale=q.shape[-1] ** -0.5 if sm_scale is None
+        else sm_scale, new_kv=(k, k_rot, v),
+        interpret=interpret or jax.default_backend() == "cpu", **options)
+
+
+def _check_new_slots(md, page_size):
+    """Fused write: each query's slot holds its sequence's key at the query's position, in a
+    page no other sequence of the batch reads (checked when not tracing)."""
+    fields = (md.cu_q_lens, md.num_blocks, md.block_tables, md.block_pos_start,
+              md.block_num_valid, md.slot_mapping, md.q_positions)
+    if any(isinstance(x, jax.core.Tracer) for x in fields):
+        return
+    cu, nb, tables, starts, n_valid, slots, pos = (np.asarray(x) for x in fields)
+    in_use = np.arange(tables.shape[1])[None, :] < nb[:, None]
+    for s in np.flatnonzero(np.diff(cu) > 0):
+        t = int(cu[s])
+        page, off = divmod(int(slots[t]), page_size)
+        entry = np.flatnonzero(in_use[s] & (tables[s] == page) & (off < n_valid[s]))
+        if slots[t] < 0 or not any(starts[s, e] + off == pos[t] for e in entry):
+            raise ValueError(f"write_kv_and_attend: fused_write needs each query's slot to hold "
+                             f"its own key; sequence {s} (token {t}) writes slot "
+                             f"{int(slots[t])}, which is not its key at position {int(pos[t])}")
+        readers = np.flatnonzero(np.any(in_use & (tables == page), axis=1))
+        if readers.size > 1:
+            raise ValueError(f"write_kv_and_attend: fused_write: sequence {s} writes page {page}, "
+                             f"which sequences {readers.tolist()} read in this batch")
+
+
 def _check_decode_only(md, implementation):
     """Decode kernels take at most one query per sequence (checked when not tracing)."""
     if isinstance(md.cu_q_lens, jax.core.Tracer):

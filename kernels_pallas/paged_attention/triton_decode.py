@@ -37,8 +37,13 @@ ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16")
 
 
 def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
-            v_ref, lse_in_ref, o_ref, lse_ref, *, heads, kv_heads, head_dim, page_size, block_k,
-            kv_group, splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed):
+            v_ref, lse_in_ref, *refs, heads, kv_heads, head_dim, page_size, block_k, kv_group,
+            splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed, nsin_table,
+            fused_write):
+    if fused_write:  # the new token's K/V: written here, attended from the inputs (not the cache)
+        slot_ref, kn_ref, kn_rot_ref, vn_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
+    else:
+        o_ref, lse_ref = refs
     group = heads // kv_heads
     pages_per_step = block_k // page_size
     split_rot = rotate_keys and half > 0
@@ -63,6 +68,7 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     hi = jnp.minimum(lo + per_split, n_steps)
     j = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    new_slot = jnp.where(has_q, slot_ref[tok], -1) if fused_write else -1
     if split_rot and rope != "table":
         inv = rope_ref[...].astype(jnp.float32)  # [R/2]
     if by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
@@ -94,6 +100,8 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
         b_c = jnp.minimum(b, max_blocks - 1)
         k_pos = bps_ref[s, b_c] + slot
         k_ok = (b < nb_ref[s]) & (slot < bnv_ref[s, b_c])
+        if fused_write:  # its slot is stale until this kernel writes it: never read it
+            k_ok &= bt_ref[s, b_c] * page_size + slot != new_slot
         page = jnp.where(k_ok, bt_ref[s, b_c], 0)
         return k_pos, k_ok, (page * page_size + slot) * kv_heads
 
@@ -104,6 +112,8 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
         if rope == "table":
             idx = jnp.clip(k_pos, 0, rope_ref.shape[0] - 1)  # pads/future keys are masked
             cos, sin = rope_ref[idx, pl.ds(0, half)], rope_ref[idx, pl.ds(half, half)]
+            if nsin_table:  # cos | sin | -sin: no negation per tile
+                return cos, sin, rope_ref[idx, pl.ds(2 * half, half)]
             if not packed:
                 cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
         elif by_page:
@@ -183,6 +193,12 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                  for _ in range(kv_group))
     qs = [load_q(hg * kv_group + i) for i in range(kv_group)]  # loop-invariant query rows
     carry = lax.fori_loop(lo, hi, body, init)
+    if fused_write:  # one split per (sequence, kv heads) takes the new key: the last non-empty
+        owner = has_q & (new_slot >= 0) & (lo <= n_steps - 1) & (n_steps - 1 < hi)
+        carry = tuple(_attend_new_key(carry[i], q_ref, kn_rot_ref, vn_ref, k_out_ref, v_out_ref,
+                                      kn_ref, tok, hg * kv_group + i, new_slot, owner, row_ok,
+                                      group=group, heads=heads, kv_heads=kv_heads)
+                      for i in range(kv_group))
     for i in range(kv_group):
         acc, m_i, l_i = carry[i]
         if q_pages > 1:
@@ -195,6 +211,33 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                        mask=jnp.broadcast_to(store[:, None], acc.shape))
         lse = jnp.where(l_i == 0.0, _NEG_INF, m_i + jnp.log(safe_l))
         pltriton.store(lse_ref.at[o_row], lse, mask=store)
+
+
+def _attend_new_key(state, q_ref, kn_rot_ref, vn_ref, k_out_ref, v_out_ref, kn_ref, tok, h,
+                    new_slot, owner, row_ok, *, group, heads, kv_heads):
+    """Fused write: fold the new token's key (rotated copy, for kv head h) into one head's online
+    softmax state, and store its K/V rows (as given: unrotated in position_free mode) into the
+    cache slot. Only the owner program does either; the others return state unchanged."""
+    acc, m_i, l_i = state
+    rows = acc.shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    q_row = tok * heads + h * group + r % group
+    q = q_ref[q_row, :].astype(jnp.float32)  # [M, D] (pre-scaled by sm_scale)
+    kv = tok * kv_heads + h
+    k_new = kn_rot_ref[kv, :].astype(jnp.float32)  # [D]
+    v_new = vn_ref[kv, :].astype(jnp.float32)
+    score = jnp.sum(q * k_new[None, :], axis=1)  # [M]
+    take = owner & row_ok
+    m_new = jnp.where(take, jnp.maximum(m_i, score), m_i)
+    alpha = jnp.exp(m_i - m_new)  # m_i = -inf only if m_new is finite: alpha = 0
+    p = jnp.where(take, jnp.exp(score - m_new), 0.0)
+    acc = jnp.where(take[:, None], acc * alpha[:, None] + p[:, None] * v_new[None, :], acc)
+    l_i = jnp.where(take, l_i * alpha + p, l_i)
+    dst = jnp.maximum(new_slot, 0) * kv_heads + h
+    every = jnp.broadcast_to(owner, (acc.shape[1],))
+    pltriton.store(k_out_ref.at[dst], kn_ref[kv, :], mask=every)
+    pltriton.store(v_out_ref.at[dst], vn_ref[kv, :], mask=every)
+    return acc, m_new, l_i
 
 
 def _fma2_bf16(a, c, b, s, fast):
@@ -229,7 +272,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
                                   splits: int | None = None, block_k: int | None = None,
                                   num_warps: int = 4, num_stages: int = 2,
                                   rope: str | None = None, max_position: int | None = None,
-                                  packed: bool | None = None, interpret: bool = False):
+                                  packed: bool | None = None, nsin_table: bool | None = None,
+                                  new_kv=None, interpret: bool = False):
     """Decode-only paged attention (each sequence has at most one query: row cu_q_lens[s]).
 
     q_rot [T, H, D] rotated by its positions; kv_group kv heads per program (cos/sin computed once
@@ -254,6 +298,14 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     packed (bf16 inputs, rope trig/table/table_bf16; default on for those): keys rotated two
       lanes per instruction (PTX mul/fma.rn.bf16x2, cos/sin in bf16) instead of unpacking to
       float32: the rotation was the cost of RoPE-at-read here, not bytes or load pipelining.
+    nsin_table (packed table modes; default on there): the table also holds -sin, so no tile
+      is negated in the loop.
+    new_kv: None, or (k_new, k_new_rotated, v_new) [T, K, D] for a fused K/V write: each query
+      token's new K/V (k_new as stored, k_new_rotated by the query's position for its score) go
+      to slot md.slot_mapping[t], which must hold the query's own key (at its position) and be
+      read by no other sequence of the batch. The kernel never reads that slot: one split per
+      sequence folds the new key in from the inputs and stores the rows. Returns (out, k_pages, v_pages) then (pages updated in place when the
+      caller donates them).
     """
     bf16 = q_rot.dtype == jnp.bfloat16
     if rope is None:
@@ -263,6 +315,9 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     if packed is None:
         packed = bf16 and not rope.startswith("page")
     packed = bool(packed) and rotate_keys and inv_freq.shape[0] > 0
+    if nsin_table is None:
+        nsin_table = packed and rope.startswith("table")
+    nsin_table = bool(nsin_table) and packed and rope.startswith("table")
     if packed and (not bf16 or rope.startswith("page")):
         raise ValueError(f"triton_decode: packed=True (bf16x2 key rotation) needs bfloat16 "
                          f"inputs and rope trig/table/table_bf16, got {q_rot.dtype} and {rope!r}")
@@ -287,7 +342,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     if rotate_keys and half and rope.startswith("table"):
         _check_max_position(md, max_position)
         rope_in = rope_table(inv_freq, max_position, attention_scaling,
-                             jnp.bfloat16 if rope == "table_bf16" else jnp.float32)
+                             jnp.bfloat16 if rope == "table_bf16" else jnp.float32,
+                             neg_sin=nsin_table)
     # Partial results are stored by query token ([splits, T, H] rows), so merging them is one
     # elementwise pass with no scatter. Partial log-sum-exps start as NaN (aliased in; out and lse
     # rows are stored under the same mask): a query row the kernel fails to write poisons the
@@ -297,24 +353,37 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
         rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling),
-        fast_trig=not interpret, cdtype=cdtype,
+        fast_trig=not interpret, cdtype=cdtype, nsin_table=nsin_table,
         packed=packed and (interpret or block_k * half >= 4 * 32 * num_warps))  # >= 4 per lane
     lse_init = jnp.full((n_out,), jnp.nan, jnp.float32)
-    out, lse = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((n_out, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((n_out,), jnp.float32)),
-        input_output_aliases={11: 1},
+    k_flat, v_flat = k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim)
+    args = [md.cu_q_lens, md.q_positions, md.q_window_start, md.num_blocks, md.block_tables,
+            md.block_pos_start, md.block_num_valid, rope_in, q_flat, k_flat, v_flat, lse_init]
+    out_shape = [jax.ShapeDtypeStruct((n_out, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((n_out,), jnp.float32)]
+    aliases = {11: 1}
+    if new_kv is not None:
+        k_new, k_new_rot, v_new = (x.reshape(tokens * kv_heads, head_dim) for x in new_kv)
+        args += [md.slot_mapping, k_new.astype(k_pages.dtype), k_new_rot.astype(cdtype),
+                 v_new.astype(v_pages.dtype)]
+        out_shape += [jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype),
+                      jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)]
+        aliases.update({9: 2, 10: 3})
+    res = pl.pallas_call(
+        functools.partial(kernel, fused_write=new_kv is not None),
+        out_shape=tuple(out_shape),
+        input_output_aliases=aliases,
         grid=(seqs, kv_heads // kv_group, splits),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_paged_attention",
-    )(md.cu_q_lens, md.q_positions, md.q_window_start, md.num_blocks, md.block_tables,
-      md.block_pos_start, md.block_num_valid,
-      rope_in, q_flat, k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), lse_init)
+    )(*args)
     n = splits * tokens * heads
-    return merge_splits(out[:n].reshape(splits, tokens, heads, head_dim),
-                        lse[:n].reshape(splits, tokens, heads), md).astype(q_rot.dtype)
+    out = merge_splits(res[0][:n].reshape(splits, tokens, heads, head_dim),
+                       res[1][:n].reshape(splits, tokens, heads), md).astype(q_rot.dtype)
+    if new_kv is None:
+        return out
+    return out, res[2].reshape(k_pages.shape), res[3].reshape(v_pages.shape)
 
 
 def merge_splits(out, lse, md):
@@ -337,27 +406,31 @@ def merge_splits(out, lse, md):
     return jnp.where(is_query[:, None, None], merged, 0.0)
 
 
-def rope_table(inv_freq, max_position: int, attention_scaling: float, dtype):
-    """[max_position, R] cos | sin of pos * inv_freq (angle formed in float32, as HF does).
+def rope_table(inv_freq, max_position: int, attention_scaling: float, dtype,
+               neg_sin: bool = False):
+    """[max_position, R] cos | sin of pos * inv_freq (angle formed in float32, as HF does);
+    [max_position, 3R/2] cos | sin | -sin with neg_sin.
 
     A concrete inv_freq (a model constant: the usual case, also under jit) gets a table built
     once on the host and reused by every call and layer; a traced one builds it in the graph."""
     if isinstance(inv_freq, jax.core.Tracer):
         ang = jnp.arange(max_position, dtype=jnp.float32)[:, None] * inv_freq.astype(jnp.float32)
-        table = jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling
-        return table.astype(dtype)
+        parts = [jnp.cos(ang), jnp.sin(ang)] + ([-jnp.sin(ang)] if neg_sin else [])
+        return (jnp.concatenate(parts, axis=1) * attention_scaling).astype(dtype)
     inv = np.asarray(inv_freq, np.float32)
     return jnp.asarray(_host_rope_table(inv.tobytes(), max_position, float(attention_scaling),
-                                        jnp.dtype(dtype).name))  # a constant of the jitted call
+                                        jnp.dtype(dtype).name, neg_sin))  # a jit constant
 
 
 @functools.lru_cache(maxsize=16)
-def _host_rope_table(inv_bytes: bytes, max_position: int, scaling: float, dtype: str):
+def _host_rope_table(inv_bytes: bytes, max_position: int, scaling: float, dtype: str,
+                     neg_sin: bool):
     """The traced branch of rope_table in numpy (float32 angle, cos/sin rounded once)."""
     inv = np.frombuffer(inv_bytes, np.float32)
     ang = np.arange(max_position, dtype=np.float32)[:, None] * inv  # float32, as HF forms it
     ang = ang.astype(np.float64)
-    table = np.concatenate([np.cos(ang), np.sin(ang)], axis=1) * scaling
+    parts = [np.cos(ang), np.sin(ang)] + ([-np.sin(ang)] if neg_sin else [])
+    table = np.concatenate(parts, axis=1) * scaling
     table = table.astype(np.float32).astype(jnp.dtype(dtype))
     table.flags.writeable = False  # shared by every caller
     return table
