@@ -12,6 +12,7 @@ Timing: warm-up, then `iters` calls dispatched back to back and one block_until_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -66,6 +67,9 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--profile", action="store_true",
                    help="decode kernel configs: also print each call's kernels and their device "
                         "time (jax.profiler), to separate the kernel from the glue around it")
+    p.add_argument("--fused-write", action="store_true",
+                   help="decode: time write_kv + triton_decode against the kernel's fused write "
+                        "(first --decode-configs entry), pages donated, interleaved ABBA")
     p.add_argument("--json", type=str, default=None, help="write all rows to this file")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script only")
 
@@ -162,6 +166,8 @@ def run(args) -> int:
                         busy = _profile_row(rows, case, f"decode {tag} {mode}", fn, q, k, v, md)
                         if busy:
                             device_time[(tag, ctx, mode)] = busy
+        if args.fused_write:  # this step's K/V write: a separate kernel vs fused into decode
+            _fused_write_rows(rows, case, q, k, v, md, inv, B, configs[0], args)
         if args.decode_kernel_only:
             continue
         t_rot = safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
@@ -323,6 +329,68 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _fused_write_rows(rows, case, q, k_pages, v_pages, md, inv, page_size, cfg, args):
+    """A decode layer's cache step, position_free: write_kv (its Pallas row copy) then
+    triton_decode, against triton_decode writing the rows itself. Pages are donated and threaded
+    through the calls, as in the engine; per-call medians of interleaved (ABBA) blocks of
+    `iters` calls, and the profiled device time of each."""
+    import jax
+    import jax.numpy as jnp
+    from kernels_pallas.paged_attention.api import write_kv_and_attend
+    kvg, splits, bk, nw, ns = cfg
+    opts = dict(kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns, splits=splits or None,
+                max_position=int(md.q_positions.max()) + 1)
+    tables = np.asarray(md.block_tables)
+    md = dataclasses.replace(md, slot_mapping=jnp.asarray(  # each query's own (last) key slot
+        tables[:, -1] * page_size + page_size - 1, jnp.int32))
+    kv_heads, head_dim = k_pages.shape[2:]
+    new = jax.random.normal(jax.random.key(7), (2, q.shape[0], kv_heads, head_dim), q.dtype)
+    fns = {name: jax.jit(lambda q, kn, vn, kp, vp, md, o=dict(opts, fused_write=fused):
+                         write_kv_and_attend(q, kn, vn, kp, vp, md, inv, kv_mode="position_free",
+                                             implementation="triton_decode", kernel_options=o),
+                         donate_argnums=(3, 4))
+           for name, fused in (("separate", False), ("fused", True))}
+    state = {"pages": (jnp.copy(k_pages), jnp.copy(v_pages))}
+
+    def call(name):
+        out, *pages = fns[name](q, new[0], new[1], *state["pages"], md)
+        state["pages"] = tuple(pages)
+        return out
+
+    def block(name):
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            out = call(name)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / args.iters
+
+    try:
+        for name in ("separate", "fused", "separate", "fused"):
+            jax.block_until_ready(call(name))
+        times = {"separate": [], "fused": []}
+        for r in range(max(2, args.ab_reps)):
+            for name in (("separate", "fused") if r % 2 == 0 else ("fused", "separate")):
+                times[name].append(block(name))
+        busy = {name: _profile_row(rows, case, f"decode cache step {name} write",
+                                   lambda _, name=name: call(name), None)
+                for name in ("separate", "fused")}
+    except Exception as e:  # noqa: BLE001 - the other rows stand
+        print(f"  {case:<16} fused write FAILED {type(e).__name__}: {e}"[:300])
+        return
+    ratio = np.percentile([f / s_ for f, s_ in zip(times["fused"], times["separate"])],
+                          [25, 50, 75])
+    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    dev = "" if not all(b and b[0] > 0 for b in busy.values()) else (
+        f"; device busy separate {busy['separate'][0]:.1f} us, fused {busy['fused'][0]:.1f} us "
+        f"({100 * (busy['fused'][0] / busy['separate'][0] - 1):+.1f}%)")
+    print(f"  {case:<16} cache step (write + attend) separate {med['separate']:.4f} ms, fused "
+          f"{med['fused']:.4f} ms: fused/separate median {100 * (ratio[1] - 1):+.2f}% "
+          f"[IQR {100 * (ratio[0] - 1):+.2f}, {100 * (ratio[2] - 1):+.2f}]{dev}", flush=True)
+    rows.append(dict(case=case, impl="A/B write_kv + decode vs fused write", separate_ms=med[
+        "separate"], fused_ms=med["fused"], fused_vs_separate_pct=100 * (ratio[1] - 1),
+        busy_us={k_: v_ and v_[0] for k_, v_ in busy.items()}))
 
 
 def _profile_row(rows, case, label, fn, *args, calls: int = 10):
