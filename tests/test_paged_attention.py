@@ -124,9 +124,9 @@ DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv
      0.8),
     (jnp.bfloat16, 2, 2, 64, 32, 8, "position_free", {"kv_group": 1, "splits": 3, "block_k": 32,
                                                        "packed": True}, 1.0),
-    (jnp.bfloat16, 2, 4, 64, 64, 8, "position_free", {"kv_group": 2, "splits": 2, "block_k": 16,
-                                                      "rope": "table_bf16", "max_position": 40,
-                                                      "nsin_table": False}, 0.8),
+    (jnp.bfloat16, 2, 4, 64, 64, 8, "position_free", {"kv_group": 2, "splits": 3, "block_k": 16,
+                                                      "max_position": 40, "prefetch_rope": True},
+     0.8),
     (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 2, "splits": 2,
                                                          "block_k": 16, "packed": False}, 0.8),
     # max_position alone: rope defaults to table_bf16 (bf16) / table (fp32)
@@ -140,7 +140,7 @@ DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{jnp.dtype(c[0]).name}-K{c[1]}"
                          f"G{c[2]}-D{c[3]}R{c[4]}-{c[6]}-kvg{c[7]['kv_group']}s{c[7]['splits']}"
                          f"bk{c[7]['block_k']}-{c[7].get('rope', 'auto')}"
-                         + "".join(f"-{f}{c[7][f]}" for f in ("packed", "max_position", "nsin_table")
+                         + "".join(f"-{f}{c[7][f]}" for f in ("packed", "max_position", "prefetch_rope")
                                    if f in c[7]))
 def test_decode_kernel_matches_reference(case):
     """Decode kernel: partial outputs start as NaN, so unwritten rows would show."""

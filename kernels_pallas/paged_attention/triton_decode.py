@@ -38,7 +38,7 @@ ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16")
 
 def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
             v_ref, lse_in_ref, *refs, heads, kv_heads, head_dim, page_size, block_k, kv_group,
-            splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed, nsin_table,
+            splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed, prefetch_rope,
             fused_write):
     if fused_write:  # the new token's K/V: written here, attended from the inputs (not the cache)
         slot_ref, kn_ref, kn_rot_ref, vn_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
@@ -112,8 +112,6 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
         if rope == "table":
             idx = jnp.clip(k_pos, 0, rope_ref.shape[0] - 1)  # pads/future keys are masked
             cos, sin = rope_ref[idx, pl.ds(0, half)], rope_ref[idx, pl.ds(half, half)]
-            if nsin_table:  # cos | sin | -sin: no negation per tile
-                return cos, sin, rope_ref[idx, pl.ds(2 * half, half)]
             if not packed:
                 cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
         elif by_page:
@@ -152,10 +150,20 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
         k_lo, k_hi = k_lo.astype(jnp.float32), k_hi.astype(jnp.float32)
         return k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
 
+    table_ahead = prefetch_rope and split_rot and rope == "table" and packed
+
+    def ahead(step):  # the table rows of a step's keys: (cos, sin), loaded one step early
+        return key_cos_sin(step, tile_keys(step)[0])[:2]
+
     def body(step, state):
         k_pos, k_ok, row0 = tile_keys(step)
         tiles = load_keys(row0)
-        cs = key_cos_sin(step, k_pos) if split_rot else ()
+        if table_ahead:
+            (cos, sin), state = state[-1], state[:-1]
+            cs = (cos, sin, -sin)
+            nxt = ahead(jnp.minimum(step + 1, hi - 1))
+        else:
+            cs = key_cos_sin(step, k_pos) if split_rot else ()
         mask = row_ok[:, None] & (k_ok & (k_pos <= q_pos) & (k_pos >= q_win))[None, :]  # [M, N]
         if by_page:
             mask &= r_p[:, None] == (j // page_size)[None, :]
@@ -186,12 +194,14 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                               mask=k_ok[:, None] & (col < head_dim), other=0.0).astype(cdtype)
             acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)
             out.append((acc, m_new, l_i))
-        return tuple(out)
+        return tuple(out) + ((nxt,) if table_ahead else ())
 
     init = tuple((jnp.zeros((rows, head_dim), jnp.float32),
                   jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
                  for _ in range(kv_group))
     qs = [load_q(hg * kv_group + i) for i in range(kv_group)]  # loop-invariant query rows
+    if table_ahead:
+        init += (ahead(jnp.minimum(lo, jnp.maximum(hi - 1, 0))),)
     carry = lax.fori_loop(lo, hi, body, init)
     if fused_write:  # one split per (sequence, kv heads) takes the new key: the last non-empty
         owner = has_q & (new_slot >= 0) & (lo <= n_steps - 1) & (n_steps - 1 < hi)
@@ -272,7 +282,7 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
                                   splits: int | None = None, block_k: int | None = None,
                                   num_warps: int = 4, num_stages: int = 2,
                                   rope: str | None = None, max_position: int | None = None,
-                                  packed: bool | None = None, nsin_table: bool | None = None,
+                                  packed: bool | None = None, prefetch_rope: bool = False,
                                   new_kv=None, interpret: bool = False):
     """Decode-only paged attention (each sequence has at most one query: row cu_q_lens[s]).
 
@@ -298,8 +308,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     packed (bf16 inputs, rope trig/table/table_bf16; default on for those): keys rotated two
       lanes per instruction (PTX mul/fma.rn.bf16x2, cos/sin in bf16) instead of unpacking to
       float32: the rotation was the cost of RoPE-at-read here, not bytes or load pipelining.
-    nsin_table (packed table modes; default on there): the table also holds -sin, so no tile
-      is negated in the loop.
+    prefetch_rope (packed table modes): each step loads the next step's cos/sin table rows, so
+      their L2 latency overlaps the current step (carried in registers).
     new_kv: None, or (k_new, k_new_rotated, v_new) [T, K, D] for a fused K/V write: each query
       token's new K/V (k_new as stored, k_new_rotated by the query's position for its score) go
       to slot md.slot_mapping[t], which must hold the query's own key (at its position) and be
@@ -315,9 +325,6 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     if packed is None:
         packed = bf16 and not rope.startswith("page")
     packed = bool(packed) and rotate_keys and inv_freq.shape[0] > 0
-    if nsin_table is None:
-        nsin_table = packed and rope.startswith("table")
-    nsin_table = bool(nsin_table) and packed and rope.startswith("table")
     if packed and (not bf16 or rope.startswith("page")):
         raise ValueError(f"triton_decode: packed=True (bf16x2 key rotation) needs bfloat16 "
                          f"inputs and rope trig/table/table_bf16, got {q_rot.dtype} and {rope!r}")
@@ -342,8 +349,7 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     if rotate_keys and half and rope.startswith("table"):
         _check_max_position(md, max_position)
         rope_in = rope_table(inv_freq, max_position, attention_scaling,
-                             jnp.bfloat16 if rope == "table_bf16" else jnp.float32,
-                             neg_sin=nsin_table)
+                             jnp.bfloat16 if rope == "table_bf16" else jnp.float32)
     # Partial results are stored by query token ([splits, T, H] rows), so merging them is one
     # elementwise pass with no scatter. Partial log-sum-exps start as NaN (aliased in; out and lse
     # rows are stored under the same mask): a query row the kernel fails to write poisons the
@@ -353,7 +359,7 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
         rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling),
-        fast_trig=not interpret, cdtype=cdtype, nsin_table=nsin_table,
+        fast_trig=not interpret, cdtype=cdtype, prefetch_rope=bool(prefetch_rope),
         packed=packed and (interpret or block_k * half >= 4 * 32 * num_warps))  # >= 4 per lane
     lse_init = jnp.full((n_out,), jnp.nan, jnp.float32)
     k_flat, v_flat = k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim)
@@ -406,31 +412,27 @@ def merge_splits(out, lse, md):
     return jnp.where(is_query[:, None, None], merged, 0.0)
 
 
-def rope_table(inv_freq, max_position: int, attention_scaling: float, dtype,
-               neg_sin: bool = False):
-    """[max_position, R] cos | sin of pos * inv_freq (angle formed in float32, as HF does);
-    [max_position, 3R/2] cos | sin | -sin with neg_sin.
+def rope_table(inv_freq, max_position: int, attention_scaling: float, dtype):
+    """[max_position, R] cos | sin of pos * inv_freq (angle formed in float32, as HF does).
 
     A concrete inv_freq (a model constant: the usual case, also under jit) gets a table built
     once on the host and reused by every call and layer; a traced one builds it in the graph."""
     if isinstance(inv_freq, jax.core.Tracer):
         ang = jnp.arange(max_position, dtype=jnp.float32)[:, None] * inv_freq.astype(jnp.float32)
-        parts = [jnp.cos(ang), jnp.sin(ang)] + ([-jnp.sin(ang)] if neg_sin else [])
-        return (jnp.concatenate(parts, axis=1) * attention_scaling).astype(dtype)
+        table = jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling
+        return table.astype(dtype)
     inv = np.asarray(inv_freq, np.float32)
     return jnp.asarray(_host_rope_table(inv.tobytes(), max_position, float(attention_scaling),
-                                        jnp.dtype(dtype).name, neg_sin))  # a jit constant
+                                        jnp.dtype(dtype).name))  # a jit constant
 
 
 @functools.lru_cache(maxsize=16)
-def _host_rope_table(inv_bytes: bytes, max_position: int, scaling: float, dtype: str,
-                     neg_sin: bool):
+def _host_rope_table(inv_bytes: bytes, max_position: int, scaling: float, dtype: str):
     """The traced branch of rope_table in numpy (float32 angle, cos/sin rounded once)."""
     inv = np.frombuffer(inv_bytes, np.float32)
     ang = np.arange(max_position, dtype=np.float32)[:, None] * inv  # float32, as HF forms it
     ang = ang.astype(np.float64)
-    parts = [np.cos(ang), np.sin(ang)] + ([-np.sin(ang)] if neg_sin else [])
-    table = np.concatenate(parts, axis=1) * scaling
+    table = np.concatenate([np.cos(ang), np.sin(ang)], axis=1) * scaling
     table = table.astype(np.float32).astype(jnp.dtype(dtype))
     table.flags.writeable = False  # shared by every caller
     return table
