@@ -67,6 +67,9 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--profile", action="store_true",
                    help="decode kernel configs: also print each call's kernels and their device "
                         "time (jax.profiler), to separate the kernel from the glue around it")
+    p.add_argument("--ab-variants", nargs="+", default=["table_bf16"], metavar="ROPE[+OPT]",
+                   help="position_free variants timed against rotated by --ab-reps (default: the "
+                        "engine's, table_bf16)")
     p.add_argument("--fused-write", action="store_true",
                    help="decode: time write_kv + triton_decode against the kernel's fused write "
                         "(first --decode-configs entry), pages donated, interleaved ABBA")
@@ -150,14 +153,17 @@ def run(args) -> int:
                     t = safe(rows, case, name, fn, q, k, v, md, work=kv_bytes, unit="tbps", **it)
                     if t:
                         rope_table[(tag, variant, ctx)] = kv_bytes / t
-                if args.ab_reps:  # rotated vs the engine's position_free default, interleaved
-                    def dec(mode, o):
-                        return jax.jit(lambda q, k, v, md: paged_attention(
-                            q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
-                            kernel_options=o, interpret=args.interpret))
-                    ab_row(rows, case, f"decode {tag} (position_free: max_position default)",
-                            dec("rotated", opts), dec("position_free", dict(opts, max_position=ctx)),
-                            q, k, v, md, reps=args.ab_reps, iters=args.iters)
+                def dec(mode, o):
+                    return jax.jit(lambda q, k, v, md: paged_attention(
+                        q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
+                        kernel_options=o, interpret=args.interpret))
+                for ab in args.ab_variants if args.ab_reps else ():  # rotated vs position_free
+                    rope, *flags = ab.split("+")
+                    o = dict(opts, rope=rope, max_position=ctx,
+                             **{f.removeprefix("no"): not f.startswith("no") for f in flags})
+                    ab_row(rows, case, f"decode {tag} (position_free {ab})",
+                           dec("rotated", opts), dec("position_free", o),
+                           q, k, v, md, reps=args.ab_reps, iters=args.iters)
                 if args.profile:  # device time of each kernel of the call (kernel vs glue)
                     for mode, o in (("rotated", opts), ("position_free", dict(opts, max_position=ctx))):
                         fn = jax.jit(lambda q, k, v, md, mode=mode, o=o: paged_attention(

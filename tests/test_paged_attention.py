@@ -156,6 +156,18 @@ def test_decode_kernel_matches_reference(case):
     assert pad_rows.size and np.all(pad_rows == 0), "rows that are no sequence's query must be 0"
 
 
+def test_decode_prefetch_rope_long_splits():
+    """prefetch_rope carries the next step's table rows: splits of many steps, pads, a window."""
+    specs = [(150, 1, 0), (97, 1, 40), (33, 1, 0), (0, 1, 0)]
+    q, k, v, md, inv = _inputs(29, jnp.bfloat16, 2, 4, 64, 64, 8, specs)
+    for splits in (1, 2):
+        opts = {"kv_group": 2, "splits": splits, "block_k": 16, "max_position": 160,
+                "prefetch_rope": True}
+        out = paged_attention(q, k, v, md, inv, implementation="triton_decode",
+                              interpret=INTERPRET, kernel_options=opts)
+        _check(out, paged_attention_reference(q, k, v, md, inv), md, jnp.bfloat16)
+
+
 def test_decode_rope_table_host_matches_traced():
     """The host-built cos|sin table (concrete inv_freq) equals the one built in the graph."""
     inv = jnp.asarray(inv_freq_for(64, theta=10000.0 * (1 + np.random.default_rng().random())))
