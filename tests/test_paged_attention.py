@@ -124,9 +124,6 @@ DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv
      0.8),
     (jnp.bfloat16, 2, 2, 64, 32, 8, "position_free", {"kv_group": 1, "splits": 3, "block_k": 32,
                                                        "packed": True}, 1.0),
-    (jnp.bfloat16, 2, 4, 64, 64, 8, "position_free", {"kv_group": 2, "splits": 3, "block_k": 16,
-                                                      "max_position": 40, "prefetch_rope": True},
-     0.8),
     (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 2, "splits": 2,
                                                          "block_k": 16, "packed": False}, 0.8),
     # max_position alone: rope defaults to table_bf16 (bf16) / table (fp32)
@@ -140,7 +137,7 @@ DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{jnp.dtype(c[0]).name}-K{c[1]}"
                          f"G{c[2]}-D{c[3]}R{c[4]}-{c[6]}-kvg{c[7]['kv_group']}s{c[7]['splits']}"
                          f"bk{c[7]['block_k']}-{c[7].get('rope', 'auto')}"
-                         + "".join(f"-{f}{c[7][f]}" for f in ("packed", "max_position", "prefetch_rope")
+                         + "".join(f"-{f}{c[7][f]}" for f in ("packed", "max_position")
                                    if f in c[7]))
 def test_decode_kernel_matches_reference(case):
     """Decode kernel: partial outputs start as NaN, so unwritten rows would show."""
@@ -154,18 +151,6 @@ def test_decode_kernel_matches_reference(case):
     _check(out, ref, md, dtype)
     pad_rows = np.asarray(out, np.float32)[int(md.cu_q_lens[-1]):]
     assert pad_rows.size and np.all(pad_rows == 0), "rows that are no sequence's query must be 0"
-
-
-def test_decode_prefetch_rope_long_splits():
-    """prefetch_rope carries the next step's table rows: splits of many steps, pads, a window."""
-    specs = [(150, 1, 0), (97, 1, 40), (33, 1, 0), (0, 1, 0)]
-    q, k, v, md, inv = _inputs(29, jnp.bfloat16, 2, 4, 64, 64, 8, specs)
-    for splits in (1, 2):
-        opts = {"kv_group": 2, "splits": splits, "block_k": 16, "max_position": 160,
-                "prefetch_rope": True}
-        out = paged_attention(q, k, v, md, inv, implementation="triton_decode",
-                              interpret=INTERPRET, kernel_options=opts)
-        _check(out, paged_attention_reference(q, k, v, md, inv), md, jnp.bfloat16)
 
 
 def test_decode_rope_table_host_matches_traced():

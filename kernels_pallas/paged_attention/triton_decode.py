@@ -16,6 +16,11 @@ rotation work (G = H/K query heads per kv head) and does not map onto the dot, s
 What RoPE-at-read cost here was the rotation's instruction count (unpack bf16 -> f32, 4 FMAs per
 pair, repack), not table bytes or load pipelining (carrying key tiles one step ahead in registers
 was 1.6-2x slower): option `packed` (default for bf16) rotates two lanes per bf16x2 PTX FMA.
+Measured slower and removed (benchmarks/RESULTS.md, runs 11-12): a cos|sin|-sin table (one more
+L2 row per key costs more than negating the sin tile), and loading the next step's table rows
+one step early (+25%). Partial results are stored by query token, so the split merge is one
+elementwise pass. Option `new_kv` fuses the step's K/V write into the kernel (measured 1-3%
+slower than the separate row-copy kernel; kept for that measurement).
 """
 
 from __future__ import annotations
@@ -38,8 +43,7 @@ ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16")
 
 def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
             v_ref, lse_in_ref, *refs, heads, kv_heads, head_dim, page_size, block_k, kv_group,
-            splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed, prefetch_rope,
-            fused_write):
+            splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed, fused_write):
     if fused_write:  # the new token's K/V: written here, attended from the inputs (not the cache)
         slot_ref, kn_ref, kn_rot_ref, vn_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
     else:
@@ -150,20 +154,10 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
         k_lo, k_hi = k_lo.astype(jnp.float32), k_hi.astype(jnp.float32)
         return k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
 
-    table_ahead = prefetch_rope and split_rot and rope == "table" and packed
-
-    def ahead(step):  # the table rows of a step's keys: (cos, sin), loaded one step early
-        return key_cos_sin(step, tile_keys(step)[0])[:2]
-
     def body(step, state):
         k_pos, k_ok, row0 = tile_keys(step)
         tiles = load_keys(row0)
-        if table_ahead:
-            (cos, sin), state = state[-1], state[:-1]
-            cs = (cos, sin, -sin)
-            nxt = ahead(jnp.minimum(step + 1, hi - 1))
-        else:
-            cs = key_cos_sin(step, k_pos) if split_rot else ()
+        cs = key_cos_sin(step, k_pos) if split_rot else ()
         mask = row_ok[:, None] & (k_ok & (k_pos <= q_pos) & (k_pos >= q_win))[None, :]  # [M, N]
         if by_page:
             mask &= r_p[:, None] == (j // page_size)[None, :]
@@ -194,14 +188,12 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                               mask=k_ok[:, None] & (col < head_dim), other=0.0).astype(cdtype)
             acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)
             out.append((acc, m_new, l_i))
-        return tuple(out) + ((nxt,) if table_ahead else ())
+        return tuple(out)
 
     init = tuple((jnp.zeros((rows, head_dim), jnp.float32),
                   jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
                  for _ in range(kv_group))
     qs = [load_q(hg * kv_group + i) for i in range(kv_group)]  # loop-invariant query rows
-    if table_ahead:
-        init += (ahead(jnp.minimum(lo, jnp.maximum(hi - 1, 0))),)
     carry = lax.fori_loop(lo, hi, body, init)
     if fused_write:  # one split per (sequence, kv heads) takes the new key: the last non-empty
         owner = has_q & (new_slot >= 0) & (lo <= n_steps - 1) & (n_steps - 1 < hi)
@@ -282,8 +274,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
                                   splits: int | None = None, block_k: int | None = None,
                                   num_warps: int = 4, num_stages: int = 2,
                                   rope: str | None = None, max_position: int | None = None,
-                                  packed: bool | None = None, prefetch_rope: bool = False,
-                                  new_kv=None, interpret: bool = False):
+                                  packed: bool | None = None, new_kv=None,
+                                  interpret: bool = False):
     """Decode-only paged attention (each sequence has at most one query: row cu_q_lens[s]).
 
     q_rot [T, H, D] rotated by its positions; kv_group kv heads per program (cos/sin computed once
@@ -308,8 +300,6 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     packed (bf16 inputs, rope trig/table/table_bf16; default on for those): keys rotated two
       lanes per instruction (PTX mul/fma.rn.bf16x2, cos/sin in bf16) instead of unpacking to
       float32: the rotation was the cost of RoPE-at-read here, not bytes or load pipelining.
-    prefetch_rope (packed table modes): each step loads the next step's cos/sin table rows, so
-      their L2 latency overlaps the current step (carried in registers).
     new_kv: None, or (k_new, k_new_rotated, v_new) [T, K, D] for a fused K/V write: each query
       token's new K/V (k_new as stored, k_new_rotated by the query's position for its score) go
       to slot md.slot_mapping[t], which must hold the query's own key (at its position) and be
@@ -359,7 +349,7 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
         rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling),
-        fast_trig=not interpret, cdtype=cdtype, prefetch_rope=bool(prefetch_rope),
+        fast_trig=not interpret, cdtype=cdtype,
         packed=packed and (interpret or block_k * half >= 4 * 32 * num_warps))  # >= 4 per lane
     lse_init = jnp.full((n_out,), jnp.nan, jnp.float32)
     k_flat, v_flat = k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim)
