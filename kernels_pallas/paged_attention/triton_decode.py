@@ -38,7 +38,7 @@ from kernels_pallas.paged_attention.triton_ragged import (_cos_sin, _dot, _dot_n
                                                            _online_softmax, tile_rows)
 
 _NEG_INF = float("-inf")
-ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16")
+ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16", "page_table")
 
 
 def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
@@ -73,9 +73,12 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     j = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
     new_slot = jnp.where(has_q, slot_ref[tok], -1) if fused_write else -1
-    if split_rot and rope != "table":
+    page_table = by_page and rope == "page_table"  # cos/sin rows of the table, no trig
+    if split_rot and rope not in ("table", "page_table"):
         inv = rope_ref[...].astype(jnp.float32)  # [R/2]
-    if by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
+    if page_table:  # slot cos/sin: table rows 0..B-1 (scaling folded in), the same every tile
+        cs_slot = _table_rows(rope_ref, j % page_size, half, packed)
+    elif by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
         ang = (j % page_size).astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
         cos_slot, sin_slot = _cos_sin(ang, fast_trig)
         cos_slot = (cos_slot * scaling).astype(kdtype)
@@ -120,6 +123,9 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                 cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
         elif by_page:
             b_r = jnp.minimum(step * pages_per_step + r_p, max_blocks - 1)  # [M]
+            if page_table:  # unscaled: the slot rows carry attention_scaling
+                cos, sin = _table_rows(rope_ref, bps_ref[s, b_r], half, False)[:2]
+                return (cos, sin) if scaling == 1.0 else (cos / scaling, sin / scaling)
             ang = bps_ref[s, b_r].astype(jnp.float32)[:, None] * inv[None, :]
             return _cos_sin(ang, fast_trig)
         else:
@@ -172,11 +178,14 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                 k_lo, k_hi = tiles[i][0], tiles[i][1]
                 if by_page:  # q . R(base + slot) k == (R(-base) q) . (R(slot) k)
                     cos, sin = cs
-                    k_lo, k_hi = k_lo.astype(kdtype), k_hi.astype(kdtype)
                     q_lo, q_hi = q_lo.astype(jnp.float32), q_hi.astype(jnp.float32)
                     q_lo, q_hi = q_lo * cos + q_hi * sin, q_hi * cos - q_lo * sin
-                    k_lo, k_hi = (k_lo * cos_slot - k_hi * sin_slot,
-                                  k_hi * cos_slot + k_lo * sin_slot)
+                    if page_table:
+                        k_lo, k_hi = turn_keys(k_lo, k_hi, cs_slot)
+                    else:
+                        k_lo, k_hi = k_lo.astype(kdtype), k_hi.astype(kdtype)
+                        k_lo, k_hi = (k_lo * cos_slot - k_hi * sin_slot,
+                                      k_hi * cos_slot + k_lo * sin_slot)
                 else:
                     k_lo, k_hi = turn_keys(k_lo, k_hi, cs)
                 sc += _dot_nt(q_lo.astype(cdtype), k_lo.astype(cdtype), precise)
@@ -242,6 +251,17 @@ def _attend_new_key(state, q_ref, kn_rot_ref, vn_ref, k_out_ref, v_out_ref, kn_r
     return acc, m_new, l_i
 
 
+def _table_rows(rope_ref, idx, half, packed):
+    """cos, sin [len(idx), R/2] gathered from the [rows, R] table (float32 math, or bfloat16
+    plus -sin for the packed rotation)."""
+    idx = jnp.clip(idx, 0, rope_ref.shape[0] - 1)  # pads / unused entries are masked
+    cos, sin = rope_ref[idx, pl.ds(0, half)], rope_ref[idx, pl.ds(half, half)]
+    if packed:
+        cos, sin = cos.astype(jnp.bfloat16), sin.astype(jnp.bfloat16)
+        return cos, sin, -sin
+    return cos.astype(jnp.float32), sin.astype(jnp.float32)
+
+
 def _fma2_bf16(a, c, b, s, fast):
     """a * c + b * s on bfloat16 tiles, two lanes per instruction (mul.rn.bf16x2 then
     fma.rn.bf16x2): 2 instructions per 2 rotated elements instead of unpack, 2 float32 FMAs
@@ -297,9 +317,13 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         rows become pages_per_step x G, merged by log-sum-exp at the end).
       "page_bf16": "page" with the slot cos/sin and the key rotation in bf16 (for bf16 inputs; no
         float32 round trip of the keys, ~2x the rounding error of "page").
-    packed (bf16 inputs, rope trig/table/table_bf16; default on for those): keys rotated two
-      lanes per instruction (PTX mul/fma.rn.bf16x2, cos/sin in bf16) instead of unpacking to
-      float32: the rotation was the cost of RoPE-at-read here, not bytes or load pipelining.
+      "page_table": "page" with every cos/sin from the table (needs max_position as "table"):
+        the slots' rows 0..B-1 (the same every tile: L1-resident) turn the keys (packed bf16x2
+        for bf16), and one row per page start turns the queries back (float32). Per tile it
+        reads pages_per_step x G table rows from L2 instead of block_k.
+    packed (bf16 inputs, rope trig/table/table_bf16/page_table; default on for those): keys
+      rotated two lanes per instruction (PTX mul/fma.rn.bf16x2, cos/sin in bf16) instead of
+      unpacking to float32: the rotation was the cost of RoPE-at-read here.
     new_kv: None, or (k_new, k_new_rotated, v_new) [T, K, D] for a fused K/V write: each query
       token's new K/V (k_new as stored, k_new_rotated by the query's position for its score) go
       to slot md.slot_mapping[t], which must hold the query's own key (at its position) and be
@@ -312,12 +336,14 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         rope = "trig" if max_position is None else "table_bf16" if bf16 else "table"
     if rope not in ROPE_MODES:
         raise ValueError(f"triton_decode: rope must be one of {ROPE_MODES}, got {rope!r}")
+    trig_pages = rope in ("page", "page_bf16")
     if packed is None:
-        packed = bf16 and not rope.startswith("page")
+        packed = bf16 and not trig_pages
     packed = bool(packed) and rotate_keys and inv_freq.shape[0] > 0
-    if packed and (not bf16 or rope.startswith("page")):
+    if packed and (not bf16 or trig_pages):
         raise ValueError(f"triton_decode: packed=True (bf16x2 key rotation) needs bfloat16 "
-                         f"inputs and rope trig/table/table_bf16, got {q_rot.dtype} and {rope!r}")
+                         f"inputs and rope trig/table/table_bf16/page_table, got {q_rot.dtype} "
+                         f"and {rope!r}")
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     seqs = md.block_tables.shape[0]
@@ -336,10 +362,11 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     by_page = rotate_keys and half and rope.startswith("page")
     rows = tile_rows(block_k // page_size if by_page else 1, heads // kv_heads)
     rope_in = inv_freq.astype(jnp.float32) if half else jnp.zeros((1,), jnp.float32)
-    if rotate_keys and half and rope.startswith("table"):
+    if rotate_keys and half and (rope.startswith("table") or rope == "page_table"):
         _check_max_position(md, max_position)
-        rope_in = rope_table(inv_freq, max_position, attention_scaling,
-                             jnp.bfloat16 if rope == "table_bf16" else jnp.float32)
+        rope_in = rope_table(inv_freq, max(max_position, page_size), attention_scaling,
+                             jnp.bfloat16 if rope == "table_bf16" or (rope == "page_table" and bf16)
+                             else jnp.float32)
     # Partial results are stored by query token ([splits, T, H] rows), so merging them is one
     # elementwise pass with no scatter. Partial log-sum-exps start as NaN (aliased in; out and lse
     # rows are stored under the same mask): a query row the kernel fails to write poisons the
