@@ -158,20 +158,18 @@ def run(args) -> int:
                         q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
                         kernel_options=o, interpret=args.interpret))
                 for ab in args.ab_variants if args.ab_reps else ():  # rotated vs position_free
-                    rope, *flags = ab.split("+")
-                    o = dict(opts, rope=rope, max_position=ctx,
-                             **{f.removeprefix("no"): not f.startswith("no") for f in flags})
                     ab_row(rows, case, f"decode {tag} (position_free {ab})",
-                           dec("rotated", opts), dec("position_free", o),
+                           dec("rotated", opts), dec("position_free", _variant_options(opts, ab, ctx)),
                            q, k, v, md, reps=args.ab_reps, iters=args.iters)
                 if args.profile:  # device time of each kernel of the call (kernel vs glue)
-                    for mode, o in (("rotated", opts), ("position_free", dict(opts, max_position=ctx))):
-                        fn = jax.jit(lambda q, k, v, md, mode=mode, o=o: paged_attention(
-                            q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
-                            kernel_options=o, interpret=args.interpret))
-                        busy = _profile_row(rows, case, f"decode {tag} {mode}", fn, q, k, v, md)
+                    variants = [("rotated", "rotated", opts)] + [
+                        ("position_free", ab, _variant_options(opts, ab, ctx))
+                        for ab in args.ab_variants]
+                    for mode, label, o in variants:
+                        busy = _profile_row(rows, case, f"decode {tag} {label}", dec(mode, o),
+                                            q, k, v, md)
                         if busy:
-                            device_time[(tag, ctx, mode)] = busy
+                            device_time[(tag, ctx, label)] = busy
         if args.fused_write:  # this step's K/V write: a separate kernel vs fused into decode
             _fused_write_rows(rows, case, q, k, v, md, inv, B, configs[0], args)
         if args.decode_kernel_only:
@@ -330,11 +328,18 @@ def run(args) -> int:
                 print(f"  {case:<20} {prefix}RoPE-at-read overhead (best vs best) "
                       f"{100 * (ratio - 1):+.1f}%")
     _print_rope_table(rope_table, args.contexts)
-    _print_device_table(device_time, args.contexts, args.seqs, K, D, 2)
+    _print_device_table(device_time, args.seqs, K, D, 2)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _variant_options(opts, variant, ctx):
+    """kernel_options of a position_free variant 'ROPE[+OPT|+noOPT...]' (positions < ctx)."""
+    rope, *flags = variant.split("+")
+    return dict(opts, rope=rope, max_position=ctx,
+                **{f.removeprefix("no"): not f.startswith("no") for f in flags})
 
 
 def _fused_write_rows(rows, case, q, k_pages, v_pages, md, inv, page_size, cfg, args):
@@ -417,21 +422,18 @@ def _profile_row(rows, case, label, fn, *args, calls: int = 10):
     return 1e3 * prof["kernel_busy_ms_per_step"], 1e3 * kernel
 
 
-def _print_device_table(device_time, contexts, seqs, kv_heads, head_dim, itemsize):
+def _print_device_table(device_time, seqs, kv_heads, head_dim, itemsize):
     """Profiled device time per call (every kernel of the call / the attention kernel alone):
     bandwidth without the host's dispatch gaps between calls, and the RoPE-at-read overhead."""
     if not device_time:
         return
     print("\ntriton_decode device time per call (profiler; busy = all kernels of the call):")
-    for tag in dict.fromkeys(t for t, _, _ in device_time):
-        for ctx in contexts:
-            rot, free = device_time.get((tag, ctx, "rotated")), device_time.get(
-                (tag, ctx, "position_free"))
-            if not (rot and free and rot[0] > 0 and rot[1] > 0):
-                continue
+    for tag, ctx, label in device_time:
+        rot, free = device_time.get((tag, ctx, "rotated")), device_time[(tag, ctx, label)]
+        if label != "rotated" and rot and rot[0] > 0 and rot[1] > 0:
             kv_bytes = 2 * seqs * ctx * kv_heads * head_dim * itemsize
             print(f"  {tag:<24} ctx{ctx:<6} busy rotated {rot[0]:6.1f} us "
-                  f"({kv_bytes / rot[0] / 1e6:.2f} TB/s), position_free {free[0]:6.1f} us "
+                  f"({kv_bytes / rot[0] / 1e6:.2f} TB/s), {label} {free[0]:6.1f} us "
                   f"({kv_bytes / free[0] / 1e6:.2f} TB/s), overhead "
                   f"{100 * (free[0] / rot[0] - 1):+.1f}%; kernel alone {rot[1]:.1f} / "
                   f"{free[1]:.1f} us ({100 * (free[1] / rot[1] - 1):+.1f}%)")
