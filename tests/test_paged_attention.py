@@ -167,7 +167,7 @@ def test_decode_page_table_long_sequences(dtype):
     q, k, v, md, inv = _inputs(31, dtype, 2, 4, 64, 64, 8, specs)
     for splits in (1, 3):
         opts = {"kv_group": 2, "splits": splits, "block_k": 32, "rope": "page_table",
-                "max_position": 160}
+                "max_position": 160, "hoist_slots": splits == 1}
         out = paged_attention(q, k, v, md, inv, implementation="triton_decode",
                               attention_scaling=0.9, interpret=INTERPRET, kernel_options=opts)
         ref = paged_attention_reference(q, k, v, md, inv, attention_scaling=0.9)

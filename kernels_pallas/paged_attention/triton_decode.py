@@ -43,7 +43,8 @@ ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16", "page_table")
 
 def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
             v_ref, lse_in_ref, *refs, heads, kv_heads, head_dim, page_size, block_k, kv_group,
-            splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed, fused_write):
+            splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed, hoist_slots,
+            fused_write):
     if fused_write:  # the new token's K/V: written here, attended from the inputs (not the cache)
         slot_ref, kn_ref, kn_rot_ref, vn_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
     else:
@@ -76,8 +77,8 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     page_table = by_page and rope == "page_table"  # cos/sin rows of the table, no trig
     if split_rot and rope not in ("table", "page_table"):
         inv = rope_ref[...].astype(jnp.float32)  # [R/2]
-    if page_table:  # slot cos/sin: table rows 0..B-1 (scaling folded in), the same every tile
-        cs_slot = _table_rows(rope_ref, j % page_size, half, packed)
+    if page_table and hoist_slots:  # slot cos/sin: table rows 0..B-1 (scaling folded in)
+        cs_slot = _table_rows(rope_ref, j % page_size, half, packed)  # the same every tile
     elif by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
         ang = (j % page_size).astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
         cos_slot, sin_slot = _cos_sin(ang, fast_trig)
@@ -181,7 +182,8 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                     q_lo, q_hi = q_lo.astype(jnp.float32), q_hi.astype(jnp.float32)
                     q_lo, q_hi = q_lo * cos + q_hi * sin, q_hi * cos - q_lo * sin
                     if page_table:
-                        k_lo, k_hi = turn_keys(k_lo, k_hi, cs_slot)
+                        k_lo, k_hi = turn_keys(k_lo, k_hi, cs_slot if hoist_slots else
+                                               _table_rows(rope_ref, j % page_size, half, packed))
                     else:
                         k_lo, k_hi = k_lo.astype(kdtype), k_hi.astype(kdtype)
                         k_lo, k_hi = (k_lo * cos_slot - k_hi * sin_slot,
@@ -294,8 +296,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
                                   splits: int | None = None, block_k: int | None = None,
                                   num_warps: int = 4, num_stages: int = 2,
                                   rope: str | None = None, max_position: int | None = None,
-                                  packed: bool | None = None, new_kv=None,
-                                  interpret: bool = False):
+                                  packed: bool | None = None, hoist_slots: bool = True,
+                                  new_kv=None, interpret: bool = False):
     """Decode-only paged attention (each sequence has at most one query: row cu_q_lens[s]).
 
     q_rot [T, H, D] rotated by its positions; kv_group kv heads per program (cos/sin computed once
@@ -324,6 +326,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     packed (bf16 inputs, rope trig/table/table_bf16/page_table; default on for those): keys
       rotated two lanes per instruction (PTX mul/fma.rn.bf16x2, cos/sin in bf16) instead of
       unpacking to float32: the rotation was the cost of RoPE-at-read here.
+    hoist_slots ("page_table"): the slots' cos/sin rows are loaded once, before the key loop
+      (else once per tile, from L1).
     new_kv: None, or (k_new, k_new_rotated, v_new) [T, K, D] for a fused K/V write: each query
       token's new K/V (k_new as stored, k_new_rotated by the query's position for its score) go
       to slot md.slot_mapping[t], which must hold the query's own key (at its position) and be
@@ -376,7 +380,7 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
         rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling),
-        fast_trig=not interpret, cdtype=cdtype,
+        fast_trig=not interpret, cdtype=cdtype, hoist_slots=bool(hoist_slots),
         packed=packed and (interpret or block_k * half >= 4 * 32 * num_warps))  # >= 4 per lane
     lse_init = jnp.full((n_out,), jnp.nan, jnp.float32)
     k_flat, v_flat = k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim)
