@@ -77,8 +77,8 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     page_table = by_page and rope == "page_table"  # cos/sin rows of the table, no trig
     if split_rot and rope not in ("table", "page_table"):
         inv = rope_ref[...].astype(jnp.float32)  # [R/2]
-    if page_table and hoist_slots:  # slot cos/sin: table rows 0..B-1 (scaling folded in)
-        cs_slot = _table_rows(rope_ref, j % page_size, half, packed)  # the same every tile
+    if page_table:  # slot cos/sin: table rows 0..B-1 (scaling folded in), the same every tile
+        cs_slot = _table_rows(rope_ref, j % page_size, half, packed) if hoist_slots else None
     elif by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
         ang = (j % page_size).astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
         cos_slot, sin_slot = _cos_sin(ang, fast_trig)
