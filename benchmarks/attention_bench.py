@@ -28,7 +28,7 @@ DECODE_SWEEP = ((1, 64, 4, 2), (1, 64, 8, 2), (1, 32, 4, 3), (1, 16, 4, 2))
 # (kv_group, splits, block_k, num_warps, num_stages) for implementation="triton_decode"; each is
 # timed rotated and position_free with every `rope` variant (splits 0 = the kernel's default).
 DECODE_KERNEL_SWEEP = ((2, 4, 64, 4, 2), (1, 0, 64, 4, 2), (4, 4, 32, 4, 2))
-DECODE_ROPE = ("trig", "table", "table_bf16", "page", "page_bf16")
+DECODE_ROPE = ("trig", "table", "table_bf16")
 PREFILL_SWEEP = ((32, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2))
 
 

@@ -36,7 +36,7 @@ def add_parser(p):
     p.add_argument("--write-impl", default=None, choices=("xla", "triton"),
                    help="write_kv implementation (None = triton on GPU)")
     p.add_argument("--decode-rope", default=None,
-                   choices=("trig", "table", "table_bf16", "page", "page_bf16"),
+                   choices=("trig", "table", "table_bf16"),
                    help="RoPE-at-read variant of the decode kernel (Config.decode_attn_options)")
     p.add_argument("--skip-run", action="store_true", help="only the decode measurement")
     p.add_argument("--no-async", action="store_true",

@@ -101,21 +101,16 @@ DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv
     (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 1, "splits": 2,
                                                          "block_k": 16}, 1.0),
     (jnp.float32, 2, 4, 64, 64, 4, "rotated", {"kv_group": 2, "splits": 1, "block_k": 16}, 1.0),
-    # RoPE-at-read variants: cos/sin from a table; queries turned back per page ("page": 4 and
-    # 2 pages per tile, and 8 x 8 = 64 query rows merged at the end).
+    # RoPE-at-read variants: cos/sin from a table (float32 / bfloat16), GQA 8, block_k 32.
     (jnp.float32, 4, 2, 64, 16, 4, "position_free", {"kv_group": 2, "splits": 3, "block_k": 16,
                                                       "rope": "table", "max_position": 64}, 0.8),
     (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 2, "splits": 2,
                                                          "block_k": 16, "rope": "table_bf16",
                                                          "max_position": 40}, 1.0),
-    (jnp.float32, 4, 2, 64, 16, 4, "position_free", {"kv_group": 4, "splits": 3, "block_k": 16,
-                                                      "rope": "page"}, 0.8),
-    (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 1, "splits": 2,
-                                                         "block_k": 16, "rope": "page"}, 1.0),
     (jnp.float32, 2, 8, 64, 64, 4, "position_free", {"kv_group": 2, "splits": 2, "block_k": 32,
-                                                      "rope": "page"}, 1.0),
+                                                      "rope": "trig"}, 1.0),
     (jnp.bfloat16, 2, 4, 128, 64, 4, "position_free", {"kv_group": 2, "splits": 2,
-                                                        "block_k": 16, "rope": "page_bf16"}, 0.8),
+                                                        "block_k": 16, "rope": "trig"}, 0.8),
     # packed: bf16x2 key rotation (inline PTX when compiled, the same roundings in jnp when
     # interpreted); on by default for bf16, so the bf16 cases above use it unless packed=False.
     (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 2, "splits": 2,
@@ -126,12 +121,6 @@ DECODE_CASES = [  # (dtype, kv_heads, group, head_dim, rotary_dim, page_size, kv
                                                        "packed": True}, 1.0),
     (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 2, "splits": 2,
                                                          "block_k": 16, "packed": False}, 0.8),
-    (jnp.bfloat16, 2, 4, 128, 128, 8, "position_free", {"kv_group": 2, "splits": 2,
-                                                         "block_k": 16, "rope": "page_table",
-                                                         "max_position": 40}, 0.8),
-    (jnp.float32, 2, 3, 64, 32, 4, "position_free", {"kv_group": 1, "splits": 3, "block_k": 16,
-                                                     "rope": "page_table", "max_position": 48},
-     1.0),
     # max_position alone: rope defaults to table_bf16 (bf16) / table (fp32)
     (jnp.bfloat16, 4, 2, 64, 64, 4, "position_free", {"kv_group": 4, "splits": 2, "block_k": 16,
                                                       "max_position": 48}, 1.0),
@@ -157,21 +146,6 @@ def test_decode_kernel_matches_reference(case):
     _check(out, ref, md, dtype)
     pad_rows = np.asarray(out, np.float32)[int(md.cu_q_lens[-1]):]
     assert pad_rows.size and np.all(pad_rows == 0), "rows that are no sequence's query must be 0"
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_decode_page_table_long_sequences(dtype):
-    """rope="page_table" over many steps per split: pads inside blocks, a window, shuffled
-    table entries, llama3-like scaling."""
-    specs = [(150, 1, 0), (97, 1, 40), (33, 1, 0), (0, 1, 0)]
-    q, k, v, md, inv = _inputs(31, dtype, 2, 4, 64, 64, 8, specs)
-    for splits in (1, 3):
-        opts = {"kv_group": 2, "splits": splits, "block_k": 32, "rope": "page_table",
-                "max_position": 160, "hoist_slots": splits == 1}
-        out = paged_attention(q, k, v, md, inv, implementation="triton_decode",
-                              attention_scaling=0.9, interpret=INTERPRET, kernel_options=opts)
-        ref = paged_attention_reference(q, k, v, md, inv, attention_scaling=0.9)
-        _check(out, ref, md, dtype)
 
 
 def test_decode_rope_table_host_matches_traced():

@@ -104,7 +104,7 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       kernel_options: optional dict of options for the Pallas kernel: triton (block_q,
         block_k, kv_group, prerotate, num_warps, num_stages), triton_decode (kv_group, splits,
         block_k, num_warps, num_stages, rope: how keys get cos/sin, "trig" | "table" |
-        "table_bf16" | "page" | "page_bf16", see triton_decode.py (default: table_bf16 / table
+        "table_bf16", see triton_decode.py (default: table_bf16 / table
         when max_position is given, else trig); max_position: static bound on the positions,
         needed by the table modes; packed: bf16x2 key rotation, default on for bf16),
         mosaic (pages_per_step).

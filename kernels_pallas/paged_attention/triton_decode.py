@@ -8,17 +8,17 @@ keys once; the key range of a sequence is split over `splits` programs (flash-de
 the GPU full, and the partial results are merged with their log-sum-exp outside the kernel.
 
 Kernel option `rope` picks where the keys' cos/sin come from (see decode_paged_attention_triton):
-per-key trig ("trig"), an L2-resident position table ("table", "table_bf16": the default when
-the caller gives max_position), or no
-per-key trig at all ("page", "page_bf16": queries turned back by each page's start, keys turned
-only by their slot in the page). Turning the query per key instead of the key costs G times the
+per-key trig ("trig") or an L2-resident position table ("table", "table_bf16": the default when
+the caller gives max_position). Turning the query per key instead of the key costs G times the
 rotation work (G = H/K query heads per kv head) and does not map onto the dot, so keys are turned.
 What RoPE-at-read cost here was the rotation's instruction count (unpack bf16 -> f32, 4 FMAs per
 pair, repack), not table bytes or load pipelining (carrying key tiles one step ahead in registers
 was 1.6-2x slower): option `packed` (default for bf16) rotates two lanes per bf16x2 PTX FMA.
-Measured slower and removed (benchmarks/RESULTS.md, runs 11-12): a cos|sin|-sin table (one more
-L2 row per key costs more than negating the sin tile), and loading the next step's table rows
-one step early (+25%). Partial results are stored by query token, so the split merge is one
+Measured slower and removed (benchmarks/RESULTS.md): a cos|sin|-sin table (one more L2 row per
+key costs more than negating the sin tile, run 11); loading the next step's table rows one step
+early (+25%, run 12); "page" modes, where a key at base + slot scores (R(-base) q) . (R(slot) k)
+so that keys turn by loop-invariant slot cos/sin and the queries (one row set per page of a
+tile) turn back by each page start: +21-34% with trig or table bases (runs 5, 14). Partial results are stored by query token, so the split merge is one
 elementwise pass. Option `new_kv` fuses the step's K/V write into the kernel (measured 1-3%
 slower than the separate row-copy kernel; kept for that measurement).
 """
@@ -38,13 +38,12 @@ from kernels_pallas.paged_attention.triton_ragged import (_cos_sin, _dot, _dot_n
                                                            _online_softmax, tile_rows)
 
 _NEG_INF = float("-inf")
-ROPE_MODES = ("trig", "table", "table_bf16", "page", "page_bf16", "page_table")
+ROPE_MODES = ("trig", "table", "table_bf16")
 
 
 def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_ref, q_ref, k_ref,
             v_ref, lse_in_ref, *refs, heads, kv_heads, head_dim, page_size, block_k, kv_group,
-            splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed, hoist_slots,
-            fused_write):
+            splits, half, rotate_keys, rope, scaling, fast_trig, cdtype, packed, fused_write):
     if fused_write:  # the new token's K/V: written here, attended from the inputs (not the cache)
         slot_ref, kn_ref, kn_rot_ref, vn_ref, o_ref, lse_ref, k_out_ref, v_out_ref = refs
     else:
@@ -52,10 +51,7 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     group = heads // kv_heads
     pages_per_step = block_k // page_size
     split_rot = rotate_keys and half > 0
-    by_page = split_rot and rope.startswith("page")
-    kdtype = cdtype if rope == "page_bf16" else jnp.float32  # dtype of the slot rotation math
-    q_pages = pages_per_step if by_page else 1  # "page": one query row set per page of a tile
-    rows = tile_rows(q_pages, group)
+    rows = tile_rows(1, group)
     rot = 2 * half
     precise = cdtype == jnp.float32
     s, hg, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -65,8 +61,7 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     has_q = cu_ref[s + 1] > cu_ref[s]
     q_pos, q_win = qpos_ref[tok], qwin_ref[tok]
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    row_ok = (r < q_pages * group) & has_q
-    r_g, r_p = r % group, r // group  # [M] query head in the group, page of the tile
+    row_ok = (r < group) & has_q
     n_steps = (nb_ref[s] + pages_per_step - 1) // pages_per_step
     per_split = (n_steps + splits - 1) // splits
     lo = split * per_split
@@ -74,19 +69,11 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     j = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
     new_slot = jnp.where(has_q, slot_ref[tok], -1) if fused_write else -1
-    page_table = by_page and rope == "page_table"  # cos/sin rows of the table, no trig
-    if split_rot and rope not in ("table", "page_table"):
+    if split_rot and rope != "table":
         inv = rope_ref[...].astype(jnp.float32)  # [R/2]
-    if page_table:  # slot cos/sin: table rows 0..B-1 (scaling folded in), the same every tile
-        cs_slot = _table_rows(rope_ref, j % page_size, half, packed) if hoist_slots else None
-    elif by_page:  # keys turn by their slot in the page: the same cos/sin for every tile
-        ang = (j % page_size).astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
-        cos_slot, sin_slot = _cos_sin(ang, fast_trig)
-        cos_slot = (cos_slot * scaling).astype(kdtype)
-        sin_slot = (sin_slot * scaling).astype(kdtype)
 
     def load_q(h):
-        q_row = tok * heads + h * group + r_g  # [M]
+        q_row = tok * heads + h * group + r % group  # [M] (rows >= G repeat, masked)
         if split_rot:
             q_lo = q_ref[q_row, pl.ds(0, half)]
             q_hi = q_ref[q_row, pl.ds(half, half)]
@@ -113,22 +100,14 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
         page = jnp.where(k_ok, bt_ref[s, b_c], 0)
         return k_pos, k_ok, (page * page_size + slot) * kv_heads
 
-    def key_cos_sin(step, k_pos):
-        """cos/sin [N, R/2] turning the keys (trig, table) or [M, R/2] turning the queries back
-        by their row's page start (page); computed once per tile for the kv_group heads.
+    def key_cos_sin(k_pos):
+        """cos/sin [N, R/2] of a tile's keys, computed once per tile for the kv_group heads.
         packed: (cos, sin, -sin) in bfloat16 for the bf16x2 rotation."""
         if rope == "table":
             idx = jnp.clip(k_pos, 0, rope_ref.shape[0] - 1)  # pads/future keys are masked
             cos, sin = rope_ref[idx, pl.ds(0, half)], rope_ref[idx, pl.ds(half, half)]
             if not packed:
                 cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
-        elif by_page:
-            b_r = jnp.minimum(step * pages_per_step + r_p, max_blocks - 1)  # [M]
-            if page_table:  # unscaled: the slot rows carry attention_scaling
-                cos, sin = _table_rows(rope_ref, bps_ref[s, b_r], half, False)[:2]
-                return (cos, sin) if scaling == 1.0 else (cos / scaling, sin / scaling)
-            ang = bps_ref[s, b_r].astype(jnp.float32)[:, None] * inv[None, :]
-            return _cos_sin(ang, fast_trig)
         else:
             ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]
             cos, sin = _cos_sin(ang, fast_trig)
@@ -164,10 +143,8 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
     def body(step, state):
         k_pos, k_ok, row0 = tile_keys(step)
         tiles = load_keys(row0)
-        cs = key_cos_sin(step, k_pos) if split_rot else ()
+        cs = key_cos_sin(k_pos) if split_rot else ()
         mask = row_ok[:, None] & (k_ok & (k_pos <= q_pos) & (k_pos >= q_win))[None, :]  # [M, N]
-        if by_page:
-            mask &= r_p[:, None] == (j // page_size)[None, :]
         out = []
         for i in range(kv_group):
             h = hg * kv_group + i
@@ -176,20 +153,7 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
             kv_row = row0 + h  # [N]
             sc = jnp.zeros((rows, block_k), jnp.float32)
             if split_rot:
-                k_lo, k_hi = tiles[i][0], tiles[i][1]
-                if by_page:  # q . R(base + slot) k == (R(-base) q) . (R(slot) k)
-                    cos, sin = cs
-                    q_lo, q_hi = q_lo.astype(jnp.float32), q_hi.astype(jnp.float32)
-                    q_lo, q_hi = q_lo * cos + q_hi * sin, q_hi * cos - q_lo * sin
-                    if page_table:
-                        k_lo, k_hi = turn_keys(k_lo, k_hi, cs_slot if hoist_slots else
-                                               _table_rows(rope_ref, j % page_size, half, packed))
-                    else:
-                        k_lo, k_hi = k_lo.astype(kdtype), k_hi.astype(kdtype)
-                        k_lo, k_hi = (k_lo * cos_slot - k_hi * sin_slot,
-                                      k_hi * cos_slot + k_lo * sin_slot)
-                else:
-                    k_lo, k_hi = turn_keys(k_lo, k_hi, cs)
+                k_lo, k_hi = turn_keys(tiles[i][0], tiles[i][1], cs)
                 sc += _dot_nt(q_lo.astype(cdtype), k_lo.astype(cdtype), precise)
                 sc += _dot_nt(q_hi.astype(cdtype), k_hi.astype(cdtype), precise)
             if q_all is not None:
@@ -214,8 +178,6 @@ def _kernel(cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref, bnv_ref, rope_r
                       for i in range(kv_group))
     for i in range(kv_group):
         acc, m_i, l_i = carry[i]
-        if q_pages > 1:
-            acc, m_i, l_i = _merge_page_rows(acc, m_i, l_i, r_g, row_ok)
         h = hg * kv_group + i
         o_row = (split * tokens + tok) * heads + h * group + r  # rows >= G masked (not written)
         store = row_ok & (r < group)
@@ -253,17 +215,6 @@ def _attend_new_key(state, q_ref, kn_rot_ref, vn_ref, k_out_ref, v_out_ref, kn_r
     return acc, m_new, l_i
 
 
-def _table_rows(rope_ref, idx, half, packed):
-    """cos, sin [len(idx), R/2] gathered from the [rows, R] table (float32 math, or bfloat16
-    plus -sin for the packed rotation)."""
-    idx = jnp.clip(idx, 0, rope_ref.shape[0] - 1)  # pads / unused entries are masked
-    cos, sin = rope_ref[idx, pl.ds(0, half)], rope_ref[idx, pl.ds(half, half)]
-    if packed:
-        cos, sin = cos.astype(jnp.bfloat16), sin.astype(jnp.bfloat16)
-        return cos, sin, -sin
-    return cos.astype(jnp.float32), sin.astype(jnp.float32)
-
-
 def _fma2_bf16(a, c, b, s, fast):
     """a * c + b * s on bfloat16 tiles, two lanes per instruction (mul.rn.bf16x2 then
     fma.rn.bf16x2): 2 instructions per 2 rotated elements instead of unpack, 2 float32 FMAs
@@ -280,24 +231,13 @@ def _fma2_bf16(a, c, b, s, fast):
     return out
 
 
-def _merge_page_rows(acc, m_i, l_i, r_g, row_ok):
-    """Log-sum-exp merge of the rows that hold one query head (one row per page of a tile):
-    every row comes back with its head's merged (acc, m, l). acc [M, D]; m, l, r_g, row_ok [M]."""
-    same = (r_g[:, None] == r_g[None, :]) & row_ok[None, :]  # [M, M]
-    m_g = jnp.max(jnp.where(same, m_i[None, :], _NEG_INF), axis=1)
-    w = jnp.where(row_ok, jnp.exp(m_i - jnp.where(m_g == _NEG_INF, 0.0, m_g)), 0.0)  # [M]
-    l_g = jnp.sum(jnp.where(same, (l_i * w)[None, :], 0.0), axis=1)
-    acc_g = _dot(same.astype(jnp.float32), acc * w[:, None], 0, True)  # sum over the head's rows
-    return acc_g, m_g, l_g
-
-
 def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                                   attention_scaling: float, sm_scale: float, kv_group: int = 2,
                                   splits: int | None = None, block_k: int | None = None,
                                   num_warps: int = 4, num_stages: int = 2,
                                   rope: str | None = None, max_position: int | None = None,
-                                  packed: bool | None = None, hoist_slots: bool = True,
-                                  new_kv=None, interpret: bool = False):
+                                  packed: bool | None = None, new_kv=None,
+                                  interpret: bool = False):
     """Decode-only paged attention (each sequence has at most one query: row cu_q_lens[s]).
 
     q_rot [T, H, D] rotated by its positions; kv_group kv heads per program (cos/sin computed once
@@ -313,41 +253,27 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         table (cos | sin, attention_scaling folded in) built once per call (~4 MB f32 at 8192 x
         R 128: stays in L2). Needs max_position > every query position (visible keys are at most
         the query's position; checked when not tracing); bf16 adds ~2e-3 relative error to keys.
-      "page": no trig per key. A key at base + slot (base = its block's logical start) scores
-        (R(-base) q) . (R(slot) k): the slot's cos/sin are one loop-invariant [block_k, R/2] tile,
-        and each tile's queries are turned back by the start of each of its pages (the query
-        rows become pages_per_step x G, merged by log-sum-exp at the end).
-      "page_bf16": "page" with the slot cos/sin and the key rotation in bf16 (for bf16 inputs; no
-        float32 round trip of the keys, ~2x the rounding error of "page").
-      "page_table": "page" with every cos/sin from the table (needs max_position as "table"):
-        the slots' rows 0..B-1 (the same every tile: L1-resident) turn the keys (packed bf16x2
-        for bf16), and one row per page start turns the queries back (float32). Per tile it
-        reads pages_per_step x G table rows from L2 instead of block_k.
-    packed (bf16 inputs, rope trig/table/table_bf16/page_table; default on for those): keys
-      rotated two lanes per instruction (PTX mul/fma.rn.bf16x2, cos/sin in bf16) instead of
-      unpacking to float32: the rotation was the cost of RoPE-at-read here.
-    hoist_slots ("page_table"): the slots' cos/sin rows are loaded once, before the key loop
-      (else once per tile, from L1).
+    packed (bf16 inputs; default on there): keys rotated two lanes per instruction (PTX
+      mul/fma.rn.bf16x2, cos/sin in bf16) instead of unpacking to float32: the rotation was the
+      cost of RoPE-at-read here.
     new_kv: None, or (k_new, k_new_rotated, v_new) [T, K, D] for a fused K/V write: each query
       token's new K/V (k_new as stored, k_new_rotated by the query's position for its score) go
       to slot md.slot_mapping[t], which must hold the query's own key (at its position) and be
       read by no other sequence of the batch. The kernel never reads that slot: one split per
-      sequence folds the new key in from the inputs and stores the rows. Returns (out, k_pages, v_pages) then (pages updated in place when the
-      caller donates them).
+      sequence folds the new key in from the inputs and stores the rows. Returns (out, k_pages,
+      v_pages) then (pages updated in place when the caller donates them).
     """
     bf16 = q_rot.dtype == jnp.bfloat16
     if rope is None:
         rope = "trig" if max_position is None else "table_bf16" if bf16 else "table"
     if rope not in ROPE_MODES:
         raise ValueError(f"triton_decode: rope must be one of {ROPE_MODES}, got {rope!r}")
-    trig_pages = rope in ("page", "page_bf16")
     if packed is None:
-        packed = bf16 and not trig_pages
+        packed = bf16
     packed = bool(packed) and rotate_keys and inv_freq.shape[0] > 0
-    if packed and (not bf16 or trig_pages):
+    if packed and not bf16:
         raise ValueError(f"triton_decode: packed=True (bf16x2 key rotation) needs bfloat16 "
-                         f"inputs and rope trig/table/table_bf16/page_table, got {q_rot.dtype} "
-                         f"and {rope!r}")
+                         f"inputs, got {q_rot.dtype}")
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     seqs = md.block_tables.shape[0]
@@ -363,14 +289,12 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     cdtype = jnp.float32 if q_rot.dtype == jnp.float32 else q_rot.dtype
     q_flat = (q_rot.reshape(tokens * heads, head_dim).astype(jnp.float32) * sm_scale)
     q_flat = q_flat.astype(q_rot.dtype)
-    by_page = rotate_keys and half and rope.startswith("page")
-    rows = tile_rows(block_k // page_size if by_page else 1, heads // kv_heads)
+    rows = tile_rows(1, heads // kv_heads)
     rope_in = inv_freq.astype(jnp.float32) if half else jnp.zeros((1,), jnp.float32)
-    if rotate_keys and half and (rope.startswith("table") or rope == "page_table"):
+    if rotate_keys and half and rope.startswith("table"):
         _check_max_position(md, max_position)
-        rope_in = rope_table(inv_freq, max(max_position, page_size), attention_scaling,
-                             jnp.bfloat16 if rope == "table_bf16" or (rope == "page_table" and bf16)
-                             else jnp.float32)
+        rope_in = rope_table(inv_freq, max_position, attention_scaling,
+                             jnp.bfloat16 if rope == "table_bf16" else jnp.float32)
     # Partial results are stored by query token ([splits, T, H] rows), so merging them is one
     # elementwise pass with no scatter. Partial log-sum-exps start as NaN (aliased in; out and lse
     # rows are stored under the same mask): a query row the kernel fails to write poisons the
@@ -380,7 +304,7 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         _kernel, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
         block_k=block_k, kv_group=kv_group, splits=splits, half=half, rotate_keys=rotate_keys,
         rope="table" if rope.startswith("table") else rope, scaling=float(attention_scaling),
-        fast_trig=not interpret, cdtype=cdtype, hoist_slots=bool(hoist_slots),
+        fast_trig=not interpret, cdtype=cdtype,
         packed=packed and (interpret or block_k * half >= 4 * 32 * num_warps))  # >= 4 per lane
     lse_init = jnp.full((n_out,), jnp.nan, jnp.float32)
     k_flat, v_flat = k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim)
