@@ -44,6 +44,8 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--sweep", nargs="?", const="all", default="", choices=["", "decode", "all"],
                    help="also sweep kernel tile options (decode only, or all)")
     p.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU decode kernel")
+    p.add_argument("--mosaic-configs", nargs="+", default=["4,0,3"], metavar="PPS,SPLITS,STAGES",
+                   help="Mosaic decode configs: pages per step, splits (0 = auto), ring stages")
     p.add_argument("--decode-kernel", action="store_true",
                    help="also time the decode-only Triton kernel (triton_decode) configs")
     p.add_argument("--decode-rope", nargs="+", default=list(DECODE_ROPE), choices=DECODE_ROPE,
@@ -188,12 +190,31 @@ def run(args) -> int:
                           ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
                           q, k, v, md, work=kv_bytes, unit="tbps", **it)
         if args.mosaic:  # experimental Mosaic GPU decode kernel (TMA + wgmma)
-            for mode in ("rotated", "position_free"):
-                fn = jax.jit(lambda q, k, v, md, mode=mode: paged_attention(
-                    q, k, v, md, inv, kv_mode=mode, implementation="mosaic",
-                    interpret=args.interpret))
-                safe(rows, case, f"ours mosaic {mode}", fn, q, k, v, md, work=kv_bytes,
-                      unit="tbps", **it)
+            for cfg in args.mosaic_configs:
+                pps, splits, stages = (int(x) for x in cfg.split(","))
+                opts = dict(pages_per_step=pps, stages=stages, **({"splits": splits} if splits
+                                                                   else {}))
+                tag = f"pps{pps} sp{splits or 'auto'} st{stages}"
+
+                def mos(mode, o):
+                    return jax.jit(lambda q, k, v, md: paged_attention(
+                        q, k, v, md, inv, kv_mode=mode, implementation="mosaic",
+                        kernel_options=o, interpret=args.interpret))
+                variants = [("rotated", "rotated", opts), ("position_free", "trig", opts),
+                            ("position_free", "table", dict(opts, max_position=ctx))]
+                for mode, label, o in variants:
+                    safe(rows, case, f"ours mosaic {label} {tag}", mos(mode, o), q, k, v, md,
+                         work=kv_bytes, unit="tbps", **it)
+                if args.ab_reps:
+                    ab_row(rows, case, f"mosaic {tag} (position_free table)", mos("rotated", opts),
+                           mos("position_free", variants[2][2]), q, k, v, md,
+                           reps=args.ab_reps, iters=args.iters)
+                if args.profile:
+                    for mode, label, o in variants:
+                        busy = _profile_row(rows, case, f"mosaic {tag} {label}", mos(mode, o),
+                                            q, k, v, md)
+                        if busy:
+                            device_time[(f"mosaic {tag}", ctx, label)] = busy
         xla = jax.jit(lambda q, k, v, md: _xla_paged_attention(
             q, k, v, md, inv, kv_mode="position_free", attention_scaling=1.0, sm_scale=D ** -0.5))
         safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, work=kv_bytes,
@@ -418,7 +439,7 @@ def _profile_row(rows, case, label, fn, *args, calls: int = 10):
           f"{1e3 * prof['kernel_busy_ms_per_step']:.1f} us of "
           f"{1e3 * prof['first_to_last_kernel_ms_per_step']:.1f} us: {parts}", flush=True)
     rows.append(dict(case=case, impl=f"profile {label}", profile=prof))
-    kernel = sum(r["ms_per_step"] for r in prof["top"] if r["name"].startswith("decode_paged"))
+    kernel = prof["top"][0]["ms_per_step"] if prof["top"] else 0.0  # the attention kernel
     return 1e3 * prof["kernel_busy_ms_per_step"], 1e3 * kernel
 
 

@@ -17,11 +17,19 @@ from kernels_pallas.paged_attention.reference import paged_attention_reference
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 
-# (dtype, kv_heads, group, head_dim, page_size, pages_per_step, kv_mode, specs)
+# (dtype, kv_heads, group, head_dim, page_size, kv_mode, specs, kernel options)
 CASES = [
-    (jnp.bfloat16, 2, 4, 128, 16, 4, "position_free", [(70, 1, 0), (5, 1, 0), (130, 1, 20)]),
-    (jnp.float16, 1, 8, 128, 16, 4, "rotated", [(40, 1, 0), (0, 1, 0)]),
-    (jnp.bfloat16, 1, 2, 128, 32, 2, "position_free", [(90, 1, 7), (3, 1, 0)]),
+    (jnp.bfloat16, 2, 4, 128, 16, "position_free", [(70, 1, 0), (5, 1, 0), (130, 1, 20)],
+     {"pages_per_step": 4}),
+    (jnp.float16, 1, 8, 128, 16, "rotated", [(40, 1, 0), (0, 1, 0)], {"pages_per_step": 4}),
+    (jnp.bfloat16, 1, 2, 128, 32, "position_free", [(90, 1, 7), (3, 1, 0)],
+     {"pages_per_step": 2}),
+    # cos | sin rows by TMA from a table; explicit splits (some empty) and ring depths
+    (jnp.bfloat16, 2, 4, 128, 16, "position_free", [(200, 1, 0), (5, 1, 0), (130, 1, 20)],
+     {"pages_per_step": 4, "max_position": 256, "splits": 3, "stages": 2}),
+    (jnp.float16, 1, 12, 128, 16, "position_free", [(300, 1, 0), (64, 1, 60)],
+     {"pages_per_step": 4, "max_position": 320, "splits": 2, "stages": 3}),
+    (jnp.bfloat16, 1, 8, 128, 16, "rotated", [(150, 1, 0)], {"splits": 5, "stages": 4}),
 ]
 
 
@@ -38,14 +46,15 @@ def _inputs(seed, dtype, kv_heads, group, head_dim, page_size, specs):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{jnp.dtype(c[0]).name}-G{c[2]}-D{c[3]}"
-                         f"-B{c[4]}-{c[6]}")
+                         f"-B{c[4]}-{c[5]}-" + "-".join(f"{k}{v}" for k, v in c[7].items()))
 def test_mosaic_decode_matches_reference(case):
-    dtype, kv_heads, group, head_dim, page_size, pps, kv_mode, specs = case
+    """Split partials and log-sum-exps start as NaN (interpreter): unwritten ones would show."""
+    dtype, kv_heads, group, head_dim, page_size, kv_mode, specs, opts = case
     q, k, v, md, inv = _inputs(CASES.index(case), dtype, kv_heads, group, head_dim, page_size,
                                specs)
     interpret = plgpu.InterpretGPUParams(detect_races=True) if INTERPRET else False
     out = paged_attention(q, k, v, md, inv, kv_mode=kv_mode, implementation="mosaic",
-                          interpret=interpret, kernel_options={"pages_per_step": pps})
+                          interpret=interpret, kernel_options=opts)
     ref = paged_attention_reference(q, k, v, md, inv, kv_mode=kv_mode)
     out = np.asarray(out.astype(jnp.float32)).astype(np.float64)
     assert np.all(np.isfinite(out)), "kernel left output rows unwritten (NaN)"

@@ -107,7 +107,8 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         "table_bf16", see triton_decode.py (default: table_bf16 / table
         when max_position is given, else trig); max_position: static bound on the positions,
         needed by the table modes; packed: bf16x2 key rotation, default on for bf16),
-        mosaic (pages_per_step).
+        mosaic (pages_per_step, splits, stages, max_position: cos/sin rows by TMA from a
+        table).
     Returns:
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
@@ -137,9 +138,10 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         kernel = functools.partial(decode_paged_attention_triton, **options)
         decode_only = True
     elif implementation == "mosaic":
-        pps = options.pop("pages_per_step", max(1, 64 // k_pages.shape[1]))
-        problem = mosaic_limits(q, k_pages, inv_freq, rotate_keys, pps)
-        kernel = functools.partial(decode_attention_mosaic, pages_per_step=pps)
+        options.setdefault("pages_per_step", max(1, 64 // k_pages.shape[1]))
+        problem = mosaic_limits(q, k_pages, inv_freq, rotate_keys, options["pages_per_step"],
+                                options.get("stages", 3), options.get("max_position") is not None)
+        kernel = functools.partial(decode_attention_mosaic, **options)
         decode_only = True
     elif implementation == "mosaic_prefill":
         problem = mosaic_prefill_limits(q, k_pages)

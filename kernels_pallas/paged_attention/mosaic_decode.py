@@ -3,21 +3,25 @@
 EXPERIMENTAL: runs under the Mosaic GPU interpreter on CPU (tests/test_paged_attention_mgpu.py);
 see benchmarks/RESULTS.md for whether it compiled and how fast it ran on the H200.
 
-One CTA (one warpgroup) per (sequence, kv head); each sequence has exactly one query token.
-The G query heads of the kv head are rows 0..G-1 of a 64-row wgmma tile (rows G..63 are zero).
-Per step, `pages_per_step` pages are fetched by TMA (the block table is read as scalars), double
-buffered: keys as their two rotary halves [BK, R/2] (two TMA boxes per page, so the halves land
-in separate swizzled buffers and no register shuffle is needed for rotate-half), values [BK, D].
-In position_free mode the halves are loaded to registers, rotated in float32 by each key's
-logical position (block_pos_start + slot: a select chain over the step's pages), written back to
-swizzled SMEM and contracted by two wgmmas (lo and hi halves). cos/sin: Cody-Waite reduction to
-[-pi, pi], then the approximate SFU functions (approx_math).
+One CTA (one warpgroup) per (sequence, kv head, split): a sequence's key steps are split over
+`splits` CTAs (flash-decoding) and their partial results merged by log-sum-exp afterwards
+(`triton_decode.merge_splits`). The G query heads of the kv head are rows 0..G-1 of a 64-row
+wgmma tile (the other rows are zero). Per step, `pages_per_step` pages are fetched by TMA (the
+block table is read as scalars) into a ring of `stages` buffers, issued stages - 1 steps ahead:
+keys as their two rotary halves [BK, R/2] (two TMA boxes per page, so the halves land in
+separate swizzled buffers and no register shuffle is needed for rotate-half), values [BK, D].
+In position_free mode each page also brings its cos and sin rows by TMA when a table is given
+(`max_position`): a page's valid slots sit at consecutive positions from its block start, so
+they are one [B, R/2] box of a [positions, R] cos | sin table (attention_scaling folded in).
+Without a table, cos/sin come from Cody-Waite reduction and the approximate SFU functions. The
+halves are loaded to registers, rotated in float32, written back to swizzled SMEM and
+contracted by two wgmmas (lo and hi halves). Each CTA stores only the row tile holding its G
+query rows (normalised, in the input dtype) and their log-sum-exps.
 
 Limits: bf16/f16; full rotary (R == D) with R/2 a multiple of 64, or rotated mode with D a
-multiple of 128; pages_per_step * B a multiple of 64; SMEM within 227 KiB, so D = 128 only in
-practice (D = 256 needs 266 KiB: it compiled only after the limit check said so, on 2026-11-30). Pad slots must hold finite values
-(p = 0 times a NaN value is NaN inside the wgmma); the engine's cache starts zeroed and only
-ever holds finite K/V.
+multiple of 128; pages_per_step * B a multiple of 64; G <= 64; SMEM within 227 KiB (D = 128 in
+practice). Pad slots must hold finite values (p = 0 times a NaN value is NaN inside the wgmma);
+the engine's cache starts zeroed and only ever holds finite K/V.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.paged_attention.triton_decode import merge_splits, rope_table
+
 _ROWS = 64  # wgmma M
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
 _TWO_PI_HI = 6.28125
 _TWO_PI_LO = 0.0019353071795864769
 
 
-def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step):
+def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, table=True):
     """Why this kernel cannot take these shapes ('' when it can)."""
     head_dim, page_size, half = q.shape[-1], k_pages.shape[1], inv_freq.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
@@ -50,40 +56,49 @@ def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step):
         return f"needs full rotary with R/2 a multiple of 64, got R={2 * half}, D={head_dim}"
     if head_dim % 128 and not rotate_keys:
         return f"needs head_dim a multiple of 128 in rotated mode, got {head_dim}"
-    need = smem_bytes(head_dim, pages_per_step * page_size, q.dtype.itemsize)
+    if stages < 2:
+        return f"needs at least 2 stages, got {stages}"
+    need = smem_bytes(head_dim, pages_per_step * page_size, q.dtype.itemsize, stages,
+                      rotate_keys and table, rotate_keys and not table)
     if need > _SMEM_LIMIT:
         return (f"needs {need} bytes of shared memory for head_dim {head_dim}, block "
-                f"{pages_per_step * page_size}; the H200 has {_SMEM_LIMIT} per block")
+                f"{pages_per_step * page_size}, {stages} stages; the H200 has {_SMEM_LIMIT} "
+                f"per block")
     return ""
 
 
-def smem_bytes(head_dim, block_k, itemsize):
-    """SMEM of one CTA: q halves, inv_freq tile (f32), 2 stages of K halves + V, rotated K
-    halves, output and probabilities."""
+def smem_bytes(head_dim, block_k, itemsize, stages, table, trig):
+    """SMEM of one CTA: q halves, `stages` of K halves + V (+ cos/sin rows with a table), the
+    inv_freq tile (f32, trig), rotated K halves, output, probabilities, log-sum-exps."""
     half = head_dim // 2
-    return (2 * _ROWS * half * itemsize + block_k * half * 4
-            + 2 * (2 * block_k * half + block_k * head_dim) * itemsize
-            + 2 * block_k * half * itemsize + _ROWS * head_dim * itemsize
-            + _ROWS * block_k * itemsize + 1024)
+    stage = (2 * block_k * half + block_k * head_dim + (2 * block_k * half if table else 0))
+    return (2 * _ROWS * half * itemsize + stages * stage * itemsize
+            + (block_k * half * 4 if trig else 0) + 2 * block_k * half * itemsize
+            + _ROWS * head_dim * itemsize + _ROWS * block_k * itemsize + _ROWS * 4 + 1024)
 
 
-def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwin_ref, inv_ref,
-            o_ref, qa_smem, qb_smem, inv_smem, ka_smem, kb_smem, v_smem, ra_smem, rb_smem,
-            o_smem, p_smem, q_bar, kv_bar, *, page_size, pages_per_step, half, rotate_keys, scaling,
-            dtype):
+def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
+            o_ref, lse_ref, qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem,
+            inv_smem, ra_smem, rb_smem, o_smem, p_smem, lse_smem, q_bar, kv_bar, *, page_size,
+            pages_per_step, half, rotate_keys, table, scaling, dtype, splits, stages, out_rows):
     s = lax.axis_index("s")
     h = lax.axis_index("h")
+    split = lax.axis_index("sp")
     block_k = pages_per_step * page_size
     num_pages = k_ref.shape[0]
     max_blocks = bt_ref.shape[1]
     n_blocks = nb_ref[s]
     n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
+    per_split = (n_steps + splits - 1) // splits
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, n_steps)
     q_pos = qpos_ref[s]
     q_win = qwin_ref[s]
 
     plgpu.copy_gmem_to_smem(q_ref.at[s, h, :, pl.ds(0, half)], qa_smem, q_bar)
     plgpu.copy_gmem_to_smem(q_ref.at[s, h, :, pl.ds(half, half)], qb_smem, q_bar)
-    plgpu.copy_gmem_to_smem(inv_ref, inv_smem, q_bar)
+    if rotate_keys and not table:
+        plgpu.copy_gmem_to_smem(rope_ref, inv_smem, q_bar)
 
     def entry(step, p):
         b = jnp.minimum(step * pages_per_step + p, max_blocks - 1)
@@ -91,17 +106,24 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
 
     def issue(step, slot):
         for p in range(pages_per_step):
-            _, page = entry(step, p)
+            b, page = entry(step, p)
             rows = pl.ds(p * page_size, page_size)
             plgpu.copy_gmem_to_smem(k_ref.at[page, :, h, pl.ds(0, half)],
                                     ka_smem.at[slot, rows], kv_bar.at[slot])
             plgpu.copy_gmem_to_smem(k_ref.at[page, :, h, pl.ds(half, half)],
                                     kb_smem.at[slot, rows], kv_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, :, h], v_smem.at[slot, rows], kv_bar.at[slot])
+            if rotate_keys and table:  # the page's cos | sin rows: its slots' positions
+                start = jnp.clip(bps_ref[s, b], 0, rope_ref.shape[0] - page_size)
+                plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(start, page_size), pl.ds(0, half)],
+                                        ca_smem.at[slot, rows], kv_bar.at[slot])
+                plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(start, page_size), pl.ds(half, half)],
+                                        cb_smem.at[slot, rows], kv_bar.at[slot])
 
-    @pl.when(n_steps > 0)
-    def _():
-        issue(0, 0)
+    for ahead in range(stages - 1):  # the ring's first stages - 1 steps
+        @pl.when(lo + ahead < hi)
+        def _():
+            issue(lo + ahead, ahead)
 
     plgpu.barrier_wait(q_bar)
 
@@ -118,26 +140,31 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
             valid = jnp.where(here, (local < bnv_ref[s, b]) & live, valid)
         return pos, valid
 
+    def cos_sin(step, slot):
+        if table:
+            return (ca_smem[slot].astype(jnp.float32), cb_smem[slot].astype(jnp.float32))
+        row = plgpu.broadcasted_iota(jnp.int32, (block_k, half), 0, layout=plgpu.Layout.WGMMA)
+        pos, _ = key_info(step, row)
+        ang = pos.astype(jnp.float32) * inv_smem[...]  # [BK, R/2]
+        n = jnp.round(ang * (1.0 / (2.0 * math.pi)))
+        red = (ang - n * _TWO_PI_HI) - n * _TWO_PI_LO
+        return jnp.cos(red) * scaling, jnp.sin(red) * scaling
+
     def step_fn(step, carry):
         acc, m_i, l_i = carry
-        slot = lax.rem(step, 2)
+        slot = lax.rem(step - lo, stages)
 
-        @pl.when(step + 1 < n_steps)
+        @pl.when(step + stages - 1 < hi)  # refill the slot step - 1 used (its wgmmas are done)
         def _():
-            issue(step + 1, 1 - slot)
+            issue(step + stages - 1, lax.rem(step - lo + stages - 1, stages))
 
         plgpu.barrier_wait(kv_bar.at[slot])
         if rotate_keys:
-            row = plgpu.broadcasted_iota(jnp.int32, (block_k, half), 0, layout=plgpu.Layout.WGMMA)
-            pos, _ = key_info(step, row)
-            ang = pos.astype(jnp.float32) * inv_smem[...]  # [BK, R/2]
-            n = jnp.round(ang * (1.0 / (2.0 * math.pi)))
-            red = (ang - n * _TWO_PI_HI) - n * _TWO_PI_LO
-            cos, sin = jnp.cos(red) * scaling, jnp.sin(red) * scaling
-            lo = ka_smem[slot].astype(jnp.float32)
-            hi = kb_smem[slot].astype(jnp.float32)
-            ra_smem[...] = (lo * cos - hi * sin).astype(dtype)
-            rb_smem[...] = (hi * cos + lo * sin).astype(dtype)
+            cos, sin = cos_sin(step, slot)
+            k_lo = ka_smem[slot].astype(jnp.float32)
+            k_hi = kb_smem[slot].astype(jnp.float32)
+            ra_smem[...] = (k_lo * cos - k_hi * sin).astype(dtype)
+            rb_smem[...] = (k_hi * cos + k_lo * sin).astype(dtype)
             plgpu.commit_smem()
             ka, kb = ra_smem, rb_smem
         else:
@@ -178,19 +205,27 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
                             plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    acc, m_i, l_i = lax.fori_loop(0, n_steps, step_fn, (acc, m_i, l_i))
+    acc, m_i, l_i = lax.fori_loop(lo, hi, step_fn, (acc, m_i, l_i))
+    # A split that saw no visible key keeps l = 0: output 0 and log-sum-exp -inf (weight 0).
+    lse_smem[...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(
+        jnp.where(l_i == 0.0, 1.0, l_i))) * (1.0 / math.log2(math.e)))
     l_i = jnp.where(l_i == 0.0, 1.0, l_i)
     o_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, h])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[split, s, h])
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, out_rows)], lse_ref.at[split, s, h])
     plgpu.wait_smem_to_gmem(0)
 
 
 def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                             attention_scaling: float, sm_scale: float, pages_per_step: int = 4,
-                            interpret=False):
+                            splits: int | None = None, stages: int = 3,
+                            max_position: int | None = None, interpret=False):
     """Decode-only batches (sequence s's query is row cu_q_lens[s]); q_rot [T, H, D] rotated.
 
+    splits: CTAs per (sequence, kv head) over its key steps (default: enough for ~2048 CTAs, at
+    most 16); stages: depth of the TMA ring; max_position (position_free): bound on the
+    positions, for a cos | sin table read by TMA with each page (else per-key SFU trig).
     interpret: False (compile for the GPU), True (Mosaic GPU interpreter on CPU; buffers start
     as NaN, so unwritten outputs show), or a plgpu.InterpretGPUParams (e.g. detect_races=True).
     Returns [T, H, D]; rows that are no sequence's query are zero.
@@ -198,45 +233,59 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
+    out_rows = min(_ROWS, -(-group // 8) * 8)  # the row tiles holding the G query rows
     seqs = md.block_tables.shape[0]
     dtype = q_rot.dtype
     half = inv_freq.shape[0] if rotate_keys else head_dim // 2
     block_k = pages_per_step * page_size
+    table = rotate_keys and max_position is not None
+    if splits is None:
+        splits = max(1, min(16, -(-2048 // (seqs * kv_heads))))
     q_idx = jnp.clip(md.cu_q_lens[:-1], 0, tokens - 1)  # [S]
     q_seq = (q_rot[q_idx].astype(jnp.float32) * sm_scale).astype(dtype)  # [S, H, D]
     q_pad = jnp.zeros((seqs, kv_heads, _ROWS, head_dim), dtype)
     q_pad = q_pad.at[:, :, :group].set(q_seq.reshape(seqs, kv_heads, group, head_dim))
-    inv = inv_freq.astype(jnp.float32) if rotate_keys else jnp.zeros((half,), jnp.float32)
-    inv_tile = jnp.broadcast_to(inv[None, :], (block_k, half))
+    if table:  # rows past max_position (pad slots of a last page) read zeros, masked anyway
+        rope_in = rope_table(inv_freq, max_position + page_size, attention_scaling, dtype)
+    else:
+        inv = inv_freq.astype(jnp.float32) if rotate_keys else jnp.zeros((half,), jnp.float32)
+        rope_in = jnp.broadcast_to(inv[None, :], (block_k, half))
     sw = plgpu.SwizzleTransform(128)
     bf = (plgpu.TilingTransform((8, 64)), sw)
     f32 = (plgpu.TilingTransform((8, 32)), sw)
+    rope_stages = stages if table else 1
     scratch = [
         plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q lo
         plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q hi
-        plgpu.SMEM((block_k, half), jnp.float32, transforms=f32),  # inv_freq per column
-        plgpu.SMEM((2, block_k, half), dtype, transforms=bf),  # k lo (2 stages)
-        plgpu.SMEM((2, block_k, half), dtype, transforms=bf),  # k hi
-        plgpu.SMEM((2, block_k, head_dim), dtype, transforms=bf),  # v
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k lo ring
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k hi ring
+        plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=bf),  # v ring
+        plgpu.SMEM((rope_stages, block_k, half), dtype, transforms=bf),  # cos rows (table)
+        plgpu.SMEM((rope_stages, block_k, half), dtype, transforms=bf),  # sin rows (table)
+        plgpu.SMEM((block_k, half), jnp.float32, transforms=f32),  # inv_freq per column (trig)
         plgpu.SMEM((block_k, half), dtype, transforms=bf),  # rotated k lo
         plgpu.SMEM((block_k, half), dtype, transforms=bf),  # rotated k hi
         plgpu.SMEM((_ROWS, head_dim), dtype, transforms=bf),  # out
         plgpu.SMEM((_ROWS, block_k), dtype, transforms=bf),  # probabilities
-        plgpu.Barrier(num_arrivals=3),
-        plgpu.Barrier(num_arrivals=3 * pages_per_step, num_barriers=2),
+        plgpu.SMEM((_ROWS,), jnp.float32),  # log-sum-exps
+        plgpu.Barrier(num_arrivals=2 + (rotate_keys and not table)),
+        plgpu.Barrier(num_arrivals=(5 if table else 3) * pages_per_step, num_barriers=stages),
     ]
     kernel = functools.partial(
         _kernel, page_size=page_size, pages_per_step=pages_per_step, half=half,
-        rotate_keys=rotate_keys, scaling=float(attention_scaling), dtype=dtype)
+        rotate_keys=rotate_keys, table=table, scaling=float(attention_scaling), dtype=dtype,
+        splits=splits, stages=stages, out_rows=out_rows)
     call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((seqs, kv_heads, _ROWS, head_dim), dtype),
-        grid=(seqs, kv_heads), grid_names=("s", "h"), scratch_types=scratch,
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((splits, seqs, kv_heads, out_rows, head_dim), dtype),
+                  jax.ShapeDtypeStruct((splits, seqs, kv_heads, out_rows), jnp.float32)),
+        grid=(seqs, kv_heads, splits), grid_names=("s", "h", "sp"), scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret is True else interpret)
     q_win = md.q_window_start[q_idx]
-    out = call(q_pad, k_pages, v_pages, md.block_tables, md.block_pos_start, md.block_num_valid,
-               md.num_blocks, md.q_positions[q_idx], q_win, inv_tile)
-    out = out[:, :, :group].reshape(seqs, heads, head_dim)
-    has_q = md.cu_q_lens[1:] > md.cu_q_lens[:-1]
-    res = jnp.zeros((tokens, heads, head_dim), dtype)
-    return res.at[jnp.where(has_q, q_idx, tokens)].set(out, mode="drop")
+    out, lse = call(q_pad, k_pages, v_pages, md.block_tables, md.block_pos_start,
+                    md.block_num_valid, md.num_blocks, md.q_positions[q_idx], q_win, rope_in)
+    out = out[:, :, :, :group].reshape(splits, seqs, heads, head_dim).astype(jnp.float32)
+    lse = lse[:, :, :, :group].reshape(splits, seqs, heads)
+    seq = jnp.clip(md.q_seq, 0, seqs - 1)  # partials by token (gathered into the merge)
+    return merge_splits(out[:, seq], lse[:, seq], md).astype(dtype)
