@@ -44,8 +44,10 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--sweep", nargs="?", const="all", default="", choices=["", "decode", "all"],
                    help="also sweep kernel tile options (decode only, or all)")
     p.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU decode kernel")
-    p.add_argument("--mosaic-configs", nargs="+", default=["4,0,3"], metavar="PPS,SPLITS,STAGES",
-                   help="Mosaic decode configs: pages per step, splits (0 = auto), ring stages")
+    p.add_argument("--mosaic-configs", nargs="+", default=["4,0,3"],
+                   metavar="PPS,SPLITS,STAGES[,PREG]",
+                   help="Mosaic decode configs: pages per step, splits (0 = auto), ring stages, "
+                        "1 = probabilities in registers (compiled only)")
     p.add_argument("--decode-kernel", action="store_true",
                    help="also time the decode-only Triton kernel (triton_decode) configs")
     p.add_argument("--decode-rope", nargs="+", default=list(DECODE_ROPE), choices=DECODE_ROPE,
@@ -191,10 +193,11 @@ def run(args) -> int:
                           q, k, v, md, work=kv_bytes, unit="tbps", **it)
         if args.mosaic:  # experimental Mosaic GPU decode kernel (TMA + wgmma)
             for cfg in args.mosaic_configs:
-                pps, splits, stages = (int(x) for x in cfg.split(","))
-                opts = dict(pages_per_step=pps, stages=stages, **({"splits": splits} if splits
-                                                                   else {}))
-                tag = f"pps{pps} sp{splits or 'auto'} st{stages}"
+                pps, splits, stages, *preg = (int(x) for x in cfg.split(","))
+                opts = dict(pages_per_step=pps, stages=stages, p_in_registers=bool(preg and preg[0]),
+                            **({"splits": splits} if splits else {}))
+                tag = f"pps{pps} sp{splits or 'auto'} st{stages}" + (" preg" if preg and preg[0]
+                                                                     else "")
 
                 def mos(mode, o):
                     return jax.jit(lambda q, k, v, md: paged_attention(

@@ -80,7 +80,8 @@ def smem_bytes(head_dim, block_k, itemsize, stages, table, trig):
 def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             o_ref, lse_ref, qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem,
             inv_smem, ra_smem, rb_smem, o_smem, p_smem, lse_smem, q_bar, kv_bar, *, page_size,
-            pages_per_step, half, rotate_keys, table, scaling, dtype, splits, stages, out_rows):
+            pages_per_step, half, rotate_keys, table, scaling, dtype, splits, stages, out_rows,
+            p_in_registers):
     s = lax.axis_index("s")
     h = lax.axis_index("h")
     split = lax.axis_index("sp")
@@ -186,9 +187,17 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
         alpha = jnp.exp2(m_i - m_safe)
         p = jnp.exp2(qk - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
-        # P goes through SMEM (not wgmma's register A operand) and into a fresh accumulator
-        # (not run_state(ACC.init(acc))): the Mosaic GPU interpreter supports only SMEM operands
-        # and the ref form of wgmma. Costs one 8 KiB SMEM round trip per step.
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        if p_in_registers:  # wgmma's register A operand, as mosaic_prefill does when compiled
+            p16 = p.astype(dtype)
+            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+
+            def accumulate_pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            return pl.run_state(accumulate_pv)(plgpu.ACC.init(acc)), m_new, l_i
+        # P through SMEM and a fresh accumulator: the Mosaic GPU interpreter supports only SMEM
+        # operands and the ref form of wgmma. Costs one 8 KiB SMEM round trip per step.
         p_smem[...] = p.astype(dtype)
         plgpu.commit_smem()
 
@@ -197,8 +206,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
             return acc_ref[...]
 
         pv = pl.run_scoped(compute_pv, plgpu.ACC((_ROWS, v_smem.shape[-1]), jnp.float32))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-        return acc, m_new, l_i
+        return acc + pv, m_new, l_i
 
     head_dim = v_smem.shape[-1]
     m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32),
@@ -220,16 +228,22 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
 def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                             attention_scaling: float, sm_scale: float, pages_per_step: int = 4,
                             splits: int | None = None, stages: int = 3,
-                            max_position: int | None = None, interpret=False):
+                            max_position: int | None = None, p_in_registers: bool = False,
+                            interpret=False):
     """Decode-only batches (sequence s's query is row cu_q_lens[s]); q_rot [T, H, D] rotated.
 
     splits: CTAs per (sequence, kv head) over its key steps (default: enough for ~2048 CTAs, at
     most 16); stages: depth of the TMA ring; max_position (position_free): bound on the
-    positions, for a cos | sin table read by TMA with each page (else per-key SFU trig).
+    positions, for a cos | sin table read by TMA with each page (else per-key SFU trig);
+    p_in_registers (compiled only): the probabilities feed the PV wgmma from registers instead of
+    an SMEM round trip (not yet compiled for this kernel: off by default).
     interpret: False (compile for the GPU), True (Mosaic GPU interpreter on CPU; buffers start
     as NaN, so unwritten outputs show), or a plgpu.InterpretGPUParams (e.g. detect_races=True).
     Returns [T, H, D]; rows that are no sequence's query are zero.
     """
+    if p_in_registers and interpret:
+        raise ValueError("decode_attention_mosaic: p_in_registers needs the compiled kernel (the "
+                         "Mosaic GPU interpreter takes SMEM wgmma operands only)")
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
@@ -274,7 +288,7 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
     kernel = functools.partial(
         _kernel, page_size=page_size, pages_per_step=pages_per_step, half=half,
         rotate_keys=rotate_keys, table=table, scaling=float(attention_scaling), dtype=dtype,
-        splits=splits, stages=stages, out_rows=out_rows)
+        splits=splits, stages=stages, out_rows=out_rows, p_in_registers=p_in_registers)
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((splits, seqs, kv_heads, out_rows, head_dim), dtype),
