@@ -75,8 +75,9 @@ def test_mosaic_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="shared memory"):  # D = 256 needs 266 KiB of SMEM
         paged_attention(q2, k2, v2, md2, inv2, implementation="mosaic", interpret=True)
     if INTERPRET:
+        q1, k1, v1, md1, inv1 = _inputs(0, jnp.bfloat16, 1, 4, 128, 16, [(20, 1, 0)])
         with pytest.raises(ValueError, match="p_in_registers"):
-            paged_attention(q[:1], k, v, md, inv, implementation="mosaic", interpret=True,
+            paged_attention(q1, k1, v1, md1, inv1, implementation="mosaic", interpret=True,
                             kernel_options={"p_in_registers": True})
     with pytest.raises(ValueError, match="bf16/f16"):
         paged_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
