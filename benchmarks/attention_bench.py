@@ -12,7 +12,6 @@ Timing: warm-up, then `iters` calls dispatched back to back and one block_until_
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -20,8 +19,10 @@ import warnings
 
 import numpy as np
 
+from benchmarks.attention_decode import (decode_kernel_rows, fused_write_rows, mosaic_rows,
+                                         print_device_table, print_rope_table)
 from benchmarks.attention_inputs import decode_inputs, prefill_inputs
-from benchmarks.timing import ab_row, profile_kernels, row, safe
+from benchmarks.timing import ab_row, row, safe
 
 # (kv_group, block_k, num_warps, num_stages) and (block_q, block_k, num_warps, num_stages)
 DECODE_SWEEP = ((1, 64, 4, 2), (1, 64, 8, 2), (1, 32, 4, 3), (1, 16, 4, 2))
@@ -137,45 +138,12 @@ def run(args) -> int:
         case = f"decode ctx{ctx}"
         q, k, v, md = decode_inputs(rng, args.seqs, ctx, H, K, D, B, dtype)
         kv_bytes = 2 * args.seqs * ctx * K * D * q.dtype.itemsize
+        inputs = (q, k, v, md)
         if args.decode_kernel:  # decode-only Triton kernel, rotated vs each RoPE-at-read variant
-            for cfg in configs:
-                kvg, splits, bk, nw, ns = cfg
-                opts = dict(kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns,
-                            **({"splits": splits} if splits else {}))
-                tag = f"kvg{kvg} sp{splits or 'auto'} bk{bk} w{nw} s{ns}"
-                for variant in args.decode_variants or ["rotated"] + args.decode_rope:
-                    rope, *flags = variant.split("+")
-                    mode = "rotated" if rope == "rotated" else "position_free"
-                    o = dict(opts, rope="trig" if mode == "rotated" else rope,
-                             max_position=ctx,  # positions here are < ctx
-                             **{f.removeprefix("no"): not f.startswith("no") for f in flags})
-                    fn = jax.jit(lambda q, k, v, md, mode=mode, o=o: paged_attention(
-                        q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
-                        kernel_options=o, interpret=args.interpret))
-                    label = variant if variant.startswith("rotated") else f"{mode} {variant}"
-                    name = f"ours decode {label} {tag}"
-                    t = safe(rows, case, name, fn, q, k, v, md, work=kv_bytes, unit="tbps", **it)
-                    if t:
-                        rope_table[(tag, variant, ctx)] = kv_bytes / t
-                def dec(mode, o):
-                    return jax.jit(lambda q, k, v, md: paged_attention(
-                        q, k, v, md, inv, kv_mode=mode, implementation="triton_decode",
-                        kernel_options=o, interpret=args.interpret))
-                for ab in args.ab_variants if args.ab_reps else ():  # rotated vs position_free
-                    ab_row(rows, case, f"decode {tag} (position_free {ab})",
-                           dec("rotated", opts), dec("position_free", _variant_options(opts, ab, ctx)),
-                           q, k, v, md, reps=args.ab_reps, iters=args.iters)
-                if args.profile:  # device time of each kernel of the call (kernel vs glue)
-                    variants = [("rotated", "rotated", opts)] + [
-                        ("position_free", ab, _variant_options(opts, ab, ctx))
-                        for ab in args.ab_variants]
-                    for mode, label, o in variants:
-                        busy = _profile_row(rows, case, f"decode {tag} {label}", dec(mode, o),
-                                            q, k, v, md)
-                        if busy:
-                            device_time[(tag, ctx, label)] = busy
+            decode_kernel_rows(rows, case, ctx, inputs, inv, kv_bytes, configs, args, rope_table,
+                               device_time)
         if args.fused_write:  # this step's K/V write: a separate kernel vs fused into decode
-            _fused_write_rows(rows, case, q, k, v, md, inv, B, configs[0], args)
+            fused_write_rows(rows, case, q, k, v, md, inv, B, configs[0], args)
         if args.decode_kernel_only:
             continue
         t_rot = safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
@@ -192,32 +160,7 @@ def run(args) -> int:
                           ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
                           q, k, v, md, work=kv_bytes, unit="tbps", **it)
         if args.mosaic:  # experimental Mosaic GPU decode kernel (TMA + wgmma)
-            for cfg in args.mosaic_configs:
-                pps, splits, stages, *preg = (int(x) for x in cfg.split(","))
-                opts = dict(pages_per_step=pps, stages=stages, p_in_registers=bool(preg and preg[0]),
-                            **({"splits": splits} if splits else {}))
-                tag = f"pps{pps} sp{splits or 'auto'} st{stages}" + (" preg" if preg and preg[0]
-                                                                     else "")
-
-                def mos(mode, o):
-                    return jax.jit(lambda q, k, v, md: paged_attention(
-                        q, k, v, md, inv, kv_mode=mode, implementation="mosaic",
-                        kernel_options=o, interpret=args.interpret))
-                variants = [("rotated", "rotated", opts), ("position_free", "trig", opts),
-                            ("position_free", "table", dict(opts, max_position=ctx))]
-                for mode, label, o in variants:
-                    safe(rows, case, f"ours mosaic {label} {tag}", mos(mode, o), q, k, v, md,
-                         work=kv_bytes, unit="tbps", **it)
-                if args.ab_reps:
-                    ab_row(rows, case, f"mosaic {tag} (position_free table)", mos("rotated", opts),
-                           mos("position_free", variants[2][2]), q, k, v, md,
-                           reps=args.ab_reps, iters=args.iters)
-                if args.profile:
-                    for mode, label, o in variants:
-                        busy = _profile_row(rows, case, f"mosaic {tag} {label}", mos(mode, o),
-                                            q, k, v, md)
-                        if busy:
-                            device_time[(f"mosaic {tag}", ctx, label)] = busy
+            mosaic_rows(rows, case, ctx, inputs, inv, kv_bytes, args, device_time)
         xla = jax.jit(lambda q, k, v, md: _xla_paged_attention(
             q, k, v, md, inv, kv_mode="position_free", attention_scaling=1.0, sm_scale=D ** -0.5))
         safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, work=kv_bytes,
@@ -351,142 +294,12 @@ def run(args) -> int:
                 ratio = best[rot][0] / best[free][0]
                 print(f"  {case:<20} {prefix}RoPE-at-read overhead (best vs best) "
                       f"{100 * (ratio - 1):+.1f}%")
-    _print_rope_table(rope_table, args.contexts)
-    _print_device_table(device_time, args.seqs, K, D, 2)
+    print_rope_table(rope_table, args.contexts)
+    print_device_table(device_time, args.seqs, K, D, 2)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
-
-
-def _variant_options(opts, variant, ctx):
-    """kernel_options of a position_free variant 'ROPE[+OPT|+noOPT...]' (positions < ctx)."""
-    rope, *flags = variant.split("+")
-    return dict(opts, rope=rope, max_position=ctx,
-                **{f.removeprefix("no"): not f.startswith("no") for f in flags})
-
-
-def _fused_write_rows(rows, case, q, k_pages, v_pages, md, inv, page_size, cfg, args):
-    """A decode layer's cache step, position_free: write_kv (its Pallas row copy) then
-    triton_decode, against triton_decode writing the rows itself. Pages are donated and threaded
-    through the calls, as in the engine; per-call medians of interleaved (ABBA) blocks of
-    `iters` calls, and the profiled device time of each."""
-    import jax
-    import jax.numpy as jnp
-    from kernels_pallas.paged_attention.api import write_kv_and_attend
-    kvg, splits, bk, nw, ns = cfg
-    opts = dict(kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns, splits=splits or None,
-                max_position=int(md.q_positions.max()) + 1)
-    tables = np.asarray(md.block_tables)
-    md = dataclasses.replace(md, slot_mapping=jnp.asarray(  # each query's own (last) key slot
-        tables[:, -1] * page_size + page_size - 1, jnp.int32))
-    kv_heads, head_dim = k_pages.shape[2:]
-    new = jax.random.normal(jax.random.key(7), (2, q.shape[0], kv_heads, head_dim), q.dtype)
-    fns = {name: jax.jit(lambda q, kn, vn, kp, vp, md, o=dict(opts, fused_write=fused):
-                         write_kv_and_attend(q, kn, vn, kp, vp, md, inv, kv_mode="position_free",
-                                             implementation="triton_decode", kernel_options=o),
-                         donate_argnums=(3, 4))
-           for name, fused in (("separate", False), ("fused", True))}
-    state = {"pages": (jnp.copy(k_pages), jnp.copy(v_pages))}
-
-    def call(name):
-        out, *pages = fns[name](q, new[0], new[1], *state["pages"], md)
-        state["pages"] = tuple(pages)
-        return out
-
-    def block(name):
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            out = call(name)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / args.iters
-
-    try:
-        for name in ("separate", "fused", "separate", "fused"):
-            jax.block_until_ready(call(name))
-        times = {"separate": [], "fused": []}
-        for r in range(max(2, args.ab_reps)):
-            for name in (("separate", "fused") if r % 2 == 0 else ("fused", "separate")):
-                times[name].append(block(name))
-        busy = {name: _profile_row(rows, case, f"decode cache step {name} write",
-                                   lambda _, name=name: call(name), None)
-                for name in ("separate", "fused")}
-    except Exception as e:  # noqa: BLE001 - the other rows stand
-        print(f"  {case:<16} fused write FAILED {type(e).__name__}: {e}"[:300])
-        return
-    ratio = np.percentile([f / s_ for f, s_ in zip(times["fused"], times["separate"])],
-                          [25, 50, 75])
-    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    dev = "" if not all(b and b[0] > 0 for b in busy.values()) else (
-        f"; device busy separate {busy['separate'][0]:.1f} us, fused {busy['fused'][0]:.1f} us "
-        f"({100 * (busy['fused'][0] / busy['separate'][0] - 1):+.1f}%)")
-    print(f"  {case:<16} cache step (write + attend) separate {med['separate']:.4f} ms, fused "
-          f"{med['fused']:.4f} ms: fused/separate median {100 * (ratio[1] - 1):+.2f}% "
-          f"[IQR {100 * (ratio[0] - 1):+.2f}, {100 * (ratio[2] - 1):+.2f}]{dev}", flush=True)
-    rows.append(dict(case=case, impl="A/B write_kv + decode vs fused write", separate_ms=med[
-        "separate"], fused_ms=med["fused"], fused_vs_separate_pct=100 * (ratio[1] - 1),
-        busy_us={k_: v_ and v_[0] for k_, v_ in busy.items()}))
-
-
-def _profile_row(rows, case, label, fn, *args, calls: int = 10):
-    """Kernels of `calls` traced calls, device ms per call, into a printed row -> (busy us,
-    attention kernel us) per call, or None."""
-    try:
-        prof = profile_kernels(lambda: fn(*args), steps=calls, top=8)
-    except Exception as e:  # noqa: BLE001 - the timed rows stand without the trace
-        print(f"  {case:<16} profile {label} FAILED {type(e).__name__}: {e}"[:300])
-        return None
-    parts = ", ".join(f"{r['name'][:40]} {1e3 * r['ms_per_step']:.1f} us"
-                      for r in prof["top"])
-    print(f"  {case:<16} profile {label}: {prof['kernels_per_step']:.0f} kernels, busy "
-          f"{1e3 * prof['kernel_busy_ms_per_step']:.1f} us of "
-          f"{1e3 * prof['first_to_last_kernel_ms_per_step']:.1f} us: {parts}", flush=True)
-    rows.append(dict(case=case, impl=f"profile {label}", profile=prof))
-    kernel = prof["top"][0]["ms_per_step"] if prof["top"] else 0.0  # the attention kernel
-    return 1e3 * prof["kernel_busy_ms_per_step"], 1e3 * kernel
-
-
-def _print_device_table(device_time, seqs, kv_heads, head_dim, itemsize):
-    """Profiled device time per call (every kernel of the call / the attention kernel alone):
-    bandwidth without the host's dispatch gaps between calls, and the RoPE-at-read overhead."""
-    if not device_time:
-        return
-    print("\ntriton_decode device time per call (profiler; busy = all kernels of the call):")
-    for tag, ctx, label in device_time:
-        rot, free = device_time.get((tag, ctx, "rotated")), device_time[(tag, ctx, label)]
-        if label != "rotated" and rot and rot[0] > 0 and rot[1] > 0:
-            kv_bytes = 2 * seqs * ctx * kv_heads * head_dim * itemsize
-            print(f"  {tag:<24} ctx{ctx:<6} busy rotated {rot[0]:6.1f} us "
-                  f"({kv_bytes / rot[0] / 1e6:.2f} TB/s), {label} {free[0]:6.1f} us "
-                  f"({kv_bytes / free[0] / 1e6:.2f} TB/s), overhead "
-                  f"{100 * (free[0] / rot[0] - 1):+.1f}%; kernel alone {rot[1]:.1f} / "
-                  f"{free[1]:.1f} us ({100 * (free[1] / rot[1] - 1):+.1f}%)")
-
-
-def _print_rope_table(table, contexts):
-    """triton_decode: TB/s rotated vs each RoPE-at-read variant; overhead in time vs rotated
-    mode of the same config, and vs the best rotated config of the run ("best")."""
-    if not table:
-        return
-    print("\ntriton_decode RoPE-at-read variants (TB/s; overhead = time vs rotated, same config "
-          "/ vs best rotated):")
-    best = {c: max([v for (t, r, cc), v in table.items() if cc == c and r.startswith("rotated")],
-                   default=None) for c in contexts}
-    head = "".join(f" | ctx{c} TB/s  same  best" for c in contexts)
-    print(f"  {'config':<22} {'variant':<28}{head}")
-    for tag in dict.fromkeys(t for t, _, _ in table):
-        for rope in dict.fromkeys(r for t, r, _ in table if t == tag):
-            cells = ""
-            for c in contexts:
-                val, rot = table.get((tag, rope, c)), table.get((tag, "rotated", c))
-                if val is None:
-                    cells += f" | {'FAILED':>9} {'':>13}"
-                    continue
-                over = " " * 14
-                if rot and rope != "rotated":
-                    over = f"{100 * (rot / val - 1):+6.1f}%{100 * (best[c] / val - 1):+6.1f}%"
-                cells += f" | {val / 1e12:9.2f} {over}"
-            print(f"  {tag:<22} {rope:<28}{cells}")
 
 
 if __name__ == "__main__":
