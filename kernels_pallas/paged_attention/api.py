@@ -113,11 +113,20 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
     """
+    return _attend(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                   attention_scaling=attention_scaling, sm_scale=sm_scale,
+                   implementation=implementation, interpret=interpret,
+                   options=dict(kernel_options or {}))
+
+
+def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scaling, sm_scale,
+            implementation, interpret, options, new_kv=None):
+    """paged_attention's checks and dispatch; new_kv = (k, v) [T, K, D] (as stored) makes the
+    triton_decode kernel write this step's rows itself (write_kv_and_attend)."""
     _validate(q, k_pages, v_pages, metadata, inv_freq, kv_mode)
     _validate_values(q, k_pages, metadata)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
-    options = dict(kernel_options or {})
     if implementation is None:
         on_gpu = jax.default_backend() == "gpu"
         fits = not _triton_limits(q, k_pages, inv_freq, options.get("block_k"))
@@ -152,9 +161,19 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         raise ValueError(f"paged_attention: implementation={implementation!r} {problem}")
     if decode_only:
         _check_decode_only(metadata, implementation)
-    q_rot = apply_rope(q, metadata.q_positions, inv_freq, attention_scaling)
-    return kernel(q_rot, k_pages, v_pages, metadata, inv_freq, rotate_keys=rotate_keys,
-                  attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret)
+    rope = functools.partial(apply_rope, positions=metadata.q_positions, inv_freq=inv_freq,
+                             attention_scaling=attention_scaling)
+    extra = {}
+    if new_kv is not None:  # fused write: the kernel scores each new key from its input
+        k, v = new_kv
+        if k.shape != (q.shape[0],) + k_pages.shape[2:] or v.shape != k.shape:
+            raise ValueError(f"write_kv_and_attend: k/v {k.shape}/{v.shape} must be [T, K, D] "
+                             f"= {(q.shape[0],) + k_pages.shape[2:]}")
+        _check_new_slots(metadata, k_pages.shape[1])
+        extra["new_kv"] = (k, rope(k) if rotate_keys else k, v)
+    return kernel(rope(q), k_pages, v_pages, metadata, inv_freq, rotate_keys=rotate_keys,
+                  attention_scaling=attention_scaling, sm_scale=sm_scale, interpret=interpret,
+                  **extra)
 
 
 def write_kv_and_attend(q, k, v, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, *,
@@ -172,32 +191,18 @@ def write_kv_and_attend(q, k, v, k_pages, v_pages, metadata: AttentionMetadata, 
     the batch reads (checked when not tracing), as in a decode step.
     """
     options = dict(kernel_options or {})
-    fused = bool(options.pop("fused_write", False))
-    if not (fused and implementation == "triton_decode"):
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping,
-                                    implementation=write_impl, interpret=interpret)
-        out = paged_attention(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
-                              attention_scaling=attention_scaling, sm_scale=sm_scale,
-                              implementation=implementation, interpret=interpret,
-                              kernel_options=options)
-        return out, k_pages, v_pages
-    _validate(q, k_pages, v_pages, metadata, inv_freq, kv_mode)
-    _validate_values(q, k_pages, metadata)
-    if k.shape != (q.shape[0],) + k_pages.shape[2:] or v.shape != k.shape:
-        raise ValueError(f"write_kv_and_attend: k/v {k.shape}/{v.shape} must be [T, K, D] = "
-                         f"{(q.shape[0],) + k_pages.shape[2:]}")
-    problem = _triton_limits(q, k_pages, inv_freq, options.get("block_k", max(64, k_pages.shape[1])))
-    if problem:
-        raise ValueError(f"write_kv_and_attend: fused_write with triton_decode {problem}")
-    _check_decode_only(metadata, implementation)
-    _check_new_slots(metadata, k_pages.shape[1])
-    rot = lambda x: apply_rope(x, metadata.q_positions, inv_freq, attention_scaling)
-    k_rot = k if kv_mode == "rotated" else rot(k)
-    return decode_paged_attention_triton(
-        rot(q), k_pages, v_pages, metadata, inv_freq, rotate_keys=kv_mode == "position_free",
-        attention_scaling=attention_scaling, sm_scale=q.shape[-1] ** -0.5 if sm_scale is None
-        else sm_scale, new_kv=(k, k_rot, v),
-        interpret=interpret or jax.default_backend() == "cpu", **options)
+    if options.pop("fused_write", False) and implementation == "triton_decode":
+        return _attend(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                       attention_scaling=attention_scaling, sm_scale=sm_scale,
+                       implementation=implementation, interpret=interpret, options=options,
+                       new_kv=(k, v))
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping,
+                                implementation=write_impl, interpret=interpret)
+    out = paged_attention(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                          attention_scaling=attention_scaling, sm_scale=sm_scale,
+                          implementation=implementation, interpret=interpret,
+                          kernel_options=options)
+    return out, k_pages, v_pages
 
 
 def _check_new_slots(md, page_size):
