@@ -22,13 +22,13 @@ import gc
 import itertools
 import time
 
-import jax
 import numpy as np
 
 from minipic_jax.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
+from serving.kv_pool import default_num_blocks, kv_bytes_per_block
 from serving.layout import build_layout
 from serving.metrics import EngineStats
 from serving.model_runner import ModelRunner
@@ -36,12 +36,6 @@ from serving.offload import HostKVTier, PageMover
 from serving.request_output import request_output
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status  # noqa: F401
-
-
-def _kv_bytes_per_block(cache, num_blocks: int, block_size: int) -> int:
-    from serving.offload import page_leaf
-    return sum(x.nbytes for x in jax.tree.leaves(cache) if page_leaf(x, num_blocks, block_size)
-               ) // num_blocks
 
 
 class LLMEngine:
@@ -59,10 +53,10 @@ class LLMEngine:
                                                getattr(self.tokenizer, "bos_token_id", None))
                                    if i is not None}
         self.markers = resolve_markers(config, mcfg.vocab_size, reserved)
-        num_blocks = config.num_kv_blocks or self._default_num_blocks(mcfg, dtype)
+        num_blocks = config.num_kv_blocks or default_num_blocks(config, mcfg, dtype)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
         self.num_blocks = num_blocks
-        self.bytes_per_block = _kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
+        self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
         self.offload = None
         self._evicted: list[tuple[int, int, tuple]] = []
         caching = config.enable_prefix_caching and not self.hybrid
@@ -90,20 +84,6 @@ class LLMEngine:
         self.num_discarded_rows = 0  # rows of requests that had finished (or were aborted)
         if config.async_scheduling:
             self.scheduler.before_preempt = self._read_back_early
-
-    # -- sizing --------------------------------------------------------------------------------
-    def _default_num_blocks(self, mcfg, dtype) -> int:
-        cfg = self.config
-        per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * np.dtype(dtype).itemsize
-        want = cfg.max_num_seqs * cfg.max_blocks_per_seq
-        try:
-            stats = jax.local_devices()[0].memory_stats() or {}
-        except Exception:  # noqa: BLE001 - CPU backends may not report memory
-            stats = {}
-        if "bytes_limit" in stats:
-            free = stats["bytes_limit"] * cfg.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-            return max(2, int(free // (per_token * cfg.block_size)))
-        return max(2, min(want, 4096))
 
     def warmup(self, modes=((True, False, 0),)) -> None:
         """Compile the step for every token bucket and each (all_greedy, use_filter,
