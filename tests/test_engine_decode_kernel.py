@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import kernels_pallas.paged_attention.api as attention_api
+import kernels_pallas.paged_attention.triton_decode as triton_decode
 from minipic_jax import LLM, SamplingParams
 
 
@@ -66,6 +67,7 @@ def test_decode_rope_table_option_matches_xla(monkeypatch, fresh_rng):
     """The table RoPE variant of the decode kernel, selected through Config.decode_attn_options."""
     seen = spy_on(monkeypatch, attention_api, "decode_paged_attention_triton",
                   lambda kwargs: kwargs.get("rope"))
+    host_tables = spy_on(monkeypatch, triton_decode, "_host_rope_table")
     prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (7, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1)
     expected = LLM("tiny_llama", max_num_seqs=2, attn_impl="xla").generate(
@@ -76,4 +78,5 @@ def test_decode_rope_table_option_matches_xla(monkeypatch, fresh_rng):
                                                     "max_position": llm.config.max_model_len}
     got = llm.generate(prompts, params, use_tqdm=False)
     assert seen and set(seen) == {"table"}, seen
+    assert host_tables, "the jitted step built the cos|sin table in the graph, not on the host"
     assert_same_tokens_and_logprobs(expected, got, atol=1e-4)

@@ -360,8 +360,9 @@ def merge_splits(out, lse, md):
 def rope_table(inv_freq, max_position: int, attention_scaling: float, dtype):
     """[max_position, R] cos | sin of pos * inv_freq (angle formed in float32, as HF does).
 
-    A concrete inv_freq (a model constant: the usual case, also under jit) gets a table built
-    once on the host and reused by every call and layer; a traced one builds it in the graph."""
+    A concrete inv_freq (numpy, or an array closed over by the jitted function) gets a table
+    built once on the host and reused by every call and layer; a traced one (e.g. jnp.asarray
+    inside the jitted function) builds it in the graph on every call. The models pass numpy."""
     if isinstance(inv_freq, jax.core.Tracer):
         ang = jnp.arange(max_position, dtype=jnp.float32)[:, None] * inv_freq.astype(jnp.float32)
         table = jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling

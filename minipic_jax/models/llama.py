@@ -347,7 +347,7 @@ def forward(params: LlamaParams, tokens, metadata, cache: KVCache, cfg: ModelCon
     del recurrent
     if kv_mode not in KV_MODES:
         raise ValueError(f"forward: kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
-    inv = jnp.asarray(rope.inv_freq(cfg))  # [R/2] constant
+    inv = rope.inv_freq(cfg)  # [R/2] numpy: a host constant (kernels build cos|sin tables once)
     x = layers.embed(tokens, params.embed)  # [T, E]
     new_k, new_v = [], []
     for i, lp in enumerate(params.layers):

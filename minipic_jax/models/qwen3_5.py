@@ -273,7 +273,7 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
     seqs = metadata.num_seqs
     pos0, recurrent = _recurrent_inputs(metadata, recurrent, seqs)
     slots, reset = recurrent.state_slots, recurrent.reset
-    inv = jnp.asarray(rope.inv_freq(cfg))
+    inv = rope.inv_freq(cfg)  # [R/2] numpy: a host constant (kernels build cos|sin tables once)
     eps = cfg.rms_norm_eps
     x = layers.embed(tokens, params.embed)  # [T, E]
     new = dict(k=[], v=[], conv=[], delta=[])
