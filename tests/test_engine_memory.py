@@ -34,10 +34,18 @@ def _step_memory(num_kv_blocks: int, decode_only: bool, **engine_args) -> dict:
                 cache=sum(x.nbytes for x in leaves), largest=max(x.nbytes for x in leaves))
 
 
+# On CPU the defaults are the XLA paths; on a GPU they are the Pallas ones, so the XLA attention
+# and the XLA write are checked there too.
+IMPLS = [{}] + ([{"attn_impl": "xla"}, {"write_kv_impl": "xla"}]
+                if jax.default_backend() == "gpu" else [])
+
+
+@pytest.mark.parametrize("impls", IMPLS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items())
+                         or "defaults")
 @pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode_only"])
-def test_step_scratch_memory_does_not_grow_with_the_pool(decode_only):
-    small = _step_memory(64, decode_only)
-    large = _step_memory(1024, decode_only)
+def test_step_scratch_memory_does_not_grow_with_the_pool(decode_only, impls):
+    small = _step_memory(64, decode_only, **impls)
+    large = _step_memory(1024, decode_only, **impls)
     assert large["cache"] == 16 * small["cache"]
     assert large["alias"] >= large["cache"], "the donated cache is not aliased to the output"
     growth = large["temp"] - small["temp"]

@@ -45,11 +45,15 @@ def _inputs(seed, dtype, kv_heads, group, head_dim, page_size, specs):
     return q, k, v, md, jnp.asarray(inv_freq_for(head_dim))
 
 
+@pytest.mark.parametrize("p_in_registers", [False] + ([] if INTERPRET else [True]),
+                         ids=lambda p: "p_regs" if p else "p_smem")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{jnp.dtype(c[0]).name}-G{c[2]}-D{c[3]}"
                          f"-B{c[4]}-{c[5]}-" + "-".join(f"{k}{v}" for k, v in c[7].items()))
-def test_mosaic_decode_matches_reference(case):
-    """Split partials and log-sum-exps start as NaN (interpreter): unwritten ones would show."""
+def test_mosaic_decode_matches_reference(case, p_in_registers):
+    """Split partials and log-sum-exps start as NaN (interpreter): unwritten ones would show.
+    Compiled, each case also runs with the probabilities in registers (the interpreter cannot)."""
     dtype, kv_heads, group, head_dim, page_size, kv_mode, specs, opts = case
+    opts = dict(opts, p_in_registers=p_in_registers)
     q, k, v, md, inv = _inputs(CASES.index(case), dtype, kv_heads, group, head_dim, page_size,
                                specs)
     interpret = plgpu.InterpretGPUParams(detect_races=True) if INTERPRET else False

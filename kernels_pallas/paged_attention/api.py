@@ -149,7 +149,8 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
     elif implementation == "mosaic":
         options.setdefault("pages_per_step", max(1, 64 // k_pages.shape[1]))
         problem = mosaic_limits(q, k_pages, inv_freq, rotate_keys, options["pages_per_step"],
-                                options.get("stages", 3), options.get("max_position") is not None)
+                                options.get("stages", 3), options.get("max_position") is not None,
+                                options.get("p_in_registers", False))
         kernel = functools.partial(decode_attention_mosaic, **options)
         decode_only = True
     elif implementation == "mosaic_prefill":

@@ -12,11 +12,17 @@ keys as their two rotary halves [BK, R/2] (two TMA boxes per page, so the halves
 separate swizzled buffers and no register shuffle is needed for rotate-half), values [BK, D].
 In position_free mode each page also brings its cos and sin rows by TMA when a table is given
 (`max_position`): a page's valid slots sit at consecutive positions from its block start, so
-they are one [B, R/2] box of a [positions, R] cos | sin table (attention_scaling folded in).
+they are one [B, R/2] box per half of a cos | sin table (attention_scaling folded in). A TMA
+box into a tiled SMEM buffer must start at a row that is a multiple of the 8-row tile, and
+block starts are arbitrary positions, so the table is kept in 8 copies shifted by 0..7 rows
+([8, positions, R]; row start + t of the table is row (start // 8) * 8 + t of copy start % 8).
 Without a table, cos/sin come from Cody-Waite reduction and the approximate SFU functions. The
-halves are loaded to registers, rotated in float32, written back to swizzled SMEM and
-contracted by two wgmmas (lo and hi halves). Each CTA stores only the row tile holding its G
-query rows (normalised, in the input dtype) and their log-sum-exps.
+halves are loaded to registers, rotated in float32, written back in place to their ring slot
+and contracted by two wgmmas (lo and hi halves). The output goes through the first V slot of
+the ring (free once the loop is done); each CTA stores only the row tile holding its G query
+rows (normalised, in the input dtype) and their log-sum-exps. Only the buffers a mode uses are
+allocated, so that two CTAs fit on an SM where they can (e.g. rotated with 3 stages,
+position_free with 2: about 112 KiB each).
 
 Limits: bf16/f16; full rotary (R == D) with R/2 a multiple of 64, or rotated mode with D a
 multiple of 128; pages_per_step * B a multiple of 64; G <= 64; SMEM within 227 KiB (D = 128 in
@@ -31,11 +37,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.paged_attention.triton_decode import merge_splits, rope_table
+from kernels_pallas.paged_attention.triton_decode import (_host_rope_table, merge_splits,
+                                                           rope_table)
 
 _ROWS = 64  # wgmma M
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
@@ -43,7 +51,8 @@ _TWO_PI_HI = 6.28125
 _TWO_PI_LO = 0.0019353071795864769
 
 
-def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, table=True):
+def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, table=True,
+                  p_in_registers=False):
     """Why this kernel cannot take these shapes ('' when it can)."""
     head_dim, page_size, half = q.shape[-1], k_pages.shape[1], inv_freq.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
@@ -59,7 +68,7 @@ def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, t
     if stages < 2:
         return f"needs at least 2 stages, got {stages}"
     need = smem_bytes(head_dim, pages_per_step * page_size, q.dtype.itemsize, stages,
-                      rotate_keys and table, rotate_keys and not table)
+                      rotate_keys and table, rotate_keys and not table, p_in_registers)
     if need > _SMEM_LIMIT:
         return (f"needs {need} bytes of shared memory for head_dim {head_dim}, block "
                 f"{pages_per_step * page_size}, {stages} stages; the H200 has {_SMEM_LIMIT} "
@@ -67,19 +76,19 @@ def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, t
     return ""
 
 
-def smem_bytes(head_dim, block_k, itemsize, stages, table, trig):
+def smem_bytes(head_dim, block_k, itemsize, stages, table, trig, p_in_registers=False):
     """SMEM of one CTA: q halves, `stages` of K halves + V (+ cos/sin rows with a table), the
-    inv_freq tile (f32, trig), rotated K halves, output, probabilities, log-sum-exps."""
+    inv_freq tile (f32, trig), probabilities (unless in registers), log-sum-exps, barriers."""
     half = head_dim // 2
     stage = (2 * block_k * half + block_k * head_dim + (2 * block_k * half if table else 0))
     return (2 * _ROWS * half * itemsize + stages * stage * itemsize
-            + (block_k * half * 4 if trig else 0) + 2 * block_k * half * itemsize
-            + _ROWS * head_dim * itemsize + _ROWS * block_k * itemsize + _ROWS * 4 + 1024)
+            + (block_k * half * 4 if trig else 0)
+            + (0 if p_in_registers else _ROWS * block_k * itemsize) + _ROWS * 4 + 256)
 
 
 def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             o_ref, lse_ref, qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem,
-            inv_smem, ra_smem, rb_smem, o_smem, p_smem, lse_smem, q_bar, kv_bar, *, page_size,
+            inv_smem, p_smem, lse_smem, q_bar, kv_bar, *, page_size,
             pages_per_step, half, rotate_keys, table, scaling, dtype, splits, stages, out_rows,
             p_in_registers):
     s = lax.axis_index("s")
@@ -115,11 +124,13 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
                                     kb_smem.at[slot, rows], kv_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, :, h], v_smem.at[slot, rows], kv_bar.at[slot])
             if rotate_keys and table:  # the page's cos | sin rows: its slots' positions
-                start = jnp.clip(bps_ref[s, b], 0, rope_ref.shape[0] - page_size)
-                plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(start, page_size), pl.ds(0, half)],
-                                        ca_smem.at[slot, rows], kv_bar.at[slot])
-                plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(start, page_size), pl.ds(half, half)],
-                                        cb_smem.at[slot, rows], kv_bar.at[slot])
+                start = jnp.clip(bps_ref[s, b], 0, rope_ref.shape[1] - page_size)
+                shift, base = lax.rem(start, 8), pl.multiple_of(start - lax.rem(start, 8), 8)
+                src = rope_ref.at[shift, pl.ds(base, page_size)]
+                plgpu.copy_gmem_to_smem(src.at[:, pl.ds(0, half)], ca_smem.at[slot, rows],
+                                        kv_bar.at[slot])
+                plgpu.copy_gmem_to_smem(src.at[:, pl.ds(half, half)], cb_smem.at[slot, rows],
+                                        kv_bar.at[slot])
 
     for ahead in range(stages - 1):  # the ring's first stages - 1 steps
         @pl.when(lo + ahead < hi)
@@ -160,16 +171,14 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
             issue(step + stages - 1, lax.rem(step - lo + stages - 1, stages))
 
         plgpu.barrier_wait(kv_bar.at[slot])
-        if rotate_keys:
+        ka, kb = ka_smem.at[slot], kb_smem.at[slot]
+        if rotate_keys:  # in place: the slot is refilled only after this step's wgmmas
             cos, sin = cos_sin(step, slot)
-            k_lo = ka_smem[slot].astype(jnp.float32)
-            k_hi = kb_smem[slot].astype(jnp.float32)
-            ra_smem[...] = (k_lo * cos - k_hi * sin).astype(dtype)
-            rb_smem[...] = (k_hi * cos + k_lo * sin).astype(dtype)
+            k_lo = ka[...].astype(jnp.float32)
+            k_hi = kb[...].astype(jnp.float32)
+            ka[...] = (k_lo * cos - k_hi * sin).astype(dtype)
+            kb[...] = (k_hi * cos + k_lo * sin).astype(dtype)
             plgpu.commit_smem()
-            ka, kb = ra_smem, rb_smem
-        else:
-            ka, kb = ka_smem.at[slot], kb_smem.at[slot]
 
         def compute_qk(acc_ref):
             plgpu.wgmma(acc_ref, qa_smem, ka.transpose((1, 0)))
@@ -218,6 +227,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
     lse_smem[...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(
         jnp.where(l_i == 0.0, 1.0, l_i))) * (1.0 / math.log2(math.e)))
     l_i = jnp.where(l_i == 0.0, 1.0, l_i)
+    # Every TMA issued was waited on and every wgmma is done: V slot 0 is free for the output.
+    o_smem = v_smem.at[0] if v_smem.shape[1] == _ROWS else v_smem.at[0, pl.ds(0, _ROWS)]
     o_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[split, s, h])
@@ -259,30 +270,32 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
     q_seq = (q_rot[q_idx].astype(jnp.float32) * sm_scale).astype(dtype)  # [S, H, D]
     q_pad = jnp.zeros((seqs, kv_heads, _ROWS, head_dim), dtype)
     q_pad = q_pad.at[:, :, :group].set(q_seq.reshape(seqs, kv_heads, group, head_dim))
-    if table:  # rows past max_position (pad slots of a last page) read zeros, masked anyway
-        rope_in = rope_table(inv_freq, max_position + page_size, attention_scaling, dtype)
+    if table:  # rows past max_position (pad slots of a last page) are masked anyway
+        rope_in = shifted_rope_table(inv_freq, max_position + page_size, attention_scaling,
+                                     dtype)
     else:
         inv = inv_freq.astype(jnp.float32) if rotate_keys else jnp.zeros((half,), jnp.float32)
         rope_in = jnp.broadcast_to(inv[None, :], (block_k, half))
     sw = plgpu.SwizzleTransform(128)
     bf = (plgpu.TilingTransform((8, 64)), sw)
     f32 = (plgpu.TilingTransform((8, 32)), sw)
-    rope_stages = stages if table else 1
+    def ring(on, shape, dt, tf):  # a buffer the mode does not use takes one 8-row tile
+        return plgpu.SMEM(shape if on else (1, 8, shape[-1]) if len(shape) == 3 else
+                          (8, shape[-1]), dt, transforms=tf)
+
+    trig = rotate_keys and not table
     scratch = [
         plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q lo
         plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q hi
         plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k lo ring
         plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k hi ring
         plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=bf),  # v ring
-        plgpu.SMEM((rope_stages, block_k, half), dtype, transforms=bf),  # cos rows (table)
-        plgpu.SMEM((rope_stages, block_k, half), dtype, transforms=bf),  # sin rows (table)
-        plgpu.SMEM((block_k, half), jnp.float32, transforms=f32),  # inv_freq per column (trig)
-        plgpu.SMEM((block_k, half), dtype, transforms=bf),  # rotated k lo
-        plgpu.SMEM((block_k, half), dtype, transforms=bf),  # rotated k hi
-        plgpu.SMEM((_ROWS, head_dim), dtype, transforms=bf),  # out
-        plgpu.SMEM((_ROWS, block_k), dtype, transforms=bf),  # probabilities
+        ring(table, (stages, block_k, half), dtype, bf),  # cos rows (table)
+        ring(table, (stages, block_k, half), dtype, bf),  # sin rows (table)
+        ring(trig, (block_k, half), jnp.float32, f32),  # inv_freq per column (trig)
+        ring(not p_in_registers, (_ROWS, block_k), dtype, bf),  # probabilities
         plgpu.SMEM((_ROWS,), jnp.float32),  # log-sum-exps
-        plgpu.Barrier(num_arrivals=2 + (rotate_keys and not table)),
+        plgpu.Barrier(num_arrivals=2 + trig),
         plgpu.Barrier(num_arrivals=(5 if table else 3) * pages_per_step, num_barriers=stages),
     ]
     kernel = functools.partial(
@@ -303,3 +316,24 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
     lse = lse[:, :, :, :group].reshape(splits, seqs, heads)
     seq = jnp.clip(md.q_seq, 0, seqs - 1)  # partials by token (gathered into the merge)
     return merge_splits(out[:, seq], lse[:, seq], md).astype(dtype)
+
+
+def shifted_rope_table(inv_freq, max_position: int, attention_scaling: float, dtype):
+    """[8, P, R] with copy r, row j = rope_table row j + r (P >= max_position, a multiple of 8):
+    any 8 consecutive-or-more rows from an arbitrary start are rows from a multiple of 8 of one
+    copy, which is what a TMA box into a tiled SMEM buffer needs."""
+    rows = -(-max_position // 8) * 8
+    if isinstance(inv_freq, jax.core.Tracer):
+        base = rope_table(inv_freq, rows + 8, attention_scaling, dtype)
+        return jnp.stack([base[r:r + rows] for r in range(8)])
+    inv = np.asarray(inv_freq, np.float32)
+    return jnp.asarray(_host_shifted_table(inv.tobytes(), rows, float(attention_scaling),
+                                           jnp.dtype(dtype).name))  # a jit constant
+
+
+@functools.lru_cache(maxsize=8)
+def _host_shifted_table(inv_bytes: bytes, rows: int, scaling: float, dtype: str):
+    base = _host_rope_table(inv_bytes, rows + 8, scaling, dtype)
+    table = np.stack([base[r:r + rows] for r in range(8)])
+    table.flags.writeable = False
+    return table
