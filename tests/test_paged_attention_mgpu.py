@@ -30,7 +30,23 @@ CASES = [
     (jnp.float16, 1, 12, 128, 16, "position_free", [(300, 1, 0), (64, 1, 60)],
      {"pages_per_step": 4, "max_position": 320, "splits": 2, "stages": 3}),
     (jnp.bfloat16, 1, 8, 128, 16, "rotated", [(150, 1, 0)], {"splits": 5, "stages": 4}),
+    # warp-specialised: a producer warpgroup (TMA, rotation) and 1 or 2 consumers
+    (jnp.bfloat16, 2, 4, 128, 16, "position_free", [(200, 1, 0), (5, 1, 0), (130, 1, 20)],
+     {"consumers": 1, "stages": 2, "max_position": 256, "splits": 2}),
+    (jnp.float16, 1, 8, 128, 16, "position_free", [(300, 1, 0), (64, 1, 60)],
+     {"consumers": 1, "stages": 3, "splits": 3}),
+    (jnp.bfloat16, 1, 4, 128, 16, "rotated", [(150, 1, 0), (20, 1, 0)],
+     {"consumers": 1, "stages": 3, "splits": 2}),
+    (jnp.bfloat16, 2, 4, 128, 16, "position_free", [(200, 1, 0), (5, 1, 0), (130, 1, 20)],
+     {"consumers": 2, "stages": 4, "max_position": 256, "splits": 2}),
+    (jnp.float16, 1, 8, 128, 16, "position_free", [(300, 1, 0), (64, 1, 60)],
+     {"consumers": 2, "stages": 4, "splits": 3}),
 ]
+# The interpreter runs each warpgroup as an XLA CPU computation that blocks in its barrier
+# waits. With three warpgroups on a 2-core machine (CI) two blocked consumers can starve the
+# producer of an execution thread: a hang (seen 2026-11-30, for the 2-consumer table case). The
+# 2-consumer cases therefore run compiled, or interpreted where there are more cores.
+MANY_THREADS_OK = not INTERPRET or (os.cpu_count() or 1) > 2
 
 
 def _inputs(seed, dtype, kv_heads, group, head_dim, page_size, specs):
@@ -53,7 +69,13 @@ def test_mosaic_decode_matches_reference(case, p_in_registers):
     """Split partials and log-sum-exps start as NaN (interpreter): unwritten ones would show.
     Compiled, each case also runs with the probabilities in registers (the interpreter cannot)."""
     dtype, kv_heads, group, head_dim, page_size, kv_mode, specs, opts = case
-    opts = dict(opts, p_in_registers=p_in_registers)
+    if opts.get("consumers", 0) > 1 and not MANY_THREADS_OK:
+        pytest.skip("3 interpreted warpgroups can starve on a 2-core machine (see above)")
+    if "consumers" in opts:  # P in registers whenever compiled
+        if p_in_registers:
+            pytest.skip("the warp-specialised kernel has no p_in_registers option")
+    else:
+        opts = dict(opts, p_in_registers=p_in_registers)
     q, k, v, md, inv = _inputs(CASES.index(case), dtype, kv_heads, group, head_dim, page_size,
                                specs)
     interpret = plgpu.InterpretGPUParams(detect_races=True) if INTERPRET else False

@@ -20,6 +20,7 @@ import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic, mosaic_limits
+from kernels_pallas.paged_attention.mosaic_decode_ws import decode_attention_mosaic_ws, ws_limits
 from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
                                                            prefill_attention_mosaic)
 from kernels_pallas.paged_attention.triton_decode import decode_paged_attention_triton
@@ -108,7 +109,8 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         when max_position is given, else trig); max_position: static bound on the positions,
         needed by the table modes; packed: bf16x2 key rotation, default on for bf16),
         mosaic (pages_per_step, splits, stages, max_position: cos/sin rows by TMA from a
-        table).
+        table; p_in_registers; consumers: the warp-specialised kernel with that many compute
+        warpgroups, mosaic_decode_ws.py).
     Returns:
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
@@ -148,10 +150,21 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
         decode_only = True
     elif implementation == "mosaic":
         options.setdefault("pages_per_step", max(1, 64 // k_pages.shape[1]))
-        problem = mosaic_limits(q, k_pages, inv_freq, rotate_keys, options["pages_per_step"],
-                                options.get("stages", 3), options.get("max_position") is not None,
-                                options.get("p_in_registers", False))
-        kernel = functools.partial(decode_attention_mosaic, **options)
+        table = options.get("max_position") is not None
+        if options.get("consumers"):  # the warp-specialised kernel
+            options.setdefault("stages", 4)
+            problem = (mosaic_limits(q, k_pages, inv_freq, rotate_keys, options["pages_per_step"],
+                                     2, table)
+                       or ws_limits(q, k_pages, rotate_keys, options["pages_per_step"],
+                                    options["stages"], options["consumers"], table,
+                                    metadata.block_tables.shape[1]))
+            kernel = functools.partial(decode_attention_mosaic_ws, **options)
+        else:
+            problem = mosaic_limits(q, k_pages, inv_freq, rotate_keys, options["pages_per_step"],
+                                    options.get("stages", 3), table,
+                                    options.get("p_in_registers", False),
+                                    metadata.block_tables.shape[1])
+            kernel = functools.partial(decode_attention_mosaic, **options)
         decode_only = True
     elif implementation == "mosaic_prefill":
         problem = mosaic_prefill_limits(q, k_pages)

@@ -1,15 +1,19 @@
 """Decode paged attention in Pallas Mosaic GPU (Hopper: TMA page loads, wgmma), RoPE at read.
 
-EXPERIMENTAL: runs under the Mosaic GPU interpreter on CPU (tests/test_paged_attention_mgpu.py);
-see benchmarks/RESULTS.md for whether it compiled and how fast it ran on the H200.
+EXPERIMENTAL: runs under the Mosaic GPU interpreter on CPU (tests/test_paged_attention_mgpu.py)
+and compiled on the H200 (benchmarks/RESULTS.md, decode runs 16-19): in rotated mode it matches
+triton_decode (the kernel alone 262 vs 263 us at 64 x 4096, 2 stages, P in registers), but
+RoPE at read costs +54-95% here against +3% in triton_decode, which stays the decode default.
 
 One CTA (one warpgroup) per (sequence, kv head, split): a sequence's key steps are split over
 `splits` CTAs (flash-decoding) and their partial results merged by log-sum-exp afterwards
 (`triton_decode.merge_splits`). The G query heads of the kv head are rows 0..G-1 of a 64-row
 wgmma tile (the other rows are zero). Per step, `pages_per_step` pages are fetched by TMA (the
-block table is read as scalars) into a ring of `stages` buffers, issued stages - 1 steps ahead:
-keys as their two rotary halves [BK, R/2] (two TMA boxes per page, so the halves land in
-separate swizzled buffers and no register shuffle is needed for rotate-half), values [BK, D].
+sequence's block table, block starts and valid counts are copied to SMEM once per CTA: a scalar
+read from global memory is a round trip to L2 on the issue path) into a ring of `stages`
+buffers, issued stages - 1 steps ahead: keys as their two rotary halves [BK, R/2] (two TMA
+boxes per page, so the halves land in separate swizzled buffers and no register shuffle is
+needed for rotate-half), values [BK, D].
 In position_free mode each page also brings its cos and sin rows by TMA when a table is given
 (`max_position`): a page's valid slots sit at consecutive positions from its block start, so
 they are one [B, R/2] box per half of a cos | sin table (attention_scaling folded in). A TMA
@@ -51,8 +55,17 @@ _TWO_PI_HI = 6.28125
 _TWO_PI_LO = 0.0019353071795864769
 
 
+_META_COLS = 64  # block table, block starts, valid counts: [S, 3, rows, 64] (TMA box dims <= 256)
+
+
+def _meta(meta_smem, which, b):
+    """Entry b of this sequence's block table (0), block starts (1) or valid counts (2), from
+    the copy in shared memory (a scalar load from global memory costs a round trip to L2)."""
+    return meta_smem[which, b // _META_COLS, b % _META_COLS]
+
+
 def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, table=True,
-                  p_in_registers=False):
+                  p_in_registers=False, table_cols=0):
     """Why this kernel cannot take these shapes ('' when it can)."""
     head_dim, page_size, half = q.shape[-1], k_pages.shape[1], inv_freq.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
@@ -69,11 +82,19 @@ def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, t
         return f"needs at least 2 stages, got {stages}"
     need = smem_bytes(head_dim, pages_per_step * page_size, q.dtype.itemsize, stages,
                       rotate_keys and table, rotate_keys and not table, p_in_registers)
+    need += meta_bytes(table_cols)
+    if table_cols > 256 * _META_COLS:
+        return f"needs block tables of at most {256 * _META_COLS} entries, got {table_cols}"
     if need > _SMEM_LIMIT:
         return (f"needs {need} bytes of shared memory for head_dim {head_dim}, block "
                 f"{pages_per_step * page_size}, {stages} stages; the H200 has {_SMEM_LIMIT} "
                 f"per block")
     return ""
+
+
+def meta_bytes(table_cols: int) -> int:
+    """SMEM for one sequence's block table, block starts and valid counts."""
+    return 3 * -(-table_cols // _META_COLS) * _META_COLS * 4
 
 
 def smem_bytes(head_dim, block_k, itemsize, stages, table, trig, p_in_registers=False):
@@ -86,9 +107,9 @@ def smem_bytes(head_dim, block_k, itemsize, stages, table, trig, p_in_registers=
             + (0 if p_in_registers else _ROWS * block_k * itemsize) + _ROWS * 4 + 256)
 
 
-def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
+def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             o_ref, lse_ref, qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem,
-            inv_smem, p_smem, lse_smem, q_bar, kv_bar, *, page_size,
+            inv_smem, p_smem, lse_smem, meta_smem, q_bar, kv_bar, *, max_blocks, page_size,
             pages_per_step, half, rotate_keys, table, scaling, dtype, splits, stages, out_rows,
             p_in_registers):
     s = lax.axis_index("s")
@@ -96,7 +117,6 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
     split = lax.axis_index("sp")
     block_k = pages_per_step * page_size
     num_pages = k_ref.shape[0]
-    max_blocks = bt_ref.shape[1]
     n_blocks = nb_ref[s]
     n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
     per_split = (n_steps + splits - 1) // splits
@@ -109,10 +129,12 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
     plgpu.copy_gmem_to_smem(q_ref.at[s, h, :, pl.ds(half, half)], qb_smem, q_bar)
     if rotate_keys and not table:
         plgpu.copy_gmem_to_smem(rope_ref, inv_smem, q_bar)
+    plgpu.copy_gmem_to_smem(meta_ref.at[s], meta_smem, q_bar)
+    plgpu.barrier_wait(q_bar)  # the block table is read from SMEM from here on
 
     def entry(step, p):
         b = jnp.minimum(step * pages_per_step + p, max_blocks - 1)
-        return b, jnp.clip(bt_ref[s, b], 0, num_pages - 1)
+        return b, jnp.clip(_meta(meta_smem, 0, b), 0, num_pages - 1)
 
     def issue(step, slot):
         for p in range(pages_per_step):
@@ -124,7 +146,7 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
                                     kb_smem.at[slot, rows], kv_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, :, h], v_smem.at[slot, rows], kv_bar.at[slot])
             if rotate_keys and table:  # the page's cos | sin rows: its slots' positions
-                start = jnp.clip(bps_ref[s, b], 0, rope_ref.shape[1] - page_size)
+                start = jnp.clip(_meta(meta_smem, 1, b), 0, rope_ref.shape[1] - page_size)
                 shift, base = lax.rem(start, 8), pl.multiple_of(start - lax.rem(start, 8), 8)
                 src = rope_ref.at[shift, pl.ds(base, page_size)]
                 plgpu.copy_gmem_to_smem(src.at[:, pl.ds(0, half)], ca_smem.at[slot, rows],
@@ -137,8 +159,6 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
         def _():
             issue(lo + ahead, ahead)
 
-    plgpu.barrier_wait(q_bar)
-
     def key_info(step, idx):
         """idx: key index within the step (an iota) -> (logical position, valid)."""
         pos = jnp.zeros_like(idx)
@@ -148,8 +168,8 @@ def _kernel(q_ref, k_ref, v_ref, bt_ref, bps_ref, bnv_ref, nb_ref, qpos_ref, qwi
             live = step * pages_per_step + p < n_blocks
             local = idx - p * page_size
             here = (local >= 0) & (local < page_size)
-            pos = jnp.where(here, bps_ref[s, b] + local, pos)
-            valid = jnp.where(here, (local < bnv_ref[s, b]) & live, valid)
+            pos = jnp.where(here, _meta(meta_smem, 1, b) + local, pos)
+            valid = jnp.where(here, (local < _meta(meta_smem, 2, b)) & live, valid)
         return pos, valid
 
     def cos_sin(step, slot):
@@ -257,31 +277,21 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
                          "Mosaic GPU interpreter takes SMEM wgmma operands only)")
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
-    group = heads // kv_heads
-    out_rows = min(_ROWS, -(-group // 8) * 8)  # the row tiles holding the G query rows
     seqs = md.block_tables.shape[0]
     dtype = q_rot.dtype
-    half = inv_freq.shape[0] if rotate_keys else head_dim // 2
     block_k = pages_per_step * page_size
     table = rotate_keys and max_position is not None
     if splits is None:
         splits = max(1, min(16, -(-2048 // (seqs * kv_heads))))
-    q_idx = jnp.clip(md.cu_q_lens[:-1], 0, tokens - 1)  # [S]
-    q_seq = (q_rot[q_idx].astype(jnp.float32) * sm_scale).astype(dtype)  # [S, H, D]
-    q_pad = jnp.zeros((seqs, kv_heads, _ROWS, head_dim), dtype)
-    q_pad = q_pad.at[:, :, :group].set(q_seq.reshape(seqs, kv_heads, group, head_dim))
-    if table:  # rows past max_position (pad slots of a last page) are masked anyway
-        rope_in = shifted_rope_table(inv_freq, max_position + page_size, attention_scaling,
-                                     dtype)
-    else:
-        inv = inv_freq.astype(jnp.float32) if rotate_keys else jnp.zeros((half,), jnp.float32)
-        rope_in = jnp.broadcast_to(inv[None, :], (block_k, half))
+    ins, half, out_rows = decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling,
+                                        sm_scale, pages_per_step, page_size, kv_heads,
+                                        max_position)
     sw = plgpu.SwizzleTransform(128)
     bf = (plgpu.TilingTransform((8, 64)), sw)
     f32 = (plgpu.TilingTransform((8, 32)), sw)
-    def ring(on, shape, dt, tf):  # a buffer the mode does not use takes one 8-row tile
-        return plgpu.SMEM(shape if on else (1, 8, shape[-1]) if len(shape) == 3 else
-                          (8, shape[-1]), dt, transforms=tf)
+
+    def ring(on, shape, dt, tf):  # a buffer the mode does not use takes 8 elements
+        return plgpu.SMEM(shape, dt, transforms=tf) if on else plgpu.SMEM((8,), dt)
 
     trig = rotate_keys and not table
     scratch = [
@@ -295,11 +305,13 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
         ring(trig, (block_k, half), jnp.float32, f32),  # inv_freq per column (trig)
         ring(not p_in_registers, (_ROWS, block_k), dtype, bf),  # probabilities
         plgpu.SMEM((_ROWS,), jnp.float32),  # log-sum-exps
-        plgpu.Barrier(num_arrivals=2 + trig),
+        plgpu.SMEM(ins[1].shape[1:], jnp.int32),  # this sequence's block table etc.
+        plgpu.Barrier(num_arrivals=3 + trig),
         plgpu.Barrier(num_arrivals=(5 if table else 3) * pages_per_step, num_barriers=stages),
     ]
     kernel = functools.partial(
-        _kernel, page_size=page_size, pages_per_step=pages_per_step, half=half,
+        _kernel, max_blocks=md.block_tables.shape[1], page_size=page_size,
+        pages_per_step=pages_per_step, half=half,
         rotate_keys=rotate_keys, table=table, scaling=float(attention_scaling), dtype=dtype,
         splits=splits, stages=stages, out_rows=out_rows, p_in_registers=p_in_registers)
     call = plgpu.kernel(
@@ -309,11 +321,48 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
         grid=(seqs, kv_heads, splits), grid_names=("s", "h", "sp"), scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret is True else interpret)
-    q_win = md.q_window_start[q_idx]
-    out, lse = call(q_pad, k_pages, v_pages, md.block_tables, md.block_pos_start,
-                    md.block_num_valid, md.num_blocks, md.q_positions[q_idx], q_win, rope_in)
-    out = out[:, :, :, :group].reshape(splits, seqs, heads, head_dim).astype(jnp.float32)
-    lse = lse[:, :, :, :group].reshape(splits, seqs, heads)
+    out, lse = call(*ins[:1], k_pages, v_pages, *ins[1:])
+    return finish_partials(out, lse, md, heads, dtype)
+
+
+def decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling, sm_scale, pages_per_step,
+                  page_size, kv_heads, max_position):
+    """The Mosaic decode kernels' inputs other than the pages: (q tiles [S, K, 64, D] with the G
+    query rows of each kv head scaled by sm_scale, block tables, block starts and valid counts
+    as [S, 3, rows, 64] (one TMA box per sequence), block counts, query positions and window
+    starts, then the shifted cos | sin table (position_free with max_position) or the inv_freq
+    tile [BK, R/2]), R/2, and the rows each CTA stores (the 8-row tiles holding G)."""
+    tokens, heads, head_dim = q_rot.shape
+    group = heads // kv_heads
+    seqs = md.block_tables.shape[0]
+    dtype = q_rot.dtype
+    half = inv_freq.shape[0] if rotate_keys else head_dim // 2
+    q_idx = jnp.clip(md.cu_q_lens[:-1], 0, tokens - 1)  # [S]
+    q_seq = (q_rot[q_idx].astype(jnp.float32) * sm_scale).astype(dtype)  # [S, H, D]
+    q_pad = jnp.zeros((seqs, kv_heads, _ROWS, head_dim), dtype)
+    q_pad = q_pad.at[:, :, :group].set(q_seq.reshape(seqs, kv_heads, group, head_dim))
+    if rotate_keys and max_position is not None:  # rows past max_position: masked pad slots
+        rope_in = shifted_rope_table(inv_freq, max_position + page_size, attention_scaling,
+                                     dtype)
+    else:
+        inv = inv_freq.astype(jnp.float32) if rotate_keys else jnp.zeros((half,), jnp.float32)
+        rope_in = jnp.broadcast_to(inv[None, :], (pages_per_step * page_size, half))
+    nb = md.block_tables.shape[1]
+    rows = -(-nb // _META_COLS)
+    meta = jnp.stack([md.block_tables, md.block_pos_start, md.block_num_valid], axis=1)
+    meta = jnp.pad(meta.astype(jnp.int32), ((0, 0), (0, 0), (0, rows * _META_COLS - nb)))
+    ins = (q_pad, meta.reshape(seqs, 3, rows, _META_COLS), md.num_blocks,
+           md.q_positions[q_idx], md.q_window_start[q_idx], rope_in)
+    return ins, half, min(_ROWS, -(-group // 8) * 8)
+
+
+def finish_partials(out, lse, md, heads, dtype):
+    """[P, S, K, rows, D] partials and [P, S, K, rows] log-sum-exps -> [T, H, D] (merged by
+    log-sum-exp; rows that are no sequence's query are zero)."""
+    parts, seqs, kv_heads, _, head_dim = out.shape
+    group = heads // kv_heads
+    out = out[:, :, :, :group].reshape(parts, seqs, heads, head_dim).astype(jnp.float32)
+    lse = lse[:, :, :, :group].reshape(parts, seqs, heads)
     seq = jnp.clip(md.q_seq, 0, seqs - 1)  # partials by token (gathered into the merge)
     return merge_splits(out[:, seq], lse[:, seq], md).astype(dtype)
 

@@ -1,0 +1,288 @@
+"""Decode paged attention in Pallas Mosaic GPU, warp-specialised: RoPE at read off the MMA path.
+
+EXPERIMENTAL, like mosaic_decode.py (the one-warpgroup kernel it shares its inputs, table and
+limits with); runs under the Mosaic GPU interpreter in CI (tests/test_paged_attention_mgpu.py).
+
+One CTA per (sequence, kv head, split) with `consumers` + 1 warpgroups (FA3 style):
+- the producer warpgroup fetches each key step's pages by TMA into a ring of `stages` slots (K
+  as its two rotary halves, V, and in position_free mode with a table the pages' cos | sin rows),
+  and in position_free mode rotates the step's keys in place in shared memory (float32 math),
+  then marks the slot ready;
+- the consumer warpgroups take the CTA's key steps in turn (consumer c: steps lo + c, lo + c +
+  consumers, ...), each with its own online softmax, and hand a slot back once its wgmmas are
+  done. Each consumer's result is one split-K partial, merged with the others by log-sum-exp.
+A slot belongs to one consumer (stages is a multiple of consumers), so every barrier has a
+single waiter per phase. After rotating step i the producer refills the slot of step
+i - consumers (that consumer has just been handed step i, so it is done with it): TMA runs
+stages - consumers steps ahead of the rotation, and the rotation one step ahead of the consumers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas.paged_attention.mosaic_decode import (_ROWS, _SMEM_LIMIT, _TWO_PI_HI,
+                                                          _TWO_PI_LO, _meta, decode_inputs,
+                                                          finish_partials, meta_bytes)
+
+
+def ws_smem_bytes(head_dim, block_k, itemsize, stages, consumers, table, trig):
+    """SMEM of one CTA: q halves, the ring (K halves + V, + cos/sin rows with a table), the
+    inv_freq tile (trig), the consumers' probabilities (interpreter) and log-sum-exps."""
+    half = head_dim // 2
+    stage = 2 * block_k * half + block_k * head_dim + (2 * block_k * half if table else 0)
+    return (2 * _ROWS * half * itemsize + stages * stage * itemsize
+            + (block_k * half * 4 if trig else 0) + consumers * _ROWS * 4 + 512)
+
+
+def ws_limits(q, k_pages, rotate_keys, pages_per_step, stages, consumers, table, table_cols):
+    """Why the warp-specialised kernel cannot take these options ('' when it can)."""
+    if consumers < 1 or stages <= consumers or stages % consumers:
+        return (f"needs stages a multiple of consumers and larger, got stages={stages}, "
+                f"consumers={consumers}")
+    need = ws_smem_bytes(q.shape[-1], pages_per_step * k_pages.shape[1], q.dtype.itemsize,
+                         stages, consumers, rotate_keys and table, rotate_keys and not table)
+    need += meta_bytes(table_cols)
+    if need > _SMEM_LIMIT:
+        return (f"needs {need} bytes of shared memory for stages={stages}; the H200 has "
+                f"{_SMEM_LIMIT} per block")
+    return ""
+
+
+def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
+            o_ref, lse_ref, qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem,
+            inv_smem, p_smem, lse_smem, meta_smem, q_bar, kv_bar, ready_bar, free_bar, *,
+            max_blocks, page_size, pages_per_step, half, rotate_keys, table, scaling, dtype,
+            splits, stages, consumers, out_rows, interpret):
+    s, h, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
+    wg = lax.axis_index("wg")
+    block_k = pages_per_step * page_size
+    num_pages = k_ref.shape[0]
+    n_blocks = nb_ref[s]
+    n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
+    per_split = (n_steps + splits - 1) // splits
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, n_steps)
+    trig = rotate_keys and not table
+
+    def entry(step, p):
+        b = jnp.minimum(step * pages_per_step + p, max_blocks - 1)
+        return b, jnp.clip(_meta(meta_smem, 0, b), 0, num_pages - 1)
+
+    def key_info(step, idx):
+        """idx: key index within the step (an iota) -> (logical position, valid)."""
+        pos = jnp.zeros_like(idx)
+        valid = idx < 0
+        for p in range(pages_per_step):
+            b, _ = entry(step, p)
+            live = step * pages_per_step + p < n_blocks
+            local = idx - p * page_size
+            here = (local >= 0) & (local < page_size)
+            pos = jnp.where(here, _meta(meta_smem, 1, b) + local, pos)
+            valid = jnp.where(here, (local < _meta(meta_smem, 2, b)) & live, valid)
+        return pos, valid
+
+    @pl.when(wg == 0)
+    def _():  # q, the block table etc. (and the inv_freq tile) for every warpgroup
+        plgpu.copy_gmem_to_smem(q_ref.at[s, h, :, pl.ds(0, half)], qa_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[s, h, :, pl.ds(half, half)], qb_smem, q_bar)
+        plgpu.copy_gmem_to_smem(meta_ref.at[s], meta_smem, q_bar)
+        if trig:
+            plgpu.copy_gmem_to_smem(rope_ref, inv_smem, q_bar)
+
+    @pl.when(wg == consumers)
+    def _producer():
+        def issue(step):
+            slot = lax.rem(step - lo, stages)
+            for p in range(pages_per_step):
+                b, page = entry(step, p)
+                rows = pl.ds(p * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[page, :, h, pl.ds(0, half)],
+                                        ka_smem.at[slot, rows], kv_bar.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[page, :, h, pl.ds(half, half)],
+                                        kb_smem.at[slot, rows], kv_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, :, h], v_smem.at[slot, rows],
+                                        kv_bar.at[slot])
+                if table:  # 8 shifted copies: the box starts at a multiple of 8 (TMA tiling)
+                    start = jnp.clip(_meta(meta_smem, 1, b), 0, rope_ref.shape[1] - page_size)
+                    shift = lax.rem(start, 8)
+                    src = rope_ref.at[shift, pl.ds(pl.multiple_of(start - shift, 8), page_size)]
+                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(0, half)], ca_smem.at[slot, rows],
+                                            kv_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(half, half)],
+                                            cb_smem.at[slot, rows], kv_bar.at[slot])
+
+        plgpu.barrier_wait(q_bar)
+        for ahead in range(stages):
+            pl.when(lo + ahead < hi)(functools.partial(issue, lo + ahead))
+
+        @pl.loop(lo, hi)
+        def _(step):
+            slot = lax.rem(step - lo, stages)
+            if rotate_keys:  # the consumers wait for the rotated keys, not for the TMA
+                plgpu.barrier_wait(kv_bar.at[slot])
+                if table:
+                    cos = ca_smem[slot].astype(jnp.float32)
+                    sin = cb_smem[slot].astype(jnp.float32)
+                else:
+                    row = plgpu.broadcasted_iota(jnp.int32, (block_k, half), 0,
+                                                 layout=plgpu.Layout.WGMMA)
+                    pos, _ = key_info(step, row)
+                    ang = pos.astype(jnp.float32) * inv_smem[...]
+                    n = jnp.round(ang * (1.0 / (2.0 * math.pi)))
+                    red = (ang - n * _TWO_PI_HI) - n * _TWO_PI_LO
+                    cos, sin = jnp.cos(red) * scaling, jnp.sin(red) * scaling
+                k_lo = ka_smem[slot].astype(jnp.float32)
+                k_hi = kb_smem[slot].astype(jnp.float32)
+                ka_smem[slot] = (k_lo * cos - k_hi * sin).astype(dtype)
+                kb_smem[slot] = (k_hi * cos + k_lo * sin).astype(dtype)
+                plgpu.commit_smem()  # visible to the consumers' wgmmas (async proxy)
+                plgpu.barrier_arrive(ready_bar.at[slot])
+            back = step - consumers  # its consumer now holds `step`: done with `back`
+
+            @pl.when((back >= lo) & (back + stages < hi))
+            def _():
+                plgpu.barrier_wait(free_bar.at[lax.rem(back - lo, stages)])
+                issue(back + stages)
+
+        @pl.loop(jnp.maximum(lo, hi - stages), hi)
+        def _(step):  # observe the last uses too (Pallas: a waiter waits on every phase)
+            plgpu.barrier_wait(free_bar.at[lax.rem(step - lo, stages)])
+
+    @pl.when(wg < consumers)
+    def _consumer():
+        q_pos, q_win = qpos_ref[s], qwin_ref[s]
+        plgpu.barrier_wait(q_bar)
+
+        def step_fn(t, carry):
+            acc, m_i, l_i = carry
+            step = lo + wg + t * consumers
+            slot = lax.rem(step - lo, stages)
+            plgpu.barrier_wait((ready_bar if rotate_keys else kv_bar).at[slot])
+
+            def compute_qk(acc_ref):
+                plgpu.wgmma(acc_ref, qa_smem, ka_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, qb_smem, kb_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            qk = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, block_k), jnp.float32))
+            col = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_k), 1,
+                                         layout=plgpu.Layout.WGMMA)
+            k_pos, k_ok = key_info(step, col)
+            mask = k_ok & (k_pos <= q_pos) & (k_pos >= q_win)
+            qk = jnp.where(mask, qk * math.log2(math.e), -jnp.inf)
+            m_new = jnp.maximum(m_i, qk.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_safe)
+            p = jnp.exp2(qk - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if interpret:  # the interpreter's wgmma takes SMEM operands only
+                p_smem.at[wg][...] = p.astype(dtype)
+                plgpu.commit_smem()
+
+                def compute_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(compute_pv, plgpu.ACC(acc.shape, jnp.float32))
+            else:
+                p16 = p.astype(dtype)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+
+                def accumulate_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(accumulate_pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(free_bar.at[slot])
+            return acc, m_new, l_i
+
+        head_dim = v_smem.shape[-1]
+        m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+        count = jnp.maximum(hi - lo - wg + consumers - 1, 0) // consumers
+        acc, m_i, l_i = lax.fori_loop(0, count, step_fn, (acc, m_i, l_i))
+        # No visible key: output 0 and log-sum-exp -inf (weight 0 in the merge).
+        lse_smem.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(
+            jnp.where(l_i == 0.0, 1.0, l_i))) * (1.0 / math.log2(math.e)))
+        l_i = jnp.where(l_i == 0.0, 1.0, l_i)
+        # This consumer's last TMA landed and its wgmmas are done: its V slot `wg` is free.
+        o_smem = v_smem.at[wg, pl.ds(0, _ROWS)]
+        o_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        part = split * consumers + wg
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[part, s, h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg, pl.ds(0, out_rows)], lse_ref.at[part, s, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def decode_attention_mosaic_ws(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
+                               attention_scaling: float, sm_scale: float, pages_per_step: int = 4,
+                               splits: int | None = None, stages: int = 4, consumers: int = 2,
+                               max_position: int | None = None, interpret=False):
+    """As mosaic_decode.decode_attention_mosaic (same inputs and result), warp-specialised:
+    `consumers` compute warpgroups and one producer warpgroup (TMA, and the key rotation in
+    position_free mode); stages: ring slots, a multiple of consumers and larger."""
+    tokens, heads, head_dim = q_rot.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    seqs = md.block_tables.shape[0]
+    dtype = q_rot.dtype
+    table = rotate_keys and max_position is not None
+    trig = rotate_keys and not table
+    if splits is None:
+        splits = max(1, min(16, -(-1024 // (seqs * kv_heads))))
+    ins, half, out_rows = decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling,
+                                        sm_scale, pages_per_step, page_size, kv_heads,
+                                        max_position)
+    block_k = pages_per_step * page_size
+    sw = plgpu.SwizzleTransform(128)
+    bf = (plgpu.TilingTransform((8, 64)), sw)
+    f32 = (plgpu.TilingTransform((8, 32)), sw)
+    unused = plgpu.SMEM((8,), dtype)  # a buffer the mode does not use
+
+    scratch = [
+        plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q lo
+        plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q hi
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k lo ring
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k hi ring
+        plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=bf),  # v ring
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf) if table else unused,  # cos
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf) if table else unused,  # sin
+        plgpu.SMEM((block_k, half), jnp.float32, transforms=f32) if trig else unused,  # inv
+        plgpu.SMEM((consumers, _ROWS, block_k), dtype, transforms=bf) if interpret
+        else unused,  # probabilities (the interpreter's wgmma takes SMEM operands only)
+        plgpu.SMEM((consumers, _ROWS), jnp.float32),  # log-sum-exps
+        plgpu.SMEM(ins[1].shape[1:], jnp.int32),  # this sequence's block table etc.
+        plgpu.Barrier(num_arrivals=3 + trig),
+        plgpu.Barrier(num_arrivals=(5 if table else 3) * pages_per_step, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),  # ready (rotated keys)
+        plgpu.Barrier(num_barriers=stages),  # free (the slot's consumer is done)
+    ]
+    kernel = functools.partial(
+        _kernel, max_blocks=md.block_tables.shape[1], page_size=page_size,
+        pages_per_step=pages_per_step, half=half,
+        rotate_keys=rotate_keys, table=table, scaling=float(attention_scaling), dtype=dtype,
+        splits=splits, stages=stages, consumers=consumers, out_rows=out_rows,
+        interpret=bool(interpret))
+    parts = splits * consumers
+    call = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((parts, seqs, kv_heads, out_rows, head_dim), dtype),
+                  jax.ShapeDtypeStruct((parts, seqs, kv_heads, out_rows), jnp.float32)),
+        grid=(seqs, kv_heads, splits), grid_names=("s", "h", "sp"), num_threads=consumers + 1,
+        thread_name="wg", scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret is True else interpret)
+    out, lse = call(*ins[:1], k_pages, v_pages, *ins[1:])
+    return finish_partials(out, lse, md, heads, dtype)
