@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import numpy as np
 
@@ -15,6 +17,7 @@ def default_num_blocks(config: Config, mcfg, dtype) -> int:
     enough for max_num_seqs full sequences, at most 4096. Step temporaries are not reserved."""
     per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * np.dtype(dtype).itemsize
     want = config.max_num_seqs * config.max_blocks_per_seq
+    gc.collect()  # an engine dropped earlier (jitted methods make cycles) still holds its pool
     try:
         stats = jax.local_devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001 - CPU backends may not report memory
@@ -29,3 +32,26 @@ def kv_bytes_per_block(cache, num_blocks: int, block_size: int) -> int:
     """Bytes of one block across every page-shaped leaf of the cache (for offload accounting)."""
     return sum(x.nbytes for x in jax.tree.leaves(cache) if page_leaf(x, num_blocks, block_size)
                ) // num_blocks
+
+
+def allocate_pool(make_cache, num_blocks: int, *, may_shrink: bool):
+    """(cache, num_blocks): make_cache(n) allocated and waited for. A default-sized pool
+    (may_shrink) that does not fit shrinks by 10% until it does: free memory is not one piece
+    (with XLA_PYTHON_CLIENT_PREALLOCATE=false the allocator grows in regions; on the H200 the
+    4th of 4 arrays of 21 GiB failed with 45 GB free), and an async allocation failure would
+    otherwise surface only in the first step. An explicit num_kv_blocks that does not fit is a
+    ValueError naming it."""
+    while True:
+        try:
+            cache = make_cache(num_blocks)
+            jax.block_until_ready(cache)
+            return cache, num_blocks
+        except jax.errors.JaxRuntimeError as e:
+            cache = None  # noqa: F841 - drop what was allocated before retrying
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            if not may_shrink or num_blocks <= 2:
+                raise ValueError(f"KV pool of {num_blocks} blocks does not fit in device memory "
+                                 f"({str(e).splitlines()[0]}); lower Config.num_kv_blocks or "
+                                 f"gpu_memory_utilization") from e
+            num_blocks = max(2, int(num_blocks * 0.9))

@@ -55,7 +55,7 @@ class LLMEngine:
         self.markers = resolve_markers(config, mcfg.vocab_size, reserved)
         num_blocks = config.num_kv_blocks or default_num_blocks(config, mcfg, dtype)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks = self.runner.num_blocks  # a default pool may have shrunk
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
         self.offload = None
         self._evicted: list[tuple[int, int, tuple]] = []

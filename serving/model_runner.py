@@ -24,6 +24,7 @@ import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from minipic_jax.models.interface import RecurrentMetadata
+from serving.kv_pool import allocate_pool
 from serving.sampler import SamplingMetadata, sample
 
 _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
@@ -64,11 +65,11 @@ class ModelRunner:
         self.params = loaded.params
         self.block_size = config.block_size
         self.nb = config.max_blocks_per_seq
-        self.num_blocks = num_blocks
         seats = config.num_seats
         self.scratch_slot = seats  # recurrent slot for padding rows
-        self.cache = self.family.init_cache(self.mcfg, num_blocks, config.block_size, seats + 1,
-                                            dtype)
+        self.cache, self.num_blocks = allocate_pool(
+            lambda n: self.family.init_cache(self.mcfg, n, config.block_size, seats + 1, dtype),
+            num_blocks, may_shrink=config.num_kv_blocks is None)
         self.kv_mode = "rotated" if config.kv_mode == "rotated" else "position_free"
         self.h_tables = np.zeros((seats, self.nb), np.int32)
         self.h_pos_start = np.zeros((seats, self.nb), np.int32)

@@ -53,3 +53,33 @@ def test_step_scratch_memory_does_not_grow_with_the_pool(decode_only, impls):
         f"scratch grew by {growth / 1e6:.1f} MB when the pool grew 16x (cache "
         f"{large['cache'] / 1e6:.1f} MB, largest array {large['largest'] / 1e6:.1f} MB): the "
         f"step copies cache pages")
+
+
+def _failing_above(limit, family):
+    """init_cache that fails as the GPU allocator does (RESOURCE_EXHAUSTED) above `limit`."""
+    real = family.init_cache
+
+    def init_cache(cfg, num_pages, *args, **kwargs):
+        if num_pages > limit:
+            raise jax.errors.JaxRuntimeError(
+                f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate {num_pages} pages")
+        return real(cfg, num_pages, *args, **kwargs)
+    return init_cache
+
+
+def test_default_pool_shrinks_until_it_fits(monkeypatch):
+    """A default-sized pool that the device cannot allocate (fragmented free memory on the H200)
+    shrinks by 10% steps until it fits, and the engine serves with it; an explicit
+    num_kv_blocks that does not fit is a ValueError naming it."""
+    from minipic_jax.models import llama
+    from minipic_jax import SamplingParams
+    monkeypatch.setattr(llama, "init_cache", _failing_above(40, llama))
+    llm = LLM("tiny_llama", max_num_seqs=4, max_model_len=256)
+    engine = llm.llm_engine
+    assert 36 <= engine.num_blocks <= 40, engine.num_blocks  # 64 -> 57 -> 51 -> 45 -> 40
+    assert engine.runner.num_blocks == engine.bm.num_blocks == engine.num_blocks
+    assert jax.tree.leaves(engine.runner.cache)[0].shape[0] == engine.num_blocks
+    out = llm.generate(["a b c d"] * 2, SamplingParams(max_tokens=3), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in out)
+    with pytest.raises(ValueError, match="KV pool of 500 blocks does not fit"):
+        LLM("tiny_llama", max_num_seqs=4, max_model_len=256, num_kv_blocks=500)

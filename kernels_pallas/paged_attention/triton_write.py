@@ -64,7 +64,8 @@ def write_kv_triton(k_pages, v_pages, k, v, slot_mapping, *, rows: int | None = 
         raise ValueError(f"write_kv_triton: rows per program must be a power of 2, got {rows}")
     flat = num_pages * page_size
     if flat * width >= 2 ** 31 or tokens * width >= 2 ** 31:
-        raise ValueError(f"write_kv_triton: {flat} x {width} page elements overflow int32 offsets")
+        raise ValueError(f"write_kv_triton: {flat} x {width} page elements overflow int32 offsets "
+                         f"(use the XLA write, or fewer KV blocks)")
     kernel = functools.partial(_kernel, tokens=tokens, width=width, rows=rows, cols=cols,
                                interpret=interpret)
     kp, vp = pl.pallas_call(
