@@ -60,7 +60,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             o_ref, lse_ref, qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem,
             inv_smem, p_smem, lse_smem, meta_smem, q_bar, kv_bar, ready_bar, free_bar, *,
             max_blocks, page_size, pages_per_step, half, rotate_keys, table, scaling, dtype,
-            splits, stages, consumers, out_rows, interpret):
+            splits, stages, consumers, out_rows, interpret, rotate_math):
     s, h, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
     wg = lax.axis_index("wg")
     block_k = pages_per_step * page_size
@@ -128,6 +128,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             slot = lax.rem(step - lo, stages)
             if rotate_keys:  # the consumers wait for the rotated keys, not for the TMA
                 plgpu.barrier_wait(kv_bar.at[slot])
+            if rotate_keys and rotate_math:
                 if table:
                     cos = ca_smem[slot].astype(jnp.float32)
                     sin = cb_smem[slot].astype(jnp.float32)
@@ -144,6 +145,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
                 ka_smem[slot] = (k_lo * cos - k_hi * sin).astype(dtype)
                 kb_smem[slot] = (k_hi * cos + k_lo * sin).astype(dtype)
                 plgpu.commit_smem()  # visible to the consumers' wgmmas (async proxy)
+            if rotate_keys:
                 plgpu.barrier_arrive(ready_bar.at[slot])
             back = step - consumers  # its consumer now holds `step`: done with `back`
 
@@ -230,10 +232,13 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
 def decode_attention_mosaic_ws(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                                attention_scaling: float, sm_scale: float, pages_per_step: int = 4,
                                splits: int | None = None, stages: int = 4, consumers: int = 2,
-                               max_position: int | None = None, interpret=False):
+                               max_position: int | None = None, rotate_math: bool = True,
+                               interpret=False):
     """As mosaic_decode.decode_attention_mosaic (same inputs and result), warp-specialised:
     `consumers` compute warpgroups and one producer warpgroup (TMA, and the key rotation in
-    position_free mode); stages: ring slots, a multiple of consumers and larger."""
+    position_free mode); stages: ring slots, a multiple of consumers and larger. rotate_math=False
+    is a benchmark diagnostic: the same pipeline with the rotation arithmetic skipped (wrong
+    results), to tell the pipeline's cost from the rotation's."""
     tokens, heads, head_dim = q_rot.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     seqs = md.block_tables.shape[0]
@@ -274,7 +279,7 @@ def decode_attention_mosaic_ws(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_
         pages_per_step=pages_per_step, half=half,
         rotate_keys=rotate_keys, table=table, scaling=float(attention_scaling), dtype=dtype,
         splits=splits, stages=stages, consumers=consumers, out_rows=out_rows,
-        interpret=bool(interpret))
+        interpret=bool(interpret), rotate_math=rotate_math)
     parts = splits * consumers
     call = plgpu.kernel(
         kernel,
