@@ -59,9 +59,10 @@ def decode_kernel_rows(rows, case, ctx, inputs, inv, kv_bytes, configs, args, ro
 
 def mosaic_rows(rows, case, ctx, inputs, inv, kv_bytes, args, device_time):
     """Mosaic GPU decode configs (PPS,SPLITS,STAGES[,PREG[,CONSUMERS[,NOMATH]]]): rotated,
-    position_free with SFU trig and with table rows, the table variant against rotated interleaved, profiled.
-    CONSUMERS > 0 takes the warp-specialised kernel (P always in registers there); NOMATH = 1
-    skips its rotation arithmetic (a diagnostic: wrong results, the pipeline's cost alone)."""
+    position_free with SFU trig and with table rows, the table variant against rotated
+    interleaved, profiled. CONSUMERS > 0 takes the warp-specialised kernel (P always in registers
+    there); NOMATH = 1 skips its rotation arithmetic (a diagnostic: wrong results, the
+    pipeline's cost alone)."""
     it = dict(iters=args.iters, reps=args.reps)
     for cfg in args.mosaic_configs:
         pps, splits, stages, preg, cons, nomath = ([int(x) for x in cfg.split(",")] + [0] * 3)[:6]
