@@ -37,6 +37,8 @@ CASES = [
      {"consumers": 1, "stages": 3, "splits": 3}),
     (jnp.bfloat16, 1, 4, 128, 16, "rotated", [(150, 1, 0), (20, 1, 0)],
      {"consumers": 1, "stages": 3, "splits": 2}),
+    (jnp.bfloat16, 1, 8, 128, 16, "position_free", [(170, 1, 0), (40, 1, 9)],
+     {"consumers": 1, "stages": 2, "max_position": 192, "packed": True}),
     (jnp.bfloat16, 2, 4, 128, 16, "position_free", [(200, 1, 0), (5, 1, 0), (130, 1, 20)],
      {"consumers": 2, "stages": 4, "max_position": 256, "splits": 2}),
     (jnp.float16, 1, 8, 128, 16, "position_free", [(300, 1, 0), (64, 1, 60)],

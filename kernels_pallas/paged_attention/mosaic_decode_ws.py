@@ -60,7 +60,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             o_ref, lse_ref, qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem,
             inv_smem, p_smem, lse_smem, meta_smem, q_bar, kv_bar, ready_bar, free_bar, *,
             max_blocks, page_size, pages_per_step, half, rotate_keys, table, scaling, dtype,
-            splits, stages, consumers, out_rows, interpret, rotate_math):
+            splits, stages, consumers, out_rows, interpret, rotate_math, packed):
     s, h, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
     wg = lax.axis_index("wg")
     block_k = pages_per_step * page_size
@@ -129,9 +129,10 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             if rotate_keys:  # the consumers wait for the rotated keys, not for the TMA
                 plgpu.barrier_wait(kv_bar.at[slot])
             if rotate_keys and rotate_math:
+                math_dtype = dtype if packed else jnp.float32  # packed: bf16x2 / f16x2 FMAs
                 if table:
-                    cos = ca_smem[slot].astype(jnp.float32)
-                    sin = cb_smem[slot].astype(jnp.float32)
+                    cos = ca_smem[slot].astype(math_dtype)
+                    sin = cb_smem[slot].astype(math_dtype)
                 else:
                     row = plgpu.broadcasted_iota(jnp.int32, (block_k, half), 0,
                                                  layout=plgpu.Layout.WGMMA)
@@ -139,9 +140,10 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
                     ang = pos.astype(jnp.float32) * inv_smem[...]
                     n = jnp.round(ang * (1.0 / (2.0 * math.pi)))
                     red = (ang - n * _TWO_PI_HI) - n * _TWO_PI_LO
-                    cos, sin = jnp.cos(red) * scaling, jnp.sin(red) * scaling
-                k_lo = ka_smem[slot].astype(jnp.float32)
-                k_hi = kb_smem[slot].astype(jnp.float32)
+                    cos = (jnp.cos(red) * scaling).astype(math_dtype)
+                    sin = (jnp.sin(red) * scaling).astype(math_dtype)
+                k_lo = ka_smem[slot].astype(math_dtype)
+                k_hi = kb_smem[slot].astype(math_dtype)
                 ka_smem[slot] = (k_lo * cos - k_hi * sin).astype(dtype)
                 kb_smem[slot] = (k_hi * cos + k_lo * sin).astype(dtype)
                 plgpu.commit_smem()  # visible to the consumers' wgmmas (async proxy)
@@ -232,11 +234,13 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
 def decode_attention_mosaic_ws(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                                attention_scaling: float, sm_scale: float, pages_per_step: int = 4,
                                splits: int | None = None, stages: int = 4, consumers: int = 2,
-                               max_position: int | None = None, rotate_math: bool = True,
-                               interpret=False):
+                               max_position: int | None = None, packed: bool = False,
+                               rotate_math: bool = True, interpret=False):
     """As mosaic_decode.decode_attention_mosaic (same inputs and result), warp-specialised:
     `consumers` compute warpgroups and one producer warpgroup (TMA, and the key rotation in
-    position_free mode); stages: ring slots, a multiple of consumers and larger. rotate_math=False
+    position_free mode); stages: ring slots, a multiple of consumers and larger; packed: rotate
+    the keys with 16-bit FMAs (bf16x2) instead of float32 (as triton_decode's packed option);
+    rotate_math=False
     is a benchmark diagnostic: the same pipeline with the rotation arithmetic skipped (wrong
     results), to tell the pipeline's cost from the rotation's."""
     tokens, heads, head_dim = q_rot.shape
@@ -279,7 +283,7 @@ def decode_attention_mosaic_ws(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_
         pages_per_step=pages_per_step, half=half,
         rotate_keys=rotate_keys, table=table, scaling=float(attention_scaling), dtype=dtype,
         splits=splits, stages=stages, consumers=consumers, out_rows=out_rows,
-        interpret=bool(interpret), rotate_math=rotate_math)
+        interpret=bool(interpret), rotate_math=rotate_math, packed=packed)
     parts = splits * consumers
     call = plgpu.kernel(
         kernel,
