@@ -1,7 +1,7 @@
 """Decode paged attention in Pallas Mosaic GPU (Hopper: TMA page loads, wgmma), RoPE at read.
 
 EXPERIMENTAL: runs under the Mosaic GPU interpreter on CPU (tests/test_paged_attention_mgpu.py)
-and compiled on the H200 (benchmarks/RESULTS.md, decode runs 16-19): in rotated mode it matches
+and compiled on the H200 (benchmarks/RESULTS.md, decode runs 16-21): in rotated mode it matches
 triton_decode (the kernel alone 262 vs 263 us at 64 x 4096, 2 stages, P in registers), but
 RoPE at read costs +54-95% here against +3% in triton_decode, which stays the decode default.
 
