@@ -25,8 +25,10 @@ halves are loaded to registers, rotated in float32, written back in place to the
 and contracted by two wgmmas (lo and hi halves). The output goes through the first V slot of
 the ring (free once the loop is done); each CTA stores only the row tile holding its G query
 rows (normalised, in the input dtype) and their log-sum-exps. Only the buffers a mode uses are
-allocated, so that two CTAs fit on an SM where they can (e.g. rotated with 3 stages,
-position_free with 2: about 112 KiB each).
+allocated, so that two CTAs fit on an SM where they can (rotated or trig with 2 stages: 86-102
+KiB each at 8192 tokens; the table variant needs ~118 KiB there, so one CTA). The per-step
+pieces (page entries, key positions, TMA loads, rotation, softmax step) are in
+mosaic_decode_parts.py, shared with the warp-specialised kernel.
 
 Limits: bf16/f16; full rotary (R == D) with R/2 a multiple of 64, or rotated mode with D a
 multiple of 128; pages_per_step * B a multiple of 64; G <= 64; SMEM within 227 KiB (D = 128 in
@@ -37,7 +39,6 @@ the engine's cache starts zeroed and only ever holds finite K/V.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -46,22 +47,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.paged_attention.mosaic_decode_parts import (META_COLS, ROWS, Cta,
+                                                               attend_step, initial_carry,
+                                                               rotate_in_place, store_partial)
 from kernels_pallas.paged_attention.triton_decode import (_host_rope_table, merge_splits,
                                                            rope_table)
 
-_ROWS = 64  # wgmma M
+
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
-_TWO_PI_HI = 6.28125
-_TWO_PI_LO = 0.0019353071795864769
-
-
-_META_COLS = 64  # block table, block starts, valid counts: [S, 3, rows, 64] (TMA box dims <= 256)
-
-
-def _meta(meta_smem, which, b):
-    """Entry b of this sequence's block table (0), block starts (1) or valid counts (2), from
-    the copy in shared memory (a scalar load from global memory costs a round trip to L2)."""
-    return meta_smem[which, b // _META_COLS, b % _META_COLS]
 
 
 def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, table=True,
@@ -70,10 +63,10 @@ def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, t
     head_dim, page_size, half = q.shape[-1], k_pages.shape[1], inv_freq.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
         return f"needs bf16/f16 q and pages, got {q.dtype}/{k_pages.dtype}"
-    if (pages_per_step * page_size) % _ROWS:
-        return f"needs pages_per_step * page_size a multiple of {_ROWS}"
-    if q.shape[1] // k_pages.shape[2] > _ROWS:
-        return f"needs at most {_ROWS} query heads per kv head"
+    if (pages_per_step * page_size) % ROWS:
+        return f"needs pages_per_step * page_size a multiple of {ROWS}"
+    if q.shape[1] // k_pages.shape[2] > ROWS:
+        return f"needs at most {ROWS} query heads per kv head"
     if rotate_keys and (2 * half != head_dim or half % 64):
         return f"needs full rotary with R/2 a multiple of 64, got R={2 * half}, D={head_dim}"
     if head_dim % 128 and not rotate_keys:
@@ -83,8 +76,8 @@ def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, t
     need = smem_bytes(head_dim, pages_per_step * page_size, q.dtype.itemsize, stages,
                       rotate_keys and table, rotate_keys and not table, p_in_registers)
     need += meta_bytes(table_cols)
-    if table_cols > 256 * _META_COLS:
-        return f"needs block tables of at most {256 * _META_COLS} entries, got {table_cols}"
+    if table_cols > 256 * META_COLS:
+        return f"needs block tables of at most {256 * META_COLS} entries, got {table_cols}"
     if need > _SMEM_LIMIT:
         return (f"needs {need} bytes of shared memory for head_dim {head_dim}, block "
                 f"{pages_per_step * page_size}, {stages} stages; the H200 has {_SMEM_LIMIT} "
@@ -94,7 +87,7 @@ def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, t
 
 def meta_bytes(table_cols: int) -> int:
     """SMEM for one sequence's block table, block starts and valid counts."""
-    return 3 * -(-table_cols // _META_COLS) * _META_COLS * 4
+    return 3 * -(-table_cols // META_COLS) * META_COLS * 4
 
 
 def smem_bytes(head_dim, block_k, itemsize, stages, table, trig, p_in_registers=False):
@@ -102,9 +95,9 @@ def smem_bytes(head_dim, block_k, itemsize, stages, table, trig, p_in_registers=
     inv_freq tile (f32, trig), probabilities (unless in registers), log-sum-exps, barriers."""
     half = head_dim // 2
     stage = (2 * block_k * half + block_k * head_dim + (2 * block_k * half if table else 0))
-    return (2 * _ROWS * half * itemsize + stages * stage * itemsize
+    return (2 * ROWS * half * itemsize + stages * stage * itemsize
             + (block_k * half * 4 if trig else 0)
-            + (0 if p_in_registers else _ROWS * block_k * itemsize) + _ROWS * 4 + 256)
+            + (0 if p_in_registers else ROWS * block_k * itemsize) + ROWS * 4 + 256)
 
 
 def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
@@ -112,18 +105,14 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             inv_smem, p_smem, lse_smem, meta_smem, q_bar, kv_bar, *, max_blocks, page_size,
             pages_per_step, half, rotate_keys, table, scaling, dtype, splits, stages, out_rows,
             p_in_registers):
-    s = lax.axis_index("s")
-    h = lax.axis_index("h")
-    split = lax.axis_index("sp")
-    block_k = pages_per_step * page_size
-    num_pages = k_ref.shape[0]
+    s, h, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
     n_blocks = nb_ref[s]
     n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
     per_split = (n_steps + splits - 1) // splits
     lo = split * per_split
     hi = jnp.minimum(lo + per_split, n_steps)
-    q_pos = qpos_ref[s]
-    q_win = qwin_ref[s]
+    cta = Cta(s, h, meta_smem, n_blocks, k_ref, v_ref, rope_ref, page_size, pages_per_step, half,
+              max_blocks, rotate_keys and table)
 
     plgpu.copy_gmem_to_smem(q_ref.at[s, h, :, pl.ds(0, half)], qa_smem, q_bar)
     plgpu.copy_gmem_to_smem(q_ref.at[s, h, :, pl.ds(half, half)], qb_smem, q_bar)
@@ -131,59 +120,16 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
         plgpu.copy_gmem_to_smem(rope_ref, inv_smem, q_bar)
     plgpu.copy_gmem_to_smem(meta_ref.at[s], meta_smem, q_bar)
     plgpu.barrier_wait(q_bar)  # the block table is read from SMEM from here on
-
-    def entry(step, p):
-        b = jnp.minimum(step * pages_per_step + p, max_blocks - 1)
-        return b, jnp.clip(_meta(meta_smem, 0, b), 0, num_pages - 1)
+    q_pos, q_win = qpos_ref[s], qwin_ref[s]  # once: a global load on every step would cost
 
     def issue(step, slot):
-        for p in range(pages_per_step):
-            b, page = entry(step, p)
-            rows = pl.ds(p * page_size, page_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, :, h, pl.ds(0, half)],
-                                    ka_smem.at[slot, rows], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[page, :, h, pl.ds(half, half)],
-                                    kb_smem.at[slot, rows], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, :, h], v_smem.at[slot, rows], kv_bar.at[slot])
-            if rotate_keys and table:  # the page's cos | sin rows: its slots' positions
-                start = jnp.clip(_meta(meta_smem, 1, b), 0, rope_ref.shape[1] - page_size)
-                shift, base = lax.rem(start, 8), pl.multiple_of(start - lax.rem(start, 8), 8)
-                src = rope_ref.at[shift, pl.ds(base, page_size)]
-                plgpu.copy_gmem_to_smem(src.at[:, pl.ds(0, half)], ca_smem.at[slot, rows],
-                                        kv_bar.at[slot])
-                plgpu.copy_gmem_to_smem(src.at[:, pl.ds(half, half)], cb_smem.at[slot, rows],
-                                        kv_bar.at[slot])
+        cta.issue(step, ka_smem.at[slot], kb_smem.at[slot], v_smem.at[slot], ca_smem.at[slot],
+                  cb_smem.at[slot], kv_bar.at[slot])
 
     for ahead in range(stages - 1):  # the ring's first stages - 1 steps
-        @pl.when(lo + ahead < hi)
-        def _():
-            issue(lo + ahead, ahead)
-
-    def key_info(step, idx):
-        """idx: key index within the step (an iota) -> (logical position, valid)."""
-        pos = jnp.zeros_like(idx)
-        valid = idx < 0
-        for p in range(pages_per_step):
-            b, _ = entry(step, p)
-            live = step * pages_per_step + p < n_blocks
-            local = idx - p * page_size
-            here = (local >= 0) & (local < page_size)
-            pos = jnp.where(here, _meta(meta_smem, 1, b) + local, pos)
-            valid = jnp.where(here, (local < _meta(meta_smem, 2, b)) & live, valid)
-        return pos, valid
-
-    def cos_sin(step, slot):
-        if table:
-            return (ca_smem[slot].astype(jnp.float32), cb_smem[slot].astype(jnp.float32))
-        row = plgpu.broadcasted_iota(jnp.int32, (block_k, half), 0, layout=plgpu.Layout.WGMMA)
-        pos, _ = key_info(step, row)
-        ang = pos.astype(jnp.float32) * inv_smem[...]  # [BK, R/2]
-        n = jnp.round(ang * (1.0 / (2.0 * math.pi)))
-        red = (ang - n * _TWO_PI_HI) - n * _TWO_PI_LO
-        return jnp.cos(red) * scaling, jnp.sin(red) * scaling
+        pl.when(lo + ahead < hi)(functools.partial(issue, lo + ahead, ahead))
 
     def step_fn(step, carry):
-        acc, m_i, l_i = carry
         slot = lax.rem(step - lo, stages)
 
         @pl.when(step + stages - 1 < hi)  # refill the slot step - 1 used (its wgmmas are done)
@@ -193,67 +139,17 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
         plgpu.barrier_wait(kv_bar.at[slot])
         ka, kb = ka_smem.at[slot], kb_smem.at[slot]
         if rotate_keys:  # in place: the slot is refilled only after this step's wgmmas
-            cos, sin = cos_sin(step, slot)
-            k_lo = ka[...].astype(jnp.float32)
-            k_hi = kb[...].astype(jnp.float32)
-            ka[...] = (k_lo * cos - k_hi * sin).astype(dtype)
-            kb[...] = (k_hi * cos + k_lo * sin).astype(dtype)
-            plgpu.commit_smem()
+            cos, sin = ((ca_smem[slot], cb_smem[slot]) if table else
+                        cta.trig_cos_sin(step, inv_smem, scaling))
+            rotate_in_place(ka, kb, cos, sin, dtype)
+        return attend_step(carry, cta, step, q_pos, q_win, qa_smem, qb_smem, ka, kb,
+                           v_smem.at[slot], dtype, None if p_in_registers else p_smem)
 
-        def compute_qk(acc_ref):
-            plgpu.wgmma(acc_ref, qa_smem, ka.transpose((1, 0)))
-            plgpu.wgmma(acc_ref, qb_smem, kb.transpose((1, 0)))
-            return acc_ref[...]
-
-        qk = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, block_k), jnp.float32))
-        col = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
-        k_pos, k_ok = key_info(step, col)
-        mask = k_ok & (k_pos <= q_pos) & (k_pos >= q_win)
-        log2e = math.log2(math.e)
-        qk = jnp.where(mask, qk * log2e, -jnp.inf)
-        m_new = jnp.maximum(m_i, qk.max(axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_safe)
-        p = jnp.exp2(qk - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
-        l_i = l_i * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        if p_in_registers:  # wgmma's register A operand, as mosaic_prefill does when compiled
-            p16 = p.astype(dtype)
-            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-
-            def accumulate_pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-            return pl.run_state(accumulate_pv)(plgpu.ACC.init(acc)), m_new, l_i
-        # P through SMEM and a fresh accumulator: the Mosaic GPU interpreter supports only SMEM
-        # operands and the ref form of wgmma. Costs one 8 KiB SMEM round trip per step.
-        p_smem[...] = p.astype(dtype)
-        plgpu.commit_smem()
-
-        def compute_pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-            return acc_ref[...]
-
-        pv = pl.run_scoped(compute_pv, plgpu.ACC((_ROWS, v_smem.shape[-1]), jnp.float32))
-        return acc + pv, m_new, l_i
-
-    head_dim = v_smem.shape[-1]
-    m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    acc, m_i, l_i = lax.fori_loop(lo, hi, step_fn, (acc, m_i, l_i))
-    # A split that saw no visible key keeps l = 0: output 0 and log-sum-exp -inf (weight 0).
-    lse_smem[...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(
-        jnp.where(l_i == 0.0, 1.0, l_i))) * (1.0 / math.log2(math.e)))
-    l_i = jnp.where(l_i == 0.0, 1.0, l_i)
+    carry = lax.fori_loop(lo, hi, step_fn, initial_carry(v_smem.shape[-1]))
     # Every TMA issued was waited on and every wgmma is done: V slot 0 is free for the output.
-    o_smem = v_smem.at[0] if v_smem.shape[1] == _ROWS else v_smem.at[0, pl.ds(0, _ROWS)]
-    o_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[split, s, h])
-    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, out_rows)], lse_ref.at[split, s, h])
-    plgpu.wait_smem_to_gmem(0)
+    o_smem = v_smem.at[0] if v_smem.shape[1] == ROWS else v_smem.at[0, pl.ds(0, ROWS)]
+    store_partial(carry, o_smem, lse_smem, o_ref.at[split, s, h], lse_ref.at[split, s, h],
+                  out_rows, dtype)
 
 
 def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
@@ -295,16 +191,16 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
 
     trig = rotate_keys and not table
     scratch = [
-        plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q lo
-        plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q hi
+        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q lo
+        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q hi
         plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k lo ring
         plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k hi ring
         plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=bf),  # v ring
         ring(table, (stages, block_k, half), dtype, bf),  # cos rows (table)
         ring(table, (stages, block_k, half), dtype, bf),  # sin rows (table)
         ring(trig, (block_k, half), jnp.float32, f32),  # inv_freq per column (trig)
-        ring(not p_in_registers, (_ROWS, block_k), dtype, bf),  # probabilities
-        plgpu.SMEM((_ROWS,), jnp.float32),  # log-sum-exps
+        ring(not p_in_registers, (ROWS, block_k), dtype, bf),  # probabilities
+        plgpu.SMEM((ROWS,), jnp.float32),  # log-sum-exps
         plgpu.SMEM(ins[1].shape[1:], jnp.int32),  # this sequence's block table etc.
         plgpu.Barrier(num_arrivals=3 + trig),
         plgpu.Barrier(num_arrivals=(5 if table else 3) * pages_per_step, num_barriers=stages),
@@ -339,7 +235,7 @@ def decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling, sm_scale,
     half = inv_freq.shape[0] if rotate_keys else head_dim // 2
     q_idx = jnp.clip(md.cu_q_lens[:-1], 0, tokens - 1)  # [S]
     q_seq = (q_rot[q_idx].astype(jnp.float32) * sm_scale).astype(dtype)  # [S, H, D]
-    q_pad = jnp.zeros((seqs, kv_heads, _ROWS, head_dim), dtype)
+    q_pad = jnp.zeros((seqs, kv_heads, ROWS, head_dim), dtype)
     q_pad = q_pad.at[:, :, :group].set(q_seq.reshape(seqs, kv_heads, group, head_dim))
     if rotate_keys and max_position is not None:  # rows past max_position: masked pad slots
         rope_in = shifted_rope_table(inv_freq, max_position + page_size, attention_scaling,
@@ -348,12 +244,12 @@ def decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling, sm_scale,
         inv = inv_freq.astype(jnp.float32) if rotate_keys else jnp.zeros((half,), jnp.float32)
         rope_in = jnp.broadcast_to(inv[None, :], (pages_per_step * page_size, half))
     nb = md.block_tables.shape[1]
-    rows = -(-nb // _META_COLS)
+    rows = -(-nb // META_COLS)
     meta = jnp.stack([md.block_tables, md.block_pos_start, md.block_num_valid], axis=1)
-    meta = jnp.pad(meta.astype(jnp.int32), ((0, 0), (0, 0), (0, rows * _META_COLS - nb)))
-    ins = (q_pad, meta.reshape(seqs, 3, rows, _META_COLS), md.num_blocks,
+    meta = jnp.pad(meta.astype(jnp.int32), ((0, 0), (0, 0), (0, rows * META_COLS - nb)))
+    ins = (q_pad, meta.reshape(seqs, 3, rows, META_COLS), md.num_blocks,
            md.q_positions[q_idx], md.q_window_start[q_idx], rope_in)
-    return ins, half, min(_ROWS, -(-group // 8) * 8)
+    return ins, half, min(ROWS, -(-group // 8) * 8)
 
 
 def finish_partials(out, lse, md, heads, dtype):

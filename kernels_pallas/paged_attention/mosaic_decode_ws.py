@@ -20,7 +20,6 @@ stages - consumers steps ahead of the rotation, and the rotation one step ahead 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +27,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.paged_attention.mosaic_decode import (_ROWS, _SMEM_LIMIT, _TWO_PI_HI,
-                                                          _TWO_PI_LO, _meta, decode_inputs,
+from kernels_pallas.paged_attention.mosaic_decode import (_SMEM_LIMIT, decode_inputs,
                                                           finish_partials, meta_bytes)
+from kernels_pallas.paged_attention.mosaic_decode_parts import (ROWS, Cta, attend_step,
+                                                               initial_carry, rotate_in_place,
+                                                               store_partial)
 
 
 def ws_smem_bytes(head_dim, block_k, itemsize, stages, consumers, table, trig):
@@ -38,8 +39,8 @@ def ws_smem_bytes(head_dim, block_k, itemsize, stages, consumers, table, trig):
     inv_freq tile (trig), the consumers' probabilities (interpreter) and log-sum-exps."""
     half = head_dim // 2
     stage = 2 * block_k * half + block_k * head_dim + (2 * block_k * half if table else 0)
-    return (2 * _ROWS * half * itemsize + stages * stage * itemsize
-            + (block_k * half * 4 if trig else 0) + consumers * _ROWS * 4 + 512)
+    return (2 * ROWS * half * itemsize + stages * stage * itemsize
+            + (block_k * half * 4 if trig else 0) + consumers * ROWS * 4 + 512)
 
 
 def ws_limits(q, k_pages, rotate_keys, pages_per_step, stages, consumers, table, table_cols):
@@ -63,31 +64,14 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             splits, stages, consumers, out_rows, interpret, rotate_math, packed):
     s, h, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
     wg = lax.axis_index("wg")
-    block_k = pages_per_step * page_size
-    num_pages = k_ref.shape[0]
     n_blocks = nb_ref[s]
     n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
     per_split = (n_steps + splits - 1) // splits
     lo = split * per_split
     hi = jnp.minimum(lo + per_split, n_steps)
     trig = rotate_keys and not table
-
-    def entry(step, p):
-        b = jnp.minimum(step * pages_per_step + p, max_blocks - 1)
-        return b, jnp.clip(_meta(meta_smem, 0, b), 0, num_pages - 1)
-
-    def key_info(step, idx):
-        """idx: key index within the step (an iota) -> (logical position, valid)."""
-        pos = jnp.zeros_like(idx)
-        valid = idx < 0
-        for p in range(pages_per_step):
-            b, _ = entry(step, p)
-            live = step * pages_per_step + p < n_blocks
-            local = idx - p * page_size
-            here = (local >= 0) & (local < page_size)
-            pos = jnp.where(here, _meta(meta_smem, 1, b) + local, pos)
-            valid = jnp.where(here, (local < _meta(meta_smem, 2, b)) & live, valid)
-        return pos, valid
+    cta = Cta(s, h, meta_smem, n_blocks, k_ref, v_ref, rope_ref, page_size, pages_per_step, half,
+              max_blocks, rotate_keys and table)
 
     @pl.when(wg == 0)
     def _():  # q, the block table etc. (and the inv_freq tile) for every warpgroup
@@ -101,23 +85,8 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
     def _producer():
         def issue(step):
             slot = lax.rem(step - lo, stages)
-            for p in range(pages_per_step):
-                b, page = entry(step, p)
-                rows = pl.ds(p * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[page, :, h, pl.ds(0, half)],
-                                        ka_smem.at[slot, rows], kv_bar.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[page, :, h, pl.ds(half, half)],
-                                        kb_smem.at[slot, rows], kv_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[page, :, h], v_smem.at[slot, rows],
-                                        kv_bar.at[slot])
-                if table:  # 8 shifted copies: the box starts at a multiple of 8 (TMA tiling)
-                    start = jnp.clip(_meta(meta_smem, 1, b), 0, rope_ref.shape[1] - page_size)
-                    shift = lax.rem(start, 8)
-                    src = rope_ref.at[shift, pl.ds(pl.multiple_of(start - shift, 8), page_size)]
-                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(0, half)], ca_smem.at[slot, rows],
-                                            kv_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(half, half)],
-                                            cb_smem.at[slot, rows], kv_bar.at[slot])
+            cta.issue(step, ka_smem.at[slot], kb_smem.at[slot], v_smem.at[slot],
+                      ca_smem.at[slot], cb_smem.at[slot], kv_bar.at[slot])
 
         plgpu.barrier_wait(q_bar)
         for ahead in range(stages):
@@ -128,26 +97,11 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             slot = lax.rem(step - lo, stages)
             if rotate_keys:  # the consumers wait for the rotated keys, not for the TMA
                 plgpu.barrier_wait(kv_bar.at[slot])
-            if rotate_keys and rotate_math:
-                math_dtype = dtype if packed else jnp.float32  # packed: bf16x2 / f16x2 FMAs
-                if table:
-                    cos = ca_smem[slot].astype(math_dtype)
-                    sin = cb_smem[slot].astype(math_dtype)
-                else:
-                    row = plgpu.broadcasted_iota(jnp.int32, (block_k, half), 0,
-                                                 layout=plgpu.Layout.WGMMA)
-                    pos, _ = key_info(step, row)
-                    ang = pos.astype(jnp.float32) * inv_smem[...]
-                    n = jnp.round(ang * (1.0 / (2.0 * math.pi)))
-                    red = (ang - n * _TWO_PI_HI) - n * _TWO_PI_LO
-                    cos = (jnp.cos(red) * scaling).astype(math_dtype)
-                    sin = (jnp.sin(red) * scaling).astype(math_dtype)
-                k_lo = ka_smem[slot].astype(math_dtype)
-                k_hi = kb_smem[slot].astype(math_dtype)
-                ka_smem[slot] = (k_lo * cos - k_hi * sin).astype(dtype)
-                kb_smem[slot] = (k_hi * cos + k_lo * sin).astype(dtype)
-                plgpu.commit_smem()  # visible to the consumers' wgmmas (async proxy)
-            if rotate_keys:
+                if rotate_math:
+                    cos, sin = ((ca_smem[slot], cb_smem[slot]) if table else
+                                cta.trig_cos_sin(step, inv_smem, scaling))
+                    rotate_in_place(ka_smem.at[slot], kb_smem.at[slot], cos, sin, dtype,
+                                    dtype if packed else jnp.float32)
                 plgpu.barrier_arrive(ready_bar.at[slot])
             back = step - consumers  # its consumer now holds `step`: done with `back`
 
@@ -166,69 +120,21 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
         plgpu.barrier_wait(q_bar)
 
         def step_fn(t, carry):
-            acc, m_i, l_i = carry
             step = lo + wg + t * consumers
             slot = lax.rem(step - lo, stages)
             plgpu.barrier_wait((ready_bar if rotate_keys else kv_bar).at[slot])
-
-            def compute_qk(acc_ref):
-                plgpu.wgmma(acc_ref, qa_smem, ka_smem.at[slot].transpose((1, 0)))
-                plgpu.wgmma(acc_ref, qb_smem, kb_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
-
-            qk = pl.run_scoped(compute_qk, plgpu.ACC((_ROWS, block_k), jnp.float32))
-            col = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_k), 1,
-                                         layout=plgpu.Layout.WGMMA)
-            k_pos, k_ok = key_info(step, col)
-            mask = k_ok & (k_pos <= q_pos) & (k_pos >= q_win)
-            qk = jnp.where(mask, qk * math.log2(math.e), -jnp.inf)
-            m_new = jnp.maximum(m_i, qk.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_safe)
-            p = jnp.exp2(qk - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if interpret:  # the interpreter's wgmma takes SMEM operands only
-                p_smem.at[wg][...] = p.astype(dtype)
-                plgpu.commit_smem()
-
-                def compute_pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(compute_pv, plgpu.ACC(acc.shape, jnp.float32))
-            else:
-                p16 = p.astype(dtype)
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-
-                def accumulate_pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                acc = pl.run_state(accumulate_pv)(plgpu.ACC.init(acc))
+            carry = attend_step(carry, cta, step, q_pos, q_win, qa_smem, qb_smem,
+                                ka_smem.at[slot], kb_smem.at[slot], v_smem.at[slot], dtype,
+                                p_smem.at[wg] if interpret else None)
             plgpu.barrier_arrive(free_bar.at[slot])
-            return acc, m_new, l_i
+            return carry
 
-        head_dim = v_smem.shape[-1]
-        m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32),
-                                plgpu.Layout.WGMMA)
         count = jnp.maximum(hi - lo - wg + consumers - 1, 0) // consumers
-        acc, m_i, l_i = lax.fori_loop(0, count, step_fn, (acc, m_i, l_i))
-        # No visible key: output 0 and log-sum-exp -inf (weight 0 in the merge).
-        lse_smem.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(
-            jnp.where(l_i == 0.0, 1.0, l_i))) * (1.0 / math.log2(math.e)))
-        l_i = jnp.where(l_i == 0.0, 1.0, l_i)
+        carry = lax.fori_loop(0, count, step_fn, initial_carry(v_smem.shape[-1]))
         # This consumer's last TMA landed and its wgmmas are done: its V slot `wg` is free.
-        o_smem = v_smem.at[wg, pl.ds(0, _ROWS)]
-        o_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
-        plgpu.commit_smem()
         part = split * consumers + wg
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[part, s, h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg, pl.ds(0, out_rows)], lse_ref.at[part, s, h])
-        plgpu.wait_smem_to_gmem(0)
+        store_partial(carry, v_smem.at[wg, pl.ds(0, ROWS)], lse_smem.at[wg],
+                      o_ref.at[part, s, h], lse_ref.at[part, s, h], out_rows, dtype)
 
 
 def decode_attention_mosaic_ws(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
@@ -261,17 +167,17 @@ def decode_attention_mosaic_ws(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_
     unused = plgpu.SMEM((8,), dtype)  # a buffer the mode does not use
 
     scratch = [
-        plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q lo
-        plgpu.SMEM((_ROWS, half), dtype, transforms=bf),  # q hi
+        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q lo
+        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q hi
         plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k lo ring
         plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k hi ring
         plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=bf),  # v ring
         plgpu.SMEM((stages, block_k, half), dtype, transforms=bf) if table else unused,  # cos
         plgpu.SMEM((stages, block_k, half), dtype, transforms=bf) if table else unused,  # sin
         plgpu.SMEM((block_k, half), jnp.float32, transforms=f32) if trig else unused,  # inv
-        plgpu.SMEM((consumers, _ROWS, block_k), dtype, transforms=bf) if interpret
+        plgpu.SMEM((consumers, ROWS, block_k), dtype, transforms=bf) if interpret
         else unused,  # probabilities (the interpreter's wgmma takes SMEM operands only)
-        plgpu.SMEM((consumers, _ROWS), jnp.float32),  # log-sum-exps
+        plgpu.SMEM((consumers, ROWS), jnp.float32),  # log-sum-exps
         plgpu.SMEM(ins[1].shape[1:], jnp.int32),  # this sequence's block table etc.
         plgpu.Barrier(num_arrivals=3 + trig),
         plgpu.Barrier(num_arrivals=(5 if table else 3) * pages_per_step, num_barriers=stages),
