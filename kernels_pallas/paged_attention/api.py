@@ -110,7 +110,7 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         needed by the table modes; packed: bf16x2 key rotation, default on for bf16),
         mosaic (pages_per_step, splits, stages, max_position: cos/sin rows by TMA from a
         table; p_in_registers; consumers: the warp-specialised kernel with that many compute
-        warpgroups, mosaic_decode_ws.py).
+        warpgroups, mosaic_decode_ws.py, with its packed and rotate_math options).
     Returns:
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
