@@ -46,8 +46,7 @@ def allocate_pool(make_cache, num_blocks: int, *, may_shrink: bool):
             cache = make_cache(num_blocks)
             jax.block_until_ready(cache)
             return cache, num_blocks
-        except jax.errors.JaxRuntimeError as e:
-            cache = None  # noqa: F841 - drop what was allocated before retrying
+        except jax.errors.JaxRuntimeError as e:  # what was allocated is freed with `e`
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             if not may_shrink or num_blocks <= 2:

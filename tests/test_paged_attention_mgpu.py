@@ -63,20 +63,26 @@ def _inputs(seed, dtype, kv_heads, group, head_dim, page_size, specs):
     return q, k, v, md, jnp.asarray(inv_freq_for(head_dim))
 
 
-@pytest.mark.parametrize("p_in_registers", [False] + ([] if INTERPRET else [True]),
-                         ids=lambda p: "p_regs" if p else "p_smem")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{jnp.dtype(c[0]).name}-G{c[2]}-D{c[3]}"
-                         f"-B{c[4]}-{c[5]}-" + "-".join(f"{k}{v}" for k, v in c[7].items()))
-def test_mosaic_decode_matches_reference(case, p_in_registers):
-    """Split partials and log-sum-exps start as NaN (interpreter): unwritten ones would show.
-    Compiled, each case also runs with the probabilities in registers (the interpreter cannot)."""
+# Compiled, each one-warpgroup case also runs with the probabilities in registers (the
+# interpreter cannot); the warp-specialised kernel keeps P in registers whenever compiled.
+RUNS = [(c, False) for c in CASES] + ([] if INTERPRET else [
+    (c, True) for c in CASES if "consumers" not in c[7]])
+
+
+def _run_id(run):
+    c, p_regs = run
+    return (f"{jnp.dtype(c[0]).name}-G{c[2]}-D{c[3]}-B{c[4]}-{c[5]}-"
+            + "-".join(f"{k}{v}" for k, v in c[7].items()) + ("-p_regs" if p_regs else ""))
+
+
+@pytest.mark.parametrize("run", RUNS, ids=_run_id)
+def test_mosaic_decode_matches_reference(run):
+    """Split partials and log-sum-exps start as NaN (interpreter): unwritten ones would show."""
+    case, p_in_registers = run
     dtype, kv_heads, group, head_dim, page_size, kv_mode, specs, opts = case
     if opts.get("consumers", 0) > 1 and not MANY_THREADS_OK:
         pytest.skip("3 interpreted warpgroups can starve on a 2-core machine (see above)")
-    if "consumers" in opts:  # P in registers whenever compiled
-        if p_in_registers:
-            pytest.skip("the warp-specialised kernel has no p_in_registers option")
-    else:
+    if "consumers" not in opts:
         opts = dict(opts, p_in_registers=p_in_registers)
     q, k, v, md, inv = _inputs(CASES.index(case), dtype, kv_heads, group, head_dim, page_size,
                                specs)

@@ -150,20 +150,16 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
         decode_only = True
     elif implementation == "mosaic":
         options.setdefault("pages_per_step", max(1, 64 // k_pages.shape[1]))
+        shape = (q, k_pages, inv_freq, rotate_keys, options["pages_per_step"],
+                 metadata.block_tables.shape[1])
         table = options.get("max_position") is not None
         if options.get("consumers"):  # the warp-specialised kernel
             options.setdefault("stages", 4)
-            problem = (mosaic_limits(q, k_pages, inv_freq, rotate_keys, options["pages_per_step"],
-                                     2, table)
-                       or ws_limits(q, k_pages, rotate_keys, options["pages_per_step"],
-                                    options["stages"], options["consumers"], table,
-                                    metadata.block_tables.shape[1]))
+            problem = ws_limits(*shape, options["stages"], options["consumers"], table)
             kernel = functools.partial(decode_attention_mosaic_ws, **options)
         else:
-            problem = mosaic_limits(q, k_pages, inv_freq, rotate_keys, options["pages_per_step"],
-                                    options.get("stages", 3), table,
-                                    options.get("p_in_registers", False),
-                                    metadata.block_tables.shape[1])
+            problem = mosaic_limits(*shape, options.get("stages", 3), table,
+                                    options.get("p_in_registers", False))
             kernel = functools.partial(decode_attention_mosaic, **options)
         decode_only = True
     elif implementation == "mosaic_prefill":

@@ -49,7 +49,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.paged_attention.mosaic_decode_parts import (META_COLS, ROWS, Cta,
                                                                attend_step, initial_carry,
-                                                               rotate_in_place, store_partial)
+                                                               rotate_in_place, scratch_buffers,
+                                                               store_partial)
 from kernels_pallas.paged_attention.triton_decode import (_host_rope_table, merge_splits,
                                                            rope_table)
 
@@ -57,9 +58,8 @@ from kernels_pallas.paged_attention.triton_decode import (_host_rope_table, merg
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
 
 
-def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, table=True,
-                  p_in_registers=False, table_cols=0):
-    """Why this kernel cannot take these shapes ('' when it can)."""
+def shape_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols):
+    """Why the Mosaic decode kernels cannot take these shapes ('' when they can)."""
     head_dim, page_size, half = q.shape[-1], k_pages.shape[1], inv_freq.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
         return f"needs bf16/f16 q and pages, got {q.dtype}/{k_pages.dtype}"
@@ -71,18 +71,31 @@ def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, stages=3, t
         return f"needs full rotary with R/2 a multiple of 64, got R={2 * half}, D={head_dim}"
     if head_dim % 128 and not rotate_keys:
         return f"needs head_dim a multiple of 128 in rotated mode, got {head_dim}"
-    if stages < 2:
-        return f"needs at least 2 stages, got {stages}"
-    need = smem_bytes(head_dim, pages_per_step * page_size, q.dtype.itemsize, stages,
-                      rotate_keys and table, rotate_keys and not table, p_in_registers)
-    need += meta_bytes(table_cols)
     if table_cols > 256 * META_COLS:
         return f"needs block tables of at most {256 * META_COLS} entries, got {table_cols}"
-    if need > _SMEM_LIMIT:
-        return (f"needs {need} bytes of shared memory for head_dim {head_dim}, block "
-                f"{pages_per_step * page_size}, {stages} stages; the H200 has {_SMEM_LIMIT} "
-                f"per block")
     return ""
+
+
+def smem_limit(q, k_pages, rotate_keys, pages_per_step, table_cols, stages, table, p_tiles,
+               lse_tiles):
+    """'' when a CTA's SMEM (smem_bytes plus the block-table copy) fits the H200, else why."""
+    block_k = pages_per_step * k_pages.shape[1]
+    need = smem_bytes(q.shape[-1], block_k, q.dtype.itemsize, stages, rotate_keys and table,
+                      rotate_keys and not table, p_tiles, lse_tiles) + meta_bytes(table_cols)
+    if need > _SMEM_LIMIT:
+        return (f"needs {need} bytes of shared memory for head_dim {q.shape[-1]}, block "
+                f"{block_k}, {stages} stages; the H200 has {_SMEM_LIMIT} per block")
+    return ""
+
+
+def mosaic_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols, stages=3,
+                  table=True, p_in_registers=False):
+    """Why this kernel cannot take these shapes and options ('' when it can)."""
+    if stages < 2:
+        return f"needs at least 2 stages, got {stages}"
+    return (shape_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols)
+            or smem_limit(q, k_pages, rotate_keys, pages_per_step, table_cols, stages, table,
+                          0 if p_in_registers else 1, 1))
 
 
 def meta_bytes(table_cols: int) -> int:
@@ -90,14 +103,15 @@ def meta_bytes(table_cols: int) -> int:
     return 3 * -(-table_cols // META_COLS) * META_COLS * 4
 
 
-def smem_bytes(head_dim, block_k, itemsize, stages, table, trig, p_in_registers=False):
+def smem_bytes(head_dim, block_k, itemsize, stages, table, trig, p_tiles=1, lse_tiles=1):
     """SMEM of one CTA: q halves, `stages` of K halves + V (+ cos/sin rows with a table), the
-    inv_freq tile (f32, trig), probabilities (unless in registers), log-sum-exps, barriers."""
+    inv_freq tile (f32, trig), p_tiles probability tiles (P through SMEM), lse_tiles
+    log-sum-exp rows, barriers."""
     half = head_dim // 2
     stage = (2 * block_k * half + block_k * head_dim + (2 * block_k * half if table else 0))
     return (2 * ROWS * half * itemsize + stages * stage * itemsize
-            + (block_k * half * 4 if trig else 0)
-            + (0 if p_in_registers else ROWS * block_k * itemsize) + ROWS * 4 + 256)
+            + (block_k * half * 4 if trig else 0) + p_tiles * ROWS * block_k * itemsize
+            + lse_tiles * ROWS * 4 + 512)
 
 
 def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
@@ -163,7 +177,7 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
     most 16); stages: depth of the TMA ring; max_position (position_free): bound on the
     positions, for a cos | sin table read by TMA with each page (else per-key SFU trig);
     p_in_registers (compiled only): the probabilities feed the PV wgmma from registers instead of
-    an SMEM round trip (not yet compiled for this kernel: off by default).
+    an SMEM round trip (off by default, as the interpreter cannot run it; faster on the H200).
     interpret: False (compile for the GPU), True (Mosaic GPU interpreter on CPU; buffers start
     as NaN, so unwritten outputs show), or a plgpu.InterpretGPUParams (e.g. detect_races=True).
     Returns [T, H, D]; rows that are no sequence's query are zero.
@@ -171,40 +185,19 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
     if p_in_registers and interpret:
         raise ValueError("decode_attention_mosaic: p_in_registers needs the compiled kernel (the "
                          "Mosaic GPU interpreter takes SMEM wgmma operands only)")
-    tokens, heads, head_dim = q_rot.shape
-    num_pages, page_size, kv_heads, _ = k_pages.shape
+    heads, head_dim = q_rot.shape[1:]
+    page_size, kv_heads = k_pages.shape[1:3]
     seqs = md.block_tables.shape[0]
     dtype = q_rot.dtype
-    block_k = pages_per_step * page_size
     table = rotate_keys and max_position is not None
     if splits is None:
         splits = max(1, min(16, -(-2048 // (seqs * kv_heads))))
     ins, half, out_rows = decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling,
                                         sm_scale, pages_per_step, page_size, kv_heads,
                                         max_position)
-    sw = plgpu.SwizzleTransform(128)
-    bf = (plgpu.TilingTransform((8, 64)), sw)
-    f32 = (plgpu.TilingTransform((8, 32)), sw)
-
-    def ring(on, shape, dt, tf):  # a buffer the mode does not use takes 8 elements
-        return plgpu.SMEM(shape, dt, transforms=tf) if on else plgpu.SMEM((8,), dt)
-
-    trig = rotate_keys and not table
-    scratch = [
-        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q lo
-        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q hi
-        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k lo ring
-        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k hi ring
-        plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=bf),  # v ring
-        ring(table, (stages, block_k, half), dtype, bf),  # cos rows (table)
-        ring(table, (stages, block_k, half), dtype, bf),  # sin rows (table)
-        ring(trig, (block_k, half), jnp.float32, f32),  # inv_freq per column (trig)
-        ring(not p_in_registers, (ROWS, block_k), dtype, bf),  # probabilities
-        plgpu.SMEM((ROWS,), jnp.float32),  # log-sum-exps
-        plgpu.SMEM(ins[1].shape[1:], jnp.int32),  # this sequence's block table etc.
-        plgpu.Barrier(num_arrivals=3 + trig),
-        plgpu.Barrier(num_arrivals=(5 if table else 3) * pages_per_step, num_barriers=stages),
-    ]
+    scratch = scratch_buffers(dtype, half, head_dim, pages_per_step, page_size, stages, table,
+                              rotate_keys and not table, probs=None if p_in_registers else (),
+                              lse=(), meta_shape=ins[1].shape[1:])
     kernel = functools.partial(
         _kernel, max_blocks=md.block_tables.shape[1], page_size=page_size,
         pages_per_step=pages_per_step, half=half,

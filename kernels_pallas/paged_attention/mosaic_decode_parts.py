@@ -166,3 +166,32 @@ def store_partial(carry, o_smem, lse_smem, o_dst, lse_dst, out_rows, dtype):
     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_dst)
     plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, out_rows)], lse_dst)
     plgpu.wait_smem_to_gmem(0)
+
+
+def scratch_buffers(dtype, half, head_dim, pages_per_step, page_size, stages, table, trig, probs,
+                    lse, meta_shape):
+    """The SMEM buffers and barriers both kernels take, in their argument order: q halves; the
+    ring (K halves, V, cos and sin rows); the inv_freq tile (trig); probability tiles of shape
+    probs + (64, BK) (None: P stays in registers); log-sum-exps lse + (64,); the block-table
+    copy; the q barrier (q, table copy, inv_freq) and the ring's barriers. A buffer the mode
+    does not use takes 8 elements."""
+    block_k = pages_per_step * page_size
+    sw = plgpu.SwizzleTransform(128)
+    bf = (plgpu.TilingTransform((8, 64)), sw)
+    f32 = (plgpu.TilingTransform((8, 32)), sw)
+    unused = plgpu.SMEM((8,), dtype)
+    return [
+        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q lo
+        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q hi
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k lo ring
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k hi ring
+        plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=bf),  # v ring
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf) if table else unused,  # cos
+        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf) if table else unused,  # sin
+        plgpu.SMEM((block_k, half), jnp.float32, transforms=f32) if trig else unused,  # inv
+        unused if probs is None else plgpu.SMEM(probs + (ROWS, block_k), dtype, transforms=bf),
+        plgpu.SMEM(lse + (ROWS,), jnp.float32),  # log-sum-exps
+        plgpu.SMEM(meta_shape, jnp.int32),  # this sequence's block table etc.
+        plgpu.Barrier(num_arrivals=3 + trig),
+        plgpu.Barrier(num_arrivals=(5 if table else 3) * pages_per_step, num_barriers=stages),
+    ]

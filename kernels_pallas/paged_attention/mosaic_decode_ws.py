@@ -32,34 +32,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.paged_attention.mosaic_decode import (_SMEM_LIMIT, decode_inputs,
-                                                          finish_partials, meta_bytes)
+from kernels_pallas.paged_attention.mosaic_decode import (decode_inputs, finish_partials,
+                                                          shape_limits, smem_limit)
 from kernels_pallas.paged_attention.mosaic_decode_parts import (ROWS, Cta, attend_step,
                                                                initial_carry, rotate_in_place,
-                                                               store_partial)
+                                                               scratch_buffers, store_partial)
 
 
-def ws_smem_bytes(head_dim, block_k, itemsize, stages, consumers, table, trig):
-    """SMEM of one CTA: q halves, the ring (K halves + V, + cos/sin rows with a table), the
-    inv_freq tile (trig), the consumers' probabilities (interpreter) and log-sum-exps."""
-    half = head_dim // 2
-    stage = 2 * block_k * half + block_k * head_dim + (2 * block_k * half if table else 0)
-    return (2 * ROWS * half * itemsize + stages * stage * itemsize
-            + (block_k * half * 4 if trig else 0) + consumers * ROWS * 4 + 512)
-
-
-def ws_limits(q, k_pages, rotate_keys, pages_per_step, stages, consumers, table, table_cols):
-    """Why the warp-specialised kernel cannot take these options ('' when it can)."""
+def ws_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols, stages, consumers,
+              table):
+    """Why the warp-specialised kernel cannot take these shapes and options ('' when it can).
+    Compiled, P stays in registers: no probability tiles in SMEM."""
     if consumers < 1 or stages <= consumers or stages % consumers:
         return (f"needs stages a multiple of consumers and larger, got stages={stages}, "
                 f"consumers={consumers}")
-    need = ws_smem_bytes(q.shape[-1], pages_per_step * k_pages.shape[1], q.dtype.itemsize,
-                         stages, consumers, rotate_keys and table, rotate_keys and not table)
-    need += meta_bytes(table_cols)
-    if need > _SMEM_LIMIT:
-        return (f"needs {need} bytes of shared memory for stages={stages}; the H200 has "
-                f"{_SMEM_LIMIT} per block")
-    return ""
+    return (shape_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols)
+            or smem_limit(q, k_pages, rotate_keys, pages_per_step, table_cols, stages, table, 0,
+                          consumers))
 
 
 def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
@@ -151,11 +140,10 @@ def decode_attention_mosaic_ws(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_
     `consumers` compute warpgroups and one producer warpgroup (TMA, and the key rotation in
     position_free mode); stages: ring slots, a multiple of consumers and larger; packed: rotate
     the keys with 16-bit FMAs (bf16x2) instead of float32 (as triton_decode's packed option);
-    rotate_math=False
-    is a benchmark diagnostic: the same pipeline with the rotation arithmetic skipped (wrong
-    results), to tell the pipeline's cost from the rotation's."""
-    tokens, heads, head_dim = q_rot.shape
-    num_pages, page_size, kv_heads, _ = k_pages.shape
+    rotate_math=False is a benchmark diagnostic: the same pipeline with the rotation arithmetic
+    skipped (wrong results), to tell the pipeline's cost from the rotation's."""
+    heads, head_dim = q_rot.shape[1:]
+    page_size, kv_heads = k_pages.shape[1:3]
     seqs = md.block_tables.shape[0]
     dtype = q_rot.dtype
     table = rotate_keys and max_position is not None
@@ -165,27 +153,9 @@ def decode_attention_mosaic_ws(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_
     ins, half, out_rows = decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling,
                                         sm_scale, pages_per_step, page_size, kv_heads,
                                         max_position)
-    block_k = pages_per_step * page_size
-    sw = plgpu.SwizzleTransform(128)
-    bf = (plgpu.TilingTransform((8, 64)), sw)
-    f32 = (plgpu.TilingTransform((8, 32)), sw)
-    unused = plgpu.SMEM((8,), dtype)  # a buffer the mode does not use
-
-    scratch = [
-        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q lo
-        plgpu.SMEM((ROWS, half), dtype, transforms=bf),  # q hi
-        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k lo ring
-        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf),  # k hi ring
-        plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=bf),  # v ring
-        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf) if table else unused,  # cos
-        plgpu.SMEM((stages, block_k, half), dtype, transforms=bf) if table else unused,  # sin
-        plgpu.SMEM((block_k, half), jnp.float32, transforms=f32) if trig else unused,  # inv
-        plgpu.SMEM((consumers, ROWS, block_k), dtype, transforms=bf) if interpret
-        else unused,  # probabilities (the interpreter's wgmma takes SMEM operands only)
-        plgpu.SMEM((consumers, ROWS), jnp.float32),  # log-sum-exps
-        plgpu.SMEM(ins[1].shape[1:], jnp.int32),  # this sequence's block table etc.
-        plgpu.Barrier(num_arrivals=3 + trig),
-        plgpu.Barrier(num_arrivals=(5 if table else 3) * pages_per_step, num_barriers=stages),
+    scratch = scratch_buffers(dtype, half, head_dim, pages_per_step, page_size, stages, table,
+                              trig, probs=(consumers,) if interpret else None, lse=(consumers,),
+                              meta_shape=ins[1].shape[1:]) + [
         plgpu.Barrier(num_barriers=stages),  # ready (rotated keys)
         plgpu.Barrier(num_barriers=stages),  # free (the slot's consumer is done)
     ]
