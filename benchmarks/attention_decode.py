@@ -58,19 +58,24 @@ def decode_kernel_rows(rows, case, ctx, inputs, inv, kv_bytes, configs, args, ro
 
 
 def mosaic_rows(rows, case, ctx, inputs, inv, kv_bytes, args, device_time):
-    """Mosaic GPU decode configs (PPS,SPLITS,STAGES[,PREG[,CONSUMERS[,ROT]]]): rotated,
+    """Mosaic GPU decode configs ([mma:]PPS,SPLITS,STAGES[,PREG[,CONSUMERS[,ROT]]]; mma: the
+    warp-level MMA kernel, PREG and CONSUMERS ignored, ROT 2 packed): rotated,
     position_free with SFU trig and with table rows, the table variant against rotated
     interleaved, profiled. CONSUMERS > 0 takes the warp-specialised kernel (P always in registers
     there); ROT = 1 skips its rotation arithmetic (a diagnostic: wrong results, the pipeline's
     cost alone), 2 rotates with bf16x2 FMAs (packed)."""
     it = dict(iters=args.iters, reps=args.reps)
     for cfg in args.mosaic_configs:
-        pps, splits, stages, preg, cons, rot = ([int(x) for x in cfg.split(",")] + [0] * 3)[:6]
+        mma = cfg.startswith("mma:")
+        pps, splits, stages, preg, cons, rot = (
+            [int(x) for x in cfg.removeprefix("mma:").split(",")] + [0] * 3)[:6]
         opts = dict(pages_per_step=pps, stages=stages, **({"splits": splits} if splits else {}),
-                    **({"consumers": cons} if cons else {"p_in_registers": bool(preg)}),
+                    **({"mma": True} if mma else {"consumers": cons} if cons else
+                       {"p_in_registers": bool(preg)}),
                     **({1: {"rotate_math": False}, 2: {"packed": True}}.get(rot, {})))
-        tag = (f"pps{pps} sp{splits or 'auto'} st{stages}" + (" preg" if preg and not cons else "")
-               + (f" ws{cons}" if cons else "")
+        tag = (("mma " if mma else "") + f"pps{pps} sp{splits or 'auto'} st{stages}"
+               + (" preg" if preg and not (cons or mma) else "")
+               + (f" ws{cons}" if cons and not mma else "")
                + {1: " NO-ROTATION-MATH", 2: " packed"}.get(rot, ""))
         variants = [("rotated", "rotated", opts), ("position_free", "trig", opts),
                     ("position_free", "table", dict(opts, max_position=ctx))]

@@ -44,6 +44,17 @@ CASES = [
     (jnp.float16, 1, 8, 128, 16, "position_free", [(300, 1, 0), (64, 1, 60)],
      {"consumers": 2, "stages": 4, "splits": 3}),
 ]
+# warp-level MMAs, keys rotated in registers: trig, table (explicit splits, ring depths), rotated
+MMA_CASES = [
+    (jnp.bfloat16, 2, 4, 128, 16, "position_free", [(200, 1, 0), (5, 1, 0), (130, 1, 20)],
+     {"mma": True, "splits": 2}),
+    (jnp.float16, 1, 12, 128, 16, "position_free", [(300, 1, 0), (64, 1, 60)],
+     {"mma": True, "max_position": 320, "splits": 3, "stages": 2}),
+    (jnp.bfloat16, 1, 16, 128, 32, "position_free", [(90, 1, 7), (3, 1, 0)],
+     {"mma": True, "pages_per_step": 2, "max_position": 128, "stages": 4, "packed": True}),
+    (jnp.bfloat16, 1, 8, 128, 16, "rotated", [(150, 1, 0), (0, 1, 0)], {"mma": True}),
+]
+CASES += MMA_CASES
 # The interpreter runs each warpgroup as an XLA CPU computation that blocks in its barrier
 # waits. With three warpgroups on a 2-core machine (CI) two blocked consumers can starve the
 # producer of an execution thread: a hang (seen 2026-11-30, for the 2-consumer table case). The
@@ -66,7 +77,7 @@ def _inputs(seed, dtype, kv_heads, group, head_dim, page_size, specs):
 # Compiled, each one-warpgroup case also runs with the probabilities in registers (the
 # interpreter cannot); the warp-specialised kernel keeps P in registers whenever compiled.
 RUNS = [(c, False) for c in CASES] + ([] if INTERPRET else [
-    (c, True) for c in CASES if "consumers" not in c[7]])
+    (c, True) for c in CASES if "consumers" not in c[7] and "mma" not in c[7]])
 
 
 def _run_id(run):
@@ -82,7 +93,7 @@ def test_mosaic_decode_matches_reference(run):
     dtype, kv_heads, group, head_dim, page_size, kv_mode, specs, opts = case
     if opts.get("consumers", 0) > 1 and not MANY_THREADS_OK:
         pytest.skip("3 interpreted warpgroups can starve on a 2-core machine (see above)")
-    if "consumers" not in opts:
+    if "consumers" not in opts and "mma" not in opts:
         opts = dict(opts, p_in_registers=p_in_registers)
     q, k, v, md, inv = _inputs(CASES.index(case), dtype, kv_heads, group, head_dim, page_size,
                                specs)

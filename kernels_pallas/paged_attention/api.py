@@ -20,6 +20,8 @@ import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic, mosaic_limits
+from kernels_pallas.paged_attention.mosaic_decode_mma import (decode_attention_mosaic_mma,
+                                                              mma_limits)
 from kernels_pallas.paged_attention.mosaic_decode_ws import decode_attention_mosaic_ws, ws_limits
 from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
                                                            prefill_attention_mosaic)
@@ -110,7 +112,8 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         needed by the table modes; packed: bf16x2 key rotation, default on for bf16),
         mosaic (pages_per_step, splits, stages, max_position: cos/sin rows by TMA from a
         table; p_in_registers; consumers: the warp-specialised kernel with that many compute
-        warpgroups, mosaic_decode_ws.py, with its packed and rotate_math options).
+        warpgroups, mosaic_decode_ws.py, with its packed and rotate_math options; mma: True
+        for the warp-level MMA kernel, mosaic_decode_mma.py, keys rotated in registers).
     Returns:
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
@@ -153,7 +156,10 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
         shape = (q, k_pages, inv_freq, rotate_keys, options["pages_per_step"],
                  metadata.block_tables.shape[1])
         table = options.get("max_position") is not None
-        if options.get("consumers"):  # the warp-specialised kernel
+        if options.pop("mma", False):  # warp-level MMAs on registers
+            problem = mma_limits(*shape, options.get("stages", 3), table)
+            kernel = functools.partial(decode_attention_mosaic_mma, **options)
+        elif options.get("consumers"):  # the warp-specialised kernel
             options.setdefault("stages", 4)
             problem = ws_limits(*shape, options["stages"], options["consumers"], table)
             kernel = functools.partial(decode_attention_mosaic_ws, **options)

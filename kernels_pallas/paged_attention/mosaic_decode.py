@@ -215,8 +215,8 @@ def decode_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
 
 
 def decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling, sm_scale, pages_per_step,
-                  page_size, kv_heads, max_position):
-    """The Mosaic decode kernels' inputs other than the pages: (q tiles [S, K, 64, D] with the G
+                  page_size, kv_heads, max_position, q_rows=ROWS):
+    """The Mosaic decode kernels' inputs other than the pages: (q tiles [S, K, q_rows, D] with the G
     query rows of each kv head scaled by sm_scale, block tables, block starts and valid counts
     as [S, 3, rows, 64] (one TMA box per sequence), block counts, query positions and window
     starts, then the shifted cos | sin table (position_free with max_position) or the inv_freq
@@ -228,7 +228,7 @@ def decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling, sm_scale,
     half = inv_freq.shape[0] if rotate_keys else head_dim // 2
     q_idx = jnp.clip(md.cu_q_lens[:-1], 0, tokens - 1)  # [S]
     q_seq = (q_rot[q_idx].astype(jnp.float32) * sm_scale).astype(dtype)  # [S, H, D]
-    q_pad = jnp.zeros((seqs, kv_heads, ROWS, head_dim), dtype)
+    q_pad = jnp.zeros((seqs, kv_heads, q_rows, head_dim), dtype)
     q_pad = q_pad.at[:, :, :group].set(q_seq.reshape(seqs, kv_heads, group, head_dim))
     if rotate_keys and max_position is not None:  # rows past max_position: masked pad slots
         rope_in = shifted_rope_table(inv_freq, max_position + page_size, attention_scaling,
@@ -242,7 +242,7 @@ def decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling, sm_scale,
     meta = jnp.pad(meta.astype(jnp.int32), ((0, 0), (0, 0), (0, rows * META_COLS - nb)))
     ins = (q_pad, meta.reshape(seqs, 3, rows, META_COLS), md.num_blocks,
            md.q_positions[q_idx], md.q_window_start[q_idx], rope_in)
-    return ins, half, min(ROWS, -(-group // 8) * 8)
+    return ins, half, min(q_rows, -(-group // 8) * 8)
 
 
 def finish_partials(out, lse, md, heads, dtype):

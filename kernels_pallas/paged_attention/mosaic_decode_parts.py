@@ -87,10 +87,14 @@ class Cta:
         row = plgpu.broadcasted_iota(jnp.int32, (block_k, self.half), 0,
                                      layout=plgpu.Layout.WGMMA)
         pos, _ = self.key_info(step, row)
-        ang = pos.astype(jnp.float32) * inv_smem[...]
-        n = jnp.round(ang * (1.0 / (2.0 * math.pi)))
-        red = (ang - n * _TWO_PI_HI) - n * _TWO_PI_LO
+        red = cody_waite(pos.astype(jnp.float32) * inv_smem[...])
         return jnp.cos(red) * scaling, jnp.sin(red) * scaling
+
+
+def cody_waite(angle):
+    """angle - 2 pi round(angle / 2 pi), in two steps (the SFU's cos/sin want |x| <= pi)."""
+    n = jnp.round(angle * (1.0 / (2.0 * math.pi)))
+    return (angle - n * _TWO_PI_HI) - n * _TWO_PI_LO
 
 
 def rotate_in_place(ka, kb, cos, sin, dtype, math_dtype=jnp.float32):
