@@ -12,8 +12,13 @@ probabilities, which every warp needs as its PV A operand (V^T pairs come by ldm
 One CTA (one warpgroup) per (sequence, kv head, split); the G <= 16 query heads of the kv head
 are rows 0..G-1 of a 16-row tile. The online softmax's row max is a cross-warp reduction per
 step (keys are spread over the warps); the row sum is kept per key column and reduced once at
-the end. A ring slot is refilled (TMA, issued by one thread) only after that max: the
-reduction's warpgroup barrier orders every warp's reads of the previous step before the refill.
+the end. Pallas's automatic barriers are off (it would put a warpgroup barrier before each of
+the step's 12-20 TMA copies); the kernel places its own. A ring slot is refilled (TMA, issued
+by one thread) only after that max: the reduction's warpgroup barrier orders every warp's reads
+of the previous step before the refill. The probabilities' store is followed by a barrier
+(commit_smem) before any warp reads them; their next store comes after the next step's max.
+In trig mode inv_freq comes as three bf16 parts summed in float32 (a transposed load of a
+float32 tile into the B layout gave wrong results compiled, run 22).
 
 Limits: those of mosaic_decode.py, with G <= 16.
 """
@@ -74,7 +79,7 @@ def mma_smem_bytes(head_dim, block_k, itemsize, stages, table, trig):
     half = head_dim // 2
     stage = 2 * block_k * half + block_k * head_dim + (2 * block_k * half if table else 0)
     return ((2 * QROWS * half + stages * stage + QROWS * block_k + QROWS * head_dim) * itemsize
-            + (block_k * half * 4 if trig else 0) + QROWS * 4 + 512 + 2048)
+            + (3 * block_k * half * 2 if trig else 0) + QROWS * 4 + 512 + 2048)
 
 
 def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref, o_ref, lse_ref,
@@ -100,6 +105,9 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
     plgpu.barrier_wait(q_bar)
     q_pos, q_win = qpos_ref[s], qwin_ref[s]
     q_lo, q_hi = plgpu.load(qa_smem, layout=_LHS), plgpu.load(qb_smem, layout=_LHS)
+    if rotate_keys and not table:  # inv_freq in the B layout, summed from three bf16 parts
+        inv = sum(plgpu.load(inv_smem.at[i].transpose((1, 0)), layout=_RHS).astype(jnp.float32)
+                  for i in range(3))
 
     def issue(step, slot):
         cta.issue(step, ka_smem.at[slot], kb_smem.at[slot], v_smem.at[slot], ca_smem.at[slot],
@@ -122,7 +130,6 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
             else:
                 idx = plgpu.broadcasted_iota(jnp.int32, (half, block_k), 1, layout=_RHS)
                 pos, _ = cta.key_info(step, idx)
-                inv = plgpu.load(inv_smem.transpose((1, 0)), layout=_RHS)
                 red = cody_waite(pos.astype(jnp.float32) * inv)
                 cos, sin = jnp.cos(red) * scaling, jnp.sin(red) * scaling
             math = dtype if packed else jnp.float32
@@ -145,6 +152,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
         alpha = lax.broadcast_in_dim(jnp.exp2(m_i - m_safe), qk.shape, [0])
         p = jnp.exp2(qk - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
         p_smem[...] = p.astype(dtype)  # every warp's PV needs all of the step's columns
+        plgpu.commit_smem()  # (a warpgroup barrier: auto barriers are off)
         v = plgpu.load(v_smem.at[slot], layout=_RHS)
         acc = acc * lax.broadcast_in_dim(jnp.exp2(m_i - m_safe), acc.shape, [0])
         acc = plgpu.mma(acc, plgpu.load(p_smem, layout=_LHS), v)
@@ -184,6 +192,9 @@ def decode_attention_mosaic_mma(q_rot, k_pages, v_pages, md, inv_freq, *, rotate
                                         sm_scale, pages_per_step, page_size, kv_heads,
                                         max_position, q_rows=QROWS)
     block_k = pages_per_step * page_size
+    trig = rotate_keys and not table
+    if trig:  # f32 inv_freq as three 16-bit parts: transposed loads of 16-bit tiles are exact
+        ins = ins[:-1] + (_split3(ins[-1]),)
     sw = plgpu.SwizzleTransform(128)
     bf = (plgpu.TilingTransform((8, 64)), sw)
     unused = plgpu.SMEM((8,), dtype)
@@ -193,8 +204,7 @@ def decode_attention_mosaic_mma(q_rot, k_pages, v_pages, md, inv_freq, *, rotate
         plgpu.SMEM((QROWS, half), dtype, transforms=bf),  # q hi
         ring(half), ring(half), ring(head_dim),  # k lo, k hi, v
         ring(half) if table else unused, ring(half) if table else unused,  # cos, sin
-        (plgpu.SMEM((block_k, half), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), sw))
-         if rotate_keys and not table else unused),  # inv_freq
+        plgpu.SMEM((3, block_k, half), jnp.bfloat16, transforms=bf) if trig else unused,  # inv
         plgpu.SMEM((QROWS, block_k), dtype, transforms=bf),  # probabilities
         plgpu.SMEM((QROWS, head_dim), dtype, transforms=bf),  # output
         plgpu.SMEM((QROWS,), jnp.float32),  # log-sum-exps
@@ -212,7 +222,16 @@ def decode_attention_mosaic_mma(q_rot, k_pages, v_pages, md, inv_freq, *, rotate
         out_type=(jax.ShapeDtypeStruct((splits, seqs, kv_heads, out_rows, head_dim), dtype),
                   jax.ShapeDtypeStruct((splits, seqs, kv_heads, out_rows), jnp.float32)),
         grid=(seqs, kv_heads, splits), grid_names=("s", "h", "sp"), scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
         interpret=plgpu.InterpretGPUParams() if interpret is True else interpret)
     out, lse = call(*ins[:1], k_pages, v_pages, *ins[1:])
     return finish_partials(out, lse, md, heads, dtype)
+
+
+def _split3(x):
+    """float32 x -> [3, ...] bfloat16 parts whose float32 sum is x (8 + 8 + 8 bits)."""
+    parts = []
+    for _ in range(3):
+        parts.append(x.astype(jnp.bfloat16))
+        x = x - parts[-1].astype(jnp.float32)
+    return jnp.stack(parts)
