@@ -13,12 +13,14 @@ One CTA (one warpgroup) per (sequence, kv head, split); the G <= 16 query heads 
 are rows 0..G-1 of a 16-row tile. The online softmax's row max is a cross-warp reduction per
 step (keys are spread over the warps); the row sum is kept per key column and reduced once at
 the end. Pallas's automatic barriers are off (it would put a warpgroup barrier before each of
-the step's 12-20 TMA copies); the kernel places its own. A ring slot is refilled (TMA, issued
-by one thread) only after that max: the reduction's warpgroup barrier orders every warp's reads
-of the previous step before the refill. The probabilities' store is followed by a barrier
-(commit_smem) before any warp reads them; their next store comes after the next step's max.
-In trig mode inv_freq comes as three bf16 parts summed in float32 (a transposed load of a
-float32 tile into the B layout gave wrong results compiled, run 22).
+the step's 12-20 TMA copies); the kernel places its own: one at the top of each step, after
+which one thread refills the slot the previous step used (TMA runs stages - 1 full steps
+ahead), and one after the probabilities' store, before any warp reads them (their next store
+comes after the next step's max, a cross-warp reduction with barriers of its own).
+In trig mode the B-layout key index and inv_freq (as three bf16 parts summed in float32) are
+loaded once from a tile: Mosaic GPU's broadcasted_iota assumes a layout's vector runs along
+the last dimension, which the B layout's does not (its pairs run along R/2), so an iota there
+numbers the keys wrongly (run 22-23).
 
 Limits: those of mosaic_decode.py, with G <= 16.
 """
@@ -79,7 +81,7 @@ def mma_smem_bytes(head_dim, block_k, itemsize, stages, table, trig):
     half = head_dim // 2
     stage = 2 * block_k * half + block_k * head_dim + (2 * block_k * half if table else 0)
     return ((2 * QROWS * half + stages * stage + QROWS * block_k + QROWS * head_dim) * itemsize
-            + (3 * block_k * half * 2 if trig else 0) + QROWS * 4 + 512 + 2048)
+            + (4 * block_k * half * 2 if trig else 0) + QROWS * 4 + 512 + 2048)
 
 
 def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref, o_ref, lse_ref,
@@ -105,9 +107,13 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
     plgpu.barrier_wait(q_bar)
     q_pos, q_win = qpos_ref[s], qwin_ref[s]
     q_lo, q_hi = plgpu.load(qa_smem, layout=_LHS), plgpu.load(qb_smem, layout=_LHS)
-    if rotate_keys and not table:  # inv_freq in the B layout, summed from three bf16 parts
-        inv = sum(plgpu.load(inv_smem.at[i].transpose((1, 0)), layout=_RHS).astype(jnp.float32)
-                  for i in range(3))
+
+    def keys_t(ref):  # a [BK, R/2] tile -> its transpose in the B-operand layout
+        return plgpu.load(ref.transpose((1, 0)), layout=_RHS)
+
+    if rotate_keys and not table:  # in the B layout: inv_freq (three bf16 parts), key index
+        inv = sum(keys_t(inv_smem.at[i]).astype(jnp.float32) for i in range(3))
+        key_idx = keys_t(inv_smem.at[3]).astype(jnp.float32).astype(jnp.int32)
 
     def issue(step, slot):
         cta.issue(step, ka_smem.at[slot], kb_smem.at[slot], v_smem.at[slot], ca_smem.at[slot],
@@ -116,20 +122,22 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
     for ahead in range(stages - 1):
         pl.when(lo + ahead < hi)(functools.partial(issue, lo + ahead, ahead))
 
-    def keys_t(ref):  # [BK, R/2] ring buffer -> its transpose in the B-operand layout
-        return plgpu.load(ref.transpose((1, 0)), layout=_RHS)
-
     def step_fn(step, carry):
         acc, m_i, l_cols = carry
         slot = lax.rem(step - lo, stages)
+        plgpu.commit_smem()  # every warp is done with step - 1's slot: refill it
+
+        @pl.when(step + stages - 1 < hi)
+        def _():
+            issue(step + stages - 1, lax.rem(step - lo + stages - 1, stages))
+
         plgpu.barrier_wait(kv_bar.at[slot])
         k_lo, k_hi = keys_t(ka_smem.at[slot]), keys_t(kb_smem.at[slot])  # [R/2, BK]
         if rotate_keys:
             if table:
                 cos, sin = keys_t(ca_smem.at[slot]), keys_t(cb_smem.at[slot])
             else:
-                idx = plgpu.broadcasted_iota(jnp.int32, (half, block_k), 1, layout=_RHS)
-                pos, _ = cta.key_info(step, idx)
+                pos, _ = cta.key_info(step, key_idx)
                 red = cody_waite(pos.astype(jnp.float32) * inv)
                 cos, sin = jnp.cos(red) * scaling, jnp.sin(red) * scaling
             math = dtype if packed else jnp.float32
@@ -142,12 +150,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
         col = plgpu.broadcasted_iota(jnp.int32, (QROWS, block_k), 1, layout=_ACC)
         k_pos, k_ok = cta.key_info(step, col)
         qk = jnp.where(k_ok & (k_pos <= q_pos) & (k_pos >= q_win), qk * _LOG2E, -jnp.inf)
-        m_new = jnp.maximum(m_i, qk.max(axis=1))  # cross-warp: every warp is past step - 1
-
-        @pl.when(step + stages - 1 < hi)  # so the slot step - 1 used can be refilled
-        def _():
-            issue(step + stages - 1, lax.rem(step - lo + stages - 1, stages))
-
+        m_new = jnp.maximum(m_i, qk.max(axis=1))  # a cross-warp reduction (keys span warps)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = lax.broadcast_in_dim(jnp.exp2(m_i - m_safe), qk.shape, [0])
         p = jnp.exp2(qk - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
@@ -194,7 +197,7 @@ def decode_attention_mosaic_mma(q_rot, k_pages, v_pages, md, inv_freq, *, rotate
     block_k = pages_per_step * page_size
     trig = rotate_keys and not table
     if trig:  # f32 inv_freq as three 16-bit parts: transposed loads of 16-bit tiles are exact
-        ins = ins[:-1] + (_split3(ins[-1]),)
+        ins = ins[:-1] + (_trig_tile(ins[-1]),)
     sw = plgpu.SwizzleTransform(128)
     bf = (plgpu.TilingTransform((8, 64)), sw)
     unused = plgpu.SMEM((8,), dtype)
@@ -204,7 +207,7 @@ def decode_attention_mosaic_mma(q_rot, k_pages, v_pages, md, inv_freq, *, rotate
         plgpu.SMEM((QROWS, half), dtype, transforms=bf),  # q hi
         ring(half), ring(half), ring(head_dim),  # k lo, k hi, v
         ring(half) if table else unused, ring(half) if table else unused,  # cos, sin
-        plgpu.SMEM((3, block_k, half), jnp.bfloat16, transforms=bf) if trig else unused,  # inv
+        plgpu.SMEM((4, block_k, half), jnp.bfloat16, transforms=bf) if trig else unused,  # inv
         plgpu.SMEM((QROWS, block_k), dtype, transforms=bf),  # probabilities
         plgpu.SMEM((QROWS, head_dim), dtype, transforms=bf),  # output
         plgpu.SMEM((QROWS,), jnp.float32),  # log-sum-exps
@@ -228,10 +231,12 @@ def decode_attention_mosaic_mma(q_rot, k_pages, v_pages, md, inv_freq, *, rotate
     return finish_partials(out, lse, md, heads, dtype)
 
 
-def _split3(x):
-    """float32 x -> [3, ...] bfloat16 parts whose float32 sum is x (8 + 8 + 8 bits)."""
-    parts = []
+def _trig_tile(inv_tile):
+    """[BK, R/2] float32 inv_freq rows -> [4, BK, R/2] bfloat16: three parts whose float32 sum
+    is inv_freq (8 + 8 + 8 bits), then each row's key index (exact: BK <= 256)."""
+    parts, rest = [], inv_tile
     for _ in range(3):
-        parts.append(x.astype(jnp.bfloat16))
-        x = x - parts[-1].astype(jnp.float32)
-    return jnp.stack(parts)
+        parts.append(rest.astype(jnp.bfloat16))
+        rest = rest - parts[-1].astype(jnp.float32)
+    key_idx = lax.broadcasted_iota(jnp.bfloat16, inv_tile.shape, 0)
+    return jnp.stack(parts + [key_idx])

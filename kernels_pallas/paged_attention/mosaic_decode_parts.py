@@ -48,17 +48,21 @@ class Cta:
         return b, jnp.clip(self.meta(0, b), 0, self.k_ref.shape[0] - 1)
 
     def key_info(self, step, idx):
-        """idx: key index within the step (an iota) -> (logical position, valid)."""
-        pos = jnp.zeros_like(idx)
-        valid = idx < 0
+        """idx: key index within the step (an iota) -> (logical position, valid). The page's
+        start and valid count are picked per key by a chain of selects on its page index."""
+        page = lax.div(idx, self.page_size)
+        local = idx - page * self.page_size
+        start = count = None
         for p in range(self.pages_per_step):
             b, _ = self.entry(step, p)
             live = step * self.pages_per_step + p < self.n_blocks
-            local = idx - p * self.page_size
-            here = (local >= 0) & (local < self.page_size)
-            pos = jnp.where(here, self.meta(1, b) + local, pos)
-            valid = jnp.where(here, (local < self.meta(2, b)) & live, valid)
-        return pos, valid
+            p_start, p_count = self.meta(1, b), jnp.where(live, self.meta(2, b), 0)
+            if p == 0:
+                start, count = p_start, p_count
+            else:
+                here = page == p
+                start, count = jnp.where(here, p_start, start), jnp.where(here, p_count, count)
+        return start + local, local < count
 
     def issue(self, step, ka, kb, v, ca, cb, bar):
         """TMA loads of a key step into one ring slot (refs ka, kb, v, ca, cb; barrier bar):
