@@ -46,12 +46,13 @@ def add_parser(p: argparse.ArgumentParser):
                    help="also sweep kernel tile options (decode only, or all)")
     p.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU decode kernel")
     p.add_argument("--mosaic-configs", nargs="+", default=["4,0,3"],
-                   metavar="[mma:]PPS,SPLITS,STAGES[,PREG[,CONSUMERS[,ROT]]]",
+                   metavar="PPS,SPLITS,STAGES[,PREG[,CONSUMERS[,ROT]]]",
                    help="Mosaic decode configs: pages per step, splits (0 = auto), ring stages, "
                         "1 = probabilities in registers (compiled only), compute warpgroups of "
                         "the warp-specialised kernel (0 = the one-warpgroup kernel), its key "
                         "rotation: 0 float32, 1 skipped (diagnostic, wrong results), 2 bf16x2; "
-                        "mma: the warp-level MMA kernel (mosaic_decode_mma.py)")
+                        "or mma:PPS,SPLITS,STAGES[,KV_GROUP[,PACKED]] for the warp-level MMA "
+                        "kernel (mosaic_decode_mma.py)")
     p.add_argument("--decode-kernel", action="store_true",
                    help="also time the decode-only Triton kernel (triton_decode) configs")
     p.add_argument("--decode-rope", nargs="+", default=list(DECODE_ROPE), choices=DECODE_ROPE,

@@ -58,33 +58,41 @@ def decode_kernel_rows(rows, case, ctx, inputs, inv, kv_bytes, configs, args, ro
 
 
 def mosaic_rows(rows, case, ctx, inputs, inv, kv_bytes, args, device_time):
-    """Mosaic GPU decode configs ([mma:]PPS,SPLITS,STAGES[,PREG[,CONSUMERS[,ROT]]]; mma: the
-    warp-level MMA kernel, PREG and CONSUMERS ignored, ROT 2 packed): rotated,
+    """Mosaic GPU decode configs (PPS,SPLITS,STAGES[,PREG[,CONSUMERS[,ROT]]], or for the
+    warp-level MMA kernel mma:PPS,SPLITS,STAGES[,KV_GROUP[,PACKED]], table only): rotated,
     position_free with SFU trig and with table rows, the table variant against rotated
     interleaved, profiled. CONSUMERS > 0 takes the warp-specialised kernel (P always in registers
     there); ROT = 1 skips its rotation arithmetic (a diagnostic: wrong results, the pipeline's
     cost alone), 2 rotates with bf16x2 FMAs (packed)."""
     it = dict(iters=args.iters, reps=args.reps)
     for cfg in args.mosaic_configs:
-        mma = cfg.startswith("mma:")
-        pps, splits, stages, preg, cons, rot = (
-            [int(x) for x in cfg.removeprefix("mma:").split(",")] + [0] * 3)[:6]
-        opts = dict(pages_per_step=pps, stages=stages, **({"splits": splits} if splits else {}),
-                    **({"mma": True} if mma else {"consumers": cons} if cons else
-                       {"p_in_registers": bool(preg)}),
-                    **({1: {"rotate_math": False}, 2: {"packed": True}}.get(rot, {})))
-        tag = (("mma " if mma else "") + f"pps{pps} sp{splits or 'auto'} st{stages}"
-               + (" preg" if preg and not (cons or mma) else "")
-               + (f" ws{cons}" if cons and not mma else "")
-               + {1: " NO-ROTATION-MATH", 2: " packed"}.get(rot, ""))
-        variants = [("rotated", "rotated", opts), ("position_free", "trig", opts),
-                    ("position_free", "table", dict(opts, max_position=ctx))]
+        if cfg.startswith("mma:"):  # PPS,SPLITS,STAGES[,KV_GROUP[,PACKED]]
+            pps, splits, stages, kvg, packed = (
+                [int(x) for x in cfg.removeprefix("mma:").split(",")] + [1, 0])[:5]
+            opts = dict(pages_per_step=pps, stages=stages, mma=True, kv_group=kvg,
+                        packed=bool(packed), **({"splits": splits} if splits else {}))
+            tag = (f"mma pps{pps} sp{splits or 'auto'} st{stages} kvg{kvg}"
+                   + (" packed" if packed else ""))
+            variants = [("rotated", "rotated", opts),
+                        ("position_free", "table", dict(opts, max_position=ctx))]
+        else:
+            pps, splits, stages, preg, cons, rot = (
+                [int(x) for x in cfg.split(",")] + [0] * 3)[:6]
+            opts = dict(pages_per_step=pps, stages=stages,
+                        **({"splits": splits} if splits else {}),
+                        **({"consumers": cons} if cons else {"p_in_registers": bool(preg)}),
+                        **({1: {"rotate_math": False}, 2: {"packed": True}}.get(rot, {})))
+            tag = (f"pps{pps} sp{splits or 'auto'} st{stages}"
+                   + (" preg" if preg and not cons else "") + (f" ws{cons}" if cons else "")
+                   + {1: " NO-ROTATION-MATH", 2: " packed"}.get(rot, ""))
+            variants = [("rotated", "rotated", opts), ("position_free", "trig", opts),
+                        ("position_free", "table", dict(opts, max_position=ctx))]
         fns = [attention_fn(inv, "mosaic", mode, o, args.interpret) for mode, _, o in variants]
         for (_, label, _), fn in zip(variants, fns):
             safe(rows, case, f"ours mosaic {label} {tag}", fn, *inputs, work=kv_bytes,
                  unit="tbps", **it)
         if args.ab_reps:
-            ab_row(rows, case, f"mosaic {tag} (position_free table)", fns[0], fns[2], *inputs,
+            ab_row(rows, case, f"mosaic {tag} (position_free table)", fns[0], fns[-1], *inputs,
                    reps=args.ab_reps, iters=args.iters)
         if args.profile:
             for (_, label, _), fn in zip(variants, fns):

@@ -44,14 +44,20 @@ CASES = [
     (jnp.float16, 1, 8, 128, 16, "position_free", [(300, 1, 0), (64, 1, 60)],
      {"consumers": 2, "stages": 4, "splits": 3}),
 ]
-# warp-level MMAs, keys rotated in registers: trig, table (explicit splits, ring depths), rotated
+# warp-level MMAs, keys rotated in registers (cos | sin table): kv heads per CTA, key steps of
+# 32 and 64, explicit splits and ring depths, packed
 MMA_CASES = [
     (jnp.bfloat16, 2, 4, 128, 16, "position_free", [(200, 1, 0), (5, 1, 0), (130, 1, 20)],
-     {"mma": True, "splits": 2}),
+     {"mma": True, "max_position": 256, "splits": 2, "kv_group": 2, "stages": 2}),
     (jnp.float16, 1, 12, 128, 16, "position_free", [(300, 1, 0), (64, 1, 60)],
      {"mma": True, "max_position": 320, "splits": 3, "stages": 2}),
     (jnp.bfloat16, 1, 16, 128, 32, "position_free", [(90, 1, 7), (3, 1, 0)],
      {"mma": True, "pages_per_step": 2, "max_position": 128, "stages": 4, "packed": True}),
+    (jnp.bfloat16, 4, 4, 128, 16, "position_free", [(100, 1, 0), (37, 1, 5)],
+     {"mma": True, "pages_per_step": 2, "max_position": 160, "kv_group": 4, "packed": True,
+      "stages": 2}),
+    (jnp.bfloat16, 2, 8, 128, 16, "rotated", [(150, 1, 0), (0, 1, 0)],
+     {"mma": True, "kv_group": 2, "pages_per_step": 2}),
     (jnp.bfloat16, 1, 8, 128, 16, "rotated", [(150, 1, 0), (0, 1, 0)], {"mma": True}),
 ]
 CASES += MMA_CASES
@@ -124,6 +130,13 @@ def test_mosaic_rejects_what_it_cannot_run():
         with pytest.raises(ValueError, match="p_in_registers"):
             paged_attention(q1, k1, v1, md1, inv1, implementation="mosaic", interpret=True,
                             kernel_options={"p_in_registers": True})
+    qd, kd, vd, mdd, invd = _inputs(0, jnp.bfloat16, 1, 4, 128, 16, [(20, 1, 0)])
+    with pytest.raises(ValueError, match="max_position"):  # the MMA kernel: table only
+        paged_attention(qd, kd, vd, mdd, invd, implementation="mosaic", interpret=True,
+                        kernel_options={"mma": True})
+    with pytest.raises(ValueError, match="kv_group"):  # one kv head
+        paged_attention(qd, kd, vd, mdd, invd, implementation="mosaic", interpret=True,
+                        kernel_options={"mma": True, "max_position": 64, "kv_group": 2})
     with pytest.raises(ValueError, match="bf16/f16"):
         paged_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                         md, inv, implementation="mosaic", interpret=True)

@@ -113,7 +113,8 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         mosaic (pages_per_step, splits, stages, max_position: cos/sin rows by TMA from a
         table; p_in_registers; consumers: the warp-specialised kernel with that many compute
         warpgroups, mosaic_decode_ws.py, with its packed and rotate_math options; mma: True
-        for the warp-level MMA kernel, mosaic_decode_mma.py, keys rotated in registers).
+        for the warp-level MMA kernel, mosaic_decode_mma.py, keys rotated in registers, with
+        its packed and kv_group options).
     Returns:
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
@@ -157,7 +158,8 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
                  metadata.block_tables.shape[1])
         table = options.get("max_position") is not None
         if options.pop("mma", False):  # warp-level MMAs on registers
-            problem = mma_limits(*shape, options.get("stages", 3), table)
+            problem = mma_limits(*shape, options.get("stages", 3), table,
+                                 options.get("kv_group", 1))
             kernel = functools.partial(decode_attention_mosaic_mma, **options)
         elif options.get("consumers"):  # the warp-specialised kernel
             options.setdefault("stages", 4)

@@ -58,15 +58,17 @@ from kernels_pallas.paged_attention.triton_decode import (_host_rope_table, merg
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
 
 
-def shape_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols):
-    """Why the Mosaic decode kernels cannot take these shapes ('' when they can)."""
+def shape_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols, rows=ROWS,
+                 block_multiple=ROWS):
+    """Why the Mosaic decode kernels cannot take these shapes ('' when they can): rows, the
+    query rows of a CTA; block_multiple, what a key step's size must be a multiple of."""
     head_dim, page_size, half = q.shape[-1], k_pages.shape[1], inv_freq.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
         return f"needs bf16/f16 q and pages, got {q.dtype}/{k_pages.dtype}"
-    if (pages_per_step * page_size) % ROWS:
-        return f"needs pages_per_step * page_size a multiple of {ROWS}"
-    if q.shape[1] // k_pages.shape[2] > ROWS:
-        return f"needs at most {ROWS} query heads per kv head"
+    if (pages_per_step * page_size) % block_multiple:
+        return f"needs pages_per_step * page_size a multiple of {block_multiple}"
+    if q.shape[1] // k_pages.shape[2] > rows:
+        return f"needs at most {rows} query heads per CTA"
     if rotate_keys and (2 * half != head_dim or half % 64):
         return f"needs full rotary with R/2 a multiple of 64, got R={2 * half}, D={head_dim}"
     if head_dim % 128 and not rotate_keys:
