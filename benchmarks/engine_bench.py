@@ -35,6 +35,9 @@ def add_parser(p):
     p.add_argument("--attn-impl", default=None, help="paged_attention implementation (None = best)")
     p.add_argument("--write-impl", default=None, choices=("xla", "triton"),
                    help="write_kv implementation (None = triton on GPU)")
+    p.add_argument("--decode-impl", default=None, choices=("decode", "triton_decode", "triton"),
+                   help="kernel of decode-only steps (Config.decode_attn_impl; None = the "
+                        "engine default, 'decode' on a GPU)")
     p.add_argument("--decode-rope", default=None,
                    choices=("trig", "table", "table_bf16"),
                    help="RoPE-at-read variant of the decode kernel (Config.decode_attn_options)")
@@ -219,12 +222,14 @@ def run(args) -> int:
               block_size=bs, num_kv_blocks=args.batch * nb_per_seq + 64,
               min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl,
               write_kv_impl=args.write_impl,
+              decode_attn_impl=args.decode_impl,
               decode_attn_options={"rope": args.decode_rope} if args.decode_rope else None,
               fuse_weights=not args.no_fuse, async_scheduling=not args.no_async)
     engine = llm.llm_engine
     cfg = engine.loaded.cfg
     res["write_kv_impl"] = args.write_impl or "default (triton on GPU)"
     res["decode_rope"] = args.decode_rope or "engine default (table, max_model_len)"
+    res["decode_impl"] = engine.runner.decode_impl
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.loaded.params))
     embed = getattr(engine.loaded.params, "embed", None)
     tied = getattr(engine.loaded.params, "lm_head", 0) is None

@@ -45,11 +45,12 @@ class Config:
     max_logprobs: int = 20
     min_token_bucket: int = 8
     attn_impl: str | None = None
-    # Kernel for steps that are decode-only (one query per sequence). None: "triton_decode" on a
-    # GPU when attn_impl is None (1.3-1.5x faster there, benchmarks/RESULTS.md), else attn_impl.
+    # Kernel for steps that are decode-only (one query per sequence). None: "decode" on a GPU
+    # when attn_impl is None (the Mosaic MMA kernel where it takes the model's shapes, else
+    # triton_decode; benchmarks/RESULTS.md), else attn_impl.
     decode_attn_impl: str | None = None
     # kernel_options for decode-only steps, e.g. {"rope": "table"} ("max_position" defaults to
-    # max_model_len). None: with the triton_decode kernel and max_model_len <= 16384, only
+    # max_model_len). None: with the decode kernels and max_model_len <= 16384, only
     # {"max_position": max_model_len}, so the kernel's default for a known bound (table RoPE,
     # measured faster end to end: benchmarks/RESULTS.md, engine run 4) applies; {} = no options.
     decode_attn_options: dict | None = None

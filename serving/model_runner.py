@@ -322,7 +322,7 @@ def _decode_impl(config) -> str | None:
     if config.decode_attn_impl is not None:
         return config.decode_attn_impl
     if config.attn_impl is None and jax.default_backend() == "gpu":
-        return "triton_decode"
+        return "decode"
     return config.attn_impl
 
 
@@ -335,13 +335,13 @@ DEFAULT_TABLE_MAX_POSITION = 16384
 def _decode_options(config) -> dict:
     """kernel_options of decode-only steps; table RoPE variants get max_position = max_model_len.
 
-    With decode_attn_options=None and the triton_decode kernel, max_position = max_model_len
-    (up to DEFAULT_TABLE_MAX_POSITION) is passed, so the kernel's default RoPE-at-read variant for
-    a known bound applies (table lookups: 5.8% faster decode step than per-key trig, engine bench
+    With decode_attn_options=None and the decode or triton_decode kernels, max_position =
+    max_model_len (up to DEFAULT_TABLE_MAX_POSITION) is passed, so the kernel's default
+    RoPE-at-read variant for a known bound applies (table lookups: 5.8% faster decode step than per-key trig, engine bench
     in benchmarks/RESULTS.md). Pass decode_attn_options={} to keep the kernel's unbounded
     default."""
     if config.decode_attn_options is None:
-        if _decode_impl(config) == "triton_decode" and \
+        if _decode_impl(config) in ("decode", "triton_decode") and \
                 config.max_model_len <= DEFAULT_TABLE_MAX_POSITION:
             return {"max_position": config.max_model_len}
         return {}

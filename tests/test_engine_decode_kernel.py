@@ -81,3 +81,23 @@ def test_decode_rope_table_option_matches_xla(monkeypatch, fresh_rng):
     assert seen and set(seen) == {"table"}, seen
     assert host_tables, "the jitted step built the cos|sin table in the graph, not on the host"
     assert_same_tokens_and_logprobs(expected, got, atol=1e-4)
+
+
+def test_decode_default_takes_the_mosaic_mma_kernel_for_d128_bf16(monkeypatch, fresh_rng):
+    """decode_attn_impl="decode" (the GPU default) on a bf16 model with head_dim 128 runs the
+    Mosaic MMA kernel (interpreted here) and matches the XLA path."""
+    import dataclasses
+
+    from configs import presets
+    cfg = dataclasses.replace(presets.PRESETS["tiny_llama"], hidden_size=128, num_layers=1,
+                              head_dim=128)
+    monkeypatch.setitem(presets.PRESETS, "tiny_llama_d128", cfg)
+    prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (9, 21)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
+    kw = dict(dtype="bfloat16", max_num_seqs=2, attn_impl="xla")
+    expected = LLM("tiny_llama_d128", **kw).generate(prompts, params, use_tqdm=False)
+    traced = spy_on(monkeypatch, attention_api, "decode_attention_mosaic_mma")
+    llm = LLM("tiny_llama_d128", decode_attn_impl="decode", **kw)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert traced, "decode-only steps did not reach the Mosaic MMA kernel"
+    assert_same_tokens_and_logprobs(expected, got, atol=2e-2)

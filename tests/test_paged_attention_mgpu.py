@@ -140,3 +140,28 @@ def test_mosaic_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="bf16/f16"):
         paged_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                         md, inv, implementation="mosaic", interpret=True)
+
+
+def test_decode_takes_the_mma_kernel_where_it_fits(monkeypatch):
+    """implementation="decode": the Mosaic MMA kernel (with its measured defaults) for D = 128
+    and max_position only, triton_decode for shapes or options it does not take."""
+    import kernels_pallas.paged_attention.api as api
+    calls = []
+    for name in ("decode_attention_mosaic_mma", "decode_paged_attention_triton"):
+        kernel = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _k=kernel, _n=name, **kw: (
+            calls.append((_n, kw.get("kv_group"))), _k(*a, **kw))[1])
+    q, k, v, md, inv = _inputs(7, jnp.bfloat16, 2, 4, 128, 16, [(90, 1, 0), (33, 1, 4)])
+    out = paged_attention(q, k, v, md, inv, implementation="decode", interpret=True,
+                          kernel_options={"max_position": 128})
+    ref = paged_attention_reference(q, k, v, md, inv, kv_mode="position_free")
+    err = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
+    assert calls == [("decode_attention_mosaic_mma", 2)] and err < 2e-2, (calls, err)
+    for opts, (q_, k_, v_, md_, inv_) in (
+            ({}, (q, k, v, md, inv)),  # no table bound
+            ({"max_position": 128, "rope": "table"}, (q, k, v, md, inv)),  # triton's option
+            ({"max_position": 128}, _inputs(7, jnp.bfloat16, 2, 4, 64, 16, [(40, 1, 0)]))):
+        calls.clear()
+        paged_attention(q_, k_, v_, md_, inv_, implementation="decode", interpret=True,
+                        kernel_options=opts)
+        assert [c[0] for c in calls] == ["decode_paged_attention_triton"], (opts, calls)

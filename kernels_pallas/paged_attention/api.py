@@ -21,7 +21,7 @@ import numpy as np
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic, mosaic_limits
 from kernels_pallas.paged_attention.mosaic_decode_mma import (decode_attention_mosaic_mma,
-                                                              mma_limits)
+                                                              default_options, mma_limits)
 from kernels_pallas.paged_attention.mosaic_decode_ws import decode_attention_mosaic_ws, ws_limits
 from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
                                                            prefill_attention_mosaic)
@@ -31,7 +31,7 @@ from kernels_pallas.paged_attention.triton_write import write_kv_triton
 from kernels_pallas.rope import apply_rope
 
 KV_MODES = ("position_free", "rotated")
-IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "mosaic", "mosaic_prefill")
+IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "decode", "mosaic", "mosaic_prefill")
 
 
 WRITE_IMPLEMENTATIONS = ("xla", "triton")
@@ -95,10 +95,12 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       attention_scaling: RoPE cos/sin scale (1.0 for default, llama3 and linear scaling).
       sm_scale: softmax scale, default 1/sqrt(D).
       implementation: None (the ragged Pallas kernel on GPU when its shape limits allow, else
-        XLA; for steps known to be decode-only pass "triton_decode": 1.3-1.5x faster there),
-        "xla", "triton" (Pallas, Triton lowering; ragged prefill + decode), "triton_decode"
-        (decode-only: at most one query per sequence; cos/sin once per key for several kv
-        heads, split-K), "mosaic" (Pallas Mosaic GPU, decode-only, experimental) or
+        XLA; for steps known to be decode-only pass "decode"), "xla", "triton" (Pallas, Triton
+        lowering; ragged prefill + decode), "triton_decode" (decode-only: at most one query per
+        sequence; cos/sin once per key for several kv heads, split-K), "decode" (decode-only:
+        the Mosaic MMA kernel with its measured defaults where it takes the shapes and no
+        option but max_position is given, else triton_decode), "mosaic" (Pallas Mosaic GPU,
+        decode-only) or
         "mosaic_prefill" (Pallas Mosaic GPU flash attention for prefill-shaped batches: keys
         gathered (and rotated, position_free) once per sequence, then TMA + wgmma, warp
         specialised; mosaic_prefill.py). The Pallas ones run on CPU in interpret mode (forced
@@ -137,6 +139,9 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
         on_gpu = jax.default_backend() == "gpu"
         fits = not _triton_limits(q, k_pages, inv_freq, options.get("block_k"))
         implementation = "triton" if (on_gpu or interpret) and fits else "xla"
+    if implementation == "decode":
+        implementation, options = _decode_kernel(q, k_pages, inv_freq, kv_mode, metadata,
+                                                 options)
     if implementation != "xla" and jax.default_backend() == "cpu":
         interpret = True  # a Pallas kernel named explicitly can only run interpreted on CPU
     if implementation == "xla":
@@ -221,6 +226,18 @@ def write_kv_and_attend(q, k, v, k_pages, v_pages, metadata: AttentionMetadata, 
                           implementation=implementation, interpret=interpret,
                           kernel_options=options)
     return out, k_pages, v_pages
+
+
+def _decode_kernel(q, k_pages, inv_freq, kv_mode, md, options):
+    """implementation="decode": the Mosaic MMA kernel with its measured defaults where it takes
+    the shapes and no option but max_position is given, else triton_decode."""
+    if set(options) <= {"max_position"}:
+        mma = default_options(q.shape, k_pages.shape, options)
+        if not mma_limits(q, k_pages, inv_freq, kv_mode == "position_free",
+                          mma["pages_per_step"], md.block_tables.shape[1], mma["stages"],
+                          "max_position" in mma, mma["kv_group"]):
+            return "mosaic", dict(mma, mma=True)
+    return "triton_decode", options
 
 
 def _check_new_slots(md, page_size):

@@ -88,6 +88,16 @@ def mma_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols, st
     return ""
 
 
+def default_options(q_shape, k_pages_shape, options):
+    """This kernel's options for decode steps given only max_position (or nothing), as measured
+    best on the H200 (benchmarks/RESULTS.md, run 25): key steps of 32 keys (or one page), two
+    stages, two kv heads per CTA where they fit, 16-bit rotation."""
+    page_size, kv_heads = k_pages_shape[1:3]
+    pair = kv_heads % 2 == 0 and 2 * (q_shape[1] // kv_heads) <= QROWS
+    return dict(options, pages_per_step=max(1, 32 // page_size), stages=2,
+                kv_group=2 if pair else 1, packed=True)
+
+
 def mma_smem_bytes(head_dim, block_k, itemsize, stages, table, kv_group):
     """q halves per kv head, the ring (K halves and V per kv head, cos | sin rows with a
     table), the probability and output tiles, log-sum-exps, barriers, reduction scratch."""
