@@ -152,7 +152,7 @@ def test_decode_takes_the_mma_kernel_where_it_fits(monkeypatch):
         monkeypatch.setattr(api, name, lambda *a, _k=kernel, _n=name, **kw: (
             calls.append((_n, kw.get("kv_group"))), _k(*a, **kw))[1])
     q, k, v, md, inv = _inputs(7, jnp.bfloat16, 2, 4, 128, 16, [(90, 1, 0), (33, 1, 4)])
-    out = paged_attention(q, k, v, md, inv, implementation="decode", interpret=True,
+    out = paged_attention(q, k, v, md, inv, implementation="decode", interpret=INTERPRET,
                           kernel_options={"max_position": 128})
     ref = paged_attention_reference(q, k, v, md, inv, kv_mode="position_free")
     err = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
@@ -162,6 +162,6 @@ def test_decode_takes_the_mma_kernel_where_it_fits(monkeypatch):
             ({"max_position": 128, "rope": "table"}, (q, k, v, md, inv)),  # triton's option
             ({"max_position": 128}, _inputs(7, jnp.bfloat16, 2, 4, 64, 16, [(40, 1, 0)]))):
         calls.clear()
-        paged_attention(q_, k_, v_, md_, inv_, implementation="decode", interpret=True,
+        paged_attention(q_, k_, v_, md_, inv_, implementation="decode", interpret=INTERPRET,
                         kernel_options=opts)
         assert [c[0] for c in calls] == ["decode_paged_attention_triton"], (opts, calls)

@@ -42,7 +42,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -51,8 +50,7 @@ from kernels_pallas.paged_attention.mosaic_decode_parts import (META_COLS, ROWS,
                                                                attend_step, initial_carry,
                                                                rotate_in_place, scratch_buffers,
                                                                store_partial)
-from kernels_pallas.paged_attention.triton_decode import (_host_rope_table, merge_splits,
-                                                           rope_table)
+from kernels_pallas.paged_attention.triton_decode import merge_splits
 
 
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
@@ -261,19 +259,12 @@ def finish_partials(out, lse, md, heads, dtype):
 def shifted_rope_table(inv_freq, max_position: int, attention_scaling: float, dtype):
     """[8, P, R] with copy r, row j = rope_table row j + r (P >= max_position, a multiple of 8):
     any 8 consecutive-or-more rows from an arbitrary start are rows from a multiple of 8 of one
-    copy, which is what a TMA box into a tiled SMEM buffer needs."""
+    copy, which is what a TMA box into a tiled SMEM buffer needs. Built in the graph, not as a
+    host constant: a model calls the kernel once per layer, and each call would embed its own
+    copy of the constant in the program (32 x 4 MB for Llama-3-8B at 2048 positions, which
+    stalled the engine's compile, run 26); XLA computes the identical graphs once."""
     rows = -(-max_position // 8) * 8
-    if isinstance(inv_freq, jax.core.Tracer):
-        base = rope_table(inv_freq, rows + 8, attention_scaling, dtype)
-        return jnp.stack([base[r:r + rows] for r in range(8)])
-    inv = np.asarray(inv_freq, np.float32)
-    return jnp.asarray(_host_shifted_table(inv.tobytes(), rows, float(attention_scaling),
-                                           jnp.dtype(dtype).name))  # a jit constant
-
-
-@functools.lru_cache(maxsize=8)
-def _host_shifted_table(inv_bytes: bytes, rows: int, scaling: float, dtype: str):
-    base = _host_rope_table(inv_bytes, rows + 8, scaling, dtype)
-    table = np.stack([base[r:r + rows] for r in range(8)])
-    table.flags.writeable = False
-    return table
+    ang = jnp.arange(rows + 8, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)
+    base = (jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling)
+    base = base.astype(dtype)  # the angle formed in float32, as HF does (rope_table)
+    return jnp.stack([base[r:r + rows] for r in range(8)])
