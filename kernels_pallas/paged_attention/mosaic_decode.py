@@ -114,13 +114,13 @@ def smem_bytes(head_dim, block_k, itemsize, stages, table, trig, p_tiles=1, lse_
             + lse_tiles * ROWS * 4 + 512)
 
 
-def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
+def _kernel(q_ref, k_ref, v_ref, meta_ref, info_ref, rope_ref,
             o_ref, lse_ref, qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem,
             inv_smem, p_smem, lse_smem, meta_smem, q_bar, kv_bar, *, max_blocks, page_size,
             pages_per_step, half, rotate_keys, table, scaling, dtype, splits, stages, out_rows,
             p_in_registers):
     s, h, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
-    n_blocks = nb_ref[s]
+    n_blocks = info_ref[0, s]
     n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
     per_split = (n_steps + splits - 1) // splits
     lo = split * per_split
@@ -134,7 +134,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
         plgpu.copy_gmem_to_smem(rope_ref, inv_smem, q_bar)
     plgpu.copy_gmem_to_smem(meta_ref.at[s], meta_smem, q_bar)
     plgpu.barrier_wait(q_bar)  # the block table is read from SMEM from here on
-    q_pos, q_win = qpos_ref[s], qwin_ref[s]  # once: a global load on every step would cost
+    q_pos, q_win = info_ref[1, s], info_ref[2, s]  # once: a global load on every step costs
 
     def issue(step, slot):
         cta.issue(step, ka_smem.at[slot], kb_smem.at[slot], v_smem.at[slot], ca_smem.at[slot],
@@ -219,8 +219,8 @@ def decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling, sm_scale,
     """The Mosaic decode kernels' inputs other than the pages: (q tiles [S, K, q_rows, D] with the G
     query rows of each kv head scaled by sm_scale, block tables, block starts and valid counts
     as [S, 3, rows, 64] (one TMA box per sequence), block counts, query positions and window
-    starts, then the shifted cos | sin table (position_free with max_position) or the inv_freq
-    tile [BK, R/2]), R/2, and the rows each CTA stores (the 8-row tiles holding G)."""
+    starts as [3, S], then the shifted cos | sin table (position_free with max_position) or the
+    inv_freq tile [BK, R/2]), R/2, and the rows each CTA stores (the 8-row tiles holding G)."""
     tokens, heads, head_dim = q_rot.shape
     group = heads // kv_heads
     seqs = md.block_tables.shape[0]
@@ -240,8 +240,11 @@ def decode_inputs(q_rot, md, inv_freq, rotate_keys, attention_scaling, sm_scale,
     rows = -(-nb // META_COLS)
     meta = jnp.stack([md.block_tables, md.block_pos_start, md.block_num_valid], axis=1)
     meta = jnp.pad(meta.astype(jnp.int32), ((0, 0), (0, 0), (0, rows * META_COLS - nb)))
-    ins = (q_pad, meta.reshape(seqs, 3, rows, META_COLS), md.num_blocks,
-           md.q_positions[q_idx], md.q_window_start[q_idx], rope_in)
+    # block counts, query positions and window starts as one [3, S] array made here: Mosaic GPU
+    # wants 256-byte aligned operands, and in the engine md.num_blocks is a view into the
+    # step's packed metadata that is not (run 27)
+    info = jnp.stack([md.num_blocks, md.q_positions[q_idx], md.q_window_start[q_idx]])
+    ins = (q_pad, meta.reshape(seqs, 3, rows, META_COLS), info.astype(jnp.int32), rope_in)
     return ins, half, min(q_rows, -(-group // 8) * 8)
 
 

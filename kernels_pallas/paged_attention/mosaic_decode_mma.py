@@ -107,12 +107,12 @@ def mma_smem_bytes(head_dim, block_k, itemsize, stages, table, kv_group):
             * itemsize + QROWS * 4 + 512 + 2048)
 
 
-def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref, o_ref, lse_ref,
+def _kernel(q_ref, k_ref, v_ref, meta_ref, info_ref, rope_ref, o_ref, lse_ref,
             qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem, p_smem, o_smem,
             lse_smem, meta_smem, q_bar, kv_bar, *, max_blocks, page_size, pages_per_step, half,
             rotate_keys, dtype, splits, stages, out_rows, packed, kv_group, group):
     s, g, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
-    n_blocks = nb_ref[s]
+    n_blocks = info_ref[0, s]
     n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
     per_split = (n_steps + splits - 1) // splits
     lo = split * per_split
@@ -128,7 +128,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
         plgpu.copy_gmem_to_smem(q_ref.at[s, g, j, :, pl.ds(half, half)], qb_smem.at[j], q_bar)
     plgpu.copy_gmem_to_smem(meta_ref.at[s], meta_smem, q_bar)
     plgpu.barrier_wait(q_bar)
-    q_pos, q_win = qpos_ref[s], qwin_ref[s]
+    q_pos, q_win = info_ref[1, s], info_ref[2, s]
 
     def q_tiles(j):  # kv head j's q halves (rows of the other heads are zero)
         return plgpu.load(qa_smem.at[j], layout=_LHS), plgpu.load(qb_smem.at[j], layout=_LHS)

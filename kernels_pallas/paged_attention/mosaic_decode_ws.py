@@ -51,14 +51,14 @@ def ws_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols, sta
                           consumers))
 
 
-def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
+def _kernel(q_ref, k_ref, v_ref, meta_ref, info_ref, rope_ref,
             o_ref, lse_ref, qa_smem, qb_smem, ka_smem, kb_smem, v_smem, ca_smem, cb_smem,
             inv_smem, p_smem, lse_smem, meta_smem, q_bar, kv_bar, ready_bar, free_bar, *,
             max_blocks, page_size, pages_per_step, half, rotate_keys, table, scaling, dtype,
             splits, stages, consumers, out_rows, interpret, rotate_math, packed):
     s, h, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
     wg = lax.axis_index("wg")
-    n_blocks = nb_ref[s]
+    n_blocks = info_ref[0, s]
     n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
     per_split = (n_steps + splits - 1) // splits
     lo = split * per_split
@@ -110,7 +110,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, nb_ref, qpos_ref, qwin_ref, rope_ref,
 
     @pl.when(wg < consumers)
     def _consumer():
-        q_pos, q_win = qpos_ref[s], qwin_ref[s]
+        q_pos, q_win = info_ref[1, s], info_ref[2, s]
         plgpu.barrier_wait(q_bar)
 
         def step_fn(t, carry):
