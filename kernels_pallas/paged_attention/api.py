@@ -21,7 +21,7 @@ import numpy as np
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic, mosaic_limits
 from kernels_pallas.paged_attention.mosaic_decode_mma import (decode_attention_mosaic_mma,
-                                                              default_options, mma_limits)
+                                                              decode_choice, mma_limits)
 from kernels_pallas.paged_attention.mosaic_decode_ws import decode_attention_mosaic_ws, ws_limits
 from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
                                                            prefill_attention_mosaic)
@@ -96,15 +96,12 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       sm_scale: softmax scale, default 1/sqrt(D).
       implementation: None (the ragged Pallas kernel on GPU when its shape limits allow, else
         XLA; for steps known to be decode-only pass "decode"), "xla", "triton" (Pallas, Triton
-        lowering; ragged prefill + decode), "triton_decode" (decode-only: at most one query per
-        sequence; cos/sin once per key for several kv heads, split-K), "decode" (decode-only:
-        the Mosaic MMA kernel with its measured defaults where it takes the shapes and no
-        option but max_position is given, else triton_decode), "mosaic" (Pallas Mosaic GPU,
-        decode-only) or
-        "mosaic_prefill" (Pallas Mosaic GPU flash attention for prefill-shaped batches: keys
-        gathered (and rotated, position_free) once per sequence, then TMA + wgmma, warp
-        specialised; mosaic_prefill.py). The Pallas ones run on CPU in interpret mode (forced
-        there when named explicitly).
+        lowering; ragged prefill + decode), "triton_decode" (decode-only: one query per
+        sequence, split-K), "decode" (decode-only: the Mosaic MMA kernel with its measured
+        defaults for head_dim 128 where it takes the shapes and no option but max_position is
+        given, else triton_decode), "mosaic" (Mosaic GPU, decode-only) or "mosaic_prefill"
+        (Mosaic GPU flash attention for prefill-shaped batches). The Pallas ones run on CPU in
+        interpret mode (forced there when named explicitly).
       interpret: run Pallas kernels in interpret mode (CPU).
       kernel_options: optional dict of options for the Pallas kernel: triton (block_q,
         block_k, kv_group, prerotate, num_warps, num_stages), triton_decode (kv_group, splits,
@@ -140,8 +137,8 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
         fits = not _triton_limits(q, k_pages, inv_freq, options.get("block_k"))
         implementation = "triton" if (on_gpu or interpret) and fits else "xla"
     if implementation == "decode":
-        implementation, options = _decode_kernel(q, k_pages, inv_freq, kv_mode, metadata,
-                                                 options)
+        implementation, options = decode_choice(q, k_pages, inv_freq, kv_mode, metadata,
+                                                options)
     if implementation != "xla" and jax.default_backend() == "cpu":
         interpret = True  # a Pallas kernel named explicitly can only run interpreted on CPU
     if implementation == "xla":
@@ -226,18 +223,6 @@ def write_kv_and_attend(q, k, v, k_pages, v_pages, metadata: AttentionMetadata, 
                           implementation=implementation, interpret=interpret,
                           kernel_options=options)
     return out, k_pages, v_pages
-
-
-def _decode_kernel(q, k_pages, inv_freq, kv_mode, md, options):
-    """implementation="decode": the Mosaic MMA kernel with its measured defaults where it takes
-    the shapes and no option but max_position is given, else triton_decode."""
-    if set(options) <= {"max_position"}:
-        mma = default_options(q.shape, k_pages.shape, options)
-        if not mma_limits(q, k_pages, inv_freq, kv_mode == "position_free",
-                          mma["pages_per_step"], md.block_tables.shape[1], mma["stages"],
-                          "max_position" in mma, mma["kv_group"]):
-            return "mosaic", dict(mma, mma=True)
-    return "triton_decode", options
 
 
 def _check_new_slots(md, page_size):

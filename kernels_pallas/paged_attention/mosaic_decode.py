@@ -3,7 +3,9 @@
 EXPERIMENTAL: runs under the Mosaic GPU interpreter on CPU (tests/test_paged_attention_mgpu.py)
 and compiled on the H200 (benchmarks/RESULTS.md, decode runs 16-21): in rotated mode it matches
 triton_decode (the kernel alone 262 vs 263 us at 64 x 4096, 2 stages, P in registers), but
-RoPE at read costs +54-95% here against +3% in triton_decode, which stays the decode default.
+RoPE at read costs +54-95% here: the rotated keys must go back to shared memory for the wgmma.
+The decode default is mosaic_decode_mma.py (warp-level MMAs on registers, +1.8%), which shares
+this file's inputs (decode_inputs), table and limits.
 
 One CTA (one warpgroup) per (sequence, kv head, split): a sequence's key steps are split over
 `splits` CTAs (flash-decoding) and their partial results merged by log-sum-exp afterwards

@@ -98,6 +98,19 @@ def default_options(q_shape, k_pages_shape, options):
                 kv_group=2 if pair else 1, packed=True)
 
 
+def decode_choice(q, k_pages, inv_freq, kv_mode, md, options):
+    """paged_attention's implementation="decode" -> (implementation, kernel_options): this
+    kernel with default_options where it takes the shapes (head_dim 128: the one compiled and
+    measured) and no option but max_position is given, else triton_decode."""
+    if set(options) <= {"max_position"} and q.shape[-1] == 128:
+        mma = default_options(q.shape, k_pages.shape, options)
+        if not mma_limits(q, k_pages, inv_freq, kv_mode == "position_free",
+                          mma["pages_per_step"], md.block_tables.shape[1], mma["stages"],
+                          "max_position" in mma, mma["kv_group"]):
+            return "mosaic", dict(mma, mma=True)
+    return "triton_decode", options
+
+
 def mma_smem_bytes(head_dim, block_k, itemsize, stages, table, kv_group):
     """q halves per kv head, the ring (K halves and V per kv head, cos | sin rows with a
     table), the probability and output tiles, log-sum-exps, barriers, reduction scratch."""
