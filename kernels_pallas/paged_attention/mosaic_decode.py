@@ -51,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas.paged_attention.mosaic_decode_parts import (META_COLS, ROWS, Cta,
                                                                attend_step, initial_carry,
                                                                rotate_in_place, scratch_buffers,
-                                                               store_partial)
+                                                               split_steps, store_partial)
 from kernels_pallas.paged_attention.triton_decode import merge_splits
 
 
@@ -123,10 +123,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, info_ref, rope_ref,
             p_in_registers):
     s, h, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
     n_blocks = info_ref[0, s]
-    n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
-    per_split = (n_steps + splits - 1) // splits
-    lo = split * per_split
-    hi = jnp.minimum(lo + per_split, n_steps)
+    lo, hi = split_steps(n_blocks, pages_per_step, splits, split)
     cta = Cta(s, h, meta_smem, n_blocks, k_ref, v_ref, rope_ref, page_size, pages_per_step, half,
               max_blocks, rotate_keys and table)
 

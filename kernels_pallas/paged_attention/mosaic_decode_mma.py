@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas.paged_attention.mosaic_decode import (_SMEM_LIMIT, decode_inputs,
                                                           finish_partials, meta_bytes,
                                                           shape_limits)
-from kernels_pallas.paged_attention.mosaic_decode_parts import _LOG2E, Cta
+from kernels_pallas.paged_attention.mosaic_decode_parts import _LOG2E, Cta, split_steps
 
 QROWS = 16  # mma M: the query rows of a CTA's kv heads
 _LHS = plgpu.Layout.MMA_LHS(jnp.bfloat16, m_warps=1)  # the same for any 16-bit dtype
@@ -126,10 +126,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, info_ref, rope_ref, o_ref, lse_ref,
             rotate_keys, dtype, splits, stages, out_rows, packed, kv_group, group):
     s, g, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
     n_blocks = info_ref[0, s]
-    n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
-    per_split = (n_steps + splits - 1) // splits
-    lo = split * per_split
-    hi = jnp.minimum(lo + per_split, n_steps)
+    lo, hi = split_steps(n_blocks, pages_per_step, splits, split)
     block_k = pages_per_step * page_size
     # kv head j of the group; the first also fetches the cos | sin rows (position_free)
     ctas = [Cta(s, g * kv_group + j, meta_smem, n_blocks, k_ref, v_ref, rope_ref, page_size,

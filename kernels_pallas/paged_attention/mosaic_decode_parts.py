@@ -95,6 +95,14 @@ class Cta:
         return jnp.cos(red) * scaling, jnp.sin(red) * scaling
 
 
+def split_steps(n_blocks, pages_per_step, splits, split):
+    """[lo, hi): the key steps of split `split` of a sequence with n_blocks pages."""
+    n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
+    per_split = (n_steps + splits - 1) // splits
+    lo = split * per_split
+    return lo, jnp.minimum(lo + per_split, n_steps)
+
+
 def cody_waite(angle):
     """angle - 2 pi round(angle / 2 pi), in two steps (the SFU's cos/sin want |x| <= pi)."""
     n = jnp.round(angle * (1.0 / (2.0 * math.pi)))

@@ -36,7 +36,8 @@ from kernels_pallas.paged_attention.mosaic_decode import (decode_inputs, finish_
                                                           shape_limits, smem_limit)
 from kernels_pallas.paged_attention.mosaic_decode_parts import (ROWS, Cta, attend_step,
                                                                initial_carry, rotate_in_place,
-                                                               scratch_buffers, store_partial)
+                                                               scratch_buffers, split_steps,
+                                                               store_partial)
 
 
 def ws_limits(q, k_pages, inv_freq, rotate_keys, pages_per_step, table_cols, stages, consumers,
@@ -59,10 +60,7 @@ def _kernel(q_ref, k_ref, v_ref, meta_ref, info_ref, rope_ref,
     s, h, split = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("sp")
     wg = lax.axis_index("wg")
     n_blocks = info_ref[0, s]
-    n_steps = (n_blocks + pages_per_step - 1) // pages_per_step
-    per_split = (n_steps + splits - 1) // splits
-    lo = split * per_split
-    hi = jnp.minimum(lo + per_split, n_steps)
+    lo, hi = split_steps(n_blocks, pages_per_step, splits, split)
     trig = rotate_keys and not table
     cta = Cta(s, h, meta_smem, n_blocks, k_ref, v_ref, rope_ref, page_size, pages_per_step, half,
               max_blocks, rotate_keys and table)
