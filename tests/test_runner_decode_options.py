@@ -19,3 +19,14 @@ def test_default_passes_the_position_bound_to_the_decode_kernel_only():
     assert _decode_options(Config(decode_attn_impl="triton_decode", max_model_len=300,
                                   decode_attn_options={"rope": "table_bf16"})) == {
         "rope": "table_bf16", "max_position": 300}
+
+
+def test_gpu_default_is_the_decode_choice_with_its_position_bound(monkeypatch):
+    """On a GPU with attn_impl=None, decode-only steps take implementation="decode" (the Mosaic
+    MMA kernel where it fits, else triton_decode) and get the max_model_len bound it needs."""
+    from serving import model_runner
+    monkeypatch.setattr(model_runner.jax, "default_backend", lambda: "gpu")
+    cfg = Config(max_model_len=300)
+    assert model_runner._decode_impl(cfg) == "decode"
+    assert _decode_options(cfg) == {"max_position": 300}
+    assert model_runner._decode_impl(Config(attn_impl="xla")) == "xla"
