@@ -337,9 +337,9 @@ def _decode_options(config) -> dict:
 
     With decode_attn_options=None and the decode or triton_decode kernels, max_position =
     max_model_len (up to DEFAULT_TABLE_MAX_POSITION) is passed, so the kernel's default
-    RoPE-at-read variant for a known bound applies (table lookups: 5.8% faster decode step than per-key trig, engine bench
-    in benchmarks/RESULTS.md). Pass decode_attn_options={} to keep the kernel's unbounded
-    default."""
+    RoPE-at-read variant for a known bound applies (table lookups: 5.8% faster decode step than
+    per-key trig, engine bench in benchmarks/RESULTS.md; the Mosaic MMA kernel needs it). Pass
+    decode_attn_options={} to keep the kernel's unbounded default."""
     if config.decode_attn_options is None:
         if _decode_impl(config) in ("decode", "triton_decode") and \
                 config.max_model_len <= DEFAULT_TABLE_MAX_POSITION:

@@ -52,7 +52,7 @@ from kernels_pallas.paged_attention.mosaic_decode_parts import (META_COLS, ROWS,
                                                                attend_step, initial_carry,
                                                                rotate_in_place, scratch_buffers,
                                                                split_steps, store_partial)
-from kernels_pallas.paged_attention.triton_decode import merge_splits
+from kernels_pallas.paged_attention.triton_decode import merge_splits, rope_table_in_graph
 
 
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
@@ -266,7 +266,5 @@ def shifted_rope_table(inv_freq, max_position: int, attention_scaling: float, dt
     copy of the constant in the program (32 x 4 MB for Llama-3-8B at 2048 positions, which
     stalled the engine's compile, run 26); XLA computes the identical graphs once."""
     rows = -(-max_position // 8) * 8
-    ang = jnp.arange(rows + 8, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)
-    base = (jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling)
-    base = base.astype(dtype)  # the angle formed in float32, as HF does (rope_table)
+    base = rope_table_in_graph(inv_freq, rows + 8, attention_scaling, dtype)
     return jnp.stack([base[r:r + rows] for r in range(8)])

@@ -357,6 +357,14 @@ def merge_splits(out, lse, md):
     return jnp.where(is_query[:, None, None], merged, 0.0)
 
 
+def rope_table_in_graph(inv_freq, max_position: int, attention_scaling: float, dtype):
+    """rope_table's values computed by jnp ops (staged into the jitted graph)."""
+    ang = jnp.arange(max_position, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq,
+                                                                             jnp.float32)
+    table = jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling
+    return table.astype(dtype)
+
+
 def rope_table(inv_freq, max_position: int, attention_scaling: float, dtype):
     """[max_position, R] cos | sin of pos * inv_freq (angle formed in float32, as HF does).
 
@@ -364,9 +372,7 @@ def rope_table(inv_freq, max_position: int, attention_scaling: float, dtype):
     built once on the host and reused by every call and layer; a traced one (e.g. jnp.asarray
     inside the jitted function) builds it in the graph on every call. The models pass numpy."""
     if isinstance(inv_freq, jax.core.Tracer):
-        ang = jnp.arange(max_position, dtype=jnp.float32)[:, None] * inv_freq.astype(jnp.float32)
-        table = jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1) * attention_scaling
-        return table.astype(dtype)
+        return rope_table_in_graph(inv_freq, max_position, attention_scaling, dtype)
     inv = np.asarray(inv_freq, np.float32)
     return jnp.asarray(_host_rope_table(inv.tobytes(), max_position, float(attention_scaling),
                                         jnp.dtype(dtype).name))  # a jit constant
