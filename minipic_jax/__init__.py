@@ -4,7 +4,7 @@
 """
 
 from minipic_jax.llm import LLM
-from minipic_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from serving.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minipic_jax.prompts import Prompt, Span, build_prompt
 from minipic_jax.sampling_params import SamplingParams
 

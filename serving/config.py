@@ -60,7 +60,7 @@ class Config:
     write_kv_impl: str | None = None
     # Concatenate the weights that read the same input (Llama: QKV, gate/up) once at engine
     # start, so each is one GEMM per layer (fewer kernels; the engine then holds the fused
-    # arrays in loaded.params). Families without `fuse_params` ignore it.
+    # arrays in loaded.params). A family with nothing to fuse keeps its params.
     fuse_weights: bool = True
     # Overlap the host with the device (vLLM's option name): step N+1 is scheduled, built and
     # dispatched before step N's sampled tokens are read back; decode rows take their input
@@ -100,6 +100,12 @@ class Config:
                if getattr(self, k) is not None}
         if len(set(ids.values())) != len(ids):
             raise ValueError(f"Config: pad/ssep/pdep token ids must differ, got {ids}")
+
+    @property
+    def attention_kv_mode(self) -> str:
+        """The attention kernels' kv_mode: "pic_off" stores keys unrotated, as position_free does
+        (it only ignores the markers)."""
+        return "rotated" if self.kv_mode == "rotated" else "position_free"
 
     # -- derived shapes ---------------------------------------------------------------------
     @property

@@ -24,13 +24,14 @@ import time
 
 import numpy as np
 
-from minipic_jax.outputs import Logprob, RequestOutput
+from serving.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
 from serving.kv_pool import default_num_blocks, kv_bytes_per_block
 from serving.layout import build_layout
 from serving.metrics import EngineStats
+from serving.model_contract import EngineModel, check_family
 from serving.model_runner import ModelRunner
 from serving.offload import HostKVTier, PageMover
 from serving.request_output import request_output
@@ -39,13 +40,14 @@ from serving.sequence import Sequence, Status  # noqa: F401
 
 
 class LLMEngine:
-    def __init__(self, loaded, config: Config, *, dtype, seed: int = 0):
+    def __init__(self, loaded: EngineModel, config: Config, *, dtype, seed: int = 0):
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.cfg
         self.vocab_size = mcfg.vocab_size
-        self.hybrid = bool(getattr(loaded.family, "IS_HYBRID", False))
+        check_family(loaded.family)
+        self.hybrid = loaded.family.IS_HYBRID
         if self.hybrid and config.scheduling_policy == "isps":
             config.scheduling_policy = "fcfs"
         self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())

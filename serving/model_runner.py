@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
-from minipic_jax.models.interface import RecurrentMetadata
+from serving.model_contract import RecurrentMetadata
 from serving.kv_pool import allocate_pool
+from serving.model_contract import EngineModel
 from serving.sampler import SamplingMetadata, sample
 
 _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
@@ -52,15 +53,14 @@ def _layout(t: int, s: int, nb: int):
 
 
 class ModelRunner:
-    def __init__(self, config, loaded, num_blocks: int, dtype):
+    def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype):
         self.config = config
         self.family = loaded.family
         self.mcfg = loaded.cfg
-        fuse = getattr(loaded.family, "fuse_params", None)
-        if config.fuse_weights and fuse is not None:
+        if config.fuse_weights:
             # one layer at a time, originals deleted as they are fused (peak: one extra layer)
             params, loaded.params = loaded.params, None
-            loaded.params = fuse(params, consume=True)
+            loaded.params = loaded.family.fuse_params(params, consume=True)
             del params
         self.params = loaded.params
         self.block_size = config.block_size
@@ -70,7 +70,7 @@ class ModelRunner:
         self.cache, self.num_blocks = allocate_pool(
             lambda n: self.family.init_cache(self.mcfg, n, config.block_size, seats + 1, dtype),
             num_blocks, may_shrink=config.num_kv_blocks is None)
-        self.kv_mode = "rotated" if config.kv_mode == "rotated" else "position_free"
+        self.kv_mode = config.attention_kv_mode
         self.h_tables = np.zeros((seats, self.nb), np.int32)
         self.h_pos_start = np.zeros((seats, self.nb), np.int32)
         self.h_valid = np.zeros((seats, self.nb), np.int32)

@@ -1,8 +1,8 @@
-"""RequestOutput (minipic_jax.outputs, vLLM-shaped) from an engine Sequence."""
+"""RequestOutput (serving.outputs, vLLM-shaped) from an engine Sequence."""
 
 from __future__ import annotations
 
-from minipic_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from serving.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from serving.sequence import Sequence
 
 

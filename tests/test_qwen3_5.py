@@ -14,7 +14,7 @@ from conftest import FIXTURES
 from minipic_jax import LLM, SamplingParams
 from minipic_jax.loading import load_model
 from minipic_jax.models import qwen3_5, testing
-from minipic_jax.models.interface import RecurrentMetadata
+from serving.model_contract import RecurrentMetadata
 
 QWEN_FIXTURES = ("qwen3_5_gva2", "qwen3_5_tied")
 

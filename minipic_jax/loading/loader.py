@@ -28,7 +28,7 @@ AUTO_CACHE_MIN_BYTES = 256 << 20
 class LoadedModel:
     cfg: ModelConfig
     params: Any  # the family's params pytree
-    family: ModuleType  # implements minipic_jax/models/interface.py
+    family: ModuleType  # implements serving.model_contract.ModelFamily
     tokenizer: Tokenizer | None
     source: str  # "folder:<abs path>" or "preset:<name>"
     from_cache: bool = False  # params came from the orbax cache (conversion skipped)

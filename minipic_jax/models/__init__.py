@@ -1,4 +1,5 @@
-"""Model family registry: HF `model_type` -> the module implementing models/interface.py.
+"""Model family registry: HF `model_type` -> the family module (it implements
+serving.model_contract.ModelFamily).
 
 Family modules are imported lazily, so a family that is missing or broken does not stop others.
 """

@@ -1,6 +1,6 @@
 """Llama family (Llama 2 / 3 / 3.1, Tulu 3, Mistral without sliding window) as pure functions.
 
-Implements the family contract of `minipic_jax.models.interface`. Params and the KV cache are
+Implements the family contract of `serving.model_contract.ModelFamily`. Params and the KV cache are
 registered dataclass pytrees; per-layer weights are a tuple (one entry per layer). Shape letters:
 configs/model_config.py. Attention is reached only through `kernels_pallas.paged_attention`.
 """
@@ -18,6 +18,8 @@ from kernels_pallas.rope import apply_rope
 from minipic_jax.models import layers, rope
 from minipic_jax.models.hf_weights import take
 from minipic_jax.models.param_init import init_from_shapes
+
+IS_HYBRID = False
 
 MODEL_TYPES = ("llama", "mistral")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -283,10 +285,10 @@ def fuse_params(params: LlamaParams, *, consume: bool = False) -> LlamaParams:
 # ----------------------------------------------------------------------------- cache + forward
 
 
-def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, max_num_seqs: int = 0,
+def init_cache(cfg: ModelConfig, num_pages: int, block_size: int, max_num_seqs: int = 0,
                dtype=jnp.float32) -> KVCache:
     """Zeroed paged KV cache: per layer k/v [P, B, K, D]. (max_num_seqs is unused here.)"""
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_pages, block_size, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 

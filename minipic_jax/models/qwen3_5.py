@@ -1,6 +1,6 @@
 """Qwen3.5 text model (hybrid: Gated DeltaNet + gated full attention) as pure functions.
 
-Implements minipic_jax/models/interface.py. Layers follow `cfg.layer_types`: "full_attention"
+Implements serving.model_contract.HybridModelFamily. Layers follow `cfg.layer_types`: "full_attention"
 layers use paged KV (kernels_pallas.paged_attention) with the sigmoid output gate, q/k RMSNorm
 (1 + w) and partial rotary; "linear_attention" layers are Gated DeltaNet (qwen3_5_gdn.py) with a
 recurrent-state cache of `slots` entries, separate from the KV pages, addressed by
@@ -19,58 +19,19 @@ from configs.model_config import ModelConfig
 from kernels_pallas.paged_attention.api import KV_MODES, paged_attention, write_kv
 from kernels_pallas.rope import apply_rope
 from minipic_jax.models import layers, rope
-from minipic_jax.models.interface import RecurrentMetadata
 from minipic_jax.models.llama import _rope_from_hf, init_from_shapes
 from minipic_jax.models.qwen3_5_gdn import (GDNParams, gdn_axes, gdn_dims, gdn_mixer, gdn_shapes,
                                             state_shapes)
 from minipic_jax.models.qwen3_5_hf import convert_hf, hf_tensor_names  # noqa: F401 (contract)
+from minipic_jax.models.qwen3_5_params import (AttnParams, LayerParams,  # noqa: F401 (API)
+                                               Qwen35Cache, Qwen35Params)
+from serving.model_contract import RecurrentMetadata
 
 IS_HYBRID = True
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 LAYER_TYPES = ("full_attention", "linear_attention")
 CHUNK = 64  # recurrent checkpoint granularity (the chunked kernel's chunk size)
 GDN_IMPLS = (None, "xla", "pallas_fused", "pallas_fused_interpret")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AttnParams:
-    wq: jax.Array  # [E, H, D]
-    wgate: jax.Array  # [E, H, D] output gate (second half of HF q_proj per head)
-    wk: jax.Array  # [E, K, D]
-    wv: jax.Array  # [E, K, D]
-    wo: jax.Array  # [H, D, E]
-    q_norm: jax.Array  # [D] (1 + w)
-    k_norm: jax.Array  # [D] (1 + w)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerParams:
-    attn_norm: jax.Array  # [E] (1 + w)
-    mixer: AttnParams | GDNParams
-    mlp_norm: jax.Array  # [E] (1 + w)
-    w_gate: jax.Array  # [E, F]
-    w_up: jax.Array  # [E, F]
-    w_down: jax.Array  # [F, E]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Qwen35Params:
-    embed: jax.Array  # [V, E]
-    layers: tuple[LayerParams, ...]
-    final_norm: jax.Array  # [E] (1 + w)
-    lm_head: jax.Array | None  # [E, V]; None when tied
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Qwen35Cache:
-    k: tuple[jax.Array, ...]  # one per full-attention layer: [P, B, K, D]
-    v: tuple[jax.Array, ...]  # [P, B, K, D]
-    conv: tuple[jax.Array, ...]  # one per GDN layer: [slots, C, Kc - 1] last conv inputs
-    delta: tuple[jax.Array, ...]  # one per GDN layer: [slots, Hv, Dk, Dv] float32
 
 
 # ----------------------------------------------------------------------------- config
@@ -171,15 +132,21 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32) -> Qwen35Params:
     return init_from_shapes(_shapes(cfg), key, dtype)
 
 
+def fuse_params(params: Qwen35Params, *, consume: bool = False) -> Qwen35Params:
+    """Nothing to fuse yet: the params unchanged (the family contract's hook)."""
+    del consume
+    return params
+
+
 # ----------------------------------------------------------------------------- cache
 
 
-def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, max_num_seqs: int = 1,
+def init_cache(cfg: ModelConfig, num_pages: int, block_size: int, max_num_seqs: int = 1,
                dtype=jnp.float32) -> Qwen35Cache:
     """Zeroed cache: KV pages for full-attention layers, max_num_seqs recurrent-state slots per
     GDN layer (conv state in `dtype`, delta state float32)."""
     _check(cfg)
-    kv = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = (num_pages, block_size, cfg.num_kv_heads, cfg.head_dim)
     n_attn = cfg.layer_types.count("full_attention")
     n_gdn = cfg.num_layers - n_attn
     conv_shape, delta_shape = state_shapes(cfg, max(max_num_seqs, 1))
@@ -323,7 +290,7 @@ def forward(params: Qwen35Params, tokens, metadata, cache: Qwen35Cache, cfg: Mod
             recurrent=None, logits_indices=None, kv_mode: str = "position_free",
             attn_impl: str | None = None, gdn_impl: str | None = None,
             write_impl: str | None = None, attn_options: dict | None = None):
-    """One ragged step (see interface.py). `recurrent` gives each sequence's state slot and
+    """One ragged step (serving.model_contract.ModelFamily.forward). `recurrent` gives each sequence's state slot and
     whether it starts fresh; None means slot s for sequence s, fresh when it starts at
     position 0. Sequences with no tokens this step keep their state. gdn_impl: see
     forward_with_checkpoints. Returns (logits, cache)."""

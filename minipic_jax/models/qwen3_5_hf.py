@@ -8,6 +8,8 @@ import numpy as np
 
 from configs.model_config import ModelConfig
 from minipic_jax.models.hf_weights import take
+from minipic_jax.models.qwen3_5_gdn import GDNParams, gdn_dims
+from minipic_jax.models.qwen3_5_params import AttnParams, LayerParams, Qwen35Params
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log",
@@ -43,8 +45,6 @@ def hf_tensor_names(cfg: ModelConfig) -> list[str]:
 
 def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32):
     """HF tensors (torch Linear layout [out, in]) -> Qwen35Params in `dtype` (shapes checked)."""
-    from minipic_jax.models.qwen3_5 import AttnParams, LayerParams, Qwen35Params
-    from minipic_jax.models.qwen3_5_gdn import GDNParams, gdn_dims
     e, h, k, d, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                         cfg.intermediate_size, cfg.vocab_size)
     hk, hv, dk, dv, c, kc = gdn_dims(cfg)

@@ -1,4 +1,6 @@
-"""Request outputs, vLLM-shaped: RequestOutput, CompletionOutput, Logprob, RequestMetrics."""
+"""Request outputs, vLLM-shaped: RequestOutput, CompletionOutput, Logprob, RequestMetrics.
+
+The engine produces them, so they live here; `minipic_jax` re-exports them as its public API."""
 
 from __future__ import annotations
 

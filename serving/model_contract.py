@@ -1,0 +1,119 @@
+"""The model contract: what the engine needs from a model, as `typing.Protocol`s.
+
+The engine is handed a loaded model (`EngineModel`: config, params, family, tokenizer) and talks
+to it only through these names; it never imports a model package. A family is a module (or any
+object) with the members of `ModelFamily`; a hybrid (recurrent + attention) family also has
+those of `HybridModelFamily`. `check_family` says which member is missing, once, at engine start.
+
+Names shared with the kernels: `block_size` is the number of token slots of one KV block
+(`page_size` B in the kernels' page shape [P, B, K, D]); `kv_mode` is the attention kernels'
+"position_free" | "rotated" (serving's Config.kv_mode adds "pic_off": position-free keys with
+the markers ignored, see Config.attention_kv_mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Generic, Protocol, runtime_checkable
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RecurrentMetadata:
+    """Per-sequence recurrent-state slots for hybrid models (ignored by pure-attention models)."""
+
+    state_slots: jax.Array  # [S] int32 slot of each sequence in the recurrent-state cache
+    reset: jax.Array  # [S] bool start this sequence from the zero state (first chunk of a prompt)
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """One model family (llama.py, qwen3_5.py, ...). Pure functions; cfg is the static config."""
+
+    IS_HYBRID: bool  # True: recurrent layers too (see HybridModelFamily)
+
+    def config_from_hf(self, hf_config: dict) -> Any:
+        """HF config.json dict -> configs.ModelConfig; ValueError for what it cannot run."""
+
+    def init_params(self, cfg, key, dtype) -> Any:
+        """Deterministic random weights (a pytree)."""
+
+    def param_axes(self, cfg) -> Any:
+        """Logical axis-name tuples, the same pytree structure as the params."""
+
+    def convert_hf(self, get_tensor, cfg, dtype) -> Any:
+        """Params from HF tensors; get_tensor(name) -> np.ndarray."""
+
+    def hf_tensor_names(self, cfg) -> list[str]:
+        """Every tensor convert_hf reads."""
+
+    def fuse_params(self, params, *, consume: bool = False) -> Any:
+        """Params with the weights that read the same input concatenated (one GEMM each); the
+        identity for a family with nothing to fuse. consume: delete originals as they fuse."""
+
+    def init_cache(self, cfg, num_pages: int, block_size: int, max_num_seqs: int,
+                   dtype) -> Any:
+        """Zeroed cache pytree: KV pages [P, block_size, K, D] per attention layer (and
+        max_num_seqs recurrent-state slots per recurrent layer for hybrid families)."""
+
+    def forward(self, params, tokens, metadata, cache, cfg, *, recurrent=None,
+                logits_indices=None, kv_mode: str = "position_free", attn_impl=None,
+                write_impl=None, attn_options=None) -> tuple[Any, Any]:
+        """One ragged step -> (logits [N, V] float32, cache). tokens [T] int32; metadata the
+        kernels' AttentionMetadata; recurrent a RecurrentMetadata (hybrid families);
+        logits_indices [N] int32 rows of T (default all). attn_impl / attn_options:
+        paged_attention's implementation and options, write_impl: write_kv's, for every
+        attention layer. Pure and jit-able; the caller donates the cache."""
+
+
+@runtime_checkable
+class HybridModelFamily(ModelFamily, Protocol):
+    """A family with recurrent layers: exact states can be taken at chunk boundaries (the
+    sparse prefix cache's checkpoints), read out of a slot and written back into one."""
+
+    CHUNK: int  # recurrent checkpoint granularity (the recurrent kernel's chunk size)
+
+    def forward_with_checkpoints(self, params, tokens, metadata, cache, cfg, *,
+                                 checkpoint_at=None, **forward_kwargs) -> tuple[Any, Any, Any]:
+        """`forward` plus the recurrent states at checkpoint_at [S, M] positions (or None)."""
+
+    def extract_state(self, cache, slot: int) -> dict:
+        """One slot's recurrent state as host arrays."""
+
+    def restore_state(self, cache, slot: int, state: dict) -> Any:
+        """The cache with `state` written into `slot`."""
+
+    def state_nbytes(self, cfg) -> dict:
+        """Analytic size of one sequence's recurrent state."""
+
+
+class EngineModel(Protocol):
+    """What the engine is handed (minipic_jax.loading.LoadedModel is one)."""
+
+    cfg: Any  # configs.ModelConfig
+    params: Any  # the family's params pytree
+    family: ModelFamily
+    tokenizer: Any  # None, or encode / decode / eos_token_ids / bos_token_id
+
+
+def check_family(family) -> None:
+    """TypeError naming the members of the contract that `family` lacks."""
+    hybrid = hasattr(family, "IS_HYBRID") and family.IS_HYBRID
+    need = HybridModelFamily if hybrid else ModelFamily
+    missing = [name for name in _members(need) if not hasattr(family, name)]
+    if missing:
+        label = getattr(family, "__name__", type(family).__name__)
+        raise TypeError(f"model family {label} does not implement serving.model_contract."
+                        f"{need.__name__}: missing {', '.join(missing)}")
+
+
+def _members(protocol) -> list[str]:
+    names = []
+    for klass in protocol.__mro__:
+        if klass in (Protocol, Generic, object):
+            continue
+        names += [n for n in vars(klass) if not n.startswith("_")]
+        names += [n for n in getattr(klass, "__annotations__", {}) if not n.startswith("_")]
+    return sorted(set(names))

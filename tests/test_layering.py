@@ -1,0 +1,128 @@
+"""The import graph keeps docs/DESIGN.md's layering: arrows between top-level packages point one
+way (the table below), and no module imports itself back through others (no cycle). Every
+import counts, including those inside functions. Read from the source (ast); nothing imported."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# package -> the first-party packages it may import (docs/DESIGN.md, section 2)
+MAY_IMPORT = {
+    "configs": set(),
+    "kernels_pallas": set(),
+    "planner": set(),
+    "serving": {"kernels_pallas", "planner", "configs"},
+    "minipic_jax": {"serving", "kernels_pallas", "planner", "configs"},
+    "benchmarks": {"minipic_jax", "serving", "kernels_pallas", "planner", "configs"},
+    "scripts": {"minipic_jax", "serving", "kernels_pallas", "planner", "configs", "benchmarks"},
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every .py file of the packages above."""
+    mods = {}
+    for pkg in MAY_IMPORT:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(name: str, path: pathlib.Path, known: set[str]):
+    """(imported first-party module, line) pairs of one file; `from pkg import sub` names the
+    submodule when sub is one, the package otherwise."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's package, level - 1 steps up
+                up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a non-module attribute
+                target = target.rpartition(".")[0]
+            if target and target.split(".")[0] in MAY_IMPORT:
+                yield target, node.lineno
+
+
+def _graph():
+    mods = _modules()
+    return mods, {m: sorted(set(_imports(m, p, set(mods)))) for m, p in mods.items()}
+
+
+def test_arrows_between_packages_point_down():
+    mods, graph = _graph()
+    upward = [f"{mods[m].relative_to(REPO)}:{line} imports {t}"
+              for m, edges in graph.items() for t, line in edges
+              if t.split(".")[0] != m.split(".")[0]
+              and t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]]
+    assert not upward, "imports against docs/DESIGN.md section 2:\n" + "\n".join(upward)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one member (Tarjan, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        comp.append(member)
+                        if member == node:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+            elif child not in index:
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(edges.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return out
+
+
+def test_no_import_cycles():
+    _, graph = _graph()
+    modules = {m: {t for t, _ in e if t != m} for m, e in graph.items()}
+    packages: dict[str, set[str]] = {}
+    for m, targets in modules.items():
+        packages.setdefault(m.split(".")[0], set()).update(
+            t.split(".")[0] for t in targets if t.split(".")[0] != m.split(".")[0])
+    assert not _cycles(packages), f"top-level packages import each other: {_cycles(packages)}"
+    assert not _cycles(modules), f"modules import each other: {_cycles(modules)}"
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_arrow():
+    """The checkers themselves, on a made-up graph."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert "minipic_jax" not in MAY_IMPORT["serving"]
+    assert "serving" not in MAY_IMPORT["kernels_pallas"]
