@@ -379,8 +379,8 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = seq.stop_check(tok, eos, max_len)
-            if (sp.stop and reason != "stop" and seq.num_output_tokens >= sp.min_tokens
-                    and find_stop_string(seq, self.tokenizer)):
+            if sp.stop and reason != "stop" and find_stop_string(
+                    seq, self.tokenizer, armed=seq.num_output_tokens >= sp.min_tokens):
                 reason = "stop"
             if reason is not None:
                 seq.finish_reason = reason
