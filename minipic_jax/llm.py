@@ -7,7 +7,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from minipic_jax.loading import load_model
-from minipic_jax.prompts import build_prompt, is_structured
+from minipic_jax.parallel_samples import fan_out, merge_samples
+from minipic_jax.prompts import as_prompt_list, build_prompt, is_structured
 from minipic_jax.sampling_params import SamplingParams
 from serving.config import Config
 from serving.llm_engine import LLMEngine
@@ -39,11 +40,16 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def to_token_ids(self, prompt, index: int = 0) -> tuple[list[int], str | None]:
-        """A prompt (str, token ids, {"prompt_token_ids"}/{"prompt"} dict, or segments) -> ids."""
+    def to_token_ids(self, prompt, index: int = 0) -> tuple[list, str | None]:
+        """A prompt (str, token ids, {"prompt_token_ids"}/{"prompt"} dict, or segments) -> ids.
+        Token ids are returned as given: `LLMEngine.validate` checks them (ints, vocabulary)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise TypeError(f"request {index}: prompt_token_ids must be a list of ints, "
+                                    f"got {type(ids).__name__}")
+                return list(ids), prompt.get("prompt")
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -57,53 +63,62 @@ class LLM:
             try:
                 ids = build_prompt(prompt, block_size=self.config.block_size,
                                    tokenizer=self.tokenizer, **m)
-            except ValueError as err:
-                raise ValueError(f"request {index}: {err}") from None
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"request {index}: {err}") from None
             return ids, None
         if isinstance(prompt, (list, tuple)):
-            return [t if isinstance(t, int) else int(t) for t in prompt], None
-        raise ValueError(f"request {index}: unsupported prompt type {type(prompt).__name__}")
+            return list(prompt), None
+        raise TypeError(f"request {index}: unsupported prompt type {type(prompt).__name__} "
+                        f"(a str, a list of token ids, a dict or a list of Prompt/Span)")
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True,
                  cache_salt: str | None = None):
         """Generate for every prompt; returns RequestOutputs in input order.
 
-        Every request is validated before any work starts (a bad one raises a ValueError naming
-        it, and nothing runs).
+        Every request is validated before any work starts (a bad one raises a ValueError or
+        TypeError naming it, and nothing runs). If anything raises while the batch runs
+        (KeyboardInterrupt included), this call's requests are aborted and their blocks freed
+        before the exception propagates; the engine stays usable. A request with
+        `SamplingParams.n > 1` runs as n requests over the same prompt (its cached blocks are
+        shared) whose completions come back in one RequestOutput.
         """
-        if isinstance(prompts, (str, dict)) or is_structured(prompts) or (
-                isinstance(prompts, (list, tuple)) and prompts and
-                all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        sps = (sampling_params if isinstance(sampling_params, (list, tuple))
+        sps = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                else [sampling_params] * len(prompts))
         if len(sps) != len(prompts):
             raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
-        reqs = []
+        reqs = []  # (request id, ids, text, params, layout, parent index, sample index)
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             ids, text = self.to_token_ids(p, i)
             rid = str(self._next_id + i)
-            layout = engine.validate(rid, ids, sp, label=f"request {i}")
-            reqs.append((rid, ids, text, sp, layout))
+            layout = engine.validate(rid, ids, sp, label=f"request {i}", cache_salt=cache_salt)
+            for k, child in enumerate(fan_out(sp)):
+                reqs.append((rid if sp.n == 1 else f"{rid}:{k}", ids, text, child, layout, i, k))
         self._next_id += len(prompts)
-        for rid, ids, text, sp, layout in reqs:
-            engine._enqueue(rid, ids, sp, layout, cache_salt=cache_salt, prompt=text)
-        order = {rid: i for i, (rid, *_rest) in enumerate(reqs)}
-        results: list = [None] * len(reqs)
+        order = {r[0]: (r[5], r[6]) for r in reqs}
+        results: list = [[None] * sp.n for sp in sps]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(reqs), desc="Processed prompts", dynamic_ncols=True)
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id in order:
-                    results[order[out.request_id]] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return results
+        try:
+            for rid, ids, text, sp, layout, _, _ in reqs:
+                engine._enqueue(rid, ids, sp, layout, cache_salt=cache_salt, prompt=text)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.request_id in order:
+                        i, k = order[out.request_id]
+                        results[i][k] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.recover(list(order))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [merge_samples(str(self._next_id - len(prompts) + i), r) if len(r) > 1 else r[0]
+                for i, r in enumerate(results)]

@@ -22,6 +22,7 @@ Recipes:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence, Union
 
 
@@ -42,9 +43,31 @@ def is_structured(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (Prompt, Span))
 
 
+def as_prompt_list(prompts) -> list:
+    """`generate`'s first argument as a list of prompts: one prompt (a str, a dict, a list of
+    token ids or of segments) becomes a list of one. Anything else is a TypeError."""
+    if isinstance(prompts, (str, dict)) or is_structured(prompts) or (
+            isinstance(prompts, (list, tuple)) and prompts and
+            all(_is_token(t) for t in prompts)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a str, a dict, a list of token ids or of Prompt/Span "
+                        f"segments, or a list of those; got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
 def _encode(seg, tokenizer, first: bool) -> list[int]:
     if not isinstance(seg.content, str):
-        return [int(t) for t in seg.content]
+        ids = list(seg.content)
+        for k, t in enumerate(ids):
+            if not _is_token(t):
+                raise TypeError(f"{type(seg).__name__} token ids must be ints; index {k} is "
+                                f"{t!r} ({type(t).__name__})")
+        return [int(t) for t in ids]
     if tokenizer is None:
         raise ValueError("structured prompt with text segments needs a tokenizer")
     ids = list(tokenizer.encode(seg.content))
@@ -66,7 +89,10 @@ def build_prompt(segments, *, block_size: int, pad_token_id: int, ssep_token_id:
     for k, seg in enumerate(segments):
         if not isinstance(seg, (Prompt, Span)):
             raise ValueError(f"segment {k}: expected Prompt or Span, got {type(seg).__name__}")
-        ids = _encode(seg, tokenizer, first=(k == 0))
+        try:
+            ids = _encode(seg, tokenizer, first=(k == 0))
+        except TypeError as err:
+            raise TypeError(f"segment {k}: {err}") from None
         if not ids:
             raise ValueError(f"segment {k}: empty {type(seg).__name__}")
         if isinstance(seg, Prompt) and isinstance(prev, Prompt):

@@ -44,10 +44,10 @@ def make_hash_fn(algo: str = "xxhash64"):
 
 
 def root_hash(hash_fn, cache_salt: str | None) -> int:
-    """h_0 for a tenant: a fixed seed, or one derived from `cache_salt`."""
+    """h_0 for a tenant: a fixed seed, or one derived from `cache_salt` and its length (so no
+    two salts share a root: "a" and "a\\0" differ)."""
     salt = (cache_salt or "").encode()
-    return hash_fn(_SEED, np.frombuffer(salt.ljust(-(-len(salt) // 8) * 8, b"\0"), np.int64)
-                   if salt else (), b"R")
+    return hash_fn(_SEED, len(salt).to_bytes(8, "little") + salt if salt else b"", b"R")
 
 
 def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int,

@@ -34,9 +34,12 @@ from serving.metrics import EngineStats
 from serving.model_contract import EngineModel, check_family
 from serving.model_runner import ModelRunner
 from serving.offload import HostKVTier, PageMover
+from serving.recovery import recover
+from serving.request_checks import check_sampling, check_token_ids
 from serving.request_output import request_output
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status  # noqa: F401
+from serving.stop_strings import find_stop_string
 
 
 class LLMEngine:
@@ -47,6 +50,9 @@ class LLMEngine:
         mcfg = loaded.cfg
         self.vocab_size = mcfg.vocab_size
         check_family(loaded.family)
+        if config.max_model_len > (mcfg.max_position_embeddings or config.max_model_len):
+            raise ValueError(f"Config.max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mcfg.max_position_embeddings}")
         self.hybrid = loaded.family.IS_HYBRID
         if self.hybrid and config.scheduling_policy == "isps":
             config.scheduling_policy = "fcfs"
@@ -99,22 +105,22 @@ class LLMEngine:
         gc.freeze()
 
     # -- requests ------------------------------------------------------------------------------
-    def validate(self, request_id, prompt_token_ids, sampling_params, *, label: str | None = None):
-        """Raise a ValueError naming the request for input the engine cannot run; returns the
-        prompt layout. Nothing is touched, so other requests are unaffected."""
+    def validate(self, request_id, prompt_token_ids, sampling_params, *, label: str | None = None,
+                 cache_salt: str | None = None):
+        """Raise a ValueError/TypeError naming the request for input the engine cannot run;
+        returns the prompt layout. Nothing is touched, so other requests are unaffected."""
         cfg = self.config
         who = label or f"request {request_id!r}"
-        ids = list(prompt_token_ids)
+        check_sampling(sampling_params, who, self.vocab_size, self.tokenizer)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"{who}: cache_salt must be a str or None, "
+                            f"got {type(cache_salt).__name__}")
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+            raise TypeError(f"{who}: prompt token ids must be a list of ints, "
+                            f"got {type(prompt_token_ids).__name__}")
+        ids = check_token_ids(prompt_token_ids, who, self.vocab_size)
         if not ids:
             raise ValueError(f"{who}: empty prompt")
-        arr = np.asarray(ids)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{who}: prompt token ids must be integers")
-        bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
-        if bad.size:
-            k = int(bad[0])
-            raise ValueError(f"{who}: token id {ids[k]} at index {k} is outside "
-                             f"the vocabulary [0, {self.vocab_size})")
         if len(ids) >= cfg.max_model_len:
             raise ValueError(f"{who}: prompt of {len(ids)} tokens is too long "
                              f"for max_model_len={cfg.max_model_len} (it needs room for at "
@@ -149,7 +155,8 @@ class LLMEngine:
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt: str | None = None) -> None:
         """Queue one request (validated first; a bad one raises and changes nothing)."""
-        layout = self.validate(request_id, prompt_token_ids, sampling_params)
+        layout = self.validate(request_id, prompt_token_ids, sampling_params,
+                               cache_salt=cache_salt)
         self._enqueue(request_id, prompt_token_ids, sampling_params, layout,
                       cache_salt=cache_salt, arrival_time=arrival_time, prompt=prompt)
 
@@ -178,6 +185,11 @@ class LLMEngine:
         else:
             self.scheduler.finish(seq)
 
+    def recover(self, request_ids) -> None:
+        """After an exception inside `step()` (or an interrupt): abort `request_ids`, free their
+        blocks, and leave the other requests runnable (serving/recovery.py)."""
+        recover(self, request_ids)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -188,16 +200,19 @@ class LLMEngine:
         self._evicted.append((block, h, confirm))
 
     def _move_pages(self):
-        if self._evicted:
-            blocks = [b for b, _, _ in self._evicted]
-            batch = self.mover.gather(self.runner.cache, blocks)
-            self.offload.pending.append(batch)
-            for row, (_, h, confirm) in enumerate(self._evicted):
-                self.offload.put(h, confirm, batch, row)
-            self._evicted = []
+        """This step's page moves. The copy-ins the scheduler planned are looked up before the
+        step's evictions enter the host tier: a put may drop the tier's oldest entries, which
+        can be exactly the planned ones. Evicted pages are gathered before the scatter, which
+        may reuse their device blocks."""
         copy_in = self.scheduler.pending_copy_in
+        sources = [self.offload.get(h) for _, h in copy_in]
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            batch = self.mover.gather(self.runner.cache, [b for b, _, _ in evicted])
+            self.offload.pending.append(batch)
+            for row, (_, h, confirm) in enumerate(evicted):
+                self.offload.put(h, confirm, batch, row)
         if copy_in:
-            sources = [self.offload.get(h) for _, h in copy_in]
             self.runner.cache = self.mover.scatter(self.runner.cache, [b for b, _ in copy_in],
                                                    sources)
             self.scheduler.pending_copy_in = []
@@ -366,6 +381,9 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = seq.stop_check(tok, eos, max_len)
+            if sp.stop and reason != "stop" and find_stop_string(
+                    seq, self.tokenizer, armed=seq.num_output_tokens >= sp.min_tokens):
+                reason = "stop"
             if reason is not None:
                 seq.finish_reason = reason
                 if seq.ends_with_pending:  # async: already finished by length

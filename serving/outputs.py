@@ -35,7 +35,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # per generated token: token id -> Logprob
     finish_reason: str | None = None  # "stop" | "length"
-    stop_reason: int | None = None  # the stop token id, if one ended the request
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
         return self.finish_reason is not None

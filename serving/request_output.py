@@ -12,6 +12,8 @@ def request_output(seq: Sequence, tokenizer) -> RequestOutput:
     sp = seq.sampling_params
     ids = seq.output_token_ids
     text = tokenizer.decode(ids) if tokenizer is not None else ""
+    if seq.text_end is not None:  # a stop string ended the request
+        text = text[:seq.text_end]
     lps = None
     if sp.logprobs is not None:
         lps = seq.output_logprobs

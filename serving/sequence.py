@@ -54,7 +54,8 @@ class Sequence:
         self.needs_reset = True  # recurrent state starts from zero on the next chunk
         self.ever_admitted = False
         self.finish_reason: str | None = None
-        self.stop_reason = None
+        self.stop_reason = None  # the stop token id or stop string that ended the request
+        self.text_end: int | None = None  # output text cut here (a stop string), else None
         self.output_logprobs: list = []
         self.cum_logprob = 0.0
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -110,6 +111,18 @@ class Sequence:
         """The token a dispatched step samples, before its value is read back."""
         self.append_token(PLACEHOLDER)
         self.num_pending += 1
+
+    def drop_placeholder(self) -> None:
+        """Undo `append_placeholder` (its step was lost): the token will be sampled again."""
+        self.token_ids.pop()
+        self.num_pending -= 1
+        self.num_valid -= 1
+        blk = len(self.token_ids) // self.block_size
+        self.block_valid[blk] -= 1
+        if (self.block_valid[blk] == 0 and blk == len(self.block_valid) - 1
+                and blk >= len(self.layout.block_valid)):
+            self.block_valid.pop()
+            self.block_pos_start.pop()
 
     def resolve_placeholder(self, token: int) -> None:
         """The pending last token's value, read back from its step."""

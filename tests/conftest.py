@@ -36,9 +36,16 @@ def hf_reference(folder: pathlib.Path) -> dict:
             "inv_freq": ref["inv_freq"]}
 
 
+def test_seed(request) -> int:
+    """A fresh random salt per test, or MINIPIC_TEST_SEED to replay one; printed (pytest shows
+    it with a failure) with the command that replays it."""
+    env = os.environ.get("MINIPIC_TEST_SEED")
+    salt = int(env) if env else int(np.random.SeedSequence().entropy % (1 << 32))
+    print(f"seed: {salt} (replay: MINIPIC_TEST_SEED={salt} pytest '{request.node.nodeid}')")
+    return salt
+
+
 @pytest.fixture
 def fresh_rng(request):
-    """A numpy Generator seeded from the test id plus a random salt (printed on failure)."""
-    salt = int(np.random.SeedSequence().entropy % (1 << 32))
-    print(f"fresh_rng salt={salt}")
-    return np.random.default_rng([salt, zlib.crc32(request.node.nodeid.encode())])
+    """A numpy Generator seeded from the test id plus a fresh salt (see `test_seed`)."""
+    return np.random.default_rng([test_seed(request), zlib.crc32(request.node.nodeid.encode())])

@@ -1,0 +1,73 @@
+"""vLLM conveniences (issue 15, item 7): stop strings, n > 1 parallel samples sharing the
+prompt's blocks, `python -m minipic_jax`."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+import pytest
+
+from conftest import make_tiny_llm
+from minipic_jax import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_tiny_llm(max_num_batched_tokens=32)
+
+
+class LetterTokenizer:
+    """Every id is one letter (the tiny preset's bytes tokenizer prints nothing for most of the
+    ids a random model samples)."""
+
+    def decode(self, ids):
+        return "".join(chr(65 + t % 26) for t in ids)
+
+
+def test_stop_strings_cut_the_text(llm, fresh_rng, monkeypatch):
+    tok = LetterTokenizer()
+    monkeypatch.setattr(llm.llm_engine, "tokenizer", tok)
+    prompt = [256] + [int(t) for t in fresh_rng.integers(0, 256, 20)]
+    base = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = base.text[4:6]  # two letters of the output text: the first match counts
+    first = base.text.find(stop)
+    ends = min(k for k in range(1, 13) if stop in tok.decode(base.token_ids[:k]))
+    for include in (False, True):
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop, "\x00"],
+                            include_stop_str_in_output=include)
+        o = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        assert (o.finish_reason, o.stop_reason) == ("stop", stop)
+        assert o.token_ids == base.token_ids[:ends]  # up to the token that completed it
+        assert o.text == base.text[:first + (len(stop) if include else 0)]
+    # min_tokens holds stop strings back like stop tokens
+    late = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                 stop=stop, min_tokens=12), use_tqdm=False)[0]
+    assert late.outputs[0].finish_reason == "length"
+
+
+def test_n_samples_share_prompt_blocks(llm, fresh_rng):
+    prompt = [256] + [int(t) for t in fresh_rng.integers(0, 256, 70)]  # 4 full blocks + 7
+    sp = SamplingParams(temperature=1.0, max_tokens=5, seed=11, n=3, ignore_eos=True)
+    before = llm.llm_engine.get_stats()["computed_query_tokens"]
+    out = llm.generate([prompt, [256, 1, 2]], [sp, SamplingParams(max_tokens=2)],
+                       use_tqdm=False)
+    computed = llm.llm_engine.get_stats()["computed_query_tokens"] - before
+    assert [c.index for c in out[0].outputs] == [0, 1, 2] and len(out[1].outputs) == 1
+    # the 64 tokens of the full blocks are computed once, not three times
+    assert computed <= 71 + 2 * 7 + 3 * 4 + 3 + 1
+    for k, comp in enumerate(out[0].outputs):
+        alone = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=5,
+                                                      seed=11 + k, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+        assert comp.token_ids == alone.token_ids
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1
+
+
+def test_python_dash_m_runs_the_generate_cli(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["minipic_jax", "--help"])
+    with pytest.raises(SystemExit) as ex:
+        runpy.run_module("minipic_jax", run_name="__main__")
+    assert ex.value.code == 0
+    assert "minipic-generate" in capsys.readouterr().out
