@@ -84,6 +84,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         # async scheduling: (batch, runner handle) of the step in flight, per-call timers
         self._inflight = None
+        self._step_unread = False  # sync: a dispatched step not read back yet
         self._early: list[RequestOutput] = []
         self._t_wait = self._t_early = 0.0
         self.num_sync_fallbacks = 0  # read-backs forced before a preemption
@@ -328,8 +329,10 @@ class LLMEngine:
         tw = [0.0, 0.0, 0.0]
         # while the device computes: frontiers move (advance needs no sampled token) and the
         # next waiting prompts get their block hashes
+        self._step_unread = True  # until read back, this step's pages are unverified
         out = self.runner.run(batch, num_logprobs=num_lp, timer=tw,
                               during=lambda: (sched.advance(batch), sched.prepare_waiting()))
+        self._step_unread = False
         t2 = time.perf_counter()
         finished = self._postprocess(batch, out, num_lp)
         if self.offload is not None:

@@ -15,9 +15,11 @@ from serving.sequence import Status
 
 def recover(engine, request_ids) -> None:
     """Abort `request_ids` and make the engine consistent (block ref counts, free list, hash
-    table, host tier) for the requests that remain."""
+    table, host tier) for the requests that remain. If a device step was dispatched and never
+    read back, the pages it may have written are dropped from the cache."""
     sched, bm = engine.scheduler, engine.bm
-    device_ok = _read_back_inflight(engine)
+    device_ok = _read_back_inflight(engine) and not engine._step_unread
+    engine._step_unread = False
     request_ids = set(request_ids)
     for rid in request_ids:
         engine.abort_request(rid)
