@@ -22,19 +22,17 @@ import gc
 import itertools
 import time
 
-import numpy as np
 
 from minipic_jax.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
 from serving.kv_pool import default_num_blocks, kv_bytes_per_block
-from serving.layout import build_layout
 from serving.metrics import EngineStats
 from serving.model_runner import ModelRunner
 from serving.offload import HostKVTier, PageMover
 from serving.recovery import recover
-from serving.request_checks import check_sampling, check_token_ids
+from serving.request_checks import check_fits, check_prompt, check_sampling, check_token_ids
 from serving.request_output import request_output
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status  # noqa: F401
@@ -108,7 +106,6 @@ class LLMEngine:
                  cache_salt: str | None = None):
         """Raise a ValueError/TypeError naming the request for input the engine cannot run;
         returns the prompt layout. Nothing is touched, so other requests are unaffected."""
-        cfg = self.config
         who = label or f"request {request_id!r}"
         check_sampling(sampling_params, who, self.vocab_size, self.tokenizer)
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -118,34 +115,8 @@ class LLMEngine:
             raise TypeError(f"{who}: prompt token ids must be a list of ints, "
                             f"got {type(prompt_token_ids).__name__}")
         ids = check_token_ids(prompt_token_ids, who, self.vocab_size)
-        if not ids:
-            raise ValueError(f"{who}: empty prompt")
-        if len(ids) >= cfg.max_model_len:
-            raise ValueError(f"{who}: prompt of {len(ids)} tokens is too long "
-                             f"for max_model_len={cfg.max_model_len} (it needs room for at "
-                             f"least one generated token)")
-        m = self.markers
-        layout = build_layout(ids, cfg.block_size, pad_id=m["pad_token_id"],
-                              ssep_id=m["ssep_token_id"], pdep_id=m["pdep_token_id"],
-                              markers=cfg.kv_mode != "pic_off")
-        if layout.num_valid == 0:
-            raise ValueError(f"{who}: prompt holds only pad tokens "
-                             f"(pad_token_id={m['pad_token_id']})")
-        if cfg.kv_mode == "rotated" and layout.has_markers:
-            blk = int(np.flatnonzero(layout.seg_start[1:])[0]) + 1 if layout.seg_start[1:].any() else 0
-            raise ValueError(f"{who}: SSEP/PDEP marker at token index "
-                             f"{blk * cfg.block_size} but kv_mode='rotated' cannot reuse spans at "
-                             f"other offsets; use kv_mode='position_free' or remove the markers")
-        max_tokens = sampling_params.max_tokens or cfg.max_model_len
-        total = min(len(ids) + max_tokens, cfg.max_model_len)
-        need = -(-total // cfg.block_size)
-        if need > self.num_blocks:
-            raise ValueError(f"{who}: needs {need} KV blocks "
-                             f"({total} tokens / block_size {cfg.block_size}) but the pool has "
-                             f"only {self.num_blocks}; raise num_kv_blocks or lower max_tokens")
-        if sampling_params.logprobs is not None and sampling_params.logprobs > cfg.max_logprobs:
-            raise ValueError(f"{who}: logprobs={sampling_params.logprobs} > "
-                             f"max_logprobs={cfg.max_logprobs}")
+        layout = check_prompt(ids, who, self.config, self.markers)
+        check_fits(len(ids), sampling_params, who, self.config, self.num_blocks)
         if request_id in self._seqs:
             raise ValueError(f"{who}: request id already in use")
         return layout
