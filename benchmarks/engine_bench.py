@@ -23,9 +23,9 @@ import time
 
 
 def add_parser(p):
-    p.add_argument("--model", default="llama3_8b",
-                   help="preset name or HF folder (presets get random weights; on a CPU use a "
-                        "tiny one, e.g. tiny_llama3)")
+    p.add_argument("--model", default=None,
+                   help="preset name or HF folder (presets get random weights); default "
+                        "llama3_8b, or tiny_llama3 with --host-only")
     p.add_argument("--dtype", default="bfloat16", help="model and KV cache dtype")
     p.add_argument("--batch", type=int, default=128,
                    help="sequences per decode step in the decode measurement (max_num_seqs)")
@@ -217,6 +217,8 @@ def run_host_only(args) -> int:
 
 
 def run(args) -> int:
+    if args.model is None:
+        args.model = "tiny_llama3" if args.host_only else "llama3_8b"
     if args.host_only:
         return run_host_only(args)
     import jax
