@@ -161,7 +161,7 @@ class LLMEngine:
         recover(self, request_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._early) or self.scheduler.has_unfinished()
 
     has_unfinished_requests = has_unfinished
 
@@ -233,7 +233,6 @@ class LLMEngine:
         batch = sched.schedule()
         if self.offload is not None:
             self._move_pages()
-        finished, self._early = self._early, []
         t1 = time.perf_counter()
         dispatch = overlap = 0.0
         if batch:
@@ -243,7 +242,7 @@ class LLMEngine:
             t2 = time.perf_counter()
             inflight, self._inflight = self._inflight, (batch, handle)
             if inflight is not None:  # step N's tokens, while step N+1 runs
-                finished += self._resolve(inflight)
+                self._early += self._resolve(inflight)
             t3 = time.perf_counter()
             sched.advance(batch)
             sched.prepare_waiting()
@@ -260,15 +259,15 @@ class LLMEngine:
         elif self._inflight is not None:
             t2 = t1
             inflight, self._inflight = self._inflight, None
-            finished += self._resolve(inflight)
+            self._early += self._resolve(inflight)
         elif sched.has_unfinished():
             raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
                                "for the waiting request?)")
         else:
-            return finished
+            return self._take_finished()
         if self._inflight is not None and not sched.has_unfinished():
             inflight, self._inflight = self._inflight, None  # drain: nothing left to overlap
-            finished += self._resolve(inflight)
+            self._early += self._resolve(inflight)
         if self.offload is not None:
             self.offload.materialize()
         total = time.perf_counter() - t0
@@ -282,7 +281,7 @@ class LLMEngine:
             st.step_time += total
             st.device_wait += self._t_wait
             st.post += total - self._t_wait
-        return finished
+        return self._take_finished()
 
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -294,7 +293,7 @@ class LLMEngine:
             if sched.has_unfinished():
                 raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
                                    "for the waiting request?)")
-            return []
+            return self._take_finished()
         num_lp = self._num_logprobs(batch)
         t1 = time.perf_counter()
         tw = [0.0, 0.0, 0.0]
@@ -305,13 +304,19 @@ class LLMEngine:
                               during=lambda: (sched.advance(batch), sched.prepare_waiting()))
         self._step_unread = False
         t2 = time.perf_counter()
-        finished = self._postprocess(batch, out, num_lp)
+        self._early += self._postprocess(batch, out, num_lp)
         if self.offload is not None:
             self.offload.materialize()
         t3 = time.perf_counter()
         self.stats.record_step(batch, total=t3 - t0, device_wait=tw[1], dispatch=tw[0],
                                schedule=t1 - t0, build=t2 - t1 - tw[0] - tw[1] - tw[2],
                                post=t3 - t2, overlap=tw[2])
+        return self._take_finished()
+
+    def _take_finished(self) -> list[RequestOutput]:
+        """The step's finished requests. They are gathered in `_early` as they are made (also
+        by a read-back before a preemption), so a step that raises later loses none of them."""
+        finished, self._early = self._early, []
         return finished
 
     def _postprocess(self, batch, out, num_lp, pending: bool = False) -> list[RequestOutput]:
@@ -319,6 +324,14 @@ class LLMEngine:
         then apply stop conditions. Async rows of requests that are no longer running (finished
         at the previous step, or aborted) are discarded."""
         finished = []
+        try:
+            self._apply_tokens(batch, out, num_lp, pending, finished)
+        except BaseException:
+            self._early += finished  # a fault part way: results already made are not lost
+            raise
+        return finished
+
+    def _apply_tokens(self, batch, out, num_lp, pending, finished) -> None:
         running = Status.RUNNING
         now = time.time()
         tokens = out["tokens"].tolist()
@@ -366,7 +379,6 @@ class LLMEngine:
                 self.stats.record_finish(seq)
                 finished.append(self.make_output(seq))
                 self._seqs.pop(seq.request_id, None)
-        return finished
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, self.tokenizer)
