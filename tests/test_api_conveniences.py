@@ -14,7 +14,7 @@ from minipic_jax import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return make_tiny_llm(max_num_batched_tokens=32)
+    return make_tiny_llm()
 
 
 class LetterTokenizer:
