@@ -21,6 +21,17 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# Hypothesis: derandomized by default (the examples follow from each test's name: never flaky,
+# and a failure prints its example and a @reproduce_failure blob); MINIPIC_HYPOTHESIS=fresh draws
+# new examples each run.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("deterministic", derandomize=True, print_blob=True)
+_hypothesis_settings.register_profile("fresh", derandomize=False, print_blob=True)
+_hypothesis_settings.load_profile("fresh" if os.environ.get("MINIPIC_HYPOTHESIS") == "fresh"
+                                  else "deterministic")
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="also run tests marked slow (MINIPIC_RUN_SLOW=1 does the same)")
