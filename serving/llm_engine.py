@@ -124,9 +124,13 @@ class LLMEngine:
     def add_request(self, request_id, prompt_token_ids, sampling_params, *,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt: str | None = None) -> None:
-        """Queue one request (validated first; a bad one raises and changes nothing)."""
+        """Queue one request (validated first; a bad one raises and changes nothing). One
+        sample: `LLM.generate` runs SamplingParams.n > 1 as n requests."""
         layout = self.validate(request_id, prompt_token_ids, sampling_params,
                                cache_salt=cache_salt)
+        if sampling_params.n != 1:
+            raise ValueError(f"request {request_id!r}: SamplingParams.n={sampling_params.n}, but "
+                             f"add_request runs one sample (add n requests, or use LLM.generate)")
         self._enqueue(request_id, prompt_token_ids, sampling_params, layout,
                       cache_salt=cache_salt, arrival_time=arrival_time, prompt=prompt)
 
