@@ -34,14 +34,17 @@ PREFILL_SWEEP = ((32, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2)
 
 
 def add_parser(p: argparse.ArgumentParser):
-    p.add_argument("--seqs", type=int, default=64)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
-    p.add_argument("--prefill", type=str, nargs="*", default=["4x8192+0", "4x1024+7168"],
-                   help="SEQSxNEW+CACHED prefill shapes")
+    p.add_argument("--seqs", type=int, default=None,
+                   help="decode batch (default 64; 2 with --interpret)")
+    p.add_argument("--heads", type=int, default=32, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--contexts", type=int, nargs="+", default=None,
+                   help="decode context lengths (default 4096 8192; 64 with --interpret)")
+    p.add_argument("--prefill", type=str, nargs="*", default=None,
+                   help="SEQSxNEW+CACHED prefill shapes (default 4x8192+0 4x1024+7168; "
+                        "1x64+0 with --interpret)")
     p.add_argument("--sweep", nargs="?", const="all", default="", choices=["", "decode", "all"],
                    help="also sweep kernel tile options (decode only, or all)")
     p.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU decode kernel")
@@ -67,8 +70,10 @@ def add_parser(p: argparse.ArgumentParser):
                    help="decode: time only the copy anchor and the triton_decode sweep")
     p.add_argument("--prefill-impl", default="triton", choices=["triton", "mosaic_prefill", "both"],
                    help="prefill kernels of ours to time (mosaic_prefill: with its pre-pass alone)")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--iters", type=int, default=None,
+                   help="calls per timing (default 10; 1 with --interpret)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timings per row, median reported (default 7; 1 with --interpret)")
     p.add_argument("--ab-reps", type=int, default=0,
                    help="also time rotated vs position_free interleaved (ABBA order) for this many "
                         "rep pairs and report the median ratio: the RoPE-at-read overhead without "
@@ -83,7 +88,24 @@ def add_parser(p: argparse.ArgumentParser):
                    help="decode: time write_kv + triton_decode against the kernel's fused write "
                         "(first --decode-configs entry), pages donated, interleaved ABBA")
     p.add_argument("--json", type=str, default=None, help="write all rows to this file")
-    p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script only")
+    p.add_argument("--interpret", action="store_true",
+                   help="CPU smoke run through the Pallas interpreter, on small default shapes; "
+                        "its times and TB/s measure the interpreter, not a device")
+
+
+def apply_size_defaults(args) -> None:
+    """GPU-sized defaults, or small shapes with --interpret (the interpreter would take hours on
+    the GPU ones); explicit values are kept."""
+    small = args.interpret
+    for name, gpu, cpu in (("seqs", 64, 2), ("contexts", [4096, 8192], [64]),
+                           ("prefill", ["4x8192+0", "4x1024+7168"], ["1x64+0"]),
+                           ("iters", 10, 1), ("reps", 7, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu if small else gpu)
+    if small:
+        print("--interpret: Pallas interpreter on the CPU, shapes "
+              f"seqs={args.seqs} contexts={args.contexts} prefill={args.prefill}; times and "
+              "TB/s / TFLOP/s below measure the interpreter, not a device", flush=True)
 
 
 def run(args) -> int:
@@ -93,6 +115,7 @@ def run(args) -> int:
     from kernels_pallas.paged_attention.random_inputs import inv_freq_for
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    apply_size_defaults(args)
     rng = np.random.default_rng(0)
     dtype = jnp.bfloat16
     H, K, D, B = args.heads, args.kv_heads, args.head_dim, args.page_size

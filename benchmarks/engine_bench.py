@@ -23,15 +23,24 @@ import time
 
 
 def add_parser(p):
-    p.add_argument("--model", default="llama3_8b")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--ctx", type=int, default=2048)
-    p.add_argument("--decode-steps", type=int, default=20)
-    p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--min-token-bucket", type=int, default=128)
-    p.add_argument("--copy-gb", type=float, default=4.0)
+    p.add_argument("--model", default=None,
+                   help="preset name or HF folder (presets get random weights); default "
+                        "llama3_8b, or tiny_llama3 with --host-only")
+    p.add_argument("--dtype", default="bfloat16", help="model and KV cache dtype")
+    p.add_argument("--batch", type=int, default=128,
+                   help="sequences per decode step in the decode measurement (max_num_seqs)")
+    p.add_argument("--ctx", type=int, default=2048,
+                   help="context length of each sequence in the decode measurement; "
+                        "max_model_len is ctx + 64")
+    p.add_argument("--decode-steps", type=int, default=20, help="timed decode steps")
+    p.add_argument("--num-requests", type=int, default=1000,
+                   help="requests in the RAG run (prompts shortened to fit --ctx)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="Config.max_num_batched_tokens (query tokens per step)")
+    p.add_argument("--min-token-bucket", type=int, default=128,
+                   help="Config.min_token_bucket (smallest padded step size)")
+    p.add_argument("--copy-gb", type=float, default=4.0,
+                   help="size of the device copy that anchors the memory floor (GB)")
     p.add_argument("--attn-impl", default=None, help="paged_attention implementation (None = best)")
     p.add_argument("--write-impl", default=None, choices=("xla", "triton"),
                    help="write_kv implementation (None = triton on GPU)")
@@ -53,7 +62,8 @@ def add_parser(p):
                    help="after the decode measurement: stage-removal variants, sampler variants "
                         "and a profiler summary of the decode step (benchmarks/decode_breakdown.py;"
                         " 'lite': step, 1 block, GEMM chain and weight read only)")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=os.environ.get("OUT", "."),
+                   help="folder for the JSON results (default: $OUT or the current folder)")
     p.add_argument("--host-only", action="store_true",
                    help="CPU host-path profile: the R-request run with the jitted step stubbed out "
                         "(schedule / build / post timed, no device work; use a tiny --model)")
@@ -105,7 +115,10 @@ def _randomize_cache(runner, seed: int = 1):
     runner.cache = jax.tree.unflatten(treedef, [fill(x, k) for x, k in zip(leaves, keys)])
 
 
-def _rag_workload(n: int, rng, block_size: int, markers: dict):
+def _rag_workload(n: int, rng, block_size: int, markers: dict, max_len: int | None = None):
+    """n RAG prompts (a shared system prompt, 1-4 of 64 shared documents as spans, a question)
+    and their max_tokens; with `max_len`, documents are dropped from a request (then its
+    question shortened) until prompt + max_tokens fit, so any --ctx runs."""
     from minipic_jax import Prompt, Span, build_prompt
     system = rng.integers(0, 120000, 90).tolist()
     docs = [rng.integers(0, 120000, int(rng.integers(30, 250))).tolist() for _ in range(64)]
@@ -113,9 +126,20 @@ def _rag_workload(n: int, rng, block_size: int, markers: dict):
     for _ in range(n):
         picked = rng.choice(len(docs), size=int(rng.integers(1, 5)), replace=False)
         q = rng.integers(0, 120000, int(rng.integers(5, 60))).tolist()
+        mt = int(rng.integers(4, 48))
         segs = [Prompt(system), *[Span(docs[d]) for d in picked], Prompt(q)]
-        prompts.append(build_prompt(segs, block_size=block_size, **markers))
-        max_tokens.append(int(rng.integers(4, 48)))
+        ids = build_prompt(segs, block_size=block_size, **markers)
+        while max_len is not None and len(ids) + mt > max_len:
+            if len(segs) > 2:
+                segs.pop(-2)
+            elif len(segs[-1].content) > 1:
+                segs[-1] = Prompt(segs[-1].content[:len(segs[-1].content) // 2])
+            else:
+                raise ValueError(f"--ctx {max_len} is too short for the workload's system prompt "
+                                 f"({len(system)} tokens) + max_tokens {mt}")
+            ids = build_prompt(segs, block_size=block_size, **markers)
+        prompts.append(ids)
+        max_tokens.append(mt)
     return prompts, max_tokens
 
 
@@ -155,7 +179,8 @@ def run_host_only(args) -> int:
     engine = llm.llm_engine
     engine.runner._step = _StubStep(engine.vocab_size)
     rng = np.random.default_rng(0)
-    prompts, max_tokens = _rag_workload(args.num_requests, rng, bs, engine.markers)
+    prompts, max_tokens = _rag_workload(args.num_requests, rng, bs, engine.markers,
+                                        max_len=llm.config.max_model_len)
     sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     for i, (ids, sp) in enumerate(zip(prompts, sps)):
         engine.add_request(str(i), ids, sp)
@@ -192,6 +217,8 @@ def run_host_only(args) -> int:
 
 
 def run(args) -> int:
+    if args.model is None:
+        args.model = "tiny_llama3" if args.host_only else "llama3_8b"
     if args.host_only:
         return run_host_only(args)
     import jax
@@ -326,7 +353,8 @@ def run(args) -> int:
 
     # -- R-request run ----------------------------------------------------------------------
     if not args.skip_run:
-        prompts, max_tokens = _rag_workload(args.num_requests, rng, bs, engine.markers)
+        prompts, max_tokens = _rag_workload(args.num_requests, rng, bs, engine.markers,
+                                            max_len=max_len)
         sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         before = dict(engine.get_stats())
         c0 = compiles["n"]

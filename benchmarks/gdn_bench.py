@@ -204,16 +204,20 @@ def sweep(inputs, reps, deadline):
 
 def add_parser(parser):
     """Arguments of `minipic-bench gdn`."""
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768],
+                        help="prefill lengths T to time")
+    parser.add_argument("--reps", type=int, default=20, help="timed repetitions per variant")
     parser.add_argument("--checkpoints", type=int, default=16, help="M for the checkpoint run")
-    parser.add_argument("--variants", nargs="*", default=None)
-    parser.add_argument("--no-fla", action="store_true")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help="variants to time (default: all that run on this backend)")
+    parser.add_argument("--no-fla", action="store_true",
+                        help="skip the flash-linear-attention reference (needs torch + CUDA)")
+    parser.add_argument("--json", default=None, help="write all rows to this file")
     parser.add_argument("--sweep", action="store_true",
                         help="time the fused kernels alone over their options at the largest T "
                              "and add fused_best (the fastest correct combination)")
-    parser.add_argument("--sweep-budget-s", type=float, default=150.0)
+    parser.add_argument("--sweep-budget-s", type=float, default=150.0,
+                        help="--sweep stops starting new combinations after this many seconds")
 
 
 def main(argv=None):

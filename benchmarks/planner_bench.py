@@ -31,15 +31,22 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def add_parser(p) -> None:
-    p.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    p.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                   help="checkpoint budgets M to place for each strategy")
     names = ["longdoc", "sysprompt", "rag", "rag-multihop"]
-    p.add_argument("--workloads", nargs="+", default=names, choices=names)
+    p.add_argument("--workloads", nargs="+", default=names, choices=names,
+                   help="overlap-depth distributions (benchmarks/planner_workloads.py)")
     p.add_argument("--chunk", type=int, default=wl.CHUNK, help="checkpoint granularity (tokens)")
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[64, 256, 1024, 4096],
+                   help="block sizes of the 'block' baseline (a checkpoint every B tokens)")
     p.add_argument("--drift-requests", type=int, default=60000, help="0 skips the drift replay")
-    p.add_argument("--drift-budgets", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--timing", choices=["full", "quick", "none"], default="full")
-    p.add_argument("--plot-dir", default=str(HERE), help="where planner_*.png go ('' = no plots)")
+    p.add_argument("--drift-budgets", type=int, nargs="+", default=[16, 64],
+                   help="budgets of the drift replay")
+    p.add_argument("--timing", choices=["full", "quick", "none"], default="full",
+                   help="DP timing: full sweep of sizes, a quick one, or none")
+    p.add_argument("--plot-dir", default="",
+                   help="write planner_savings.png / planner_drift.png here (default: no plots; "
+                        f"'{HERE.name}' regenerates the committed figures)")
     p.add_argument("--json", default=None, help="write all results here")
 
 

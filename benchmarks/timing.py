@@ -3,6 +3,8 @@ interleaved A/B ratios, and rows that survive a variant that fails to build."""
 
 from __future__ import annotations
 
+import math
+
 import statistics
 import time
 
@@ -73,7 +75,10 @@ def row(rows, **kw):
     rows.append(kw)
     unit = "TB/s" if "tbps" in kw else "TFLOP/s"
     val = kw.get("tbps", kw.get("tflops"))
-    print(f"  {kw['case']:<16} {kw['impl']:<40} {kw['ms']:8.3f} ms  {val:7.2f} {unit}", flush=True)
+    rate = f"{val:7.2f} {unit}"
+    if val is None or not math.isfinite(val):  # a zero or failed time: no rate to report
+        rate = f"    n/a {unit} (time {kw['ms']} ms is below the timer's resolution or invalid)"
+    print(f"  {kw['case']:<16} {kw['impl']:<40} {kw['ms']:8.3f} ms  {rate}", flush=True)
 
 
 def safe(rows, case, impl, fn, *args, iters, reps, work, unit):
@@ -86,7 +91,7 @@ def safe(rows, case, impl, fn, *args, iters, reps, work, unit):
         print(f"  {case:<16} {impl:<40} FAILED {msg}", flush=True)
         rows.append(dict(case=case, impl=impl, error=msg))
         return None
-    row(rows, case=case, impl=impl, ms=t * 1e3, **{unit: work / t / 1e12})
+    row(rows, case=case, impl=impl, ms=t * 1e3, **{unit: work / t / 1e12 if t > 0 else math.inf})
     return t
 
 

@@ -17,12 +17,13 @@ import numpy as np
 
 
 def add_parser(p: argparse.ArgumentParser):
-    p.add_argument("--pages", type=int, default=16512)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--pages", type=int, default=16512, help="KV pool pages (one layer)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048],
+                   help="rows written per call")
+    p.add_argument("--iters", type=int, default=50, help="calls per timing")
     names = ["xla", "triton", "triton-r1", "triton-r16", "plain"]
     p.add_argument("--variants", nargs="+", default=names, choices=names,
                    help="triton-rN: N token rows per program (default ~4096 elements)")

@@ -95,6 +95,7 @@ class LLM:
             ids, text = self.to_token_ids(p, i)
             rid = str(self._next_id + i)
             layout = engine.validate(rid, ids, sp, label=f"request {i}", cache_salt=cache_salt)
+            ids = [int(t) for t in ids]  # validated integers (numpy ones included)
             for k, child in enumerate(fan_out(sp)):
                 reqs.append((rid if sp.n == 1 else f"{rid}:{k}", ids, text, child, layout, i, k))
         self._next_id += len(prompts)

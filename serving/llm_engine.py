@@ -22,20 +22,18 @@ import gc
 import itertools
 import time
 
-import numpy as np
 
 from serving.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
 from serving.kv_pool import default_num_blocks, kv_bytes_per_block
-from serving.layout import build_layout
 from serving.metrics import EngineStats
 from serving.model_contract import EngineModel, check_family
 from serving.model_runner import ModelRunner
 from serving.offload import HostKVTier, PageMover
 from serving.recovery import recover
-from serving.request_checks import check_sampling, check_token_ids
+from serving.request_checks import check_fits, check_prompt, check_sampling, check_token_ids
 from serving.request_output import request_output
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status  # noqa: F401
@@ -86,6 +84,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         # async scheduling: (batch, runner handle) of the step in flight, per-call timers
         self._inflight = None
+        self._step_unread = False  # sync: a dispatched step not read back yet
         self._early: list[RequestOutput] = []
         self._t_wait = self._t_early = 0.0
         self.num_sync_fallbacks = 0  # read-backs forced before a preemption
@@ -109,7 +108,6 @@ class LLMEngine:
                  cache_salt: str | None = None):
         """Raise a ValueError/TypeError naming the request for input the engine cannot run;
         returns the prompt layout. Nothing is touched, so other requests are unaffected."""
-        cfg = self.config
         who = label or f"request {request_id!r}"
         check_sampling(sampling_params, who, self.vocab_size, self.tokenizer)
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -119,34 +117,8 @@ class LLMEngine:
             raise TypeError(f"{who}: prompt token ids must be a list of ints, "
                             f"got {type(prompt_token_ids).__name__}")
         ids = check_token_ids(prompt_token_ids, who, self.vocab_size)
-        if not ids:
-            raise ValueError(f"{who}: empty prompt")
-        if len(ids) >= cfg.max_model_len:
-            raise ValueError(f"{who}: prompt of {len(ids)} tokens is too long "
-                             f"for max_model_len={cfg.max_model_len} (it needs room for at "
-                             f"least one generated token)")
-        m = self.markers
-        layout = build_layout(ids, cfg.block_size, pad_id=m["pad_token_id"],
-                              ssep_id=m["ssep_token_id"], pdep_id=m["pdep_token_id"],
-                              markers=cfg.kv_mode != "pic_off")
-        if layout.num_valid == 0:
-            raise ValueError(f"{who}: prompt holds only pad tokens "
-                             f"(pad_token_id={m['pad_token_id']})")
-        if cfg.kv_mode == "rotated" and layout.has_markers:
-            blk = int(np.flatnonzero(layout.seg_start[1:])[0]) + 1 if layout.seg_start[1:].any() else 0
-            raise ValueError(f"{who}: SSEP/PDEP marker at token index "
-                             f"{blk * cfg.block_size} but kv_mode='rotated' cannot reuse spans at "
-                             f"other offsets; use kv_mode='position_free' or remove the markers")
-        max_tokens = sampling_params.max_tokens or cfg.max_model_len
-        total = min(len(ids) + max_tokens, cfg.max_model_len)
-        need = -(-total // cfg.block_size)
-        if need > self.num_blocks:
-            raise ValueError(f"{who}: needs {need} KV blocks "
-                             f"({total} tokens / block_size {cfg.block_size}) but the pool has "
-                             f"only {self.num_blocks}; raise num_kv_blocks or lower max_tokens")
-        if sampling_params.logprobs is not None and sampling_params.logprobs > cfg.max_logprobs:
-            raise ValueError(f"{who}: logprobs={sampling_params.logprobs} > "
-                             f"max_logprobs={cfg.max_logprobs}")
+        layout = check_prompt(ids, who, self.config, self.markers)
+        check_fits(len(ids), sampling_params, who, self.config, self.num_blocks)
         if request_id in self._seqs:
             raise ValueError(f"{who}: request id already in use")
         return layout
@@ -154,9 +126,13 @@ class LLMEngine:
     def add_request(self, request_id, prompt_token_ids, sampling_params, *,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt: str | None = None) -> None:
-        """Queue one request (validated first; a bad one raises and changes nothing)."""
+        """Queue one request (validated first; a bad one raises and changes nothing). One
+        sample: `LLM.generate` runs SamplingParams.n > 1 as n requests."""
         layout = self.validate(request_id, prompt_token_ids, sampling_params,
                                cache_salt=cache_salt)
+        if sampling_params.n != 1:
+            raise ValueError(f"request {request_id!r}: SamplingParams.n={sampling_params.n}, but "
+                             f"add_request runs one sample (add n requests, or use LLM.generate)")
         self._enqueue(request_id, prompt_token_ids, sampling_params, layout,
                       cache_salt=cache_salt, arrival_time=arrival_time, prompt=prompt)
 
@@ -191,7 +167,7 @@ class LLMEngine:
         recover(self, request_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._early) or self.scheduler.has_unfinished()
 
     has_unfinished_requests = has_unfinished
 
@@ -263,7 +239,6 @@ class LLMEngine:
         batch = sched.schedule()
         if self.offload is not None:
             self._move_pages()
-        finished, self._early = self._early, []
         t1 = time.perf_counter()
         dispatch = overlap = 0.0
         if batch:
@@ -273,7 +248,7 @@ class LLMEngine:
             t2 = time.perf_counter()
             inflight, self._inflight = self._inflight, (batch, handle)
             if inflight is not None:  # step N's tokens, while step N+1 runs
-                finished += self._resolve(inflight)
+                self._early += self._resolve(inflight)
             t3 = time.perf_counter()
             sched.advance(batch)
             sched.prepare_waiting()
@@ -290,15 +265,15 @@ class LLMEngine:
         elif self._inflight is not None:
             t2 = t1
             inflight, self._inflight = self._inflight, None
-            finished += self._resolve(inflight)
+            self._early += self._resolve(inflight)
         elif sched.has_unfinished():
             raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
                                "for the waiting request?)")
         else:
-            return finished
+            return self._take_finished()
         if self._inflight is not None and not sched.has_unfinished():
             inflight, self._inflight = self._inflight, None  # drain: nothing left to overlap
-            finished += self._resolve(inflight)
+            self._early += self._resolve(inflight)
         if self.offload is not None:
             self.offload.materialize()
         total = time.perf_counter() - t0
@@ -312,7 +287,7 @@ class LLMEngine:
             st.step_time += total
             st.device_wait += self._t_wait
             st.post += total - self._t_wait
-        return finished
+        return self._take_finished()
 
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -324,22 +299,30 @@ class LLMEngine:
             if sched.has_unfinished():
                 raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
                                    "for the waiting request?)")
-            return []
+            return self._take_finished()
         num_lp = self._num_logprobs(batch)
         t1 = time.perf_counter()
         tw = [0.0, 0.0, 0.0]
         # while the device computes: frontiers move (advance needs no sampled token) and the
         # next waiting prompts get their block hashes
+        self._step_unread = True  # until read back, this step's pages are unverified
         out = self.runner.run(batch, num_logprobs=num_lp, timer=tw,
                               during=lambda: (sched.advance(batch), sched.prepare_waiting()))
+        self._step_unread = False
         t2 = time.perf_counter()
-        finished = self._postprocess(batch, out, num_lp)
+        self._early += self._postprocess(batch, out, num_lp)
         if self.offload is not None:
             self.offload.materialize()
         t3 = time.perf_counter()
         self.stats.record_step(batch, total=t3 - t0, device_wait=tw[1], dispatch=tw[0],
                                schedule=t1 - t0, build=t2 - t1 - tw[0] - tw[1] - tw[2],
                                post=t3 - t2, overlap=tw[2])
+        return self._take_finished()
+
+    def _take_finished(self) -> list[RequestOutput]:
+        """The step's finished requests. They are gathered in `_early` as they are made (also
+        by a read-back before a preemption), so a step that raises later loses none of them."""
+        finished, self._early = self._early, []
         return finished
 
     def _postprocess(self, batch, out, num_lp, pending: bool = False) -> list[RequestOutput]:
@@ -347,6 +330,14 @@ class LLMEngine:
         then apply stop conditions. Async rows of requests that are no longer running (finished
         at the previous step, or aborted) are discarded."""
         finished = []
+        try:
+            self._apply_tokens(batch, out, num_lp, pending, finished)
+        except BaseException:
+            self._early += finished  # a fault part way: results already made are not lost
+            raise
+        return finished
+
+    def _apply_tokens(self, batch, out, num_lp, pending, finished) -> None:
         running = Status.RUNNING
         now = time.time()
         tokens = out["tokens"].tolist()
@@ -394,7 +385,6 @@ class LLMEngine:
                 self.stats.record_finish(seq)
                 finished.append(self.make_output(seq))
                 self._seqs.pop(seq.request_id, None)
-        return finished
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, self.tokenizer)

@@ -5,7 +5,8 @@ The failed call's own requests are aborted and their blocks freed. Every other r
 its tokens and is preempted (recomputed from them later): a half-done step may have allocated
 blocks, planned copy-ins that never ran or moved no frontier, and preemption is the one
 operation that leaves a sequence consistent whatever the step did. Nothing finished is lost:
-results read back here are returned by the next `step()`.
+results a failed step had already made are returned by the next `step()`; tokens still in
+flight are sampled again.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from serving.sequence import Status
 
 def recover(engine, request_ids) -> None:
     """Abort `request_ids` and make the engine consistent (block ref counts, free list, hash
-    table, host tier) for the requests that remain."""
+    table, host tier) for the requests that remain. If a device step was dispatched and never
+    read back, the pages it may have written are dropped from the cache."""
     sched, bm = engine.scheduler, engine.bm
-    device_ok = _read_back_inflight(engine)
+    device_ok = _read_back_inflight(engine) and not engine._step_unread
+    engine._step_unread = False
     request_ids = set(request_ids)
     for rid in request_ids:
         engine.abort_request(rid)
@@ -39,26 +42,26 @@ def recover(engine, request_ids) -> None:
 
 
 def _read_back_inflight(engine) -> bool:
-    """Async scheduling: read back the step in flight so no sequence keeps a pending token.
-    If that fails, the pending tokens are dropped (their requests sample them again) and False
-    is returned: the pages that step wrote cannot be trusted."""
+    """Async scheduling: wait for the step in flight, then drop every pending token (their
+    requests sample them again after the preemption: a step that failed part way may have left
+    the host and that step out of step, so its tokens are not applied). Returns whether the
+    step completed: if not, the pages it wrote cannot be trusted."""
     inflight, engine._inflight = engine._inflight, None
-    if inflight is None:
-        return True
-    try:
-        engine._early += engine._resolve(inflight)
-        return True
-    except Exception:  # noqa: BLE001 -- the original error is the one re-raised
-        pass
+    device_ok = True
+    if inflight is not None:
+        try:
+            engine.runner.fetch(inflight[1])
+        except Exception:  # noqa: BLE001 -- the original error is the one re-raised
+            device_ok = False
     for seq in list(engine._seqs.values()):
         while seq.num_pending:
             seq.drop_placeholder()
-        if seq.ends_with_pending:  # finished by length on the lost token: run it again
+        if seq.ends_with_pending:  # finished by length on a dropped token: run it again
             seq.ends_with_pending = False
             seq.status = Status.WAITING
             seq.num_computed = 0
             engine.scheduler.waiting.appendleft(seq)
-    return False
+    return device_ok
 
 
 def _drop_unverified_pages(engine) -> None:

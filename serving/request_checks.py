@@ -8,6 +8,8 @@ import numbers
 
 import numpy as np
 
+from serving.layout import build_layout
+
 
 def check_token_ids(ids, who: str, vocab_size: int) -> list[int]:
     """Prompt token ids -> a list of ints; a TypeError for a non-integer (floats are not
@@ -52,3 +54,39 @@ def check_sampling(sp, who: str, vocab_size: int, tokenizer) -> None:
     if sp.stop and tokenizer is None:
         raise ValueError(f"{who}: SamplingParams.stop needs a tokenizer to decode the output "
                          f"text, and this model has none (use stop_token_ids)")
+
+
+def check_prompt(ids: list[int], who: str, cfg, markers: dict):
+    """The prompt's layout (serving/layout.py), or an error: empty, too long for max_model_len,
+    only pads, markers where kv_mode='rotated' cannot honour them."""
+    if not ids:
+        raise ValueError(f"{who}: empty prompt")
+    if len(ids) >= cfg.max_model_len:
+        raise ValueError(f"{who}: prompt of {len(ids)} tokens is too long "
+                         f"for max_model_len={cfg.max_model_len} (it needs room for at "
+                         f"least one generated token)")
+    layout = build_layout(ids, cfg.block_size, pad_id=markers["pad_token_id"],
+                          ssep_id=markers["ssep_token_id"], pdep_id=markers["pdep_token_id"],
+                          markers=cfg.kv_mode != "pic_off")
+    if layout.num_valid == 0:
+        raise ValueError(f"{who}: prompt holds only pad tokens "
+                         f"(pad_token_id={markers['pad_token_id']})")
+    if cfg.kv_mode == "rotated" and layout.has_markers:
+        blk = int(np.flatnonzero(layout.seg_start[1:])[0]) + 1 if layout.seg_start[1:].any() else 0
+        raise ValueError(f"{who}: SSEP/PDEP marker at token index "
+                         f"{blk * cfg.block_size} but kv_mode='rotated' cannot reuse spans at "
+                         f"other offsets; use kv_mode='position_free' or remove the markers")
+    return layout
+
+
+def check_fits(num_prompt: int, sp, who: str, cfg, num_blocks: int) -> None:
+    """The request fits the KV pool at its longest, and asks for no more logprobs than allowed."""
+    max_tokens = sp.max_tokens or cfg.max_model_len
+    total = min(num_prompt + max_tokens, cfg.max_model_len)
+    need = -(-total // cfg.block_size)
+    if need > num_blocks:
+        raise ValueError(f"{who}: needs {need} KV blocks "
+                         f"({total} tokens / block_size {cfg.block_size}) but the pool has "
+                         f"only {num_blocks}; raise num_kv_blocks or lower max_tokens")
+    if sp.logprobs is not None and sp.logprobs > cfg.max_logprobs:
+        raise ValueError(f"{who}: logprobs={sp.logprobs} > max_logprobs={cfg.max_logprobs}")

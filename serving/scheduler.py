@@ -99,9 +99,30 @@ class Scheduler:
             return False
         # take every planned hit off the free list before allocating: an allocation evicts the
         # least recently freed block, which may be a cached block planned as a later hit
-        for kind, b in plan:
-            if kind == "hit":
-                bm.share(b)
+        shared = []
+        try:
+            for kind, b in plan:
+                if kind == "hit":
+                    bm.share(b)
+                    shared.append(b)
+            self._take_blocks(seq, plan, hashes)
+        except BaseException:
+            self._undo_admission(seq, plan, shared)
+            raise
+        seq.seat = seats.pop()
+        seq.synced_blocks = 0  # the runner's host block-table row for this seat is stale
+        seq.status = Status.RUNNING
+        seq.needs_reset = True
+        seq.ready_ptr = 0
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.time()
+        seq.ever_admitted = True
+        return True
+
+    def _take_blocks(self, seq: Sequence, plan, hashes) -> None:
+        """Fill the block table from the admission plan: hits (already shared), blocks copied
+        in from the host tier, new blocks (registered under their hash, owned)."""
+        bm = self.bm
         for j, (kind, b) in enumerate(plan):
             if kind == "hit":
                 seq.block_table.append(b)
@@ -121,15 +142,22 @@ class Scheduler:
             seq.owned.add(j)
             if h is not None:
                 bm.register(b, h, self.keys.confirm(seq, j), seq.seq_id)
-        seq.seat = seats.pop()
-        seq.synced_blocks = 0  # the runner's host block-table row for this seat is stale
-        seq.status = Status.RUNNING
-        seq.needs_reset = True
-        seq.ready_ptr = 0
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = time.time()
-        seq.ever_admitted = True
-        return True
+
+    def _undo_admission(self, seq: Sequence, plan, shared: list[int]) -> None:
+        """An admission that raised part way (a fault in allocation): give back every block it
+        took, so the sequence is as it was in the queue."""
+        mine = set(seq.block_table)
+        copy_ins = [(b, h) for b, h in self.pending_copy_in if b in mine]
+        self.pending_copy_in = [x for x in self.pending_copy_in if x[0] not in mine]
+        for b, h in copy_ins:  # published as ready, but the page never arrived
+            if self.bm.hash[b] == h:
+                self.bm._unregister(b)
+        new = [b for j, b in enumerate(seq.block_table) if plan[j][0] != "hit"]
+        self.bm.release(new + shared, seq.seq_id)
+        seq.block_table = []
+        seq.owned = set()
+        if not seq.ever_admitted:
+            seq.num_cached_tokens = 0
 
     def _free(self, seq: Sequence) -> None:
         self.bm.release(seq.block_table, seq.seq_id)

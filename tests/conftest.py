@@ -8,8 +8,44 @@ import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# Tests build many engines over the same tiny shapes: a persistent compilation cache lets every
+# engine after the first load its executables instead of compiling them again (XLA compiles are
+# most of the suite's time on CPU). Set JAX_COMPILATION_CACHE_DIR to choose the folder.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir",
+                      str(pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+# Hypothesis: derandomized by default (the examples follow from each test's name: never flaky,
+# and a failure prints its example and a @reproduce_failure blob); MINIPIC_HYPOTHESIS=fresh draws
+# new examples each run.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("deterministic", derandomize=True, print_blob=True)
+_hypothesis_settings.register_profile("fresh", derandomize=False, print_blob=True)
+_hypothesis_settings.load_profile("fresh" if os.environ.get("MINIPIC_HYPOTHESIS") == "fresh"
+                                  else "deterministic")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked slow (MINIPIC_RUN_SLOW=1 does the same)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` are skipped unless --run-slow or MINIPIC_RUN_SLOW=1: the default run
+    keeps a representative case of each (README, Development)."""
+    if config.getoption("--run-slow") or os.environ.get("MINIPIC_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (or MINIPIC_RUN_SLOW=1)")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 REPO = FIXTURES.parents[1]
@@ -36,7 +72,7 @@ def hf_reference(folder: pathlib.Path) -> dict:
             "inv_freq": ref["inv_freq"]}
 
 
-def test_seed(request) -> int:
+def replay_seed(request) -> int:
     """A fresh random salt per test, or MINIPIC_TEST_SEED to replay one; printed (pytest shows
     it with a failure) with the command that replays it."""
     env = os.environ.get("MINIPIC_TEST_SEED")
@@ -47,5 +83,5 @@ def test_seed(request) -> int:
 
 @pytest.fixture
 def fresh_rng(request):
-    """A numpy Generator seeded from the test id plus a fresh salt (see `test_seed`)."""
-    return np.random.default_rng([test_seed(request), zlib.crc32(request.node.nodeid.encode())])
+    """A numpy Generator seeded from the test id plus a fresh salt (see `replay_seed`)."""
+    return np.random.default_rng([replay_seed(request), zlib.crc32(request.node.nodeid.encode())])

@@ -14,7 +14,7 @@ from minipic_jax import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return make_tiny_llm(max_num_batched_tokens=32)
+    return make_tiny_llm()
 
 
 class LetterTokenizer:
@@ -63,6 +63,8 @@ def test_n_samples_share_prompt_blocks(llm, fresh_rng):
                              use_tqdm=False)[0].outputs[0]
         assert comp.token_ids == alone.token_ids
     assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1
+    with pytest.raises(ValueError, match="SamplingParams.n=3, but add_request runs one sample"):
+        llm.llm_engine.add_request("x", prompt, sp)
 
 
 def test_python_dash_m_runs_the_generate_cli(monkeypatch, capsys):

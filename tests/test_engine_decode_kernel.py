@@ -41,6 +41,23 @@ def test_decode_only_steps_use_decode_kernel_and_match_xla(monkeypatch, fresh_rn
     assert_same_tokens_and_logprobs(expected, got, atol=1e-4)
 
 
+def assert_same_up_to_ties(expected, got, atol):
+    """Greedy runs of two numerically different paths: tokens equal and logprobs within `atol`
+    until the first step where they pick different tokens; there the two tokens must be tied
+    within `2 * atol` in the expected run's top logprobs (either path may take either one), and
+    the continuations are not compared. Needs logprobs >= 2."""
+    for want, out in zip(expected, got):
+        w, o = want.outputs[0], out.outputs[0]
+        for j, (tw, to) in enumerate(zip(w.token_ids, o.token_ids)):
+            if tw != to:
+                assert to in w.logprobs[j], f"step {j}: token {to} not among the top logprobs"
+                gap = w.logprobs[j][tw].logprob - w.logprobs[j][to].logprob
+                assert abs(gap) <= 2 * atol, f"step {j}: {tw} vs {to} is no tie (gap {gap})"
+                break
+            np.testing.assert_allclose(o.logprobs[j][to].logprob, w.logprobs[j][tw].logprob,
+                                       atol=atol, err_msg=f"step {j}")
+
+
 def test_unknown_kernel_is_an_error_before_any_work():
     with pytest.raises(ValueError, match="Config.decode_attn_impl must be None or one of"):
         LLM("tiny_llama", max_num_seqs=2, decode_attn_impl="nope")
@@ -85,7 +102,12 @@ def test_decode_rope_table_option_matches_xla(monkeypatch, fresh_rng):
 
 def test_decode_default_takes_the_mosaic_mma_kernel_for_d128_bf16(monkeypatch, fresh_rng):
     """decode_attn_impl="decode" (the GPU default) on a bf16 model with head_dim 128 runs the
-    Mosaic MMA kernel (interpreted here) and matches the XLA path."""
+    Mosaic MMA kernel (interpreted here) and matches the XLA path.
+
+    The two paths round differently in bf16 (8-bit mantissa: 2^-8 relative per rounding, on
+    logits of a few units after one layer and the LM head), so logprobs agree within 2e-2 and a
+    greedy step whose top two tokens are that close may go either way: compared up to such a
+    tie (it once failed on an argmax tie)."""
     import dataclasses
 
     from configs import presets
@@ -93,11 +115,11 @@ def test_decode_default_takes_the_mosaic_mma_kernel_for_d128_bf16(monkeypatch, f
                               head_dim=128)
     monkeypatch.setitem(presets.PRESETS, "tiny_llama_d128", cfg)
     prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (9, 21)]
-    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2)
     kw = dict(dtype="bfloat16", max_num_seqs=2, attn_impl="xla")
     expected = LLM("tiny_llama_d128", **kw).generate(prompts, params, use_tqdm=False)
     traced = spy_on(monkeypatch, attention_api, "decode_attention_mosaic_mma")
     llm = LLM("tiny_llama_d128", decode_attn_impl="decode", **kw)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert traced, "decode-only steps did not reach the Mosaic MMA kernel"
-    assert_same_tokens_and_logprobs(expected, got, atol=2e-2)
+    assert_same_up_to_ties(expected, got, atol=2e-2)

@@ -22,8 +22,8 @@ def test_planner_bench_cli(tmp_path, capsys):
     assert "savings factor" in capsys.readouterr().out
 
 
-def test_radix_depths_is_longest_common_prefix_with_earlier_requests():
-    rng = np.random.default_rng()
+def test_radix_depths_is_longest_common_prefix_with_earlier_requests(fresh_rng):
+    rng = fresh_rng
     # distinct segments of one length (like distinct passages): none is a prefix of another
     pool = sorted({tuple(rng.integers(0, 3, size=3).tolist()) for _ in range(12)})
     segs = [pool[i] for i in rng.permutation(len(pool))[:5]]

@@ -101,8 +101,8 @@ def test_frontier_equals_quadratic_recurrence(data):
         assert close(direct_cost(p, fr.placements[m].tolist()), want[m])
 
 
-def test_frontier_convex_and_matches_per_budget_solves():
-    rng = np.random.default_rng()
+def test_frontier_convex_and_matches_per_budget_solves(fresh_rng):
+    rng = fresh_rng
     n, max_m = 400, 40
     p = rng.gamma(0.3, size=n + 1) * (rng.random(n + 1) < 0.5)
     p[n] += 1.0
@@ -122,9 +122,9 @@ def test_frontier_convex_and_matches_per_budget_solves():
         fr.choose_budget(-1.0)
 
 
-def test_dp_on_long_pmf_matches_recurrence_on_chunk_candidates():
+def test_dp_on_long_pmf_matches_recurrence_on_chunk_candidates(fresh_rng):
     """A long pmf with 64-token candidates: the compressed DP equals the raw recurrence."""
-    rng = np.random.default_rng()
+    rng = fresh_rng
     n = 700
     p = rng.random(n + 1) ** 4
     cand = list(range(64, n + 1, 64))
@@ -133,8 +133,8 @@ def test_dp_on_long_pmf_matches_recurrence_on_chunk_candidates():
     assert np.allclose(fr.costs, want, rtol=1e-9, atol=1e-12)
 
 
-def test_budget_at_least_support_gives_zero_recompute():
-    rng = np.random.default_rng()
+def test_budget_at_least_support_gives_zero_recompute(fresh_rng):
+    rng = fresh_rng
     n = 5000
     spikes = rng.choice(np.arange(1, n + 1), size=7, replace=False)
     p = np.zeros(n + 1)
@@ -163,8 +163,8 @@ def test_lagrangian_matches_dp_where_attained(data):
         assert close(res.cost, opt)
 
 
-def test_lagrangian_attains_on_generic_random_pmf():
-    rng = np.random.default_rng()
+def test_lagrangian_attains_on_generic_random_pmf(fresh_rng):
+    rng = fresh_rng
     p = rng.random(3001)
     opts = frontier(p, 64).costs
     for budget in [1, 5, 17, 64]:
@@ -173,10 +173,10 @@ def test_lagrangian_attains_on_generic_random_pmf():
         assert close(res.cost, opts[budget])
 
 
-def test_dp_and_lagrangian_agree_on_irregular_candidates():
+def test_dp_and_lagrangian_agree_on_irregular_candidates(fresh_rng):
     """Two independent exact algorithms (PAVA-hull layers vs a convex-hull-trick price search)
     on uneven candidate spacing, where the hull needs its weights."""
-    rng = np.random.default_rng()
+    rng = fresh_rng
     n = 6000
     p = rng.gamma(0.5, size=n + 1)
     cand = np.sort(rng.choice(np.arange(1, n + 1), size=700, replace=False))

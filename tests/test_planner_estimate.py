@@ -9,8 +9,8 @@ from planner import (DecayingHistogram, EmpiricalHistogram, Replanner, expected_
                      max_gap, place, regret_bound, tv_distance)
 
 
-def test_empirical_histogram_matches_counts():
-    rng = np.random.default_rng()
+def test_empirical_histogram_matches_counts(fresh_rng):
+    rng = fresh_rng
     n = 50
     depths = rng.integers(0, n + 1, size=333)
     h = EmpiricalHistogram(n, smoothing=0.25)
@@ -21,8 +21,8 @@ def test_empirical_histogram_matches_counts():
     assert h.total == 333
 
 
-def test_decaying_histogram_matches_direct_weights():
-    rng = np.random.default_rng()
+def test_decaying_histogram_matches_direct_weights(fresh_rng):
+    rng = fresh_rng
     n, half_life = 20, 7.0
     depths = rng.integers(0, n + 1, size=3000)  # long enough to cross the internal rescale
     h = DecayingHistogram(n, half_life=half_life, smoothing=0.1)
@@ -50,8 +50,8 @@ def test_estimator_errors():
         regret_bound(1.5, [], 10)
 
 
-def test_tv_distance():
-    rng = np.random.default_rng()
+def test_tv_distance(fresh_rng):
+    rng = fresh_rng
     p, q = rng.random(30), rng.random(30)
     want = 0.5 * sum(abs(a / p.sum() - b / q.sum()) for a, b in zip(p, q))
     assert tv_distance(p, q) == pytest.approx(want)
@@ -64,8 +64,8 @@ def test_tv_distance():
     assert tv_distance(p, q, cand) <= tv_distance(p, q) + 1e-12
 
 
-def test_replanner_every_k_and_on_drift():
-    rng = np.random.default_rng()
+def test_replanner_every_k_and_on_drift(fresh_rng):
+    rng = fresh_rng
     n = 200
     cand = list(range(8, n + 1, 8))
     shallow = lambda k: rng.integers(0, 40, size=k)  # noqa: E731

@@ -32,8 +32,8 @@ def test_priced_equals_exhaustive(n, seed, chunked):
     assert abs(res.cost - direct_cost(p, res.positions.tolist())) <= 1e-12
 
 
-def test_flat_price_matches_frontier():
-    rng = np.random.default_rng()
+def test_flat_price_matches_frontier(fresh_rng):
+    rng = fresh_rng
     p = rng.gamma(0.4, size=801)
     fr = frontier(p, 800)
     for lam in [0.0, 0.05, 1.0, 20.0]:
