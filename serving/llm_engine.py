@@ -28,7 +28,9 @@ from minipic_jax.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
+from serving.fingerprint import model_fingerprint
 from serving.kv_pool import default_num_blocks, kv_bytes_per_block
+from serving.kv_store_tier import LowerTiers, open_kv_store
 from serving.layout import build_layout
 from serving.metrics import EngineStats
 from serving.model_runner import ModelRunner
@@ -54,10 +56,16 @@ class LLMEngine:
                                    if i is not None}
         self.markers = resolve_markers(config, mcfg.vocab_size, reserved)
         num_blocks = config.num_kv_blocks or default_num_blocks(config, mcfg, dtype)
+        fingerprint = None
+        if config.kv_store_dir is not None:  # before the runner fuses weights
+            if self.hybrid:
+                raise ValueError("kv_store_dir: the span store holds attention KV blocks; "
+                                 "hybrid models have no prefix cache yet")
+            fingerprint = model_fingerprint(mcfg, loaded.params, dtype)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
         self.num_blocks = num_blocks = self.runner.num_blocks  # a default pool may have shrunk
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
-        self.offload = None
+        self.offload = self.mover = self.kv_store = None
         self._evicted: list[tuple[int, int, tuple]] = []
         caching = config.enable_prefix_caching and not self.hybrid
         if config.cpu_offload_gb > 0 and caching:
@@ -72,6 +80,13 @@ class LLMEngine:
                                    markers={"pad": self.markers["pad_token_id"],
                                             "ssep": self.markers["ssep_token_id"],
                                             "pdep": self.markers["pdep_token_id"]})
+        if fingerprint is not None:
+            self.kv_store = open_kv_store(config, self.runner.cache, num_blocks,
+                                          self.scheduler.keys, fingerprint=fingerprint,
+                                          model_name=loaded.source, markers=self.markers,
+                                          bytes_per_block=self.bytes_per_block)
+            self.scheduler.offload = LowerTiers(self.offload, self.kv_store)
+            self.mover = self.mover or PageMover(num_blocks, config.block_size)
         self.seed = seed
         self._counter = itertools.count()
         self.stats = EngineStats()
@@ -186,6 +201,8 @@ class LLMEngine:
         self._evicted.append((block, h, confirm))
 
     def _move_pages(self):
+        if self.kv_store is not None:  # before copy-ins overwrite any block
+            self.kv_store.dispatch_writes(self.mover, self.runner.cache)
         if self._evicted:
             blocks = [b for b, _, _ in self._evicted]
             batch = self.mover.gather(self.runner.cache, blocks)
@@ -195,7 +212,7 @@ class LLMEngine:
             self._evicted = []
         copy_in = self.scheduler.pending_copy_in
         if copy_in:
-            sources = [self.offload.get(h) for _, h in copy_in]
+            sources = [self.scheduler.offload.get(h) for _, h in copy_in]
             self.runner.cache = self.mover.scatter(self.runner.cache, [b for b, _ in copy_in],
                                                    sources)
             self.scheduler.pending_copy_in = []
@@ -243,8 +260,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler
         self._t_wait = self._t_early = 0.0
+        if self.kv_store is not None:
+            self.kv_store.begin_step(sched.waiting, self.bm, self.offload)
         batch = sched.schedule()
-        if self.offload is not None:
+        if self.mover is not None:
             self._move_pages()
         finished, self._early = self._early, []
         t1 = time.perf_counter()
@@ -258,8 +277,7 @@ class LLMEngine:
             if inflight is not None:  # step N's tokens, while step N+1 runs
                 finished += self._resolve(inflight)
             t3 = time.perf_counter()
-            sched.advance(batch)
-            sched.prepare_waiting()
+            self._advance(batch)
             running, max_len = Status.RUNNING, self.config.max_model_len
             for e in batch:
                 seq = e.seq
@@ -300,8 +318,10 @@ class LLMEngine:
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler
+        if self.kv_store is not None:
+            self.kv_store.begin_step(sched.waiting, self.bm, self.offload)
         batch = sched.schedule()
-        if self.offload is not None:
+        if self.mover is not None:
             self._move_pages()
         if not batch:
             if sched.has_unfinished():
@@ -314,7 +334,7 @@ class LLMEngine:
         # while the device computes: frontiers move (advance needs no sampled token) and the
         # next waiting prompts get their block hashes
         out = self.runner.run(batch, num_logprobs=num_lp, timer=tw,
-                              during=lambda: (sched.advance(batch), sched.prepare_waiting()))
+                              during=lambda: self._advance(batch))
         t2 = time.perf_counter()
         finished = self._postprocess(batch, out, num_lp)
         if self.offload is not None:
@@ -324,6 +344,22 @@ class LLMEngine:
                                schedule=t1 - t0, build=t2 - t1 - tw[0] - tw[1] - tw[2],
                                post=t3 - t2, overlap=tw[2])
         return finished
+
+    def _advance(self, batch) -> None:
+        """Move frontiers (scheduler.advance), queue the blocks completed for the span store,
+        hash and prefetch the next waiting prompts: host work done while the device computes."""
+        sched = self.scheduler
+        ready_before = [e.seq.ready_ptr for e in batch] if self.kv_store is not None else None
+        sched.advance(batch)
+        sched.prepare_waiting()
+        if ready_before is not None:
+            self.kv_store.note_ready(batch, ready_before, self.bm)
+            self.kv_store.prefetch(sched.waiting, self.bm, self.offload)
+
+    def flush_kv_store(self) -> None:
+        """Write every block computed so far to the span store and wait for the files."""
+        if self.kv_store is not None:
+            self.kv_store.flush(self.mover, self.runner.cache)
 
     def _postprocess(self, batch, out, num_lp, pending: bool = False) -> list[RequestOutput]:
         """Append (sync) or fill in (`pending`: async placeholders) each sampling row's token,
@@ -387,5 +423,7 @@ class LLMEngine:
         out.update(async_scheduling=self.config.async_scheduling,
                    sync_fallbacks=self.num_sync_fallbacks,
                    discarded_rows=self.num_discarded_rows)
+        if self.kv_store is not None:
+            out["kv_store"] = self.kv_store.stats()
         return out
 
