@@ -164,6 +164,10 @@ class DiskStore:
                 self.counters["misses"] += 1
                 self._forget(p)
             return None
+        except OSError as err:  # unreadable: a miss, the block is recomputed
+            warnings.warn(f"kv store: cannot read {p} ({err}); the block is recomputed",
+                          RuntimeWarning, stacklevel=2)
+            return None
         try:
             leaves, tokens = self._decode(data, h)
         except (ValueError, KeyError, TypeError, AttributeError) as err:

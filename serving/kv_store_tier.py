@@ -5,8 +5,9 @@ in the host tier are read from the store by a thread pool (`prefetch`, called fo
 waiting requests while the device computes a step). A read is verified (checksum, and the file's
 tokens against the request's) before the block is *staged*; the scheduler sees only staged
 blocks as hits (`contains`), so a bad file is a plain miss, never a planned hit that fails. A read
-still in flight when its request is admitted is waited for. Staged blocks are copied into device
-blocks with the host tier's copy-ins (`get`).
+still in flight when its request is admitted is waited for; a block that was not read ahead (the
+staging memory was full) is read then. Staged blocks are copied into device blocks with the host
+tier's copy-ins (`get`).
 
 Writes: every block a step completes under its hash (`note_ready`) is gathered from the device at
 the start of the next step (before anything can overwrite it) and written by a writer thread;
@@ -19,7 +20,13 @@ import collections
 import concurrent.futures as cf
 import time
 
+import jax.numpy as jnp
+import numpy as np
+
 from serving.disk_store import DiskStore, namespace
+from serving.offload import PageMover, _bucket
+
+CHUNK_BLOCKS = 256  # page moves per jitted call: bounded compiles (4..256), warmed up front
 
 
 class _Staged:
@@ -42,12 +49,16 @@ class KVStoreTier:
         self.lookahead = lookahead
         self.staged: collections.OrderedDict[int, list] = collections.OrderedDict()
         self.reads: dict[int, cf.Future] = {}
+        self.wanted: dict[int, tuple[str, bytes]] = {}  # hash -> (ns, tokens) of stored blocks
+        # that waiting requests could hit (read ahead, or at admission if not staged by then)
+        self.unread: collections.deque[int] = collections.deque()  # wanted, no read started
         self.readers = cf.ThreadPoolExecutor(read_workers, thread_name_prefix="kv-store-read")
         self.writers = cf.ThreadPoolExecutor(write_workers, thread_name_prefix="kv-store-write")
         self.writes: list[cf.Future] = []
         self.queued: set[int] = set()  # hashes written or being written by this process
         self.to_write: list[tuple] = []  # (block, hash, tokens, ns) gathered next step
-        self.counters = dict(prefetched=0, staged_hits=0, read_wait_s=0.0, writes_queued=0)
+        self.counters = dict(prefetched=0, staged_hits=0, read_wait_s=0.0, sync_reads=0,
+                             writes_queued=0)
 
     # -- the scheduler's lower tier ------------------------------------------------------------
     def contains(self, h) -> bool:
@@ -56,19 +67,28 @@ class KVStoreTier:
         if h in self.staged:
             return True
         fut = self.reads.get(h)
-        if fut is None:
+        if fut is None and h not in self.wanted:
             return False
         t0 = time.perf_counter()
-        self._harvest(h, fut.result())
+        if fut is not None:
+            self._harvest(h, fut.result())
+        else:  # not read ahead: read it now
+            self.counters["sync_reads"] += 1
+            ns, tokens = self.wanted[h]
+            self._harvest(h, self.store.read(h, ns, tokens))
         self.counters["read_wait_s"] += time.perf_counter() - t0
-        return h in self.staged
+        if h not in self.staged:
+            self.wanted.pop(h, None)  # corrupt or gone: a miss from now on
+            return False
+        return True
 
     def get(self, h):
         self.counters["staged_hits"] += 1
+        self.wanted.pop(h, None)
         return _Staged(self.staged.pop(h)), 0
 
     def _harvest(self, h, leaves) -> None:
-        del self.reads[h]
+        self.reads.pop(h, None)
         if leaves is not None:
             self.staged[h] = leaves
 
@@ -84,11 +104,12 @@ class KVStoreTier:
         self.prefetch(waiting, bm, host)
 
     def prefetch(self, waiting, bm, host) -> None:
-        """Start reads for the blocks the next `lookahead` waiting requests could hit that are
-        on no faster tier and in the store."""
-        room = self.staging_blocks - len(self.staged) - len(self.reads)
+        """Note the blocks the next `lookahead` waiting requests could hit that are on no faster
+        tier and in the store, and start reading them while the staging memory has room."""
+        if len(self.wanted) > 64 * self.staging_blocks:  # entries nobody came back for
+            self.wanted = {h: v for h, v in self.wanted.items() if h in self.reads}
         for k, seq in enumerate(waiting):
-            if k >= self.lookahead or room <= 0:
+            if k >= self.lookahead:
                 break
             if getattr(seq, "kv_store_scanned", False) or seq.is_span_job:
                 continue
@@ -99,10 +120,20 @@ class KVStoreTier:
                 if (h in bm.table or (host is not None and host.contains(h)) or h in self.staged
                         or h in self.reads or not self.store.has(h, ns)):
                     continue
-                self.reads[h] = self.readers.submit(self.store.read, h, ns,
-                                                    self.keys.confirm(seq, j))
-                self.counters["prefetched"] += 1
-                room -= 1
+                self.wanted[h] = (ns, self.keys.confirm(seq, j))
+                self.unread.append(h)
+        self._start_reads()
+
+    def _start_reads(self) -> None:
+        """Read wanted blocks, oldest request first, while the staging memory has room."""
+        room = self.staging_blocks - len(self.staged) - len(self.reads)
+        while room > 0 and self.unread:
+            h = self.unread.popleft()
+            if h not in self.wanted or h in self.staged or h in self.reads:
+                continue
+            self.reads[h] = self.readers.submit(self.store.read, h, *self.wanted[h])
+            self.counters["prefetched"] += 1
+            room -= 1
 
     # -- writes --------------------------------------------------------------------------------
     def note_ready(self, batch, ready_before, bm) -> None:
@@ -144,8 +175,66 @@ class KVStoreTier:
 
     def stats(self) -> dict:
         out = self.store.stats()
-        out.update(self.counters, staged_blocks=len(self.staged), reads_in_flight=len(self.reads))
+        out.update(self.counters, staged_blocks=len(self.staged), reads_in_flight=len(self.reads),
+                   wanted_blocks=len(self.wanted))
         return out
+
+
+class ChunkedPageMover(PageMover):
+    """PageMover in chunks of at most CHUNK_BLOCKS pages (a warm store copies in thousands of
+    blocks per step; power-of-two buckets up to that would each compile mid-run), with a
+    vectorized host side for staged store blocks (one concatenate per leaf, not a copy per
+    block and leaf)."""
+
+    def gather(self, cache, blocks):
+        if len(blocks) <= CHUNK_BLOCKS:
+            return super().gather(cache, blocks)
+        return _Chunks([super(ChunkedPageMover, self).gather(cache, blocks[i:i + CHUNK_BLOCKS])
+                        for i in range(0, len(blocks), CHUNK_BLOCKS)])
+
+    def scatter(self, cache, blocks, sources):
+        for i in range(0, len(blocks), CHUNK_BLOCKS):
+            part, src = blocks[i:i + CHUNK_BLOCKS], sources[i:i + CHUNK_BLOCKS]
+            if all(isinstance(b, _Staged) for b, _ in src):
+                cache = self._scatter_staged(cache, part, [b.leaves for b, _ in src])
+            else:
+                cache = super().scatter(cache, part, src)
+        return cache
+
+    def _scatter_staged(self, cache, blocks, leaves):
+        n, nb = len(blocks), _bucket(len(blocks))
+        ids = np.full(nb, self.num_pages, np.int32)  # out of range rows are dropped
+        ids[:n] = blocks
+        pad = [np.zeros((nb - n,) + a.shape[1:], a.dtype) for a in leaves[0]]
+        data = [jnp.asarray(np.concatenate([blk[i] for blk in leaves] + [pad[i]]))
+                for i in range(len(pad))]
+        return self._scatter(cache, jnp.asarray(ids), data)
+
+    def warmup(self, cache):
+        """Compile every chunk bucket of gather and scatter (scatter rows all dropped)."""
+        n = 4
+        while n <= CHUNK_BLOCKS:
+            super().gather(cache, [0] * n).materialize()
+            host = super().gather(cache, [0]).materialize()
+            src = [(_Staged([a[:1] for a in host]), 0)] * n
+            cache = super().scatter(cache, [self.num_pages] * n, src)
+            n *= 2
+        return cache
+
+
+class _Chunks:
+    """Several gathered batches read as one (`materialize()` -> leaves over all rows)."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.host = None
+
+    def materialize(self):
+        if self.host is None:
+            host = [p.materialize() for p in self.parts]
+            self.host = [np.concatenate(xs) for xs in zip(*host)]
+            self.parts = None
+        return self.host
 
 
 class LowerTiers:
@@ -164,7 +253,8 @@ class LowerTiers:
         return self.disk.get(h)
 
 
-STAGING_BYTES = 4 << 30  # verified blocks held in host memory ahead of their copy-in
+STAGING_BYTES = 16 << 30  # verified blocks held in host memory ahead of their copy-in (at
+# most the blocks of the next max_num_seqs waiting requests)
 
 
 def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, model_name: str,

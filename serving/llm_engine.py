@@ -30,7 +30,7 @@ from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
 from serving.fingerprint import model_fingerprint
 from serving.kv_pool import default_num_blocks, kv_bytes_per_block
-from serving.kv_store_tier import LowerTiers, open_kv_store
+from serving.kv_store_tier import ChunkedPageMover, LowerTiers, open_kv_store
 from serving.layout import build_layout
 from serving.metrics import EngineStats
 from serving.model_runner import ModelRunner
@@ -86,7 +86,7 @@ class LLMEngine:
                                           model_name=loaded.source, markers=self.markers,
                                           bytes_per_block=self.bytes_per_block)
             self.scheduler.offload = LowerTiers(self.offload, self.kv_store)
-            self.mover = self.mover or PageMover(num_blocks, config.block_size)
+            self.mover = ChunkedPageMover(num_blocks, config.block_size)
         self.seed = seed
         self._counter = itertools.count()
         self.stats = EngineStats()
@@ -106,6 +106,8 @@ class LLMEngine:
         for all_greedy, use_filter, num_logprobs in modes:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
                                num_logprobs=num_logprobs)
+        if self.kv_store is not None:  # the span store's page moves (chunk buckets)
+            self.runner.cache = self.mover.warmup(self.runner.cache)
         # Tracing and compiling leave millions of long-lived objects (jaxprs, caches): move
         # them out of the cyclic GC's reach so collections during serving stay short.
         gc.collect()
