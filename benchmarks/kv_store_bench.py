@@ -51,7 +51,8 @@ def write_workload(out: pathlib.Path, samples: int, max_tokens: int,
 def engine_flags(args) -> list[str]:
     return ["--model", args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens), "--min-token-bucket", str(args.min_token_bucket)]
+            str(args.max_num_batched_tokens), "--min-token-bucket", str(args.min_token_bucket),
+            "--num-kv-blocks", str(args.num_kv_blocks)]
 
 
 def prewarm(args) -> None:
@@ -61,7 +62,8 @@ def prewarm(args) -> None:
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              min_token_bucket=args.min_token_bucket, kv_store_dir=args.store)
+              min_token_bucket=args.min_token_bucket, num_kv_blocks=args.num_kv_blocks,
+              kv_store_dir=args.store)
     llm.llm_engine.warmup()
     setup = time.perf_counter() - t0
     corpus = json.loads((pathlib.Path(args.out) / "corpus.json").read_text())
@@ -131,6 +133,7 @@ def orchestrate(args) -> None:
 def _model_flags(args) -> list[str]:
     return ["--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
             "--max-model-len", str(args.max_model_len), "--passages", str(args.passages),
+            "--num-kv-blocks", str(args.num_kv_blocks),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--min-token-bucket",
             str(args.min_token_bucket)]
 
@@ -171,6 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--passages", type=int, default=10, help="passages per request (first k)")
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--num-kv-blocks", type=int, default=40000)
     ap.add_argument("--model", default="llama3_2_1b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=64)

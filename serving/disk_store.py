@@ -26,6 +26,7 @@ import threading
 import time
 import warnings
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy (leaf dtypes by name)
 import numpy as np
 import safetensors.numpy
 import xxhash

@@ -156,6 +156,16 @@ def test_lru_eviction_to_capacity(tmp_path, fresh_rng):
     assert store.stats()["evicted"] == 1
 
 
+def test_bfloat16_blocks_round_trip_bit_exact(tmp_path, fresh_rng):
+    import ml_dtypes
+    ident = _identity(leaves=(((4, 2, 8), "bfloat16"),) * 2)
+    store = DiskStore(tmp_path, ident, 1 << 30)
+    leaves = [x.astype(ml_dtypes.bfloat16) for x in _block(fresh_rng)]
+    store.write(7, "shared", leaves, bytes(32))
+    got = DiskStore(tmp_path, ident, 1 << 30).read(7, "shared", bytes(32))
+    assert all(g.dtype == x.dtype and g[0].tobytes() == x.tobytes() for g, x in zip(got, leaves))
+
+
 def test_identity_mismatch_names_the_field(tmp_path):
     DiskStore(tmp_path, _identity(), 1 << 20)
     with pytest.raises(StoreMismatch, match=r"kv_mode: store has 'position_free', this engine "
