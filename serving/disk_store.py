@@ -65,6 +65,13 @@ def _jsonable(x):
     return list(x) if isinstance(x, tuple) else x
 
 
+def _stale(entry, age_s: float = 3600.0) -> bool:
+    try:
+        return time.time() - entry.stat().st_mtime > age_s
+    except FileNotFoundError:
+        return False
+
+
 def _checksum(tensors: dict) -> str:
     """xxh3 over the tensors' bytes in name order (the data and where each tensor lies)."""
     x = xxhash.xxh3_64()
@@ -138,6 +145,11 @@ class DiskStore:
                     if f.name.endswith(_SUFFIX):
                         st = f.stat()
                         found.append((st.st_mtime_ns, pathlib.Path(f.path), st.st_size))
+                    elif f.name.endswith(".tmp") and _stale(f):  # left by a killed writer
+                        try:
+                            os.unlink(f.path)
+                        except FileNotFoundError:
+                            pass
         for _, p, size in sorted(found):
             self.index[p] = size
             self.total_bytes += size
