@@ -3,12 +3,15 @@
 A store folder holds one identity and one file per block:
 
     STORE.json                            what the blocks were made by (`StoreIdentity`)
-    <ns>/<hh>/<hash:016x>.safetensors     one block: its page leaves ([B, ...] each), its tokens
+    <ns>/<hh>/<hash:016x>.safetensors     one block: its pages of every cache leaf, its tokens
 
 `<ns>` is the cache_salt namespace ("shared" without a salt), `<hh>` the hash's top byte (small
-folders). A block file is safetensors (no pickles): tensors `leaf_<i>` (the raw bits, unsigned
-ints of the leaf's width; the identity gives the real dtypes) and `tokens` (int64, to confirm a
-hit), metadata holding the block hash, the identity digest and an xxh3 checksum of the data.
+folders). A block file is safetensors (no pickles), two tensors: `kv` [L, B, ...], the block's
+page of every cache leaf stacked (the raw bits as unsigned ints of the leaf's width; the identity
+gives the real dtype), and `tokens` [B] (int64, to confirm a hit); metadata holds the block
+hash, the identity digest and an xxh3 checksum of the data. The file is written straight from
+the gathered pages (one writev, no copy) and read back as one array (one parse per block: a read
+is a few Python calls, so reader threads are not serialized on the GIL).
 Files are written to a temp name and renamed, so a reader sees a whole file or none and two
 processes filling one store never corrupt it (the same block written twice is the same data).
 A file that is truncated or fails its checksum is a miss: a warning, the file removed, the block
@@ -28,14 +31,12 @@ import warnings
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy (leaf dtypes by name)
 import numpy as np
-import safetensors.numpy
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _SUFFIX = ".safetensors"
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_ST_DTYPES = {"U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64,
-              "I64": np.int64}
+_TOUCH_S = 60.0  # a read marks a file used (mtime) when its mark is older than this
+_UINT = {1: ("U8", np.uint8), 2: ("U16", np.uint16), 4: ("U32", np.uint32), 8: ("U64", np.uint64)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +73,11 @@ def _stale(entry, age_s: float = 3600.0) -> bool:
         return False
 
 
-def _checksum(tensors: dict) -> str:
-    """xxh3 over the tensors' bytes in name order (the data and where each tensor lies)."""
+def _checksum(buffers) -> str:
+    """xxh3 of the data section (the buffers in file order)."""
     x = xxhash.xxh3_64()
-    for name in sorted(tensors):
-        x.update(name.encode())
-        x.update(np.ascontiguousarray(tensors[name]).data)
+    for b in buffers:
+        x.update(b)
     return x.hexdigest()
 
 
@@ -105,6 +105,13 @@ class DiskStore:
         self.total_bytes = 0
         self.counters = dict(bytes_read=0, bytes_written=0, read_s=0.0, write_s=0.0,
                              blocks_read=0, blocks_written=0, corrupt=0, evicted=0, misses=0)
+        shapes = {tuple(s) for s, _ in identity.leaves}
+        dtypes = {d for _, d in identity.leaves}
+        if len(shapes) != 1 or len(dtypes) != 1:
+            raise ValueError(f"kv store: cache leaves must share one page shape and dtype "
+                             f"(attention K/V), got {identity.leaves}")
+        self.page_shape, self.dtype = shapes.pop(), np.dtype(dtypes.pop())
+        self.num_leaves = len(identity.leaves)
         self.root.mkdir(parents=True, exist_ok=True)
         self._check_identity()
         self._scan()
@@ -164,14 +171,15 @@ class DiskStore:
         return p in self.index or p.exists()
 
     # -- read ----------------------------------------------------------------------------------
-    def read(self, h: int, ns: str, confirm: bytes | None = None) -> list[np.ndarray] | None:
-        """The block's page leaves ([1, B, ...] each, real dtypes), or None: absent, corrupt
+    def read(self, h: int, ns: str, confirm: bytes | None = None) -> np.ndarray | None:
+        """The block's pages, [L, B, ...] (leaf order, real dtype), or None: absent, corrupt
         (warned, removed) or holding other tokens than `confirm` (int64 bytes)."""
         p = self.path(h, ns)
         t0 = time.perf_counter()
         try:
             with open(p, "rb") as f:
                 data = f.read()
+                used = os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
             with self.lock:
                 self.counters["misses"] += 1
@@ -182,7 +190,7 @@ class DiskStore:
                           RuntimeWarning, stacklevel=2)
             return None
         try:
-            leaves, tokens = self._decode(data, h)
+            kv, tokens = self._decode(data, h)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             self._drop_corrupt(p, err)
             return None
@@ -190,10 +198,11 @@ class DiskStore:
             with self.lock:
                 self.counters["misses"] += 1  # a 64-bit hash collision: never a hit
             return None
-        try:
-            os.utime(p)  # last use, for LRU across processes
-        except OSError:
-            pass
+        if time.time() - used > _TOUCH_S:
+            try:
+                os.utime(p)  # last use, for LRU across processes
+            except OSError:
+                pass
         with self.lock:
             if p in self.index:
                 self.index[p] = self.index.pop(p)
@@ -203,7 +212,7 @@ class DiskStore:
             self.counters["bytes_read"] += len(data)
             self.counters["blocks_read"] += 1
             self.counters["read_s"] += time.perf_counter() - t0
-        return leaves
+        return kv
 
     def _decode(self, data: bytes, h: int):
         if len(data) < 8:
@@ -215,25 +224,21 @@ class DiskStore:
             header = json.loads(data[8:8 + n])
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"unreadable header ({err})") from None
-        meta = header.pop("__metadata__", None) or {}
+        meta = header.get("__metadata__") or {}
         body = memoryview(data)[8 + n:]
         if meta.get("identity") != self.digest or meta.get("hash") != f"{h:016x}":
             raise ValueError(f"metadata {meta} does not name this store and block")
-        out = {}
-        for name, spec in header.items():
-            lo, hi = spec["data_offsets"]
-            out[name] = np.frombuffer(body[lo:hi], _ST_DTYPES[spec["dtype"]]).reshape(spec["shape"])
-        if _checksum(out) != meta.get("xxh3"):
+        if _checksum([body]) != meta.get("xxh3"):
             raise ValueError("checksum mismatch")
-        leaves = []
-        for i, (shape, dtype) in enumerate(self.identity.leaves):
-            a = out.get(f"leaf_{i}")
-            if a is None or tuple(a.shape) != tuple(shape):
-                raise ValueError(f"leaf_{i} missing or mis-shaped")
-            leaves.append(a.view(np.dtype(dtype))[None])
-        if "tokens" not in out or out["tokens"].size != self.identity.block_size:
-            raise ValueError("tokens missing or mis-shaped")
-        return leaves, out["tokens"]
+        kv_spec, tok_spec = header["kv"], header["tokens"]
+        shape = [self.num_leaves, *self.page_shape]
+        if kv_spec["shape"] != shape or tok_spec["shape"] != [self.identity.block_size] or \
+                kv_spec["dtype"] != _UINT[self.dtype.itemsize][0] or tok_spec["dtype"] != "I64":
+            raise ValueError(f"tensors {header} do not match the store's page shape {shape}")
+        lo, hi = kv_spec["data_offsets"]
+        kv = np.frombuffer(body[lo:hi], self.dtype).reshape(shape)
+        lo, hi = tok_spec["data_offsets"]
+        return kv, np.frombuffer(body[lo:hi], np.int64)
 
     def _drop_corrupt(self, p: pathlib.Path, err) -> None:
         warnings.warn(f"kv store: {p} is corrupt ({err}); removed, the block is recomputed",
@@ -253,27 +258,42 @@ class DiskStore:
 
     # -- write ---------------------------------------------------------------------------------
     def write(self, h: int, ns: str, leaves: list[np.ndarray], tokens: bytes) -> bool:
-        """Store one block (leaves [B, ...] each); False if it is already there."""
+        """Store one block (its page of every leaf, [B, ...] each, in leaf order); False if it
+        is already there."""
         p = self.path(h, ns)
         if self.has(h, ns):
             return False
         t0 = time.perf_counter()
-        tensors = {f"leaf_{i}": np.ascontiguousarray(a).view(_UINT[a.dtype.itemsize])
-                   for i, a in enumerate(leaves)}
-        tensors["tokens"] = np.frombuffer(tokens, np.int64)
-        meta = {"identity": self.digest, "hash": f"{h:016x}", "ns": ns,
-                "xxh3": _checksum(tensors)}
-        data = safetensors.numpy.save(tensors, metadata=meta)
+        parts = [memoryview(np.ascontiguousarray(a, self.dtype).reshape(-1).view(np.uint8))
+                 for a in leaves]
+        parts.append(memoryview(tokens))
+        nkv = sum(len(b) for b in parts[:-1])
+        code = _UINT[self.dtype.itemsize][0]
+        header = json.dumps({
+            "__metadata__": {"identity": self.digest, "hash": f"{h:016x}", "ns": ns,
+                             "xxh3": _checksum(parts)},
+            "kv": {"dtype": code, "shape": [len(leaves), *self.page_shape],
+                   "data_offsets": [0, nkv]},
+            "tokens": {"dtype": "I64", "shape": [len(tokens) // 8],
+                       "data_offsets": [nkv, nkv + len(tokens)]}}).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+        bufs = [len(header).to_bytes(8, "little"), header, *parts]
+        size = sum(len(b) for b in bufs)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if os.writev(fd, bufs) != size:  # short write: finish it the plain way
+                os.lseek(fd, 0, os.SEEK_SET)
+                os.write(fd, b"".join(bytes(b) for b in bufs))
+        finally:
+            os.close(fd)
         os.replace(tmp, p)
         with self.lock:
             if p not in self.index:
-                self.index[p] = len(data)
-                self.total_bytes += len(data)
-            self.counters["bytes_written"] += len(data)
+                self.index[p] = size
+                self.total_bytes += size
+            self.counters["bytes_written"] += size
             self.counters["blocks_written"] += 1
             self.counters["write_s"] += time.perf_counter() - t0
             victims = self._evict()

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import functools
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,13 +32,14 @@ CHUNK_BLOCKS = 256  # page moves per jitted call: bounded compiles (4..256), war
 
 
 class _Staged:
-    """A staged block in the host tier's batch shape (`materialize()[leaf][row]`)."""
+    """A staged block: its pages [L, B, ...] as read; `materialize()[leaf][row]` is the host
+    tier's batch shape (for copy-ins mixed with host-tier blocks)."""
 
-    def __init__(self, leaves):
-        self.leaves = leaves
+    def __init__(self, kv):
+        self.kv = kv
 
     def materialize(self):
-        return self.leaves
+        return [self.kv[i][None] for i in range(self.kv.shape[0])]
 
 
 class KVStoreTier:
@@ -196,28 +199,41 @@ class ChunkedPageMover(PageMover):
         for i in range(0, len(blocks), CHUNK_BLOCKS):
             part, src = blocks[i:i + CHUNK_BLOCKS], sources[i:i + CHUNK_BLOCKS]
             if all(isinstance(b, _Staged) for b, _ in src):
-                cache = self._scatter_staged(cache, part, [b.leaves for b, _ in src])
+                cache = self._scatter_staged(cache, part, [b.kv for b, _ in src])
             else:
                 cache = super().scatter(cache, part, src)
         return cache
 
-    def _scatter_staged(self, cache, blocks, leaves):
+    def _scatter_staged(self, cache, blocks, kvs):
+        """One host stack and one transfer per chunk; the leaves are split on device."""
         n, nb = len(blocks), _bucket(len(blocks))
         ids = np.full(nb, self.num_pages, np.int32)  # out of range rows are dropped
         ids[:n] = blocks
-        pad = [np.zeros((nb - n,) + a.shape[1:], a.dtype) for a in leaves[0]]
-        data = [jnp.asarray(np.concatenate([blk[i] for blk in leaves] + [pad[i]]))
-                for i in range(len(pad))]
-        return self._scatter(cache, jnp.asarray(ids), data)
+        packed = np.empty((nb,) + kvs[0].shape, kvs[0].dtype)  # [n, L, B, ...]
+        for k, kv in enumerate(kvs):
+            packed[k] = kv
+        packed[n:] = 0
+        return self._scatter_packed(cache, jnp.asarray(ids), jnp.asarray(packed))
+
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+    def _scatter_packed(self, cache, ids, packed):
+        leaves, treedef = jax.tree.flatten(cache)
+        out, k = [], 0
+        for x in leaves:
+            if self._is_page(x):
+                x = x.at[ids].set(packed[:, k].astype(x.dtype), mode="drop")
+                k += 1
+            out.append(x)
+        return jax.tree.unflatten(treedef, out)
 
     def warmup(self, cache):
         """Compile every chunk bucket of gather and scatter (scatter rows all dropped)."""
+        host = super().gather(cache, [0]).materialize()
+        kv = np.stack([a[0] for a in host])  # [L, B, ...]
         n = 4
         while n <= CHUNK_BLOCKS:
             super().gather(cache, [0] * n).materialize()
-            host = super().gather(cache, [0]).materialize()
-            src = [(_Staged([a[:1] for a in host]), 0)] * n
-            cache = super().scatter(cache, [self.num_pages] * n, src)
+            cache = self._scatter_staged(cache, [self.num_pages] * n, [kv] * n)
             n *= 2
         return cache
 
