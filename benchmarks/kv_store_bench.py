@@ -167,6 +167,34 @@ def report(out: pathlib.Path, wall: dict, dropped) -> None:
             print(f"{k}: {summary[k]:.2f}x")
 
 
+def io_bench(out: str, blocks: int = 400, layers: int = 16) -> None:
+    """The file layer alone (no engine): write then read `blocks` blocks of a Llama-3.2-1B
+    shaped page (2 x layers leaves of [16, 8, 64] bf16, 512 KiB) with one thread."""
+    import ml_dtypes
+    import numpy as np
+    from serving.disk_store import DiskStore, StoreIdentity
+    leaves = (((16, 8, 64), "bfloat16"),) * (2 * layers)
+    ident = StoreIdentity(model="io", model_name="io", block_size=16, kv_mode="position_free",
+                          hash_algo="xxhash64", markers=(0, 1, 2), leaves=leaves)
+    root = pathlib.Path(out) / "io_store"
+    shutil.rmtree(root, ignore_errors=True)
+    store = DiskStore(root, ident, 1 << 40)
+    rng = np.random.default_rng(0)
+    block = [rng.standard_normal((16, 8, 64)).astype(ml_dtypes.bfloat16) for _ in leaves]
+    tokens = bytes(8 * 16)
+    t0 = time.perf_counter()
+    for h in range(1, blocks + 1):
+        store.write(h, "shared", block, tokens)
+    t1 = time.perf_counter()
+    for h in range(1, blocks + 1):
+        assert store.read(h, "shared", tokens) is not None
+    t2 = time.perf_counter()
+    size = store.stats()["bytes_stored"]
+    print(f"file layer, {blocks} blocks of {size // blocks} bytes under {root}: write "
+          f"{size / (t1 - t0) / 1e9:.2f} GB/s, read {size / (t2 - t1) / 1e9:.2f} GB/s")
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -184,10 +212,14 @@ def main(argv=None) -> int:
     ap.add_argument("--drop-page-cache", action="store_true",
                     help="drop the OS page cache before the warm phase (root; a machine of "
                          "your own only), so its reads come from the disk")
+    ap.add_argument("--io-only", action="store_true",
+                    help="time the file layer alone (one thread) under --out and exit")
     ap.add_argument("--child-prewarm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child_prewarm:
+    if args.io_only:
+        io_bench(args.out)
+    elif args.child_prewarm:
         prewarm(args)
     else:
         orchestrate(args)
