@@ -35,6 +35,14 @@ PRESETS: dict[str, ModelConfig] = {
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope=_LLAMA3_1_ROPE,
         tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=LLAMA3_BOS,
         eos_token_ids=LLAMA3_EOS),
+    # meta-llama/Llama-3.2-1B's shape (16 layers, 8 KV heads of 64, tied embeddings).
+    "llama3_2_1b": ModelConfig(
+        model_type="llama", vocab_size=LLAMA3_VOCAB, hidden_size=2048, intermediate_size=8192,
+        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                        high_freq_factor=4.0, original_max_position_embeddings=8192),
+        tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=LLAMA3_BOS,
+        eos_token_ids=LLAMA3_EOS),
     # meta-llama/Meta-Llama-3-8B.
     "llama3_8b": ModelConfig(
         model_type="llama", vocab_size=LLAMA3_VOCAB, hidden_size=4096, intermediate_size=14336,

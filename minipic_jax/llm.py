@@ -25,7 +25,8 @@ class LLM:
         kv_mode ("position_free" | "rotated" | "pic_off"), scheduling_policy ("fcfs" | "barrier" |
         "isps"), cpu_offload_gb, pad_token_id / ssep_token_id / pdep_token_id (defaults: Llama-3
         vocab -> 128004 / 128002 / 128003; any other vocab: its three highest non-BOS/EOS ids),
-        hash_algo.
+        hash_algo, kv_store_dir / kv_store_gb (a persistent span store on disk shared by
+        processes: serving/disk_store.py).
     """
 
     def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0, **engine_args: Any):
@@ -115,6 +116,7 @@ class LLM:
                         results[i][k] = out
                         if bar is not None:
                             bar.update(1)
+            engine.flush_kv_store()
         except BaseException:
             engine.recover(list(order))
             raise
@@ -123,3 +125,38 @@ class LLM:
                 bar.close()
         return [merge_samples(str(self._next_id - len(prompts) + i), r) if len(r) > 1 else r[0]
                 for i, r in enumerate(results)]
+
+    def cache_spans(self, spans, *, cache_salt: str | None = None, use_tqdm: bool = False) -> dict:
+        """Compute the KV of SSEP spans without generating (the corpus pass of a RAG job): each
+        span (text or token ids) is prefilled as it would sit inside a structured prompt, so a
+        later `Span(same content)` hits it at any offset, in this process and, with
+        `kv_store_dir`, in any later one (this call returns once the blocks are on disk).
+        Duplicates are computed once; all spans go through one batched prefill.
+
+        Returns {"spans", "span_tokens", "blocks_written"}.
+        """
+        from minipic_jax.prompts import Span
+        m = self.llm_engine.markers
+        seen, prompts = set(), []
+        for k, content in enumerate(spans):
+            if not isinstance(content, str):
+                content = tuple(int(t) for t in content)
+            if content in seen:
+                continue
+            seen.add(content)
+            try:
+                ids = build_prompt([Span(content)], block_size=self.config.block_size,
+                                   tokenizer=self.tokenizer, **m)
+            except ValueError as err:
+                raise ValueError(f"span {k}: {err}") from None
+            # pad the span's last block full (as inside a prompt), then one PDEP marker: the
+            # token whose logits end the request, so every span block is a cacheable full block
+            ids += [m["pad_token_id"]] * (-len(ids) % self.config.block_size)
+            prompts.append(ids + [m["pdep_token_id"]])
+        stats = self.llm_engine.get_stats().get("kv_store", {})
+        before = stats.get("blocks_written", 0)
+        self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1),
+                      use_tqdm=use_tqdm, cache_salt=cache_salt)
+        after = self.llm_engine.get_stats().get("kv_store", {}).get("blocks_written", 0)
+        return {"spans": len(prompts), "span_tokens": sum(len(p) - 1 for p in prompts),
+                "blocks_written": after - before}

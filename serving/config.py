@@ -67,6 +67,11 @@ class Config:
     # token from the previous step's sampled tokens on device. One step in flight at most.
     # False = the synchronous loop (schedule, run, read back, then the next step).
     async_scheduling: bool = True
+    # Persistent span store (serving/disk_store.py): a folder under the host tier where cached
+    # blocks are written once and read back by any later process of the same model and settings;
+    # None = off. kv_store_gb: its size, least recently used blocks deleted past it.
+    kv_store_dir: str | None = None
+    kv_store_gb: float = 64.0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -93,6 +98,11 @@ class Config:
             raise ValueError(f"Config.num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.cpu_offload_gb < 0:
             raise ValueError(f"Config.cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        if self.kv_store_gb <= 0:
+            raise ValueError(f"Config.kv_store_gb must be > 0, got {self.kv_store_gb}")
+        if self.kv_store_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("Config.kv_store_dir needs enable_prefix_caching=True (the store "
+                             "holds prefix-cache blocks)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"Config.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= max_num_seqs ({self.max_num_seqs}) so every decode fits one step")

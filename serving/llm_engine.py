@@ -27,7 +27,9 @@ from serving.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
+from serving.fingerprint import model_fingerprint
 from serving.kv_pool import default_num_blocks, kv_bytes_per_block
+from serving.kv_store_tier import ChunkedPageMover, LowerTiers, open_kv_store
 from serving.metrics import EngineStats
 from serving.model_contract import EngineModel, check_family
 from serving.model_runner import ModelRunner
@@ -60,10 +62,16 @@ class LLMEngine:
                                    if i is not None}
         self.markers = resolve_markers(config, mcfg.vocab_size, reserved)
         num_blocks = config.num_kv_blocks or default_num_blocks(config, mcfg, dtype)
+        fingerprint = None
+        if config.kv_store_dir is not None:  # before the runner fuses weights
+            if self.hybrid:
+                raise ValueError("kv_store_dir: the span store holds attention KV blocks; "
+                                 "hybrid models have no prefix cache yet")
+            fingerprint = model_fingerprint(mcfg, loaded.params, dtype)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
         self.num_blocks = num_blocks = self.runner.num_blocks  # a default pool may have shrunk
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
-        self.offload = None
+        self.offload = self.mover = self.kv_store = None
         self._evicted: list[tuple[int, int, tuple]] = []
         caching = config.enable_prefix_caching and not self.hybrid
         if config.cpu_offload_gb > 0 and caching:
@@ -78,6 +86,13 @@ class LLMEngine:
                                    markers={"pad": self.markers["pad_token_id"],
                                             "ssep": self.markers["ssep_token_id"],
                                             "pdep": self.markers["pdep_token_id"]})
+        if fingerprint is not None:
+            self.kv_store = open_kv_store(config, self.runner.cache, num_blocks,
+                                          self.scheduler.keys, fingerprint=fingerprint,
+                                          model_name=loaded.source, markers=self.markers,
+                                          bytes_per_block=self.bytes_per_block)
+            self.scheduler.offload = LowerTiers(self.offload, self.kv_store)
+            self.mover = ChunkedPageMover(num_blocks, config.block_size)
         self.seed = seed
         self._counter = itertools.count()
         self.stats = EngineStats()
@@ -98,6 +113,8 @@ class LLMEngine:
         for all_greedy, use_filter, num_logprobs in modes:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
                                num_logprobs=num_logprobs)
+        if self.kv_store is not None:  # the span store's page moves (chunk buckets)
+            self.runner.cache = self.mover.warmup(self.runner.cache)
         # Tracing and compiling leave millions of long-lived objects (jaxprs, caches): move
         # them out of the cyclic GC's reach so collections during serving stay short.
         gc.collect()
@@ -180,8 +197,10 @@ class LLMEngine:
         step's evictions enter the host tier: a put may drop the tier's oldest entries, which
         can be exactly the planned ones. Evicted pages are gathered before the scatter, which
         may reuse their device blocks."""
+        if self.kv_store is not None:  # before copy-ins overwrite any block
+            self.kv_store.dispatch_writes(self.mover, self.runner.cache)
         copy_in = self.scheduler.pending_copy_in
-        sources = [self.offload.get(h) for _, h in copy_in]
+        sources = [self.scheduler.offload.get(h) for _, h in copy_in]
         if self._evicted:
             evicted, self._evicted = self._evicted, []
             batch = self.mover.gather(self.runner.cache, [b for b, _, _ in evicted])
@@ -236,8 +255,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler
         self._t_wait = self._t_early = 0.0
+        if self.kv_store is not None:
+            self.kv_store.begin_step(sched.waiting, self.bm, self.offload)
         batch = sched.schedule()
-        if self.offload is not None:
+        if self.mover is not None:
             self._move_pages()
         t1 = time.perf_counter()
         dispatch = overlap = 0.0
@@ -250,8 +271,7 @@ class LLMEngine:
             if inflight is not None:  # step N's tokens, while step N+1 runs
                 self._early += self._resolve(inflight)
             t3 = time.perf_counter()
-            sched.advance(batch)
-            sched.prepare_waiting()
+            self._advance(batch)
             running, max_len = Status.RUNNING, self.config.max_model_len
             for e in batch:
                 seq = e.seq
@@ -292,8 +312,10 @@ class LLMEngine:
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler
+        if self.kv_store is not None:
+            self.kv_store.begin_step(sched.waiting, self.bm, self.offload)
         batch = sched.schedule()
-        if self.offload is not None:
+        if self.mover is not None:
             self._move_pages()
         if not batch:
             if sched.has_unfinished():
@@ -307,7 +329,7 @@ class LLMEngine:
         # next waiting prompts get their block hashes
         self._step_unread = True  # until read back, this step's pages are unverified
         out = self.runner.run(batch, num_logprobs=num_lp, timer=tw,
-                              during=lambda: (sched.advance(batch), sched.prepare_waiting()))
+                              during=lambda: self._advance(batch))
         self._step_unread = False
         t2 = time.perf_counter()
         self._early += self._postprocess(batch, out, num_lp)
@@ -324,6 +346,22 @@ class LLMEngine:
         by a read-back before a preemption), so a step that raises later loses none of them."""
         finished, self._early = self._early, []
         return finished
+
+    def _advance(self, batch) -> None:
+        """Move frontiers (scheduler.advance), queue the blocks completed for the span store,
+        hash and prefetch the next waiting prompts: host work done while the device computes."""
+        sched = self.scheduler
+        ready_before = [e.seq.ready_ptr for e in batch] if self.kv_store is not None else None
+        sched.advance(batch)
+        sched.prepare_waiting()
+        if ready_before is not None:
+            self.kv_store.note_ready(batch, ready_before, self.bm)
+            self.kv_store.prefetch(sched.waiting, self.bm, self.offload)
+
+    def flush_kv_store(self) -> None:
+        """Write every block computed so far to the span store and wait for the files."""
+        if self.kv_store is not None:
+            self.kv_store.flush(self.mover, self.runner.cache)
 
     def _postprocess(self, batch, out, num_lp, pending: bool = False) -> list[RequestOutput]:
         """Append (sync) or fill in (`pending`: async placeholders) each sampling row's token,
@@ -397,5 +435,7 @@ class LLMEngine:
         out.update(async_scheduling=self.config.async_scheduling,
                    sync_fallbacks=self.num_sync_fallbacks,
                    discarded_rows=self.num_discarded_rows)
+        if self.kv_store is not None:
+            out["kv_store"] = self.kv_store.stats()
         return out
 

@@ -117,6 +117,17 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of the folder's chat template over `messages`, ending with the
+        assistant's turn (the template places any BOS itself)."""
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError("the model folder has no chat template (tokenizer_config.json "
+                             "chat_template); use /v1/completions")
+        ids = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if hasattr(ids, "keys"):  # a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
 
 def load_tokenizer(folder: pathlib.Path | None, cfg: ModelConfig) -> Tokenizer | None:
     """The tokenizer for a model: folder files, else Llama 3 (tiktoken), else bytes, else None."""

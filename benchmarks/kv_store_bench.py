@@ -1,0 +1,230 @@
+"""Span store across processes: MuSiQue corpus prewarmed by one process, then `run-batch` over the
+one-question-per-sample workload in a fresh process, against the same job on an empty store.
+
+    python -m benchmarks.kv_store_bench --out /tmp/kvb [--samples 150] [--model llama3_2_1b]
+
+Phases, each a fresh process (JAX compile cache shared through JAX_COMPILATION_CACHE_DIR):
+  cold      run-batch with an empty store (computes every passage, writes the store it fills)
+  nostore   run-batch without a store (the compute-only anchor)
+  prewarm   LLM.cache_spans over every passage of the samples (the corpus pass)
+  warm      run-batch on the prewarmed store (--drop-page-cache: from the disk, not memory)
+Requests: [header][10 passages as spans, retrieved order][question], greedy, 16 tokens. Prints
+vLLM's lines per phase and a table; writes <out>/kv_store_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+DATA = pathlib.Path(__file__).resolve().parent / "data" / "musique_s.json"
+HEADER = ("You answer questions about the passages below. Read all of them, then reply with the "
+          "answer only, in a few words.\n\n")
+
+
+def write_workload(out: pathlib.Path, samples: int, max_tokens: int,
+                   per_sample: int = 10) -> tuple[int, int]:
+    data = json.loads(DATA.read_text())[:samples]
+    passages, lines = [], []
+    for i, s in enumerate(data):
+        texts = [c["text"] for c in s["ctxs"]][:per_sample]
+        passages += texts
+        segs = [{"kind": "prompt", "text": HEADER}] + [{"kind": "span", "text": t}
+                                                       for t in texts]
+        segs.append({"kind": "prompt", "text": f"Question: {s['question']}\nAnswer:"})
+        lines.append(json.dumps({"custom_id": f"musique-{i}", "method": "POST",
+                                 "url": "/v1/completions",
+                                 "body": {"segments": segs, "max_tokens": max_tokens,
+                                          "temperature": 0, "ignore_eos": True}}))
+    (out / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    unique = list(dict.fromkeys(passages))
+    (out / "corpus.json").write_text(json.dumps(unique))
+    return len(lines), len(unique)
+
+
+def engine_flags(args) -> list[str]:
+    return ["--model", args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens), "--min-token-bucket", str(args.min_token_bucket),
+            "--num-kv-blocks", str(args.num_kv_blocks)]
+
+
+def prewarm(args) -> None:
+    """Child process: cache_spans over the corpus into --store."""
+    from minipic_jax import LLM
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              min_token_bucket=args.min_token_bucket, num_kv_blocks=args.num_kv_blocks,
+              kv_store_dir=args.store)
+    llm.llm_engine.warmup()
+    setup = time.perf_counter() - t0
+    corpus = json.loads((pathlib.Path(args.out) / "corpus.json").read_text())
+    t1 = time.perf_counter()
+    got = llm.cache_spans(corpus)
+    elapsed = time.perf_counter() - t1
+    kv = llm.llm_engine.get_stats()["kv_store"]
+    print(f"Prewarm: {got['spans']} passages, {got['span_tokens']} tokens, "
+          f"{got['blocks_written']} blocks in {elapsed:.2f} s (setup {setup:.1f} s); wrote "
+          f"{kv['bytes_written'] / 1e9:.2f} GB")
+    with open(pathlib.Path(args.out) / "prewarm.json", "w") as f:
+        json.dump({"elapsed_time": elapsed, "setup_time": setup, **got, "kv_store": kv}, f)
+
+
+def _run(cmd, env, log):
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    text = p.stdout.decode(errors="replace")
+    log.write_text(text)
+    tail = [ln for ln in text.splitlines() if not ln.startswith(("Running batch", "\r"))][-6:]
+    print("\n".join(tail), flush=True)
+    if p.returncode:
+        raise SystemExit(f"phase failed ({p.returncode}): {' '.join(cmd)}")
+    return time.perf_counter() - t0
+
+
+def _drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def orchestrate(args) -> None:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n_req, n_pass = write_workload(out, args.samples, args.max_tokens, args.passages)
+    print(f"Workload: {n_req} requests, {n_pass} unique passages; model {args.model} "
+          f"({args.dtype}, random weights)", flush=True)
+    env = dict(os.environ)
+    py = [sys.executable]
+    stores = {"cold": out / "store_cold", "warm": out / "store"}
+    for s in stores.values():
+        shutil.rmtree(s, ignore_errors=True)
+    job = py + ["-m", "minipic_jax", "run-batch", "-i", str(out / "requests.jsonl"),
+                "--warmup", "--no-progress"] + engine_flags(args)
+    wall, dropped = {}, None
+    for phase in args.phases.split(","):
+        print(f"== {phase}", flush=True)
+        if phase == "prewarm":
+            cmd = py + ["-m", "benchmarks.kv_store_bench", "--child-prewarm", "--out", str(out),
+                        "--store", str(stores["warm"])] + _model_flags(args)
+        else:
+            cmd = job + ["-o", str(out / f"results_{phase}.jsonl"),
+                         "--output-json", str(out / f"{phase}.json")]
+            if phase in stores:
+                cmd += ["--kv-store-dir", str(stores[phase])]
+            if phase == "warm" and args.drop_page_cache:
+                dropped = _drop_page_cache()
+        wall[phase] = _run(cmd, env, out / f"{phase}.log")
+    report(out, wall, dropped)
+
+
+def _model_flags(args) -> list[str]:
+    return ["--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+            "--max-model-len", str(args.max_model_len), "--passages", str(args.passages),
+            "--num-kv-blocks", str(args.num_kv_blocks),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--min-token-bucket",
+            str(args.min_token_bucket)]
+
+
+def report(out: pathlib.Path, wall: dict, dropped) -> None:
+    res = {p: json.loads((out / f"{p}.json").read_text()) for p in wall}
+    rows = []
+    for p, r in res.items():
+        kv = r.get("kv_store") or r.get("engine_stats", {}).get("kv_store") or {}
+        el = r["elapsed_time"]
+        rows.append((p, el, r.get("requests_per_second", 0.0), r.get("prefix_cache_hit_rate", 0),
+                     kv.get("bytes_read", 0) / 1e9, kv.get("bytes_read", 0) / 1e9 / el,
+                     kv.get("read_GBps", 0.0), kv.get("bytes_written", 0) / 1e9, wall[p]))
+    summary = {"phases": res, "process_wall_s": wall, "page_cache_dropped_before_warm": dropped}
+    if "warm" in res and "cold" in res:
+        summary["warm_over_cold"] = res["warm"]["requests_per_second"] / \
+            res["cold"]["requests_per_second"]
+    if "warm" in res and "nostore" in res:
+        summary["warm_over_nostore"] = res["warm"]["requests_per_second"] / \
+            res["nostore"]["requests_per_second"]
+    (out / "kv_store_bench.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"page cache dropped before warm: {dropped}")
+    print("| phase | job s | req/s | hit rate | GB read | GB/s over job | GB/s per read thread "
+          "| GB written | process s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| {} | {:.2f} | {:.2f} | {:.1%} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.1f} |"
+              .format(*r))
+    for k in ("warm_over_cold", "warm_over_nostore"):
+        if k in summary:
+            print(f"{k}: {summary[k]:.2f}x")
+
+
+def io_bench(out: str, blocks: int = 400, layers: int = 16) -> None:
+    """The file layer alone (no engine): write then read `blocks` blocks of a Llama-3.2-1B
+    shaped page (2 x layers leaves of [16, 8, 64] bf16, 512 KiB) with one thread."""
+    import ml_dtypes
+    import numpy as np
+    from serving.disk_store import DiskStore, StoreIdentity
+    leaves = (((16, 8, 64), "bfloat16"),) * (2 * layers)
+    ident = StoreIdentity(model="io", model_name="io", block_size=16, kv_mode="position_free",
+                          hash_algo="xxhash64", markers=(0, 1, 2), leaves=leaves)
+    root = pathlib.Path(out) / "io_store"
+    shutil.rmtree(root, ignore_errors=True)
+    store = DiskStore(root, ident, 1 << 40)
+    rng = np.random.default_rng(0)
+    block = [rng.standard_normal((16, 8, 64)).astype(ml_dtypes.bfloat16) for _ in leaves]
+    tokens = bytes(8 * 16)
+    t0 = time.perf_counter()
+    for h in range(1, blocks + 1):
+        store.write(h, "shared", block, tokens)
+    t1 = time.perf_counter()
+    for h in range(1, blocks + 1):
+        assert store.read(h, "shared", tokens) is not None
+    t2 = time.perf_counter()
+    size = store.stats()["bytes_stored"]
+    print(f"file layer, {blocks} blocks of {size // blocks} bytes under {root}: write "
+          f"{size / (t1 - t0) / 1e9:.2f} GB/s, read {size / (t2 - t1) / 1e9:.2f} GB/s")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--samples", type=int, default=150)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--passages", type=int, default=10, help="passages per request (first k)")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--num-kv-blocks", type=int, default=40000)
+    ap.add_argument("--model", default="llama3_2_1b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--min-token-bucket", type=int, default=2048)
+    ap.add_argument("--phases", default="cold,nostore,prewarm,warm")
+    ap.add_argument("--drop-page-cache", action="store_true",
+                    help="drop the OS page cache before the warm phase (root; a machine of "
+                         "your own only), so its reads come from the disk")
+    ap.add_argument("--io-only", action="store_true",
+                    help="time the file layer alone (one thread) under --out and exit")
+    ap.add_argument("--child-prewarm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.io_only:
+        io_bench(args.out)
+    elif args.child_prewarm:
+        prewarm(args)
+    else:
+        orchestrate(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
