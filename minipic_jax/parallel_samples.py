@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from minipic_jax.outputs import RequestOutput
+from serving.outputs import RequestOutput
 from minipic_jax.sampling_params import SamplingParams
 
 

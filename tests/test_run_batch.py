@@ -156,7 +156,7 @@ def test_second_process_reads_store_then_resume_after_kill_matches(tmp_path, sto
 def test_result_record_logprobs_and_stop_strings():
     from minipic_jax.batch.reading import parse_line
     from minipic_jax.batch.records import result_record
-    from minipic_jax.outputs import CompletionOutput, Logprob, RequestOutput
+    from serving.outputs import CompletionOutput, Logprob, RequestOutput
 
     class Tok:
         def decode(self, ids):
