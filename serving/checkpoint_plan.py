@@ -55,7 +55,8 @@ class CheckpointPlanner:
                              f"got {strategy!r}")
         self.strategy, self.per_prompt, self.block_tokens = strategy, per_prompt, block_tokens
         self.max_len, self.chunk = max_len, chunk
-        self.hist = DecayingHistogram(max_len, half_life=half_life)
+        # prior: one observation's worth of mass spread uniformly (the plan before any traffic)
+        self.hist = DecayingHistogram(max_len, half_life=half_life, smoothing=1.0 / (max_len + 1))
         grid = np.arange(chunk, max_len + 1, chunk)
         self.replanner = Replanner(self.hist, per_prompt, strategy="dp",
                                    candidates=grid if grid.size else None, every=every,

@@ -68,10 +68,11 @@ class CheckpointStore:
             self.device.move_to_end(e.key)
             e.pins += 1
             return True
+        del self.host[e.key]  # first: the slot's old entry may need room on the host
         slot = self._take_slot()
         if slot < 0:
+            self.host[e.key] = e
             return False
-        del self.host[e.key]
         e.slot = slot
         self.device[e.key] = e
         self.moves_in.append((slot, e))
