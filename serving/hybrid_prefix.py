@@ -162,9 +162,10 @@ class HybridPrefixCache:
         return out
 
 
-def build(config, family, mcfg, dtype):
+def build(config, family, mcfg, dtype, pool=None):
     """(HybridPrefixCache, CheckpointPool or None) for a hybrid model with prefix caching on.
-    The pool is allocated here, before the KV pool sizes itself from the memory left."""
+    The pool is allocated here, before the KV pool sizes itself from the memory left; with
+    `pool` (an engine's reset) it is kept, and the store may use at most its slots."""
     from serving import checkpoint_pool
     from serving.checkpoint_plan import CheckpointPlanner
     from serving.checkpoint_store import CheckpointStore
@@ -179,6 +180,11 @@ def build(config, family, mcfg, dtype):
                                 half_life=config.checkpoint_half_life,
                                 every=config.checkpoint_replan_every,
                                 tv=config.checkpoint_replan_tv)
+    if pool is not None:
+        if slots > pool.slots:
+            raise ValueError(f"Config.checkpoint_gb asks for {slots} checkpoints but the engine's "
+                             f"pool has {pool.slots}; a reset cannot grow it")
+    elif slots:
+        pool = checkpoint_pool.allocate(layout, slots)
     cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size)
-    pool = checkpoint_pool.allocate(layout, slots) if slots else None
     return cache, pool

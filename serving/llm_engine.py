@@ -407,6 +407,24 @@ class LLMEngine:
                 self._seqs.pop(seq.request_id, None)
         return finished
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (and host-tier block); hybrid models also get a fresh
+        checkpoint store and placement from the current Config (strategy, budget; the device pool
+        is kept, so the budget may not exceed what the engine started with). Only when idle."""
+        if self.has_unfinished() or self._inflight is not None:
+            raise RuntimeError("reset_prefix_cache: requests are still running")
+        bm = self.bm
+        for b in range(bm.num_blocks):
+            if bm.hash[b] != -1:
+                bm._unregister(b)
+        if self.offload is not None:
+            self.offload.entries.clear()
+        if self.hybrid_cache is not None:
+            self.hybrid_cache, self.runner.ck_pool = hybrid_prefix.build(
+                self.config, self.loaded.family, self.loaded.cfg, self.runner.cache_dtype,
+                pool=self.runner.ck_pool)
+            self.scheduler.hybrid_cache = self.hybrid_cache
+
     def make_output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, self.tokenizer)
 

@@ -67,6 +67,7 @@ class ModelRunner:
             loaded.params = fuse(params, consume=True)
             del params
         self.params = loaded.params
+        self.cache_dtype = dtype
         self.block_size = config.block_size
         self.nb = config.max_blocks_per_seq
         seats = config.num_seats
