@@ -58,6 +58,7 @@ class CheckpointPlanner:
         # prior: one observation's worth of mass spread uniformly (the plan before any traffic)
         self.hist = DecayingHistogram(max_len, half_life=half_life, smoothing=1.0 / (max_len + 1))
         grid = np.arange(chunk, max_len + 1, chunk)
+        self._cdf, self._cdf_version = None, -1
         self.replanner = Replanner(self.hist, per_prompt, strategy="dp",
                                    candidates=grid if grid.size else None, every=every,
                                    tv_threshold=tv)
@@ -70,6 +71,19 @@ class CheckpointPlanner:
     def plan(self) -> list[int]:
         """The current global plan: the pmf's optimal positions over 0..max_model_len."""
         return [int(x) for x in self.replanner.positions]
+
+    def value(self, position: int, planned) -> float:
+        """Expected tokens a checkpoint at `position` saves a request, under the planned pmf, next
+        to the prompt's other planned positions: (mass of depths in [position, next planned)) x
+        (position - previous planned). The store's eviction ranks entries by it."""
+        if self.replanner.replans != self._cdf_version:
+            self._cdf = np.concatenate([[0.0], np.cumsum(self.replanner.plan_pmf)])
+            self._cdf_version = self.replanner.replans
+        prev = max((q for q in planned if q < position), default=0)
+        nxt = min((q for q in planned if q > position), default=self.max_len + 1)
+        cdf = self._cdf
+        mass = cdf[min(nxt, cdf.size - 1)] - cdf[min(position, cdf.size - 1)]
+        return float(mass * (position - prev))
 
     def prompt_positions(self, layout, num_tokens: int, block_size: int) -> list[int]:
         """Token indices where this prompt's prefill takes checkpoints (sorted)."""

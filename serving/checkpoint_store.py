@@ -12,6 +12,14 @@ Two tiers, each holding whole checkpoints of `nbytes` bytes (exact: serving/chec
 Moves are recorded here and carried out by the engine before the step that needs them (one gather
 out, then one scatter in, then the step, in device program order).
 
+Device eviction is GreedyDual: an entry's priority is the clock L plus its value (expected prompt
+tokens it saves a request, from the placement's pmf: serving/checkpoint_plan.py), set when it is
+stored and on every hit; the unpinned entry of lowest priority goes (least recently used first
+among equals) and L rises to its priority, so unused entries age out whatever their value. With
+all values equal this is LRU. Under a tight budget it keeps a prompt's deep checkpoint (the one
+most later requests resume from) over its shallow ones, where LRU would drop the oldest prompt's
+whole chain.
+
 Pins keep a slot's content in place while someone needs it: a sequence admitted to restore from
 an entry pins it until the step that reads it has been launched; an entry being written by the
 next step is pinned until that step is launched (evicting it before would copy garbage out).
@@ -36,6 +44,8 @@ class Entry:
     slot: int = -1  # device slot, -1 when on the host
     host: tuple | None = None  # (HostBatch, row) when on the host
     pins: int = 0
+    value: float = 0.0  # expected tokens saved per request (GreedyDual)
+    priority: float = 0.0
 
 
 class CheckpointStore:
@@ -48,6 +58,7 @@ class CheckpointStore:
         self.moves_out: list[tuple[int, Entry]] = []  # (device slot, entry) copied to host
         self.moves_in: list[tuple[int, Entry]] = []  # (device slot, entry) copied from host
         self.launch_pins: list[Entry] = []
+        self.clock = 0.0  # GreedyDual's L
         self.num_stored = self.num_evicted = self.num_offloaded = self.num_onloaded = 0
 
     # -- lookups -------------------------------------------------------------------------------
@@ -64,6 +75,7 @@ class CheckpointStore:
     def acquire(self, e: Entry) -> bool:
         """Pin `e` in a device slot for a restore (bringing it back from the host if needed).
         False when no device slot can be freed (every one pinned)."""
+        e.priority = self.clock + e.value
         if e.slot >= 0:
             self.device.move_to_end(e.key)
             e.pins += 1
@@ -95,7 +107,7 @@ class CheckpointStore:
         self.launch_pins = []
 
     # -- new checkpoints -----------------------------------------------------------------------
-    def reserve(self, key: int, confirm: bytes, position: int, deps) -> int:
+    def reserve(self, key: int, confirm: bytes, position: int, deps, value: float = 0.0) -> int:
         """A device slot for the checkpoint the next step takes, or -1 (already stored, or no
         slot can be freed). The entry is pinned until that step is launched."""
         if self.contains(key):
@@ -103,7 +115,8 @@ class CheckpointStore:
         slot = self._take_slot()
         if slot < 0:
             return -1
-        e = Entry(key, confirm, position, tuple(deps), slot=slot, pins=1)
+        e = Entry(key, confirm, position, tuple(deps), slot=slot, pins=1, value=value,
+                  priority=self.clock + value)
         self.device[key] = e
         for h in e.deps:
             self.deps[h].add(key)
@@ -114,9 +127,13 @@ class CheckpointStore:
     def _take_slot(self) -> int:
         if self.free_slots:
             return self.free_slots.pop()
-        victim = next((e for e in self.device.values() if e.pins == 0), None)
+        victim = None
+        for e in self.device.values():  # LRU order: the first of the lowest priority
+            if e.pins == 0 and (victim is None or e.priority < victim.priority):
+                victim = e
         if victim is None:
             return -1
+        self.clock = max(self.clock, victim.priority)
         slot = victim.slot
         del self.device[victim.key]
         victim.slot = -1

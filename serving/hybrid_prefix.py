@@ -147,7 +147,9 @@ class HybridPrefixCache:
         hashes = sched.keys.hashes(seq)
         k = p // bs
         pos = int(positions_of(seq.layout, [p])[0])
-        slot = self.store.reserve(hashes[k - 1], sched.keys.confirm(seq, k - 1), pos, hashes[:k])
+        value = self.planner.value(p, seq.ck_positions)
+        slot = self.store.reserve(hashes[k - 1], sched.keys.confirm(seq, k - 1), pos, hashes[:k],
+                                  value)
         if slot >= 0:
             e.ck_pos, e.ck_slot = pos, slot
 

@@ -119,3 +119,27 @@ def test_replan_follows_drift():
     for _ in range(64):
         planner.observe(800)
     assert planner.plan == [768] and planner.replanner.replans >= 3
+
+
+def test_eviction_keeps_valuable_entries_until_they_age_out():
+    """GreedyDual: a deep checkpoint (value 100) outlives newer shallow ones (value 1); the clock
+    rises with each eviction, so once newer entries are worth more it goes too."""
+    store = CheckpointStore(device_slots=2, host_slots=0, nbytes=1)
+    for key, value in ((1, 100.0), (2, 1.0), (3, 1.0), (4, 1.0)):
+        assert store.reserve(key, b"k%d" % key, 64, (), value) >= 0
+        store.after_launch()
+    assert store.get(1, b"k1") is not None and store.get(4, b"k4") is not None
+    for key in range(5, 200):
+        store.reserve(key, b"k%d" % key, 64, (), 1.0)
+        store.after_launch()
+    assert store.get(1, b"k1") is None and store.clock >= 100.0
+
+
+def test_checkpoint_value_is_the_mass_it_serves_times_the_gap_it_closes():
+    planner = CheckpointPlanner("dp", 2, 512, 1000, 64, every=10**6, tv=1.0)
+    for d in [300] * 50 + [700] * 50:
+        planner.observe(d)
+    planner.replanner._replan()
+    pmf = np.asarray(planner.replanner.plan_pmf)
+    assert planner.value(640, [256, 640]) == pytest.approx(pmf[640:].sum() * (640 - 256))
+    assert planner.value(256, [256, 640]) == pytest.approx(pmf[256:640].sum() * 256)
