@@ -23,6 +23,7 @@ import itertools
 import time
 
 
+from serving import checkpoint_pool, hybrid_prefix
 from serving.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
@@ -35,7 +36,8 @@ from serving.model_contract import EngineModel, check_family
 from serving.model_runner import ModelRunner
 from serving.offload import HostKVTier, PageMover
 from serving.recovery import recover
-from serving.request_checks import check_fits, check_prompt, check_sampling, check_token_ids
+from serving.request_checks import (check_fits, check_hybrid_spans, check_prompt, check_sampling,
+                                    check_token_ids)
 from serving.request_output import request_output
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status  # noqa: F401
@@ -61,28 +63,38 @@ class LLMEngine:
                                                getattr(self.tokenizer, "bos_token_id", None))
                                    if i is not None}
         self.markers = resolve_markers(config, mcfg.vocab_size, reserved)
+        self.hybrid_cache, ck_pool = None, None
+        if self.hybrid and config.enable_prefix_caching:  # before the KV pool takes the memory
+            self.hybrid_cache, ck_pool = hybrid_prefix.build(config, loaded.family, mcfg, dtype)
         num_blocks = config.num_kv_blocks or default_num_blocks(config, mcfg, dtype)
         fingerprint = None
         if config.kv_store_dir is not None:  # before the runner fuses weights
             if self.hybrid:
-                raise ValueError("kv_store_dir: the span store holds attention KV blocks; "
-                                 "hybrid models have no prefix cache yet")
+                raise ValueError("kv_store_dir: the span store holds attention KV blocks only; a "
+                                 "hybrid model's recurrent checkpoints are not stored on disk yet")
             fingerprint = model_fingerprint(mcfg, loaded.params, dtype)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
+        self.runner.ck_pool = ck_pool
         self.num_blocks = num_blocks = self.runner.num_blocks  # a default pool may have shrunk
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
         self.offload = self.mover = self.kv_store = None
         self._evicted: list[tuple[int, int, tuple]] = []
-        caching = config.enable_prefix_caching and not self.hybrid
+        caching = config.enable_prefix_caching
         if config.cpu_offload_gb > 0 and caching:
-            cap = int(config.cpu_offload_gb * (1 << 30)) // max(self.bytes_per_block, 1)
+            # hybrid models: the other half of cpu_offload_gb holds recurrent checkpoints
+            cap = int(config.cpu_offload_gb * (1 << 30) / (2 if self.hybrid else 1)
+                      ) // max(self.bytes_per_block, 1)
             self.offload = HostKVTier(cap)
             self.mover = PageMover(num_blocks, config.block_size)
+        on_evict = self._on_evict if self.offload else None
+        if self.hybrid_cache is not None and self.offload is None:  # checkpoints above die too
+            on_evict = lambda b, h, confirm: self.hybrid_cache.store.drop_dependent(h)  # noqa
         self.bm = BlockManager(num_blocks, config.block_size, enable_caching=caching,
-                               on_evict=self._on_evict if self.offload else None)
+                               on_evict=on_evict)
         hash_fn = make_hash_fn(config.hash_algo)
         self.scheduler = Scheduler(config, self.bm, hash_fn, lambda s: root_hash(hash_fn, s),
                                    offload=self.offload, hybrid=self.hybrid,
+                                   hybrid_cache=self.hybrid_cache,
                                    markers={"pad": self.markers["pad_token_id"],
                                             "ssep": self.markers["ssep_token_id"],
                                             "pdep": self.markers["pdep_token_id"]})
@@ -136,6 +148,8 @@ class LLMEngine:
         ids = check_token_ids(prompt_token_ids, who, self.vocab_size)
         layout = check_prompt(ids, who, self.config, self.markers)
         check_fits(len(ids), sampling_params, who, self.config, self.num_blocks)
+        if self.hybrid:
+            check_hybrid_spans(layout, who, self.config.block_size)
         if request_id in self._seqs:
             raise ValueError(f"{who}: request id already in use")
         return layout
@@ -212,6 +226,14 @@ class LLMEngine:
                                                    sources)
             self.scheduler.pending_copy_in = []
 
+    def _move_checkpoints(self):
+        """Hybrid models: the checkpoint store's slot moves of this step, before its launch."""
+        if self.hybrid_cache is None or self.runner.ck_pool is None:
+            return
+        out, inn = self.hybrid_cache.store.take_moves()
+        if out or inn:
+            self.runner.ck_pool = checkpoint_pool.apply_moves(self.runner.ck_pool, out, inn)
+
     # -- the step ------------------------------------------------------------------------------
     def _num_logprobs(self, batch) -> int:
         num_lp = 0
@@ -260,11 +282,14 @@ class LLMEngine:
         batch = sched.schedule()
         if self.mover is not None:
             self._move_pages()
+        self._move_checkpoints()
         t1 = time.perf_counter()
         dispatch = overlap = 0.0
         if batch:
             handle = self.runner.launch(batch, num_logprobs=self._num_logprobs(batch),
                                         use_prev=True)
+            if self.hybrid_cache is not None:
+                self.hybrid_cache.store.after_launch()
             dispatch = self.runner.last_dispatch
             t2 = time.perf_counter()
             inflight, self._inflight = self._inflight, (batch, handle)
@@ -317,6 +342,7 @@ class LLMEngine:
         batch = sched.schedule()
         if self.mover is not None:
             self._move_pages()
+        self._move_checkpoints()
         if not batch:
             if sched.has_unfinished():
                 raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
@@ -331,6 +357,8 @@ class LLMEngine:
         out = self.runner.run(batch, num_logprobs=num_lp, timer=tw,
                               during=lambda: self._advance(batch))
         self._step_unread = False
+        if self.hybrid_cache is not None:
+            self.hybrid_cache.store.after_launch()
         t2 = time.perf_counter()
         self._early += self._postprocess(batch, out, num_lp)
         if self.offload is not None:
@@ -424,6 +452,24 @@ class LLMEngine:
                 finished.append(self.make_output(seq))
                 self._seqs.pop(seq.request_id, None)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (and host-tier block); hybrid models also get a fresh
+        checkpoint store and placement from the current Config (strategy, budget; the device pool
+        is kept, so the budget may not exceed what the engine started with). Only when idle."""
+        if self.has_unfinished() or self._inflight is not None:
+            raise RuntimeError("reset_prefix_cache: requests are still running")
+        bm = self.bm
+        for b in range(bm.num_blocks):
+            if bm.hash[b] != -1:
+                bm._unregister(b)
+        if self.offload is not None:
+            self.offload.entries.clear()
+        if self.hybrid_cache is not None:
+            self.hybrid_cache, self.runner.ck_pool = hybrid_prefix.build(
+                self.config, self.loaded.family, self.loaded.cfg, self.runner.cache_dtype,
+                pool=self.runner.ck_pool)
+            self.scheduler.hybrid_cache = self.hybrid_cache
+
     def make_output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, self.tokenizer)
 
@@ -437,5 +483,7 @@ class LLMEngine:
                    discarded_rows=self.num_discarded_rows)
         if self.kv_store is not None:
             out["kv_store"] = self.kv_store.stats()
+        if self.hybrid_cache is not None:
+            out.update(self.hybrid_cache.stats())
         return out
 
