@@ -45,6 +45,8 @@ def _records(path) -> dict:
     """Output records keyed by custom_id (results) or input line (errors)."""
     out = {}
     for raw in open(path, encoding="utf-8"):
+        if not raw.endswith("\n"):
+            break  # a record the kill cut short
         rec = json.loads(raw)
         key = rec["custom_id"] if rec["error"] is None else rec["line"]
         assert key not in out, f"{key} answered twice"
