@@ -177,3 +177,12 @@ def test_result_record_logprobs_and_stop_strings():
     assert choice["logprobs"]["top_logprobs"][0] == {"a": -0.5, "b": -1.5}
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
                              "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_module_entry_dispatches_subcommands(capsys):
+    from minipic_jax.__main__ import SUBCOMMANDS, main as entry
+    assert set(SUBCOMMANDS) == {"generate", "run-batch"}
+    assert entry(["frobnicate"]) == 2
+    assert "unknown subcommand 'frobnicate'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # run-batch's own parser: -i/-o are required
+        entry(["run-batch"])
