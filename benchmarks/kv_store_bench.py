@@ -49,7 +49,8 @@ def write_workload(out: pathlib.Path, samples: int, max_tokens: int,
 
 
 def engine_flags(args) -> list[str]:
-    return ["--model", args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+    return ["--model", args.model, "--dtype", args.dtype,
+            "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--min-token-bucket", str(args.min_token_bucket),
             "--num-kv-blocks", str(args.num_kv_blocks)]

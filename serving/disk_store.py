@@ -54,16 +54,13 @@ class StoreIdentity:
     def compared(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("model_name")
-        d["markers"], d["leaves"] = list(self.markers), [list(map(_jsonable, x)) for x in self.leaves]
+        d["markers"] = list(self.markers)
+        d["leaves"] = [[list(shape), dtype] for shape, dtype in self.leaves]
         return d
 
     def digest(self) -> str:
         blob = json.dumps([FORMAT_VERSION, self.compared()], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _jsonable(x):
-    return list(x) if isinstance(x, tuple) else x
 
 
 def _stale(entry, age_s: float = 3600.0) -> bool:

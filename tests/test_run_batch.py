@@ -45,6 +45,8 @@ def _records(path) -> dict:
     """Output records keyed by custom_id (results) or input line (errors)."""
     out = {}
     for raw in open(path, encoding="utf-8"):
+        if not raw.endswith("\n"):
+            break  # a record the kill cut short
         rec = json.loads(raw)
         key = rec["custom_id"] if rec["error"] is None else rec["line"]
         assert key not in out, f"{key} answered twice"
@@ -175,3 +177,12 @@ def test_result_record_logprobs_and_stop_strings():
     assert choice["logprobs"]["top_logprobs"][0] == {"a": -0.5, "b": -1.5}
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
                              "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_module_entry_dispatches_subcommands(capsys):
+    from minipic_jax.__main__ import SUBCOMMANDS, main as entry
+    assert set(SUBCOMMANDS) == {"generate", "run-batch"}
+    assert entry(["frobnicate"]) == 2
+    assert "unknown subcommand 'frobnicate'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # run-batch's own parser: -i/-o are required
+        entry(["run-batch"])
