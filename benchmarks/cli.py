@@ -25,6 +25,9 @@ COMMANDS = {
     "engine": ("benchmarks.engine_bench",
                "paged engine: decode step vs memory floor, host share, compiles over a 1000-request run"),
     "write-kv": ("benchmarks.write_kv_bench", "K/V cache write of one layer: unique-index scatter vs plain"),
+    "rag": ("benchmarks.rag_bench",
+            "RAG headline on MuSiQue: rotated / pic_off / position_free x (fcfs, barrier, isps), "
+            "offline + online, cached-span TTFT, load and warm-up times"),
 }
 
 
