@@ -23,6 +23,7 @@ from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic
 from kernels_pallas.paged_attention.mosaic_decode_mma import (decode_attention_mosaic_mma,
                                                               decode_choice, mma_limits)
 from kernels_pallas.paged_attention.mosaic_decode_ws import decode_attention_mosaic_ws, ws_limits
+from kernels_pallas.paged_attention.mosaic_mixed import mixed_call, mixed_limits, prefill_choice
 from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
                                                            prefill_attention_mosaic)
 from kernels_pallas.paged_attention.triton_decode import decode_paged_attention_triton
@@ -31,7 +32,8 @@ from kernels_pallas.paged_attention.triton_write import write_kv_triton
 from kernels_pallas.rope import apply_rope
 
 KV_MODES = ("position_free", "rotated")
-IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "decode", "mosaic", "mosaic_prefill")
+IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "decode", "mosaic", "mosaic_prefill",
+                   "prefill", "mixed")
 
 
 WRITE_IMPLEMENTATIONS = ("xla", "triton")
@@ -139,6 +141,8 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
     if implementation == "decode":
         implementation, options = decode_choice(q, k_pages, inv_freq, kv_mode, metadata,
                                                 options)
+    if implementation == "prefill":
+        implementation, options = prefill_choice(q, k_pages, inv_freq, options, interpret)
     if implementation != "xla" and jax.default_backend() == "cpu":
         interpret = True  # a Pallas kernel named explicitly can only run interpreted on CPU
     if implementation == "xla":
@@ -175,6 +179,12 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
     elif implementation == "mosaic_prefill":
         problem = mosaic_prefill_limits(q, k_pages)
         kernel, decode_only = prefill_attention_mosaic, False
+    elif implementation == "mixed":
+        if problem := mixed_limits(q, k_pages):
+            raise ValueError(f"paged_attention: implementation='mixed' {problem}")
+        return mixed_call(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                          attention_scaling=attention_scaling, sm_scale=sm_scale,
+                          interpret=interpret, options=options)
     else:
         raise ValueError(f"paged_attention: unknown implementation {implementation!r}")
     if problem:
