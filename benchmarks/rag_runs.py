@@ -37,7 +37,9 @@ def _engine(opts, extra: dict, max_model_len: int):
     llm.llm_engine.warmup()
     return llm, {"load_s": load, "warmup_s": time.perf_counter() - t1,
                  "compiles_in_warmup": llm.llm_engine.runner.num_compiles,
-                 "compilation_cache_dir": llm.compilation_cache_dir}
+                 "compilation_cache_dir": llm.compilation_cache_dir,
+                 "prefill_impl": llm.llm_engine.runner.prefill_impl,
+                 "decode_impl": llm.llm_engine.runner.decode_impl}
 
 
 def _prompts(llm, reqs, markers: bool) -> list[list[int]]:

@@ -82,8 +82,10 @@ class ModelRunner:
                                               "decode_only"))
         self.decode_impl = _decode_impl(config)
         self.decode_options = _decode_options(config)
+        self.prefill_impl, self.prefill_options = _prefill_choice(config, self.decode_options)
         # decode-only steps compile their own variant only when it differs from the general one
-        self.separate_decode = self.decode_impl != config.attn_impl or bool(self.decode_options)
+        self.separate_decode = (self.decode_impl != self.prefill_impl
+                                or self.decode_options != self.prefill_options)
 
     @property
     def num_compiles(self) -> int:
@@ -105,12 +107,13 @@ class ModelRunner:
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
             tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
-        if decode_only and self.decode_options:
-            extra["attn_options"] = self.decode_options
+        options = self.decode_options if decode_only else self.prefill_options
+        if options:
+            extra["attn_options"] = options
         logits, cache = self.family.forward(
             params, tokens, md, cache, self.mcfg, recurrent=rec,
             logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
-            attn_impl=self.decode_impl if decode_only else self.config.attn_impl, **extra)
+            attn_impl=self.decode_impl if decode_only else self.prefill_impl, **extra)
         sm = SamplingMetadata(temperature=floats[:s], top_k=f["top_k"], top_p=floats[s:],
                               seed=f["seed"].astype(jnp.uint32), step=f["step"])
         out = sample(logits, sm, all_greedy=all_greedy, use_filter=use_filter,
@@ -324,6 +327,16 @@ def _decode_impl(config) -> str | None:
     if config.attn_impl is None and jax.default_backend() == "gpu":
         return "decode"
     return config.attn_impl
+
+
+def _prefill_choice(config, decode_options) -> tuple[str | None, dict]:
+    """(implementation, kernel_options) of steps that may hold prefill chunks: attn_impl when
+    set; else on a GPU "prefill" (paged_attention picks the Mosaic mixed path where the Mosaic
+    prefill kernel takes the model's shapes, else Triton ragged / XLA; its decode rows get the
+    decode steps' options), else None (XLA)."""
+    if config.attn_impl is not None or jax.default_backend() != "gpu":
+        return config.attn_impl, {}
+    return "prefill", dict(decode_options)
 
 
 # Largest max_model_len for which decode steps hand the kernel a position bound by default
