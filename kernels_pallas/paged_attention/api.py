@@ -120,10 +120,29 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
     """
+    options = dict(kernel_options or {})
+    if interpret or jax.default_backend() != "gpu":
+        return _attend(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                       attention_scaling=attention_scaling, sm_scale=sm_scale,
+                       implementation=implementation, interpret=interpret, options=options)
+    _validate(q, k_pages, v_pages, metadata, inv_freq, kv_mode)
+    _validate_values(q, k_pages, metadata)
+    return _attend_once(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                        attention_scaling=attention_scaling, sm_scale=sm_scale,
+                        implementation=implementation, options=tuple(sorted(options.items())))
+
+
+@functools.partial(jax.jit, static_argnames=("kv_mode", "attention_scaling", "sm_scale",
+                                             "implementation", "options"))
+def _attend_once(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scaling,
+                 sm_scale, implementation, options):
+    """_attend under its own jit (compiled kernels only): a model's layers call it with the same
+    shapes, so it is traced and lowered once per step variant and each layer calls that one
+    function. Lowering a Mosaic GPU kernel takes seconds per call site (32 per step variant
+    without this; engine warm-up, benchmarks/RESULTS.md "RAG headline")."""
     return _attend(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
                    attention_scaling=attention_scaling, sm_scale=sm_scale,
-                   implementation=implementation, interpret=interpret,
-                   options=dict(kernel_options or {}))
+                   implementation=implementation, interpret=False, options=dict(options))
 
 
 def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scaling, sm_scale,
