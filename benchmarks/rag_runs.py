@@ -33,6 +33,7 @@ def _engine(opts, extra: dict, max_model_len: int):
               min_token_bucket=opts.min_token_bucket, num_kv_blocks=opts.num_kv_blocks,
               attn_impl=opts.attn_impl, **extra)
     load = time.perf_counter() - t0
+    print(f"loaded {opts.model} in {load:.1f} s; warming up", flush=True)
     t1 = time.perf_counter()
     llm.llm_engine.warmup()
     return llm, {"load_s": load, "warmup_s": time.perf_counter() - t1,

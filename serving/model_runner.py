@@ -135,6 +135,7 @@ class ModelRunner:
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
             variants += [(t, True) for t in self.config.token_buckets if t <= top]
+        steps = []
         for t, decode_only in variants:
             s = self.config.seq_bucket(t)
             spec, size = _layout(t, s, self.nb)
@@ -145,14 +146,31 @@ class ModelRunner:
                 o, (n,) = spec[name]
                 ints[o:o + n] = self.scratch_slot
             floats = np.ones(2 * s, np.float32)
-            kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
-                      num_logprobs=num_logprobs, decode_only=decode_only)
+            steps.append((ints, floats, dict(t=t, s=s, all_greedy=all_greedy,
+                                             use_filter=use_filter, num_logprobs=num_logprobs,
+                                             decode_only=decode_only)))
+        self._compile_in_parallel(steps)
+        for ints, floats, kw in steps:
             if self.config.async_scheduling:
                 self.cache, out, self.prev_tokens = self._step(self.params, self.cache, ints,
                                                                floats, self._prev(), **kw)
             else:
                 self.cache, out = self._step(self.params, self.cache, ints, floats, **kw)
             jax.block_until_ready(out)
+
+    def _compile_in_parallel(self, steps) -> None:
+        """With the persistent compilation cache on, compile every warm-up variant at once (XLA
+        compiles in threads, off the GIL) so the warm-up calls that follow read them from the
+        cache; tracing and lowering stay sequential. Without the cache: nothing (each warm-up
+        call compiles its own)."""
+        if len(steps) < 2 or not jax.config.jax_compilation_cache_dir:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+        prev = (self._prev(),) if self.config.async_scheduling else ()
+        lowered = [self._step.lower(self.params, self.cache, ints, floats, *prev, **kw)
+                   for ints, floats, kw in steps]
+        with ThreadPoolExecutor(max_workers=min(len(lowered), 8)) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
 
     # -- host ----------------------------------------------------------------------------------
     def _sync_rows(self, seq) -> None:
