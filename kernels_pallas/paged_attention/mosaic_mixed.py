@@ -38,9 +38,9 @@ SPLIT_MAX_TOKENS = 512  # steps of at most this many query tokens split the key 
 
 def prefill_slots(tokens: int, seqs: int) -> int:
     """Static bound on the prefill sequences of a `tokens`-row step that the Mosaic path takes:
-    one per 1024 query rows, at least 2. The pre-pass gathers this many whole block tables
+    one per 2048 query rows, at least 2. The pre-pass gathers this many whole block tables
     (slots x max_model_len keys), so the bound trades gather traffic against overflow steps."""
-    return max(1, min(seqs, max(2, tokens // 1024)))
+    return max(1, min(seqs, max(2, tokens // 2048)))
 
 
 def mixed_limits(q, k_pages) -> str:
