@@ -117,3 +117,25 @@ def test_mixed_compiled_path_lowers_for_cuda(splits, fresh_rng, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # no interpreter: lower for CUDA
     text = export.export(jax.jit(step), platforms=["cuda"])(q, k, v, md).mlir_module()
     assert text.count("mosaic_gpu") >= 2  # the prefill and the decode kernels
+
+
+def test_prefill_choice_falls_back_cleanly(monkeypatch):
+    """implementation="prefill" on a GPU: the Mosaic mixed path for bf16/f16 with head_dim 64 or
+    128 (full or partial rotary), Triton ragged for Qwen3.5's head_dim 256 or float32, XLA where
+    Triton cannot take the shapes either; on CPU XLA."""
+    from kernels_pallas.paged_attention.mosaic_mixed import prefill_choice
+    from kernels_pallas.paged_attention.random_inputs import inv_freq_for
+
+    def choose(dtype, head_dim, rotary=None, interpret=False):
+        q = jnp.zeros((8, 4, head_dim), dtype)
+        k = jnp.zeros((4, 16, 2, head_dim), dtype)
+        return prefill_choice(q, k, jnp.asarray(inv_freq_for(head_dim, rotary)),
+                              {"max_position": 64}, interpret)
+
+    assert choose(jnp.bfloat16, 128)[0] == "xla"  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert choose(jnp.bfloat16, 128) == ("mixed", {"max_position": 64})
+    assert choose(jnp.float16, 64, 32)[0] == "mixed"
+    assert choose(jnp.bfloat16, 256, 64) == ("triton", {})  # Qwen3.5 attention
+    assert choose(jnp.float32, 128) == ("triton", {})
+    assert choose(jnp.bfloat16, 96) == ("xla", {})

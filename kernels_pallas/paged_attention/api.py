@@ -102,8 +102,10 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         sequence, split-K), "decode" (decode-only: the Mosaic MMA kernel with its measured
         defaults for head_dim 128 where it takes the shapes and no option but max_position is
         given, else triton_decode), "mosaic" (Mosaic GPU, decode-only) or "mosaic_prefill"
-        (Mosaic GPU flash attention for prefill-shaped batches). The Pallas ones run on CPU in
-        interpret mode (forced there when named explicitly).
+        (Mosaic GPU flash attention for prefill-shaped batches), "mixed" (engine steps: prefill
+        sequences on mosaic_prefill, decode rows on "decode"; mosaic_mixed.py) or "prefill"
+        ("mixed" on a GPU where it takes the shapes, else triton, else XLA: prefill_choice).
+        The Pallas ones run on CPU in interpret mode (forced there when named explicitly).
       interpret: run Pallas kernels in interpret mode (CPU).
       kernel_options: optional dict of options for the Pallas kernel: triton (block_q,
         block_k, kv_group, prerotate, num_warps, num_stages), triton_decode (kv_group, splits,
