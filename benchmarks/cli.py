@@ -27,6 +27,9 @@ COMMANDS = {
     "hybrid-cache": ("benchmarks.hybrid_cache_bench",
                      "hybrid prefix caching: tokens recomputed, hit rate, TTFT, wall per checkpoint strategy"),
     "write-kv": ("benchmarks.write_kv_bench", "K/V cache write of one layer: unique-index scatter vs plain"),
+    "rag": ("benchmarks.rag_bench",
+            "RAG headline on MuSiQue: rotated / pic_off / position_free x (fcfs, barrier, isps), "
+            "offline + online, cached-span TTFT, load and warm-up times"),
 }
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from minipic_jax import compile_cache
 from minipic_jax.loading import load_model
 from minipic_jax.parallel_samples import fan_out, merge_samples
 from minipic_jax.prompts import as_prompt_list, build_prompt, is_structured
@@ -27,9 +28,14 @@ class LLM:
         vocab -> 128004 / 128002 / 128003; any other vocab: its three highest non-BOS/EOS ids),
         hash_algo, kv_store_dir / kv_store_gb (a persistent span store on disk shared by
         processes: serving/disk_store.py).
+      compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
+        $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;
+        False: leave JAX's setting alone). See minipic_jax/compile_cache.py.
     """
 
-    def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0, **engine_args: Any):
+    def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0,
+                 compilation_cache: str | bool | None = None, **engine_args: Any):
+        self.compilation_cache_dir = compile_cache.configure(compilation_cache)
         loaded = load_model(model, dtype=dtype, seed=seed)
         if "max_model_len" not in engine_args:
             engine_args["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)

@@ -87,8 +87,10 @@ class ModelRunner:
                                               "decode_only"))
         self.decode_impl = _decode_impl(config)
         self.decode_options = _decode_options(config)
+        self.prefill_impl, self.prefill_options = _prefill_choice(config, self.decode_options)
         # decode-only steps compile their own variant only when it differs from the general one
-        self.separate_decode = self.decode_impl != config.attn_impl or bool(self.decode_options)
+        self.separate_decode = (self.decode_impl != self.prefill_impl
+                                or self.decode_options != self.prefill_options)
 
     @property
     def num_compiles(self) -> int:
@@ -110,10 +112,11 @@ class ModelRunner:
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
             tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
-        if decode_only and self.decode_options:
-            extra["attn_options"] = self.decode_options
+        options = self.decode_options if decode_only else self.prefill_options
+        if options:
+            extra["attn_options"] = options
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
-                  attn_impl=self.decode_impl if decode_only else self.config.attn_impl, **extra)
+                  attn_impl=self.decode_impl if decode_only else self.prefill_impl, **extra)
         if pool is None:
             logits, cache = self.family.forward(params, tokens, md, cache, self.mcfg, **kw)
         else:
@@ -149,6 +152,7 @@ class ModelRunner:
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
             variants += [(t, True) for t in self.config.token_buckets if t <= top]
+        steps = []
         for t, decode_only in variants:
             s = self.config.seq_bucket(t)
             spec, size = _layout(t, s, self.nb, self.ck_pool is not None)
@@ -160,10 +164,27 @@ class ModelRunner:
                 o, (n,) = spec[name]
                 ints[o:o + n] = self.scratch_slot
             floats = np.ones(2 * s, np.float32)
-            kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
-                      num_logprobs=num_logprobs, decode_only=decode_only)
+            steps.append((ints, floats, dict(t=t, s=s, all_greedy=all_greedy,
+                                             use_filter=use_filter, num_logprobs=num_logprobs,
+                                             decode_only=decode_only)))
+        self._compile_in_parallel(steps)
+        for ints, floats, kw in steps:
             out = self._dispatch(ints, floats, self.config.async_scheduling, kw)
             jax.block_until_ready(out)
+
+    def _compile_in_parallel(self, steps) -> None:
+        """With the persistent compilation cache on, compile every warm-up variant at once (XLA
+        compiles in threads, off the GIL) so the warm-up calls that follow read them from the
+        cache; tracing and lowering stay sequential. Without the cache: nothing (each warm-up
+        call compiles its own)."""
+        if len(steps) < 2 or not jax.config.jax_compilation_cache_dir:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+        prev = self._prev() if self.config.async_scheduling else None
+        lowered = [self._step.lower(self.params, self.cache, ints, floats, prev, self.ck_pool, **kw)
+                   for ints, floats, kw in steps]
+        with ThreadPoolExecutor(max_workers=min(len(lowered), 8)) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
 
     # -- host ----------------------------------------------------------------------------------
     def _sync_rows(self, seq) -> None:
@@ -359,6 +380,16 @@ def _decode_impl(config) -> str | None:
     if config.attn_impl is None and jax.default_backend() == "gpu":
         return "decode"
     return config.attn_impl
+
+
+def _prefill_choice(config, decode_options) -> tuple[str | None, dict]:
+    """(implementation, kernel_options) of steps that may hold prefill chunks: attn_impl when
+    set; else on a GPU "prefill" (paged_attention picks the Mosaic mixed path where the Mosaic
+    prefill kernel takes the model's shapes, else Triton ragged / XLA; its decode rows get the
+    decode steps' options), else None (XLA)."""
+    if config.attn_impl is not None or jax.default_backend() != "gpu":
+        return config.attn_impl, {}
+    return "prefill", dict(decode_options)
 
 
 # Largest max_model_len for which decode steps hand the kernel a position bound by default

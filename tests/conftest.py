@@ -7,6 +7,8 @@ import pathlib
 import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache in tests unless a test turns it on (minipic_jax/compile_cache.py)
+os.environ.setdefault("MINIPIC_COMPILATION_CACHE_DIR", "off")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -23,6 +23,7 @@ from kernels_pallas.paged_attention.mosaic_decode import decode_attention_mosaic
 from kernels_pallas.paged_attention.mosaic_decode_mma import (decode_attention_mosaic_mma,
                                                               decode_choice, mma_limits)
 from kernels_pallas.paged_attention.mosaic_decode_ws import decode_attention_mosaic_ws, ws_limits
+from kernels_pallas.paged_attention.mosaic_mixed import mixed_call, mixed_limits, prefill_choice
 from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
                                                            prefill_attention_mosaic)
 from kernels_pallas.paged_attention.triton_decode import decode_paged_attention_triton
@@ -31,7 +32,8 @@ from kernels_pallas.paged_attention.triton_write import write_kv_triton
 from kernels_pallas.rope import apply_rope
 
 KV_MODES = ("position_free", "rotated")
-IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "decode", "mosaic", "mosaic_prefill")
+IMPLEMENTATIONS = ("xla", "triton", "triton_decode", "decode", "mosaic", "mosaic_prefill",
+                   "prefill", "mixed")
 
 
 WRITE_IMPLEMENTATIONS = ("xla", "triton")
@@ -100,8 +102,10 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
         sequence, split-K), "decode" (decode-only: the Mosaic MMA kernel with its measured
         defaults for head_dim 128 where it takes the shapes and no option but max_position is
         given, else triton_decode), "mosaic" (Mosaic GPU, decode-only) or "mosaic_prefill"
-        (Mosaic GPU flash attention for prefill-shaped batches). The Pallas ones run on CPU in
-        interpret mode (forced there when named explicitly).
+        (Mosaic GPU flash attention for prefill-shaped batches), "mixed" (engine steps: prefill
+        sequences on mosaic_prefill, decode rows on "decode"; mosaic_mixed.py) or "prefill"
+        ("mixed" on a GPU where it takes the shapes, else triton, else XLA: prefill_choice).
+        The Pallas ones run on CPU in interpret mode (forced there when named explicitly).
       interpret: run Pallas kernels in interpret mode (CPU).
       kernel_options: optional dict of options for the Pallas kernel: triton (block_q,
         block_k, kv_group, prerotate, num_warps, num_stages), triton_decode (kv_group, splits,
@@ -118,10 +122,29 @@ def paged_attention(q, k_pages, v_pages, metadata: AttentionMetadata, inv_freq, 
       [T, H, D] in q's dtype. A query attends to the valid keys of its own sequence whose logical
       position p satisfies window_start <= p <= query position.
     """
+    options = dict(kernel_options or {})
+    if interpret or jax.default_backend() != "gpu":
+        return _attend(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                       attention_scaling=attention_scaling, sm_scale=sm_scale,
+                       implementation=implementation, interpret=interpret, options=options)
+    _validate(q, k_pages, v_pages, metadata, inv_freq, kv_mode)
+    _validate_values(q, k_pages, metadata)
+    return _attend_once(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                        attention_scaling=attention_scaling, sm_scale=sm_scale,
+                        implementation=implementation, options=tuple(sorted(options.items())))
+
+
+@functools.partial(jax.jit, static_argnames=("kv_mode", "attention_scaling", "sm_scale",
+                                             "implementation", "options"))
+def _attend_once(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scaling,
+                 sm_scale, implementation, options):
+    """_attend under its own jit (compiled kernels only): a model's layers call it with the same
+    shapes, so it is traced and lowered once per step variant and each layer calls that one
+    function. Lowering a Mosaic GPU kernel takes seconds per call site (32 per step variant
+    without this; engine warm-up, benchmarks/RESULTS.md "RAG headline")."""
     return _attend(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
                    attention_scaling=attention_scaling, sm_scale=sm_scale,
-                   implementation=implementation, interpret=interpret,
-                   options=dict(kernel_options or {}))
+                   implementation=implementation, interpret=False, options=dict(options))
 
 
 def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scaling, sm_scale,
@@ -139,6 +162,8 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
     if implementation == "decode":
         implementation, options = decode_choice(q, k_pages, inv_freq, kv_mode, metadata,
                                                 options)
+    if implementation == "prefill":
+        implementation, options = prefill_choice(q, k_pages, inv_freq, options, interpret)
     if implementation != "xla" and jax.default_backend() == "cpu":
         interpret = True  # a Pallas kernel named explicitly can only run interpreted on CPU
     if implementation == "xla":
@@ -175,6 +200,12 @@ def _attend(q, k_pages, v_pages, metadata, inv_freq, *, kv_mode, attention_scali
     elif implementation == "mosaic_prefill":
         problem = mosaic_prefill_limits(q, k_pages)
         kernel, decode_only = prefill_attention_mosaic, False
+    elif implementation == "mixed":
+        if problem := mixed_limits(q, k_pages):
+            raise ValueError(f"paged_attention: implementation='mixed' {problem}")
+        return mixed_call(q, k_pages, v_pages, metadata, inv_freq, kv_mode=kv_mode,
+                          attention_scaling=attention_scaling, sm_scale=sm_scale,
+                          interpret=interpret, options=options)
     else:
         raise ValueError(f"paged_attention: unknown implementation {implementation!r}")
     if problem:

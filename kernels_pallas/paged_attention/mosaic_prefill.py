@@ -81,8 +81,11 @@ def mosaic_prefill_limits(q, k_pages) -> str:
 
 
 def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref, side_ref,
-            q_smem, k_smem, v_smem, kpos_smem, qpos_smem, qwin_smem, p_smem,
-            q_bar, k_bar, v_bar, k_free, v_free, sched_bar, *, group, dtype, interpret):
+            q_smem, k_smem, v_smem, kpos_smem, qpos_smem, qwin_smem, p_smem, lse_smem,
+            q_bar, k_bar, v_bar, k_free, v_free, sched_bar, *, group, dtype, interpret, split):
+    """split: each grid entry is one key range of a tile (mosaic_prefill_split.py); o_ref and
+    side_ref are then the partial outputs [E, H, TILE_Q, D] and their base-2 log-sum-exps
+    [E, H, TILE_Q], merged after the kernel."""
     h = lax.axis_index("h")
     t = lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -183,8 +186,17 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
         acc, m_i, l_i = lax.fori_loop(mhi, hi, functools.partial(step_fn, masked=True), carry)
         pl.when(wg == 0)(schedule_barrier)
 
-        l_i = jnp.where(l_i == 0.0, 1.0, l_i)
+        empty = l_i == 0.0
+        l_i = jnp.where(empty, 1.0, l_i)
         qo[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+        if split:
+            lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_i))
+            plgpu.commit_smem()
+            rows = pl.ds(wg * BLOCK_Q, BLOCK_Q)
+            plgpu.copy_smem_to_gmem(qo, o_ref.at[t, h, rows])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], side_ref.at[t, h, rows])
+            plgpu.wait_smem_to_gmem(0)
+            return
         plgpu.commit_smem()
         # Whole: all 64 rows belong to this sequence. Else the rows go to the side buffer: slot 0
         # for the sequence's first tile, 1 for its last (a tile never starts past its seq's start
@@ -233,6 +245,14 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
 
         lax.fori_loop(0, jnp.maximum(n_steps - STAGES, 0), refill, None)
 
+        def drain(i, _):  # observe the last steps' releases too (the interpreter checks it)
+            slot = lax.rem(i, STAGES)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            return _
+
+        lax.fori_loop(jnp.maximum(n_steps - STAGES, 0), n_steps, drain, None)
+
 
 def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                              attention_scaling: float, sm_scale: float, interpret=False):
@@ -265,8 +285,10 @@ def prepare(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_sca
     return sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win
 
 
-def run_kernel(inputs, *, kv_heads: int, interpret=False):
-    """The Mosaic GPU kernel on prepare()'s outputs -> (out [T8, H, D], side [S, 2, H, 128, D])."""
+def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False):
+    """The Mosaic GPU kernel on prepare()'s outputs -> (out [T8, H, D], side [S, 2, H, 128, D]);
+    with split (one grid entry per key range of a tile, sched [E, 8]): (partial outputs
+    [E, H, 128, D], base-2 log-sum-exps [E, H, 128] float32)."""
     sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win = inputs
     rows_out = q_in.shape[0] - TILE_Q
     _, heads, head_dim = q_in.shape
@@ -284,6 +306,7 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False):
         plgpu.SMEM((2, BLOCK_Q), jnp.int32),  # query positions
         plgpu.SMEM((2, BLOCK_Q), jnp.int32),  # query window starts
         plgpu.SMEM((2, BLOCK_Q, BLOCK_KV), dtype, transforms=tiled) if interp else None,  # P
+        plgpu.SMEM((2, BLOCK_Q), jnp.float32) if split else None,  # log-sum-exps (split)
         plgpu.Barrier(num_arrivals=3, num_barriers=2),  # q_bar: Q + positions + windows
         plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # k_bar: K + key positions
         plgpu.Barrier(num_barriers=STAGES),  # v_bar
@@ -291,11 +314,17 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False):
         plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # v_free
         plgpu.Barrier(num_arrivals=2),  # schedule barrier
     ]
-    kernel = functools.partial(_kernel, group=heads // kv_heads, dtype=dtype, interpret=interp)
+    kernel = functools.partial(_kernel, group=heads // kv_heads, dtype=dtype, interpret=interp,
+                               split=split)
+    if split:
+        out_type = (jax.ShapeDtypeStruct((num_tiles, heads, TILE_Q, head_dim), dtype),
+                    jax.ShapeDtypeStruct((num_tiles, heads, TILE_Q), jnp.float32))
+    else:
+        out_type = (jax.ShapeDtypeStruct((rows_out, heads, head_dim), dtype),
+                    jax.ShapeDtypeStruct((seqs, 2, heads, TILE_Q, head_dim), dtype))
     call = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((rows_out, heads, head_dim), dtype),
-                  jax.ShapeDtypeStruct((seqs, 2, heads, TILE_Q, head_dim), dtype)),
+        out_type=out_type,
         grid=(heads, num_tiles), grid_names=("h", "t"), num_threads=3, thread_name="wg",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),

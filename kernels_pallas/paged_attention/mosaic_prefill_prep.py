@@ -56,11 +56,21 @@ def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_sc
     return lay_out(keys), lay_out(values), key_pos.astype(jnp.int32)
 
 
-def tile_rows(cu_q_lens):
-    """First row of each sequence's first tile (cu rounded down to _ALIGN) and its tile count."""
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    base = cu_q_lens[:-1] // _ALIGN * _ALIGN  # [S]
-    n_tiles = jnp.where(q_lens > 0, (cu_q_lens[1:] - base + TILE_Q - 1) // TILE_Q, 0)
+def q_bounds(md):
+    """(first row [S], end row [S]) of each sequence's queries: from cu_q_lens, or the explicit
+    bounds of a compacted batch (mosaic_mixed.py: rows of other sequences lie in between)."""
+    bounds = getattr(md, "q_bounds", None)
+    if bounds is not None:
+        return bounds
+    return md.cu_q_lens[:-1], md.cu_q_lens[1:]
+
+
+def tile_rows(bounds):
+    """First row of each sequence's first tile (its first row rounded down to _ALIGN) and its
+    tile count."""
+    first, end = bounds
+    base = first // _ALIGN * _ALIGN  # [S]
+    n_tiles = jnp.where(end > first, (end - base + TILE_Q - 1) // TILE_Q, 0)
     return base, n_tiles
 
 
@@ -72,10 +82,10 @@ def tile_schedule(md, key_pos, num_tokens: int):
     may hold a few rows of the neighbouring sequences: computed, never stored); NT is a static
     bound. Heavy tiles (late in their sequence) come first so the causal tail of the grid is short.
     """
-    seqs = md.cu_q_lens.shape[0] - 1
-    cu = md.cu_q_lens
+    seqs = md.block_tables.shape[0]
+    q0, q1 = q_bounds(md)
     num_tiles = -(-(num_tokens + _ALIGN * seqs) // TILE_Q) + seqs
-    base, n_tiles = tile_rows(cu)
+    base, n_tiles = tile_rows((q0, q1))
     last = jnp.cumsum(n_tiles)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.searchsorted(last, tile, side="right").astype(jnp.int32)
@@ -92,7 +102,7 @@ def tile_schedule(md, key_pos, num_tokens: int):
     k_max = jnp.where(ok, kp, -1).max(-1)
     full = ok.all(-1)
     rows = start[:, None] + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]  # [NT, TQ]
-    own = (rows >= cu[seq][:, None]) & (rows < cu[seq + 1][:, None]) & live_tile[:, None]
+    own = (rows >= q0[seq][:, None]) & (rows < q1[seq][:, None]) & live_tile[:, None]
     rows = jnp.clip(rows, 0, num_tokens - 1)
     qp, qw = md.q_positions[rows], md.q_window_start[rows]
     q_max = jnp.where(own, qp, -1).max(-1)[:, None]
@@ -111,8 +121,8 @@ def tile_schedule(md, key_pos, num_tokens: int):
     mlo = jnp.minimum(mlo, hi)
     mhi = jnp.min(jnp.where((idx >= mlo[:, None]) & ~no_mask, idx, steps), axis=1)
     mhi = jnp.minimum(mhi, hi)
-    sched = jnp.stack([jnp.where(live_tile, seq, -1), start, lo, mlo, mhi, hi, cu[seq],
-                       cu[seq + 1]], axis=1).astype(jnp.int32)
+    sched = jnp.stack([jnp.where(live_tile, seq, -1), start, lo, mlo, mhi, hi, q0[seq],
+                       q1[seq]], axis=1).astype(jnp.int32)
     return sched[::-1]  # heavy (late) tiles first; spare tiles (seq -1) were last
 
 
@@ -121,13 +131,13 @@ def scatter_tails(out, side, md, tokens: int):
     side buffer into place; out [T8, H, D] -> [T, H, D]."""
     seqs, _, heads, _, head_dim = side.shape
     rows_out = out.shape[0]
-    cu = md.cu_q_lens
-    base, n_tiles = tile_rows(cu)
+    q0, q1 = q_bounds(md)
+    base, n_tiles = tile_rows((q0, q1))
     first = jnp.stack([base, base + jnp.maximum(n_tiles - 1, 0) * TILE_Q], 1)  # [S, 2]
     r = jnp.arange(TILE_Q, dtype=jnp.int32)
     tok = first[:, :, None] + r  # [S, 2, TQ]
     chunk = first[:, :, None] + r // BLOCK_Q * BLOCK_Q
-    lo, hi = cu[:-1, None, None], cu[1:, None, None]
+    lo, hi = q0[:, None, None], q1[:, None, None]
     take = (tok >= lo) & (tok < hi) & ((chunk < lo) | (chunk + BLOCK_Q > hi))
     take &= jnp.array([True, False])[None, :, None] | (n_tiles > 1)[:, None, None]
     dest = jnp.where(take, tok, tokens).reshape(-1)

@@ -1,0 +1,76 @@
+"""The Mosaic GPU prefill kernel with the key axis split: few query rows over a long context.
+
+mosaic_prefill.py gives each (query head, tile of 128 query rows) one CTA that walks all of the
+tile's key steps. A step of a few dozen query tokens over a long cached context (the cached-span
+request: 72 queries over 33K keys) then has 32 CTAs for 132 SMs, each walking ~260 key steps.
+Here each tile's live key steps [lo, hi) are cut into up to `splits` ranges of at least
+`min_steps` steps; every range is one CTA that writes its normalised partial output and base-2
+log-sum-exp per row, and the partials of a tile are merged by log-sum-exp after the kernel (as
+the decode kernels' split-K). The pre-pass (gather, rotation, key positions) is the kernel's.
+
+Masked / unmasked step ranges are clipped to each split, so a split never runs an unmasked step
+that needs a mask.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kernels_pallas.paged_attention.mosaic_prefill import prepare, run_kernel
+from kernels_pallas.paged_attention.mosaic_prefill_prep import (_HI, _LO, _MHI, _MLO, _Q0, _Q1,
+                                                                _SEQ, _START, TILE_Q)
+
+MIN_STEPS = 8  # key steps (of 128 keys) per split at least
+
+
+def split_schedule(sched, splits: int, min_steps: int = MIN_STEPS):
+    """[NT, 8] tile schedule -> [NT * splits, 8] (tile-major) and a [NT * splits] bool of the
+    entries that hold a key range (their partials count in the merge)."""
+    n_tiles = sched.shape[0]
+    lo, hi = sched[:, _LO], sched[:, _HI]
+    steps = hi - lo
+    n = jnp.clip(-(-steps // min_steps), 1, splits)  # [NT] splits used by each tile
+    chunk = -(-steps // n)
+    rep = jnp.repeat(sched, splits, axis=0)  # [E, 8]
+    j = jnp.tile(jnp.arange(splits, dtype=jnp.int32), n_tiles)
+    a = jnp.minimum(rep[:, _LO] + j * jnp.repeat(chunk, splits), rep[:, _HI])
+    b = jnp.minimum(a + jnp.repeat(chunk, splits), rep[:, _HI])
+    mlo = jnp.clip(rep[:, _MLO], a, b)
+    mhi = jnp.maximum(mlo, jnp.clip(rep[:, _MHI], a, b))
+    used = (j < jnp.repeat(n, splits)) & (rep[:, _SEQ] >= 0)
+    out = rep.at[:, _LO].set(a).at[:, _MLO].set(mlo).at[:, _MHI].set(mhi).at[:, _HI].set(b)
+    return out, used
+
+
+def merge_split(part, lse, used, sched, splits: int, tokens: int):
+    """Partials [E, H, TQ, D] and log-sum-exps [E, H, TQ] of split_schedule's entries -> [T, H, D]
+    (rows of no sequence are zero)."""
+    entries, heads, _, head_dim = part.shape
+    n_tiles = entries // splits
+    lse = jnp.where(used[:, None, None], lse, -jnp.inf).reshape(n_tiles, splits, heads, TILE_Q)
+    m = jnp.max(lse, axis=1, keepdims=True)
+    w = jnp.where(jnp.isfinite(lse), jnp.exp2(lse - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    part = jnp.where(used[:, None, None, None], part.astype(jnp.float32), 0.0)
+    part = part.reshape(n_tiles, splits, heads, TILE_Q, head_dim)
+    den = jnp.sum(w, axis=1)  # [NT, H, TQ]
+    out = jnp.einsum("tjhr,tjhrd->thrd", w, part) / jnp.where(den == 0, 1.0, den)[..., None]
+    tile = sched[::splits]  # [NT, 8]
+    rows = tile[:, _START, None] + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]  # [NT, TQ]
+    own = (rows >= tile[:, _Q0, None]) & (rows < tile[:, _Q1, None]) & (tile[:, _SEQ, None] >= 0)
+    dest = jnp.where(own, rows, tokens).reshape(-1)
+    rows_out = jnp.moveaxis(out, 1, 2).reshape(n_tiles * TILE_Q, heads, head_dim)
+    res = jnp.zeros((tokens, heads, head_dim), jnp.float32)
+    return res.at[dest].set(rows_out, mode="drop")
+
+
+def prefill_attention_split(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
+                            attention_scaling: float, sm_scale: float, splits: int = 16,
+                            min_steps: int = MIN_STEPS, interpret=False):
+    """prefill_attention_mosaic with each tile's key steps split over up to `splits` CTAs (see
+    module doc). Same arguments and result ([T, H, D] in q's dtype, rows of no sequence zero)."""
+    sched, *rest = prepare(q_rot, k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
+                           attention_scaling=attention_scaling, sm_scale=sm_scale)
+    sched, used = split_schedule(sched, splits, min_steps)
+    part, lse = run_kernel((sched, *rest), kv_heads=k_pages.shape[2], interpret=interpret,
+                           split=True)
+    return merge_split(part, lse, used, sched, splits, q_rot.shape[0]).astype(q_rot.dtype)

@@ -1,0 +1,141 @@
+"""The engine's prefill / mixed step path (implementation="mixed", mosaic_mixed.py) and the Mosaic
+prefill kernel with a split key axis (mosaic_prefill_split.py) vs the numpy reference.
+
+On CPU the Mosaic kernels run under the Mosaic GPU interpreter (buffers start as NaN, so an
+unwritten row shows); MINIPIC_COMPILED=1 compiles them for the GPU. Batches are fresh random
+ragged batches (salt printed on failure) with pads, shared pages and permuted tables.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.paged_attention.api import paged_attention
+from kernels_pallas.paged_attention.mosaic_mixed import compact_prefill, decode_batch
+from kernels_pallas.paged_attention.mosaic_prefill_split import prefill_attention_split
+from kernels_pallas.paged_attention.reference import paged_attention_reference
+from tests.test_paged_attention_mgpu_prefill import _inputs
+
+INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
+# Larger interpreted batches take minutes on the 2-core CI machine: MINIPIC_SLOW=1 runs them
+# (compiled on a GPU they always run).
+slow = pytest.mark.skipif(INTERPRET and os.environ.get("MINIPIC_SLOW") != "1",
+                          reason="slow in the interpreter; MINIPIC_SLOW=1 runs it")
+
+
+def _check(out, q, k, v, md, inv, kv_mode):
+    ref = paged_attention_reference(q, k, v, md, inv, kv_mode=kv_mode)
+    out = np.asarray(jnp.asarray(out, jnp.float32)).astype(np.float64)
+    rows = np.asarray(md.cu_q_lens)[-1]
+    assert np.all(np.isfinite(out[:rows])), "a row was left unwritten (NaN) or read a pad"
+    err = float(np.linalg.norm(out[:rows] - ref[:rows]) / np.linalg.norm(ref[:rows]))
+    assert err < 2e-2, f"relative L2 error {err:.2e}"
+
+
+SPLIT_CASES = [
+    # one sequence: 5 queries over 600 cached keys (5 key steps, 3 ranges of 2 steps)
+    pytest.param([(600, 5, 0)], 2, id="few-rows-long-context", marks=slow),
+    # the cached-span shape in small, next to a short sequence (one range) and an empty one
+    pytest.param([(1000, 20, 0), (0, 3, 0), (40, 0, 0)], 4, id="mixed-lengths", marks=slow),
+]
+
+
+@pytest.mark.parametrize("specs,splits", SPLIT_CASES)
+def test_split_key_axis_matches_reference(specs, splits, fresh_rng):
+    """A few query rows over a long cached context (the cached-span step), the key axis split
+    into ranges of >= 2 steps."""
+    from kernels_pallas.rope import apply_rope
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 1, 2, 64, None, 0.2, True, specs)
+    q_rot = apply_rope(q, md.q_positions, inv, 1.0)  # the kernel takes rotated queries
+    out = prefill_attention_split(q_rot, k, v, md, inv, rotate_keys=True, attention_scaling=1.0,
+                                  sm_scale=64 ** -0.5, splits=splits, min_steps=2,
+                                  interpret=INTERPRET)
+    _check(out, q, k, v, md, inv, "position_free")
+
+
+MIXED_CASES = [
+    # a decode row and a prefill chunk over cached context, one kv head
+    pytest.param(1, [(40, 1, 0), (100, 12, 0)], 1, id="decode+prefill", marks=slow),
+    # decode rows, two prefill chunks, an empty sequence, GQA, partial rotary
+    pytest.param(2, [(60, 1, 0), (200, 30, 0), (0, 1, 0), (0, 17, 5), (30, 0, 0)], 2,
+                 id="two-prefills", marks=slow),
+    # the same with one prefill slot: the step overflows to the Triton ragged kernel
+    pytest.param(2, [(60, 1, 0), (200, 30, 0), (0, 1, 0), (0, 17, 5), (30, 0, 0)], 1,
+                 id="overflow-to-ragged", marks=slow),
+]
+
+
+@pytest.mark.parametrize("kv_heads,specs,slots", MIXED_CASES)
+def test_mixed_step_matches_reference(kv_heads, specs, slots, fresh_rng):
+    """Decode rows and prefill chunks in one step (implementation="mixed")."""
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, kv_heads, 2, 64, 32, 0.2, True, specs)
+    out = paged_attention(q, k, v, md, inv, kv_mode="position_free", implementation="mixed",
+                          interpret=INTERPRET, kernel_options={"prefill_seqs": slots})
+    _check(out, q, k, v, md, inv, "position_free")
+
+
+def test_compaction_keeps_rows_in_place(fresh_rng):
+    _, _, _, md, _ = _inputs(fresh_rng, jnp.bfloat16, 1, 2, 64, None, 0.0, False,
+                             [(16, 1, 0), (0, 5, 0), (32, 1, 0), (0, 7, 0)])
+    compact, count, prefill_row = compact_prefill(md, 3)
+    cu = np.asarray(md.cu_q_lens)
+    assert int(count) == 2
+    np.testing.assert_array_equal(np.asarray(compact.q_bounds[0]), [cu[1], cu[3], 0])
+    np.testing.assert_array_equal(np.asarray(compact.q_bounds[1]), [cu[2], cu[4], 0])
+    assert np.asarray(compact.num_blocks)[2] == 0
+    assert np.asarray(prefill_row).tolist() == [False] + [True] * 5 + [False] + [True] * 7
+    q = jnp.arange(md.q_seq.shape[0] * 2, dtype=jnp.float32).reshape(-1, 1, 2)
+    q_d, md_d = decode_batch(q, md)
+    np.testing.assert_array_equal(np.asarray(q_d)[:, 0, 0], np.asarray(q)[cu[:-1], 0, 0])
+    assert np.asarray(md_d.num_blocks).tolist() == [2, 0, 3, 0]
+
+
+@pytest.mark.parametrize("splits", [4])
+def test_mixed_compiled_path_lowers_for_cuda(splits, fresh_rng, monkeypatch):
+    """The compiled mixed step (Mosaic prefill with and without the split, the decode kernel,
+    the lax.cond to the ragged kernel) lowers for CUDA on this CPU-only machine."""
+    from jax import export
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 2, 4, 128, None, 0.3, True,
+                               [(40, 1, 0), (300, 61, 0), (0, 20, 5)])
+    from kernels_pallas.paged_attention.mosaic_mixed import mixed_attention
+    from kernels_pallas.rope import apply_rope
+    common = dict(k_pages=k, v_pages=v, inv_freq=inv, kv_mode="position_free")
+
+    def step(q, k, v, md):
+        # the Triton fallback cannot lower without a GPU here: XLA stands in for it
+        return mixed_attention(
+            apply_rope(q, md.q_positions, inv, 1.0), q, k, v, md, inv,
+            decode=lambda x, m: paged_attention(x, metadata=m, implementation="decode",
+                                                kernel_options={"max_position": 512}, **common),
+            ragged=lambda x, m: paged_attention(x, metadata=m, implementation="xla", **common),
+            rotate_keys=True, attention_scaling=1.0, sm_scale=0.1, prefill_seqs=2,
+            splits=splits)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # no interpreter: lower for CUDA
+    text = export.export(jax.jit(step), platforms=["cuda"])(q, k, v, md).mlir_module()
+    assert text.count("mosaic_gpu") >= 2  # the prefill and the decode kernels
+
+
+def test_prefill_choice_falls_back_cleanly(monkeypatch):
+    """implementation="prefill" on a GPU: the Mosaic mixed path for bf16/f16 with head_dim 64 or
+    128 (full or partial rotary), Triton ragged for Qwen3.5's head_dim 256 or float32, XLA where
+    Triton cannot take the shapes either; on CPU XLA."""
+    from kernels_pallas.paged_attention.mosaic_mixed import prefill_choice
+    from kernels_pallas.paged_attention.random_inputs import inv_freq_for
+
+    def choose(dtype, head_dim, rotary=None, interpret=False):
+        q = jnp.zeros((8, 4, head_dim), dtype)
+        k = jnp.zeros((4, 16, 2, head_dim), dtype)
+        return prefill_choice(q, k, jnp.asarray(inv_freq_for(head_dim, rotary)),
+                              {"max_position": 64}, interpret)
+
+    assert choose(jnp.bfloat16, 128)[0] == "xla"  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert choose(jnp.bfloat16, 128) == ("mixed", {"max_position": 64})
+    assert choose(jnp.float16, 64, 32)[0] == "mixed"
+    assert choose(jnp.bfloat16, 256, 64) == ("triton", {})  # Qwen3.5 attention
+    assert choose(jnp.float32, 128) == ("triton", {})
+    assert choose(jnp.bfloat16, 96) == ("xla", {})
