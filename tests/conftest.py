@@ -7,7 +7,8 @@ import pathlib
 import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent compilation cache in tests unless a test turns it on (minipic_jax/compile_cache.py)
+# Engines in subprocesses of tests write no user-level compilation cache unless a test asks for one
+# (minipic_jax/compile_cache.py); this process uses the suite's cache below.
 os.environ.setdefault("MINIPIC_COMPILATION_CACHE_DIR", "off")
 
 import jax  # noqa: E402

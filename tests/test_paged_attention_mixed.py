@@ -20,10 +20,9 @@ from kernels_pallas.paged_attention.reference import paged_attention_reference
 from tests.test_paged_attention_mgpu_prefill import _inputs
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
-# Larger interpreted batches take minutes on the 2-core CI machine: MINIPIC_SLOW=1 runs them
-# (compiled on a GPU they always run).
-slow = pytest.mark.skipif(INTERPRET and os.environ.get("MINIPIC_SLOW") != "1",
-                          reason="slow in the interpreter; MINIPIC_SLOW=1 runs it")
+# Larger interpreted batches take minutes on the 2-core CI machine: marked slow there (run them
+# with --run-slow); compiled on a GPU they always run.
+slow = [pytest.mark.slow] if INTERPRET else []
 
 
 def _check(out, q, k, v, md, inv, kv_mode):

@@ -38,12 +38,14 @@ def test_workloads_follow_the_layout():
 
 
 def test_rag_bench_tiny(tmp_path, capsys, monkeypatch):
+    import jax
     from minipic_jax import compile_cache
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "xla"))
+    before = jax.config.jax_compilation_cache_dir  # the suite's own cache (tests/conftest.py)
     try:
         _run_tiny(tmp_path, capsys)
     finally:
-        compile_cache.disable()
+        compile_cache.configure(before) if before else compile_cache.disable()
     assert any((tmp_path / "xla").iterdir())  # the step executables were written
 
 
