@@ -42,6 +42,7 @@ def test_rag_bench_tiny(tmp_path, capsys, monkeypatch):
     from minipic_jax import compile_cache
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "xla"))
     before = jax.config.jax_compilation_cache_dir  # the suite's own cache (tests/conftest.py)
+    compile_cache.disable()  # so the engine's default rule (the env folder) decides
     try:
         _run_tiny(tmp_path, capsys)
     finally:
