@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from benchmarks.attention_decode import (decode_kernel_rows, fused_write_rows, mosaic_rows,
+from benchmarks.attention_decode import (decode_kernel_rows, mosaic_rows,
                                          print_device_table, print_rope_table)
 from benchmarks.attention_inputs import decode_inputs, prefill_inputs
 from benchmarks.timing import ab_row, row, safe
@@ -48,14 +48,11 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--sweep", nargs="?", const="all", default="", choices=["", "decode", "all"],
                    help="also sweep kernel tile options (decode only, or all)")
     p.add_argument("--mosaic", action="store_true", help="also time the Mosaic GPU decode kernel")
-    p.add_argument("--mosaic-configs", nargs="+", default=["4,0,3"],
-                   metavar="PPS,SPLITS,STAGES[,PREG[,CONSUMERS[,ROT]]]",
-                   help="Mosaic decode configs: pages per step, splits (0 = auto), ring stages, "
-                        "1 = probabilities in registers (compiled only), compute warpgroups of "
-                        "the warp-specialised kernel (0 = the one-warpgroup kernel), its key "
-                        "rotation: 0 float32, 1 skipped (diagnostic, wrong results), 2 bf16x2; "
-                        "or mma:PPS,SPLITS,STAGES[,KV_GROUP[,PACKED]] for the warp-level MMA "
-                        "kernel (mosaic_decode_mma.py)")
+    p.add_argument("--mosaic-configs", nargs="+", default=["2,0,2,2,1"],
+                   metavar="PPS,SPLITS,STAGES[,KV_GROUP[,PACKED]]",
+                   help="Mosaic decode kernel (mosaic_decode.py) configs: pages per step, splits "
+                        "(0 = auto), ring stages, kv heads per CTA, 1 = bf16x2 key rotation "
+                        "(a leading 'mma:' is accepted, as in earlier commands)")
     p.add_argument("--decode-kernel", action="store_true",
                    help="also time the decode-only Triton kernel (triton_decode) configs")
     p.add_argument("--decode-rope", nargs="+", default=list(DECODE_ROPE), choices=DECODE_ROPE,
@@ -84,9 +81,6 @@ def add_parser(p: argparse.ArgumentParser):
     p.add_argument("--ab-variants", nargs="+", default=["table_bf16"], metavar="ROPE[+OPT]",
                    help="position_free variants timed against rotated by --ab-reps (default: the "
                         "engine's, table_bf16)")
-    p.add_argument("--fused-write", action="store_true",
-                   help="decode: time write_kv + triton_decode against the kernel's fused write "
-                        "(first --decode-configs entry), pages donated, interleaved ABBA")
     p.add_argument("--json", type=str, default=None, help="write all rows to this file")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke run through the Pallas interpreter, on small default shapes; "
@@ -111,7 +105,8 @@ def apply_size_defaults(args) -> None:
 def run(args) -> int:
     import jax
     import jax.numpy as jnp
-    from kernels_pallas.paged_attention.api import _xla_paged_attention, paged_attention, write_kv
+    from kernels_pallas.paged_attention.api import paged_attention, write_kv
+    from kernels_pallas.paged_attention.xla import xla_paged_attention
     from kernels_pallas.paged_attention.random_inputs import inv_freq_for
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -169,8 +164,6 @@ def run(args) -> int:
         if args.decode_kernel:  # decode-only Triton kernel, rotated vs each RoPE-at-read variant
             decode_kernel_rows(rows, case, ctx, inputs, inv, kv_bytes, configs, args, rope_table,
                                device_time)
-        if args.fused_write:  # this step's K/V write: a separate kernel vs fused into decode
-            fused_write_rows(rows, case, q, k, v, md, inv, B, configs[0], args)
         if args.decode_kernel_only:
             continue
         t_rot = safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
@@ -186,9 +179,9 @@ def run(args) -> int:
                     safe(rows, case, f"ours {mode} kvg{kvg} bk{bk} w{nw} s{ns}",
                           ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
                           q, k, v, md, work=kv_bytes, unit="tbps", **it)
-        if args.mosaic:  # experimental Mosaic GPU decode kernel (TMA + wgmma)
+        if args.mosaic:  # the Mosaic GPU decode kernel (TMA, warp-level MMA)
             mosaic_rows(rows, case, ctx, inputs, inv, kv_bytes, args, device_time)
-        xla = jax.jit(lambda q, k, v, md: _xla_paged_attention(
+        xla = jax.jit(lambda q, k, v, md: xla_paged_attention(
             q, k, v, md, inv, kv_mode="position_free", attention_scaling=1.0, sm_scale=D ** -0.5))
         safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, work=kv_bytes,
               unit="tbps", **it)

@@ -1,12 +1,8 @@
 """Decode-kernel parts of `minipic-bench attention` (benchmarks/attention_bench.py): the
 triton_decode config sweep with its RoPE-at-read variants, interleaved A/B and profiled device
-time; the Mosaic GPU decode configs; the fused vs separate K/V write; their summary tables."""
+time; the Mosaic GPU decode configs; their summary tables."""
 
 from __future__ import annotations
-
-import dataclasses
-import statistics
-import time
 
 import numpy as np
 
@@ -58,36 +54,21 @@ def decode_kernel_rows(rows, case, ctx, inputs, inv, kv_bytes, configs, args, ro
 
 
 def mosaic_rows(rows, case, ctx, inputs, inv, kv_bytes, args, device_time):
-    """Mosaic GPU decode configs (PPS,SPLITS,STAGES[,PREG[,CONSUMERS[,ROT]]], or for the
-    warp-level MMA kernel mma:PPS,SPLITS,STAGES[,KV_GROUP[,PACKED]], table only): rotated,
-    position_free with SFU trig and with table rows, the table variant against rotated
-    interleaved, profiled. CONSUMERS > 0 takes the warp-specialised kernel (P always in registers
-    there); ROT = 1 skips its rotation arithmetic (a diagnostic: wrong results, the pipeline's
-    cost alone), 2 rotates with bf16x2 FMAs (packed)."""
+    """Mosaic GPU decode configs PPS,SPLITS,STAGES[,KV_GROUP[,PACKED]] (a leading "mma:" is
+    accepted, as in earlier commands): rotated, and position_free with cos | sin table rows,
+    the table variant against rotated interleaved, profiled."""
     it = dict(iters=args.iters, reps=args.reps)
     for cfg in args.mosaic_configs:
-        if cfg.startswith("mma:"):  # PPS,SPLITS,STAGES[,KV_GROUP[,PACKED]]
-            pps, splits, stages, kvg, packed = (
-                [int(x) for x in cfg.removeprefix("mma:").split(",")] + [1, 0])[:5]
-            opts = dict(pages_per_step=pps, stages=stages, mma=True, kv_group=kvg,
-                        packed=bool(packed), **({"splits": splits} if splits else {}))
-            tag = (f"mma pps{pps} sp{splits or 'auto'} st{stages} kvg{kvg}"
-                   + (" packed" if packed else ""))
-            variants = [("rotated", "rotated", opts),
-                        ("position_free", "table", dict(opts, max_position=ctx))]
-        else:
-            pps, splits, stages, preg, cons, rot = (
-                [int(x) for x in cfg.split(",")] + [0] * 3)[:6]
-            opts = dict(pages_per_step=pps, stages=stages,
-                        **({"splits": splits} if splits else {}),
-                        **({"consumers": cons} if cons else {"p_in_registers": bool(preg)}),
-                        **({1: {"rotate_math": False}, 2: {"packed": True}}.get(rot, {})))
-            tag = (f"pps{pps} sp{splits or 'auto'} st{stages}"
-                   + (" preg" if preg and not cons else "") + (f" ws{cons}" if cons else "")
-                   + {1: " NO-ROTATION-MATH", 2: " packed"}.get(rot, ""))
-            variants = [("rotated", "rotated", opts), ("position_free", "trig", opts),
-                        ("position_free", "table", dict(opts, max_position=ctx))]
-        fns = [attention_fn(inv, "mosaic", mode, o, args.interpret) for mode, _, o in variants]
+        pps, splits, stages, kvg, packed = (
+            [int(x) for x in cfg.removeprefix("mma:").split(",")] + [1, 0])[:5]
+        opts = dict(pages_per_step=pps, stages=stages, kv_group=kvg, packed=bool(packed),
+                    **({"splits": splits} if splits else {}))
+        tag = (f"mma pps{pps} sp{splits or 'auto'} st{stages} kvg{kvg}"
+               + (" packed" if packed else ""))
+        variants = [("rotated", "rotated", opts),
+                    ("position_free", "table", dict(opts, max_position=ctx))]
+        fns = [attention_fn(inv, "mosaic_decode", mode, o, args.interpret)
+               for mode, _, o in variants]
         for (_, label, _), fn in zip(variants, fns):
             safe(rows, case, f"ours mosaic {label} {tag}", fn, *inputs, work=kv_bytes,
                  unit="tbps", **it)
@@ -106,68 +87,6 @@ def variant_options(opts, variant, ctx):
     rope, *flags = variant.split("+")
     return dict(opts, rope=rope, max_position=ctx,
                 **{f.removeprefix("no"): not f.startswith("no") for f in flags})
-
-
-def fused_write_rows(rows, case, q, k_pages, v_pages, md, inv, page_size, cfg, args):
-    """A decode layer's cache step, position_free: write_kv (its Pallas row copy) then
-    triton_decode, against triton_decode writing the rows itself. Pages are donated and threaded
-    through the calls, as in the engine; per-call medians of interleaved (ABBA) blocks of
-    `iters` calls, and the profiled device time of each."""
-    import jax
-    import jax.numpy as jnp
-    from kernels_pallas.paged_attention.api import write_kv_and_attend
-    kvg, splits, bk, nw, ns = cfg
-    opts = dict(kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns, splits=splits or None,
-                max_position=int(md.q_positions.max()) + 1)
-    tables = np.asarray(md.block_tables)
-    md = dataclasses.replace(md, slot_mapping=jnp.asarray(  # each query's own (last) key slot
-        tables[:, -1] * page_size + page_size - 1, jnp.int32))
-    kv_heads, head_dim = k_pages.shape[2:]
-    new = jax.random.normal(jax.random.key(7), (2, q.shape[0], kv_heads, head_dim), q.dtype)
-    fns = {name: jax.jit(lambda q, kn, vn, kp, vp, md, o=dict(opts, fused_write=fused):
-                         write_kv_and_attend(q, kn, vn, kp, vp, md, inv, kv_mode="position_free",
-                                             implementation="triton_decode", kernel_options=o),
-                         donate_argnums=(3, 4))
-           for name, fused in (("separate", False), ("fused", True))}
-    state = {"pages": (jnp.copy(k_pages), jnp.copy(v_pages))}
-
-    def call(name):
-        out, *pages = fns[name](q, new[0], new[1], *state["pages"], md)
-        state["pages"] = tuple(pages)
-        return out
-
-    def block(name):
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            out = call(name)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / args.iters
-
-    try:
-        for name in ("separate", "fused", "separate", "fused"):
-            jax.block_until_ready(call(name))
-        times = {"separate": [], "fused": []}
-        for r in range(max(2, args.ab_reps)):
-            for name in (("separate", "fused") if r % 2 == 0 else ("fused", "separate")):
-                times[name].append(block(name))
-        busy = {name: profile_row(rows, case, f"decode cache step {name} write",
-                                   lambda _, name=name: call(name), None)
-                for name in ("separate", "fused")}
-    except Exception as e:  # noqa: BLE001 - the other rows stand
-        print(f"  {case:<16} fused write FAILED {type(e).__name__}: {e}"[:300])
-        return
-    ratio = np.percentile([f / s_ for f, s_ in zip(times["fused"], times["separate"])],
-                          [25, 50, 75])
-    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    dev = "" if not all(b and b[0] > 0 for b in busy.values()) else (
-        f"; device busy separate {busy['separate'][0]:.1f} us, fused {busy['fused'][0]:.1f} us "
-        f"({100 * (busy['fused'][0] / busy['separate'][0] - 1):+.1f}%)")
-    print(f"  {case:<16} cache step (write + attend) separate {med['separate']:.4f} ms, fused "
-          f"{med['fused']:.4f} ms: fused/separate median {100 * (ratio[1] - 1):+.2f}% "
-          f"[IQR {100 * (ratio[0] - 1):+.2f}, {100 * (ratio[2] - 1):+.2f}]{dev}", flush=True)
-    rows.append(dict(case=case, impl="A/B write_kv + decode vs fused write", separate_ms=med[
-        "separate"], fused_ms=med["fused"], fused_vs_separate_pct=100 * (ratio[1] - 1),
-        busy_us={k_: v_ and v_[0] for k_, v_ in busy.items()}))
 
 
 def profile_row(rows, case, label, fn, *args, calls: int = 10):

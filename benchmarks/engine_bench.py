@@ -44,12 +44,13 @@ def add_parser(p):
     p.add_argument("--attn-impl", default=None, help="paged_attention implementation (None = best)")
     p.add_argument("--write-impl", default=None, choices=("xla", "triton"),
                    help="write_kv implementation (None = triton on GPU)")
-    p.add_argument("--decode-impl", default=None, choices=("decode", "triton_decode", "triton"),
-                   help="kernel of decode-only steps (Config.decode_attn_impl; None = the "
-                        "engine default, 'decode' on a GPU)")
+    p.add_argument("--decode-impl", default=None,
+                   choices=("auto", "mosaic_decode", "triton_decode", "triton"),
+                   help="kernel of decode-only steps (Config.decode_attn_impl; None = as "
+                        "--attn-impl: the registry's choice, mosaic_decode for Llama-3-8B)")
     p.add_argument("--decode-rope", default=None,
                    choices=("trig", "table", "table_bf16"),
-                   help="RoPE-at-read variant of the decode kernel (Config.decode_attn_options)")
+                   help="RoPE-at-read variant of triton_decode (Config.decode_attn_options)")
     p.add_argument("--skip-run", action="store_true", help="only the decode measurement")
     p.add_argument("--no-async", action="store_true",
                    help="synchronous engine loop (Config.async_scheduling=False): each step's "
@@ -258,6 +259,7 @@ def run(args) -> int:
     res["write_kv_impl"] = args.write_impl or "default (triton on GPU)"
     res["decode_rope"] = args.decode_rope or "engine default (table, max_model_len)"
     res["decode_impl"] = engine.runner.decode_impl
+    res["decode_options"] = repr(engine.runner.decode_options)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.loaded.params))
     embed = getattr(engine.loaded.params, "embed", None)
     tied = getattr(engine.loaded.params, "lm_head", 0) is None

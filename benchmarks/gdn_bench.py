@@ -55,10 +55,11 @@ def run_fla(inputs, reps):
     return ms, out.float().cpu().numpy(), final.float().cpu().numpy()
 
 
-# the fused path as measured in runs 2-3 (row-substitution solve, [Dk, BV] state, BV = 16)
+# the earlier fused path (row-substitution solve, [Dk, BV] state, BV = 16;
+# benchmarks/history/gated_delta.md)
 OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
                    scan_stages=2, ckpt_store="when", out_warps=4)
-CKPT_VARIANTS = ("pallas_blocked_bf16", "fused", "fused_old", "fused_best", "fused_best_mask",
+CKPT_VARIANTS = ("fused", "fused_old", "fused_best", "fused_best_mask",
                  "fused_when")
 
 
@@ -106,9 +107,6 @@ def jax_variants():
         "intra_only_trsm_bf16": functools.partial(intra_only, solve="trsm"),
         "xla_scan_trsm_f32": mk(implementation="xla", solve="trsm"),
         "xla_scan_blocked_bf16": mk(implementation="xla", solve="blocked", inter_dtype=bf16),
-        "pallas_trsm_bf16": mk(implementation="pallas_triton", solve="trsm", inter_dtype=bf16),
-        "pallas_blocked_f32": mk(implementation="pallas_triton", solve="blocked"),
-        "pallas_blocked_bf16": mk(implementation="pallas_triton", solve="blocked", inter_dtype=bf16),
     }
 
 

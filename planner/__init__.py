@@ -1,4 +1,4 @@
-"""Checkpoint placement for sparse prefix caching (see /work/shared/DESIGN.md, Placement).
+"""Checkpoint placement for sparse prefix caching (see docs/DESIGN.md, Placement).
 
     from planner import place, expected_recompute
     positions = place(pmf, budget=16)                 # exact optimum (O(N M) DP)

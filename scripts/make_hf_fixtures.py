@@ -2,8 +2,8 @@
 
 Run with the torch reference env (transformers 5.24.0):
 
-    /work/main/.venv-ref/bin/python scripts/make_hf_fixtures.py            # all fixtures
-    /work/main/.venv-ref/bin/python scripts/make_hf_fixtures.py --live DIR --seed 7   # one fresh case
+    python scripts/make_hf_fixtures.py            # all fixtures
+    python scripts/make_hf_fixtures.py --live DIR --seed 7   # one fresh case
 
 Each case writes `<out>/<name>/` (config.json + safetensors via `save_pretrained`) and
 `<out>/<name>/reference.npz` with, per prompt i:

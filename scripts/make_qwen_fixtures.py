@@ -2,7 +2,7 @@
 
 Run with the torch reference env (transformers 5.24.0, torch path: no fla, no causal-conv1d):
 
-    /work/main/.venv-ref/bin/python scripts/make_qwen_fixtures.py
+    python scripts/make_qwen_fixtures.py
 
 Each case writes `tests/fixtures/<name>/` (config.json + safetensors via `save_pretrained`) and
 `reference.npz` with, per prompt i:

@@ -45,15 +45,15 @@ class Config:
     pdep_token_id: int | None = None
     max_logprobs: int = 20
     min_token_bucket: int = 8
-    attn_impl: str | None = None
-    # Kernel for steps that are decode-only (one query per sequence). None: "decode" on a GPU
-    # when attn_impl is None (the Mosaic MMA kernel where it takes the model's shapes, else
-    # triton_decode; benchmarks/RESULTS.md), else attn_impl.
+    # Attention kernel (kernels_pallas.paged_attention.api.IMPLEMENTATIONS): "auto" (None: the
+    # same) lets the kernel registry's policy pick per step kind, on a GPU the ragged Triton
+    # kernel for general steps and, for decode-only steps, the Mosaic decode kernel where it
+    # takes the model's shapes, else triton_decode (benchmarks/RESULTS.md, Attention: decode).
+    attn_impl: str | None = "auto"
+    # Kernel of decode-only steps (one query per sequence); None: as attn_impl.
     decode_attn_impl: str | None = None
-    # kernel_options for decode-only steps, e.g. {"rope": "table"} ("max_position" defaults to
-    # max_model_len). None: with the decode kernels and max_model_len <= 16384, only
-    # {"max_position": max_model_len}, so the kernel's default for a known bound (table RoPE,
-    # measured faster end to end: benchmarks/RESULTS.md, engine run 4) applies; {} = no options.
+    # Options of a named decode_attn_impl (a dict of its options dataclass's fields, e.g.
+    # {"rope": "table"}); unset ones take the kernel's defaults, max_model_len as position bound.
     decode_attn_options: dict | None = None
     watermark_blocks: int = 0  # free blocks kept back at admission (decode headroom)
     # write_kv implementation for attention layers (Llama family): None = the Pallas row copy
@@ -102,6 +102,10 @@ class Config:
             if impl is not None and impl not in ATTENTION_IMPLEMENTATIONS:
                 raise ValueError(f"Config.{name} must be None or one of "
                                  f"{ATTENTION_IMPLEMENTATIONS}, got {impl!r}")
+        if self.decode_attn_options and (self.decode_attn_impl or self.attn_impl or "auto") \
+                == "auto":
+            raise ValueError("Config.decode_attn_options needs a named decode_attn_impl (with "
+                             "'auto' the kernel registry picks the options too)")
         if self.write_kv_impl not in (None, "xla", "triton"):
             raise ValueError(f"Config.write_kv_impl must be None, 'xla' or 'triton', "
                              f"got {self.write_kv_impl!r}")

@@ -15,6 +15,7 @@ dispatched before step N's tokens reach the host (`launch` now, `fetch` later).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -22,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.paged_attention.api import choose_attention
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
+from kernels_pallas.paged_attention.problem import Problem
 from serving import checkpoint_pool as ckpt_pool
 from serving.kv_pool import allocate_pool
 from serving.model_contract import EngineModel, RecurrentMetadata
@@ -85,12 +88,11 @@ class ModelRunner:
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 5),
                              static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
                                               "decode_only"))
-        self.decode_impl = _decode_impl(config)
-        self.decode_options = _decode_options(config)
-        self.prefill_impl, self.prefill_options = _prefill_choice(config, self.decode_options)
+        general, decode = attention_choices(config, self.mcfg, dtype)
+        self.attn_impl, self.attn_options = general
+        self.decode_impl, self.decode_options = decode
         # decode-only steps compile their own variant only when it differs from the general one
-        self.separate_decode = (self.decode_impl != self.prefill_impl
-                                or self.decode_options != self.prefill_options)
+        self.separate_decode = decode != general
 
     @property
     def num_compiles(self) -> int:
@@ -112,11 +114,9 @@ class ModelRunner:
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
             tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
-        options = self.decode_options if decode_only else self.prefill_options
-        if options:
-            extra["attn_options"] = options
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
-                  attn_impl=self.decode_impl if decode_only else self.prefill_impl, **extra)
+                  attn_impl=self.decode_impl if decode_only else self.attn_impl,
+                  attn_options=self.decode_options if decode_only else self.attn_options, **extra)
         if pool is None:
             logits, cache = self.family.forward(params, tokens, md, cache, self.mcfg, **kw)
         else:
@@ -373,48 +373,25 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
     return logits, cache, pool
 
 
-def _decode_impl(config) -> str | None:
-    """The attention kernel for decode-only steps (see Config.decode_attn_impl)."""
-    if config.decode_attn_impl is not None:
-        return config.decode_attn_impl
-    if config.attn_impl is None and jax.default_backend() == "gpu":
-        return "decode"
-    return config.attn_impl
-
-
-def _prefill_choice(config, decode_options) -> tuple[str | None, dict]:
-    """(implementation, kernel_options) of steps that may hold prefill chunks: attn_impl when
-    set; else on a GPU "prefill" (paged_attention picks the Mosaic mixed path where the Mosaic
-    prefill kernel takes the model's shapes, else Triton ragged / XLA; its decode rows get the
-    decode steps' options), else None (XLA)."""
-    if config.attn_impl is not None or jax.default_backend() != "gpu":
-        return config.attn_impl, {}
-    return "prefill", dict(decode_options)
-
-
-# Largest max_model_len for which decode steps hand the kernel a position bound by default
-# (the triton_decode kernel then gathers key cos/sin from a [max_position, R] table instead of
-# computing them per key; the table should stay small enough to live in L2).
-DEFAULT_TABLE_MAX_POSITION = 16384
-
-
-def _decode_options(config) -> dict:
-    """kernel_options of decode-only steps; table RoPE variants get max_position = max_model_len.
-
-    With decode_attn_options=None and the decode or triton_decode kernels, max_position =
-    max_model_len (up to DEFAULT_TABLE_MAX_POSITION) is passed, so the kernel's default
-    RoPE-at-read variant for a known bound applies (table lookups: 5.8% faster decode step than
-    per-key trig, engine bench in benchmarks/RESULTS.md; the Mosaic MMA kernel needs it). Pass
-    decode_attn_options={} to keep the kernel's unbounded default."""
-    if config.decode_attn_options is None:
-        if _decode_impl(config) in ("decode", "triton_decode") and \
-                config.max_model_len <= DEFAULT_TABLE_MAX_POSITION:
-            return {"max_position": config.max_model_len}
-        return {}
-    options = dict(config.decode_attn_options)
-    if str(options.get("rope", "")).startswith("table"):
-        options.setdefault("max_position", config.max_model_len)
-    return options
+def attention_choices(config, mcfg, dtype, platform: str | None = None):
+    """The attention kernels of general and of decode-only steps, each (implementation name,
+    options), from the kernel registry's one policy (paged_attention.api.choose_attention),
+    asked with the model's shapes, the block-table width and max_model_len as the position
+    bound. Config.decode_attn_impl None: the same implementation setting as attn_impl (for
+    "auto", the decode-only list)."""
+    problem = Problem(heads=mcfg.num_heads, kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+                      rotary_half=mcfg.rotary_dim // 2, dtype=jnp.dtype(dtype),
+                      block_size=config.block_size, table_cols=config.max_blocks_per_seq,
+                      kv_mode=config.attention_kv_mode, max_position=config.max_model_len,
+                      platform=platform or jax.default_backend())
+    general, general_options = choose_attention(problem, config.attn_impl)
+    if general.decode_only:
+        raise ValueError(f"Config.attn_impl={config.attn_impl!r} is decode-only; name it in "
+                         f"decode_attn_impl instead")
+    decode, decode_options = choose_attention(
+        dataclasses.replace(problem, decode_only=True),
+        config.decode_attn_impl or config.attn_impl, config.decode_attn_options)
+    return (general.name, general_options), (decode.name, decode_options)
 
 
 def _pack(out, num_logprobs):

@@ -1,11 +1,16 @@
 """Decode-only steps run their own kernel (Config.decode_attn_impl): same tokens and logprobs."""
 
+import dataclasses
+import functools
+
 import numpy as np
 import pytest
 
 import kernels_pallas.paged_attention.api as attention_api
-import kernels_pallas.paged_attention.triton_decode as triton_decode
+import kernels_pallas.paged_attention.decode_common as decode_common
+import kernels_pallas.paged_attention.write as write_api
 from minipic_jax import LLM, SamplingParams
+from serving import model_runner
 
 
 def spy_on(monkeypatch, module, name, record=lambda kwargs: 1):
@@ -17,6 +22,18 @@ def spy_on(monkeypatch, module, name, record=lambda kwargs: 1):
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def spy_on_kernel(monkeypatch, registry, name, record=lambda kwargs: 1):
+    """Wrap the entry function of registry[name] (a kernel registry dict) the same way."""
+    calls, impl = [], registry[name]
+
+    def spy(*args, **kwargs):
+        calls.append(record(kwargs))
+        return impl.run(*args, **kwargs)
+
+    monkeypatch.setitem(registry, name, dataclasses.replace(impl, run=spy))
     return calls
 
 
@@ -34,7 +51,7 @@ def test_decode_only_steps_use_decode_kernel_and_match_xla(monkeypatch, fresh_rn
     expected = LLM("tiny_llama", max_num_seqs=4, attn_impl="xla").generate(
         prompts, params, use_tqdm=False)
 
-    traced = spy_on(monkeypatch, attention_api, "decode_paged_attention_triton")
+    traced = spy_on_kernel(monkeypatch, attention_api.ATTENTION, "triton_decode")
     llm = LLM("tiny_llama", max_num_seqs=4, attn_impl="xla", decode_attn_impl="triton_decode")
     got = llm.generate(prompts, params, use_tqdm=False)
     assert traced, "decode-only steps did not reach the decode kernel"
@@ -66,14 +83,13 @@ def test_unknown_kernel_is_an_error_before_any_work():
 def test_triton_kv_write_matches_xla_write(monkeypatch, fresh_rng):
     """Config.write_kv_impl='triton' (Pallas row copy, interpreted here) reaches the kernel and
     gives the same tokens and logprobs as the XLA scatter, prefill chunks and decodes mixed."""
-    import kernels_pallas.paged_attention.api as api
     prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (7, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
     # an explicit pool: the default one on a GPU is too large for the row copy's int32 offsets
     kw = dict(max_num_seqs=2, max_num_batched_tokens=16, attn_impl="xla", num_kv_blocks=256)
     expected = LLM("tiny_llama", write_kv_impl="xla", **kw).generate(prompts, params,
                                                                      use_tqdm=False)
-    traced = spy_on(monkeypatch, api, "write_kv_triton")
+    traced = spy_on_kernel(monkeypatch, write_api.WRITE, "triton")
     got = LLM("tiny_llama", write_kv_impl="triton", **kw).generate(prompts, params, use_tqdm=False)
     assert traced, "write_kv_impl='triton' did not reach the Pallas write"
     assert_same_tokens_and_logprobs(expected, got, atol=1e-5)
@@ -83,26 +99,26 @@ def test_triton_kv_write_matches_xla_write(monkeypatch, fresh_rng):
 
 def test_decode_rope_table_option_matches_xla(monkeypatch, fresh_rng):
     """The table RoPE variant of the decode kernel, selected through Config.decode_attn_options."""
-    seen = spy_on(monkeypatch, attention_api, "decode_paged_attention_triton",
-                  lambda kwargs: kwargs.get("rope"))
-    host_tables = spy_on(monkeypatch, triton_decode, "_host_rope_table")
+    seen = spy_on_kernel(monkeypatch, attention_api.ATTENTION, "triton_decode",
+                         lambda kwargs: kwargs.get("rope"))
+    host_tables = spy_on(monkeypatch, decode_common, "_host_rope_table")
     prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (7, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1)
     expected = LLM("tiny_llama", max_num_seqs=2, attn_impl="xla").generate(
         prompts, params, use_tqdm=False)
     llm = LLM("tiny_llama", max_num_seqs=2, attn_impl="xla", decode_attn_impl="triton_decode",
               decode_attn_options={"rope": "table"})
-    assert llm.llm_engine.runner.decode_options == {"rope": "table",
-                                                    "max_position": llm.config.max_model_len}
+    options = llm.llm_engine.runner.decode_options
+    assert (options.rope, options.max_position) == ("table", llm.config.max_model_len)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert seen and set(seen) == {"table"}, seen
     assert host_tables, "the jitted step built the cos|sin table in the graph, not on the host"
     assert_same_tokens_and_logprobs(expected, got, atol=1e-4)
 
 
-def test_decode_default_takes_the_mosaic_mma_kernel_for_d128_bf16(monkeypatch, fresh_rng):
-    """decode_attn_impl="decode" (the GPU default) on a bf16 model with head_dim 128 runs the
-    Mosaic MMA kernel (interpreted here) and matches the XLA path.
+def test_decode_default_takes_the_mosaic_kernel_for_d128_bf16(monkeypatch, fresh_rng):
+    """"auto" decode steps as chosen on a GPU, for a bf16 model with head_dim 128: the Mosaic
+    decode kernel (interpreted here) runs them and matches the XLA path.
 
     The two paths round differently in bf16 (8-bit mantissa: 2^-8 relative per rounding, on
     logits of a few units after one layer and the LM head), so logprobs agree within 2e-2 and a
@@ -118,8 +134,11 @@ def test_decode_default_takes_the_mosaic_mma_kernel_for_d128_bf16(monkeypatch, f
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2)
     kw = dict(dtype="bfloat16", max_num_seqs=2, attn_impl="xla")
     expected = LLM("tiny_llama_d128", **kw).generate(prompts, params, use_tqdm=False)
-    traced = spy_on(monkeypatch, attention_api, "decode_attention_mosaic_mma")
-    llm = LLM("tiny_llama_d128", decode_attn_impl="decode", **kw)
+    traced = spy_on_kernel(monkeypatch, attention_api.ATTENTION, "mosaic_decode")
+    monkeypatch.setattr(model_runner, "attention_choices",
+                        functools.partial(model_runner.attention_choices, platform="gpu"))
+    llm = LLM("tiny_llama_d128", decode_attn_impl="auto", **kw)
+    assert llm.llm_engine.runner.decode_impl == "mosaic_decode"
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert traced, "decode-only steps did not reach the Mosaic MMA kernel"
+    assert traced, "decode-only steps did not reach the Mosaic decode kernel"
     assert_same_up_to_ties(expected, got, atol=2e-2)

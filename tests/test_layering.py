@@ -126,3 +126,25 @@ def test_the_checks_catch_a_cycle_and_an_upward_arrow():
     assert _cycles({"a": {"b"}, "b": set()}) == []
     assert "minipic_jax" not in MAY_IMPORT["serving"]
     assert "serving" not in MAY_IMPORT["kernels_pallas"]
+
+
+def _same_kernel(a: str, b: str) -> bool:
+    """Files of one kernel share a stem (mosaic_prefill.py, mosaic_prefill_prep.py)."""
+    a, b = a.rpartition(".")[2], b.rpartition(".")[2]
+    return a.startswith(b) or b.startswith(a)
+
+
+def test_kernels_import_no_private_names_across_files():
+    """A kernel file uses another kernel's public names only (shared helpers live in
+    *_common.py); the files of one kernel (a shared stem) may share private ones."""
+    mods = _modules()
+    private = []
+    for name, path in mods.items():
+        if not name.startswith("kernels_pallas"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "kernels_pallas") and not _same_kernel(name, node.module):
+                private += [f"{path.relative_to(REPO)}:{node.lineno} imports {node.module}.{a.name}"
+                            for a in node.names if a.name.startswith("_")]
+    assert not private, "private names imported across kernel files:\n" + "\n".join(private)

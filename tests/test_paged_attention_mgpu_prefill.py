@@ -93,3 +93,15 @@ def test_mosaic_prefill_compiled_path_lowers_for_cuda(head_dim, fresh_rng):
             q, k, v, md, inv, rotate_keys=rotate, attention_scaling=1.0, sm_scale=0.1))
         text = export.export(fn, platforms=["cuda"])(q, k, v, md).mlir_module()
         assert "mosaic_gpu" in text
+
+
+from attention_test_base import (CASES as SHARED_CASES, AttentionKernelTests,  # noqa: E402
+                                 pytest_generate_tests)  # noqa: F401,E402 (the hook)
+
+
+class TestMosaicPrefill(AttentionKernelTests):
+    """The shared kernel cases it takes (bf16/f16, head_dim 64/128), compiled or with
+    --run-slow: interpreted, each costs ~15 s, and the cases above keep it in the default run."""
+
+    implementation = "mosaic_prefill"
+    slow_cases = tuple(c.name for c in SHARED_CASES)

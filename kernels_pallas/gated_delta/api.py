@@ -9,18 +9,29 @@ left-aligning with no-op tokens, see `noop_pad_left`).
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta import chunked
+from kernels_pallas.gated_delta import chunked, ragged
 
-IMPLEMENTATIONS = (None, "xla", "pallas_triton", "pallas_fused")
+IMPLEMENTATIONS = ("auto", "xla", "pallas_fused")
+
+
+def choose(implementation: str | None, *, interpret: bool = False, op: str = "gated_delta"):
+    """The one policy: a name of IMPLEMENTATIONS as given; "auto" (or None) is "pallas_fused"
+    (fused_triton.py / ragged_triton.py: the Triton-lowered chunk kernels) on a GPU or when
+    interpreting, "xla" (lax.scan over chunks) elsewhere. ValueError for an unknown name."""
+    if implementation in (None, "auto"):
+        return "pallas_fused" if interpret or jax.default_backend() == "gpu" else "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    return implementation
 
 
 def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, chunk_size=64,
-            implementation=None, interpret=False, solve="blocked", inter_dtype=None):
+            implementation="xla", interpret=False, solve="blocked", inter_dtype=None):
     """Chunked gated delta rule over a batch of equal-length sequences.
 
     Args:
@@ -33,9 +44,9 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
         validated here; traced values must be valid (invalid ones are clamped).
       scale: query scale, default Dk ** -0.5.
       chunk_size: C, the checkpoint granularity.
-      implementation: None or "xla" (lax.scan), "pallas_triton" (GPU kernel for the state scan,
-        XLA for the rest), "pallas_fused" (three GPU kernels: intra-chunk UT solve, state scan,
-        output; see fused_triton.py).
+      implementation: "xla" (lax.scan; the default here, where callers compare variants),
+        "pallas_fused" (three GPU kernels: intra-chunk UT solve, state scan, output; see
+        fused_triton.py) or "auto" (`choose`).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       solve: in-chunk UT solve, "blocked" (block-recursive inverse) or "trsm".
       inter_dtype: intermediates' dtype (None: float32; bfloat16 for speed with bf16 inputs).
@@ -46,9 +57,7 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
     """
     n, t_len, hk, dk = _validate(q, k, v, g, beta, state0)
     hv, dv = v.shape[2:]
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"gated_delta.prefill: implementation must be one of {IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
+    implementation = choose(implementation, interpret=interpret, op="gated_delta.prefill")
     if scale is None:
         scale = dk ** -0.5
     ckpt = None
@@ -66,13 +75,9 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
             q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size,
             dot_dtype=inter_dtype, interpret=interpret)
         return out[:, :t_len], final, ckpt_states
-    scan_fn = None
-    if implementation == "pallas_triton":
-        from kernels_pallas.gated_delta import scan_triton
-        scan_fn = functools.partial(scan_triton.state_scan, interpret=interpret)
     out, final, ckpt_states = chunked.chunked_gated_delta(
-        q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size, scan_fn=scan_fn,
-        solve=solve, inter_dtype=inter_dtype)
+        q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size, solve=solve,
+        inter_dtype=inter_dtype)
     return out[:, :t_len].astype(v.dtype), final, ckpt_states
 
 
@@ -103,8 +108,8 @@ def _checkpoint_chunks(checkpoint_at, n, t_len, chunk):
                              f"got shape {arr.shape}")
         bad = (arr < 0) | (arr > t_len) | ((arr % chunk != 0) & (arr != t_len))
         if bad.any():
-            raise ValueError(f"gated_delta.prefill: checkpoint_at offsets {arr[bad].tolist()} are not "
-                             f"multiples of chunk_size={chunk} in [0, {t_len}]")
+            raise ValueError(f"gated_delta.prefill: checkpoint_at offsets {arr[bad].tolist()} "
+                             f"are not multiples of chunk_size={chunk} in [0, {t_len}]")
     idx = jnp.asarray(checkpoint_at, jnp.int32)
     idx = jnp.where(idx >= t_len, n_chunks, idx // chunk)
     idx = jnp.clip(idx, 0, n_chunks)
@@ -113,7 +118,8 @@ def _checkpoint_chunks(checkpoint_at, n, t_len, chunk):
 
 def _validate(q, k, v, g, beta, state):
     if q.ndim != 4 or k.shape != q.shape:
-        raise ValueError(f"gated_delta: q and k must both be [N, T, Hk, Dk], got q{q.shape} k{k.shape}")
+        raise ValueError(f"gated_delta: q and k must both be [N, T, Hk, Dk], got q{q.shape} "
+                         f"k{k.shape}")
     n, t_len, hk, dk = k.shape
     if v.ndim != 4 or v.shape[:2] != (n, t_len):
         raise ValueError(f"gated_delta: v must be [{n}, {t_len}, Hv, Dv], got {v.shape}")
@@ -127,3 +133,40 @@ def _validate(q, k, v, g, beta, state):
         raise ValueError(f"gated_delta: state must be [{n}, {hv}, {dk}, {v.shape[3]}], "
                          f"got {state.shape}")
     return n, t_len, hk, dk
+
+
+def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None,
+                       scale=None, chunk=64, implementation="auto", interpret=False):
+    """The model's entry: `ragged.ragged_prefill` (its arguments and results), or the one-step
+    recurrence when every sequence has <= 1 token (checkpoints, if asked, are then the state0 /
+    final state as positions say). implementation: see `choose`."""
+    implementation = choose(implementation, interpret=interpret, op="ragged_gated_delta")
+    cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
+    seqs = cu_q_lens.shape[0] - 1
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    dk = k.shape[-1]
+    scale_ = dk ** -0.5 if scale is None else scale
+
+    def decode(ops):
+        q_, k_, v_, g_, b_, s0 = ops
+        rows = jnp.clip(cu_q_lens[:-1], 0, q_.shape[0] - 1)  # [S] the one row of each sequence
+        out_s, new = chunked.recurrent_step(q_[rows], k_[rows], v_[rows], g_[rows], b_[rows], s0,
+                                            scale=scale_)
+        has = lens > 0
+        new = jnp.where(has[:, None, None, None], new, s0)
+        dest = jnp.where(has, rows, q_.shape[0])
+        out = jnp.zeros(v_.shape, jnp.float32).at[dest].set(out_s, mode="drop")
+        ckpt = None
+        if checkpoint_at is not None:
+            after = (checkpoint_at == (pos0 + lens)[:, None]) & has[:, None]
+            ckpt = jnp.where(after[..., None, None, None], new[:, None], s0[:, None])
+        return out, new, ckpt
+
+    def prefill(ops):
+        return ragged.ragged_prefill(*ops[:5], cu_q_lens, pos0, ops[5], checkpoint_at=checkpoint_at,
+                              scale=scale, chunk=chunk, implementation=implementation,
+                              interpret=interpret)
+
+    ops = (q, k, v, g, beta, state0.astype(jnp.float32))
+    del seqs
+    return jax.lax.cond(jnp.max(lens) <= 1, decode, prefill, ops)

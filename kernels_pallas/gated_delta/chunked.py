@@ -124,14 +124,13 @@ def chunk_output(qg, attn, v_new, chunk_states):
                          preferred_element_type=f32))
 
 
-def chunked_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk, scan_fn=None,
+def chunked_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk,
                         solve="blocked", inter_dtype=None):
     """Chunked prefill over T = NT * chunk tokens (no padding here; api.py pads).
 
     Args:
       q, k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv]; g, beta: [N, T, Hv]; state0 [N, Hv, Dk, Dv] f32.
       ckpt_idx: None or [N, M] int32 chunk boundaries in [0, NT] whose states to return.
-      scan_fn: replacement for `state_scan` with the same contract (the Pallas kernel).
       solve: "blocked" (block-recursive inverse, batched matmuls) or "trsm" (lax triangular_solve).
       inter_dtype: dtype of the intermediates fed to the scan and the output matmuls (default
         float32; bfloat16 halves their memory traffic, like flash-linear-attention).
@@ -150,9 +149,8 @@ def chunked_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk
     if inter_dtype is not None:
         parts = {name: x if name == "decay_last" else x.astype(inter_dtype)
                  for name, x in parts.items()}
-    scan = state_scan if scan_fn is None else scan_fn
-    v_new, chunk_states, final, ckpt = scan(parts["w"], parts["u"], parts["kd"],
-                                            parts["decay_last"], state0.astype(f32), ckpt_idx)
+    v_new, chunk_states, final, ckpt = state_scan(parts["w"], parts["u"], parts["kd"],
+                                                  parts["decay_last"], state0.astype(f32), ckpt_idx)
     out = chunk_output(parts["qg"], parts["attn"], v_new, chunk_states.astype(parts["qg"].dtype))
     return from_chunks(out), final, ckpt
 

@@ -128,7 +128,7 @@ def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_war
     raise ValueError(f"gated_delta fused: intra must be 'blocked' or 'subst', got {kind!r}")
 
 
-# fastest correct options of the run-4 sweep (benchmarks/RESULTS.md, "Gated DeltaNet")
+# fastest correct options of the H200 sweep (benchmarks/RESULTS.md, Gated DeltaNet)
 DEFAULTS = dict(intra="blocked", intra_warps=2, layout="vk", block_v=16, scan_warps=4,
                 scan_stages=3, ckpt_store="segments", out_warps=4)
 

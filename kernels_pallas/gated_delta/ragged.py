@@ -67,7 +67,7 @@ def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0):
 
 
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, scale=None,
-                   chunk=64, implementation=None, interpret=False):
+                   chunk=64, implementation="xla", interpret=False):
     """Chunked gated delta rule for a flat ragged batch.
 
     Args:
@@ -77,8 +77,8 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
       state0: [S, Hv, Dk, Dv] float32 state of each sequence before its new tokens.
       checkpoint_at: None or [S, M] int32 absolute positions (multiples of chunk, within
         [pos0, pos0 + len]) whose states to return; -1 = none (returns state0 there).
-      implementation: None / "xla" (lax.scan) or "pallas_fused" (ragged_triton.py, GPU; on CPU
-        only with interpret=True).
+      implementation: "xla" (lax.scan) or "pallas_fused" (ragged_triton.py, GPU; on CPU only
+        with interpret=True); api.choose resolves "auto".
     Returns:
       out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None.
     """
@@ -114,8 +114,8 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
                              bound_states[seqs:].reshape(ck_bound.shape + state0.shape[1:]),
                              state0[:, None])
         return out.astype(jnp.float32), final, ckpt
-    if implementation not in (None, "xla"):
-        raise ValueError(f"ragged_prefill: implementation must be None, 'xla' or 'pallas_fused', "
+    if implementation != "xla":
+        raise ValueError(f"ragged_prefill: implementation must be 'xla' or 'pallas_fused', "
                          f"got {implementation!r}")
     f32 = jnp.float32
     if hv != hk:
@@ -136,38 +136,3 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
     if ck_bound is not None:
         ckpt = jnp.where(ck_use[..., None, None, None], before[ck_bound], state0[:, None])
     return out, final, ckpt
-
-
-def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None,
-                       scale=None, chunk=64, implementation=None, interpret=False):
-    """`ragged_prefill`, or the one-step recurrence when every sequence has <= 1 token (same
-    contract; checkpoints, if asked, are then the state0 / final state as positions say)."""
-    cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
-    seqs = cu_q_lens.shape[0] - 1
-    lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    dk = k.shape[-1]
-    scale_ = dk ** -0.5 if scale is None else scale
-
-    def decode(ops):
-        q_, k_, v_, g_, b_, s0 = ops
-        rows = jnp.clip(cu_q_lens[:-1], 0, q_.shape[0] - 1)  # [S] the one row of each sequence
-        out_s, new = chunked.recurrent_step(q_[rows], k_[rows], v_[rows], g_[rows], b_[rows], s0,
-                                            scale=scale_)
-        has = lens > 0
-        new = jnp.where(has[:, None, None, None], new, s0)
-        dest = jnp.where(has, rows, q_.shape[0])
-        out = jnp.zeros(v_.shape, jnp.float32).at[dest].set(out_s, mode="drop")
-        ckpt = None
-        if checkpoint_at is not None:
-            after = (checkpoint_at == (pos0 + lens)[:, None]) & has[:, None]
-            ckpt = jnp.where(after[..., None, None, None], new[:, None], s0[:, None])
-        return out, new, ckpt
-
-    def prefill(ops):
-        return ragged_prefill(*ops[:5], cu_q_lens, pos0, ops[5], checkpoint_at=checkpoint_at,
-                              scale=scale, chunk=chunk, implementation=implementation,
-                              interpret=interpret)
-
-    ops = (q, k, v, g, beta, state0.astype(jnp.float32))
-    del seqs
-    return jax.lax.cond(jnp.max(lens) <= 1, decode, prefill, ops)

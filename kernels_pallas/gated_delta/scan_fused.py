@@ -15,8 +15,8 @@ Two state layouts:
 Checkpoints (the carried float32 state at chunk boundaries): "segments" runs the chunk loop from
 one sorted boundary to the next and stores the state in between (default: no per-chunk
 checkpoint code), "when" branches on a per-boundary slot map every chunk, "mask" stores
-predicated (costs in benchmarks/RESULTS.md); with no checkpoints asked the kernel has no
-checkpoint code at all.
+predicated (costs in benchmarks/history/gated_delta.md); with no checkpoints asked the kernel
+has no checkpoint code at all.
 """
 
 from __future__ import annotations

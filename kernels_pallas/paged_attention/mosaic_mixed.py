@@ -1,19 +1,21 @@
 """The engine's prefill and mixed prefill + decode steps on the Mosaic GPU kernels.
 
-`paged_attention(implementation="mixed")`. An engine step holds decode rows (one query of a
+`paged_attention(implementation="mixed")`, registered in api.py and its "auto" choice for
+steps that may hold prefill chunks on a GPU. An engine step holds decode rows (one query of a
 sequence) and prefill chunks (several queries of a sequence) in one ragged batch whose metadata
 is sized for the whole step: S sequence rows, each with a block table as wide as max_model_len.
 The Mosaic prefill kernel's pre-pass gathers every sequence row's keys into a contiguous buffer
 [S, N, K, D], which at engine sizes (S = 128, N = 8192) is gigabytes per layer. So:
 
-  * decode rows go to the decode kernel (`implementation="decode"`: the Mosaic MMA kernel where it
-    takes the shapes, else triton_decode), with the prefill sequences' block counts zeroed;
+  * decode rows go to the decode kernel (the registry's "auto" choice for decode-only steps:
+    mosaic_decode where it takes the shapes, else triton_decode), with the prefill sequences'
+    block counts zeroed;
   * the sequences with two or more query rows are compacted into `prefill_seqs` slots (a static
     bound chosen from the step's token count, `prefill_slots`) and run through the Mosaic prefill
     kernel, whose pre-pass then gathers only those slots; with `splits` > 1 the key axis of each
     query tile is split (mosaic_prefill_split.py: few query rows over a long cached context);
-  * a step with more prefill sequences than slots runs the Triton ragged kernel instead
-    (lax.cond: both are compiled, one runs).
+  * a step with more prefill sequences than slots runs the `overflow` implementation (Triton
+    ragged) instead (lax.cond: both are compiled, one runs).
 
 Each query row takes exactly one of the two results. The compaction keeps the rows where they
 are: each slot carries its sequence's (first row, end row), so no query is moved.
@@ -22,7 +24,6 @@ are: each slot carries its sequence's (first row, end row), so no query is moved
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,6 @@ from jax import lax
 from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
                                                            prefill_attention_mosaic)
 from kernels_pallas.paged_attention.mosaic_prefill_split import prefill_attention_split
-from kernels_pallas.rope import apply_rope
 
 SPLIT_MAX_TOKENS = 512  # steps of at most this many query tokens split the key axis
 
@@ -41,11 +41,6 @@ def prefill_slots(tokens: int, seqs: int) -> int:
     one per 2048 query rows, at least 2. The pre-pass gathers this many whole block tables
     (slots x max_model_len keys), so the bound trades gather traffic against overflow steps."""
     return max(1, min(seqs, max(2, tokens // 2048)))
-
-
-def mixed_limits(q, k_pages) -> str:
-    """Why this path cannot take these shapes ('' when it can): the Mosaic prefill kernel's."""
-    return mosaic_prefill_limits(q, k_pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,12 +95,42 @@ def decode_batch(q, md):
     return q[row], md_d
 
 
-def mixed_attention(q_rot, q, k_pages, v_pages, md, inv_freq, *, decode, ragged, rotate_keys,
-                    attention_scaling, sm_scale, prefill_seqs: int, splits: int = 1,
-                    interpret=False):
-    """One engine step (see module doc). q_rot: [T, H, D] rotated queries (the Mosaic prefill
-    kernel's input); q: unrotated (decode(q, md) and ragged(q, md) are paged_attention with the
-    decode and the Triton ragged implementations bound). Returns [T, H, D] in q's dtype."""
+@dataclasses.dataclass(frozen=True)
+class MixedOptions:
+    """prefill_seqs: prefill slots (None: `prefill_slots` of the step); splits: key-axis splits
+    of the prefill part (None: 16 for steps of <= SPLIT_MAX_TOKENS query rows, else 1);
+    max_position: the decode rows' position bound (None: the problem's table bound); overflow:
+    the implementation of steps with more prefill sequences than slots."""
+
+    prefill_seqs: int | None = None
+    splits: int | None = None
+    max_position: int | None = None
+    overflow: str = "triton"
+
+
+def mixed_defaults(problem, options: MixedOptions) -> MixedOptions:
+    if options.max_position is None:
+        return dataclasses.replace(options, max_position=problem.table_bound)
+    return options
+
+
+def mixed_limits(problem, options: MixedOptions) -> str:
+    """Why this path cannot take the problem ('' when it can): the Mosaic prefill kernel's."""
+    del options
+    return mosaic_prefill_limits(*problem.stand_ins())
+
+
+def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, rotate_keys,
+                    attention_scaling, sm_scale, prefill_seqs: int | None = None,
+                    splits: int | None = None, interpret=False):
+    """One engine step (see module doc). q_rot: [T, H, D] rotated queries; decode(q_rot, md) and
+    overflow(q_rot, md) run a decode-only batch and the whole step on other implementations
+    (api.py binds them from the registry). Returns [T, H, D] in q's dtype."""
+    tokens = q_rot.shape[0]
+    if prefill_seqs is None:
+        prefill_seqs = prefill_slots(tokens, md.block_tables.shape[0])
+    if splits is None:
+        splits = 16 if tokens <= SPLIT_MAX_TOKENS else 1
     compact, count, prefill_row = compact_prefill(md, prefill_seqs)
     q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
 
@@ -119,51 +144,13 @@ def mixed_attention(q_rot, q, k_pages, v_pages, md, inv_freq, *, decode, ragged,
 
     def mosaic_path():
         out = prefill_part()
-        q_d, md_d = decode_batch(q, md)
+        q_d, md_d = decode_batch(q_rot, md)
         out_d = decode(q_d, md_d)[jnp.clip(md.q_seq, 0, q_lens.shape[0] - 1)]  # [T, H, D]
         return jnp.where(prefill_row[:, None, None], out, out_d.astype(out.dtype))
 
     if _concrete(count):  # eager calls (interpret-mode tests): take the branch in Python
-        return mosaic_path() if int(count) <= prefill_seqs else ragged(q, md)
-    return lax.cond(count <= prefill_seqs, mosaic_path, lambda: ragged(q, md))
-
-
-def prefill_choice(q, k_pages, inv_freq, options, interpret):
-    """implementation="prefill" (a step that may hold prefill chunks) -> (implementation,
-    kernel_options): "mixed" (Mosaic prefill for the prefill sequences, the decode kernel for
-    decode rows; mosaic_mixed.py) on a GPU where the Mosaic prefill kernel takes the shapes
-    (bf16/f16, head_dim 64 or 128), else the Triton ragged kernel where it takes them, else
-    XLA. options may hold max_position (passed to the decode part)."""
-    from kernels_pallas.paged_attention.api import _triton_limits
-    on_gpu = jax.default_backend() == "gpu" and not interpret
-    if on_gpu and not mixed_limits(q, k_pages):
-        return "mixed", options
-    if (on_gpu or interpret) and not _triton_limits(q, k_pages, inv_freq, None):
-        return "triton", {}
-    return "xla", {}
-
-
-def mixed_call(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attention_scaling, sm_scale,
-           interpret, options):
-    """implementation="mixed": options prefill_seqs (default prefill_slots), splits (default 16
-    for steps of <= SPLIT_MAX_TOKENS query rows, else 1), max_position (decode part)."""
-    from kernels_pallas.paged_attention.api import paged_attention
-    tokens, seqs = q.shape[0], md.block_tables.shape[0]
-    prefill_seqs = options.pop("prefill_seqs", prefill_slots(tokens, seqs))
-    splits = options.pop("splits", 16 if tokens <= SPLIT_MAX_TOKENS else 1)
-    common = dict(kv_mode=kv_mode, attention_scaling=attention_scaling, sm_scale=sm_scale,
-                  interpret=interpret)
-    decode = functools.partial(paged_attention, k_pages=k_pages, v_pages=v_pages,
-                               inv_freq=inv_freq, implementation="decode",
-                               kernel_options=options, **common)
-    ragged = functools.partial(paged_attention, k_pages=k_pages, v_pages=v_pages,
-                               inv_freq=inv_freq, implementation="triton", **common)
-    q_rot = apply_rope(q, md.q_positions, inv_freq, attention_scaling)
-    return mixed_attention(
-        q_rot, q, k_pages, v_pages, md, inv_freq,
-        decode=lambda x, m: decode(x, metadata=m), ragged=lambda x, m: ragged(x, metadata=m),
-        rotate_keys=kv_mode == "position_free", attention_scaling=attention_scaling,
-        sm_scale=sm_scale, prefill_seqs=prefill_seqs, splits=splits, interpret=interpret)
+        return mosaic_path() if int(count) <= prefill_seqs else overflow(q_rot, md)
+    return lax.cond(count <= prefill_seqs, mosaic_path, lambda: overflow(q_rot, md))
 
 
 def _concrete(x) -> bool:

@@ -13,15 +13,15 @@ contracted against the matching halves of the (already rotated) queries; the pas
 (partial rotary) are a third product. Online softmax in float32.
 
 Backend: Pallas' Triton lowering (deprecated in JAX 0.11, a stepping stone behind api.py). It is
-the production path because it handles the whole ragged batch (prefill tiles, decode, any G,
-partial rotary, fp32) and measured faster than our Mosaic GPU decode kernel (mosaic_decode.py)
-on the H200; see benchmarks/RESULTS.md, "Attention kernel".
+the path of general (mixed prefill + decode) steps because it handles the whole ragged batch
+(prefill tiles, decode, any G, partial rotary, fp32); see benchmarks/RESULTS.md, Attention:
+prefill.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-_NEG_INF = float("-inf")
+from kernels_pallas.paged_attention.triton_common import (NEG_INF, cos_sin, dot, dot_nt,
+                                                          online_softmax, tile_rows,
+                                                          triton_limits)
+from kernels_pallas.registry import Implementation
 
+
+@dataclasses.dataclass(frozen=True)
+class TritonRaggedOptions:
+    """None = the kernel's default for the batch (`default_options`, by tokens and sequences);
+    see ragged_paged_attention_triton."""
+
+    block_q: int | None = None
+    block_k: int | None = None
+    kv_group: int = 1
+    prerotate: bool | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def limits(problem, options: TritonRaggedOptions) -> str:
+    """Why this kernel cannot take the problem with these options ('' when it can)."""
+    if problem.kv_heads % options.kv_group:
+        return f"needs kv_group dividing the {problem.kv_heads} kv heads, got {options.kv_group}"
+    return triton_limits(problem, options.block_k or max(64, problem.block_size))
 
 def tile_step_range(md, tile_seq, tile_start, block_q: int, pages_per_step: int):
     """[lo, hi) key steps that can hold a key visible to some query of each tile.
@@ -80,14 +102,6 @@ def tile_schedule(cu_q_lens, num_tokens: int, block_q: int):
     return jnp.where(live, seq, -1), jnp.where(live, start, 0)
 
 
-def tile_rows(block_q: int, group: int) -> int:
-    """Query rows of a tile: block_q * G rounded up to a power of 2 >= 16 (Triton dot limits)."""
-    rows = 16
-    while rows < block_q * group:
-        rows *= 2
-    return rows
-
-
 def out_rows(tokens: int, heads: int, kv_heads: int, block_q: int, kv_group: int = 1) -> int:
     """Rows of the flat output buffer: spare tile rows land past T * H (unique rows per tile)."""
     return (tokens + tile_rows(block_q, heads // kv_heads * kv_group)) * heads
@@ -99,7 +113,7 @@ def default_block_q(tokens: int, seqs: int, group: int) -> int:
 
 
 def default_options(tokens: int, seqs: int, group: int) -> dict:
-    """Tile options picked by the H200 sweep in benchmarks/RESULTS.md (Attention kernel)."""
+    """Tile options picked by the H200 sweep (benchmarks/history/attention.md)."""
     if tokens <= seqs:
         return dict(block_q=default_block_q(tokens, seqs, group), block_k=64, num_warps=4,
                     num_stages=2)
@@ -107,54 +121,8 @@ def default_options(tokens: int, seqs: int, group: int) -> dict:
                 num_stages=3)
 
 
-def _dot(a, b, contract_b, precise):
-    """a [M, C] . b (contracting b's dim contract_b) -> [M, N] float32."""
-    precision = lax.Precision.HIGHEST if precise else None
-    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
-
-
-def _dot_nt(a, b, precise):
-    """a [M, C] . b [N, C]^T in float32; tiny C (< 16) falls back to broadcast-sum."""
-    if a.shape[1] >= 16:
-        return _dot(a, b, 1, precise)
-    return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
-
-
-def _online_softmax(s, mask, m_i, l_i):
-    """One flash-attention step over a score tile s [M, N] (masked to -inf where ~mask):
-    returns (p [M, N], alpha [M] to rescale the accumulator by, new row max, new row sum).
-    Fully masked rows keep max -inf and take exp(.. - 0) = 0 (no NaN)."""
-    s = jnp.where(mask, s, _NEG_INF)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-    p = jnp.exp(s - m_safe[:, None])
-    alpha = jnp.exp(m_i - m_safe)
-    return p, alpha, m_new, l_i * alpha + jnp.sum(p, axis=1)
-
-
-_TWO_PI_HI = 6.28125  # 2*pi split so that n * _TWO_PI_HI is exact for |n| < 2**15
-_TWO_PI_LO = 0.0019353071795864769
-
-
-def _cos_sin(angle, fast):
-    """cos/sin of float32 angles. fast (GPU): Cody-Waite reduction to [-pi, pi], then the SFU's
-    cos.approx/sin.approx (abs error ~1e-6); libdevice's precise cosf/sinf cost ~25 instructions
-    each and made RoPE-at-read 5x slower than the rotated kernel. Interpret mode: jnp on the
-    reduced angle (exercises the reduction on CPU)."""
-    n = jnp.floor(angle * (1.0 / (2.0 * math.pi)) + 0.5)
-    r = (angle - n * _TWO_PI_HI) - n * _TWO_PI_LO
-    if not fast:
-        return jnp.cos(r), jnp.sin(r)
-    shape = [jax.ShapeDtypeStruct(r.shape, jnp.float32)]
-    [cos] = pltriton.elementwise_inline_asm("cos.approx.ftz.f32 $0, $1;", args=[r],
-                                            constraints="=r,r", pack=1, result_shape_dtypes=shape)
-    [sin] = pltriton.elementwise_inline_asm("sin.approx.ftz.f32 $0, $1;", args=[r],
-                                            constraints="=r,r", pack=1, result_shape_dtypes=shape)
-    return cos, sin
-
-
-def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos_ref, qwin_ref, nb_ref, bt_ref, bps_ref,
+def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos_ref, qwin_ref,
+            nb_ref, bt_ref, bps_ref,
             bnv_ref, inv_ref, q_ref, k_ref, v_ref, *rest, heads, kv_heads, head_dim, page_size,
             block_q, block_k, kv_group, half, rotate_keys, k_contiguous, scaling,
             fast_trig, cdtype):
@@ -228,32 +196,32 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
                 k_hi = k_ref[k_row, pl.ds(half, half)].astype(jnp.float32)
                 if kv_group == 1:
                     ang = k_pos.astype(jnp.float32)[:, None] * inv[None, :]  # [N, R/2]
-                    cos, sin = _cos_sin(ang, fast_trig)
+                    cos, sin = cos_sin(ang, fast_trig)
                 else:  # one cos/sin per key, shared by the kv_group heads
                     kk = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
                     pos1 = key_meta(step, kk)[2]
                     ang = pos1.astype(jnp.float32)[:, None] * inv[None, :]  # [Nk, R/2]
-                    cos, sin = _cos_sin(ang, fast_trig)
+                    cos, sin = cos_sin(ang, fast_trig)
                     shape = (block_k, kv_group, half)
                     cos = jnp.broadcast_to(cos[:, None, :], shape).reshape(n_keys, half)
                     sin = jnp.broadcast_to(sin[:, None, :], shape).reshape(n_keys, half)
                 if scaling != 1.0:
                     cos, sin = cos * scaling, sin * scaling
                 k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-                s += _dot_nt(q_lo, k_lo.astype(cdtype), precise)
-                s += _dot_nt(q_hi, k_hi.astype(cdtype), precise)
+                s += dot_nt(q_lo, k_lo.astype(cdtype), precise)
+                s += dot_nt(q_hi, k_hi.astype(cdtype), precise)
             if not split or rot < head_dim:
-                s += _dot_nt(q_all, k_ref[k_row, :].astype(cdtype), precise)
-            p, alpha, m_new, l_i = _online_softmax(s, mask, m_i, l_i)
+                s += dot_nt(q_all, k_ref[k_row, :].astype(cdtype), precise)
+            p, alpha, m_new, l_i = online_softmax(s, mask, m_i, l_i)
             # Masked load (pads may hold NaN; 0 * NaN would poison P @ V). A predicated load
             # feeds the dot directly, which keeps it pipelinable; a where() after it did not.
             v = pltriton.load(v_ref.at[kv_row[:, None], col], mask=k_ok[:, None] & d_ok,
                               other=0.0).astype(cdtype)  # [N, D]
-            acc = acc * alpha[:, None] + _dot(p.astype(cdtype), v, 0, precise)
+            acc = acc * alpha[:, None] + dot(p.astype(cdtype), v, 0, precise)
             return acc, m_new, l_i
 
         acc = jnp.zeros((rows, head_dim), jnp.float32)
-        m_i = jnp.full((rows,), _NEG_INF, jnp.float32)
+        m_i = jnp.full((rows,), NEG_INF, jnp.float32)
         l_i = jnp.zeros((rows,), jnp.float32)
         acc, m_i, l_i = lax.fori_loop(tile_lo_ref[tile], tile_hi_ref[tile], body, (acc, m_i, l_i))
         out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -283,7 +251,8 @@ def prerotate_keys(k_pages, md, inv_freq, attention_scaling):
 
 
 def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
-                                  attention_scaling: float, sm_scale: float, block_q: int | None = None,
+                                  attention_scaling: float, sm_scale: float,
+                                  block_q: int | None = None,
                                   block_k: int | None = None, kv_group: int = 1,
                                   prerotate: bool | None = None, num_warps: int | None = None,
                                   num_stages: int | None = None, out=None,
@@ -295,8 +264,9 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     sm_scale is folded into q. block_q: tokens per query tile (default: 1 token for decode-only
     batches, 64 / G otherwise); block_k: keys per step (a multiple of the page size);
     kv_group: kv heads per program through a block-diagonal tile (their K/V rows are adjacent;
-    cos/sin once per key for all of them; slower than 1 on the H200, see RESULTS.md); prerotate: rotate keys once per sequence before the kernel
-    (default: for prefill-shaped tiles, where every key is read by many query tiles).
+    cos/sin once per key for all of them; slower than 1 on the H200, benchmarks/history/
+    attention.md); prerotate: rotate keys once per sequence before the kernel (default: for
+    prefill-shaped tiles, where every key is read by many query tiles).
     `out`, if given, is an [out_rows(...), D] buffer the kernel writes into (aliased; tests
     poison it); rows of no sequence keep its contents. Returns [T, H, D].
     """
@@ -333,7 +303,8 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         rotate_keys=rotate_keys and not k_contiguous, k_contiguous=k_contiguous,
         scaling=float(attention_scaling),
         fast_trig=not interpret, cdtype=cdtype)
-    args = [tile_seq, tile_start, tile_lo, tile_hi, md.cu_q_lens, md.q_positions, md.q_window_start, md.num_blocks,
+    args = [tile_seq, tile_start, tile_lo, tile_hi, md.cu_q_lens, md.q_positions,
+            md.q_window_start, md.num_blocks,
             md.block_tables, md.block_pos_start, md.block_num_valid,
             inv_freq.astype(jnp.float32) if half else jnp.zeros((1,), jnp.float32),
             q_flat, k_flat, v_flat]
@@ -351,3 +322,8 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         name="ragged_paged_attention",
     )(*args)
     return res[: tokens * heads].reshape(tokens, heads, head_dim)
+
+
+IMPLEMENTATION = Implementation(
+    "triton", ragged_paged_attention_triton, TritonRaggedOptions, limits=limits,
+    backend="triton")

@@ -2,14 +2,15 @@
 
 `write_kv` stores T new rows ([K, D] each, for K and V) at their flat slots page * B + offset.
 XLA lowers that as a general scatter (55-64 us per layer on the H200 for ~0.5 MB of rows, see
-benchmarks/RESULTS.md). Here each program copies `rows` consecutive token rows: it loads their
-slots, loads the [rows, K * D] tiles of k and v, and stores them at the slot rows of the page
-buffers, which are aliased in and out (updated in place, nothing else is touched). Rows whose
+benchmarks/history/engine.md). Here each program copies `rows` consecutive token rows: it loads
+their slots, loads the [rows, K * D] tiles of k and v, and stores them at the slot rows of the
+page buffers, which are aliased in and out (updated in place, nothing else is touched). Rows whose
 slot is -1 (bucket padding, pads) are masked off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas.registry import Implementation
 
 
 def _next_pow2(n: int) -> int:
@@ -80,3 +83,22 @@ def write_kv_triton(k_pages, v_pages, k, v, slot_mapping, *, rows: int | None = 
     )(slot_mapping.astype(jnp.int32), k.reshape(tokens, width), v.reshape(tokens, width),
       k_pages.reshape(flat, width), v_pages.reshape(flat, width))
     return kp.reshape(k_pages.shape), vp.reshape(v_pages.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonWriteOptions:
+    rows: int | None = None  # token rows per program (default ~4096 elements)
+    num_warps: int = 4
+
+
+def limits(problem, options: TritonWriteOptions) -> str:
+    """problem: write.WriteProblem. Offsets are int32."""
+    del options
+    if problem.cache_elements >= 2 ** 31:
+        return (f"needs fewer than 2**31 elements per cache array (int32 offsets), got "
+                f"{problem.cache_elements}; use the XLA write or fewer KV blocks")
+    return ""
+
+
+IMPLEMENTATION = Implementation("triton", write_kv_triton, TritonWriteOptions, limits=limits,
+                                backend="triton")

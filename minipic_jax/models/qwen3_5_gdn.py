@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta.ragged import ragged_gated_delta
+from kernels_pallas.gated_delta.api import ragged_gated_delta
 
 
 @jax.tree_util.register_dataclass
@@ -113,7 +113,7 @@ def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoin
         sequence's first new token; checkpoint_at None or [S, M] absolute positions (multiples of
         64, -1 = none); impl: ragged kernel, "xla", "pallas_fused" (GPU) or
         "pallas_fused_interpret" (the same kernels in Pallas interpret mode, for CPU tests);
-        None picks "pallas_fused" on a GPU backend and "xla" elsewhere.
+        None: the kernel's policy (kernels_pallas.gated_delta.api.choose).
     Returns:
       out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], and checkpoints (conv [S, M, C, Kc-1],
       delta [S, M, Hv, Dk, Dv]) or None.
@@ -134,8 +134,6 @@ def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoin
     beta = jax.nn.sigmoid(b)
     g = -jnp.exp(p.a_log.astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
-    if impl is None:
-        impl = "pallas_fused" if jax.default_backend() == "gpu" else "xla"
     interpret = impl == "pallas_fused_interpret"
     core, delta, delta_ck = ragged_gated_delta(
         l2norm(q), l2norm(k), v, g, beta, cu_q_lens, pos0, delta0, checkpoint_at=checkpoint_at,

@@ -1,0 +1,59 @@
+"""The kernel registry: every attention implementation has a test class over the shared cases,
+"auto" follows the one default list, and options are typed and checked."""
+
+import dataclasses
+import importlib
+
+import jax.numpy as jnp
+import pytest
+
+from attention_test_base import AttentionKernelTests
+from kernels_pallas.paged_attention import api
+from kernels_pallas.paged_attention.problem import Problem
+from kernels_pallas.paged_attention.triton_decode import TritonDecodeOptions
+
+KERNEL_TEST_MODULES = ("test_paged_attention", "test_paged_attention_decode",
+                       "test_paged_attention_mgpu", "test_paged_attention_mgpu_prefill")
+GPU_DECODE = Problem(heads=32, kv_heads=8, head_dim=128, rotary_half=64,
+                     dtype=jnp.dtype(jnp.bfloat16), block_size=16, table_cols=128,
+                     decode_only=True, max_position=2048, platform="gpu")
+
+
+def test_every_implementation_runs_the_shared_cases():
+    for name in KERNEL_TEST_MODULES:
+        importlib.import_module(name)
+    tested = {cls.implementation for cls in AttentionKernelTests.__subclasses__()}
+    assert set(api.ATTENTION) <= tested, f"no shared-case tests for {set(api.ATTENTION) - tested}"
+
+
+@pytest.mark.parametrize("problem,order", [
+    (GPU_DECODE, ("mosaic_decode", "triton_decode", "xla")),
+    (dataclasses.replace(GPU_DECODE, head_dim=64, rotary_half=32), ("triton_decode", "xla")),
+    (dataclasses.replace(GPU_DECODE, decode_only=False), ("triton", "xla")),
+    (dataclasses.replace(GPU_DECODE, platform="cpu"), ("xla",)),
+    (dataclasses.replace(GPU_DECODE, platform="cpu", interpret=True),
+     ("mosaic_decode", "triton_decode", "xla")),
+])
+def test_auto_order(problem, order):
+    assert api.auto_order(problem) == order
+
+
+def test_auto_falls_through_to_what_takes_the_problem():
+    impl, _ = api.choose_attention(dataclasses.replace(GPU_DECODE, dtype=jnp.dtype(jnp.float32)))
+    assert impl.name == "triton_decode"  # Mosaic needs bf16/f16
+    odd = dataclasses.replace(GPU_DECODE, head_dim=96, rotary_half=48, decode_only=False)
+    assert api.choose_attention(odd)[0].name == "xla"  # Triton needs power-of-2 tiles
+
+
+def test_options_are_typed_and_checked():
+    impl, options = api.choose_attention(GPU_DECODE, "triton_decode", {"splits": 3})
+    assert isinstance(options, TritonDecodeOptions) and options.splits == 3
+    assert api.choose_attention(GPU_DECODE, "triton_decode", options)[1] == options
+    with pytest.raises(ValueError, match="unknown options \\['splitz'\\]"):
+        api.choose_attention(GPU_DECODE, "triton_decode", {"splitz": 3})
+    with pytest.raises(ValueError, match="need a named implementation"):
+        api.choose_attention(GPU_DECODE, "auto", {"splits": 3})
+    with pytest.raises(ValueError, match="unknown implementation 'mosaic'"):
+        api.choose_attention(GPU_DECODE, "mosaic")
+    with pytest.raises(ValueError, match="options must be a dict or TritonDecodeOptions"):
+        api.choose_attention(GPU_DECODE, "triton_decode", ["splits"])
