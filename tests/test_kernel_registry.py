@@ -13,7 +13,8 @@ from kernels_pallas.paged_attention.problem import Problem
 from kernels_pallas.paged_attention.triton_decode import TritonDecodeOptions
 
 KERNEL_TEST_MODULES = ("test_paged_attention", "test_paged_attention_decode",
-                       "test_paged_attention_mgpu", "test_paged_attention_mgpu_prefill")
+                       "test_paged_attention_mgpu", "test_paged_attention_mgpu_prefill",
+                       "test_paged_attention_mixed")
 GPU_DECODE = Problem(heads=32, kv_heads=8, head_dim=128, rotary_half=64,
                      dtype=jnp.dtype(jnp.bfloat16), block_size=16, table_cols=128,
                      decode_only=True, max_position=2048, platform="gpu")
@@ -29,7 +30,9 @@ def test_every_implementation_runs_the_shared_cases():
 @pytest.mark.parametrize("problem,order", [
     (GPU_DECODE, ("mosaic_decode", "triton_decode", "xla")),
     (dataclasses.replace(GPU_DECODE, head_dim=64, rotary_half=32), ("triton_decode", "xla")),
-    (dataclasses.replace(GPU_DECODE, decode_only=False), ("triton", "xla")),
+    (dataclasses.replace(GPU_DECODE, decode_only=False), ("mixed", "triton", "xla")),
+    (dataclasses.replace(GPU_DECODE, decode_only=False, platform="cpu", interpret=True),
+     ("triton", "xla")),
     (dataclasses.replace(GPU_DECODE, platform="cpu"), ("xla",)),
     (dataclasses.replace(GPU_DECODE, platform="cpu", interpret=True),
      ("mosaic_decode", "triton_decode", "xla")),

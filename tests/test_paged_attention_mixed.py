@@ -95,46 +95,54 @@ def test_compaction_keeps_rows_in_place(fresh_rng):
 @pytest.mark.parametrize("splits", [4])
 def test_mixed_compiled_path_lowers_for_cuda(splits, fresh_rng, monkeypatch):
     """The compiled mixed step (Mosaic prefill with and without the split, the decode kernel,
-    the lax.cond to the ragged kernel) lowers for CUDA on this CPU-only machine."""
+    the lax.cond to the overflow implementation) lowers for CUDA on this CPU-only machine."""
     from jax import export
     q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 2, 4, 128, None, 0.3, True,
                                [(40, 1, 0), (300, 61, 0), (0, 20, 5)])
-    from kernels_pallas.paged_attention.mosaic_mixed import mixed_attention
-    from kernels_pallas.rope import apply_rope
-    common = dict(k_pages=k, v_pages=v, inv_freq=inv, kv_mode="position_free")
+    # the Triton overflow cannot lower without a GPU here: XLA stands in for it
+    options = {"prefill_seqs": 2, "splits": splits, "overflow": "xla"}
 
     def step(q, k, v, md):
-        # the Triton fallback cannot lower without a GPU here: XLA stands in for it
-        return mixed_attention(
-            apply_rope(q, md.q_positions, inv, 1.0), q, k, v, md, inv,
-            decode=lambda x, m: paged_attention(x, metadata=m, implementation="decode",
-                                                kernel_options={"max_position": 512}, **common),
-            ragged=lambda x, m: paged_attention(x, metadata=m, implementation="xla", **common),
-            rotate_keys=True, attention_scaling=1.0, sm_scale=0.1, prefill_seqs=2,
-            splits=splits)
+        return paged_attention(q, k, v, md, inv, kv_mode="position_free", sm_scale=0.1,
+                               implementation="mixed", kernel_options=options,
+                               max_position=512)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # no interpreter: lower for CUDA
     text = export.export(jax.jit(step), platforms=["cuda"])(q, k, v, md).mlir_module()
     assert text.count("mosaic_gpu") >= 2  # the prefill and the decode kernels
 
 
-def test_prefill_choice_falls_back_cleanly(monkeypatch):
-    """implementation="prefill" on a GPU: the Mosaic mixed path for bf16/f16 with head_dim 64 or
-    128 (full or partial rotary), Triton ragged for Qwen3.5's head_dim 256 or float32, XLA where
-    Triton cannot take the shapes either; on CPU XLA."""
-    from kernels_pallas.paged_attention.mosaic_mixed import prefill_choice
-    from kernels_pallas.paged_attention.random_inputs import inv_freq_for
+def test_prefill_choice_falls_back_cleanly():
+    """"auto" for GPU steps that may hold prefill chunks: the Mosaic mixed path for bf16/f16 with
+    head_dim 64 or 128 (full or partial rotary), Triton ragged for Qwen3.5's head_dim 256 or
+    float32, XLA where Triton cannot take the shapes either; on CPU XLA."""
+    from kernels_pallas.paged_attention.api import choose_attention
+    from kernels_pallas.paged_attention.problem import Problem
 
-    def choose(dtype, head_dim, rotary=None, interpret=False):
-        q = jnp.zeros((8, 4, head_dim), dtype)
-        k = jnp.zeros((4, 16, 2, head_dim), dtype)
-        return prefill_choice(q, k, jnp.asarray(inv_freq_for(head_dim, rotary)),
-                              {"max_position": 64}, interpret)
+    def choose(dtype, head_dim, rotary=None, platform="gpu"):
+        problem = Problem(heads=4, kv_heads=2, head_dim=head_dim,
+                          rotary_half=(rotary or head_dim) // 2, dtype=jnp.dtype(dtype),
+                          block_size=16, table_cols=4, max_position=64, platform=platform)
+        impl, options = choose_attention(problem)
+        return impl.name, options
 
-    assert choose(jnp.bfloat16, 128)[0] == "xla"  # this CPU
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert choose(jnp.bfloat16, 128) == ("mixed", {"max_position": 64})
+    assert choose(jnp.bfloat16, 128, platform="cpu")[0] == "xla"
+    name, options = choose(jnp.bfloat16, 128)
+    assert name == "mixed" and options.max_position == 64  # the decode rows' table bound
     assert choose(jnp.float16, 64, 32)[0] == "mixed"
-    assert choose(jnp.bfloat16, 256, 64) == ("triton", {})  # Qwen3.5 attention
-    assert choose(jnp.float32, 128) == ("triton", {})
-    assert choose(jnp.bfloat16, 96) == ("xla", {})
+    assert choose(jnp.bfloat16, 256, 64)[0] == "triton"  # Qwen3.5 attention
+    assert choose(jnp.float32, 128)[0] == "triton"
+    assert choose(jnp.bfloat16, 96)[0] == "xla"
+
+
+from attention_test_base import CASES as SHARED_CASES, AttentionKernelTests  # noqa: E402
+from attention_test_base import pytest_generate_tests  # noqa: E402,F401 (the hook)
+
+
+class TestMixed(AttentionKernelTests):
+    """The shared kernel cases it takes (bf16/f16, head_dim 64/128), compiled or with
+    --run-slow (interpreted, each costs about as much as the Mosaic prefill's); the engine-shaped
+    cases above keep the path in the default run."""
+
+    implementation = "mixed"
+    slow_cases = tuple(c.name for c in SHARED_CASES)

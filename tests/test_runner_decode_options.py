@@ -17,16 +17,17 @@ def choices(platform="gpu", dtype=jnp.bfloat16, mcfg=LLAMA_8B, **config):
     return attention_choices(Config(**config), mcfg, dtype, platform)
 
 
-def test_gpu_default_is_triton_and_the_mosaic_decode_kernel_with_its_bound():
-    (general, _), (decode, options) = choices(max_model_len=2048)
-    assert general == "triton" and decode == "mosaic_decode"
+def test_gpu_default_is_the_mixed_path_and_the_mosaic_decode_kernel_with_its_bound():
+    (general, general_options), (decode, options) = choices(max_model_len=2048)
+    assert general == "mixed" and decode == "mosaic_decode"
+    assert general_options.max_position == 2048  # its decode rows read the same table
     assert (options.max_position, options.pages_per_step, options.stages, options.kv_group,
             options.packed) == (2048, 2, 2, 2, True)  # measured defaults, block 16 -> 32 keys
     # too long a context for an L2-sized table: the Mosaic kernel (table only) does not fit
     (_, _), (decode, options) = choices(max_model_len=TABLE_MAX_POSITION * 2)
     assert decode == "triton_decode" and options.rope == "trig" and options.max_position is None
-    (_, _), (decode, _) = choices(dtype=jnp.float32)  # f32: not a Mosaic dtype
-    assert decode == "triton_decode"
+    (general, _), (decode, _) = choices(dtype=jnp.float32)  # f32: not a Mosaic dtype
+    assert general == "triton" and decode == "triton_decode"
 
 
 def test_named_decode_kernel_gets_the_position_bound():

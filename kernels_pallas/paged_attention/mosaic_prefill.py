@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (  # noqa: F401 (re-exported)
-    _ALIGN, _HI, _LO, _MHI, _MLO, _Q0, _Q1, _SEQ, _START, BLOCK_KV, BLOCK_Q, TILE_Q, gather_kv,
+    _ALIGN, TILE_HI, TILE_LO, TILE_MHI, TILE_MLO, TILE_Q0, TILE_Q1, TILE_SEQ, TILE_START, BLOCK_KV, BLOCK_Q, TILE_Q, gather_kv,
     scatter_tails, tile_schedule)
 
 STAGES = 2  # K/V ring depth
@@ -89,9 +89,9 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
     h = lax.axis_index("h")
     t = lax.axis_index("t")
     wg = lax.axis_index("wg")
-    seq = sched_ref[t, _SEQ]
-    start = sched_ref[t, _START]
-    lo, mlo, mhi, hi = (sched_ref[t, c] for c in (_LO, _MLO, _MHI, _HI))
+    seq = sched_ref[t, TILE_SEQ]
+    start = sched_ref[t, TILE_START]
+    lo, mlo, mhi, hi = (sched_ref[t, c] for c in (TILE_LO, TILE_MLO, TILE_MHI, TILE_HI))
     n_steps = hi - lo
     head_dim = q_smem.shape[-1]
 
@@ -201,8 +201,8 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
         # Whole: all 64 rows belong to this sequence. Else the rows go to the side buffer: slot 0
         # for the sequence's first tile, 1 for its last (a tile never starts past its seq's start
         # unless it is not the first).
-        whole = (row0 >= sched_ref[t, _Q0]) & (row0 + BLOCK_Q <= sched_ref[t, _Q1])
-        side_slot = (start > sched_ref[t, _Q0]).astype(jnp.int32)
+        whole = (row0 >= sched_ref[t, TILE_Q0]) & (row0 + BLOCK_Q <= sched_ref[t, TILE_Q1])
+        side_slot = (start > sched_ref[t, TILE_Q0]).astype(jnp.int32)
 
         @pl.when(whole)
         def _():

@@ -15,7 +15,7 @@ BLOCK_KV = 128  # keys per step
 _SENTINEL = 1 << 30  # position of pad / unused key slots: after every query
 _ALIGN = 8  # query tiles start at rows that are multiples of this (TMA box / SMEM tiling)
 # Columns of the per-tile schedule (int32 [NT, 8]).
-_SEQ, _START, _LO, _MLO, _MHI, _HI, _Q0, _Q1 = range(8)
+TILE_SEQ, TILE_START, TILE_LO, TILE_MLO, TILE_MHI, TILE_HI, TILE_Q0, TILE_Q1 = range(8)
 
 
 def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_scaling: float):

@@ -17,8 +17,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas.paged_attention.mosaic_prefill import prepare, run_kernel
-from kernels_pallas.paged_attention.mosaic_prefill_prep import (_HI, _LO, _MHI, _MLO, _Q0, _Q1,
-                                                                _SEQ, _START, TILE_Q)
+from kernels_pallas.paged_attention.mosaic_prefill_prep import (TILE_HI, TILE_LO, TILE_MHI,
+                                                                TILE_MLO, TILE_Q, TILE_Q0,
+                                                                TILE_Q1, TILE_SEQ, TILE_START)
 
 MIN_STEPS = 8  # key steps (of 128 keys) per split at least
 
@@ -27,18 +28,18 @@ def split_schedule(sched, splits: int, min_steps: int = MIN_STEPS):
     """[NT, 8] tile schedule -> [NT * splits, 8] (tile-major) and a [NT * splits] bool of the
     entries that hold a key range (their partials count in the merge)."""
     n_tiles = sched.shape[0]
-    lo, hi = sched[:, _LO], sched[:, _HI]
+    lo, hi = sched[:, TILE_LO], sched[:, TILE_HI]
     steps = hi - lo
     n = jnp.clip(-(-steps // min_steps), 1, splits)  # [NT] splits used by each tile
     chunk = -(-steps // n)
     rep = jnp.repeat(sched, splits, axis=0)  # [E, 8]
     j = jnp.tile(jnp.arange(splits, dtype=jnp.int32), n_tiles)
-    a = jnp.minimum(rep[:, _LO] + j * jnp.repeat(chunk, splits), rep[:, _HI])
-    b = jnp.minimum(a + jnp.repeat(chunk, splits), rep[:, _HI])
-    mlo = jnp.clip(rep[:, _MLO], a, b)
-    mhi = jnp.maximum(mlo, jnp.clip(rep[:, _MHI], a, b))
-    used = (j < jnp.repeat(n, splits)) & (rep[:, _SEQ] >= 0)
-    out = rep.at[:, _LO].set(a).at[:, _MLO].set(mlo).at[:, _MHI].set(mhi).at[:, _HI].set(b)
+    a = jnp.minimum(rep[:, TILE_LO] + j * jnp.repeat(chunk, splits), rep[:, TILE_HI])
+    b = jnp.minimum(a + jnp.repeat(chunk, splits), rep[:, TILE_HI])
+    mlo = jnp.clip(rep[:, TILE_MLO], a, b)
+    mhi = jnp.maximum(mlo, jnp.clip(rep[:, TILE_MHI], a, b))
+    used = (j < jnp.repeat(n, splits)) & (rep[:, TILE_SEQ] >= 0)
+    out = rep.at[:, TILE_LO].set(a).at[:, TILE_MLO].set(mlo).at[:, TILE_MHI].set(mhi).at[:, TILE_HI].set(b)
     return out, used
 
 
@@ -55,8 +56,8 @@ def merge_split(part, lse, used, sched, splits: int, tokens: int):
     den = jnp.sum(w, axis=1)  # [NT, H, TQ]
     out = jnp.einsum("tjhr,tjhrd->thrd", w, part) / jnp.where(den == 0, 1.0, den)[..., None]
     tile = sched[::splits]  # [NT, 8]
-    rows = tile[:, _START, None] + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]  # [NT, TQ]
-    own = (rows >= tile[:, _Q0, None]) & (rows < tile[:, _Q1, None]) & (tile[:, _SEQ, None] >= 0)
+    rows = tile[:, TILE_START, None] + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]  # [NT, TQ]
+    own = (rows >= tile[:, TILE_Q0, None]) & (rows < tile[:, TILE_Q1, None]) & (tile[:, TILE_SEQ, None] >= 0)
     dest = jnp.where(own, rows, tokens).reshape(-1)
     rows_out = jnp.moveaxis(out, 1, 2).reshape(n_tiles * TILE_Q, heads, head_dim)
     res = jnp.zeros((tokens, heads, head_dim), jnp.float32)
