@@ -81,3 +81,32 @@ def config_from_hf(hf: dict) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos,
     )
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """ModelConfig -> an HF config.json dict that config_from_hf (and transformers) read back."""
+    r = cfg.rope
+    rope_parameters = {"rope_type": r.rope_type, "rope_theta": r.theta}
+    if r.rope_type in ("linear", "llama3"):
+        rope_parameters["factor"] = r.factor
+    if r.rope_type == "llama3":
+        rope_parameters.update(low_freq_factor=r.low_freq_factor,
+                               high_freq_factor=r.high_freq_factor,
+                               original_max_position_embeddings=r.original_max_position_embeddings)
+    eos = list(cfg.eos_token_ids)
+    return {
+        "model_type": cfg.model_type,
+        "architectures": ["MistralForCausalLM" if cfg.model_type == "mistral"
+                          else "LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        **({"sliding_window": None} if cfg.model_type == "mistral" else {}),
+    }
