@@ -20,11 +20,11 @@ from kernels_pallas.paged_attention.api import KV_MODES, paged_attention, write_
 from kernels_pallas.rope import apply_rope
 from minipic_jax.models import llama_modules as modules
 from minipic_jax.models import rope
-from minipic_jax.models.llama_config import (ARCHITECTURES, MODEL_TYPES, config_from_hf,
-                                             to_hf_config)
+from minipic_jax.models.llama_config import (ARCHITECTURES, MODEL_TYPES, _rope_from_hf,  # noqa: F401 (qwen3_5)
+                                             config_from_hf, to_hf_config)
 from minipic_jax.models.llama_hf import convert_hf, hf_tensor_names, to_hf
 from minipic_jax.models.llama_train import training_forward
-from minipic_jax.models.param_init import init_from_shapes
+from minipic_jax.models.param_init import init_from_shapes  # qwen3_5 imports it from here too
 
 __all__ = ["ARCHITECTURES", "MODEL_TYPES", "KVCache", "config_from_hf", "convert_hf", "forward",
            "fuse_params", "hf_tensor_names", "init_cache", "init_params", "param_axes",

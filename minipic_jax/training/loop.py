@@ -90,11 +90,13 @@ class Trainer:
         eos = self.cfg.eos_token_ids
         self._eos = eos[0] if eos else None
         self._examples: dict = {}
-        self.tx = make_optimizer(lr=tc.lr, total_steps=tc.steps, warmup_steps=tc.warmup_steps,
-                                 min_lr_ratio=tc.min_lr_ratio, weight_decay=tc.weight_decay,
-                                 clip_norm=tc.clip_norm, grad_accum=tc.grad_accum)
+        opt = dict(lr=tc.lr, total_steps=tc.steps, warmup_steps=tc.warmup_steps,
+                   min_lr_ratio=tc.min_lr_ratio, weight_decay=tc.weight_decay,
+                   clip_norm=tc.clip_norm, grad_accum=tc.grad_accum)
+        self.tx = make_optimizer(**opt)
         lora = tc.lora_alpha if tc.lora_rank else None
-        self.step_fn = make_train_step(self.family, self.cfg, self.tx, lora_alpha=lora,
+        self.step_fn = make_train_step(self.family, self.cfg, tuple(sorted(opt.items())),
+                                       lora_alpha=lora,
                                        compute_dtype=DTYPES[tc.compute_dtype], remat=tc.remat)
         base = self.loaded.params
         if tc.lora_rank:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from minipic_jax.training.batch import Batch
-from minipic_jax.training.optim import merge_lora
+from minipic_jax.training.optim import make_optimizer, merge_lora
 
 
 def answer_loss(logits, batch: Batch):
@@ -25,10 +25,13 @@ def answer_loss(logits, batch: Batch):
     return (nll * mask).sum() / jnp.maximum(count, 1.0), count
 
 
-def make_train_step(family, cfg, tx: optax.GradientTransformation, *, lora_alpha: float | None,
+@functools.lru_cache(maxsize=8)
+def make_train_step(family, cfg, optimizer: tuple, *, lora_alpha: float | None,
                     compute_dtype, remat: bool, attn_impl: str | None = None):
     """step(state, frozen, batch) -> (state, metrics); state donated. frozen: base params under
-    LoRA (None otherwise)."""
+    LoRA (None otherwise). optimizer: make_optimizer's keyword arguments as sorted (name, value)
+    pairs. Cached, so runs with the same arguments share one compiled step."""
+    tx = make_optimizer(**dict(optimizer))
 
     def loss_fn(trainable, frozen, batch):
         params = trainable if lora_alpha is None else merge_lora(frozen, trainable, lora_alpha)
@@ -43,7 +46,7 @@ def make_train_step(family, cfg, tx: optax.GradientTransformation, *, lora_alpha
             state["trainable"], frozen, batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["trainable"])
         trainable = optax.apply_updates(state["trainable"], updates)
-        metrics = {"loss": loss, "answer_tokens": count, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "answer_tokens": count, "grad_norm": optax.tree.norm(grads)}
         return {"trainable": trainable, "opt_state": opt_state}, metrics
 
     return step
