@@ -89,16 +89,3 @@ def test_training_forward_matches_hf_logits(name):
                                           valid, cfg=m.cfg))
     for i, want in enumerate(ref["logits"]):
         assert np.abs(logits[i, :len(want)] - want).max() <= TOL, f"prompt {i}"
-
-
-def test_bf16_compute_tracks_fp32(fresh_rng):
-    cfg = load_model("tiny_llama").cfg
-    params = llama.init_params(cfg, jax.random.key(int(fresh_rng.integers(1 << 30))))
-    markers = Markers(block_size=8, pad_token_id=511, ssep_token_id=510, pdep_token_id=509)
-    ex = [layout_example(Record(_segments(fresh_rng, 2), (5, 6)), markers, None,
-                         eos_token_id=None)]
-    b = make_batch(ex, len(ex[0].tokens))
-    args = (b.tokens, b.positions, b.windows, b.valid)
-    f32 = np.asarray(_training_forward(params, *args, cfg=cfg))
-    bf16 = _training_forward(params, *args, cfg=cfg, compute_dtype=jnp.bfloat16)
-    assert bf16.dtype == jnp.float32 and np.abs(np.asarray(bf16) - f32).max() < 0.05

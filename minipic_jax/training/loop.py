@@ -104,7 +104,9 @@ class Trainer:
             trainable = init_lora(base, tc.lora_rank, jax.random.key(tc.seed))
         else:
             self.frozen, trainable = None, base
-        self.state = {"trainable": trainable, "opt_state": self.tx.init(trainable)}
+        # committed like a restored checkpoint's arrays, so a resumed run reuses the compiled step
+        self.state = jax.device_put({"trainable": trainable, "opt_state": self.tx.init(trainable)},
+                                    jax.devices()[0])
 
     def example(self, index: int, plain: bool):
         key = (index, plain)
