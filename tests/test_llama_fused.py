@@ -48,3 +48,18 @@ def test_fuse_params_consume_deletes_only_fused_originals(fresh_rng):
     assert not wo0.is_deleted() and not params["embed"].is_deleted()
     # fusing again is a no-op on fused layers
     assert llama.fuse_params(fused)["layers"][0] is fused["layers"][0]
+
+
+def test_param_axes_come_from_the_flax_annotations_fused_too():
+    cfg = load_model(FIXTURES / LLAMA_FIXTURES[2]).cfg  # tied embeddings: no lm_head
+    params = llama.init_params(cfg, jax.random.key(0))
+    for fused, p in ((False, params), (True, llama.fuse_params(params))):
+        axes = llama.param_axes(cfg, fused=fused)
+        names = lambda a: isinstance(a, tuple) and all(isinstance(n, str) for n in a)
+        assert jax.tree.structure(axes, is_leaf=names) == jax.tree.structure(p)
+        jax.tree.map(lambda w, ax: None if w.ndim == len(ax) else pytest.fail(f"{ax} {w.shape}"),
+                     p, axes)
+    assert llama.param_axes(cfg)["layers"][0]["wk"] == ("embed", "kv_heads", "head_dim")
+    assert llama.param_axes(cfg, fused=True)["layers"][0]["wqkv"] == (
+        "embed", "qkv_heads", "head_dim")
+    assert "lm_head" not in params and llama.param_axes(cfg)["embed"] == ("vocab", "embed")
