@@ -25,6 +25,8 @@ COMMANDS = {
     "engine": ("benchmarks.engine_bench",
                "paged engine: decode step vs memory floor, host share, compiles over a 1000-request run"),
     "write-kv": ("benchmarks.write_kv_bench", "K/V cache write of one layer: unique-index scatter vs plain"),
+    "block-ft": ("benchmarks.block_ft_bench",
+                 "synthetic multi-document retrieval: full attention vs Block-Attention vs block FT"),
     "train": ("benchmarks.train_bench",
               "block fine-tuning step at a ~1B Llama shape: tokens/s and MFU vs a measured matmul"),
 }

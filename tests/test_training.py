@@ -63,9 +63,8 @@ def test_untrainable_family_and_overlong_records_are_refused(tmp_path):
     cfg = _config(tmp_path, 0, model=str(FIXTURES / "qwen3_5_tied"))
     with pytest.raises(ValueError, match="cannot be trained"):
         Trainer(cfg)
-    trainer = Trainer(_config(tmp_path, 0, seq_len=16))
     with pytest.raises(ValueError, match=r"d\.jsonl: record \d+ lays out to \d+ tokens.*seq_len"):
-        trainer.run()
+        Trainer(_config(tmp_path, 0, seq_len=16))
     assert train_cli(["--model", "tiny_llama", "--data", str(tmp_path / "none.jsonl"), "--out",
                       str(tmp_path / "o"), "--no-progress"]) == 2
 

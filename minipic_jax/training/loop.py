@@ -104,6 +104,8 @@ class Trainer:
             trainable = init_lora(base, tc.lora_rank, jax.random.key(tc.seed))
         else:
             self.frozen, trainable = None, base
+        for i in range(len(self.records)):  # every record laid out (and checked) before any work
+            self.example(i, plain=tc.plain_fraction >= 1.0)  # the longest layout in use
         # committed like a restored checkpoint's arrays, so a resumed run reuses the compiled step
         self.state = jax.device_put({"trainable": trainable, "opt_state": self.tx.init(trainable)},
                                     jax.devices()[0])
