@@ -79,23 +79,11 @@ def _standins():
 
 
 def _unfuse(params, cfg):
-    import dataclasses
-
     import jax
 
     from minipic_jax.models import llama
-    h, k, f = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-
-    @jax.jit
-    def one(lp):
-        if isinstance(lp, llama.LayerParams):
-            return lp
-        return llama.LayerParams(
-            attn_norm=lp.attn_norm, wq=lp.wqkv[:, :h], wk=lp.wqkv[:, h:h + k],
-            wv=lp.wqkv[:, h + k:], wo=lp.wo, mlp_norm=lp.mlp_norm, w_gate=lp.w_gate_up[:, :f],
-            w_up=lp.w_gate_up[:, f:], w_down=lp.w_down)
-
-    return dataclasses.replace(params, layers=tuple(one(lp) for lp in params.layers))
+    del cfg
+    return jax.jit(llama.unfuse_params)(params)
 
 
 def _gemm_chain(params, x, cfg):
@@ -105,22 +93,22 @@ def _gemm_chain(params, x, cfg):
 
     from minipic_jax.models import llama
     h, k, f = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    for lp in params.layers:
-        if isinstance(lp, llama.FusedLayerParams):
-            qkv = jnp.einsum("te,end->tnd", x, lp.wqkv)
+    for lp in params["layers"]:
+        if "wqkv" in lp:
+            qkv = jnp.einsum("te,end->tnd", x, lp["wqkv"])
             q = qkv[:, :h] + jnp.repeat(qkv[:, h:h + k] + qkv[:, h + k:], h // k, axis=1)
-            x = x + jnp.einsum("thd,hde->te", q, lp.wo)
-            gu = jnp.einsum("te,ef->tf", x, lp.w_gate_up)
-            x = x + jnp.einsum("tf,fe->te", jax.nn.silu(gu[:, :f]) * gu[:, f:], lp.w_down)
+            x = x + jnp.einsum("thd,hde->te", q, lp["wo"])
+            gu = jnp.einsum("te,ef->tf", x, lp["w_gate_up"])
+            x = x + jnp.einsum("tf,fe->te", jax.nn.silu(gu[:, :f]) * gu[:, f:], lp["w_down"])
         else:
-            q = jnp.einsum("te,ehd->thd", x, lp.wq)
-            kv = jnp.einsum("te,ekd->tkd", x, lp.wk) + jnp.einsum("te,ekd->tkd", x, lp.wv)
+            q = jnp.einsum("te,ehd->thd", x, lp["wq"])
+            kv = jnp.einsum("te,ekd->tkd", x, lp["wk"]) + jnp.einsum("te,ekd->tkd", x, lp["wv"])
             q = q + jnp.repeat(kv, h // k, axis=1)
-            x = x + jnp.einsum("thd,hde->te", q, lp.wo)
-            g = jnp.einsum("te,ef->tf", x, lp.w_gate)
-            u = jnp.einsum("te,ef->tf", x, lp.w_up)
-            x = x + jnp.einsum("tf,fe->te", jax.nn.silu(g) * u, lp.w_down)
-    head = params.embed.T if params.lm_head is None else params.lm_head
+            x = x + jnp.einsum("thd,hde->te", q, lp["wo"])
+            g = jnp.einsum("te,ef->tf", x, lp["w_gate"])
+            u = jnp.einsum("te,ef->tf", x, lp["w_up"])
+            x = x + jnp.einsum("tf,fe->te", jax.nn.silu(g) * u, lp["w_down"])
+    head = params["embed"].T if "lm_head" not in params else params["lm_head"]
     logits = jnp.einsum("ne,ev->nv", x, head, preferred_element_type=jnp.float32)
     return jnp.argmax(logits, axis=-1)
 
@@ -185,7 +173,7 @@ def run_breakdown(engine, args) -> dict:
         print(f"  {name:18s} blocked {timing['blocked_ms']:7.2f} ms  pipelined "
               f"{timing['pipelined_ms']:7.2f} ms  {note}", flush=True)
 
-    fused = any(isinstance(lp, llama.FusedLayerParams) for lp in r.params.layers)
+    fused = any("wqkv" in lp for lp in r.params["layers"])
     print(f"breakdown (batch {args.batch}, ctx {args.ctx}, runner weights "
           f"{'fused' if fused else 'unfused'}):", flush=True)
     record("step", _timed(stepper(r._step, r.params, ints)))
@@ -206,14 +194,14 @@ def run_breakdown(engine, args) -> dict:
             record("no_attn_write", _timed(stepper(fresh_step(), r.params, ints)),
                    "attention and K/V write removed")
     x = (0.5 * jax.random.normal(jax.random.key(3), (kw["s"], cfg.hidden_size))).astype(
-        r.params.embed.dtype)
+        r.params["embed"].dtype)
     chain = jax.jit(functools.partial(_gemm_chain, cfg=cfg))
     record("gemm_chain", _timed(lambda: chain(r.params, x)), "weight GEMMs + lm_head only")
     if fused and not lite:
         record("gemm_chain_unfused", _timed(lambda: chain(unfused, x)))
     del unfused
-    read = [w for w in jax.tree.leaves(r.params) if w is not r.params.embed or
-            r.params.lm_head is None]
+    read = [w for w in jax.tree.leaves(r.params) if w is not r.params["embed"] or
+            "lm_head" not in r.params]
     nbytes = sum(w.nbytes for w in read)
     summed = jax.jit(lambda ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))
     t = _timed(lambda: summed(read))
@@ -222,7 +210,7 @@ def run_breakdown(engine, args) -> dict:
     if lite:
         r.cache = state["cache"]
         return res
-    head = r.params.embed.T if r.params.lm_head is None else r.params.lm_head
+    head = r.params["embed"].T if "lm_head" not in r.params else r.params["lm_head"]
     sm = smp.SamplingMetadata(
         temperature=jnp.full((kw["s"],), 0.8), top_k=jnp.full((kw["s"],), 50, jnp.int32),
         top_p=jnp.full((kw["s"],), 0.9), seed=jnp.arange(kw["s"], dtype=jnp.uint32),
@@ -236,8 +224,8 @@ def run_breakdown(engine, args) -> dict:
         return smp.sample(logits, sm, all_greedy=True, use_filter=False, num_logprobs=0)
 
     hf = jax.jit(head_fn, static_argnames="old")
-    record("lm_head_sample", _timed(lambda: hf(x, head, r.params.final_norm, False)))
-    record("lm_head_sample_old", _timed(lambda: hf(x, head, r.params.final_norm, True)),
+    record("lm_head_sample", _timed(lambda: hf(x, head, r.params["final_norm"], False)))
+    record("lm_head_sample_old", _timed(lambda: hf(x, head, r.params["final_norm"], True)),
            "previous greedy path (full log_softmax)")
     logits = jax.random.normal(jax.random.key(4), (kw["s"], cfg.vocab_size), jnp.float32) * 3
     modes = {"greedy": (True, False, 0), "temperature": (False, False, 0),

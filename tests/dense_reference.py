@@ -44,17 +44,20 @@ def _rope(x, pos, theta):
 def reference_logprobs(params, cfg, kept, win):
     """log-softmax over the vocab for every kept token position: [n, V] float64."""
     f = lambda a: np.asarray(a, np.float64)
+    if any("wqkv" in lp for lp in params["layers"]):  # the engine runs fused weights
+        from minipic_jax.models.llama import unfuse_params
+        params = unfuse_params(params)
     n = len(kept)
     pos = np.arange(n, dtype=np.float64)
-    x = f(params.embed)[np.asarray(kept)]
+    x = f(params["embed"])[np.asarray(kept)]
     q_i, k_i = np.arange(n)[:, None], np.arange(n)[None, :]
     mask = (k_i <= q_i) & (k_i >= np.asarray(win)[:, None])
     group = cfg.num_heads // cfg.num_kv_heads
-    for lp in params.layers:
-        h = _rms(x, f(lp.attn_norm), cfg.rms_norm_eps)
-        q = _rope(np.einsum("te,ehd->thd", h, f(lp.wq)), pos, cfg.rope.theta)
-        k = _rope(np.einsum("te,ekd->tkd", h, f(lp.wk)), pos, cfg.rope.theta)
-        v = np.einsum("te,ekd->tkd", h, f(lp.wv))
+    for lp in params["layers"]:
+        h = _rms(x, f(lp["attn_norm"]), cfg.rms_norm_eps)
+        q = _rope(np.einsum("te,ehd->thd", h, f(lp["wq"])), pos, cfg.rope.theta)
+        k = _rope(np.einsum("te,ekd->tkd", h, f(lp["wk"])), pos, cfg.rope.theta)
+        v = np.einsum("te,ekd->tkd", h, f(lp["wv"]))
         k = np.repeat(k, group, axis=1)
         v = np.repeat(v, group, axis=1)
         s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(cfg.head_dim)
@@ -62,12 +65,12 @@ def reference_logprobs(params, cfg, kept, win):
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         a = np.einsum("hqk,khd->qhd", p, v)
-        x = x + np.einsum("thd,hde->te", a, f(lp.wo))
-        h = _rms(x, f(lp.mlp_norm), cfg.rms_norm_eps)
-        g = h @ f(lp.w_gate)
-        x = x + ((g / (1 + np.exp(-g))) * (h @ f(lp.w_up))) @ f(lp.w_down)
-    x = _rms(x, f(params.final_norm), cfg.rms_norm_eps)
-    head = f(params.embed).T if params.lm_head is None else f(params.lm_head)
+        x = x + np.einsum("thd,hde->te", a, f(lp["wo"]))
+        h = _rms(x, f(lp["mlp_norm"]), cfg.rms_norm_eps)
+        g = h @ f(lp["w_gate"])
+        x = x + ((g / (1 + np.exp(-g))) * (h @ f(lp["w_up"]))) @ f(lp["w_down"])
+    x = _rms(x, f(params["final_norm"]), cfg.rms_norm_eps)
+    head = f(params["embed"]).T if "lm_head" not in params else f(params["lm_head"])
     logits = x @ head
     m = logits.max(-1, keepdims=True)
     return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))

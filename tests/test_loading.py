@@ -156,8 +156,8 @@ def test_bf16_checkpoint_loads(tmp_path):
     m = load_model(folder, dtype="bfloat16")
     want = tensors["model.layers.0.self_attn.q_proj.weight"]  # [H*D, E]
     e, h, d = m.cfg.hidden_size, m.cfg.num_heads, m.cfg.head_dim
-    np.testing.assert_array_equal(np.asarray(m.params.layers[0].wq), want.T.reshape(e, h, d))
-    assert m.params.embed.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(m.params["layers"][0]["wq"]), want.T.reshape(e, h, d))
+    assert m.params["embed"].dtype == jnp.bfloat16
 
 
 def test_old_style_rope_scaling_config_parses_the_same():
@@ -185,7 +185,7 @@ def test_orbax_cache_round_trip_and_invalidation(tmp_path):
     bf = load_model(folder, cache_dir=cache, dtype="bfloat16")
     assert not bf.from_cache
     bf2 = load_model(folder, cache_dir=cache, dtype="bfloat16")
-    assert bf2.from_cache and bf2.params.embed.dtype == jnp.bfloat16
+    assert bf2.from_cache and bf2.params["embed"].dtype == jnp.bfloat16
     # changed weights invalidate the entry
     tensors = _tensors(folder)
     tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
@@ -194,8 +194,8 @@ def test_orbax_cache_round_trip_and_invalidation(tmp_path):
     os.utime(folder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     third = load_model(folder, cache_dir=cache)
     assert not third.from_cache
-    np.testing.assert_array_equal(np.asarray(third.params.final_norm),
-                                  2 * np.asarray(first.params.final_norm))
+    np.testing.assert_array_equal(np.asarray(third.params["final_norm"]),
+                                  2 * np.asarray(first.params["final_norm"]))
 
 
 # ----------------------------------------------------------------------------- presets
@@ -206,7 +206,7 @@ def test_presets_are_deterministic_and_shaped():
     b = load_model("tiny_llama", seed=3)
     c = load_model("TINY-LLAMA", seed=4)
     assert _equal(a.params, b.params) and not _equal(a.params, c.params)
-    assert a.params.embed.shape == (512, 64)
+    assert a.params["embed"].shape == (512, 64)
     for name, cfg in PRESETS.items():
         assert get_preset(name) is cfg
     assert get_preset("llama3.1-8b") == get_preset("tulu3_block_ft")
