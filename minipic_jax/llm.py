@@ -24,7 +24,8 @@ class LLM:
         kv_mode ("position_free" | "rotated" | "pic_off"), scheduling_policy ("fcfs" | "barrier" |
         "isps"), cpu_offload_gb, pad_token_id / ssep_token_id / pdep_token_id (defaults: Llama-3
         vocab -> 128004 / 128002 / 128003; any other vocab: its three highest non-BOS/EOS ids),
-        hash_algo.
+        hash_algo, tensor_parallel_size (split the model over that many devices:
+        serving/sharding.py).
     """
 
     def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0, **engine_args: Any):

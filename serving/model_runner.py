@@ -15,6 +15,7 @@ dispatched before step N's tokens reach the host (`launch` now, `fetch` later).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from minipic_jax.models.interface import RecurrentMetadata
+from serving import sharding
 from serving.kv_pool import allocate_pool
 from serving.sampler import SamplingMetadata, sample
 
@@ -57,7 +59,17 @@ class ModelRunner:
         self.family = loaded.family
         self.mcfg = loaded.cfg
         fuse = getattr(loaded.family, "fuse_params", None)
-        if config.fuse_weights and fuse is not None:
+        tp = config.tensor_parallel_size
+        self.mesh = None
+        if tp > 1:  # Megatron split by logical axes (serving/sharding.py), weights unfused
+            self.mesh = sharding.make_mesh(tp)
+            copies = sharding.kv_replication(loaded.cfg, tp)
+            axes = loaded.family.param_axes(loaded.cfg)
+            loaded.params = sharding.shard_params(
+                sharding.replicate_kv_heads(loaded.params, axes, copies), axes, self.mesh)
+            if copies > 1:  # the engine's view: tp KV heads (pool and kernels)
+                self.mcfg = dataclasses.replace(self.mcfg, num_kv_heads=tp)
+        elif config.fuse_weights and fuse is not None:
             # one layer at a time, originals deleted as they are fused (peak: one extra layer)
             params, loaded.params = loaded.params, None
             loaded.params = fuse(params, consume=True)
@@ -67,9 +79,14 @@ class ModelRunner:
         self.nb = config.max_blocks_per_seq
         seats = config.num_seats
         self.scratch_slot = seats  # recurrent slot for padding rows
+        def make_cache(n):
+            def make():
+                return self.family.init_cache(self.mcfg, n, config.block_size, seats + 1, dtype)
+            if self.mesh is None:
+                return make()
+            return sharding.init_sharded(make, self.family.cache_axes(self.mcfg), self.mesh)
         self.cache, self.num_blocks = allocate_pool(
-            lambda n: self.family.init_cache(self.mcfg, n, config.block_size, seats + 1, dtype),
-            num_blocks, may_shrink=config.num_kv_blocks is None)
+            make_cache, num_blocks, may_shrink=config.num_kv_blocks is None)
         self.kv_mode = "rotated" if config.kv_mode == "rotated" else "position_free"
         self.h_tables = np.zeros((seats, self.nb), np.int32)
         self.h_pos_start = np.zeros((seats, self.nb), np.int32)
@@ -90,7 +107,14 @@ class ModelRunner:
         return self._step._cache_size()
 
     # -- device --------------------------------------------------------------------------------
-    def _step_impl(self, params, cache, ints, floats, prev=None, *, t, s, all_greedy, use_filter,
+    def _step_impl(self, params, cache, ints, floats, prev=None, **kw):
+        if self.mesh is None:
+            return self._step_body(params, cache, ints, floats, prev, **kw)
+        # the kernels run per head shard under this mesh (kernels_pallas/sharding.py)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return self._step_body(params, cache, ints, floats, prev, **kw)
+
+    def _step_body(self, params, cache, ints, floats, prev=None, *, t, s, all_greedy, use_filter,
                    num_logprobs, decode_only=False):
         spec, _ = _layout(t, s, self.nb)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)

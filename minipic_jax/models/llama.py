@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig, RopeConfig
-from kernels_pallas.paged_attention.api import KV_MODES, paged_attention, write_kv
+from kernels_pallas.paged_attention.api import KV_MODES
+from kernels_pallas.sharding import paged_attention, write_kv  # per head shard under TP
 from kernels_pallas.rope import apply_rope
 from minipic_jax.models import layers, rope
 from minipic_jax.models.hf_weights import take
@@ -289,6 +290,12 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, max_num_seqs: i
     shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+def cache_axes(cfg: ModelConfig) -> KVCache:
+    """Logical axis names per cache array (init_cache's structure)."""
+    kv = ("pages", "page", "kv_heads", "head_dim")
+    return KVCache(k=(kv,) * cfg.num_layers, v=(kv,) * cfg.num_layers)
 
 
 def _swiglu_fused(x, w_gate_up, w_down):

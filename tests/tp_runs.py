@@ -1,0 +1,65 @@
+"""Subprocess half of tests/test_tensor_parallel.py (not a test module: it needs
+XLA_FLAGS=--xla_force_host_platform_device_count set before JAX starts, which the test does).
+
+    python -m tests.tp_runs FIXTURE TP[,TP...]   -> one JSON line on stdout
+
+For each tensor_parallel_size: greedy generation with logprobs over the fixture's HF prompts
+and a few structured prompts that repeat SSEP spans (prefix-cache hits, position-free KV);
+plus the parameter / KV-pool shardings and the collectives in the compiled step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import numpy as np
+
+from minipic_jax import LLM, Prompt, SamplingParams, Span, build_prompt
+from tests.conftest import FIXTURES
+
+MAX_TOKENS = 6
+
+
+def _prompts(llm, ref) -> list:
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 250, 20).tolist() for _ in range(2)]
+    structured = [build_prompt([Prompt([1, 2, 3]), Span(docs[i % 2]), Span(docs[(i + 1) % 2]),
+                                Prompt(rng.integers(0, 250, 3).tolist())], block_size=16,
+                               **llm.llm_engine.markers) for i in range(3)]
+    hf = [ref[k].tolist() for k in sorted(ref.files) if k.startswith("prompt_")]
+    return hf, structured
+
+
+def run(name: str, tp: int) -> dict:
+    ref = np.load(FIXTURES / name / "reference.npz")
+    llm = LLM(str(FIXTURES / name), dtype="float32", seed=0, max_num_seqs=4,
+              max_num_batched_tokens=32, min_token_bucket=32, max_model_len=192, block_size=16,
+              num_kv_blocks=64, tensor_parallel_size=tp)
+    hf, structured = _prompts(llm, ref)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+    outs = llm.generate(hf + structured, sp, use_tqdm=False)
+    runner = llm.llm_engine.runner
+    ints, floats, kw = runner.last_inputs
+    args = (runner.params, runner.cache, ints, floats) + (
+        (runner._prev(),) if llm.config.async_scheduling else ())
+    hlo = runner._step.lower(*args, **kw).compile().as_text()
+    kv = runner.cache.k[0]
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                     for o in outs],
+        "hf_greedy": [ref[f"greedy_{i}"].tolist()[:MAX_TOKENS] for i in range(len(hf))],
+        "cached": [o.num_cached_tokens for o in outs[len(hf):]],
+        "kv_spec": [str(a) for a in kv.sharding.spec] if tp > 1 else [],
+        "kv_shard_shape": list(kv.sharding.shard_shape(kv.shape)),
+        "kv_shape": list(kv.shape),
+        "all_reduces": len(re.findall(r" all-reduce\(", hlo)),
+        "all_gather_shapes": re.findall(r"= (\S+) all-gather\(", hlo),
+    }
+
+
+if __name__ == "__main__":
+    fixture, sizes = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
+    print(json.dumps({tp: run(fixture, tp) for tp in sizes}))
