@@ -1,7 +1,7 @@
 """Subprocess half of tests/test_tensor_parallel.py (not a test module: it needs
 XLA_FLAGS=--xla_force_host_platform_device_count set before JAX starts, which the test does).
 
-    python -m tests.tp_runs FIXTURE TP[,TP...]   -> one JSON line on stdout
+    python -m tests.tp_runs FIXTURE TP[,TP...] [--errors]   -> one JSON line on stdout
 
 For each tensor_parallel_size: greedy generation with logprobs over the fixture's HF prompts
 and a few structured prompts that repeat SSEP spans (prefix-cache hits, position-free KV);
@@ -41,10 +41,12 @@ def run(name: str, tp: int) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
     outs = llm.generate(hf + structured, sp, use_tqdm=False)
     runner = llm.llm_engine.runner
-    ints, floats, kw = runner.last_inputs
-    args = (runner.params, runner.cache, ints, floats) + (
-        (runner._prev(),) if llm.config.async_scheduling else ())
-    hlo = runner._step.lower(*args, **kw).compile().as_text()
+    hlo = ""
+    if tp > 1:  # the last step, compiled again for its text (TP=1 has no collectives)
+        ints, floats, kw = runner.last_inputs
+        args = (runner.params, runner.cache, ints, floats) + (
+            (runner._prev(),) if llm.config.async_scheduling else ())
+        hlo = runner._step.lower(*args, **kw).compile().as_text()
     kv = runner.cache.k[0]
     return {
         "tokens": [o.outputs[0].token_ids for o in outs],
@@ -60,6 +62,21 @@ def run(name: str, tp: int) -> dict:
     }
 
 
+def errors(name: str) -> list[str]:
+    """The ValueError of each size the fixture cannot be split over (3 heads; 8 > 4 devices)."""
+    out = []
+    for tp in (3, 8):
+        try:
+            LLM(str(FIXTURES / name), num_kv_blocks=8, max_model_len=64, tensor_parallel_size=tp)
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
 if __name__ == "__main__":
     fixture, sizes = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
-    print(json.dumps({tp: run(fixture, tp) for tp in sizes}))
+    result = {tp: run(fixture, tp) for tp in sizes}
+    if "--errors" in sys.argv:
+        result["errors"] = errors(fixture)
+    print(json.dumps(result))
