@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from minipic_jax.loading import load_model
@@ -11,6 +13,17 @@ from minipic_jax.prompts import build_prompt, is_structured
 from minipic_jax.sampling_params import SamplingParams
 from serving.config import Config
 from serving.llm_engine import LLMEngine
+
+
+def _host_device_if_sharded(tensor_parallel_size: int):
+    """Under tensor parallelism the weights load into host memory; the engine then sends each
+    device only its shards (no full copy of the model on one accelerator)."""
+    if tensor_parallel_size <= 1:
+        return contextlib.nullcontext()
+    try:
+        return jax.default_device(jax.devices("cpu")[0])
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu): load on the default
+        return contextlib.nullcontext()
 
 
 class LLM:
@@ -29,7 +42,8 @@ class LLM:
     """
 
     def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0, **engine_args: Any):
-        loaded = load_model(model, dtype=dtype, seed=seed)
+        with _host_device_if_sharded(engine_args.get("tensor_parallel_size", 1)):
+            loaded = load_model(model, dtype=dtype, seed=seed)
         if "max_model_len" not in engine_args:
             engine_args["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)
         self.config = Config(**engine_args)
