@@ -1,7 +1,7 @@
 """Subprocess half of tests/test_tensor_parallel.py (not a test module: it needs
 XLA_FLAGS=--xla_force_host_platform_device_count set before JAX starts, which the test does).
 
-    python -m tests.tp_runs FIXTURE TP[,TP...] [--errors]   -> one JSON line on stdout
+    python -m tests.tp_runs FIXTURE TP[,TP...] [--errors] [--checkpoints]   -> one JSON line
 
 For each tensor_parallel_size: greedy generation with logprobs over the fixture's HF prompts
 and a few structured prompts that repeat SSEP spans (prefix-cache hits, position-free KV);
@@ -62,6 +62,51 @@ def run(name: str, tp: int) -> dict:
     }
 
 
+def checkpoints(name: str, tp: int) -> dict:
+    """A hybrid's recurrent checkpoints (forward_with_checkpoints at chunk-aligned positions of
+    the fixture's 150-token prompt) and final states, placed as the engine places them."""
+    import contextlib
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from minipic_jax.loading import load_model
+    from minipic_jax.models import testing
+    from serving import sharding
+    lm = load_model(str(FIXTURES / name))
+    prompt = np.load(FIXTURES / name / "reference.npz")["prompt_2"].astype(np.int32)
+    pager = testing.SimplePager(1, len(prompt) + 8, 16, seed=1)
+    cfg, params, mesh = lm.cfg, lm.params, None
+    if tp > 1:
+        mesh = sharding.make_mesh(tp)
+        copies = sharding.kv_replication(cfg, tp)
+        axes = lm.family.param_axes(cfg)
+        params = sharding.shard_params(sharding.replicate_kv_heads(params, axes, copies), axes,
+                                       mesh)
+        cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * copies)
+
+    def make():
+        return lm.family.init_cache(cfg, pager.num_pages, 16, 1, jnp.float32)
+    cache = make() if mesh is None else sharding.init_sharded(make, lm.family.cache_axes(cfg),
+                                                              mesh)
+    md, _, total = pager.step([len(prompt)])
+    tokens = np.zeros(md.num_tokens, np.int32)
+    tokens[:total] = prompt
+
+    def fwd(params, tokens, md, cache, ck):
+        ctx = (contextlib.nullcontext() if mesh is None
+               else jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+        with ctx:
+            return lm.family.forward_with_checkpoints(params, tokens, md, cache, cfg,
+                                                      checkpoint_at=ck)
+    _, cache, cks = jax.jit(fwd)(params, jnp.asarray(tokens), md, cache,
+                                 jnp.asarray([[64, 128]], jnp.int32))
+    return {"ck_delta": np.asarray(cks["delta"]).tolist(),
+            "ck_conv": np.asarray(cks["conv"]).tolist(),
+            "final_delta": np.stack([np.asarray(d[0]) for d in cache.delta]).tolist()}
+
+
 def errors(name: str) -> list[str]:
     """The ValueError of each size the fixture cannot be split over (3 heads; 8 > 4 devices)."""
     out = []
@@ -79,4 +124,6 @@ if __name__ == "__main__":
     result = {tp: run(fixture, tp) for tp in sizes}
     if "--errors" in sys.argv:
         result["errors"] = errors(fixture)
+    if "--checkpoints" in sys.argv:
+        result["checkpoints"] = {tp: checkpoints(fixture, tp) for tp in sizes}
     print(json.dumps(result))
