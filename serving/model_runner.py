@@ -26,7 +26,7 @@ import numpy as np
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from minipic_jax.models.interface import RecurrentMetadata
 from serving import sharding
-from serving.kv_pool import allocate_pool
+from serving.kv_pool import allocate_pool, default_num_blocks
 from serving.sampler import SamplingMetadata, sample
 
 _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
@@ -69,6 +69,8 @@ class ModelRunner:
                 sharding.replicate_kv_heads(loaded.params, axes, copies), axes, self.mesh)
             if copies > 1:  # the engine's view: tp KV heads (pool and kernels)
                 self.mcfg = dataclasses.replace(self.mcfg, num_kv_heads=tp)
+            if config.num_kv_blocks is None:  # size the pool now that the weights are placed
+                num_blocks = default_num_blocks(config, loaded.cfg, dtype)
         elif config.fuse_weights and fuse is not None:
             # one layer at a time, originals deleted as they are fused (peak: one extra layer)
             params, loaded.params = loaded.params, None
