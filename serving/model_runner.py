@@ -15,7 +15,6 @@ dispatched before step N's tokens reach the host (`launch` now, `fetch` later).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
@@ -62,13 +61,7 @@ class ModelRunner:
         tp = config.tensor_parallel_size
         self.mesh = None
         if tp > 1:  # Megatron split by logical axes (serving/sharding.py), weights unfused
-            self.mesh = sharding.make_mesh(tp)
-            copies = sharding.kv_replication(loaded.cfg, tp)
-            axes = loaded.family.param_axes(loaded.cfg)
-            loaded.params = sharding.shard_params(
-                sharding.replicate_kv_heads(loaded.params, axes, copies), axes, self.mesh)
-            if copies > 1:  # the engine's view: tp KV heads (pool and kernels)
-                self.mcfg = dataclasses.replace(self.mcfg, num_kv_heads=tp)
+            self.mesh, self.mcfg = sharding.place_model(loaded, tp)
             if config.num_kv_blocks is None:  # size the pool now that the weights are placed
                 num_blocks = default_num_blocks(config, loaded.cfg, dtype)
         elif config.fuse_weights and fuse is not None:
@@ -81,12 +74,14 @@ class ModelRunner:
         self.nb = config.max_blocks_per_seq
         seats = config.num_seats
         self.scratch_slot = seats  # recurrent slot for padding rows
+
         def make_cache(n):
             def make():
                 return self.family.init_cache(self.mcfg, n, config.block_size, seats + 1, dtype)
             if self.mesh is None:
                 return make()
             return sharding.init_sharded(make, self.family.cache_axes(self.mcfg), self.mesh)
+
         self.cache, self.num_blocks = allocate_pool(
             make_cache, num_blocks, may_shrink=config.num_kv_blocks is None)
         self.kv_mode = "rotated" if config.kv_mode == "rotated" else "position_free"

@@ -11,6 +11,8 @@ projection. The kernels run per shard under `shard_map` (kernels_pallas/sharding
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -114,6 +116,22 @@ def shard_params(params, axes_tree, mesh: Mesh):
     """Params placed per their logical axes (each array's source is freed once moved)."""
     target = shardings(params, axes_tree, mesh)
     return jax.tree.map(lambda x, s: jax.device_put(x, s, donate=True), params, target)
+
+
+def place_model(loaded, tensor_parallel_size: int):
+    """Mesh over `tensor_parallel_size` devices and `loaded.params` placed on it (KV heads
+    replicated when the size is a multiple of them). Returns (mesh, model config as the engine
+    sees it: num_kv_heads = the heads its pool and kernels hold)."""
+    mesh = make_mesh(tensor_parallel_size)
+    copies = kv_replication(loaded.cfg, tensor_parallel_size)
+    axes = loaded.family.param_axes(loaded.cfg)
+    params, loaded.params = loaded.params, None
+    loaded.params = shard_params(replicate_kv_heads(params, axes, copies), axes, mesh)
+    del params
+    mcfg = loaded.cfg
+    if copies > 1:
+        mcfg = dataclasses.replace(mcfg, num_kv_heads=mcfg.num_kv_heads * copies)
+    return mesh, mcfg
 
 
 def init_sharded(make, axes_tree, mesh: Mesh):

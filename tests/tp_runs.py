@@ -66,7 +66,6 @@ def checkpoints(name: str, tp: int) -> dict:
     """A hybrid's recurrent checkpoints (forward_with_checkpoints at chunk-aligned positions of
     the fixture's 150-token prompt) and final states, placed as the engine places them."""
     import contextlib
-    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -77,14 +76,10 @@ def checkpoints(name: str, tp: int) -> dict:
     lm = load_model(str(FIXTURES / name))
     prompt = np.load(FIXTURES / name / "reference.npz")["prompt_2"].astype(np.int32)
     pager = testing.SimplePager(1, len(prompt) + 8, 16, seed=1)
-    cfg, params, mesh = lm.cfg, lm.params, None
-    if tp > 1:
-        mesh = sharding.make_mesh(tp)
-        copies = sharding.kv_replication(cfg, tp)
-        axes = lm.family.param_axes(cfg)
-        params = sharding.shard_params(sharding.replicate_kv_heads(params, axes, copies), axes,
-                                       mesh)
-        cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * copies)
+    cfg, mesh = lm.cfg, None
+    if tp > 1:  # as the engine places them
+        mesh, cfg = sharding.place_model(lm, tp)
+    params = lm.params
 
     def make():
         return lm.family.init_cache(cfg, pager.num_pages, 16, 1, jnp.float32)
