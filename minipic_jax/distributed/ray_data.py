@@ -1,12 +1,18 @@
 """Data parallelism on Ray Data: `LLM` replicas as an actor pool over a dataset of prompts.
 
-Needs the optional extra: `pip install -e ".[ray]"`. The recipe (vLLM's for offline batch jobs):
+Needs the optional extra: `pip install -e ".[ray]"`. The recipe (vLLM's for offline batch jobs),
+with span-aware routing (prompts: token ids with markers and pads placed, e.g. `build_prompt`;
+markers: the engine's `llm_engine.markers`, `serving.config.default_marker_ids` for a vocabulary):
 
     import ray
-    from minipic_jax.distributed.ray_data import prompts_dataset, generate_dataset
-    ds = prompts_dataset(prompt_token_ids, replicas=routes)   # routes: optional, see below
-    out = generate_dataset(ds, model="tiny_llama", num_replicas=4,
-                           llm_kwargs={"max_num_seqs": 64}, sampling={"max_tokens": 32})
+    from minipic_jax.distributed import routing
+    from minipic_jax.distributed.ray_data import generate_dataset, prompts_dataset
+    ray.init()
+    spans = [routing.span_keys(p, block_size=16, markers=markers) for p in prompts]
+    routes = routing.route_by_spans(spans, 4, loads=[len(p) for p in prompts])
+    ds = prompts_dataset(prompts, replicas=routes, order=routing.affinity_order(spans, routes))
+    out = generate_dataset(ds, model="llama3_8b", num_replicas=4, num_gpus=1,
+                           llm_kwargs={"block_size": 16}, sampling={"max_tokens": 32})
     rows = sorted(out.take_all(), key=lambda r: r["id"])
 
 Every actor builds one `LLM` once (Ray Data's callable-class actor pool, `concurrency` actors)
