@@ -65,6 +65,8 @@ def add_parser(p):
                         " 'lite': step, 1 block, GEMM chain and weight read only)")
     p.add_argument("--out", default=os.environ.get("OUT", "."),
                    help="folder for the JSON results (default: $OUT or the current folder)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices the model is split over (Config.tensor_parallel_size)")
     p.add_argument("--host-only", action="store_true",
                    help="CPU host-path profile: the R-request run with the jitted step stubbed out "
                         "(schedule / build / post timed, no device work; use a tiny --model)")
@@ -177,7 +179,7 @@ def run_host_only(args) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.ctx + 64,
               block_size=bs, num_kv_blocks=args.batch * (-(-(args.ctx + 64) // bs)) + 64,
               min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl,
-              async_scheduling=not args.no_async)
+              async_scheduling=not args.no_async, tensor_parallel_size=args.tensor_parallel_size)
     engine = llm.llm_engine
     engine.runner._step = _StubStep(engine.vocab_size)
     rng = np.random.default_rng(0)
@@ -238,7 +240,8 @@ def run(args) -> int:
     monitoring.register_event_duration_secs_listener(on_event)
     res = {"device": str(jax.devices()[0].device_kind), "model": args.model, "dtype": args.dtype,
            "batch": args.batch, "ctx": args.ctx, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "fuse_weights": not args.no_fuse, "async_scheduling": not args.no_async}
+           "fuse_weights": not args.no_fuse, "async_scheduling": not args.no_async,
+           "tensor_parallel_size": args.tensor_parallel_size}
     t0 = time.perf_counter()
     res["copy_rate_GBps"] = _copy_rate(args.copy_gb) / 1e9
     print(f"copy rate: {res['copy_rate_GBps']:.0f} GB/s", flush=True)
@@ -250,7 +253,7 @@ def run(args) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
               block_size=bs, num_kv_blocks=args.batch * nb_per_seq + 64,
               min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl,
-              write_kv_impl=args.write_impl,
+              write_kv_impl=args.write_impl, tensor_parallel_size=args.tensor_parallel_size,
               decode_attn_impl=args.decode_impl,
               decode_attn_options={"rope": args.decode_rope} if args.decode_rope else None,
               fuse_weights=not args.no_fuse, async_scheduling=not args.no_async)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from minipic_jax import compile_cache
@@ -13,6 +15,17 @@ from minipic_jax.prompts import as_prompt_list, build_prompt, is_structured
 from minipic_jax.sampling_params import SamplingParams
 from serving.config import Config
 from serving.llm_engine import LLMEngine
+
+
+def _host_device_if_sharded(tensor_parallel_size: int):
+    """Under tensor parallelism the weights load into host memory; the engine then sends each
+    device only its shards (no full copy of the model on one accelerator)."""
+    if tensor_parallel_size <= 1:
+        return contextlib.nullcontext()
+    try:
+        return jax.default_device(jax.devices("cpu")[0])
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu): load on the default
+        return contextlib.nullcontext()
 
 
 class LLM:
@@ -27,7 +40,8 @@ class LLM:
         "isps"), cpu_offload_gb, pad_token_id / ssep_token_id / pdep_token_id (defaults: Llama-3
         vocab -> 128004 / 128002 / 128003; any other vocab: its three highest non-BOS/EOS ids),
         hash_algo, kv_store_dir / kv_store_gb (a persistent span store on disk shared by
-        processes: serving/disk_store.py).
+        processes: serving/disk_store.py), tensor_parallel_size (split the model over that many
+        devices: serving/sharding.py).
       compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
         $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;
         False: leave JAX's setting alone). See minipic_jax/compile_cache.py.
@@ -36,7 +50,8 @@ class LLM:
     def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0,
                  compilation_cache: str | bool | None = None, **engine_args: Any):
         self.compilation_cache_dir = compile_cache.configure(compilation_cache)
-        loaded = load_model(model, dtype=dtype, seed=seed)
+        with _host_device_if_sharded(engine_args.get("tensor_parallel_size", 1)):
+            loaded = load_model(model, dtype=dtype, seed=seed)
         if "max_model_len" not in engine_args:
             engine_args["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)
         self.config = Config(**engine_args)

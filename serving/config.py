@@ -88,11 +88,19 @@ class Config:
     checkpoint_half_life: float = 256.0
     checkpoint_replan_every: int = 64
     checkpoint_replan_tv: float = 0.1
+    # Devices the model is split over (Megatron tensor parallelism, serving/sharding.py): must
+    # divide the attention (and GDN) head counts and not exceed the device count. Under TP the
+    # weights stay unfused (fuse_weights is ignored: a fused [q | k | v] axis would not split
+    # by heads).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be positive, got {getattr(self, name)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"Config.tensor_parallel_size must be >= 1, "
+                             f"got {self.tensor_parallel_size}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"Config.block_size must be a power of two, got {self.block_size}")
         if self.kv_mode not in KV_MODES:

@@ -27,7 +27,8 @@ from kernels_pallas.paged_attention.api import choose_attention
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
 from serving import checkpoint_pool as ckpt_pool
-from serving.kv_pool import allocate_pool
+from serving import sharding
+from serving.kv_pool import allocate_pool, default_num_blocks
 from serving.model_contract import EngineModel, RecurrentMetadata
 from serving.sampler import SamplingMetadata, sample
 
@@ -63,7 +64,13 @@ class ModelRunner:
         self.config = config
         self.family = loaded.family
         self.mcfg = loaded.cfg
-        if config.fuse_weights:
+        tp = config.tensor_parallel_size
+        self.mesh = None
+        if tp > 1:  # Megatron split by logical axes (serving/sharding.py), weights unfused
+            self.mesh, self.mcfg = sharding.place_model(loaded, tp)
+            if config.num_kv_blocks is None:  # size the pool now that the weights are placed
+                num_blocks = default_num_blocks(config, loaded.cfg, dtype)
+        elif config.fuse_weights:
             # one layer at a time, originals deleted as they are fused (peak: one extra layer)
             params, loaded.params = loaded.params, None
             loaded.params = loaded.family.fuse_params(params, consume=True)
@@ -74,9 +81,16 @@ class ModelRunner:
         self.nb = config.max_blocks_per_seq
         seats = config.num_seats
         self.scratch_slot = seats  # recurrent slot for padding rows
+
+        def make_cache(n):
+            def make():
+                return self.family.init_cache(self.mcfg, n, config.block_size, seats + 1, dtype)
+            if self.mesh is None:
+                return make()
+            return sharding.init_sharded(make, self.family.cache_axes(self.mcfg), self.mesh)
+
         self.cache, self.num_blocks = allocate_pool(
-            lambda n: self.family.init_cache(self.mcfg, n, config.block_size, seats + 1, dtype),
-            num_blocks, may_shrink=config.num_kv_blocks is None)
+            make_cache, num_blocks, may_shrink=config.num_kv_blocks is None)
         self.kv_mode = config.attention_kv_mode
         self.h_tables = np.zeros((seats, self.nb), np.int32)
         self.h_pos_start = np.zeros((seats, self.nb), np.int32)
@@ -99,7 +113,14 @@ class ModelRunner:
         return self._step._cache_size()
 
     # -- device --------------------------------------------------------------------------------
-    def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, *, t, s, all_greedy,
+    def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, **kw):
+        if self.mesh is None:
+            return self._step_body(params, cache, ints, floats, prev, pool, **kw)
+        # the kernels run per head shard under this mesh (kernels_pallas/sharding.py)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return self._step_body(params, cache, ints, floats, prev, pool, **kw)
+
+    def _step_body(self, params, cache, ints, floats, prev=None, pool=None, *, t, s, all_greedy,
                    use_filter, num_logprobs, decode_only=False):
         spec, _ = _layout(t, s, self.nb, pool is not None)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)

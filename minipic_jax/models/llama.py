@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
-from kernels_pallas.paged_attention.api import KV_MODES, paged_attention, write_kv
+from kernels_pallas.paged_attention.api import KV_MODES
+from kernels_pallas.sharding import paged_attention, write_kv  # per head shard under TP
 from kernels_pallas.rope import apply_rope
 from minipic_jax.models import llama_modules as modules
 from minipic_jax.models import rope
@@ -114,6 +115,12 @@ def init_cache(cfg: ModelConfig, num_pages: int, block_size: int, max_num_seqs: 
     shape = (num_pages, block_size, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+def cache_axes(cfg: ModelConfig) -> KVCache:
+    """Logical axis names per cache array (init_cache's structure)."""
+    kv = ("pages", "page", "kv_heads", "head_dim")
+    return KVCache(k=(kv,) * cfg.num_layers, v=(kv,) * cfg.num_layers)
 
 
 def _paged_attend(metadata, cfg, inv, kv_mode, attn_impl, write_impl, attn_options):

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.model_config import ModelConfig
-from kernels_pallas.paged_attention.api import KV_MODES, paged_attention, write_kv
+from kernels_pallas.paged_attention.api import KV_MODES
+from kernels_pallas.sharding import paged_attention, write_kv  # per head shard under TP
 from kernels_pallas.rope import apply_rope
 from minipic_jax.models import layers, rope
 from minipic_jax.models.llama import _rope_from_hf, init_from_shapes
@@ -154,6 +155,15 @@ def init_cache(cfg: ModelConfig, num_pages: int, block_size: int, max_num_seqs: 
                        v=tuple(jnp.zeros(kv, dtype) for _ in range(n_attn)),
                        conv=tuple(jnp.zeros(conv_shape, dtype) for _ in range(n_gdn)),
                        delta=tuple(jnp.zeros(delta_shape, jnp.float32) for _ in range(n_gdn)))
+
+
+def cache_axes(cfg: ModelConfig) -> Qwen35Cache:
+    """Logical axis names per cache array (init_cache's structure)."""
+    kv, n_attn = ("pages", "page", "kv_heads", "head_dim"), cfg.layer_types.count("full_attention")
+    n_gdn = cfg.num_layers - n_attn
+    return Qwen35Cache(k=(kv,) * n_attn, v=(kv,) * n_attn,
+                       conv=(("slots", "gdn_conv", None),) * n_gdn,
+                       delta=(("slots", "gdn_heads", None, None),) * n_gdn)
 
 
 def state_nbytes(cfg: ModelConfig, conv_dtype=jnp.float32, delta_dtype=jnp.float32) -> dict:

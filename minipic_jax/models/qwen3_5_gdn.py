@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta.api import ragged_gated_delta
+from kernels_pallas.sharding import ragged_gated_delta  # per head shard under TP
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,141 @@
+"""Tensor parallelism: the mesh, and params / cache placed by their logical axes.
+
+One rules table maps a logical axis name (the names of each family's `param_axes` /
+`cache_axes`) to a mesh axis. Megatron's split: attention by heads (Q heads, KV heads, the
+KV pool's heads axis), the MLP by its intermediate axis, the vocabulary (embedding rows, LM
+head columns, so logits stay split over devices and sampling reduces across them on device),
+Gated DeltaNet by its heads; everything else replicated. XLA then puts the all-reduces where
+a sharded axis is contracted: after the attention / GDN output projections and the MLP down
+projection. The kernels run per shard under `shard_map` (kernels_pallas/sharding.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from kernels_pallas.sharding import TP_AXIS
+
+# logical axis name -> mesh axis (None or absent: replicated)
+RULES: dict[str, str | None] = {
+    "heads": TP_AXIS,
+    "kv_heads": TP_AXIS,
+    "mlp": TP_AXIS,
+    "vocab": TP_AXIS,
+    "gdn_heads": TP_AXIS,
+    "embed": None,
+    "head_dim": None,
+    "gdn_conv": None,  # [q | k | v] concatenated: a contiguous split would not follow heads
+    "gdn_v": None,
+}
+# axes that must split evenly (a KV head, a GDN head, lives on one device); others that do not
+# divide stay replicated (e.g. an odd vocabulary)
+MUST_DIVIDE = ("kv_heads", "heads", "gdn_heads")
+
+
+def make_mesh(tensor_parallel_size: int) -> Mesh:
+    """A 1-D mesh over the first `tensor_parallel_size` devices (axis TP_AXIS)."""
+    devices = jax.devices()
+    if tensor_parallel_size > len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} exceeds the "
+                         f"{len(devices)} {jax.default_backend()} device(s) available")
+    return Mesh(np.asarray(devices[:tensor_parallel_size]), (TP_AXIS,),
+                axis_types=(AxisType.Auto,))
+
+
+def kv_replication(mcfg, n: int) -> int:
+    """How many copies of each KV head the mesh needs (1, or n / num_kv_heads when n is a
+    multiple of it: each device then holds the one KV head its query heads read, as vLLM does).
+    ValueError when `n` does not split the heads."""
+    counts = {"num_heads": mcfg.num_heads}
+    if "linear_attention" in (mcfg.layer_types or ()):
+        counts["linear_num_value_heads"] = mcfg.linear_num_value_heads
+        hk = mcfg.linear_num_key_heads
+        if hk % n and n % hk:
+            counts["linear_num_key_heads"] = hk
+    for name, count in counts.items():
+        if count % n:
+            raise ValueError(f"tensor_parallel_size={n} does not divide the model's {name}="
+                             f"{count}; use a tensor_parallel_size that divides it")
+    k = mcfg.num_kv_heads
+    if k % n == 0:
+        return 1
+    if n % k == 0:
+        return n // k
+    raise ValueError(f"tensor_parallel_size={n} neither divides nor is a multiple of the "
+                     f"model's num_kv_heads={k}")
+
+
+def replicate_kv_heads(params, axes_tree, copies: int):
+    """Every "kv_heads" axis repeated `copies` times (copy i of head k at k * copies + i, so
+    query head h still reads its KV head h // (H / K'))."""
+    if copies == 1:
+        return params
+
+    def rep(axes, x):
+        if x is None or axes is None or "kv_heads" not in axes:
+            return x
+        return jax.numpy.repeat(x, copies, axis=axes.index("kv_heads"))
+    return jax.tree.map(rep, axes_tree, params, is_leaf=_is_axes)
+
+
+def spec_for(axes, shape, n: int) -> P:
+    """PartitionSpec of one array from its logical axis names (RULES)."""
+    if axes is None:
+        return P()
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match an array of shape {shape}")
+    out = []
+    for name, size in zip(axes, shape):
+        mesh_axis = RULES.get(name)
+        if mesh_axis is not None and size % n:
+            if name in MUST_DIVIDE:
+                raise ValueError(f"axis {name!r} of size {size} does not split over {n} devices")
+            mesh_axis = None
+        out.append(mesh_axis)
+    return P(*out)
+
+
+def _is_axes(x) -> bool:
+    return x is None or (isinstance(x, tuple) and len(x) > 0 and
+                         all(a is None or isinstance(a, str) for a in x))
+
+
+def shardings(tree, axes_tree, mesh: Mesh):
+    """NamedSharding per array of `tree` (arrays or ShapeDtypeStructs) from `axes_tree`."""
+    n = mesh.shape[TP_AXIS]
+    return jax.tree.map(
+        lambda axes, x: None if x is None else NamedSharding(mesh, spec_for(axes, x.shape, n)),
+        axes_tree, tree, is_leaf=_is_axes)
+
+
+def shard_params(params, axes_tree, mesh: Mesh):
+    """Params placed per their logical axes (each array's source is freed once moved)."""
+    target = shardings(params, axes_tree, mesh)
+    return jax.tree.map(lambda x, s: jax.device_put(x, s, donate=True), params, target)
+
+
+def place_model(loaded, tensor_parallel_size: int):
+    """Mesh over `tensor_parallel_size` devices and `loaded.params` placed on it (KV heads
+    replicated when the size is a multiple of them). Returns (mesh, model config as the engine
+    sees it: num_kv_heads = the heads its pool and kernels hold)."""
+    mesh = make_mesh(tensor_parallel_size)
+    copies = kv_replication(loaded.cfg, tensor_parallel_size)
+    axes = loaded.family.param_axes(loaded.cfg)
+    params, loaded.params = loaded.params, None
+    loaded.params = shard_params(replicate_kv_heads(params, axes, copies), axes, mesh)
+    del params
+    mcfg = loaded.cfg
+    if copies > 1:
+        mcfg = dataclasses.replace(mcfg, num_kv_heads=mcfg.num_kv_heads * copies)
+    return mesh, mcfg
+
+
+def init_sharded(make, axes_tree, mesh: Mesh):
+    """`make()` (e.g. a zeroed KV pool) created directly in its shards: no full copy on one
+    device."""
+    target = shardings(jax.eval_shape(make), axes_tree, mesh)
+    return jax.jit(make, out_shardings=target)()
