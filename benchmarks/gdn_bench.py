@@ -59,7 +59,7 @@ def run_fla(inputs, reps):
 OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
                    scan_stages=2, ckpt_store="when", out_warps=4)
 CKPT_VARIANTS = ("pallas_blocked_bf16", "fused", "fused_old", "fused_best", "fused_best_mask",
-                 "fused_when", "tree")
+                 "fused_when", "tree", "tree_bf16maps")
 
 
 def jax_variants():
@@ -92,14 +92,14 @@ def jax_variants():
         return fused_triton.fused_gated_delta(q, k, v, g, beta, state0, idx, scale=dk ** -0.5,
                                               **opts)
 
-    def tree(q, k, v, g, beta, ck=None):  # Pallas intra / output around the associative scan
+    def tree(q, k, v, g, beta, ck=None, **opts):  # Pallas intra / output around the tree scan
         from kernels_pallas.gated_delta import tree_scan
         n, t_len, _, dk = k.shape
         state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
         idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
                                                        (n, len(ck)))
         return tree_scan.fused_tree_gated_delta(q, k, v, g, beta, state0, idx,
-                                                scale=dk ** -0.5)[:3]
+                                                scale=dk ** -0.5, **opts)[:3]
 
     def fused_intra(q, k, v, g, beta, ck=None):
         from kernels_pallas.gated_delta import fused_triton
@@ -109,6 +109,7 @@ def jax_variants():
         "intra_only_fused": fused_intra,
         "fused": fused,  # fused_triton.DEFAULTS
         "tree": tree,  # the associative scan over chunk maps (tree_scan.py)
+        "tree_bf16maps": functools.partial(tree, map_dtype=bf16),
         "fused_old": functools.partial(fused, **OLD_DEFAULT),
         "fused_bv32_old": functools.partial(fused, **{**OLD_DEFAULT, "block_v": 32}),
         "fused_when": functools.partial(fused, ckpt_store="when"),  # checkpoint runs only

@@ -81,11 +81,13 @@ def state_scan(w, u, kd, decay_last, state0, ckpt_idx=None, *, transition=False,
 
 
 def fused_tree_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=64,
-                           dot_dtype=None, interpret=False, precision=None):
+                           dot_dtype=None, interpret=False, precision=None, map_dtype=None):
     """fused_triton.fused_gated_delta with the sequential Pallas state scan replaced by the tree:
     the Pallas intra-chunk solve and output kernels ([N, T, H, D] layout, no transposes), the maps
-    and their scan in XLA. Returns out [N, T, Hv, Dv] (v's dtype), final [N, Hv, Dk, Dv] f32,
-    checkpoints [N, M, Hv, Dk, Dv] f32 or None, a_span [N, Hv, Dk, Dk] f32.
+    and their scan in XLA. map_dtype: the chunk maps' storage dtype in the scan (None: float32;
+    bfloat16 halves the scan's memory traffic at bf16 rounding per level). Returns out
+    [N, T, Hv, Dv] (v's dtype), final [N, Hv, Dk, Dv] f32, checkpoints [N, M, Hv, Dk, Dv] f32 or
+    None, a_span [N, Hv, Dk, Dk] f32.
     """
     from kernels_pallas.gated_delta import fused_triton
     n, t_len, _, dk = k.shape
@@ -102,14 +104,18 @@ def fused_tree_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, ch
                       precision=precision))
     b = jnp.einsum("ntchd,ntche->nhtde", blocks(kd), blocks(u), preferred_element_type=f32,
                    precision=precision)
+    if map_dtype is not None:
+        a, b = a.astype(map_dtype), b.astype(map_dtype)
     entering, final, a_span = boundary_states(a, b, state0, 2, precision=precision)
+    final, a_span = final.astype(f32), a_span.astype(f32)
     states = entering.astype(dot_dtype)  # [N, Hv, NT, Dk, Dv]
     v_new = (blocks(u).astype(f32) - jnp.einsum("ntchd,nhtde->ntche", blocks(w), states,
                                                 preferred_element_type=f32, precision=precision))
     v_new = v_new.reshape(n, t_len, hv, dv).astype(dot_dtype)
     out = fused_triton.output_fused(q, k, gc, v_new, states, scale=scale, chunk=chunk,
                                     dot_dtype=dot_dtype, out_dtype=v.dtype, interpret=interpret)
-    ckpt = None if ckpt_idx is None else _gather_checkpoints(entering, final, ckpt_idx, 2)
+    ckpt = None if ckpt_idx is None else _gather_checkpoints(entering.astype(f32), final,
+                                                              ckpt_idx, 2)
     return out, final, ckpt, a_span
 
 
