@@ -140,10 +140,12 @@ def test_tree_scan_matches_sequential_and_reference(fresh_rng, impl):
                                rtol=0, atol=1e-5)
 
 
-def test_choose_scan_by_shape():
-    assert tree_scan.choose_scan(1, 16, 512) == "tree"  # one 32K sequence, 16 heads
+def test_choose_scan_by_shape(monkeypatch):
+    assert tree_scan.choose_scan(1, 16, 512) == "sequential"  # measured: the tree is slower
+    assert tree_scan.choose_scan(8, 16, 4, "tree") == "tree"
+    monkeypatch.setattr(tree_scan, "TREE_MIN_CHUNKS", 128)
+    assert tree_scan.choose_scan(1, 16, 512) == "tree"  # one long sequence, few heads
     assert tree_scan.choose_scan(8, 16, 512) == "sequential"  # enough independent scans
     assert tree_scan.choose_scan(1, 16, 4) == "sequential"  # short
-    assert tree_scan.choose_scan(8, 16, 4, "tree") == "tree"
     with pytest.raises(ValueError, match="scan must be"):
         tree_scan.choose_scan(1, 1, 1, "parallel")

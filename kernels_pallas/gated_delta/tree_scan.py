@@ -2,11 +2,12 @@
 
 A chunk maps its entering state S to A_c S + B_c; the maps compose associatively, so
 `jax.lax.associative_scan` gives every prefix map (P_c, Q_c) (chunks 0..c) in log2(NT) levels of
-batched matmuls instead of NT dependent steps. The state after chunk c is P_c S0 + Q_c: every
+batched matmuls instead of NT dependent steps (jax.lax.associative_scan). The state after chunk c is P_c S0 + Q_c: every
 chunk-boundary state comes out of the scan, so checkpoints are a gather, and the span transition
 A_span = P_{NT-1} is the scan's last prefix. The work per level is Dk x Dk products (Dk^3 per
-chunk pair, against the sequential scan's Dk^2 C per chunk), so the tree pays off only when the
-sequential scan is latency bound: few (sequence, head) pairs and many chunks (`choose_scan`).
+chunk pair, against the sequential scan's Dk^2 C per chunk) and the maps are as large as the
+states, so the tree can pay off only where the sequential scan is latency bound: few (sequence,
+head) pairs and many chunks (`choose_scan`; measured slower so far).
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import jax.numpy as jnp
 from kernels_pallas.gated_delta import affine
 
 SCANS = (None, "sequential", "tree")
-# the tree scan is chosen when a sequence has at least this many chunks and the batch has at
-# most this many (sequence, value head) pairs to fill the GPU with independent sequential scans
-TREE_MIN_CHUNKS = 128
+# The tree is chosen by shape only where it was measured faster. H200, one 32K-token sequence x
+# 16 heads (512 chunks, benchmarks/RESULTS.md "tree scan"): the XLA associative scan over the
+# [Dk, Dk] chunk maps took 7.76 ms against 1.34 ms for the whole sequential Pallas pipeline (its
+# ~8 passes over 1 GB of fp32 maps are memory bound), so no measured shape picks it: None = never.
+# Set TREE_MIN_CHUNKS (with TREE_MAX_PAIRS) once a faster tree exists.
+TREE_MIN_CHUNKS = None
 TREE_MAX_PAIRS = 64
 
 
@@ -31,7 +35,9 @@ def choose_scan(n, heads, n_chunks, scan=None):
         raise ValueError(f"gated_delta: scan must be one of {SCANS}, got {scan!r}")
     if scan is not None:
         return scan
-    return "tree" if n_chunks >= TREE_MIN_CHUNKS and n * heads <= TREE_MAX_PAIRS else "sequential"
+    if TREE_MIN_CHUNKS is not None and n_chunks >= TREE_MIN_CHUNKS and n * heads <= TREE_MAX_PAIRS:
+        return "tree"
+    return "sequential"
 
 
 def prefix_maps(a, b, axis, *, precision=None):
