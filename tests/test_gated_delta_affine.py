@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.gated_delta import affine, api, reference, tree_scan
+from kernels_pallas.gated_delta import affine, api, ragged, reference, tree_scan
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 SLOW = os.environ.get("MINIPIC_SLOW") == "1"
@@ -138,6 +138,29 @@ def test_tree_scan_matches_sequential_and_reference(fresh_rng, impl):
     _, b_span, _, a_span = tree_fn(q, k, v, g, beta, np.zeros_like(s0))
     np.testing.assert_allclose(np.asarray(tree[1]), np.asarray(affine.apply((a_span, b_span), s0)),
                                rtol=0, atol=1e-5)
+
+
+def test_ragged_prefill_returns_each_sequence_transition(fresh_rng):
+    """The engine's ragged layer (XLA path): per sequence, A_span over its new tokens (shifted
+    chunk starts, an empty sequence) is the float64 product of the token maps, and the final
+    state is A_span state0 + the final state from zero."""
+    hk, hv, dk, dv, chunk = 1, 2, 16, 8, 16
+    lens, pos0 = [20, 0, 37, 5], [3, 0, 16, 40]
+    t = sum(lens) + 3
+    q, k, v, g, beta = _inputs(fresh_rng, 1, t, hk, hv, dk, dv, decay=0.02)
+    s0 = fresh_rng.standard_normal((len(lens), hv, dk, dv)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    run = jax.jit(lambda s: ragged.ragged_prefill(
+        q[0], k[0], v[0], g[0], beta[0], cu, np.array(pos0, np.int32), s, chunk=chunk,
+        return_transition=True))
+    _, final, _, a_span = run(s0)
+    _, b_span, _, _ = run(np.zeros_like(s0))
+    for i in range(len(lens)):
+        a, e = cu[i], cu[i + 1]
+        want = _token_product(k[:, a:e], g[:, a:e], beta[:, a:e], hv)[0]
+        assert _rel(a_span[i], want) < 1e-5, i
+    np.testing.assert_allclose(np.asarray(final),
+                               np.asarray(affine.apply((a_span, b_span), s0)), atol=1e-5)
 
 
 def test_choose_scan_by_shape(monkeypatch):
