@@ -1,0 +1,68 @@
+"""SSEP spans inside a Qwen3.5 ragged step: the Gated DeltaNet side (docs/DESIGN.md section 5).
+
+Attention layers need nothing new (their SSEP window is metadata.q_window_start). A GDN layer runs
+two passes over the step's rows when spans are present:
+  * the *flow* pass: each sequence's rows in order from its state (as without spans); every row
+    feeds the recurrence the delta inputs it computed in its own context, so PDEP rows read the
+    flow, and the state the sequence carries on is the flow;
+  * the *local* pass: the step's rows cut into pieces (maximal runs of one segment of one
+    sequence), each from a zero state and a zero conv window; span rows read their outputs here.
+A span row's conv window is its piece's (zeros before the span start), a PDEP row's the flow's.
+This is the cold path: a span whose tokens are in the step is computed (its KV and its delta
+inputs); composing cached span maps instead (serving/span_maps.py) is the warm path.
+
+Limits: a span must start in the step that computes its rows (pieces start from zero: no local
+state carried across steps), so a caller keeps each non-final span inside one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpanPieces:
+    row_span: jax.Array  # [T] bool the row is an SSEP span token
+    piece_cu: jax.Array  # [G+1] int32 row offsets of the pieces (all rows, in order; empty tail)
+
+
+def pieces_from_segments(seg_rows, num_rows: int, num_pieces: int, span_of_row):
+    """Host helper: SpanPieces from a segment id per real row (ids change where a piece ends;
+    rows of different sequences must carry different ids) and is-span per row.
+
+    seg_rows: [R] ints (R real rows); num_rows: T (rows padded to the bucket); num_pieces: the
+    static bound G (>= pieces). Padding rows form no piece.
+    """
+    seg_rows = np.asarray(seg_rows)
+    starts = np.flatnonzero(np.r_[True, seg_rows[1:] != seg_rows[:-1]]) if len(seg_rows) else []
+    if len(starts) > num_pieces:
+        raise ValueError(f"SpanPieces: {len(starts)} pieces exceed the bound {num_pieces}")
+    cu = np.full(num_pieces + 1, len(seg_rows), np.int32)
+    cu[:len(starts)] = starts
+    row_span = np.zeros(num_rows, bool)
+    row_span[:len(seg_rows)] = np.asarray(span_of_row, bool)
+    return SpanPieces(row_span=jnp.asarray(row_span), piece_cu=jnp.asarray(cu))
+
+
+def local_conv(mixed, conv_w, pieces: SpanPieces, causal_conv):
+    """silu(conv) of every row inside its piece (zero window at the piece start): [T, C]."""
+    g = pieces.piece_cu.shape[0] - 1
+    rows = jnp.arange(mixed.shape[0], dtype=jnp.int32)
+    piece_of_row = jnp.clip(jnp.searchsorted(pieces.piece_cu, rows, side="right") - 1, 0, g - 1)
+    zeros = jnp.zeros((g, mixed.shape[1], conv_w.shape[1] - 1), mixed.dtype)
+    return causal_conv(mixed, conv_w, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32),
+                       piece_of_row)
+
+
+def local_pass(q, k, v, g, beta, pieces: SpanPieces, ragged_gated_delta, **kw):
+    """Core outputs [T, Hv, Dv] of every row inside its piece, from a zero state."""
+    n = pieces.piece_cu.shape[0] - 1
+    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    out, _, _ = ragged_gated_delta(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
+                                   jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
+    return out
