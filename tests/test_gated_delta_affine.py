@@ -112,9 +112,9 @@ def test_apply_chain_skips_maps_past_count(fresh_rng):
 @pytest.mark.parametrize("impl", ["xla", "pallas_fused"])
 def test_tree_scan_matches_sequential_and_reference(fresh_rng, impl):
     """Tree scan: outputs, final state, every checkpoint and the span transition equal the
-    sequential scan's and the float64 oracles' (GVA 2, T padded to the chunk); A_span is the
-    product of the per-token maps and final = A_span S0 + (final from zero). Gentle decay keeps
-    A_span far from float32 underflow."""
+    float64 oracles' (GVA 2, T padded to the chunk): A_span is the product of the per-token maps
+    and final = A_span S0 + (final from zero). Gentle decay keeps A_span far from float32
+    underflow. (The sequential scan's transition is checked by the composition tests.)"""
     n, t, hk, hv, dk, dv, chunk = 2, 43, 1, 2, 16, 16, 16
     q, k, v, g, beta = _inputs(fresh_rng, n, t, hk, hv, dk, dv, decay=0.02)
     s0 = fresh_rng.standard_normal((n, hv, dk, dv)).astype(np.float32)
@@ -123,10 +123,6 @@ def test_tree_scan_matches_sequential_and_reference(fresh_rng, impl):
               interpret=impl != "xla" and INTERPRET)
     tree_fn = jax.jit(lambda *x: api.prefill(*x, scan="tree", **kw))
     tree = tree_fn(q, k, v, g, beta, s0)
-    if impl == "xla":  # pallas_fused with a transition always takes the tree
-        seq = jax.jit(lambda *x: api.prefill(*x, scan="sequential", **kw))(q, k, v, g, beta, s0)
-        for a, b in zip(tree, seq):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
     ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0)
     np.testing.assert_allclose(np.asarray(tree[0]), ref_out, atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(tree[1]), ref_states[:, -1], atol=2e-5, rtol=0)

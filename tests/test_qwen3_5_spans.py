@@ -19,8 +19,12 @@ SSEP, PDEP = 250, 251
 
 @functools.lru_cache(maxsize=None)
 def _model():
-    """The gva2 fixture's config with fresh std-0.02 weights (well conditioned in float32)."""
+    """The gva2 fixture's config cut to GDN, attention, GDN (the span-local hidden states cross
+    an attention layer into a second recurrent layer), fresh std-0.02 weights (well conditioned
+    in float32)."""
     cfg = load_model(str(FIXTURES / "qwen3_5_gva2")).cfg
+    cfg = dataclasses.replace(cfg, num_layers=3, layer_types=(
+        "linear_attention", "full_attention", "linear_attention"))
     return qwen3_5.init_params(cfg, jax.random.key(0)), cfg
 
 
@@ -73,12 +77,14 @@ def test_spans_in_a_ragged_step_match_the_reference(fresh_rng):
         got = _log_softmax(logits[bounds[i]:bounds[i + 1]])
         worst = max(worst, float(np.abs(got - want).max()))
         nxt.append(int(np.argmax(got[-1])))
-    # decode one token per sequence from the carried flow state (the question is PDEP)
-    md, idx, _ = pager.step([1, 1])
+    # decode one token per sequence from the carried flow state (the question is PDEP); same
+    # bucket and pieces argument as the prefill, so the same compiled step
+    md, _, _ = pager.step([1, 1], min_tokens=total)
     step_tokens = np.zeros(md.num_tokens, np.int32)
     step_tokens[:2] = nxt
+    pieces = qwen3_5_spans.pieces_from_segments([0, 1], md.num_tokens, 12, [False, False])
     logits2, _, _ = _fwd(params, jnp.asarray(step_tokens), md, cache, cfg=cfg,
-                         logits_indices=idx)
+                         span_pieces=pieces)
     for i, (kept, seg, span) in enumerate(parsed):
         want = hsr.reference_logprobs(params, cfg, kept + [nxt[i]], np.r_[seg, seg[-1]], span)
         worst = max(worst, float(np.abs(_log_softmax(logits2[i]) - want[-1]).max()))

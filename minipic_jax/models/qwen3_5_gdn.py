@@ -149,7 +149,7 @@ def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoin
     core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
                                                checkpoint_at=checkpoint_at, **kernel)
     if pieces is not None:  # span rows: outputs of their piece from a zero state
-        local = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces, ragged_gated_delta, **kernel)
+        local = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces, **kernel)
         core = jnp.where(pieces.row_span[:, None, None], local, core)
     core = core.astype(h.dtype)  # [T, Hv, Dv]
     normed = gated_rms_norm(core, z, p.norm, cfg.rms_norm_eps)

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.gated_delta.ragged import ragged_prefill
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +61,11 @@ def local_conv(mixed, conv_w, pieces: SpanPieces, causal_conv):
                        piece_of_row)
 
 
-def local_pass(q, k, v, g, beta, pieces: SpanPieces, ragged_gated_delta, **kw):
-    """Core outputs [T, Hv, Dv] of every row inside its piece, from a zero state."""
+def local_pass(q, k, v, g, beta, pieces: SpanPieces, **kw):
+    """Core outputs [T, Hv, Dv] of every row inside its piece, from a zero state (the chunked
+    ragged prefill: one compiled branch, whatever the piece lengths)."""
     n = pieces.piece_cu.shape[0] - 1
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
-    out, _, _ = ragged_gated_delta(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
-                                   jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
+    out, _, _ = ragged_prefill(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
+                               jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
     return out
