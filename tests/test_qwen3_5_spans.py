@@ -55,16 +55,18 @@ def test_spans_in_a_ragged_step_match_the_reference(fresh_rng):
     text = lambda n: fresh_rng.integers(0, 240, n).tolist()  # noqa: E731
     sys_a, sys_b, q = text(9), text(20), [PDEP] + text(6)
     span1, span2 = [SSEP] + text(13), [SSEP] + text(5)
-    prompts = [sys_a + span1 + span2 + q, sys_b + span2 + span1 + q]
+    # the third prompt ends in a span: its generated token extends the span (local state)
+    prompts = [sys_a + span1 + span2 + q, sys_b + span2 + span1 + q, sys_b + q + span1]
     parsed = [hsr.segments(p, block_size=1, pad=-1, ssep=SSEP, pdep=PDEP) for p in prompts]
     seg_ids, spans, win = _rows(prompts, [s for _, s, _ in parsed], [sp for _, _, sp in parsed])
-    pager = testing.SimplePager(2, 64, 4, seed=1)
-    cache = qwen3_5.init_cache(cfg, pager.num_pages, 4, 2)
+    pager = testing.SimplePager(3, 64, 4, seed=1)
+    cache = qwen3_5.init_cache(cfg, pager.num_pages, 4, 3)
+    carry = [sp[-1] for _, _, sp in parsed]
     md, _, total = pager.step([len(p) for p in prompts])
     window = np.zeros(md.num_tokens, np.int32)
     window[:total] = win
     md = dataclasses.replace(md, q_window_start=jnp.asarray(window))
-    pieces = qwen3_5_spans.pieces_from_segments(seg_ids, md.num_tokens, 12, spans)
+    pieces = qwen3_5_spans.pieces_from_segments(seg_ids, md.num_tokens, 12, spans, carry)
     tokens = np.zeros(md.num_tokens, np.int32)
     tokens[:total] = np.concatenate(prompts)
     logits, cache, _ = _fwd(params, jnp.asarray(tokens), md, cache, cfg=cfg, span_pieces=pieces)
@@ -77,12 +79,17 @@ def test_spans_in_a_ragged_step_match_the_reference(fresh_rng):
         got = _log_softmax(logits[bounds[i]:bounds[i + 1]])
         worst = max(worst, float(np.abs(got - want).max()))
         nxt.append(int(np.argmax(got[-1])))
-    # decode one token per sequence from the carried flow state (the question is PDEP); same
-    # bucket and pieces argument as the prefill, so the same compiled step
-    md, _, _ = pager.step([1, 1], min_tokens=total)
+    # decode one token per sequence from the carried state (the flow after a PDEP question, the
+    # span's local state after a final span); same bucket and pieces argument as the prefill,
+    # so the same compiled step
+    md, _, _ = pager.step([1, 1, 1], min_tokens=total)
     step_tokens = np.zeros(md.num_tokens, np.int32)
-    step_tokens[:2] = nxt
-    pieces = qwen3_5_spans.pieces_from_segments([0, 1], md.num_tokens, 12, [False, False])
+    step_tokens[:3] = nxt
+    window = np.zeros(md.num_tokens, np.int32)
+    window[:3] = [win[bounds[i + 1] - 1] for i in range(3)]  # the last segment's window
+    md = dataclasses.replace(md, q_window_start=jnp.asarray(window))
+    pieces = qwen3_5_spans.pieces_from_segments([0, 1, 2], md.num_tokens, 12, [False] * 3,
+                                                [False] * 3)  # the carried state continues
     logits2, _, _ = _fwd(params, jnp.asarray(step_tokens), md, cache, cfg=cfg,
                          span_pieces=pieces)
     for i, (kept, seg, span) in enumerate(parsed):

@@ -149,7 +149,7 @@ def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoin
     core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
                                                checkpoint_at=checkpoint_at, **kernel)
     if pieces is not None:  # span rows: outputs of their piece from a zero state
-        local = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces, **kernel)
+        local, local_final = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces, **kernel)
         core = jnp.where(pieces.row_span[:, None, None], local, core)
     core = core.astype(h.dtype)  # [T, Hv, Dv]
     normed = gated_rms_norm(core, z, p.norm, cfg.rms_norm_eps)
@@ -157,6 +157,9 @@ def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoin
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
     seq_ids = jnp.arange(seqs, dtype=jnp.int32)
     conv = _history(mixed, conv0, cu_q_lens, pos0, seq_ids, pos0 + lens).astype(conv0.dtype)
+    if pieces is not None:
+        conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, cu_q_lens, conv,
+                                                delta, _history)
     ckpt = None
     if checkpoint_at is not None:
         ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])
