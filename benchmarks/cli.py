@@ -24,6 +24,8 @@ COMMANDS = {
             "Gated DeltaNet chunked prefill (XLA / Pallas) vs fla chunk_gated_delta_rule"),
     "engine": ("benchmarks.engine_bench",
                "paged engine: decode step vs memory floor, host share, compiles over a 1000-request run"),
+    "hybrid-cache": ("benchmarks.hybrid_cache_bench",
+                     "hybrid prefix caching: tokens recomputed, hit rate, TTFT, wall per checkpoint strategy"),
     "write-kv": ("benchmarks.write_kv_bench", "K/V cache write of one layer: unique-index scatter vs plain"),
 }
 

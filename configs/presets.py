@@ -45,6 +45,17 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3_1_8b": _LLAMA3_1_8B,
     # Tulu3-Block-FT (Block-Attention fine-tune of Llama-3.1-8B): the Llama-3.1-8B shape.
     "tulu3_block_ft": _LLAMA3_1_8B,
+    # Byte-level vocabulary, the Qwen3.5 layer pattern (3 Gated DeltaNet + 1 gated attention)
+    # with tiny widths: the fast hybrid model for engine tests (a float32 checkpoint is 3 x 5.5 KiB).
+    "tiny_qwen3_5": ModelConfig(
+        model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000000.0, partial_rotary_factor=0.25),
+        tie_word_embeddings=True, max_position_embeddings=4096, bos_token_id=BYTE_BOS,
+        eos_token_ids=(BYTE_EOS,),
+        layer_types=("linear_attention",) * 3 + ("full_attention",),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4),
     # Qwen/Qwen3.5-0.8B text model: 24 layers = 6 x (3 Gated DeltaNet + 1 gated attention),
     # hidden 1024, GDN 16 QK / 16 V heads of 128, attention 8 Q / 2 KV heads of 256 with 25%
     # partial rotary (R = 64), rope_theta 1e7, tied embeddings.

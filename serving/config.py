@@ -17,6 +17,7 @@ from kernels_pallas.paged_attention.api import IMPLEMENTATIONS as ATTENTION_IMPL
 KV_MODES = ("position_free", "rotated", "pic_off")
 POLICIES = ("fcfs", "barrier", "isps")
 HASH_ALGOS = ("xxhash64", "sha256")
+CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
 
 
 def next_power_of_2(n: int) -> int:
@@ -67,6 +68,21 @@ class Config:
     # token from the previous step's sampled tokens on device. One step in flight at most.
     # False = the synchronous loop (schedule, run, read back, then the next step).
     async_scheduling: bool = True
+    # Hybrid models (prefix caching with recurrent checkpoints, serving/hybrid_prefix.py): where a
+    # prefill takes checkpoints ("none", "last", "block", "balanced", "dp": serving/
+    # checkpoint_plan.py), at most checkpoints_per_prompt per prompt; "block" every
+    # checkpoint_block_tokens. checkpoint_gb: device tier bytes (None: 5% of the device's memory
+    # limit, or 64 checkpoints without memory stats); half of cpu_offload_gb holds the host tier.
+    # The dp histogram halves a request's weight every checkpoint_half_life requests and replans
+    # every checkpoint_replan_every requests or when it drifted checkpoint_replan_tv (total
+    # variation) from the planned pmf.
+    checkpoint_strategy: str = "dp"
+    checkpoints_per_prompt: int = 4
+    checkpoint_block_tokens: int = 512
+    checkpoint_gb: float | None = None
+    checkpoint_half_life: float = 256.0
+    checkpoint_replan_every: int = 64
+    checkpoint_replan_tv: float = 0.1
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -91,6 +107,22 @@ class Config:
             raise ValueError(f"Config.hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"Config.num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.checkpoint_strategy not in CHECKPOINT_STRATEGIES:
+            raise ValueError(f"Config.checkpoint_strategy must be one of {CHECKPOINT_STRATEGIES}, "
+                             f"got {self.checkpoint_strategy!r}")
+        for name in ("checkpoints_per_prompt", "checkpoint_replan_every"):
+            if getattr(self, name) < (0 if name == "checkpoints_per_prompt" else 1):
+                raise ValueError(f"Config.{name} must be >= "
+                                 f"{0 if name == 'checkpoints_per_prompt' else 1}, "
+                                 f"got {getattr(self, name)}")
+        if self.checkpoint_block_tokens < 1 or not self.checkpoint_half_life > 0:
+            raise ValueError(f"Config.checkpoint_block_tokens ({self.checkpoint_block_tokens}) "
+                             f"and checkpoint_half_life ({self.checkpoint_half_life}) must be > 0")
+        if self.checkpoint_gb is not None and self.checkpoint_gb < 0:
+            raise ValueError(f"Config.checkpoint_gb must be None or >= 0, got {self.checkpoint_gb}")
+        if not 0 < self.checkpoint_replan_tv <= 1:
+            raise ValueError(f"Config.checkpoint_replan_tv must be in (0, 1], "
+                             f"got {self.checkpoint_replan_tv}")
         if self.cpu_offload_gb < 0:
             raise ValueError(f"Config.cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from minipic_jax.outputs import Logprob, RequestOutput
+from serving import checkpoint_pool, hybrid_prefix
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
@@ -53,22 +54,32 @@ class LLMEngine:
                                                getattr(self.tokenizer, "bos_token_id", None))
                                    if i is not None}
         self.markers = resolve_markers(config, mcfg.vocab_size, reserved)
+        self.hybrid_cache, ck_pool = None, None
+        if self.hybrid and config.enable_prefix_caching:  # before the KV pool takes the memory
+            self.hybrid_cache, ck_pool = hybrid_prefix.build(config, loaded.family, mcfg, dtype)
         num_blocks = config.num_kv_blocks or default_num_blocks(config, mcfg, dtype)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
+        self.runner.ck_pool = ck_pool
         self.num_blocks = num_blocks = self.runner.num_blocks  # a default pool may have shrunk
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
         self.offload = None
         self._evicted: list[tuple[int, int, tuple]] = []
-        caching = config.enable_prefix_caching and not self.hybrid
+        caching = config.enable_prefix_caching
         if config.cpu_offload_gb > 0 and caching:
-            cap = int(config.cpu_offload_gb * (1 << 30)) // max(self.bytes_per_block, 1)
+            # hybrid models: the other half of cpu_offload_gb holds recurrent checkpoints
+            cap = int(config.cpu_offload_gb * (1 << 30) / (2 if self.hybrid else 1)
+                      ) // max(self.bytes_per_block, 1)
             self.offload = HostKVTier(cap)
             self.mover = PageMover(num_blocks, config.block_size)
+        on_evict = self._on_evict if self.offload else None
+        if self.hybrid_cache is not None and self.offload is None:  # checkpoints above die too
+            on_evict = lambda b, h, confirm: self.hybrid_cache.store.drop_dependent(h)  # noqa
         self.bm = BlockManager(num_blocks, config.block_size, enable_caching=caching,
-                               on_evict=self._on_evict if self.offload else None)
+                               on_evict=on_evict)
         hash_fn = make_hash_fn(config.hash_algo)
         self.scheduler = Scheduler(config, self.bm, hash_fn, lambda s: root_hash(hash_fn, s),
                                    offload=self.offload, hybrid=self.hybrid,
+                                   hybrid_cache=self.hybrid_cache,
                                    markers={"pad": self.markers["pad_token_id"],
                                             "ssep": self.markers["ssep_token_id"],
                                             "pdep": self.markers["pdep_token_id"]})
@@ -124,6 +135,12 @@ class LLMEngine:
         if layout.num_valid == 0:
             raise ValueError(f"{who}: prompt holds only pad tokens "
                              f"(pad_token_id={m['pad_token_id']})")
+        if self.hybrid and layout.span_block.any():
+            blk = int(np.flatnonzero(layout.span_start)[0])
+            raise ValueError(f"{who}: SSEP span (Span segment) at token index "
+                             f"{blk * cfg.block_size}, but this is a hybrid model: its recurrent "
+                             f"layers' state depends on everything before a span, so spans are "
+                             f"not position-independent here; use plain prompts or PDEP segments")
         if cfg.kv_mode == "rotated" and layout.has_markers:
             blk = int(np.flatnonzero(layout.seg_start[1:])[0]) + 1 if layout.seg_start[1:].any() else 0
             raise ValueError(f"{who}: SSEP/PDEP marker at token index "
@@ -200,6 +217,14 @@ class LLMEngine:
                                                    sources)
             self.scheduler.pending_copy_in = []
 
+    def _move_checkpoints(self):
+        """Hybrid models: the checkpoint store's slot moves of this step, before its launch."""
+        if self.hybrid_cache is None or self.runner.ck_pool is None:
+            return
+        out, inn = self.hybrid_cache.store.take_moves()
+        if out or inn:
+            self.runner.ck_pool = checkpoint_pool.apply_moves(self.runner.ck_pool, out, inn)
+
     # -- the step ------------------------------------------------------------------------------
     def _num_logprobs(self, batch) -> int:
         num_lp = 0
@@ -246,12 +271,15 @@ class LLMEngine:
         batch = sched.schedule()
         if self.offload is not None:
             self._move_pages()
+        self._move_checkpoints()
         finished, self._early = self._early, []
         t1 = time.perf_counter()
         dispatch = overlap = 0.0
         if batch:
             handle = self.runner.launch(batch, num_logprobs=self._num_logprobs(batch),
                                         use_prev=True)
+            if self.hybrid_cache is not None:
+                self.hybrid_cache.store.after_launch()
             dispatch = self.runner.last_dispatch
             t2 = time.perf_counter()
             inflight, self._inflight = self._inflight, (batch, handle)
@@ -303,6 +331,7 @@ class LLMEngine:
         batch = sched.schedule()
         if self.offload is not None:
             self._move_pages()
+        self._move_checkpoints()
         if not batch:
             if sched.has_unfinished():
                 raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
@@ -315,6 +344,8 @@ class LLMEngine:
         # next waiting prompts get their block hashes
         out = self.runner.run(batch, num_logprobs=num_lp, timer=tw,
                               during=lambda: (sched.advance(batch), sched.prepare_waiting()))
+        if self.hybrid_cache is not None:
+            self.hybrid_cache.store.after_launch()
         t2 = time.perf_counter()
         finished = self._postprocess(batch, out, num_lp)
         if self.offload is not None:
@@ -376,6 +407,24 @@ class LLMEngine:
                 self._seqs.pop(seq.request_id, None)
         return finished
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (and host-tier block); hybrid models also get a fresh
+        checkpoint store and placement from the current Config (strategy, budget; the device pool
+        is kept, so the budget may not exceed what the engine started with). Only when idle."""
+        if self.has_unfinished() or self._inflight is not None:
+            raise RuntimeError("reset_prefix_cache: requests are still running")
+        bm = self.bm
+        for b in range(bm.num_blocks):
+            if bm.hash[b] != -1:
+                bm._unregister(b)
+        if self.offload is not None:
+            self.offload.entries.clear()
+        if self.hybrid_cache is not None:
+            self.hybrid_cache, self.runner.ck_pool = hybrid_prefix.build(
+                self.config, self.loaded.family, self.loaded.cfg, self.runner.cache_dtype,
+                pool=self.runner.ck_pool)
+            self.scheduler.hybrid_cache = self.hybrid_cache
+
     def make_output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, self.tokenizer)
 
@@ -387,5 +436,7 @@ class LLMEngine:
         out.update(async_scheduling=self.config.async_scheduling,
                    sync_fallbacks=self.num_sync_fallbacks,
                    discarded_rows=self.num_discarded_rows)
+        if self.hybrid_cache is not None:
+            out.update(self.hybrid_cache.stats())
         return out
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from minipic_jax.models.interface import RecurrentMetadata
+from serving import checkpoint_pool as ckpt_pool
 from serving.kv_pool import allocate_pool
 from serving.sampler import SamplingMetadata, sample
 
@@ -31,10 +32,13 @@ _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
 _S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "seed", "step",
              "sample_seat")
 _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
+# hybrid prefix caching (a checkpoint pool is attached): per sequence, the logical position of the
+# checkpoint this step takes and its pool slot, and the pool slot its state is restored from
+_S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(t: int, s: int, nb: int):
+def _layout(t: int, s: int, nb: int, ckpt: bool = False):
     """Static offsets of each field in the packed int32 buffer."""
     spec, off = {}, 0
     for f in _T_FIELDS:
@@ -42,7 +46,7 @@ def _layout(t: int, s: int, nb: int):
         off += t
     spec["cu_q_lens"] = (off, (s + 1,))
     off += s + 1
-    for f in _S_FIELDS:
+    for f in _S_FIELDS + (_S_FIELDS_CKPT if ckpt else ()):
         spec[f] = (off, (s,))
         off += s
     for f in _SB_FIELDS:
@@ -63,6 +67,7 @@ class ModelRunner:
             loaded.params = fuse(params, consume=True)
             del params
         self.params = loaded.params
+        self.cache_dtype = dtype
         self.block_size = config.block_size
         self.nb = config.max_blocks_per_seq
         seats = config.num_seats
@@ -77,7 +82,8 @@ class ModelRunner:
         self._bufs: dict = {}
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,),
+        self.ck_pool = None  # hybrid prefix caching: serving/checkpoint_pool.py (set by engine)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5),
                              static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
                                               "decode_only"))
         self.decode_impl = _decode_impl(config)
@@ -90,9 +96,9 @@ class ModelRunner:
         return self._step._cache_size()
 
     # -- device --------------------------------------------------------------------------------
-    def _step_impl(self, params, cache, ints, floats, prev=None, *, t, s, all_greedy, use_filter,
-                   num_logprobs, decode_only=False):
-        spec, _ = _layout(t, s, self.nb)
+    def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, *, t, s, all_greedy,
+                   use_filter, num_logprobs, decode_only=False):
+        spec, _ = _layout(t, s, self.nb, pool is not None)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
         md = AttentionMetadata(
@@ -107,18 +113,30 @@ class ModelRunner:
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
         if decode_only and self.decode_options:
             extra["attn_options"] = self.decode_options
-        logits, cache = self.family.forward(
-            params, tokens, md, cache, self.mcfg, recurrent=rec,
-            logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
-            attn_impl=self.decode_impl if decode_only else self.config.attn_impl, **extra)
+        kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
+                  attn_impl=self.decode_impl if decode_only else self.config.attn_impl, **extra)
+        if pool is None:
+            logits, cache = self.family.forward(params, tokens, md, cache, self.mcfg, **kw)
+        else:
+            logits, cache, pool = checkpointed_forward(self.family, params, tokens, md, cache,
+                                                       self.mcfg, pool, f, decode_only, kw)
         sm = SamplingMetadata(temperature=floats[:s], top_k=f["top_k"], top_p=floats[s:],
                               seed=f["seed"].astype(jnp.uint32), step=f["step"])
         out = sample(logits, sm, all_greedy=all_greedy, use_filter=use_filter,
                      num_logprobs=num_logprobs)
         if prev is not None:
             prev = prev.at[f["sample_seat"]].set(out["tokens"])  # [seats + 1]
-            return cache, _pack(out, num_logprobs), prev
-        return cache, _pack(out, num_logprobs)
+        return cache, _pack(out, num_logprobs), prev, pool
+
+    def _dispatch(self, ints, floats, use_prev: bool, kw):
+        """One jitted step; keeps the donated cache (and prev tokens, checkpoint pool)."""
+        self.cache, packed, prev, pool = self._step(
+            self.params, self.cache, ints, floats, self._prev() if use_prev else None,
+            self.ck_pool, **kw)
+        if use_prev:
+            self.prev_tokens = prev
+        self.ck_pool = pool
+        return packed
 
     def _prev(self):
         if self.prev_tokens is None:
@@ -134,21 +152,18 @@ class ModelRunner:
             variants += [(t, True) for t in self.config.token_buckets if t <= top]
         for t, decode_only in variants:
             s = self.config.seq_bucket(t)
-            spec, size = _layout(t, s, self.nb)
+            spec, size = _layout(t, s, self.nb, self.ck_pool is not None)
             ints = np.zeros(size, np.int32)
-            o, (n,) = spec["slot_mapping"]
-            ints[o:o + n] = -1
+            for name in ("slot_mapping",) + (_S_FIELDS_CKPT if self.ck_pool is not None else ()):
+                o, (n,) = spec[name]
+                ints[o:o + n] = -1
             for name in ("state_slots", "sample_seat"):
                 o, (n,) = spec[name]
                 ints[o:o + n] = self.scratch_slot
             floats = np.ones(2 * s, np.float32)
             kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                       num_logprobs=num_logprobs, decode_only=decode_only)
-            if self.config.async_scheduling:
-                self.cache, out, self.prev_tokens = self._step(self.params, self.cache, ints,
-                                                               floats, self._prev(), **kw)
-            else:
-                self.cache, out = self._step(self.params, self.cache, ints, floats, **kw)
+            out = self._dispatch(ints, floats, self.config.async_scheduling, kw)
             jax.block_until_ready(out)
 
     # -- host ----------------------------------------------------------------------------------
@@ -203,6 +218,13 @@ class ModelRunner:
         v["state_slots"][:] = self.scratch_slot
         v["sample_seat"][:] = self.scratch_slot
         n_seq = len(batch)
+        if self.ck_pool is not None:
+            for name in _S_FIELDS_CKPT:
+                v[name][:] = -1
+            for i, e in enumerate(batch):
+                if e.ck_slot >= 0 or e.restore_slot >= 0:
+                    v["ck_pos"][i], v["ck_slot"][i] = e.ck_pos, e.ck_slot
+                    v["restore_slot"][i] = e.restore_slot
         seats = [e.seq.seat for e in batch]
         # Decodes come first (scheduler order): one generated token each, filled vectorised.
         d = 0
@@ -266,11 +288,7 @@ class ModelRunner:
                   num_logprobs=num_logprobs, decode_only=decode_only)
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
-        if use_prev:
-            self.cache, packed, self.prev_tokens = self._step(self.params, self.cache, ints,
-                                                              floats, self._prev(), **kw)
-        else:
-            self.cache, packed = self._step(self.params, self.cache, ints, floats, **kw)
+        packed = self._dispatch(ints, floats, use_prev, kw)
         self.last_dispatch = time.perf_counter() - t0
         return packed, num_logprobs
 
@@ -281,7 +299,7 @@ class ModelRunner:
         Reuse also avoids fresh page faults every step."""
         key = (t, s, parity)
         if key not in self._bufs:
-            spec, size = _layout(t, s, self.nb)
+            spec, size = _layout(t, s, self.nb, self.ck_pool is not None)
             ints = np.zeros(size, np.int32)
             v = {k: ints[o:o + int(np.prod(shape))].reshape(shape)
                  for k, (o, shape) in spec.items()}
@@ -315,6 +333,24 @@ class ModelRunner:
         v["cu_q_lens"][1:d + 1] = ar + 1
         v["num_blocks"][:d] = blk + 1
         v["logits_indices"][:d] = ar
+
+
+def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decode_only, kw):
+    """The hybrid forward with the checkpoint pool (inside the jitted step): restore rows'
+    states are written into their slots before the model runs (their reset flag is off), and the
+    states at each row's checkpoint position go to the pool after. Decode-only steps neither
+    restore nor checkpoint (a checkpoint position is a prefill chunk's)."""
+    if decode_only:
+        logits, cache = family.forward(params, tokens, md, cache, mcfg, **kw)
+        return logits, cache, pool
+    restore = f["restore_slot"]  # [S]
+    conv, delta = ckpt_pool.rows(pool, restore)
+    cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
+    logits, cache, ck = family.forward_with_checkpoints(
+        params, tokens, md, cache, mcfg, checkpoint_at=f["ck_pos"][:, None], **kw)
+    if ck is not None:
+        pool = ckpt_pool.store_rows(pool, f["ck_slot"], ck["conv"][:, :, 0], ck["delta"][:, :, 0])
+    return logits, cache, pool
 
 
 def _decode_impl(config) -> str | None:

@@ -35,17 +35,22 @@ class ScheduledSeq:
     new_computed: int  # frontier after the step
     sample: bool  # the sequence's last token is computed: sample its next token
     reset: bool  # recurrent state starts from zero
+    ck_pos: int = -1  # hybrid: logical position of a checkpoint this step takes (-1: none)
+    ck_slot: int = -1  # hybrid: its checkpoint-pool slot
+    restore_slot: int = -1  # hybrid: pool slot the state is restored from before the step
 
 
 class Scheduler:
     def __init__(self, config, block_manager, hash_fn, root_hash_fn, *, offload=None,
-                 markers: dict | None = None, hybrid: bool = False):
+                 markers: dict | None = None, hybrid: bool = False, hybrid_cache=None):
         self.cfg = config
         self.bm = block_manager
         self.offload = offload
         self.markers = markers or {}
         self.hybrid = hybrid
-        self.caching = config.enable_prefix_caching and not hybrid
+        # hybrid models cache only with a checkpoint store (serving/hybrid_prefix.py)
+        self.hybrid_cache = hybrid_cache
+        self.caching = config.enable_prefix_caching and (not hybrid or hybrid_cache is not None)
         self.keys = PrefixKeys(config.block_size, hash_fn, root_hash_fn, self.markers,
                                self.caching)
         self._arange = np.arange(config.max_model_len + 1)  # decode token_idx = 1-row views
@@ -74,6 +79,8 @@ class Scheduler:
     def _try_allocate(self, seq: Sequence, seats: list[int]) -> bool:
         if not seats:
             return False
+        if self.hybrid_cache is not None:
+            return self.hybrid_cache.admit(self, seq, seats)
         bm, hashes, limit = self.bm, self.keys.hashes(seq), self.keys.hit_limit(seq)
         plan = []  # (kind, block or hash) per logical block
         need = 0
@@ -132,6 +139,8 @@ class Scheduler:
         return True
 
     def _free(self, seq: Sequence) -> None:
+        if self.hybrid_cache is not None:
+            self.hybrid_cache.drop_restore(seq)
         self.bm.release(seq.block_table, seq.seq_id)
         seq.block_table = []
         seq.owned = set()
@@ -165,6 +174,8 @@ class Scheduler:
     def _plan_chunk(self, seq: Sequence, budget: int, stop_at: int | None = None):
         """Token indices to compute next (at most `budget` valid ones), and the new frontier."""
         bs, bm = self.cfg.block_size, self.bm
+        if self.hybrid_cache is not None:  # at most one checkpoint per chunk
+            stop_at = self.hybrid_cache.chunk_stop(seq, stop_at)
         total = len(seq) if stop_at is None else min(stop_at, len(seq))
         i, parts, n = seq.num_computed, [], 0
         while i < total and n < budget:
@@ -206,7 +217,10 @@ class Scheduler:
 
     def _entry(self, seq, idx, new_computed) -> ScheduledSeq:
         sample = (not seq.is_span_job) and new_computed >= len(seq)
-        return ScheduledSeq(seq, idx, new_computed, sample, seq.needs_reset)
+        e = ScheduledSeq(seq, idx, new_computed, sample, seq.needs_reset)
+        if self.hybrid_cache is not None:
+            self.hybrid_cache.annotate(self, e)
+        return e
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:

@@ -24,11 +24,16 @@ def test_hybrid_greedy_matches_hf_with_chunks_and_preemption():
     sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert llm.llm_engine.get_stats()["preemptions"] > 0
+    resumed = []
     for o, want, p in zip(outs, greedy, prompts):
         assert o.outputs[0].token_ids[:len(want)] == want  # HF transformers' greedy tokens
-        assert o.num_cached_tokens == 0  # prefix caching is off for hybrid models (for now)
-        alone = llm.generate([p], sp, use_tqdm=False)[0]  # no preemption when alone
+        assert o.num_cached_tokens == 0  # each prompt's first sight: nothing to resume from
+        # no preemption when alone; a prompt seen before resumes from its recurrent checkpoint
+        alone = llm.generate([p], sp, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == o.outputs[0].token_ids
+        resumed.append(alone.num_cached_tokens)
+    # checkpoints at 64-token chunk boundaries below the last full block (HF's tokens above)
+    assert resumed == [(len(p) - 1) // 16 * 16 // 64 * 64 for p in prompts]
 
 
 def test_hybrid_decode_steps_run_the_decode_kernel():

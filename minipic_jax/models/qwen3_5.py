@@ -218,6 +218,20 @@ def restore_state(cache: Qwen35Cache, slot: int, state: dict) -> Qwen35Cache:
     return dataclasses.replace(cache, conv=conv, delta=delta)
 
 
+def write_states(cache: Qwen35Cache, slots, conv, delta, mask) -> Qwen35Cache:
+    """Jit-able restore of checkpoints into state slots (the engine's hybrid prefix cache hook).
+
+    slots [S] int32 state slots; conv [Lg, S, C, Kc-1], delta [Lg, S, Hv, Dk, Dv] the states to
+    write; mask [S] bool which rows to write (others leave their slot untouched).
+    """
+    idx = jnp.where(mask, slots, cache.conv[0].shape[0] if cache.conv else 0)  # [S] OOB: dropped
+    conv_new = tuple(c.at[idx].set(conv[i].astype(c.dtype), mode="drop")
+                     for i, c in enumerate(cache.conv))
+    delta_new = tuple(d.at[idx].set(delta[i].astype(d.dtype), mode="drop")
+                      for i, d in enumerate(cache.delta))
+    return dataclasses.replace(cache, conv=conv_new, delta=delta_new)
+
+
 # ----------------------------------------------------------------------------- forward
 
 

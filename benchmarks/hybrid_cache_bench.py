@@ -1,0 +1,241 @@
+"""`minipic-bench hybrid-cache`: prefix caching of a hybrid model, per checkpoint strategy.
+
+One engine (Qwen3.5-0.8B shape by default, random weights) compiles once; for each workload,
+checkpoint budget (device slots; one slot = one checkpoint of every GDN layer, bytes printed) and
+strategy (none, last, block, balanced, dp), the prefix cache is reset and the workload's requests
+run in order through `LLM.generate` (FCFS, max_num_seqs seats). Reported per run: prompt tokens
+recomputed (matched by cached blocks but behind the resumed checkpoint), prompt tokens computed,
+hit rate (cached / prompt tokens), prefill throughput (prompt tokens / wall), mean TTFT, wall, and
+the share of greedy tokens equal to the `none` run. vLLM's Throughput line, JSON, PNG.
+
+Workloads (built from benchmarks/data, see `workloads`): NarrativeQA document lengths with several
+questions per document (document tokens synthetic: the CSV has no text; questions are real MuSiQue
+questions in Llama 3 tokens), shared system prompts + MuSiQue questions, MuSiQue multi-hop RAG
+(real passages, 2 more per round), and a drifting mix (RAG first, then system prompts).
+
+  minipic-bench hybrid-cache [--model qwen3_5_0_8b] [--budgets 8 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+
+import numpy as np
+
+from benchmarks import planner_workloads as wl
+
+STRATEGIES = ("none", "last", "block", "balanced", "dp")
+WORKLOADS = ("longdoc", "sysprompt", "rag-multihop", "drift")
+
+
+def add_parser(p) -> None:
+    p.add_argument("--model", default="qwen3_5_0_8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument("--budgets", type=int, nargs="+", default=[32],
+                   help="device checkpoint slots (the same byte budget for every strategy)")
+    p.add_argument("--per-prompt", type=int, default=4, help="Config.checkpoints_per_prompt")
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
+    p.add_argument("--doc-cap", type=int, default=6000, help="longdoc: document tokens at most")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--min-token-bucket", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of tokens recomputed vs budget")
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def _text(s: str) -> list[int]:
+    return list(wl.encode(s))
+
+
+def _longdoc(rng, scale, doc_cap):
+    with open(wl.DATA / "narrativeqa_documents.csv", newline="") as f:
+        words = np.array([int(r["story_word_count"]) for r in csv.DictReader(f)])
+    docs = rng.choice(words, max(2, int(8 * scale)), replace=False)
+    header = _text("Read the story below, then answer the question about it.\n\n")
+    qs = [_text(f"\nQuestion: {s['question']}\nAnswer:") for s in wl._musique()]
+    bodies = [rng.integers(1000, 100000, min(int(wl.TOKENS_PER_WORD * w), doc_cap)).tolist()
+              for w in docs]
+    # round robin over documents: question k of every document, then question k + 1
+    return [header + b + qs[rng.integers(len(qs))] for _ in range(4) for b in bodies]
+
+
+def _sysprompt(rng, scale, n_prompts=4, requests=48, lengths=None):
+    lengths = lengths or np.round(np.exp(rng.uniform(np.log(300), np.log(6000), n_prompts)))
+    systems = [rng.integers(1000, 100000, int(n)).tolist() for n in lengths]
+    pop = 1.0 / np.arange(1, len(systems) + 1)
+    qs = [_text(f"User: {s['question']}\nAssistant:") for s in wl._musique()]
+    return [systems[rng.choice(len(systems), p=pop / pop.sum())] + qs[rng.integers(len(qs))]
+            for _ in range(max(2, int(requests * scale)))]
+
+
+def _rag_multihop(rng, scale, first=0, samples=12):
+    header = _text(wl.RAG_HEADER)
+    data = wl._musique()[first:first + max(2, int(samples * scale))]
+    per = []
+    for s in data:
+        passages = [_text(f"Passage {i + 1}: {c['text']}\n\n") for i, c in enumerate(s["ctxs"])]
+        q = _text(f"Question: {s['question']}\nAnswer:")
+        per.append([header + sum(passages[:k], []) + q for k in range(2, len(passages) + 1, 2)])
+    return [p[r] for r in range(5) for p in per]  # round r of every sample, then round r + 1
+
+
+def workloads(names, scale: float, doc_cap: int) -> dict:
+    rng = np.random.default_rng(0)
+    out = {}
+    for name in names:
+        if name == "longdoc":
+            out[name] = _longdoc(rng, scale, doc_cap)
+        elif name == "sysprompt":
+            out[name] = _sysprompt(rng, scale)
+        elif name == "rag-multihop":
+            out[name] = _rag_multihop(rng, scale)
+        else:  # drift: RAG traffic, then system-prompt traffic
+            out[name] = (_rag_multihop(rng, scale * 0.5, first=12)
+                         + _sysprompt(rng, scale * 0.5, n_prompts=2))
+    return out
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _run(llm, prompts, sp) -> dict:
+    engine = llm.llm_engine
+    before = engine.get_stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = engine.get_stats()
+    n_prompt = sum(len(o.prompt_token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in
+             ("tokens_matched", "tokens_resumed", "checkpoint_hits", "checkpoints_stored",
+              "checkpoints_evicted", "computed_query_tokens", "steps")}
+    return dict(wall_s=wall, requests=len(outs), prompt_tokens=n_prompt, cached_tokens=cached,
+                output_tokens=n_out, computed_prompt_tokens=n_prompt - cached,
+                tokens_recomputed=delta["tokens_matched"] - delta["tokens_resumed"],
+                hit_rate=cached / max(n_prompt, 1), prefill_tok_per_s=n_prompt / wall,
+                mean_ttft_s=float(np.mean(ttft)), **delta,
+                plan=after.get("checkpoint_plan"), tokens=[o.outputs[0].token_ids for o in outs])
+
+
+def run(args) -> int:
+    import jax.numpy as jnp
+
+    from minipic_jax import LLM, SamplingParams
+    from serving import checkpoint_pool
+    from minipic_jax.loading import load_model
+    loaded = load_model(args.model, dtype=args.dtype, seed=0)
+    layout = checkpoint_pool.state_layout(loaded.family, loaded.cfg, 16, jnp.dtype(args.dtype))
+    nbytes = checkpoint_pool.checkpoint_nbytes(layout)
+    kv_token = 2 * loaded.cfg.layer_types.count("full_attention") * loaded.cfg.num_kv_heads * \
+        loaded.cfg.head_dim * jnp.dtype(args.dtype).itemsize
+    print(f"checkpoint: {nbytes / 2**20:.2f} MiB (= KV of {nbytes / kv_token:.0f} tokens); "
+          f"budgets {args.budgets} slots", flush=True)
+    llm = LLM(args.model, dtype=args.dtype, seed=0, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              min_token_bucket=args.min_token_bucket, max_model_len=args.max_model_len,
+              checkpoint_gb=max(args.budgets) * nbytes / 2**30,
+              checkpoints_per_prompt=args.per_prompt)
+    engine = llm.llm_engine
+    t0 = time.perf_counter()
+    engine.warmup()
+    print(f"warmup (compile) {time.perf_counter() - t0:.1f} s", flush=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    loads = workloads(args.workloads, args.scale, args.doc_cap)
+    room = args.max_model_len - args.max_tokens
+    for name in loads:  # ids kept inside the vocabulary (below the marker ids), lengths in room
+        vocab = loaded.cfg.vocab_size - 8
+        loads[name] = [[t % vocab for t in p] for p in loads[name] if len(p) <= room]
+    results = []
+    for name, prompts in loads.items():
+        print(f"== {name}: {len(prompts)} requests, "
+              f"{sum(map(len, prompts))} prompt tokens", flush=True)
+        for budget in args.budgets:
+            ref = None
+            for strategy in args.strategies:
+                engine.config.checkpoint_strategy = strategy
+                engine.config.checkpoint_gb = budget * nbytes / 2**30
+                engine.reset_prefix_cache()
+                try:
+                    r = _run(llm, prompts, sp)
+                except Exception as err:  # noqa: BLE001 - one failing run must not lose the rest
+                    print(f"  {strategy}: FAILED {type(err).__name__}: {err}", flush=True)
+                    continue
+                toks = r.pop("tokens")
+                ref = toks if strategy == "none" else ref
+                r["tokens_equal_none"] = (float(np.mean([a == b for a, b in zip(toks, ref)]))
+                                          if ref is not None else None)
+                r.update(workload=name, budget=budget, strategy=strategy,
+                         budget_bytes=budget * nbytes)
+                results.append(r)
+                el = r["wall_s"]
+                print(f"  budget {budget:3d} {strategy:8s} recomputed {r['tokens_recomputed']:7d} "
+                      f"computed {r['computed_prompt_tokens']:7d} hit {r['hit_rate']:.3f} "
+                      f"prefill {r['prefill_tok_per_s']:9.0f} tok/s TTFT "
+                      f"{1e3 * r['mean_ttft_s']:7.1f} ms wall {el:6.2f} s "
+                      f"same-tokens {r['tokens_equal_none']}", flush=True)
+                print(f"Throughput: {r['requests'] / el:.2f} requests/s, "
+                      f"{(r['prompt_tokens'] + r['output_tokens']) / el:.2f} total tokens/s, "
+                      f"{r['output_tokens'] / el:.2f} output tokens/s", flush=True)
+                if args.json:
+                    _write(args.json, nbytes, results)
+    if args.json:
+        _write(args.json, nbytes, results)
+    if args.plot:
+        _plot(results, args.plot)
+    _table(results)
+    return 0
+
+
+def _write(path, nbytes, results):
+    with open(path, "w") as f:
+        json.dump({"checkpoint_bytes": nbytes, "results": results}, f, indent=1, default=str)
+
+
+def _table(results):
+    print("\nworkload      budget strategy  recomputed  computed  hit    prefill tok/s  TTFT ms"
+          "   wall s")
+    for r in results:
+        print(f"{r['workload']:13s} {r['budget']:6d} {r['strategy']:9s} "
+              f"{r['tokens_recomputed']:10d} {r['computed_prompt_tokens']:9d} "
+              f"{r['hit_rate']:.3f} {r['prefill_tok_per_s']:14.0f} "
+              f"{1e3 * r['mean_ttft_s']:8.1f} {r['wall_s']:8.2f}")
+
+
+def _plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    names = sorted({r["workload"] for r in results})
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for s in STRATEGIES:
+            rows = sorted((r for r in results if r["workload"] == name and r["strategy"] == s),
+                          key=lambda r: r["budget"])
+            if rows:
+                ax.plot([r["budget"] for r in rows], [r["tokens_recomputed"] for r in rows],
+                        marker="o", label=s)
+        ax.set_xscale("log", base=2)
+        ax.set_title(name)
+        ax.set_xlabel("checkpoint slots")
+        ax.set_ylabel("tokens recomputed")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,150 @@
+"""The device tier of the checkpoint store: one preallocated pool of recurrent states.
+
+  conv  [Lg, N, C, Kc-1]    in the cache's conv dtype
+  delta [Lg, N, Hv, Dk, Dv] float32 (the recurrent state is float32; keeping it so is what makes a
+                            restore exact)
+Lg recurrent layers, N slots. One checkpoint = Lg * (C (Kc-1) itemsize + Hv Dk Dv 4) bytes, exactly
+what `nbytes` reports. Inside the jitted step the runner reads restore rows (`rows`) before the
+model runs and writes the step's checkpoints (`store_rows`) after; between steps whole slots move
+to and from host memory with one jitted gather / scatter per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CheckpointPool:
+    conv: jax.Array  # [Lg, N, C, Kc-1]
+    delta: jax.Array  # [Lg, N, Hv, Dk, Dv] float32
+
+    @property
+    def slots(self) -> int:
+        return self.conv.shape[1]
+
+
+def state_layout(family, mcfg, block_size: int, dtype):
+    """(Lg, conv slot shape, conv dtype, delta slot shape) of a hybrid family's recurrent cache,
+    read off a one-page, one-slot cache (the contract: `conv` and `delta` tuples of [slots, ...])."""
+    probe = family.init_cache(mcfg, 1, block_size, 1, dtype)
+    lg = len(probe.conv)
+    if lg == 0:
+        return 0, (), np.dtype(dtype), ()
+    return lg, probe.conv[0].shape[1:], probe.conv[0].dtype, probe.delta[0].shape[1:]
+
+
+def checkpoint_nbytes(layout) -> int:
+    """Exact bytes of one checkpoint (every recurrent layer's conv + delta state)."""
+    lg, conv_shape, conv_dtype, delta_shape = layout
+    return lg * (int(np.prod(conv_shape)) * np.dtype(conv_dtype).itemsize
+                 + int(np.prod(delta_shape)) * 4)
+
+
+def allocate(layout, slots: int) -> CheckpointPool:
+    lg, conv_shape, conv_dtype, delta_shape = layout
+    pool = CheckpointPool(conv=jnp.zeros((lg, slots) + tuple(conv_shape), conv_dtype),
+                          delta=jnp.zeros((lg, slots) + tuple(delta_shape), jnp.float32))
+    jax.block_until_ready(pool)
+    return pool
+
+
+def rows(pool: CheckpointPool, idx):
+    """idx [S] slots (-1 = none) -> conv [Lg, S, ...], delta [Lg, S, ...] (row of slot 0 where
+    idx < 0; callers mask those rows)."""
+    safe = jnp.maximum(idx, 0)
+    return pool.conv[:, safe], pool.delta[:, safe]
+
+
+def store_rows(pool: CheckpointPool, idx, conv, delta) -> CheckpointPool:
+    """Write conv [Lg, S, ...] / delta [Lg, S, ...] into slots idx [S] (-1 = dropped)."""
+    target = jnp.where(idx >= 0, idx, pool.slots)
+    return CheckpointPool(conv=pool.conv.at[:, target].set(conv.astype(pool.conv.dtype),
+                                                           mode="drop"),
+                          delta=pool.delta.at[:, target].set(delta.astype(jnp.float32),
+                                                             mode="drop"))
+
+
+class HostBatch:
+    """Slots gathered in one step: device arrays (host copy started) until first read."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+        for a in arrays:
+            a.copy_to_host_async()
+        self.host = None
+
+    def materialize(self):
+        if self.host is None:
+            self.host = [np.asarray(a) for a in self.arrays]
+            self.arrays = None
+        return self.host
+
+
+def _bucket(n: int) -> int:
+    return max(4, 1 << (n - 1).bit_length())
+
+
+@jax.jit
+def _gather(pool, ids):
+    return [pool.conv[:, ids], pool.delta[:, ids]]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter(pool, ids, conv, delta):
+    return CheckpointPool(conv=pool.conv.at[:, ids].set(conv, mode="drop"),
+                          delta=pool.delta.at[:, ids].set(delta, mode="drop"))
+
+
+def gather(pool: CheckpointPool, slots: list[int]) -> HostBatch:
+    ids = np.zeros(_bucket(len(slots)), np.int32)
+    ids[:len(slots)] = slots
+    return HostBatch(_gather(pool, jnp.asarray(ids)))
+
+
+def scatter(pool: CheckpointPool, slots: list[int], sources) -> CheckpointPool:
+    """sources: (HostBatch, row) per slot."""
+    nb = _bucket(len(slots))
+    ids = np.full(nb, pool.slots, np.int32)  # out of range rows are dropped
+    ids[:len(slots)] = slots
+    conv = np.zeros((pool.conv.shape[0], nb) + pool.conv.shape[2:], pool.conv.dtype)
+    delta = np.zeros((pool.delta.shape[0], nb) + pool.delta.shape[2:], np.float32)
+    for k, (batch, row) in enumerate(sources):
+        c, d = batch.materialize()
+        conv[:, k] = c[:, row]
+        delta[:, k] = d[:, row]
+    return _scatter(pool, jnp.asarray(ids), jnp.asarray(conv), jnp.asarray(delta))
+
+
+def apply_moves(pool: CheckpointPool, moves_out, moves_in) -> CheckpointPool:
+    """Carry out a step's store moves: gather the evicted slots out (their entries then live on
+    the host), then scatter host entries into their new slots."""
+    if moves_out:
+        batch = gather(pool, [s for s, _ in moves_out])
+        for row, (_, e) in enumerate(moves_out):
+            e.host = (batch, row)
+    if moves_in:
+        pool = scatter(pool, [s for s, _ in moves_in], [e.host for _, e in moves_in])
+        for _, e in moves_in:
+            e.host = None
+    return pool
+
+
+def default_slots(config, nbytes: int) -> int:
+    """Device slots for Config.checkpoint_gb (None: 5% of the device's memory limit, or 64
+    checkpoints on a backend without memory stats)."""
+    if config.checkpoint_gb is not None:
+        return int(config.checkpoint_gb * (1 << 30)) // max(nbytes, 1)
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU backends may not report memory
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(0.05 * stats["bytes_limit"]) // max(nbytes, 1)
+    return 64

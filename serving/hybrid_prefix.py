@@ -1,0 +1,192 @@
+"""Prefix caching for hybrid models: admission with a checkpoint restore, checkpoints per chunk.
+
+Attention layers keep the paged prefix cache as for Llama (same hashes, block manager, KV modes).
+A recurrent layer cannot skip cached tokens without their state, so on admission:
+
+  d = ready cached blocks (device, or the KV host tier) matching the request from its start, up to
+      the hit limit (the block holding the last token to compute is never a hit);
+  c = the deepest stored checkpoint at a block boundary <= d (0 if none);
+  the request resumes at c: blocks below c are shared hits, the recurrent state comes from the
+  checkpoint, and [c, end) is computed through all layers into blocks of its own (cached blocks in
+  [c, d) are not shared: their KV would be rewritten by the recompute). num_cached_tokens = c.
+
+During prefill, checkpoints are taken at the positions serving/checkpoint_plan.py chooses for the
+prompt; a chunk holds at most one (it stops before a second), so the model returns one state per
+sequence per step. Only plain prompts and PDEP segments: an SSEP span's KV is position-free but
+the recurrent state before it is not, so the engine rejects spans on hybrid models.
+"""
+
+from __future__ import annotations
+
+import time
+
+from serving.checkpoint_plan import positions_of
+from serving.sequence import Status
+
+
+class HybridPrefixCache:
+    def __init__(self, store, planner, block_size: int):
+        self.store, self.planner, self.block_size = store, planner, block_size
+        self.admissions = self.checkpoint_hits = 0
+        self.tokens_matched = self.tokens_resumed = 0
+
+    # -- admission -----------------------------------------------------------------------------
+    def _match(self, sched, seq):
+        """Per block from the start: ("hit", block) / ("host", None) while they match."""
+        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
+        raw, step = keys.token_bytes(seq), 8 * bs
+        kinds = []
+        for j in range(limit):
+            b = bm.table.get(hashes[j])
+            if b is not None and bm.ready[b] and bm.confirm[b] == raw[j * step:(j + 1) * step]:
+                kinds.append(("hit", b))
+            elif b is None and sched.offload is not None and sched.offload.contains(hashes[j]):
+                kinds.append(("host", None))
+            else:
+                break
+        return kinds
+
+    def _deepest(self, seq, hashes, raw, depth_blocks: int):
+        """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint."""
+        step, bs = 8 * self.block_size, self.block_size
+        for k in range(depth_blocks, 0, -1):
+            e = self.store.get(hashes[k - 1], raw[(k - 1) * step:k * step])
+            if e is None or e.position != int(positions_of(seq.layout, [k * bs])[0]):
+                continue
+            if self.store.acquire(e):
+                return k, e
+        return 0, None
+
+    def admit(self, sched, seq, seats) -> bool:
+        """Scheduler._try_allocate for hybrid models (see the module docstring)."""
+        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        kinds = self._match(sched, seq)
+        hashes, raw = keys.hashes(seq), keys.token_bytes(seq)
+        kc, entry = self._deepest(seq, hashes, raw, len(kinds))
+        n = seq.num_blocks_needed
+        need = (n - kc) + sum(1 for kind, b in kinds[:kc] if kind == "host" or bm.ref[b] == 0)
+        if need > bm.num_free - sched.cfg.watermark_blocks:
+            if entry is not None:
+                self.store.release(entry)
+            return False
+        for kind, b in kinds[:kc]:
+            if kind == "hit":
+                bm.share(b)
+        for j in range(n):
+            kind, b = kinds[j] if j < kc else ("new", None)
+            if kind == "hit":
+                seq.block_table.append(b)
+                continue
+            b = bm.allocate()
+            seq.block_table.append(b)
+            h = hashes[j] if j < len(hashes) else None
+            if kind == "host":  # not in the device table (see _match): this registers it
+                bm.register(b, h, keys.confirm(seq, j), seq.seq_id, ready=True)
+                sched.pending_copy_in.append((b, h))
+                continue
+            seq.owned.add(j)
+            if h is not None:
+                bm.register(b, h, keys.confirm(seq, j), seq.seq_id)
+        first = not seq.ever_admitted
+        if first:
+            seq.num_cached_tokens = kc * bs
+            self.planner.observe(len(kinds) * bs)
+            seq.ck_positions = self.planner.prompt_positions(seq.layout, seq.num_prompt_tokens,
+                                                             bs)
+        self.admissions += 1
+        self.checkpoint_hits += kc > 0
+        self.tokens_matched += len(kinds) * bs
+        self.tokens_resumed += kc * bs
+        seq.restore_entry = entry
+        seq.num_computed = kc * bs
+        seq.seat = seats.pop()
+        seq.synced_blocks = 0
+        seq.status = Status.RUNNING
+        seq.needs_reset = kc == 0
+        seq.ready_ptr = 0
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.time()
+        seq.ever_admitted = True
+        return True
+
+    def drop_restore(self, seq) -> None:
+        """The sequence leaves (preempted, finished, aborted) before its restore ran."""
+        e = getattr(seq, "restore_entry", None)
+        if e is not None:
+            self.store.release(e)
+            seq.restore_entry = None
+
+    # -- chunks --------------------------------------------------------------------------------
+    @staticmethod
+    def _ahead(seq) -> list[int]:
+        return [p for p in getattr(seq, "ck_positions", ()) if p >= seq.num_computed]
+
+    def chunk_stop(self, seq, stop_at):
+        """A chunk [s, e] takes one checkpoint, the first planned position in [s, e] (at s: the
+        state the chunk starts from, which the kernel returns as is); it stops at the second,
+        which the next chunk takes at its start."""
+        ahead = self._ahead(seq)
+        if len(ahead) < 2:
+            return stop_at
+        return ahead[1] if stop_at is None else min(stop_at, ahead[1])
+
+    def annotate(self, sched, e) -> None:
+        """Restore and checkpoint fields of a scheduled chunk."""
+        seq = e.seq
+        entry = getattr(seq, "restore_entry", None)
+        if entry is not None:
+            e.restore_slot = entry.slot
+            e.reset = False
+            self.store.hand_to_launch(entry)
+            seq.restore_entry = None
+        ahead = self._ahead(seq)
+        if not ahead or ahead[0] > e.new_computed or seq.is_span_job:
+            return
+        p, bs = ahead[0], self.block_size
+        hashes = sched.keys.hashes(seq)
+        k = p // bs
+        pos = int(positions_of(seq.layout, [p])[0])
+        value = self.planner.value(p, seq.ck_positions)
+        slot = self.store.reserve(hashes[k - 1], sched.keys.confirm(seq, k - 1), pos, hashes[:k],
+                                  value)
+        if slot >= 0:
+            e.ck_pos, e.ck_slot = pos, slot
+
+    def stats(self) -> dict:
+        out = {"checkpoint_hits": self.checkpoint_hits, "tokens_resumed": self.tokens_resumed,
+               "tokens_matched": self.tokens_matched,
+               "tokens_recomputed": self.tokens_matched - self.tokens_resumed,
+               "checkpoint_strategy": self.planner.strategy,
+               "checkpoint_plan": self.planner.plan,
+               "checkpoint_replans": self.planner.replanner.replans}
+        out.update(self.store.stats())
+        return out
+
+
+def build(config, family, mcfg, dtype, pool=None):
+    """(HybridPrefixCache, CheckpointPool or None) for a hybrid model with prefix caching on.
+    The pool is allocated here, before the KV pool sizes itself from the memory left; with
+    `pool` (an engine's reset) it is kept, and the store may use at most its slots."""
+    from serving import checkpoint_pool
+    from serving.checkpoint_plan import CheckpointPlanner
+    from serving.checkpoint_store import CheckpointStore
+    chunk = getattr(family, "CHUNK", 64)
+    layout = checkpoint_pool.state_layout(family, mcfg, config.block_size, dtype)
+    nbytes = checkpoint_pool.checkpoint_nbytes(layout)
+    strategy = config.checkpoint_strategy
+    slots = 0 if strategy == "none" else checkpoint_pool.default_slots(config, nbytes)
+    host = int(config.cpu_offload_gb * (1 << 30) / 2) // max(nbytes, 1) if slots else 0
+    planner = CheckpointPlanner(strategy, config.checkpoints_per_prompt,
+                                config.checkpoint_block_tokens, config.max_model_len, chunk,
+                                half_life=config.checkpoint_half_life,
+                                every=config.checkpoint_replan_every,
+                                tv=config.checkpoint_replan_tv)
+    if pool is not None:
+        if slots > pool.slots:
+            raise ValueError(f"Config.checkpoint_gb asks for {slots} checkpoints but the engine's "
+                             f"pool has {pool.slots}; a reset cannot grow it")
+    elif slots:
+        pool = checkpoint_pool.allocate(layout, slots)
+    cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size)
+    return cache, pool
