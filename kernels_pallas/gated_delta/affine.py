@@ -53,12 +53,6 @@ def apply(maps, state, *, precision=None):
     return jnp.einsum("...ij,...jk->...ik", a, state, precision=precision) + b
 
 
-def identity(batch_shape, dk, dv):
-    """The map of zero tokens: (I, 0)."""
-    a = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (*batch_shape, dk, dk))
-    return a, jnp.zeros((*batch_shape, dk, dv), _F32)
-
-
 def apply_chain(a, b, state, count=None, *, precision=None):
     """Run maps 0, 1, ... in order from `state`: (((S A_0 + B_0) A_1 + B_1) ...) in the left-acting
     layout, one batched matmul per map (never a replay of the tokens).
@@ -83,17 +77,3 @@ def apply_chain(a, b, state, count=None, *, precision=None):
     out, _ = jax.lax.scan(step, state.astype(_F32), (idx, a.astype(_F32), b.astype(_F32)))
     return out
 
-
-def product_of_chunk_maps(a, axis, *, precision=None):
-    """Ordered product a[n-1] ... a[1] a[0] along `axis` by a balanced tree (log2 n levels)."""
-    a = jnp.moveaxis(a, axis, 0)
-    while a.shape[0] > 1:
-        if a.shape[0] % 2:  # carry the last (latest) factor to the next level unpaired
-            odd = a[-1:]
-            a = a[:-1]
-        else:
-            odd = None
-        a = jnp.einsum("p...ij,p...jk->p...ik", a[1::2], a[0::2], precision=precision)
-        if odd is not None:
-            a = jnp.concatenate([a, odd], axis=0)
-    return a[0]
