@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from minipic_jax.outputs import Logprob, RequestOutput
-from serving import checkpoint_pool, hybrid_prefix
+from serving import checkpoint_pool, hybrid_prefix, span_rows
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
 from serving.hashing import make_hash_fn, root_hash
@@ -135,12 +135,9 @@ class LLMEngine:
         if layout.num_valid == 0:
             raise ValueError(f"{who}: prompt holds only pad tokens "
                              f"(pad_token_id={m['pad_token_id']})")
-        if self.hybrid and layout.span_block.any():
-            blk = int(np.flatnonzero(layout.span_start)[0])
-            raise ValueError(f"{who}: SSEP span (Span segment) at token index "
-                             f"{blk * cfg.block_size}, but this is a hybrid model: its recurrent "
-                             f"layers' state depends on everything before a span, so spans are "
-                             f"not position-independent here; use plain prompts or PDEP segments")
+        if self.hybrid and layout.span_block.any():  # docs/DESIGN.md section 5 (cold path)
+            span_rows.check_prompt(layout, cfg.block_size, len(ids),
+                                   cfg.max_num_batched_tokens - cfg.max_num_seqs, who)
         if cfg.kv_mode == "rotated" and layout.has_markers:
             blk = int(np.flatnonzero(layout.seg_start[1:])[0]) + 1 if layout.seg_start[1:].any() else 0
             raise ValueError(f"{who}: SSEP/PDEP marker at token index "

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
-from minipic_jax.models.interface import RecurrentMetadata
+from minipic_jax.models.interface import RecurrentMetadata, SpanPieces
+from serving import span_rows
 from serving import checkpoint_pool as ckpt_pool
 from serving.kv_pool import allocate_pool
 from serving.sampler import SamplingMetadata, sample
@@ -37,10 +38,21 @@ _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
 _S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
+def _piece_bound(t: int, s: int) -> int:
+    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence plus one per
+    span start in the step."""
+    return s + max(8, t // 8)
+
+
 @functools.lru_cache(maxsize=None)
-def _layout(t: int, s: int, nb: int, ckpt: bool = False):
+def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False):
     """Static offsets of each field in the packed int32 buffer."""
     spec, off = {}, 0
+    if spans:  # hybrid steps holding SSEP span rows
+        g = _piece_bound(t, s)
+        for f, n in (("row_span", t), ("piece_cu", g + 1), ("carry_local", s)):
+            spec[f] = (off, (n,))
+            off += n
     for f in _T_FIELDS:
         spec[f] = (off, (t,))
         off += t
@@ -85,7 +97,7 @@ class ModelRunner:
         self.ck_pool = None  # hybrid prefix caching: serving/checkpoint_pool.py (set by engine)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 5),
                              static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
-                                              "decode_only"))
+                                              "decode_only", "spans"))
         self.decode_impl = _decode_impl(config)
         self.decode_options = _decode_options(config)
         # decode-only steps compile their own variant only when it differs from the general one
@@ -97,8 +109,8 @@ class ModelRunner:
 
     # -- device --------------------------------------------------------------------------------
     def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, *, t, s, all_greedy,
-                   use_filter, num_logprobs, decode_only=False):
-        spec, _ = _layout(t, s, self.nb, pool is not None)
+                   use_filter, num_logprobs, decode_only=False, spans=False):
+        spec, _ = _layout(t, s, self.nb, pool is not None, spans)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
         md = AttentionMetadata(
@@ -113,6 +125,9 @@ class ModelRunner:
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
         if decode_only and self.decode_options:
             extra["attn_options"] = self.decode_options
+        if spans:
+            extra["span_pieces"] = SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
+                                              carry_local=f["carry_local"] > 0)
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
                   attn_impl=self.decode_impl if decode_only else self.config.attn_impl, **extra)
         if pool is None:
@@ -210,7 +225,8 @@ class ModelRunner:
         s = cfg.seq_bucket(t)
         if use_prev:
             self._parity ^= 1
-        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0)
+        spans = any(_has_spans(e.seq) for e in batch)
+        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans)
         ints.fill(0)
         floats[:s] = 0.0
         floats[s:] = 1.0
@@ -286,20 +302,23 @@ class ModelRunner:
         decode_only = d == n_seq and self.separate_decode
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only)
+        if spans:
+            _fill_span_rows(batch, v, row, self.block_size, _piece_bound(t, s))
+            kw["spans"] = True
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
         packed = self._dispatch(ints, floats, use_prev, kw)
         self.last_dispatch = time.perf_counter() - t0
         return packed, num_logprobs
 
-    def _buffers(self, t: int, s: int, parity: int = 0):
+    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached
         the device before its outputs are read, which happens before the next build of the
         same buffer set (sync: the next step; async: the step after next, see `launch`).
         Reuse also avoids fresh page faults every step."""
-        key = (t, s, parity)
+        key = (t, s, parity, spans)
         if key not in self._bufs:
-            spec, size = _layout(t, s, self.nb, self.ck_pool is not None)
+            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, spans)
             ints = np.zeros(size, np.int32)
             v = {k: ints[o:o + int(np.prod(shape))].reshape(shape)
                  for k, (o, shape) in spec.items()}
@@ -333,6 +352,25 @@ class ModelRunner:
         v["cu_q_lens"][1:d + 1] = ar + 1
         v["num_blocks"][:d] = blk + 1
         v["logits_indices"][:d] = ar
+
+
+def _has_spans(seq) -> bool:
+    if not hasattr(seq, "_has_spans"):
+        seq._has_spans = bool(seq.layout.span_block.any())
+    return seq._has_spans
+
+
+def _fill_span_rows(batch, v, rows: int, block_size: int, bound: int) -> None:
+    """row_span / piece_cu / carry_local of a step holding span rows (serving/span_rows.py)."""
+    piece, span_row, carry = span_rows.step_rows(batch, block_size)
+    starts = np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]]) if rows else np.zeros(0, int)
+    if starts.size > bound:
+        raise RuntimeError(f"model runner: {starts.size} span pieces in one step exceed the "
+                           f"bound {bound}")
+    v["piece_cu"][:] = rows
+    v["piece_cu"][:starts.size] = starts
+    v["row_span"][:rows] = span_row
+    v["carry_local"][:len(carry)] = carry
 
 
 def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decode_only, kw):

@@ -339,13 +339,13 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
 def forward(params: Qwen35Params, tokens, metadata, cache: Qwen35Cache, cfg: ModelConfig, *,
             recurrent=None, logits_indices=None, kv_mode: str = "position_free",
             attn_impl: str | None = None, gdn_impl: str | None = None,
-            write_impl: str | None = None, attn_options: dict | None = None):
+            write_impl: str | None = None, attn_options: dict | None = None, span_pieces=None):
     """One ragged step (see interface.py). `recurrent` gives each sequence's state slot and
     whether it starts fresh; None means slot s for sequence s, fresh when it starts at
-    position 0. Sequences with no tokens this step keep their state. gdn_impl: see
+    position 0. Sequences with no tokens this step keep their state. gdn_impl, span_pieces: see
     forward_with_checkpoints. Returns (logits, cache)."""
     logits, cache, _ = forward_with_checkpoints(
         params, tokens, metadata, cache, cfg, recurrent=recurrent, logits_indices=logits_indices,
         kv_mode=kv_mode, attn_impl=attn_impl, gdn_impl=gdn_impl, write_impl=write_impl,
-        attn_options=attn_options)
+        attn_options=attn_options, span_pieces=span_pieces)
     return logits, cache

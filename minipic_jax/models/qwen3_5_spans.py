@@ -19,23 +19,11 @@ sequence carries otherwise), so a caller keeps each non-final span inside one st
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.gated_delta.ragged import ragged_prefill
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SpanPieces:
-    row_span: jax.Array  # [T] bool the row is an SSEP span token
-    piece_cu: jax.Array  # [G+1] int32 row offsets of the pieces (all rows, in order; empty tail)
-    carry_local: jax.Array  # [S] bool the sequence's last piece is its final segment, a span
-    # that starts in this step: it carries the span's local state on (generated tokens extend
-    # the span, read as flow rows from then on), not the flow
+from minipic_jax.models.interface import SpanPieces
 
 
 def pieces_from_segments(seg_rows, num_rows: int, num_pieces: int, span_of_row, carry_local):
