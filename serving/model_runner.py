@@ -133,8 +133,8 @@ class ModelRunner:
         if pool is None:
             logits, cache = self.family.forward(params, tokens, md, cache, self.mcfg, **kw)
         else:
-            logits, cache, pool = checkpointed_forward(self.family, params, tokens, md, cache,
-                                                       self.mcfg, pool, f, decode_only, kw)
+            logits, cache, pool = ckpt_pool.checkpointed_forward(
+                self.family, params, tokens, md, cache, self.mcfg, pool, f, decode_only, kw)
         sm = SamplingMetadata(temperature=floats[:s], top_k=f["top_k"], top_p=floats[s:],
                               seed=f["seed"].astype(jnp.uint32), step=f["step"])
         out = sample(logits, sm, all_greedy=all_greedy, use_filter=use_filter,
@@ -245,7 +245,8 @@ class ModelRunner:
         # Decodes come first (scheduler order): one generated token each, filled vectorised.
         d = 0
         while d < n_seq and batch[d].token_idx.size == 1 and batch[d].sample and \
-                batch[d].token_idx[0] >= batch[d].seq.num_prompt_tokens:
+                batch[d].token_idx[0] >= batch[d].seq.num_prompt_tokens and \
+                batch[d].restore_slot < 0:  # a restore is a prefill row (decode steps skip it)
             d += 1
         if d:
             self._decode_rows(batch[:d], seats[:d], v)
@@ -371,24 +372,6 @@ def _fill_span_rows(batch, v, rows: int, block_size: int, bound: int) -> None:
     v["piece_cu"][:starts.size] = starts
     v["row_span"][:rows] = span_row
     v["carry_local"][:len(carry)] = carry
-
-
-def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decode_only, kw):
-    """The hybrid forward with the checkpoint pool (inside the jitted step): restore rows'
-    states are written into their slots before the model runs (their reset flag is off), and the
-    states at each row's checkpoint position go to the pool after. Decode-only steps neither
-    restore nor checkpoint (a checkpoint position is a prefill chunk's)."""
-    if decode_only:
-        logits, cache = family.forward(params, tokens, md, cache, mcfg, **kw)
-        return logits, cache, pool
-    restore = f["restore_slot"]  # [S]
-    conv, delta = ckpt_pool.rows(pool, restore)
-    cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
-    logits, cache, ck = family.forward_with_checkpoints(
-        params, tokens, md, cache, mcfg, checkpoint_at=f["ck_pos"][:, None], **kw)
-    if ck is not None:
-        pool = ckpt_pool.store_rows(pool, f["ck_slot"], ck["conv"][:, :, 0], ck["delta"][:, :, 0])
-    return logits, cache, pool
 
 
 def _decode_impl(config) -> str | None:

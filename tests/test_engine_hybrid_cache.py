@@ -99,6 +99,8 @@ _HITS: list[int] = []
 
 
 def test_the_depth_examples_did_resume():
+    if not _HITS:
+        pytest.skip("runs after test_resume_at_any_overlap_depth_is_exact (same module)")
     assert sum(_HITS) >= 3, _HITS  # the property test above was not vacuous
 
 
