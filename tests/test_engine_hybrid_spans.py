@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hybrid_span_reference as hsr
 from minipic_jax import LLM, SamplingParams
@@ -49,12 +51,25 @@ def test_span_prompts_match_the_reference(llm):
     prompts = [[sys_a, doc1, doc2, question],
                [sys_b, doc2, doc1, question],  # other offsets, other order
                [doc3, doc1, question],  # starts with a span
-               [sys_a, question, doc3]]  # ends in a span: generated tokens extend it
+               [sys_a, question, doc3],  # ends in a span: generated tokens extend it
+               [sys_b, question, Span("x")]]  # a short final span: the flow still shows
     outs = llm.generate(prompts, SP, use_tqdm=False)
     assert any(key[3] for key in llm.llm_engine.runner._bufs)  # steps ran with span pieces
     errs = [_check(llm, o) for o in outs]
     print(f"max abs logprob error per prompt vs the float64 reference: {errs}")
     assert max(errs) < 1e-5
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=5))
+def test_random_segment_structures_match_the_reference(llm, segments):
+    """Random structures (span or plain segments of 1..40 characters), two requests per batch:
+    the structure and the same segments in reverse order."""
+    rng = np.random.default_rng(sum(n for _, n in segments))
+    parts = [(Span if span else Prompt)(bytes(rng.integers(97, 123, n).tolist()).decode())
+             for span, n in segments]
+    outs = llm.generate([parts, parts[::-1]], SP, use_tqdm=False)
+    assert max(_check(llm, o) for o in outs) < 1e-5
 
 
 def test_non_final_span_longer_than_a_step_is_rejected(llm):

@@ -55,8 +55,9 @@ def test_spans_in_a_ragged_step_match_the_reference(fresh_rng):
     text = lambda n: fresh_rng.integers(0, 240, n).tolist()  # noqa: E731
     sys_a, sys_b, q = text(9), text(20), [PDEP] + text(6)
     span1, span2 = [SSEP] + text(13), [SSEP] + text(5)
-    # the third prompt ends in a span: its generated token extends the span (local state)
-    prompts = [sys_a + span1 + span2 + q, sys_b + span2 + span1 + q, sys_b + q + span1]
+    # the third prompt ends in a span: its generated token extends the span (local state); a
+    # short one, so the flow before it still shows in the conv window and the decayed state
+    prompts = [sys_a + span1 + span2 + q, sys_b + span2 + span1 + q, sys_b + q + [SSEP] + text(1)]
     parsed = [hsr.segments(p, block_size=1, pad=-1, ssep=SSEP, pdep=PDEP) for p in prompts]
     seg_ids, spans, win = _rows(prompts, [s for _, s, _ in parsed], [sp for _, _, sp in parsed])
     pager = testing.SimplePager(3, 64, 4, seed=1)
