@@ -80,6 +80,7 @@ class ModelRunner:
             del params
         self.params = loaded.params
         self.cache_dtype = dtype
+        self.hybrid = bool(getattr(self.family, "IS_HYBRID", False))  # spans: span_rows.py
         self.block_size = config.block_size
         self.nb = config.max_blocks_per_seq
         seats = config.num_seats
@@ -225,7 +226,7 @@ class ModelRunner:
         s = cfg.seq_bucket(t)
         if use_prev:
             self._parity ^= 1
-        spans = any(_has_spans(e.seq) for e in batch)
+        spans = self.hybrid and any(_has_spans(e.seq) for e in batch)
         ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans)
         ints.fill(0)
         floats[:s] = 0.0
