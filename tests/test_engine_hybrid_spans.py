@@ -5,6 +5,8 @@ chunked prefills (64-token steps) that cut between segments."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -60,6 +62,7 @@ def test_span_prompts_match_the_reference(llm):
     assert max(errs) < 1e-5
 
 
+@pytest.mark.skipif(os.environ.get("MINIPIC_SLOW") != "1", reason="CI time: MINIPIC_SLOW=1")
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=5))
 def test_random_segment_structures_match_the_reference(llm, segments):
