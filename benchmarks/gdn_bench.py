@@ -59,8 +59,8 @@ def run_fla(inputs, reps):
 # benchmarks/history/gated_delta.md)
 OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
                    scan_stages=2, ckpt_store="when", out_warps=4)
-CKPT_VARIANTS = ("fused", "fused_old", "fused_best", "fused_best_mask",
-                 "fused_when")
+CKPT_VARIANTS = ("fused", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
+                 "tree_bf16maps")
 
 
 def jax_variants():
@@ -69,6 +69,8 @@ def jax_variants():
     bf16 = jnp.bfloat16
 
     def mk(**kw):
+        kw.setdefault("scan", "sequential")  # these variants time the sequential scans
+
         def f(q, k, v, g, beta, ck=None):
             out, final, cs = api.prefill(q, k, v, g, beta, checkpoint_at=ck, **kw)
             return out, final, cs
@@ -91,6 +93,15 @@ def jax_variants():
         return fused_triton.fused_gated_delta(q, k, v, g, beta, state0, idx, scale=dk ** -0.5,
                                               **opts)
 
+    def tree(q, k, v, g, beta, ck=None, **opts):  # Pallas intra / output around the tree scan
+        from kernels_pallas.gated_delta import tree_scan
+        n, t_len, _, dk = k.shape
+        state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
+        idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
+                                                       (n, len(ck)))
+        return tree_scan.fused_tree_gated_delta(q, k, v, g, beta, state0, idx,
+                                                scale=dk ** -0.5, **opts)[:3]
+
     def fused_intra(q, k, v, g, beta, ck=None):
         from kernels_pallas.gated_delta import fused_triton
         return fused_triton.intra_chunk_fused(k, v, g, beta)
@@ -98,6 +109,8 @@ def jax_variants():
     return {
         "intra_only_fused": fused_intra,
         "fused": fused,  # fused_triton.DEFAULTS
+        "tree": tree,  # the associative scan over chunk maps (tree_scan.py)
+        "tree_bf16maps": functools.partial(tree, map_dtype=bf16),
         "fused_old": functools.partial(fused, **OLD_DEFAULT),
         "fused_bv32_old": functools.partial(fused, **{**OLD_DEFAULT, "block_v": 32}),
         "fused_when": functools.partial(fused, ckpt_store="when"),  # checkpoint runs only

@@ -32,7 +32,7 @@ class CheckpointPool:
 
 def state_layout(family, mcfg, block_size: int, dtype):
     """(Lg, conv slot shape, conv dtype, delta slot shape) of a hybrid family's recurrent cache,
-    read off a one-page, one-slot cache (the contract: `conv` and `delta` tuples of [slots, ...])."""
+    read off a one-page, one-slot cache (contract: `conv`, `delta` tuples of [slots, ...])."""
     probe = family.init_cache(mcfg, 1, block_size, 1, dtype)
     lg = len(probe.conv)
     if lg == 0:
@@ -69,6 +69,24 @@ def store_rows(pool: CheckpointPool, idx, conv, delta) -> CheckpointPool:
                                                            mode="drop"),
                           delta=pool.delta.at[:, target].set(delta.astype(jnp.float32),
                                                              mode="drop"))
+
+
+def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decode_only, kw):
+    """The hybrid forward with the checkpoint pool (inside the jitted step): restore rows'
+    states are written into their slots before the model runs (their reset flag is off), and the
+    states at each row's checkpoint position go to the pool after. Decode-only steps neither
+    restore nor checkpoint (a checkpoint position is a prefill chunk's)."""
+    if decode_only:
+        logits, cache = family.forward(params, tokens, md, cache, mcfg, **kw)
+        return logits, cache, pool
+    restore = f["restore_slot"]  # [S]
+    conv, delta = rows(pool, restore)
+    cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
+    logits, cache, ck = family.forward_with_checkpoints(
+        params, tokens, md, cache, mcfg, checkpoint_at=f["ck_pos"][:, None], **kw)
+    if ck is not None:
+        pool = store_rows(pool, f["ck_slot"], ck["conv"][:, :, 0], ck["delta"][:, :, 0])
+    return logits, cache, pool
 
 
 class HostBatch:

@@ -61,7 +61,8 @@ class HybridPrefixCache:
     def admit(self, sched, seq, seats) -> bool:
         """Scheduler._try_allocate for hybrid models (see the module docstring)."""
         bm, keys, bs = sched.bm, sched.keys, self.block_size
-        kinds = self._match(sched, seq)
+        spans = bool(seq.layout.span_block.any())  # cold path: no reuse, no checkpoints yet
+        kinds = [] if spans else self._match(sched, seq)
         hashes, raw = keys.hashes(seq), keys.token_bytes(seq)
         kc, entry = self._deepest(seq, hashes, raw, len(kinds))
         n = seq.num_blocks_needed
@@ -92,8 +93,8 @@ class HybridPrefixCache:
         if first:
             seq.num_cached_tokens = kc * bs
             self.planner.observe(len(kinds) * bs)
-            seq.ck_positions = self.planner.prompt_positions(seq.layout, seq.num_prompt_tokens,
-                                                             bs)
+            seq.ck_positions = [] if spans else self.planner.prompt_positions(
+                seq.layout, seq.num_prompt_tokens, bs)
         self.admissions += 1
         self.checkpoint_hits += kc > 0
         self.tokens_matched += len(kinds) * bs

@@ -23,7 +23,7 @@ import itertools
 import time
 
 
-from serving import checkpoint_pool, hybrid_prefix
+from serving import checkpoint_pool, hybrid_prefix, span_rows
 from serving.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
@@ -36,8 +36,7 @@ from serving.model_contract import EngineModel, check_family
 from serving.model_runner import ModelRunner
 from serving.offload import HostKVTier, PageMover
 from serving.recovery import recover
-from serving.request_checks import (check_fits, check_hybrid_spans, check_prompt, check_sampling,
-                                    check_token_ids)
+from serving.request_checks import check_fits, check_prompt, check_sampling, check_token_ids
 from serving.request_output import request_output
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status  # noqa: F401
@@ -148,8 +147,10 @@ class LLMEngine:
         ids = check_token_ids(prompt_token_ids, who, self.vocab_size)
         layout = check_prompt(ids, who, self.config, self.markers)
         check_fits(len(ids), sampling_params, who, self.config, self.num_blocks)
-        if self.hybrid:
-            check_hybrid_spans(layout, who, self.config.block_size)
+        cfg = self.config
+        if self.hybrid and layout.span_block.any():  # docs/DESIGN.md section 5 (cold path)
+            span_rows.check_prompt(layout, cfg.block_size, len(ids),
+                                   cfg.max_num_batched_tokens - cfg.max_num_seqs, who)
         if request_id in self._seqs:
             raise ValueError(f"{who}: request id already in use")
         return layout

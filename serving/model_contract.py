@@ -28,6 +28,18 @@ class RecurrentMetadata:
     reset: jax.Array  # [S] bool start this sequence from the zero state (first chunk of a prompt)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpanPieces:
+    """SSEP span rows of a hybrid step (minipic_jax/models/qwen3_5_spans.py reads them)."""
+
+    row_span: jax.Array  # [T] bool the row reads its piece's local recurrent pass
+    piece_cu: jax.Array  # [G+1] int32 row offsets of the pieces (all rows, in order; empty tail)
+    carry_local: jax.Array  # [S] bool the sequence's last piece is its final segment, a span
+    # that starts in this step: it carries the span's local state on (generated tokens extend
+    # the span, read as flow rows from then on), not the flow
+
+
 @runtime_checkable
 class ModelFamily(Protocol):
     """One model family (llama.py, qwen3_5.py, ...). Pure functions; cfg is the static config."""

@@ -26,10 +26,11 @@ import numpy as np
 from kernels_pallas.paged_attention.api import choose_attention
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
+from serving import span_rows
 from serving import checkpoint_pool as ckpt_pool
 from serving import sharding
 from serving.kv_pool import allocate_pool, default_num_blocks
-from serving.model_contract import EngineModel, RecurrentMetadata
+from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
 from serving.sampler import SamplingMetadata, sample
 
 _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
@@ -41,10 +42,21 @@ _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
 _S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
+def _piece_bound(t: int, s: int) -> int:
+    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence plus one per
+    span start in the step."""
+    return s + max(8, t // 8)
+
+
 @functools.lru_cache(maxsize=None)
-def _layout(t: int, s: int, nb: int, ckpt: bool = False):
+def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False):
     """Static offsets of each field in the packed int32 buffer."""
     spec, off = {}, 0
+    if spans:  # hybrid steps holding SSEP span rows
+        g = _piece_bound(t, s)
+        for f, n in (("row_span", t), ("piece_cu", g + 1), ("carry_local", s)):
+            spec[f] = (off, (n,))
+            off += n
     for f in _T_FIELDS:
         spec[f] = (off, (t,))
         off += t
@@ -77,6 +89,7 @@ class ModelRunner:
             del params
         self.params = loaded.params
         self.cache_dtype = dtype
+        self.hybrid = bool(getattr(self.family, "IS_HYBRID", False))  # spans: span_rows.py
         self.block_size = config.block_size
         self.nb = config.max_blocks_per_seq
         seats = config.num_seats
@@ -101,7 +114,7 @@ class ModelRunner:
         self.ck_pool = None  # hybrid prefix caching: serving/checkpoint_pool.py (set by engine)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 5),
                              static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
-                                              "decode_only"))
+                                              "decode_only", "spans"))
         general, decode = attention_choices(config, self.mcfg, dtype)
         self.attn_impl, self.attn_options = general
         self.decode_impl, self.decode_options = decode
@@ -121,8 +134,8 @@ class ModelRunner:
             return self._step_body(params, cache, ints, floats, prev, pool, **kw)
 
     def _step_body(self, params, cache, ints, floats, prev=None, pool=None, *, t, s, all_greedy,
-                   use_filter, num_logprobs, decode_only=False):
-        spec, _ = _layout(t, s, self.nb, pool is not None)
+                   use_filter, num_logprobs, decode_only=False, spans=False):
+        spec, _ = _layout(t, s, self.nb, pool is not None, spans)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
         md = AttentionMetadata(
@@ -135,14 +148,17 @@ class ModelRunner:
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
             tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
+        if spans:
+            extra["span_pieces"] = SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
+                                              carry_local=f["carry_local"] > 0)
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
                   attn_impl=self.decode_impl if decode_only else self.attn_impl,
                   attn_options=self.decode_options if decode_only else self.attn_options, **extra)
         if pool is None:
             logits, cache = self.family.forward(params, tokens, md, cache, self.mcfg, **kw)
         else:
-            logits, cache, pool = checkpointed_forward(self.family, params, tokens, md, cache,
-                                                       self.mcfg, pool, f, decode_only, kw)
+            logits, cache, pool = ckpt_pool.checkpointed_forward(
+                self.family, params, tokens, md, cache, self.mcfg, pool, f, decode_only, kw)
         sm = SamplingMetadata(temperature=floats[:s], top_k=f["top_k"], top_p=floats[s:],
                               seed=f["seed"].astype(jnp.uint32), step=f["step"])
         out = sample(logits, sm, all_greedy=all_greedy, use_filter=use_filter,
@@ -251,7 +267,8 @@ class ModelRunner:
         s = cfg.seq_bucket(t)
         if use_prev:
             self._parity ^= 1
-        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0)
+        spans = self.hybrid and any(_has_spans(e.seq) for e in batch)
+        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans)
         ints.fill(0)
         floats[:s] = 0.0
         floats[s:] = 1.0
@@ -270,7 +287,8 @@ class ModelRunner:
         # Decodes come first (scheduler order): one generated token each, filled vectorised.
         d = 0
         while d < n_seq and batch[d].token_idx.size == 1 and batch[d].sample and \
-                batch[d].token_idx[0] >= batch[d].seq.num_prompt_tokens:
+                batch[d].token_idx[0] >= batch[d].seq.num_prompt_tokens and \
+                batch[d].restore_slot < 0:  # a restore is a prefill row (decode steps skip it)
             d += 1
         if d:
             self._decode_rows(batch[:d], seats[:d], v)
@@ -327,20 +345,23 @@ class ModelRunner:
         decode_only = d == n_seq and self.separate_decode
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only)
+        if spans:
+            _fill_span_rows(batch, v, row, self.block_size, _piece_bound(t, s))
+            kw["spans"] = True
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
         packed = self._dispatch(ints, floats, use_prev, kw)
         self.last_dispatch = time.perf_counter() - t0
         return packed, num_logprobs
 
-    def _buffers(self, t: int, s: int, parity: int = 0):
+    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached
         the device before its outputs are read, which happens before the next build of the
         same buffer set (sync: the next step; async: the step after next, see `launch`).
         Reuse also avoids fresh page faults every step."""
-        key = (t, s, parity)
+        key = (t, s, parity, spans)
         if key not in self._bufs:
-            spec, size = _layout(t, s, self.nb, self.ck_pool is not None)
+            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, spans)
             ints = np.zeros(size, np.int32)
             v = {k: ints[o:o + int(np.prod(shape))].reshape(shape)
                  for k, (o, shape) in spec.items()}
@@ -376,22 +397,23 @@ class ModelRunner:
         v["logits_indices"][:d] = ar
 
 
-def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decode_only, kw):
-    """The hybrid forward with the checkpoint pool (inside the jitted step): restore rows'
-    states are written into their slots before the model runs (their reset flag is off), and the
-    states at each row's checkpoint position go to the pool after. Decode-only steps neither
-    restore nor checkpoint (a checkpoint position is a prefill chunk's)."""
-    if decode_only:
-        logits, cache = family.forward(params, tokens, md, cache, mcfg, **kw)
-        return logits, cache, pool
-    restore = f["restore_slot"]  # [S]
-    conv, delta = ckpt_pool.rows(pool, restore)
-    cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
-    logits, cache, ck = family.forward_with_checkpoints(
-        params, tokens, md, cache, mcfg, checkpoint_at=f["ck_pos"][:, None], **kw)
-    if ck is not None:
-        pool = ckpt_pool.store_rows(pool, f["ck_slot"], ck["conv"][:, :, 0], ck["delta"][:, :, 0])
-    return logits, cache, pool
+def _has_spans(seq) -> bool:
+    if not hasattr(seq, "_has_spans"):
+        seq._has_spans = bool(seq.layout.span_block.any())
+    return seq._has_spans
+
+
+def _fill_span_rows(batch, v, rows: int, block_size: int, bound: int) -> None:
+    """row_span / piece_cu / carry_local of a step holding span rows (serving/span_rows.py)."""
+    piece, span_row, carry = span_rows.step_rows(batch, block_size)
+    starts = np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]]) if rows else np.zeros(0, int)
+    if starts.size > bound:
+        raise RuntimeError(f"model runner: {starts.size} span pieces in one step exceed the "
+                           f"bound {bound}")
+    v["piece_cu"][:] = rows
+    v["piece_cu"][:starts.size] = starts
+    v["row_span"][:rows] = span_row
+    v["carry_local"][:len(carry)] = carry
 
 
 def attention_choices(config, mcfg, dtype, platform: str | None = None):

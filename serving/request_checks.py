@@ -79,16 +79,6 @@ def check_prompt(ids: list[int], who: str, cfg, markers: dict):
     return layout
 
 
-def check_hybrid_spans(layout, who: str, block_size: int) -> None:
-    """Hybrid models take no SSEP spans (yet): a recurrent state depends on everything before it."""
-    if layout.span_block.any():
-        blk = int(np.flatnonzero(layout.span_start)[0])
-        raise ValueError(f"{who}: SSEP span (Span segment) at token index {blk * block_size}, but "
-                         f"this is a hybrid model: its recurrent layers' state depends on "
-                         f"everything before a span, so spans are not position-independent here; "
-                         f"use plain prompts or PDEP segments")
-
-
 def check_fits(num_prompt: int, sp, who: str, cfg, num_blocks: int) -> None:
     """The request fits the KV pool at its longest, and asks for no more logprobs than allowed."""
     max_tokens = sp.max_tokens or cfg.max_model_len

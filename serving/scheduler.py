@@ -25,6 +25,7 @@ import numpy as np
 
 from serving.layout import build_layout
 from serving.prefix_keys import PrefixKeys
+from serving import span_rows
 from serving.sequence import Sequence, Status
 
 
@@ -233,6 +234,8 @@ class Scheduler:
             n += idx.size
             i = end
         idx = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if self.hybrid and seq.layout.span_block.any():  # a non-final span stays in one step
+            idx, i = span_rows.cut_chunk(seq, idx, i, bs)
         return idx, i
 
     def _final_start(self, seq: Sequence) -> int:
@@ -362,6 +365,8 @@ class Scheduler:
     def _span_jobs_for(self, seq: Sequence) -> list[Sequence]:
         """Span-only prefill jobs for a waiting request's SSEP spans that nobody has cached or
         is computing (each span job computes one span at offset 0)."""
+        if self.hybrid:  # a hybrid request computes its spans' rows itself (their delta inputs)
+            return []
         if seq.ever_admitted or getattr(seq, "span_scanned", False):
             return []
         seq.span_scanned = True

@@ -41,7 +41,8 @@ def test_store_lru_offloads_then_evicts_and_confirms_by_tokens():
     e1 = store.get(1, b"k1")
     assert store.acquire(e1) and e1.slot == 1  # back from the host into 3's slot
     out, inn = store.take_moves()
-    assert [(s, e.key) for s, e in out] == [(0, 1), (1, 3)] and [(s, e.key) for s, e in inn] == [(1, 1)]
+    assert [(s, e.key) for s, e in out] == [(0, 1), (1, 3)]
+    assert [(s, e.key) for s, e in inn] == [(1, 1)]
 
 
 def test_pinned_entries_are_never_evicted_and_release_twice_raises():

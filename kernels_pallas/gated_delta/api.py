@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta import chunked, ragged
+from kernels_pallas.gated_delta import chunked, ragged, tree_scan
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas_fused")
 
@@ -31,7 +31,8 @@ def choose(implementation: str | None, *, interpret: bool = False, op: str = "ga
 
 
 def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, chunk_size=64,
-            implementation="xla", interpret=False, solve="blocked", inter_dtype=None):
+            implementation="xla", interpret=False, solve="blocked", inter_dtype=None, scan=None,
+            return_transition=False):
     """Chunked gated delta rule over a batch of equal-length sequences.
 
     Args:
@@ -50,10 +51,15 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       solve: in-chunk UT solve, "blocked" (block-recursive inverse) or "trsm".
       inter_dtype: intermediates' dtype (None: float32; bfloat16 for speed with bf16 inputs).
+      scan: inter-chunk state recurrence, "sequential", "tree" (associative scan over the chunk
+        maps, tree_scan.py) or None (by shape: tree_scan.choose_scan).
+      return_transition: also return the span's transition A_span (affine.py). With
+        "pallas_fused" this takes the tree scan (its last prefix map is A_span).
     Returns:
       out [N, T, Hv, Dv] in v's dtype, final_state [N, Hv, Dk, Dv] float32, and
       checkpoint_states [N, M, Hv, Dk, Dv] float32 (None when checkpoint_at is None): the state
-      after checkpoint_at[m] tokens.
+      after checkpoint_at[m] tokens; with return_transition also a_span [N, Hv, Dk, Dk] float32,
+      so that final_state = a_span state0 + (final state from a zero state0).
     """
     n, t_len, hk, dk = _validate(q, k, v, g, beta, state0)
     hv, dv = v.shape[2:]
@@ -69,16 +75,23 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
     if pad:  # trailing no-op tokens: g = 0 (no decay), beta = 0 and k = 0 (no write)
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
                             for x in (q, k, v, g, beta))
+    kind = tree_scan.choose_scan(n, hv, -(-t_len // chunk_size), scan)
     if implementation == "pallas_fused":
         from kernels_pallas.gated_delta import fused_triton
+        if kind == "tree" or return_transition:
+            res = tree_scan.fused_tree_gated_delta(
+                q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size,
+                dot_dtype=inter_dtype, interpret=interpret)
+            return (res[0][:, :t_len],) + res[1:3] + (res[3:] if return_transition else ())
         out, final, ckpt_states = fused_triton.fused_gated_delta(
             q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size,
             dot_dtype=inter_dtype, interpret=interpret)
         return out[:, :t_len], final, ckpt_states
-    out, final, ckpt_states = chunked.chunked_gated_delta(
-        q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size, solve=solve,
-        inter_dtype=inter_dtype)
-    return out[:, :t_len].astype(v.dtype), final, ckpt_states
+    scan_fn = tree_scan.state_scan if kind == "tree" else None
+    res = chunked.chunked_gated_delta(
+        q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size, scan_fn=scan_fn,
+        solve=solve, inter_dtype=inter_dtype, transition=return_transition)
+    return (res[0][:, :t_len].astype(v.dtype),) + tuple(res[1:])
 
 
 def decode_step(q, k, v, g, beta, state, *, scale=None):

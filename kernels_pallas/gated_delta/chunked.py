@@ -88,31 +88,42 @@ def intra_chunk(q, k, v, g, beta, *, scale, solve="blocked"):
                 attn=attn, decay_last=jnp.exp(g_last[..., 0]))
 
 
-def state_scan(w, u, kd, decay_last, state0, ckpt_idx=None):
+def state_scan(w, u, kd, decay_last, state0, ckpt_idx=None, *, transition=False):
     """The sequential half: carry the state across chunks.
 
     Args:
       w, kd: [N, H, NT, C, Dk]; u: [N, H, NT, C, Dv]; decay_last: [N, H, NT]; state0 [N, H, Dk, Dv].
       ckpt_idx: None or [N, M] int32 boundaries j in [0, NT] (state after j chunks) to return.
+      transition: also carry the span's transition A_span = A_{NT-1} ... A_0 (affine.py), updated
+        like the state with no write: P <- exp(gc_last) P - KD^T (W P).
     Returns:
       v_new [N, H, NT, C, Dv], chunk_states [N, H, NT, Dk, Dv] (state entering each chunk),
-      final_state [N, H, Dk, Dv] float32, checkpoint states [N, M, H, Dk, Dv] float32 (or None).
+      final_state [N, H, Dk, Dv] float32, checkpoint states [N, M, H, Dk, Dv] float32 (or None),
+      and with transition=True a_span [N, H, Dk, Dk] float32.
     """
-    def step(s, xs):
+    def step(carry, xs):
+        s, p = carry
         w_c, u_c, kd_c, dl_c = xs
         v_new = u_c - jnp.einsum("nhcd,nhde->nhce", w_c, s)
         s_next = s * dl_c[..., None, None] + jnp.einsum("nhcd,nhce->nhde", kd_c, v_new)
-        return s_next, (v_new, s)
+        if p is not None:
+            p = p * dl_c[..., None, None] - jnp.einsum(
+                "nhcd,nhce->nhde", kd_c, jnp.einsum("nhcd,nhde->nhce", w_c, p))
+        return (s_next, p), (v_new, s)
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (w, u, kd, decay_last))
-    final, (v_new, states) = jax.lax.scan(step, state0, xs)
+    p0 = None
+    if transition:
+        dk = w.shape[-1]
+        p0 = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), state0.shape[:2] + (dk, dk))
+    (final, a_span), (v_new, states) = jax.lax.scan(step, (state0, p0), xs)
     v_new, states = jnp.moveaxis(v_new, 0, 2), jnp.moveaxis(states, 0, 2)
     ckpt = None
     if ckpt_idx is not None:
         all_states = jnp.concatenate([states, final[:, :, None]], axis=2)  # [N, H, NT + 1, ..]
         ckpt = jnp.take_along_axis(all_states, ckpt_idx[:, None, :, None, None], axis=2)
         ckpt = jnp.moveaxis(ckpt, 2, 1)
-    return v_new, states, final, ckpt
+    return (v_new, states, final, ckpt) + ((a_span,) if transition else ())
 
 
 def chunk_output(qg, attn, v_new, chunk_states):
@@ -124,8 +135,8 @@ def chunk_output(qg, attn, v_new, chunk_states):
                          preferred_element_type=f32))
 
 
-def chunked_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk,
-                        solve="blocked", inter_dtype=None):
+def chunked_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk, scan_fn=None,
+                        solve="blocked", inter_dtype=None, transition=False):
     """Chunked prefill over T = NT * chunk tokens (no padding here; api.py pads).
 
     Args:
@@ -134,9 +145,11 @@ def chunked_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk
       solve: "blocked" (block-recursive inverse, batched matmuls) or "trsm" (lax triangular_solve).
       inter_dtype: dtype of the intermediates fed to the scan and the output matmuls (default
         float32; bfloat16 halves their memory traffic, like flash-linear-attention).
+      transition: also return the span's transition (scan_fn must take transition=True).
     Returns:
       out [N, T, Hv, Dv] float32, final state [N, Hv, Dk, Dv] float32, checkpoint states
-      [N, M, Hv, Dk, Dv] float32 (state after ckpt_idx * C tokens) or None.
+      [N, M, Hv, Dk, Dv] float32 (state after ckpt_idx * C tokens) or None; with transition=True
+      also a_span [N, Hv, Dk, Dk] float32 (final = a_span state0 + final-from-zero).
     """
     hk, hv = k.shape[2], v.shape[2]
     f32 = jnp.float32
@@ -149,10 +162,12 @@ def chunked_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk
     if inter_dtype is not None:
         parts = {name: x if name == "decay_last" else x.astype(inter_dtype)
                  for name, x in parts.items()}
-    v_new, chunk_states, final, ckpt = state_scan(parts["w"], parts["u"], parts["kd"],
-                                                  parts["decay_last"], state0.astype(f32), ckpt_idx)
+    scan = state_scan if scan_fn is None else scan_fn
+    res = scan(parts["w"], parts["u"], parts["kd"], parts["decay_last"], state0.astype(f32),
+               ckpt_idx, **({"transition": True} if transition else {}))
+    v_new, chunk_states, final, ckpt = res[:4]
     out = chunk_output(parts["qg"], parts["attn"], v_new, chunk_states.astype(parts["qg"].dtype))
-    return from_chunks(out), final, ckpt
+    return (from_chunks(out), final, ckpt) + tuple(res[4:])
 
 
 def recurrent_step(q, k, v, g, beta, state, *, scale):

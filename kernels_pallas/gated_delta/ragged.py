@@ -44,30 +44,45 @@ def _pack(x, dest, size):
     return buf.at[dest].set(x, mode="drop")
 
 
-def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0):
+def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transition=False):
     """lax.scan over packed chunks; at a restart chunk the carry is replaced by state0[seq].
 
     w, kd [1, H, NC, C, Dk], u [1, H, NC, C, Dv], decay_last [1, H, NC], state0 [S, H, Dk, Dv].
+    transition: also carry the product of the chunk maps (affine.py) since the sequence's first
+    chunk, restarted at the identity like the state.
     Returns v_new [1, H, NC, C, Dv], entering [NC, H, Dk, Dv] (state entering each chunk),
     before [NC + 1, H, Dk, Dv] (the carry before any restart substitution: state at the end of
-    chunk c - 1; entry NC is the end of the last chunk).
+    chunk c - 1; entry NC is the end of the last chunk), and with transition the same for the
+    product, [NC + 1, H, Dk, Dk].
     """
-    def step(s, xs):
+    dk = w.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), state0.shape[1:2] + (dk, dk))
+
+    def step(carry, xs):
+        s, p = carry
         w_c, u_c, kd_c, dl_c, rs_c, sq_c = xs
         s = jnp.where(rs_c, state0[sq_c], s)
         v_new = u_c - jnp.einsum("hcd,hde->hce", w_c, s)
         s_next = s * dl_c[:, None, None] + jnp.einsum("hcd,hce->hde", kd_c, v_new)
-        return s_next, (v_new, s, s_next)
+        if p is not None:
+            p = jnp.where(rs_c, eye, p)
+            p = p * dl_c[:, None, None] - jnp.einsum(
+                "hcd,hce->hde", kd_c, jnp.einsum("hcd,hde->hce", w_c, p))
+        return (s_next, p), (v_new, s, s_next, p)
 
     xs = tuple(jnp.moveaxis(x[0], 1, 0) for x in (w, u, kd, decay_last)) + (restart, seq_of_chunk)
     init = jnp.zeros(state0.shape[1:], jnp.float32)
-    _, (v_new, entering, ends) = jax.lax.scan(step, init, xs)
+    _, (v_new, entering, ends, p_ends) = jax.lax.scan(step, (init, eye if transition else None),
+                                                      xs)
     before = jnp.concatenate([init[None], ends], axis=0)
-    return jnp.moveaxis(v_new, 0, 1)[None], entering, before
+    out = (jnp.moveaxis(v_new, 0, 1)[None], entering, before)
+    if transition:
+        out += (jnp.concatenate([eye[None], p_ends], axis=0),)
+    return out
 
 
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, scale=None,
-                   chunk=64, implementation="xla", interpret=False):
+                   chunk=64, implementation="xla", interpret=False, return_transition=False):
     """Chunked gated delta rule for a flat ragged batch.
 
     Args:
@@ -79,8 +94,11 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
         [pos0, pos0 + len]) whose states to return; -1 = none (returns state0 there).
       implementation: "xla" (lax.scan) or "pallas_fused" (ragged_triton.py, GPU; on CPU only
         with interpret=True); api.choose resolves "auto".
+      return_transition: also return each sequence's transition over its new tokens (affine.py;
+        identity for a sequence with none), so final = a_span state0 + final-from-zero. XLA only.
     Returns:
-      out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None.
+      out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None,
+      and with return_transition a_span [S, Hv, Dk, Dk] float32.
     """
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     n_tokens, hk, dk = k.shape
@@ -98,6 +116,9 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
         ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] + ck_rel // chunk, 0), 0,
                             n_chunks)  # boundary index: end of chunk bound - 1
     final_bound = pk["first"] + pk["n_ch"]  # [S]
+    if return_transition and implementation not in (None, "xla"):
+        raise NotImplementedError("ragged_prefill: return_transition has the XLA path only "
+                                  f"(implementation=None or 'xla'), got {implementation!r}")
     if implementation == "pallas_fused":
         from kernels_pallas.gated_delta import ragged_triton
         packed = [_pack(x, pk["dest"], size)[None] for x in (q, k, v, g, beta)]
@@ -124,9 +145,9 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
     packed = [_pack(x.astype(f32), pk["dest"], size)[None] for x in (q, k, v, g, beta)]
     qc, kc, vc, gc, bc = (chunked.to_chunks(x, chunk) for x in packed)  # [1, H, NC, C, ...]
     parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
-    v_new, entering, before = _restart_scan(parts["w"], parts["u"], parts["kd"],
-                                            parts["decay_last"], pk["restart"],
-                                            pk["seq_of_chunk"], state0.astype(f32))
+    v_new, entering, before, *prod = _restart_scan(
+        parts["w"], parts["u"], parts["kd"], parts["decay_last"], pk["restart"],
+        pk["seq_of_chunk"], state0.astype(f32), transition=return_transition)
     out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
                                jnp.moveaxis(entering, 0, 1)[None])
     out = chunked.from_chunks(out)[0]  # [NC * C, Hv, Dv]
@@ -135,4 +156,7 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
     ckpt = None
     if ck_bound is not None:
         ckpt = jnp.where(ck_use[..., None, None, None], before[ck_bound], state0[:, None])
+    if return_transition:
+        eye = jnp.eye(dk, dtype=f32)
+        return out, final, ckpt, jnp.where(has[:, None, None, None], prod[0][final_bound], eye)
     return out, final, ckpt

@@ -246,13 +246,16 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
                              cfg: ModelConfig, *, recurrent=None, logits_indices=None,
                              kv_mode: str = "position_free", attn_impl: str | None = None,
                              checkpoint_at=None, gdn_impl: str | None = None,
-                             write_impl: str | None = None, attn_options: dict | None = None):
+                             write_impl: str | None = None, attn_options: dict | None = None,
+                             span_pieces=None):
     """`forward`, plus the recurrent states at chunk-aligned positions of each sequence.
 
     checkpoint_at: None or [S, M] int32 absolute positions (multiples of CHUNK inside
       [pos0, pos0 + new tokens] of the sequence; -1 = none).
     gdn_impl: GDN prefill kernel: None / "xla" (lax.scan), "pallas_fused" (Pallas Triton, GPU),
       "pallas_fused_interpret" (same, interpret mode for CPU tests).
+    span_pieces: None or qwen3_5_spans.SpanPieces when the step holds SSEP span rows (their
+      attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
       conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers).
     """
@@ -286,7 +289,7 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
                 delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
                 out, conv, delta, ck = gdn_mixer(h, lp.mixer, conv0, delta0, metadata.cu_q_lens,
                                                  pos0, cfg, checkpoint_at=checkpoint_at,
-                                                 impl=gdn_impl)
+                                                 impl=gdn_impl, pieces=span_pieces)
                 new["conv"].append(conv_c.at[slots].set(conv))
                 new["delta"].append(delta_c.at[slots].set(delta))
                 if ck is not None:
@@ -313,13 +316,13 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
 def forward(params: Qwen35Params, tokens, metadata, cache: Qwen35Cache, cfg: ModelConfig, *,
             recurrent=None, logits_indices=None, kv_mode: str = "position_free",
             attn_impl: str | None = None, gdn_impl: str | None = None,
-            write_impl: str | None = None, attn_options: dict | None = None):
+            write_impl: str | None = None, attn_options: dict | None = None, span_pieces=None):
     """One ragged step (serving.model_contract.ModelFamily.forward). `recurrent` gives each sequence's state slot and
     whether it starts fresh; None means slot s for sequence s, fresh when it starts at
-    position 0. Sequences with no tokens this step keep their state. gdn_impl: see
+    position 0. Sequences with no tokens this step keep their state. gdn_impl, span_pieces: see
     forward_with_checkpoints. Returns (logits, cache)."""
     logits, cache, _ = forward_with_checkpoints(
         params, tokens, metadata, cache, cfg, recurrent=recurrent, logits_indices=logits_indices,
         kv_mode=kv_mode, attn_impl=attn_impl, gdn_impl=gdn_impl, write_impl=write_impl,
-        attn_options=attn_options)
+        attn_options=attn_options, span_pieces=span_pieces)
     return logits, cache

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.sharding import ragged_gated_delta  # per head shard under TP
+from minipic_jax.models import qwen3_5_spans
 
 
 @jax.tree_util.register_dataclass
@@ -104,7 +105,7 @@ def gated_rms_norm(x, gate, weight, eps):
 
 
 def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
-              impl=None):
+              impl=None, pieces=None):
     """The GDN token mixer for a ragged batch.
 
     Args:
@@ -114,6 +115,7 @@ def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoin
         64, -1 = none); impl: ragged kernel, "xla", "pallas_fused" (GPU) or
         "pallas_fused_interpret" (the same kernels in Pallas interpret mode, for CPU tests);
         None: the kernel's policy (kernels_pallas.gated_delta.api.choose).
+      pieces: None or qwen3_5_spans.SpanPieces: SSEP span rows read a local pass (see there).
     Returns:
       out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], and checkpoints (conv [S, M, C, Kc-1],
       delta [S, M, Hv, Dk, Dv]) or None.
@@ -127,7 +129,12 @@ def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoin
     z = jnp.einsum("te,ehv->thv", h, p.w_z)  # [T, Hv, Dv]
     b = jnp.einsum("te,eh->th", h, p.w_b)  # [T, Hv]
     a = jnp.einsum("te,eh->th", h, p.w_a)  # [T, Hv]
-    conv_out = causal_conv(mixed, p.conv_w, conv0, cu_q_lens, pos0, seq_of_row).astype(h.dtype)
+    conv_out = causal_conv(mixed, p.conv_w, conv0, cu_q_lens, pos0, seq_of_row)
+    if pieces is not None:  # span rows: their piece's window (zeros before the span start)
+        conv_out = jnp.where(pieces.row_span[:, None],
+                             qwen3_5_spans.local_conv(mixed, p.conv_w, pieces, causal_conv),
+                             conv_out)
+    conv_out = conv_out.astype(h.dtype)
     q = conv_out[:, :hk * dk].reshape(n_tokens, hk, dk)
     k = conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk)
     v = conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv)
@@ -135,15 +142,22 @@ def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoin
     g = -jnp.exp(p.a_log.astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
     interpret = impl == "pallas_fused_interpret"
-    core, delta, delta_ck = ragged_gated_delta(
-        l2norm(q), l2norm(k), v, g, beta, cu_q_lens, pos0, delta0, checkpoint_at=checkpoint_at,
-        implementation="pallas_fused" if interpret else impl, interpret=interpret)
+    kernel = dict(implementation="pallas_fused" if interpret else impl, interpret=interpret)
+    q, k = l2norm(q), l2norm(k)
+    core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
+                                               checkpoint_at=checkpoint_at, **kernel)
+    if pieces is not None:  # span rows: outputs of their piece from a zero state
+        local, local_final = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces, **kernel)
+        core = jnp.where(pieces.row_span[:, None, None], local, core)
     core = core.astype(h.dtype)  # [T, Hv, Dv]
     normed = gated_rms_norm(core, z, p.norm, cfg.rms_norm_eps)
     out = jnp.einsum("thv,hve->te", normed, p.w_out)
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
     seq_ids = jnp.arange(seqs, dtype=jnp.int32)
     conv = _history(mixed, conv0, cu_q_lens, pos0, seq_ids, pos0 + lens).astype(conv0.dtype)
+    if pieces is not None:
+        conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, cu_q_lens, conv,
+                                                delta, _history)
     ckpt = None
     if checkpoint_at is not None:
         ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])

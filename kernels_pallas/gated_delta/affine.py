@@ -1,0 +1,79 @@
+"""The gated delta rule as an affine map of its state, and the composition of such maps.
+
+Layout (as everywhere in this folder): a value head's state S is [Dk, Dv] and a token does
+    S <- exp(g) S ;  S <- S + beta k (v - S^T k)^T
+i.e. S_t = A_t S_{t-1} + B_t with A_t = exp(g_t) (I - beta_t k_t k_t^T) [Dk, Dk] and
+B_t = beta_t k_t v_t^T [Dk, Dv]. A map (A, B) acts from the left: apply((A, B), S) = A S + B.
+Running (A1, B1) and then (A2, B2) is the map
+    then(first=(A1, B1), second=(A2, B2)) = (A2 A1, A2 B1 + B2)
+(the transpose of the issue's right-acting (A1 A2, B1 A2 + B2) for the state S^T).
+
+Over a chunk of C tokens the chunked form (chunked.py) gives, from its WY factors,
+    A_chunk = exp(gc_last) I - KD^T W ,   B_chunk = KD^T U
+so a span's map is the ordered product of its chunk maps: one Dk x Dk product per chunk, and
+B_span is the state the span produces from a zero state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+
+
+def chunk_maps(w, u, kd, decay_last, *, precision=None):
+    """Per-chunk maps from the WY factors.
+
+    Args:
+      w, kd: [..., C, Dk]; u: [..., C, Dv]; decay_last: [...] (exp of the chunk's log decay).
+    Returns:
+      a [..., Dk, Dk], b [..., Dk, Dv] float32.
+    """
+    dk = w.shape[-1]
+    eye = jnp.eye(dk, dtype=_F32)
+    a = (decay_last.astype(_F32)[..., None, None] * eye
+         - jnp.einsum("...cd,...ce->...de", kd, w, preferred_element_type=_F32,
+                      precision=precision))
+    b = jnp.einsum("...cd,...ce->...de", kd, u, preferred_element_type=_F32, precision=precision)
+    return a, b
+
+
+def then(first, second, *, precision=None):
+    """The map that runs `first` and then `second` (both (a [..., Dk, Dk], b [..., Dk, Dv]))."""
+    a1, b1 = first
+    a2, b2 = second
+    mm = lambda x, y: jnp.einsum("...ij,...jk->...ik", x, y, precision=precision)
+    return mm(a2, a1), mm(a2, b1) + b2
+
+
+def apply(maps, state, *, precision=None):
+    """A S + B: the state after the map's tokens from `state` [..., Dk, Dv]."""
+    a, b = maps
+    return jnp.einsum("...ij,...jk->...ik", a, state, precision=precision) + b
+
+
+def apply_chain(a, b, state, count=None, *, precision=None):
+    """Run maps 0, 1, ... in order from `state`: (((S A_0 + B_0) A_1 + B_1) ...) in the left-acting
+    layout, one batched matmul per map (never a replay of the tokens).
+
+    Args:
+      a: [L, ..., Dk, Dk]; b: [L, ..., Dk, Dv]; state: [..., Dk, Dv].
+      count: None (all L maps) or an int array broadcastable to the batch dims [...]: only maps
+        with index < count are applied (the rest are skipped per element), so a fixed-L device
+        array can hold chains of any length.
+    Returns:
+      the state after the chain, [..., Dk, Dv] float32.
+    """
+    def step(s, xs):
+        i, a_i, b_i = xs
+        nxt = apply((a_i, b_i), s, precision=precision)
+        if count is None:
+            return nxt, None
+        use = (i < jnp.asarray(count))[..., None, None]
+        return jnp.where(use, nxt, s), None
+
+    idx = jnp.arange(a.shape[0], dtype=jnp.int32)
+    out, _ = jax.lax.scan(step, state.astype(_F32), (idx, a.astype(_F32), b.astype(_F32)))
+    return out
+

@@ -1,0 +1,82 @@
+"""SSEP spans inside a Qwen3.5 ragged step: the Gated DeltaNet side (docs/DESIGN.md section 5).
+
+Attention layers need nothing new (their SSEP window is metadata.q_window_start). A GDN layer runs
+two passes over the step's rows when spans are present:
+  * the *flow* pass: each sequence's rows in order from its state (as without spans); every row
+    feeds the recurrence the delta inputs it computed in its own context, so PDEP rows read the
+    flow, and the state the sequence carries on is the flow;
+  * the *local* pass: the step's rows cut into pieces (maximal runs of one segment of one
+    sequence), each from a zero state and a zero conv window; span rows read their outputs here.
+A span row's conv window is its piece's (zeros before the span start), a PDEP row's the flow's.
+This is the cold path: a span whose tokens are in the step is computed (its KV and its delta
+inputs); composing cached span maps instead (serving/span_maps.py) is the warm path.
+
+A sequence whose final segment is a span that starts in the step carries the span's local state
+on (`carry_local`), so its generated tokens extend the span. Limits: a non-final span must start
+and end in the step that computes its rows (pieces start from zero, and the flow is what a
+sequence carries otherwise), so a caller keeps each non-final span inside one step.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.gated_delta.ragged import ragged_prefill
+from serving.model_contract import SpanPieces
+
+
+def pieces_from_segments(seg_rows, num_rows: int, num_pieces: int, span_of_row, carry_local):
+    """Host helper: SpanPieces from a segment id per real row (ids change where a piece ends;
+    rows of different sequences must carry different ids), is-span per row and carry_local [S].
+
+    seg_rows: [R] ints (R real rows); num_rows: T (rows padded to the bucket); num_pieces: the
+    static bound G (>= pieces). Padding rows form no piece.
+    """
+    seg_rows = np.asarray(seg_rows)
+    starts = np.flatnonzero(np.r_[True, seg_rows[1:] != seg_rows[:-1]]) if len(seg_rows) else []
+    if len(starts) > num_pieces:
+        raise ValueError(f"SpanPieces: {len(starts)} pieces exceed the bound {num_pieces}")
+    cu = np.full(num_pieces + 1, len(seg_rows), np.int32)
+    cu[:len(starts)] = starts
+    row_span = np.zeros(num_rows, bool)
+    row_span[:len(seg_rows)] = np.asarray(span_of_row, bool)
+    return SpanPieces(row_span=jnp.asarray(row_span), piece_cu=jnp.asarray(cu),
+                      carry_local=jnp.asarray(carry_local, bool))
+
+
+def local_conv(mixed, conv_w, pieces: SpanPieces, causal_conv):
+    """silu(conv) of every row inside its piece (zero window at the piece start): [T, C]."""
+    g = pieces.piece_cu.shape[0] - 1
+    rows = jnp.arange(mixed.shape[0], dtype=jnp.int32)
+    piece_of_row = jnp.clip(jnp.searchsorted(pieces.piece_cu, rows, side="right") - 1, 0, g - 1)
+    zeros = jnp.zeros((g, mixed.shape[1], conv_w.shape[1] - 1), mixed.dtype)
+    return causal_conv(mixed, conv_w, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32),
+                       piece_of_row)
+
+
+def local_pass(q, k, v, g, beta, pieces: SpanPieces, **kw):
+    """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, and each
+    piece's final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch,
+    whatever the piece lengths)."""
+    n = pieces.piece_cu.shape[0] - 1
+    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    out, final, _ = ragged_prefill(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
+                                   jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
+    return out, final
+
+
+def carry_local(mixed, pieces: SpanPieces, local_final, cu_q_lens, conv, delta, history):
+    """The states a sequence carries on: for carry_local ones, the local conv window and delta
+    state at the end of its last piece; else the flow's `conv` [S, C, K1], `delta`."""
+    g = pieces.piece_cu.shape[0] - 1
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    last_row = jnp.clip(cu_q_lens[1:] - 1, 0, mixed.shape[0] - 1)
+    piece = jnp.clip(jnp.searchsorted(pieces.piece_cu, last_row, side="right") - 1, 0, g - 1)
+    piece_len = pieces.piece_cu[1:] - pieces.piece_cu[:-1]
+    zeros = jnp.zeros((g,) + conv.shape[1:], mixed.dtype)
+    local_conv_end = history(mixed, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32), piece,
+                             piece_len[piece]).astype(conv.dtype)
+    use = pieces.carry_local & (lens > 0)
+    return (jnp.where(use[:, None, None], local_conv_end, conv),
+            jnp.where(use[:, None, None, None], local_final[piece], delta))

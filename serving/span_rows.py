@@ -1,0 +1,71 @@
+"""SSEP spans of hybrid models in the engine (cold path): which rows of a step run a span's local
+recurrent pass, and where chunks may end (docs/DESIGN.md section 5; the model side is
+minipic_jax/models/qwen3_5_spans.py). Plain host Python over numpy.
+
+A span row reads the local pass only when its span starts in the same step (a local state is
+never carried across steps, except by a final span: `carry_local`, after which its remaining rows
+and generated tokens continue the carried state as ordinary rows). So a chunk never ends inside a
+non-final span (`cut_chunk`), and a non-final span must fit one step (`check_prompt`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def span_intervals(layout, block_size: int, num_prompt_tokens: int):
+    """[(start, end, final)] token-index intervals of the prompt's SSEP spans."""
+    starts = np.flatnonzero(layout.seg_start)
+    ends = list(starts[1:] * block_size) + [num_prompt_tokens]
+    return [(int(a) * block_size, int(b), i == len(starts) - 1)
+            for i, (a, b) in enumerate(zip(starts, ends)) if layout.span_block[a]]
+
+
+def check_prompt(layout, block_size: int, num_prompt_tokens: int, budget: int, who: str):
+    """ValueError for a non-final span with more valid tokens than one step can take."""
+    for a, b, final in span_intervals(layout, block_size, num_prompt_tokens):
+        n = int((~layout.is_pad[a:b]).sum())
+        if not final and n > budget:
+            raise ValueError(f"{who}: SSEP span at token index {a} has {n} tokens; on a hybrid "
+                             f"model a span that is not the last segment must fit one step "
+                             f"({budget} tokens: max_num_batched_tokens - max_num_seqs)")
+
+
+def cut_chunk(seq, idx, frontier: int, block_size: int):
+    """(idx, frontier) cut back so the chunk does not end inside a non-final span."""
+    for a, b, final in _spans(seq, block_size):
+        if not final and a < frontier < b and frontier < seq.num_prompt_tokens:
+            return idx[idx < a], max(a, seq.num_computed)
+    return idx, frontier
+
+
+def _spans(seq, block_size):
+    if not hasattr(seq, "_span_intervals"):
+        seq._span_intervals = span_intervals(seq.layout, block_size, seq.num_prompt_tokens)
+    return seq._span_intervals
+
+
+def step_rows(batch, block_size: int):
+    """Per real row of the step: (piece id, is-span row), and per sequence carry_local.
+
+    Piece ids change at each sequence start and at each span start in the step (rows of other
+    segments ride in the previous piece; the model reads their flow outputs)."""
+    piece, span_row, carry = [], [], []
+    pid = -1
+    for e in batch:
+        seq, idx = e.seq, np.asarray(e.token_idx)
+        pid += 1
+        lo = int(idx[0]) if idx.size else 0
+        hi = int(idx[-1]) + 1 if idx.size else 0
+        starts = {a: (b, final) for a, b, final in _spans(seq, block_size) if lo <= a < hi}
+        cur_end, last_final = -1, False
+        for k, i in enumerate(idx.tolist()):
+            if i in starts and k > 0:
+                pid += 1
+            if i in starts:
+                cur_end, last_final = starts[i]
+            in_span = i < cur_end
+            span_row.append(in_span)
+            piece.append(pid)
+        carry.append(bool(idx.size) and last_final and span_row[-1])
+    return np.asarray(piece, np.int64), np.asarray(span_row, bool), carry
