@@ -38,7 +38,8 @@ def add_parser(p) -> None:
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     p.add_argument("--budgets", type=int, nargs="+", default=[32],
                    help="device checkpoint slots (the same byte budget for every strategy)")
-    p.add_argument("--per-prompt", type=int, default=4, help="Config.checkpoints_per_prompt")
+    p.add_argument("--per-prompt", type=int, default=None,
+                   help="Config.checkpoints_per_prompt (default: the fair share of the budget)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
     p.add_argument("--doc-cap", type=int, default=6000, help="longdoc: document tokens at most")
     p.add_argument("--max-tokens", type=int, default=16)
