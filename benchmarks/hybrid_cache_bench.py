@@ -38,7 +38,8 @@ def add_parser(p) -> None:
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     p.add_argument("--budgets", type=int, nargs="+", default=[32],
                    help="device checkpoint slots (the same byte budget for every strategy)")
-    p.add_argument("--per-prompt", type=int, default=4, help="Config.checkpoints_per_prompt")
+    p.add_argument("--per-prompt", type=int, default=None,
+                   help="Config.checkpoints_per_prompt (default: the fair share of the budget)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
     p.add_argument("--doc-cap", type=int, default=6000, help="longdoc: document tokens at most")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -46,6 +47,10 @@ def add_parser(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--min-token-bucket", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from free memory")
+    p.add_argument("--stub-device", action="store_true",
+                   help="replace the jitted step by a stub (random tokens): token counts only, "
+                        "any backend (tokens recomputed depend only on the scheduler and store)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG of tokens recomputed vs budget")
 
@@ -147,8 +152,11 @@ def run(args) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens,
               min_token_bucket=args.min_token_bucket, max_model_len=args.max_model_len,
               checkpoint_gb=max(args.budgets) * nbytes / 2**30,
-              checkpoints_per_prompt=args.per_prompt)
+              checkpoints_per_prompt=args.per_prompt, num_kv_blocks=args.num_kv_blocks)
     engine = llm.llm_engine
+    if args.stub_device:
+        from benchmarks.engine_bench import _StubStep
+        engine.runner._step = _StubStep(engine.vocab_size)
     t0 = time.perf_counter()
     engine.warmup()
     print(f"warmup (compile) {time.perf_counter() - t0:.1f} s", flush=True)

@@ -28,6 +28,7 @@ import numpy as np
 from planner import DecayingHistogram, Replanner, place
 
 CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
+TAIL_WEIGHT = 0.5  # share of the unshared-tail pmf in a prompt's plan (0.8 measured no better)
 
 
 def candidates(layout, num_tokens: int, block_size: int, chunk: int) -> np.ndarray:
@@ -59,18 +60,42 @@ class CheckpointPlanner:
         self.hist = DecayingHistogram(max_len, half_life=half_life, smoothing=1.0 / (max_len + 1))
         grid = np.arange(chunk, max_len + 1, chunk)
         self._cdf, self._cdf_version = None, -1
+        # unshared tails (prompt length - overlap) of the cached prompts that requests overlap
+        self.tails = DecayingHistogram(max_len, half_life=half_life,
+                                       smoothing=1.0 / (max_len + 1))
+        # prior: one observation of a tail shorter than a chunk (same prompt, another question)
+        self.tails.observe([min(chunk // 2, max_len)])
         self.replanner = Replanner(self.hist, per_prompt, strategy="dp",
                                    candidates=grid if grid.size else None, every=every,
                                    tv_threshold=tv)
 
-    def observe(self, depth: int) -> None:
-        """One admitted request's overlap depth (tokens)."""
+    def observe(self, depth: int, tail: int | None = None) -> None:
+        """One admitted request's overlap depth (tokens) and, when it overlaps a cached prompt of
+        known length, that prompt's tokens beyond the overlap (its unshared tail)."""
         self.replanner.observe([min(max(int(depth), 0), self.max_len)])
+        if tail is not None:
+            self.tails.observe([min(max(int(tail), 0), self.max_len)])
 
     @property
     def plan(self) -> list[int]:
         """The current global plan: the pmf's optimal positions over 0..max_model_len."""
         return [int(x) for x in self.replanner.positions]
+
+    def prompt_pmf(self, n: int) -> np.ndarray:
+        """[n+1] overlap depths a future request may have with a prompt of n tokens: half the
+        planned depth pmf truncated at n (deeper overlaps stop at its end), half the observed
+        unshared tails read from its end (depth n - tail; tails longer than n give depth 0)."""
+        pmf = np.asarray(self.replanner.plan_pmf)
+        trunc = np.zeros(n + 1)
+        m = min(n, pmf.size - 1)
+        trunc[:m] = pmf[:m]
+        trunc[m] = pmf[m:].sum()
+        tails = self.tails.pmf()
+        rel = np.zeros(n + 1)
+        k = min(n, tails.size - 1)
+        rel[n - k:] = tails[:k + 1][::-1]
+        rel[0] += tails[k + 1:].sum()
+        return (1 - TAIL_WEIGHT) * trunc / trunc.sum() + TAIL_WEIGHT * rel / rel.sum()
 
     def value(self, position: int, planned) -> float:
         """Expected tokens a checkpoint at `position` saves a request, under the planned pmf, next
@@ -94,12 +119,7 @@ class CheckpointPlanner:
             return []
         if self.strategy == "last":
             return [int(cand[-1])]
-        n = int(num_tokens)
-        pmf = np.asarray(self.replanner.plan_pmf)
-        trunc = np.zeros(n + 1)
-        m = min(n, pmf.size - 1)
-        trunc[:m] = pmf[:m]
-        trunc[m] = pmf[m:].sum()  # deeper overlaps with this prompt stop at its end
+        trunc = self.prompt_pmf(int(num_tokens))
         if self.strategy == "block":
             got = place(trunc, self.per_prompt, "block", cand,
                         block_size=max(1, self.block_tokens))

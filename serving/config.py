@@ -75,14 +75,15 @@ class Config:
     kv_store_gb: float = 64.0
     # Hybrid models (prefix caching with recurrent checkpoints, serving/hybrid_prefix.py): where a
     # prefill takes checkpoints ("none", "last", "block", "balanced", "dp": serving/
-    # checkpoint_plan.py), at most checkpoints_per_prompt per prompt; "block" every
+    # checkpoint_plan.py), at most checkpoints_per_prompt per prompt (None: min(4, device slots
+    # / (2 max_num_seqs)), at least 1, so the tier holds twice as many prompts as run); "block" every
     # checkpoint_block_tokens. checkpoint_gb: device tier bytes (None: 5% of the device's memory
     # limit, or 64 checkpoints without memory stats); half of cpu_offload_gb holds the host tier.
     # The dp histogram halves a request's weight every checkpoint_half_life requests and replans
     # every checkpoint_replan_every requests or when it drifted checkpoint_replan_tv (total
     # variation) from the planned pmf.
     checkpoint_strategy: str = "dp"
-    checkpoints_per_prompt: int = 4
+    checkpoints_per_prompt: int | None = None
     checkpoint_block_tokens: int = 512
     checkpoint_gb: float | None = None
     checkpoint_half_life: float = 256.0
@@ -127,11 +128,12 @@ class Config:
         if self.checkpoint_strategy not in CHECKPOINT_STRATEGIES:
             raise ValueError(f"Config.checkpoint_strategy must be one of {CHECKPOINT_STRATEGIES}, "
                              f"got {self.checkpoint_strategy!r}")
-        for name in ("checkpoints_per_prompt", "checkpoint_replan_every"):
-            if getattr(self, name) < (0 if name == "checkpoints_per_prompt" else 1):
-                raise ValueError(f"Config.{name} must be >= "
-                                 f"{0 if name == 'checkpoints_per_prompt' else 1}, "
-                                 f"got {getattr(self, name)}")
+        if self.checkpoints_per_prompt is not None and self.checkpoints_per_prompt < 0:
+            raise ValueError(f"Config.checkpoints_per_prompt must be None or >= 0, "
+                             f"got {self.checkpoints_per_prompt}")
+        if self.checkpoint_replan_every < 1:
+            raise ValueError(f"Config.checkpoint_replan_every must be >= 1, "
+                             f"got {self.checkpoint_replan_every}")
         if self.checkpoint_block_tokens < 1 or not self.checkpoint_half_life > 0:
             raise ValueError(f"Config.checkpoint_block_tokens ({self.checkpoint_block_tokens}) "
                              f"and checkpoint_half_life ({self.checkpoint_half_life}) must be > 0")

@@ -29,6 +29,7 @@ class HybridPrefixCache:
         self.store, self.planner, self.block_size = store, planner, block_size
         self.admissions = self.checkpoint_hits = 0
         self.tokens_matched = self.tokens_resumed = 0
+        self.prompt_len: dict[int, int] = {}  # block hash -> length of the prompt that made it
 
     # -- admission -----------------------------------------------------------------------------
     def _match(self, sched, seq):
@@ -92,7 +93,13 @@ class HybridPrefixCache:
         first = not seq.ever_admitted
         if first:
             seq.num_cached_tokens = kc * bs
-            self.planner.observe(len(kinds) * bs)
+            origin = self.prompt_len.get(hashes[len(kinds) - 1]) if kinds else None
+            self.planner.observe(len(kinds) * bs,
+                                 None if origin is None else origin - len(kinds) * bs)
+            if len(self.prompt_len) > (1 << 20):
+                self.prompt_len.clear()
+            for h in hashes[:seq.num_prompt_tokens // bs]:
+                self.prompt_len.setdefault(h, seq.num_prompt_tokens)
             seq.ck_positions = [] if spans else self.planner.prompt_positions(
                 seq.layout, seq.num_prompt_tokens, bs)
         self.admissions += 1
@@ -178,7 +185,10 @@ def build(config, family, mcfg, dtype, pool=None):
     strategy = config.checkpoint_strategy
     slots = 0 if strategy == "none" else checkpoint_pool.default_slots(config, nbytes)
     host = int(config.cpu_offload_gb * (1 << 30) / 2) // max(nbytes, 1) if slots else 0
-    planner = CheckpointPlanner(strategy, config.checkpoints_per_prompt,
+    per_prompt = config.checkpoints_per_prompt
+    if per_prompt is None:  # a fair share of the device tier: twice as many prompts as seats
+        per_prompt = min(4, max(1, slots // (2 * config.max_num_seqs)))
+    planner = CheckpointPlanner(strategy, per_prompt,
                                 config.checkpoint_block_tokens, config.max_model_len, chunk,
                                 half_life=config.checkpoint_half_life,
                                 every=config.checkpoint_replan_every,

@@ -104,8 +104,12 @@ def test_dp_is_the_brute_force_optimum_on_the_truncated_observed_pmf():
     planner.replanner._replan()
     n = 700
     got = planner.prompt_positions(_plain(n), n, 16)
+    trunc = planner.prompt_pmf(n)
     pmf = np.asarray(planner.replanner.plan_pmf)
-    trunc = np.concatenate([pmf[:n], [pmf[n:].sum()]])
+    tails = planner.tails.pmf()  # no tail observed: the prior (one tail of 32 tokens)
+    want = 0.5 * np.concatenate([pmf[:n], [pmf[n:].sum()]]) + 0.5 * np.concatenate(
+        [[tails[n:].sum()], tails[:n][::-1]])
+    np.testing.assert_allclose(trunc, want, rtol=1e-12, atol=1e-15)
     cand = range(64, n + 1, 64)
     best = min(expected_recompute(trunc, c) for c in itertools.combinations(cand, 2))
     assert expected_recompute(trunc, got) == pytest.approx(best, rel=1e-12)
@@ -144,3 +148,15 @@ def test_checkpoint_value_is_the_mass_it_serves_times_the_gap_it_closes():
     pmf = np.asarray(planner.replanner.plan_pmf)
     assert planner.value(640, [256, 640]) == pytest.approx(pmf[640:].sum() * (640 - 256))
     assert planner.value(256, [256, 640]) == pytest.approx(pmf[256:640].sum() * 256)
+
+
+def test_unshared_tails_put_a_checkpoint_just_before_each_prompts_own_suffix():
+    """Requests that share all of a cached prompt but its last ~40 tokens (another question):
+    a prompt of any length gets its single checkpoint at the last chunk boundary before that."""
+    planner = CheckpointPlanner("dp", 1, 512, 4096, 64, every=10**6, tv=1.0)
+    for _ in range(50):
+        planner.observe(0, None)
+        planner.observe(1000, 40)
+    planner.replanner._replan()
+    assert planner.prompt_positions(_plain(1040), 1040, 16) == [960]
+    assert planner.prompt_positions(_plain(3000), 3000, 16) == [2944]

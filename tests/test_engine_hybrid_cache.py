@@ -30,7 +30,7 @@ def llm():
     return LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
                max_num_batched_tokens=64, min_token_bucket=64, max_model_len=1280,
                block_size=16, num_kv_blocks=80, checkpoint_gb=4 * CKPT_BYTES / 2**30,
-               cpu_offload_gb=8 * CKPT_BYTES / 2**30)
+               cpu_offload_gb=8 * CKPT_BYTES / 2**30, checkpoints_per_prompt=4)
 
 
 def _alone(llm, prompts, sp=SP):
