@@ -128,8 +128,11 @@ class Llama(nnx.Module):
 
 @functools.lru_cache(maxsize=32)
 def _abstract(cfg: ModelConfig, fused: bool):
-    """(graphdef, abstract state) of a model; no weights are allocated."""
-    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, jnp.float32, fused=fused)))
+    """(graphdef, abstract state) of a model; no weights are allocated. Built outside any mesh:
+    the logical axis names are metadata here (serving/sharding.py maps them to a mesh), and Flax
+    would read them as mesh axes of an enclosing one (the engine's step traces under its TP mesh)."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return nnx.split(nnx.eval_shape(lambda: Llama(cfg, jnp.float32, fused=fused)))
 
 
 def is_fused(params) -> bool:

@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.gated_delta.api import choose
 from kernels_pallas.sharding import ragged_gated_delta  # per head shard under TP
 from minipic_jax.models import qwen3_5_spans
 
@@ -142,7 +143,8 @@ def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoin
     g = -jnp.exp(p.a_log.astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
     interpret = impl == "pallas_fused_interpret"
-    kernel = dict(implementation="pallas_fused" if interpret else impl, interpret=interpret)
+    impl = choose("pallas_fused" if interpret else impl, interpret=interpret)
+    kernel = dict(implementation=impl, interpret=interpret)
     q, k = l2norm(q), l2norm(k)
     core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
                                                checkpoint_at=checkpoint_at, **kernel)
