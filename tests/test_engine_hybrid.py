@@ -48,7 +48,8 @@ def test_hybrid_decode_steps_run_the_decode_kernel():
     llm = LLM(str(folder), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=192,
               attn_impl="xla", decode_attn_impl="triton_decode")
     runner = llm.llm_engine.runner
-    assert runner.separate_decode and runner.decode_options == {"max_position": 192}
+    assert runner.separate_decode and runner.decode_impl == "triton_decode"
+    assert (runner.decode_options.rope, runner.decode_options.max_position) == ("table", 192)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for o, want in zip(llm.generate(prompts, sp, use_tqdm=False), greedy):
         assert o.outputs[0].token_ids == want[:4]
