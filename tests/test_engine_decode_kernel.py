@@ -97,6 +97,7 @@ def test_triton_kv_write_matches_xla_write(monkeypatch, fresh_rng):
         LLM("tiny_llama", write_kv_impl="cuda")
 
 
+@pytest.mark.slow  # the decode kernel's default path: test_decode_only_steps_use_decode_kernel...
 def test_decode_rope_table_option_matches_xla(monkeypatch, fresh_rng):
     """The table RoPE variant of the decode kernel, selected through Config.decode_attn_options."""
     seen = spy_on_kernel(monkeypatch, attention_api.ATTENTION, "triton_decode",
