@@ -23,17 +23,27 @@ def add_parser(p):
     p.add_argument("--model", default="tiny_llama", help="preset (random init: from scratch)")
     p.add_argument("--docs", type=int, default=4, help="documents per question")
     p.add_argument("--facts", type=int, default=4, help="facts per document")
-    p.add_argument("--train-examples", type=int, default=4096)
+    p.add_argument("--train-examples", type=int, default=4096,
+                   help="synthetic questions in train.jsonl (default: %(default)s)")
     p.add_argument("--pool", type=int, default=16, help="distinct documents in the eval set")
     p.add_argument("--eval", type=int, default=128, help="eval questions")
-    p.add_argument("--pretrain-steps", type=int, default=2000)
-    p.add_argument("--ft-steps", type=int, default=500)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("OUT", "block_ft"))
+    p.add_argument("--pretrain-steps", type=int, default=2000,
+                   help="from-scratch training steps, full attention (default: %(default)s)")
+    p.add_argument("--ft-steps", type=int, default=500,
+                   help="block fine-tuning steps (half plain examples) (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="training batch size (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="KV block size for training and the engine (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=256,
+                   help="training sequence length; engine max_model_len is this + 16 "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="data and training seed (default: %(default)s)")
+    p.add_argument("--out", default=os.environ.get("OUT", "block_ft"),
+                   help="output folder: data, checkpoints, block_ft.json (default: %(default)s)")
 
 
 def _doc(rng, facts):

@@ -32,26 +32,34 @@ WORKLOADS = ("longdoc", "sysprompt", "rag-multihop", "drift")
 
 
 def add_parser(p) -> None:
-    p.add_argument("--model", default="qwen3_5_0_8b")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument("--model", default="qwen3_5_0_8b",
+                   help="hybrid model preset or HF folder (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", help="weight and KV dtype (default: %(default)s)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
+                   help="workloads to run (default: all)")
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
+                   help="checkpoint strategies to compare (default: all)")
     p.add_argument("--budgets", type=int, nargs="+", default=[32],
                    help="device checkpoint slots (the same byte budget for every strategy)")
     p.add_argument("--per-prompt", type=int, default=None,
                    help="Config.checkpoints_per_prompt (default: the fair share of the budget)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
     p.add_argument("--doc-cap", type=int, default=6000, help="longdoc: document tokens at most")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--min-token-bucket", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="output tokens per request (EOS ignored) (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=8,
+                   help="engine max_num_seqs (seats) (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="engine max tokens per step (default: %(default)s)")
+    p.add_argument("--min-token-bucket", type=int, default=256,
+                   help="engine smallest step token bucket (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=8192,
+                   help="engine max_model_len; longer prompts are dropped (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from free memory")
     p.add_argument("--stub-device", action="store_true",
                    help="replace the jitted step by a stub (random tokens): token counts only, "
                         "any backend (tokens recomputed depend only on the scheduler and store)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="PNG of tokens recomputed vs budget")
 
 

@@ -30,33 +30,42 @@ ALL_CONFIGS = ("rotated", "pic_off", "fcfs", "barrier", "isps", "ttft")
 # option -> argparse kwargs; also the list of options a worker process is handed
 OPTIONS = {
     "model": dict(default="tulu3_block_ft", help="preset or HF folder (random weights for presets)"),
-    "dtype": dict(default="bfloat16"),
-    "configs": dict(nargs="+", default=list(ALL_CONFIGS), choices=ALL_CONFIGS),
-    "workloads": dict(nargs="+", default=["single", "multi"], choices=WORKLOADS),
-    "modes": dict(nargs="+", default=["offline", "online"], choices=("offline", "online")),
+    "dtype": dict(default="bfloat16", help="weight and KV dtype (default: %(default)s)"),
+    "configs": dict(nargs="+", default=list(ALL_CONFIGS), choices=ALL_CONFIGS,
+                    help="configurations to run (default: all)"),
+    "workloads": dict(nargs="+", default=["single", "multi"], choices=WORKLOADS,
+                      help="workloads to run (default: single multi)"),
+    "modes": dict(nargs="+", default=["offline", "online"], choices=("offline", "online"),
+                  help="offline (all at once) and/or online (Poisson arrivals)"),
     "num_requests": dict(type=int, default=100, help="requests per workload"),
     "questions_per_set": dict(type=int, default=4, help="multi: questions per passage set"),
     "zipf_s": dict(type=float, default=1.0, help="zipf: popularity exponent"),
     "request_rate": dict(type=float, default=4.0, help="online: Poisson arrivals per second"),
     "max_tokens": dict(type=int, default=32, help="output tokens per request (EOS ignored)"),
     "passage_tokens": dict(type=int, default=None, help="truncate passages (tiny test runs)"),
-    "max_num_seqs": dict(type=int, default=64),
-    "max_num_batched_tokens": dict(type=int, default=8192),
-    "max_model_len": dict(type=int, default=8192),
-    "min_token_bucket": dict(type=int, default=128),
-    "num_kv_blocks": dict(type=int, default=None),
+    "max_num_seqs": dict(type=int, default=64, help="engine max_num_seqs (default: %(default)s)"),
+    "max_num_batched_tokens": dict(type=int, default=8192,
+                                   help="engine max tokens per step (default: %(default)s)"),
+    "max_model_len": dict(type=int, default=8192,
+                          help="engine max_model_len (default: %(default)s)"),
+    "min_token_bucket": dict(type=int, default=128,
+                             help="engine smallest step token bucket (default: %(default)s)"),
+    "num_kv_blocks": dict(type=int, default=None,
+                          help="KV pool blocks (default: from free memory)"),
     "attn_impl": dict(default=None, help="Config.attn_impl (None = the engine's choice)"),
-    "ttft_spans": dict(type=int, default=8),
-    "ttft_span_tokens": dict(type=int, default=4096),
+    "ttft_spans": dict(type=int, default=8, help="ttft: spans per request (default: %(default)s)"),
+    "ttft_span_tokens": dict(type=int, default=4096,
+                             help="ttft: tokens per span (default: %(default)s)"),
     "ttft_repeats": dict(type=int, default=3, help="cached requests timed (median)"),
-    "seed": dict(type=int, default=0),
+    "seed": dict(type=int, default=0, help="workload seed (default: %(default)s)"),
 }
 
 
 def add_parser(p):
     for name, kw in OPTIONS.items():
         p.add_argument("--" + name.replace("_", "-"), **kw)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=os.environ.get("OUT", "."),
+                   help="folder for rag_bench.json and rag_bench.png (default: $OUT or .)")
     p.add_argument("--in-process", action="store_true",
                    help="run every configuration in this process (tests; no fresh GPU each)")
     p.add_argument("--worker", default=None, help=argparse_hidden())

@@ -16,19 +16,24 @@ import time
 
 
 def add_parser(p):
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16, help="decoder layers (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size (default: %(default)s)")
+    p.add_argument("--intermediate", type=int, default=8192,
+                   help="MLP intermediate size (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=32, help="attention heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=128256,
+                   help="vocabulary size (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="examples per step (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=2048,
+                   help="tokens per example (default: %(default)s)")
     p.add_argument("--docs", type=int, default=8, help="SSEP spans per example")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed steps after the compile step (median) (default: %(default)s)")
     p.add_argument("--attn-impl", default=None, help="jax.nn.dot_product_attention impl")
-    p.add_argument("--no-remat", action="store_true")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--no-remat", action="store_true", help="disable rematerialisation (remat)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."),
+                   help="folder for train_bench.json (default: $OUT or .)")
 
 
 def matmul_peak_tflops(n: int = 8192, iters: int = 10) -> float:
