@@ -31,11 +31,7 @@ def _engine(opts, extra: dict, max_model_len: int):
     llm = LLM(opts.model, dtype=opts.dtype, seed=0, max_num_seqs=opts.max_num_seqs,
               max_num_batched_tokens=opts.max_num_batched_tokens, max_model_len=max_model_len,
               min_token_bucket=opts.min_token_bucket, num_kv_blocks=opts.num_kv_blocks,
-              attn_impl=opts.attn_impl, **extra,
-              # the decode kernels' table RoPE at any length measured here (the engine's
-              # default passes max_position only up to 16384)
-              decode_attn_options={"max_position": max_model_len} if opts.attn_impl is None
-              else None)
+              attn_impl=opts.attn_impl, **extra)
     load = time.perf_counter() - t0
     print(f"loaded {opts.model} in {load:.1f} s; warming up", flush=True)
     t1 = time.perf_counter()
