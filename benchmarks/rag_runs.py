@@ -39,7 +39,7 @@ def _engine(opts, extra: dict, max_model_len: int):
     return llm, {"load_s": load, "warmup_s": time.perf_counter() - t1,
                  "compiles_in_warmup": llm.llm_engine.runner.num_compiles,
                  "compilation_cache_dir": llm.compilation_cache_dir,
-                 "prefill_impl": llm.llm_engine.runner.prefill_impl,
+                 "prefill_impl": llm.llm_engine.runner.attn_impl,
                  "decode_impl": llm.llm_engine.runner.decode_impl}
 
 

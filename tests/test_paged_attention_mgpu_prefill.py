@@ -20,6 +20,8 @@ from kernels_pallas.paged_attention.random_inputs import inv_freq_for, random_ba
 from kernels_pallas.paged_attention.reference import paged_attention_reference
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
+# each interpreted case costs ~8-10 s on 2 cores: one in the default run, all with --run-slow
+SLOW_INTERPRETED = [pytest.mark.slow] if INTERPRET else []
 
 # (dtype, kv_heads, group, head_dim, rotary_dim, kv_mode, pad_prob, shuffle, specs): specs are
 # (cached, new, window) per sequence; > 128 new tokens spans two query tiles, > 128 keys two steps.
@@ -27,8 +29,10 @@ CASES = [
     # no pads: the tiles' middle key steps take the unmasked path; window 150 skips key step 0
     (jnp.bfloat16, 1, 2, 64, None, "position_free", 0.0, False,
      [(96, 150, 0), (0, 37, 0), (5, 1, 0), (200, 30, 150)]),
-    (jnp.bfloat16, 2, 2, 128, None, "rotated", 0.3, True, [(40, 70, 17), (0, 20, 0), (130, 1, 3)]),
-    (jnp.float16, 1, 3, 64, 32, "position_free", 0.3, True, [(20, 140, 60), (0, 9, 0)]),
+    pytest.param((jnp.bfloat16, 2, 2, 128, None, "rotated", 0.3, True,
+                  [(40, 70, 17), (0, 20, 0), (130, 1, 3)]), marks=SLOW_INTERPRETED),
+    pytest.param((jnp.float16, 1, 3, 64, 32, "position_free", 0.3, True,
+                  [(20, 140, 60), (0, 9, 0)]), marks=SLOW_INTERPRETED),
 ]
 
 
@@ -57,7 +61,7 @@ def test_mosaic_prefill_matches_reference(case, fresh_rng):
     dtype, kv_heads, group, head_dim, rotary_dim, kv_mode, pad_prob, shuffle, specs = case
     q, k, v, md, inv = _inputs(fresh_rng, dtype, kv_heads, group, head_dim, rotary_dim, pad_prob,
                                shuffle, specs)
-    first = CASES.index(case) == 0
+    first = case == CASES[0]
     interpret = (plgpu.InterpretGPUParams(detect_races=first) if INTERPRET else False)
     out = paged_attention(q, k, v, md, inv, kv_mode=kv_mode, implementation="mosaic_prefill",
                           interpret=interpret)

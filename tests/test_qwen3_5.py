@@ -52,7 +52,9 @@ def _step(lm, pager, cache, seq_tokens, *, slots=None, reset=None, checkpoint_at
     return np.asarray(logits)[:total], cache, cks
 
 
-@pytest.mark.parametrize("name", QWEN_FIXTURES)
+# the tied fixture with --run-slow (CI time: ~12 s each on 2 cores)
+@pytest.mark.parametrize("name", [QWEN_FIXTURES[0]] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in QWEN_FIXTURES[1:]])
 def test_logits_and_greedy_match_hf(name):
     lm, ref = _model(name), _ref(name)
     assert lm.family is qwen3_5 and qwen3_5.IS_HYBRID
@@ -72,6 +74,7 @@ COMPILED = os.environ.get("MINIPIC_COMPILED") == "1"
 PALLAS_GDN = "pallas_fused" if COMPILED else "pallas_fused_interpret"
 
 
+@pytest.mark.slow  # interpreted Pallas GDN in the model (CI time); tests/test_gated_delta.py covers
 def test_pallas_gdn_path_matches_hf(name="qwen3_5_gva2"):
     """The Pallas GDN kernels (interpret mode on CPU; compiled with MINIPIC_COMPILED=1 on a GPU)
     inside the model: same HF parity, and the same checkpoints as the XLA path (to fp32 rounding,
@@ -195,6 +198,7 @@ def test_config_from_hf_composite_and_errors():
         qwen3_5.config_from_hf(dict(hf, model_type="llama"))
 
 
+@pytest.mark.slow  # CI time; test_engine_hybrid.py runs chunked prefill against HF by default
 def test_llm_generate_matches_hf_with_chunked_prefill():
     """Public API: small token budget -> prompts prefilled in non-aligned pieces, 2 seats reused."""
     ref = _ref("qwen3_5_gva2")
