@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.offload import HostBatch
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -87,22 +89,6 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
     if ck is not None:
         pool = store_rows(pool, f["ck_slot"], ck["conv"][:, :, 0], ck["delta"][:, :, 0])
     return logits, cache, pool
-
-
-class HostBatch:
-    """Slots gathered in one step: device arrays (host copy started) until first read."""
-
-    def __init__(self, arrays):
-        self.arrays = arrays
-        for a in arrays:
-            a.copy_to_host_async()
-        self.host = None
-
-    def materialize(self):
-        if self.host is None:
-            self.host = [np.asarray(a) for a in self.arrays]
-            self.arrays = None
-        return self.host
 
 
 def _bucket(n: int) -> int:

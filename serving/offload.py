@@ -21,8 +21,9 @@ def page_leaf(x, num_pages: int, block_size: int) -> bool:
     return hasattr(x, "shape") and x.ndim >= 2 and x.shape[:2] == (num_pages, block_size)
 
 
-class _Batch:
-    """Pages gathered in one step: device arrays until first read, then numpy."""
+class HostBatch:
+    """Pages (or checkpoint slots) gathered in one step: device arrays, their host copy started,
+    until first read, then numpy."""
 
     def __init__(self, arrays):
         self.arrays = arrays
@@ -41,14 +42,14 @@ class HostKVTier:
     def __init__(self, capacity_blocks: int):
         self.capacity = capacity_blocks
         self.entries: collections.OrderedDict[int, tuple] = collections.OrderedDict()
-        self.pending: list[_Batch] = []
+        self.pending: list[HostBatch] = []
         self.num_offloaded = 0
         self.num_restored = 0
 
     def contains(self, h: int | None) -> bool:
         return h is not None and h in self.entries
 
-    def put(self, h: int, confirm, batch: _Batch, row: int) -> None:
+    def put(self, h: int, confirm, batch: HostBatch, row: int) -> None:
         self.entries[h] = (confirm, batch, row)
         self.entries.move_to_end(h)
         self.num_offloaded += 1
@@ -94,13 +95,13 @@ class PageMover:
                for x in leaves]
         return jax.tree.unflatten(treedef, out)
 
-    def gather(self, cache, blocks: list[int]) -> _Batch:
+    def gather(self, cache, blocks: list[int]) -> HostBatch:
         n = len(blocks)
         ids = np.zeros(_bucket(n), np.int32)
         ids[:n] = blocks
-        return _Batch(self._gather(cache, jnp.asarray(ids)))
+        return HostBatch(self._gather(cache, jnp.asarray(ids)))
 
-    def scatter(self, cache, blocks: list[int], sources: list[tuple[_Batch, int]]):
+    def scatter(self, cache, blocks: list[int], sources: list[tuple[HostBatch, int]]):
         n = len(blocks)
         nb = _bucket(n)
         ids = np.full(nb, self.num_pages, np.int32)  # out of range rows are dropped
