@@ -17,10 +17,9 @@ import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
 from kernels_pallas.paged_attention.api import KV_MODES
-from kernels_pallas.sharding import paged_attention, write_kv  # per head shard under TP
-from kernels_pallas.rope import apply_rope
 from minipic_jax.models import llama_modules as modules
 from minipic_jax.models import rope
+from minipic_jax.models.paged_cache import write_and_attend
 from minipic_jax.models.llama_config import (ARCHITECTURES, MODEL_TYPES, _rope_from_hf,  # noqa: F401 (qwen3_5)
                                              config_from_hf, to_hf_config)
 from minipic_jax.models.llama_hf import convert_hf, hf_tensor_names, to_hf
@@ -128,14 +127,9 @@ def _paged_attend(metadata, cfg, inv, kv_mode, attn_impl, write_impl, attn_optio
     scaling = rope.attention_scaling(cfg)
 
     def attend(q, k, v, pages):
-        k_pages, v_pages = pages
-        if kv_mode == "rotated":
-            k = apply_rope(k, metadata.q_positions, inv, scaling)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping,
-                                    implementation=write_impl)
-        attn = paged_attention(q, k_pages, v_pages, metadata, inv, kv_mode=kv_mode,
-                               attention_scaling=scaling, implementation=attn_impl,
-                               kernel_options=attn_options)  # [T, H, D]
+        attn, k_pages, v_pages = write_and_attend(
+            q, k, v, *pages, metadata, inv, attention_scaling=scaling, kv_mode=kv_mode,
+            attn_impl=attn_impl, write_impl=write_impl, attn_options=attn_options)  # [T, H, D]
         return attn, (k_pages, v_pages)
     return attend
 
@@ -157,7 +151,7 @@ def forward(params: dict, tokens, metadata, cache: KVCache, cfg: ModelConfig, *,
       kv_mode: "position_free" (keys stored unrotated) or "rotated".
       attn_impl: paged_attention implementation (None = best available).
       write_impl: write_kv implementation (None = best available).
-      attn_options: paged_attention kernel_options (e.g. {"rope": "table", "max_position": n}).
+      attn_options: paged_attention kernel_options of the named attn_impl (typed options or a dict).
     Returns:
       (logits [N, V] float32, updated KVCache).
     """

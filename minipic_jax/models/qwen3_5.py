@@ -17,10 +17,9 @@ import numpy as np
 
 from configs.model_config import ModelConfig
 from kernels_pallas.paged_attention.api import KV_MODES
-from kernels_pallas.sharding import paged_attention, write_kv  # per head shard under TP
-from kernels_pallas.rope import apply_rope
 from minipic_jax.models import layers, rope
 from minipic_jax.models.llama import _rope_from_hf, init_from_shapes
+from minipic_jax.models.paged_cache import write_and_attend
 from minipic_jax.models.qwen3_5_gdn import (GDNParams, gdn_axes, gdn_dims, gdn_mixer, gdn_shapes,
                                             state_shapes)
 from minipic_jax.models.qwen3_5_hf import convert_hf, hf_tensor_names  # noqa: F401 (contract)
@@ -220,13 +219,9 @@ def _attention(x, p: AttnParams, k_pages, v_pages, metadata, cfg, inv, kv_mode, 
     k = layers.rms_norm(jnp.einsum("te,ekd->tkd", x, p.wk), p.k_norm, eps, unit_offset=True)
     v = jnp.einsum("te,ekd->tkd", x, p.wv)  # [T, K, D]
     scaling = rope.attention_scaling(cfg)
-    if kv_mode == "rotated":
-        k = apply_rope(k, metadata.q_positions, inv, scaling)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.slot_mapping,
-                                implementation=write_impl)
-    attn = paged_attention(q, k_pages, v_pages, metadata, inv, kv_mode=kv_mode,
-                           attention_scaling=scaling, implementation=attn_impl,
-                           kernel_options=attn_options)  # [T, H, D]
+    attn, k_pages, v_pages = write_and_attend(
+        q, k, v, k_pages, v_pages, metadata, inv, attention_scaling=scaling, kv_mode=kv_mode,
+        attn_impl=attn_impl, write_impl=write_impl, attn_options=attn_options)  # [T, H, D]
     attn = attn * jax.nn.sigmoid(gate)
     return jnp.einsum("thd,hde->te", attn, p.wo), k_pages, v_pages
 
