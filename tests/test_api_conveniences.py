@@ -44,7 +44,11 @@ def test_stop_strings_cut_the_text(llm, fresh_rng, monkeypatch):
     # min_tokens holds stop strings back like stop tokens
     late = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                                                  stop=stop, min_tokens=12), use_tqdm=False)[0]
-    assert late.outputs[0].finish_reason == "length"
+    assert late.outputs[0].token_ids == base.token_ids  # every earlier match was held back
+    # the 12th token is past min_tokens: only a match completed by that token's text stops
+    before = tok.decode(base.token_ids[:11])
+    last_match = stop in base.text[max(0, len(before) - len(stop) + 1):]
+    assert late.outputs[0].finish_reason == ("stop" if last_match else "length")
 
 
 def test_n_samples_share_prompt_blocks(llm, fresh_rng):
