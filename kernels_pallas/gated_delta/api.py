@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta import chunked, ragged, tree_scan
+from kernels_pallas.gated_delta import chunked, dots, ragged, tree_scan
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas_fused")
 
@@ -61,6 +61,13 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
       after checkpoint_at[m] tokens; with return_transition also a_span [N, Hv, Dk, Dk] float32,
       so that final_state = a_span state0 + (final state from a zero state0).
     """
+    with dots.exact_for(v.dtype):
+        return _prefill(q, k, v, g, beta, state0, checkpoint_at, scale, chunk_size, implementation,
+                        interpret, solve, inter_dtype, scan, return_transition)
+
+
+def _prefill(q, k, v, g, beta, state0, checkpoint_at, scale, chunk_size, implementation,
+             interpret, solve, inter_dtype, scan, return_transition):
     n, t_len, hk, dk = _validate(q, k, v, g, beta, state0)
     hv, dv = v.shape[2:]
     implementation = choose(implementation, interpret=interpret, op="gated_delta.prefill")
@@ -104,8 +111,9 @@ def decode_step(q, k, v, g, beta, state, *, scale=None):
     """
     _validate(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state)
     dk = k.shape[-1]
-    out, new = chunked.recurrent_step(q, k, v, g, beta, state,
-                                      scale=dk ** -0.5 if scale is None else scale)
+    with dots.exact_for(v.dtype):
+        out, new = chunked.recurrent_step(q, k, v, g, beta, state,
+                                          scale=dk ** -0.5 if scale is None else scale)
     return out.astype(v.dtype), new
 
 
@@ -182,4 +190,5 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
 
     ops = (q, k, v, g, beta, state0.astype(jnp.float32))
     del seqs
-    return jax.lax.cond(jnp.max(lens) <= 1, decode, prefill, ops)
+    with dots.exact_for(v.dtype):
+        return jax.lax.cond(jnp.max(lens) <= 1, decode, prefill, ops)

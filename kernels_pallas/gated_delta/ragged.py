@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta import chunked
+from kernels_pallas.gated_delta import chunked, dots
 
 
 def _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks):
@@ -100,6 +100,13 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
       out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None,
       and with return_transition a_span [S, Hv, Dk, Dk] float32.
     """
+    with dots.exact_for(v.dtype):
+        return _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale,
+                               chunk, implementation, interpret, return_transition)
+
+
+def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale, chunk,
+                    implementation, interpret, return_transition):
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     n_tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
