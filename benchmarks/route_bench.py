@@ -7,7 +7,7 @@ differently each time). Prompt = [Prompt(header), Span(passage) x 10, Prompt(que
 Llama 3 tokenizer; requests in a seeded random order (a dataset of prompts, not grouped).
 
 Each of `--replicas` replicas is an LLM (tiny_llama3: the Llama 3 vocabulary, tiny layers) whose
-jitted step is stubbed (engine_bench._StubStep): the host path (scheduler, hashing, block
+jitted step is stubbed (engine_host.StubStep): the host path (scheduler, hashing, block
 manager, LRU eviction) runs as in a real job, the device does nothing, so cache hits are exact and
 times are host-only. Replicas run one after another in this process; a replica's figures are
 its own. Policies: random (dataset order), routed (`route_by_spans`, dataset order), and each
@@ -76,12 +76,12 @@ def build_requests(samples: int, questions: int, seed: int = 0, passage_tokens=N
 
 
 def _replica(args):
-    from benchmarks.engine_bench import _StubStep
+    from benchmarks.engine_host import StubStep
     from minipic_jax import LLM
     llm = LLM("tiny_llama3", dtype="float32", seed=0, max_num_seqs=16,
               max_num_batched_tokens=2048, max_model_len=8192, block_size=args.block_size,
               num_kv_blocks=args.num_kv_blocks)
-    llm.llm_engine.runner._step = _StubStep(llm.llm_engine.vocab_size)
+    llm.llm_engine.runner._step = StubStep(llm.llm_engine.vocab_size)
     return llm
 
 
