@@ -21,6 +21,7 @@ import json
 import os
 import time
 
+from benchmarks.engine_args import add_options, engine_options, out_option
 from benchmarks.engine_workload import prime_decode, rag_workload
 
 BLOCK_SIZE = 16
@@ -30,7 +31,6 @@ def add_parser(p):
     p.add_argument("--model", default=None,
                    help="preset name or HF folder (presets get random weights); default "
                         "llama3_8b, or tiny_llama3 with --host-only")
-    p.add_argument("--dtype", default="bfloat16", help="model and KV cache dtype")
     p.add_argument("--batch", type=int, default=128,
                    help="sequences per decode step in the decode measurement (max_num_seqs)")
     p.add_argument("--ctx", type=int, default=2048,
@@ -39,10 +39,8 @@ def add_parser(p):
     p.add_argument("--decode-steps", type=int, default=20, help="timed decode steps")
     p.add_argument("--num-requests", type=int, default=1000,
                    help="requests in the RAG run (prompts shortened to fit --ctx)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                   help="Config.max_num_batched_tokens (query tokens per step)")
-    p.add_argument("--min-token-bucket", type=int, default=128,
-                   help="Config.min_token_bucket (smallest padded step size)")
+    add_options(p, engine_options(dtype="bfloat16", max_num_batched_tokens=1024,
+                                  min_token_bucket=128, tensor_parallel_size=1))
     p.add_argument("--copy-gb", type=float, default=4.0,
                    help="size of the device copy that anchors the memory floor (GB)")
     p.add_argument("--attn-impl", default=None, help="paged_attention implementation (None = best)")
@@ -67,10 +65,7 @@ def add_parser(p):
                    help="after the decode measurement: stage-removal variants, sampler variants "
                         "and a profiler summary of the decode step (benchmarks/decode_breakdown.py;"
                         " 'lite': step, 1 block, GEMM chain and weight read only)")
-    p.add_argument("--out", default=os.environ.get("OUT", "."),
-                   help="folder for the JSON results (default: $OUT or the current folder)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices the model is split over (Config.tensor_parallel_size)")
+    add_options(p, {"out": out_option("the JSON results")})
     p.add_argument("--host-only", action="store_true",
                    help="CPU host-path profile: the R-request run with the jitted step stubbed out "
                         "(schedule / build / post timed, no device work; use a tiny --model)")

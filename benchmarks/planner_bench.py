@@ -237,6 +237,16 @@ def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.2f}" if x < 100 else f"{x:.0f}"
 
 
+def _save(plt, fig, axes, ylabel: str, path: str) -> str:
+    """Label the first panel, lay out, write `path`, close the figure."""
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plot(results: dict, plot_dir: str) -> list:
     import matplotlib
     matplotlib.use("Agg")
@@ -251,12 +261,8 @@ def _plot(results: dict, plot_dir: str) -> list:
             ax.plot(ms, ys, marker="o", ms=3, lw=2.2 if s == "dp" else 1.2, label=s)
         ax.set(xscale="log", yscale="log", xlabel="budget M (checkpoints)", title=name)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("token-savings factor (capped 1e4)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(os.path.join(plot_dir, "planner_savings.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, axes, "token-savings factor (capped 1e4)",
+                       os.path.join(plot_dir, "planner_savings.png")))
     if results.get("drift"):
         cols = len(results["drift"])
         fig, axes = plt.subplots(1, cols, figsize=(5.5 * cols, 3.6), squeeze=False)
@@ -268,12 +274,8 @@ def _plot(results: dict, plot_dir: str) -> list:
             ax.set(yscale="log", xlabel="stream window (drifts sysprompt -> longdoc)",
                    title=f"drift replay, M = {dr['budget']}")
             ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("savings factor per window")
-        axes[0][0].legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(plot_dir, "planner_drift.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(plt, fig, axes, "savings factor per window",
+                           os.path.join(plot_dir, "planner_drift.png")))
     return paths
 
 
