@@ -28,6 +28,7 @@ from planner import (DecayingHistogram, EmpiricalHistogram, Replanner, expected_
 
 BASELINES = ("balanced", "block", "log", "sqrt")
 HERE = pathlib.Path(__file__).resolve().parent
+DRIFT_WARM = 2000  # requests the drift replay plans on before it scores (static plan, histograms)
 
 
 def add_parser(p) -> None:
@@ -39,7 +40,9 @@ def add_parser(p) -> None:
     p.add_argument("--chunk", type=int, default=wl.CHUNK, help="checkpoint granularity (tokens)")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[64, 256, 1024, 4096],
                    help="block sizes of the 'block' baseline (a checkpoint every B tokens)")
-    p.add_argument("--drift-requests", type=int, default=60000, help="0 skips the drift replay")
+    p.add_argument("--drift-requests", type=int, default=60000,
+                   help=f"requests of the drift replay, more than its {DRIFT_WARM:,} warm-up "
+                        "requests (0 skips it)")
     p.add_argument("--drift-budgets", type=int, nargs="+", default=[16, 64],
                    help="budgets of the drift replay")
     p.add_argument("--timing", choices=["full", "quick", "none"], default="full",
@@ -160,7 +163,7 @@ def drift_replay(a: wl.Workload, b: wl.Workload, budget: int, requests: int, chu
 
     depths = np.where(rng.random(requests) < w, draw(b, requests), draw(a, requests))
     pa, pb = a.pmf(n) / a.weights.sum(), b.pmf(n) / b.weights.sum()
-    warm, batch = 2000, 100
+    warm, batch = DRIFT_WARM, 100
 
     def replanner(est):
         est.observe(depths[:warm])
@@ -280,6 +283,10 @@ def _plot(results: dict, plot_dir: str) -> list:
 
 
 def run(args) -> int:
+    if 0 < args.drift_requests <= DRIFT_WARM:
+        raise ValueError(f"--drift-requests {args.drift_requests}: the drift replay plans on its "
+                         f"first {DRIFT_WARM} requests and scores the rest; give more than "
+                         f"{DRIFT_WARM}, or 0 to skip it")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip() or "unknown"
     head = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
