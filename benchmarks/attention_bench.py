@@ -19,18 +19,18 @@ import warnings
 
 import numpy as np
 
-from benchmarks.attention_decode import (decode_kernel_rows, mosaic_rows,
+from benchmarks.attention_decode import (attention_fn, decode_kernel_rows, mosaic_rows,
                                          print_device_table, print_rope_table)
-from benchmarks.attention_inputs import decode_inputs, prefill_inputs
-from benchmarks.timing import ab_row, row, safe
+from benchmarks.attention_inputs import decode_inputs
+from benchmarks.attention_prefill import prefill_rows
+from benchmarks.timing import row, safe
 
-# (kv_group, block_k, num_warps, num_stages) and (block_q, block_k, num_warps, num_stages)
+# (kv_group, block_k, num_warps, num_stages) of the ragged Triton kernel on decode rows
 DECODE_SWEEP = ((1, 64, 4, 2), (1, 64, 8, 2), (1, 32, 4, 3), (1, 16, 4, 2))
 # (kv_group, splits, block_k, num_warps, num_stages) for implementation="triton_decode"; each is
 # timed rotated and position_free with every `rope` variant (splits 0 = the kernel's default).
 DECODE_KERNEL_SWEEP = ((2, 4, 64, 4, 2), (1, 0, 64, 4, 2), (4, 4, 32, 4, 2))
 DECODE_ROPE = ("trig", "table", "table_bf16")
-PREFILL_SWEEP = ((32, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 2), (64, 64, 8, 2))
 
 
 def add_parser(p: argparse.ArgumentParser):
@@ -102,196 +102,120 @@ def apply_size_defaults(args) -> None:
               "TB/s / TFLOP/s below measure the interpreter, not a device", flush=True)
 
 
-def run(args) -> int:
+def _copy_rows(rows, args, it):
+    """The device copy rate anchors: XLA's elementwise pass and torch's copy_ (where present)."""
     import jax
     import jax.numpy as jnp
-    from kernels_pallas.paged_attention.api import paged_attention, write_kv
-    from kernels_pallas.paged_attention.xla import xla_paged_attention
-    from kernels_pallas.paged_attention.random_inputs import inv_freq_for
-
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    apply_size_defaults(args)
-    rng = np.random.default_rng(0)
-    dtype = jnp.bfloat16
-    H, K, D, B = args.heads, args.kv_heads, args.head_dim, args.page_size
-    inv = jnp.asarray(inv_freq_for(D, theta=500000.0))
-    it = dict(iters=args.iters, reps=args.reps)
-    rows = []
-    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
-
     x = jnp.ones((1 << (16 if args.interpret else 30),), jnp.float32)  # 4 GiB
     safe(rows, "copy", "xla x + 1 f32 (read + write)", jax.jit(lambda a: a + 1), x,
-          work=2 * x.nbytes, unit="tbps", **it)
+         work=2 * x.nbytes, unit="tbps", **it)
     del x
-    if not args.interpret:
-        try:
-            import torch
-            a = torch.empty(1 << 30, dtype=torch.float32, device="cuda")
-            b = torch.empty_like(a)
-            for _ in range(3):
+    if args.interpret:
+        return
+    try:
+        import torch
+        a = torch.empty(1 << 30, dtype=torch.float32, device="cuda")
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        ts = []
+        for _ in range(args.reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(args.iters):
                 b.copy_(a)
-            ts = []
-            for _ in range(args.reps):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(args.iters):
-                    b.copy_(a)
-                e1.record()
-                torch.cuda.synchronize()
-                ts.append(e0.elapsed_time(e1) / 1e3 / args.iters)
-            t = statistics.median(ts)
-            row(rows, case="copy", impl="torch copy_ f32 4 GiB (read + write)", ms=t * 1e3,
-                 tbps=2 * a.numel() * 4 / t / 1e12)
-            del a, b
-            torch.cuda.empty_cache()
-        except Exception as e:
-            print(f"  copy torch FAILED {type(e).__name__}: {e}"[:200])
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) / 1e3 / args.iters)
+        t = statistics.median(ts)
+        row(rows, case="copy", impl="torch copy_ f32 4 GiB (read + write)", ms=t * 1e3,
+            tbps=2 * a.numel() * 4 / t / 1e12)
+        del a, b
+        torch.cuda.empty_cache()
+    except Exception as e:
+        print(f"  copy torch FAILED {type(e).__name__}: {e}"[:200])
 
-    def ours(kv_mode, **opts):
-        return jax.jit(lambda q, k, v, md: paged_attention(
-            q, k, v, md, inv, kv_mode=kv_mode, implementation="triton", kernel_options=opts,
-            interpret=args.interpret))
 
-    configs = DECODE_KERNEL_SWEEP if args.decode_configs is None else [
-        tuple(int(x) for x in c.split(",")) for c in args.decode_configs]
-    rope_table = {}  # (config tag, "rotated" or rope variant, ctx) -> bytes / s
-    device_time = {}  # (config tag, ctx, kv mode) -> (busy us, kernel us) per call, profiled
-    for ctx in args.contexts:
-        case = f"decode ctx{ctx}"
-        q, k, v, md = decode_inputs(rng, args.seqs, ctx, H, K, D, B, dtype)
-        kv_bytes = 2 * args.seqs * ctx * K * D * q.dtype.itemsize
-        inputs = (q, k, v, md)
-        if args.decode_kernel:  # decode-only Triton kernel, rotated vs each RoPE-at-read variant
-            decode_kernel_rows(rows, case, ctx, inputs, inv, kv_bytes, configs, args, rope_table,
-                               device_time)
-        if args.decode_kernel_only:
-            continue
-        t_rot = safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md,
-                      work=kv_bytes, unit="tbps", **it)
-        t_free = safe(rows, case, "ours triton position_free", ours("position_free"), q, k, v,
-                       md, work=kv_bytes, unit="tbps", **it)
-        if t_rot and t_free:
-            print(f"  {case:<16} RoPE-at-read overhead {100 * (t_free / t_rot - 1):+.1f}%")
-            rows.append(dict(case=case, overhead_pct=100 * (t_free / t_rot - 1)))
-        if args.sweep in ("decode", "all"):
-            for kvg, bk, nw, ns in DECODE_SWEEP:
-                for mode in ("rotated", "position_free"):
-                    safe(rows, case, f"ours {mode} kvg{kvg} bk{bk} w{nw} s{ns}",
-                          ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
-                          q, k, v, md, work=kv_bytes, unit="tbps", **it)
-        if args.mosaic:  # the Mosaic GPU decode kernel (TMA, warp-level MMA)
-            mosaic_rows(rows, case, ctx, inputs, inv, kv_bytes, args, device_time)
-        xla = jax.jit(lambda q, k, v, md: xla_paged_attention(
-            q, k, v, md, inv, kv_mode="position_free", attention_scaling=1.0, sm_scale=D ** -0.5))
-        safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, work=kv_bytes,
-              unit="tbps", **it)
-        from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
-        k_t, v_t = jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)  # [K, P, B, D] (its layout)
-        lengths = jnp.full((args.seqs,), ctx, jnp.int32)
-        for ppcb, splits in ((8, 16), (16, 8)):
-            fn = jax.jit(lambda q, k, v, bt, ln, ppcb=ppcb, splits=splits: jax_pa.paged_attention(
-                q, k, v, bt, ln, pages_per_compute_block=ppcb, k_splits=splits))
-            safe(rows, case, f"jax pallas paged_attention p{ppcb} s{splits}", fn, q, k_t, v_t,
-                  md.block_tables, lengths, work=kv_bytes, unit="tbps", **it)
-        del k_t, v_t
-        # Writing this step's new K/V rows as a separate step (what fusion would save).
-        new = jnp.ones((args.seqs, K, D), dtype)
-        slots = jnp.asarray(np.asarray(md.block_tables)[:, -1] * B + B - 1, jnp.int32)
-        wk = jax.jit(write_kv, donate_argnums=(0, 1))
-        kk, vv = jnp.copy(k), jnp.copy(v)
-        del k, v, q
-        t0 = None
-        try:
-            for _ in range(3):
-                kk, vv = wk(kk, vv, new, new, slots)
-            jax.block_until_ready(kk)
-            t0 = time.perf_counter()
-            for _ in range(20):
-                kk, vv = wk(kk, vv, new, new, slots)
-            jax.block_until_ready(kk)
-            t_w = (time.perf_counter() - t0) / 20
-            print(f"  {case:<16} write_kv separate step {t_w * 1e3:8.3f} ms")
-            rows.append(dict(case=case, impl="write_kv separate", ms=t_w * 1e3))
-        except Exception as e:
-            print(f"  {case:<16} write_kv FAILED {type(e).__name__}")
-        del kk, vv
+def _decode_rows(rows, ctx, rng, inv, args, rope_table, device_time):
+    """Every decode row at one context length: our kernels (and their sweeps), the XLA and JAX
+    Pallas anchors, and the separate K/V write."""
+    import jax
+    import jax.numpy as jnp
+    from kernels_pallas.paged_attention.xla import xla_paged_attention
+    it = dict(iters=args.iters, reps=args.reps)
+    H, K, D, B = args.heads, args.kv_heads, args.head_dim, args.page_size
+    case = f"decode ctx{ctx}"
+    q, k, v, md = decode_inputs(rng, args.seqs, ctx, H, K, D, B, jnp.bfloat16)
+    kv_bytes = 2 * args.seqs * ctx * K * D * q.dtype.itemsize
+    tb = dict(work=kv_bytes, unit="tbps", **it)
+    if args.decode_kernel:  # decode-only Triton kernel, rotated vs each RoPE-at-read variant
+        configs = DECODE_KERNEL_SWEEP if args.decode_configs is None else [
+            tuple(int(x) for x in c.split(",")) for c in args.decode_configs]
+        decode_kernel_rows(rows, case, ctx, (q, k, v, md), inv, kv_bytes, configs, args,
+                           rope_table, device_time)
+    if args.decode_kernel_only:
+        return
 
-    for spec in args.prefill:
-        seqs, rest = spec.split("x")
-        new, cached = (int(a) for a in rest.split("+"))
-        seqs = int(seqs)
-        case = f"prefill {spec}"
-        q, k, v, md = prefill_inputs(rng, seqs, new, cached, H, K, D, B, dtype)
-        pairs = seqs * sum(cached + i + 1 for i in range(new))
-        flops = 4.0 * H * D * pairs
-        impls = ["triton", "mosaic_prefill"] if args.prefill_impl == "both" else [args.prefill_impl]
-        for impl in impls:
-            if impl == "mosaic_prefill" and args.interpret:
-                print(f"  {case:<16} mosaic_prefill skipped: its interpreter hangs under jit")
-                continue
-            t = {}
+    def ours(mode, **opts):
+        return attention_fn(inv, "triton", mode, opts, args.interpret)
+    t_rot = safe(rows, case, "ours triton rotated", ours("rotated"), q, k, v, md, **tb)
+    t_free = safe(rows, case, "ours triton position_free", ours("position_free"), q, k, v, md,
+                  **tb)
+    if t_rot and t_free:
+        print(f"  {case:<16} RoPE-at-read overhead {100 * (t_free / t_rot - 1):+.1f}%")
+        rows.append(dict(case=case, overhead_pct=100 * (t_free / t_rot - 1)))
+    if args.sweep in ("decode", "all"):
+        for kvg, bk, nw, ns in DECODE_SWEEP:
             for mode in ("rotated", "position_free"):
-                fn = ours(mode) if impl == "triton" else jax.jit(
-                    lambda q, k, v, md, mode=mode: paged_attention(
-                        q, k, v, md, inv, kv_mode=mode, implementation=impl,
-                        interpret=args.interpret))
-                t[mode] = safe(rows, case, f"ours {impl} {mode}", fn, q, k, v, md, work=flops,
-                                unit="tflops", **it)
-            if t["rotated"] and t["position_free"]:
-                over = 100 * (t["position_free"] / t["rotated"] - 1)
-                print(f"  {case:<16} {impl} RoPE-at-read overhead {over:+.1f}%")
-                rows.append(dict(case=case, impl=impl, overhead_pct=over))
-                if args.ab_reps:
-                    fns = [ours(m) if impl == "triton" else jax.jit(
-                        lambda q, k, v, md, m=m: paged_attention(
-                            q, k, v, md, inv, kv_mode=m, implementation=impl,
-                            interpret=args.interpret)) for m in ("rotated", "position_free")]
-                    ab_row(rows, case, f"prefill {impl}", *fns, q, k, v, md,
-                            reps=args.ab_reps, iters=args.iters)
-            if impl == "mosaic_prefill":  # its parts alone (all inside the times above)
-                from kernels_pallas.paged_attention import mosaic_prefill as mp
-                for mode in ("rotated", "position_free"):
-                    pre = jax.jit(lambda k, v, md, mode=mode: mp.gather_kv(
-                        k, v, md, inv, rotate_keys=mode == "position_free", attention_scaling=1.0))
-                    safe(rows, case, f"part: gather(+rotate) {mode} (ms)", pre, k, v, md,
-                          work=flops, unit="tflops", **it)
-                prep = jax.jit(lambda q, k, v, md: mp.prepare(
-                    q, k, v, md, inv, rotate_keys=False, attention_scaling=1.0, sm_scale=D ** -0.5))
-                safe(rows, case, "part: prepare rotated (ms)", prep, q, k, v, md, work=flops,
-                      unit="tflops", **it)
-                inputs = jax.block_until_ready(prep(q, k, v, md))
-                kern = jax.jit(lambda x: mp.run_kernel(x, kv_heads=K))
-                safe(rows, case, "part: kernel alone (TFLOP/s)", kern, inputs, work=flops,
-                      unit="tflops", **it)
-                del inputs
-        if args.sweep == "all":
-            for bq, bk, nw, ns in PREFILL_SWEEP:
-                for mode in ("rotated", "position_free"):
-                    safe(rows, case, f"ours {mode} bq{bq} bk{bk} w{nw} s{ns}",
-                          ours(mode, block_q=bq, block_k=bk, num_warps=nw, num_stages=ns),
-                          q, k, v, md, work=flops, unit="tflops", **it)
-        if cached == 0:
-            qd = q.reshape(seqs, new, H, D)
-            kd = jax.random.normal(jax.random.key(1), (seqs, new, K, D), dtype)
-            vd = jax.random.normal(jax.random.key(2), (seqs, new, K, D), dtype)
-            cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, implementation="cudnn"))
-            safe(rows, case, "cudnn dot_product_attention (dense)", cudnn, qd, kd, vd,
-                  work=flops, unit="tflops", **it)
-            try:
-                from jax.experimental.pallas.ops.gpu import attention_mgpu as amg
-                cfg = amg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
-                                       causal=True)
-                mg = jax.jit(lambda q, k, v: amg.attention(q, k, v, cfg))
-                f16 = [a.astype(jnp.float16) for a in (qd, kd, vd)]  # its scratch is fp16
-                safe(rows, case, "jax attention_mgpu fp16 (dense)", mg, *f16, work=flops,
-                      unit="tflops", **it)
-                del f16
-            except Exception as e:
-                print(f"  {case:<16} attention_mgpu FAILED {type(e).__name__}: {e}"[:300])
-            del qd, kd, vd
-        del q, k, v
+                safe(rows, case, f"ours {mode} kvg{kvg} bk{bk} w{nw} s{ns}",
+                     ours(mode, kv_group=kvg, block_k=bk, num_warps=nw, num_stages=ns),
+                     q, k, v, md, **tb)
+    if args.mosaic:  # the Mosaic GPU decode kernel (TMA, warp-level MMA)
+        mosaic_rows(rows, case, ctx, (q, k, v, md), inv, kv_bytes, args, device_time)
+    xla = jax.jit(lambda q, k, v, md: xla_paged_attention(
+        q, k, v, md, inv, kv_mode="position_free", attention_scaling=1.0, sm_scale=D ** -0.5))
+    safe(rows, case, "xla gather+dense position_free", xla, q, k, v, md, **tb)
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+    k_t, v_t = jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)  # [K, P, B, D] (its layout)
+    lengths = jnp.full((args.seqs,), ctx, jnp.int32)
+    for ppcb, splits in ((8, 16), (16, 8)):
+        fn = jax.jit(lambda q, k, v, bt, ln, ppcb=ppcb, splits=splits: jax_pa.paged_attention(
+            q, k, v, bt, ln, pages_per_compute_block=ppcb, k_splits=splits))
+        safe(rows, case, f"jax pallas paged_attention p{ppcb} s{splits}", fn, q, k_t, v_t,
+             md.block_tables, lengths, **tb)
+    del k_t, v_t, q
+    _write_kv_row(rows, case, k, v, md, args.seqs)
 
+
+def _write_kv_row(rows, case, k, v, md, seqs):
+    """This step's new K/V rows written as a separate step (what fusing the write would save),
+    into donated copies of the pages."""
+    import jax
+    import jax.numpy as jnp
+    from kernels_pallas.paged_attention.api import write_kv
+    B, K, D = k.shape[1:]
+    new = jnp.ones((seqs, K, D), k.dtype)
+    slots = jnp.asarray(np.asarray(md.block_tables)[:, -1] * B + B - 1, jnp.int32)
+    wk = jax.jit(write_kv, donate_argnums=(0, 1))
+    kk, vv = jnp.copy(k), jnp.copy(v)
+    del k, v
+    try:
+        for _ in range(3):
+            kk, vv = wk(kk, vv, new, new, slots)
+        jax.block_until_ready(kk)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            kk, vv = wk(kk, vv, new, new, slots)
+        jax.block_until_ready(kk)
+        t_w = (time.perf_counter() - t0) / 20
+        print(f"  {case:<16} write_kv separate step {t_w * 1e3:8.3f} ms")
+        rows.append(dict(case=case, impl="write_kv separate", ms=t_w * 1e3))
+    except Exception as e:
+        print(f"  {case:<16} write_kv FAILED {type(e).__name__}")
+
+
+def _print_best(rows):
+    """The best row of ours per case and mode, and the overhead best vs best."""
     print("\nbest per case and mode:")
     best = {}
     for r in rows:
@@ -314,8 +238,29 @@ def run(args) -> int:
                 ratio = best[rot][0] / best[free][0]
                 print(f"  {case:<20} {prefix}RoPE-at-read overhead (best vs best) "
                       f"{100 * (ratio - 1):+.1f}%")
+
+
+def run(args) -> int:
+    import jax
+    import jax.numpy as jnp
+    from kernels_pallas.paged_attention.random_inputs import inv_freq_for
+
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    apply_size_defaults(args)
+    rng = np.random.default_rng(0)
+    inv = jnp.asarray(inv_freq_for(args.head_dim, theta=500000.0))
+    rows = []
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
+    _copy_rows(rows, args, dict(iters=args.iters, reps=args.reps))
+    rope_table = {}  # (config tag, "rotated" or rope variant, ctx) -> bytes / s
+    device_time = {}  # (config tag, ctx, kv mode) -> (busy us, kernel us) per call, profiled
+    for ctx in args.contexts:
+        _decode_rows(rows, ctx, rng, inv, args, rope_table, device_time)
+    for spec in args.prefill:
+        prefill_rows(rows, spec, rng, inv, args, jnp.bfloat16)
+    _print_best(rows)
     print_rope_table(rope_table, args.contexts)
-    print_device_table(device_time, args.seqs, K, D, 2)
+    print_device_table(device_time, args.seqs, args.kv_heads, args.head_dim, 2)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

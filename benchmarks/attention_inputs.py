@@ -7,31 +7,9 @@ import numpy as np
 
 
 def decode_inputs(rng, seqs, ctx, heads, kv_heads, head_dim, page_size, dtype):
-    import jax.numpy as jnp
-    from kernels_pallas.paged_attention.metadata import AttentionMetadata
-    per_seq = ctx // page_size
-    num_pages = seqs * per_seq + 8
-    tables = rng.permutation(num_pages)[: seqs * per_seq].reshape(seqs, per_seq).astype(np.int32)
-    md = AttentionMetadata(
-        q_positions=jnp.full((seqs,), ctx - 1, jnp.int32),
-        q_window_start=jnp.zeros((seqs,), jnp.int32),
-        q_seq=jnp.arange(seqs, dtype=jnp.int32),
-        cu_q_lens=jnp.arange(seqs + 1, dtype=jnp.int32),
-        num_blocks=jnp.full((seqs,), per_seq, jnp.int32),
-        block_tables=jnp.asarray(tables),
-        block_pos_start=jnp.asarray(np.tile(np.arange(per_seq, dtype=np.int32) * page_size,
-                                            (seqs, 1))),
-        block_num_valid=jnp.full((seqs, per_seq), page_size, jnp.int32),
-        slot_mapping=jnp.full((seqs,), -1, jnp.int32),
-    )
-    import jax
-    key = jax.random.key(int(rng.integers(1 << 30)))
-    k1, k2, k3 = jax.random.split(key, 3)
-    shape = (num_pages, page_size, kv_heads, head_dim)
-    q = jax.random.normal(k1, (seqs, heads, head_dim), dtype)
-    k = jax.random.normal(k2, shape, dtype)
-    v = jax.random.normal(k3, shape, dtype)
-    return q, k, v, md
+    """One query per sequence at position ctx - 1 over ctx cached keys: a decode step is the
+    prefill shape with one new token after ctx - 1 cached ones."""
+    return prefill_inputs(rng, seqs, 1, ctx - 1, heads, kv_heads, head_dim, page_size, dtype)
 
 
 def prefill_inputs(rng, seqs, new, cached, heads, kv_heads, head_dim, page_size, dtype):

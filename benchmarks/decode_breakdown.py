@@ -91,7 +91,6 @@ def _gemm_chain(params, x, cfg):
     import jax
     import jax.numpy as jnp
 
-    from minipic_jax.models import llama
     h, k, f = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     for lp in params["layers"]:
         if "wqkv" in lp:
@@ -141,15 +140,9 @@ def one_block_inputs(runner, ints, kw):
 def run_breakdown(engine, args) -> dict:
     """All variants on the primed engine (its runner's last inputs are a batch x ctx decode)."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from minipic_jax.models import layers, llama
-    from serving import sampler as smp
     r = engine.runner
-    cfg = r.mcfg
     ints, floats, kw = r.last_inputs
-    short = one_block_inputs(r, ints, kw)
     res, state = {}, {"cache": r.cache}
     statics = ("t", "s", "all_greedy", "use_filter", "num_logprobs", "decode_only")
 
@@ -176,25 +169,43 @@ def run_breakdown(engine, args) -> dict:
     fused = any("wqkv" in lp for lp in r.params["layers"])
     print(f"breakdown (batch {args.batch}, ctx {args.ctx}, runner weights "
           f"{'fused' if fused else 'unfused'}):", flush=True)
+    lite = getattr(args, "breakdown", "full") == "lite"
+    _stage_rows(record, stepper, fresh_step, r, one_block_inputs(r, ints, kw), fused, lite)
+    if not lite:
+        _sampler_rows(record, r, kw["s"])
+    r.cache = state["cache"]
+    if lite:
+        return res
+    _profile_rows(res, stepper(r._step, r.params, ints))
+    r.cache = state["cache"]
+    return res
+
+
+def _stage_rows(record, stepper, fresh_step, r, short, fused: bool, lite: bool):
+    """The step as is, with one context block, unfused, without attention (and write), the
+    weight GEMM chain alone and the weight read rate."""
+    import jax
+    import jax.numpy as jnp
+
+    from minipic_jax.models import paged_cache
+    ints, cfg = r.last_inputs[0], r.mcfg
     record("step", _timed(stepper(r._step, r.params, ints)))
     record("step_1blk", _timed(stepper(r._step, r.params, short)))
-    lite = getattr(args, "breakdown", "full") == "lite"
     unfused = _unfuse(r.params, cfg) if fused and not lite else r.params
     if fused and not lite:
         plain = fresh_step()
         record("step_unfused", _timed(stepper(plain, unfused, ints)))
         record("step_unfused_1blk", _timed(stepper(plain, unfused, short)))
-    if not lite:
+    if not lite:  # the models reach the kernels through paged_cache.write_and_attend
         write, attend = _standins()
-        with _patched(llama, paged_attention=attend):
+        with _patched(paged_cache, paged_attention=attend):
             record("no_attention", _timed(stepper(fresh_step(), r.params, ints)),
                    "attention -> q, K/V write kept")
         write, attend = _standins()
-        with _patched(llama, paged_attention=attend, write_kv=write):
+        with _patched(paged_cache, paged_attention=attend, write_kv=write):
             record("no_attn_write", _timed(stepper(fresh_step(), r.params, ints)),
                    "attention and K/V write removed")
-    x = (0.5 * jax.random.normal(jax.random.key(3), (kw["s"], cfg.hidden_size))).astype(
-        r.params["embed"].dtype)
+    x = _hidden(r)
     chain = jax.jit(functools.partial(_gemm_chain, cfg=cfg))
     record("gemm_chain", _timed(lambda: chain(r.params, x)), "weight GEMMs + lm_head only")
     if fused and not lite:
@@ -207,14 +218,29 @@ def run_breakdown(engine, args) -> dict:
     t = _timed(lambda: summed(read))
     record("weights_read", t, f"{nbytes / 1e9:.2f} GB at {nbytes / t['pipelined_ms'] / 1e9:.2f} "
                               f"TB/s (pipelined)")
-    if lite:
-        r.cache = state["cache"]
-        return res
+
+
+def _hidden(r):
+    """Random hidden states [S, E] of the step's sequences, in the weights' dtype."""
+    import jax
+    s = r.last_inputs[2]["s"]
+    return (0.5 * jax.random.normal(jax.random.key(3), (s, r.mcfg.hidden_size))).astype(
+        r.params["embed"].dtype)
+
+
+def _sampler_rows(record, r, s: int):
+    """Final norm + lm_head + sampler, and the sampler alone in each mode, on [S, V] logits."""
+    import jax
+    import jax.numpy as jnp
+
+    from minipic_jax.models import layers
+    from serving import sampler as smp
+    cfg, x = r.mcfg, _hidden(r)
     head = r.params["embed"].T if "lm_head" not in r.params else r.params["lm_head"]
     sm = smp.SamplingMetadata(
-        temperature=jnp.full((kw["s"],), 0.8), top_k=jnp.full((kw["s"],), 50, jnp.int32),
-        top_p=jnp.full((kw["s"],), 0.9), seed=jnp.arange(kw["s"], dtype=jnp.uint32),
-        step=jnp.zeros((kw["s"],), jnp.int32))
+        temperature=jnp.full((s,), 0.8), top_k=jnp.full((s,), 50, jnp.int32),
+        top_p=jnp.full((s,), 0.9), seed=jnp.arange(s, dtype=jnp.uint32),
+        step=jnp.zeros((s,), jnp.int32))
 
     def head_fn(x, head, final_norm, old):
         h = layers.rms_norm(x, final_norm, cfg.rms_norm_eps)
@@ -227,7 +253,7 @@ def run_breakdown(engine, args) -> dict:
     record("lm_head_sample", _timed(lambda: hf(x, head, r.params["final_norm"], False)))
     record("lm_head_sample_old", _timed(lambda: hf(x, head, r.params["final_norm"], True)),
            "previous greedy path (full log_softmax)")
-    logits = jax.random.normal(jax.random.key(4), (kw["s"], cfg.vocab_size), jnp.float32) * 3
+    logits = jax.random.normal(jax.random.key(4), (s, cfg.vocab_size), jnp.float32) * 3
     modes = {"greedy": (True, False, 0), "temperature": (False, False, 0),
              "top_k_top_p": (False, True, 0), "logprobs20": (True, False, 20)}
     for name, (g, f, lp) in modes.items():
@@ -235,10 +261,12 @@ def run_breakdown(engine, args) -> dict:
         record(f"sample_{name}", _timed(lambda fn=fn: fn(logits, sm)))
     old = jax.jit(_sample_old)
     record("sample_greedy_old", _timed(lambda: old(logits)))
-    r.cache = state["cache"]
+
+
+def _profile_rows(res: dict, step):
+    """A jax.profiler trace of the decode step, summarised into res["profile"]."""
     try:
-        prof = profile_kernels(stepper(r._step, r.params, ints))
-        r.cache = state["cache"]
+        prof = profile_kernels(step)
         res["profile"] = prof
         print("profile lines: " + "; ".join(f"{k} {v['events']} ev {v['ms']:.1f} ms"
                                             for k, v in prof["lines"].items()))
@@ -248,7 +276,5 @@ def run_breakdown(engine, args) -> dict:
         for row in prof["top"]:
             print(f"    {row['ms_per_step']:7.3f} ms  x{row['calls_per_step']:5.0f}  {row['name']}")
     except Exception as e:  # noqa: BLE001 - the timings above stand without the trace
-        r.cache = state["cache"]
         res["profile_error"] = repr(e)
         print(f"profile failed: {e!r}", flush=True)
-    return res

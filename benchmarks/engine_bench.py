@@ -21,12 +21,16 @@ import json
 import os
 import time
 
+from benchmarks.engine_args import add_options, engine_options, out_option
+from benchmarks.engine_workload import prime_decode, rag_workload
+
+BLOCK_SIZE = 16
+
 
 def add_parser(p):
     p.add_argument("--model", default=None,
                    help="preset name or HF folder (presets get random weights); default "
                         "llama3_8b, or tiny_llama3 with --host-only")
-    p.add_argument("--dtype", default="bfloat16", help="model and KV cache dtype")
     p.add_argument("--batch", type=int, default=128,
                    help="sequences per decode step in the decode measurement (max_num_seqs)")
     p.add_argument("--ctx", type=int, default=2048,
@@ -35,10 +39,8 @@ def add_parser(p):
     p.add_argument("--decode-steps", type=int, default=20, help="timed decode steps")
     p.add_argument("--num-requests", type=int, default=1000,
                    help="requests in the RAG run (prompts shortened to fit --ctx)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                   help="Config.max_num_batched_tokens (query tokens per step)")
-    p.add_argument("--min-token-bucket", type=int, default=128,
-                   help="Config.min_token_bucket (smallest padded step size)")
+    add_options(p, engine_options(dtype="bfloat16", max_num_batched_tokens=1024,
+                                  min_token_bucket=128, tensor_parallel_size=1))
     p.add_argument("--copy-gb", type=float, default=4.0,
                    help="size of the device copy that anchors the memory floor (GB)")
     p.add_argument("--attn-impl", default=None, help="paged_attention implementation (None = best)")
@@ -63,10 +65,7 @@ def add_parser(p):
                    help="after the decode measurement: stage-removal variants, sampler variants "
                         "and a profiler summary of the decode step (benchmarks/decode_breakdown.py;"
                         " 'lite': step, 1 block, GEMM chain and weight read only)")
-    p.add_argument("--out", default=os.environ.get("OUT", "."),
-                   help="folder for the JSON results (default: $OUT or the current folder)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices the model is split over (Config.tensor_parallel_size)")
+    add_options(p, {"out": out_option("the JSON results")})
     p.add_argument("--host-only", action="store_true",
                    help="CPU host-path profile: the R-request run with the jitted step stubbed out "
                         "(schedule / build / post timed, no device work; use a tiny --model)")
@@ -88,22 +87,6 @@ def _copy_rate(gb: float) -> float:
     return 2 * n * 2 / t
 
 
-def _prime_decode(engine, batch: int, ctx: int, steps: int, rng):
-    """Admit `batch` requests with ctx-1 prompt tokens as if their prompts were computed."""
-    from minipic_jax import SamplingParams
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"decode-{i}", rng.integers(0, 120000, ctx - 1).tolist(), sp)
-    sched = engine.scheduler
-    while sched.waiting:
-        seq = sched.waiting[0]
-        if not sched._try_allocate(seq, sched.free_seats):
-            raise RuntimeError("pool too small for the decode batch")
-        sched.waiting.popleft()
-        sched.running.append(seq)
-        seq.num_computed = len(seq) - 1  # synthetic context: the next step is a decode
-
-
 def _randomize_cache(runner, seed: int = 1):
     """Random K/V in every page (never time on zeros), one leaf at a time to bound memory."""
     import jax
@@ -118,119 +101,9 @@ def _randomize_cache(runner, seed: int = 1):
     runner.cache = jax.tree.unflatten(treedef, [fill(x, k) for x, k in zip(leaves, keys)])
 
 
-def _rag_workload(n: int, rng, block_size: int, markers: dict, max_len: int | None = None):
-    """n RAG prompts (a shared system prompt, 1-4 of 64 shared documents as spans, a question)
-    and their max_tokens; with `max_len`, documents are dropped from a request (then its
-    question shortened) until prompt + max_tokens fit, so any --ctx runs."""
-    from minipic_jax import Prompt, Span, build_prompt
-    system = rng.integers(0, 120000, 90).tolist()
-    docs = [rng.integers(0, 120000, int(rng.integers(30, 250))).tolist() for _ in range(64)]
-    prompts, max_tokens = [], []
-    for _ in range(n):
-        picked = rng.choice(len(docs), size=int(rng.integers(1, 5)), replace=False)
-        q = rng.integers(0, 120000, int(rng.integers(5, 60))).tolist()
-        mt = int(rng.integers(4, 48))
-        segs = [Prompt(system), *[Span(docs[d]) for d in picked], Prompt(q)]
-        ids = build_prompt(segs, block_size=block_size, **markers)
-        while max_len is not None and len(ids) + mt > max_len:
-            if len(segs) > 2:
-                segs.pop(-2)
-            elif len(segs[-1].content) > 1:
-                segs[-1] = Prompt(segs[-1].content[:len(segs[-1].content) // 2])
-            else:
-                raise ValueError(f"--ctx {max_len} is too short for the workload's system prompt "
-                                 f"({len(system)} tokens) + max_tokens {mt}")
-            ids = build_prompt(segs, block_size=block_size, **markers)
-        prompts.append(ids)
-        max_tokens.append(mt)
-    return prompts, max_tokens
-
-
-class _StubStep:
-    """Stands in for the runner's jitted step: returns the cache and a packed [S, C] output with
-    random token ids, so the host path runs exactly as in a real step without device work."""
-
-    def __init__(self, vocab: int, seed: int = 0):
-        import numpy as np
-        self.rng = np.random.default_rng(seed)
-        self.vocab = vocab
-
-    def __call__(self, params, cache, ints, floats, prev=None, pool=None, *, t, s,
-                 num_logprobs=0, **_):
-        import numpy as np
-        out = np.zeros((s, 2 + (1 + 2 * num_logprobs if num_logprobs else 0)), np.float32)
-        out[:, 0] = self.rng.integers(0, self.vocab, s)
-        return cache, out, prev, pool
-
-    def _cache_size(self) -> int:
-        return 0
-
-
-def run_host_only(args) -> int:
-    """The R-request RAG run with the device step stubbed (host time only, any backend)."""
-    import cProfile
-    import pstats
-
-    import numpy as np
-
-    from minipic_jax import LLM, SamplingParams
-    bs = 16
-    llm = LLM(args.model, dtype="float32", seed=0, max_num_seqs=args.batch,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.ctx + 64,
-              block_size=bs, num_kv_blocks=args.batch * (-(-(args.ctx + 64) // bs)) + 64,
-              min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl,
-              async_scheduling=not args.no_async, tensor_parallel_size=args.tensor_parallel_size)
-    engine = llm.llm_engine
-    engine.runner._step = _StubStep(engine.vocab_size)
-    rng = np.random.default_rng(0)
-    prompts, max_tokens = _rag_workload(args.num_requests, rng, bs, engine.markers,
-                                        max_len=llm.config.max_model_len)
-    sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    for i, (ids, sp) in enumerate(zip(prompts, sps)):
-        engine.add_request(str(i), ids, sp)
-    prof = cProfile.Profile() if args.profile else None
-    outs = []
-    t, cpu0 = time.perf_counter(), time.process_time()
-    if prof:
-        prof.enable()
-    while engine.has_unfinished():
-        outs += engine.step()
-    if prof:
-        prof.disable()
-    elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu0
-    st = engine.get_stats()
-    ms = st["host_ms_per_step"]
-    print(f"host-only: {len(outs)} requests, {st['steps']} steps in {elapsed:.2f} s; per step (ms): "
-          f"schedule {ms['schedule']:.3f} build {ms['build']:.3f} post {ms['post']:.3f} "
-          f"dispatch(stub) {ms['dispatch']:.3f} overlapped {ms.get('overlap', 0.0):.3f}; host work "
-          f"{ms['schedule'] + ms['build'] + ms['post']:.3f} ms/step; "
-          f"cached {sum(o.num_cached_tokens for o in outs)} prompt tokens; process CPU "
-          f"{1e3 * cpu / max(st['steps'], 1):.3f} ms/step")
-    # pure decode steps at batch B, context C (as in the GPU decode measurement)
-    _prime_decode(engine, args.batch, args.ctx, args.decode_steps, rng)
-    engine.step()
-    h = engine.stats
-    h0, n0 = h.schedule + h.build + h.post, h.steps
-    for _ in range(args.decode_steps):
-        engine.step()
-    print(f"host-only decode steps (batch {args.batch}, ctx {args.ctx}): host work "
-          f"{1e3 * (h.schedule + h.build + h.post - h0) / (h.steps - n0):.3f} ms/step")
-    if prof:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    return 0
-
-
-def run(args) -> int:
-    if args.model is None:
-        args.model = "tiny_llama3" if args.host_only else "llama3_8b"
-    if args.host_only:
-        return run_host_only(args)
-    import jax
-    import numpy as np
+def _count_compiles() -> dict:
+    """A counter of XLA backend compiles (jax.monitoring), from now on."""
     from jax import monitoring
-
-    from minipic_jax import LLM, SamplingParams
-
     compiles = {"n": 0}
 
     def on_event(name, *a, **k):
@@ -238,27 +111,25 @@ def run(args) -> int:
             compiles["n"] += 1
 
     monitoring.register_event_duration_secs_listener(on_event)
-    res = {"device": str(jax.devices()[0].device_kind), "model": args.model, "dtype": args.dtype,
-           "batch": args.batch, "ctx": args.ctx, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "fuse_weights": not args.no_fuse, "async_scheduling": not args.no_async,
-           "tensor_parallel_size": args.tensor_parallel_size}
-    t0 = time.perf_counter()
-    res["copy_rate_GBps"] = _copy_rate(args.copy_gb) / 1e9
-    print(f"copy rate: {res['copy_rate_GBps']:.0f} GB/s", flush=True)
+    return compiles
 
-    bs = 16
+
+def _load(args, res: dict, compiles: dict, t0: float):
+    """The LLM for the decode batch, warmed up; records the load time (since t0, the run's start)
+    and warm-up time and the bytes of weights a decode step reads. Returns (llm, read_bytes)."""
+    import jax
+
+    from minipic_jax import LLM
     max_len = args.ctx + 64
-    nb_per_seq = -(-max_len // bs)
     llm = LLM(args.model, dtype=args.dtype, seed=0, max_num_seqs=args.batch,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
-              block_size=bs, num_kv_blocks=args.batch * nb_per_seq + 64,
+              block_size=BLOCK_SIZE, num_kv_blocks=args.batch * -(-max_len // BLOCK_SIZE) + 64,
               min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl,
               write_kv_impl=args.write_impl, tensor_parallel_size=args.tensor_parallel_size,
               decode_attn_impl=args.decode_impl,
               decode_attn_options={"rope": args.decode_rope} if args.decode_rope else None,
               fuse_weights=not args.no_fuse, async_scheduling=not args.no_async)
     engine = llm.llm_engine
-    cfg = engine.loaded.cfg
     res["write_kv_impl"] = args.write_impl or "default (triton on GPU)"
     res["decode_rope"] = args.decode_rope or "engine default (table, max_model_len)"
     res["decode_impl"] = engine.runner.decode_impl
@@ -269,6 +140,7 @@ def run(args) -> int:
     # bytes a decode step must read: every weight except the embedding table (only B rows of it
     # are gathered), unless it doubles as the LM head
     read_bytes = weight_bytes - (embed.nbytes if embed is not None and not tied else 0)
+    res.update(weight_GB=weight_bytes / 1e9, weight_read_GB=read_bytes / 1e9)
     res["load_s"] = time.perf_counter() - t0
     t = time.perf_counter()
     if not args.no_warmup:
@@ -277,10 +149,41 @@ def run(args) -> int:
     res["compiles_in_warmup"] = compiles["n"]
     print(f"loaded in {res['load_s']:.1f} s, warm-up compiled {engine.runner.num_compiles} step "
           f"shapes in {res['warmup_s']:.1f} s", flush=True)
+    return llm, read_bytes
 
-    # -- decode step ------------------------------------------------------------------------
-    rng = np.random.default_rng(0)
-    _prime_decode(engine, args.batch, args.ctx, args.decode_steps, rng)
+
+def _blocked_step_times(runner, async_scheduling: bool, short_inputs) -> tuple[list, list]:
+    """Seconds per call of the runner's last jitted step called alone and waited for (10 calls
+    after 2 warm-up calls), on its last inputs and on `short_inputs`; the cache is kept."""
+    import jax
+    ints, floats, kw = runner.last_inputs
+    # the engine's own step variant (async: with the device-side last tokens, see ModelRunner)
+    prev = (runner.prev_tokens,) if async_scheduling else ()
+    state = {"cache": runner.cache}
+
+    def blocked(ii, n=10):
+        times = []
+        for _ in range(n + 2):
+            t = time.perf_counter()
+            state["cache"], out = runner._step(runner.params, state["cache"], ii, floats, *prev,
+                                               **kw)[:2]
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t)
+        return times[2:]
+
+    full, short = blocked(ints), blocked(short_inputs)
+    runner.cache = state["cache"]
+    return full, short
+
+
+def _measure_decode(engine, args, res: dict, read_bytes: int, rng) -> None:
+    """The decode step at batch x ctx: engine.step() wall (and its host share), the jitted step
+    alone, the same with one context block, against the memory floor."""
+    import jax
+    import numpy as np
+
+    from benchmarks.decode_breakdown import one_block_inputs
+    prime_decode(engine, args.batch, args.ctx, args.decode_steps, rng)
     _randomize_cache(engine.runner)
     engine.step()  # first decode step (transfers, allocator warm-up)
     walls, waits, work, disp = [], [], [], []
@@ -293,37 +196,18 @@ def run(args) -> int:
         work.append(st.schedule + st.build + st.post - h0)
         disp.append(st.dispatch - d0)
     r = engine.runner
-    ints, floats, kw = r.last_inputs
-    # the engine's own step variant (async: with the device-side last tokens, see ModelRunner)
-    prev = (r.prev_tokens,) if engine.config.async_scheduling else ()
-
-    def jitted(cache, ii):
-        return r._step(r.params, cache, ii, floats, *prev, **kw)[:2]
-
-    cache = r.cache
-
-    def blocked(ii, n=10):  # seconds per call, each waited for, after 2 warm-up calls
-        nonlocal cache
-        times = []
-        for _ in range(n + 2):
-            t = time.perf_counter()
-            cache, out = jitted(cache, ii)
-            jax.block_until_ready(out)
-            times.append(time.perf_counter() - t)
-        return times[2:]
-
-    dev = blocked(ints)
+    ints, _, kw = r.last_inputs
     # the same step with one context block per sequence: what is not KV reading
-    from benchmarks.decode_breakdown import one_block_inputs
-    dev_short = blocked(one_block_inputs(r, ints, kw))
-    r.cache = cache
+    dev, dev_short = _blocked_step_times(r, engine.config.async_scheduling,
+                                         one_block_inputs(r, ints, kw))
+    cfg = engine.loaded.cfg
     kv_bytes = (args.batch * args.ctx * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                 * np.dtype(jax.numpy.dtype(args.dtype)).itemsize)
-    floor = (read_bytes + kv_bytes) / (res["copy_rate_GBps"] * 1e9)
+    rate = res["copy_rate_GBps"] * 1e9
+    floor = (read_bytes + kv_bytes) / rate
     step_wall = float(np.median(walls))
-    res.update(weight_GB=weight_bytes / 1e9, weight_read_GB=read_bytes / 1e9, kv_GB=kv_bytes / 1e9,
-               floor_ms=floor * 1e3,
-               floor_ms_all_weights=(weight_bytes + kv_bytes) / (res["copy_rate_GBps"] * 1e9) * 1e3,
+    res.update(kv_GB=kv_bytes / 1e9, floor_ms=floor * 1e3,
+               floor_ms_all_weights=(res["weight_GB"] * 1e9 + kv_bytes) / rate * 1e3,
                decode_step_wall_ms=step_wall * 1e3, decode_step_device_ms=float(np.median(dev)) * 1e3,
                decode_host_share=float(np.median([(w - d) / w for w, d in zip(walls, waits)])),
                decode_host_work_share=float(np.median([h / w for w, h in zip(walls, work)])),
@@ -344,62 +228,89 @@ def run(args) -> int:
           f"after {res['decode_dispatch_ms']:.2f} ms); same step with 1 context "
           f"block {res['decode_step_no_context_ms']:.2f} ms -> attention reads K/V at "
           f"{res['decode_kv_read_TBps']:.2f} TB/s", flush=True)
+
+
+def _measure_run(llm, args, res: dict, compiles: dict, rng) -> None:
+    """The R-request RAG run after warm-up: throughput (vLLM's line), compiles, host share."""
+    from minipic_jax import SamplingParams
+    engine = llm.llm_engine
+    st = engine.stats
+    prompts, max_tokens = rag_workload(args.num_requests, rng, BLOCK_SIZE, engine.markers,
+                                       max_len=args.ctx + 64)
+    sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    before = dict(engine.get_stats())
+    c0 = compiles["n"]
+    dw0 = st.device_wait
+    hw0 = st.schedule + st.build + st.post
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    after = engine.get_stats()
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = after["steps"] - before["steps"]
+    step_time = after["step_time_s"] - before["step_time_s"]
+    res.update(
+        run_requests=len(outs), run_elapsed_s=elapsed, requests_per_second=len(outs) / elapsed,
+        tokens_per_second=(n_in + n_out) / elapsed, output_tokens_per_second=n_out / elapsed,
+        run_compiles_after_warmup=compiles["n"] - c0,
+        run_step_shapes_added=after["num_compiles"] - before["num_compiles"],
+        run_steps=steps, run_prompt_tokens=n_in, run_output_tokens=n_out,
+        run_cached_tokens=sum(o.num_cached_tokens for o in outs),
+        run_preemptions=after["preemptions"] - before["preemptions"],
+        run_host_share=1 - (step_time and (st.device_wait - dw0) / step_time),
+        run_host_work_share=(st.schedule + st.build + st.post - hw0) / step_time)
+    print(f"Throughput: {len(outs) / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.2f} "
+          f"total tokens/s, {n_out / elapsed:.2f} output tokens/s")
+    print(f"{len(outs)} requests in {steps} steps: compiles after warm-up "
+          f"{res['run_compiles_after_warmup']}, cache hits {res['run_cached_tokens']} of "
+          f"{n_in} prompt tokens, preemptions {res['run_preemptions']}, host work "
+          f"{100 * res['run_host_work_share']:.1f}% of step time (per step ms: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in after["host_ms_per_step"].items())
+          + "; overlap = frontier updates done while the device computes; with async "
+          "scheduling all host work but the first schedule/build overlaps the device)",
+          flush=True)
+
+
+def _write(args, name: str, data: dict) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(data, f, indent=2, default=str)
+
+
+def run(args) -> int:
+    if args.model is None:
+        args.model = "tiny_llama3" if args.host_only else "llama3_8b"
+    if args.host_only:
+        from benchmarks.engine_host import run_host_only
+        return run_host_only(args)
+    import jax
+    import numpy as np
+
+    compiles = _count_compiles()
+    res = {"device": str(jax.devices()[0].device_kind), "model": args.model, "dtype": args.dtype,
+           "batch": args.batch, "ctx": args.ctx, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "fuse_weights": not args.no_fuse, "async_scheduling": not args.no_async,
+           "tensor_parallel_size": args.tensor_parallel_size}
+    t0 = time.perf_counter()
+    res["copy_rate_GBps"] = _copy_rate(args.copy_gb) / 1e9
+    print(f"copy rate: {res['copy_rate_GBps']:.0f} GB/s", flush=True)
+    llm, read_bytes = _load(args, res, compiles, t0)
+    engine = llm.llm_engine
+    rng = np.random.default_rng(0)
+    _measure_decode(engine, args, res, read_bytes, rng)
     if args.breakdown:
         from benchmarks.decode_breakdown import run_breakdown
         bd = run_breakdown(engine, args)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "breakdown.json"), "w") as f:
-            json.dump(dict(bd, floor_ms=res["floor_ms"], copy_rate_GBps=res["copy_rate_GBps"]),
-                      f, indent=2, default=str)
+        _write(args, "breakdown.json",
+               dict(bd, floor_ms=res["floor_ms"], copy_rate_GBps=res["copy_rate_GBps"]))
     for i in range(args.batch):
         engine.abort_request(f"decode-{i}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "engine_bench.json"), "w") as f:  # partial results
-        json.dump(res, f, indent=2, default=str)
-
-    # -- R-request run ----------------------------------------------------------------------
+    _write(args, "engine_bench.json", res)  # partial results
     if not args.skip_run:
-        prompts, max_tokens = _rag_workload(args.num_requests, rng, bs, engine.markers,
-                                            max_len=max_len)
-        sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-        before = dict(engine.get_stats())
-        c0 = compiles["n"]
-        dw0 = engine.stats.device_wait
-        hw0 = st.schedule + st.build + st.post
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sps, use_tqdm=False)
-        elapsed = time.perf_counter() - t
-        after = engine.get_stats()
-        n_in = sum(len(o.prompt_token_ids) for o in outs)
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        steps = after["steps"] - before["steps"]
-        res.update(
-            run_requests=len(outs), run_elapsed_s=elapsed, requests_per_second=len(outs) / elapsed,
-            tokens_per_second=(n_in + n_out) / elapsed, output_tokens_per_second=n_out / elapsed,
-            run_compiles_after_warmup=compiles["n"] - c0,
-            run_step_shapes_added=after["num_compiles"] - before["num_compiles"],
-            run_steps=steps, run_prompt_tokens=n_in, run_output_tokens=n_out,
-            run_cached_tokens=sum(o.num_cached_tokens for o in outs),
-            run_preemptions=after["preemptions"] - before["preemptions"],
-            run_host_share=1 - ((after["step_time_s"] - before["step_time_s"]) and
-                                (engine.stats.device_wait - dw0) /
-                                (after["step_time_s"] - before["step_time_s"])),
-            run_host_work_share=(st.schedule + st.build + st.post - hw0) /
-            (after["step_time_s"] - before["step_time_s"]))
-        print(f"Throughput: {len(outs) / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.2f} "
-              f"total tokens/s, {n_out / elapsed:.2f} output tokens/s")
-        print(f"{len(outs)} requests in {steps} steps: compiles after warm-up "
-              f"{res['run_compiles_after_warmup']}, cache hits {res['run_cached_tokens']} of "
-              f"{n_in} prompt tokens, preemptions {res['run_preemptions']}, host work "
-              f"{100 * res['run_host_work_share']:.1f}% of step time (per step ms: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in after["host_ms_per_step"].items())
-              + "; overlap = frontier updates done while the device computes; with async "
-              "scheduling all host work but the first schedule/build overlaps the device)",
-              flush=True)
+        _measure_run(llm, args, res, compiles, rng)
     res["engine_stats"] = engine.get_stats()
     res["total_s"] = time.perf_counter() - t0
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "engine_bench.json"), "w") as f:
-        json.dump(res, f, indent=2, default=str)
+    _write(args, "engine_bench.json", res)
     print(json.dumps({k: v for k, v in res.items() if k != "engine_stats"}, default=str))
     return 0

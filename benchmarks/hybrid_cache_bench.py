@@ -163,8 +163,8 @@ def run(args) -> int:
               checkpoints_per_prompt=args.per_prompt, num_kv_blocks=args.num_kv_blocks)
     engine = llm.llm_engine
     if args.stub_device:
-        from benchmarks.engine_bench import _StubStep
-        engine.runner._step = _StubStep(engine.vocab_size)
+        from benchmarks.engine_host import StubStep
+        engine.runner._step = StubStep(engine.vocab_size)
     t0 = time.perf_counter()
     engine.warmup()
     print(f"warmup (compile) {time.perf_counter() - t0:.1f} s", flush=True)

@@ -28,6 +28,7 @@ from planner import (DecayingHistogram, EmpiricalHistogram, Replanner, expected_
 
 BASELINES = ("balanced", "block", "log", "sqrt")
 HERE = pathlib.Path(__file__).resolve().parent
+DRIFT_WARM = 2000  # requests the drift replay plans on before it scores (static plan, histograms)
 
 
 def add_parser(p) -> None:
@@ -39,7 +40,9 @@ def add_parser(p) -> None:
     p.add_argument("--chunk", type=int, default=wl.CHUNK, help="checkpoint granularity (tokens)")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[64, 256, 1024, 4096],
                    help="block sizes of the 'block' baseline (a checkpoint every B tokens)")
-    p.add_argument("--drift-requests", type=int, default=60000, help="0 skips the drift replay")
+    p.add_argument("--drift-requests", type=int, default=60000,
+                   help=f"requests of the drift replay, more than its {DRIFT_WARM:,} warm-up "
+                        "requests (0 skips it)")
     p.add_argument("--drift-budgets", type=int, nargs="+", default=[16, 64],
                    help="budgets of the drift replay")
     p.add_argument("--timing", choices=["full", "quick", "none"], default="full",
@@ -160,7 +163,7 @@ def drift_replay(a: wl.Workload, b: wl.Workload, budget: int, requests: int, chu
 
     depths = np.where(rng.random(requests) < w, draw(b, requests), draw(a, requests))
     pa, pb = a.pmf(n) / a.weights.sum(), b.pmf(n) / b.weights.sum()
-    warm, batch = 2000, 100
+    warm, batch = DRIFT_WARM, 100
 
     def replanner(est):
         est.observe(depths[:warm])
@@ -237,6 +240,16 @@ def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.2f}" if x < 100 else f"{x:.0f}"
 
 
+def _save(plt, fig, axes, ylabel: str, path: str) -> str:
+    """Label the first panel, lay out, write `path`, close the figure."""
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plot(results: dict, plot_dir: str) -> list:
     import matplotlib
     matplotlib.use("Agg")
@@ -251,12 +264,8 @@ def _plot(results: dict, plot_dir: str) -> list:
             ax.plot(ms, ys, marker="o", ms=3, lw=2.2 if s == "dp" else 1.2, label=s)
         ax.set(xscale="log", yscale="log", xlabel="budget M (checkpoints)", title=name)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("token-savings factor (capped 1e4)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(os.path.join(plot_dir, "planner_savings.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, axes, "token-savings factor (capped 1e4)",
+                       os.path.join(plot_dir, "planner_savings.png")))
     if results.get("drift"):
         cols = len(results["drift"])
         fig, axes = plt.subplots(1, cols, figsize=(5.5 * cols, 3.6), squeeze=False)
@@ -268,16 +277,16 @@ def _plot(results: dict, plot_dir: str) -> list:
             ax.set(yscale="log", xlabel="stream window (drifts sysprompt -> longdoc)",
                    title=f"drift replay, M = {dr['budget']}")
             ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("savings factor per window")
-        axes[0][0].legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(plot_dir, "planner_drift.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(plt, fig, axes, "savings factor per window",
+                           os.path.join(plot_dir, "planner_drift.png")))
     return paths
 
 
 def run(args) -> int:
+    if 0 < args.drift_requests <= DRIFT_WARM:
+        raise ValueError(f"--drift-requests {args.drift_requests}: the drift replay plans on its "
+                         f"first {DRIFT_WARM} requests and scores the rest; give more than "
+                         f"{DRIFT_WARM}, or 0 to skip it")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip() or "unknown"
     head = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -7,7 +7,7 @@ differently each time). Prompt = [Prompt(header), Span(passage) x 10, Prompt(que
 Llama 3 tokenizer; requests in a seeded random order (a dataset of prompts, not grouped).
 
 Each of `--replicas` replicas is an LLM (tiny_llama3: the Llama 3 vocabulary, tiny layers) whose
-jitted step is stubbed (engine_bench._StubStep): the host path (scheduler, hashing, block
+jitted step is stubbed (engine_host.StubStep): the host path (scheduler, hashing, block
 manager, LRU eviction) runs as in a real job, the device does nothing, so cache hits are exact and
 times are host-only. Replicas run one after another in this process; a replica's figures are
 its own. Policies: random (dataset order), routed (`route_by_spans`, dataset order), and each
@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from benchmarks.engine_args import add_options, engine_options, out_option
+
 HEADER = "You answer questions about the passages below. Reply with the answer only.\n\n"
 
 
@@ -33,18 +35,13 @@ def add_parser(p):
     p.add_argument("--questions", type=int, default=4, help="requests per passage set")
     p.add_argument("--replicas", type=int, default=4,
                    help="data-parallel replicas (default: %(default)s)")
-    p.add_argument("--num-kv-blocks", type=int, default=4096, help="KV pool per replica")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="KV block size (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=8,
-                   help="output tokens per request (EOS ignored) (default: %(default)s)")
+    add_options(p, engine_options(num_kv_blocks=4096, block_size=16, max_tokens=8))
     p.add_argument("--passage-tokens", type=int, default=None, help="truncate passages (tests)")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated routing policies (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="request order and random routing seed (default: %(default)s)")
-    p.add_argument("--out", default=os.environ.get("OUT", "."),
-                   help="folder for route_bench.json (default: $OUT or .)")
+    add_options(p, {"out": out_option("route_bench.json")})
 
 
 def build_requests(samples: int, questions: int, seed: int = 0, passage_tokens=None) -> list:
@@ -76,12 +73,12 @@ def build_requests(samples: int, questions: int, seed: int = 0, passage_tokens=N
 
 
 def _replica(args):
-    from benchmarks.engine_bench import _StubStep
+    from benchmarks.engine_host import StubStep
     from minipic_jax import LLM
     llm = LLM("tiny_llama3", dtype="float32", seed=0, max_num_seqs=16,
               max_num_batched_tokens=2048, max_model_len=8192, block_size=args.block_size,
               num_kv_blocks=args.num_kv_blocks)
-    llm.llm_engine.runner._step = _StubStep(llm.llm_engine.vocab_size)
+    llm.llm_engine.runner._step = StubStep(llm.llm_engine.vocab_size)
     return llm
 
 

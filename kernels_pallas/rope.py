@@ -26,3 +26,16 @@ def apply_rope(x, positions, inv_freq, attention_scaling: float = 1.0):
     rotated_half = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
     out = x_rot * cos + rotated_half * sin
     return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+
+
+def rope_f32(x, positions, inv_freq, attention_scaling: float = 1.0):
+    """x [..., N, D], positions [...] (x's leading axes) -> x rotated by its positions in float32
+    math, returned in float32: for keys gathered from the pages and rotated once before a kernel
+    reads them many times (the float32 products keep the rotation exact to the input's dtype)."""
+    half = inv_freq.shape[0]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [..., R/2]
+    cos = (jnp.cos(ang) * attention_scaling)[..., None, :]  # [..., 1, R/2]
+    sin = (jnp.sin(ang) * attention_scaling)[..., None, :]
+    x = x.astype(jnp.float32)
+    lo, hi = x[..., :half], x[..., half:2 * half]
+    return jnp.concatenate([lo * cos - hi * sin, hi * cos + lo * sin, x[..., 2 * half:]], -1)

@@ -67,18 +67,26 @@ def build_model(name: str, kwargs: dict, seed: int):
     return model.float().eval()
 
 
+def greedy_and_logits(model, prompt, max_new: int):
+    """HF's oracle for one prompt [Lp] int64: the tokens of `generate(do_sample=False)` (its
+    cached decode path) [G] and the float32 logits of one uncached forward over prompt +
+    greedy[:-1], [Lp + G - 1, V]. Shared with make_qwen_fixtures.py."""
+    ids = torch.tensor(prompt[None])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             do_sample=False, max_new_tokens=max_new, pad_token_id=EOS)
+        greedy = out[0, len(prompt):].numpy()
+        full = torch.tensor(np.concatenate([prompt, greedy[:-1]])[None])
+        logits = model(input_ids=full).logits[0].float().numpy()
+    return greedy, logits
+
+
 def record(model, out_dir: pathlib.Path, seed: int, prompt_lens=PROMPT_LENS, max_new=MAX_NEW):
     rng = np.random.default_rng(seed)
     arrays = {"inv_freq": model.model.rotary_emb.inv_freq.numpy().astype(np.float32)}
     for i, length in enumerate(prompt_lens):
         prompt = rng.integers(0, 256, size=length).astype(np.int64)
-        ids = torch.tensor(prompt[None])
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 do_sample=False, max_new_tokens=max_new, pad_token_id=EOS)
-            greedy = out[0, length:].numpy()
-            full = torch.tensor(np.concatenate([prompt, greedy[:-1]])[None])
-            logits = model(input_ids=full).logits[0].float().numpy()
+        greedy, logits = greedy_and_logits(model, prompt, max_new)
         arrays[f"prompt_{i}"] = prompt.astype(np.int32)
         arrays[f"greedy_{i}"] = greedy.astype(np.int32)
         arrays[f"logits_{i}"] = logits.astype(np.float32)

@@ -22,6 +22,7 @@ import shutil
 import numpy as np
 import torch
 import transformers
+from make_hf_fixtures import greedy_and_logits  # scripts/ is on sys.path when run as a script
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 BOS, EOS, VOCAB = 256, 257, 260  # byte-level ids, like the Llama fixtures
@@ -81,13 +82,7 @@ def record(model, out_dir: pathlib.Path, seed: int):
     arrays = {}
     for i, length in enumerate(PROMPT_LENS):
         prompt = rng.integers(0, 256, size=length).astype(np.int64)
-        ids = torch.tensor(prompt[None])
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=EOS)
-            greedy = out[0, length:].numpy()
-            full = torch.tensor(np.concatenate([prompt, greedy[:-1]])[None])
-            logits = model(input_ids=full).logits[0].float().numpy()
+        greedy, logits = greedy_and_logits(model, prompt, MAX_NEW)
         conv, delta = gdn_states(model, prompt)
         arrays.update({f"prompt_{i}": prompt.astype(np.int32), f"greedy_{i}": greedy.astype(np.int32),
                        f"logits_{i}": logits.astype(np.float32), f"conv_{i}": conv,

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from benchmarks.cli import main
 from benchmarks.planner_workloads import _radix_depths
@@ -20,6 +21,11 @@ def test_planner_bench_cli(tmp_path, capsys):
         for s in ("balanced", "block", "log", "sqrt"):
             assert r["dp_cost"] <= r[s + "_cost"] + 1e-9
     assert "savings factor" in capsys.readouterr().out
+
+
+def test_planner_bench_rejects_a_drift_replay_shorter_than_its_warm_up():
+    with pytest.raises(ValueError, match="--drift-requests 50: .* more than 2000"):
+        main(["planner", "--workloads", "rag", "--drift-requests", "50", "--plot-dir", ""])
 
 
 def test_radix_depths_is_longest_common_prefix_with_earlier_requests(fresh_rng):

@@ -153,23 +153,13 @@ def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, lay
                  st_shape(nt, dtype=dot_dtype), st_shape(dtype=jnp.float32)]
     n_ckpt = 0 if ckpt_idx is None else ckpt_idx.shape[1]
     slot_map = None
-    per_seq = lambda m: pl.BlockSpec((None, m), lambda b, h, j: (b, 0))  # noqa: E731
-    if n_ckpt and ckpt_store == "segments":
-        ckpt_idx = jnp.clip(ckpt_idx.astype(jnp.int32), 0, nt)
-        order = jnp.argsort(ckpt_idx, axis=1).astype(jnp.int32)
-        in_specs += [per_seq(n_ckpt), per_seq(n_ckpt)]
-        args += [jnp.take_along_axis(ckpt_idx, order, axis=1), order]
-        # written in the returned layout: a [Dk, BV] block of [N, M, Hv, Dk, Dv]
-        out_specs.append(pl.BlockSpec((None, n_ckpt, None, dk, block_v),
-                                      lambda b, h, j: (b, 0, h, 0, j)))
-        out_shape.append(jax.ShapeDtypeStruct((n, n_ckpt, hv, dk, dv), jnp.float32))
-    elif n_ckpt:  # slot_map[n, j]: the slot boundary j writes (-1: none); repeats share one
-        slot_map = jnp.full((n, nt + 1), -1, jnp.int32).at[jnp.arange(n)[:, None], ckpt_idx].set(
-            jnp.arange(n_ckpt, dtype=jnp.int32)[None, :])
-        in_specs.append(per_seq(nt + 1))
-        args.append(slot_map)
-        out_specs.append(st_spec(n_ckpt))
-        out_shape.append(st_shape(n_ckpt, dtype=jnp.float32))
+    if n_ckpt:
+        specs, extra, o_spec, o_shape, slot_map = _checkpoint_operands(
+            ckpt_idx, ckpt_store, (n, nt, hv, dk, dv), block_v, st_spec, st_shape)
+        in_specs += specs
+        args += extra
+        out_specs.append(o_spec)
+        out_shape.append(o_shape)
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, n_chunks=nt, chunk=chunk, dot_dtype=dot_dtype,
                           layout=layout, store=ckpt_store, n_ckpt=n_ckpt),
@@ -190,3 +180,26 @@ def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, lay
     elif n_ckpt:
         ckpt = outs[3]
     return v_new, states, final, ckpt
+
+
+def _checkpoint_operands(ckpt_idx, ckpt_store, dims, block_v, st_spec, st_shape):
+    """The scan kernel's checkpoint operands, dims = (N, NT, Hv, Dk, Dv): the sorted boundaries
+    and their order ("segments", the output written straight in the returned layout), or a
+    per-boundary slot map ("when" / "mask"; repeats share one slot). Returns (in_specs, args,
+    out_spec, out_shape, the slot map or None)."""
+    n, nt, hv, dk, dv = dims
+    n_ckpt = ckpt_idx.shape[1]
+    per_seq = lambda m: pl.BlockSpec((None, m), lambda b, h, j: (b, 0))  # noqa: E731
+    if ckpt_store == "segments":
+        ckpt_idx = jnp.clip(ckpt_idx.astype(jnp.int32), 0, nt)
+        order = jnp.argsort(ckpt_idx, axis=1).astype(jnp.int32)
+        # written in the returned layout: a [Dk, BV] block of [N, M, Hv, Dk, Dv]
+        return ([per_seq(n_ckpt), per_seq(n_ckpt)],
+                [jnp.take_along_axis(ckpt_idx, order, axis=1), order],
+                pl.BlockSpec((None, n_ckpt, None, dk, block_v), lambda b, h, j: (b, 0, h, 0, j)),
+                jax.ShapeDtypeStruct((n, n_ckpt, hv, dk, dv), jnp.float32), None)
+    # slot_map[n, j]: the slot boundary j writes (-1: none); repeats share one
+    slot_map = jnp.full((n, nt + 1), -1, jnp.int32).at[jnp.arange(n)[:, None], ckpt_idx].set(
+        jnp.arange(n_ckpt, dtype=jnp.int32)[None, :])
+    return ([per_seq(nt + 1)], [slot_map], st_spec(n_ckpt),
+            st_shape(n_ckpt, dtype=jnp.float32), slot_map)

@@ -21,7 +21,7 @@ from kernels_pallas.gated_delta import affine
 
 SCANS = (None, "sequential", "tree")
 # The tree is chosen by shape only where it was measured faster. H200, one 32K-token sequence x
-# 16 heads (512 chunks, benchmarks/RESULTS.md "tree scan"): the XLA associative scan over the
+# 16 heads (512 chunks, benchmarks/RESULTS.md, Gated DeltaNet): the XLA associative scan over the
 # [Dk, Dk] chunk maps took 7.76 ms against 1.34 ms for the whole sequential Pallas pipeline (its
 # ~8 passes over 1 GB of fp32 maps are memory bound), so no measured shape picks it: None = never.
 # Set TREE_MIN_CHUNKS (with TREE_MAX_PAIRS) once a faster tree exists.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kernels_pallas.rope import rope_f32
+
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma M)
 TILE_Q = 2 * BLOCK_Q  # query tokens per CTA
 BLOCK_KV = 128  # keys per step
@@ -35,14 +37,8 @@ def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_sc
     tables = jnp.clip(md.block_tables, 0, num_pages - 1)
     keys = k_pages[tables]  # [S, NB, B, K, D]
     values = v_pages[tables]
-    half = inv_freq.shape[0]
-    if rotate_keys and half:
-        ang = pos.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [S, NB, B, R/2]
-        cos = (jnp.cos(ang) * attention_scaling)[:, :, :, None, :]
-        sin = (jnp.sin(ang) * attention_scaling)[:, :, :, None, :]
-        x = keys.astype(jnp.float32)
-        lo, hi = x[..., :half], x[..., half:2 * half]
-        keys = jnp.concatenate([lo * cos - hi * sin, hi * cos + lo * sin, x[..., 2 * half:]], -1)
+    if rotate_keys and inv_freq.shape[0]:
+        keys = rope_f32(keys, pos, inv_freq, attention_scaling)
     ok = valid[..., None, None]
     keys = jnp.where(ok, keys, 0).astype(k_pages.dtype)  # pads may hold NaN
     values = jnp.where(ok, values, 0).astype(v_pages.dtype)

@@ -33,6 +33,7 @@ from kernels_pallas.paged_attention.triton_common import (NEG_INF, cos_sin, dot,
                                                           online_softmax, tile_rows,
                                                           triton_limits)
 from kernels_pallas.registry import Implementation
+from kernels_pallas.rope import rope_f32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,19 +236,10 @@ def prerotate_keys(k_pages, md, inv_freq, attention_scaling):
     """Gather each sequence's keys through its block table and rotate them by their logical
     positions (float32 math): [S, NB, B, K, D]. For prefill, where each key is read by many query
     tiles, rotating once here is cheaper than rotating per tile in the kernel."""
-    seqs, max_blocks = md.block_tables.shape
     page_size = k_pages.shape[1]
-    half = inv_freq.shape[0]
     keys = k_pages[jnp.clip(md.block_tables, 0, k_pages.shape[0] - 1)]  # [S, NB, B, K, D]
     pos = md.block_pos_start[:, :, None] + jnp.arange(page_size, dtype=jnp.int32)  # [S, NB, B]
-    ang = pos.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [S, NB, B, R/2]
-    cos = (jnp.cos(ang) * attention_scaling)[:, :, :, None, :]
-    sin = (jnp.sin(ang) * attention_scaling)[:, :, :, None, :]
-    x = keys.astype(jnp.float32)
-    lo, hi = x[..., :half], x[..., half:2 * half]
-    rotated = jnp.concatenate([lo * cos - hi * sin, hi * cos + lo * sin, x[..., 2 * half:]], -1)
-    del seqs, max_blocks
-    return rotated.astype(k_pages.dtype)
+    return rope_f32(keys, pos, inv_freq, attention_scaling).astype(k_pages.dtype)
 
 
 def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
