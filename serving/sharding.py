@@ -121,9 +121,10 @@ def shard_params(params, axes_tree, mesh: Mesh):
 def stream_params(host_params, axes_tree, mesh: Mesh, dtype, copies: int = 1):
     """Host arrays (e.g. memory-mapped checkpoint views, `convert_hf(..., host=True)`) placed
     per their logical axes, one tensor at a time: each device receives only its slice, read from
-    the host array and cast to `dtype` on its own, so host memory holds at most one device's
-    slice of one tensor beyond the (mapped) checkpoint. "kv_heads" axes are repeated `copies`
-    times as `replicate_kv_heads` does, by reading each slice's source heads."""
+    the host array and cast to `dtype` on its own, so beyond the (mapped) checkpoint host memory
+    holds one tensor's slices at most (devices holding the same slice share one copy).
+    "kv_heads" axes are repeated `copies` times as `replicate_kv_heads` does, by reading each
+    slice's source heads."""
     n = mesh.shape[TP_AXIS]
 
     def place(axes, host):

@@ -2,7 +2,7 @@
 XLA_FLAGS=--xla_force_host_platform_device_count set before JAX starts, which the test does).
 
     python -m tests.tp_runs FIXTURE TP[,TP...] [--errors] [--checkpoints] [--stream]
-        [--cached]
+        [--cached] [--gdn]
         -> one JSON line
 
 For each tensor_parallel_size: greedy generation with logprobs over the fixture's HF prompts
@@ -72,11 +72,14 @@ def cached(name: str, tp: int) -> dict:
     recurrent checkpoints) out of the device pool to host memory, and later requests resume
     from them. Tokens, logprobs, cached tokens and the tier counters (to compare with TP=1)."""
     hybrid = name.startswith("qwen")
-    kv_block = 4096  # one full-attention layer's K and V for a 16-token block, float32
-    extra = dict(checkpoint_gb=2 * 5376 / 2**30, checkpoints_per_prompt=2) if hybrid else {}
+    # host tier: 16 blocks of 4 KiB (a 16-token block's K and V in the GQA and Qwen3.5
+    # fixtures; 8 blocks in MHA's) and, on the hybrid, 8 checkpoints of 5376 bytes (3 GDN
+    # layers' conv and delta states); the device tier holds 2 checkpoints
+    ckpt = 5376
+    extra = dict(checkpoint_gb=2 * ckpt / 2**30, checkpoints_per_prompt=2) if hybrid else {}
     llm = LLM(str(FIXTURES / name), dtype="float32", seed=0, max_num_seqs=2,
               max_num_batched_tokens=32, min_token_bucket=32, max_model_len=192, block_size=16,
-              num_kv_blocks=24, cpu_offload_gb=(16 * kv_block + 8 * 5376) / 2**30,
+              num_kv_blocks=24, cpu_offload_gb=(16 * 4096 + 8 * ckpt) / 2**30,
               tensor_parallel_size=tp, **extra)
     rng = np.random.default_rng(1)
     system = rng.integers(0, 250, 100).tolist()
@@ -170,17 +173,21 @@ def stream(name: str) -> dict:
                               head_dim=64)
     del old, new, lm.params
 
-    def on_default():
-        return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards
-                   if s.device.id < 2)
+    def on_default():  # array id -> bytes it holds on devices 0-1 (not read: no new arrays)
+        return {id(a): sum(d.id < 2 for d in a.sharding.device_set) * a.dtype.itemsize *
+                int(np.prod(a.sharding.shard_shape(a.shape))) for a in jax.live_arrays()}
+
+    def new_bytes(before, after):
+        return sum(n for i, n in after.items() if i not in before)
     staged, gained, make = [], [], jax.make_array_from_callback
 
     def measured(*args):  # stream_params' one call per tensor
-        held, dev = tracemalloc.get_traced_memory()[0], on_default()
+        dev = on_default()
+        held = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
         arr = make(*args)
         staged.append(tracemalloc.get_traced_memory()[1] - held)
-        gained.append(on_default() - dev)
+        gained.append(new_bytes(dev, on_default()))
         return arr
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "model.safetensors"
@@ -201,11 +208,41 @@ def stream(name: str) -> dict:
         before = on_default()  # the old path, for contrast: convert onto the default device
         with jax.default_device(jax.devices()[0]):
             old = jax.block_until_ready(lm.family.convert_hf(reader.get, cfg, np.float32))
-        old_default = on_default() - before
+        old_default = new_bytes(before, on_default())
     out.update(staged=max(staged), largest=max(sizes), total=sum(sizes), gained=max(gained),
                old_default=old_default, tensors=len(sizes), calls=len(staged),
                placed_devices=sorted({d.id for x in jax.tree.leaves(placed)
                                       for d in x.sharding.device_set}))
+    return out
+
+
+def gdn_per_shard() -> dict:
+    """The GDN layer's kernel per head shard (kernels_pallas/sharding.py) vs one call over all
+    heads, random inputs (75 tokens, 2 key / 4 value heads): the largest difference per size."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from kernels_pallas import sharding as ks
+    rng = np.random.default_rng(0)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    args = [unit(rng.normal(size=(75, 2, 8))), unit(rng.normal(size=(75, 2, 8))),
+            rng.normal(size=(75, 4, 8)), -0.3 * np.abs(rng.normal(size=(75, 4))),
+            rng.uniform(size=(75, 4))]
+    args = [jnp.asarray(a, jnp.float32) for a in args] + [
+        jnp.asarray([0, 75], jnp.int32), jnp.asarray([0], jnp.int32),
+        jnp.zeros((1, 4, 8, 8), jnp.float32)]
+    base = jax.jit(lambda *a: ks.ragged_gated_delta(*a)[:2])(*args)
+    out = {}
+    for n in (2, 4):
+        mesh = Mesh(np.asarray(jax.devices()[:n]), (ks.TP_AXIS,))
+
+        def fn(*a):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return ks.ragged_gated_delta(*a)[:2]
+        got = jax.jit(fn)(*[jax.device_put(a, NamedSharding(mesh, PartitionSpec()))
+                            for a in args])
+        out[n] = max(float(jnp.abs(x - y).max()) for x, y in zip(got, base))
     return out
 
 
@@ -228,6 +265,8 @@ if __name__ == "__main__":
         result["errors"] = errors(fixture)
     if "--cached" in sys.argv:  # TP=1 and the sizes after it
         result["cached"] = {tp: cached(fixture, tp) for tp in sizes[:2]}
+    if "--gdn" in sys.argv:
+        result["gdn_per_shard"] = gdn_per_shard()
     if "--stream" in sys.argv:
         result["stream"] = stream(fixture)
     if "--checkpoints" in sys.argv:
