@@ -85,7 +85,8 @@ def ours(depth: int, tp: int, tokens: np.ndarray) -> np.ndarray:
 
 def main(prompt: int, depths: list[int]) -> None:
     ref = np.load(FIXTURES / NAME / "reference.npz")
-    tokens = np.concatenate([ref[f"prompt_{prompt}"], ref[f"greedy_{prompt}"][:-1]]).astype(np.int32)
+    tokens = np.concatenate([ref[f"prompt_{prompt}"], ref[f"greedy_{prompt}"][:-1]])
+    tokens = tokens.astype(np.int32)
     kept, seg, span = hsr.segments(tokens.tolist(), 16, -1, -2, -3)  # plain text: no markers
     rows = slice(len(ref[f"prompt_{prompt}"]) - 1, len(tokens))  # the generated tokens' rows
     h32 = float32_reference()

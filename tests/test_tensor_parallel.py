@@ -4,8 +4,10 @@ all-reduces only (no logits gather), and clear errors for sizes the model cannot
 
 The runs need XLA_FLAGS=--xla_force_host_platform_device_count=4 before JAX starts, so they run
 in a subprocess (tests/tp_runs.py); the other tests' JAX stays on one device. The default run
-covers Llama GQA at TP=2 and 4 (4 > KV heads: KV heads replicated); MINIPIC_RUN_SLOW=1 (or
---run-slow) adds Llama MHA and Qwen3.5 (GDN + gated attention) at TP=2 and 4.
+covers Llama GQA at TP=2 and 4 (4 > KV heads: KV heads replicated) and streamed loading (equal
+to the old path; one tensor's slices on the host at a time); MINIPIC_RUN_SLOW=1 (or --run-slow)
+adds Llama MHA and Qwen3.5 (GDN + gated attention) at TP=2 and 4, each also with prefix caching
+and CPU offload at TP=2, and Qwen3.5 against the float64 reference.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def _f64_errors(runs: dict, fixture: str) -> dict:
         ref = hsr.reference_logprobs(lm.params, lm.cfg, kept + out[:-1], seg, span)
         want = ref[np.arange(n - 1, n - 1 + len(out)), out]
         for tp in errs:
-            errs[tp] = max(errs[tp], float(np.abs(np.subtract(runs[tp]["logprobs"][i], want)).max()))
+            got = np.asarray(runs[tp]["logprobs"][i])
+            errs[tp] = max(errs[tp], float(np.abs(got - want).max()))
     return errs
 
 
@@ -132,9 +135,10 @@ def test_tp_llama_mha_matches_tp1_slow():
 @pytest.mark.skipif(not RUN_SLOW, reason="slow: MINIPIC_RUN_SLOW=1 or --run-slow")
 def test_tp_qwen3_5_matches_tp1_slow():
     """Qwen3.5 (GDN + gated attention; TP=4 > 2 KV heads and 2 GDN key heads: both replicated),
-    prefix caching (checkpoint hits) with CPU offload at TP=2, and its recurrent checkpoints at positions 64 and 128 of a 150-token prefill: TP vs TP=1
-    (fp32 summation order; measured 1.3e-5 delta, 1.0e-4 conv at TP=4) and TP=1's final states
-    vs HF's cache."""
+    prefix caching (checkpoint hits) with CPU offload at TP=2, its logprobs against the float64
+    reference, and its recurrent checkpoints at positions 64 and 128 of a 150-token prefill: TP
+    vs TP=1 (fp32 summation order; measured 1.3e-5 delta, 1.0e-4 conv at TP=4) and TP=1's final
+    states vs HF's cache."""
     runs = _runs("qwen3_5_gva2", "--checkpoints", "--cached", "--gdn")
     _check(runs, "qwen3_5_gva2", layers=4)
     _check_cached(runs, "qwen3_5_gva2")

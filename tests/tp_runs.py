@@ -209,6 +209,7 @@ def stream(name: str) -> dict:
         with jax.default_device(jax.devices()[0]):
             old = jax.block_until_ready(lm.family.convert_hf(reader.get, cfg, np.float32))
         old_default = new_bytes(before, on_default())
+        del old
     out.update(staged=max(staged), largest=max(sizes), total=sum(sizes), gained=max(gained),
                old_default=old_default, tensors=len(sizes), calls=len(staged),
                placed_devices=sorted({d.id for x in jax.tree.leaves(placed)
