@@ -144,7 +144,7 @@ def test_tp_qwen3_5_matches_tp1_slow():
     _check_cached(runs, "qwen3_5_gva2")
     # why TP differs from TP=1 at all: the GDN kernel per head shard is bit for bit the one
     # call over all heads, so only the all-reduces' summation order differs; against float64,
-    # no size is farther than TP=1 (measured 2.0e-5 TP=1, 2.0e-5 TP=2, 8.5e-6 TP=4): fp32
+    # each size is about as close as TP=1 (measured 2.0e-5 TP=1, 2.0e-5 TP=2, 8.5e-6 TP=4): fp32
     # rounding, TP=1's own as much as TP=4's (notes in docs/DESIGN.md, tensor parallelism)
     assert runs["gdn_per_shard"] == {"2": 0.0, "4": 0.0}, runs["gdn_per_shard"]
     f64 = _f64_errors(runs, "qwen3_5_gva2")
