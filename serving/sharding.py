@@ -144,7 +144,7 @@ def stream_params(host_params, axes_tree, mesh: Mesh, dtype, copies: int = 1):
                     heads = np.arange(shape[kv])[index[kv]] // copies
                     index = index[:kv] + (heads,) + index[kv + 1:]
                 # copied: the device array must never alias the memory map
-                slices[key] = np.array(host[index], dtype=dtype, copy=True)
+                slices[key] = np.array(host[index], dtype=dtype, order="C", copy=True)
             return slices[key]
         return jax.make_array_from_callback(tuple(shape), target, read)
     return jax.tree.map(place, axes_tree, host_params, is_leaf=_is_axes)
