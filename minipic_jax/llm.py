@@ -18,8 +18,9 @@ from serving.llm_engine import LLMEngine
 
 
 def _host_device_if_sharded(tensor_parallel_size: int):
-    """Under tensor parallelism the weights load into host memory; the engine then sends each
-    device only its shards (no full copy of the model on one accelerator)."""
+    """Under tensor parallelism a checkpoint is only mapped (`load_model(host=True)`) and the
+    engine streams each tensor's shards to their devices; a preset's random weights are made in
+    host memory and then sent shard by shard. Either way no accelerator holds the whole model."""
     if tensor_parallel_size <= 1:
         return contextlib.nullcontext()
     try:
@@ -50,8 +51,9 @@ class LLM:
     def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0,
                  compilation_cache: str | bool | None = None, **engine_args: Any):
         self.compilation_cache_dir = compile_cache.configure(compilation_cache)
-        with _host_device_if_sharded(engine_args.get("tensor_parallel_size", 1)):
-            loaded = load_model(model, dtype=dtype, seed=seed)
+        tp = engine_args.get("tensor_parallel_size", 1)
+        with _host_device_if_sharded(tp):
+            loaded = load_model(model, dtype=dtype, seed=seed, host=tp > 1)
         if "max_model_len" not in engine_args:
             engine_args["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)
         self.config = Config(**engine_args)

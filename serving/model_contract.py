@@ -55,8 +55,9 @@ class ModelFamily(Protocol):
     def param_axes(self, cfg) -> Any:
         """Logical axis-name tuples, the same pytree structure as the params."""
 
-    def convert_hf(self, get_tensor, cfg, dtype) -> Any:
-        """Params from HF tensors; get_tensor(name) -> np.ndarray."""
+    def convert_hf(self, get_tensor, cfg, dtype, *, host: bool = False) -> Any:
+        """Params from HF tensors; get_tensor(name) -> np.ndarray. host=True: the same tree of
+        numpy views in the family's layout (nothing copied), for streaming to devices."""
 
     def hf_tensor_names(self, cfg) -> list[str]:
         """Every tensor convert_hf reads."""

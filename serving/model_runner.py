@@ -79,7 +79,7 @@ class ModelRunner:
         tp = config.tensor_parallel_size
         self.mesh = None
         if tp > 1:  # Megatron split by logical axes (serving/sharding.py), weights unfused
-            self.mesh, self.mcfg = sharding.place_model(loaded, tp)
+            self.mesh, self.mcfg = sharding.place_model(loaded, tp, dtype)
             if config.num_kv_blocks is None:  # size the pool now that the weights are placed
                 num_blocks = default_num_blocks(config, loaded.cfg, dtype)
         elif config.fuse_weights:

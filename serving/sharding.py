@@ -118,15 +118,58 @@ def shard_params(params, axes_tree, mesh: Mesh):
     return jax.tree.map(lambda x, s: jax.device_put(x, s, donate=True), params, target)
 
 
-def place_model(loaded, tensor_parallel_size: int):
+def stream_params(host_params, axes_tree, mesh: Mesh, dtype, copies: int = 1):
+    """Host arrays (e.g. memory-mapped checkpoint views, `convert_hf(..., host=True)`) placed
+    per their logical axes, one tensor at a time: each device receives only its slice, read from
+    the host array and cast to `dtype` on its own, so beyond the (mapped) checkpoint host memory
+    holds one tensor's slices at most (devices holding the same slice share one copy).
+    "kv_heads" axes are repeated `copies` times as `replicate_kv_heads` does, by reading each
+    slice's source heads."""
+    n = mesh.shape[TP_AXIS]
+
+    def place(axes, host):
+        if host is None:
+            return None
+        shape = list(host.shape)
+        kv = axes.index("kv_heads") if copies > 1 and axes and "kv_heads" in axes else None
+        if kv is not None:
+            shape[kv] *= copies
+        target = NamedSharding(mesh, spec_for(axes, shape, n))
+        slices = {}  # devices that hold the same slice share one host copy
+
+        def read(index):
+            key = tuple((i.start, i.stop) for i in index)
+            if key not in slices:
+                if kv is not None:  # replicated head j is source head j // copies
+                    heads = np.arange(shape[kv])[index[kv]] // copies
+                    index = index[:kv] + (heads,) + index[kv + 1:]
+                # copied: the device array must never alias the memory map
+                slices[key] = np.array(host[index], dtype=dtype, order="C", copy=True)
+            return slices[key]
+        return jax.make_array_from_callback(tuple(shape), target, read)
+    return jax.tree.map(place, axes_tree, host_params, is_leaf=_is_axes)
+
+
+def _is_host(params) -> bool:
+    return all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
+
+
+def place_model(loaded, tensor_parallel_size: int, dtype=None):
     """Mesh over `tensor_parallel_size` devices and `loaded.params` placed on it (KV heads
-    replicated when the size is a multiple of them). Returns (mesh, model config as the engine
-    sees it: num_kv_heads = the heads its pool and kernels hold)."""
+    replicated when the size is a multiple of them). Params that are host (numpy) arrays are
+    streamed tensor by tensor (`stream_params`, cast to `dtype`); device arrays are moved.
+    Returns (mesh, model config as the engine sees it: num_kv_heads = the heads its pool and
+    kernels hold)."""
     mesh = make_mesh(tensor_parallel_size)
     copies = kv_replication(loaded.cfg, tensor_parallel_size)
     axes = loaded.family.param_axes(loaded.cfg)
     params, loaded.params = loaded.params, None
-    loaded.params = shard_params(replicate_kv_heads(params, axes, copies), axes, mesh)
+    if _is_host(params):
+        if dtype is None:
+            raise ValueError("place_model: host (numpy) params need the compute dtype")
+        loaded.params = stream_params(params, axes, mesh, dtype, copies)
+    else:
+        loaded.params = shard_params(replicate_kv_heads(params, axes, copies), axes, mesh)
     del params
     mcfg = loaded.cfg
     if copies > 1:

@@ -15,6 +15,8 @@ from configs.presets import PRESETS, get_preset
 from minipic_jax.loading import ByteTokenizer, Llama3Tokenizer, load_model, load_tokenizer
 from minipic_jax.loading.safetensors_io import SafetensorsReader, weight_files
 from minipic_jax.models import get_family, llama
+from serving import sharding
+from serving.fingerprint import model_fingerprint
 
 
 def _copy(name, tmp_path):
@@ -158,6 +160,28 @@ def test_bf16_checkpoint_loads(tmp_path):
     e, h, d = m.cfg.hidden_size, m.cfg.num_heads, m.cfg.head_dim
     np.testing.assert_array_equal(np.asarray(m.params["layers"][0]["wq"]), want.T.reshape(e, h, d))
     assert m.params["embed"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("name", ["llama_gqa4_tied_hd16", "qwen3_5_gva2"])
+def test_host_views_stream_to_the_loaded_params(name):
+    """load_model(host=True), what tensor parallelism streams to its devices: views of the mapped
+    checkpoint (nothing copied) equal to the loaded params; streamed (KV heads repeated twice,
+    cast to bfloat16) they equal the loaded bfloat16 params so placed; the span store's
+    fingerprint is the same from either. Multi-device streaming: tests/test_tensor_parallel.py."""
+    host = load_model(FIXTURES / name, host=True)
+    assert all(isinstance(x, np.ndarray) and not x.flags.owndata
+               for x in jax.tree.leaves(host.params))
+    assert _equal(load_model(FIXTURES / name, cache_dir=False).params, host.params)  # float32
+    loaded = load_model(FIXTURES / name, dtype="bfloat16", cache_dir=False)
+    axes = host.family.param_axes(host.cfg)
+    want = sharding.replicate_kv_heads(loaded.params, axes, 2)
+    got = sharding.stream_params(host.params, axes, sharding.make_mesh(1), jnp.bfloat16,
+                                 copies=2)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert all(g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w)
+               for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    assert (model_fingerprint(host.cfg, host.params, jnp.bfloat16) ==
+            model_fingerprint(loaded.cfg, loaded.params, jnp.bfloat16))
 
 
 def test_old_style_rope_scaling_config_parses_the_same():

@@ -1,7 +1,9 @@
 """Subprocess half of tests/test_tensor_parallel.py (not a test module: it needs
 XLA_FLAGS=--xla_force_host_platform_device_count set before JAX starts, which the test does).
 
-    python -m tests.tp_runs FIXTURE TP[,TP...] [--errors] [--checkpoints]   -> one JSON line
+    python -m tests.tp_runs FIXTURE TP[,TP...] [--errors] [--checkpoints] [--stream]
+        [--cached] [--gdn]
+        -> one JSON line
 
 For each tensor_parallel_size: greedy generation with logprobs over the fixture's HF prompts
 and a few structured prompts that repeat SSEP spans (prefix-cache hits, position-free KV);
@@ -54,12 +56,47 @@ def run(name: str, tp: int) -> dict:
                      for o in outs],
         "hf_greedy": [ref[f"greedy_{i}"].tolist()[:MAX_TOKENS] for i in range(len(hf))],
         "cached": [o.num_cached_tokens for o in outs[len(hf):]],
+        "prompts": hf + structured,  # for the float64 reference (tests/tp_precision.py)
+        "markers": llm.llm_engine.markers,
         "kv_spec": [str(a) for a in kv.sharding.spec] if tp > 1 else [],
         "kv_shard_shape": list(kv.sharding.shard_shape(kv.shape)),
         "kv_shape": list(kv.shape),
         "all_reduces": len(re.findall(r" all-reduce\(", hlo)),
         "all_gather_shapes": re.findall(r"= (\S+) all-gather\(", hlo),
     }
+
+
+def cached(name: str, tp: int) -> dict:
+    """Prefix caching with a host tier (cpu_offload_gb) on a small pool: a 100-token system
+    prompt is computed once, unrelated traffic pushes its KV blocks (and, on a hybrid, its
+    recurrent checkpoints) out of the device pool to host memory, and later requests resume
+    from them. Tokens, logprobs, cached tokens and the tier counters (to compare with TP=1)."""
+    hybrid = name.startswith("qwen")
+    # host tier: 16 blocks of 4 KiB (a 16-token block's K and V in the GQA and Qwen3.5
+    # fixtures; 8 blocks in MHA's) and, on the hybrid, 8 checkpoints of 5376 bytes (3 GDN
+    # layers' conv and delta states); the device tier holds 2 checkpoints
+    ckpt = 5376
+    extra = dict(checkpoint_gb=2 * ckpt / 2**30, checkpoints_per_prompt=2) if hybrid else {}
+    llm = LLM(str(FIXTURES / name), dtype="float32", seed=0, max_num_seqs=2,
+              max_num_batched_tokens=32, min_token_bucket=32, max_model_len=192, block_size=16,
+              num_kv_blocks=24, cpu_offload_gb=(16 * 4096 + 8 * ckpt) / 2**30,
+              tensor_parallel_size=tp, **extra)
+    rng = np.random.default_rng(1)
+    system = rng.integers(0, 250, 100).tolist()
+    prompts = [system + rng.integers(0, 250, n).tolist() for n in (9, 21, 30)]
+    flood = [rng.integers(0, 250, 150).tolist() for _ in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    outs = []
+    for batch in ([prompts[0]], flood, prompts[1:]):
+        outs += llm.generate(batch, sp, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    keys = ("blocks_offloaded", "blocks_restored", "checkpoint_hits", "tokens_resumed",
+            "checkpoints_offloaded", "checkpoints_onloaded")
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                         o.outputs[0].token_ids)] for o in outs],
+            "cached": [o.num_cached_tokens for o in outs],
+            "stats": {k: stats[k] for k in keys if k in stats}}
 
 
 def checkpoints(name: str, tp: int) -> dict:
@@ -102,6 +139,114 @@ def checkpoints(name: str, tp: int) -> dict:
             "final_delta": np.stack([np.asarray(d[0]) for d in cache.delta]).tolist()}
 
 
+def stream(name: str) -> dict:
+    """Streamed loading (load_model(host=True) + place_model) vs the old path (params loaded on
+    one device, then moved): per TP size, whether every param is equal with the same sharding.
+    Then a checkpoint of larger tensors streamed onto devices 2-3: per tensor placed, the host
+    bytes numpy allocated at the peak beyond what it held before (tracemalloc; on CPU devices
+    the placed arrays may alias their host slices, so they count as held), and what devices
+    0-1 (the default device, where the old path loads the whole model) gained."""
+    import dataclasses
+    import pathlib
+    import tempfile
+    import tracemalloc
+
+    import jax
+    import safetensors.numpy
+    from jax.sharding import Mesh
+
+    from minipic_jax.loading import load_model
+    from minipic_jax.loading.safetensors_io import SafetensorsReader
+    from minipic_jax.models import llama_hf
+    from serving import sharding
+    out = {"equal": {}}
+    for tp in (2, 4):
+        old, new = (load_model(str(FIXTURES / name), cache_dir=False),
+                    load_model(str(FIXTURES / name), host=True))
+        _, cfg_old = sharding.place_model(old, tp)
+        _, cfg_new = sharding.place_model(new, tp, np.float32)
+        same = [a.sharding == b.sharding and np.array_equal(a, b)
+                for a, b in zip(jax.tree.leaves(old.params), jax.tree.leaves(new.params))]
+        out["equal"][tp] = cfg_old == cfg_new and len(same) > 0 and all(same)
+    lm = load_model(str(FIXTURES / name), cache_dir=False)  # its config, wider
+    cfg = dataclasses.replace(lm.cfg, hidden_size=256, vocab_size=4096, intermediate_size=512,
+                              head_dim=64)
+    del old, new, lm.params
+
+    def on_default():  # array id -> bytes it holds on devices 0-1 (not read: no new arrays)
+        return {id(a): sum(d.id < 2 for d in a.sharding.device_set) * a.dtype.itemsize *
+                int(np.prod(a.sharding.shard_shape(a.shape))) for a in jax.live_arrays()}
+
+    def new_bytes(before, after):
+        return sum(n for i, n in after.items() if i not in before)
+    staged, gained, make = [], [], jax.make_array_from_callback
+
+    def measured(*args):  # stream_params' one call per tensor
+        dev = on_default()
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        arr = make(*args)
+        staged.append(tracemalloc.get_traced_memory()[1] - held)
+        gained.append(new_bytes(dev, on_default()))
+        return arr
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "model.safetensors"
+        safetensors.numpy.save_file(llama_hf.to_hf(lm.family.init_params(cfg, jax.random.key(0)),
+                                                   cfg), path)
+        reader = SafetensorsReader([path])
+        sizes = [reader.get(t).nbytes for t in reader.names()]
+        mesh = Mesh(np.asarray(jax.devices()[2:4]), (sharding.TP_AXIS,))
+        tracemalloc.start()
+        jax.make_array_from_callback = measured
+        try:
+            host = lm.family.convert_hf(reader.get, cfg, np.float32, host=True)
+            placed = sharding.stream_params(host, lm.family.param_axes(cfg), mesh, np.float32)
+            jax.block_until_ready(placed)
+        finally:
+            jax.make_array_from_callback = make
+            tracemalloc.stop()
+        before = on_default()  # the old path, for contrast: convert onto the default device
+        with jax.default_device(jax.devices()[0]):
+            old = jax.block_until_ready(lm.family.convert_hf(reader.get, cfg, np.float32))
+        old_default = new_bytes(before, on_default())
+        del old
+    out.update(staged=max(staged), largest=max(sizes), total=sum(sizes), gained=max(gained),
+               old_default=old_default, tensors=len(sizes), calls=len(staged),
+               placed_devices=sorted({d.id for x in jax.tree.leaves(placed)
+                                      for d in x.sharding.device_set}))
+    return out
+
+
+def gdn_per_shard() -> dict:
+    """The GDN layer's kernel per head shard (kernels_pallas/sharding.py) vs one call over all
+    heads, random inputs (75 tokens, 2 key / 4 value heads): the largest difference per size."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from kernels_pallas import sharding as ks
+    rng = np.random.default_rng(0)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    args = [unit(rng.normal(size=(75, 2, 8))), unit(rng.normal(size=(75, 2, 8))),
+            rng.normal(size=(75, 4, 8)), -0.3 * np.abs(rng.normal(size=(75, 4))),
+            rng.uniform(size=(75, 4))]
+    args = [jnp.asarray(a, jnp.float32) for a in args] + [
+        jnp.asarray([0, 75], jnp.int32), jnp.asarray([0], jnp.int32),
+        jnp.zeros((1, 4, 8, 8), jnp.float32)]
+    base = jax.jit(lambda *a: ks.ragged_gated_delta(*a)[:2])(*args)
+    out = {}
+    for n in (2, 4):
+        mesh = Mesh(np.asarray(jax.devices()[:n]), (ks.TP_AXIS,))
+
+        def fn(*a):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return ks.ragged_gated_delta(*a)[:2]
+        got = jax.jit(fn)(*[jax.device_put(a, NamedSharding(mesh, PartitionSpec()))
+                            for a in args])
+        out[n] = max(float(jnp.abs(x - y).max()) for x, y in zip(got, base))
+    return out
+
+
 def errors(name: str) -> list[str]:
     """The ValueError of each size the fixture cannot be split over (3 heads; 8 > 4 devices)."""
     out = []
@@ -119,6 +264,12 @@ if __name__ == "__main__":
     result = {tp: run(fixture, tp) for tp in sizes}
     if "--errors" in sys.argv:
         result["errors"] = errors(fixture)
+    if "--cached" in sys.argv:  # TP=1 and the sizes after it
+        result["cached"] = {tp: cached(fixture, tp) for tp in sizes[:2]}
+    if "--gdn" in sys.argv:
+        result["gdn_per_shard"] = gdn_per_shard()
+    if "--stream" in sys.argv:
+        result["stream"] = stream(fixture)
     if "--checkpoints" in sys.argv:
         result["checkpoints"] = {tp: checkpoints(fixture, tp) for tp in sizes}
     print(json.dumps(result))

@@ -45,7 +45,8 @@ def _dtype(dtype) -> Any:
 
 
 def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
-               cache_dir: str | pathlib.Path | None | bool = None) -> LoadedModel:
+               cache_dir: str | pathlib.Path | None | bool = None,
+               host: bool = False) -> LoadedModel:
     """Load an HF checkpoint folder or instantiate a preset with deterministic random weights.
 
     Args:
@@ -57,6 +58,10 @@ def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
       cache_dir: orbax cache of converted params. None: the default cache
         ($MINIPIC_JAX_CACHE_DIR or ~/.cache/minipic_jax/params), used for checkpoints of at least
         256 MiB; a path: always cache there; False: never cache.
+      host: for a checkpoint folder, params are numpy views of the memory-mapped tensors in the
+        family's layout (checkpoint dtype, nothing read or copied yet, no orbax cache), which
+        tensor parallelism streams tensor by tensor to the devices (serving/sharding.py,
+        stream_params). Presets are unaffected.
     Raises:
       ValueError naming the problem: unknown preset or missing folder (lists presets), folder
       without weights, unsupported model_type/architecture, missing or mis-shaped tensor.
@@ -64,10 +69,10 @@ def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
     jdtype = _dtype(dtype)
     path = pathlib.Path(model).expanduser()
     if path.is_dir():
-        return _load_folder(path, jdtype, cache_dir)
+        return _load_folder(path, jdtype, cache_dir, host)
     cached = _hf_cache_snapshot(str(model))
     if cached is not None:
-        return _load_folder(cached, jdtype, cache_dir)
+        return _load_folder(cached, jdtype, cache_dir, host)
     if isinstance(model, str) and is_preset(model):
         cfg = get_preset(model)
         family = get_family(cfg.model_type)
@@ -88,7 +93,7 @@ def _hf_cache_snapshot(model: str) -> pathlib.Path | None:
         return None
 
 
-def _load_folder(folder: pathlib.Path, dtype, cache_dir) -> LoadedModel:
+def _load_folder(folder: pathlib.Path, dtype, cache_dir, host: bool = False) -> LoadedModel:
     folder = folder.resolve()
     _, family, cfg = model_config_from_folder(folder)
     files = weight_files(folder)
@@ -99,7 +104,7 @@ def _load_folder(folder: pathlib.Path, dtype, cache_dir) -> LoadedModel:
     tokenizer = load_tokenizer(folder, cfg)
     source = f"folder:{folder}"
 
-    use_cache = cache_dir is not False and (
+    use_cache = not host and cache_dir is not False and (
         cache_dir is not None or sum(f.stat().st_size for f in files) >= AUTO_CACHE_MIN_BYTES)
     entry = None
     if use_cache:
@@ -119,6 +124,9 @@ def _load_folder(folder: pathlib.Path, dtype, cache_dir) -> LoadedModel:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"{folder}: checkpoint is missing tensor(s) {missing[:5]}{more} "
                          f"needed by the {cfg.model_type} model")
+    if host:
+        return LoadedModel(cfg, family.convert_hf(reader.get, cfg, dtype, host=True), family,
+                           tokenizer, source)
     params = family.convert_hf(reader.get, cfg, dtype)
     if entry is not None:
         param_cache.save(entry, params)

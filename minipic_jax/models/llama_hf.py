@@ -48,12 +48,16 @@ def _layouts(cfg: ModelConfig) -> dict:
     }
 
 
-def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32) -> dict:
+def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32, *, host: bool = False) -> dict:
     """HF tensors -> params dict in `dtype`. get_tensor(name) -> np.ndarray; shapes are checked
-    (ValueError naming the tensor)."""
+    (ValueError naming the tensor). host=True: the same tree of numpy views of the checkpoint
+    tensors in our layout (checkpoint dtype, nothing copied), for streaming each tensor's shards
+    to their devices (serving/sharding.py, stream_params)."""
     e, v = cfg.hidden_size, cfg.vocab_size
 
     def get(name, shape, fn=lambda x: x):
+        if host:
+            return fn(take(get_tensor, name, shape))
         # Transfer as stored (copied: never alias the memory map), then cast and re-layout on device.
         return fn(jnp.array(take(get_tensor, name, shape), copy=True).astype(dtype))
 

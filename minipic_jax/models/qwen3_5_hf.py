@@ -43,14 +43,20 @@ def hf_tensor_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32):
-    """HF tensors (torch Linear layout [out, in]) -> Qwen35Params in `dtype` (shapes checked)."""
+def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32, *, host: bool = False):
+    """HF tensors (torch Linear layout [out, in]) -> Qwen35Params in `dtype` (shapes checked).
+    host=True: the same tree of numpy views of the checkpoint tensors in our layout (checkpoint
+    dtype, nothing copied), for streaming each tensor's shards to their devices
+    (serving/sharding.py, stream_params)."""
     e, h, k, d, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                         cfg.intermediate_size, cfg.vocab_size)
     hk, hv, dk, dv, c, kc = gdn_dims(cfg)
 
+    def arr(x):
+        return x if host else jnp.asarray(np.ascontiguousarray(x), dtype=dtype)
+
     def get(name, shape, fn=lambda x: x):
-        return jnp.asarray(np.ascontiguousarray(fn(take(get_tensor, name, shape))), dtype=dtype)
+        return arr(fn(take(get_tensor, name, shape)))
 
     p = _prefix(cfg)
     lays = []
@@ -60,8 +66,7 @@ def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32):
         if cfg.layer_types[i] == "full_attention":
             q_full = take(get_tensor, n["q_proj"], (h * 2 * d, e)).T.reshape(e, h, 2 * d)
             mixer = AttnParams(
-                wq=jnp.asarray(np.ascontiguousarray(q_full[..., :d]), dtype),
-                wgate=jnp.asarray(np.ascontiguousarray(q_full[..., d:]), dtype),
+                wq=arr(q_full[..., :d]), wgate=arr(q_full[..., d:]),
                 wk=get(n["k_proj"], (k * d, e), lambda w: w.T.reshape(e, k, d)),
                 wv=get(n["v_proj"], (k * d, e), lambda w: w.T.reshape(e, k, d)),
                 wo=get(n["o_proj"], (e, h * d), lambda w: w.T.reshape(h, d, e)),
