@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import functools
+import os
 import time
 
 import jax
@@ -27,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.disk_store import DiskStore, namespace
-from serving.run_file import MAX_RUN, Run
-from serving.offload import PageMover, _bucket
+from serving.run_file import MAX_RUN, Run, run_rows
+from serving.offload import PageMover
 
 CHUNK_BLOCKS = MAX_RUN  # page moves per jitted call: bounded compiles (4..256), warmed up front
 
@@ -65,27 +66,30 @@ def _matched(run: Run, want: _Want, block_bytes: int) -> int:
 
 class KVStoreTier:
     def __init__(self, store: DiskStore, keys, *, bytes_per_block: int, staging_bytes: int,
-                 lookahead: int, spans_only: bool = False, read_workers: int = 8,
-                 write_workers: int = 2):
+                 lookahead: int, spans_only: bool = False, read_workers: int | None = None,
+                 write_workers: int = 2, send: bool = True):
         self.store = store
         self.keys = keys  # serving.prefix_keys.PrefixKeys: block keys and tokens of a sequence
         self.spans_only = spans_only  # store (and look up) SSEP span blocks only
         self.block_bytes = 8 * keys.block_size  # a block's tokens as int64 bytes
         self.staging_blocks = max(staging_bytes // max(bytes_per_block, 1), 1)
         self.lookahead = lookahead
+        self.send = send  # reader threads start each run's device transfer
         self.staged: collections.OrderedDict[int, _Staged] = collections.OrderedDict()
         self.reads: dict[int, tuple[cf.Future, _Want]] = {}  # start hash -> read in flight
         self.queue: collections.deque[_Want] = collections.deque()  # no room to read yet
         self.queued: dict[int, _Want] = {}  # start hash -> want in `queue`
         self.pending: dict[int, int] = {}  # block hash -> start of the read expected to hold it
         self.inflight_blocks = 0
+        read_workers = read_workers or min(16, max(4, os.cpu_count() or 4))  # page-cache copies
+        # and checksums release the GIL: they scale with cores
         self.readers = cf.ThreadPoolExecutor(read_workers, thread_name_prefix="kv-store-read")
         self.writers = cf.ThreadPoolExecutor(write_workers, thread_name_prefix="kv-store-write")
         self.writes: list[cf.Future] = []
         self.written: set[int] = set()  # hashes written or being written by this process
         self.to_write: list[tuple] = []  # (block, hash, tokens, ns, new run) gathered next step
         self.counters = dict(prefetched_runs=0, staged_hits=0, read_wait_s=0.0, sync_reads=0,
-                             writes_queued=0, follow_up_reads=0)
+                             writes_queued=0, follow_up_reads=0, copy_in_s=0.0, copy_in_runs=0)
 
     # -- the scheduler's lower tier ------------------------------------------------------------
     def contains(self, h) -> bool:
@@ -102,7 +106,7 @@ class KVStoreTier:
             else:
                 want = self.queued.pop(start)
                 self.counters["sync_reads"] += 1
-                run = self.store.read(want.start, want.ns, pad=_bucket)
+                run = self._read(want)
             self._harvest(want, run)
             self.counters["read_wait_s"] += time.perf_counter() - t0
             if h in self.staged:
@@ -189,10 +193,19 @@ class KVStoreTier:
             want = self.queue.popleft()
             if self.queued.pop(want.start, None) is not want:
                 continue  # read at admission already
-            fut = self.readers.submit(self.store.read, want.start, want.ns, pad=_bucket)
+            fut = self.readers.submit(self._read, want)
             self.reads[want.start] = (fut, want)
             self.inflight_blocks += len(want.hashes)
             self.counters["prefetched_runs"] += 1
+
+    def _read(self, want: _Want) -> Run | None:
+        """A reader thread: read and verify the run, and start its transfer to the device (the
+        copy-in is then one scatter on device: the host side of the transfer runs here, in
+        parallel, not on the engine's thread)."""
+        run = self.store.read(want.start, want.ns, pad=run_rows)
+        if run is not None and self.send:
+            run.dev = jax.device_put(run.kv)
+        return run
 
     # -- writes --------------------------------------------------------------------------------
     def note_ready(self, batch, ready_before, bm) -> None:
@@ -254,8 +267,13 @@ def _in_span(lay, j: int) -> bool:
 class ChunkedPageMover(PageMover):
     """PageMover in chunks of at most CHUNK_BLOCKS pages (a warm store copies in thousands of
     blocks per step; power-of-two buckets up to that would each compile mid-run). Staged store
-    blocks go to the device a run at a time: the run's array as read ([L, rows, B, ...], rows a
-    bucket) is the transfer, with no host copy, and a scatter puts the wanted rows in place."""
+    blocks go to the device a run at a time: the run's array as read ([L, rows, B, ...], rows
+    `run_rows(n)`) is the transfer, with no host copy, and a scatter puts the wanted rows in
+    place."""
+
+    def __init__(self, num_pages: int, block_size: int, counters: dict | None = None):
+        super().__init__(num_pages, block_size)
+        self.counters = counters if counters is not None else {}  # copy_in_s, copy_in_runs
 
     def gather(self, cache, blocks):
         if len(blocks) <= CHUNK_BLOCKS:
@@ -270,23 +288,32 @@ class ChunkedPageMover(PageMover):
                 runs.setdefault(id(src.run), (src.run, []))[1].append((b, src.row))
             else:
                 others.append((b, (src, row)))
+        t0 = time.perf_counter()
         for run, rows in runs.values():
-            cache = self._scatter_run(cache, run.kv, rows)
+            cache = self._scatter_run(cache, run, rows)
+        if runs:
+            self.counters["copy_in_s"] = self.counters.get("copy_in_s", 0.0) + \
+                time.perf_counter() - t0
+            self.counters["copy_in_runs"] = self.counters.get("copy_in_runs", 0) + len(runs)
         for i in range(0, len(others), CHUNK_BLOCKS):
             part = others[i:i + CHUNK_BLOCKS]
             cache = super().scatter(cache, [b for b, _ in part], [s for _, s in part])
         return cache
 
-    def _scatter_run(self, cache, kv, rows):
-        """Copy rows of one run ([L, R, B, ...]) into device blocks: one transfer, one call."""
-        r = _bucket(kv.shape[1])
-        if r != kv.shape[1]:  # a run read without padding (rare): pad on the host
-            kv = np.concatenate([kv, np.zeros((kv.shape[0], r - kv.shape[1]) + kv.shape[2:],
-                                              kv.dtype)], axis=1)
+    def _scatter_run(self, cache, run, rows):
+        """Copy rows of one run (kv [L, R, B, ...]) into device blocks: one call, with the
+        transfer a reader thread started (or one now)."""
+        data, r = run.dev, run.kv.shape[1]
+        if r != run_rows(r):  # not read by the tier (rare): pad on the host
+            data = np.zeros((run.kv.shape[0], run_rows(r)) + run.kv.shape[2:], run.kv.dtype)
+            data[:, :r] = run.kv
+            r = data.shape[1]
         ids = np.full(r, self.num_pages, np.int32)  # rows nobody wants are dropped
         for b, row in rows:
             ids[row] = b
-        return self._scatter_packed(cache, jnp.asarray(ids), jax.device_put(kv))
+        if data is None:
+            data = jax.device_put(run.kv)
+        return self._scatter_packed(cache, jnp.asarray(ids), data)
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
     def _scatter_packed(self, cache, ids, packed):
@@ -300,14 +327,16 @@ class ChunkedPageMover(PageMover):
         return jax.tree.unflatten(treedef, out)
 
     def warmup(self, cache):
-        """Compile every chunk bucket of gather and of a run's scatter (rows all dropped)."""
+        """Compile every chunk bucket of gather and every run shape of scatter (rows all
+        dropped)."""
         host = super().gather(cache, [0]).materialize()
         n = 4
         while n <= CHUNK_BLOCKS:
             super().gather(cache, [0] * n).materialize()
-            kv = np.zeros((len(host), n) + host[0].shape[1:], host[0].dtype)
-            cache = self._scatter_run(cache, kv, [])
             n *= 2
+        for r in sorted({run_rows(n) for n in range(1, MAX_RUN + 1)}):
+            kv = np.zeros((len(host), r) + host[0].shape[1:], host[0].dtype)
+            cache = self._scatter_run(cache, Run(np.zeros(0, np.uint64), None, kv), [])
         return cache
 
 

@@ -26,6 +26,12 @@ HEAD = 1 << 16  # first read of a file: length, header, hashes and tokens of mos
 _UINT = {1: "U8", 2: "U16", 4: "U32", 8: "U64"}
 
 
+def run_rows(n: int) -> int:
+    """Rows a run of n blocks is read into: n rounded up to 16 (at most 15 unused rows, 16
+    transfer/scatter shapes up to MAX_RUN)."""
+    return -(-n // 16) * 16
+
+
 class CorruptRun(ValueError):
     pass
 
@@ -37,6 +43,7 @@ class Run:
     hashes: np.ndarray  # [n] uint64
     tokens: np.ndarray  # [n, B] int64
     kv: np.ndarray  # [L, rows, B, ...] real dtype
+    dev: object = None  # kv on the device, once sent (serving/kv_store_tier.py)
 
     @property
     def n(self) -> int:
