@@ -123,16 +123,17 @@ def orchestrate(args) -> None:
     wall, dropped = {}, None
     for phase in args.phases.split(","):
         print(f"== {phase}", flush=True)
-        if phase == "prewarm":
+        kind = phase.rstrip("0123456789")  # warm2: a second warm run
+        if kind == "prewarm":
             cmd = py + ["-m", "benchmarks.kv_store_bench", "--child-prewarm", "--out", str(out),
                         "--store", str(store)] + _model_flags(args)
         else:
             cmd = job + ["-o", str(out / f"results_{phase}.jsonl"),
                          "--output-json", str(out / f"{phase}.json")]
-            if phase in ("cold", "warm"):
+            if kind in ("cold", "warm"):
                 cmd += ["--kv-store-dir", str(store)]
                 cmd += [] if args.all_blocks else ["--kv-store-spans-only"]
-            if phase == "warm" and args.drop_page_cache:
+            if kind == "warm" and args.drop_page_cache:
                 dropped = _drop_page_cache()
         took = _run(cmd, env, out / f"{phase}.log", args.phase_timeout)
         if took is not None:

@@ -185,7 +185,7 @@ class DiskStore:
         return p in self.index or p.exists()
 
     # -- read ----------------------------------------------------------------------------------
-    def read(self, h: int, ns: str, pad=None) -> Run | None:
+    def read(self, h: int, ns: str, pad=None, alloc=np.empty) -> Run | None:
         """The run starting at h (its kv allocated with pad(n) rows: serving/run_file.py), or
         None: absent, or corrupt (warned, removed)."""
         p = self.path(h, ns)
@@ -203,7 +203,7 @@ class DiskStore:
             return None
         try:
             st = os.fstat(fd)
-            run = self.fmt.read(fd, st.st_size, h, pad)
+            run = self.fmt.read(fd, st.st_size, h, pad, alloc)
         except (CorruptRun, OSError) as err:
             os.close(fd)
             self._drop_corrupt(p, err)

@@ -19,28 +19,16 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import functools
 import os
+import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from serving.disk_store import DiskStore, namespace
-from serving.run_file import MAX_RUN, Run, run_rows
-from serving.offload import PageMover
-
-CHUNK_BLOCKS = MAX_RUN  # page moves per jitted call: bounded compiles (4..256), warmed up front
-
-
-class _Staged:
-    """A staged block: row `row` of a verified run (`run.kv` [L, rows, B, ...])."""
-
-    __slots__ = ("run", "row")
-
-    def __init__(self, run: Run, row: int):
-        self.run, self.row = run, row
+from serving.run_file import Run, run_rows
+from serving.kv_store_moves import ChunkedPageMover, _Staged  # noqa: F401 (engine import)
 
 
 class _Want:
@@ -64,25 +52,50 @@ def _matched(run: Run, want: _Want, block_bytes: int) -> int:
     return m
 
 
+class _Buffers:
+    """Host arrays for run reads, reused once their data is on the device: reading into pages
+    already mapped runs at memory speed, where fresh ones are faulted in (and, on a VM whose
+    memory grows on demand, first granted) page by page."""
+
+    def __init__(self, per_shape: int):
+        self.per_shape = per_shape
+        self.free: dict[tuple, list] = collections.defaultdict(list)
+        self.lock = threading.Lock()
+
+    def take(self, shape, dtype) -> np.ndarray:
+        with self.lock:
+            stack = self.free.get((tuple(shape), np.dtype(dtype)))
+            if stack:
+                return stack.pop()
+        return np.empty(shape, dtype)
+
+    def give(self, a: np.ndarray) -> None:
+        with self.lock:
+            stack = self.free[(a.shape, a.dtype)]
+            if len(stack) < self.per_shape:
+                stack.append(a)
+
+
 class KVStoreTier:
     def __init__(self, store: DiskStore, keys, *, bytes_per_block: int, staging_bytes: int,
                  lookahead: int, spans_only: bool = False, read_workers: int | None = None,
-                 write_workers: int = 2, send: bool = True):
+                 write_workers: int = 4, send: bool = True):
+        read_workers = read_workers or min(16, max(4, os.cpu_count() or 4))  # page-cache copies
+        # and checksums release the GIL: they scale with cores
         self.store = store
         self.keys = keys  # serving.prefix_keys.PrefixKeys: block keys and tokens of a sequence
         self.spans_only = spans_only  # store (and look up) SSEP span blocks only
         self.block_bytes = 8 * keys.block_size  # a block's tokens as int64 bytes
         self.staging_blocks = max(staging_bytes // max(bytes_per_block, 1), 1)
         self.lookahead = lookahead
-        self.send = send  # reader threads start each run's device transfer
+        self.send = send  # reader threads send each run to the device
+        self.buffers = _Buffers(2 * read_workers)
         self.staged: collections.OrderedDict[int, _Staged] = collections.OrderedDict()
         self.reads: dict[int, tuple[cf.Future, _Want]] = {}  # start hash -> read in flight
         self.queue: collections.deque[_Want] = collections.deque()  # no room to read yet
         self.queued: dict[int, _Want] = {}  # start hash -> want in `queue`
         self.pending: dict[int, int] = {}  # block hash -> start of the read expected to hold it
         self.inflight_blocks = 0
-        read_workers = read_workers or min(16, max(4, os.cpu_count() or 4))  # page-cache copies
-        # and checksums release the GIL: they scale with cores
         self.readers = cf.ThreadPoolExecutor(read_workers, thread_name_prefix="kv-store-read")
         self.writers = cf.ThreadPoolExecutor(write_workers, thread_name_prefix="kv-store-write")
         self.writes: list[cf.Future] = []
@@ -202,9 +215,13 @@ class KVStoreTier:
         """A reader thread: read and verify the run, and start its transfer to the device (the
         copy-in is then one scatter on device: the host side of the transfer runs here, in
         parallel, not on the engine's thread)."""
-        run = self.store.read(want.start, want.ns, pad=run_rows)
+        run = self.store.read(want.start, want.ns, pad=run_rows, alloc=self.buffers.take)
         if run is not None and self.send:
             run.dev = jax.device_put(run.kv)
+            run.dev.block_until_ready()  # here, in parallel: then the buffer is free again
+            if run.dev.unsafe_buffer_pointer() != run.kv.ctypes.data:  # copied, not aliased
+                self.buffers.give(run.kv)
+                run.kv = None
         return run
 
     # -- writes --------------------------------------------------------------------------------
@@ -262,97 +279,6 @@ def _in_span(lay, j: int) -> bool:
     """Block j lies in an SSEP span (generated blocks extend the prompt's last segment)."""
     sb = lay.span_block
     return bool(sb[j]) if j < len(sb) else bool(len(sb) and sb[-1])
-
-
-class ChunkedPageMover(PageMover):
-    """PageMover in chunks of at most CHUNK_BLOCKS pages (a warm store copies in thousands of
-    blocks per step; power-of-two buckets up to that would each compile mid-run). Staged store
-    blocks go to the device a run at a time: the run's array as read ([L, rows, B, ...], rows
-    `run_rows(n)`) is the transfer, with no host copy, and a scatter puts the wanted rows in
-    place."""
-
-    def __init__(self, num_pages: int, block_size: int, counters: dict | None = None):
-        super().__init__(num_pages, block_size)
-        self.counters = counters if counters is not None else {}  # copy_in_s, copy_in_runs
-
-    def gather(self, cache, blocks):
-        if len(blocks) <= CHUNK_BLOCKS:
-            return super().gather(cache, blocks)
-        return _Chunks([super(ChunkedPageMover, self).gather(cache, blocks[i:i + CHUNK_BLOCKS])
-                        for i in range(0, len(blocks), CHUNK_BLOCKS)])
-
-    def scatter(self, cache, blocks, sources):
-        runs, others = {}, []
-        for b, (src, row) in zip(blocks, sources):
-            if isinstance(src, _Staged):
-                runs.setdefault(id(src.run), (src.run, []))[1].append((b, src.row))
-            else:
-                others.append((b, (src, row)))
-        t0 = time.perf_counter()
-        for run, rows in runs.values():
-            cache = self._scatter_run(cache, run, rows)
-        if runs:
-            self.counters["copy_in_s"] = self.counters.get("copy_in_s", 0.0) + \
-                time.perf_counter() - t0
-            self.counters["copy_in_runs"] = self.counters.get("copy_in_runs", 0) + len(runs)
-        for i in range(0, len(others), CHUNK_BLOCKS):
-            part = others[i:i + CHUNK_BLOCKS]
-            cache = super().scatter(cache, [b for b, _ in part], [s for _, s in part])
-        return cache
-
-    def _scatter_run(self, cache, run, rows):
-        """Copy rows of one run (kv [L, R, B, ...]) into device blocks: one call, with the
-        transfer a reader thread started (or one now)."""
-        data, r = run.dev, run.kv.shape[1]
-        if r != run_rows(r):  # not read by the tier (rare): pad on the host
-            data = np.zeros((run.kv.shape[0], run_rows(r)) + run.kv.shape[2:], run.kv.dtype)
-            data[:, :r] = run.kv
-            r = data.shape[1]
-        ids = np.full(r, self.num_pages, np.int32)  # rows nobody wants are dropped
-        for b, row in rows:
-            ids[row] = b
-        if data is None:
-            data = jax.device_put(run.kv)
-        return self._scatter_packed(cache, jnp.asarray(ids), data)
-
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
-    def _scatter_packed(self, cache, ids, packed):
-        leaves, treedef = jax.tree.flatten(cache)
-        out, k = [], 0
-        for x in leaves:
-            if self._is_page(x):
-                x = x.at[ids].set(packed[k].astype(x.dtype), mode="drop")
-                k += 1
-            out.append(x)
-        return jax.tree.unflatten(treedef, out)
-
-    def warmup(self, cache):
-        """Compile every chunk bucket of gather and every run shape of scatter (rows all
-        dropped)."""
-        host = super().gather(cache, [0]).materialize()
-        n = 4
-        while n <= CHUNK_BLOCKS:
-            super().gather(cache, [0] * n).materialize()
-            n *= 2
-        for r in sorted({run_rows(n) for n in range(1, MAX_RUN + 1)}):
-            kv = np.zeros((len(host), r) + host[0].shape[1:], host[0].dtype)
-            cache = self._scatter_run(cache, Run(np.zeros(0, np.uint64), None, kv), [])
-        return cache
-
-
-class _Chunks:
-    """Several gathered batches read as one (`materialize()` -> leaves over all rows)."""
-
-    def __init__(self, parts):
-        self.parts = parts
-        self.host = None
-
-    def materialize(self):
-        if self.host is None:
-            host = [p.materialize() for p in self.parts]
-            self.host = [np.concatenate(xs) for xs in zip(*host)]
-            self.parts = None
-        return self.host
 
 
 class LowerTiers:

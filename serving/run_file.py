@@ -118,15 +118,16 @@ class RunFormat:
             raise CorruptRun(f"{size} bytes, not the {8 + nh + end} its header says")
         return n, 8 + nh, small, meta.get("xxh3")
 
-    def read(self, fd: int, size: int, h: int, pad=None) -> Run:
-        """The verified run of an open file; kv gets pad(n) rows (n without pad). Raises
+    def read(self, fd: int, size: int, h: int, pad=None, alloc=np.empty) -> Run:
+        """The verified run of an open file; kv gets pad(n) rows (n without pad), from
+        `alloc(shape, dtype)` (a pool of reused buffers: no fresh pages to fault in). Raises
         CorruptRun."""
         head = os.pread(fd, HEAD, 0)
         n, data0, small, checksum = self.parse_head(head, size, h)
         meta = head[data0:data0 + small]
         if len(meta) < small:
             meta = os.pread(fd, small, data0)
-        kv = np.empty((self.num_leaves, pad(n) if pad else n, *self.page_shape), self.dtype)
+        kv = alloc((self.num_leaves, pad(n) if pad else n, *self.page_shape), self.dtype)
         views = [memoryview(kv[k, :n].reshape(-1).view(np.uint8)) for k in range(len(kv))]
         want = sum(len(v) for v in views)
         got = preadv_all(fd, views, data0 + small)
