@@ -127,6 +127,12 @@ class KVStoreTier:
             start = self.pending.get(h)  # a follow-up read may hold it
         return False
 
+    def ready(self, seq) -> bool:
+        """No read that the request waits for is still in flight or queued (the scheduler then
+        admits it without blocking; a step with other work runs first otherwise)."""
+        return not any(h in self.pending for hashes in getattr(seq, "kv_store_wants", ())
+                       for h in hashes)
+
     def get(self, h):
         self.counters["staged_hits"] += 1
         return self.staged.pop(h), 0
@@ -179,7 +185,7 @@ class KVStoreTier:
             self.keys.hit_limit(seq)
         lay, raw = seq.layout, self.keys.token_bytes(seq)
         starts = np.flatnonzero(lay.seg_start)
-        j = 0
+        seq.kv_store_wants, j = [], 0
         while j < limit:
             h = hashes[j]
             if (self.spans_only and not _in_span(lay, j)) or h in bm.table or h in self.staged \
@@ -191,6 +197,7 @@ class KVStoreTier:
             end = min(limit, int(nxt[0]) if len(nxt) else limit)
             self._enqueue(_Want(ns, hashes[j:end], raw[j * self.block_bytes:
                                                         end * self.block_bytes]))
+            seq.kv_store_wants.append(hashes[j:end])
             j = end
 
     def _enqueue(self, want: _Want) -> None:
@@ -290,6 +297,9 @@ class LowerTiers:
 
     def contains(self, h) -> bool:
         return (self.host is not None and self.host.contains(h)) or self.disk.contains(h)
+
+    def ready(self, seq) -> bool:
+        return self.disk.ready(seq)
 
     def get(self, h):
         if self.host is not None and self.host.contains(h):
