@@ -115,6 +115,30 @@ def test_spans_only_stores_span_blocks_alone(store_pair, fresh_rng):
     assert [o.num_cached_tokens for o in out] == [n * B for n in span_blocks]
 
 
+def test_request_is_ready_once_its_reads_are_harvested(store_pair, fresh_rng):
+    """The scheduler holds a request back (when the step has other work) while `ready` is
+    False: from its scan until every read it waits for is staged."""
+    from serving.sequence import Sequence
+    writer, reader, _ = store_pair
+    docs = _docs(fresh_rng, 1)
+    writer.cache_spans(docs)
+    prompt = _prompts(reader, fresh_rng, docs)[0]
+    eng = reader.llm_engine
+    seq = Sequence("probe", prompt, eng.validate("probe", prompt, SP), SP, B, seed=0)
+    tier = eng.kv_store
+    assert tier.ready(seq)  # not scanned: nothing to wait for
+    tier.prefetch([seq], eng.bm, None)
+    assert seq.kv_store_wants and not tier.ready(seq)
+    while tier.reads or tier.queue:
+        for fut, _ in list(tier.reads.values()):
+            fut.result()
+        tier.begin_step([], eng.bm, None)
+    assert tier.ready(seq)
+    hashes, j = _span_run(reader, prompt)
+    assert all(h in tier.staged for h in hashes[j:j + -(-(len(docs[0]) + 1) // B)])
+    tier.staged.clear()
+
+
 def test_cache_spans_prewarms_per_cache_salt_namespace(store_pair, fresh_rng):
     writer, reader, root = store_pair
     docs = _docs(fresh_rng, 2)
