@@ -1,15 +1,19 @@
-"""Span store across processes: MuSiQue corpus prewarmed by one process, then `run-batch` over the
+"""Span store across processes: MuSiQue corpus stored by one process, then `run-batch` over the
 one-question-per-sample workload in a fresh process, against the same job on an empty store.
 
     python -m benchmarks.kv_store_bench --out /tmp/kvb [--samples 150] [--model llama3_2_1b]
 
-Phases, each a fresh process (JAX compile cache shared through JAX_COMPILATION_CACHE_DIR):
-  cold      run-batch with an empty store (computes every passage, writes the store it fills)
+Phases, in the order given, each a fresh process under `timeout` (JAX compile cache shared
+through JAX_COMPILATION_CACHE_DIR), all on one store folder <out>/store, emptied first:
   nostore   run-batch without a store (the compute-only anchor)
-  prewarm   LLM.cache_spans over every passage of the samples (the corpus pass)
-  warm      run-batch on the prewarmed store (--drop-page-cache: from the disk, not memory)
-Requests: [header][10 passages as spans, retrieved order][question], greedy, 16 tokens. Prints
-vLLM's lines per phase and a table; writes <out>/kv_store_bench.json.
+  cold      run-batch with an empty store (computes every passage, fills the store)
+  prewarm   LLM.cache_spans over every passage of the samples (the corpus pass; after `cold`
+            it finds them all stored)
+  warm      run-batch on the filled store (--drop-page-cache: from the disk, not memory)
+`--io` first times the file layer alone (write, then read with 1..16 threads).
+Requests: [header][10 passages as spans, retrieved order][question], greedy, 16 tokens; the
+store keeps span blocks only (`--kv-store-spans-only`) unless --all-blocks. Prints vLLM's lines
+per phase and a table; writes <out>/kv_store_bench.json.
 """
 
 from __future__ import annotations
@@ -79,15 +83,17 @@ def prewarm(args) -> None:
         json.dump({"elapsed_time": elapsed, "setup_time": setup, **got, "kv_store": kv}, f)
 
 
-def _run(cmd, env, log):
+def _run(cmd, env, log, limit_s: int):
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p = subprocess.run(["timeout", str(limit_s)] + cmd, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT)
     text = p.stdout.decode(errors="replace")
     log.write_text(text)
     tail = [ln for ln in text.splitlines() if not ln.startswith(("Running batch", "\r"))][-6:]
     print("\n".join(tail), flush=True)
     if p.returncode:
-        raise SystemExit(f"phase failed ({p.returncode}): {' '.join(cmd)}")
+        print(f"phase failed ({p.returncode}, 124 = timeout): {' '.join(cmd)}", flush=True)
+        return None
     return time.perf_counter() - t0
 
 
@@ -104,31 +110,35 @@ def _drop_page_cache() -> bool:
 def orchestrate(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    io = io_bench(args.out, threads=(1, 4, 8, 16)) if args.io else None
     n_req, n_pass = write_workload(out, args.samples, args.max_tokens, args.passages)
     print(f"Workload: {n_req} requests, {n_pass} unique passages; model {args.model} "
           f"({args.dtype}, random weights)", flush=True)
     env = dict(os.environ)
     py = [sys.executable]
-    stores = {"cold": out / "store_cold", "warm": out / "store"}
-    for s in stores.values():
-        shutil.rmtree(s, ignore_errors=True)
+    store = out / "store"
+    shutil.rmtree(store, ignore_errors=True)
     job = py + ["-m", "minipic_jax", "run-batch", "-i", str(out / "requests.jsonl"),
                 "--warmup", "--no-progress"] + engine_flags(args)
     wall, dropped = {}, None
     for phase in args.phases.split(","):
         print(f"== {phase}", flush=True)
-        if phase == "prewarm":
+        kind = phase.rstrip("0123456789")  # warm2: a second warm run
+        if kind == "prewarm":
             cmd = py + ["-m", "benchmarks.kv_store_bench", "--child-prewarm", "--out", str(out),
-                        "--store", str(stores["warm"])] + _model_flags(args)
+                        "--store", str(store)] + _model_flags(args)
         else:
             cmd = job + ["-o", str(out / f"results_{phase}.jsonl"),
                          "--output-json", str(out / f"{phase}.json")]
-            if phase in stores:
-                cmd += ["--kv-store-dir", str(stores[phase])]
-            if phase == "warm" and args.drop_page_cache:
+            if kind in ("cold", "warm"):
+                cmd += ["--kv-store-dir", str(store)]
+                cmd += [] if args.all_blocks else ["--kv-store-spans-only"]
+            if kind == "warm" and args.drop_page_cache:
                 dropped = _drop_page_cache()
-        wall[phase] = _run(cmd, env, out / f"{phase}.log")
-    report(out, wall, dropped)
+        took = _run(cmd, env, out / f"{phase}.log", args.phase_timeout)
+        if took is not None:
+            wall[phase] = took
+    report(out, wall, dropped, io)
 
 
 def _model_flags(args) -> list[str]:
@@ -139,41 +149,49 @@ def _model_flags(args) -> list[str]:
             str(args.min_token_bucket)]
 
 
-def report(out: pathlib.Path, wall: dict, dropped) -> None:
-    res = {p: json.loads((out / f"{p}.json").read_text()) for p in wall}
+def report(out: pathlib.Path, wall: dict, dropped, io) -> None:
+    res = {p: json.loads((out / f"{p}.json").read_text()) for p in wall
+           if (out / f"{p}.json").exists()}
     rows = []
     for p, r in res.items():
         kv = r.get("kv_store") or r.get("engine_stats", {}).get("kv_store") or {}
-        el = r["elapsed_time"]
-        rows.append((p, el, r.get("requests_per_second", 0.0), r.get("prefix_cache_hit_rate", 0),
-                     kv.get("bytes_read", 0) / 1e9, kv.get("bytes_read", 0) / 1e9 / el,
-                     kv.get("read_GBps", 0.0), kv.get("bytes_written", 0) / 1e9, wall[p]))
-    summary = {"phases": res, "process_wall_s": wall, "page_cache_dropped_before_warm": dropped}
-    if "warm" in res and "cold" in res:
-        summary["warm_over_cold"] = res["warm"]["requests_per_second"] / \
-            res["cold"]["requests_per_second"]
-    if "warm" in res and "nostore" in res:
-        summary["warm_over_nostore"] = res["warm"]["requests_per_second"] / \
-            res["nostore"]["requests_per_second"]
+        el, n = r["elapsed_time"], max(r.get("num_requests", 0), 1)
+        rows.append((p, el, r.get("requests_per_second", 0.0), 1e3 * el / n,
+                     r.get("prefix_cache_hit_rate", 0), kv.get("bytes_read", 0) / 1e9,
+                     kv.get("bytes_read", 0) / 1e6 / n, kv.get("bytes_read", 0) / 1e9 / el,
+                     kv.get("read_GBps", 0.0), kv.get("read_wait_s", 0.0),
+                     kv.get("copy_in_s", 0.0), kv.get("bytes_written", 0) / 1e9,
+                     r.get("setup_time", 0.0)))
+    summary = {"phases": res, "process_wall_s": wall, "page_cache_dropped_before_warm": dropped,
+               "io_bench": io}
+    for a, b in (("warm", "cold"), ("warm", "nostore"), ("nostore", "cold")):
+        if a in res and b in res:
+            summary[f"{a}_over_{b}"] = res[a]["requests_per_second"] / \
+                res[b]["requests_per_second"]
     (out / "kv_store_bench.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"page cache dropped before warm: {dropped}")
-    print("| phase | job s | req/s | hit rate | GB read | GB/s over job | GB/s per read thread "
-          "| GB written | process s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| phase | job s | req/s | ms/req | hit rate | GB read | MB read/req | GB/s over job "
+          "| GB/s per read thread | read wait s | copy-in s | GB written | setup s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print("| {} | {:.2f} | {:.2f} | {:.1%} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.1f} |"
-              .format(*r))
-    for k in ("warm_over_cold", "warm_over_nostore"):
+        print("| {} | {:.2f} | {:.2f} | {:.1f} | {:.1%} | {:.2f} | {:.1f} | {:.2f} | {:.2f} "
+              "| {:.2f} | {:.2f} | {:.2f} | {:.1f} |".format(*r))
+    for k in ("warm_over_cold", "warm_over_nostore", "nostore_over_cold"):
         if k in summary:
             print(f"{k}: {summary[k]:.2f}x")
 
 
-def io_bench(out: str, blocks: int = 400, layers: int = 16) -> None:
-    """The file layer alone (no engine): write then read `blocks` blocks of a Llama-3.2-1B
-    shaped page (2 x layers leaves of [16, 8, 64] bf16, 512 KiB) with one thread."""
+def io_bench(out: str, runs: int = 64, run_blocks: int = 36, layers: int = 16,
+             threads: tuple = (1, 2, 8)) -> dict:
+    """The file layer alone (no engine): write `runs` runs of `run_blocks` blocks (a MuSiQue
+    passage) of a Llama-3.2-1B shaped page (2 x layers leaves of [16, 8, 64] bf16, 512 KiB per
+    block), then read them back (verified, into bucket-padded arrays) with 1..N threads."""
+    import concurrent.futures as cf
     import ml_dtypes
     import numpy as np
     from serving.disk_store import DiskStore, StoreIdentity
+    from serving.kv_store_tier import _Buffers
+    from serving.run_file import run_rows
     leaves = (((16, 8, 64), "bfloat16"),) * (2 * layers)
     ident = StoreIdentity(model="io", model_name="io", block_size=16, kv_mode="position_free",
                           hash_algo="xxhash64", markers=(0, 1, 2), leaves=leaves)
@@ -181,19 +199,39 @@ def io_bench(out: str, blocks: int = 400, layers: int = 16) -> None:
     shutil.rmtree(root, ignore_errors=True)
     store = DiskStore(root, ident, 1 << 40)
     rng = np.random.default_rng(0)
-    block = [rng.standard_normal((16, 8, 64)).astype(ml_dtypes.bfloat16) for _ in leaves]
-    tokens = bytes(8 * 16)
+    pages = [rng.standard_normal((run_blocks, 16, 8, 64)).astype(ml_dtypes.bfloat16)
+             for _ in leaves]
+    tokens = bytes(8 * 16 * run_blocks)
+    starts = [int(h) * 1000 for h in range(1, runs + 1)]
     t0 = time.perf_counter()
-    for h in range(1, blocks + 1):
-        store.write(h, "shared", block, tokens)
+    for h in starts:
+        store.write("shared", list(range(h, h + run_blocks)), tokens, pages)
     t1 = time.perf_counter()
-    for h in range(1, blocks + 1):
-        assert store.read(h, "shared", tokens) is not None
-    t2 = time.perf_counter()
     size = store.stats()["bytes_stored"]
-    print(f"file layer, {blocks} blocks of {size // blocks} bytes under {root}: write "
-          f"{size / (t1 - t0) / 1e9:.2f} GB/s, read {size / (t2 - t1) / 1e9:.2f} GB/s")
+    res = {"bytes": size, "runs": runs, "run_blocks": run_blocks,
+           "write_GBps": size / (t1 - t0) / 1e9}
+    buffers = _Buffers(2 * max(threads))
+
+    def reused(h):  # the engine's way: a pooled buffer, handed back once its data has gone on
+        run = store.read(h, "shared", pad=run_rows, alloc=buffers.take)
+        buffers.give(run.kv)
+        return run
+    for mode, fn in (("fresh", lambda h: store.read(h, "shared", pad=run_rows)),
+                     ("reused", reused)):
+        for n in threads:
+            with cf.ThreadPoolExecutor(n) as pool:
+                t2 = time.perf_counter()
+                got = list(pool.map(fn, starts))
+                t3 = time.perf_counter()
+            assert all(r is not None and r.n == run_blocks for r in got)
+            res[f"read_GBps_{mode}_{n}_threads"] = size / (t3 - t2) / 1e9
+    print(f"file layer, {runs} runs of {run_blocks} blocks ({size / runs / 1e6:.1f} MB each) "
+          f"under {root}: write {res['write_GBps']:.2f} GB/s (1 thread); read GB/s by threads "
+          + "; ".join(f"{mode} buffers " + ", ".join(
+              f"{n}: {res[f'read_GBps_{mode}_{n}_threads']:.2f}" for n in threads)
+              for mode in ("fresh", "reused")))
     shutil.rmtree(root, ignore_errors=True)
+    return res
 
 
 def main(argv=None) -> int:
@@ -209,7 +247,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--min-token-bucket", type=int, default=2048)
-    ap.add_argument("--phases", default="cold,nostore,prewarm,warm")
+    ap.add_argument("--phases", default="nostore,cold,prewarm,warm")
+    ap.add_argument("--phase-timeout", type=int, default=300, help="seconds per phase process")
+    ap.add_argument("--io", action="store_true", help="time the file layer first")
+    ap.add_argument("--all-blocks", action="store_true",
+                    help="store every block, not span blocks only")
     ap.add_argument("--drop-page-cache", action="store_true",
                     help="drop the OS page cache before the warm phase (root; a machine of "
                          "your own only), so its reads come from the disk")

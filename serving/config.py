@@ -70,9 +70,12 @@ class Config:
     async_scheduling: bool = True
     # Persistent span store (serving/disk_store.py): a folder under the host tier where cached
     # blocks are written once and read back by any later process of the same model and settings;
-    # None = off. kv_store_gb: its size, least recently used blocks deleted past it.
+    # None = off. kv_store_gb: its size (every file in the folder), least recently used runs
+    # deleted past it. kv_store_spans_only: store SSEP span blocks only (not the prompt parts
+    # around them, e.g. one-off questions).
     kv_store_dir: str | None = None
     kv_store_gb: float = 64.0
+    kv_store_spans_only: bool = False
     # Hybrid models (prefix caching with recurrent checkpoints, serving/hybrid_prefix.py): where a
     # prefill takes checkpoints ("none", "last", "block", "balanced", "dp": serving/
     # checkpoint_plan.py), at most checkpoints_per_prompt per prompt (None: min(4, device slots

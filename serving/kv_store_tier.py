@@ -1,67 +1,108 @@
 """The disk tier under the host tier, as the engine and scheduler see it (`kv_store_dir`).
 
-Reads: before a request is admitted, the blocks it could hit that are neither on the device nor
-in the host tier are read from the store by a thread pool (`prefetch`, called for the next
-waiting requests while the device computes a step). A read is verified (checksum, and the file's
-tokens against the request's) before the block is *staged*; the scheduler sees only staged
-blocks as hits (`contains`), so a bad file is a plain miss, never a planned hit that fails. A read
-still in flight when its request is admitted is waited for; a block that was not read ahead (the
-staging memory was full) is read then. Staged blocks are copied into device blocks with the host
-tier's copy-ins (`get`).
+Reads: before a request is admitted, the runs (files) it could hit at blocks that are neither
+on the device nor in the host tier are read from the store by a thread pool (`prefetch`, called
+for the next waiting requests while the device computes a step). A read is verified (checksum,
+and the file's keys and tokens against the request's) before its blocks are *staged*; the
+scheduler sees only staged blocks as hits (`contains`), so a bad file is a plain miss, never a
+planned hit that fails. A read still in flight when its request is admitted is waited for; one
+that was not started (the staging memory was full) is done then. Staged blocks are copied into
+device blocks with the host tier's copy-ins (`get`), one transfer per run.
 
-Writes: every block a step completes under its hash (`note_ready`) is gathered from the device at
-the start of the next step (before anything can overwrite it) and written by a writer thread;
-`flush` waits for all of them.
+Writes: every block a step completes under its hash (`note_ready`; with `spans_only`, SSEP span
+blocks only, so one-off questions do not fill the store) is gathered from the device at the
+start of the next step (before anything can overwrite it) and written by a writer thread, one
+file per run of consecutive blocks of one segment; `flush` waits for all of them.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import functools
+import os
+import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from serving.disk_store import DiskStore, namespace
-from serving.offload import PageMover, _bucket
+from serving.run_file import Run, run_rows
+from serving.kv_store_moves import ChunkedPageMover, _Staged  # noqa: F401 (engine import)
 
-CHUNK_BLOCKS = 256  # page moves per jitted call: bounded compiles (4..256), warmed up front
+
+class _Want:
+    """A run read for one sequence: the blocks it expects from `start` on (to its segment's end
+    or its hit limit), their namespace and tokens."""
+
+    __slots__ = ("start", "ns", "hashes", "confirm")
+
+    def __init__(self, ns: str, hashes: list[int], confirm: bytes):
+        self.start, self.ns, self.hashes, self.confirm = hashes[0], ns, hashes, confirm
 
 
-class _Staged:
-    """A staged block: its pages [L, B, ...] as read; `materialize()[leaf][row]` is the host
-    tier's batch shape (for copy-ins mixed with host-tier blocks)."""
+def _matched(run: Run, want: _Want, block_bytes: int) -> int:
+    """How many leading blocks of the run are the wanted ones (same keys, same tokens)."""
+    k = min(run.n, len(want.hashes))
+    same = run.hashes[:k] == np.asarray(want.hashes[:k], np.uint64)
+    m = k if same.all() else int(np.argmin(same))
+    if run.tokens[:m].tobytes() != want.confirm[:m * block_bytes]:  # a 64-bit hash collision
+        mine = np.frombuffer(want.confirm[:m * block_bytes], np.int64).reshape(m, -1)
+        m = int(np.argmin((run.tokens[:m] == mine).all(axis=1)))
+    return m
 
-    def __init__(self, kv):
-        self.kv = kv
 
-    def materialize(self):
-        return [self.kv[i][None] for i in range(self.kv.shape[0])]
+class _Buffers:
+    """Host arrays for run reads, reused once their data is on the device: reading into pages
+    already mapped runs at memory speed, where fresh ones are faulted in (and, on a VM whose
+    memory grows on demand, first granted) page by page."""
+
+    def __init__(self, per_shape: int):
+        self.per_shape = per_shape
+        self.free: dict[tuple, list] = collections.defaultdict(list)
+        self.lock = threading.Lock()
+
+    def take(self, shape, dtype) -> np.ndarray:
+        with self.lock:
+            stack = self.free.get((tuple(shape), np.dtype(dtype)))
+            if stack:
+                return stack.pop()
+        return np.empty(shape, dtype)
+
+    def give(self, a: np.ndarray) -> None:
+        with self.lock:
+            stack = self.free[(a.shape, a.dtype)]
+            if len(stack) < self.per_shape:
+                stack.append(a)
 
 
 class KVStoreTier:
     def __init__(self, store: DiskStore, keys, *, bytes_per_block: int, staging_bytes: int,
-                 lookahead: int, read_workers: int = 8, write_workers: int = 2):
+                 lookahead: int, spans_only: bool = False, read_workers: int | None = None,
+                 write_workers: int = 4, send: bool = True):
+        read_workers = read_workers or min(16, max(4, os.cpu_count() or 4))  # page-cache copies
+        # and checksums release the GIL: they scale with cores
         self.store = store
         self.keys = keys  # serving.prefix_keys.PrefixKeys: block keys and tokens of a sequence
-        self.bytes_per_block = max(bytes_per_block, 1)
-        self.staging_blocks = max(staging_bytes // self.bytes_per_block, 1)
+        self.spans_only = spans_only  # store (and look up) SSEP span blocks only
+        self.block_bytes = 8 * keys.block_size  # a block's tokens as int64 bytes
+        self.staging_blocks = max(staging_bytes // max(bytes_per_block, 1), 1)
         self.lookahead = lookahead
-        self.staged: collections.OrderedDict[int, list] = collections.OrderedDict()
-        self.reads: dict[int, cf.Future] = {}
-        self.wanted: dict[int, tuple[str, bytes]] = {}  # hash -> (ns, tokens) of stored blocks
-        # that waiting requests could hit (read ahead, or at admission if not staged by then)
-        self.unread: collections.deque[int] = collections.deque()  # wanted, no read started
+        self.send = send  # reader threads send each run to the device
+        self.buffers = _Buffers(2 * read_workers)
+        self.staged: collections.OrderedDict[int, _Staged] = collections.OrderedDict()
+        self.reads: dict[int, tuple[cf.Future, _Want]] = {}  # start hash -> read in flight
+        self.queue: collections.deque[_Want] = collections.deque()  # no room to read yet
+        self.queued: dict[int, _Want] = {}  # start hash -> want in `queue`
+        self.pending: dict[int, int] = {}  # block hash -> start of the read expected to hold it
+        self.inflight_blocks = 0
         self.readers = cf.ThreadPoolExecutor(read_workers, thread_name_prefix="kv-store-read")
         self.writers = cf.ThreadPoolExecutor(write_workers, thread_name_prefix="kv-store-write")
         self.writes: list[cf.Future] = []
-        self.queued: set[int] = set()  # hashes written or being written by this process
-        self.to_write: list[tuple] = []  # (block, hash, tokens, ns) gathered next step
-        self.counters = dict(prefetched=0, staged_hits=0, read_wait_s=0.0, sync_reads=0,
-                             writes_queued=0)
+        self.written: set[int] = set()  # hashes written or being written by this process
+        self.to_write: list[tuple] = []  # (block, hash, tokens, ns, new run) gathered next step
+        self.counters = dict(prefetched_runs=0, staged_hits=0, read_wait_s=0.0, sync_reads=0,
+                             writes_queued=0, follow_up_reads=0, copy_in_s=0.0, copy_in_runs=0)
 
     # -- the scheduler's lower tier ------------------------------------------------------------
     def contains(self, h) -> bool:
@@ -69,89 +110,144 @@ class KVStoreTier:
             return False
         if h in self.staged:
             return True
-        fut = self.reads.get(h)
-        if fut is None and h not in self.wanted:
-            return False
-        t0 = time.perf_counter()
-        if fut is not None:
-            self._harvest(h, fut.result())
-        else:  # not read ahead: read it now
-            self.counters["sync_reads"] += 1
-            ns, tokens = self.wanted[h]
-            self._harvest(h, self.store.read(h, ns, tokens))
-        self.counters["read_wait_s"] += time.perf_counter() - t0
-        if h not in self.staged:
-            self.wanted.pop(h, None)  # corrupt or gone: a miss from now on
-            return False
-        return True
+        start = self.pending.get(h)
+        while start is not None:  # wait for the read that should hold it (or read it now)
+            t0 = time.perf_counter()
+            if start in self.reads:
+                fut, want = self.reads[start]
+                run = fut.result()
+            else:
+                want = self.queued.pop(start)
+                self.counters["sync_reads"] += 1
+                run = self._read(want)
+            self._harvest(want, run)
+            self.counters["read_wait_s"] += time.perf_counter() - t0
+            if h in self.staged:
+                return True
+            start = self.pending.get(h)  # a follow-up read may hold it
+        return False
+
+    def ready(self, seq) -> bool:
+        """No read that the request waits for is still in flight or queued (the scheduler then
+        admits it without blocking; a step with other work runs first otherwise)."""
+        return not any(h in self.pending for hashes in getattr(seq, "kv_store_wants", ())
+                       for h in hashes)
 
     def get(self, h):
         self.counters["staged_hits"] += 1
-        self.wanted.pop(h, None)
-        return _Staged(self.staged.pop(h)), 0
+        return self.staged.pop(h), 0
 
-    def _harvest(self, h, leaves) -> None:
-        self.reads.pop(h, None)
-        if leaves is not None:
-            self.staged[h] = leaves
+    def _harvest(self, want: _Want, run: Run | None) -> None:
+        """Stage the blocks of a finished read that the request wanted; read on where the run
+        ended early (a span written in two steps is two files)."""
+        if self.reads.pop(want.start, None) is not None:
+            self.inflight_blocks -= len(want.hashes)
+        for x in want.hashes:
+            if self.pending.get(x) == want.start:
+                del self.pending[x]
+        m = 0 if run is None else _matched(run, want, self.block_bytes)
+        for i in range(m):
+            self.staged[want.hashes[i]] = _Staged(run, i)
+        # read on from the next block that starts a file (the run ended early, or was bad)
+        nxt = next((i for i in range(max(m, 1), len(want.hashes))
+                    if self.store.has(want.hashes[i], want.ns)), None)
+        if nxt is not None:
+            self.counters["follow_up_reads"] += 1
+            self._enqueue(_Want(want.ns, want.hashes[nxt:],
+                                want.confirm[nxt * self.block_bytes:]))
+            self._start_reads()
 
     # -- prefetch ------------------------------------------------------------------------------
     def begin_step(self, waiting, bm, host) -> None:
         """Collect finished reads, drop the oldest staged blocks past the staging size, and
         prefetch for the next waiting requests (the first step has had no earlier chance)."""
-        for h, fut in list(self.reads.items()):
+        for fut, want in list(self.reads.values()):
             if fut.done():
-                self._harvest(h, fut.result())
+                self._harvest(want, fut.result())
         while len(self.staged) > self.staging_blocks:
             self.staged.popitem(last=False)
         self.prefetch(waiting, bm, host)
 
     def prefetch(self, waiting, bm, host) -> None:
-        """Note the blocks the next `lookahead` waiting requests could hit that are on no faster
-        tier and in the store, and start reading them while the staging memory has room."""
-        if len(self.wanted) > 64 * self.staging_blocks:  # entries nobody came back for
-            self.wanted = {h: v for h, v in self.wanted.items() if h in self.reads}
+        """Find the runs in the store that the next `lookahead` waiting requests could hit (at
+        blocks on no faster tier) and start reading them while the staging memory has room."""
         for k, seq in enumerate(waiting):
             if k >= self.lookahead:
                 break
             if getattr(seq, "kv_store_scanned", False) or seq.is_span_job:
                 continue
             seq.kv_store_scanned = True
-            hashes, ns = self.keys.hashes(seq), namespace(seq.cache_salt)
-            for j in range(self.keys.hit_limit(seq)):
-                h = hashes[j]
-                if (h in bm.table or (host is not None and host.contains(h)) or h in self.staged
-                        or h in self.reads or not self.store.has(h, ns)):
-                    continue
-                self.wanted[h] = (ns, self.keys.confirm(seq, j))
-                self.unread.append(h)
+            self._scan(seq, bm, host)
         self._start_reads()
 
-    def _start_reads(self) -> None:
-        """Read wanted blocks, oldest request first, while the staging memory has room."""
-        room = self.staging_blocks - len(self.staged) - len(self.reads)
-        while room > 0 and self.unread:
-            h = self.unread.popleft()
-            if h not in self.wanted or h in self.staged or h in self.reads:
+    def _scan(self, seq, bm, host) -> None:
+        hashes, ns, limit = self.keys.hashes(seq), namespace(seq.cache_salt), \
+            self.keys.hit_limit(seq)
+        lay, raw = seq.layout, self.keys.token_bytes(seq)
+        starts = np.flatnonzero(lay.seg_start)
+        seq.kv_store_wants, j = [], 0
+        while j < limit:
+            h = hashes[j]
+            if (self.spans_only and not _in_span(lay, j)) or h in bm.table or h in self.staged \
+                    or h in self.pending or (host is not None and host.contains(h)) \
+                    or not self.store.has(h, ns):
+                j += 1
                 continue
-            self.reads[h] = self.readers.submit(self.store.read, h, *self.wanted[h])
-            self.counters["prefetched"] += 1
-            room -= 1
+            nxt = starts[np.searchsorted(starts, j, side="right"):]
+            end = min(limit, int(nxt[0]) if len(nxt) else limit)
+            self._enqueue(_Want(ns, hashes[j:end], raw[j * self.block_bytes:
+                                                        end * self.block_bytes]))
+            seq.kv_store_wants.append(hashes[j:end])
+            j = end
+
+    def _enqueue(self, want: _Want) -> None:
+        for x in want.hashes:
+            self.pending.setdefault(x, want.start)
+        self.queue.append(want)
+        self.queued[want.start] = want
+
+    def _start_reads(self) -> None:
+        """Start queued reads, oldest request first, while the staging memory has room."""
+        while self.queue and (self.inflight_blocks + len(self.staged) < self.staging_blocks
+                              or not self.reads):
+            want = self.queue.popleft()
+            if self.queued.pop(want.start, None) is not want:
+                continue  # read at admission already
+            fut = self.readers.submit(self._read, want)
+            self.reads[want.start] = (fut, want)
+            self.inflight_blocks += len(want.hashes)
+            self.counters["prefetched_runs"] += 1
+
+    def _read(self, want: _Want) -> Run | None:
+        """A reader thread: read and verify the run, and start its transfer to the device (the
+        copy-in is then one scatter on device: the host side of the transfer runs here, in
+        parallel, not on the engine's thread)."""
+        run = self.store.read(want.start, want.ns, pad=run_rows, alloc=self.buffers.take)
+        if run is not None and self.send:
+            run.dev = jax.device_put(run.kv)
+            run.dev.block_until_ready()  # here, in parallel: then the buffer is free again
+            if run.dev.unsafe_buffer_pointer() != run.kv.ctypes.data:  # copied, not aliased
+                self.buffers.give(run.kv)
+                run.kv = None
+        return run
 
     # -- writes --------------------------------------------------------------------------------
     def note_ready(self, batch, ready_before, bm) -> None:
-        """After scheduler.advance: queue the blocks each sequence completed under its key."""
+        """After scheduler.advance: queue the blocks each sequence completed under its key
+        (span blocks only with `spans_only`), marking where a new run (file) starts."""
         for e, j0 in zip(batch, ready_before):
             seq = e.seq
-            hashes = seq.block_hashes or ()
+            hashes, lay, prev = seq.block_hashes or (), seq.layout, None
             for j in range(j0, min(seq.ready_ptr, len(hashes))):
-                if j not in seq.owned:
+                if j not in seq.owned or (self.spans_only and not _in_span(lay, j)):
                     continue
                 b, h = seq.block_table[j], hashes[j]
-                if bm.hash[b] != h or not bm.ready[b] or h in self.queued:
+                if bm.hash[b] != h or not bm.ready[b] or h in self.written:
                     continue
-                self.queued.add(h)
-                self.to_write.append((b, h, bm.confirm[b], namespace(seq.cache_salt)))
+                self.written.add(h)
+                new = prev != j - 1 or (j < len(lay.seg_start) and bool(lay.seg_start[j]))
+                self.to_write.append((b, h, bm.confirm[b], namespace(seq.cache_salt), new))
+                prev = j
 
     def dispatch_writes(self, mover, cache) -> None:
         """Gather the queued blocks (a device call ordered before the step that follows) and
@@ -166,8 +262,11 @@ class KVStoreTier:
 
     def _write(self, batch, rows) -> None:
         host = batch.materialize()
-        for row, (_, h, tokens, ns) in enumerate(rows):
-            self.store.write(h, ns, [a[row] for a in host], tokens)
+        cuts = [r for r, row in enumerate(rows) if r == 0 or row[4] or row[3] != rows[r - 1][3]]
+        for r0, r1 in zip(cuts, cuts[1:] + [len(rows)]):
+            part = rows[r0:r1]
+            self.store.write(part[0][3], [h for _, h, *_ in part],
+                             b"".join(t for _, _, t, *_ in part), [a[r0:r1] for a in host])
 
     def flush(self, mover, cache) -> None:
         """Write everything queued so far and wait for the files (errors surface here)."""
@@ -179,78 +278,14 @@ class KVStoreTier:
     def stats(self) -> dict:
         out = self.store.stats()
         out.update(self.counters, staged_blocks=len(self.staged), reads_in_flight=len(self.reads),
-                   wanted_blocks=len(self.wanted))
+                   pending_blocks=len(self.pending))
         return out
 
 
-class ChunkedPageMover(PageMover):
-    """PageMover in chunks of at most CHUNK_BLOCKS pages (a warm store copies in thousands of
-    blocks per step; power-of-two buckets up to that would each compile mid-run), with a
-    vectorized host side for staged store blocks (one concatenate per leaf, not a copy per
-    block and leaf)."""
-
-    def gather(self, cache, blocks):
-        if len(blocks) <= CHUNK_BLOCKS:
-            return super().gather(cache, blocks)
-        return _Chunks([super(ChunkedPageMover, self).gather(cache, blocks[i:i + CHUNK_BLOCKS])
-                        for i in range(0, len(blocks), CHUNK_BLOCKS)])
-
-    def scatter(self, cache, blocks, sources):
-        for i in range(0, len(blocks), CHUNK_BLOCKS):
-            part, src = blocks[i:i + CHUNK_BLOCKS], sources[i:i + CHUNK_BLOCKS]
-            if all(isinstance(b, _Staged) for b, _ in src):
-                cache = self._scatter_staged(cache, part, [b.kv for b, _ in src])
-            else:
-                cache = super().scatter(cache, part, src)
-        return cache
-
-    def _scatter_staged(self, cache, blocks, kvs):
-        """One host stack and one transfer per chunk; the leaves are split on device."""
-        n, nb = len(blocks), _bucket(len(blocks))
-        ids = np.full(nb, self.num_pages, np.int32)  # out of range rows are dropped
-        ids[:n] = blocks
-        packed = np.empty((nb,) + kvs[0].shape, kvs[0].dtype)  # [n, L, B, ...]
-        for k, kv in enumerate(kvs):
-            packed[k] = kv
-        packed[n:] = 0
-        return self._scatter_packed(cache, jnp.asarray(ids), jnp.asarray(packed))
-
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
-    def _scatter_packed(self, cache, ids, packed):
-        leaves, treedef = jax.tree.flatten(cache)
-        out, k = [], 0
-        for x in leaves:
-            if self._is_page(x):
-                x = x.at[ids].set(packed[:, k].astype(x.dtype), mode="drop")
-                k += 1
-            out.append(x)
-        return jax.tree.unflatten(treedef, out)
-
-    def warmup(self, cache):
-        """Compile every chunk bucket of gather and scatter (scatter rows all dropped)."""
-        host = super().gather(cache, [0]).materialize()
-        kv = np.stack([a[0] for a in host])  # [L, B, ...]
-        n = 4
-        while n <= CHUNK_BLOCKS:
-            super().gather(cache, [0] * n).materialize()
-            cache = self._scatter_staged(cache, [self.num_pages] * n, [kv] * n)
-            n *= 2
-        return cache
-
-
-class _Chunks:
-    """Several gathered batches read as one (`materialize()` -> leaves over all rows)."""
-
-    def __init__(self, parts):
-        self.parts = parts
-        self.host = None
-
-    def materialize(self):
-        if self.host is None:
-            host = [p.materialize() for p in self.parts]
-            self.host = [np.concatenate(xs) for xs in zip(*host)]
-            self.parts = None
-        return self.host
+def _in_span(lay, j: int) -> bool:
+    """Block j lies in an SSEP span (generated blocks extend the prompt's last segment)."""
+    sb = lay.span_block
+    return bool(sb[j]) if j < len(sb) else bool(len(sb) and sb[-1])
 
 
 class LowerTiers:
@@ -262,6 +297,9 @@ class LowerTiers:
 
     def contains(self, h) -> bool:
         return (self.host is not None and self.host.contains(h)) or self.disk.contains(h)
+
+    def ready(self, seq) -> bool:
+        return self.disk.ready(seq)
 
     def get(self, h):
         if self.host is not None and self.host.contains(h):
@@ -279,7 +317,6 @@ def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, mod
     folder was made by another model or settings)."""
     from serving.disk_store import StoreIdentity
     from serving.offload import page_leaf
-    import jax
     leaves = tuple((tuple(x.shape[1:]), x.dtype.name) for x in jax.tree.leaves(cache)
                    if page_leaf(x, num_blocks, config.block_size))
     identity = StoreIdentity(
@@ -289,4 +326,4 @@ def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, mod
         leaves=leaves)
     store = DiskStore(config.kv_store_dir, identity, int(config.kv_store_gb * (1 << 30)))
     return KVStoreTier(store, keys, bytes_per_block=bytes_per_block, staging_bytes=STAGING_BYTES,
-                       lookahead=config.max_num_seqs)
+                       lookahead=config.max_num_seqs, spans_only=config.kv_store_spans_only)

@@ -103,7 +103,8 @@ class LLMEngine:
                                           model_name=loaded.source, markers=self.markers,
                                           bytes_per_block=self.bytes_per_block)
             self.scheduler.offload = LowerTiers(self.offload, self.kv_store)
-            self.mover = ChunkedPageMover(num_blocks, config.block_size)
+            self.mover = ChunkedPageMover(num_blocks, config.block_size,
+                                          counters=self.kv_store.counters)
         self.seed = seed
         self._counter = itertools.count()
         self.stats = EngineStats()

@@ -292,8 +292,11 @@ class Scheduler:
                 budget -= idx.size
 
         # 3. admissions
+        ready = getattr(self.offload, "ready", None)  # the span store's reads of a request
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if batch and ready is not None and not ready(seq):
+                break  # still reading its stored blocks: this step runs without it
             if not self._try_allocate(seq, self.free_seats):
                 break
             self.waiting.popleft()

@@ -47,6 +47,20 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _stored_blocks(store, ns="shared") -> int:
+    return sum(len(store.fmt.stored_hashes(f)) for f in (store.root / ns).rglob("*.safetensors"))
+
+
+def _span_run(llm, prompt, cache_salt=None):
+    """(block keys of the prompt, index of its span's first block)."""
+    from serving.sequence import Sequence
+    eng = llm.llm_engine
+    lay = eng.validate("probe", prompt, SP)
+    hashes = eng.scheduler.keys.hashes(Sequence("probe", prompt, lay, SP, B, seed=0,
+                                                            cache_salt=cache_salt))
+    return hashes, int(np.flatnonzero(lay.span_start)[0])
+
+
 def test_stored_blocks_hit_in_another_engine_and_corrupt_files_are_recomputed(store_pair,
                                                                               fresh_rng):
     writer, reader, root = store_pair
@@ -55,20 +69,18 @@ def test_stored_blocks_hit_in_another_engine_and_corrupt_files_are_recomputed(st
     ref = writer.generate(prompts, SP, use_tqdm=False)  # cold: the store is empty
     assert all(o.num_cached_tokens == 0 for o in ref)
     blocks = [(len(p) - 1) // B for p in prompts]  # full blocks before the last one
-    files = sorted((root / "shared").rglob("*.safetensors"))
-    assert len(files) == sum(blocks) == writer.llm_engine.get_stats()["kv_store"]["blocks_stored"]
-    # damage two blocks of prompt 0's span: one truncated, one with a flipped byte at the end
     store = reader.llm_engine.kv_store.store
-    from serving.sequence import Sequence
-    lay = reader.llm_engine.validate("probe", prompts[0], SP)
-    hashes = reader.llm_engine.scheduler.keys.hashes(Sequence("probe", prompts[0], lay, SP, B,
-                                                              seed=0))
-    victims = [store.path(h, "shared") for h in hashes[1:3]]
-    data = victims[0].read_bytes()
-    victims[0].write_bytes(data[:len(data) // 2])
-    data = bytearray(victims[1].read_bytes())
-    data[-7] ^= 0x10
-    victims[1].write_bytes(bytes(data))
+    assert _stored_blocks(store) == sum(blocks) == \
+        writer.llm_engine.get_stats()["kv_store"]["blocks_written"]
+    # damage the first run (file) of the spans of prompts 0 and 1: one truncated, one with a
+    # flipped byte at the end; a span computed over several steps is several runs
+    lost = []
+    for k, damage in ((0, lambda d: d[:len(d) // 2]),
+                      (1, lambda d: d[:-7] + bytes([d[-7] ^ 0x10]) + d[-6:])):
+        hashes, j = _span_run(reader, prompts[k])
+        victim = store.path(hashes[j], "shared")
+        lost.append(len(store.fmt.stored_hashes(victim)))
+        victim.write_bytes(damage(victim.read_bytes()))
 
     with pytest.warns(RuntimeWarning, match="corrupt"):
         warm = reader.generate(prompts, SP, use_tqdm=False)
@@ -76,9 +88,55 @@ def test_stored_blocks_hit_in_another_engine_and_corrupt_files_are_recomputed(st
     kv = reader.llm_engine.get_stats()["kv_store"]
     assert kv["corrupt"] == 2, kv
     for k, (o, n) in enumerate(zip(warm, blocks)):
-        assert o.num_cached_tokens == (n - (2 if k == 0 else 0)) * B, (k, o.num_cached_tokens)
-    assert all(v.exists() for v in victims)  # recomputed and written again, whole
-    assert all(store.read(h, "shared") is not None for h in hashes[1:3])
+        assert o.num_cached_tokens == (n - (lost[k] if k < 2 else 0)) * B, (k, o.num_cached_tokens)
+    for k in (0, 1):  # recomputed and written again, whole
+        hashes, j = _span_run(reader, prompts[k])
+        assert store.read(hashes[j], "shared") is not None
+
+
+def test_spans_only_stores_span_blocks_alone(store_pair, fresh_rng):
+    writer, reader, root = store_pair
+    tier = writer.llm_engine.kv_store
+    docs = _docs(fresh_rng, 2)
+    prompts = _prompts(writer, fresh_rng, docs)
+    tier.spans_only = True
+    try:
+        writer.generate(prompts, SP, use_tqdm=False, cache_salt="spans-only")
+    finally:
+        tier.spans_only = False
+    ns = namespace("spans-only")
+    span_blocks = [-(-(len(d) + 1) // B) for d in docs]  # SSEP + doc, padded to full blocks
+    assert _stored_blocks(tier.store, ns) == sum(span_blocks)
+    for p in prompts:  # no file for the question or the header
+        hashes, j = _span_run(writer, p, "spans-only")
+        assert not tier.store.has(hashes[0], ns) and tier.store.has(hashes[j], ns)
+    out = reader.generate(_prompts(reader, fresh_rng, docs), SP, use_tqdm=False,
+                          cache_salt="spans-only")
+    assert [o.num_cached_tokens for o in out] == [n * B for n in span_blocks]
+
+
+def test_request_is_ready_once_its_reads_are_harvested(store_pair, fresh_rng):
+    """The scheduler holds a request back (when the step has other work) while `ready` is
+    False: from its scan until every read it waits for is staged."""
+    from serving.sequence import Sequence
+    writer, reader, _ = store_pair
+    docs = _docs(fresh_rng, 1)
+    writer.cache_spans(docs)
+    prompt = _prompts(reader, fresh_rng, docs)[0]
+    eng = reader.llm_engine
+    seq = Sequence("probe", prompt, eng.validate("probe", prompt, SP), SP, B, seed=0)
+    tier = eng.kv_store
+    assert tier.ready(seq)  # not scanned: nothing to wait for
+    tier.prefetch([seq], eng.bm, None)
+    assert seq.kv_store_wants and not tier.ready(seq)
+    while tier.reads or tier.queue:
+        for fut, _ in list(tier.reads.values()):
+            fut.result()
+        tier.begin_step([], eng.bm, None)
+    assert tier.ready(seq)
+    hashes, j = _span_run(reader, prompt)
+    assert all(h in tier.staged for h in hashes[j:j + -(-(len(docs[0]) + 1) // B)])
+    tier.staged.clear()
 
 
 def test_cache_spans_prewarms_per_cache_salt_namespace(store_pair, fresh_rng):
@@ -114,20 +172,23 @@ def _identity(**kw):
     return StoreIdentity(**base)
 
 
-def _block(rng):
-    return [rng.standard_normal((4, 2, 8)).astype(np.float32) for _ in range(2)]
+def _run(rng, hashes):
+    """(hashes, tokens bytes, leaves [n, 4, 2, 8] x 2) of a run."""
+    n = len(hashes)
+    tokens = np.stack([np.arange(h, h + 4) for h in hashes]).astype(np.int64).tobytes()
+    return hashes, tokens, [rng.standard_normal((n, 4, 2, 8)).astype(np.float32)
+                            for _ in range(2)]
 
 
 def test_two_writers_one_store(tmp_path, fresh_rng):
     a = DiskStore(tmp_path, _identity(), 1 << 30)
     b = DiskStore(tmp_path, _identity(), 1 << 30)
-    blocks = {h: (_block(fresh_rng), np.arange(h, h + 4, dtype=np.int64).tobytes())
-              for h in range(1, 41)}
+    runs = {10 * k: _run(fresh_rng, list(range(10 * k, 10 * k + 3))) for k in range(1, 21)}
 
     def fill(store, order):
         for h in order:
-            store.write(h, "shared", *blocks[h])
-    hs = list(blocks)
+            store.write("shared", *runs[h])
+    hs = list(runs)
     threads = [threading.Thread(target=fill, args=(s, o)) for s, o in
                ((a, hs), (b, hs[::-1]), (a, hs[::2]), (b, hs[1::2]))]
     for t in threads:
@@ -136,39 +197,99 @@ def test_two_writers_one_store(tmp_path, fresh_rng):
         t.join()
     assert not list(tmp_path.rglob("*.tmp"))
     fresh = DiskStore(tmp_path, _identity(), 1 << 30)
-    assert fresh.stats()["blocks_stored"] == len(blocks)
-    for h, (leaves, tokens) in blocks.items():
-        got = fresh.read(h, "shared", tokens)
-        assert got is not None and np.array_equal(got, np.stack(leaves)), h
-    # a plain safetensors file: the reference reader sees the same pages and tokens
+    assert fresh.stats()["runs_stored"] == len(runs)
+    for h, (hashes, tokens, leaves) in runs.items():
+        got = fresh.read(h, "shared")
+        assert got.hashes.tolist() == hashes and got.tokens.tobytes() == tokens, h
+        assert np.array_equal(got.kv, np.stack(leaves)), h
+    # a plain safetensors file: the reference reader sees the same pages, tokens and keys
     import safetensors.numpy
-    ref = safetensors.numpy.load((fresh.path(5, "shared")).read_bytes())
-    assert np.array_equal(ref["kv"].view(np.float32), np.stack(blocks[5][0]))
-    assert ref["tokens"].tobytes() == blocks[5][1]
-    assert fresh.read(1, "shared", blocks[2][1]) is None  # other tokens: a miss, not a hit
+    ref = safetensors.numpy.load((fresh.path(50, "shared")).read_bytes())
+    assert np.array_equal(ref["kv"].view(np.float32), np.stack(runs[50][2]))
+    assert ref["tokens"].tobytes() == runs[50][1] and ref["hashes"].tolist() == [50, 51, 52]
+
+
+def test_runs_extend_as_a_prefix_tree_and_reads_pad_rows(tmp_path, fresh_rng):
+    store = DiskStore(tmp_path, _identity(), 1 << 30)
+    assert store.write("shared", *_run(fresh_rng, [1, 2, 3])) == 3
+    assert store.write("shared", *_run(fresh_rng, [1, 2, 3])) == 0  # all there
+    longer = _run(fresh_rng, [1, 2, 3, 4, 5])
+    assert store.write("shared", *longer) == 2  # only past the common prefix, under key 4
+    assert store.write("shared", *_run(fresh_rng, [1, 2, 9])) == 1  # a branch at block 2
+    got = store.read(4, "shared", pad=lambda n: 8)
+    assert got.hashes.tolist() == [4, 5] and got.kv.shape == (2, 8, 4, 2, 8)
+    assert np.array_equal(got.kv[:, :2], np.stack(longer[2])[:, 3:])
+    assert store.read(9, "shared").hashes.tolist() == [9]
+    assert not store.has(2, "shared") and store.read(2, "shared") is None
+
+
+def test_matched_prefix_needs_same_keys_and_tokens(tmp_path, fresh_rng):
+    from serving.kv_store_tier import _matched, _Want
+    store = DiskStore(tmp_path, _identity(), 1 << 30)
+    hashes, tokens, leaves = _run(fresh_rng, [1, 2, 3])
+    store.write("shared", hashes, tokens, leaves)
+    run = store.read(1, "shared")
+    assert _matched(run, _Want("shared", [1, 2, 3, 4], tokens + bytes(32)), 32) == 3
+    assert _matched(run, _Want("shared", [1, 2, 7], tokens), 32) == 2
+    other = bytearray(tokens)
+    other[40] ^= 1  # block 1's tokens differ under the same key: a collision, not a hit
+    assert _matched(run, _Want("shared", [1, 2, 3], bytes(other)), 32) == 1
+
+
+def test_truncated_or_flipped_file_is_a_miss_and_removed(tmp_path, fresh_rng):
+    store = DiskStore(tmp_path, _identity(), 1 << 30)
+    for h in (1, 5):
+        store.write("shared", *_run(fresh_rng, [h, h + 1]))
+    p1, p5 = store.path(1, "shared"), store.path(5, "shared")
+    p1.write_bytes(p1.read_bytes()[:-3])
+    data = bytearray(p5.read_bytes())
+    data[-200] ^= 0x01
+    p5.write_bytes(bytes(data))
+    for h in (1, 5):
+        with pytest.warns(RuntimeWarning, match="corrupt"):
+            assert store.read(h, "shared") is None
+        assert not store.has(h, "shared")
+    assert store.stats()["corrupt"] == 2
 
 
 def test_lru_eviction_to_capacity(tmp_path, fresh_rng):
     probe = DiskStore(tmp_path / "probe", _identity(), 1 << 30)
-    probe.write(1, "shared", _block(fresh_rng), bytes(32))
+    probe.write("shared", *_run(fresh_rng, [1]))
     size = probe.stats()["bytes_stored"]
     store = DiskStore(tmp_path / "s", _identity(), int(3.5 * size))
     for h in (1, 2, 3):
-        store.write(h, "shared", _block(fresh_rng), bytes(32))
+        store.write("shared", *_run(fresh_rng, [h]))
     assert store.read(1, "shared") is not None  # 1 is now the most recently used
-    store.write(4, "shared", _block(fresh_rng), bytes(32))
+    store.write("shared", *_run(fresh_rng, [4]))
     assert not store.has(2, "shared") and all(store.has(h, "shared") for h in (1, 3, 4))
     assert store.stats()["evicted"] == 1
+
+
+def test_capacity_counts_every_process_files(tmp_path, fresh_rng):
+    """kv_store_gb bounds the folder, not one process's share of it."""
+    probe = DiskStore(tmp_path / "probe", _identity(), 1 << 30)
+    probe.write("shared", *_run(fresh_rng, [1]))
+    size = probe.stats()["bytes_stored"]
+    a = DiskStore(tmp_path / "s", _identity(), int(3.5 * size), rescan_s=0.0)
+    b = DiskStore(tmp_path / "s", _identity(), int(3.5 * size), rescan_s=0.0)
+    for h in (1, 2):
+        a.write("shared", *_run(fresh_rng, [h]))
+    for h in (3, 4):
+        b.write("shared", *_run(fresh_rng, [h]))
+    files = list((tmp_path / "s").rglob("*.safetensors"))
+    assert len(files) == 3 and sum(f.stat().st_size for f in files) <= 3.5 * size
+    assert b.stats()["bytes_stored"] == 3 * size and b.stats()["evicted"] == 1
 
 
 def test_bfloat16_blocks_round_trip_bit_exact(tmp_path, fresh_rng):
     import ml_dtypes
     ident = _identity(leaves=(((4, 2, 8), "bfloat16"),) * 2)
     store = DiskStore(tmp_path, ident, 1 << 30)
-    leaves = [x.astype(ml_dtypes.bfloat16) for x in _block(fresh_rng)]
-    store.write(7, "shared", leaves, bytes(32))
-    got = DiskStore(tmp_path, ident, 1 << 30).read(7, "shared", bytes(32))
-    assert got.dtype == leaves[0].dtype and got.tobytes() == np.stack(leaves).tobytes()
+    hashes, tokens, leaves = _run(fresh_rng, [7, 8])
+    leaves = [x.astype(ml_dtypes.bfloat16) for x in leaves]
+    store.write("shared", hashes, tokens, leaves)
+    got = DiskStore(tmp_path, ident, 1 << 30).read(7, "shared")
+    assert got.kv.dtype == leaves[0].dtype and got.kv.tobytes() == np.stack(leaves).tobytes()
 
 
 def test_identity_mismatch_names_the_field(tmp_path):

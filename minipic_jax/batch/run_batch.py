@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-offload-gb", type=float, default=0.0)
     ap.add_argument("--kv-store-dir", default=None, help="persistent span store folder")
     ap.add_argument("--kv-store-gb", type=float, default=64.0)
+    ap.add_argument("--kv-store-spans-only", action="store_true",
+                    help="store SSEP span blocks only (not questions or other prompt parts)")
     ap.add_argument("--max-inflight", type=int, default=None,
                     help="requests in the engine at once (default 4 x max-num-seqs)")
     ap.add_argument("--warmup", action="store_true", help="compile every step shape first")
@@ -52,7 +54,8 @@ def _engine_args(args) -> dict:
                min_token_bucket=args.min_token_bucket,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_mode=args.kv_mode,
                scheduling_policy=args.scheduling_policy, cpu_offload_gb=args.cpu_offload_gb,
-               kv_store_dir=args.kv_store_dir, kv_store_gb=args.kv_store_gb)
+               kv_store_dir=args.kv_store_dir, kv_store_gb=args.kv_store_gb,
+               kv_store_spans_only=args.kv_store_spans_only)
     if args.max_model_len is not None:
         out["max_model_len"] = args.max_model_len
     return out
@@ -214,7 +217,8 @@ def main(argv=None, llm=None) -> int:
     kv = stats["engine_stats"].get("kv_store")
     if kv:
         print(f"Span store: read {kv['bytes_read'] / 1e6:.1f} MB ({kv['read_GBps']:.2f} GB/s), "
-              f"wrote {kv['bytes_written'] / 1e6:.1f} MB, {kv['blocks_stored']} blocks stored, "
+              f"wrote {kv['bytes_written'] / 1e6:.1f} MB, store {kv['bytes_stored'] / 1e6:.1f} MB in "
+              f"{kv['runs_stored']} files, "
               f"{kv['corrupt']} corrupt files skipped")
     if args.output_json:
         with open(args.output_json, "w") as f:
