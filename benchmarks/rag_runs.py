@@ -163,9 +163,36 @@ def run_ttft(opts) -> dict:
                      "cached_prompt_tokens": run["cached_prompt_tokens"],
                      "ttft_ms": 1e3 * run["ttft_s"][0], "steps": run["steps"],
                      "step_ms": 1e3 * run["step_time_s"] / max(run["steps"], 1)})
+    if opts.ttft_profile and len(rows) > 1:  # the last cached request's one step, replayed
+        result["cached_step_profile"] = _profile_last_step(llm.llm_engine)
     cached_ttft = float(np.median([x["ttft_ms"] for x in rows[1:]])) if len(rows) > 1 else None
     result.update(rows=rows, cold_ttft_ms=rows[0]["ttft_ms"], cached_ttft_ms=cached_ttft,
                   cached_step_ms=float(np.median([x["step_ms"] for x in rows[1:]]))
                   if len(rows) > 1 else None,
                   cold_over_cached=rows[0]["ttft_ms"] / cached_ttft if cached_ttft else None)
     return result
+
+
+def _profile_last_step(engine, repeats: int = 5) -> dict:
+    """The runner's last step (same inputs, same shapes) replayed alone: its median wall time
+    and a profiler summary of its device kernels (benchmarks/timing.profile_kernels). Replaying
+    rewrites the same K/V rows with the same values."""
+    import jax
+
+    from benchmarks.timing import profile_kernels
+    r = engine.runner
+    ints, floats, kw = r.last_inputs
+
+    def call():
+        return r._dispatch(ints, floats, r.config.async_scheduling, kw)
+
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    prof = profile_kernels(call, steps=3, top=15)
+    prof.pop("lines", None)
+    return {"step_alone_ms": 1e3 * float(np.median(times)), "tokens": kw["t"],
+            "attn_options": repr(kw.get("attn_options")), **prof}

@@ -121,10 +121,10 @@ def test_step_plan_is_decided_on_the_host():
     from kernels_pallas.paged_attention.api import step_options
     from kernels_pallas.paged_attention.mosaic_mixed import MixedOptions
     base = MixedOptions(max_position=64)
-    fits = step_options("mixed", base, tokens=8192, seqs=64, prefill_count=4)
-    assert (fits.prefill_seqs, fits.prefill_fits) == (4, True)  # one slot per 2048 rows
-    over = step_options("mixed", base, tokens=8192, seqs=64, prefill_count=5)
-    assert (over.prefill_seqs, over.prefill_fits) == (4, False)
+    fits = step_options("mixed", base, tokens=8192, seqs=64, prefill_count=16)
+    assert (fits.prefill_seqs, fits.prefill_fits) == (16, True)  # one slot per 512 rows
+    over = step_options("mixed", base, tokens=8192, seqs=64, prefill_count=17)
+    assert (over.prefill_seqs, over.prefill_fits) == (16, False)
     small = step_options("mixed", base, tokens=128, seqs=16, prefill_count=1)
     assert (small.prefill_seqs, small.prefill_fits) == (2, True)
     assert step_options("triton", "opts", tokens=128, seqs=16, prefill_count=9) == "opts"

@@ -42,9 +42,11 @@ SPLIT_MAX_TOKENS = 512  # steps of at most this many query tokens split the key 
 
 def prefill_slots(tokens: int, seqs: int) -> int:
     """Static bound on the prefill sequences of a `tokens`-row step that the Mosaic path takes:
-    one per 2048 query rows, at least 2. The pre-pass gathers this many whole block tables
-    (slots x max_model_len keys), so the bound trades gather traffic against overflow steps."""
-    return max(1, min(seqs, max(2, tokens // 2048)))
+    one per 512 query rows, at least 2. Compiled, the pre-pass writes only the live slots' live
+    key steps (triton_gather.py), so a slot costs its share of the [slots, max_model_len, K, D]
+    buffers' memory (not their traffic) and a few dead tiles; the split merge's partials grow
+    with the slots too, so small steps keep 2. More prefill sequences than slots: `overflow`."""
+    return max(1, min(seqs, max(2, tokens // 512)))
 
 
 @dataclasses.dataclass(frozen=True)
