@@ -61,7 +61,7 @@ def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_sc
     n_pad = -(-n // BLOCK_KV) * BLOCK_KV
     key_pos = key_positions(md, page_size, n_pad)
     if live:
-        if not gather_live_limits(k_pages, n_pad, BLOCK_KV):
+        if not gather_live_limits(k_pages, seqs, n_pad, BLOCK_KV):
             keys, values = gather_live(k_pages, v_pages, md, inv_freq, n_pad=n_pad,
                                        step_keys=BLOCK_KV, rotate_keys=rotate_keys,
                                        attention_scaling=attention_scaling)

@@ -34,25 +34,25 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _columns(inv_freq, kv_heads: int, head_dim: int, cols: int):
-    """Per flat column c = head * D + d (padded to `cols`): its angle frequency, the column it
-    pairs with under rotate-half, and the sign of that partner (0: not rotated)."""
+def _columns(inv_freq, head_dim: int, cols: int):
+    """Per head column d (padded to `cols`): its angle frequency, the column it pairs with under
+    rotate-half, and the sign of that partner (0: not rotated)."""
     half = inv_freq.shape[0]
-    d = jnp.arange(cols, dtype=jnp.int32) % head_dim
-    in_width = jnp.arange(cols) < kv_heads * head_dim
-    lo = (d < half) & in_width
-    hi = (d >= half) & (d < 2 * half) & in_width
+    d = jnp.arange(cols, dtype=jnp.int32)
+    lo = d < half
+    hi = (d >= half) & (d < 2 * half)
     inv = inv_freq.astype(jnp.float32)
     freq = jnp.where(lo | hi, inv[jnp.clip(jnp.where(lo, d, d - half), 0, max(half - 1, 0))], 0.0)
-    col = jnp.arange(cols, dtype=jnp.int32)
-    partner = jnp.where(lo, col + half, jnp.where(hi, col - half, col))
+    partner = jnp.where(lo, d + half, jnp.where(hi, d - half, d))
     sign = jnp.where(lo, -1.0, jnp.where(hi, 1.0, 0.0)).astype(jnp.float32)
     return freq, partner, sign
 
 
 def _kernel(tbl_ref, nblk_ref, start_ref, valid_ref, freq_ref, partner_ref, sign_ref, kp_ref,
-            vp_ref, k_out, v_out, *, page_size, width, cols, max_blocks, n_pad, step_keys,
-            num_pages, rotate, scaling, interpret):
+            vp_ref, k_out, v_out, *, page_size, kv_heads, head_dim, cols, max_blocks, n_pad,
+            step_keys, num_pages, rotate, scaling, interpret):
+    """One program = one table entry (a page of B rows) of one sequence row, all kv heads; a
+    head's [B, D] tile at a time (a whole [B, K * D] page would not fit in registers)."""
     s = pl.program_id(0)
     b = pl.program_id(1)
     nb = nblk_ref[s]
@@ -65,27 +65,31 @@ def _kernel(tbl_ref, nblk_ref, start_ref, valid_ref, freq_ref, partner_ref, sign
         page = jnp.clip(jnp.where(in_use, tbl_ref[s, bb], 0), 0, num_pages - 1)
         n_valid = jnp.where(in_use, valid_ref[s, bb], 0)
         row = lax.broadcasted_iota(jnp.int32, (page_size,), 0)  # [B]
-        col = lax.broadcasted_iota(jnp.int32, (cols,), 0)  # [C]
-        ok = (row < n_valid)[:, None] & (col < width)[None, :]  # [B, C]
-        src = (page * page_size + row)[:, None]
-        dst = (s * n_pad + b * page_size + row)[:, None]
-        store_mask = (col < width)[None, :] & jnp.ones((page_size, 1), jnp.bool_)
-        x = pltriton.load(kp_ref.at[src, col[None, :]], mask=ok, other=0).astype(jnp.float32)
+        col = lax.broadcasted_iota(jnp.int32, (cols,), 0)  # [Dp]
+        width = kv_heads * head_dim
+        ok = (row < n_valid)[:, None] & (col < head_dim)[None, :]  # [B, Dp]
+        src = (page * page_size + row)[:, None] * width
+        dst = (s * n_pad + b * page_size + row)[:, None] * width
+        store_mask = (col < head_dim)[None, :] & jnp.ones((page_size, 1), jnp.bool_)
         if rotate:
-            partner = partner_ref[...]
-            xp = pltriton.load(kp_ref.at[src, partner[None, :]], mask=ok, other=0)
             pos = (start_ref[s, bb] + row).astype(jnp.float32)  # [B] logical positions
-            cos, sin = cos_sin(pos[:, None] * freq_ref[...][None, :], not interpret)  # [B, C]
+            cos, sin = cos_sin(pos[:, None] * freq_ref[...][None, :], not interpret)  # [B, Dp]
+            cos, sin = cos * scaling, sin * scaling
             sign = sign_ref[...][None, :]
-            rotated = x * (cos * scaling) + sign * xp.astype(jnp.float32) * (sin * scaling)
-            x = jnp.where(sign != 0, rotated, x)
-        pltriton.store(k_out.at[dst, col[None, :]], x.astype(k_out.dtype), mask=store_mask)
-        val = pltriton.load(vp_ref.at[src, col[None, :]], mask=ok, other=0)
-        pltriton.store(v_out.at[dst, col[None, :]], val.astype(v_out.dtype), mask=store_mask)
+            partner = partner_ref[...][None, :]
+        for h in range(kv_heads):
+            c = h * head_dim + col[None, :]
+            x = pltriton.load(kp_ref.at[src + c], mask=ok, other=0).astype(jnp.float32)
+            if rotate:
+                xp = pltriton.load(kp_ref.at[src + h * head_dim + partner], mask=ok, other=0)
+                x = jnp.where(sign != 0, x * cos + sign * xp.astype(jnp.float32) * sin, x)
+            pltriton.store(k_out.at[dst + c], x.astype(k_out.dtype), mask=store_mask)
+            val = pltriton.load(vp_ref.at[src + c], mask=ok, other=0)
+            pltriton.store(v_out.at[dst + c], val.astype(v_out.dtype), mask=store_mask)
 
 
-def gather_live_limits(k_pages, n_pad: int, step_keys: int) -> str:
-    """Why gather_live cannot take these shapes ('' when it can)."""
+def gather_live_limits(k_pages, seqs: int, n_pad: int, step_keys: int) -> str:
+    """Why gather_live cannot take these shapes ('' when it can): offsets are int32."""
     num_pages, page_size, kv_heads, head_dim = k_pages.shape
     width = kv_heads * head_dim
     if n_pad % page_size:
@@ -94,6 +98,10 @@ def gather_live_limits(k_pages, n_pad: int, step_keys: int) -> str:
         return f"needs page size {page_size} and key step {step_keys} to divide one another"
     if num_pages * page_size * width >= 2 ** 31:
         return f"{num_pages * page_size} x {width} page elements overflow int32 offsets"
+    if seqs * n_pad * width >= 2 ** 31:
+        return f"{seqs} x {n_pad} x {width} gathered elements overflow int32 offsets"
+    if page_size & (page_size - 1):
+        return f"needs a power-of-2 page size, got {page_size}"
     return ""
 
 
@@ -102,31 +110,29 @@ def gather_live(k_pages, v_pages, md, inv_freq, *, n_pad: int, step_keys: int, r
     """K and V [S, n_pad, K, D] of each sequence row through its block table (see module doc):
     keys rotated by position when rotate_keys; written only on the key steps (`step_keys` keys
     each) below each row's last block in use, elsewhere undefined."""
-    why = gather_live_limits(k_pages, n_pad, step_keys)
+    why = gather_live_limits(k_pages, md.block_tables.shape[0], n_pad, step_keys)
     if why:
         raise ValueError(f"gather_live: {why}")
     seqs, max_blocks = md.block_tables.shape
     num_pages, page_size, kv_heads, head_dim = k_pages.shape
-    width = kv_heads * head_dim
-    cols = _next_pow2(width)
-    freq, partner, sign = _columns(inv_freq, kv_heads, head_dim, cols)
+    cols = _next_pow2(head_dim)
+    freq, partner, sign = _columns(inv_freq, head_dim, cols)
     rotate = bool(rotate_keys and inv_freq.shape[0])
     kernel = functools.partial(
-        _kernel, page_size=page_size, width=width, cols=cols, max_blocks=max_blocks, n_pad=n_pad,
-        step_keys=step_keys, num_pages=num_pages, rotate=rotate,
-        scaling=float(attention_scaling), interpret=interpret)
-    flat = (seqs * n_pad, width)
+        _kernel, page_size=page_size, kv_heads=kv_heads, head_dim=head_dim, cols=cols,
+        max_blocks=max_blocks, n_pad=n_pad, step_keys=step_keys, num_pages=num_pages,
+        rotate=rotate, scaling=float(attention_scaling), interpret=interpret)
+    flat = seqs * n_pad * kv_heads * head_dim
     k_buf, v_buf = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct(flat, k_pages.dtype),
-                   jax.ShapeDtypeStruct(flat, v_pages.dtype)),
+        out_shape=(jax.ShapeDtypeStruct((flat,), k_pages.dtype),
+                   jax.ShapeDtypeStruct((flat,), v_pages.dtype)),
         grid=(seqs, n_pad // page_size),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gather_live",
     )(md.block_tables.astype(jnp.int32), md.num_blocks.astype(jnp.int32),
       md.block_pos_start.astype(jnp.int32), md.block_num_valid.astype(jnp.int32), freq, partner,
-      sign, k_pages.reshape(num_pages * page_size, width),
-      v_pages.reshape(num_pages * page_size, width))
+      sign, k_pages.reshape(-1), v_pages.reshape(-1))
     shape = (seqs, n_pad, kv_heads, head_dim)
     return k_buf.reshape(shape), v_buf.reshape(shape)
