@@ -57,7 +57,7 @@ def drive(engine, prompts, sp, *, salt: str, arrivals=None) -> dict:
               engine.runner.num_compiles)
     start = time.time()
     offsets = np.zeros(len(prompts)) if arrivals is None else np.asarray(arrivals)
-    nxt, outs = 0, []
+    nxt, outs, compiled = 0, [], []
     while nxt < len(prompts) or engine.has_unfinished():
         now = time.time() - start
         while nxt < len(prompts) and offsets[nxt] <= now:
@@ -65,7 +65,11 @@ def drive(engine, prompts, sp, *, salt: str, arrivals=None) -> dict:
                                arrival_time=start + offsets[nxt])
             nxt += 1
         if engine.has_unfinished():
+            n_compiles = engine.runner.num_compiles
             outs += engine.step()
+            if engine.runner.num_compiles > n_compiles:  # a step variant warm-up did not make
+                kw = engine.runner.last_inputs[2]
+                compiled.append({k: repr(v) for k, v in kw.items()})
         elif nxt < len(prompts):
             time.sleep(max(0.0, offsets[nxt] - (time.time() - start)))
     wall = time.time() - start
@@ -78,6 +82,7 @@ def drive(engine, prompts, sp, *, salt: str, arrivals=None) -> dict:
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "steps": st.steps - before[2], "step_time_s": st.step_time - before[3],
             "compiles_during_run": engine.runner.num_compiles - before[4],
+            "variants_compiled_during_run": compiled,
             "ttft_s": ttft, "tpot_s": tpot,
             "outputs": {o.request_id: list(o.outputs[0].token_ids) for o in outs}}
 
@@ -88,7 +93,7 @@ def metrics(run: dict, samples: int) -> dict:
     total = run["prompt_tokens"] + run["output_tokens"]
     out = {k: run[k] for k in ("elapsed_time", "num_requests", "prompt_tokens",
                                "cached_prompt_tokens", "output_tokens", "steps",
-                               "compiles_during_run")}
+                               "compiles_during_run", "variants_compiled_during_run")}
     out.update(requests_per_second=run["num_requests"] / wall, tokens_per_second=total / wall,
                total_num_tokens=total, output_throughput=run["output_tokens"] / wall,
                prompt_tokens_per_second=run["prompt_tokens"] / wall,

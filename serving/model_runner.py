@@ -185,10 +185,11 @@ class ModelRunner:
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
                num_logprobs: int = 0) -> None:
         """Compile every token bucket for one sampling mode with empty steps (nothing written)."""
-        # general steps with the plan of a step whose prefill sequences fit the kernel's slots;
-        # the rare step that overflows them compiles its variant when it first comes
-        variants = [(t, False, self._plan(t, self.config.seq_bucket(t), 0))
-                    for t in self.config.token_buckets]
+        variants = []
+        for t in self.config.token_buckets:  # every per-step attention plan a step can take
+            s = self.config.seq_bucket(t)
+            plans = {self._plan(t, s, n) for n in (0, min(s, t // 2))}  # fits / overflows
+            variants += [(t, False, plan) for plan in plans]
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
             variants += [(t, True, None) for t in self.config.token_buckets if t <= top]

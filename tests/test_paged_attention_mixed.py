@@ -202,3 +202,9 @@ class TestMixed(AttentionKernelTests):
 
     implementation = "mixed"
     slow_cases = tuple(c.name for c in SHARED_CASES)
+    # Its decode rows run the registry's decode kernel (mosaic_decode for these shapes), whose
+    # contract is finite pad slots (mosaic_decode.py; the engine's pool starts zeroed and holds
+    # only written K/V): with NaN pads the decode-only case failed here exactly as mosaic_decode
+    # alone does on those inputs. The prefill part zeroes pads itself (test_gather_live.py, the
+    # engine-shaped cases above, which keep NaN pads).
+    nan_pads = False
