@@ -151,6 +151,8 @@ class ModelRunner:
         if spans:
             extra["span_pieces"] = SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
                                               carry_local=f["carry_local"] > 0)
+        if attn_options is None:  # a caller without the step's plan (launch always has one)
+            attn_options = self.attn_options
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
                   attn_impl=self.decode_impl if decode_only else self.attn_impl,
                   attn_options=self.decode_options if decode_only else attn_options, **extra)

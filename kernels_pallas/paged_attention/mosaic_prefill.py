@@ -2,8 +2,10 @@
 
 Two steps behind `api.paged_attention(implementation="mosaic_prefill")`:
 
-1. Pre-pass (XLA, mosaic_prefill_prep.py): each sequence's keys and values are gathered through
-   its block table into contiguous buffers [S, N, K, D] (N = table entries x page size, padded to
+1. Pre-pass (mosaic_prefill_prep.py: XLA; compiled, its K/V part is triton_gather.gather_live,
+   which writes only the key steps the kernel reads): each sequence's keys and values are
+   gathered through its block table into contiguous buffers [S, N, K, D] (N = table entries x
+   page size, padded to
    BLOCK_KV; the pages' own row layout, so the gather moves whole pages and needs no transpose),
    keys rotated by their logical position in position_free mode (float32 math), pad slots zeroed,
    and a key-position row [S, N] written next to them (pads and unused entries get a sentinel
