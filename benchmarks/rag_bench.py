@@ -57,6 +57,9 @@ OPTIONS = {
     "ttft_span_tokens": dict(type=int, default=4096,
                              help="ttft: tokens per span (default: %(default)s)"),
     "ttft_repeats": dict(type=int, default=3, help="cached requests timed (median)"),
+    "ttft_profile": dict(type=int, default=0,
+                         help="ttft: 1 = replay the cached step alone, time it and summarise "
+                              "its device kernels (jax.profiler)"),
     "seed": dict(type=int, default=0, help="workload seed (default: %(default)s)"),
 }
 
@@ -140,6 +143,15 @@ def report(results: list) -> None:
                   f"{res['cold_ttft_ms']:.1f} ms, cached {_ms(res['cached_ttft_ms'])} ms "
                   f"(one step {_ms(res['cached_step_ms'])} ms), cold / cached "
                   f"{_ms(res['cold_over_cached'])}x")
+            prof = res.get("cached_step_profile")
+            if prof:
+                print(f"[ttft] cached step replayed alone: {prof['step_alone_ms']:.2f} ms wall, "
+                      f"kernels busy {prof['kernel_busy_ms_per_step']:.2f} ms, first to last "
+                      f"kernel {prof['first_to_last_kernel_ms_per_step']:.2f} ms, "
+                      f"{prof['kernels_per_step']:.0f} kernels")
+                for k in prof["top"][:10]:
+                    print(f"[ttft]   {k['ms_per_step']:7.3f} ms {k['calls_per_step']:5.0f}x "
+                          f"{k['name']}")
 
 
 def _ms(x):

@@ -57,7 +57,7 @@ def drive(engine, prompts, sp, *, salt: str, arrivals=None) -> dict:
               engine.runner.num_compiles)
     start = time.time()
     offsets = np.zeros(len(prompts)) if arrivals is None else np.asarray(arrivals)
-    nxt, outs = 0, []
+    nxt, outs, compiled = 0, [], []
     while nxt < len(prompts) or engine.has_unfinished():
         now = time.time() - start
         while nxt < len(prompts) and offsets[nxt] <= now:
@@ -65,7 +65,11 @@ def drive(engine, prompts, sp, *, salt: str, arrivals=None) -> dict:
                                arrival_time=start + offsets[nxt])
             nxt += 1
         if engine.has_unfinished():
+            n_compiles = engine.runner.num_compiles
             outs += engine.step()
+            if engine.runner.num_compiles > n_compiles:  # a step variant warm-up did not make
+                kw = engine.runner.last_inputs[2]
+                compiled.append({k: repr(v) for k, v in kw.items()})
         elif nxt < len(prompts):
             time.sleep(max(0.0, offsets[nxt] - (time.time() - start)))
     wall = time.time() - start
@@ -78,6 +82,7 @@ def drive(engine, prompts, sp, *, salt: str, arrivals=None) -> dict:
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "steps": st.steps - before[2], "step_time_s": st.step_time - before[3],
             "compiles_during_run": engine.runner.num_compiles - before[4],
+            "variants_compiled_during_run": compiled,
             "ttft_s": ttft, "tpot_s": tpot,
             "outputs": {o.request_id: list(o.outputs[0].token_ids) for o in outs}}
 
@@ -88,7 +93,7 @@ def metrics(run: dict, samples: int) -> dict:
     total = run["prompt_tokens"] + run["output_tokens"]
     out = {k: run[k] for k in ("elapsed_time", "num_requests", "prompt_tokens",
                                "cached_prompt_tokens", "output_tokens", "steps",
-                               "compiles_during_run")}
+                               "compiles_during_run", "variants_compiled_during_run")}
     out.update(requests_per_second=run["num_requests"] / wall, tokens_per_second=total / wall,
                total_num_tokens=total, output_throughput=run["output_tokens"] / wall,
                prompt_tokens_per_second=run["prompt_tokens"] / wall,
@@ -163,9 +168,36 @@ def run_ttft(opts) -> dict:
                      "cached_prompt_tokens": run["cached_prompt_tokens"],
                      "ttft_ms": 1e3 * run["ttft_s"][0], "steps": run["steps"],
                      "step_ms": 1e3 * run["step_time_s"] / max(run["steps"], 1)})
+    if opts.ttft_profile and len(rows) > 1:  # the last cached request's one step, replayed
+        result["cached_step_profile"] = _profile_last_step(llm.llm_engine)
     cached_ttft = float(np.median([x["ttft_ms"] for x in rows[1:]])) if len(rows) > 1 else None
     result.update(rows=rows, cold_ttft_ms=rows[0]["ttft_ms"], cached_ttft_ms=cached_ttft,
                   cached_step_ms=float(np.median([x["step_ms"] for x in rows[1:]]))
                   if len(rows) > 1 else None,
                   cold_over_cached=rows[0]["ttft_ms"] / cached_ttft if cached_ttft else None)
     return result
+
+
+def _profile_last_step(engine, repeats: int = 5) -> dict:
+    """The runner's last step (same inputs, same shapes) replayed alone: its median wall time
+    and a profiler summary of its device kernels (benchmarks/timing.profile_kernels). Replaying
+    rewrites the same K/V rows with the same values."""
+    import jax
+
+    from benchmarks.timing import profile_kernels
+    r = engine.runner
+    ints, floats, kw = r.last_inputs
+
+    def call():
+        return r._dispatch(ints, floats, r.config.async_scheduling, kw)
+
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    prof = profile_kernels(call, steps=3, top=15)
+    prof.pop("lines", None)
+    return {"step_alone_ms": 1e3 * float(np.median(times)), "tokens": kw["t"],
+            "attn_options": repr(kw.get("attn_options")), **prof}

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.paged_attention.api import choose_attention
+from kernels_pallas.paged_attention.api import choose_attention, step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
 from serving import span_rows
@@ -114,7 +114,7 @@ class ModelRunner:
         self.ck_pool = None  # hybrid prefix caching: serving/checkpoint_pool.py (set by engine)
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 5),
                              static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
-                                              "decode_only", "spans"))
+                                              "decode_only", "spans", "attn_options"))
         general, decode = attention_choices(config, self.mcfg, dtype)
         self.attn_impl, self.attn_options = general
         self.decode_impl, self.decode_options = decode
@@ -134,7 +134,7 @@ class ModelRunner:
             return self._step_body(params, cache, ints, floats, prev, pool, **kw)
 
     def _step_body(self, params, cache, ints, floats, prev=None, pool=None, *, t, s, all_greedy,
-                   use_filter, num_logprobs, decode_only=False, spans=False):
+                   use_filter, num_logprobs, decode_only=False, spans=False, attn_options=None):
         spec, _ = _layout(t, s, self.nb, pool is not None, spans)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
@@ -151,9 +151,11 @@ class ModelRunner:
         if spans:
             extra["span_pieces"] = SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
                                               carry_local=f["carry_local"] > 0)
+        if attn_options is None:  # a caller without the step's plan (launch always has one)
+            attn_options = self.attn_options
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
                   attn_impl=self.decode_impl if decode_only else self.attn_impl,
-                  attn_options=self.decode_options if decode_only else self.attn_options, **extra)
+                  attn_options=self.decode_options if decode_only else attn_options, **extra)
         if pool is None:
             logits, cache = self.family.forward(params, tokens, md, cache, self.mcfg, **kw)
         else:
@@ -185,12 +187,16 @@ class ModelRunner:
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
                num_logprobs: int = 0) -> None:
         """Compile every token bucket for one sampling mode with empty steps (nothing written)."""
-        variants = [(t, False) for t in self.config.token_buckets]
+        variants = []
+        for t in self.config.token_buckets:  # every per-step attention plan a step can take
+            s = self.config.seq_bucket(t)
+            plans = {self._plan(t, s, n) for n in (0, min(s, t // 2))}  # fits / overflows
+            variants += [(t, False, plan) for plan in plans]
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
-            variants += [(t, True) for t in self.config.token_buckets if t <= top]
+            variants += [(t, True, None) for t in self.config.token_buckets if t <= top]
         steps = []
-        for t, decode_only in variants:
+        for t, decode_only, plan in variants:
             s = self.config.seq_bucket(t)
             spec, size = _layout(t, s, self.nb, self.ck_pool is not None)
             ints = np.zeros(size, np.int32)
@@ -203,7 +209,7 @@ class ModelRunner:
             floats = np.ones(2 * s, np.float32)
             steps.append((ints, floats, dict(t=t, s=s, all_greedy=all_greedy,
                                              use_filter=use_filter, num_logprobs=num_logprobs,
-                                             decode_only=decode_only)))
+                                             decode_only=decode_only, attn_options=plan)))
         self._compile_in_parallel(steps)
         for ints, floats, kw in steps:
             out = self._dispatch(ints, floats, self.config.async_scheduling, kw)
@@ -343,8 +349,9 @@ class ModelRunner:
         np.take(self.h_pos_start, seats, axis=0, out=v["block_pos_start"][:n_seq])
         np.take(self.h_valid, seats, axis=0, out=v["block_num_valid"][:n_seq])
         decode_only = d == n_seq and self.separate_decode
+        plan = None if decode_only else self._plan(t, s, sum(e.token_idx.size > 1 for e in batch))
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
-                  num_logprobs=num_logprobs, decode_only=decode_only)
+                  num_logprobs=num_logprobs, decode_only=decode_only, attn_options=plan)
         if spans:
             _fill_span_rows(batch, v, row, self.block_size, _piece_bound(t, s))
             kw["spans"] = True
@@ -353,6 +360,12 @@ class ModelRunner:
         packed = self._dispatch(ints, floats, use_prev, kw)
         self.last_dispatch = time.perf_counter() - t0
         return packed, num_logprobs
+
+    def _plan(self, t: int, s: int, prefill_count: int):
+        """The attention options of a general step (static: the kernel's per-step plan, decided
+        here on the host from the step's sequences; paged_attention.api.step_options)."""
+        return step_options(self.attn_impl, self.attn_options, tokens=t, seqs=s,
+                            prefill_count=prefill_count)
 
     def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached

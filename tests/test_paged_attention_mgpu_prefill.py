@@ -85,11 +85,15 @@ def test_mosaic_prefill_rejects_what_it_cannot_run(fresh_rng):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_mosaic_prefill_compiled_path_lowers_for_cuda(head_dim, fresh_rng):
+def test_mosaic_prefill_compiled_path_lowers_for_cuda(head_dim, fresh_rng, monkeypatch):
     """The compiled variant (P in registers, no interpreter) lowers through Mosaic GPU for CUDA
-    on this CPU-only machine (cross-platform export): layouts, TMA boxes and alignment proofs."""
+    on this CPU-only machine (cross-platform export): layouts, TMA boxes and alignment proofs.
+    The compiled pre-pass's Triton gather cannot lower without a GPU: the XLA gather stands in
+    (test_gather_live.py checks the two agree)."""
     from jax import export
+    from kernels_pallas.paged_attention import mosaic_prefill_prep
     from kernels_pallas.paged_attention.mosaic_prefill import prefill_attention_mosaic
+    monkeypatch.setattr(mosaic_prefill_prep, "LIVE_GATHER", False)
     q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 2, 2, head_dim, None, 0.3, True,
                                [(40, 301, 0), (0, 20, 5)])  # T = 321: not a multiple of 8
     for rotate in (False, True):

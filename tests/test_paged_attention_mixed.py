@@ -97,10 +97,13 @@ def test_mixed_compiled_path_lowers_for_cuda(splits, fresh_rng, monkeypatch):
     """The compiled mixed step (Mosaic prefill with and without the split, the decode kernel,
     the lax.cond to the overflow implementation) lowers for CUDA on this CPU-only machine."""
     from jax import export
+    from kernels_pallas.paged_attention import mosaic_prefill_prep
     q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 2, 4, 128, None, 0.3, True,
                                [(40, 1, 0), (300, 61, 0), (0, 20, 5)])
-    # the Triton overflow cannot lower without a GPU here: XLA stands in for it
+    # Triton kernels cannot lower without a GPU here: XLA stands in for the overflow and for
+    # the live-only gather (test_gather_live.py checks that one against the XLA gather)
     options = {"prefill_seqs": 2, "splits": splits, "overflow": "xla"}
+    monkeypatch.setattr(mosaic_prefill_prep, "LIVE_GATHER", False)
 
     def step(q, k, v, md):
         return paged_attention(q, k, v, md, inv, kv_mode="position_free", sm_scale=0.1,
@@ -110,6 +113,59 @@ def test_mixed_compiled_path_lowers_for_cuda(splits, fresh_rng, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # no interpreter: lower for CUDA
     text = export.export(jax.jit(step), platforms=["cuda"])(q, k, v, md).mlir_module()
     assert text.count("mosaic_gpu") >= 2  # the prefill and the decode kernels
+
+
+def test_step_plan_is_decided_on_the_host():
+    """The engine passes each step's prefill count (step_options): the slots are fixed and the
+    Mosaic path or the overflow is chosen before launch; other implementations are untouched."""
+    from kernels_pallas.paged_attention.api import step_options
+    from kernels_pallas.paged_attention.mosaic_mixed import MixedOptions
+    base = MixedOptions(max_position=64)
+    fits = step_options("mixed", base, tokens=8192, seqs=64, prefill_count=16)
+    assert (fits.prefill_seqs, fits.prefill_fits) == (16, True)  # one slot per 512 rows
+    over = step_options("mixed", base, tokens=8192, seqs=64, prefill_count=17)
+    assert (over.prefill_seqs, over.prefill_fits) == (16, False)
+    small = step_options("mixed", base, tokens=128, seqs=16, prefill_count=1)
+    assert (small.prefill_seqs, small.prefill_fits) == (2, True)
+    assert step_options("triton", "opts", tokens=128, seqs=16, prefill_count=9) == "opts"
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_planned_step_holds_no_conditional(fits, fresh_rng, monkeypatch):
+    """With the host's plan the traced GPU step has no lax.cond (XLA's GPU conditional syncs
+    the host at each execution: once per layer); without one it keeps the device check."""
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 1, 2, 64, None, 0.0, False,
+                               [(20, 1, 0), (40, 9, 0)])
+
+    def primitives(**plan):  # XLA-level primitives of the step (kernel bodies not entered)
+        def step(q, k, v, md):
+            return paged_attention(q, k, v, md, inv, kv_mode="position_free",
+                                   implementation="mixed", max_position=64,
+                                   kernel_options={"overflow": "xla", **plan})
+        return _outer_primitives(jax.make_jaxpr(step)(q, k, v, md).jaxpr)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the compiled path (traced only)
+    names = primitives(prefill_seqs=1, prefill_fits=fits)
+    assert "cond" not in names
+    assert bool(names & _KERNELS) == fits  # the Mosaic kernels, or only the XLA overflow
+    assert "cond" in primitives(prefill_seqs=1)
+
+
+_KERNELS = {"pallas_call", "mpmd_map"}  # Pallas / Mosaic GPU kernels: their bodies run on device
+
+
+def _outer_primitives(jaxpr) -> set:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name in _KERNELS:
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _outer_primitives(inner)
+    return names
 
 
 def test_prefill_choice_falls_back_cleanly():
@@ -146,3 +202,9 @@ class TestMixed(AttentionKernelTests):
 
     implementation = "mixed"
     slow_cases = tuple(c.name for c in SHARED_CASES)
+    # Its decode rows run the registry's decode kernel (mosaic_decode for these shapes), whose
+    # contract is finite pad slots (mosaic_decode.py; the engine's pool starts zeroed and holds
+    # only written K/V): with NaN pads the decode-only case failed here exactly as mosaic_decode
+    # alone does on those inputs. The prefill part zeroes pads itself (test_gather_live.py, the
+    # engine-shaped cases above, which keep NaN pads).
+    nan_pads = False

@@ -35,7 +35,7 @@ from kernels_pallas.registry import Implementation
 from kernels_pallas.rope import apply_rope
 
 __all__ = ["KV_MODES", "IMPLEMENTATIONS", "Problem", "choose_attention", "paged_attention",
-           "write_kv", "write_kv_and_attend"]
+           "step_options", "write_kv", "write_kv_and_attend"]
 
 
 def _mosaic_prefill_limits(problem: Problem, options) -> str:
@@ -55,7 +55,7 @@ ATTENTION: dict[str, Implementation] = {
 
 
 def _mixed_run(q_rot, k_pages, v_pages, metadata, inv_freq, *, rotate_keys, attention_scaling,
-               sm_scale, interpret, prefill_seqs, splits, max_position, overflow):
+               sm_scale, interpret, prefill_seqs, splits, max_position, overflow, prefill_fits):
     """implementation="mixed" (mosaic_mixed.py): its decode rows and overflow steps run the
     registry's choices for those problems."""
     kv_mode = "position_free" if rotate_keys else "rotated"
@@ -73,13 +73,24 @@ def _mixed_run(q_rot, k_pages, v_pages, metadata, inv_freq, *, rotate_keys, atte
 
     return mosaic_mixed.mixed_attention(
         q_rot, k_pages, v_pages, metadata, inv_freq, decode=part("auto", True),
-        overflow=part(overflow, False), prefill_seqs=prefill_seqs, splits=splits, **common)
+        overflow=part(overflow, False), prefill_seqs=prefill_seqs, splits=splits,
+        prefill_fits=prefill_fits, **common)
 
 
 ATTENTION["mixed"] = Implementation("mixed", _mixed_run, mosaic_mixed.MixedOptions,
                                     defaults=mosaic_mixed.mixed_defaults,
                                     limits=mosaic_mixed.mixed_limits, backend="mosaic")
 IMPLEMENTATIONS = ("auto",) + tuple(ATTENTION)
+
+
+def step_options(name: str, options, *, tokens: int, seqs: int, prefill_count: int):
+    """The options of implementation `name` for one step whose shape the caller knows on the host
+    before launch: `tokens` query rows, `seqs` sequence rows, `prefill_count` sequences with two
+    or more query rows. For "mixed" this fixes which of its paths runs (mosaic_mixed.plan_step),
+    so the compiled step holds no per-layer conditional; the others take every step as is."""
+    if name == "mixed":
+        return mosaic_mixed.plan_step(options, tokens, seqs, prefill_count)
+    return options
 
 
 def auto_order(problem: Problem) -> tuple[str, ...]:

@@ -15,7 +15,11 @@ The Mosaic prefill kernel's pre-pass gathers every sequence row's keys into a co
     kernel, whose pre-pass then gathers only those slots; with `splits` > 1 the key axis of each
     query tile is split (mosaic_prefill_split.py: few query rows over a long cached context);
   * a step with more prefill sequences than slots runs the `overflow` implementation (Triton
-    ragged) instead (lax.cond: both are compiled, one runs).
+    ragged) instead. The engine knows each step's sequences before it launches the step, so it
+    decides this on the host (`plan_step`: a static `prefill_fits`, one compiled variant per
+    outcome). Only a caller that cannot know (prefill_fits None under jit) gets a lax.cond,
+    which XLA's GPU runtime executes by copying the predicate to the host and blocking the
+    stream: one host sync per call, i.e. per layer.
 
 Each query row takes exactly one of the two results. The compaction keeps the rows where they
 are: each slot carries its sequence's (first row, end row), so no query is moved.
@@ -38,9 +42,11 @@ SPLIT_MAX_TOKENS = 512  # steps of at most this many query tokens split the key 
 
 def prefill_slots(tokens: int, seqs: int) -> int:
     """Static bound on the prefill sequences of a `tokens`-row step that the Mosaic path takes:
-    one per 2048 query rows, at least 2. The pre-pass gathers this many whole block tables
-    (slots x max_model_len keys), so the bound trades gather traffic against overflow steps."""
-    return max(1, min(seqs, max(2, tokens // 2048)))
+    one per 512 query rows, at least 2. Compiled, the pre-pass writes only the live slots' live
+    key steps (triton_gather.py), so a slot costs its share of the [slots, max_model_len, K, D]
+    buffers' memory (not their traffic) and a few dead tiles; the split merge's partials grow
+    with the slots too, so small steps keep 2. More prefill sequences than slots: `overflow`."""
+    return max(1, min(seqs, max(2, tokens // 512)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,12 +106,23 @@ class MixedOptions:
     """prefill_seqs: prefill slots (None: `prefill_slots` of the step); splits: key-axis splits
     of the prefill part (None: 16 for steps of <= SPLIT_MAX_TOKENS query rows, else 1);
     max_position: the decode rows' position bound (None: the problem's table bound); overflow:
-    the implementation of steps with more prefill sequences than slots."""
+    the implementation of steps with more prefill sequences than slots; prefill_fits: whether
+    this step's prefill sequences fit the slots, decided by the caller on the host (`plan_step`;
+    True: the Mosaic path, False: `overflow`, None: checked on device, see module doc)."""
 
     prefill_seqs: int | None = None
     splits: int | None = None
     max_position: int | None = None
     overflow: str = "triton"
+    prefill_fits: bool | None = None
+
+
+def plan_step(options: MixedOptions, tokens: int, seqs: int, prefill_count: int) -> MixedOptions:
+    """The options of one step of `tokens` query rows and `seqs` sequence rows, `prefill_count`
+    of which have two or more query rows (known on the host before launch): the slot count
+    fixed and whether the step fits it, so the compiled step holds no conditional."""
+    slots = options.prefill_seqs or prefill_slots(tokens, seqs)
+    return dataclasses.replace(options, prefill_seqs=slots, prefill_fits=prefill_count <= slots)
 
 
 def mixed_defaults(problem, options: MixedOptions) -> MixedOptions:
@@ -122,11 +139,15 @@ def mixed_limits(problem, options: MixedOptions) -> str:
 
 def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, rotate_keys,
                     attention_scaling, sm_scale, prefill_seqs: int | None = None,
-                    splits: int | None = None, interpret=False):
+                    splits: int | None = None, prefill_fits: bool | None = None,
+                    interpret=False):
     """One engine step (see module doc). q_rot: [T, H, D] rotated queries; decode(q_rot, md) and
     overflow(q_rot, md) run a decode-only batch and the whole step on other implementations
-    (api.py binds them from the registry). Returns [T, H, D] in q's dtype."""
+    (api.py binds them from the registry). prefill_fits: the caller's static decision (True /
+    False), or None to check on device. Returns [T, H, D] in q's dtype."""
     tokens = q_rot.shape[0]
+    if prefill_fits is False:
+        return overflow(q_rot, md)
     if prefill_seqs is None:
         prefill_seqs = prefill_slots(tokens, md.block_tables.shape[0])
     if splits is None:
@@ -148,6 +169,8 @@ def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, 
         out_d = decode(q_d, md_d)[jnp.clip(md.q_seq, 0, q_lens.shape[0] - 1)]  # [T, H, D]
         return jnp.where(prefill_row[:, None, None], out, out_d.astype(out.dtype))
 
+    if prefill_fits:  # the caller's promise: the step holds at most prefill_seqs of them
+        return mosaic_path()
     if _concrete(count):  # eager calls (interpret-mode tests): take the branch in Python
         return mosaic_path() if int(count) <= prefill_seqs else overflow(q_rot, md)
     return lax.cond(count <= prefill_seqs, mosaic_path, lambda: overflow(q_rot, md))

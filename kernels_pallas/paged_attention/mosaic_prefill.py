@@ -2,8 +2,10 @@
 
 Two steps behind `api.paged_attention(implementation="mosaic_prefill")`:
 
-1. Pre-pass (XLA, mosaic_prefill_prep.py): each sequence's keys and values are gathered through
-   its block table into contiguous buffers [S, N, K, D] (N = table entries x page size, padded to
+1. Pre-pass (mosaic_prefill_prep.py: XLA; compiled, its K/V part is triton_gather.gather_live,
+   which writes only the key steps the kernel reads): each sequence's keys and values are
+   gathered through its block table into contiguous buffers [S, N, K, D] (N = table entries x
+   page size, padded to
    BLOCK_KV; the pages' own row layout, so the gather moves whole pages and needs no transpose),
    keys rotated by their logical position in position_free mode (float32 math), pad slots zeroed,
    and a key-position row [S, N] written next to them (pads and unused entries get a sentinel
@@ -49,6 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.paged_attention import mosaic_prefill_prep
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (  # noqa: F401 (re-exported)
     _ALIGN, TILE_HI, TILE_LO, TILE_MHI, TILE_MLO, TILE_Q0, TILE_Q1, TILE_SEQ, TILE_START, BLOCK_KV, BLOCK_Q, TILE_Q, gather_kv,
     scatter_tails, tile_schedule)
@@ -264,16 +267,20 @@ def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_ke
     plgpu.InterpretGPUParams. Returns [T, H, D] in q's dtype; rows of no sequence are garbage.
     """
     inputs = prepare(q_rot, k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
-                     attention_scaling=attention_scaling, sm_scale=sm_scale)
+                     attention_scaling=attention_scaling, sm_scale=sm_scale,
+                     live_gather=not interpret)
     out, side = run_kernel(inputs, kv_heads=k_pages.shape[2], interpret=interpret)
     return scatter_tails(out, side, md, q_rot.shape[0])
 
 
-def prepare(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_scaling, sm_scale):
-    """Everything before the kernel: (sched, q_in, k, v, key_pos, q_pos, q_win)."""
+def prepare(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_scaling, sm_scale,
+            live_gather: bool = False):
+    """Everything before the kernel: (sched, q_in, k, v, key_pos, q_pos, q_win). live_gather
+    (compiled): K/V written only where the kernel reads (mosaic_prefill_prep.gather_kv)."""
     tokens = q_rot.shape[0]
     k_buf, v_buf, key_pos = gather_kv(k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
-                                      attention_scaling=attention_scaling)
+                                      attention_scaling=attention_scaling,
+                                      live=live_gather and mosaic_prefill_prep.LIVE_GATHER)
     sched = tile_schedule(md, key_pos, tokens)
     # Row counts of tiled GMEM arrays must be multiples of _ALIGN. Rows past T (a tile's tail)
     # read zeros / position -1 (sees no key).

@@ -1,14 +1,17 @@
 """Glue around the Mosaic GPU prefill kernel (mosaic_prefill.py), in plain jnp on device.
 
 gather_kv: the pre-pass (contiguous per-sequence K/V, keys rotated in position_free mode, key
-positions). tile_schedule: which rows each CTA owns and which key steps it visits (with or without
-a mask). scatter_tails: the rows of partial tiles from the kernel's side buffer into place.
+positions); compiled on a GPU its K/V part runs as triton_gather.gather_live (only the key
+steps the kernel reads are written). tile_schedule: which rows each CTA owns and which key steps
+it visits (with or without a mask). scatter_tails: the rows of partial tiles from the kernel's
+side buffer into place.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kernels_pallas.paged_attention.triton_gather import gather_live, gather_live_limits
 from kernels_pallas.rope import rope_f32
 
 BLOCK_Q = 64  # query rows per compute warpgroup (wgmma M)
@@ -20,20 +23,51 @@ _ALIGN = 8  # query tiles start at rows that are multiples of this (TMA box / SM
 TILE_SEQ, TILE_START, TILE_LO, TILE_MLO, TILE_MHI, TILE_HI, TILE_Q0, TILE_Q1 = range(8)
 
 
-def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_scaling: float):
+# Compiled pre-pass: the Triton live-only gather (False: XLA's whole-table gather). It cannot
+# lower without a GPU, so the CUDA lowering test on a CPU-only machine turns it off.
+LIVE_GATHER = True
+
+
+def _positions(md, page_size: int):
+    """(valid [S, NB, B] bool, pos [S, NB, B] int32) of every table slot."""
+    max_blocks = md.block_tables.shape[1]
+    slot = jnp.arange(page_size, dtype=jnp.int32)
+    in_use = jnp.arange(max_blocks)[None, :] < md.num_blocks[:, None]  # [S, NB]
+    valid = (slot[None, None, :] < md.block_num_valid[:, :, None]) & in_use[:, :, None]
+    return valid, md.block_pos_start[:, :, None] + slot
+
+
+def key_positions(md, page_size: int, n_pad: int):
+    """[S, n_pad] int32 logical position of each gathered key (_SENTINEL: pad / unused)."""
+    valid, pos = _positions(md, page_size)
+    seqs = valid.shape[0]
+    key_pos = jnp.where(valid, pos, _SENTINEL).reshape(seqs, -1)
+    key_pos = jnp.pad(key_pos, ((0, 0), (0, n_pad - key_pos.shape[1])),
+                      constant_values=_SENTINEL)
+    return key_pos.astype(jnp.int32)
+
+
+def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_scaling: float,
+              live: bool = False):
     """Contiguous per-sequence K/V and key positions (the pre-pass).
 
     Returns k, v [S, N, K, D] (keys rotated when rotate_keys; pad slots zero) and key_pos [S, N]
     int32 (_SENTINEL for pad slots and unused entries), N = NB * B rounded up to BLOCK_KV.
+    live (compiled on a GPU): K/V by triton_gather.gather_live, defined only on the key steps
+    below each sequence's last block in use (all the kernel reads).
     """
     seqs, max_blocks = md.block_tables.shape
     num_pages, page_size, kv_heads, head_dim = k_pages.shape
     n = max_blocks * page_size
     n_pad = -(-n // BLOCK_KV) * BLOCK_KV
-    slot = jnp.arange(page_size, dtype=jnp.int32)
-    in_use = jnp.arange(max_blocks)[None, :] < md.num_blocks[:, None]  # [S, NB]
-    valid = (slot[None, None, :] < md.block_num_valid[:, :, None]) & in_use[:, :, None]
-    pos = md.block_pos_start[:, :, None] + slot  # [S, NB, B]
+    key_pos = key_positions(md, page_size, n_pad)
+    if live:
+        if not gather_live_limits(k_pages, seqs, n_pad, BLOCK_KV):
+            keys, values = gather_live(k_pages, v_pages, md, inv_freq, n_pad=n_pad,
+                                       step_keys=BLOCK_KV, rotate_keys=rotate_keys,
+                                       attention_scaling=attention_scaling)
+            return keys, values, key_pos
+    valid, pos = _positions(md, page_size)
     tables = jnp.clip(md.block_tables, 0, num_pages - 1)
     keys = k_pages[tables]  # [S, NB, B, K, D]
     values = v_pages[tables]
@@ -47,9 +81,7 @@ def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_sc
         x = x.reshape(seqs, n, kv_heads, head_dim)
         return jnp.pad(x, ((0, 0), (0, n_pad - n), (0, 0), (0, 0)))
 
-    key_pos = jnp.where(valid, pos, _SENTINEL).reshape(seqs, n)
-    key_pos = jnp.pad(key_pos, ((0, 0), (0, n_pad - n)), constant_values=_SENTINEL)
-    return lay_out(keys), lay_out(values), key_pos.astype(jnp.int32)
+    return lay_out(keys), lay_out(values), key_pos
 
 
 def q_bounds(md):

@@ -70,7 +70,8 @@ def prefill_attention_split(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
     """prefill_attention_mosaic with each tile's key steps split over up to `splits` CTAs (see
     module doc). Same arguments and result ([T, H, D] in q's dtype, rows of no sequence zero)."""
     sched, *rest = prepare(q_rot, k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
-                           attention_scaling=attention_scaling, sm_scale=sm_scale)
+                           attention_scaling=attention_scaling, sm_scale=sm_scale,
+                           live_gather=not interpret)
     sched, used = split_schedule(sched, splits, min_steps)
     part, lse = run_kernel((sched, *rest), kv_heads=k_pages.shape[2], interpret=interpret,
                            split=True)
