@@ -44,6 +44,7 @@ def add_parser(p) -> None:
     p.add_argument("--per-prompt", type=int, default=None,
                    help="Config.checkpoints_per_prompt (default: the fair share of the budget)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     p.add_argument("--doc-cap", type=int, default=6000, help="longdoc: document tokens at most")
     p.add_argument("--max-tokens", type=int, default=16,
                    help="output tokens per request (EOS ignored) (default: %(default)s)")
@@ -102,10 +103,12 @@ def _rag_multihop(rng, scale, first=0, samples=12):
     return [p[r] for r in range(5) for p in per]  # round r of every sample, then round r + 1
 
 
-def workloads(names, scale: float, doc_cap: int) -> dict:
-    rng = np.random.default_rng(0)
+def workloads(names, scale: float, doc_cap: int, seed: int = 0) -> dict:
+    """Each workload draws from its own generator (seed, its index), so it is the same whichever
+    others are selected (one process per workload sees the same requests as one for all)."""
     out = {}
     for name in names:
+        rng = np.random.default_rng([seed, WORKLOADS.index(name)])
         if name == "longdoc":
             out[name] = _longdoc(rng, scale, doc_cap)
         elif name == "sysprompt":
@@ -156,20 +159,33 @@ def run(args) -> int:
         loaded.cfg.head_dim * jnp.dtype(args.dtype).itemsize
     print(f"checkpoint: {nbytes / 2**20:.2f} MiB (= KV of {nbytes / kv_token:.0f} tokens); "
           f"budgets {args.budgets} slots", flush=True)
-    llm = LLM(args.model, dtype=args.dtype, seed=0, max_num_seqs=args.max_num_seqs,
+    kw = dict(dtype=args.dtype, seed=0, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               min_token_bucket=args.min_token_bucket, max_model_len=args.max_model_len,
               checkpoint_gb=max(args.budgets) * nbytes / 2**30,
               checkpoints_per_prompt=args.per_prompt, num_kv_blocks=args.num_kv_blocks)
+    if args.stub_device:  # the stub never reads positions: a tiny preset may take long prompts
+        import dataclasses
+        from unittest import mock
+
+        import minipic_jax.llm
+        long = dataclasses.replace(loaded, cfg=dataclasses.replace(
+            loaded.cfg, max_position_embeddings=max(args.max_model_len,
+                                                    loaded.cfg.max_position_embeddings)))
+        with mock.patch.object(minipic_jax.llm, "load_model", lambda *a, **k: long):
+            llm = LLM(args.model, **kw)
+    else:
+        llm = LLM(args.model, **kw)
     engine = llm.llm_engine
     if args.stub_device:
         from benchmarks.engine_bench import _StubStep
         engine.runner._step = _StubStep(engine.vocab_size)
     t0 = time.perf_counter()
-    engine.warmup()
+    if not args.stub_device:  # nothing to compile for the stub
+        engine.warmup()
     print(f"warmup (compile) {time.perf_counter() - t0:.1f} s", flush=True)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    loads = workloads(args.workloads, args.scale, args.doc_cap)
+    loads = workloads(args.workloads, args.scale, args.doc_cap, args.seed)
     room = args.max_model_len - args.max_tokens
     for name in loads:  # ids kept inside the vocabulary (below the marker ids), lengths in room
         vocab = loaded.cfg.vocab_size - 8

@@ -79,9 +79,9 @@ class Config:
     # / (2 max_num_seqs)), at least 1, so the tier holds twice as many prompts as run); "block" every
     # checkpoint_block_tokens. checkpoint_gb: device tier bytes (None: 5% of the device's memory
     # limit, or 64 checkpoints without memory stats); half of cpu_offload_gb holds the host tier.
-    # The dp histogram halves a request's weight every checkpoint_half_life requests and replans
-    # every checkpoint_replan_every requests or when it drifted checkpoint_replan_tv (total
-    # variation) from the planned pmf.
+    # The overlap estimates (serving/overlap_estimate.py) halve a request's weight every
+    # checkpoint_half_life requests; the global plan in get_stats() replans every
+    # checkpoint_replan_every requests or when it drifted checkpoint_replan_tv (total variation).
     checkpoint_strategy: str = "dp"
     checkpoints_per_prompt: int | None = None
     checkpoint_block_tokens: int = 512
