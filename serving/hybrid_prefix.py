@@ -196,6 +196,10 @@ def build(config, family, mcfg, dtype, pool=None):
     planner = CheckpointPlanner(strategy, per_prompt,
                                 config.checkpoint_block_tokens, config.max_model_len, chunk,
                                 block_size=config.block_size, half_life=config.checkpoint_half_life,
+                                # a later request's share of a split: the tier turns over every
+                                # slots / per_prompt admissions
+                                extra_price=config.checkpoint_step_tokens * per_prompt
+                                / max(slots, 1),
                                 every=config.checkpoint_replan_every,
                                 tv=config.checkpoint_replan_tv)
     if pool is not None:

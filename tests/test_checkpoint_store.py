@@ -234,3 +234,23 @@ def test_unshared_tails_put_a_checkpoint_just_before_each_prompts_own_suffix():
     _feed(planner, prompts)
     assert planner.prompt_positions(_plain(1040), 1040, 16) == [960]
     assert planner.prompt_positions(_plain(3000), 3000, 16) == [2944]
+
+
+def test_priced_dp_is_the_brute_force_optimum_of_recompute_plus_extra_checkpoints():
+    """Each checkpoint past the first costs `extra_price` (a chunk split): over every subset of
+    at most per_prompt candidates, dp minimises E[recompute] + price * (|C| - 1)."""
+    rng = np.random.default_rng(7)
+    n = 640
+    pmf = np.zeros(n + 1)
+    pmf[rng.choice(np.arange(1, n + 1), 12, replace=False)] = rng.random(12)
+    pmf[0] = 1.0
+    pmf /= pmf.sum()
+    cand = list(range(64, n + 1, 64))
+    for price in (0.0, 5.0, 40.0, 1e4):
+        planner = CheckpointPlanner("dp", 3, 512, n, 64, extra_price=price)
+        planner.prompt_pmf = lambda n_, blocks, shared=0: pmf
+        got = planner.prompt_positions(_plain(n), n, 16)
+        score = lambda c: expected_recompute(pmf, c) + price * max(len(c) - 1, 0)  # noqa: E731
+        best = min(score(c) for m in (1, 2, 3) for c in itertools.combinations(cand, m))
+        assert score(got) == pytest.approx(best, rel=1e-12, abs=1e-12), price
+        assert len(got) == 1 or price < 1e4
