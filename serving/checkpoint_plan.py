@@ -16,7 +16,7 @@ end), with at most M checkpoints per prompt:
   block     every `block_tokens` tokens (snapped down to candidates), the shallowest M.
   balanced  M evenly spaced positions over [0, n] (snapped).
   dp        the exact optimum of sum_t p_t (t - l(t; C)) over candidates (planner.place), with
-            each checkpoint past the first priced at what splitting a prefill chunk costs a
+            each checkpoint past one per prefill chunk priced at what splitting a chunk costs a
             later request (Config.checkpoint_step_tokens over the admissions an entry lives).
 
 Each planned checkpoint carries its value under that pmf, the expected tokens it saves a later
@@ -57,12 +57,13 @@ def positions_of(layout, token_idx) -> np.ndarray:
 class CheckpointPlanner:
     def __init__(self, strategy: str, per_prompt: int, block_tokens: int, max_len: int,
                  chunk: int, *, block_size: int = 16, half_life: float = 256.0, every: int = 64,
-                 tv: float = 0.1, extra_price: float = 0.0):
+                 tv: float = 0.1, extra_price: float = 0.0, step_tokens: int | None = None):
         if strategy not in CHECKPOINT_STRATEGIES:
             raise ValueError(f"checkpoint strategy must be one of {CHECKPOINT_STRATEGIES}, "
                              f"got {strategy!r}")
         self.strategy, self.per_prompt, self.block_tokens = strategy, per_prompt, block_tokens
         self.max_len, self.chunk, self.extra_price = max_len, chunk, extra_price
+        self.step_tokens = step_tokens or max_len  # a prefill chunk's tokens at most
         self.overlap = OverlapEstimate(max_len, block_size, chunk, half_life)
         # prior: one observation's worth of mass spread uniformly (the plan before any traffic)
         self.hist = DecayingHistogram(max_len, half_life=half_life, smoothing=1.0 / (max_len + 1))
@@ -110,19 +111,20 @@ class CheckpointPlanner:
         elif self.strategy == "block":
             got = place(pmf, self.per_prompt, "block", cand, block_size=max(1, self.block_tokens))
         elif self.strategy == "dp":
-            got = self._priced(pmf, cand)
+            got = self._priced(pmf, cand, -(-int(num_tokens) // self.step_tokens))
         else:
             got = place(pmf, self.per_prompt, self.strategy, cand)
         got = [int(x) for x in got]
         return got, self.values(pmf, got)
 
-    def _priced(self, pmf, cand):
-        """The m <= per_prompt minimising OPT(m) + extra_price (m - 1): the first checkpoint
-        is free (one per chunk), each further one may split a chunk (exact: OPT is convex)."""
+    def _priced(self, pmf, cand, free: int):
+        """The m <= per_prompt minimising OPT(m) + extra_price max(m - free, 0): a prompt
+        prefilled in `free` chunks takes that many checkpoints without a split (one per chunk),
+        each further one may split a chunk (exact: OPT(m) and the price are convex in m)."""
         best, got = None, []
         for m in range(1, self.per_prompt + 1):
             pos = place(pmf, m, "dp", cand)
-            total = expected_recompute(pmf, pos) + self.extra_price * max(len(pos) - 1, 0)
+            total = expected_recompute(pmf, pos) + self.extra_price * max(len(pos) - free, 0)
             if best is not None and total >= best - 1e-12:
                 break
             best, got = total, pos

@@ -84,7 +84,7 @@ class Config:
     # checkpoint_replan_every requests or when it drifted checkpoint_replan_tv (total variation).
     # checkpoint_step_tokens: what a second checkpoint in one prefill chunk costs (the chunk is
     # split: about one more engine step), in prompt tokens of compute; dp places a prompt's
-    # checkpoints beyond the first only where they save more (1,050 measured on the H200 at the
+    # checkpoints beyond one per chunk only where they save more (1,050 measured on the H200 at the
     # Qwen3.5-0.8B shape: benchmarks/RESULTS.md, hybrid prefix caching run 3). 0: no price.
     checkpoint_strategy: str = "dp"
     checkpoint_step_tokens: float = 1024.0

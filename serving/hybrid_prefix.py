@@ -199,7 +199,7 @@ def build(config, family, mcfg, dtype, pool=None):
                                 # a later request's share of a split: the tier turns over every
                                 # slots / per_prompt admissions
                                 extra_price=config.checkpoint_step_tokens * per_prompt
-                                / max(slots, 1),
+                                / max(slots, 1), step_tokens=config.max_num_batched_tokens,
                                 every=config.checkpoint_replan_every,
                                 tv=config.checkpoint_replan_tv)
     if pool is not None:

@@ -237,8 +237,9 @@ def test_unshared_tails_put_a_checkpoint_just_before_each_prompts_own_suffix():
 
 
 def test_priced_dp_is_the_brute_force_optimum_of_recompute_plus_extra_checkpoints():
-    """Each checkpoint past the first costs `extra_price` (a chunk split): over every subset of
-    at most per_prompt candidates, dp minimises E[recompute] + price * (|C| - 1)."""
+    """Each checkpoint past one per chunk costs `extra_price` (a chunk split): over every subset
+    of at most per_prompt candidates, dp minimises E[recompute] + price * max(|C| - chunks, 0)
+    (here the prompt is one chunk)."""
     rng = np.random.default_rng(7)
     n = 640
     pmf = np.zeros(n + 1)
@@ -247,7 +248,7 @@ def test_priced_dp_is_the_brute_force_optimum_of_recompute_plus_extra_checkpoint
     pmf /= pmf.sum()
     cand = list(range(64, n + 1, 64))
     for price in (0.0, 5.0, 40.0, 1e4):
-        planner = CheckpointPlanner("dp", 3, 512, n, 64, extra_price=price)
+        planner = CheckpointPlanner("dp", 3, 512, n, 64, extra_price=price, step_tokens=n)
         planner.prompt_pmf = lambda n_, blocks, shared=0: pmf
         got = planner.prompt_positions(_plain(n), n, 16)
         score = lambda c: expected_recompute(pmf, c) + price * max(len(c) - 1, 0)  # noqa: E731
