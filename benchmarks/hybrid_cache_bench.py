@@ -44,6 +44,7 @@ def add_parser(p) -> None:
     p.add_argument("--per-prompt", type=int, default=None,
                    help="Config.checkpoints_per_prompt (default: the fair share of the budget)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     p.add_argument("--doc-cap", type=int, default=6000, help="longdoc: document tokens at most")
     p.add_argument("--max-tokens", type=int, default=16,
                    help="output tokens per request (EOS ignored) (default: %(default)s)")
@@ -59,6 +60,9 @@ def add_parser(p) -> None:
     p.add_argument("--stub-device", action="store_true",
                    help="replace the jitted step by a stub (random tokens): token counts only, "
                         "any backend (tokens recomputed depend only on the scheduler and store)")
+    p.add_argument("--cost", action="store_true",
+                   help="also time checkpoint extraction + restore: a captured prefill step "
+                        "with the pool vs without it (benchmarks/hybrid_cache_cost.py)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="PNG of tokens recomputed vs budget")
 
@@ -102,10 +106,12 @@ def _rag_multihop(rng, scale, first=0, samples=12):
     return [p[r] for r in range(5) for p in per]  # round r of every sample, then round r + 1
 
 
-def workloads(names, scale: float, doc_cap: int) -> dict:
-    rng = np.random.default_rng(0)
+def workloads(names, scale: float, doc_cap: int, seed: int = 0) -> dict:
+    """Each workload draws from its own generator (seed, its index), so it is the same whichever
+    others are selected (one process per workload sees the same requests as one for all)."""
     out = {}
     for name in names:
+        rng = np.random.default_rng([seed, WORKLOADS.index(name)])
         if name == "longdoc":
             out[name] = _longdoc(rng, scale, doc_cap)
         elif name == "sysprompt":
@@ -143,38 +149,82 @@ def _run(llm, prompts, sp) -> dict:
                 plan=after.get("checkpoint_plan"), tokens=[o.outputs[0].token_ids for o in outs])
 
 
-def run(args) -> int:
-    import jax.numpy as jnp
-
-    from minipic_jax import LLM, SamplingParams
-    from serving import checkpoint_pool
-    from minipic_jax.loading import load_model
-    loaded = load_model(args.model, dtype=args.dtype, seed=0)
-    layout = checkpoint_pool.state_layout(loaded.family, loaded.cfg, 16, jnp.dtype(args.dtype))
-    nbytes = checkpoint_pool.checkpoint_nbytes(layout)
-    kv_token = 2 * loaded.cfg.layer_types.count("full_attention") * loaded.cfg.num_kv_heads * \
-        loaded.cfg.head_dim * jnp.dtype(args.dtype).itemsize
-    print(f"checkpoint: {nbytes / 2**20:.2f} MiB (= KV of {nbytes / kv_token:.0f} tokens); "
-          f"budgets {args.budgets} slots", flush=True)
-    llm = LLM(args.model, dtype=args.dtype, seed=0, max_num_seqs=args.max_num_seqs,
+def _engine(args, loaded, nbytes):
+    from minipic_jax import LLM
+    kw = dict(dtype=args.dtype, seed=0, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               min_token_bucket=args.min_token_bucket, max_model_len=args.max_model_len,
               checkpoint_gb=max(args.budgets) * nbytes / 2**30,
               checkpoints_per_prompt=args.per_prompt, num_kv_blocks=args.num_kv_blocks)
+    if not args.stub_device:
+        return LLM(args.model, **kw)
+    # the stub never reads positions: a tiny preset may take long prompts
+    import dataclasses
+    from unittest import mock
+
+    import minipic_jax.llm
+    from benchmarks.engine_host import StubStep
+    long = dataclasses.replace(loaded, cfg=dataclasses.replace(
+        loaded.cfg, max_position_embeddings=max(args.max_model_len,
+                                                loaded.cfg.max_position_embeddings)))
+    with mock.patch.object(minipic_jax.llm, "load_model", lambda *a, **k: long):
+        llm = LLM(args.model, **kw)
+    llm.llm_engine.runner._step = StubStep(llm.llm_engine.vocab_size)
+    return llm
+
+
+def _print_run(r):
+    el = r["wall_s"]
+    print(f"  budget {r['budget']:3d} {r['strategy']:8s} recomputed {r['tokens_recomputed']:7d} "
+          f"computed {r['computed_prompt_tokens']:7d} hit {r['hit_rate']:.3f} "
+          f"prefill {r['prefill_tok_per_s']:9.0f} tok/s TTFT {1e3 * r['mean_ttft_s']:7.1f} ms "
+          f"wall {el:6.2f} s same-tokens {r['tokens_equal_none']}", flush=True)
+    print(f"Throughput: {r['requests'] / el:.2f} requests/s, "
+          f"{(r['prompt_tokens'] + r['output_tokens']) / el:.2f} total tokens/s, "
+          f"{r['output_tokens'] / el:.2f} output tokens/s", flush=True)
+
+
+def _savings(r, none):
+    """Against `none` at the same budget: computed-token and wall-time savings, their ratio."""
+    tok = 1 - r["computed_prompt_tokens"] / max(none["computed_prompt_tokens"], 1)
+    wall = 1 - r["wall_s"] / none["wall_s"]
+    r.update(wall_vs_none=r["wall_s"] / none["wall_s"], token_saving=tok, wall_saving=wall,
+             saving_ratio=wall / tok if tok > 0 else None)
+
+
+def run(args) -> int:
+    import jax.numpy as jnp
+
+    from minipic_jax import SamplingParams
+    from minipic_jax.loading import load_model
+    from serving import checkpoint_pool
+    loaded = load_model(args.model, dtype=args.dtype, seed=0)
+    layout = checkpoint_pool.state_layout(loaded.family, loaded.cfg, 16, jnp.dtype(args.dtype))
+    nbytes = checkpoint_pool.checkpoint_nbytes(layout)
+    kv_token = 2 * loaded.cfg.num_kv_layers * loaded.cfg.num_kv_heads * loaded.cfg.head_dim * \
+        jnp.dtype(args.dtype).itemsize
+    print(f"checkpoint: {nbytes / 2**20:.2f} MiB (= KV of {nbytes / kv_token:.0f} tokens); "
+          f"budgets {args.budgets} slots", flush=True)
+    llm = _engine(args, loaded, nbytes)
     engine = llm.llm_engine
-    if args.stub_device:
-        from benchmarks.engine_host import StubStep
-        engine.runner._step = StubStep(engine.vocab_size)
+    cost = args.cost and not args.stub_device
+    if cost:
+        from benchmarks import hybrid_cache_cost
+        plain = hybrid_cache_cost.start_plain_compile(engine.runner)
     t0 = time.perf_counter()
-    engine.warmup()
+    if not args.stub_device:  # nothing to compile for the stub
+        engine.warmup()
+    if cost:
+        plain.join()
+        capture = hybrid_cache_cost.StepCapture(engine.runner)
     print(f"warmup (compile) {time.perf_counter() - t0:.1f} s", flush=True)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    loads = workloads(args.workloads, args.scale, args.doc_cap)
+    loads = workloads(args.workloads, args.scale, args.doc_cap, args.seed)
     room = args.max_model_len - args.max_tokens
     for name in loads:  # ids kept inside the vocabulary (below the marker ids), lengths in room
         vocab = loaded.cfg.vocab_size - 8
         loads[name] = [[t % vocab for t in p] for p in loads[name] if len(p) <= room]
-    results = []
+    results, extra = [], {}
     for name, prompts in loads.items():
         print(f"== {name}: {len(prompts)} requests, "
               f"{sum(map(len, prompts))} prompt tokens", flush=True)
@@ -195,39 +245,55 @@ def run(args) -> int:
                                           if ref is not None else None)
                 r.update(workload=name, budget=budget, strategy=strategy,
                          budget_bytes=budget * nbytes)
+                none = [x for x in results if (x["workload"], x["budget"], x["strategy"])
+                        == (name, budget, "none")]
+                if none:
+                    _savings(r, none[0])
                 results.append(r)
-                el = r["wall_s"]
-                print(f"  budget {budget:3d} {strategy:8s} recomputed {r['tokens_recomputed']:7d} "
-                      f"computed {r['computed_prompt_tokens']:7d} hit {r['hit_rate']:.3f} "
-                      f"prefill {r['prefill_tok_per_s']:9.0f} tok/s TTFT "
-                      f"{1e3 * r['mean_ttft_s']:7.1f} ms wall {el:6.2f} s "
-                      f"same-tokens {r['tokens_equal_none']}", flush=True)
-                print(f"Throughput: {r['requests'] / el:.2f} requests/s, "
-                      f"{(r['prompt_tokens'] + r['output_tokens']) / el:.2f} total tokens/s, "
-                      f"{r['output_tokens'] / el:.2f} output tokens/s", flush=True)
+                _print_run(r)
                 if args.json:
-                    _write(args.json, nbytes, results)
+                    _write(args.json, nbytes, results, extra)
+        if cost and "cost" not in extra:  # after the first workload: a timeout later keeps it
+            capture.close()
+            extra["cost"] = _cost(hybrid_cache_cost, engine, loaded.family, capture)
+            if args.json:
+                _write(args.json, nbytes, results, extra)
     if args.json:
-        _write(args.json, nbytes, results)
+        _write(args.json, nbytes, results, extra)
     if args.plot:
         _plot(results, args.plot)
     _table(results)
     return 0
 
 
-def _write(path, nbytes, results):
+def _cost(mod, engine, family, capture) -> dict:
+    c = mod.measure(engine.runner, family, capture)
+    engine.reset_prefix_cache()
+    nan = float("nan")
+    print(f"checkpoint cost ({c.get('tokens')} tokens, {c.get('rows_restoring')} restoring, "
+          f"{c.get('rows_checkpointing')} checkpointing rows): step "
+          f"{c.get('step_ms_pool', nan):.2f} ms with the pool vs {c.get('step_ms_plain', nan):.2f}"
+          f" ms without = {100 * c.get('overhead', nan):+.2f}%; restore "
+          f"{c.get('restore_ms', nan):.3f} ms, store {c.get('store_ms', nan):.3f} ms", flush=True)
+    return c
+
+
+def _write(path, nbytes, results, extra):
     with open(path, "w") as f:
-        json.dump({"checkpoint_bytes": nbytes, "results": results}, f, indent=1, default=str)
+        json.dump({"checkpoint_bytes": nbytes, "results": results, **extra}, f, indent=1,
+                  default=str)
 
 
 def _table(results):
     print("\nworkload      budget strategy  recomputed  computed  hit    prefill tok/s  TTFT ms"
-          "   wall s")
+          "   wall s  wall/none  saving ratio (wall / tokens)")
     for r in results:
+        ratio = r.get("saving_ratio")
         print(f"{r['workload']:13s} {r['budget']:6d} {r['strategy']:9s} "
               f"{r['tokens_recomputed']:10d} {r['computed_prompt_tokens']:9d} "
               f"{r['hit_rate']:.3f} {r['prefill_tok_per_s']:14.0f} "
-              f"{1e3 * r['mean_ttft_s']:8.1f} {r['wall_s']:8.2f}")
+              f"{1e3 * r['mean_ttft_s']:8.1f} {r['wall_s']:8.2f} "
+              f"{r.get('wall_vs_none', 1.0):9.2f}  {'-' if ratio is None else f'{ratio:.2f}'}")
 
 
 def _plot(results, path):

@@ -64,5 +64,12 @@ class ModelConfig:
                 f"num_kv_heads ({self.num_kv_heads})")
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep paged K/V: the full-attention ones of a hybrid model, else all."""
+        if not self.layer_types:
+            return self.num_layers
+        return self.layer_types.count("full_attention")
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rope.partial_rotary_factor)

@@ -6,29 +6,35 @@ positive multiple of the GDN kernel's chunk (the ragged kernel aligns chunks on 
 state there is what a prefill that stopped at c computes). For plain prompts with B | 64 those are
 the multiples of 64.
 
-Overlap depths d (tokens of a new request that match ready cached blocks) feed an exponentially
-weighted histogram over 0..max_model_len (planner.DecayingHistogram); the planner's Replanner keeps
-the pmf a plan is made for and says when to replan (every `every` requests, or sooner when the
-estimate moved more than `tv` in total variation). A prompt of L tokens is planned on that pmf
-truncated at L (a future request overlapping it deeper than L overlaps it to L), with at most M
-checkpoints per prompt:
+A prompt of n tokens is planned on the pmf of how deep later requests will share *its* prefix
+(serving/overlap_estimate.py: recurrences along its own matched blocks, extensions read from its
+end), with at most M checkpoints per prompt:
 
   none      nothing.
-  last      the deepest candidate <= L (the end of the prompt's last full chunk; vLLM's align mode
+  last      the deepest candidate <= n (the end of the prompt's last full chunk; vLLM's align mode
             caches at its last block boundary).
   block     every `block_tokens` tokens (snapped down to candidates), the shallowest M.
-  balanced  M evenly spaced positions over [0, L] (snapped).
-  dp        the exact optimum of sum_t p_t (t - l(t; C)) over candidates (planner.place).
+  balanced  M evenly spaced positions over [0, n] (snapped).
+  dp        the exact optimum of sum_t p_t (t - l(t; C)) over candidates (planner.place), with
+            each checkpoint past one per prefill chunk priced at what splitting a chunk costs a
+            later request (Config.checkpoint_step_tokens over the admissions an entry lives).
+
+Each planned checkpoint carries its value under that pmf, the expected tokens it saves a later
+request next to the prompt's other checkpoints; the store's eviction ranks entries by it.
+
+The global overlap-depth histogram (exponentially weighted, replanned by the planner's Replanner
+rule) is kept for observability: `plan` is where checkpoints would go for one prefix that all
+traffic shared. Per-prompt plans are made fresh at admission from the current estimates.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from planner import DecayingHistogram, Replanner, place
+from planner import DecayingHistogram, Replanner, expected_recompute, place
+from serving.overlap_estimate import OverlapEstimate
 
 CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
-TAIL_WEIGHT = 0.5  # share of the unshared-tail pmf in a prompt's plan (0.8 measured no better)
 
 
 def candidates(layout, num_tokens: int, block_size: int, chunk: int) -> np.ndarray:
@@ -50,79 +56,80 @@ def positions_of(layout, token_idx) -> np.ndarray:
 
 class CheckpointPlanner:
     def __init__(self, strategy: str, per_prompt: int, block_tokens: int, max_len: int,
-                 chunk: int, *, half_life: float = 256.0, every: int = 64, tv: float = 0.1):
+                 chunk: int, *, block_size: int = 16, half_life: float = 256.0, every: int = 64,
+                 tv: float = 0.1, extra_price: float = 0.0, step_tokens: int | None = None):
         if strategy not in CHECKPOINT_STRATEGIES:
             raise ValueError(f"checkpoint strategy must be one of {CHECKPOINT_STRATEGIES}, "
                              f"got {strategy!r}")
         self.strategy, self.per_prompt, self.block_tokens = strategy, per_prompt, block_tokens
-        self.max_len, self.chunk = max_len, chunk
+        self.max_len, self.chunk, self.extra_price = max_len, chunk, extra_price
+        self.step_tokens = step_tokens or max_len  # a prefill chunk's tokens at most
+        self.overlap = OverlapEstimate(max_len, block_size, chunk, half_life)
         # prior: one observation's worth of mass spread uniformly (the plan before any traffic)
         self.hist = DecayingHistogram(max_len, half_life=half_life, smoothing=1.0 / (max_len + 1))
         grid = np.arange(chunk, max_len + 1, chunk)
-        self._cdf, self._cdf_version = None, -1
-        # unshared tails (prompt length - overlap) of the cached prompts that requests overlap
-        self.tails = DecayingHistogram(max_len, half_life=half_life,
-                                       smoothing=1.0 / (max_len + 1))
-        # prior: one observation of a tail shorter than a chunk (same prompt, another question)
-        self.tails.observe([min(chunk // 2, max_len)])
         self.replanner = Replanner(self.hist, per_prompt, strategy="dp",
                                    candidates=grid if grid.size else None, every=every,
                                    tv_threshold=tv)
 
-    def observe(self, depth: int, tail: int | None = None) -> None:
-        """One admitted request's overlap depth (tokens) and, when it overlaps a cached prompt of
-        known length, that prompt's tokens beyond the overlap (its unshared tail)."""
-        self.replanner.observe([min(max(int(depth), 0), self.max_len)])
-        if tail is not None:
-            self.tails.observe([min(max(int(tail), 0), self.max_len)])
+    def observe(self, blocks, shared: int, origin_len: int | None = None) -> None:
+        """One admitted request (after its plan): the hashes of its prompt's full blocks, how
+        many of them earlier prompts hold, and the length of the prompt holding the last of
+        those (None: unknown)."""
+        self.replanner.observe([min(max(shared * self.overlap.block_size, 0), self.max_len)])
+        self.overlap.observe(blocks, shared, origin_len)
 
     @property
     def plan(self) -> list[int]:
-        """The current global plan: the pmf's optimal positions over 0..max_model_len."""
+        """The global plan: the all-traffic depth pmf's optimal positions over 0..max_model_len."""
         return [int(x) for x in self.replanner.positions]
 
-    def prompt_pmf(self, n: int) -> np.ndarray:
-        """[n+1] overlap depths a future request may have with a prompt of n tokens: half the
-        planned depth pmf truncated at n (deeper overlaps stop at its end), half the observed
-        unshared tails read from its end (depth n - tail; tails longer than n give depth 0)."""
-        pmf = np.asarray(self.replanner.plan_pmf)
-        trunc = np.zeros(n + 1)
-        m = min(n, pmf.size - 1)
-        trunc[:m] = pmf[:m]
-        trunc[m] = pmf[m:].sum()
-        tails = self.tails.pmf()
-        rel = np.zeros(n + 1)
-        k = min(n, tails.size - 1)
-        rel[n - k:] = tails[:k + 1][::-1]
-        rel[0] += tails[k + 1:].sum()
-        return (1 - TAIL_WEIGHT) * trunc / trunc.sum() + TAIL_WEIGHT * rel / rel.sum()
+    def prompt_pmf(self, n: int, blocks, shared: int = 0) -> np.ndarray:
+        return self.overlap.prompt_pmf(n, blocks, shared)
 
-    def value(self, position: int, planned) -> float:
-        """Expected tokens a checkpoint at `position` saves a request, under the planned pmf, next
-        to the prompt's other planned positions: (mass of depths in [position, next planned)) x
-        (position - previous planned). The store's eviction ranks entries by it."""
-        if self.replanner.replans != self._cdf_version:
-            self._cdf = np.concatenate([[0.0], np.cumsum(self.replanner.plan_pmf)])
-            self._cdf_version = self.replanner.replans
-        prev = max((q for q in planned if q < position), default=0)
-        nxt = min((q for q in planned if q > position), default=self.max_len + 1)
-        cdf = self._cdf
-        mass = cdf[min(nxt, cdf.size - 1)] - cdf[min(position, cdf.size - 1)]
-        return float(mass * (position - prev))
+    @staticmethod
+    def values(pmf: np.ndarray, planned) -> list[float]:
+        """Per planned position c_i: (mass of depths in [c_i, c_i+1)) x (c_i - c_i-1), the tokens
+        it saves a later request on average that the prompt's shallower checkpoint would not."""
+        cdf = np.concatenate([[0.0], np.cumsum(pmf)])
+        edges = [0] + list(planned) + [pmf.size]
+        return [float((cdf[edges[i + 1]] - cdf[edges[i]]) * (edges[i] - edges[i - 1]))
+                for i in range(1, len(edges) - 1)]
 
-    def prompt_positions(self, layout, num_tokens: int, block_size: int) -> list[int]:
-        """Token indices where this prompt's prefill takes checkpoints (sorted)."""
+    def prompt_plan(self, layout, num_tokens: int, block_size: int, blocks=(), shared: int = 0):
+        """(token indices where this prompt's prefill takes checkpoints, sorted; their values).
+        `blocks`: hashes of the prompt's full blocks, the first `shared` held by earlier prompts
+        (the prompt not yet observed)."""
         if self.strategy == "none" or self.per_prompt == 0:
-            return []
+            return [], []
         cand = candidates(layout, num_tokens, block_size, self.chunk)
         if cand.size == 0:
-            return []
+            return [], []
+        pmf = self.prompt_pmf(int(num_tokens), blocks, shared)
         if self.strategy == "last":
-            return [int(cand[-1])]
-        trunc = self.prompt_pmf(int(num_tokens))
-        if self.strategy == "block":
-            got = place(trunc, self.per_prompt, "block", cand,
-                        block_size=max(1, self.block_tokens))
+            got = [int(cand[-1])]
+        elif self.strategy == "block":
+            got = place(pmf, self.per_prompt, "block", cand, block_size=max(1, self.block_tokens))
+        elif self.strategy == "dp":
+            got = self._priced(pmf, cand, -(-int(num_tokens) // self.step_tokens))
         else:
-            got = place(trunc, self.per_prompt, self.strategy, cand)
-        return [int(x) for x in got]
+            got = place(pmf, self.per_prompt, self.strategy, cand)
+        got = [int(x) for x in got]
+        return got, self.values(pmf, got)
+
+    def _priced(self, pmf, cand, free: int):
+        """The m <= per_prompt minimising OPT(m) + extra_price max(m - free, 0): a prompt
+        prefilled in `free` chunks takes that many checkpoints without a split (one per chunk),
+        each further one may split a chunk (exact: OPT(m) and the price are convex in m)."""
+        best, got = None, []
+        for m in range(1, self.per_prompt + 1):
+            pos = place(pmf, m, "dp", cand)
+            total = expected_recompute(pmf, pos) + self.extra_price * max(len(pos) - free, 0)
+            if best is not None and total >= best - 1e-12:
+                break
+            best, got = total, pos
+        return got
+
+    def prompt_positions(self, layout, num_tokens: int, block_size: int, blocks=(),
+                         shared: int = 0) -> list[int]:
+        return self.prompt_plan(layout, num_tokens, block_size, blocks, shared)[0]

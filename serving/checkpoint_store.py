@@ -13,8 +13,9 @@ Moves are recorded here and carried out by the engine before the step that needs
 out, then one scatter in, then the step, in device program order).
 
 Device eviction is GreedyDual: an entry's priority is the clock L plus its value (expected prompt
-tokens it saves a request, from the placement's pmf: serving/checkpoint_plan.py), set when it is
-stored and on every hit; the unpinned entry of lowest priority goes (least recently used first
+tokens it saves a later request, from the prompt's plan pmf: serving/checkpoint_plan.py), set when
+it is stored and on every hit (where the caller may `revalue` it: serving/hybrid_prefix.py); the
+unpinned entry of lowest priority goes (least recently used first
 among equals) and L rises to its priority, so unused entries age out whatever their value. With
 all values equal this is LRU. Under a tight budget it keeps a prompt's deep checkpoint (the one
 most later requests resume from) over its shallow ones, where LRU would drop the oldest prompt's
@@ -91,6 +92,11 @@ class CheckpointStore:
         self.num_onloaded += 1
         e.pins += 1
         return True
+
+    def revalue(self, e: Entry, value: float) -> None:
+        """A hit's new value (GreedyDual resets the priority to the clock plus it)."""
+        e.value = value
+        e.priority = self.clock + value
 
     def release(self, e: Entry) -> None:
         e.pins -= 1

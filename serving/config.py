@@ -82,10 +82,15 @@ class Config:
     # / (2 max_num_seqs)), at least 1, so the tier holds twice as many prompts as run); "block" every
     # checkpoint_block_tokens. checkpoint_gb: device tier bytes (None: 5% of the device's memory
     # limit, or 64 checkpoints without memory stats); half of cpu_offload_gb holds the host tier.
-    # The dp histogram halves a request's weight every checkpoint_half_life requests and replans
-    # every checkpoint_replan_every requests or when it drifted checkpoint_replan_tv (total
-    # variation) from the planned pmf.
+    # The overlap estimates (serving/overlap_estimate.py) halve a request's weight every
+    # checkpoint_half_life requests; the global plan in get_stats() replans every
+    # checkpoint_replan_every requests or when it drifted checkpoint_replan_tv (total variation).
+    # checkpoint_step_tokens: what a second checkpoint in one prefill chunk costs (the chunk is
+    # split: about one more engine step), in prompt tokens of compute; dp places a prompt's
+    # checkpoints beyond one per chunk only where they save more (1,050 measured on the H200 at the
+    # Qwen3.5-0.8B shape: benchmarks/RESULTS.md, hybrid prefix caching run 3). 0: no price.
     checkpoint_strategy: str = "dp"
+    checkpoint_step_tokens: float = 1024.0
     checkpoints_per_prompt: int | None = None
     checkpoint_block_tokens: int = 512
     checkpoint_gb: float | None = None
@@ -140,6 +145,9 @@ class Config:
         if self.checkpoint_block_tokens < 1 or not self.checkpoint_half_life > 0:
             raise ValueError(f"Config.checkpoint_block_tokens ({self.checkpoint_block_tokens}) "
                              f"and checkpoint_half_life ({self.checkpoint_half_life}) must be > 0")
+        if not self.checkpoint_step_tokens >= 0:
+            raise ValueError(f"Config.checkpoint_step_tokens must be >= 0, "
+                             f"got {self.checkpoint_step_tokens}")
         if self.checkpoint_gb is not None and self.checkpoint_gb < 0:
             raise ValueError(f"Config.checkpoint_gb must be None or >= 0, got {self.checkpoint_gb}")
         if not 0 < self.checkpoint_replan_tv <= 1:

@@ -33,20 +33,23 @@ class HybridPrefixCache:
 
     # -- admission -----------------------------------------------------------------------------
     def _match(self, sched, seq):
-        """Per block from the start: ("hit", block) / ("host", None) while they match."""
+        """(kinds, shared): per block from the start, ("hit", block) / ("host", None) while they
+        match; `shared` counts on through blocks still being computed by another sequence (what
+        the request shares with cached and in-flight prompts: the placement's statistic)."""
         bm, keys, bs = sched.bm, sched.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
         raw, step = keys.token_bytes(seq), 8 * bs
-        kinds = []
+        kinds, shared = [], 0
         for j in range(limit):
             b = bm.table.get(hashes[j])
-            if b is not None and bm.ready[b] and bm.confirm[b] == raw[j * step:(j + 1) * step]:
-                kinds.append(("hit", b))
-            elif b is None and sched.offload is not None and sched.offload.contains(hashes[j]):
-                kinds.append(("host", None))
-            else:
+            same = b is not None and bm.confirm[b] == raw[j * step:(j + 1) * step]
+            host = b is None and sched.offload is not None and sched.offload.contains(hashes[j])
+            if not (same or host):
                 break
-        return kinds
+            if len(kinds) == j and (host or bm.ready[b]):
+                kinds.append(("host", None) if host else ("hit", b))
+            shared = j + 1
+        return kinds, shared
 
     def _deepest(self, seq, hashes, raw, depth_blocks: int):
         """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint."""
@@ -63,7 +66,7 @@ class HybridPrefixCache:
         """Scheduler._try_allocate for hybrid models (see the module docstring)."""
         bm, keys, bs = sched.bm, sched.keys, self.block_size
         spans = bool(seq.layout.span_block.any())  # cold path: no reuse, no checkpoints yet
-        kinds = [] if spans else self._match(sched, seq)
+        kinds, shared = ([], 0) if spans else self._match(sched, seq)
         hashes, raw = keys.hashes(seq), keys.token_bytes(seq)
         kc, entry = self._deepest(seq, hashes, raw, len(kinds))
         n = seq.num_blocks_needed
@@ -93,15 +96,17 @@ class HybridPrefixCache:
         first = not seq.ever_admitted
         if first:
             seq.num_cached_tokens = kc * bs
-            origin = self.prompt_len.get(hashes[len(kinds) - 1]) if kinds else None
-            self.planner.observe(len(kinds) * bs,
-                                 None if origin is None else origin - len(kinds) * bs)
+            blocks = hashes[:seq.num_prompt_tokens // bs]
+            seq.ck_positions, seq.ck_values = ([], []) if spans else self.planner.prompt_plan(
+                seq.layout, seq.num_prompt_tokens, bs, blocks, shared)
+            self.planner.observe(blocks, shared,
+                                 self.prompt_len.get(hashes[shared - 1]) if shared else None)
+            if entry is not None:  # worth now what a recurrence to its depth would save
+                self.store.revalue(entry, kc * bs * self.planner.overlap.share(hashes[kc - 1]))
             if len(self.prompt_len) > (1 << 20):
                 self.prompt_len.clear()
-            for h in hashes[:seq.num_prompt_tokens // bs]:
+            for h in blocks:
                 self.prompt_len.setdefault(h, seq.num_prompt_tokens)
-            seq.ck_positions = [] if spans else self.planner.prompt_positions(
-                seq.layout, seq.num_prompt_tokens, bs)
         self.admissions += 1
         self.checkpoint_hits += kc > 0
         self.tokens_matched += len(kinds) * bs
@@ -155,7 +160,7 @@ class HybridPrefixCache:
         hashes = sched.keys.hashes(seq)
         k = p // bs
         pos = int(positions_of(seq.layout, [p])[0])
-        value = self.planner.value(p, seq.ck_positions)
+        value = seq.ck_values[seq.ck_positions.index(p)]
         slot = self.store.reserve(hashes[k - 1], sched.keys.confirm(seq, k - 1), pos, hashes[:k],
                                   value)
         if slot >= 0:
@@ -190,7 +195,11 @@ def build(config, family, mcfg, dtype, pool=None):
         per_prompt = min(4, max(1, slots // (2 * config.max_num_seqs)))
     planner = CheckpointPlanner(strategy, per_prompt,
                                 config.checkpoint_block_tokens, config.max_model_len, chunk,
-                                half_life=config.checkpoint_half_life,
+                                block_size=config.block_size, half_life=config.checkpoint_half_life,
+                                # a later request's share of a split: the tier turns over every
+                                # slots / per_prompt admissions
+                                extra_price=config.checkpoint_step_tokens * per_prompt
+                                / max(slots, 1), step_tokens=config.max_num_batched_tokens,
                                 every=config.checkpoint_replan_every,
                                 tv=config.checkpoint_replan_tv)
     if pool is not None:

@@ -13,11 +13,12 @@ from serving.offload import page_leaf
 
 def default_num_blocks(config: Config, mcfg, dtype) -> int:
     """Blocks for `Config.num_kv_blocks=None`: gpu_memory_utilization of the device's memory
-    limit less what is in use (K and V of every layer per token); without memory stats (CPU),
+    limit less what is in use (K and V of every paged layer per token: a hybrid model's
+    recurrent layers keep no pages); without memory stats (CPU),
     enough for max_num_seqs full sequences, at most 4096. Step temporaries are not reserved."""
     # per device: under tensor parallelism each holds its KV heads only (at least one)
     heads = max(mcfg.num_kv_heads // config.tensor_parallel_size, 1)
-    per_token = 2 * mcfg.num_layers * heads * mcfg.head_dim * np.dtype(dtype).itemsize
+    per_token = 2 * mcfg.num_kv_layers * heads * mcfg.head_dim * np.dtype(dtype).itemsize
     want = config.max_num_seqs * config.max_blocks_per_seq
     gc.collect()  # an engine dropped earlier (jitted methods make cycles) still holds its pool
     try:

@@ -95,34 +95,94 @@ def test_rule_strategies_per_prompt():
     assert CheckpointPlanner("balanced", **kw).prompt_positions(lay, 700, 16) == [128, 320, 512]
 
 
-def test_dp_is_the_brute_force_optimum_on_the_truncated_observed_pmf():
-    rng = np.random.default_rng(3)
-    planner = CheckpointPlanner("dp", 2, 512, 1024, 64, every=1000, tv=1.0)
-    depths = rng.choice([100, 300, 300, 650, 900], 200)
-    for d in depths:
-        planner.observe(int(d))
-    planner.replanner._replan()
-    n = 700
-    got = planner.prompt_positions(_plain(n), n, 16)
-    trunc = planner.prompt_pmf(n)
-    pmf = np.asarray(planner.replanner.plan_pmf)
-    tails = planner.tails.pmf()  # no tail observed: the prior (one tail of 32 tokens)
-    want = 0.5 * np.concatenate([pmf[:n], [pmf[n:].sum()]]) + 0.5 * np.concatenate(
-        [[tails[n:].sum()], tails[:n][::-1]])
-    np.testing.assert_allclose(trunc, want, rtol=1e-12, atol=1e-15)
+def _blocks(tokens, bs=16):
+    return [hash(tuple(tokens[:(j + 1) * bs])) for j in range(len(tokens) // bs)]
+
+
+def _lcp_blocks(a, b, bs=16):
+    n = 0
+    while (n + 1) * bs <= min(len(a), len(b)) and a[n * bs:(n + 1) * bs] == b[n * bs:(n + 1) * bs]:
+        n += 1
+    return n
+
+
+def _feed(planner, prompts, bs=16):
+    """Admit prompts in order as the engine does (plan, then observe); a prompt's match is its
+    longest full-block common prefix with an earlier prompt (the hit limit ignored)."""
+    plans, seen = [], []
+    for p in prompts:
+        shared, origin = 0, None
+        for q in seen:
+            k = _lcp_blocks(p, q, bs)
+            if k > shared:
+                shared, origin = k, len(q)
+        plans.append(planner.prompt_plan(_plain(len(p)), len(p), bs, _blocks(p, bs), shared))
+        planner.observe(_blocks(p, bs), shared, origin)
+        seen.append(p)
+    return plans
+
+
+def test_prompt_pmf_against_brute_force_sharing_counts():
+    """Oracle (no decay): a request R_i that matched m_i blocks adds to P's mass of sharing at
+    least j blocks iff j <= min(m_i, lcp(R_i, P)); extensions (a match reaching a chunk that no
+    earlier match went through) set the rate and tails of the part read from P's end."""
+    rng = np.random.default_rng(5)
+    heads = [rng.integers(0, 50, int(n)).tolist() for n in (200, 450, 700)]
+    prompts = [heads[rng.integers(3)] + rng.integers(50, 99, rng.integers(5, 60)).tolist()
+               for _ in range(30)]
+    planner = CheckpointPlanner("dp", 2, 512, 2048, 64, half_life=1e12)
+    _feed(planner, prompts)
+    p = heads[1] + [7] * 40
+    n, bs = len(p), 16
+    shared_of, ext, tails = [], 0, [32]  # the prior: one extension with a tail of 32
+    for i, r in enumerate(prompts):
+        m, origin = 0, None
+        for q in prompts[:i]:
+            if _lcp_blocks(r, q) > m:
+                m, origin = _lcp_blocks(r, q), len(q)
+        if m * bs >= 64 and not any(min(shared_of[k], _lcp_blocks(prompts[k], r)) >= m
+                                    for k in range(i)):
+            ext += 1
+            tails.append(origin - m * bs)
+        shared_of.append(m)
+    total = 1 + len(prompts)
+    ge = [sum(min(m, _lcp_blocks(r, p)) >= j for m, r in zip(shared_of, prompts))
+          for j in range(1, n // bs + 2)]
+    want = np.zeros(n + 1)
+    for j in range(1, n // bs + 1):
+        want[j * bs] = (ge[j - 1] - ge[j]) / total
+    d = max(j for j in range(n // bs + 1) if j == 0 or ge[j - 1] > 0) * bs
+    hist = np.full(2049, 1 / 2049)  # the tail histogram's smoothing: one observation, uniform
+    np.add.at(hist, tails, 1.0)
+    cond = hist[:n - d]
+    want[d + 1:] += (1 + ext) / total * cond[::-1] / cond.sum()
+    got = planner.prompt_pmf(n, _blocks(p), _lcp_blocks(p, heads[1] + [999]))
+    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-9, atol=1e-12)
     cand = range(64, n + 1, 64)
-    best = min(expected_recompute(trunc, c) for c in itertools.combinations(cand, 2))
-    assert expected_recompute(trunc, got) == pytest.approx(best, rel=1e-12)
-    assert 640 in got  # the mass at 650 and beyond (truncated at 700) is served at 640
+    best = min(expected_recompute(got, c) for c in itertools.combinations(cand, 2))
+    pos = planner.prompt_positions(_plain(n), n, 16, _blocks(p), 28)
+    assert expected_recompute(got, pos) == pytest.approx(best, rel=1e-12)
+
+
+def test_each_prompt_checkpoints_where_its_own_prefix_is_shared():
+    """Two system prompts (1480 and 3090 tokens) and short questions: once seen, every request
+    of each takes its single checkpoint at the deepest chunk boundary of its own prompt (1472,
+    3072); the other prompt's depths do not pull it (the global depth histogram did: 1408)."""
+    rng = np.random.default_rng(0)
+    systems = [rng.integers(0, 50, n).tolist() for n in (1480, 3090)]
+    prompts = [systems[i % 2] + rng.integers(50, 99, rng.integers(15, 40)).tolist()
+               for i in range(24)]
+    plans = _feed(CheckpointPlanner("dp", 1, 512, 8192, 64), prompts)
+    assert [pos for pos, _ in plans[4:]] == [[1472], [3072]] * 10
 
 
 def test_replan_follows_drift():
     planner = CheckpointPlanner("dp", 1, 512, 1024, 64, half_life=16, every=10**6, tv=0.2)
     for _ in range(64):
-        planner.observe(300)
+        planner.observe(list(range(19)), 19)  # depth 304
     assert planner.plan == [256]
     for _ in range(64):
-        planner.observe(800)
+        planner.observe(list(range(50)), 50)  # depth 800
     assert planner.plan == [768] and planner.replanner.replans >= 3
 
 
@@ -141,22 +201,57 @@ def test_eviction_keeps_valuable_entries_until_they_age_out():
 
 
 def test_checkpoint_value_is_the_mass_it_serves_times_the_gap_it_closes():
-    planner = CheckpointPlanner("dp", 2, 512, 1000, 64, every=10**6, tv=1.0)
-    for d in [300] * 50 + [700] * 50:
-        planner.observe(d)
-    planner.replanner._replan()
-    pmf = np.asarray(planner.replanner.plan_pmf)
-    assert planner.value(640, [256, 640]) == pytest.approx(pmf[640:].sum() * (640 - 256))
-    assert planner.value(256, [256, 640]) == pytest.approx(pmf[256:640].sum() * 256)
+    pmf = np.random.default_rng(1).random(1001)
+    pmf /= pmf.sum()
+    v256, v640 = CheckpointPlanner.values(pmf, [256, 640])
+    assert v640 == pytest.approx(pmf[640:].sum() * (640 - 256))
+    assert v256 == pytest.approx(pmf[256:640].sum() * 256)
+
+
+def test_a_hit_revalues_an_entry_and_resets_its_priority():
+    store = CheckpointStore(device_slots=2, host_slots=0, nbytes=1)
+    for key, value in ((1, 100.0), (2, 50.0)):
+        store.reserve(key, b"k%d" % key, 64, (), value)
+        store.after_launch()
+    e1 = store.get(1, b"k1")
+    assert store.acquire(e1)
+    store.revalue(e1, 1.0)  # used by an extension: now worth a recurrence only
+    store.release(e1)
+    _reserve(store, 3)
+    assert store.get(1, b"k1") is None and store.get(2, b"k2") is not None
 
 
 def test_unshared_tails_put_a_checkpoint_just_before_each_prompts_own_suffix():
-    """Requests that share all of a cached prompt but its last ~40 tokens (another question):
-    a prompt of any length gets its single checkpoint at the last chunk boundary before that."""
-    planner = CheckpointPlanner("dp", 1, 512, 4096, 64, every=10**6, tv=1.0)
-    for _ in range(50):
-        planner.observe(0, None)
-        planner.observe(1000, 40)
-    planner.replanner._replan()
+    """Requests that share all of a cached prompt but its last 40 tokens (another question):
+    a new prompt of any length gets its single checkpoint at the last chunk boundary before
+    that."""
+    rng = np.random.default_rng(2)
+    prompts = []
+    for _ in range(30):
+        doc = rng.integers(0, 99, 1000).tolist()
+        prompts += [doc + [1] * 40, doc + [2] * 40]
+    planner = CheckpointPlanner("dp", 1, 512, 4096, 64)
+    _feed(planner, prompts)
     assert planner.prompt_positions(_plain(1040), 1040, 16) == [960]
     assert planner.prompt_positions(_plain(3000), 3000, 16) == [2944]
+
+
+def test_priced_dp_is_the_brute_force_optimum_of_recompute_plus_extra_checkpoints():
+    """Each checkpoint past one per chunk costs `extra_price` (a chunk split): over every subset
+    of at most per_prompt candidates, dp minimises E[recompute] + price * max(|C| - chunks, 0)
+    (here the prompt is one chunk)."""
+    rng = np.random.default_rng(7)
+    n = 640
+    pmf = np.zeros(n + 1)
+    pmf[rng.choice(np.arange(1, n + 1), 12, replace=False)] = rng.random(12)
+    pmf[0] = 1.0
+    pmf /= pmf.sum()
+    cand = list(range(64, n + 1, 64))
+    for price in (0.0, 5.0, 40.0, 1e4):
+        planner = CheckpointPlanner("dp", 3, 512, n, 64, extra_price=price, step_tokens=n)
+        planner.prompt_pmf = lambda n_, blocks, shared=0: pmf
+        got = planner.prompt_positions(_plain(n), n, 16)
+        score = lambda c: expected_recompute(pmf, c) + price * max(len(c) - 1, 0)  # noqa: E731
+        best = min(score(c) for m in (1, 2, 3) for c in itertools.combinations(cand, m))
+        assert score(got) == pytest.approx(best, rel=1e-12, abs=1e-12), price
+        assert len(got) == 1 or price < 1e4
