@@ -105,3 +105,9 @@ class BlockManager:
         self.confirm[b] = None
         self.ready[b] = False
         self.owner[b] = -1
+
+    def forget_cached(self) -> None:
+        """Unregister every cached block (blocks stay allocated where they are in use)."""
+        for b in range(self.num_blocks):
+            if self.hash[b] != -1:
+                self._unregister(b)

@@ -233,3 +233,19 @@ def resolve_markers(config: Config, vocab_size: int, reserved=()) -> dict[str, i
     if ids["ssep_token_id"] == ids["pdep_token_id"]:
         raise ValueError(f"ssep_token_id and pdep_token_id must differ, both {ids['ssep_token_id']}")
     return ids
+
+
+def check_model_len(config, mcfg) -> None:
+    """ValueError when Config.max_model_len exceeds the model's max_position_embeddings."""
+    if config.max_model_len > (mcfg.max_position_embeddings or config.max_model_len):
+        raise ValueError(f"Config.max_model_len={config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings={mcfg.max_position_embeddings}")
+
+
+def eos_and_markers(config, mcfg, tokenizer):
+    """(EOS ids of the model and tokenizer, the marker ids `resolve_markers` picks with EOS and
+    BOS ids reserved)."""
+    eos = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    reserved = eos | {i for i in (mcfg.bos_token_id, getattr(tokenizer, "bos_token_id", None))
+                      if i is not None}
+    return eos, resolve_markers(config, mcfg.vocab_size, reserved)

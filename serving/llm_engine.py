@@ -22,25 +22,22 @@ import gc
 import itertools
 import time
 
-
-from serving import checkpoint_pool, hybrid_prefix, span_rows
-from serving.outputs import Logprob, RequestOutput
+from serving import checkpoint_pool, hybrid_prefix
+from serving.outputs import RequestOutput
 from serving.block_manager import BlockManager
-from serving.config import Config, resolve_markers
+from serving.config import Config, check_model_len, eos_and_markers
 from serving.hashing import make_hash_fn, root_hash
-from serving.fingerprint import model_fingerprint
 from serving.kv_pool import default_num_blocks, kv_bytes_per_block
-from serving.kv_store_tier import ChunkedPageMover, LowerTiers, open_kv_store
+from serving.engine_tiers import host_tier, move_pages, span_store, store_fingerprint
 from serving.metrics import EngineStats
 from serving.model_contract import EngineModel, check_family
 from serving.model_runner import ModelRunner
-from serving.offload import HostKVTier, PageMover
 from serving.recovery import recover
-from serving.request_checks import check_fits, check_prompt, check_sampling, check_token_ids
+from serving.request_checks import check_request
 from serving.request_output import request_output
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status  # noqa: F401
-from serving.stop_strings import find_stop_string
+from serving.token_apply import append_row, finish_reason, step_num_logprobs
 
 
 class LLMEngine:
@@ -51,45 +48,28 @@ class LLMEngine:
         mcfg = loaded.cfg
         self.vocab_size = mcfg.vocab_size
         check_family(loaded.family)
-        if config.max_model_len > (mcfg.max_position_embeddings or config.max_model_len):
-            raise ValueError(f"Config.max_model_len={config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={mcfg.max_position_embeddings}")
+        check_model_len(config, mcfg)
         self.hybrid = loaded.family.IS_HYBRID
         if self.hybrid and config.scheduling_policy == "isps":
             config.scheduling_policy = "fcfs"
-        self.eos_ids = set(mcfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
-        reserved = self.eos_ids | {i for i in (mcfg.bos_token_id,
-                                               getattr(self.tokenizer, "bos_token_id", None))
-                                   if i is not None}
-        self.markers = resolve_markers(config, mcfg.vocab_size, reserved)
+        self.eos_ids, self.markers = eos_and_markers(config, mcfg, self.tokenizer)
         self.hybrid_cache, ck_pool = None, None
         if self.hybrid and config.enable_prefix_caching:  # before the KV pool takes the memory
             self.hybrid_cache, ck_pool = hybrid_prefix.build(config, loaded.family, mcfg, dtype)
         num_blocks = config.num_kv_blocks or default_num_blocks(config, mcfg, dtype)
-        fingerprint = None
-        if config.kv_store_dir is not None:  # before the runner fuses weights
-            if self.hybrid:
-                raise ValueError("kv_store_dir: the span store holds attention KV blocks only; a "
-                                 "hybrid model's recurrent checkpoints are not stored on disk yet")
-            fingerprint = model_fingerprint(mcfg, loaded.params, dtype)
+        fingerprint = store_fingerprint(config, loaded, dtype, self.hybrid)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
         self.runner.ck_pool = ck_pool
         self.num_blocks = num_blocks = self.runner.num_blocks  # a default pool may have shrunk
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
-        self.offload = self.mover = self.kv_store = None
+        self.offload, self.mover = host_tier(config, num_blocks, self.bytes_per_block, self.hybrid)
+        self.kv_store = None
         self._evicted: list[tuple[int, int, tuple]] = []
-        caching = config.enable_prefix_caching
-        if config.cpu_offload_gb > 0 and caching:
-            # hybrid models: the other half of cpu_offload_gb holds recurrent checkpoints
-            cap = int(config.cpu_offload_gb * (1 << 30) / (2 if self.hybrid else 1)
-                      ) // max(self.bytes_per_block, 1)
-            self.offload = HostKVTier(cap)
-            self.mover = PageMover(num_blocks, config.block_size)
         on_evict = self._on_evict if self.offload else None
         if self.hybrid_cache is not None and self.offload is None:  # checkpoints above die too
             on_evict = lambda b, h, confirm: self.hybrid_cache.store.drop_dependent(h)  # noqa
-        self.bm = BlockManager(num_blocks, config.block_size, enable_caching=caching,
-                               on_evict=on_evict)
+        self.bm = BlockManager(num_blocks, config.block_size,
+                               enable_caching=config.enable_prefix_caching, on_evict=on_evict)
         hash_fn = make_hash_fn(config.hash_algo)
         self.scheduler = Scheduler(config, self.bm, hash_fn, lambda s: root_hash(hash_fn, s),
                                    offload=self.offload, hybrid=self.hybrid,
@@ -98,13 +78,10 @@ class LLMEngine:
                                             "ssep": self.markers["ssep_token_id"],
                                             "pdep": self.markers["pdep_token_id"]})
         if fingerprint is not None:
-            self.kv_store = open_kv_store(config, self.runner.cache, num_blocks,
-                                          self.scheduler.keys, fingerprint=fingerprint,
-                                          model_name=loaded.source, markers=self.markers,
-                                          bytes_per_block=self.bytes_per_block)
-            self.scheduler.offload = LowerTiers(self.offload, self.kv_store)
-            self.mover = ChunkedPageMover(num_blocks, config.block_size,
-                                          counters=self.kv_store.counters)
+            self.kv_store, self.scheduler.offload, self.mover = span_store(
+                config, self.runner.cache, num_blocks, self.scheduler.keys, fingerprint,
+                model_name=loaded.source, markers=self.markers,
+                bytes_per_block=self.bytes_per_block, offload=self.offload)
         self.seed = seed
         self._counter = itertools.count()
         self.stats = EngineStats()
@@ -137,24 +114,9 @@ class LLMEngine:
                  cache_salt: str | None = None):
         """Raise a ValueError/TypeError naming the request for input the engine cannot run;
         returns the prompt layout. Nothing is touched, so other requests are unaffected."""
-        who = label or f"request {request_id!r}"
-        check_sampling(sampling_params, who, self.vocab_size, self.tokenizer)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"{who}: cache_salt must be a str or None, "
-                            f"got {type(cache_salt).__name__}")
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
-            raise TypeError(f"{who}: prompt token ids must be a list of ints, "
-                            f"got {type(prompt_token_ids).__name__}")
-        ids = check_token_ids(prompt_token_ids, who, self.vocab_size)
-        layout = check_prompt(ids, who, self.config, self.markers)
-        check_fits(len(ids), sampling_params, who, self.config, self.num_blocks)
-        cfg = self.config
-        if self.hybrid and layout.span_block.any():  # docs/DESIGN.md section 5 (cold path)
-            span_rows.check_prompt(layout, cfg.block_size, len(ids),
-                                   cfg.max_num_batched_tokens - cfg.max_num_seqs, who)
-        if request_id in self._seqs:
-            raise ValueError(f"{who}: request id already in use")
-        return layout
+        return check_request(request_id, prompt_token_ids, sampling_params,
+                             who=label or f"request {request_id!r}", cache_salt=cache_salt,
+                             engine=self, in_use=request_id in self._seqs)
 
     def add_request(self, request_id, prompt_token_ids, sampling_params, *,
                     cache_salt: str | None = None, arrival_time: float | None = None,
@@ -209,24 +171,9 @@ class LLMEngine:
         self._evicted.append((block, h, confirm))
 
     def _move_pages(self):
-        """This step's page moves. The copy-ins the scheduler planned are looked up before the
-        step's evictions enter the host tier: a put may drop the tier's oldest entries, which
-        can be exactly the planned ones. Evicted pages are gathered before the scatter, which
-        may reuse their device blocks."""
-        if self.kv_store is not None:  # before copy-ins overwrite any block
-            self.kv_store.dispatch_writes(self.mover, self.runner.cache)
-        copy_in = self.scheduler.pending_copy_in
-        sources = [self.scheduler.offload.get(h) for _, h in copy_in]
-        if self._evicted:
-            evicted, self._evicted = self._evicted, []
-            batch = self.mover.gather(self.runner.cache, [b for b, _, _ in evicted])
-            self.offload.pending.append(batch)
-            for row, (_, h, confirm) in enumerate(evicted):
-                self.offload.put(h, confirm, batch, row)
-        if copy_in:
-            self.runner.cache = self.mover.scatter(self.runner.cache, [b for b, _ in copy_in],
-                                                   sources)
-            self.scheduler.pending_copy_in = []
+        evicted, self._evicted = self._evicted, []
+        self.runner.cache = move_pages(self.runner.cache, self.mover, self.scheduler,
+                                       self.offload, self.kv_store, evicted)
 
     def _move_checkpoints(self):
         """Hybrid models: the checkpoint store's slot moves of this step, before its launch."""
@@ -238,14 +185,7 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def _num_logprobs(self, batch) -> int:
-        num_lp = 0
-        for e in batch:
-            if e.sample and e.seq.sampling_params.logprobs is not None:
-                num_lp = max(num_lp, e.seq.sampling_params.logprobs)
-        if num_lp:
-            num_lp = min(1 << (num_lp - 1).bit_length() if num_lp > 1 else 1,
-                         self.config.max_logprobs)
-        return num_lp
+        return step_num_logprobs(batch, self.config.max_logprobs)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it (async scheduling:
@@ -279,12 +219,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler
         self._t_wait = self._t_early = 0.0
-        if self.kv_store is not None:
-            self.kv_store.begin_step(sched.waiting, self.bm, self.offload)
-        batch = sched.schedule()
-        if self.mover is not None:
-            self._move_pages()
-        self._move_checkpoints()
+        batch = self._schedule()
         t1 = time.perf_counter()
         dispatch = overlap = 0.0
         if batch:
@@ -299,24 +234,14 @@ class LLMEngine:
                 self._early += self._resolve(inflight)
             t3 = time.perf_counter()
             self._advance(batch)
-            running, max_len = Status.RUNNING, self.config.max_model_len
-            for e in batch:
-                seq = e.seq
-                if e.sample and seq.status is running:
-                    seq.append_placeholder()
-                    if len(seq.token_ids) >= max_len or seq.will_finish_by_length:
-                        # finished whatever the token: free now, as the sync loop would here
-                        sched.finish(seq)
-                        seq.ends_with_pending = True
+            self._hold_placeholders(batch)
             overlap = time.perf_counter() - t3
         elif self._inflight is not None:
             t2 = t1
             inflight, self._inflight = self._inflight, None
             self._early += self._resolve(inflight)
-        elif sched.has_unfinished():
-            raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
-                               "for the waiting request?)")
         else:
+            self._check_progress()
             return self._take_finished()
         if self._inflight is not None and not sched.has_unfinished():
             inflight, self._inflight = self._inflight, None  # drain: nothing left to overlap
@@ -330,25 +255,15 @@ class LLMEngine:
             st.record_step(batch, total=total, device_wait=self._t_wait, dispatch=dispatch,
                            schedule=schedule, build=build, overlap=overlap,
                            post=total - schedule - build - dispatch - self._t_wait - overlap)
-        else:  # a read-back only: its time counts, it is no device step
-            st.step_time += total
-            st.device_wait += self._t_wait
-            st.post += total - self._t_wait
+        else:
+            st.record_read_back(total, self._t_wait)
         return self._take_finished()
 
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        sched = self.scheduler
-        if self.kv_store is not None:
-            self.kv_store.begin_step(sched.waiting, self.bm, self.offload)
-        batch = sched.schedule()
-        if self.mover is not None:
-            self._move_pages()
-        self._move_checkpoints()
+        batch = self._schedule()
         if not batch:
-            if sched.has_unfinished():
-                raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
-                                   "for the waiting request?)")
+            self._check_progress()
             return self._take_finished()
         num_lp = self._num_logprobs(batch)
         t1 = time.perf_counter()
@@ -370,6 +285,34 @@ class LLMEngine:
                                schedule=t1 - t0, build=t2 - t1 - tw[0] - tw[1] - tw[2],
                                post=t3 - t2, overlap=tw[2])
         return self._take_finished()
+
+    def _schedule(self):
+        """Schedule the step, then the page and checkpoint moves that must precede its launch."""
+        if self.kv_store is not None:
+            self.kv_store.begin_step(self.scheduler.waiting, self.bm, self.offload)
+        batch = self.scheduler.schedule()
+        if self.mover is not None:
+            self._move_pages()
+        self._move_checkpoints()
+        return batch
+
+    def _check_progress(self) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("engine made no progress: nothing schedulable (pool too small "
+                               "for the waiting request?)")
+
+    def _hold_placeholders(self, batch) -> None:
+        """Async: each sampling row's token is a placeholder until read back; a sequence that
+        ends by length whatever the token is finished (blocks and seat freed) now, as the sync
+        loop would here."""
+        running, max_len = Status.RUNNING, self.config.max_model_len
+        for e in batch:
+            seq = e.seq
+            if e.sample and seq.status is running:
+                seq.append_placeholder()
+                if len(seq.token_ids) >= max_len or seq.will_finish_by_length:
+                    self.scheduler.finish(seq)
+                    seq.ends_with_pending = True
 
     def _take_finished(self) -> list[RequestOutput]:
         """The step's finished requests. They are gathered in `_early` as they are made (also
@@ -420,29 +363,9 @@ class LLMEngine:
                 self.num_discarded_rows += 1
                 self.stats.query_tokens -= e.token_idx.size
                 continue
-            sp = seq.sampling_params
             tok = tokens[i]
-            if sp.logprobs is not None:
-                # rank only for logprobs >= 1 (the step computes ranks when any row asks for
-                # top logprobs; with logprobs=0 it would depend on the batch's other rows)
-                d = {tok: Logprob(logprob[i], int(out["rank"][i]) if sp.logprobs else None)}
-                if sp.logprobs:
-                    for r in range(sp.logprobs):
-                        tid = int(out["top_ids"][i, r])
-                        if tid not in d:
-                            d[tid] = Logprob(float(out["top_logprobs"][i, r]), r + 1)
-                seq.output_logprobs.append(d)
-            seq.cum_logprob += logprob[i]
-            if pending:
-                seq.resolve_placeholder(tok)
-            else:
-                seq.append_token(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = seq.stop_check(tok, eos, max_len)
-            if sp.stop and reason != "stop" and find_stop_string(
-                    seq, self.tokenizer, armed=seq.num_output_tokens >= sp.min_tokens):
-                reason = "stop"
+            append_row(seq, out, i, tok, logprob[i], pending=pending, now=now)
+            reason = finish_reason(seq, tok, eos, max_len, self.tokenizer)
             if reason is not None:
                 seq.finish_reason = reason
                 if seq.ends_with_pending:  # async: already finished by length
@@ -460,10 +383,7 @@ class LLMEngine:
         is kept, so the budget may not exceed what the engine started with). Only when idle."""
         if self.has_unfinished() or self._inflight is not None:
             raise RuntimeError("reset_prefix_cache: requests are still running")
-        bm = self.bm
-        for b in range(bm.num_blocks):
-            if bm.hash[b] != -1:
-                bm._unregister(b)
+        self.bm.forget_cached()
         if self.offload is not None:
             self.offload.entries.clear()
         if self.hybrid_cache is not None:
@@ -476,16 +396,5 @@ class LLMEngine:
         return request_output(seq, self.tokenizer)
 
     def get_stats(self) -> dict:
-        """EngineStats.summary plus the async-scheduling counters. With async scheduling the
-        host works while the device computes: host_time_share (1 - wait / wall) is then the
-        host's busy share, not device idle time; host_work_share stays host work / step time."""
-        out = self.stats.summary(self)
-        out.update(async_scheduling=self.config.async_scheduling,
-                   sync_fallbacks=self.num_sync_fallbacks,
-                   discarded_rows=self.num_discarded_rows)
-        if self.kv_store is not None:
-            out["kv_store"] = self.kv_store.stats()
-        if self.hybrid_cache is not None:
-            out.update(self.hybrid_cache.stats())
-        return out
-
+        """Counters, hit rates and host/device time shares: `EngineStats.summary`."""
+        return self.stats.summary(self)

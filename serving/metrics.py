@@ -41,6 +41,9 @@ class EngineStats:
         self.generated_tokens += seq.num_output_tokens
 
     def summary(self, engine) -> dict:
+        """The engine's stats (LLMEngine.get_stats). With async scheduling the host works while
+        the device computes: host_time_share (1 - wait / wall) is then the host's busy share,
+        not device idle time; host_work_share stays host work / step time."""
         off = engine.offload
         host = self.step_time - self.device_wait
         return {
@@ -65,4 +68,16 @@ class EngineStats:
             "host_ms_per_step": {k: 1e3 * getattr(self, k) / max(self.steps, 1)
                                  for k in ("schedule", "build", "dispatch", "post", "overlap")},
             "num_compiles": engine.runner.num_compiles,
+            "async_scheduling": engine.config.async_scheduling,
+            "sync_fallbacks": engine.num_sync_fallbacks,
+            "discarded_rows": engine.num_discarded_rows,
+            **({"kv_store": engine.kv_store.stats()} if engine.kv_store is not None else {}),
+            **(engine.hybrid_cache.stats() if engine.hybrid_cache is not None else {}),
         }
+
+    def record_read_back(self, total: float, device_wait: float) -> None:
+        """An async engine step that only read back the step in flight: its time counts, it
+        is no device step."""
+        self.step_time += total
+        self.device_wait += device_wait
+        self.post += total - device_wait

@@ -8,6 +8,7 @@ import numbers
 
 import numpy as np
 
+from serving import span_rows
 from serving.layout import build_layout
 
 
@@ -90,3 +91,27 @@ def check_fits(num_prompt: int, sp, who: str, cfg, num_blocks: int) -> None:
                          f"only {num_blocks}; raise num_kv_blocks or lower max_tokens")
     if sp.logprobs is not None and sp.logprobs > cfg.max_logprobs:
         raise ValueError(f"{who}: logprobs={sp.logprobs} > max_logprobs={cfg.max_logprobs}")
+
+
+def check_request(request_id, prompt_token_ids, sampling_params, *, who: str, cache_salt,
+                  engine, in_use: bool):
+    """Everything `LLMEngine.validate` checks, in order (`engine`: its vocab, tokenizer, config,
+    markers, pool size and model kind; `in_use`: the id is taken); returns the prompt layout.
+    Raises a TypeError/ValueError naming `who`; touches nothing."""
+    check_sampling(sampling_params, who, engine.vocab_size, engine.tokenizer)
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise TypeError(f"{who}: cache_salt must be a str or None, "
+                        f"got {type(cache_salt).__name__}")
+    if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+        raise TypeError(f"{who}: prompt token ids must be a list of ints, "
+                        f"got {type(prompt_token_ids).__name__}")
+    cfg = engine.config
+    ids = check_token_ids(prompt_token_ids, who, engine.vocab_size)
+    layout = check_prompt(ids, who, cfg, engine.markers)
+    check_fits(len(ids), sampling_params, who, cfg, engine.num_blocks)
+    if engine.hybrid and layout.span_block.any():  # docs/DESIGN.md section 5
+        span_rows.check_prompt(layout, cfg.block_size, len(ids),
+                               cfg.max_num_batched_tokens - cfg.max_num_seqs, who)
+    if in_use:
+        raise ValueError(f"{who}: request id already in use")
+    return layout

@@ -23,9 +23,8 @@ import time
 
 import numpy as np
 
-from serving.layout import build_layout
 from serving.prefix_keys import PrefixKeys
-from serving import span_rows
+from serving import span_jobs, span_rows
 from serving.sequence import Sequence, Status
 
 
@@ -255,14 +254,39 @@ class Scheduler:
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
-        cfg, bm = self.cfg, self.bm
-        budget = cfg.max_num_batched_tokens
-        batch: list[ScheduledSeq] = []
+        """This step's rows within max_num_batched_tokens (order: module docstring)."""
+        cfg = self.cfg
         self.pending_copy_in = []
+        batch = self._decodes()
+        budget = cfg.max_num_batched_tokens - len(batch)
+        barrier = cfg.scheduling_policy == "barrier"
+        barrier_open = not (barrier and self._any_before_final())
+        for seq in self.running:  # running prefills
+            if budget <= 0:
+                break
+            if seq.is_prefilling:
+                budget = self._add_chunk(batch, seq, budget,
+                                         None if barrier_open else self._final_start(seq))
+        budget = self._admit(batch, budget, barrier, barrier_open)
+        # barrier: a final segment another request waits on can hold the barrier shut; when
+        # nothing else can move, open it for this step (progress over strict phase order)
+        if not batch and barrier:
+            for seq in self.running:
+                if budget <= 0:
+                    break
+                if seq.is_prefilling:
+                    budget = self._add_chunk(batch, seq, budget)
+        if cfg.scheduling_policy == "isps" and self.caching:
+            self._add_span_jobs(batch, budget)
+        for e in batch:
+            self.query_tokens += e.token_idx.size
+        return batch
 
-        # 1. decodes
-        bs = cfg.block_size
-        running, ar = Status.RUNNING, self._arange
+    def _decodes(self) -> list[ScheduledSeq]:
+        """One row per running sequence whose prompt is computed (a new block when it needs one;
+        a sequence that cannot get it preempts itself)."""
+        bs, running, ar = self.cfg.block_size, Status.RUNNING, self._arange
+        batch = []
         for seq in list(self.running):
             n = len(seq.token_ids)
             if seq.status is not running or seq.num_computed < n - 1:
@@ -270,28 +294,26 @@ class Scheduler:
             if (n - 1) // bs >= len(seq.block_table) and not self._ensure_block(seq):
                 continue  # preempted itself
             batch.append(ScheduledSeq(seq, ar[n - 1:n], n, True, seq.needs_reset))
-            budget -= 1
         if self._resolved_early:  # sequences finished by the read-back lose their rows
             self._resolved_early = False
             batch = [e for e in batch if e.seq.status is running]
-            budget = cfg.max_num_batched_tokens - len(batch)
+        return batch
 
-        # 2. running prefills
-        barrier_open = True
-        if cfg.scheduling_policy == "barrier":
-            barrier_open = not any(s.num_computed < self._final_start(s) for s in self.running)
-        for seq in self.running:
-            if budget <= 0:
-                break
-            if not seq.is_prefilling:
-                continue
-            stop = None if barrier_open else self._final_start(seq)
-            idx, new = self._plan_chunk(seq, budget, stop)
-            if new > seq.num_computed:
-                batch.append(self._entry(seq, idx, new))
-                budget -= idx.size
+    def _any_before_final(self) -> bool:
+        return any(s.num_computed < self._final_start(s) for s in self.running)
 
-        # 3. admissions
+    def _add_chunk(self, batch, seq, budget: int, stop: int | None = None) -> int:
+        """Plan `seq`'s next chunk within `budget` (not past `stop`) and add its row; returns
+        the budget left."""
+        idx, new = self._plan_chunk(seq, budget, stop)
+        if new > seq.num_computed:
+            batch.append(self._entry(seq, idx, new))
+            budget -= idx.size
+        return budget
+
+    def _admit(self, batch, budget: int, barrier: bool, barrier_open: bool) -> int:
+        """Admit waiting requests in order while seats, blocks and budget allow; returns the
+        budget left."""
         ready = getattr(self.offload, "ready", None)  # the span store's reads of a request
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -302,49 +324,24 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             stop = None
-            if cfg.scheduling_policy == "barrier" and (not barrier_open or any(
-                    s.num_computed < self._final_start(s) for s in self.running)):
+            if barrier and (not barrier_open or self._any_before_final()):
                 stop = self._final_start(seq)
-            idx, new = self._plan_chunk(seq, budget, stop)
-            if new > seq.num_computed:
-                batch.append(self._entry(seq, idx, new))
-                budget -= idx.size
+            budget = self._add_chunk(batch, seq, budget, stop)
+        return budget
 
-        # barrier: a final segment another request waits on can hold the barrier shut; when
-        # nothing else can move, open it for this step (progress over strict phase order)
-        if not batch and cfg.scheduling_policy == "barrier":
-            for seq in self.running:
-                if budget <= 0:
+    def _add_span_jobs(self, batch, budget: int) -> None:  # isps: running jobs, then new ones
+        for job in self.span_jobs:
+            if budget <= 0:
+                break
+            budget = self._add_chunk(batch, job, budget)
+        for seq in itertools.islice(self.waiting, 4 * self.cfg.max_num_seqs):
+            if budget <= 0 or not self.free_span_seats:
+                break
+            for job in self._span_jobs_for(seq):
+                if not self.free_span_seats or not self._try_allocate(job, self.free_span_seats):
                     break
-                if seq.is_prefilling:
-                    idx, new = self._plan_chunk(seq, budget)
-                    if new > seq.num_computed:
-                        batch.append(self._entry(seq, idx, new))
-                        budget -= idx.size
-
-        # 4. span jobs (isps): running ones first, then new ones for waiting requests
-        if cfg.scheduling_policy == "isps" and self.caching:
-            for job in self.span_jobs:
-                if budget <= 0:
-                    break
-                idx, new = self._plan_chunk(job, budget)
-                if new > job.num_computed:
-                    batch.append(self._entry(job, idx, new))
-                    budget -= idx.size
-            for seq in itertools.islice(self.waiting, 4 * cfg.max_num_seqs):
-                if budget <= 0 or not self.free_span_seats:
-                    break
-                for job in self._span_jobs_for(seq):
-                    if not self.free_span_seats or not self._try_allocate(job, self.free_span_seats):
-                        break
-                    self.span_jobs.append(job)
-                    idx, new = self._plan_chunk(job, budget)
-                    if new > job.num_computed:
-                        batch.append(self._entry(job, idx, new))
-                        budget -= idx.size
-        for e in batch:
-            self.query_tokens += e.token_idx.size
-        return batch
+                self.span_jobs.append(job)
+                budget = self._add_chunk(batch, job, budget)
 
     def _ensure_block(self, seq: Sequence) -> bool:
         """Make room for the token at index len-1; preempt newest sequences if needed."""
@@ -366,35 +363,10 @@ class Scheduler:
         return True
 
     def _span_jobs_for(self, seq: Sequence) -> list[Sequence]:
-        """Span-only prefill jobs for a waiting request's SSEP spans that nobody has cached or
-        is computing (each span job computes one span at offset 0)."""
         if self.hybrid:  # a hybrid request computes its spans' rows itself (their delta inputs)
             return []
-        if seq.ever_admitted or getattr(seq, "span_scanned", False):
-            return []
-        seq.span_scanned = True
-        lay, bs = seq.layout, self.cfg.block_size
-        hashes = self.keys.hashes(seq)
-        limit = self.keys.hit_limit(seq)
-        jobs, starts = [], np.flatnonzero(lay.seg_start)
-        for k, j0 in enumerate(starts):
-            j1 = int(starts[k + 1]) if k + 1 < len(starts) else len(lay.block_valid)
-            if not lay.span_start[j0] or j1 > limit:
-                continue
-            last = j1 - 1
-            if self.bm.lookup(hashes[last], self.keys.confirm(seq, last)) is not None:
-                continue
-            if self.offload is not None and self.offload.contains(hashes[last]):
-                continue
-            toks = seq.prompt_token_ids[j0 * bs:j1 * bs]
-            job_layout = build_layout(toks, bs, pad_id=self.markers.get("pad"),
-                                      ssep_id=self.markers.get("ssep"),
-                                      pdep_id=self.markers.get("pdep"))
-            job = Sequence(f"span:{seq.request_id}:{j0}", toks, job_layout, None, bs, seed=0,
-                           cache_salt=seq.cache_salt, is_span_job=True)
-            job.block_hashes = hashes[j0:j1]
-            jobs.append(job)
-        return jobs
+        return span_jobs.jobs_for(seq, self.cfg.block_size, self.keys, self.bm, self.offload,
+                                  self.markers)
 
     def prepare_waiting(self, max_seqs: int = 8) -> None:
         """Hash the next waiting requests' prompt blocks ahead of their admission (no effect on
