@@ -1,13 +1,13 @@
 """The engine step's compiled CPU HLO as a multiset of instructions, to show that a refactor of a
 model family keeps the same ops (e.g. the Flax ports: same instructions and shapes before/after).
 
-    PYTHONPATH=<tree> python scripts/step_hlo_ops.py dump OUT.json [FIXTURE] [TP]
+    PYTHONPATH=<tree> python scripts/step_hlo_ops.py dump OUT.json [FIXTURE] [TP] [DECODE]
     python scripts/step_hlo_ops.py compare BEFORE.json AFTER.json
 
 `dump` builds an LLM over tests/fixtures/FIXTURE (default qwen3_5_gva2), with and without prefix
-caching, lowers and compiles every warm-up variant of the runner's jitted step (token buckets,
-prefill and decode-only) and keeps each instruction as text without its name, operand names and
-metadata. `compare` reports, per variant, whether the multisets agree with parameter numbers
+caching, lowers and compiles every warm-up variant of the runner's jitted step (prefill per token
+bucket; decode-only with the DECODE kernel, default triton_decode, "none" for no decode-only
+variant) and keeps each instruction as text without its name, operand names and metadata. `compare` reports, per variant, whether the multisets agree with parameter numbers
 ignored (a params pytree whose leaves flatten in another order numbers its arguments anew).
 TP > 1 needs XLA_FLAGS=--xla_force_host_platform_device_count=TP (JAX_PLATFORMS=cpu).
 """
@@ -34,7 +34,8 @@ def instructions(hlo_text: str) -> list[str]:
     return sorted(out)
 
 
-def dump(path: str, fixture: str = "qwen3_5_gva2", tp: int = 1) -> None:
+def dump(path: str, fixture: str = "qwen3_5_gva2", tp: int = 1,
+         decode: str = "triton_decode") -> None:
     root = pathlib.Path(__file__).resolve().parents[1]
     from minipic_jax import LLM
     from serving import model_runner
@@ -52,7 +53,8 @@ def dump(path: str, fixture: str = "qwen3_5_gva2", tp: int = 1) -> None:
     for caching in (False, True):
         llm = LLM(str(root / "tests" / "fixtures" / fixture), max_num_seqs=2,
                   max_num_batched_tokens=64, max_model_len=192, attn_impl="xla",
-                  decode_attn_impl="triton_decode", enable_prefix_caching=caching,
+                  decode_attn_impl=None if decode == "none" else decode,
+                  enable_prefix_caching=caching,
                   tensor_parallel_size=tp)
         try:
             llm.llm_engine.warmup()
@@ -81,6 +83,6 @@ def compare(before: str, after: str) -> bool:
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
     if cmd == "dump":
-        dump(args[0], *(args[1:2]), *(int(x) for x in args[2:3]))
+        dump(args[0], *(args[1:2]), *(int(x) for x in args[2:3]), *(args[3:4]))
     else:
         sys.exit(0 if compare(*args) else 1)
