@@ -15,6 +15,8 @@ Per kept (non-pad) token, in order, every layer:
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
 
@@ -135,11 +137,21 @@ def _gdn(h, p, cfg, seg, span, trace=None):
     return np.einsum("thv,hve->te", out, _f(p.w_out))
 
 
+def _attrs(tree):
+    """The family's params dict read by attribute (p.wq, lp.mixer, ...)."""
+    if isinstance(tree, dict):
+        return types.SimpleNamespace(**{k: _attrs(v) for k, v in tree.items()})
+    if isinstance(tree, (tuple, list)):
+        return tuple(_attrs(v) for v in tree)
+    return tree
+
+
 def reference_logprobs(params, cfg, kept, seg, span, trace=None):
     """log-softmax over the vocab at every kept token: [n, V] float64. trace: None or a list that
     receives one dict per GDN layer (delta inputs k [n, Hk, Dk], v [n, Hv, Dv], g, beta [n, Hv];
     entering / window: segment -> flow delta state [Hv, Dk, Dv] / conv window [Kc-1, C])."""
     n = len(kept)
+    params = _attrs({"lm_head": None, **params})  # no lm_head when tied
     x = _f(params.embed)[np.asarray(kept)]
     q_i, k_i = np.arange(n)[:, None], np.arange(n)[None, :]
     in_span = np.asarray([span[s] for s in seg])

@@ -15,7 +15,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: params are Flax NNX pure dicts (entries of the dataclass layout are stale)
 
 
 def default_cache_dir() -> pathlib.Path:

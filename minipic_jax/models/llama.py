@@ -19,12 +19,12 @@ from configs.model_config import ModelConfig
 from kernels_pallas.paged_attention.api import KV_MODES
 from minipic_jax.models import llama_modules as modules
 from minipic_jax.models import rope
-from minipic_jax.models.paged_cache import write_and_attend
-from minipic_jax.models.llama_config import (ARCHITECTURES, MODEL_TYPES, _rope_from_hf,  # noqa: F401 (qwen3_5)
-                                             config_from_hf, to_hf_config)
+from minipic_jax.models.paged_cache import paged_attend
+from minipic_jax.models.llama_config import (ARCHITECTURES, MODEL_TYPES, config_from_hf,
+                                             to_hf_config)
 from minipic_jax.models.llama_hf import convert_hf, hf_tensor_names, to_hf
 from minipic_jax.models.llama_train import training_forward
-from minipic_jax.models.param_init import init_from_shapes  # qwen3_5 imports it from here too
+from minipic_jax.models.param_init import init_from_shapes
 
 IS_HYBRID = False
 
@@ -122,18 +122,6 @@ def cache_axes(cfg: ModelConfig) -> KVCache:
     return KVCache(k=(kv,) * cfg.num_layers, v=(kv,) * cfg.num_layers)
 
 
-def _paged_attend(metadata, cfg, inv, kv_mode, attn_impl, write_impl, attn_options):
-    """attend(q, k, v, (k_pages, v_pages)) for the blocks: write K/V, then paged attention."""
-    scaling = rope.attention_scaling(cfg)
-
-    def attend(q, k, v, pages):
-        attn, k_pages, v_pages = write_and_attend(
-            q, k, v, *pages, metadata, inv, attention_scaling=scaling, kv_mode=kv_mode,
-            attn_impl=attn_impl, write_impl=write_impl, attn_options=attn_options)  # [T, H, D]
-        return attn, (k_pages, v_pages)
-    return attend
-
-
 def forward(params: dict, tokens, metadata, cache: KVCache, cfg: ModelConfig, *,
             recurrent=None, logits_indices=None, kv_mode: str = "position_free",
             attn_impl: str | None = None, write_impl: str | None = None,
@@ -160,7 +148,9 @@ def forward(params: dict, tokens, metadata, cache: KVCache, cfg: ModelConfig, *,
         raise ValueError(f"forward: kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
     model = modules.bind(params, cfg)
     inv = rope.inv_freq(cfg)  # [R/2] numpy: a host constant (kernels build cos|sin tables once)
-    attend = _paged_attend(metadata, cfg, inv, kv_mode, attn_impl, write_impl, attn_options)
+    attend = paged_attend(metadata, inv, attention_scaling=rope.attention_scaling(cfg),
+                          kv_mode=kv_mode, attn_impl=attn_impl, write_impl=write_impl,
+                          attn_options=attn_options)
     x = model.embed_tokens(tokens)  # [T, E]
     new_k, new_v = [], []
     for i, block in enumerate(model.layers):

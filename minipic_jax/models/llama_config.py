@@ -10,7 +10,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
 
-def _rope_from_hf(hf: dict) -> RopeConfig:
+def rope_from_hf(hf: dict) -> RopeConfig:
     params = hf.get("rope_parameters")
     if params is None:  # transformers < 5 layout: rope_theta + rope_scaling
         params = dict(hf.get("rope_scaling") or {})
@@ -57,7 +57,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if window is not None and int(window) < max_pos:
         raise ValueError(f"config.json: sliding_window={window} < max_position_embeddings="
                          f"{max_pos}; sliding-window attention is not supported")
-    rope_cfg = _rope_from_hf(hf)
+    rope_cfg = rope_from_hf(hf)
     if rope_cfg.partial_rotary_factor != 1.0:  # HF's Llama cannot run it either
         raise ValueError(f"config.json: partial_rotary_factor={rope_cfg.partial_rotary_factor} is "
                          f"not supported by the Llama family")

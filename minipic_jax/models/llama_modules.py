@@ -1,9 +1,8 @@
 """The Llama model as Flax NNX modules, used pure-functionally.
 
-The modules own the math and the parameter metadata (shapes and logical sharding axes); they never
-hold live weights at run time. The family module (llama.py) keeps params as a plain nested dict
-(`nnx.to_pure_dict` layout, layers as a tuple) that jitted steps take as an argument, and merges
-it into the cached graph definition inside the trace (`bind`), which costs nothing at run time.
+The modules own the math and the parameter metadata (shapes and logical sharding axes); params are
+a plain nested dict that jitted steps take as an argument and `bind` merges into the cached graph
+definition inside the trace (nnx_pure.py says how).
 
 Attention is a callable handed in by the caller, so the same blocks serve the engine's paged step
 (`attend` writes K/V into the paged cache and calls the paged kernel) and the training forward
@@ -20,15 +19,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs.model_config import ModelConfig
-from minipic_jax.models import layers
+from minipic_jax.models import layers, nnx_pure
+from minipic_jax.models.nnx_pure import param as _param
 
 # attend(q [T, H, D], k [T, K, D], v [T, K, D], kv_state) -> (attn [T, H, D], kv_state)
 Attend = Callable
-
-
-def _param(shape, axes, dtype) -> nnx.Param:
-    """A parameter with logical axis names (mapped to a mesh by the caller, never here)."""
-    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
 class LlamaBlock(nnx.Module):
@@ -128,11 +123,8 @@ class Llama(nnx.Module):
 
 @functools.lru_cache(maxsize=32)
 def _abstract(cfg: ModelConfig, fused: bool):
-    """(graphdef, abstract state) of a model; no weights are allocated. Built outside any mesh:
-    the logical axis names are metadata here (serving/sharding.py maps them to a mesh), and Flax
-    would read them as mesh axes of an enclosing one (the engine's step traces under its TP mesh)."""
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-        return nnx.split(nnx.eval_shape(lambda: Llama(cfg, jnp.float32, fused=fused)))
+    """(graphdef, abstract state) of a model (nnx_pure.abstract)."""
+    return nnx_pure.abstract(lambda: Llama(cfg, jnp.float32, fused=fused))
 
 
 def is_fused(params) -> bool:
@@ -143,30 +135,17 @@ def is_fused(params) -> bool:
     return kinds == {True}
 
 
-def _to_state_dict(params) -> dict:
-    return {**params, "layers": dict(enumerate(params["layers"]))}
-
-
-def _from_state_dict(pure) -> dict:
-    layers_ = pure["layers"]
-    return {**pure, "layers": tuple(layers_[i] for i in range(len(layers_)))}
-
-
 def shapes(cfg: ModelConfig, *, fused: bool = False) -> dict:
     """The params dict with shape tuples as leaves."""
-    pure = nnx.to_pure_dict(_abstract(cfg, fused)[1])
-    return _from_state_dict(jax.tree.map(lambda a: tuple(a.shape), pure))
+    return nnx_pure.shapes(_abstract(cfg, fused)[1])
 
 
 def logical_axes(cfg: ModelConfig, *, fused: bool = False) -> dict:
     """The params dict with each leaf's logical axis names (a tuple of str), read from the
     modules' nnx.Param annotations."""
-    specs = nnx.to_pure_dict(nnx.get_partition_spec(_abstract(cfg, fused)[1]))
-    return _from_state_dict(jax.tree.map(tuple, specs, is_leaf=lambda s: isinstance(
-        s, jax.sharding.PartitionSpec)))
+    return nnx_pure.logical_axes(_abstract(cfg, fused)[1])
 
 
 def bind(params: dict, cfg: ModelConfig) -> Llama:
     """A Llama module whose parameters are `params` (traced arrays inside jit: no copies)."""
-    graphdef, _ = _abstract(cfg, is_fused(params))
-    return nnx.merge(graphdef, _to_state_dict(params))
+    return nnx_pure.merge(_abstract(cfg, is_fused(params))[0], params)

@@ -20,3 +20,17 @@ def write_and_attend(q, k, v, k_pages, v_pages, metadata, inv_freq, *, attention
                            attention_scaling=attention_scaling, implementation=attn_impl,
                            kernel_options=attn_options)
     return attn, k_pages, v_pages
+
+
+def paged_attend(metadata, inv_freq, *, attention_scaling: float, kv_mode: str, attn_impl=None,
+                 write_impl=None, attn_options=None):
+    """attend(q, k, v, (k_pages, v_pages)) -> (attn, (k_pages, v_pages)): `write_and_attend` as
+    the callable the families' attention modules take."""
+
+    def attend(q, k, v, pages):
+        attn, k_pages, v_pages = write_and_attend(
+            q, k, v, *pages, metadata, inv_freq, attention_scaling=attention_scaling,
+            kv_mode=kv_mode, attn_impl=attn_impl, write_impl=write_impl,
+            attn_options=attn_options)  # [T, H, D]
+        return attn, (k_pages, v_pages)
+    return attend

@@ -11,48 +11,20 @@ no unit offset) times silu(z); out_proj.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from kernels_pallas.gated_delta.api import choose
 from kernels_pallas.sharding import ragged_gated_delta  # per head shard under TP
 from minipic_jax.models import qwen3_5_spans
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class GDNParams:
-    w_qkv: jax.Array  # [E, C]
-    w_z: jax.Array  # [E, Hv, Dv]
-    w_b: jax.Array  # [E, Hv]
-    w_a: jax.Array  # [E, Hv]
-    conv_w: jax.Array  # [C, Kc]
-    dt_bias: jax.Array  # [Hv]
-    a_log: jax.Array  # [Hv]
-    norm: jax.Array  # [Dv]
-    w_out: jax.Array  # [Hv, Dv, E]
+from minipic_jax.models.nnx_pure import param
 
 
 def gdn_dims(cfg):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     return hk, hv, dk, dv, 2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim
-
-
-def gdn_shapes(cfg) -> GDNParams:
-    e = cfg.hidden_size
-    hk, hv, dk, dv, c, kc = gdn_dims(cfg)
-    return GDNParams(w_qkv=(e, c), w_z=(e, hv, dv), w_b=(e, hv), w_a=(e, hv), conv_w=(c, kc),
-                     dt_bias=(hv,), a_log=(hv,), norm=(dv,), w_out=(hv, dv, e))
-
-
-def gdn_axes() -> GDNParams:
-    return GDNParams(w_qkv=("embed", "gdn_conv"), w_z=("embed", "gdn_heads", "gdn_v"),
-                     w_b=("embed", "gdn_heads"), w_a=("embed", "gdn_heads"),
-                     conv_w=("gdn_conv", None), dt_bias=("gdn_heads",), a_log=("gdn_heads",),
-                     norm=("gdn_v",), w_out=("gdn_heads", "gdn_v", "embed"))
 
 
 def state_shapes(cfg, slots: int):
@@ -105,65 +77,82 @@ def gated_rms_norm(x, gate, weight, eps):
     return (out.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
 
 
-def gdn_mixer(h, p: GDNParams, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
-              impl=None, pieces=None):
-    """The GDN token mixer for a ragged batch.
+class GatedDeltaNet(nnx.Module):
+    """The GDN token mixer of one linear-attention layer (HF Qwen3_5GatedDeltaNet's weights)."""
 
-    Args:
-      h: [T, E] normed hidden states; conv0 [S, C, Kc-1] and delta0 [S, Hv, Dk, Dv] (float32) the
-        states of each sequence before its new tokens; cu_q_lens [S+1]; pos0 [S] position of each
-        sequence's first new token; checkpoint_at None or [S, M] absolute positions (multiples of
-        64, -1 = none); impl: ragged kernel, "xla", "pallas_fused" (GPU) or
-        "pallas_fused_interpret" (the same kernels in Pallas interpret mode, for CPU tests);
-        None: the kernel's policy (kernels_pallas.gated_delta.api.choose).
-      pieces: None or qwen3_5_spans.SpanPieces: SSEP span rows read a local pass (see there).
-    Returns:
-      out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], and checkpoints (conv [S, M, C, Kc-1],
-      delta [S, M, Hv, Dk, Dv]) or None.
-    """
-    hk, hv, dk, dv, c, kc = gdn_dims(cfg)
-    n_tokens = h.shape[0]
-    seqs = cu_q_lens.shape[0] - 1
-    rows = jnp.arange(n_tokens, dtype=jnp.int32)
-    seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, seqs - 1)
-    mixed = jnp.einsum("te,ec->tc", h, p.w_qkv)  # [T, C]
-    z = jnp.einsum("te,ehv->thv", h, p.w_z)  # [T, Hv, Dv]
-    b = jnp.einsum("te,eh->th", h, p.w_b)  # [T, Hv]
-    a = jnp.einsum("te,eh->th", h, p.w_a)  # [T, Hv]
-    conv_out = causal_conv(mixed, p.conv_w, conv0, cu_q_lens, pos0, seq_of_row)
-    if pieces is not None:  # span rows: their piece's window (zeros before the span start)
-        conv_out = jnp.where(pieces.row_span[:, None],
-                             qwen3_5_spans.local_conv(mixed, p.conv_w, pieces, causal_conv),
-                             conv_out)
-    conv_out = conv_out.astype(h.dtype)
-    q = conv_out[:, :hk * dk].reshape(n_tokens, hk, dk)
-    k = conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk)
-    v = conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv)
-    beta = jax.nn.sigmoid(b)
-    g = -jnp.exp(p.a_log.astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
-    interpret = impl == "pallas_fused_interpret"
-    impl = choose("pallas_fused" if interpret else impl, interpret=interpret)
-    kernel = dict(implementation=impl, interpret=interpret)
-    q, k = l2norm(q), l2norm(k)
-    core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
-                                               checkpoint_at=checkpoint_at, **kernel)
-    if pieces is not None:  # span rows: outputs of their piece from a zero state
-        local, local_final = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces, **kernel)
-        core = jnp.where(pieces.row_span[:, None, None], local, core)
-    core = core.astype(h.dtype)  # [T, Hv, Dv]
-    normed = gated_rms_norm(core, z, p.norm, cfg.rms_norm_eps)
-    out = jnp.einsum("thv,hve->te", normed, p.w_out)
-    lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    seq_ids = jnp.arange(seqs, dtype=jnp.int32)
-    conv = _history(mixed, conv0, cu_q_lens, pos0, seq_ids, pos0 + lens).astype(conv0.dtype)
-    if pieces is not None:
-        conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, cu_q_lens, conv,
-                                                delta, _history)
-    ckpt = None
-    if checkpoint_at is not None:
-        ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])
-        conv_ck = _history(mixed, conv0, cu_q_lens, pos0, jnp.broadcast_to(
-            seq_ids[:, None], ck_pos.shape), ck_pos).astype(conv0.dtype)
-        ckpt = (conv_ck, delta_ck)
-    return out, conv, delta, ckpt
+    def __init__(self, cfg, dtype=jnp.float32):
+        e = cfg.hidden_size
+        hk, hv, dk, dv, c, kc = gdn_dims(cfg)
+        self.w_qkv = param((e, c), ("embed", "gdn_conv"), dtype)
+        self.w_z = param((e, hv, dv), ("embed", "gdn_heads", "gdn_v"), dtype)
+        self.w_b = param((e, hv), ("embed", "gdn_heads"), dtype)
+        self.w_a = param((e, hv), ("embed", "gdn_heads"), dtype)
+        self.conv_w = param((c, kc), ("gdn_conv", None), dtype)
+        self.dt_bias = param((hv,), ("gdn_heads",), dtype)
+        self.a_log = param((hv,), ("gdn_heads",), dtype)
+        self.norm = param((dv,), ("gdn_v",), dtype)
+        self.w_out = param((hv, dv, e), ("gdn_heads", "gdn_v", "embed"), dtype)
+
+    def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
+                 impl=None, pieces=None):
+        """The GDN token mixer for a ragged batch.
+
+        Args:
+          h: [T, E] normed hidden states; conv0 [S, C, Kc-1] and delta0 [S, Hv, Dk, Dv] (float32)
+            the states of each sequence before its new tokens; cu_q_lens [S+1]; pos0 [S] position
+            of each sequence's first new token; checkpoint_at None or [S, M] absolute positions
+            (multiples of 64, -1 = none); impl: ragged kernel, "xla", "pallas_fused" (GPU) or
+            "pallas_fused_interpret" (the same kernels in Pallas interpret mode, for CPU tests);
+            None: the kernel's policy (kernels_pallas.gated_delta.api.choose).
+          pieces: None or qwen3_5_spans.SpanPieces: SSEP span rows read a local pass (see there).
+        Returns:
+          out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], and checkpoints (conv
+          [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None.
+        """
+        hk, hv, dk, dv, c, kc = gdn_dims(cfg)
+        n_tokens = h.shape[0]
+        seqs = cu_q_lens.shape[0] - 1
+        rows = jnp.arange(n_tokens, dtype=jnp.int32)
+        seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, seqs - 1)
+        mixed = jnp.einsum("te,ec->tc", h, self.w_qkv[...])  # [T, C]
+        z = jnp.einsum("te,ehv->thv", h, self.w_z[...])  # [T, Hv, Dv]
+        b = jnp.einsum("te,eh->th", h, self.w_b[...])  # [T, Hv]
+        a = jnp.einsum("te,eh->th", h, self.w_a[...])  # [T, Hv]
+        conv_w = self.conv_w[...]  # [C, Kc]
+        conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row)
+        if pieces is not None:  # span rows: their piece's window (zeros before the span start)
+            conv_out = jnp.where(pieces.row_span[:, None],
+                                 qwen3_5_spans.local_conv(mixed, conv_w, pieces, causal_conv),
+                                 conv_out)
+        conv_out = conv_out.astype(h.dtype)
+        q = conv_out[:, :hk * dk].reshape(n_tokens, hk, dk)
+        k = conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk)
+        v = conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv)
+        beta = jax.nn.sigmoid(b)
+        g = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        interpret = impl == "pallas_fused_interpret"
+        impl = choose("pallas_fused" if interpret else impl, interpret=interpret)
+        kernel = dict(implementation=impl, interpret=interpret)
+        q, k = l2norm(q), l2norm(k)
+        core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
+                                                   checkpoint_at=checkpoint_at, **kernel)
+        if pieces is not None:  # span rows: outputs of their piece from a zero state
+            local, local_final = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces, **kernel)
+            core = jnp.where(pieces.row_span[:, None, None], local, core)
+        core = core.astype(h.dtype)  # [T, Hv, Dv]
+        normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
+        out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
+        lens = cu_q_lens[1:] - cu_q_lens[:-1]
+        seq_ids = jnp.arange(seqs, dtype=jnp.int32)
+        conv = _history(mixed, conv0, cu_q_lens, pos0, seq_ids, pos0 + lens).astype(conv0.dtype)
+        if pieces is not None:
+            conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, cu_q_lens, conv,
+                                                    delta, _history)
+        ckpt = None
+        if checkpoint_at is not None:
+            ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])
+            conv_ck = _history(mixed, conv0, cu_q_lens, pos0, jnp.broadcast_to(
+                seq_ids[:, None], ck_pos.shape), ck_pos).astype(conv0.dtype)
+            ckpt = (conv_ck, delta_ck)
+        return out, conv, delta, ckpt

@@ -8,8 +8,7 @@ import numpy as np
 
 from configs.model_config import ModelConfig
 from minipic_jax.models.hf_weights import take
-from minipic_jax.models.qwen3_5_gdn import GDNParams, gdn_dims
-from minipic_jax.models.qwen3_5_params import AttnParams, LayerParams, Qwen35Params
+from minipic_jax.models.qwen3_5_gdn import gdn_dims
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log",
@@ -44,10 +43,10 @@ def hf_tensor_names(cfg: ModelConfig) -> list[str]:
 
 
 def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32, *, host: bool = False):
-    """HF tensors (torch Linear layout [out, in]) -> Qwen35Params in `dtype` (shapes checked).
-    host=True: the same tree of numpy views of the checkpoint tensors in our layout (checkpoint
-    dtype, nothing copied), for streaming each tensor's shards to their devices
-    (serving/sharding.py, stream_params)."""
+    """HF tensors (torch Linear layout [out, in]) -> the params dict in `dtype` (shapes checked;
+    the layout of qwen3_5_modules). host=True: the same tree of numpy views of the checkpoint
+    tensors in our layout (checkpoint dtype, nothing copied), for streaming each tensor's shards
+    to their devices (serving/sharding.py, stream_params)."""
     e, h, k, d, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                         cfg.intermediate_size, cfg.vocab_size)
     hk, hv, dk, dv, c, kc = gdn_dims(cfg)
@@ -65,14 +64,14 @@ def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32, *, host: bool = 
         n = _mixer_names(cfg, i)
         if cfg.layer_types[i] == "full_attention":
             q_full = take(get_tensor, n["q_proj"], (h * 2 * d, e)).T.reshape(e, h, 2 * d)
-            mixer = AttnParams(
+            mixer = dict(
                 wq=arr(q_full[..., :d]), wgate=arr(q_full[..., d:]),
                 wk=get(n["k_proj"], (k * d, e), lambda w: w.T.reshape(e, k, d)),
                 wv=get(n["v_proj"], (k * d, e), lambda w: w.T.reshape(e, k, d)),
                 wo=get(n["o_proj"], (e, h * d), lambda w: w.T.reshape(h, d, e)),
                 q_norm=get(n["q_norm"], (d,)), k_norm=get(n["k_norm"], (d,)))
         else:
-            mixer = GDNParams(
+            mixer = dict(
                 w_qkv=get(n["in_proj_qkv"], (c, e), lambda w: w.T),
                 w_z=get(n["in_proj_z"], (hv * dv, e), lambda w: w.T.reshape(e, hv, dv)),
                 w_b=get(n["in_proj_b"], (hv, e), lambda w: w.T),
@@ -81,13 +80,14 @@ def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32, *, host: bool = 
                 dt_bias=get(n["dt_bias"], (hv,)), a_log=get(n["A_log"], (hv,)),
                 norm=get(n["norm"], (dv,)),
                 w_out=get(n["out_proj"], (e, hv * dv), lambda w: w.T.reshape(hv, dv, e)))
-        lays.append(LayerParams(
+        lays.append(dict(
             attn_norm=get(lp + "input_layernorm.weight", (e,)), mixer=mixer,
             mlp_norm=get(lp + "post_attention_layernorm.weight", (e,)),
             w_gate=get(lp + "mlp.gate_proj.weight", (f, e), lambda w: w.T),
             w_up=get(lp + "mlp.up_proj.weight", (f, e), lambda w: w.T),
             w_down=get(lp + "mlp.down_proj.weight", (e, f), lambda w: w.T)))
-    return Qwen35Params(
-        embed=get(p + "embed_tokens.weight", (v, e)), layers=tuple(lays),
-        final_norm=get(p + "norm.weight", (e,)),
-        lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight", (v, e), lambda w: w.T))
+    params = dict(embed=get(p + "embed_tokens.weight", (v, e)), layers=tuple(lays),
+                  final_norm=get(p + "norm.weight", (e,)))
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight", (v, e), lambda w: w.T)
+    return params
