@@ -12,8 +12,8 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
 
 During prefill, checkpoints are taken at the positions serving/checkpoint_plan.py chooses for the
 prompt; a chunk holds at most one (it stops before a second), so the model returns one state per
-sequence per step. Only plain prompts and PDEP segments: an SSEP span's KV is position-free but
-the recurrent state before it is not, so the engine rejects spans on hybrid models.
+sequence per step. Prompts with SSEP spans go to the span-map cache (serving/span_cache.py: a
+cached span is skipped, its recurrent effect composed from its map); they take no checkpoints.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from serving.sequence import Status
 
 
 class HybridPrefixCache:
-    def __init__(self, store, planner, block_size: int):
+    def __init__(self, store, planner, block_size: int, spans=None):
         self.store, self.planner, self.block_size = store, planner, block_size
+        self.spans = spans  # serving/span_cache.SpanMapCache or None (span prompts run cold)
         self.admissions = self.checkpoint_hits = 0
         self.tokens_matched = self.tokens_resumed = 0
         self.prompt_len: dict[int, int] = {}  # block hash -> length of the prompt that made it
@@ -62,7 +63,9 @@ class HybridPrefixCache:
     def admit(self, sched, seq, seats) -> bool:
         """Scheduler._try_allocate for hybrid models (see the module docstring)."""
         bm, keys, bs = sched.bm, sched.keys, self.block_size
-        spans = bool(seq.layout.span_block.any())  # cold path: no reuse, no checkpoints yet
+        spans = bool(seq.layout.span_block.any())  # no prefix reuse, no checkpoints yet
+        if spans and self.spans is not None:
+            return self.spans.admit(sched, seq, seats)
         kinds = [] if spans else self._match(sched, seq)
         hashes, raw = keys.hashes(seq), keys.token_bytes(seq)
         kc, entry = self._deepest(seq, hashes, raw, len(kinds))
@@ -124,6 +127,8 @@ class HybridPrefixCache:
         if e is not None:
             self.store.release(e)
             seq.restore_entry = None
+        if self.spans is not None:
+            self.spans.drop(seq)
 
     # -- chunks --------------------------------------------------------------------------------
     @staticmethod
@@ -140,8 +145,10 @@ class HybridPrefixCache:
         return ahead[1] if stop_at is None else min(stop_at, ahead[1])
 
     def annotate(self, sched, e) -> None:
-        """Restore and checkpoint fields of a scheduled chunk."""
+        """Restore and checkpoint fields of a scheduled chunk (and its span maps)."""
         seq = e.seq
+        if self.spans is not None:
+            self.spans.annotate(sched, e)
         entry = getattr(seq, "restore_entry", None)
         if entry is not None:
             e.restore_slot = entry.slot
@@ -161,6 +168,18 @@ class HybridPrefixCache:
         if slot >= 0:
             e.ck_pos, e.ck_slot = pos, slot
 
+    def after_launch(self) -> None:
+        """The step built from this schedule is launched: its pins go."""
+        self.store.after_launch()
+        if self.spans is not None:
+            self.spans.after_launch()
+
+    def drop_dependent(self, block_hash: int) -> None:
+        """A cached attention block left for good: checkpoints and span maps above it go."""
+        self.store.drop_dependent(block_hash)
+        if self.spans is not None:
+            self.spans.store.drop_dependent(block_hash)
+
     def stats(self) -> dict:
         out = {"checkpoint_hits": self.checkpoint_hits, "tokens_resumed": self.tokens_resumed,
                "tokens_matched": self.tokens_matched,
@@ -169,10 +188,12 @@ class HybridPrefixCache:
                "checkpoint_plan": self.planner.plan,
                "checkpoint_replans": self.planner.replanner.replans}
         out.update(self.store.stats())
+        if self.spans is not None:
+            out.update(self.spans.stats())
         return out
 
 
-def build(config, family, mcfg, dtype, pool=None):
+def build(config, family, mcfg, dtype, pool=None, span_pool=None):
     """(HybridPrefixCache, CheckpointPool or None) for a hybrid model with prefix caching on.
     The pool is allocated here, before the KV pool sizes itself from the memory left; with
     `pool` (an engine's reset) it is kept, and the store may use at most its slots."""
@@ -199,5 +220,8 @@ def build(config, family, mcfg, dtype, pool=None):
                              f"pool has {pool.slots}; a reset cannot grow it")
     elif slots:
         pool = checkpoint_pool.allocate(layout, slots)
-    cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size)
+    from serving import span_cache
+    spans = span_cache.build(config, family, mcfg, dtype, pool=span_pool)
+    cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size,
+                              spans)
     return cache, pool

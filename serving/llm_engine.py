@@ -23,7 +23,7 @@ import itertools
 import time
 
 
-from serving import checkpoint_pool, hybrid_prefix, span_rows
+from serving import checkpoint_pool, hybrid_prefix, span_maps, span_rows
 from serving.outputs import Logprob, RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, resolve_markers
@@ -74,6 +74,7 @@ class LLMEngine:
             fingerprint = model_fingerprint(mcfg, loaded.params, dtype)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
         self.runner.ck_pool = ck_pool
+        self._take_span_pool()
         self.num_blocks = num_blocks = self.runner.num_blocks  # a default pool may have shrunk
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
         self.offload = self.mover = self.kv_store = None
@@ -87,7 +88,7 @@ class LLMEngine:
             self.mover = PageMover(num_blocks, config.block_size)
         on_evict = self._on_evict if self.offload else None
         if self.hybrid_cache is not None and self.offload is None:  # checkpoints above die too
-            on_evict = lambda b, h, confirm: self.hybrid_cache.store.drop_dependent(h)  # noqa
+            on_evict = lambda b, h, confirm: self.hybrid_cache.drop_dependent(h)  # noqa
         self.bm = BlockManager(num_blocks, config.block_size, enable_caching=caching,
                                on_evict=on_evict)
         hash_fn = make_hash_fn(config.hash_algo)
@@ -229,11 +230,24 @@ class LLMEngine:
 
     def _move_checkpoints(self):
         """Hybrid models: the checkpoint store's slot moves of this step, before its launch."""
-        if self.hybrid_cache is None or self.runner.ck_pool is None:
+        if self.hybrid_cache is None:
+            return
+        spans = self.hybrid_cache.spans
+        if spans is not None:  # span maps (serving/span_cache.py), the same store bookkeeping
+            out, inn = spans.store.take_moves()
+            if out or inn:
+                self.runner.span_pool = span_maps.apply_moves(self.runner.span_pool, out, inn)
+        if self.runner.ck_pool is None:
             return
         out, inn = self.hybrid_cache.store.take_moves()
         if out or inn:
             self.runner.ck_pool = checkpoint_pool.apply_moves(self.runner.ck_pool, out, inn)
+
+    def _take_span_pool(self) -> None:
+        """The span-map device pool moves from the hybrid cache's builder to the runner."""
+        spans = self.hybrid_cache.spans if self.hybrid_cache is not None else None
+        if spans is not None:
+            self.runner.span_pool, spans.pool = spans.pool, None
 
     # -- the step ------------------------------------------------------------------------------
     def _num_logprobs(self, batch) -> int:
@@ -290,7 +304,7 @@ class LLMEngine:
             handle = self.runner.launch(batch, num_logprobs=self._num_logprobs(batch),
                                         use_prev=True)
             if self.hybrid_cache is not None:
-                self.hybrid_cache.store.after_launch()
+                self.hybrid_cache.after_launch()
             dispatch = self.runner.last_dispatch
             t2 = time.perf_counter()
             inflight, self._inflight = self._inflight, (batch, handle)
@@ -359,7 +373,7 @@ class LLMEngine:
                               during=lambda: self._advance(batch))
         self._step_unread = False
         if self.hybrid_cache is not None:
-            self.hybrid_cache.store.after_launch()
+            self.hybrid_cache.after_launch()
         t2 = time.perf_counter()
         self._early += self._postprocess(batch, out, num_lp)
         if self.offload is not None:
@@ -468,7 +482,8 @@ class LLMEngine:
         if self.hybrid_cache is not None:
             self.hybrid_cache, self.runner.ck_pool = hybrid_prefix.build(
                 self.config, self.loaded.family, self.loaded.cfg, self.runner.cache_dtype,
-                pool=self.runner.ck_pool)
+                pool=self.runner.ck_pool, span_pool=self.runner.span_pool)
+            self._take_span_pool()
             self.scheduler.hybrid_cache = self.hybrid_cache
 
     def make_output(self, seq: Sequence) -> RequestOutput:

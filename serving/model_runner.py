@@ -26,7 +26,8 @@ import numpy as np
 from kernels_pallas.paged_attention.api import choose_attention
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
-from serving import span_rows
+from serving import span_maps, span_rows
+from serving.span_cache import MAX_CAPTURES
 from serving import checkpoint_pool as ckpt_pool
 from serving import sharding
 from serving.kv_pool import allocate_pool, default_num_blocks
@@ -43,20 +44,32 @@ _S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
 def _piece_bound(t: int, s: int) -> int:
-    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence plus one per
-    span start in the step."""
-    return s + max(8, t // 8)
+    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence plus two per
+    span in the step (its start, and the rows after its end)."""
+    return s + max(8, t // 4)
+
+
+
+
+def chain_bucket(n: int) -> int:
+    """Static length of the per-sequence chains of cached span maps a step composes."""
+    return max(4, 1 << max(n - 1, 0).bit_length())
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False):
-    """Static offsets of each field in the packed int32 buffer."""
+def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain: int = 0):
+    """Static offsets of each field in the packed int32 buffer. chain > 0: the step carries the
+    span-map fields (chains [S, chain] of pool slots to compose, captured pieces and slots)."""
     spec, off = {}, 0
     if spans:  # hybrid steps holding SSEP span rows
         g = _piece_bound(t, s)
-        for f, n in (("row_span", t), ("piece_cu", g + 1), ("carry_local", s)):
-            spec[f] = (off, (n,))
-            off += n
+        fields = (("row_span", (t,)), ("piece_cu", (g + 1,)), ("carry_local", (s,)))
+        if chain:
+            fields += (("chain", (s, chain)), ("cap_piece", (MAX_CAPTURES,)),
+                       ("cap_slot", (MAX_CAPTURES,)))
+        for f, shape in fields:
+            spec[f] = (off, shape)
+            off += int(np.prod(shape))
     for f in _T_FIELDS:
         spec[f] = (off, (t,))
         off += t
@@ -112,9 +125,10 @@ class ModelRunner:
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
         self.ck_pool = None  # hybrid prefix caching: serving/checkpoint_pool.py (set by engine)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5),
+        self.span_pool = None  # hybrid span maps: serving/span_maps.py (set by engine)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5, 6),
                              static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
-                                              "decode_only", "spans"))
+                                              "decode_only", "spans", "chain"))
         general, decode = attention_choices(config, self.mcfg, dtype)
         self.attn_impl, self.attn_options = general
         self.decode_impl, self.decode_options = decode
@@ -126,16 +140,17 @@ class ModelRunner:
         return self._step._cache_size()
 
     # -- device --------------------------------------------------------------------------------
-    def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, **kw):
+    def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, maps=None, **kw):
         if self.mesh is None:
-            return self._step_body(params, cache, ints, floats, prev, pool, **kw)
+            return self._step_body(params, cache, ints, floats, prev, pool, maps, **kw)
         # the kernels run per head shard under this mesh (kernels_pallas/sharding.py)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return self._step_body(params, cache, ints, floats, prev, pool, **kw)
+            return self._step_body(params, cache, ints, floats, prev, pool, maps, **kw)
 
-    def _step_body(self, params, cache, ints, floats, prev=None, pool=None, *, t, s, all_greedy,
-                   use_filter, num_logprobs, decode_only=False, spans=False):
-        spec, _ = _layout(t, s, self.nb, pool is not None, spans)
+    def _step_body(self, params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
+                   all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
+                   chain=0):
+        spec, _ = _layout(t, s, self.nb, pool is not None, spans, chain)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
         md = AttentionMetadata(
@@ -143,18 +158,34 @@ class ModelRunner:
             cu_q_lens=f["cu_q_lens"], num_blocks=f["num_blocks"], block_tables=f["block_tables"],
             block_pos_start=f["block_pos_start"], block_num_valid=f["block_num_valid"],
             slot_mapping=f["slot_mapping"])
-        rec = RecurrentMetadata(state_slots=f["state_slots"], reset=f["reset"] > 0)
+        reset = f["reset"] > 0
+        warm = chain > 0 and not decode_only  # the span-map warm path (serving/span_cache.py)
+        if warm:  # states enter after their chains of cached spans
+            cache, reset = span_maps.enter(self.family, cache, maps, f["state_slots"], reset,
+                                           f["chain"])
+        rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset)
         tokens = f["tokens"]
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
             tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
         if spans:
             extra["span_pieces"] = SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
-                                              carry_local=f["carry_local"] > 0)
+                                              carry_local=f["carry_local"] > 0,
+                                              capture=f["cap_piece"] if warm else None)
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
                   attn_impl=self.decode_impl if decode_only else self.attn_impl,
                   attn_options=self.decode_options if decode_only else self.attn_options, **extra)
-        if pool is None:
+        if warm:
+            if pool is None:
+                logits, cache, ck = self.family.forward_with_checkpoints(
+                    params, tokens, md, cache, self.mcfg, **kw)
+            else:
+                logits, cache, pool, ck = ckpt_pool.checkpointed_forward(
+                    self.family, params, tokens, md, cache, self.mcfg, pool, f, decode_only, kw,
+                    with_extras=True)
+            m = ck["span_maps"]
+            maps = span_maps.store(maps, f["cap_slot"], m["a"], m["b"], m["tail"], m["count"])
+        elif pool is None:
             logits, cache = self.family.forward(params, tokens, md, cache, self.mcfg, **kw)
         else:
             logits, cache, pool = ckpt_pool.checkpointed_forward(
@@ -165,16 +196,20 @@ class ModelRunner:
                      num_logprobs=num_logprobs)
         if prev is not None:
             prev = prev.at[f["sample_seat"]].set(out["tokens"])  # [seats + 1]
-        return cache, _pack(out, num_logprobs), prev, pool
+        return cache, _pack(out, num_logprobs), prev, pool, maps
 
     def _dispatch(self, ints, floats, use_prev: bool, kw):
-        """One jitted step; keeps the donated cache (and prev tokens, checkpoint pool)."""
-        self.cache, packed, prev, pool = self._step(
+        """One jitted step; keeps the donated cache (and prev tokens, checkpoint pool, span map
+        pool: passed only to steps that compose or capture span maps)."""
+        warm = kw.get("chain", 0) > 0
+        self.cache, packed, prev, pool, maps = self._step(
             self.params, self.cache, ints, floats, self._prev() if use_prev else None,
-            self.ck_pool, **kw)
+            self.ck_pool, self.span_pool if warm else None, **kw)
         if use_prev:
             self.prev_tokens = prev
         self.ck_pool = pool
+        if warm:
+            self.span_pool = maps
         return packed
 
     def _prev(self):
@@ -268,7 +303,10 @@ class ModelRunner:
         if use_prev:
             self._parity ^= 1
         spans = self.hybrid and any(_has_spans(e.seq) for e in batch)
-        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans)
+        chain = 0
+        if spans and self.span_pool is not None:
+            chain = chain_bucket(max(len(e.map_chain) for e in batch))
+        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans, chain)
         ints.fill(0)
         floats[:s] = 0.0
         floats[s:] = 1.0
@@ -346,22 +384,25 @@ class ModelRunner:
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only)
         if spans:
-            _fill_span_rows(batch, v, row, self.block_size, _piece_bound(t, s))
+            starts = _fill_span_rows(batch, v, row, self.block_size, _piece_bound(t, s))
             kw["spans"] = True
+            if chain:
+                _fill_span_maps(batch, v, starts)
+                kw["chain"] = chain
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
         packed = self._dispatch(ints, floats, use_prev, kw)
         self.last_dispatch = time.perf_counter() - t0
         return packed, num_logprobs
 
-    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False):
+    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False, chain: int = 0):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached
         the device before its outputs are read, which happens before the next build of the
         same buffer set (sync: the next step; async: the step after next, see `launch`).
         Reuse also avoids fresh page faults every step."""
-        key = (t, s, parity, spans)
+        key = (t, s, parity, spans, chain)
         if key not in self._bufs:
-            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, spans)
+            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, spans, chain)
             ints = np.zeros(size, np.int32)
             v = {k: ints[o:o + int(np.prod(shape))].reshape(shape)
                  for k, (o, shape) in spec.items()}
@@ -414,6 +455,26 @@ def _fill_span_rows(batch, v, rows: int, block_size: int, bound: int) -> None:
     v["piece_cu"][:starts.size] = starts
     v["row_span"][:rows] = span_row
     v["carry_local"][:len(carry)] = carry
+    return starts
+
+
+def _fill_span_maps(batch, v, starts) -> None:
+    """chain / cap_piece / cap_slot of a warm span step (serving/span_cache.py): each sequence's
+    chain of cached span maps in order, and the piece each captured span fills (a captured span
+    starts a piece: span_rows.step_rows)."""
+    v["chain"][:] = -1
+    v["cap_piece"][:] = -1
+    v["cap_slot"][:] = -1
+    k, row = 0, 0
+    for i, e in enumerate(batch):
+        if e.map_chain:
+            v["chain"][i, :len(e.map_chain)] = e.map_chain
+        for tok, slot in e.map_caps:
+            r = row + int(np.searchsorted(e.token_idx, tok))
+            v["cap_piece"][k] = int(np.searchsorted(starts, r, side="right")) - 1
+            v["cap_slot"][k] = slot
+            k += 1
+        row += e.token_idx.size
 
 
 def attention_choices(config, mcfg, dtype, platform: str | None = None):

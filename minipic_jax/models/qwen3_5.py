@@ -194,6 +194,13 @@ def restore_state(cache: Qwen35Cache, slot: int, state: dict) -> Qwen35Cache:
     return dataclasses.replace(cache, conv=conv, delta=delta)
 
 
+def read_states(cache: Qwen35Cache, slots):
+    """Jit-able read of state slots [S]: conv [Lg, S, C, Kc-1], delta [Lg, S, Hv, Dk, Dv]
+    (write_states' layout; the warm span path composes cached span maps onto them)."""
+    return (jnp.stack([c[slots] for c in cache.conv]),
+            jnp.stack([d[slots] for d in cache.delta]))
+
+
 def write_states(cache: Qwen35Cache, slots, conv, delta, mask) -> Qwen35Cache:
     """Jit-able restore of checkpoints into state slots (the engine's hybrid prefix cache hook).
 
@@ -252,7 +259,9 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
     span_pieces: None or qwen3_5_spans.SpanPieces when the step holds SSEP span rows (their
       attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
-      conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers).
+      conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers); with
+      span_pieces.capture also span_maps: a [Lg, Mc, Hv, Dk, Dk], b [Lg, Mc, Hv, Dk, Dv],
+      tail [Lg, Mc, C, Kc-1], count [Mc] (the captured pieces' maps, serving/span_maps.py).
     """
     if kv_mode not in KV_MODES:
         raise ValueError(f"forward: kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
@@ -266,7 +275,7 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
     eps = cfg.rms_norm_eps
     x = layers.embed(tokens, params.embed)  # [T, E]
     new = dict(k=[], v=[], conv=[], delta=[])
-    ck_conv, ck_delta = [], []
+    ck_conv, ck_delta, span_maps = [], [], []
     ia = ig = 0
     for i, lp in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
@@ -282,7 +291,7 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
                 keep = ~reset[:, None, None]
                 conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
                 delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
-                out, conv, delta, ck = gdn_mixer(h, lp.mixer, conv0, delta0, metadata.cu_q_lens,
+                out, conv, delta, ck, maps = gdn_mixer(h, lp.mixer, conv0, delta0, metadata.cu_q_lens,
                                                  pos0, cfg, checkpoint_at=checkpoint_at,
                                                  impl=gdn_impl, pieces=span_pieces)
                 new["conv"].append(conv_c.at[slots].set(conv))
@@ -290,6 +299,8 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
                 if ck is not None:
                     ck_conv.append(ck[0])
                     ck_delta.append(ck[1])
+                if maps is not None:
+                    span_maps.append(maps)
                 ig += 1
             x = x + out
             h = layers.rms_norm(x, lp.mlp_norm, eps, unit_offset=True)
@@ -305,6 +316,10 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
     ckpts = None
     if checkpoint_at is not None and ck_conv:
         ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta))
+    if span_maps:  # span_pieces.capture: the captured pieces' maps, layer-major
+        ckpts = dict(ckpts or {}, span_maps=dict(
+            a=jnp.stack([m["a"] for m in span_maps]), b=jnp.stack([m["b"] for m in span_maps]),
+            tail=jnp.stack([m["tail"] for m in span_maps]), count=span_maps[0]["count"]))
     return logits, cache, ckpts
 
 

@@ -56,14 +56,31 @@ def local_conv(mixed, conv_w, pieces: SpanPieces, causal_conv):
 
 
 def local_pass(q, k, v, g, beta, pieces: SpanPieces, **kw):
-    """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, and each
-    piece's final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch,
-    whatever the piece lengths)."""
+    """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, each piece's
+    final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch, whatever the
+    piece lengths), and with `pieces.capture` each piece's transition [G, Hv, Dk, Dk] (else
+    None). The transition has the XLA path only, so a capturing step runs the local pass there."""
     n = pieces.piece_cu.shape[0] - 1
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
-    out, final, _ = ragged_prefill(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
-                                   jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
-    return out, final
+    args = (q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
+            jnp.zeros((n, hv, dk, dv), jnp.float32))
+    if pieces.capture is None:
+        out, final, _ = ragged_prefill(*args, **kw)
+        return out, final, None
+    out, final, _, a_span = ragged_prefill(*args, implementation="xla", return_transition=True)
+    return out, final, a_span
+
+
+def captured_maps(mixed, pieces: SpanPieces, a_span, local_final, history, k1: int):
+    """The span maps of the captured pieces (serving/span_maps.py's layout): a [Mc, Hv, Dk, Dk],
+    b [Mc, Hv, Dk, Dv] (the piece's state from zero), tail [Mc, C, K1] (its last K1 layer
+    inputs, right-aligned, zeros before), count [Mc] int32 (its rows)."""
+    g = pieces.piece_cu.shape[0] - 1
+    piece = jnp.clip(pieces.capture, 0, g - 1)
+    count = (pieces.piece_cu[1:] - pieces.piece_cu[:-1])[piece]
+    zeros = jnp.zeros((g, mixed.shape[1], k1), mixed.dtype)
+    tail = history(mixed, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32), piece, count)
+    return dict(a=a_span[piece], b=local_final[piece], tail=tail, count=count)
 
 
 def carry_local(mixed, pieces: SpanPieces, local_final, cu_q_lens, conv, delta, history):

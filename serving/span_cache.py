@@ -1,0 +1,213 @@
+"""The warm path of SSEP spans on hybrid models: cached span maps (host bookkeeping, plain Python).
+
+A span's effect on every recurrent layer is an affine map of the state plus a conv tail
+(serving/span_maps.py, docs/DESIGN.md section 5); like its attention blocks it depends on the
+span's tokens only. So a span whose blocks are cached *and* whose map is stored is skipped
+whole: its blocks are shared hits, and the chunk after it enters with the state composed from the
+maps on device (`span_maps.enter`), for any number of spans in any order. A span computed in a
+step has its map captured by that step (the model's local pass returns (A, B, tail) per piece).
+
+  * Keys: the map of the span in blocks [j0, j1) is keyed by the hash of block j1 - 1 (an SSEP
+    chain restarts at the span, so it covers exactly the span's tokens) and confirmed by that
+    block's tokens, as blocks are.
+  * Bookkeeping: a `CheckpointStore` (serving/checkpoint_store.py) of map-sized entries: device
+    slots of the map pool, an optional host tier (moves applied by the engine before the step),
+    GreedyDual eviction valued by the span's tokens, pins from admission until the step that
+    composes the map is launched.
+  * Consistency: an entry lists its span's block hashes; when the device pool evicts one of them
+    for good (no KV host tier), the map is dropped (`drop_dependent`).
+  * Chunks: a chunk enters after the skipped spans between its frontier and its first row, and
+    never runs past a later skipped span (`span_rows.cut_chunk` stops it there): the flow pass
+    cannot apply a map between two rows of one step.
+  * Only non-final spans are skipped or captured (the final segment is always computed). PDEP
+    segments of a span prompt are computed (no recurrent checkpoints inside span prompts yet).
+"""
+
+from __future__ import annotations
+
+import time
+
+from serving import span_rows
+from serving.sequence import Status
+
+MAX_CAPTURES = 8  # span maps one step may capture (a static shape of the runner's step)
+
+
+class SpanMapCache:
+    def __init__(self, store, block_size: int, pool=None):
+        self.store, self.block_size = store, block_size
+        self.pool = pool  # the device pool until the runner takes it
+        self.captures = 0  # captures in the step being scheduled
+        self.spans_skipped = self.tokens_skipped = self.spans_captured = 0
+
+    # -- admission -----------------------------------------------------------------------------
+    def _span_hits(self, sched, seq, a: int, b: int):
+        """[(kind, block)] for the span's blocks when every one is a ready device hit or in the
+        KV host tier, else None."""
+        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        hashes = keys.hashes(seq)
+        kinds = []
+        for j in range(a // bs, b // bs):
+            blk = bm.table.get(hashes[j])
+            if blk is not None and bm.ready[blk] and bm.confirm[blk] == keys.confirm(seq, j):
+                kinds.append(("hit", blk))
+            elif blk is None and sched.offload is not None and sched.offload.contains(hashes[j]):
+                kinds.append(("host", None))
+            else:
+                return None
+        return kinds
+
+    def _plan_skips(self, sched, seq):
+        """[(a, b, entry)] spans to skip (their map pinned) and {block: (kind, block)}."""
+        keys, bs = sched.keys, self.block_size
+        hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
+        skips, plan = [], {}
+        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+            if final or b // bs > limit:
+                continue
+            kinds = self._span_hits(sched, seq, a, b)
+            if kinds is None:
+                continue
+            e = self.store.get(hashes[b // bs - 1], keys.confirm(seq, b // bs - 1))
+            if e is None or not self.store.acquire(e):
+                continue
+            skips.append((a, b, e))
+            plan.update({a // bs + i: k for i, k in enumerate(kinds)})
+        return skips, plan
+
+    def admit(self, sched, seq, seats) -> bool:
+        """Scheduler._try_allocate for a span prompt on a hybrid model: skipped spans' blocks are
+        shared (or copied in from the KV host tier), every other block is new."""
+        bm, keys = sched.bm, sched.keys
+        skips, plan = self._plan_skips(sched, seq)
+        n = seq.num_blocks_needed
+        need = sum(1 for j in range(n) if j not in plan or plan[j][0] == "host"
+                   or bm.ref[plan[j][1]] == 0)
+        if need > bm.num_free - sched.cfg.watermark_blocks:
+            for _, _, e in skips:
+                self.store.release(e)
+            return False
+        for kind, blk in plan.values():  # off the free list before any allocation evicts them
+            if kind == "hit":
+                bm.share(blk)
+        hashes = keys.hashes(seq)
+        for j in range(n):
+            kind, blk = plan.get(j, ("new", None))
+            if kind == "hit":
+                seq.block_table.append(blk)
+                continue
+            blk = bm.allocate()
+            seq.block_table.append(blk)
+            h = hashes[j] if j < len(hashes) else None
+            if kind == "host":
+                bm.register(blk, h, keys.confirm(seq, j), seq.seq_id, ready=True)
+                sched.pending_copy_in.append((blk, h))
+                continue
+            seq.owned.add(j)
+            if h is not None:
+                bm.register(blk, h, keys.confirm(seq, j), seq.seq_id)
+        if not seq.ever_admitted:
+            seq.num_cached_tokens = len(plan) * self.block_size
+        self.spans_skipped += len(skips)
+        self.tokens_skipped += sum(b - a for a, b, _ in skips)
+        seq.span_skips = [(a, b) for a, b, _ in skips]
+        seq.span_pins = {a: e for a, _, e in skips}  # until the step that composes them
+        seq.ck_positions, seq.restore_entry = [], None
+        seq.num_computed = 0
+        seq.seat = seats.pop()
+        seq.synced_blocks = 0
+        seq.status = Status.RUNNING
+        seq.needs_reset = True
+        seq.ready_ptr = 0
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.time()
+        seq.ever_admitted = True
+        return True
+
+    def drop(self, seq) -> None:
+        """The sequence leaves (preempted, finished, aborted): unpin maps it never entered."""
+        for e in getattr(seq, "span_pins", {}).values():
+            self.store.release(e)
+        seq.span_pins = {}
+
+    # -- chunks --------------------------------------------------------------------------------
+    def annotate(self, sched, e) -> None:
+        """The chunk's chain (maps of the skipped spans before its first row, in order) and the
+        spans it computes whole whose maps it captures."""
+        seq = e.seq
+        pins = getattr(seq, "span_pins", None)
+        if pins is None:
+            return
+        first = int(e.token_idx[0]) if e.token_idx.size else e.new_computed
+        chain = [a for a, b in seq.span_skips if seq.num_computed <= a and b <= first]
+        e.map_chain = tuple(pins[a].slot for a in chain)
+        for a in chain:
+            self.store.hand_to_launch(pins.pop(a))
+        if not e.token_idx.size:
+            return
+        caps, skipped = [], {a for a, _ in seq.span_skips}
+        keys, bs = sched.keys, self.block_size
+        hashes = keys.hashes(seq)
+        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+            if final or a in skipped or a < first or b > e.new_computed or \
+                    b // bs > len(hashes) or self.captures >= MAX_CAPTURES:
+                continue
+            j1 = b // bs
+            slot = self.store.reserve(hashes[j1 - 1], keys.confirm(seq, j1 - 1), 0,
+                                      hashes[a // bs:j1], float(b - a))
+            if slot >= 0:
+                caps.append((a, slot))
+                self.captures += 1
+                self.spans_captured += 1
+        e.map_caps = tuple(caps)
+
+    def after_launch(self) -> None:
+        self.store.after_launch()
+        self.captures = 0
+
+    def stats(self) -> dict:
+        s = self.store.stats()
+        return {"span_maps_stored": s["checkpoints_stored"],
+                "span_maps_evicted": s["checkpoints_evicted"],
+                "span_maps_offloaded": s["checkpoints_offloaded"],
+                "span_maps_onloaded": s["checkpoints_onloaded"],
+                "span_map_bytes": s["checkpoint_bytes"],
+                "span_map_device_slots": s["checkpoint_device_slots"],
+                "span_map_host_slots": s["checkpoint_host_slots"],
+                "span_maps_captured": self.spans_captured, "spans_skipped": self.spans_skipped,
+                "span_tokens_skipped": self.tokens_skipped}
+
+
+def build(config, family, mcfg, dtype, pool=None):
+    """A SpanMapCache with its device pool (None when Config.span_map_gb is 0 or the family cannot
+    read its states back). With `pool` (an engine's reset) that pool is kept."""
+    import jax
+    import jax.numpy as jnp
+    from serving import checkpoint_pool, span_maps
+    from serving.checkpoint_store import CheckpointStore
+    if not config.span_map_gb and config.span_map_gb is not None or \
+            not hasattr(family, "read_states"):
+        return None
+    lg, conv_shape, conv_dtype, delta_shape = checkpoint_pool.state_layout(
+        family, mcfg, config.block_size, dtype)
+    if lg == 0:
+        return None
+    (hv, dk, dv), (c, k1) = delta_shape, conv_shape
+    state_dtype = jnp.dtype(config.span_map_dtype)
+    nbytes = span_maps.map_nbytes(hv, dk, dv, c, k1, lg, state_dtype=state_dtype,
+                                  conv_dtype=conv_dtype)["total"]
+    if config.span_map_gb is not None:
+        slots = int(config.span_map_gb * (1 << 30)) // nbytes
+    else:  # 2% of the device's memory limit, or 64 maps without memory stats
+        try:
+            limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+        except Exception:  # noqa: BLE001 - CPU backends may not report memory
+            limit = None
+        slots = int(0.02 * limit) // nbytes if limit else 64
+    if slots <= 0:
+        return None
+    host = int(config.span_map_host_gb * (1 << 30)) // nbytes
+    if pool is None or pool.a.shape[0] < slots:
+        pool = span_maps.allocate(slots, lg, hv, dk, dv, c, k1, state_dtype=state_dtype,
+                                  conv_dtype=conv_dtype)
+    return SpanMapCache(CheckpointStore(slots, host, nbytes), config.block_size, pool)
