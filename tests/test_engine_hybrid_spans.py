@@ -1,7 +1,9 @@
-"""Span prompts on a hybrid model through the engine (cold path, serving/span_rows.py): tokens and
-logprobs equal the float64 hybrid span reference (tests/hybrid_span_reference.py), for prompts with
-the same spans at other offsets and in other orders in one batch, a prompt ending in a span, and
-chunked prefills (64-token steps) that cut between segments."""
+"""Span prompts on a hybrid model through the engine: tokens and logprobs equal the float64 hybrid
+span reference (tests/hybrid_span_reference.py), for prompts with the same spans at other offsets
+and in other orders in one batch, a prompt ending in a span, and chunked prefills (64-token steps)
+that cut between segments. Cold (serving/span_rows.py: spans computed) and warm (serving/
+span_cache.py: cached spans skipped, their maps composed on device), across batches and within
+one, with a small span-map store that evicts and offloads."""
 
 from __future__ import annotations
 
@@ -77,3 +79,73 @@ def test_random_segment_structures_match_the_reference(llm, segments):
 def test_non_final_span_longer_than_a_step_is_rejected(llm):
     with pytest.raises(ValueError, match=r"request 0: SSEP span .* must fit one step"):
         llm.generate([[Span("a" * 100), Prompt("question?")]], SP, use_tqdm=False)
+
+
+def _fresh(llm, **options):
+    """The module's engine (compiled once) with an empty prefix cache and a span-map store sized
+    by `options` (Config fields, read by reset_prefix_cache)."""
+    for name, value in options.items():
+        setattr(llm.config, name, value)
+    llm.llm_engine.reset_prefix_cache()
+    return llm.llm_engine
+
+
+def _span_stats(eng):
+    return {k: v for k, v in eng.get_stats().items() if k.startswith("span")}
+
+
+def _docs(rng, *lengths):
+    return [Span(bytes(rng.integers(97, 123, n).tolist()).decode()) for n in lengths]
+
+
+def _run(llm, batches):
+    errs = []
+    for batch in batches:
+        errs += [_check(llm, o) for o in llm.generate(batch, SP, use_tqdm=False)]
+    return max(errs)
+
+
+def test_cached_spans_are_skipped_and_match_the_reference(llm):
+    """A second batch reuses four cached spans at other offsets, in other orders, as one chain of
+    four, split by a plain segment (two chains), and around a new span (computed and captured)."""
+    eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
+    rng = np.random.default_rng(7)
+    sys_a, sys_b, q1, q2 = (Prompt(bytes(rng.integers(97, 123, n).tolist()).decode())
+                            for n in (20, 45, 9, 3))
+    d1, d2, d3, d4 = _docs(rng, 40, 13, 29, 16)
+    cold = [[sys_a, d1, d2, q1], [d3, d4, q2]]
+    warm = [[sys_b, d2, d1, q1], [d4, d1, d3, d2, q2], [d2, sys_a, d4, q1],
+            [sys_a, d1, *_docs(rng, 7), d3, q2]]
+    err = _run(llm, [cold, warm])
+    st = _span_stats(eng)
+    print(f"max abs logprob error vs the float64 reference: {err:.2e}; {st}")
+    assert err < 1e-5
+    assert st["spans_skipped"] == 10 and st["span_maps_captured"] == 5
+    # blocks of 16 tokens (SSEP + text, padded): d1 3, d2 1, d3 2, d4 2
+    assert st["span_tokens_skipped"] == 16 * ((1 + 3) + (2 + 3 + 2 + 1) + (1 + 2) + (3 + 2))
+
+
+def test_small_span_map_store_evicts_and_offloads_exactly(llm):
+    """Two device slots and two host slots for six spans: maps are evicted to the host, brought
+    back for a hit, forgotten when the host is full; a chain longer than the device tier skips
+    what it can pin and computes the rest. Later requests of one batch reuse spans that earlier
+    ones computed (max_num_seqs=4, six requests)."""
+    nbytes = _fresh(llm, span_map_gb=None).hybrid_cache.spans.store.nbytes
+    two = 2.5 * nbytes / (1 << 30)
+    eng = _fresh(llm, span_map_gb=two, span_map_host_gb=two)
+    try:
+        rng = np.random.default_rng(11)
+        sys_a, q = Prompt("system prompt"), Prompt("question?")
+        d = _docs(rng, 17, 30, 5, 22, 9, 33)
+        batches = [[[sys_a, d[0], d[1], q], [d[2], d[3], q], [d[4], d[5], q],
+                    [d[3], d[0], q], [sys_a, d[2], d[1], q], [d[5], d[4], d[1], q]],
+                   [[d[1], d[2], d[3], d[0], q], [d[0], sys_a, d[4], q]]]
+        err = _run(llm, batches)
+        st = _span_stats(eng)
+        print(f"max abs logprob error vs the float64 reference: {err:.2e}; {st}")
+        assert err < 1e-5
+        assert st["span_map_device_slots"] == 2 and st["span_map_host_slots"] == 2
+        assert st["span_maps_offloaded"] > 0 and st["span_maps_onloaded"] > 0
+        assert st["span_maps_evicted"] > 0 and st["spans_skipped"] > 0
+    finally:
+        _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
