@@ -126,9 +126,11 @@ class SpanMapCache:
 
     def drop(self, seq) -> None:
         """The sequence leaves (preempted, finished, aborted): unpin maps it never entered."""
-        for e in getattr(seq, "span_pins", {}).values():
+        pins = getattr(seq, "span_pins", None)
+        for e in (pins or {}).values():
             self.store.release(e)
-        seq.span_pins = {}
+        if pins:
+            pins.clear()
 
     # -- chunks --------------------------------------------------------------------------------
     def annotate(self, sched, e) -> None:
@@ -136,7 +138,7 @@ class SpanMapCache:
         spans it computes whole whose maps it captures."""
         seq = e.seq
         pins = getattr(seq, "span_pins", None)
-        if pins is None:
+        if pins is None:  # not a span prompt admitted here
             return
         first = int(e.token_idx[0]) if e.token_idx.size else e.new_computed
         chain = [a for a, b in seq.span_skips if seq.num_computed <= a and b <= first]
