@@ -15,7 +15,10 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
     GreedyDual eviction valued by the span's tokens, pins from admission until the step that
     composes the map is launched.
   * Consistency: an entry lists its span's block hashes; when the device pool evicts one of them
-    for good (no KV host tier), the map is dropped (`drop_dependent`).
+    for good (no KV host tier), the map is dropped (`drop_dependent`). Only the request that
+    publishes the span's blocks captures its map, so a map never outlives them by another way
+    (a pending block dropped unready). With a KV host tier the map stays while its blocks live on
+    the host; a block the host tier drops leaves an unusable map to age out (as checkpoints).
   * Chunks: a chunk enters after the skipped spans between its frontier and its first row, and
     never runs past a later skipped span (`span_rows.cut_chunk` stops it there): the flow pass
     cannot apply a map between two rows of one step.
@@ -152,7 +155,8 @@ class SpanMapCache:
         hashes = keys.hashes(seq)
         for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
             if final or a in skipped or a < first or b > e.new_computed or \
-                    b // bs > len(hashes) or self.captures >= MAX_CAPTURES:
+                    b // bs > len(hashes) or self.captures >= MAX_CAPTURES or \
+                    not self._publishes(sched.bm, seq, hashes, a // bs, b // bs):
                 continue
             j1 = b // bs
             slot = self.store.reserve(hashes[j1 - 1], keys.confirm(seq, j1 - 1), 0,
@@ -162,6 +166,13 @@ class SpanMapCache:
                 self.captures += 1
                 self.spans_captured += 1
         e.map_caps = tuple(caps)
+
+    @staticmethod
+    def _publishes(bm, seq, hashes, j0: int, j1: int) -> bool:
+        """The sequence's blocks [j0, j1) are the ones the block table holds under their hashes.
+        Only then does the map capture: a duplicate computed beside another request's pending
+        blocks would outlive them when that request leaves before they are ready."""
+        return all(bm.hash[seq.block_table[j]] == hashes[j] for j in range(j0, j1))
 
     def after_launch(self) -> None:
         self.store.after_launch()

@@ -149,3 +149,52 @@ def test_small_span_map_store_evicts_and_offloads_exactly(llm):
         assert st["span_maps_evicted"] > 0 and st["spans_skipped"] > 0
     finally:
         _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
+
+
+@pytest.mark.slow  # CI time: --run-slow
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 6), st.booleans()), min_size=1, max_size=5),
+                min_size=2, max_size=5))
+def test_random_structures_cold_then_warm_match_the_reference(llm, prompts):
+    """Random prompts over a shared pool of four spans and three plain texts (drawn as (item,
+    reverse-the-rest)), in two batches: the first computes and captures, the second reuses the
+    spans at other offsets and in other orders; a later request of one batch may reuse what an
+    earlier one computed."""
+    rng = np.random.default_rng(len(prompts))
+    texts = [bytes(rng.integers(97, 123, n).tolist()).decode() for n in (23, 5, 40, 14, 9, 31, 2)]
+    items = [Span(t) for t in texts[:4]] + [Prompt(t) for t in texts[4:]]
+    parts = [[items[i] for i, _ in p] for p in prompts]
+    parts = [p[::-1] if prompts[k][0][1] else p for k, p in enumerate(parts)]
+    eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
+    half = len(parts) // 2
+    err = _run(llm, [parts[:half] + parts[:1], parts[half:] + [parts[0][::-1]]])
+    assert err < 1e-5, _span_stats(eng)
+
+
+@pytest.fixture(scope="module")
+def small_llm():
+    """Few KV blocks (attention blocks evicted, and with them the maps above them), a span-map
+    store of three device slots."""
+    return LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=2,
+               max_num_batched_tokens=64, min_token_bucket=64, max_model_len=512,
+               block_size=16, num_kv_blocks=24, span_map_gb=3.5 * 29188 / (1 << 30))
+
+
+@pytest.mark.slow  # CI time: --run-slow
+def test_maps_follow_their_blocks_under_kv_eviction(small_llm):
+    eng = small_llm.llm_engine
+    rng = np.random.default_rng(5)
+    docs = _docs(rng, 30, 12, 44, 20, 7, 26)
+    q = Prompt("and so?")
+    batches = [[[docs[i % 6], docs[(i + 1) % 6], q] for i in range(k, k + 3)] for k in (0, 2, 4, 1)]
+    batches.append([[docs[0], docs[1], q], [docs[5], docs[4], docs[3], q]])
+    worst = 0.0
+    for batch in batches:
+        worst = max(worst, _run(small_llm, [batch]))
+        store, table = eng.hybrid_cache.spans.store, eng.bm.table
+        for e in list(store.device.values()) + list(store.host.values()):
+            assert all(h in table for h in e.deps), "a map outlived one of its span's blocks"
+    st_ = _span_stats(eng)
+    print(f"max abs logprob error vs the float64 reference: {worst:.2e}; {st_}")
+    assert worst < 1e-5 and st_["span_maps_evicted"] > 0 and st_["spans_skipped"] > 0
+    assert eng.bm.num_evicted > 0
