@@ -53,6 +53,8 @@ class HybridPrefixCache:
         """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint."""
         step, bs = 8 * self.block_size, self.block_size
         for k in range(depth_blocks, 0, -1):
+            if seq.layout.span_block[k - 1]:  # a span block's key does not cover what is before
+                continue
             e = self.store.get(hashes[k - 1], raw[(k - 1) * step:k * step])
             if e is None or e.position != int(positions_of(seq.layout, [k * bs])[0]):
                 continue
@@ -65,7 +67,7 @@ class HybridPrefixCache:
         bm, keys, bs = sched.bm, sched.keys, self.block_size
         spans = bool(seq.layout.span_block.any())  # no prefix reuse, no checkpoints yet
         if spans and self.spans is not None:
-            return self.spans.admit(sched, seq, seats)
+            return self.spans.admit(sched, seq, seats, self)
         kinds = [] if spans else self._match(sched, seq)
         hashes, raw = keys.hashes(seq), keys.token_bytes(seq)
         kc, entry = self._deepest(seq, hashes, raw, len(kinds))
@@ -93,22 +95,11 @@ class HybridPrefixCache:
             seq.owned.add(j)
             if h is not None:
                 bm.register(b, h, keys.confirm(seq, j), seq.seq_id)
-        first = not seq.ever_admitted
-        if first:
+        if not seq.ever_admitted:
             seq.num_cached_tokens = kc * bs
-            origin = self.prompt_len.get(hashes[len(kinds) - 1]) if kinds else None
-            self.planner.observe(len(kinds) * bs,
-                                 None if origin is None else origin - len(kinds) * bs)
-            if len(self.prompt_len) > (1 << 20):
-                self.prompt_len.clear()
-            for h in hashes[:seq.num_prompt_tokens // bs]:
-                self.prompt_len.setdefault(h, seq.num_prompt_tokens)
             seq.ck_positions = [] if spans else self.planner.prompt_positions(
                 seq.layout, seq.num_prompt_tokens, bs)
-        self.admissions += 1
-        self.checkpoint_hits += kc > 0
-        self.tokens_matched += len(kinds) * bs
-        self.tokens_resumed += kc * bs
+        self.count_admission(seq, kinds, kc)
         seq.restore_entry = entry
         seq.num_computed = kc * bs
         seq.seat = seats.pop()
@@ -120,6 +111,23 @@ class HybridPrefixCache:
             seq.first_scheduled_time = time.time()
         seq.ever_admitted = True
         return True
+
+    def count_admission(self, seq, kinds, kc: int) -> None:
+        """An admission matched `kinds` blocks and resumes at block kc: the placement's depth
+        histogram (first admission only) and the counters."""
+        bs, hashes = self.block_size, seq.block_hashes or []
+        if not seq.ever_admitted:
+            origin = self.prompt_len.get(hashes[len(kinds) - 1]) if kinds else None
+            self.planner.observe(len(kinds) * bs,
+                                 None if origin is None else origin - len(kinds) * bs)
+            if len(self.prompt_len) > (1 << 20):
+                self.prompt_len.clear()
+            for h in hashes[:seq.num_prompt_tokens // bs]:
+                self.prompt_len.setdefault(h, seq.num_prompt_tokens)
+        self.admissions += 1
+        self.checkpoint_hits += kc > 0
+        self.tokens_matched += len(kinds) * bs
+        self.tokens_resumed += kc * bs
 
     def drop_restore(self, seq) -> None:
         """The sequence leaves (preempted, finished, aborted) before its restore ran."""

@@ -160,7 +160,13 @@ class ModelRunner:
             slot_mapping=f["slot_mapping"])
         reset = f["reset"] > 0
         warm = chain > 0 and not decode_only  # the span-map warm path (serving/span_cache.py)
-        if warm:  # states enter after their chains of cached spans
+        if warm:  # states enter after their chains of cached spans (after a restore, if any)
+            if pool is not None:
+                restore = f["restore_slot"]
+                conv, delta = ckpt_pool.rows(pool, restore)
+                cache = self.family.write_states(cache, f["state_slots"], conv, delta,
+                                                 restore >= 0)
+                f = dict(f, restore_slot=jnp.full_like(restore, -1))  # done
             cache, reset = span_maps.enter(self.family, cache, maps, f["state_slots"], reset,
                                            f["chain"])
         rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset)

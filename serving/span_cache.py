@@ -22,8 +22,11 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
   * Chunks: a chunk enters after the skipped spans between its frontier and its first row, and
     never runs past a later skipped span (`span_rows.cut_chunk` stops it there): the flow pass
     cannot apply a map between two rows of one step.
-  * Only non-final spans are skipped or captured (the final segment is always computed). PDEP
-    segments of a span prompt are computed (no recurrent checkpoints inside span prompts yet).
+  * Only non-final spans are skipped or captured (the final segment is always computed).
+  * Checkpoints (serving/hybrid_prefix.py) in span prompts: only after a PDEP block, whose
+    prefix-chain key covers every token before it (a span block's key restarts at the span), and
+    not at a skipped span's start. A request resumes at the deepest one whose blocks below all
+    hit, then skips the cached spans after it.
 """
 
 from __future__ import annotations
@@ -60,13 +63,14 @@ class SpanMapCache:
                 return None
         return kinds
 
-    def _plan_skips(self, sched, seq):
-        """[(a, b, entry)] spans to skip (their map pinned) and {block: (kind, block)}."""
+    def _plan_skips(self, sched, seq, start: int):
+        """[(a, b, entry)] spans at or after token `start` to skip (their map pinned), and
+        {block: (kind, block)} of their blocks."""
         keys, bs = sched.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
         skips, plan = [], {}
         for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
-            if final or b // bs > limit:
+            if final or a < start or b // bs > limit:
                 continue
             kinds = self._span_hits(sched, seq, a, b)
             if kinds is None:
@@ -78,22 +82,29 @@ class SpanMapCache:
             plan.update({a // bs + i: k for i, k in enumerate(kinds)})
         return skips, plan
 
-    def admit(self, sched, seq, seats) -> bool:
-        """Scheduler._try_allocate for a span prompt on a hybrid model: skipped spans' blocks are
-        shared (or copied in from the KV host tier), every other block is new."""
-        bm, keys = sched.bm, sched.keys
-        skips, plan = self._plan_skips(sched, seq)
+    def admit(self, sched, seq, seats, hybrid) -> bool:
+        """Scheduler._try_allocate for a span prompt on a hybrid model (`hybrid`: the
+        HybridPrefixCache): resume at the deepest checkpoint c whose blocks below all hit (its
+        key a PDEP block's, which covers the whole prefix), skip the cached spans after c (their
+        blocks shared or copied in from the KV host tier), every other block is new."""
+        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        hashes = keys.hashes(seq)
+        kinds = hybrid._match(sched, seq)
+        kc, ck = hybrid._deepest(seq, hashes, keys.token_bytes(seq), len(kinds))
+        skips, plan = self._plan_skips(sched, seq, kc * bs)
+        plan.update(enumerate(kinds[:kc]))
         n = seq.num_blocks_needed
         need = sum(1 for j in range(n) if j not in plan or plan[j][0] == "host"
                    or bm.ref[plan[j][1]] == 0)
         if need > bm.num_free - sched.cfg.watermark_blocks:
             for _, _, e in skips:
                 self.store.release(e)
+            if ck is not None:
+                hybrid.store.release(ck)
             return False
         for kind, blk in plan.values():  # off the free list before any allocation evicts them
             if kind == "hit":
                 bm.share(blk)
-        hashes = keys.hashes(seq)
         for j in range(n):
             kind, blk = plan.get(j, ("new", None))
             if kind == "hit":
@@ -111,21 +122,32 @@ class SpanMapCache:
                 bm.register(blk, h, keys.confirm(seq, j), seq.seq_id)
         if not seq.ever_admitted:
             seq.num_cached_tokens = len(plan) * self.block_size
+        hybrid.count_admission(seq, kinds, kc)
         self.spans_skipped += len(skips)
         self.tokens_skipped += sum(b - a for a, b, _ in skips)
         seq.span_skips = [(a, b) for a, b, _ in skips]
         seq.span_pins = {a: e for a, _, e in skips}  # until the step that composes them
-        seq.ck_positions, seq.restore_entry = [], None
-        seq.num_computed = 0
+        seq.ck_positions = self._checkpoints(hybrid, seq)
+        seq.restore_entry = ck
+        seq.num_computed = kc * bs
         seq.seat = seats.pop()
         seq.synced_blocks = 0
         seq.status = Status.RUNNING
-        seq.needs_reset = True
+        seq.needs_reset = kc == 0
         seq.ready_ptr = 0
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.time()
         seq.ever_admitted = True
         return True
+
+    def _checkpoints(self, hybrid, seq) -> list[int]:
+        """The planned checkpoints of a span prompt that are exact and addressable: after a PDEP
+        block (its key covers the whole prefix; a span block's does not), so never inside a span,
+        and not at the start of a skipped span (the chunk there starts after its map)."""
+        bs, lay = self.block_size, seq.layout
+        skipped = {a for a, _ in seq.span_skips}
+        return [p for p in hybrid.planner.prompt_positions(lay, seq.num_prompt_tokens, bs)
+                if not lay.span_block[p // bs - 1] and p not in skipped]
 
     def drop(self, seq) -> None:
         """The sequence leaves (preempted, finished, aborted): unpin maps it never entered."""
