@@ -26,8 +26,8 @@ import numpy as np
 from kernels_pallas.paged_attention.api import choose_attention
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
-from serving import span_maps, span_rows
-from serving.span_cache import MAX_CAPTURES
+from serving import span_step
+from serving.span_step import MAX_CAPTURES, chain_bucket, piece_bound
 from serving import checkpoint_pool as ckpt_pool
 from serving import sharding
 from serving.kv_pool import allocate_pool, default_num_blocks
@@ -43,26 +43,13 @@ _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
 _S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
-def _piece_bound(t: int, s: int) -> int:
-    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence plus two per
-    span in the step (its start, and the rows after its end)."""
-    return s + max(8, t // 4)
-
-
-
-
-def chain_bucket(n: int) -> int:
-    """Static length of the per-sequence chains of cached span maps a step composes."""
-    return max(4, 1 << max(n - 1, 0).bit_length())
-
-
 @functools.lru_cache(maxsize=None)
 def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain: int = 0):
     """Static offsets of each field in the packed int32 buffer. chain > 0: the step carries the
     span-map fields (chains [S, chain] of pool slots to compose, captured pieces and slots)."""
     spec, off = {}, 0
     if spans:  # hybrid steps holding SSEP span rows
-        g = _piece_bound(t, s)
+        g = piece_bound(t, s)
         fields = (("row_span", (t,)), ("piece_cu", (g + 1,)), ("carry_local", (s,)))
         if chain:
             fields += (("chain", (s, chain)), ("cap_piece", (MAX_CAPTURES,)),
@@ -159,16 +146,9 @@ class ModelRunner:
             block_pos_start=f["block_pos_start"], block_num_valid=f["block_num_valid"],
             slot_mapping=f["slot_mapping"])
         reset = f["reset"] > 0
-        warm = chain > 0 and not decode_only  # the span-map warm path (serving/span_cache.py)
-        if warm:  # states enter after their chains of cached spans (after a restore, if any)
-            if pool is not None:
-                restore = f["restore_slot"]
-                conv, delta = ckpt_pool.rows(pool, restore)
-                cache = self.family.write_states(cache, f["state_slots"], conv, delta,
-                                                 restore >= 0)
-                f = dict(f, restore_slot=jnp.full_like(restore, -1))  # done
-            cache, reset = span_maps.enter(self.family, cache, maps, f["state_slots"], reset,
-                                           f["chain"])
+        warm = chain > 0 and not decode_only  # the span-map warm path (serving/span_step.py)
+        if warm:
+            cache, reset, f = span_step.enter(self.family, cache, pool, maps, f, reset)
         rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset)
         tokens = f["tokens"]
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
@@ -182,15 +162,8 @@ class ModelRunner:
                   attn_impl=self.decode_impl if decode_only else self.attn_impl,
                   attn_options=self.decode_options if decode_only else self.attn_options, **extra)
         if warm:
-            if pool is None:
-                logits, cache, ck = self.family.forward_with_checkpoints(
-                    params, tokens, md, cache, self.mcfg, **kw)
-            else:
-                logits, cache, pool, ck = ckpt_pool.checkpointed_forward(
-                    self.family, params, tokens, md, cache, self.mcfg, pool, f, decode_only, kw,
-                    with_extras=True)
-            m = ck["span_maps"]
-            maps = span_maps.store(maps, f["cap_slot"], m["a"], m["b"], m["tail"], m["count"])
+            logits, cache, pool, maps = span_step.forward(
+                self.family, params, tokens, md, cache, self.mcfg, pool, maps, f, kw)
         elif pool is None:
             logits, cache = self.family.forward(params, tokens, md, cache, self.mcfg, **kw)
         else:
@@ -308,7 +281,7 @@ class ModelRunner:
         s = cfg.seq_bucket(t)
         if use_prev:
             self._parity ^= 1
-        spans = self.hybrid and any(_has_spans(e.seq) for e in batch)
+        spans = self.hybrid and any(span_step.has_spans(e.seq) for e in batch)
         chain = 0
         if spans and self.span_pool is not None:
             chain = chain_bucket(max(len(e.map_chain) for e in batch))
@@ -390,10 +363,10 @@ class ModelRunner:
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only)
         if spans:
-            starts = _fill_span_rows(batch, v, row, self.block_size, _piece_bound(t, s))
+            starts = span_step.fill_rows(batch, v, row, self.block_size, piece_bound(t, s))
             kw["spans"] = True
             if chain:
-                _fill_span_maps(batch, v, starts)
+                span_step.fill_maps(batch, v, starts)
                 kw["chain"] = chain
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
@@ -442,45 +415,6 @@ class ModelRunner:
         v["cu_q_lens"][1:d + 1] = ar + 1
         v["num_blocks"][:d] = blk + 1
         v["logits_indices"][:d] = ar
-
-
-def _has_spans(seq) -> bool:
-    if not hasattr(seq, "_has_spans"):
-        seq._has_spans = bool(seq.layout.span_block.any())
-    return seq._has_spans
-
-
-def _fill_span_rows(batch, v, rows: int, block_size: int, bound: int) -> None:
-    """row_span / piece_cu / carry_local of a step holding span rows (serving/span_rows.py)."""
-    piece, span_row, carry = span_rows.step_rows(batch, block_size)
-    starts = np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]]) if rows else np.zeros(0, int)
-    if starts.size > bound:
-        raise RuntimeError(f"model runner: {starts.size} span pieces in one step exceed the "
-                           f"bound {bound}")
-    v["piece_cu"][:] = rows
-    v["piece_cu"][:starts.size] = starts
-    v["row_span"][:rows] = span_row
-    v["carry_local"][:len(carry)] = carry
-    return starts
-
-
-def _fill_span_maps(batch, v, starts) -> None:
-    """chain / cap_piece / cap_slot of a warm span step (serving/span_cache.py): each sequence's
-    chain of cached span maps in order, and the piece each captured span fills (a captured span
-    starts a piece: span_rows.step_rows)."""
-    v["chain"][:] = -1
-    v["cap_piece"][:] = -1
-    v["cap_slot"][:] = -1
-    k, row = 0, 0
-    for i, e in enumerate(batch):
-        if e.map_chain:
-            v["chain"][i, :len(e.map_chain)] = e.map_chain
-        for tok, slot in e.map_caps:
-            r = row + int(np.searchsorted(e.token_idx, tok))
-            v["cap_piece"][k] = int(np.searchsorted(starts, r, side="right")) - 1
-            v["cap_slot"][k] = slot
-            k += 1
-        row += e.token_idx.size
 
 
 def attention_choices(config, mcfg, dtype, platform: str | None = None):

@@ -291,9 +291,9 @@ def forward_with_checkpoints(params: Qwen35Params, tokens, metadata, cache: Qwen
                 keep = ~reset[:, None, None]
                 conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
                 delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
-                out, conv, delta, ck, maps = gdn_mixer(h, lp.mixer, conv0, delta0, metadata.cu_q_lens,
-                                                 pos0, cfg, checkpoint_at=checkpoint_at,
-                                                 impl=gdn_impl, pieces=span_pieces)
+                out, conv, delta, ck, maps = gdn_mixer(
+                    h, lp.mixer, conv0, delta0, metadata.cu_q_lens, pos0, cfg,
+                    checkpoint_at=checkpoint_at, impl=gdn_impl, pieces=span_pieces)
                 new["conv"].append(conv_c.at[slots].set(conv))
                 new["delta"].append(delta_c.at[slots].set(delta))
                 if ck is not None:

@@ -8,8 +8,10 @@ two passes over the step's rows when spans are present:
   * the *local* pass: the step's rows cut into pieces (maximal runs of one segment of one
     sequence), each from a zero state and a zero conv window; span rows read their outputs here.
 A span row's conv window is its piece's (zeros before the span start), a PDEP row's the flow's.
-This is the cold path: a span whose tokens are in the step is computed (its KV and its delta
-inputs); composing cached span maps instead (serving/span_maps.py) is the warm path.
+A span whose tokens are in the step is computed (its KV and its delta inputs); with
+`pieces.capture` the step also returns the captured pieces' span maps (`captured_maps`: A, B, conv
+tail), which the engine caches and later composes instead of computing the span again (the warm
+path: serving/span_cache.py, serving/span_maps.py).
 
 A sequence whose final segment is a span that starts in the step carries the span's local state
 on (`carry_local`), so its generated tokens extend the span. Limits: a non-final span must start
