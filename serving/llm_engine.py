@@ -246,8 +246,9 @@ class LLMEngine:
     def _take_span_pool(self) -> None:
         """The span-map device pool moves from the hybrid cache's builder to the runner."""
         spans = self.hybrid_cache.spans if self.hybrid_cache is not None else None
+        self.runner.span_pool = None if spans is None else spans.pool  # None: spans run cold
         if spans is not None:
-            self.runner.span_pool, spans.pool = spans.pool, None
+            spans.pool = None
 
     # -- the step ------------------------------------------------------------------------------
     def _num_logprobs(self, batch) -> int:

@@ -193,6 +193,21 @@ def test_span_prompts_resume_from_checkpoints_then_skip_spans(llm):
     assert st["spans_skipped"] == 3
 
 
+@pytest.mark.slow  # CI time (another compiled step variant): --run-slow
+def test_span_maps_off_recomputes_every_span(llm):
+    """span_map_gb=0 (the A/B baseline): no map pool, every span computed, same outputs."""
+    eng = _fresh(llm, span_map_gb=0)
+    try:
+        assert eng.runner.span_pool is None and eng.hybrid_cache.spans is None
+        rng = np.random.default_rng(13)
+        d1, d2 = _docs(rng, 25, 18)
+        q = Prompt("why?")
+        err = _run(llm, [[[d1, d2, q]], [[Prompt("sys"), d2, d1, q]]])
+        assert err < 1e-5 and "spans_skipped" not in eng.get_stats()
+    finally:
+        _fresh(llm, span_map_gb=None)
+
+
 @pytest.mark.slow  # CI time: --run-slow
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(st.lists(st.lists(st.tuples(st.integers(0, 6), st.booleans()), min_size=1, max_size=5),
