@@ -27,7 +27,7 @@ from kernels_pallas.paged_attention.api import choose_attention
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
 from serving import span_step
-from serving.span_step import MAX_CAPTURES, chain_bucket, piece_bound
+from serving.span_step import MAX_CAPTURES, chain_shape, piece_bound
 from serving import checkpoint_pool as ckpt_pool
 from serving import sharding
 from serving.kv_pool import allocate_pool, default_num_blocks
@@ -44,15 +44,15 @@ _S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain: int = 0):
-    """Static offsets of each field in the packed int32 buffer. chain > 0: the step carries the
-    span-map fields (chains [S, chain] of pool slots to compose, captured pieces and slots)."""
+def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain=()):
+    """Static offsets of each field in the packed int32 buffer. chain (Sc, L): the step carries
+    the span-map fields (serving/span_step.py: chains of pool slots to compose, captures)."""
     spec, off = {}, 0
     if spans:  # hybrid steps holding SSEP span rows
         g = piece_bound(t, s)
         fields = (("row_span", (t,)), ("piece_cu", (g + 1,)), ("carry_local", (s,)))
         if chain:
-            fields += (("chain", (s, chain)), ("cap_piece", (MAX_CAPTURES,)),
+            fields += (("chain_seq", (chain[0],)), ("chain", chain), ("cap_piece", (MAX_CAPTURES,)),
                        ("cap_slot", (MAX_CAPTURES,)))
         for f, shape in fields:
             spec[f] = (off, shape)
@@ -136,7 +136,7 @@ class ModelRunner:
 
     def _step_body(self, params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
                    all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
-                   chain=0):
+                   chain=()):
         spec, _ = _layout(t, s, self.nb, pool is not None, spans, chain)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
@@ -146,7 +146,7 @@ class ModelRunner:
             block_pos_start=f["block_pos_start"], block_num_valid=f["block_num_valid"],
             slot_mapping=f["slot_mapping"])
         reset = f["reset"] > 0
-        warm = chain > 0 and not decode_only  # the span-map warm path (serving/span_step.py)
+        warm = bool(chain) and not decode_only  # the span-map warm path (serving/span_step.py)
         if warm:
             cache, reset, f = span_step.enter(self.family, cache, pool, maps, f, reset)
         rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset)
@@ -180,7 +180,7 @@ class ModelRunner:
     def _dispatch(self, ints, floats, use_prev: bool, kw):
         """One jitted step; keeps the donated cache (and prev tokens, checkpoint pool, span map
         pool: passed only to steps that compose or capture span maps)."""
-        warm = kw.get("chain", 0) > 0
+        warm = bool(kw.get("chain"))
         self.cache, packed, prev, pool, maps = self._step(
             self.params, self.cache, ints, floats, self._prev() if use_prev else None,
             self.ck_pool, self.span_pool if warm else None, **kw)
@@ -282,9 +282,9 @@ class ModelRunner:
         if use_prev:
             self._parity ^= 1
         spans = self.hybrid and any(span_step.has_spans(e.seq) for e in batch)
-        chain = 0
+        chain = ()
         if spans and self.span_pool is not None:
-            chain = chain_bucket(max(len(e.map_chain) for e in batch))
+            chain = chain_shape(batch, s)
         ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans, chain)
         ints.fill(0)
         floats[:s] = 0.0
@@ -374,7 +374,7 @@ class ModelRunner:
         self.last_dispatch = time.perf_counter() - t0
         return packed, num_logprobs
 
-    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False, chain: int = 0):
+    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False, chain=()):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached
         the device before its outputs are read, which happens before the next build of the
         same buffer set (sync: the next step; async: the step after next, see `launch`).

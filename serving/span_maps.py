@@ -107,19 +107,28 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0):
     return conv, delta
 
 
-def enter(family, cache, pool: SpanMapPool, state_slots, reset, chains):
-    """Inside the jitted step, before the model runs: the state slot of every sequence with a
-    chain of cached spans (chains [S, L], -1 = none) moves on by it, from zero where `reset`
-    [S] bool. Returns (cache, reset [S] with those sequences off: their slot holds the entry
+def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chains):
+    """Inside the jitted step, before the model runs: the state slot of each sequence with a
+    chain of cached spans moves on by it, from zero where that sequence resets.
+
+    state_slots, reset: [S] the step's sequences; chain_seq: [Sc] int32 which sequence each
+    chain row is (-1 = none); chains: [Sc, L] pool slots in order (-1 ends a chain).
+    Returns (cache, reset [S] off for the sequences that entered: their slot holds the entry
     state now)."""
-    n_maps = jnp.sum(jnp.cumprod(chains >= 0, axis=1), axis=1)  # [S]
-    conv0, delta0 = family.read_states(cache, state_slots)
-    keep = ~reset
+    n_seqs = state_slots.shape[0]
+    rows = jnp.clip(chain_seq, 0, n_seqs - 1)
+    n_maps = jnp.sum(jnp.cumprod(chains >= 0, axis=1), axis=1)  # [Sc]
+    entering = (chain_seq >= 0) & (n_maps > 0)
+    slots = state_slots[rows]
+    conv0, delta0 = family.read_states(cache, slots)  # [Lg, Sc, ...]
+    keep = ~reset[rows]
     conv0 = jnp.where(keep[None, :, None, None], conv0, 0).astype(conv0.dtype)
     delta0 = jnp.where(keep[None, :, None, None, None], delta0, 0.0)
     conv, delta = entry_states(pool, chains, conv0, delta0)
-    cache = family.write_states(cache, state_slots, conv, delta, n_maps > 0)
-    return cache, reset & (n_maps == 0)
+    cache = family.write_states(cache, slots, conv, delta, entering)
+    entered = jnp.zeros(n_seqs, bool).at[jnp.where(entering, chain_seq, n_seqs)].set(
+        True, mode="drop")
+    return cache, reset & ~entered
 
 
 # -- host tier: whole slots move out (an evicted map kept on the host) and back in ------------

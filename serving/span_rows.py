@@ -55,9 +55,9 @@ def step_rows(batch, block_size: int):
     """Per real row of the step: (piece id, is-span row), and per sequence carry_local.
 
     Piece ids change at each sequence start, at each span start in the step, and at the first
-    row after a span (so a span's piece holds its rows only: its final local state is the span
-    map's B, serving/span_cache.py; rows of other segments form pieces whose local outputs the
-    model ignores, it reads their flow outputs)."""
+    row after a span whose map the step captures (`map_caps`: its piece holds its rows only, so
+    the piece's final local state is the map's B, serving/span_cache.py). Rows of other segments
+    ride in the previous piece; the model reads their flow outputs."""
     piece, span_row, carry = [], [], []
     pid = -1
     for e in batch:
@@ -66,15 +66,16 @@ def step_rows(batch, block_size: int):
         lo = int(idx[0]) if idx.size else 0
         hi = int(idx[-1]) + 1 if idx.size else 0
         starts = {a: (b, final) for a, b, final in _spans(seq, block_size) if lo <= a < hi}
-        cur_end, last_final = -1, False
-        was_span = False
+        caps = {a for a, _ in getattr(e, "map_caps", ())}
+        cur_end, last_final, cut_after = -1, False, False
         for k, i in enumerate(idx.tolist()):
-            if i in starts:
-                cur_end, last_final = starts[i]
             in_span = i < cur_end
-            if k > 0 and (i in starts or (was_span and not in_span)):
+            if i in starts:
+                (cur_end, last_final), in_span = starts[i], True
+            if k > 0 and (i in starts or (cut_after and not in_span)):
                 pid += 1
-            was_span = in_span
+            if i in starts or not in_span:
+                cut_after = i in caps
             span_row.append(in_span)
             piece.append(pid)
         carry.append(bool(idx.size) and last_final and span_row[-1])

@@ -2,8 +2,9 @@
 serving/span_cache.py: the warm path): the step's static span shapes, its host fields, and the
 device code of a warm step.
 
-A warm step (a span-map pool is attached) carries per sequence a chain [L] of map-pool slots to
-compose before its rows (L = `chain_bucket`, -1 padded), and up to MAX_CAPTURES (piece, slot)
+A warm step (a span-map pool is attached) carries, for each sequence with one, a chain [L] of
+map-pool slots to compose before its rows (`chain_shape`: [Sc, L], -1 padded), and up to
+MAX_CAPTURES (piece, slot)
 pairs: the spans it computes whole whose maps it stores. Inside the jitted step: a checkpoint
 restore first, then the chain (`span_maps.enter`), then the model, whose local pass returns the
 captured pieces' maps, then the store into the pool.
@@ -19,14 +20,19 @@ from serving.span_cache import MAX_CAPTURES  # noqa: F401 (the runner's static c
 
 
 def piece_bound(t: int, s: int) -> int:
-    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence plus two per
-    span in the step (its start, and the rows after its end)."""
-    return s + max(8, t // 4)
+    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence, one per
+    span start in the step, one after each captured span. (The local pass pads every piece to
+    whole chunks, so the bound is part of its cost.)"""
+    return s + max(8, t // 8) + MAX_CAPTURES
 
 
-def chain_bucket(n: int) -> int:
-    """Static length of the per-sequence chains of cached span maps a step composes."""
-    return max(4, 1 << max(n - 1, 0).bit_length())
+def chain_shape(batch, s: int) -> tuple[int, int]:
+    """(rows, length) of the step's chains of cached span maps, both static: only sequences
+    with a chain get a row (composing costs one matmul per row and map), at least 4 rows (at
+    most s) and 4 maps, powers of two, so a few compiled variants serve every step."""
+    lengths = [len(e.map_chain) for e in batch if e.map_chain]
+    pow2 = lambda n: 1 << max(n - 1, 0).bit_length()  # noqa: E731
+    return min(s, max(4, pow2(len(lengths)))), max(4, pow2(max(lengths, default=0)))
 
 
 def has_spans(seq) -> bool:
@@ -55,12 +61,15 @@ def fill_maps(batch, v, starts) -> None:
     chain of cached span maps in order, and the piece each captured span fills (a captured span
     starts a piece: span_rows.step_rows)."""
     v["chain"][:] = -1
+    v["chain_seq"][:] = -1
     v["cap_piece"][:] = -1
     v["cap_slot"][:] = -1
-    k, row = 0, 0
+    k, c, row = 0, 0, 0
     for i, e in enumerate(batch):
         if e.map_chain:
-            v["chain"][i, :len(e.map_chain)] = e.map_chain
+            v["chain_seq"][c] = i
+            v["chain"][c, :len(e.map_chain)] = e.map_chain
+            c += 1
         for tok, slot in e.map_caps:
             r = row + int(np.searchsorted(e.token_idx, tok))
             v["cap_piece"][k] = int(np.searchsorted(starts, r, side="right")) - 1
@@ -77,7 +86,8 @@ def enter(family, cache, pool, maps, f, reset):
         conv, delta = checkpoint_pool.rows(pool, restore)
         cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
         f = dict(f, restore_slot=jnp.full_like(restore, -1))
-    cache, reset = span_maps.enter(family, cache, maps, f["state_slots"], reset, f["chain"])
+    cache, reset = span_maps.enter(family, cache, maps, f["state_slots"], reset, f["chain_seq"],
+                                   f["chain"])
     return cache, reset, f
 
 

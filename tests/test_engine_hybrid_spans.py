@@ -126,23 +126,24 @@ def _run(llm, batches):
 
 def test_cached_spans_are_skipped_and_match_the_reference(llm):
     """A second batch reuses five cached spans at other offsets, in other orders, as one chain of
-    five (the last shorter than the conv window), split by a plain segment (two chains), and
-    around a new span (computed and captured)."""
+    four (the last shorter than the conv window), split by a plain segment (two chains), and
+    around a new span (computed and captured). (Chains of 4 keep to one compiled shape; the slow
+    sweep draws longer ones.)"""
     eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
     rng = np.random.default_rng(7)
     sys_a, sys_b, q1, q2 = (Prompt(bytes(rng.integers(97, 123, n).tolist()).decode())
                             for n in (20, 45, 9, 3))
     d1, d2, d3, d4, d5 = _docs(rng, 40, 13, 29, 16, 1)  # d5: two tokens, shorter than the conv
     cold = [[sys_a, d1, d2, q1], [d3, d5, d4, q2]]
-    warm = [[sys_b, d2, d1, q1], [d4, d1, d3, d2, d5, q2], [d2, sys_a, d4, q1],
+    warm = [[sys_b, d2, d1, q1], [d4, d1, d3, d5, q2], [d2, sys_a, d4, q1],
             [sys_a, d1, *_docs(rng, 7), d3, q2]]
     err = _run(llm, [cold, warm])
     st = _span_stats(eng)
     print(f"max abs logprob error vs the float64 reference: {err:.2e}; {st}")
     assert err < 1e-5
-    assert st["spans_skipped"] == 11 and st["span_maps_captured"] == 6
+    assert st["spans_skipped"] == 10 and st["span_maps_captured"] == 6
     # blocks of 16 tokens (SSEP + text, padded): d1 3, d2 1, d3 2, d4 2, d5 1
-    assert st["span_tokens_skipped"] == 16 * ((1 + 3) + (2 + 3 + 2 + 1 + 1) + (1 + 2) + (3 + 2))
+    assert st["span_tokens_skipped"] == 16 * ((1 + 3) + (2 + 3 + 2 + 1) + (1 + 2) + (3 + 2))
 
 
 @pytest.mark.slow  # CI time (tests/test_span_cache.py checks the moves and drops cheaply)

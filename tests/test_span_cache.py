@@ -26,15 +26,18 @@ def _seq(tokens):
 TOKENS = [5, 6, 7, 8] + [SSEP, 9, 9, 9, 9, 9, 9, PAD] + [SSEP, 7, PAD, PAD] + [PDEP, 3, 4]
 
 
-def test_a_span_piece_holds_its_rows_only():
-    """Pieces change at a sequence start, a span start, and the first row after a span."""
+def test_a_captured_span_piece_holds_its_rows_only():
+    """Pieces change at a sequence start, a span start, and the first row after a span whose
+    map the step captures (else later rows ride in the span's piece)."""
     seq = _seq(TOKENS)
     idx = np.flatnonzero(~seq.layout.is_pad)
-    batch = [types.SimpleNamespace(seq=seq, token_idx=idx)]
-    piece, span_row, carry = span_rows.step_rows(batch, BS)
-    starts = [int(idx[k]) for k in np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]])]
-    assert starts == [0, 4, 12, 16]
-    assert span_row.tolist() == [False] * 4 + [True] * 9 + [False] * 3 and carry == [False]
+    for caps, want in (((), [0, 4, 12]), (((12, 0),), [0, 4, 12, 16]),
+                       (((4, 1),), [0, 4, 12])):
+        batch = [types.SimpleNamespace(seq=seq, token_idx=idx, map_caps=caps)]
+        piece, span_row, carry = span_rows.step_rows(batch, BS)
+        starts = [int(idx[k]) for k in np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]])]
+        assert starts == want, caps
+        assert span_row.tolist() == [False] * 4 + [True] * 9 + [False] * 3 and carry == [False]
 
 
 def test_a_chunk_stops_before_a_skipped_span_once_it_has_rows():
