@@ -19,6 +19,11 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
     publishes the span's blocks captures its map, so a map never outlives them by another way
     (a pending block dropped unready). With a KV host tier the map stays while its blocks live on
     the host; a block the host tier drops leaves an unusable map to age out (as checkpoints).
+  * Waiting: a request whose span another running request is computing right now (published,
+    not ready) is not admitted until it is ready (FCFS: the queue behind it waits
+    too): a few steps later it skips the span instead of computing it a second time beside it.
+    The owner always progresses (a hybrid never shares a pending block), and a preempted owner
+    unpublishes its pending blocks, so the wait ends.
   * Chunks: a chunk enters after the skipped spans between its frontier and its first row, and
     never runs past a later skipped span (`span_rows.cut_chunk` stops it there): the flow pass
     cannot apply a map between two rows of one step.
@@ -44,7 +49,7 @@ class SpanMapCache:
         self.store, self.block_size = store, block_size
         self.pool = pool  # the device pool until the runner takes it
         self.captures = 0  # captures in the step being scheduled
-        self.spans_skipped = self.tokens_skipped = self.spans_captured = 0
+        self.spans_skipped = self.tokens_skipped = self.spans_captured = self.waits = 0
 
     # -- admission -----------------------------------------------------------------------------
     def _span_hits(self, sched, seq, a: int, b: int):
@@ -82,6 +87,20 @@ class SpanMapCache:
             plan.update({a // bs + i: k for i, k in enumerate(kinds)})
         return skips, plan
 
+    def _in_flight(self, sched, seq, start: int) -> bool:
+        """A span of the prompt (at or after `start`) is being computed by a running request:
+        its last block is published but not ready (its map may be reserved by the step being
+        scheduled, which computes it)."""
+        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
+        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+            if final or a < start or b // bs > limit:
+                continue
+            blk = bm.table.get(hashes[b // bs - 1])
+            if blk is not None and not bm.ready[blk] and bm.owner[blk] != -1:
+                return True
+        return False
+
     def admit(self, sched, seq, seats, hybrid) -> bool:
         """Scheduler._try_allocate for a span prompt on a hybrid model (`hybrid`: the
         HybridPrefixCache): resume at the deepest checkpoint c whose blocks below all hit (its
@@ -91,6 +110,11 @@ class SpanMapCache:
         hashes = keys.hashes(seq)
         kinds = hybrid._match(sched, seq)
         kc, ck = hybrid._deepest(seq, hashes, keys.token_bytes(seq), len(kinds))
+        if self._in_flight(sched, seq, kc * bs):  # wait a step or two: it will be a hit
+            if ck is not None:
+                hybrid.store.release(ck)
+            self.waits += 1
+            return False
         skips, plan = self._plan_skips(sched, seq, kc * bs)
         plan.update(enumerate(kinds[:kc]))
         n = seq.num_blocks_needed
@@ -210,7 +234,7 @@ class SpanMapCache:
                 "span_map_device_slots": s["checkpoint_device_slots"],
                 "span_map_host_slots": s["checkpoint_host_slots"],
                 "span_maps_captured": self.spans_captured, "spans_skipped": self.spans_skipped,
-                "span_tokens_skipped": self.tokens_skipped}
+                "span_tokens_skipped": self.tokens_skipped, "span_admission_waits": self.waits}
 
 
 def build(config, family, mcfg, dtype, pool=None):
