@@ -119,12 +119,13 @@ class LLMEngine:
         if config.async_scheduling:
             self.scheduler.before_preempt = self._read_back_early
 
-    def warmup(self, modes=((True, False, 0),)) -> None:
+    def warmup(self, modes=((True, False, 0),), spans: bool = False) -> None:
         """Compile the step for every token bucket and each (all_greedy, use_filter,
-        num_logprobs) sampling mode, so a run that follows compiles nothing."""
+        num_logprobs) sampling mode, so a run that follows compiles nothing. spans: also the
+        span steps of a hybrid model (runner.warmup)."""
         for all_greedy, use_filter, num_logprobs in modes:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
-                               num_logprobs=num_logprobs)
+                               num_logprobs=num_logprobs, spans=spans)
         if self.kv_store is not None:  # the span store's page moves (chunk buckets)
             self.runner.cache = self.mover.warmup(self.runner.cache)
         # Tracing and compiling leave millions of long-lived objects (jaxprs, caches): move

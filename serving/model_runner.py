@@ -197,27 +197,35 @@ class ModelRunner:
         return self.prev_tokens
 
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
-               num_logprobs: int = 0) -> None:
-        """Compile every token bucket for one sampling mode with empty steps (nothing written)."""
-        variants = [(t, False) for t in self.config.token_buckets]
+               num_logprobs: int = 0, spans: bool = False) -> None:
+        """Compile every token bucket for one sampling mode with empty steps (nothing written).
+        spans (hybrid models): also each bucket's span step, with chains of up to 4 maps for up
+        to 4 sequences when a span-map pool is attached (serving/span_step.py)."""
+        variants = [(t, False, False) for t in self.config.token_buckets]
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
-            variants += [(t, True) for t in self.config.token_buckets if t <= top]
+            variants += [(t, True, False) for t in self.config.token_buckets if t <= top]
+        if spans and self.hybrid:
+            variants += [(t, False, True) for t in self.config.token_buckets]
         steps = []
-        for t, decode_only in variants:
+        for t, decode_only, span_step_ in variants:
             s = self.config.seq_bucket(t)
-            spec, size = _layout(t, s, self.nb, self.ck_pool is not None)
+            chain = (min(s, 4), 4) if span_step_ and self.span_pool is not None else ()
+            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, span_step_, chain)
             ints = np.zeros(size, np.int32)
-            for name in ("slot_mapping",) + (_S_FIELDS_CKPT if self.ck_pool is not None else ()):
-                o, (n,) = spec[name]
-                ints[o:o + n] = -1
+            for name in ("slot_mapping",) + (_S_FIELDS_CKPT if self.ck_pool is not None else ()) \
+                    + (("chain_seq", "chain", "cap_piece", "cap_slot") if chain else ()):
+                o, shape = spec[name]
+                ints[o:o + int(np.prod(shape))] = -1
             for name in ("state_slots", "sample_seat"):
                 o, (n,) = spec[name]
                 ints[o:o + n] = self.scratch_slot
             floats = np.ones(2 * s, np.float32)
-            steps.append((ints, floats, dict(t=t, s=s, all_greedy=all_greedy,
-                                             use_filter=use_filter, num_logprobs=num_logprobs,
-                                             decode_only=decode_only)))
+            kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
+                      num_logprobs=num_logprobs, decode_only=decode_only)
+            if span_step_:
+                kw.update(spans=True, **({"chain": chain} if chain else {}))
+            steps.append((ints, floats, kw))
         self._compile_in_parallel(steps)
         for ints, floats, kw in steps:
             out = self._dispatch(ints, floats, self.config.async_scheduling, kw)
@@ -232,7 +240,8 @@ class ModelRunner:
             return
         from concurrent.futures import ThreadPoolExecutor
         prev = self._prev() if self.config.async_scheduling else None
-        lowered = [self._step.lower(self.params, self.cache, ints, floats, prev, self.ck_pool, **kw)
+        lowered = [self._step.lower(self.params, self.cache, ints, floats, prev, self.ck_pool,
+                                    self.span_pool if kw.get("chain") else None, **kw)
                    for ints, floats, kw in steps]
         with ThreadPoolExecutor(max_workers=min(len(lowered), 8)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
