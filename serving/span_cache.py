@@ -266,7 +266,7 @@ def build(config, family, mcfg, dtype, pool=None):
     if slots <= 0:
         return None
     host = int(config.span_map_host_gb * (1 << 30)) // nbytes
-    if pool is None or pool.a.shape[0] < slots:
+    if pool is None or pool.a.shape[0] < slots or pool.a.dtype != state_dtype:
         pool = span_maps.allocate(slots, lg, hv, dk, dv, c, k1, state_dtype=state_dtype,
                                   conv_dtype=conv_dtype)
     return SpanMapCache(CheckpointStore(slots, host, nbytes), config.block_size, pool)
