@@ -25,7 +25,7 @@ CONFIGS = {
 PERCENTILES = (50, 90, 99)
 
 
-def _engine(opts, extra: dict, max_model_len: int):
+def _engine(opts, extra: dict, max_model_len: int, spans: bool = False):
     from minipic_jax import LLM
     t0 = time.perf_counter()
     llm = LLM(opts.model, dtype=opts.dtype, seed=0, max_num_seqs=opts.max_num_seqs,
@@ -35,7 +35,7 @@ def _engine(opts, extra: dict, max_model_len: int):
     load = time.perf_counter() - t0
     print(f"loaded {opts.model} in {load:.1f} s; warming up", flush=True)
     t1 = time.perf_counter()
-    llm.llm_engine.warmup()
+    llm.llm_engine.warmup(spans=spans)  # spans: a hybrid's span steps too
     return llm, {"load_s": load, "warmup_s": time.perf_counter() - t1,
                  "compiles_in_warmup": llm.llm_engine.runner.num_compiles,
                  "compilation_cache_dir": llm.compilation_cache_dir,
@@ -120,7 +120,7 @@ def run_config(name: str, opts) -> dict:
     from minipic_jax import SamplingParams
     samples = W.load_musique()
     llm, result = None, {"config": name}
-    llm, timing = _engine(opts, extra, opts.max_model_len)
+    llm, timing = _engine(opts, extra, opts.max_model_len, spans=markers)
     result.update(timing)
     enc = W.Encoder(llm.get_tokenizer(), opts.passage_tokens)
     sp = SamplingParams(temperature=0.0, max_tokens=opts.max_tokens, ignore_eos=True)
@@ -154,7 +154,7 @@ def run_ttft(opts) -> dict:
     n, length = opts.ttft_spans, opts.ttft_span_tokens
     llm, result = None, {"config": "ttft", "num_spans": n, "span_tokens": length}
     max_len = -(-(n * (length + 2 * 16) + 512) // 1024) * 1024
-    llm, timing = _engine(opts, CONFIGS["fcfs"][0], max_len)
+    llm, timing = _engine(opts, CONFIGS["fcfs"][0], max_len, spans=True)
     result.update(timing, max_model_len=max_len)
     enc = W.Encoder(llm.get_tokenizer())
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -73,14 +73,16 @@ def store_rows(pool: CheckpointPool, idx, conv, delta) -> CheckpointPool:
                                                              mode="drop"))
 
 
-def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decode_only, kw):
+def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decode_only, kw,
+                         with_extras: bool = False):
     """The hybrid forward with the checkpoint pool (inside the jitted step): restore rows'
     states are written into their slots before the model runs (their reset flag is off), and the
     states at each row's checkpoint position go to the pool after. Decode-only steps neither
-    restore nor checkpoint (a checkpoint position is a prefill chunk's)."""
+    restore nor checkpoint (a checkpoint position is a prefill chunk's). with_extras: also
+    return the model's third output (e.g. captured span maps, serving/span_maps.py)."""
     if decode_only:
         logits, cache = family.forward(params, tokens, md, cache, mcfg, **kw)
-        return logits, cache, pool
+        return (logits, cache, pool, {}) if with_extras else (logits, cache, pool)
     restore = f["restore_slot"]  # [S]
     conv, delta = rows(pool, restore)
     cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
@@ -88,7 +90,7 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
         params, tokens, md, cache, mcfg, checkpoint_at=f["ck_pos"][:, None], **kw)
     if ck is not None:
         pool = store_rows(pool, f["ck_slot"], ck["conv"][:, :, 0], ck["delta"][:, :, 0])
-    return logits, cache, pool
+    return (logits, cache, pool, ck) if with_extras else (logits, cache, pool)
 
 
 def _bucket(n: int) -> int:

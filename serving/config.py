@@ -97,6 +97,13 @@ class Config:
     checkpoint_half_life: float = 256.0
     checkpoint_replan_every: int = 64
     checkpoint_replan_tv: float = 0.1
+    # Hybrid models, SSEP spans (serving/span_cache.py): device bytes of cached span maps (one map:
+    # A and B of every recurrent layer in span_map_dtype, plus a conv tail; None: 2% of the
+    # device's memory limit, or 64 maps without memory stats; 0: spans always recomputed), and
+    # host bytes where evicted maps wait (0: none).
+    span_map_gb: float | None = None
+    span_map_host_gb: float = 0.0
+    span_map_dtype: str = "float32"
     # Devices the model is split over (Megatron tensor parallelism, serving/sharding.py): must
     # divide the attention (and GDN) head counts and not exceed the device count. Under TP the
     # weights stay unfused (fuse_weights is ignored: a fused [q | k | v] axis would not split
@@ -153,6 +160,12 @@ class Config:
         if not 0 < self.checkpoint_replan_tv <= 1:
             raise ValueError(f"Config.checkpoint_replan_tv must be in (0, 1], "
                              f"got {self.checkpoint_replan_tv}")
+        if self.span_map_gb is not None and self.span_map_gb < 0 or self.span_map_host_gb < 0:
+            raise ValueError(f"Config.span_map_gb must be None or >= 0 and span_map_host_gb >= 0, "
+                             f"got {self.span_map_gb} and {self.span_map_host_gb}")
+        if self.span_map_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"Config.span_map_dtype must be 'float32' or 'bfloat16', "
+                             f"got {self.span_map_dtype!r}")
         if self.cpu_offload_gb < 0:
             raise ValueError(f"Config.cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
         if self.kv_store_gb <= 0:

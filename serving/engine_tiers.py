@@ -5,7 +5,8 @@ what the engine keeps; nothing here runs per step."""
 from __future__ import annotations
 
 from serving.fingerprint import model_fingerprint
-from serving.kv_store_tier import ChunkedPageMover, LowerTiers, open_kv_store
+from serving.kv_store_moves import ChunkedPageMover
+from serving.kv_store_tier import LowerTiers, open_kv_store
 from serving.offload import HostKVTier, PageMover
 
 

@@ -12,8 +12,8 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
 
 During prefill, checkpoints are taken at the positions serving/checkpoint_plan.py chooses for the
 prompt; a chunk holds at most one (it stops before a second), so the model returns one state per
-sequence per step. Only plain prompts and PDEP segments: an SSEP span's KV is position-free but
-the recurrent state before it is not, so the engine rejects spans on hybrid models.
+sequence per step. Prompts with SSEP spans go to the span-map cache (serving/span_cache.py: a
+cached span is skipped, its recurrent effect composed from its map); they take no checkpoints.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from serving.sequence import Status
 
 
 class HybridPrefixCache:
-    def __init__(self, store, planner, block_size: int):
+    def __init__(self, store, planner, block_size: int, spans=None):
         self.store, self.planner, self.block_size = store, planner, block_size
+        self.spans = spans  # serving/span_cache.SpanMapCache or None (span prompts run cold)
         self.admissions = self.checkpoint_hits = 0
         self.tokens_matched = self.tokens_resumed = 0
         self.prompt_len: dict[int, int] = {}  # block hash -> length of the prompt that made it
@@ -55,6 +56,8 @@ class HybridPrefixCache:
         """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint."""
         step, bs = 8 * self.block_size, self.block_size
         for k in range(depth_blocks, 0, -1):
+            if seq.layout.span_block[k - 1]:  # a span block's key does not cover what is before
+                continue
             e = self.store.get(hashes[k - 1], raw[(k - 1) * step:k * step])
             if e is None or e.position != int(positions_of(seq.layout, [k * bs])[0]):
                 continue
@@ -65,8 +68,10 @@ class HybridPrefixCache:
     def admit(self, sched, seq, seats) -> bool:
         """Scheduler._try_allocate for hybrid models (see the module docstring)."""
         bm, keys, bs = sched.bm, sched.keys, self.block_size
-        spans = bool(seq.layout.span_block.any())  # cold path: no reuse, no checkpoints yet
-        kinds, shared = ([], 0) if spans else self._match(sched, seq)
+        spans = bool(seq.layout.span_block.any())
+        if spans and self.spans is not None:  # warm span path (serving/span_cache.py)
+            return self.spans.admit(sched, seq, seats, self)
+        kinds, shared = ([], 0) if spans else self._match(sched, seq)  # spans without maps: cold
         hashes, raw = keys.hashes(seq), keys.token_bytes(seq)
         kc, entry = self._deepest(seq, hashes, raw, len(kinds))
         n = seq.num_blocks_needed
@@ -93,24 +98,12 @@ class HybridPrefixCache:
             seq.owned.add(j)
             if h is not None:
                 bm.register(b, h, keys.confirm(seq, j), seq.seq_id)
-        first = not seq.ever_admitted
-        if first:
+        if not seq.ever_admitted:
             seq.num_cached_tokens = kc * bs
-            blocks = hashes[:seq.num_prompt_tokens // bs]
             seq.ck_positions, seq.ck_values = ([], []) if spans else self.planner.prompt_plan(
-                seq.layout, seq.num_prompt_tokens, bs, blocks, shared)
-            self.planner.observe(blocks, shared,
-                                 self.prompt_len.get(hashes[shared - 1]) if shared else None)
-            if entry is not None:  # worth now what a recurrence to its depth would save
-                self.store.revalue(entry, kc * bs * self.planner.overlap.share(hashes[kc - 1]))
-            if len(self.prompt_len) > (1 << 20):
-                self.prompt_len.clear()
-            for h in blocks:
-                self.prompt_len.setdefault(h, seq.num_prompt_tokens)
-        self.admissions += 1
-        self.checkpoint_hits += kc > 0
-        self.tokens_matched += len(kinds) * bs
-        self.tokens_resumed += kc * bs
+                seq.layout, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs],
+                shared)
+        self.count_admission(seq, kinds, kc, shared, entry)
         seq.restore_entry = entry
         seq.num_computed = kc * bs
         seq.seat = seats.pop()
@@ -123,12 +116,35 @@ class HybridPrefixCache:
         seq.ever_admitted = True
         return True
 
+    def count_admission(self, seq, kinds, kc: int, shared: int, entry) -> None:
+        """An admission matched `kinds` blocks (`shared` counting blocks in flight too) and
+        resumes at block kc from `entry`: on the first admission the placement's statistics
+        (the overlap depth, the prompt lengths behind each block, the entry's value now), then
+        the counters."""
+        bs, hashes = self.block_size, seq.block_hashes or []
+        if not seq.ever_admitted:
+            blocks = hashes[:seq.num_prompt_tokens // bs]
+            self.planner.observe(blocks, shared,
+                                 self.prompt_len.get(hashes[shared - 1]) if shared else None)
+            if entry is not None:  # worth now what a recurrence to its depth would save
+                self.store.revalue(entry, kc * bs * self.planner.overlap.share(hashes[kc - 1]))
+            if len(self.prompt_len) > (1 << 20):
+                self.prompt_len.clear()
+            for h in blocks:
+                self.prompt_len.setdefault(h, seq.num_prompt_tokens)
+        self.admissions += 1
+        self.checkpoint_hits += kc > 0
+        self.tokens_matched += len(kinds) * bs
+        self.tokens_resumed += kc * bs
+
     def drop_restore(self, seq) -> None:
         """The sequence leaves (preempted, finished, aborted) before its restore ran."""
         e = getattr(seq, "restore_entry", None)
         if e is not None:
             self.store.release(e)
             seq.restore_entry = None
+        if self.spans is not None:
+            self.spans.drop(seq)
 
     # -- chunks --------------------------------------------------------------------------------
     @staticmethod
@@ -145,8 +161,10 @@ class HybridPrefixCache:
         return ahead[1] if stop_at is None else min(stop_at, ahead[1])
 
     def annotate(self, sched, e) -> None:
-        """Restore and checkpoint fields of a scheduled chunk."""
+        """Restore and checkpoint fields of a scheduled chunk (and its span maps)."""
         seq = e.seq
+        if self.spans is not None:
+            self.spans.annotate(sched, e)
         entry = getattr(seq, "restore_entry", None)
         if entry is not None:
             e.restore_slot = entry.slot
@@ -166,6 +184,18 @@ class HybridPrefixCache:
         if slot >= 0:
             e.ck_pos, e.ck_slot = pos, slot
 
+    def after_launch(self) -> None:
+        """The step built from this schedule is launched: its pins go."""
+        self.store.after_launch()
+        if self.spans is not None:
+            self.spans.after_launch()
+
+    def drop_dependent(self, block_hash: int) -> None:
+        """A cached attention block left for good: checkpoints and span maps above it go."""
+        self.store.drop_dependent(block_hash)
+        if self.spans is not None:
+            self.spans.store.drop_dependent(block_hash)
+
     def stats(self) -> dict:
         out = {"checkpoint_hits": self.checkpoint_hits, "tokens_resumed": self.tokens_resumed,
                "tokens_matched": self.tokens_matched,
@@ -174,10 +204,12 @@ class HybridPrefixCache:
                "checkpoint_plan": self.planner.plan,
                "checkpoint_replans": self.planner.replanner.replans}
         out.update(self.store.stats())
+        if self.spans is not None:
+            out.update(self.spans.stats())
         return out
 
 
-def build(config, family, mcfg, dtype, pool=None):
+def build(config, family, mcfg, dtype, pool=None, span_pool=None):
     """(HybridPrefixCache, CheckpointPool or None) for a hybrid model with prefix caching on.
     The pool is allocated here, before the KV pool sizes itself from the memory left; with
     `pool` (an engine's reset) it is kept, and the store may use at most its slots."""
@@ -208,5 +240,33 @@ def build(config, family, mcfg, dtype, pool=None):
                              f"pool has {pool.slots}; a reset cannot grow it")
     elif slots:
         pool = checkpoint_pool.allocate(layout, slots)
-    cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size)
+    from serving import span_cache
+    spans = span_cache.build(config, family, mcfg, dtype, pool=span_pool)
+    cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size,
+                              spans)
     return cache, pool
+
+
+def apply_moves(cache: HybridPrefixCache, runner) -> None:
+    """The step's slot moves of the checkpoint store and (spans) the span-map store between
+    their device pools and host tiers, applied to the runner's pools before the launch."""
+    from serving import checkpoint_pool, span_maps
+    spans = cache.spans
+    if spans is not None:  # span maps (serving/span_cache.py), the same store bookkeeping
+        out, inn = spans.store.take_moves()
+        if out or inn:
+            runner.span_pool = span_maps.apply_moves(runner.span_pool, out, inn)
+    if runner.ck_pool is None:
+        return
+    out, inn = cache.store.take_moves()
+    if out or inn:
+        runner.ck_pool = checkpoint_pool.apply_moves(runner.ck_pool, out, inn)
+
+
+def hand_span_pool(cache: HybridPrefixCache | None, runner) -> None:
+    """The span-map device pool moves from the hybrid cache's builder to the runner (None:
+    span prompts run cold)."""
+    spans = cache.spans if cache is not None else None
+    runner.span_pool = None if spans is None else spans.pool
+    if spans is not None:
+        spans.pool = None

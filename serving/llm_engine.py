@@ -22,7 +22,7 @@ import gc
 import itertools
 import time
 
-from serving import checkpoint_pool, hybrid_prefix
+from serving import hybrid_prefix
 from serving.outputs import RequestOutput
 from serving.block_manager import BlockManager
 from serving.config import Config, check_model_len, eos_and_markers
@@ -60,6 +60,7 @@ class LLMEngine:
         fingerprint = store_fingerprint(config, loaded, dtype, self.hybrid)
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
         self.runner.ck_pool = ck_pool
+        hybrid_prefix.hand_span_pool(self.hybrid_cache, self.runner)
         self.num_blocks = num_blocks = self.runner.num_blocks  # a default pool may have shrunk
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
         self.offload, self.mover = host_tier(config, num_blocks, self.bytes_per_block, self.hybrid)
@@ -67,7 +68,7 @@ class LLMEngine:
         self._evicted: list[tuple[int, int, tuple]] = []
         on_evict = self._on_evict if self.offload else None
         if self.hybrid_cache is not None and self.offload is None:  # checkpoints above die too
-            on_evict = lambda b, h, confirm: self.hybrid_cache.store.drop_dependent(h)  # noqa
+            on_evict = lambda b, h, confirm: self.hybrid_cache.drop_dependent(h)  # noqa
         self.bm = BlockManager(num_blocks, config.block_size,
                                enable_caching=config.enable_prefix_caching, on_evict=on_evict)
         hash_fn = make_hash_fn(config.hash_algo)
@@ -96,12 +97,13 @@ class LLMEngine:
         if config.async_scheduling:
             self.scheduler.before_preempt = self._read_back_early
 
-    def warmup(self, modes=((True, False, 0),)) -> None:
+    def warmup(self, modes=((True, False, 0),), spans: bool = False) -> None:
         """Compile the step for every token bucket and each (all_greedy, use_filter,
-        num_logprobs) sampling mode, so a run that follows compiles nothing."""
+        num_logprobs) sampling mode, so a run that follows compiles nothing. spans: also the
+        span steps of a hybrid model (runner.warmup)."""
         for all_greedy, use_filter, num_logprobs in modes:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
-                               num_logprobs=num_logprobs)
+                               num_logprobs=num_logprobs, spans=spans)
         if self.kv_store is not None:  # the span store's page moves (chunk buckets)
             self.runner.cache = self.mover.warmup(self.runner.cache)
         # Tracing and compiling leave millions of long-lived objects (jaxprs, caches): move
@@ -176,12 +178,9 @@ class LLMEngine:
                                        self.offload, self.kv_store, evicted)
 
     def _move_checkpoints(self):
-        """Hybrid models: the checkpoint store's slot moves of this step, before its launch."""
-        if self.hybrid_cache is None or self.runner.ck_pool is None:
-            return
-        out, inn = self.hybrid_cache.store.take_moves()
-        if out or inn:
-            self.runner.ck_pool = checkpoint_pool.apply_moves(self.runner.ck_pool, out, inn)
+        """Hybrid models: the checkpoint and span-map stores' slot moves, before the launch."""
+        if self.hybrid_cache is not None:
+            hybrid_prefix.apply_moves(self.hybrid_cache, self.runner)
 
     # -- the step ------------------------------------------------------------------------------
     def _num_logprobs(self, batch) -> int:
@@ -226,7 +225,7 @@ class LLMEngine:
             handle = self.runner.launch(batch, num_logprobs=self._num_logprobs(batch),
                                         use_prev=True)
             if self.hybrid_cache is not None:
-                self.hybrid_cache.store.after_launch()
+                self.hybrid_cache.after_launch()
             dispatch = self.runner.last_dispatch
             t2 = time.perf_counter()
             inflight, self._inflight = self._inflight, (batch, handle)
@@ -275,7 +274,7 @@ class LLMEngine:
                               during=lambda: self._advance(batch))
         self._step_unread = False
         if self.hybrid_cache is not None:
-            self.hybrid_cache.store.after_launch()
+            self.hybrid_cache.after_launch()
         t2 = time.perf_counter()
         self._early += self._postprocess(batch, out, num_lp)
         if self.offload is not None:
@@ -389,7 +388,8 @@ class LLMEngine:
         if self.hybrid_cache is not None:
             self.hybrid_cache, self.runner.ck_pool = hybrid_prefix.build(
                 self.config, self.loaded.family, self.loaded.cfg, self.runner.cache_dtype,
-                pool=self.runner.ck_pool)
+                pool=self.runner.ck_pool, span_pool=self.runner.span_pool)
+            hybrid_prefix.hand_span_pool(self.hybrid_cache, self.runner)
             self.scheduler.hybrid_cache = self.hybrid_cache
 
     def make_output(self, seq: Sequence) -> RequestOutput:

@@ -38,6 +38,9 @@ class SpanPieces:
     carry_local: jax.Array  # [S] bool the sequence's last piece is its final segment, a span
     # that starts in this step: it carries the span's local state on (generated tokens extend
     # the span, read as flow rows from then on), not the flow
+    # warm path (serving/span_cache.py): pieces whose span map (A, B, conv tail) the step returns,
+    # [Mc] int32 piece ids (-1 = none); None: the step returns no maps
+    capture: jax.Array | None = None
 
 
 @runtime_checkable

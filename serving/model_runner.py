@@ -26,7 +26,8 @@ import numpy as np
 from kernels_pallas.paged_attention.api import choose_attention, step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
-from serving import span_rows
+from serving import span_step
+from serving.span_step import MAX_CAPTURES, chain_shape, piece_bound
 from serving import checkpoint_pool as ckpt_pool
 from serving import sharding
 from serving.kv_pool import allocate_pool, default_num_blocks
@@ -42,21 +43,20 @@ _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
 _S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
-def _piece_bound(t: int, s: int) -> int:
-    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence plus one per
-    span start in the step."""
-    return s + max(8, t // 8)
-
-
 @functools.lru_cache(maxsize=None)
-def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False):
-    """Static offsets of each field in the packed int32 buffer."""
+def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain=()):
+    """Static offsets of each field in the packed int32 buffer. chain (Sc, L): the step carries
+    the span-map fields (serving/span_step.py: chains of pool slots to compose, captures)."""
     spec, off = {}, 0
     if spans:  # hybrid steps holding SSEP span rows
-        g = _piece_bound(t, s)
-        for f, n in (("row_span", t), ("piece_cu", g + 1), ("carry_local", s)):
-            spec[f] = (off, (n,))
-            off += n
+        g = piece_bound(t, s)
+        fields = (("row_span", (t,)), ("piece_cu", (g + 1,)), ("carry_local", (s,)))
+        if chain:
+            fields += (("chain_seq", (chain[0],)), ("chain", chain), ("cap_piece", (MAX_CAPTURES,)),
+                       ("cap_slot", (MAX_CAPTURES,)))
+        for f, shape in fields:
+            spec[f] = (off, shape)
+            off += int(np.prod(shape))
     for f in _T_FIELDS:
         spec[f] = (off, (t,))
         off += t
@@ -112,9 +112,11 @@ class ModelRunner:
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
         self.ck_pool = None  # hybrid prefix caching: serving/checkpoint_pool.py (set by engine)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5),
+        self.span_pool = None  # hybrid span maps: serving/span_maps.py (set by engine)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5, 6),
                              static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
-                                              "decode_only", "spans", "attn_options"))
+                                              "decode_only", "spans", "attn_options",
+                                              "chain"))
         general, decode = attention_choices(config, self.mcfg, dtype)
         self.attn_impl, self.attn_options = general
         self.decode_impl, self.decode_options = decode
@@ -126,16 +128,17 @@ class ModelRunner:
         return self._step._cache_size()
 
     # -- device --------------------------------------------------------------------------------
-    def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, **kw):
+    def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, maps=None, **kw):
         if self.mesh is None:
-            return self._step_body(params, cache, ints, floats, prev, pool, **kw)
+            return self._step_body(params, cache, ints, floats, prev, pool, maps, **kw)
         # the kernels run per head shard under this mesh (kernels_pallas/sharding.py)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return self._step_body(params, cache, ints, floats, prev, pool, **kw)
+            return self._step_body(params, cache, ints, floats, prev, pool, maps, **kw)
 
-    def _step_body(self, params, cache, ints, floats, prev=None, pool=None, *, t, s, all_greedy,
-                   use_filter, num_logprobs, decode_only=False, spans=False, attn_options=None):
-        spec, _ = _layout(t, s, self.nb, pool is not None, spans)
+    def _step_body(self, params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
+                   all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
+                   attn_options=None, chain=()):
+        spec, _ = _layout(t, s, self.nb, pool is not None, spans, chain)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
         md = AttentionMetadata(
@@ -143,20 +146,28 @@ class ModelRunner:
             cu_q_lens=f["cu_q_lens"], num_blocks=f["num_blocks"], block_tables=f["block_tables"],
             block_pos_start=f["block_pos_start"], block_num_valid=f["block_num_valid"],
             slot_mapping=f["slot_mapping"])
-        rec = RecurrentMetadata(state_slots=f["state_slots"], reset=f["reset"] > 0)
+        reset = f["reset"] > 0
+        warm = bool(chain) and not decode_only  # the span-map warm path (serving/span_step.py)
+        if warm:
+            cache, reset, f = span_step.enter(self.family, cache, pool, maps, f, reset)
+        rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset)
         tokens = f["tokens"]
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
             tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
         if spans:
             extra["span_pieces"] = SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
-                                              carry_local=f["carry_local"] > 0)
+                                              carry_local=f["carry_local"] > 0,
+                                              capture=f["cap_piece"] if warm else None)
         if attn_options is None:  # a caller without the step's plan (launch always has one)
             attn_options = self.attn_options
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
                   attn_impl=self.decode_impl if decode_only else self.attn_impl,
                   attn_options=self.decode_options if decode_only else attn_options, **extra)
-        if pool is None:
+        if warm:
+            logits, cache, pool, maps = span_step.forward(
+                self.family, params, tokens, md, cache, self.mcfg, pool, maps, f, kw)
+        elif pool is None:
             logits, cache = self.family.forward(params, tokens, md, cache, self.mcfg, **kw)
         else:
             logits, cache, pool = ckpt_pool.checkpointed_forward(
@@ -167,16 +178,20 @@ class ModelRunner:
                      num_logprobs=num_logprobs)
         if prev is not None:
             prev = prev.at[f["sample_seat"]].set(out["tokens"])  # [seats + 1]
-        return cache, _pack(out, num_logprobs), prev, pool
+        return cache, _pack(out, num_logprobs), prev, pool, maps
 
     def _dispatch(self, ints, floats, use_prev: bool, kw):
-        """One jitted step; keeps the donated cache (and prev tokens, checkpoint pool)."""
-        self.cache, packed, prev, pool = self._step(
+        """One jitted step; keeps the donated cache (and prev tokens, checkpoint pool, span map
+        pool: passed only to steps that compose or capture span maps)."""
+        warm = bool(kw.get("chain"))
+        self.cache, packed, prev, pool, maps = self._step(
             self.params, self.cache, ints, floats, self._prev() if use_prev else None,
-            self.ck_pool, **kw)
+            self.ck_pool, self.span_pool if warm else None, **kw)
         if use_prev:
             self.prev_tokens = prev
         self.ck_pool = pool
+        if warm:
+            self.span_pool = maps
         return packed
 
     def _prev(self):
@@ -185,31 +200,40 @@ class ModelRunner:
         return self.prev_tokens
 
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
-               num_logprobs: int = 0) -> None:
-        """Compile every token bucket for one sampling mode with empty steps (nothing written)."""
+               num_logprobs: int = 0, spans: bool = False) -> None:
+        """Compile every token bucket for one sampling mode with empty steps (nothing written),
+        with every per-step attention plan a step of that bucket can take (fits / overflows).
+        spans (hybrid models): also each bucket's span step, with chains of up to 4 maps for up
+        to 4 sequences when a span-map pool is attached (serving/span_step.py)."""
         variants = []
-        for t in self.config.token_buckets:  # every per-step attention plan a step can take
+        for t in self.config.token_buckets:
             s = self.config.seq_bucket(t)
-            plans = {self._plan(t, s, n) for n in (0, min(s, t // 2))}  # fits / overflows
-            variants += [(t, False, plan) for plan in plans]
+            plans = {self._plan(t, s, n) for n in (0, min(s, t // 2))}
+            variants += [(t, False, plan, False) for plan in plans]
+            if spans and self.hybrid:
+                variants += [(t, False, plan, True) for plan in plans]
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
-            variants += [(t, True, None) for t in self.config.token_buckets if t <= top]
+            variants += [(t, True, None, False) for t in self.config.token_buckets if t <= top]
         steps = []
-        for t, decode_only, plan in variants:
+        for t, decode_only, plan, span_step_ in variants:
             s = self.config.seq_bucket(t)
-            spec, size = _layout(t, s, self.nb, self.ck_pool is not None)
+            chain = (min(s, 4), 4) if span_step_ and self.span_pool is not None else ()
+            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, span_step_, chain)
             ints = np.zeros(size, np.int32)
-            for name in ("slot_mapping",) + (_S_FIELDS_CKPT if self.ck_pool is not None else ()):
-                o, (n,) = spec[name]
-                ints[o:o + n] = -1
+            for name in ("slot_mapping",) + (_S_FIELDS_CKPT if self.ck_pool is not None else ()) \
+                    + (("chain_seq", "chain", "cap_piece", "cap_slot") if chain else ()):
+                o, shape = spec[name]
+                ints[o:o + int(np.prod(shape))] = -1
             for name in ("state_slots", "sample_seat"):
                 o, (n,) = spec[name]
                 ints[o:o + n] = self.scratch_slot
             floats = np.ones(2 * s, np.float32)
-            steps.append((ints, floats, dict(t=t, s=s, all_greedy=all_greedy,
-                                             use_filter=use_filter, num_logprobs=num_logprobs,
-                                             decode_only=decode_only, attn_options=plan)))
+            kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
+                      num_logprobs=num_logprobs, decode_only=decode_only, attn_options=plan)
+            if span_step_:
+                kw.update(spans=True, **({"chain": chain} if chain else {}))
+            steps.append((ints, floats, kw))
         self._compile_in_parallel(steps)
         for ints, floats, kw in steps:
             out = self._dispatch(ints, floats, self.config.async_scheduling, kw)
@@ -224,7 +248,8 @@ class ModelRunner:
             return
         from concurrent.futures import ThreadPoolExecutor
         prev = self._prev() if self.config.async_scheduling else None
-        lowered = [self._step.lower(self.params, self.cache, ints, floats, prev, self.ck_pool, **kw)
+        lowered = [self._step.lower(self.params, self.cache, ints, floats, prev, self.ck_pool,
+                                    self.span_pool if kw.get("chain") else None, **kw)
                    for ints, floats, kw in steps]
         with ThreadPoolExecutor(max_workers=min(len(lowered), 8)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
@@ -273,8 +298,11 @@ class ModelRunner:
         s = cfg.seq_bucket(t)
         if use_prev:
             self._parity ^= 1
-        spans = self.hybrid and any(_has_spans(e.seq) for e in batch)
-        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans)
+        spans = self.hybrid and any(span_step.has_spans(e.seq) for e in batch)
+        chain = ()
+        if spans and self.span_pool is not None:
+            chain = chain_shape(batch, s)
+        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans, chain)
         ints.fill(0)
         floats[:s] = 0.0
         floats[s:] = 1.0
@@ -353,8 +381,11 @@ class ModelRunner:
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only, attn_options=plan)
         if spans:
-            _fill_span_rows(batch, v, row, self.block_size, _piece_bound(t, s))
+            starts = span_step.fill_rows(batch, v, row, self.block_size, piece_bound(t, s))
             kw["spans"] = True
+            if chain:
+                span_step.fill_maps(batch, v, starts)
+                kw["chain"] = chain
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
         packed = self._dispatch(ints, floats, use_prev, kw)
@@ -367,14 +398,14 @@ class ModelRunner:
         return step_options(self.attn_impl, self.attn_options, tokens=t, seqs=s,
                             prefill_count=prefill_count)
 
-    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False):
+    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False, chain=()):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached
         the device before its outputs are read, which happens before the next build of the
         same buffer set (sync: the next step; async: the step after next, see `launch`).
         Reuse also avoids fresh page faults every step."""
-        key = (t, s, parity, spans)
+        key = (t, s, parity, spans, chain)
         if key not in self._bufs:
-            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, spans)
+            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, spans, chain)
             ints = np.zeros(size, np.int32)
             v = {k: ints[o:o + int(np.prod(shape))].reshape(shape)
                  for k, (o, shape) in spec.items()}
@@ -408,25 +439,6 @@ class ModelRunner:
         v["cu_q_lens"][1:d + 1] = ar + 1
         v["num_blocks"][:d] = blk + 1
         v["logits_indices"][:d] = ar
-
-
-def _has_spans(seq) -> bool:
-    if not hasattr(seq, "_has_spans"):
-        seq._has_spans = bool(seq.layout.span_block.any())
-    return seq._has_spans
-
-
-def _fill_span_rows(batch, v, rows: int, block_size: int, bound: int) -> None:
-    """row_span / piece_cu / carry_local of a step holding span rows (serving/span_rows.py)."""
-    piece, span_row, carry = span_rows.step_rows(batch, block_size)
-    starts = np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]]) if rows else np.zeros(0, int)
-    if starts.size > bound:
-        raise RuntimeError(f"model runner: {starts.size} span pieces in one step exceed the "
-                           f"bound {bound}")
-    v["piece_cu"][:] = rows
-    v["piece_cu"][:starts.size] = starts
-    v["row_span"][:rows] = span_row
-    v["carry_local"][:len(carry)] = carry
 
 
 def attention_choices(config, mcfg, dtype, platform: str | None = None):

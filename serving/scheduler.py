@@ -38,6 +38,8 @@ class ScheduledSeq:
     ck_pos: int = -1  # hybrid: logical position of a checkpoint this step takes (-1: none)
     ck_slot: int = -1  # hybrid: its checkpoint-pool slot
     restore_slot: int = -1  # hybrid: pool slot the state is restored from before the step
+    map_chain: tuple = ()  # hybrid spans: map-pool slots of the cached spans entered first
+    map_caps: tuple = ()  # hybrid spans: (span start token index, map-pool slot) captured
 
 
 class Scheduler:

@@ -15,11 +15,14 @@ Hv/Dk/Dv delta heads and dims, C conv channels, K1 = Kc - 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas.gated_delta import affine
+from serving.offload import HostBatch
 
 
 @jax.tree_util.register_dataclass
@@ -89,7 +92,8 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0):
     idx = jnp.clip(slots, 0, pool.a.shape[0] - 1)
     a = jnp.moveaxis(pool.a[idx], (1, 2), (0, 1))  # [L, Lg, S, Hv, Dk, Dk]
     b = jnp.moveaxis(pool.b[idx], (1, 2), (0, 1))  # [L, Lg, S, Hv, Dk, Dv]
-    delta = affine.apply_chain(a, b, delta0, count=n_maps[None, :, None])
+    delta = affine.apply_chain(a, b, delta0, count=n_maps[None, :, None],
+                               precision=jax.lax.Precision.HIGHEST)
     tails = jnp.moveaxis(pool.tail[idx], (1, 2), (0, 1))  # [L, Lg, S, C, K1]
     counts = pool.count[idx].T  # [L, S]
 
@@ -101,3 +105,69 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0):
     steps = jnp.arange(slots.shape[1], dtype=jnp.int32)
     conv, _ = jax.lax.scan(conv_step, conv0, (steps, tails, counts))
     return conv, delta
+
+
+def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chains):
+    """Inside the jitted step, before the model runs: the state slot of each sequence with a
+    chain of cached spans moves on by it, from zero where that sequence resets.
+
+    state_slots, reset: [S] the step's sequences; chain_seq: [Sc] int32 which sequence each
+    chain row is (-1 = none); chains: [Sc, L] pool slots in order (-1 ends a chain).
+    Returns (cache, reset [S] off for the sequences that entered: their slot holds the entry
+    state now)."""
+    n_seqs = state_slots.shape[0]
+    rows = jnp.clip(chain_seq, 0, n_seqs - 1)
+    n_maps = jnp.sum(jnp.cumprod(chains >= 0, axis=1), axis=1)  # [Sc]
+    entering = (chain_seq >= 0) & (n_maps > 0)
+    slots = state_slots[rows]
+    conv0, delta0 = family.read_states(cache, slots)  # [Lg, Sc, ...]
+    keep = ~reset[rows]
+    conv0 = jnp.where(keep[None, :, None, None], conv0, 0).astype(conv0.dtype)
+    delta0 = jnp.where(keep[None, :, None, None, None], delta0, 0.0)
+    conv, delta = entry_states(pool, chains, conv0, delta0)
+    cache = family.write_states(cache, slots, conv, delta, entering)
+    entered = jnp.zeros(n_seqs, bool).at[jnp.where(entering, chain_seq, n_seqs)].set(
+        True, mode="drop")
+    return cache, reset & ~entered
+
+
+# -- host tier: whole slots move out (an evicted map kept on the host) and back in ------------
+
+def _bucket(n: int) -> int:
+    return max(4, 1 << (n - 1).bit_length())
+
+
+@jax.jit
+def _gather(pool, ids):
+    return [pool.a[ids], pool.b[ids], pool.tail[ids], pool.count[ids]]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter(pool, ids, a, b, tail, count):
+    put = lambda buf, x: buf.at[ids].set(x, mode="drop")  # noqa: E731
+    return SpanMapPool(a=put(pool.a, a), b=put(pool.b, b), tail=put(pool.tail, tail),
+                       count=put(pool.count, count))
+
+
+def apply_moves(pool: SpanMapPool, moves_out, moves_in) -> SpanMapPool:
+    """Carry out the map store's moves of a step ((slot, entry) lists, serving/checkpoint_store.py
+    bookkeeping): gather the evicted slots to the host, then scatter host entries into theirs."""
+    if moves_out:
+        ids = np.zeros(_bucket(len(moves_out)), np.int32)
+        ids[:len(moves_out)] = [s for s, _ in moves_out]
+        batch = HostBatch(_gather(pool, jnp.asarray(ids)))
+        for row, (_, e) in enumerate(moves_out):
+            e.host = (batch, row)
+    if moves_in:
+        n = _bucket(len(moves_in))
+        ids = np.full(n, pool.a.shape[0], np.int32)  # out of range rows are dropped
+        ids[:len(moves_in)] = [s for s, _ in moves_in]
+        rows = [np.zeros((n,) + x.shape[1:], x.dtype) for x in (pool.a, pool.b, pool.tail,
+                                                                  pool.count)]
+        for k, (_, e) in enumerate(moves_in):
+            batch, row = e.host
+            for dst, src in zip(rows, batch.materialize()):
+                dst[k] = src[row]
+            e.host = None
+        pool = _scatter(pool, jnp.asarray(ids), *(jnp.asarray(r) for r in rows))
+    return pool

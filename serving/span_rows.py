@@ -32,7 +32,13 @@ def check_prompt(layout, block_size: int, num_prompt_tokens: int, budget: int, w
 
 
 def cut_chunk(seq, idx, frontier: int, block_size: int):
-    """(idx, frontier) cut back so the chunk does not end inside a non-final span."""
+    """(idx, frontier) cut back so the chunk does not end inside a non-final span, nor run past a
+    span the warm path skips (serving/span_cache.py) once it has rows: the chunk after it enters
+    with its map."""
+    if idx.size:
+        for a, _ in getattr(seq, "span_skips", ()):
+            if idx[0] < a < frontier:
+                return idx[idx < a], a
     for a, b, final in _spans(seq, block_size):
         if not final and a < frontier < b and frontier < seq.num_prompt_tokens:
             return idx[idx < a], max(a, seq.num_computed)
@@ -48,8 +54,10 @@ def _spans(seq, block_size):
 def step_rows(batch, block_size: int):
     """Per real row of the step: (piece id, is-span row), and per sequence carry_local.
 
-    Piece ids change at each sequence start and at each span start in the step (rows of other
-    segments ride in the previous piece; the model reads their flow outputs)."""
+    Piece ids change at each sequence start, at each span start in the step, and at the first
+    row after a span whose map the step captures (`map_caps`: its piece holds its rows only, so
+    the piece's final local state is the map's B, serving/span_cache.py). Rows of other segments
+    ride in the previous piece; the model reads their flow outputs."""
     piece, span_row, carry = [], [], []
     pid = -1
     for e in batch:
@@ -58,13 +66,16 @@ def step_rows(batch, block_size: int):
         lo = int(idx[0]) if idx.size else 0
         hi = int(idx[-1]) + 1 if idx.size else 0
         starts = {a: (b, final) for a, b, final in _spans(seq, block_size) if lo <= a < hi}
-        cur_end, last_final = -1, False
+        caps = {a for a, _ in getattr(e, "map_caps", ())}
+        cur_end, last_final, cut_after = -1, False, False
         for k, i in enumerate(idx.tolist()):
-            if i in starts and k > 0:
-                pid += 1
-            if i in starts:
-                cur_end, last_final = starts[i]
             in_span = i < cur_end
+            if i in starts:
+                (cur_end, last_final), in_span = starts[i], True
+            if k > 0 and (i in starts or (cut_after and not in_span)):
+                pid += 1
+            if i in starts or not in_span:
+                cut_after = i in caps
             span_row.append(in_span)
             piece.append(pid)
         carry.append(bool(idx.size) and last_final and span_row[-1])

@@ -23,8 +23,8 @@ from minipic_jax.models import rope
 from minipic_jax.models.paged_cache import paged_attend
 from minipic_jax.models.param_init import init_from_shapes
 from minipic_jax.models.qwen3_5_cache import (Qwen35Cache, cache_axes, extract_state,
-                                              init_cache, restore_state, state_nbytes,
-                                              write_states)
+                                              init_cache, read_states, restore_state,
+                                              state_nbytes, write_states)
 from minipic_jax.models.qwen3_5_config import LAYER_TYPES, MODEL_TYPES, check, config_from_hf
 from minipic_jax.models.qwen3_5_hf import convert_hf, hf_tensor_names
 from serving.model_contract import RecurrentMetadata
@@ -34,7 +34,8 @@ IS_HYBRID = True
 __all__ = ["CHUNK", "GDN_IMPLS", "IS_HYBRID", "LAYER_TYPES", "MODEL_TYPES", "Qwen35Cache",
            "cache_axes", "config_from_hf", "convert_hf", "extract_state", "forward",
            "forward_with_checkpoints", "fuse_params", "hf_tensor_names", "init_cache",
-           "init_params", "param_axes", "restore_state", "state_nbytes", "write_states"]
+           "init_params", "param_axes", "read_states", "restore_state", "state_nbytes",
+           "write_states"]
 CHUNK = 64  # recurrent checkpoint granularity (the chunked kernel's chunk size)
 GDN_IMPLS = (None, "xla", "pallas_fused", "pallas_fused_interpret")
 
@@ -79,10 +80,11 @@ def _attention_mix(attend, pages, cfg):
 
 
 def _gdn_mix(conv0, delta0, cu_q_lens, pos0, cfg, **kw):
-    """mix(mixer, h) for a GDN block: (out, (conv, delta, checkpoints or None))."""
+    """mix(mixer, h) for a GDN block: (out, (conv, delta, checkpoints or None, captured span
+    maps or None))."""
     def mix(mixer, h):
-        out, conv, delta, ck = mixer(h, conv0, delta0, cu_q_lens, pos0, cfg, **kw)
-        return out, (conv, delta, ck)
+        out, conv, delta, ck, maps = mixer(h, conv0, delta0, cu_q_lens, pos0, cfg, **kw)
+        return out, (conv, delta, ck, maps)
     return mix
 
 
@@ -101,7 +103,9 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     span_pieces: None or qwen3_5_spans.SpanPieces when the step holds SSEP span rows (their
       attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
-      conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers).
+      conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers); with
+      span_pieces.capture also span_maps: a [Lg, Mc, Hv, Dk, Dk], b [Lg, Mc, Hv, Dk, Dv],
+      tail [Lg, Mc, C, Kc-1], count [Mc] (the captured pieces' maps, serving/span_maps.py).
     """
     if kv_mode not in KV_MODES:
         raise ValueError(f"forward: kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
@@ -118,7 +122,7 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     gdn_kw = dict(checkpoint_at=checkpoint_at, impl=gdn_impl, pieces=span_pieces)
     x = model.embed_tokens(tokens)  # [T, E]
     new = dict(k=[], v=[], conv=[], delta=[])
-    ck_conv, ck_delta = [], []
+    ck_conv, ck_delta, span_maps = [], [], []
     for i, block in enumerate(model.layers):
         with jax.named_scope(f"layer_{i}"):
             if cfg.layer_types[i] == "full_attention":
@@ -132,13 +136,15 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
             keep = ~reset[:, None, None]
             conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
             delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
-            x, (conv, delta, ck) = block(x, cfg, _gdn_mix(conv0, delta0, metadata.cu_q_lens,
-                                                          pos0, cfg, **gdn_kw))
+            x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, metadata.cu_q_lens,
+                                                                pos0, cfg, **gdn_kw))
             new["conv"].append(conv_c.at[slots].set(conv))
             new["delta"].append(delta_c.at[slots].set(delta))
             if ck is not None:
                 ck_conv.append(ck[0])
                 ck_delta.append(ck[1])
+            if maps is not None:
+                span_maps.append(maps)
     with jax.named_scope("lm_head"):
         if logits_indices is not None:
             x = x[logits_indices]  # [N, E]
@@ -147,6 +153,10 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     ckpts = None
     if checkpoint_at is not None and ck_conv:
         ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta))
+    if span_maps:  # span_pieces.capture: the captured pieces' maps, layer-major
+        ckpts = dict(ckpts or {}, span_maps=dict(
+            a=jnp.stack([m["a"] for m in span_maps]), b=jnp.stack([m["b"] for m in span_maps]),
+            tail=jnp.stack([m["tail"] for m in span_maps]), count=span_maps[0]["count"]))
     return logits, cache, ckpts
 
 

@@ -76,6 +76,13 @@ def restore_state(cache: Qwen35Cache, slot: int, state: dict) -> Qwen35Cache:
     return dataclasses.replace(cache, conv=conv, delta=delta)
 
 
+def read_states(cache: Qwen35Cache, slots):
+    """Jit-able read of state slots [S]: conv [Lg, S, C, Kc-1], delta [Lg, S, Hv, Dk, Dv]
+    (write_states' layout; the warm span path composes cached span maps onto them)."""
+    return (jnp.stack([c[slots] for c in cache.conv]),
+            jnp.stack([d[slots] for d in cache.delta]))
+
+
 def write_states(cache: Qwen35Cache, slots, conv, delta, mask) -> Qwen35Cache:
     """Jit-able restore of checkpoints into state slots (the engine's hybrid prefix cache hook).
 

@@ -106,8 +106,9 @@ class GatedDeltaNet(nnx.Module):
             None: the kernel's policy (kernels_pallas.gated_delta.api.choose).
           pieces: None or qwen3_5_spans.SpanPieces: SSEP span rows read a local pass (see there).
         Returns:
-          out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], and checkpoints (conv
-          [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None.
+          out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], checkpoints (conv
+          [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None, and the captured span maps
+          (pieces.capture: qwen3_5_spans.captured_maps) or None.
         """
         hk, hv, dk, dv, c, kc = gdn_dims(cfg)
         n_tokens = h.shape[0]
@@ -138,7 +139,8 @@ class GatedDeltaNet(nnx.Module):
         core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
                                                    checkpoint_at=checkpoint_at, **kernel)
         if pieces is not None:  # span rows: outputs of their piece from a zero state
-            local, local_final = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces, **kernel)
+            local, local_final, a_span = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces,
+                                                                  **kernel)
             core = jnp.where(pieces.row_span[:, None, None], local, core)
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
@@ -146,13 +148,17 @@ class GatedDeltaNet(nnx.Module):
         lens = cu_q_lens[1:] - cu_q_lens[:-1]
         seq_ids = jnp.arange(seqs, dtype=jnp.int32)
         conv = _history(mixed, conv0, cu_q_lens, pos0, seq_ids, pos0 + lens).astype(conv0.dtype)
+        maps = None
         if pieces is not None:
             conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, cu_q_lens, conv,
                                                     delta, _history)
+            if a_span is not None:
+                maps = qwen3_5_spans.captured_maps(mixed, pieces, a_span, local_final, _history,
+                                                   kc - 1)
         ckpt = None
         if checkpoint_at is not None:
             ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])
             conv_ck = _history(mixed, conv0, cu_q_lens, pos0, jnp.broadcast_to(
                 seq_ids[:, None], ck_pos.shape), ck_pos).astype(conv0.dtype)
             ckpt = (conv_ck, delta_ck)
-        return out, conv, delta, ckpt
+        return out, conv, delta, ckpt, maps

@@ -8,8 +8,10 @@ two passes over the step's rows when spans are present:
   * the *local* pass: the step's rows cut into pieces (maximal runs of one segment of one
     sequence), each from a zero state and a zero conv window; span rows read their outputs here.
 A span row's conv window is its piece's (zeros before the span start), a PDEP row's the flow's.
-This is the cold path: a span whose tokens are in the step is computed (its KV and its delta
-inputs); composing cached span maps instead (serving/span_maps.py) is the warm path.
+A span whose tokens are in the step is computed (its KV and its delta inputs); with
+`pieces.capture` the step also returns the captured pieces' span maps (`captured_maps`: A, B, conv
+tail), which the engine caches and later composes instead of computing the span again (the warm
+path: serving/span_cache.py, serving/span_maps.py).
 
 A sequence whose final segment is a span that starts in the step carries the span's local state
 on (`carry_local`), so its generated tokens extend the span. Limits: a non-final span must start
@@ -56,14 +58,31 @@ def local_conv(mixed, conv_w, pieces: SpanPieces, causal_conv):
 
 
 def local_pass(q, k, v, g, beta, pieces: SpanPieces, **kw):
-    """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, and each
-    piece's final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch,
-    whatever the piece lengths)."""
+    """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, each piece's
+    final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch, whatever the
+    piece lengths), and with `pieces.capture` each piece's transition [G, Hv, Dk, Dk] (else
+    None). The transition has the XLA path only, so a capturing step runs the local pass there."""
     n = pieces.piece_cu.shape[0] - 1
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
-    out, final, _ = ragged_prefill(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
-                                   jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
-    return out, final
+    args = (q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
+            jnp.zeros((n, hv, dk, dv), jnp.float32))
+    if pieces.capture is None:
+        out, final, _ = ragged_prefill(*args, **kw)
+        return out, final, None
+    out, final, _, a_span = ragged_prefill(*args, implementation="xla", return_transition=True)
+    return out, final, a_span
+
+
+def captured_maps(mixed, pieces: SpanPieces, a_span, local_final, history, k1: int):
+    """The span maps of the captured pieces (serving/span_maps.py's layout): a [Mc, Hv, Dk, Dk],
+    b [Mc, Hv, Dk, Dv] (the piece's state from zero), tail [Mc, C, K1] (its last K1 layer
+    inputs, right-aligned, zeros before), count [Mc] int32 (its rows)."""
+    g = pieces.piece_cu.shape[0] - 1
+    piece = jnp.clip(pieces.capture, 0, g - 1)
+    count = (pieces.piece_cu[1:] - pieces.piece_cu[:-1])[piece]
+    zeros = jnp.zeros((g, mixed.shape[1], k1), mixed.dtype)
+    tail = history(mixed, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32), piece, count)
+    return dict(a=a_span[piece], b=local_final[piece], tail=tail, count=count)
 
 
 def carry_local(mixed, pieces: SpanPieces, local_final, cu_q_lens, conv, delta, history):

@@ -1,0 +1,277 @@
+"""The warm path of SSEP spans on hybrid models: cached span maps (host bookkeeping, plain Python).
+
+A span's effect on every recurrent layer is an affine map of the state plus a conv tail
+(serving/span_maps.py, docs/DESIGN.md section 5); like its attention blocks it depends on the
+span's tokens only. So a span whose blocks are cached *and* whose map is stored is skipped
+whole: its blocks are shared hits, and the chunk after it enters with the state composed from the
+maps on device (`span_maps.enter`), for any number of spans in any order. A span computed in a
+step has its map captured by that step (the model's local pass returns (A, B, tail) per piece).
+
+  * Keys: the map of the span in blocks [j0, j1) is keyed by the hash of block j1 - 1 (an SSEP
+    chain restarts at the span, so it covers exactly the span's tokens) and confirmed by that
+    block's tokens, as blocks are.
+  * Bookkeeping: a `CheckpointStore` (serving/checkpoint_store.py) of map-sized entries: device
+    slots of the map pool, an optional host tier (moves applied by the engine before the step),
+    GreedyDual eviction valued by the span's tokens, pins from admission until the step that
+    composes the map is launched.
+  * Consistency: an entry lists its span's block hashes; when the device pool evicts one of them
+    for good (no KV host tier), the map is dropped (`drop_dependent`). Only the request that
+    publishes the span's blocks captures its map, so a map never outlives them by another way
+    (a pending block dropped unready). With a KV host tier the map stays while its blocks live on
+    the host; a block the host tier drops leaves an unusable map to age out (as checkpoints).
+  * Waiting: a request whose span another running request is computing right now (published,
+    not ready) is not admitted until it is ready (FCFS: the queue behind it waits
+    too): a few steps later it skips the span instead of computing it a second time beside it.
+    The owner always progresses (a hybrid never shares a pending block), and a preempted owner
+    unpublishes its pending blocks, so the wait ends.
+  * Chunks: a chunk enters after the skipped spans between its frontier and its first row, and
+    never runs past a later skipped span (`span_rows.cut_chunk` stops it there): the flow pass
+    cannot apply a map between two rows of one step.
+  * Only non-final spans are skipped or captured (the final segment is always computed).
+  * Checkpoints (serving/hybrid_prefix.py) in span prompts: only after a PDEP block, whose
+    prefix-chain key covers every token before it (a span block's key restarts at the span), and
+    not at a skipped span's start. A request resumes at the deepest one whose blocks below all
+    hit, then skips the cached spans after it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from serving import span_rows
+from serving.sequence import Status
+
+MAX_CAPTURES = 8  # span maps one step may capture (a static shape of the runner's step)
+
+
+class SpanMapCache:
+    def __init__(self, store, block_size: int, pool=None):
+        self.store, self.block_size = store, block_size
+        self.pool = pool  # the device pool until the runner takes it
+        self.captures = 0  # captures in the step being scheduled
+        self.spans_skipped = self.tokens_skipped = self.spans_captured = self.waits = 0
+
+    # -- admission -----------------------------------------------------------------------------
+    def _span_hits(self, sched, seq, a: int, b: int):
+        """[(kind, block)] for the span's blocks when every one is a ready device hit or in the
+        KV host tier, else None."""
+        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        hashes = keys.hashes(seq)
+        kinds = []
+        for j in range(a // bs, b // bs):
+            blk = bm.table.get(hashes[j])
+            if blk is not None and bm.ready[blk] and bm.confirm[blk] == keys.confirm(seq, j):
+                kinds.append(("hit", blk))
+            elif blk is None and sched.offload is not None and sched.offload.contains(hashes[j]):
+                kinds.append(("host", None))
+            else:
+                return None
+        return kinds
+
+    def _plan_skips(self, sched, seq, start: int):
+        """[(a, b, entry)] spans at or after token `start` to skip (their map pinned), and
+        {block: (kind, block)} of their blocks."""
+        keys, bs = sched.keys, self.block_size
+        hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
+        skips, plan = [], {}
+        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+            if final or a < start or b // bs > limit:
+                continue
+            kinds = self._span_hits(sched, seq, a, b)
+            if kinds is None:
+                continue
+            e = self.store.get(hashes[b // bs - 1], keys.confirm(seq, b // bs - 1))
+            if e is None or not self.store.acquire(e):
+                continue
+            skips.append((a, b, e))
+            plan.update({a // bs + i: k for i, k in enumerate(kinds)})
+        return skips, plan
+
+    def _in_flight(self, sched, seq, start: int) -> bool:
+        """A span of the prompt (at or after `start`) is being computed by a running request:
+        its last block is published but not ready (its map may be reserved by the step being
+        scheduled, which computes it)."""
+        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
+        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+            if final or a < start or b // bs > limit:
+                continue
+            blk = bm.table.get(hashes[b // bs - 1])
+            if blk is not None and not bm.ready[blk] and bm.owner[blk] != -1:
+                return True
+        return False
+
+    def admit(self, sched, seq, seats, hybrid) -> bool:
+        """Scheduler._try_allocate for a span prompt on a hybrid model (`hybrid`: the
+        HybridPrefixCache): resume at the deepest checkpoint c whose blocks below all hit (its
+        key a PDEP block's, which covers the whole prefix), skip the cached spans after c (their
+        blocks shared or copied in from the KV host tier), every other block is new."""
+        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        hashes = keys.hashes(seq)
+        kinds, shared = hybrid._match(sched, seq)
+        kc, ck = hybrid._deepest(seq, hashes, keys.token_bytes(seq), len(kinds))
+        if self._in_flight(sched, seq, kc * bs):  # wait a step or two: it will be a hit
+            if ck is not None:
+                hybrid.store.release(ck)
+            self.waits += 1
+            return False
+        skips, plan = self._plan_skips(sched, seq, kc * bs)
+        plan.update(enumerate(kinds[:kc]))
+        n = seq.num_blocks_needed
+        need = sum(1 for j in range(n) if j not in plan or plan[j][0] == "host"
+                   or bm.ref[plan[j][1]] == 0)
+        if need > bm.num_free - sched.cfg.watermark_blocks:
+            for _, _, e in skips:
+                self.store.release(e)
+            if ck is not None:
+                hybrid.store.release(ck)
+            return False
+        for kind, blk in plan.values():  # off the free list before any allocation evicts them
+            if kind == "hit":
+                bm.share(blk)
+        for j in range(n):
+            kind, blk = plan.get(j, ("new", None))
+            if kind == "hit":
+                seq.block_table.append(blk)
+                continue
+            blk = bm.allocate()
+            seq.block_table.append(blk)
+            h = hashes[j] if j < len(hashes) else None
+            if kind == "host":
+                bm.register(blk, h, keys.confirm(seq, j), seq.seq_id, ready=True)
+                sched.pending_copy_in.append((blk, h))
+                continue
+            seq.owned.add(j)
+            if h is not None:
+                bm.register(blk, h, keys.confirm(seq, j), seq.seq_id)
+        if not seq.ever_admitted:
+            seq.num_cached_tokens = len(plan) * self.block_size
+        self.spans_skipped += len(skips)
+        self.tokens_skipped += sum(b - a for a, b, _ in skips)
+        seq.span_skips = [(a, b) for a, b, _ in skips]
+        seq.span_pins = {a: e for a, _, e in skips}  # until the step that composes them
+        # planned before this admission is observed, as for plain prompts
+        seq.ck_positions, seq.ck_values = self._checkpoints(hybrid, seq, hashes, shared)
+        hybrid.count_admission(seq, kinds, kc, shared, ck)
+        seq.restore_entry = ck
+        seq.num_computed = kc * bs
+        seq.seat = seats.pop()
+        seq.synced_blocks = 0
+        seq.status = Status.RUNNING
+        seq.needs_reset = kc == 0
+        seq.ready_ptr = 0
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.time()
+        seq.ever_admitted = True
+        return True
+
+    def _checkpoints(self, hybrid, seq, hashes, shared: int):
+        """(positions, values) of the planned checkpoints of a span prompt that are exact and
+        addressable: after a PDEP block (its key covers the whole prefix; a span block's does
+        not), so never inside a span, and not at the start of a skipped span (the chunk there
+        starts after its map)."""
+        bs, lay = self.block_size, seq.layout
+        skipped = {a for a, _ in seq.span_skips}
+        positions, values = hybrid.planner.prompt_plan(
+            lay, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs], shared)
+        keep = [i for i, p in enumerate(positions)
+                if not lay.span_block[p // bs - 1] and p not in skipped]
+        return [positions[i] for i in keep], [values[i] for i in keep]
+
+    def drop(self, seq) -> None:
+        """The sequence leaves (preempted, finished, aborted): unpin maps it never entered."""
+        pins = getattr(seq, "span_pins", None)
+        for e in (pins or {}).values():
+            self.store.release(e)
+        if pins:
+            pins.clear()
+
+    # -- chunks --------------------------------------------------------------------------------
+    def annotate(self, sched, e) -> None:
+        """The chunk's chain (maps of the skipped spans before its first row, in order) and the
+        spans it computes whole whose maps it captures."""
+        seq = e.seq
+        pins = getattr(seq, "span_pins", None)
+        if pins is None:  # not a span prompt admitted here
+            return
+        first = int(e.token_idx[0]) if e.token_idx.size else e.new_computed
+        chain = [a for a, b in seq.span_skips if seq.num_computed <= a and b <= first]
+        e.map_chain = tuple(pins[a].slot for a in chain)
+        for a in chain:
+            self.store.hand_to_launch(pins.pop(a))
+        if not e.token_idx.size:
+            return
+        caps, skipped = [], {a for a, _ in seq.span_skips}
+        keys, bs = sched.keys, self.block_size
+        hashes = keys.hashes(seq)
+        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+            if final or a in skipped or a < first or b > e.new_computed or \
+                    b // bs > len(hashes) or self.captures >= MAX_CAPTURES or \
+                    not self._publishes(sched.bm, seq, hashes, a // bs, b // bs):
+                continue
+            j1 = b // bs
+            slot = self.store.reserve(hashes[j1 - 1], keys.confirm(seq, j1 - 1), 0,
+                                      hashes[a // bs:j1], float(b - a))
+            if slot >= 0:
+                caps.append((a, slot))
+                self.captures += 1
+                self.spans_captured += 1
+        e.map_caps = tuple(caps)
+
+    @staticmethod
+    def _publishes(bm, seq, hashes, j0: int, j1: int) -> bool:
+        """The sequence's blocks [j0, j1) are the ones the block table holds under their hashes.
+        Only then does the map capture: a duplicate computed beside another request's pending
+        blocks would outlive them when that request leaves before they are ready."""
+        return all(bm.hash[seq.block_table[j]] == hashes[j] for j in range(j0, j1))
+
+    def after_launch(self) -> None:
+        self.store.after_launch()
+        self.captures = 0
+
+    def stats(self) -> dict:
+        s = self.store.stats()
+        return {"span_maps_stored": s["checkpoints_stored"],
+                "span_maps_evicted": s["checkpoints_evicted"],
+                "span_maps_offloaded": s["checkpoints_offloaded"],
+                "span_maps_onloaded": s["checkpoints_onloaded"],
+                "span_map_bytes": s["checkpoint_bytes"],
+                "span_map_device_slots": s["checkpoint_device_slots"],
+                "span_map_host_slots": s["checkpoint_host_slots"],
+                "span_maps_captured": self.spans_captured, "spans_skipped": self.spans_skipped,
+                "span_tokens_skipped": self.tokens_skipped, "span_admission_waits": self.waits}
+
+
+def build(config, family, mcfg, dtype, pool=None):
+    """A SpanMapCache with its device pool (None when Config.span_map_gb is 0 or the family cannot
+    read its states back). With `pool` (an engine's reset) that pool is kept."""
+    import jax
+    import jax.numpy as jnp
+    from serving import checkpoint_pool, span_maps
+    from serving.checkpoint_store import CheckpointStore
+    if not config.span_map_gb and config.span_map_gb is not None or \
+            not hasattr(family, "read_states"):
+        return None
+    lg, conv_shape, conv_dtype, delta_shape = checkpoint_pool.state_layout(
+        family, mcfg, config.block_size, dtype)
+    if lg == 0:
+        return None
+    (hv, dk, dv), (c, k1) = delta_shape, conv_shape
+    state_dtype = jnp.dtype(config.span_map_dtype)
+    nbytes = span_maps.map_nbytes(hv, dk, dv, c, k1, lg, state_dtype=state_dtype,
+                                  conv_dtype=conv_dtype)["total"]
+    if config.span_map_gb is not None:
+        slots = int(config.span_map_gb * (1 << 30)) // nbytes
+    else:  # 2% of the device's memory limit, or 64 maps without memory stats
+        try:
+            limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+        except Exception:  # noqa: BLE001 - CPU backends may not report memory
+            limit = None
+        slots = int(0.02 * limit) // nbytes if limit else 64
+    if slots <= 0:
+        return None
+    host = int(config.span_map_host_gb * (1 << 30)) // nbytes
+    if pool is None or pool.a.shape[0] < slots or pool.a.dtype != state_dtype:
+        pool = span_maps.allocate(slots, lg, hv, dk, dv, c, k1, state_dtype=state_dtype,
+                                  conv_dtype=conv_dtype)
+    return SpanMapCache(CheckpointStore(slots, host, nbytes), config.block_size, pool)

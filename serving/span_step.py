@@ -1,0 +1,104 @@
+"""The model runner's side of SSEP spans on hybrid models (serving/span_rows.py: the cold path;
+serving/span_cache.py: the warm path): the step's static span shapes, its host fields, and the
+device code of a warm step.
+
+A warm step (a span-map pool is attached) carries, for each sequence with one, a chain [L] of
+map-pool slots to compose before its rows (`chain_shape`: [Sc, L], -1 padded), and up to
+MAX_CAPTURES (piece, slot)
+pairs: the spans it computes whole whose maps it stores. Inside the jitted step: a checkpoint
+restore first, then the chain (`span_maps.enter`), then the model, whose local pass returns the
+captured pieces' maps, then the store into the pool.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from serving import checkpoint_pool, span_maps, span_rows
+from serving.span_cache import MAX_CAPTURES  # noqa: F401 (the runner's static capture count)
+
+
+def piece_bound(t: int, s: int) -> int:
+    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence, one per
+    span start in the step, one after each captured span. (The local pass pads every piece to
+    whole chunks, so the bound is part of its cost.)"""
+    return s + max(8, t // 8) + MAX_CAPTURES
+
+
+def chain_shape(batch, s: int) -> tuple[int, int]:
+    """(rows, length) of the step's chains of cached span maps, both static: only sequences
+    with a chain get a row (composing costs one matmul per row and map), at least 4 rows (at
+    most s) and 4 maps, powers of two, so a few compiled variants serve every step."""
+    lengths = [len(e.map_chain) for e in batch if e.map_chain]
+    pow2 = lambda n: 1 << max(n - 1, 0).bit_length()  # noqa: E731
+    return min(s, max(4, pow2(len(lengths)))), max(4, pow2(max(lengths, default=0)))
+
+
+def has_spans(seq) -> bool:
+    if not hasattr(seq, "_has_spans"):
+        seq._has_spans = bool(seq.layout.span_block.any())
+    return seq._has_spans
+
+
+def fill_rows(batch, v, rows: int, block_size: int, bound: int) -> np.ndarray:
+    """row_span / piece_cu / carry_local of a step holding span rows (serving/span_rows.py);
+    returns the pieces' first rows."""
+    piece, span_row, carry = span_rows.step_rows(batch, block_size)
+    starts = np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]]) if rows else np.zeros(0, int)
+    if starts.size > bound:
+        raise RuntimeError(f"model runner: {starts.size} span pieces in one step exceed the "
+                           f"bound {bound}")
+    v["piece_cu"][:] = rows
+    v["piece_cu"][:starts.size] = starts
+    v["row_span"][:rows] = span_row
+    v["carry_local"][:len(carry)] = carry
+    return starts
+
+
+def fill_maps(batch, v, starts) -> None:
+    """chain / cap_piece / cap_slot of a warm span step (serving/span_cache.py): each sequence's
+    chain of cached span maps in order, and the piece each captured span fills (a captured span
+    starts a piece: span_rows.step_rows)."""
+    v["chain"][:] = -1
+    v["chain_seq"][:] = -1
+    v["cap_piece"][:] = -1
+    v["cap_slot"][:] = -1
+    k, c, row = 0, 0, 0
+    for i, e in enumerate(batch):
+        if e.map_chain:
+            v["chain_seq"][c] = i
+            v["chain"][c, :len(e.map_chain)] = e.map_chain
+            c += 1
+        for tok, slot in e.map_caps:
+            r = row + int(np.searchsorted(e.token_idx, tok))
+            v["cap_piece"][k] = int(np.searchsorted(starts, r, side="right")) - 1
+            v["cap_slot"][k] = slot
+            k += 1
+        row += e.token_idx.size
+
+
+def enter(family, cache, pool, maps, f, reset):
+    """Before the model runs: restore rows' checkpoints (pool: the checkpoint pool or None), then
+    every chain of cached spans. Returns (cache, reset, f) with the restores marked done."""
+    if pool is not None:  # a resume at c comes before the spans skipped right after c
+        restore = f["restore_slot"]
+        conv, delta = checkpoint_pool.rows(pool, restore)
+        cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
+        f = dict(f, restore_slot=jnp.full_like(restore, -1))
+    cache, reset = span_maps.enter(family, cache, maps, f["state_slots"], reset, f["chain_seq"],
+                                   f["chain"])
+    return cache, reset, f
+
+
+def forward(family, params, tokens, md, cache, mcfg, pool, maps, f, kw):
+    """The model (with the checkpoint pool when there is one), then the captured maps into the
+    span-map pool. Returns (logits, cache, checkpoint pool, span-map pool)."""
+    if pool is None:
+        logits, cache, ck = family.forward_with_checkpoints(params, tokens, md, cache, mcfg, **kw)
+    else:
+        logits, cache, pool, ck = checkpoint_pool.checkpointed_forward(
+            family, params, tokens, md, cache, mcfg, pool, f, False, kw, with_extras=True)
+    m = ck["span_maps"]
+    maps = span_maps.store(maps, f["cap_slot"], m["a"], m["b"], m["tail"], m["count"])
+    return logits, cache, pool, maps
