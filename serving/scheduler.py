@@ -331,7 +331,10 @@ class Scheduler:
             budget = self._add_chunk(batch, seq, budget, stop)
         return budget
 
-    def _add_span_jobs(self, batch, budget: int) -> None:  # isps: running jobs, then new ones
+    def _add_span_jobs(self, batch, budget: int) -> None:
+        """isps: running span jobs, then new ones for waiting requests' spans."""
+        if self.hybrid:  # a hybrid request computes its spans' rows itself (delta inputs)
+            return
         for job in self.span_jobs:
             if budget <= 0:
                 break
@@ -339,7 +342,8 @@ class Scheduler:
         for seq in itertools.islice(self.waiting, 4 * self.cfg.max_num_seqs):
             if budget <= 0 or not self.free_span_seats:
                 break
-            for job in self._span_jobs_for(seq):
+            for job in span_jobs.jobs_for(seq, self.cfg.block_size, self.keys, self.bm,
+                                          self.offload, self.markers):
                 if not self.free_span_seats or not self._try_allocate(job, self.free_span_seats):
                     break
                 self.span_jobs.append(job)
@@ -363,12 +367,6 @@ class Scheduler:
             seq.block_table.append(self.bm.allocate())
             seq.owned.add(len(seq.block_table) - 1)
         return True
-
-    def _span_jobs_for(self, seq: Sequence) -> list[Sequence]:
-        if self.hybrid:  # a hybrid request computes its spans' rows itself (their delta inputs)
-            return []
-        return span_jobs.jobs_for(seq, self.cfg.block_size, self.keys, self.bm, self.offload,
-                                  self.markers)
 
     def prepare_waiting(self, max_seqs: int = 8) -> None:
         """Hash the next waiting requests' prompt blocks ahead of their admission (no effect on
