@@ -16,7 +16,6 @@ dispatched before step N's tokens reach the host (`launch` now, `fetch` later).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -27,49 +26,13 @@ from kernels_pallas.paged_attention.api import choose_attention, step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
 from serving import span_step
-from serving.span_step import MAX_CAPTURES, chain_shape, piece_bound
+from serving.span_step import chain_shape, piece_bound
 from serving import checkpoint_pool as ckpt_pool
 from serving import sharding
 from serving.kv_pool import allocate_pool, default_num_blocks
 from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
 from serving.sampler import SamplingMetadata, sample
-
-_T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
-_S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "seed", "step",
-             "sample_seat")
-_SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
-# hybrid prefix caching (a checkpoint pool is attached): per sequence, the logical position of the
-# checkpoint this step takes and its pool slot, and the pool slot its state is restored from
-_S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
-
-
-@functools.lru_cache(maxsize=None)
-def _layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain=()):
-    """Static offsets of each field in the packed int32 buffer. chain (Sc, L): the step carries
-    the span-map fields (serving/span_step.py: chains of pool slots to compose, captures)."""
-    spec, off = {}, 0
-    if spans:  # hybrid steps holding SSEP span rows
-        g = piece_bound(t, s)
-        fields = (("row_span", (t,)), ("piece_cu", (g + 1,)), ("carry_local", (s,)))
-        if chain:
-            fields += (("chain_seq", (chain[0],)), ("chain", chain), ("cap_piece", (MAX_CAPTURES,)),
-                       ("cap_slot", (MAX_CAPTURES,)))
-        for f, shape in fields:
-            spec[f] = (off, shape)
-            off += int(np.prod(shape))
-    for f in _T_FIELDS:
-        spec[f] = (off, (t,))
-        off += t
-    spec["cu_q_lens"] = (off, (s + 1,))
-    off += s + 1
-    for f in _S_FIELDS + (_S_FIELDS_CKPT if ckpt else ()):
-        spec[f] = (off, (s,))
-        off += s
-    for f in _SB_FIELDS:
-        spec[f] = (off, (s, nb))
-        off += s * nb
-    return spec, off
-
+from serving.step_inputs import S_FIELDS_CKPT, SeatTables, fill_sampling, layout
 
 class ModelRunner:
     def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype):
@@ -105,9 +68,7 @@ class ModelRunner:
         self.cache, self.num_blocks = allocate_pool(
             make_cache, num_blocks, may_shrink=config.num_kv_blocks is None)
         self.kv_mode = config.attention_kv_mode
-        self.h_tables = np.zeros((seats, self.nb), np.int32)
-        self.h_pos_start = np.zeros((seats, self.nb), np.int32)
-        self.h_valid = np.zeros((seats, self.nb), np.int32)
+        self.tables = SeatTables(seats, self.nb, self.block_size)
         self._bufs: dict = {}
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
@@ -138,7 +99,7 @@ class ModelRunner:
     def _step_body(self, params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
                    all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
                    attn_options=None, chain=()):
-        spec, _ = _layout(t, s, self.nb, pool is not None, spans, chain)
+        spec, _ = layout(t, s, self.nb, pool is not None, spans, chain)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
         md = AttentionMetadata(
@@ -219,9 +180,9 @@ class ModelRunner:
         for t, decode_only, plan, span_step_ in variants:
             s = self.config.seq_bucket(t)
             chain = (min(s, 4), 4) if span_step_ and self.span_pool is not None else ()
-            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, span_step_, chain)
+            spec, size = layout(t, s, self.nb, self.ck_pool is not None, span_step_, chain)
             ints = np.zeros(size, np.int32)
-            for name in ("slot_mapping",) + (_S_FIELDS_CKPT if self.ck_pool is not None else ()) \
+            for name in ("slot_mapping",) + (S_FIELDS_CKPT if self.ck_pool is not None else ()) \
                     + (("chain_seq", "chain", "cap_piece", "cap_slot") if chain else ()):
                 o, shape = spec[name]
                 ints[o:o + int(np.prod(shape))] = -1
@@ -255,17 +216,6 @@ class ModelRunner:
             list(pool.map(lambda low: low.compile(), lowered))
 
     # -- host ----------------------------------------------------------------------------------
-    def _sync_rows(self, seq) -> None:
-        seat, k = seq.seat, seq.synced_blocks
-        n = min(len(seq.block_table), len(seq.block_valid))
-        if k < n:
-            self.h_tables[seat, k:n] = seq.block_table[k:n]
-            self.h_pos_start[seat, k:n] = seq.block_pos_start[k:n]
-            self.h_valid[seat, k:n] = seq.block_valid[k:n]
-            seq.synced_blocks = n
-        if n:
-            self.h_valid[seat, n - 1] = seq.block_valid[n - 1]
-
     def run(self, batch, *, num_logprobs: int = 0, timer=None, during=None):
         """Execute one scheduled batch. Returns host numpy outputs (rows = batch order):
         tokens [S], logprob [S], and with num_logprobs: rank [S], top_ids / top_logprobs [S, k].
@@ -292,7 +242,7 @@ class ModelRunner:
         pending (Sequence.num_pending) takes it from the device-side `prev_tokens`, and the
         step's sampled tokens update `prev_tokens`; the host input buffers then alternate
         between two sets, so building step N+1 never touches step N's (still in flight)."""
-        cfg, bs = self.config, self.block_size
+        cfg = self.config
         real = sum(e.token_idx.size for e in batch)
         t = cfg.token_bucket(max(real, 1))
         s = cfg.seq_bucket(t)
@@ -311,7 +261,7 @@ class ModelRunner:
         v["sample_seat"][:] = self.scratch_slot
         n_seq = len(batch)
         if self.ck_pool is not None:
-            for name in _S_FIELDS_CKPT:
+            for name in S_FIELDS_CKPT:
                 v[name][:] = -1
             for i, e in enumerate(batch):
                 if e.ck_slot >= 0 or e.restore_slot >= 0:
@@ -325,57 +275,13 @@ class ModelRunner:
                 batch[d].restore_slot < 0:  # a restore is a prefill row (decode steps skip it)
             d += 1
         if d:
-            self._decode_rows(batch[:d], seats[:d], v)
-        row = d
-        for i in range(d, n_seq):
-            e = batch[i]
-            seq, idx = e.seq, e.token_idx
-            n = idx.size
-            self._sync_rows(seq)
-            last = int(idx[-1]) if n else e.new_computed - 1
-            if n:
-                lo = int(idx[0])
-                if last - lo + 1 == n and last < seq.num_prompt_tokens:
-                    # contiguous prompt tokens (no pads skipped): slices instead of gathers
-                    lay = seq.layout
-                    v["tokens"][row:row + n] = seq.token_ids[lo:last + 1]
-                    v["q_positions"][row:row + n] = lay.pos[lo:last + 1]
-                    v["q_window_start"][row:row + n] = lay.win[lo:last + 1]
-                    off = lay.slot_off[lo:last + 1]
-                else:
-                    toks = np.asarray(seq.token_ids[lo:last + 1], np.int32)
-                    v["tokens"][row:row + n] = toks[idx - lo]
-                    pos, win, off, _ = seq.geometry(idx)
-                    v["q_positions"][row:row + n] = pos
-                    v["q_window_start"][row:row + n] = win
-                tbl = np.asarray(seq.block_table[lo // bs:last // bs + 1], np.int32)
-                v["slot_mapping"][row:row + n] = tbl[idx // bs - lo // bs] * bs + off
-                if seq.num_pending and last == len(seq.token_ids) - 1:
-                    v["tokens"][row + n - 1] = -1 - seq.seat  # read on device from prev
-            v["q_seq"][row:row + n] = i
-            row += n
-            v["cu_q_lens"][i + 1] = row
-            v["num_blocks"][i] = last // bs + 1 if last >= 0 else 0
-            v["logits_indices"][i] = max(row - 1, 0)
+            self.tables.decode_rows(batch[:d], seats[:d], v)
+        row = self.tables.prefill_rows(batch, d, v)
         v["cu_q_lens"][n_seq + 1:] = row
         v["state_slots"][:n_seq] = seats
         v["reset"][:n_seq] = [e.reset for e in batch]
-        sampled = [i for i, e in enumerate(batch) if e.sample]
-        sps = [batch[i].seq.sampling_params for i in sampled]
-        all_greedy = all(sp.temperature == 0 for sp in sps)
-        use_filter = (not all_greedy) and any(
-            sp.temperature > 0 and ((sp.top_k or 0) > 0 or sp.top_p < 1) for sp in sps)
-        v["sample_seat"][sampled] = [seats[i] for i in sampled]
-        if sampled and not all_greedy:  # greedy rows read none of these (argmax of the logits)
-            seqs = [batch[i].seq for i in sampled]
-            v["top_k"][sampled] = [max(sp.top_k or 0, 0) for sp in sps]
-            v["seed"][sampled] = [q.seed & 0x7FFFFFFF for q in seqs]
-            v["step"][sampled] = [len(q.token_ids) - q.num_prompt_tokens for q in seqs]
-            floats[sampled] = [sp.temperature for sp in sps]
-            floats[np.asarray(sampled) + s] = [sp.top_p for sp in sps]
-        np.take(self.h_tables, seats, axis=0, out=v["block_tables"][:n_seq])
-        np.take(self.h_pos_start, seats, axis=0, out=v["block_pos_start"][:n_seq])
-        np.take(self.h_valid, seats, axis=0, out=v["block_num_valid"][:n_seq])
+        all_greedy, use_filter = fill_sampling(batch, seats, v, floats, s)
+        self.tables.copy_rows(seats, v)
         decode_only = d == n_seq and self.separate_decode
         plan = None if decode_only else self._plan(t, s, sum(e.token_idx.size > 1 for e in batch))
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
@@ -405,41 +311,12 @@ class ModelRunner:
         Reuse also avoids fresh page faults every step."""
         key = (t, s, parity, spans, chain)
         if key not in self._bufs:
-            spec, size = _layout(t, s, self.nb, self.ck_pool is not None, spans, chain)
+            spec, size = layout(t, s, self.nb, self.ck_pool is not None, spans, chain)
             ints = np.zeros(size, np.int32)
             v = {k: ints[o:o + int(np.prod(shape))].reshape(shape)
                  for k, (o, shape) in spec.items()}
             self._bufs[key] = (ints, np.ones(2 * s, np.float32), v)
         return self._bufs[key]
-
-    def _decode_rows(self, entries, seats, v) -> None:
-        """Rows 0..d-1 = one generated token per sequence, row i = sequence i."""
-        bs = self.block_size
-        seqs = [e.seq for e in entries]
-        for q in seqs:
-            if len(q.block_table) > q.synced_blocks:
-                self._sync_rows(q)
-        d = len(seqs)
-        seats = np.asarray(seats)
-        # one pass over the sequences: [last token index, position, window start, token]
-        cols = np.array([(len(q.token_ids) - 1, q.num_valid - 1, q.layout.last_win, q.token_ids[-1])
-                         for q in seqs], np.int64).reshape(d, 4)
-        last = cols[:, 0]
-        pos = cols[:, 1].astype(np.int32)
-        blk = last // bs
-        bps = self.h_pos_start[seats, blk]
-        self.h_valid[seats, blk] = pos - bps + 1
-        tok = cols[:, 3]
-        v["tokens"][:d] = np.where(tok < 0, -1 - seats, tok)  # pending: -(seat + 1), see launch
-        v["q_positions"][:d] = pos
-        v["q_window_start"][:d] = cols[:, 2]
-        v["slot_mapping"][:d] = self.h_tables[seats, blk] * bs + pos - bps
-        ar = np.arange(d, dtype=np.int32)
-        v["q_seq"][:d] = ar
-        v["cu_q_lens"][1:d + 1] = ar + 1
-        v["num_blocks"][:d] = blk + 1
-        v["logits_indices"][:d] = ar
-
 
 def attention_choices(config, mcfg, dtype, platform: str | None = None):
     """The attention kernels of general and of decode-only steps, each (implementation name,

@@ -1,0 +1,163 @@
+"""Host side of a step's inputs: the packed int32 buffer's layout (one dispatch, see
+serving/model_runner.py), the block-table rows kept per seat and updated incrementally, and the
+rows each scheduled sequence fills. Plain numpy over the scheduler's entries."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from serving.span_step import MAX_CAPTURES, piece_bound
+
+_T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
+_S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "seed", "step",
+             "sample_seat")
+_SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
+# hybrid prefix caching (a checkpoint pool is attached): per sequence, the logical position of the
+# checkpoint this step takes and its pool slot, and the pool slot its state is restored from
+S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
+
+
+@functools.lru_cache(maxsize=None)
+def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain=()):
+    """Static offsets of each field in the packed int32 buffer. chain (Sc, L): the step carries
+    the span-map fields (serving/span_step.py: chains of pool slots to compose, captures)."""
+    spec, off = {}, 0
+    if spans:  # hybrid steps holding SSEP span rows
+        g = piece_bound(t, s)
+        fields = (("row_span", (t,)), ("piece_cu", (g + 1,)), ("carry_local", (s,)))
+        if chain:
+            fields += (("chain_seq", (chain[0],)), ("chain", chain), ("cap_piece", (MAX_CAPTURES,)),
+                       ("cap_slot", (MAX_CAPTURES,)))
+        for f, shape in fields:
+            spec[f] = (off, shape)
+            off += int(np.prod(shape))
+    for f in _T_FIELDS:
+        spec[f] = (off, (t,))
+        off += t
+    spec["cu_q_lens"] = (off, (s + 1,))
+    off += s + 1
+    for f in _S_FIELDS + (S_FIELDS_CKPT if ckpt else ()):
+        spec[f] = (off, (s,))
+        off += s
+    for f in _SB_FIELDS:
+        spec[f] = (off, (s, nb))
+        off += s * nb
+    return spec, off
+
+
+
+class SeatTables:
+    """Block-table rows per seat ([seats, NB] each: block ids, the logical position each block
+    starts at, valid tokens in it), copied into every step's inputs."""
+
+    def __init__(self, seats: int, nb: int, block_size: int):
+        self.block_size = block_size
+        self.tables = np.zeros((seats, nb), np.int32)
+        self.pos_start = np.zeros((seats, nb), np.int32)
+        self.valid = np.zeros((seats, nb), np.int32)
+
+    def sync(self, seq) -> None:
+        """Copy the sequence's new block-table entries (and its last block's fill) into its
+        seat's rows."""
+        seat, k = seq.seat, seq.synced_blocks
+        n = min(len(seq.block_table), len(seq.block_valid))
+        if k < n:
+            self.tables[seat, k:n] = seq.block_table[k:n]
+            self.pos_start[seat, k:n] = seq.block_pos_start[k:n]
+            self.valid[seat, k:n] = seq.block_valid[k:n]
+            seq.synced_blocks = n
+        if n:
+            self.valid[seat, n - 1] = seq.block_valid[n - 1]
+
+    def decode_rows(self, entries, seats, v) -> None:
+        """Rows 0..d-1 = one generated token per sequence, row i = sequence i."""
+        bs = self.block_size
+        seqs = [e.seq for e in entries]
+        for q in seqs:
+            if len(q.block_table) > q.synced_blocks:
+                self.sync(q)
+        d = len(seqs)
+        seats = np.asarray(seats)
+        # one pass over the sequences: [last token index, position, window start, token]
+        cols = np.array([(len(q.token_ids) - 1, q.num_valid - 1, q.layout.last_win, q.token_ids[-1])
+                         for q in seqs], np.int64).reshape(d, 4)
+        last = cols[:, 0]
+        pos = cols[:, 1].astype(np.int32)
+        blk = last // bs
+        bps = self.pos_start[seats, blk]
+        self.valid[seats, blk] = pos - bps + 1
+        tok = cols[:, 3]
+        v["tokens"][:d] = np.where(tok < 0, -1 - seats, tok)  # pending: -(seat + 1), see launch
+        v["q_positions"][:d] = pos
+        v["q_window_start"][:d] = cols[:, 2]
+        v["slot_mapping"][:d] = self.tables[seats, blk] * bs + pos - bps
+        ar = np.arange(d, dtype=np.int32)
+        v["q_seq"][:d] = ar
+        v["cu_q_lens"][1:d + 1] = ar + 1
+        v["num_blocks"][:d] = blk + 1
+        v["logits_indices"][:d] = ar
+
+    def prefill_rows(self, batch, d: int, v) -> int:
+        """Rows of entries d.. (prefill chunks, or a sampled token after a restore): their
+        tokens, positions, windows, slots and per-sequence fields; returns the rows used."""
+        bs = self.block_size
+        row = d
+        for i in range(d, len(batch)):
+            e = batch[i]
+            seq, idx = e.seq, e.token_idx
+            n = idx.size
+            self.sync(seq)
+            last = int(idx[-1]) if n else e.new_computed - 1
+            if n:
+                lo = int(idx[0])
+                if last - lo + 1 == n and last < seq.num_prompt_tokens:
+                    # contiguous prompt tokens (no pads skipped): slices instead of gathers
+                    lay = seq.layout
+                    v["tokens"][row:row + n] = seq.token_ids[lo:last + 1]
+                    v["q_positions"][row:row + n] = lay.pos[lo:last + 1]
+                    v["q_window_start"][row:row + n] = lay.win[lo:last + 1]
+                    off = lay.slot_off[lo:last + 1]
+                else:
+                    toks = np.asarray(seq.token_ids[lo:last + 1], np.int32)
+                    v["tokens"][row:row + n] = toks[idx - lo]
+                    pos, win, off, _ = seq.geometry(idx)
+                    v["q_positions"][row:row + n] = pos
+                    v["q_window_start"][row:row + n] = win
+                tbl = np.asarray(seq.block_table[lo // bs:last // bs + 1], np.int32)
+                v["slot_mapping"][row:row + n] = tbl[idx // bs - lo // bs] * bs + off
+                if seq.num_pending and last == len(seq.token_ids) - 1:
+                    v["tokens"][row + n - 1] = -1 - seq.seat  # read on device from prev
+            v["q_seq"][row:row + n] = i
+            row += n
+            v["cu_q_lens"][i + 1] = row
+            v["num_blocks"][i] = last // bs + 1 if last >= 0 else 0
+            v["logits_indices"][i] = max(row - 1, 0)
+        return row
+
+    def copy_rows(self, seats, v) -> None:
+        """The batch's seats' block-table rows into the step's [S, NB] fields."""
+        n = len(seats)
+        np.take(self.tables, seats, axis=0, out=v["block_tables"][:n])
+        np.take(self.pos_start, seats, axis=0, out=v["block_pos_start"][:n])
+        np.take(self.valid, seats, axis=0, out=v["block_num_valid"][:n])
+
+
+def fill_sampling(batch, seats, v, floats, s: int):
+    """Sampling inputs of the sampling rows (seat, and for non-greedy rows top-k, seed, step,
+    temperature, top-p); returns (all_greedy, use_filter), static arguments of the step."""
+    sampled = [i for i, e in enumerate(batch) if e.sample]
+    sps = [batch[i].seq.sampling_params for i in sampled]
+    all_greedy = all(sp.temperature == 0 for sp in sps)
+    use_filter = (not all_greedy) and any(
+        sp.temperature > 0 and ((sp.top_k or 0) > 0 or sp.top_p < 1) for sp in sps)
+    v["sample_seat"][sampled] = [seats[i] for i in sampled]
+    if sampled and not all_greedy:  # greedy rows read none of these (argmax of the logits)
+        seqs = [batch[i].seq for i in sampled]
+        v["top_k"][sampled] = [max(sp.top_k or 0, 0) for sp in sps]
+        v["seed"][sampled] = [q.seed & 0x7FFFFFFF for q in seqs]
+        v["step"][sampled] = [len(q.token_ids) - q.num_prompt_tokens for q in seqs]
+        floats[sampled] = [sp.temperature for sp in sps]
+        floats[np.asarray(sampled) + s] = [sp.top_p for sp in sps]
+    return all_greedy, use_filter
