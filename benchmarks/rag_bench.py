@@ -53,6 +53,9 @@ OPTIONS = {
     "num_kv_blocks": dict(type=int, default=None,
                           help="KV pool blocks (default: from free memory)"),
     "attn_impl": dict(default=None, help="Config.attn_impl (None = the engine's choice)"),
+    "tensor_parallel_size": dict(type=int, default=1,
+                                 help="devices each engine's model is split over "
+                                      "(Config.tensor_parallel_size; default: %(default)s)"),
     "ttft_spans": dict(type=int, default=8, help="ttft: spans per request (default: %(default)s)"),
     "ttft_span_tokens": dict(type=int, default=4096,
                              help="ttft: tokens per span (default: %(default)s)"),

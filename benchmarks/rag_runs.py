@@ -31,7 +31,8 @@ def _engine(opts, extra: dict, max_model_len: int, spans: bool = False):
     llm = LLM(opts.model, dtype=opts.dtype, seed=0, max_num_seqs=opts.max_num_seqs,
               max_num_batched_tokens=opts.max_num_batched_tokens, max_model_len=max_model_len,
               min_token_bucket=opts.min_token_bucket, num_kv_blocks=opts.num_kv_blocks,
-              attn_impl=opts.attn_impl, **extra)
+              attn_impl=opts.attn_impl,
+              tensor_parallel_size=getattr(opts, "tensor_parallel_size", 1), **extra)
     load = time.perf_counter() - t0
     print(f"loaded {opts.model} in {load:.1f} s; warming up", flush=True)
     t1 = time.perf_counter()
