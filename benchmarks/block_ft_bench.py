@@ -29,6 +29,10 @@ def add_parser(p):
                    help="attention heads, as many KV heads (overrides the preset)")
     p.add_argument("--docs", type=int, default=4, help="documents per question")
     p.add_argument("--facts", type=int, default=3, help="facts per document")
+    p.add_argument("--fact", default="{k}{v};",
+                   help="how a fact is written, {k} key and {v} value (default: %(default)s)")
+    p.add_argument("--question", default="?{k}",
+                   help="how the question is written, {k} the key (default: %(default)s)")
     p.add_argument("--train-examples", type=int, default=8192,
                    help="synthetic questions in train.jsonl (default: %(default)s)")
     p.add_argument("--pool", type=int, default=16, help="distinct documents in the eval set")
@@ -63,7 +67,7 @@ def _doc(rng, facts):
     return [(KEYS[k], VALUES[rng.integers(len(VALUES))]) for k in keys]
 
 
-def _question(rng, docs):
+def _question(rng, docs, fact="{k}{v};", question="?{k}"):
     """(segments, answer): a system prompt, one span per document, the question.
 
     The question asks for a key that occurs exactly once among the documents, so the answer is
@@ -77,14 +81,14 @@ def _question(rng, docs):
         return None
     k, v = pairs[rng.integers(len(pairs))]
     segs = [{"kind": "prompt", "text": "facts:"}]
-    segs += [{"kind": "span", "text": "".join(f"{a}={b};" for a, b in d)} for d in docs]
-    segs.append({"kind": "prompt", "text": f" {k}?"})
+    segs += [{"kind": "span", "text": "".join(fact.format(k=a, v=b) for a, b in d)} for d in docs]
+    segs.append({"kind": "prompt", "text": question.format(k=k)})
     return segs, v
 
 
-def _sample(rng, draw_docs):
+def _sample(rng, draw_docs, args):
     """A question over freshly drawn documents (redrawn in the rare case no key is unique)."""
-    while (q := _question(rng, draw_docs())) is None:
+    while (q := _question(rng, draw_docs(), args.fact, args.question)) is None:
         pass
     return q
 
@@ -92,7 +96,8 @@ def _sample(rng, draw_docs):
 def write_train_data(path, args, rng):
     with open(path, "w") as f:
         for _ in range(args.train_examples):
-            segs, answer = _sample(rng, lambda: [_doc(rng, args.facts) for _ in range(args.docs)])
+            segs, answer = _sample(rng, lambda: [_doc(rng, args.facts) for _ in range(args.docs)],
+                                   args)
             f.write(json.dumps({"segments": segs, "answer": answer}) + "\n")
 
 
@@ -100,7 +105,7 @@ def eval_set(args, rng):
     """Questions over documents drawn from a pool of args.pool, so spans repeat (cache hits)."""
     pool = [_doc(rng, args.facts) for _ in range(args.pool)]
     pick = lambda: [pool[i] for i in rng.choice(args.pool, args.docs, replace=False)]
-    return [_sample(rng, pick) for _ in range(args.eval)]
+    return [_sample(rng, pick, args) for _ in range(args.eval)]
 
 
 def evaluate(folder, questions, args, *, blocks: bool) -> dict:
