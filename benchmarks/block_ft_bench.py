@@ -43,6 +43,11 @@ def add_parser(p):
                    help="block fine-tuning steps (half plain examples) (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=128,
                    help="training batch size (default: %(default)s)")
+    p.add_argument("--ft-batch-size", type=int, default=None,
+                   help="block fine-tuning batch size (default: --batch-size)")
+    p.add_argument("--base", default=None,
+                   help="skip pretraining: evaluate and fine-tune this HF folder (an earlier "
+                        "run's pretrain/export, trained on the same task settings)")
     p.add_argument("--lr", type=float, default=2e-3,
                    help="peak learning rate (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=16,
@@ -50,6 +55,9 @@ def add_parser(p):
     p.add_argument("--seq-len", type=int, default=96,
                    help="training sequence length; engine max_model_len is this + 16 "
                         "(default: %(default)s)")
+    p.add_argument("--pretrain-seq-len", type=int, default=64,
+                   help="sequence length of the full-attention pretraining (plain layout, no "
+                        "pads or markers) (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="data and training seed (default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -147,10 +155,10 @@ def init_model(args, out) -> pathlib.Path:
     return export_hf(llama.init_params(cfg, jax.random.key(args.seed)), cfg, llama, out)
 
 
-def _train(args, data, out, *, model, steps, plain_fraction):
+def _train(args, data, out, *, model, steps, plain_fraction, seq_len, batch_size):
     from minipic_jax.training import TrainConfig, Trainer
     trainer = Trainer(TrainConfig(model=str(model), data=str(data), out_dir=str(out), steps=steps,
-                             batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                             batch_size=batch_size, seq_len=seq_len, lr=args.lr,
                              warmup_steps=min(100, steps // 10), block_size=args.block_size,
                              plain_fraction=plain_fraction, seed=args.seed, export_dtype="float32",
                              checkpoint_every=0, compute_dtype="float32", remat=False,
@@ -170,10 +178,14 @@ def run(args):
     res = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
     save = lambda: (out / "block_ft.json").write_text(json.dumps(res, indent=2, default=str))
     t0 = time.perf_counter()
-    base, res["pretrain"] = _train(args, out / "train.jsonl", out / "pretrain",
-                                   model=init_model(args, out / "init"),
-                                   steps=args.pretrain_steps, plain_fraction=1.0)
-    res["pretrain"]["s"] = time.perf_counter() - t0
+    if args.base:  # a model pretrained by an earlier run (its pretrain/export)
+        base = pathlib.Path(args.base)
+    else:
+        base, res["pretrain"] = _train(args, out / "train.jsonl", out / "pretrain",
+                                       model=init_model(args, out / "init"),
+                                       steps=args.pretrain_steps, plain_fraction=1.0,
+                                       seq_len=args.pretrain_seq_len, batch_size=args.batch_size)
+        res["pretrain"]["s"] = time.perf_counter() - t0
     res["a_full_attention"] = evaluate(base, questions, args, blocks=False)
     res["b_block_attention"] = evaluate(base, questions, args, blocks=True)
     save()
@@ -181,7 +193,9 @@ def run(args):
           f"{res['b_block_attention']['accuracy']:.3f}")
     t0 = time.perf_counter()
     tuned, res["block_ft"] = _train(args, out / "train.jsonl", out / "block_ft", model=base,
-                                    steps=args.ft_steps, plain_fraction=0.5)
+                                    steps=args.ft_steps, plain_fraction=0.5,
+                                    seq_len=args.seq_len,
+                                    batch_size=args.ft_batch_size or args.batch_size)
     res["block_ft"]["s"] = time.perf_counter() - t0
     res["c_block_ft"] = evaluate(tuned, questions, args, blocks=True)
     a, b, c = (res[k]["accuracy"] for k in ("a_full_attention", "b_block_attention", "c_block_ft"))
