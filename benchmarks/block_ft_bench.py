@@ -33,6 +33,8 @@ def add_parser(p):
                    help="how a fact is written, {k} key and {v} value (default: %(default)s)")
     p.add_argument("--question", default="?{k}",
                    help="how the question is written, {k} the key (default: %(default)s)")
+    p.add_argument("--queries", type=int, default=4,
+                   help="keys asked (and answered) per training example (default: %(default)s)")
     p.add_argument("--train-examples", type=int, default=8192,
                    help="synthetic questions in train.jsonl (default: %(default)s)")
     p.add_argument("--pool", type=int, default=16, help="distinct documents in the eval set")
@@ -75,28 +77,31 @@ def _doc(rng, facts):
     return [(KEYS[k], VALUES[rng.integers(len(VALUES))]) for k in keys]
 
 
-def _question(rng, docs, fact="{k}{v};", question="?{k}"):
+def _question(rng, docs, fact="{k}{v};", question="?{k}", queries=1):
     """(segments, answer): a system prompt, one span per document, the question.
 
     The question asks for a key that occurs exactly once among the documents, so the answer is
-    never ambiguous (keys repeated across documents stay as distractors)."""
+    never ambiguous (keys repeated across documents stay as distractors). With queries > 1 (the
+    training data) the answer goes on to ask and answer more such keys ("x?By?Cz"): each value is
+    a supervised retrieval, several per example instead of one; the eval asks one key."""
     count = {}
     for d in docs:
         for k, _ in d:
             count[k] = count.get(k, 0) + 1
     pairs = [(k, v) for d in docs for k, v in d if count[k] == 1]
-    if not pairs:
+    if len(pairs) < queries:
         return None
-    k, v = pairs[rng.integers(len(pairs))]
+    asked = [pairs[i] for i in rng.choice(len(pairs), queries, replace=False)]
     segs = [{"kind": "prompt", "text": "facts:"}]
     segs += [{"kind": "span", "text": "".join(fact.format(k=a, v=b) for a, b in d)} for d in docs]
-    segs.append({"kind": "prompt", "text": question.format(k=k)})
-    return segs, v
+    segs.append({"kind": "prompt", "text": question.format(k=asked[0][0])})
+    return segs, asked[0][1] + "".join(question.format(k=k) + v for k, v in asked[1:])
 
 
-def _sample(rng, draw_docs, args):
-    """A question over freshly drawn documents (redrawn in the rare case no key is unique)."""
-    while (q := _question(rng, draw_docs(), args.fact, args.question)) is None:
+def _sample(rng, draw_docs, args, queries=1):
+    """A question over freshly drawn documents (redrawn in the rare case too few keys are
+    unique)."""
+    while (q := _question(rng, draw_docs(), args.fact, args.question, queries)) is None:
         pass
     return q
 
@@ -105,7 +110,7 @@ def write_train_data(path, args, rng):
     with open(path, "w") as f:
         for _ in range(args.train_examples):
             segs, answer = _sample(rng, lambda: [_doc(rng, args.facts) for _ in range(args.docs)],
-                                   args)
+                                   args, args.queries)
             f.write(json.dumps({"segments": segs, "answer": answer}) + "\n")
 
 

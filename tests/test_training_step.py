@@ -18,7 +18,7 @@ from minipic_jax.loading import load_model
 from minipic_jax.models import llama
 from minipic_jax.models.llama_train import attn_implementation
 from minipic_jax.prompts import Prompt, Span
-from minipic_jax.training import TrainConfig
+from minipic_jax.training import TrainConfig, read_jsonl
 from minipic_jax.training.batch import make_batch
 from minipic_jax.training.data import Markers, Record, layout_example
 from minipic_jax.training.step import answer_loss, answer_rows, max_loss_rows, rows_loss
@@ -84,7 +84,7 @@ def test_attention_choice_and_remat_are_checked():
         TrainConfig(**base, attn_impl="flash")
 
 
-def test_block_ft_questions_have_one_right_answer_and_fit(fresh_rng):
+def test_block_ft_questions_have_one_right_answer_and_fit(fresh_rng, tmp_path):
     """The asked key occurs exactly once among the documents and its value is the answer; every
     example lays out within the default seq_len in both layouts."""
     p = argparse.ArgumentParser()
@@ -104,3 +104,11 @@ def test_block_ft_questions_have_one_right_answer_and_fit(fresh_rng):
         for plain in (False, True):
             ex = layout_example(rec, markers, tok, eos_token_id=257, plain=plain)
             assert len(ex.tokens) <= args.seq_len and ex.loss_mask.sum() == 2
+    path = tmp_path / "train.jsonl"  # training examples ask args.queries keys each
+    block_ft_bench.write_train_data(path, argparse.Namespace(**{**vars(args), "train_examples": 16}),
+                                    fresh_rng)
+    for i, rec in enumerate(read_jsonl(path)):
+        answer = rec.answer
+        assert len(answer) == 3 * args.queries - 2 and answer[1::3] == "?" * (args.queries - 1)
+        for plain, seq in ((False, args.seq_len), (True, args.pretrain_seq_len)):
+            assert len(layout_example(rec, markers, tok, eos_token_id=257, plain=plain).tokens) <= seq
