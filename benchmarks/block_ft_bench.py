@@ -1,14 +1,19 @@
 """minipic-bench block-ft: does block fine-tuning recover the accuracy Block-Attention costs?
 
-A synthetic multi-document retrieval task: documents are lists of key=value facts ("K=q;", one
-byte-level token per key and value), a question names one key (" K?") and the answer is its
-value ("q"). A small model is trained
-from scratch with full attention (the plain layout), then evaluated through the engine:
+A synthetic multi-document retrieval task: documents are lists of key-value facts ("Kv;", one
+byte-level token per key and value), a question names one key ("?K") and the answer is its value
+("v"): the classic induction pattern (find the key earlier, emit what follows it). The asked key
+occurs once among the documents. A small model is trained from scratch with full attention (the
+plain layout) on training questions that ask several keys each, mixed with copy examples (dense
+induction targets, so the circuit forms in hundreds of steps instead of thousands), then
+evaluated through the engine on one-key questions over documents from a small pool:
   (a) full attention: the documents and question as one plain prompt;
   (b) Block-Attention: each document a Span (cached once, reused across questions at any offset);
-  (c) (b) after block fine-tuning (`minipic-train` on the block layout, half plain examples).
-Reports the three accuracies, the prefix-cache hit rate of (b)/(c) and the share of the (a)->(b)
-loss that (c) recovers. Everything runs through `minipic_jax.training` and `LLM`.
+  (c) (b) after block fine-tuning (`minipic-train` on the block layout, half plain examples,
+      questions only).
+Reports the three accuracies, the prefix-cache hit rate of (b)/(c), the share of the (a)->(b)
+loss that (c) recovers, and (a) again after fine-tuning. Everything runs through
+`minipic_jax.training` and `LLM`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ def add_parser(p):
                    help="how the question is written, {k} the key (default: %(default)s)")
     p.add_argument("--queries", type=int, default=4,
                    help="keys asked (and answered) per training example (default: %(default)s)")
+    p.add_argument("--copy-fraction", type=float, default=0.5,
+                   help="share of copy examples in the pretraining data (default: %(default)s)")
+    p.add_argument("--copy-length", type=int, default=16,
+                   help="letters per copy example (default: %(default)s)")
     p.add_argument("--train-examples", type=int, default=8192,
                    help="synthetic questions in train.jsonl (default: %(default)s)")
     p.add_argument("--pool", type=int, default=16, help="distinct documents in the eval set")
@@ -106,12 +115,31 @@ def _sample(rng, draw_docs, args, queries=1):
     return q
 
 
-def write_train_data(path, args, rng):
+def _copy_record(rng, length):
+    """A copy example: distinct letters, then the same letters again as the answer. Every answer
+    token is an induction target (find the current token earlier, emit its successor), the
+    circuit the retrieval needs, so the from-scratch model finds it far sooner. The length is
+    drawn from [length / 2, length]: at one fixed length a fixed-offset head copies without
+    induction (seen: loss down in 150 steps, retrieval still at chance)."""
+    letters = KEYS + VALUES
+    n = int(rng.integers(length // 2, length + 1))
+    text = "".join(letters[i] for i in rng.choice(len(letters), n, replace=False))
+    return {"segments": [{"kind": "prompt", "text": f"copy:{text}|"}], "answer": text}
+
+
+def write_train_data(path, args, rng, copy_fraction=0.0):
+    """train.jsonl: retrieval questions; with copy_fraction > 0 (the pretraining file), that
+    share of the records are copy examples instead."""
     with open(path, "w") as f:
         for _ in range(args.train_examples):
-            segs, answer = _sample(rng, lambda: [_doc(rng, args.facts) for _ in range(args.docs)],
-                                   args, args.queries)
-            f.write(json.dumps({"segments": segs, "answer": answer}) + "\n")
+            if rng.random() < copy_fraction:
+                rec = _copy_record(rng, args.copy_length)
+            else:
+                segs, answer = _sample(
+                    rng, lambda: [_doc(rng, args.facts) for _ in range(args.docs)], args,
+                    args.queries)
+                rec = {"segments": segs, "answer": answer}
+            f.write(json.dumps(rec) + "\n")
 
 
 def eval_set(args, rng):
@@ -179,6 +207,7 @@ def run(args):
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
     write_train_data(out / "train.jsonl", args, rng)
+    write_train_data(out / "pretrain.jsonl", args, rng, copy_fraction=args.copy_fraction)
     questions = eval_set(args, rng)
     res = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
     save = lambda: (out / "block_ft.json").write_text(json.dumps(res, indent=2, default=str))
@@ -186,7 +215,7 @@ def run(args):
     if args.base:  # a model pretrained by an earlier run (its pretrain/export)
         base = pathlib.Path(args.base)
     else:
-        base, res["pretrain"] = _train(args, out / "train.jsonl", out / "pretrain",
+        base, res["pretrain"] = _train(args, out / "pretrain.jsonl", out / "pretrain",
                                        model=init_model(args, out / "init"),
                                        steps=args.pretrain_steps, plain_fraction=1.0,
                                        seq_len=args.pretrain_seq_len, batch_size=args.batch_size)
