@@ -107,8 +107,15 @@ def test_block_ft_questions_have_one_right_answer_and_fit(fresh_rng, tmp_path):
     path = tmp_path / "train.jsonl"  # training examples ask args.queries keys each
     block_ft_bench.write_train_data(path, argparse.Namespace(**{**vars(args), "train_examples": 16}),
                                     fresh_rng)
-    for i, rec in enumerate(read_jsonl(path)):
+    for rec in read_jsonl(path):
         answer = rec.answer
         assert len(answer) == 3 * args.queries - 2 and answer[1::3] == "?" * (args.queries - 1)
         for plain, seq in ((False, args.seq_len), (True, args.pretrain_seq_len)):
             assert len(layout_example(rec, markers, tok, eos_token_id=257, plain=plain).tokens) <= seq
+    block_ft_bench.write_train_data(path, argparse.Namespace(**{**vars(args), "train_examples": 16}),
+                                    fresh_rng, copy_fraction=1.0)  # pretraining's copy examples
+    for rec in read_jsonl(path):
+        text = rec.segments[0].content
+        assert text == f"copy:{rec.answer}|" and len(set(rec.answer)) == len(rec.answer)
+        assert len(layout_example(rec, markers, tok, eos_token_id=257, plain=True).tokens) <= \
+            args.pretrain_seq_len
