@@ -44,18 +44,18 @@ def add_parser(p):
                    help="share of copy examples in the pretraining data (default: %(default)s)")
     p.add_argument("--copy-length", type=int, default=16,
                    help="letters per copy example (default: %(default)s)")
-    p.add_argument("--train-examples", type=int, default=8192,
+    p.add_argument("--train-examples", type=int, default=32768,
                    help="synthetic questions in train.jsonl (default: %(default)s)")
     p.add_argument("--pool", type=int, default=16, help="distinct documents in the eval set")
     p.add_argument("--eval", type=int, default=128, help="eval questions")
-    p.add_argument("--pretrain-steps", type=int, default=3000,
+    p.add_argument("--pretrain-steps", type=int, default=1000,
                    help="from-scratch training steps, full attention (default: %(default)s)")
-    p.add_argument("--ft-steps", type=int, default=1000,
+    p.add_argument("--ft-steps", type=int, default=300,
                    help="block fine-tuning steps (half plain examples) (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=128,
                    help="training batch size (default: %(default)s)")
-    p.add_argument("--ft-batch-size", type=int, default=None,
-                   help="block fine-tuning batch size (default: --batch-size)")
+    p.add_argument("--ft-batch-size", type=int, default=64,
+                   help="block fine-tuning batch size (default: %(default)s)")
     p.add_argument("--base", default=None,
                    help="skip pretraining: evaluate and fine-tune this HF folder (an earlier "
                         "run's pretrain/export, trained on the same task settings)")
