@@ -17,7 +17,7 @@ from minipic_jax.training.batch import BatchStream
 from minipic_jax.training.data import Markers, layout_example, read_jsonl
 from minipic_jax.training.export import export_hf
 from minipic_jax.training.optim import init_lora, make_optimizer, merge_lora
-from minipic_jax.training.step import make_train_step
+from minipic_jax.training.step import make_train_step, max_loss_rows
 from serving.config import default_marker_ids
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -42,7 +42,11 @@ class TrainConfig:
     plain_fraction: float = 0.0  # share of examples laid out without blocks (full attention)
     block_size: int = 16  # the engine's block_size the model will be served with
     compute_dtype: str = "bfloat16"  # fp32 master weights, this in the forward/backward
-    remat: bool = True
+    # "dots" (the default: projection outputs kept, the rest recomputed; 49.6% MFU against 42.8%
+    # for "full" on the H200, benchmarks/RESULTS.md "Training"), "full" (least memory) or "none";
+    # True/False accepted (models/llama_train.py)
+    remat: str = "dots"
+    attn_impl: str = "auto"  # "auto" (cuDNN on a GPU in bf16), "xla" or "cudnn"
     seed: int = 0
     checkpoint_every: int = 50  # updates; 0: only at the end
     export_dtype: str = "bfloat16"
@@ -57,6 +61,14 @@ class TrainConfig:
                              f"{self.plain_fraction}")
         if self.compute_dtype not in DTYPES:
             raise ValueError(f"TrainConfig.compute_dtype must be one of {tuple(DTYPES)}")
+        if self.attn_impl not in ("auto", "xla", "cudnn"):
+            raise ValueError(f"TrainConfig.attn_impl must be 'auto', 'xla' or 'cudnn', got "
+                             f"{self.attn_impl!r}")
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in ("full", "dots", "none"):
+            raise ValueError(f"TrainConfig.remat must be 'full', 'dots' or 'none', got "
+                             f"{self.remat!r}")
 
 
 def trainable_family(loaded):
@@ -94,18 +106,19 @@ class Trainer:
                    min_lr_ratio=tc.min_lr_ratio, weight_decay=tc.weight_decay,
                    clip_norm=tc.clip_norm, grad_accum=tc.grad_accum)
         self.tx = make_optimizer(**opt)
-        lora = tc.lora_alpha if tc.lora_rank else None
-        self.step_fn = make_train_step(self.family, self.cfg, tuple(sorted(opt.items())),
-                                       lora_alpha=lora,
-                                       compute_dtype=DTYPES[tc.compute_dtype], remat=tc.remat)
         base = self.loaded.params
         if tc.lora_rank:
             self.frozen = jax.tree.map(lambda w: w.astype(DTYPES[tc.compute_dtype]), base)
             trainable = init_lora(base, tc.lora_rank, jax.random.key(tc.seed))
         else:
             self.frozen, trainable = None, base
-        for i in range(len(self.records)):  # every record laid out (and checked) before any work
-            self.example(i, plain=tc.plain_fraction >= 1.0)  # the longest layout in use
+        answers = [int(self.example(i, plain=tc.plain_fraction >= 1.0).loss_mask.sum())
+                   for i in range(len(self.records))]  # every record laid out (and checked) first
+        lora = tc.lora_alpha if tc.lora_rank else None
+        self.step_fn = make_train_step(self.family, self.cfg, tuple(sorted(opt.items())),
+                                       lora_alpha=lora, compute_dtype=DTYPES[tc.compute_dtype],
+                                       remat=tc.remat, attn_impl=tc.attn_impl,
+                                       loss_rows=max_loss_rows(answers, tc.batch_size))
         # committed like a restored checkpoint's arrays, so a resumed run reuses the compiled step
         self.state = jax.device_put({"trainable": trainable, "opt_state": self.tx.init(trainable)},
                                     jax.devices()[0])
