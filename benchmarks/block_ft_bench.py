@@ -38,6 +38,10 @@ def add_parser(p):
                    help="how a fact is written, {k} key and {v} value (default: %(default)s)")
     p.add_argument("--question", default="?{k}",
                    help="how the question is written, {k} the key (default: %(default)s)")
+    p.add_argument("--ask", choices=("unique", "first"), default="unique",
+                   help="unique: ask keys that occur once; first: keys may repeat across "
+                        "documents and the first occurrence counts (the eval then asks only "
+                        "repeated keys) (default: %(default)s)")
     p.add_argument("--queries", type=int, default=4,
                    help="keys asked (and answered) per training example (default: %(default)s)")
     p.add_argument("--copy-fraction", type=float, default=0.5,
@@ -86,7 +90,7 @@ def _doc(rng, facts):
     return [(KEYS[k], VALUES[rng.integers(len(VALUES))]) for k in keys]
 
 
-def _question(rng, docs, fact="{k}{v};", question="?{k}", queries=1):
+def _question(rng, docs, fact="{k}{v};", question="?{k}", queries=1, ask="unique"):
     """(segments, answer): a system prompt, one span per document, the question.
 
     The question asks for a key that occurs exactly once among the documents, so the answer is
@@ -97,7 +101,14 @@ def _question(rng, docs, fact="{k}{v};", question="?{k}", queries=1):
     for d in docs:
         for k, _ in d:
             count[k] = count.get(k, 0) + 1
-    pairs = [(k, v) for d in docs for k, v in d if count[k] == 1]
+    if ask == "unique":
+        pairs = [(k, v) for d in docs for k, v in d if count[k] == 1]
+    else:  # "first": any key, its first occurrence counts; "first-dup": only repeated keys
+        first = {}
+        for d in docs:
+            for k, v in d:
+                first.setdefault(k, v)
+        pairs = [(k, v) for k, v in first.items() if ask == "first" or count[k] > 1]
     if len(pairs) < queries:
         return None
     asked = [pairs[i] for i in rng.choice(len(pairs), queries, replace=False)]
@@ -107,10 +118,9 @@ def _question(rng, docs, fact="{k}{v};", question="?{k}", queries=1):
     return segs, asked[0][1] + "".join(question.format(k=k) + v for k, v in asked[1:])
 
 
-def _sample(rng, draw_docs, args, queries=1):
-    """A question over freshly drawn documents (redrawn in the rare case too few keys are
-    unique)."""
-    while (q := _question(rng, draw_docs(), args.fact, args.question, queries)) is None:
+def _sample(rng, draw_docs, args, queries=1, ask="unique"):
+    """A question over freshly drawn documents (redrawn when too few keys qualify)."""
+    while (q := _question(rng, draw_docs(), args.fact, args.question, queries, ask)) is None:
         pass
     return q
 
@@ -137,7 +147,7 @@ def write_train_data(path, args, rng, copy_fraction=0.0):
             else:
                 segs, answer = _sample(
                     rng, lambda: [_doc(rng, args.facts) for _ in range(args.docs)], args,
-                    args.queries)
+                    args.queries, args.ask)
                 rec = {"segments": segs, "answer": answer}
             f.write(json.dumps(rec) + "\n")
 
@@ -146,7 +156,8 @@ def eval_set(args, rng):
     """Questions over documents drawn from a pool of args.pool, so spans repeat (cache hits)."""
     pool = [_doc(rng, args.facts) for _ in range(args.pool)]
     pick = lambda: [pool[i] for i in rng.choice(args.pool, args.docs, replace=False)]
-    return [_sample(rng, pick, args) for _ in range(args.eval)]
+    ask = "first-dup" if args.ask == "first" else args.ask  # eval: where the rule matters
+    return [_sample(rng, pick, args, 1, ask) for _ in range(args.eval)]
 
 
 def evaluate(folder, questions, args, *, blocks: bool) -> dict:
