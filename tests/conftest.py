@@ -18,12 +18,9 @@ import pytest  # noqa: E402
 # Tests build many engines over the same tiny shapes: a persistent compilation cache lets every
 # engine after the first load its executables instead of compiling them again (XLA compiles are
 # most of the suite's time on CPU). Set JAX_COMPILATION_CACHE_DIR to choose the folder.
-# Under pytest-xdist (`-n N`) each worker process keeps its own folder, so no two processes
-# write one cache entry at the same time.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir",
-                      str(pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"
-                          / os.environ.get("PYTEST_XDIST_WORKER", "main")))
+                      str(pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
