@@ -38,6 +38,7 @@ def test_hybrid_greedy_matches_hf_with_chunks_and_preemption():
     assert all(r % 64 == 0 and r <= (len(p) - 1) // 16 * 16 for r, p in zip(resumed, prompts))
 
 
+@pytest.mark.slow  # ~25 s of interpreted decode kernel: --run-slow
 def test_hybrid_decode_steps_run_the_decode_kernel():
     """Decode-only steps compile their own variant with the decode kernel and its options (what
     the engine does on a GPU by default): a hybrid model must accept them and keep HF's tokens."""

@@ -154,6 +154,7 @@ def _on_host(llm, prefixes, salt):
     return out
 
 
+@pytest.mark.slow  # ~16 s; test_engine_hybrid_spans keeps the warm span path in the default run
 def test_span_prompts_skip_cached_spans_only_pdep_works(llm):
     """Spans on hybrids (issue 19, tests/test_engine_hybrid_spans.py checks their outputs): the
     second time, the cached span's three blocks are skipped (its map composed), nothing else is

@@ -92,6 +92,7 @@ def test_mosaic_rejects_what_it_cannot_run():
                                                     "pages_per_step": 4})
 
 
+@pytest.mark.slow  # ~14 s interpreted; the choice itself: tests/test_kernel_registry.py
 def test_auto_takes_the_mosaic_kernel_where_it_fits(monkeypatch):
     """implementation="auto" for a decode-only step (on a GPU, or interpreting): the Mosaic
     kernel with its measured defaults for D = 128 and a position bound; triton_decode for a

@@ -114,9 +114,10 @@ def test_states_match_hf_cache(name):
         np.testing.assert_allclose(state["delta"], ref["delta"][s], atol=1e-5, rtol=0)
 
 
-# one cut in the default run (each costs ~15-25 s on 2 cores); the others with --run-slow
-@pytest.mark.parametrize("n,cut", [pytest.param(250, 192, marks=pytest.mark.slow),
-                                   pytest.param(170, 128, marks=pytest.mark.slow), (200, 64)])
+# each cut costs ~15-25 s on 2 cores: --run-slow (the engine's resumes at any depth stay in the
+# default run: tests/test_engine_hybrid_cache.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("n,cut", [(250, 192), (170, 128), (200, 64)])
 def test_exact_resume_from_checkpoint(n, cut, fresh_rng, name="qwen3_5_gva2"):
     """A long prefill's checkpoint at chunk-aligned `cut` vs a prefill that stopped at `cut`, and
     resuming from that checkpoint vs the one-shot prefill.
