@@ -104,8 +104,13 @@ class HybridPrefixCache:
                 seq.layout, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs],
                 shared)
         self.count_admission(seq, kinds, kc, shared, entry)
+        self.seat(seq, seats, kc, entry)
+        return True
+
+    def seat(self, seq, seats, kc: int, entry) -> None:
+        """Admit `seq` into a seat, resuming at block kc from checkpoint `entry` (or from zero)."""
         seq.restore_entry = entry
-        seq.num_computed = kc * bs
+        seq.num_computed = kc * self.block_size
         seq.seat = seats.pop()
         seq.synced_blocks = 0
         seq.status = Status.RUNNING
@@ -114,7 +119,6 @@ class HybridPrefixCache:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.time()
         seq.ever_admitted = True
-        return True
 
     def count_admission(self, seq, kinds, kc: int, shared: int, entry) -> None:
         """An admission matched `kinds` blocks (`shared` counting blocks in flight too) and

@@ -28,7 +28,7 @@ import numpy as np
 
 from serving.disk_store import DiskStore, namespace
 from serving.run_file import Run, run_rows
-from serving.kv_store_moves import ChunkedPageMover, _Staged  # noqa: F401 (engine import)
+from serving.kv_store_moves import _Staged
 
 
 class _Want:

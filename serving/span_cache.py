@@ -36,10 +36,7 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
 
 from __future__ import annotations
 
-import time
-
 from serving import span_rows
-from serving.sequence import Status
 
 MAX_CAPTURES = 8  # span maps one step may capture (a static shape of the runner's step)
 
@@ -153,16 +150,7 @@ class SpanMapCache:
         # planned before this admission is observed, as for plain prompts
         seq.ck_positions, seq.ck_values = self._checkpoints(hybrid, seq, hashes, shared)
         hybrid.count_admission(seq, kinds, kc, shared, ck)
-        seq.restore_entry = ck
-        seq.num_computed = kc * bs
-        seq.seat = seats.pop()
-        seq.synced_blocks = 0
-        seq.status = Status.RUNNING
-        seq.needs_reset = kc == 0
-        seq.ready_ptr = 0
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = time.time()
-        seq.ever_admitted = True
+        hybrid.seat(seq, seats, kc, ck)
         return True
 
     def _checkpoints(self, hybrid, seq, hashes, shared: int):
