@@ -126,8 +126,8 @@ def one_block_inputs(runner, ints, kw):
     to its own position only: the same step minus (almost all) K/V reading."""
     import numpy as np
 
-    from serving.model_runner import _layout
-    spec, _ = _layout(kw["t"], kw["s"], runner.nb)
+    from serving.step_inputs import layout
+    spec, _ = layout(kw["t"], kw["s"], runner.nb)
     short = ints.copy()
     o, (n,) = spec["num_blocks"]
     short[o:o + n] = np.minimum(short[o:o + n], 1)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving import checkpoint_pool
-from serving.model_runner import _layout
+from serving.step_inputs import layout as _layout
 
 
 class StepCapture:
