@@ -64,7 +64,7 @@ def add_parser(p) -> None:
     p.add_argument("--cost", action="store_true",
                    help="also time checkpoint extraction + restore: a captured prefill step "
                         "with the pool vs without it (benchmarks/hybrid_cache_cost.py)")
-    p.add_argument("--bucket-fit", nargs="+", default=["on"], choices=["on", "off"],
+    p.add_argument("--bucket-fit", nargs="+", default=["off"], choices=["on", "off"],
                    help="Config.checkpoint_bucket_fit per pass (both: an A/B of the chunk cut at "
                         "token buckets, serving/bucket_fit.py) (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
@@ -269,8 +269,8 @@ def _fit(results, extra) -> None:
     if fit is None:
         return
     extra["wall_fit"] = fit
-    print(f"wall fit over {fit['runs']} runs: {fit['per_step_ms']:.2f} ms per step + "
-          f"{fit['per_padded_token_us']:.2f} us per padded token + {fit['rest_s']:.3f} s "
+    steps = ", ".join(f"{k} {v:.2f} ms" for k, v in fit["step_ms"].items())
+    print(f"wall fit over {fit['runs']} runs, per step: {steps}; + {fit['rest_s']:.3f} s "
           f"(R^2 {fit['r2']:.3f}, residual std {fit['residual_std_s']:.3f} s)", flush=True)
     for r in results:
         none = [x for x in results if x["strategy"] == "none" and all(

@@ -44,24 +44,40 @@ class StepLog:
 
 
 def fit_wall(results) -> dict | None:
-    """Least squares over the runs: wall = per_step x steps + per_padded x padded tokens + rest
-    (a step costs a fixed part plus its bucket's tokens). Per run, `prefill_wall_s`: the wall
-    less the fitted cost of its decode-only steps (what caching can shorten). None with fewer
-    runs than 4."""
+    """Least squares over the runs: wall = sum over step kinds (bucket, decode | prefill) of
+    cost x steps of that kind + rest. Per run, `prefill_wall_s`: the wall less the fitted cost
+    of its decode-only steps (the part caching can shorten). None with too few runs."""
     import numpy as np
-    rows = [r for r in results if "padded_tokens" in r]
-    if len(rows) < 4:
+    rows = [r for r in results if r.get("step_buckets")]
+    kinds = sorted({k for r in rows for k in r["step_buckets"]},
+                   key=lambda k: (k.split()[1], int(k.split()[0])))
+    if len(rows) < len(kinds) + 3:
         return None
-    x = np.array([[r["steps"], r["padded_tokens"], 1.0] for r in rows], float)
+    x = np.array([[r["step_buckets"].get(k, 0) for k in kinds] + [1.0] for r in rows], float)
     y = np.array([r["wall_s"] for r in rows])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    pred = x @ coef
-    r2 = 1 - float(((y - pred) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-30))
-    step_s, tok_s, rest = (float(v) for v in coef)
+    res = y - x @ coef
+    cov = float(res @ res) / max(len(rows) - x.shape[1], 1) * np.linalg.pinv(x.T @ x)
+    r2 = 1 - float(res @ res) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
+    cost = dict(zip(kinds, (float(v) for v in coef[:-1])))
     for r in rows:
-        dec = sum(v for k, v in r["step_buckets"].items() if k.endswith("decode"))
-        dec_tokens = sum(int(k.split()[0]) * v for k, v in r["step_buckets"].items()
-                         if k.endswith("decode"))
-        r["prefill_wall_s"] = r["wall_s"] - dec * step_s - dec_tokens * tok_s
-    return {"per_step_ms": 1e3 * step_s, "per_padded_token_us": 1e6 * tok_s, "rest_s": rest,
-            "r2": r2, "residual_std_s": float((y - pred).std()), "runs": len(rows)}
+        r["prefill_wall_s"] = r["wall_s"] - sum(cost[k] * v for k, v in r["step_buckets"].items()
+                                                if k.endswith("decode"))
+    return {"step_ms": {k: 1e3 * cost[k] for k in kinds},
+            "step_ms_se": {k: 1e3 * float(np.sqrt(cov[i, i])) for i, k in enumerate(kinds)},
+            "rest_s": float(coef[-1]), "r2": r2, "residual_std_s": float(res.std()),
+            "runs": len(rows)}
+
+
+def main(argv=None) -> int:
+    """Refit a saved run: python -m benchmarks.hybrid_cache_steps runs/hybrid_cache_runN.json"""
+    import json
+    import sys
+    path = (argv or sys.argv[1:])[0]
+    results = json.load(open(path))["results"]
+    print(json.dumps(fit_wall(results), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

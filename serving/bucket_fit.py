@@ -1,18 +1,18 @@
 """Where a prefill chunk stops so that its step fits a smaller token bucket (host, plain Python).
 
-A step is compiled per token bucket (Config.token_buckets) and costs about what its bucket costs,
-not what its real tokens would: on the H200 at the Qwen3.5-0.8B shape a 2,048-token step takes
-~24 ms, a 1,024-token one ~13 ms and a decode step ~7 ms (benchmarks/RESULTS.md, hybrid prefix
-caching). A prompt tail that overflows a bucket by a little pays the next bucket for it: 1,150
-tokens run as 2,048. With hybrid prefix caching that is the common case (a request computes the
-new tokens behind its checkpoint), and it hides the tokens a better checkpoint saves: they go to
-padding.
+A step is compiled per token bucket (Config.token_buckets) and pays for its bucket, not for its
+real tokens: a prompt tail that overflows a bucket by a little (1,150 tokens) runs as the next one
+(2,048). With hybrid prefix caching that is the common case (a request computes the new tokens
+behind its checkpoint), and it hides the tokens a better checkpoint saves: they go to padding.
 
 `fit_stop` cuts such a chunk at the smaller bucket when the overflow is small enough to ride on
-the next step for little (at most `spill` tokens: the next step holds the running sequences'
-decodes and the overflow, and stays in the smallest bucket). Cutting delays the chunk's own first
-token by one step; it saves the difference between the two buckets, less the decode step's
-share that turns into a prefill step.
+the next step (at most `spill` tokens: the next step holds the running sequences' decodes and
+the overflow, and stays in the smallest bucket). The cut turns that next step from a decode step
+into a prefill step and delays the chunk's own first token by a step. Measured on the H200
+(Qwen3.5-0.8B shape, benchmarks/history/hybrid_cache.md run 4) that costs more than it saves:
+a 512-token prefill step takes ~14 ms against ~4 ms for a decode step of the same bucket, while
+1,024 against 2,048 tokens of prefill differ by ~4 ms. So Config.checkpoint_bucket_fit is off by
+default; it pays where a prefill step costs little more than its tokens.
 """
 
 from __future__ import annotations

@@ -101,8 +101,10 @@ class Config:
     checkpoint_replan_tv: float = 0.1
     # checkpoint_bucket_fit: a plain hybrid prompt's chunk that overflows a token bucket by at
     # most (smallest bucket - seats) tokens stops at that bucket; the overflow rides on the next
-    # step (serving/bucket_fit.py: a step costs its bucket, so the overflow would be padding).
-    checkpoint_bucket_fit: bool = True
+    # step (serving/bucket_fit.py). Off by default: on the H200 (Qwen3.5-0.8B shape, run 4 in
+    # benchmarks/history/hybrid_cache.md) a prefill step costs ~10 ms more than a decode step of
+    # the same bucket, more than the padding the cut saves.
+    checkpoint_bucket_fit: bool = False
     # Hybrid models, SSEP spans (serving/span_cache.py): device bytes of cached span maps (one map:
     # A and B of every recurrent layer in span_map_dtype, plus a conv tail; None: 2% of the
     # device's memory limit, or 64 maps without memory stats; 0: spans always recomputed), and

@@ -67,3 +67,27 @@ def test_a_request_waits_for_the_checkpoint_its_prefix_is_computing():
         cached[wait] = [o.num_cached_tokens for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert llm.llm_engine.hybrid_cache.planner.strategy == "dp"
     assert cached[256.0] == [0, 832, 896] and cached[0.0] == [0, 448, 896], cached
+
+
+def test_bucket_fit_cuts_chunks_at_buckets():
+    """Config.checkpoint_bucket_fit (serving/bucket_fit.py): the same requests run in fewer
+    padded step tokens, and no step's tokens overflow a bucket by 1..spill (60) tokens."""
+    import numpy as np
+
+    from benchmarks.hybrid_cache_steps import StepLog
+    from minipic_jax import SamplingParams
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in (150, 170, 300, 90, 140)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    padded, sizes = {}, {}
+    for fit in (False, True):
+        llm = _stub_llm(checkpoint_bucket_fit=fit)
+        log, seen = StepLog(llm.llm_engine.runner), []
+        inner = log.inner
+        log.inner = lambda batch, **kw: seen.append(sum(e.token_idx.size for e in batch)) or \
+            inner(batch, **kw)
+        llm.generate(prompts, sp, use_tqdm=False)
+        padded[fit], sizes[fit] = log.padded, seen
+    assert padded[True] < padded[False], padded
+    over = lambda n: any(b < n <= b + 60 for b in (64, 128))  # noqa: E731
+    assert any(map(over, sizes[False])) and not any(map(over, sizes[True])), sizes
