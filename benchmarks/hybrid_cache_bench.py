@@ -19,6 +19,7 @@ questions in Llama 3 tokens), shared system prompts + MuSiQue questions, MuSiQue
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import os
 import time
@@ -63,6 +64,9 @@ def add_parser(p) -> None:
     p.add_argument("--cost", action="store_true",
                    help="also time checkpoint extraction + restore: a captured prefill step "
                         "with the pool vs without it (benchmarks/hybrid_cache_cost.py)")
+    p.add_argument("--bucket-fit", nargs="+", default=["off"], choices=["on", "off"],
+                   help="Config.checkpoint_bucket_fit per pass (both: an A/B of the chunk cut at "
+                        "token buckets, serving/bucket_fit.py) (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="PNG of tokens recomputed vs budget")
 
@@ -127,12 +131,19 @@ def workloads(names, scale: float, doc_cap: int, seed: int = 0) -> dict:
 # ----------------------------------------------------------------------------- runs
 
 
-def _run(llm, prompts, sp) -> dict:
+def _run(llm, prompts, sp, log=None) -> dict:
     engine = llm.llm_engine
+    if log is not None:
+        log.reset()
     before = engine.get_stats()
+    gc.collect()  # no collection pause inside a timed run (identical runs differed by 0.1 s)
+    gc.disable()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        wall = time.perf_counter() - t0
+        gc.enable()
     after = engine.get_stats()
     n_prompt = sum(len(o.prompt_token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs)
@@ -146,7 +157,8 @@ def _run(llm, prompts, sp) -> dict:
                 tokens_recomputed=delta["tokens_matched"] - delta["tokens_resumed"],
                 hit_rate=cached / max(n_prompt, 1), prefill_tok_per_s=n_prompt / wall,
                 mean_ttft_s=float(np.mean(ttft)), **delta,
-                plan=after.get("checkpoint_plan"), tokens=[o.outputs[0].token_ids for o in outs])
+                plan=after.get("checkpoint_plan"), tokens=[o.outputs[0].token_ids for o in outs],
+                **(log.summary() if log is not None else {}))
 
 
 def _engine(args, loaded, nbytes):
@@ -175,7 +187,7 @@ def _engine(args, loaded, nbytes):
 
 def _print_run(r):
     el = r["wall_s"]
-    print(f"  budget {r['budget']:3d} {r['strategy']:8s} recomputed {r['tokens_recomputed']:7d} "
+    print(f"  budget {r['budget']:3d} fit {r['bucket_fit']:3s} {r['strategy']:8s} recomputed {r['tokens_recomputed']:7d} "
           f"computed {r['computed_prompt_tokens']:7d} hit {r['hit_rate']:.3f} "
           f"prefill {r['prefill_tok_per_s']:9.0f} tok/s TTFT {1e3 * r['mean_ttft_s']:7.1f} ms "
           f"wall {el:6.2f} s same-tokens {r['tokens_equal_none']}", flush=True)
@@ -219,6 +231,8 @@ def run(args) -> int:
         capture = hybrid_cache_cost.StepCapture(engine.runner)
     print(f"warmup (compile) {time.perf_counter() - t0:.1f} s", flush=True)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    from benchmarks.hybrid_cache_steps import StepLog
+    log = StepLog(engine.runner)
     loads = workloads(args.workloads, args.scale, args.doc_cap, args.seed)
     room = args.max_model_len - args.max_tokens
     for name in loads:  # ids kept inside the vocabulary (below the marker ids), lengths in room
@@ -229,41 +243,67 @@ def run(args) -> int:
         print(f"== {name}: {len(prompts)} requests, "
               f"{sum(map(len, prompts))} prompt tokens", flush=True)
         for budget in args.budgets:
-            ref = None
-            for strategy in args.strategies:
-                engine.config.checkpoint_strategy = strategy
-                engine.config.checkpoint_gb = budget * nbytes / 2**30
-                engine.reset_prefix_cache()
-                try:
-                    r = _run(llm, prompts, sp)
-                except Exception as err:  # noqa: BLE001 - one failing run must not lose the rest
-                    print(f"  {strategy}: FAILED {type(err).__name__}: {err}", flush=True)
-                    continue
-                toks = r.pop("tokens")
-                ref = toks if strategy == "none" else ref
-                r["tokens_equal_none"] = (float(np.mean([a == b for a, b in zip(toks, ref)]))
-                                          if ref is not None else None)
-                r.update(workload=name, budget=budget, strategy=strategy,
-                         budget_bytes=budget * nbytes)
-                none = [x for x in results if (x["workload"], x["budget"], x["strategy"])
-                        == (name, budget, "none")]
-                if none:
-                    _savings(r, none[0])
-                results.append(r)
-                _print_run(r)
-                if args.json:
-                    _write(args.json, nbytes, results, extra)
+            for fit in args.bucket_fit:
+                _cell(llm, prompts, sp, log, args, dict(workload=name, budget=budget,
+                                                        bucket_fit=fit, budget_bytes=budget * nbytes),
+                      results, lambda: args.json and _write(args.json, nbytes, results, extra))
         if cost and "cost" not in extra:  # after the first workload: a timeout later keeps it
             capture.close()
             extra["cost"] = _cost(hybrid_cache_cost, engine, loaded.family, capture)
             if args.json:
                 _write(args.json, nbytes, results, extra)
+    _fit(results, extra)
     if args.json:
         _write(args.json, nbytes, results, extra)
     if args.plot:
         _plot(results, args.plot)
     _table(results)
     return 0
+
+
+def _fit(results, extra) -> None:
+    """The wall-time fit over all runs (benchmarks/hybrid_cache_steps.py), and per run the
+    prefill-wall saving over the computed-token saving against `none`."""
+    from benchmarks.hybrid_cache_steps import fit_wall
+    fit = fit_wall(results)
+    if fit is None:
+        return
+    extra["wall_fit"] = fit
+    steps = ", ".join(f"{k} {v:.2f} ms" for k, v in fit["step_ms"].items())
+    print(f"wall fit over {fit['runs']} runs, per step: {steps}; + {fit['rest_s']:.3f} s "
+          f"(R^2 {fit['r2']:.3f}, residual std {fit['residual_std_s']:.3f} s)", flush=True)
+    for r in results:
+        none = [x for x in results if x["strategy"] == "none" and all(
+            x[k] == r[k] for k in ("workload", "budget", "bucket_fit"))]
+        if none and r.get("token_saving", 0) > 0:
+            r["prefill_saving_ratio"] = (1 - r["prefill_wall_s"] / none[0]["prefill_wall_s"]) \
+                / r["token_saving"]
+
+def _cell(llm, prompts, sp, log, args, cell, results, save) -> None:
+    """Every strategy on one workload at one budget (and bucket-fit setting), in order."""
+    engine, ref = llm.llm_engine, None
+    for strategy in args.strategies:
+        engine.config.checkpoint_strategy = strategy
+        engine.config.checkpoint_gb = cell["budget_bytes"] / 2**30
+        engine.config.checkpoint_bucket_fit = cell["bucket_fit"] == "on"
+        engine.reset_prefix_cache()
+        try:
+            r = _run(llm, prompts, sp, log)
+        except Exception as err:  # noqa: BLE001 - one failing run must not lose the rest
+            print(f"  {strategy}: FAILED {type(err).__name__}: {err}", flush=True)
+            continue
+        toks = r.pop("tokens")
+        ref = toks if strategy == "none" else ref
+        r["tokens_equal_none"] = (float(np.mean([a == b for a, b in zip(toks, ref)]))
+                                  if ref is not None else None)
+        r.update(cell, strategy=strategy)
+        none = [x for x in results if x["strategy"] == "none"
+                and all(x.get(k) == v for k, v in cell.items())]
+        if none:
+            _savings(r, none[0])
+        results.append(r)
+        _print_run(r)
+        save()
 
 
 def _cost(mod, engine, family, capture) -> dict:
@@ -285,15 +325,16 @@ def _write(path, nbytes, results, extra):
 
 
 def _table(results):
-    print("\nworkload      budget strategy  recomputed  computed  hit    prefill tok/s  TTFT ms"
-          "   wall s  wall/none  saving ratio (wall / tokens)")
+    print("\nworkload      budget fit strategy  recomputed  computed  hit    prefill tok/s  TTFT ms"
+          "   wall s  wall/none  saving ratio (wall / tokens)  steps  padded tokens")
     for r in results:
         ratio = r.get("saving_ratio")
-        print(f"{r['workload']:13s} {r['budget']:6d} {r['strategy']:9s} "
+        print(f"{r['workload']:13s} {r['budget']:6d} {r['bucket_fit']:3s} {r['strategy']:9s} "
               f"{r['tokens_recomputed']:10d} {r['computed_prompt_tokens']:9d} "
               f"{r['hit_rate']:.3f} {r['prefill_tok_per_s']:14.0f} "
               f"{1e3 * r['mean_ttft_s']:8.1f} {r['wall_s']:8.2f} "
-              f"{r.get('wall_vs_none', 1.0):9.2f}  {'-' if ratio is None else f'{ratio:.2f}'}")
+              f"{r.get('wall_vs_none', 1.0):9.2f}  {'-' if ratio is None else f'{ratio:.2f}':>28s}"
+              f"  {r.get('steps', 0):5d}  {r.get('padded_tokens', 0):13d}")
 
 
 def _plot(results, path):
@@ -308,7 +349,8 @@ def _plot(results, path):
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
     for ax, name in zip(axes[0], names):
         for s in STRATEGIES:
-            rows = sorted((r for r in results if r["workload"] == name and r["strategy"] == s),
+            rows = sorted((r for r in results if r["workload"] == name and r["strategy"] == s
+                           and r["bucket_fit"] == results[0]["bucket_fit"]),
                           key=lambda r: r["budget"])
             if rows:
                 ax.plot([r["budget"] for r in rows], [r["tokens_recomputed"] for r in rows],

@@ -64,11 +64,12 @@ def start_plain_compile(runner) -> threading.Thread:
     s = runner.config.seq_bucket(t)
     _, size = _layout(t, s, runner.nb, False)
     prev = runner._prev() if runner.config.async_scheduling else None
-    lowered = runner._step.lower(runner.params, runner.cache, np.zeros(size, np.int32),
-                                 np.ones(2 * s, np.float32), prev, None, t=t, s=s,
-                                 all_greedy=True, use_filter=False, num_logprobs=0,
-                                 decode_only=False)
-    th = threading.Thread(target=lowered.compile, daemon=True)
+    plans = {runner._plan(t, s, n) for n in (0, min(s, t // 2))}  # as ModelRunner.warmup
+    lowered = [runner._step.lower(runner.params, runner.cache, np.zeros(size, np.int32),
+                                  np.ones(2 * s, np.float32), prev, None, None, t=t, s=s,
+                                  all_greedy=True, use_filter=False, num_logprobs=0,
+                                  decode_only=False, attn_options=plan) for plan in plans]
+    th = threading.Thread(target=lambda: [low.compile() for low in lowered], daemon=True)
     th.start()
     return th
 
@@ -105,9 +106,9 @@ def measure(runner, family, capture: StepCapture, reps: int = 20) -> dict:
 
     def step(pool_on: bool):
         prev = runner._prev() if use_prev else None
-        cache, packed, prev, pool = runner._step(
+        cache, packed, prev, pool, _ = runner._step(
             runner.params, runner.cache, ints if pool_on else plain, floats, prev,
-            runner.ck_pool if pool_on else None, **kw)
+            runner.ck_pool if pool_on else None, None, **kw)
         runner.cache = cache
         if pool_on:
             runner.ck_pool = pool

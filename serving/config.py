@@ -88,7 +88,9 @@ class Config:
     # checkpoint_step_tokens: what a second checkpoint in one prefill chunk costs (the chunk is
     # split: about one more engine step), in prompt tokens of compute; dp places a prompt's
     # checkpoints beyond one per chunk only where they save more (1,050 measured on the H200 at the
-    # Qwen3.5-0.8B shape: benchmarks/RESULTS.md, hybrid prefix caching run 3). 0: no price.
+    # Qwen3.5-0.8B shape: benchmarks/RESULTS.md, hybrid prefix caching run 3). 0: no price. It is
+    # also the least saving for which a new request waits (a few steps at most) for a checkpoint
+    # that a running prefill of its prefix is about to store, rather than recompute behind it.
     checkpoint_strategy: str = "dp"
     checkpoint_step_tokens: float = 1024.0
     checkpoints_per_prompt: int | None = None
@@ -97,6 +99,12 @@ class Config:
     checkpoint_half_life: float = 256.0
     checkpoint_replan_every: int = 64
     checkpoint_replan_tv: float = 0.1
+    # checkpoint_bucket_fit: a plain hybrid prompt's chunk that overflows a token bucket by at
+    # most (smallest bucket - seats) tokens stops at that bucket; the overflow rides on the next
+    # step (serving/bucket_fit.py). Off by default: on the H200 (Qwen3.5-0.8B shape, run 4 in
+    # benchmarks/history/hybrid_cache.md) a prefill step costs ~10 ms more than a decode step of
+    # the same bucket, more than the padding the cut saves.
+    checkpoint_bucket_fit: bool = False
     # Hybrid models, SSEP spans (serving/span_cache.py): device bytes of cached span maps (one map:
     # A and B of every recurrent layer in span_map_dtype, plus a conv tail; None: 2% of the
     # device's memory limit, or 64 maps without memory stats; 0: spans always recomputed), and

@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import time
 
+from serving.bucket_fit import BucketFit
 from serving.checkpoint_plan import positions_of
 from serving.sequence import Status
 
 
 class HybridPrefixCache:
-    def __init__(self, store, planner, block_size: int, spans=None):
+    def __init__(self, store, planner, block_size: int, spans=None, fit=None,
+                 wait_tokens: float = 0.0):
         self.store, self.planner, self.block_size = store, planner, block_size
+        self.fit = fit  # serving/bucket_fit.BucketFit or None (chunks not cut at buckets)
+        self.wait_tokens = wait_tokens  # see _wait (0: never wait for an in-flight checkpoint)
         self.spans = spans  # serving/span_cache.SpanMapCache or None (span prompts run cold)
         self.admissions = self.checkpoint_hits = 0
         self.tokens_matched = self.tokens_resumed = 0
@@ -74,6 +78,10 @@ class HybridPrefixCache:
         kinds, shared = ([], 0) if spans else self._match(sched, seq)  # spans without maps: cold
         hashes, raw = keys.hashes(seq), keys.token_bytes(seq)
         kc, entry = self._deepest(seq, hashes, raw, len(kinds))
+        if not seq.ever_admitted and self._wait(sched, seq, hashes, len(kinds), shared, kc):
+            if entry is not None:
+                self.store.release(entry)
+            return False
         n = seq.num_blocks_needed
         need = (n - kc) + sum(1 for kind, b in kinds[:kc] if kind == "host" or bm.ref[b] == 0)
         if need > bm.num_free - sched.cfg.watermark_blocks:
@@ -105,6 +113,29 @@ class HybridPrefixCache:
                 shared)
         self.count_admission(seq, kinds, kc, shared, entry)
         self.seat(seq, seats, kc, entry)
+        return True
+
+    def _wait(self, sched, seq, hashes, ready: int, shared: int, kc: int) -> bool:
+        """Whether `seq` should wait rather than resume at block kc now: its prefix runs on
+        through blocks another sequence is still computing (`ready` blocks are done, `shared`
+        match), that sequence stores a checkpoint at p in (kc B, shared B] within its next
+        step, and resuming at p would save at least `wait_tokens` (what a step of waiting costs,
+        Config.checkpoint_step_tokens). A few steps at most (async scheduling marks blocks
+        ready a step late)."""
+        bs, waited = self.block_size, getattr(seq, "ck_waits", 0)
+        if shared <= ready or waited >= 3 or not self.wait_tokens:
+            return False
+        bm = sched.bm
+        b = bm.table.get(hashes[ready])
+        owner = -1 if b is None else bm.owner[b]
+        own = next((s for s in sched.running if s.seq_id == owner), None)
+        if own is None:
+            return False
+        ps = [p for p in getattr(own, "ck_positions", ()) if kc * bs < p <= shared * bs]
+        if not ps or max(ps) - own.num_computed > sched.cfg.max_num_batched_tokens or \
+                max(ps) - kc * bs < self.wait_tokens:
+            return False
+        seq.ck_waits = waited + 1
         return True
 
     def seat(self, seq, seats, kc: int, entry) -> None:
@@ -155,14 +186,21 @@ class HybridPrefixCache:
     def _ahead(seq) -> list[int]:
         return [p for p in getattr(seq, "ck_positions", ()) if p >= seq.num_computed]
 
-    def chunk_stop(self, seq, stop_at):
+    def chunk_stop(self, seq, stop_at, budget: int = 0):
         """A chunk [s, e] takes one checkpoint, the first planned position in [s, e] (at s: the
         state the chunk starts from, which the kernel returns as is); it stops at the second,
-        which the next chunk takes at its start."""
+        which the next chunk takes at its start. A plain prompt's chunk that would overflow a
+        token bucket by a little stops at the bucket (serving/bucket_fit.py; `budget` more tokens
+        fit in the step)."""
         ahead = self._ahead(seq)
-        if len(ahead) < 2:
-            return stop_at
-        return ahead[1] if stop_at is None else min(stop_at, ahead[1])
+        if len(ahead) >= 2:
+            stop_at = ahead[1] if stop_at is None else min(stop_at, ahead[1])
+        if self.fit is not None and not seq.layout.span_block.any():
+            total = len(seq) if stop_at is None else min(stop_at, len(seq))
+            cut = self.fit.stop(seq.num_computed, total, budget)
+            if cut is not None:
+                stop_at = cut
+        return stop_at
 
     def annotate(self, sched, e) -> None:
         """Restore and checkpoint fields of a scheduled chunk (and its span maps)."""
@@ -247,7 +285,7 @@ def build(config, family, mcfg, dtype, pool=None, span_pool=None):
     from serving import span_cache
     spans = span_cache.build(config, family, mcfg, dtype, pool=span_pool)
     cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size,
-                              spans)
+                              spans, BucketFit.from_config(config), config.checkpoint_step_tokens)
     return cache, pool
 
 

@@ -205,7 +205,7 @@ class Scheduler:
         """Token indices to compute next (at most `budget` valid ones), and the new frontier."""
         bs, bm = self.cfg.block_size, self.bm
         if self.hybrid_cache is not None:  # at most one checkpoint per chunk
-            stop_at = self.hybrid_cache.chunk_stop(seq, stop_at)
+            stop_at = self.hybrid_cache.chunk_stop(seq, stop_at, budget)
         total = len(seq) if stop_at is None else min(stop_at, len(seq))
         i, parts, n = seq.num_computed, [], 0
         while i < total and n < budget:

@@ -36,3 +36,58 @@ def test_dp_recomputes_least_on_every_workload_and_budget(tmp_path, workload):
     for b in (8, 32):
         others = min(got[b, s] for s in strategies if s not in ("dp", "none"))
         assert got[b, "dp"] < others, (b, got)
+
+
+def _stub_llm(**kw):
+    """tiny_qwen3_5 with the jitted step stubbed (host only, nothing compiles)."""
+    from benchmarks.engine_host import StubStep
+    from minipic_jax import LLM
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
+              max_num_batched_tokens=256, min_token_bucket=64, max_model_len=1280,
+              num_kv_blocks=400, checkpoint_gb=16 * 16896 / 2**30, **kw)
+    llm.llm_engine.runner._step = StubStep(llm.llm_engine.vocab_size)
+    return llm
+
+
+def test_a_request_waits_for_the_checkpoint_its_prefix_is_computing():
+    """Three requests with one 908-token system prompt, sent together. The first plans
+    checkpoints at 448 and 832. The second is admitted while the first is at 768 and waits a
+    step for the checkpoint at 832 rather than recompute from 448 (the 384 tokens saved exceed
+    Config.checkpoint_step_tokens = 256; at 0 it never waits)."""
+    import numpy as np
+
+    from minipic_jax import SamplingParams
+    rng = np.random.default_rng(909)
+    system = rng.integers(0, 256, 908).tolist()
+    prompts = [system + rng.integers(0, 256, int(n)).tolist() for n in (9, 30, 17)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cached = {}
+    for wait in (0.0, 256.0):
+        llm = _stub_llm(checkpoint_step_tokens=wait)
+        cached[wait] = [o.num_cached_tokens for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert llm.llm_engine.hybrid_cache.planner.strategy == "dp"
+    assert cached[256.0] == [0, 832, 896] and cached[0.0] == [0, 448, 896], cached
+
+
+def test_bucket_fit_cuts_chunks_at_buckets():
+    """Config.checkpoint_bucket_fit (serving/bucket_fit.py): the same requests run in fewer
+    padded step tokens, and no step's tokens overflow a bucket by 1..spill (60) tokens."""
+    import numpy as np
+
+    from benchmarks.hybrid_cache_steps import StepLog
+    from minipic_jax import SamplingParams
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in (150, 170, 300, 90, 140)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    padded, sizes = {}, {}
+    for fit in (False, True):
+        llm = _stub_llm(checkpoint_bucket_fit=fit)
+        log, seen = StepLog(llm.llm_engine.runner), []
+        inner = log.inner
+        log.inner = lambda batch, **kw: seen.append(sum(e.token_idx.size for e in batch)) or \
+            inner(batch, **kw)
+        llm.generate(prompts, sp, use_tqdm=False)
+        padded[fit], sizes[fit] = log.padded, seen
+    assert padded[True] < padded[False], padded
+    over = lambda n: any(b < n <= b + 60 for b in (64, 128))  # noqa: E731
+    assert any(map(over, sizes[False])) and not any(map(over, sizes[True])), sizes
