@@ -164,8 +164,8 @@ class ModelRunner:
                num_logprobs: int = 0, spans: bool = False) -> None:
         """Compile every token bucket for one sampling mode with empty steps (nothing written),
         with every per-step attention plan a step of that bucket can take (fits / overflows).
-        spans (hybrid models): also each bucket's span step, with chains of 4 and of 16 maps for
-        up to 4 sequences when a span-map pool is attached (serving/span_step.warm_chains)."""
+        spans (hybrid models): also each bucket's span step, with chains of up to 16 maps for up
+        to 4 sequences when a span-map pool is attached (serving/span_step.warm_chains)."""
         variants = []
         for t in self.config.token_buckets:
             s = self.config.seq_bucket(t)
