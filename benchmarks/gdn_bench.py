@@ -60,7 +60,7 @@ def run_fla(inputs, reps):
 OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
                    scan_stages=2, ckpt_store="when", out_warps=4)
 CKPT_VARIANTS = ("fused", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
-                 "tree_bf16maps")
+                 "tree_bf16maps", "blocked16", "blocked32")
 
 
 def jax_variants():
@@ -102,6 +102,15 @@ def jax_variants():
         return tree_scan.fused_tree_gated_delta(q, k, v, g, beta, state0, idx,
                                                 scale=dk ** -0.5, **opts)[:3]
 
+    def blocked(q, k, v, g, beta, ck=None, **opts):  # the two-level scan (scan_blocked.py)
+        from kernels_pallas.gated_delta import scan_blocked
+        n, t_len, _, dk = k.shape
+        state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
+        idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
+                                                       (n, len(ck)))
+        return scan_blocked.blocked_gated_delta(q, k, v, g, beta, state0, idx,
+                                                scale=dk ** -0.5, **opts)[:3]
+
     def fused_intra(q, k, v, g, beta, ck=None):
         from kernels_pallas.gated_delta import fused_triton
         return fused_triton.intra_chunk_fused(k, v, g, beta)
@@ -111,6 +120,11 @@ def jax_variants():
         "fused": fused,  # fused_triton.DEFAULTS
         "tree": tree,  # the associative scan over chunk maps (tree_scan.py)
         "tree_bf16maps": functools.partial(tree, map_dtype=bf16),
+        # two-level scan: G segments of chunks (blocked{G}), options of both scan passes
+        **{f"blocked{gs}": functools.partial(blocked, segments=gs) for gs in (8, 16, 32, 64)},
+        "blocked16_bv32": functools.partial(blocked, segments=16, block_v=32),
+        "blocked16_w2": functools.partial(blocked, segments=16, num_warps=2),
+        "blocked16_xla": functools.partial(blocked, segments=16, compose_impl="xla"),
         "fused_old": functools.partial(fused, **OLD_DEFAULT),
         "fused_bv32_old": functools.partial(fused, **{**OLD_DEFAULT, "block_v": 32}),
         "fused_when": functools.partial(fused, ckpt_store="when"),  # checkpoint runs only

@@ -63,6 +63,10 @@ OPTIONS = {
     "ttft_profile": dict(type=int, default=0,
                          help="ttft: 1 = replay the cached step alone, time it and summarise "
                               "its device kernels (jax.profiler)"),
+    "compose_cost": dict(type=int, default=0,
+                         help="hybrid position_free configs: 1 = time the warm span step with "
+                              "the most cached maps and its span-map composition alone "
+                              "(benchmarks/span_compose_cost.py)"),
     "seed": dict(type=int, default=0, help="workload seed (default: %(default)s)"),
 }
 
@@ -141,6 +145,9 @@ def report(results: list) -> None:
                   f"{_ms(r['median_ttft_ms'])}/{_ms(r['p99_ttft_ms'])} ms, TPOT p50 "
                   f"{_ms(r['median_tpot_ms'])} ms"
                   + (f", {sp:.2f}x rotated" if sp is not None else ""))
+        if "compose_cost" in res:
+            from benchmarks.span_compose_cost import report as compose_report
+            print(f"[{name}] " + compose_report(res["compose_cost"]))
         if name == "ttft":
             print(f"[ttft] {res['num_spans']} x {res['span_tokens']} spans: cold "
                   f"{res['cold_ttft_ms']:.1f} ms, cached {_ms(res['cached_ttft_ms'])} ms "

@@ -125,6 +125,11 @@ def run_config(name: str, opts) -> dict:
     result.update(timing)
     enc = W.Encoder(llm.get_tokenizer(), opts.passage_tokens)
     sp = SamplingParams(temperature=0.0, max_tokens=opts.max_tokens, ignore_eos=True)
+    capture = None
+    runner = llm.llm_engine.runner
+    if markers and getattr(opts, "compose_cost", 0) and runner.span_pool is not None:
+        from benchmarks import span_compose_cost
+        capture = span_compose_cost.WarmStepCapture(runner)
     for wl in opts.workloads:
         reqs = W.make_workload(wl, samples, enc, num_requests=opts.num_requests,
                                questions_per_set=opts.questions_per_set, zipf_s=opts.zipf_s,
@@ -144,6 +149,9 @@ def run_config(name: str, opts) -> dict:
                 row["request_rate"] = opts.request_rate
             row["outputs"] = run["outputs"]
             result.setdefault("runs", []).append(row)
+    if capture is not None:  # after every run: the replays rewrite finished sequences' states
+        capture.close()
+        result["compose_cost"] = span_compose_cost.measure(llm.llm_engine, capture)
     return result
 
 

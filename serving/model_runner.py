@@ -164,22 +164,22 @@ class ModelRunner:
                num_logprobs: int = 0, spans: bool = False) -> None:
         """Compile every token bucket for one sampling mode with empty steps (nothing written),
         with every per-step attention plan a step of that bucket can take (fits / overflows).
-        spans (hybrid models): also each bucket's span step, with chains of up to 4 maps for up
-        to 4 sequences when a span-map pool is attached (serving/span_step.py)."""
+        spans (hybrid models): also each bucket's span step, with chains of up to 16 maps for up
+        to 4 sequences when a span-map pool is attached (serving/span_step.warm_chains)."""
         variants = []
         for t in self.config.token_buckets:
             s = self.config.seq_bucket(t)
             plans = {self._plan(t, s, n) for n in (0, min(s, t // 2))}
-            variants += [(t, False, plan, False) for plan in plans]
+            variants += [(t, False, plan, False, ()) for plan in plans]
             if spans and self.hybrid:
-                variants += [(t, False, plan, True) for plan in plans]
+                chains = span_step.warm_chains(s) if self.span_pool is not None else [()]
+                variants += [(t, False, plan, True, c) for plan in plans for c in chains]
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
-            variants += [(t, True, None, False) for t in self.config.token_buckets if t <= top]
+            variants += [(t, True, None, False, ()) for t in self.config.token_buckets if t <= top]
         steps = []
-        for t, decode_only, plan, span_step_ in variants:
+        for t, decode_only, plan, span_step_, chain in variants:
             s = self.config.seq_bucket(t)
-            chain = (min(s, 4), 4) if span_step_ and self.span_pool is not None else ()
             spec, size = layout(t, s, self.nb, self.ck_pool is not None, span_step_, chain)
             ints = np.zeros(size, np.int32)
             for name in ("slot_mapping",) + (S_FIELDS_CKPT if self.ck_pool is not None else ()) \

@@ -6,7 +6,7 @@ Kc - 1 layer inputs it saw (its conv tail). Both depend on the span's tokens onl
 span serves every request at any offset. A PDEP segment enters each layer with the state of the
 recurrence run over all earlier segments: the maps applied in order to the state before them, and
 the conv window shifted by each tail (docs/DESIGN.md section 5). `entry_states` does that on device,
-inside the jitted step: one gather from the pool, then one batched matmul per map in the chain.
+inside the jitted step: per position in the chains, one gather from the pool, one batched matmul.
 
 Shape letters: P pool slots, Lg GDN layers, S sequences, L maps per sequence (padded with -1),
 Hv/Dk/Dv delta heads and dims, C conv channels, K1 = Kc - 1.
@@ -87,24 +87,30 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0):
       conv0: [Lg, S, C, K1] conv windows before the chain; delta0: [Lg, S, Hv, Dk, Dv] float32.
     Returns:
       conv [Lg, S, C, K1] (conv0's dtype), delta [Lg, S, Hv, Dk, Dv] float32.
+
+    One loop step per chain position, up to the longest chain only (a dynamic trip count): a
+    step gathers the S maps of that position from the pool and applies them (rows whose chain
+    has ended keep their state), so the padding of L costs nothing and no [S, L] gather of
+    whole maps is ever materialised.
     """
     n_maps = jnp.sum(jnp.cumprod(slots >= 0, axis=1), axis=1)  # [S] chain lengths
     idx = jnp.clip(slots, 0, pool.a.shape[0] - 1)
-    a = jnp.moveaxis(pool.a[idx], (1, 2), (0, 1))  # [L, Lg, S, Hv, Dk, Dk]
-    b = jnp.moveaxis(pool.b[idx], (1, 2), (0, 1))  # [L, Lg, S, Hv, Dk, Dv]
-    delta = affine.apply_chain(a, b, delta0, count=n_maps[None, :, None],
-                               precision=jax.lax.Precision.HIGHEST)
-    tails = jnp.moveaxis(pool.tail[idx], (1, 2), (0, 1))  # [L, Lg, S, C, K1]
-    counts = pool.count[idx].T  # [L, S]
+    f32 = jnp.float32
 
-    def conv_step(win, xs):
-        i, tail, n = xs
-        nxt = shift_window(win, tail, n[None, :])
-        return jnp.where((i < n_maps)[None, :, None, None], nxt, win), None
+    def step(i, carry):
+        conv, delta = carry
+        ids = idx[:, i]  # [S]
+        use = i < n_maps
+        a = jnp.moveaxis(pool.a[ids], 1, 0).astype(f32)  # [Lg, S, Hv, Dk, Dk]
+        b = jnp.moveaxis(pool.b[ids], 1, 0).astype(f32)
+        nxt = affine.apply((a, b), delta, precision=jax.lax.Precision.HIGHEST)
+        delta = jnp.where(use[None, :, None, None, None], nxt, delta)
+        tail = jnp.moveaxis(pool.tail[ids], 1, 0)  # [Lg, S, C, K1]
+        shifted = shift_window(conv, tail, pool.count[ids][None, :])
+        return jnp.where(use[None, :, None, None], shifted, conv), delta
 
-    steps = jnp.arange(slots.shape[1], dtype=jnp.int32)
-    conv, _ = jax.lax.scan(conv_step, conv0, (steps, tails, counts))
-    return conv, delta
+    return jax.lax.fori_loop(0, jnp.max(n_maps, initial=0), step,
+                             (conv0, delta0.astype(f32)))
 
 
 def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chains):

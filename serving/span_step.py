@@ -26,13 +26,28 @@ def piece_bound(t: int, s: int) -> int:
     return s + max(8, t // 8) + MAX_CAPTURES
 
 
+# chain lengths a step compiles for: 16, then powers of 4 (a shorter chain pads up; padding costs
+# nothing on device: span_maps.entry_states stops at the longest chain), so one warm-up variant
+# per bucket serves RAG prompts of up to 16 cached spans in a row, with no mid-run compile.
+MIN_CHAIN_LENGTH = 16
+
+
 def chain_shape(batch, s: int) -> tuple[int, int]:
     """(rows, length) of the step's chains of cached span maps, both static: only sequences
     with a chain get a row (composing costs one matmul per row and map), at least 4 rows (at
-    most s) and 4 maps, powers of two, so a few compiled variants serve every step."""
+    most s; powers of two) and MIN_CHAIN_LENGTH maps (then powers of four), so a few compiled
+    variants serve every step."""
     lengths = [len(e.map_chain) for e in batch if e.map_chain]
     pow2 = lambda n: 1 << max(n - 1, 0).bit_length()  # noqa: E731
-    return min(s, max(4, pow2(len(lengths)))), max(4, pow2(max(lengths, default=0)))
+    longest, length = max(lengths, default=0), MIN_CHAIN_LENGTH
+    while length < longest:
+        length *= 4
+    return min(s, max(4, pow2(len(lengths)))), length
+
+
+def warm_chains(s: int) -> list[tuple[int, int]]:
+    """The chain shapes warm-up compiles for a bucket of s sequences."""
+    return [(min(s, 4), MIN_CHAIN_LENGTH)]
 
 
 def has_spans(seq) -> bool:

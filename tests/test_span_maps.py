@@ -58,3 +58,16 @@ def test_map_nbytes_qwen3_5_0_8b():
     assert got["total"] == 18 * ((2 << 20) + 73728) + 4
     half = span_maps.map_nbytes(16, 128, 128, 6144, 3, 18, state_dtype=jnp.bfloat16)
     assert half["a"] == 1 << 19
+
+
+def test_chain_shapes_pad_to_warm_variants():
+    """Chains of up to 16 maps share the warm-up's one length; longer ones go up by 4x; rows
+    are powers of two from 4, at most the step's sequences."""
+    from types import SimpleNamespace
+
+    from serving import span_step
+    batch = lambda *lens: [SimpleNamespace(map_chain=[0] * n) for n in lens]  # noqa: E731
+    assert span_step.chain_shape(batch(3, 0, 1), 8) == (4, 16)
+    assert span_step.chain_shape(batch(16, 2, 2, 2, 2), 8) == (8, 16)
+    assert span_step.chain_shape(batch(17), 2) == (2, 64)
+    assert span_step.warm_chains(8) == [span_step.chain_shape(batch(16), 8)]

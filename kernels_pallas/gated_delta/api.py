@@ -52,7 +52,8 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
       solve: in-chunk UT solve, "blocked" (block-recursive inverse) or "trsm".
       inter_dtype: intermediates' dtype (None: float32; bfloat16 for speed with bf16 inputs).
       scan: inter-chunk state recurrence, "sequential", "tree" (associative scan over the chunk
-        maps, tree_scan.py) or None (by shape: tree_scan.choose_scan).
+        maps, tree_scan.py), "blocked" (two-level scan over segments of chunks, scan_blocked.py;
+        pallas_fused only) or None (by shape: tree_scan.choose_scan).
       return_transition: also return the span's transition A_span (affine.py). With
         "pallas_fused" this takes the tree scan (its last prefix map is A_span).
     Returns:
@@ -83,8 +84,15 @@ def _prefill(q, k, v, g, beta, state0, checkpoint_at, scale, chunk_size, impleme
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
                             for x in (q, k, v, g, beta))
     kind = tree_scan.choose_scan(n, hv, -(-t_len // chunk_size), scan)
+    if kind == "blocked" and implementation != "pallas_fused":
+        raise ValueError("gated_delta.prefill: scan='blocked' needs implementation='pallas_fused'")
     if implementation == "pallas_fused":
-        from kernels_pallas.gated_delta import fused_triton
+        from kernels_pallas.gated_delta import fused_triton, scan_blocked
+        if kind == "blocked":
+            res = scan_blocked.blocked_gated_delta(
+                q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size,
+                dot_dtype=inter_dtype, interpret=interpret, transition=return_transition)
+            return (res[0][:, :t_len],) + res[1:]
         if kind == "tree" or return_transition:
             res = tree_scan.fused_tree_gated_delta(
                 q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.gated_delta import affine
 
-SCANS = (None, "sequential", "tree")
+SCANS = (None, "sequential", "tree", "blocked")  # blocked: scan_blocked.py (pallas_fused only)
 # The tree is chosen by shape only where it was measured faster. H200, one 32K-token sequence x
 # 16 heads (512 chunks, benchmarks/RESULTS.md, Gated DeltaNet): the XLA associative scan over the
 # [Dk, Dk] chunk maps took 7.76 ms against 1.34 ms for the whole sequential Pallas pipeline (its

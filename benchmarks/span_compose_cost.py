@@ -1,0 +1,116 @@
+"""What composing cached span maps costs a hybrid engine's warm span step (`rag --compose-cost 1`).
+
+A warm span step (serving/span_step.py) first moves each sequence that skips cached spans on by
+their affine maps (serving/span_maps.entry_states: per chain position one gather from the map
+pool and one batched float32 matmul over every GDN layer and head), then runs the model. The
+composition cannot be switched off in a compiled step without changing its shapes, so it is
+timed alone, on the engine's own cache and map pool, next to the whole step:
+
+  step      the warm step with the most cached maps the run took, replayed alone (same inputs;
+            the replay rewrites the same states and maps), median of `reps`;
+  compose   that step's composition alone (read the chained rows' states, compose; jitted,
+            median), and the same for synthetic chains of 1, 4 and 16 maps on every chain row,
+            whose slope is the cost of one more map per row.
+
+cost per span = slope / rows / step (a span skipped by one sequence: one map on one row).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving import span_maps
+from serving.step_inputs import layout
+
+
+class WarmStepCapture:
+    """Keeps the warm span step (chain fields present) with the most cached maps."""
+
+    def __init__(self, runner):
+        self.runner, self.best, self.maps, self.steps = runner, None, -1, 0
+        self._orig = runner._dispatch
+        runner._dispatch = self._dispatch
+
+    def _dispatch(self, ints, floats, use_prev, kw):
+        if kw.get("chain") and not kw.get("decode_only"):
+            self.steps += 1
+            chains = _fields(self.runner, ints, kw)["chain"]
+            n = int((chains >= 0).sum())
+            if n > self.maps:
+                self.best, self.maps = (ints.copy(), floats.copy(), dict(kw), use_prev), n
+        return self._orig(ints, floats, use_prev, kw)
+
+    def close(self):
+        self.runner._dispatch = self._orig
+
+
+def _fields(runner, ints, kw):
+    spec, _ = layout(kw["t"], kw["s"], runner.nb, runner.ck_pool is not None, True, kw["chain"])
+    return {k: np.asarray(ints[o:o + int(np.prod(shape))]).reshape(shape)
+            for k, (o, shape) in spec.items()}
+
+
+def _median_ms(fn, reps):
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(out)
+
+
+def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
+    """The figures of the module doc (ms), from the captured step."""
+    if capture.best is None:
+        return {"error": "no warm span step (with cached maps) was captured"}
+    runner, family = engine.runner, engine.runner.family
+    ints, floats, kw, use_prev = capture.best
+    f = _fields(runner, ints, kw)
+    step_ms = _median_ms(lambda: runner._dispatch(ints, floats, use_prev, kw), reps)
+
+    @jax.jit
+    def compose(cache, pool, state_slots, chain_seq, chains):
+        rows = jnp.clip(chain_seq, 0, state_slots.shape[0] - 1)
+        conv0, delta0 = family.read_states(cache, state_slots[rows])
+        return span_maps.entry_states(pool, chains, conv0, delta0)
+
+    def timed(chains):
+        args = [jnp.asarray(x) for x in (f["state_slots"], f["chain_seq"], chains)]
+        return _median_ms(lambda: compose(runner.cache, runner.span_pool, *args), reps)
+
+    chains = f["chain"]
+    rows, length = chains.shape
+    slots = runner.span_pool.a.shape[0]
+    synth = {}
+    for n in (1, 4, 16):  # every row chains n maps (slots cycled), a shape of its own
+        c = np.full((rows, max(n, length)), -1, np.int32)
+        c[:, :n] = np.arange(rows * n, dtype=np.int32).reshape(rows, n) % slots
+        synth[n] = timed(c)
+    per_map = (synth[16] - synth[1]) / 15  # one more map on every row
+    compose_ms = timed(chains)
+    return dict(tokens=kw["t"], seqs=kw["s"], chain_shape=[rows, length],
+                chain_rows=int((f["chain_seq"] >= 0).sum()), maps_in_step=capture.maps,
+                warm_steps=capture.steps, reps=reps, step_ms=step_ms, compose_ms=compose_ms,
+                compose_share=compose_ms / step_ms, synthetic_compose_ms=synth,
+                per_map_all_rows_ms=per_map, per_span_ms=per_map / rows,
+                per_span_share=per_map / rows / step_ms,
+                map_bytes=int(runner.span_pool.a[0].nbytes + runner.span_pool.b[0].nbytes))
+
+
+def report(res: dict) -> str:
+    if "error" in res:
+        return f"compose cost: {res['error']}"
+    return (f"compose cost ({res['tokens']}-token warm step, {res['maps_in_step']} cached maps on "
+            f"{res['chain_rows']} rows, chain shape {res['chain_shape']}): step "
+            f"{res['step_ms']:.2f} ms, its composition {res['compose_ms']:.3f} ms = "
+            f"{res['compose_share']:.2%}; one span on one row {res['per_span_ms']:.3f} ms = "
+            f"{res['per_span_share']:.3%} of the step (synthetic 1/4/16 maps x "
+            f"{res['chain_shape'][0]} rows: " + " / ".join(
+                f"{v:.3f}" for v in res["synthetic_compose_ms"].values()) + " ms)")
