@@ -139,6 +139,25 @@ def test_request_is_ready_once_its_reads_are_harvested(store_pair, fresh_rng):
     tier.staged.clear()
 
 
+def test_reads_start_when_a_batch_job_queues_the_request(store_pair, fresh_rng):
+    """prefetch_stored (run-batch calls it after each add_request) starts the reads before any
+    step; the request then runs to the same tokens as a cold run."""
+    from serving.engine_tiers import prefetch_stored
+    writer, reader, _ = store_pair
+    docs = _docs(fresh_rng, 1)
+    writer.cache_spans(docs)
+    prompt = _prompts(reader, fresh_rng, docs)[0]
+    eng = reader.llm_engine
+    eng.add_request("early", prompt, SP)
+    prefetch_stored(eng)
+    assert eng.kv_store.reads or eng.kv_store.queue
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[0].num_cached_tokens > 0
+    assert _tokens(outs) == _tokens(writer.generate([prompt], SP, use_tqdm=False))
+
+
 def test_cache_spans_prewarms_per_cache_salt_namespace(store_pair, fresh_rng):
     writer, reader, root = store_pair
     docs = _docs(fresh_rng, 2)
