@@ -134,6 +134,7 @@ def orchestrate(args) -> None:
             cmd = py + ["-m", "benchmarks.kv_store_bench", "--child-prewarm", "--out", str(out),
                         "--store", str(store)] + _model_flags(args)
         else:
+            (out / f"results_{phase}.jsonl").unlink(missing_ok=True)  # not a resume
             cmd = job + ["-o", str(out / f"results_{phase}.jsonl"),
                          "--output-json", str(out / f"{phase}.json")]
             if kind in ("cold", "warm"):
@@ -168,12 +169,38 @@ def _row(p: str, r: dict) -> tuple:
             r.get("setup_time", 0.0), kv.get("pinned", "-"))
 
 
+def _texts(path: pathlib.Path) -> dict:
+    """custom_id -> completion text of a run-batch output file (errors: None)."""
+    if not path.exists():
+        return {}
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["custom_id"]: (r["response"]["body"] or {}).get("choices", [{}])[0].get("text")
+            for r in recs}
+
+
+def same_outputs(out: pathlib.Path, phases) -> dict:
+    """For each phase after the first warm one: how many of its outputs equal that phase's
+    (greedy: a store read must not change a token; warm_plain reads the same files)."""
+    runs = [p for p in phases if (out / f"results_{p}.jsonl").exists()]
+    ref = next((p for p in runs if p.startswith("warm")), None)
+    if ref is None:
+        return {}
+    mine = _texts(out / f"results_{ref}.jsonl")
+    res = {}
+    for p in runs:
+        theirs = _texts(out / f"results_{p}.jsonl")
+        if p != ref:
+            res[f"{ref}_vs_{p}"] = [sum(mine.get(k) == v for k, v in theirs.items()),
+                                    len(theirs)]
+    return res
+
+
 def report(out: pathlib.Path, wall: dict, dropped, io, quiet: bool = False) -> None:
     """Write <out>/kv_store_bench.json (after every phase) and, unless quiet, print the table."""
     res = {p: json.loads((out / f"{p}.json").read_text()) for p in wall
            if (out / f"{p}.json").exists()}
     summary = {"phases": res, "process_wall_s": wall, "page_cache_dropped_before_warm": dropped,
-               "io_bench": io}
+               "io_bench": io, "same_outputs": same_outputs(out, list(wall))}
     warm = [p for p in res if p.split("_")[0].rstrip("0123456789") == "warm"]
     for a, b in [(w, x) for w in warm for x in ("cold", "nostore")] + [("nostore", "cold")]:
         if a in res and b in res and "requests_per_second" in res[b]:
@@ -197,6 +224,8 @@ def report(out: pathlib.Path, wall: dict, dropped, io, quiet: bool = False) -> N
     for k, v in summary.items():
         if k.endswith(("_over_cold", "_over_nostore")):
             print(f"{k}: {v:.2f}x")
+    for k, (same, n) in summary["same_outputs"].items():
+        print(f"outputs {k}: {same} of {n} equal")
 
 
 def io_bench(out: str, runs: int = 64, run_blocks: int = 36, layers: int = 16,
