@@ -112,12 +112,16 @@ class RunBuffers:
         """`a` on the device (waits for the transfer). The buffer goes back to the pool unless
         the device array aliases it (a CPU backend may not copy); returns (device array,
         whether `a` is still needed as its storage)."""
-        owner = _owner(a)
+        owner, dev = _owner(a), None
         if owner is not None:
-            dev = jax.device_put(owner, self.shardings[1])
-        else:
+            try:
+                dev = jax.device_put(owner, self.shardings[1])
+                dev.block_until_ready()
+            except Exception:  # the runtime refused this one: a plain transfer of the view
+                dev = None
+        if dev is None:
             dev = jax.device_put(a)
-        dev.block_until_ready()
+            dev.block_until_ready()
         if dev.unsafe_buffer_pointer() == a.ctypes.data:
             return dev, True
         self.give(a)
