@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.io_only:
-        io_bench(args.out)
+        print(json.dumps(io_bench(args.out, threads=(1, 4, 16))))
     elif args.child_prewarm:
         prewarm(args)
     else:
