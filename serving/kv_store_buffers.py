@@ -52,7 +52,7 @@ def pinned_shardings():
     if os.environ.get("MINIPIC_KV_STORE_PINNED", "1") == "0":
         return None
     try:
-        dev = jax.devices()[0]
+        dev = jax.local_devices()[0]  # where a plain device_put lands
         pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
         on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
         a = _pinned_view((3, 256), np.uint16, pinned)
