@@ -110,35 +110,44 @@ def _drop_page_cache() -> bool:
 def orchestrate(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    io = io_bench(args.out, threads=(1, 4, 8, 16)) if args.io else None
+    io = io_bench(args.out, threads=(1, 4, 16)) if args.io else None
     n_req, n_pass = write_workload(out, args.samples, args.max_tokens, args.passages)
     print(f"Workload: {n_req} requests, {n_pass} unique passages; model {args.model} "
           f"({args.dtype}, random weights)", flush=True)
-    env = dict(os.environ)
     py = [sys.executable]
+    phases = args.phases.split(",")
     store = out / "store"
-    shutil.rmtree(store, ignore_errors=True)
+    # with a prewarm phase the empty-store job gets a store of its own (the issue's setup:
+    # warm reads what prewarm stored)
+    cold_store = out / "store_cold" if "prewarm" in phases else store
+    for d in {store, cold_store}:
+        shutil.rmtree(d, ignore_errors=True)
     job = py + ["-m", "minipic_jax", "run-batch", "-i", str(out / "requests.jsonl"),
                 "--warmup", "--no-progress"] + engine_flags(args)
     wall, dropped = {}, None
-    for phase in args.phases.split(","):
+    for phase in phases:
         print(f"== {phase}", flush=True)
-        kind = phase.rstrip("0123456789")  # warm2: a second warm run
+        kind, *opts = phase.split("_")  # warm_plain: plain host buffers; warm_disk: page
+        kind = kind.rstrip("0123456789")  # cache dropped first; warm2: a second warm run
+        env = dict(os.environ, **({"MINIPIC_KV_STORE_PINNED": "0"} if "plain" in opts else {}))
         if kind == "prewarm":
             cmd = py + ["-m", "benchmarks.kv_store_bench", "--child-prewarm", "--out", str(out),
                         "--store", str(store)] + _model_flags(args)
         else:
+            (out / f"results_{phase}.jsonl").unlink(missing_ok=True)  # not a resume
             cmd = job + ["-o", str(out / f"results_{phase}.jsonl"),
                          "--output-json", str(out / f"{phase}.json")]
             if kind in ("cold", "warm"):
-                cmd += ["--kv-store-dir", str(store)]
+                cmd += ["--kv-store-dir", str(cold_store if kind == "cold" else store)]
                 cmd += [] if args.all_blocks else ["--kv-store-spans-only"]
-            if kind == "warm" and args.drop_page_cache:
+            if kind == "warm" and (args.drop_page_cache or "disk" in opts):
                 dropped = _drop_page_cache()
         took = _run(cmd, env, out / f"{phase}.log", args.phase_timeout)
         if took is not None:
             wall[phase] = took
-    report(out, wall, dropped, io)
+        if kind == "cold" and cold_store != store:
+            shutil.rmtree(cold_store, ignore_errors=True)  # frees its page cache too
+        report(out, wall, dropped, io, quiet=phase != phases[-1])
 
 
 def _model_flags(args) -> list[str]:
@@ -149,49 +158,86 @@ def _model_flags(args) -> list[str]:
             str(args.min_token_bucket)]
 
 
-def report(out: pathlib.Path, wall: dict, dropped, io) -> None:
+def _row(p: str, r: dict) -> tuple:
+    kv = r.get("kv_store") or r.get("engine_stats", {}).get("kv_store") or {}
+    el, n = r["elapsed_time"], max(r.get("num_requests", 0), 1)
+    got = kv.get("bytes_read", 0)
+    return (p, el, r.get("requests_per_second", 0.0), 1e3 * el / n,
+            r.get("prefix_cache_hit_rate", 0), got / 1e9, got / 1e6 / n, got / 1e9 / el,
+            kv.get("read_GBps", 0.0), kv.get("read_wait_s", 0.0), kv.get("send_s", 0.0),
+            kv.get("copy_in_s", 0.0), kv.get("bytes_written", 0) / 1e9,
+            r.get("setup_time", 0.0), kv.get("pinned", "-"))
+
+
+def _texts(path: pathlib.Path) -> dict:
+    """custom_id -> completion text of a run-batch output file (errors: None)."""
+    if not path.exists():
+        return {}
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["custom_id"]: (r["response"]["body"] or {}).get("choices", [{}])[0].get("text")
+            for r in recs}
+
+
+def same_outputs(out: pathlib.Path, phases) -> dict:
+    """For each phase after the first warm one: how many of its outputs equal that phase's
+    (greedy: a store read must not change a token; warm_plain reads the same files)."""
+    runs = [p for p in phases if (out / f"results_{p}.jsonl").exists()]
+    ref = next((p for p in runs if p.startswith("warm")), None)
+    if ref is None:
+        return {}
+    mine = _texts(out / f"results_{ref}.jsonl")
+    res = {}
+    for p in runs:
+        theirs = _texts(out / f"results_{p}.jsonl")
+        if p != ref:
+            res[f"{ref}_vs_{p}"] = [sum(mine.get(k) == v for k, v in theirs.items()),
+                                    len(theirs)]
+    return res
+
+
+def report(out: pathlib.Path, wall: dict, dropped, io, quiet: bool = False) -> None:
+    """Write <out>/kv_store_bench.json (after every phase) and, unless quiet, print the table."""
     res = {p: json.loads((out / f"{p}.json").read_text()) for p in wall
            if (out / f"{p}.json").exists()}
-    rows = []
-    for p, r in res.items():
-        kv = r.get("kv_store") or r.get("engine_stats", {}).get("kv_store") or {}
-        el, n = r["elapsed_time"], max(r.get("num_requests", 0), 1)
-        rows.append((p, el, r.get("requests_per_second", 0.0), 1e3 * el / n,
-                     r.get("prefix_cache_hit_rate", 0), kv.get("bytes_read", 0) / 1e9,
-                     kv.get("bytes_read", 0) / 1e6 / n, kv.get("bytes_read", 0) / 1e9 / el,
-                     kv.get("read_GBps", 0.0), kv.get("read_wait_s", 0.0),
-                     kv.get("copy_in_s", 0.0), kv.get("bytes_written", 0) / 1e9,
-                     r.get("setup_time", 0.0)))
     summary = {"phases": res, "process_wall_s": wall, "page_cache_dropped_before_warm": dropped,
-               "io_bench": io}
-    for a, b in (("warm", "cold"), ("warm", "nostore"), ("nostore", "cold")):
-        if a in res and b in res:
+               "io_bench": io, "same_outputs": same_outputs(out, list(wall))}
+    warm = [p for p in res if p.split("_")[0].rstrip("0123456789") == "warm"]
+    for a, b in [(w, x) for w in warm for x in ("cold", "nostore")] + [("nostore", "cold")]:
+        if a in res and b in res and "requests_per_second" in res[b]:
             summary[f"{a}_over_{b}"] = res[a]["requests_per_second"] / \
                 res[b]["requests_per_second"]
     (out / "kv_store_bench.json").write_text(json.dumps(summary, indent=1, default=str))
+    if quiet:
+        return
     print(f"page cache dropped before warm: {dropped}")
     print("| phase | job s | req/s | ms/req | hit rate | GB read | MB read/req | GB/s over job "
-          "| GB/s per read thread | read wait s | copy-in s | GB written | setup s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print("| {} | {:.2f} | {:.2f} | {:.1f} | {:.1%} | {:.2f} | {:.1f} | {:.2f} | {:.2f} "
-              "| {:.2f} | {:.2f} | {:.2f} | {:.1f} |".format(*r))
-    for k in ("warm_over_cold", "warm_over_nostore", "nostore_over_cold"):
-        if k in summary:
-            print(f"{k}: {summary[k]:.2f}x")
+          "| GB/s per read thread | read wait s | send s (threads) | copy-in s | GB written "
+          "| setup s | pinned |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for p, r in res.items():
+        if "requests_per_second" in r:
+            print("| {} | {:.2f} | {:.2f} | {:.1f} | {:.1%} | {:.2f} | {:.1f} | {:.2f} | {:.2f} "
+                  "| {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {} |".format(*_row(p, r)))
+        else:
+            print(f"| {p} | {r.get('elapsed_time', 0):.2f} s (cache_spans, "
+                  f"{r.get('kv_store', {}).get('bytes_written', 0) / 1e9:.2f} GB written) |")
+    for k, v in summary.items():
+        if k.endswith(("_over_cold", "_over_nostore")):
+            print(f"{k}: {v:.2f}x")
+    for k, (same, n) in summary["same_outputs"].items():
+        print(f"outputs {k}: {same} of {n} equal")
 
 
 def io_bench(out: str, runs: int = 64, run_blocks: int = 36, layers: int = 16,
              threads: tuple = (1, 2, 8)) -> dict:
     """The file layer alone (no engine): write `runs` runs of `run_blocks` blocks (a MuSiQue
     passage) of a Llama-3.2-1B shaped page (2 x layers leaves of [16, 8, 64] bf16, 512 KiB per
-    block), then read them back (verified, into bucket-padded arrays) with 1..N threads."""
+    block), then read them back (verified, into bucket-padded arrays) with 1..N threads, and
+    read + send to the device from plain and from pinned buffers (`_io_reads`)."""
     import concurrent.futures as cf
     import ml_dtypes
     import numpy as np
     from serving.disk_store import DiskStore, StoreIdentity
-    from serving.kv_store_tier import _Buffers
-    from serving.run_file import run_rows
     leaves = (((16, 8, 64), "bfloat16"),) * (2 * layers)
     ident = StoreIdentity(model="io", model_name="io", block_size=16, kv_mode="position_free",
                           hash_algo="xxhash64", markers=(0, 1, 2), leaves=leaves)
@@ -210,14 +256,42 @@ def io_bench(out: str, runs: int = 64, run_blocks: int = 36, layers: int = 16,
     size = store.stats()["bytes_stored"]
     res = {"bytes": size, "runs": runs, "run_blocks": run_blocks,
            "write_GBps": size / (t1 - t0) / 1e9}
-    buffers = _Buffers(2 * max(threads))
+    res.update(_io_reads(store, starts, size, run_blocks, threads))
+    print(f"file layer, {runs} runs of {run_blocks} blocks ({size / runs / 1e6:.1f} MB each) "
+          f"under {root}: write {res['write_GBps']:.2f} GB/s (1 thread); GB/s by threads: "
+          + "; ".join(f"{mode} " + ", ".join(f"{n}: {res[f'read_GBps_{mode}_{n}_threads']:.2f}"
+                                            for n in threads)
+                      for mode in ("fresh", "reused", "send_plain", "send_pinned")
+                      if f"read_GBps_{mode}_{threads[0]}_threads" in res))
+    shutil.rmtree(root, ignore_errors=True)
+    return res
 
-    def reused(h):  # the engine's way: a pooled buffer, handed back once its data has gone on
-        run = store.read(h, "shared", pad=run_rows, alloc=buffers.take)
-        buffers.give(run.kv)
-        return run
-    for mode, fn in (("fresh", lambda h: store.read(h, "shared", pad=run_rows)),
-                     ("reused", reused)):
+
+def _io_reads(store, starts, size: int, run_blocks: int, threads: tuple) -> dict:
+    """GB/s of run reads by thread count: into fresh arrays, into reused ones, and read + sent
+    to the device (what a reader thread of the tier does) from plain and pinned buffers."""
+    import concurrent.futures as cf
+    from serving.kv_store_buffers import RunBuffers, pinned_shardings
+    from serving.run_file import run_rows
+    res = {}
+
+    def job(buffers, send):
+        def one(h):
+            run = store.read(h, "shared", pad=run_rows, alloc=buffers.take)
+            if send:
+                run.dev, _ = buffers.send(run.kv)
+            else:
+                buffers.give(run.kv)
+            return run
+        return one
+    modes = [("fresh", lambda h: store.read(h, "shared", pad=run_rows))]
+    modes += [("reused", job(RunBuffers(2 * max(threads), pinned=False), False)),
+              ("send_plain", job(RunBuffers(2 * max(threads), pinned=False), True))]
+    if pinned_shardings() is not None:
+        modes.append(("send_pinned", job(RunBuffers(2 * max(threads), pinned=True), True)))
+    for mode, fn in modes:
+        with cf.ThreadPoolExecutor(max(threads)) as pool:  # untimed: fills the buffer pools
+            list(pool.map(fn, starts[:2 * max(threads)]))
         for n in threads:
             with cf.ThreadPoolExecutor(n) as pool:
                 t2 = time.perf_counter()
@@ -225,12 +299,7 @@ def io_bench(out: str, runs: int = 64, run_blocks: int = 36, layers: int = 16,
                 t3 = time.perf_counter()
             assert all(r is not None and r.n == run_blocks for r in got)
             res[f"read_GBps_{mode}_{n}_threads"] = size / (t3 - t2) / 1e9
-    print(f"file layer, {runs} runs of {run_blocks} blocks ({size / runs / 1e6:.1f} MB each) "
-          f"under {root}: write {res['write_GBps']:.2f} GB/s (1 thread); read GB/s by threads "
-          + "; ".join(f"{mode} buffers " + ", ".join(
-              f"{n}: {res[f'read_GBps_{mode}_{n}_threads']:.2f}" for n in threads)
-              for mode in ("fresh", "reused")))
-    shutil.rmtree(root, ignore_errors=True)
+            del got
     return res
 
 
@@ -261,7 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.io_only:
-        io_bench(args.out)
+        print(json.dumps(io_bench(args.out, threads=(1, 4, 16))))
     elif args.child_prewarm:
         prewarm(args)
     else:

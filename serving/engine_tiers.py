@@ -1,6 +1,7 @@
 """The engine's lower cache tiers, set up once at start: the host tier under `cpu_offload_gb`
 (with its page mover) and the persistent span store under `kv_store_dir` (Config). Each returns
-what the engine keeps; nothing here runs per step."""
+what the engine keeps; per step only `move_pages` runs (and `prefetch_stored` as requests are
+queued)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,11 @@ def move_pages(cache, mover, scheduler, offload, kv_store, evicted):
         cache = mover.scatter(cache, [b for b, _ in copy_in], sources)
         scheduler.pending_copy_in = []
     return cache
+
+
+def prefetch_stored(engine) -> None:
+    """Start the span-store reads of the waiting requests now, not at the next step (a batch
+    job calls it after each request it queues, so the reads overlap tokenizing the next ones).
+    No effect without a store."""
+    if engine.kv_store is not None:
+        engine.kv_store.prefetch(engine.scheduler.waiting, engine.bm, engine.offload)

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from serving.disk_store import DiskStore, namespace
+from serving.kv_store_buffers import RunBuffers
 from serving.run_file import Run, run_rows
 from serving.kv_store_moves import _Staged
 
@@ -52,30 +53,6 @@ def _matched(run: Run, want: _Want, block_bytes: int) -> int:
     return m
 
 
-class _Buffers:
-    """Host arrays for run reads, reused once their data is on the device: reading into pages
-    already mapped runs at memory speed, where fresh ones are faulted in (and, on a VM whose
-    memory grows on demand, first granted) page by page."""
-
-    def __init__(self, per_shape: int):
-        self.per_shape = per_shape
-        self.free: dict[tuple, list] = collections.defaultdict(list)
-        self.lock = threading.Lock()
-
-    def take(self, shape, dtype) -> np.ndarray:
-        with self.lock:
-            stack = self.free.get((tuple(shape), np.dtype(dtype)))
-            if stack:
-                return stack.pop()
-        return np.empty(shape, dtype)
-
-    def give(self, a: np.ndarray) -> None:
-        with self.lock:
-            stack = self.free[(a.shape, a.dtype)]
-            if len(stack) < self.per_shape:
-                stack.append(a)
-
-
 class KVStoreTier:
     def __init__(self, store: DiskStore, keys, *, bytes_per_block: int, staging_bytes: int,
                  lookahead: int, spans_only: bool = False, read_workers: int | None = None,
@@ -89,7 +66,8 @@ class KVStoreTier:
         self.staging_blocks = max(staging_bytes // max(bytes_per_block, 1), 1)
         self.lookahead = lookahead
         self.send = send  # reader threads send each run to the device
-        self.buffers = _Buffers(2 * read_workers)
+        self.lock = threading.Lock()  # counters the reader threads add to
+        self.buffers = RunBuffers(2 * read_workers)  # pinned where the backend has it
         self.staged: collections.OrderedDict[int, _Staged] = collections.OrderedDict()
         self.reads: dict[int, tuple[cf.Future, _Want]] = {}  # start hash -> read in flight
         self.queue: collections.deque[_Want] = collections.deque()  # no room to read yet
@@ -102,7 +80,8 @@ class KVStoreTier:
         self.written: set[int] = set()  # hashes written or being written by this process
         self.to_write: list[tuple] = []  # (block, hash, tokens, ns, new run) gathered next step
         self.counters = dict(prefetched_runs=0, staged_hits=0, read_wait_s=0.0, sync_reads=0,
-                             writes_queued=0, follow_up_reads=0, copy_in_s=0.0, copy_in_runs=0)
+                             writes_queued=0, follow_up_reads=0, copy_in_s=0.0, copy_in_runs=0,
+                             send_s=0.0, pinned=self.buffers.pinned)
 
     # -- the scheduler's lower tier ------------------------------------------------------------
     def contains(self, h) -> bool:
@@ -219,16 +198,26 @@ class KVStoreTier:
             self.counters["prefetched_runs"] += 1
 
     def _read(self, want: _Want) -> Run | None:
-        """A reader thread: read and verify the run, and start its transfer to the device (the
-        copy-in is then one scatter on device: the host side of the transfer runs here, in
-        parallel, not on the engine's thread)."""
-        run = self.store.read(want.start, want.ns, pad=run_rows, alloc=self.buffers.take)
-        if run is not None and self.send:
-            run.dev = jax.device_put(run.kv)
-            run.dev.block_until_ready()  # here, in parallel: then the buffer is free again
-            if run.dev.unsafe_buffer_pointer() != run.kv.ctypes.data:  # copied, not aliased
-                self.buffers.give(run.kv)
+        """A reader thread: read and verify the run, and send it to the device (the copy-in is
+        then one scatter on device: the host side of the transfer runs here, in parallel, not
+        on the engine's thread)."""
+        taken = []
+
+        def alloc(shape, dtype):
+            taken.append(self.buffers.take(shape, dtype))
+            return taken[-1]
+        run = self.store.read(want.start, want.ns, pad=run_rows, alloc=alloc)
+        if run is None:  # absent or corrupt: its buffer goes back
+            for a in taken:
+                self.buffers.give(a)
+            return None
+        if self.send:
+            t0 = time.perf_counter()
+            run.dev, keep = self.buffers.send(run.kv)
+            if not keep:
                 run.kv = None
+            with self.lock:
+                self.counters["send_s"] += time.perf_counter() - t0
         return run
 
     # -- writes --------------------------------------------------------------------------------

@@ -139,6 +139,25 @@ def test_request_is_ready_once_its_reads_are_harvested(store_pair, fresh_rng):
     tier.staged.clear()
 
 
+def test_reads_start_when_a_batch_job_queues_the_request(store_pair, fresh_rng):
+    """prefetch_stored (run-batch calls it after each add_request) starts the reads before any
+    step; the request then runs to the same tokens as a cold run."""
+    from serving.engine_tiers import prefetch_stored
+    writer, reader, _ = store_pair
+    docs = _docs(fresh_rng, 1)
+    writer.cache_spans(docs)
+    prompt = _prompts(reader, fresh_rng, docs)[0]
+    eng = reader.llm_engine
+    eng.add_request("early", prompt, SP)
+    prefetch_stored(eng)
+    assert eng.kv_store.reads or eng.kv_store.queue
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[0].num_cached_tokens > 0
+    assert _tokens(outs) == _tokens(writer.generate([prompt], SP, use_tqdm=False))
+
+
 def test_cache_spans_prewarms_per_cache_salt_namespace(store_pair, fresh_rng):
     writer, reader, root = store_pair
     docs = _docs(fresh_rng, 2)
@@ -298,3 +317,29 @@ def test_identity_mismatch_names_the_field(tmp_path):
                                             r"'rotated'"):
         DiskStore(tmp_path, _identity(kv_mode="rotated"), 1 << 20)
     DiskStore(tmp_path, _identity(model_name="renamed"), 1 << 20)  # a name alone is no change
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_run_buffers_send_read_bytes_and_reuse_the_buffer(tmp_path, fresh_rng, pinned):
+    """A run read into a pooled buffer (pinned host memory, or plain numpy) reaches the device
+    bit-exact; the buffer is reused and a later write to it does not change what was sent."""
+    import ml_dtypes
+    from serving.kv_store_buffers import RunBuffers, pinned_shardings
+    if pinned and pinned_shardings() is None:
+        pytest.skip("no pinned host memory on this backend")
+    bufs = RunBuffers(per_shape=2, pinned=pinned)
+    ident = _identity(leaves=(((4, 2, 8), "bfloat16"),) * 2)
+    store = DiskStore(tmp_path, ident, 1 << 30)
+    hashes, tokens, leaves = _run(fresh_rng, [7, 8, 9])
+    leaves = [x.astype(ml_dtypes.bfloat16) for x in leaves]
+    store.write("shared", hashes, tokens, leaves)
+    run = store.read(7, "shared", pad=lambda n: 4, alloc=bufs.take)
+    assert bufs.pinned == pinned and run.kv.shape == (2, 4, 4, 2, 8)
+    ptr = run.kv.ctypes.data
+    dev, keep = bufs.send(run.kv)
+    assert np.asarray(dev)[:, :3].tobytes() == np.stack(leaves).tobytes()
+    if not keep:
+        again = bufs.take(run.kv.shape, run.kv.dtype)
+        assert again.ctypes.data == ptr  # the pooled buffer, not a fresh one
+        again[:] = 0
+        assert np.asarray(dev)[:, :3].tobytes() == np.stack(leaves).tobytes()

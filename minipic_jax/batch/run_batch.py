@@ -17,6 +17,7 @@ import time
 from minipic_jax.batch.reading import LineError, iter_lines, parse_line
 from minipic_jax.batch.records import error_record, result_record
 from minipic_jax.batch.resume import answered, open_for_append
+from serving.engine_tiers import prefetch_stored
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +121,8 @@ class _Job:
             rid = f"batch-{n}"
             self.engine.add_request(rid, ids, req.sampling, cache_salt=req.cache_salt,
                                     prompt=text)
+            prefetch_stored(self.engine)  # its span-store reads start while the next lines
+            # are parsed and tokenized
         except ValueError as err:
             self.counts["errors"] += 1
             msg = str(err).replace(f"request {n}: ", "").replace(f"request 'batch-{n}': ", "")
