@@ -127,9 +127,9 @@ def orchestrate(args) -> None:
     wall, dropped = {}, None
     for phase in phases:
         print(f"== {phase}", flush=True)
-        kind, *opts = phase.split("_")  # warm_plain: plain host buffers; warm_disk: page
+        kind, *opts = phase.split("_")  # warm_pinned: pinned host buffers; warm_disk: page
         kind = kind.rstrip("0123456789")  # cache dropped first; warm2: a second warm run
-        env = dict(os.environ, **({"MINIPIC_KV_STORE_PINNED": "0"} if "plain" in opts else {}))
+        env = dict(os.environ, MINIPIC_KV_STORE_PINNED="1" if "pinned" in opts else "0")
         if kind == "prewarm":
             cmd = py + ["-m", "benchmarks.kv_store_bench", "--child-prewarm", "--out", str(out),
                         "--store", str(store)] + _model_flags(args)
@@ -180,7 +180,7 @@ def _texts(path: pathlib.Path) -> dict:
 
 def same_outputs(out: pathlib.Path, phases) -> dict:
     """For each phase after the first warm one: how many of its outputs equal that phase's
-    (greedy: a store read must not change a token; warm_plain reads the same files)."""
+    (greedy: a store read must not change a token; warm_pinned reads the same files)."""
     runs = [p for p in phases if (out / f"results_{p}.jsonl").exists()]
     ref = next((p for p in runs if p.startswith("warm")), None)
     if ref is None:

@@ -8,7 +8,11 @@ their memory: the transfer is then one DMA. Backends without pinned host memory,
 self-test fails (the bytes written through the view must reach the device, and a later write to
 the buffer must not change what was sent), get plain numpy buffers. Either kind is reused once
 its data is on the device (no fresh pages to fault in, pin or, on a VM, be granted).
-`MINIPIC_KV_STORE_PINNED=0` forces plain buffers (the bench's A/B).
+
+Pinned buffers are opt-in (`MINIPIC_KV_STORE_PINNED=1`): alone on the H200 (the file-layer
+bench) read + send from pinned buffers ran at 13.0 GB/s against 11.1 from plain ones, but inside
+an engine process the H200 refused the allocations (`benchmarks/history/span_store.md`,
+session 8), so plain buffers stay the default until that is understood.
 """
 
 from __future__ import annotations
@@ -49,8 +53,6 @@ def _pinned_view(shape, dtype, sharding) -> np.ndarray:
 def pinned_shardings():
     """(pinned host, device) shardings of the default device when pinned buffers work here,
     else None (checked once per process)."""
-    if os.environ.get("MINIPIC_KV_STORE_PINNED", "1") == "0":
-        return None
     try:
         dev = jax.local_devices()[0]  # where a plain device_put lands
         pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
@@ -75,8 +77,11 @@ class RunBuffers:
     def __init__(self, per_shape: int, cap_bytes: int = 4 << 30, pinned: bool | None = None):
         self.per_shape = per_shape
         self.cap_bytes = cap_bytes  # pooled bytes kept (pinned memory is locked RAM)
-        self.shardings = pinned_shardings() if pinned in (None, True) else None
-        if pinned and self.shardings is None:
+        asked = pinned  # None: the process default, plain unless MINIPIC_KV_STORE_PINNED=1
+        if pinned is None:
+            pinned = os.environ.get("MINIPIC_KV_STORE_PINNED", "0") == "1"
+        self.shardings = pinned_shardings() if pinned else None
+        if asked and self.shardings is None:
             raise ValueError("pinned host buffers are not available on this backend")
         self.free: dict[tuple, list] = collections.defaultdict(list)
         self.pooled = 0

@@ -22,6 +22,7 @@ import concurrent.futures as cf
 import os
 import threading
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -81,7 +82,7 @@ class KVStoreTier:
         self.to_write: list[tuple] = []  # (block, hash, tokens, ns, new run) gathered next step
         self.counters = dict(prefetched_runs=0, staged_hits=0, read_wait_s=0.0, sync_reads=0,
                              writes_queued=0, follow_up_reads=0, copy_in_s=0.0, copy_in_runs=0,
-                             send_s=0.0, pinned=self.buffers.pinned)
+                             send_s=0.0, read_errors=0, pinned=self.buffers.pinned)
 
     # -- the scheduler's lower tier ------------------------------------------------------------
     def contains(self, h) -> bool:
@@ -206,18 +207,24 @@ class KVStoreTier:
         def alloc(shape, dtype):
             taken.append(self.buffers.take(shape, dtype))
             return taken[-1]
-        run = self.store.read(want.start, want.ns, pad=run_rows, alloc=alloc)
-        if run is None:  # absent or corrupt: its buffer goes back
+        try:
+            run = self.store.read(want.start, want.ns, pad=run_rows, alloc=alloc)
+            if run is not None and self.send:
+                t0 = time.perf_counter()
+                run.dev, keep = self.buffers.send(run.kv)
+                if not keep:
+                    run.kv = None
+                with self.lock:
+                    self.counters["send_s"] += time.perf_counter() - t0
+        except Exception as err:  # e.g. the device refused the transfer: a miss, not a stall
+            with self.lock:
+                self.counters["read_errors"] += 1
+            warnings.warn(f"kv store: reading the run at {want.start:#x} failed ({err!r:.200}); "
+                          "its blocks are recomputed", RuntimeWarning, stacklevel=2)
+            run = None
+        if run is None:  # absent, corrupt or failed: its buffers go back
             for a in taken:
                 self.buffers.give(a)
-            return None
-        if self.send:
-            t0 = time.perf_counter()
-            run.dev, keep = self.buffers.send(run.kv)
-            if not keep:
-                run.kv = None
-            with self.lock:
-                self.counters["send_s"] += time.perf_counter() - t0
         return run
 
     # -- writes --------------------------------------------------------------------------------

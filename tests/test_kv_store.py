@@ -343,3 +343,24 @@ def test_run_buffers_send_read_bytes_and_reuse_the_buffer(tmp_path, fresh_rng, p
         assert again.ctypes.data == ptr  # the pooled buffer, not a fresh one
         again[:] = 0
         assert np.asarray(dev)[:, :3].tobytes() == np.stack(leaves).tobytes()
+
+
+def test_a_failed_transfer_is_a_miss_not_a_stall(store_pair, fresh_rng, monkeypatch):
+    """A reader thread whose transfer to the device fails (on the H200 an engine process was
+    refused the allocation) turns that run into a miss: a warning, the blocks recomputed, the
+    same tokens; the job goes on."""
+    writer, reader, _ = store_pair
+    docs = _docs(fresh_rng, 2)
+    writer.cache_spans(docs)
+    prompts = _prompts(reader, fresh_rng, docs)
+    tier = reader.llm_engine.kv_store
+
+    def refuse(a):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (injected)")
+    monkeypatch.setattr(tier.buffers, "send", refuse)
+    errors = tier.counters["read_errors"]
+    with pytest.warns(RuntimeWarning, match="injected"):
+        out = reader.generate(prompts, SP, use_tqdm=False)
+    assert tier.counters["read_errors"] > errors
+    assert all(o.num_cached_tokens == 0 for o in out)
+    assert _tokens(out) == _tokens(writer.generate(prompts, SP, use_tqdm=False))
