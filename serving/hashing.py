@@ -1,10 +1,12 @@
 """Chained block hashes (DESIGN §3): h_i = H(parent, tokens_i, kind).
 
 Two chains run over a prompt's full blocks:
-  * the prefix chain p_i = H(p_{i-1}, tokens_i, "P") over the whole prompt (PDEP blocks use it:
-    their KV depends on everything before them);
   * a span chain s_i = H(s_{i-1} or h_0, tokens_i, "S") that restarts at each SSEP block, so a
-    span's key depends on its own tokens only and is valid at any offset in any request.
+    span's key depends on its own tokens only and is valid at any offset in any request;
+  * the prefix chain over the whole prompt (PDEP blocks use it: their KV depends on everything
+    before them): p_i = H(p_{i-1}, tokens_i, "P") at a PDEP block, and one step over a whole
+    span run, p = H(p, s_last, "J") with s_last the run's last span key (it stands for the run's
+    tokens), so a cached span costs one hash, not one per block.
 h_0 is derived from the cache salt, which isolates tenants. Kinds keep the chains disjoint.
 """
 
@@ -61,7 +63,7 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
     """Hash of every full block of `tokens`, and the chains' tail (prefix, span) after them.
 
     Args:
-      tokens: prompt token ids (pads and markers included).
+      tokens: prompt token ids (pads and markers included), or their int64 bytes.
       span_block: per block, True inside an SSEP span, False inside a PDEP segment.
       span_start: per block, True where an SSEP span begins (its chain restarts from h0).
       h0: root hash (per cache salt).
@@ -71,15 +73,19 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
       one int per full block (a partial last block gets none), and (prefix, span): the two
       chains after the last full block, from which `next_block_key` continues.
     """
-    n = len(tokens) // block_size
-    raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
     step = 8 * block_size
+    if isinstance(tokens, (bytes, bytearray)):  # int64 bytes (PrefixKeys.token_bytes)
+        n = len(tokens) // step
+        raw = bytes(tokens[:n * step])
+    else:
+        n = len(tokens) // block_size
+        raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
     blocks = [raw[j * step:(j + 1) * step] for j in range(n)]  # int64 bytes per block
     keys, prefix, span = [], h0, h0
     j = 0
     while j < n:
-        prefix = hash_fn(prefix, blocks[j], b"P")
         if not span_block[j]:
+            prefix = hash_fn(prefix, blocks[j], b"P")
             keys.append(prefix)
             j += 1
             continue
@@ -100,8 +106,7 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
                 memo[mk] = got
         keys.extend(got)
         span = got[-1]
-        for i in range(j + 1, end):
-            prefix = hash_fn(prefix, blocks[i], b"P")
+        prefix = hash_fn(prefix, span.to_bytes(8, "little"), b"J")  # the whole run in one step
         j = end
     return keys, (prefix, span)
 

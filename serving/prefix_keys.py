@@ -31,8 +31,9 @@ class PrefixKeys:
                 lay = seq.layout
                 if len(self.span_memo) > _MEMO_LIMIT:
                     self.span_memo.clear()
+                raw = self.token_bytes(seq)[:8 * seq.num_prompt_tokens]
                 seq.block_hashes, seq.chain_tail = block_keys_and_tail(
-                    self.hash_fn, seq.prompt_token_ids, self.block_size, lay.span_block,
+                    self.hash_fn, raw, self.block_size, lay.span_block,
                     lay.span_start, self.root_hash_fn(seq.cache_salt), self.span_memo)
         return seq.block_hashes
 
@@ -49,7 +50,11 @@ class PrefixKeys:
         preempted request comes back (its generated blocks can be hits too)."""
         raw = getattr(seq, "_token_bytes", None)
         if raw is None or len(raw) != 8 * len(seq.token_ids):
-            raw = seq._token_bytes = np.asarray(seq.token_ids, np.int64).tobytes()
+            n, prompt = seq.num_prompt_tokens, seq.layout.tokens
+            if prompt is None or len(prompt) != n:  # a layout built elsewhere: convert
+                prompt = np.asarray(seq.token_ids[:n], np.int64)
+            raw = prompt.tobytes() + np.asarray(seq.token_ids[n:], np.int64).tobytes()
+            seq._token_bytes = raw
         return raw
 
     def confirm(self, seq: Sequence, j: int) -> bytes:
