@@ -69,6 +69,8 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
       h0: root hash (per cache salt).
       memo: optional dict reused across calls: a span's chain depends only on (h0, its tokens),
         so a span seen before (the common case for position-free reuse) is not hashed again.
+        Its key holds a 128-bit digest of the span's tokens; a digest collision could only give
+        wrong keys, which miss (a hit also compares the block's kept tokens).
     Returns:
       one int per full block (a partial last block gets none), and (prefix, span): the two
       chains after the last full block, from which `next_block_key` continues.
@@ -80,12 +82,12 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
     else:
         n = len(tokens) // block_size
         raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
-    blocks = [raw[j * step:(j + 1) * step] for j in range(n)]  # int64 bytes per block
+    span_block, span_start = _flags(span_block, n), _flags(span_start, n)
     keys, prefix, span = [], h0, h0
     j = 0
     while j < n:
         if not span_block[j]:
-            prefix = hash_fn(prefix, blocks[j], b"P")
+            prefix = hash_fn(prefix, raw[j * step:(j + 1) * step], b"P")
             keys.append(prefix)
             j += 1
             continue
@@ -94,13 +96,13 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
         while end < n and span_block[end] and not span_start[end]:
             end += 1
         got = None
-        if memo is not None and span_start[j]:
-            mk = (h0, block_size, raw[j * step:end * step])
+        if memo is not None and span_start[j]:  # keyed by a digest: hashing 64 KB keys costs
+            mk = (h0, block_size, end - j, xxhash.xxh3_128_intdigest(raw[j * step:end * step]))
             got = memo.get(mk)
         if got is None:
             got, span = [], (h0 if span_start[j] else span)
             for i in range(j, end):
-                span = hash_fn(span, blocks[i], b"S")
+                span = hash_fn(span, raw[i * step:(i + 1) * step], b"S")
                 got.append(span)
             if memo is not None and span_start[j]:
                 memo[mk] = got
@@ -109,6 +111,11 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
         prefix = hash_fn(prefix, span.to_bytes(8, "little"), b"J")  # the whole run in one step
         j = end
     return keys, (prefix, span)
+
+
+def _flags(x, n: int) -> list:
+    """The first n per-block flags as a plain list (numpy scalars index slowly in a loop)."""
+    return x[:n].tolist() if isinstance(x, np.ndarray) else list(x[:n])
 
 
 def next_block_key(hash_fn, tail: tuple[int, int], tokens, in_span: bool, starts_span: bool,

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import array
 import numbers
 
 import numpy as np
@@ -18,14 +19,16 @@ def check_token_ids(ids, who: str, vocab_size: int) -> np.ndarray:
     outside [0, vocab_size)."""
     if not isinstance(ids, list):
         ids = list(ids)
-    try:
-        arr = np.asarray(ids) if ids else np.zeros(0, np.int64)
-    except (TypeError, ValueError):  # ragged or mixed: the loop below names the entry
-        arr = np.zeros((0, 0))
-    if arr.ndim == 1 and arr.dtype.kind in "iu":  # the common case, checked vectorized
+    try:  # array("q") takes ints (and numpy ints) only, as int64; an all-bool list is no ids
+        if ids and isinstance(ids[0], bool):
+            raise TypeError
+        arr = np.frombuffer(array.array("q", ids), np.int64) if ids else np.zeros(0, np.int64)
+    except (TypeError, ValueError, OverflowError):  # the loop below names the bad entry
+        arr = None
+    if arr is not None:  # the common case, checked vectorized
         bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
         if not bad.size:
-            return arr.astype(np.int64, copy=False)
+            return arr
     out = []
     for k, t in enumerate(ids):
         if not isinstance(t, numbers.Integral) or isinstance(t, bool):

@@ -84,36 +84,20 @@ class Scheduler:
         if self.hybrid_cache is not None:
             return self.hybrid_cache.admit(self, seq, seats)
         bm, hashes, limit = self.bm, self.keys.hashes(seq), self.keys.hit_limit(seq)
-        plan = []  # (kind, block or hash) per logical block
-        need = 0
-        # bm.lookup inlined (hot): a hit needs the hash in the table and equal kept tokens
-        table = bm.table if bm.enable_caching else {}
-        kept, raw, step = bm.confirm, self.keys.token_bytes(seq), 8 * self.cfg.block_size
-        for j in range(seq.num_blocks_needed):
-            if j < limit:
-                b = table.get(hashes[j])
-                if b is not None and kept[b] != raw[j * step:(j + 1) * step]:
-                    b = None  # a hash collision is a miss
-                if b is not None:
-                    plan.append(("hit", b))
-                    need += bm.ref[b] == 0
-                    continue
-                if self.offload is not None and self.offload.contains(hashes[j]):
-                    plan.append(("host", None))
-                    need += 1
-                    continue
-            plan.append(("new", None))
-            need += 1
+        plan = self.keys.admission_plan(seq, bm, limit, self.offload)  # (kind, block) per block
+        hits = [b for kind, b in plan if kind == "hit"]
+        ref = bm.ref
+        need = len(plan) - len(hits) + [ref[b] for b in hits].count(0)
         if need > bm.num_free - self.cfg.watermark_blocks * (not seq.is_span_job):
             return False
         # take every planned hit off the free list before allocating: an allocation evicts the
         # least recently freed block, which may be a cached block planned as a later hit
         shared = []
         try:
-            for kind, b in plan:
-                if kind == "hit":
-                    bm.share(b)
-                    shared.append(b)
+            share, mark = bm.share, shared.append
+            for b in hits:
+                share(b)
+                mark(b)
             self._take_blocks(seq, plan, hashes)
         except BaseException:
             self._undo_admission(seq, plan, shared)
@@ -131,12 +115,13 @@ class Scheduler:
     def _take_blocks(self, seq: Sequence, plan, hashes) -> None:
         """Fill the block table from the admission plan: hits (already shared), blocks copied
         in from the host tier, new blocks (registered under their hash, owned)."""
-        bm = self.bm
+        bm, table, bs, nh = self.bm, seq.block_table, self.cfg.block_size, len(hashes)
+        count = not seq.ever_admitted
         for j, (kind, b) in enumerate(plan):
             if kind == "hit":
-                seq.block_table.append(b)
-                if not seq.ever_admitted and j < len(hashes):
-                    seq.num_cached_tokens += self.cfg.block_size
+                table.append(b)
+                if count and j < nh:
+                    seq.num_cached_tokens += bs
                 continue
             b = bm.allocate()
             seq.block_table.append(b)
