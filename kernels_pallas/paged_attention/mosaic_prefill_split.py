@@ -10,6 +10,12 @@ the decode kernels' split-K). The pre-pass (gather, rotation, key positions) is 
 
 Masked / unmasked step ranges are clipped to each split, so a split never runs an unmasked step
 that needs a mask.
+
+GQA packing (pack_gqa): the G query heads of a kv head are laid out as G rows per token, so the
+grid runs over kv heads and one CTA serves a whole group: each kv head's keys are read once per
+tile of 128 packed rows instead of once per query head, and a few query rows fill the tile G
+times as much (the cached-span step: 2.62 ms per step vs 4.95 unpacked, benchmarks/RESULTS.md,
+RAG headline).
 """
 
 from __future__ import annotations
