@@ -115,13 +115,12 @@ class Scheduler:
     def _take_blocks(self, seq: Sequence, plan, hashes) -> None:
         """Fill the block table from the admission plan: hits (already shared), blocks copied
         in from the host tier, new blocks (registered under their hash, owned)."""
-        bm, table, bs, nh = self.bm, seq.block_table, self.cfg.block_size, len(hashes)
-        count = not seq.ever_admitted
+        bm, table, bs = self.bm, seq.block_table, self.cfg.block_size
+        if not seq.ever_admitted:  # hits among the hashed blocks, counted at once
+            seq.num_cached_tokens += bs * [k for k, _ in plan[:len(hashes)]].count("hit")
         for j, (kind, b) in enumerate(plan):
             if kind == "hit":
                 table.append(b)
-                if count and j < nh:
-                    seq.num_cached_tokens += bs
                 continue
             b = bm.allocate()
             seq.block_table.append(b)
@@ -198,7 +197,7 @@ class Scheduler:
             if j not in seq.owned:  # a shared (hit or waited-for) block, entered at its start
                 b = seq.block_table[j]
                 if bm.ready[b] or bm.hash[b] == -1:
-                    i = (j + 1) * bs
+                    i = self._skip_shared(seq, j + 1, total) * bs
                     continue
                 if bm.owner[b] != -1:
                     break  # another sequence is computing it: wait
@@ -223,6 +222,18 @@ class Scheduler:
         if self.hybrid and seq.layout.span_block.any():  # a non-final span stays in one step
             idx, i = span_rows.cut_chunk(seq, idx, i, bs)
         return idx, i
+
+    def _skip_shared(self, seq: Sequence, j: int, total: int) -> int:
+        """First block >= j a chunk cannot skip (owned, shared and pending, or past `total`):
+        a cached request's 2,000 ready blocks are passed in one tight loop."""
+        owned, table, ready, hashes = seq.owned, seq.block_table, self.bm.ready, self.bm.hash
+        bs = self.cfg.block_size
+        while j * bs < total and j not in owned:
+            b = table[j]
+            if not ready[b] and hashes[b] != -1:
+                break
+            j += 1
+        return j
 
     def _final_start(self, seq: Sequence) -> int:
         """Token index where the final segment begins (0 if the prompt is one segment)."""
@@ -369,17 +380,21 @@ class Scheduler:
                 continue
             seq.num_computed = e.new_computed
             seq.needs_reset = False
-            j = seq.ready_ptr
-            while (j + 1) * bs <= seq.num_computed and j < len(seq.block_table):
+            j0, owned = seq.ready_ptr, seq.owned
+            end = min(seq.num_computed // bs, len(seq.block_table))
+            # completed blocks [j0, end): only owned ones change (few, after a cached prefix)
+            todo = range(j0, end) if len(owned) >= end - j0 else sorted(
+                j for j in owned if j0 <= j < end)
+            for j in todo:
+                if j not in owned:
+                    continue
                 b = seq.block_table[j]
-                if j in seq.owned:
-                    if bm.is_pending(b) and bm.owner[b] == seq.seq_id:
-                        bm.mark_ready(b)
-                    elif (self.caching and j == len(seq.block_hashes) and bm.hash[b] == -1
-                          and seq.chain_tail is not None and not seq.is_span_job):
-                        self.keys.publish_generated(seq, j, b, bm)
-                j += 1
-            seq.ready_ptr = j
+                if bm.is_pending(b) and bm.owner[b] == seq.seq_id:
+                    bm.mark_ready(b)
+                elif (self.caching and j == len(seq.block_hashes) and bm.hash[b] == -1
+                      and seq.chain_tail is not None and not seq.is_span_job):
+                    self.keys.publish_generated(seq, j, b, bm)
+            seq.ready_ptr = max(j0, end)
             if seq.is_span_job and seq.num_computed >= len(seq):
                 self.finish(seq)
 
