@@ -1,10 +1,12 @@
 """Chained block hashes (DESIGN §3): h_i = H(parent, tokens_i, kind).
 
 Two chains run over a prompt's full blocks:
-  * the prefix chain p_i = H(p_{i-1}, tokens_i, "P") over the whole prompt (PDEP blocks use it:
-    their KV depends on everything before them);
   * a span chain s_i = H(s_{i-1} or h_0, tokens_i, "S") that restarts at each SSEP block, so a
-    span's key depends on its own tokens only and is valid at any offset in any request.
+    span's key depends on its own tokens only and is valid at any offset in any request;
+  * the prefix chain over the whole prompt (PDEP blocks use it: their KV depends on everything
+    before them): p_i = H(p_{i-1}, tokens_i, "P") at a PDEP block, and one step over a whole
+    span run, p = H(p, s_last, "J") with s_last the run's last span key (it stands for the run's
+    tokens), so a cached span costs one hash, not one per block.
 h_0 is derived from the cache salt, which isolates tenants. Kinds keep the chains disjoint.
 """
 
@@ -61,25 +63,31 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
     """Hash of every full block of `tokens`, and the chains' tail (prefix, span) after them.
 
     Args:
-      tokens: prompt token ids (pads and markers included).
+      tokens: prompt token ids (pads and markers included), or their int64 bytes.
       span_block: per block, True inside an SSEP span, False inside a PDEP segment.
       span_start: per block, True where an SSEP span begins (its chain restarts from h0).
       h0: root hash (per cache salt).
       memo: optional dict reused across calls: a span's chain depends only on (h0, its tokens),
         so a span seen before (the common case for position-free reuse) is not hashed again.
+        Its key holds a 128-bit digest of the span's tokens; a digest collision could only give
+        wrong keys, which miss (a hit also compares the block's kept tokens).
     Returns:
       one int per full block (a partial last block gets none), and (prefix, span): the two
       chains after the last full block, from which `next_block_key` continues.
     """
-    n = len(tokens) // block_size
-    raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
     step = 8 * block_size
-    blocks = [raw[j * step:(j + 1) * step] for j in range(n)]  # int64 bytes per block
+    if isinstance(tokens, (bytes, bytearray)):  # int64 bytes (PrefixKeys.token_bytes)
+        n = len(tokens) // step
+        raw = bytes(tokens[:n * step])
+    else:
+        n = len(tokens) // block_size
+        raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
+    span_block, span_start = _flags(span_block, n), _flags(span_start, n)
     keys, prefix, span = [], h0, h0
     j = 0
     while j < n:
-        prefix = hash_fn(prefix, blocks[j], b"P")
         if not span_block[j]:
+            prefix = hash_fn(prefix, raw[j * step:(j + 1) * step], b"P")
             keys.append(prefix)
             j += 1
             continue
@@ -88,22 +96,26 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
         while end < n and span_block[end] and not span_start[end]:
             end += 1
         got = None
-        if memo is not None and span_start[j]:
-            mk = (h0, block_size, raw[j * step:end * step])
+        if memo is not None and span_start[j]:  # keyed by a digest: hashing 64 KB keys costs
+            mk = (h0, block_size, end - j, xxhash.xxh3_128_intdigest(raw[j * step:end * step]))
             got = memo.get(mk)
         if got is None:
             got, span = [], (h0 if span_start[j] else span)
             for i in range(j, end):
-                span = hash_fn(span, blocks[i], b"S")
+                span = hash_fn(span, raw[i * step:(i + 1) * step], b"S")
                 got.append(span)
             if memo is not None and span_start[j]:
                 memo[mk] = got
         keys.extend(got)
         span = got[-1]
-        for i in range(j + 1, end):
-            prefix = hash_fn(prefix, blocks[i], b"P")
+        prefix = hash_fn(prefix, span.to_bytes(8, "little"), b"J")  # the whole run in one step
         j = end
     return keys, (prefix, span)
+
+
+def _flags(x, n: int) -> list:
+    """The first n per-block flags as a plain list (numpy scalars index slowly in a loop)."""
+    return x[:n].tolist() if isinstance(x, np.ndarray) else list(x[:n])
 
 
 def next_block_key(hash_fn, tail: tuple[int, int], tokens, in_span: bool, starts_span: bool,

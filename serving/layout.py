@@ -28,6 +28,7 @@ class PromptLayout:
     last_win: int  # window start of the last segment (generated tokens inherit it)
     last_valid_index: int  # index of the last non-pad prompt token
     has_markers: bool
+    tokens: np.ndarray | None = None  # [N] int64 the prompt (hashed from here: no re-conversion)
 
 
 def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | None,
@@ -65,4 +66,4 @@ def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | 
         span_block=span_block, span_start=is_ssep & seg_start, seg_start=seg_start,
         num_valid=int(valid.sum()), last_win=int(seg_win[-1]) if nb else 0,
         last_valid_index=int(valid_idx[-1]) if valid_idx.size else -1,
-        has_markers=bool(is_ssep.any() or is_pdep.any()))
+        has_markers=bool(is_ssep.any() or is_pdep.any()), tokens=t)

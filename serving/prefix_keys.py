@@ -10,6 +10,7 @@ from serving.hashing import block_keys_and_tail, next_block_key
 from serving.sequence import Sequence
 
 _MEMO_LIMIT = 65536  # span-chain memo entries (it only saves hashing)
+_NEW, _HOST = ("new", None), ("host", None)  # admission plan entries (admission_plan)
 
 
 class PrefixKeys:
@@ -31,8 +32,9 @@ class PrefixKeys:
                 lay = seq.layout
                 if len(self.span_memo) > _MEMO_LIMIT:
                     self.span_memo.clear()
+                raw = self.token_bytes(seq)[:8 * seq.num_prompt_tokens]
                 seq.block_hashes, seq.chain_tail = block_keys_and_tail(
-                    self.hash_fn, seq.prompt_token_ids, self.block_size, lay.span_block,
+                    self.hash_fn, raw, self.block_size, lay.span_block,
                     lay.span_start, self.root_hash_fn(seq.cache_salt), self.span_memo)
         return seq.block_hashes
 
@@ -43,13 +45,36 @@ class PrefixKeys:
         last = len(seq) - 1 if seq.num_output_tokens else seq.layout.last_valid_index
         return min(len(self.hashes(seq)), last // self.block_size)
 
+    def admission_plan(self, seq: Sequence, bm, limit: int, offload=None) -> list[tuple]:
+        """Per logical block of `seq`: ("hit", b) for a cached block whose kept tokens match (a
+        hash collision is a miss), ("host", None) for one the host tier holds, else ("new",
+        None); blocks [0, limit) may hit. Comprehensions, not a loop: a cached 32K-token request
+        has 2,000 blocks, all hits, and this runs inside its time to first token."""
+        hashes, n = self.hashes(seq), seq.num_blocks_needed
+        lim = max(0, min(limit, n))
+        got = [None] * lim
+        if bm.enable_caching and lim:
+            kept, raw, step = bm.confirm, self.token_bytes(seq), 8 * self.block_size
+            got = [b if b is not None and kept[b] == raw[j * step:(j + 1) * step] else None
+                   for j, b in enumerate(map(bm.table.get, hashes[:lim]))]
+        plan = [_NEW if b is None else ("hit", b) for b in got] + [_NEW] * (n - lim)
+        if offload is not None:
+            for j, b in enumerate(got):
+                if b is None and offload.contains(hashes[j]):
+                    plan[j] = _HOST
+        return plan
+
     @staticmethod
     def token_bytes(seq: Sequence) -> bytes:
         """The sequence's tokens as int64 bytes: the prompt's, plus the generated ones once a
         preempted request comes back (its generated blocks can be hits too)."""
         raw = getattr(seq, "_token_bytes", None)
         if raw is None or len(raw) != 8 * len(seq.token_ids):
-            raw = seq._token_bytes = np.asarray(seq.token_ids, np.int64).tobytes()
+            n, prompt = seq.num_prompt_tokens, seq.layout.tokens
+            if prompt is None or len(prompt) != n:  # a layout built elsewhere: convert
+                prompt = np.asarray(seq.token_ids[:n], np.int64)
+            raw = prompt.tobytes() + np.asarray(seq.token_ids[n:], np.int64).tobytes()
+            seq._token_bytes = raw
         return raw
 
     def confirm(self, seq: Sequence, j: int) -> bytes:

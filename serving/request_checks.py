@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import array
 import numbers
 
 import numpy as np
@@ -12,18 +13,22 @@ from serving import span_rows
 from serving.layout import build_layout
 
 
-def check_token_ids(ids, who: str, vocab_size: int) -> list[int]:
-    """Prompt token ids -> a list of ints; a TypeError for a non-integer (floats are not
-    truncated), a ValueError for an id outside [0, vocab_size)."""
-    ids = list(ids)
-    try:
-        arr = np.asarray(ids) if ids else np.zeros(0, np.int64)
-    except (TypeError, ValueError):  # ragged or mixed: the loop below names the entry
-        arr = np.zeros((0, 0))
-    if arr.ndim == 1 and arr.dtype.kind in "iu":  # the common case, checked vectorized
+def check_token_ids(ids, who: str, vocab_size: int) -> np.ndarray:
+    """Prompt token ids -> an int64 array (converted once: the layout and the block hashes use
+    it); a TypeError for a non-integer (floats are not truncated), a ValueError for an id
+    outside [0, vocab_size)."""
+    if not isinstance(ids, list):
+        ids = list(ids)
+    try:  # array("q") takes ints (and numpy ints) only, as int64; an all-bool list is no ids
+        if ids and isinstance(ids[0], bool):
+            raise TypeError
+        arr = np.frombuffer(array.array("q", ids), np.int64) if ids else np.zeros(0, np.int64)
+    except (TypeError, ValueError, OverflowError):  # the loop below names the bad entry
+        arr = None
+    if arr is not None:  # the common case, checked vectorized
         bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
         if not bad.size:
-            return arr.tolist()
+            return arr
     out = []
     for k, t in enumerate(ids):
         if not isinstance(t, numbers.Integral) or isinstance(t, bool):
@@ -34,7 +39,7 @@ def check_token_ids(ids, who: str, vocab_size: int) -> list[int]:
             raise ValueError(f"{who}: token id {t} at index {k} is outside "
                              f"the vocabulary [0, {vocab_size})")
         out.append(t)
-    return out
+    return np.asarray(out, np.int64)
 
 
 def check_sampling(sp, who: str, vocab_size: int, tokenizer) -> None:
@@ -57,10 +62,10 @@ def check_sampling(sp, who: str, vocab_size: int, tokenizer) -> None:
                          f"text, and this model has none (use stop_token_ids)")
 
 
-def check_prompt(ids: list[int], who: str, cfg, markers: dict):
+def check_prompt(ids: np.ndarray, who: str, cfg, markers: dict):
     """The prompt's layout (serving/layout.py), or an error: empty, too long for max_model_len,
     only pads, markers where kv_mode='rotated' cannot honour them."""
-    if not ids:
+    if len(ids) == 0:
         raise ValueError(f"{who}: empty prompt")
     if len(ids) >= cfg.max_model_len:
         raise ValueError(f"{who}: prompt of {len(ids)} tokens is too long "

@@ -84,36 +84,20 @@ class Scheduler:
         if self.hybrid_cache is not None:
             return self.hybrid_cache.admit(self, seq, seats)
         bm, hashes, limit = self.bm, self.keys.hashes(seq), self.keys.hit_limit(seq)
-        plan = []  # (kind, block or hash) per logical block
-        need = 0
-        # bm.lookup inlined (hot): a hit needs the hash in the table and equal kept tokens
-        table = bm.table if bm.enable_caching else {}
-        kept, raw, step = bm.confirm, self.keys.token_bytes(seq), 8 * self.cfg.block_size
-        for j in range(seq.num_blocks_needed):
-            if j < limit:
-                b = table.get(hashes[j])
-                if b is not None and kept[b] != raw[j * step:(j + 1) * step]:
-                    b = None  # a hash collision is a miss
-                if b is not None:
-                    plan.append(("hit", b))
-                    need += bm.ref[b] == 0
-                    continue
-                if self.offload is not None and self.offload.contains(hashes[j]):
-                    plan.append(("host", None))
-                    need += 1
-                    continue
-            plan.append(("new", None))
-            need += 1
+        plan = self.keys.admission_plan(seq, bm, limit, self.offload)  # (kind, block) per block
+        hits = [b for kind, b in plan if kind == "hit"]
+        ref = bm.ref
+        need = len(plan) - len(hits) + [ref[b] for b in hits].count(0)
         if need > bm.num_free - self.cfg.watermark_blocks * (not seq.is_span_job):
             return False
         # take every planned hit off the free list before allocating: an allocation evicts the
         # least recently freed block, which may be a cached block planned as a later hit
         shared = []
         try:
-            for kind, b in plan:
-                if kind == "hit":
-                    bm.share(b)
-                    shared.append(b)
+            share, mark = bm.share, shared.append
+            for b in hits:
+                share(b)
+                mark(b)
             self._take_blocks(seq, plan, hashes)
         except BaseException:
             self._undo_admission(seq, plan, shared)
@@ -131,12 +115,12 @@ class Scheduler:
     def _take_blocks(self, seq: Sequence, plan, hashes) -> None:
         """Fill the block table from the admission plan: hits (already shared), blocks copied
         in from the host tier, new blocks (registered under their hash, owned)."""
-        bm = self.bm
+        bm, table, bs = self.bm, seq.block_table, self.cfg.block_size
+        if not seq.ever_admitted:  # hits among the hashed blocks, counted at once
+            seq.num_cached_tokens += bs * [k for k, _ in plan[:len(hashes)]].count("hit")
         for j, (kind, b) in enumerate(plan):
             if kind == "hit":
-                seq.block_table.append(b)
-                if not seq.ever_admitted and j < len(hashes):
-                    seq.num_cached_tokens += self.cfg.block_size
+                table.append(b)
                 continue
             b = bm.allocate()
             seq.block_table.append(b)
@@ -213,7 +197,7 @@ class Scheduler:
             if j not in seq.owned:  # a shared (hit or waited-for) block, entered at its start
                 b = seq.block_table[j]
                 if bm.ready[b] or bm.hash[b] == -1:
-                    i = (j + 1) * bs
+                    i = self._skip_shared(seq, j + 1, total) * bs
                     continue
                 if bm.owner[b] != -1:
                     break  # another sequence is computing it: wait
@@ -238,6 +222,18 @@ class Scheduler:
         if self.hybrid and seq.layout.span_block.any():  # a non-final span stays in one step
             idx, i = span_rows.cut_chunk(seq, idx, i, bs)
         return idx, i
+
+    def _skip_shared(self, seq: Sequence, j: int, total: int) -> int:
+        """First block >= j a chunk cannot skip (owned, shared and pending, or past `total`):
+        a cached request's 2,000 ready blocks are passed in one tight loop."""
+        owned, table, ready, hashes = seq.owned, seq.block_table, self.bm.ready, self.bm.hash
+        bs = self.cfg.block_size
+        while j * bs < total and j not in owned:
+            b = table[j]
+            if not ready[b] and hashes[b] != -1:
+                break
+            j += 1
+        return j
 
     def _final_start(self, seq: Sequence) -> int:
         """Token index where the final segment begins (0 if the prompt is one segment)."""
@@ -384,17 +380,21 @@ class Scheduler:
                 continue
             seq.num_computed = e.new_computed
             seq.needs_reset = False
-            j = seq.ready_ptr
-            while (j + 1) * bs <= seq.num_computed and j < len(seq.block_table):
+            j0, owned = seq.ready_ptr, seq.owned
+            end = min(seq.num_computed // bs, len(seq.block_table))
+            # completed blocks [j0, end): only owned ones change (few, after a cached prefix)
+            todo = range(j0, end) if len(owned) >= end - j0 else sorted(
+                j for j in owned if j0 <= j < end)
+            for j in todo:
+                if j not in owned:
+                    continue
                 b = seq.block_table[j]
-                if j in seq.owned:
-                    if bm.is_pending(b) and bm.owner[b] == seq.seq_id:
-                        bm.mark_ready(b)
-                    elif (self.caching and j == len(seq.block_hashes) and bm.hash[b] == -1
-                          and seq.chain_tail is not None and not seq.is_span_job):
-                        self.keys.publish_generated(seq, j, b, bm)
-                j += 1
-            seq.ready_ptr = j
+                if bm.is_pending(b) and bm.owner[b] == seq.seq_id:
+                    bm.mark_ready(b)
+                elif (self.caching and j == len(seq.block_hashes) and bm.hash[b] == -1
+                      and seq.chain_tail is not None and not seq.is_span_job):
+                    self.keys.publish_generated(seq, j, b, bm)
+            seq.ready_ptr = max(j0, end)
             if seq.is_span_job and seq.num_computed >= len(seq):
                 self.finish(seq)
 

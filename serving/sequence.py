@@ -24,6 +24,11 @@ _ids = itertools.count()
 PLACEHOLDER = -1
 
 
+def _ints(x) -> list:
+    """Plain Python ints (numpy scalars convert slowly when copied into the step's rows)."""
+    return x.tolist() if isinstance(x, np.ndarray) else list(x)
+
+
 class Sequence:
     """Prompt + generated tokens. `num_computed` is a token index (pads included): every token
     before it has its K/V in the cache (computed here, or a ready cache hit)."""
@@ -68,8 +73,8 @@ class Sequence:
         # limit, whatever its value; the token is still read back and reported
         self.ends_with_pending = False
         # Block-level layout over all tokens (prompt blocks, then generated ones).
-        self.block_valid = list(layout.block_valid)
-        self.block_pos_start = list(layout.block_pos_start)
+        self.block_valid = _ints(layout.block_valid)
+        self.block_pos_start = _ints(layout.block_pos_start)
         self.num_valid = layout.num_valid
 
     # -- sizes ---------------------------------------------------------------------------------

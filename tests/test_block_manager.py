@@ -86,15 +86,42 @@ def test_span_keys_are_offset_free_and_prefix_keys_are_not(algo, fresh_rng):
     assert not set(salted) & set(k1)
 
 
+@pytest.mark.parametrize("algo", ["xxhash64", "sha256"])
+def test_pdep_key_after_spans_depends_on_every_token_before_it(algo):
+    """The prefix chain steps over a span run in one hash (of its last span key): the PDEP block
+    after two spans still changes with any token of either span and with their order; int64
+    bytes give the same keys as the list."""
+    h = make_hash_fn(algo)
+    h0 = root_hash(h, None)
+    a, b, q = list(range(1, 9)), list(range(11, 19)), [7, 7, 7, 7]
+    sb, ss = [True] * 4 + [False], [True, False, True, False, False]
+
+    def tail(toks):
+        return block_keys(h, toks, 4, sb, ss, h0)[-1]
+    base = tail(a + b + q)
+    assert tail(b + a + q) != base  # order
+    for k in range(16):  # one token of either span
+        toks = a + b + q
+        toks[k] += 100
+        assert tail(toks) != base, k
+    raw = np.asarray(a + b + q + [5], np.int64).tobytes()
+    assert block_keys(h, raw, 4, sb, ss, h0) == block_keys(h, a + b + q + [5], 4, sb, ss, h0)
+
+
 def _chain_reference(h, tokens, bs, span_block, span_start, h0):
     """The chained keys written out block by block (module docstring of serving/hashing.py)."""
     keys, prefix, span = [], h0, h0
-    for j in range(len(tokens) // bs):
+    n = len(tokens) // bs
+    for j in range(n):
         blk = tokens[j * bs:(j + 1) * bs]
-        prefix = h(prefix, blk, b"P")
         if span_block[j]:
             span = h(h0 if span_start[j] else span, blk, b"S")
-        keys.append(span if span_block[j] else prefix)
+            keys.append(span)
+            if j + 1 == n or not span_block[j + 1] or span_start[j + 1]:  # the run ends here
+                prefix = h(prefix, span.to_bytes(8, "little"), b"J")
+        else:
+            prefix = h(prefix, blk, b"P")
+            keys.append(prefix)
     return keys
 
 

@@ -208,3 +208,21 @@ class TestMixed(AttentionKernelTests):
     # alone does on those inputs. The prefill part zeroes pads itself (test_gather_live.py, the
     # engine-shaped cases above, which keep NaN pads).
     nan_pads = False
+
+
+def test_gqa_packing_maps_heads_to_rows_and_back(fresh_rng):
+    """pack_gqa: row t * G + g of kv column k holds head k * G + g of token t, with token t's
+    position and window; a sequence's rows scale by G; unpack_gqa inverts it."""
+    from kernels_pallas.paged_attention.mosaic_prefill_split import pack_gqa, unpack_gqa
+    _, _, _, md, _ = _inputs(fresh_rng, jnp.bfloat16, 2, 3, 64, None, 0.0, False,
+                             [(30, 5, 0), (0, 3, 0)])
+    tokens, heads, group = 8, 6, 3
+    q = jnp.asarray(fresh_rng.standard_normal((tokens, heads, 4)), jnp.float32)
+    qp, mp = pack_gqa(q, md, group)
+    assert qp.shape == (tokens * group, heads // group, 4)
+    for t, g, k in ((0, 0, 0), (3, 2, 1), (7, 1, 0)):
+        np.testing.assert_array_equal(qp[t * group + g, k], q[t, k * group + g])
+        assert int(mp.q_positions[t * group + g]) == int(md.q_positions[t])
+        assert int(mp.q_window_start[t * group + g]) == int(md.q_window_start[t])
+    np.testing.assert_array_equal(np.asarray(mp.q_bounds[1]), np.asarray(md.cu_q_lens[1:]) * group)
+    np.testing.assert_array_equal(unpack_gqa(qp, group), q)

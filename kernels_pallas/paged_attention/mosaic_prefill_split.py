@@ -10,16 +10,26 @@ the decode kernels' split-K). The pre-pass (gather, rotation, key positions) is 
 
 Masked / unmasked step ranges are clipped to each split, so a split never runs an unmasked step
 that needs a mask.
+
+GQA packing (pack_gqa): the G query heads of a kv head are laid out as G rows per token, so the
+grid runs over kv heads and one CTA serves a whole group: each kv head's keys are read once per
+tile of 128 packed rows instead of once per query head, and a few query rows fill the tile G
+times as much (the cached-span step: 2.62 ms per step vs 4.95 unpacked, benchmarks/RESULTS.md,
+RAG headline).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from kernels_pallas.paged_attention.mosaic_prefill import prepare, run_kernel
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (TILE_HI, TILE_LO, TILE_MHI,
                                                                 TILE_MLO, TILE_Q, TILE_Q0,
-                                                                TILE_Q1, TILE_SEQ, TILE_START)
+                                                                TILE_Q1, TILE_SEQ, TILE_START,
+                                                                q_bounds)
 
 MIN_STEPS = 8  # key steps (of 128 keys) per split at least
 
@@ -64,15 +74,60 @@ def merge_split(part, lse, used, sched, splits: int, tokens: int):
     return res.at[dest].set(rows_out, mode="drop")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+    """The metadata fields the pre-pass and the tile schedule read, over packed rows."""
+    q_positions: jax.Array  # [T * G]
+    q_window_start: jax.Array  # [T * G]
+    cu_q_lens: jax.Array  # unused placeholder (q_bounds gives the rows)
+    q_bounds: tuple  # ([S] first row, [S] end row) in packed rows
+    num_blocks: jax.Array
+    block_tables: jax.Array
+    block_pos_start: jax.Array
+    block_num_valid: jax.Array
+
+
+def pack_gqa(q_rot, md, group: int):
+    """GQA packing: the `group` query heads of a kv head become rows. [T, H, D] -> [T * G, K, D]
+    with row t * G + g of column k = head k * G + g, and the metadata over those rows (each
+    token's position and window repeated G times, a sequence's rows [first * G, end * G))."""
+    tokens, heads, head_dim = q_rot.shape
+    kv = heads // group
+    q = q_rot.reshape(tokens, kv, group, head_dim).transpose(0, 2, 1, 3)
+    first, end = q_bounds(md)
+    packed = _Packed(
+        q_positions=jnp.repeat(md.q_positions, group),
+        q_window_start=jnp.repeat(md.q_window_start, group),
+        cu_q_lens=md.cu_q_lens, q_bounds=(first * group, end * group),
+        num_blocks=md.num_blocks, block_tables=md.block_tables,
+        block_pos_start=md.block_pos_start, block_num_valid=md.block_num_valid)
+    return q.reshape(tokens * group, kv, head_dim), packed
+
+
+def unpack_gqa(out, group: int):
+    """pack_gqa's rows back: [T * G, K, D] -> [T, H, D]."""
+    rows, kv, head_dim = out.shape
+    out = out.reshape(rows // group, group, kv, head_dim).transpose(0, 2, 1, 3)
+    return out.reshape(rows // group, kv * group, head_dim)
+
+
 def prefill_attention_split(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                             attention_scaling: float, sm_scale: float, splits: int = 16,
                             min_steps: int = MIN_STEPS, interpret=False):
     """prefill_attention_mosaic with each tile's key steps split over up to `splits` CTAs (see
-    module doc). Same arguments and result ([T, H, D] in q's dtype, rows of no sequence zero)."""
-    sched, *rest = prepare(q_rot, k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
+    module doc). Same arguments and result ([T, H, D] in q's dtype, rows of no sequence zero).
+
+    The query heads of a GQA group are packed into rows first (pack_gqa): a CTA then serves all
+    heads of its kv head, so each kv head's keys and values are read once per tile of 128 packed
+    rows, not once per query head, and few query rows fill the tile G times as much (72 queries
+    x 4 heads: 3 tiles per kv head instead of one half-empty tile per query head)."""
+    group = q_rot.shape[1] // k_pages.shape[2]
+    q_p, md_p = pack_gqa(q_rot, md, group)
+    sched, *rest = prepare(q_p, k_pages, v_pages, md_p, inv_freq, rotate_keys=rotate_keys,
                            attention_scaling=attention_scaling, sm_scale=sm_scale,
                            live_gather=not interpret)
     sched, used = split_schedule(sched, splits, min_steps)
     part, lse = run_kernel((sched, *rest), kv_heads=k_pages.shape[2], interpret=interpret,
                            split=True)
-    return merge_split(part, lse, used, sched, splits, q_rot.shape[0]).astype(q_rot.dtype)
+    out = merge_split(part, lse, used, sched, splits, q_p.shape[0])
+    return unpack_gqa(out, group).astype(q_rot.dtype)
