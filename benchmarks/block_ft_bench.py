@@ -1,19 +1,26 @@
 """minipic-bench block-ft: does block fine-tuning recover the accuracy Block-Attention costs?
 
-A synthetic multi-document retrieval task: documents are lists of key-value facts ("Kv;", one
-byte-level token per key and value), a question names one key ("?K") and the answer is its value
-("v"): the classic induction pattern (find the key earlier, emit what follows it). The asked key
-occurs once among the documents. A small model is trained from scratch with full attention (the
-plain layout) on training questions that ask several keys each, mixed with copy examples (dense
-induction targets, so the circuit forms in hundreds of steps instead of thousands), then
-evaluated through the engine on one-key questions over documents from a small pool:
+A small model is trained from scratch with full attention (the plain layout) on a synthetic
+multi-document task, on training questions that ask several things each, mixed with copy examples
+(dense induction targets, so the look-up circuit forms in hundreds of steps instead of thousands),
+then evaluated through the engine on one-thing questions over documents from a small pool:
   (a) full attention: the documents and question as one plain prompt;
   (b) Block-Attention: each document a Span (cached once, reused across questions at any offset);
   (c) (b) after block fine-tuning (`minipic-train` on the block layout, half plain examples,
       questions only).
-Reports the three accuracies, the prefix-cache hit rate of (b)/(c), the share of the (a)->(b)
-loss that (c) recovers, and (a) again after fine-tuning. Everything runs through
-`minipic_jax.training` and `LLM`.
+Reports the three accuracies (with their standard errors), the prefix-cache hit rate of (b)/(c),
+the share of the (a)->(b) loss that (c) recovers, and (a) again after fine-tuning. Everything
+runs through `minipic_jax.training` and `LLM`.
+
+Tasks (--task):
+  sections (the default, benchmarks/block_ft_sections.py): facts whose meaning depends on a header
+    in an earlier document. A full-attention model labels each table with the namespace of the
+    header before it while reading it; Block-Attention hides the header from the table, and only
+    the question can link them (through a tag both documents carry), which the model must learn.
+  retrieval: documents are lists of key-value facts ("Kv;", one byte-level token per key and
+    value), a question names one key ("?K") and the answer is its value ("v"), the key occurring
+    once among the documents: the classic induction pattern. Nothing in a document needs another
+    document, so a model that learned it loses nothing to Block-Attention (RESULTS.md "Training").
 """
 
 from __future__ import annotations
@@ -62,7 +69,10 @@ def add_parser(p):
     p.add_argument("--copy-length", type=int, default=16,
                    help="letters per copy example (default: %(default)s)")
     p.add_argument("--train-examples", type=int, default=32768,
-                   help="synthetic questions in train.jsonl (default: %(default)s)")
+                   help="records in pretrain.jsonl (default: %(default)s)")
+    p.add_argument("--ft-examples", type=int, default=None,
+                   help="questions in train.jsonl, the block fine-tuning data (default: "
+                        "--train-examples)")
     p.add_argument("--pool", type=int, default=16, help="distinct documents in the eval set")
     p.add_argument("--eval", type=int, default=128, help="eval questions")
     p.add_argument("--pretrain-steps", type=int, default=1000,
@@ -162,14 +172,15 @@ def resolve(args):
     return args
 
 
-def write_train_data(path, args, rng, copy_fraction=0.0):
-    """train.jsonl: the task's questions; with copy_fraction > 0 (the pretraining file), that
-    share of the records are copy examples instead."""
+def write_train_data(path, args, rng, copy_fraction=0.0, count=None):
+    """train.jsonl: `count` (default args.train_examples) of the task's questions; with
+    copy_fraction > 0 (the pretraining file), that share of the records are copy examples."""
+    count = count or args.train_examples
     if args.task == "sections":
         return block_ft_sections.write_train_data(
-            path, args, rng, copy_fraction, lambda r: _copy_record(r, args.copy_length))
+            path, args, rng, count, copy_fraction, lambda r: _copy_record(r, args.copy_length))
     with open(path, "w") as f:
-        for _ in range(args.train_examples):
+        for _ in range(count):
             if rng.random() < copy_fraction:
                 rec = _copy_record(rng, args.copy_length)
             else:
@@ -262,7 +273,7 @@ def run(args):
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
-    write_train_data(out / "train.jsonl", args, rng)
+    write_train_data(out / "train.jsonl", args, rng, count=args.ft_examples)
     write_train_data(out / "pretrain.jsonl", args, rng, copy_fraction=args.copy_fraction)
     questions = eval_set(args, rng)
     res = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}

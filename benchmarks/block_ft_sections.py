@@ -78,11 +78,11 @@ def fresh_sections(rng, args) -> list:
     return secs
 
 
-def write_train_data(path, args, rng, copy_fraction=0.0, copy_record=None):
-    """train.jsonl: questions over freshly drawn sections; with copy_fraction > 0 (the
+def write_train_data(path, args, rng, count: int, copy_fraction=0.0, copy_record=None):
+    """`count` records: questions over freshly drawn sections; with copy_fraction > 0 (the
     pretraining file) that share of the records are copy_record(rng) instead."""
     with open(path, "w") as f:
-        for _ in range(args.train_examples):
+        for _ in range(count):
             if rng.random() < copy_fraction:
                 rec = copy_record(rng)
             else:
