@@ -34,9 +34,12 @@ import numpy as np
 
 from benchmarks import block_ft_sections
 
-# per task: (layers, block_size, seq_len) when not given. sections: the Block-Attention answer
-# takes two dependent look-ups after the previous-token layer, so 3 layers at the least
-TASK_DEFAULTS = {"sections": (4, 8, 80), "retrieval": (2, 16, 96)}
+# per task: the defaults of the options given as None. sections: the Block-Attention answer takes
+# two dependent look-ups after the previous-token layer, so 3 layers at the least
+TASK_DEFAULTS = {
+    "sections": dict(layers=4, block_size=8, seq_len=96, pretrain_seq_len=80, queries=8),
+    "retrieval": dict(layers=2, block_size=16, seq_len=96, pretrain_seq_len=64, queries=4),
+}
 
 
 def add_parser(p):
@@ -62,8 +65,9 @@ def add_parser(p):
                    help="unique: ask keys that occur once; first: keys may repeat across "
                         "documents and the first occurrence counts (the eval then asks only "
                         "repeated keys) (default: %(default)s)")
-    p.add_argument("--queries", type=int, default=4,
-                   help="keys asked (and answered) per training example (default: %(default)s)")
+    p.add_argument("--queries", type=int, default=None,
+                   help="look-ups asked (and answered) per training example (default: sections 8, "
+                        "retrieval 4)")
     p.add_argument("--copy-fraction", type=float, default=0.5,
                    help="share of copy examples in the pretraining data (default: %(default)s)")
     p.add_argument("--copy-length", type=int, default=16,
@@ -93,10 +97,10 @@ def add_parser(p):
                         "retrieval 16)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="training sequence length; engine max_model_len is this + 16 "
-                        "(default: sections 80, retrieval 96)")
-    p.add_argument("--pretrain-seq-len", type=int, default=64,
+                        "(default: 96)")
+    p.add_argument("--pretrain-seq-len", type=int, default=None,
                    help="sequence length of the full-attention pretraining (plain layout, no "
-                        "pads or markers) (default: %(default)s)")
+                        "pads or markers) (default: sections 80, retrieval 64)")
     p.add_argument("--seed", type=int, default=0,
                    help="data and training seed (default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -162,11 +166,10 @@ def _copy_record(rng, length):
 
 
 def resolve(args):
-    """Fill the task's defaults (block size, sequence length) and check the task's arguments."""
-    layers, block_size, seq_len = TASK_DEFAULTS[args.task]
-    args.layers = args.layers or layers
-    args.block_size = args.block_size or block_size
-    args.seq_len = args.seq_len or seq_len
+    """Fill the task's defaults (TASK_DEFAULTS) and check the task's arguments."""
+    for name, value in TASK_DEFAULTS[args.task].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.task == "sections":
         block_ft_sections.check(args)
     return args
