@@ -6,8 +6,8 @@ multi-document task, on training questions that ask several things each, mixed w
 then evaluated through the engine on one-thing questions over documents from a small pool:
   (a) full attention: the documents and question as one plain prompt;
   (b) Block-Attention: each document a Span (cached once, reused across questions at any offset);
-  (c) (b) after block fine-tuning (`minipic-train` on the block layout, half plain examples,
-      questions only).
+  (c) (b) after block fine-tuning (`minipic-train` on the block layout, --ft-plain-fraction
+      plain examples, questions only).
 Reports the three accuracies (with their standard errors), the prefix-cache hit rate of (b)/(c),
 the share of the (a)->(b) loss that (c) recovers, and (a) again after fine-tuning. Everything
 runs through `minipic_jax.training` and `LLM`.
@@ -37,7 +37,7 @@ from benchmarks import block_ft_sections
 # per task: the defaults of the options given as None. sections: the Block-Attention answer takes
 # two dependent look-ups after the previous-token layer, so 3 layers at the least
 TASK_DEFAULTS = {
-    "sections": dict(layers=4, block_size=8, seq_len=96, pretrain_seq_len=80, queries=8),
+    "sections": dict(layers=4, block_size=8, seq_len=72, pretrain_seq_len=40, queries=3),
     "retrieval": dict(layers=2, block_size=16, seq_len=96, pretrain_seq_len=64, queries=4),
 }
 
@@ -66,7 +66,7 @@ def add_parser(p):
                         "documents and the first occurrence counts (the eval then asks only "
                         "repeated keys) (default: %(default)s)")
     p.add_argument("--queries", type=int, default=None,
-                   help="look-ups asked (and answered) per training example (default: sections 8, "
+                   help="look-ups asked (and answered) per training example (default: sections 3, "
                         "retrieval 4)")
     p.add_argument("--copy-fraction", type=float, default=0.5,
                    help="share of copy examples in the pretraining data (default: %(default)s)")
@@ -83,6 +83,9 @@ def add_parser(p):
                    help="from-scratch training steps, full attention (default: %(default)s)")
     p.add_argument("--ft-steps", type=int, default=300,
                    help="block fine-tuning steps (half plain examples) (default: %(default)s)")
+    p.add_argument("--ft-plain-fraction", type=float, default=0.5,
+                   help="share of plain (full-attention) examples in the block fine-tuning, so the "
+                        "model keeps both modes (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=128,
                    help="training batch size (default: %(default)s)")
     p.add_argument("--ft-batch-size", type=int, default=64,
@@ -97,10 +100,10 @@ def add_parser(p):
                         "retrieval 16)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="training sequence length; engine max_model_len is this + 16 "
-                        "(default: 96)")
+                        "(default: sections 72, retrieval 96)")
     p.add_argument("--pretrain-seq-len", type=int, default=None,
                    help="sequence length of the full-attention pretraining (plain layout, no "
-                        "pads or markers) (default: sections 80, retrieval 64)")
+                        "pads or markers) (default: sections 40, retrieval 64)")
     p.add_argument("--seed", type=int, default=0,
                    help="data and training seed (default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -297,7 +300,7 @@ def run(args):
           f"{res['b_block_attention']['accuracy']:.3f}")
     t0 = time.perf_counter()
     tuned, res["block_ft"] = _train(args, out / "train.jsonl", out / "block_ft", model=base,
-                                    steps=args.ft_steps, plain_fraction=0.5,
+                                    steps=args.ft_steps, plain_fraction=args.ft_plain_fraction,
                                     seq_len=args.seq_len,
                                     batch_size=args.ft_batch_size or args.batch_size)
     res["block_ft"]["s"] = time.perf_counter() - t0

@@ -3,18 +3,18 @@ earlier document, so a full-attention model resolves them across documents.
 
 An example is a few sections; each is two documents (two SSEP spans):
   a header "3$": the section's namespace (a digit, "3") and its tag (a symbol, "$");
-  a table "$AbCdBe": the tag again, then the same fields (A, B, C) as every other section, each
-      with a value (one lowercase letter per field, random).
-The question "?3B" asks field B of namespace 3; the answer is its value in the table that follows
-header 3 ("d"). Every field occurs in every table, so the key alone is ambiguous (chance 1/sections).
+  a table "$Ad": the tag again, then the fields (by default one, "A"), each with a value (one
+      lowercase letter, random). Every table has the same fields.
+The question "?3A" asks field A of namespace 3; the answer is its value in the table that follows
+header 3 ("d"). The field alone is ambiguous (chance 1/sections).
 
 With full attention a model can label every table token with its namespace while reading the
-table: attend to the latest namespace digit, one layer, a cross-document look-back. The question
-then matches (namespace, key) in one step. With Block-Attention a table sees only itself, so that
-label is gone and the question must resolve it alone: find header 3, read its tag, then find the
-table with that tag and read field B, two dependent look-ups. The information is all there (the
-tag links the two documents locally), but a model never trained that way does not do it;
-block fine-tuning teaches it.
+table: attend to the latest namespace digit, a cross-document look-back in one layer; the
+question then matches (namespace, field) in one step. With Block-Attention a table sees only
+itself, so that label is gone and the question must link the documents alone: find header 3, read
+its tag, then find the table with that tag, two dependent look-ups. The information is all there
+(the tag links the two documents), but a model trained with full attention does not do it (it
+falls to about 1/sections, benchmarks/RESULTS.md "Training"); block fine-tuning has to teach it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ VALUES = "abcdefghijklmnopqrstuvwxyz"
 def add_arguments(p):
     p.add_argument("--sections", type=int, default=3,
                    help="sections: namespaces per question (default: %(default)s)")
-    p.add_argument("--fields", type=int, default=3,
+    p.add_argument("--fields", type=int, default=1,
                    help="fields per table, the same in every section (default: %(default)s)")
 
 
