@@ -1,19 +1,26 @@
 """minipic-bench block-ft: does block fine-tuning recover the accuracy Block-Attention costs?
 
-A synthetic multi-document retrieval task: documents are lists of key-value facts ("Kv;", one
-byte-level token per key and value), a question names one key ("?K") and the answer is its value
-("v"): the classic induction pattern (find the key earlier, emit what follows it). The asked key
-occurs once among the documents. A small model is trained from scratch with full attention (the
-plain layout) on training questions that ask several keys each, mixed with copy examples (dense
-induction targets, so the circuit forms in hundreds of steps instead of thousands), then
-evaluated through the engine on one-key questions over documents from a small pool:
+A small model is trained from scratch with full attention (the plain layout) on a synthetic
+multi-document task, on training questions that ask several things each, mixed with copy examples
+(dense induction targets, so the look-up circuit forms in hundreds of steps instead of thousands),
+then evaluated through the engine on one-thing questions over documents from a small pool:
   (a) full attention: the documents and question as one plain prompt;
   (b) Block-Attention: each document a Span (cached once, reused across questions at any offset);
-  (c) (b) after block fine-tuning (`minipic-train` on the block layout, half plain examples,
-      questions only).
-Reports the three accuracies, the prefix-cache hit rate of (b)/(c), the share of the (a)->(b)
-loss that (c) recovers, and (a) again after fine-tuning. Everything runs through
-`minipic_jax.training` and `LLM`.
+  (c) (b) after block fine-tuning (`minipic-train` on the block layout, --ft-plain-fraction
+      plain examples, questions only).
+Reports the three accuracies (with their standard errors), the prefix-cache hit rate of (b)/(c),
+the share of the (a)->(b) loss that (c) recovers, and (a) again after fine-tuning. Everything
+runs through `minipic_jax.training` and `LLM`.
+
+Tasks (--task):
+  sections (the default, benchmarks/block_ft_sections.py): facts whose meaning depends on a header
+    in an earlier document. A full-attention model labels each table with the namespace of the
+    header before it while reading it; Block-Attention hides the header from the table, and only
+    the question can link them (through a tag both documents carry), which the model must learn.
+  retrieval: documents are lists of key-value facts ("Kv;", one byte-level token per key and
+    value), a question names one key ("?K") and the answer is its value ("v"), the key occurring
+    once among the documents: the classic induction pattern. Nothing in a document needs another
+    document, so a model that learned it loses nothing to Block-Attention (RESULTS.md "Training").
 """
 
 from __future__ import annotations
@@ -25,15 +32,31 @@ import time
 
 import numpy as np
 
+from benchmarks import block_ft_sections
+
+# per task: the defaults of the options given as None. sections: the Block-Attention answer takes
+# two dependent look-ups after the previous-token layer, so 3 layers at the least
+TASK_DEFAULTS = {
+    "sections": dict(layers=4, block_size=8, seq_len=72, pretrain_seq_len=40, queries=3),
+    "retrieval": dict(layers=2, block_size=16, seq_len=96, pretrain_seq_len=64, queries=4),
+}
+
 
 def add_parser(p):
     p.add_argument("--model", default="tiny_llama", help="preset (random init: from scratch)")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers (overrides the preset)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (overrides the preset; default: sections 4, retrieval 2)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (overrides the preset)")
     p.add_argument("--heads", type=int, default=4,
                    help="attention heads, as many KV heads (overrides the preset)")
-    p.add_argument("--docs", type=int, default=4, help="documents per question")
-    p.add_argument("--facts", type=int, default=3, help="facts per document")
+    p.add_argument("--task", choices=("sections", "retrieval"), default="sections",
+                   help="sections: facts whose meaning depends on a header in an earlier document "
+                        "(benchmarks/block_ft_sections.py); retrieval: key -> value facts, the "
+                        "question asks one key (no cross-document reading needed) "
+                        "(default: %(default)s)")
+    block_ft_sections.add_arguments(p)
+    p.add_argument("--docs", type=int, default=4, help="retrieval: documents per question")
+    p.add_argument("--facts", type=int, default=3, help="retrieval: facts per document")
     p.add_argument("--fact", default="{k}{v};",
                    help="how a fact is written, {k} key and {v} value (default: %(default)s)")
     p.add_argument("--question", default="?{k}",
@@ -42,20 +65,27 @@ def add_parser(p):
                    help="unique: ask keys that occur once; first: keys may repeat across "
                         "documents and the first occurrence counts (the eval then asks only "
                         "repeated keys) (default: %(default)s)")
-    p.add_argument("--queries", type=int, default=4,
-                   help="keys asked (and answered) per training example (default: %(default)s)")
+    p.add_argument("--queries", type=int, default=None,
+                   help="look-ups asked (and answered) per training example (default: sections 3, "
+                        "retrieval 4)")
     p.add_argument("--copy-fraction", type=float, default=0.5,
                    help="share of copy examples in the pretraining data (default: %(default)s)")
     p.add_argument("--copy-length", type=int, default=16,
                    help="letters per copy example (default: %(default)s)")
     p.add_argument("--train-examples", type=int, default=32768,
-                   help="synthetic questions in train.jsonl (default: %(default)s)")
+                   help="records in pretrain.jsonl (default: %(default)s)")
+    p.add_argument("--ft-examples", type=int, default=None,
+                   help="questions in train.jsonl, the block fine-tuning data (default: "
+                        "--train-examples)")
     p.add_argument("--pool", type=int, default=16, help="distinct documents in the eval set")
     p.add_argument("--eval", type=int, default=128, help="eval questions")
     p.add_argument("--pretrain-steps", type=int, default=1000,
                    help="from-scratch training steps, full attention (default: %(default)s)")
     p.add_argument("--ft-steps", type=int, default=300,
                    help="block fine-tuning steps (half plain examples) (default: %(default)s)")
+    p.add_argument("--ft-plain-fraction", type=float, default=0.5,
+                   help="share of plain (full-attention) examples in the block fine-tuning, so the "
+                        "model keeps both modes (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=128,
                    help="training batch size (default: %(default)s)")
     p.add_argument("--ft-batch-size", type=int, default=64,
@@ -65,14 +95,15 @@ def add_parser(p):
                         "run's pretrain/export, trained on the same task settings)")
     p.add_argument("--lr", type=float, default=2e-3,
                    help="peak learning rate (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="KV block size for training and the engine (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=96,
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size for training and the engine (default: sections 8, "
+                        "retrieval 16)")
+    p.add_argument("--seq-len", type=int, default=None,
                    help="training sequence length; engine max_model_len is this + 16 "
-                        "(default: %(default)s)")
-    p.add_argument("--pretrain-seq-len", type=int, default=64,
+                        "(default: sections 72, retrieval 96)")
+    p.add_argument("--pretrain-seq-len", type=int, default=None,
                    help="sequence length of the full-attention pretraining (plain layout, no "
-                        "pads or markers) (default: %(default)s)")
+                        "pads or markers) (default: sections 40, retrieval 64)")
     p.add_argument("--seed", type=int, default=0,
                    help="data and training seed (default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -137,11 +168,25 @@ def _copy_record(rng, length):
     return {"segments": [{"kind": "prompt", "text": f"copy:{text}|"}], "answer": text}
 
 
-def write_train_data(path, args, rng, copy_fraction=0.0):
-    """train.jsonl: retrieval questions; with copy_fraction > 0 (the pretraining file), that
-    share of the records are copy examples instead."""
+def resolve(args):
+    """Fill the task's defaults (TASK_DEFAULTS) and check the task's arguments."""
+    for name, value in TASK_DEFAULTS[args.task].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.task == "sections":
+        block_ft_sections.check(args)
+    return args
+
+
+def write_train_data(path, args, rng, copy_fraction=0.0, count=None):
+    """train.jsonl: `count` (default args.train_examples) of the task's questions; with
+    copy_fraction > 0 (the pretraining file), that share of the records are copy examples."""
+    count = count or args.train_examples
+    if args.task == "sections":
+        return block_ft_sections.write_train_data(
+            path, args, rng, count, copy_fraction, lambda r: _copy_record(r, args.copy_length))
     with open(path, "w") as f:
-        for _ in range(args.train_examples):
+        for _ in range(count):
             if rng.random() < copy_fraction:
                 rec = _copy_record(rng, args.copy_length)
             else:
@@ -154,6 +199,8 @@ def write_train_data(path, args, rng, copy_fraction=0.0):
 
 def eval_set(args, rng):
     """Questions over documents drawn from a pool of args.pool, so spans repeat (cache hits)."""
+    if args.task == "sections":
+        return block_ft_sections.eval_set(args, rng)
     pool = [_doc(rng, args.facts) for _ in range(args.pool)]
     pick = lambda: [pool[i] for i in rng.choice(args.pool, args.docs, replace=False)]
     ask = "first-dup" if args.ask == "first" else args.ask  # eval: where the rule matters
@@ -162,6 +209,7 @@ def eval_set(args, rng):
 
 def evaluate(folder, questions, args, *, blocks: bool) -> dict:
     from minipic_jax import LLM, Prompt, SamplingParams, Span
+    t0 = time.perf_counter()
     # XLA paged attention: accuracy is the question here, and it compiles fastest at this size
     llm = LLM(str(folder), dtype="float32", block_size=args.block_size, max_num_seqs=32,
               max_model_len=args.seq_len + 16, num_kv_blocks=4096, attn_impl="xla")
@@ -179,7 +227,9 @@ def evaluate(folder, questions, args, *, blocks: bool) -> dict:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2))
     right = sum(o.outputs[0].text.startswith(ans) for o, (_, ans) in zip(outs, questions))
     stats = llm.llm_engine.get_stats()
-    return {"accuracy": right / len(questions), "hit_rate": stats["prefix_cache_hit_rate"]}
+    acc = right / len(questions)
+    return {"accuracy": acc, "se": float(np.sqrt(acc * (1 - acc) / len(questions))),
+            "hit_rate": stats["prefix_cache_hit_rate"], "s": time.perf_counter() - t0}
 
 
 def init_model(args, out) -> pathlib.Path:
@@ -215,11 +265,21 @@ def _train(args, data, out, *, model, steps, plain_fraction, seq_len, batch_size
                               "last_loss_mean50": float(np.mean([h["loss"] for h in tail]))}
 
 
+def _recovered_se(res) -> float:
+    """Standard error of (c - b) / (a - b), first order, treating the three accuracies as
+    independent binomial estimates (they share questions, so this is an upper-side guess)."""
+    (a, sa), (b, sb), (c, sc) = ((res[k]["accuracy"], res[k]["se"]) for k in
+                                 ("a_full_attention", "b_block_attention", "c_block_ft"))
+    r = (c - b) / (a - b)
+    return float(np.sqrt(sc ** 2 + (1 - r) ** 2 * sb ** 2 + r ** 2 * sa ** 2) / (a - b))
+
+
 def run(args):
+    resolve(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
-    write_train_data(out / "train.jsonl", args, rng)
+    write_train_data(out / "train.jsonl", args, rng, count=args.ft_examples)
     write_train_data(out / "pretrain.jsonl", args, rng, copy_fraction=args.copy_fraction)
     questions = eval_set(args, rng)
     res = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
@@ -240,15 +300,17 @@ def run(args):
           f"{res['b_block_attention']['accuracy']:.3f}")
     t0 = time.perf_counter()
     tuned, res["block_ft"] = _train(args, out / "train.jsonl", out / "block_ft", model=base,
-                                    steps=args.ft_steps, plain_fraction=0.5,
+                                    steps=args.ft_steps, plain_fraction=args.ft_plain_fraction,
                                     seq_len=args.seq_len,
                                     batch_size=args.ft_batch_size or args.batch_size)
     res["block_ft"]["s"] = time.perf_counter() - t0
     res["c_block_ft"] = evaluate(tuned, questions, args, blocks=True)
     a, b, c = (res[k]["accuracy"] for k in ("a_full_attention", "b_block_attention", "c_block_ft"))
     res["recovered"] = (c - b) / (a - b) if a > b else None
+    res["recovered_se"] = _recovered_se(res) if a > b else None
     save()
-    rec = "n/a (no loss)" if res["recovered"] is None else f"{res['recovered']:.0%}"
+    rec = ("n/a (no loss)" if res["recovered"] is None
+           else f"{res['recovered']:.0%} (SE {res['recovered_se']:.0%})")
     print(f"accuracy: (a) full attention {a:.3f}, (b) Block-Attention {b:.3f} (cache hit rate "
           f"{res['b_block_attention']['hit_rate']:.2f}), (c) after block fine-tuning {c:.3f} "
           f"(hit rate {res['c_block_ft']['hit_rate']:.2f}); recovered {rec} of the (a)->(b) loss")

@@ -33,7 +33,7 @@ COMMANDS = {
             "RAG headline on MuSiQue: rotated / pic_off / position_free x (fcfs, barrier, isps), "
             "offline + online, cached-span TTFT, load and warm-up times"),
     "block-ft": ("benchmarks.block_ft_bench",
-                 "synthetic multi-document retrieval: full attention vs Block-Attention vs block FT"),
+                 "synthetic multi-document task: full attention vs Block-Attention vs block FT"),
     "train": ("benchmarks.train_bench",
               "block fine-tuning step at a ~1B Llama shape: tokens/s and MFU vs a measured matmul"),
 }

@@ -1,11 +1,10 @@
 """The training step's fast paths against the plain one: the loss on gathered answer rows equals
 the loss on full logits (value and gradients), remat policies change nothing, and the attention
-choice is made in one place with clear errors. Plus the block-ft demonstration's task generator.
+choice is made in one place with clear errors.
 (cuDNN attention cannot run on CPU: `minipic-bench train` checks it against XLA fp32 on the GPU.)"""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import jax
@@ -13,12 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import block_ft_bench
 from minipic_jax.loading import load_model
 from minipic_jax.models import llama
 from minipic_jax.models.llama_train import attn_implementation
 from minipic_jax.prompts import Prompt, Span
-from minipic_jax.training import TrainConfig, read_jsonl
+from minipic_jax.training import TrainConfig
 from minipic_jax.training.batch import make_batch
 from minipic_jax.training.data import Markers, Record, layout_example
 from minipic_jax.training.step import answer_loss, answer_rows, max_loss_rows, rows_loss
@@ -82,40 +80,3 @@ def test_attention_choice_and_remat_are_checked():
         TrainConfig(**base, remat="some")
     with pytest.raises(ValueError, match="TrainConfig.attn_impl"):
         TrainConfig(**base, attn_impl="flash")
-
-
-def test_block_ft_questions_have_one_right_answer_and_fit(fresh_rng, tmp_path):
-    """The asked key occurs exactly once among the documents and its value is the answer; every
-    example lays out within the default seq_len in both layouts."""
-    p = argparse.ArgumentParser()
-    block_ft_bench.add_parser(p)
-    args = p.parse_args([])
-    tok = load_model("tiny_llama").tokenizer
-    markers = Markers(block_size=args.block_size, pad_token_id=511, ssep_token_id=510,
-                      pdep_token_id=509)
-    for segs, answer in block_ft_bench.eval_set(args, fresh_rng)[:32]:
-        docs = [s["text"] for s in segs if s["kind"] == "span"]  # facts "Kv;" (the default)
-        key = segs[-1]["text"].lstrip("?")
-        facts = [(f[0], f[1:]) for d in docs for f in d.split(";") if f]
-        assert len(docs) == args.docs and [k for k, _ in facts].count(key) == 1
-        assert dict(facts)[key] == answer
-        rec = Record(tuple((Span if s["kind"] == "span" else Prompt)(s["text"]) for s in segs),
-                     answer)
-        for plain in (False, True):
-            ex = layout_example(rec, markers, tok, eos_token_id=257, plain=plain)
-            assert len(ex.tokens) <= args.seq_len and ex.loss_mask.sum() == 2
-    path = tmp_path / "train.jsonl"  # training examples ask args.queries keys each
-    block_ft_bench.write_train_data(path, argparse.Namespace(**{**vars(args), "train_examples": 16}),
-                                    fresh_rng)
-    for rec in read_jsonl(path):
-        answer = rec.answer
-        assert len(answer) == 3 * args.queries - 2 and answer[1::3] == "?" * (args.queries - 1)
-        for plain, seq in ((False, args.seq_len), (True, args.pretrain_seq_len)):
-            assert len(layout_example(rec, markers, tok, eos_token_id=257, plain=plain).tokens) <= seq
-    block_ft_bench.write_train_data(path, argparse.Namespace(**{**vars(args), "train_examples": 16}),
-                                    fresh_rng, copy_fraction=1.0)  # pretraining's copy examples
-    for rec in read_jsonl(path):
-        text = rec.segments[0].content
-        assert text == f"copy:{rec.answer}|" and len(set(rec.answer)) == len(rec.answer)
-        assert len(layout_example(rec, markers, tok, eos_token_id=257, plain=True).tokens) <= \
-            args.pretrain_seq_len
