@@ -115,7 +115,7 @@ def test_async_with_stop_tokens(fresh_rng):
     """Requests stopping on a stop id have one discarded row in the next step (freed a step
     later), so batches differ from the sync loop: same tokens, logprobs up to rounding."""
     for _ in range(5):  # random stop ids: redraw the workload until some request stops on one
-        runs, stats = run_both(int(fresh_rng.integers(1 << 30)), True, **TINY_POOL)
+        runs, stats = run_both(int(fresh_rng.integers(1 << 30)), True, n=6, **TINY_POOL)
         same_outputs(runs[False], runs[True], exact=False)
         if any(o.outputs[0].finish_reason == "stop" for o in runs[True]):
             break
@@ -135,7 +135,7 @@ def test_async_custom_loop_with_aborts_and_late_requests(fresh_rng):
         eng = llm.llm_engine
         rng = np.random.default_rng(salt)
         prompts, sps = workload(rng, eng.markers, 10, False)
-        sps = [SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=20,
+        sps = [SamplingParams(temperature=sp.temperature, seed=sp.seed, max_tokens=10,
                               logprobs=sp.logprobs, ignore_eos=True) for sp in sps]
         done = {}
         for i in range(6):
@@ -155,7 +155,7 @@ def test_async_custom_loop_with_aborts_and_late_requests(fresh_rng):
         assert "0" not in done and "5" not in done
         results[mode] = [done[k] for k in sorted(done)]
     same_outputs(results[False], results[True])
-    assert len(results[True]) == 8 and all(len(o.outputs[0].token_ids) == 20
+    assert len(results[True]) == 8 and all(len(o.outputs[0].token_ids) == 10
                                            for o in results[True])
 
 
