@@ -84,35 +84,22 @@ def jax_variants():
         parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=q.shape[-1] ** -0.5, solve=solve)
         return tuple(x.astype(bf16) for x in (parts["w"], parts["u"], parts["kd"]))
 
-    def fused(q, k, v, g, beta, ck=None, **opts):
-        from kernels_pallas.gated_delta import fused_triton
-        n, t_len, _, dk = k.shape
-        state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
-        idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
-                                                       (n, len(ck)))
-        return fused_triton.fused_gated_delta(q, k, v, g, beta, state0, idx, scale=dk ** -0.5,
-                                              **opts)
+    def from_zero_state(kernel):  # kernel(q, k, v, g, beta, state0, chunk_idx, scale, **opts)
+        def f(q, k, v, g, beta, ck=None, **opts):
+            n, _, _, dk = k.shape
+            state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
+            idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
+                                                           (n, len(ck)))
+            return kernel(q, k, v, g, beta, state0, idx, scale=dk ** -0.5, **opts)[:3]
+        return f
 
-    def tree(q, k, v, g, beta, ck=None, **opts):  # Pallas intra / output around the tree scan
-        from kernels_pallas.gated_delta import tree_scan
-        n, t_len, _, dk = k.shape
-        state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
-        idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
-                                                       (n, len(ck)))
-        return tree_scan.fused_tree_gated_delta(q, k, v, g, beta, state0, idx,
-                                                scale=dk ** -0.5, **opts)[:3]
-
-    def blocked(q, k, v, g, beta, ck=None, **opts):  # the two-level scan (scan_blocked.py)
-        from kernels_pallas.gated_delta import scan_blocked
-        n, t_len, _, dk = k.shape
-        state0 = jnp.zeros((n, v.shape[2], dk, v.shape[3]), jnp.float32)
-        idx = None if ck is None else jnp.broadcast_to(jnp.asarray(ck, jnp.int32) // 64,
-                                                       (n, len(ck)))
-        return scan_blocked.blocked_gated_delta(q, k, v, g, beta, state0, idx,
-                                                scale=dk ** -0.5, **opts)[:3]
+    from kernels_pallas.gated_delta import fused_triton, scan_blocked, tree_scan
+    fused = from_zero_state(fused_triton.fused_gated_delta)
+    # Pallas intra / output around the tree scan; the two-level scan (scan_blocked.py)
+    tree = from_zero_state(tree_scan.fused_tree_gated_delta)
+    blocked = from_zero_state(scan_blocked.blocked_gated_delta)
 
     def fused_intra(q, k, v, g, beta, ck=None):
-        from kernels_pallas.gated_delta import fused_triton
         return fused_triton.intra_chunk_fused(k, v, g, beta)
 
     return {

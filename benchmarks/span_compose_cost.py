@@ -17,13 +17,11 @@ cost per span = slope / rows / step (a span skipped by one sequence: one map on 
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import time_calls
 from serving import span_maps
 from serving.step_inputs import layout
 
@@ -56,14 +54,8 @@ def _fields(runner, ints, kw):
 
 
 def _median_ms(fn, reps):
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(out)
+    """Median ms of one call waited for, after two warm-up calls."""
+    return 1e3 * time_calls(fn, iters=1, reps=reps)
 
 
 def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:

@@ -88,11 +88,29 @@ class HybridPrefixCache:
             if entry is not None:
                 self.store.release(entry)
             return False
-        for kind, b in kinds[:kc]:
+        self.take_blocks(sched, seq, dict(enumerate(kinds[:kc])), hashes)
+        if not seq.ever_admitted:
+            seq.num_cached_tokens = kc * bs
+            seq.ck_positions, seq.ck_values = ([], []) if spans else self.planner.prompt_plan(
+                seq.layout, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs],
+                shared)
+        self.count_admission(seq, kinds, kc, shared, entry)
+        self.seat(seq, seats, kc, entry)
+        return True
+
+    @staticmethod
+    def take_blocks(sched, seq, planned: dict, hashes) -> None:
+        """Fill the block table of `seq` ([0, seq.num_blocks_needed)) from `planned` (block
+        index -> ("hit", block) | ("host", None)); any other block is new and owned. Hits are
+        taken off the free list first: an allocation evicts the least recently freed block,
+        which may be a planned hit. Unlike Scheduler._take_blocks, a planned block never falls
+        back to recomputation: the recurrent state resumes after it."""
+        bm, keys = sched.bm, sched.keys
+        for kind, b in planned.values():
             if kind == "hit":
                 bm.share(b)
-        for j in range(n):
-            kind, b = kinds[j] if j < kc else ("new", None)
+        for j in range(seq.num_blocks_needed):
+            kind, b = planned.get(j, ("new", None))
             if kind == "hit":
                 seq.block_table.append(b)
                 continue
@@ -106,14 +124,6 @@ class HybridPrefixCache:
             seq.owned.add(j)
             if h is not None:
                 bm.register(b, h, keys.confirm(seq, j), seq.seq_id)
-        if not seq.ever_admitted:
-            seq.num_cached_tokens = kc * bs
-            seq.ck_positions, seq.ck_values = ([], []) if spans else self.planner.prompt_plan(
-                seq.layout, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs],
-                shared)
-        self.count_admission(seq, kinds, kc, shared, entry)
-        self.seat(seq, seats, kc, entry)
-        return True
 
     def _wait(self, sched, seq, hashes, ready: int, shared: int, kc: int) -> bool:
         """Whether `seq` should wait rather than resume at block kc now: its prefix runs on

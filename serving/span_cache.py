@@ -123,24 +123,7 @@ class SpanMapCache:
             if ck is not None:
                 hybrid.store.release(ck)
             return False
-        for kind, blk in plan.values():  # off the free list before any allocation evicts them
-            if kind == "hit":
-                bm.share(blk)
-        for j in range(n):
-            kind, blk = plan.get(j, ("new", None))
-            if kind == "hit":
-                seq.block_table.append(blk)
-                continue
-            blk = bm.allocate()
-            seq.block_table.append(blk)
-            h = hashes[j] if j < len(hashes) else None
-            if kind == "host":
-                bm.register(blk, h, keys.confirm(seq, j), seq.seq_id, ready=True)
-                sched.pending_copy_in.append((blk, h))
-                continue
-            seq.owned.add(j)
-            if h is not None:
-                bm.register(blk, h, keys.confirm(seq, j), seq.seq_id)
+        hybrid.take_blocks(sched, seq, plan, hashes)
         if not seq.ever_admitted:
             seq.num_cached_tokens = len(plan) * self.block_size
         self.spans_skipped += len(skips)
