@@ -130,6 +130,8 @@ def orchestrate(args) -> None:
         kind, *opts = phase.split("_")  # warm_pinned: pinned host buffers; warm_disk: page
         kind = kind.rstrip("0123456789")  # cache dropped first; warm2: a second warm run
         env = dict(os.environ, MINIPIC_KV_STORE_PINNED="1" if "pinned" in opts else "0")
+        if "nopre" in opts:  # warm_nopre: XLA's allocator grows on demand, no preallocation
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         if kind == "prewarm":
             cmd = py + ["-m", "benchmarks.kv_store_bench", "--child-prewarm", "--out", str(out),
                         "--store", str(store)] + _model_flags(args)
