@@ -116,7 +116,9 @@ class GatedDeltaNet(nnx.Module):
         n_tokens = h.shape[0]
         seqs = cu_q_lens.shape[0] - 1
         rows = jnp.arange(n_tokens, dtype=jnp.int32)
-        seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, seqs - 1)
+        # compare_all: one [T, S+1] fusion; the default method is a while loop (kernels per level)
+        seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right",
+                                               method="compare_all") - 1, 0, seqs - 1)
         mixed = jnp.einsum("te,ec->tc", h, self.w_qkv[...])  # [T, C]
         z = jnp.einsum("te,ehv->thv", h, self.w_z[...])  # [T, Hv, Dv]
         b = jnp.einsum("te,eh->th", h, self.w_b[...])  # [T, Hv]
