@@ -15,8 +15,9 @@ is replayed on the device through two compiled programs:
   static  the engine's step: the recurrent layers' step kind is static (RecurrentMetadata.decode)
   cond    the same with a lax.cond per GDN layer picking decode or prefill on the device (XLA's
           GPU conditional copies the predicate to the host and blocks the stream)
-  old     cond, and the GDN row / chunk lookups by jnp.searchsorted's default method (a while
-          loop per lookup) instead of compare_all: the step as it was before both changes
+  old     cond, the GDN row / chunk lookups by jnp.searchsorted's default method (a while loop
+          per lookup) instead of compare_all, and the ragged scan over every static chunk (not
+          only those holding tokens): the step as it was before the three changes
 
 Per step and program: median wall of calls each waited for (what the engine pays: one host sync
 per step), and for the chosen kinds a jax.profiler trace summarised on the device (kernels per
@@ -47,6 +48,8 @@ def add_parser(p) -> None:
                    help="smallest token bucket (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=8192, help="(default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from free memory")
+    p.add_argument("--checkpoint-gb", type=float, default=0.5,
+                   help="checkpoint pool bytes (default: %(default)s)")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS),
                    help="sequences x prompt tokens per prefill step (default: all)")
     p.add_argument("--scale", type=float, default=1.0,
@@ -142,7 +145,7 @@ def compile_programs(runner, steps: dict, variants) -> dict:
                                           "decode_only", "spans", "attn_options", "chain"))
         runner.static_recurrent_kind = variant == "static"
         try:
-            with _default_searchsorted(variant == "old"):
+            with _old_gdn(variant == "old"):
                 for ints, floats, kw, use_prev in steps.values():
                     key = (variant, _program_key(kw))
                     if key in lowered:
@@ -158,20 +161,24 @@ def compile_programs(runner, steps: dict, variants) -> dict:
 
 
 @contextlib.contextmanager
-def _default_searchsorted(on: bool):
-    """While tracing: jnp.searchsorted ignores `method` (its default, a while loop), as the GDN
-    lookups were before they asked for compare_all (a bench-only stand-in)."""
+def _old_gdn(on: bool):
+    """While tracing (bench-only stand-ins): jnp.searchsorted ignores `method` (its default, a
+    while loop), as the GDN lookups were before compare_all, and the ragged scan runs every
+    static chunk (no n_used)."""
     import jax.numpy as jnp
+
+    from kernels_pallas.gated_delta import ragged_triton
     if not on:
         yield
         return
-    orig = jnp.searchsorted
-    jnp.searchsorted = lambda a, v, side="left", sorter=None, *, method=None: orig(
+    search, packed = jnp.searchsorted, ragged_triton.packed_gated_delta
+    jnp.searchsorted = lambda a, v, side="left", sorter=None, *, method=None: search(
         a, v, side=side, sorter=sorter)
+    ragged_triton.packed_gated_delta = lambda *a, n_used=None, **kw: packed(*a, **kw)
     try:
         yield
     finally:
-        jnp.searchsorted = orig
+        jnp.searchsorted, ragged_triton.packed_gated_delta = search, packed
 
 
 def hlo_counts(compiled) -> dict:
@@ -214,28 +221,24 @@ def blocked_ms(call, reps: int) -> dict:
 
 
 def _engine(args):
-    import jax.numpy as jnp
-
     from minipic_jax import LLM
-    from minipic_jax.loading import load_model
-    from serving import checkpoint_pool
-    loaded = load_model(args.model, dtype=args.dtype, seed=0)
-    layout = checkpoint_pool.state_layout(loaded.family, loaded.cfg, 16, jnp.dtype(args.dtype))
-    nbytes = checkpoint_pool.checkpoint_nbytes(layout)
     return LLM(args.model, dtype=args.dtype, seed=0, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                min_token_bucket=args.min_token_bucket, max_model_len=args.max_model_len,
-               checkpoint_gb=16 * nbytes / 2**30, checkpoint_strategy="last",
+               checkpoint_gb=args.checkpoint_gb, checkpoint_strategy="last",
                num_kv_blocks=args.num_kv_blocks)
 
 
 def run(args) -> int:
     import jax
-    t0 = time.perf_counter()
+    start = t0 = time.perf_counter()
     llm = _engine(args)
     runner = llm.llm_engine.runner
+    if runner.ck_pool is None:
+        raise ValueError("hybrid-step: needs a hybrid model with prefix caching (checkpoint pool)")
     steps = capture_steps(llm, args.scenarios, args.scale)
-    print(f"engine + schedule {time.perf_counter() - t0:.1f} s; steps: "
+    print(f"engine + schedule {time.perf_counter() - t0:.1f} s; separate decode variant "
+          f"{runner.separate_decode}; steps: "
           + ", ".join(f"{k} (t={v[2]['t']})" for k, v in steps.items()), flush=True)
     t0 = time.perf_counter()
     compiled = compile_programs(runner, steps, args.variants)
@@ -248,6 +251,29 @@ def run(args) -> int:
         name = f"{variant} t={kw['t']} decode_only={kw['decode_only']}"
         res["programs"][name] = hlo_counts(comp)
         print(f"  program {name}: {res['programs'][name]}", flush=True)
+    _time_steps(runner, steps, compiled, args, res)
+    if jax.default_backend() == "gpu":
+        for label in args.profile:
+            if label not in steps:
+                continue
+            ints, floats, kw, use_prev = steps[label]
+            for variant in args.profile_variants:
+                comp = compiled.get((variant, _program_key(kw)))
+                if comp is not None:
+                    res["profiles"][f"{variant} {label}"] = _profile(
+                        make_call(runner, comp, ints, floats, use_prev), f"{variant} {label}",
+                        args)
+            if args.json:
+                _write(args.json, res)
+    _summary(res)
+    print(f"total {time.perf_counter() - start:.1f} s", flush=True)
+    if args.json:
+        _write(args.json, res)
+    return 0
+
+
+def _time_steps(runner, steps, compiled, args, res) -> None:
+    """Each captured step through each program, with its checkpoints and without (prefill)."""
     for label, (ints, floats, kw, use_prev) in steps.items():
         inputs = [("ck", ints)] if label.startswith("decode") else [
             ("ck", ints), ("no_ck", without_checkpoints(runner, ints, kw))]
@@ -260,16 +286,8 @@ def run(args) -> int:
                 res["steps"].append(row)
                 print(f"  {label:14s} {variant:6s} {ck_name:5s} ({row['ck_rows']} rows) "
                       f"{row['ms']:7.2f} ms (min {row['min_ms']:.2f})", flush=True)
-            if label in args.profile and variant in args.profile_variants \
-                    and jax.default_backend() == "gpu":
-                res["profiles"][f"{variant} {label}"] = _profile(
-                    make_call(runner, comp, ints, floats, use_prev), f"{variant} {label}", args)
         if args.json:
             _write(args.json, res)
-    _summary(res)
-    if args.json:
-        _write(args.json, res)
-    return 0
 
 
 def _profile(call, name: str, args) -> dict:
@@ -289,26 +307,26 @@ def _profile(call, name: str, args) -> dict:
 
 
 def _summary(res) -> None:
-    """Per variant: decode and prefill step ms by bucket (with checkpoints), and the prefill
-    step's excess over the decode step (run 4's fit: 13.9 / 17.9 / 22.2 vs 4.2 ms)."""
+    """A table of step ms (with checkpoints) per variant, and per variant the prefill steps'
+    excess over its decode step (run 4's fit: prefill 13.9 / 17.9 / 22.2 vs decode 4.2 ms)."""
     rows = [r for r in res["steps"] if r["checkpoints"] == "ck"]
-    out = {}
-    for variant in sorted({r["variant"] for r in rows}):
-        mine = [r for r in rows if r["variant"] == variant]
-        dec = [r["ms"] for r in mine if r["step"].startswith("decode")]
-        out[variant] = {r["step"]: round(r["ms"], 2) for r in mine}
-        base = min(dec) if dec else None
-        line = ", ".join(f"{r['step'].split()[1]} {r['ms']:.1f}" for r in mine
-                         if r["step"].startswith("prefill"))
-        print(f"{variant:6s} decode {base if base is None else round(base, 2)} ms | prefill ms "
-              f"{line}", flush=True)
-    res["summary"] = out
-    if {"static", "cond"} <= set(out):
-        print("step            static ms   cond ms   cond - static")
-        for step, ms in out["static"].items():
-            old = out["cond"].get(step)
-            if old is not None:
-                print(f"{step:15s} {ms:9.2f} {old:9.2f} {old - ms:+9.2f}")
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    table = {}
+    for r in rows:
+        table.setdefault(r["step"], {})[r["variant"]] = r["ms"]
+    res["summary"] = table
+    print("step (t, ck rows)      " + "".join(f"{v + ' ms':>11s}" for v in variants))
+    for step, by in table.items():
+        r = next(x for x in rows if x["step"] == step)
+        print(f"{step:14s} {r['t']:5d} {r['ck_rows']:2d} "
+              + "".join(f"{by.get(v, float('nan')):11.2f}" for v in variants))
+    for v in variants:
+        dec = table.get("decode 4x", {}).get(v)
+        if dec is None:
+            continue
+        print(f"{v}: prefill - decode(4x) ms: " + ", ".join(
+            f"{step.split()[1]} {by[v] - dec:+.1f}" for step, by in table.items()
+            if step.startswith("prefill") and v in by))
 
 
 def _write(path, res) -> None:
