@@ -83,6 +83,7 @@ class ModelRunner:
         self.decode_impl, self.decode_options = decode
         # decode-only steps compile their own variant only when it differs from the general one
         self.separate_decode = decode != general
+        self.static_recurrent_kind = True  # see _recurrent_kind
 
     @property
     def num_compiles(self) -> int:
@@ -111,7 +112,8 @@ class ModelRunner:
         warm = bool(chain) and not decode_only  # the span-map warm path (serving/span_step.py)
         if warm:
             cache, reset, f = span_step.enter(self.family, cache, pool, maps, f, reset)
-        rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset)
+        rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset,
+                                decode=self._recurrent_kind(decode_only))
         tokens = f["tokens"]
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
             tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
@@ -140,6 +142,18 @@ class ModelRunner:
         if prev is not None:
             prev = prev.at[f["sample_seat"]].set(out["tokens"])  # [seats + 1]
         return cache, _pack(out, num_logprobs), prev, pool, maps
+
+    def _recurrent_kind(self, decode_only: bool):
+        """RecurrentMetadata.decode of a step (static): decode-only steps run the one-step
+        recurrence; with a separate decode variant every other step holds a prefill row, so it
+        runs the chunked prefill; else (an all-decode step may take the general variant) the
+        device decides, a lax.cond per recurrent layer (cheap on CPU; on a GPU a host sync per
+        layer: `static_recurrent_kind` False restores it for A/B, hybrid_step_profile.py)."""
+        if not self.static_recurrent_kind:
+            return None
+        if decode_only:
+            return True
+        return False if self.separate_decode else None
 
     def _dispatch(self, ints, floats, use_prev: bool, kw):
         """One jitted step; keeps the donated cache (and prev tokens, checkpoint pool, span map
