@@ -248,7 +248,7 @@ def report(out: pathlib.Path, wall: dict, dropped, io, quiet: bool = False) -> N
                "io_bench": io, "same_outputs": same_outputs(out, list(wall))}
     warm = [p for p in res if p.split("_")[0].rstrip("0123456789") == "warm"]
     for a, b in [(w, x) for w in warm for x in ("cold", "nostore")] + [("nostore", "cold")]:
-        if a in res and b in res and "requests_per_second" in res[b]:
+        if a in res and b in res and res[b].get("requests_per_second"):
             summary[f"{a}_over_{b}"] = res[a]["requests_per_second"] / \
                 res[b]["requests_per_second"]
     (out / "kv_store_bench.json").write_text(json.dumps(summary, indent=1, default=str))
