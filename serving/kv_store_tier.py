@@ -159,7 +159,8 @@ class KVStoreTier:
     # -- prefetch ------------------------------------------------------------------------------
     def begin_step(self, waiting, bm, host) -> None:
         """Release the last step's copied-in runs, collect finished reads, drop the oldest
-        staged runs past the staging limit, and prefetch for the next waiting requests (the first step has had no earlier chance)."""
+        staged runs past the staging limit, and prefetch for the next waiting requests (the
+        first step has had no earlier chance)."""
         self.staged.end_copies()
         for fut, want in list(self.reads.values()):
             if fut.done():
