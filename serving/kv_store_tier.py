@@ -320,11 +320,9 @@ class KVStoreTier:
 
 
 def _written(f: cf.Future) -> bool:
-    """A write (a to_host future) finished without an error (those are kept for `flush`)."""
-    if not f.done() or f.exception() is not None:
-        return False
-    w = f.result()
-    return w.done() and w.exception() is None
+    """A write (a to_host future) is over: its copy to the host failed, or its file write
+    finished (as before the d2h thread, only the writes still pending at `flush` raise there)."""
+    return f.done() and (f.exception() is not None or f.result().done())
 
 
 def _in_span(lay, j: int) -> bool:
