@@ -40,9 +40,10 @@ class LLM:
         kv_mode ("position_free" | "rotated" | "pic_off"), scheduling_policy ("fcfs" | "barrier" |
         "isps"), cpu_offload_gb, pad_token_id / ssep_token_id / pdep_token_id (defaults: Llama-3
         vocab -> 128004 / 128002 / 128003; any other vocab: its three highest non-BOS/EOS ids),
-        hash_algo, kv_store_dir / kv_store_gb / kv_store_spans_only (a persistent span store on
-        disk shared by processes: serving/disk_store.py), tensor_parallel_size (split the model over that many
-        devices: serving/sharding.py).
+        hash_algo, kv_store_dir / kv_store_gb / kv_store_spans_only / kv_store_staging_gb (a
+        persistent span store on disk shared by processes: serving/disk_store.py; the last is
+        the device memory its reads ahead may hold), tensor_parallel_size (split the model over
+        that many devices: serving/sharding.py).
       compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
         $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;
         False: leave JAX's setting alone). See minipic_jax/compile_cache.py.
