@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from serving.disk_store import DiskStore, namespace
+from serving.kv_pool import staging_bytes
 from serving.kv_store_buffers import RunBuffers
 from serving.kv_store_staging import StagedBlocks
 from serving.run_file import MAX_RUN, Run, run_rows
@@ -365,5 +366,5 @@ def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, mod
         leaves=leaves)
     store = DiskStore(config.kv_store_dir, identity, int(config.kv_store_gb * (1 << 30)))
     return KVStoreTier(store, keys, bytes_per_block=bytes_per_block,
-                       staging_bytes=int(config.kv_store_staging_gb * (1 << 30)),
+                       staging_bytes=staging_bytes(config),
                        lookahead=config.max_num_seqs, spans_only=config.kv_store_spans_only)

@@ -17,6 +17,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from conftest import make_tiny_llm
 from minipic_jax import Prompt, SamplingParams, Span, build_prompt
@@ -126,3 +127,19 @@ def test_default_pool_leaves_the_staging_memory_free(monkeypatch, tmp_path):
     import ml_dtypes
     assert kv_pool.default_num_blocks(cfg, mcfg, ml_dtypes.bfloat16) == \
         int((4 << 30) - 1.5 * (1 << 30)) // per_block
+
+
+def test_staging_default_follows_the_device_and_an_explicit_value_wins(monkeypatch):
+    """kv_store_staging_gb=None: min(16 GiB, 16% of the device's limit), 4 GiB without memory
+    stats; an explicit value is taken as is; <= 0 is refused, naming the option."""
+    from serving import kv_pool
+    from serving.config import Config
+    assert kv_pool.staging_bytes(Config(kv_store_staging_gb=1.5)) == int(1.5 * (1 << 30))
+    monkeypatch.setattr(kv_pool, "device_memory", lambda: {})
+    assert kv_pool.staging_bytes(Config()) == 4 << 30
+    monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": 40 << 30})
+    assert kv_pool.staging_bytes(Config()) == int(0.16 * (40 << 30))
+    monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": 200 << 30})
+    assert kv_pool.staging_bytes(Config()) == 16 << 30
+    with pytest.raises(ValueError, match="kv_store_staging_gb"):
+        Config(kv_store_staging_gb=0)

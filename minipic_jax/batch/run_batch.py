@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-store-gb", type=float, default=64.0)
     ap.add_argument("--kv-store-spans-only", action="store_true",
                     help="store SSEP span blocks only (not questions or other prompt parts)")
-    ap.add_argument("--kv-store-staging-gb", type=float, default=4.0,
-                    help="device memory for store runs read ahead of their copy-in")
+    ap.add_argument("--kv-store-staging-gb", type=float, default=None,
+                    help="device memory for store runs read ahead of their copy-in (default: "
+                         "min(16 GiB, 16%% of the device's memory))")
     ap.add_argument("--max-inflight", type=int, default=None,
                     help="requests in the engine at once (default 4 x max-num-seqs)")
     ap.add_argument("--warmup", action="store_true", help="compile every step shape first")
