@@ -104,12 +104,15 @@ class LLMEngine:
         for all_greedy, use_filter, num_logprobs in modes:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
                                num_logprobs=num_logprobs, spans=spans)
+        t0 = time.perf_counter()
         if self.kv_store is not None:  # the span store's page moves (chunk buckets)
             self.runner.cache = self.mover.warmup(self.runner.cache)
+        t1 = time.perf_counter()
         # Tracing and compiling leave millions of long-lived objects (jaxprs, caches): move
         # them out of the cyclic GC's reach so collections during serving stay short.
         gc.collect()
         gc.freeze()
+        self.runner.startup.update(movers_s=t1 - t0, gc_s=time.perf_counter() - t1)
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, request_id, prompt_token_ids, sampling_params, *, label: str | None = None,

@@ -48,6 +48,7 @@ class ModelRunner:
         self.config = config
         self.family = loaded.family
         self.mcfg = loaded.cfg
+        t0 = time.perf_counter()
         tp = config.tensor_parallel_size
         self.mesh = None
         if tp > 1:  # Megatron split by logical axes (serving/sharding.py), weights unfused
@@ -60,6 +61,8 @@ class ModelRunner:
             loaded.params = loaded.family.fuse_params(params, consume=True)
             del params
         self.params = loaded.params
+        jax.block_until_ready(self.params)
+        t1 = time.perf_counter()
         self.cache_dtype = dtype
         self.hybrid = bool(getattr(self.family, "IS_HYBRID", False))  # spans: span_rows.py
         self.block_size = config.block_size
@@ -76,6 +79,9 @@ class ModelRunner:
 
         self.cache, self.num_blocks = allocate_pool(
             make_cache, num_blocks, may_shrink=config.num_kv_blocks is None)
+        jax.block_until_ready(self.cache)
+        # seconds per start-up phase: placing / fusing the weights, the KV pool, then warmup's
+        self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
         self.kv_mode = config.attention_kv_mode
         self.tables = SeatTables(seats, self.nb, self.block_size)
         self._bufs: dict = {}
@@ -87,7 +93,6 @@ class ModelRunner:
         self._step = StepExecutables(self._step_impl, signature_of=self._step_body,
                                      donate_argnums=(1, 5, 6), context=self._program_context,
                                      source_dirs=(os.path.dirname(self.family.__file__),))
-        self.startup: dict = {}  # seconds per start-up phase (warmup); see `warmup`
         general, decode = attention_choices(config, self.mcfg, dtype)
         self.attn_impl, self.attn_options = general
         self.decode_impl, self.decode_options = decode

@@ -41,19 +41,22 @@ class StepExecutables:
         self.context = context
         self.source_dirs = tuple(source_dirs)
         self._table: dict = {}
+        self._spelled: dict = {}  # the same executables under the callers' own keyword order
         self.counts = {"loaded": 0, "compiled": 0}
         self.timings = dict.fromkeys(PHASES, 0.0)
 
     def _key(self, args, kw):
         static = tuple(kw.get(n, d) for n, d in self._static)
-        return static, tuple(a is None for a in args)
+        return static, tuple([a is None for a in args])
 
     def __call__(self, *args, **kw):
-        key = self._key(args, kw)
-        exe = self._table.get(key)
+        fast = (tuple(kw.items()), tuple([a is None for a in args]))  # as the caller spells it
+        exe = self._spelled.get(fast)
         if exe is None:
-            self.prepare([(args, kw)])
-            exe = self._table[key]
+            key = self._key(args, kw)
+            if key not in self._table:
+                self.prepare([(args, kw)])
+            exe = self._spelled[fast] = self._table[key]
         try:
             return exe(*args)
         except TypeError:  # arguments of another shape than the variant's (rare): plain jit
