@@ -23,3 +23,36 @@ def line(st: dict) -> str:
             f"lower {g('lower_s'):.1f}, compile {g('compile_s'):.1f}, store {g('save_s'):.1f}), "
             f"first calls {g('first_calls_s'):.1f} s, page movers {g('movers_s'):.1f} s, "
             f"gc {g('gc_s'):.1f} s")
+
+
+def compare(path: str) -> int:
+    """Print one row per configuration of a rag_bench.json (e.g. `--configs fcfs fcfs`: a cold
+    then a second start): load, warm-up, their sum, the warm-up split, compiles while timed, and
+    whether each run's outputs equal the first run's of the same configuration."""
+    import json
+    import pathlib
+    results = json.loads(pathlib.Path(path).read_text())["results"]
+    first: dict = {}
+    print(f"{'config':8s} {'load':>6s} {'warm':>6s} {'total':>6s} {'loaded':>6s} {'compiled':>8s} "
+          f"{'exe load':>8s} {'trace+lower':>11s} {'compile':>7s} {'first':>6s} {'run compiles':>12s} "
+          f"same outputs")
+    for res in results:
+        if "error" in res:
+            print(f"{res['config']:8s} FAILED: {res['error']}")
+            continue
+        st = res.get("startup", {})
+        outs = [r["outputs"] for r in res.get("runs", [])]
+        ref = first.setdefault(res["config"], outs)
+        same = all(a == b for a, b in zip(outs, ref)) and len(outs) == len(ref)
+        run_compiles = sum(r["compiles_during_run"] for r in res.get("runs", []))
+        print(f"{res['config']:8s} {res['load_s']:6.1f} {res['warmup_s']:6.1f} "
+              f"{res['load_s'] + res['warmup_s']:6.1f} {st.get('loaded', 0):6d} "
+              f"{st.get('compiled', 0):8d} {st.get('load_s', 0):8.1f} "
+              f"{st.get('trace_s', 0) + st.get('lower_s', 0):11.1f} {st.get('compile_s', 0):7.1f} "
+              f"{st.get('first_calls_s', 0):6.1f} {run_compiles:12d} {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(compare(sys.argv[1]))

@@ -36,6 +36,9 @@ class StepExecutables:
         params = inspect.signature(signature_of).parameters.values()
         self._static = tuple((p.name, p.default) for p in params
                              if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        # omitted trailing positional arguments are passed as their defaults: one variant
+        self._defaults = tuple(p.default for p in inspect.signature(fun).parameters.values()
+                               if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self.jitted = jax.jit(fun, donate_argnums=donate_argnums,
                               static_argnames=tuple(n for n, _ in self._static))
         self.context = context
@@ -50,6 +53,8 @@ class StepExecutables:
         return static, tuple([a is None for a in args])
 
     def __call__(self, *args, **kw):
+        if len(args) < len(self._defaults):
+            args += self._defaults[len(args):]
         fast = (tuple(kw.items()), tuple([a is None for a in args]))  # as the caller spells it
         exe = self._spelled.get(fast)
         if exe is None:
