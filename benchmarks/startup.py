@@ -34,8 +34,8 @@ def compare(path: str) -> int:
     results = json.loads(pathlib.Path(path).read_text())["results"]
     first: dict = {}
     print(f"{'config':8s} {'load':>6s} {'warm':>6s} {'total':>6s} {'loaded':>6s} {'compiled':>8s} "
-          f"{'exe load':>8s} {'trace+lower':>11s} {'compile':>7s} {'first':>6s} {'run compiles':>12s} "
-          f"same outputs")
+          f"{'exe load':>8s} {'trace+lower':>11s} {'compile':>7s} {'first':>6s} "
+          f"{'run compiles':>12s} same outputs")
     for res in results:
         if "error" in res:
             print(f"{res['config']:8s} FAILED: {res['error']}")

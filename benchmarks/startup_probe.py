@@ -19,7 +19,8 @@ T_START = time.perf_counter()
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--cache", required=True, help="compilation cache folder (steps stored under it)")
+    p.add_argument("--cache", required=True,
+                   help="compilation cache folder (the step store is under it)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--kv-mode", default="position_free")

@@ -4,9 +4,10 @@ A step has a few dozen static variants (token bucket, sampling mode, attention p
 `StepExecutables.prepare` readies a list of them at once: each is loaded from the executable
 store (serving/executable_store.py: no tracing at all) or traced and lowered (sequential, Python)
 then compiled in threads (XLA compiles off the GIL; JAX's persistent cache serves repeats
-when no store is in use, see executable_store.fresh_compiles) and stored. Calls then go straight to the variant's `jax.stages.Compiled` (C++ dispatch, the jitted
-function is not traced again). A call with a variant never prepared prepares it then, so the
-warm-up list is a speed matter, never a correctness one.
+when no store is in use, see executable_store.fresh_compiles) and stored. Calls then go
+straight to the variant's `jax.stages.Compiled` (C++ dispatch, the jitted function is not traced
+again). A call with a variant never prepared prepares it then, so the warm-up list is a speed
+matter, never a correctness one.
 
 `timings` (seconds per phase) and `counts` (variants loaded / compiled) say where start-up went.
 """
