@@ -9,8 +9,8 @@ tracing, so a hit skips tracing, lowering and compiling:
 - the caller's context: the model config, the engine Config fields that reach the step, the
   attention plan (ModelRunner._program_context);
 - the static arguments of the variant and the tree, shape, dtype and sharding of every argument;
-- jax / jaxlib / plugin versions, backend, platform version, device kind and count, XLA_FLAGS,
-  the jax config values that can change a program, MINIPIC_* variables;
+- jax / jaxlib / plugin / flax / numpy versions, backend, platform version, device kind and
+  count, XLA_FLAGS, the jax config values that can change a program, MINIPIC_* variables;
 - a digest of the first-party source that defines the step (serving, kernels_pallas, configs and
   the model family's package): after any code change nothing stored before is used.
 
@@ -18,8 +18,9 @@ A file holds the full key text next to the executable; a load compares it (no tr
 alone). Any failure to read, unpickle or load is a miss (the variant compiles as usual and the
 file is rewritten). Files live in `<compilation cache folder>/minipic_steps/`; with the
 compilation cache off there is no store. `MINIPIC_STEP_CACHE` turns the store off alone ("off")
-or puts it elsewhere (a folder); see `store_folder`.
-Loading runs code from these files: the folder must be as trusted as JAX's own cache folder.
+or puts it elsewhere (a folder); see `store_folder`. Loading runs code from these files: the
+folder must be as trusted as JAX's own cache folder. Only fresh compiles are written
+(`fresh_compiles`).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def source_digest(extra_dirs: tuple[str, ...] = ()) -> str:
 def _versions() -> tuple:
     out = []
     for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
-                 "jax-cuda13-pjrt", "libtpu"):
+                 "jax-cuda13-pjrt", "libtpu", "flax", "numpy", "ml_dtypes"):
         try:
             out.append((name, importlib.metadata.version(name)))
         except importlib.metadata.PackageNotFoundError:
