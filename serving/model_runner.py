@@ -114,7 +114,8 @@ class ModelRunner:
         return repr((self.family.__name__, self.mcfg, sorted(fields.items()), self.kv_mode,
                      self.attn_impl, self.attn_options, self.decode_impl, self.decode_options,
                      self.separate_decode, self.nb, self.block_size, self.scratch_slot,
-                     str(jnp.dtype(self.cache_dtype)), repr(self.mesh)))
+                     str(jnp.dtype(self.cache_dtype)), repr(self.mesh),
+                     None if self.mesh is None else [d.id for d in self.mesh.devices.flat]))
 
     # -- device --------------------------------------------------------------------------------
     def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, maps=None, **kw):
