@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
