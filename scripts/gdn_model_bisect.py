@@ -142,7 +142,8 @@ def layer_table(lm, full):
           "w/u/kd: intra kernel):")
     print(" ".join(f"{k:>8s}" for k in keys))
     for r in rows:
-        print(" ".join(f"{r[k]:8d}" if k == "layer" else f"{r[k]:8.1e}" for k in keys))
+        print(" ".join(f"{r[k]:8d}" if k == "layer" else f"{r[k]:8.1e}" for k in keys),
+              flush=True)
     return rows
 
 
@@ -153,8 +154,8 @@ def main():
     lm, full, want = _fixture(args.fixture)
     print(f"backend {jax.default_backend()}, pallas {PALLAS}, prompt lengths "
           f"{[len(f) for f in full]}, HF logit |max| {max(np.abs(w).max() for w in want):.2f}")
-    layer_table(lm, full)
     logits_table(lm, full, want)
+    layer_table(lm, full)
 
 
 if __name__ == "__main__":
