@@ -242,3 +242,34 @@ def test_one_policy_picks_the_implementation(monkeypatch):
     with pytest.raises(ValueError, match="implementation must be one of"):
         api.choose("pallas_triton")  # the scan-only kernel, a measured dead end, is gone
 
+
+
+def test_ragged_pallas_at_qwen3_5_fixture_layout(fresh_rng):
+    """The model's own call (tests/test_qwen3_5.py's gva2 fixture): 2 key / 4 value heads of 8
+    (blocks narrower than the 16 of the tests above), chunk 64, three sequences of 10, 75 and
+    155 tokens after 0, 64 + 5 and 3 tokens of state, bucket padding, checkpoints, and decays
+    down to the fixture's -60 per token (scripts/gdn_model_bisect.py prints the real ones)."""
+    hk, hv, dk, dv = 2, 4, 8, 8
+    lens, pos0 = [10, 75, 155], [0, 69, 3]
+    t = sum(lens) + 16
+    q, k, v, g, beta, _ = _inputs(fresh_rng, 1, t, hk, hv, dk, dv, state=False)
+    g[..., 1:3] *= 60 / -g[..., 1:3].min(axis=(0, 1))  # two heads decay down to -60 per token
+    s0 = fresh_rng.standard_normal((len(lens), hv, dk, dv)).astype(np.float32)
+    s0[0] = 0  # a fresh sequence
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    ck = np.array([[-1, -1], [128, 128], [64, 128]], np.int32)
+    fn = jax.jit(lambda *a: api.ragged_gated_delta(
+        *a, checkpoint_at=jnp.asarray(ck), implementation="pallas_fused", interpret=INTERPRET))
+    out, fin, cks = map(np.asarray, fn(q[0], k[0], v[0], g[0], beta[0], cu,
+                                       np.array(pos0, np.int32), s0))
+    assert np.all(out[cu[-1]:] == 0)
+    for s in range(len(lens)):
+        a, e = cu[s], cu[s + 1]
+        ro, rs = reference.gated_delta_reference(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e],
+                                                 beta[:, a:e], s0[s:s + 1])
+        np.testing.assert_allclose(out[a:e], ro[0], atol=2e-5, err_msg=f"sequence {s}")
+        np.testing.assert_allclose(fin[s], rs[0, -1], atol=2e-5, err_msg=f"sequence {s}")
+        for m in range(ck.shape[1]):
+            rel = ck[s, m] - pos0[s]
+            want = s0[s] if ck[s, m] < 0 else rs[0, rel - 1]
+            np.testing.assert_allclose(cks[s, m], want, atol=2e-5, err_msg=f"sequence {s}")

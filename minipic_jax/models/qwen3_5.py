@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from configs.model_config import ModelConfig
 from kernels_pallas.paged_attention.api import KV_MODES
 from minipic_jax.models import qwen3_5_modules as modules
-from minipic_jax.models import rope
+from minipic_jax.models import layers, rope
 from minipic_jax.models.paged_cache import paged_attend
 from minipic_jax.models.param_init import init_from_shapes
 from minipic_jax.models.qwen3_5_cache import (Qwen35Cache, cache_axes, extract_state,
@@ -88,6 +88,7 @@ def _gdn_mix(conv0, delta0, cu_q_lens, pos0, cfg, **kw):
     return mix
 
 
+@layers.exact_float32
 def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
                              cfg: ModelConfig, *, recurrent=None, logits_indices=None,
                              kv_mode: str = "position_free", attn_impl: str | None = None,
