@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
 from kernels_pallas.paged_attention.api import KV_MODES
+from minipic_jax.models import layers
 from minipic_jax.models import llama_modules as modules
 from minipic_jax.models import rope
 from minipic_jax.models.paged_cache import paged_attend
@@ -122,6 +123,7 @@ def cache_axes(cfg: ModelConfig) -> KVCache:
     return KVCache(k=(kv,) * cfg.num_layers, v=(kv,) * cfg.num_layers)
 
 
+@layers.exact_float32  # float32 params: IEEE dots on a GPU too (HF parity), as Qwen3.5's
 def forward(params: dict, tokens, metadata, cache: KVCache, cfg: ModelConfig, *,
             recurrent=None, logits_indices=None, kv_mode: str = "position_free",
             attn_impl: str | None = None, write_impl: str | None = None,
