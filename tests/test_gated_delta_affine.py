@@ -158,6 +158,24 @@ def test_ragged_prefill_returns_each_sequence_transition(fresh_rng):
                                np.asarray(affine.apply((a_span, b_span), s0)), atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused"])
+def test_ragged_transitions_by_the_zero_value_pass(fresh_rng, impl):
+    """The engine's captured transitions (affine.ragged_transitions: the same ragged kernel run
+    from S0 = I with v = 0) equal the float64 product of the token maps, per piece (an empty
+    one gives I), on the XLA path and on the Triton kernels (interpreted on CPU)."""
+    hk, hv, dk, chunk = 1, 2, 16, 16
+    lens = [20, 0, 37, 5]
+    _, k, _, g, beta = _inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, 8, decay=0.02)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    a_span = jax.jit(lambda *x: affine.ragged_transitions(
+        *x, chunk=chunk, implementation=impl, interpret=impl != "xla" and INTERPRET))(
+        k[0], g[0], beta[0], cu)
+    for i in range(len(lens)):
+        a, e = cu[i], cu[i + 1]
+        want = _token_product(k[:, a:e], g[:, a:e], beta[:, a:e], hv)[0]
+        assert _rel(a_span[i], want) < 1e-5, (impl, i)
+
+
 def test_choose_scan_by_shape(monkeypatch):
     assert tree_scan.choose_scan(1, 16, 512) == "sequential"  # measured: the tree is slower
     assert tree_scan.choose_scan(8, 16, 4, "tree") == "tree"

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.gated_delta.ragged import ragged_prefill
+
 _F32 = jnp.float32
 
 
@@ -88,3 +90,21 @@ def apply_chain(a, b, state, count=None, *, precision=None):
     out, _ = jax.lax.scan(step, state.astype(_F32), (idx, a.astype(_F32), b.astype(_F32)))
     return out
 
+
+
+def ragged_transitions(k, g, beta, cu_q_lens, **kernel):
+    """Each sequence's transition A_span [S, Hv, Dk, Dk] float32 over its rows of a ragged batch,
+    by any ragged implementation (ragged.ragged_prefill's `kernel` options): the state is linear
+    in S0 with B = 0 when every value is zero, so the run from S0 = I with v = 0 (a state of Dk
+    value columns) ends in A_span itself. A second pass of the same kernel, so the engine's
+    captures need no separate (XLA, float32) transition path. An empty sequence gets I.
+
+    k: [T, Hk, Dk]; g, beta: [T, Hv]; cu_q_lens: [S+1] int32 (sequences start at position 0).
+    """
+    n_tokens, _, dk = k.shape
+    seqs, hv = cu_q_lens.shape[0] - 1, g.shape[1]
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (seqs, hv, dk, dk))
+    zeros_v = jnp.zeros((n_tokens, hv, dk), k.dtype)
+    _, a_span, _ = ragged_prefill(k, k, zeros_v, g, beta, cu_q_lens,
+                                  jnp.zeros(seqs, jnp.int32), eye, **kernel)
+    return a_span

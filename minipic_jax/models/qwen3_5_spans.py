@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.gated_delta import affine
 from kernels_pallas.gated_delta.ragged import ragged_prefill
 from serving.model_contract import SpanPieces
 
@@ -61,16 +62,15 @@ def local_pass(q, k, v, g, beta, pieces: SpanPieces, **kw):
     """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, each piece's
     final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch, whatever the
     piece lengths), and with `pieces.capture` each piece's transition [G, Hv, Dk, Dk] (else
-    None). The transition has the XLA path only, so a capturing step runs the local pass there."""
+    None), by a second pass of the same kernel (affine.ragged_transitions): a capturing step
+    compiles no other recurrent path than a plain span step."""
     n = pieces.piece_cu.shape[0] - 1
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
-    args = (q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
-            jnp.zeros((n, hv, dk, dv), jnp.float32))
+    out, final, _ = ragged_prefill(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
+                                   jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
     if pieces.capture is None:
-        out, final, _ = ragged_prefill(*args, **kw)
         return out, final, None
-    out, final, _, a_span = ragged_prefill(*args, implementation="xla", return_transition=True)
-    return out, final, a_span
+    return out, final, affine.ragged_transitions(k, g, beta, pieces.piece_cu, **kw)
 
 
 def captured_maps(mixed, pieces: SpanPieces, a_span, local_final, history, k1: int):
