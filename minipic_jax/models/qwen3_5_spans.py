@@ -52,7 +52,9 @@ def local_conv(mixed, conv_w, pieces: SpanPieces, causal_conv):
     """silu(conv) of every row inside its piece (zero window at the piece start): [T, C]."""
     g = pieces.piece_cu.shape[0] - 1
     rows = jnp.arange(mixed.shape[0], dtype=jnp.int32)
-    piece_of_row = jnp.clip(jnp.searchsorted(pieces.piece_cu, rows, side="right") - 1, 0, g - 1)
+    # compare_all: one [T, G + 1] fusion (the default method loops, a few kernels per level)
+    piece_of_row = jnp.clip(jnp.searchsorted(pieces.piece_cu, rows, side="right",
+                                             method="compare_all") - 1, 0, g - 1)
     zeros = jnp.zeros((g, mixed.shape[1], conv_w.shape[1] - 1), mixed.dtype)
     return causal_conv(mixed, conv_w, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32),
                        piece_of_row)
@@ -91,7 +93,8 @@ def carry_local(mixed, pieces: SpanPieces, local_final, cu_q_lens, conv, delta, 
     g = pieces.piece_cu.shape[0] - 1
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
     last_row = jnp.clip(cu_q_lens[1:] - 1, 0, mixed.shape[0] - 1)
-    piece = jnp.clip(jnp.searchsorted(pieces.piece_cu, last_row, side="right") - 1, 0, g - 1)
+    piece = jnp.clip(jnp.searchsorted(pieces.piece_cu, last_row, side="right",
+                                      method="compare_all") - 1, 0, g - 1)
     piece_len = pieces.piece_cu[1:] - pieces.piece_cu[:-1]
     zeros = jnp.zeros((g,) + conv.shape[1:], mixed.dtype)
     local_conv_end = history(mixed, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32), piece,
