@@ -159,21 +159,30 @@ def test_ragged_prefill_returns_each_sequence_transition(fresh_rng):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_fused"])
-def test_ragged_transitions_by_the_zero_value_pass(fresh_rng, impl):
-    """The engine's captured transitions (affine.ragged_transitions: the same ragged kernel run
-    from S0 = I with v = 0) equal the float64 product of the token maps, per piece (an empty
-    one gives I), on the XLA path and on the Triton kernels (interpreted on CPU)."""
-    hk, hv, dk, chunk = 1, 2, 16, 16
+def test_ragged_maps_in_one_pass(fresh_rng, impl):
+    """The engine's captured maps (affine.ragged_maps: one ragged pass with values [v | 0] from
+    S0 = [0 | I]), per piece from a zero state: A is the float64 product of the token maps (an
+    empty piece gives I), B and the outputs are the float64 recurrence's; on the XLA path and on
+    the Triton kernels (interpreted on CPU)."""
+    hk, hv, dk, dv, chunk = 1, 2, 16, 8, 16
     lens = [20, 0, 37, 5]
-    _, k, _, g, beta = _inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, 8, decay=0.02)
+    q, k, v, g, beta = _inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, dv, decay=0.02)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    a_span = jax.jit(lambda *x: affine.ragged_transitions(
+    out, b_span, a_span = jax.jit(lambda *x: affine.ragged_maps(
         *x, chunk=chunk, implementation=impl, interpret=impl != "xla" and INTERPRET))(
-        k[0], g[0], beta[0], cu)
+        q[0], k[0], v[0], g[0], beta[0], cu)
+    zero = np.zeros((1, hv, dk, dv), np.float32)
     for i in range(len(lens)):
         a, e = cu[i], cu[i + 1]
         want = _token_product(k[:, a:e], g[:, a:e], beta[:, a:e], hv)[0]
         assert _rel(a_span[i], want) < 1e-5, (impl, i)
+        if e > a:
+            ref_out, ref_states = reference.gated_delta_reference(
+                *(x[:, a:e] for x in (q, k, v, g, beta)), zero)
+            np.testing.assert_allclose(np.asarray(out[a:e]), ref_out[0], atol=2e-5, rtol=0)
+            np.testing.assert_allclose(np.asarray(b_span[i]), ref_states[0, -1], atol=2e-5)
+        else:
+            np.testing.assert_array_equal(np.asarray(b_span[i]), 0.0)
 
 
 def test_choose_scan_by_shape(monkeypatch):

@@ -92,19 +92,27 @@ def apply_chain(a, b, state, count=None, *, precision=None):
 
 
 
-def ragged_transitions(k, g, beta, cu_q_lens, **kernel):
-    """Each sequence's transition A_span [S, Hv, Dk, Dk] float32 over its rows of a ragged batch,
-    by any ragged implementation (ragged.ragged_prefill's `kernel` options): the state is linear
-    in S0 with B = 0 when every value is zero, so the run from S0 = I with v = 0 (a state of Dk
-    value columns) ends in A_span itself. A second pass of the same kernel, so the engine's
-    captures need no separate (XLA, float32) transition path. An empty sequence gets I.
 
-    k: [T, Hk, Dk]; g, beta: [T, Hv]; cu_q_lens: [S+1] int32 (sequences start at position 0).
+def ragged_maps(q, k, v, g, beta, cu_q_lens, **kernel):
+    """Each sequence of a ragged batch from a zero state, with its map, in ONE pass of any ragged
+    implementation (ragged.ragged_prefill's `kernel` options): value columns evolve independently
+    and the state is linear in S0, so a run with the values [v | 0] from S0 = [0 | I] (Dv + Dk
+    value columns) ends in [B | A]. The capturing step thus compiles the same kernels as a plain
+    span step (no float32 XLA transition scan) and walks the tokens once.
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; cu_q_lens: [S+1] int32 (sequences start
+    at position 0). Returns out [T, Hv, Dv] float32, b [S, Hv, Dk, Dv] float32 (the final state
+    from zero) and a [S, Hv, Dk, Dk] float32 (the transition; I for an empty sequence).
     """
-    n_tokens, _, dk = k.shape
-    seqs, hv = cu_q_lens.shape[0] - 1, g.shape[1]
+    n_tokens, hv, dv = v.shape
+    seqs, dk = cu_q_lens.shape[0] - 1, k.shape[2]
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (seqs, hv, dk, dk))
-    zeros_v = jnp.zeros((n_tokens, hv, dk), k.dtype)
-    _, a_span, _ = ragged_prefill(k, k, zeros_v, g, beta, cu_q_lens,
-                                  jnp.zeros(seqs, jnp.int32), eye, **kernel)
-    return a_span
+    # value columns padded to a multiple of 16 (the Triton kernels' column block; none for
+    # Dv = Dk = 128 or 16): the padding columns stay zero
+    pad = -(dv + dk) % 16 if dv + dk > 16 else 0
+    state0 = jnp.concatenate([jnp.zeros((seqs, hv, dk, dv), _F32), eye,
+                              jnp.zeros((seqs, hv, dk, pad), _F32)], axis=-1)
+    v_ext = jnp.concatenate([v, jnp.zeros((n_tokens, hv, dk + pad), v.dtype)], axis=-1)
+    out, final, _ = ragged_prefill(q, k, v_ext, g, beta, cu_q_lens, jnp.zeros(seqs, jnp.int32),
+                                   state0, **kernel)
+    return out[..., :dv], final[..., :dv], final[..., dv:dv + dk]

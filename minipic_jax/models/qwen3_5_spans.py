@@ -64,15 +64,15 @@ def local_pass(q, k, v, g, beta, pieces: SpanPieces, **kw):
     """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, each piece's
     final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch, whatever the
     piece lengths), and with `pieces.capture` each piece's transition [G, Hv, Dk, Dk] (else
-    None), by a second pass of the same kernel (affine.ragged_transitions): a capturing step
-    compiles no other recurrent path than a plain span step."""
+    None): then one pass with [v | 0] values from [0 | I] gives both (affine.ragged_maps), so a
+    capturing step compiles no other recurrent path than a plain span step."""
     n = pieces.piece_cu.shape[0] - 1
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    if pieces.capture is not None:
+        return affine.ragged_maps(q, k, v, g, beta, pieces.piece_cu, **kw)
     out, final, _ = ragged_prefill(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
                                    jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
-    if pieces.capture is None:
-        return out, final, None
-    return out, final, affine.ragged_transitions(k, g, beta, pieces.piece_cu, **kw)
+    return out, final, None
 
 
 def captured_maps(mixed, pieces: SpanPieces, a_span, local_final, history, k1: int):
