@@ -27,7 +27,7 @@ wait
 if [ "$LIM_GDN" -gt 0 ]; then
   echo "== gdn (limit $LIM_GDN s)" >> $R
   timeout $LIM_GDN python3 -m benchmarks.cli gdn --tokens 32768 --reps 5 --checkpoints 16 \
-    --variants fused blocked16 blocked8 blocked32 blocked4 blocked16_xla >> $R 2>&1
+    --variants fused blocked16 blocked8 blocked32 blocked4 blocked16_bv32 blocked16_xla >> $R 2>&1
   echo "gdn rc=$? t=$((SECONDS-T0))" >> $R
   tail -3 /tmp/pip.txt >> $R
 fi
