@@ -26,6 +26,8 @@ COMMANDS = {
                "paged engine: decode step vs memory floor, host share, compiles over a 1000-request run"),
     "hybrid-cache": ("benchmarks.hybrid_cache_bench",
                      "hybrid prefix caching: tokens recomputed, hit rate, TTFT, wall per checkpoint strategy"),
+    "hybrid-step": ("benchmarks.hybrid_step_profile",
+                    "hybrid engine step by kind (decode / prefill per bucket): wall, kernels, trace"),
     "route": ("benchmarks.route_bench",
               "data-parallel replicas: span-aware vs random routing, cache hit rate (host only)"),
     "write-kv": ("benchmarks.write_kv_bench", "K/V cache write of one layer: unique-index scatter vs plain"),

@@ -147,8 +147,11 @@ def _load(args, res: dict, compiles: dict, t0: float):
         engine.warmup()
     res["warmup_s"] = time.perf_counter() - t
     res["compiles_in_warmup"] = compiles["n"]
-    print(f"loaded in {res['load_s']:.1f} s, warm-up compiled {engine.runner.num_compiles} step "
-          f"shapes in {res['warmup_s']:.1f} s", flush=True)
+    from benchmarks import startup
+    res["startup"] = startup.collect(llm)
+    print(f"loaded in {res['load_s']:.1f} s, warm-up readied {engine.runner.num_compiles} step "
+          f"variants in {res['warmup_s']:.1f} s\nstart-up: {startup.line(res['startup'])}",
+          flush=True)
     return llm, read_bytes
 
 

@@ -10,7 +10,12 @@ through JAX_COMPILATION_CACHE_DIR), all on one store folder <out>/store, emptied
   prewarm   LLM.cache_spans over every passage of the samples (the corpus pass; after `cold`
             it finds them all stored)
   warm      run-batch on the filled store (--drop-page-cache: from the disk, not memory)
-`--io` first times the file layer alone (write, then read with 1..16 threads).
+`--io` first times the file layer alone (write, then read with 1..16 threads), in a process of
+its own: the orchestrator never touches the GPU (at c5c63e6..d811fac `--io` sent to the device
+from the orchestrator, whose XLA pool then held 75% of the H200 for the whole run, so every phase
+got ~33 GiB and the warm phases ran out of memory; session 9).
+A phase name may carry options after `_`: `pinned` (pinned host buffers), `disk` (page cache
+dropped first), `nopre` (XLA_PYTHON_CLIENT_PREALLOCATE=false), `sN` (kv_store_staging_gb N).
 Requests: [header][10 passages as spans, retrieved order][question], greedy, 16 tokens; the
 store keeps span blocks only (`--kv-store-spans-only`) unless --all-blocks. Prints vLLM's lines
 per phase and a table; writes <out>/kv_store_bench.json.
@@ -63,6 +68,7 @@ def engine_flags(args) -> list[str]:
 def prewarm(args) -> None:
     """Child process: cache_spans over the corpus into --store."""
     from minipic_jax import LLM
+    from serving.kv_pool import device_memory
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs,
@@ -80,7 +86,8 @@ def prewarm(args) -> None:
           f"{got['blocks_written']} blocks in {elapsed:.2f} s (setup {setup:.1f} s); wrote "
           f"{kv['bytes_written'] / 1e9:.2f} GB")
     with open(pathlib.Path(args.out) / "prewarm.json", "w") as f:
-        json.dump({"elapsed_time": elapsed, "setup_time": setup, **got, "kv_store": kv}, f)
+        json.dump({"elapsed_time": elapsed, "setup_time": setup, **got, "kv_store": kv,
+                   "device_memory": device_memory()}, f)
 
 
 def _run(cmd, env, log, limit_s: int):
@@ -107,10 +114,33 @@ def _drop_page_cache() -> bool:
         return False
 
 
+def io_in_child(out: str, runs: int = 64, run_blocks: int = 36) -> dict:
+    """io_bench in a process of its own (its sends take the GPU; this one must stay off it)."""
+    p = subprocess.run([sys.executable, "-m", "benchmarks.kv_store_bench", "--io-only", "--out",
+                        out, "--io-runs", str(runs), "--io-blocks", str(run_blocks)],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = p.stdout.strip().splitlines()
+    print("\n".join(lines[:-1][-3:]), flush=True)
+    if p.returncode or not lines or not lines[-1].startswith("{"):
+        print(f"io bench failed ({p.returncode}): {p.stdout[-2000:]}", flush=True)
+        return {}
+    return json.loads(lines[-1])
+
+
+def off_the_device() -> None:
+    """Raise when this (orchestrating) process holds a JAX backend: its memory pool would
+    shrink every phase's."""
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+            raise RuntimeError("kv_store_bench: the orchestrator initialized a JAX backend; "
+                               "device work belongs in the phase processes")
+
+
 def orchestrate(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    io = io_bench(args.out, threads=(1, 4, 16)) if args.io else None
+    io = io_in_child(args.out, args.io_runs, args.io_blocks) if args.io else None
     n_req, n_pass = write_workload(out, args.samples, args.max_tokens, args.passages)
     print(f"Workload: {n_req} requests, {n_pass} unique passages; model {args.model} "
           f"({args.dtype}, random weights)", flush=True)
@@ -132,6 +162,7 @@ def orchestrate(args) -> None:
         env = dict(os.environ, MINIPIC_KV_STORE_PINNED="1" if "pinned" in opts else "0")
         if "nopre" in opts:  # warm_nopre: XLA's allocator grows on demand, no preallocation
             env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        staging = [o[1:] for o in opts if o[:1] == "s" and o[1:].isdigit()]  # warm_s16
         if kind == "prewarm":
             cmd = py + ["-m", "benchmarks.kv_store_bench", "--child-prewarm", "--out", str(out),
                         "--store", str(store)] + _model_flags(args)
@@ -142,8 +173,10 @@ def orchestrate(args) -> None:
             if kind in ("cold", "warm"):
                 cmd += ["--kv-store-dir", str(cold_store if kind == "cold" else store)]
                 cmd += [] if args.all_blocks else ["--kv-store-spans-only"]
+                cmd += ["--kv-store-staging-gb", staging[0]] if staging else []
             if kind == "warm" and (args.drop_page_cache or "disk" in opts):
                 dropped = _drop_page_cache()
+        off_the_device()
         took = _run(cmd, env, out / f"{phase}.log", args.phase_timeout)
         if took is not None:
             wall[phase] = took
@@ -169,6 +202,16 @@ def _row(p: str, r: dict) -> tuple:
             kv.get("read_GBps", 0.0), kv.get("read_wait_s", 0.0), kv.get("send_s", 0.0),
             kv.get("copy_in_s", 0.0), kv.get("bytes_written", 0) / 1e9,
             r.get("setup_time", 0.0), kv.get("pinned", "-"))
+
+
+def _memory_row(p: str, r: dict) -> str:
+    """Device memory of a phase: the pool its process got (small when another process holds
+    the GPU), the peak in use, and the span store's peak staging."""
+    mem = r.get("device_memory") or {}
+    kv = r.get("kv_store") or r.get("engine_stats", {}).get("kv_store") or {}
+    gib = lambda x: f"{x / (1 << 30):.2f}" if x is not None else "-"  # noqa: E731
+    return (f"| {p} | {gib(mem.get('bytes_limit'))} | {gib(mem.get('peak_bytes_in_use'))} | "
+            f"{gib(kv.get('peak_staging_bytes'))} ({gib(kv.get('staging_bytes_limit'))}) |")
 
 
 def _texts(path: pathlib.Path) -> dict:
@@ -205,7 +248,7 @@ def report(out: pathlib.Path, wall: dict, dropped, io, quiet: bool = False) -> N
                "io_bench": io, "same_outputs": same_outputs(out, list(wall))}
     warm = [p for p in res if p.split("_")[0].rstrip("0123456789") == "warm"]
     for a, b in [(w, x) for w in warm for x in ("cold", "nostore")] + [("nostore", "cold")]:
-        if a in res and b in res and "requests_per_second" in res[b]:
+        if a in res and b in res and res[b].get("requests_per_second"):
             summary[f"{a}_over_{b}"] = res[a]["requests_per_second"] / \
                 res[b]["requests_per_second"]
     (out / "kv_store_bench.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -223,6 +266,10 @@ def report(out: pathlib.Path, wall: dict, dropped, io, quiet: bool = False) -> N
         else:
             print(f"| {p} | {r.get('elapsed_time', 0):.2f} s (cache_spans, "
                   f"{r.get('kv_store', {}).get('bytes_written', 0) / 1e9:.2f} GB written) |")
+    print("| phase | XLA pool GiB | peak in use GiB | peak staged GiB (limit) |")
+    print("|---|---|---|---|")
+    for p, r in res.items():
+        print(_memory_row(p, r))
     for k, v in summary.items():
         if k.endswith(("_over_cold", "_over_nostore")):
             print(f"{k}: {v:.2f}x")
@@ -328,11 +375,13 @@ def main(argv=None) -> int:
                          "your own only), so its reads come from the disk")
     ap.add_argument("--io-only", action="store_true",
                     help="time the file layer alone (one thread) under --out and exit")
+    ap.add_argument("--io-runs", type=int, default=64, help="runs the file-layer bench writes")
+    ap.add_argument("--io-blocks", type=int, default=36, help="blocks per run (36: a passage)")
     ap.add_argument("--child-prewarm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.io_only:
-        print(json.dumps(io_bench(args.out, threads=(1, 4, 16))))
+        print(json.dumps(io_bench(args.out, args.io_runs, args.io_blocks, threads=(1, 4, 16))))
     elif args.child_prewarm:
         prewarm(args)
     else:

@@ -133,7 +133,10 @@ def report(results: list) -> None:
             print(f"[{name}] FAILED: {res['error']}")
             continue
         print(f"[{name}] load {res['load_s']:.1f} s, warm-up {res['warmup_s']:.1f} s "
-              f"({res['compiles_in_warmup']} step compiles)")
+              f"({res['compiles_in_warmup']} step variants)")
+        if "startup" in res:
+            from benchmarks.startup import line
+            print(f"[{name}] start-up: {line(res['startup'])}")
         for r in res.get("runs", []):
             sp = r.get("speedup_vs_rotated")
             print(f"[{name}] {r['workload']} {r['mode']}: Throughput: "

@@ -37,7 +37,9 @@ def _engine(opts, extra: dict, max_model_len: int, spans: bool = False):
     print(f"loaded {opts.model} in {load:.1f} s; warming up", flush=True)
     t1 = time.perf_counter()
     llm.llm_engine.warmup(spans=spans)  # spans: a hybrid's span steps too
+    from benchmarks import startup
     return llm, {"load_s": load, "warmup_s": time.perf_counter() - t1,
+                 "startup": startup.collect(llm),
                  "compiles_in_warmup": llm.llm_engine.runner.num_compiles,
                  "compilation_cache_dir": llm.compilation_cache_dir,
                  "prefill_impl": llm.llm_engine.runner.attn_impl,

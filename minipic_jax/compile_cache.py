@@ -10,6 +10,13 @@ Where (first match wins):
   3. `$MINIPIC_COMPILATION_CACHE_DIR`: a folder, or one of "", "0", "off", "false", "none" to
      disable the cache;
   4. `$XDG_CACHE_HOME/minipic_jax/xla`, else `~/.cache/minipic_jax/xla`.
+
+The engine's compiled steps are also stored whole, under `<that folder>/minipic_steps/`
+(serving/executable_store.py): a second start of the same configuration loads them without
+tracing or lowering anything. Keyed by the model, the engine options that reach the step, the
+argument shapes, jax/jaxlib versions, the device and a digest of the step's source, so a changed
+program never loads a stale file. `MINIPIC_STEP_CACHE=off` turns that store off alone, a folder
+puts it elsewhere; deleting the folder is always safe.
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ import pathlib
 
 ENV = "MINIPIC_COMPILATION_CACHE_DIR"
 _OFF = ("", "0", "off", "false", "none", "no")
+# JAX writes only compiles that took >= 1 s by default; the engine's start also runs many small
+# programs (weight draws, pool fills, weight fusing) that would compile again at every start.
+# $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when set, wins.
+MIN_COMPILE_TIME_S = 0.0
 
 
 def default_dir() -> pathlib.Path:
@@ -43,14 +54,16 @@ def resolve(setting=None) -> str | None:
 
 
 def configure(setting=None) -> str | None:
-    """Point JAX's persistent compilation cache at `resolve(setting)` (created if missing);
-    returns the folder in use, or None when the cache is left off. Safe to call again: JAX's
-    cache is re-initialised only when the folder changes."""
+    """Point JAX's persistent compilation cache at `resolve(setting)` (created if missing), every
+    compile written (MIN_COMPILE_TIME_S); returns the folder in use, or None when the cache is
+    left off. Safe to call again: JAX's cache is re-initialised only when the folder changes."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache as cc
     path = resolve(setting)
     if path is None:
         return jax.config.jax_compilation_cache_dir or None
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
     if path != jax.config.jax_compilation_cache_dir:
         try:
             pathlib.Path(path).mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import jax
@@ -40,9 +41,10 @@ class LLM:
         kv_mode ("position_free" | "rotated" | "pic_off"), scheduling_policy ("fcfs" | "barrier" |
         "isps"), cpu_offload_gb, pad_token_id / ssep_token_id / pdep_token_id (defaults: Llama-3
         vocab -> 128004 / 128002 / 128003; any other vocab: its three highest non-BOS/EOS ids),
-        hash_algo, kv_store_dir / kv_store_gb / kv_store_spans_only (a persistent span store on
-        disk shared by processes: serving/disk_store.py), tensor_parallel_size (split the model over that many
-        devices: serving/sharding.py).
+        hash_algo, kv_store_dir / kv_store_gb / kv_store_spans_only / kv_store_staging_gb (a
+        persistent span store on disk shared by processes: serving/disk_store.py; the last is
+        the device memory its reads ahead may hold), tensor_parallel_size (split the model over
+        that many devices: serving/sharding.py).
       compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
         $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;
         False: leave JAX's setting alone). See minipic_jax/compile_cache.py.
@@ -51,13 +53,21 @@ class LLM:
     def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0,
                  compilation_cache: str | bool | None = None, **engine_args: Any):
         self.compilation_cache_dir = compile_cache.configure(compilation_cache)
+        t0 = time.perf_counter()
+        jax.devices()  # the backend starts here (timed apart from the weights)
+        t1 = time.perf_counter()
         tp = engine_args.get("tensor_parallel_size", 1)
         with _host_device_if_sharded(tp):
             loaded = load_model(model, dtype=dtype, seed=seed, host=tp > 1)
+            jax.block_until_ready(loaded.params)
+        t2 = time.perf_counter()
         if "max_model_len" not in engine_args:
             engine_args["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)
         self.config = Config(**engine_args)
         self.llm_engine = LLMEngine(loaded, self.config, dtype=jnp.dtype(dtype), seed=seed)
+        # start-up seconds: backend, weights (read or drawn), the engine (see runner.startup)
+        self.startup = {"backend_s": t1 - t0, "weights_s": t2 - t1,
+                        "engine_s": time.perf_counter() - t2}
         self.tokenizer = loaded.tokenizer
         self._next_id = 0
 

@@ -72,10 +72,15 @@ class Config:
     # blocks are written once and read back by any later process of the same model and settings;
     # None = off. kv_store_gb: its size (every file in the folder), least recently used runs
     # deleted past it. kv_store_spans_only: store SSEP span blocks only (not the prompt parts
-    # around them, e.g. one-off questions).
+    # around them, e.g. one-off questions). kv_store_staging_gb: device memory for runs read ahead
+    # of their copy-in (staged runs and reads in flight, serving/kv_store_staging.py); None =
+    # min(16 GiB, 16% of the device's memory limit), 4 GiB without memory stats (CPU). A
+    # default-sized KV pool (num_kv_blocks=None) leaves it free. The H200 warm job ran 2.4x
+    # the empty-store run with 4 GiB and 5.9x with 16 (benchmarks/RESULTS.md, span store).
     kv_store_dir: str | None = None
     kv_store_gb: float = 64.0
     kv_store_spans_only: bool = False
+    kv_store_staging_gb: float | None = None
     # Hybrid models (prefix caching with recurrent checkpoints, serving/hybrid_prefix.py): where a
     # prefill takes checkpoints ("none", "last", "block", "balanced", "dp": serving/
     # checkpoint_plan.py), at most checkpoints_per_prompt per prompt (None: min(4, device slots
@@ -178,6 +183,9 @@ class Config:
             raise ValueError(f"Config.cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
         if self.kv_store_gb <= 0:
             raise ValueError(f"Config.kv_store_gb must be > 0, got {self.kv_store_gb}")
+        if self.kv_store_staging_gb is not None and self.kv_store_staging_gb <= 0:
+            raise ValueError(f"Config.kv_store_staging_gb must be > 0, "
+                             f"got {self.kv_store_staging_gb}")
         if self.kv_store_dir is not None and not self.enable_prefix_caching:
             raise ValueError("Config.kv_store_dir needs enable_prefix_caching=True (the store "
                              "holds prefix-cache blocks)")

@@ -15,7 +15,8 @@ def default_num_blocks(config: Config, mcfg, dtype) -> int:
     """Blocks for `Config.num_kv_blocks=None`: gpu_memory_utilization of the device's memory
     limit less what is in use (K and V of every paged layer per token: a hybrid model's
     recurrent layers keep no pages); without memory stats (CPU),
-    enough for max_num_seqs full sequences, at most 4096. Step temporaries are not reserved."""
+    enough for max_num_seqs full sequences, at most 4096. Step temporaries are not reserved; a
+    span store's staging memory (kv_store_staging_gb, when kv_store_dir is set) is."""
     # per device: under tensor parallelism each holds its KV heads only (at least one)
     heads = max(mcfg.num_kv_heads // config.tensor_parallel_size, 1)
     per_token = 2 * mcfg.num_kv_layers * heads * mcfg.head_dim * np.dtype(dtype).itemsize
@@ -27,8 +28,31 @@ def default_num_blocks(config: Config, mcfg, dtype) -> int:
         stats = {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        if config.kv_store_dir is not None:
+            free -= staging_bytes(config)
         return max(2, int(free // (per_token * config.block_size)))
     return max(2, min(want, 4096))
+
+
+def staging_bytes(config: Config) -> int:
+    """The span store's staging memory in bytes: `Config.kv_store_staging_gb`, or (None)
+    min(16 GiB, 16% of the device's memory limit), 4 GiB where the backend reports no limit."""
+    if config.kv_store_staging_gb is not None:
+        return int(config.kv_store_staging_gb * (1 << 30))
+    limit = device_memory().get("bytes_limit")
+    return min(16 << 30, int(0.16 * limit)) if limit else 4 << 30
+
+
+def device_memory() -> dict:
+    """The first local device's allocator figures (bytes_limit: the pool XLA got, which is
+    small when another process holds the device; bytes_in_use; peak_bytes_in_use), {} where
+    the backend reports none (CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU backends may not report memory
+        return {}
+    return {k: int(stats[k]) for k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use",
+                                       "largest_alloc_size") if k in stats}
 
 
 def kv_bytes_per_block(cache, num_blocks: int, block_size: int) -> int:

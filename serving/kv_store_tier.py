@@ -9,10 +9,23 @@ planned hit that fails. A read still in flight when its request is admitted is w
 that was not started (the staging memory was full) is done then. Staged blocks are copied into
 device blocks with the host tier's copy-ins (`get`), one transfer per run.
 
+Staging memory: a reader thread sends its run to the device, so staged runs and reads in flight
+hold device memory next to the KV pool. Both count in bytes of the runs' arrays (padded rows and
+unwanted blocks included, `serving/kv_store_staging.py`) against `staging_bytes`
+(`Config.kv_store_staging_gb`, which a default-sized KV pool leaves free), and so do the runs
+copied in by the last step, until the next one begins. A prefetch starts no read past it (except
+one when nothing is staged or in flight, for a run larger than the limit).
+The one request a step admits without waiting for its reads (the scheduler does so when the step
+has nothing else to run) reads what it lacks at admission: staging may exceed the limit by that
+request's runs, freed when the next step begins. The oldest staged runs are dropped while
+the limit is exceeded at the start of a step (a file longer than its estimate).
+
 Writes: every block a step completes under its hash (`note_ready`; with `spans_only`, SSEP span
 blocks only, so one-off questions do not fill the store) is gathered from the device at the
-start of the next step (before anything can overwrite it) and written by a writer thread, one
-file per run of consecutive blocks of one segment; `flush` waits for all of them.
+start of the next step (before anything can overwrite it), brought to the host by one thread as
+soon as it is copied (so a slow disk keeps its backlog in host memory, not on the device) and
+written by a writer thread, one file per run of consecutive blocks of one segment; `flush` waits
+for all of them.
 """
 
 from __future__ import annotations
@@ -28,9 +41,10 @@ import jax
 import numpy as np
 
 from serving.disk_store import DiskStore, namespace
+from serving.kv_pool import staging_bytes
 from serving.kv_store_buffers import RunBuffers
-from serving.run_file import Run, run_rows
-from serving.kv_store_moves import _Staged
+from serving.kv_store_staging import StagedBlocks
+from serving.run_file import MAX_RUN, Run, run_rows
 
 
 class _Want:
@@ -64,20 +78,25 @@ class KVStoreTier:
         self.keys = keys  # serving.prefix_keys.PrefixKeys: block keys and tokens of a sequence
         self.spans_only = spans_only  # store (and look up) SSEP span blocks only
         self.block_bytes = 8 * keys.block_size  # a block's tokens as int64 bytes
-        self.staging_blocks = max(staging_bytes // max(bytes_per_block, 1), 1)
+        self.bytes_per_block = bytes_per_block  # of every paged layer (K and V)
+        self.staging_bytes = staging_bytes  # device bytes of staged runs and reads in flight
         self.lookahead = lookahead
         self.send = send  # reader threads send each run to the device
         self.lock = threading.Lock()  # counters the reader threads add to
         self.buffers = RunBuffers(2 * read_workers)  # pinned where the backend has it
-        self.staged: collections.OrderedDict[int, _Staged] = collections.OrderedDict()
+        self.staged = StagedBlocks()
         self.reads: dict[int, tuple[cf.Future, _Want]] = {}  # start hash -> read in flight
         self.queue: collections.deque[_Want] = collections.deque()  # no room to read yet
         self.queued: dict[int, _Want] = {}  # start hash -> want in `queue`
         self.pending: dict[int, int] = {}  # block hash -> start of the read expected to hold it
-        self.inflight_blocks = 0
+        self.inflight_bytes = 0  # estimated: run_rows of the wanted blocks (`_estimate`)
+        self.peak_staging = 0  # the most staged + in-flight bytes seen
         self.readers = cf.ThreadPoolExecutor(read_workers, thread_name_prefix="kv-store-read")
         self.writers = cf.ThreadPoolExecutor(write_workers, thread_name_prefix="kv-store-write")
-        self.writes: list[cf.Future] = []
+        # one thread brings gathered blocks to the host as soon as they are copied (the device
+        # arrays are then freed; a backlog of disk writes waits in host memory)
+        self.to_host = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-store-d2h")
+        self.writes: list[cf.Future] = []  # to_host futures, each giving its write's future
         self.written: set[int] = set()  # hashes written or being written by this process
         self.to_write: list[tuple] = []  # (block, hash, tokens, ns, new run) gathered next step
         self.counters = dict(prefetched_runs=0, staged_hits=0, read_wait_s=0.0, sync_reads=0,
@@ -115,19 +134,20 @@ class KVStoreTier:
 
     def get(self, h):
         self.counters["staged_hits"] += 1
-        return self.staged.pop(h), 0
+        return self.staged.pop(h, copy_in=True), 0
 
     def _harvest(self, want: _Want, run: Run | None) -> None:
         """Stage the blocks of a finished read that the request wanted; read on where the run
         ended early (a span written in two steps is two files)."""
         if self.reads.pop(want.start, None) is not None:
-            self.inflight_blocks -= len(want.hashes)
+            self.inflight_bytes -= self._estimate(want)
         for x in want.hashes:
             if self.pending.get(x) == want.start:
                 del self.pending[x]
         m = 0 if run is None else _matched(run, want, self.block_bytes)
         for i in range(m):
-            self.staged[want.hashes[i]] = _Staged(run, i)
+            self.staged.put(want.hashes[i], run, i)
+        self._note_peak()
         # read on from the next block that starts a file (the run ended early, or was bad)
         nxt = next((i for i in range(max(m, 1), len(want.hashes))
                     if self.store.has(want.hashes[i], want.ns)), None)
@@ -139,13 +159,15 @@ class KVStoreTier:
 
     # -- prefetch ------------------------------------------------------------------------------
     def begin_step(self, waiting, bm, host) -> None:
-        """Collect finished reads, drop the oldest staged blocks past the staging size, and
-        prefetch for the next waiting requests (the first step has had no earlier chance)."""
+        """Release the last step's copied-in runs, collect finished reads, drop the oldest
+        staged runs past the staging limit, and prefetch for the next waiting requests (the
+        first step has had no earlier chance)."""
+        self.staged.end_copies()
         for fut, want in list(self.reads.values()):
             if fut.done():
                 self._harvest(want, fut.result())
-        while len(self.staged) > self.staging_blocks:
-            self.staged.popitem(last=False)
+        while self.staged.nbytes > self.staging_bytes:
+            self.staged.drop_oldest_run()
         self.prefetch(waiting, bm, host)
 
     def prefetch(self, waiting, bm, host) -> None:
@@ -187,16 +209,32 @@ class KVStoreTier:
         self.queued[want.start] = want
 
     def _start_reads(self) -> None:
-        """Start queued reads, oldest request first, while the staging memory has room."""
-        while self.queue and (self.inflight_blocks + len(self.staged) < self.staging_blocks
-                              or not self.reads):
-            want = self.queue.popleft()
-            if self.queued.pop(want.start, None) is not want:
-                continue  # read at admission already
+        """Start queued reads, oldest request first, while the staging memory has room (the
+        rest are started as copy-ins free it, or read at admission)."""
+        while self.queue:
+            want = self.queue[0]
+            if self.queued.get(want.start) is not want:
+                self.queue.popleft()  # read at admission already
+                continue
+            size = self._estimate(want)
+            if (self.reads or len(self.staged)) and \
+                    self.inflight_bytes + self.staged.nbytes + size > self.staging_bytes:
+                break
+            self.queue.popleft()
+            del self.queued[want.start]
             fut = self.readers.submit(self._read, want)
             self.reads[want.start] = (fut, want)
-            self.inflight_blocks += len(want.hashes)
+            self.inflight_bytes += size
             self.counters["prefetched_runs"] += 1
+            self._note_peak()
+
+    def _estimate(self, want: _Want) -> int:
+        """Bytes a read will hold: the wanted blocks' rows, padded as read (one file holds at
+        most MAX_RUN blocks; a longer file than wanted is counted once staged)."""
+        return run_rows(min(len(want.hashes), MAX_RUN)) * self.bytes_per_block
+
+    def _note_peak(self) -> None:
+        self.peak_staging = max(self.peak_staging, self.staged.nbytes + self.inflight_bytes)
 
     def _read(self, want: _Want) -> Run | None:
         """A reader thread: read and verify the run, and send it to the device (the copy-in is
@@ -252,12 +290,15 @@ class KVStoreTier:
             return
         rows, self.to_write = self.to_write, []
         batch = mover.gather(cache, [b for b, *_ in rows])
-        self.writes = [f for f in self.writes if not f.done()]
-        self.writes.append(self.writers.submit(self._write, batch, rows))
+        self.writes = [f for f in self.writes if not _written(f)]
+        self.writes.append(self.to_host.submit(self._to_host, batch, rows))
         self.counters["writes_queued"] += len(rows)
 
-    def _write(self, batch, rows) -> None:
-        host = batch.materialize()
+    def _to_host(self, batch, rows) -> cf.Future:
+        """The d2h thread: wait for the gathered blocks on the host, then queue their files."""
+        return self.writers.submit(self._write, batch.materialize(), rows)
+
+    def _write(self, host, rows) -> None:
         cuts = [r for r, row in enumerate(rows) if r == 0 or row[4] or row[3] != rows[r - 1][3]]
         for r0, r1 in zip(cuts, cuts[1:] + [len(rows)]):
             part = rows[r0:r1]
@@ -268,14 +309,21 @@ class KVStoreTier:
         """Write everything queued so far and wait for the files (errors surface here)."""
         self.dispatch_writes(mover, cache)
         for f in self.writes:
-            f.result()
+            f.result().result()
         self.writes = []
 
     def stats(self) -> dict:
         out = self.store.stats()
         out.update(self.counters, staged_blocks=len(self.staged), reads_in_flight=len(self.reads),
-                   pending_blocks=len(self.pending))
+                   pending_blocks=len(self.pending), staged_bytes=self.staged.nbytes,
+                   staging_bytes_limit=self.staging_bytes, peak_staging_bytes=self.peak_staging)
         return out
+
+
+def _written(f: cf.Future) -> bool:
+    """A write (a to_host future) is over: its copy to the host failed, or its file write
+    finished (as before the d2h thread, only the writes still pending at `flush` raise there)."""
+    return f.done() and (f.exception() is not None or f.result().done())
 
 
 def _in_span(lay, j: int) -> bool:
@@ -303,10 +351,6 @@ class LowerTiers:
         return self.disk.get(h)
 
 
-STAGING_BYTES = 16 << 30  # verified blocks held in host memory ahead of their copy-in (at
-# most the blocks of the next max_num_seqs waiting requests)
-
-
 def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, model_name: str,
                   markers: dict, bytes_per_block: int) -> KVStoreTier:
     """The disk tier over `config.kv_store_dir` (raises StoreMismatch, a ValueError, when the
@@ -321,5 +365,6 @@ def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, mod
         markers=(markers["pad_token_id"], markers["ssep_token_id"], markers["pdep_token_id"]),
         leaves=leaves)
     store = DiskStore(config.kv_store_dir, identity, int(config.kv_store_gb * (1 << 30)))
-    return KVStoreTier(store, keys, bytes_per_block=bytes_per_block, staging_bytes=STAGING_BYTES,
+    return KVStoreTier(store, keys, bytes_per_block=bytes_per_block,
+                       staging_bytes=staging_bytes(config),
                        lookahead=config.max_num_seqs, spans_only=config.kv_store_spans_only)

@@ -98,18 +98,18 @@ class LLMEngine:
             self.scheduler.before_preempt = self._read_back_early
 
     def warmup(self, modes=((True, False, 0),), spans: bool = False) -> None:
-        """Compile the step for every token bucket and each (all_greedy, use_filter,
-        num_logprobs) sampling mode, so a run that follows compiles nothing. spans: also the
-        span steps of a hybrid model (runner.warmup)."""
+        """Ready the step of each bucket and (all_greedy, use_filter, num_logprobs) mode, so a run
+        compiles nothing (runner.warmup; spans: a hybrid's span steps; seconds: runner.startup)."""
         for all_greedy, use_filter, num_logprobs in modes:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
                                num_logprobs=num_logprobs, spans=spans)
+        t0 = time.perf_counter()
         if self.kv_store is not None:  # the span store's page moves (chunk buckets)
             self.runner.cache = self.mover.warmup(self.runner.cache)
-        # Tracing and compiling leave millions of long-lived objects (jaxprs, caches): move
-        # them out of the cyclic GC's reach so collections during serving stay short.
-        gc.collect()
+        t1 = time.perf_counter()
+        gc.collect()  # tracing leaves millions of long-lived objects: out of the GC's reach
         gc.freeze()
+        self.runner.startup.update(movers_s=t1 - t0, gc_s=time.perf_counter() - t1)
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, request_id, prompt_token_ids, sampling_params, *, label: str | None = None,

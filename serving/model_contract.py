@@ -26,6 +26,9 @@ class RecurrentMetadata:
 
     state_slots: jax.Array  # [S] int32 slot of each sequence in the recurrent-state cache
     reset: jax.Array  # [S] bool start this sequence from the zero state (first chunk of a prompt)
+    # static, known on the host: True every sequence has <= 1 new token (decode-only step), False
+    # some may have more (the recurrent layers run their chunked prefill), None decide on device
+    decode: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass

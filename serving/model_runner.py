@@ -16,6 +16,7 @@ dispatched before step N's tokens reach the host (`launch` now, `fetch` later).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import jax
@@ -31,14 +32,23 @@ from serving import checkpoint_pool as ckpt_pool
 from serving import sharding
 from serving.kv_pool import allocate_pool, default_num_blocks
 from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
-from serving.sampler import SamplingMetadata, sample
+from serving.sampler import SamplingMetadata, pack_outputs, sample, unpack_outputs
+from serving.step_executables import StepExecutables
 from serving.step_inputs import S_FIELDS_CKPT, SeatTables, fill_sampling, layout
+
+# Config fields only the host reads (scheduler, hashing, pool sizing, host tiers): left out of
+# the key of stored step executables. Their effects on shapes are in the argument shapes.
+_HOST_ONLY_FIELDS = frozenset(("scheduling_policy", "isps_span_seats", "hash_algo",
+                               "watermark_blocks", "gpu_memory_utilization", "num_kv_blocks",
+                               "cpu_offload_gb", "kv_store_dir", "kv_store_gb",
+                               "kv_store_spans_only", "kv_mode"))
 
 class ModelRunner:
     def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype):
         self.config = config
         self.family = loaded.family
         self.mcfg = loaded.cfg
+        t0 = time.perf_counter()
         tp = config.tensor_parallel_size
         self.mesh = None
         if tp > 1:  # Megatron split by logical axes (serving/sharding.py), weights unfused
@@ -51,6 +61,8 @@ class ModelRunner:
             loaded.params = loaded.family.fuse_params(params, consume=True)
             del params
         self.params = loaded.params
+        jax.block_until_ready(self.params)
+        t1 = time.perf_counter()
         self.cache_dtype = dtype
         self.hybrid = bool(getattr(self.family, "IS_HYBRID", False))  # spans: span_rows.py
         self.block_size = config.block_size
@@ -67,6 +79,9 @@ class ModelRunner:
 
         self.cache, self.num_blocks = allocate_pool(
             make_cache, num_blocks, may_shrink=config.num_kv_blocks is None)
+        jax.block_until_ready(self.cache)
+        # seconds per start-up phase: placing / fusing the weights, the KV pool, then warmup's
+        self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
         self.kv_mode = config.attention_kv_mode
         self.tables = SeatTables(seats, self.nb, self.block_size)
         self._bufs: dict = {}
@@ -74,19 +89,34 @@ class ModelRunner:
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
         self.ck_pool = None  # hybrid prefix caching: serving/checkpoint_pool.py (set by engine)
         self.span_pool = None  # hybrid span maps: serving/span_maps.py (set by engine)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 5, 6),
-                             static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
-                                              "decode_only", "spans", "attn_options",
-                                              "chain"))
+        # the static arguments are _step_body's keyword-only parameters
+        self._step = StepExecutables(self._step_impl, signature_of=self._step_body,
+                                     donate_argnums=(1, 5, 6), context=self._program_context,
+                                     source_dirs=(os.path.dirname(self.family.__file__),))
         general, decode = attention_choices(config, self.mcfg, dtype)
         self.attn_impl, self.attn_options = general
         self.decode_impl, self.decode_options = decode
         # decode-only steps compile their own variant only when it differs from the general one
         self.separate_decode = decode != general
+        self.static_recurrent_kind = True  # see _recurrent_kind
 
     @property
     def num_compiles(self) -> int:
+        """Step variants ready (compiled or loaded) in this process."""
         return self._step._cache_size()
+
+    def _program_context(self) -> str:
+        """What the traced step depends on besides its arguments (serving/executable_store.py
+        keys stored executables by it): the model, the engine Config fields that can reach the
+        step (those only the host reads are left out, so e.g. fcfs and barrier share programs)
+        and the attention plan."""
+        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
+                  if f.name not in _HOST_ONLY_FIELDS}
+        return repr((self.family.__name__, self.mcfg, sorted(fields.items()), self.kv_mode,
+                     self.attn_impl, self.attn_options, self.decode_impl, self.decode_options,
+                     self.separate_decode, self.nb, self.block_size, self.scratch_slot,
+                     str(jnp.dtype(self.cache_dtype)), repr(self.mesh),
+                     None if self.mesh is None else [d.id for d in self.mesh.devices.flat]))
 
     # -- device --------------------------------------------------------------------------------
     def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, maps=None, **kw):
@@ -111,7 +141,8 @@ class ModelRunner:
         warm = bool(chain) and not decode_only  # the span-map warm path (serving/span_step.py)
         if warm:
             cache, reset, f = span_step.enter(self.family, cache, pool, maps, f, reset)
-        rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset)
+        rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset,
+                                decode=self._recurrent_kind(decode_only))
         tokens = f["tokens"]
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
             tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
@@ -139,15 +170,31 @@ class ModelRunner:
                      num_logprobs=num_logprobs)
         if prev is not None:
             prev = prev.at[f["sample_seat"]].set(out["tokens"])  # [seats + 1]
-        return cache, _pack(out, num_logprobs), prev, pool, maps
+        return cache, pack_outputs(out, num_logprobs), prev, pool, maps
+
+    def _recurrent_kind(self, decode_only: bool):
+        """RecurrentMetadata.decode of a step (static): decode-only steps run the one-step
+        recurrence; with a separate decode variant every other step holds a prefill row, so it
+        runs the chunked prefill; else (an all-decode step may take the general variant) the
+        device decides, a lax.cond per recurrent layer (cheap on CPU; on a GPU a host sync per
+        layer: `static_recurrent_kind` False restores it for A/B, hybrid_step_profile.py)."""
+        if not self.static_recurrent_kind:
+            return None
+        if decode_only:
+            return True
+        return False if self.separate_decode else None
+
+    def _args(self, ints, floats, use_prev: bool, kw) -> tuple:
+        """The step's arguments: the span map pool goes only to steps that compose or capture
+        span maps."""
+        return (self.params, self.cache, ints, floats, self._prev() if use_prev else None,
+                self.ck_pool, self.span_pool if kw.get("chain") else None)
 
     def _dispatch(self, ints, floats, use_prev: bool, kw):
-        """One jitted step; keeps the donated cache (and prev tokens, checkpoint pool, span map
-        pool: passed only to steps that compose or capture span maps)."""
+        """One step; keeps the donated cache (and prev tokens, checkpoint pool, span map pool)."""
         warm = bool(kw.get("chain"))
         self.cache, packed, prev, pool, maps = self._step(
-            self.params, self.cache, ints, floats, self._prev() if use_prev else None,
-            self.ck_pool, self.span_pool if warm else None, **kw)
+            *self._args(ints, floats, use_prev, kw), **kw)
         if use_prev:
             self.prev_tokens = prev
         self.ck_pool = pool
@@ -162,10 +209,31 @@ class ModelRunner:
 
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
                num_logprobs: int = 0, spans: bool = False) -> None:
-        """Compile every token bucket for one sampling mode with empty steps (nothing written),
-        with every per-step attention plan a step of that bucket can take (fits / overflows).
-        spans (hybrid models): also each bucket's span step, with chains of up to 16 maps for up
-        to 4 sequences when a span-map pool is attached (serving/span_step.warm_chains)."""
+        """Ready the step of every token bucket for one sampling mode, with every per-step
+        attention plan a step of that bucket can take (fits / overflows), then run each once as an
+        empty step (nothing written). spans (hybrid models): also each bucket's span step, with
+        chains of up to 16 maps for up to 4 sequences when a span-map pool is attached
+        (serving/span_step.warm_chains). Ready = loaded from the executable store or traced,
+        lowered and compiled in threads (serving/step_executables.py); `startup` gets the
+        seconds of each phase."""
+        steps = self.warmup_steps(all_greedy=all_greedy, use_filter=use_filter,
+                                  num_logprobs=num_logprobs, spans=spans)
+        use_prev = self.config.async_scheduling
+        t0 = time.perf_counter()
+        self._step.prepare([(self._args(ints, floats, use_prev, kw), kw)
+                            for ints, floats, kw in steps])
+        t1 = time.perf_counter()
+        for ints, floats, kw in steps:  # one-time costs of each executable's first run
+            jax.block_until_ready(self._dispatch(ints, floats, use_prev, kw))
+        st = self.startup
+        st["prepare_s"] = st.get("prepare_s", 0.0) + t1 - t0
+        st["first_calls_s"] = st.get("first_calls_s", 0.0) + time.perf_counter() - t1
+        st["variants"] = st.get("variants", 0) + len(steps)
+        st.update(self._step.timings, **self._step.counts)
+
+    def warmup_steps(self, *, all_greedy: bool = True, use_filter: bool = False,
+                     num_logprobs: int = 0, spans: bool = False) -> list:
+        """The (ints, floats, static kwargs) of every empty step `warmup` runs."""
         variants = []
         for t in self.config.token_buckets:
             s = self.config.seq_bucket(t)
@@ -195,25 +263,7 @@ class ModelRunner:
             if span_step_:
                 kw.update(spans=True, **({"chain": chain} if chain else {}))
             steps.append((ints, floats, kw))
-        self._compile_in_parallel(steps)
-        for ints, floats, kw in steps:
-            out = self._dispatch(ints, floats, self.config.async_scheduling, kw)
-            jax.block_until_ready(out)
-
-    def _compile_in_parallel(self, steps) -> None:
-        """With the persistent compilation cache on, compile every warm-up variant at once (XLA
-        compiles in threads, off the GIL) so the warm-up calls that follow read them from the
-        cache; tracing and lowering stay sequential. Without the cache: nothing (each warm-up
-        call compiles its own)."""
-        if len(steps) < 2 or not jax.config.jax_compilation_cache_dir:
-            return
-        from concurrent.futures import ThreadPoolExecutor
-        prev = self._prev() if self.config.async_scheduling else None
-        lowered = [self._step.lower(self.params, self.cache, ints, floats, prev, self.ck_pool,
-                                    self.span_pool if kw.get("chain") else None, **kw)
-                   for ints, floats, kw in steps]
-        with ThreadPoolExecutor(max_workers=min(len(lowered), 8)) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))
+        return steps
 
     # -- host ----------------------------------------------------------------------------------
     def run(self, batch, *, num_logprobs: int = 0, timer=None, during=None):
@@ -234,7 +284,7 @@ class ModelRunner:
     def fetch(self, handle) -> dict:
         """Wait for a launched step and read its outputs (see `run`)."""
         packed, num_logprobs = handle
-        return _unpack(np.asarray(packed), num_logprobs)
+        return unpack_outputs(np.asarray(packed), num_logprobs)
 
     def launch(self, batch, *, num_logprobs: int = 0, use_prev: bool = False):
         """Build one scheduled batch's inputs and dispatch its step without waiting; returns the
@@ -338,21 +388,3 @@ def attention_choices(config, mcfg, dtype, platform: str | None = None):
         config.decode_attn_impl or config.attn_impl, config.decode_attn_options)
     return (general.name, general_options), (decode.name, decode_options)
 
-
-def _pack(out, num_logprobs):
-    """Every sampler output in one float32 [S, C] array (ids < 2**24 are exact in float32)."""
-    cols = [out["tokens"].astype(jnp.float32)[:, None], out["logprob"][:, None]]
-    if num_logprobs:
-        cols += [out["rank"].astype(jnp.float32)[:, None], out["top_ids"].astype(jnp.float32),
-                 out["top_logprobs"]]
-    return jnp.concatenate(cols, axis=1)
-
-
-def _unpack(packed, num_logprobs) -> dict:
-    out = {"tokens": packed[:, 0].astype(np.int64), "logprob": packed[:, 1]}
-    if num_logprobs:
-        k = num_logprobs
-        out["rank"] = packed[:, 2].astype(np.int64)
-        out["top_ids"] = packed[:, 3:3 + k].astype(np.int64)
-        out["top_logprobs"] = packed[:, 3 + k:3 + 2 * k]
-    return out

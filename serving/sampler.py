@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -73,3 +74,23 @@ def _top_k_top_p(x, top_k, top_p):
     pth = jnp.take_along_axis(sorted_x, (n_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth, pth)
     return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def pack_outputs(out, num_logprobs):
+    """Every sampler output in one float32 [S, C] array (ids < 2**24 are exact in float32)."""
+    cols = [out["tokens"].astype(jnp.float32)[:, None], out["logprob"][:, None]]
+    if num_logprobs:
+        cols += [out["rank"].astype(jnp.float32)[:, None], out["top_ids"].astype(jnp.float32),
+                 out["top_logprobs"]]
+    return jnp.concatenate(cols, axis=1)
+
+
+def unpack_outputs(packed, num_logprobs) -> dict:
+    """`pack_outputs`' array read back on the host: the sampler's outputs as numpy."""
+    out = {"tokens": packed[:, 0].astype(np.int64), "logprob": packed[:, 1]}
+    if num_logprobs:
+        k = num_logprobs
+        out["rank"] = packed[:, 2].astype(np.int64)
+        out["top_ids"] = packed[:, 3:3 + k].astype(np.int64)
+        out["top_logprobs"] = packed[:, 3 + k:3 + 2 * k]
+    return out

@@ -165,10 +165,15 @@ def _validate(q, k, v, g, beta, state):
 
 
 def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None,
-                       scale=None, chunk=64, implementation="auto", interpret=False):
+                       scale=None, chunk=64, implementation="auto", interpret=False, decode=None):
     """The model's entry: `ragged.ragged_prefill` (its arguments and results), or the one-step
     recurrence when every sequence has <= 1 token (checkpoints, if asked, are then the state0 /
-    final state as positions say). implementation: see `choose`."""
+    final state as positions say). implementation: see `choose`.
+
+    decode: which of the two runs, decided by a caller that knows the step on the host: True
+    (every sequence has <= 1 token: the one-step recurrence), False (the chunked prefill, exact
+    for any lengths) or None (decided on the device by a lax.cond on the lengths; XLA's GPU
+    conditional copies its predicate to the host and blocks the stream, once per layer)."""
     implementation = choose(implementation, interpret=interpret, op="ragged_gated_delta")
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     seqs = cu_q_lens.shape[0] - 1
@@ -176,7 +181,7 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
     dk = k.shape[-1]
     scale_ = dk ** -0.5 if scale is None else scale
 
-    def decode(ops):
+    def one_step(ops):
         q_, k_, v_, g_, b_, s0 = ops
         rows = jnp.clip(cu_q_lens[:-1], 0, q_.shape[0] - 1)  # [S] the one row of each sequence
         out_s, new = chunked.recurrent_step(q_[rows], k_[rows], v_[rows], g_[rows], b_[rows], s0,
@@ -196,7 +201,9 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
                               scale=scale, chunk=chunk, implementation=implementation,
                               interpret=interpret)
 
-    ops = (q, k, v, g, beta, state0.astype(jnp.float32))
+    ops = tuple(map(jnp.asarray, (q, k, v, g, beta))) + (jnp.asarray(state0, jnp.float32),)
     del seqs
     with dots.exact_for(v.dtype):
-        return jax.lax.cond(jnp.max(lens) <= 1, decode, prefill, ops)
+        if decode is None:
+            return jax.lax.cond(jnp.max(lens) <= 1, one_step, prefill, ops)
+        return one_step(ops) if decode else prefill(ops)

@@ -27,12 +27,15 @@ def _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks):
     n_ch = (shift + lens + chunk - 1) // chunk  # [S] chunks of each sequence
     first = jnp.cumsum(n_ch) - n_ch  # [S] first packed chunk of each sequence
     rows = jnp.arange(n_tokens, dtype=jnp.int32)
-    seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, seqs - 1)
+    # compare_all: one small fusion each (the default method is a while loop, kernels per level)
+    seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right",
+                                           method="compare_all") - 1, 0, seqs - 1)
     valid = rows < cu_q_lens[-1]
     dest = first[seq_of_row] * chunk + shift[seq_of_row] + rows - cu_q_lens[seq_of_row]
     dest = jnp.where(valid, dest, n_chunks * chunk)  # out of range -> dropped
     chunk_ids = jnp.arange(n_chunks, dtype=jnp.int32)
-    seq_of_chunk = jnp.clip(jnp.searchsorted(first + n_ch, chunk_ids, side="right"), 0, seqs - 1)
+    seq_of_chunk = jnp.clip(jnp.searchsorted(first + n_ch, chunk_ids, side="right",
+                                             method="compare_all"), 0, seqs - 1)
     restart = (chunk_ids == first[seq_of_chunk]) & (n_ch[seq_of_chunk] > 0)
     return dict(lens=lens, shift=shift, n_ch=n_ch, first=first, dest=dest,
                 seq_of_chunk=seq_of_chunk, restart=restart)
@@ -133,7 +136,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
             [final_bound, ck_bound.reshape(-1)])
         out, bound_states = ragged_triton.packed_gated_delta(
             *packed, pk["restart"], pk["seq_of_chunk"], state0, bounds, scale=scale, chunk=chunk,
-            interpret=interpret)
+            interpret=interpret, n_used=jnp.sum(pk["n_ch"]))
         out = jnp.take(out[0], pk["dest"], axis=0, mode="fill", fill_value=0)
         final = jnp.where(has[:, None, None, None], bound_states[:seqs], state0)
         ckpt = None

@@ -6,6 +6,11 @@ Scan kernel, grid (Hv, Dv / BV), one packed stream (N = 1): at chunk c
     boundary state (before any restart) -> fp32 slot `slot[c]` if asked (finals, checkpoints)
     s = state0[seq[c]] if restart[c] else s
     state entering c -> states[c] (for the output kernel); V' = U - W s; s = dl s + KD^T V'
+The chunk loop stops at `n_used` (the packed chunks that hold tokens, a device scalar): the
+static chunk count covers the worst case (token bucket / C + 2 S), and the no-op chunks past the
+last sequence would cost a dependent step each (~6 us on the H200) without changing the state.
+Their boundary slots still get the final state; their states / V' rows are left unwritten (the
+output rows they give are never read).
 The state layout ("kv" [Dk, BV] or "vk" [BV, Dk]) and the other kernel options follow
 fused_triton.DEFAULTS (see scan_fused.py).
 """
@@ -23,9 +28,10 @@ from kernels_pallas.gated_delta import fused_triton, scan_fused
 
 
 def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_ref, slot_ref,
-                         vnew_ref, states_ref, bound_ref, *, n_chunks, chunk, dot_dtype, layout):
-    # w/kd [T, Dk]; u/vnew [T, BV]; dl/restart/seq [NC]; slot [NC + 1]; "kv": s0 [S, Dk, BV],
-    # states [NC, Dk, BV], bound [M, Dk, BV] float32; "vk": last two axes swapped
+                         used_ref, vnew_ref, states_ref, bound_ref, *, n_chunks, chunk, dot_dtype,
+                         layout):
+    # w/kd [T, Dk]; u/vnew [T, BV]; dl/restart/seq [NC]; slot [NC + 1]; used [1]; "kv": s0
+    # [S, Dk, BV], states [NC, Dk, BV], bound [M, Dk, BV] float32; "vk": last two axes swapped
     save = scan_fused.saver(slot_ref, bound_ref)
 
     def body(c, s):
@@ -35,12 +41,17 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_
         return scan_fused.step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
                                dot_dtype=dot_dtype, layout=layout)
 
-    s = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros(states_ref.shape[1:], jnp.float32))
-    save(n_chunks, s)
+    used = jnp.minimum(used_ref[0], n_chunks)
+    s = jax.lax.fori_loop(0, used, body, jnp.zeros(states_ref.shape[1:], jnp.float32))
+
+    def save_only(c, s):  # boundaries past the last used chunk: the state no longer changes
+        save(c, s)
+        return s
+    jax.lax.fori_loop(used, n_chunks + 1, save_only, s)
 
 
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
-                       chunk=64, dot_dtype=None, interpret=False, **options):
+                       chunk=64, dot_dtype=None, interpret=False, n_used=None, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -48,6 +59,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
       restart, seq_of_chunk: [NC] int32; state0: [S, Hv, Dk, Dv] float32.
       bounds: [B] int32 boundary indices in [0, NC] whose pre-restart carry to return (boundary
         j = end of chunk j - 1).
+      n_used: None or an int32 scalar: chunks [n_used, NC) hold no tokens (the scan stops
+        there; their outputs are undefined). None: all NC.
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
       out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32.
@@ -86,7 +99,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         grid=(hv, dv // block_v),
         in_specs=[seq_k, seq_v, seq_k, pl.BlockSpec((None, nc), lambda h, j: (h, 0)), per_chunk,
                   per_chunk, pl.BlockSpec((seqs, None, *blk), lambda h, j: (0, h, *s_idx(j))),
-                  pl.BlockSpec((nc + 1,), lambda h, j: (0,))],
+                  pl.BlockSpec((nc + 1,), lambda h, j: (0,)),
+                  pl.BlockSpec((1,), lambda h, j: (0,))],
         out_specs=[seq_v, pl.BlockSpec((None, None, nc, *blk),
                                        lambda h, j: (0, h, 0, *s_idx(j))),
                    pl.BlockSpec((n_b, None, *blk), lambda h, j: (0, h, *s_idx(j)))],
@@ -97,7 +111,9 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
                                              num_stages=opt["scan_stages"]),
         interpret=interpret,
     )(w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
-      s0.astype(jnp.float32), slot_map)
+      s0.astype(jnp.float32), slot_map,
+      jnp.full((1,), nc, jnp.int32) if n_used is None else jnp.reshape(n_used, (1,)).astype(
+          jnp.int32))
     out = fused_triton.output_fused(q, k, gc, v_new, states, scale=scale, chunk=chunk,
                                     dot_dtype=dot_dtype, out_dtype=v.dtype, interpret=interpret,
                                     num_warps=opt["out_warps"], states_t=vk)

@@ -18,6 +18,7 @@ from minipic_jax.batch.reading import LineError, iter_lines, parse_line
 from minipic_jax.batch.records import error_record, result_record
 from minipic_jax.batch.resume import answered, open_for_append
 from serving.engine_tiers import prefetch_stored
+from serving.kv_pool import device_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-store-gb", type=float, default=64.0)
     ap.add_argument("--kv-store-spans-only", action="store_true",
                     help="store SSEP span blocks only (not questions or other prompt parts)")
+    ap.add_argument("--kv-store-staging-gb", type=float, default=None,
+                    help="device memory for store runs read ahead of their copy-in (default: "
+                         "min(16 GiB, 16%% of the device's memory))")
     ap.add_argument("--max-inflight", type=int, default=None,
                     help="requests in the engine at once (default 4 x max-num-seqs)")
     ap.add_argument("--warmup", action="store_true", help="compile every step shape first")
@@ -56,7 +60,8 @@ def _engine_args(args) -> dict:
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_mode=args.kv_mode,
                scheduling_policy=args.scheduling_policy, cpu_offload_gb=args.cpu_offload_gb,
                kv_store_dir=args.kv_store_dir, kv_store_gb=args.kv_store_gb,
-               kv_store_spans_only=args.kv_store_spans_only)
+               kv_store_spans_only=args.kv_store_spans_only,
+               kv_store_staging_gb=args.kv_store_staging_gb)
     if args.max_model_len is not None:
         out["max_model_len"] = args.max_model_len
     return out
@@ -199,7 +204,7 @@ def _summary(job, engine, elapsed: float, setup_s: float) -> dict:
             "total_num_tokens": toks, "total_output_tokens": job.output_tokens,
             "num_cached_tokens": job.cached_tokens,
             "prefix_cache_hit_rate": job.cached_tokens / max(job.prompt_tokens, 1),
-            "engine_stats": engine.get_stats()}
+            "engine_stats": engine.get_stats(), "device_memory": device_memory()}
 
 
 def main(argv=None, llm=None) -> int:

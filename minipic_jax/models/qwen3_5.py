@@ -119,7 +119,9 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     attend = paged_attend(metadata, inv, attention_scaling=rope.attention_scaling(cfg),
                           kv_mode=kv_mode, attn_impl=attn_impl, write_impl=write_impl,
                           attn_options=attn_options)
-    gdn_kw = dict(checkpoint_at=checkpoint_at, impl=gdn_impl, pieces=span_pieces)
+    # the host's static step kind (RecurrentMetadata.decode): no conditional per GDN layer
+    gdn_kw = dict(checkpoint_at=checkpoint_at, impl=gdn_impl, pieces=span_pieces,
+                  decode=recurrent.decode)
     x = model.embed_tokens(tokens)  # [T, E]
     new = dict(k=[], v=[], conv=[], delta=[])
     ck_conv, ck_delta, span_maps = [], [], []

@@ -94,7 +94,7 @@ class GatedDeltaNet(nnx.Module):
         self.w_out = param((hv, dv, e), ("gdn_heads", "gdn_v", "embed"), dtype)
 
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
-                 impl=None, pieces=None):
+                 impl=None, pieces=None, decode=None):
         """The GDN token mixer for a ragged batch.
 
         Args:
@@ -105,6 +105,8 @@ class GatedDeltaNet(nnx.Module):
             "pallas_fused_interpret" (the same kernels in Pallas interpret mode, for CPU tests);
             None: the kernel's policy (kernels_pallas.gated_delta.api.choose).
           pieces: None or qwen3_5_spans.SpanPieces: SSEP span rows read a local pass (see there).
+          decode: the step kind if the host knows it (True: <= 1 token per sequence; False: any),
+            None: decided on the device (gated_delta.api.ragged_gated_delta).
         Returns:
           out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], checkpoints (conv
           [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None, and the captured span maps
@@ -114,7 +116,9 @@ class GatedDeltaNet(nnx.Module):
         n_tokens = h.shape[0]
         seqs = cu_q_lens.shape[0] - 1
         rows = jnp.arange(n_tokens, dtype=jnp.int32)
-        seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, seqs - 1)
+        # compare_all: one [T, S+1] fusion; the default method is a while loop (kernels per level)
+        seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right",
+                                               method="compare_all") - 1, 0, seqs - 1)
         mixed = jnp.einsum("te,ec->tc", h, self.w_qkv[...])  # [T, C]
         z = jnp.einsum("te,ehv->thv", h, self.w_z[...])  # [T, Hv, Dv]
         b = jnp.einsum("te,eh->th", h, self.w_b[...])  # [T, Hv]
@@ -137,7 +141,8 @@ class GatedDeltaNet(nnx.Module):
         kernel = dict(implementation=impl, interpret=interpret)
         q, k = l2norm(q), l2norm(k)
         core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
-                                                   checkpoint_at=checkpoint_at, **kernel)
+                                                   checkpoint_at=checkpoint_at, decode=decode,
+                                                   **kernel)
         if pieces is not None:  # span rows: outputs of their piece from a zero state
             local, local_final, a_span = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces,
                                                                   **kernel)

@@ -1,0 +1,81 @@
+"""Stored step executables (serving/executable_store.py): a second engine of the same
+configuration loads every warm-up variant instead of tracing it, and generates exactly what the
+cold engine did (tokens and logprobs, bit for bit); a changed configuration or changed source
+misses; a damaged file is a miss, never an error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_tiny_llm
+from minipic_jax import SamplingParams
+from serving import executable_store
+
+SMALL = dict(max_num_batched_tokens=16, min_token_bucket=16, max_model_len=128)
+PROMPTS = [[256, 72, 101, 108, 108, 111], [256] + list(range(40, 75))]  # one fits, one chunks
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
+          SamplingParams(temperature=0.9, top_p=0.8, seed=7, max_tokens=6, logprobs=2)]
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv(executable_store.ENV, str(tmp_path))
+    return tmp_path
+
+
+def _start(**overrides):
+    llm = make_tiny_llm(**{**SMALL, **overrides})
+    llm.llm_engine.warmup()
+    return llm, dict(llm.llm_engine.runner._step.counts)
+
+
+def _generate(llm):
+    out = []
+    for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False):
+        c = o.outputs[0]
+        out.append((list(c.token_ids), [sorted(d.items()) for d in c.logprobs]))
+    return out
+
+
+def test_second_start_loads_every_variant_and_matches_the_cold_start(store):
+    cold, counts = _start()
+    assert counts["loaded"] == 0 and counts["compiled"] >= 1
+    expected = _generate(cold)  # also compiles (and stores) the logprobs variants lazily
+    stored = len(list(store.glob("*.exe")))
+    assert stored == cold.llm_engine.runner._step.counts["compiled"]
+    warm, counts = _start()
+    assert counts == {"loaded": counts["loaded"], "compiled": 0} and counts["loaded"] >= 1
+    runner = warm.llm_engine.runner
+    assert runner._step.jitted._cache_size() == 0  # nothing traced
+    assert _generate(warm) == expected
+    assert runner._step.counts["compiled"] == 0  # the run's variants came from the store too
+    assert runner.startup["trace_s"] == 0.0 and runner.startup["loaded"] == counts["loaded"]
+
+
+def test_changed_key_or_damaged_file_misses(store, monkeypatch):
+    _, counts = _start()
+    assert counts["loaded"] == 0
+    _, counts = _start(max_model_len=256)  # another block-table width: other programs
+    assert counts["loaded"] == 0
+    with monkeypatch.context() as m:  # the step's source changed: nothing stored is used
+        m.setattr(executable_store, "source_digest", lambda dirs=(): "changed")
+        _, counts = _start()
+        assert counts["loaded"] == 0
+    for path in store.glob("*.exe"):
+        path.write_bytes(b"not an executable")
+    with pytest.warns(RuntimeWarning, match="could not be loaded"):
+        _, counts = _start()
+    assert counts["loaded"] == 0 and counts["compiled"] >= 1
+
+
+def test_store_folder_follows_the_documented_settings(monkeypatch, tmp_path):
+    import jax
+    monkeypatch.setenv(executable_store.ENV, "off")
+    assert executable_store.store_folder() is None
+    monkeypatch.setenv(executable_store.ENV, str(tmp_path))
+    assert executable_store.store_folder() == tmp_path
+    monkeypatch.setenv(executable_store.ENV, "on")
+    base = jax.config.jax_compilation_cache_dir
+    assert executable_store.store_folder() == (None if not base else
+                                               __import__("pathlib").Path(base) / "minipic_steps")
