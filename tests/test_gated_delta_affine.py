@@ -159,11 +159,11 @@ def test_ragged_prefill_returns_each_sequence_transition(fresh_rng):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_fused"])
-def test_ragged_maps_in_one_pass(fresh_rng, impl):
-    """The engine's captured maps (affine.ragged_maps: one ragged pass with values [v | 0] from
-    S0 = [0 | I]), per piece from a zero state: A is the float64 product of the token maps (an
-    empty piece gives I), B and the outputs are the float64 recurrence's; on the XLA path and on
-    the Triton kernels (interpreted on CPU)."""
+def test_ragged_maps_of_each_piece(fresh_rng, impl):
+    """The engine's captured maps (affine.ragged_maps: the plain pass from zero, then v = 0 from
+    S0 = I), per piece: A is the float64 product of the token maps (an empty piece gives I), B
+    and the outputs are the float64 recurrence's; on the XLA path and on the Triton kernels
+    (interpreted on CPU)."""
     hk, hv, dk, dv, chunk = 1, 2, 16, 8, 16
     lens = [20, 0, 37, 5]
     q, k, v, g, beta = _inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, dv, decay=0.02)

@@ -93,26 +93,25 @@ def apply_chain(a, b, state, count=None, *, precision=None):
 
 
 
+
 def ragged_maps(q, k, v, g, beta, cu_q_lens, **kernel):
-    """Each sequence of a ragged batch from a zero state, with its map, in ONE pass of any ragged
-    implementation (ragged.ragged_prefill's `kernel` options): value columns evolve independently
-    and the state is linear in S0, so a run with the values [v | 0] from S0 = [0 | I] (Dv + Dk
-    value columns) ends in [B | A]. The capturing step thus compiles the same kernels as a plain
-    span step (no float32 XLA transition scan) and walks the tokens once.
+    """Each sequence of a ragged batch from a zero state, with its map, by any ragged
+    implementation (ragged.ragged_prefill's `kernel` options): the plain pass gives the outputs
+    and B (the final state from zero); the state is linear in S0, so a second pass with v = 0
+    from S0 = I (a state of Dk value columns) ends in A itself. With Dk = Dv (Qwen3.5) the two
+    passes run the same compiled kernels, so a capturing step compiles no recurrent path the
+    plain span step lacks (no float32 XLA transition scan, no wider kernel shapes).
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; cu_q_lens: [S+1] int32 (sequences start
-    at position 0). Returns out [T, Hv, Dv] float32, b [S, Hv, Dk, Dv] float32 (the final state
-    from zero) and a [S, Hv, Dk, Dk] float32 (the transition; I for an empty sequence).
+    at position 0). Returns out [T, Hv, Dv] float32, b [S, Hv, Dk, Dv] float32 and
+    a [S, Hv, Dk, Dk] float32 (I for an empty sequence).
     """
     n_tokens, hv, dv = v.shape
     seqs, dk = cu_q_lens.shape[0] - 1, k.shape[2]
+    pos0 = jnp.zeros(seqs, jnp.int32)
+    out, b, _ = ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0,
+                               jnp.zeros((seqs, hv, dk, dv), _F32), **kernel)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (seqs, hv, dk, dk))
-    # value columns padded to a multiple of 16 (the Triton kernels' column block; none for
-    # Dv = Dk = 128 or 16): the padding columns stay zero
-    pad = -(dv + dk) % 16 if dv + dk > 16 else 0
-    state0 = jnp.concatenate([jnp.zeros((seqs, hv, dk, dv), _F32), eye,
-                              jnp.zeros((seqs, hv, dk, pad), _F32)], axis=-1)
-    v_ext = jnp.concatenate([v, jnp.zeros((n_tokens, hv, dk + pad), v.dtype)], axis=-1)
-    out, final, _ = ragged_prefill(q, k, v_ext, g, beta, cu_q_lens, jnp.zeros(seqs, jnp.int32),
-                                   state0, **kernel)
-    return out[..., :dv], final[..., :dv], final[..., dv:dv + dk]
+    _, a, _ = ragged_prefill(q, k, jnp.zeros((n_tokens, hv, dk), v.dtype), g, beta, cu_q_lens,
+                             pos0, eye, **kernel)
+    return out, b, a

@@ -64,8 +64,8 @@ def local_pass(q, k, v, g, beta, pieces: SpanPieces, **kw):
     """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, each piece's
     final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch, whatever the
     piece lengths), and with `pieces.capture` each piece's transition [G, Hv, Dk, Dk] (else
-    None): then one pass with [v | 0] values from [0 | I] gives both (affine.ragged_maps), so a
-    capturing step compiles no other recurrent path than a plain span step."""
+    None): affine.ragged_maps, a second pass of the same kernels, so a capturing step compiles
+    no other recurrent path than a plain span step."""
     n = pieces.piece_cu.shape[0] - 1
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
     if pieces.capture is not None:
