@@ -108,7 +108,7 @@ def jax_variants():
         "tree": tree,  # the associative scan over chunk maps (tree_scan.py)
         "tree_bf16maps": functools.partial(tree, map_dtype=bf16),
         # two-level scan: G segments of chunks (blocked{G}), options of both scan passes
-        **{f"blocked{gs}": functools.partial(blocked, segments=gs) for gs in (8, 16, 32, 64)},
+        **{f"blocked{gs}": functools.partial(blocked, segments=gs) for gs in (4, 8, 16, 32, 64)},
         "blocked16_bv32": functools.partial(blocked, segments=16, block_v=32),
         "blocked16_w2": functools.partial(blocked, segments=16, num_warps=2),
         "blocked16_xla": functools.partial(blocked, segments=16, compose_impl="xla"),
@@ -245,7 +245,11 @@ def run(args):
     rows, sweep_rows = [], []
     variants = jax_variants()
     if args.variants:
-        variants = {k: v for k, v in variants.items() if k in args.variants}
+        unknown = [k for k in args.variants if k not in variants]
+        if unknown:
+            raise SystemExit(f"gdn: unknown variants {unknown}; known: {sorted(variants)}")
+        variants = {k: variants[k] for k in args.variants}  # in the order asked (a timeout
+        # keeps the first ones)
     fla_ref = {}
     for tokens in args.tokens:  # the anchor first, for every T
         if args.no_fla:

@@ -298,7 +298,7 @@ class ModelRunner:
         s = cfg.seq_bucket(t)
         if use_prev:
             self._parity ^= 1
-        spans = self.hybrid and any(span_step.has_spans(e.seq) for e in batch)
+        spans = self.hybrid and span_step.step_has_spans(batch, self.block_size)
         chain = ()
         if spans and self.span_pool is not None:
             chain = chain_shape(batch, s)

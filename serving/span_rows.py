@@ -45,6 +45,13 @@ def cut_chunk(seq, idx, frontier: int, block_size: int):
     return idx, frontier
 
 
+def starts_span(e, block_size: int) -> bool:
+    """Whether a scheduled entry's rows hold the first token of one of its sequence's spans."""
+    idx = e.token_idx
+    return bool(idx.size) and any(int(idx[0]) <= a <= int(idx[-1])
+                                  for a, _, _ in _spans(e.seq, block_size))
+
+
 def _spans(seq, block_size):
     if not hasattr(seq, "_span_intervals"):
         seq._span_intervals = span_intervals(seq.layout, block_size, seq.num_prompt_tokens)

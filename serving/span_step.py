@@ -56,6 +56,15 @@ def has_spans(seq) -> bool:
     return seq._has_spans
 
 
+def step_has_spans(batch, block_size: int) -> bool:
+    """Whether a step takes the span variant: some row starts a span (its rows read the local
+    pass, span_rows.step_rows), or a sequence enters with cached maps or captures one. Other steps
+    of span prompts (decodes, later chunks of a final span, PDEP rows) are plain steps: all their
+    rows read the flow, so the general and decode variants serve them, bit for bit."""
+    return any(has_spans(e.seq) and (e.map_chain or e.map_caps
+                                     or span_rows.starts_span(e, block_size)) for e in batch)
+
+
 def fill_rows(batch, v, rows: int, block_size: int, bound: int) -> np.ndarray:
     """row_span / piece_cu / carry_local of a step holding span rows (serving/span_rows.py);
     returns the pieces' first rows."""

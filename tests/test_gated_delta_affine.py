@@ -158,6 +158,33 @@ def test_ragged_prefill_returns_each_sequence_transition(fresh_rng):
                                np.asarray(affine.apply((a_span, b_span), s0)), atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused"])
+def test_ragged_maps_of_each_piece(fresh_rng, impl):
+    """The engine's captured maps (affine.ragged_maps: the plain pass from zero, then v = 0 from
+    S0 = I), per piece: A is the float64 product of the token maps (an empty piece gives I), B
+    and the outputs are the float64 recurrence's; on the XLA path and on the Triton kernels
+    (interpreted on CPU)."""
+    hk, hv, dk, dv, chunk = 1, 2, 16, 8, 16
+    lens = [20, 0, 37, 5]
+    q, k, v, g, beta = _inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, dv, decay=0.02)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    out, b_span, a_span = jax.jit(lambda *x: affine.ragged_maps(
+        *x, chunk=chunk, implementation=impl, interpret=impl != "xla" and INTERPRET))(
+        q[0], k[0], v[0], g[0], beta[0], cu)
+    zero = np.zeros((1, hv, dk, dv), np.float32)
+    for i in range(len(lens)):
+        a, e = cu[i], cu[i + 1]
+        want = _token_product(k[:, a:e], g[:, a:e], beta[:, a:e], hv)[0]
+        assert _rel(a_span[i], want) < 1e-5, (impl, i)
+        if e > a:
+            ref_out, ref_states = reference.gated_delta_reference(
+                *(x[:, a:e] for x in (q, k, v, g, beta)), zero)
+            np.testing.assert_allclose(np.asarray(out[a:e]), ref_out[0], atol=2e-5, rtol=0)
+            np.testing.assert_allclose(np.asarray(b_span[i]), ref_states[0, -1], atol=2e-5)
+        else:
+            np.testing.assert_array_equal(np.asarray(b_span[i]), 0.0)
+
+
 def test_choose_scan_by_shape(monkeypatch):
     assert tree_scan.choose_scan(1, 16, 512) == "sequential"  # measured: the tree is slower
     assert tree_scan.choose_scan(8, 16, 4, "tree") == "tree"

@@ -8,7 +8,7 @@ import types
 import jax.numpy as jnp
 import numpy as np
 
-from serving import span_maps, span_rows
+from serving import span_maps, span_rows, span_step
 from serving.checkpoint_store import CheckpointStore
 from serving.hybrid_prefix import HybridPrefixCache
 from serving.layout import build_layout
@@ -38,6 +38,29 @@ def test_a_captured_span_piece_holds_its_rows_only():
         starts = [int(idx[k]) for k in np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]])]
         assert starts == want, caps
         assert span_row.tolist() == [False] * 4 + [True] * 9 + [False] * 3 and carry == [False]
+
+
+def test_only_steps_with_span_work_take_the_span_variant():
+    """A step takes the span variant (serving/span_step.step_has_spans) when a row starts a span,
+    or a sequence enters with cached maps or captures one; decodes and chunks past the spans are
+    plain steps (their rows all read the flow: `step_rows` marks no span row there), so they
+    never compile a span variant of the decode step mid-run."""
+    seq = _seq(TOKENS)
+
+    def entry(idx, **kw):
+        e = dict(seq=seq, token_idx=np.asarray(idx), map_chain=(), map_caps=())
+        return types.SimpleNamespace(**{**e, **kw})
+
+    for e, want in ((entry(range(0, 6)), True), (entry([12]), True), (entry([16, 17, 18]), False),
+                    (entry([19]), False), (entry([16, 17], map_chain=(3,)), True),
+                    (entry([5, 6], map_caps=((12, 0),)), True), (entry([]), False)):
+        assert span_step.step_has_spans([e], BS) is want, e.token_idx
+        if not want and e.token_idx.size:
+            assert not span_rows.step_rows([e], BS)[1].any()
+    plain = types.SimpleNamespace(seq=_seq([5, 6, 7, 8, 9]), token_idx=np.arange(5),
+                                  map_chain=(), map_caps=())
+    assert not span_step.step_has_spans([plain], BS)
+    assert span_step.step_has_spans([plain, entry([12, 13])], BS)
 
 
 def test_a_chunk_stops_before_a_skipped_span_once_it_has_rows():

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.gated_delta.ragged import ragged_prefill
+
 _F32 = jnp.float32
 
 
@@ -88,3 +90,28 @@ def apply_chain(a, b, state, count=None, *, precision=None):
     out, _ = jax.lax.scan(step, state.astype(_F32), (idx, a.astype(_F32), b.astype(_F32)))
     return out
 
+
+
+
+
+def ragged_maps(q, k, v, g, beta, cu_q_lens, **kernel):
+    """Each sequence of a ragged batch from a zero state, with its map, by any ragged
+    implementation (ragged.ragged_prefill's `kernel` options): the plain pass gives the outputs
+    and B (the final state from zero); the state is linear in S0, so a second pass with v = 0
+    from S0 = I (a state of Dk value columns) ends in A itself. With Dk = Dv (Qwen3.5) the two
+    passes run the same compiled kernels, so a capturing step compiles no recurrent path the
+    plain span step lacks (no float32 XLA transition scan, no wider kernel shapes).
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; cu_q_lens: [S+1] int32 (sequences start
+    at position 0). Returns out [T, Hv, Dv] float32, b [S, Hv, Dk, Dv] float32 and
+    a [S, Hv, Dk, Dk] float32 (I for an empty sequence).
+    """
+    n_tokens, hv, dv = v.shape
+    seqs, dk = cu_q_lens.shape[0] - 1, k.shape[2]
+    pos0 = jnp.zeros(seqs, jnp.int32)
+    out, b, _ = ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0,
+                               jnp.zeros((seqs, hv, dk, dv), _F32), **kernel)
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (seqs, hv, dk, dk))
+    _, a, _ = ragged_prefill(q, k, jnp.zeros((n_tokens, hv, dk), v.dtype), g, beta, cu_q_lens,
+                             pos0, eye, **kernel)
+    return out, b, a

@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.gated_delta import affine
 from kernels_pallas.gated_delta.ragged import ragged_prefill
 from serving.model_contract import SpanPieces
 
@@ -51,7 +52,9 @@ def local_conv(mixed, conv_w, pieces: SpanPieces, causal_conv):
     """silu(conv) of every row inside its piece (zero window at the piece start): [T, C]."""
     g = pieces.piece_cu.shape[0] - 1
     rows = jnp.arange(mixed.shape[0], dtype=jnp.int32)
-    piece_of_row = jnp.clip(jnp.searchsorted(pieces.piece_cu, rows, side="right") - 1, 0, g - 1)
+    # compare_all: one [T, G + 1] fusion (the default method loops, a few kernels per level)
+    piece_of_row = jnp.clip(jnp.searchsorted(pieces.piece_cu, rows, side="right",
+                                             method="compare_all") - 1, 0, g - 1)
     zeros = jnp.zeros((g, mixed.shape[1], conv_w.shape[1] - 1), mixed.dtype)
     return causal_conv(mixed, conv_w, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32),
                        piece_of_row)
@@ -61,16 +64,15 @@ def local_pass(q, k, v, g, beta, pieces: SpanPieces, **kw):
     """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, each piece's
     final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch, whatever the
     piece lengths), and with `pieces.capture` each piece's transition [G, Hv, Dk, Dk] (else
-    None). The transition has the XLA path only, so a capturing step runs the local pass there."""
+    None): affine.ragged_maps, a second pass of the same kernels, so a capturing step compiles
+    no other recurrent path than a plain span step."""
     n = pieces.piece_cu.shape[0] - 1
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
-    args = (q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
-            jnp.zeros((n, hv, dk, dv), jnp.float32))
-    if pieces.capture is None:
-        out, final, _ = ragged_prefill(*args, **kw)
-        return out, final, None
-    out, final, _, a_span = ragged_prefill(*args, implementation="xla", return_transition=True)
-    return out, final, a_span
+    if pieces.capture is not None:
+        return affine.ragged_maps(q, k, v, g, beta, pieces.piece_cu, **kw)
+    out, final, _ = ragged_prefill(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
+                                   jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
+    return out, final, None
 
 
 def captured_maps(mixed, pieces: SpanPieces, a_span, local_final, history, k1: int):
@@ -91,7 +93,8 @@ def carry_local(mixed, pieces: SpanPieces, local_final, cu_q_lens, conv, delta, 
     g = pieces.piece_cu.shape[0] - 1
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
     last_row = jnp.clip(cu_q_lens[1:] - 1, 0, mixed.shape[0] - 1)
-    piece = jnp.clip(jnp.searchsorted(pieces.piece_cu, last_row, side="right") - 1, 0, g - 1)
+    piece = jnp.clip(jnp.searchsorted(pieces.piece_cu, last_row, side="right",
+                                      method="compare_all") - 1, 0, g - 1)
     piece_len = pieces.piece_cu[1:] - pieces.piece_cu[:-1]
     zeros = jnp.zeros((g,) + conv.shape[1:], mixed.dtype)
     local_conv_end = history(mixed, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32), piece,
