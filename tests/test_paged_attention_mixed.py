@@ -226,3 +226,18 @@ def test_gqa_packing_maps_heads_to_rows_and_back(fresh_rng):
         assert int(mp.q_window_start[t * group + g]) == int(md.q_window_start[t])
     np.testing.assert_array_equal(np.asarray(mp.q_bounds[1]), np.asarray(md.cu_q_lens[1:]) * group)
     np.testing.assert_array_equal(unpack_gqa(qp, group), q)
+
+
+def test_tile_schedules_hold_no_while_loop():
+    """The per-layer tile schedules of the ragged and Mosaic prefill kernels look up each tile's
+    sequence without a while loop (jnp.searchsorted's default: a loop of small kernels per level,
+    once per attention layer), and give the tiles a brute-force count gives."""
+    from kernels_pallas.paged_attention import triton_ragged
+
+    cu = np.array([0, 5, 5, 70, 200], np.int32)
+    jaxpr = str(jax.make_jaxpr(lambda c: triton_ragged.tile_schedule(c, 200, 64))(cu))
+    assert "while" not in jaxpr
+    seq, start = map(np.asarray, triton_ragged.tile_schedule(cu, 200, 64))
+    want = [(s, t) for s in range(4) for t in range(cu[s], cu[s + 1], 64)]
+    got = [(int(a), int(b)) for a, b in zip(seq, start) if a >= 0]
+    assert got == want

@@ -116,7 +116,8 @@ def tile_schedule(md, key_pos, num_tokens: int):
     base, n_tiles = tile_rows((q0, q1))
     last = jnp.cumsum(n_tiles)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(last, tile, side="right").astype(jnp.int32)
+    # compare_all: one fusion (the default method is a while loop: kernels per level, per layer)
+    seq = jnp.searchsorted(last, tile, side="right", method="compare_all").astype(jnp.int32)
     live_tile = seq < seqs
     seq = jnp.minimum(seq, seqs - 1)
     start = base[seq] + (tile - (last[seq] - n_tiles[seq])) * TILE_Q

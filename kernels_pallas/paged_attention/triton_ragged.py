@@ -95,7 +95,8 @@ def tile_schedule(cu_q_lens, num_tokens: int, block_q: int):
     n_tiles = (q_lens + block_q - 1) // block_q
     last = jnp.cumsum(n_tiles)  # [S] one past each sequence's last tile
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(last, tile, side="right").astype(jnp.int32)
+    # compare_all: one fusion (the default method is a while loop: kernels per level, per layer)
+    seq = jnp.searchsorted(last, tile, side="right", method="compare_all").astype(jnp.int32)
     live = seq < seqs
     seq_c = jnp.minimum(seq, seqs - 1)
     first = last[seq_c] - n_tiles[seq_c]
