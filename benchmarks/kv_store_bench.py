@@ -224,19 +224,17 @@ def _texts(path: pathlib.Path) -> dict:
 
 
 def same_outputs(out: pathlib.Path, phases) -> dict:
-    """For each phase after the first warm one: how many of its outputs equal that phase's
-    (greedy: a store read must not change a token; warm_pinned reads the same files)."""
+    """For every pair of phases with outputs: how many requests got the same completion (greedy:
+    a store read must not change a token in float32; with random bf16 weights near-tied logits
+    flip when a block is computed in another step composition, so `cold` vs `nostore`, computed
+    alike, is the pair to read first)."""
     runs = [p for p in phases if (out / f"results_{p}.jsonl").exists()]
-    ref = next((p for p in runs if p.startswith("warm")), None)
-    if ref is None:
-        return {}
-    mine = _texts(out / f"results_{ref}.jsonl")
+    texts = {p: _texts(out / f"results_{p}.jsonl") for p in runs}
     res = {}
-    for p in runs:
-        theirs = _texts(out / f"results_{p}.jsonl")
-        if p != ref:
-            res[f"{ref}_vs_{p}"] = [sum(mine.get(k) == v for k, v in theirs.items()),
-                                    len(theirs)]
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            res[f"{a}_vs_{b}"] = [sum(texts[a].get(k) == v for k, v in texts[b].items()),
+                                  len(texts[b])]
     return res
 
 
