@@ -3,6 +3,7 @@
 Run with the torch reference env (transformers 5.24.0, torch path: no fla, no causal-conv1d):
 
     python scripts/make_qwen_fixtures.py
+    python scripts/make_qwen_fixtures.py --float64-truth   # only add reference_f64.npz (below)
 
 Each case writes `tests/fixtures/<name>/` (config.json + safetensors via `save_pretrained`) and
 `reference.npz` with, per prompt i:
@@ -11,17 +12,27 @@ Each case writes `tests/fixtures/<name>/` (config.json + safetensors via `save_p
   logits_i  [Lp+G-1, V] float32 logits of one uncached forward over prompt + greedy[:-1]
   conv_i    [Lg, C, Kc] float32 conv states of every GDN layer after prefilling the prompt
   delta_i   [Lg, Hv, Dk, Dv] float32 recurrent states after prefilling the prompt
+
+`--float64-truth` rebuilds nothing: it loads each saved case, runs the same uncached forward over
+the same tokens in float64 and writes `reference_f64.npz` with logits_i [Lp+G-1, V] (float64
+results rounded once to float32: <= 2.4e-7 off, far below float32's own forward error). Every op
+runs in float64 (Float64Everywhere rewrites HF's hard-coded float32 casts and rejects any
+lower-precision result), and the float64 truth is checked against a token-by-token decode in
+float64 (HF's sequential gated-delta recurrence, not the chunked UT form).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import shutil
 
 import numpy as np
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from make_hf_fixtures import greedy_and_logits  # scripts/ is on sys.path when run as a script
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -90,14 +101,73 @@ def record(model, out_dir: pathlib.Path, seed: int):
     np.savez_compressed(out_dir / "reference.npz", **arrays)
 
 
+class Float64Everywhere(TorchDispatchMode):
+    """Every aten op in float64: a float32 dtype argument (HF's RMSNorm, gated norm, GDN and
+    softmax casts, rotary tables) becomes float64, and any lower-precision result is an error."""
+
+    LOW = (torch.float32, torch.float16, torch.bfloat16)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        up = lambda v: torch.float64 if v is torch.float32 else v  # noqa: E731
+        out = func(*map(up, args), **{k: up(v) for k, v in (kwargs or {}).items()})
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype in self.LOW:
+                raise TypeError(f"{func} returned {t.dtype} under Float64Everywhere")
+        return out
+
+
+def float64_model(case_dir: pathlib.Path):
+    """The saved case in float64, its rotary inv_freq recomputed in float64 (the buffer was
+    built in float32 at init)."""
+    model = Qwen3_5ForCausalLM.from_pretrained(case_dir).double().eval()
+    rot = model.model.rotary_emb
+    with Float64Everywhere():
+        inv_freq, _ = rot.compute_default_rope_parameters(model.config)
+    rot.inv_freq, rot.original_inv_freq = inv_freq, inv_freq.clone()
+    return model
+
+
+def float64_truth(case_dir: pathlib.Path):
+    """reference_f64.npz for a saved case: float64 logits over prompt + greedy[:-1] of
+    reference.npz. Returns per prompt (HF float32 - truth, chunked - stepwise float64) max abs."""
+    assert json.loads((case_dir / "config.json").read_text())["rope_parameters"]["rope_type"] \
+        == "default", "float64_model recomputes default RoPE only"
+    ref = np.load(case_dir / "reference.npz")
+    model, arrays, report = float64_model(case_dir), {}, []
+    for i in range(sum(k.startswith("prompt_") for k in ref.files)):
+        ids = torch.tensor(np.concatenate([ref[f"prompt_{i}"], ref[f"greedy_{i}"][:-1]])[None]
+                           .astype(np.int64))
+        with torch.no_grad(), Float64Everywhere():
+            truth = model(input_ids=ids).logits[0].numpy()
+            cache, steps = None, []
+            for t in range(ids.shape[1]):
+                out = model(input_ids=ids[:, t:t + 1], use_cache=True, cache=cache)
+                cache = out.cache
+                steps.append(out.logits[0, -1].numpy())
+        assert truth.dtype == np.float64
+        report.append((np.abs(ref[f"logits_{i}"] - truth).max(),
+                       np.abs(np.stack(steps) - truth).max()))
+        arrays[f"logits_{i}"] = truth.astype(np.float32)
+    np.savez_compressed(case_dir / "reference_f64.npz", **arrays)
+    return report
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1]
                                          / "tests" / "fixtures"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--float64-truth", action="store_true",
+                    help="only write reference_f64.npz next to each saved case")
     args = ap.parse_args()
     assert transformers.__version__ == "5.24.0", transformers.__version__
     torch.set_num_threads(1)
+    if args.float64_truth:
+        for name in CASES:
+            for i, (hf32, steps) in enumerate(float64_truth(pathlib.Path(args.out) / name)):
+                print(f"{name} prompt {i}: |HF float32 - f64| {hf32:.3e}, "
+                      f"|f64 chunked - f64 stepwise| {steps:.1e}")
+        return
     for i, (name, kwargs) in enumerate(CASES.items()):
         out_dir = pathlib.Path(args.out) / name
         if out_dir.exists():

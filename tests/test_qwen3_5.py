@@ -70,6 +70,44 @@ def test_logits_and_greedy_match_hf(name):
         assert t == want.tolist(), f"prompt {i}"
 
 
+# Float32 rounding of a correct forward on these fixtures, against the float64 truth (CPU, 3 prompts
+# each): transformers' own float32 logits are up to 2.1e-4 max abs / 8.6e-6 relative L2 off it
+# (qwen3_5_gva2 prompt 1), ours 1.6e-4 / 7.6e-6.
+F64_MAX_ABS, F64_REL_L2 = 3e-4, 2e-5
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_fixture_logits(name):
+    """Our float32 logits over each fixture prompt + greedy[:-1], exactly as in
+    test_logits_and_greedy_match_hf (same call, so the same compiled executable)."""
+    lm, ref = _model(name), _ref(name)
+    full = [np.concatenate([p, g[:-1]]) for p, g in zip(ref["prompt"], ref["greedy"])]
+    return testing.prefill_logits(lm.family, lm.params, lm.cfg, full, page_size=16)
+
+
+@pytest.mark.parametrize("name", [QWEN_FIXTURES[0]] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in QWEN_FIXTURES[1:]])
+def test_logits_match_float64_truth(name):
+    """Our float32 logits vs a float64 truth: transformers' own forward over the same tokens with
+    every op in float64 (reference_f64.npz, `make_qwen_fixtures.py --float64-truth`; it agrees
+    with HF's token-by-token float64 decode to 7e-13).
+
+    The HF float32 oracle of test_logits_and_greedy_match_hf carries float32 rounding of the same
+    size as ours (up to 2.1e-4 max abs off the truth), so its 1e-4 bound mixes both errors (it
+    holds on CPU because the two roundings are partly correlated). Here the oracle has no float32
+    error: the bounds are float32 forward error, F64_MAX_ABS ~1.4x transformers' own worst and
+    F64_REL_L2 ~2.3x; any real defect (a wrong weight, rotary pair, decay or chunk boundary)
+    moves the relative L2 error by orders of magnitude more."""
+    truth = np.load(FIXTURES / name / "reference_f64.npz")
+    for i, got in enumerate(_prefill_fixture_logits(name)):
+        want = truth[f"logits_{i}"].astype(np.float64)
+        assert got.shape == want.shape, (i, got.shape, want.shape)
+        err = np.abs(got - want).max()
+        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= F64_MAX_ABS and rel <= F64_REL_L2, \
+            f"prompt {i}: max abs {err:.3e}, relative L2 {rel:.2e} off the float64 truth"
+
+
 COMPILED = os.environ.get("MINIPIC_COMPILED") == "1"
 PALLAS_GDN = "pallas_fused" if COMPILED else "pallas_fused_interpret"
 
