@@ -19,10 +19,10 @@ The Mosaic prefill kernel's pre-pass gathers every sequence row's keys into a co
     decides this on the host (`plan_step`: a static `prefill_fits`, one compiled variant per
     outcome). It also knows when a small step holds no decode row (the cached-span request: one
     sequence of 72 query rows), and then the decode kernel and its gathers are left out
-    (`decode_rows` False: the decode kernel, its partials' merge and three gathers fewer per
-    layer). Only a caller that cannot know (prefill_fits None under jit) gets a lax.cond, which
-    XLA's GPU runtime executes by copying the predicate to the host and blocking the stream:
-    one host sync per call, i.e. per layer.
+    (`decode_rows` False: per layer the decode kernel, the merge of its partials, two row
+    gathers and the select are gone). Only a caller that cannot know (prefill_fits None under
+    jit) gets a lax.cond, which XLA's GPU runtime executes by copying the predicate to the host
+    and blocking the stream: one host sync per call, i.e. per layer.
 
 Each query row takes exactly one of the two results. The compaction keeps the rows where they
 are: each slot carries its sequence's (first row, end row), so no query is moved.
