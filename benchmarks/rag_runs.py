@@ -223,8 +223,9 @@ def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
         times.append(time.perf_counter() - t0)
     prof = profile_kernels(call, steps=3, top=15)
     prof.pop("lines", None)
-    try:  # the compiled program's ops (the persistent cache makes this cheap)
-        text = r._step.lower(*r._args(ints, floats, use_prev, kw), **kw).compile().as_text()
+    try:  # the ops of the executable the replay ran (compiled or loaded at warm-up)
+        args = r._args(ints, floats, use_prev, kw)
+        text = r._step._table[r._step._key(args, kw)].as_text()
         hlo = {op: text.count(f" {op}(") for op in ("fusion", "custom-call", "while",
                                                     "conditional", "gather", "scatter")}
     except Exception as e:  # noqa: BLE001 - a side figure
