@@ -64,7 +64,8 @@ def start_plain_compile(runner) -> threading.Thread:
     s = runner.config.seq_bucket(t)
     _, size = _layout(t, s, runner.nb, False)
     prev = runner._prev() if runner.config.async_scheduling else None
-    plans = {runner._plan(t, s, n) for n in (0, min(s, t // 2))}  # as ModelRunner.warmup
+    plans = {runner._plan(t, s, n, d)  # as ModelRunner.warmup
+             for n, d in ((0, 1), (min(s, t // 2), 1), (1, 0))}
     lowered = [runner._step.lower(runner.params, runner.cache, np.zeros(size, np.int32),
                                   np.ones(2 * s, np.float32), prev, None, None, t=t, s=s,
                                   all_greedy=True, use_filter=False, num_logprobs=0,

@@ -165,6 +165,12 @@ def report(results: list) -> None:
                 for k in prof["top"][:10]:
                     print(f"[ttft]   {k['ms_per_step']:7.3f} ms {k['calls_per_step']:5.0f}x "
                           f"{k['name']}")
+                for label, p in (("planned", prof), ("with decode part",
+                                                     prof.get("with_decode_part"))):
+                    if p:
+                        print(f"[ttft] {label}: {p['step_alone_ms']:.2f} ms alone, busy "
+                              f"{p['kernel_busy_ms_per_step']:.2f} ms, "
+                              f"{p['kernels_per_step']:.0f} kernels, compiled {p['hlo_ops']}")
 
 
 def _ms(x):

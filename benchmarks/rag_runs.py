@@ -190,17 +190,30 @@ def run_ttft(opts) -> dict:
 
 
 def _profile_last_step(engine, repeats: int = 5) -> dict:
-    """The runner's last step (same inputs, same shapes) replayed alone: its median wall time
-    and a profiler summary of its device kernels (benchmarks/timing.profile_kernels). Replaying
-    rewrites the same K/V rows with the same values."""
-    import jax
+    """The runner's last step (same inputs, same shapes) replayed alone: its median wall time, a
+    profiler summary of its device kernels (benchmarks/timing.profile_kernels) and the op counts
+    of its compiled program; a step planned without the decode part (MixedOptions.decode_rows
+    False) is replayed with it too (`with_decode_part`, the A/B). Replaying rewrites the same
+    K/V rows with the same values."""
+    import dataclasses
 
     from benchmarks.timing import profile_kernels
     r = engine.runner
     ints, floats, kw = r.last_inputs
+    out = _replay(r, ints, floats, kw, repeats, profile_kernels)
+    plan = kw.get("attn_options")
+    if getattr(plan, "decode_rows", True) is False:
+        kw_b = dict(kw, attn_options=dataclasses.replace(plan, decode_rows=True))
+        out["with_decode_part"] = _replay(r, ints, floats, kw_b, repeats, profile_kernels)
+    return out
+
+
+def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
+    import jax
+    use_prev = r.config.async_scheduling
 
     def call():
-        return r._dispatch(ints, floats, r.config.async_scheduling, kw)
+        return r._dispatch(ints, floats, use_prev, kw)
 
     jax.block_until_ready(call())
     times = []
@@ -210,5 +223,12 @@ def _profile_last_step(engine, repeats: int = 5) -> dict:
         times.append(time.perf_counter() - t0)
     prof = profile_kernels(call, steps=3, top=15)
     prof.pop("lines", None)
+    try:  # the ops of the executable the replay ran (compiled or loaded at warm-up)
+        args = r._args(ints, floats, use_prev, kw)
+        text = r._step._table[r._step._key(args, kw)].as_text()
+        hlo = {op: text.count(f" {op}(") for op in ("fusion", "custom-call", "while",
+                                                    "conditional", "gather", "scatter")}
+    except Exception as e:  # noqa: BLE001 - a side figure
+        hlo = {"error": repr(e)[:200]}
     return {"step_alone_ms": 1e3 * float(np.median(times)), "tokens": kw["t"],
-            "attn_options": repr(kw.get("attn_options")), **prof}
+            "attn_options": repr(kw.get("attn_options")), "hlo_ops": hlo, **prof}

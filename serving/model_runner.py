@@ -237,7 +237,7 @@ class ModelRunner:
         variants = []
         for t in self.config.token_buckets:
             s = self.config.seq_bucket(t)
-            plans = {self._plan(t, s, n) for n in (0, min(s, t // 2))}
+            plans = {self._plan(t, s, n, d) for n, d in ((0, 1), (min(s, t // 2), 1), (1, 0))}
             variants += [(t, False, plan, False, ()) for plan in plans]
             if spans and self.hybrid:
                 chains = span_step.warm_chains(s) if self.span_pool is not None else [()]
@@ -333,7 +333,8 @@ class ModelRunner:
         all_greedy, use_filter = fill_sampling(batch, seats, v, floats, s)
         self.tables.copy_rows(seats, v)
         decode_only = d == n_seq and self.separate_decode
-        plan = None if decode_only else self._plan(t, s, sum(e.token_idx.size > 1 for e in batch))
+        n_pre = sum(e.token_idx.size > 1 for e in batch)
+        plan = None if decode_only else self._plan(t, s, n_pre, n_seq - n_pre)
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only, attn_options=plan)
         if spans:
@@ -348,11 +349,11 @@ class ModelRunner:
         self.last_dispatch = time.perf_counter() - t0
         return packed, num_logprobs
 
-    def _plan(self, t: int, s: int, prefill_count: int):
+    def _plan(self, t: int, s: int, prefill_count: int, decode_count: int):
         """The attention options of a general step (static: the kernel's per-step plan, decided
         here on the host from the step's sequences; paged_attention.api.step_options)."""
         return step_options(self.attn_impl, self.attn_options, tokens=t, seqs=s,
-                            prefill_count=prefill_count)
+                            prefill_count=prefill_count, decode_count=decode_count)
 
     def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False, chain=()):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached

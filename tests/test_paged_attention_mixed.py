@@ -241,3 +241,79 @@ def test_tile_schedules_hold_no_while_loop():
     want = [(s, t) for s in range(4) for t in range(cu[s], cu[s + 1], 64)]
     got = [(int(a), int(b)) for a, b in zip(seq, start) if a >= 0]
     assert got == want
+
+
+def test_split_merge_matches_brute_force(fresh_rng):
+    """merge_split (rows gathered from their tile's partials) vs a float64 loop over the split
+    entries of a real tile schedule: each owned row is the exp2(lse)-weighted mean of its tile's
+    used partials, rows of no tile are zero."""
+    from kernels_pallas.paged_attention.mosaic_prefill_prep import (BLOCK_KV, TILE_Q, TILE_Q0,
+                                                                    TILE_Q1, TILE_SEQ,
+                                                                    TILE_START, key_positions,
+                                                                    tile_schedule)
+    from kernels_pallas.paged_attention.mosaic_prefill_split import merge_split, split_schedule
+    _, _, _, md, _ = _inputs(fresh_rng, jnp.bfloat16, 1, 2, 64, None, 0.0, False,
+                             [(700, 20, 0), (0, 3, 0), (40, 0, 0), (300, 150, 0)])
+    tokens, splits = md.q_seq.shape[0], 3
+    n_pad = -(-md.block_tables.shape[1] * 16 // BLOCK_KV) * BLOCK_KV
+    sched = tile_schedule(md, key_positions(md, 16, n_pad), tokens)
+    sched, used = split_schedule(sched, splits, 2)
+    part = fresh_rng.standard_normal((sched.shape[0], 2, TILE_Q, 8)).astype(np.float32)
+    lse = (3 * fresh_rng.standard_normal((sched.shape[0], 2, TILE_Q))).astype(np.float32)
+    got = np.asarray(merge_split(jnp.asarray(part), jnp.asarray(lse), used, sched, splits,
+                                 tokens))
+    sc, used = np.asarray(sched), np.asarray(used)
+    want = np.zeros((tokens, 2, 8))
+    for tile in range(sc.shape[0] // splits):
+        e = [tile * splits + j for j in range(splits) if used[tile * splits + j]]
+        seq, start, q0, q1 = sc[tile * splits, [TILE_SEQ, TILE_START, TILE_Q0, TILE_Q1]]
+        for r in range(TILE_Q):
+            if seq < 0 or not q0 <= start + r < q1 or not e:
+                continue
+            w = np.exp2(lse[e, :, r].astype(np.float64))  # [E, H]
+            want[start + r] = (w[..., None] * part[e, :, r]).sum(0) / w.sum(0)[:, None]
+    assert np.any(want != 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_step_without_decode_rows_leaves_the_decode_kernel_out(fresh_rng, monkeypatch):
+    """A small step whose sequences all have >= 2 query rows (the cached-span request), planned
+    on the host, traces no decode kernel: one Mosaic prefill kernel and the gather per layer;
+    a step with a decode row, a large one, or an unknown decode count keeps the decode part."""
+    from kernels_pallas.paged_attention.api import step_options
+    from kernels_pallas.paged_attention.mosaic_mixed import MixedOptions
+    base = MixedOptions(max_position=64)
+    plan = lambda t, p, d: step_options("mixed", base, tokens=t, seqs=8, prefill_count=p,  # noqa
+                                        decode_count=d)
+    assert not plan(128, 1, 0).decode_rows
+    assert plan(128, 1, 1).decode_rows and plan(128, 1, None).decode_rows
+    assert plan(1024, 1, 0).decode_rows  # a large step amortises the empty decode part
+    assert not plan(128, 3, 0).prefill_fits and plan(128, 3, 0).decode_rows  # overflow
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 2, 2, 128, None, 0.0, False,
+                               [(300, 40, 0), (0, 9, 0)])
+
+    def kernels(**options):  # Pallas / Mosaic GPU kernels the traced step calls
+        def step(q, k, v, md):
+            return paged_attention(q, k, v, md, inv, kv_mode="position_free",
+                                   implementation="mixed", max_position=512,
+                                   kernel_options={"overflow": "xla", "prefill_fits": True,
+                                                   "prefill_seqs": 2, **options})
+        return _count_kernels(jax.make_jaxpr(step)(q, k, v, md).jaxpr)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the compiled path (traced only)
+    with_decode, without = kernels(), kernels(decode_rows=False)
+    assert without == with_decode - 1 and without >= 1, (with_decode, without)
+
+
+def _count_kernels(jaxpr) -> int:
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _KERNELS:
+            n += 1
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _count_kernels(inner)
+    return n

@@ -55,7 +55,8 @@ ATTENTION: dict[str, Implementation] = {
 
 
 def _mixed_run(q_rot, k_pages, v_pages, metadata, inv_freq, *, rotate_keys, attention_scaling,
-               sm_scale, interpret, prefill_seqs, splits, max_position, overflow, prefill_fits):
+               sm_scale, interpret, prefill_seqs, splits, max_position, overflow, prefill_fits,
+               decode_rows):
     """implementation="mixed" (mosaic_mixed.py): its decode rows and overflow steps run the
     registry's choices for those problems."""
     kv_mode = "position_free" if rotate_keys else "rotated"
@@ -74,7 +75,7 @@ def _mixed_run(q_rot, k_pages, v_pages, metadata, inv_freq, *, rotate_keys, atte
     return mosaic_mixed.mixed_attention(
         q_rot, k_pages, v_pages, metadata, inv_freq, decode=part("auto", True),
         overflow=part(overflow, False), prefill_seqs=prefill_seqs, splits=splits,
-        prefill_fits=prefill_fits, **common)
+        prefill_fits=prefill_fits, decode_rows=decode_rows, **common)
 
 
 ATTENTION["mixed"] = Implementation("mixed", _mixed_run, mosaic_mixed.MixedOptions,
@@ -83,13 +84,15 @@ ATTENTION["mixed"] = Implementation("mixed", _mixed_run, mosaic_mixed.MixedOptio
 IMPLEMENTATIONS = ("auto",) + tuple(ATTENTION)
 
 
-def step_options(name: str, options, *, tokens: int, seqs: int, prefill_count: int):
+def step_options(name: str, options, *, tokens: int, seqs: int, prefill_count: int,
+                 decode_count: int | None = None):
     """The options of implementation `name` for one step whose shape the caller knows on the host
     before launch: `tokens` query rows, `seqs` sequence rows, `prefill_count` sequences with two
-    or more query rows. For "mixed" this fixes which of its paths runs (mosaic_mixed.plan_step),
-    so the compiled step holds no per-layer conditional; the others take every step as is."""
+    or more query rows, `decode_count` (None: unknown) with one. For "mixed" this fixes which of
+    its paths runs (mosaic_mixed.plan_step), so the compiled step holds no per-layer conditional
+    and, when it holds no decode row, no decode kernel; the others take every step as is."""
     if name == "mixed":
-        return mosaic_mixed.plan_step(options, tokens, seqs, prefill_count)
+        return mosaic_mixed.plan_step(options, tokens, seqs, prefill_count, decode_count)
     return options
 
 

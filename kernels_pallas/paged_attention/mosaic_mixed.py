@@ -17,9 +17,12 @@ The Mosaic prefill kernel's pre-pass gathers every sequence row's keys into a co
   * a step with more prefill sequences than slots runs the `overflow` implementation (Triton
     ragged) instead. The engine knows each step's sequences before it launches the step, so it
     decides this on the host (`plan_step`: a static `prefill_fits`, one compiled variant per
-    outcome). Only a caller that cannot know (prefill_fits None under jit) gets a lax.cond,
-    which XLA's GPU runtime executes by copying the predicate to the host and blocking the
-    stream: one host sync per call, i.e. per layer.
+    outcome). It also knows when a small step holds no decode row (the cached-span request: one
+    sequence of 72 query rows), and then the decode kernel and its gathers are left out
+    (`decode_rows` False: per layer the decode kernel, the merge of its partials, two row
+    gathers and the select are gone). Only a caller that cannot know (prefill_fits None under
+    jit) gets a lax.cond, which XLA's GPU runtime executes by copying the predicate to the host
+    and blocking the stream: one host sync per call, i.e. per layer.
 
 Each query row takes exactly one of the two results. The compaction keeps the rows where they
 are: each slot carries its sequence's (first row, end row), so no query is moved.
@@ -108,21 +111,32 @@ class MixedOptions:
     max_position: the decode rows' position bound (None: the problem's table bound); overflow:
     the implementation of steps with more prefill sequences than slots; prefill_fits: whether
     this step's prefill sequences fit the slots, decided by the caller on the host (`plan_step`;
-    True: the Mosaic path, False: `overflow`, None: checked on device, see module doc)."""
+    True: the Mosaic path, False: `overflow`, None: checked on device, see module doc);
+    decode_rows: whether the step may hold sequences of one query row (False, the caller's
+    promise: the decode part is not traced; rows of no prefill sequence are then left as the
+    prefill kernel leaves them, i.e. garbage or zero)."""
 
     prefill_seqs: int | None = None
     splits: int | None = None
     max_position: int | None = None
     overflow: str = "triton"
     prefill_fits: bool | None = None
+    decode_rows: bool = True
 
 
-def plan_step(options: MixedOptions, tokens: int, seqs: int, prefill_count: int) -> MixedOptions:
+def plan_step(options: MixedOptions, tokens: int, seqs: int, prefill_count: int,
+              decode_count: int | None = None) -> MixedOptions:
     """The options of one step of `tokens` query rows and `seqs` sequence rows, `prefill_count`
-    of which have two or more query rows (known on the host before launch): the slot count
-    fixed and whether the step fits it, so the compiled step holds no conditional."""
+    of which have two or more query rows and `decode_count` (None: unknown) one (known on the
+    host before launch): the slot count fixed and whether the step fits it, so the compiled step
+    holds no conditional; a step of at most SPLIT_MAX_TOKENS rows that fits and holds no decode
+    row leaves the decode part out (one more compiled variant per small bucket only: larger
+    steps amortise the empty decode part's ~10 us per layer)."""
     slots = options.prefill_seqs or prefill_slots(tokens, seqs)
-    return dataclasses.replace(options, prefill_seqs=slots, prefill_fits=prefill_count <= slots)
+    fits = prefill_count <= slots
+    no_decode = fits and decode_count == 0 and 0 < prefill_count and tokens <= SPLIT_MAX_TOKENS
+    return dataclasses.replace(options, prefill_seqs=slots, prefill_fits=fits,
+                               decode_rows=not no_decode)
 
 
 def mixed_defaults(problem, options: MixedOptions) -> MixedOptions:
@@ -140,11 +154,12 @@ def mixed_limits(problem, options: MixedOptions) -> str:
 def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, rotate_keys,
                     attention_scaling, sm_scale, prefill_seqs: int | None = None,
                     splits: int | None = None, prefill_fits: bool | None = None,
-                    interpret=False):
+                    decode_rows: bool = True, interpret=False):
     """One engine step (see module doc). q_rot: [T, H, D] rotated queries; decode(q_rot, md) and
     overflow(q_rot, md) run a decode-only batch and the whole step on other implementations
     (api.py binds them from the registry). prefill_fits: the caller's static decision (True /
-    False), or None to check on device. Returns [T, H, D] in q's dtype."""
+    False), or None to check on device; decode_rows False: the caller's promise that no
+    sequence has exactly one query row (MixedOptions). Returns [T, H, D] in q's dtype."""
     tokens = q_rot.shape[0]
     if prefill_fits is False:
         return overflow(q_rot, md)
@@ -165,6 +180,8 @@ def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, 
 
     def mosaic_path():
         out = prefill_part()
+        if not decode_rows:
+            return out
         q_d, md_d = decode_batch(q_rot, md)
         out_d = decode(q_d, md_d)[jnp.clip(md.q_seq, 0, q_lens.shape[0] - 1)]  # [T, H, D]
         return jnp.where(prefill_row[:, None, None], out, out_d.astype(out.dtype))

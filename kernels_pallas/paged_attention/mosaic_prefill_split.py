@@ -69,9 +69,13 @@ def merge_split(part, lse, used, sched, splits: int, tokens: int):
     rows = tile[:, TILE_START, None] + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]  # [NT, TQ]
     own = (rows >= tile[:, TILE_Q0, None]) & (rows < tile[:, TILE_Q1, None]) & (tile[:, TILE_SEQ, None] >= 0)
     dest = jnp.where(own, rows, tokens).reshape(-1)
+    # Each row's source (metadata only: one scatter per step, shared by the layers once XLA
+    # merges their identical copies), then a gather that fuses with the merge's elementwise
+    # tail; a scatter of the rows themselves would be its own kernels in every layer.
+    entry = jnp.arange(dest.shape[0], dtype=jnp.int32)
+    src = jnp.full((tokens,), -1, jnp.int32).at[dest].set(entry, mode="drop")  # [T]
     rows_out = jnp.moveaxis(out, 1, 2).reshape(n_tiles * TILE_Q, heads, head_dim)
-    res = jnp.zeros((tokens, heads, head_dim), jnp.float32)
-    return res.at[dest].set(rows_out, mode="drop")
+    return jnp.where((src >= 0)[:, None, None], rows_out[jnp.maximum(src, 0)], 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
