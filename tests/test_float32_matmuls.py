@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import FIXTURES
+from jaxpr_walk import outer_eqns
 from jax._src.lax import lax as _lax
 
 from minipic_jax.loading import load_model
@@ -64,21 +65,8 @@ def _dot_precisions(forward, name="qwen3_5_gva2"):
     md, _, _ = pager.step([10, 5])
     jaxpr = jax.make_jaxpr(lambda p, t, m, c: forward(p, t, m, c, lm.cfg)[0])(
         lm.params, jnp.zeros(md.num_tokens, jnp.int32), md, cache)
-    found = []
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append((eqn.params["precision"], eqn.invars[0].aval.dtype))
-            if eqn.primitive.name == "pallas_call":
-                continue
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-    walk(jaxpr.jaxpr)
-    return found
+    return [(eqn.params["precision"], eqn.invars[0].aval.dtype)
+            for eqn in outer_eqns(jaxpr.jaxpr) if eqn.primitive.name == "dot_general"]
 
 
 def test_float32_forward_asks_ieee_dots():

@@ -18,6 +18,7 @@ from kernels_pallas.paged_attention.mosaic_mixed import compact_prefill, decode_
 from kernels_pallas.paged_attention.mosaic_prefill_split import prefill_attention_split
 from kernels_pallas.paged_attention.reference import paged_attention_reference
 from tests.test_paged_attention_mgpu_prefill import _inputs
+from jaxpr_walk import KERNELS, primitive_counts
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 # Larger interpreted batches take minutes on the 2-core CI machine: marked slow there (run them
@@ -142,30 +143,13 @@ def test_planned_step_holds_no_conditional(fits, fresh_rng, monkeypatch):
             return paged_attention(q, k, v, md, inv, kv_mode="position_free",
                                    implementation="mixed", max_position=64,
                                    kernel_options={"overflow": "xla", **plan})
-        return _outer_primitives(jax.make_jaxpr(step)(q, k, v, md).jaxpr)
+        return set(primitive_counts(jax.make_jaxpr(step)(q, k, v, md).jaxpr))
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the compiled path (traced only)
     names = primitives(prefill_seqs=1, prefill_fits=fits)
     assert "cond" not in names
-    assert bool(names & _KERNELS) == fits  # the Mosaic kernels, or only the XLA overflow
+    assert bool(names & KERNELS) == fits  # the Mosaic kernels, or only the XLA overflow
     assert "cond" in primitives(prefill_seqs=1)
-
-
-_KERNELS = {"pallas_call", "mpmd_map"}  # Pallas / Mosaic GPU kernels: their bodies run on device
-
-
-def _outer_primitives(jaxpr) -> set:
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        if eqn.primitive.name in _KERNELS:
-            continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    names |= _outer_primitives(inner)
-    return names
 
 
 def test_prefill_choice_falls_back_cleanly():
@@ -298,22 +282,10 @@ def test_step_without_decode_rows_leaves_the_decode_kernel_out(fresh_rng, monkey
                                    implementation="mixed", max_position=512,
                                    kernel_options={"overflow": "xla", "prefill_fits": True,
                                                    "prefill_seqs": 2, **options})
-        return _count_kernels(jax.make_jaxpr(step)(q, k, v, md).jaxpr)
+        counts = primitive_counts(jax.make_jaxpr(step)(q, k, v, md).jaxpr)
+        return sum(counts[k] for k in KERNELS)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the compiled path (traced only)
     with_decode, without = kernels(), kernels(decode_rows=False)
     assert without == with_decode - 1 and without >= 1, (with_decode, without)
 
-
-def _count_kernels(jaxpr) -> int:
-    n = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _KERNELS:
-            n += 1
-            continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _count_kernels(inner)
-    return n

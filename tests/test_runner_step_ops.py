@@ -12,28 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.presets import PRESETS
+from jaxpr_walk import KERNELS, primitive_counts
 from minipic_jax.models import llama
 from serving.config import Config
 from serving.model_runner import ModelRunner
 from serving.step_inputs import layout
 
 LAYERS = 3
-_KERNELS = {"pallas_call", "mpmd_map"}
-
-
-def _primitives(jaxpr, counts):
-    for eqn in jaxpr.eqns:
-        counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
-        if eqn.primitive.name in _KERNELS:
-            continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _primitives(inner, counts)
-    return counts
-
-
 def test_cached_span_step_has_three_kernels_per_layer_and_no_control_flow(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the compiled path (traced only)
     mcfg = dataclasses.replace(PRESETS["tulu3_block_ft"], vocab_size=512, hidden_size=64,
@@ -59,11 +44,11 @@ def test_cached_span_step_has_three_kernels_per_layer_and_no_control_flow(monkey
         step = lambda *a: runner._step_impl(*a, t=t, s=s, all_greedy=True, use_filter=False,  # noqa
                                             num_logprobs=0, attn_options=plan)
         jaxpr = jax.make_jaxpr(step)(runner.params, runner.cache, ints, floats).jaxpr
-        return _primitives(jaxpr, {})
+        return primitive_counts(jaxpr)
 
     cached, mixed = counts(0), counts(1)
     for c in (cached, mixed):
         assert not {"cond", "while"} & set(c), sorted(c)
-    kernels = lambda c: sum(c.get(k, 0) for k in _KERNELS)  # noqa: E731
+    kernels = lambda c: sum(c[k] for k in KERNELS)  # noqa: E731
     assert kernels(cached) == 3 * LAYERS, cached  # K/V write, live gather, Mosaic prefill
     assert kernels(mixed) == 4 * LAYERS, mixed  # + the decode kernel
