@@ -98,6 +98,27 @@ def test_mixed_step_with_values_from_the_pages_matches_reference(slots, fresh_rn
     _check(out, q, k, v, md, inv, "position_free")
 
 
+@pytest.mark.parametrize("split", [True, pytest.param(False, marks=slow)])
+def test_idle_warpgroups_skip_their_work(split, fresh_rng):
+    """skip_idle: the second compute warpgroup of a tile whose sequence ends in its first half
+    (10 packed rows; 72 packed rows of the second sequence start in a tile of their own) walks
+    the barriers only; every row still matches the reference. (The interpreter's race detector
+    is not asked: on these inputs it reports the key-position ring's TMA write against the
+    masked steps' read with skip_idle off as well, 2026-12-02.)"""
+    from kernels_pallas.paged_attention.mosaic_prefill import prefill_attention_mosaic
+    from kernels_pallas.rope import apply_rope
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 1, 2, 64, None, 0.2, True,
+                               [(600, 5, 0), (130, 36, 0)])
+    q_rot = apply_rope(q, md.q_positions, inv, 1.0)
+    kw = dict(rotate_keys=True, attention_scaling=1.0, sm_scale=64 ** -0.5, skip_idle=True,
+              interpret=INTERPRET)
+    if split:
+        out = prefill_attention_split(q_rot, k, v, md, inv, splits=2, min_steps=2, **kw)
+    else:
+        out = prefill_attention_mosaic(q_rot, k, v, md, inv, **kw)
+    _check(out, q, k, v, md, inv, "position_free")
+
+
 MIXED_CASES = [
     # a decode row and a prefill chunk over cached context, one kv head
     pytest.param(1, [(40, 1, 0), (100, 12, 0)], 1, id="decode+prefill", marks=slow),

@@ -117,7 +117,8 @@ class MixedOptions:
     promise: the decode part is not traced; rows of no prefill sequence are then left as the
     prefill kernel leaves them, i.e. garbage or zero); direct_v: the prefill kernel reads values
     from the pages (the pre-pass gathers keys only: half its traffic; needs finite values in
-    every page slot, as mosaic_decode does; mosaic_prefill.prepare)."""
+    every page slot, as mosaic_decode does; mosaic_prefill.prepare); skip_idle: prefill
+    warpgroups that own no row skip their work (mosaic_prefill._kernel)."""
 
     prefill_seqs: int | None = None
     splits: int | None = None
@@ -126,6 +127,7 @@ class MixedOptions:
     prefill_fits: bool | None = None
     decode_rows: bool = True
     direct_v: bool = False
+    skip_idle: bool = False
 
 
 def plan_step(options: MixedOptions, tokens: int, seqs: int, prefill_count: int,
@@ -160,7 +162,8 @@ def mixed_limits(problem, options: MixedOptions) -> str:
 def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, rotate_keys,
                     attention_scaling, sm_scale, prefill_seqs: int | None = None,
                     splits: int | None = None, prefill_fits: bool | None = None,
-                    decode_rows: bool = True, direct_v: bool = False, interpret=False):
+                    decode_rows: bool = True, direct_v: bool = False, skip_idle: bool = False,
+                    interpret=False):
     """One engine step (see module doc). q_rot: [T, H, D] rotated queries; decode(q_rot, md) and
     overflow(q_rot, md) run a decode-only batch and the whole step on other implementations
     (api.py binds them from the registry). prefill_fits: the caller's static decision (True /
@@ -178,7 +181,8 @@ def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, 
 
     def prefill_part():
         kw = dict(rotate_keys=rotate_keys, attention_scaling=attention_scaling,
-                  sm_scale=sm_scale, direct_v=direct_v, interpret=interpret)
+                  sm_scale=sm_scale, direct_v=direct_v, skip_idle=skip_idle,
+                  interpret=interpret)
         if splits > 1:
             return prefill_attention_split(q_rot, k_pages, v_pages, compact, inv_freq,
                                            splits=splits, **kw)

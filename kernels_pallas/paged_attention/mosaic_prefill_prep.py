@@ -9,6 +9,8 @@ side buffer into place.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from kernels_pallas.paged_attention.mosaic_common import META_COLS
@@ -20,6 +22,7 @@ TILE_Q = 2 * BLOCK_Q  # query tokens per CTA
 BLOCK_KV = 128  # keys per step
 _SENTINEL = 1 << 30  # position of pad / unused key slots: after every query
 _ALIGN = 8  # query tiles start at rows that are multiples of this (TMA box / SMEM tiling)
+_LOG2E = math.log2(math.e)
 # Columns of the per-tile schedule (int32 [NT, 8]).
 TILE_SEQ, TILE_START, TILE_LO, TILE_MLO, TILE_MHI, TILE_HI, TILE_Q0, TILE_Q1 = range(8)
 
@@ -201,3 +204,36 @@ def scatter_tails(out, side, md, tokens: int):
     rows = jnp.moveaxis(side, 2, 3).reshape(seqs * 2 * TILE_Q, heads, head_dim)
     out = out[:tokens] if rows_out != tokens else out
     return out.at[dest].set(rows, mode="drop")
+
+
+def prepare(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_scaling, sm_scale,
+            live_gather: bool = False, direct_v: bool = False):
+    """Everything before mosaic_prefill's kernel: (sched, q_in, k, v, key_pos, q_pos, q_win, v_table).
+    live_gather (compiled): K/V written only where the kernel reads (gather_kv).
+    direct_v: values are not gathered; v is the page pool itself and v_table the page of each
+    table entry (page_table; the kernel reads V through it by TMA). Its
+    precondition, as mosaic_decode's: every page slot holds a finite value (a masked key's p = 0
+    times a NaN value is NaN); the engine's cache starts zeroed and only ever holds finite K/V.
+    Without direct_v, v_table is None."""
+    tokens = q_rot.shape[0]
+    if direct_v:
+        why = direct_v_limits(k_pages.shape[1], md.block_tables.shape[1])
+        if why:
+            raise ValueError(f"direct_v: {why}")
+    k_buf, v_buf, key_pos = gather_kv(k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
+                                      attention_scaling=attention_scaling,
+                                      live=live_gather and LIVE_GATHER,
+                                      values=not direct_v)
+    v_table = None
+    if direct_v:
+        v_buf, v_table = v_pages, page_table(md, k_pages.shape[0], k_pages.shape[1],
+                                             key_pos.shape[1])
+    sched = tile_schedule(md, key_pos, tokens)
+    # Row counts of tiled GMEM arrays must be multiples of _ALIGN. Rows past T (a tile's tail)
+    # read zeros / position -1 (sees no key).
+    extra = -(-tokens // _ALIGN) * _ALIGN - tokens + TILE_Q
+    q_in = jnp.pad((q_rot.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(q_rot.dtype),
+                   ((0, extra), (0, 0), (0, 0)))
+    q_pos = jnp.pad(md.q_positions, (0, extra), constant_values=-1)
+    q_win = jnp.pad(md.q_window_start, (0, extra))
+    return sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win, v_table
