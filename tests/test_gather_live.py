@@ -64,3 +64,13 @@ def test_keys_only_gather_skips_values(fresh_rng):
     assert got_v is None
     end = -(-int(md.num_blocks[0]) * k.shape[1] // BLOCK_KV) * BLOCK_KV
     np.testing.assert_array_equal(np.asarray(got_k[0, :end]), np.asarray(want_k[0, :end]))
+
+
+def test_direct_values_limits():
+    """direct_v takes page sizes that tile a key step in 8-row boxes, and tables that fit SMEM."""
+    from kernels_pallas.paged_attention.mosaic_prefill_prep import direct_v_limits
+    assert direct_v_limits(16, 2112) == ""  # the engine's 33,792 positions
+    assert direct_v_limits(16, 8192) == ""
+    assert "page size" in direct_v_limits(4, 100)
+    assert "page size" in direct_v_limits(24, 100)
+    assert "exceed" in direct_v_limits(16, 8193)

@@ -23,6 +23,7 @@ BLOCK_KV = 128  # keys per step
 _SENTINEL = 1 << 30  # position of pad / unused key slots: after every query
 _ALIGN = 8  # query tiles start at rows that are multiples of this (TMA box / SMEM tiling)
 _LOG2E = math.log2(math.e)
+_TABLE_ROWS = 128  # direct_v: rows of META_COLS page ids in SMEM at most
 # Columns of the per-tile schedule (int32 [NT, 8]).
 TILE_SEQ, TILE_START, TILE_LO, TILE_MLO, TILE_MHI, TILE_HI, TILE_Q0, TILE_Q1 = range(8)
 
@@ -93,13 +94,14 @@ def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_sc
 def direct_v_limits(page_size: int, table_cols: int) -> str:
     """Why the kernel cannot read values straight from the pages ('' when it can): a page is
     one TMA box of a key step (page size a multiple of 8 that divides BLOCK_KV) and the page
-    table of a sequence (table_cols entries, padded to whole key steps) fits one box in SMEM
-    (<= 256 rows of META_COLS)."""
+    table of a sequence (table_cols entries, padded to whole key steps) fits one TMA box of
+    _TABLE_ROWS rows in SMEM (32 KiB next to the kernel's ~163 KiB: 8192 entries, 128K
+    positions at page size 16)."""
     if page_size % _ALIGN or BLOCK_KV % page_size:
         return f"needs a page size that is a multiple of {_ALIGN} and divides {BLOCK_KV}"
     entries = -(-table_cols * page_size // BLOCK_KV) * BLOCK_KV // page_size
-    if entries > 256 * META_COLS:
-        return f"{entries} table entries do not fit one TMA box of {META_COLS} columns"
+    if entries > _TABLE_ROWS * META_COLS:
+        return f"{entries} table entries exceed {_TABLE_ROWS} rows of {META_COLS} in SMEM"
     return ""
 
 
