@@ -49,3 +49,28 @@ def test_live_gather_matches_xla_gather_where_the_kernel_reads(dtype, kv_heads, 
             assert np.all(np.isfinite(g)), f"row {s}: a pad or unused entry was not zeroed"
             tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: one rounding step apart
             np.testing.assert_allclose(g, w, atol=tol, rtol=tol, err_msg=f"sequence row {s}")
+
+
+def test_keys_only_gather_skips_values(fresh_rng):
+    """values=False (the kernel reads V from the pages: mosaic_prefill.prepare's direct_v): the
+    same keys, no value buffer."""
+    _, k, v, md, inv = _inputs(fresh_rng, jnp.float32, 1, 1, 64, None, 0.3, True,
+                               [(136, 4, 0), (0, 0, 0)])
+    n_pad = -(-md.block_tables.shape[1] * k.shape[1] // BLOCK_KV) * BLOCK_KV
+    kw = dict(n_pad=n_pad, step_keys=BLOCK_KV, rotate_keys=True, attention_scaling=0.9,
+              interpret=INTERPRET)
+    want_k, _ = gather_live(k, v, md, inv, **kw)
+    got_k, got_v = gather_live(k, v, md, inv, values=False, **kw)
+    assert got_v is None
+    end = -(-int(md.num_blocks[0]) * k.shape[1] // BLOCK_KV) * BLOCK_KV
+    np.testing.assert_array_equal(np.asarray(got_k[0, :end]), np.asarray(want_k[0, :end]))
+
+
+def test_direct_values_limits():
+    """direct_v takes page sizes that tile a key step in 8-row boxes, and tables that fit SMEM."""
+    from kernels_pallas.paged_attention.mosaic_prefill_prep import direct_v_limits
+    assert direct_v_limits(16, 2112) == ""  # the engine's 33,792 positions
+    assert direct_v_limits(16, 8192) == ""
+    assert "page size" in direct_v_limits(4, 100)
+    assert "page size" in direct_v_limits(24, 100)
+    assert "exceed" in direct_v_limits(16, 8193)

@@ -103,6 +103,28 @@ def test_mosaic_prefill_compiled_path_lowers_for_cuda(head_dim, fresh_rng, monke
         assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_mosaic_prefill_options_lower_for_cuda(split, fresh_rng, monkeypatch):
+    """direct_v (values by one TMA box per page through the page table in SMEM) and skip_idle
+    (idle warpgroups walk the barriers) lower for CUDA too, whole and with the key axis split."""
+    from jax import export
+    from kernels_pallas.paged_attention import mosaic_prefill_prep
+    from kernels_pallas.paged_attention.mosaic_prefill import prefill_attention_mosaic
+    from kernels_pallas.paged_attention.mosaic_prefill_split import prefill_attention_split
+    monkeypatch.setattr(mosaic_prefill_prep, "LIVE_GATHER", False)
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 2, 2, 128, None, 0.3, True,
+                               [(300, 41, 0), (0, 20, 5)])
+    kw = dict(rotate_keys=True, attention_scaling=1.0, sm_scale=0.1, direct_v=True,
+              skip_idle=True)
+    if split:
+        fn = jax.jit(lambda q, k, v, md: prefill_attention_split(q, k, v, md, inv, splits=4,
+                                                                 **kw))
+    else:
+        fn = jax.jit(lambda q, k, v, md: prefill_attention_mosaic(q, k, v, md, inv, **kw))
+    text = export.export(fn, platforms=["cuda"])(q, k, v, md).mlir_module()
+    assert "mosaic_gpu" in text
+
+
 from attention_test_base import (CASES as SHARED_CASES, AttentionKernelTests,  # noqa: E402
                                  pytest_generate_tests)  # noqa: F401,E402 (the hook)
 

@@ -56,6 +56,69 @@ def test_split_key_axis_matches_reference(specs, splits, fresh_rng):
     _check(out, q, k, v, md, inv, "position_free")
 
 
+DIRECT_V_CASES = [
+    # one sequence over a long context: whole ranges of unmasked steps read V from the pages
+    pytest.param(1, 2, 64, [(600, 5, 0)], 2, id="long-context"),
+    # GQA, D 128, a short sequence, an empty one, a window: masked steps over pads and entries
+    # past the table read clipped pages whose values p = 0 must cancel
+    pytest.param(2, 2, 128, [(300, 20, 0), (0, 3, 0), (40, 0, 0), (90, 9, 40)], 3,
+                 id="gqa-mixed-lengths", marks=slow),
+]
+
+
+@pytest.mark.parametrize("kv_heads,group,head_dim,specs,splits", DIRECT_V_CASES)
+def test_split_with_values_from_the_pages_matches_reference(kv_heads, group, head_dim, specs,
+                                                             splits, fresh_rng):
+    """direct_v: the kernel reads V through the page table (8 page boxes a key step), the
+    pre-pass gathers keys only. Its contract (as mosaic_decode's) is finite values in every page
+    slot, so the pads hold finite garbage here (large, so a pad that leaked would show)."""
+    from kernels_pallas.rope import apply_rope
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, kv_heads, group, head_dim, None, 0.3,
+                               True, specs)
+    garbage = jnp.asarray(fresh_rng.uniform(50.0, 100.0, v.shape), v.dtype)
+    k, v = (jnp.where(jnp.isnan(x), garbage, x) for x in (k, v))
+    q_rot = apply_rope(q, md.q_positions, inv, 1.0)
+    kw = dict(rotate_keys=True, attention_scaling=1.0, sm_scale=head_dim ** -0.5, splits=splits,
+              min_steps=2, interpret=INTERPRET)
+    out = prefill_attention_split(q_rot, k, v, md, inv, direct_v=True, **kw)
+    _check(out, q, k, v, md, inv, "position_free")
+
+
+@pytest.mark.parametrize("slots", [pytest.param(2, marks=slow)])
+def test_mixed_step_with_values_from_the_pages_matches_reference(slots, fresh_rng):
+    """MixedOptions.direct_v through the registry: decode rows and a prefill chunk, finite pads
+    (the contract of direct_v and of the decode kernel)."""
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 2, 2, 64, None, 0.2, True,
+                               [(60, 1, 0), (200, 30, 0), (0, 17, 5)])
+    garbage = jnp.asarray(fresh_rng.uniform(50.0, 100.0, v.shape), v.dtype)
+    k, v = (jnp.where(jnp.isnan(x), garbage, x) for x in (k, v))
+    out = paged_attention(q, k, v, md, inv, kv_mode="position_free", implementation="mixed",
+                          interpret=INTERPRET,
+                          kernel_options={"prefill_seqs": slots, "direct_v": True})
+    _check(out, q, k, v, md, inv, "position_free")
+
+
+@pytest.mark.parametrize("split", [True, pytest.param(False, marks=slow)])
+def test_idle_warpgroups_skip_their_work(split, fresh_rng):
+    """skip_idle: the second compute warpgroup of a tile whose sequence ends in its first half
+    (10 packed rows; 72 packed rows of the second sequence start in a tile of their own) walks
+    the barriers only; every row still matches the reference. (The interpreter's race detector
+    is not asked: on these inputs it reports the key-position ring's TMA write against the
+    masked steps' read with skip_idle off as well, 2026-12-02.)"""
+    from kernels_pallas.paged_attention.mosaic_prefill import prefill_attention_mosaic
+    from kernels_pallas.rope import apply_rope
+    q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 1, 2, 64, None, 0.2, True,
+                               [(600, 5, 0), (130, 36, 0)])
+    q_rot = apply_rope(q, md.q_positions, inv, 1.0)
+    kw = dict(rotate_keys=True, attention_scaling=1.0, sm_scale=64 ** -0.5, skip_idle=True,
+              interpret=INTERPRET)
+    if split:
+        out = prefill_attention_split(q_rot, k, v, md, inv, splits=2, min_steps=2, **kw)
+    else:
+        out = prefill_attention_mosaic(q_rot, k, v, md, inv, **kw)
+    _check(out, q, k, v, md, inv, "position_free")
+
+
 MIXED_CASES = [
     # a decode row and a prefill chunk over cached context, one kv head
     pytest.param(1, [(40, 1, 0), (100, 12, 0)], 1, id="decode+prefill", marks=slow),

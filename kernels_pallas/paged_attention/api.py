@@ -56,7 +56,7 @@ ATTENTION: dict[str, Implementation] = {
 
 def _mixed_run(q_rot, k_pages, v_pages, metadata, inv_freq, *, rotate_keys, attention_scaling,
                sm_scale, interpret, prefill_seqs, splits, max_position, overflow, prefill_fits,
-               decode_rows):
+               decode_rows, direct_v=False, skip_idle=False):
     """implementation="mixed" (mosaic_mixed.py): its decode rows and overflow steps run the
     registry's choices for those problems."""
     kv_mode = "position_free" if rotate_keys else "rotated"
@@ -75,7 +75,8 @@ def _mixed_run(q_rot, k_pages, v_pages, metadata, inv_freq, *, rotate_keys, atte
     return mosaic_mixed.mixed_attention(
         q_rot, k_pages, v_pages, metadata, inv_freq, decode=part("auto", True),
         overflow=part(overflow, False), prefill_seqs=prefill_seqs, splits=splits,
-        prefill_fits=prefill_fits, decode_rows=decode_rows, **common)
+        prefill_fits=prefill_fits, decode_rows=decode_rows, direct_v=direct_v,
+        skip_idle=skip_idle, **common)
 
 
 ATTENTION["mixed"] = Implementation("mixed", _mixed_run, mosaic_mixed.MixedOptions,

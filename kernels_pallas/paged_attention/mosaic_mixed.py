@@ -38,6 +38,7 @@ from jax import lax
 
 from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
                                                            prefill_attention_mosaic)
+from kernels_pallas.paged_attention.mosaic_prefill_prep import direct_v_limits
 from kernels_pallas.paged_attention.mosaic_prefill_split import prefill_attention_split
 
 SPLIT_MAX_TOKENS = 512  # steps of at most this many query tokens split the key axis
@@ -114,7 +115,10 @@ class MixedOptions:
     True: the Mosaic path, False: `overflow`, None: checked on device, see module doc);
     decode_rows: whether the step may hold sequences of one query row (False, the caller's
     promise: the decode part is not traced; rows of no prefill sequence are then left as the
-    prefill kernel leaves them, i.e. garbage or zero)."""
+    prefill kernel leaves them, i.e. garbage or zero); direct_v: the prefill kernel reads values
+    from the pages (the pre-pass gathers keys only: half its traffic; needs finite values in
+    every page slot, as mosaic_decode does; mosaic_prefill.prepare); skip_idle: prefill
+    warpgroups that own no row skip their work (mosaic_prefill._kernel)."""
 
     prefill_seqs: int | None = None
     splits: int | None = None
@@ -122,6 +126,8 @@ class MixedOptions:
     overflow: str = "triton"
     prefill_fits: bool | None = None
     decode_rows: bool = True
+    direct_v: bool = False
+    skip_idle: bool = False
 
 
 def plan_step(options: MixedOptions, tokens: int, seqs: int, prefill_count: int,
@@ -147,14 +153,17 @@ def mixed_defaults(problem, options: MixedOptions) -> MixedOptions:
 
 def mixed_limits(problem, options: MixedOptions) -> str:
     """Why this path cannot take the problem ('' when it can): the Mosaic prefill kernel's."""
-    del options
-    return mosaic_prefill_limits(*problem.stand_ins())
+    why = mosaic_prefill_limits(*problem.stand_ins())
+    if not why and options.direct_v:
+        why = direct_v_limits(problem.block_size, problem.table_cols)
+    return why
 
 
 def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, rotate_keys,
                     attention_scaling, sm_scale, prefill_seqs: int | None = None,
                     splits: int | None = None, prefill_fits: bool | None = None,
-                    decode_rows: bool = True, interpret=False):
+                    decode_rows: bool = True, direct_v: bool = False, skip_idle: bool = False,
+                    interpret=False):
     """One engine step (see module doc). q_rot: [T, H, D] rotated queries; decode(q_rot, md) and
     overflow(q_rot, md) run a decode-only batch and the whole step on other implementations
     (api.py binds them from the registry). prefill_fits: the caller's static decision (True /
@@ -172,7 +181,8 @@ def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, 
 
     def prefill_part():
         kw = dict(rotate_keys=rotate_keys, attention_scaling=attention_scaling,
-                  sm_scale=sm_scale, interpret=interpret)
+                  sm_scale=sm_scale, direct_v=direct_v, skip_idle=skip_idle,
+                  interpret=interpret)
         if splits > 1:
             return prefill_attention_split(q_rot, k_pages, v_pages, compact, inv_freq,
                                            splits=splits, **kw)

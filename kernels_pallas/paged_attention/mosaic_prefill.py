@@ -43,7 +43,6 @@ three warpgroups as threads of nested JAX computations) hung on the 2-core CI ma
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,14 +50,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.paged_attention import mosaic_prefill_prep
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (  # noqa: F401 (re-exported)
-    _ALIGN, TILE_HI, TILE_LO, TILE_MHI, TILE_MLO, TILE_Q0, TILE_Q1, TILE_SEQ, TILE_START, BLOCK_KV, BLOCK_Q, TILE_Q, gather_kv,
-    scatter_tails, tile_schedule)
+    _ALIGN, TILE_HI, TILE_LO, TILE_MHI, TILE_MLO, TILE_Q0, TILE_Q1, TILE_SEQ, TILE_START, BLOCK_KV, BLOCK_Q, TILE_Q, META_COLS,
+    direct_v_limits, gather_kv, page_table, prepare, scatter_tails, tile_schedule)
 
 STAGES = 2  # K/V ring depth
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
-_LOG2E = math.log2(math.e)
 
 
 def smem_bytes(head_dim: int, itemsize: int, interpret: bool = False) -> int:
@@ -83,12 +80,50 @@ def mosaic_prefill_limits(q, k_pages) -> str:
     return ""
 
 
-def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref, side_ref,
-            q_smem, k_smem, v_smem, kpos_smem, qpos_smem, qwin_smem, p_smem, lse_smem,
-            q_bar, k_bar, v_bar, k_free, v_free, sched_bar, *, group, dtype, interpret, split):
+def _idle_walk(*, lo, hi, wg, k_bar, v_bar, k_free, v_free, schedule_barrier, sched_bar):
+    """An idle compute warpgroup's part of the protocol (_kernel's skip_idle): every barrier
+    wait and arrival of a computing warpgroup's step, in the same order, so the memory
+    warpgroup's ring and the other warpgroup's schedule barrier see both warpgroups; its
+    tensor-core turns cost the other warpgroup nothing."""
+    n_steps = hi - lo
+
+    @pl.when(n_steps > 0)
+    def _():
+        plgpu.barrier_wait(k_bar.at[0])
+
+    pl.when(wg == 1)(schedule_barrier)
+
+    def step(i, _):
+        slot = lax.rem(i, STAGES)
+        schedule_barrier()  # the QK turn
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(sched_bar)  # softmax done
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(sched_bar)
+
+        @pl.when(i + 1 < n_steps)
+        def _():
+            plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, STAGES)])
+
+        plgpu.barrier_arrive(v_free.at[slot])
+        return _
+
+    lax.fori_loop(0, n_steps, step, None)
+    pl.when(wg == 0)(schedule_barrier)
+
+
+def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_ref, o_ref,
+            side_ref, q_smem, k_smem, v_smem, kpos_smem, qpos_smem, qwin_smem, p_smem, lse_smem,
+            tbl_smem, q_bar, k_bar, v_bar, k_free, v_free, sched_bar, tbl_bar, *, group, dtype,
+            interpret, split, v_pages_per_step, skip_idle):
     """split: each grid entry is one key range of a tile (mosaic_prefill_split.py); o_ref and
     side_ref are then the partial outputs [E, H, TILE_Q, D] and their base-2 log-sum-exps
-    [E, H, TILE_Q], merged after the kernel."""
+    [E, H, TILE_Q], merged after the kernel. v_pages_per_step > 0 (direct V): v_ref is the page
+    pool [P, B, K, D] and tbl_ref the page of each table entry [S, R, META_COLS] (clipped,
+    prepare()); a key step's values come as that many page boxes, not from a gathered buffer.
+    skip_idle: a compute warpgroup that owns no row of its tile's sequence (the second half of
+    a sequence's last tile when its rows end in the first) walks the key steps through the
+    barriers only (_idle_walk): no wgmma, no softmax, no store; its rows are never read."""
     h = lax.axis_index("h")
     t = lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -102,7 +137,16 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
         plgpu.barrier_arrive(sched_bar)
         plgpu.barrier_wait(sched_bar)
 
-    @pl.when((seq >= 0) & (wg < 2))
+    computes = (seq >= 0) & (wg < 2)
+    if skip_idle:  # a compute warpgroup none of whose rows belong to the tile's sequence
+        wg_row0 = start + wg * BLOCK_Q
+        idle = (wg_row0 + BLOCK_Q <= sched_ref[t, TILE_Q0]) | (wg_row0 >= sched_ref[t, TILE_Q1])
+        pl.when(computes & idle)(functools.partial(
+            _idle_walk, lo=lo, hi=hi, wg=wg, k_bar=k_bar, v_bar=v_bar, k_free=k_free,
+            v_free=v_free, schedule_barrier=schedule_barrier, sched_bar=sched_bar))
+        computes = computes & jnp.logical_not(idle)
+
+    @pl.when(computes)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         row0 = pl.multiple_of(start + wg * BLOCK_Q, _ALIGN)
@@ -229,8 +273,21 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
             plgpu.copy_gmem_to_smem(kpos_ref.at[seq, keys], kpos_smem.at[slot], k_bar.at[slot])
 
         def issue_v(step, slot):
-            keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
-            plgpu.copy_gmem_to_smem(v_ref.at[seq, keys, kv_head], v_smem.at[slot], v_bar.at[slot])
+            if not v_pages_per_step:
+                keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
+                plgpu.copy_gmem_to_smem(v_ref.at[seq, keys, kv_head], v_smem.at[slot],
+                                        v_bar.at[slot])
+                return
+            size = BLOCK_KV // v_pages_per_step
+            for j in range(v_pages_per_step):
+                b = step * v_pages_per_step + j
+                page = tbl_smem[lax.div(b, META_COLS), lax.rem(b, META_COLS)]
+                plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head],
+                                        v_smem.at[slot, pl.ds(j * size, size)], v_bar.at[slot])
+
+        if v_pages_per_step:  # the sequence's page table, once (an SMEM read per page after)
+            plgpu.copy_gmem_to_smem(tbl_ref.at[seq], tbl_smem, tbl_bar)
+            plgpu.barrier_wait(tbl_bar)
 
         for j in range(STAGES):
             @pl.when(j < n_steps)
@@ -258,45 +315,36 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, o_ref,
 
 
 def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
-                             attention_scaling: float, sm_scale: float, interpret=False):
+                             attention_scaling: float, sm_scale: float, direct_v: bool = False,
+                             skip_idle: bool = False, interpret=False):
     """Ragged causal, window-limited attention for prefill-shaped batches (see module doc).
 
     q_rot: [T, H, D] queries already rotated by their positions; k_pages, v_pages [P, B, K, D].
     rotate_keys: keys stored unrotated (position_free), rotated in the pre-pass.
     interpret: False (compile for the GPU), True (Mosaic GPU interpreter on CPU) or a
     plgpu.InterpretGPUParams. Returns [T, H, D] in q's dtype; rows of no sequence are garbage.
+    direct_v: values read from the pages by the kernel, not gathered (prepare; needs finite
+    values in every page slot). skip_idle: warpgroups that own no row skip their work (_kernel).
     """
     inputs = prepare(q_rot, k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
                      attention_scaling=attention_scaling, sm_scale=sm_scale,
-                     live_gather=not interpret)
-    out, side = run_kernel(inputs, kv_heads=k_pages.shape[2], interpret=interpret)
+                     live_gather=not interpret, direct_v=direct_v)
+    out, side = run_kernel(inputs, kv_heads=k_pages.shape[2], interpret=interpret,
+                           skip_idle=skip_idle)
     return scatter_tails(out, side, md, q_rot.shape[0])
 
 
-def prepare(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_scaling, sm_scale,
-            live_gather: bool = False):
-    """Everything before the kernel: (sched, q_in, k, v, key_pos, q_pos, q_win). live_gather
-    (compiled): K/V written only where the kernel reads (mosaic_prefill_prep.gather_kv)."""
-    tokens = q_rot.shape[0]
-    k_buf, v_buf, key_pos = gather_kv(k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
-                                      attention_scaling=attention_scaling,
-                                      live=live_gather and mosaic_prefill_prep.LIVE_GATHER)
-    sched = tile_schedule(md, key_pos, tokens)
-    # Row counts of tiled GMEM arrays must be multiples of _ALIGN. Rows past T (a tile's tail)
-    # read zeros / position -1 (sees no key).
-    extra = -(-tokens // _ALIGN) * _ALIGN - tokens + TILE_Q
-    q_in = jnp.pad((q_rot.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(q_rot.dtype),
-                   ((0, extra), (0, 0), (0, 0)))
-    q_pos = jnp.pad(md.q_positions, (0, extra), constant_values=-1)
-    q_win = jnp.pad(md.q_window_start, (0, extra))
-    return sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win
-
-
-def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False):
+def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False,
+               skip_idle: bool = False):
     """The Mosaic GPU kernel on prepare()'s outputs -> (out [T8, H, D], side [S, 2, H, 128, D]);
     with split (one grid entry per key range of a tile, sched [E, 8]): (partial outputs
-    [E, H, 128, D], base-2 log-sum-exps [E, H, 128] float32)."""
-    sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win = inputs
+    [E, H, 128, D], base-2 log-sum-exps [E, H, 128] float32). skip_idle: see _kernel (the rows
+    of an idle warpgroup, which no sequence owns, are left unwritten)."""
+    sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win, v_table = inputs
+    direct = v_table is not None
+    v_pages_per_step = BLOCK_KV // v_buf.shape[1] if direct else 0
+    if not direct:
+        v_table = jnp.zeros((1, 1, META_COLS), jnp.int32)  # unread
     rows_out = q_in.shape[0] - TILE_Q
     _, heads, head_dim = q_in.shape
     seqs = k_buf.shape[0]
@@ -314,15 +362,18 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False):
         plgpu.SMEM((2, BLOCK_Q), jnp.int32),  # query window starts
         plgpu.SMEM((2, BLOCK_Q, BLOCK_KV), dtype, transforms=tiled) if interp else None,  # P
         plgpu.SMEM((2, BLOCK_Q), jnp.float32) if split else None,  # log-sum-exps (split)
+        plgpu.SMEM(v_table.shape[1:], jnp.int32) if direct else None,  # page table (direct V)
         plgpu.Barrier(num_arrivals=3, num_barriers=2),  # q_bar: Q + positions + windows
         plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # k_bar: K + key positions
-        plgpu.Barrier(num_barriers=STAGES),  # v_bar
+        plgpu.Barrier(num_arrivals=max(v_pages_per_step, 1), num_barriers=STAGES),  # v_bar
         plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # k_free (both compute wgs)
         plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # v_free
         plgpu.Barrier(num_arrivals=2),  # schedule barrier
+        plgpu.Barrier() if direct else None,  # tbl_bar: the page table is in SMEM
     ]
     kernel = functools.partial(_kernel, group=heads // kv_heads, dtype=dtype, interpret=interp,
-                               split=split)
+                               split=split, v_pages_per_step=v_pages_per_step,
+                               skip_idle=skip_idle)
     if split:
         out_type = (jax.ShapeDtypeStruct((num_tiles, heads, TILE_Q, head_dim), dtype),
                     jax.ShapeDtypeStruct((num_tiles, heads, TILE_Q), jnp.float32))
@@ -336,4 +387,4 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False):
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
-    return call(sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win)
+    return call(sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win, v_table)

@@ -9,8 +9,11 @@ side buffer into place.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
+from kernels_pallas.paged_attention.mosaic_common import META_COLS
 from kernels_pallas.paged_attention.triton_gather import gather_live, gather_live_limits
 from kernels_pallas.rope import rope_f32
 
@@ -19,6 +22,8 @@ TILE_Q = 2 * BLOCK_Q  # query tokens per CTA
 BLOCK_KV = 128  # keys per step
 _SENTINEL = 1 << 30  # position of pad / unused key slots: after every query
 _ALIGN = 8  # query tiles start at rows that are multiples of this (TMA box / SMEM tiling)
+_LOG2E = math.log2(math.e)
+_TABLE_ROWS = 128  # direct_v: rows of META_COLS page ids in SMEM at most
 # Columns of the per-tile schedule (int32 [NT, 8]).
 TILE_SEQ, TILE_START, TILE_LO, TILE_MLO, TILE_MHI, TILE_HI, TILE_Q0, TILE_Q1 = range(8)
 
@@ -48,13 +53,14 @@ def key_positions(md, page_size: int, n_pad: int):
 
 
 def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_scaling: float,
-              live: bool = False):
+              live: bool = False, values: bool = True):
     """Contiguous per-sequence K/V and key positions (the pre-pass).
 
     Returns k, v [S, N, K, D] (keys rotated when rotate_keys; pad slots zero) and key_pos [S, N]
     int32 (_SENTINEL for pad slots and unused entries), N = NB * B rounded up to BLOCK_KV.
     live (compiled on a GPU): K/V by triton_gather.gather_live, defined only on the key steps
-    below each sequence's last block in use (all the kernel reads).
+    below each sequence's last block in use (all the kernel reads). values False: v is None
+    (the kernel reads values from the pages, page_table).
     """
     seqs, max_blocks = md.block_tables.shape
     num_pages, page_size, kv_heads, head_dim = k_pages.shape
@@ -63,25 +69,52 @@ def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_sc
     key_pos = key_positions(md, page_size, n_pad)
     if live:
         if not gather_live_limits(k_pages, seqs, n_pad, BLOCK_KV):
-            keys, values = gather_live(k_pages, v_pages, md, inv_freq, n_pad=n_pad,
-                                       step_keys=BLOCK_KV, rotate_keys=rotate_keys,
-                                       attention_scaling=attention_scaling)
-            return keys, values, key_pos
+            keys, vals = gather_live(k_pages, v_pages, md, inv_freq, n_pad=n_pad,
+                                     step_keys=BLOCK_KV, rotate_keys=rotate_keys,
+                                     attention_scaling=attention_scaling, values=values)
+            return keys, vals, key_pos
     valid, pos = _positions(md, page_size)
     tables = jnp.clip(md.block_tables, 0, num_pages - 1)
     keys = k_pages[tables]  # [S, NB, B, K, D]
-    values = v_pages[tables]
     if rotate_keys and inv_freq.shape[0]:
         keys = rope_f32(keys, pos, inv_freq, attention_scaling)
     ok = valid[..., None, None]
     keys = jnp.where(ok, keys, 0).astype(k_pages.dtype)  # pads may hold NaN
-    values = jnp.where(ok, values, 0).astype(v_pages.dtype)
 
     def lay_out(x):  # [S, NB, B, K, D] -> [S, N_pad, K, D]
         x = x.reshape(seqs, n, kv_heads, head_dim)
         return jnp.pad(x, ((0, 0), (0, n_pad - n), (0, 0), (0, 0)))
 
-    return lay_out(keys), lay_out(values), key_pos
+    if not values:
+        return lay_out(keys), None, key_pos
+    vals = jnp.where(ok, v_pages[tables], 0).astype(v_pages.dtype)
+    return lay_out(keys), lay_out(vals), key_pos
+
+
+def direct_v_limits(page_size: int, table_cols: int) -> str:
+    """Why the kernel cannot read values straight from the pages ('' when it can): a page is
+    one TMA box of a key step (page size a multiple of 8 that divides BLOCK_KV) and the page
+    table of a sequence (table_cols entries, padded to whole key steps) fits one TMA box of
+    _TABLE_ROWS rows in SMEM (32 KiB next to the kernel's ~163 KiB: 8192 entries, 128K
+    positions at page size 16)."""
+    if page_size % _ALIGN or BLOCK_KV % page_size:
+        return f"needs a page size that is a multiple of {_ALIGN} and divides {BLOCK_KV}"
+    entries = -(-table_cols * page_size // BLOCK_KV) * BLOCK_KV // page_size
+    if entries > _TABLE_ROWS * META_COLS:
+        return f"{entries} table entries exceed {_TABLE_ROWS} rows of {META_COLS} in SMEM"
+    return ""
+
+
+def page_table(md, num_pages: int, page_size: int, n_pad: int):
+    """[S, R, META_COLS] int32: the page of each table entry of a sequence's gathered key axis
+    (n_pad keys, n_pad / page_size entries <= R * META_COLS). Entries past the table or its
+    blocks in use point at a clipped page: their keys are masked (sentinel positions), and a
+    finite value times p = 0 adds nothing."""
+    seqs, max_blocks = md.block_tables.shape
+    rows = -(-(n_pad // page_size) // META_COLS)
+    table = jnp.clip(md.block_tables.astype(jnp.int32), 0, num_pages - 1)
+    table = jnp.pad(table, ((0, 0), (0, rows * META_COLS - max_blocks)))
+    return table.reshape(seqs, rows, META_COLS)
 
 
 def q_bounds(md):
@@ -173,3 +206,36 @@ def scatter_tails(out, side, md, tokens: int):
     rows = jnp.moveaxis(side, 2, 3).reshape(seqs * 2 * TILE_Q, heads, head_dim)
     out = out[:tokens] if rows_out != tokens else out
     return out.at[dest].set(rows, mode="drop")
+
+
+def prepare(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_scaling, sm_scale,
+            live_gather: bool = False, direct_v: bool = False):
+    """Everything before mosaic_prefill's kernel: (sched, q_in, k, v, key_pos, q_pos, q_win, v_table).
+    live_gather (compiled): K/V written only where the kernel reads (gather_kv).
+    direct_v: values are not gathered; v is the page pool itself and v_table the page of each
+    table entry (page_table; the kernel reads V through it by TMA). Its
+    precondition, as mosaic_decode's: every page slot holds a finite value (a masked key's p = 0
+    times a NaN value is NaN); the engine's cache starts zeroed and only ever holds finite K/V.
+    Without direct_v, v_table is None."""
+    tokens = q_rot.shape[0]
+    if direct_v:
+        why = direct_v_limits(k_pages.shape[1], md.block_tables.shape[1])
+        if why:
+            raise ValueError(f"direct_v: {why}")
+    k_buf, v_buf, key_pos = gather_kv(k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
+                                      attention_scaling=attention_scaling,
+                                      live=live_gather and LIVE_GATHER,
+                                      values=not direct_v)
+    v_table = None
+    if direct_v:
+        v_buf, v_table = v_pages, page_table(md, k_pages.shape[0], k_pages.shape[1],
+                                             key_pos.shape[1])
+    sched = tile_schedule(md, key_pos, tokens)
+    # Row counts of tiled GMEM arrays must be multiples of _ALIGN. Rows past T (a tile's tail)
+    # read zeros / position -1 (sees no key).
+    extra = -(-tokens // _ALIGN) * _ALIGN - tokens + TILE_Q
+    q_in = jnp.pad((q_rot.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(q_rot.dtype),
+                   ((0, extra), (0, 0), (0, 0)))
+    q_pos = jnp.pad(md.q_positions, (0, extra), constant_values=-1)
+    q_win = jnp.pad(md.q_window_start, (0, extra))
+    return sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win, v_table

@@ -117,21 +117,26 @@ def unpack_gqa(out, group: int):
 
 def prefill_attention_split(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                             attention_scaling: float, sm_scale: float, splits: int = 16,
-                            min_steps: int = MIN_STEPS, interpret=False):
+                            min_steps: int = MIN_STEPS, direct_v: bool = False,
+                            skip_idle: bool = False, interpret=False):
     """prefill_attention_mosaic with each tile's key steps split over up to `splits` CTAs (see
     module doc). Same arguments and result ([T, H, D] in q's dtype, rows of no sequence zero).
 
     The query heads of a GQA group are packed into rows first (pack_gqa): a CTA then serves all
     heads of its kv head, so each kv head's keys and values are read once per tile of 128 packed
     rows, not once per query head, and few query rows fill the tile G times as much (72 queries
-    x 4 heads: 3 tiles per kv head instead of one half-empty tile per query head)."""
+    x 4 heads: 3 tiles per kv head instead of one half-empty tile per query head).
+    direct_v: the kernel reads values from the pages (mosaic_prefill.prepare: the pre-pass then
+    gathers keys only; every page slot must hold finite values). skip_idle: a compute warpgroup
+    that owns no row (the empty half of a sequence's last tile: 72 queries x 4 heads = 288 rows,
+    the third tile's second 64) walks the barriers only (mosaic_prefill._kernel)."""
     group = q_rot.shape[1] // k_pages.shape[2]
     q_p, md_p = pack_gqa(q_rot, md, group)
     sched, *rest = prepare(q_p, k_pages, v_pages, md_p, inv_freq, rotate_keys=rotate_keys,
                            attention_scaling=attention_scaling, sm_scale=sm_scale,
-                           live_gather=not interpret)
+                           live_gather=not interpret, direct_v=direct_v)
     sched, used = split_schedule(sched, splits, min_steps)
     part, lse = run_kernel((sched, *rest), kv_heads=k_pages.shape[2], interpret=interpret,
-                           split=True)
+                           split=True, skip_idle=skip_idle)
     out = merge_split(part, lse, used, sched, splits, q_p.shape[0])
     return unpack_gqa(out, group).astype(q_rot.dtype)

@@ -49,7 +49,7 @@ def _columns(inv_freq, head_dim: int, cols: int):
 
 
 def _kernel(tbl_ref, nblk_ref, start_ref, valid_ref, freq_ref, partner_ref, sign_ref, kp_ref,
-            vp_ref, k_out, v_out, *, page_size, kv_heads, head_dim, cols, max_blocks, n_pad,
+            vp_ref, k_out, v_out=None, *, page_size, kv_heads, head_dim, cols, max_blocks, n_pad,
             step_keys, num_pages, rotate, scaling, interpret):
     """One program = one table entry (a page of B rows) of one sequence row, all kv heads; a
     head's [B, D] tile at a time (a whole [B, K * D] page would not fit in registers)."""
@@ -84,6 +84,8 @@ def _kernel(tbl_ref, nblk_ref, start_ref, valid_ref, freq_ref, partner_ref, sign
                 xp = pltriton.load(kp_ref.at[src + h * head_dim + partner], mask=ok, other=0)
                 x = jnp.where(sign != 0, x * cos + sign * xp.astype(jnp.float32) * sin, x)
             pltriton.store(k_out.at[dst + c], x.astype(k_out.dtype), mask=store_mask)
+            if v_out is None:  # keys only (values=False)
+                continue
             val = pltriton.load(vp_ref.at[src + c], mask=ok, other=0)
             pltriton.store(v_out.at[dst + c], val.astype(v_out.dtype), mask=store_mask)
 
@@ -106,10 +108,12 @@ def gather_live_limits(k_pages, seqs: int, n_pad: int, step_keys: int) -> str:
 
 
 def gather_live(k_pages, v_pages, md, inv_freq, *, n_pad: int, step_keys: int, rotate_keys: bool,
-                attention_scaling: float, num_warps: int = 4, interpret: bool = False):
+                attention_scaling: float, values: bool = True, num_warps: int = 4,
+                interpret: bool = False):
     """K and V [S, n_pad, K, D] of each sequence row through its block table (see module doc):
     keys rotated by position when rotate_keys; written only on the key steps (`step_keys` keys
-    each) below each row's last block in use, elsewhere undefined."""
+    each) below each row's last block in use, elsewhere undefined. values False: V is neither
+    read nor written, and None is returned in its place."""
     why = gather_live_limits(k_pages, md.block_tables.shape[0], n_pad, step_keys)
     if why:
         raise ValueError(f"gather_live: {why}")
@@ -123,16 +127,19 @@ def gather_live(k_pages, v_pages, md, inv_freq, *, n_pad: int, step_keys: int, r
         max_blocks=max_blocks, n_pad=n_pad, step_keys=step_keys, num_pages=num_pages,
         rotate=rotate, scaling=float(attention_scaling), interpret=interpret)
     flat = seqs * n_pad * kv_heads * head_dim
-    k_buf, v_buf = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((flat,), k_pages.dtype)]
+    if values:
+        out_shape.append(jax.ShapeDtypeStruct((flat,), v_pages.dtype))
+    bufs = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((flat,), k_pages.dtype),
-                   jax.ShapeDtypeStruct((flat,), v_pages.dtype)),
+        out_shape=tuple(out_shape),
         grid=(seqs, n_pad // page_size),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="gather_live",
+        name="gather_live" if values else "gather_live_keys",
     )(md.block_tables.astype(jnp.int32), md.num_blocks.astype(jnp.int32),
       md.block_pos_start.astype(jnp.int32), md.block_num_valid.astype(jnp.int32), freq, partner,
       sign, k_pages.reshape(-1), v_pages.reshape(-1))
     shape = (seqs, n_pad, kv_heads, head_dim)
-    return k_buf.reshape(shape), v_buf.reshape(shape)
+    k_buf = bufs[0].reshape(shape)
+    return k_buf, (bufs[1].reshape(shape) if values else None)

@@ -1,0 +1,144 @@
+"""The cached-span step's attention call alone (issue 14), old vs new in one process.
+
+The engine's step (benchmarks/rag_runs.py cached_step_profile): one sequence of `new` query rows
+in a `tokens`-row bucket over `spans` x `span_tokens` cached position-free keys, two prefill
+slots (one dead), the decode part left out, block table permuted and as wide as max_model_len.
+Each variant of implementation="mixed" is checked against the first one's output (--reference:
+the float64 numpy reference, about a minute of host time), timed
+interleaved (ABBA) and profiled per kernel; the table gives ms per call, the gather's and the
+attention kernel's share, and GB/s of one read of K and V (the floor) over each.
+
+  PYTHONPATH=. python3 -m benchmarks.cached_span_attention [--variants old,direct_v,dv+idle]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+VARIANTS = {"old": {}, "direct_v": {"direct_v": True},  # MixedOptions fields over the base
+            "dv+idle": {"direct_v": True, "skip_idle": True}, "idle": {"skip_idle": True}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    new: int = 72
+    tokens: int = 128
+    spans: int = 8
+    span_tokens: int = 4096
+    max_model_len: int = 33792
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+
+
+def inputs(shape: Shape, seed: int):
+    """(q [tokens, H, D], k, v pages, metadata, inv_freq): sequence 0 holds the query rows at
+    positions cached..cached+new-1 over its cached keys; sequence row 1 is empty."""
+    import jax
+    import jax.numpy as jnp
+    from kernels_pallas.paged_attention.metadata import AttentionMetadata
+    from kernels_pallas.paged_attention.random_inputs import inv_freq_for
+    s, rng = shape, np.random.default_rng(seed)
+    cached = s.spans * s.span_tokens
+    total = cached + s.new
+    blocks = -(-total // s.page_size)
+    width = s.max_model_len // s.page_size
+    num_pages = blocks + 64
+    table = np.zeros((2, width), np.int32)
+    table[0, :blocks] = rng.permutation(num_pages)[:blocks]
+    valid = np.zeros((2, width), np.int32)
+    valid[0, :blocks] = s.page_size
+    valid[0, blocks - 1] = total - (blocks - 1) * s.page_size
+    pos = np.zeros(s.tokens, np.int32)
+    pos[: s.new] = np.arange(cached, total)
+    q_seq = np.full(s.tokens, 1, np.int32)
+    q_seq[: s.new] = 0
+    md = AttentionMetadata(
+        q_positions=jnp.asarray(pos), q_window_start=jnp.zeros((s.tokens,), jnp.int32),
+        q_seq=jnp.asarray(q_seq), cu_q_lens=jnp.asarray([0, s.new, s.new], jnp.int32),
+        num_blocks=jnp.asarray([blocks, 0], jnp.int32), block_tables=jnp.asarray(table),
+        block_pos_start=jnp.asarray(np.tile(np.arange(width, dtype=np.int32) * s.page_size,
+                                            (2, 1))),
+        block_num_valid=jnp.asarray(valid), slot_mapping=jnp.full((s.tokens,), -1, jnp.int32))
+    pages = (num_pages, s.page_size, s.kv_heads, s.head_dim)
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)  # on device: 70M values
+    q = jax.random.normal(kq, (s.tokens, s.heads, s.head_dim), jnp.bfloat16)
+    k = jax.random.normal(kk, pages, jnp.bfloat16)
+    v = jax.random.normal(kv, pages, jnp.bfloat16)
+    return q, k, v, md, jnp.asarray(inv_freq_for(s.head_dim, None))
+
+
+def attention_call(extra: dict):
+    import jax
+    from kernels_pallas.paged_attention.api import paged_attention
+    options = dict(prefill_seqs=2, prefill_fits=True, decode_rows=False, **extra)
+    return jax.jit(lambda q, k, v, md, inv: paged_attention(
+        q, k, v, md, inv, kv_mode="position_free", implementation="mixed",
+        kernel_options=options))
+
+
+def _kernel_ms(prof: dict, name: str) -> float:
+    return sum(r["ms_per_step"] for r in prof["top"] if r["name"].startswith(name))
+
+
+def main(argv=None) -> int:
+    import jax
+    from benchmarks.timing import ab_time, profile_kernels
+    from kernels_pallas.paged_attention.reference import paged_attention_reference
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="old,direct_v,dv+idle")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reference", action="store_true",
+                    help="error against the float64 numpy reference (~1 min of host time); "
+                         "default: against the first variant's output")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cached_span.json"))
+    args = ap.parse_args(argv)
+    shape = Shape()
+    q, k, v, md, inv = inputs(shape, args.seed)
+    names = args.variants.split(",")
+    fns = {n: attention_call(VARIANTS[n]) for n in names}
+    ref = None
+    if args.reference:
+        ref = paged_attention_reference(q, k, v, md, inv, kv_mode="position_free")[: shape.new]
+    kv_bytes = 2 * (shape.spans * shape.span_tokens + shape.new) * shape.kv_heads * shape.head_dim * 2
+    print(f"cached-span attention: {shape.new} rows over {shape.spans}x{shape.span_tokens} "
+          f"keys, H{shape.heads}/K{shape.kv_heads} D{shape.head_dim}; K+V once = "
+          f"{kv_bytes / 1e6:.1f} MB; kernel times by profile, GB/s = K+V once / busy time; "
+          f"rel err vs {'the float64 reference' if ref is not None else names[0]}")
+    print(f"{'variant':<10} {'busy ms':>8} {'gather':>8} {'kernel':>8} {'GB/s':>6} {'rel err':>9}",
+          flush=True)
+    rows = {}
+    for n, fn in fns.items():  # each row printed when measured: a variant that hangs loses only itself
+        out = jax.block_until_ready(fn(q, k, v, md, inv))
+        out = np.asarray(out.astype(np.float32), np.float64)[: shape.new]
+        ref = out if ref is None else ref  # the first variant's, unless --reference
+        err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        prof = profile_kernels(lambda fn=fn: fn(q, k, v, md, inv), steps=5)
+        r = rows[n] = dict(rel_err=err, busy_ms=prof["kernel_busy_ms_per_step"],
+                           gather_ms=_kernel_ms(prof, "gather_live"),
+                           attn_kernel_ms=_kernel_ms(prof, "anonymous_mosaic_gpu_kernel"),
+                           top=prof["top"][:8])
+        print(f"{n:<10} {r['busy_ms']:8.4f} {r['gather_ms']:8.4f} {r['attn_kernel_ms']:8.4f} "
+              f"{kv_bytes / r['busy_ms'] / 1e6:6.0f} {err:9.2e}", flush=True)
+    base = names[0]
+    for n in names[1:]:
+        ma, mb, med, lo, hi = ab_time(fns[base], fns[n], q, k, v, md, inv, iters=args.iters,
+                                      reps=args.reps)
+        rows[n].update(wall_ms=mb, base_wall_ms=ma, ratio=med, ratio_iqr=(lo, hi))
+        print(f"A/B wall per call (interleaved): {base} {ma:.4f} ms, {n} {mb:.4f} ms, ratio "
+              f"{med:.3f} [IQR {lo:.3f}-{hi:.3f}]", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(shape=dataclasses.asdict(shape), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
