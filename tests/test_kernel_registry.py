@@ -60,3 +60,16 @@ def test_options_are_typed_and_checked():
         api.choose_attention(GPU_DECODE, "mosaic")
     with pytest.raises(ValueError, match="options must be a dict or TritonDecodeOptions"):
         api.choose_attention(GPU_DECODE, "triton_decode", ["splits"])
+
+
+def test_mixed_reads_values_from_the_pages_where_its_table_fits():
+    """direct_v and skip_idle are measured defaults of the mixed path (on; RESULTS.md, Attention:
+    prefill); a table wider than the kernel's SMEM copy keeps the mixed path, gathering values."""
+    prefill = dataclasses.replace(GPU_DECODE, decode_only=False)
+    impl, options = api.choose_attention(prefill)
+    assert impl.name == "mixed" and options.direct_v and options.skip_idle
+    wide = dataclasses.replace(prefill, table_cols=8193, max_position=8193 * 16)
+    impl, options = api.choose_attention(wide)
+    assert impl.name == "mixed" and not options.direct_v and options.skip_idle
+    _, options = api.choose_attention(prefill, "mixed", {"direct_v": False, "skip_idle": False})
+    assert not options.direct_v and not options.skip_idle

@@ -118,7 +118,10 @@ class MixedOptions:
     prefill kernel leaves them, i.e. garbage or zero); direct_v: the prefill kernel reads values
     from the pages (the pre-pass gathers keys only: half its traffic; needs finite values in
     every page slot, as mosaic_decode does; mosaic_prefill.prepare); skip_idle: prefill
-    warpgroups that own no row skip their work (mosaic_prefill._kernel)."""
+    warpgroups that own no row skip their work (mosaic_prefill._kernel). direct_v and skip_idle
+    None: on (mixed_defaults; direct_v where direct_v_limits allows), measured on the H200 at
+    the cached-span step's attention call: 0.87x the call's time with both off
+    (benchmarks/RESULTS.md, Attention: prefill)."""
 
     prefill_seqs: int | None = None
     splits: int | None = None
@@ -126,8 +129,8 @@ class MixedOptions:
     overflow: str = "triton"
     prefill_fits: bool | None = None
     decode_rows: bool = True
-    direct_v: bool = False
-    skip_idle: bool = False
+    direct_v: bool | None = None
+    skip_idle: bool | None = None
 
 
 def plan_step(options: MixedOptions, tokens: int, seqs: int, prefill_count: int,
@@ -146,9 +149,14 @@ def plan_step(options: MixedOptions, tokens: int, seqs: int, prefill_count: int,
 
 
 def mixed_defaults(problem, options: MixedOptions) -> MixedOptions:
+    fill = {}
     if options.max_position is None:
-        return dataclasses.replace(options, max_position=problem.table_bound)
-    return options
+        fill["max_position"] = problem.table_bound
+    if options.direct_v is None:
+        fill["direct_v"] = not direct_v_limits(problem.block_size, problem.table_cols)
+    if options.skip_idle is None:
+        fill["skip_idle"] = True
+    return dataclasses.replace(options, **fill) if fill else options
 
 
 def mixed_limits(problem, options: MixedOptions) -> str:
