@@ -193,7 +193,7 @@ def sweep(inputs, reps, deadline):
             timed("output", f"{layout}_w{nw}", functools.partial(
                 fused_triton.output_fused, scale=k.shape[-1] ** -0.5, chunk=64, dot_dtype=bf16,
                 out_dtype=bf16, num_warps=nw, states_t=layout == "vk"),
-                (q, k, gc, out[0], out[1]))
+                (q, k, g, out[0], out[1]))
 
     def fastest(part, *prefixes):
         ok = [r for r in rows if r["part"] == part and r["variant"].startswith(prefixes or "")

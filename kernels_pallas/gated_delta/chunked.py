@@ -1,8 +1,9 @@
 """Chunked gated delta rule in plain XLA (WY / UT form, chunk C, inter-chunk state by lax.scan).
 
 Within a chunk (positions i, j in [0, C), gc = in-chunk cumulative log decay, Gamma_ij =
-exp(gc_i - gc_j) for j <= i), the C delta-rule updates collapse into one unit lower-triangular
-system (the UT transform):
+exp(gc_i - gc_j) for j <= i, its exponent summed directly as g over (j, i], see
+`segment_sums`), the C delta-rule updates collapse into one unit lower-triangular system (the
+UT transform):
     (I + tril(diag(beta) K K^T * Gamma, -1)) [U | W] = [diag(beta) V | diag(beta exp(gc)) K]
 Then, with S the state entering the chunk:
     V' = U - W S                                  (what the old state does not yet predict)
@@ -54,6 +55,19 @@ def unit_lower_inverse(m, base=8):
     return jnp.concatenate([top, bottom], axis=-2)
 
 
+def segment_sums(g):
+    """seg[.., i, j] = sum of g[.., m] over j < m <= i (0 where i <= j), g [.., C] -> [.., C, C].
+
+    Summed directly (a cumulative sum down the rows of the masked [C, C] matrix), not as gc_i -
+    gc_j: with all g <= 0 the error is a few eps32 of the segment itself, where the difference of
+    two cumulative sums carries a few eps32 of |gc|, which after a hard reset (decays of -60 per
+    token and more) is thousands, so exp(seg) would be ~1e-4 relative off."""
+    chunk = g.shape[-1]
+    later = (jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+             > jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1))  # [m, j]: m > j
+    return jnp.cumsum(jnp.where(later, g[..., :, None], 0.0), axis=-2)  # also inside kernels
+
+
 def intra_chunk(q, k, v, g, beta, *, scale, solve="blocked"):
     """The parallel (per-chunk) half: cumulative gates, UT solve, W, U and the masked scores.
 
@@ -66,8 +80,8 @@ def intra_chunk(q, k, v, g, beta, *, scale, solve="blocked"):
     chunk = g.shape[-1]
     gc = jax.lax.associative_scan(jnp.add, g, axis=-1)  # [N, H, NT, C]
     causal = jnp.tril(jnp.ones((chunk, chunk), dtype=bool))
-    diff = gc[..., :, None] - gc[..., None, :]
-    gamma = jnp.exp(jnp.where(causal, diff, -jnp.inf))  # [.., C, C], 0 above the diagonal
+    seg = segment_sums(g)
+    gamma = jnp.exp(jnp.where(causal, seg, -jnp.inf))  # [.., C, C], 0 above the diagonal
     k_beta = k * beta[..., None]
     lower = jnp.einsum("...id,...jd->...ij", k_beta, k) * gamma
     system = jnp.where(jnp.tril(causal, -1), lower, 0.0) + jnp.eye(chunk, dtype=lower.dtype)
@@ -83,9 +97,8 @@ def intra_chunk(q, k, v, g, beta, *, scale, solve="blocked"):
     u, w = sol[..., :dv], sol[..., dv:]
     q_s = q * scale
     attn = jnp.einsum("...id,...jd->...ij", q_s, k) * gamma
-    g_last = gc[..., -1:]
-    return dict(w=w, u=u, qg=q_s * jnp.exp(gc)[..., None], kd=k * jnp.exp(g_last - gc)[..., None],
-                attn=attn, decay_last=jnp.exp(g_last[..., 0]))
+    return dict(w=w, u=u, qg=q_s * jnp.exp(gc)[..., None], kd=k * jnp.exp(seg[..., -1, :, None]),
+                attn=attn, decay_last=jnp.exp(gc[..., -1]))
 
 
 def state_scan(w, u, kd, decay_last, state0, ckpt_idx=None, *, transition=False):

@@ -2,7 +2,8 @@
 
 All tensors stay in the caller's [N, T, H, D] layout (BlockSpecs squeeze the head axis):
   1. intra-chunk UT solve, grid (N, NT, Hv): gc = cumsum(g); A = tril(beta K K^T Gamma, -1);
-     W = (I + A)^-1 (beta exp(gc) K), U = (I + A)^-1 (beta V), KD = K exp(gc_last - gc). Either
+     W = (I + A)^-1 (beta exp(gc) K), U = (I + A)^-1 (beta V), KD = K exp(gc_last - gc), every
+     exponent gc_i - gc_j summed directly as g over (j, i] (`chunked.segment_sums`). Either
      in 16-row sub-blocks (intra_blocked.py, default) or by C row-substitution steps over the
      whole [C, C] tile (`_intra_kernel` below; exact formula, no series).
   2. state scan, grid (N, Hv, Dv / BV) (scan_fused.py): the float32 state walks the chunks in
@@ -22,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.gated_delta import intra_blocked, scan_fused
+from kernels_pallas.gated_delta.chunked import segment_sums
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t
 
 
@@ -30,11 +32,12 @@ def _intra_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *
     # k_ref [C, Dk], v_ref [C, Dv], g_ref/beta_ref [C]; outputs w/kd [C, Dk], u [C, Dv], gc [C]
     k = k_ref[...].astype(jnp.float32)
     beta = beta_ref[...].astype(jnp.float32)
-    gc = jnp.cumsum(g_ref[...].astype(jnp.float32))
+    g = g_ref[...].astype(jnp.float32)
+    gc = jnp.cumsum(g)
+    seg = segment_sums(g)  # [C, C]: g summed over (j, i]
     rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    diff = gc[:, None] - gc[None, :]
-    gamma = jnp.exp(jnp.where(rows > cols, diff, -jnp.inf))  # strictly lower, 0 elsewhere
+    gamma = jnp.exp(jnp.where(rows > cols, seg, -jnp.inf))  # strictly lower, 0 elsewhere
     a = _dot_t(k * beta[:, None], k, dot_dtype) * gamma  # [C, C]
     eye = (rows == cols).astype(jnp.float32)
 
@@ -47,19 +50,20 @@ def _intra_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *
     u_ref[...] = _dot(x, v_ref[...].astype(jnp.float32) * beta[:, None], dot_dtype
                       ).astype(u_ref.dtype)
     w_ref[...] = _dot(x, k * (beta * jnp.exp(gc))[:, None], dot_dtype).astype(w_ref.dtype)
-    g_last = jnp.sum(jnp.where(jnp.arange(chunk) == chunk - 1, gc, 0.0))
-    kd_ref[...] = (k * jnp.exp(g_last - gc)[:, None]).astype(kd_ref.dtype)
+    to_end = jnp.sum(jnp.where(rows == chunk - 1, seg, 0.0), axis=0)  # g over (j, C - 1]
+    kd_ref[...] = (k * jnp.exp(to_end)[:, None]).astype(kd_ref.dtype)
     gc_ref[...] = gc
 
 
-def _output_kernel(q_ref, k_ref, gc_ref, vnew_ref, s_ref, o_ref, *, chunk, scale, dot_dtype,
+def _output_kernel(q_ref, k_ref, g_ref, vnew_ref, s_ref, o_ref, *, chunk, scale, dot_dtype,
                    states_t):
-    # q/k [C, Dk]; gc [C]; vnew [C, Dv]; s [Dk, Dv] ([Dv, Dk] if states_t); o [C, Dv]
-    gc = gc_ref[...]
+    # q/k [C, Dk]; g [C] float32; vnew [C, Dv]; s [Dk, Dv] ([Dv, Dk] if states_t); o [C, Dv]
+    g = g_ref[...]
+    gc = jnp.cumsum(g)
     q = q_ref[...].astype(jnp.float32) * scale
     rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    gamma = jnp.exp(jnp.where(rows >= cols, gc[:, None] - gc[None, :], -jnp.inf))
+    gamma = jnp.exp(jnp.where(rows >= cols, segment_sums(g), -jnp.inf))
     attn = _dot_t(q, k_ref[...], dot_dtype) * gamma  # [C, C]
     qg = q * jnp.exp(gc)[:, None]
     inter = _dot_t(qg, s_ref[...], dot_dtype) if states_t else _dot(qg, s_ref[...], dot_dtype)
@@ -96,10 +100,11 @@ def intra_chunk_fused(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=Fals
     )(k, v, g.astype(jnp.float32), beta)
 
 
-def output_fused(q, k, gc, v_new, states, *, scale, chunk, dot_dtype, out_dtype, interpret=False,
+def output_fused(q, k, g, v_new, states, *, scale, chunk, dot_dtype, out_dtype, interpret=False,
                  num_warps=4, states_t=False):
-    """Kernel 3 alone: O [N, T, Hv, Dv] from q/k [N, T, Hk, Dk], gc [N, T, Hv], V' and the
-    states entering each chunk, [N, Hv, NT, Dk, Dv] ([N, Hv, NT, Dv, Dk] if states_t)."""
+    """Kernel 3 alone: O [N, T, Hv, Dv] from q/k [N, T, Hk, Dk], the gates g [N, T, Hv] (the
+    kernel sums them itself: `chunked.segment_sums`), V' and the states entering each chunk,
+    [N, Hv, NT, Dk, Dv] ([N, Hv, NT, Dv, Dk] if states_t)."""
     n, t_len, hk, dk = k.shape
     hv, dv = v_new.shape[2:]
     tok, gate_spec = _specs(chunk, hv // hk)
@@ -114,7 +119,7 @@ def output_fused(q, k, gc, v_new, states, *, scale, chunk, dot_dtype, out_dtype,
         out_shape=jax.ShapeDtypeStruct((n, t_len, hv, dv), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
-    )(q, k, gc, v_new, states)
+    )(q, k, g.astype(jnp.float32), v_new, states)
 
 
 def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_warps=4):
@@ -158,7 +163,7 @@ def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=6
         block_v=opt["block_v"], layout=opt["layout"], ckpt_store=opt["ckpt_store"],
         dot_dtype=dot_dtype, num_warps=opt["scan_warps"], num_stages=opt["scan_stages"],
         interpret=interpret)
-    out = output_fused(q, k, gc, v_new, states, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
+    out = output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
                        out_dtype=v.dtype, interpret=interpret, num_warps=opt["out_warps"],
                        states_t=opt["layout"] == "vk")
     return out, final, ckpt_states

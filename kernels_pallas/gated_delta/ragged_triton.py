@@ -114,7 +114,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
       s0.astype(jnp.float32), slot_map,
       jnp.full((1,), nc, jnp.int32) if n_used is None else jnp.reshape(n_used, (1,)).astype(
           jnp.int32))
-    out = fused_triton.output_fused(q, k, gc, v_new, states, scale=scale, chunk=chunk,
+    out = fused_triton.output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk,
                                     dot_dtype=dot_dtype, out_dtype=v.dtype, interpret=interpret,
                                     num_warps=opt["out_warps"], states_t=vk)
     if vk:

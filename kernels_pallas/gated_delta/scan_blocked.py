@@ -267,7 +267,7 @@ def blocked_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk
         entering, prod = compose(maps, state0, dv, precision=dots._prec(dot_dtype),
                                  transition=transition)
     v_new, states, final, ckpt = segment_scan(w, u, kd, dl, entering, ckpt_idx, segs, **opts)
-    out = fused_triton.output_fused(q, k, gc, v_new, states, scale=scale, chunk=chunk,
+    out = fused_triton.output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk,
                                     dot_dtype=dot_dtype, out_dtype=v.dtype, interpret=interpret,
                                     num_warps=fused_triton.DEFAULTS["out_warps"], states_t=True)
     return (out, final, ckpt) + ((jnp.swapaxes(prod, -1, -2),) if transition else ())

@@ -118,7 +118,7 @@ def fused_tree_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, ch
     v_new = (blocks(u).astype(f32) - jnp.einsum("ntchd,nhtde->ntche", blocks(w), states,
                                                 preferred_element_type=f32, precision=precision))
     v_new = v_new.reshape(n, t_len, hv, dv).astype(dot_dtype)
-    out = fused_triton.output_fused(q, k, gc, v_new, states, scale=scale, chunk=chunk,
+    out = fused_triton.output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk,
                                     dot_dtype=dot_dtype, out_dtype=v.dtype, interpret=interpret)
     ckpt = None if ckpt_idx is None else _gather_checkpoints(entering.astype(f32), final,
                                                               ckpt_idx, 2)

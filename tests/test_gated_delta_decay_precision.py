@@ -1,0 +1,60 @@
+"""Decay factors after a hard reset: float32 segment sums, not differences of cumsums.
+
+Inside a chunk, Gamma_ij = exp(sum of g over (j, i]). Taken as gc_i - gc_j (gc the chunk's
+cumulative log decay), its exponent carries an absolute error of a few eps32 * |gc|, whatever the
+summation order: after tokens that decay by -50 .. -250 each, |gc| reaches thousands (ulp(4096)
+= 4.9e-4), and a factor that should be exp(-0.01) comes out ~1e-4 .. 1e-3 relative off. Summing
+g over (j, i] directly keeps the error to a few eps of the segment itself (all g <= 0).
+
+On the H200 the same defect showed at the model's own decays (-60 per token, gc ~ -486): the
+Triton scan (tl.cumsum, Hillis-Steele across lanes) rounded gc at a chunk's last real token and
+at its last (padding, g = 0) row differently, so exp(g_last - gc_i) = exp(3.05e-5) instead of 1
+on the dominant term of the final state (test_gated_delta.py's fixture-layout test, seed
+3406335468: 4.88e-5 at atol 2e-5)."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from kernels_pallas.gated_delta import api, fused_triton, reference
+
+INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
+
+
+def _reset_inputs(rng, n, t, hk, hv, dk, dv, chunk):
+    """Random unit q/k, N(0, 1) v and state; in each chunk a reset: the tokens before a random
+    row p in [4, chunk / 2) decay by -50 .. -250 each, those from p on by -0.001 .. -0.05."""
+    def unit(x):
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q = unit(rng.standard_normal((n, t, hk, dk))).astype(np.float32)
+    k = unit(rng.standard_normal((n, t, hk, dk))).astype(np.float32)
+    v = rng.standard_normal((n, t, hv, dv)).astype(np.float32)
+    beta = rng.uniform(0.05, 1.0, (n, t, hv)).astype(np.float32)
+    row = np.arange(t) % chunk
+    reset_end = rng.integers(4, chunk // 2, (n, -(-t // chunk), 1, hv))
+    before = row[None, :, None] < np.repeat(reset_end, chunk, axis=1)[:, :t, 0]
+    g = np.where(before, -rng.uniform(50, 250, (n, t, hv)), -rng.uniform(0.001, 0.05, (n, t, hv)))
+    s0 = rng.standard_normal((n, hv, dk, dv)).astype(np.float32)
+    return q, k, v, g.astype(np.float32), beta, s0
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused", "pallas_fused-subst"])
+def test_decay_after_a_reset_matches_float64(fresh_rng, impl):
+    """Outputs, final state and a mid checkpoint within 2e-5 of the float64 recurrence, chunk 64
+    (four 16-row sub-blocks in the blocked solve), GVA 2, T = 3 chunks."""
+    chunk, t = 64, 192
+    q, k, v, g, beta, s0 = _reset_inputs(fresh_rng, 2, t, 1, 2, 16, 16, chunk)
+    ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0)
+    if impl == "xla":
+        out, final, cks = api.prefill(q, k, v, g, beta, s0, checkpoint_at=[128],
+                                      chunk_size=chunk, implementation="xla")
+    else:
+        opts = dict(intra="subst") if impl.endswith("subst") else {}
+        out, final, cks = jax.jit(lambda *a: fused_triton.fused_gated_delta(
+            *a, scale=16 ** -0.5, chunk=chunk, interpret=INTERPRET, **opts))(
+                q, k, v, g, beta, s0, np.array([[2], [2]], np.int32))
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(final), ref_states[:, -1], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(cks[:, 0]), ref_states[:, 127], atol=2e-5, rtol=0)
