@@ -147,8 +147,10 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     seq_state = jnp.minimum(pk["seq_of_chunk"], last_state)
     fin = jnp.arange(seqs, dtype=jnp.int32) if final_of is None else jnp.clip(
         jnp.asarray(final_of, jnp.int32), 0, seqs - 1)
-    final_bound, has_fin = final_bound[fin], has[fin]
-    state0_fin = state0[jnp.minimum(fin, last_state)]
+    state0_fin = state0[jnp.minimum(fin, last_state)] if last_state or final_of is not None \
+        else state0  # [K or 1, ...]; as given when every sequence's own (no gather)
+    if final_of is not None:
+        final_bound, has = final_bound[fin], has[fin]
     if return_transition and implementation not in (None, "xla"):
         raise NotImplementedError("ragged_prefill: return_transition has the XLA path only "
                                   f"(implementation=None or 'xla'), got {implementation!r}")
@@ -162,7 +164,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
             interpret=interpret, n_used=jnp.sum(pk["n_ch"]))
         out = jnp.take(out[0], pk["dest"], axis=0, mode="fill", fill_value=0)
         n_fin = fin.shape[0]
-        final = jnp.where(has_fin[:, None, None, None], bound_states[:n_fin], state0_fin)
+        final = jnp.where(has[:, None, None, None], bound_states[:n_fin], state0_fin)
         ckpt = None
         if ck_bound is not None:
             ckpt = jnp.where(ck_use[..., None, None, None],
@@ -186,12 +188,12 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
                                jnp.moveaxis(entering, 0, 1)[None])
     out = chunked.from_chunks(out)[0]  # [NC * C, Hv, Dv]
     out = jnp.take(out, pk["dest"], axis=0, mode="fill", fill_value=0.0)  # [T, Hv, Dv]
-    final = jnp.where(has_fin[:, None, None, None], before[final_bound], state0_fin)
+    final = jnp.where(has[:, None, None, None], before[final_bound], state0_fin)
     ckpt = None
     if ck_bound is not None:
         ckpt = jnp.where(ck_use[..., None, None, None], before[ck_bound], state0[:, None])
     if return_transition:
         eye = jnp.eye(dk, dtype=f32)
-        return out, final, ckpt, jnp.where(has_fin[:, None, None, None], prod[0][final_bound],
+        return out, final, ckpt, jnp.where(has[:, None, None, None], prod[0][final_bound],
                                            eye)
     return out, final, ckpt
