@@ -81,3 +81,54 @@ def test_selected_maps_equal_the_full_pass(fresh_rng, impl):
         want = _token_product(k[:, s:e], g[:, s:e], beta[:, s:e], hv)[0]
         assert _rel(a[j], want) < 1e-6, (impl, j)
         np.testing.assert_allclose(np.asarray(a[j]), np.asarray(a_f[piece]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("capture", [False, True])
+def test_local_pass_runs_span_rows_only(fresh_rng, impl, capture):
+    """qwen3_5_spans.local_pass over pieces [span rows][riders]: each span row's output, the
+    finals read (each sequence's last piece ending on a span row, the captured pieces) and the
+    captured transitions equal the float64 recurrence of the span's rows alone from zero;
+    riders get zeros (the model reads their flow outputs)."""
+    from minipic_jax.models.qwen3_5_spans import local_pass
+    from serving.model_contract import SpanPieces
+    hk, hv, dk, dv, chunk = 1, 2, 16, 8, 16
+    # seq 0: riders, span (20) + riders (3), span (17); seq 1: one decode-like row; seq 2: span 5
+    rows = [(0, 4, False), (1, 20, True), (1, 3, False), (2, 17, True), (3, 1, False),
+            (4, 5, True)]
+    seg = np.concatenate([[p] * n for p, n, _ in rows])
+    span = np.concatenate([[s] * n for _, n, s in rows])
+    t = len(seg) + 6
+    q, k, v, g, beta = _inputs(fresh_rng, 1, t, hk, hv, dk, dv, decay=0.05)
+    starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+    cu_p = np.full(9, len(seg), np.int32)
+    cu_p[:len(starts)] = starts
+    row_span = np.zeros(t, bool)
+    row_span[:len(seg)] = span
+    cu_q = np.array([0, 44, 45, 50], np.int32)
+    cap = jnp.asarray([2, -1, 1], jnp.int32) if capture else None
+    pieces = SpanPieces(row_span=jnp.asarray(row_span), piece_cu=jnp.asarray(cu_p),
+                        carry_local=jnp.asarray([True, False, True]), capture=cap)
+    out, final, a = jax.jit(lambda *x: local_pass(*x, pieces, jnp.asarray(cu_q), chunk=chunk,
+                                                  **_kernel(impl)))(q[0], k[0], v[0], g[0],
+                                                                    beta[0])
+    out = np.asarray(out)
+    zero = np.zeros((1, hv, dk, dv), np.float32)
+    ref = {}
+    for p in (1, 2, 4):
+        s, e = cu_p[p], cu_p[p] + rows[[r[0] for r in rows].index(p)][1]
+        ref[p] = reference.gated_delta_reference(*(x[:, s:e] for x in (q, k, v, g, beta)), zero)
+        np.testing.assert_allclose(out[s:e], ref[p][0][0], atol=2e-5, rtol=0)
+    assert np.all(out[~row_span] == 0)
+    # final_pieces order: the piece of each sequence's last row (2, 3, 4), then the captured
+    np.testing.assert_allclose(np.asarray(final[0]), ref[2][1][0, -1], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(final[2]), ref[4][1][0, -1], atol=2e-5, rtol=0)
+    if capture:
+        for j, p in ((3, 2), (5, 1)):
+            np.testing.assert_allclose(np.asarray(final[j]), ref[p][1][0, -1], atol=2e-5)
+        for j, p in ((0, 2), (2, 1)):
+            s, e = cu_p[p], cu_p[p] + rows[[r[0] for r in rows].index(p)][1]
+            assert _rel(a[j], _token_product(k[:, s:e], g[:, s:e], beta[:, s:e], hv)[0]) < 1e-6
+        np.testing.assert_array_equal(np.asarray(a[1]), np.broadcast_to(np.eye(dk), (hv, dk, dk)))
+    else:
+        assert a is None

@@ -73,23 +73,36 @@ def final_pieces(pieces: SpanPieces, cu_q_lens, n_rows: int):
 
 
 def local_pass(q, k, v, g, beta, pieces: SpanPieces, cu_q_lens, **kw):
-    """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, the final
-    states of `final_pieces` [S (+ Mc), Hv, Dk, Dv] (the chunked ragged prefill: one compiled
+    """Core outputs [T, Hv, Dv] of the span rows inside their piece from a zero state (other
+    rows: zeros), the final states of `final_pieces` [S (+ Mc), Hv, Dk, Dv], and with
+    `pieces.capture` each captured piece's transition [Mc, Hv, Dk, Dk] (else None).
+
+    Only span rows run: they are gathered to the front (a piece is its span's rows, then rows
+    of other segments riding in it, whose local outputs nobody reads; a final state read is a
+    piece's that ends on a span row or a captured span's, which has no riders), so the pass
+    costs the step's span rows, not all its rows. Then the chunked ragged prefill (one compiled
     branch, whatever the piece lengths; pieces start at zero, so the packed stream is sized for
-    aligned starts, and only the states read are written), and with `pieces.capture` each
-    captured piece's transition [Mc, Hv, Dk, Dk] (else None): affine.ragged_maps, a second pass
-    of the same kernels over the captured pieces' rows only, so a capturing step compiles no
-    other recurrent path than a plain span step."""
+    aligned starts, and only the states read are written); with `pieces.capture`
+    affine.ragged_maps, a second pass of the same kernels over the captured pieces' rows only,
+    so a capturing step compiles no other recurrent path than a plain span step."""
     n = pieces.piece_cu.shape[0] - 1
-    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
-    fin = final_pieces(pieces, cu_q_lens, q.shape[0])
+    n_rows, hv, dk, dv = q.shape[0], v.shape[1], k.shape[2], v.shape[2]
+    fin = final_pieces(pieces, cu_q_lens, n_rows)
+    span = pieces.row_span
+    before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(span.astype(jnp.int32))])
+    rows = jnp.arange(n_rows, dtype=jnp.int32)
+    src = jnp.zeros(n_rows, jnp.int32).at[jnp.where(span, before[:-1], n_rows)].set(
+        rows, mode="drop")  # compact row j <- row src[j] (past the span rows: row 0, unread)
+    cu = before[pieces.piece_cu]  # the pieces' span rows only
+    x = [t[src] for t in (q, k, v, g, beta)]
     if pieces.capture is not None:
-        return affine.ragged_maps(q, k, v, g, beta, pieces.piece_cu, select=pieces.capture,
-                                  final_of=fin, **kw)
-    out, final, _ = ragged_prefill(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
-                                   jnp.zeros((1, hv, dk, dv), jnp.float32), aligned=True,
-                                   final_of=fin, **kw)
-    return out, final, None
+        out, final, a = affine.ragged_maps(*x, cu, select=pieces.capture, final_of=fin, **kw)
+    else:
+        (out, final, _), a = ragged_prefill(*x, cu, jnp.zeros(n, jnp.int32),
+                                            jnp.zeros((1, hv, dk, dv), jnp.float32),
+                                            aligned=True, final_of=fin, **kw), None
+    out = jnp.where(span[:, None, None], out[jnp.minimum(before[:-1], n_rows - 1)], 0.0)
+    return out, final, a
 
 
 def captured_maps(mixed, pieces: SpanPieces, a_span, local_final, history, k1: int):
