@@ -100,6 +100,9 @@ def fill_maps(batch, v, starts) -> None:
             v["cap_slot"][k] = slot
             k += 1
         row += e.token_idx.size
+    caps = v["cap_piece"][:k]
+    if np.unique(caps).size != k:  # affine.ragged_maps gathers the captured pieces' rows
+        raise RuntimeError(f"model runner: captured span pieces {caps.tolist()} repeat")
 
 
 def enter(family, cache, pool, maps, f, reset):

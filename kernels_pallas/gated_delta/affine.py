@@ -91,10 +91,7 @@ def apply_chain(a, b, state, count=None, *, precision=None):
     return out
 
 
-
-
-
-def ragged_maps(q, k, v, g, beta, cu_q_lens, **kernel):
+def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, **kernel):
     """Each sequence of a ragged batch from a zero state, with its map, by any ragged
     implementation (ragged.ragged_prefill's `kernel` options): the plain pass gives the outputs
     and B (the final state from zero); the state is linear in S0, so a second pass with v = 0
@@ -103,15 +100,39 @@ def ragged_maps(q, k, v, g, beta, cu_q_lens, **kernel):
     plain span step lacks (no float32 XLA transition scan, no wider kernel shapes).
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; cu_q_lens: [S+1] int32 (sequences start
-    at position 0). Returns out [T, Hv, Dv] float32, b [S, Hv, Dk, Dv] float32 and
-    a [S, Hv, Dk, Dk] float32 (I for an empty sequence).
+    at position 0). select: None (a map for every sequence) or [M] int32 distinct sequence ids
+    (-1: none) whose maps are wanted: the second pass then runs over their rows only, gathered
+    into a stream of M sequences, so a step that captures a few of many pieces pays for those.
+    final_of: None or [K] int32 sequence ids whose B to return (ragged_prefill's final_of).
+    Returns out [T, Hv, Dv] float32, b [S or K, Hv, Dk, Dv] float32 and a [S or M, Hv, Dk, Dk]
+    float32 (I for an empty sequence or a -1).
     """
     n_tokens, hv, dv = v.shape
     seqs, dk = cu_q_lens.shape[0] - 1, k.shape[2]
-    pos0 = jnp.zeros(seqs, jnp.int32)
-    out, b, _ = ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0,
-                               jnp.zeros((seqs, hv, dk, dv), _F32), **kernel)
+    out, b, _ = ragged_prefill(q, k, v, g, beta, cu_q_lens, jnp.zeros(seqs, jnp.int32),
+                               jnp.zeros((1, hv, dk, dv), _F32), aligned=True,
+                               final_of=final_of, **kernel)
+    if select is not None:
+        src, cu_q_lens = _selected_rows(cu_q_lens, select, n_tokens)
+        q, k, g, beta = (x[src] for x in (q, k, g, beta))
+        seqs = select.shape[0]
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (seqs, hv, dk, dk))
     _, a, _ = ragged_prefill(q, k, jnp.zeros((n_tokens, hv, dk), v.dtype), g, beta, cu_q_lens,
-                             pos0, eye, **kernel)
+                             jnp.zeros(seqs, jnp.int32), eye, aligned=True, **kernel)
     return out, b, a
+
+
+def _selected_rows(cu_q_lens, select, n_tokens):
+    """The rows of sequences `select` [M] (-1: none; distinct, so they fit T rows) back to back:
+    (source row of each of the T rows [T] int32, their cu_q_lens [M + 1] int32). Rows past the
+    last selected one are padding (ragged_prefill ignores them)."""
+    seqs = cu_q_lens.shape[0] - 1
+    ok = (select >= 0) & (select < seqs)
+    sel = jnp.clip(select, 0, seqs - 1)
+    lens = jnp.where(ok, cu_q_lens[sel + 1] - cu_q_lens[sel], 0)
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lens).astype(jnp.int32)])
+    rows = jnp.arange(n_tokens, dtype=jnp.int32)
+    j = jnp.clip(jnp.searchsorted(cu, rows, side="right", method="compare_all") - 1, 0,
+                 select.shape[0] - 1)
+    src = jnp.clip(cu_q_lens[sel[j]] + rows - cu[j], 0, n_tokens - 1)
+    return src, cu

@@ -38,3 +38,24 @@ def dot_t(a, b, dtype):  # a @ b.T
 def dot_tn(a, b, dtype):  # a.T @ b
     return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (((0,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32, precision=_prec(dtype))
+
+
+
+def chunks_below(kernel, n_in: int, used, n_chunks: int):
+    """`kernel(*in_refs, *out_refs)` of a grid (N, NT, H), run only for chunks (grid axis 1) below
+    `used` (an int32 scalar; None: every chunk, the kernel unchanged), so a packed stream sized
+    for the worst case (ragged.py) costs its used chunks only. The skipped chunks' output blocks
+    are left unwritten; callers never read them. Returns (kernel, extra in_specs, extra args):
+    the count travels as one more input, a [1] int32 block after the n_in others."""
+    if used is None:
+        return kernel, [], []
+    from jax.experimental import pallas as pl
+
+    def body(*refs):
+        ins, count, outs = refs[:n_in], refs[n_in], refs[n_in + 1:]
+
+        @pl.when(pl.program_id(1) < count[0])
+        def _():
+            kernel(*ins, *outs)
+    count = jnp.reshape(jnp.minimum(used, n_chunks), (1,)).astype(jnp.int32)
+    return body, [pl.BlockSpec((1,), lambda *_: (0,))], [count]

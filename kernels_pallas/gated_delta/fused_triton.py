@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.gated_delta import intra_blocked, scan_fused
 from kernels_pallas.gated_delta.chunked import segment_sums
+from kernels_pallas.gated_delta.dots import chunks_below
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t
 
 
@@ -79,17 +80,21 @@ def _specs(chunk, rep):
     return tok, pl.BlockSpec((None, chunk, None), lambda b, c, h: (b, c, h))
 
 
-def intra_chunk_fused(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=False, num_warps=4):
-    """Kernel 1 by row substitution: (w, u, kd [N, T, Hv, D] in dot_dtype, gc [N, T, Hv] f32)."""
+def intra_chunk_fused(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=False, num_warps=4,
+                      used=None):
+    """Kernel 1 by row substitution: (w, u, kd [N, T, Hv, D] in dot_dtype, gc [N, T, Hv] f32);
+    used: None or an int32 scalar, only chunks below it (dots.chunks_below)."""
     n, t_len, hk, dk = k.shape
     hv, dv = v.shape[2:]
     nt = t_len // chunk
     dot_dtype = v.dtype if dot_dtype is None else dot_dtype
     tok, gate_spec = _specs(chunk, hv // hk)
+    kernel, used_spec, used_arg = chunks_below(functools.partial(
+        _intra_kernel, chunk=chunk, dot_dtype=dot_dtype), 4, used, nt)
     return pl.pallas_call(
-        functools.partial(_intra_kernel, chunk=chunk, dot_dtype=dot_dtype),
+        kernel,
         grid=(n, nt, hv),
-        in_specs=[tok(dk, False), tok(dv), gate_spec, gate_spec],
+        in_specs=[tok(dk, False), tok(dv), gate_spec, gate_spec] + used_spec,
         out_specs=[tok(dk), tok(dv), tok(dk), gate_spec],
         out_shape=[jax.ShapeDtypeStruct((n, t_len, hv, dk), dot_dtype),
                    jax.ShapeDtypeStruct((n, t_len, hv, dv), dot_dtype),
@@ -97,39 +102,44 @@ def intra_chunk_fused(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=Fals
                    jax.ShapeDtypeStruct((n, t_len, hv), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
-    )(k, v, g.astype(jnp.float32), beta)
+    )(k, v, g.astype(jnp.float32), beta, *used_arg)
 
 
 def output_fused(q, k, g, v_new, states, *, scale, chunk, dot_dtype, out_dtype, interpret=False,
-                 num_warps=4, states_t=False):
+                 num_warps=4, states_t=False, used=None):
     """Kernel 3 alone: O [N, T, Hv, Dv] from q/k [N, T, Hk, Dk], the gates g [N, T, Hv] (the
     kernel sums them itself: `chunked.segment_sums`), V' and the states entering each chunk,
-    [N, Hv, NT, Dk, Dv] ([N, Hv, NT, Dv, Dk] if states_t)."""
+    [N, Hv, NT, Dk, Dv] ([N, Hv, NT, Dv, Dk] if states_t); used: None or an int32 scalar, only
+    chunks below it (dots.chunks_below)."""
     n, t_len, hk, dk = k.shape
     hv, dv = v_new.shape[2:]
     tok, gate_spec = _specs(chunk, hv // hk)
     sb = (dv, dk) if states_t else (dk, dv)
+    kernel, used_spec, used_arg = chunks_below(functools.partial(
+        _output_kernel, chunk=chunk, scale=scale, dot_dtype=dot_dtype, states_t=states_t), 5,
+        used, t_len // chunk)
     return pl.pallas_call(
-        functools.partial(_output_kernel, chunk=chunk, scale=scale, dot_dtype=dot_dtype,
-                          states_t=states_t),
+        kernel,
         grid=(n, t_len // chunk, hv),
         in_specs=[tok(dk, False), tok(dk, False), gate_spec, tok(dv),
-                  pl.BlockSpec((None, None, None, *sb), lambda b, c, h: (b, h, c, 0, 0))],
+                  pl.BlockSpec((None, None, None, *sb), lambda b, c, h: (b, h, c, 0, 0))]
+        + used_spec,
         out_specs=tok(dv),
         out_shape=jax.ShapeDtypeStruct((n, t_len, hv, dv), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
-    )(q, k, g.astype(jnp.float32), v_new, states)
+    )(q, k, g.astype(jnp.float32), v_new, states, *used_arg)
 
 
-def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_warps=4):
+def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_warps=4, used=None):
     """Kernel 1, "blocked" (intra_blocked.py) or "subst" (`intra_chunk_fused`)."""
     if kind == "blocked":
         return intra_blocked.intra_chunk_blocked(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
-                                                 interpret=interpret, num_warps=num_warps)
+                                                 interpret=interpret, num_warps=num_warps,
+                                                 used=used)
     if kind == "subst":
         return intra_chunk_fused(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
-                                 interpret=interpret, num_warps=num_warps)
+                                 interpret=interpret, num_warps=num_warps, used=used)
     raise ValueError(f"gated_delta fused: intra must be 'blocked' or 'subst', got {kind!r}")
 
 

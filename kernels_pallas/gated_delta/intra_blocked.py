@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.gated_delta.chunked import segment_sums
+from kernels_pallas.gated_delta.dots import chunks_below
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t
 
 _SUB = 16
@@ -97,11 +98,12 @@ def _intra_blocked_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, g
 
 
 def intra_chunk_blocked(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=False,
-                        num_warps=4, num_stages=2):
+                        num_warps=4, num_stages=2, used=None):
     """Kernel 1 of the fused path, blocked solve.
 
     Args:
       k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv]; g, beta: [N, T, Hv] (T a multiple of chunk).
+      used: None or an int32 scalar: only chunks below it are solved (dots.chunks_below).
     Returns:
       w, kd [N, T, Hv, Dk] and u [N, T, Hv, Dv] in dot_dtype (default v's dtype), gc [N, T, Hv]
       float32 (gates cumulated inside each chunk).
@@ -123,10 +125,12 @@ def intra_chunk_blocked(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=Fa
             return pl.BlockSpec((None, chunk, None, d), lambda b, c, h: (b, c, h // rep, 0))
         return pl.BlockSpec((None, chunk, None, d), lambda b, c, h: (b, c, h, 0))
     gate = pl.BlockSpec((None, chunk, None), lambda b, c, h: (b, c, h))
+    kernel, used_spec, used_arg = chunks_below(functools.partial(
+        _intra_blocked_kernel, chunk=chunk, sub=sub, dot_dtype=dot_dtype), 4, used, t_len // chunk)
     return pl.pallas_call(
-        functools.partial(_intra_blocked_kernel, chunk=chunk, sub=sub, dot_dtype=dot_dtype),
+        kernel,
         grid=(n, t_len // chunk, hv),
-        in_specs=[tok(dk, True), tok(dv), gate, gate],
+        in_specs=[tok(dk, True), tok(dv), gate, gate] + used_spec,
         out_specs=[tok(dk), tok(dv), tok(dk), gate],
         out_shape=[jax.ShapeDtypeStruct((n, t_len, hv, dk), dot_dtype),
                    jax.ShapeDtypeStruct((n, t_len, hv, dv), dot_dtype),
@@ -134,4 +138,4 @@ def intra_chunk_blocked(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=Fa
                    jax.ShapeDtypeStruct((n, t_len, hv), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-    )(k, v, g.astype(jnp.float32), beta)
+    )(k, v, g.astype(jnp.float32), beta, *used_arg)

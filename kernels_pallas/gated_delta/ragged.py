@@ -4,7 +4,9 @@ Prefill packs the tokens into chunks: sequence s starts a fresh chunk and is shi
 `pos0[s] % C` no-op tokens (g = 0, beta = 0, k = q = v = 0: the state passes through unchanged), so
 chunk boundaries fall on multiples of C of each sequence's *own* position. A state checkpoint at an
 aligned position c is then computed by exactly the operations of a prefill that stopped at c.
-Static bound on packed chunks: ceil(T / C) + 2 S. One state scan runs over all packed chunks and
+Static bound on packed chunks: ceil(T / C) + 2 S, or floor((T + S (C - 1)) / C) when the caller
+promises chunk-aligned starts (`aligned`: e.g. pieces run from a zero state, which are never
+shifted; each sequence then pads less than one chunk). One state scan runs over all packed chunks and
 restarts from the sequence's initial state at its first chunk.
 
 When no sequence has more than one token (decode), a lax.cond takes the one-step recurrence
@@ -85,37 +87,52 @@ def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transitio
 
 
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, scale=None,
-                   chunk=64, implementation="xla", interpret=False, return_transition=False):
+                   chunk=64, implementation="xla", interpret=False, return_transition=False,
+                   aligned=False, final_of=None):
     """Chunked gated delta rule for a flat ragged batch.
 
     Args:
       q, k: [T, Hk, Dk] (L2-normalised); v: [T, Hv, Dv]; g, beta: [T, Hv].
       cu_q_lens: [S+1] int32 row offsets of each sequence (rows past cu_q_lens[-1] are padding).
       pos0: [S] int32 position (tokens already in the state) of each sequence's first new token.
-      state0: [S, Hv, Dk, Dv] float32 state of each sequence before its new tokens.
+      state0: [S, Hv, Dk, Dv] float32 state of each sequence before its new tokens, or
+        [1, Hv, Dk, Dv]: one state for every sequence (a zero start costs no [S] buffer).
       checkpoint_at: None or [S, M] int32 absolute positions (multiples of chunk, within
         [pos0, pos0 + len]) whose states to return; -1 = none (returns state0 there).
       implementation: "xla" (lax.scan) or "pallas_fused" (ragged_triton.py, GPU; on CPU only
         with interpret=True); api.choose resolves "auto".
       return_transition: also return each sequence's transition over its new tokens (affine.py;
         identity for a sequence with none), so final = a_span state0 + final-from-zero. XLA only.
+      aligned: the caller's promise that every pos0 is a multiple of chunk (zero, say): the
+        packed stream is then sized floor((T + S (C - 1)) / C) chunks, not ceil(T / C) + 2 S
+        (a wrong promise loses tokens; only callers that pass constant zeros set it).
+      final_of: None or [K] int32 sequence ids: the final states of those only, [K, ...] (a
+        step that needs a few of many sequences' states writes no [S] of them).
     Returns:
       out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None,
       and with return_transition a_span [S, Hv, Dk, Dk] float32.
     """
     with dots.exact_for(v.dtype):
         return _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale,
-                               chunk, implementation, interpret, return_transition)
+                               chunk, implementation, interpret, return_transition, aligned,
+                               final_of)
+
+
+def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -> int:
+    """Static bound on the packed chunks of a ragged batch (module doc)."""
+    if aligned:  # sum ceil(len / C) <= (sum len + S (C - 1)) / C
+        return max(1, (n_tokens + seqs * (chunk - 1)) // chunk)
+    return -(-n_tokens // chunk) + 2 * seqs
 
 
 def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale, chunk,
-                    implementation, interpret, return_transition):
+                    implementation, interpret, return_transition, aligned, final_of):
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     n_tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     seqs = cu_q_lens.shape[0] - 1
     scale = dk ** -0.5 if scale is None else scale
-    n_chunks = -(-n_tokens // chunk) + 2 * seqs
+    n_chunks = packed_chunks(n_tokens, seqs, chunk, aligned)
     pk = _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks)
     size = n_chunks * chunk
     has = pk["lens"] > 0
@@ -126,6 +143,14 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
         ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] + ck_rel // chunk, 0), 0,
                             n_chunks)  # boundary index: end of chunk bound - 1
     final_bound = pk["first"] + pk["n_ch"]  # [S]
+    last_state = state0.shape[0] - 1  # 0 when one state0 serves every sequence
+    seq_state = jnp.minimum(pk["seq_of_chunk"], last_state)
+    fin = jnp.arange(seqs, dtype=jnp.int32) if final_of is None else jnp.clip(
+        jnp.asarray(final_of, jnp.int32), 0, seqs - 1)
+    state0_fin = state0[jnp.minimum(fin, last_state)] if last_state or final_of is not None \
+        else state0  # [K or 1, ...]; as given when every sequence's own (no gather)
+    if final_of is not None:
+        final_bound, has = final_bound[fin], has[fin]
     if return_transition and implementation not in (None, "xla"):
         raise NotImplementedError("ragged_prefill: return_transition has the XLA path only "
                                   f"(implementation=None or 'xla'), got {implementation!r}")
@@ -135,14 +160,15 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
         bounds = final_bound if ck_bound is None else jnp.concatenate(
             [final_bound, ck_bound.reshape(-1)])
         out, bound_states = ragged_triton.packed_gated_delta(
-            *packed, pk["restart"], pk["seq_of_chunk"], state0, bounds, scale=scale, chunk=chunk,
+            *packed, pk["restart"], seq_state, state0, bounds, scale=scale, chunk=chunk,
             interpret=interpret, n_used=jnp.sum(pk["n_ch"]))
         out = jnp.take(out[0], pk["dest"], axis=0, mode="fill", fill_value=0)
-        final = jnp.where(has[:, None, None, None], bound_states[:seqs], state0)
+        n_fin = fin.shape[0]
+        final = jnp.where(has[:, None, None, None], bound_states[:n_fin], state0_fin)
         ckpt = None
         if ck_bound is not None:
             ckpt = jnp.where(ck_use[..., None, None, None],
-                             bound_states[seqs:].reshape(ck_bound.shape + state0.shape[1:]),
+                             bound_states[n_fin:].reshape(ck_bound.shape + state0.shape[1:]),
                              state0[:, None])
         return out.astype(jnp.float32), final, ckpt
     if implementation != "xla":
@@ -157,16 +183,17 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
     v_new, entering, before, *prod = _restart_scan(
         parts["w"], parts["u"], parts["kd"], parts["decay_last"], pk["restart"],
-        pk["seq_of_chunk"], state0.astype(f32), transition=return_transition)
+        seq_state, state0.astype(f32), transition=return_transition)
     out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
                                jnp.moveaxis(entering, 0, 1)[None])
     out = chunked.from_chunks(out)[0]  # [NC * C, Hv, Dv]
     out = jnp.take(out, pk["dest"], axis=0, mode="fill", fill_value=0.0)  # [T, Hv, Dv]
-    final = jnp.where(has[:, None, None, None], before[final_bound], state0)
+    final = jnp.where(has[:, None, None, None], before[final_bound], state0_fin)
     ckpt = None
     if ck_bound is not None:
         ckpt = jnp.where(ck_use[..., None, None, None], before[ck_bound], state0[:, None])
     if return_transition:
         eye = jnp.eye(dk, dtype=f32)
-        return out, final, ckpt, jnp.where(has[:, None, None, None], prod[0][final_bound], eye)
+        return out, final, ckpt, jnp.where(has[:, None, None, None], prod[0][final_bound],
+                                           eye)
     return out, final, ckpt

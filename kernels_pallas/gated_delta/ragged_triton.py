@@ -9,8 +9,9 @@ Scan kernel, grid (Hv, Dv / BV), one packed stream (N = 1): at chunk c
 The chunk loop stops at `n_used` (the packed chunks that hold tokens, a device scalar): the
 static chunk count covers the worst case (token bucket / C + 2 S), and the no-op chunks past the
 last sequence would cost a dependent step each (~6 us on the H200) without changing the state.
-Their boundary slots still get the final state; their states / V' rows are left unwritten (the
-output rows they give are never read).
+Their boundary slots still get the final state; their states / V' rows are left unwritten, and
+the intra-chunk and output kernels skip them too (dots.chunks_below: their rows are never read),
+so the worst-case bound costs nothing beyond the packed buffers.
 The state layout ("kv" [Dk, BV] or "vk" [BV, Dk]) and the other kernel options follow
 fused_triton.DEFAULTS (see scan_fused.py).
 """
@@ -76,7 +77,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     dot_dtype = v.dtype if dot_dtype is None else dot_dtype
     w, u, kd, gc = fused_triton.intra(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                       interpret=interpret, kind=opt["intra"],
-                                      num_warps=opt["intra_warps"])
+                                      num_warps=opt["intra_warps"], used=n_used)
     dl = jnp.exp(gc[0, chunk - 1::chunk, :]).T  # [Hv, NC]
     n_b = bounds.shape[0]
     slot_map = jnp.full((nc + 1,), -1, jnp.int32).at[bounds].set(jnp.arange(n_b, dtype=jnp.int32))
@@ -116,7 +117,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
           jnp.int32))
     out = fused_triton.output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk,
                                     dot_dtype=dot_dtype, out_dtype=v.dtype, interpret=interpret,
-                                    num_warps=opt["out_warps"], states_t=vk)
+                                    num_warps=opt["out_warps"], states_t=vk, used=n_used)
     if vk:
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter

@@ -145,7 +145,7 @@ class GatedDeltaNet(nnx.Module):
                                                    **kernel)
         if pieces is not None:  # span rows: outputs of their piece from a zero state
             local, local_final, a_span = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces,
-                                                                  **kernel)
+                                                                  cu_q_lens, **kernel)
             core = jnp.where(pieces.row_span[:, None, None], local, core)
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)

@@ -60,45 +60,76 @@ def local_conv(mixed, conv_w, pieces: SpanPieces, causal_conv):
                        piece_of_row)
 
 
-def local_pass(q, k, v, g, beta, pieces: SpanPieces, **kw):
-    """Core outputs [T, Hv, Dv] of every row inside its piece from a zero state, each piece's
-    final state [G, Hv, Dk, Dv] (the chunked ragged prefill: one compiled branch, whatever the
-    piece lengths), and with `pieces.capture` each piece's transition [G, Hv, Dk, Dk] (else
-    None): affine.ragged_maps, a second pass of the same kernels, so a capturing step compiles
-    no other recurrent path than a plain span step."""
+def final_pieces(pieces: SpanPieces, cu_q_lens, n_rows: int):
+    """The pieces whose final local state a step reads: [S] the piece of each sequence's last
+    row (carry_local), then [Mc] the captured pieces (captured_maps), if any."""
+    g = pieces.piece_cu.shape[0] - 1
+    last_row = jnp.clip(cu_q_lens[1:] - 1, 0, n_rows - 1)
+    last = jnp.clip(jnp.searchsorted(pieces.piece_cu, last_row, side="right",
+                                     method="compare_all") - 1, 0, g - 1).astype(jnp.int32)
+    if pieces.capture is None:
+        return last
+    return jnp.concatenate([last, jnp.clip(pieces.capture, 0, g - 1).astype(jnp.int32)])
+
+
+def local_pass(q, k, v, g, beta, pieces: SpanPieces, cu_q_lens, **kw):
+    """Core outputs [T, Hv, Dv] of the span rows inside their piece from a zero state (other
+    rows: zeros), the final states of `final_pieces` [S (+ Mc), Hv, Dk, Dv], and with
+    `pieces.capture` each captured piece's transition [Mc, Hv, Dk, Dk] (else None).
+
+    Only span rows run: they are gathered to the front (a piece is its span's rows, then rows
+    of other segments riding in it, whose local outputs nobody reads; a final state read is a
+    piece's that ends on a span row or a captured span's, which has no riders), so the pass
+    costs the step's span rows, not all its rows. Then the chunked ragged prefill (one compiled
+    branch, whatever the piece lengths; pieces start at zero, so the packed stream is sized for
+    aligned starts, and only the states read are written); with `pieces.capture`
+    affine.ragged_maps, a second pass of the same kernels over the captured pieces' rows only,
+    so a capturing step compiles no other recurrent path than a plain span step."""
     n = pieces.piece_cu.shape[0] - 1
-    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    n_rows, hv, dk, dv = q.shape[0], v.shape[1], k.shape[2], v.shape[2]
+    fin = final_pieces(pieces, cu_q_lens, n_rows)
+    span = pieces.row_span
+    before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(span.astype(jnp.int32))])
+    rows = jnp.arange(n_rows, dtype=jnp.int32)
+    src = jnp.zeros(n_rows, jnp.int32).at[jnp.where(span, before[:-1], n_rows)].set(
+        rows, mode="drop")  # compact row j <- row src[j] (past the span rows: row 0, unread)
+    cu = before[pieces.piece_cu]  # the pieces' span rows only
+    x = [t[src] for t in (q, k, v, g, beta)]
     if pieces.capture is not None:
-        return affine.ragged_maps(q, k, v, g, beta, pieces.piece_cu, **kw)
-    out, final, _ = ragged_prefill(q, k, v, g, beta, pieces.piece_cu, jnp.zeros(n, jnp.int32),
-                                   jnp.zeros((n, hv, dk, dv), jnp.float32), **kw)
-    return out, final, None
+        out, final, a = affine.ragged_maps(*x, cu, select=pieces.capture, final_of=fin, **kw)
+    else:
+        (out, final, _), a = ragged_prefill(*x, cu, jnp.zeros(n, jnp.int32),
+                                            jnp.zeros((1, hv, dk, dv), jnp.float32),
+                                            aligned=True, final_of=fin, **kw), None
+    out = jnp.where(span[:, None, None], out[jnp.minimum(before[:-1], n_rows - 1)], 0.0)
+    return out, final, a
 
 
 def captured_maps(mixed, pieces: SpanPieces, a_span, local_final, history, k1: int):
     """The span maps of the captured pieces (serving/span_maps.py's layout): a [Mc, Hv, Dk, Dk],
     b [Mc, Hv, Dk, Dv] (the piece's state from zero), tail [Mc, C, K1] (its last K1 layer
-    inputs, right-aligned, zeros before), count [Mc] int32 (its rows)."""
+    inputs, right-aligned, zeros before), count [Mc] int32 (its rows). a_span and local_final
+    come from local_pass ([Mc] transitions; final states [S + Mc], the captured ones last)."""
     g = pieces.piece_cu.shape[0] - 1
+    mc = pieces.capture.shape[0]
     piece = jnp.clip(pieces.capture, 0, g - 1)
     count = (pieces.piece_cu[1:] - pieces.piece_cu[:-1])[piece]
     zeros = jnp.zeros((g, mixed.shape[1], k1), mixed.dtype)
     tail = history(mixed, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32), piece, count)
-    return dict(a=a_span[piece], b=local_final[piece], tail=tail, count=count)
+    return dict(a=a_span, b=local_final[local_final.shape[0] - mc:], tail=tail, count=count)
 
 
 def carry_local(mixed, pieces: SpanPieces, local_final, cu_q_lens, conv, delta, history):
     """The states a sequence carries on: for carry_local ones, the local conv window and delta
-    state at the end of its last piece; else the flow's `conv` [S, C, K1], `delta`."""
+    state at the end of its last piece (local_final[:S]: local_pass's final_pieces order); else
+    the flow's `conv` [S, C, K1], `delta`."""
     g = pieces.piece_cu.shape[0] - 1
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    last_row = jnp.clip(cu_q_lens[1:] - 1, 0, mixed.shape[0] - 1)
-    piece = jnp.clip(jnp.searchsorted(pieces.piece_cu, last_row, side="right",
-                                      method="compare_all") - 1, 0, g - 1)
+    piece = final_pieces(pieces, cu_q_lens, mixed.shape[0])[:lens.shape[0]]
     piece_len = pieces.piece_cu[1:] - pieces.piece_cu[:-1]
     zeros = jnp.zeros((g,) + conv.shape[1:], mixed.dtype)
     local_conv_end = history(mixed, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32), piece,
                              piece_len[piece]).astype(conv.dtype)
     use = pieces.carry_local & (lens > 0)
     return (jnp.where(use[:, None, None], local_conv_end, conv),
-            jnp.where(use[:, None, None, None], local_final[piece], delta))
+            jnp.where(use[:, None, None, None], local_final[:lens.shape[0]], delta))
