@@ -17,6 +17,12 @@ def _prec(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def is_exact(dot_dtype) -> bool:
+    """Float32 dots (None: the float32 default): IEEE math, and the kernels' decay exponents
+    summed directly over each segment (bf16 / f16 dots keep differences of cumsums)."""
+    return dot_dtype is None or jnp.dtype(dot_dtype) == jnp.float32
+
+
 def exact_for(dtype):
     """Context for tracing the XLA path: float32 inputs -> every dot at HIGHEST precision (read at
     trace time by `jax.lax.dot_general`), other dtypes -> the default."""

@@ -3,7 +3,8 @@
 All tensors stay in the caller's [N, T, H, D] layout (BlockSpecs squeeze the head axis):
   1. intra-chunk UT solve, grid (N, NT, Hv): gc = cumsum(g); A = tril(beta K K^T Gamma, -1);
      W = (I + A)^-1 (beta exp(gc) K), U = (I + A)^-1 (beta V), KD = K exp(gc_last - gc), every
-     exponent gc_i - gc_j summed directly as g over (j, i] (`chunked.segment_sums`). Either
+     exponent gc_i - gc_j summed directly as g over (j, i] (`chunked.segment_sums`; the blocked
+     solve and kernel 3 do so for float32 dots only, `dots.is_exact`). Either
      in 16-row sub-blocks (intra_blocked.py, default) or by C row-substitution steps over the
      whole [C, C] tile (`_intra_kernel` below; exact formula, no series).
   2. state scan, grid (N, Hv, Dv / BV) (scan_fused.py): the float32 state walks the chunks in
@@ -24,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.gated_delta import intra_blocked, scan_fused
 from kernels_pallas.gated_delta.chunked import segment_sums
-from kernels_pallas.gated_delta.dots import chunks_below
+from kernels_pallas.gated_delta.dots import chunks_below, is_exact
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t
 
 
@@ -68,17 +69,13 @@ def _output_kernel(q_ref, k_ref, g_ref, vnew_ref, s_ref, o_ref, *, chunk, scale,
     # keep the difference of cumsums (its ~eps32 * |gc| exponent error is far below their
     # rounding, and the [C, C] cumsum cost 9% of the 32K prefill on the H200: RESULTS.md, Gated
     # DeltaNet)
-    seg = segment_sums(g) if _exact(dot_dtype) else gc[:, None] - gc[None, :]
+    seg = segment_sums(g) if is_exact(dot_dtype) else gc[:, None] - gc[None, :]
     gamma = jnp.exp(jnp.where(rows >= cols, seg, -jnp.inf))
     attn = _dot_t(q, k_ref[...], dot_dtype) * gamma  # [C, C]
     qg = q * jnp.exp(gc)[:, None]
     inter = _dot_t(qg, s_ref[...], dot_dtype) if states_t else _dot(qg, s_ref[...], dot_dtype)
     o = inter + _dot(attn, vnew_ref[...], dot_dtype)
     o_ref[...] = o.astype(o_ref.dtype)
-
-
-def _exact(dot_dtype) -> bool:
-    return dot_dtype is None or jnp.dtype(dot_dtype) == jnp.float32
 
 
 def _specs(chunk, rep):

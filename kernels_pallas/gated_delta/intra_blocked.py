@@ -5,8 +5,8 @@ caller's [N, T, H, D] layout), but the unit lower-triangular system (I + A) [W |
 of a chunk of C rows is solved in sub-blocks of S = 16 rows instead of by C sequential
 row-substitution steps over a [C, C] tile:
   - A_ij = (beta_i K_i) K_j^T * exp(gc_i - gc_j) for the C/S (C/S + 1) / 2 blocks j <= i (strictly
-    lower inside a diagonal block): small MMAs straight from the key rows; every exponent is a
-    direct sum of g (`_block_decays`), not a difference of two large cumulative sums;
+    lower inside a diagonal block): small MMAs straight from the key rows (for float32 dots every
+    exponent a direct sum of g, not a difference of two large cumulative sums: `_block_exponents`);
   - X_ii = (I + A_ii)^-1 by the exact product for a nilpotent matrix: with N = A_ii strictly lower
     (N^S = 0), (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(S/2)) (float32 IEEE dots; exact
     algebra, no truncated series);
@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.gated_delta.chunked import segment_sums
-from kernels_pallas.gated_delta.dots import chunks_below
+from kernels_pallas.gated_delta.dots import chunks_below, is_exact
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t
 
 _SUB = 16
@@ -44,33 +44,48 @@ def _unit_lower_inverse(n, sub):
     return x
 
 
-def _block_decays(g_ref, rows, sub):
-    """Log decays of the sub-blocks, every one a direct sum of g (no difference of cumsums, see
-    `chunked.segment_sums`), per block b: head[b] [S] (g over [block start, r]), seg[b] [S, S]
-    (over (c, r] inside the block), tail[b] [S] (over (c, block end]), total[b] (the block)."""
+def _block_exponents(g_ref, rows, sub, exact):
+    """The log decays of the solve, per sub-block i (row r of block i, column c of block j <= i):
+    (gc, span, to_end) with gc[i] [S] g summed from the chunk start through r, span(i, j) [S, S]
+    g over (c, r] (read where c < r) and to_end(i) [S] g over (r, C - 1].
+
+    exact (float32 dots): every exponent a direct sum of g (`chunked.segment_sums`), a few eps32 of
+    the segment itself. Otherwise differences of the chunk cumsum gc: their error, a few eps32 of
+    |gc|, is far below bf16 / f16 rounding, and the per-block segment sums are the likely rest of
+    the bf16 prefill's loss on the H200 (1.451 vs 1.348 ms at 32K: benchmarks/RESULTS.md, Gated
+    DeltaNet)."""
     f32 = jnp.float32
-    ri = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
     last = jax.lax.broadcasted_iota(jnp.int32, (sub,), 0) == sub - 1
-    d = dict(head=[], seg=[], tail=[], total=[])
+    if not exact:
+        gcs, off = [], jnp.zeros((), f32)
+        for r in rows:  # chunk-cumulative gates, one sub-block at a time
+            gcs.append(jnp.cumsum(g_ref[r].astype(f32)) + off)
+            off = jnp.sum(jnp.where(last, gcs[-1], 0.0))
+        return gcs, lambda i, j: gcs[i][:, None] - gcs[j][None, :], lambda i: off - gcs[i]
+    ri = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
+    head, seg, tail, total = [], [], [], []  # per block: g over [start, r], (c, r], (c, end], all
     for r in rows:
         g = g_ref[r].astype(f32)
-        d["head"].append(jnp.cumsum(g))
-        d["seg"].append(segment_sums(g))
-        d["tail"].append(jnp.sum(jnp.where(ri == sub - 1, d["seg"][-1], 0.0), axis=0))
-        d["total"].append(jnp.sum(jnp.where(last, d["head"][-1], 0.0)))
-    return d
+        head.append(jnp.cumsum(g))
+        seg.append(segment_sums(g))
+        tail.append(jnp.sum(jnp.where(ri == sub - 1, seg[-1], 0.0), axis=0))
+        total.append(jnp.sum(jnp.where(last, head[-1], 0.0)))
+
+    def blocks(a, b):  # g summed over the whole blocks a .. b - 1
+        return sum(total[a:b], jnp.zeros((), f32))
+
+    def span(i, j):  # head of block i + blocks j+1 .. i-1 + tail of block j
+        return seg[i] if i == j else head[i][:, None] + (blocks(j + 1, i) + tail[j])[None, :]
+    return ([blocks(0, i) + head[i] for i in range(len(rows))], span,
+            lambda i: tail[i] + blocks(i + 1, len(rows)))
 
 
 def _intra_blocked_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *, chunk,
                           sub, dot_dtype):
     # k_ref [C, Dk], v_ref [C, Dv], g_ref/beta_ref [C]; outputs w/kd [C, Dk], u [C, Dv], gc [C]
     f32 = jnp.float32
-    nb = chunk // sub
-    rows = [pl.ds(i * sub, sub) for i in range(nb)]
-    dec = _block_decays(g_ref, rows, sub)
-
-    def blocks(a, b):  # g summed over the whole blocks a .. b - 1
-        return sum(dec["total"][a:b], jnp.zeros((), f32))
+    rows = [pl.ds(i * sub, sub) for i in range(chunk // sub)]
+    gcs, span, to_end = _block_exponents(g_ref, rows, sub, is_exact(dot_dtype))
     ri = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
     ci = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
     ks = [k_ref[r].astype(f32) for r in rows]
@@ -78,23 +93,20 @@ def _intra_blocked_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, g
     for i, r in enumerate(rows):
         beta = beta_ref[r].astype(f32)
         kb = ks[i] * beta[:, None]
-        gc = blocks(0, i) + dec["head"][i]  # chunk-cumulative
-        gam = jnp.exp(jnp.where(ri > ci, dec["seg"][i], -jnp.inf))
+        gam = jnp.exp(jnp.where(ri > ci, span(i, i), -jnp.inf))
         x_ii = _unit_lower_inverse(_dot_t(kb, ks[i], dot_dtype) * gam, sub)
-        rw = ks[i] * (beta * jnp.exp(gc))[:, None]  # [S, Dk]
+        rw = ks[i] * (beta * jnp.exp(gcs[i]))[:, None]  # [S, Dk]
         ru = v_ref[r].astype(f32) * beta[:, None]  # [S, Dv]
-        for j in range(i):  # g over (c, r] = head of block i + blocks j+1 .. i-1 + tail of j
-            span = dec["head"][i][:, None] + (blocks(j + 1, i) + dec["tail"][j])[None, :]
-            a_ij = _dot_t(kb, ks[j], dot_dtype) * jnp.exp(span)
+        for j in range(i):
+            a_ij = _dot_t(kb, ks[j], dot_dtype) * jnp.exp(span(i, j))
             rw = rw - _dot(a_ij, ws[j], dot_dtype)
             ru = ru - _dot(a_ij, us[j], dot_dtype)
         ws.append(_dot(x_ii, rw, dot_dtype))
         us.append(_dot(x_ii, ru, dot_dtype))
         w_ref[r, :] = ws[i].astype(w_ref.dtype)
         u_ref[r, :] = us[i].astype(u_ref.dtype)
-        to_end = dec["tail"][i] + blocks(i + 1, nb)  # g over (r, C - 1]
-        kd_ref[r, :] = (ks[i] * jnp.exp(to_end)[:, None]).astype(kd_ref.dtype)
-        gc_ref[r] = gc
+        kd_ref[r, :] = (ks[i] * jnp.exp(to_end(i))[:, None]).astype(kd_ref.dtype)
+        gc_ref[r] = gcs[i]
 
 
 def intra_chunk_blocked(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=False,
