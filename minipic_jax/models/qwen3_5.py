@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
+from kernels_pallas.gated_delta import ragged
 from kernels_pallas.paged_attention.api import KV_MODES
+from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
 from minipic_jax.models import qwen3_5_modules as modules
 from minipic_jax.models import layers, rope
 from minipic_jax.models.paged_cache import paged_attend
@@ -121,8 +123,15 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
                           kv_mode=kv_mode, attn_impl=attn_impl, write_impl=write_impl,
                           attn_options=attn_options)
     # the host's static step kind (RecurrentMetadata.decode): no conditional per GDN layer
-    gdn_kw = dict(checkpoint_at=checkpoint_at, impl=gdn_impl, pieces=span_pieces,
-                  decode=recurrent.decode)
+    # what the GDN layers derive from the step's metadata alone: once per step, not per layer
+    n_rows = metadata.num_tokens
+    plan = None if span_pieces is None else qwen3_5_spans.prepare(
+        span_pieces, metadata.cu_q_lens, n_rows, cfg.linear_conv_kernel_dim, CHUNK)
+    gdn_kw = dict(checkpoint_at=checkpoint_at, impl=gdn_impl, pieces=plan,
+                  decode=recurrent.decode,
+                  seq_of_row=qwen3_5_gdn.rows_of_seqs(metadata.cu_q_lens, n_rows),
+                  packing=None if recurrent.decode else ragged.packing(
+                      metadata.cu_q_lens, pos0, n_rows, chunk=CHUNK))
     x = model.embed_tokens(tokens)  # [T, E]
     new = dict(k=[], v=[], conv=[], delta=[])
     ck_conv, ck_delta, span_maps = [], [], []

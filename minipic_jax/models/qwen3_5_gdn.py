@@ -19,6 +19,7 @@ from kernels_pallas.gated_delta.api import choose
 from kernels_pallas.sharding import ragged_gated_delta  # per head shard under TP
 from minipic_jax.models import qwen3_5_spans
 from minipic_jax.models.nnx_pure import param
+from serving.model_contract import SpanPieces
 
 
 def gdn_dims(cfg):
@@ -53,6 +54,14 @@ def _history(x, conv0, cu_q_lens, pos0, seq, end_pos):
     from_state = conv0[seq[..., None], :, jnp.clip(hist + rel, 0, hist - 1)]  # [..., Kc-1, C]
     out = jnp.where((rel >= 0)[..., None], from_x, from_state.astype(x.dtype))
     return jnp.swapaxes(out, -1, -2)
+
+
+def rows_of_seqs(cu_q_lens, n_tokens: int):
+    """[T] int32 the sequence of each row (padding rows: the last sequence's)."""
+    rows = jnp.arange(n_tokens, dtype=jnp.int32)
+    # compare_all: one [T, S+1] fusion; the default method is a while loop (kernels per level)
+    return jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right", method="compare_all") - 1,
+                    0, cu_q_lens.shape[0] - 2)
 
 
 def causal_conv(x, conv_w, conv0, cu_q_lens, pos0, seq_of_row):
@@ -94,7 +103,7 @@ class GatedDeltaNet(nnx.Module):
         self.w_out = param((hv, dv, e), ("gdn_heads", "gdn_v", "embed"), dtype)
 
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
-                 impl=None, pieces=None, decode=None):
+                 impl=None, pieces=None, decode=None, seq_of_row=None, packing=None):
         """The GDN token mixer for a ragged batch.
 
         Args:
@@ -104,9 +113,12 @@ class GatedDeltaNet(nnx.Module):
             (multiples of 64, -1 = none); impl: ragged kernel, "xla", "pallas_fused" (GPU) or
             "pallas_fused_interpret" (the same kernels in Pallas interpret mode, for CPU tests);
             None: the kernel's policy (kernels_pallas.gated_delta.api.choose).
-          pieces: None or qwen3_5_spans.SpanPieces: SSEP span rows read a local pass (see there).
+          pieces: None, qwen3_5_spans.SpanPieces or its `prepare` (computed once per step):
+            SSEP span rows read a local pass (see there).
           decode: the step kind if the host knows it (True: <= 1 token per sequence; False: any),
             None: decided on the device (gated_delta.api.ragged_gated_delta).
+          seq_of_row: None or [T] int32 the sequence of each row (`rows_of_seqs`), packing:
+            None or the flow prefill's gated_delta.ragged.packing: both once per step.
         Returns:
           out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], checkpoints (conv
           [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None, and the captured span maps
@@ -115,10 +127,10 @@ class GatedDeltaNet(nnx.Module):
         hk, hv, dk, dv, c, kc = gdn_dims(cfg)
         n_tokens = h.shape[0]
         seqs = cu_q_lens.shape[0] - 1
-        rows = jnp.arange(n_tokens, dtype=jnp.int32)
-        # compare_all: one [T, S+1] fusion; the default method is a while loop (kernels per level)
-        seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right",
-                                               method="compare_all") - 1, 0, seqs - 1)
+        if seq_of_row is None:
+            seq_of_row = rows_of_seqs(cu_q_lens, n_tokens)
+        if isinstance(pieces, SpanPieces):
+            pieces = qwen3_5_spans.prepare(pieces, cu_q_lens, n_tokens, kc)
         mixed = jnp.einsum("te,ec->tc", h, self.w_qkv[...])  # [T, C]
         z = jnp.einsum("te,ehv->thv", h, self.w_z[...])  # [T, Hv, Dv]
         b = jnp.einsum("te,eh->th", h, self.w_b[...])  # [T, Hv]
@@ -126,9 +138,8 @@ class GatedDeltaNet(nnx.Module):
         conv_w = self.conv_w[...]  # [C, Kc]
         conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row)
         if pieces is not None:  # span rows: their piece's window (zeros before the span start)
-            conv_out = jnp.where(pieces.row_span[:, None],
-                                 qwen3_5_spans.local_conv(mixed, conv_w, pieces, causal_conv),
-                                 conv_out)
+            conv_out = jnp.where(pieces["row_span"][:, None],
+                                 qwen3_5_spans.local_conv(mixed, conv_w, pieces), conv_out)
         conv_out = conv_out.astype(h.dtype)
         q = conv_out[:, :hk * dk].reshape(n_tokens, hk, dk)
         k = conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk)
@@ -142,11 +153,11 @@ class GatedDeltaNet(nnx.Module):
         q, k = l2norm(q), l2norm(k)
         core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
                                                    checkpoint_at=checkpoint_at, decode=decode,
-                                                   **kernel)
+                                                   packing=packing, **kernel)
         if pieces is not None:  # span rows: outputs of their piece from a zero state
-            local, local_final, a_span = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces,
-                                                                  cu_q_lens, **kernel)
-            core = jnp.where(pieces.row_span[:, None, None], local, core)
+            local, local_final, a_span = qwen3_5_spans.run_local(q, k, v, g, beta,
+                                                                 pieces["packings"], **kernel)
+            core = jnp.where(pieces["row_span"][:, None, None], local, core)
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
         out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
@@ -155,11 +166,9 @@ class GatedDeltaNet(nnx.Module):
         conv = _history(mixed, conv0, cu_q_lens, pos0, seq_ids, pos0 + lens).astype(conv0.dtype)
         maps = None
         if pieces is not None:
-            conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, cu_q_lens, conv,
-                                                    delta, _history)
+            conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, conv, delta)
             if a_span is not None:
-                maps = qwen3_5_spans.captured_maps(mixed, pieces, a_span, local_final, _history,
-                                                   kc - 1)
+                maps = qwen3_5_spans.captured_maps(mixed, pieces, a_span, local_final)
         ckpt = None
         if checkpoint_at is not None:
             ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])
