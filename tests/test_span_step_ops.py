@@ -5,7 +5,8 @@ conv windows, final-state and carry indices; the flow prefill's packing) is comp
 step (qwen3_5_spans.prepare, qwen3_5.forward_with_checkpoints). Counted on the traced step at the
 bench's shapes (equations outside Pallas kernel bodies, tests/jaxpr_walk.py): one GDN layer is
 the difference between 2 and 1 GDN layers. Bounds are ratios to the plain step's layer (they
-were 2.01x and 2.78x when every layer redid the index work; 1.27x and 1.47x after)."""
+were 2.01x and 2.78x when every layer redid the index work; 1.39x and 1.69x after, the plain
+layer's own index work, conv windows and flow packing, hoisted too: 482 -> 224 equations)."""
 
 import pytest
 
@@ -19,7 +20,7 @@ def plain():
     return per_layer("plain", T, S)["per_gdn_layer"]["jaxpr"]
 
 
-@pytest.mark.parametrize("kind, bound", [("span", 1.4), ("capture", 1.6)])
+@pytest.mark.parametrize("kind, bound", [("span", 1.5), ("capture", 1.8)])
 def test_span_layer_ops_stay_near_the_plain_layer(plain, kind, bound):
     ops = per_layer(kind, T, S)["per_gdn_layer"]["jaxpr"]
     assert ops <= bound * plain, (kind, ops, plain, ops / plain)

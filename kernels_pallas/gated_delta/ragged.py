@@ -56,7 +56,7 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
     Returns a dict of int32 / bool arrays: src [NC*C] (the row each packed slot reads; out of
     range: a no-op slot), dest [n_source] (the slot each row's output is in; out of range: none),
     restart, seq_of_chunk [NC], fin, final_bound, has_final [K or S], n_used (scalar), lens,
-    shift, first [S] (checkpoints).
+    shift, first [S] (checkpoints); and the static own_final, chunk.
     """
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     seqs = cu_q_lens.shape[0] - 1
@@ -78,7 +78,8 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
         final_bound, has = final_bound[fin], has[fin]
     return dict(src=src, dest=dest, restart=pk["restart"], seq_of_chunk=pk["seq_of_chunk"],
                 fin=fin, final_bound=final_bound, has_final=has, n_used=jnp.sum(pk["n_ch"]),
-                lens=pk["lens"], shift=pk["shift"], first=pk["first"], own_final=final_of is None)
+                lens=pk["lens"], shift=pk["shift"], first=pk["first"], own_final=final_of is None,
+                chunk=chunk)
 
 
 def take_rows(x, rows):
@@ -178,6 +179,8 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     scale = dk ** -0.5 if scale is None else scale
     if pk is None:
         pk = packing(cu_q_lens, pos0, n_tokens, chunk=chunk, aligned=aligned, final_of=final_of)
+    if pk["chunk"] != chunk:
+        raise ValueError(f"ragged_prefill: packing made for chunk {pk['chunk']}, run at {chunk}")
     pos0 = None if checkpoint_at is None else jnp.asarray(pos0, jnp.int32)
     n_chunks = pk["src"].shape[0] // chunk
     ck_rel = ck_bound = None
