@@ -69,6 +69,7 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
     if mesh is None:
         return _gdn.ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0,
                                        checkpoint_at=checkpoint_at, **kw)
+    kw.pop("packing", None)  # per shard: recomputed inside (its arrays are not shard inputs)
     n, hk = mesh.shape[TP_AXIS], q.shape[1]
     if hk % n:  # fewer key heads than devices: each device gets a copy of the one it reads
         q, k = jnp.repeat(q, n // hk, axis=1), jnp.repeat(k, n // hk, axis=1)

@@ -70,10 +70,8 @@ def _intra_stages(q, k, v, g, beta, cu, pos0, chunk=64):
     """max |Pallas - XLA| of the intra-chunk W, U, KD on the ragged packing of these inputs."""
     n_tokens, hk, _ = k.shape
     hv = v.shape[1]
-    seqs = cu.shape[0] - 1
-    n_chunks = -(-n_tokens // chunk) + 2 * seqs
-    pk = ragged._packing(cu, pos0, n_tokens, chunk, n_chunks)
-    pack = lambda x: ragged._pack(x, pk["dest"], n_chunks * chunk)[None]  # noqa: E731
+    pk = ragged.packing(cu, pos0, n_tokens, chunk=chunk)
+    pack = lambda x: ragged._pack(x, pk["src"])[None]  # noqa: E731
     w, u, kd, _ = fused_triton.intra(pack(k), pack(v), pack(g), pack(beta), chunk=chunk,
                                      dot_dtype=jnp.float32, interpret=INTERPRET,
                                      num_warps=fused_triton.DEFAULTS["intra_warps"])

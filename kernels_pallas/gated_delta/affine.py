@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.gated_delta.ragged import packing as ragged_packing
 from kernels_pallas.gated_delta.ragged import ragged_prefill
 
 _F32 = jnp.float32
@@ -91,7 +92,8 @@ def apply_chain(a, b, state, count=None, *, precision=None):
     return out
 
 
-def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, **kernel):
+def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, packings=None,
+                **kernel):
     """Each sequence of a ragged batch from a zero state, with its map, by any ragged
     implementation (ragged.ragged_prefill's `kernel` options): the plain pass gives the outputs
     and B (the final state from zero); the state is linear in S0, so a second pass with v = 0
@@ -104,22 +106,43 @@ def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, **kerne
     (-1: none) whose maps are wanted: the second pass then runs over their rows only, gathered
     into a stream of M sequences, so a step that captures a few of many pieces pays for those.
     final_of: None or [K] int32 sequence ids whose B to return (ragged_prefill's final_of).
+    packings: None, or `maps_packing(...)` of this batch computed once by the caller (then
+    cu_q_lens, select and final_of are read from it).
     Returns out [T, Hv, Dv] float32, b [S or K, Hv, Dk, Dv] float32 and a [S or M, Hv, Dk, Dk]
     float32 (I for an empty sequence or a -1).
     """
     n_tokens, hv, dv = v.shape
-    seqs, dk = cu_q_lens.shape[0] - 1, k.shape[2]
-    out, b, _ = ragged_prefill(q, k, v, g, beta, cu_q_lens, jnp.zeros(seqs, jnp.int32),
-                               jnp.zeros((1, hv, dk, dv), _F32), aligned=True,
-                               final_of=final_of, **kernel)
-    if select is not None:
-        src, cu_q_lens = _selected_rows(cu_q_lens, select, n_tokens)
-        q, k, g, beta = (x[src] for x in (q, k, g, beta))
-        seqs = select.shape[0]
-    eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (seqs, hv, dk, dk))
-    _, a, _ = ragged_prefill(q, k, jnp.zeros((n_tokens, hv, dk), v.dtype), g, beta, cu_q_lens,
-                             jnp.zeros(seqs, jnp.int32), eye, aligned=True, **kernel)
+    dk = k.shape[2]
+    if packings is None:
+        packings = maps_packing(cu_q_lens, n_tokens, select, final_of,
+                                chunk=kernel.get("chunk", 64))
+    plain, sel = packings
+    out, b, _ = ragged_prefill(q, k, v, g, beta, None, None, jnp.zeros((1, hv, dk, dv), _F32),
+                               packing=plain, **kernel)
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (sel["lens"].shape[0], hv, dk, dk))
+    _, a, _ = ragged_prefill(q, k, jnp.zeros((n_tokens, hv, dk), v.dtype), g, beta, None, None,
+                             eye, packing=sel, **kernel)
     return out, b, a
+
+
+def maps_packing(cu_q_lens, n_tokens: int, select=None, final_of=None, *, chunk: int = 64,
+                 source_rows=None, n_source: int | None = None):
+    """ragged_maps' two packings (ragged.packing, aligned zero starts): the plain pass's and the
+    transition pass's (over the `select`ed sequences' rows only), from the batch's metadata
+    alone, so a caller running several layers computes them once. source_rows, n_source: the
+    batch's rows in a larger stream (ragged.packing)."""
+    seqs = cu_q_lens.shape[0] - 1
+    kw = dict(chunk=chunk, aligned=True, n_source=n_source)
+    plain = ragged_packing(cu_q_lens, jnp.zeros(seqs, jnp.int32), n_tokens, final_of=final_of,
+                           source_rows=source_rows, **kw)
+    if select is None:
+        return plain, ragged_packing(cu_q_lens, jnp.zeros(seqs, jnp.int32), n_tokens,
+                                     source_rows=source_rows, **kw)
+    src, cu_sel = _selected_rows(cu_q_lens, select, n_tokens)
+    rows = src if source_rows is None else jnp.asarray(source_rows, jnp.int32)[src]
+    kw["n_source"] = n_tokens if n_source is None else n_source
+    return plain, ragged_packing(cu_sel, jnp.zeros(select.shape[0], jnp.int32), n_tokens,
+                                 source_rows=rows, **kw)
 
 
 def _selected_rows(cu_q_lens, select, n_tokens):

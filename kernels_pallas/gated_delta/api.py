@@ -165,7 +165,8 @@ def _validate(q, k, v, g, beta, state):
 
 
 def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None,
-                       scale=None, chunk=64, implementation="auto", interpret=False, decode=None):
+                       scale=None, chunk=64, implementation="auto", interpret=False, decode=None,
+                       packing=None):
     """The model's entry: `ragged.ragged_prefill` (its arguments and results), or the one-step
     recurrence when every sequence has <= 1 token (checkpoints, if asked, are then the state0 /
     final state as positions say). implementation: see `choose`.
@@ -173,7 +174,9 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
     decode: which of the two runs, decided by a caller that knows the step on the host: True
     (every sequence has <= 1 token: the one-step recurrence), False (the chunked prefill, exact
     for any lengths) or None (decided on the device by a lax.cond on the lengths; XLA's GPU
-    conditional copies its predicate to the host and blocks the stream, once per layer)."""
+    conditional copies its predicate to the host and blocks the stream, once per layer).
+    packing: None or ragged.packing(cu_q_lens, pos0, T, chunk=chunk) computed once per step by a
+    caller running several layers over the same rows (the prefill's index work)."""
     implementation = choose(implementation, interpret=interpret, op="ragged_gated_delta")
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     seqs = cu_q_lens.shape[0] - 1
@@ -199,7 +202,7 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
     def prefill(ops):
         return ragged.ragged_prefill(*ops[:5], cu_q_lens, pos0, ops[5], checkpoint_at=checkpoint_at,
                               scale=scale, chunk=chunk, implementation=implementation,
-                              interpret=interpret)
+                              interpret=interpret, packing=packing)
 
     ops = tuple(map(jnp.asarray, (q, k, v, g, beta))) + (jnp.asarray(state0, jnp.float32),)
     del seqs

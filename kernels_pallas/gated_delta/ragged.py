@@ -43,10 +43,54 @@ def _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks):
                 seq_of_chunk=seq_of_chunk, restart=restart)
 
 
-def _pack(x, dest, size):
-    """x [T, ...] -> [size, ...] zeros except rows dest (out-of-range dest dropped)."""
-    buf = jnp.zeros((size,) + x.shape[1:], x.dtype)
-    return buf.at[dest].set(x, mode="drop")
+def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = False,
+            final_of=None, source_rows=None, n_source: int | None = None):
+    """Everything ragged_prefill derives from the batch's metadata alone, for callers that run
+    several layers over the same rows: compute it once per step and pass it as `packing`.
+
+    cu_q_lens [S+1], pos0 [S], n_tokens, chunk, aligned, final_of: as ragged_prefill's.
+    source_rows: None, or [n_tokens] int32: batch row j is row source_rows[j] of a larger stream
+      of n_source rows that the layer holds (a gather of rows folded into the packing: the layer
+      passes the stream's [n_source] arrays, and the output comes back in the stream's rows,
+      zeros where no batch row comes from).
+    Returns a dict of int32 / bool arrays: src [NC*C] (the row each packed slot reads; out of
+    range: a no-op slot), dest [n_source] (the slot each row's output is in; out of range: none),
+    restart, seq_of_chunk [NC], fin, final_bound, has_final [K or S], n_used (scalar), lens,
+    shift, first [S] (checkpoints); and the static own_final, chunk.
+    """
+    cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
+    seqs = cu_q_lens.shape[0] - 1
+    n_chunks = packed_chunks(n_tokens, seqs, chunk, aligned)
+    pk = _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks)
+    size = n_chunks * chunk
+    rows = jnp.arange(n_tokens, dtype=jnp.int32)
+    if source_rows is None:
+        dest, n_source = pk["dest"], n_tokens
+    else:  # the batch's rows in the stream's: rows no batch row reads get no slot
+        stream_row = jnp.where(pk["dest"] < size, source_rows, n_source)
+        dest = jnp.full(n_source, size, jnp.int32).at[stream_row].set(pk["dest"], mode="drop")
+        rows = jnp.asarray(source_rows, jnp.int32)
+    src = jnp.full(size, n_source, jnp.int32).at[pk["dest"]].set(rows, mode="drop")
+    fin = jnp.arange(seqs, dtype=jnp.int32) if final_of is None else jnp.clip(
+        jnp.asarray(final_of, jnp.int32), 0, seqs - 1)
+    final_bound, has = pk["first"] + pk["n_ch"], pk["lens"] > 0
+    if final_of is not None:
+        final_bound, has = final_bound[fin], has[fin]
+    return dict(src=src, dest=dest, restart=pk["restart"], seq_of_chunk=pk["seq_of_chunk"],
+                fin=fin, final_bound=final_bound, has_final=has, n_used=jnp.sum(pk["n_ch"]),
+                lens=pk["lens"], shift=pk["shift"], first=pk["first"], own_final=final_of is None,
+                chunk=chunk)
+
+
+def take_rows(x, rows):
+    """x [T, ...] -> [rows..., ...]: row rows[i] of x, zeros where out of range (>= T; indices
+    are never negative here, so no wrap-around ops: one gather)."""
+    return jnp.asarray(x).at[rows].get(mode="fill", fill_value=0, wrap_negative_indices=False)
+
+
+def _pack(x, src):
+    """x [T, ...] -> [NC*C, ...]: packed slot p reads row src[p] (out of range: zeros)."""
+    return take_rows(x, src)
 
 
 def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transition=False):
@@ -88,7 +132,7 @@ def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transitio
 
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, scale=None,
                    chunk=64, implementation="xla", interpret=False, return_transition=False,
-                   aligned=False, final_of=None):
+                   aligned=False, final_of=None, packing=None):
     """Chunked gated delta rule for a flat ragged batch.
 
     Args:
@@ -108,6 +152,9 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
         (a wrong promise loses tokens; only callers that pass constant zeros set it).
       final_of: None or [K] int32 sequence ids: the final states of those only, [K, ...] (a
         step that needs a few of many sequences' states writes no [S] of them).
+      packing: None, or `packing(...)` of this batch computed once by the caller (then
+        cu_q_lens, pos0, aligned and final_of are read from it, not from the arguments; with its
+        source_rows the inputs and the output are the stream's rows).
     Returns:
       out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None,
       and with return_transition a_span [S, Hv, Dk, Dk] float32.
@@ -115,7 +162,7 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
     with dots.exact_for(v.dtype):
         return _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale,
                                chunk, implementation, interpret, return_transition, aligned,
-                               final_of)
+                               final_of, packing)
 
 
 def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -> int:
@@ -126,43 +173,38 @@ def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -
 
 
 def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale, chunk,
-                    implementation, interpret, return_transition, aligned, final_of):
-    cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
+                    implementation, interpret, return_transition, aligned, final_of, pk):
     n_tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
-    seqs = cu_q_lens.shape[0] - 1
     scale = dk ** -0.5 if scale is None else scale
-    n_chunks = packed_chunks(n_tokens, seqs, chunk, aligned)
-    pk = _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks)
-    size = n_chunks * chunk
-    has = pk["lens"] > 0
+    if pk is None:
+        pk = packing(cu_q_lens, pos0, n_tokens, chunk=chunk, aligned=aligned, final_of=final_of)
+    if pk["chunk"] != chunk:
+        raise ValueError(f"ragged_prefill: packing made for chunk {pk['chunk']}, run at {chunk}")
+    pos0 = None if checkpoint_at is None else jnp.asarray(pos0, jnp.int32)
+    n_chunks = pk["src"].shape[0] // chunk
     ck_rel = ck_bound = None
     if checkpoint_at is not None:
         ck_rel = checkpoint_at - pos0[:, None] + pk["shift"][:, None]  # [S, M] packed offset
-        ck_use = (checkpoint_at >= 0) & (ck_rel > 0) & has[:, None]
+        ck_use = (checkpoint_at >= 0) & (ck_rel > 0) & (pk["lens"] > 0)[:, None]
         ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] + ck_rel // chunk, 0), 0,
                             n_chunks)  # boundary index: end of chunk bound - 1
-    final_bound = pk["first"] + pk["n_ch"]  # [S]
+    final_bound, has, fin = pk["final_bound"], pk["has_final"], pk["fin"]
     last_state = state0.shape[0] - 1  # 0 when one state0 serves every sequence
-    seq_state = jnp.minimum(pk["seq_of_chunk"], last_state)
-    fin = jnp.arange(seqs, dtype=jnp.int32) if final_of is None else jnp.clip(
-        jnp.asarray(final_of, jnp.int32), 0, seqs - 1)
-    state0_fin = state0[jnp.minimum(fin, last_state)] if last_state or final_of is not None \
-        else state0  # [K or 1, ...]; as given when every sequence's own (no gather)
-    if final_of is not None:
-        final_bound, has = final_bound[fin], has[fin]
+    seq_state = pk["seq_of_chunk"] if last_state else jnp.zeros_like(pk["seq_of_chunk"])
+    state0_fin = state0[fin] if last_state and not pk["own_final"] else state0  # [K, S or 1]
     if return_transition and implementation not in (None, "xla"):
         raise NotImplementedError("ragged_prefill: return_transition has the XLA path only "
                                   f"(implementation=None or 'xla'), got {implementation!r}")
     if implementation == "pallas_fused":
         from kernels_pallas.gated_delta import ragged_triton
-        packed = [_pack(x, pk["dest"], size)[None] for x in (q, k, v, g, beta)]
+        packed = [_pack(x, pk["src"])[None] for x in (q, k, v, g, beta)]
         bounds = final_bound if ck_bound is None else jnp.concatenate(
             [final_bound, ck_bound.reshape(-1)])
         out, bound_states = ragged_triton.packed_gated_delta(
             *packed, pk["restart"], seq_state, state0, bounds, scale=scale, chunk=chunk,
-            interpret=interpret, n_used=jnp.sum(pk["n_ch"]))
-        out = jnp.take(out[0], pk["dest"], axis=0, mode="fill", fill_value=0)
+            interpret=interpret, n_used=pk["n_used"])
+        out = take_rows(out[0], pk["dest"])
         n_fin = fin.shape[0]
         final = jnp.where(has[:, None, None, None], bound_states[:n_fin], state0_fin)
         ckpt = None
@@ -178,7 +220,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     if hv != hk:
         q = jnp.repeat(q, hv // hk, axis=1)
         k = jnp.repeat(k, hv // hk, axis=1)
-    packed = [_pack(x.astype(f32), pk["dest"], size)[None] for x in (q, k, v, g, beta)]
+    packed = [_pack(x.astype(f32), pk["src"])[None] for x in (q, k, v, g, beta)]
     qc, kc, vc, gc, bc = (chunked.to_chunks(x, chunk) for x in packed)  # [1, H, NC, C, ...]
     parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
     v_new, entering, before, *prod = _restart_scan(
@@ -187,7 +229,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
                                jnp.moveaxis(entering, 0, 1)[None])
     out = chunked.from_chunks(out)[0]  # [NC * C, Hv, Dv]
-    out = jnp.take(out, pk["dest"], axis=0, mode="fill", fill_value=0.0)  # [T, Hv, Dv]
+    out = take_rows(out, pk["dest"])  # [T, Hv, Dv]
     final = jnp.where(has[:, None, None, None], before[final_bound], state0_fin)
     ckpt = None
     if ck_bound is not None:

@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
+from kernels_pallas.gated_delta import ragged
 from kernels_pallas.paged_attention.api import KV_MODES
+from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
 from minipic_jax.models import qwen3_5_modules as modules
 from minipic_jax.models import layers, rope
 from minipic_jax.models.paged_cache import paged_attend
@@ -74,6 +76,22 @@ def _recurrent_inputs(metadata, recurrent, n_seqs):
     return pos0, recurrent
 
 
+def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces) -> dict:
+    """The GDN layers' keyword inputs: what they derive from the step's metadata alone is
+    computed here, once per step, not in each layer (a GPU launches every small op of every
+    layer): each row's sequence and conv window indices, the flow prefill's packing, and with
+    span pieces their `qwen3_5_spans.prepare`. decode: the host's static step kind
+    (RecurrentMetadata.decode): no conditional per GDN layer."""
+    cu, n_rows = metadata.cu_q_lens, metadata.num_tokens
+    seq_of_row = qwen3_5_gdn.rows_of_seqs(cu, n_rows)
+    return dict(checkpoint_at=checkpoint_at, decode=decode, seq_of_row=seq_of_row,
+                packing=None if decode else ragged.packing(cu, pos0, n_rows, chunk=CHUNK),
+                conv_idx=qwen3_5_gdn.conv_index(cu, pos0, seq_of_row,
+                                                cfg.linear_conv_kernel_dim - 1, checkpoint_at),
+                pieces=None if span_pieces is None else qwen3_5_spans.prepare(
+                    span_pieces, cu, n_rows, cfg.linear_conv_kernel_dim, CHUNK))
+
+
 def _attention_mix(attend, pages, cfg):
     """mix(mixer, h) for a full-attention block: (out, (k_pages, v_pages))."""
     return lambda mixer, h: mixer(h, cfg, attend, pages)
@@ -120,9 +138,8 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     attend = paged_attend(metadata, inv, attention_scaling=rope.attention_scaling(cfg),
                           kv_mode=kv_mode, attn_impl=attn_impl, write_impl=write_impl,
                           attn_options=attn_options)
-    # the host's static step kind (RecurrentMetadata.decode): no conditional per GDN layer
-    gdn_kw = dict(checkpoint_at=checkpoint_at, impl=gdn_impl, pieces=span_pieces,
-                  decode=recurrent.decode)
+    gdn_kw = _gdn_step_inputs(metadata, pos0, recurrent.decode, cfg, checkpoint_at, span_pieces)
+    gdn_kw["impl"] = gdn_impl
     x = model.embed_tokens(tokens)  # [T, E]
     new = dict(k=[], v=[], conv=[], delta=[])
     ck_conv, ck_delta, span_maps = [], [], []

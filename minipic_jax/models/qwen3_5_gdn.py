@@ -19,6 +19,7 @@ from kernels_pallas.gated_delta.api import choose
 from kernels_pallas.sharding import ragged_gated_delta  # per head shard under TP
 from minipic_jax.models import qwen3_5_spans
 from minipic_jax.models.nnx_pure import param
+from serving.model_contract import SpanPieces
 
 
 def gdn_dims(cfg):
@@ -38,31 +39,64 @@ def l2norm(x, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _history(x, conv0, cu_q_lens, pos0, seq, end_pos):
-    """The Kc - 1 conv inputs just before absolute positions `end_pos` of sequences `seq`.
-
-    x [T, C] new inputs; conv0 [S, C, Kc-1] inputs before pos0 (oldest first); seq, end_pos
-    [...] int32 (end_pos >= pos0[seq] - ... is fine: older inputs come from conv0).
-    Returns [..., C, Kc - 1].
-    """
-    n_tokens = x.shape[0]
-    hist = conv0.shape[-1]
+def history_index(cu_q_lens, pos0, seq, end_pos, n_tokens: int, hist: int):
+    """Where the hist = Kc - 1 conv inputs just before positions `end_pos` [...] of sequences
+    `seq` [...] are (in the new inputs, T rows, or in the conv state: the inputs before pos0,
+    oldest first): metadata only, so a step computes it once for all its GDN layers.
+    Returns (rows [..., hist] of the new inputs, conv-state index (seq, column) [..., hist] each,
+    from_x [..., hist] bool: the new inputs hold it, else the state)."""
     offs = jnp.arange(hist, dtype=jnp.int32) - hist  # -(Kc-1) .. -1
     rel = end_pos[..., None] - pos0[seq][..., None] + offs  # [..., Kc-1] relative to pos0
-    from_x = x[jnp.clip(cu_q_lens[seq][..., None] + rel, 0, n_tokens - 1)]  # [..., Kc-1, C]
-    from_state = conv0[seq[..., None], :, jnp.clip(hist + rel, 0, hist - 1)]  # [..., Kc-1, C]
-    out = jnp.where((rel >= 0)[..., None], from_x, from_state.astype(x.dtype))
+    rows = jnp.clip(cu_q_lens[seq][..., None] + rel, 0, n_tokens - 1)
+    seq_b = jnp.broadcast_to(seq[..., None], rel.shape)
+    return rows, seq_b, jnp.clip(hist + rel, 0, hist - 1), rel >= 0
+
+
+def read_history(x, conv0, index):
+    """The conv inputs `history_index` located: x [T, C] new inputs, conv0 [S, C, Kc-1] those
+    before pos0 (oldest first). Returns [..., C, Kc - 1]."""
+    rows, seq, col, from_x = index
+    # indices are in range (clipped): no negative-index wrap ops
+    new = x.at[rows].get(wrap_negative_indices=False)
+    old = conv0.at[seq, :, col].get(wrap_negative_indices=False)
+    out = jnp.where(from_x[..., None], new, old.astype(x.dtype))
     return jnp.swapaxes(out, -1, -2)
 
 
-def causal_conv(x, conv_w, conv0, cu_q_lens, pos0, seq_of_row):
+def rows_of_seqs(cu_q_lens, n_tokens: int):
+    """[T] int32 the sequence of each row (padding rows: the last sequence's)."""
+    rows = jnp.arange(n_tokens, dtype=jnp.int32)
+    # compare_all: one [T, S+1] fusion; the default method is a while loop (kernels per level)
+    return jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right", method="compare_all") - 1,
+                    0, cu_q_lens.shape[0] - 2)
+
+
+def conv_index(cu_q_lens, pos0, seq_of_row, hist: int, checkpoint_at=None):
+    """The `history_index`es a GDN layer reads, once per step: each row's conv window ("rows"),
+    each sequence's state after its new tokens ("end") and at its checkpoints ("ckpt")."""
+    n_tokens = seq_of_row.shape[0]
+    rows = jnp.arange(n_tokens, dtype=jnp.int32)
+    end = pos0[seq_of_row] + rows - cu_q_lens[seq_of_row]  # position of each token
+    seq_ids = jnp.arange(cu_q_lens.shape[0] - 1, dtype=jnp.int32)
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    index = dict(rows=history_index(cu_q_lens, pos0, seq_of_row, end, n_tokens, hist),
+                 end=history_index(cu_q_lens, pos0, seq_ids, pos0 + lens, n_tokens, hist))
+    if checkpoint_at is not None:
+        ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])
+        index["ckpt"] = history_index(cu_q_lens, pos0, jnp.broadcast_to(
+            seq_ids[:, None], ck_pos.shape), ck_pos, n_tokens, hist)
+    return index
+
+
+def causal_conv(x, conv_w, conv0, cu_q_lens, pos0, seq_of_row, index=None):
     """Depthwise causal conv of each sequence's new inputs, left context from its conv state.
 
-    x [T, C]; conv_w [C, Kc]; conv0 [S, C, Kc-1]. Returns silu(conv) [T, C] (float32 math).
+    x [T, C]; conv_w [C, Kc]; conv0 [S, C, Kc-1]; index: None or conv_index(...)["rows"].
+    Returns silu(conv) [T, C] (float32 math).
     """
-    rows = jnp.arange(x.shape[0], dtype=jnp.int32)
-    end = pos0[seq_of_row] + rows - cu_q_lens[seq_of_row]  # position of each token
-    past = _history(x, conv0, cu_q_lens, pos0, seq_of_row, end)  # [T, C, Kc-1]
+    if index is None:
+        index = conv_index(cu_q_lens, pos0, seq_of_row, conv0.shape[-1])["rows"]
+    past = read_history(x, conv0, index)  # [T, C, Kc-1]
     window = jnp.concatenate([past, x[:, :, None]], axis=-1).astype(jnp.float32)  # [T, C, Kc]
     out = jnp.einsum("tck,ck->tc", window, conv_w.astype(jnp.float32))
     return jax.nn.silu(out)
@@ -94,7 +128,8 @@ class GatedDeltaNet(nnx.Module):
         self.w_out = param((hv, dv, e), ("gdn_heads", "gdn_v", "embed"), dtype)
 
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
-                 impl=None, pieces=None, decode=None):
+                 impl=None, pieces=None, decode=None, seq_of_row=None, packing=None,
+                 conv_idx=None):
         """The GDN token mixer for a ragged batch.
 
         Args:
@@ -104,9 +139,13 @@ class GatedDeltaNet(nnx.Module):
             (multiples of 64, -1 = none); impl: ragged kernel, "xla", "pallas_fused" (GPU) or
             "pallas_fused_interpret" (the same kernels in Pallas interpret mode, for CPU tests);
             None: the kernel's policy (kernels_pallas.gated_delta.api.choose).
-          pieces: None or qwen3_5_spans.SpanPieces: SSEP span rows read a local pass (see there).
+          pieces: None, qwen3_5_spans.SpanPieces or its `prepare` (computed once per step):
+            SSEP span rows read a local pass (see there).
           decode: the step kind if the host knows it (True: <= 1 token per sequence; False: any),
             None: decided on the device (gated_delta.api.ragged_gated_delta).
+          seq_of_row: None or [T] int32 the sequence of each row (`rows_of_seqs`), packing:
+            None or the flow prefill's gated_delta.ragged.packing, conv_idx: None or
+            `conv_index(...)` (with checkpoint_at's): all three computed once per step.
         Returns:
           out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], checkpoints (conv
           [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None, and the captured span maps
@@ -114,21 +153,22 @@ class GatedDeltaNet(nnx.Module):
         """
         hk, hv, dk, dv, c, kc = gdn_dims(cfg)
         n_tokens = h.shape[0]
-        seqs = cu_q_lens.shape[0] - 1
-        rows = jnp.arange(n_tokens, dtype=jnp.int32)
-        # compare_all: one [T, S+1] fusion; the default method is a while loop (kernels per level)
-        seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right",
-                                               method="compare_all") - 1, 0, seqs - 1)
+        if seq_of_row is None:
+            seq_of_row = rows_of_seqs(cu_q_lens, n_tokens)
+        if conv_idx is None:
+            conv_idx = conv_index(cu_q_lens, pos0, seq_of_row, kc - 1, checkpoint_at)
+        if isinstance(pieces, SpanPieces):
+            pieces = qwen3_5_spans.prepare(pieces, cu_q_lens, n_tokens, kc)
         mixed = jnp.einsum("te,ec->tc", h, self.w_qkv[...])  # [T, C]
         z = jnp.einsum("te,ehv->thv", h, self.w_z[...])  # [T, Hv, Dv]
         b = jnp.einsum("te,eh->th", h, self.w_b[...])  # [T, Hv]
         a = jnp.einsum("te,eh->th", h, self.w_a[...])  # [T, Hv]
         conv_w = self.conv_w[...]  # [C, Kc]
-        conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row)
+        conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row,
+                               conv_idx["rows"])
         if pieces is not None:  # span rows: their piece's window (zeros before the span start)
-            conv_out = jnp.where(pieces.row_span[:, None],
-                                 qwen3_5_spans.local_conv(mixed, conv_w, pieces, causal_conv),
-                                 conv_out)
+            conv_out = jnp.where(pieces["row_span"][:, None],
+                                 qwen3_5_spans.local_conv(mixed, conv_w, pieces), conv_out)
         conv_out = conv_out.astype(h.dtype)
         q = conv_out[:, :hk * dk].reshape(n_tokens, hk, dk)
         k = conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk)
@@ -142,28 +182,21 @@ class GatedDeltaNet(nnx.Module):
         q, k = l2norm(q), l2norm(k)
         core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
                                                    checkpoint_at=checkpoint_at, decode=decode,
-                                                   **kernel)
+                                                   packing=packing, **kernel)
         if pieces is not None:  # span rows: outputs of their piece from a zero state
-            local, local_final, a_span = qwen3_5_spans.local_pass(q, k, v, g, beta, pieces,
-                                                                  cu_q_lens, **kernel)
-            core = jnp.where(pieces.row_span[:, None, None], local, core)
+            local, local_final, a_span = qwen3_5_spans.run_local(q, k, v, g, beta,
+                                                                 pieces["packings"], **kernel)
+            core = jnp.where(pieces["row_span"][:, None, None], local, core)
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
         out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
-        lens = cu_q_lens[1:] - cu_q_lens[:-1]
-        seq_ids = jnp.arange(seqs, dtype=jnp.int32)
-        conv = _history(mixed, conv0, cu_q_lens, pos0, seq_ids, pos0 + lens).astype(conv0.dtype)
+        conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
         maps = None
         if pieces is not None:
-            conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, cu_q_lens, conv,
-                                                    delta, _history)
+            conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, conv, delta)
             if a_span is not None:
-                maps = qwen3_5_spans.captured_maps(mixed, pieces, a_span, local_final, _history,
-                                                   kc - 1)
+                maps = qwen3_5_spans.captured_maps(mixed, pieces, a_span, local_final)
         ckpt = None
         if checkpoint_at is not None:
-            ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])
-            conv_ck = _history(mixed, conv0, cu_q_lens, pos0, jnp.broadcast_to(
-                seq_ids[:, None], ck_pos.shape), ck_pos).astype(conv0.dtype)
-            ckpt = (conv_ck, delta_ck)
+            ckpt = (read_history(mixed, conv0, conv_idx["ckpt"]).astype(conv0.dtype), delta_ck)
         return out, conv, delta, ckpt, maps

@@ -21,11 +21,13 @@ sequence carries otherwise), so a caller keeps each non-final span inside one st
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.gated_delta import affine
-from kernels_pallas.gated_delta.ragged import ragged_prefill
+from kernels_pallas.gated_delta.ragged import packing as ragged_packing
+from kernels_pallas.gated_delta.ragged import ragged_prefill, take_rows
 from serving.model_contract import SpanPieces
 
 
@@ -48,16 +50,73 @@ def pieces_from_segments(seg_rows, num_rows: int, num_pieces: int, span_of_row, 
                       carry_local=jnp.asarray(carry_local, bool))
 
 
-def local_conv(mixed, conv_w, pieces: SpanPieces, causal_conv):
-    """silu(conv) of every row inside its piece (zero window at the piece start): [T, C]."""
+def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk: int = 64):
+    """Everything the GDN layers' span work derives from the step's metadata alone, computed once
+    per step (forward_with_checkpoints) and read by every layer, so a layer runs its data
+    movement and kernels only (a GPU launches each small op of each layer). Returns a dict:
+    row_span [T]; conv_rows [T, Kc] (the rows of each row's conv window inside its piece, oldest
+    first, the row itself last; out of range: zeros); packings (the local pass's: `_packings`);
+    carry_rows [S, Kc-1], carry_use [S] (`carry_local`); with pieces.capture cap_rows
+    [Mc, Kc-1], cap_count [Mc] (`captured_maps`)."""
     g = pieces.piece_cu.shape[0] - 1
-    rows = jnp.arange(mixed.shape[0], dtype=jnp.int32)
+    rows = jnp.arange(n_rows, dtype=jnp.int32)
     # compare_all: one [T, G + 1] fusion (the default method loops, a few kernels per level)
     piece_of_row = jnp.clip(jnp.searchsorted(pieces.piece_cu, rows, side="right",
                                              method="compare_all") - 1, 0, g - 1)
-    zeros = jnp.zeros((g, mixed.shape[1], conv_w.shape[1] - 1), mixed.dtype)
-    return causal_conv(mixed, conv_w, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32),
-                       piece_of_row)
+    start = pieces.piece_cu[piece_of_row]
+    fin = final_pieces(pieces, cu_q_lens, n_rows)
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    piece_len = pieces.piece_cu[1:] - pieces.piece_cu[:-1]
+    carry = fin[:lens.shape[0]]
+    plan = dict(row_span=pieces.row_span,
+                conv_rows=_window_rows(start, rows + 1, conv_kernel, n_rows),
+                packings=_packings(pieces, fin, n_rows, chunk),
+                carry_rows=_window_rows(pieces.piece_cu[carry], pieces.piece_cu[carry]
+                                        + piece_len[carry], conv_kernel - 1, n_rows),
+                carry_use=pieces.carry_local & (lens > 0))
+    if pieces.capture is not None:
+        cap = jnp.clip(pieces.capture, 0, g - 1)
+        plan["cap_count"] = piece_len[cap]
+        plan["cap_rows"] = _window_rows(pieces.piece_cu[cap], pieces.piece_cu[cap + 1],
+                                        conv_kernel - 1, n_rows)
+    return plan
+
+
+def _window_rows(start, end, width: int, n_rows: int):
+    """[..., width] the rows end - width .. end - 1 (oldest first); those before `start`: n_rows
+    (out of range, read as zeros)."""
+    rows = end[..., None] + jnp.arange(-width, 0, dtype=jnp.int32)
+    return jnp.where(rows >= start[..., None], rows, n_rows).astype(jnp.int32)
+
+
+def _window(mixed, rows):
+    """[..., C, width] the inputs of rows [..., width] (zeros where out of range)."""
+    return jnp.swapaxes(take_rows(mixed, rows), -1, -2)
+
+
+def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int):
+    """The local pass's packings (affine.maps_packing with pieces.capture, else ragged.packing):
+    only span rows run, gathered to the front (see local_pass), folded into the packing as
+    source rows, so a layer packs its q, k, v, g, beta with one gather each."""
+    span = pieces.row_span
+    before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(span.astype(jnp.int32))])
+    rows = jnp.arange(n_rows, dtype=jnp.int32)
+    src = jnp.zeros(n_rows, jnp.int32).at[jnp.where(span, before[:-1], n_rows)].set(
+        rows, mode="drop")  # compact row j <- row src[j] (past the span rows: none read)
+    cu = before[pieces.piece_cu]  # the pieces' span rows only
+    if pieces.capture is not None:
+        return affine.maps_packing(cu, n_rows, pieces.capture, fin, chunk=chunk,
+                                   source_rows=src, n_source=n_rows)
+    n = pieces.piece_cu.shape[0] - 1
+    return ragged_packing(cu, jnp.zeros(n, jnp.int32), n_rows, chunk=chunk, aligned=True,
+                          final_of=fin, source_rows=src, n_source=n_rows)
+
+
+def local_conv(mixed, conv_w, plan):
+    """silu(conv) of every row inside its piece (zero window at the piece start): [T, C]
+    (qwen3_5_gdn.causal_conv's arithmetic, on the window `prepare` found)."""
+    window = _window(mixed, plan["conv_rows"]).astype(jnp.float32)  # [T, C, Kc]
+    return jax.nn.silu(jnp.einsum("tck,ck->tc", window, conv_w.astype(jnp.float32)))
 
 
 def final_pieces(pieces: SpanPieces, cu_q_lens, n_rows: int):
@@ -84,52 +143,40 @@ def local_pass(q, k, v, g, beta, pieces: SpanPieces, cu_q_lens, **kw):
     branch, whatever the piece lengths; pieces start at zero, so the packed stream is sized for
     aligned starts, and only the states read are written); with `pieces.capture`
     affine.ragged_maps, a second pass of the same kernels over the captured pieces' rows only,
-    so a capturing step compiles no other recurrent path than a plain span step."""
-    n = pieces.piece_cu.shape[0] - 1
-    n_rows, hv, dk, dv = q.shape[0], v.shape[1], k.shape[2], v.shape[2]
-    fin = final_pieces(pieces, cu_q_lens, n_rows)
-    span = pieces.row_span
-    before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(span.astype(jnp.int32))])
-    rows = jnp.arange(n_rows, dtype=jnp.int32)
-    src = jnp.zeros(n_rows, jnp.int32).at[jnp.where(span, before[:-1], n_rows)].set(
-        rows, mode="drop")  # compact row j <- row src[j] (past the span rows: row 0, unread)
-    cu = before[pieces.piece_cu]  # the pieces' span rows only
-    x = [t[src] for t in (q, k, v, g, beta)]
-    if pieces.capture is not None:
-        out, final, a = affine.ragged_maps(*x, cu, select=pieces.capture, final_of=fin, **kw)
-    else:
-        (out, final, _), a = ragged_prefill(*x, cu, jnp.zeros(n, jnp.int32),
-                                            jnp.zeros((1, hv, dk, dv), jnp.float32),
-                                            aligned=True, final_of=fin, **kw), None
-    out = jnp.where(span[:, None, None], out[jnp.minimum(before[:-1], n_rows - 1)], 0.0)
-    return out, final, a
+    so a capturing step compiles no other recurrent path than a plain span step.
+    (A layer runs `run_local` on the packings `prepare` computed once per step.)"""
+    n_rows = q.shape[0]
+    packings = _packings(pieces, final_pieces(pieces, cu_q_lens, n_rows), n_rows,
+                         kw.get("chunk", 64))
+    return run_local(q, k, v, g, beta, packings, **kw)
 
 
-def captured_maps(mixed, pieces: SpanPieces, a_span, local_final, history, k1: int):
+def run_local(q, k, v, g, beta, packings, **kw):
+    """local_pass on its packings (`prepare(...)["packings"]`: a pair with captures)."""
+    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    x = (q, k, v, g, beta)
+    if isinstance(packings, tuple):  # affine.maps_packing: the captured pieces' maps too
+        return affine.ragged_maps(*x, None, packings=packings, **kw)
+    out, final, _ = ragged_prefill(*x, None, None, jnp.zeros((1, hv, dk, dv), jnp.float32),
+                                   packing=packings, **kw)
+    return out, final, None
+
+
+def captured_maps(mixed, plan, a_span, local_final):
     """The span maps of the captured pieces (serving/span_maps.py's layout): a [Mc, Hv, Dk, Dk],
     b [Mc, Hv, Dk, Dv] (the piece's state from zero), tail [Mc, C, K1] (its last K1 layer
     inputs, right-aligned, zeros before), count [Mc] int32 (its rows). a_span and local_final
     come from local_pass ([Mc] transitions; final states [S + Mc], the captured ones last)."""
-    g = pieces.piece_cu.shape[0] - 1
-    mc = pieces.capture.shape[0]
-    piece = jnp.clip(pieces.capture, 0, g - 1)
-    count = (pieces.piece_cu[1:] - pieces.piece_cu[:-1])[piece]
-    zeros = jnp.zeros((g, mixed.shape[1], k1), mixed.dtype)
-    tail = history(mixed, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32), piece, count)
-    return dict(a=a_span, b=local_final[local_final.shape[0] - mc:], tail=tail, count=count)
+    mc = plan["cap_count"].shape[0]
+    return dict(a=a_span, b=local_final[local_final.shape[0] - mc:],
+                tail=_window(mixed, plan["cap_rows"]), count=plan["cap_count"])
 
 
-def carry_local(mixed, pieces: SpanPieces, local_final, cu_q_lens, conv, delta, history):
+def carry_local(mixed, plan, local_final, conv, delta):
     """The states a sequence carries on: for carry_local ones, the local conv window and delta
     state at the end of its last piece (local_final[:S]: local_pass's final_pieces order); else
     the flow's `conv` [S, C, K1], `delta`."""
-    g = pieces.piece_cu.shape[0] - 1
-    lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    piece = final_pieces(pieces, cu_q_lens, mixed.shape[0])[:lens.shape[0]]
-    piece_len = pieces.piece_cu[1:] - pieces.piece_cu[:-1]
-    zeros = jnp.zeros((g,) + conv.shape[1:], mixed.dtype)
-    local_conv_end = history(mixed, zeros, pieces.piece_cu, jnp.zeros(g, jnp.int32), piece,
-                             piece_len[piece]).astype(conv.dtype)
-    use = pieces.carry_local & (lens > 0)
+    use = plan["carry_use"]
+    local_conv_end = _window(mixed, plan["carry_rows"]).astype(conv.dtype)
     return (jnp.where(use[:, None, None], local_conv_end, conv),
-            jnp.where(use[:, None, None, None], local_final[:lens.shape[0]], delta))
+            jnp.where(use[:, None, None, None], local_final[:use.shape[0]], delta))
