@@ -55,12 +55,13 @@ def test_aligned_shared_zero_state_and_some_finals(fresh_rng, impl):
             np.testing.assert_allclose(np.asarray(final[j]), rs[0, -1], atol=2e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(final[list(fin).index(1)]), 0.0)  # empty piece
 
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_selected_maps_equal_the_full_pass(fresh_rng, impl):
     """ragged_maps(select=...) runs the transition pass over the selected pieces' rows only: each
     A equals the full pass's (same kernels, same chunking from zero) and the float64 product of
     the token maps to 1e-6 relative; -1 and an empty piece give I; B (final_of) the same."""
-    hk, hv, dk, dv, chunk = 1, 2, 16, 8, 16
+    hk, hv, dk, dv = 1, 2, 16, 8
     lens = [20, 0, 37, 5, 16, 9]
     q, k, v, g, beta = _inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, dv, decay=0.02)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

@@ -50,9 +50,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.paged_attention.mosaic_prefill_prep import (  # noqa: F401 (re-exported)
-    _ALIGN, TILE_HI, TILE_LO, TILE_MHI, TILE_MLO, TILE_Q0, TILE_Q1, TILE_SEQ, TILE_START, BLOCK_KV, BLOCK_Q, TILE_Q, META_COLS,
-    direct_v_limits, gather_kv, page_table, prepare, scatter_tails, tile_schedule)
+from kernels_pallas.paged_attention.mosaic_prefill_prep import (  # noqa: F401 (gather_kv: re-exported)
+    _ALIGN, BLOCK_KV, BLOCK_Q, META_COLS, TILE_HI, TILE_LO, TILE_MHI, TILE_MLO, TILE_Q, TILE_Q0,
+    TILE_Q1, TILE_SEQ, TILE_START, gather_kv, prepare, scatter_tails)
 
 STAGES = 2  # K/V ring depth
 _SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
