@@ -71,7 +71,7 @@ def _intra_stages(q, k, v, g, beta, cu, pos0, chunk=64):
     n_tokens, hk, _ = k.shape
     hv = v.shape[1]
     pk = ragged.packing(cu, pos0, n_tokens, chunk=chunk)
-    pack = lambda x: ragged._pack(x, pk["src"])[None]  # noqa: E731
+    pack = lambda x: ragged.take_rows(x, pk["src"])[None]  # noqa: E731
     w, u, kd, _ = fused_triton.intra(pack(k), pack(v), pack(g), pack(beta), chunk=chunk,
                                      dot_dtype=jnp.float32, interpret=INTERPRET,
                                      num_warps=fused_triton.DEFAULTS["intra_warps"])

@@ -46,7 +46,6 @@ def dot_tn(a, b, dtype):  # a.T @ b
                                preferred_element_type=jnp.float32, precision=_prec(dtype))
 
 
-
 def chunks_below(kernel, n_in: int, used, n_chunks: int):
     """`kernel(*in_refs, *out_refs)` of a grid (N, NT, H), run only for chunks (grid axis 1) below
     `used` (an int32 scalar; None: every chunk, the kernel unchanged), so a packed stream sized

@@ -88,11 +88,6 @@ def take_rows(x, rows):
     return jnp.asarray(x).at[rows].get(mode="fill", fill_value=0, wrap_negative_indices=False)
 
 
-def _pack(x, src):
-    """x [T, ...] -> [NC*C, ...]: packed slot p reads row src[p] (out of range: zeros)."""
-    return take_rows(x, src)
-
-
 def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transition=False):
     """lax.scan over packed chunks; at a restart chunk the carry is replaced by state0[seq].
 
@@ -198,7 +193,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
                                   f"(implementation=None or 'xla'), got {implementation!r}")
     if implementation == "pallas_fused":
         from kernels_pallas.gated_delta import ragged_triton
-        packed = [_pack(x, pk["src"])[None] for x in (q, k, v, g, beta)]
+        packed = [take_rows(x, pk["src"])[None] for x in (q, k, v, g, beta)]
         bounds = final_bound if ck_bound is None else jnp.concatenate(
             [final_bound, ck_bound.reshape(-1)])
         out, bound_states = ragged_triton.packed_gated_delta(
@@ -220,7 +215,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     if hv != hk:
         q = jnp.repeat(q, hv // hk, axis=1)
         k = jnp.repeat(k, hv // hk, axis=1)
-    packed = [_pack(x.astype(f32), pk["src"])[None] for x in (q, k, v, g, beta)]
+    packed = [take_rows(x.astype(f32), pk["src"])[None] for x in (q, k, v, g, beta)]
     qc, kc, vc, gc, bc = (chunked.to_chunks(x, chunk) for x in packed)  # [1, H, NC, C, ...]
     parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
     v_new, entering, before, *prod = _restart_scan(

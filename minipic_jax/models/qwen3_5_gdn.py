@@ -97,8 +97,13 @@ def causal_conv(x, conv_w, conv0, cu_q_lens, pos0, seq_of_row, index=None):
     if index is None:
         index = conv_index(cu_q_lens, pos0, seq_of_row, conv0.shape[-1])["rows"]
     past = read_history(x, conv0, index)  # [T, C, Kc-1]
-    window = jnp.concatenate([past, x[:, :, None]], axis=-1).astype(jnp.float32)  # [T, C, Kc]
-    out = jnp.einsum("tck,ck->tc", window, conv_w.astype(jnp.float32))
+    return conv_silu(jnp.concatenate([past, x[:, :, None]], axis=-1), conv_w)
+
+
+def conv_silu(window, conv_w):
+    """silu of the depthwise conv of windows [T, C, Kc] (oldest first) with conv_w [C, Kc]:
+    [T, C], float32 math."""
+    out = jnp.einsum("tck,ck->tc", window.astype(jnp.float32), conv_w.astype(jnp.float32))
     return jax.nn.silu(out)
 
 
@@ -168,7 +173,8 @@ class GatedDeltaNet(nnx.Module):
                                conv_idx["rows"])
         if pieces is not None:  # span rows: their piece's window (zeros before the span start)
             conv_out = jnp.where(pieces["row_span"][:, None],
-                                 qwen3_5_spans.local_conv(mixed, conv_w, pieces), conv_out)
+                                 conv_silu(qwen3_5_spans.local_window(mixed, pieces), conv_w),
+                                 conv_out)
         conv_out = conv_out.astype(h.dtype)
         q = conv_out[:, :hk * dk].reshape(n_tokens, hk, dk)
         k = conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk)

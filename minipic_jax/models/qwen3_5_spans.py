@@ -21,7 +21,6 @@ sequence carries otherwise), so a caller keeps each non-final span inside one st
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -112,11 +111,10 @@ def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int):
                           final_of=fin, source_rows=src, n_source=n_rows)
 
 
-def local_conv(mixed, conv_w, plan):
-    """silu(conv) of every row inside its piece (zero window at the piece start): [T, C]
-    (qwen3_5_gdn.causal_conv's arithmetic, on the window `prepare` found)."""
-    window = _window(mixed, plan["conv_rows"]).astype(jnp.float32)  # [T, C, Kc]
-    return jax.nn.silu(jnp.einsum("tck,ck->tc", window, conv_w.astype(jnp.float32)))
+def local_window(mixed, plan):
+    """[T, C, Kc] each row's conv window inside its piece (zeros before the piece start), for
+    qwen3_5_gdn.conv_silu."""
+    return _window(mixed, plan["conv_rows"])
 
 
 def final_pieces(pieces: SpanPieces, cu_q_lens, n_rows: int):
