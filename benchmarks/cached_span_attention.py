@@ -20,8 +20,11 @@ import os
 
 import numpy as np
 
-VARIANTS = {"old": {}, "direct_v": {"direct_v": True},  # MixedOptions fields over the base
-            "dv+idle": {"direct_v": True, "skip_idle": True}, "idle": {"skip_idle": True}}
+# MixedOptions fields over the base, both spelled out (unset, both are on: mixed_defaults)
+VARIANTS = {"old": {"direct_v": False, "skip_idle": False},
+            "direct_v": {"direct_v": True, "skip_idle": False},
+            "dv+idle": {"direct_v": True, "skip_idle": True},
+            "idle": {"direct_v": False, "skip_idle": True}}
 
 
 @dataclasses.dataclass(frozen=True)
