@@ -32,19 +32,13 @@ from benchmarks.timing import profile_kernels
 def _timed(call, n: int = 10) -> dict:
     """call() -> array to wait on. Returns blocked / pipelined ms."""
     import jax
-    import numpy as np
-    for _ in range(2):
-        jax.block_until_ready(call())
-    blocked = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(call())
-        blocked.append(time.perf_counter() - t)
+
+    from benchmarks.timing import blocked_ms
+    blocked = blocked_ms(call, n)["ms"]
     t = time.perf_counter()
     outs = [call() for _ in range(n)]
     jax.block_until_ready(outs)
-    return {"blocked_ms": float(np.median(blocked)) * 1e3,
-            "pipelined_ms": (time.perf_counter() - t) / n * 1e3}
+    return {"blocked_ms": blocked, "pipelined_ms": (time.perf_counter() - t) / n * 1e3}
 
 
 @contextlib.contextmanager

@@ -204,19 +204,6 @@ def make_call(runner, compiled, ints, floats, use_prev):
     return call
 
 
-def blocked_ms(call, reps: int) -> dict:
-    """Median / min ms of `reps` calls each waited for (after two warm calls)."""
-    import jax
-    for _ in range(2):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - t0)
-    return {"ms": 1e3 * float(np.median(times)), "min_ms": 1e3 * float(np.min(times))}
-
-
 # ----------------------------------------------------------------------------- run
 
 
@@ -274,6 +261,7 @@ def run(args) -> int:
 
 def _time_steps(runner, steps, compiled, args, res) -> None:
     """Each captured step through each program, with its checkpoints and without (prefill)."""
+    from benchmarks.timing import blocked_ms
     for label, (ints, floats, kw, use_prev) in steps.items():
         inputs = [("ck", ints)] if label.startswith("decode") else [
             ("ck", ints), ("no_ck", without_checkpoints(runner, ints, kw))]

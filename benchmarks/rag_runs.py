@@ -209,18 +209,13 @@ def _profile_last_step(engine, repeats: int = 5) -> dict:
 
 
 def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
-    import jax
+    from benchmarks.timing import blocked_ms
     use_prev = r.config.async_scheduling
 
     def call():
         return r._dispatch(ints, floats, use_prev, kw)
 
-    jax.block_until_ready(call())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - t0)
+    alone = blocked_ms(call, repeats)["ms"]
     prof = profile_kernels(call, steps=3, top=15)
     prof.pop("lines", None)
     try:  # the ops of the executable the replay ran (compiled or loaded at warm-up)
@@ -230,5 +225,5 @@ def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
                                                     "conditional", "gather", "scatter")}
     except Exception as e:  # noqa: BLE001 - a side figure
         hlo = {"error": repr(e)[:200]}
-    return {"step_alone_ms": 1e3 * float(np.median(times)), "tokens": kw["t"],
+    return {"step_alone_ms": alone, "tokens": kw["t"],
             "attn_options": repr(kw.get("attn_options")), "hlo_ops": hlo, **prof}

@@ -11,6 +11,20 @@ import time
 import numpy as np
 
 
+def blocked_ms(call, reps: int) -> dict:
+    """Median / min ms of `reps` calls of call() (-> arrays to wait on), each waited for (after
+    two warm calls): a lone call's latency, launches included."""
+    import jax
+    for _ in range(2):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return {"ms": 1e3 * float(np.median(times)), "min_ms": 1e3 * float(np.min(times))}
+
+
 def time_calls(fn, *args, iters, reps):
     """Median seconds per call: after two warm-up calls, `iters` calls dispatched back to back and
     one wait, repeated `reps` times."""
