@@ -2,7 +2,7 @@
 
 On CPU the real kernel runs under the Mosaic GPU interpreter, whose buffers start as NaN (so
 unwritten output rows show) and which can check for races; MINIPIC_COMPILED=1 compiles it for
-the GPU instead. Inputs are fresh random ragged batches (salt printed on failure): cached
+the GPU instead. Inputs are seeded random ragged batches (salt printed on failure): cached
 context, window starts, pads inside blocks, a physical page shared by two sequences at different
 offsets, permuted table entries, GQA, partial rotary, decode rows mixed in.
 """

@@ -2,7 +2,7 @@
 prefill kernel with a split key axis (mosaic_prefill_split.py) vs the numpy reference.
 
 On CPU the Mosaic kernels run under the Mosaic GPU interpreter (buffers start as NaN, so an
-unwritten row shows); MINIPIC_COMPILED=1 compiles them for the GPU. Batches are fresh random
+unwritten row shows); MINIPIC_COMPILED=1 compiles them for the GPU. Batches are seeded random
 ragged batches (salt printed on failure) with pads, shared pages and permuted tables.
 """
 
