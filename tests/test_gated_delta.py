@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdn_inputs import gdn_inputs
 from jaxpr_walk import primitive_counts
 from kernels_pallas.gated_delta import api, fused_triton, reference
 
@@ -19,17 +20,10 @@ INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 
 
 def _inputs(rng, n, t, hk, hv, dk, dv, state=True):
-    def l2(x):
-        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
-    q = l2(rng.standard_normal((n, t, hk, dk))).astype(np.float32)
-    k = l2(rng.standard_normal((n, t, hk, dk))).astype(np.float32)
-    v = rng.standard_normal((n, t, hv, dv)).astype(np.float32)
-    # Qwen3.5-like gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
-    a_log = np.log(rng.uniform(0.01, 4, hv))
-    g = (-np.exp(a_log) * np.log1p(np.exp(rng.standard_normal((n, t, hv)) - 1))).astype(np.float32)
-    beta = (1 / (1 + np.exp(-rng.standard_normal((n, t, hv))))).astype(np.float32)
+    """gdn_inputs plus an initial state [n, hv, dk, dv] (None with state=False)."""
+    x = gdn_inputs(rng, n, t, hk, hv, dk, dv)
     s0 = rng.standard_normal((n, hv, dk, dv)).astype(np.float32) if state else None
-    return q, k, v, g, beta, s0
+    return (*x, s0)
 
 
 @pytest.mark.parametrize("solve", ["blocked", "trsm"])

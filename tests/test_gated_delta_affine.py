@@ -13,21 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdn_inputs import gdn_inputs
 from kernels_pallas.gated_delta import affine, api, ragged, reference, tree_scan
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
-
-
-def _inputs(rng, n, t, hk, hv, dk, dv, decay=1.0):
-    def l2(x):
-        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
-    q = l2(rng.standard_normal((n, t, hk, dk))).astype(np.float32)
-    k = l2(rng.standard_normal((n, t, hk, dk))).astype(np.float32)
-    v = rng.standard_normal((n, t, hv, dv)).astype(np.float32)
-    a_log = np.log(rng.uniform(0.01, 4, hv))
-    g = (-decay * np.exp(a_log) * np.log1p(np.exp(rng.standard_normal((n, t, hv)) - 1))).astype(np.float32)
-    beta = (1 / (1 + np.exp(-rng.standard_normal((n, t, hv))))).astype(np.float32)
-    return q, k, v, g, beta
 
 
 def _token_product(k, g, beta, hv):
@@ -58,7 +47,7 @@ def _compose_vs_replay(rng, lengths, chunk=64, hk=1, hv=2, dk=16, dv=16, decay=0
     identity map), so one compile serves every span. Gentle decay (g scaled by `decay`) keeps
     the entering state alive across spans, so the A_span factors matter.
     """
-    q, k, v, g, beta = _inputs(rng, 1, sum(lengths), hk, hv, dk, dv, decay)
+    q, k, v, g, beta = gdn_inputs(rng, 1, sum(lengths), hk, hv, dk, dv, decay)
     s0 = rng.standard_normal((1, hv, dk, dv)).astype(np.float32)
     width = -(-max(lengths) // chunk) * chunk
     run = jax.jit(lambda *x: api.prefill(*x, chunk_size=chunk, return_transition=True)[1::2])
@@ -115,7 +104,7 @@ def test_tree_scan_matches_sequential_and_reference(fresh_rng, impl):
     and final = A_span S0 + (final from zero). Gentle decay keeps A_span far from float32
     underflow. (The sequential scan's transition is checked by the composition tests.)"""
     n, t, hk, hv, dk, dv, chunk = 2, 43, 1, 2, 16, 16, 16
-    q, k, v, g, beta = _inputs(fresh_rng, n, t, hk, hv, dk, dv, decay=0.02)
+    q, k, v, g, beta = gdn_inputs(fresh_rng, n, t, hk, hv, dk, dv, decay=0.02)
     s0 = fresh_rng.standard_normal((n, hv, dk, dv)).astype(np.float32)
     ck = np.array([[0, 32, 43, 16], [32, 16, 0, 43]])
     kw = dict(checkpoint_at=ck, chunk_size=chunk, implementation=impl, return_transition=True,
@@ -142,7 +131,7 @@ def test_ragged_prefill_returns_each_sequence_transition(fresh_rng):
     hk, hv, dk, dv, chunk = 1, 2, 16, 8, 16
     lens, pos0 = [20, 0, 37, 5], [3, 0, 16, 40]
     t = sum(lens) + 3
-    q, k, v, g, beta = _inputs(fresh_rng, 1, t, hk, hv, dk, dv, decay=0.02)
+    q, k, v, g, beta = gdn_inputs(fresh_rng, 1, t, hk, hv, dk, dv, decay=0.02)
     s0 = fresh_rng.standard_normal((len(lens), hv, dk, dv)).astype(np.float32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     run = jax.jit(lambda s: ragged.ragged_prefill(
@@ -166,7 +155,7 @@ def test_ragged_maps_of_each_piece(fresh_rng, impl):
     (interpreted on CPU)."""
     hk, hv, dk, dv, chunk = 1, 2, 16, 8, 16
     lens = [20, 0, 37, 5]
-    q, k, v, g, beta = _inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, dv, decay=0.02)
+    q, k, v, g, beta = gdn_inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, dv, decay=0.02)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     out, b_span, a_span = jax.jit(lambda *x: affine.ragged_maps(
         *x, chunk=chunk, implementation=impl, interpret=impl != "xla" and INTERPRET))(

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas.gated_delta import affine, api, reference, scan_blocked
-from tests.test_gated_delta_affine import INTERPRET, _inputs, _rel, _token_product
+from gdn_inputs import gdn_inputs
+from tests.test_gated_delta_affine import INTERPRET, _rel, _token_product
 
 
 @pytest.mark.parametrize("segments", [4, pytest.param(1, marks=[pytest.mark.slow] if INTERPRET
@@ -17,7 +18,7 @@ def test_blocked_scan_matches_reference(fresh_rng, segments):
     """T = 125 padded to 8 chunks of 16 -> 4 segments of 2 chunks through `api.prefill` (the
     segment maps composed by the Pallas kernel), and 1 segment (composed in XLA); GVA 2."""
     n, t, hk, hv, dk, dv, chunk = 2, 125, 1, 2, 16, 16, 16
-    q, k, v, g, beta = _inputs(fresh_rng, n, t, hk, hv, dk, dv, decay=0.02)
+    q, k, v, g, beta = gdn_inputs(fresh_rng, n, t, hk, hv, dk, dv, decay=0.02)
     s0 = fresh_rng.standard_normal((n, hv, dk, dv)).astype(np.float32)
     ck = np.array([[0, 48, 125, 32, 48], [112, 16, 0, 64, 80]])
     run = jax.jit(lambda *x: api.prefill(

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas.gated_delta import affine, ragged, reference
-from tests.test_gated_delta_affine import INTERPRET, _inputs, _rel, _token_product
+from gdn_inputs import gdn_inputs
+from tests.test_gated_delta_affine import INTERPRET, _rel, _token_product
 
 IMPLS = ["xla", "pallas_fused"]
 
@@ -36,7 +37,7 @@ def test_aligned_shared_zero_state_and_some_finals(fresh_rng, impl):
     hk, hv, dk, dv, chunk = 1, 2, 16, 8, 16
     lens = [17, 0, 33, 16, 1, 17]  # one past a chunk (the worst padding), empty, exact, one
     t = sum(lens) + 4
-    q, k, v, g, beta = _inputs(fresh_rng, 1, t, hk, hv, dk, dv)
+    q, k, v, g, beta = gdn_inputs(fresh_rng, 1, t, hk, hv, dk, dv)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     fin = np.array([5, 0, 2, 1], np.int32)
     out, final, _ = jax.jit(lambda *x: ragged.ragged_prefill(
@@ -63,7 +64,7 @@ def test_selected_maps_equal_the_full_pass(fresh_rng, impl):
     the token maps to 1e-6 relative; -1 and an empty piece give I; B (final_of) the same."""
     hk, hv, dk, dv = 1, 2, 16, 8
     lens = [20, 0, 37, 5, 16, 9]
-    q, k, v, g, beta = _inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, dv, decay=0.02)
+    q, k, v, g, beta = gdn_inputs(fresh_rng, 1, sum(lens) + 3, hk, hv, dk, dv, decay=0.02)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     sel = np.array([4, -1, 2, 1, 0], np.int32)
     fin = np.array([3, 4, 2], np.int32)
@@ -100,7 +101,7 @@ def test_local_pass_runs_span_rows_only(fresh_rng, impl, capture):
     seg = np.concatenate([[p] * n for p, n, _ in rows])
     span = np.concatenate([[s] * n for _, n, s in rows])
     t = len(seg) + 6
-    q, k, v, g, beta = _inputs(fresh_rng, 1, t, hk, hv, dk, dv, decay=0.05)
+    q, k, v, g, beta = gdn_inputs(fresh_rng, 1, t, hk, hv, dk, dv, decay=0.05)
     starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
     cu_p = np.full(9, len(seg), np.int32)
     cu_p[:len(starts)] = starts
