@@ -102,21 +102,24 @@ def test_mixed_step_with_values_from_the_pages_matches_reference(slots, fresh_rn
 def test_idle_warpgroups_skip_their_work(split, fresh_rng):
     """skip_idle: the second compute warpgroup of a tile whose sequence ends in its first half
     (10 packed rows; 72 packed rows of the second sequence start in a tile of their own) walks
-    the barriers only; every row still matches the reference. (The interpreter's race detector
-    is not asked: on these inputs it reports the key-position ring's TMA write against the
-    masked steps' read with skip_idle off as well, 2026-12-02.)"""
+    the barriers only; every row still matches the reference, and the interpreter's race
+    detector finds no race (the walk keeps every barrier phase of the ring)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
     from kernels_pallas.paged_attention.mosaic_prefill import prefill_attention_mosaic
     from kernels_pallas.rope import apply_rope
     q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 1, 2, 64, None, 0.2, True,
                                [(600, 5, 0), (130, 36, 0)])
     q_rot = apply_rope(q, md.q_positions, inv, 1.0)
     kw = dict(rotate_keys=True, attention_scaling=1.0, sm_scale=64 ** -0.5, skip_idle=True,
-              interpret=INTERPRET)
+              interpret=plgpu.InterpretGPUParams(detect_races=True) if INTERPRET else False)
     if split:
         out = prefill_attention_split(q_rot, k, v, md, inv, splits=2, min_steps=2, **kw)
     else:
         out = prefill_attention_mosaic(q_rot, k, v, md, inv, **kw)
     _check(out, q, k, v, md, inv, "position_free")
+    if INTERPRET:
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+        assert not ipc.get_races().races_found, "race detector found a data race"
 
 
 MIXED_CASES = [

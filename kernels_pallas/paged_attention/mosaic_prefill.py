@@ -184,6 +184,9 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
             shape = s.shape
             if masked:
                 k_pos = plgpu.load(kpos_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                # A generic-proxy read of a slot that TMA (async proxy) refills once k_free
+                # releases it: fence it (fence.proxy.async) before the arrive (PTX proxy model)
+                plgpu.commit_smem()
                 k_pos = lax.broadcast_in_dim(k_pos, shape, [1])
                 mask = ((k_pos <= lax.broadcast_in_dim(q_pos, shape, [0]))
                         & (k_pos >= lax.broadcast_in_dim(q_win, shape, [0])))
