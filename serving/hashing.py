@@ -12,6 +12,7 @@ h_0 is derived from the cache salt, which isolates tenants. Kinds keep the chain
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 
 import numpy as np
@@ -78,11 +79,11 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
     step = 8 * block_size
     if isinstance(tokens, (bytes, bytearray)):  # int64 bytes (PrefixKeys.token_bytes)
         n = len(tokens) // step
-        raw = bytes(tokens[:n * step])
+        raw = memoryview(tokens)[:n * step]  # slices of it copy nothing
     else:
         n = len(tokens) // block_size
         raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
-    span_block, span_start = _flags(span_block, n), _flags(span_start, n)
+    run_ends, span_block, span_start = _runs(span_block, span_start, n)
     keys, prefix, span = [], h0, h0
     j = 0
     while j < n:
@@ -92,9 +93,7 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
             j += 1
             continue
         # a span run: from here while blocks stay in the span (a new SSEP restarts the chain)
-        end = j + 1
-        while end < n and span_block[end] and not span_start[end]:
-            end += 1
+        end = run_ends[bisect.bisect_right(run_ends, j)]
         got = None
         if memo is not None and span_start[j]:  # keyed by a digest: hashing 64 KB keys costs
             mk = (h0, block_size, end - j, xxhash.xxh3_128_intdigest(raw[j * step:end * step]))
@@ -113,9 +112,13 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
     return keys, (prefix, span)
 
 
-def _flags(x, n: int) -> list:
-    """The first n per-block flags as a plain list (numpy scalars index slowly in a loop)."""
-    return x[:n].tolist() if isinstance(x, np.ndarray) else list(x[:n])
+def _runs(span_block, span_start, n: int) -> tuple[list[int], list, list]:
+    """(run_ends, span_block, span_start) over the first n blocks: the ascending indices where a
+    span run cannot go on (a PDEP block, a new span's first block), then n (a run from j ends at
+    the first of them after j); the flags as plain lists (numpy scalars index slowly)."""
+    sb, ss = np.asarray(span_block[:n], bool), np.asarray(span_start[:n], bool)
+    ends = np.flatnonzero(~sb[1:] | ss[1:]) + 1
+    return ends.tolist() + [n], sb.tolist(), ss.tolist()
 
 
 def next_block_key(hash_fn, tail: tuple[int, int], tokens, in_span: bool, starts_span: bool,
