@@ -101,6 +101,7 @@ class BlockManager:
     def release(self, blocks, seq_id: int) -> None:
         """Drop one reference to each block, last block first."""
         ref, owner, free = self.ref, self.owner, self.free  # locals: this loop is hot
+        hashes, ready = self.hash, self.ready
         for b in reversed(blocks):
             if owner[b] == seq_id:
                 owner[b] = -1
@@ -109,7 +110,7 @@ class BlockManager:
             if r <= 0:
                 if r < 0:
                     raise RuntimeError(f"BlockManager.release: block {b} freed twice")
-                if self.hash[b] != -1 and not self.ready[b]:
+                if hashes[b] != -1 and not ready[b]:
                     self._unregister(b)  # half-computed content is worthless
                 free[b] = None
 

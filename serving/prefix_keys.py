@@ -55,8 +55,9 @@ class PrefixKeys:
         got = [None] * lim
         if bm.enable_caching and lim:
             got = list(map(bm.table.get, hashes[:lim]))
-            confirm_hits(got, bm, self.token_bytes(seq), self.block_size)
-        misses = indices_of_none(got)
+            misses = confirm_hits(got, bm, self.token_bytes(seq), self.block_size)
+        else:
+            misses = list(range(lim))
         host = set()
         if offload is not None and misses:
             host = {j for j in misses if offload.contains(hashes[j])}
@@ -105,21 +106,23 @@ class PrefixKeys:
 
 
 
-def confirm_hits(got: list, bm, raw: bytes, block_size: int) -> None:
+def confirm_hits(got: list, bm, raw: bytes, block_size: int) -> list[int]:
     """Replace by None (in place) each candidate `got[j]` whose kept tokens differ from block
-    j's tokens in `raw` (int64 bytes). A run of candidates is compared in one go, its kept bytes
-    joined against its part of `raw`; a run that differs (a collision), or a pool keeping
-    other confirms than full blocks' bytes, is compared block by block."""
+    j's tokens in `raw` (int64 bytes); returns the ascending indices of the None entries. A run
+    of candidates is compared in one go, its kept bytes joined against its part of `raw`; a run
+    that differs (a collision), or a pool keeping other confirms than full blocks' bytes, is
+    compared block by block."""
     step, kept = 8 * block_size, bm.confirm
     joined = bm.confirms_are_blocks
-    start = 0
-    for end in indices_of_none(got) + [len(got)]:
+    misses, start, collided = indices_of_none(got), 0, False
+    for end in misses + [len(got)]:
         if end > start and not (joined and raw.startswith(
                 b"".join(map(kept.__getitem__, got[start:end])), start * step)):
             for j in range(start, end):
                 if kept[got[j]] != raw[j * step:(j + 1) * step]:
-                    got[j] = None
+                    got[j], collided = None, True
         start = end + 1
+    return indices_of_none(got) if collided else misses
 
 
 def indices_of_none(xs: list) -> list[int]:
