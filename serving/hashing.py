@@ -116,9 +116,16 @@ def _runs(span_block, span_start, n: int) -> tuple[list[int], list, list]:
     """(run_ends, span_block, span_start) over the first n blocks: the ascending indices where a
     span run cannot go on (a PDEP block, a new span's first block), then n (a run from j ends at
     the first of them after j); the flags as plain lists (numpy scalars index slowly)."""
-    sb, ss = np.asarray(span_block[:n], bool), np.asarray(span_start[:n], bool)
-    ends = np.flatnonzero(~sb[1:] | ss[1:]) + 1
-    return ends.tolist() + [n], sb.tolist(), ss.tolist()
+    sb, ss = _flags(span_block, n), _flags(span_start, n)
+    if n <= 64:  # numpy's fixed costs would dominate
+        return [i for i in range(1, n) if not sb[i] or ss[i]] + [n], sb, ss
+    ends = np.flatnonzero(~np.asarray(span_block[1:n], bool) | np.asarray(span_start[1:n], bool))
+    return (ends + 1).tolist() + [n], sb, ss
+
+
+def _flags(x, n: int) -> list:
+    """The first n per-block flags as a plain list (numpy scalars index slowly in a loop)."""
+    return x[:n].tolist() if isinstance(x, np.ndarray) else list(x[:n])
 
 
 def next_block_key(hash_fn, tail: tuple[int, int], tokens, in_span: bool, starts_span: bool,

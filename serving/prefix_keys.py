@@ -126,8 +126,10 @@ def confirm_hits(got: list, bm, raw: bytes, block_size: int) -> list[int]:
 
 
 def indices_of_none(xs: list) -> list[int]:
-    """Ascending indices of the None entries of `xs`: C-level scans while they are few (a
-    cached request), a comprehension once they are many."""
+    """Ascending indices of the None entries of `xs`: in a long list, C-level scans while they
+    are few (a cached request), a comprehension once they are many."""
+    if len(xs) <= 64:
+        return [j for j, x in enumerate(xs) if x is None]
     out, j = [], -1
     try:
         while len(out) < 64:

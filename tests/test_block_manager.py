@@ -155,6 +155,34 @@ def test_block_keys_with_span_memo_match_reference(algo, fresh_rng):
     assert memo  # the memo was used
 
 
+
+def test_block_keys_of_long_prompts_match_reference(fresh_rng):
+    """Prompts of hundreds of blocks (span runs found with array operations), flags given as
+    numpy arrays or lists, bytes or ids: the keys written out block by block."""
+    h = make_hash_fn("xxhash64")
+    h0, memo = root_hash(h, None), {}
+    docs = [[int(t) for t in fresh_rng.integers(0, 50, int(fresh_rng.integers(1, 40)) * 4)]
+            for _ in range(4)]
+    for _ in range(6):
+        toks, sb, ss = [], [], []
+        while len(sb) < 70:
+            if fresh_rng.random() < 0.7:
+                d = docs[int(fresh_rng.integers(0, 4))]
+                toks += d
+                sb += [True] * (len(d) // 4)
+                ss += [True] + [False] * (len(d) // 4 - 1)
+            else:
+                k = int(fresh_rng.integers(1, 4))
+                toks += [int(t) for t in fresh_rng.integers(0, 50, 4 * k)]
+                sb += [False] * k
+                ss += [False] * k
+        toks += [7] * int(fresh_rng.integers(0, 4))
+        want = _chain_reference(h, toks, 4, sb + [False], ss + [False], h0)
+        raw = np.asarray(toks, np.int64).tobytes()
+        assert block_keys(h, raw, 4, np.asarray(sb + [False]), np.asarray(ss + [False]), h0,
+                          memo) == want
+        assert block_keys(h, toks, 4, sb, ss, h0) == want
+
 def _scrambled(fresh_rng, n=24):
     """A pool whose free list is in a random order, some blocks held (ref 1-2), some cached."""
     bm = BlockManager(n, 4)
