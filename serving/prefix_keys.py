@@ -105,7 +105,6 @@ class PrefixKeys:
         bm.register(b, h, np.asarray(tokens, np.int64).tobytes(), seq.seq_id, ready=True)
 
 
-
 def confirm_hits(got: list, bm, raw: bytes, block_size: int) -> list[int]:
     """Replace by None (in place) each candidate `got[j]` whose kept tokens differ from block
     j's tokens in `raw` (int64 bytes); returns the ascending indices of the None entries. A run

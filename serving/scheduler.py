@@ -109,7 +109,8 @@ class Scheduler:
         seq.ever_admitted = True
         return True
 
-    def _take_blocks(self, seq: Sequence, plan, misses, host: set, hashes, num_hits: int):
+    def _take_blocks(self, seq: Sequence, plan, misses, host: set, hashes,
+                     num_hits: int) -> None:
         """Fill the block table from the admission plan (block per logical block: a hit, already
         shared, or None at the indices `misses`): the hits as they are, in block order with
         blocks copied in from the host tier (`host`) and new blocks (registered, owned)."""
