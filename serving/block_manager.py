@@ -27,6 +27,7 @@ class BlockManager:
         self.owner = [-1] * num_blocks
         self.free = collections.OrderedDict((b, None) for b in range(num_blocks))
         self.table: dict[int, int] = {}  # hash -> block
+        self.num_odd_confirms = 0  # kept tokens that are not int64 bytes of a full block
         self.num_evicted = 0
 
     @property
@@ -51,6 +52,20 @@ class BlockManager:
             del self.free[b]
         self.ref[b] += 1
 
+    def share_many(self, blocks: list[int]) -> None:
+        """`share` of each block in order (a block may repeat), in one loop. If it raises part
+        way, the blocks shared so far are released again (last first), so the caller holds
+        none of them: what undoing the per-block calls did."""
+        ref, free, i = self.ref, self.free, 0
+        try:
+            for i, b in enumerate(blocks):
+                if not ref[b]:
+                    del free[b]
+                ref[b] += 1
+        except BaseException:
+            self.release(blocks[:i], -1)
+            raise
+
     def allocate(self) -> int:
         """Take the least recently freed block (evicting its cached content)."""
         if not self.free:
@@ -72,7 +87,7 @@ class BlockManager:
             return
         self.table[h] = b
         self.hash[b] = h
-        self.confirm[b] = confirm
+        self._keep(b, confirm)
         self.ready[b] = ready
         self.owner[b] = -1 if ready else owner
 
@@ -86,6 +101,7 @@ class BlockManager:
     def release(self, blocks, seq_id: int) -> None:
         """Drop one reference to each block, last block first."""
         ref, owner, free = self.ref, self.owner, self.free  # locals: this loop is hot
+        hashes, ready = self.hash, self.ready
         for b in reversed(blocks):
             if owner[b] == seq_id:
                 owner[b] = -1
@@ -94,7 +110,7 @@ class BlockManager:
             if r <= 0:
                 if r < 0:
                     raise RuntimeError(f"BlockManager.release: block {b} freed twice")
-                if self.hash[b] != -1 and not self.ready[b]:
+                if hashes[b] != -1 and not ready[b]:
                     self._unregister(b)  # half-computed content is worthless
                 free[b] = None
 
@@ -102,9 +118,23 @@ class BlockManager:
         if self.table.get(self.hash[b]) == b:
             del self.table[self.hash[b]]
         self.hash[b] = -1
-        self.confirm[b] = None
+        self._keep(b, None)
         self.ready[b] = False
         self.owner[b] = -1
+
+    def _keep(self, b: int, confirm) -> None:
+        self.num_odd_confirms += self._odd(confirm) - self._odd(self.confirm[b])
+        self.confirm[b] = confirm
+
+    def _odd(self, confirm) -> bool:
+        return confirm is not None and (type(confirm) is not bytes
+                                        or len(confirm) != 8 * self.block_size)
+
+    @property
+    def confirms_are_blocks(self) -> bool:
+        """Whether every kept confirm is a full block's int64 bytes (what the engine registers;
+        the pool does not require it), so that many can be compared joined at once."""
+        return self.num_odd_confirms == 0
 
     def forget_cached(self) -> None:
         """Unregister every cached block (blocks stay allocated where they are in use)."""

@@ -12,6 +12,7 @@ h_0 is derived from the cache salt, which isolates tenants. Kinds keep the chain
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 
 import numpy as np
@@ -78,11 +79,11 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
     step = 8 * block_size
     if isinstance(tokens, (bytes, bytearray)):  # int64 bytes (PrefixKeys.token_bytes)
         n = len(tokens) // step
-        raw = bytes(tokens[:n * step])
+        raw = memoryview(tokens)[:n * step]  # slices of it copy nothing
     else:
         n = len(tokens) // block_size
         raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
-    span_block, span_start = _flags(span_block, n), _flags(span_start, n)
+    run_ends, span_block, span_start = _runs(span_block, span_start, n)
     keys, prefix, span = [], h0, h0
     j = 0
     while j < n:
@@ -92,9 +93,7 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
             j += 1
             continue
         # a span run: from here while blocks stay in the span (a new SSEP restarts the chain)
-        end = j + 1
-        while end < n and span_block[end] and not span_start[end]:
-            end += 1
+        end = run_ends[bisect.bisect_right(run_ends, j)]
         got = None
         if memo is not None and span_start[j]:  # keyed by a digest: hashing 64 KB keys costs
             mk = (h0, block_size, end - j, xxhash.xxh3_128_intdigest(raw[j * step:end * step]))
@@ -111,6 +110,17 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
         prefix = hash_fn(prefix, span.to_bytes(8, "little"), b"J")  # the whole run in one step
         j = end
     return keys, (prefix, span)
+
+
+def _runs(span_block, span_start, n: int) -> tuple[list[int], list, list]:
+    """(run_ends, span_block, span_start) over the first n blocks: the ascending indices where a
+    span run cannot go on (a PDEP block, a new span's first block), then n (a run from j ends at
+    the first of them after j); the flags as plain lists (numpy scalars index slowly)."""
+    sb, ss = _flags(span_block, n), _flags(span_start, n)
+    if n <= 64:  # numpy's fixed costs would dominate
+        return [i for i in range(1, n) if not sb[i] or ss[i]] + [n], sb, ss
+    ends = np.flatnonzero(~np.asarray(span_block[1:n], bool) | np.asarray(span_start[1:n], bool))
+    return (ends + 1).tolist() + [n], sb, ss
 
 
 def _flags(x, n: int) -> list:

@@ -54,16 +54,18 @@ def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | 
     seg_span = is_ssep[seg_first_block]
     span_block = seg_span[seg_id]
     seg_win = np.where(seg_span, before[starts[seg_first_block]], 0).astype(np.int32)
-    blk = np.arange(n) // block_size
-    win = seg_win[seg_id[blk]]
+    # per-block values spread over the block's tokens by np.repeat (a 33K-token prompt's
+    # layout is built inside its time to first token; gathers by token cost more)
+    win = np.repeat(seg_win[seg_id], block_size)[:n]
     block_pos_start = before[starts].astype(np.int32)
-    slot_off = (before - block_pos_start[blk]).astype(np.int32)
-    block_valid = np.add.reduceat(valid.astype(np.int32), starts) if n else np.zeros(0, np.int32)
-    valid_idx = np.flatnonzero(valid)
+    slot_off = (before - np.repeat(block_pos_start, block_size)[:n]).astype(np.int32)
+    num_valid = int(before[-1]) + bool(valid[-1]) if n else 0
+    block_valid = np.diff(block_pos_start, append=np.int32(num_valid)).astype(np.int32)
+    last_valid = n - 1 - int(np.argmax(valid[::-1])) if valid.any() else -1
     return PromptLayout(
-        is_pad=is_pad, pos=before.astype(np.int32), win=win.astype(np.int32), slot_off=slot_off,
-        block_valid=block_valid.astype(np.int32), block_pos_start=block_pos_start,
+        is_pad=is_pad, pos=before.astype(np.int32), win=win, slot_off=slot_off,
+        block_valid=block_valid, block_pos_start=block_pos_start,
         span_block=span_block, span_start=is_ssep & seg_start, seg_start=seg_start,
-        num_valid=int(valid.sum()), last_win=int(seg_win[-1]) if nb else 0,
-        last_valid_index=int(valid_idx[-1]) if valid_idx.size else -1,
+        num_valid=num_valid, last_win=int(seg_win[-1]) if nb else 0,
+        last_valid_index=last_valid,
         has_markers=bool(is_ssep.any() or is_pdep.any()), tokens=t)

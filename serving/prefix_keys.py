@@ -10,7 +10,6 @@ from serving.hashing import block_keys_and_tail, next_block_key
 from serving.sequence import Sequence
 
 _MEMO_LIMIT = 65536  # span-chain memo entries (it only saves hashing)
-_NEW, _HOST = ("new", None), ("host", None)  # admission plan entries (admission_plan)
 
 
 class PrefixKeys:
@@ -45,24 +44,24 @@ class PrefixKeys:
         last = len(seq) - 1 if seq.num_output_tokens else seq.layout.last_valid_index
         return min(len(self.hashes(seq)), last // self.block_size)
 
-    def admission_plan(self, seq: Sequence, bm, limit: int, offload=None) -> list[tuple]:
-        """Per logical block of `seq`: ("hit", b) for a cached block whose kept tokens match (a
-        hash collision is a miss), ("host", None) for one the host tier holds, else ("new",
-        None); blocks [0, limit) may hit. Comprehensions, not a loop: a cached 32K-token request
-        has 2,000 blocks, all hits, and this runs inside its time to first token."""
+    def admission_plan(self, seq: Sequence, bm, limit: int, offload=None):
+        """(blocks, misses, host): per logical block of `seq`, the cached block whose kept
+        tokens match its own (a hash collision is a miss), else None; the indices of the None
+        ones, ascending; those of them the host tier holds. Blocks [0, limit) may hit.
+        Whole-request operations, not a loop per block: a cached 32K-token request has 2,000
+        blocks, all hits, and this runs inside its time to first token."""
         hashes, n = self.hashes(seq), seq.num_blocks_needed
         lim = max(0, min(limit, n))
         got = [None] * lim
         if bm.enable_caching and lim:
-            kept, raw, step = bm.confirm, self.token_bytes(seq), 8 * self.block_size
-            got = [b if b is not None and kept[b] == raw[j * step:(j + 1) * step] else None
-                   for j, b in enumerate(map(bm.table.get, hashes[:lim]))]
-        plan = [_NEW if b is None else ("hit", b) for b in got] + [_NEW] * (n - lim)
-        if offload is not None:
-            for j, b in enumerate(got):
-                if b is None and offload.contains(hashes[j]):
-                    plan[j] = _HOST
-        return plan
+            got = list(map(bm.table.get, hashes[:lim]))
+            misses = confirm_hits(got, bm, self.token_bytes(seq), self.block_size)
+        else:
+            misses = list(range(lim))
+        host = set()
+        if offload is not None and misses:
+            host = {j for j in misses if offload.contains(hashes[j])}
+        return got + [None] * (n - lim), misses + list(range(lim, n)), host
 
     @staticmethod
     def token_bytes(seq: Sequence) -> bytes:
@@ -104,3 +103,49 @@ class PrefixKeys:
                                            self.root_hash_fn(seq.cache_salt))
         seq.block_hashes.append(h)
         bm.register(b, h, np.asarray(tokens, np.int64).tobytes(), seq.seq_id, ready=True)
+
+
+def confirm_hits(got: list, bm, raw: bytes, block_size: int) -> list[int]:
+    """Replace by None (in place) each candidate `got[j]` whose kept tokens differ from block
+    j's tokens in `raw` (int64 bytes); returns the ascending indices of the None entries. A run
+    of candidates is compared in one go, its kept bytes joined against its part of `raw`; a run
+    that differs (a collision), or a pool keeping other confirms than full blocks' bytes, is
+    compared block by block."""
+    step, kept = 8 * block_size, bm.confirm
+    joined = bm.confirms_are_blocks
+    misses, start, collided = indices_of_none(got), 0, False
+    for end in misses + [len(got)]:
+        if end > start and not (joined and raw.startswith(
+                b"".join(map(kept.__getitem__, got[start:end])), start * step)):
+            for j in range(start, end):
+                if kept[got[j]] != raw[j * step:(j + 1) * step]:
+                    got[j], collided = None, True
+        start = end + 1
+    return indices_of_none(got) if collided else misses
+
+
+def indices_of_none(xs: list) -> list[int]:
+    """Ascending indices of the None entries of `xs`: in a long list, C-level scans while they
+    are few (a cached request), a comprehension once they are many."""
+    if len(xs) <= 64:
+        return [j for j, x in enumerate(xs) if x is None]
+    out, j = [], -1
+    try:
+        while len(out) < 64:
+            j = xs.index(None, j + 1)
+            out.append(j)
+    except ValueError:
+        return out
+    return out + [k for k in range(j + 1, len(xs)) if xs[k] is None]
+
+
+def without(xs: list, drop: list[int]) -> list:
+    """`xs` without the entries at the ascending indices `drop` (a few: slices are copied)."""
+    if len(drop) > 64:
+        skip = set(drop)
+        return [x for k, x in enumerate(xs) if k not in skip]
+    out, start = [], 0
+    for k in drop:
+        out += xs[start:k]
+        start = k + 1
+    return out + xs[start:]

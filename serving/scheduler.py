@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from serving.prefix_keys import PrefixKeys
+from serving.prefix_keys import PrefixKeys, without
 from serving import span_jobs, span_rows
 from serving.sequence import Sequence, Status
 
@@ -84,21 +84,18 @@ class Scheduler:
         if self.hybrid_cache is not None:
             return self.hybrid_cache.admit(self, seq, seats)
         bm, hashes, limit = self.bm, self.keys.hashes(seq), self.keys.hit_limit(seq)
-        plan = self.keys.admission_plan(seq, bm, limit, self.offload)  # (kind, block) per block
-        hits = [b for kind, b in plan if kind == "hit"]
-        ref = bm.ref
-        need = len(plan) - len(hits) + [ref[b] for b in hits].count(0)
+        plan, misses, host = self.keys.admission_plan(seq, bm, limit, self.offload)
+        hits = without(plan, misses)
+        need = len(plan) - len(hits) + list(map(bm.ref.__getitem__, hits)).count(0)
         if need > bm.num_free - self.cfg.watermark_blocks * (not seq.is_span_job):
             return False
         # take every planned hit off the free list before allocating: an allocation evicts the
         # least recently freed block, which may be a cached block planned as a later hit
         shared = []
         try:
-            share, mark = bm.share, shared.append
-            for b in hits:
-                share(b)
-                mark(b)
-            self._take_blocks(seq, plan, hashes)
+            bm.share_many(hits)  # shares none if it raises
+            shared = hits
+            self._take_blocks(seq, plan, misses, host, hashes, len(hits))
         except BaseException:
             self._undo_admission(seq, plan, shared)
             raise
@@ -112,29 +109,32 @@ class Scheduler:
         seq.ever_admitted = True
         return True
 
-    def _take_blocks(self, seq: Sequence, plan, hashes) -> None:
-        """Fill the block table from the admission plan: hits (already shared), blocks copied
-        in from the host tier, new blocks (registered under their hash, owned)."""
+    def _take_blocks(self, seq: Sequence, plan, misses, host: set, hashes,
+                     num_hits: int) -> None:
+        """Fill the block table from the admission plan (block per logical block: a hit, already
+        shared, or None at the indices `misses`): the hits as they are, in block order with
+        blocks copied in from the host tier (`host`) and new blocks (registered, owned)."""
         bm, table, bs = self.bm, seq.block_table, self.cfg.block_size
-        if not seq.ever_admitted:  # hits among the hashed blocks, counted at once
-            seq.num_cached_tokens += bs * [k for k, _ in plan[:len(hashes)]].count("hit")
-        for j, (kind, b) in enumerate(plan):
-            if kind == "hit":
-                table.append(b)
-                continue
+        if not seq.ever_admitted:  # every hit is a hashed block (admission_plan)
+            seq.num_cached_tokens += bs * num_hits
+        start = 0
+        for j in misses:
+            table.extend(plan[start:j])  # the hits before block j
+            start = j + 1
             b = bm.allocate()
-            seq.block_table.append(b)
+            table.append(b)
             h = hashes[j] if j < len(hashes) else None
-            if kind == "host" and self.offload.contains(h):
+            if j in host and self.offload.contains(h):
                 bm.register(b, h, self.keys.confirm(seq, j), seq.seq_id, ready=True)
                 if bm.hash[b] == h:
                     self.pending_copy_in.append((b, h))
                     if not seq.ever_admitted:
-                        seq.num_cached_tokens += self.cfg.block_size
+                        seq.num_cached_tokens += bs
                     continue
             seq.owned.add(j)
             if h is not None:
                 bm.register(b, h, self.keys.confirm(seq, j), seq.seq_id)
+        table.extend(plan[start:])
 
     def _undo_admission(self, seq: Sequence, plan, shared: list[int]) -> None:
         """An admission that raised part way (a fault in allocation): give back every block it
@@ -145,7 +145,7 @@ class Scheduler:
         for b, h in copy_ins:  # published as ready, but the page never arrived
             if self.bm.hash[b] == h:
                 self.bm._unregister(b)
-        new = [b for j, b in enumerate(seq.block_table) if plan[j][0] != "hit"]
+        new = [b for j, b in enumerate(seq.block_table) if plan[j] is None]
         self.bm.release(new + shared, seq.seq_id)
         seq.block_table = []
         seq.owned = set()

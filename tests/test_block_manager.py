@@ -153,3 +153,85 @@ def test_block_keys_with_span_memo_match_reference(algo, fresh_rng):
         assert block_keys(h, toks, 4, sb, ss, h0, memo) == want
         assert block_keys(h, toks, 4, sb, ss, h0) == want
     assert memo  # the memo was used
+
+
+
+def test_block_keys_of_long_prompts_match_reference(fresh_rng):
+    """Prompts of hundreds of blocks (span runs found with array operations), flags given as
+    numpy arrays or lists, bytes or ids: the keys written out block by block."""
+    h = make_hash_fn("xxhash64")
+    h0, memo = root_hash(h, None), {}
+    docs = [[int(t) for t in fresh_rng.integers(0, 50, int(fresh_rng.integers(1, 40)) * 4)]
+            for _ in range(4)]
+    for _ in range(6):
+        toks, sb, ss = [], [], []
+        while len(sb) < 70:
+            if fresh_rng.random() < 0.7:
+                d = docs[int(fresh_rng.integers(0, 4))]
+                toks += d
+                sb += [True] * (len(d) // 4)
+                ss += [True] + [False] * (len(d) // 4 - 1)
+            else:
+                k = int(fresh_rng.integers(1, 4))
+                toks += [int(t) for t in fresh_rng.integers(0, 50, 4 * k)]
+                sb += [False] * k
+                ss += [False] * k
+        toks += [7] * int(fresh_rng.integers(0, 4))
+        want = _chain_reference(h, toks, 4, sb + [False], ss + [False], h0)
+        raw = np.asarray(toks, np.int64).tobytes()
+        assert block_keys(h, raw, 4, np.asarray(sb + [False]), np.asarray(ss + [False]), h0,
+                          memo) == want
+        assert block_keys(h, toks, 4, sb, ss, h0) == want
+
+def _scrambled(fresh_rng, n=24):
+    """A pool whose free list is in a random order, some blocks held (ref 1-2), some cached."""
+    bm = BlockManager(n, 4)
+    held = [bm.allocate() for _ in range(n)]
+    for b in held:
+        bm.register(b, 1000 + b, (b,), owner=7, ready=True)
+    order = [int(b) for b in fresh_rng.permutation(held)]
+    kept = order[:int(fresh_rng.integers(3, n // 2))]
+    bm.release(order[len(kept):], 7)
+    for b in kept[::2]:
+        bm.share(b)
+    return bm, kept
+
+
+def _state(bm):
+    return list(bm.free), list(bm.ref), dict(bm.table), list(bm.owner)
+
+
+def test_share_many_equals_per_block_shares(fresh_rng):
+    """Free and held blocks, repeats in one call (a span used twice in a request): same ref
+    counts, same free-list order (so the same later evictions) as one `share` per block."""
+    for _ in range(30):
+        bm, _ = _scrambled(fresh_rng)
+        twin = BlockManager(bm.num_blocks, 4)
+        twin.ref, twin.free, twin.table = list(bm.ref), bm.free.copy(), dict(bm.table)
+        twin.owner = list(bm.owner)
+        blocks = [int(b) for b in fresh_rng.integers(0, bm.num_blocks,
+                                                     int(fresh_rng.integers(0, 40)))]
+        bm.share_many(blocks)
+        for b in blocks:
+            twin.share(b)
+        assert _state(bm) == _state(twin), blocks
+        got = [bm.allocate() for _ in range(bm.num_free)]
+        assert got == [twin.allocate() for _ in range(twin.num_free)]
+
+
+def test_share_many_that_raises_part_way_holds_none(fresh_rng):
+    """A block the pool has lost (unreferenced, yet off the free list): share_many raises and
+    the blocks it shared before are released, as undoing the per-block shares did."""
+    bm, _ = _scrambled(fresh_rng)
+    idle = next(b for b in range(bm.num_blocks) if bm.ref[b] == 0)
+    del bm.free[idle]  # the broken invariant
+    twin = BlockManager(bm.num_blocks, 4)
+    twin.ref, twin.free, twin.table = list(bm.ref), bm.free.copy(), dict(bm.table)
+    twin.owner = list(bm.owner)
+    blocks = list(bm.free)[:3] + [int(b) for b in np.flatnonzero(bm.ref)][:2] + [idle, 0]
+    with pytest.raises(KeyError):
+        bm.share_many(blocks)
+    for b in blocks[:5]:
+        twin.share(b)
+    twin.release(blocks[:5], -1)
+    assert _state(bm) == _state(twin)

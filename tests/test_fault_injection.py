@@ -19,6 +19,7 @@ from minipic_jax import SamplingParams
 HOOKS = {  # name -> (object path on the engine, attribute)
     "allocate": ("bm", "allocate"),
     "share": ("bm", "share"),
+    "share_many": ("bm", "share_many"),
     "gather": ("mover", "gather"),
     "copy_in": ("mover", "scatter"),
     "host_get": ("offload", "get"),

@@ -43,6 +43,10 @@ def test_layout_matches_brute_force(tokens, bs):
         assert lay.block_valid[j] == blk.sum()
         assert lay.block_pos_start[j] == valid[:j * bs].sum()
     assert lay.num_valid == valid.sum()
+    assert lay.last_valid_index == (np.flatnonzero(valid)[-1] if valid.any() else -1)
+    assert lay.last_win == win[-1]
+    assert {a.dtype for a in (lay.pos, lay.win, lay.slot_off, lay.block_valid,
+                              lay.block_pos_start)} == {np.dtype(np.int32)}
 
 
 def test_markers_off_block_start_are_text_and_pic_off_ignores_all():
