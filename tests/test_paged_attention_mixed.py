@@ -35,6 +35,14 @@ def _check(out, q, k, v, md, inv, kv_mode):
     assert err < 2e-2, f"relative L2 error {err:.2e}"
 
 
+def _finite_pads(rng, k, v):
+    """The pad slots (NaN from _inputs) as finite garbage, large so that a pad which leaked into
+    an output would show: the contract of direct_v and of mosaic_decode (the engine's pool starts
+    zeroed and holds only written K/V), and the mixed path's default (direct_v on)."""
+    garbage = jnp.asarray(rng.uniform(50.0, 100.0, v.shape), v.dtype)
+    return tuple(jnp.where(jnp.isnan(x), garbage, x) for x in (k, v))
+
+
 SPLIT_CASES = [
     # one sequence: 5 queries over 600 cached keys (5 key steps, 3 ranges of 2 steps)
     pytest.param([(600, 5, 0)], 2, id="few-rows-long-context", marks=slow),
@@ -75,8 +83,7 @@ def test_split_with_values_from_the_pages_matches_reference(kv_heads, group, hea
     from kernels_pallas.rope import apply_rope
     q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, kv_heads, group, head_dim, None, 0.3,
                                True, specs)
-    garbage = jnp.asarray(fresh_rng.uniform(50.0, 100.0, v.shape), v.dtype)
-    k, v = (jnp.where(jnp.isnan(x), garbage, x) for x in (k, v))
+    k, v = _finite_pads(fresh_rng, k, v)
     q_rot = apply_rope(q, md.q_positions, inv, 1.0)
     kw = dict(rotate_keys=True, attention_scaling=1.0, sm_scale=head_dim ** -0.5, splits=splits,
               min_steps=2, interpret=INTERPRET)
@@ -90,8 +97,7 @@ def test_mixed_step_with_values_from_the_pages_matches_reference(slots, fresh_rn
     (the contract of direct_v and of the decode kernel)."""
     q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 2, 2, 64, None, 0.2, True,
                                [(60, 1, 0), (200, 30, 0), (0, 17, 5)])
-    garbage = jnp.asarray(fresh_rng.uniform(50.0, 100.0, v.shape), v.dtype)
-    k, v = (jnp.where(jnp.isnan(x), garbage, x) for x in (k, v))
+    k, v = _finite_pads(fresh_rng, k, v)
     out = paged_attention(q, k, v, md, inv, kv_mode="position_free", implementation="mixed",
                           interpret=INTERPRET,
                           kernel_options={"prefill_seqs": slots, "direct_v": True})
@@ -136,8 +142,10 @@ MIXED_CASES = [
 
 @pytest.mark.parametrize("kv_heads,specs,slots", MIXED_CASES)
 def test_mixed_step_matches_reference(kv_heads, specs, slots, fresh_rng):
-    """Decode rows and prefill chunks in one step (implementation="mixed")."""
+    """Decode rows and prefill chunks in one step (implementation="mixed", its defaults: values
+    read from the pages, so finite pads)."""
     q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, kv_heads, 2, 64, 32, 0.2, True, specs)
+    k, v = _finite_pads(fresh_rng, k, v)
     out = paged_attention(q, k, v, md, inv, kv_mode="position_free", implementation="mixed",
                           interpret=INTERPRET, kernel_options={"prefill_seqs": slots})
     _check(out, q, k, v, md, inv, "position_free")
