@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import make_tiny_llm
-from minipic_jax import Prompt, SamplingParams, Span, build_prompt
+from conftest import FIXTURES, make_tiny_llm
+from minipic_jax import LLM, Prompt, SamplingParams, Span, build_prompt
 from serving.offload import page_leaf
 
 B = 16
@@ -97,31 +97,42 @@ def prompts_with_pads(llm, rng, count: int) -> list[list[int]]:
     return out + [toks(150)]
 
 
-ENGINE = dict(num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=64)
-
-
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_poisoned_pool_unwritten_slots_are_zero_and_outputs_equal(async_scheduling, fresh_rng):
-    """The whole pool NaN before the first request, then every free page NaN (and the prefix
-    cache forgotten, so nothing is a hit on a poisoned page) before a second batch that reuses
-    the first batch's blocks."""
+def poisoned_vs_clean(make, seed: int, counts=(5, 6)) -> None:
+    """Two engines from `make()` run the same two batches (with pads); one has its whole pool
+    NaN before the first, and every free page NaN (the prefix cache forgotten, so nothing is a
+    hit on a poisoned page) before the second, which reuses the first's blocks. Unwritten slots
+    must be 0 in both, and the outputs equal."""
     outs, checked = {}, {}
-    seed = int(fresh_rng.integers(1 << 30))
     for poisoned in (False, True):
-        llm = make_tiny_llm(async_scheduling=async_scheduling, **ENGINE)
+        llm = make()
         eng, rng = llm.llm_engine, np.random.default_rng(seed)
         if poisoned:
             poison(eng)
-        first, n1 = run(llm, "a", prompts_with_pads(llm, rng, 5))
-        eng.bm.forget_cached()
+        first, n1 = run(llm, "a", prompts_with_pads(llm, rng, counts[0]))
+        eng.reset_prefix_cache()
         if poisoned:
             poison(eng, free_blocks(eng))
-        second, n2 = run(llm, "b", prompts_with_pads(llm, rng, 6))
+        second, n2 = run(llm, "b", prompts_with_pads(llm, rng, counts[1]))
         outs[poisoned] = [as_tuple(o) for o in first + second]
         checked[poisoned] = n1 + n2
         assert eng.runner.zeroer.num_separate > 0  # the long prompt's pages, before its step
     assert checked[True] > 0
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_poisoned_pool_unwritten_slots_are_zero_and_outputs_equal(async_scheduling, fresh_rng):
+    poisoned_vs_clean(lambda: make_tiny_llm(async_scheduling=async_scheduling, num_kv_blocks=40,
+                                            max_num_seqs=4, max_num_batched_tokens=64),
+                      int(fresh_rng.integers(1 << 30)))
+
+
+def test_hybrid_model_pages_are_zeroed_too(fresh_rng):
+    """Qwen3.5 (Gated DeltaNet + attention): its attention layers' pages are zeroed (its
+    recurrent slots are reset by their own flags)."""
+    poisoned_vs_clean(lambda: LLM(str(FIXTURES / "qwen3_5_tied"), max_num_seqs=3,
+                                  max_num_batched_tokens=64, max_model_len=192, num_kv_blocks=20),
+                      int(fresh_rng.integers(1 << 30)), counts=(3, 3))
 
 
 def test_host_tier_copy_in_arrives_intact_in_a_poisoned_pool(fresh_rng):
