@@ -6,21 +6,30 @@ Why: the GPU attention kernels (mosaic_decode, the Mosaic prefill's `direct_v`) 
 softmax weights by whole pages of V; an invalid slot has weight exactly 0, but 0 x NaN = NaN, so
 a block freed by a request with non-finite K/V (an f16 overflow) would poison the next owner.
 
-Flow: `BlockManager.allocate` records each block it hands out (`fresh`); a block filled whole
-by a copy-in (host tier, span store: engine_tiers.move_pages) is taken off that record when its
-copy is dispatched. At each launch the runner takes the record (`PageZeroer.fill`): up to
-`zero_rows(t, s)` ids go in the step's own `zero_pages` input and the step zeroes them in every
-page leaf before anything else (`zero_pages`, at the top of ModelRunner._step_body); more than
-that (a long prompt admitted whole) are zeroed first by a separate call in fixed chunks of the
-largest bucket's count (one compiled variant, readied at warm-up). Every device write to a page
-is ordered after its zeroing: the step's K/V writes come later in the same program, copy-ins are
-never zeroed, and an earlier step still in flight (async scheduling) runs before it.
+Flow: `BlockManager.allocate` records each block it hands out (`fresh`). At each launch the
+runner takes the record (`PageZeroer.fill`): up to `zero_rows(t, s)` ids go in the step's own
+`zero_pages` input and the step zeroes them in every page leaf as its first operation
+(`zero_pages`, top of ModelRunner._step_body); more than that (a long prompt admitted whole) are
+zeroed just before, by a separate call in fixed chunks of the largest bucket's count (one
+compiled variant, readied at warm-up). Why each order is safe:
+  * the step's own K/V writes come after the zeroing in the same program;
+  * a block filled whole by a copy-in (host tier, span store) leaves the record when its copy is
+    dispatched (engine_tiers.move_pages -> BlockManager.filled), so it is never zeroed after it;
+  * evicted pages (host tier) and span-store writes are gathered before the launch: they read
+    the old content;
+  * a block allocated and freed again before its step holds nothing anyone can read (a pending
+    block is unregistered on release, a copy-in target by the undo or recovery), so it comes back
+    only through allocate (recorded again) and zeroing it is harmless; taken as a copy-in target
+    meanwhile, `filled` drops it;
+  * async scheduling: the step still in flight comes first on the device (the cache threads
+    through both), so its stale writes (a discarded row into its own freed block) land before.
 
-Cost per step: a scatter of zeros with `zero_rows(t, s) = s + ceil(t / block_size)` page rows in
-each page leaf (2 x attention layers leaves); only the fresh rows are written (the padding rows
-are dropped): fresh pages x bytes_per_block bytes (2 x layers x block_size x KV heads x head_dim x
-itemsize per page). A prefill writes those pages anyway; a decode step has a fresh page only
-where a sequence crosses a block boundary.
+Cost per step: a scatter of zeros of `zero_rows(t, s) = s + ceil(t / block_size)` page rows in
+each page leaf (K and V of each attention layer). Only the fresh rows are written (padding rows
+are dropped, an index check each): fresh pages x bytes_per_block bytes, bytes_per_block = 2 x
+attention layers x block_size x KV heads x head_dim x itemsize (Llama-3-8B, bf16, block 16: 2 MiB).
+A prefill writes those pages anyway; a decode step has fresh pages only where sequences cross a
+block boundary (each once per block_size tokens).
 """
 
 from __future__ import annotations

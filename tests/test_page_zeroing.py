@@ -91,7 +91,8 @@ def prompts_with_pads(llm, rng, count: int) -> list[list[int]]:
     def toks(n):
         return [int(t) for t in rng.integers(1, 256, n)]
     m = llm.llm_engine.markers
-    out = [build_prompt([Prompt(toks(int(rng.integers(1, 20)))), Span(toks(int(rng.integers(3, 40)))),
+    out = [build_prompt([Prompt(toks(int(rng.integers(1, 20)))),
+                         Span(toks(int(rng.integers(3, 40)))),
                          Prompt(toks(int(rng.integers(1, 20))))], block_size=B, **m)
            for _ in range(count - 1)]
     return out + [toks(150)]
