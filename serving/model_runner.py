@@ -134,7 +134,8 @@ class ModelRunner:
         spec, _ = layout(t, s, self.nb, pool is not None, spans, chain, block_size=self.block_size)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
-        cache = zero_pages(cache, f["zero_pages"], self.num_blocks, self.block_size)  # before any write
+        # fresh pages are zeroed before anything writes (serving/page_zeroing.py)
+        cache = zero_pages(cache, f["zero_pages"], self.num_blocks, self.block_size)
         md = AttentionMetadata(
             q_positions=f["q_positions"], q_window_start=f["q_window_start"], q_seq=f["q_seq"],
             cu_q_lens=f["cu_q_lens"], num_blocks=f["num_blocks"], block_tables=f["block_tables"],
