@@ -121,7 +121,7 @@ def one_block_inputs(runner, ints, kw):
     import numpy as np
 
     from serving.step_inputs import layout
-    spec, _ = layout(kw["t"], kw["s"], runner.nb)
+    spec, _ = layout(kw["t"], kw["s"], runner.nb, block_size=runner.block_size)
     short = ints.copy()
     o, (n,) = spec["num_blocks"]
     short[o:o + n] = np.minimum(short[o:o + n], 1)

@@ -44,7 +44,8 @@ class StepCapture:
 
     def _dispatch(self, ints, floats, use_prev, kw):
         if kw.get("t") == self.top and not kw.get("decode_only") and not kw.get("spans"):
-            spec, _ = _layout(kw["t"], kw["s"], self.runner.nb, True)
+            spec, _ = _layout(kw["t"], kw["s"], self.runner.nb, True,
+                              block_size=self.runner.block_size)
             rows = [ints[o:o + shape[0]] for name, (o, shape) in spec.items()
                     if name in ("ck_slot", "restore_slot")]
             score = sum(int((r >= 0).sum()) for r in rows)
@@ -62,7 +63,7 @@ def start_plain_compile(runner) -> threading.Thread:
     persistent compilation cache; the later jitted call reads it from there)."""
     t = runner.config.token_buckets[-1]
     s = runner.config.seq_bucket(t)
-    _, size = _layout(t, s, runner.nb, False)
+    _, size = _layout(t, s, runner.nb, False, block_size=runner.block_size)
     prev = runner._prev() if runner.config.async_scheduling else None
     plans = {runner._plan(t, s, n, d)  # as ModelRunner.warmup
              for n, d in ((0, 1), (min(s, t // 2), 1), (1, 0))}
@@ -75,9 +76,9 @@ def start_plain_compile(runner) -> threading.Thread:
     return th
 
 
-def _plain_ints(ints_ck, t, s, nb):
-    spec_ck, _ = _layout(t, s, nb, True)
-    spec, size = _layout(t, s, nb, False)
+def _plain_ints(ints_ck, t, s, nb, bs):
+    spec_ck, _ = _layout(t, s, nb, True, block_size=bs)
+    spec, size = _layout(t, s, nb, False, block_size=bs)
     out = np.zeros(size, np.int32)
     for name, (o, shape) in spec.items():
         n, o2 = int(np.prod(shape)), spec_ck[name][0]
@@ -103,7 +104,7 @@ def measure(runner, family, capture: StepCapture, reps: int = 20) -> dict:
         return {"error": "no prefill step of the largest bucket was captured"}
     ints, floats, kw, use_prev = capture.best
     t, s = kw["t"], kw["s"]
-    plain = _plain_ints(ints, t, s, runner.nb)
+    plain = _plain_ints(ints, t, s, runner.nb, runner.block_size)
 
     def step(pool_on: bool):
         prev = runner._prev() if use_prev else None
@@ -147,7 +148,7 @@ def measure(runner, family, capture: StepCapture, reps: int = 20) -> dict:
 
     ms = lambda xs: 1e3 * float(np.median(xs))  # noqa: E731
     with_pool, without = ms(a), ms(b)
-    spec, _ = _layout(t, s, runner.nb, True)
+    spec, _ = _layout(t, s, runner.nb, True, block_size=runner.block_size)
     active = {name: int((ints[o:o + shape[0]] >= 0).sum()) for name, (o, shape) in spec.items()
               if name in ("ck_slot", "restore_slot")}
     return dict(tokens=t, seqs=s, reps=reps, step_ms_pool=with_pool, step_ms_plain=without,

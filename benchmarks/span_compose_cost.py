@@ -48,7 +48,8 @@ class WarmStepCapture:
 
 
 def _fields(runner, ints, kw):
-    spec, _ = layout(kw["t"], kw["s"], runner.nb, runner.ck_pool is not None, True, kw["chain"])
+    spec, _ = layout(kw["t"], kw["s"], runner.nb, runner.ck_pool is not None, True, kw["chain"],
+                     block_size=runner.block_size)
     return {k: np.asarray(ints[o:o + int(np.prod(shape))]).reshape(shape)
             for k, (o, shape) in spec.items()}
 

@@ -6,6 +6,9 @@ pending block and wait for it instead of computing it twice; if its owner goes a
 the first waiter to reach it claims it. Freed blocks join the tail of an LRU free list (a
 sequence's blocks in reverse order, so its last blocks are evicted first) and keep their hash
 until the block is reused; a ready block evicted that way can be handed to the host tier.
+Every block handed out is recorded as fresh until the runner takes the record: its pages are
+zeroed on the device before the step that first uses them (serving/page_zeroing.py), unless a
+copy-in fills them whole (`filled`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class BlockManager:
         self.table: dict[int, int] = {}  # hash -> block
         self.num_odd_confirms = 0  # kept tokens that are not int64 bytes of a full block
         self.num_evicted = 0
+        self.fresh: dict[int, None] = {}  # allocated since the last take_fresh, oldest first
 
     @property
     def num_free(self) -> int:
@@ -79,7 +83,19 @@ class BlockManager:
         self.ref[b] = 1
         self.ready[b] = False
         self.owner[b] = -1
+        self.fresh[b] = None
         return b
+
+    def take_fresh(self) -> list[int]:
+        """The blocks allocated since the last call (oldest first), to be zeroed on the device;
+        the record starts again empty. A block freed and allocated again since is listed once."""
+        fresh, self.fresh = list(self.fresh), {}
+        return fresh
+
+    def filled(self, blocks) -> None:
+        """Blocks whose whole pages a copy-in writes (dispatched now): not to be zeroed after it."""
+        for b in blocks:
+            self.fresh.pop(b, None)
 
     def register(self, b: int, h: int, confirm: tuple, owner: int, ready: bool = False) -> None:
         """Publish block b under hash h (first publisher wins; later duplicates stay private)."""

@@ -48,7 +48,9 @@ def move_pages(cache, mover, scheduler, offload, kv_store, evicted):
     The copy-ins the scheduler planned are looked up before the step's evictions enter the host
     tier: a put may drop the tier's oldest entries, which can be exactly the planned ones.
     Evicted pages (block, hash, confirm) are gathered before the scatter, which may reuse their
-    device blocks; span-store writes are dispatched before copy-ins overwrite any block."""
+    device blocks; span-store writes are dispatched before copy-ins overwrite any block. Blocks
+    copied in leave the block manager's fresh record: the step zeroes fresh pages first thing,
+    which would wipe a copy dispatched before it (serving/page_zeroing.py)."""
     if kv_store is not None:
         kv_store.dispatch_writes(mover, cache)
     copy_in = scheduler.pending_copy_in
@@ -59,7 +61,9 @@ def move_pages(cache, mover, scheduler, offload, kv_store, evicted):
         for row, (_, h, confirm) in enumerate(evicted):
             offload.put(h, confirm, batch, row)
     if copy_in:
-        cache = mover.scatter(cache, [b for b, _ in copy_in], sources)
+        blocks = [b for b, _ in copy_in]
+        cache = mover.scatter(cache, blocks, sources)
+        scheduler.bm.filled(blocks)  # the step must not zero what was just copied in
         scheduler.pending_copy_in = []
     return cache
 

@@ -71,6 +71,7 @@ class LLMEngine:
             on_evict = lambda b, h, confirm: self.hybrid_cache.drop_dependent(h)  # noqa
         self.bm = BlockManager(num_blocks, config.block_size,
                                enable_caching=config.enable_prefix_caching, on_evict=on_evict)
+        self.runner.zeroer.source = self.bm.take_fresh  # zeroed on device (page_zeroing.py)
         hash_fn = make_hash_fn(config.hash_algo)
         self.scheduler = Scheduler(config, self.bm, hash_fn, lambda s: root_hash(hash_fn, s),
                                    offload=self.offload, hybrid=self.hybrid,
@@ -216,7 +217,6 @@ class LLMEngine:
 
     def _step_async(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        sched = self.scheduler
         self._t_wait = self._t_early = 0.0
         batch = self._schedule()
         t1 = time.perf_counter()
@@ -242,7 +242,7 @@ class LLMEngine:
         else:
             self._check_progress()
             return self._take_finished()
-        if self._inflight is not None and not sched.has_unfinished():
+        if self._inflight is not None and not self.scheduler.has_unfinished():
             inflight, self._inflight = self._inflight, None  # drain: nothing left to overlap
             self._early += self._resolve(inflight)
         if self.offload is not None:

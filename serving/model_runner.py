@@ -32,6 +32,7 @@ from serving import checkpoint_pool as ckpt_pool
 from serving import sharding
 from serving.kv_pool import allocate_pool, default_num_blocks
 from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
+from serving.page_zeroing import PageZeroer, zero_pages
 from serving.sampler import SamplingMetadata, pack_outputs, sample, unpack_outputs
 from serving.step_executables import StepExecutables
 from serving.step_inputs import S_FIELDS_CKPT, SeatTables, fill_sampling, layout
@@ -84,6 +85,7 @@ class ModelRunner:
         self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
         self.kv_mode = config.attention_kv_mode
         self.tables = SeatTables(seats, self.nb, self.block_size)
+        self.zeroer = PageZeroer(self.num_blocks, config)  # fresh pages (page_zeroing.py)
         self._bufs: dict = {}
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
@@ -129,9 +131,11 @@ class ModelRunner:
     def _step_body(self, params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
                    all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
                    attn_options=None, chain=()):
-        spec, _ = layout(t, s, self.nb, pool is not None, spans, chain)
+        spec, _ = layout(t, s, self.nb, pool is not None, spans, chain, block_size=self.block_size)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
+        # fresh pages are zeroed before anything writes (serving/page_zeroing.py)
+        cache = zero_pages(cache, f["zero_pages"], self.num_blocks, self.block_size)
         md = AttentionMetadata(
             q_positions=f["q_positions"], q_window_start=f["q_window_start"], q_seq=f["q_seq"],
             cu_q_lens=f["cu_q_lens"], num_blocks=f["num_blocks"], block_tables=f["block_tables"],
@@ -222,6 +226,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._step.prepare([(self._args(ints, floats, use_prev, kw), kw)
                             for ints, floats, kw in steps])
+        self.cache = self.zeroer.warmup(self.cache)
         t1 = time.perf_counter()
         for ints, floats, kw in steps:  # one-time costs of each executable's first run
             jax.block_until_ready(self._dispatch(ints, floats, use_prev, kw))
@@ -248,15 +253,17 @@ class ModelRunner:
         steps = []
         for t, decode_only, plan, span_step_, chain in variants:
             s = self.config.seq_bucket(t)
-            spec, size = layout(t, s, self.nb, self.ck_pool is not None, span_step_, chain)
+            spec, size = layout(t, s, self.nb, self.ck_pool is not None, span_step_, chain,
+                                block_size=self.block_size)
             ints = np.zeros(size, np.int32)
             for name in ("slot_mapping",) + (S_FIELDS_CKPT if self.ck_pool is not None else ()) \
                     + (("chain_seq", "chain", "cap_piece", "cap_slot") if chain else ()):
                 o, shape = spec[name]
                 ints[o:o + int(np.prod(shape))] = -1
-            for name in ("state_slots", "sample_seat"):
+            for name, fill in (("state_slots", self.scratch_slot),
+                               ("sample_seat", self.scratch_slot), ("zero_pages", self.num_blocks)):
                 o, (n,) = spec[name]
-                ints[o:o + n] = self.scratch_slot
+                ints[o:o + n] = fill
             floats = np.ones(2 * s, np.float32)
             kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                       num_logprobs=num_logprobs, decode_only=decode_only, attn_options=plan)
@@ -343,6 +350,7 @@ class ModelRunner:
             if chain:
                 span_step.fill_maps(batch, v, starts)
                 kw["chain"] = chain
+        self.cache = self.zeroer.fill(v["zero_pages"], self.cache)  # the fresh pages
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
         packed = self._dispatch(ints, floats, use_prev, kw)
@@ -362,7 +370,8 @@ class ModelRunner:
         Reuse also avoids fresh page faults every step."""
         key = (t, s, parity, spans, chain)
         if key not in self._bufs:
-            spec, size = layout(t, s, self.nb, self.ck_pool is not None, spans, chain)
+            spec, size = layout(t, s, self.nb, self.ck_pool is not None, spans, chain,
+                                block_size=self.block_size)
             ints = np.zeros(size, np.int32)
             v = {k: ints[o:o + int(np.prod(shape))].reshape(shape)
                  for k, (o, shape) in spec.items()}

@@ -8,6 +8,7 @@ import functools
 
 import numpy as np
 
+from serving.page_zeroing import zero_rows
 from serving.span_step import MAX_CAPTURES, piece_bound
 
 _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
@@ -20,9 +21,11 @@ S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
 @functools.lru_cache(maxsize=None)
-def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain=()):
+def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain=(), *,
+           block_size: int):
     """Static offsets of each field in the packed int32 buffer. chain (Sc, L): the step carries
-    the span-map fields (serving/span_step.py: chains of pool slots to compose, captures)."""
+    the span-map fields (serving/span_step.py: chains of pool slots to compose, captures). Last,
+    `zero_pages`: the fresh pages the step zeroes first (serving/page_zeroing.py)."""
     spec, off = {}, 0
     if spans:  # hybrid steps holding SSEP span rows
         g = piece_bound(t, s)
@@ -44,7 +47,9 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, cha
     for f in _SB_FIELDS:
         spec[f] = (off, (s, nb))
         off += s * nb
-    return spec, off
+    z = zero_rows(t, s, block_size)
+    spec["zero_pages"] = (off, (z,))
+    return spec, off + z
 
 
 

@@ -23,6 +23,26 @@ def test_lru_free_list_reverse_order_and_hash_kept_until_reuse():
     assert bm.lookup(101, (1,)) == a[1]
 
 
+def test_fresh_record_lists_each_allocated_block_once_until_taken():
+    """Every block handed out is fresh (its pages are zeroed on the device before first use,
+    serving/page_zeroing.py) until the runner takes the record; a block freed and allocated again
+    in between is listed once; a block a copy-in fills (`filled`) is not listed; sharing a
+    cached block is no allocation."""
+    bm = BlockManager(6, 4)
+    a = [bm.allocate() for _ in range(3)]
+    bm.register(a[0], 100, (0,), owner=1)
+    bm.mark_ready(a[0])
+    bm.release(a[1:], 1)
+    again = bm.allocate()  # the first never-used block
+    bm.filled([a[2]])
+    assert bm.take_fresh() == a[:2] + [again] and bm.take_fresh() == []
+    bm.release([a[0]], 1)
+    bm.share(bm.lookup(100, (0,)))  # a hit: its written content is kept
+    assert bm.take_fresh() == []
+    reused = [bm.allocate() for _ in range(4)]  # every free block (not the shared hit)
+    assert set(reused) == set(range(6)) - {a[0], again} and bm.take_fresh() == reused
+
+
 def test_refcounts_sharing_and_confirm_tokens():
     bm = BlockManager(4, 4)
     b = bm.allocate()

@@ -22,7 +22,7 @@ def _step_memory(num_kv_blocks: int, decode_only: bool, **engine_args) -> dict:
     runner = llm.llm_engine.runner
     t = runner.config.token_buckets[0 if decode_only else -1]
     s = runner.config.seq_bucket(t)
-    _, size = step_inputs.layout(t, s, runner.nb)
+    _, size = step_inputs.layout(t, s, runner.nb, block_size=runner.block_size)
     args = (runner.params, runner.cache, np.zeros(size, np.int32), np.ones(2 * s, np.float32))
     if runner.config.async_scheduling:
         args += (runner._prev(),)

@@ -36,7 +36,7 @@ def test_cached_span_step_has_three_kernels_per_layer_and_no_control_flow(monkey
     assert plans == {(128, True), (128, False), (256, True), (256, False), (512, True),
                      (512, False), (1024, True)}
     t, s = 128, cfg.seq_bucket(128)
-    ints = np.zeros(layout(t, s, runner.nb)[1], np.int32)
+    ints = np.zeros(layout(t, s, runner.nb, block_size=runner.block_size)[1], np.int32)
     floats = np.ones(2 * s, np.float32)
 
     def counts(decode_count):

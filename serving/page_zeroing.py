@@ -1,0 +1,96 @@
+"""Request isolation in the KV pool: a page is zeroed on the device when the block manager hands
+it out for new content, so a slot its new owner never writes (a pad slot, the tail of its last
+block) holds 0, never what the block's previous owner left there.
+
+Why: the GPU attention kernels (mosaic_decode, the Mosaic prefill's `direct_v`) multiply the
+softmax weights by whole pages of V; an invalid slot has weight exactly 0, but 0 x NaN = NaN, so
+a block freed by a request with non-finite K/V (an f16 overflow) would poison the next owner.
+
+Flow: `BlockManager.allocate` records each block it hands out (`fresh`). At each launch the
+runner takes the record (`PageZeroer.fill`): up to `zero_rows(t, s)` ids go in the step's own
+`zero_pages` input and the step zeroes them in every page leaf as its first operation
+(`zero_pages`, top of ModelRunner._step_body); more than that (a long prompt admitted whole) are
+zeroed just before, by a separate call in fixed chunks of the largest bucket's count (one
+compiled variant, readied at warm-up). Why each order is safe:
+  * the step's own K/V writes come after the zeroing in the same program;
+  * a block filled whole by a copy-in (host tier, span store) leaves the record when its copy is
+    dispatched (engine_tiers.move_pages -> BlockManager.filled), so it is never zeroed after it;
+  * evicted pages (host tier) and span-store writes are gathered before the launch: they read
+    the old content;
+  * a block allocated and freed again before its step holds nothing anyone can read (a pending
+    block is unregistered on release, a copy-in target by the undo or recovery), so it comes back
+    only through allocate (recorded again) and zeroing it is harmless; taken as a copy-in target
+    meanwhile, `filled` drops it;
+  * async scheduling: the step still in flight comes first on the device (the cache threads
+    through both), so its stale writes (a discarded row into its own freed block) land before.
+
+Cost per step: a scatter of zeros of `zero_rows(t, s) = s + ceil(t / block_size)` page rows in
+each page leaf (K and V of each attention layer). Only the fresh rows are written (padding rows
+are dropped, an index check each): fresh pages x bytes_per_block bytes, bytes_per_block = 2 x
+attention layers x block_size x KV heads x head_dim x itemsize (Llama-3-8B, bf16, block 16: 2 MiB).
+A prefill writes those pages anyway; a decode step has fresh pages only where sequences cross a
+block boundary (each once per block_size tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.offload import page_leaf
+
+
+def zero_rows(t: int, s: int, block_size: int) -> int:
+    """Length of the `zero_pages` input of a step of t query tokens and s rows: the pages such a
+    step can newly reach (one per row crossing a block boundary plus its tokens' blocks)."""
+    return s + -(-t // block_size)
+
+
+def zero_pages(cache, ids, num_pages: int, block_size: int):
+    """`cache` with pages `ids` [Z] int32 set to 0 in every page leaf (ids >= num_pages are
+    padding, dropped). Pure; under tensor parallelism each shard zeroes its heads."""
+    leaves, treedef = jax.tree.flatten(cache)
+    out = [x.at[ids].set(jnp.zeros((), x.dtype), mode="drop")
+           if page_leaf(x, num_pages, block_size) else x for x in leaves]
+    return jax.tree.unflatten(treedef, out)
+
+
+class PageZeroer:
+    """The host side: takes the block manager's fresh blocks (`source`, set by the engine:
+    BlockManager.take_fresh) for each launch."""
+
+    def __init__(self, num_pages: int, config):
+        self.num_pages = num_pages
+        top = config.token_buckets[-1]  # the separate call's chunk: the largest step's input
+        self.chunk = zero_rows(top, config.seq_bucket(top), config.block_size)
+        self.source = None
+        self._zero = jax.jit(functools.partial(zero_pages, num_pages=num_pages,
+                                               block_size=config.block_size),
+                             donate_argnums=(0,))
+        self.num_zeroed = 0  # pages zeroed so far
+        self.num_separate = 0  # pages zeroed by separate calls (more than a step's input holds)
+
+    def fill(self, field: np.ndarray, cache):
+        """Write this launch's fresh blocks into the step input `field` ([Z] int32, the rest
+        num_pages: dropped), after zeroing any beyond Z here first; returns the cache."""
+        fresh = self.source() if self.source is not None else []
+        n = min(len(fresh), field.size)
+        field[:n] = fresh[:n]
+        field[n:] = self.num_pages
+        for i in range(n, len(fresh), self.chunk):
+            cache = self._zero(cache, jnp.asarray(self._ids(fresh[i:i + self.chunk])))
+        self.num_zeroed += len(fresh)
+        self.num_separate += len(fresh) - n
+        return cache
+
+    def _ids(self, blocks) -> np.ndarray:
+        ids = np.full(self.chunk, self.num_pages, np.int32)
+        ids[:len(blocks)] = blocks
+        return ids
+
+    def warmup(self, cache):
+        """Compile the separate call (all padding: nothing written); returns the cache."""
+        return self._zero(cache, jnp.asarray(self._ids([])))
