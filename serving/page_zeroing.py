@@ -10,8 +10,8 @@ Flow: `BlockManager.allocate` records each block it hands out (`fresh`). At each
 runner takes the record (`PageZeroer.fill`): up to `zero_rows(t, s)` ids go in the step's own
 `zero_pages` input and the step zeroes them in every page leaf as its first operation
 (`zero_pages`, top of ModelRunner._step_body); more than that (a long prompt admitted whole) are
-zeroed just before, by a separate call in fixed chunks of the largest bucket's count (one
-compiled variant, readied at warm-up). Why each order is safe:
+zeroed just before, by a separate call in fixed chunks of CALL_PAGES (one compiled variant,
+readied at warm-up). Why each order is safe:
   * the step's own K/V writes come after the zeroing in the same program;
   * a block filled whole by a copy-in (host tier, span store) leaves the record when its copy is
     dispatched (engine_tiers.move_pages -> BlockManager.filled), so it is never zeroed after it;
@@ -24,12 +24,13 @@ compiled variant, readied at warm-up). Why each order is safe:
   * async scheduling: the step still in flight comes first on the device (the cache threads
     through both), so its stale writes (a discarded row into its own freed block) land before.
 
-Cost per step: a scatter of zeros of `zero_rows(t, s) = s + ceil(t / block_size)` page rows in
-each page leaf (K and V of each attention layer). Only the fresh rows are written (padding rows
-are dropped, an index check each): fresh pages x bytes_per_block bytes, bytes_per_block = 2 x
-attention layers x block_size x KV heads x head_dim x itemsize (Llama-3-8B, bf16, block 16: 2 MiB).
-A prefill writes those pages anyway; a decode step has fresh pages only where sequences cross a
-block boundary (each once per block_size tokens).
+Cost per step: a scatter of zeros of `zero_rows(t, s) = min(s + ceil(t / block_size), 32)` page
+rows in each page leaf (K and V of each attention layer): 2 x attention layers small kernels,
+not yet timed on a GPU (a decode step's A/B is the first device call to make). Only the fresh
+rows are written (padding rows are dropped, an index check each): fresh pages x bytes_per_block
+bytes, bytes_per_block = 2 x attention layers x block_size x KV heads x head_dim x itemsize
+(Llama-3-8B, bf16, block 16: 2 MiB). A prefill writes those pages anyway; a decode step has
+fresh pages only where sequences cross a block boundary (each once per block_size tokens).
 """
 
 from __future__ import annotations
@@ -43,10 +44,18 @@ import numpy as np
 from serving.offload import page_leaf
 
 
+STEP_PAGES = 32  # at most this many page ids ride in a step's own input
+CALL_PAGES = 128  # page ids per separate call (the rest of a step's fresh pages)
+
+
 def zero_rows(t: int, s: int, block_size: int) -> int:
     """Length of the `zero_pages` input of a step of t query tokens and s rows: the pages such a
-    step can newly reach (one per row crossing a block boundary plus its tokens' blocks)."""
-    return s + -(-t // block_size)
+    step can newly reach (one per row crossing a block boundary plus its tokens' blocks), at
+    most STEP_PAGES. The scatter runs over every entry of it, dropped padding included, in each
+    page leaf of every step: the cap keeps a decode step's fixed cost small (a batch of 256
+    sequences crosses ~16 block boundaries a step on average); a prefill step's pages beyond
+    it go to separate calls."""
+    return min(s + -(-t // block_size), STEP_PAGES)
 
 
 def zero_pages(cache, ids, num_pages: int, block_size: int):
@@ -64,8 +73,7 @@ class PageZeroer:
 
     def __init__(self, num_pages: int, config):
         self.num_pages = num_pages
-        top = config.token_buckets[-1]  # the separate call's chunk: the largest step's input
-        self.chunk = zero_rows(top, config.seq_bucket(top), config.block_size)
+        self.chunk = CALL_PAGES  # the separate call's ids (one compiled variant)
         self.source = None
         self._zero = jax.jit(functools.partial(zero_pages, num_pages=num_pages,
                                                block_size=config.block_size),
