@@ -125,27 +125,5 @@ def confirm_hits(got: list, bm, raw: bytes, block_size: int) -> list[int]:
 
 
 def indices_of_none(xs: list) -> list[int]:
-    """Ascending indices of the None entries of `xs`: in a long list, C-level scans while they
-    are few (a cached request), a comprehension once they are many."""
-    if len(xs) <= 64:
-        return [j for j, x in enumerate(xs) if x is None]
-    out, j = [], -1
-    try:
-        while len(out) < 64:
-            j = xs.index(None, j + 1)
-            out.append(j)
-    except ValueError:
-        return out
-    return out + [k for k in range(j + 1, len(xs)) if xs[k] is None]
-
-
-def without(xs: list, drop: list[int]) -> list:
-    """`xs` without the entries at the ascending indices `drop` (a few: slices are copied)."""
-    if len(drop) > 64:
-        skip = set(drop)
-        return [x for k, x in enumerate(xs) if k not in skip]
-    out, start = [], 0
-    for k in drop:
-        out += xs[start:k]
-        start = k + 1
-    return out + xs[start:]
+    """Ascending indices of the None entries of `xs`."""
+    return [j for j, x in enumerate(xs) if x is None]

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from serving.prefix_keys import PrefixKeys, without
+from serving.prefix_keys import PrefixKeys
 from serving import span_jobs, span_rows
 from serving.sequence import Sequence, Status
 
@@ -85,7 +85,7 @@ class Scheduler:
             return self.hybrid_cache.admit(self, seq, seats)
         bm, hashes, limit = self.bm, self.keys.hashes(seq), self.keys.hit_limit(seq)
         plan, misses, host = self.keys.admission_plan(seq, bm, limit, self.offload)
-        hits = without(plan, misses)
+        hits = [b for b in plan if b is not None]
         need = len(plan) - len(hits) + list(map(bm.ref.__getitem__, hits)).count(0)
         if need > bm.num_free - self.cfg.watermark_blocks * (not seq.is_span_job):
             return False
