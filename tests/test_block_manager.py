@@ -145,6 +145,21 @@ def _chain_reference(h, tokens, bs, span_block, span_start, h0):
     return keys
 
 
+def _add_segment(rng, docs, p_doc, max_blocks, toks, sb, ss):
+    """Append one segment of 4-token blocks to toks and its span-block / span-start flags: with
+    probability p_doc one of `docs` as a span, else 1..max_blocks random PDEP blocks."""
+    if rng.random() < p_doc:
+        d = docs[int(rng.integers(0, len(docs)))]
+        toks += d
+        sb += [True] * (len(d) // 4)
+        ss += [True] + [False] * (len(d) // 4 - 1)
+    else:
+        k = int(rng.integers(1, max_blocks + 1))
+        toks += [int(t) for t in rng.integers(0, 50, 4 * k)]
+        sb += [False] * k
+        ss += [False] * k
+
+
 @pytest.mark.parametrize("algo", ["xxhash64", "sha256"])
 def test_block_keys_with_span_memo_match_reference(algo, fresh_rng):
     """Random segment structures, repeated spans, two salts, one shared memo: same keys."""
@@ -156,16 +171,7 @@ def test_block_keys_with_span_memo_match_reference(algo, fresh_rng):
         h0 = root_hash(h, str(fresh_rng.integers(0, 2)))
         toks, sb, ss = [], [], []
         for _ in range(int(fresh_rng.integers(1, 5))):
-            if fresh_rng.random() < 0.6:
-                d = docs[int(fresh_rng.integers(0, 3))]
-                toks += d
-                sb += [True] * (len(d) // 4)
-                ss += [True] + [False] * (len(d) // 4 - 1)
-            else:
-                n = int(fresh_rng.integers(1, 3)) * 4
-                toks += [int(t) for t in fresh_rng.integers(0, 50, n)]
-                sb += [False] * (n // 4)
-                ss += [False] * (n // 4)
+            _add_segment(fresh_rng, docs, 0.6, 2, toks, sb, ss)
         toks += [7] * int(fresh_rng.integers(0, 4))  # partial last block: no key
         sb.append(False)
         ss.append(False)
@@ -173,7 +179,6 @@ def test_block_keys_with_span_memo_match_reference(algo, fresh_rng):
         assert block_keys(h, toks, 4, sb, ss, h0, memo) == want
         assert block_keys(h, toks, 4, sb, ss, h0) == want
     assert memo  # the memo was used
-
 
 
 def test_block_keys_of_long_prompts_match_reference(fresh_rng):
@@ -186,16 +191,7 @@ def test_block_keys_of_long_prompts_match_reference(fresh_rng):
     for _ in range(6):
         toks, sb, ss = [], [], []
         while len(sb) < 70:
-            if fresh_rng.random() < 0.7:
-                d = docs[int(fresh_rng.integers(0, 4))]
-                toks += d
-                sb += [True] * (len(d) // 4)
-                ss += [True] + [False] * (len(d) // 4 - 1)
-            else:
-                k = int(fresh_rng.integers(1, 4))
-                toks += [int(t) for t in fresh_rng.integers(0, 50, 4 * k)]
-                sb += [False] * k
-                ss += [False] * k
+            _add_segment(fresh_rng, docs, 0.7, 3, toks, sb, ss)
         toks += [7] * int(fresh_rng.integers(0, 4))
         want = _chain_reference(h, toks, 4, sb + [False], ss + [False], h0)
         raw = np.asarray(toks, np.int64).tobytes()
