@@ -5,6 +5,7 @@ queued)."""
 
 from __future__ import annotations
 
+from serving.disk_store import open_root
 from serving.fingerprint import model_fingerprint
 from serving.kv_store_moves import ChunkedPageMover
 from serving.kv_store_tier import LowerTiers, open_kv_store
@@ -19,6 +20,7 @@ def store_fingerprint(config, loaded, dtype, hybrid: bool):
     if hybrid:
         raise ValueError("kv_store_dir: the span store holds attention KV blocks only; a "
                          "hybrid model's recurrent checkpoints are not stored on disk yet")
+    open_root(config.kv_store_dir)  # not a folder: a ValueError before any work
     return model_fingerprint(loaded.cfg, loaded.params, dtype)
 
 
