@@ -109,8 +109,11 @@ def _generate(llm, prompts, salt):
 def test_store_write_fault_costs_no_result(engines, fresh_rng, monkeypatch, fault):
     llm, plain, root = engines
     tier, salt = llm.llm_engine.kv_store, f"fault-{fault}"
-    prompts = _prompts(llm, fresh_rng, 3)
+    prompts, stored = _prompts(llm, fresh_rng, 3), _prompts(llm, fresh_rng, 2)
     want = _results(plain.generate(prompts, SP, use_tqdm=False, cache_salt=salt))
+    readable = fault != "subfolder_is_a_file"  # that fault takes the namespace's files away
+    if readable:  # on disk before the fault
+        llm.generate(stored, SP, use_tqdm=False, cache_salt=salt)
     FAULTS[fault](monkeypatch, llm, prompts, root, salt)
     errors = tier.counters.get("write_errors", 0)
     outs, said = _generate(llm, prompts, salt)
@@ -127,6 +130,12 @@ def test_store_write_fault_costs_no_result(engines, fresh_rng, monkeypatch, faul
     outs, said = _generate(llm, prompts, salt)
     assert _results(outs) == want and said == []
     assert not list(root.rglob("*.tmp"))
+    if readable:  # what can still be read is read
+        llm.llm_engine.reset_prefix_cache()  # the device's copies go: hits come from disk
+        outs, said = _generate(llm, stored, salt)
+        assert all(o.num_cached_tokens > 0 for o in outs) and said == []
+        assert _results(outs) == _results(plain.generate(stored, SP, use_tqdm=False,
+                                                         cache_salt=salt))
 
 
 # -- the file layer alone (no engine) -----------------------------------------------------------
