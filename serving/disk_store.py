@@ -16,19 +16,22 @@ common prefix (under the first new hash).
 
 Files are written to a temp name and renamed, so a reader sees a whole file or none and two
 processes filling one store never corrupt it. A file that is truncated or fails its checksum is
-a miss: a warning, the file removed, the blocks recomputed. Least recently used runs (file
-mtime, and this process's own order) are deleted past `capacity_bytes`, counted over every file
-in the folder (the folder is rescanned at most every `rescan_s` seconds and before evicting), so
-several processes on one store keep it under one size.
+a miss: a warning, the file removed, the blocks recomputed. A write that fails (a full disk, a
+read-only folder, a folder where the run file belongs) removes its temp file and raises; the
+tier makes that a miss (serving/kv_store_tier.py). Damage to the folder (an entry that cannot be
+listed or read, a symlink loop, a damaged STORE.json: serving/store_identity.py) is warned once
+per path and skipped. Only a `kv_store_dir` that is not a folder is an error. Least recently
+used runs (file mtime, and this process's own order) are deleted past `capacity_bytes`, counted
+over every file in the folder (the folder is rescanned at most every `rescan_s` seconds and
+before evicting), so several processes on one store keep it under one size.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import os
 import pathlib
+import stat
 import threading
 import time
 import warnings
@@ -37,41 +40,40 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy (leaf dtype
 import numpy as np
 
 from serving.run_file import MAX_RUN, CorruptRun, Run, RunFormat, write_all
+from serving.store_identity import (FORMAT_VERSION, StoreIdentity,  # noqa: F401 - public here
+                                    StoreMismatch, check_identity)
 
-FORMAT_VERSION = 3
 _SUFFIX = ".safetensors"
 _TOUCH_S = 60.0  # a read marks a file used (mtime) when its mark is older than this
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreIdentity:
-    """What a stored block depends on; a store made under another identity is never read."""
-
-    model: str  # fingerprint of config + dtype + weights (serving/fingerprint.py)
-    model_name: str  # for messages only (not compared)
-    block_size: int
-    kv_mode: str
-    hash_algo: str
-    markers: tuple  # (pad, ssep, pdep) ids: they decide layouts and keys
-    leaves: tuple  # ((block shape [B, ...], dtype name), ...) of the page leaves
-
-    def compared(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("model_name")
-        d["markers"] = list(self.markers)
-        d["leaves"] = [[list(shape), dtype] for shape, dtype in self.leaves]
-        return d
-
-    def digest(self) -> str:
-        blob = json.dumps([FORMAT_VERSION, self.compared()], sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _stale(entry, age_s: float = 3600.0) -> bool:
     try:
         return time.time() - entry.stat().st_mtime > age_s
-    except FileNotFoundError:
+    except OSError:  # gone, or a dangling link: not a temp file of ours
         return False
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:  # gone already, or cannot be removed (read-only): nothing more to do
+        pass
+
+
+def open_root(root) -> pathlib.Path:
+    """The store folder, created when absent. ValueError naming it when it is not a folder (a
+    file there or on its path): a setting to change, found before any work."""
+    path = pathlib.Path(root).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"kv_store_dir {path} is not a folder (a file is there or on its "
+                         f"path); give kv_store_dir a folder") from None
+    except OSError as err:  # cannot be made (permissions): a store that misses
+        warnings.warn(f"kv store: cannot create {path} ({err}); nothing is stored",
+                      RuntimeWarning, stacklevel=2)
+    return path
 
 
 def namespace(cache_salt: str | None) -> str:
@@ -80,17 +82,13 @@ def namespace(cache_salt: str | None) -> str:
     return "salt-" + hashlib.sha256(cache_salt.encode()).hexdigest()[:16]
 
 
-class StoreMismatch(ValueError):
-    pass
-
-
 class DiskStore:
     """The file layer: identity check, run read (verified) / write (atomic), LRU over the whole
     folder, counters. Thread-safe (one lock around the index and counters; I/O outside it)."""
 
     def __init__(self, root, identity: StoreIdentity, capacity_bytes: int,
                  rescan_s: float = 30.0):
-        self.root = pathlib.Path(root).expanduser()
+        self.root = open_root(root)
         self.identity = identity
         self.digest = identity.digest()
         self.capacity = int(capacity_bytes)
@@ -100,6 +98,7 @@ class DiskStore:
         self.total_bytes = 0
         self.last_scan = 0.0
         self._recent: set[pathlib.Path] = set()  # used by this process since the last scan
+        self._warned: set[str] = set()  # damaged paths already warned about
         self.counters = dict(bytes_read=0, bytes_written=0, read_s=0.0, write_s=0.0,
                              blocks_read=0, blocks_written=0, runs_read=0, runs_written=0,
                              corrupt=0, evicted=0, misses=0, rescans=0)
@@ -112,56 +111,35 @@ class DiskStore:
         self.num_leaves = len(identity.leaves)
         self.fmt = RunFormat(self.digest, identity.block_size, self.num_leaves,
                              self.page_shape, self.dtype)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._check_identity()
+        check_identity(self.root, identity, self._damaged)
         self.rescan()
 
-    # -- identity ------------------------------------------------------------------------------
-    def _check_identity(self) -> None:
-        path = self.root / "STORE.json"
-        mine = {"format_version": FORMAT_VERSION, "model_name": self.identity.model_name,
-                **self.identity.compared()}
-        if not path.exists():
-            tmp = path.with_name(f".STORE.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(mine, indent=1))
-            try:
-                os.link(tmp, path)  # first creator wins; a concurrent one compares below
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
-        theirs = json.loads(path.read_text())
-        diff = [k for k in mine if k != "model_name" and theirs.get(k) != mine[k]]
-        if diff:
-            parts = ", ".join(f"{k}: store has {theirs.get(k)!r}, this engine {mine[k]!r}"
-                              for k in diff)
-            raise StoreMismatch(
-                f"kv_store_dir {self.root} was written by another setup (model "
-                f"{theirs.get('model_name')!r}); {parts}. Use another kv_store_dir for this "
-                f"model/settings, or delete that folder")
+    def _damaged(self, path, err, then: str = "skipped") -> None:
+        """Warn once per path about damage to the store's folder (any thread)."""
+        with self.lock:
+            if str(path) in self._warned:
+                return
+            self._warned.add(str(path))
+        warnings.warn(f"kv store: {path} cannot be used ({err}); {then}", RuntimeWarning,
+                      stacklevel=3)
 
     def rescan(self) -> None:
         """Index every run file in the folder (all processes' files), least recently used
         first: by mtime, then the files this process used since the last scan, in its order."""
         found = []
-        for ns in os.scandir(self.root):
-            if not ns.is_dir():
+        for ns in self._listing(self.root):
+            if not self._is_dir(ns):
                 continue
-            for sub in os.scandir(ns.path):
-                if not sub.is_dir():
+            for sub in self._listing(ns.path):
+                if not self._is_dir(sub):
                     continue
-                for f in os.scandir(sub.path):
+                for f in self._listing(sub.path):
                     if f.name.endswith(_SUFFIX):
-                        try:
-                            st = f.stat()
-                        except FileNotFoundError:
-                            continue
-                        found.append((st.st_mtime_ns, pathlib.Path(f.path), st.st_size))
+                        st = self._stat_run(f)
+                        if st is not None:
+                            found.append((st.st_mtime_ns, pathlib.Path(f.path), st.st_size))
                     elif f.name.endswith(".tmp") and _stale(f):  # left by a killed writer
-                        try:
-                            os.unlink(f.path)
-                        except FileNotFoundError:
-                            pass
+                        _unlink(f.path)
         found.sort(key=lambda x: x[0])
         with self.lock:
             mine = [p for p in self.index if p in self._recent]
@@ -174,6 +152,32 @@ class DiskStore:
             self.last_scan = time.monotonic()
             self.counters["rescans"] += 1
 
+    def _listing(self, path) -> list:
+        try:
+            with os.scandir(path) as it:
+                return list(it)
+        except OSError as err:
+            self._damaged(path, err)
+            return []
+
+    def _is_dir(self, entry) -> bool:
+        try:
+            return entry.is_dir()
+        except OSError as err:  # a symlink loop
+            self._damaged(entry.path, err)
+            return False
+
+    def _stat_run(self, entry):
+        """The stat of a run file; None when it is gone, damaged (warned) or not a file."""
+        try:
+            st = entry.stat()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            self._damaged(entry.path, err)
+            return None
+        return st if stat.S_ISREG(st.st_mode) else None
+
     # -- paths ---------------------------------------------------------------------------------
     def path(self, h: int, ns: str) -> pathlib.Path:
         name = f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
@@ -182,7 +186,7 @@ class DiskStore:
     def has(self, h: int, ns: str) -> bool:
         """A run starts at block hash h (this process's index, else the folder)."""
         p = self.path(h, ns)
-        return p in self.index or p.exists()
+        return p in self.index or p.is_file()
 
     # -- read ----------------------------------------------------------------------------------
     def read(self, h: int, ns: str, pad=None, alloc=np.empty) -> Run | None:
@@ -198,11 +202,13 @@ class DiskStore:
                 self._forget(p)
             return None
         except OSError as err:  # unreadable: a miss, the blocks are recomputed
-            warnings.warn(f"kv store: cannot read {p} ({err}); its blocks are recomputed",
-                          RuntimeWarning, stacklevel=2)
+            self._damaged(p, err, "its blocks are recomputed")
             return None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a folder where the run belongs: not a run
+                os.close(fd)
+                return None
             run = self.fmt.read(fd, st.st_size, h, pad, alloc)
         except (CorruptRun, OSError) as err:
             os.close(fd)
@@ -228,10 +234,7 @@ class DiskStore:
         with self.lock:
             self.counters["corrupt"] += 1
             self._forget(p)
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
+        _unlink(p)
 
     def _forget(self, p: pathlib.Path) -> None:  # under the lock
         size = self.index.pop(p, None)
@@ -272,12 +275,16 @@ class DiskStore:
         bufs = self.fmt.encode(ns, hashes, tokens, leaves)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            size = write_all(fd, bufs)
-        finally:
-            os.close(fd)
-        os.replace(tmp, p)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                size = write_all(fd, bufs)
+            finally:
+                os.close(fd)
+            os.replace(tmp, p)
+        except BaseException:  # a full disk, a read-only store, a folder at p: no file left
+            _unlink(tmp)
+            raise
         with self.lock:
             self._used(p, size)
             self.counters["bytes_written"] += size
@@ -292,10 +299,7 @@ class DiskStore:
         with self.lock:
             victims = self._evict()
         for v in victims:
-            try:
-                v.unlink()
-            except FileNotFoundError:
-                pass
+            _unlink(v)
 
     def _evict(self) -> list[pathlib.Path]:  # under the lock
         victims = []

@@ -5,6 +5,7 @@ queued)."""
 
 from __future__ import annotations
 
+from serving.disk_store import open_root
 from serving.fingerprint import model_fingerprint
 from serving.kv_store_moves import ChunkedPageMover
 from serving.kv_store_tier import LowerTiers, open_kv_store
@@ -12,14 +13,18 @@ from serving.offload import HostKVTier, PageMover
 
 
 def store_fingerprint(config, loaded, dtype, hybrid: bool):
-    """The model fingerprint a span store is keyed by (None without `kv_store_dir`). Taken from
-    the loaded params, before the runner fuses weights. Hybrid models: ValueError."""
+    """The model fingerprint a span store is keyed by (None without `kv_store_dir`): every
+    byte of the checkpoint files the params came from (`loaded.weight_files`, digests cached in
+    the store folder), else of the loaded params before the runner fuses them. Hybrid models,
+    or a kv_store_dir that is not a folder: ValueError."""
     if config.kv_store_dir is None:
         return None
     if hybrid:
         raise ValueError("kv_store_dir: the span store holds attention KV blocks only; a "
                          "hybrid model's recurrent checkpoints are not stored on disk yet")
-    return model_fingerprint(loaded.cfg, loaded.params, dtype)
+    root = open_root(config.kv_store_dir)  # not a folder: a ValueError before any work
+    return model_fingerprint(loaded.cfg, loaded.params, dtype, files=loaded.weight_files,
+                             cache_dir=root)
 
 
 def host_tier(config, num_blocks: int, bytes_per_block: int, hybrid: bool):

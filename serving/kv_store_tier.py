@@ -25,7 +25,8 @@ blocks only, so one-off questions do not fill the store) is gathered from the de
 start of the next step (before anything can overwrite it), brought to the host by one thread as
 soon as it is copied (so a slow disk keeps its backlog in host memory, not on the device) and
 written by a writer thread, one file per run of consecutive blocks of one segment; `flush` waits
-for all of them.
+for all of them. A write that fails is a miss (serving/kv_store_failures.py): one warning per
+flush, never an exception that costs the call its results.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import jax
 import numpy as np
 
 from serving.disk_store import DiskStore, namespace
+from serving.kv_store_failures import WriteFailures
 from serving.kv_pool import staging_bytes
 from serving.kv_store_buffers import RunBuffers
 from serving.kv_store_staging import StagedBlocks
@@ -102,6 +104,7 @@ class KVStoreTier:
         self.counters = dict(prefetched_runs=0, staged_hits=0, read_wait_s=0.0, sync_reads=0,
                              writes_queued=0, follow_up_reads=0, copy_in_s=0.0, copy_in_runs=0,
                              send_s=0.0, read_errors=0, pinned=self.buffers.pinned)
+        self.failures = WriteFailures(self.counters)
 
     # -- the scheduler's lower tier ------------------------------------------------------------
     def contains(self, h) -> bool:
@@ -294,23 +297,41 @@ class KVStoreTier:
         self.writes.append(self.to_host.submit(self._to_host, batch, rows))
         self.counters["writes_queued"] += len(rows)
 
-    def _to_host(self, batch, rows) -> cf.Future:
-        """The d2h thread: wait for the gathered blocks on the host, then queue their files."""
-        return self.writers.submit(self._write, batch.materialize(), rows)
+    def _to_host(self, batch, rows) -> cf.Future | None:
+        """The d2h thread: wait for the gathered blocks on the host, then queue their files
+        (None: they never reached the host, a failed write)."""
+        try:
+            host = batch.materialize()
+        except Exception as err:
+            self.failures.record(len(rows), err)
+            return None
+        return self.writers.submit(self._write, host, rows)
 
     def _write(self, host, rows) -> None:
         cuts = [r for r, row in enumerate(rows) if r == 0 or row[4] or row[3] != rows[r - 1][3]]
         for r0, r1 in zip(cuts, cuts[1:] + [len(rows)]):
             part = rows[r0:r1]
-            self.store.write(part[0][3], [h for _, h, *_ in part],
-                             b"".join(t for _, _, t, *_ in part), [a[r0:r1] for a in host])
+            try:
+                self.store.write(part[0][3], [h for _, h, *_ in part],
+                                 b"".join(t for _, _, t, *_ in part), [a[r0:r1] for a in host])
+            except Exception as err:  # full, read-only or damaged: these blocks miss
+                self.failures.record(r1 - r0, err)
 
     def flush(self, mover, cache) -> None:
-        """Write everything queued so far and wait for the files (errors surface here)."""
-        self.dispatch_writes(mover, cache)
-        for f in self.writes:
-            f.result().result()
-        self.writes = []
+        """Write everything queued so far and wait for the files. Writes that failed are one
+        warning (the blocks are not stored), never an exception: the results are made."""
+        queued = len(self.to_write)
+        try:
+            self.dispatch_writes(mover, cache)
+        except Exception as err:  # the blocks could not be gathered from the device
+            self.to_write = []
+            self.failures.record(queued, err)
+        writes, self.writes = self.writes, []
+        for f in writes:
+            write = f.result()
+            if write is not None:
+                write.result()
+        self.failures.report()
 
     def stats(self) -> dict:
         out = self.store.stats()
@@ -322,8 +343,8 @@ class KVStoreTier:
 
 def _written(f: cf.Future) -> bool:
     """A write (a to_host future) is over: its copy to the host failed, or its file write
-    finished (as before the d2h thread, only the writes still pending at `flush` raise there)."""
-    return f.done() and (f.exception() is not None or f.result().done())
+    finished (failures are recorded by the threads and told at `flush`)."""
+    return f.done() and (f.result() is None or f.result().done())
 
 
 def _in_span(lay, j: int) -> bool:

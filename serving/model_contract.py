@@ -115,6 +115,9 @@ class EngineModel(Protocol):
     params: Any  # the family's params pytree
     family: ModelFamily
     tokenizer: Any  # None, or encode / decode / eos_token_ids / bos_token_id
+    # the checkpoint files the params were converted from ((): none, e.g. random weights); their
+    # bytes fingerprint the weights for the span store (serving/fingerprint.py)
+    weight_files: tuple
 
 
 def check_family(family) -> None:

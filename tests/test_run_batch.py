@@ -7,11 +7,13 @@ Oracle: an uninterrupted in-process run of the same file on an empty store. One 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -153,6 +155,28 @@ def test_second_process_reads_store_then_resume_after_kill_matches(tmp_path, sto
     final = _records(out)
     assert {k: _comparable(r) for k, r in final.items()} == \
         {k: _comparable(r) for k, r in ref.items()}
+
+
+def test_job_finishes_when_the_store_cannot_be_written(tmp_path, store, job_llm, fresh_rng,
+                                                       monkeypatch):
+    """A span store whose writes fail (a full disk, injected in its writer) is a cache that
+    misses: the job answers every line, exits 0, and says so in one warning; no temp file
+    stays behind."""
+    from serving import disk_store
+
+    def disk_full(fd, bufs):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+    monkeypatch.setattr(disk_store, "write_all", disk_full)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    n = _rag_file(inp, fresh_rng, n=4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["-i", str(inp), "-o", str(out)] + ENGINE, llm=job_llm) == 0
+    recs = _records(out)
+    assert len(recs) == n and all(r["error"] is None for r in recs.values())
+    said = [str(w.message) for w in seen if "kv store" in str(w.message)]
+    assert len(said) == 1 and "could not be written" in said[0], said
+    assert not list(store.rglob("*.tmp"))
 
 
 def test_result_record_logprobs_and_stop_strings():

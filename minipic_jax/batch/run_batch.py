@@ -227,7 +227,8 @@ def main(argv=None, llm=None) -> int:
         print(f"Span store: read {kv['bytes_read'] / 1e6:.1f} MB ({kv['read_GBps']:.2f} GB/s), "
               f"wrote {kv['bytes_written'] / 1e6:.1f} MB, store {kv['bytes_stored'] / 1e6:.1f} MB in "
               f"{kv['runs_stored']} files, "
-              f"{kv['corrupt']} corrupt files skipped")
+              f"{kv['corrupt']} corrupt files skipped, {kv['blocks_not_written']} blocks not "
+              f"written (store write errors)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(stats, f, indent=2, default=str)

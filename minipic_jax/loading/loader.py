@@ -32,6 +32,9 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: str  # "folder:<abs path>" or "preset:<name>"
     from_cache: bool = False  # params came from the orbax cache (conversion skipped)
+    # the checkpoint files the params were converted from (() for a preset): the span store
+    # fingerprints the weights by their bytes (serving/fingerprint.py)
+    weight_files: tuple = ()
 
 
 def _dtype(dtype) -> Any:
@@ -115,7 +118,8 @@ def _load_folder(folder: pathlib.Path, dtype, cache_dir, host: bool = False) -> 
         abstract = jax.eval_shape(lambda: family.init_params(cfg, jax.random.key(0), dtype))
         params = param_cache.restore(entry, abstract)
         if params is not None:
-            return LoadedModel(cfg, params, family, tokenizer, source, from_cache=True)
+            return LoadedModel(cfg, params, family, tokenizer, source, from_cache=True,
+                               weight_files=tuple(files))
 
     reader = SafetensorsReader(files)
     needed = family.hf_tensor_names(cfg)
@@ -126,8 +130,8 @@ def _load_folder(folder: pathlib.Path, dtype, cache_dir, host: bool = False) -> 
                          f"needed by the {cfg.model_type} model")
     if host:
         return LoadedModel(cfg, family.convert_hf(reader.get, cfg, dtype, host=True), family,
-                           tokenizer, source)
+                           tokenizer, source, weight_files=tuple(files))
     params = family.convert_hf(reader.get, cfg, dtype)
     if entry is not None:
         param_cache.save(entry, params)
-    return LoadedModel(cfg, params, family, tokenizer, source)
+    return LoadedModel(cfg, params, family, tokenizer, source, weight_files=tuple(files))
