@@ -209,7 +209,10 @@ def test_step_compiles_are_announced():
         def set_description_str(self, text, refresh):
             told.append(text)
     progress = Progress.__new__(Progress)
-    progress.bar = Bar()
-    progress._on_compile(0, 2)
-    progress._on_compile(2, 2)
-    assert told[-2:] == ["Running batch (compiling step variants 0/2)", "Running batch"]
+    progress.bar, progress.compiled = Bar(), 0
+    for done, total in ((0, 2), (2, 2), (0, 1), (1, 1)):
+        progress._on_compile(done, total)
+    assert told[-4:] == ["Running batch (compiling step variant 1-2: a new step shape, compiled "
+                         "once)", "Running batch",
+                         "Running batch (compiling step variant 3: a new step shape, compiled "
+                         "once)", "Running batch"]

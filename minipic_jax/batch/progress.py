@@ -3,7 +3,7 @@
 A step variant (token bucket x sampling mode x attention plan) is compiled the first time a
 step needs it: seconds each on a CPU, and a cold job meets several in its first steps. Without
 a word the bar would sit at 0/N for that long, so the bar's label says "compiling step variant
-k/n" while it happens (the engine's StepExecutables tells `on_compile`), and --warmup shows a
+k" while it happens (the engine's StepExecutables tells `on_compile`), and --warmup shows a
 bar of its own over every variant.
 """
 
@@ -23,14 +23,20 @@ class Progress:
     def __init__(self, llm, total: int, enabled: bool):
         self.steps = _steps(llm)
         self.bar = None
+        self.compiled = 0  # variants compiled while this bar ran
         if enabled:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=total, desc=RUNNING, unit="req", dynamic_ncols=True)
             self.steps.on_compile = self._on_compile
 
     def _on_compile(self, done: int, total: int) -> None:
-        label = RUNNING if done >= total else \
-            f"{RUNNING} (compiling step variant{'s' if total > 1 else ''} {done}/{total})"
+        if done >= total:
+            self.compiled += total
+            label = RUNNING
+        else:
+            first, last = self.compiled + done + 1, self.compiled + total
+            label = (f"{RUNNING} (compiling step variant {first}"
+                     f"{f'-{last}' if last > first else ''}: a new step shape, compiled once)")
         self.bar.set_description_str(label, refresh=True)
 
     def update(self, n: int, postfix: str | None = None) -> None:
