@@ -13,6 +13,9 @@ import json
 import random
 import time
 
+from minipic_jax.cli_args import (DefaultsFormatter, int_at_least, non_negative_float,
+                                  non_negative_int, positive_int, seed_int)
+
 _WORDS = ("river bank loan water bridge city north market harbor stone garden winter library "
           "engine signal forest mountain valley letter number paper window silver orbit planet "
           "music theory method record system memory cache block span token").split()
@@ -33,13 +36,14 @@ def _workload(n: int, num_docs: int, seed: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minipic-generate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="minipic-generate", description=__doc__.split("\n\n")[0],
+                                 formatter_class=DefaultsFormatter)
     ap.add_argument("--model", default="tiny-llama3", help="preset name or HF folder")
-    ap.add_argument("--num-prompts", type=int, default=64, help="requests in the batch")
-    ap.add_argument("--num-docs", type=int, default=8,
+    ap.add_argument("--num-prompts", type=positive_int, default=64, help="requests in the batch")
+    ap.add_argument("--num-docs", type=positive_int, default=8,
                     help="shared documents; each request uses 3 of them as SSEP spans")
-    ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
-    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    ap.add_argument("--max-tokens", type=positive_int, default=32, help="tokens generated per request")
+    ap.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--kv-mode", default="position_free",
                     choices=("position_free", "rotated", "pic_off"),
@@ -47,12 +51,12 @@ def main(argv=None) -> int:
                          "prompts); pic_off = position-free keys, markers as plain text")
     ap.add_argument("--policy", default="fcfs", choices=("fcfs", "barrier", "isps"),
                     help="scheduling policy (Config.scheduling_policy)")
-    ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024,
+    ap.add_argument("--max-num-seqs", type=positive_int, default=32, help="sequences per step")
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=1024,
                     help="query tokens per step")
-    ap.add_argument("--num-kv-blocks", type=int, default=1024, help="KV pool size in blocks")
-    ap.add_argument("--show", type=int, default=3, help="generated texts to print")
-    ap.add_argument("--seed", type=int, default=0, help="workload, weights and sampling seed")
+    ap.add_argument("--num-kv-blocks", type=int_at_least(2), default=1024, help="KV pool size in blocks")
+    ap.add_argument("--show", type=non_negative_int, default=3, help="generated texts to print")
+    ap.add_argument("--seed", type=seed_int, default=0, help="workload, weights and sampling seed")
     ap.add_argument("--output-json", default=None,
                     help="write throughput and engine stats (vLLM's JSON keys) here")
     args = ap.parse_args(argv)

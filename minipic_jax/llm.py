@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import time
 from typing import Any
 
@@ -30,8 +32,23 @@ def _host_device_if_sharded(tensor_parallel_size: int):
         return contextlib.nullcontext()
 
 
+def _serialized(method):
+    """Run `method` holding the LLM's lock: one engine, stepped by one call at a time. A second
+    thread's call waits for the first to finish, then runs (both get the results they would
+    get alone); the lock is reentrant, so a serialized call may make another."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class LLM:
     """Batch generation.
+
+    Thread safety: `generate` and `cache_spans` may be called from several threads; the calls
+    are serialized (one runs at a time, each gets the results it would get alone). Driving
+    `llm_engine` directly from several threads is not supported.
 
     Args:
       model: an HF folder (config.json + safetensors) or a preset name (configs/presets.py).
@@ -70,6 +87,7 @@ class LLM:
                         "engine_s": time.perf_counter() - t2}
         self.tokenizer = loaded.tokenizer
         self._next_id = 0
+        self._lock = threading.RLock()  # see _serialized
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -105,6 +123,7 @@ class LLM:
         raise TypeError(f"request {index}: unsupported prompt type {type(prompt).__name__} "
                         f"(a str, a list of token ids, a dict or a list of Prompt/Span)")
 
+    @_serialized
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True,
                  cache_salt: str | None = None):
         """Generate for every prompt; returns RequestOutputs in input order.
@@ -115,6 +134,12 @@ class LLM:
         before the exception propagates; the engine stays usable. A request with
         `SamplingParams.n > 1` runs as n requests over the same prompt (its cached blocks are
         shared) whose completions come back in one RequestOutput.
+
+        A prompt is a str, token ids (a list, or a 1-D integer numpy/JAX array), a
+        {"prompt_token_ids"} / {"prompt"} dict or a list of Prompt/Span segments. `cache_salt`
+        names a tenant (no cached block is shared across tenants): "" is the same as None, and
+        salts are compared as given, without Unicode normalization. Calls from several threads
+        are serialized (see the class docstring).
         """
         prompts = as_prompt_list(prompts)
         if sampling_params is None:
@@ -159,6 +184,7 @@ class LLM:
         return [merge_samples(str(self._next_id - len(prompts) + i), r) if len(r) > 1 else r[0]
                 for i, r in enumerate(results)]
 
+    @_serialized
     def cache_spans(self, spans, *, cache_salt: str | None = None, use_tqdm: bool = False) -> dict:
         """Compute the KV of SSEP spans without generating (the corpus pass of a RAG job): each
         span (text or token ids) is prefilled as it would sit inside a structured prompt, so a

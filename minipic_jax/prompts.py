@@ -43,17 +43,47 @@ def is_structured(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], (Prompt, Span))
 
 
+def _is_array(x) -> bool:
+    return hasattr(x, "__array__") and hasattr(x, "ndim") and not isinstance(x, (str, bytes))
+
+
+def array_token_ids(x, where: str = "prompt") -> list[int]:
+    """A 1-D integer array (numpy or JAX: what a JAX pipeline holds) -> a list of token ids; a
+    TypeError for another dtype or shape (a 2-D batch is ambiguous about padding: pass a list
+    of 1-D arrays, one per prompt)."""
+    import numpy as np
+    arr = np.asarray(x)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TypeError(f"{where}: an array prompt must be 1-D with an integer dtype (token ids), "
+                        f"got shape {arr.shape} dtype {arr.dtype}; for a batch pass a list of "
+                        f"1-D arrays")
+    return arr.tolist()
+
+
+def _from_array(p, index: int):
+    if _is_array(p):
+        return array_token_ids(p, f"request {index}")
+    if isinstance(p, dict) and _is_array(p.get("prompt_token_ids")):
+        return {**p, "prompt_token_ids": array_token_ids(p["prompt_token_ids"],
+                                                         f"request {index}")}
+    return p
+
+
 def as_prompt_list(prompts) -> list:
     """`generate`'s first argument as a list of prompts: one prompt (a str, a dict, a list of
-    token ids or of segments) becomes a list of one. Anything else is a TypeError."""
+    token ids or of segments, a 1-D integer array) becomes a list of one; arrays become lists
+    of token ids. Anything else is a TypeError."""
+    if _is_array(prompts):
+        return [array_token_ids(prompts, "prompts")]
     if isinstance(prompts, (str, dict)) or is_structured(prompts) or (
             isinstance(prompts, (list, tuple)) and prompts and
             all(_is_token(t) for t in prompts)):
-        return [prompts]
+        return [_from_array(prompts, 0)]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a str, a dict, a list of token ids or of Prompt/Span "
-                        f"segments, or a list of those; got {type(prompts).__name__}")
-    return list(prompts)
+                        f"segments, a 1-D integer array, or a list of those; "
+                        f"got {type(prompts).__name__}")
+    return [_from_array(p, i) for i, p in enumerate(prompts)]
 
 
 def _is_token(t) -> bool:

@@ -7,6 +7,15 @@ import math
 import numbers
 
 
+# The device arrays a request's sampling fields land in (serving/step_inputs.fill_sampling):
+# top_k is int32, temperature and top_p float32. A value they cannot hold is refused here, not
+# found mid-step (where it would fail every request of that step).
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: a smaller temperature divides
+# the logits to inf
+
+
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -53,12 +62,14 @@ class SamplingParams:
         def bad(field, want, exc=ValueError):
             raise exc(f"SamplingParams.{field} must be {want}, got {getattr(self, field)!r}")
 
-        if not _is_real(self.temperature) or self.temperature < 0:
-            bad("temperature", "a finite number >= 0")
+        if not _is_real(self.temperature) or self.temperature < 0 or \
+                self.temperature > FLOAT32_MAX or 0 < self.temperature < FLOAT32_TINY:
+            bad("temperature", f"0 (greedy) or a number in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] "
+                               f"(float32)")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", "-1, 0 (off) or a positive int")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            bad("top_k", f"-1, 0 (off) or a positive int <= {INT32_MAX} (int32)")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "None or an int >= 1")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

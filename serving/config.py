@@ -153,6 +153,10 @@ class Config:
             raise ValueError(f"Config.hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"Config.num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.watermark_blocks < 0:
+            raise ValueError(f"Config.watermark_blocks must be >= 0, got {self.watermark_blocks}")
+        if self.num_kv_blocks is not None:  # a default-sized pool: LLMEngine checks
+            check_watermark(self, self.num_kv_blocks)
         if self.checkpoint_strategy not in CHECKPOINT_STRATEGIES:
             raise ValueError(f"Config.checkpoint_strategy must be one of {CHECKPOINT_STRATEGIES}, "
                              f"got {self.checkpoint_strategy!r}")
@@ -231,6 +235,18 @@ class Config:
 
     def seq_bucket(self, token_bucket: int) -> int:
         return min(token_bucket, self.num_seats)
+
+
+def check_watermark(config: Config, num_blocks: int) -> int:
+    """`num_blocks` (the pool's size, a default pool's after any shrinking), or a ValueError:
+    admission keeps watermark_blocks free, so at watermark_blocks >= the pool no request could
+    ever start (the engine would find nothing schedulable)."""
+    if config.watermark_blocks >= num_blocks:
+        raise ValueError(f"Config.watermark_blocks={config.watermark_blocks} must be less than "
+                         f"the KV pool size ({num_blocks} blocks): admission keeps "
+                         f"watermark_blocks free, so no request could start; lower it or raise "
+                         f"num_kv_blocks")
+    return num_blocks
 
 
 def default_marker_ids(vocab_size: int, reserved=()) -> dict[str, int]:

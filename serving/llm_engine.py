@@ -25,7 +25,7 @@ import time
 from serving import hybrid_prefix
 from serving.outputs import RequestOutput
 from serving.block_manager import BlockManager
-from serving.config import Config, check_model_len, eos_and_markers
+from serving.config import Config, check_model_len, check_watermark, eos_and_markers
 from serving.hashing import make_hash_fn, root_hash
 from serving.kv_pool import default_num_blocks, kv_bytes_per_block
 from serving.engine_tiers import host_tier, move_pages, span_store, store_fingerprint
@@ -61,7 +61,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded, num_blocks, dtype)
         self.runner.ck_pool = ck_pool
         hybrid_prefix.hand_span_pool(self.hybrid_cache, self.runner)
-        self.num_blocks = num_blocks = self.runner.num_blocks  # a default pool may have shrunk
+        self.num_blocks = num_blocks = check_watermark(config, self.runner.num_blocks)  # may shrink
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
         self.offload, self.mover = host_tier(config, num_blocks, self.bytes_per_block, self.hybrid)
         self.kv_store = None

@@ -94,8 +94,29 @@ def check_fits(num_prompt: int, sp, who: str, cfg, num_blocks: int) -> None:
         raise ValueError(f"{who}: needs {need} KV blocks "
                          f"({total} tokens / block_size {cfg.block_size}) but the pool has "
                          f"only {num_blocks}; raise num_kv_blocks or lower max_tokens")
+    start = -(-num_prompt // cfg.block_size)  # blocks taken at admission
+    if start > num_blocks - cfg.watermark_blocks:
+        raise ValueError(f"{who}: its prompt needs {start} KV blocks to start, but admission keeps "
+                         f"watermark_blocks={cfg.watermark_blocks} of the pool's {num_blocks} "
+                         f"free; lower watermark_blocks or raise num_kv_blocks")
     if sp.logprobs is not None and sp.logprobs > cfg.max_logprobs:
         raise ValueError(f"{who}: logprobs={sp.logprobs} > max_logprobs={cfg.max_logprobs}")
+
+
+def check_salt(cache_salt, who: str) -> None:
+    """A str or None. Salts name tenants by their exact code points: "" is None's tenant (no
+    salt), and no Unicode normalization is applied (a composed and a decomposed "é" are two
+    tenants). A lone surrogate has no UTF-8 bytes to hash: refused here, not mid-step."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"{who}: cache_salt must be a str or None, "
+                        f"got {type(cache_salt).__name__}")
+    try:
+        cache_salt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{who}: cache_salt holds a lone surrogate at index {err.start} "
+                         f"(not valid Unicode text)") from None
 
 
 def check_request(request_id, prompt_token_ids, sampling_params, *, who: str, cache_salt,
@@ -104,9 +125,7 @@ def check_request(request_id, prompt_token_ids, sampling_params, *, who: str, ca
     markers, pool size and model kind; `in_use`: the id is taken); returns the prompt layout.
     Raises a TypeError/ValueError naming `who`; touches nothing."""
     check_sampling(sampling_params, who, engine.vocab_size, engine.tokenizer)
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise TypeError(f"{who}: cache_salt must be a str or None, "
-                        f"got {type(cache_salt).__name__}")
+    check_salt(cache_salt, who)
     if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
         raise TypeError(f"{who}: prompt token ids must be a list of ints, "
                         f"got {type(prompt_token_ids).__name__}")

@@ -48,6 +48,9 @@ class StepExecutables:
         self._spelled: dict = {}  # the same executables under the callers' own keyword order
         self.counts = {"loaded": 0, "compiled": 0}
         self.timings = dict.fromkeys(PHASES, 0.0)
+        # on_compile(done, total): told before a prepare's compiles start (done 0) and as each
+        # ends, so a front end can say why the first steps take seconds (progress bars)
+        self.on_compile = None
 
     def _key(self, args, kw):
         static = tuple(kw.get(n, d) for n, d in self._static)
@@ -110,6 +113,8 @@ class StepExecutables:
             self._compile(todo, store, names)
 
     def _compile(self, todo: dict, store, names: dict) -> None:
+        tell = self.on_compile or (lambda done, total: None)
+        tell(0, len(todo))
         t0 = time.perf_counter()
         traced = {key: self.jitted.trace(*args, **kw) for key, (args, kw) in todo.items()}
         t0 = self._tick("trace_s", t0)
@@ -118,7 +123,10 @@ class StepExecutables:
         t0 = self._tick("lower_s", t0)
         with fresh_compiles() if store is not None else contextlib.nullcontext(), \
                 ThreadPoolExecutor(max_workers=min(len(lowered), 8)) as pool:
-            compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+            compiled = {}
+            for key, exe in zip(lowered, pool.map(lambda low: low.compile(), lowered.values())):
+                compiled[key] = exe
+                tell(len(compiled), len(lowered))
         t0 = self._tick("compile_s", t0)
         self._table.update(compiled)
         self.counts["compiled"] += len(compiled)

@@ -3,6 +3,7 @@ prompt's blocks, `python -m minipic_jax`."""
 
 from __future__ import annotations
 
+import argparse
 import runpy
 import sys
 
@@ -72,8 +73,30 @@ def test_n_samples_share_prompt_blocks(llm, fresh_rng):
 
 
 def test_python_dash_m_runs_the_generate_cli(monkeypatch, capsys):
+    """`python -m minipic_jax --help` lists the subcommands (it showed only generate's options,
+    under the name minipic-generate); `SUBCOMMAND --help` shows each one's options."""
     monkeypatch.setattr(sys, "argv", ["minipic_jax", "--help"])
     with pytest.raises(SystemExit) as ex:
         runpy.run_module("minipic_jax", run_name="__main__")
     assert ex.value.code == 0
-    assert "minipic-generate" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in ("generate", "run-batch", "train"))
+    assert "minipic-train" in out and "minipic-bench" in out
+    from minipic_jax.__main__ import main
+    with pytest.raises(SystemExit) as ex:
+        main(["generate", "--help"])
+    assert ex.value.code == 0 and "minipic-generate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", ["minipic_jax.batch.options", "minipic_jax.training.cli"])
+def test_every_option_has_help(module):
+    """run-batch --help and minipic-train --help: most options had no help text and no
+    default."""
+    import importlib
+    parser = importlib.import_module(module).build_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        assert action.help, action.option_strings
+        if action.default is not None and action.default is not False \
+                and action.default is not argparse.SUPPRESS:
+            assert f"(default: {action.default})" in " ".join(text.split()), action.option_strings

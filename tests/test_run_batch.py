@@ -205,7 +205,7 @@ def test_result_record_logprobs_and_stop_strings():
 
 def test_module_entry_dispatches_subcommands(capsys):
     from minipic_jax.__main__ import SUBCOMMANDS, main as entry
-    assert set(SUBCOMMANDS) == {"generate", "run-batch"}
+    assert set(SUBCOMMANDS) == {"generate", "run-batch", "train"}
     assert entry(["frobnicate"]) == 2
     assert "unknown subcommand 'frobnicate'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # run-batch's own parser: -i/-o are required

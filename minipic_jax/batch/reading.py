@@ -172,32 +172,43 @@ def _number(body, key, kind, default):
         return default
     if kind is int and type(v) is not int:
         raise ValueError(f"body.{key} must be an integer, got {v!r}")
-    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
-        raise ValueError(f"body.{key} must be a number, got {v!r}")
+    if kind is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"body.{key} must be a number, got {v!r}")
+        try:
+            return float(v)  # a JSON integer too large for a float is no sampling value
+        except OverflowError:
+            raise ValueError(f"body.{key}={v} is out of range") from None
     return v
 
 
 def _sampling(body, chat, cid, seed):
     max_tokens = _number(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
                          else "max_tokens", int, None if chat else 16)
-    stop = body.get("stop") or []
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
     if isinstance(stop, str):
         stop = [stop]
+    # "" is refused as SamplingParams(stop="") is: an empty stop string would match at once;
+    # leave the field out (or null, or []) for no stop strings
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise ValueError("body.stop must be a string or a list of non-empty strings")
+        raise ValueError("body.stop must be a non-empty string or a list of non-empty strings "
+                         "(null or [] for none)")
     logprobs = None
     if chat:
         if body.get("logprobs"):
             logprobs = _number(body, "top_logprobs", int, 0)
     else:
         logprobs = _number(body, "logprobs", int, None)
-    temperature = float(_number(body, "temperature", float, 1.0))
+    temperature = _number(body, "temperature", float, 1.0)
     req_seed = _number(body, "seed", int, None)
     if req_seed is None and temperature > 0:
         # a seed from the job seed and the custom_id: a resumed job samples what it would have
-        req_seed = zlib.crc32(cid.encode(), seed) & 0x7FFFFFFF
+        # (surrogatepass: a lone surrogate is valid JSON, so a valid custom_id)
+        req_seed = zlib.crc32(cid.encode("utf-8", "surrogatepass"), seed) & 0x7FFFFFFF
     sp = SamplingParams(
-        temperature=temperature, top_p=float(_number(body, "top_p", float, 1.0)),
+        temperature=temperature, top_p=_number(body, "top_p", float, 1.0),
         top_k=_number(body, "top_k", int, 0), max_tokens=max_tokens,
         min_tokens=_number(body, "min_tokens", int, 0),
         ignore_eos=bool(body.get("ignore_eos", False)),

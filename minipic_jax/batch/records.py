@@ -11,11 +11,25 @@ same records as an uninterrupted one; only "created" (a timestamp) differs.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 
 def _rid(key: str) -> str:
-    return hashlib.sha1(key.encode()).hexdigest()[:24]
+    # surrogatepass: a custom_id with a lone surrogate (JSON "\\ud800") is valid JSON
+    return hashlib.sha1(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def dumps(rec: dict) -> str:
+    """One output line: UTF-8 text as is, but a record holding a lone surrogate (from the
+    request's custom_id or text) written with \\u escapes, which UTF-8 cannot encode and JSON
+    can; reading it back gives the same string."""
+    line = json.dumps(rec, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(rec)
+    return line + "\n"
 
 
 def error_record(line: int, custom_id: str | None, message: str) -> dict:

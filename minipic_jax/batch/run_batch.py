@@ -9,62 +9,18 @@ error record and the job goes on. With --kv-store-dir, spans computed by any ear
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
+from minipic_jax.batch.options import build_parser, check_paths, engine_args
+from minipic_jax.batch.progress import Progress, warmup_with_bar
 from minipic_jax.batch.reading import LineError, iter_lines, parse_line
-from minipic_jax.batch.records import error_record, result_record
-from minipic_jax.batch.resume import answered, open_for_append
+from minipic_jax.batch.records import dumps, error_record, result_record
+from minipic_jax.batch.resume import answered, drop_error_records, open_for_append
+from serving.config import Config
 from serving.engine_tiers import prefetch_stored
 from serving.kv_pool import device_memory
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="minipic run-batch", description=__doc__.split("\n\n")[0])
-    ap.add_argument("-i", "--input-file", required=True, help="JSONL requests (OpenAI batch)")
-    ap.add_argument("-o", "--output-file", required=True, help="JSONL results (appended)")
-    ap.add_argument("--model", default="tiny-llama3", help="preset name or HF folder")
-    ap.add_argument("--served-model-name", default=None, help="'model' in the responses")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--min-token-bucket", type=int, default=8)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-kv-blocks", type=int, default=None)
-    ap.add_argument("--kv-mode", default="position_free",
-                    choices=("position_free", "rotated", "pic_off"))
-    ap.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "barrier", "isps"))
-    ap.add_argument("--cpu-offload-gb", type=float, default=0.0)
-    ap.add_argument("--kv-store-dir", default=None, help="persistent span store folder")
-    ap.add_argument("--kv-store-gb", type=float, default=64.0)
-    ap.add_argument("--kv-store-spans-only", action="store_true",
-                    help="store SSEP span blocks only (not questions or other prompt parts)")
-    ap.add_argument("--kv-store-staging-gb", type=float, default=None,
-                    help="device memory for store runs read ahead of their copy-in (default: "
-                         "min(16 GiB, 16%% of the device's memory))")
-    ap.add_argument("--max-inflight", type=int, default=None,
-                    help="requests in the engine at once (default 4 x max-num-seqs)")
-    ap.add_argument("--warmup", action="store_true", help="compile every step shape first")
-    ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--output-json", default=None, help="write the job's stats here")
-    return ap
-
-
-def _engine_args(args) -> dict:
-    out = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               min_token_bucket=args.min_token_bucket,
-               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_mode=args.kv_mode,
-               scheduling_policy=args.scheduling_policy, cpu_offload_gb=args.cpu_offload_gb,
-               kv_store_dir=args.kv_store_dir, kv_store_gb=args.kv_store_gb,
-               kv_store_spans_only=args.kv_store_spans_only,
-               kv_store_staging_gb=args.kv_store_staging_gb)
-    if args.max_model_len is not None:
-        out["max_model_len"] = args.max_model_len
-    return out
 
 
 def _render_chat(tokenizer):
@@ -100,41 +56,47 @@ class _Job:
         self.prompt_tokens = self.output_tokens = self.cached_tokens = 0
 
     def write(self, rec: dict) -> None:
-        self.out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.out.write(dumps(rec))
         self.out.flush()
 
     def submit(self, n: int, raw: bytes) -> bool:
-        """Queue line n (True), or skip it / answer it with an error record (False)."""
-        try:
-            req = parse_line(n, raw, render_chat=self.render, seed=self.seed)
-        except LineError as err:
-            if err.custom_id in self.done_ids or (err.custom_id is None and n in self.done_lines):
-                self.counts["skipped"] += 1
-                return False
-            self.counts["errors"] += 1
-            self.write(error_record(n, err.custom_id, str(err)))
-            return False
-        cid = req.custom_id
-        if cid in self.done_ids:
+        """Queue line n (True), or skip it / answer it with an error record (False). Lines with
+        an error record and custom_ids with a result record are skipped (resume.py); a custom_id
+        is claimed by the first line that runs (or ran) with it, so its duplicates get error
+        records on every run, and the original is answered even after a kill."""
+        if n in self.done_lines:
             self.counts["skipped"] += 1
             return False
         try:
-            if cid in self.seen:
-                raise ValueError(f"duplicate custom_id {cid!r} (first at line {self.seen[cid]})")
+            req = parse_line(n, raw, render_chat=self.render, seed=self.seed)
+        except LineError as err:
+            return self.error(n, err.custom_id, str(err))
+        cid = req.custom_id
+        if cid in self.seen:
+            return self.error(n, cid, f"line {n}: duplicate custom_id {cid!r} "
+                                      f"(first at line {self.seen[cid]})")
+        if cid in self.done_ids:
             self.seen[cid] = n
+            self.counts["skipped"] += 1
+            return False
+        try:
             ids, text = self.llm.to_token_ids(req.prompt, n)
             rid = f"batch-{n}"
             self.engine.add_request(rid, ids, req.sampling, cache_salt=req.cache_salt,
                                     prompt=text)
             prefetch_stored(self.engine)  # its span-store reads start while the next lines
             # are parsed and tokenized
-        except ValueError as err:
-            self.counts["errors"] += 1
+        except (ValueError, TypeError) as err:
             msg = str(err).replace(f"request {n}: ", "").replace(f"request 'batch-{n}': ", "")
-            self.write(error_record(n, cid, f"line {n}: {msg}"))
-            return False
+            return self.error(n, cid, f"line {n}: {msg}")
+        self.seen[cid] = n
         self.pending[rid] = req
         return True
+
+    def error(self, n: int, cid, message: str) -> bool:
+        self.counts["errors"] += 1
+        self.write(error_record(n, cid, message))
+        return False
 
     def collect(self, outs) -> int:
         for out in outs:
@@ -147,51 +109,69 @@ class _Job:
         return len(outs)
 
 
+class Interrupted(Exception):
+    """Ctrl-C during the job: every record written so far is whole; a rerun resumes."""
+
+    def __init__(self, counts: dict):
+        super().__init__("interrupted")
+        self.counts = counts
+
+
 def run(args, llm=None) -> dict:
     """Run the job `args` (build_parser's namespace); returns the stats. `llm`: an LLM to use
-    instead of building one from args (its engine options then apply)."""
+    instead of building one from args (its engine options then apply). Bad paths or options
+    raise ValueError/OSError before the model is built; Ctrl-C raises `Interrupted`."""
     from minipic_jax import LLM
+    check_paths(args)
     t0 = time.perf_counter()
     if llm is None:
-        llm = LLM(args.model, dtype=args.dtype, seed=args.seed, **_engine_args(args))
+        Config(**engine_args(args))  # bad engine options: an error now, not after the weights
+        llm = LLM(args.model, dtype=args.dtype, seed=args.seed, **engine_args(args))
+    if args.retry_errors:
+        drop_error_records(args.output_file)
     if args.warmup:
-        llm.llm_engine.warmup()
+        warmup_with_bar(llm, not args.no_progress)
     setup_s = time.perf_counter() - t0
-    total = _count_lines(args.input_file)
-    max_inflight = args.max_inflight or 4 * args.max_num_seqs
-    bar = None
-    if not args.no_progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=total, desc="Running batch", unit="req", dynamic_ncols=True)
+    progress = Progress(llm, _count_lines(args.input_file), not args.no_progress)
     engine = llm.llm_engine
-    with open_for_append(args.output_file) as out:
-        job = _Job(llm, args, out)
-        lines = iter_lines(args.input_file)
-        exhausted = False
-        t1 = time.perf_counter()
-        while True:
-            while not exhausted and len(job.pending) < max_inflight:
-                item = next(lines, None)
-                if item is None:
-                    exhausted = True
-                    break
-                if not job.submit(*item) and bar is not None:
-                    bar.update(1)  # skipped, or answered with an error record
-            if not engine.has_unfinished():
-                if exhausted:
-                    break
-                continue
-            n = job.collect(engine.step())
-            if bar is not None and n:
-                bar.update(n)
-                el = time.perf_counter() - t1
-                bar.set_postfix_str(f"{job.counts['ok'] / el:.2f} req/s, hit "
-                                    f"{100 * job.cached_tokens / max(job.prompt_tokens, 1):.0f}%")
-        engine.flush_kv_store()
-    elapsed = time.perf_counter() - t1
-    if bar is not None:
-        bar.close()
-    return _summary(job, engine, elapsed, setup_s)
+    job = None
+    try:
+        with open_for_append(args.output_file) as out:
+            job = _Job(llm, args, out)
+            t1 = time.perf_counter()
+            _feed(job, engine, iter_lines(args.input_file), progress, t1,
+                  args.max_inflight or 4 * args.max_num_seqs)
+            engine.flush_kv_store()
+    except BaseException as err:
+        if job is not None:  # the engine (maybe the caller's) is left with no request of ours
+            engine.recover(list(job.pending))
+        if isinstance(err, KeyboardInterrupt):
+            raise Interrupted(job.counts if job else {}) from None
+        raise
+    finally:
+        progress.close()
+    return _summary(job, engine, time.perf_counter() - t1, setup_s)
+
+
+def _feed(job, engine, lines, progress, t1: float, max_inflight: int) -> None:
+    """Keep up to max_inflight requests in the engine, write results as they come."""
+    exhausted = False
+    while True:
+        while not exhausted and len(job.pending) < max_inflight:
+            item = next(lines, None)
+            if item is None:
+                exhausted = True
+                break
+            if not job.submit(*item):
+                progress.update(1)  # skipped, or answered with an error record
+        if not engine.has_unfinished():
+            if exhausted:
+                break
+            continue
+        n = job.collect(engine.step())
+        el = time.perf_counter() - t1
+        progress.update(n, f"{job.counts['ok'] / el:.2f} req/s, hit "
+                           f"{100 * job.cached_tokens / max(job.prompt_tokens, 1):.0f}%")
 
 
 def _summary(job, engine, elapsed: float, setup_s: float) -> dict:
@@ -211,7 +191,16 @@ def main(argv=None, llm=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         stats = run(args, llm)
-    except (ValueError, FileNotFoundError) as err:  # setup problems (model, store, files)
+    except Interrupted as stop:
+        c = stop.counts
+        print(f"\nminipic run-batch: interrupted ({c.get('ok', 0)} results and "
+              f"{c.get('errors', 0)} error records written this run, all whole); rerun the same "
+              f"command to resume", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # while the model was being built: nothing written
+        print("\nminipic run-batch: interrupted before the job started", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as err:  # setup problems (paths, options, model, store)
         print(f"minipic run-batch: error: {err}", file=sys.stderr)
         return 2
     print(f"Requests: {stats['num_requests']} done, {stats['num_errors']} error records, "

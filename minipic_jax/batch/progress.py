@@ -1,0 +1,73 @@
+"""run-batch's progress bar, which also says when the engine is compiling.
+
+A step variant (token bucket x sampling mode x attention plan) is compiled the first time a
+step needs it: seconds each on a CPU, and a cold job meets several in its first steps. Without
+a word the bar would sit at 0/N for that long, so the bar's label says "compiling step variant
+k" while it happens (the engine's StepExecutables tells `on_compile`), and --warmup shows a
+bar of its own over every variant.
+"""
+
+from __future__ import annotations
+
+RUNNING = "Running batch"
+
+
+def _steps(llm):
+    # the engine's compiled-step table (serving/step_executables.StepExecutables)
+    return llm.llm_engine.runner._step
+
+
+class Progress:
+    """The job's bar (None when disabled) and the engine's compile notices."""
+
+    def __init__(self, llm, total: int, enabled: bool):
+        self.steps = _steps(llm)
+        self.bar = None
+        self.compiled = 0  # variants compiled while this bar ran
+        if enabled:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, desc=RUNNING, unit="req", dynamic_ncols=True)
+            self.steps.on_compile = self._on_compile
+
+    def _on_compile(self, done: int, total: int) -> None:
+        if done >= total:
+            self.compiled += total
+            label = RUNNING
+        else:
+            first, last = self.compiled + done + 1, self.compiled + total
+            label = (f"{RUNNING} (compiling step variant {first}"
+                     f"{f'-{last}' if last > first else ''}: a new step shape, compiled once)")
+        self.bar.set_description_str(label, refresh=True)
+
+    def update(self, n: int, postfix: str | None = None) -> None:
+        if self.bar is not None and n:
+            self.bar.update(n)
+            if postfix:
+                self.bar.set_postfix_str(postfix)
+
+    def close(self) -> None:
+        self.steps.on_compile = None
+        if self.bar is not None:
+            self.bar.close()
+
+
+def warmup_with_bar(llm, enabled: bool) -> None:
+    """`engine.warmup()` (every step variant of greedy sampling), with a bar counting the
+    compiles when enabled."""
+    steps = _steps(llm)
+    if not enabled:
+        llm.llm_engine.warmup()
+        return
+    from tqdm.auto import tqdm
+    bar = tqdm(desc="Compiling step variants", unit="variant", dynamic_ncols=True)
+
+    def on_compile(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+    steps.on_compile = on_compile
+    try:
+        llm.llm_engine.warmup()
+    finally:
+        steps.on_compile = None
+        bar.close()
