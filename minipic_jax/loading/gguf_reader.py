@@ -26,7 +26,7 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 # GGUF metadata value types: id -> (name, struct format or None for string/array).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
@@ -58,6 +58,8 @@ class _Cursor:
         return bytes(self.take(n, what)).decode("utf-8", errors="replace")
 
     def value(self, vtype: int, what: str):
+        if vtype == _FLOAT32:  # the shortest decimal that is this float32: 1e-05, not 9.99e-06
+            return float(str(np.float32(self.scalar("<f", what))))
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype], what)
         if vtype == _STRING:
