@@ -13,6 +13,8 @@ from __future__ import annotations
 import pathlib
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from minipic_jax.loading import param_cache
 from minipic_jax.loading.gguf_config import check_tensors, config_from_gguf, tensor_getter
@@ -74,7 +76,11 @@ def load_gguf(path: pathlib.Path, dtype, cache_dir, host: bool, auto_cache_min_b
         params = param_cache.restore(entry, abstract)
         if params is not None:
             return cfg, params, family, tokenizer, source, True
-    params = family.convert_hf(getter, cfg, dtype)
+    # Dequantized tensors are float32 numpy already: lay them out and cast on the host, then one
+    # transfer each (measured on CPU: 2x faster than the HF path's per-tensor device ops).
+    host_params = family.convert_hf(getter, cfg, dtype, host=True)
+    params = jax.tree.map(lambda a: jnp.asarray(np.ascontiguousarray(a, jnp.dtype(dtype))),
+                          host_params)
     if entry is not None:
         param_cache.save(entry, params)
     return cfg, params, family, tokenizer, source, False
