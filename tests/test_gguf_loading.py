@@ -45,6 +45,13 @@ def test_every_type_loads_with_hf_row_order(tiny_gguf):
         quantized.shape)).max() < 0.2  # Q4_0 of N(0, 0.2) weights: close, not exact
 
 
+def test_host_params_stream_to_the_loaded_params(tiny_gguf):
+    path = tiny_gguf[0]
+    host = load_model(path, host=True)  # tensor parallelism streams these to the devices
+    assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(host.params))
+    assert _equal(host.params, load_model(path, cache_dir=False).params)
+
+
 def test_folder_with_one_gguf_and_bfloat16(tiny_gguf):
     path, cfg, _, held = tiny_gguf
     loaded = load_model(path.parent, dtype="bfloat16", cache_dir=False)
