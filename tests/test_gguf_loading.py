@@ -93,7 +93,8 @@ def test_truncated_file_is_named_before_any_work(tiny_gguf, tmp_path, monkeypatc
     cut.write_bytes(data[:len(data) - 1000])
     with pytest.raises(GGUFError, match=r"cut.gguf: truncated GGUF: the file is \d+ bytes but "
                                         r"its tensors need \d+ \(1000 bytes missing\); 1 of 20 "
-                                        r"tensors are cut or absent, the first 'blk.1.ffn_down.weight'"):
+                                        r"tensors are cut or absent, the first "
+                                        r"'blk.1.ffn_down.weight'"):
         load_model(cut, cache_dir=False)
     cut.write_bytes(data[:300])
     with pytest.raises(GGUFError, match=r"cut.gguf: truncated GGUF: the file ends \(300 bytes\) "

@@ -74,7 +74,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     kv_heads = int(m.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(m.get(f"{arch}.attention.key_length", hidden // heads))
     if int(m.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
-        raise GGUFError(f"{gguf.path}: {arch}.attention.value_length != key_length is not supported")
+        raise GGUFError(f"{gguf.path}: {arch}.attention.value_length != key_length is not "
+                        f"supported")
     vocab = m.get(f"{arch}.vocab_size")
     if vocab is None:
         tokens = m.get("tokenizer.ggml.tokens")

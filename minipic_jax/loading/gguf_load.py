@@ -66,7 +66,8 @@ def load_gguf(path: pathlib.Path, dtype, cache_dir, host: bool, auto_cache_min_b
     source = f"gguf:{path}"
     getter = tensor_getter(gguf, cfg, names)
     if host:
-        return cfg, family.convert_hf(getter, cfg, dtype, host=True), family, tokenizer, source, False
+        host_params = family.convert_hf(getter, cfg, dtype, host=True)
+        return cfg, host_params, family, tokenizer, source, False
     entry = None
     if cache_dir is not False and (cache_dir is not None
                                    or gguf.total_bytes() >= auto_cache_min_bytes):

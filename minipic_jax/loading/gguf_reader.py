@@ -166,8 +166,8 @@ class GGUFFile:
         if short:
             end, first = min(short, key=lambda s: s[1].offset)
             need = max(e for e, _ in short)
-            raise GGUFError(f"{self.path}: truncated GGUF: the file is {size} bytes but its tensors "
-                            f"need {need} ({need - size} bytes missing); {len(short)} of "
+            raise GGUFError(f"{self.path}: truncated GGUF: the file is {size} bytes but its "
+                            f"tensors need {need} ({need - size} bytes missing); {len(short)} of "
                             f"{len(self.tensors)} tensors are cut or absent, the first "
                             f"{first.name!r} ({first.type_name}, {first.shape}) ends at byte {end}")
 

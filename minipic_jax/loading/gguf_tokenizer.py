@@ -45,7 +45,8 @@ def build_backend(gguf: GGUFFile):
     merges = [tuple(pair.split(" ")) for pair in m.get("tokenizer.ggml.merges", [])]
     bad = next((p for p in merges if len(p) != 2), None)
     if bad is not None:
-        raise GGUFError(f"{gguf.path}: tokenizer.ggml.merges has a malformed entry {' '.join(bad)!r}")
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.merges has a malformed entry "
+                        f"{' '.join(bad)!r}")
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     backend.pre_tokenizer = _pre_tokenizer(m.get("tokenizer.ggml.pre", "default"), gguf.path)
     backend.decoder = decoders.ByteLevel()

@@ -1,4 +1,4 @@
-"""`load_model`: an HF folder or a preset name -> config, params, family module and tokenizer."""
+"""`load_model`: an HF folder, a GGUF or a preset -> config, params, family module, tokenizer."""
 
 from __future__ import annotations
 
@@ -48,11 +48,13 @@ def _dtype(dtype) -> Any:
 def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
                cache_dir: str | pathlib.Path | None | bool = None,
                host: bool = False) -> LoadedModel:
-    """Load an HF checkpoint folder or instantiate a preset with deterministic random weights.
+    """Load an HF checkpoint folder or a GGUF, or instantiate a preset (deterministic random
+    weights).
 
     Args:
       model: a folder with config.json + *.safetensors (single or sharded with an index), a
-        Llama GGUF file (or a folder holding one .gguf and no safetensors), an "org/name" repo id already in the local HF hub cache (no download), or a preset name
+        Llama GGUF file (or a folder holding one .gguf and no safetensors; gguf_load.py), an
+        "org/name" repo id already in the local HF hub cache (no download), or a preset name
         from configs/presets.py (e.g. "tiny-llama3", "llama3_1_8b").
       dtype: "float32" or "bfloat16" (params and compute dtype).
       seed: PRNG seed for preset weights.
