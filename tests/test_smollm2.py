@@ -21,6 +21,7 @@ from conftest import FIXTURES
 from minipic_jax import LLM, SamplingParams
 from minipic_jax.loading import real_models
 from minipic_jax.loading.gguf_reader import GGUFError
+from serving.request_checks import check_prompt
 
 REFERENCE = json.loads((FIXTURES / "smollm2" / "reference.json").read_text())
 LOGPROB_TOL = 1e-3
@@ -37,7 +38,7 @@ def gguf_path():
 @pytest.fixture(scope="module")
 def llm(gguf_path):
     return LLM(model=str(gguf_path), dtype="float32", block_size=16, max_model_len=128,
-               num_kv_blocks=48, max_num_seqs=8)
+               num_kv_blocks=48, max_num_seqs=8, **real_models.SMOLLM2_MARKERS)
 
 
 def test_config_and_tokenizer_match_transformers(llm):
@@ -89,6 +90,23 @@ def test_greedy_tokens_and_top5_logprobs_match_transformers(llm):
         _check_top5(case, got.logprobs)
     assert outs[0].outputs[0].text == "The capital of France is Paris."
     assert np.isfinite(outs[-1].outputs[0].cumulative_logprob)
+
+
+def test_markers_are_unused_control_tokens(llm, gguf_path):
+    from minipic_jax.loading.gguf_reader import GGUFFile
+    meta = GGUFFile(gguf_path).metadata
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    markers = llm.llm_engine.markers
+    assert markers == real_models.SMOLLM2_MARKERS
+    for i in markers.values():
+        assert types[i] == 3 and tokens[i] not in meta["tokenizer.chat_template"]
+        assert i not in (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"])
+    # the highest id (the engine's default pad for this vocabulary) is text, kept at a block start
+    assert llm.tokenizer.decode([49151]) == "ectable"
+    ids = llm.tokenizer.encode("one two three four five six seven eight nine ten eleven twelve "
+                               "thirteen fourteen fifteen sixteen")[:16] + [49151, 30]
+    layout = check_prompt(np.array(ids), "prompt 0", llm.config, markers)
+    assert layout.num_valid == len(ids) and not layout.has_markers
 
 
 def test_truncated_copy_is_named(gguf_path, tmp_path):
