@@ -14,7 +14,8 @@ its own dequantization and q/k un-permutation) and builds the tokenizer from the
 Writes tests/fixtures/smollm2/reference.json: per case the prompt text (chat cases: rendered by
 the GGUF's chat template with the generation prompt), its token ids, the greedy new token ids
 (up to MAX_NEW, stopping at EOS), the top-5 log-probabilities (ids and values, log_softmax of
-the float32 logits) at every generated step, and the decoded answer.
+the float32 logits) at every generated step, and the decoded answer; plus `tokenize`: a few
+texts (digits, whitespace runs, non-ASCII, special-token text) and their token ids.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ MAX_NEW, TOP = 16, 5
 CHATS = ["What is the capital of France?", "Name the three primary colors.",
          "Write one sentence about the sea."]
 PLAIN = ["The capital of France is", "def fibonacci(n):\n"]
+# Tokenizer-only texts: digits (SmolLM2 splits every digit), runs of spaces and newlines,
+# accents and CJK (byte fallback), special-token text inside plain text.
+TOKENIZE = ["In 2024, 17 people    paid $3.50 each!\n\n\tDone.", "héllo wörld 日本語 🙂",
+            "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>", "  leading spaces and 1234567890"]
 
 
 def installed_gguf() -> pathlib.Path:
@@ -84,7 +89,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"gguf": path.name, "transformers": transformers.__version__,
               "torch": torch.__version__, "max_new_tokens": MAX_NEW, "top": TOP,
-              "eos_token_id": tok.eos_token_id, "cases": cases}
+              "eos_token_id": tok.eos_token_id, "cases": cases,
+              "tokenize": [{"text": t, "ids": tok.encode(t, add_special_tokens=False)}
+                           for t in TOKENIZE]}
     (args.out / "reference.json").write_text(json.dumps(record, indent=1) + "\n")
     for case in cases:
         print(case["kind"], repr(case["answer"]))

@@ -46,6 +46,8 @@ def test_config_and_tokenizer_match_transformers(llm):
     for case in REFERENCE["cases"]:
         assert tok.encode(case["text"]) == case["prompt_ids"], case["text"]
         assert tok.decode(case["output_ids"]) == case["answer"]
+    for item in REFERENCE["tokenize"]:  # digits, whitespace runs, non-ASCII, special tokens
+        assert tok.encode(item["text"]) == item["ids"], item["text"]
     assert tok.eos_token_ids == (REFERENCE["eos_token_id"],) and tok.eos_token == "<|im_end|>"
     # the chat template from the metadata renders the prompts transformers rendered
     template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(
