@@ -68,10 +68,11 @@ def stored(w: np.ndarray, type_name: str, rng: np.random.Generator):
 
 def write_llama_gguf(path: pathlib.Path, cfg: ModelConfig, hf: dict[str, np.ndarray],
                      types: dict[str, str] | None = None, arch: str = "llama",
-                     tokenizer=None, rng: np.random.Generator | None = None) -> dict:
+                     tokenizer=None, rng: np.random.Generator | None = None,
+                     extra: dict[str, np.ndarray] | None = None) -> dict:
     """Write `hf` (HF names/layout) as a llama.cpp-style GGUF; types: HF name -> stored type
     (default F32). tokenizer: optional dict of tokenizer.ggml.* fields (tokens, merges,
-    token_type, pre, chat_template). Returns {HF name: the float32 tensor the file holds, back in
+    token_type, pre, chat_template). extra: more F32 tensors under GGUF names. Returns {HF name: the float32 tensor the file holds, back in
     HF layout} (the exact input for F32 tensors)."""
     import gguf
     from gguf.quants import dequantize
@@ -111,6 +112,8 @@ def write_llama_gguf(path: pathlib.Path, cfg: ModelConfig, hf: dict[str, np.ndar
         back = t if qtype is None and data.dtype == np.float32 else (
             dequantize(data, qtype) if qtype is not None else data.astype(np.float32))
         held[hf_name] = unpermute_rope_rows(back, n) if n is not None else back
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -137,6 +137,16 @@ def test_not_a_gguf_and_missing_tensor(tmp_path, fresh_rng):
         load_model(tmp_path / "m.gguf", cache_dir=False)
 
 
+def test_tensor_the_model_would_ignore_is_named(tmp_path, fresh_rng):
+    cfg = tiny_cfg(num_layers=1)
+    hf = random_hf_tensors(cfg, fresh_rng)
+    bias = {"blk.0.attn_q.bias": np.ones(cfg.num_heads * cfg.head_dim, np.float32)}
+    write_llama_gguf(tmp_path / "m.gguf", cfg, hf, extra=bias)
+    with pytest.raises(GGUFError, match=r"has tensor\(s\) \['blk.0.attn_q.bias'\] that the "
+                                        r"llama model does not read"):
+        load_model(tmp_path / "m.gguf", cache_dir=False)
+
+
 def _byte_level_vocab():
     from tokenizers.pre_tokenizers import ByteLevel
     alphabet = sorted(ByteLevel.alphabet())  # the 256 byte spellings

@@ -119,15 +119,24 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _listed(names: list[str]) -> str:
+    return f"{names[:5]}" + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+
+
 def check_tensors(gguf: GGUFFile, cfg: ModelConfig) -> dict[str, str]:
-    """hf_to_gguf_names, after checking every needed tensor is present (GGUFError lists the
-    missing ones)."""
+    """hf_to_gguf_names, after checking the file holds exactly the tensors the Llama family
+    reads: GGUFError lists missing ones, and ones it would ignore (biases, say), since dropping
+    a weight silently would change the model."""
     names = hf_to_gguf_names(cfg)
     missing = [g for g in names.values() if g not in gguf]
     if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise GGUFError(f"{gguf.path}: GGUF is missing tensor(s) {missing[:5]}{more} needed by "
+        raise GGUFError(f"{gguf.path}: GGUF is missing tensor(s) {_listed(missing)} needed by "
                         f"the llama model")
+    wanted = set(names.values())
+    extra = [t for t in gguf.tensors if t not in wanted]
+    if extra:
+        raise GGUFError(f"{gguf.path}: GGUF has tensor(s) {_listed(extra)} that the llama model "
+                        f"does not read (attention/MLP biases are not supported)")
     return names
 
 
