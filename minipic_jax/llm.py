@@ -51,7 +51,8 @@ class LLM:
     `llm_engine` directly from several threads is not supported.
 
     Args:
-      model: an HF folder (config.json + safetensors) or a preset name (configs/presets.py).
+      model: an HF folder (config.json + safetensors), a Llama GGUF file (or a folder holding
+        one), or a preset name (configs/presets.py).
       dtype: "float32" or "bfloat16". seed: preset weights and unseeded sampling.
       **engine_args: `serving.config.Config` options (vLLM names): max_num_seqs,
         max_num_batched_tokens, max_model_len, block_size, num_kv_blocks, enable_prefix_caching,

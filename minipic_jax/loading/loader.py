@@ -1,4 +1,4 @@
-"""`load_model`: an HF folder or a preset name -> config, params, family module and tokenizer."""
+"""`load_model`: an HF folder, a GGUF or a preset -> config, params, family module, tokenizer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from configs.model_config import ModelConfig
 from configs.presets import get_preset, is_preset, preset_names
 from minipic_jax.loading import param_cache
+from minipic_jax.loading.gguf_load import gguf_in, load_gguf
 from minipic_jax.loading.hf_config import model_config_from_folder
 from minipic_jax.loading.safetensors_io import SafetensorsReader, weight_files
 from minipic_jax.loading.tokenizer import Tokenizer, load_tokenizer
@@ -30,7 +31,7 @@ class LoadedModel:
     params: Any  # the family's params pytree
     family: ModuleType  # implements serving.model_contract.ModelFamily
     tokenizer: Tokenizer | None
-    source: str  # "folder:<abs path>" or "preset:<name>"
+    source: str  # "folder:<abs path>", "gguf:<abs path>" or "preset:<name>"
     from_cache: bool = False  # params came from the orbax cache (conversion skipped)
     # the checkpoint files the params were converted from (() for a preset): the span store
     # fingerprints the weights by their bytes (serving/fingerprint.py)
@@ -50,10 +51,12 @@ def _dtype(dtype) -> Any:
 def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
                cache_dir: str | pathlib.Path | None | bool = None,
                host: bool = False) -> LoadedModel:
-    """Load an HF checkpoint folder or instantiate a preset with deterministic random weights.
+    """Load an HF checkpoint folder or a GGUF, or instantiate a preset (deterministic random
+    weights).
 
     Args:
-      model: a folder with config.json + *.safetensors (single or sharded with an index), an
+      model: a folder with config.json + *.safetensors (single or sharded with an index), a
+        Llama GGUF file (or a folder holding one .gguf and no safetensors; gguf_load.py), an
         "org/name" repo id already in the local HF hub cache (no download), or a preset name
         from configs/presets.py (e.g. "tiny-llama3", "llama3_1_8b").
       dtype: "float32" or "bfloat16" (params and compute dtype).
@@ -67,10 +70,16 @@ def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
         stream_params). Presets are unaffected.
     Raises:
       ValueError naming the problem: unknown preset or missing folder (lists presets), folder
-      without weights, unsupported model_type/architecture, missing or mis-shaped tensor.
+      without weights, unsupported model_type/architecture, missing or mis-shaped tensor; for a
+      GGUF (gguf_reader.GGUFError): truncated file, unsupported tensor type or architecture.
     """
     jdtype = _dtype(dtype)
     path = pathlib.Path(model).expanduser()
+    gguf_file = gguf_in(path)
+    if gguf_file is not None:
+        cfg, params, family, tok, source, cached = load_gguf(gguf_file, jdtype, cache_dir, host,
+                                                             AUTO_CACHE_MIN_BYTES)
+        return LoadedModel(cfg, params, family, tok, source, from_cache=cached)
     if path.is_dir():
         return _load_folder(path, jdtype, cache_dir, host)
     cached = _hf_cache_snapshot(str(model))
