@@ -25,6 +25,12 @@ Pins keep a slot's content in place while someone needs it: a sequence admitted 
 an entry pins it until the step that reads it has been launched; an entry being written by the
 next step is pinned until that step is launched (evicting it before would copy garbage out).
 
+An entry is restorable (`get` finds it) only once the step that writes it has been launched.
+The step reads its restore rows before the model runs and writes its checkpoints after, so a
+request admitted later in the same schedule that resumed from an entry reserved by that schedule
+would read the slot's previous contents (another checkpoint, or zeros). Launched, the write
+precedes every later step's read (the pool is threaded through the steps in program order).
+
 Eviction stays consistent with the block manager: an entry lists the block hashes below it, and
 when the device pool evicts one of those blocks (and no KV host tier keeps it), the entries above
 it are dropped; they could never be restored again.
@@ -47,6 +53,7 @@ class Entry:
     pins: int = 0
     value: float = 0.0  # expected tokens saved per request (GreedyDual)
     priority: float = 0.0
+    written: bool = True  # False from `reserve` until the step that writes it is launched
 
 
 class CheckpointStore:
@@ -59,14 +66,15 @@ class CheckpointStore:
         self.moves_out: list[tuple[int, Entry]] = []  # (device slot, entry) copied to host
         self.moves_in: list[tuple[int, Entry]] = []  # (device slot, entry) copied from host
         self.launch_pins: list[Entry] = []
+        self.writing: list[Entry] = []  # reserved for the step being scheduled
         self.clock = 0.0  # GreedyDual's L
         self.num_stored = self.num_evicted = self.num_offloaded = self.num_onloaded = 0
 
     # -- lookups -------------------------------------------------------------------------------
     def get(self, key: int, confirm: bytes) -> Entry | None:
         e = self.device.get(key) or self.host.get(key)
-        if e is None or e.confirm != confirm:
-            return None  # a hash collision is a miss
+        if e is None or e.confirm != confirm or not e.written:
+            return None  # a hash collision is a miss; so is a state not written yet
         return e
 
     def contains(self, key: int) -> bool:
@@ -108,6 +116,9 @@ class CheckpointStore:
         self.launch_pins.append(e)
 
     def after_launch(self) -> None:
+        for e in self.writing:
+            e.written = True
+        self.writing = []
         for e in self.launch_pins:
             self.release(e)
         self.launch_pins = []
@@ -122,11 +133,12 @@ class CheckpointStore:
         if slot < 0:
             return -1
         e = Entry(key, confirm, position, tuple(deps), slot=slot, pins=1, value=value,
-                  priority=self.clock + value)
+                  priority=self.clock + value, written=False)
         self.device[key] = e
         for h in e.deps:
             self.deps[h].add(key)
         self.launch_pins.append(e)
+        self.writing.append(e)
         self.num_stored += 1
         return slot
 
