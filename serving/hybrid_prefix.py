@@ -57,13 +57,15 @@ class HybridPrefixCache:
         return kinds, shared
 
     def _deepest(self, seq, hashes, raw, depth_blocks: int):
-        """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint."""
+        """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint. A
+        preempted sequence matches its generated blocks too: they are keyed as a prompt repeating
+        them would key them (serving/prefix_keys.py), so a checkpoint that prompt took serves."""
         step, bs = 8 * self.block_size, self.block_size
         for k in range(depth_blocks, 0, -1):
-            if seq.layout.span_block[k - 1]:  # a span block's key does not cover what is before
+            if _in_span(seq.layout, k - 1):  # a span block's key does not cover what is before
                 continue
             e = self.store.get(hashes[k - 1], raw[(k - 1) * step:k * step])
-            if e is None or e.position != int(positions_of(seq.layout, [k * bs])[0]):
+            if e is None or e.position != _position(seq, k * bs):
                 continue
             if self.store.acquire(e):
                 return k, e
@@ -259,6 +261,21 @@ class HybridPrefixCache:
         if self.spans is not None:
             out.update(self.spans.stats())
         return out
+
+
+def _in_span(layout, j: int) -> bool:
+    """Whether block j's key restarts at a span (a generated block past the prompt's layout
+    continues its last segment, as PrefixKeys.publish_generated keys it)."""
+    span = layout.span_block
+    if j < len(span):
+        return bool(span[j])
+    return bool(span[-1]) if len(span) else False
+
+
+def _position(seq, c: int) -> int:
+    """Logical position of token index c of `seq` (a generated token takes the next one)."""
+    n = seq.num_prompt_tokens
+    return int(positions_of(seq.layout, [c])[0]) if c <= n else seq.layout.num_valid + c - n
 
 
 def build(config, family, mcfg, dtype, pool=None, span_pool=None):
