@@ -171,15 +171,39 @@ class CheckpointStore:
         keys = self.deps.pop(block_hash, None)
         for key in keys or ():
             e = self.device.get(key) or self.host.get(key)
-            if e is None or e.pins:
-                continue
-            if e.slot >= 0:
-                del self.device[key]
-                self.free_slots.append(e.slot)
-                e.slot = -1
-            else:
-                del self.host[key]
-            self._forget(e)
+            if e is not None and not e.pins:
+                self._drop(e)
+
+    def _drop(self, e: Entry) -> None:
+        if e.slot >= 0:
+            del self.device[e.key]
+            self.free_slots.append(e.slot)
+            e.slot = -1
+        else:
+            del self.host[e.key]
+        self._forget(e)
+
+    # -- after a fault (serving/recovery.py) ---------------------------------------------------
+    def abandon_launch(self) -> None:
+        """The step being built was never launched: the entries it would have written go (a
+        later step would otherwise mark them written), and its restore pins are released."""
+        writing = {id(e) for e in self.writing}
+        for e in self.launch_pins:
+            if id(e) not in writing:
+                self.release(e)
+        for e in self.writing:
+            e.pins = 0
+            self._drop(e)
+        self.writing, self.launch_pins = [], []
+
+    def clear(self) -> None:
+        """A device step failed: what it wrote into the pool is unknown, so every entry goes
+        (the pages are forgotten likewise). Moves not carried out yet go with them."""
+        self.abandon_launch()
+        for e in list(self.device.values()) + list(self.host.values()):
+            e.pins = 0
+            self._drop(e)
+        self.moves_out, self.moves_in = [], []
 
     def _forget(self, e: Entry) -> None:
         self.num_evicted += 1

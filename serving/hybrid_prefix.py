@@ -244,6 +244,18 @@ class HybridPrefixCache:
         if self.spans is not None:
             self.spans.after_launch()
 
+    def abandon_step(self, device_ok: bool) -> None:
+        """After a fault (serving/recovery.py, every sequence preempted): the checkpoints and
+        span maps of a step that was never launched go; with device_ok False (a device step
+        failed: the pools' contents are unknown) all of them go."""
+        for store in [self.store] + ([self.spans.store] if self.spans is not None else []):
+            if device_ok:
+                store.abandon_launch()
+            else:
+                store.clear()
+        if self.spans is not None:
+            self.spans.captures = 0
+
     def drop_dependent(self, block_hash: int) -> None:
         """A cached attention block left for good: checkpoints and span maps above it go."""
         self.store.drop_dependent(block_hash)

@@ -165,6 +165,28 @@ def test_a_second_call_continuing_the_first_ones_outputs_stays_exact(llm):
     _assert_exact(llm, got, second, sp, limit=3)
 
 
+def test_a_checkpoint_whose_step_never_launched_is_not_restored(llm, monkeypatch):
+    """The launch of the step that takes a prompt's checkpoint at 64 fails: recovery drops the
+    entry it reserved (a later step's launch used to mark it written, and a request resumed from
+    the slot no step wrote)."""
+    rng = np.random.default_rng(64)
+    base, salt = _tokens(rng, 100), f"fault{next(_salts)}"
+    runner = llm.llm_engine.runner
+    launch = runner.launch
+
+    def fail_once(*args, **kwargs):
+        runner.launch = launch
+        raise RuntimeError("injected launch fault")
+
+    monkeypatch.setattr(runner, "launch", fail_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([base + [1, 2, 3]], SP, use_tqdm=False, cache_salt=salt)
+    prompts = [base + [4, 5, 6], base + [7, 8, 9]]
+    got = [llm.generate([p], SP, use_tqdm=False, cache_salt=salt)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in got] == [0, 64]
+    _assert_exact(llm, got, prompts)
+
+
 def _on_host(llm, prefixes, salt):
     """(prefix index, depth) of the checkpoints of these prefixes now on the host tier."""
     from serving.hashing import block_keys, make_hash_fn, root_hash
