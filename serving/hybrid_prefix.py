@@ -5,7 +5,8 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
 
   d = ready cached blocks (device, or the KV host tier) matching the request from its start, up to
       the hit limit (the block holding the last token to compute is never a hit);
-  c = the deepest stored checkpoint at a block boundary <= d (0 if none);
+  c = the deepest stored checkpoint at a block boundary <= d (0 if none; one the step being
+      scheduled writes is not stored yet: serving/checkpoint_store.py);
   the request resumes at c: blocks below c are shared hits, the recurrent state comes from the
   checkpoint, and [c, end) is computed through all layers into blocks of its own (cached blocks in
   [c, d) are not shared: their KV would be rewritten by the recompute). num_cached_tokens = c.
