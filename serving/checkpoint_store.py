@@ -25,6 +25,12 @@ Pins keep a slot's content in place while someone needs it: a sequence admitted 
 an entry pins it until the step that reads it has been launched; an entry being written by the
 next step is pinned until that step is launched (evicting it before would copy garbage out).
 
+An entry is restorable (`get` finds it) only once the step that writes it has been launched.
+The step reads its restore rows before the model runs and writes its checkpoints after, so a
+request admitted later in the same schedule that resumed from an entry reserved by that schedule
+would read the slot's previous contents (another checkpoint, or zeros). Launched, the write
+precedes every later step's read (the pool is threaded through the steps in program order).
+
 Eviction stays consistent with the block manager: an entry lists the block hashes below it, and
 when the device pool evicts one of those blocks (and no KV host tier keeps it), the entries above
 it are dropped; they could never be restored again.
@@ -47,6 +53,7 @@ class Entry:
     pins: int = 0
     value: float = 0.0  # expected tokens saved per request (GreedyDual)
     priority: float = 0.0
+    written: bool = True  # False from `reserve` until the step that writes it is launched
 
 
 class CheckpointStore:
@@ -59,14 +66,15 @@ class CheckpointStore:
         self.moves_out: list[tuple[int, Entry]] = []  # (device slot, entry) copied to host
         self.moves_in: list[tuple[int, Entry]] = []  # (device slot, entry) copied from host
         self.launch_pins: list[Entry] = []
+        self.writing: list[Entry] = []  # reserved for the step being scheduled
         self.clock = 0.0  # GreedyDual's L
         self.num_stored = self.num_evicted = self.num_offloaded = self.num_onloaded = 0
 
     # -- lookups -------------------------------------------------------------------------------
     def get(self, key: int, confirm: bytes) -> Entry | None:
         e = self.device.get(key) or self.host.get(key)
-        if e is None or e.confirm != confirm:
-            return None  # a hash collision is a miss
+        if e is None or e.confirm != confirm or not e.written:
+            return None  # a hash collision is a miss; so is a state not written yet
         return e
 
     def contains(self, key: int) -> bool:
@@ -108,6 +116,9 @@ class CheckpointStore:
         self.launch_pins.append(e)
 
     def after_launch(self) -> None:
+        for e in self.writing:
+            e.written = True
+        self.writing = []
         for e in self.launch_pins:
             self.release(e)
         self.launch_pins = []
@@ -122,11 +133,12 @@ class CheckpointStore:
         if slot < 0:
             return -1
         e = Entry(key, confirm, position, tuple(deps), slot=slot, pins=1, value=value,
-                  priority=self.clock + value)
+                  priority=self.clock + value, written=False)
         self.device[key] = e
         for h in e.deps:
             self.deps[h].add(key)
         self.launch_pins.append(e)
+        self.writing.append(e)
         self.num_stored += 1
         return slot
 
@@ -159,15 +171,39 @@ class CheckpointStore:
         keys = self.deps.pop(block_hash, None)
         for key in keys or ():
             e = self.device.get(key) or self.host.get(key)
-            if e is None or e.pins:
-                continue
-            if e.slot >= 0:
-                del self.device[key]
-                self.free_slots.append(e.slot)
-                e.slot = -1
-            else:
-                del self.host[key]
-            self._forget(e)
+            if e is not None and not e.pins:
+                self._drop(e)
+
+    def _drop(self, e: Entry) -> None:
+        if e.slot >= 0:
+            del self.device[e.key]
+            self.free_slots.append(e.slot)
+            e.slot = -1
+        else:
+            del self.host[e.key]
+        self._forget(e)
+
+    # -- after a fault (serving/recovery.py) ---------------------------------------------------
+    def abandon_launch(self) -> None:
+        """The step being built was never launched: the entries it would have written go (a
+        later step would otherwise mark them written), and its restore pins are released."""
+        writing = {id(e) for e in self.writing}
+        for e in self.launch_pins:
+            if id(e) not in writing:
+                self.release(e)
+        for e in self.writing:
+            e.pins = 0
+            self._drop(e)
+        self.writing, self.launch_pins = [], []
+
+    def clear(self) -> None:
+        """A device step failed: what it wrote into the pool is unknown, so every entry goes
+        (the pages are forgotten likewise). Moves not carried out yet go with them."""
+        self.abandon_launch()
+        for e in list(self.device.values()) + list(self.host.values()):
+            e.pins = 0
+            self._drop(e)
+        self.moves_out, self.moves_in = [], []
 
     def _forget(self, e: Entry) -> None:
         self.num_evicted += 1

@@ -5,7 +5,8 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
 
   d = ready cached blocks (device, or the KV host tier) matching the request from its start, up to
       the hit limit (the block holding the last token to compute is never a hit);
-  c = the deepest stored checkpoint at a block boundary <= d (0 if none);
+  c = the deepest stored checkpoint at a block boundary <= d (0 if none; one the step being
+      scheduled writes is not stored yet: serving/checkpoint_store.py);
   the request resumes at c: blocks below c are shared hits, the recurrent state comes from the
   checkpoint, and [c, end) is computed through all layers into blocks of its own (cached blocks in
   [c, d) are not shared: their KV would be rewritten by the recompute). num_cached_tokens = c.
@@ -57,13 +58,15 @@ class HybridPrefixCache:
         return kinds, shared
 
     def _deepest(self, seq, hashes, raw, depth_blocks: int):
-        """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint."""
+        """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint. A
+        preempted sequence matches its generated blocks too: they are keyed as a prompt repeating
+        them would key them (serving/prefix_keys.py), so a checkpoint that prompt took serves."""
         step, bs = 8 * self.block_size, self.block_size
         for k in range(depth_blocks, 0, -1):
-            if seq.layout.span_block[k - 1]:  # a span block's key does not cover what is before
+            if _in_span(seq.layout, k - 1):  # a span block's key does not cover what is before
                 continue
             e = self.store.get(hashes[k - 1], raw[(k - 1) * step:k * step])
-            if e is None or e.position != int(positions_of(seq.layout, [k * bs])[0]):
+            if e is None or e.position != _position(seq, k * bs):
                 continue
             if self.store.acquire(e):
                 return k, e
@@ -242,6 +245,18 @@ class HybridPrefixCache:
         if self.spans is not None:
             self.spans.after_launch()
 
+    def abandon_step(self, device_ok: bool) -> None:
+        """After a fault (serving/recovery.py, every sequence preempted): the checkpoints and
+        span maps of a step that was never launched go; with device_ok False (a device step
+        failed: the pools' contents are unknown) all of them go."""
+        for store in [self.store] + ([self.spans.store] if self.spans is not None else []):
+            if device_ok:
+                store.abandon_launch()
+            else:
+                store.clear()
+        if self.spans is not None:
+            self.spans.captures = 0
+
     def drop_dependent(self, block_hash: int) -> None:
         """A cached attention block left for good: checkpoints and span maps above it go."""
         self.store.drop_dependent(block_hash)
@@ -259,6 +274,21 @@ class HybridPrefixCache:
         if self.spans is not None:
             out.update(self.spans.stats())
         return out
+
+
+def _in_span(layout, j: int) -> bool:
+    """Whether block j's key restarts at a span (a generated block past the prompt's layout
+    continues its last segment, as PrefixKeys.publish_generated keys it)."""
+    span = layout.span_block
+    if j < len(span):
+        return bool(span[j])
+    return bool(span[-1]) if len(span) else False
+
+
+def _position(seq, c: int) -> int:
+    """Logical position of token index c of `seq` (a generated token takes the next one)."""
+    n = seq.num_prompt_tokens
+    return int(positions_of(seq.layout, [c])[0]) if c <= n else seq.layout.num_valid + c - n
 
 
 def build(config, family, mcfg, dtype, pool=None, span_pool=None):

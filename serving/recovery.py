@@ -37,6 +37,8 @@ def recover(engine, request_ids) -> None:
         sched.preempt(job)
     for seq in reversed(list(sched.running)):  # the oldest ends up first in the queue
         sched.preempt(seq)
+    if engine.hybrid_cache is not None:  # checkpoints a failed step reserved were never written
+        engine.hybrid_cache.abandon_step(device_ok)
     if not device_ok:
         _drop_unverified_pages(engine)
 

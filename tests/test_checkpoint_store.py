@@ -45,6 +45,36 @@ def test_store_lru_offloads_then_evicts_and_confirms_by_tokens():
     assert [(s, e.key) for s, e in inn] == [(1, 1)]
 
 
+def test_an_entry_is_restorable_only_once_the_step_writing_it_is_launched():
+    """The step reads restore rows before the model runs and writes its checkpoints after: a
+    request admitted behind the one that reserved an entry, in the same schedule, must not
+    resume from it (it would read the slot's old contents)."""
+    store = CheckpointStore(device_slots=2, host_slots=0, nbytes=1)
+    assert store.reserve(1, b"k1", 64, ()) == 0
+    assert store.contains(1) and store.get(1, b"k1") is None  # being written
+    assert store.reserve(1, b"k1", 64, ()) == -1  # and not reserved twice
+    store.after_launch()
+    assert store.get(1, b"k1") is not None
+
+
+def test_a_fault_drops_what_was_not_written():
+    """serving/recovery.py: a step never launched leaves no entry of its own and no pin; a
+    failed device step leaves no entry at all (the pool's contents are unknown)."""
+    store = CheckpointStore(device_slots=3, host_slots=1, nbytes=1)
+    assert _reserve(store, 1, deps=(10,)) == 0
+    e1 = store.get(1, b"k1")
+    assert store.acquire(e1)
+    store.hand_to_launch(e1)  # the step restores 1 and writes 2
+    assert store.reserve(2, b"k2", 64, (10,)) == 1
+    store.abandon_launch()
+    assert e1.pins == 0 and not store.contains(2) and store.deps[10] == {1}
+    assert store.reserve(2, b"k2", 64, ()) == 1  # its slot is free again
+    store.after_launch()
+    store.clear()
+    assert not store.device and not store.host and not store.deps
+    assert sorted(store.free_slots) == [0, 1, 2]
+
+
 def test_pinned_entries_are_never_evicted_and_release_twice_raises():
     store = CheckpointStore(device_slots=1, host_slots=0, nbytes=1)
     assert store.reserve(1, b"k1", 64, ()) == 0

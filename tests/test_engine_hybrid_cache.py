@@ -142,6 +142,51 @@ def test_eviction_offload_and_preemption_while_restoring_stay_exact(llm):
     _assert_exact(llm, [got_c[i] for i in again_c], [crowd[i] for i in again_c], long_sp, 1)
 
 
+def test_a_second_call_continuing_the_first_ones_outputs_stays_exact(llm):
+    """Issue 12's shape: call 1 caches three prompts sharing a base to random depths, and their
+    generated blocks; call 2 sends their continuations (prompt + output) cut a few tokens past a
+    64-token checkpoint position, a repeat, a longer cut of the base, and each of those with
+    another last token, 4 at a time in 64-token steps. A request admitted in the step that
+    writes the checkpoint it would resume from used to restore the slot unwritten, and
+    checkpointed the wrong state on, deeper, for the requests after it."""
+    rng = np.random.default_rng(2)
+    base, salt = _tokens(rng, 300), f"calls{next(_salts)}"
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
+    first = [base[:int(d)] + _tokens(rng, 3) for d in rng.integers(120, 260, 3)]
+    out = llm.generate(first, sp, use_tqdm=False, cache_salt=salt)
+    second = []
+    for p, o in zip(first, out):
+        full = p + o.outputs[0].token_ids
+        cut = len(full) // 64 * 64 + int(rng.integers(1, 9))
+        second.append(full[:cut] + _tokens(rng, max(0, cut - len(full))))
+    second += [first[0], base[:int(rng.integers(200, 300))]]
+    second += [q[:-1] + [7] for q in second]
+    got = llm.generate(second, sp, use_tqdm=False, cache_salt=salt)
+    _assert_exact(llm, got, second, sp, limit=3)
+
+
+def test_a_checkpoint_whose_step_never_launched_is_not_restored(llm, monkeypatch):
+    """The launch of the step that takes a prompt's checkpoint at 64 fails: recovery drops the
+    entry it reserved (a later step's launch used to mark it written, and a request resumed from
+    the slot no step wrote)."""
+    rng = np.random.default_rng(64)
+    base, salt = _tokens(rng, 100), f"fault{next(_salts)}"
+    runner = llm.llm_engine.runner
+    launch = runner.launch
+
+    def fail_once(*args, **kwargs):
+        runner.launch = launch
+        raise RuntimeError("injected launch fault")
+
+    monkeypatch.setattr(runner, "launch", fail_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([base + [1, 2, 3]], SP, use_tqdm=False, cache_salt=salt)
+    prompts = [base + [4, 5, 6], base + [7, 8, 9]]
+    got = [llm.generate([p], SP, use_tqdm=False, cache_salt=salt)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in got] == [0, 64]
+    _assert_exact(llm, got, prompts)
+
+
 def _on_host(llm, prefixes, salt):
     """(prefix index, depth) of the checkpoints of these prefixes now on the host tier."""
     from serving.hashing import block_keys, make_hash_fn, root_hash
