@@ -41,7 +41,8 @@ class LLM:
         max_num_batched_tokens, max_model_len, block_size, num_kv_blocks, enable_prefix_caching,
         kv_mode ("position_free" | "rotated" | "pic_off"), scheduling_policy ("fcfs" | "barrier" |
         "isps"), cpu_offload_gb, pad_token_id / ssep_token_id / pdep_token_id (defaults: Llama-3
-        vocab -> 128004 / 128002 / 128003; any other vocab: its three highest non-BOS/EOS ids),
+        vocab -> 128004 / 128002 / 128003; any other vocab: vocab_size, +1, +2, ids no text
+        tokenizes to, fed to the model as its three highest non-BOS/EOS ids: serving/config.py),
         hash_algo, kv_store_dir / kv_store_gb / kv_store_spans_only / kv_store_staging_gb (a
         persistent span store on disk shared by processes: serving/disk_store.py; the last is
         the device memory its reads ahead may hold), tensor_parallel_size (split the model over

@@ -26,7 +26,8 @@ def next_power_of_2(n: int) -> int:
 
 @dataclasses.dataclass(kw_only=True)
 class Config:
-    """Engine options. Marker/pad ids default per model family (see `default_marker_ids`)."""
+    """Engine options. Marker/pad ids default per model family (see `default_marker_ids`); ids
+    set here are vocabulary tokens the model sees as they are."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -236,13 +237,11 @@ class Config:
 LLAMA3_VOCAB = 128256  # Llama 3's reserved specials are its markers (Tulu3-Block-FT's ids)
 
 
-def default_marker_ids(vocab_size: int, reserved=()) -> dict[str, int]:
+def default_marker_ids(vocab_size: int) -> dict[str, int]:
     """Family defaults, in the order pad, ssep, pdep. Llama-3 vocab: its reserved specials (pad =
     <|finetune_right_pad_id|>). Any other vocab: vocab_size, vocab_size + 1, vocab_size + 2, ids
     no tokenizer produces (the logits are vocab_size wide), so no prompt text is ever read as a
-    marker; the model sees each through the embedding it borrows (`marker_embedding_ids`).
-    `reserved` (BOS/EOS ids) is kept for callers of the older rule; the ids here avoid it."""
-    del reserved
+    marker; the model sees each through the embedding it borrows (`marker_embedding_ids`)."""
     if vocab_size == LLAMA3_VOCAB:
         return {"pad_token_id": 128004, "ssep_token_id": 128002, "pdep_token_id": 128003}
     return {"pad_token_id": vocab_size, "ssep_token_id": vocab_size + 1,
@@ -270,7 +269,7 @@ def marker_embedding_ids(markers: dict[str, int], vocab_size: int,
     return {v: borrowed[k] for k, v in markers.items() if v >= vocab_size}
 
 
-def resolve_markers(config: Config, vocab_size: int, reserved=()) -> dict[str, int]:
+def resolve_markers(config: Config, vocab_size: int) -> dict[str, int]:
     """Family defaults filled in, then checked: distinct; ids set in the Config (which keep
     today's meaning: model-visible vocabulary tokens) inside the vocabulary."""
     ids = default_marker_ids(vocab_size)
