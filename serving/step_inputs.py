@@ -57,12 +57,13 @@ class SeatTables:
     """Block-table rows per seat ([seats, NB] each: block ids, the logical position each block
     starts at, valid tokens in it), copied into every step's inputs."""
 
-    def __init__(self, seats: int, nb: int, block_size: int, *, vocab_size: int = 0,
-                 marker_embedding_ids: dict[int, int] | None = None):
+    def __init__(self, seats: int, nb: int, block_size: int, vocab_size: int = 0,
+                 marker_rows: dict[int, int] | None = None):
         self.block_size = block_size
-        # markers outside the vocabulary (serving/config.py, marker_embedding_ids) are fed to the
-        # model as the vocabulary ids they borrow: marker_ids sorted, marker_rows aligned
-        pairs = sorted((marker_embedding_ids or {}).items())
+        # markers beyond the vocabulary ({id: embedding row}, serving/config.py
+        # marker_embedding_ids) are fed to the model as the rows they borrow: marker_ids sorted,
+        # marker_rows aligned
+        pairs = sorted((marker_rows or {}).items())
         self.vocab_size = vocab_size
         self.marker_ids = np.array([k for k, _ in pairs], np.int64)
         self.marker_rows = np.array([r for _, r in pairs], np.int32)

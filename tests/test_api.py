@@ -166,6 +166,6 @@ def test_default_marker_ids_avoid_bos_and_eos():
     llm = LLM(str(Path(__file__).parent / "fixtures" / "llama_mha"))
     markers = llm.llm_engine.markers
     assert markers == {"pad_token_id": 260, "ssep_token_id": 261, "pdep_token_id": 262}
-    borrowed = llm.llm_engine.marker_embedding_ids
+    borrowed = llm.llm_engine.marker_rows
     assert borrowed == {260: 259, 261: 258, 262: 255}
     assert not set(borrowed.values()) & (llm.llm_engine.eos_ids | {256})

@@ -193,11 +193,11 @@ def test_text_that_tokenizes_to_the_old_marker_ids_is_plain_text(job):
     ids = tok.encode(text)
     assert set(OLD_MARKERS) <= set(ids)
     assert {ids[i] for i in range(0, len(ids), BS)} >= {258, 257}  # old SSEP, PDEP at starts
-    assert min(job.llm.llm_engine.markers.values()) >= job.llm.llm_engine.vocab_size
     out = job.llm.generate([ids, {"prompt": text}], GREEDY, use_tqdm=False)
     for o in out:
         assert o.prompt_token_ids == ids
         _check(job, o, markers=False)
+    assert min(job.llm.llm_engine.markers.values()) >= job.llm.llm_engine.vocab_size
 
 
 def test_spans_still_cache_and_reuse_on_a_real_vocabulary(job):
@@ -235,10 +235,10 @@ def test_training_data_feeds_markers_as_the_engine_does(job):
     from minipic_jax.training.loop import engine_markers
     eng = job.llm.llm_engine
     markers = engine_markers(eng.loaded, BS)
-    assert dict(markers.embedding_ids) == eng.marker_embedding_ids
+    assert dict(markers.embedding_ids) == eng.marker_rows
     segs = (Prompt("sys"), Span(" ta ab ta ab"), Prompt("q"))
     ex = layout_example(Record(segs, "ab"), markers, eng.tokenizer, eos_token_id=1)
     raw = list(job.llm.to_token_ids(list(segs))[0])
     assert len(raw) < len(ex.tokens) and (ex.tokens < eng.vocab_size).all()
-    want = [eng.marker_embedding_ids.get(t, t) for t in raw]
+    want = [eng.marker_rows.get(t, t) for t in raw]
     assert ex.tokens[:len(raw)].tolist() == want and np.any(np.array(raw) >= eng.vocab_size)
