@@ -54,10 +54,11 @@ def _stop_pair(g1, g2, avoid):
 
 
 @pytest.fixture(scope="module")
-def job(folder):
-    """The engine on the folder, with generation_config.json listing two EOS ids picked from
-    greedy reference continuations so one prompt stops at each."""
+def job(tmp_path_factory):
+    """The engine on a folder whose generation_config.json lists two EOS ids picked from greedy
+    reference continuations so one prompt stops at each."""
     from minipic_jax import LLM
+    folder = make_chat_folder(tmp_path_factory.mktemp("chat_eos") / "model")
     m = load_model(folder, dtype="float32")
     tok = m.tokenizer
     prompts = [tok.encode("hello there"), tok.encode("ab ta ab")]
@@ -67,7 +68,7 @@ def job(folder):
     make_chat_folder(folder, eos_ids=pair[:2])
     llm = LLM(str(folder), max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64,
               max_model_len=256, block_size=BS, num_kv_blocks=96)
-    return types.SimpleNamespace(llm=llm, prompts=prompts, greedy=g, pair=pair)
+    return types.SimpleNamespace(llm=llm, folder=folder, prompts=prompts, greedy=g, pair=pair)
 
 
 def _check(job, out, markers=True):
@@ -126,9 +127,9 @@ def test_folder_without_template(tmp_path):
 
 
 # -- LLM.chat, run-batch, EOS --------------------------------------------------------------------
-def test_llm_chat_renders_like_transformers_and_generates(job, folder):
+def test_llm_chat_renders_like_transformers_and_generates(job):
     from transformers import AutoTokenizer
-    ref = AutoTokenizer.from_pretrained(str(folder))
+    ref = AutoTokenizer.from_pretrained(str(job.folder))
     convs = [CONV, [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]]
     outs = job.llm.chat(convs, GREEDY, use_tqdm=False,
                         chat_template_kwargs={"enable_thinking": False})
