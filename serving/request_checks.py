@@ -49,14 +49,14 @@ def check_token_ids(ids, who: str, vocab_size: int, markers: dict | None = None,
     return arr
 
 
-def _check_beyond_vocab(arr: np.ndarray, who: str, vocab_size: int, markers, block_size: int):
+def _check_beyond_vocab(arr: np.ndarray, who: str, vocab_size: int, markers: dict,
+                        block_size: int) -> None:
     """Ids >= vocab_size are markers only (serving/config.py `default_marker_ids`): the pad id
     anywhere, the SSEP/PDEP ids at a block start, where they mean something; any other is a
     ValueError naming the first such index."""
-    pad = markers["pad_token_id"] if markers else None
     at_start = np.arange(arr.size) % block_size == 0
-    heads = [markers[k] for k in ("ssep_token_id", "pdep_token_id")] if markers else []
-    ok = (arr < vocab_size) | (arr == pad) | (at_start & np.isin(arr, heads))
+    heads = [markers["ssep_token_id"], markers["pdep_token_id"]]
+    ok = (arr < vocab_size) | (arr == markers["pad_token_id"]) | (at_start & np.isin(arr, heads))
     if ok.all():
         return
     k = int(np.flatnonzero(~ok)[0])
@@ -67,7 +67,7 @@ def _check_beyond_vocab(arr: np.ndarray, who: str, vocab_size: int, markers, blo
                          f"[0, {vocab_size}) a marker id means nothing as text")
     raise ValueError(f"{who}: token id {t} at index {k} is outside the vocabulary "
                      f"[0, {vocab_size}) (ids from there up are marker ids only: "
-                     f"{sorted(v for v in (markers or {}).values() if v >= vocab_size)})")
+                     f"{sorted(v for v in markers.values() if v >= vocab_size)})")
 
 
 def check_sampling(sp, who: str, vocab_size: int, tokenizer) -> None:

@@ -134,6 +134,8 @@ class HFTokenizer:
             eos.add(int(self._tok.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
         template = self._tok.chat_template  # tokenizer_config.json (or chat_template.jinja)
+        if isinstance(template, dict):  # named templates: transformers uses "default"
+            template = template.get("default")
         self.chat_template = template if isinstance(template, str) else None
 
     def _checked(self, ids) -> list[int]:
