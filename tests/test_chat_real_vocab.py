@@ -243,3 +243,21 @@ def test_training_data_feeds_markers_as_the_engine_does(job):
     assert len(raw) < len(ex.tokens) and (ex.tokens < eng.vocab_size).all()
     want = [eng.marker_rows.get(t, t) for t in raw]
     assert ex.tokens[:len(raw)].tolist() == want and np.any(np.array(raw) >= eng.vocab_size)
+
+
+@pytest.mark.parametrize("vocab_size", [260, 512, 49152, 151936, 248320])
+def test_no_vocabulary_id_is_a_default_marker(vocab_size, fresh_rng):
+    """The rule on any vocabulary but Llama 3's: every id text can produce (< vocab_size) lays
+    out exactly as plain text (no pads, no segment starts), so no text changes a prompt's
+    meaning; the markers' embedding rows are vocabulary ids that are not BOS/EOS."""
+    from serving.config import Config, default_marker_ids, marker_embedding_ids, resolve_markers
+    from serving.layout import build_layout
+    m = resolve_markers(Config(), vocab_size)
+    assert m == default_marker_ids(vocab_size) and min(m.values()) == vocab_size
+    rows = marker_embedding_ids(m, vocab_size, reserved={0, 1, vocab_size - 1})
+    assert set(rows) == set(m.values()) and max(rows.values()) == vocab_size - 2
+    ids = fresh_rng.integers(0, vocab_size, 64)
+    ids[::8] = fresh_rng.choice([vocab_size - 1, vocab_size - 2, vocab_size - 3], 8)
+    lay = build_layout(ids, 8, pad_id=m["pad_token_id"], ssep_id=m["ssep_token_id"],
+                       pdep_id=m["pdep_token_id"])
+    assert not lay.has_markers and not lay.is_pad.any() and lay.seg_start.sum() == 1
