@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from minipic_jax import compile_cache
 from minipic_jax.loading import load_model
+from minipic_jax.loading.chat_template import render_conversations
 from minipic_jax.parallel_samples import fan_out, merge_samples
 from minipic_jax.prompts import as_prompt_list, build_prompt, is_structured
 from minipic_jax.sampling_params import SamplingParams
@@ -58,7 +59,8 @@ class LLM:
         max_num_batched_tokens, max_model_len, block_size, num_kv_blocks, enable_prefix_caching,
         kv_mode ("position_free" | "rotated" | "pic_off"), scheduling_policy ("fcfs" | "barrier" |
         "isps"), cpu_offload_gb, pad_token_id / ssep_token_id / pdep_token_id (defaults: Llama-3
-        vocab -> 128004 / 128002 / 128003; any other vocab: its three highest non-BOS/EOS ids),
+        vocab -> 128004 / 128002 / 128003; any other vocab: vocab_size, +1, +2, ids no text
+        tokenizes to, fed to the model as its three highest non-BOS/EOS ids: serving/config.py),
         hash_algo, kv_store_dir / kv_store_gb / kv_store_spans_only / kv_store_staging_gb (a
         persistent span store on disk shared by processes: serving/disk_store.py; the last is
         the device memory its reads ahead may hold), tensor_parallel_size (split the model over
@@ -184,6 +186,22 @@ class LLM:
                 bar.close()
         return [merge_samples(str(self._next_id - len(prompts) + i), r) if len(r) > 1 else r[0]
                 for i, r in enumerate(results)]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools=None,
+             chat_template_kwargs: dict | None = None, cache_salt: str | None = None):
+        """vLLM's `LLM.chat`: every conversation through the model's chat template (or
+        `chat_template`), then `generate`. `messages`: one conversation (a list of {"role",
+        "content"} dicts) or a list of them; one RequestOutput per conversation, in order, its
+        `prompt` the rendered text. chat_template_kwargs reach the template as variables (e.g.
+        enable_thinking). Every conversation is rendered and checked before any work."""
+        prompts = render_conversations(
+            self.tokenizer, messages, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+            chat_template_kwargs=chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     @_serialized
     def cache_spans(self, spans, *, cache_salt: str | None = None, use_tqdm: bool = False) -> dict:

@@ -26,7 +26,8 @@ def next_power_of_2(n: int) -> int:
 
 @dataclasses.dataclass(kw_only=True)
 class Config:
-    """Engine options. Marker/pad ids default per model family (see `default_marker_ids`)."""
+    """Engine options. Marker/pad ids default per model family (see `default_marker_ids`); ids
+    set here are vocabulary tokens the model sees as they are."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -249,12 +250,25 @@ def check_watermark(config: Config, num_blocks: int) -> int:
     return num_blocks
 
 
-def default_marker_ids(vocab_size: int, reserved=()) -> dict[str, int]:
-    """Family defaults: Llama-3 vocab uses reserved specials (pad = <|finetune_right_pad_id|>);
-    any other vocab uses its three highest ids that are not in `reserved` (BOS/EOS ids), in the
-    order pad, ssep, pdep."""
-    if vocab_size == 128256:
+LLAMA3_VOCAB = 128256  # Llama 3's reserved specials are its markers (Tulu3-Block-FT's ids)
+
+
+def default_marker_ids(vocab_size: int) -> dict[str, int]:
+    """Family defaults, in the order pad, ssep, pdep. Llama-3 vocab: its reserved specials (pad =
+    <|finetune_right_pad_id|>). Any other vocab: vocab_size, vocab_size + 1, vocab_size + 2, ids
+    no tokenizer produces (the logits are vocab_size wide), so no prompt text is ever read as a
+    marker; the model sees each through the embedding it borrows (`marker_embedding_ids`)."""
+    if vocab_size == LLAMA3_VOCAB:
         return {"pad_token_id": 128004, "ssep_token_id": 128002, "pdep_token_id": 128003}
+    return {"pad_token_id": vocab_size, "ssep_token_id": vocab_size + 1,
+            "pdep_token_id": vocab_size + 2}
+
+
+def borrowed_embedding_ids(vocab_size: int, reserved=()) -> dict[str, int]:
+    """The vocabulary ids whose embeddings out-of-vocabulary markers borrow: the three highest ids
+    not in `reserved` (BOS/EOS), in the order pad, ssep, pdep. These were the marker ids before
+    markers moved out of the vocabulary, so a model fine-tuned with blocks sees the embeddings it
+    saw then."""
     taken = set(reserved)
     free = [i for i in range(vocab_size - 1, -1, -1) if i not in taken][:3]
     if len(free) < 3:
@@ -262,16 +276,25 @@ def default_marker_ids(vocab_size: int, reserved=()) -> dict[str, int]:
     return dict(zip(("pad_token_id", "ssep_token_id", "pdep_token_id"), free))
 
 
-def resolve_markers(config: Config, vocab_size: int, reserved=()) -> dict[str, int]:
-    """Family defaults (avoiding the `reserved` BOS/EOS ids) filled in, then checked: distinct,
-    inside the vocabulary."""
-    ids = default_marker_ids(vocab_size, reserved)
+def marker_embedding_ids(markers: dict[str, int], vocab_size: int,
+                         reserved=()) -> dict[int, int]:
+    """{marker id >= vocab_size: the vocabulary id fed to the model's embedding in its place}.
+    Hashing, layouts and span semantics use the marker id; only the embedding input is mapped
+    (the engine's step inputs, the training data), so serving and training see the same."""
+    borrowed = borrowed_embedding_ids(vocab_size, reserved)
+    return {v: borrowed[k] for k, v in markers.items() if v >= vocab_size}
+
+
+def resolve_markers(config: Config, vocab_size: int) -> dict[str, int]:
+    """Family defaults filled in, then checked: distinct; ids set in the Config (which keep
+    today's meaning: model-visible vocabulary tokens) inside the vocabulary."""
+    ids = default_marker_ids(vocab_size)
     for k in ids:
-        if getattr(config, k) is not None:
-            ids[k] = getattr(config, k)
-    for k, v in ids.items():
-        if not 0 <= v < vocab_size:
-            raise ValueError(f"{k}={v} is outside the vocabulary [0, {vocab_size})")
+        v = getattr(config, k)
+        if v is not None:
+            if not 0 <= v < vocab_size:
+                raise ValueError(f"{k}={v} is outside the vocabulary [0, {vocab_size})")
+            ids[k] = v
     if ids["ssep_token_id"] == ids["pad_token_id"] or ids["pdep_token_id"] == ids["pad_token_id"]:
         raise ValueError(f"marker ids must differ from pad_token_id={ids['pad_token_id']}: "
                          f"ssep_token_id={ids['ssep_token_id']}, pdep_token_id={ids['pdep_token_id']}")
@@ -288,9 +311,11 @@ def check_model_len(config, mcfg) -> None:
 
 
 def eos_and_markers(config, mcfg, tokenizer):
-    """(EOS ids of the model and tokenizer, the marker ids `resolve_markers` picks with EOS and
-    BOS ids reserved)."""
-    eos = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
-    reserved = eos | {i for i in (mcfg.bos_token_id, getattr(tokenizer, "bos_token_id", None))
+    """(EOS ids of the model and tokenizer, the marker ids `resolve_markers` picks, and
+    `marker_embedding_ids` of them with EOS and BOS ids reserved)."""
+    eos = set(mcfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer is not None else ())
+    reserved = eos | {i for i in (mcfg.bos_token_id,
+                                  tokenizer.bos_token_id if tokenizer is not None else None)
                       if i is not None}
-    return eos, resolve_markers(config, mcfg.vocab_size, reserved)
+    markers = resolve_markers(config, mcfg.vocab_size)
+    return eos, markers, marker_embedding_ids(markers, mcfg.vocab_size, reserved)

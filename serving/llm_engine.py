@@ -52,13 +52,13 @@ class LLMEngine:
         self.hybrid = loaded.family.IS_HYBRID
         if self.hybrid and config.scheduling_policy == "isps":
             config.scheduling_policy = "fcfs"
-        self.eos_ids, self.markers = eos_and_markers(config, mcfg, self.tokenizer)
+        self.eos_ids, self.markers, self.marker_rows = eos_and_markers(config, mcfg, self.tokenizer)
         self.hybrid_cache, ck_pool = None, None
         if self.hybrid and config.enable_prefix_caching:  # before the KV pool takes the memory
             self.hybrid_cache, ck_pool = hybrid_prefix.build(config, loaded.family, mcfg, dtype)
         num_blocks = config.num_kv_blocks or default_num_blocks(config, mcfg, dtype)
         fingerprint = store_fingerprint(config, loaded, dtype, self.hybrid)
-        self.runner = ModelRunner(config, loaded, num_blocks, dtype)
+        self.runner = ModelRunner(config, loaded, num_blocks, dtype, marker_rows=self.marker_rows)
         self.runner.ck_pool = ck_pool
         hybrid_prefix.hand_span_pool(self.hybrid_cache, self.runner)
         self.num_blocks = num_blocks = check_watermark(config, self.runner.num_blocks)  # may shrink

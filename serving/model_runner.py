@@ -45,7 +45,7 @@ _HOST_ONLY_FIELDS = frozenset(("scheduling_policy", "isps_span_seats", "hash_alg
                                "kv_store_spans_only", "kv_mode"))
 
 class ModelRunner:
-    def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype):
+    def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype, *, marker_rows=None):
         self.config = config
         self.family = loaded.family
         self.mcfg = loaded.cfg
@@ -84,7 +84,7 @@ class ModelRunner:
         # seconds per start-up phase: placing / fusing the weights, the KV pool, then warmup's
         self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
         self.kv_mode = config.attention_kv_mode
-        self.tables = SeatTables(seats, self.nb, self.block_size)
+        self.tables = SeatTables(seats, self.nb, self.block_size, self.mcfg.vocab_size, marker_rows)
         self.zeroer = PageZeroer(self.num_blocks, config)  # fresh pages (page_zeroing.py)
         self._bufs: dict = {}
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)

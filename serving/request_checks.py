@@ -13,10 +13,12 @@ from serving import span_rows
 from serving.layout import build_layout
 
 
-def check_token_ids(ids, who: str, vocab_size: int) -> np.ndarray:
+def check_token_ids(ids, who: str, vocab_size: int, markers: dict | None = None,
+                    block_size: int = 1) -> np.ndarray:
     """Prompt token ids -> an int64 array (converted once: the layout and the block hashes use
     it); a TypeError for a non-integer (floats are not truncated), a ValueError for an id
-    outside [0, vocab_size)."""
+    outside [0, vocab_size) other than a marker beyond the vocabulary (`markers`, the engine's:
+    the pad id anywhere, SSEP/PDEP at block starts, see `_check_beyond_vocab`)."""
     if not isinstance(ids, list):
         ids = list(ids)
     try:  # array("q") takes ints (and numpy ints) only, as int64; an all-bool list is no ids
@@ -26,8 +28,10 @@ def check_token_ids(ids, who: str, vocab_size: int) -> np.ndarray:
     except (TypeError, ValueError, OverflowError):  # the loop below names the bad entry
         arr = None
     if arr is not None:  # the common case, checked vectorized
-        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
-        if not bad.size:
+        if not ((arr < 0) | (arr >= vocab_size)).any():
+            return arr
+        if not (arr < 0).any() and markers is not None:
+            _check_beyond_vocab(arr, who, vocab_size, markers, block_size)
             return arr
     out = []
     for k, t in enumerate(ids):
@@ -35,11 +39,35 @@ def check_token_ids(ids, who: str, vocab_size: int) -> np.ndarray:
             raise TypeError(f"{who}: prompt token ids must be ints; index {k} is {t!r} "
                             f"({type(t).__name__})")
         t = int(t)
-        if not 0 <= t < vocab_size:
+        if not 0 <= t < vocab_size and not (markers and t in markers.values()):
             raise ValueError(f"{who}: token id {t} at index {k} is outside "
                              f"the vocabulary [0, {vocab_size})")
         out.append(t)
-    return np.asarray(out, np.int64)
+    arr = np.asarray(out, np.int64)
+    if markers:
+        _check_beyond_vocab(arr, who, vocab_size, markers, block_size)
+    return arr
+
+
+def _check_beyond_vocab(arr: np.ndarray, who: str, vocab_size: int, markers: dict,
+                        block_size: int) -> None:
+    """Ids >= vocab_size are markers only (serving/config.py `default_marker_ids`): the pad id
+    anywhere, the SSEP/PDEP ids at a block start, where they mean something; any other is a
+    ValueError naming the first such index."""
+    at_start = np.arange(arr.size) % block_size == 0
+    heads = [markers["ssep_token_id"], markers["pdep_token_id"]]
+    ok = (arr < vocab_size) | (arr == markers["pad_token_id"]) | (at_start & np.isin(arr, heads))
+    if ok.all():
+        return
+    k = int(np.flatnonzero(~ok)[0])
+    t = int(arr[k])
+    if t in heads:
+        raise ValueError(f"{who}: marker id {t} at index {k} is not at a block start "
+                         f"(a multiple of block_size={block_size}); beyond the vocabulary "
+                         f"[0, {vocab_size}) a marker id means nothing as text")
+    raise ValueError(f"{who}: token id {t} at index {k} is outside the vocabulary "
+                     f"[0, {vocab_size}) (ids from there up are marker ids only: "
+                     f"{sorted(v for v in markers.values() if v >= vocab_size)})")
 
 
 def check_sampling(sp, who: str, vocab_size: int, tokenizer) -> None:
@@ -130,7 +158,8 @@ def check_request(request_id, prompt_token_ids, sampling_params, *, who: str, ca
         raise TypeError(f"{who}: prompt token ids must be a list of ints, "
                         f"got {type(prompt_token_ids).__name__}")
     cfg = engine.config
-    ids = check_token_ids(prompt_token_ids, who, engine.vocab_size)
+    ids = check_token_ids(prompt_token_ids, who, engine.vocab_size, engine.markers,
+                          cfg.block_size)
     layout = check_prompt(ids, who, cfg, engine.markers)
     check_fits(len(ids), sampling_params, who, cfg, engine.num_blocks)
     if engine.hybrid and layout.span_block.any():  # docs/DESIGN.md section 5

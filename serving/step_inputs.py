@@ -57,8 +57,16 @@ class SeatTables:
     """Block-table rows per seat ([seats, NB] each: block ids, the logical position each block
     starts at, valid tokens in it), copied into every step's inputs."""
 
-    def __init__(self, seats: int, nb: int, block_size: int):
+    def __init__(self, seats: int, nb: int, block_size: int, vocab_size: int = 0,
+                 marker_rows: dict[int, int] | None = None):
         self.block_size = block_size
+        # markers beyond the vocabulary ({id: embedding row}, serving/config.py
+        # marker_embedding_ids) are fed to the model as the rows they borrow: marker_ids sorted,
+        # marker_rows aligned
+        pairs = sorted((marker_rows or {}).items())
+        self.vocab_size = vocab_size
+        self.marker_ids = np.array([k for k, _ in pairs], np.int64)
+        self.marker_rows = np.array([r for _, r in pairs], np.int32)
         self.tables = np.zeros((seats, nb), np.int32)
         self.pos_start = np.zeros((seats, nb), np.int32)
         self.valid = np.zeros((seats, nb), np.int32)
@@ -139,6 +147,11 @@ class SeatTables:
             v["cu_q_lens"][i + 1] = row
             v["num_blocks"][i] = last // bs + 1 if last >= 0 else 0
             v["logits_indices"][i] = max(row - 1, 0)
+        if self.marker_ids.size:  # only prompt rows can hold markers (decodes are sampled ids)
+            toks = v["tokens"][d:row]
+            oov = toks >= self.vocab_size
+            if oov.any():
+                toks[oov] = self.marker_rows[np.searchsorted(self.marker_ids, toks[oov])]
         return row
 
     def copy_rows(self, seats, v) -> None:

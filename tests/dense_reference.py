@@ -27,6 +27,18 @@ def segment_windows(tokens, block_size, pad, ssep, pdep, markers=True):
     return kept, win
 
 
+def embedding_input(ids, cfg) -> np.ndarray:
+    """The rows of the embedding that `ids` read. A marker beyond the vocabulary (vocab_size,
+    +1, +2: pad, ssep, pdep) reads the embedding of the three highest ids that are not the
+    config's BOS/EOS, in that order (the engine's documented rule, re-derived here)."""
+    ids = np.asarray(ids, np.int64)
+    reserved = set(cfg.eos_token_ids) | ({cfg.bos_token_id} - {None})
+    borrowed = [i for i in range(cfg.vocab_size - 1, -1, -1) if i not in reserved][:3]
+    beyond = ids >= cfg.vocab_size
+    assert (ids[beyond] < cfg.vocab_size + 3).all(), "ids beyond the vocabulary but no marker"
+    return np.where(beyond, np.asarray(borrowed)[np.clip(ids - cfg.vocab_size, 0, 2)], ids)
+
+
 def _rms(x, w, eps):
     return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
@@ -49,7 +61,7 @@ def reference_logprobs(params, cfg, kept, win):
         params = unfuse_params(params)
     n = len(kept)
     pos = np.arange(n, dtype=np.float64)
-    x = f(params["embed"])[np.asarray(kept)]
+    x = f(params["embed"])[embedding_input(kept, cfg)]
     q_i, k_i = np.arange(n)[:, None], np.arange(n)[None, :]
     mask = (k_i <= q_i) & (k_i >= np.asarray(win)[:, None])
     group = cfg.num_heads // cfg.num_kv_heads

@@ -19,6 +19,8 @@ import types
 
 import numpy as np
 
+from tests.dense_reference import embedding_input
+
 
 def segments(tokens, block_size, pad, ssep, pdep):
     """raw tokens -> (kept ids, segment id per kept token [n], is-span per segment).
@@ -152,7 +154,7 @@ def reference_logprobs(params, cfg, kept, seg, span, trace=None):
     entering / window: segment -> flow delta state [Hv, Dk, Dv] / conv window [Kc-1, C])."""
     n = len(kept)
     params = _attrs({"lm_head": None, **params})  # no lm_head when tied
-    x = _f(params.embed)[np.asarray(kept)]
+    x = _f(params.embed)[embedding_input(kept, cfg)]
     q_i, k_i = np.arange(n)[:, None], np.arange(n)[None, :]
     in_span = np.asarray([span[s] for s in seg])
     mask = (k_i <= q_i) & (~in_span[:, None] | (seg[:, None] == seg[None, :]))

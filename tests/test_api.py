@@ -96,9 +96,12 @@ def test_custom_loop_add_request_step(llm):
 
 @pytest.mark.parametrize("prompt,match", [
     ([], "request 1: .*empty prompt"),
-    ([256, 5, 512], "request 1: .*token id 512 at index 2 is outside the vocabulary"),
+    ([256, 5, 515], "request 1: .*token id 515 at index 2 is outside the vocabulary"),
+    # the default markers lie beyond the vocabulary (512 pad, 513 ssep, 514 pdep): an SSEP id
+    # off a block start means nothing
+    ([256, 5, 513], "request 1: .*marker id 513 at index 2 is not at a block start"),
     ([5] * 128, "request 1: .*128 tokens is too long for max_model_len=128"),
-    ([511] * 5, "request 1: .*only pad tokens"),
+    ([512] * 5, "request 1: .*only pad tokens"),
 ])
 def test_bad_prompts_name_the_request(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
@@ -124,8 +127,9 @@ def test_engine_config_errors():
         Config(block_size=24)
     with pytest.raises(ValueError, match="must differ"):
         Config(pad_token_id=5, ssep_token_id=5)
-    with pytest.raises(ValueError, match="marker ids must differ from pad_token_id=511"):
-        LLM("tiny_llama", num_kv_blocks=8, max_model_len=64, ssep_token_id=511)
+    # explicit marker ids are vocabulary tokens (the defaults lie beyond: serving/config.py)
+    with pytest.raises(ValueError, match="ssep_token_id=512 is outside the vocabulary"):
+        LLM("tiny_llama", num_kv_blocks=8, max_model_len=64, ssep_token_id=512)
     with pytest.raises(ValueError, match="no-such-model.*known preset"):
         LLM("no-such-model")
 
@@ -156,9 +160,12 @@ def test_abort_frees_blocks_and_others_finish(llm):
 
 
 def test_default_marker_ids_avoid_bos_and_eos():
-    """A 260-id vocabulary whose EOS is 257 and BOS 256: markers take the highest other ids."""
+    """A 260-id vocabulary whose EOS is 257 and BOS 256: markers are the ids 260-262 beyond the
+    vocabulary, fed to the model as the highest other ids (never BOS or EOS)."""
     from pathlib import Path
     llm = LLM(str(Path(__file__).parent / "fixtures" / "llama_mha"))
     markers = llm.llm_engine.markers
-    assert markers == {"pad_token_id": 259, "ssep_token_id": 258, "pdep_token_id": 255}
-    assert not set(markers.values()) & (llm.llm_engine.eos_ids | {256})
+    assert markers == {"pad_token_id": 260, "ssep_token_id": 261, "pdep_token_id": 262}
+    borrowed = llm.llm_engine.marker_rows
+    assert borrowed == {260: 259, 261: 258, 262: 255}
+    assert not set(borrowed.values()) & (llm.llm_engine.eos_ids | {256})

@@ -16,6 +16,7 @@ from minipic_jax.loading import load_model
 from minipic_jax.models import llama
 from minipic_jax.training.batch import make_batch
 from minipic_jax.training.data import Markers, Record, layout_example
+from minipic_jax.training.loop import engine_markers
 
 TOL = 1e-4
 
@@ -40,8 +41,9 @@ def test_training_forward_equals_engine_on_segmented_prompts(fresh_rng):
     """Engine (paged kernels, block manager, warm span hits) vs training forward: the top-5
     logprobs of every generated step agree to 1e-4 in fp32."""
     llm = make_tiny_llm(num_kv_blocks=64)
-    m = llm.llm_engine.markers
-    markers = Markers(block_size=llm.config.block_size, **m)
+    # the training's own markers: beyond the vocabulary, fed as the ids they borrow
+    markers = engine_markers(llm.llm_engine.loaded, llm.config.block_size)
+    assert markers.pad_token_id == llm.llm_engine.markers["pad_token_id"] == 512
     segs = [_segments(fresh_rng, n) for n in (2, 3)]
     segs.append(segs[0][:1] + segs[1][1:3] + segs[0][1:])  # spans reused at other offsets
     prompts = [list(s) for s in segs]

@@ -62,8 +62,8 @@ def iter_lines(path) -> Iterator[tuple[int, bytes]]:
 
 
 def parse_line(line: int, raw: bytes, *, render_chat, seed: int = 0) -> BatchRequest:
-    """One request line -> BatchRequest. `render_chat(messages) -> str` applies the model's chat
-    template (raising ValueError when it has none). Raises LineError."""
+    """One request line -> BatchRequest. `render_chat(messages) -> prompt` applies the model's
+    chat template (raising ValueError when it has none). Raises LineError."""
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

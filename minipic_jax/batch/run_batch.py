@@ -18,18 +18,15 @@ from minipic_jax.batch.progress import Progress, warmup_with_bar
 from minipic_jax.batch.reading import LineError, iter_lines, parse_line
 from minipic_jax.batch.records import dumps, error_record, result_record
 from minipic_jax.batch.resume import answered, drop_error_records, open_for_append
+from minipic_jax.loading.chat_template import render_conversations
 from serving.config import Config
 from serving.engine_tiers import prefetch_stored
 from serving.kv_pool import device_memory
 
 
 def _render_chat(tokenizer):
-    def render(messages):
-        apply = getattr(tokenizer, "apply_chat_template", None)
-        if apply is None:
-            raise ValueError("url /v1/chat/completions needs a model folder with a chat "
-                             "template; this model has none (use /v1/completions)")
-        return apply(messages)
+    def render(messages):  # {"prompt_token_ids", "prompt"} (LLM.to_token_ids reads both)
+        return render_conversations(tokenizer, messages)[0]
     return render
 
 

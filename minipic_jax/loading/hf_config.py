@@ -21,7 +21,8 @@ def read_hf_config(folder: pathlib.Path) -> dict:
         raise ValueError(f"{path}: invalid JSON ({err})") from err
 
 
-def _generation_eos(folder: pathlib.Path) -> tuple[int, ...]:
+def generation_eos_ids(folder: pathlib.Path) -> tuple[int, ...]:
+    """EOS ids listed in the folder's generation_config.json (an int or a list), else ()."""
     path = folder / "generation_config.json"
     if not path.exists():
         return ()
@@ -41,7 +42,7 @@ def model_config_from_folder(folder: pathlib.Path) -> tuple[dict, ModuleType, Mo
     hf = read_hf_config(folder)
     family = family_for_config(hf)
     cfg = family.config_from_hf(hf)
-    extra = [e for e in _generation_eos(folder) if e not in cfg.eos_token_ids]
+    extra = [e for e in generation_eos_ids(folder) if e not in cfg.eos_token_ids]
     if extra:
         cfg = dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(extra))
     return hf, family, cfg

@@ -12,6 +12,8 @@ import pathlib
 from typing import Protocol, Sequence, runtime_checkable
 
 from configs.model_config import ModelConfig
+from minipic_jax.loading.chat_template import ChatTemplating, check_conversation, is_batch
+from minipic_jax.loading.hf_config import generation_eos_ids
 
 ASSETS = pathlib.Path(__file__).resolve().parents[1] / "assets"
 LLAMA3_TOKENIZER_FILE = ASSETS / "llama3_tokenizer.model"
@@ -25,15 +27,25 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 @runtime_checkable
 class Tokenizer(Protocol):
+    """What the engine and the API read. `eos_token_ids`: generation stops at any of them (an HF
+    folder's generation_config.json may list several). `chat_template`: Jinja source or None.
+    A new tokenizer kind (GGUF) sets these attributes and gets `apply_chat_template` from
+    `ChatTemplating` (minipic_jax/loading/chat_template.py)."""
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    chat_template: str | None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the BOS token first when the model has one."""
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` (special tokens dropped)."""
+
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
+                            add_generation_prompt=False, continue_final_message=False,
+                            tokenize=True, **kwargs):
+        """transformers' `apply_chat_template`: a conversation (or a list) as text or ids."""
 
 
 def llama3_special_tokens() -> list[str]:
@@ -58,16 +70,20 @@ def _llama3_encoding(path: str):
                              special_tokens=special)
 
 
-class Llama3Tokenizer:
+class Llama3Tokenizer(ChatTemplating):
     """The Llama 3 tokenizer (tiktoken). Special-token text in the input is parsed as special."""
 
     bos_token_id = LLAMA3_NUM_BASE
     vocab_size = LLAMA3_NUM_BASE + LLAMA3_NUM_SPECIAL
+    bos_token = "<|begin_of_text|>"
+    eos_token = "<|eot_id|>"
 
     def __init__(self, path: str | pathlib.Path = LLAMA3_TOKENIZER_FILE,
-                 eos_token_ids: Sequence[int] = (128001, 128008, 128009)):
+                 eos_token_ids: Sequence[int] = (128001, 128008, 128009),
+                 chat_template: str | None = None):
         self._enc = _llama3_encoding(str(path))
         self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
         return [self.bos_token_id] + self._enc.encode(text, allowed_special="all")
@@ -79,16 +95,18 @@ class Llama3Tokenizer:
         return self._enc.encode_single_token(special)
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, plus BOS/EOS ids (default 256/257) from the model config."""
+class ByteTokenizer(ChatTemplating):
+    """UTF-8 bytes as ids 0..255, plus BOS/EOS ids (default 256/257) from the model config. A
+    chat template (tests) renders with no BOS/EOS text (bytes have none)."""
 
     def __init__(self, vocab_size: int, bos_token_id: int | None = 256,
-                 eos_token_ids: Sequence[int] = (257,)):
+                 eos_token_ids: Sequence[int] = (257,), chat_template: str | None = None):
         if vocab_size < 258:
             raise ValueError(f"ByteTokenizer needs vocab_size >= 258, got {vocab_size}")
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
         bos = [] if self.bos_token_id is None else [self.bos_token_id]
@@ -99,34 +117,64 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A transformers tokenizer behind the Tokenizer protocol."""
+    """A transformers tokenizer behind the Tokenizer protocol. EOS ids: the model config's (which
+    include generation_config.json's, minipic_jax/loading/hf_config.py), the folder's
+    generation_config.json and the tokenizer's eos token."""
 
     def __init__(self, folder: str | pathlib.Path, cfg: ModelConfig | None = None):
         from transformers import AutoTokenizer
+        folder = pathlib.Path(folder)
         self._tok = AutoTokenizer.from_pretrained(str(folder))
         self.vocab_size = len(self._tok)
+        # ids the model can embed: text must never tokenize beyond (markers live there)
+        self.model_vocab_size = cfg.vocab_size if cfg else self.vocab_size
         self.bos_token_id = self._tok.bos_token_id
-        eos = set(cfg.eos_token_ids if cfg else ())
+        eos = set(cfg.eos_token_ids if cfg else ()) | set(generation_eos_ids(folder))
         if self._tok.eos_token_id is not None:
             eos.add(int(self._tok.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
+        template = self._tok.chat_template  # tokenizer_config.json (or chat_template.jinja)
+        if isinstance(template, dict):  # named templates: transformers uses "default"
+            template = template.get("default")
+        self.chat_template = template if isinstance(template, str) else None
+
+    def _checked(self, ids) -> list[int]:
+        ids = [int(t) for t in ids]
+        beyond = [t for t in ids if t >= self.model_vocab_size]
+        if beyond:
+            raise ValueError(f"the tokenizer produced id {beyond[0]}, beyond the model's "
+                             f"vocab_size {self.model_vocab_size} (the tokenizer does not "
+                             f"match the model)")
+        return ids
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True))
+        return self._checked(self._tok.encode(text, add_special_tokens=True))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        return self._tok.decode([int(i) for i in ids if int(i) < self.vocab_size],
+                                skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of the folder's chat template over `messages`, ending with the
-        assistant's turn (the template places any BOS itself)."""
-        if not getattr(self._tok, "chat_template", None):
-            raise ValueError("the model folder has no chat template (tokenizer_config.json "
-                             "chat_template); use /v1/completions")
-        ids = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if hasattr(ids, "keys"):  # a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
+                            add_generation_prompt=False, continue_final_message=False,
+                            tokenize=True, **kwargs):
+        """transformers' apply_chat_template (same keywords): text (tokenize=False) or token ids
+        (a list of ints, or one list per conversation of a batch)."""
+        if not (chat_template or self.chat_template):
+            raise ValueError("this model has no chat template (tokenizer_config.json "
+                             "chat_template); pass chat_template=... or use plain prompts")
+        for k, conv in enumerate(conversation if is_batch(conversation) else [conversation]):
+            check_conversation(conv, f"conversation {k}")
+        out = self._tok.apply_chat_template(
+            conversation, tools=tools, documents=documents, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=tokenize, **kwargs)
+        if not tokenize:
+            return out
+        if hasattr(out, "keys"):  # a BatchEncoding
+            out = out["input_ids"]
+        if is_batch(conversation):
+            return [self._checked(ids) for ids in out]
+        return self._checked(out)
 
 
 def load_tokenizer(folder: pathlib.Path | None, cfg: ModelConfig) -> Tokenizer | None:

@@ -25,6 +25,9 @@ class Markers:
     pad_token_id: int
     ssep_token_id: int
     pdep_token_id: int
+    # marker ids beyond the vocabulary -> the vocabulary id the model is fed in their place
+    # (serving/config.py marker_embedding_ids), as the engine feeds them
+    embedding_ids: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Record:
 @dataclasses.dataclass(frozen=True)
 class Example:
     """One laid-out example of N tokens (prompt with markers and pads, then the answer)."""
-    tokens: np.ndarray  # [N] int32
+    tokens: np.ndarray  # [N] int32 the embedding's input (markers as the ids they borrow)
     positions: np.ndarray  # [N] int32 logical positions (the engine's)
     windows: np.ndarray  # [N] int32 smallest logical position each token may attend
     valid: np.ndarray  # [N] bool; False for pads
@@ -125,7 +128,7 @@ def layout_example(record: Record, markers: Markers, tokenizer, *, eos_token_id:
                        ssep_id=markers.ssep_token_id, pdep_id=markers.pdep_token_id,
                        markers=not plain)
     n_ans = len(answer)
-    tokens = np.asarray(prompt + answer, np.int32)
+    tokens = np.asarray(_embedding_input(prompt, markers) + answer, np.int32)
     positions = np.concatenate([lay.pos, lay.num_valid + np.arange(n_ans)]).astype(np.int32)
     windows = np.concatenate([lay.win, np.full(n_ans, lay.last_win)]).astype(np.int32)
     valid = np.concatenate([~lay.is_pad, np.ones(n_ans, bool)])
@@ -133,6 +136,15 @@ def layout_example(record: Record, markers: Markers, tokenizer, *, eos_token_id:
     loss_mask = np.zeros(len(tokens), bool)
     loss_mask[len(prompt) - 1:len(tokens) - 1] = True  # rows whose next token is in the answer
     return Example(tokens, positions, windows, valid, targets, loss_mask)
+
+
+def _embedding_input(prompt: list[int], markers: Markers) -> list[int]:
+    """The prompt as the model's embedding reads it: markers beyond the vocabulary replaced by
+    the ids they borrow (the layout was built from the marker ids)."""
+    if not markers.embedding_ids:
+        return prompt
+    borrowed = dict(markers.embedding_ids)
+    return [borrowed.get(t, t) for t in prompt]
 
 
 def _ids(content, tokenizer, *, first: bool, where: str) -> tuple[int, ...]:

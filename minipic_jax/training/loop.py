@@ -18,7 +18,7 @@ from minipic_jax.training.data import Markers, layout_example, read_jsonl
 from minipic_jax.training.export import export_hf
 from minipic_jax.training.optim import init_lora, make_optimizer, merge_lora
 from minipic_jax.training.step import make_train_step, max_loss_rows
-from serving.config import default_marker_ids
+from serving.config import default_marker_ids, marker_embedding_ids
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -85,7 +85,9 @@ def engine_markers(loaded, block_size: int) -> Markers:
     cfg, tok = loaded.cfg, loaded.tokenizer
     reserved = set(cfg.eos_token_ids) | set(getattr(tok, "eos_token_ids", ()) or ())
     reserved |= {i for i in (cfg.bos_token_id, getattr(tok, "bos_token_id", None)) if i is not None}
-    return Markers(block_size=block_size, **default_marker_ids(cfg.vocab_size, reserved))
+    ids = default_marker_ids(cfg.vocab_size)
+    rows = marker_embedding_ids(ids, cfg.vocab_size, reserved)
+    return Markers(block_size=block_size, embedding_ids=tuple(sorted(rows.items())), **ids)
 
 
 class Trainer:
