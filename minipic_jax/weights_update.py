@@ -1,0 +1,200 @@
+"""`LLM.update_weights`: new weights of the same shapes and dtypes replace the served ones in
+place, with no reload, re-trace or recompile.
+
+The step executables take the params as an argument (serving/model_runner.py), so new arrays of
+the same avals and placement run through the same compiled programs. What the engine does to
+weights at load time is done again here, the same way: fusing QKV and gate/up one layer at a time
+(`family.fuse_params`), or under tensor parallelism placing each leaf by the rules table
+(serving/sharding.py, KV heads replicated as at load). The old layer's arrays are freed before
+the new layer is built, so beyond the caller's own copy the update holds one extra layer at most.
+
+Everything cached under the old weights is invalidated: the prefix cache, host tier and hybrid
+checkpoint / span-map stores are forgotten (`reset_prefix_cache`), and a fresh random nonce enters
+every block hash's root (`WeightsVersion.root`), so no key made after the update equals one made
+before it, in this process or in the persistent span store (whose entries written after an
+update are keyed by that nonce: no other process can compute them, so they never serve KV of
+weights that process does not have).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from minipic_jax.models import nnx_pure
+from serving import sharding
+from serving.hashing import root_hash
+
+
+@dataclass(slots=True)
+class WeightsVersion:
+    """The served weights' identity in the cache namespace: a generation count (0 = as loaded)
+    and a nonce drawn at each update, mixed into every root hash."""
+
+    hash_fn: object
+    generation: int = 0
+    nonce: bytes = b""
+    spec: object = None  # the family's (unfused) params as ShapeDtypeStructs
+    borrowed: set = field(default_factory=set)  # ids of served arrays the caller still owns
+
+    def root(self, cache_salt: str | None) -> int:
+        h0 = root_hash(self.hash_fn, cache_salt)
+        if not self.generation:
+            return h0  # as loaded: keys shared with other processes of the same checkpoint
+        return self.hash_fn(h0, self.nonce, b"W")
+
+    def bump(self) -> None:
+        self.generation += 1
+        self.nonce = self.generation.to_bytes(8, "little") + os.urandom(16)
+
+
+def params_spec(params, dtype) -> dict:
+    """ShapeDtypeStructs of the loaded (unfused) params in the engine dtype (host params of a
+    tensor-parallel load are cast to it as they are placed)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(dtype)), params)
+
+
+def as_params_dict(params):
+    """The family's params dict from what a trainer holds: the dict itself, a Flax NNX State
+    (`nnx.state(model)`, layers keyed by index) or an NNX module."""
+    from flax import nnx
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params)
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    if isinstance(params, dict) and isinstance(params.get("layers"), dict):
+        params = nnx_pure.from_state_dict(params)
+    return params
+
+
+def _dtype_of(x):
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def check_params(params, spec) -> None:
+    """ValueError naming the first leaf of `params` that is missing, extra, or of another shape
+    or dtype than `spec`'s; nothing is touched."""
+    want = dict(jax.tree_util.tree_flatten_with_path(spec)[0])
+    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    names = {jax.tree_util.keystr(p): p for p in want}
+    got_names = {jax.tree_util.keystr(p): p for p in got}
+    for name, path in names.items():
+        if name not in got_names:
+            raise ValueError(f"update_weights: leaf params{name} is missing (want shape "
+                             f"{want[path].shape}, dtype {want[path].dtype})")
+        x, w = got[got_names[name]], want[path]
+        shape = tuple(np.shape(x))
+        if shape != w.shape or _dtype_of(x) != w.dtype:
+            raise ValueError(f"update_weights: leaf params{name} has shape {shape}, dtype "
+                             f"{_dtype_of(x)}; the served model needs shape {w.shape}, dtype "
+                             f"{w.dtype}")
+    extra = sorted(set(got_names) - set(names))
+    if extra:
+        raise ValueError(f"update_weights: leaf params{extra[0]} is not a parameter of the "
+                         f"served model")
+    if jax.tree.structure(params) != jax.tree.structure(spec):
+        raise ValueError(f"update_weights: params have the structure "
+                         f"{jax.tree.structure(params)}, the served model "
+                         f"{jax.tree.structure(spec)}")
+
+
+def _place(x, target, donate: bool):
+    """(array on `target`, whether it is the caller's own array)."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+        return x, not donate
+    return jax.device_put(x, target, donate=donate and isinstance(x, jax.Array)), False
+
+
+def _free(old_leaves, keep_ids: set, borrowed: set) -> None:
+    """Delete the engine's own arrays among `old_leaves` that the new params do not reuse."""
+    for x in old_leaves:
+        if isinstance(x, jax.Array) and id(x) not in keep_ids and id(x) not in borrowed \
+                and not x.is_deleted():
+            x.delete()
+
+
+def install_single(runner, new: dict, version: WeightsVersion, donate: bool) -> dict:
+    """One device: place every leaf on the served params' device, then layer by layer free the
+    old layer and fuse the new one (the engine's `fuse_weights`). Returns the served params."""
+    old = runner.params
+    target = jax.tree.leaves(old)[0].sharding
+    borrowed: set = set()
+
+    def place(x):
+        y, theirs = _place(x, target, donate)
+        if theirs:
+            borrowed.add(id(y))
+        return y
+    top = {k: (None if v is None else jax.tree.map(place, v))
+           for k, v in new.items() if k != "layers"}
+    fuse = runner.config.fuse_weights
+    layers = []
+    for i, lp in enumerate(new["layers"]):
+        lp = jax.tree.map(place, lp)
+        kept = {id(x) for x in jax.tree.leaves(lp)} | {id(x) for x in jax.tree.leaves(top)}
+        _free(jax.tree.leaves(old["layers"][i]), kept, version.borrowed)
+        if fuse:  # the family's own fusing, on a one-layer params dict (consumes only if asked)
+            lp = runner.family.fuse_params({**top, "layers": (lp,)},
+                                           consume=donate)["layers"][0]
+            jax.block_until_ready(lp)
+        layers.append(lp)
+    params = {**top, "layers": tuple(layers)}
+    kept = {id(x) for x in jax.tree.leaves(params)}
+    _free([v for k, v in old.items() if k != "layers" for v in jax.tree.leaves(v)], kept,
+          version.borrowed)
+    version.borrowed = borrowed & kept
+    return params
+
+
+def install_sharded(runner, loaded, new: dict, version: WeightsVersion, donate: bool) -> dict:
+    """Tensor parallelism: each leaf placed by the rules table (KV heads replicated as at load,
+    serving/sharding.place_model), the old leaf freed as its replacement lands."""
+    axes = loaded.family.param_axes(loaded.cfg)
+    copies = sharding.kv_replication(loaded.cfg, runner.config.tensor_parallel_size)
+    new = sharding.replicate_kv_heads(new, axes, copies)
+    targets = sharding.shardings(new, axes, runner.mesh)
+    old_leaves = jax.tree.leaves(runner.params)
+    new_leaves, treedef = jax.tree.flatten(new)
+    borrowed, placed = set(), []
+    for x, s, o in zip(new_leaves, jax.tree.leaves(targets), old_leaves):
+        y, theirs = _place(x, s, donate)
+        jax.block_until_ready(y)
+        if theirs:
+            borrowed.add(id(y))
+        _free([o], {id(y)}, version.borrowed)
+        placed.append(y)
+    version.borrowed = borrowed
+    return jax.tree.unflatten(treedef, placed)
+
+
+def update_weights(llm, params, *, donate: bool = False) -> int:
+    """See `LLM.update_weights`. Returns the new weights generation."""
+    engine = llm.llm_engine
+    version: WeightsVersion = llm.weights_version
+    if engine.has_unfinished() or engine._inflight is not None:
+        raise RuntimeError("update_weights: requests are still running; call it between "
+                           "generate() calls")
+    params = as_params_dict(params)
+    check_params(params, version.spec)  # before anything changes: old weights keep serving
+    engine.flush_kv_store()  # blocks of the old weights reach the store under the old keys
+    runner = engine.runner
+    if runner.mesh is None:
+        served = install_single(runner, params, version, donate)
+    else:
+        served = install_sharded(runner, engine.loaded, params, version, donate)
+    del params
+    runner.params = engine.loaded.params = served
+    version.bump()
+    engine.reset_prefix_cache()
+    return version.generation
+
+
+def attach(engine, spec) -> WeightsVersion:
+    """The engine's weights version (generation 0), made the source of its block hashes' roots."""
+    from serving.hashing import make_hash_fn
+    version = WeightsVersion(make_hash_fn(engine.config.hash_algo), spec=spec)
+    engine.scheduler.keys.root_hash_fn = version.root
+    return version
