@@ -5,8 +5,9 @@ The step executables take the params as an argument (serving/model_runner.py), s
 the same avals and placement run through the same compiled programs. What the engine does to
 weights at load time is done again here, the same way: fusing QKV and gate/up one layer at a time
 (`family.fuse_params`), or under tensor parallelism placing each leaf by the rules table
-(serving/sharding.py, KV heads replicated as at load). The old layer's arrays are freed before
-the new layer is built, so beyond the caller's own copy the update holds one extra layer at most.
+(serving/sharding.py, KV heads replicated as at load). The engine serves arrays of its own
+(copies, or the caller's when donated), and frees each old layer before building its
+replacement, so beyond the caller's own params the update holds about one extra layer.
 
 Everything cached under the old weights is invalidated: the prefix cache, host tier and hybrid
 checkpoint / span-map stores are forgotten (`reset_prefix_cache`), and a fresh random nonce enters
@@ -19,7 +20,7 @@ weights that process does not have).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -38,7 +39,6 @@ class WeightsVersion:
     generation: int = 0
     nonce: bytes = b""
     spec: object = None  # the family's (unfused) params as ShapeDtypeStructs
-    borrowed: set = field(default_factory=set)  # ids of served arrays the caller still owns
 
     def root(self, cache_salt: str | None) -> int:
         h0 = root_hash(self.hash_fn, cache_salt)
@@ -102,71 +102,56 @@ def check_params(params, spec) -> None:
 
 
 def _place(x, target, donate: bool):
-    """(array on `target`, whether it is the caller's own array)."""
+    """`x` as an array of the engine's own on `target`: the caller's array itself when donated
+    (and already there), else a copy, so a caller that later donates or deletes its params (an
+    optimizer step) never frees what the engine serves. A copy keeps the array's committedness
+    (jit caches key on it: the family's fuse program is then the one compiled at load)."""
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
-        return x, not donate
-    return jax.device_put(x, target, donate=donate and isinstance(x, jax.Array)), False
+        return x if donate else jax.device_put(x, may_alias=False)
+    return jax.device_put(x, target, donate=donate and isinstance(x, jax.Array))
 
 
-def _free(old_leaves, keep_ids: set, borrowed: set) -> None:
-    """Delete the engine's own arrays among `old_leaves` that the new params do not reuse."""
+def _free(old_leaves, keep_ids: set) -> None:
+    """Delete the served arrays (all the engine's own) that the new params do not reuse."""
     for x in old_leaves:
-        if isinstance(x, jax.Array) and id(x) not in keep_ids and id(x) not in borrowed \
-                and not x.is_deleted():
+        if isinstance(x, jax.Array) and id(x) not in keep_ids and not x.is_deleted():
             x.delete()
 
 
-def install_single(runner, new: dict, version: WeightsVersion, donate: bool) -> dict:
-    """One device: place every leaf on the served params' device, then layer by layer free the
-    old layer and fuse the new one (the engine's `fuse_weights`). Returns the served params."""
+def install_single(runner, new: dict, donate: bool) -> dict:
+    """One device: the top-level leaves (embedding, final norm, LM head) placed first, then layer
+    by layer the old layer freed and the new one placed and fused as at load (`fuse_weights`,
+    the family's `fuse_params` on a one-layer params dict). Returns the served params."""
     old = runner.params
     target = jax.tree.leaves(old)[0].sharding
-    borrowed: set = set()
-
-    def place(x):
-        y, theirs = _place(x, target, donate)
-        if theirs:
-            borrowed.add(id(y))
-        return y
+    place = lambda x: _place(x, target, donate)  # noqa: E731
+    old_top = [x for k, v in old.items() if k != "layers" for x in jax.tree.leaves(v)]
+    _free(old_top, set())
     top = {k: (None if v is None else jax.tree.map(place, v))
            for k, v in new.items() if k != "layers"}
-    fuse = runner.config.fuse_weights
     layers = []
     for i, lp in enumerate(new["layers"]):
+        _free(jax.tree.leaves(old["layers"][i]), set())
         lp = jax.tree.map(place, lp)
-        kept = {id(x) for x in jax.tree.leaves(lp)} | {id(x) for x in jax.tree.leaves(top)}
-        _free(jax.tree.leaves(old["layers"][i]), kept, version.borrowed)
-        if fuse:  # the family's own fusing, on a one-layer params dict (consumes only if asked)
-            lp = runner.family.fuse_params({**top, "layers": (lp,)},
-                                           consume=donate)["layers"][0]
-            jax.block_until_ready(lp)
+        if runner.config.fuse_weights:  # our own copies: consumed as they fuse
+            lp = runner.family.fuse_params({**top, "layers": (lp,)}, consume=True)["layers"][0]
+        jax.block_until_ready(lp)
         layers.append(lp)
-    params = {**top, "layers": tuple(layers)}
-    kept = {id(x) for x in jax.tree.leaves(params)}
-    _free([v for k, v in old.items() if k != "layers" for v in jax.tree.leaves(v)], kept,
-          version.borrowed)
-    version.borrowed = borrowed & kept
-    return params
+    return {**top, "layers": tuple(layers)}
 
 
-def install_sharded(runner, loaded, new: dict, version: WeightsVersion, donate: bool) -> dict:
+def install_sharded(runner, loaded, new: dict, donate: bool) -> dict:
     """Tensor parallelism: each leaf placed by the rules table (KV heads replicated as at load,
-    serving/sharding.place_model), the old leaf freed as its replacement lands."""
+    serving/sharding.place_model), the old leaf freed before its replacement lands."""
     axes = loaded.family.param_axes(loaded.cfg)
     copies = sharding.kv_replication(loaded.cfg, runner.config.tensor_parallel_size)
     new = sharding.replicate_kv_heads(new, axes, copies)
-    targets = sharding.shardings(new, axes, runner.mesh)
-    old_leaves = jax.tree.leaves(runner.params)
+    targets = jax.tree.leaves(sharding.shardings(new, axes, runner.mesh))
     new_leaves, treedef = jax.tree.flatten(new)
-    borrowed, placed = set(), []
-    for x, s, o in zip(new_leaves, jax.tree.leaves(targets), old_leaves):
-        y, theirs = _place(x, s, donate)
-        jax.block_until_ready(y)
-        if theirs:
-            borrowed.add(id(y))
-        _free([o], {id(y)}, version.borrowed)
-        placed.append(y)
-    version.borrowed = borrowed
+    placed = []
+    for x, s, o in zip(new_leaves, targets, jax.tree.leaves(runner.params)):
+        _free([o], set())
+        placed.append(jax.block_until_ready(_place(x, s, donate)))
     return jax.tree.unflatten(treedef, placed)
 
 
@@ -182,9 +167,9 @@ def update_weights(llm, params, *, donate: bool = False) -> int:
     engine.flush_kv_store()  # blocks of the old weights reach the store under the old keys
     runner = engine.runner
     if runner.mesh is None:
-        served = install_single(runner, params, version, donate)
+        served = install_single(runner, params, donate)
     else:
-        served = install_sharded(runner, engine.loaded, params, version, donate)
+        served = install_sharded(runner, engine.loaded, params, donate)
     del params
     runner.params = engine.loaded.params = served
     version.bump()
