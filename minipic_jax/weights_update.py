@@ -101,41 +101,51 @@ def check_params(params, spec) -> None:
                          f"{jax.tree.structure(spec)}")
 
 
-def _place(x, target, donate: bool):
-    """`x` as an array of the engine's own on `target`: the caller's array itself when donated
-    (and already there), else a copy, so a caller that later donates or deletes its params (an
-    optimizer step) never frees what the engine serves. A copy keeps the array's committedness
-    (jit caches key on it: the family's fuse program is then the one compiled at load)."""
+def _on(x, target, donate: bool):
+    """`x` on `target`: itself when already there, else moved (a new array, the engine's)."""
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
-        return x if donate else jax.device_put(x, may_alias=False)
+        return x
     return jax.device_put(x, target, donate=donate and isinstance(x, jax.Array))
 
 
-def _free(old_leaves, keep_ids: set) -> None:
-    """Delete the served arrays (all the engine's own) that the new params do not reuse."""
+def _own(x, theirs: set, donate: bool):
+    """The engine's own array for `x`: a copy of a caller's array unless donated, so a caller that
+    later donates or deletes its params (an optimizer step) never frees what the engine serves.
+    A copy keeps the array's committedness (jit caches key on it: the family's fuse program stays
+    the one compiled at load)."""
+    if id(x) in theirs and not donate:
+        return jax.device_put(x, may_alias=False)
+    return x
+
+
+def _free(old_leaves, keep: set) -> None:
+    """Delete served arrays (all the engine's own) but those in `keep` (ids of the new params':
+    a caller that donated arrays and passes them again)."""
     for x in old_leaves:
-        if isinstance(x, jax.Array) and id(x) not in keep_ids and not x.is_deleted():
+        if isinstance(x, jax.Array) and id(x) not in keep and not x.is_deleted():
             x.delete()
 
 
 def install_single(runner, new: dict, donate: bool) -> dict:
-    """One device: the top-level leaves (embedding, final norm, LM head) placed first, then layer
-    by layer the old layer freed and the new one placed and fused as at load (`fuse_weights`,
-    the family's `fuse_params` on a one-layer params dict). Returns the served params."""
+    """One device: the top-level leaves (embedding, final norm, LM head) first, then layer by
+    layer the old layer freed and the new one fused as at load (`fuse_weights`: the family's
+    `fuse_params` on a one-layer params dict, reading the caller's arrays, so only the leaves it
+    passes through are copied). Returns the served params."""
     old = runner.params
     target = jax.tree.leaves(old)[0].sharding
-    place = lambda x: _place(x, target, donate)  # noqa: E731
-    old_top = [x for k, v in old.items() if k != "layers" for x in jax.tree.leaves(v)]
-    _free(old_top, set())
-    top = {k: (None if v is None else jax.tree.map(place, v))
+    theirs = {id(x) for x in jax.tree.leaves(new)}
+    _free((x for k, v in old.items() if k != "layers" for x in jax.tree.leaves(v)), theirs)
+    top = {k: (None if v is None else
+               jax.tree.map(lambda x: _own(_on(x, target, donate), theirs, donate), v))
            for k, v in new.items() if k != "layers"}
     layers = []
     for i, lp in enumerate(new["layers"]):
-        _free(jax.tree.leaves(old["layers"][i]), set())
-        lp = jax.tree.map(place, lp)
-        if runner.config.fuse_weights:  # our own copies: consumed as they fuse
-            lp = runner.family.fuse_params({**top, "layers": (lp,)}, consume=True)["layers"][0]
-        jax.block_until_ready(lp)
+        _free(jax.tree.leaves(old["layers"][i]), theirs)
+        lp = jax.tree.map(lambda x: _on(x, target, donate), lp)
+        if runner.config.fuse_weights:  # consumes the inputs only when they are the engine's
+            mine = donate or not any(id(x) in theirs for x in jax.tree.leaves(lp))
+            lp = runner.family.fuse_params({**top, "layers": (lp,)}, consume=mine)["layers"][0]
+        lp = jax.block_until_ready(jax.tree.map(lambda x: _own(x, theirs, donate), lp))
         layers.append(lp)
     return {**top, "layers": tuple(layers)}
 
@@ -149,9 +159,10 @@ def install_sharded(runner, loaded, new: dict, donate: bool) -> dict:
     targets = jax.tree.leaves(sharding.shardings(new, axes, runner.mesh))
     new_leaves, treedef = jax.tree.flatten(new)
     placed = []
+    theirs = {id(x) for x in new_leaves}
     for x, s, o in zip(new_leaves, targets, jax.tree.leaves(runner.params)):
-        _free([o], set())
-        placed.append(jax.block_until_ready(_place(x, s, donate)))
+        _free([o], theirs)
+        placed.append(jax.block_until_ready(_own(_on(x, s, donate), theirs, donate)))
     return jax.tree.unflatten(treedef, placed)
 
 
