@@ -19,7 +19,7 @@ from benchmarks import rl_task
 def add_parser(p) -> None:
     p.add_argument("--model", default="tiny_llama", help="any model LLM takes (preset or folder)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--task", default="last_letter", choices=rl_task.TASKS)
+    p.add_argument("--task", default="next_letter", choices=rl_task.TASKS)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (B)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (G, SamplingParams.n)")

@@ -26,7 +26,7 @@ from minipic_jax.training.rollout_logprobs import rollout_logprobs
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    task: str = "last_letter"
+    task: str = "next_letter"
     steps: int = 30
     prompts_per_step: int = 16  # B
     samples: int = 8  # G
@@ -99,9 +99,11 @@ def run_loop(model: str, rc: RLConfig, *, dtype: str = "float32", log=print, **e
         prompts, answers = rl_task.make_prompts(rc.task, rng, rc.prompts_per_step)
         ids, lens = encode_prompts(tok, prompts)
         t0 = time.perf_counter()
-        sp = SamplingParams(temperature=rc.temperature, max_tokens=rc.max_tokens, n=rc.samples,
-                            seed=rc.seed * 100003 + step * rc.prompts_per_step * rc.samples)
-        out = jax.block_until_ready(llm.generate_arrays(ids, lens, sp))
+        # a seed per prompt (sample k of it: seed + k): no two rollouts share sampling noise
+        base = (rc.seed * rc.steps + step) * rc.prompts_per_step * rc.samples
+        sps = [SamplingParams(temperature=rc.temperature, max_tokens=rc.max_tokens,
+                              n=rc.samples, seed=base + b * rc.samples) for b in range(len(ids))]
+        out = jax.block_until_ready(llm.generate_arrays(ids, lens, sps))
         t1 = time.perf_counter()
         rewards = score(tok, rc.task, out, answers, rc.samples)
         batch = dict(prompt_ids=jnp.asarray(ids), prompt_lens=jnp.asarray(lens),

@@ -46,10 +46,10 @@ def _check_prompts(prompt_ids, prompt_lens) -> tuple[np.ndarray, np.ndarray]:
 
 
 @contextlib.contextmanager
-def _no_detokenizing(engine, sp: SamplingParams):
+def _no_detokenizing(engine, has_stop_strings: bool):
     """Outputs without text (the arrays carry ids): the engine's tokenizer is set aside unless
     stop strings need it."""
-    if sp.stop:
+    if has_stop_strings:
         yield
         return
     tok, engine.tokenizer = engine.tokenizer, None
@@ -63,13 +63,17 @@ def generate_arrays(llm, prompt_ids, prompt_lens, sampling_params=None, *,
                     cache_salt: str | None = None) -> ArrayOutputs:
     """See `LLM.generate_arrays`. Bad input raises before any work (the request is named)."""
     ids, lens = _check_prompts(prompt_ids, prompt_lens)
-    sp = sampling_params or SamplingParams()
-    if sp.logprobs is None:  # the sampled token's logprob only
-        sp = dataclasses.replace(sp, logprobs=0)
+    sps = sampling_params or SamplingParams()
+    sps = list(sps) if isinstance(sps, (list, tuple)) else [sps] * len(ids)
+    if len(sps) != len(ids) or len({(sp.n, sp.max_tokens) for sp in sps}) != 1:
+        raise ValueError(f"generate_arrays: one SamplingParams, or one per prompt ({len(ids)}) "
+                         f"with the same n and max_tokens (the arrays' shape)")
+    # the sampled token's logprob only, unless more are asked for
+    sps = [sp if sp.logprobs is not None else dataclasses.replace(sp, logprobs=0) for sp in sps]
     prompts = [{"prompt_token_ids": row[:n].tolist()} for row, n in zip(ids, lens)]
-    with _no_detokenizing(llm.llm_engine, sp):
-        outs = llm.generate(prompts, sp, use_tqdm=False, cache_salt=cache_salt)
-    n, width = sp.n, sp.max_tokens or llm.config.max_model_len
+    with _no_detokenizing(llm.llm_engine, any(sp.stop for sp in sps)):
+        outs = llm.generate(prompts, sps, use_tqdm=False, cache_salt=cache_salt)
+    n, width = sps[0].n, sps[0].max_tokens or llm.config.max_model_len
     tokens = np.zeros((len(prompts) * n, width), np.int32)
     logprobs = np.zeros((len(prompts) * n, width), np.float32)
     lengths = np.zeros(len(prompts) * n, np.int32)

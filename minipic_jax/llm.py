@@ -88,7 +88,8 @@ class LLM:
                         cache_salt: str | None = None):
         """Ragged prompts as arrays ([B, L] ids + [B] lengths) -> `ArrayOutputs`: sampled
         tokens, their logprobs ([B * n, T], padded) and lengths ([B * n]) as device arrays, row
-        b * n + k = sample k of prompt b (minipic_jax/array_generate.py)."""
+        b * n + k = sample k of prompt b. One SamplingParams or one per prompt (same n and
+        max_tokens) (minipic_jax/array_generate.py)."""
         return array_generate.generate_arrays(self, prompt_ids, prompt_lens, sampling_params,
                                               cache_salt=cache_salt)
 

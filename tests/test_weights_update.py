@@ -3,6 +3,11 @@ bad params rejected with the leaf named while the old weights keep serving."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +18,7 @@ from minipic_jax import SamplingParams
 from minipic_jax.loading import load_model
 from minipic_jax.models import nnx_pure
 from minipic_jax.models.llama import _fuse_layer
-from tests.conftest import make_tiny_llm
+from tests.conftest import REPO, make_tiny_llm
 
 SP = SamplingParams(temperature=1.0, max_tokens=6, seed=11, logprobs=0, n=2)
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 37, 20)]
@@ -100,3 +105,14 @@ def test_nnx_state_and_donation(new_params, fresh_outputs):
     state = nnx.State(nnx_pure.to_state_dict(jax.tree.map(jnp.copy, new_params)))
     llm.update_weights(state, donate=True)
     assert _run(llm)[0] == fresh_outputs[0]
+
+
+def test_tensor_parallel_update_places_by_the_rules_table():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-m", "tests.tp_update_run"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["changed"] and got["equal"] and got["same_place"] and got["retraces"] == 0
+    assert got["err"] <= 1e-5
