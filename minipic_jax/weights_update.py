@@ -12,9 +12,8 @@ replacement, so beyond the caller's own params the update holds about one extra 
 Everything cached under the old weights is invalidated: the prefix cache, host tier and hybrid
 checkpoint / span-map stores are forgotten (`reset_prefix_cache`), and a fresh random nonce enters
 every block hash's root (`WeightsVersion.root`), so no key made after the update equals one made
-before it, in this process or in the persistent span store (whose entries written after an
-update are keyed by that nonce: no other process can compute them, so they never serve KV of
-weights that process does not have).
+before it. The persistent span store, keyed by the loaded checkpoint's fingerprint, is detached:
+blocks of updated weights are neither read from it nor written to it.
 """
 
 from __future__ import annotations
@@ -166,6 +165,15 @@ def install_sharded(runner, loaded, new: dict, donate: bool) -> dict:
     return jax.tree.unflatten(treedef, placed)
 
 
+def _detach_span_store(engine) -> None:
+    """The persistent span store is keyed by the fingerprint of the checkpoint the engine loaded
+    (serving/fingerprint.py): after an update it neither reads nor writes it (its blocks would
+    describe other weights). The host tier above it stays (it is forgotten with the cache)."""
+    if engine.kv_store is not None:
+        engine.kv_store = None
+        engine.scheduler.offload = engine.offload
+
+
 def update_weights(llm, params, *, donate: bool = False) -> int:
     """See `LLM.update_weights`. Returns the new weights generation."""
     engine = llm.llm_engine
@@ -176,6 +184,7 @@ def update_weights(llm, params, *, donate: bool = False) -> int:
     params = as_params_dict(params)
     check_params(params, version.spec)  # before anything changes: old weights keep serving
     engine.flush_kv_store()  # blocks of the old weights reach the store under the old keys
+    _detach_span_store(engine)
     runner = engine.runner
     if runner.mesh is None:
         served = install_single(runner, params, donate)

@@ -67,8 +67,10 @@ def test_old_cache_entries_never_hit_after_update(new_params, tmp_path):
     llm.llm_engine.flush_kv_store()
     keys = llm.llm_engine.scheduler.keys
     h0 = keys.root_hash_fn(None)
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
     llm.update_weights(new_params)
     assert keys.root_hash_fn(None) != h0
+    assert llm.llm_engine.kv_store is None  # detached: it holds the loaded weights' blocks
     # device cache forgotten, and the span store (written under the old keys) misses too: hits
     # only within the call, as on a fresh engine's first call (the 20-token prompt shares the
     # 37-token one's first block)
@@ -77,6 +79,8 @@ def test_old_cache_entries_never_hit_after_update(new_params, tmp_path):
     llm.update_weights(load_model("tiny_llama", dtype="float32", seed=0).params)
     back = _run(llm)
     assert back[2] == first[2] and back[0] == first[0]
+    llm.llm_engine.flush_kv_store()
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == files  # nothing written
 
 
 def test_bad_params_name_the_leaf_and_keep_serving(new_params):
