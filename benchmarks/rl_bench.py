@@ -2,7 +2,7 @@
 (benchmarks/rl_loop.py), its reward curve (PNG) and time split; with `--update-timing` /
 `--rollout-compare` the GPU measurements of benchmarks/rl_measure.py instead.
 
-    minipic-bench rl --model tiny_llama --steps 60                      # CPU: a minute
+    minipic-bench rl --model tiny_llama                   # CPU: about 3 minutes
     minipic-bench rl --model <SmolLM2-135M-Instruct folder> --task add --dtype bfloat16
     minipic-bench rl --update-timing --model llama3_8b --dtype bfloat16
     minipic-bench rl --rollout-compare --model llama3_2_1b --dtype bfloat16
@@ -20,13 +20,14 @@ def add_parser(p) -> None:
     p.add_argument("--model", default="tiny_llama", help="any model LLM takes (preset or folder)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--task", default="next_letter", choices=rl_task.TASKS)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (B)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (G, SamplingParams.n)")
     p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="benchmarks/runs/rl", help="rl_reward.png, rl.json here")
+    p.add_argument("--out-dir", default="benchmarks/runs",
+                   help="rl_reward.png, rl_run.json (rl_measure.json) here")
     p.add_argument("--update-timing", action="store_true",
                    help="time LLM.update_weights at the model's shape (e.g. llama3_8b, bf16)")
     p.add_argument("--rollout-compare", action="store_true",
@@ -89,7 +90,7 @@ def run(args) -> int:
                        max_num_batched_tokens=max(512, 16 * args.prompts), **extra)
     split = _time_split(history)
     print("time split (steps after the first): " + ", ".join(
-        f"{k[:-6]} {split[k]:.2f}s ({split[k[:-2] + '_share']:.0%})"
+        f"{k[:-2]} {split[k]:.2f}s ({split[k[:-2] + '_share']:.0%})"
         for k in ("rollout_s", "score_s", "train_s", "update_s")))
     tenth = max(len(history) // 10, 1)
     first = sum(h["reward"] for h in history[:tenth]) / tenth
@@ -99,7 +100,7 @@ def run(args) -> int:
     title = f"GRPO on {args.task}, {args.model}, B={args.prompts} G={args.samples}"
     if _plot(history, png, title):
         print(f"wrote {png}")
-    (out_dir / "rl.json").write_text(json.dumps(
+    (out_dir / "rl_run.json").write_text(json.dumps(
         dict(config=rc.__dict__, model=args.model, dtype=args.dtype, history=history,
              time_split=split, reward_first=first, reward_last=last), indent=1))
     return 0

@@ -27,7 +27,7 @@ from minipic_jax.training.rollout_logprobs import rollout_logprobs
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     task: str = "next_letter"
-    steps: int = 30
+    steps: int = 150
     prompts_per_step: int = 16  # B
     samples: int = 8  # G
     max_tokens: int = 4  # T

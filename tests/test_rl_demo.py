@@ -17,7 +17,7 @@ from tests.conftest import make_tiny_llm
 def test_rl_command_runs_steps_and_writes_the_curve(tmp_path, capsys):
     assert cli.main(["rl", "--model", "tiny_llama", "--steps", "3", "--prompts", "4",
                      "--samples", "4", "--max-tokens", "3", "--out-dir", str(tmp_path)]) == 0
-    got = json.loads((tmp_path / "rl.json").read_text())
+    got = json.loads((tmp_path / "rl_run.json").read_text())
     assert [h["step"] for h in got["history"]] == [0, 1, 2]
     assert all(np.isfinite(h["loss"]) and h["update_s"] > 0 for h in got["history"])
     assert (tmp_path / "rl_reward.png").stat().st_size > 1000
