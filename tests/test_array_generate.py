@@ -55,6 +55,9 @@ def test_bad_arrays_are_named(llm):
         llm.generate_arrays(_prompts(), LENS[:2])
     with pytest.raises(ValueError, match=r"prompt 1: length 0 outside \[1, 37\]"):
         llm.generate_arrays(_prompts(), np.array([5, 0, 3]))
+    with pytest.raises(ValueError, match="same n and max_tokens"):
+        llm.generate_arrays(_prompts(), LENS, [SamplingParams(n=2), SamplingParams(n=1),
+                                              SamplingParams(n=2)])
 
 
 def test_engine_logprobs_equal_training_forward(llm):
