@@ -79,9 +79,13 @@ def run(args) -> int:
                 args.model, args.dtype, max_num_seqs=8, max_model_len=1024,
                 **({"num_kv_blocks": 256} | extra))
         if args.rollout_compare:
+            # a bounded pool (8 x 768 tokens need 384 blocks): the plain loop's weights and
+            # dense caches must fit beside it
             result["rollout_compare"] = rl_measure.rollout_compare(
-                args.model, args.dtype, max_num_seqs=8, max_model_len=1024, **extra)
+                args.model, args.dtype, max_num_seqs=8, max_model_len=1024,
+                **({"num_kv_blocks": 1024} | extra))
         (out_dir / "rl_measure.json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {out_dir / 'rl_measure.json'}")
         return 0
     rc = RLConfig(task=args.task, steps=args.steps, prompts_per_step=args.prompts,
                   samples=args.samples, max_tokens=args.max_tokens, lr=args.lr, seed=args.seed)
