@@ -38,6 +38,9 @@ COMMANDS = {
                  "synthetic multi-document task: full attention vs Block-Attention vs block FT"),
     "train": ("benchmarks.train_bench",
               "block fine-tuning step at a ~1B Llama shape: tokens/s and MFU vs a measured matmul"),
+    "rl": ("benchmarks.rl_bench",
+           "GRPO loop with engine rollouts (reward curve, time split); --update-timing, "
+           "--rollout-compare"),
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from minipic_jax import compile_cache
+from minipic_jax import array_generate, compile_cache, weights_update
 from minipic_jax.loading import load_model
 from minipic_jax.loading.chat_template import render_conversations
 from minipic_jax.parallel_samples import fan_out, merge_samples
@@ -80,17 +80,39 @@ class LLM:
         with _host_device_if_sharded(tp):
             loaded = load_model(model, dtype=dtype, seed=seed, host=tp > 1)
             jax.block_until_ready(loaded.params)
+            spec = weights_update.params_spec(loaded.params, dtype)
         t2 = time.perf_counter()
         if "max_model_len" not in engine_args:
             engine_args["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)
         self.config = Config(**engine_args)
         self.llm_engine = LLMEngine(loaded, self.config, dtype=jnp.dtype(dtype), seed=seed)
+        self.weights_version = weights_update.attach(self.llm_engine, spec)
         # start-up seconds: backend, weights (read or drawn), the engine (see runner.startup)
         self.startup = {"backend_s": t1 - t0, "weights_s": t2 - t1,
                         "engine_s": time.perf_counter() - t2}
         self.tokenizer = loaded.tokenizer
         self._next_id = 0
         self._lock = threading.RLock()  # see _serialized
+
+    def update_weights(self, params, *, donate: bool = False) -> int:
+        """Serve `params` from now on: the family's params dict (unfused, as `load_model` or
+        minipic-train give it), or a Flax NNX State / module of it, of exactly the served
+        shapes and dtypes. No reload, re-trace or recompile; beyond the caller's arrays the
+        update holds one extra layer at most. `donate=True`: the engine may consume the caller's
+        arrays (fused in place of copies). KV, checkpoints and span maps cached under the old
+        weights never hit again. Between generate() calls only. A missing leaf or one of another
+        shape or dtype: ValueError naming it, and the old weights keep serving. Returns the
+        weights generation (minipic_jax/weights_update.py)."""
+        return weights_update.update_weights(self, params, donate=donate)
+
+    def generate_arrays(self, prompt_ids, prompt_lens, sampling_params=None, *,
+                        cache_salt: str | None = None):
+        """Ragged prompts as arrays ([B, L] ids + [B] lengths) -> `ArrayOutputs`: sampled
+        tokens, their logprobs ([B * n, T], padded) and lengths ([B * n]) as device arrays, row
+        b * n + k = sample k of prompt b. One SamplingParams or one per prompt (same n and
+        max_tokens) (minipic_jax/array_generate.py)."""
+        return array_generate.generate_arrays(self, prompt_ids, prompt_lens, sampling_params,
+                                              cache_salt=cache_salt)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -1,0 +1,110 @@
+"""`minipic-bench rl`: a GRPO-style RL loop with the engine doing the rollouts
+(benchmarks/rl_loop.py), its reward curve (PNG) and time split; with `--update-timing` /
+`--rollout-compare` the GPU measurements of benchmarks/rl_measure.py instead.
+
+    minipic-bench rl --model tiny_llama                   # CPU: about 3 minutes
+    minipic-bench rl --model <SmolLM2-135M-Instruct folder> --task add --dtype bfloat16
+    minipic-bench rl --update-timing --model llama3_8b --dtype bfloat16
+    minipic-bench rl --rollout-compare --model llama3_2_1b --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from benchmarks import rl_task
+
+
+def add_parser(p) -> None:
+    p.add_argument("--model", default="tiny_llama", help="any model LLM takes (preset or folder)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--task", default="next_letter", choices=rl_task.TASKS)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (B)")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (G, SamplingParams.n)")
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="benchmarks/runs",
+                   help="rl_reward.png, rl_run.json (rl_measure.json) here")
+    p.add_argument("--update-timing", action="store_true",
+                   help="time LLM.update_weights at the model's shape (e.g. llama3_8b, bf16)")
+    p.add_argument("--rollout-compare", action="store_true",
+                   help="G samples of a 512-token prompt, 256 new tokens: engine vs a plain "
+                        "jitted sampling loop (dense KV, no sharing)")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+
+
+def _plot(history, path: pathlib.Path, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return False
+    steps = [h["step"] for h in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [h["reward"] for h in history], label="mean reward")
+    ax.plot(steps, [h["accuracy"] for h in history], label="accuracy (reward 1)")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _time_split(history) -> dict:
+    """Seconds per phase summed over the steps after the first (which compiles), and shares."""
+    rows = history[1:] or history
+    split = {k: sum(h[k] for h in rows) for k in ("rollout_s", "score_s", "train_s", "update_s")}
+    total = sum(split.values()) or 1.0
+    return {**split, **{k.replace("_s", "_share"): v / total for k, v in split.items()}}
+
+
+def run(args) -> int:
+    from benchmarks import rl_measure
+    from benchmarks.rl_loop import RLConfig, run_loop
+    out_dir = pathlib.Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    extra = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+    if args.update_timing or args.rollout_compare:
+        result = {}
+        if args.update_timing:
+            result["update_timing"] = rl_measure.update_timing(
+                args.model, args.dtype, max_num_seqs=8, max_model_len=1024,
+                **({"num_kv_blocks": 256} | extra))
+        if args.rollout_compare:
+            # a bounded pool (8 x 768 tokens need 384 blocks): the plain loop's weights and
+            # dense caches must fit beside it
+            result["rollout_compare"] = rl_measure.rollout_compare(
+                args.model, args.dtype, max_num_seqs=8, max_model_len=1024,
+                **({"num_kv_blocks": 1024} | extra))
+        (out_dir / "rl_measure.json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {out_dir / 'rl_measure.json'}")
+        return 0
+    rc = RLConfig(task=args.task, steps=args.steps, prompts_per_step=args.prompts,
+                  samples=args.samples, max_tokens=args.max_tokens, lr=args.lr, seed=args.seed)
+    history = run_loop(args.model, rc, dtype=args.dtype, max_num_seqs=args.prompts * args.samples,
+                       max_model_len=128, block_size=16,
+                       max_num_batched_tokens=max(512, 16 * args.prompts), **extra)
+    split = _time_split(history)
+    print("time split (steps after the first): " + ", ".join(
+        f"{k[:-2]} {split[k]:.2f}s ({split[k[:-2] + '_share']:.0%})"
+        for k in ("rollout_s", "score_s", "train_s", "update_s")))
+    tenth = max(len(history) // 10, 1)
+    first = sum(h["reward"] for h in history[:tenth]) / tenth
+    last = sum(h["reward"] for h in history[-tenth:]) / tenth
+    print(f"reward: first {tenth} steps {first:.3f} -> last {tenth} steps {last:.3f}")
+    png = out_dir / "rl_reward.png"
+    title = f"GRPO on {args.task}, {args.model}, B={args.prompts} G={args.samples}"
+    if _plot(history, png, title):
+        print(f"wrote {png}")
+    (out_dir / "rl_run.json").write_text(json.dumps(
+        dict(config=rc.__dict__, model=args.model, dtype=args.dtype, history=history,
+             time_split=split, reward_first=first, reward_last=last), indent=1))
+    return 0

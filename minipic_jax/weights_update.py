@@ -1,0 +1,205 @@
+"""`LLM.update_weights`: new weights of the same shapes and dtypes replace the served ones in
+place, with no reload, re-trace or recompile.
+
+The step executables take the params as an argument (serving/model_runner.py), so new arrays of
+the same avals and placement run through the same compiled programs. What the engine does to
+weights at load time is done again here, the same way: fusing QKV and gate/up one layer at a time
+(`family.fuse_params`), or under tensor parallelism placing each leaf by the rules table
+(serving/sharding.py, KV heads replicated as at load). The engine serves arrays of its own
+(copies, or the caller's when donated), and frees each old layer before building its
+replacement, so beyond the caller's own params the update holds about one extra layer.
+
+Everything cached under the old weights is invalidated: the prefix cache, host tier and hybrid
+checkpoint / span-map stores are forgotten (`reset_prefix_cache`), and a fresh random nonce enters
+every block hash's root (`WeightsVersion.root`), so no key made after the update equals one made
+before it. The persistent span store, keyed by the loaded checkpoint's fingerprint, is detached:
+blocks of updated weights are neither read from it nor written to it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from minipic_jax.models import nnx_pure
+from serving import sharding
+from serving.hashing import root_hash
+
+
+@dataclass(slots=True)
+class WeightsVersion:
+    """The served weights' identity in the cache namespace: a generation count (0 = as loaded)
+    and a nonce drawn at each update, mixed into every root hash."""
+
+    hash_fn: object
+    generation: int = 0
+    nonce: bytes = b""
+    spec: object = None  # the family's (unfused) params as ShapeDtypeStructs
+
+    def root(self, cache_salt: str | None) -> int:
+        h0 = root_hash(self.hash_fn, cache_salt)
+        if not self.generation:
+            return h0  # as loaded: keys shared with other processes of the same checkpoint
+        return self.hash_fn(h0, self.nonce, b"W")
+
+    def bump(self) -> None:
+        self.generation += 1
+        self.nonce = self.generation.to_bytes(8, "little") + os.urandom(16)
+
+
+def params_spec(params, dtype) -> dict:
+    """ShapeDtypeStructs of the loaded (unfused) params in the engine dtype (host params of a
+    tensor-parallel load are cast to it as they are placed)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(dtype)), params)
+
+
+def as_params_dict(params):
+    """The family's params dict from what a trainer holds: the dict itself, a Flax NNX State
+    (`nnx.state(model)`, layers keyed by index) or an NNX module."""
+    from flax import nnx
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params)
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    if isinstance(params, dict) and isinstance(params.get("layers"), dict):
+        params = nnx_pure.from_state_dict(params)
+    return params
+
+
+def _dtype_of(x):
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def check_params(params, spec) -> None:
+    """ValueError naming the first leaf of `params` that is missing, extra, or of another shape
+    or dtype than `spec`'s; nothing is touched."""
+    want = dict(jax.tree_util.tree_flatten_with_path(spec)[0])
+    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    names = {jax.tree_util.keystr(p): p for p in want}
+    got_names = {jax.tree_util.keystr(p): p for p in got}
+    for name, path in names.items():
+        if name not in got_names:
+            raise ValueError(f"update_weights: leaf params{name} is missing (want shape "
+                             f"{want[path].shape}, dtype {want[path].dtype})")
+        x, w = got[got_names[name]], want[path]
+        shape = tuple(np.shape(x))
+        if shape != w.shape or _dtype_of(x) != w.dtype:
+            raise ValueError(f"update_weights: leaf params{name} has shape {shape}, dtype "
+                             f"{_dtype_of(x)}; the served model needs shape {w.shape}, dtype "
+                             f"{w.dtype}")
+    extra = sorted(set(got_names) - set(names))
+    if extra:
+        raise ValueError(f"update_weights: leaf params{extra[0]} is not a parameter of the "
+                         f"served model")
+    if jax.tree.structure(params) != jax.tree.structure(spec):
+        raise ValueError(f"update_weights: params have the structure "
+                         f"{jax.tree.structure(params)}, the served model "
+                         f"{jax.tree.structure(spec)}")
+
+
+def _on(x, target, donate: bool):
+    """`x` on `target`: itself when already there, else moved (a new array, the engine's)."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+        return x
+    return jax.device_put(x, target, donate=donate and isinstance(x, jax.Array))
+
+
+def _own(x, theirs: set, donate: bool):
+    """The engine's own array for `x`: a copy of a caller's array unless donated, so a caller that
+    later donates or deletes its params (an optimizer step) never frees what the engine serves.
+    A copy keeps the array's committedness (jit caches key on it: the family's fuse program stays
+    the one compiled at load)."""
+    if id(x) in theirs and not donate:
+        return jax.device_put(x, may_alias=False)
+    return x
+
+
+def _free(old_leaves, keep: set) -> None:
+    """Delete served arrays (all the engine's own) but those in `keep` (ids of the new params':
+    a caller that donated arrays and passes them again)."""
+    for x in old_leaves:
+        if isinstance(x, jax.Array) and id(x) not in keep and not x.is_deleted():
+            x.delete()
+
+
+def install_single(runner, new: dict, donate: bool) -> dict:
+    """One device: the top-level leaves (embedding, final norm, LM head) first, then layer by
+    layer the old layer freed and the new one fused as at load (`fuse_weights`: the family's
+    `fuse_params` on a one-layer params dict, reading the caller's arrays, so only the leaves it
+    passes through are copied). Returns the served params."""
+    old = runner.params
+    target = jax.tree.leaves(old)[0].sharding
+    theirs = {id(x) for x in jax.tree.leaves(new)}
+    _free((x for k, v in old.items() if k != "layers" for x in jax.tree.leaves(v)), theirs)
+    top = {k: (None if v is None else
+               jax.tree.map(lambda x: _own(_on(x, target, donate), theirs, donate), v))
+           for k, v in new.items() if k != "layers"}
+    layers = []
+    for i, lp in enumerate(new["layers"]):
+        _free(jax.tree.leaves(old["layers"][i]), theirs)
+        lp = jax.tree.map(lambda x: _on(x, target, donate), lp)
+        if runner.config.fuse_weights:  # consumes the inputs only when they are the engine's
+            mine = donate or not any(id(x) in theirs for x in jax.tree.leaves(lp))
+            lp = runner.family.fuse_params({**top, "layers": (lp,)}, consume=mine)["layers"][0]
+        lp = jax.block_until_ready(jax.tree.map(lambda x: _own(x, theirs, donate), lp))
+        layers.append(lp)
+    return {**top, "layers": tuple(layers)}
+
+
+def install_sharded(runner, loaded, new: dict, donate: bool) -> dict:
+    """Tensor parallelism: each leaf placed by the rules table (KV heads replicated as at load,
+    serving/sharding.place_model), the old leaf freed before its replacement lands."""
+    axes = loaded.family.param_axes(loaded.cfg)
+    copies = sharding.kv_replication(loaded.cfg, runner.config.tensor_parallel_size)
+    new = sharding.replicate_kv_heads(new, axes, copies)
+    targets = jax.tree.leaves(sharding.shardings(new, axes, runner.mesh))
+    new_leaves, treedef = jax.tree.flatten(new)
+    placed = []
+    theirs = {id(x) for x in new_leaves}
+    for x, s, o in zip(new_leaves, targets, jax.tree.leaves(runner.params)):
+        _free([o], theirs)
+        placed.append(jax.block_until_ready(_own(_on(x, s, donate), theirs, donate)))
+    return jax.tree.unflatten(treedef, placed)
+
+
+def _detach_span_store(engine) -> None:
+    """The persistent span store is keyed by the fingerprint of the checkpoint the engine loaded
+    (serving/fingerprint.py): after an update it neither reads nor writes it (its blocks would
+    describe other weights). The host tier above it stays (it is forgotten with the cache)."""
+    if engine.kv_store is not None:
+        engine.kv_store = None
+        engine.scheduler.offload = engine.offload
+
+
+def update_weights(llm, params, *, donate: bool = False) -> int:
+    """See `LLM.update_weights`. Returns the new weights generation."""
+    engine = llm.llm_engine
+    version: WeightsVersion = llm.weights_version
+    if engine.has_unfinished() or engine._inflight is not None:
+        raise RuntimeError("update_weights: requests are still running; call it between "
+                           "generate() calls")
+    params = as_params_dict(params)
+    check_params(params, version.spec)  # before anything changes: old weights keep serving
+    engine.flush_kv_store()  # blocks of the old weights reach the store under the old keys
+    _detach_span_store(engine)
+    runner = engine.runner
+    if runner.mesh is None:
+        served = install_single(runner, params, donate)
+    else:
+        served = install_sharded(runner, engine.loaded, params, donate)
+    del params
+    runner.params = engine.loaded.params = served
+    version.bump()
+    engine.reset_prefix_cache()
+    return version.generation
+
+
+def attach(engine, spec) -> WeightsVersion:
+    """The engine's weights version (generation 0), made the source of its block hashes' roots."""
+    from serving.hashing import make_hash_fn
+    version = WeightsVersion(make_hash_fn(engine.config.hash_algo), spec=spec)
+    engine.scheduler.keys.root_hash_fn = version.root
+    return version
