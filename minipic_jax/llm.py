@@ -94,6 +94,7 @@ class LLM:
         self._next_id = 0
         self._lock = threading.RLock()  # see _serialized
 
+    @_serialized
     def update_weights(self, params, *, donate: bool = False) -> int:
         """Serve `params` from now on: the family's params dict (unfused, as `load_model` or
         minipic-train give it), or a Flax NNX State / module of it, of exactly the served
