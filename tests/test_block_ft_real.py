@@ -104,3 +104,19 @@ def test_recipe_runs_end_to_end_on_a_tiny_folder(tmp_path):
     assert (out / "run" / "export" / "model.safetensors").exists()
     assert "after fine-tuning" in (out / "block_ft_real.md").read_text()
     assert set(res["phases_s"]) == {"convert", "data", "eval_before", "fine_tune", "eval_after"}
+
+
+def test_export_keeps_the_source_chat_template(tmp_path):
+    """transformers 5 saves a chat template as chat_template.jinja beside tokenizer_config.json;
+    an export without it could not be served as a chat model (LLM.chat, /v1/chat/completions)."""
+    import numpy as np
+
+    from minipic_jax.training.export import export_hf
+    src = _tiny_folder(tmp_path)
+    (src / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    from configs.presets import get_preset
+    from minipic_jax.models import llama
+    cfg = get_preset("tiny_llama3")
+    params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(1)))
+    out = export_hf(params, cfg, llama, tmp_path / "export", source_folder=src)
+    assert (out / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
