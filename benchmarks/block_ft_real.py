@@ -53,7 +53,7 @@ def add_arguments(p):
                    help="training compute dtype; auto: bfloat16 on a GPU, float32 on a CPU")
     g.add_argument("--eval-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="engine dtype of the evaluations (default: %(default)s)")
-    g.add_argument("--max-tokens", type=int, default=12,
+    g.add_argument("--max-tokens", type=int, default=24,
                    help="greedy answer length in tokens (default: %(default)s)")
 
 

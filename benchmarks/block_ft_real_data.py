@@ -15,7 +15,10 @@ answer) occurs in training. Training questions draw fresh attributes for every r
 must be read, never memorised); the held-out questions share one fixed world of entities, so
 their passages repeat across questions and the span run reuses them from the cache.
 
-Scoring: the greedy answer contains the gold answer (case-insensitive).
+Scoring: the greedy answer contains the gold answer (case-insensitive); a person's gold answer is
+the family name. The instruction asks for the answer alone, but SmolLM2-135M-Instruct replies in
+a sentence that repeats the question ("The town of Hultur lies on the river Loces."), so the
+recipe's default --max-tokens is 24, room for such a sentence.
 """
 
 from __future__ import annotations
@@ -122,6 +125,9 @@ QUESTIONS = {
 }
 
 
+PERSON_ATTRS = ("founder", "teacher", "owner")
+
+
 @dataclasses.dataclass(frozen=True)
 class Question:
     passages: tuple[str, ...]  # in prompt order; one of them answers
@@ -137,15 +143,23 @@ def _distinct_answers(entities, attr) -> bool:
         and len(set(vals)) == len(vals)
 
 
+def gold(entity: dict, attr: str) -> str:
+    """The answer to score: a person's family name (the given name is optional in a reply)."""
+    value = entity[attr]
+    return value.split()[-1] if attr in PERSON_ATTRS else value
+
+
 def make_question(rng, entities: list[dict]) -> Question | None:
-    """A question about entities[0] with the others as distractors, shuffled; None when two of
-    them share the asked attribute (ambiguous)."""
+    """A question about entities[0] with the others as distractors, shuffled; None when the
+    answer would be ambiguous (a distractor's passage contains it too)."""
     text, attr = _pick(rng, QUESTIONS[entities[0]["kind"]])
-    if not _distinct_answers(entities, attr):
+    answer = gold(entities[0], attr)
+    if not _distinct_answers(entities, attr) or any(
+            correct(passage(e), answer) for e in entities[1:]):
         return None
     order = rng.permutation(len(entities))
     return Question(tuple(passage(entities[i]) for i in order), text.format(name=entities[0]["name"]),
-                    entities[0][attr], int(np.flatnonzero(order == 0)[0]))
+                    answer, int(np.flatnonzero(order == 0)[0]))
 
 
 def _names(rng, kind, pool: NamePool, n: int) -> list[str]:
