@@ -21,6 +21,8 @@ Tasks (--task):
     value), a question names one key ("?K") and the answer is its value ("v"), the key occurring
     once among the documents: the classic induction pattern. Nothing in a document needs another
     document, so a model that learned it loses nothing to Block-Attention (RESULTS.md "Training").
+With --model an HF folder or a .gguf file, a real pretrained model is block fine-tuned instead, on
+a natural-language RAG task (benchmarks/block_ft_real.py; the options of its group below).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 
 import numpy as np
 
-from benchmarks import block_ft_sections
+from benchmarks import block_ft_real, block_ft_sections
 
 # per task: the defaults of the options given as None. sections: the Block-Attention answer takes
 # two dependent look-ups after the previous-token layer, so 3 layers at the least
@@ -40,10 +42,13 @@ TASK_DEFAULTS = {
     "sections": dict(layers=4, block_size=8, seq_len=72, pretrain_seq_len=40, queries=3),
     "retrieval": dict(layers=2, block_size=16, seq_len=96, pretrain_seq_len=64, queries=4),
 }
+SYNTHETIC_DEFAULTS = dict(lr=2e-3, batch_size=128)  # of the options the real recipe shares
 
 
 def add_parser(p):
-    p.add_argument("--model", default="tiny_llama", help="preset (random init: from scratch)")
+    p.add_argument("--model", default="tiny_llama",
+                   help="preset (random init: from scratch), or an HF folder or .gguf file: block "
+                        "fine-tuning of that real model (benchmarks/block_ft_real.py)")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers (overrides the preset; default: sections 4, retrieval 2)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (overrides the preset)")
@@ -86,21 +91,21 @@ def add_parser(p):
     p.add_argument("--ft-plain-fraction", type=float, default=0.5,
                    help="share of plain (full-attention) examples in the block fine-tuning, so the "
                         "model keeps both modes (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=128,
-                   help="training batch size (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="training batch size (default: 128; real model 32)")
     p.add_argument("--ft-batch-size", type=int, default=64,
                    help="block fine-tuning batch size (default: %(default)s)")
     p.add_argument("--base", default=None,
                    help="skip pretraining: evaluate and fine-tune this HF folder (an earlier "
                         "run's pretrain/export, trained on the same task settings)")
-    p.add_argument("--lr", type=float, default=2e-3,
-                   help="peak learning rate (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 2e-3; real model: 5e-5, LoRA 5e-4)")
     p.add_argument("--block-size", type=int, default=None,
                    help="KV block size for training and the engine (default: sections 8, "
-                        "retrieval 16)")
+                        "retrieval 16, real model 16)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="training sequence length; engine max_model_len is this + 16 "
-                        "(default: sections 72, retrieval 96)")
+                        "(default: sections 72, retrieval 96, real model 512)")
     p.add_argument("--pretrain-seq-len", type=int, default=None,
                    help="sequence length of the full-attention pretraining (plain layout, no "
                         "pads or markers) (default: sections 40, retrieval 64)")
@@ -110,6 +115,7 @@ def add_parser(p):
                    help="no training progress bars")
     p.add_argument("--out", default=os.environ.get("OUT", "block_ft"),
                    help="output folder: data, checkpoints, block_ft.json (default: %(default)s)")
+    block_ft_real.add_arguments(p)
 
 
 KEYS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # one byte-level token each
@@ -170,7 +176,7 @@ def _copy_record(rng, length):
 
 def resolve(args):
     """Fill the task's defaults (TASK_DEFAULTS) and check the task's arguments."""
-    for name, value in TASK_DEFAULTS[args.task].items():
+    for name, value in {**SYNTHETIC_DEFAULTS, **TASK_DEFAULTS[args.task]}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.task == "sections":
@@ -275,6 +281,8 @@ def _recovered_se(res) -> float:
 
 
 def run(args):
+    if block_ft_real.is_real_model(args.model):
+        return block_ft_real.run(args)
     resolve(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,9 @@ import shutil
 
 import numpy as np
 
+# chat_template.jinja: where transformers 5 saves a chat template (not in tokenizer_config.json)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "generation_config.json")
+                   "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
 
 def export_hf(params: dict, cfg, family, out_dir, *, source_folder=None,
