@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.gated_delta import affine
+from kernels_pallas.gated_delta.api import apply_map
 from serving.offload import HostBatch
 
 
@@ -103,7 +103,7 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0):
         use = i < n_maps
         a = jnp.moveaxis(pool.a[ids], 1, 0).astype(f32)  # [Lg, S, Hv, Dk, Dk]
         b = jnp.moveaxis(pool.b[ids], 1, 0).astype(f32)
-        nxt = affine.apply((a, b), delta, precision=jax.lax.Precision.HIGHEST)
+        nxt = apply_map((a, b), delta, precision=jax.lax.Precision.HIGHEST)
         delta = jnp.where(use[None, :, None, None, None], nxt, delta)
         tail = jnp.moveaxis(pool.tail[ids], 1, 0)  # [Lg, S, C, K1]
         shifted = shift_window(conv, tail, pool.count[ids][None, :])

@@ -1,13 +1,16 @@
 """The kernel registry: every attention implementation has a test class over the shared cases,
-"auto" follows the one default list, and options are typed and checked."""
+"auto" follows the one default list, and options are typed and checked; gated delta resolves
+its implementation through the same rule."""
 
 import dataclasses
 import importlib
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from attention_test_base import AttentionKernelTests
+from kernels_pallas.gated_delta import api as gdn_api
 from kernels_pallas.paged_attention import api
 from kernels_pallas.paged_attention.problem import Problem
 from kernels_pallas.paged_attention.triton_decode import TritonDecodeOptions
@@ -73,3 +76,47 @@ def test_mixed_reads_values_from_the_pages_where_its_table_fits():
     assert impl.name == "mixed" and not options.direct_v and options.skip_idle
     _, options = api.choose_attention(prefill, "mixed", {"direct_v": False, "skip_idle": False})
     assert not options.direct_v and not options.skip_idle
+
+
+GDN_GPU = gdn_api.Problem(platform="gpu")
+
+
+@pytest.mark.parametrize("problem,order", [
+    (GDN_GPU, ("pallas_fused", "xla")),
+    (gdn_api.Problem(platform="cpu", interpret=True), ("pallas_fused", "xla")),
+    (gdn_api.Problem(platform="cpu"), ("xla",)),
+])
+def test_gated_delta_auto_order(problem, order):
+    assert gdn_api.auto_order(problem) == order
+
+
+def test_gated_delta_auto_picks_the_first_that_takes_the_problem():
+    """Gated delta resolves `implementation=` through the one registry rule, like attention."""
+    assert gdn_api.choose_gated_delta(GDN_GPU)[0].name == "pallas_fused"
+    transitions = dataclasses.replace(GDN_GPU, ragged_transition=True)
+    assert gdn_api.choose_gated_delta(transitions)[0].name == "xla"  # fused: no ragged A_span
+    blocked = dataclasses.replace(GDN_GPU, scan="blocked")
+    assert gdn_api.choose_gated_delta(blocked, None)[0].name == "pallas_fused"
+    with pytest.raises(ValueError, match="no implementation takes this problem.*blocked"):
+        gdn_api.choose_gated_delta(dataclasses.replace(blocked, platform="cpu"))
+    assert set(gdn_api.GATED_DELTA) == {"xla", "pallas_fused"}
+    assert gdn_api.IMPLEMENTATIONS == ("auto", "xla", "pallas_fused")
+
+
+def test_gated_delta_bad_names_and_problems_are_clear_errors():
+    with pytest.raises(ValueError, match="gated_delta: unknown implementation 'cuda'; use "
+                                         "'auto' or one of \\('xla', 'pallas_fused'\\)"):
+        gdn_api.choose_gated_delta(GDN_GPU, "cuda")
+    with pytest.raises(ValueError, match="implementation='pallas_fused' needs a GPU"):
+        gdn_api.choose_gated_delta(gdn_api.Problem(platform="cpu"), "pallas_fused")
+    with pytest.raises(ValueError, match="implementation='xla' cannot take scan='blocked'"):
+        gdn_api.choose_gated_delta(dataclasses.replace(GDN_GPU, scan="blocked"), "xla")
+    with pytest.raises(ValueError, match="unknown options \\['splits'\\]; it takes none"):
+        gdn_api.choose_gated_delta(GDN_GPU, "xla", {"splits": 3})
+    with pytest.raises(ValueError, match="gated_delta.ragged_prefill: implementation="
+                                         "'pallas_fused' cannot return a ragged batch's"):
+        x = np.zeros((4, 1, 8), np.float32)
+        gdn_api.ragged_prefill(x, x, x, x[..., 0], x[..., 0], np.array([0, 4], np.int32),
+                               np.zeros(1, np.int32), np.zeros((1, 1, 8, 8), np.float32),
+                               chunk=4, implementation="pallas_fused", interpret=True,
+                               return_transition=True)

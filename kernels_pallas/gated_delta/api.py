@@ -5,6 +5,14 @@ their final form: g = log decay (<= 0), beta in (0, 1). The state is [Dk, Dv] pe
 always float32. Chunk boundaries are counted from the first given token; callers that resume a
 sequence in the middle keep checkpoints exact by resuming only at multiples of `chunk_size` (or by
 left-aligning with no-op tokens, see `noop_pad_left`).
+
+Which implementation runs is decided here, once per call, by `choose_gated_delta` over the
+registry `GATED_DELTA` (kernels_pallas/registry.py says how to add one): a named implementation,
+or "auto", the first of `auto_order`'s list that takes the problem. A record's `run` is the
+equal-length chunked prefill; the ragged entry points (ragged.py, affine.py) run the chosen
+record's name. Models reach the op through this module only: it re-exports the ragged entry
+points and their helpers (`ragged_prefill`, `ragged_maps`, `ragged_packing`, `maps_packing`,
+`take_rows`, `apply_map`).
 """
 
 from __future__ import annotations
@@ -13,21 +21,93 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta import chunked, dots, ragged, tree_scan
+from kernels_pallas import registry
+from kernels_pallas.gated_delta import affine, chunked, dots, ragged, tree_scan
+from kernels_pallas.gated_delta.affine import apply as apply_map, maps_packing  # noqa: F401
+from kernels_pallas.gated_delta.problem import Problem
+from kernels_pallas.gated_delta.ragged import packing as ragged_packing, take_rows  # noqa: F401
+from kernels_pallas.registry import Implementation
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas_fused")
+__all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "Problem", "apply_map", "auto_order", "choose",
+           "choose_gated_delta", "decode_step", "maps_packing", "prefill", "ragged_gated_delta",
+           "ragged_maps", "ragged_packing", "ragged_prefill", "take_rows"]
 
 
-def choose(implementation: str | None, *, interpret: bool = False, op: str = "gated_delta"):
-    """The one policy: a name of IMPLEMENTATIONS as given; "auto" (or None) is "pallas_fused"
-    (fused_triton.py / ragged_triton.py: the Triton-lowered chunk kernels) on a GPU or when
-    interpreting, "xla" (lax.scan over chunks) elsewhere. ValueError for an unknown name."""
-    if implementation in (None, "auto"):
-        return "pallas_fused" if interpret or jax.default_backend() == "gpu" else "xla"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
-    return implementation
+def _run_xla(q, k, v, g, beta, state0, ckpt, *, scale, chunk, kind, solve, inter_dtype,
+             transition, interpret):
+    """implementation="xla": lax.scan over chunks (chunked.py; the tree scan for kind "tree")."""
+    del interpret
+    scan_fn = tree_scan.state_scan if kind == "tree" else None
+    res = chunked.chunked_gated_delta(
+        q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk, scan_fn=scan_fn,
+        solve=solve, inter_dtype=inter_dtype, transition=transition)
+    return (res[0].astype(v.dtype),) + tuple(res[1:])
+
+
+def _run_pallas_fused(q, k, v, g, beta, state0, ckpt, *, scale, chunk, kind, solve,
+                      inter_dtype, transition, interpret):
+    """implementation="pallas_fused": the Triton-lowered chunk kernels (fused_triton.py; the
+    two-level scan of scan_blocked.py for kind "blocked", the tree scan for "tree" or a
+    transition)."""
+    del solve
+    from kernels_pallas.gated_delta import fused_triton, scan_blocked
+    kw = dict(scale=scale, chunk=chunk, dot_dtype=inter_dtype, interpret=interpret)
+    if kind == "blocked":
+        return scan_blocked.blocked_gated_delta(q, k, v, g, beta, state0, ckpt,
+                                                transition=transition, **kw)
+    if kind == "tree" or transition:
+        res = tree_scan.fused_tree_gated_delta(q, k, v, g, beta, state0, ckpt, **kw)
+        return res[:3] + (res[3:] if transition else ())
+    return fused_triton.fused_gated_delta(q, k, v, g, beta, state0, ckpt, **kw)
+
+
+def _xla_limits(problem: Problem, options) -> str:
+    del options
+    if problem.scan == "blocked":
+        return "cannot take scan='blocked' (a Pallas kernel: scan_blocked.py, 'pallas_fused')"
+    return ""
+
+
+def _pallas_fused_limits(problem: Problem, options) -> str:
+    del options
+    if problem.platform != "gpu" and not problem.interpret:
+        return "needs a GPU, or interpret=True on CPU (Triton-lowered Pallas kernels)"
+    if problem.ragged_transition:
+        return "cannot return a ragged batch's transitions (return_transition: XLA only)"
+    return ""
+
+
+GATED_DELTA: dict[str, Implementation] = {
+    "xla": Implementation("xla", _run_xla, limits=_xla_limits),
+    "pallas_fused": Implementation("pallas_fused", _run_pallas_fused,
+                                   limits=_pallas_fused_limits, backend="triton"),
+}
+IMPLEMENTATIONS = ("auto",) + tuple(GATED_DELTA)
+
+
+def auto_order(problem: Problem) -> tuple[str, ...]:
+    """The default list, best first: on a GPU or when interpreting, the fused Triton-lowered
+    chunk kernels (fused_triton.py / ragged_triton.py), then XLA; elsewhere XLA (lax.scan over
+    chunks), which takes every problem but scan='blocked'."""
+    if problem.interpret or problem.platform == "gpu":
+        return ("pallas_fused", "xla")
+    return ("xla",)
+
+
+def choose_gated_delta(problem: Problem, implementation: str | None = "auto", options=None, *,
+                       op: str = "gated_delta"):
+    """(Implementation, filled options) that runs `problem`; ValueError naming why not (an
+    unknown name, or one that cannot take the problem). None is "auto"."""
+    return registry.choose(op, GATED_DELTA, auto_order(problem), problem,
+                           implementation or "auto", options)
+
+
+def choose(implementation: str | None, *, interpret: bool = False, op: str = "gated_delta",
+           **facts) -> str:
+    """The name `choose_gated_delta` picks on this backend (facts: more Problem fields), for
+    callers that pass the choice down to the ragged entry points."""
+    problem = Problem.here(interpret, **facts)
+    return choose_gated_delta(problem, implementation, op=op)[0].name
 
 
 def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, chunk_size=64,
@@ -47,7 +127,7 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
       chunk_size: C, the checkpoint granularity.
       implementation: "xla" (lax.scan; the default here, where callers compare variants),
         "pallas_fused" (three GPU kernels: intra-chunk UT solve, state scan, output; see
-        fused_triton.py) or "auto" (`choose`).
+        fused_triton.py) or "auto" / None (`auto_order`).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       solve: in-chunk UT solve, "blocked" (block-recursive inverse) or "trsm".
       inter_dtype: intermediates' dtype (None: float32; bfloat16 for speed with bf16 inputs).
@@ -71,7 +151,9 @@ def _prefill(q, k, v, g, beta, state0, checkpoint_at, scale, chunk_size, impleme
              interpret, solve, inter_dtype, scan, return_transition):
     n, t_len, hk, dk = _validate(q, k, v, g, beta, state0)
     hv, dv = v.shape[2:]
-    implementation = choose(implementation, interpret=interpret, op="gated_delta.prefill")
+    kind = tree_scan.choose_scan(n, hv, -(-t_len // chunk_size), scan)
+    impl, options = choose_gated_delta(Problem.here(interpret, scan=kind), implementation,
+                                       op="gated_delta.prefill")
     if scale is None:
         scale = dk ** -0.5
     ckpt = None
@@ -83,30 +165,10 @@ def _prefill(q, k, v, g, beta, state0, checkpoint_at, scale, chunk_size, impleme
     if pad:  # trailing no-op tokens: g = 0 (no decay), beta = 0 and k = 0 (no write)
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
                             for x in (q, k, v, g, beta))
-    kind = tree_scan.choose_scan(n, hv, -(-t_len // chunk_size), scan)
-    if kind == "blocked" and implementation != "pallas_fused":
-        raise ValueError("gated_delta.prefill: scan='blocked' needs implementation='pallas_fused'")
-    if implementation == "pallas_fused":
-        from kernels_pallas.gated_delta import fused_triton, scan_blocked
-        if kind == "blocked":
-            res = scan_blocked.blocked_gated_delta(
-                q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size,
-                dot_dtype=inter_dtype, interpret=interpret, transition=return_transition)
-            return (res[0][:, :t_len],) + res[1:]
-        if kind == "tree" or return_transition:
-            res = tree_scan.fused_tree_gated_delta(
-                q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size,
-                dot_dtype=inter_dtype, interpret=interpret)
-            return (res[0][:, :t_len],) + res[1:3] + (res[3:] if return_transition else ())
-        out, final, ckpt_states = fused_triton.fused_gated_delta(
-            q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size,
-            dot_dtype=inter_dtype, interpret=interpret)
-        return out[:, :t_len], final, ckpt_states
-    scan_fn = tree_scan.state_scan if kind == "tree" else None
-    res = chunked.chunked_gated_delta(
-        q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size, scan_fn=scan_fn,
-        solve=solve, inter_dtype=inter_dtype, transition=return_transition)
-    return (res[0][:, :t_len].astype(v.dtype),) + tuple(res[1:])
+    res = impl.run(q, k, v, g, beta, state0, ckpt, scale=scale, chunk=chunk_size, kind=kind,
+                   solve=solve, inter_dtype=inter_dtype, transition=return_transition,
+                   interpret=interpret, **impl.kwargs(options))
+    return (res[0][:, :t_len],) + tuple(res[1:])
 
 
 def decode_step(q, k, v, g, beta, state, *, scale=None):
@@ -169,7 +231,8 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
                        packing=None):
     """The model's entry: `ragged.ragged_prefill` (its arguments and results), or the one-step
     recurrence when every sequence has <= 1 token (checkpoints, if asked, are then the state0 /
-    final state as positions say). implementation: see `choose`.
+    final state as positions say). implementation: a name of GATED_DELTA or "auto" / None
+    (`auto_order`).
 
     decode: which of the two runs, decided by a caller that knows the step on the host: True
     (every sequence has <= 1 token: the one-step recurrence), False (the chunked prefill, exact
@@ -210,3 +273,22 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
         if decode is None:
             return jax.lax.cond(jnp.max(lens) <= 1, one_step, prefill, ops)
         return one_step(ops) if decode else prefill(ops)
+
+
+def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, implementation="xla",
+                   interpret=False, return_transition=False, **kw):
+    """ragged.ragged_prefill (its arguments and results; kw: the others) with `implementation`
+    resolved here: a name of GATED_DELTA or "auto" / None (`auto_order`)."""
+    name = choose(implementation, interpret=interpret, op="gated_delta.ragged_prefill",
+                  ragged_transition=return_transition)
+    return ragged.ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, implementation=name,
+                                 interpret=interpret, return_transition=return_transition, **kw)
+
+
+def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, packings=None, *,
+                implementation="xla", interpret=False, **kernel):
+    """affine.ragged_maps (its arguments and results; kernel: ragged_prefill's other options)
+    with `implementation` resolved here, as in `ragged_prefill`."""
+    name = choose(implementation, interpret=interpret, op="gated_delta.ragged_maps")
+    return affine.ragged_maps(q, k, v, g, beta, cu_q_lens, select, final_of, packings,
+                              implementation=name, interpret=interpret, **kernel)

@@ -139,7 +139,7 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
       checkpoint_at: None or [S, M] int32 absolute positions (multiples of chunk, within
         [pos0, pos0 + len]) whose states to return; -1 = none (returns state0 there).
       implementation: "xla" (lax.scan) or "pallas_fused" (ragged_triton.py, GPU; on CPU only
-        with interpret=True); api.choose resolves "auto".
+        with interpret=True); api.ragged_prefill resolves "auto".
       return_transition: also return each sequence's transition over its new tokens (affine.py;
         identity for a sequence with none), so final = a_span state0 + final-from-zero. XLA only.
       aligned: the caller's promise that every pos0 is a multiple of chunk (zero, say): the

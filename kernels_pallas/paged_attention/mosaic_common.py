@@ -28,13 +28,14 @@ def register_interpreter_rules() -> None:
     """Lower `plgpu.mma` on CPU as acc + a @ b (float32 accumulation): the Mosaic GPU interpreter
     has no rule for it. Called by the decode wrapper before an interpreted call (and by tests);
     registering once per process is enough."""
-    from jax._src.interpreters import mlir
-    from jax._src.pallas.mosaic_gpu import primitives as mgpu_primitives
+    from jax.interpreters import mlir
+
+    from kernels_pallas.jax_internals import mosaic_gpu_mma_primitive
 
     def interpreted_mma(acc, a, b):
         return acc + jnp.dot(a, b, preferred_element_type=acc.dtype)
 
-    mlir.register_lowering(mgpu_primitives.mma_p,
+    mlir.register_lowering(mosaic_gpu_mma_primitive(),
                            mlir.lower_fun(interpreted_mma, multiple_results=False),
                            platform="cpu")
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
-from kernels_pallas.gated_delta import ragged
+from kernels_pallas.gated_delta.api import ragged_packing
 from kernels_pallas.paged_attention.api import KV_MODES
 from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
 from minipic_jax.models import qwen3_5_modules as modules
@@ -85,7 +85,7 @@ def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces) ->
     cu, n_rows = metadata.cu_q_lens, metadata.num_tokens
     seq_of_row = qwen3_5_gdn.rows_of_seqs(cu, n_rows)
     return dict(checkpoint_at=checkpoint_at, decode=decode, seq_of_row=seq_of_row,
-                packing=None if decode else ragged.packing(cu, pos0, n_rows, chunk=CHUNK),
+                packing=None if decode else ragged_packing(cu, pos0, n_rows, chunk=CHUNK),
                 conv_idx=qwen3_5_gdn.conv_index(cu, pos0, seq_of_row,
                                                 cfg.linear_conv_kernel_dim - 1, checkpoint_at),
                 pieces=None if span_pieces is None else qwen3_5_spans.prepare(

@@ -24,9 +24,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.gated_delta import affine
-from kernels_pallas.gated_delta.ragged import packing as ragged_packing
-from kernels_pallas.gated_delta.ragged import ragged_prefill, take_rows
+from kernels_pallas.gated_delta.api import (maps_packing, ragged_maps, ragged_packing,
+                                            ragged_prefill, take_rows)
 from serving.model_contract import SpanPieces
 
 
@@ -94,7 +93,7 @@ def _window(mixed, rows):
 
 
 def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int):
-    """The local pass's packings (affine.maps_packing with pieces.capture, else ragged.packing):
+    """The local pass's packings (maps_packing with pieces.capture, else ragged_packing):
     only span rows run, gathered to the front (see local_pass), folded into the packing as
     source rows, so a layer packs its q, k, v, g, beta with one gather each."""
     span = pieces.row_span
@@ -104,8 +103,8 @@ def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int):
         rows, mode="drop")  # compact row j <- row src[j] (past the span rows: none read)
     cu = before[pieces.piece_cu]  # the pieces' span rows only
     if pieces.capture is not None:
-        return affine.maps_packing(cu, n_rows, pieces.capture, fin, chunk=chunk,
-                                   source_rows=src, n_source=n_rows)
+        return maps_packing(cu, n_rows, pieces.capture, fin, chunk=chunk, source_rows=src,
+                            n_source=n_rows)
     n = pieces.piece_cu.shape[0] - 1
     return ragged_packing(cu, jnp.zeros(n, jnp.int32), n_rows, chunk=chunk, aligned=True,
                           final_of=fin, source_rows=src, n_source=n_rows)
@@ -140,7 +139,7 @@ def local_pass(q, k, v, g, beta, pieces: SpanPieces, cu_q_lens, **kw):
     costs the step's span rows, not all its rows. Then the chunked ragged prefill (one compiled
     branch, whatever the piece lengths; pieces start at zero, so the packed stream is sized for
     aligned starts, and only the states read are written); with `pieces.capture`
-    affine.ragged_maps, a second pass of the same kernels over the captured pieces' rows only,
+    ragged_maps, a second pass of the same kernels over the captured pieces' rows only,
     so a capturing step compiles no other recurrent path than a plain span step.
     (A layer runs `run_local` on the packings `prepare` computed once per step.)"""
     n_rows = q.shape[0]
@@ -153,8 +152,8 @@ def run_local(q, k, v, g, beta, packings, **kw):
     """local_pass on its packings (`prepare(...)["packings"]`: a pair with captures)."""
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
     x = (q, k, v, g, beta)
-    if isinstance(packings, tuple):  # affine.maps_packing: the captured pieces' maps too
-        return affine.ragged_maps(*x, None, packings=packings, **kw)
+    if isinstance(packings, tuple):  # maps_packing: the captured pieces' maps too
+        return ragged_maps(*x, None, packings=packings, **kw)
     out, final, _ = ragged_prefill(*x, None, None, jnp.zeros((1, hv, dk, dv), jnp.float32),
                                    packing=packings, **kw)
     return out, final, None
