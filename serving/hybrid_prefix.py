@@ -94,9 +94,10 @@ class HybridPrefixCache:
         self.take_blocks(sched, seq, dict(enumerate(kinds[:kc])), hashes)
         if not seq.ever_admitted:
             seq.num_cached_tokens = kc * bs
-            seq.ck_positions, seq.ck_values = ([], []) if spans else self.planner.prompt_plan(
+            planned = ([], []) if spans else self.planner.prompt_plan(
                 seq.layout, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs],
                 shared)
+            seq.hybrid.ck_positions, seq.hybrid.ck_values = planned
         self.count_admission(seq, kinds, kc, shared, entry)
         self.seat(seq, seats, kc, entry)
         return True
@@ -135,7 +136,7 @@ class HybridPrefixCache:
         step, and resuming at p would save at least `wait_tokens` (what a step of waiting costs,
         Config.checkpoint_step_tokens). A few steps at most (async scheduling marks blocks
         ready a step late)."""
-        bs, waited = self.block_size, getattr(seq, "ck_waits", 0)
+        bs, waited = self.block_size, seq.hybrid.ck_waits
         if shared <= ready or waited >= 3 or not self.wait_tokens:
             return False
         bm = sched.bm
@@ -144,16 +145,16 @@ class HybridPrefixCache:
         own = next((s for s in sched.running if s.seq_id == owner), None)
         if own is None:
             return False
-        ps = [p for p in getattr(own, "ck_positions", ()) if kc * bs < p <= shared * bs]
+        ps = [p for p in own.hybrid.ck_positions if kc * bs < p <= shared * bs]
         if not ps or max(ps) - own.num_computed > sched.cfg.max_num_batched_tokens or \
                 max(ps) - kc * bs < self.wait_tokens:
             return False
-        seq.ck_waits = waited + 1
+        seq.hybrid.ck_waits = waited + 1
         return True
 
     def seat(self, seq, seats, kc: int, entry) -> None:
         """Admit `seq` into a seat, resuming at block kc from checkpoint `entry` (or from zero)."""
-        seq.restore_entry = entry
+        seq.hybrid.restore_entry = entry
         seq.num_computed = kc * self.block_size
         seq.seat = seats.pop()
         seq.synced_blocks = 0
@@ -187,17 +188,17 @@ class HybridPrefixCache:
 
     def drop_restore(self, seq) -> None:
         """The sequence leaves (preempted, finished, aborted) before its restore ran."""
-        e = getattr(seq, "restore_entry", None)
+        e = seq.hybrid.restore_entry
         if e is not None:
             self.store.release(e)
-            seq.restore_entry = None
+            seq.hybrid.restore_entry = None
         if self.spans is not None:
             self.spans.drop(seq)
 
     # -- chunks --------------------------------------------------------------------------------
     @staticmethod
     def _ahead(seq) -> list[int]:
-        return [p for p in getattr(seq, "ck_positions", ()) if p >= seq.num_computed]
+        return [p for p in seq.hybrid.ck_positions if p >= seq.num_computed]
 
     def chunk_stop(self, seq, stop_at, budget: int = 0):
         """A chunk [s, e] takes one checkpoint, the first planned position in [s, e] (at s: the
@@ -220,12 +221,12 @@ class HybridPrefixCache:
         seq = e.seq
         if self.spans is not None:
             self.spans.annotate(sched, e)
-        entry = getattr(seq, "restore_entry", None)
+        entry = seq.hybrid.restore_entry
         if entry is not None:
             e.restore_slot = entry.slot
             e.reset = False
             self.store.hand_to_launch(entry)
-            seq.restore_entry = None
+            seq.hybrid.restore_entry = None
         ahead = self._ahead(seq)
         if not ahead or ahead[0] > e.new_computed or seq.is_span_job:
             return
@@ -233,7 +234,7 @@ class HybridPrefixCache:
         hashes = sched.keys.hashes(seq)
         k = p // bs
         pos = int(positions_of(seq.layout, [p])[0])
-        value = seq.ck_values[seq.ck_positions.index(p)]
+        value = seq.hybrid.ck_values[seq.hybrid.ck_positions.index(p)]
         slot = self.store.reserve(hashes[k - 1], sched.keys.confirm(seq, k - 1), pos, hashes[:k],
                                   value)
         if slot >= 0:

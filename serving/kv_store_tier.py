@@ -132,7 +132,7 @@ class KVStoreTier:
     def ready(self, seq) -> bool:
         """No read that the request waits for is still in flight or queued (the scheduler then
         admits it without blocking; a step with other work runs first otherwise)."""
-        return not any(h in self.pending for hashes in getattr(seq, "kv_store_wants", ())
+        return not any(h in self.pending for hashes in seq.store.wants
                        for h in hashes)
 
     def get(self, h):
@@ -179,9 +179,9 @@ class KVStoreTier:
         for k, seq in enumerate(waiting):
             if k >= self.lookahead:
                 break
-            if getattr(seq, "kv_store_scanned", False) or seq.is_span_job:
+            if seq.store.scanned or seq.is_span_job:
                 continue
-            seq.kv_store_scanned = True
+            seq.store.scanned = True
             self._scan(seq, bm, host)
         self._start_reads()
 
@@ -190,7 +190,7 @@ class KVStoreTier:
             self.keys.hit_limit(seq)
         lay, raw = seq.layout, self.keys.token_bytes(seq)
         starts = np.flatnonzero(lay.seg_start)
-        seq.kv_store_wants, j = [], 0
+        seq.store.wants, j = [], 0
         while j < limit:
             h = hashes[j]
             if (self.spans_only and not _in_span(lay, j)) or h in bm.table or h in self.staged \
@@ -202,7 +202,7 @@ class KVStoreTier:
             end = min(limit, int(nxt[0]) if len(nxt) else limit)
             self._enqueue(_Want(ns, hashes[j:end], raw[j * self.block_bytes:
                                                         end * self.block_bytes]))
-            seq.kv_store_wants.append(hashes[j:end])
+            seq.store.wants.append(hashes[j:end])
             j = end
 
     def _enqueue(self, want: _Want) -> None:

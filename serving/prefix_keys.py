@@ -67,13 +67,13 @@ class PrefixKeys:
     def token_bytes(seq: Sequence) -> bytes:
         """The sequence's tokens as int64 bytes: the prompt's, plus the generated ones once a
         preempted request comes back (its generated blocks can be hits too)."""
-        raw = getattr(seq, "_token_bytes", None)
+        raw = seq.memo.token_bytes
         if raw is None or len(raw) != 8 * len(seq.token_ids):
             n, prompt = seq.num_prompt_tokens, seq.layout.tokens
             if prompt is None or len(prompt) != n:  # a layout built elsewhere: convert
                 prompt = np.asarray(seq.token_ids[:n], np.int64)
             raw = prompt.tobytes() + np.asarray(seq.token_ids[n:], np.int64).tobytes()
-            seq._token_bytes = raw
+            seq.memo.token_bytes = raw
         return raw
 
     def confirm(self, seq: Sequence, j: int) -> bytes:

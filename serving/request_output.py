@@ -25,6 +25,6 @@ def request_output(seq: Sequence, tokenizer) -> RequestOutput:
                             seq.finish_reason, seq.stop_reason)
     metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                              seq.finished_time, seq.num_preemptions)
-    return RequestOutput(seq.request_id, getattr(seq, "prompt_text", None),
+    return RequestOutput(seq.request_id, seq.prompt_text,
                          list(seq.prompt_token_ids), [comp], seq.is_finished,
                          seq.num_cached_tokens, metrics)

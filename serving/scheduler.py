@@ -237,11 +237,11 @@ class Scheduler:
 
     def _final_start(self, seq: Sequence) -> int:
         """Token index where the final segment begins (0 if the prompt is one segment)."""
-        if not hasattr(seq, "_final_start"):
+        if seq.memo.final_start is None:
             lay, bs = seq.layout, self.cfg.block_size
             starts = np.flatnonzero(lay.seg_start)
-            seq._final_start = int(starts[-1]) * bs if starts.size else 0
-        return seq._final_start
+            seq.memo.final_start = int(starts[-1]) * bs if starts.size else 0
+        return seq.memo.final_start
 
     def _entry(self, seq, idx, new_computed) -> ScheduledSeq:
         sample = (not seq.is_span_job) and new_computed >= len(seq)

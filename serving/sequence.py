@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -29,9 +30,59 @@ def _ints(x) -> list:
     return x.tolist() if isinstance(x, np.ndarray) else list(x)
 
 
+@dataclasses.dataclass(slots=True)
+class HybridState:
+    """Hybrid prefix cache (serving/hybrid_prefix.py): the prompt's planned checkpoints and the
+    checkpoint its first chunk resumes from."""
+    ck_positions: list = dataclasses.field(default_factory=list)  # token indices, ascending
+    ck_values: list = dataclasses.field(default_factory=list)  # each checkpoint's value
+    ck_waits: int = 0  # admissions deferred to wait for another sequence's checkpoint
+    restore_entry: object = None  # checkpoint-store entry, until the chunk that restores it
+
+
+@dataclasses.dataclass(slots=True)
+class SpanState:
+    """SSEP spans (serving/span_cache.py, span_jobs.py): cached spans the warm path skips."""
+    skips: list = dataclasses.field(default_factory=list)  # (start, end) token indices
+    # span start -> pinned map entry, until the step that composes it; None: not a span prompt
+    # admitted through the span-map cache
+    pins: dict | None = None
+    jobs_scanned: bool = False  # its span jobs were made (isps: once per request)
+
+
+@dataclasses.dataclass(slots=True)
+class StoreState:
+    """KV store tier (serving/kv_store_tier.py): reads started for this waiting request."""
+    scanned: bool = False  # prefetch looked it up in the store (once)
+    wants: list = dataclasses.field(default_factory=list)  # block-hash runs being read for it
+
+
+@dataclasses.dataclass(slots=True)
+class Memos:
+    """Values derived from the tokens or the layout, kept by the module that derives them
+    (None until first asked)."""
+    token_bytes: bytes | None = None  # serving/prefix_keys.py
+    final_start: int | None = None  # serving/scheduler.py
+    span_intervals: list | None = None  # serving/span_rows.py
+    has_spans: bool | None = None  # serving/span_step.py
+
+
 class Sequence:
     """Prompt + generated tokens. `num_computed` is a token index (pads included): every token
-    before it has its K/V in the cache (computed here, or a ready cache hit)."""
+    before it has its K/V in the cache (computed here, or a ready cache hit).
+
+    Slotted: every field is declared here (STYLE 14); assigning any other attribute raises."""
+
+    __slots__ = (
+        "seq_id", "request_id", "prompt_token_ids", "token_ids", "num_prompt_tokens", "layout",
+        "sampling_params", "block_size", "seed", "cache_salt", "is_span_job", "status",
+        "block_table", "block_hashes", "chain_tail", "num_computed", "num_cached_tokens",
+        "owned", "seat", "synced_blocks", "needs_reset", "ever_admitted", "ready_ptr",
+        "finish_reason", "stop_reason", "text_end", "prompt_text", "stop_text",
+        "output_logprobs", "cum_logprob", "arrival_time", "first_scheduled_time",
+        "first_token_time", "finished_time", "num_preemptions", "num_pending",
+        "ends_with_pending", "block_valid", "block_pos_start", "num_valid",
+        "hybrid", "span", "store", "memo")
 
     def __init__(self, request_id, prompt_token_ids, layout: PromptLayout, sampling_params,
                  block_size: int, *, seed: int, cache_salt: str | None = None,
@@ -58,9 +109,12 @@ class Sequence:
         self.synced_blocks = 0  # block-table entries already copied to the runner's host rows
         self.needs_reset = True  # recurrent state starts from zero on the next chunk
         self.ever_admitted = False
+        self.ready_ptr = 0  # prefix blocks known ready (cache hits another sequence computes)
         self.finish_reason: str | None = None
         self.stop_reason = None  # the stop token id or stop string that ended the request
         self.text_end: int | None = None  # output text cut here (a stop string), else None
+        self.prompt_text: str | None = None  # the prompt as given, when it was text
+        self.stop_text = ""  # output text decoded at the last stop-string check
         self.output_logprobs: list = []
         self.cum_logprob = 0.0
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -76,6 +130,10 @@ class Sequence:
         self.block_valid = _ints(layout.block_valid)
         self.block_pos_start = _ints(layout.block_pos_start)
         self.num_valid = layout.num_valid
+        self.hybrid = HybridState()
+        self.span = SpanState()
+        self.store = StoreState()
+        self.memo = Memos()
 
     # -- sizes ---------------------------------------------------------------------------------
     def __len__(self) -> int:

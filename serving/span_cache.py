@@ -128,10 +128,11 @@ class SpanMapCache:
             seq.num_cached_tokens = len(plan) * self.block_size
         self.spans_skipped += len(skips)
         self.tokens_skipped += sum(b - a for a, b, _ in skips)
-        seq.span_skips = [(a, b) for a, b, _ in skips]
-        seq.span_pins = {a: e for a, _, e in skips}  # until the step that composes them
+        seq.span.skips = [(a, b) for a, b, _ in skips]
+        seq.span.pins = {a: e for a, _, e in skips}  # until the step that composes them
         # planned before this admission is observed, as for plain prompts
-        seq.ck_positions, seq.ck_values = self._checkpoints(hybrid, seq, hashes, shared)
+        seq.hybrid.ck_positions, seq.hybrid.ck_values = self._checkpoints(hybrid, seq, hashes,
+                                                                          shared)
         hybrid.count_admission(seq, kinds, kc, shared, ck)
         hybrid.seat(seq, seats, kc, ck)
         return True
@@ -142,7 +143,7 @@ class SpanMapCache:
         not), so never inside a span, and not at the start of a skipped span (the chunk there
         starts after its map)."""
         bs, lay = self.block_size, seq.layout
-        skipped = {a for a, _ in seq.span_skips}
+        skipped = {a for a, _ in seq.span.skips}
         positions, values = hybrid.planner.prompt_plan(
             lay, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs], shared)
         keep = [i for i, p in enumerate(positions)
@@ -151,7 +152,7 @@ class SpanMapCache:
 
     def drop(self, seq) -> None:
         """The sequence leaves (preempted, finished, aborted): unpin maps it never entered."""
-        pins = getattr(seq, "span_pins", None)
+        pins = seq.span.pins
         for e in (pins or {}).values():
             self.store.release(e)
         if pins:
@@ -162,17 +163,17 @@ class SpanMapCache:
         """The chunk's chain (maps of the skipped spans before its first row, in order) and the
         spans it computes whole whose maps it captures."""
         seq = e.seq
-        pins = getattr(seq, "span_pins", None)
+        pins = seq.span.pins
         if pins is None:  # not a span prompt admitted here
             return
         first = int(e.token_idx[0]) if e.token_idx.size else e.new_computed
-        chain = [a for a, b in seq.span_skips if seq.num_computed <= a and b <= first]
+        chain = [a for a, b in seq.span.skips if seq.num_computed <= a and b <= first]
         e.map_chain = tuple(pins[a].slot for a in chain)
         for a in chain:
             self.store.hand_to_launch(pins.pop(a))
         if not e.token_idx.size:
             return
-        caps, skipped = [], {a for a, _ in seq.span_skips}
+        caps, skipped = [], {a for a, _ in seq.span.skips}
         keys, bs = sched.keys, self.block_size
         hashes = keys.hashes(seq)
         for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):

@@ -13,9 +13,9 @@ from serving.sequence import Sequence
 def jobs_for(seq: Sequence, block_size: int, keys, bm, offload, markers: dict) -> list[Sequence]:
     """Span jobs for `seq`'s SSEP spans that nobody has cached (device or host tier) or is
     computing; none once the request was admitted or scanned before (it is scanned once)."""
-    if seq.ever_admitted or getattr(seq, "span_scanned", False):
+    if seq.ever_admitted or seq.span.jobs_scanned:
         return []
-    seq.span_scanned = True
+    seq.span.jobs_scanned = True
     lay, bs = seq.layout, block_size
     hashes = keys.hashes(seq)
     limit = keys.hit_limit(seq)

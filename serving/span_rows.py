@@ -36,7 +36,7 @@ def cut_chunk(seq, idx, frontier: int, block_size: int):
     span the warm path skips (serving/span_cache.py) once it has rows: the chunk after it enters
     with its map."""
     if idx.size:
-        for a, _ in getattr(seq, "span_skips", ()):
+        for a, _ in seq.span.skips:
             if idx[0] < a < frontier:
                 return idx[idx < a], a
     for a, b, final in _spans(seq, block_size):
@@ -53,9 +53,9 @@ def starts_span(e, block_size: int) -> bool:
 
 
 def _spans(seq, block_size):
-    if not hasattr(seq, "_span_intervals"):
-        seq._span_intervals = span_intervals(seq.layout, block_size, seq.num_prompt_tokens)
-    return seq._span_intervals
+    if seq.memo.span_intervals is None:
+        seq.memo.span_intervals = span_intervals(seq.layout, block_size, seq.num_prompt_tokens)
+    return seq.memo.span_intervals
 
 
 def step_rows(batch, block_size: int):
@@ -73,7 +73,7 @@ def step_rows(batch, block_size: int):
         lo = int(idx[0]) if idx.size else 0
         hi = int(idx[-1]) + 1 if idx.size else 0
         starts = {a: (b, final) for a, b, final in _spans(seq, block_size) if lo <= a < hi}
-        caps = {a for a, _ in getattr(e, "map_caps", ())}
+        caps = {a for a, _ in e.map_caps}
         cur_end, last_final, cut_after = -1, False, False
         for k, i in enumerate(idx.tolist()):
             in_span = i < cur_end

@@ -51,9 +51,9 @@ def warm_chains(s: int) -> list[tuple[int, int]]:
 
 
 def has_spans(seq) -> bool:
-    if not hasattr(seq, "_has_spans"):
-        seq._has_spans = bool(seq.layout.span_block.any())
-    return seq._has_spans
+    if seq.memo.has_spans is None:
+        seq.memo.has_spans = bool(seq.layout.span_block.any())
+    return seq.memo.has_spans
 
 
 def step_has_spans(batch, block_size: int) -> bool:

@@ -13,7 +13,7 @@ def find_stop_string(seq, tokenizer, armed: bool = True) -> bool:
     include_stop_str_in_output)."""
     sp = seq.sampling_params
     text = tokenizer.decode(seq.output_token_ids)
-    prev = getattr(seq, "stop_text", "")
+    prev = seq.stop_text
     seq.stop_text = text
     if not armed:
         return False

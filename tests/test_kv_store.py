@@ -128,7 +128,7 @@ def test_request_is_ready_once_its_reads_are_harvested(store_pair, fresh_rng):
     tier = eng.kv_store
     assert tier.ready(seq)  # not scanned: nothing to wait for
     tier.prefetch([seq], eng.bm, None)
-    assert seq.kv_store_wants and not tier.ready(seq)
+    assert seq.store.wants and not tier.ready(seq)
     while tier.reads or tier.queue:
         for fut, _ in list(tier.reads.values()):
             fut.result()

@@ -12,6 +12,7 @@ from serving import span_maps, span_rows, span_step
 from serving.checkpoint_store import CheckpointStore
 from serving.hybrid_prefix import HybridPrefixCache
 from serving.layout import build_layout
+from serving.sequence import Sequence
 from serving.span_cache import SpanMapCache
 
 BS, PAD, SSEP, PDEP = 4, 0, 1, 2
@@ -19,7 +20,7 @@ BS, PAD, SSEP, PDEP = 4, 0, 1, 2
 
 def _seq(tokens):
     lay = build_layout(tokens, BS, pad_id=PAD, ssep_id=SSEP, pdep_id=PDEP)
-    return types.SimpleNamespace(layout=lay, num_prompt_tokens=len(tokens), num_computed=0)
+    return Sequence("r", tokens, lay, None, BS, seed=0)
 
 
 # plain 0..3 | span 4..11 (8 tokens, 2 blocks, 7 valid) | span 12..15 | PDEP 16..18
@@ -65,7 +66,7 @@ def test_only_steps_with_span_work_take_the_span_variant():
 
 def test_a_chunk_stops_before_a_skipped_span_once_it_has_rows():
     seq = _seq(TOKENS)
-    seq.span_skips = [(12, 16)]
+    seq.span.skips = [(12, 16)]
     idx = np.flatnonzero(~seq.layout.is_pad)
     got, frontier = span_rows.cut_chunk(seq, idx[idx >= 4], 19, BS)
     assert got.tolist() == [4, 5, 6, 7, 8, 9, 10] and frontier == 12
@@ -84,15 +85,15 @@ def test_a_span_map_goes_when_one_of_its_blocks_does():
     assert spans.store.get(7, b"t") is not None
     cache.drop_dependent(3)  # the span's first block left the device for good
     assert spans.store.get(7, b"t") is None and spans.store.free_slots == [1, 0]
-    seq = types.SimpleNamespace()
+    seq = _seq(TOKENS)
     spans.drop(seq)  # a sequence that never took the span admission: nothing to release
     assert spans.store.reserve(8, b"u", 0, (8,), 4.0) >= 0
     cache.after_launch()
     e = spans.store.get(8, b"u")
     assert spans.store.acquire(e)
-    seq.span_pins = {12: e}
+    seq.span.pins = {12: e}
     cache.drop_restore(seq)  # preempted before the step that composes it: unpinned
-    assert e.pins == 0 and seq.span_pins == {}
+    assert e.pins == 0 and seq.span.pins == {}
 
 
 def test_pool_moves_out_and_back_keep_the_map(fresh_rng):
