@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.registry import Implementation
-from kernels_pallas.rope import apply_rope
+from kernels_pallas.rope import apply_rope, rope_f32
 
 # Keys per loop step at most (block-table columns * B): small chunks waste little past the
 # longest context, and a loop step costs little on CPU (smaller was faster down to 32-64 keys at
@@ -99,11 +99,10 @@ def xla_paged_attention(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attention
         keys = k_pages[table].reshape(seqs, n_keys, kv_heads, head_dim)  # [S, N, K, D]
         values = v_pages[table].reshape(seqs, n_keys, kv_heads, head_dim)
         values = jnp.where(valid[:, :, None, None], values, 0)  # pad slots may hold NaN
-        if kv_mode == "position_free":
-            keys = apply_rope(keys.reshape(seqs * n_keys, kv_heads, head_dim),
-                              key_pos.reshape(-1), inv_freq,
-                              attention_scaling).reshape(keys.shape)
-        k_t = keys.astype(jnp.float32).transpose(0, 2, 1, 3)[tile_seq]  # [I, K, N, D]
+        keys = keys.astype(jnp.float32)
+        if kv_mode == "position_free":  # cos | sin of R/2 angles per key: half of apply_rope's
+            keys = rope_f32(keys, key_pos, inv_freq, attention_scaling)
+        k_t = keys.transpose(0, 2, 1, 3)[tile_seq]  # [I, K, N, D]
         v_t = values.astype(jnp.float32).transpose(0, 2, 1, 3)[tile_seq]
         scores = jnp.einsum("ikqd,iknd->ikqn", q_t, k_t, precision=hi) * sm_scale
         kp = key_pos[tile_seq][:, None, :]  # [I, 1, N]
