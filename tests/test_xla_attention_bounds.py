@@ -58,6 +58,11 @@ def test_work_scales_with_the_context_in_use(fresh_rng):
                   for var in eqn.outvars if hasattr(var.aval, "shape"))
     whole_table = md.num_seqs * cols * page * kv_heads * head_dim  # keys of every column
     assert largest < whole_table // 8, f"an intermediate of {largest} elements"
+    # keys are rotated with one cos per (key, R/2 angle), not per rotated dim (R)
+    cos_elements = sum(math.prod(eqn.outvars[0].aval.shape) for eqn in outer_eqns(jaxpr)
+                       if eqn.primitive.name == "cos")
+    chunk_keys = 64  # xla._CHUNK_KEYS
+    assert cos_elements <= tokens * head_dim + md.num_seqs * chunk_keys * head_dim // 2
 
     out = jax.jit(lambda *a: _attend(case, *a))(q, k, v, md, inv)
     ref = paged_attention_reference(q, k, v, md, inv, kv_mode="position_free")
