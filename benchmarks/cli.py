@@ -36,6 +36,8 @@ COMMANDS = {
             "offline + online, cached-span TTFT, load and warm-up times"),
     "block-ft": ("benchmarks.block_ft_bench",
                  "synthetic multi-document task: full attention vs Block-Attention vs block FT"),
+    "cpu-vs-hf": ("benchmarks.cpu_vs_hf",
+                  "CPU: this engine vs HF transformers, same weights, prompts, threads, float32"),
     "train": ("benchmarks.train_bench",
               "block fine-tuning step at a ~1B Llama shape: tokens/s and MFU vs a measured matmul"),
     "rl": ("benchmarks.rl_bench",

@@ -43,6 +43,13 @@ PRESETS: dict[str, ModelConfig] = {
                         high_freq_factor=4.0, original_max_position_embeddings=8192),
         tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=LLAMA3_BOS,
         eos_token_ids=LLAMA3_EOS),
+    # HuggingFaceTB/SmolLM2-135M-Instruct's shape (30 layers, 9 heads / 3 KV heads of 64, tied
+    # embeddings, 49,152-token vocabulary): the CPU speed model (benchmarks/cpu_vs_hf.py).
+    "smollm2_135m": ModelConfig(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=100000.0), tie_word_embeddings=True,
+        max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
     # meta-llama/Meta-Llama-3-8B.
     "llama3_8b": ModelConfig(
         model_type="llama", vocab_size=LLAMA3_VOCAB, hidden_size=4096, intermediate_size=14336,

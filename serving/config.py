@@ -1,8 +1,8 @@
 """The engine's one configuration dataclass, validated once (vLLM option names).
 
 Bucketing (the only place that says how shapes are padded so compiles stay bounded):
-  * query tokens per step T: powers of two from `min_token_bucket` up to `max_num_batched_tokens`
-    (rounded up to a power of two);
+  * query tokens per step T: powers of two from `min_token_bucket` (None: 1 on CPU, 8 on an
+    accelerator) up to `max_num_batched_tokens` (rounded up to a power of two);
   * sequences per step S: min(T bucket, seat count), so one step shape per T bucket;
   * block-table width NB: fixed at ceil(max_model_len / block_size).
 So the runner compiles at most len(token_buckets) step variants per sampling mode.
@@ -45,7 +45,10 @@ class Config:
     ssep_token_id: int | None = None
     pdep_token_id: int | None = None
     max_logprobs: int = 20
-    min_token_bucket: int = 8
+    # Smallest step size (query rows a step is padded up to); None: 1 on a CPU backend, where a
+    # padded row costs its share of every matmul (SmolLM2-135M shape, one thread: a decode step's
+    # matmuls took 80 ms for 1 row, 127 ms for 8), and 8 on an accelerator.
+    min_token_bucket: int | None = None
     # Attention kernel (kernels_pallas.paged_attention.api.IMPLEMENTATIONS): "auto" (None: the
     # same) lets the kernel registry's policy pick per step kind, on a GPU the ragged Triton
     # kernel for general steps and, for decode-only steps, the Mosaic decode kernel where it
@@ -128,6 +131,9 @@ class Config:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be positive, got {getattr(self, name)}")
+        if self.min_token_bucket is not None and self.min_token_bucket < 1:
+            raise ValueError(f"Config.min_token_bucket must be None or >= 1, "
+                             f"got {self.min_token_bucket}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"Config.tensor_parallel_size must be >= 1, "
                              f"got {self.tensor_parallel_size}")
@@ -222,11 +228,19 @@ class Config:
     @property
     def token_buckets(self) -> tuple[int, ...]:
         top = next_power_of_2(self.max_num_batched_tokens)
-        b, out = min(self.min_token_bucket, top), []
+        b, out = min(self.smallest_token_bucket, top), []
         while b < top:
             out.append(b)
             b *= 2
         return tuple(out) + (top,)
+
+    @property
+    def smallest_token_bucket(self) -> int:
+        """`min_token_bucket`, or its platform default (see the field)."""
+        if self.min_token_bucket is not None:
+            return self.min_token_bucket
+        import jax
+        return 1 if jax.default_backend() == "cpu" else 8
 
     def token_bucket(self, n: int) -> int:
         for b in self.token_buckets:

@@ -301,7 +301,8 @@ class ModelRunner:
         between two sets, so building step N+1 never touches step N's (still in flight)."""
         cfg = self.config
         real = sum(e.token_idx.size for e in batch)
-        t = cfg.token_bucket(max(real, 1))
+        # S = min(T, seats) rows must hold every entry, also one without a query token this step
+        t = cfg.token_bucket(max(real, len(batch), 1))
         s = cfg.seq_bucket(t)
         if use_prev:
             self._parity ^= 1
@@ -397,4 +398,3 @@ def attention_choices(config, mcfg, dtype, platform: str | None = None):
         dataclasses.replace(problem, decode_only=True),
         config.decode_attn_impl or config.attn_impl, config.decode_attn_options)
     return (general.name, general_options), (decode.name, decode_options)
-

@@ -1,5 +1,17 @@
-"""The XLA fallback of paged attention: a gather through the block tables, then dense attention
-(memory O(T * NB * B * K * D)). It runs anywhere and takes every problem."""
+"""The XLA fallback of paged attention: gathers through the block tables, then dense attention
+over the keys in use. It runs anywhere and takes every problem (the CPU engine's kernel).
+
+Two bounds keep the work at the size of the step rather than of the cache:
+  * keys: the block-table width NB is the static max_model_len / B, but a step's sequences use
+    only max(num_blocks) columns, so keys are read in chunks of columns under a loop whose trip
+    count is that maximum (a device value); chunks combine by the online softmax (running max,
+    sum and weighted values), and a context of one chunk computes exactly the plain softmax;
+  * queries: a sequence's query rows are contiguous (cu_q_lens), so they are cut into tiles of
+    `q_tile` rows that each belong to one sequence (at most T / q_tile + S tiles); a tile reads
+    its sequence's keys once and attends with one [q_tile * G, D] x [D, keys] product per KV
+    head, instead of every token gathering its own copy of the keys. Decode-shaped steps (about
+    one query per sequence) take tiles of one row, i.e. one per token.
+"""
 
 from __future__ import annotations
 
@@ -9,49 +21,114 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.registry import Implementation
-from kernels_pallas.rope import apply_rope
+from kernels_pallas.rope import apply_rope, rope_f32
+
+# Keys per loop step at most (block-table columns * B): small chunks waste little past the
+# longest context, and a loop step costs little on CPU (smaller was faster down to 32-64 keys at
+# the SmolLM2-135M shape, for decode and prefill steps alike).
+_CHUNK_KEYS = 64
+_MAX_Q_TILE = 16  # query rows per tile at most
+
+
+def q_tile_rows(tokens: int, seqs: int) -> int:
+    """Query rows per tile: about the mean query rows per sequence slot (a power of two in
+    [1, 16]), so decode steps get one row per tile and prefill steps few tiles per sequence."""
+    rows = 1
+    while rows * 2 <= min(_MAX_Q_TILE, max(1, tokens // max(seqs, 1))):
+        rows *= 2
+    return rows
+
+
+def _tiles(md, tokens: int, rows: int):
+    """Tile layout of the query rows: (seq [I], row [I, Q], row_ok [I, Q]), I tiles of Q rows;
+    a tile's rows are consecutive rows of one sequence, row_ok False past its end."""
+    seqs = md.num_seqs
+    n_tiles = min(tokens, tokens // rows + seqs) if rows > 1 else tokens
+    lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]  # [S]
+    tile_cu = jnp.cumsum(-(-lens // rows))  # [S] tiles up to and including each sequence
+    tile = jnp.arange(n_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(tile_cu, tile, side="right"), seqs - 1)  # [I]
+    first = tile_cu[seq] - -(-lens[seq] // rows)  # the sequence's first tile
+    start = md.cu_q_lens[seq] + (tile - first) * rows  # [I]
+    row = start[:, None] + jnp.arange(rows, dtype=jnp.int32)  # [I, Q]
+    row_ok = (tile < tile_cu[-1])[:, None] & (row < md.cu_q_lens[seq + 1][:, None])
+    return seq, jnp.where(row_ok, row, 0), row_ok
 
 
 @functools.partial(jax.named_call, name="xla_paged_attention")
 def xla_paged_attention(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attention_scaling,
-                        sm_scale, q_rotated: bool = False):
-    """Gather + dense attention (paged_attention's arguments; q_rotated: q comes rotated)."""
+                        sm_scale, q_rotated: bool = False, chunk: int | None = None,
+                        q_tile: int | None = None):
+    """Gather + dense attention (paged_attention's arguments; q_rotated: q comes rotated;
+    chunk: block-table columns per loop step and q_tile: query rows per tile, None = their
+    defaults). Rows past the real tokens (beyond cu_q_lens[-1]) come back zero."""
     tokens, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     seqs, max_blocks = md.block_tables.shape
     group = heads // kv_heads
-    n_keys = max_blocks * page_size
+    cols = chunk or max(1, min(max_blocks, _CHUNK_KEYS // page_size))
+    n_chunks = -(-max_blocks // cols)
+    pad = n_chunks * cols - max_blocks  # padded columns hold no valid slot
 
-    offsets = jnp.arange(page_size, dtype=jnp.int32)
-    key_pos = (md.block_pos_start[:, :, None] + offsets).reshape(seqs, n_keys)  # [S, N]
-    in_use = jnp.arange(max_blocks)[None, :] < md.num_blocks[:, None]  # [S, NB]
-    valid = ((offsets[None, None, :] < md.block_num_valid[:, :, None]) & in_use[:, :, None])
-    valid = valid.reshape(seqs, n_keys)  # [S, N]
+    def padded(x):
+        return jnp.pad(x, ((0, 0), (0, pad))) if pad else x
 
-    keys = k_pages[md.block_tables].reshape(seqs, n_keys, kv_heads, head_dim)  # [S, N, K, D]
-    values = v_pages[md.block_tables].reshape(seqs, n_keys, kv_heads, head_dim)
-    values = jnp.where(valid[:, :, None, None], values, 0)  # pad slots may hold garbage (NaN)
-    if kv_mode == "position_free":
-        keys = apply_rope(keys.reshape(seqs * n_keys, kv_heads, head_dim), key_pos.reshape(-1),
-                          inv_freq, attention_scaling).reshape(keys.shape)
+    tables, pos_start = padded(md.block_tables), padded(md.block_pos_start)
+    in_use = jnp.arange(n_chunks * cols)[None, :] < md.num_blocks[:, None]  # [S, NB']
+    num_valid = jnp.where(in_use, padded(md.block_num_valid), 0)
     q_rot = q if q_rotated else apply_rope(q, md.q_positions, inv_freq, attention_scaling)
-
-    seq = jnp.clip(md.q_seq, 0, seqs - 1)
-    k_t = keys[seq].astype(jnp.float32)  # [T, N, K, D]
-    v_t = values[seq].astype(jnp.float32)
-    q_g = q_rot.astype(jnp.float32).reshape(tokens, kv_heads, group, head_dim)
+    rows = q_tile or q_tile_rows(tokens, seqs)
+    tile_seq, row, row_ok = _tiles(md, tokens, rows)  # [I], [I, Q], [I, Q]
+    n_tiles = tile_seq.shape[0]
+    q_t = q_rot.astype(jnp.float32)[row].reshape(n_tiles, rows, kv_heads, group, head_dim)
+    q_t = q_t.transpose(0, 2, 1, 3, 4).reshape(n_tiles, kv_heads, rows * group, head_dim)
+    q_pos, q_win = md.q_positions[row], md.q_window_start[row]  # [I, Q]
+    offsets = jnp.arange(page_size, dtype=jnp.int32)
+    n_keys = cols * page_size
     hi = jax.lax.Precision.HIGHEST  # fp32 means fp32 (GPUs default to TF32 for f32 dots)
-    scores = jnp.einsum("tkgd,tnkd->tkgn", q_g, k_t, precision=hi) * sm_scale  # [T, K, G, N]
-    kp = key_pos[seq]  # [T, N]
-    mask = (valid[seq] & (kp <= md.q_positions[:, None]) & (kp >= md.q_window_start[:, None]))
-    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    probs = jnp.exp(scores - row_max)
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
-    out = jnp.einsum("tkgn,tnkd->tkgd", probs, v_t, precision=hi)
-    out = out / jnp.where(denom == 0, 1.0, denom)
-    return out.reshape(tokens, heads, head_dim).astype(q.dtype)
+
+    def step(c, carry):
+        run_max, run_sum, acc = carry  # [I, K, QG, 1], [I, K, QG, 1], [I, K, QG, D]
+
+        def cols_of(x):
+            return jax.lax.dynamic_slice_in_dim(x, c * cols, cols, axis=1)  # [S, C]
+
+        table = cols_of(tables)
+        key_pos = (cols_of(pos_start)[:, :, None] + offsets).reshape(seqs, n_keys)  # [S, N]
+        valid = (offsets[None, None, :] < cols_of(num_valid)[:, :, None]).reshape(seqs, n_keys)
+        keys = k_pages[table].reshape(seqs, n_keys, kv_heads, head_dim)  # [S, N, K, D]
+        values = v_pages[table].reshape(seqs, n_keys, kv_heads, head_dim)
+        values = jnp.where(valid[:, :, None, None], values, 0)  # pad slots may hold NaN
+        keys = keys.astype(jnp.float32)
+        if kv_mode == "position_free":  # cos | sin of R/2 angles per key: half of apply_rope's
+            keys = rope_f32(keys, key_pos, inv_freq, attention_scaling)
+        k_t = keys.transpose(0, 2, 1, 3)[tile_seq]  # [I, K, N, D]
+        v_t = values.astype(jnp.float32).transpose(0, 2, 1, 3)[tile_seq]
+        scores = jnp.einsum("ikqd,iknd->ikqn", q_t, k_t, precision=hi) * sm_scale
+        kp = key_pos[tile_seq][:, None, :]  # [I, 1, N]
+        mask = (valid[tile_seq][:, None, :] & row_ok[:, :, None] & (kp <= q_pos[:, :, None])
+                & (kp >= q_win[:, :, None]))  # [I, Q, N]
+        mask = jnp.repeat(mask, group, axis=1)[:, None]  # [I, 1, QG, N]
+        scores = jnp.where(mask, scores, -jnp.inf)
+        new_max = jnp.maximum(run_max, jnp.max(scores, axis=-1, keepdims=True))
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        probs = jnp.exp(scores - safe_max)
+        scale = jnp.exp(run_max - safe_max)  # 0 while nothing was seen (run_max -inf)
+        run_sum = run_sum * scale + jnp.sum(probs, axis=-1, keepdims=True)
+        acc = acc * scale + jnp.einsum("ikqn,iknd->ikqd", probs, v_t, precision=hi)
+        return new_max, run_sum, acc
+
+    shape = (n_tiles, kv_heads, rows * group, 1)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((n_tiles, kv_heads, rows * group, head_dim), jnp.float32))
+    used = jnp.clip(-(-jnp.max(md.num_blocks) // cols), 0, n_chunks)  # chunks with a key in use
+    _, run_sum, acc = jax.lax.fori_loop(0, used, step, init)
+    out = acc / jnp.where(run_sum == 0, 1.0, run_sum)  # [I, K, QG, D]
+    out = out.reshape(n_tiles, kv_heads, rows, group, head_dim).transpose(0, 2, 1, 3, 4)
+    dest = jnp.where(row_ok, row, tokens).reshape(-1)  # rows off the tiles: dropped
+    return jnp.zeros((tokens, heads, head_dim), q.dtype).at[dest].set(
+        out.reshape(n_tiles * rows, heads, head_dim).astype(q.dtype), mode="drop",
+        unique_indices=True)
 
 
 def _run(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_scaling, sm_scale,

@@ -1,0 +1,26 @@
+"""Step sizes on a CPU backend: a decode of one sequence is a step of one row, not of eight
+(every padded row costs its share of each matmul on CPU); an explicit min_token_bucket wins."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from serving.config import Config
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU default")
+
+
+def test_cpu_buckets_start_at_one_row():
+    cfg = Config(max_num_seqs=16, max_num_batched_tokens=64)
+    assert cfg.token_buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert cfg.token_bucket(1) == 1 and cfg.seq_bucket(1) == 1
+
+
+def test_explicit_min_token_bucket_wins():
+    assert Config(max_num_batched_tokens=64, min_token_bucket=8).token_buckets == (8, 16, 32, 64)
+
+
+def test_bad_min_token_bucket_names_the_field():
+    with pytest.raises(ValueError, match="min_token_bucket"):
+        Config(min_token_bucket=0)
