@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequences per engine step")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                     help="query tokens per engine step (>= --max-num-seqs)")
-    ap.add_argument("--min-token-bucket", type=positive_int, default=8,
-                    help="smallest step size in tokens (steps are padded to powers of two)")
+    ap.add_argument("--min-token-bucket", type=positive_int, default=None,
+                    help="smallest step size in tokens (steps are padded to powers of two; "
+                         "default: the engine's, 1 on a CPU backend and 8 elsewhere)")
     ap.add_argument("--block-size", type=positive_int, default=16,
                     help="tokens per KV block (a power of two)")
     ap.add_argument("--num-kv-blocks", type=int_at_least(2), default=None,
