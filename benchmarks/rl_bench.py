@@ -17,23 +17,35 @@ from benchmarks import rl_task
 
 
 def add_parser(p) -> None:
-    p.add_argument("--model", default="tiny_llama", help="any model LLM takes (preset or folder)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--task", default="next_letter", choices=rl_task.TASKS)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step (B)")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt (G, SamplingParams.n)")
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="tiny_llama",
+                   help="any model LLM takes: preset, HF folder or GGUF (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="params and compute dtype of engine and trainer (default: %(default)s)")
+    p.add_argument("--task", default="next_letter", choices=rl_task.TASKS,
+                   help="the verifiable task, benchmarks/rl_task.py (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=150,
+                   help="GRPO steps: rollouts, rewards, one optax update (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=16,
+                   help="prompts per step (B) (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=8,
+                   help="samples per prompt (G, SamplingParams.n) (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=4,
+                   help="tokens sampled per completion (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="AdamW learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds prompts, sampling and init (default: %(default)s)")
     p.add_argument("--out-dir", default="benchmarks/runs",
-                   help="rl_reward.png, rl_run.json (rl_measure.json) here")
+                   help="rl_reward.png, rl_run.json (rl_measure.json) here (default: %(default)s)")
     p.add_argument("--update-timing", action="store_true",
                    help="time LLM.update_weights at the model's shape (e.g. llama3_8b, bf16)")
     p.add_argument("--rollout-compare", action="store_true",
                    help="G samples of a 512-token prompt, 256 new tokens: engine vs a plain "
                         "jitted sampling loop (dense KV, no sharing)")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool in blocks of the measuring engines (default: 256 for "
+                        "--update-timing, 1024 for --rollout-compare, so the plain loop fits "
+                        "beside it)")
 
 
 def _plot(history, path: pathlib.Path, title: str) -> bool:
