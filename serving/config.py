@@ -240,7 +240,7 @@ class Config:
         if self.min_token_bucket is not None:
             return self.min_token_bucket
         import jax
-        return 1 if jax.default_backend() == "cpu" else 8
+        return CPU_MIN_TOKEN_BUCKET if jax.default_backend() == "cpu" else 8
 
     def token_bucket(self, n: int) -> int:
         for b in self.token_buckets:
@@ -263,6 +263,9 @@ def check_watermark(config: Config, num_blocks: int) -> int:
                          f"num_kv_blocks")
     return num_blocks
 
+
+# the smallest step on a CPU backend: one row (a padded row costs its share of every matmul there)
+CPU_MIN_TOKEN_BUCKET = 1
 
 LLAMA3_VOCAB = 128256  # Llama 3's reserved specials are its markers (Tulu3-Block-FT's ids)
 

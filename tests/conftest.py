@@ -26,6 +26,14 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
                       str(pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
+# Engines in the suite start their steps at 8 rows, as on an accelerator: the CPU default of one
+# row (serving/config.py) compiles three more step variants per engine, which doubled the suite's
+# compile time. tests/test_cpu_step_size.py checks the shipped CPU default, and one-row steps run
+# in the engine tests that name min_token_bucket=1.
+import serving.config as _serving_config  # noqa: E402
+
+_serving_config.CPU_MIN_TOKEN_BUCKET = 8
+
 
 # Hypothesis: derandomized by default (the examples follow from each test's name: never flaky,
 # and a failure prints its example and a @reproduce_failure blob); MINIPIC_HYPOTHESIS=fresh draws

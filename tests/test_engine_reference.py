@@ -105,8 +105,11 @@ def test_padding_amount_and_batch_composition_do_not_change_output(llm, fresh_rn
 
 @pytest.mark.parametrize("policy", ["barrier", "isps"])
 def test_tiny_pool_evicts_offloads_preempts(policy, fresh_rng):
+    # barrier: one-row step buckets (the CPU default), where a step's entries can outnumber its
+    # tokens (the runner's S covers every entry)
     llm = make_llm(num_kv_blocks=14, max_num_seqs=3, max_num_batched_tokens=32,
-                   cpu_offload_gb=0.01, scheduling_policy=policy)
+                   cpu_offload_gb=0.01, scheduling_policy=policy,
+                   min_token_bucket=1 if policy == "barrier" else None)
     docs = [rand_tokens(fresh_rng, 20, 30) for _ in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=20, logprobs=1, ignore_eos=True)
     prompts = []
