@@ -53,6 +53,10 @@ def _record_steps(cache):
     return steps
 
 
+# two hybrid engines (~45 s on CI's cores): --run-slow. The default run keeps the same shape on the
+# shared engine (test_engine_hybrid_cache.py::test_a_second_call_continuing_the_first_ones_outputs_
+# stays_exact) and the cause itself (test_checkpoint_store.py::test_an_entry_is_restorable_only_...)
+@pytest.mark.slow
 def test_later_calls_never_restore_a_checkpoint_their_step_writes():
     """Issue 12: call 2 repeats call 1's recipe for 12 prompts. Call 1 left the attention blocks
     of the 218-token prompts cached to 208 with a checkpoint at 128 only; in call 2 one of them
@@ -101,7 +105,8 @@ def _preemption_run(llm, q_tokens: int = 0):
     return got, st0, st1
 
 
-@pytest.mark.parametrize("kw", [{}, {"async_scheduling": False}], ids=["async", "sync"])
+@pytest.mark.parametrize("kw", [{}, pytest.param({"async_scheduling": False}, marks=pytest.mark.slow)],
+                         ids=["async", "sync"])  # sync: --run-slow (the async case runs by default)
 def test_preempted_requests_match_their_generated_blocks(kw):
     """Issue 2: one of the four is preempted; its keys run on through its generated blocks,
     still cached when it comes back (IndexError in the admission before). Its output equals the

@@ -111,6 +111,7 @@ def test_nnx_state_and_donation(new_params, fresh_outputs):
     assert _run(llm)[0] == fresh_outputs[0]
 
 
+@pytest.mark.slow  # a subprocess over 4 host devices (~16 s on CI's cores): --run-slow
 def test_tensor_parallel_update_places_by_the_rules_table():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
