@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import make_tiny_llm
+from store_runs import random_run as _run
+from store_runs import store_identity as _identity
 from minipic_jax import Prompt, SamplingParams, Span, build_prompt
-from serving.disk_store import DiskStore, StoreIdentity, StoreMismatch, namespace
+from serving.disk_store import DiskStore, StoreMismatch, namespace
 
 SP = SamplingParams(temperature=0.0, max_tokens=4)
 B = 16
@@ -184,21 +186,6 @@ def test_store_of_other_model_or_settings_is_rejected(store_pair, change):
 
 
 # -- the file layer alone (no engine) -----------------------------------------------------------
-def _identity(**kw):
-    base = dict(model="m0", model_name="test", block_size=4, kv_mode="position_free",
-                hash_algo="xxhash64", markers=(1, 2, 3), leaves=(((4, 2, 8), "float32"),) * 2)
-    base.update(kw)
-    return StoreIdentity(**base)
-
-
-def _run(rng, hashes):
-    """(hashes, tokens bytes, leaves [n, 4, 2, 8] x 2) of a run."""
-    n = len(hashes)
-    tokens = np.stack([np.arange(h, h + 4) for h in hashes]).astype(np.int64).tobytes()
-    return hashes, tokens, [rng.standard_normal((n, 4, 2, 8)).astype(np.float32)
-                            for _ in range(2)]
-
-
 def test_two_writers_one_store(tmp_path, fresh_rng):
     a = DiskStore(tmp_path, _identity(), 1 << 30)
     b = DiskStore(tmp_path, _identity(), 1 << 30)

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 
 from conftest import make_tiny_llm
+from store_runs import random_run as _run
+from store_runs import store_identity as _identity
 from minipic_jax import Prompt, SamplingParams, Span, build_prompt
 from serving import disk_store
-from serving.disk_store import DiskStore, StoreIdentity, namespace
+from serving.disk_store import DiskStore, namespace
 
 SP = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
 B = 16
@@ -139,20 +141,6 @@ def test_store_write_fault_costs_no_result(engines, fresh_rng, monkeypatch, faul
 
 
 # -- the file layer alone (no engine) -----------------------------------------------------------
-def _identity(**kw):
-    base = dict(model="m0", model_name="test", block_size=4, kv_mode="position_free",
-                hash_algo="xxhash64", markers=(1, 2, 3), leaves=(((4, 2, 8), "float32"),) * 2)
-    base.update(kw)
-    return StoreIdentity(**base)
-
-
-def _run(rng, hashes):
-    n = len(hashes)
-    tokens = np.stack([np.arange(h, h + 4) for h in hashes]).astype(np.int64).tobytes()
-    return hashes, tokens, [rng.standard_normal((n, 4, 2, 8)).astype(np.float32)
-                            for _ in range(2)]
-
-
 def _serves(store, rng) -> None:
     """The store writes and reads a run."""
     hashes, tokens, leaves = _run(rng, [21, 22])
