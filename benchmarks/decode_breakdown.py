@@ -120,7 +120,7 @@ def one_block_inputs(runner, ints, kw):
     to its own position only: the same step minus (almost all) K/V reading."""
     import numpy as np
 
-    from serving.step_inputs import layout
+    from serving.step.step_inputs import layout
     spec, _ = layout(kw["t"], kw["s"], runner.nb, block_size=runner.block_size)
     short = ints.copy()
     o, (n,) = spec["num_blocks"]
@@ -228,7 +228,7 @@ def _sampler_rows(record, r, s: int):
     import jax.numpy as jnp
 
     from minipic_jax.models import layers
-    from serving import sampler as smp
+    from serving.step import sampler as smp
     cfg, x = r.mcfg, _hidden(r)
     head = r.params["embed"].T if "lm_head" not in r.params else r.params["lm_head"]
     sm = smp.SamplingMetadata(

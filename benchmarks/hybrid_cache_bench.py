@@ -66,7 +66,7 @@ def add_parser(p) -> None:
                         "with the pool vs without it (benchmarks/hybrid_cache_cost.py)")
     p.add_argument("--bucket-fit", nargs="+", default=["off"], choices=["on", "off"],
                    help="Config.checkpoint_bucket_fit per pass (both: an A/B of the chunk cut at "
-                        "token buckets, serving/bucket_fit.py) (default: %(default)s)")
+                        "token buckets, serving/hybrid/bucket_fit.py) (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="PNG of tokens recomputed vs budget")
 
@@ -209,7 +209,7 @@ def run(args) -> int:
 
     from minipic_jax import SamplingParams
     from minipic_jax.loading import load_model
-    from serving import checkpoint_pool
+    from serving.hybrid import checkpoint_pool
     loaded = load_model(args.model, dtype=args.dtype, seed=0)
     layout = checkpoint_pool.state_layout(loaded.family, loaded.cfg, 16, jnp.dtype(args.dtype))
     nbytes = checkpoint_pool.checkpoint_nbytes(layout)

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving import checkpoint_pool
-from serving.step_inputs import layout as _layout
+from serving.hybrid import checkpoint_pool
+from serving.step.step_inputs import layout as _layout
 
 
 class StepCapture:

@@ -108,7 +108,7 @@ def capture_steps(llm, scenarios: dict, scale: float, seed: int = 0) -> dict:
 
 def without_checkpoints(runner, ints, kw):
     """The same step's inputs with no checkpoint stored and no state restored."""
-    from serving.step_inputs import S_FIELDS_CKPT, layout
+    from serving.step.step_inputs import S_FIELDS_CKPT, layout
     spec, _ = layout(kw["t"], kw["s"], runner.nb, True, bool(kw.get("spans")),
                      kw.get("chain", ()), block_size=runner.block_size)
     out = ints.copy()
@@ -119,7 +119,7 @@ def without_checkpoints(runner, ints, kw):
 
 
 def checkpoint_rows(runner, ints, kw) -> int:
-    from serving.step_inputs import layout
+    from serving.step.step_inputs import layout
     o, (n,) = layout(kw["t"], kw["s"], runner.nb, True, block_size=runner.block_size)[0]["ck_slot"]
     return int((ints[o:o + n] >= 0).sum())
 

@@ -68,7 +68,7 @@ def engine_flags(args) -> list[str]:
 def prewarm(args) -> None:
     """Child process: cache_spans over the corpus into --store."""
     from minipic_jax import LLM
-    from serving.kv_pool import device_memory
+    from serving.cache.kv_pool import device_memory
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs,
@@ -284,7 +284,7 @@ def io_bench(out: str, runs: int = 64, run_blocks: int = 36, layers: int = 16,
     import concurrent.futures as cf
     import ml_dtypes
     import numpy as np
-    from serving.disk_store import DiskStore, StoreIdentity
+    from serving.tiers.disk_store import DiskStore, StoreIdentity
     leaves = (((16, 8, 64), "bfloat16"),) * (2 * layers)
     ident = StoreIdentity(model="io", model_name="io", block_size=16, kv_mode="position_free",
                           hash_algo="xxhash64", markers=(0, 1, 2), leaves=leaves)
@@ -318,8 +318,8 @@ def _io_reads(store, starts, size: int, run_blocks: int, threads: tuple) -> dict
     """GB/s of run reads by thread count: into fresh arrays, into reused ones, and read + sent
     to the device (what a reader thread of the tier does) from plain and pinned buffers."""
     import concurrent.futures as cf
-    from serving.kv_store_buffers import RunBuffers, pinned_shardings
-    from serving.run_file import run_rows
+    from serving.tiers.kv_store_buffers import RunBuffers, pinned_shardings
+    from serving.tiers.run_file import run_rows
     res = {}
 
     def job(buffers, send):

@@ -1,4 +1,4 @@
-"""What zeroing fresh KV pages costs a step (serving/page_zeroing.py), alone on the device.
+"""What zeroing fresh KV pages costs a step (serving/cache/page_zeroing.py), alone on the device.
 
     python -m benchmarks.page_zeroing_cost [--layers 32 --kv-heads 8 --head-dim 128 --pages 16384]
 
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from benchmarks.timing import time_calls
-    from serving.page_zeroing import CALL_PAGES, STEP_PAGES, zero_pages
+    from serving.cache.page_zeroing import CALL_PAGES, STEP_PAGES, zero_pages
     p = argparse.ArgumentParser(prog="python -m benchmarks.page_zeroing_cost")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)

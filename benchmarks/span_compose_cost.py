@@ -1,6 +1,6 @@
 """What composing cached span maps costs a hybrid engine's warm span step (`rag --compose-cost 1`).
 
-A warm span step (serving/span_step.py) first moves each sequence that skips cached spans on by
+A warm span step (serving/hybrid/span_step.py) first moves each sequence that skips cached spans on by
 their affine maps (serving/span_maps.entry_states: per chain position one gather from the map
 pool and one batched float32 matmul over every GDN layer and head), then runs the model. The
 composition cannot be switched off in a compiled step without changing its shapes, so it is
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import time_calls
-from serving import span_maps
-from serving.step_inputs import layout
+from serving.hybrid import span_maps
+from serving.step.step_inputs import layout
 
 
 class WarmStepCapture:

@@ -28,7 +28,7 @@ from configs.presets import PRESETS
 from minipic_jax.models import qwen3_5, qwen3_5_spans
 from minipic_jax.models.testing import SimplePager
 from serving.model_contract import RecurrentMetadata
-from serving.span_step import MAX_CAPTURES, piece_bound
+from serving.hybrid.span_step import MAX_CAPTURES, piece_bound
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from jaxpr_walk import outer_eqns  # noqa: E402  (the tests' walk: kernel bodies not entered)

@@ -12,7 +12,7 @@ Where (first match wins):
   4. `$XDG_CACHE_HOME/minipic_jax/xla`, else `~/.cache/minipic_jax/xla`.
 
 The engine's compiled steps are also stored whole, under `<that folder>/minipic_steps/`
-(serving/executable_store.py): a second start of the same configuration loads them without
+(serving/step/executable_store.py): a second start of the same configuration loads them without
 tracing or lowering anything. Keyed by the model, the engine options that reach the step, the
 argument shapes, jax/jaxlib versions, the device and a digest of the step's source, so a changed
 program never loads a stale file. `MINIPIC_STEP_CACHE=off` turns that store off alone, a folder

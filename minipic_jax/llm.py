@@ -62,9 +62,9 @@ class LLM:
         vocab -> 128004 / 128002 / 128003; any other vocab: vocab_size, +1, +2, ids no text
         tokenizes to, fed to the model as its three highest non-BOS/EOS ids: serving/config.py),
         hash_algo, kv_store_dir / kv_store_gb / kv_store_spans_only / kv_store_staging_gb (a
-        persistent span store on disk shared by processes: serving/disk_store.py; the last is
+        persistent span store on disk shared by processes: serving/tiers/disk_store.py; the last is
         the device memory its reads ahead may hold), tensor_parallel_size (split the model over
-        that many devices: serving/sharding.py).
+        that many devices: serving/step/sharding.py).
       compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
         $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;
         False: leave JAX's setting alone). See minipic_jax/compile_cache.py.

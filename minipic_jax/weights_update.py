@@ -1,11 +1,11 @@
 """`LLM.update_weights`: new weights of the same shapes and dtypes replace the served ones in
 place, with no reload, re-trace or recompile.
 
-The step executables take the params as an argument (serving/model_runner.py), so new arrays of
+The step executables take the params as an argument (serving/step/model_runner.py), so new arrays of
 the same avals and placement run through the same compiled programs. What the engine does to
 weights at load time is done again here, the same way: fusing QKV and gate/up one layer at a time
 (`family.fuse_params`), or under tensor parallelism placing each leaf by the rules table
-(serving/sharding.py, KV heads replicated as at load). The engine serves arrays of its own
+(serving/step/sharding.py, KV heads replicated as at load). The engine serves arrays of its own
 (copies, or the caller's when donated), and frees each old layer before building its
 replacement, so beyond the caller's own params the update holds about one extra layer.
 
@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from minipic_jax.models import nnx_pure
-from serving import sharding
-from serving.hashing import root_hash
+from serving.step import sharding
+from serving.cache.hashing import root_hash
 
 
 @dataclass(slots=True)
@@ -167,7 +167,7 @@ def install_sharded(runner, loaded, new: dict, donate: bool) -> dict:
 
 def _detach_span_store(engine) -> None:
     """The persistent span store is keyed by the fingerprint of the checkpoint the engine loaded
-    (serving/fingerprint.py): after an update it neither reads nor writes it (its blocks would
+    (serving/tiers/fingerprint.py): after an update it neither reads nor writes it (its blocks would
     describe other weights). The host tier above it stays (it is forgotten with the cache)."""
     if engine.kv_store is not None:
         engine.kv_store = None
@@ -199,7 +199,7 @@ def update_weights(llm, params, *, donate: bool = False) -> int:
 
 def attach(engine, spec) -> WeightsVersion:
     """The engine's weights version (generation 0), made the source of its block hashes' roots."""
-    from serving.hashing import make_hash_fn
+    from serving.cache.hashing import make_hash_fn
     version = WeightsVersion(make_hash_fn(engine.config.hash_algo), spec=spec)
     engine.scheduler.keys.root_hash_fn = version.root
     return version

@@ -38,7 +38,7 @@ def dump(path: str, fixture: str = "qwen3_5_gva2", tp: int = 1,
          decode: str = "triton_decode") -> None:
     root = pathlib.Path(__file__).resolve().parents[1]
     from minipic_jax import LLM
-    from serving import model_runner
+    from serving.step import model_runner
     captured = []
 
     def capture(self, steps):  # stands in for the runner's parallel compile: lower, keep, stop

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from minipic_jax.loading import load_model  # noqa: E402
 from minipic_jax.models import testing  # noqa: E402
-from serving import sharding  # noqa: E402
+from serving.step import sharding  # noqa: E402
 from tests import hybrid_span_reference as hsr  # noqa: E402
 from tests.conftest import FIXTURES  # noqa: E402
 

@@ -72,12 +72,12 @@ class Config:
     # token from the previous step's sampled tokens on device. One step in flight at most.
     # False = the synchronous loop (schedule, run, read back, then the next step).
     async_scheduling: bool = True
-    # Persistent span store (serving/disk_store.py): a folder under the host tier where cached
+    # Persistent span store (serving/tiers/disk_store.py): a folder under the host tier where cached
     # blocks are written once and read back by any later process of the same model and settings;
     # None = off. kv_store_gb: its size (every file in the folder), least recently used runs
     # deleted past it. kv_store_spans_only: store SSEP span blocks only (not the prompt parts
     # around them, e.g. one-off questions). kv_store_staging_gb: device memory for runs read ahead
-    # of their copy-in (staged runs and reads in flight, serving/kv_store_staging.py); None =
+    # of their copy-in (staged runs and reads in flight, serving/tiers/kv_store_staging.py); None =
     # min(16 GiB, 16% of the device's memory limit), 4 GiB without memory stats (CPU). A
     # default-sized KV pool (num_kv_blocks=None) leaves it free. The H200 warm job ran 2.4x
     # the empty-store run with 4 GiB and 5.9x with 16 (benchmarks/RESULTS.md, span store).
@@ -85,13 +85,13 @@ class Config:
     kv_store_gb: float = 64.0
     kv_store_spans_only: bool = False
     kv_store_staging_gb: float | None = None
-    # Hybrid models (prefix caching with recurrent checkpoints, serving/hybrid_prefix.py): where a
+    # Hybrid models (prefix caching with recurrent checkpoints, serving/hybrid/hybrid_prefix.py): where a
     # prefill takes checkpoints ("none", "last", "block", "balanced", "dp": serving/
     # checkpoint_plan.py), at most checkpoints_per_prompt per prompt (None: min(4, device slots
     # / (2 max_num_seqs)), at least 1, so the tier holds twice as many prompts as run); "block" every
     # checkpoint_block_tokens. checkpoint_gb: device tier bytes (None: 5% of the device's memory
     # limit, or 64 checkpoints without memory stats); half of cpu_offload_gb holds the host tier.
-    # The overlap estimates (serving/overlap_estimate.py) halve a request's weight every
+    # The overlap estimates (serving/hybrid/overlap_estimate.py) halve a request's weight every
     # checkpoint_half_life requests; the global plan in get_stats() replans every
     # checkpoint_replan_every requests or when it drifted checkpoint_replan_tv (total variation).
     # checkpoint_step_tokens: what a second checkpoint in one prefill chunk costs (the chunk is
@@ -110,18 +110,18 @@ class Config:
     checkpoint_replan_tv: float = 0.1
     # checkpoint_bucket_fit: a plain hybrid prompt's chunk that overflows a token bucket by at
     # most (smallest bucket - seats) tokens stops at that bucket; the overflow rides on the next
-    # step (serving/bucket_fit.py). Off by default: on the H200 (Qwen3.5-0.8B shape, run 4 in
+    # step (serving/hybrid/bucket_fit.py). Off by default: on the H200 (Qwen3.5-0.8B shape, run 4 in
     # benchmarks/history/hybrid_cache.md) a prefill step costs ~10 ms more than a decode step of
     # the same bucket, more than the padding the cut saves.
     checkpoint_bucket_fit: bool = False
-    # Hybrid models, SSEP spans (serving/span_cache.py): device bytes of cached span maps (one map:
+    # Hybrid models, SSEP spans (serving/hybrid/span_cache.py): device bytes of cached span maps (one map:
     # A and B of every recurrent layer in span_map_dtype, plus a conv tail; None: 2% of the
     # device's memory limit, or 64 maps without memory stats; 0: spans always recomputed), and
     # host bytes where evicted maps wait (0: none).
     span_map_gb: float | None = None
     span_map_host_gb: float = 0.0
     span_map_dtype: str = "float32"
-    # Devices the model is split over (Megatron tensor parallelism, serving/sharding.py): must
+    # Devices the model is split over (Megatron tensor parallelism, serving/step/sharding.py): must
     # divide the attention (and GDN) head counts and not exceed the device count. Under TP the
     # weights stay unfused (fuse_weights is ignored: a fused [q | k | v] axis would not split
     # by heads).

@@ -22,16 +22,16 @@ import gc
 import itertools
 import time
 
-from serving import hybrid_prefix
+from serving.hybrid import hybrid_prefix
 from serving.outputs import RequestOutput
-from serving.block_manager import BlockManager
+from serving.cache.block_manager import BlockManager
 from serving.config import Config, check_model_len, check_watermark, eos_and_markers
-from serving.hashing import make_hash_fn, root_hash
-from serving.kv_pool import default_num_blocks, kv_bytes_per_block
-from serving.engine_tiers import host_tier, move_pages, span_store, store_fingerprint
+from serving.cache.hashing import make_hash_fn, root_hash
+from serving.cache.kv_pool import default_num_blocks, kv_bytes_per_block
+from serving.tiers.engine_tiers import host_tier, move_pages, span_store, store_fingerprint
 from serving.metrics import EngineStats
 from serving.model_contract import EngineModel, check_family
-from serving.model_runner import ModelRunner
+from serving.step.model_runner import ModelRunner
 from serving.recovery import recover
 from serving.request_checks import check_request
 from serving.request_output import request_output

@@ -41,7 +41,7 @@ class SpanPieces:
     carry_local: jax.Array  # [S] bool the sequence's last piece is its final segment, a span
     # that starts in this step: it carries the span's local state on (generated tokens extend
     # the span, read as flow rows from then on), not the flow
-    # warm path (serving/span_cache.py): pieces whose span map (A, B, conv tail) the step returns,
+    # warm path (serving/hybrid/span_cache.py): pieces whose span map (A, B, conv tail) the step returns,
     # [Mc] int32 piece ids (-1 = none); None: the step returns no maps
     capture: jax.Array | None = None
 
@@ -116,7 +116,7 @@ class EngineModel(Protocol):
     family: ModelFamily
     tokenizer: Any  # None, or encode / decode / eos_token_ids / bos_token_id
     # the checkpoint files the params were converted from ((): none, e.g. random weights); their
-    # bytes fingerprint the weights for the span store (serving/fingerprint.py)
+    # bytes fingerprint the weights for the span store (serving/tiers/fingerprint.py)
     weight_files: tuple
 
 

@@ -9,7 +9,7 @@ import numbers
 
 import numpy as np
 
-from serving import span_rows
+from serving.hybrid import span_rows
 from serving.layout import build_layout
 
 

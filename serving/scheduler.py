@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
-from serving.prefix_keys import PrefixKeys
-from serving import span_jobs, span_rows
+from serving.cache.prefix_keys import PrefixKeys
+from serving.cache import span_jobs
+from serving.hybrid import span_rows
 from serving.sequence import Sequence, Status
 
 
@@ -50,7 +51,7 @@ class Scheduler:
         self.offload = offload
         self.markers = markers or {}
         self.hybrid = hybrid
-        # hybrid models cache only with a checkpoint store (serving/hybrid_prefix.py)
+        # hybrid models cache only with a checkpoint store (serving/hybrid/hybrid_prefix.py)
         self.hybrid_cache = hybrid_cache
         self.caching = config.enable_prefix_caching and (not hybrid or hybrid_cache is not None)
         self.keys = PrefixKeys(config.block_size, hash_fn, root_hash_fn, self.markers,

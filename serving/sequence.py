@@ -32,7 +32,7 @@ def _ints(x) -> list:
 
 @dataclasses.dataclass(slots=True)
 class HybridState:
-    """Hybrid prefix cache (serving/hybrid_prefix.py): the prompt's planned checkpoints and the
+    """Hybrid prefix cache (serving/hybrid/hybrid_prefix.py): the prompt's planned checkpoints and the
     checkpoint its first chunk resumes from."""
     ck_positions: list = dataclasses.field(default_factory=list)  # token indices, ascending
     ck_values: list = dataclasses.field(default_factory=list)  # each checkpoint's value
@@ -42,7 +42,7 @@ class HybridState:
 
 @dataclasses.dataclass(slots=True)
 class SpanState:
-    """SSEP spans (serving/span_cache.py, span_jobs.py): cached spans the warm path skips."""
+    """SSEP spans (serving/hybrid/span_cache.py, span_jobs.py): cached spans the warm path skips."""
     skips: list = dataclasses.field(default_factory=list)  # (start, end) token indices
     # span start -> pinned map entry, until the step that composes it; None: not a span prompt
     # admitted through the span-map cache
@@ -52,7 +52,7 @@ class SpanState:
 
 @dataclasses.dataclass(slots=True)
 class StoreState:
-    """KV store tier (serving/kv_store_tier.py): reads started for this waiting request."""
+    """KV store tier (serving/tiers/kv_store_tier.py): reads started for this waiting request."""
     scanned: bool = False  # prefetch looked it up in the store (once)
     wants: list = dataclasses.field(default_factory=list)  # block-hash runs being read for it
 
@@ -61,10 +61,10 @@ class StoreState:
 class Memos:
     """Values derived from the tokens or the layout, kept by the module that derives them
     (None until first asked)."""
-    token_bytes: bytes | None = None  # serving/prefix_keys.py
+    token_bytes: bytes | None = None  # serving/cache/prefix_keys.py
     final_start: int | None = None  # serving/scheduler.py
-    span_intervals: list | None = None  # serving/span_rows.py
-    has_spans: bool | None = None  # serving/span_step.py
+    span_intervals: list | None = None  # serving/hybrid/span_rows.py
+    has_spans: bool | None = None  # serving/hybrid/span_step.py
 
 
 class Sequence:

@@ -10,7 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Engines in subprocesses of tests write no user-level compilation cache unless a test asks for one
 # (minipic_jax/compile_cache.py); this process uses the suite's cache below.
 os.environ.setdefault("MINIPIC_COMPILATION_CACHE_DIR", "off")
-# No stored step executables either (serving/executable_store.py): a test that patches code the
+# No stored step executables either (serving/step/executable_store.py): a test that patches code the
 # step traces must trace it; tests of the store turn it on in a folder of their own.
 os.environ.setdefault("MINIPIC_STEP_CACHE", "off")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.disk_store import StoreIdentity
+from serving.tiers.disk_store import StoreIdentity
 
 
 def store_identity(**kw) -> StoreIdentity:

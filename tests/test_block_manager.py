@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.block_manager import BlockManager
-from serving.hashing import block_keys, make_hash_fn, root_hash
+from serving.cache.block_manager import BlockManager
+from serving.cache.hashing import block_keys, make_hash_fn, root_hash
 
 
 def test_lru_free_list_reverse_order_and_hash_kept_until_reuse():
@@ -25,7 +25,7 @@ def test_lru_free_list_reverse_order_and_hash_kept_until_reuse():
 
 def test_fresh_record_lists_each_allocated_block_once_until_taken():
     """Every block handed out is fresh (its pages are zeroed on the device before first use,
-    serving/page_zeroing.py) until the runner takes the record; a block freed and allocated again
+    serving/cache/page_zeroing.py) until the runner takes the record; a block freed and allocated again
     in between is listed once; a block a copy-in fills (`filled`) is not listed; sharing a
     cached block is no allocation."""
     bm = BlockManager(6, 4)
@@ -129,7 +129,7 @@ def test_pdep_key_after_spans_depends_on_every_token_before_it(algo):
 
 
 def _chain_reference(h, tokens, bs, span_block, span_start, h0):
-    """The chained keys written out block by block (module docstring of serving/hashing.py)."""
+    """The chained keys written out block by block (module docstring of serving/cache/hashing.py)."""
     keys, prefix, span = [], h0, h0
     n = len(tokens) // bs
     for j in range(n):

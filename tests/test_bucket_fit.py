@@ -1,10 +1,10 @@
-"""serving/bucket_fit.py: a prefill chunk that overflows a token bucket by a little stops at it."""
+"""serving/hybrid/bucket_fit.py: a prefill chunk that overflows a token bucket by a little stops at it."""
 
 import types
 
 import pytest
 
-from serving.bucket_fit import BucketFit, fit_stop
+from serving.hybrid.bucket_fit import BucketFit, fit_stop
 
 BUCKETS = (512, 1024, 2048)
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from planner import expected_recompute
-from serving import checkpoint_pool
-from serving.checkpoint_plan import CheckpointPlanner, candidates, positions_of
-from serving.checkpoint_store import CheckpointStore
+from serving.hybrid import checkpoint_pool
+from serving.hybrid.checkpoint_plan import CheckpointPlanner, candidates, positions_of
+from serving.hybrid.checkpoint_store import CheckpointStore
 from serving.layout import build_layout
 
 

@@ -167,9 +167,9 @@ def test_admission_never_evicts_its_own_planned_hit():
     """Regression (scheduler): an admission's new blocks are taken from the LRU free list, whose
     head may be a cached block the same admission planned as a hit further on; the hit must be
     taken off the free list first, or one physical block ends up holding two logical blocks."""
-    from serving.block_manager import BlockManager
+    from serving.cache.block_manager import BlockManager
     from serving.config import Config
-    from serving.hashing import make_hash_fn, root_hash
+    from serving.cache.hashing import make_hash_fn, root_hash
     from serving.layout import build_layout
     from serving.scheduler import Scheduler
     from serving.sequence import Sequence

@@ -10,7 +10,7 @@ import kernels_pallas.paged_attention.api as attention_api
 import kernels_pallas.paged_attention.decode_common as decode_common
 import kernels_pallas.paged_attention.write as write_api
 from minipic_jax import LLM, SamplingParams
-from serving import model_runner
+from serving.step import model_runner
 
 
 def spy_on(monkeypatch, module, name, record=lambda kwargs: 1):

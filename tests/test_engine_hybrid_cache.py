@@ -189,7 +189,7 @@ def test_a_checkpoint_whose_step_never_launched_is_not_restored(llm, monkeypatch
 
 def _on_host(llm, prefixes, salt):
     """(prefix index, depth) of the checkpoints of these prefixes now on the host tier."""
-    from serving.hashing import block_keys, make_hash_fn, root_hash
+    from serving.cache.hashing import block_keys, make_hash_fn, root_hash
     h = make_hash_fn(llm.config.hash_algo)
     store, out = llm.llm_engine.hybrid_cache.store, []
     for k, p in enumerate(prefixes):

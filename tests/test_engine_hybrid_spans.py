@@ -1,7 +1,7 @@
 """Span prompts on a hybrid model through the engine: tokens and logprobs equal the float64 hybrid
 span reference (tests/hybrid_span_reference.py), for prompts with the same spans at other offsets
 and in other orders in one batch, a prompt ending in a span, and chunked prefills (64-token steps)
-that cut between segments. Cold (serving/span_rows.py: spans computed) and warm (serving/
+that cut between segments. Cold (serving/hybrid/span_rows.py: spans computed) and warm (serving/
 span_cache.py: cached spans skipped, their maps composed on device), across batches and within
 one, with a small span-map store that evicts and offloads."""
 

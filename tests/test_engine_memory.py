@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minipic_jax import LLM
-from serving import step_inputs
+from serving.step import step_inputs
 
 
 def _step_memory(num_kv_blocks: int, decode_only: bool, **engine_args) -> dict:

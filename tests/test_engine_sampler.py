@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampler import SamplingMetadata, _top_k_top_p, sample
+from serving.step.sampler import SamplingMetadata, _top_k_top_p, sample
 
 
 def brute_mask(row, k, p):

@@ -72,7 +72,7 @@ def test_a_request_waits_for_the_checkpoint_its_prefix_is_computing():
 
 
 def test_bucket_fit_cuts_chunks_at_buckets():
-    """Config.checkpoint_bucket_fit (serving/bucket_fit.py): the same requests run in fewer
+    """Config.checkpoint_bucket_fit (serving/hybrid/bucket_fit.py): the same requests run in fewer
     padded step tokens, and no step's tokens overflow a bucket by 1..spill (60) tokens."""
     import numpy as np
 

@@ -6,7 +6,7 @@ import pytest
 
 from configs.presets import get_preset
 from minipic_jax.models import get_family
-from serving import kv_pool
+from serving.cache import kv_pool
 from serving.config import Config
 
 

@@ -1,4 +1,4 @@
-"""Persistent span store (serving/disk_store.py, kv_store_tier.py, LLM.cache_spans).
+"""Persistent span store (serving/tiers/disk_store.py, kv_store_tier.py, LLM.cache_spans).
 
 Oracle: the same prompts run cold (no store) on a fresh engine; a store hit must give the same
 tokens, and every corruption must be caught by its checksum or header and the block recomputed.
@@ -16,7 +16,7 @@ from conftest import make_tiny_llm
 from store_runs import random_run as _run
 from store_runs import store_identity as _identity
 from minipic_jax import Prompt, SamplingParams, Span, build_prompt
-from serving.disk_store import DiskStore, StoreMismatch, namespace
+from serving.tiers.disk_store import DiskStore, StoreMismatch, namespace
 
 SP = SamplingParams(temperature=0.0, max_tokens=4)
 B = 16
@@ -144,7 +144,7 @@ def test_request_is_ready_once_its_reads_are_harvested(store_pair, fresh_rng):
 def test_reads_start_when_a_batch_job_queues_the_request(store_pair, fresh_rng):
     """prefetch_stored (run-batch calls it after each add_request) starts the reads before any
     step; the request then runs to the same tokens as a cold run."""
-    from serving.engine_tiers import prefetch_stored
+    from serving.tiers.engine_tiers import prefetch_stored
     writer, reader, _ = store_pair
     docs = _docs(fresh_rng, 1)
     writer.cache_spans(docs)
@@ -230,7 +230,7 @@ def test_runs_extend_as_a_prefix_tree_and_reads_pad_rows(tmp_path, fresh_rng):
 
 
 def test_matched_prefix_needs_same_keys_and_tokens(tmp_path, fresh_rng):
-    from serving.kv_store_tier import _matched, _Want
+    from serving.tiers.kv_store_tier import _matched, _Want
     store = DiskStore(tmp_path, _identity(), 1 << 30)
     hashes, tokens, leaves = _run(fresh_rng, [1, 2, 3])
     store.write("shared", hashes, tokens, leaves)
@@ -311,7 +311,7 @@ def test_run_buffers_send_read_bytes_and_reuse_the_buffer(tmp_path, fresh_rng, p
     """A run read into a pooled buffer (pinned host memory, or plain numpy) reaches the device
     bit-exact; the buffer is reused and a later write to it does not change what was sent."""
     import ml_dtypes
-    from serving.kv_store_buffers import RunBuffers, pinned_shardings
+    from serving.tiers.kv_store_buffers import RunBuffers, pinned_shardings
     if pinned and pinned_shardings() is None:
         pytest.skip("no pinned host memory on this backend")
     bufs = RunBuffers(per_shape=2, pinned=pinned)

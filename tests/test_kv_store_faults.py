@@ -22,8 +22,8 @@ from conftest import make_tiny_llm
 from store_runs import random_run as _run
 from store_runs import store_identity as _identity
 from minipic_jax import Prompt, SamplingParams, Span, build_prompt
-from serving import disk_store
-from serving.disk_store import DiskStore, namespace
+from serving.tiers import disk_store
+from serving.tiers.disk_store import DiskStore, namespace
 
 SP = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
 B = 16

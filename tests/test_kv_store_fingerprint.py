@@ -1,5 +1,5 @@
-"""The span store's model fingerprint covers every weight byte (serving/fingerprint.py,
-serving/weight_digests.py): a checkpoint with one changed weight never opens another's store.
+"""The span store's model fingerprint covers every weight byte (serving/tiers/fingerprint.py,
+serving/tiers/weight_digests.py): a checkpoint with one changed weight never opens another's store.
 
 Oracle: one element in the middle of a tensor (embedding row 110 of 260: the first and last
 256 elements, all the old fingerprint sampled, are rows 0-7 and 252-259) changed by hand.
@@ -18,9 +18,9 @@ import safetensors.numpy
 from conftest import FIXTURES
 from minipic_jax.loading import load_model
 from minipic_jax.loading.safetensors_io import weight_files
-from serving import weight_digests
-from serving.fingerprint import model_fingerprint
-from serving.weight_digests import file_digests
+from serving.tiers import weight_digests
+from serving.tiers.fingerprint import model_fingerprint
+from serving.tiers.weight_digests import file_digests
 
 EMBED = "model.embed_tokens.weight"  # [260, 32] in llama_mha
 ARGS = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32,

@@ -1,4 +1,4 @@
-"""Device memory of the span store's reads (serving/kv_store_staging.py, kv_store_tier.py) and of
+"""Device memory of the span store's reads (serving/tiers/kv_store_staging.py, kv_store_tier.py) and of
 its benchmark's orchestrator (benchmarks/kv_store_bench.py).
 
 On the H200 (session 9) the warm phases ran out of device memory: the bench's orchestrator held
@@ -21,8 +21,8 @@ import pytest
 
 from conftest import make_tiny_llm
 from minipic_jax import Prompt, SamplingParams, Span, build_prompt
-from serving.kv_store_staging import StagedBlocks, run_nbytes
-from serving.run_file import Run, run_rows
+from serving.tiers.kv_store_staging import StagedBlocks, run_nbytes
+from serving.tiers.run_file import Run, run_rows
 
 SP = SamplingParams(temperature=0.0, max_tokens=2)
 B = 16
@@ -112,7 +112,7 @@ def test_bench_orchestrator_stays_off_the_device(tmp_path):
 def test_default_pool_leaves_the_staging_memory_free(monkeypatch, tmp_path):
     """num_kv_blocks=None with a span store: the pool is what gpu_memory_utilization leaves
     after kv_store_staging_gb (the staged runs live next to it on the device)."""
-    from serving import kv_pool
+    from serving.cache import kv_pool
     from serving.config import Config
     from configs.presets import get_preset
 
@@ -132,7 +132,7 @@ def test_default_pool_leaves_the_staging_memory_free(monkeypatch, tmp_path):
 def test_staging_default_follows_the_device_and_an_explicit_value_wins(monkeypatch):
     """kv_store_staging_gb=None: min(16 GiB, 16% of the device's limit), 4 GiB without memory
     stats; an explicit value is taken as is; <= 0 is refused, naming the option."""
-    from serving import kv_pool
+    from serving.cache import kv_pool
     from serving.config import Config
     assert kv_pool.staging_bytes(Config(kv_store_staging_gb=1.5)) == int(1.5 * (1 << 30))
     monkeypatch.setattr(kv_pool, "device_memory", lambda: {})

@@ -128,6 +128,44 @@ def test_the_checks_catch_a_cycle_and_an_upward_arrow():
     assert "serving" not in MAY_IMPORT["kernels_pallas"]
 
 
+# serving/'s layers (docs/ARCHITECTURE.md): its sub-packages, and the records at its top that
+# every layer may use; the engine's modules at the top (llm_engine, scheduler, recovery, ...) use
+# the sub-packages, never the other way round
+SERVING_RECORDS = {"config", "layout", "sequence", "model_contract", "outputs"}
+SERVING_MAY_IMPORT = {
+    "cache": set(),  # blocks, prefix keys, hashing, the KV pool and its page zeroing
+    "tiers": {"cache"},  # the host tier and the disk span store under the pool
+    "hybrid": {"cache", "tiers"},  # recurrent checkpoints, span maps and their placement
+    "step": {"cache", "hybrid"},  # the device step: runner, inputs, executables, sampler
+}
+
+
+def _serving_layer(module: str) -> str:
+    """serving.cache.x -> "cache"; a record at serving's top -> "records"; the engine's own
+    top-level modules -> "engine"."""
+    parts = module.split(".")
+    if len(parts) >= 3:
+        return parts[1]
+    return "records" if parts[-1] in SERVING_RECORDS else "engine"
+
+
+def test_serving_layers_import_down_only():
+    mods, graph = _graph()
+    wrong = []
+    for m, edges in graph.items():
+        if not m.startswith("serving.") or m.count(".") == 1 and m.endswith("__init__"):
+            continue
+        have = _serving_layer(m)
+        allowed = {"records", have} | SERVING_MAY_IMPORT.get(have, set())
+        if have == "engine":
+            allowed |= set(SERVING_MAY_IMPORT) | {"engine"}
+        if have == "records":
+            allowed = {"records"}
+        wrong += [f"{mods[m].relative_to(REPO)}:{line} imports {t}" for t, line in edges
+                  if t.startswith("serving.") and _serving_layer(t) not in allowed]
+    assert not wrong, "imports against serving/'s layers:\n" + "\n".join(wrong)
+
+
 def _same_kernel(a: str, b: str) -> bool:
     """Files of one kernel share a stem (mosaic_prefill.py, mosaic_prefill_prep.py)."""
     a, b = a.rpartition(".")[2], b.rpartition(".")[2]

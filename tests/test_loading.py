@@ -15,8 +15,8 @@ from configs.presets import PRESETS, get_preset
 from minipic_jax.loading import ByteTokenizer, Llama3Tokenizer, load_model, load_tokenizer
 from minipic_jax.loading.safetensors_io import SafetensorsReader, weight_files
 from minipic_jax.models import get_family, llama
-from serving import sharding
-from serving.fingerprint import model_fingerprint
+from serving.step import sharding
+from serving.tiers.fingerprint import model_fingerprint
 
 
 def _copy(name, tmp_path):

@@ -1,4 +1,4 @@
-"""Request isolation in the KV pool (serving/page_zeroing.py): a page the block manager hands
+"""Request isolation in the KV pool (serving/cache/page_zeroing.py): a page the block manager hands
 out is zeroed on the device before the step that first uses it, so a slot its new owner never
 writes (a pad slot of a Span's last block, the tail of a sequence's last block) holds exactly 0,
 whatever the block held before. The GPU attention kernels multiply the softmax weights by whole
@@ -19,7 +19,7 @@ import pytest
 
 from conftest import FIXTURES, make_tiny_llm
 from minipic_jax import LLM, Prompt, SamplingParams, Span, build_prompt
-from serving.offload import page_leaf
+from serving.cache.kv_pool import page_leaf
 
 B = 16
 SP = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)

@@ -46,7 +46,7 @@ RUNS = (
 
 class TestMosaicDecode(AttentionKernelTests):
     """Pad slots hold finite values: the kernel's contract (see mosaic_decode.py), which the
-    engine guarantees by zeroing pages on allocation (serving/page_zeroing.py)."""
+    engine guarantees by zeroing pages on allocation (serving/cache/page_zeroing.py)."""
 
     implementation = "mosaic_decode"
     option_runs = RUNS

@@ -39,7 +39,7 @@ def _finite_pads(rng, k, v):
     """The pad slots (NaN from _inputs) as finite garbage, large so that a pad which leaked into
     an output would show: the contract of direct_v and of mosaic_decode (the engine guarantees it
     by zeroing every page when the block manager hands it out, before the step that first uses it:
-    serving/page_zeroing.py, tests/test_page_zeroing.py), and the mixed path's default (direct_v
+    serving/cache/page_zeroing.py, tests/test_page_zeroing.py), and the mixed path's default (direct_v
     on)."""
     garbage = jnp.asarray(rng.uniform(50.0, 100.0, v.shape), v.dtype)
     return tuple(jnp.where(jnp.isnan(x), garbage, x) for x in (k, v))
@@ -264,7 +264,7 @@ class TestMixed(AttentionKernelTests):
     slow_cases = tuple(c.name for c in SHARED_CASES)
     # Its decode rows run the registry's decode kernel (mosaic_decode for these shapes), whose
     # contract is finite pad slots (mosaic_decode.py; the engine zeroes each page it hands out
-    # before first use, serving/page_zeroing.py): with NaN pads the decode-only case failed here
+    # before first use, serving/cache/page_zeroing.py): with NaN pads the decode-only case failed here
     # exactly as mosaic_decode alone does on those inputs. The prefill part zeroes pads itself
     # (test_gather_live.py, the engine-shaped cases above, which keep NaN pads).
     nan_pads = False

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import make_tiny_llm
 from minipic_jax import SamplingParams
-from serving.hashing import make_hash_fn, root_hash
+from serving.cache.hashing import make_hash_fn, root_hash
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 BYTES_PER_BLOCK = 8192  # tiny_llama, block size 16, float32 (checked below)

@@ -162,7 +162,7 @@ def test_job_finishes_when_the_store_cannot_be_written(tmp_path, store, job_llm,
     """A span store whose writes fail (a full disk, injected in its writer) is a cache that
     misses: the job answers every line, exits 0, and says so in one warning; no temp file
     stays behind."""
-    from serving import disk_store
+    from serving.tiers import disk_store
 
     def disk_full(fd, bufs):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")

@@ -193,7 +193,7 @@ def test_step_compiles_are_announced():
     """The progress bar says "compiling step variant k/n" while a step variant compiles (the
     engine's StepExecutables tells on_compile)."""
     import jax.numpy as jnp
-    from serving.step_executables import StepExecutables
+    from serving.step.step_executables import StepExecutables
 
     def fun(x, *, scale=2):
         return x * scale

@@ -8,7 +8,7 @@ import pytest
 from configs.presets import PRESETS
 from kernels_pallas.paged_attention.problem import TABLE_MAX_POSITION
 from serving.config import Config
-from serving.model_runner import attention_choices
+from serving.step.model_runner import attention_choices
 
 LLAMA_8B = PRESETS["llama3_8b"]  # 32 q / 8 kv heads, head_dim 128
 

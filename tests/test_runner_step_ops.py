@@ -15,8 +15,8 @@ from configs.presets import PRESETS
 from jaxpr_walk import KERNELS, primitive_counts
 from minipic_jax.models import llama
 from serving.config import Config
-from serving.model_runner import ModelRunner
-from serving.step_inputs import layout
+from serving.step.model_runner import ModelRunner
+from serving.step.step_inputs import layout
 
 LAYERS = 3
 def test_cached_span_step_has_three_kernels_per_layer_and_no_control_flow(monkeypatch):

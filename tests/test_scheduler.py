@@ -10,9 +10,9 @@ from hypothesis import given, settings, strategies as st
 
 from minipic_jax.prompts import Prompt, Span, build_prompt
 from minipic_jax.sampling_params import SamplingParams
-from serving.block_manager import BlockManager
+from serving.cache.block_manager import BlockManager
 from serving.config import Config
-from serving.hashing import make_hash_fn, root_hash
+from serving.cache.hashing import make_hash_fn, root_hash
 from serving.layout import build_layout
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status

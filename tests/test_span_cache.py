@@ -1,5 +1,5 @@
-"""Host side of the warm span path (serving/span_cache.py, span_rows.py) and the span-map pool's
-host moves (serving/span_maps.py): cheap checks without a model."""
+"""Host side of the warm span path (serving/hybrid/span_cache.py, span_rows.py) and the span-map pool's
+host moves (serving/hybrid/span_maps.py): cheap checks without a model."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import types
 import jax.numpy as jnp
 import numpy as np
 
-from serving import span_maps, span_rows, span_step
-from serving.checkpoint_store import CheckpointStore
-from serving.hybrid_prefix import HybridPrefixCache
+from serving.hybrid import span_maps, span_rows, span_step
+from serving.hybrid.checkpoint_store import CheckpointStore
+from serving.hybrid.hybrid_prefix import HybridPrefixCache
 from serving.layout import build_layout
 from serving.sequence import Sequence
-from serving.span_cache import SpanMapCache
+from serving.hybrid.span_cache import SpanMapCache
 
 BS, PAD, SSEP, PDEP = 4, 0, 1, 2
 

@@ -1,11 +1,11 @@
-"""serving/span_maps.py: the entry state composed from cached span maps on device vs a float64
+"""serving/hybrid/span_maps.py: the entry state composed from cached span maps on device vs a float64
 replay (maps applied in order; conv window = the last Kc - 1 of all earlier inputs), bytes."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving import span_maps
+from serving.hybrid import span_maps
 
 LG, HV, DK, DV, C, K1 = 2, 2, 4, 3, 5, 3
 
@@ -65,7 +65,7 @@ def test_chain_shapes_pad_to_warm_variants():
     are powers of two from 4, at most the step's sequences."""
     from types import SimpleNamespace
 
-    from serving import span_step
+    from serving.hybrid import span_step
     batch = lambda *lens: [SimpleNamespace(map_chain=[0] * n) for n in lens]  # noqa: E731
     assert span_step.chain_shape(batch(3, 0, 1), 8) == (4, 16)
     assert span_step.chain_shape(batch(16, 2, 2, 2, 2), 8) == (8, 16)

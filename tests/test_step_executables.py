@@ -1,4 +1,4 @@
-"""Stored step executables (serving/executable_store.py): a second engine of the same
+"""Stored step executables (serving/step/executable_store.py): a second engine of the same
 configuration loads every warm-up variant instead of tracing it, and generates exactly what the
 cold engine did (tokens and logprobs, bit for bit); a changed configuration or changed source
 misses; a damaged file is a miss, never an error."""
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import make_tiny_llm
 from minipic_jax import SamplingParams
-from serving import executable_store
+from serving.step import executable_store
 
 SMALL = dict(max_num_batched_tokens=16, min_token_bucket=16, max_model_len=128)
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256] + list(range(40, 75))]  # one fits, one chunks

@@ -110,7 +110,7 @@ def checkpoints(name: str, tp: int) -> dict:
 
     from minipic_jax.loading import load_model
     from minipic_jax.models import testing
-    from serving import sharding
+    from serving.step import sharding
     lm = load_model(str(FIXTURES / name))
     prompt = np.load(FIXTURES / name / "reference.npz")["prompt_2"].astype(np.int32)
     pager = testing.SimplePager(1, len(prompt) + 8, 16, seed=1)
@@ -159,7 +159,7 @@ def stream(name: str) -> dict:
     from minipic_jax.loading import load_model
     from minipic_jax.loading.safetensors_io import SafetensorsReader
     from minipic_jax.models import llama_hf
-    from serving import sharding
+    from serving.step import sharding
     out = {"equal": {}}
     for tp in (2, 4):
         old, new = (load_model(str(FIXTURES / name), cache_dir=False),

@@ -12,7 +12,7 @@ offsets. Queries are always passed unrotated and rotated by their own logical po
 Which kernel runs is decided here, once per call, by `choose_attention` over the registry
 `ATTENTION` (kernels_pallas/registry.py says how to add an implementation): a named
 implementation with its typed options, or "auto", the first of `auto_order`'s list that takes
-the problem. The engine asks the same question once at start (serving/model_runner.py).
+the problem. The engine asks the same question once at start (serving/step/model_runner.py).
 """
 
 from __future__ import annotations

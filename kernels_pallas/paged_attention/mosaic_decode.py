@@ -40,7 +40,7 @@ Limits (`limits`): bf16/f16; full rotary (R == D) with R/2 a multiple of 64, or 
 D a multiple of 128; kv_group * G <= 16; key steps a multiple of 32 keys; SMEM within 227 KiB.
 Pad slots must hold finite values (p = 0 times a NaN value is NaN inside the MMA); the engine
 guarantees it: every page is zeroed on the device when the block manager hands it out, before
-the step that first uses it (serving/page_zeroing.py), so a slot its sequence never wrote holds 0
+the step that first uses it (serving/cache/page_zeroing.py), so a slot its sequence never wrote holds 0
 whatever the block's previous owner left there. On CPU it runs in the Mosaic GPU interpreter
 (`mosaic_common.register_interpreter_rules` supplies the MMA rule).
 """

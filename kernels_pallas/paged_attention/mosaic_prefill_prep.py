@@ -216,7 +216,7 @@ def prepare(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_sca
     table entry (page_table; the kernel reads V through it by TMA). Its
     precondition, as mosaic_decode's: every page slot holds a finite value (a masked key's p = 0
     times a NaN value is NaN); the engine zeroes every page it hands out before first use
-    (serving/page_zeroing.py), so unwritten slots hold 0.
+    (serving/cache/page_zeroing.py), so unwritten slots hold 0.
     Without direct_v, v_table is None."""
     tokens = q_rot.shape[0]
     if direct_v:

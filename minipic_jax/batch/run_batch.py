@@ -20,8 +20,8 @@ from minipic_jax.batch.records import dumps, error_record, result_record
 from minipic_jax.batch.resume import answered, drop_error_records, open_for_append
 from minipic_jax.loading.chat_template import render_conversations
 from serving.config import Config
-from serving.engine_tiers import prefetch_stored
-from serving.kv_pool import device_memory
+from serving.tiers.engine_tiers import prefetch_stored
+from serving.cache.kv_pool import device_memory
 
 
 def _render_chat(tokenizer):

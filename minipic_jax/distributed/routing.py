@@ -5,7 +5,7 @@ own tokens only (DESIGN §3), so a span computed once on a replica is a hit ther
 request that carries it, at any offset. Spreading requests that share spans over replicas at random
 recomputes each span on up to every replica; routing them to one replica computes it once.
 
-`span_keys` names a prompt's spans by the serving/hashing.py key of each span's last full block
+`span_keys` names a prompt's spans by the serving/cache/hashing.py key of each span's last full block
 (the span chain, so equal keys mean equal span tokens: what the engine's cache would hit).
 `route_by_spans` assigns requests greedily: a request goes to the replica that already owns the
 most of its span blocks, among replicas whose load stays under a cap ((1 + slack) x an even
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.hashing import block_keys, make_hash_fn, root_hash
+from serving.cache.hashing import block_keys, make_hash_fn, root_hash
 from serving.layout import build_layout
 
 

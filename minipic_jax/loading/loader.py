@@ -34,7 +34,7 @@ class LoadedModel:
     source: str  # "folder:<abs path>", "gguf:<abs path>" or "preset:<name>"
     from_cache: bool = False  # params came from the orbax cache (conversion skipped)
     # the checkpoint files the params were converted from (() for a preset): the span store
-    # fingerprints the weights by their bytes (serving/fingerprint.py)
+    # fingerprints the weights by their bytes (serving/tiers/fingerprint.py)
     weight_files: tuple = ()
 
 
@@ -66,7 +66,7 @@ def load_model(model: str | pathlib.Path, *, dtype="float32", seed: int = 0,
         256 MiB; a path: always cache there; False: never cache.
       host: for a checkpoint folder, params are numpy views of the memory-mapped tensors in the
         family's layout (checkpoint dtype, nothing read or copied yet, no orbax cache), which
-        tensor parallelism streams tensor by tensor to the devices (serving/sharding.py,
+        tensor parallelism streams tensor by tensor to the devices (serving/step/sharding.py,
         stream_params). Presets are unaffected.
     Raises:
       ValueError naming the problem: unknown preset or missing folder (lists presets), folder

@@ -52,7 +52,7 @@ def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32, *, host: bool = 
     """HF tensors -> params dict in `dtype`. get_tensor(name) -> np.ndarray; shapes are checked
     (ValueError naming the tensor). host=True: the same tree of numpy views of the checkpoint
     tensors in our layout (checkpoint dtype, nothing copied), for streaming each tensor's shards
-    to their devices (serving/sharding.py, stream_params)."""
+    to their devices (serving/step/sharding.py, stream_params)."""
     e, v = cfg.hidden_size, cfg.vocab_size
 
     def get(name, shape, fn=lambda x: x):

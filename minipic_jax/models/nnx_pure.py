@@ -22,7 +22,7 @@ def param(shape, axes, dtype) -> nnx.Param:
 
 def abstract(build: Callable[[], nnx.Module]):
     """(graphdef, abstract state) of the module `build()` makes; no weights are allocated. Built
-    outside any mesh: the logical axis names are metadata here (serving/sharding.py maps them to
+    outside any mesh: the logical axis names are metadata here (serving/step/sharding.py maps them to
     a mesh), and Flax would read them as mesh axes of an enclosing one (the engine's step traces
     under its TP mesh). Families cache the result per config."""
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):

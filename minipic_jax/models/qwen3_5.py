@@ -124,7 +124,7 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
       conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers); with
       span_pieces.capture also span_maps: a [Lg, Mc, Hv, Dk, Dk], b [Lg, Mc, Hv, Dk, Dv],
-      tail [Lg, Mc, C, Kc-1], count [Mc] (the captured pieces' maps, serving/span_maps.py).
+      tail [Lg, Mc, C, Kc-1], count [Mc] (the captured pieces' maps, serving/hybrid/span_maps.py).
     """
     if kv_mode not in KV_MODES:
         raise ValueError(f"forward: kv_mode must be one of {KV_MODES}, got {kv_mode!r}")

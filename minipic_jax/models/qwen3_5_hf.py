@@ -46,7 +46,7 @@ def convert_hf(get_tensor, cfg: ModelConfig, dtype=jnp.float32, *, host: bool = 
     """HF tensors (torch Linear layout [out, in]) -> the params dict in `dtype` (shapes checked;
     the layout of qwen3_5_modules). host=True: the same tree of numpy views of the checkpoint
     tensors in our layout (checkpoint dtype, nothing copied), for streaming each tensor's shards
-    to their devices (serving/sharding.py, stream_params)."""
+    to their devices (serving/step/sharding.py, stream_params)."""
     e, h, k, d, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                         cfg.intermediate_size, cfg.vocab_size)
     hk, hv, dk, dv, c, kc = gdn_dims(cfg)

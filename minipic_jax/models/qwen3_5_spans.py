@@ -11,7 +11,7 @@ A span row's conv window is its piece's (zeros before the span start), a PDEP ro
 A span whose tokens are in the step is computed (its KV and its delta inputs); with
 `pieces.capture` the step also returns the captured pieces' span maps (`captured_maps`: A, B, conv
 tail), which the engine caches and later composes instead of computing the span again (the warm
-path: serving/span_cache.py, serving/span_maps.py).
+path: serving/hybrid/span_cache.py, serving/hybrid/span_maps.py).
 
 A sequence whose final segment is a span that starts in the step carries the span's local state
 on (`carry_local`), so its generated tokens extend the span. Limits: a non-final span must start
@@ -160,7 +160,7 @@ def run_local(q, k, v, g, beta, packings, **kw):
 
 
 def captured_maps(mixed, plan, a_span, local_final):
-    """The span maps of the captured pieces (serving/span_maps.py's layout): a [Mc, Hv, Dk, Dk],
+    """The span maps of the captured pieces (serving/hybrid/span_maps.py's layout): a [Mc, Hv, Dk, Dk],
     b [Mc, Hv, Dk, Dv] (the piece's state from zero), tail [Mc, C, K1] (its last K1 layer
     inputs, right-aligned, zeros before), count [Mc] int32 (its rows). a_span and local_final
     come from local_pass ([Mc] transitions; final states [S + Mc], the captured ones last)."""

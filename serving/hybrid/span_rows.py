@@ -33,7 +33,7 @@ def check_prompt(layout, block_size: int, num_prompt_tokens: int, budget: int, w
 
 def cut_chunk(seq, idx, frontier: int, block_size: int):
     """(idx, frontier) cut back so the chunk does not end inside a non-final span, nor run past a
-    span the warm path skips (serving/span_cache.py) once it has rows: the chunk after it enters
+    span the warm path skips (serving/hybrid/span_cache.py) once it has rows: the chunk after it enters
     with its map."""
     if idx.size:
         for a, _ in seq.span.skips:
@@ -63,7 +63,7 @@ def step_rows(batch, block_size: int):
 
     Piece ids change at each sequence start, at each span start in the step, and at the first
     row after a span whose map the step captures (`map_caps`: its piece holds its rows only, so
-    the piece's final local state is the map's B, serving/span_cache.py). Rows of other segments
+    the piece's final local state is the map's B, serving/hybrid/span_cache.py). Rows of other segments
     ride in the previous piece; the model reads their flow outputs."""
     piece, span_row, carry = [], [], []
     pid = -1

@@ -8,7 +8,11 @@ import jax
 import numpy as np
 
 from serving.config import Config
-from serving.offload import page_leaf
+
+
+def page_leaf(x, num_pages: int, block_size: int) -> bool:
+    """Whether a cache leaf is a page array ([num_pages, block_size, ...])."""
+    return hasattr(x, "shape") and x.ndim >= 2 and x.shape[:2] == (num_pages, block_size)
 
 
 def default_num_blocks(config: Config, mcfg, dtype) -> int:

@@ -1,5 +1,5 @@
 """Host side of a step's inputs: the packed int32 buffer's layout (one dispatch, see
-serving/model_runner.py), the block-table rows kept per seat and updated incrementally, and the
+serving/step/model_runner.py), the block-table rows kept per seat and updated incrementally, and the
 rows each scheduled sequence fills. Plain numpy over the scheduler's entries."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import functools
 
 import numpy as np
 
-from serving.page_zeroing import zero_rows
-from serving.span_step import MAX_CAPTURES, piece_bound
+from serving.cache.page_zeroing import zero_rows
+from serving.hybrid.span_step import MAX_CAPTURES, piece_bound
 
 _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
 _S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "seed", "step",
@@ -24,8 +24,8 @@ S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain=(), *,
            block_size: int):
     """Static offsets of each field in the packed int32 buffer. chain (Sc, L): the step carries
-    the span-map fields (serving/span_step.py: chains of pool slots to compose, captures). Last,
-    `zero_pages`: the fresh pages the step zeroes first (serving/page_zeroing.py)."""
+    the span-map fields (serving/hybrid/span_step.py: chains of pool slots to compose, captures). Last,
+    `zero_pages`: the fresh pages the step zeroes first (serving/cache/page_zeroing.py)."""
     spec, off = {}, 0
     if spans:  # hybrid steps holding SSEP span rows
         g = piece_bound(t, s)

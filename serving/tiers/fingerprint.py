@@ -1,7 +1,7 @@
 """A model's fingerprint for the persistent span store: config, dtype and every weight byte.
 
 The KV a store holds depends on every weight, so every byte is hashed (xxh3-128): a
-checkpoint's files through serving/weight_digests.py (cached by file identity in the store
+checkpoint's files through serving/tiers/weight_digests.py (cached by file identity in the store
 folder, so only the first start on a checkpoint reads it again), and params that come from no
 file leaf by leaf from their arrays. A preset's deterministic random weights are hashed from
 their arrays, not from the preset name and seed: what `init_params` draws from a seed also
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import xxhash
 
-from serving.weight_digests import file_digests
+from serving.tiers.weight_digests import file_digests
 
 
 def params_digest(params, dtype) -> str:

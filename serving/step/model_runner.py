@@ -26,16 +26,16 @@ import numpy as np
 from kernels_pallas.paged_attention.api import choose_attention, step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
-from serving import span_step
-from serving.span_step import chain_shape, piece_bound
-from serving import checkpoint_pool as ckpt_pool
-from serving import sharding
-from serving.kv_pool import allocate_pool, default_num_blocks
+from serving.hybrid import span_step
+from serving.hybrid.span_step import chain_shape, piece_bound
+from serving.hybrid import checkpoint_pool as ckpt_pool
+from serving.step import sharding
+from serving.cache.kv_pool import allocate_pool, default_num_blocks
 from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
-from serving.page_zeroing import PageZeroer, zero_pages
-from serving.sampler import SamplingMetadata, pack_outputs, sample, unpack_outputs
-from serving.step_executables import StepExecutables
-from serving.step_inputs import S_FIELDS_CKPT, SeatTables, fill_sampling, layout
+from serving.cache.page_zeroing import PageZeroer, zero_pages
+from serving.step.sampler import SamplingMetadata, pack_outputs, sample, unpack_outputs
+from serving.step.step_executables import StepExecutables
+from serving.step.step_inputs import S_FIELDS_CKPT, SeatTables, fill_sampling, layout
 
 # Config fields only the host reads (scheduler, hashing, pool sizing, host tiers): left out of
 # the key of stored step executables. Their effects on shapes are in the argument shapes.
@@ -52,7 +52,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         tp = config.tensor_parallel_size
         self.mesh = None
-        if tp > 1:  # Megatron split by logical axes (serving/sharding.py), weights unfused
+        if tp > 1:  # Megatron split by logical axes (serving/step/sharding.py), weights unfused
             self.mesh, self.mcfg = sharding.place_model(loaded, tp, dtype)
             if config.num_kv_blocks is None:  # size the pool now that the weights are placed
                 num_blocks = default_num_blocks(config, loaded.cfg, dtype)
@@ -89,8 +89,8 @@ class ModelRunner:
         self._bufs: dict = {}
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
-        self.ck_pool = None  # hybrid prefix caching: serving/checkpoint_pool.py (set by engine)
-        self.span_pool = None  # hybrid span maps: serving/span_maps.py (set by engine)
+        self.ck_pool = None  # hybrid prefix caching: serving/hybrid/checkpoint_pool.py (set by engine)
+        self.span_pool = None  # hybrid span maps: serving/hybrid/span_maps.py (set by engine)
         # the static arguments are _step_body's keyword-only parameters
         self._step = StepExecutables(self._step_impl, signature_of=self._step_body,
                                      donate_argnums=(1, 5, 6), context=self._program_context,
@@ -108,7 +108,7 @@ class ModelRunner:
         return self._step._cache_size()
 
     def _program_context(self) -> str:
-        """What the traced step depends on besides its arguments (serving/executable_store.py
+        """What the traced step depends on besides its arguments (serving/step/executable_store.py
         keys stored executables by it): the model, the engine Config fields that can reach the
         step (those only the host reads are left out, so e.g. fcfs and barrier share programs)
         and the attention plan."""
@@ -134,7 +134,7 @@ class ModelRunner:
         spec, _ = layout(t, s, self.nb, pool is not None, spans, chain, block_size=self.block_size)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
-        # fresh pages are zeroed before anything writes (serving/page_zeroing.py)
+        # fresh pages are zeroed before anything writes (serving/cache/page_zeroing.py)
         cache = zero_pages(cache, f["zero_pages"], self.num_blocks, self.block_size)
         md = AttentionMetadata(
             q_positions=f["q_positions"], q_window_start=f["q_window_start"], q_seq=f["q_seq"],
@@ -142,7 +142,7 @@ class ModelRunner:
             block_pos_start=f["block_pos_start"], block_num_valid=f["block_num_valid"],
             slot_mapping=f["slot_mapping"])
         reset = f["reset"] > 0
-        warm = bool(chain) and not decode_only  # the span-map warm path (serving/span_step.py)
+        warm = bool(chain) and not decode_only  # the span-map warm path (serving/hybrid/span_step.py)
         if warm:
             cache, reset, f = span_step.enter(self.family, cache, pool, maps, f, reset)
         rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset,
@@ -218,7 +218,7 @@ class ModelRunner:
         empty step (nothing written). spans (hybrid models): also each bucket's span step, with
         chains of up to 16 maps for up to 4 sequences when a span-map pool is attached
         (serving/span_step.warm_chains). Ready = loaded from the executable store or traced,
-        lowered and compiled in threads (serving/step_executables.py); `startup` gets the
+        lowered and compiled in threads (serving/step/step_executables.py); `startup` gets the
         seconds of each phase."""
         steps = self.warmup_steps(all_greedy=all_greedy, use_filter=use_filter,
                                   num_logprobs=num_logprobs, spans=spans)

@@ -1,6 +1,6 @@
 """xxh3-128 digests of checkpoint files, every byte, cached by file identity.
 
-The span store's model fingerprint covers every weight byte (serving/fingerprint.py). Reading a
+The span store's model fingerprint covers every weight byte (serving/tiers/fingerprint.py). Reading a
 checkpoint once more to hash it costs its size over the disk or page cache (16 GB for an 8B
 model in bfloat16, about a second from the page cache), so a file's digest is kept under its
 identity: resolved path, size, mtime_ns, ctime_ns and inode. Any rewrite, copy or replacement

@@ -1,5 +1,5 @@
-"""The model runner's side of SSEP spans on hybrid models (serving/span_rows.py: the cold path;
-serving/span_cache.py: the warm path): the step's static span shapes, its host fields, and the
+"""The model runner's side of SSEP spans on hybrid models (serving/hybrid/span_rows.py: the cold path;
+serving/hybrid/span_cache.py: the warm path): the step's static span shapes, its host fields, and the
 device code of a warm step.
 
 A warm step (a span-map pool is attached) carries, for each sequence with one, a chain [L] of
@@ -15,12 +15,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from serving import checkpoint_pool, span_maps, span_rows
-from serving.span_cache import MAX_CAPTURES  # noqa: F401 (the runner's static capture count)
+from serving.hybrid import checkpoint_pool, span_maps, span_rows
+from serving.hybrid.span_cache import MAX_CAPTURES  # noqa: F401 (the runner's static capture count)
 
 
 def piece_bound(t: int, s: int) -> int:
-    """Static bound on a step's span pieces (serving/span_rows.py): one per sequence, one per
+    """Static bound on a step's span pieces (serving/hybrid/span_rows.py): one per sequence, one per
     span start in the step, one after each captured span. (The local pass pads every piece to
     whole chunks, so the bound is part of its cost.)"""
     return s + max(8, t // 8) + MAX_CAPTURES
@@ -66,7 +66,7 @@ def step_has_spans(batch, block_size: int) -> bool:
 
 
 def fill_rows(batch, v, rows: int, block_size: int, bound: int) -> np.ndarray:
-    """row_span / piece_cu / carry_local of a step holding span rows (serving/span_rows.py);
+    """row_span / piece_cu / carry_local of a step holding span rows (serving/hybrid/span_rows.py);
     returns the pieces' first rows."""
     piece, span_row, carry = span_rows.step_rows(batch, block_size)
     starts = np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]]) if rows else np.zeros(0, int)
@@ -81,7 +81,7 @@ def fill_rows(batch, v, rows: int, block_size: int, bound: int) -> np.ndarray:
 
 
 def fill_maps(batch, v, starts) -> None:
-    """chain / cap_piece / cap_slot of a warm span step (serving/span_cache.py): each sequence's
+    """chain / cap_piece / cap_slot of a warm span step (serving/hybrid/span_cache.py): each sequence's
     chain of cached span maps in order, and the piece each captured span fills (a captured span
     starts a piece: span_rows.step_rows)."""
     v["chain"][:] = -1

@@ -23,7 +23,7 @@ halves every `half_life` later requests):
               mass at n - tail.
 
 The resulting pmf is a probability per later request (mass at depth 0 = shares nothing), so a
-checkpoint's value under it (serving/checkpoint_plan.py) is in expected tokens saved per request
+checkpoint's value under it (serving/hybrid/checkpoint_plan.py) is in expected tokens saved per request
 and comparable across prompts.
 """
 

@@ -43,7 +43,7 @@ class Run:
     hashes: np.ndarray  # [n] uint64
     tokens: np.ndarray  # [n, B] int64
     kv: np.ndarray  # [L, rows, B, ...] real dtype
-    dev: object = None  # kv on the device, once sent (serving/kv_store_tier.py)
+    dev: object = None  # kv on the device, once sent (serving/tiers/kv_store_tier.py)
 
     @property
     def n(self) -> int:

@@ -7,7 +7,7 @@ the first waiter to reach it claims it. Freed blocks join the tail of an LRU fre
 sequence's blocks in reverse order, so its last blocks are evicted first) and keep their hash
 until the block is reused; a ready block evicted that way can be handed to the host tier.
 Every block handed out is recorded as fresh until the runner takes the record: its pages are
-zeroed on the device before the step that first uses them (serving/page_zeroing.py), unless a
+zeroed on the device before the step that first uses them (serving/cache/page_zeroing.py), unless a
 copy-in fills them whole (`filled`).
 """
 

@@ -1,7 +1,7 @@
 """The warm path of SSEP spans on hybrid models: cached span maps (host bookkeeping, plain Python).
 
 A span's effect on every recurrent layer is an affine map of the state plus a conv tail
-(serving/span_maps.py, docs/DESIGN.md section 5); like its attention blocks it depends on the
+(serving/hybrid/span_maps.py, docs/DESIGN.md section 5); like its attention blocks it depends on the
 span's tokens only. So a span whose blocks are cached *and* whose map is stored is skipped
 whole: its blocks are shared hits, and the chunk after it enters with the state composed from the
 maps on device (`span_maps.enter`), for any number of spans in any order. A span computed in a
@@ -10,7 +10,7 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
   * Keys: the map of the span in blocks [j0, j1) is keyed by the hash of block j1 - 1 (an SSEP
     chain restarts at the span, so it covers exactly the span's tokens) and confirmed by that
     block's tokens, as blocks are.
-  * Bookkeeping: a `CheckpointStore` (serving/checkpoint_store.py) of map-sized entries: device
+  * Bookkeeping: a `CheckpointStore` (serving/hybrid/checkpoint_store.py) of map-sized entries: device
     slots of the map pool, an optional host tier (moves applied by the engine before the step),
     GreedyDual eviction valued by the span's tokens, pins from admission until the step that
     composes the map is launched.
@@ -28,7 +28,7 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
     never runs past a later skipped span (`span_rows.cut_chunk` stops it there): the flow pass
     cannot apply a map between two rows of one step.
   * Only non-final spans are skipped or captured (the final segment is always computed).
-  * Checkpoints (serving/hybrid_prefix.py) in span prompts: only after a PDEP block, whose
+  * Checkpoints (serving/hybrid/hybrid_prefix.py) in span prompts: only after a PDEP block, whose
     prefix-chain key covers every token before it (a span block's key restarts at the span), and
     not at a skipped span's start. A request resumes at the deepest one whose blocks below all
     hit, then skips the cached spans after it.
@@ -36,7 +36,7 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
 
 from __future__ import annotations
 
-from serving import span_rows
+from serving.hybrid import span_rows
 
 MAX_CAPTURES = 8  # span maps one step may capture (a static shape of the runner's step)
 
@@ -219,8 +219,8 @@ def build(config, family, mcfg, dtype, pool=None):
     read its states back). With `pool` (an engine's reset) that pool is kept."""
     import jax
     import jax.numpy as jnp
-    from serving import checkpoint_pool, span_maps
-    from serving.checkpoint_store import CheckpointStore
+    from serving.hybrid import checkpoint_pool, span_maps
+    from serving.hybrid.checkpoint_store import CheckpointStore
     if not config.span_map_gb and config.span_map_gb is not None or \
             not hasattr(family, "read_states"):
         return None

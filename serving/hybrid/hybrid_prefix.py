@@ -6,14 +6,14 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
   d = ready cached blocks (device, or the KV host tier) matching the request from its start, up to
       the hit limit (the block holding the last token to compute is never a hit);
   c = the deepest stored checkpoint at a block boundary <= d (0 if none; one the step being
-      scheduled writes is not stored yet: serving/checkpoint_store.py);
+      scheduled writes is not stored yet: serving/hybrid/checkpoint_store.py);
   the request resumes at c: blocks below c are shared hits, the recurrent state comes from the
   checkpoint, and [c, end) is computed through all layers into blocks of its own (cached blocks in
   [c, d) are not shared: their KV would be rewritten by the recompute). num_cached_tokens = c.
 
-During prefill, checkpoints are taken at the positions serving/checkpoint_plan.py chooses for the
+During prefill, checkpoints are taken at the positions serving/hybrid/checkpoint_plan.py chooses for the
 prompt; a chunk holds at most one (it stops before a second), so the model returns one state per
-sequence per step. Prompts with SSEP spans go to the span-map cache (serving/span_cache.py: a
+sequence per step. Prompts with SSEP spans go to the span-map cache (serving/hybrid/span_cache.py: a
 cached span is skipped, its recurrent effect composed from its map); they take no checkpoints.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import time
 
-from serving.bucket_fit import BucketFit
-from serving.checkpoint_plan import positions_of
+from serving.hybrid.bucket_fit import BucketFit
+from serving.hybrid.checkpoint_plan import positions_of
 from serving.sequence import Status
 
 
@@ -60,7 +60,7 @@ class HybridPrefixCache:
     def _deepest(self, seq, hashes, raw, depth_blocks: int):
         """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint. A
         preempted sequence matches its generated blocks too: they are keyed as a prompt repeating
-        them would key them (serving/prefix_keys.py), so a checkpoint that prompt took serves."""
+        them would key them (serving/cache/prefix_keys.py), so a checkpoint that prompt took serves."""
         step, bs = 8 * self.block_size, self.block_size
         for k in range(depth_blocks, 0, -1):
             if _in_span(seq.layout, k - 1):  # a span block's key does not cover what is before
@@ -76,7 +76,7 @@ class HybridPrefixCache:
         """Scheduler._try_allocate for hybrid models (see the module docstring)."""
         bm, keys, bs = sched.bm, sched.keys, self.block_size
         spans = bool(seq.layout.span_block.any())
-        if spans and self.spans is not None:  # warm span path (serving/span_cache.py)
+        if spans and self.spans is not None:  # warm span path (serving/hybrid/span_cache.py)
             return self.spans.admit(sched, seq, seats, self)
         kinds, shared = ([], 0) if spans else self._match(sched, seq)  # spans without maps: cold
         hashes, raw = keys.hashes(seq), keys.token_bytes(seq)
@@ -204,7 +204,7 @@ class HybridPrefixCache:
         """A chunk [s, e] takes one checkpoint, the first planned position in [s, e] (at s: the
         state the chunk starts from, which the kernel returns as is); it stops at the second,
         which the next chunk takes at its start. A plain prompt's chunk that would overflow a
-        token bucket by a little stops at the bucket (serving/bucket_fit.py; `budget` more tokens
+        token bucket by a little stops at the bucket (serving/hybrid/bucket_fit.py; `budget` more tokens
         fit in the step)."""
         ahead = self._ahead(seq)
         if len(ahead) >= 2:
@@ -296,9 +296,9 @@ def build(config, family, mcfg, dtype, pool=None, span_pool=None):
     """(HybridPrefixCache, CheckpointPool or None) for a hybrid model with prefix caching on.
     The pool is allocated here, before the KV pool sizes itself from the memory left; with
     `pool` (an engine's reset) it is kept, and the store may use at most its slots."""
-    from serving import checkpoint_pool
-    from serving.checkpoint_plan import CheckpointPlanner
-    from serving.checkpoint_store import CheckpointStore
+    from serving.hybrid import checkpoint_pool
+    from serving.hybrid.checkpoint_plan import CheckpointPlanner
+    from serving.hybrid.checkpoint_store import CheckpointStore
     chunk = getattr(family, "CHUNK", 64)
     layout = checkpoint_pool.state_layout(family, mcfg, config.block_size, dtype)
     nbytes = checkpoint_pool.checkpoint_nbytes(layout)
@@ -323,7 +323,7 @@ def build(config, family, mcfg, dtype, pool=None, span_pool=None):
                              f"pool has {pool.slots}; a reset cannot grow it")
     elif slots:
         pool = checkpoint_pool.allocate(layout, slots)
-    from serving import span_cache
+    from serving.hybrid import span_cache
     spans = span_cache.build(config, family, mcfg, dtype, pool=span_pool)
     cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size,
                               spans, BucketFit.from_config(config), config.checkpoint_step_tokens)
@@ -333,9 +333,9 @@ def build(config, family, mcfg, dtype, pool=None, span_pool=None):
 def apply_moves(cache: HybridPrefixCache, runner) -> None:
     """The step's slot moves of the checkpoint store and (spans) the span-map store between
     their device pools and host tiers, applied to the runner's pools before the launch."""
-    from serving import checkpoint_pool, span_maps
+    from serving.hybrid import checkpoint_pool, span_maps
     spans = cache.spans
-    if spans is not None:  # span maps (serving/span_cache.py), the same store bookkeeping
+    if spans is not None:  # span maps (serving/hybrid/span_cache.py), the same store bookkeeping
         out, inn = spans.store.take_moves()
         if out or inn:
             runner.span_pool = span_maps.apply_moves(runner.span_pool, out, inn)

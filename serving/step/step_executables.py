@@ -2,7 +2,7 @@
 
 A step has a few dozen static variants (token bucket, sampling mode, attention plan, span chain).
 `StepExecutables.prepare` readies a list of them at once: each is loaded from the executable
-store (serving/executable_store.py: no tracing at all) or traced and lowered (sequential, Python)
+store (serving/step/executable_store.py: no tracing at all) or traced and lowered (sequential, Python)
 then compiled in threads (XLA compiles off the GIL; JAX's persistent cache serves repeats
 when no store is in use, see executable_store.fresh_compiles) and stored. Calls then go
 straight to the variant's `jax.stages.Compiled` (C++ dispatch, the jitted function is not traced
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from serving.executable_store import ExecutableStore, describe_args, fresh_compiles, store_folder
+from serving.step.executable_store import ExecutableStore, describe_args, fresh_compiles, store_folder
 
 PHASES = ("load_s", "trace_s", "lower_s", "compile_s", "save_s")
 

@@ -5,7 +5,7 @@ is keyed by the prefix-chain hash of block c/B - 1 and confirmed by that block's
 are: the attention blocks below c hit only when their own tokens match, and a restore needs them
 all (c <= matched depth), so a checkpoint serves exactly the requests whose first c tokens match.
 
-Two tiers, each holding whole checkpoints of `nbytes` bytes (exact: serving/checkpoint_pool.py):
+Two tiers, each holding whole checkpoints of `nbytes` bytes (exact: serving/hybrid/checkpoint_pool.py):
   * device: `device_slots` slots of one preallocated pool (Config.checkpoint_gb), LRU;
   * host: `host_slots` numpy copies (part of Config.cpu_offload_gb); a device checkpoint the LRU
     evicts moves here when there is room, and comes back into a device slot on a hit.
@@ -13,8 +13,8 @@ Moves are recorded here and carried out by the engine before the step that needs
 out, then one scatter in, then the step, in device program order).
 
 Device eviction is GreedyDual: an entry's priority is the clock L plus its value (expected prompt
-tokens it saves a later request, from the prompt's plan pmf: serving/checkpoint_plan.py), set when
-it is stored and on every hit (where the caller may `revalue` it: serving/hybrid_prefix.py); the
+tokens it saves a later request, from the prompt's plan pmf: serving/hybrid/checkpoint_plan.py), set when
+it is stored and on every hit (where the caller may `revalue` it: serving/hybrid/hybrid_prefix.py); the
 unpinned entry of lowest priority goes (least recently used first
 among equals) and L rises to its priority, so unused entries age out whatever their value. With
 all values equal this is LRU. Under a tight budget it keeps a prompt's deep checkpoint (the one

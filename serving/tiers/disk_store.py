@@ -7,7 +7,7 @@ segment (a span, or the prompt part between markers), named by the run's first b
     <ns>/<hh>/<first:016x>.safetensors    one run of n blocks
 
 `<ns>` is the cache_salt namespace ("shared" without a salt), `<hh>` the hash's top byte (small
-folders); serving/run_file.py has the file format. Runs, not blocks: a hit reads a whole span
+folders); serving/tiers/run_file.py has the file format. Runs, not blocks: a hit reads a whole span
 (~36 blocks, 18 MB for a 1B model) in two system calls and one checksum, so a read costs the
 kernel's copy out of the page cache, not Python per block. Chained keys name a prefix, so a file
 is a branch of a prefix tree: a request uses the longest prefix of a run whose hashes and tokens
@@ -18,8 +18,8 @@ Files are written to a temp name and renamed, so a reader sees a whole file or n
 processes filling one store never corrupt it. A file that is truncated or fails its checksum is
 a miss: a warning, the file removed, the blocks recomputed. A write that fails (a full disk, a
 read-only folder, a folder where the run file belongs) removes its temp file and raises; the
-tier makes that a miss (serving/kv_store_tier.py). Damage to the folder (an entry that cannot be
-listed or read, a symlink loop, a damaged STORE.json: serving/store_identity.py) is warned once
+tier makes that a miss (serving/tiers/kv_store_tier.py). Damage to the folder (an entry that cannot be
+listed or read, a symlink loop, a damaged STORE.json: serving/tiers/store_identity.py) is warned once
 per path and skipped. Only a `kv_store_dir` that is not a folder is an error. Least recently
 used runs (file mtime, and this process's own order) are deleted past `capacity_bytes`, counted
 over every file in the folder (the folder is rescanned at most every `rescan_s` seconds and
@@ -39,8 +39,8 @@ import warnings
 import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy (leaf dtypes by name)
 import numpy as np
 
-from serving.run_file import MAX_RUN, CorruptRun, Run, RunFormat, write_all
-from serving.store_identity import (FORMAT_VERSION, StoreIdentity,  # noqa: F401 - public here
+from serving.tiers.run_file import MAX_RUN, CorruptRun, Run, RunFormat, write_all
+from serving.tiers.store_identity import (FORMAT_VERSION, StoreIdentity,  # noqa: F401 - public here
                                     StoreMismatch, check_identity)
 
 _SUFFIX = ".safetensors"
@@ -190,7 +190,7 @@ class DiskStore:
 
     # -- read ----------------------------------------------------------------------------------
     def read(self, h: int, ns: str, pad=None, alloc=np.empty) -> Run | None:
-        """The run starting at h (its kv allocated with pad(n) rows: serving/run_file.py), or
+        """The run starting at h (its kv allocated with pad(n) rows: serving/tiers/run_file.py), or
         None: absent, or corrupt (warned, removed)."""
         p = self.path(h, ns)
         t0 = time.perf_counter()

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.offload import page_leaf
+from serving.cache.kv_pool import page_leaf
 
 
 STEP_PAGES = 32  # at most this many page ids ride in a step's own input

@@ -2,7 +2,7 @@
 
 A store folder holds one identity: STORE.json, written by the first engine that opens the folder
 and compared by every later one (StoreMismatch names the fields that differ). Every run file
-also carries the identity's digest (serving/run_file.py), so STORE.json is what makes a wrong
+also carries the identity's digest (serving/tiers/run_file.py), so STORE.json is what makes a wrong
 setup a clear error at start, not what keeps another setup's blocks from being read: a
 STORE.json that is not a JSON object (empty, cut short, `[1, 2]`) is store damage, warned and
 rewritten, and one that cannot be read (a folder, a symlink loop) is warned and left alone.
@@ -24,7 +24,7 @@ FORMAT_VERSION = 3
 class StoreIdentity:
     """What a stored block depends on; a store made under another identity is never read."""
 
-    model: str  # fingerprint of config + dtype + every weight byte (serving/fingerprint.py)
+    model: str  # fingerprint of config + dtype + every weight byte (serving/tiers/fingerprint.py)
     model_name: str  # for messages only (not compared)
     block_size: int
     kv_mode: str

@@ -5,11 +5,11 @@ queued)."""
 
 from __future__ import annotations
 
-from serving.disk_store import open_root
-from serving.fingerprint import model_fingerprint
-from serving.kv_store_moves import ChunkedPageMover
-from serving.kv_store_tier import LowerTiers, open_kv_store
-from serving.offload import HostKVTier, PageMover
+from serving.tiers.disk_store import open_root
+from serving.tiers.fingerprint import model_fingerprint
+from serving.tiers.kv_store_moves import ChunkedPageMover
+from serving.tiers.kv_store_tier import LowerTiers, open_kv_store
+from serving.tiers.offload import HostKVTier, PageMover
 
 
 def store_fingerprint(config, loaded, dtype, hybrid: bool):
@@ -55,7 +55,7 @@ def move_pages(cache, mover, scheduler, offload, kv_store, evicted):
     Evicted pages (block, hash, confirm) are gathered before the scatter, which may reuse their
     device blocks; span-store writes are dispatched before copy-ins overwrite any block. Blocks
     copied in leave the block manager's fresh record: the step zeroes fresh pages first thing,
-    which would wipe a copy dispatched before it (serving/page_zeroing.py)."""
+    which would wipe a copy dispatched before it (serving/cache/page_zeroing.py)."""
     if kv_store is not None:
         kv_store.dispatch_writes(mover, cache)
     copy_in = scheduler.pending_copy_in

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 
-from serving.kv_store_moves import _Staged
+from serving.tiers.kv_store_moves import _Staged
 
 
 def run_nbytes(run) -> int:

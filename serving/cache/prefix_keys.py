@@ -1,12 +1,12 @@
 """The prefix-cache keys of a sequence's blocks (host, plain Python): prompt blocks hashed once
-(serving/hashing.py chains), blocks completed during generation keyed as a prompt repeating them
+(serving/cache/hashing.py chains), blocks completed during generation keyed as a prompt repeating them
 would key them, and the token bytes kept with a cached block to confirm hits."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from serving.hashing import block_keys_and_tail, next_block_key
+from serving.cache.hashing import block_keys_and_tail, next_block_key
 from serving.sequence import Sequence
 
 _MEMO_LIMIT = 65536  # span-chain memo entries (it only saves hashing)

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.offload import PageMover
-from serving.run_file import MAX_RUN, Run, run_rows
+from serving.tiers.offload import PageMover
+from serving.tiers.run_file import MAX_RUN, Run, run_rows
 
 CHUNK_BLOCKS = MAX_RUN  # page moves per jitted call: bounded compiles (4..256), warmed up front
 

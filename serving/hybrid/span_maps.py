@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.gated_delta.api import apply_map
-from serving.offload import HostBatch
+from serving.tiers.offload import HostBatch
 
 
 @jax.tree_util.register_dataclass
@@ -156,7 +156,7 @@ def _scatter(pool, ids, a, b, tail, count):
 
 
 def apply_moves(pool: SpanMapPool, moves_out, moves_in) -> SpanMapPool:
-    """Carry out the map store's moves of a step ((slot, entry) lists, serving/checkpoint_store.py
+    """Carry out the map store's moves of a step ((slot, entry) lists, serving/hybrid/checkpoint_store.py
     bookkeeping): gather the evicted slots to the host, then scatter host entries into theirs."""
     if moves_out:
         ids = np.zeros(_bucket(len(moves_out)), np.int32)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.offload import HostBatch
+from serving.tiers.offload import HostBatch
 
 
 @jax.tree_util.register_dataclass
@@ -79,7 +79,7 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
     states are written into their slots before the model runs (their reset flag is off), and the
     states at each row's checkpoint position go to the pool after. Decode-only steps neither
     restore nor checkpoint (a checkpoint position is a prefill chunk's). with_extras: also
-    return the model's third output (e.g. captured span maps, serving/span_maps.py)."""
+    return the model's third output (e.g. captured span maps, serving/hybrid/span_maps.py)."""
     if decode_only:
         logits, cache = family.forward(params, tokens, md, cache, mcfg, **kw)
         return (logits, cache, pool, {}) if with_extras else (logits, cache, pool)

@@ -11,7 +11,7 @@ device blocks with the host tier's copy-ins (`get`), one transfer per run.
 
 Staging memory: a reader thread sends its run to the device, so staged runs and reads in flight
 hold device memory next to the KV pool. Both count in bytes of the runs' arrays (padded rows and
-unwanted blocks included, `serving/kv_store_staging.py`) against `staging_bytes`
+unwanted blocks included, `serving/tiers/kv_store_staging.py`) against `staging_bytes`
 (`Config.kv_store_staging_gb`, which a default-sized KV pool leaves free), and so do the runs
 copied in by the last step, until the next one begins. A prefetch starts no read past it (except
 one when nothing is staged or in flight, for a run larger than the limit).
@@ -25,7 +25,7 @@ blocks only, so one-off questions do not fill the store) is gathered from the de
 start of the next step (before anything can overwrite it), brought to the host by one thread as
 soon as it is copied (so a slow disk keeps its backlog in host memory, not on the device) and
 written by a writer thread, one file per run of consecutive blocks of one segment; `flush` waits
-for all of them. A write that fails is a miss (serving/kv_store_failures.py): one warning per
+for all of them. A write that fails is a miss (serving/tiers/kv_store_failures.py): one warning per
 flush, never an exception that costs the call its results.
 """
 
@@ -41,12 +41,12 @@ import warnings
 import jax
 import numpy as np
 
-from serving.disk_store import DiskStore, namespace
-from serving.kv_store_failures import WriteFailures
-from serving.kv_pool import staging_bytes
-from serving.kv_store_buffers import RunBuffers
-from serving.kv_store_staging import StagedBlocks
-from serving.run_file import MAX_RUN, Run, run_rows
+from serving.tiers.disk_store import DiskStore, namespace
+from serving.tiers.kv_store_failures import WriteFailures
+from serving.cache.kv_pool import staging_bytes
+from serving.tiers.kv_store_buffers import RunBuffers
+from serving.tiers.kv_store_staging import StagedBlocks
+from serving.tiers.run_file import MAX_RUN, Run, run_rows
 
 
 class _Want:
@@ -77,7 +77,7 @@ class KVStoreTier:
         read_workers = read_workers or min(16, max(4, os.cpu_count() or 4))  # page-cache copies
         # and checksums release the GIL: they scale with cores
         self.store = store
-        self.keys = keys  # serving.prefix_keys.PrefixKeys: block keys and tokens of a sequence
+        self.keys = keys  # serving.cache.prefix_keys.PrefixKeys: block keys and tokens of a sequence
         self.spans_only = spans_only  # store (and look up) SSEP span blocks only
         self.block_bytes = 8 * keys.block_size  # a block's tokens as int64 bytes
         self.bytes_per_block = bytes_per_block  # of every paged layer (K and V)
@@ -376,8 +376,8 @@ def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, mod
                   markers: dict, bytes_per_block: int) -> KVStoreTier:
     """The disk tier over `config.kv_store_dir` (raises StoreMismatch, a ValueError, when the
     folder was made by another model or settings)."""
-    from serving.disk_store import StoreIdentity
-    from serving.offload import page_leaf
+    from serving.tiers.disk_store import StoreIdentity
+    from serving.cache.kv_pool import page_leaf
     leaves = tuple((tuple(x.shape[1:]), x.dtype.name) for x in jax.tree.leaves(cache)
                    if page_leaf(x, num_blocks, config.block_size))
     identity = StoreIdentity(

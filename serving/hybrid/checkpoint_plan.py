@@ -7,7 +7,7 @@ state there is what a prefill that stopped at c computes). For plain prompts wit
 the multiples of 64.
 
 A prompt of n tokens is planned on the pmf of how deep later requests will share *its* prefix
-(serving/overlap_estimate.py: recurrences along its own matched blocks, extensions read from its
+(serving/hybrid/overlap_estimate.py: recurrences along its own matched blocks, extensions read from its
 end), with at most M checkpoints per prompt:
 
   none      nothing.
@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner import DecayingHistogram, Replanner, expected_recompute, place
-from serving.overlap_estimate import OverlapEstimate
+from serving.hybrid.overlap_estimate import OverlapEstimate
 
 CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
 

@@ -16,9 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def page_leaf(x, num_pages: int, block_size: int) -> bool:
-    return hasattr(x, "shape") and x.ndim >= 2 and x.shape[:2] == (num_pages, block_size)
+from serving.cache.kv_pool import page_leaf
 
 
 class HostBatch:

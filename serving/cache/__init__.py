@@ -1,0 +1,1 @@
+"""serving.cache: see docs/ARCHITECTURE.md."""

@@ -1,0 +1,1 @@
+"""serving.hybrid: see docs/ARCHITECTURE.md."""

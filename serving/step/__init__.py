@@ -1,0 +1,1 @@
+"""serving.step: see docs/ARCHITECTURE.md."""

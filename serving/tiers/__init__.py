@@ -1,0 +1,1 @@
+"""serving.tiers: see docs/ARCHITECTURE.md."""
