@@ -71,7 +71,6 @@ class Scheduler:
         self.hit_tokens = 0
         self.query_tokens = 0
 
-    # -- queue --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
