@@ -1,6 +1,6 @@
 """The span store's staged blocks, accounted in bytes of the arrays they keep alive.
 
-A staged block is one row of a verified run (`serving/run_file.Run`) that waits for its
+A staged block is one row of a verified run (`serving/tiers/run_file.Run`) that waits for its
 copy-in. The reader threads send each run to the device as they read it (so the copy-in is one
 scatter), so a staged block pins its whole run's array on the device: rows padded to
 `run_rows(n)` and blocks no request wants included, until the run's last staged block is copied
