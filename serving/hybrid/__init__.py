@@ -1,4 +1,4 @@
-"""serving.hybrid: hybrid (recurrent + attention) models' caches; imports cache, tiers (and the records).
+"""serving.hybrid: hybrid models' recurrent caches; imports cache, tiers (and the records).
 
 Prefix caching with recurrent checkpoints:
   hybrid_prefix.py     admission with a checkpoint restore; checkpoints taken per chunk
