@@ -296,7 +296,8 @@ def _profile(call, name: str, args) -> dict:
 
 def _summary(res) -> None:
     """A table of step ms (with checkpoints) per variant, and per variant the prefill steps'
-    excess over its decode step (run 4's fit: prefill 13.9 / 17.9 / 22.2 vs decode 4.2 ms)."""
+    excess over its decode step (to compare with the step costs fitted over whole runs:
+    benchmarks/RESULTS.md, Hybrid prefix caching)."""
     rows = [r for r in res["steps"] if r["checkpoints"] == "ck"]
     variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
     table = {}

@@ -7,8 +7,8 @@ kv heads, head dim], bf16; default: the Llama-3-8B shape of the decode benchmark
 jitted `zero_pages` (the pool donated, as in the step) with a step input of
 `page_zeroing.STEP_PAGES` ids of which 0 / 8 / 32 are real pages (8: a batch of 128 sequences
 crosses about 8 block boundaries a decode step), and a separate call of CALL_PAGES real pages.
-Prints ms per call and, against a decode step time given by --step-ms (RESULTS.md, Engine: the
-13.97 ms step), its share. Anchor in the same run: an elementwise pass over one leaf (its bytes /
+Prints ms per call and, against a decode step time given by --step-ms (benchmarks/RESULTS.md,
+Engine: the decode step's wall time), its share. Anchor in the same run: an elementwise pass over one leaf (its bytes /
 time = the copy rate).
 """
 

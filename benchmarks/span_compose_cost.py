@@ -1,7 +1,7 @@
 """What composing cached span maps costs a hybrid engine's warm span step (`rag --compose-cost 1`).
 
 A warm span step (serving/hybrid/span_step.py) first moves each sequence that skips cached spans on by
-their affine maps (serving/span_maps.entry_states: per chain position one gather from the map
+their affine maps (serving/hybrid/span_maps.entry_states: per chain position one gather from the map
 pool and one batched float32 matmul over every GDN layer and head), then runs the model. The
 composition cannot be switched off in a compiled step without changing its shapes, so it is
 timed alone, on the engine's own cache and map pool, next to the whole step:

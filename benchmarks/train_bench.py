@@ -7,7 +7,8 @@ Model FLOPs per step (what MFU counts; remat's recompute is not useful work):
 (N_layers: the decoder projections; the LM head counted on the rows the loss needs, the answer
 rows; the attention term counts only the keys the Block-Attention mask lets each query see, the
 score and value products, forward + backward). `mfu_6n` is the usual 6 * N * tokens convention
-(the LM head on every token, as run 1 counted), for comparison.
+(the LM head on every token, as the first MFU figure counted; benchmarks/RESULTS.md, Training),
+for comparison.
 
 A variant is "attn/remat/loss": attn in {xla, cudnn}, remat in {full, dots, none}, loss in
 {dense (logits for every row), rows (LM head on the answer rows only)}.

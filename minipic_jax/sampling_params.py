@@ -7,7 +7,7 @@ import math
 import numbers
 
 
-# The device arrays a request's sampling fields land in (serving/step_inputs.fill_sampling):
+# The device arrays a request's sampling fields land in (serving/step/step_inputs.fill_sampling):
 # top_k is int32, temperature and top_p float32. A value they cannot hold is refused here, not
 # found mid-step (where it would fail every request of that step).
 INT32_MAX = 2**31 - 1

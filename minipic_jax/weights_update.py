@@ -151,7 +151,7 @@ def install_single(runner, new: dict, donate: bool) -> dict:
 
 def install_sharded(runner, loaded, new: dict, donate: bool) -> dict:
     """Tensor parallelism: each leaf placed by the rules table (KV heads replicated as at load,
-    serving/sharding.place_model), the old leaf freed before its replacement lands."""
+    serving/step/sharding.place_model), the old leaf freed before its replacement lands."""
     axes = loaded.family.param_axes(loaded.cfg)
     copies = sharding.kv_replication(loaded.cfg, runner.config.tensor_parallel_size)
     new = sharding.replicate_kv_heads(new, axes, copies)

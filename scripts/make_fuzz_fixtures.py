@@ -1,6 +1,6 @@
 """The differential fuzzer's oracle: random Span/Prompt structures run through HF transformers.
 
-Run with the torch reference env (README, Development; transformers 5.24.0):
+Run with the torch reference env (docs/USAGE.md, Development; transformers 5.24.0):
 
     .venv-ref/bin/python scripts/make_fuzz_fixtures.py
 

@@ -1,0 +1,13 @@
+"""The chunked gated delta rule (Gated DeltaNet), WY/UT form, with exact checkpoints at chunk
+boundaries. Callers use api.py only (`prefill`, `decode_step`, `ragged_gated_delta`, `choose`).
+
+  api.py            the entry points and the registry's choice
+  problem.py        the static facts a choice depends on; reference.py: numpy reference
+  chunked.py        XLA implementation (the fallback; exact segment sums)
+  fused_triton.py   three Pallas kernels: intra_blocked.py (solve), scan_fused.py (state scan),
+                    the output kernel; dots.py: their matmul helpers (IEEE float32 for float32)
+  ragged.py, ragged_triton.py   ragged batches (many sequences in one token stream)
+  affine.py         a span's exact affine map (A, B) from the chunk WY factors; composition
+  tree_scan.py      associative scan over chunk maps (opt-in `scan="tree"`)
+  scan_blocked.py   two-level scan: segment maps composed, segments re-scanned (opt-in)
+"""

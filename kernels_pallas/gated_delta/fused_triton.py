@@ -67,8 +67,8 @@ def _output_kernel(q_ref, k_ref, g_ref, vnew_ref, s_ref, o_ref, *, chunk, scale,
     cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     # float32: exponents summed directly (exact to a few ulps of each segment); bf16 / f16 dots
     # keep the difference of cumsums (its ~eps32 * |gc| exponent error is far below their
-    # rounding, and the [C, C] cumsum cost 9% of the 32K prefill on the H200: RESULTS.md, Gated
-    # DeltaNet)
+    # rounding, and the [C, C] segment sums are a measurable share of a long prefill on the H200:
+    # benchmarks/RESULTS.md, Gated DeltaNet)
     seg = segment_sums(g) if is_exact(dot_dtype) else gc[:, None] - gc[None, :]
     gamma = jnp.exp(jnp.where(rows >= cols, seg, -jnp.inf))
     attn = _dot_t(q, k_ref[...], dot_dtype) * gamma  # [C, C]

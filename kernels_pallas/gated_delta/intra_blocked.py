@@ -52,8 +52,8 @@ def _block_exponents(g_ref, rows, sub, exact):
     exact (float32 dots): every exponent a direct sum of g (`chunked.segment_sums`), a few eps32 of
     the segment itself. Otherwise differences of the chunk cumsum gc: their error, a few eps32 of
     |gc|, is far below bf16 / f16 rounding, and the per-block segment sums are the likely rest of
-    the bf16 prefill's loss on the H200 (1.451 vs 1.348 ms at 32K: benchmarks/RESULTS.md, Gated
-    DeltaNet)."""
+    the bf16 prefill's loss on the H200 against the kernels before them (benchmarks/RESULTS.md,
+    Gated DeltaNet)."""
     f32 = jnp.float32
     last = jax.lax.broadcasted_iota(jnp.int32, (sub,), 0) == sub - 1
     if not exact:

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from kernels_pallas.gated_delta import affine
 
 SCANS = (None, "sequential", "tree", "blocked")  # blocked: scan_blocked.py (pallas_fused only)
-# The tree is chosen by shape only where it was measured faster. H200, one 32K-token sequence x
-# 16 heads (512 chunks, benchmarks/RESULTS.md, Gated DeltaNet): the XLA associative scan over the
-# [Dk, Dk] chunk maps took 7.76 ms against 1.34 ms for the whole sequential Pallas pipeline (its
-# ~8 passes over 1 GB of fp32 maps are memory bound), so no measured shape picks it: None = never.
+# The tree is chosen by shape only where it was measured faster. On the H200 the XLA associative
+# scan over the fp32 [Dk, Dk] chunk maps is several times slower than the whole sequential Pallas
+# pipeline (its ~8 passes over the maps are memory bound; benchmarks/RESULTS.md, Gated DeltaNet),
+# so no measured shape picks it: None = never.
 # Set TREE_MIN_CHUNKS (with TREE_MAX_PAIRS) once a faster tree exists.
 TREE_MIN_CHUNKS = None
 TREE_MAX_PAIRS = 64

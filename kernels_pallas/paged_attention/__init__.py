@@ -1,0 +1,22 @@
+"""Paged attention: RoPE applied to keys at read time (position_free) or keys stored rotated.
+
+  api.py                    `paged_attention(implementation="auto" | name)`; the registry, its
+                            default order and `step_options` (per-step plans decided on the host)
+  problem.py                the static facts a kernel choice depends on
+  validation.py             input checks; metadata.py: the `AttentionMetadata` pytree
+  reference.py              numpy reference
+  xla.py                    gather + dense fallback (CPU, anything the kernels do not take)
+  triton_ragged.py          ragged prefill + decode, RoPE at read
+  triton_decode.py          decode only, split-K, table RoPE with bf16x2 key rotation
+  mosaic_decode.py          the GPU decode default for head_dim 128 (Mosaic GPU: TMA page ring,
+                            warp-level MMAs, keys rotated in registers)
+  mosaic_prefill.py         Mosaic GPU prefill (TMA + wgmma, warp-specialised); its pre-pass of the
+                            keys in mosaic_prefill_prep.py; values read from the pages (`direct_v`)
+  mosaic_prefill_split.py   the same with the key axis split (few query rows, long context)
+  mosaic_mixed.py           `"mixed"`: prefill rows on the Mosaic prefill, decode rows on the decode
+                            kernel, overflow decided per step on the host
+  triton_gather.py          the prefill pre-pass's gather of live key steps only
+  triton_common.py, mosaic_common.py, decode_common.py   what kernels of one backend share
+  write.py, triton_write.py the K/V row write (its own registry)
+  random_inputs.py          random ragged batches over a paged cache, for tests and benchmarks
+"""

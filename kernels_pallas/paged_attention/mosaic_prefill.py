@@ -29,8 +29,8 @@ warpgroup whose 64 rows all belong to its sequence stores them by TMA straight i
 others (at most the first and the last tile of a sequence) go to a side buffer [S, 2, H, 128, D]
 and are scattered into place after the kernel (a TMA box cannot stop at a sequence boundary).
 
-Speed on the H200: benchmarks/RESULTS.md, Attention: prefill (509-556 TFLOP/s at 4 x 8192
-causal, 476-511 at 4 x 1024 over 7168 cached, whole call; the kernel alone 556-622).
+Speed on the H200, whole call and kernel alone, against cuDNN's dense attention:
+benchmarks/RESULTS.md, Attention: prefill.
 
 Limits (mosaic_prefill_limits): bf16/f16, head_dim 64 or 128 (SMEM), H a multiple of K.
 Interpret mode (CPU, Mosaic GPU interpreter) routes P through SMEM for the PV wgmma (the

@@ -14,8 +14,8 @@ that needs a mask.
 GQA packing (pack_gqa): the G query heads of a kv head are laid out as G rows per token, so the
 grid runs over kv heads and one CTA serves a whole group: each kv head's keys are read once per
 tile of 128 packed rows instead of once per query head, and a few query rows fill the tile G
-times as much (the cached-span step: 2.62 ms per step vs 4.95 unpacked, benchmarks/RESULTS.md,
-RAG headline).
+times as much (the cached-span step's split prefill is the case it was built for:
+benchmarks/RESULTS.md, RAG headline, and benchmarks/history/rag.md).
 """
 
 from __future__ import annotations

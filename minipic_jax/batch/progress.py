@@ -13,7 +13,7 @@ RUNNING = "Running batch"
 
 
 def _steps(llm):
-    # the engine's compiled-step table (serving/step_executables.StepExecutables)
+    # the engine's compiled-step table (serving/step/step_executables.StepExecutables)
     return llm.llm_engine.runner._step
 
 

@@ -1,1 +1,9 @@
-"""serving.cache: see docs/ARCHITECTURE.md."""
+"""serving.cache: the paged KV cache on the host side; imports only the records above it.
+
+  block_manager.py  ref counts, LRU free list, hash -> block; pending vs ready blocks
+  hashing.py        chained block hashes (prefix and SSEP chains, `cache_salt`)
+  prefix_keys.py    each sequence's block keys (generated blocks included) and their tokens
+  kv_pool.py        how many KV blocks fit the device, and what one costs in bytes
+  page_zeroing.py   pages handed out for new content zeroed on device (request isolation)
+  span_jobs.py      isps span jobs: span-only prefills of a waiting request's spans
+"""

@@ -8,11 +8,11 @@ behind its checkpoint), and it hides the tokens a better checkpoint saves: they 
 `fit_stop` cuts such a chunk at the smaller bucket when the overflow is small enough to ride on
 the next step (at most `spill` tokens: the next step holds the running sequences' decodes and
 the overflow, and stays in the smallest bucket). The cut turns that next step from a decode step
-into a prefill step and delays the chunk's own first token by a step. Measured on the H200
-(Qwen3.5-0.8B shape, benchmarks/history/hybrid_cache.md run 4) that costs more than it saves:
-a 512-token prefill step takes ~14 ms against ~4 ms for a decode step of the same bucket, while
-1,024 against 2,048 tokens of prefill differ by ~4 ms. So Config.checkpoint_bucket_fit is off by
-default; it pays where a prefill step costs little more than its tokens.
+into a prefill step and delays the chunk's own first token by a step. On the H200 (Qwen3.5-0.8B
+shape) that costs more than it saves: a prefill step costs several decode steps of the same
+bucket, while two prefill buckets differ by much less (benchmarks/RESULTS.md, Hybrid prefix
+caching: the step costs and the `checkpoint_bucket_fit` A/B). So Config.checkpoint_bucket_fit is
+off by default; it pays where a prefill step costs little more than its tokens.
 """
 
 from __future__ import annotations

@@ -1,1 +1,9 @@
-"""serving.step: see docs/ARCHITECTURE.md."""
+"""serving.step: the device step; imports cache, hybrid (and the records).
+
+  model_runner.py      one jitted (forward + sample) call per step; attention kernel choice
+  step_inputs.py       the packed int32 input buffer, per-seat block-table rows, row fills
+  step_executables.py  the step's compiled variants, readied up front, called directly
+  executable_store.py  compiled steps on disk, keyed so a changed program never loads
+  sampler.py           sampling on device: greedy, temperature, top-k/p, logprobs
+  sharding.py          tensor parallelism: mesh, logical-axis rules, param and pool placement
+"""

@@ -10,9 +10,9 @@ the buffer must not change what was sent), get plain numpy buffers. Either kind 
 its data is on the device (no fresh pages to fault in, pin or, on a VM, be granted).
 
 Pinned buffers are opt-in (`MINIPIC_KV_STORE_PINNED=1`): alone on the H200 (the file-layer
-bench) read + send from pinned buffers ran at 13.0 GB/s against 11.1 from plain ones, but inside
-an engine process the H200 refused the allocations (`benchmarks/history/span_store.md`,
-session 8), so plain buffers stay the default until that is understood.
+bench) read + send from pinned buffers was faster than from plain ones, but inside an engine
+process the H200 refused the allocations (`benchmarks/history/span_store.md`, the failed warm
+phases), so plain buffers stay the default until that is understood.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The span store's staged blocks, accounted in bytes of the arrays they keep alive.
 
-A staged block is one row of a verified run (`serving/run_file.Run`) that waits for its
+A staged block is one row of a verified run (`serving/tiers/run_file.Run`) that waits for its
 copy-in. The reader threads send each run to the device as they read it (so the copy-in is one
 scatter), so a staged block pins its whole run's array on the device: rows padded to
 `run_rows(n)` and blocks no request wants included, until the run's last staged block is copied
 in or dropped; a run whose last block went to a copy-in stays counted until the next step
 begins (`end_copies`: its scatter has been dispatched; the array is freed when that has run).
 The staging limit (`Config.kv_store_staging_gb`) therefore counts these arrays' bytes, not
-blocks: a limit of 16 GiB counted in blocks let the H200's warm job stage all its runs, 13.85 GiB
-of padded arrays for 10.3 GiB of blocks, next to the KV pool (benchmarks/history/span_store.md,
-session 9).
+blocks: a limit counted in blocks let the H200's warm job stage all its runs, the padded arrays
+a third larger than their blocks, next to the KV pool (benchmarks/RESULTS.md, History:
+superseded rows, Span store: why the session-8 warm phases failed).
 """
 
 from __future__ import annotations

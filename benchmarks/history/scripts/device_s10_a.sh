@@ -10,5 +10,5 @@ MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda timeout 220 python3 -m pytest -v -rfE -p n
   tests/test_runner_step_ops.py tests/test_gated_delta.py tests/test_gated_delta_affine.py \
   tests/test_span_maps.py > $OUT/compiled_tests.txt 2>&1
 echo "compiled tests rc=$? xdist='$N' t=$((SECONDS-T0))"; tail -25 $OUT/compiled_tests.txt | grep -E "passed|failed|FAILED|ERROR" | cut -c1-200
-timeout 230 bash benchmarks/runs/ttft_device_s9.sh 2>&1 | tail -8; echo "ttft t=$((SECONDS-T0))"
-timeout 120 bash benchmarks/runs/f64_device_s9.sh 2>&1 | tail -16; echo "f64 t=$((SECONDS-T0))"
+timeout 230 bash benchmarks/history/scripts/ttft_device_s9.sh 2>&1 | tail -8; echo "ttft t=$((SECONDS-T0))"
+timeout 120 bash benchmarks/history/scripts/f64_device_s9.sh 2>&1 | tail -16; echo "f64 t=$((SECONDS-T0))"
