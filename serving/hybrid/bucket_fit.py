@@ -11,7 +11,7 @@ the overflow, and stays in the smallest bucket). The cut turns that next step fr
 into a prefill step and delays the chunk's own first token by a step. Measured on the H200
 (Qwen3.5-0.8B shape, benchmarks/history/hybrid_cache.md run 4) that costs more than it saves:
 a 512-token prefill step takes ~14 ms against ~4 ms for a decode step of the same bucket, while
-1,024 against 2,048 tokens of prefill differ by ~4 ms. So Config.checkpoint_bucket_fit is off by
+1,024 against 2,048 tokens of prefill differ by ~4 ms. So Config.hybrid_cache.bucket_fit is off by
 default; it pays where a prefill step costs little more than its tokens.
 """
 
@@ -51,9 +51,9 @@ class BucketFit:
     @classmethod
     def from_config(cls, config):
         """The spill that keeps the next step in the smallest bucket with every seat's decode;
-        None when Config.checkpoint_bucket_fit is off."""
+        None when Config.hybrid_cache.bucket_fit is off."""
         spill = config.token_buckets[0] - config.num_seats
-        if not config.checkpoint_bucket_fit or spill <= 0:
+        if not config.hybrid_cache.bucket_fit or spill <= 0:
             return None
         return cls(config.token_buckets, config.max_num_batched_tokens, spill)
 

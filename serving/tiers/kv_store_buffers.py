@@ -9,7 +9,7 @@ self-test fails (the bytes written through the view must reach the device, and a
 the buffer must not change what was sent), get plain numpy buffers. Either kind is reused once
 its data is on the device (no fresh pages to fault in, pin or, on a VM, be granted).
 
-Pinned buffers are opt-in (`MINIPIC_KV_STORE_PINNED=1`): alone on the H200 (the file-layer
+Pinned buffers are opt-in (`Config.kv_store.pinned`, flat `kv_store_pinned`): alone on the H200 (the file-layer
 bench) read + send from pinned buffers ran at 13.0 GB/s against 11.1 from plain ones, but inside
 an engine process the H200 refused the allocations (`benchmarks/history/span_store.md`,
 session 8), so plain buffers stay the default until that is understood.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
-import os
 import threading
 
 import jax
@@ -74,14 +73,14 @@ class RunBuffers:
     """A pool of host arrays for run reads (`take`), sent to the device by `send`, which returns
     the buffer to the pool once the transfer is done. Thread-safe."""
 
-    def __init__(self, per_shape: int, cap_bytes: int = 4 << 30, pinned: bool | None = None):
+    def __init__(self, per_shape: int, cap_bytes: int = 4 << 30, pinned: bool = False, *,
+                 required: bool = True):
+        """pinned: pinned host buffers where the backend has them; where it has not, a
+        ValueError when `required`, else plain buffers (`self.pinned` says which)."""
         self.per_shape = per_shape
         self.cap_bytes = cap_bytes  # pooled bytes kept (pinned memory is locked RAM)
-        asked = pinned  # None: the process default, plain unless MINIPIC_KV_STORE_PINNED=1
-        if pinned is None:
-            pinned = os.environ.get("MINIPIC_KV_STORE_PINNED", "0") == "1"
         self.shardings = pinned_shardings() if pinned else None
-        if asked and self.shardings is None:
+        if pinned and required and self.shardings is None:
             raise ValueError("pinned host buffers are not available on this backend")
         self.free: dict[tuple, list] = collections.defaultdict(list)
         self.pooled = 0
