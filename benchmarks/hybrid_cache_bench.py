@@ -19,6 +19,7 @@ questions in Llama 3 tokens), shared system prompts + MuSiQue questions, MuSiQue
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gc
 import json
 import os
@@ -43,7 +44,7 @@ def add_parser(p) -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[32],
                    help="device checkpoint slots (the same byte budget for every strategy)")
     p.add_argument("--per-prompt", type=int, default=None,
-                   help="Config.checkpoints_per_prompt (default: the fair share of the budget)")
+                   help="Config.hybrid_cache.per_prompt (default: the fair share of the budget)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     p.add_argument("--doc-cap", type=int, default=6000, help="longdoc: document tokens at most")
@@ -65,7 +66,7 @@ def add_parser(p) -> None:
                    help="also time checkpoint extraction + restore: a captured prefill step "
                         "with the pool vs without it (benchmarks/hybrid_cache_cost.py)")
     p.add_argument("--bucket-fit", nargs="+", default=["off"], choices=["on", "off"],
-                   help="Config.checkpoint_bucket_fit per pass (both: an A/B of the chunk cut at "
+                   help="Config.hybrid_cache.bucket_fit per pass (both: an A/B of the chunk cut at "
                         "token buckets, serving/hybrid/bucket_fit.py) (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="PNG of tokens recomputed vs budget")
@@ -283,9 +284,9 @@ def _cell(llm, prompts, sp, log, args, cell, results, save) -> None:
     """Every strategy on one workload at one budget (and bucket-fit setting), in order."""
     engine, ref = llm.llm_engine, None
     for strategy in args.strategies:
-        engine.config.checkpoint_strategy = strategy
-        engine.config.checkpoint_gb = cell["budget_bytes"] / 2**30
-        engine.config.checkpoint_bucket_fit = cell["bucket_fit"] == "on"
+        engine.config.hybrid_cache = dataclasses.replace(  # groups are frozen: a new one
+            engine.config.hybrid_cache, strategy=strategy,
+            budget_gb=cell["budget_bytes"] / 2**30, bucket_fit=cell["bucket_fit"] == "on")
         engine.reset_prefix_cache()
         try:
             r = _run(llm, prompts, sp, log)

@@ -159,7 +159,7 @@ def orchestrate(args) -> None:
         print(f"== {phase}", flush=True)
         kind, *opts = phase.split("_")  # warm_pinned: pinned host buffers; warm_disk: page
         kind = kind.rstrip("0123456789")  # cache dropped first; warm2: a second warm run
-        env = dict(os.environ, MINIPIC_KV_STORE_PINNED="1" if "pinned" in opts else "0")
+        env = dict(os.environ)
         if "nopre" in opts:  # warm_nopre: XLA's allocator grows on demand, no preallocation
             env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         staging = [o[1:] for o in opts if o[:1] == "s" and o[1:].isdigit()]  # warm_s16
@@ -173,6 +173,7 @@ def orchestrate(args) -> None:
             if kind in ("cold", "warm"):
                 cmd += ["--kv-store-dir", str(cold_store if kind == "cold" else store)]
                 cmd += [] if args.all_blocks else ["--kv-store-spans-only"]
+                cmd += ["--kv-store-pinned"] if "pinned" in opts else []
                 cmd += ["--kv-store-staging-gb", staging[0]] if staging else []
             if kind == "warm" and (args.drop_page_cache or "disk" in opts):
                 dropped = _drop_page_cache()

@@ -15,8 +15,8 @@ The engine's compiled steps are also stored whole, under `<that folder>/minipic_
 (serving/step/executable_store.py): a second start of the same configuration loads them without
 tracing or lowering anything. Keyed by the model, the engine options that reach the step, the
 argument shapes, jax/jaxlib versions, the device and a digest of the step's source, so a changed
-program never loads a stale file. `MINIPIC_STEP_CACHE=off` turns that store off alone, a folder
-puts it elsewhere; deleting the folder is always safe.
+program never loads a stale file. `LLM(..., step_cache="off")` (Config.step_cache) turns that
+store off alone, a folder puts it elsewhere; deleting the folder is always safe.
 """
 
 from __future__ import annotations

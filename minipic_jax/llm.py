@@ -18,6 +18,7 @@ from minipic_jax.parallel_samples import fan_out, merge_samples
 from minipic_jax.prompts import as_prompt_list, build_prompt, is_structured
 from minipic_jax.sampling_params import SamplingParams
 from serving.config import Config
+from serving.config_groups import grouped_kwargs
 from serving.llm_engine import LLMEngine
 
 
@@ -61,10 +62,12 @@ class LLM:
         "isps"), cpu_offload_gb, pad_token_id / ssep_token_id / pdep_token_id (defaults: Llama-3
         vocab -> 128004 / 128002 / 128003; any other vocab: vocab_size, +1, +2, ids no text
         tokenizes to, fed to the model as its three highest non-BOS/EOS ids: serving/config.py),
-        hash_algo, kv_store_dir / kv_store_gb / kv_store_spans_only / kv_store_staging_gb (a
-        persistent span store on disk shared by processes: serving/tiers/disk_store.py; the last is
-        the device memory its reads ahead may hold), tensor_parallel_size (split the model over
-        that many devices: serving/step/sharding.py).
+        hash_algo, kv_store_dir / kv_store_gb / kv_store_spans_only / kv_store_staging_gb /
+        kv_store_pinned (a persistent span store on disk shared by processes:
+        serving/tiers/disk_store.py; Config.kv_store), checkpoint_* and span_map_* (hybrid
+        models: Config.hybrid_cache, Config.span_maps), tensor_parallel_size (split the model over
+        that many devices: serving/step/sharding.py). Group objects (kv_store=KVStoreConfig(...))
+        are taken too; an unknown name is a TypeError (Config.from_flat).
       compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
         $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;
         False: leave JAX's setting alone). See minipic_jax/compile_cache.py.
@@ -72,6 +75,8 @@ class LLM:
 
     def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0,
                  compilation_cache: str | bool | None = None, **engine_args: Any):
+        # flat keywords into their groups; an unknown one is a TypeError before any work
+        options = grouped_kwargs(Config, engine_args)
         self.compilation_cache_dir = compile_cache.configure(compilation_cache)
         t0 = time.perf_counter()
         jax.devices()  # the backend starts here (timed apart from the weights)
@@ -82,10 +87,10 @@ class LLM:
             jax.block_until_ready(loaded.params)
             spec = weights_update.params_spec(loaded.params, dtype)
         t2 = time.perf_counter()
-        if "max_model_len" not in engine_args:
-            engine_args["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)
-        self.config = Config(**engine_args)
-        self.llm_engine = LLMEngine(loaded, self.config, dtype=jnp.dtype(dtype), seed=seed)
+        if "max_model_len" not in options:
+            options["max_model_len"] = min(loaded.cfg.max_position_embeddings, 2048)
+        self.llm_engine = LLMEngine(loaded, Config(**options), dtype=jnp.dtype(dtype), seed=seed)
+        self.config = self.llm_engine.config  # what runs (the engine's copy where it changed one)
         self.weights_version = weights_update.attach(self.llm_engine, spec)
         # start-up seconds: backend, weights (read or drawn), the engine (see runner.startup)
         self.startup = {"backend_s": t1 - t0, "weights_s": t2 - t1,

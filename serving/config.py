@@ -11,13 +11,15 @@ So the runner compiles at most len(token_buckets) step variants per sampling mod
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from kernels_pallas.paged_attention.api import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from serving.config_groups import (CHECKPOINT_STRATEGIES, HybridCacheConfig,  # noqa: F401
+                                   KVStoreConfig, SpanMapConfig, grouped_kwargs, option, to_flat)
 
 KV_MODES = ("position_free", "rotated", "pic_off")
 POLICIES = ("fcfs", "barrier", "isps")
 HASH_ALGOS = ("xxhash64", "sha256")
-CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
 
 
 def next_power_of_2(n: int) -> int:
@@ -33,18 +35,25 @@ class Config:
     max_num_batched_tokens: int = 1024
     max_model_len: int = 2048
     block_size: int = 16
-    num_kv_blocks: int | None = None  # device pool size; None -> from gpu_memory_utilization
-    gpu_memory_utilization: float = 0.8
+    # option(host_only=True): the compiled step never reads it (serving/config_groups.py)
+    # device pool size; None -> from gpu_memory_utilization
+    num_kv_blocks: int | None = option(None, host_only=True)
+    gpu_memory_utilization: float = option(0.8, host_only=True)
     enable_prefix_caching: bool = True
-    kv_mode: str = "position_free"  # "position_free" (MiniPIC), "rotated" (baseline), "pic_off"
-    hash_algo: str = "xxhash64"
-    scheduling_policy: str = "fcfs"  # "fcfs" | "barrier" | "isps"
-    isps_span_seats: int = 8  # extra batch rows for span-only prefills under isps
-    cpu_offload_gb: float = 0.0
+    # "position_free" (MiniPIC), "rotated" (baseline), "pic_off"; the step reads only
+    # attention_kv_mode, which ModelRunner keys its programs by
+    kv_mode: str = option("position_free", host_only=True)
+    hash_algo: str = option("xxhash64", host_only=True)
+    scheduling_policy: str = option("fcfs", host_only=True)  # "fcfs" | "barrier" | "isps"
+    # extra batch rows for span-only prefills under isps
+    isps_span_seats: int = option(8, host_only=True)
+    # host tier bytes (serving/tiers/offload.py; hybrid models give half to checkpoints)
+    cpu_offload_gb: float = option(0.0, host_only=True)
     pad_token_id: int | None = None
     ssep_token_id: int | None = None
     pdep_token_id: int | None = None
-    max_logprobs: int = 20
+    # the request check's bound; the step's logprob count is a static argument of its own
+    max_logprobs: int = option(20, host_only=True)
     # Smallest step size (query rows a step is padded up to); None: 1 on a CPU backend, where a
     # padded row costs its share of every matmul (SmolLM2-135M shape, one thread: a decode step's
     # matmuls took 80 ms for 1 row, 127 ms for 8), and 8 on an accelerator.
@@ -59,7 +68,8 @@ class Config:
     # Options of a named decode_attn_impl (a dict of its options dataclass's fields, e.g.
     # {"rope": "table"}); unset ones take the kernel's defaults, max_model_len as position bound.
     decode_attn_options: dict | None = None
-    watermark_blocks: int = 0  # free blocks kept back at admission (decode headroom)
+    # free blocks kept back at admission (decode headroom)
+    watermark_blocks: int = option(0, host_only=True)
     # write_kv implementation for attention layers (Llama family): None = the Pallas row copy
     # on GPU, XLA elsewhere; "xla" or "triton" to force one.
     write_kv_impl: str | None = None
@@ -72,60 +82,33 @@ class Config:
     # token from the previous step's sampled tokens on device. One step in flight at most.
     # False = the synchronous loop (schedule, run, read back, then the next step).
     async_scheduling: bool = True
-    # Persistent span store (serving/tiers/disk_store.py): a folder under the host tier where cached
-    # blocks are written once and read back by any later process of the same model and settings;
-    # None = off. kv_store_gb: its size (every file in the folder), least recently used runs
-    # deleted past it. kv_store_spans_only: store SSEP span blocks only (not the prompt parts
-    # around them, e.g. one-off questions). kv_store_staging_gb: device memory for runs read ahead
-    # of their copy-in (staged runs and reads in flight, serving/tiers/kv_store_staging.py); None =
-    # min(16 GiB, 16% of the device's memory limit), 4 GiB without memory stats (CPU). A
-    # default-sized KV pool (num_kv_blocks=None) leaves it free. The H200 warm job ran 2.4x
-    # the empty-store run with 4 GiB and 5.9x with 16 (benchmarks/RESULTS.md, span store).
-    kv_store_dir: str | None = None
-    kv_store_gb: float = 64.0
-    kv_store_spans_only: bool = False
-    kv_store_staging_gb: float | None = None
-    # Hybrid models (prefix caching with recurrent checkpoints, serving/hybrid/hybrid_prefix.py): where a
-    # prefill takes checkpoints ("none", "last", "block", "balanced", "dp": serving/
-    # checkpoint_plan.py), at most checkpoints_per_prompt per prompt (None: min(4, device slots
-    # / (2 max_num_seqs)), at least 1, so the tier holds twice as many prompts as run); "block" every
-    # checkpoint_block_tokens. checkpoint_gb: device tier bytes (None: 5% of the device's memory
-    # limit, or 64 checkpoints without memory stats); half of cpu_offload_gb holds the host tier.
-    # The overlap estimates (serving/hybrid/overlap_estimate.py) halve a request's weight every
-    # checkpoint_half_life requests; the global plan in get_stats() replans every
-    # checkpoint_replan_every requests or when it drifted checkpoint_replan_tv (total variation).
-    # checkpoint_step_tokens: what a second checkpoint in one prefill chunk costs (the chunk is
-    # split: about one more engine step), in prompt tokens of compute; dp places a prompt's
-    # checkpoints beyond one per chunk only where they save more (1,050 measured on the H200 at the
-    # Qwen3.5-0.8B shape: benchmarks/RESULTS.md, hybrid prefix caching run 3). 0: no price. It is
-    # also the least saving for which a new request waits (a few steps at most) for a checkpoint
-    # that a running prefill of its prefix is about to store, rather than recompute behind it.
-    checkpoint_strategy: str = "dp"
-    checkpoint_step_tokens: float = 1024.0
-    checkpoints_per_prompt: int | None = None
-    checkpoint_block_tokens: int = 512
-    checkpoint_gb: float | None = None
-    checkpoint_half_life: float = 256.0
-    checkpoint_replan_every: int = 64
-    checkpoint_replan_tv: float = 0.1
-    # checkpoint_bucket_fit: a plain hybrid prompt's chunk that overflows a token bucket by at
-    # most (smallest bucket - seats) tokens stops at that bucket; the overflow rides on the next
-    # step (serving/hybrid/bucket_fit.py). Off by default: on the H200 (Qwen3.5-0.8B shape, run 4 in
-    # benchmarks/history/hybrid_cache.md) a prefill step costs ~10 ms more than a decode step of
-    # the same bucket, more than the padding the cut saves.
-    checkpoint_bucket_fit: bool = False
-    # Hybrid models, SSEP spans (serving/hybrid/span_cache.py): device bytes of cached span maps (one map:
-    # A and B of every recurrent layer in span_map_dtype, plus a conv tail; None: 2% of the
-    # device's memory limit, or 64 maps without memory stats; 0: spans always recomputed), and
-    # host bytes where evicted maps wait (0: none).
-    span_map_gb: float | None = None
-    span_map_host_gb: float = 0.0
-    span_map_dtype: str = "float32"
+    # Option groups (serving/config_groups.py): the persistent span store, hybrid models'
+    # recurrent checkpoints and their span maps. `Config.from_flat` (what LLM uses) also takes
+    # their vLLM-style flat keywords (kv_store_dir=..., checkpoint_gb=..., span_map_gb=...).
+    kv_store: KVStoreConfig = option(default_factory=KVStoreConfig)
+    hybrid_cache: HybridCacheConfig = option(default_factory=HybridCacheConfig)
+    span_maps: SpanMapConfig = option(default_factory=SpanMapConfig)
     # Devices the model is split over (Megatron tensor parallelism, serving/step/sharding.py): must
     # divide the attention (and GDN) head counts and not exceed the device count. Under TP the
     # weights stay unfused (fuse_weights is ignored: a fused [q | k | v] axis would not split
     # by heads).
     tensor_parallel_size: int = 1
+    # Stored step executables (serving/step/executable_store.py; was the MINIPIC_STEP_CACHE
+    # environment variable): None or "on" = `<JAX compilation cache folder>/minipic_steps`
+    # (none while that cache is off; None follows executable_store.DEFAULT_SETTING, which the
+    # test suite sets to "off"), "off" = no store, anything else = that folder.
+    step_cache: str | None = option(None, host_only=True)
+
+    @classmethod
+    def from_flat(cls, **kw) -> "Config":
+        """A Config from vLLM-style flat keywords (kv_store_dir=..., checkpoint_gb=...,
+        span_map_gb=...), core fields and group objects, mixed. An unknown keyword is a
+        TypeError naming it and the closest known name."""
+        return cls(**grouped_kwargs(cls, kw))
+
+    def to_flat(self) -> dict:
+        """Every option as a flat keyword: `Config.from_flat(**c.to_flat()) == c`."""
+        return to_flat(self)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -164,41 +147,10 @@ class Config:
             raise ValueError(f"Config.watermark_blocks must be >= 0, got {self.watermark_blocks}")
         if self.num_kv_blocks is not None:  # a default-sized pool: LLMEngine checks
             check_watermark(self, self.num_kv_blocks)
-        if self.checkpoint_strategy not in CHECKPOINT_STRATEGIES:
-            raise ValueError(f"Config.checkpoint_strategy must be one of {CHECKPOINT_STRATEGIES}, "
-                             f"got {self.checkpoint_strategy!r}")
-        if self.checkpoints_per_prompt is not None and self.checkpoints_per_prompt < 0:
-            raise ValueError(f"Config.checkpoints_per_prompt must be None or >= 0, "
-                             f"got {self.checkpoints_per_prompt}")
-        if self.checkpoint_replan_every < 1:
-            raise ValueError(f"Config.checkpoint_replan_every must be >= 1, "
-                             f"got {self.checkpoint_replan_every}")
-        if self.checkpoint_block_tokens < 1 or not self.checkpoint_half_life > 0:
-            raise ValueError(f"Config.checkpoint_block_tokens ({self.checkpoint_block_tokens}) "
-                             f"and checkpoint_half_life ({self.checkpoint_half_life}) must be > 0")
-        if not self.checkpoint_step_tokens >= 0:
-            raise ValueError(f"Config.checkpoint_step_tokens must be >= 0, "
-                             f"got {self.checkpoint_step_tokens}")
-        if self.checkpoint_gb is not None and self.checkpoint_gb < 0:
-            raise ValueError(f"Config.checkpoint_gb must be None or >= 0, got {self.checkpoint_gb}")
-        if not 0 < self.checkpoint_replan_tv <= 1:
-            raise ValueError(f"Config.checkpoint_replan_tv must be in (0, 1], "
-                             f"got {self.checkpoint_replan_tv}")
-        if self.span_map_gb is not None and self.span_map_gb < 0 or self.span_map_host_gb < 0:
-            raise ValueError(f"Config.span_map_gb must be None or >= 0 and span_map_host_gb >= 0, "
-                             f"got {self.span_map_gb} and {self.span_map_host_gb}")
-        if self.span_map_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"Config.span_map_dtype must be 'float32' or 'bfloat16', "
-                             f"got {self.span_map_dtype!r}")
         if self.cpu_offload_gb < 0:
             raise ValueError(f"Config.cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
-        if self.kv_store_gb <= 0:
-            raise ValueError(f"Config.kv_store_gb must be > 0, got {self.kv_store_gb}")
-        if self.kv_store_staging_gb is not None and self.kv_store_staging_gb <= 0:
-            raise ValueError(f"Config.kv_store_staging_gb must be > 0, "
-                             f"got {self.kv_store_staging_gb}")
-        if self.kv_store_dir is not None and not self.enable_prefix_caching:
-            raise ValueError("Config.kv_store_dir needs enable_prefix_caching=True (the store "
+        if self.kv_store.dir is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_store_dir (Config.kv_store.dir) needs enable_prefix_caching=True (the store "
                              "holds prefix-cache blocks)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"Config.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
@@ -250,6 +202,19 @@ class Config:
 
     def seq_bucket(self, token_bucket: int) -> int:
         return min(token_bucket, self.num_seats)
+
+
+def effective_config(config: Config, hybrid: bool) -> Config:
+    """The Config an engine runs: `config` itself, or a copy (dataclasses.replace; the caller's
+    object is never changed) where the model needs another setting. isps's span-only prefill
+    jobs (serving/cache/span_jobs.py) serve attention-only models, so on a hybrid model isps
+    falls back to fcfs, with a warning naming both."""
+    if hybrid and config.scheduling_policy == "isps":
+        warnings.warn("scheduling_policy='isps' is not supported on hybrid models (its span-only "
+                      "prefill jobs serve attention-only models); this engine runs 'fcfs'",
+                      UserWarning, stacklevel=3)
+        return dataclasses.replace(config, scheduling_policy="fcfs")
+    return config
 
 
 def check_watermark(config: Config, num_blocks: int) -> int:

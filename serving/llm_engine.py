@@ -25,7 +25,8 @@ import time
 from serving.hybrid import hybrid_prefix
 from serving.outputs import RequestOutput
 from serving.cache.block_manager import BlockManager
-from serving.config import Config, check_model_len, check_watermark, eos_and_markers
+from serving.config import (Config, check_model_len, check_watermark, effective_config,
+                            eos_and_markers)
 from serving.cache.hashing import make_hash_fn, root_hash
 from serving.cache.kv_pool import default_num_blocks, kv_bytes_per_block
 from serving.tiers.engine_tiers import host_tier, move_pages, span_store, store_fingerprint
@@ -43,15 +44,14 @@ from serving.token_apply import append_row, finish_reason, step_num_logprobs
 class LLMEngine:
     def __init__(self, loaded: EngineModel, config: Config, *, dtype, seed: int = 0):
         self.loaded = loaded
-        self.config = config
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.cfg
         self.vocab_size = mcfg.vocab_size
         check_family(loaded.family)
         check_model_len(config, mcfg)
         self.hybrid = loaded.family.IS_HYBRID
-        if self.hybrid and config.scheduling_policy == "isps":
-            config.scheduling_policy = "fcfs"
+        # the engine's own Config: a copy where it differs from the caller's (never mutated)
+        self.config = config = effective_config(config, self.hybrid)
         self.eos_ids, self.markers, self.marker_rows = eos_and_markers(config, mcfg, self.tokenizer)
         self.hybrid_cache, ck_pool = None, None
         if self.hybrid and config.enable_prefix_caching:  # before the KV pool takes the memory

@@ -10,9 +10,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Engines in subprocesses of tests write no user-level compilation cache unless a test asks for one
 # (minipic_jax/compile_cache.py); this process uses the suite's cache below.
 os.environ.setdefault("MINIPIC_COMPILATION_CACHE_DIR", "off")
-# No stored step executables either (serving/step/executable_store.py): a test that patches code the
-# step traces must trace it; tests of the store turn it on in a folder of their own.
-os.environ.setdefault("MINIPIC_STEP_CACHE", "off")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,6 +30,13 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 import serving.config as _serving_config  # noqa: E402
 
 _serving_config.CPU_MIN_TOKEN_BUCKET = 8
+
+# No stored step executables either (serving/step/executable_store.py): a test that patches code
+# the step traces must trace it; tests of the store name a folder of their own (Config.step_cache).
+# Engines in subprocesses have no compilation cache (above), so no store.
+import serving.step.executable_store as _executable_store  # noqa: E402
+
+_executable_store.DEFAULT_SETTING = "off"
 
 
 # Hypothesis: derandomized by default (the examples follow from each test's name: never flaky,

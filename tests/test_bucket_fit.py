@@ -25,10 +25,12 @@ def test_fit_stop(start, total, used, budget, want):
 
 
 def test_from_config_is_off_without_room_or_when_disabled():
+    on = types.SimpleNamespace(bucket_fit=True)  # Config.hybrid_cache
     cfg = types.SimpleNamespace(token_buckets=BUCKETS, num_seats=4, max_num_batched_tokens=2048,
-                                checkpoint_bucket_fit=True)
+                                hybrid_cache=on)
     fit = BucketFit.from_config(cfg)
     assert fit.spill == 508 and fit.stop(0, 1150, 2045) == 1021
-    assert BucketFit.from_config(types.SimpleNamespace(**{**vars(cfg),
-                                                          "checkpoint_bucket_fit": False})) is None
+    off = types.SimpleNamespace(bucket_fit=False)
+    assert BucketFit.from_config(types.SimpleNamespace(**{**vars(cfg), "hybrid_cache": off})) \
+        is None
     assert BucketFit.from_config(types.SimpleNamespace(**{**vars(cfg), "num_seats": 512})) is None

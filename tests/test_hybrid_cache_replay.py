@@ -53,7 +53,7 @@ def test_a_request_waits_for_the_checkpoint_its_prefix_is_computing():
     """Three requests with one 908-token system prompt, sent together. The first plans
     checkpoints at 448 and 832. The second is admitted while the first is at 768 and waits a
     step for the checkpoint at 832 rather than recompute from 448 (the 384 tokens saved exceed
-    Config.checkpoint_step_tokens = 256; at 0 it never waits). The third is admitted in the step
+    Config.hybrid_cache.step_tokens = 256; at 0 it never waits). The third is admitted in the step
     in which the second takes its checkpoint at 896: that state is not written before the step
     runs, so it resumes at 832 (it used to restore the unwritten slot)."""
     import numpy as np
@@ -72,7 +72,7 @@ def test_a_request_waits_for_the_checkpoint_its_prefix_is_computing():
 
 
 def test_bucket_fit_cuts_chunks_at_buckets():
-    """Config.checkpoint_bucket_fit (serving/hybrid/bucket_fit.py): the same requests run in fewer
+    """Config.hybrid_cache.bucket_fit (serving/hybrid/bucket_fit.py): the same requests run in fewer
     padded step tokens, and no step's tokens overflow a bucket by 1..spill (60) tokens."""
     import numpy as np
 

@@ -122,8 +122,9 @@ def test_default_pool_leaves_the_staging_memory_free(monkeypatch, tmp_path):
     mcfg = get_preset("tiny_llama")
     per_block = 2 * mcfg.num_kv_layers * mcfg.num_kv_heads * mcfg.head_dim * 2 * B  # bf16
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Device()])
-    cfg = Config(max_num_seqs=2, max_model_len=256, block_size=B, gpu_memory_utilization=0.5,
-                 kv_store_dir=str(tmp_path), kv_store_staging_gb=1.5)
+    cfg = Config.from_flat(max_num_seqs=2, max_model_len=256, block_size=B,
+                           gpu_memory_utilization=0.5, kv_store_dir=str(tmp_path),
+                           kv_store_staging_gb=1.5)
     import ml_dtypes
     assert kv_pool.default_num_blocks(cfg, mcfg, ml_dtypes.bfloat16) == \
         int((4 << 30) - 1.5 * (1 << 30)) // per_block
@@ -134,7 +135,7 @@ def test_staging_default_follows_the_device_and_an_explicit_value_wins(monkeypat
     stats; an explicit value is taken as is; <= 0 is refused, naming the option."""
     from serving.cache import kv_pool
     from serving.config import Config
-    assert kv_pool.staging_bytes(Config(kv_store_staging_gb=1.5)) == int(1.5 * (1 << 30))
+    assert kv_pool.staging_bytes(Config.from_flat(kv_store_staging_gb=1.5)) == int(1.5 * (1 << 30))
     monkeypatch.setattr(kv_pool, "device_memory", lambda: {})
     assert kv_pool.staging_bytes(Config()) == 4 << 30
     monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": 40 << 30})
@@ -142,4 +143,4 @@ def test_staging_default_follows_the_device_and_an_explicit_value_wins(monkeypat
     monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": 200 << 30})
     assert kv_pool.staging_bytes(Config()) == 16 << 30
     with pytest.raises(ValueError, match="kv_store_staging_gb"):
-        Config(kv_store_staging_gb=0)
+        Config.from_flat(kv_store_staging_gb=0)

@@ -131,7 +131,7 @@ def test_the_checks_catch_a_cycle_and_an_upward_arrow():
 # serving/'s layers (docs/ARCHITECTURE.md): its sub-packages, and the records at its top that
 # every layer may use; the engine's modules at the top (llm_engine, scheduler, recovery, ...) use
 # the sub-packages, never the other way round
-SERVING_RECORDS = {"config", "layout", "sequence", "model_contract", "outputs"}
+SERVING_RECORDS = {"config", "config_groups", "layout", "sequence", "model_contract", "outputs"}
 SERVING_MAY_IMPORT = {
     "cache": set(),  # blocks, prefix keys, hashing, the KV pool and its page zeroing
     "tiers": {"cache"},  # the host tier and the disk span store under the pool

@@ -19,13 +19,12 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
-    monkeypatch.setenv(executable_store.ENV, str(tmp_path))
+def store(tmp_path):
     return tmp_path
 
 
-def _start(**overrides):
-    llm = make_tiny_llm(**{**SMALL, **overrides})
+def _start(store, **overrides):
+    llm = make_tiny_llm(**{**SMALL, "step_cache": str(store), **overrides})
     llm.llm_engine.warmup()
     return llm, dict(llm.llm_engine.runner._step.counts)
 
@@ -39,12 +38,12 @@ def _generate(llm):
 
 
 def test_second_start_loads_every_variant_and_matches_the_cold_start(store):
-    cold, counts = _start()
+    cold, counts = _start(store)
     assert counts["loaded"] == 0 and counts["compiled"] >= 1
     expected = _generate(cold)  # also compiles (and stores) the logprobs variants lazily
     stored = len(list(store.glob("*.exe")))
     assert stored == cold.llm_engine.runner._step.counts["compiled"]
-    warm, counts = _start()
+    warm, counts = _start(store)
     assert counts == {"loaded": counts["loaded"], "compiled": 0} and counts["loaded"] >= 1
     runner = warm.llm_engine.runner
     assert runner._step.jitted._cache_size() == 0  # nothing traced
@@ -54,28 +53,37 @@ def test_second_start_loads_every_variant_and_matches_the_cold_start(store):
 
 
 def test_changed_key_or_damaged_file_misses(store, monkeypatch):
-    _, counts = _start()
+    _, counts = _start(store)
     assert counts["loaded"] == 0
-    _, counts = _start(max_model_len=256)  # another block-table width: other programs
+    _, counts = _start(store, max_model_len=256)  # another block-table width: other programs
     assert counts["loaded"] == 0
     with monkeypatch.context() as m:  # the step's source changed: nothing stored is used
         m.setattr(executable_store, "source_digest", lambda dirs=(): "changed")
-        _, counts = _start()
+        _, counts = _start(store)
         assert counts["loaded"] == 0
     for path in store.glob("*.exe"):
         path.write_bytes(b"not an executable")
     with pytest.warns(RuntimeWarning, match="could not be loaded"):
-        _, counts = _start()
+        _, counts = _start(store)
     assert counts["loaded"] == 0 and counts["compiled"] >= 1
 
 
 def test_store_folder_follows_the_documented_settings(monkeypatch, tmp_path):
     import jax
-    monkeypatch.setenv(executable_store.ENV, "off")
-    assert executable_store.store_folder() is None
-    monkeypatch.setenv(executable_store.ENV, str(tmp_path))
-    assert executable_store.store_folder() == tmp_path
-    monkeypatch.setenv(executable_store.ENV, "on")
+    assert executable_store.store_folder("off") is None
+    assert executable_store.store_folder(str(tmp_path)) == tmp_path
     base = jax.config.jax_compilation_cache_dir
-    assert executable_store.store_folder() == (None if not base else
-                                               __import__("pathlib").Path(base) / "minipic_steps")
+    assert executable_store.store_folder("on") == (None if not base else
+                                                   __import__("pathlib").Path(base) / "minipic_steps")
+    monkeypatch.setattr(executable_store, "DEFAULT_SETTING", "off")  # the suite's (conftest)
+    assert executable_store.store_folder(None) is None
+    monkeypatch.setattr(executable_store, "DEFAULT_SETTING", "on")
+    assert executable_store.store_folder(None) == executable_store.store_folder("on")
+
+
+def test_the_step_cache_environment_variable_is_no_longer_read(monkeypatch, tmp_path):
+    """Config.step_cache replaced $MINIPIC_STEP_CACHE: setting the variable changes nothing."""
+    monkeypatch.setenv("MINIPIC_STEP_CACHE", str(tmp_path))
+    assert executable_store.store_folder("off") is None
+    monkeypatch.setattr(executable_store, "DEFAULT_SETTING", "off")
+    assert executable_store.store_folder(None) is None

@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-store-staging-gb", type=positive_float, default=None,
                     help="device memory for store runs read ahead of their copy-in (default: "
                          "min(16 GiB, 16%% of the device's memory))")
+    ap.add_argument("--kv-store-pinned", action="store_true",
+                    help="read store runs into pinned host buffers (Config.kv_store.pinned)")
     ap.add_argument("--max-inflight", type=positive_int, default=None,
                     help="requests in the engine at once (default: 4 x --max-num-seqs)")
     ap.add_argument("--warmup", action="store_true",
@@ -83,7 +85,8 @@ def engine_args(args) -> dict:
                scheduling_policy=args.scheduling_policy, cpu_offload_gb=args.cpu_offload_gb,
                kv_store_dir=args.kv_store_dir, kv_store_gb=args.kv_store_gb,
                kv_store_spans_only=args.kv_store_spans_only,
-               kv_store_staging_gb=args.kv_store_staging_gb)
+               kv_store_staging_gb=args.kv_store_staging_gb,
+               kv_store_pinned=args.kv_store_pinned)
     if args.max_model_len is not None:
         out["max_model_len"] = args.max_model_len
     return out

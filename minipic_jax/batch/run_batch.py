@@ -122,7 +122,7 @@ def run(args, llm=None) -> dict:
     check_paths(args)
     t0 = time.perf_counter()
     if llm is None:
-        Config(**engine_args(args))  # bad engine options: an error now, not after the weights
+        Config.from_flat(**engine_args(args))  # bad engine options: an error now, not after the weights
         llm = LLM(args.model, dtype=args.dtype, seed=args.seed, **engine_args(args))
     if args.retry_errors:
         drop_error_records(args.output_file)

@@ -32,17 +32,17 @@ def default_num_blocks(config: Config, mcfg, dtype) -> int:
         stats = {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-        if config.kv_store_dir is not None:
+        if config.kv_store.dir is not None:
             free -= staging_bytes(config)
         return max(2, int(free // (per_token * config.block_size)))
     return max(2, min(want, 4096))
 
 
 def staging_bytes(config: Config) -> int:
-    """The span store's staging memory in bytes: `Config.kv_store_staging_gb`, or (None)
+    """The span store's staging memory in bytes: `Config.kv_store.staging_gb`, or (None)
     min(16 GiB, 16% of the device's memory limit), 4 GiB where the backend reports no limit."""
-    if config.kv_store_staging_gb is not None:
-        return int(config.kv_store_staging_gb * (1 << 30))
+    if config.kv_store.staging_gb is not None:
+        return int(config.kv_store.staging_gb * (1 << 30))
     limit = device_memory().get("bytes_limit")
     return min(16 << 30, int(0.16 * limit)) if limit else 4 << 30
 

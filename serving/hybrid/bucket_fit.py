@@ -11,7 +11,7 @@ the overflow, and stays in the smallest bucket). The cut turns that next step fr
 into a prefill step and delays the chunk's own first token by a step. On the H200 (Qwen3.5-0.8B
 shape) that costs more than it saves: a prefill step costs several decode steps of the same
 bucket, while two prefill buckets differ by much less (benchmarks/RESULTS.md, Hybrid prefix
-caching: the step costs and the `checkpoint_bucket_fit` A/B). So Config.checkpoint_bucket_fit is
+caching: the step costs and the `checkpoint_bucket_fit` A/B). So Config.hybrid_cache.bucket_fit is
 off by default; it pays where a prefill step costs little more than its tokens.
 """
 
@@ -51,7 +51,7 @@ class BucketFit:
     @classmethod
     def from_config(cls, config):
         """The spill that keeps the next step in the smallest bucket with every seat's decode;
-        None when Config.checkpoint_bucket_fit is off."""
+        None when Config.hybrid_cache.bucket_fit is off."""
         spill = config.token_buckets[0] - config.num_seats
         if not config.checkpoint_bucket_fit or spill <= 0:
             return None

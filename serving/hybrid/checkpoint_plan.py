@@ -17,7 +17,7 @@ end), with at most M checkpoints per prompt:
   balanced  M evenly spaced positions over [0, n] (snapped).
   dp        the exact optimum of sum_t p_t (t - l(t; C)) over candidates (planner.place), with
             each checkpoint past one per prefill chunk priced at what splitting a chunk costs a
-            later request (Config.checkpoint_step_tokens over the admissions an entry lives).
+            later request (Config.hybrid_cache.step_tokens over the admissions an entry lives).
 
 Each planned checkpoint carries its value under that pmf, the expected tokens it saves a later
 request next to the prompt's other checkpoints; the store's eviction ranks entries by it.
@@ -35,6 +35,15 @@ from planner import DecayingHistogram, Replanner, expected_recompute, place
 from serving.hybrid.overlap_estimate import OverlapEstimate
 
 CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
+# Fixed here, not engine options (no caller or benchmark ever set them; they were Config fields):
+# the `block` strategy's spacing: a checkpoint every 512 prompt tokens (8 GDN chunks of 64).
+# `block` is a comparison baseline to dp (the default), so its spacing was never tuned.
+BLOCK_TOKENS = 512
+# The global plan (`plan`, get_stats()["checkpoint_plan"]) is replanned every 64 requests or
+# when the depth histogram drifted 0.1 in total variation. It is for observability only (each
+# prompt is planned fresh at admission), so these values change no placement.
+REPLAN_EVERY = 64
+REPLAN_TV = 0.1
 
 
 def candidates(layout, num_tokens: int, block_size: int, chunk: int) -> np.ndarray:
@@ -56,8 +65,9 @@ def positions_of(layout, token_idx) -> np.ndarray:
 
 class CheckpointPlanner:
     def __init__(self, strategy: str, per_prompt: int, block_tokens: int, max_len: int,
-                 chunk: int, *, block_size: int = 16, half_life: float = 256.0, every: int = 64,
-                 tv: float = 0.1, extra_price: float = 0.0, step_tokens: int | None = None):
+                 chunk: int, *, block_size: int = 16, half_life: float = 256.0,
+                 every: int = REPLAN_EVERY, tv: float = REPLAN_TV, extra_price: float = 0.0,
+                 step_tokens: int | None = None):
         if strategy not in CHECKPOINT_STRATEGIES:
             raise ValueError(f"checkpoint strategy must be one of {CHECKPOINT_STRATEGIES}, "
                              f"got {strategy!r}")

@@ -143,10 +143,10 @@ def apply_moves(pool: CheckpointPool, moves_out, moves_in) -> CheckpointPool:
 
 
 def default_slots(config, nbytes: int) -> int:
-    """Device slots for Config.checkpoint_gb (None: 5% of the device's memory limit, or 64
+    """Device slots for Config.hybrid_cache.budget_gb (None: 5% of the device's memory limit, or 64
     checkpoints on a backend without memory stats)."""
-    if config.checkpoint_gb is not None:
-        return int(config.checkpoint_gb * (1 << 30)) // max(nbytes, 1)
+    if config.hybrid_cache.budget_gb is not None:
+        return int(config.hybrid_cache.budget_gb * (1 << 30)) // max(nbytes, 1)
     try:
         stats = jax.local_devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001 - CPU backends may not report memory

@@ -6,7 +6,7 @@ are: the attention blocks below c hit only when their own tokens match, and a re
 all (c <= matched depth), so a checkpoint serves exactly the requests whose first c tokens match.
 
 Two tiers, each holding whole checkpoints of `nbytes` bytes (exact: serving/hybrid/checkpoint_pool.py):
-  * device: `device_slots` slots of one preallocated pool (Config.checkpoint_gb), LRU;
+  * device: `device_slots` slots of one preallocated pool (Config.hybrid_cache.budget_gb), LRU;
   * host: `host_slots` numpy copies (part of Config.cpu_offload_gb); a device checkpoint the LRU
     evicts moves here when there is room, and comes back into a device slot on a hit.
 Moves are recorded here and carried out by the engine before the step that needs them (one gather

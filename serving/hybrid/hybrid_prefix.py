@@ -134,7 +134,7 @@ class HybridPrefixCache:
         through blocks another sequence is still computing (`ready` blocks are done, `shared`
         match), that sequence stores a checkpoint at p in (kc B, shared B] within its next
         step, and resuming at p would save at least `wait_tokens` (what a step of waiting costs,
-        Config.checkpoint_step_tokens). A few steps at most (async scheduling marks blocks
+        Config.hybrid_cache.step_tokens). A few steps at most (async scheduling marks blocks
         ready a step late)."""
         bs, waited = self.block_size, seq.hybrid.ck_waits
         if shared <= ready or waited >= 3 or not self.wait_tokens:
@@ -297,36 +297,36 @@ def build(config, family, mcfg, dtype, pool=None, span_pool=None):
     The pool is allocated here, before the KV pool sizes itself from the memory left; with
     `pool` (an engine's reset) it is kept, and the store may use at most its slots."""
     from serving.hybrid import checkpoint_pool
-    from serving.hybrid.checkpoint_plan import CheckpointPlanner
+    from serving.hybrid.checkpoint_plan import BLOCK_TOKENS, CheckpointPlanner
     from serving.hybrid.checkpoint_store import CheckpointStore
     chunk = getattr(family, "CHUNK", 64)
     layout = checkpoint_pool.state_layout(family, mcfg, config.block_size, dtype)
     nbytes = checkpoint_pool.checkpoint_nbytes(layout)
-    strategy = config.checkpoint_strategy
+    strategy = config.hybrid_cache.strategy
     slots = 0 if strategy == "none" else checkpoint_pool.default_slots(config, nbytes)
     host = int(config.cpu_offload_gb * (1 << 30) / 2) // max(nbytes, 1) if slots else 0
-    per_prompt = config.checkpoints_per_prompt
+    per_prompt = config.hybrid_cache.per_prompt
     if per_prompt is None:  # a fair share of the device tier: twice as many prompts as seats
         per_prompt = min(4, max(1, slots // (2 * config.max_num_seqs)))
     planner = CheckpointPlanner(strategy, per_prompt,
-                                config.checkpoint_block_tokens, config.max_model_len, chunk,
-                                block_size=config.block_size, half_life=config.checkpoint_half_life,
+                                BLOCK_TOKENS, config.max_model_len, chunk,
+                                block_size=config.block_size,
+                                half_life=config.hybrid_cache.half_life,
                                 # a later request's share of a split: the tier turns over every
                                 # slots / per_prompt admissions
-                                extra_price=config.checkpoint_step_tokens * per_prompt
-                                / max(slots, 1), step_tokens=config.max_num_batched_tokens,
-                                every=config.checkpoint_replan_every,
-                                tv=config.checkpoint_replan_tv)
+                                extra_price=config.hybrid_cache.step_tokens * per_prompt
+                                / max(slots, 1), step_tokens=config.max_num_batched_tokens)
     if pool is not None:
         if slots > pool.slots:
-            raise ValueError(f"Config.checkpoint_gb asks for {slots} checkpoints but the engine's "
-                             f"pool has {pool.slots}; a reset cannot grow it")
+            raise ValueError(f"checkpoint_gb (Config.hybrid_cache.budget_gb) asks for {slots} "
+                             f"checkpoints but the engine's pool has {pool.slots}; a reset "
+                             f"cannot grow it")
     elif slots:
         pool = checkpoint_pool.allocate(layout, slots)
     from serving.hybrid import span_cache
     spans = span_cache.build(config, family, mcfg, dtype, pool=span_pool)
     cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size,
-                              spans, BucketFit.from_config(config), config.checkpoint_step_tokens)
+                              spans, BucketFit.from_config(config), config.hybrid_cache.step_tokens)
     return cache, pool
 
 

@@ -215,13 +215,13 @@ class SpanMapCache:
 
 
 def build(config, family, mcfg, dtype, pool=None):
-    """A SpanMapCache with its device pool (None when Config.span_map_gb is 0 or the family cannot
+    """A SpanMapCache with its device pool (None when Config.span_maps.budget_gb is 0 or the family cannot
     read its states back). With `pool` (an engine's reset) that pool is kept."""
     import jax
     import jax.numpy as jnp
     from serving.hybrid import checkpoint_pool, span_maps
     from serving.hybrid.checkpoint_store import CheckpointStore
-    if not config.span_map_gb and config.span_map_gb is not None or \
+    if not config.span_maps.budget_gb and config.span_maps.budget_gb is not None or \
             not hasattr(family, "read_states"):
         return None
     lg, conv_shape, conv_dtype, delta_shape = checkpoint_pool.state_layout(
@@ -229,11 +229,11 @@ def build(config, family, mcfg, dtype, pool=None):
     if lg == 0:
         return None
     (hv, dk, dv), (c, k1) = delta_shape, conv_shape
-    state_dtype = jnp.dtype(config.span_map_dtype)
+    state_dtype = jnp.dtype(span_maps.STATE_DTYPE)
     nbytes = span_maps.map_nbytes(hv, dk, dv, c, k1, lg, state_dtype=state_dtype,
                                   conv_dtype=conv_dtype)["total"]
-    if config.span_map_gb is not None:
-        slots = int(config.span_map_gb * (1 << 30)) // nbytes
+    if config.span_maps.budget_gb is not None:
+        slots = int(config.span_maps.budget_gb * (1 << 30)) // nbytes
     else:  # 2% of the device's memory limit, or 64 maps without memory stats
         try:
             limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -242,7 +242,7 @@ def build(config, family, mcfg, dtype, pool=None):
         slots = int(0.02 * limit) // nbytes if limit else 64
     if slots <= 0:
         return None
-    host = int(config.span_map_host_gb * (1 << 30)) // nbytes
+    host = int(config.span_maps.host_gb * (1 << 30)) // nbytes
     if pool is None or pool.a.shape[0] < slots or pool.a.dtype != state_dtype:
         pool = span_maps.allocate(slots, lg, hv, dk, dv, c, k1, state_dtype=state_dtype,
                                   conv_dtype=conv_dtype)

@@ -24,6 +24,11 @@ import numpy as np
 from kernels_pallas.gated_delta.api import apply_map
 from serving.tiers.offload import HostBatch
 
+# The dtype of cached maps' A and B (was Config.span_map_dtype, which nothing ever set): float32.
+# A chain composes its maps by matmuls (A2 A1, A2 B1 + B2), so rounding adds up along it; the
+# warm path is tested bit-for-bit in float32 against the float64 reference, never in bfloat16.
+STATE_DTYPE = jnp.float32
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ tracing, so a hit skips tracing, lowering and compiling:
 A file holds the full key text next to the executable; a load compares it (no trust in the hash
 alone). Any failure to read, unpickle or load is a miss (the variant compiles as usual and the
 file is rewritten). Files live in `<compilation cache folder>/minipic_steps/`; with the
-compilation cache off there is no store. `MINIPIC_STEP_CACHE` turns the store off alone ("off")
+compilation cache off there is no store. `Config.step_cache` turns the store off alone ("off")
 or puts it elsewhere (a folder); see `store_folder`. Loading runs code from these files: the
 folder must be as trusted as JAX's own cache folder. Only fresh compiles are written
 (`fresh_compiles`).
@@ -38,7 +38,8 @@ import warnings
 import jax
 
 SUBDIR = "minipic_steps"
-ENV = "MINIPIC_STEP_CACHE"
+# Config.step_cache=None means this ("on"); the test suite sets it to "off" (tests/conftest.py)
+DEFAULT_SETTING = "on"
 _OFF = ("0", "off", "false", "none", "no")
 _FORMAT = 1  # bump when the file layout changes
 # jax config values that never change a compiled program (paths, logging, debugging output)
@@ -48,11 +49,11 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 SOURCE_PACKAGES = ("serving", "kernels_pallas", "configs")
 
 
-def store_folder() -> pathlib.Path | None:
-    """$MINIPIC_STEP_CACHE: unset, "" or "on": `<jax compilation cache folder>/minipic_steps`
-    (None while that cache is off); "off" (or 0/false/none/no): None; anything else: that
-    folder."""
-    setting = os.environ.get(ENV, "").strip()
+def store_folder(setting: str | None = None) -> pathlib.Path | None:
+    """The folder for Config.step_cache `setting`: None (DEFAULT_SETTING), "" or "on":
+    `<jax compilation cache folder>/minipic_steps` (None while that cache is off); "off" (or
+    0/false/none/no): None; anything else: that folder."""
+    setting = str(DEFAULT_SETTING if setting is None else setting).strip()
     if setting.lower() in _OFF:
         return None
     if setting and setting.lower() != "on":

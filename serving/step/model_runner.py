@@ -31,18 +31,12 @@ from serving.hybrid.span_step import chain_shape, piece_bound
 from serving.hybrid import checkpoint_pool as ckpt_pool
 from serving.step import sharding
 from serving.cache.kv_pool import allocate_pool, default_num_blocks
+from serving.config_groups import step_key_fields
 from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
 from serving.cache.page_zeroing import PageZeroer, zero_pages
 from serving.step.sampler import SamplingMetadata, pack_outputs, sample, unpack_outputs
 from serving.step.step_executables import StepExecutables
 from serving.step.step_inputs import S_FIELDS_CKPT, SeatTables, fill_sampling, layout
-
-# Config fields only the host reads (scheduler, hashing, pool sizing, host tiers): left out of
-# the key of stored step executables. Their effects on shapes are in the argument shapes.
-_HOST_ONLY_FIELDS = frozenset(("scheduling_policy", "isps_span_seats", "hash_algo",
-                               "watermark_blocks", "gpu_memory_utilization", "num_kv_blocks",
-                               "cpu_offload_gb", "kv_store_dir", "kv_store_gb",
-                               "kv_store_spans_only", "kv_mode"))
 
 class ModelRunner:
     def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype, *, marker_rows=None):
@@ -94,7 +88,8 @@ class ModelRunner:
         # the static arguments are _step_body's keyword-only parameters
         self._step = StepExecutables(self._step_impl, signature_of=self._step_body,
                                      donate_argnums=(1, 5, 6), context=self._program_context,
-                                     source_dirs=(os.path.dirname(self.family.__file__),))
+                                     source_dirs=(os.path.dirname(self.family.__file__),),
+                                     store_setting=config.step_cache)
         general, decode = attention_choices(config, self.mcfg, dtype)
         self.attn_impl, self.attn_options = general
         self.decode_impl, self.decode_options = decode
@@ -112,8 +107,7 @@ class ModelRunner:
         keys stored executables by it): the model, the engine Config fields that can reach the
         step (those only the host reads are left out, so e.g. fcfs and barrier share programs)
         and the attention plan."""
-        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
-                  if f.name not in _HOST_ONLY_FIELDS}
+        fields = step_key_fields(self.config)  # all but the fields marked host_only
         return repr((self.family.__name__, self.mcfg, sorted(fields.items()), self.kv_mode,
                      self.attn_impl, self.attn_options, self.decode_impl, self.decode_options,
                      self.separate_decode, self.nb, self.block_size, self.scratch_slot,

@@ -31,9 +31,11 @@ class StepExecutables:
 
     Static arguments are `fun`'s keyword-only parameters (defaults filled in, so an omitted one
     and its default name the same variant). `context()` (optional) describes everything else
-    the traced program depends on; without it, or with the store off, nothing is stored."""
+    the traced program depends on; without it, or with the store off (`store_setting`, see
+    executable_store.store_folder), nothing is stored."""
 
-    def __init__(self, fun, *, signature_of, donate_argnums, context=None, source_dirs=()):
+    def __init__(self, fun, *, signature_of, donate_argnums, context=None, source_dirs=(),
+                 store_setting=None):
         params = inspect.signature(signature_of).parameters.values()
         self._static = tuple((p.name, p.default) for p in params
                              if p.kind is inspect.Parameter.KEYWORD_ONLY)
@@ -44,6 +46,7 @@ class StepExecutables:
                               static_argnames=tuple(n for n, _ in self._static))
         self.context = context
         self.source_dirs = tuple(source_dirs)
+        self.store_setting = store_setting  # Config.step_cache (executable_store.store_folder)
         self._table: dict = {}
         self._spelled: dict = {}  # the same executables under the callers' own keyword order
         self.counts = {"loaded": 0, "compiled": 0}
@@ -81,7 +84,7 @@ class StepExecutables:
         return len(self._table) + self.jitted._cache_size()
 
     def _store(self):
-        folder = store_folder()
+        folder = store_folder(self.store_setting)
         if folder is None or self.context is None:
             return None
         return ExecutableStore(folder, self.context(), self.source_dirs)

@@ -17,12 +17,12 @@ def store_fingerprint(config, loaded, dtype, hybrid: bool):
     byte of the checkpoint files the params came from (`loaded.weight_files`, digests cached in
     the store folder), else of the loaded params before the runner fuses them. Hybrid models,
     or a kv_store_dir that is not a folder: ValueError."""
-    if config.kv_store_dir is None:
+    if config.kv_store.dir is None:
         return None
     if hybrid:
         raise ValueError("kv_store_dir: the span store holds attention KV blocks only; a "
                          "hybrid model's recurrent checkpoints are not stored on disk yet")
-    root = open_root(config.kv_store_dir)  # not a folder: a ValueError before any work
+    root = open_root(config.kv_store.dir)  # not a folder: a ValueError before any work
     return model_fingerprint(loaded.cfg, loaded.params, dtype, files=loaded.weight_files,
                              cache_dir=root)
 

@@ -9,10 +9,10 @@ self-test fails (the bytes written through the view must reach the device, and a
 the buffer must not change what was sent), get plain numpy buffers. Either kind is reused once
 its data is on the device (no fresh pages to fault in, pin or, on a VM, be granted).
 
-Pinned buffers are opt-in (`MINIPIC_KV_STORE_PINNED=1`): alone on the H200 (the file-layer
-bench) read + send from pinned buffers was faster than from plain ones, but inside an engine
-process the H200 refused the allocations (`benchmarks/history/span_store.md`, the failed warm
-phases), so plain buffers stay the default until that is understood.
+Pinned buffers are opt-in (`Config.kv_store.pinned`, flat `kv_store_pinned`): alone on the
+H200 (the file-layer bench) read + send from pinned buffers was faster than from plain ones, but
+inside an engine process the H200 refused the allocations (`benchmarks/history/span_store.md`,
+the failed warm phases), so plain buffers stay the default until that is understood.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ scatter), so a staged block pins its whole run's array on the device: rows padde
 `run_rows(n)` and blocks no request wants included, until the run's last staged block is copied
 in or dropped; a run whose last block went to a copy-in stays counted until the next step
 begins (`end_copies`: its scatter has been dispatched; the array is freed when that has run).
-The staging limit (`Config.kv_store_staging_gb`) therefore counts these arrays' bytes, not
+The staging limit (`Config.kv_store.staging_gb`) therefore counts these arrays' bytes, not
 blocks: a limit counted in blocks let the H200's warm job stage all its runs, the padded arrays
 a third larger than their blocks, next to the KV pool (benchmarks/RESULTS.md, History:
 superseded rows, Span store: why the session-8 warm phases failed).

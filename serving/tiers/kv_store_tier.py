@@ -12,7 +12,7 @@ device blocks with the host tier's copy-ins (`get`), one transfer per run.
 Staging memory: a reader thread sends its run to the device, so staged runs and reads in flight
 hold device memory next to the KV pool. Both count in bytes of the runs' arrays (padded rows and
 unwanted blocks included, `serving/tiers/kv_store_staging.py`) against `staging_bytes`
-(`Config.kv_store_staging_gb`, which a default-sized KV pool leaves free), and so do the runs
+(`Config.kv_store.staging_gb`, which a default-sized KV pool leaves free), and so do the runs
 copied in by the last step, until the next one begins. A prefetch starts no read past it (except
 one when nothing is staged or in flight, for a run larger than the limit).
 The one request a step admits without waiting for its reads (the scheduler does so when the step
@@ -73,7 +73,7 @@ def _matched(run: Run, want: _Want, block_bytes: int) -> int:
 class KVStoreTier:
     def __init__(self, store: DiskStore, keys, *, bytes_per_block: int, staging_bytes: int,
                  lookahead: int, spans_only: bool = False, read_workers: int | None = None,
-                 write_workers: int = 4, send: bool = True):
+                 write_workers: int = 4, send: bool = True, pinned: bool = False):
         read_workers = read_workers or min(16, max(4, os.cpu_count() or 4))  # page-cache copies
         # and checksums release the GIL: they scale with cores
         self.store = store
@@ -85,7 +85,8 @@ class KVStoreTier:
         self.lookahead = lookahead
         self.send = send  # reader threads send each run to the device
         self.lock = threading.Lock()  # counters the reader threads add to
-        self.buffers = RunBuffers(2 * read_workers)  # pinned where the backend has it
+        # pinned (Config.kv_store.pinned) where the backend has it, else plain
+        self.buffers = RunBuffers(2 * read_workers, pinned=pinned, required=False)
         self.staged = StagedBlocks()
         self.reads: dict[int, tuple[cf.Future, _Want]] = {}  # start hash -> read in flight
         self.queue: collections.deque[_Want] = collections.deque()  # no room to read yet
@@ -374,7 +375,7 @@ class LowerTiers:
 
 def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, model_name: str,
                   markers: dict, bytes_per_block: int) -> KVStoreTier:
-    """The disk tier over `config.kv_store_dir` (raises StoreMismatch, a ValueError, when the
+    """The disk tier over `config.kv_store.dir` (raises StoreMismatch, a ValueError, when the
     folder was made by another model or settings)."""
     from serving.tiers.disk_store import StoreIdentity
     from serving.cache.kv_pool import page_leaf
@@ -385,7 +386,8 @@ def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, mod
         kv_mode=config.kv_mode, hash_algo=config.hash_algo,
         markers=(markers["pad_token_id"], markers["ssep_token_id"], markers["pdep_token_id"]),
         leaves=leaves)
-    store = DiskStore(config.kv_store_dir, identity, int(config.kv_store_gb * (1 << 30)))
+    store = DiskStore(config.kv_store.dir, identity, int(config.kv_store.gb * (1 << 30)))
     return KVStoreTier(store, keys, bytes_per_block=bytes_per_block,
                        staging_bytes=staging_bytes(config),
-                       lookahead=config.max_num_seqs, spans_only=config.kv_store_spans_only)
+                       lookahead=config.max_num_seqs, spans_only=config.kv_store.spans_only,
+                       pinned=config.kv_store.pinned)

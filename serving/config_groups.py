@@ -1,0 +1,222 @@
+"""The engine Config's option groups, and the two things read off their field metadata.
+
+`Config` (serving/config.py) keeps the engine's core options flat, as vLLM does, and holds each
+subsystem's options as one group: `config.kv_store` (the persistent span store),
+`config.hybrid_cache` (recurrent checkpoints of hybrid models), `config.span_maps` (their SSEP
+span maps). Groups are frozen, so a copy of a Config (dataclasses.replace) never shares anything
+mutable with the caller's.
+
+Field metadata says, per field:
+  * "flat": the vLLM-style keyword that sets it (`kv_store_dir` for kv_store.dir), so
+    `Config.from_flat(kv_store_dir=...)` and `LLM(model, kv_store_dir=...)` keep working;
+  * "host_only": True when the compiled step never reads it (the scheduler, hashing, pool sizing
+    and the host tiers do): `step_key_fields` leaves it out of the key of stored step
+    executables, so e.g. fcfs and barrier share programs. A field's effect on shapes (a pool's
+    size) is in the argument shapes, which the key holds anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
+
+
+# Former options that nothing ever set, now constants where they are used (a keyword naming one
+# is a TypeError that says where it went)
+REMOVED_OPTIONS = {"checkpoint_block_tokens": "serving/hybrid/checkpoint_plan.py BLOCK_TOKENS",
+                   "checkpoint_replan_every": "serving/hybrid/checkpoint_plan.py REPLAN_EVERY",
+                   "checkpoint_replan_tv": "serving/hybrid/checkpoint_plan.py REPLAN_TV",
+                   "span_map_dtype": "serving/hybrid/span_maps.py STATE_DTYPE"}
+
+
+def option(default=dataclasses.MISSING, *, flat: str | None = None, host_only: bool = False,
+           default_factory=dataclasses.MISSING):
+    """A dataclass field with the metadata above (`flat` keyword, `host_only`)."""
+    meta = {"host_only": host_only}
+    if flat is not None:
+        meta["flat"] = flat
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVStoreConfig:
+    """Persistent span store (serving/tiers/disk_store.py): a folder under the host tier where
+    cached blocks are written once and read back by any later process of the same model and
+    settings. Every field is host-only."""
+
+    # the folder; None = off
+    dir: str | None = option(None, flat="kv_store_dir", host_only=True)
+    # its size (every file in the folder), least recently used runs deleted past it
+    gb: float = option(64.0, flat="kv_store_gb", host_only=True)
+    # store SSEP span blocks only (not the prompt parts around them, e.g. one-off questions)
+    spans_only: bool = option(False, flat="kv_store_spans_only", host_only=True)
+    # device memory for runs read ahead of their copy-in (staged runs and reads in flight,
+    # serving/tiers/kv_store_staging.py); None = min(16 GiB, 16% of the device's memory limit),
+    # 4 GiB without memory stats (CPU). A default-sized KV pool (num_kv_blocks=None) leaves it
+    # free. The H200 warm job ran 2.4x the empty-store run with 4 GiB and 5.9x with 16
+    # (benchmarks/RESULTS.md, span store).
+    staging_gb: float | None = option(None, flat="kv_store_staging_gb", host_only=True)
+    # read runs into pinned host buffers (serving/tiers/kv_store_buffers.py; was the
+    # MINIPIC_KV_STORE_PINNED=1 environment variable). Off by default: alone on the H200 pinned
+    # reads ran 13.0 GB/s against 11.1 plain, but inside an engine process the H200 refused the
+    # allocations (benchmarks/history/span_store.md, session 8). True where the backend has no
+    # pinned memory: plain buffers.
+    pinned: bool = option(False, flat="kv_store_pinned", host_only=True)
+
+    def __post_init__(self):
+        if not self.gb > 0:
+            raise ValueError(f"kv_store_gb (Config.kv_store.gb) must be > 0, got {self.gb}")
+        if self.staging_gb is not None and not self.staging_gb > 0:
+            raise ValueError(f"kv_store_staging_gb (Config.kv_store.staging_gb) must be None or "
+                             f"> 0, got {self.staging_gb}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridCacheConfig:
+    """Hybrid models' prefix caching with recurrent checkpoints (serving/hybrid/hybrid_prefix.py).
+    Every field is host-only (the checkpoint pool's size reaches the step as its shape)."""
+
+    # where a prefill takes checkpoints ("none", "last", "block", "balanced", "dp":
+    # serving/hybrid/checkpoint_plan.py)
+    strategy: str = option("dp", flat="checkpoint_strategy", host_only=True)
+    # what a second checkpoint in one prefill chunk costs (the chunk is split: about one more
+    # engine step), in prompt tokens of compute; dp places a prompt's checkpoints beyond one per
+    # chunk only where they save more (1,050 measured on the H200 at the Qwen3.5-0.8B shape:
+    # benchmarks/RESULTS.md, hybrid prefix caching run 3). 0: no price. It is also the least
+    # saving for which a new request waits (a few steps at most) for a checkpoint that a running
+    # prefill of its prefix is about to store, rather than recompute behind it.
+    step_tokens: float = option(1024.0, flat="checkpoint_step_tokens", host_only=True)
+    # at most this many checkpoints per prompt (None: min(4, device slots / (2 max_num_seqs)), at
+    # least 1, so the tier holds twice as many prompts as run)
+    per_prompt: int | None = option(None, flat="checkpoints_per_prompt", host_only=True)
+    # device tier bytes (None: 5% of the device's memory limit, or 64 checkpoints without memory
+    # stats); half of Config.cpu_offload_gb holds the host tier
+    budget_gb: float | None = option(None, flat="checkpoint_gb", host_only=True)
+    # the overlap estimates (serving/hybrid/overlap_estimate.py) halve a request's weight every
+    # half_life requests
+    half_life: float = option(256.0, flat="checkpoint_half_life", host_only=True)
+    # a plain hybrid prompt's chunk that overflows a token bucket by at most (smallest bucket -
+    # seats) tokens stops at that bucket; the overflow rides on the next step
+    # (serving/hybrid/bucket_fit.py). Off by default: on the H200 (Qwen3.5-0.8B shape, run 4 in
+    # benchmarks/history/hybrid_cache.md) a prefill step costs ~10 ms more than a decode step of
+    # the same bucket, more than the padding the cut saves.
+    bucket_fit: bool = option(False, flat="checkpoint_bucket_fit", host_only=True)
+
+    def __post_init__(self):
+        if self.strategy not in CHECKPOINT_STRATEGIES:
+            raise ValueError(f"checkpoint_strategy (Config.hybrid_cache.strategy) must be one of "
+                             f"{CHECKPOINT_STRATEGIES}, got {self.strategy!r}")
+        if self.per_prompt is not None and self.per_prompt < 0:
+            raise ValueError(f"checkpoints_per_prompt (Config.hybrid_cache.per_prompt) must be "
+                             f"None or >= 0, got {self.per_prompt}")
+        if not self.half_life > 0:
+            raise ValueError(f"checkpoint_half_life (Config.hybrid_cache.half_life) must be > 0, "
+                             f"got {self.half_life}")
+        if not self.step_tokens >= 0:
+            raise ValueError(f"checkpoint_step_tokens (Config.hybrid_cache.step_tokens) must be "
+                             f">= 0, got {self.step_tokens}")
+        if self.budget_gb is not None and not self.budget_gb >= 0:
+            raise ValueError(f"checkpoint_gb (Config.hybrid_cache.budget_gb) must be None or "
+                             f">= 0, got {self.budget_gb}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpanMapConfig:
+    """Hybrid models' cached SSEP span maps (serving/hybrid/span_cache.py; one map: A and B of
+    every recurrent layer, plus a conv tail). Host-only (the pool's size is its shape)."""
+
+    # device bytes of cached maps (None: 2% of the device's memory limit, or 64 maps without
+    # memory stats; 0: spans always recomputed)
+    budget_gb: float | None = option(None, flat="span_map_gb", host_only=True)
+    # host bytes where evicted maps wait (0: none)
+    host_gb: float = option(0.0, flat="span_map_host_gb", host_only=True)
+
+    def __post_init__(self):
+        if self.budget_gb is not None and not self.budget_gb >= 0 or not self.host_gb >= 0:
+            raise ValueError(f"span_map_gb (Config.span_maps.budget_gb) must be None or >= 0 and "
+                             f"span_map_host_gb (Config.span_maps.host_gb) >= 0, "
+                             f"got {self.budget_gb} and {self.host_gb}")
+
+
+def _groups(cls) -> dict[str, type]:
+    """{field name: group class} of a Config class's group fields."""
+    return {f.name: f.default_factory for f in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(f.default_factory)}
+
+
+def flat_names(cls) -> dict[str, tuple[str, str]]:
+    """{flat keyword: (group field, field in the group)} of a Config class."""
+    return {f.metadata["flat"]: (group, f.name) for group, gcls in _groups(cls).items()
+            for f in dataclasses.fields(gcls) if "flat" in f.metadata}
+
+
+def grouped_kwargs(cls, kw: dict) -> dict:
+    """`kw` (core fields, group objects and flat keywords, mixed) as `cls`'s own keywords: flat
+    keywords are gathered into their groups (over a group object given too). An unknown keyword
+    is a TypeError naming it and the closest known name."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    flat = flat_names(cls)
+    out, per_group = {}, {}
+    for key, value in kw.items():
+        if key in own:
+            out[key] = value
+        elif key in flat:
+            group, name = flat[key]
+            per_group.setdefault(group, {})[name] = value
+        elif key in REMOVED_OPTIONS:
+            raise TypeError(f"{cls.__name__}: {key!r} is no longer an option (a constant: "
+                            f"{REMOVED_OPTIONS[key]})")
+        else:
+            close = difflib.get_close_matches(key, sorted(own | set(flat)), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{cls.__name__}: unknown option {key!r}{hint}")
+    groups = _groups(cls)
+    for group, values in per_group.items():
+        base = out.get(group)
+        out[group] = groups[group](**values) if base is None else \
+            dataclasses.replace(base, **values)
+    return out
+
+
+def to_flat(config) -> dict:
+    """The Config's options as flat keywords (core fields and each group field's flat name):
+    `Config.from_flat(**to_flat(c)) == c`."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update({g.metadata["flat"]: getattr(value, g.name)
+                        for g in dataclasses.fields(value)})
+        else:
+            out[f.name] = value
+    return out
+
+
+def step_key_fields(config, prefix: str = "") -> dict:
+    """{dotted field name: value} of every field not marked host_only, groups included: the
+    options that can reach the compiled step (ModelRunner._program_context keys stored
+    executables by them)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        if f.metadata.get("host_only"):
+            continue
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(step_key_fields(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+def host_only_fields(config) -> list[str]:
+    """Dotted names of the fields marked host_only (groups included)."""
+    out = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.metadata.get("host_only"):
+            out.append(f.name)
+        elif dataclasses.is_dataclass(value):
+            out += [f"{f.name}.{n}" for n in host_only_fields(value)]
+    return out
