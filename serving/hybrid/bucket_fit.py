@@ -11,8 +11,8 @@ the overflow, and stays in the smallest bucket). The cut turns that next step fr
 into a prefill step and delays the chunk's own first token by a step. On the H200 (Qwen3.5-0.8B
 shape) that costs more than it saves: a prefill step costs several decode steps of the same
 bucket, while two prefill buckets differ by much less (benchmarks/RESULTS.md, Hybrid prefix
-caching: the step costs and the `checkpoint_bucket_fit` A/B). So Config.hybrid_cache.bucket_fit is
-off by default; it pays where a prefill step costs little more than its tokens.
+caching: the step costs and the `checkpoint_bucket_fit` A/B). So Config.hybrid_cache.bucket_fit
+is off by default; it pays where a prefill step costs little more than its tokens.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class BucketFit:
         """The spill that keeps the next step in the smallest bucket with every seat's decode;
         None when Config.hybrid_cache.bucket_fit is off."""
         spill = config.token_buckets[0] - config.num_seats
-        if not config.checkpoint_bucket_fit or spill <= 0:
+        if not config.hybrid_cache.bucket_fit or spill <= 0:
             return None
         return cls(config.token_buckets, config.max_num_batched_tokens, spill)
 

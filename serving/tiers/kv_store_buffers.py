@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
-import os
 import threading
 
 import jax
@@ -74,14 +73,14 @@ class RunBuffers:
     """A pool of host arrays for run reads (`take`), sent to the device by `send`, which returns
     the buffer to the pool once the transfer is done. Thread-safe."""
 
-    def __init__(self, per_shape: int, cap_bytes: int = 4 << 30, pinned: bool | None = None):
+    def __init__(self, per_shape: int, cap_bytes: int = 4 << 30, pinned: bool = False, *,
+                 required: bool = True):
+        """pinned: pinned host buffers where the backend has them; where it has not, a
+        ValueError when `required`, else plain buffers (`self.pinned` says which)."""
         self.per_shape = per_shape
         self.cap_bytes = cap_bytes  # pooled bytes kept (pinned memory is locked RAM)
-        asked = pinned  # None: the process default, plain unless MINIPIC_KV_STORE_PINNED=1
-        if pinned is None:
-            pinned = os.environ.get("MINIPIC_KV_STORE_PINNED", "0") == "1"
         self.shardings = pinned_shardings() if pinned else None
-        if asked and self.shardings is None:
+        if pinned and required and self.shardings is None:
             raise ValueError("pinned host buffers are not available on this backend")
         self.free: dict[tuple, list] = collections.defaultdict(list)
         self.pooled = 0
