@@ -178,7 +178,7 @@ def update_weights(llm, params, *, donate: bool = False) -> int:
     """See `LLM.update_weights`. Returns the new weights generation."""
     engine = llm.llm_engine
     version: WeightsVersion = llm.weights_version
-    if engine.has_unfinished() or engine._inflight is not None:
+    if engine.has_unfinished() or engine.num_in_flight:
         raise RuntimeError("update_weights: requests are still running; call it between "
                            "generate() calls")
     params = as_params_dict(params)

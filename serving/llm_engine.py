@@ -37,6 +37,7 @@ from serving.recovery import recover
 from serving.request_checks import check_request
 from serving.request_output import request_output
 from serving.scheduler import Scheduler
+from serving.step_timer import StepTimer
 from serving.sequence import Sequence, Status  # noqa: F401
 from serving.token_apply import append_row, finish_reason, step_num_logprobs
 
@@ -76,6 +77,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.bm, hash_fn, lambda s: root_hash(hash_fn, s),
                                    offload=self.offload, hybrid=self.hybrid,
                                    hybrid_cache=self.hybrid_cache,
+                                   before_preempt=self._read_back_early,
                                    markers={"pad": self.markers["pad_token_id"],
                                             "ssep": self.markers["ssep_token_id"],
                                             "pdep": self.markers["pdep_token_id"]})
@@ -88,15 +90,12 @@ class LLMEngine:
         self._counter = itertools.count()
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
-        # async scheduling: (batch, runner handle) of the step in flight, per-call timers
-        self._inflight = None
-        self._step_unread = False  # sync: a dispatched step not read back yet
+        # (batch, runner handle) of each step launched and not read back, oldest first
+        self._in_flight: list[tuple] = []
+        self._timer = StepTimer()  # the current step's phases (EngineStats.record_step)
         self._early: list[RequestOutput] = []
-        self._t_wait = self._t_early = 0.0
         self.num_sync_fallbacks = 0  # read-backs forced before a preemption
         self.num_discarded_rows = 0  # rows of requests that had finished (or were aborted)
-        if config.async_scheduling:
-            self.scheduler.before_preempt = self._read_back_early
 
     def warmup(self, modes=((True, False, 0),), spans: bool = False) -> None:
         """Ready the step of each bucket and (all_greedy, use_filter, num_logprobs) mode, so a run
@@ -169,6 +168,41 @@ class LLMEngine:
 
     has_unfinished_requests = has_unfinished
 
+    @property
+    def num_in_flight(self) -> int:
+        """Steps launched and not read back (async scheduling: one between step() calls)."""
+        return len(self._in_flight)
+
+    # the newest step in flight or None (reset_prefix_cache reads it; num_in_flight is public)
+    _inflight = property(lambda self: self._in_flight[-1] if self._in_flight else None)
+
+    # -- recovery (serving/recovery.py) --------------------------------------------------------
+    def drop_in_flight(self) -> bool:
+        """Wait for every step in flight and forget it, its tokens unapplied (after a fault the
+        host and those steps may be out of step). Returns whether each completed on device: if
+        not, the pages it wrote cannot be trusted."""
+        device_ok = True
+        for _, handle in self._in_flight:
+            try:
+                self.runner.fetch(handle)
+            except Exception:  # noqa: BLE001 -- the caller re-raises the original error
+                device_ok = False
+        self._in_flight = []
+        return device_ok
+
+    def live_sequences(self) -> list[Sequence]:
+        """The sequences of the requests added and not yet returned or aborted."""
+        return list(self._seqs.values())
+
+    def discard_results(self, request_ids) -> None:
+        """Forget the finished outputs of `request_ids` that no step() has returned yet."""
+        ids = set(request_ids)
+        self._early = [o for o in self._early if o.request_id not in ids]
+
+    def discard_evictions(self) -> None:
+        """Forget the evicted pages not yet copied to the host tier (their host copies are lost)."""
+        self._evicted = []
+
     # -- offload -------------------------------------------------------------------------------
     def _on_evict(self, block, h, confirm):
         self._evicted.append((block, h, confirm))
@@ -184,106 +218,72 @@ class LLMEngine:
             hybrid_prefix.apply_moves(self.hybrid_cache, self.runner)
 
     # -- the step ------------------------------------------------------------------------------
-    def _num_logprobs(self, batch) -> int:
-        return step_num_logprobs(batch, self.config.max_logprobs)
-
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it (async scheduling:
-        those whose last token the previous step sampled, see the module docstring)."""
-        if self.config.async_scheduling:
-            return self._step_async()
-        return self._step_sync()
+        those whose last token the previous step sampled, see the module docstring). One loop
+        for both modes: schedule, launch, read back the earlier step (its tokens, while this one
+        runs), advance this step's frontiers (host work needing no sampled token), then read
+        back what may not stay in flight: sync keeps nothing; async keeps this step unless
+        nothing is left to overlap it with."""
+        timer = self._timer
+        timer.start()
+        with timer.phase("schedule"):
+            batch = self._schedule()
+        if batch:
+            self._launch(batch)
+        elif not self._in_flight:
+            self._check_progress()
+            return self._take_finished()
+        self._read_back_until(1 if batch else 0)
+        if batch:
+            with timer.phase("overlap"):
+                self._advance(batch)
+                if self.config.async_scheduling:
+                    self._hold_placeholders(batch)
+        keep = self.config.async_scheduling and self.scheduler.has_unfinished()
+        self._read_back_until(1 if keep else 0)
+        if self.offload is not None:
+            self.offload.materialize()
+        seconds = timer.stop()
+        if batch:
+            self.stats.record_step(batch, total=sum(seconds.values()), **seconds)
+        else:  # only read back the step in flight: its time counts, it is no device step
+            self.stats.record_read_back(sum(seconds.values()), seconds["device_wait"])
+        return self._take_finished()
 
-    def _resolve(self, inflight) -> list[RequestOutput]:
-        """Read back a dispatched step's outputs (waits for it) and apply them."""
-        batch, handle = inflight
-        t0 = time.perf_counter()
-        out = self.runner.fetch(handle)
-        t1 = time.perf_counter()
-        self._t_wait += t1 - t0
-        return self._postprocess(batch, out, handle[1], pending=True)
+    def _launch(self, batch) -> None:
+        """Build and dispatch the step (async: reading the tokens still in flight on device)."""
+        with self._timer.phase("build"):
+            num_lp = step_num_logprobs(batch, self.config.max_logprobs)
+            handle = self.runner.launch(batch, num_logprobs=num_lp,
+                                        use_prev=self.config.async_scheduling)
+            self._in_flight.append((batch, handle))
+            if self.hybrid_cache is not None:
+                self.hybrid_cache.after_launch()
+        self._timer.move(self.runner.last_dispatch, "build", "dispatch")
+
+    def _read_back_until(self, keep: int) -> None:
+        """Read back the oldest steps in flight (waits for each) and apply their tokens until
+        `keep` are left. A step leaves `_in_flight` only once read, so after a failed read-back
+        recovery waits for it again (engine.drop_in_flight)."""
+        while len(self._in_flight) > keep:
+            batch, handle = self._in_flight[0]
+            with self._timer.phase("device_wait"):
+                out = self.runner.fetch(handle)
+            del self._in_flight[0]
+            self._early += self._postprocess(batch, out, handle[1],
+                                             pending=self.config.async_scheduling)
 
     def _read_back_early(self) -> bool:
         """Scheduler hook before a preemption: read back the step in flight now (a synchronous
-        step). Returns whether there was one."""
-        if self._inflight is None:
+        step), so no preempted sequence holds a pending token. Returns whether there was one
+        (never with sync scheduling: nothing is in flight while it schedules)."""
+        if not self._in_flight:
             return False
-        t0 = time.perf_counter()
-        inflight, self._inflight = self._inflight, None
-        self._early += self._resolve(inflight)
+        with self._timer.phase("post"):  # not scheduling time
+            self._read_back_until(0)
         self.num_sync_fallbacks += 1
-        self._t_early += time.perf_counter() - t0
         return True
-
-    def _step_async(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        self._t_wait = self._t_early = 0.0
-        batch = self._schedule()
-        t1 = time.perf_counter()
-        dispatch = overlap = 0.0
-        if batch:
-            handle = self.runner.launch(batch, num_logprobs=self._num_logprobs(batch),
-                                        use_prev=True)
-            if self.hybrid_cache is not None:
-                self.hybrid_cache.after_launch()
-            dispatch = self.runner.last_dispatch
-            t2 = time.perf_counter()
-            inflight, self._inflight = self._inflight, (batch, handle)
-            if inflight is not None:  # step N's tokens, while step N+1 runs
-                self._early += self._resolve(inflight)
-            t3 = time.perf_counter()
-            self._advance(batch)
-            self._hold_placeholders(batch)
-            overlap = time.perf_counter() - t3
-        elif self._inflight is not None:
-            t2 = t1
-            inflight, self._inflight = self._inflight, None
-            self._early += self._resolve(inflight)
-        else:
-            self._check_progress()
-            return self._take_finished()
-        if self._inflight is not None and not self.scheduler.has_unfinished():
-            inflight, self._inflight = self._inflight, None  # drain: nothing left to overlap
-            self._early += self._resolve(inflight)
-        if self.offload is not None:
-            self.offload.materialize()
-        total = time.perf_counter() - t0
-        st = self.stats
-        if batch:
-            schedule, build = t1 - t0 - self._t_early, t2 - t1 - dispatch
-            st.record_step(batch, total=total, device_wait=self._t_wait, dispatch=dispatch,
-                           schedule=schedule, build=build, overlap=overlap,
-                           post=total - schedule - build - dispatch - self._t_wait - overlap)
-        else:
-            st.record_read_back(total, self._t_wait)
-        return self._take_finished()
-
-    def _step_sync(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        batch = self._schedule()
-        if not batch:
-            self._check_progress()
-            return self._take_finished()
-        num_lp = self._num_logprobs(batch)
-        t1 = time.perf_counter()
-        tw = [0.0, 0.0, 0.0]
-        # while the device computes: frontiers move (advance needs no sampled token) and the
-        # next waiting prompts get their block hashes
-        self._step_unread = True  # until read back, this step's pages are unverified
-        out = self.runner.run(batch, num_logprobs=num_lp, timer=tw,
-                              during=lambda: self._advance(batch))
-        self._step_unread = False
-        if self.hybrid_cache is not None:
-            self.hybrid_cache.after_launch()
-        t2 = time.perf_counter()
-        self._early += self._postprocess(batch, out, num_lp)
-        if self.offload is not None:
-            self.offload.materialize()
-        t3 = time.perf_counter()
-        self.stats.record_step(batch, total=t3 - t0, device_wait=tw[1], dispatch=tw[0],
-                               schedule=t1 - t0, build=t2 - t1 - tw[0] - tw[1] - tw[2],
-                               post=t3 - t2, overlap=tw[2])
-        return self._take_finished()
 
     def _schedule(self):
         """Schedule the step, then the page and checkpoint moves that must precede its launch."""

@@ -19,19 +19,18 @@ def recover(engine, request_ids) -> None:
     table, host tier) for the requests that remain. If a device step was dispatched and never
     read back, the pages it may have written are dropped from the cache."""
     sched, bm = engine.scheduler, engine.bm
-    device_ok = _read_back_inflight(engine) and not engine._step_unread
-    engine._step_unread = False
+    device_ok = _read_back_inflight(engine)
     request_ids = set(request_ids)
     for rid in request_ids:
         engine.abort_request(rid)
-    engine._early = [o for o in engine._early if o.request_id not in request_ids]
+    engine.discard_results(request_ids)
     # copy-ins planned by the failed step that did not run: their blocks are published as ready
     # but hold stale pages
     for b, h in sched.pending_copy_in:
         if bm.hash[b] == h:
             bm._unregister(b)
     sched.pending_copy_in = []
-    engine._evicted = []  # pages not gathered: only their host copies are lost
+    engine.discard_evictions()  # pages not gathered: only their host copies are lost
     sched._resolved_early = False
     for job in list(sched.span_jobs):
         sched.preempt(job)
@@ -44,18 +43,13 @@ def recover(engine, request_ids) -> None:
 
 
 def _read_back_inflight(engine) -> bool:
-    """Async scheduling: wait for the step in flight, then drop every pending token (their
-    requests sample them again after the preemption: a step that failed part way may have left
-    the host and that step out of step, so its tokens are not applied). Returns whether the
-    step completed: if not, the pages it wrote cannot be trusted."""
-    inflight, engine._inflight = engine._inflight, None
-    device_ok = True
-    if inflight is not None:
-        try:
-            engine.runner.fetch(inflight[1])
-        except Exception:  # noqa: BLE001 -- the original error is the one re-raised
-            device_ok = False
-    for seq in list(engine._seqs.values()):
+    """Wait for the steps in flight (a launched step stays in flight until read back), then
+    drop every pending token (async scheduling: their requests sample them again after the
+    preemption: a step that failed part way may have left the host and that step out of step,
+    so its tokens are not applied). Returns whether those steps completed: if not, the pages
+    they wrote cannot be trusted."""
+    device_ok = engine.drop_in_flight()
+    for seq in engine.live_sequences():
         while seq.num_pending:
             seq.drop_placeholder()
         if seq.ends_with_pending:  # finished by length on a dropped token: run it again

@@ -45,7 +45,8 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, config, block_manager, hash_fn, root_hash_fn, *, offload=None,
-                 markers: dict | None = None, hybrid: bool = False, hybrid_cache=None):
+                 markers: dict | None = None, hybrid: bool = False, hybrid_cache=None,
+                 before_preempt=None):
         self.cfg = config
         self.bm = block_manager
         self.offload = offload
@@ -64,9 +65,8 @@ class Scheduler:
         self.free_span_seats = list(range(config.max_num_seqs, config.num_seats))[::-1]
         self.pending_copy_in: list[tuple[int, int]] = []  # (block, host hash) for this step
         self.num_preemptions = 0
-        # Called before a preemption (async scheduling): the engine reads back the step in
-        # flight first, so no preempted sequence holds a pending token (see _ensure_block).
-        self.before_preempt = None
+        # engine hook before a preemption: reads back a step in flight first (_ensure_block)
+        self.before_preempt = before_preempt
         self._resolved_early = False
         self.hit_tokens = 0
         self.query_tokens = 0

@@ -85,7 +85,7 @@ def run_both(salt, stops, n=12, reference=False, **kw):
 def check_no_leaks(llm):
     eng = llm.llm_engine
     sched = eng.scheduler
-    assert not sched.has_unfinished() and eng._inflight is None
+    assert not sched.has_unfinished() and eng.num_in_flight == 0
     assert eng.bm.num_free == eng.num_blocks and not any(eng.bm.ref)
     assert sorted(sched.free_seats) == list(range(llm.config.max_num_seqs))
 

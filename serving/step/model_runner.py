@@ -267,23 +267,10 @@ class ModelRunner:
         return steps
 
     # -- host ----------------------------------------------------------------------------------
-    def run(self, batch, *, num_logprobs: int = 0, timer=None, during=None):
-        """Execute one scheduled batch. Returns host numpy outputs (rows = batch order):
-        tokens [S], logprob [S], and with num_logprobs: rank [S], top_ids / top_logprobs [S, k].
-        `during()` (optional) runs on the host after the step is dispatched and before its
-        outputs are awaited, i.e. while the device computes (host work that needs no output)."""
-        handle = self.launch(batch, num_logprobs=num_logprobs)
-        t1 = time.perf_counter()
-        if during is not None:
-            during()
-        t2 = time.perf_counter()
-        out = self.fetch(handle)  # the step's one host sync (one transfer)
-        if timer is not None:  # (dispatch, wait, overlapped host work) seconds
-            timer[:] = [self.last_dispatch, time.perf_counter() - t2, t2 - t1]
-        return out
-
     def fetch(self, handle) -> dict:
-        """Wait for a launched step and read its outputs (see `run`)."""
+        """Wait for a launched step and read its outputs, the step's one host sync (one
+        transfer): host numpy arrays, rows in batch order: tokens [S], logprob [S], and with
+        num_logprobs: rank [S], top_ids / top_logprobs [S, k]."""
         packed, num_logprobs = handle
         return unpack_outputs(np.asarray(packed), num_logprobs)
 
