@@ -68,13 +68,13 @@ def zero_pages(cache, ids, num_pages: int, block_size: int):
 
 
 class PageZeroer:
-    """The host side: takes the block manager's fresh blocks (`source`, set by the engine:
-    BlockManager.take_fresh) for each launch."""
+    """The host side: takes the block manager's fresh blocks (`source`, from the engine:
+    BlockManager.take_fresh through the cache manager) for each launch."""
 
-    def __init__(self, num_pages: int, config):
+    def __init__(self, num_pages: int, config, source=None):
         self.num_pages = num_pages
         self.chunk = CALL_PAGES  # the separate call's ids (one compiled variant)
-        self.source = None
+        self.source = source
         self._zero = jax.jit(functools.partial(zero_pages, num_pages=num_pages,
                                                block_size=config.block_size),
                              donate_argnums=(0,))
