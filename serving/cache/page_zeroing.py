@@ -14,7 +14,7 @@ zeroed just before, by a separate call in fixed chunks of CALL_PAGES (one compil
 readied at warm-up). Why each order is safe:
   * the step's own K/V writes come after the zeroing in the same program;
   * a block filled whole by a copy-in (host tier, span store) leaves the record when its copy is
-    dispatched (engine_tiers.move_pages -> BlockManager.filled), so it is never zeroed after it;
+    dispatched (TierSet.move_pages -> BlockManager.filled), so it is never zeroed after it;
   * evicted pages (host tier) and span-store writes are gathered before the launch: they read
     the old content;
   * a block allocated and freed again before its step holds nothing anyone can read (a pending
