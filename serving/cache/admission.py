@@ -44,9 +44,9 @@ class AdmissionPlan:
     def hits(self) -> list[int]:
         return [b for b in self.blocks if b is not None]
 
-    def blocks_needed(self, ref: list[int]) -> int:
-        """Free blocks the plan takes: one per miss, and each hit no one holds now."""
-        return len(self.misses) + list(map(ref.__getitem__, self.hits())).count(0)
+    def blocks_needed(self, ref: list[int], hits: list[int]) -> int:
+        """Free blocks the plan takes: one per miss, and each hit (`hits()`) no one holds now."""
+        return len(self.misses) + list(map(ref.__getitem__, hits)).count(0)
 
 
 def fill_table(bm, keys, seq, plan: AdmissionPlan, hits: list[int], copy_in: list,

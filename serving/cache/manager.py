@@ -71,11 +71,12 @@ class CacheManager:
         plan = self._plan(seq)
         if plan is None:  # the recurrent part waits (a checkpoint or span on its way)
             return False
+        hits = plan.hits()
         spare = self.bm.num_free - self.config.watermark_blocks * (not seq.is_span_job)
-        if plan.blocks_needed(self.bm.ref) > spare:
+        if plan.blocks_needed(self.bm.ref, hits) > spare:
             self._cancel(plan)
             return False
-        self.fill_table(seq, plan)
+        self.fill_table(seq, plan, hits)
         if plan.detail is not None:
             self.recurrent.commit(self, seq, plan)
         admission.seat(seq, seats, plan.resume)
@@ -94,11 +95,11 @@ class CacheManager:
         if plan.detail is not None:
             self.recurrent.cancel(plan)
 
-    def fill_table(self, seq, plan: AdmissionPlan) -> None:
-        """Share the plan's hits, then fill the block table (admission.fill_table); on an
+    def fill_table(self, seq, plan: AdmissionPlan, hits: list[int]) -> None:
+        """Share the plan's `hits`, then fill the block table (admission.fill_table); on an
         exception part way, everything taken is given back (the sequence is as it was) and the
         plan's pins released. Sets num_cached_tokens on a first admission."""
-        hits, shared = plan.hits(), []
+        shared = []
         try:
             # take every planned hit off the free list before allocating: an allocation evicts
             # the least recently freed block, which may be a cached block planned as a later hit
