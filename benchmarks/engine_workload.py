@@ -14,7 +14,7 @@ def prime_decode(engine, batch: int, ctx: int, steps: int, rng):
     sched = engine.scheduler
     while sched.waiting:
         seq = sched.waiting[0]
-        if not sched._try_allocate(seq, sched.free_seats):
+        if not engine.cache.admit(seq, sched.free_seats):
             raise RuntimeError("pool too small for the decode batch")
         sched.waiting.popleft()
         sched.running.append(seq)

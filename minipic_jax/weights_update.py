@@ -169,9 +169,7 @@ def _detach_span_store(engine) -> None:
     """The persistent span store is keyed by the fingerprint of the checkpoint the engine loaded
     (serving/tiers/fingerprint.py): after an update it neither reads nor writes it (its blocks would
     describe other weights). The host tier above it stays (it is forgotten with the cache)."""
-    if engine.kv_store is not None:
-        engine.kv_store = None
-        engine.scheduler.offload = engine.offload
+    engine.cache.detach_store()
 
 
 def update_weights(llm, params, *, donate: bool = False) -> int:
@@ -201,5 +199,5 @@ def attach(engine, spec) -> WeightsVersion:
     """The engine's weights version (generation 0), made the source of its block hashes' roots."""
     from serving.cache.hashing import make_hash_fn
     version = WeightsVersion(make_hash_fn(engine.config.hash_algo), spec=spec)
-    engine.scheduler.keys.root_hash_fn = version.root
+    engine.cache.keys.root_hash_fn = version.root
     return version

@@ -24,12 +24,14 @@ import time
 
 from serving.hybrid import hybrid_prefix
 from serving.outputs import RequestOutput
-from serving.cache.block_manager import BlockManager
+from serving.cache.manager import CacheManager
+from serving.cache.prefix_keys import PrefixKeys
 from serving.config import (Config, check_model_len, check_watermark, effective_config,
                             eos_and_markers)
 from serving.cache.hashing import make_hash_fn, root_hash
 from serving.cache.kv_pool import default_num_blocks, kv_bytes_per_block
-from serving.tiers.engine_tiers import host_tier, move_pages, span_store, store_fingerprint
+from serving.hybrid.recurrent_part import RecurrentCheckpoints
+from serving.tiers.engine_tiers import lower_tiers, store_fingerprint
 from serving.metrics import EngineStats
 from serving.model_contract import EngineModel, check_family
 from serving.step.model_runner import ModelRunner
@@ -54,38 +56,32 @@ class LLMEngine:
         # the engine's own Config: a copy where it differs from the caller's (never mutated)
         self.config = config = effective_config(config, self.hybrid)
         self.eos_ids, self.markers, self.marker_rows = eos_and_markers(config, mcfg, self.tokenizer)
-        self.hybrid_cache, ck_pool = None, None
+        hybrid_cache, ck_pool = None, None
         if self.hybrid and config.enable_prefix_caching:  # before the KV pool takes the memory
-            self.hybrid_cache, ck_pool = hybrid_prefix.build(config, loaded.family, mcfg, dtype)
+            hybrid_cache, ck_pool = hybrid_prefix.build(config, loaded.family, mcfg, dtype)
         num_blocks = config.num_kv_blocks or default_num_blocks(config, mcfg, dtype)
         fingerprint = store_fingerprint(config, loaded, dtype, self.hybrid)
-        self.runner = ModelRunner(config, loaded, num_blocks, dtype, marker_rows=self.marker_rows)
-        self.runner.ck_pool = ck_pool
-        hybrid_prefix.hand_span_pool(self.hybrid_cache, self.runner)
+        self.runner = ModelRunner(config, loaded, num_blocks, dtype, marker_rows=self.marker_rows,
+                                  ck_pool=ck_pool,
+                                  span_pool=hybrid_prefix.take_span_pool(hybrid_cache),
+                                  fresh_pages=lambda: self.cache.take_fresh())  # page_zeroing
         self.num_blocks = num_blocks = check_watermark(config, self.runner.num_blocks)  # may shrink
         self.bytes_per_block = kv_bytes_per_block(self.runner.cache, num_blocks, config.block_size)
-        self.offload, self.mover = host_tier(config, num_blocks, self.bytes_per_block, self.hybrid)
-        self.kv_store = None
-        self._evicted: list[tuple[int, int, tuple]] = []
-        on_evict = self._on_evict if self.offload else None
-        if self.hybrid_cache is not None and self.offload is None:  # checkpoints above die too
-            on_evict = lambda b, h, confirm: self.hybrid_cache.drop_dependent(h)  # noqa
-        self.bm = BlockManager(num_blocks, config.block_size,
-                               enable_caching=config.enable_prefix_caching, on_evict=on_evict)
-        self.runner.zeroer.source = self.bm.take_fresh  # zeroed on device (page_zeroing.py)
         hash_fn = make_hash_fn(config.hash_algo)
-        self.scheduler = Scheduler(config, self.bm, hash_fn, lambda s: root_hash(hash_fn, s),
-                                   offload=self.offload, hybrid=self.hybrid,
-                                   hybrid_cache=self.hybrid_cache,
-                                   before_preempt=self._read_back_early,
-                                   markers={"pad": self.markers["pad_token_id"],
-                                            "ssep": self.markers["ssep_token_id"],
-                                            "pdep": self.markers["pdep_token_id"]})
-        if fingerprint is not None:
-            self.kv_store, self.scheduler.offload, self.mover = span_store(
-                config, self.runner.cache, num_blocks, self.scheduler.keys, fingerprint,
-                model_name=loaded.source, markers=self.markers,
-                bytes_per_block=self.bytes_per_block, offload=self.offload)
+        # hybrid models cache only with a checkpoint store (serving/hybrid/hybrid_prefix.py)
+        caching = config.enable_prefix_caching and (not self.hybrid or hybrid_cache is not None)
+        keys = PrefixKeys(config.block_size, hash_fn, lambda s: root_hash(hash_fn, s),
+                          {"pad": self.markers["pad_token_id"],
+                           "ssep": self.markers["ssep_token_id"],
+                           "pdep": self.markers["pdep_token_id"]}, caching)
+        tiers = lower_tiers(config, self.runner.cache, num_blocks, keys, fingerprint,
+                            bytes_per_block=self.bytes_per_block, hybrid=self.hybrid,
+                            model_name=loaded.source, markers=self.markers)
+        recurrent = RecurrentCheckpoints(config.block_size, hybrid_cache) if self.hybrid else None
+        # every cached thing (blocks, keys, lower tiers, checkpoints): serving/cache/manager.py
+        self.cache = CacheManager(config, num_blocks, keys, tiers=tiers, recurrent=recurrent)
+        self.scheduler = Scheduler(config, self.cache, hybrid=self.hybrid,
+                                   before_preempt=self._read_back_early)
         self.seed = seed
         self._counter = itertools.count()
         self.stats = EngineStats()
@@ -104,8 +100,7 @@ class LLMEngine:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
                                num_logprobs=num_logprobs, spans=spans)
         t0 = time.perf_counter()
-        if self.kv_store is not None:  # the span store's page moves (chunk buckets)
-            self.runner.cache = self.mover.warmup(self.runner.cache)
+        self.runner.cache = self.cache.warmup(self.runner.cache)  # span store's page moves
         t1 = time.perf_counter()
         gc.collect()  # tracing leaves millions of long-lived objects: out of the GC's reach
         gc.freeze()
@@ -173,9 +168,6 @@ class LLMEngine:
         """Steps launched and not read back (async scheduling: one between step() calls)."""
         return len(self._in_flight)
 
-    # the newest step in flight or None (reset_prefix_cache reads it; num_in_flight is public)
-    _inflight = property(lambda self: self._in_flight[-1] if self._in_flight else None)
-
     # -- recovery (serving/recovery.py) --------------------------------------------------------
     def drop_in_flight(self) -> bool:
         """Wait for every step in flight and forget it, its tokens unapplied (after a fault the
@@ -199,23 +191,27 @@ class LLMEngine:
         ids = set(request_ids)
         self._early = [o for o in self._early if o.request_id not in ids]
 
-    def discard_evictions(self) -> None:
-        """Forget the evicted pages not yet copied to the host tier (their host copies are lost)."""
-        self._evicted = []
+    # -- the cache manager's parts, for code that reads them ---------------------------------
+    @property
+    def bm(self):
+        """The block pool (serving/cache/block_manager.py), owned by the cache manager."""
+        return self.cache.bm
 
-    # -- offload -------------------------------------------------------------------------------
-    def _on_evict(self, block, h, confirm):
-        self._evicted.append((block, h, confirm))
+    @property
+    def offload(self):
+        """The host tier (HostKVTier) or None."""
+        return self.cache.host
 
-    def _move_pages(self):
-        evicted, self._evicted = self._evicted, []
-        self.runner.cache = move_pages(self.runner.cache, self.mover, self.scheduler,
-                                       self.offload, self.kv_store, evicted)
+    @property
+    def kv_store(self):
+        """The span store (KVStoreTier) or None."""
+        return self.cache.store
 
-    def _move_checkpoints(self):
-        """Hybrid models: the checkpoint and span-map stores' slot moves, before the launch."""
-        if self.hybrid_cache is not None:
-            hybrid_prefix.apply_moves(self.hybrid_cache, self.runner)
+    @property
+    def hybrid_cache(self):
+        """The hybrid checkpoint cache (HybridPrefixCache) or None."""
+        rec = self.cache.recurrent
+        return None if rec is None else rec.cache
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -258,8 +254,7 @@ class LLMEngine:
             handle = self.runner.launch(batch, num_logprobs=num_lp,
                                         use_prev=self.config.async_scheduling)
             self._in_flight.append((batch, handle))
-            if self.hybrid_cache is not None:
-                self.hybrid_cache.after_launch()
+            self.cache.after_launch()
         self._timer.move(self.runner.last_dispatch, "build", "dispatch")
 
     def _read_back_until(self, keep: int) -> None:
@@ -287,12 +282,9 @@ class LLMEngine:
 
     def _schedule(self):
         """Schedule the step, then the page and checkpoint moves that must precede its launch."""
-        if self.kv_store is not None:
-            self.kv_store.begin_step(self.scheduler.waiting, self.bm, self.offload)
+        self.cache.begin_step(self.scheduler.waiting)
         batch = self.scheduler.schedule()
-        if self.mover is not None:
-            self._move_pages()
-        self._move_checkpoints()
+        self.cache.before_launch(self.runner)
         return batch
 
     def _check_progress(self) -> None:
@@ -323,17 +315,14 @@ class LLMEngine:
         """Move frontiers (scheduler.advance), queue the blocks completed for the span store,
         hash and prefetch the next waiting prompts: host work done while the device computes."""
         sched = self.scheduler
-        ready_before = [e.seq.ready_ptr for e in batch] if self.kv_store is not None else None
+        marks = self.cache.ready_marks(batch)
         sched.advance(batch)
         sched.prepare_waiting()
-        if ready_before is not None:
-            self.kv_store.note_ready(batch, ready_before, self.bm)
-            self.kv_store.prefetch(sched.waiting, self.bm, self.offload)
+        self.cache.after_advance(batch, marks, sched.waiting)
 
     def flush_kv_store(self) -> None:
         """Write every block computed so far to the span store and wait for the files."""
-        if self.kv_store is not None:
-            self.kv_store.flush(self.mover, self.runner.cache)
+        self.cache.flush(self.runner)
 
     def _postprocess(self, batch, out, num_lp, pending: bool = False) -> list[RequestOutput]:
         """Append (sync) or fill in (`pending`: async placeholders) each sampling row's token,
@@ -380,17 +369,15 @@ class LLMEngine:
         """Forget every cached block (and host-tier block); hybrid models also get a fresh
         checkpoint store and placement from the current Config (strategy, budget; the device pool
         is kept, so the budget may not exceed what the engine started with). Only when idle."""
-        if self.has_unfinished() or self._inflight is not None:
+        if self.has_unfinished() or self._in_flight:
             raise RuntimeError("reset_prefix_cache: requests are still running")
-        self.bm.forget_cached()
-        if self.offload is not None:
-            self.offload.entries.clear()
+        fresh = None
         if self.hybrid_cache is not None:
-            self.hybrid_cache, self.runner.ck_pool = hybrid_prefix.build(
+            fresh, self.runner.ck_pool = hybrid_prefix.build(
                 self.config, self.loaded.family, self.loaded.cfg, self.runner.cache_dtype,
                 pool=self.runner.ck_pool, span_pool=self.runner.span_pool)
-            hybrid_prefix.hand_span_pool(self.hybrid_cache, self.runner)
-            self.scheduler.hybrid_cache = self.hybrid_cache
+            self.runner.span_pool = hybrid_prefix.take_span_pool(fresh)
+        self.cache.reset(recurrent_cache=fresh)
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, self.tokenizer)

@@ -44,7 +44,6 @@ class EngineStats:
         """The engine's stats (LLMEngine.get_stats). With async scheduling the host works while
         the device computes: host_time_share (1 - wait / wall) is then the host's busy share,
         not device idle time; host_work_share stays host work / step time."""
-        off = engine.offload
         host = self.step_time - self.device_wait
         return {
             "steps": self.steps,
@@ -55,11 +54,7 @@ class EngineStats:
             "computed_query_tokens": self.query_tokens,
             "generated_tokens": self.generated_tokens,
             "blocks_total": engine.num_blocks,
-            "blocks_used": engine.bm.num_used,
-            "blocks_evicted": engine.bm.num_evicted,
-            "blocks_offloaded": off.num_offloaded if off else 0,
-            "blocks_restored": off.num_restored if off else 0,
-            "host_blocks": len(off.entries) if off else 0,
+            **engine.cache.stats(),  # blocks, lower tiers (kv_store), checkpoints and span maps
             "preemptions": engine.scheduler.num_preemptions,
             "step_time_s": self.step_time,
             "host_time_share": host / self.step_time if self.step_time else 0.0,
@@ -71,8 +66,6 @@ class EngineStats:
             "async_scheduling": engine.config.async_scheduling,
             "sync_fallbacks": engine.num_sync_fallbacks,
             "discarded_rows": engine.num_discarded_rows,
-            **({"kv_store": engine.kv_store.stats()} if engine.kv_store is not None else {}),
-            **(engine.hybrid_cache.stats() if engine.hybrid_cache is not None else {}),
         }
 
     def record_read_back(self, total: float, device_wait: float) -> None:

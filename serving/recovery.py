@@ -18,28 +18,20 @@ def recover(engine, request_ids) -> None:
     """Abort `request_ids` and make the engine consistent (block ref counts, free list, hash
     table, host tier) for the requests that remain. If a device step was dispatched and never
     read back, the pages it may have written are dropped from the cache."""
-    sched, bm = engine.scheduler, engine.bm
+    sched = engine.scheduler
     device_ok = _read_back_inflight(engine)
     request_ids = set(request_ids)
     for rid in request_ids:
         engine.abort_request(rid)
     engine.discard_results(request_ids)
-    # copy-ins planned by the failed step that did not run: their blocks are published as ready
-    # but hold stale pages
-    for b, h in sched.pending_copy_in:
-        if bm.hash[b] == h:
-            bm._unregister(b)
-    sched.pending_copy_in = []
-    engine.discard_evictions()  # pages not gathered: only their host copies are lost
     sched._resolved_early = False
     for job in list(sched.span_jobs):
         sched.preempt(job)
     for seq in reversed(list(sched.running)):  # the oldest ends up first in the queue
         sched.preempt(seq)
-    if engine.hybrid_cache is not None:  # checkpoints a failed step reserved were never written
-        engine.hybrid_cache.abandon_step(device_ok)
-    if not device_ok:
-        _drop_unverified_pages(engine)
+    # copy-ins and checkpoints the failed step planned never ran; without device_ok no cached
+    # page can be trusted (CacheManager.abandon_step)
+    engine.cache.abandon_step(device_ok)
 
 
 def _read_back_inflight(engine) -> bool:
@@ -59,17 +51,3 @@ def _read_back_inflight(engine) -> bool:
             engine.scheduler.waiting.appendleft(seq)
     return device_ok
 
-
-def _drop_unverified_pages(engine) -> None:
-    """Forget every cached block (all are free after the preemptions) and the host copies not
-    yet read back: after a failed device step their contents are unknown."""
-    bm = engine.bm
-    for b in range(bm.num_blocks):
-        if bm.ref[b] == 0 and bm.hash[b] != -1:
-            bm._unregister(b)
-    tier = engine.offload
-    if tier is not None and tier.pending:
-        lost = {id(batch) for batch in tier.pending}
-        for h in [h for h, (_, batch, _) in tier.entries.items() if id(batch) in lost]:
-            del tier.entries[h]
-        tier.pending = []

@@ -1,5 +1,5 @@
 """Admission with whole-request operations (`PrefixKeys.admission_plan`, `BlockManager.share_many`,
-`Scheduler._take_blocks`) against the plain per-block admission written out here: on random pools
+`CacheManager.fill_table`) against the plain per-block admission written out here: on random pools
 (cached, held, pending and host-tier blocks, hash collisions, a span twice in one request, kept
 tokens that are not a full block's bytes) both leave the same blocks, ref counts, free-list order,
 hash table, host copy-ins and sequence state, also when an allocation faults part way."""
@@ -28,7 +28,7 @@ class HostTier:
 
 def reference_admit(sched, seq, seats) -> bool:
     """Admission one block at a time (the scheduler's code before the bulk operations)."""
-    bm, keys, step = sched.bm, sched.keys, 8 * B
+    bm, keys, step = sched.cache.bm, sched.cache.keys, 8 * B
     hashes, n = keys.hashes(seq), seq.num_blocks_needed
     lim, raw = max(0, min(keys.hit_limit(seq), n)), keys.token_bytes(seq)
     plan = []
@@ -36,8 +36,8 @@ def reference_admit(sched, seq, seats) -> bool:
         b = bm.table.get(hashes[j]) if j < lim and bm.enable_caching else None
         if b is not None and bm.confirm[b] != raw[j * step:(j + 1) * step]:
             b = None  # a collision
-        host = b is None and j < lim and sched.offload is not None \
-            and sched.offload.contains(hashes[j])
+        host = b is None and j < lim and sched.cache.offload is not None \
+            and sched.cache.offload.contains(hashes[j])
         plan.append(("hit", b) if b is not None else ("host" if host else "new", None))
     hits = [b for kind, b in plan if kind == "hit"]
     need = len(plan) - len(hits) + sum(bm.ref[b] == 0 for b in hits)
@@ -57,10 +57,10 @@ def reference_admit(sched, seq, seats) -> bool:
             b = bm.allocate()
             seq.block_table.append(b)
             h = hashes[j] if j < len(hashes) else None
-            if kind == "host" and sched.offload.contains(h):
+            if kind == "host" and sched.cache.offload.contains(h):
                 bm.register(b, h, keys.confirm(seq, j), seq.seq_id, ready=True)
                 if bm.hash[b] == h:
-                    sched.pending_copy_in.append((b, h))
+                    sched.cache.pending_copy_in.append((b, h))
                     seq.num_cached_tokens += B * (not seq.ever_admitted)
                     continue
             seq.owned.add(j)
@@ -68,10 +68,10 @@ def reference_admit(sched, seq, seats) -> bool:
                 bm.register(b, h, keys.confirm(seq, j), seq.seq_id)
     except BaseException:
         mine = set(seq.block_table)
-        for b, h in [x for x in sched.pending_copy_in if x[0] in mine]:
+        for b, h in [x for x in sched.cache.pending_copy_in if x[0] in mine]:
             if bm.hash[b] == h:
-                bm._unregister(b)
-        sched.pending_copy_in = [x for x in sched.pending_copy_in if x[0] not in mine]
+                bm.unregister(b)
+        sched.cache.pending_copy_in = [x for x in sched.cache.pending_copy_in if x[0] not in mine]
         new = [b for j, b in enumerate(seq.block_table) if plan[j][0] != "hit"]
         bm.release(new + shared, seq.seq_id)
         seq.block_table, seq.owned = [], set()
@@ -123,39 +123,39 @@ def random_pool(rng):
         elif u < 0.1:
             bm._keep(b, tuple(range(B)))  # kept tokens that are not int64 bytes
     if rng.random() < 0.5:  # some keys of these requests' blocks, cached or evicted since
-        sched.offload = HostTier([h for h in sorted(seen_keys) if rng.random() < 0.4])
+        sched.cache.offload = HostTier([h for h in sorted(seen_keys) if rng.random() < 0.4])
     return sched, docs
 
 
 def state(sched, seq, outcome):
-    bm = sched.bm
+    bm = sched.cache.bm
     return (outcome, list(bm.ref), list(bm.free), dict(bm.table), list(bm.hash), list(bm.confirm),
             list(bm.ready), list(bm.owner), bm.num_evicted, bm.num_odd_confirms,
-            list(sched.pending_copy_in), list(seq.block_table), sorted(seq.owned),
+            list(sched.cache.pending_copy_in), list(seq.block_table), sorted(seq.owned),
             seq.num_cached_tokens, seq.seat, seq.status, seq.ever_admitted)
 
 
 def admit(sched, seq, how, fault_at):
     calls = [0]
-    real = sched.bm.allocate
+    real = sched.cache.bm.allocate
 
     def allocate():
         calls[0] += 1
         if calls[0] == fault_at:
             raise RuntimeError("injected")
         return real()
-    sched.bm.allocate = allocate
+    sched.cache.bm.allocate = allocate
     try:
         return how(sched, seq, [0, 1, 2])
     except RuntimeError as err:
         return str(err)
     finally:
-        sched.bm.allocate = real
+        sched.cache.bm.allocate = real
 
 
 def events(sched, seq, outcome) -> set:
     """What an admission met (so the test can show it covered each case)."""
-    bm, hashes, raw, step = sched.bm, sched.keys.hashes(seq), sched.keys.token_bytes(seq), 8 * B
+    bm, hashes, raw, step = sched.cache.bm, sched.cache.keys.hashes(seq), sched.cache.keys.token_bytes(seq), 8 * B
     met = {"refused"} if outcome is False else {"fault"} if isinstance(outcome, str) else set()
     cand = [(j, bm.table.get(h)) for j, h in enumerate(hashes)]
     if any(b is not None and bm.confirm[b] != raw[j * step:(j + 1) * step] for j, b in cand):
@@ -165,7 +165,7 @@ def events(sched, seq, outcome) -> set:
     hits = [b for _, b in cand if b is not None]
     if len(hits) != len(set(hits)):
         met.add("block twice")
-    if sched.pending_copy_in:
+    if sched.cache.pending_copy_in:
         met.add("host tier")
     return met
 
@@ -178,13 +178,13 @@ def test_bulk_admission_equals_per_block_admission(trial, fresh_rng):
     while pools < 25 or (not met >= need and pools < 200):
         pools += 1
         sched, docs = random_pool(fresh_rng)
-        sched.cfg.watermark_blocks = int(fresh_rng.choice([0, 0, sched.bm.num_free - 4]))
+        sched.cfg.watermark_blocks = int(fresh_rng.choice([0, 0, sched.cache.bm.num_free - 4]))
         seq = request(fresh_rng, docs, "new")
-        if sched.offload is not None:  # the host tier also holds some of its blocks
-            sched.offload.hashes |= {h for h in sched.keys.hashes(seq) if fresh_rng.random() < 0.5}
+        if sched.cache.offload is not None:  # the host tier also holds some of its blocks
+            sched.cache.offload.hashes |= {h for h in sched.cache.keys.hashes(seq) if fresh_rng.random() < 0.5}
         fault_at = int(fresh_rng.integers(1, 6)) if fresh_rng.random() < 0.3 else 0
         a, b = copy.deepcopy((sched, seq)), copy.deepcopy((sched, seq))
-        got = admit(*a, lambda s, q, seats: s._try_allocate(q, seats), fault_at)
+        got = admit(*a, lambda s, q, seats: s.cache.admit(q, seats), fault_at)
         want = admit(*b, reference_admit, fault_at)
         assert state(*a, got) == state(*b, want)
         met |= events(*b, want)

@@ -167,7 +167,8 @@ def test_admission_never_evicts_its_own_planned_hit():
     """Regression (scheduler): an admission's new blocks are taken from the LRU free list, whose
     head may be a cached block the same admission planned as a hit further on; the hit must be
     taken off the free list first, or one physical block ends up holding two logical blocks."""
-    from serving.cache.block_manager import BlockManager
+    from serving.cache.manager import CacheManager
+    from serving.cache.prefix_keys import PrefixKeys
     from serving.config import Config
     from serving.cache.hashing import make_hash_fn, root_hash
     from serving.layout import build_layout
@@ -176,10 +177,10 @@ def test_admission_never_evicts_its_own_planned_hit():
     pad, ssep, pdep, bs = 1023, 1022, 1021, 4
     cfg = Config(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, block_size=bs,
                  num_kv_blocks=5)
-    bm = BlockManager(5, bs)
     h = make_hash_fn("xxhash64")
-    sched = Scheduler(cfg, bm, h, lambda s: root_hash(h, s),
-                      markers={"pad": pad, "ssep": ssep, "pdep": pdep})
+    cache = CacheManager(cfg, 5, PrefixKeys(bs, h, lambda s: root_hash(h, s),
+                                            {"pad": pad, "ssep": ssep, "pdep": pdep}, True))
+    bm, sched = cache.bm, Scheduler(cfg, cache)
     doc = list(range(10, 17))  # SSEP + 7 tokens: two full span blocks
 
     def seq(rid, segs):

@@ -58,7 +58,7 @@ def assert_consistent(engine):
     for h, b in bm.table.items():
         assert bm.hash[b] == h and bm.ready[b] and bm.owner[b] == -1
     assert sum(h != -1 for h in bm.hash) == len(bm.table)
-    assert engine.num_in_flight == 0 and not engine.scheduler.pending_copy_in
+    assert engine.num_in_flight == 0 and not engine.cache.pending_copy_in
     if engine.offload is not None:
         assert len(engine.offload.entries) <= engine.offload.capacity
 

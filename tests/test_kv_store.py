@@ -58,7 +58,7 @@ def _span_run(llm, prompt, cache_salt=None):
     from serving.sequence import Sequence
     eng = llm.llm_engine
     lay = eng.validate("probe", prompt, SP)
-    hashes = eng.scheduler.keys.hashes(Sequence("probe", prompt, lay, SP, B, seed=0,
+    hashes = eng.cache.keys.hashes(Sequence("probe", prompt, lay, SP, B, seed=0,
                                                             cache_salt=cache_salt))
     return hashes, int(np.flatnonzero(lay.span_start)[0])
 

@@ -58,7 +58,7 @@ def _first_keys(llm, prompts, salt):
     """The first block key of each prompt: a run (file) starts there."""
     from serving.sequence import Sequence
     eng = llm.llm_engine
-    return [eng.scheduler.keys.hashes(Sequence("probe", p, eng.validate("probe", p, SP), SP, B,
+    return [eng.cache.keys.hashes(Sequence("probe", p, eng.validate("probe", p, SP), SP, B,
                                                seed=0, cache_salt=salt))[0] for p in prompts]
 
 

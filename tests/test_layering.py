@@ -186,3 +186,50 @@ def test_kernels_import_no_private_names_across_files():
                 private += [f"{path.relative_to(REPO)}:{node.lineno} imports {node.module}.{a.name}"
                             for a in node.names if a.name.startswith("_")]
     assert not private, "private names imported across kernel files:\n" + "\n".join(private)
+
+
+def _attributes(path: pathlib.Path):
+    """(attribute name, line, whether it is called on something other than self / cls) of
+    every attribute access in a file."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            other = not (isinstance(owner, ast.Name) and owner.id in ("self", "cls"))
+            yield node.func.attr, node.lineno, other
+
+
+# what only the cache manager (serving/cache/manager.py) touches
+CACHE_INTERNALS = {"bm", "keys", "offload", "pending_copy_in", "hybrid_cache", "kv_store",
+                   "unregister", "_unregister", "_match", "_deepest", "admission_plan"}
+
+
+def test_the_scheduler_sees_only_the_cache_managers_interface():
+    """serving/scheduler.py decides what runs; what is cached is the cache manager's: it imports
+    no module of serving.hybrid or serving.tiers (of serving.cache at most the manager), and
+    reaches no block pool, prefix keys, lower tier or hybrid cache."""
+    mods, graph = _graph()
+    wrong = [f"serving/scheduler.py:{line} imports {t}" for t, line in graph["serving.scheduler"]
+             if t.startswith(("serving.hybrid", "serving.tiers"))
+             or t.startswith("serving.cache") and t != "serving.cache.manager"]
+    tree = ast.parse(mods["serving.scheduler"].read_text())
+    wrong += [f"serving/scheduler.py:{n.lineno} uses .{n.attr}" for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and n.attr in CACHE_INTERNALS]
+    assert not wrong, "\n".join(wrong)
+
+
+# jax's jitted functions count their compiled variants only through `_cache_size`, and
+# StepExecutables (serving/step/step_executables.py) mirrors that name
+PRIVATE_CALLS_ALLOWED = {"_cache_size"}
+
+
+def test_serving_calls_no_private_method_of_another_object():
+    """Across serving/, a `_method` is called on self (or cls) only: another object's private
+    method (BlockManager._unregister, HybridPrefixCache._match / _deepest, ...) is reached
+    through a public one."""
+    mods = _modules()
+    wrong = [f"{path.relative_to(REPO)}:{line} calls .{name}"
+             for m, path in mods.items() if m.startswith("serving")
+             for name, line, other in _attributes(path)
+             if other and name.startswith("_") and not name.startswith("__")
+             and name not in PRIVATE_CALLS_ALLOWED]
+    assert not wrong, "private methods called on another object:\n" + "\n".join(wrong)

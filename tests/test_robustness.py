@@ -22,7 +22,7 @@ def assert_clean(llm):
     eng = llm.llm_engine
     assert not eng.has_unfinished()
     assert eng.bm.num_free == eng.num_blocks and not any(eng.bm.ref), "blocks still held"
-    assert eng.num_in_flight == 0 and not eng.scheduler.pending_copy_in
+    assert eng.num_in_flight == 0 and not eng.cache.pending_copy_in
 
 
 def tokens(rng, n):

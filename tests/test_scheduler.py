@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from minipic_jax.prompts import Prompt, Span, build_prompt
 from minipic_jax.sampling_params import SamplingParams
-from serving.cache.block_manager import BlockManager
+from serving.cache.manager import CacheManager
+from serving.cache.prefix_keys import PrefixKeys
 from serving.config import Config
 from serving.cache.hashing import make_hash_fn, root_hash
 from serving.layout import build_layout
@@ -24,10 +25,11 @@ B = 4
 def make(policy, blocks, seqs=3, budget=16):
     cfg = Config(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=256,
                  block_size=B, num_kv_blocks=blocks, scheduling_policy=policy, isps_span_seats=2)
-    bm = BlockManager(blocks, B)
     h = make_hash_fn("xxhash64")
-    return cfg, bm, Scheduler(cfg, bm, h, lambda s: root_hash(h, s),
-                              markers={"pad": PAD, "ssep": SSEP, "pdep": PDEP})
+    keys = PrefixKeys(B, h, lambda s: root_hash(h, s), {"pad": PAD, "ssep": SSEP, "pdep": PDEP},
+                      True)
+    cache = CacheManager(cfg, blocks, keys)
+    return cfg, cache.bm, Scheduler(cfg, cache)
 
 
 def check_invariants(cfg, bm, sched, batch):

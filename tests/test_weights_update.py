@@ -65,7 +65,7 @@ def test_old_cache_entries_never_hit_after_update(new_params, tmp_path):
     first = _run(llm)
     assert _run(llm)[2][1] > 0  # the 37-token prompt hits its cached blocks
     llm.llm_engine.flush_kv_store()
-    keys = llm.llm_engine.scheduler.keys
+    keys = llm.llm_engine.cache.keys
     h0 = keys.root_hash_fn(None)
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
     llm.update_weights(new_params)

@@ -79,7 +79,7 @@ class BlockManager:
             if self.ready[b] and self.on_evict is not None:
                 self.on_evict(b, self.hash[b], self.confirm[b])
             self.num_evicted += 1
-            self._unregister(b)
+            self.unregister(b)
         self.ref[b] = 1
         self.ready[b] = False
         self.owner[b] = -1
@@ -127,10 +127,11 @@ class BlockManager:
                 if r < 0:
                     raise RuntimeError(f"BlockManager.release: block {b} freed twice")
                 if hashes[b] != -1 and not ready[b]:
-                    self._unregister(b)  # half-computed content is worthless
+                    self.unregister(b)  # half-computed content is worthless
                 free[b] = None
 
-    def _unregister(self, b: int) -> None:
+    def unregister(self, b: int) -> None:
+        """Unpublish block b (its key, kept tokens and readiness go; references stay)."""
         if self.table.get(self.hash[b]) == b:
             del self.table[self.hash[b]]
         self.hash[b] = -1
@@ -156,4 +157,4 @@ class BlockManager:
         """Unregister every cached block (blocks stay allocated where they are in use)."""
         for b in range(self.num_blocks):
             if self.hash[b] != -1:
-                self._unregister(b)
+                self.unregister(b)

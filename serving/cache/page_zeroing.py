@@ -14,7 +14,7 @@ zeroed just before, by a separate call in fixed chunks of CALL_PAGES (one compil
 readied at warm-up). Why each order is safe:
   * the step's own K/V writes come after the zeroing in the same program;
   * a block filled whole by a copy-in (host tier, span store) leaves the record when its copy is
-    dispatched (engine_tiers.move_pages -> BlockManager.filled), so it is never zeroed after it;
+    dispatched (TierSet.move_pages -> BlockManager.filled), so it is never zeroed after it;
   * evicted pages (host tier) and span-store writes are gathered before the launch: they read
     the old content;
   * a block allocated and freed again before its step holds nothing anyone can read (a pending
@@ -68,13 +68,13 @@ def zero_pages(cache, ids, num_pages: int, block_size: int):
 
 
 class PageZeroer:
-    """The host side: takes the block manager's fresh blocks (`source`, set by the engine:
-    BlockManager.take_fresh) for each launch."""
+    """The host side: takes the block manager's fresh blocks (`source`, from the engine:
+    BlockManager.take_fresh through the cache manager) for each launch."""
 
-    def __init__(self, num_pages: int, config):
+    def __init__(self, num_pages: int, config, source=None):
         self.num_pages = num_pages
         self.chunk = CALL_PAGES  # the separate call's ids (one compiled variant)
-        self.source = None
+        self.source = source
         self._zero = jax.jit(functools.partial(zero_pages, num_pages=num_pages,
                                                block_size=config.block_size),
                              donate_argnums=(0,))

@@ -19,11 +19,10 @@ cached span is skipped, its recurrent effect composed from its map); they take n
 
 from __future__ import annotations
 
-import time
-
+from serving.cache.admission import AdmissionPlan
 from serving.hybrid.bucket_fit import BucketFit
 from serving.hybrid.checkpoint_plan import positions_of
-from serving.sequence import Status
+from serving.hybrid.resume import Resume
 
 
 class HybridPrefixCache:
@@ -37,19 +36,19 @@ class HybridPrefixCache:
         self.tokens_matched = self.tokens_resumed = 0
         self.prompt_len: dict[int, int] = {}  # block hash -> length of the prompt that made it
 
-    # -- admission -----------------------------------------------------------------------------
-    def _match(self, sched, seq):
+    # -- admission (the recurrent part of CacheManager.admit) ----------------------------------
+    def match(self, mgr, seq):
         """(kinds, shared): per block from the start, ("hit", block) / ("host", None) while they
         match; `shared` counts on through blocks still being computed by another sequence (what
         the request shares with cached and in-flight prompts: the placement's statistic)."""
-        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        bm, keys, bs = mgr.bm, mgr.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
         raw, step = keys.token_bytes(seq), 8 * bs
         kinds, shared = [], 0
         for j in range(limit):
             b = bm.table.get(hashes[j])
             same = b is not None and bm.confirm[b] == raw[j * step:(j + 1) * step]
-            host = b is None and sched.offload is not None and sched.offload.contains(hashes[j])
+            host = b is None and mgr.offload is not None and mgr.offload.contains(hashes[j])
             if not (same or host):
                 break
             if len(kinds) == j and (host or bm.ready[b]):
@@ -57,7 +56,7 @@ class HybridPrefixCache:
             shared = j + 1
         return kinds, shared
 
-    def _deepest(self, seq, hashes, raw, depth_blocks: int):
+    def deepest(self, seq, hashes, raw, depth_blocks: int):
         """(blocks below the checkpoint, pinned entry) of the deepest usable checkpoint. A
         preempted sequence matches its generated blocks too: they are keyed as a prompt repeating
         them would key them (serving/cache/prefix_keys.py), so a checkpoint that prompt took serves."""
@@ -72,64 +71,44 @@ class HybridPrefixCache:
                 return k, e
         return 0, None
 
-    def admit(self, sched, seq, seats) -> bool:
-        """Scheduler._try_allocate for hybrid models (see the module docstring)."""
-        bm, keys, bs = sched.bm, sched.keys, self.block_size
+    def plan_admission(self, mgr, seq) -> AdmissionPlan | None:
+        """The hybrid plan (module docstring): resume at the deepest checkpoint, the blocks below
+        it shared or copied in (never recomputed), every other block new; None to wait."""
         spans = bool(seq.layout.span_block.any())
         if spans and self.spans is not None:  # warm span path (serving/hybrid/span_cache.py)
-            return self.spans.admit(sched, seq, seats, self)
-        kinds, shared = ([], 0) if spans else self._match(sched, seq)  # spans without maps: cold
-        hashes, raw = keys.hashes(seq), keys.token_bytes(seq)
-        kc, entry = self._deepest(seq, hashes, raw, len(kinds))
-        if not seq.ever_admitted and self._wait(sched, seq, hashes, len(kinds), shared, kc):
+            return self.spans.plan_admission(mgr, seq, self)
+        kinds, shared = ([], 0) if spans else self.match(mgr, seq)  # spans without maps: cold
+        hashes, raw = mgr.keys.hashes(seq), mgr.keys.token_bytes(seq)
+        kc, entry = self.deepest(seq, hashes, raw, len(kinds))
+        if not seq.ever_admitted and self._wait(mgr, seq, hashes, len(kinds), shared, kc):
             if entry is not None:
                 self.store.release(entry)
-            return False
-        n = seq.num_blocks_needed
-        need = (n - kc) + sum(1 for kind, b in kinds[:kc] if kind == "host" or bm.ref[b] == 0)
-        if need > bm.num_free - sched.cfg.watermark_blocks:
-            if entry is not None:
-                self.store.release(entry)
-            return False
-        self.take_blocks(sched, seq, dict(enumerate(kinds[:kc])), hashes)
-        if not seq.ever_admitted:
-            seq.num_cached_tokens = kc * bs
-            planned = ([], []) if spans else self.planner.prompt_plan(
+            return None
+        return AdmissionPlan.from_kinds(seq.num_blocks_needed, dict(enumerate(kinds[:kc])),
+                                        kc * self.block_size, Resume(kinds, kc, shared, entry))
+
+    def commit(self, mgr, seq, r: Resume) -> None:
+        """The admission planned as `r` took its blocks: plan the prompt's checkpoints (first
+        admission), count it, and hand the sequence its restore entry."""
+        if r.skips is not None:
+            self.spans.commit(mgr, seq, r, self)
+        elif not seq.ever_admitted:
+            bs, hashes = self.block_size, mgr.keys.hashes(seq)
+            planned = ([], []) if seq.layout.span_block.any() else self.planner.prompt_plan(
                 seq.layout, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs],
-                shared)
+                r.shared)
             seq.hybrid.ck_positions, seq.hybrid.ck_values = planned
-        self.count_admission(seq, kinds, kc, shared, entry)
-        self.seat(seq, seats, kc, entry)
-        return True
+        self.count_admission(seq, r.kinds, r.kc, r.shared, r.entry)
+        seq.hybrid.restore_entry = r.entry
 
-    @staticmethod
-    def take_blocks(sched, seq, planned: dict, hashes) -> None:
-        """Fill the block table of `seq` ([0, seq.num_blocks_needed)) from `planned` (block
-        index -> ("hit", block) | ("host", None)); any other block is new and owned. Hits are
-        taken off the free list first: an allocation evicts the least recently freed block,
-        which may be a planned hit. Unlike Scheduler._take_blocks, a planned block never falls
-        back to recomputation: the recurrent state resumes after it."""
-        bm, keys = sched.bm, sched.keys
-        for kind, b in planned.values():
-            if kind == "hit":
-                bm.share(b)
-        for j in range(seq.num_blocks_needed):
-            kind, b = planned.get(j, ("new", None))
-            if kind == "hit":
-                seq.block_table.append(b)
-                continue
-            b = bm.allocate()
-            seq.block_table.append(b)
-            h = hashes[j] if j < len(hashes) else None
-            if kind == "host":  # not in the device table (see _match): this registers it
-                bm.register(b, h, keys.confirm(seq, j), seq.seq_id, ready=True)
-                sched.pending_copy_in.append((b, h))
-                continue
-            seq.owned.add(j)
-            if h is not None:
-                bm.register(b, h, keys.confirm(seq, j), seq.seq_id)
+    def cancel(self, r: Resume) -> None:
+        """The admission planned as `r` does not happen: its pins go."""
+        for _, _, e in r.skips or ():
+            self.spans.store.release(e)
+        if r.entry is not None:
+            self.store.release(r.entry)
 
-    def _wait(self, sched, seq, hashes, ready: int, shared: int, kc: int) -> bool:
+    def _wait(self, mgr, seq, hashes, ready: int, shared: int, kc: int) -> bool:
         """Whether `seq` should wait rather than resume at block kc now: its prefix runs on
         through blocks another sequence is still computing (`ready` blocks are done, `shared`
         match), that sequence stores a checkpoint at p in (kc B, shared B] within its next
@@ -139,31 +118,17 @@ class HybridPrefixCache:
         bs, waited = self.block_size, seq.hybrid.ck_waits
         if shared <= ready or waited >= 3 or not self.wait_tokens:
             return False
-        bm = sched.bm
+        bm = mgr.bm
         b = bm.table.get(hashes[ready])
-        owner = -1 if b is None else bm.owner[b]
-        own = next((s for s in sched.running if s.seq_id == owner), None)
+        own = None if b is None else mgr.seated.get(bm.owner[b])
         if own is None:
             return False
         ps = [p for p in own.hybrid.ck_positions if kc * bs < p <= shared * bs]
-        if not ps or max(ps) - own.num_computed > sched.cfg.max_num_batched_tokens or \
+        if not ps or max(ps) - own.num_computed > mgr.config.max_num_batched_tokens or \
                 max(ps) - kc * bs < self.wait_tokens:
             return False
         seq.hybrid.ck_waits = waited + 1
         return True
-
-    def seat(self, seq, seats, kc: int, entry) -> None:
-        """Admit `seq` into a seat, resuming at block kc from checkpoint `entry` (or from zero)."""
-        seq.hybrid.restore_entry = entry
-        seq.num_computed = kc * self.block_size
-        seq.seat = seats.pop()
-        seq.synced_blocks = 0
-        seq.status = Status.RUNNING
-        seq.needs_reset = kc == 0
-        seq.ready_ptr = 0
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = time.time()
-        seq.ever_admitted = True
 
     def count_admission(self, seq, kinds, kc: int, shared: int, entry) -> None:
         """An admission matched `kinds` blocks (`shared` counting blocks in flight too) and
@@ -216,11 +181,11 @@ class HybridPrefixCache:
                 stop_at = cut
         return stop_at
 
-    def annotate(self, sched, e) -> None:
+    def annotate(self, mgr, e) -> None:
         """Restore and checkpoint fields of a scheduled chunk (and its span maps)."""
         seq = e.seq
         if self.spans is not None:
-            self.spans.annotate(sched, e)
+            self.spans.annotate(mgr, e)
         entry = seq.hybrid.restore_entry
         if entry is not None:
             e.restore_slot = entry.slot
@@ -231,11 +196,11 @@ class HybridPrefixCache:
         if not ahead or ahead[0] > e.new_computed or seq.is_span_job:
             return
         p, bs = ahead[0], self.block_size
-        hashes = sched.keys.hashes(seq)
+        hashes = mgr.keys.hashes(seq)
         k = p // bs
         pos = int(positions_of(seq.layout, [p])[0])
         value = seq.hybrid.ck_values[seq.hybrid.ck_positions.index(p)]
-        slot = self.store.reserve(hashes[k - 1], sched.keys.confirm(seq, k - 1), pos, hashes[:k],
+        slot = self.store.reserve(hashes[k - 1], mgr.keys.confirm(seq, k - 1), pos, hashes[:k],
                                   value)
         if slot >= 0:
             e.ck_pos, e.ck_slot = pos, slot
@@ -346,10 +311,11 @@ def apply_moves(cache: HybridPrefixCache, runner) -> None:
         runner.ck_pool = checkpoint_pool.apply_moves(runner.ck_pool, out, inn)
 
 
-def hand_span_pool(cache: HybridPrefixCache | None, runner) -> None:
-    """The span-map device pool moves from the hybrid cache's builder to the runner (None:
-    span prompts run cold)."""
+def take_span_pool(cache: HybridPrefixCache | None):
+    """The span-map device pool, moved from the hybrid cache's builder to the caller (the
+    runner), or None: span prompts run cold."""
     spans = cache.spans if cache is not None else None
-    runner.span_pool = None if spans is None else spans.pool
-    if spans is not None:
-        spans.pool = None
+    if spans is None:
+        return None
+    pool, spans.pool = spans.pool, None
+    return pool

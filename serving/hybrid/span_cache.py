@@ -36,7 +36,9 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
 
 from __future__ import annotations
 
+from serving.cache.admission import AdmissionPlan
 from serving.hybrid import span_rows
+from serving.hybrid.resume import Resume
 
 MAX_CAPTURES = 8  # span maps one step may capture (a static shape of the runner's step)
 
@@ -49,32 +51,32 @@ class SpanMapCache:
         self.spans_skipped = self.tokens_skipped = self.spans_captured = self.waits = 0
 
     # -- admission -----------------------------------------------------------------------------
-    def _span_hits(self, sched, seq, a: int, b: int):
+    def _span_hits(self, mgr, seq, a: int, b: int):
         """[(kind, block)] for the span's blocks when every one is a ready device hit or in the
         KV host tier, else None."""
-        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        bm, keys, bs = mgr.bm, mgr.keys, self.block_size
         hashes = keys.hashes(seq)
         kinds = []
         for j in range(a // bs, b // bs):
             blk = bm.table.get(hashes[j])
             if blk is not None and bm.ready[blk] and bm.confirm[blk] == keys.confirm(seq, j):
                 kinds.append(("hit", blk))
-            elif blk is None and sched.offload is not None and sched.offload.contains(hashes[j]):
+            elif blk is None and mgr.offload is not None and mgr.offload.contains(hashes[j]):
                 kinds.append(("host", None))
             else:
                 return None
         return kinds
 
-    def _plan_skips(self, sched, seq, start: int):
+    def _plan_skips(self, mgr, seq, start: int):
         """[(a, b, entry)] spans at or after token `start` to skip (their map pinned), and
         {block: (kind, block)} of their blocks."""
-        keys, bs = sched.keys, self.block_size
+        keys, bs = mgr.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
         skips, plan = [], {}
         for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
             if final or a < start or b // bs > limit:
                 continue
-            kinds = self._span_hits(sched, seq, a, b)
+            kinds = self._span_hits(mgr, seq, a, b)
             if kinds is None:
                 continue
             e = self.store.get(hashes[b // bs - 1], keys.confirm(seq, b // bs - 1))
@@ -84,11 +86,11 @@ class SpanMapCache:
             plan.update({a // bs + i: k for i, k in enumerate(kinds)})
         return skips, plan
 
-    def _in_flight(self, sched, seq, start: int) -> bool:
+    def _in_flight(self, mgr, seq, start: int) -> bool:
         """A span of the prompt (at or after `start`) is being computed by a running request:
         its last block is published but not ready (its map may be reserved by the step being
         scheduled, which computes it)."""
-        bm, keys, bs = sched.bm, sched.keys, self.block_size
+        bm, keys, bs = mgr.bm, mgr.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
         for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
             if final or a < start or b // bs > limit:
@@ -98,44 +100,36 @@ class SpanMapCache:
                 return True
         return False
 
-    def admit(self, sched, seq, seats, hybrid) -> bool:
-        """Scheduler._try_allocate for a span prompt on a hybrid model (`hybrid`: the
-        HybridPrefixCache): resume at the deepest checkpoint c whose blocks below all hit (its
-        key a PDEP block's, which covers the whole prefix), skip the cached spans after c (their
-        blocks shared or copied in from the KV host tier), every other block is new."""
-        bm, keys, bs = sched.bm, sched.keys, self.block_size
+    def plan_admission(self, mgr, seq, hybrid):
+        """The plan of a span prompt on a hybrid model (`hybrid`: the HybridPrefixCache; None
+        to wait): resume at the deepest checkpoint c whose blocks below all hit (its key a PDEP
+        block's, which covers the whole prefix), skip the cached spans after c (their blocks
+        shared or copied in from the KV host tier), every other block is new."""
+        keys, bs = mgr.keys, self.block_size
         hashes = keys.hashes(seq)
-        kinds, shared = hybrid._match(sched, seq)
-        kc, ck = hybrid._deepest(seq, hashes, keys.token_bytes(seq), len(kinds))
-        if self._in_flight(sched, seq, kc * bs):  # wait a step or two: it will be a hit
+        kinds, shared = hybrid.match(mgr, seq)
+        kc, ck = hybrid.deepest(seq, hashes, keys.token_bytes(seq), len(kinds))
+        if self._in_flight(mgr, seq, kc * bs):  # wait a step or two: it will be a hit
             if ck is not None:
                 hybrid.store.release(ck)
             self.waits += 1
-            return False
-        skips, plan = self._plan_skips(sched, seq, kc * bs)
+            return None
+        skips, plan = self._plan_skips(mgr, seq, kc * bs)
         plan.update(enumerate(kinds[:kc]))
-        n = seq.num_blocks_needed
-        need = sum(1 for j in range(n) if j not in plan or plan[j][0] == "host"
-                   or bm.ref[plan[j][1]] == 0)
-        if need > bm.num_free - sched.cfg.watermark_blocks:
-            for _, _, e in skips:
-                self.store.release(e)
-            if ck is not None:
-                hybrid.store.release(ck)
-            return False
-        hybrid.take_blocks(sched, seq, plan, hashes)
-        if not seq.ever_admitted:
-            seq.num_cached_tokens = len(plan) * self.block_size
+        return AdmissionPlan.from_kinds(seq.num_blocks_needed, plan, kc * bs,
+                                        Resume(kinds, kc, shared, ck, skips))
+
+    def commit(self, mgr, seq, r, hybrid) -> None:
+        """The span admission planned as `r` took its blocks: the skipped spans' maps stay
+        pinned until the step that composes them; the prompt's checkpoints are planned."""
+        skips = r.skips
         self.spans_skipped += len(skips)
         self.tokens_skipped += sum(b - a for a, b, _ in skips)
         seq.span.skips = [(a, b) for a, b, _ in skips]
         seq.span.pins = {a: e for a, _, e in skips}  # until the step that composes them
         # planned before this admission is observed, as for plain prompts
-        seq.hybrid.ck_positions, seq.hybrid.ck_values = self._checkpoints(hybrid, seq, hashes,
-                                                                          shared)
-        hybrid.count_admission(seq, kinds, kc, shared, ck)
-        hybrid.seat(seq, seats, kc, ck)
-        return True
+        seq.hybrid.ck_positions, seq.hybrid.ck_values = self._checkpoints(
+            hybrid, seq, mgr.keys.hashes(seq), r.shared)
 
     def _checkpoints(self, hybrid, seq, hashes, shared: int):
         """(positions, values) of the planned checkpoints of a span prompt that are exact and
@@ -159,7 +153,7 @@ class SpanMapCache:
             pins.clear()
 
     # -- chunks --------------------------------------------------------------------------------
-    def annotate(self, sched, e) -> None:
+    def annotate(self, mgr, e) -> None:
         """The chunk's chain (maps of the skipped spans before its first row, in order) and the
         spans it computes whole whose maps it captures."""
         seq = e.seq
@@ -174,12 +168,12 @@ class SpanMapCache:
         if not e.token_idx.size:
             return
         caps, skipped = [], {a for a, _ in seq.span.skips}
-        keys, bs = sched.keys, self.block_size
+        keys, bs = mgr.keys, self.block_size
         hashes = keys.hashes(seq)
         for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
             if final or a in skipped or a < first or b > e.new_computed or \
                     b // bs > len(hashes) or self.captures >= MAX_CAPTURES or \
-                    not self._publishes(sched.bm, seq, hashes, a // bs, b // bs):
+                    not self._publishes(mgr.bm, seq, hashes, a // bs, b // bs):
                 continue
             j1 = b // bs
             slot = self.store.reserve(hashes[j1 - 1], keys.confirm(seq, j1 - 1), 0,

@@ -39,7 +39,8 @@ from serving.step.step_executables import StepExecutables
 from serving.step.step_inputs import S_FIELDS_CKPT, SeatTables, fill_sampling, layout
 
 class ModelRunner:
-    def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype, *, marker_rows=None):
+    def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype, *, marker_rows=None,
+                 ck_pool=None, span_pool=None, fresh_pages=None):
         self.config = config
         self.family = loaded.family
         self.mcfg = loaded.cfg
@@ -79,12 +80,11 @@ class ModelRunner:
         self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
         self.kv_mode = config.attention_kv_mode
         self.tables = SeatTables(seats, self.nb, self.block_size, self.mcfg.vocab_size, marker_rows)
-        self.zeroer = PageZeroer(self.num_blocks, config)  # fresh pages (page_zeroing.py)
+        self.zeroer = PageZeroer(self.num_blocks, config, source=fresh_pages)  # page_zeroing.py
         self._bufs: dict = {}
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
-        self.ck_pool = None  # hybrid prefix caching: serving/hybrid/checkpoint_pool.py (set by engine)
-        self.span_pool = None  # hybrid span maps: serving/hybrid/span_maps.py (set by engine)
+        self.ck_pool, self.span_pool = ck_pool, span_pool  # hybrid: checkpoint_pool, span_maps
         # the static arguments are _step_body's keyword-only parameters
         self._step = StepExecutables(self._step_impl, signature_of=self._step_body,
                                      donate_argnums=(1, 5, 6), context=self._program_context,
