@@ -1,5 +1,8 @@
 """serving.cache: the paged KV cache on the host side; imports only the records above it.
 
+  manager.py        `CacheManager`: the one object in front of the scheduler (owns all below)
+  admission.py      the one admission routine: a plan every cache kind adds to, then the table
+  chunks.py         a prefill chunk's token indices over a sequence's blocks
   block_manager.py  ref counts, LRU free list, hash -> block; pending vs ready blocks
   hashing.py        chained block hashes (prefix and SSEP chains, `cache_salt`)
   prefix_keys.py    each sequence's block keys (generated blocks included) and their tokens

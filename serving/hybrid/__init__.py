@@ -1,6 +1,8 @@
 """serving.hybrid: hybrid models' recurrent caches; imports cache, tiers (and the records).
 
 Prefix caching with recurrent checkpoints:
+  recurrent_part.py    the cache manager's part for recurrent layers (what admission and chunks add)
+  resume.py            what a hybrid admission planned, from plan to commit or cancel
   hybrid_prefix.py     admission with a checkpoint restore; checkpoints taken per chunk
   checkpoint_store.py  host bookkeeping: keys, GreedyDual eviction, pins, the host tier
   checkpoint_pool.py   the device pool of recurrent states
