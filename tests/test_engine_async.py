@@ -90,7 +90,10 @@ def check_no_leaks(llm):
     assert sorted(sched.free_seats) == list(range(llm.config.max_num_seqs))
 
 
-TINY_POOL = dict(num_kv_blocks=14, max_num_seqs=3, max_num_batched_tokens=32, cpu_offload_gb=0.01)
+# one token bucket (min_token_bucket = max_num_batched_tokens): the sync and the async loop each
+# compile a step per bucket and sampling mode, and the scheduler never looks at buckets (CI time)
+TINY_POOL = dict(num_kv_blocks=14, max_num_seqs=3, max_num_batched_tokens=32, min_token_bucket=32,
+                 cpu_offload_gb=0.01)
 
 
 # ~55 s on a cold 2-core CI run: --run-slow (stop tokens and the custom loop below keep async
@@ -135,7 +138,7 @@ def test_async_custom_loop_with_aborts_and_late_requests(fresh_rng):
     results = {}
     for mode in (False, True):
         llm = make_tiny_llm(async_scheduling=mode, num_kv_blocks=40, max_num_seqs=4,
-                            max_num_batched_tokens=32)
+                            max_num_batched_tokens=32, min_token_bucket=32)
         eng = llm.llm_engine
         rng = np.random.default_rng(salt)
         prompts, sps = workload(rng, eng.markers, 10, False)

@@ -73,7 +73,7 @@ def test_isps_prefills_spans_of_waiting_requests(fresh_rng):
     docs = [toks(fresh_rng, 40) for _ in range(3)]
     results = {}
     for policy in ("fcfs", "isps"):
-        llm = make_llm(max_num_seqs=1, scheduling_policy=policy)
+        llm = make_llm(max_num_seqs=1, scheduling_policy=policy, min_token_bucket=64)  # CI time
         prompts = [ids(llm, [Prompt([1, 2, k]), Span(d), Prompt([4, 5])]) for k, d in enumerate(docs)]
         results[policy] = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.num_cached_tokens for o in results["fcfs"]] == [0, 0, 0]

@@ -85,8 +85,10 @@ def test_triton_kv_write_matches_xla_write(monkeypatch, fresh_rng):
     gives the same tokens and logprobs as the XLA scatter, prefill chunks and decodes mixed."""
     prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (7, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
-    # an explicit pool: the default one on a GPU is too large for the row copy's int32 offsets
-    kw = dict(max_num_seqs=2, max_num_batched_tokens=16, attn_impl="xla", num_kv_blocks=256)
+    # an explicit pool: the default one on a GPU is too large for the row copy's int32 offsets;
+    # one token bucket (16): one compiled step per engine (CI time)
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=16, min_token_bucket=16, attn_impl="xla",
+              num_kv_blocks=256)
     expected = LLM("tiny_llama", write_kv_impl="xla", **kw).generate(prompts, params,
                                                                      use_tqdm=False)
     traced = spy_on_kernel(monkeypatch, write_api.WRITE, "triton")

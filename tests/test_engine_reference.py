@@ -20,7 +20,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1)
 
 
 def make_llm(**kw):
-    return make_tiny_llm(**{"num_kv_blocks": 96, **kw})
+    # one token bucket unless a test names one (CI time: a compiled step per bucket and mode)
+    return make_tiny_llm(**{"num_kv_blocks": 96, "min_token_bucket": 64, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_tiny_pool_evicts_offloads_preempts(policy, fresh_rng):
     # tokens (the runner's S covers every entry)
     llm = make_llm(num_kv_blocks=14, max_num_seqs=3, max_num_batched_tokens=32,
                    cpu_offload_gb=0.01, scheduling_policy=policy,
-                   min_token_bucket=1 if policy == "barrier" else None)
+                   min_token_bucket=1 if policy == "barrier" else 32)
     docs = [rand_tokens(fresh_rng, 20, 30) for _ in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=20, logprobs=1, ignore_eos=True)
     prompts = []

@@ -121,18 +121,23 @@ def poisoned_vs_clean(make, seed: int, counts=(5, 6)) -> None:
     assert outs[True] == outs[False]
 
 
+# the engines here run on one token bucket (min_token_bucket = max_num_batched_tokens): one
+# compiled step per sampling mode instead of one per bucket (CI time)
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_poisoned_pool_unwritten_slots_are_zero_and_outputs_equal(async_scheduling, fresh_rng):
     poisoned_vs_clean(lambda: make_tiny_llm(async_scheduling=async_scheduling, num_kv_blocks=40,
-                                            max_num_seqs=4, max_num_batched_tokens=64),
+                                            max_num_seqs=4, max_num_batched_tokens=64,
+                                            min_token_bucket=64),
                       int(fresh_rng.integers(1 << 30)))
 
 
 def test_hybrid_model_pages_are_zeroed_too(fresh_rng):
     """Qwen3.5 (Gated DeltaNet + attention): its attention layers' pages are zeroed (its
-    recurrent slots are reset by their own flags)."""
+    recurrent slots are reset by their own flags). One token bucket (CI time: each step variant
+    of this model compiles for seconds)."""
     poisoned_vs_clean(lambda: LLM(str(FIXTURES / "qwen3_5_tied"), max_num_seqs=3,
-                                  max_num_batched_tokens=64, max_model_len=192, num_kv_blocks=20),
+                                  max_num_batched_tokens=64, min_token_bucket=64,
+                                  max_model_len=192, num_kv_blocks=20),
                       int(fresh_rng.integers(1 << 30)), counts=(3, 3))
 
 
@@ -144,7 +149,8 @@ def test_host_tier_copy_in_arrives_intact_in_a_poisoned_pool(fresh_rng):
     outs = {}
     for caching in (False, True):
         llm = make_tiny_llm(num_kv_blocks=14, max_num_seqs=2, max_num_batched_tokens=64,
-                            cpu_offload_gb=0.01, enable_prefix_caching=caching)
+                            min_token_bucket=64, cpu_offload_gb=0.01,
+                            enable_prefix_caching=caching)
         eng, rng = llm.llm_engine, np.random.default_rng(seed)
         m = eng.markers
         system = [int(t) for t in rng.integers(1, 256, 4 * B)]

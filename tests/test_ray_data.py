@@ -8,20 +8,23 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from minipic_jax import Prompt, SamplingParams, Span, build_prompt  # noqa: E402
+from minipic_jax import LLM, Prompt, SamplingParams, Span, build_prompt  # noqa: E402
 from minipic_jax.distributed.ray_data import generate_dataset, prompts_dataset  # noqa: E402
 from minipic_jax.distributed.routing import affinity_order, route_by_spans, span_keys  # noqa: E402
-from tests.conftest import make_tiny_llm  # noqa: E402
 
 RUN_SLOW = os.environ.get("MINIPIC_RUN_SLOW") == "1" or "--run-slow" in sys.argv
-# one token bucket (one compile per actor); prompts of 96 tokens run as chunked prefills
+# one token bucket (one compile per actor); prompts of 96 tokens run as chunked prefills. The
+# actors read the suite's compilation cache, which the reference LLM (the same configuration)
+# has just filled: they load its executables instead of compiling them again (two at once).
 LLM_KW = dict(dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=32,
-              min_token_bucket=32, max_model_len=128, block_size=16, num_kv_blocks=64)
+              min_token_bucket=32, max_model_len=128, block_size=16, num_kv_blocks=64,
+              compilation_cache=jax.config.jax_compilation_cache_dir or False)
 SAMPLING = dict(temperature=0.0, max_tokens=4, logprobs=0)
 
 
@@ -30,7 +33,7 @@ def job():
     """Local ray (2 CPUs), 6 prompts over 3 shared spans, and one LLM's outputs for them."""
     rng = np.random.default_rng(0)
     print("seed 0")
-    llm = make_tiny_llm()
+    llm = LLM("tiny_llama", **LLM_KW)
     docs = [rng.integers(0, 256, 20).tolist() for _ in range(3)]
     prompts = [build_prompt([Prompt([256, 1, 2]), Span(docs[i % 3]), Span(docs[(i + 1) % 3]),
                              Prompt(rng.integers(0, 256, 4).tolist())],
