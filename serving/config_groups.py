@@ -55,14 +55,14 @@ class KVStoreConfig:
     # device memory for runs read ahead of their copy-in (staged runs and reads in flight,
     # serving/tiers/kv_store_staging.py); None = min(16 GiB, 16% of the device's memory limit),
     # 4 GiB without memory stats (CPU). A default-sized KV pool (num_kv_blocks=None) leaves it
-    # free. The H200 warm job ran 2.4x the empty-store run with 4 GiB and 5.9x with 16
-    # (benchmarks/RESULTS.md, span store).
+    # free. More staging lets a warm job overlap more reads (benchmarks/RESULTS.md, "Span store
+    # and run-batch").
     staging_gb: float | None = option(None, flat="kv_store_staging_gb", host_only=True)
     # read runs into pinned host buffers (serving/tiers/kv_store_buffers.py; was the
     # MINIPIC_KV_STORE_PINNED=1 environment variable). Off by default: alone on the H200 pinned
-    # reads ran 13.0 GB/s against 11.1 plain, but inside an engine process the H200 refused the
-    # allocations (benchmarks/history/span_store.md, session 8). True where the backend has no
-    # pinned memory: plain buffers.
+    # reads were faster than plain ones, but inside an engine process the H200 refused the
+    # allocations (benchmarks/history/span_store.md). True where the backend has no pinned
+    # memory: plain buffers.
     pinned: bool = option(False, flat="kv_store_pinned", host_only=True)
 
     def __post_init__(self):
@@ -83,8 +83,8 @@ class HybridCacheConfig:
     strategy: str = option("dp", flat="checkpoint_strategy", host_only=True)
     # what a second checkpoint in one prefill chunk costs (the chunk is split: about one more
     # engine step), in prompt tokens of compute; dp places a prompt's checkpoints beyond one per
-    # chunk only where they save more (1,050 measured on the H200 at the Qwen3.5-0.8B shape:
-    # benchmarks/RESULTS.md, hybrid prefix caching run 3). 0: no price. It is also the least
+    # chunk only where they save more (the default is about what the H200 measured at the
+    # Qwen3.5-0.8B shape: benchmarks/RESULTS.md, "Hybrid prefix caching"). 0: no price. It is also the least
     # saving for which a new request waits (a few steps at most) for a checkpoint that a running
     # prefill of its prefix is about to store, rather than recompute behind it.
     step_tokens: float = option(1024.0, flat="checkpoint_step_tokens", host_only=True)
@@ -99,9 +99,9 @@ class HybridCacheConfig:
     half_life: float = option(256.0, flat="checkpoint_half_life", host_only=True)
     # a plain hybrid prompt's chunk that overflows a token bucket by at most (smallest bucket -
     # seats) tokens stops at that bucket; the overflow rides on the next step
-    # (serving/hybrid/bucket_fit.py). Off by default: on the H200 (Qwen3.5-0.8B shape, run 4 in
-    # benchmarks/history/hybrid_cache.md) a prefill step costs ~10 ms more than a decode step of
-    # the same bucket, more than the padding the cut saves.
+    # (serving/hybrid/bucket_fit.py). Off by default: on the H200 a prefill step costs more than a
+    # decode step of the same bucket, more than the padding the cut saves (benchmarks/RESULTS.md,
+    # "Hybrid prefix caching").
     bucket_fit: bool = option(False, flat="checkpoint_bucket_fit", host_only=True)
 
     def __post_init__(self):
