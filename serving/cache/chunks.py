@@ -64,6 +64,8 @@ def publish_computed(bm, keys, seq, caching: bool) -> None:
     bs = bm.block_size
     j0, owned = seq.ready_ptr, seq.owned
     end = min(seq.num_computed // bs, len(seq.block_table))
+    if end <= j0:  # no block completed (most decode steps)
+        return
     # completed blocks [j0, end): only owned ones change (few, after a cached prefix)
     todo = range(j0, end) if len(owned) >= end - j0 else sorted(
         j for j in owned if j0 <= j < end)
