@@ -90,7 +90,6 @@ def xla_paged_attention(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attention
     offsets = jnp.arange(page_size, dtype=jnp.int32)
     n_keys = cols * page_size
     hi = jax.lax.Precision.HIGHEST  # fp32 means fp32 (GPUs default to TF32 for f32 dots)
-    half = inv_freq.shape[-1]
     cos_sin = None if max_position is None or kv_mode != "position_free" else rope_table(
         inv_freq, max_position, attention_scaling, jnp.float32)  # [max_position, R]
 
@@ -107,11 +106,8 @@ def xla_paged_attention(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attention
         values = v_pages[table].reshape(seqs, n_keys, kv_heads, head_dim)
         values = jnp.where(valid[:, :, None, None], values, 0)  # pad slots may hold NaN
         keys = keys.astype(jnp.float32)
-        if cos_sin is not None:  # keys a query sees are at positions below max_position
-            cs = cos_sin[jnp.clip(key_pos, 0, max_position - 1)]  # [S, N, R]; pad slots: masked
-            keys = rotate_f32(keys, cs[..., :half], cs[..., half:])
-        elif kv_mode == "position_free":  # cos | sin of R/2 angles per key: half of apply_rope's
-            keys = rope_f32(keys, key_pos, inv_freq, attention_scaling)
+        if kv_mode == "position_free":
+            keys = _rotate_keys(keys, key_pos, inv_freq, attention_scaling, cos_sin)
         k_t = keys.transpose(0, 2, 1, 3)[tile_seq]  # [I, K, N, D]
         v_t = values.astype(jnp.float32).transpose(0, 2, 1, 3)[tile_seq]
         key_pos, valid = key_pos[tile_seq], valid[tile_seq]  # [I, N]
@@ -157,6 +153,17 @@ def _defaults(problem, options: XlaOptions) -> XlaOptions:
     if options.max_position is None and problem.rotate_keys:
         return dataclasses.replace(options, max_position=problem.table_bound)
     return options
+
+
+def _rotate_keys(keys, key_pos, inv_freq, attention_scaling, cos_sin):
+    """keys [S, N, K, D] float32 at key_pos [S, N] rotated: cos | sin read from the table
+    cos_sin [M, R] when there is one (keys a query sees are at positions below M; pad slots,
+    clipped, are masked later), else computed (R/2 angles per key: half of apply_rope's)."""
+    if cos_sin is None:
+        return rope_f32(keys, key_pos, inv_freq, attention_scaling)
+    half = inv_freq.shape[-1]
+    cs = cos_sin[jnp.clip(key_pos, 0, cos_sin.shape[0] - 1)]  # [S, N, R]
+    return rotate_f32(keys, cs[..., :half], cs[..., half:])
 
 
 def _run(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_scaling, sm_scale,
