@@ -102,8 +102,7 @@ def xla_paged_attention(q, k_pages, v_pages, md, inv_freq, *, kv_mode, attention
         table = cols_of(tables)
         key_pos = (cols_of(pos_start)[:, :, None] + offsets).reshape(seqs, n_keys)  # [S, N]
         valid = (offsets[None, None, :] < cols_of(num_valid)[:, :, None]).reshape(seqs, n_keys)
-        keys = k_pages[table].reshape(seqs, n_keys, kv_heads, head_dim)  # [S, N, K, D]
-        values = v_pages[table].reshape(seqs, n_keys, kv_heads, head_dim)
+        keys, values = _gather_pages(k_pages, v_pages, table)  # [S, N, K, D] each
         values = jnp.where(valid[:, :, None, None], values, 0)  # pad slots may hold NaN
         keys = keys.astype(jnp.float32)
         if kv_mode == "position_free":
@@ -153,6 +152,16 @@ def _defaults(problem, options: XlaOptions) -> XlaOptions:
     if options.max_position is None and problem.rotate_keys:
         return dataclasses.replace(options, max_position=problem.table_bound)
     return options
+
+
+def _gather_pages(k_pages, v_pages, table):
+    """Pages table [S, C] of k_pages, v_pages [P, B, K, D] -> [S, C * B, K, D] each, gathered
+    whole and alone: fused with the rotation / mask / transpose that follow, XLA on CPU gathered
+    element by element (SmolLM2-135M, batch-16 decode, 30 layers of this loop: 42 -> 17 ms)."""
+    keys, values = jax.lax.optimization_barrier((k_pages[table], v_pages[table]))
+    seqs, cols, page_size, kv_heads, head_dim = keys.shape
+    shape = (seqs, cols * page_size, kv_heads, head_dim)
+    return keys.reshape(shape), values.reshape(shape)
 
 
 def _rotate_keys(keys, key_pos, inv_freq, attention_scaling, cos_sin):
