@@ -32,10 +32,15 @@ def rope_f32(x, positions, inv_freq, attention_scaling: float = 1.0):
     """x [..., N, D], positions [...] (x's leading axes) -> x rotated by its positions in float32
     math, returned in float32: for keys gathered from the pages and rotated once before a kernel
     reads them many times (the float32 products keep the rotation exact to the input's dtype)."""
-    half = inv_freq.shape[0]
     ang = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [..., R/2]
-    cos = (jnp.cos(ang) * attention_scaling)[..., None, :]  # [..., 1, R/2]
-    sin = (jnp.sin(ang) * attention_scaling)[..., None, :]
+    return rotate_f32(x, jnp.cos(ang) * attention_scaling, jnp.sin(ang) * attention_scaling)
+
+
+def rotate_f32(x, cos, sin):
+    """x [..., N, D] rotated by cos, sin [..., R/2] (x's leading axes, attention_scaling already
+    applied; e.g. rows of decode_common.rope_table) in float32 math; returns float32."""
+    half = cos.shape[-1]
+    cos, sin = cos[..., None, :], sin[..., None, :]  # [..., 1, R/2]
     x = x.astype(jnp.float32)
     lo, hi = x[..., :half], x[..., half:2 * half]
     return jnp.concatenate([lo * cos - hi * sin, hi * cos + lo * sin, x[..., 2 * half:]], -1)

@@ -58,3 +58,18 @@ def embed(tokens, table):
 def logits_from_hidden(x, lm_head_ev):
     """x [N, E], lm_head [E, V] -> logits [N, V] float32 (accumulated in float32)."""
     return jnp.einsum("ne,ev->nv", x, lm_head_ev, preferred_element_type=jnp.float32)
+
+
+def tied_logits(x, embed_ve):
+    """x [N, E], the embedding [V, E] as the LM head -> logits [N, V] float32. Contracts E of
+    the table as stored: spelled `embed.T` then `ne,ev`, a one-row step on CPU materialised the
+    transposed 113 MB table each step (SmolLM2-135M: 28 ms of a 60 ms step, vs 6 ms)."""
+    return jnp.einsum("ne,ve->nv", x, embed_ve, preferred_element_type=jnp.float32)
+
+
+def heads_out(attn, wo):
+    """attn [T, H, D], wo [H, D, E] -> [T, E] as one [T, H*D] x [H*D, E] product. Spelled as a
+    two-axis contraction ("thd,hde"), XLA on CPU copied wo into [D, H, E] order at every step
+    (SmolLM2-135M, 30 layers: 30 ms per step vs 7 ms at 16 rows, 27 vs 3 ms at one row)."""
+    h, d, e = wo.shape
+    return jnp.einsum("tk,ke->te", attn.reshape(attn.shape[0], h * d), wo.reshape(h * d, e))

@@ -59,7 +59,7 @@ class LlamaBlock(nnx.Module):
             h = layers.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)  # [T, E]
             q, k, v = self.qkv(h)
             attn, kv_state = attend(q, k, v, kv_state)  # [T, H, D]
-            x = x + jnp.einsum("thd,hde->te", attn, self.wo[...])
+            x = x + layers.heads_out(attn, self.wo[...])
         with jax.named_scope("mlp"):
             h = layers.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
             gate, up = self.gate_up(h)
@@ -114,8 +114,9 @@ class Llama(nnx.Module):
     def logits(self, x, cfg: ModelConfig):
         """x [N, E] -> logits [N, V] float32 (final norm, then the LM head)."""
         x = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
-        return layers.logits_from_hidden(x, head)
+        if self.lm_head is None:  # tied: the [V, E] table contracted as stored
+            return layers.tied_logits(x, self.embed[...])
+        return layers.logits_from_hidden(x, self.lm_head[...])
 
 
 # ----------------------------------------------------------------------------- pure-dict params

@@ -58,7 +58,7 @@ class GatedAttention(nnx.Module):
         v = jnp.einsum("te,ekd->tkd", h, self.wv[...])  # [T, K, D]
         attn, kv_state = attend(q, k, v, kv_state)  # [T, H, D]
         attn = attn * jax.nn.sigmoid(gate)
-        return jnp.einsum("thd,hde->te", attn, self.wo[...]), kv_state
+        return layers.heads_out(attn, self.wo[...]), kv_state
 
 
 class Qwen35Block(nnx.Module):
@@ -107,8 +107,9 @@ class Qwen35(nnx.Module):
     def logits(self, x, cfg: ModelConfig):
         """x [N, E] -> logits [N, V] float32 (final norm, then the LM head)."""
         x = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, unit_offset=True)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
-        return layers.logits_from_hidden(x, head)
+        if self.lm_head is None:  # tied: the [V, E] table contracted as stored
+            return layers.tied_logits(x, self.embed[...])
+        return layers.logits_from_hidden(x, self.lm_head[...])
 
 
 # ----------------------------------------------------------------------------- pure-dict params

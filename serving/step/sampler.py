@@ -31,7 +31,7 @@ def sample(logits, sm: SamplingMetadata, *, all_greedy: bool, use_filter: bool,
     # (the full [S, V] log-probabilities are built only for top-k logprobs).
     x_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
     lse = jnp.log(jnp.sum(jnp.exp(logits - x_max), axis=-1, keepdims=True))  # [S, 1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+    greedy = first_max_index(logits, x_max)  # [S]
     if all_greedy:
         tokens = greedy
     else:
@@ -57,6 +57,16 @@ def sample(logits, sm: SamplingMetadata, *, all_greedy: bool, use_filter: bool,
         # rank of the sampled token (1 = most likely), vLLM's Logprob.rank
         out["rank"] = 1 + jnp.sum(logp > out["logprob"][:, None], axis=-1).astype(jnp.int32)
     return out
+
+
+def first_max_index(x, x_max):
+    """jnp.argmax(x, -1) as int32 (the first maximum; the first NaN in a row with one), given
+    x_max = max(x, -1, keepdims=True): an index min over the matches. XLA on CPU runs argmax as
+    a variadic (value, index) reduce that is not vectorised: 3.5 ms vs 0.6 ms for both on a
+    [16, 49152] step (SmolLM2-135M, batch-16 decode)."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    hit = (x == x_max) | jnp.isnan(x)  # a NaN row's max is NaN: its first NaN, as argmax
+    return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
 
 
 def _top_k_top_p(x, top_k, top_p):
