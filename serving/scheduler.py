@@ -57,7 +57,6 @@ class Scheduler:
         # engine hook before a preemption: reads back a step in flight first (_ensure_block)
         self.before_preempt = before_preempt
         self._resolved_early = False
-        self.hit_tokens = 0
         self.query_tokens = 0
 
     def add(self, seq: Sequence) -> None:
