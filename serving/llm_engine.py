@@ -238,8 +238,7 @@ class LLMEngine:
                     self._hold_placeholders(batch)
         keep = self.config.async_scheduling and self.scheduler.has_unfinished()
         self._read_back_until(1 if keep else 0)
-        if self.offload is not None:
-            self.offload.materialize()
+        self.cache.after_read_back()
         seconds = timer.stop()
         if batch:
             self.stats.record_step(batch, total=sum(seconds.values()), **seconds)

@@ -24,7 +24,7 @@ def recover(engine, request_ids) -> None:
     for rid in request_ids:
         engine.abort_request(rid)
     engine.discard_results(request_ids)
-    sched._resolved_early = False
+    sched.forget_early_read()
     for job in list(sched.span_jobs):
         sched.preempt(job)
     for seq in reversed(list(sched.running)):  # the oldest ends up first in the queue

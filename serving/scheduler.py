@@ -59,6 +59,10 @@ class Scheduler:
         self._resolved_early = False
         self.query_tokens = 0
 
+    def forget_early_read(self) -> None:
+        """After a fault (serving/recovery.py): no read-back happened inside this schedule."""
+        self._resolved_early = False
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

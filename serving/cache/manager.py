@@ -194,6 +194,12 @@ class CacheManager:
         if self.recurrent is not None:
             self.recurrent.after_launch()
 
+    def after_read_back(self) -> None:
+        """A step's tokens are read back: the pages gathered for the host tier by then are read
+        into numpy (HostKVTier.materialize), which frees their device copies."""
+        if self.host is not None:
+            self.host.materialize()
+
     def ready_marks(self, batch):
         """What `after_advance` needs from before the scheduler's advance (None: nothing)."""
         return None if self.tiers is None else self.tiers.ready_marks(batch)
