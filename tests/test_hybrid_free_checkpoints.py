@@ -1,6 +1,7 @@
 """Config.hybrid_cache.free_room (serving/hybrid/hybrid_prefix.py, `_free_position`): while the
 checkpoint store has free slots, a prefill chunk that holds no planned checkpoint takes one at the
-deepest candidate it passes, so a cold start leaves no hit on the table (issue 29, item 4)."""
+deepest candidate it passes, so a cold start leaves no hit on the table (issue 29, item 4). Off by
+default (see its comment in serving/config_groups.py); the tests turn it on."""
 
 from __future__ import annotations
 
