@@ -13,7 +13,9 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
 
 During prefill, checkpoints are taken at the positions serving/hybrid/checkpoint_plan.py chooses for the
 prompt; a chunk holds at most one (it stops before a second), so the model returns one state per
-sequence per step. Prompts with SSEP spans go to the span-map cache (serving/hybrid/span_cache.py: a
+sequence per step. With Config.hybrid_cache.free_room, a chunk that holds no planned checkpoint
+takes one at the deepest candidate it passes while the store has a free slot (`_free_position`).
+Prompts with SSEP spans go to the span-map cache (serving/hybrid/span_cache.py: a
 cached span is skipped, its recurrent effect composed from its map); they take no checkpoints.
 """
 
