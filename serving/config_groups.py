@@ -103,6 +103,12 @@ class HybridCacheConfig:
     # decode step of the same bucket, more than the padding the cut saves (benchmarks/RESULTS.md,
     # "Hybrid prefix caching").
     bucket_fit: bool = option(False, flat="checkpoint_bucket_fit", host_only=True)
+    # while the device tier has free slots, a prefill chunk that holds no planned checkpoint
+    # takes one at the deepest candidate it passes (no extra step: serving/hybrid/hybrid_prefix.py,
+    # `_free_position`); the store evicts such entries by their value once it is full. Off by
+    # default: on, a request that would wait a step for a running prefill's planned checkpoint
+    # resumes at once from that prefill's free one just below it (tests/test_hybrid_cache_replay.py)
+    free_room: bool = option(False, flat="checkpoint_free_room", host_only=True)
 
     def __post_init__(self):
         if self.strategy not in CHECKPOINT_STRATEGIES:

@@ -36,6 +36,8 @@ class HybridState:
     checkpoint its first chunk resumes from."""
     ck_positions: list = dataclasses.field(default_factory=list)  # token indices, ascending
     ck_values: list = dataclasses.field(default_factory=list)  # each checkpoint's value
+    # candidates off the plan -> value: a chunk may take one while the store has free slots
+    ck_free: dict = dataclasses.field(default_factory=dict)
     ck_waits: int = 0  # admissions deferred to wait for another sequence's checkpoint
     restore_entry: object = None  # checkpoint-store entry, until the chunk that restores it
 

@@ -106,16 +106,41 @@ class CheckpointPlanner:
         return [float((cdf[edges[i + 1]] - cdf[edges[i]]) * (edges[i] - edges[i - 1]))
                 for i in range(1, len(edges) - 1)]
 
-    def prompt_plan(self, layout, num_tokens: int, block_size: int, blocks=(), shared: int = 0):
+    def prompt_plan(self, layout, num_tokens: int, block_size: int, blocks=(), shared: int = 0,
+                    free: dict | None = None):
         """(token indices where this prompt's prefill takes checkpoints, sorted; their values).
         `blocks`: hashes of the prompt's full blocks, the first `shared` held by earlier prompts
-        (the prompt not yet observed)."""
+        (the prompt not yet observed). With `free` (a dict), every other candidate's value next
+        to the plan goes into it (position -> value): where a chunk may take a checkpoint while
+        the store has free slots (serving/hybrid/hybrid_prefix.py, `free_room`)."""
         if self.strategy == "none" or self.per_prompt == 0:
             return [], []
         cand = candidates(layout, num_tokens, block_size, self.chunk)
         if cand.size == 0:
             return [], []
         pmf = self.prompt_pmf(int(num_tokens), blocks, shared)
+        got, values = self._place(pmf, cand, num_tokens, block_size)
+        if free is not None:
+            free.update(self.free_values(pmf, got, cand))
+        return got, values
+
+    @staticmethod
+    def free_values(pmf: np.ndarray, planned, cand) -> dict:
+        """Per candidate c off the plan: what adding it alone to the plan saves a later request
+        on average, (mass of depths in [c, r)) x (c - l) between its planned neighbours l < c < r
+        (the same measure as `values`, so the store's eviction ranks both kinds alike)."""
+        cdf = np.concatenate([[0.0], np.cumsum(pmf)])
+        edges = np.asarray([0] + list(planned) + [pmf.size], np.int64)
+        out = {}
+        for c in (int(x) for x in cand):
+            i = int(np.searchsorted(edges, c, side="right"))
+            if edges[i - 1] == c:
+                continue  # planned
+            out[c] = float((cdf[edges[i]] - cdf[c]) * (c - edges[i - 1]))
+        return out
+
+    def _place(self, pmf, cand, num_tokens: int, block_size: int):
+        """(positions, values) of the strategy's plan over `cand` under `pmf`."""
         if self.strategy == "last":
             got = [int(cand[-1])]
         elif self.strategy == "block":

@@ -13,7 +13,9 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
 
 During prefill, checkpoints are taken at the positions serving/hybrid/checkpoint_plan.py chooses for the
 prompt; a chunk holds at most one (it stops before a second), so the model returns one state per
-sequence per step. Prompts with SSEP spans go to the span-map cache (serving/hybrid/span_cache.py: a
+sequence per step. With Config.hybrid_cache.free_room, a chunk that holds no planned checkpoint
+takes one at the deepest candidate it passes while the store has a free slot (`_free_position`).
+Prompts with SSEP spans go to the span-map cache (serving/hybrid/span_cache.py: a
 cached span is skipped, its recurrent effect composed from its map); they take no checkpoints.
 """
 
@@ -27,10 +29,11 @@ from serving.hybrid.resume import Resume
 
 class HybridPrefixCache:
     def __init__(self, store, planner, block_size: int, spans=None, fit=None,
-                 wait_tokens: float = 0.0):
+                 wait_tokens: float = 0.0, free_room: bool = False):
         self.store, self.planner, self.block_size = store, planner, block_size
         self.fit = fit  # serving/bucket_fit.BucketFit or None (chunks not cut at buckets)
         self.wait_tokens = wait_tokens  # see _wait (0: never wait for an in-flight checkpoint)
+        self.free_room = free_room  # see _free_position (Config.hybrid_cache.free_room)
         self.spans = spans  # serving/span_cache.SpanMapCache or None (span prompts run cold)
         self.admissions = self.checkpoint_hits = 0
         self.tokens_matched = self.tokens_resumed = 0
@@ -94,10 +97,12 @@ class HybridPrefixCache:
             self.spans.commit(mgr, seq, r, self)
         elif not seq.ever_admitted:
             bs, hashes = self.block_size, mgr.keys.hashes(seq)
+            free = {} if self.free_room else None
             planned = ([], []) if seq.layout.span_block.any() else self.planner.prompt_plan(
                 seq.layout, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs],
-                r.shared)
+                r.shared, free)
             seq.hybrid.ck_positions, seq.hybrid.ck_values = planned
+            seq.hybrid.ck_free = free or {}
         self.count_admission(seq, r.kinds, r.kc, r.shared, r.entry)
         seq.hybrid.restore_entry = r.entry
 
@@ -192,18 +197,43 @@ class HybridPrefixCache:
             e.reset = False
             self.store.hand_to_launch(entry)
             seq.hybrid.restore_entry = None
-        ahead = self._ahead(seq)
-        if not ahead or ahead[0] > e.new_computed or seq.is_span_job:
+        if seq.is_span_job:
             return
-        p, bs = ahead[0], self.block_size
-        hashes = mgr.keys.hashes(seq)
+        ahead = self._ahead(seq)
+        if ahead and ahead[0] <= e.new_computed:
+            p = ahead[0]
+            value = seq.hybrid.ck_values[seq.hybrid.ck_positions.index(p)]
+        else:
+            p = self._free_position(mgr, seq, e.new_computed)
+            if p is None:
+                return
+            value = seq.hybrid.ck_free[p]
+        bs, hashes = self.block_size, mgr.keys.hashes(seq)
         k = p // bs
         pos = int(positions_of(seq.layout, [p])[0])
-        value = seq.hybrid.ck_values[seq.hybrid.ck_positions.index(p)]
         slot = self.store.reserve(hashes[k - 1], mgr.keys.confirm(seq, k - 1), pos, hashes[:k],
                                   value)
         if slot >= 0:
             e.ck_pos, e.ck_slot = pos, slot
+
+    def _free_position(self, mgr, seq, end: int) -> int | None:
+        """A chunk [s, end] that holds no planned checkpoint takes, while the store has a free
+        slot (nothing is evicted for it), the deepest candidate it passes that is not stored yet:
+        the last one costs no extra step (a chunk takes one checkpoint; cutting chunks at every
+        candidate would cost a step each), and it is the one a later request sharing the most
+        of this chunk resumes from. The store's GreedyDual evicts it by its value once the pool
+        is full, so the planned ones (the DP's) stay for the budgeted case."""
+        if not seq.hybrid.ck_free or not self.store.free_slots:
+            return None
+        hashes, bs = mgr.keys.hashes(seq), self.block_size
+        for p in sorted(seq.hybrid.ck_free, reverse=True):
+            if p > end:
+                continue
+            if p < seq.num_computed:
+                return None
+            if not self.store.contains(hashes[p // bs - 1]):
+                return p
+        return None
 
     def after_launch(self) -> None:
         """The step built from this schedule is launched: its pins go."""
@@ -291,7 +321,8 @@ def build(config, family, mcfg, dtype, pool=None, span_pool=None):
     from serving.hybrid import span_cache
     spans = span_cache.build(config, family, mcfg, dtype, pool=span_pool)
     cache = HybridPrefixCache(CheckpointStore(slots, host, nbytes), planner, config.block_size,
-                              spans, BucketFit.from_config(config), config.hybrid_cache.step_tokens)
+                              spans, BucketFit.from_config(config), config.hybrid_cache.step_tokens,
+                              config.hybrid_cache.free_room)
     return cache, pool
 
 
