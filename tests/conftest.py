@@ -38,6 +38,12 @@ import serving.step.executable_store as _executable_store  # noqa: E402
 
 _executable_store.DEFAULT_SETTING = "off"
 
+# No warm-up in LLM() either (minipic_jax/warmup.py): each test's engine compiles only the step
+# variants it meets; tests of the warm-up pass warmup=True.
+import minipic_jax.warmup as _warmup  # noqa: E402
+
+_warmup.DEFAULT = False
+
 
 # Hypothesis: derandomized by default (the examples follow from each test's name: never flaky,
 # and a failure prints its example and a @reproduce_failure blob); MINIPIC_HYPOTHESIS=fresh draws
