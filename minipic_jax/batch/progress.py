@@ -20,10 +20,12 @@ def _steps(llm):
 class Progress:
     """The job's bar (None when disabled) and the engine's compile notices."""
 
+    desc = RUNNING  # the bar's label (LLM.generate: "Processed prompts")
+
     def __init__(self, llm, total: int, enabled: bool, desc: str = RUNNING, unit: str = "req"):
         self.steps = _steps(llm)
         self.bar = None
-        self.desc = desc  # the bar's label (LLM.generate: "Processed prompts")
+        self.desc = desc
         self.compiled = 0  # variants compiled while this bar ran
         if enabled:
             from tqdm.auto import tqdm
