@@ -72,7 +72,7 @@ class LLM:
         are taken too; an unknown name is a TypeError (Config.from_flat).
       warmup: compile every step variant a greedy request needs (span steps too on a hybrid
         model) before returning, with a line on stderr and the cost in `startup`
-        (minipic_jax/warmup.py); None: warmup.DEFAULT (True). False: variants compile on first
+        (minipic_jax/warmup.py); None: on unless $MINIPIC_WARMUP=0. False: variants compile on first
         use (generate's bar says so).
       compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
         $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;

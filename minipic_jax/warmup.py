@@ -11,12 +11,14 @@ first use: `generate`'s bar says so (minipic_jax/batch/progress.Progress).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
-# LLM(warmup=None) reads this: the suite turns it off (tests/conftest.py) since its engines
-# compile lazily only the variants each test meets; tests of the warm-up pass warmup=True.
-DEFAULT = True
+# LLM(warmup=None) reads this: on unless $MINIPIC_WARMUP is "0". The suite turns it off
+# (tests/conftest.py; its subprocesses inherit the variable) since its engines compile lazily
+# only the variants each test meets; tests of the warm-up pass warmup=True.
+DEFAULT = os.environ.get("MINIPIC_WARMUP", "1") != "0"
 
 
 def run(llm, show: bool = True) -> dict:
