@@ -121,7 +121,7 @@ def _load(args, res: dict, compiles: dict, t0: float):
 
     from minipic_jax import LLM
     max_len = args.ctx + 64
-    llm = LLM(args.model, dtype=args.dtype, seed=0, max_num_seqs=args.batch,
+    llm = LLM(args.model, dtype=args.dtype, seed=0, max_num_seqs=args.batch, warmup=False,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
               block_size=BLOCK_SIZE, num_kv_blocks=args.batch * -(-max_len // BLOCK_SIZE) + 64,
               min_token_bucket=args.min_token_bucket, attn_impl=args.attn_impl,

@@ -170,7 +170,7 @@ def _engine(args, loaded, nbytes):
               checkpoint_gb=max(args.budgets) * nbytes / 2**30,
               checkpoints_per_prompt=args.per_prompt, num_kv_blocks=args.num_kv_blocks)
     if not args.stub_device:
-        return LLM(args.model, **kw)
+        return LLM(args.model, warmup=False, **kw)
     # the stub never reads positions: a tiny preset may take long prompts
     import dataclasses
     from unittest import mock
@@ -181,7 +181,7 @@ def _engine(args, loaded, nbytes):
         loaded.cfg, max_position_embeddings=max(args.max_model_len,
                                                 loaded.cfg.max_position_embeddings)))
     with mock.patch.object(minipic_jax.llm, "load_model", lambda *a, **k: long):
-        llm = LLM(args.model, **kw)
+        llm = LLM(args.model, warmup=False, **kw)
     llm.llm_engine.runner._step = StubStep(llm.llm_engine.vocab_size)
     return llm
 

@@ -70,7 +70,7 @@ def prewarm(args) -> None:
     from minipic_jax import LLM
     from serving.cache.kv_pool import device_memory
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, warmup=False,
               max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               min_token_bucket=args.min_token_bucket, num_kv_blocks=args.num_kv_blocks,

@@ -28,7 +28,7 @@ PERCENTILES = (50, 90, 99)
 def _engine(opts, extra: dict, max_model_len: int, spans: bool = False):
     from minipic_jax import LLM
     t0 = time.perf_counter()
-    llm = LLM(opts.model, dtype=opts.dtype, seed=0, max_num_seqs=opts.max_num_seqs,
+    llm = LLM(opts.model, dtype=opts.dtype, seed=0, max_num_seqs=opts.max_num_seqs, warmup=False,
               max_num_batched_tokens=opts.max_num_batched_tokens, max_model_len=max_model_len,
               min_token_bucket=opts.min_token_bucket, num_kv_blocks=opts.num_kv_blocks,
               attn_impl=opts.attn_impl,

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     from minipic_jax import LLM, SamplingParams
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_model_len=1024,
+    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_model_len=1024, warmup=False,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               num_kv_blocks=args.num_kv_blocks, kv_mode=args.kv_mode,
               scheduling_policy=args.policy)

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from minipic_jax import array_generate, compile_cache, weights_update
+from minipic_jax import warmup as warmup_steps
+from minipic_jax.batch.progress import Progress
 from minipic_jax.loading import load_model
 from minipic_jax.loading.chat_template import render_conversations
 from minipic_jax.parallel_samples import fan_out, merge_samples
@@ -68,13 +70,18 @@ class LLM:
         models: Config.hybrid_cache, Config.span_maps), tensor_parallel_size (split the model over
         that many devices: serving/step/sharding.py). Group objects (kv_store=KVStoreConfig(...))
         are taken too; an unknown name is a TypeError (Config.from_flat).
+      warmup: compile every step variant a greedy request needs (span steps too on a hybrid
+        model) before returning, with a line on stderr and the cost in `startup`
+        (minipic_jax/warmup.py); None: on unless $MINIPIC_WARMUP=0. False: variants compile on first
+        use (generate's bar says so).
       compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
         $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;
         False: leave JAX's setting alone). See minipic_jax/compile_cache.py.
     """
 
     def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0,
-                 compilation_cache: str | bool | None = None, **engine_args: Any):
+                 compilation_cache: str | bool | None = None, warmup: bool | None = None,
+                 **engine_args: Any):
         # flat keywords into their groups; an unknown one is a TypeError before any work
         options = grouped_kwargs(Config, engine_args)
         self.compilation_cache_dir = compile_cache.configure(compilation_cache)
@@ -98,6 +105,8 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self._next_id = 0
         self._lock = threading.RLock()  # see _serialized
+        if warmup_steps.DEFAULT if warmup is None else warmup:
+            self.startup.update(warmup_steps.run(self))
 
     @_serialized
     def update_weights(self, params, *, donate: bool = False) -> int:
@@ -191,10 +200,8 @@ class LLM:
         self._next_id += len(prompts)
         order = {r[0]: (r[5], r[6]) for r in reqs}
         results: list = [[None] * sp.n for sp in sps]
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(reqs), desc="Processed prompts", dynamic_ncols=True)
+        # the bar also says when a step variant compiles (one the warm-up did not cover)
+        bar = Progress(self, len(reqs), use_tqdm, desc="Processed prompts", unit="it")
         try:
             for rid, ids, text, sp, layout, _, _ in reqs:
                 engine._enqueue(rid, ids, sp, layout, cache_salt=cache_salt, prompt=text)
@@ -203,15 +210,13 @@ class LLM:
                     if out.request_id in order:
                         i, k = order[out.request_id]
                         results[i][k] = out
-                        if bar is not None:
-                            bar.update(1)
+                        bar.update(1)
             engine.flush_kv_store()
         except BaseException:
             engine.recover(list(order))
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         return [merge_samples(str(self._next_id - len(prompts) + i), r) if len(r) > 1 else r[0]
                 for i, r in enumerate(results)]
 

@@ -51,7 +51,7 @@ def dump(path: str, fixture: str = "qwen3_5_gva2", tp: int = 1,
 
     model_runner.ModelRunner._compile_in_parallel = capture
     for caching in (False, True):
-        llm = LLM(str(root / "tests" / "fixtures" / fixture), max_num_seqs=2,
+        llm = LLM(str(root / "tests" / "fixtures" / fixture), max_num_seqs=2, warmup=False,
                   max_num_batched_tokens=64, max_model_len=192, attn_impl="xla",
                   decode_attn_impl=None if decode == "none" else decode,
                   enable_prefix_caching=caching,

@@ -93,9 +93,12 @@ class LLMEngine:
         self.num_sync_fallbacks = 0  # read-backs forced before a preemption
         self.num_discarded_rows = 0  # rows of requests that had finished (or were aborted)
 
-    def warmup(self, modes=((True, False, 0),), spans: bool = False) -> None:
+    def warmup(self, modes=((True, False, 0),), spans: bool | None = None) -> None:
         """Ready the step of each bucket and (all_greedy, use_filter, num_logprobs) mode, so a run
-        compiles nothing (runner.warmup; spans: a hybrid's span steps; seconds: runner.startup)."""
+        compiles nothing (runner.warmup; seconds: runner.startup). spans: a hybrid's span steps
+        too (None: on a hybrid model, so a span request, cold or cached, compiles nothing)."""
+        if spans is None:
+            spans = self.runner.hybrid
         for all_greedy, use_filter, num_logprobs in modes:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
                                num_logprobs=num_logprobs, spans=spans)

@@ -10,6 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Engines in subprocesses of tests write no user-level compilation cache unless a test asks for one
 # (minipic_jax/compile_cache.py); this process uses the suite's cache below.
 os.environ.setdefault("MINIPIC_COMPILATION_CACHE_DIR", "off")
+# No warm-up in LLM() (minipic_jax/warmup.py), here or in subprocesses: see below.
+os.environ.setdefault("MINIPIC_WARMUP", "0")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -37,6 +39,12 @@ _serving_config.CPU_MIN_TOKEN_BUCKET = 8
 import serving.step.executable_store as _executable_store  # noqa: E402
 
 _executable_store.DEFAULT_SETTING = "off"
+
+# No warm-up in LLM() either (minipic_jax/warmup.py): each test's engine compiles only the step
+# variants it meets; tests of the warm-up pass warmup=True.
+import minipic_jax.warmup as _warmup  # noqa: E402
+
+_warmup.DEFAULT = False
 
 
 # Hypothesis: derandomized by default (the examples follow from each test's name: never flaky,

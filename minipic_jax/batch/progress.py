@@ -20,22 +20,25 @@ def _steps(llm):
 class Progress:
     """The job's bar (None when disabled) and the engine's compile notices."""
 
-    def __init__(self, llm, total: int, enabled: bool):
+    desc = RUNNING  # the bar's label (LLM.generate: "Processed prompts")
+
+    def __init__(self, llm, total: int, enabled: bool, desc: str = RUNNING, unit: str = "req"):
         self.steps = _steps(llm)
         self.bar = None
+        self.desc = desc
         self.compiled = 0  # variants compiled while this bar ran
         if enabled:
             from tqdm.auto import tqdm
-            self.bar = tqdm(total=total, desc=RUNNING, unit="req", dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)
             self.steps.on_compile = self._on_compile
 
     def _on_compile(self, done: int, total: int) -> None:
         if done >= total:
             self.compiled += total
-            label = RUNNING
+            label = self.desc
         else:
             first, last = self.compiled + done + 1, self.compiled + total
-            label = (f"{RUNNING} (compiling step variant {first}"
+            label = (f"{self.desc} (compiling step variant {first}"
                      f"{f'-{last}' if last > first else ''}: a new step shape, compiled once)")
         self.bar.set_description_str(label, refresh=True)
 
@@ -46,7 +49,8 @@ class Progress:
                 self.bar.set_postfix_str(postfix)
 
     def close(self) -> None:
-        self.steps.on_compile = None
+        if self.bar is not None:  # a disabled bar leaves the engine's notices alone
+            self.steps.on_compile = None
         if self.bar is not None:
             self.bar.close()
 

@@ -123,7 +123,8 @@ def run(args, llm=None) -> dict:
     t0 = time.perf_counter()
     if llm is None:
         Config.from_flat(**engine_args(args))  # bad engine options: an error now, not after the weights
-        llm = LLM(args.model, dtype=args.dtype, seed=args.seed, **engine_args(args))
+        llm = LLM(args.model, dtype=args.dtype, seed=args.seed, warmup=False,  # --warmup: below
+                  **engine_args(args))
     if args.retry_errors:
         drop_error_records(args.output_file)
     if args.warmup:

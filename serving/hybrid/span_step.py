@@ -26,28 +26,42 @@ def piece_bound(t: int, s: int) -> int:
     return s + max(8, t // 8) + MAX_CAPTURES
 
 
-# chain lengths a step compiles for: 16, then powers of 4 (a shorter chain pads up; padding costs
-# nothing on device: span_maps.entry_states stops at the longest chain), so one warm-up variant
-# per bucket serves RAG prompts of up to 16 cached spans in a row, with no mid-run compile.
+# chain lengths: one static length per engine, the most maps a chain can hold (a skipped span
+# covers at least one block, so at most the block-table width; at least 16). The composing loop
+# stops at the longest chain (span_maps.entry_states), so padding costs nothing on device and
+# the length adds no step variant. A longer chain (never expected) pads up by 4x and compiles.
 MIN_CHAIN_LENGTH = 16
 
 
-def chain_shape(batch, s: int) -> tuple[int, int]:
+def chain_length(max_blocks_per_seq: int) -> int:
+    """The static chain length of an engine whose block tables hold `max_blocks_per_seq`."""
+    return max(MIN_CHAIN_LENGTH, max_blocks_per_seq)
+
+
+def chain_rows(n: int, s: int) -> int:
+    """Rows of the chain array for n sequences with a chain in a step of s: powers of four from
+    4 (composing costs one matmul per row and map, so rows are few; a factor of 4 between
+    buckets keeps the warm-up's variants few), at most s."""
+    rows = 4
+    while rows < n:
+        rows *= 4
+    return min(s, rows)
+
+
+def chain_shape(batch, s: int, length: int = MIN_CHAIN_LENGTH) -> tuple[int, int]:
     """(rows, length) of the step's chains of cached span maps, both static: only sequences
-    with a chain get a row (composing costs one matmul per row and map), at least 4 rows (at
-    most s; powers of two) and MIN_CHAIN_LENGTH maps (then powers of four), so a few compiled
-    variants serve every step."""
+    with a chain get a row (chain_rows), `length` maps (chain_length), so the variants of
+    warm_chains serve every step."""
     lengths = [len(e.map_chain) for e in batch if e.map_chain]
-    pow2 = lambda n: 1 << max(n - 1, 0).bit_length()  # noqa: E731
-    longest, length = max(lengths, default=0), MIN_CHAIN_LENGTH
+    longest = max(lengths, default=0)
     while length < longest:
         length *= 4
-    return min(s, max(4, pow2(len(lengths)))), length
+    return chain_rows(len(lengths), s), length
 
 
-def warm_chains(s: int) -> list[tuple[int, int]]:
-    """The chain shapes warm-up compiles for a bucket of s sequences."""
-    return [(min(s, 4), MIN_CHAIN_LENGTH)]
+def warm_chains(s: int, length: int = MIN_CHAIN_LENGTH) -> list[tuple[int, int]]:
+    """The chain shapes warm-up compiles for a bucket of s sequences: every row bucket."""
+    return sorted({(chain_rows(n, s), length) for n in range(1, s + 1)})
 
 
 def has_spans(seq) -> bool:

@@ -63,6 +63,7 @@ class ModelRunner:
         self.hybrid = bool(getattr(self.family, "IS_HYBRID", False))  # spans: span_rows.py
         self.block_size = config.block_size
         self.nb = config.max_blocks_per_seq
+        self.chain_length = span_step.chain_length(self.nb)  # span chains: one static length
         seats = config.num_seats
         self.scratch_slot = seats  # recurrent slot for padding rows
 
@@ -209,9 +210,9 @@ class ModelRunner:
                num_logprobs: int = 0, spans: bool = False) -> None:
         """Ready the step of every token bucket for one sampling mode, with every per-step
         attention plan a step of that bucket can take (fits / overflows), then run each once as an
-        empty step (nothing written). spans (hybrid models): also each bucket's span step, with
-        chains of up to 16 maps for up to 4 sequences when a span-map pool is attached
-        (serving/span_step.warm_chains). Ready = loaded from the executable store or traced,
+        empty step (nothing written). spans (hybrid models): also each bucket's span step, for
+        every chain-row bucket at the engine's one chain length when a span-map pool is attached
+        (serving/hybrid/span_step.warm_chains). Ready = loaded from the executable store or traced,
         lowered and compiled in threads (serving/step/step_executables.py); `startup` gets the
         seconds of each phase."""
         steps = self.warmup_steps(all_greedy=all_greedy, use_filter=use_filter,
@@ -239,7 +240,8 @@ class ModelRunner:
             plans = {self._plan(t, s, n, d) for n, d in ((0, 1), (min(s, t // 2), 1), (1, 0))}
             variants += [(t, False, plan, False, ()) for plan in plans]
             if spans and self.hybrid:
-                chains = span_step.warm_chains(s) if self.span_pool is not None else [()]
+                chains = (span_step.warm_chains(s, self.chain_length) if self.span_pool is not None
+                          else [()])
                 variants += [(t, False, plan, True, c) for plan in plans for c in chains]
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
@@ -290,7 +292,7 @@ class ModelRunner:
         spans = self.hybrid and span_step.step_has_spans(batch, self.block_size)
         chain = ()
         if spans and self.span_pool is not None:
-            chain = chain_shape(batch, s)
+            chain = chain_shape(batch, s, self.chain_length)
         ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans, chain)
         ints.fill(0)
         floats[:s] = 0.0

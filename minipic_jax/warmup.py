@@ -1,0 +1,46 @@
+"""The warm-up `LLM()` runs: every step variant a greedy request needs, compiled before the first
+request, so no request waits on a compile (issue 29: a hybrid model's span request compiled two
+step variants while the user waited, 50 s on an H200).
+
+On a hybrid model it covers the span steps too (LLMEngine.warmup: span capture and composition,
+serving/hybrid/span_step.warm_chains). A line on stderr says what compiles and what it cost; the
+seconds and variant count land in `LLM.startup` (warmup_s, warmup_variants, warmup_compiled).
+A variant met later (another sampling mode, a longer chain of cached spans) still compiles on
+first use: `generate`'s bar says so (minipic_jax/batch/progress.Progress).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# LLM(warmup=None) reads this: on unless $MINIPIC_WARMUP is "0". The suite turns it off
+# (tests/conftest.py; its subprocesses inherit the variable) since its engines compile lazily
+# only the variants each test meets; tests of the warm-up pass warmup=True.
+DEFAULT = os.environ.get("MINIPIC_WARMUP", "1") != "0"
+
+
+def run(llm, show: bool = True) -> dict:
+    """Run the engine's default warm-up, telling stderr when `show`; returns its costs."""
+    steps = llm.llm_engine.runner._step  # serving/step/step_executables.StepExecutables
+    before = dict(steps.counts)
+
+    def tell(done: int, total: int) -> None:
+        end = "\n" if done >= total else ""
+        print(f"\rminipic_jax: warm-up: compiling step variant {done}/{total}", end=end,
+              file=sys.stderr, flush=True)
+    steps.on_compile = tell if show else None
+    t0 = time.perf_counter()
+    try:
+        llm.llm_engine.warmup()
+    finally:
+        steps.on_compile = None
+    cost = {"warmup_s": time.perf_counter() - t0,
+            "warmup_variants": llm.llm_engine.runner.startup.get("variants", 0),
+            "warmup_compiled": steps.counts["compiled"] - before["compiled"]}
+    if show:
+        print(f"minipic_jax: warm-up: {cost['warmup_variants']} step variants ready "
+              f"({cost['warmup_compiled']} compiled) in {cost['warmup_s']:.1f} s",
+              file=sys.stderr, flush=True)
+    return cost

@@ -1,0 +1,47 @@
+"""LLM()'s default warm-up readies every step variant a span request needs on a hybrid model
+(issue 29, "no stalls"): after it, a cold span request, the same spans reordered with a new
+question, and the same tokens as a plain prompt compile no step variant while serving. Shapes of
+tests/test_engine_hybrid_spans.py (one 64-token bucket, 4 seats), so the compiles are shared."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minipic_jax import LLM, SamplingParams
+from minipic_jax.prompts import Prompt, Span
+
+SP = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+
+
+def test_span_requests_compile_nothing_after_the_default_warmup(capsys):
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
+              max_num_batched_tokens=64, min_token_bucket=64, max_model_len=512,
+              block_size=16, num_kv_blocks=96, warmup=True)
+    assert llm.startup["warmup_variants"] >= 2 and llm.startup["warmup_s"] > 0
+    assert "warm-up" in capsys.readouterr().err  # the progress line on stderr
+    steps = llm.llm_engine.runner._step
+    rng = np.random.default_rng(29)
+    text = lambda n: bytes(rng.integers(97, 123, n).tolist()).decode()  # noqa: E731
+    # 18 spans of a block each: the reordered request enters a chain of 18 cached maps (more
+    # than the 16 an engine used to warm)
+    system, spans = Prompt(text(30)), [Span(text(12)) for _ in range(18)]
+    requests = {"cold": [system, *spans, Prompt(text(20))],
+                "reordered": [system, *spans[::-1], Prompt(text(15))],
+                "plain": system.content + "".join(s.content for s in spans) + text(20)}
+    compiled = {}
+    for name, prompt in requests.items():
+        before = steps.counts["compiled"]
+        llm.generate([prompt], SP, use_tqdm=False)
+        compiled[name] = steps.counts["compiled"] - before
+    assert compiled == dict.fromkeys(requests, 0)
+
+
+def test_generate_says_when_a_variant_compiles_outside_warmup(capsys):
+    """Without warm-up, the first step compiles its variant: generate's bar says so."""
+    from conftest import make_tiny_llm
+    llm = make_tiny_llm()  # the suite's engines skip the warm-up (tests/conftest.py)
+    llm.generate(["hello there"], SamplingParams(temperature=0.0, max_tokens=2))
+    err = capsys.readouterr().err
+    assert "Processed prompts (compiling step variant 1" in err
+    llm.generate(["hello again"], SamplingParams(temperature=0.0, max_tokens=2))
+    assert "compiling" not in capsys.readouterr().err  # nothing new to compile
