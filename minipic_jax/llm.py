@@ -72,8 +72,8 @@ class LLM:
         are taken too; an unknown name is a TypeError (Config.from_flat).
       warmup: compile every step variant a greedy request needs (span steps too on a hybrid
         model) before returning, with a line on stderr and the cost in `startup`
-        (minipic_jax/warmup.py); None: on unless $MINIPIC_WARMUP=0. False: variants compile on first
-        use (generate's bar says so).
+        (minipic_jax/warmup.py); None: on for hybrid models only (minipic_jax/warmup.DEFAULT).
+        False: variants compile on first use (generate's bar says so).
       compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
         $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;
         False: leave JAX's setting alone). See minipic_jax/compile_cache.py.
@@ -105,7 +105,8 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self._next_id = 0
         self._lock = threading.RLock()  # see _serialized
-        if warmup_steps.DEFAULT if warmup is None else warmup:
+        warm = warmup_steps.DEFAULT if warmup is None else warmup
+        if warm or warm is None and self.llm_engine.hybrid:
             self.startup.update(warmup_steps.run(self))
 
     @_serialized

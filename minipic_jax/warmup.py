@@ -11,14 +11,15 @@ first use: `generate`'s bar says so (minipic_jax/batch/progress.Progress).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-# LLM(warmup=None) reads this: on unless $MINIPIC_WARMUP is "0". The suite turns it off
-# (tests/conftest.py; its subprocesses inherit the variable) since its engines compile lazily
-# only the variants each test meets; tests of the warm-up pass warmup=True.
-DEFAULT = os.environ.get("MINIPIC_WARMUP", "1") != "0"
+# LLM(warmup=None) reads this. None: warm up hybrid models (a span request's step variants
+# stalled it for tens of seconds) and compile other models' variants on first use (a plain
+# model's first request compiles what it meets, and the bar says so). The suite sets False
+# (tests/conftest.py): its engines compile only the variants each test meets; tests of the
+# warm-up pass warmup=True.
+DEFAULT: bool | None = None
 
 
 def run(llm, show: bool = True) -> dict:

@@ -10,8 +10,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Engines in subprocesses of tests write no user-level compilation cache unless a test asks for one
 # (minipic_jax/compile_cache.py); this process uses the suite's cache below.
 os.environ.setdefault("MINIPIC_COMPILATION_CACHE_DIR", "off")
-# No warm-up in LLM() (minipic_jax/warmup.py), here or in subprocesses: see below.
-os.environ.setdefault("MINIPIC_WARMUP", "0")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -36,7 +36,7 @@ def _prompts(llm, ref) -> list:
 
 def run(name: str, tp: int) -> dict:
     ref = np.load(FIXTURES / name / "reference.npz")
-    llm = LLM(str(FIXTURES / name), dtype="float32", seed=0, max_num_seqs=4,
+    llm = LLM(str(FIXTURES / name), warmup=False, dtype="float32", seed=0, max_num_seqs=4,
               max_num_batched_tokens=32, min_token_bucket=32, max_model_len=192, block_size=16,
               num_kv_blocks=64, tensor_parallel_size=tp)
     hf, structured = _prompts(llm, ref)
@@ -78,7 +78,7 @@ def cached(name: str, tp: int) -> dict:
     # layers' conv and delta states); the device tier holds 2 checkpoints
     ckpt = 5376
     extra = dict(checkpoint_gb=2 * ckpt / 2**30, checkpoints_per_prompt=2) if hybrid else {}
-    llm = LLM(str(FIXTURES / name), dtype="float32", seed=0, max_num_seqs=2,
+    llm = LLM(str(FIXTURES / name), warmup=False, dtype="float32", seed=0, max_num_seqs=2,
               max_num_batched_tokens=32, min_token_bucket=32, max_model_len=192, block_size=16,
               num_kv_blocks=24, cpu_offload_gb=(16 * 4096 + 8 * ckpt) / 2**30,
               tensor_parallel_size=tp, **extra)
@@ -253,7 +253,7 @@ def errors(name: str) -> list[str]:
     out = []
     for tp in (3, 8):
         try:
-            LLM(str(FIXTURES / name), num_kv_blocks=8, max_model_len=64, tensor_parallel_size=tp)
+            LLM(str(FIXTURES / name), warmup=False, num_kv_blocks=8, max_model_len=64, tensor_parallel_size=tp)
             out.append("no error")
         except ValueError as e:
             out.append(str(e))
