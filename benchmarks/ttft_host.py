@@ -23,6 +23,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+import numpy as np
+
 PARTS = ("prompt", "validate", "hashing", "admission", "build", "output", "stub")
 
 
@@ -100,8 +102,11 @@ def instrument(llm) -> PartTimer:
 
 
 def request(rng, spans, order, vocab: int):
+    """[Prompt(system: 40 ids, the same in every call), spans in `order`, Prompt(a new
+    question: 30 ids)]."""
     from minipic_jax.prompts import Prompt, Span
-    return ([Prompt(rng.integers(10, vocab - 10, 40).tolist())] +
+    system = np.random.default_rng(1).integers(10, vocab - 10, 40).tolist()
+    return ([Prompt(system)] +
             [Span(spans[k]) for k in order] +
             [Prompt(rng.integers(10, vocab - 10, 30).tolist())])
 
@@ -121,8 +126,6 @@ def timed_call(llm, pt: PartTimer, prompt, sp) -> dict:
 
 def run(args) -> int:
     import statistics
-
-    import numpy as np
 
     from minipic_jax import SamplingParams
     llm = make_llm(args)
