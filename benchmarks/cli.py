@@ -34,6 +34,8 @@ COMMANDS = {
     "rag": ("benchmarks.rag_bench",
             "RAG headline on MuSiQue: rotated / pic_off / position_free x (fcfs, barrier, isps), "
             "offline + online, cached-span TTFT, load and warm-up times"),
+    "ttft-host": ("benchmarks.ttft_host",
+                  "cached-span TTFT request through LLM.generate, step stubbed: host ms per part"),
     "block-ft": ("benchmarks.block_ft_bench",
                  "synthetic multi-document task: full attention vs Block-Attention vs block FT"),
     "cpu-vs-hf": ("benchmarks.cpu_vs_hf",

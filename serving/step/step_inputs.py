@@ -133,7 +133,11 @@ class SeatTables:
                     v["q_window_start"][row:row + n] = lay.win[lo:last + 1]
                     off = lay.slot_off[lo:last + 1]
                 else:
-                    toks = np.asarray(seq.token_ids[lo:last + 1], np.int32)
+                    toks = seq.layout.tokens  # the prompt's int64 ids: no list conversion
+                    if toks is None or last >= seq.num_prompt_tokens:
+                        toks = np.asarray(seq.token_ids[lo:last + 1], np.int32)
+                    else:
+                        toks = toks[lo:last + 1]
                     v["tokens"][row:row + n] = toks[idx - lo]
                     pos, win, off, _ = seq.geometry(idx)
                     v["q_positions"][row:row + n] = pos

@@ -1,0 +1,166 @@
+"""`minipic-bench ttft-host`: the host time of the cached-span TTFT request, device step stubbed.
+
+The request of issue 28: [Prompt(40 ids), Span(4,096 ids) x 8, Prompt(30 ids)], max_tokens=1,
+through `LLM.generate` on the `tiny_llama3` preset (the step is a `StubStep`, so only host work is
+timed, on any backend). First the cold call (every block computed, stubbed), then calls with the
+spans reordered and a new question (all spans cached). Per call: the wall of `generate`, split
+into its parts by exclusive time (a part nested in another is counted once, in the inner one):
+
+    prompt    Prompt/Span -> ids (LLM.to_token_ids: minipic_jax/prompts.py)
+    validate  request checks and the layout (LLMEngine.validate)
+    hashing   block keys (PrefixKeys.hashes)
+    admission cache admission (CacheManager.admit: lookup, hit confirmation, table fill)
+    build     the step's host inputs (ModelRunner.launch less the stubbed step)
+    output    tokens applied and RequestOutputs made (LLMEngine._postprocess)
+    stub      the stubbed device step (not host work)
+    other     the rest of `generate` (queueing, scheduling, ...)
+
+    minipic-bench ttft-host [--calls 3] [--repeats 5] [--profile]
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+PARTS = ("prompt", "validate", "hashing", "admission", "build", "output", "stub")
+
+
+def add_parser(p) -> None:
+    p.add_argument("--model", default="tiny_llama3")
+    p.add_argument("--spans", type=int, default=8)
+    p.add_argument("--span-tokens", type=int, default=4096)
+    p.add_argument("--calls", type=int, default=3, help="cached calls (reordered spans)")
+    p.add_argument("--repeats", type=int, default=5, help="runs of the cached calls (median)")
+    p.add_argument("--profile", action="store_true", help="cProfile one cached call")
+
+
+class PartTimer:
+    """Exclusive seconds per part: methods wrapped by `wrap` add their own time less the time of
+    wrapped calls nested in them."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self._stack: list[float] = []  # nested time per open call
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        inner = getattr(owner, name)
+        timer = self
+
+        def timed(*args, **kwargs):
+            with timer.timing(part):
+                return inner(*args, **kwargs)
+        setattr(owner, name, timed)
+
+    @contextmanager
+    def timing(self, part: str):
+        self._stack.append(0.0)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            nested = self._stack.pop()
+            self.seconds[part] += dt - nested
+            if self._stack:
+                self._stack[-1] += dt
+
+    def take(self) -> dict:
+        out, self.seconds = self.seconds, dict.fromkeys(PARTS, 0.0)
+        return out
+
+
+def make_llm(args):
+    from benchmarks.engine_host import StubStep
+    from minipic_jax import LLM
+    bs = 16
+    max_len = args.spans * (args.span_tokens + bs) + 256
+    max_len = -(-max_len // 1024) * 1024
+    llm = LLM(args.model, dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=8192,
+              max_model_len=max_len, block_size=bs,
+              num_kv_blocks=3 * (max_len // bs) + 64)
+    engine = llm.llm_engine
+    engine.runner._step = StubStep(engine.vocab_size)
+    return llm
+
+
+def instrument(llm) -> PartTimer:
+    """Wrap the parts' entry points on this LLM's objects (instances, not classes)."""
+    pt = PartTimer()
+    engine = llm.llm_engine
+    runner = engine.runner
+    pt.wrap(llm, "to_token_ids", "prompt")
+    pt.wrap(engine, "validate", "validate")
+    pt.wrap(engine.cache.keys, "hashes", "hashing")
+    pt.wrap(engine.cache, "admit", "admission")
+    pt.wrap(runner, "launch", "build")
+    pt.wrap(runner, "_step", "stub")
+    pt.wrap(engine, "_postprocess", "output")
+    return pt
+
+
+def request(rng, spans, order, vocab: int):
+    """[Prompt(system: 40 ids, the same in every call), spans in `order`, Prompt(a new
+    question: 30 ids)]."""
+    from minipic_jax.prompts import Prompt, Span
+    system = np.random.default_rng(1).integers(10, vocab - 10, 40).tolist()
+    return ([Prompt(system)] +
+            [Span(spans[k]) for k in order] +
+            [Prompt(rng.integers(10, vocab - 10, 30).tolist())])
+
+
+def timed_call(llm, pt: PartTimer, prompt, sp) -> dict:
+    pt.take()
+    t0 = time.perf_counter()
+    out = llm.generate(prompt, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    parts = {k: 1e3 * v for k, v in pt.take().items()}
+    parts["wall"] = 1e3 * wall
+    parts["other"] = parts["wall"] - sum(parts[k] for k in PARTS)
+    parts["host"] = parts["wall"] - parts["stub"]
+    parts["cached"] = out[0].num_cached_tokens
+    return parts
+
+
+def run(args) -> int:
+    import statistics
+
+    from minipic_jax import SamplingParams
+    llm = make_llm(args)
+    vocab = llm.llm_engine.vocab_size
+    rng = np.random.default_rng(0)
+    spans = [rng.integers(10, vocab - 10, args.span_tokens).tolist() for _ in range(args.spans)]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    pt = instrument(llm)
+    rows = [("cold", timed_call(llm, pt, request(rng, spans, range(args.spans), vocab), sp))]
+    cached: list[list[dict]] = [[] for _ in range(args.calls)]
+    for _ in range(args.repeats):
+        for c in range(args.calls):
+            order = rng.permutation(args.spans)
+            cached[c].append(timed_call(llm, pt, request(rng, spans, order, vocab), sp))
+    keys = ("wall", "host") + PARTS[:-1] + ("other", "stub")
+    for c in range(args.calls):
+        rows.append((f"cached {c + 1}", {k: statistics.median(r[k] for r in cached[c])
+                                         for k in keys + ("cached",)}))
+    print(f"ttft-host: {args.model}, [Prompt(40), Span({args.span_tokens}) x {args.spans}, "
+          f"Prompt(30)], max_tokens=1, step stubbed; ms (cached calls: median of "
+          f"{args.repeats})")
+    print(f"{'call':>9} " + " ".join(f"{k:>9}" for k in keys) + "  cached_tokens")
+    for name, r in rows:
+        print(f"{name:>9} " + " ".join(f"{r[k]:9.3f}" for k in keys) + f"  {int(r['cached'])}")
+    if args.profile:
+        _profile(llm, rng, spans, sp, vocab, args.spans)
+    return 0
+
+
+def _profile(llm, rng, spans, sp, vocab: int, n: int) -> None:
+    import cProfile
+    import pstats
+    prompt = request(rng, spans, rng.permutation(n), vocab)
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompt, sp, use_tqdm=False)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
