@@ -29,9 +29,11 @@ PARTS = ("prompt", "validate", "hashing", "admission", "build", "output", "stub"
 
 
 def add_parser(p) -> None:
-    p.add_argument("--model", default="tiny_llama3")
-    p.add_argument("--spans", type=int, default=8)
-    p.add_argument("--span-tokens", type=int, default=4096)
+    p.add_argument("--model", default="tiny_llama3",
+                   help="preset or HF folder (default: %(default)s; the step is stubbed)")
+    p.add_argument("--spans", type=int, default=8, help="spans per request (default: %(default)s)")
+    p.add_argument("--span-tokens", type=int, default=4096,
+                   help="token ids per span (default: %(default)s)")
     p.add_argument("--calls", type=int, default=3, help="cached calls (reordered spans)")
     p.add_argument("--repeats", type=int, default=5, help="runs of the cached calls (median)")
     p.add_argument("--profile", action="store_true", help="cProfile one cached call")
