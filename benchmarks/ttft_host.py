@@ -20,9 +20,6 @@ into its parts by exclusive time (a part nested in another is counted once, in t
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
-
 import numpy as np
 
 PARTS = ("prompt", "validate", "hashing", "admission", "build", "output", "stub")
@@ -39,39 +36,14 @@ def add_parser(p) -> None:
     p.add_argument("--profile", action="store_true", help="cProfile one cached call")
 
 
-class PartTimer:
-    """Exclusive seconds per part: methods wrapped by `wrap` add their own time less the time of
-    wrapped calls nested in them."""
+def wrap(timer, owner, name: str, part: str) -> None:
+    """Charge the time inside `owner.name` to `part` (exclusive: serving/step_timer.StepTimer)."""
+    inner = getattr(owner, name)
 
-    def __init__(self):
-        self.seconds = dict.fromkeys(PARTS, 0.0)
-        self._stack: list[float] = []  # nested time per open call
-
-    def wrap(self, owner, name: str, part: str) -> None:
-        inner = getattr(owner, name)
-        timer = self
-
-        def timed(*args, **kwargs):
-            with timer.timing(part):
-                return inner(*args, **kwargs)
-        setattr(owner, name, timed)
-
-    @contextmanager
-    def timing(self, part: str):
-        self._stack.append(0.0)
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            dt = time.perf_counter() - t0
-            nested = self._stack.pop()
-            self.seconds[part] += dt - nested
-            if self._stack:
-                self._stack[-1] += dt
-
-    def take(self) -> dict:
-        out, self.seconds = self.seconds, dict.fromkeys(PARTS, 0.0)
-        return out
+    def timed(*args, **kwargs):
+        with timer.phase(part):
+            return inner(*args, **kwargs)
+    setattr(owner, name, timed)
 
 
 def make_llm(args):
@@ -88,18 +60,20 @@ def make_llm(args):
     return llm
 
 
-def instrument(llm) -> PartTimer:
-    """Wrap the parts' entry points on this LLM's objects (instances, not classes)."""
-    pt = PartTimer()
+def instrument(llm):
+    """A StepTimer over PARTS + "other" (the rest of `generate`), its parts' entry points wrapped
+    on this LLM's objects (instances, not classes)."""
+    from serving.step_timer import StepTimer
+    pt = StepTimer(PARTS + ("other",), base="other")
     engine = llm.llm_engine
     runner = engine.runner
-    pt.wrap(llm, "to_token_ids", "prompt")
-    pt.wrap(engine, "validate", "validate")
-    pt.wrap(engine.cache.keys, "hashes", "hashing")
-    pt.wrap(engine.cache, "admit", "admission")
-    pt.wrap(runner, "launch", "build")
-    pt.wrap(runner, "_step", "stub")
-    pt.wrap(engine, "_postprocess", "output")
+    wrap(pt, llm, "to_token_ids", "prompt")
+    wrap(pt, engine, "validate", "validate")
+    wrap(pt, engine.cache.keys, "hashes", "hashing")
+    wrap(pt, engine.cache, "admit", "admission")
+    wrap(pt, runner, "launch", "build")
+    wrap(pt, runner, "_step", "stub")
+    wrap(pt, engine, "_postprocess", "output")
     return pt
 
 
@@ -113,14 +87,11 @@ def request(rng, spans, order, vocab: int):
             [Prompt(rng.integers(10, vocab - 10, 30).tolist())])
 
 
-def timed_call(llm, pt: PartTimer, prompt, sp) -> dict:
-    pt.take()
-    t0 = time.perf_counter()
+def timed_call(llm, pt, prompt, sp) -> dict:
+    pt.start()
     out = llm.generate(prompt, sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    parts = {k: 1e3 * v for k, v in pt.take().items()}
-    parts["wall"] = 1e3 * wall
-    parts["other"] = parts["wall"] - sum(parts[k] for k in PARTS)
+    parts = {k: 1e3 * v for k, v in pt.stop().items()}
+    parts["wall"] = sum(parts.values())
     parts["host"] = parts["wall"] - parts["stub"]
     parts["cached"] = out[0].num_cached_tokens
     return parts
