@@ -3,8 +3,8 @@
 A step variant (token bucket x sampling mode x attention plan) is compiled the first time a
 step needs it: seconds each on a CPU, and a cold job meets several in its first steps. Without
 a word the bar would sit at 0/N for that long, so the bar's label says "compiling step variant
-k" while it happens (the engine's StepExecutables tells `on_compile`), and --warmup shows a
-bar of its own over every variant.
+k" while it happens (the engine's StepExecutables tells `on_compile`); --warmup compiles every
+variant first (minipic_jax/warmup.py).
 """
 
 from __future__ import annotations
@@ -51,27 +51,5 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:  # a disabled bar leaves the engine's notices alone
             self.steps.on_compile = None
-        if self.bar is not None:
             self.bar.close()
 
-
-def warmup_with_bar(llm, enabled: bool) -> None:
-    """`engine.warmup()` (every step variant of greedy sampling), with a bar counting the
-    compiles when enabled."""
-    steps = _steps(llm)
-    if not enabled:
-        llm.llm_engine.warmup()
-        return
-    from tqdm.auto import tqdm
-    bar = tqdm(desc="Compiling step variants", unit="variant", dynamic_ncols=True)
-
-    def on_compile(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
-    steps.on_compile = on_compile
-    try:
-        llm.llm_engine.warmup()
-    finally:
-        steps.on_compile = None
-        bar.close()

@@ -13,8 +13,9 @@ import json
 import sys
 import time
 
+from minipic_jax import warmup
 from minipic_jax.batch.options import build_parser, check_paths, engine_args
-from minipic_jax.batch.progress import Progress, warmup_with_bar
+from minipic_jax.batch.progress import Progress
 from minipic_jax.batch.reading import LineError, iter_lines, parse_line
 from minipic_jax.batch.records import dumps, error_record, result_record
 from minipic_jax.batch.resume import answered, drop_error_records, open_for_append
@@ -128,7 +129,7 @@ def run(args, llm=None) -> dict:
     if args.retry_errors:
         drop_error_records(args.output_file)
     if args.warmup:
-        warmup_with_bar(llm, not args.no_progress)
+        warmup.run(llm, show=not args.no_progress)
     setup_s = time.perf_counter() - t0
     progress = Progress(llm, _count_lines(args.input_file), not args.no_progress)
     engine = llm.llm_engine
