@@ -214,15 +214,3 @@ def step_key_fields(config, prefix: str = "") -> dict:
         else:
             out[prefix + f.name] = value
     return out
-
-
-def host_only_fields(config) -> list[str]:
-    """Dotted names of the fields marked host_only (groups included)."""
-    out = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.metadata.get("host_only"):
-            out.append(f.name)
-        elif dataclasses.is_dataclass(value):
-            out += [f"{f.name}.{n}" for n in host_only_fields(value)]
-    return out

@@ -13,7 +13,7 @@ import pytest
 
 from serving.config import Config
 from serving.config_groups import (HybridCacheConfig, KVStoreConfig, SpanMapConfig,
-                                   host_only_fields, step_key_fields)
+                                   step_key_fields)
 
 FLAT = dict(kv_store_dir="/tmp/store", kv_store_gb=8.0, kv_store_spans_only=True,
             kv_store_staging_gb=2.0, kv_store_pinned=True, checkpoint_strategy="last",
@@ -85,6 +85,18 @@ STEP = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 1024,
         "write_kv_impl": "xla", "fuse_weights": False, "async_scheduling": False,
         "tensor_parallel_size": 2}
 BASE = Config(attn_impl="triton")  # so a decode_attn_options change is valid on its own
+
+
+def host_only_fields(config) -> list[str]:
+    """Dotted names of the fields marked host_only (groups included)."""
+    out = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.metadata.get("host_only"):
+            out.append(f.name)
+        elif dataclasses.is_dataclass(value):
+            out += [f"{f.name}.{n}" for n in host_only_fields(value)]
+    return out
 
 
 def _changed(config, dotted, value):
