@@ -1,6 +1,6 @@
 """The cached-span step's attention call alone (issue 14), old vs new in one process.
 
-The engine's step (benchmarks/rag_runs.py cached_step_profile): one sequence of `new` query rows
+The engine's step (benchmarks/rag_ttft.py cached_step_profile): one sequence of `new` query rows
 in a `tokens`-row bucket over `spans` x `span_tokens` cached position-free keys, two prefill
 slots (one dead), the decode part left out, block table permuted and as wide as max_model_len.
 Each variant of implementation="mixed" is checked against the first one's output (--reference:

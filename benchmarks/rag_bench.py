@@ -5,7 +5,7 @@
     JAX_PLATFORMS=cpu minipic-bench rag --model tiny_llama3 --dtype float32 \
         --num-requests 8 --passage-tokens 32 --max-num-batched-tokens 256 --ttft-span-tokens 64
 
-Configurations (benchmarks/rag_runs.py CONFIGS), each in its own process so each gets the whole
+Configurations (benchmarks/rag_engine.py CONFIGS), each in its own process so each gets the whole
 GPU: `rotated` (classic prefix caching, the vLLM baseline), `pic_off` (position-free keys, plain
 prompts), `position_free` with the `fcfs`, `barrier` and `isps` schedulers (Span/Prompt
 segments), and `ttft` (the cached-span TTFT pair). Workloads: benchmarks/rag_workloads.py.
@@ -156,6 +156,11 @@ def report(results: list) -> None:
                   f"{res['cold_ttft_ms']:.1f} ms, cached {_ms(res['cached_ttft_ms'])} ms "
                   f"(one step {_ms(res['cached_step_ms'])} ms), cold / cached "
                   f"{_ms(res['cold_over_cached'])}x")
+            g = res.get("generate")
+            if g and "cached_ms" in g:
+                print(f"[ttft] through LLM.generate: cold {g['cold_ms']:.1f} ms, cached "
+                      f"{g['cached_ms']:.1f} ms (host {g['cached_host_ms']:.2f} ms), cold / cached "
+                      f"{g['cold_over_cached']:.1f}x")
             prof = res.get("cached_step_profile")
             if prof:
                 print(f"[ttft] cached step replayed alone: {prof['step_alone_ms']:.2f} ms wall, "

@@ -6,7 +6,7 @@ T = 1024 rows, S = 16 sequences) with 1 and 2 GDN layers, and the difference is 
   jaxpr: equations outside Pallas kernel bodies (tests/jaxpr_walk.py's walk).
   hlo:   ops of the CPU-compiled program with the GDN kernels replaced by opaque host callbacks
          (one custom-call each; what is left is what XLA runs around them): fusions, gathers,
-         scatters, loops... as `_replay` of benchmarks/rag_runs.py counts them.
+         scatters, loops... as `_replay` of benchmarks/rag_ttft.py counts them.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_ops [--hlo]
 """

@@ -74,4 +74,9 @@ def _run_tiny(tmp_path, capsys):
     assert t["rows"][0]["cached_prompt_tokens"] == 0
     assert t["rows"][1]["cached_prompt_tokens"] >= 3 * 32  # every span's full blocks
     assert t["cold_over_cached"] > 0
+    g = t["generate"]  # the same request through LLM.generate, as a user calls it
+    assert [r["cold"] for r in g["rows"]] == [True, False]
+    assert g["rows"][0]["cached_prompt_tokens"] == 0 and g["rows"][1]["cached_prompt_tokens"] >= 3 * 32
+    assert all(r["host_ms"] > 0 and r["steps"] >= 1 for r in g["rows"])
+    assert "[ttft] through LLM.generate: cold " in text
     assert (tmp_path / "rag_bench.png").exists()

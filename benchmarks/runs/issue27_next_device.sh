@@ -11,7 +11,8 @@ set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=/tmp/jcc
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/before
 BEFORE=8e11161
-git archive $BEFORE | tar -x -C /tmp/before || { echo "no .git here: carry a git archive of $BEFORE"; exit 2; }
+if [ -n "${BEFORE_TGZ:-}" ]; then tar -xzf "$BEFORE_TGZ" -C /tmp/before  # git archive of $BEFORE's code
+else git archive $BEFORE | tar -x -C /tmp/before || { echo "no .git here: carry a git archive of $BEFORE (BEFORE_TGZ=)"; exit 2; }; fi
 case "${1:-engine}" in
 tests)
   MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda timeout 300 python3 -m pytest -q -o addopts= -p no:cacheprovider -n 4 \
@@ -20,7 +21,7 @@ tests)
   tail -3 "$OUT/compiled_tests.txt";;
 engine)
   B="python3 -m benchmarks.cli engine --max-num-batched-tokens 512 --min-token-bucket 128 --skip-run"
-  for round in 1 2; do
+  for round in $(seq ${ROUNDS:-2}); do
     (cd /tmp/before && PYTHONPATH=/tmp/before timeout 110 $B --out "$OUT/engine_before_$round" > "$OUT/engine_before_$round.txt" 2>&1)
     timeout 110 $B --out "$OUT/engine_after_$round" > "$OUT/engine_after_$round.txt" 2>&1
   done
