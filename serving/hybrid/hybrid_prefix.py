@@ -13,8 +13,11 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
 
 During prefill, checkpoints are taken at the positions serving/hybrid/checkpoint_plan.py chooses for the
 prompt; a chunk holds at most one (it stops before a second), so the model returns one state per
-sequence per step. With Config.hybrid_cache.free_room, a chunk that holds no planned checkpoint
-takes one at the deepest candidate it passes while the store has a free slot (`_free_position`).
+sequence per step. With Config.hybrid_cache.free_room, while the store has a free slot, a chunk
+that holds no planned checkpoint takes one at the deepest candidate it passes (`_free_position`),
+and a prefill also stops at its halving cover (`ck_cuts`: 64, 128, 256... from where it resumed,
+checkpoint_plan.halving_cover), so every depth d >= 64 it computes has a checkpoint in [d/2, d]
+at any chunk size; each cut costs the prompt a step. Full, the store takes the plan's alone.
 Prompts with SSEP spans go to the span-map cache (serving/hybrid/span_cache.py: a
 cached span is skipped, its recurrent effect composed from its map); they take no checkpoints.
 """
