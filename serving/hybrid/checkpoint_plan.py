@@ -63,6 +63,26 @@ def positions_of(layout, token_idx) -> np.ndarray:
     return pos.astype(np.int64)
 
 
+def halving_cover(cand, start: int, planned, num_tokens: int) -> list[int]:
+    """Candidates a prefill resumed at token `start` takes besides `planned` so that every depth
+    d in [first candidate, num_tokens] has a checkpoint (planned, added, or `start`'s) in
+    [d/2, d]: from c = start, the deepest candidate <= 2c (the first above c where there is none,
+    as at c = 0) unless a planned position in (c, it] serves; then on from there while
+    2c < num_tokens. About log2(num_tokens / 64) positions for a cold prompt (64, 128, 256...)."""
+    cand, marks = [int(x) for x in cand], sorted(int(p) for p in planned)
+    out, c = [], int(start)
+    while 2 * c < num_tokens:
+        later = [x for x in cand if x > c]
+        if not later:
+            break
+        reach = [x for x in later if x <= 2 * c] or later[:1]
+        served = [q for q in marks if c < q <= reach[-1]]
+        c = served[-1] if served else reach[-1]
+        if not served:
+            out.append(c)
+    return out
+
+
 class CheckpointPlanner:
     def __init__(self, strategy: str, per_prompt: int, block_tokens: int, max_len: int,
                  chunk: int, *, block_size: int = 16, half_life: float = 256.0,

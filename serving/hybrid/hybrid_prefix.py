@@ -13,8 +13,11 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
 
 During prefill, checkpoints are taken at the positions serving/hybrid/checkpoint_plan.py chooses for the
 prompt; a chunk holds at most one (it stops before a second), so the model returns one state per
-sequence per step. With Config.hybrid_cache.free_room, a chunk that holds no planned checkpoint
-takes one at the deepest candidate it passes while the store has a free slot (`_free_position`).
+sequence per step. With Config.hybrid_cache.free_room, while the store has a free slot, a chunk
+that holds no planned checkpoint takes one at the deepest candidate it passes (`_free_position`),
+and a prefill also stops at its halving cover (`ck_cuts`: 64, 128, 256... from where it resumed,
+checkpoint_plan.halving_cover), so every depth d >= 64 it computes has a checkpoint in [d/2, d]
+at any chunk size; each cut costs the prompt a step. Full, the store takes the plan's alone.
 Prompts with SSEP spans go to the span-map cache (serving/hybrid/span_cache.py: a
 cached span is skipped, its recurrent effect composed from its map); they take no checkpoints.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from serving.cache.admission import AdmissionPlan
 from serving.hybrid.bucket_fit import BucketFit
-from serving.hybrid.checkpoint_plan import positions_of
+from serving.hybrid.checkpoint_plan import candidates, halving_cover, positions_of
 from serving.hybrid.resume import Resume
 
 
@@ -103,6 +106,10 @@ class HybridPrefixCache:
                 r.shared, free)
             seq.hybrid.ck_positions, seq.hybrid.ck_values = planned
             seq.hybrid.ck_free = free or {}
+            if free:
+                seq.hybrid.ck_cuts = halving_cover(
+                    candidates(seq.layout, seq.num_prompt_tokens, bs, self.planner.chunk),
+                    r.kc * bs, planned[0], seq.num_prompt_tokens)
         self.count_admission(seq, r.kinds, r.kc, r.shared, r.entry)
         seq.hybrid.restore_entry = r.entry
 
@@ -166,9 +173,16 @@ class HybridPrefixCache:
             self.spans.drop(seq)
 
     # -- chunks --------------------------------------------------------------------------------
-    @staticmethod
-    def _ahead(seq) -> list[int]:
-        return [p for p in seq.hybrid.ck_positions if p >= seq.num_computed]
+    def _ahead(self, seq) -> list[int]:
+        """The checkpoint positions still ahead of `seq`'s frontier: the planned ones, and while
+        the store has a free slot the free-room cuts not stored yet (`ck_cuts`, see `commit`)."""
+        h, done = seq.hybrid, seq.num_computed
+        ahead = [p for p in h.ck_positions if p >= done]
+        if h.ck_cuts and self.store.free_slots:
+            hashes, bs = seq.block_hashes, self.block_size
+            ahead = sorted(ahead + [p for p in h.ck_cuts if p >= done
+                                    and not self.store.contains(hashes[p // bs - 1])])
+        return ahead
 
     def chunk_stop(self, seq, stop_at, budget: int = 0):
         """A chunk [s, e] takes one checkpoint, the first planned position in [s, e] (at s: the
@@ -201,8 +215,8 @@ class HybridPrefixCache:
             return
         ahead = self._ahead(seq)
         if ahead and ahead[0] <= e.new_computed:
-            p = ahead[0]
-            value = seq.hybrid.ck_values[seq.hybrid.ck_positions.index(p)]
+            p, h = ahead[0], seq.hybrid
+            value = h.ck_free[p] if p in h.ck_free else h.ck_values[h.ck_positions.index(p)]
         else:
             p = self._free_position(mgr, seq, e.new_computed)
             if p is None:
