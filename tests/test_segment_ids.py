@@ -1,0 +1,70 @@
+"""Segment ids converted once per list object (minipic_jax/segment_ids.py): the same list given
+again reuses its conversion, a changed one is converted again, and a structured prompt's int64
+array is the prompt's ids exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipic_jax.prompts import Prompt, Span, build_prompt, build_prompt_ids
+from minipic_jax.segment_ids import MIN_MEMO_IDS, SegmentMemo
+
+MARKERS = dict(block_size=4, pad_token_id=0, ssep_token_id=1, pdep_token_id=2)
+
+
+def test_the_same_list_is_converted_once_and_a_changed_one_again():
+    memo = SegmentMemo()
+    ids = list(range(1000, 1000 + MIN_MEMO_IDS))
+    first, arr = memo.convert(ids, "Span")
+    assert memo.hits == 0 and first == ids and arr.tolist() == ids
+    again, arr2 = memo.convert(ids, "Span")
+    assert memo.hits == 1 and again == ids and arr2 is arr
+    ids[7] = 5  # changed in place: converted again
+    changed, arr3 = memo.convert(ids, "Span")
+    assert memo.hits == 1 and changed[7] == 5 and arr3[7] == 5
+    memo.convert(list(ids), "Span")  # an equal list, another object: converted
+    assert memo.hits == 1
+    ids[9] = True  # a bool put in after the first call is no more an id than before
+    with pytest.raises(TypeError, match=r"Span token ids must be ints; index 9 is True"):
+        memo.convert(ids, "Span")
+
+
+def test_numpy_arrays_and_tuples_are_remembered_and_arrays_compared_by_value():
+    memo = SegmentMemo()
+    a = np.arange(MIN_MEMO_IDS, dtype=np.int32)
+    t = tuple(range(MIN_MEMO_IDS))
+    for x in (a, t, a, t):
+        got, arr = memo.convert(x, "Span")
+        assert got == list(range(MIN_MEMO_IDS)) and arr.dtype == np.int64
+    assert memo.hits == 2
+    a[3] = 77
+    got, _ = memo.convert(a, "Span")
+    assert memo.hits == 2 and got[3] == 77
+
+
+def test_the_memo_keeps_at_most_max_ids():
+    memo = SegmentMemo(max_ids=2 * MIN_MEMO_IDS)
+    lists = [list(range(k, k + MIN_MEMO_IDS)) for k in range(3)]
+    for ids in lists:
+        memo.convert(ids, "Span")
+    memo.convert(lists[0], "Span")  # the least recently used went
+    assert memo.hits == 0
+    memo.convert(lists[2], "Span")
+    assert memo.hits == 1
+
+
+def test_a_structured_prompts_array_is_its_ids_and_huge_ids_give_none():
+    rng = np.random.default_rng(0)
+    doc = rng.integers(3, 500, 300).tolist()
+    segs = [Prompt([7, 8]), Span(doc), Span(np.asarray(doc, np.uint16)), Prompt((9,)),
+            Prompt([np.int64(4)]), Span(tuple(doc[:5])), Prompt([6])]
+    memo = SegmentMemo()
+    for _ in range(2):
+        ids, arr = build_prompt_ids(segs, memo=memo, **MARKERS)
+        assert ids == build_prompt(segs, **MARKERS)
+        assert arr.dtype == np.int64 and arr.tolist() == ids
+        assert {type(t) for t in ids} == {int}
+    assert memo.hits == 2
+    ids, arr = build_prompt_ids([Prompt([3, 2 ** 64])], **MARKERS)
+    assert ids == [3, 2 ** 64] and arr is None  # the request checks name the id
