@@ -67,12 +67,13 @@ def _check_beyond_vocab(arr: np.ndarray, who: str, vocab_size: int, markers: dic
     """Ids >= vocab_size are markers only (serving/config.py `default_marker_ids`): the pad id
     anywhere, the SSEP/PDEP ids at a block start, where they mean something; any other is a
     ValueError naming the first such index."""
-    at_start = np.arange(arr.size) % block_size == 0
     heads = [markers["ssep_token_id"], markers["pdep_token_id"]]
-    ok = (arr < vocab_size) | (arr == markers["pad_token_id"]) | (at_start & np.isin(arr, heads))
+    over = np.flatnonzero(arr >= vocab_size)  # only these are looked at (pads, markers: few)
+    t = arr[over]
+    ok = (t == markers["pad_token_id"]) | ((over % block_size == 0) & np.isin(t, heads))
     if ok.all():
         return
-    k = int(np.flatnonzero(~ok)[0])
+    k = int(over[np.flatnonzero(~ok)[0]])
     t = int(arr[k])
     if t in heads:
         raise ValueError(f"{who}: marker id {t} at index {k} is not at a block start "

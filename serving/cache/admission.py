@@ -42,7 +42,12 @@ class AdmissionPlan:
         return cls(blocks, misses, host, False, resume, detail)
 
     def hits(self) -> list[int]:
-        return [b for b in self.blocks if b is not None]
+        """The planned blocks in block order (the entries between the misses, sliced)."""
+        out, start = [], 0
+        for j in self.misses:
+            out += self.blocks[start:j]
+            start = j + 1
+        return out + self.blocks[start:]
 
     def blocks_needed(self, ref: list[int], hits: list[int]) -> int:
         """Free blocks the plan takes: one per miss, and each hit (`hits()`) no one holds now."""
