@@ -7,8 +7,6 @@ chunk claims it), pads are skipped for free.
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
 
@@ -49,10 +47,9 @@ def plan_chunk(bm, seq, budget: int, total: int, block_size: int):
 
 def skip_shared(bm, seq, j: int, total: int, block_size: int) -> int:
     """First block >= j a chunk cannot skip (owned, shared and pending, or past `total`).
-    A cached request's 2,000 ready blocks are passed by whole-list operations in C (readiness
-    gathered by one itemgetter, the first not-ready one found by list.index); Python looks only
-    at the not-ready blocks and at the owned ones."""
-    owned, table, ready, hashes = seq.owned, seq.block_table, bm.ready, bm.hash
+    A cached request's 2,000 ready blocks are passed by one gather of their readiness (the
+    pool's numpy array); Python looks only at the not-ready blocks and at the owned ones."""
+    owned, table, hashes = seq.owned, seq.block_table, bm.hash
     end = min(-(-total // block_size), len(table))
     if j >= end:
         return j
@@ -60,17 +57,11 @@ def skip_shared(bm, seq, j: int, total: int, block_size: int) -> int:
         end = min((k for k in owned if j <= k < end), default=end)
     else:
         end = next((k for k in range(j, end) if k in owned), end)
-    flags = [ready[b] for b in table[j:end]] if end - j < 2 else \
-        list(operator.itemgetter(*table[j:end])(ready))
-    k = 0
-    while True:  # pass not-ready blocks without a hash (computed by no one: entered as shared)
-        try:
-            k = flags.index(False, k)
-        except ValueError:
-            return end
-        if hashes[table[j + k]] != -1:
+    run = np.fromiter(table[j:end], np.int64, end - j)
+    for k in np.flatnonzero(~np.asarray(bm.ready)[run]).tolist():
+        if hashes[table[j + k]] != -1:  # not ready, computed by someone: wait or claim it
             return j + k
-        k += 1
+    return end
 
 
 def publish_computed(bm, keys, seq, caching: bool) -> None:

@@ -73,7 +73,7 @@ class CacheManager:
             return False
         hits = plan.hits()
         spare = self.bm.num_free - self.config.watermark_blocks * (not seq.is_span_job)
-        if plan.blocks_needed(self.bm.ref, hits) > spare:
+        if plan.blocks_needed(self.bm, hits) > spare:
             self._cancel(plan)
             return False
         self.fill_table(seq, plan, hits)
