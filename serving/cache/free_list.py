@@ -20,7 +20,7 @@ _SCAN = 64  # queue entries looked at in one go when passing stale ones
 class FreeList:
     def __init__(self, num_blocks: int, blocks=()):
         self.pos = np.full(num_blocks, -1, np.int64)
-        self.queue = np.zeros(2 * num_blocks + 16, np.int64)
+        self.queue = np.zeros(4 * num_blocks + 16, np.int64)
         self.head = self.tail = self.count = 0
         self.put_many(np.asarray(list(blocks), np.int64))
 
@@ -31,8 +31,12 @@ class FreeList:
         return bool(self.pos[b] >= 0)
 
     def __iter__(self):
+        return iter(self._live().tolist())
+
+    def _live(self) -> np.ndarray:
+        """The free blocks in queue order (oldest first)."""
         seg = self.queue[self.head:self.tail]
-        return iter(seg[self.pos[seg] == np.arange(self.head, self.tail)].tolist())
+        return seg[self.pos[seg] == np.arange(self.head, self.tail)]
 
     def __delitem__(self, b) -> None:
         if self.pos[b] < 0:
@@ -83,9 +87,9 @@ class FreeList:
 
     def _compact(self, room: int) -> None:
         """Drop the stale entries (the live ones keep their order); grow to hold `room` more."""
-        live = np.fromiter(iter(self), np.int64, self.count)
-        if live.size + room > self.queue.size:
-            self.queue = np.zeros(2 * (live.size + room) + 16, np.int64)
+        live = self._live()
+        if 2 * (live.size + room) > self.queue.size:  # at least as much room again after
+            self.queue = np.zeros(4 * (live.size + room) + 16, np.int64)
         self.queue[:live.size] = live
         self.pos[live] = np.arange(live.size)
         self.head, self.tail = 0, live.size
