@@ -68,3 +68,26 @@ def test_a_structured_prompts_array_is_its_ids_and_huge_ids_give_none():
     assert memo.hits == 2
     ids, arr = build_prompt_ids([Prompt([3, 2 ** 64])], **MARKERS)
     assert ids == [3, 2 ** 64] and arr is None  # the request checks name the id
+
+
+def test_generate_reuses_span_lists_and_outputs_what_their_ids_give():
+    """LLM.generate with the same Span list objects twice (the second converts nothing) gives
+    the outputs of the same prompt as plain ids; a bool put into a span later is refused."""
+    from minipic_jax import SamplingParams
+    from tests.conftest import make_tiny_llm
+    llm = make_tiny_llm(max_model_len=1024, num_kv_blocks=160, max_num_batched_tokens=256)
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(5, 200, MIN_MEMO_IDS + 9 * k).tolist() for k in range(2)]
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    markers = dict(block_size=16, **llm.llm_engine.markers)
+    for order in ((0, 1), (1, 0)):
+        segs = [Prompt([7, 8, 9])] + [Span(docs[k]) for k in order] + [Prompt([10, 11])]
+        got = llm.generate(segs, sp, use_tqdm=False)[0]
+        want = llm.generate([build_prompt(segs, **markers)], sp, use_tqdm=False)[0]
+        assert got.prompt_token_ids == want.prompt_token_ids
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert llm._segments.hits == 2  # each span list converted once
+    docs[1][40] = True
+    with pytest.raises(TypeError, match=r"request 0: segment 2: Span token ids must be ints; "
+                                        r"index 40 is True \(bool\)"):
+        llm.generate([Prompt([7]), Span(docs[0]), Span(docs[1])], sp, use_tqdm=False)
