@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 MIN_MEMO_IDS = 256  # shorter segments are converted every time (cheaper than remembering them)
-MEMO_IDS = 1 << 20  # ids remembered in all (each ~50 bytes: its int, the copies, the array)
+MEMO_IDS = 1 << 19  # ids remembered in all (each ~50 bytes: its int, the copies, the array)
 
 
 def is_token(t) -> bool:
