@@ -56,11 +56,12 @@ class FreeList:
         if not self.count:
             raise KeyError("popitem(): free list is empty")
         h, pos, queue = self.head, self.pos, self.queue
-        while pos[queue[h]] != h:  # stale: pass a run of them at once
+        b = int(queue[h])
+        while pos[b] != h:  # stale: pass a run of them at once
             seg = queue[h:min(h + _SCAN, self.tail)]
             live = np.flatnonzero(pos[seg] == np.arange(h, h + seg.size))
             h = h + int(live[0]) if live.size else h + seg.size
-        b = int(queue[h])
+            b = int(queue[h])
         pos[b] = -1
         self.head = h + 1
         self.count -= 1
