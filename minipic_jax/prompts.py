@@ -124,8 +124,8 @@ def build_prompt(segments, *, block_size: int, pad_token_id: int, ssep_token_id:
 def build_prompt_ids(segments, *, block_size: int, pad_token_id: int, ssep_token_id: int,
                      pdep_token_id: int, tokenizer=None,
                      memo=None) -> tuple[list[int], np.ndarray | None]:
-    """`build_prompt`'s ids and the same as an int64 array (None where an id does not fit int64:
-    the request checks name it), built from each segment's converted ids (minipic_jax/
+    """`build_prompt`'s ids and the same as a read-only int64 array (None where an id does not
+    fit int64: the request checks name it), built from each segment's converted ids (minipic_jax/
     segment_ids.py; `memo`: a SegmentMemo, so a list given again is not converted again): no
     pass over the prompt's ids in Python, and none in C beyond copying them."""
     out: list[int] = []
@@ -154,4 +154,6 @@ def build_prompt_ids(segments, *, block_size: int, pad_token_id: int, ssep_token
         prev = seg
     if not pieces or any(p is None for p in pieces):
         return out, None
-    return out, np.concatenate(pieces)
+    arr = np.concatenate(pieces)
+    arr.flags.writeable = False  # the request checks keep it as the prompt's ids, uncopied
+    return out, arr

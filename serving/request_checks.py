@@ -20,7 +20,9 @@ def check_token_ids(ids, who: str, vocab_size: int, markers: dict | None = None,
     outside [0, vocab_size) other than a marker beyond the vocabulary (`markers`, the engine's:
     the pad id anywhere, SSEP/PDEP at block starts, see `_check_beyond_vocab`)."""
     if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype == np.int64:
-        arr = ids  # converted already (LLM.prompt_ids: a structured prompt's ids)
+        # converted already (LLM.prompt_ids: a structured prompt's ids, read-only and owning
+        # its memory, so kept as it is); the caller's own array is copied (it may change it)
+        arr = ids if ids.base is None and not ids.flags.writeable else ids.copy()
     else:
         if not isinstance(ids, list):
             ids = list(ids)

@@ -91,3 +91,13 @@ def test_generate_reuses_span_lists_and_outputs_what_their_ids_give():
     with pytest.raises(TypeError, match=r"request 0: segment 2: Span token ids must be ints; "
                                         r"index 40 is True \(bool\)"):
         llm.generate([Prompt([7]), Span(docs[0]), Span(docs[1])], sp, use_tqdm=False)
+
+
+def test_request_checks_keep_the_prompts_own_array_and_copy_a_callers():
+    from serving.request_checks import check_token_ids
+    _, arr = build_prompt_ids([Prompt([3, 4]), Span([5, 6])], **MARKERS)
+    assert not arr.flags.writeable and check_token_ids(arr, "r", 10) is arr
+    mine = np.asarray([3, 4, 5], np.int64)
+    got = check_token_ids(mine, "r", 10)
+    mine[0] = 9  # the caller changes its array after the request is checked
+    assert got.tolist() == [3, 4, 5]
