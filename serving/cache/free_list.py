@@ -46,8 +46,14 @@ class FreeList:
 
     def __setitem__(self, b, _value) -> None:
         """Append `b` (oldest last); a block already free keeps its place (as a dict key)."""
-        if self.pos[b] < 0:
-            self.put_many(np.array([b], np.int64))
+        if self.pos[b] >= 0:
+            return
+        if self.tail == self.queue.size:
+            self._compact(1)
+        self.queue[self.tail] = b
+        self.pos[b] = self.tail
+        self.tail += 1
+        self.count += 1
 
     def popitem(self, last: bool = False) -> tuple[int, None]:
         """(the least recently freed block, None), taken out; KeyError when empty."""
