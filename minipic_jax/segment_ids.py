@@ -54,12 +54,23 @@ def convert(content, what: str) -> tuple[list[int], np.ndarray | None]:
         for k in np.flatnonzero((arr >> 1) == 0):  # 0 or 1: only those can be bools
             if isinstance(content[k], bool):
                 _refuse(what, k, content[k])
-        return arr.tolist(), arr
+        return (list(content) if _python_ints(content) else arr.tolist()), arr
     ids = list(content)
     for k, t in enumerate(ids):
         if not is_token(t):
             _refuse(what, k, t)
     return [int(t) for t in ids], None  # ints beyond int64: the request checks name them
+
+
+def _python_ints(content) -> bool:
+    """Whether the entries (ints or numpy ints, bools refused already) are all Python ints,
+    which a list of them can keep: their sum stays a Python int only then (a numpy int makes it
+    a numpy scalar). sum() adds machine-size ints in C: half the cost of new int objects."""
+    try:
+        with np.errstate(over="ignore"):  # numpy ints may wrap while summed: only the type counts
+            return type(sum(content)) is int
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def _refuse(what: str, k: int, t) -> None:

@@ -101,3 +101,11 @@ def test_request_checks_keep_the_prompts_own_array_and_copy_a_callers():
     got = check_token_ids(mine, "r", 10)
     mine[0] = 9  # the caller changes its array after the request is checked
     assert got.tolist() == [3, 4, 5]
+
+
+@pytest.mark.filterwarnings("error")
+def test_numpy_ints_of_any_width_in_a_list_become_python_ints():
+    for ids in ([np.int8(100)] * 300, [np.uint64(2 ** 62), 5] * 200, [5, np.int16(7)] * 200):
+        got, arr = SegmentMemo().convert(ids, "Span")
+        assert {type(t) for t in got} == {int} and got == [int(t) for t in ids]
+        assert arr.tolist() == got
