@@ -6,7 +6,7 @@ timed, on any backend). First the cold call (every block computed, stubbed), the
 spans reordered and a new question (all spans cached). Per call: the wall of `generate`, split
 into its parts by exclusive time (a part nested in another is counted once, in the inner one):
 
-    prompt    Prompt/Span -> ids (LLM.to_token_ids: minipic_jax/prompts.py)
+    prompt    Prompt/Span -> ids (LLM.prompt_ids: minipic_jax/prompts.py)
     validate  request checks and the layout (LLMEngine.validate)
     hashing   block keys (PrefixKeys.hashes)
     admission cache admission (CacheManager.admit: lookup, hit confirmation, table fill)
@@ -67,7 +67,7 @@ def instrument(llm):
     pt = StepTimer(PARTS + ("other",), base="other")
     engine = llm.llm_engine
     runner = engine.runner
-    wrap(pt, llm, "to_token_ids", "prompt")
+    wrap(pt, llm, "prompt_ids", "prompt")
     wrap(pt, engine, "validate", "validate")
     wrap(pt, engine.cache.keys, "hashes", "hashing")
     wrap(pt, engine.cache, "admit", "admission")

@@ -17,7 +17,8 @@ from minipic_jax.batch.progress import Progress
 from minipic_jax.loading import load_model
 from minipic_jax.loading.chat_template import render_conversations
 from minipic_jax.parallel_samples import fan_out, merge_samples
-from minipic_jax.prompts import as_prompt_list, build_prompt, is_structured
+from minipic_jax.prompts import as_prompt_list, build_prompt, build_prompt_ids, is_structured
+from minipic_jax.segment_ids import SegmentMemo
 from minipic_jax.sampling_params import SamplingParams
 from serving.config import Config
 from serving.config_groups import grouped_kwargs
@@ -105,6 +106,7 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self._next_id = 0
         self._lock = threading.RLock()  # see _serialized
+        self._segments = SegmentMemo()  # segment id lists converted (prompt_ids)
         warm = warmup_steps.DEFAULT if warmup is None else warmup
         if warm or warm is None and self.llm_engine.hybrid:
             self.startup.update(warmup_steps.run(self))
@@ -136,13 +138,20 @@ class LLM:
     def to_token_ids(self, prompt, index: int = 0) -> tuple[list, str | None]:
         """A prompt (str, token ids, {"prompt_token_ids"}/{"prompt"} dict, or segments) -> ids.
         Token ids are returned as given: `LLMEngine.validate` checks them (ints, vocabulary)."""
+        ids, text, _ = self.prompt_ids(prompt, index)
+        return ids, text
+
+    def prompt_ids(self, prompt, index: int = 0) -> tuple[list, str | None, Any]:
+        """`to_token_ids` plus, for segments, the ids as an int64 array (else None): built from
+        each segment's ids, converted once per list object (minipic_jax/segment_ids.py), so a
+        cached span request's validation converts nothing again."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):
                     raise TypeError(f"request {index}: prompt_token_ids must be a list of ints, "
                                     f"got {type(ids).__name__}")
-                return list(ids), prompt.get("prompt")
+                return list(ids), prompt.get("prompt"), None
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -150,17 +159,17 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"request {index}: text prompt but the model has no tokenizer")
-            return list(self.tokenizer.encode(prompt)), prompt
+            return list(self.tokenizer.encode(prompt)), prompt, None
         if is_structured(prompt):
             m = self.llm_engine.markers
             try:
-                ids = build_prompt(prompt, block_size=self.config.block_size,
-                                   tokenizer=self.tokenizer, **m)
+                ids, arr = build_prompt_ids(prompt, block_size=self.config.block_size,
+                                            tokenizer=self.tokenizer, memo=self._segments, **m)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"request {index}: {err}") from None
-            return ids, None
+            return ids, None, arr
         if isinstance(prompt, (list, tuple)):
-            return list(prompt), None
+            return list(prompt), None, None
         raise TypeError(f"request {index}: unsupported prompt type {type(prompt).__name__} "
                         f"(a str, a list of token ids, a dict or a list of Prompt/Span)")
 
@@ -192,9 +201,11 @@ class LLM:
         engine = self.llm_engine
         reqs = []  # (request id, ids, text, params, layout, parent index, sample index)
         for i, (p, sp) in enumerate(zip(prompts, sps)):
-            ids, text = self.to_token_ids(p, i)
+            ids, text, arr = self.prompt_ids(p, i)
             rid = str(self._next_id + i)
-            layout = engine.validate(rid, ids, sp, label=f"request {i}", cache_salt=cache_salt)
+            # segments come with their int64 array: the checks take it as it is
+            layout = engine.validate(rid, ids if arr is None else arr, sp, label=f"request {i}",
+                                     cache_salt=cache_salt)
             if not is_structured(p):  # build_prompt gives Python ints already
                 # validated integers (numpy ones included) as Python ints: the layout's int64
                 # copy converts in C (a per-token int() cost ~2 ms of a 33K-token prompt's TTFT)

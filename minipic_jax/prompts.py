@@ -22,8 +22,11 @@ Recipes:
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Sequence, Union
+
+import numpy as np
+
+from minipic_jax.segment_ids import convert, is_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,37 +90,22 @@ def as_prompt_list(prompts) -> list:
 
 
 def _is_token(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+    return is_token(t)
 
 
-def _encode(seg, tokenizer, first: bool) -> list[int]:
+def _encode(seg, tokenizer, first: bool, memo) -> tuple[list[int], np.ndarray | None]:
+    """A segment's ids as (Python ints, int64 array or None): segment_ids.convert, through
+    `memo` (a SegmentMemo) when given."""
+    what = type(seg).__name__
     if not isinstance(seg.content, str):
-        return _segment_ids(seg)
+        return (convert if memo is None else memo.convert)(seg.content, what)
     if tokenizer is None:
         raise ValueError("structured prompt with text segments needs a tokenizer")
     ids = list(tokenizer.encode(seg.content))
     bos = getattr(tokenizer, "bos_token_id", None)
     if not (first and isinstance(seg, Prompt)) and ids and bos is not None and ids[0] == bos:
         ids = ids[1:]
-    return ids
-
-
-def _segment_ids(seg) -> list[int]:
-    """A segment's token ids as a new list of Python ints; a TypeError naming the first entry
-    that is no int (a bool is none). Whole-list work in the common cases (a list of ints, a 1-D
-    integer array): a cached request's 8 x 4K span ids are converted inside its time to first
-    token, and a check per token in Python cost ~20 ms there."""
-    content = seg.content
-    if _is_array(content) and content.ndim == 1 and content.dtype.kind in "iu":
-        return content.tolist()
-    ids = list(content)
-    if set(map(type, ids)) <= {int}:  # the type, not isinstance: a bool is an int subclass
-        return ids
-    for k, t in enumerate(ids):
-        if not _is_token(t):
-            raise TypeError(f"{type(seg).__name__} token ids must be ints; index {k} is "
-                            f"{t!r} ({type(t).__name__})")
-    return [int(t) for t in ids]
+    return convert(ids, what)
 
 
 def build_prompt(segments, *, block_size: int, pad_token_id: int, ssep_token_id: int,
@@ -125,28 +113,47 @@ def build_prompt(segments, *, block_size: int, pad_token_id: int, ssep_token_id:
     """Segments (Prompt / Span, text or ids) -> flat token ids with markers and pads.
 
     The first segment needs no marker if it is a Prompt (a request starts as PDEP); a leading
-    Span gets an SSEP. Raises ValueError for an unknown segment type or an empty segment.
+    Span gets an SSEP. Raises ValueError for an unknown segment type or an empty segment, and
+    a TypeError naming the segment and index of an id that is no int (a bool is none).
     """
+    return build_prompt_ids(segments, block_size=block_size, pad_token_id=pad_token_id,
+                            ssep_token_id=ssep_token_id, pdep_token_id=pdep_token_id,
+                            tokenizer=tokenizer)[0]
+
+
+def build_prompt_ids(segments, *, block_size: int, pad_token_id: int, ssep_token_id: int,
+                     pdep_token_id: int, tokenizer=None,
+                     memo=None) -> tuple[list[int], np.ndarray | None]:
+    """`build_prompt`'s ids and the same as a read-only int64 array (None where an id does not
+    fit int64: the request checks name it), built from each segment's converted ids (minipic_jax/
+    segment_ids.py; `memo`: a SegmentMemo, so a list given again is not converted again): no
+    pass over the prompt's ids in Python, and none in C beyond copying them."""
     out: list[int] = []
+    pieces: list = []  # int64 arrays, concatenated at the end (None: one segment has none)
     prev = None
     for k, seg in enumerate(segments):
         if not isinstance(seg, (Prompt, Span)):
             raise ValueError(f"segment {k}: expected Prompt or Span, got {type(seg).__name__}")
         try:
-            ids = _encode(seg, tokenizer, first=(k == 0))
+            ids, arr = _encode(seg, tokenizer, k == 0, memo)
         except TypeError as err:
             raise TypeError(f"segment {k}: {err}") from None
         if not ids:
             raise ValueError(f"segment {k}: empty {type(seg).__name__}")
-        if isinstance(seg, Prompt) and isinstance(prev, Prompt):
-            out += ids  # consecutive Prompt segments are one PDEP segment
-        else:
-            if out:
-                out += [pad_token_id] * (-len(out) % block_size)
+        if not (isinstance(seg, Prompt) and isinstance(prev, Prompt)):
+            # a new segment (consecutive Prompt segments are one PDEP segment)
+            head = [pad_token_id] * (-len(out) % block_size) if out else []
             if isinstance(seg, Span):
-                out.append(ssep_token_id)
+                head.append(ssep_token_id)
             elif out:
-                out.append(pdep_token_id)
-            out += ids
+                head.append(pdep_token_id)
+            out += head
+            pieces.append(np.array(head, np.int64))
+        out += ids
+        pieces.append(arr)
         prev = seg
-    return out
+    if not pieces or any(p is None for p in pieces):
+        return out, None
+    arr = np.concatenate(pieces)
+    arr.flags.writeable = False  # the request checks keep it as the prompt's ids, uncopied
+    return out, arr

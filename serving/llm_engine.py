@@ -375,10 +375,11 @@ class LLMEngine:
             raise RuntimeError("reset_prefix_cache: requests are still running")
         fresh = None
         if self.hybrid_cache is not None:
-            fresh, self.runner.ck_pool = hybrid_prefix.build(
-                self.config, self.loaded.family, self.loaded.cfg, self.runner.cache_dtype,
-                pool=self.runner.ck_pool, span_pool=self.runner.span_pool)
-            self.runner.span_pool = hybrid_prefix.take_span_pool(fresh)
+            runner = self.runner
+            fresh, ck_pool = hybrid_prefix.build(
+                self.config, self.loaded.family, self.loaded.cfg, runner.cache_dtype,
+                pool=runner.ck_pool, span_pool=runner.span_pool)
+            runner.use_recurrent_pools(ck_pool, hybrid_prefix.take_span_pool(fresh))
         self.cache.reset(recurrent_cache=fresh)
 
     def make_output(self, seq: Sequence) -> RequestOutput:

@@ -19,20 +19,26 @@ def check_token_ids(ids, who: str, vocab_size: int, markers: dict | None = None,
     it); a TypeError for a non-integer (floats are not truncated), a ValueError for an id
     outside [0, vocab_size) other than a marker beyond the vocabulary (`markers`, the engine's:
     the pad id anywhere, SSEP/PDEP at block starts, see `_check_beyond_vocab`)."""
-    if not isinstance(ids, list):
-        ids = list(ids)
-    try:  # array("q") takes ints (and numpy ints) only, as int64; an all-bool list is no ids
-        if ids and isinstance(ids[0], bool):
-            raise TypeError
-        arr = np.frombuffer(array.array("q", ids), np.int64) if ids else np.zeros(0, np.int64)
-    except (TypeError, ValueError, OverflowError):  # the loop below names the bad entry
-        arr = None
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype == np.int64:
+        # converted already (LLM.prompt_ids: a structured prompt's ids, read-only and owning
+        # its memory, so kept as it is); the caller's own array is copied (it may change it)
+        arr = ids if ids.base is None and not ids.flags.writeable else ids.copy()
+    else:
+        if not isinstance(ids, list):
+            ids = list(ids)
+        try:  # array("q") takes ints (and numpy ints) only, as int64; bools: _first_bool
+            arr = np.frombuffer(array.array("q", ids), np.int64) if ids else np.zeros(0, np.int64)
+        except (TypeError, ValueError, OverflowError):  # the loop below names the bad entry
+            arr = None
+        if arr is not None and _first_bool(ids, arr) is not None:
+            arr = None  # the loop below names it
     if arr is not None:  # the common case, checked vectorized
         if not ((arr < 0) | (arr >= vocab_size)).any():
             return arr
         if not (arr < 0).any() and markers is not None:
             _check_beyond_vocab(arr, who, vocab_size, markers, block_size)
             return arr
+        ids = arr.tolist()
     out = []
     for k, t in enumerate(ids):
         if not isinstance(t, numbers.Integral) or isinstance(t, bool):
@@ -49,17 +55,27 @@ def check_token_ids(ids, who: str, vocab_size: int, markers: dict | None = None,
     return arr
 
 
+def _first_bool(ids: list, arr: np.ndarray) -> int | None:
+    """Index of the first bool in `ids` (array("q") took it as 0 or 1), else None: only the
+    entries whose value is 0 or 1 are looked at, so a list of ids costs one vectorized pass."""
+    for k in np.flatnonzero((arr >> 1) == 0).tolist():
+        if isinstance(ids[k], bool):
+            return k
+    return None
+
+
 def _check_beyond_vocab(arr: np.ndarray, who: str, vocab_size: int, markers: dict,
                         block_size: int) -> None:
     """Ids >= vocab_size are markers only (serving/config.py `default_marker_ids`): the pad id
     anywhere, the SSEP/PDEP ids at a block start, where they mean something; any other is a
     ValueError naming the first such index."""
-    at_start = np.arange(arr.size) % block_size == 0
     heads = [markers["ssep_token_id"], markers["pdep_token_id"]]
-    ok = (arr < vocab_size) | (arr == markers["pad_token_id"]) | (at_start & np.isin(arr, heads))
+    over = np.flatnonzero(arr >= vocab_size)  # only these are looked at (pads, markers: few)
+    t = arr[over]
+    ok = (t == markers["pad_token_id"]) | ((over % block_size == 0) & np.isin(t, heads))
     if ok.all():
         return
-    k = int(np.flatnonzero(~ok)[0])
+    k = int(over[np.flatnonzero(~ok)[0]])
     t = int(arr[k])
     if t in heads:
         raise ValueError(f"{who}: marker id {t} at index {k} is not at a block start "

@@ -26,5 +26,5 @@ def request_output(seq: Sequence, tokenizer) -> RequestOutput:
     metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                              seq.finished_time, seq.num_preemptions)
     return RequestOutput(seq.request_id, seq.prompt_text,
-                         list(seq.prompt_token_ids), [comp], seq.is_finished,
+                         seq.prompt_token_ids, [comp], seq.is_finished,
                          seq.num_cached_tokens, metrics)

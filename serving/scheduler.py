@@ -229,13 +229,16 @@ class Scheduler:
 
     # -- after the step -----------------------------------------------------------------------
     def advance(self, batch: list[ScheduledSeq]) -> None:
-        """Move frontiers, publish finished blocks, retire span jobs."""
+        """Move frontiers, publish finished blocks (one cache call for the step), retire span
+        jobs."""
+        running, moved = Status.RUNNING, []
         for e in batch:
             seq = e.seq
-            if seq.status != Status.RUNNING:
-                continue
-            seq.num_computed = e.new_computed
-            seq.needs_reset = False
-            self.cache.advance(seq)
+            if seq.status is running:
+                seq.num_computed = e.new_computed
+                seq.needs_reset = False
+                moved.append(seq)
+        self.cache.advance_many(moved)
+        for seq in moved:
             if seq.is_span_job and seq.num_computed >= len(seq):
                 self.finish(seq)

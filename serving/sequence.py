@@ -78,7 +78,7 @@ class Sequence:
     Slotted: every field is declared here (STYLE 14); assigning any other attribute raises."""
 
     __slots__ = (
-        "seq_id", "request_id", "prompt_token_ids", "token_ids", "num_prompt_tokens", "layout",
+        "seq_id", "request_id", "token_ids", "num_prompt_tokens", "layout",
         "sampling_params", "block_size", "seed", "cache_salt", "is_span_job", "status",
         "block_table", "block_hashes", "chain_tail", "num_computed", "num_cached_tokens",
         "owned", "seat", "synced_blocks", "needs_reset", "ever_admitted", "ready_ptr",
@@ -93,8 +93,7 @@ class Sequence:
                  is_span_job: bool = False, arrival_time: float | None = None):
         self.seq_id = next(_ids)
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # the prompt's never change (prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.layout = layout
         self.sampling_params = sampling_params
@@ -142,6 +141,12 @@ class Sequence:
     # -- sizes ---------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """A new list of the prompt's ids (the head of token_ids: only generated tokens are
+        appended, resolved or dropped)."""
+        return self.token_ids[:self.num_prompt_tokens]
 
     @property
     def num_output_tokens(self) -> int:

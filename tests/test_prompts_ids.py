@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipic_jax import prompts
+from minipic_jax import prompts, segment_ids
 from minipic_jax.prompts import Prompt, Span, build_prompt
 
 MARKERS = dict(block_size=4, pad_token_id=0, ssep_token_id=1, pdep_token_id=2)
@@ -15,6 +15,7 @@ MARKERS = dict(block_size=4, pad_token_id=0, ssep_token_id=1, pdep_token_id=2)
 def test_int_lists_and_int_arrays_take_no_per_token_check(monkeypatch):
     calls = []
     monkeypatch.setattr(prompts, "_is_token", lambda t: calls.append(t) or True)
+    monkeypatch.setattr(segment_ids, "is_token", lambda t: calls.append(t) or True)
     ids = list(range(5, 5 + 4096))
     want = build_prompt([Prompt([7, 8]), Span(ids), Span(np.asarray(ids, np.int32)),
                          Prompt((9,))], **MARKERS)

@@ -159,14 +159,15 @@ def test_max_model_len_above_the_model_maximum_is_rejected():
 
 
 def test_check_token_ids_gives_int64_once_and_names_non_ints():
-    """The fast path (array("q")) takes ints and numpy ints only; floats, all-bool lists,
+    """The fast path (array("q")) takes ints and numpy ints only; floats, a bool anywhere,
     strings, out-of-range and huge ids fall to the loop that names the entry."""
     from serving.request_checks import check_token_ids
     got = check_token_ids([3, np.int32(4), np.uint64(5)], "r", 10)
     assert got.dtype == np.int64 and got.tolist() == [3, 4, 5]
-    assert check_token_ids((1, True), "r", 10).tolist() == [1, 1]  # as numpy treats it
     for bad, err, msg in (([3, 7.0], TypeError, "index 1 is 7.0"),
                           ([True, False], TypeError, "index 0 is True"),
+                          ((1, True), TypeError, r"index 1 is True \(bool\)"),
+                          ([5, 6, 0, 1, 2, False], TypeError, r"index 5 is False \(bool\)"),
                           ([1, "2"], TypeError, "index 1 is '2'"),
                           ([1, 2 ** 70], ValueError, "token id 1180591620717411303424 at index 1"),
                           ([1, -1], ValueError, "token id -1 at index 1")):

@@ -42,11 +42,17 @@ class AdmissionPlan:
         return cls(blocks, misses, host, False, resume, detail)
 
     def hits(self) -> list[int]:
-        return [b for b in self.blocks if b is not None]
+        """The planned blocks in block order (the entries between the misses, sliced)."""
+        out, start = [], 0
+        for j in self.misses:
+            out += self.blocks[start:j]
+            start = j + 1
+        return out + self.blocks[start:]
 
-    def blocks_needed(self, ref: list[int], hits: list[int]) -> int:
-        """Free blocks the plan takes: one per miss, and each hit (`hits()`) no one holds now."""
-        return len(self.misses) + list(map(ref.__getitem__, hits)).count(0)
+    def blocks_needed(self, bm, hits: list[int]) -> int:
+        """Free blocks the plan takes from pool `bm`: one per miss, and each hit (`hits()`) no
+        one holds now."""
+        return len(self.misses) + bm.num_idle(hits)
 
 
 def fill_table(bm, keys, seq, plan: AdmissionPlan, hits: list[int], copy_in: list,

@@ -1,6 +1,9 @@
 """Host-side paged KV block pool: ref counts, chained-hash prefix cache, LRU free list.
 
-Plain Python over ints (DESIGN §3). A block registered under a hash is *pending* until the
+Per-block state in numpy arrays (ref counts, readiness, owners) and a numpy LRU free list
+(serving/cache/free_list.py): one block is plain indexing, a cached request's ~2,000 blocks are
+shared and released by whole-array operations; keys and kept tokens are Python lists (keys are
+128-bit ints). A block registered under a hash is *pending* until the
 sequence that owns it has computed all its tokens, then *ready*. Other sequences may share a
 pending block and wait for it instead of computing it twice; if its owner goes away (preempted)
 the first waiter to reach it claims it. Freed blocks join the tail of an LRU free list (a
@@ -13,7 +16,19 @@ copy-in fills them whole (`filled`).
 
 from __future__ import annotations
 
-import collections
+import numpy as np
+
+from serving.cache.free_list import FreeList
+
+BULK = 64  # blocks from which share_many / release work on whole arrays
+
+
+def _block_array(blocks) -> np.ndarray:
+    return np.fromiter(blocks, np.int64, len(blocks))
+
+
+def _distinct(arr: np.ndarray, num_blocks: int) -> bool:
+    return bool(np.bincount(arr, minlength=num_blocks).max(initial=0) <= 1)
 
 
 class BlockManager:
@@ -23,12 +38,12 @@ class BlockManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.on_evict = on_evict  # callable(block, hash, confirm) for ready blocks being reused
-        self.ref = [0] * num_blocks
+        self.ref = np.zeros(num_blocks, np.int64)
         self.hash = [-1] * num_blocks
         self.confirm: list[tuple | None] = [None] * num_blocks  # tokens kept to confirm hits
-        self.ready = [False] * num_blocks
-        self.owner = [-1] * num_blocks
-        self.free = collections.OrderedDict((b, None) for b in range(num_blocks))
+        self.ready = np.zeros(num_blocks, bool)
+        self.owner = np.full(num_blocks, -1, np.int64)
+        self.free = FreeList(num_blocks, range(num_blocks))
         self.table: dict[int, int] = {}  # hash -> block
         self.num_odd_confirms = 0  # kept tokens that are not int64 bytes of a full block
         self.num_evicted = 0
@@ -51,15 +66,37 @@ class BlockManager:
             return None
         return b
 
+    def _bulk(self, blocks) -> bool:
+        """Whole-array operations for these blocks: many of them, and the state is arrays (a
+        test may swap in lists, which the per-block loops take too)."""
+        return len(blocks) >= BULK and all(isinstance(x, np.ndarray)
+                                           for x in (self.ref, self.owner, self.ready))
+
+    def num_idle(self, blocks) -> int:
+        """How many entries of `blocks` no sequence holds (a repeated block counts each time)."""
+        if self._bulk(blocks):
+            return int(np.count_nonzero(self.ref[_block_array(blocks)] == 0))
+        ref = self.ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
     def share(self, b: int) -> None:
         if self.ref[b] == 0:
             del self.free[b]
         self.ref[b] += 1
 
     def share_many(self, blocks: list[int]) -> None:
-        """`share` of each block in order (a block may repeat), in one loop. If it raises part
-        way, the blocks shared so far are released again (last first), so the caller holds
-        none of them: what undoing the per-block calls did."""
+        """`share` of each block in order (a block may repeat). If it raises part way, the
+        blocks shared so far are released again (last first), so the caller holds none of
+        them: what undoing the per-block calls did. Many distinct blocks: whole-array
+        operations (the free list's order is the same: a share only takes blocks out)."""
+        if self._bulk(blocks):
+            arr = _block_array(blocks)
+            if _distinct(arr, self.num_blocks):
+                idle = arr[self.ref[arr] == 0]
+                if not self.free.missing(idle):
+                    self.free.take_many(idle)
+                    self.ref[arr] += 1
+                    return
         ref, free, i = self.ref, self.free, 0
         try:
             for i, b in enumerate(blocks):
@@ -115,7 +152,20 @@ class BlockManager:
         return self.hash[b] != -1 and not self.ready[b]
 
     def release(self, blocks, seq_id: int) -> None:
-        """Drop one reference to each block, last block first."""
+        """Drop one reference to each block, last block first. Many distinct blocks: whole-array
+        operations (freed blocks join the free list in the same order)."""
+        if self._bulk(blocks):
+            arr = _block_array(blocks)[::-1]
+            left = self.ref[arr] - 1
+            if _distinct(arr, self.num_blocks) and left.min() >= 0:
+                self.owner[arr[self.owner[arr] == seq_id]] = -1
+                self.ref[arr] = left
+                freed = arr[left == 0]
+                for b in freed[~self.ready[freed]].tolist():
+                    if self.hash[b] != -1:
+                        self.unregister(b)  # half-computed content is worthless
+                self.free.put_many(freed)
+                return
         ref, owner, free = self.ref, self.owner, self.free  # locals: this loop is hot
         hashes, ready = self.hash, self.ready
         for b in reversed(blocks):

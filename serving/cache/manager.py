@@ -13,7 +13,7 @@ imports neither), typed by what they do:
              after_launch, move_slots, abandon_step, drop_dependent, stats, cache
 
 The scheduler sees `admit`, `release`, `plan_chunk`, `annotate`, `num_free`/`append_block`,
-`advance`, `span_jobs_for`, `ready_to_admit`, `prepare`; the engine `begin_step`,
+`advance_many`, `span_jobs_for`, `ready_to_admit`, `prepare`; the engine `begin_step`,
 `before_launch`, `after_launch`, `ready_marks`/`after_advance`, `flush`, `reset`, `abandon_step`
 (recovery) and `stats`. Admission is one routine for every model (serving/cache/admission.py):
 a part plans, the manager counts, shares, allocates, registers, queues copy-ins and seats.
@@ -73,7 +73,7 @@ class CacheManager:
             return False
         hits = plan.hits()
         spare = self.bm.num_free - self.config.watermark_blocks * (not seq.is_span_job)
-        if plan.blocks_needed(self.bm.ref, hits) > spare:
+        if plan.blocks_needed(self.bm, hits) > spare:
             self._cancel(plan)
             return False
         self.fill_table(seq, plan, hits)
@@ -153,9 +153,12 @@ class CacheManager:
         seq.owned.add(len(seq.block_table) - 1)
         return True
 
-    def advance(self, seq) -> None:
-        """`seq`'s frontier moved: publish the blocks it completed (chunks.publish_computed)."""
-        chunks.publish_computed(self.bm, self.keys, seq, self.caching)
+    def advance_many(self, seqs) -> None:
+        """The step's sequences' frontiers moved: publish the blocks each completed
+        (chunks.publish_computed), in order; one call per step."""
+        bm, keys, caching = self.bm, self.keys, self.caching
+        for seq in seqs:
+            chunks.publish_computed(bm, keys, seq, caching)
 
     def span_jobs_for(self, seq) -> list:
         """isps: span jobs for `seq`'s spans nobody has cached or is computing."""

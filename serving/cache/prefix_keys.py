@@ -125,5 +125,12 @@ def confirm_hits(got: list, bm, raw: bytes, block_size: int) -> list[int]:
 
 
 def indices_of_none(xs: list) -> list[int]:
-    """Ascending indices of the None entries of `xs`."""
-    return [j for j, x in enumerate(xs) if x is None]
+    """Ascending indices of the None entries of `xs`, found by list.index (a scan in C): a
+    cached request's 2,000 hits cost no Python per entry."""
+    out, j = [], -1
+    try:
+        while True:
+            j = xs.index(None, j + 1)
+            out.append(j)
+    except ValueError:
+        return out

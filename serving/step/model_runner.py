@@ -183,6 +183,11 @@ class ModelRunner:
             return True
         return False if self.separate_decode else None
 
+    def use_recurrent_pools(self, ck_pool, span_pool) -> None:
+        """Step with these checkpoint and span-map pools from now on (a fresh hybrid store over
+        the same device memory: LLMEngine.reset_prefix_cache)."""
+        self.ck_pool, self.span_pool = ck_pool, span_pool
+
     def _args(self, ints, floats, use_prev: bool, kw) -> tuple:
         """The step's arguments: the span map pool goes only to steps that compose or capture
         span maps."""

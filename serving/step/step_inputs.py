@@ -78,8 +78,15 @@ class SeatTables:
         n = min(len(seq.block_table), len(seq.block_valid))
         if k < n:
             self.tables[seat, k:n] = seq.block_table[k:n]
-            self.pos_start[seat, k:n] = seq.block_pos_start[k:n]
-            self.valid[seat, k:n] = seq.block_valid[k:n]
+            # the prompt's blocks from the layout's arrays (a cached 33K-token prompt's 2,000
+            # rows copied, not converted from lists); only its last block gains tokens after
+            lay, m = seq.layout, min(n, len(seq.layout.block_valid) - 1)
+            if k < m:
+                self.pos_start[seat, k:m] = lay.block_pos_start[k:m]
+                self.valid[seat, k:m] = lay.block_valid[k:m]
+            m = max(k, m)
+            self.pos_start[seat, m:n] = seq.block_pos_start[m:n]
+            self.valid[seat, m:n] = seq.block_valid[m:n]
             seq.synced_blocks = n
         if n:
             self.valid[seat, n - 1] = seq.block_valid[n - 1]

@@ -1,0 +1,111 @@
+"""Segment ids converted once per list object (minipic_jax/segment_ids.py): the same list given
+again reuses its conversion, a changed one is converted again, and a structured prompt's int64
+array is the prompt's ids exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipic_jax.prompts import Prompt, Span, build_prompt, build_prompt_ids
+from minipic_jax.segment_ids import MIN_MEMO_IDS, SegmentMemo
+
+MARKERS = dict(block_size=4, pad_token_id=0, ssep_token_id=1, pdep_token_id=2)
+
+
+def test_the_same_list_is_converted_once_and_a_changed_one_again():
+    memo = SegmentMemo()
+    ids = list(range(1000, 1000 + MIN_MEMO_IDS))
+    first, arr = memo.convert(ids, "Span")
+    assert memo.hits == 0 and first == ids and arr.tolist() == ids
+    again, arr2 = memo.convert(ids, "Span")
+    assert memo.hits == 1 and again == ids and arr2 is arr
+    ids[7] = 5  # changed in place: converted again
+    changed, arr3 = memo.convert(ids, "Span")
+    assert memo.hits == 1 and changed[7] == 5 and arr3[7] == 5
+    memo.convert(list(ids), "Span")  # an equal list, another object: converted
+    assert memo.hits == 1
+    ids[9] = True  # a bool put in after the first call is no more an id than before
+    with pytest.raises(TypeError, match=r"Span token ids must be ints; index 9 is True"):
+        memo.convert(ids, "Span")
+
+
+def test_numpy_arrays_and_tuples_are_remembered_and_arrays_compared_by_value():
+    memo = SegmentMemo()
+    a = np.arange(MIN_MEMO_IDS, dtype=np.int32)
+    t = tuple(range(MIN_MEMO_IDS))
+    for x in (a, t, a, t):
+        got, arr = memo.convert(x, "Span")
+        assert got == list(range(MIN_MEMO_IDS)) and arr.dtype == np.int64
+    assert memo.hits == 2
+    a[3] = 77
+    got, _ = memo.convert(a, "Span")
+    assert memo.hits == 2 and got[3] == 77
+
+
+def test_the_memo_keeps_at_most_max_ids():
+    memo = SegmentMemo(max_ids=2 * MIN_MEMO_IDS)
+    lists = [list(range(k, k + MIN_MEMO_IDS)) for k in range(3)]
+    for ids in lists:
+        memo.convert(ids, "Span")
+    memo.convert(lists[0], "Span")  # the least recently used went
+    assert memo.hits == 0
+    memo.convert(lists[2], "Span")
+    assert memo.hits == 1
+
+
+def test_a_structured_prompts_array_is_its_ids_and_huge_ids_give_none():
+    rng = np.random.default_rng(0)
+    doc = rng.integers(3, 500, 300).tolist()
+    segs = [Prompt([7, 8]), Span(doc), Span(np.asarray(doc, np.uint16)), Prompt((9,)),
+            Prompt([np.int64(4)]), Span(tuple(doc[:5])), Prompt([6])]
+    memo = SegmentMemo()
+    for _ in range(2):
+        ids, arr = build_prompt_ids(segs, memo=memo, **MARKERS)
+        assert ids == build_prompt(segs, **MARKERS)
+        assert arr.dtype == np.int64 and arr.tolist() == ids
+        assert {type(t) for t in ids} == {int}
+    assert memo.hits == 2
+    ids, arr = build_prompt_ids([Prompt([3, 2 ** 64])], **MARKERS)
+    assert ids == [3, 2 ** 64] and arr is None  # the request checks name the id
+
+
+def test_generate_reuses_span_lists_and_outputs_what_their_ids_give():
+    """LLM.generate with the same Span list objects twice (the second converts nothing) gives
+    the outputs of the same prompt as plain ids; a bool put into a span later is refused."""
+    from minipic_jax import SamplingParams
+    from tests.conftest import make_tiny_llm
+    llm = make_tiny_llm(max_model_len=1024, num_kv_blocks=160, max_num_batched_tokens=256)
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(5, 200, MIN_MEMO_IDS + 9 * k).tolist() for k in range(2)]
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    markers = dict(block_size=16, **llm.llm_engine.markers)
+    for order in ((0, 1), (1, 0)):
+        segs = [Prompt([7, 8, 9])] + [Span(docs[k]) for k in order] + [Prompt([10, 11])]
+        got = llm.generate(segs, sp, use_tqdm=False)[0]
+        want = llm.generate([build_prompt(segs, **markers)], sp, use_tqdm=False)[0]
+        assert got.prompt_token_ids == want.prompt_token_ids
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert llm._segments.hits == 2  # each span list converted once
+    docs[1][40] = True
+    with pytest.raises(TypeError, match=r"request 0: segment 2: Span token ids must be ints; "
+                                        r"index 40 is True \(bool\)"):
+        llm.generate([Prompt([7]), Span(docs[0]), Span(docs[1])], sp, use_tqdm=False)
+
+
+def test_request_checks_keep_the_prompts_own_array_and_copy_a_callers():
+    from serving.request_checks import check_token_ids
+    _, arr = build_prompt_ids([Prompt([3, 4]), Span([5, 6])], **MARKERS)
+    assert not arr.flags.writeable and check_token_ids(arr, "r", 10) is arr
+    mine = np.asarray([3, 4, 5], np.int64)
+    got = check_token_ids(mine, "r", 10)
+    mine[0] = 9  # the caller changes its array after the request is checked
+    assert got.tolist() == [3, 4, 5]
+
+
+@pytest.mark.filterwarnings("error")
+def test_numpy_ints_of_any_width_in_a_list_become_python_ints():
+    for ids in ([np.int8(100)] * 300, [np.uint64(2 ** 62), 5] * 200, [5, np.int16(7)] * 200):
+        got, arr = SegmentMemo().convert(ids, "Span")
+        assert {type(t) for t in got} == {int} and got == [int(t) for t in ids]
+        assert arr.tolist() == got
