@@ -7,6 +7,7 @@ one, with a small span-map store that evicts and offloads."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -94,9 +95,20 @@ def test_random_segment_structures_match_the_reference(llm, segments):
     assert max(_check(llm, o) for o in outs) < 1e-5
 
 
-def test_non_final_span_longer_than_a_step_is_rejected(llm):
-    with pytest.raises(ValueError, match=r"request 0: SSEP span .* must fit one step"):
-        llm.generate([[Span("a" * 100), Prompt("question?")]], SP, use_tqdm=False)
+def test_non_final_span_longer_than_a_step_is_rejected_without_a_span_map_pool(llm):
+    """A span longer than a step goes in pieces through the span-map pool (below); without the
+    pool (span_map_gb=0) it is refused before any work, naming the span and its size."""
+    groups = llm.config.span_maps
+    llm.config.span_maps = dataclasses.replace(groups, budget_gb=0)
+    eng = _fresh(llm)
+    try:
+        assert eng.hybrid_cache.spans is None
+        with pytest.raises(ValueError, match=r"request 0: SSEP span 0 \(token index 0\) has 101 "
+                                             r"tokens, more than one step takes \(60"):
+            llm.generate([[Span("a" * 100), Prompt("question?")]], SP, use_tqdm=False)
+    finally:
+        llm.config.span_maps = groups
+        _fresh(llm)
 
 
 def _fresh(llm, **options):
@@ -259,3 +271,57 @@ def test_maps_follow_their_blocks_under_kv_eviction(small_llm):
     print(f"max abs logprob error vs the float64 reference: {worst:.2e}; {st_}")
     assert worst < 1e-5 and st_["span_maps_evicted"] > 0 and st_["spans_skipped"] > 0
     assert eng.bm.num_evicted > 0
+
+
+def _long_doc(rng, n):
+    return Span(bytes(rng.integers(97, 123, n).tolist()).decode())
+
+
+def test_spans_longer_than_a_step_are_captured_in_pieces_and_reused(llm):
+    """Issue 29 item 1: spans of 150 and 230 tokens (64-token steps: 60 a sequence) are computed
+    in pieces over several steps, their maps composed piece by piece in one slot; outputs equal
+    the float64 reference. A second batch reuses both at other offsets, in the other order, with
+    a new question: they are skipped whole (their cached tokens counted) and still exact."""
+    eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
+    rng = np.random.default_rng(41)
+    sys_a, q1, q2 = Prompt("system prompt"), Prompt("what is it?"), Prompt("and now?")
+    d1, d2, d3 = _long_doc(rng, 149), _long_doc(rng, 229), _long_doc(rng, 20)
+    err = _run(llm, [[[sys_a, d1, d3, d2, q1]]])
+    st = _span_stats(eng)
+    assert err < 1e-5 and st["span_maps_captured"] == 3 and st["spans_skipped"] == 0, st
+    outs = llm.generate([[d2, Prompt("x"), d1, q2]], SP, use_tqdm=False)
+    err = max(err, max(_check(llm, o) for o in outs))
+    st = _span_stats(eng)
+    print(f"max abs logprob error vs the float64 reference: {err:.2e}; {st}")
+    assert err < 1e-5
+    # blocks of 16 (SSEP + text, padded): d1 150 tokens -> 10 blocks, d2 230 -> 15
+    assert st["spans_skipped"] == 2 and st["span_tokens_skipped"] == 16 * (10 + 15)
+    assert outs[0].num_cached_tokens >= 16 * (10 + 15)
+
+
+def test_a_preempted_half_captured_long_span_is_recomputed_exactly(llm):
+    """A request preempted with a long span half captured (its map so far in a held slot): the
+    slot is freed, nothing half-made is ever served, and the span is captured again from its
+    start when the request comes back; a later request reuses the whole map exactly."""
+    eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
+    rng = np.random.default_rng(43)
+    doc, q = _long_doc(rng, 200), Prompt("why?")
+    ids, _ = llm.to_token_ids([Prompt("sys"), doc, q])
+    eng.add_request("half", ids, SP)
+    seq = eng.scheduler.waiting[0]
+    outs = []
+    while not seq.span.partial:
+        outs += eng.step()
+    store = eng.hybrid_cache.spans.store
+    (part,) = seq.span.partial.values()
+    assert not part.entry.written and part.entry.pins == 1
+    eng._read_back_early()  # as the scheduler does before it preempts
+    eng.scheduler.preempt(seq)
+    assert not seq.span.partial and part.entry.key not in store.device  # slot freed
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert seq.num_preemptions == 1 and _check(llm, outs[0]) < 1e-5
+    st = _span_stats(eng)
+    assert st["span_maps_captured"] == 1 and st["span_maps_stored"] == 2, st  # one discarded
+    err = _run(llm, [[[doc, Prompt("again?")]]])
+    assert err < 1e-5 and _span_stats(eng)["spans_skipped"] == 1

@@ -156,8 +156,9 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
             keep = ~reset[:, None, None]
             conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
             delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
+            kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], len(new["conv"])))
             x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, metadata.cu_q_lens,
-                                                                pos0, cfg, **gdn_kw))
+                                                                pos0, cfg, **kw))
             new["conv"].append(conv_c.at[slots].set(conv))
             new["delta"].append(delta_c.at[slots].set(delta))
             if ck is not None:
