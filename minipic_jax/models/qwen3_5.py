@@ -120,7 +120,8 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     gdn_impl: GDN prefill kernel: None / "xla" (lax.scan), "pallas_fused" (Pallas Triton, GPU),
       "pallas_fused_interpret" (same, interpret mode for CPU tests).
     span_pieces: None or qwen3_5_spans.SpanPieces when the step holds SSEP span rows (their
-      attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side).
+      attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side; with
+      .entry, pieces continuing a long span enter with its map so far).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
       conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers); with
       span_pieces.capture also span_maps: a [Lg, Mc, Hv, Dk, Dk], b [Lg, Mc, Hv, Dk, Dv],

@@ -58,7 +58,9 @@ def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk:
     row_span [T]; conv_rows [T, Kc] (the rows of each row's conv window inside its piece, oldest
     first, the row itself last; out of range: zeros); packings (the local pass's: `_packings`);
     carry_rows [S, Kc-1], carry_use [S] (`carry_local`); with pieces.capture cap_rows
-    [Mc, Kc-1], cap_count [Mc] (`captured_maps`)."""
+    [Mc, Kc-1], cap_count [Mc] (`captured_maps`); with pieces.entry also entry_use [Mc] and
+    entry (`for_layer` picks each layer's maps), window rows before a continuing piece pointing
+    at its entry tail in the `stream`, and the plain packing's initial states per piece."""
     g = pieces.piece_cu.shape[0] - 1
     rows = jnp.arange(n_rows, dtype=jnp.int32)
     # compare_all: one [T, G + 1] fusion (the default method loops, a few kernels per level)

@@ -4,8 +4,9 @@ device code of a warm step.
 
 A warm step (a span-map pool is attached) carries, for each sequence with one, a chain [L] of
 map-pool slots to compose before its rows (`chain_shape`: [Sc, L], -1 padded), and up to
-MAX_CAPTURES (piece, slot)
-pairs: the spans it computes whole whose maps it stores. Inside the jitted step: a checkpoint
+MAX_CAPTURES (piece, slot, continues)
+triples: the spans it computes whole whose maps it stores, and the pieces of long spans
+(serving/hybrid/span_partial.py), a continuing one entering with the slot's map so far (`entry`). Inside the jitted step: a checkpoint
 restore first, then the chain (`span_maps.enter`), then the model, whose local pass returns the
 captured pieces' maps, then the store into the pool.
 """
