@@ -103,9 +103,12 @@ def test_non_final_span_longer_than_a_step_is_rejected_without_a_span_map_pool(l
     eng = _fresh(llm)
     try:
         assert eng.hybrid_cache.spans is None
-        with pytest.raises(ValueError, match=r"request 0: SSEP span 0 \(token index 0\) has 101 "
-                                             r"tokens, more than one step takes \(60"):
-            llm.generate([[Span("a" * 100), Prompt("question?")]], SP, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"request 1: segment 1, an SSEP span at token "
+                                             r"index 16, has 101 tokens, more than one step "
+                                             r"takes \(60"):
+            llm.generate([[Span("short"), Prompt("question?")],
+                          [Prompt("sys"), Span("a" * 100), Prompt("question?")]], SP,
+                         use_tqdm=False)
     finally:
         llm.config.span_maps = groups
         _fresh(llm)

@@ -29,10 +29,12 @@ def check_prompt(layout, block_size: int, num_prompt_tokens: int, budget: int, w
     engine cannot compute it in pieces (`pieces` False: no span-map pool to carry them)."""
     if pieces:
         return
-    for k, (a, b, final) in enumerate(span_intervals(layout, block_size, num_prompt_tokens)):
+    for a, b, final in span_intervals(layout, block_size, num_prompt_tokens):
         n = int((~layout.is_pad[a:b]).sum())
         if not final and n > budget:
-            raise ValueError(f"{who}: SSEP span {k} (token index {a}) has {n} tokens, more than "
+            seg = int(np.count_nonzero(layout.seg_start[:a // block_size]))
+            raise ValueError(f"{who}: segment {seg}, an SSEP span at token index {a}, has {n} "
+                             f"tokens, more than "
                              f"one step takes ({budget}: max_num_batched_tokens - max_num_seqs); "
                              f"a longer span is computed in pieces through the span-map pool, "
                              f"which this engine lacks (prefix caching off, or "
