@@ -281,32 +281,52 @@ def _long_doc(rng, n):
 
 
 def test_spans_longer_than_a_step_are_captured_in_pieces_and_reused(llm):
-    """Issue 29 item 1: spans of 150 and 230 tokens (64-token steps: 60 a sequence) are computed
-    in pieces over several steps, their maps composed piece by piece in one slot; outputs equal
-    the float64 reference. A second batch reuses both at other offsets, in the other order, with
-    a new question: they are skipped whole (their cached tokens counted) and still exact."""
-    eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
+    """Issue 29 item 1: spans of 150 to 230 tokens (64-token steps: 60 a sequence) are computed
+    in pieces over several steps, their maps composed piece by piece in one slot (a step may
+    end one request's long span and start another's); a third request skips two of them.
+    Outputs equal the float64 reference. A second batch reuses the long spans at other
+    offsets, in other orders, with new questions: skipped whole (their tokens counted as
+    cached), still exact."""
+    eng = _fresh(llm)
     rng = np.random.default_rng(41)
     sys_a, q1, q2 = Prompt("system prompt"), Prompt("what is it?"), Prompt("and now?")
-    d1, d2, d3 = _long_doc(rng, 149), _long_doc(rng, 229), _long_doc(rng, 20)
-    err = _run(llm, [[[sys_a, d1, d3, d2, q1]]])
+    d1, d2, d3, d4 = (_long_doc(rng, n) for n in (149, 229, 20, 179))
+    err = _run(llm, [[[sys_a, d1, d3, d2, q1], [d4, q2], [d2, Prompt("x"), d1, q2]]])
     st = _span_stats(eng)
-    assert err < 1e-5 and st["span_maps_captured"] == 3 and st["spans_skipped"] == 0, st
-    outs = llm.generate([[d2, Prompt("x"), d1, q2]], SP, use_tqdm=False)
+    assert err < 1e-5 and st["span_maps_captured"] == 4, st
+    assert st["spans_skipped"] == 2, st  # the third request's d2 and d1
+    outs = llm.generate([[d4, d1, Prompt("new")], [Prompt("y"), d2, q1]], SP, use_tqdm=False)
     err = max(err, max(_check(llm, o) for o in outs))
     st = _span_stats(eng)
     print(f"max abs logprob error vs the float64 reference: {err:.2e}; {st}")
-    assert err < 1e-5
-    # blocks of 16 (SSEP + text, padded): d1 150 tokens -> 10 blocks, d2 230 -> 15
-    assert st["spans_skipped"] == 2 and st["span_tokens_skipped"] == 16 * (10 + 15)
-    assert outs[0].num_cached_tokens >= 16 * (10 + 15)
+    assert err < 1e-5 and st["spans_skipped"] == 5 and st["span_maps_captured"] == 4
+    # blocks of 16 (SSEP + text, padded): d1 150 tokens -> 10 blocks, d2 230 -> 15, d4 180 -> 12
+    assert st["span_tokens_skipped"] == 16 * (2 * 10 + 2 * 15 + 12)
+    assert outs[0].num_cached_tokens >= 16 * (12 + 10) and outs[1].num_cached_tokens >= 16 * 15
+
+
+def test_two_requests_continue_long_spans_in_one_step(llm, monkeypatch):
+    """Steps where two requests each carry a long span's map on (a short span that does not fit
+    the rest of a step leaves the budget to the other request): every piece reads its own entry."""
+    from serving.hybrid import span_step
+    continuing, fill = [], span_step.fill_maps
+
+    def counted(batch, v, starts):
+        fill(batch, v, starts)
+        continuing.append(int((v["cap_cont"] > 0).sum()))
+    monkeypatch.setattr(span_step, "fill_maps", counted)
+    _fresh(llm)
+    rng = np.random.default_rng(41)
+    d1, d2, d3, d4, d5 = (_long_doc(rng, n) for n in (100, 110, 45, 120, 45))
+    err = _run(llm, [[[d1, d3, d2, d5, Prompt("what is it?")], [d4, Prompt("and now?")]]])
+    assert err < 1e-5 and max(continuing) == 2, continuing
 
 
 def test_a_preempted_half_captured_long_span_is_recomputed_exactly(llm):
     """A request preempted with a long span half captured (its map so far in a held slot): the
     slot is freed, nothing half-made is ever served, and the span is captured again from its
     start when the request comes back; a later request reuses the whole map exactly."""
-    eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
+    eng = _fresh(llm)
     rng = np.random.default_rng(43)
     doc, q = _long_doc(rng, 200), Prompt("why?")
     ids, _ = llm.to_token_ids([Prompt("sys"), doc, q])
