@@ -322,6 +322,25 @@ def test_two_requests_continue_long_spans_in_one_step(llm, monkeypatch):
     assert err < 1e-5 and max(continuing) == 2, continuing
 
 
+def test_a_long_span_gets_a_slot_beside_the_maps_its_request_pins(llm):
+    """Two device slots: a request that computes a long span before two cached ones pins one of
+    them only, so the long span's pieces have a slot (pinning both would stall it for good)."""
+    groups = llm.config.span_maps
+    nbytes = _fresh(llm).hybrid_cache.spans.store.nbytes
+    llm.config.span_maps = dataclasses.replace(groups, budget_gb=2.5 * nbytes / (1 << 30))
+    eng = _fresh(llm)
+    try:
+        rng = np.random.default_rng(47)
+        c1, c2 = _docs(rng, 20, 30)
+        err = _run(llm, [[[c1, c2, Prompt("q")]], [[_long_doc(rng, 150), c1, c2, Prompt("q2")]]])
+        st = _span_stats(eng)
+        assert st["span_map_device_slots"] == 2 and st["spans_skipped"] == 1, st
+        assert err < 1e-5
+    finally:
+        llm.config.span_maps = groups
+        _fresh(llm)
+
+
 def test_a_preempted_half_captured_long_span_is_recomputed_exactly(llm):
     """A request preempted with a long span half captured (its map so far in a held slot): the
     slot is freed, nothing half-made is ever served, and the span is captured again from its

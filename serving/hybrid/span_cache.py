@@ -77,8 +77,13 @@ class SpanMapCache:
         keys, bs = mgr.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
         skips, plan = [], {}
-        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
-            if final or a < start or b // bs > limit:
+        spans = span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens)
+        # a long span it may compute needs a slot while its later skips are pinned: keep one
+        pins = self.store.device_slots - any(
+            not final and a >= start and span_rows.long_span(seq, a, b, self.step_tokens)
+            for a, b, final in spans)
+        for a, b, final in spans:
+            if final or a < start or b // bs > limit or len(skips) >= pins:
                 continue
             kinds = self._span_hits(mgr, seq, a, b)
             if kinds is None:
