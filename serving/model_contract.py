@@ -44,6 +44,12 @@ class SpanPieces:
     # warm path (serving/hybrid/span_cache.py): pieces whose span map (A, B, conv tail) the step returns,
     # [Mc] int32 piece ids (-1 = none); None: the step returns no maps
     capture: jax.Array | None = None
+    # long spans captured over several steps (serving/hybrid/span_partial.py): the map so far of
+    # each capture that continues one, which its piece enters (local state B, conv tail, and the
+    # transition A its own composes with): dict use [Mc] bool, slot [Mc] int32, count [Mc] int32
+    # (the maps' own), and the span-map pool's a [P, Lg, Hv, Dk, Dk], b [P, Lg, Hv, Dk, Dv], tail
+    # [P, Lg, C, Kc-1] (each layer gathers its rows); None: every capture starts at zero
+    entry: dict | None = None
 
 
 @runtime_checkable

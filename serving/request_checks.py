@@ -179,8 +179,10 @@ def check_request(request_id, prompt_token_ids, sampling_params, *, who: str, ca
     layout = check_prompt(ids, who, cfg, engine.markers)
     check_fits(len(ids), sampling_params, who, cfg, engine.num_blocks)
     if engine.hybrid and layout.span_block.any():  # docs/DESIGN.md section 5
+        spans = getattr(engine.hybrid_cache, "spans", None)  # long spans go in pieces through it
         span_rows.check_prompt(layout, cfg.block_size, len(ids),
-                               cfg.max_num_batched_tokens - cfg.max_num_seqs, who)
+                               cfg.max_num_batched_tokens - cfg.max_num_seqs, who,
+                               pieces=spans is not None)
     if in_use:
         raise ValueError(f"{who}: request id already in use")
     return layout

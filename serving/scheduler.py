@@ -38,7 +38,7 @@ class ScheduledSeq:
     ck_slot: int = -1  # hybrid: its checkpoint-pool slot
     restore_slot: int = -1  # hybrid: pool slot the state is restored from before the step
     map_chain: tuple = ()  # hybrid spans: map-pool slots of the cached spans entered first
-    map_caps: tuple = ()  # hybrid spans: (span start token index, map-pool slot) captured
+    map_caps: tuple = ()  # hybrid spans: (piece start token, map-pool slot, continues) captured
 
 
 class Scheduler:

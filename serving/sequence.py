@@ -51,6 +51,9 @@ class SpanState:
     # span start -> pinned map entry, until the step that composes it; None: not a span prompt
     # admitted through the span-map cache
     pins: dict | None = None
+    # span start -> span_partial.Partial: a long span whose map this sequence is capturing in
+    # pieces (serving/hybrid/span_partial.py), until its last piece's step
+    partial: dict = dataclasses.field(default_factory=dict)
     jobs_scanned: bool = False  # its span jobs were made (isps: once per request)
 
 

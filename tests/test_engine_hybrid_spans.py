@@ -7,6 +7,7 @@ one, with a small span-map store that evicts and offloads."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -94,9 +95,23 @@ def test_random_segment_structures_match_the_reference(llm, segments):
     assert max(_check(llm, o) for o in outs) < 1e-5
 
 
-def test_non_final_span_longer_than_a_step_is_rejected(llm):
-    with pytest.raises(ValueError, match=r"request 0: SSEP span .* must fit one step"):
-        llm.generate([[Span("a" * 100), Prompt("question?")]], SP, use_tqdm=False)
+def test_non_final_span_longer_than_a_step_is_rejected_without_a_span_map_pool(llm):
+    """A span longer than a step goes in pieces through the span-map pool (below); without the
+    pool (span_map_gb=0) it is refused before any work, naming the span and its size."""
+    groups = llm.config.span_maps
+    llm.config.span_maps = dataclasses.replace(groups, budget_gb=0)
+    eng = _fresh(llm)
+    try:
+        assert eng.hybrid_cache.spans is None
+        with pytest.raises(ValueError, match=r"request 1: segment 1, an SSEP span at token "
+                                             r"index 16, has 101 tokens, more than one step "
+                                             r"takes \(60"):
+            llm.generate([[Span("short"), Prompt("question?")],
+                          [Prompt("sys"), Span("a" * 100), Prompt("question?")]], SP,
+                         use_tqdm=False)
+    finally:
+        llm.config.span_maps = groups
+        _fresh(llm)
 
 
 def _fresh(llm, **options):
@@ -259,3 +274,96 @@ def test_maps_follow_their_blocks_under_kv_eviction(small_llm):
     print(f"max abs logprob error vs the float64 reference: {worst:.2e}; {st_}")
     assert worst < 1e-5 and st_["span_maps_evicted"] > 0 and st_["spans_skipped"] > 0
     assert eng.bm.num_evicted > 0
+
+
+def _long_doc(rng, n):
+    return Span(bytes(rng.integers(97, 123, n).tolist()).decode())
+
+
+def test_spans_longer_than_a_step_are_captured_in_pieces_and_reused(llm):
+    """Issue 29 item 1: spans of 150 to 230 tokens (64-token steps: 60 a sequence) are computed
+    in pieces over several steps, their maps composed piece by piece in one slot (a step may
+    end one request's long span and start another's); a third request skips two of them.
+    Outputs equal the float64 reference. A second batch reuses the long spans at other
+    offsets, in other orders, with new questions: skipped whole (their tokens counted as
+    cached), still exact."""
+    eng = _fresh(llm)
+    rng = np.random.default_rng(41)
+    sys_a, q1, q2 = Prompt("system prompt"), Prompt("what is it?"), Prompt("and now?")
+    d1, d2, d3, d4 = (_long_doc(rng, n) for n in (149, 229, 20, 179))
+    err = _run(llm, [[[sys_a, d1, d3, d2, q1], [d4, q2], [d2, Prompt("x"), d1, q2]]])
+    st = _span_stats(eng)
+    assert err < 1e-5 and st["span_maps_captured"] == 4, st
+    assert st["spans_skipped"] == 2, st  # the third request's d2 and d1
+    outs = llm.generate([[d4, d1, Prompt("new")], [Prompt("y"), d2, q1]], SP, use_tqdm=False)
+    err = max(err, max(_check(llm, o) for o in outs))
+    st = _span_stats(eng)
+    print(f"max abs logprob error vs the float64 reference: {err:.2e}; {st}")
+    assert err < 1e-5 and st["spans_skipped"] == 5 and st["span_maps_captured"] == 4
+    # blocks of 16 (SSEP + text, padded): d1 150 tokens -> 10 blocks, d2 230 -> 15, d4 180 -> 12
+    assert st["span_tokens_skipped"] == 16 * (2 * 10 + 2 * 15 + 12)
+    assert outs[0].num_cached_tokens >= 16 * (12 + 10) and outs[1].num_cached_tokens >= 16 * 15
+
+
+def test_two_requests_continue_long_spans_in_one_step(llm, monkeypatch):
+    """Steps where two requests each carry a long span's map on (a short span that does not fit
+    the rest of a step leaves the budget to the other request): every piece reads its own entry."""
+    from serving.hybrid import span_step
+    continuing, fill = [], span_step.fill_maps
+
+    def counted(batch, v, starts):
+        fill(batch, v, starts)
+        continuing.append(int((v["cap_cont"] > 0).sum()))
+    monkeypatch.setattr(span_step, "fill_maps", counted)
+    _fresh(llm)
+    rng = np.random.default_rng(41)
+    d1, d2, d3, d4, d5 = (_long_doc(rng, n) for n in (100, 110, 45, 120, 45))
+    err = _run(llm, [[[d1, d3, d2, d5, Prompt("what is it?")], [d4, Prompt("and now?")]]])
+    assert err < 1e-5 and max(continuing) == 2, continuing
+
+
+def test_a_long_span_gets_a_slot_beside_the_maps_its_request_pins(llm):
+    """Two device slots: a request that computes a long span before two cached ones pins one of
+    them only, so the long span's pieces have a slot (pinning both would stall it for good)."""
+    groups = llm.config.span_maps
+    nbytes = _fresh(llm).hybrid_cache.spans.store.nbytes
+    llm.config.span_maps = dataclasses.replace(groups, budget_gb=2.5 * nbytes / (1 << 30))
+    eng = _fresh(llm)
+    try:
+        rng = np.random.default_rng(47)
+        c1, c2 = _docs(rng, 20, 30)
+        err = _run(llm, [[[c1, c2, Prompt("q")]], [[_long_doc(rng, 150), c1, c2, Prompt("q2")]]])
+        st = _span_stats(eng)
+        assert st["span_map_device_slots"] == 2 and st["spans_skipped"] == 1, st
+        assert err < 1e-5
+    finally:
+        llm.config.span_maps = groups
+        _fresh(llm)
+
+
+def test_a_preempted_half_captured_long_span_is_recomputed_exactly(llm):
+    """A request preempted with a long span half captured (its map so far in a held slot): the
+    slot is freed, nothing half-made is ever served, and the span is captured again from its
+    start when the request comes back; a later request reuses the whole map exactly."""
+    eng = _fresh(llm)
+    rng = np.random.default_rng(43)
+    doc, q = _long_doc(rng, 200), Prompt("why?")
+    ids, _ = llm.to_token_ids([Prompt("sys"), doc, q])
+    eng.add_request("half", ids, SP)
+    seq = eng.scheduler.waiting[0]
+    outs = []
+    while not seq.span.partial:
+        outs += eng.step()
+    store = eng.hybrid_cache.spans.store
+    (part,) = seq.span.partial.values()
+    assert not part.entry.written and part.entry.pins == 1
+    eng._read_back_early()  # as the scheduler does before it preempts
+    eng.scheduler.preempt(seq)
+    assert not seq.span.partial and part.entry.key not in store.device  # slot freed
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert seq.num_preemptions == 1 and _check(llm, outs[0]) < 1e-5
+    st = _span_stats(eng)
+    assert st["span_maps_captured"] == 1 and st["span_maps_stored"] == 2, st  # one discarded
+    err = _run(llm, [[[doc, Prompt("again?")]]])
+    assert err < 1e-5 and _span_stats(eng)["spans_skipped"] == 1

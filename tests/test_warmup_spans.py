@@ -1,6 +1,7 @@
 """LLM()'s default warm-up readies every step variant a span request needs on a hybrid model
 (issue 29, "no stalls"): after it, a cold span request, the same spans reordered with a new
-question, and the same tokens as a plain prompt compile no step variant while serving. Shapes of
+question, the same tokens as a plain prompt, and a span longer than a step (captured in pieces,
+then reused) compile no step variant while serving. Shapes of
 tests/test_engine_hybrid_spans.py (one 64-token bucket, 4 seats), so the compiles are shared."""
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ def test_span_requests_compile_nothing_after_the_default_warmup(capsys):
     # 18 spans of a block each: the reordered request enters a chain of 18 cached maps (more
     # than the 16 an engine used to warm)
     system, spans = Prompt(text(30)), [Span(text(12)) for _ in range(18)]
+    long_span = Span(text(150))  # longer than a step (60 tokens): captured in pieces
     requests = {"cold": [system, *spans, Prompt(text(20))],
                 "reordered": [system, *spans[::-1], Prompt(text(15))],
-                "plain": system.content + "".join(s.content for s in spans) + text(20)}
+                "plain": system.content + "".join(s.content for s in spans) + text(20),
+                "long": [system, long_span, spans[0], Prompt(text(10))],
+                "long reused": [spans[1], long_span, Prompt(text(12))]}
     compiled = {}
     for name, prompt in requests.items():
         before = steps.counts["compiled"]

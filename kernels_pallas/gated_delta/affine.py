@@ -93,7 +93,7 @@ def apply_chain(a, b, state, count=None, *, precision=None):
 
 
 def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, packings=None,
-                **kernel):
+                b0=None, a0=None, **kernel):
     """Each sequence of a ragged batch from a zero state, with its map, by any ragged
     implementation (ragged.ragged_prefill's `kernel` options): the plain pass gives the outputs
     and B (the final state from zero); the state is linear in S0, so a second pass with v = 0
@@ -108,6 +108,11 @@ def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, packing
     final_of: None or [K] int32 sequence ids whose B to return (ragged_prefill's final_of).
     packings: None, or `maps_packing(...)` of this batch computed once by the caller (then
     cu_q_lens, select and final_of are read from it).
+    b0, a0: None (zero states, identity transitions), or the maps already run before the
+    sequences (a map captured in pieces over several steps): b0 [N, Hv, Dk, Dv] the plain pass's
+    initial states, indexed by its packing's seq_of_chunk (a caller's packing may map several
+    sequences to one: index 0 a zero state, say); a0 [S or M, Hv, Dk, Dk] the transition pass's,
+    so a comes back composed, a_seq a0.
     Returns out [T, Hv, Dv] float32, b [S or K, Hv, Dk, Dv] float32 and a [S or M, Hv, Dk, Dk]
     float32 (I for an empty sequence or a -1).
     """
@@ -117,11 +122,11 @@ def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, packing
         packings = maps_packing(cu_q_lens, n_tokens, select, final_of,
                                 chunk=kernel.get("chunk", 64))
     plain, sel = packings
-    out, b, _ = ragged_prefill(q, k, v, g, beta, None, None, jnp.zeros((1, hv, dk, dv), _F32),
-                               packing=plain, **kernel)
+    s0 = jnp.zeros((1, hv, dk, dv), _F32) if b0 is None else b0.astype(_F32)
+    out, b, _ = ragged_prefill(q, k, v, g, beta, None, None, s0, packing=plain, **kernel)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (sel["lens"].shape[0], hv, dk, dk))
     _, a, _ = ragged_prefill(q, k, jnp.zeros((n_tokens, hv, dk), v.dtype), g, beta, None, None,
-                             eye, packing=sel, **kernel)
+                             eye if a0 is None else a0.astype(_F32), packing=sel, **kernel)
     return out, b, a
 
 

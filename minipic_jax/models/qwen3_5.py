@@ -120,7 +120,8 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     gdn_impl: GDN prefill kernel: None / "xla" (lax.scan), "pallas_fused" (Pallas Triton, GPU),
       "pallas_fused_interpret" (same, interpret mode for CPU tests).
     span_pieces: None or qwen3_5_spans.SpanPieces when the step holds SSEP span rows (their
-      attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side).
+      attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side; with
+      .entry, pieces continuing a long span enter with its map so far).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
       conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers); with
       span_pieces.capture also span_maps: a [Lg, Mc, Hv, Dk, Dk], b [Lg, Mc, Hv, Dk, Dv],
@@ -156,8 +157,9 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
             keep = ~reset[:, None, None]
             conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
             delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
+            kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], len(new["conv"])))
             x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, metadata.cu_q_lens,
-                                                                pos0, cfg, **gdn_kw))
+                                                                pos0, cfg, **kw))
             new["conv"].append(conv_c.at[slots].set(conv))
             new["delta"].append(delta_c.at[slots].set(delta))
             if ck is not None:

@@ -190,8 +190,8 @@ class GatedDeltaNet(nnx.Module):
                                                    checkpoint_at=checkpoint_at, decode=decode,
                                                    packing=packing, **kernel)
         if pieces is not None:  # span rows: outputs of their piece from a zero state
-            local, local_final, a_span = qwen3_5_spans.run_local(q, k, v, g, beta,
-                                                                 pieces["packings"], **kernel)
+            local, local_final, a_span = qwen3_5_spans.run_local(
+                q, k, v, g, beta, pieces["packings"], plan=pieces, **kernel)
             core = jnp.where(pieces["row_span"][:, None, None], local, core)
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)

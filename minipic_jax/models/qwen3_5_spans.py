@@ -14,9 +14,12 @@ tail), which the engine caches and later composes instead of computing the span 
 path: serving/hybrid/span_cache.py, serving/hybrid/span_maps.py).
 
 A sequence whose final segment is a span that starts in the step carries the span's local state
-on (`carry_local`), so its generated tokens extend the span. Limits: a non-final span must start
-and end in the step that computes its rows (pieces start from zero, and the flow is what a
-sequence carries otherwise), so a caller keeps each non-final span inside one step.
+on (`carry_local`), so its generated tokens extend the span. A non-final span longer than a step
+is computed in pieces over several steps (serving/hybrid/span_partial.py): each piece is a
+captured one, and a piece that continues the span enters with the map captured so far
+(`pieces.entry`): its local pass starts from that map's B, its conv window reads that map's tail
+before the piece's first row, and its captured map composes with it (A_piece A_so_far; count
+and tail run on), so the last piece leaves the whole span's map. Pieces otherwise start from zero.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk:
     row_span [T]; conv_rows [T, Kc] (the rows of each row's conv window inside its piece, oldest
     first, the row itself last; out of range: zeros); packings (the local pass's: `_packings`);
     carry_rows [S, Kc-1], carry_use [S] (`carry_local`); with pieces.capture cap_rows
-    [Mc, Kc-1], cap_count [Mc] (`captured_maps`)."""
+    [Mc, Kc-1], cap_count [Mc] (`captured_maps`); with pieces.entry also entry_use [Mc] and
+    entry (`for_layer` picks each layer's maps), window rows before a continuing piece pointing
+    at its entry tail in the `stream`, and the plain packing's initial states per piece."""
     g = pieces.piece_cu.shape[0] - 1
     rows = jnp.arange(n_rows, dtype=jnp.int32)
     # compare_all: one [T, G + 1] fusion (the default method loops, a few kernels per level)
@@ -66,25 +71,78 @@ def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk:
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
     piece_len = pieces.piece_cu[1:] - pieces.piece_cu[:-1]
     carry = fin[:lens.shape[0]]
+    k1 = conv_kernel - 1
+    cap, use, piece_entry, oor = _entries(pieces, g, n_rows, k1)
+    row_base = None if piece_entry is None else _entry_base(piece_entry[piece_of_row], n_rows, k1)
     plan = dict(row_span=pieces.row_span,
-                conv_rows=_window_rows(start, rows + 1, conv_kernel, n_rows),
-                packings=_packings(pieces, fin, n_rows, chunk),
+                conv_rows=_window_rows(start, rows + 1, conv_kernel, oor, row_base, k1),
+                packings=_packings(pieces, fin, n_rows, chunk, piece_entry),
                 carry_rows=_window_rows(pieces.piece_cu[carry], pieces.piece_cu[carry]
-                                        + piece_len[carry], conv_kernel - 1, n_rows),
+                                        + piece_len[carry], k1, oor),
                 carry_use=pieces.carry_local & (lens > 0))
-    if pieces.capture is not None:
-        cap = jnp.clip(pieces.capture, 0, g - 1)
+    if cap is not None:
         plan["cap_count"] = piece_len[cap]
-        plan["cap_rows"] = _window_rows(pieces.piece_cu[cap], pieces.piece_cu[cap + 1],
-                                        conv_kernel - 1, n_rows)
+        cap_base = None
+        if use is not None:
+            plan["cap_count"] = plan["cap_count"] + jnp.where(use, pieces.entry["count"], 0)
+            cap_base = _entry_base(jnp.where(use, jnp.arange(use.shape[0]), -1), n_rows, k1)
+            plan.update(entry_use=use, entry=pieces.entry)
+        plan["cap_rows"] = _window_rows(pieces.piece_cu[cap], pieces.piece_cu[cap + 1], k1, oor,
+                                        cap_base, k1)
     return plan
 
 
-def _window_rows(start, end, width: int, n_rows: int):
-    """[..., width] the rows end - width .. end - 1 (oldest first); those before `start`: n_rows
-    (out of range, read as zeros)."""
+def _entries(pieces: SpanPieces, g: int, n_rows: int, k1: int):
+    """(captured pieces [Mc] or None, entry use [Mc] or None, the entry each piece continues
+    [G] (-1: none) or None, the out-of-range row of windows). With entries, windows read a stream
+    of the step's rows then each capture's entry tail (K1 rows each): `stream`."""
+    if pieces.capture is None:
+        return None, None, None, n_rows
+    cap = jnp.clip(pieces.capture, 0, g - 1)
+    if pieces.entry is None:
+        return cap, None, None, n_rows
+    mc = cap.shape[0]
+    use = pieces.entry["use"] & (pieces.capture >= 0)
+    piece_entry = jnp.full(g, -1, jnp.int32).at[jnp.where(use, cap, g)].set(
+        jnp.arange(mc, dtype=jnp.int32), mode="drop")
+    return cap, use, piece_entry, n_rows + mc * k1
+
+
+def _entry_base(entry, n_rows: int, k1: int):
+    """The stream row of entry tail row 0 for each entry index (-1: none, stays -1)."""
+    return jnp.where(entry >= 0, n_rows + entry * k1, -1)
+
+
+def stream(mixed, plan):
+    """The rows windows read (`prepare`): the step's layer inputs, then with entries each
+    capture's entry tail (its last K1 inputs so far, oldest first) for this layer."""
+    if "entry" not in plan:
+        return mixed
+    tail = plan["entry_tail"]  # [Mc, C, K1] this layer's (for_layer)
+    rows = jnp.swapaxes(tail, -1, -2).reshape(-1, tail.shape[1]).astype(mixed.dtype)
+    return jnp.concatenate([mixed, rows], axis=0)
+
+
+def for_layer(plan, layer: int):
+    """The step's plan with GDN layer `layer`'s entry maps (b, a, tail) picked out."""
+    if plan is None or "entry" not in plan:
+        return plan
+    e = plan["entry"]
+    pick = lambda x: x[e["slot"], layer]  # noqa: E731 ([Mc, ...]: one gather per layer)
+    return dict(plan, entry_b=pick(e["b"]), entry_a=pick(e["a"]), entry_tail=pick(e["tail"]))
+
+
+def _window_rows(start, end, width: int, oor: int, entry_base=None, k1: int = 0):
+    """[..., width] the rows end - width .. end - 1 (oldest first); those before `start`: oor
+    (out of range, read as zeros), or where `entry_base` >= 0 ([...]: a piece that continues a
+    span) the entry tail's rows in the `stream` for the k1 rows before `start`."""
     rows = end[..., None] + jnp.arange(-width, 0, dtype=jnp.int32)
-    return jnp.where(rows >= start[..., None], rows, n_rows).astype(jnp.int32)
+    before = oor
+    if entry_base is not None:
+        back = rows - start[..., None]  # -k1 .. -1 just before the piece: the entry tail
+        base = entry_base[..., None]
+        before = jnp.where((base >= 0) & (back >= -k1), base + k1 + back, oor)
+    return jnp.where(rows >= start[..., None], rows, before).astype(jnp.int32)
 
 
 def _window(mixed, rows):
@@ -92,7 +150,7 @@ def _window(mixed, rows):
     return jnp.swapaxes(take_rows(mixed, rows), -1, -2)
 
 
-def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int):
+def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int, piece_entry=None):
     """The local pass's packings (maps_packing with pieces.capture, else ragged_packing):
     only span rows run, gathered to the front (see local_pass), folded into the packing as
     source rows, so a layer packs its q, k, v, g, beta with one gather each."""
@@ -103,8 +161,12 @@ def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int):
         rows, mode="drop")  # compact row j <- row src[j] (past the span rows: none read)
     cu = before[pieces.piece_cu]  # the pieces' span rows only
     if pieces.capture is not None:
-        return maps_packing(cu, n_rows, pieces.capture, fin, chunk=chunk, source_rows=src,
-                            n_source=n_rows)
+        plain, sel = maps_packing(cu, n_rows, pieces.capture, fin, chunk=chunk, source_rows=src,
+                                  n_source=n_rows)
+        if piece_entry is not None:  # a piece's initial state: 0 zero, 1 + m capture m's entry B
+            e = piece_entry[plain["seq_of_chunk"]]
+            plain = dict(plain, seq_of_chunk=jnp.where(e >= 0, 1 + e, 0).astype(jnp.int32))
+        return plain, sel
     n = pieces.piece_cu.shape[0] - 1
     return ragged_packing(cu, jnp.zeros(n, jnp.int32), n_rows, chunk=chunk, aligned=True,
                           final_of=fin, source_rows=src, n_source=n_rows)
@@ -113,7 +175,7 @@ def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int):
 def local_window(mixed, plan):
     """[T, C, Kc] each row's conv window inside its piece (zeros before the piece start), for
     qwen3_5_gdn.conv_silu."""
-    return _window(mixed, plan["conv_rows"])
+    return _window(stream(mixed, plan), plan["conv_rows"])
 
 
 def final_pieces(pieces: SpanPieces, cu_q_lens, n_rows: int):
@@ -148,11 +210,21 @@ def local_pass(q, k, v, g, beta, pieces: SpanPieces, cu_q_lens, **kw):
     return run_local(q, k, v, g, beta, packings, **kw)
 
 
-def run_local(q, k, v, g, beta, packings, **kw):
-    """local_pass on its packings (`prepare(...)["packings"]`: a pair with captures)."""
+def run_local(q, k, v, g, beta, packings, plan=None, **kw):
+    """local_pass on its packings (`prepare(...)["packings"]`: a pair with captures); with a
+    plan holding entries (`for_layer`), continuing pieces start from their entry's B and their
+    transitions compose with its A."""
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
     x = (q, k, v, g, beta)
     if isinstance(packings, tuple):  # maps_packing: the captured pieces' maps too
+        if plan is not None and "entry" in plan:
+            use = plan["entry_use"]
+            b0 = jnp.where(use[:, None, None, None], plan["entry_b"], 0.0)
+            eye = jnp.eye(dk, dtype=jnp.float32)
+            a0 = jnp.where(use[:, None, None, None], plan["entry_a"], eye)
+            b0 = jnp.concatenate([jnp.zeros((1, hv, dk, dv), jnp.float32),
+                                  b0.astype(jnp.float32)])
+            return ragged_maps(*x, None, packings=packings, b0=b0, a0=a0, **kw)
         return ragged_maps(*x, None, packings=packings, **kw)
     out, final, _ = ragged_prefill(*x, None, None, jnp.zeros((1, hv, dk, dv), jnp.float32),
                                    packing=packings, **kw)
@@ -166,7 +238,7 @@ def captured_maps(mixed, plan, a_span, local_final):
     come from local_pass ([Mc] transitions; final states [S + Mc], the captured ones last)."""
     mc = plan["cap_count"].shape[0]
     return dict(a=a_span, b=local_final[local_final.shape[0] - mc:],
-                tail=_window(mixed, plan["cap_rows"]), count=plan["cap_count"])
+                tail=_window(stream(mixed, plan), plan["cap_rows"]), count=plan["cap_count"])
 
 
 def carry_local(mixed, plan, local_final, conv, delta):

@@ -40,8 +40,12 @@ class RecurrentCheckpoints:
         return stop_at if self.cache is None else self.cache.chunk_stop(seq, stop_at, budget)
 
     def cut_chunk(self, seq, idx, frontier: int):
-        """A non-final span stays in one step (span_rows.cut_chunk)."""
+        """A non-final span stays in one step (span_rows.cut_chunk), a long one goes in pieces
+        when the span-map cache can carry them (SpanMapCache.cut)."""
         if seq.layout.span_block.any():
+            spans = None if self.cache is None else self.cache.spans
+            if spans is not None:
+                return spans.cut(seq, idx, frontier)
             return span_rows.cut_chunk(seq, idx, frontier, self.block_size)
         return idx, frontier
 

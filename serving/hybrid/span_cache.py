@@ -28,6 +28,8 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
     never runs past a later skipped span (`span_rows.cut_chunk` stops it there): the flow pass
     cannot apply a map between two rows of one step.
   * Only non-final spans are skipped or captured (the final segment is always computed).
+  * Long spans (more tokens than a step takes) are computed and captured in pieces over several
+    steps, their map so far held in their slot (serving/hybrid/span_partial.py).
   * Checkpoints (serving/hybrid/hybrid_prefix.py) in span prompts: only after a PDEP block, whose
     prefix-chain key covers every token before it (a span block's key restarts at the span), and
     not at a skipped span's start. A request resumes at the deepest one whose blocks below all
@@ -37,17 +39,19 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
 from __future__ import annotations
 
 from serving.cache.admission import AdmissionPlan
-from serving.hybrid import span_rows
+from serving.hybrid import span_partial, span_rows
 from serving.hybrid.resume import Resume
 
 MAX_CAPTURES = 8  # span maps one step may capture (a static shape of the runner's step)
 
 
 class SpanMapCache:
-    def __init__(self, store, block_size: int, pool=None):
+    def __init__(self, store, block_size: int, pool=None, step_tokens: int = 1 << 62):
         self.store, self.block_size = store, block_size
         self.pool = pool  # the device pool until the runner takes it
+        self.step_tokens = step_tokens  # a longer non-final span goes in pieces (span_partial)
         self.captures = 0  # captures in the step being scheduled
+        self.held, self.done, self.doomed = [], [], []  # long spans' slots (span_partial)
         self.spans_skipped = self.tokens_skipped = self.spans_captured = self.waits = 0
 
     # -- admission -----------------------------------------------------------------------------
@@ -73,8 +77,13 @@ class SpanMapCache:
         keys, bs = mgr.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
         skips, plan = [], {}
-        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
-            if final or a < start or b // bs > limit:
+        spans = span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens)
+        # a long span it may compute needs a slot while its later skips are pinned: keep one
+        pins = self.store.device_slots - any(
+            not final and a >= start and span_rows.long_span(seq, a, b, self.step_tokens)
+            for a, b, final in spans)
+        for a, b, final in spans:
+            if final or a < start or b // bs > limit or len(skips) >= pins:
                 continue
             kinds = self._span_hits(mgr, seq, a, b)
             if kinds is None:
@@ -145,12 +154,75 @@ class SpanMapCache:
         return [positions[i] for i in keep], [values[i] for i in keep]
 
     def drop(self, seq) -> None:
-        """The sequence leaves (preempted, finished, aborted): unpin maps it never entered."""
+        """The sequence leaves (preempted, finished, aborted): unpin maps it never entered, and
+        discard a long span's half-captured map (span_partial: it recomputes the span)."""
         pins = seq.span.pins
         for e in (pins or {}).values():
             self.store.release(e)
         if pins:
             pins.clear()
+        for p in seq.span.partial.values():
+            self.held.remove(p)
+            if not span_partial.discard(self.store, p):
+                self.doomed.append(p)
+        seq.span.partial.clear()
+
+    # -- long spans ----------------------------------------------------------------------------
+    def cut(self, seq, idx, frontier: int):
+        """span_rows.cut_chunk, letting the chunk end inside a long span when the step can
+        capture its piece (a capture left, and a slot for a first piece); a chunk that would
+        continue a long span with no capture left this step computes nothing."""
+        part = seq.span.partial
+        cont = bool(idx.size) and any(a < int(idx[0]) for a in part)
+        if cont and self.captures >= MAX_CAPTURES:
+            return idx[:0], seq.num_computed
+        need = self.captures + cont + 1
+
+        def split(a: int, b: int) -> bool:
+            if a in part:
+                return True
+            return (span_rows.long_span(seq, a, b, self.step_tokens) and need <= MAX_CAPTURES
+                    and span_partial.slot_available(self.store))
+        return span_rows.cut_chunk(seq, idx, frontier, self.block_size, split)
+
+    def _long_caps(self, mgr, e, first: int) -> list:
+        """Captures of the chunk's long-span pieces: the one it continues (from its first row)
+        and the one it starts and leaves unfinished (`cut` made room for both)."""
+        seq, caps, bs = e.seq, [], self.block_size
+        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+            p = seq.span.partial.get(a)
+            if p is not None and a < first < b:
+                caps.append((first, p.entry.slot, 1))
+                if b <= e.new_computed:  # its last piece: the map is whole after this step
+                    del seq.span.partial[a]
+                    self.held.remove(p)
+                    self.done.append(p)
+                    span_partial.finish(self.store, p)
+                    self.spans_captured += 1
+            elif not final and first <= a < e.new_computed < b:
+                p = self._begin(mgr, seq, a, b)
+                seq.span.partial[a] = p
+                self.held.append(p)
+                caps.append((a, p.entry.slot, 0))
+        self.captures += len(caps)
+        return caps
+
+    def _begin(self, mgr, seq, a: int, b: int):
+        """A slot for the long span [a, b): under its key when its blocks are this sequence's
+        or ready (`_keyed`) and the key is free, else a private one (its rows need the state
+        anyway)."""
+        keys, bs = mgr.keys, self.block_size
+        hashes = keys.hashes(seq)
+        j0, j1 = a // bs, b // bs
+        own = j1 <= len(hashes) and self._keyed(mgr, seq, hashes, j0, j1) and \
+            not self.store.contains(hashes[j1 - 1])
+        p = span_partial.begin(self.store, hashes[j1 - 1] if own else None,
+                               keys.confirm(seq, j1 - 1) if own else b"",
+                               hashes[j0:j1] if own else (), float(b - a))
+        if p is None:  # `cut` saw a slot; nothing in between takes one
+            raise RuntimeError(f"span-map cache: no slot for the long span at token {a} of "
+                               f"sequence {seq.seq_id}")
+        return p
 
     # -- chunks --------------------------------------------------------------------------------
     def annotate(self, mgr, e) -> None:
@@ -167,7 +239,8 @@ class SpanMapCache:
             self.store.hand_to_launch(pins.pop(a))
         if not e.token_idx.size:
             return
-        caps, skipped = [], {a for a, _ in seq.span.skips}
+        long_caps = self._long_caps(mgr, e, first)
+        caps, skipped = [], {a for a, _ in seq.span.skips} | {c[0] for c in long_caps}
         keys, bs = mgr.keys, self.block_size
         hashes = keys.hashes(seq)
         for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
@@ -179,10 +252,10 @@ class SpanMapCache:
             slot = self.store.reserve(hashes[j1 - 1], keys.confirm(seq, j1 - 1), 0,
                                       hashes[a // bs:j1], float(b - a))
             if slot >= 0:
-                caps.append((a, slot))
+                caps.append((a, slot, 0))
                 self.captures += 1
                 self.spans_captured += 1
-        e.map_caps = tuple(caps)
+        e.map_caps = tuple(sorted(long_caps + caps))
 
     @staticmethod
     def _publishes(bm, seq, hashes, j0: int, j1: int) -> bool:
@@ -191,8 +264,23 @@ class SpanMapCache:
         blocks would outlive them when that request leaves before they are ready."""
         return all(bm.hash[seq.block_table[j]] == hashes[j] for j in range(j0, j1))
 
+    @staticmethod
+    def _keyed(mgr, seq, hashes, j0: int, j1: int) -> bool:
+        """`_publishes`, or the table's block for the hash is ready (a piece computed before a
+        preemption is cached; its content is this block's, and lives as long as the key)."""
+        bm = mgr.bm
+        for j in range(j0, j1):
+            blk = bm.table.get(hashes[j])
+            if bm.hash[seq.block_table[j]] != hashes[j] and not (
+                    blk is not None and bm.ready[blk]
+                    and bm.confirm[blk] == mgr.keys.confirm(seq, j)):
+                return False
+        return True
+
     def after_launch(self) -> None:
         self.store.after_launch()
+        span_partial.after_launch(self.store, self.held, self.done, self.doomed)
+        self.done, self.doomed = [], []
         self.captures = 0
 
     def stats(self) -> dict:
@@ -240,4 +328,5 @@ def build(config, family, mcfg, dtype, pool=None):
     if pool is None or pool.a.shape[0] < slots or pool.a.dtype != state_dtype:
         pool = span_maps.allocate(slots, lg, hv, dk, dv, c, k1, state_dtype=state_dtype,
                                   conv_dtype=conv_dtype)
-    return SpanMapCache(CheckpointStore(slots, host, nbytes), config.block_size, pool)
+    return SpanMapCache(CheckpointStore(slots, host, nbytes), config.block_size, pool,
+                        config.max_num_batched_tokens - config.max_num_seqs)

@@ -4,8 +4,9 @@ device code of a warm step.
 
 A warm step (a span-map pool is attached) carries, for each sequence with one, a chain [L] of
 map-pool slots to compose before its rows (`chain_shape`: [Sc, L], -1 padded), and up to
-MAX_CAPTURES (piece, slot)
-pairs: the spans it computes whole whose maps it stores. Inside the jitted step: a checkpoint
+MAX_CAPTURES (piece, slot, continues)
+triples: the spans it computes whole whose maps it stores, and the pieces of long spans
+(serving/hybrid/span_partial.py), a continuing one entering with the slot's map so far (`entry`). Inside the jitted step: a checkpoint
 restore first, then the chain (`span_maps.enter`), then the model, whose local pass returns the
 captured pieces' maps, then the store into the pool.
 """
@@ -95,28 +96,38 @@ def fill_rows(batch, v, rows: int, block_size: int, bound: int) -> np.ndarray:
 
 
 def fill_maps(batch, v, starts) -> None:
-    """chain / cap_piece / cap_slot of a warm span step (serving/hybrid/span_cache.py): each sequence's
+    """chain / cap_piece / cap_slot / cap_cont of a warm span step (serving/hybrid/span_cache.py): each sequence's
     chain of cached span maps in order, and the piece each captured span fills (a captured span
     starts a piece: span_rows.step_rows)."""
     v["chain"][:] = -1
     v["chain_seq"][:] = -1
     v["cap_piece"][:] = -1
     v["cap_slot"][:] = -1
+    v["cap_cont"][:] = 0
     k, c, row = 0, 0, 0
     for i, e in enumerate(batch):
         if e.map_chain:
             v["chain_seq"][c] = i
             v["chain"][c, :len(e.map_chain)] = e.map_chain
             c += 1
-        for tok, slot in e.map_caps:
+        for tok, slot, cont in e.map_caps:
             r = row + int(np.searchsorted(e.token_idx, tok))
             v["cap_piece"][k] = int(np.searchsorted(starts, r, side="right")) - 1
             v["cap_slot"][k] = slot
+            v["cap_cont"][k] = cont
             k += 1
         row += e.token_idx.size
     caps = v["cap_piece"][:k]
     if np.unique(caps).size != k:  # affine.ragged_maps gathers the captured pieces' rows
         raise RuntimeError(f"model runner: captured span pieces {caps.tolist()} repeat")
+
+
+def entry(maps, f) -> dict:
+    """SpanPieces.entry of a warm step: the captures that continue a long span read the map so
+    far from their own slot (serving/hybrid/span_partial.py; cap_cont), each GDN layer its rows."""
+    slot = jnp.clip(f["cap_slot"], 0, maps.a.shape[0] - 1)
+    use = (f["cap_cont"] > 0) & (f["cap_slot"] >= 0)
+    return dict(use=use, slot=slot, count=maps.count[slot], a=maps.a, b=maps.b, tail=maps.tail)
 
 
 def enter(family, cache, pool, maps, f, reset):

@@ -149,7 +149,8 @@ class ModelRunner:
         if spans:
             extra["span_pieces"] = SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
                                               carry_local=f["carry_local"] > 0,
-                                              capture=f["cap_piece"] if warm else None)
+                                              capture=f["cap_piece"] if warm else None,
+                                              entry=span_step.entry(maps, f) if warm else None)
         if attn_options is None:  # a caller without the step's plan (launch always has one)
             attn_options = self.attn_options
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,

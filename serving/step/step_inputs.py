@@ -32,7 +32,7 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, cha
         fields = (("row_span", (t,)), ("piece_cu", (g + 1,)), ("carry_local", (s,)))
         if chain:
             fields += (("chain_seq", (chain[0],)), ("chain", chain), ("cap_piece", (MAX_CAPTURES,)),
-                       ("cap_slot", (MAX_CAPTURES,)))
+                       ("cap_slot", (MAX_CAPTURES,)), ("cap_cont", (MAX_CAPTURES,)))
         for f, shape in fields:
             spec[f] = (off, shape)
             off += int(np.prod(shape))
