@@ -344,16 +344,17 @@ def apply_moves(cache: HybridPrefixCache, runner) -> None:
     """The step's slot moves of the checkpoint store and (spans) the span-map store between
     their device pools and host tiers, applied to the runner's pools before the launch."""
     from serving.hybrid import checkpoint_pool, span_maps
+    ck_pool, span_pool = runner.ck_pool, runner.span_pool
     spans = cache.spans
     if spans is not None:  # span maps (serving/hybrid/span_cache.py), the same store bookkeeping
         out, inn = spans.store.take_moves()
         if out or inn:
-            runner.span_pool = span_maps.apply_moves(runner.span_pool, out, inn)
-    if runner.ck_pool is None:
-        return
-    out, inn = cache.store.take_moves()
-    if out or inn:
-        runner.ck_pool = checkpoint_pool.apply_moves(runner.ck_pool, out, inn)
+            span_pool = span_maps.apply_moves(span_pool, out, inn)
+    if ck_pool is not None:
+        out, inn = cache.store.take_moves()
+        if out or inn:
+            ck_pool = checkpoint_pool.apply_moves(ck_pool, out, inn)
+    runner.use_recurrent_pools(ck_pool, span_pool)
 
 
 def take_span_pool(cache: HybridPrefixCache | None):
