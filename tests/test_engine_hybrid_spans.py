@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import hybrid_span_reference as hsr
 from minipic_jax import LLM, SamplingParams
 from minipic_jax.prompts import Prompt, Span
+from serving.config_groups import flat_names
 
 SP = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
 
@@ -117,8 +118,10 @@ def test_non_final_span_longer_than_a_step_is_rejected_without_a_span_map_pool(l
 def _fresh(llm, **options):
     """The module's engine (compiled once) with an empty prefix cache and a span-map store sized
     by `options` (Config fields, read by reset_prefix_cache)."""
+    flat = flat_names(type(llm.config))  # span_map_gb -> (span_maps, budget_gb), ...
     for name, value in options.items():
-        setattr(llm.config, name, value)
+        group, field = flat[name]
+        setattr(llm.config, group, dataclasses.replace(getattr(llm.config, group), **{field: value}))
     llm.llm_engine.reset_prefix_cache()
     return llm.llm_engine
 
