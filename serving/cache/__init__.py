@@ -4,6 +4,7 @@
   admission.py      the one admission routine: a plan every cache kind adds to, then the table
   chunks.py         a prefill chunk's token indices over a sequence's blocks
   block_manager.py  ref counts, LRU free list, hash -> block; pending vs ready blocks
+  free_list.py      the LRU free list as numpy arrays (whole-array share and release)
   hashing.py        chained block hashes (prefix and SSEP chains, `cache_salt`)
   prefix_keys.py    each sequence's block keys (generated blocks included) and their tokens
   kv_pool.py        how many KV blocks fit the device, and what one costs in bytes
