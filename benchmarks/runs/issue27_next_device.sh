@@ -15,7 +15,7 @@ if [ -n "${BEFORE_TGZ:-}" ]; then tar -xzf "$BEFORE_TGZ" -C /tmp/before  # git a
 else git archive $BEFORE | tar -x -C /tmp/before || { echo "no .git here: carry a git archive of $BEFORE (BEFORE_TGZ=)"; exit 2; }; fi
 case "${1:-engine}" in
 tests)
-  MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda timeout 300 python3 -m pytest -q -o addopts= -p no:cacheprovider -n 4 \
+  MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -q -o addopts= -p no:cacheprovider -n 4 \
     tests/test_paged_attention*.py tests/test_gated_delta.py tests/test_kernel_registry.py \
     tests/test_xla_attention_bounds.py tests/test_kernel_entry_points.py > "$OUT/compiled_tests.txt" 2>&1
   tail -3 "$OUT/compiled_tests.txt";;
