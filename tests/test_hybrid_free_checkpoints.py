@@ -1,8 +1,9 @@
 """Config.hybrid_cache.free_room (serving/hybrid/hybrid_prefix.py, `_free_position` and the
-free-room cuts `ck_cuts`): while the checkpoint store has free slots, a prefill chunk that holds no
-planned checkpoint takes one at the deepest candidate it passes, and a prefill stops at the
+free-room cover `ck_cuts`): while the checkpoint store has free slots, a prefill chunk that holds
+no planned checkpoint takes one at the deepest candidate it passes, and a prefill also takes the
 halving cover (serving/hybrid/checkpoint_plan.py, `halving_cover`: 64, 128, 256... from where it
-resumed), so a cold start leaves no hit on the table at any chunk size (issue 29, item 4)."""
+resumed), so a cold start leaves no hit on the table at any chunk size (issue 29, item 4); a step
+stores up to CHECKPOINTS_PER_STEP per sequence, so the cover costs no step."""
 
 from __future__ import annotations
 
@@ -120,8 +121,9 @@ def _count_steps(runner, counts):
 def test_the_cover_rides_in_the_chunks_steps_at_no_step_cost():
     """Four lone cold 1,000-token prompts at 1,024-token steps, 8 output tokens: with free room
     each is one chunk that stores its halving cover and its planned checkpoints in one step
-    (every depth >= 64 has one at >= half of it), the same 32 steps as without (before: each cover position cut a chunk, 51 steps vs
-    35); more than CHECKPOINTS_PER_STEP positions ahead in a chunk still stop it at the next."""
+    (every depth >= 64 has one at >= half of it), the same 32 steps as without (before: each
+    cover position cut a chunk, 51 steps vs 35); more than CHECKPOINTS_PER_STEP positions ahead
+    in a chunk still stop it at the next."""
     from types import SimpleNamespace
 
     from serving.hybrid.checkpoint_plan import CHECKPOINTS_PER_STEP

@@ -17,7 +17,8 @@ end), with at most M checkpoints per prompt:
   balanced  M evenly spaced positions over [0, n] (snapped).
   dp        the exact optimum of sum_t p_t (t - l(t; C)) over candidates (planner.place), with
             each checkpoint past CHECKPOINTS_PER_STEP per prefill chunk priced at what splitting
-            a chunk costs a later request (Config.hybrid_cache.step_tokens over the admissions an entry lives).
+            a chunk costs a later request (Config.hybrid_cache.step_tokens over the admissions
+            an entry lives).
 
 Each planned checkpoint carries its value under that pmf, the expected tokens it saves a later
 request next to the prompt's other checkpoints; the store's eviction ranks entries by it.

@@ -246,8 +246,9 @@ class HybridPrefixCache:
     def _free_position(self, mgr, seq, end: int) -> int | None:
         """A chunk [s, end] that holds no planned checkpoint takes, while the store has a free
         slot (nothing is evicted for it), the deepest candidate it passes that is not stored yet:
-        the one a later request sharing the most of this chunk resumes from. The store's GreedyDual evicts it by its value once the pool
-        is full, so the planned ones (the DP's) stay for the budgeted case."""
+        the one a later request sharing the most of this chunk resumes from. The store's
+        GreedyDual evicts it by its value once the pool is full, so the planned ones (the DP's)
+        stay for the budgeted case."""
         if not seq.hybrid.ck_free or not self.store.free_slots:
             return None
         hashes, bs = mgr.keys.hashes(seq), self.block_size
