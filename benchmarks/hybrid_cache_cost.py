@@ -46,7 +46,7 @@ class StepCapture:
         if kw.get("t") == self.top and not kw.get("decode_only") and not kw.get("spans"):
             spec, _ = _layout(kw["t"], kw["s"], self.runner.nb, True,
                               block_size=self.runner.block_size)
-            rows = [ints[o:o + shape[0]] for name, (o, shape) in spec.items()
+            rows = [ints[o:o + int(np.prod(shape))] for name, (o, shape) in spec.items()
                     if name in ("ck_slot", "restore_slot")]
             score = sum(int((r >= 0).sum()) for r in rows)
             if score > self.score:
@@ -149,8 +149,8 @@ def measure(runner, family, capture: StepCapture, reps: int = 20) -> dict:
     ms = lambda xs: 1e3 * float(np.median(xs))  # noqa: E731
     with_pool, without = ms(a), ms(b)
     spec, _ = _layout(t, s, runner.nb, True, block_size=runner.block_size)
-    active = {name: int((ints[o:o + shape[0]] >= 0).sum()) for name, (o, shape) in spec.items()
-              if name in ("ck_slot", "restore_slot")}
+    active = {name: int((ints[o:o + int(np.prod(shape))] >= 0).sum())
+              for name, (o, shape) in spec.items() if name in ("ck_slot", "restore_slot")}
     return dict(tokens=t, seqs=s, reps=reps, step_ms_pool=with_pool, step_ms_plain=without,
                 step_ms_pool_all=[1e3 * x for x in a], step_ms_plain_all=[1e3 * x for x in b],
                 overhead=(with_pool - without) / without, rows_checkpointing=active["ck_slot"],

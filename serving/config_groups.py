@@ -104,12 +104,13 @@ class HybridCacheConfig:
     # "Hybrid prefix caching").
     bucket_fit: bool = option(False, flat="checkpoint_bucket_fit", host_only=True)
     # while the device tier has free slots, a prefill chunk that holds no planned checkpoint
-    # takes one at the deepest candidate it passes, and a prefill stops at 64, 128, 256... from
+    # takes one at the deepest candidate it passes, and a prefill also takes 64, 128, 256... from
     # where it resumed, so every later request sharing >= 64 tokens resumes at >= half of them
-    # (serving/hybrid/hybrid_prefix.py); the store evicts such entries by their value once it is
-    # full, and a full store takes the DP's placement alone. Off by default: each stop is a step
-    # (a lone cold 1,000-token prompt at 1,024-token steps: 4 prefill steps more), and on, every
-    # strategy takes them, which blurs the budgeted comparisons of tests/test_hybrid_cache_replay.py
+    # (serving/hybrid/hybrid_prefix.py); they ride in the chunk's step (up to
+    # checkpoint_plan.CHECKPOINTS_PER_STEP per sequence: no extra step); the store evicts such
+    # entries by their value once it is full, and a full store takes the DP's placement alone.
+    # Off by default: on, a chunk's free checkpoint (768 of a 908-token system prompt) serves the
+    # second request of tests/test_hybrid_cache_replay.py's wait case before the wait it tests
     free_room: bool = option(False, flat="checkpoint_free_room", host_only=True)
 
     def __post_init__(self):

@@ -36,6 +36,9 @@ class ScheduledSeq:
     reset: bool  # recurrent state starts from zero
     ck_pos: int = -1  # hybrid: logical position of a checkpoint this step takes (-1: none)
     ck_slot: int = -1  # hybrid: its checkpoint-pool slot
+    # hybrid: further (position, slot) checkpoints the step takes for this sequence, deeper than
+    # ck_pos (up to checkpoint_plan.CHECKPOINTS_PER_STEP in all)
+    ck_more: tuple = ()
     restore_slot: int = -1  # hybrid: pool slot the state is restored from before the step
     map_chain: tuple = ()  # hybrid spans: map-pool slots of the cached spans entered first
     map_caps: tuple = ()  # hybrid spans: (piece start token, map-pool slot, continues) captured

@@ -38,7 +38,7 @@ class HybridState:
     ck_values: list = dataclasses.field(default_factory=list)  # each checkpoint's value
     # candidates off the plan -> value: a chunk may take one while the store has free slots
     ck_free: dict = dataclasses.field(default_factory=dict)
-    # free candidates a chunk stops at while the store has free slots (HybridPrefixCache.commit)
+    # free candidates a chunk also takes while the store has free slots (HybridPrefixCache.commit)
     ck_cuts: list = dataclasses.field(default_factory=list)
     ck_waits: int = 0  # admissions deferred to wait for another sequence's checkpoint
     restore_entry: object = None  # checkpoint-store entry, until the chunk that restores it

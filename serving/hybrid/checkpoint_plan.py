@@ -16,8 +16,9 @@ end), with at most M checkpoints per prompt:
   block     every `block_tokens` tokens (snapped down to candidates), the shallowest M.
   balanced  M evenly spaced positions over [0, n] (snapped).
   dp        the exact optimum of sum_t p_t (t - l(t; C)) over candidates (planner.place), with
-            each checkpoint past one per prefill chunk priced at what splitting a chunk costs a
-            later request (Config.hybrid_cache.step_tokens over the admissions an entry lives).
+            each checkpoint past CHECKPOINTS_PER_STEP per prefill chunk priced at what splitting
+            a chunk costs a later request (Config.hybrid_cache.step_tokens over the admissions
+            an entry lives).
 
 Each planned checkpoint carries its value under that pmf, the expected tokens it saves a later
 request next to the prompt's other checkpoints; the store's eviction ranks entries by it.
@@ -44,6 +45,11 @@ BLOCK_TOKENS = 512
 # prompt is planned fresh at admission), so these values change no placement.
 REPLAN_EVERY = 64
 REPLAN_TV = 0.1
+# Checkpoints one step takes per sequence at most (the step's checkpoint fields are [S, M]; one
+# static M per engine, so the count adds no step variant): a chunk holds its planned checkpoints
+# and the free-room halving cover (64, 128, ... 4096 from a cold start) without being cut, up to
+# this many; a chunk holding more stops before the next.
+CHECKPOINTS_PER_STEP = 8
 
 
 def candidates(layout, num_tokens: int, block_size: int, chunk: int) -> np.ndarray:
@@ -87,13 +93,14 @@ class CheckpointPlanner:
     def __init__(self, strategy: str, per_prompt: int, block_tokens: int, max_len: int,
                  chunk: int, *, block_size: int = 16, half_life: float = 256.0,
                  every: int = REPLAN_EVERY, tv: float = REPLAN_TV, extra_price: float = 0.0,
-                 step_tokens: int | None = None):
+                 step_tokens: int | None = None, per_step: int = 1):
         if strategy not in CHECKPOINT_STRATEGIES:
             raise ValueError(f"checkpoint strategy must be one of {CHECKPOINT_STRATEGIES}, "
                              f"got {strategy!r}")
         self.strategy, self.per_prompt, self.block_tokens = strategy, per_prompt, block_tokens
         self.max_len, self.chunk, self.extra_price = max_len, chunk, extra_price
         self.step_tokens = step_tokens or max_len  # a prefill chunk's tokens at most
+        self.per_step = per_step  # checkpoints a chunk takes without a split (the step's M)
         self.overlap = OverlapEstimate(max_len, block_size, chunk, half_life)
         # prior: one observation's worth of mass spread uniformly (the plan before any traffic)
         self.hist = DecayingHistogram(max_len, half_life=half_life, smoothing=1.0 / (max_len + 1))
@@ -166,7 +173,8 @@ class CheckpointPlanner:
         elif self.strategy == "block":
             got = place(pmf, self.per_prompt, "block", cand, block_size=max(1, self.block_tokens))
         elif self.strategy == "dp":
-            got = self._priced(pmf, cand, -(-int(num_tokens) // self.step_tokens))
+            got = self._priced(pmf, cand,
+                               -(-int(num_tokens) // self.step_tokens) * self.per_step)
         else:
             got = place(pmf, self.per_prompt, self.strategy, cand)
         got = [int(x) for x in got]
@@ -174,8 +182,9 @@ class CheckpointPlanner:
 
     def _priced(self, pmf, cand, free: int):
         """The m <= per_prompt minimising OPT(m) + extra_price max(m - free, 0): a prompt
-        prefilled in `free` chunks takes that many checkpoints without a split (one per chunk),
-        each further one may split a chunk (exact: OPT(m) and the price are convex in m)."""
+        prefilled in c chunks takes `free` = c per_step checkpoints without a split (a step
+        stores up to per_step per sequence), each further one may split a chunk (exact: OPT(m)
+        and the price are convex in m)."""
         best, got = None, []
         for m in range(1, self.per_prompt + 1):
             pos = place(pmf, m, "dp", cand)

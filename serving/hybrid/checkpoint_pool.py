@@ -65,7 +65,7 @@ def rows(pool: CheckpointPool, idx):
 
 
 def store_rows(pool: CheckpointPool, idx, conv, delta) -> CheckpointPool:
-    """Write conv [Lg, S, ...] / delta [Lg, S, ...] into slots idx [S] (-1 = dropped)."""
+    """Write conv [Lg, K, ...] / delta [Lg, K, ...] into slots idx [K] (-1 = dropped)."""
     target = jnp.where(idx >= 0, idx, pool.slots)
     return CheckpointPool(conv=pool.conv.at[:, target].set(conv.astype(pool.conv.dtype),
                                                            mode="drop"),
@@ -78,8 +78,10 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
     """The hybrid forward with the checkpoint pool (inside the jitted step): restore rows'
     states are written into their slots before the model runs (their reset flag is off), and the
     states at each row's checkpoint position go to the pool after. Decode-only steps neither
-    restore nor checkpoint (a checkpoint position is a prefill chunk's). with_extras: also
-    return the model's third output (e.g. captured span maps, serving/hybrid/span_maps.py)."""
+    restore nor checkpoint (a checkpoint position is a prefill chunk's). A row takes up to M
+    checkpoints (f["ck_pos"], f["ck_slot"]: [S, M], -1 = none), each written into its slot.
+    with_extras: also return the model's third output (e.g. captured span maps,
+    serving/hybrid/span_maps.py)."""
     if decode_only:
         logits, cache = family.forward(params, tokens, md, cache, mcfg, **kw)
         return (logits, cache, pool, {}) if with_extras else (logits, cache, pool)
@@ -87,9 +89,10 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
     conv, delta = rows(pool, restore)
     cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
     logits, cache, ck = family.forward_with_checkpoints(
-        params, tokens, md, cache, mcfg, checkpoint_at=f["ck_pos"][:, None], **kw)
-    if ck is not None:
-        pool = store_rows(pool, f["ck_slot"], ck["conv"][:, :, 0], ck["delta"][:, :, 0])
+        params, tokens, md, cache, mcfg, checkpoint_at=f["ck_pos"], **kw)
+    if ck is not None:  # [Lg, S, M, ...] -> [Lg, S M, ...], row-major like the slots
+        flat = lambda x: x.reshape((x.shape[0], -1) + x.shape[3:])  # noqa: E731
+        pool = store_rows(pool, f["ck_slot"].reshape(-1), flat(ck["conv"]), flat(ck["delta"]))
     return (logits, cache, pool, ck) if with_extras else (logits, cache, pool)
 
 

@@ -11,13 +11,15 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
   checkpoint, and [c, end) is computed through all layers into blocks of its own (cached blocks in
   [c, d) are not shared: their KV would be rewritten by the recompute). num_cached_tokens = c.
 
-During prefill, checkpoints are taken at the positions serving/hybrid/checkpoint_plan.py chooses for the
-prompt; a chunk holds at most one (it stops before a second), so the model returns one state per
-sequence per step. With Config.hybrid_cache.free_room, while the store has a free slot, a chunk
-that holds no planned checkpoint takes one at the deepest candidate it passes (`_free_position`),
-and a prefill also stops at its halving cover (`ck_cuts`: 64, 128, 256... from where it resumed,
+During prefill, checkpoints are taken at the positions serving/hybrid/checkpoint_plan.py chooses
+for the prompt; a chunk holds up to M = CHECKPOINTS_PER_STEP of them (it stops before one more),
+all stored by its one step (the model returns [S, M] states). With
+Config.hybrid_cache.free_room, while the store has a free slot, a chunk that holds no planned
+checkpoint takes one at the deepest candidate it passes (`_free_position`), and a prefill also
+takes its halving cover (`ck_cuts`: 64, 128, 256... from where it resumed,
 checkpoint_plan.halving_cover), so every depth d >= 64 it computes has a checkpoint in [d/2, d]
-at any chunk size; each cut costs the prompt a step. Full, the store takes the plan's alone.
+at any chunk size; they ride in the chunk's step, costing no step while a chunk holds <= M
+positions. Full, the store takes the plan's alone.
 Prompts with SSEP spans go to the span-map cache (serving/hybrid/span_cache.py: a
 cached span is skipped, its recurrent effect composed from its map); they take no checkpoints.
 """
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 from serving.cache.admission import AdmissionPlan
 from serving.hybrid.bucket_fit import BucketFit
-from serving.hybrid.checkpoint_plan import candidates, halving_cover, positions_of
+from serving.hybrid.checkpoint_plan import (CHECKPOINTS_PER_STEP, candidates, halving_cover,
+                                            positions_of)
 from serving.hybrid.resume import Resume
 
 
@@ -175,7 +178,7 @@ class HybridPrefixCache:
     # -- chunks --------------------------------------------------------------------------------
     def _ahead(self, seq) -> list[int]:
         """The checkpoint positions still ahead of `seq`'s frontier: the planned ones, and while
-        the store has a free slot the free-room cuts not stored yet (`ck_cuts`, see `commit`)."""
+        the store has a free slot the free-room cover not stored yet (`ck_cuts`, see `commit`)."""
         h, done = seq.hybrid, seq.num_computed
         ahead = [p for p in h.ck_positions if p >= done]
         if h.ck_cuts and self.store.free_slots:
@@ -185,14 +188,15 @@ class HybridPrefixCache:
         return ahead
 
     def chunk_stop(self, seq, stop_at, budget: int = 0):
-        """A chunk [s, e] takes one checkpoint, the first planned position in [s, e] (at s: the
-        state the chunk starts from, which the kernel returns as is); it stops at the second,
-        which the next chunk takes at its start. A plain prompt's chunk that would overflow a
-        token bucket by a little stops at the bucket (serving/hybrid/bucket_fit.py; `budget` more tokens
-        fit in the step)."""
+        """A chunk [s, e] takes the first M = CHECKPOINTS_PER_STEP positions ahead in [s, e]
+        (one at s: the state the chunk starts from, which the kernel returns as is), all in its
+        one step; it stops at the next, which the next chunk takes at its start. A plain
+        prompt's chunk that would overflow a token bucket by a little stops at the bucket
+        (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
         ahead = self._ahead(seq)
-        if len(ahead) >= 2:
-            stop_at = ahead[1] if stop_at is None else min(stop_at, ahead[1])
+        if len(ahead) > CHECKPOINTS_PER_STEP:
+            cut = ahead[CHECKPOINTS_PER_STEP]
+            stop_at = cut if stop_at is None else min(stop_at, cut)
         if self.fit is not None and not seq.layout.span_block.any():
             total = len(seq) if stop_at is None else min(stop_at, len(seq))
             cut = self.fit.stop(seq.num_computed, total, budget)
@@ -213,30 +217,38 @@ class HybridPrefixCache:
             seq.hybrid.restore_entry = None
         if seq.is_span_job:
             return
-        ahead = self._ahead(seq)
-        if ahead and ahead[0] <= e.new_computed:
-            p, h = ahead[0], seq.hybrid
-            value = h.ck_free[p] if p in h.ck_free else h.ck_values[h.ck_positions.index(p)]
-        else:
+        h = seq.hybrid
+        take = [p for p in self._ahead(seq) if p <= e.new_computed][:CHECKPOINTS_PER_STEP]
+        got = []
+        for p in take:
+            if p in h.ck_positions:
+                got.append(self._reserve(mgr, seq, p, h.ck_values[h.ck_positions.index(p)]))
+            elif self.store.free_slots:  # a cover position: only into a free slot
+                got.append(self._reserve(mgr, seq, p, h.ck_free[p]))
+        if not take:
             p = self._free_position(mgr, seq, e.new_computed)
-            if p is None:
-                return
-            value = seq.hybrid.ck_free[p]
+            if p is not None:
+                got.append(self._reserve(mgr, seq, p, h.ck_free[p]))
+        got = [x for x in got if x is not None]
+        if got:
+            (e.ck_pos, e.ck_slot), e.ck_more = got[0], tuple(got[1:])
+
+    def _reserve(self, mgr, seq, p: int, value: float):
+        """(logical position, slot) of a checkpoint at token p the step takes, or None (stored
+        already, or no slot can be freed)."""
         bs, hashes = self.block_size, mgr.keys.hashes(seq)
         k = p // bs
         pos = int(positions_of(seq.layout, [p])[0])
         slot = self.store.reserve(hashes[k - 1], mgr.keys.confirm(seq, k - 1), pos, hashes[:k],
                                   value)
-        if slot >= 0:
-            e.ck_pos, e.ck_slot = pos, slot
+        return (pos, slot) if slot >= 0 else None
 
     def _free_position(self, mgr, seq, end: int) -> int | None:
         """A chunk [s, end] that holds no planned checkpoint takes, while the store has a free
         slot (nothing is evicted for it), the deepest candidate it passes that is not stored yet:
-        the last one costs no extra step (a chunk takes one checkpoint; cutting chunks at every
-        candidate would cost a step each), and it is the one a later request sharing the most
-        of this chunk resumes from. The store's GreedyDual evicts it by its value once the pool
-        is full, so the planned ones (the DP's) stay for the budgeted case."""
+        the one a later request sharing the most of this chunk resumes from. The store's
+        GreedyDual evicts it by its value once the pool is full, so the planned ones (the DP's)
+        stay for the budgeted case."""
         if not seq.hybrid.ck_free or not self.store.free_slots:
             return None
         hashes, bs = mgr.keys.hashes(seq), self.block_size
@@ -324,7 +336,8 @@ def build(config, family, mcfg, dtype, pool=None, span_pool=None):
                                 # a later request's share of a split: the tier turns over every
                                 # slots / per_prompt admissions
                                 extra_price=config.hybrid_cache.step_tokens * per_prompt
-                                / max(slots, 1), step_tokens=config.max_num_batched_tokens)
+                                / max(slots, 1), step_tokens=config.max_num_batched_tokens,
+                                per_step=CHECKPOINTS_PER_STEP)
     if pool is not None:
         if slots > pool.slots:
             raise ValueError(f"checkpoint_gb (Config.hybrid_cache.budget_gb) asks for {slots} "

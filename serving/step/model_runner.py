@@ -312,8 +312,10 @@ class ModelRunner:
                 v[name][:] = -1
             for i, e in enumerate(batch):
                 if e.ck_slot >= 0 or e.restore_slot >= 0:
-                    v["ck_pos"][i], v["ck_slot"][i] = e.ck_pos, e.ck_slot
+                    v["ck_pos"][i, 0], v["ck_slot"][i, 0] = e.ck_pos, e.ck_slot
                     v["restore_slot"][i] = e.restore_slot
+                for j, (pos, slot) in enumerate(e.ck_more, 1):
+                    v["ck_pos"][i, j], v["ck_slot"][i, j] = pos, slot
         seats = [e.seq.seat for e in batch]
         # Decodes come first (scheduler order): one generated token each, filled vectorised.
         d = 0

@@ -9,14 +9,16 @@ import functools
 import numpy as np
 
 from serving.cache.page_zeroing import zero_rows
+from serving.hybrid.checkpoint_plan import CHECKPOINTS_PER_STEP
 from serving.hybrid.span_step import MAX_CAPTURES, piece_bound
 
 _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
 _S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "seed", "step",
              "sample_seat")
 _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
-# hybrid prefix caching (a checkpoint pool is attached): per sequence, the logical position of the
-# checkpoint this step takes and its pool slot, and the pool slot its state is restored from
+# hybrid prefix caching (a checkpoint pool is attached): per sequence, the logical positions of
+# the checkpoints this step takes and their pool slots ([S, CHECKPOINTS_PER_STEP], -1 = none), and
+# the pool slot its state is restored from ([S])
 S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
@@ -42,8 +44,9 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, cha
     spec["cu_q_lens"] = (off, (s + 1,))
     off += s + 1
     for f in _S_FIELDS + (S_FIELDS_CKPT if ckpt else ()):
-        spec[f] = (off, (s,))
-        off += s
+        shape = (s, CHECKPOINTS_PER_STEP) if f in ("ck_pos", "ck_slot") else (s,)
+        spec[f] = (off, shape)
+        off += int(np.prod(shape))
     for f in _SB_FIELDS:
         spec[f] = (off, (s, nb))
         off += s * nb
