@@ -49,3 +49,22 @@ def test_generate_says_when_a_variant_compiles_outside_warmup(capsys):
     assert "Processed prompts (compiling step variant 1" in err
     llm.generate(["hello again"], SamplingParams(temperature=0.0, max_tokens=2))
     assert "compiling" not in capsys.readouterr().err  # nothing new to compile
+
+
+def test_warmup_readies_one_span_variant_per_token_bucket_and_plan():
+    """At 16 seats the span steps' variants no longer multiply by the chain-row buckets: one
+    per (token bucket, attention plan), as many as the plain steps, plus one small compose program
+    per row bucket (4 and 16 rows), shared by every bucket (serving/hybrid/span_compose.py). Was
+    two span variants per bucket and plan (rows 4 and 16), each a whole model compile. Counted
+    from the warm-up's list, nothing compiled."""
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=16,
+              max_num_batched_tokens=64, min_token_bucket=16, max_model_len=512,
+              block_size=16, num_kv_blocks=96, warmup=False)
+    runner = llm.llm_engine.runner
+    steps = [kw for _, _, kw in runner.warmup_steps(spans=True)]
+    plain = [kw for kw in steps if not kw.get("spans") and not kw.get("compose")]
+    span = [kw for kw in steps if kw.get("spans")]
+    compose = sorted(kw["compose"] for kw in steps if kw.get("compose"))
+    assert llm.config.token_buckets == (16, 32, 64) and len(plain) >= 3
+    assert len(span) == len(plain), (len(span), len(plain))
+    assert compose == [(4, runner.chain_length), (16, runner.chain_length)]
