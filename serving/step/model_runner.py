@@ -359,7 +359,7 @@ class ModelRunner:
         return step_options(self.attn_impl, self.attn_options, tokens=t, seqs=s,
                             prefill_count=prefill_count, decode_count=decode_count)
 
-    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False, maps=False):
+    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False, maps: bool = False):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached
         the device before its outputs are read, which happens before the next build of the
         same buffer set (sync: the next step; async: the step after next, see `launch`).

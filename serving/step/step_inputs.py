@@ -21,8 +21,8 @@ S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
 @functools.lru_cache(maxsize=None)
-def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, maps=False, *,
-           block_size: int):
+def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
+           maps: bool = False, *, block_size: int):
     """Static offsets of each field in the packed int32 buffer. maps: the step carries the
     span-map capture fields (serving/hybrid/span_step.py; the chains of cached maps go to their
     own program, serving/hybrid/span_compose.py). Last,
