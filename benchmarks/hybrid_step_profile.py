@@ -110,7 +110,7 @@ def without_checkpoints(runner, ints, kw):
     """The same step's inputs with no checkpoint stored and no state restored."""
     from serving.step.step_inputs import S_FIELDS_CKPT, layout
     spec, _ = layout(kw["t"], kw["s"], runner.nb, True, bool(kw.get("spans")),
-                     kw.get("chain", ()), block_size=runner.block_size)
+                     False, block_size=runner.block_size)  # no span-map pool (plain prompts)
     out = ints.copy()
     for name in S_FIELDS_CKPT:
         o, shape = spec[name]
@@ -142,7 +142,7 @@ def compile_programs(runner, steps: dict, variants) -> dict:
         # a jit of its own per variant: one jit object reuses its trace for the same arguments
         jitted = jax.jit(runner._step_impl, donate_argnums=(1, 5, 6),
                          static_argnames=("t", "s", "all_greedy", "use_filter", "num_logprobs",
-                                          "decode_only", "spans", "attn_options", "chain"))
+                                          "decode_only", "spans", "attn_options", "compose"))
         runner.static_recurrent_kind = variant == "static"
         try:
             with _old_gdn(variant == "old"):

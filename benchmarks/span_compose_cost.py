@@ -1,13 +1,14 @@
 """What composing cached span maps costs a hybrid engine's warm span step (`rag --compose-cost 1`).
 
-A warm span step (serving/hybrid/span_step.py) first moves each sequence that skips cached spans on by
-their affine maps (serving/hybrid/span_maps.entry_states: per chain position one gather from the map
-pool and one batched float32 matmul over every GDN layer and head), then runs the model. The
-composition cannot be switched off in a compiled step without changing its shapes, so it is
-timed alone, on the engine's own cache and map pool, next to the whole step:
+Before a warm span step, a program of its own (serving/hybrid/span_compose.py) moves each sequence
+that skips cached spans on by their affine maps (serving/hybrid/span_maps.entry_states: per chain
+position one gather from the map pool and one batched float32 matmul over every GDN layer and
+head); the step then runs the model. The composition is timed alone (read the states, compose,
+not written back), on the engine's own cache and map pool, next to the step it precedes:
 
-  step      the warm step with the most cached maps the run took, replayed alone (same inputs;
-            the replay rewrites the same states and maps), median of `reps`;
+  step      the warm step after the compose call with the most cached maps the run took,
+            replayed alone (same inputs; the replay rewrites the same states and maps), median
+            of `reps`;
   compose   that step's composition alone (read the chained rows' states, compose; jitted,
             median), and the same for synthetic chains of 1, 4 and 16 maps on every chain row,
             whose slope is the cost of one more map per row.
@@ -22,25 +23,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import time_calls
-from serving.hybrid import span_maps
-from serving.step.step_inputs import layout
+from serving.hybrid import span_compose, span_maps
 
 
 class WarmStepCapture:
-    """Keeps the warm span step (chain fields present) with the most cached maps."""
+    """Keeps the compose call with the most cached maps, and the warm span step after it."""
 
     def __init__(self, runner):
         self.runner, self.best, self.maps, self.steps = runner, None, -1, 0
+        self._pending = None  # a compose call whose step comes next
         self._orig = runner._dispatch
         runner._dispatch = self._dispatch
 
     def _dispatch(self, ints, floats, use_prev, kw):
-        if kw.get("chain") and not kw.get("decode_only"):
+        if kw.get("compose"):
             self.steps += 1
-            chains = _fields(self.runner, ints, kw)["chain"]
-            n = int((chains >= 0).sum())
+            f = _fields(self.runner, ints, kw)
+            n = int((f["chain"] >= 0).sum())
             if n > self.maps:
-                self.best, self.maps = (ints.copy(), floats.copy(), dict(kw), use_prev), n
+                self._pending, self.maps = f, n
+        elif self._pending is not None:
+            self.best = (ints.copy(), floats.copy(), dict(kw), use_prev, self._pending)
+            self._pending = None
         return self._orig(ints, floats, use_prev, kw)
 
     def close(self):
@@ -48,8 +52,7 @@ class WarmStepCapture:
 
 
 def _fields(runner, ints, kw):
-    spec, _ = layout(kw["t"], kw["s"], runner.nb, runner.ck_pool is not None, True, kw["chain"],
-                     block_size=runner.block_size)
+    spec, _ = span_compose.layout(*kw["compose"], runner.ck_pool is not None)
     return {k: np.asarray(ints[o:o + int(np.prod(shape))]).reshape(shape)
             for k, (o, shape) in spec.items()}
 
@@ -64,18 +67,16 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
     if capture.best is None:
         return {"error": "no warm span step (with cached maps) was captured"}
     runner, family = engine.runner, engine.runner.family
-    ints, floats, kw, use_prev = capture.best
-    f = _fields(runner, ints, kw)
+    ints, floats, kw, use_prev, f = capture.best
     step_ms = _median_ms(lambda: runner._dispatch(ints, floats, use_prev, kw), reps)
 
     @jax.jit
-    def compose(cache, pool, state_slots, chain_seq, chains):
-        rows = jnp.clip(chain_seq, 0, state_slots.shape[0] - 1)
-        conv0, delta0 = family.read_states(cache, state_slots[rows])
+    def compose(cache, pool, slots, chains):
+        conv0, delta0 = family.read_states(cache, slots)
         return span_maps.entry_states(pool, chains, conv0, delta0)
 
     def timed(chains):
-        args = [jnp.asarray(x) for x in (f["state_slots"], f["chain_seq"], chains)]
+        args = [jnp.asarray(x) for x in (f["slot"], chains)]
         return _median_ms(lambda: compose(runner.cache, runner.span_pool, *args), reps)
 
     chains = f["chain"]
@@ -89,7 +90,7 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
     per_map = (synth[16] - synth[1]) / 15  # one more map on every row
     compose_ms = timed(chains)
     return dict(tokens=kw["t"], seqs=kw["s"], chain_shape=[rows, length],
-                chain_rows=int((f["chain_seq"] >= 0).sum()), maps_in_step=capture.maps,
+                chain_rows=int((f["chain"] >= 0).any(axis=1).sum()), maps_in_step=capture.maps,
                 warm_steps=capture.steps, reps=reps, step_ms=step_ms, compose_ms=compose_ms,
                 compose_share=compose_ms / step_ms, synthetic_compose_ms=synth,
                 per_map_all_rows_ms=per_map, per_span_ms=per_map / rows,

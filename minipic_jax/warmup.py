@@ -2,8 +2,9 @@
 request, so no request waits on a compile (issue 29: a hybrid model's span request compiled two
 step variants while the user waited, 50 s on an H200).
 
-On a hybrid model it covers the span steps too (LLMEngine.warmup: span capture and composition,
-serving/hybrid/span_step.warm_chains). A line on stderr says what compiles and what it cost; the
+On a hybrid model it covers the span steps too (LLMEngine.warmup: one span step per token bucket
+and plan, capturing maps; one small program per chain-row bucket composing cached ones,
+serving/hybrid/span_compose.py). A line on stderr says what compiles and what it cost; the
 seconds and variant count land in `LLM.startup` (warmup_s, warmup_variants, warmup_compiled).
 A variant met later (another sampling mode, a longer chain of cached spans) still compiles on
 first use: `generate`'s bar says so (minipic_jax/batch/progress.Progress).

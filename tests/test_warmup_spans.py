@@ -2,11 +2,14 @@
 (issue 29, "no stalls"): after it, a cold span request, the same spans reordered with a new
 question, the same tokens as a plain prompt, and a span longer than a step (captured in pieces,
 then reused) compile no step variant while serving. Shapes of
-tests/test_engine_hybrid_spans.py (one 64-token bucket, 4 seats), so the compiles are shared."""
+tests/test_engine_hybrid_spans.py (one 64-token bucket, 4 seats), so the compiles are shared.
+At 16 seats: the warm-up's span variants do not multiply by the chain-row buckets (counted), and
+six requests entering with cached maps in one step compile nothing (slow)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from minipic_jax import LLM, SamplingParams
 from minipic_jax.prompts import Prompt, Span
@@ -49,3 +52,45 @@ def test_generate_says_when_a_variant_compiles_outside_warmup(capsys):
     assert "Processed prompts (compiling step variant 1" in err
     llm.generate(["hello again"], SamplingParams(temperature=0.0, max_tokens=2))
     assert "compiling" not in capsys.readouterr().err  # nothing new to compile
+
+
+def test_warmup_readies_one_span_variant_per_token_bucket_and_plan():
+    """At 16 seats the span steps' variants no longer multiply by the chain-row buckets: one
+    per (token bucket, attention plan), as many as the plain steps, plus one small compose program
+    per row bucket (4 and 16 rows), shared by every bucket (serving/hybrid/span_compose.py). Was
+    two span variants per bucket and plan (rows 4 and 16), each a whole model compile. Counted
+    from the warm-up's list, nothing compiled."""
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=16,
+              max_num_batched_tokens=64, min_token_bucket=16, max_model_len=512,
+              block_size=16, num_kv_blocks=96, warmup=False)
+    runner = llm.llm_engine.runner
+    steps = [kw for _, _, kw in runner.warmup_steps(spans=True)]
+    plain = [kw for kw in steps if not kw.get("spans") and not kw.get("compose")]
+    span = [kw for kw in steps if kw.get("spans")]
+    compose = sorted(kw["compose"] for kw in steps if kw.get("compose"))
+    assert llm.config.token_buckets == (16, 32, 64) and len(plain) >= 3
+    assert len(span) == len(plain), (len(span), len(plain))
+    assert compose == [(4, runner.chain_length), (16, runner.chain_length)]
+
+
+@pytest.mark.slow  # CI time (~45 s on CPU: its own 16-seat warm-up): --run-slow
+def test_six_span_requests_entering_at_once_at_16_seats_compile_nothing():
+    """16 seats: after the warm-up, six requests reordering six cached spans enter together,
+    their chains composed by the 16-row program before one step; nothing compiles, and every
+    token and logprob is the float64 reference's (tests/test_engine_hybrid_spans._check)."""
+    from test_engine_hybrid_spans import _check, _slow_decay
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=16,
+              max_num_batched_tokens=64, min_token_bucket=64, max_model_len=512,
+              block_size=16, num_kv_blocks=160, warmup=True)
+    _slow_decay(llm)  # params are an argument of the step: nothing recompiles
+    runner, rng = llm.llm_engine.runner, np.random.default_rng(31)
+    text = lambda n: bytes(rng.integers(97, 123, n).tolist()).decode()  # noqa: E731
+    spans = [Span(text(12)) for _ in range(6)]
+    before = runner._step.counts["compiled"]
+    outs = llm.generate([[*spans, Prompt(text(3))]], SP, use_tqdm=False)
+    orders = [rng.permutation(6) for _ in range(6)]
+    outs += llm.generate([[*(spans[i] for i in order), Prompt(text(3))] for order in orders],
+                         SP, use_tqdm=False)
+    assert runner._step.counts["compiled"] == before
+    assert any(key[0] == 16 for key in runner.composer._bufs)  # six chains in one step
+    assert max(_check(llm, o) for o in outs) < 1e-5

@@ -46,9 +46,7 @@ def run(name: str, tp: int) -> dict:
     hlo = ""
     if tp > 1:  # the last step, compiled again for its text (TP=1 has no collectives)
         ints, floats, kw = runner.last_inputs
-        args = (runner.params, runner.cache, ints, floats,
-                runner._prev() if llm.config.async_scheduling else None, runner.ck_pool,
-                runner.span_pool if kw.get("chain") else None)  # as ModelRunner._dispatch
+        args = runner._args(ints, floats, llm.config.async_scheduling, kw)  # as _dispatch
         hlo = runner._step.lower(*args, **kw).compile().as_text()
     kv = runner.cache.k[0]
     return {

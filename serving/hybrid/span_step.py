@@ -2,13 +2,14 @@
 serving/hybrid/span_cache.py: the warm path): the step's static span shapes, its host fields, and the
 device code of a warm step.
 
-A warm step (a span-map pool is attached) carries, for each sequence with one, a chain [L] of
-map-pool slots to compose before its rows (`chain_shape`: [Sc, L], -1 padded), and up to
-MAX_CAPTURES (piece, slot, continues)
+A warm step (a span-map pool is attached) carries up to MAX_CAPTURES (piece, slot, continues)
 triples: the spans it computes whole whose maps it stores, and the pieces of long spans
-(serving/hybrid/span_partial.py), a continuing one entering with the slot's map so far (`entry`). Inside the jitted step: a checkpoint
-restore first, then the chain (`span_maps.enter`), then the model, whose local pass returns the
-captured pieces' maps, then the store into the pool.
+(serving/hybrid/span_partial.py), a continuing one entering with the slot's map so far (`entry`).
+Inside the jitted step: the model, whose local pass returns the captured pieces' maps, then the
+store into the pool. The chains of cached maps its sequences enter with (`chain_shape`: [Sc, L],
+-1 padded) are composed before it, by a program of their own keyed only by that shape
+(serving/hybrid/span_compose.py: a checkpoint restore first, then the chain, `enter`), so the
+chain rows add no step variant.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def chain_length(max_blocks_per_seq: int) -> int:
 
 
 def chain_rows(n: int, s: int) -> int:
-    """Rows of the chain array for n sequences with a chain in a step of s: powers of four from
-    4 (composing costs one matmul per row and map, so rows are few; a factor of 4 between
-    buckets keeps the warm-up's variants few), at most s."""
+    """Rows of the chain array for n sequences with a chain, s the engine's largest step:
+    powers of four from 4 (composing costs one matmul per row and map, so rows are few; a
+    factor of 4 between buckets keeps the compose programs few), at most s."""
     rows = 4
     while rows < n:
         rows *= 4
@@ -51,8 +52,8 @@ def chain_rows(n: int, s: int) -> int:
 
 def chain_shape(batch, s: int, length: int = MIN_CHAIN_LENGTH) -> tuple[int, int]:
     """(rows, length) of the step's chains of cached span maps, both static: only sequences
-    with a chain get a row (chain_rows), `length` maps (chain_length), so the variants of
-    warm_chains serve every step."""
+    with a chain get a row (chain_rows, s the engine's largest step), `length` maps
+    (chain_length), so the compose programs of warm_chains serve every step."""
     lengths = [len(e.map_chain) for e in batch if e.map_chain]
     longest = max(lengths, default=0)
     while length < longest:
@@ -61,7 +62,8 @@ def chain_shape(batch, s: int, length: int = MIN_CHAIN_LENGTH) -> tuple[int, int
 
 
 def warm_chains(s: int, length: int = MIN_CHAIN_LENGTH) -> list[tuple[int, int]]:
-    """The chain shapes warm-up compiles for a bucket of s sequences: every row bucket."""
+    """The chain shapes warm-up compiles for an engine whose largest step holds s sequences:
+    every row bucket (serving/hybrid/span_compose.py: one small program each)."""
     return sorted({(chain_rows(n, s), length) for n in range(1, s + 1)})
 
 
@@ -96,20 +98,14 @@ def fill_rows(batch, v, rows: int, block_size: int, bound: int) -> np.ndarray:
 
 
 def fill_maps(batch, v, starts) -> None:
-    """chain / cap_piece / cap_slot / cap_cont of a warm span step (serving/hybrid/span_cache.py): each sequence's
-    chain of cached span maps in order, and the piece each captured span fills (a captured span
-    starts a piece: span_rows.step_rows)."""
-    v["chain"][:] = -1
-    v["chain_seq"][:] = -1
+    """cap_piece / cap_slot / cap_cont of a warm span step (serving/hybrid/span_cache.py): the
+    piece each captured span fills (a captured span starts a piece: span_rows.step_rows). The
+    chains of cached maps go to the compose program (serving/hybrid/span_compose.fill)."""
     v["cap_piece"][:] = -1
     v["cap_slot"][:] = -1
     v["cap_cont"][:] = 0
-    k, c, row = 0, 0, 0
-    for i, e in enumerate(batch):
-        if e.map_chain:
-            v["chain_seq"][c] = i
-            v["chain"][c, :len(e.map_chain)] = e.map_chain
-            c += 1
+    k, row = 0, 0
+    for e in batch:
         for tok, slot, cont in e.map_caps:
             r = row + int(np.searchsorted(e.token_idx, tok))
             v["cap_piece"][k] = int(np.searchsorted(starts, r, side="right")) - 1
@@ -131,8 +127,10 @@ def entry(maps, f) -> dict:
 
 
 def enter(family, cache, pool, maps, f, reset):
-    """Before the model runs: restore rows' checkpoints (pool: the checkpoint pool or None), then
-    every chain of cached spans. Returns (cache, reset, f) with the restores marked done."""
+    """Restore rows' checkpoints (pool: the checkpoint pool or None), then every chain of cached
+    spans (f: state_slots, chain_seq, chain, restore_slot with a pool). Returns (cache, reset,
+    f) with the restores marked done. The compose program runs it
+    (serving/hybrid/span_compose.program)."""
     if pool is not None:  # a resume at c comes before the spans skipped right after c
         restore = f["restore_slot"]
         conv, delta = checkpoint_pool.rows(pool, restore)

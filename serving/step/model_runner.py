@@ -26,8 +26,8 @@ import numpy as np
 from kernels_pallas.paged_attention.api import choose_attention, step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from kernels_pallas.paged_attention.problem import Problem
-from serving.hybrid import span_step
-from serving.hybrid.span_step import chain_shape, piece_bound
+from serving.hybrid import span_compose, span_step
+from serving.hybrid.span_step import piece_bound
 from serving.hybrid import checkpoint_pool as ckpt_pool
 from serving.step import sharding
 from serving.cache.kv_pool import allocate_pool, default_num_blocks
@@ -66,6 +66,8 @@ class ModelRunner:
         self.chain_length = span_step.chain_length(self.nb)  # span chains: one static length
         seats = config.num_seats
         self.scratch_slot = seats  # recurrent slot for padding rows
+        self.composer = span_compose.ComposeInputs(  # chains' programs (span_compose.py)
+            config.seq_bucket(config.token_buckets[-1]), self.chain_length, self.scratch_slot)
 
         def make_cache(n):
             def make():
@@ -125,8 +127,12 @@ class ModelRunner:
 
     def _step_body(self, params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
                    all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
-                   attn_options=None, chain=()):
-        spec, _ = layout(t, s, self.nb, pool is not None, spans, chain, block_size=self.block_size)
+                   attn_options=None, compose=()):
+        if compose:  # the chains of cached span maps, before the step (span_compose.py)
+            return span_compose.program(self.family, cache, pool, maps, ints, *compose), None, \
+                prev, pool, maps
+        warm = spans and maps is not None  # the span-map warm path (serving/hybrid/span_step.py)
+        spec, _ = layout(t, s, self.nb, pool is not None, spans, warm, block_size=self.block_size)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
         # fresh pages are zeroed before anything writes (serving/cache/page_zeroing.py)
@@ -137,9 +143,7 @@ class ModelRunner:
             block_pos_start=f["block_pos_start"], block_num_valid=f["block_num_valid"],
             slot_mapping=f["slot_mapping"])
         reset = f["reset"] > 0
-        warm = bool(chain) and not decode_only  # the span-map warm path (serving/hybrid/span_step.py)
-        if warm:
-            cache, reset, f = span_step.enter(self.family, cache, pool, maps, f, reset)
+        warm = warm and not decode_only
         rec = RecurrentMetadata(state_slots=f["state_slots"], reset=reset,
                                 decode=self._recurrent_kind(decode_only))
         tokens = f["tokens"]
@@ -190,20 +194,21 @@ class ModelRunner:
         self.ck_pool, self.span_pool = ck_pool, span_pool
 
     def _args(self, ints, floats, use_prev: bool, kw) -> tuple:
-        """The step's arguments: the span map pool goes only to steps that compose or capture
-        span maps."""
-        return (self.params, self.cache, ints, floats, self._prev() if use_prev else None,
-                self.ck_pool, self.span_pool if kw.get("chain") else None)
+        """The step's arguments: the span map pool goes only to span steps and compose programs
+        (span_compose.py; they never take the previous tokens)."""
+        maps = kw.get("spans") or kw.get("compose")
+        return (self.params, self.cache, ints, floats,
+                self._prev() if use_prev and not kw.get("compose") else None,
+                self.ck_pool, self.span_pool if maps else None)
 
     def _dispatch(self, ints, floats, use_prev: bool, kw):
         """One step; keeps the donated cache (and prev tokens, checkpoint pool, span map pool)."""
-        warm = bool(kw.get("chain"))
-        self.cache, packed, prev, pool, maps = self._step(
-            *self._args(ints, floats, use_prev, kw), **kw)
-        if use_prev:
+        args = self._args(ints, floats, use_prev, kw)
+        self.cache, packed, prev, pool, maps = self._step(*args, **kw)
+        if args[4] is not None:
             self.prev_tokens = prev
         self.ck_pool = pool
-        if warm:
+        if args[6] is not None:
             self.span_pool = maps
         return packed
 
@@ -216,11 +221,11 @@ class ModelRunner:
                num_logprobs: int = 0, spans: bool = False) -> None:
         """Ready the step of every token bucket for one sampling mode, with every per-step
         attention plan a step of that bucket can take (fits / overflows), then run each once as an
-        empty step (nothing written). spans (hybrid models): also each bucket's span step, for
-        every chain-row bucket at the engine's one chain length when a span-map pool is attached
-        (serving/hybrid/span_step.warm_chains). Ready = loaded from the executable store or traced,
-        lowered and compiled in threads (serving/step/step_executables.py); `startup` gets the
-        seconds of each phase."""
+        empty step (nothing written). spans (hybrid models): also each bucket's span step, and
+        with a span-map pool the compose program of every chain-row bucket at the engine's one
+        chain length (serving/hybrid/span_compose.py). Ready = loaded from the executable store
+        or traced, lowered and compiled in threads (serving/step/step_executables.py);
+        `startup` gets the seconds of each phase."""
         steps = self.warmup_steps(all_greedy=all_greedy, use_filter=use_filter,
                                   num_logprobs=num_logprobs, spans=spans)
         use_prev = self.config.async_scheduling
@@ -244,22 +249,21 @@ class ModelRunner:
         for t in self.config.token_buckets:
             s = self.config.seq_bucket(t)
             plans = {self._plan(t, s, n, d) for n, d in ((0, 1), (min(s, t // 2), 1), (1, 0))}
-            variants += [(t, False, plan, False, ()) for plan in plans]
+            variants += [(t, False, plan, False) for plan in plans]
             if spans and self.hybrid:
-                chains = (span_step.warm_chains(s, self.chain_length) if self.span_pool is not None
-                          else [()])
-                variants += [(t, False, plan, True, c) for plan in plans for c in chains]
+                variants += [(t, False, plan, True) for plan in plans]
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
-            variants += [(t, True, None, False, ()) for t in self.config.token_buckets if t <= top]
+            variants += [(t, True, None, False) for t in self.config.token_buckets if t <= top]
         steps = []
-        for t, decode_only, plan, span_step_, chain in variants:
+        for t, decode_only, plan, span_step_ in variants:
             s = self.config.seq_bucket(t)
-            spec, size = layout(t, s, self.nb, self.ck_pool is not None, span_step_, chain,
+            warm = span_step_ and self.span_pool is not None
+            spec, size = layout(t, s, self.nb, self.ck_pool is not None, span_step_, warm,
                                 block_size=self.block_size)
             ints = np.zeros(size, np.int32)
             for name in ("slot_mapping",) + (S_FIELDS_CKPT if self.ck_pool is not None else ()) \
-                    + (("chain_seq", "chain", "cap_piece", "cap_slot") if chain else ()):
+                    + (("cap_piece", "cap_slot") if warm else ()):
                 o, shape = spec[name]
                 ints[o:o + int(np.prod(shape))] = -1
             for name, fill in (("state_slots", self.scratch_slot),
@@ -270,8 +274,10 @@ class ModelRunner:
             kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                       num_logprobs=num_logprobs, decode_only=decode_only, attn_options=plan)
             if span_step_:
-                kw.update(spans=True, **({"chain": chain} if chain else {}))
+                kw["spans"] = True
             steps.append((ints, floats, kw))
+        if spans and self.hybrid and self.span_pool is not None:
+            steps += self.composer.warmup_steps(self.ck_pool is not None)
         return steps
 
     # -- host ----------------------------------------------------------------------------------
@@ -296,10 +302,8 @@ class ModelRunner:
         if use_prev:
             self._parity ^= 1
         spans = self.hybrid and span_step.step_has_spans(batch, self.block_size)
-        chain = ()
-        if spans and self.span_pool is not None:
-            chain = chain_shape(batch, s, self.chain_length)
-        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans, chain)
+        warm = spans and self.span_pool is not None
+        ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans, warm)
         ints.fill(0)
         floats[:s] = 0.0
         floats[s:] = 1.0
@@ -339,9 +343,11 @@ class ModelRunner:
         if spans:
             starts = span_step.fill_rows(batch, v, row, self.block_size, piece_bound(t, s))
             kw["spans"] = True
-            if chain:
+            if warm and not decode_only:
                 span_step.fill_maps(batch, v, starts)
-                kw["chain"] = chain
+                compose = self.composer.build(batch, v, self._parity if use_prev else 0)
+                if compose:  # cached maps' chains, a program of its own before the step
+                    self._dispatch(compose[0], None, False, compose[1])
         self.cache = self.zeroer.fill(v["zero_pages"], self.cache)  # the fresh pages
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
@@ -355,14 +361,14 @@ class ModelRunner:
         return step_options(self.attn_impl, self.attn_options, tokens=t, seqs=s,
                             prefill_count=prefill_count, decode_count=decode_count)
 
-    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False, chain=()):
+    def _buffers(self, t: int, s: int, parity: int = 0, spans: bool = False, maps: bool = False):
         """Host input buffers of one bucket, reused across steps: a step's inputs have reached
         the device before its outputs are read, which happens before the next build of the
         same buffer set (sync: the next step; async: the step after next, see `launch`).
         Reuse also avoids fresh page faults every step."""
-        key = (t, s, parity, spans, chain)
+        key = (t, s, parity, spans, maps)
         if key not in self._bufs:
-            spec, size = layout(t, s, self.nb, self.ck_pool is not None, spans, chain,
+            spec, size = layout(t, s, self.nb, self.ck_pool is not None, spans, maps,
                                 block_size=self.block_size)
             ints = np.zeros(size, np.int32)
             v = {k: ints[o:o + int(np.prod(shape))].reshape(shape)

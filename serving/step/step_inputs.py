@@ -23,18 +23,19 @@ S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 
 @functools.lru_cache(maxsize=None)
-def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False, chain=(), *,
-           block_size: int):
-    """Static offsets of each field in the packed int32 buffer. chain (Sc, L): the step carries
-    the span-map fields (serving/hybrid/span_step.py: chains of pool slots to compose, captures). Last,
+def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
+           maps: bool = False, *, block_size: int):
+    """Static offsets of each field in the packed int32 buffer. maps: the step carries the
+    span-map capture fields (serving/hybrid/span_step.py; the chains of cached maps go to their
+    own program, serving/hybrid/span_compose.py). Last,
     `zero_pages`: the fresh pages the step zeroes first (serving/cache/page_zeroing.py)."""
     spec, off = {}, 0
     if spans:  # hybrid steps holding SSEP span rows
         g = piece_bound(t, s)
         fields = (("row_span", (t,)), ("piece_cu", (g + 1,)), ("carry_local", (s,)))
-        if chain:
-            fields += (("chain_seq", (chain[0],)), ("chain", chain), ("cap_piece", (MAX_CAPTURES,)),
-                       ("cap_slot", (MAX_CAPTURES,)), ("cap_cont", (MAX_CAPTURES,)))
+        if maps:
+            fields += (("cap_piece", (MAX_CAPTURES,)), ("cap_slot", (MAX_CAPTURES,)),
+                       ("cap_cont", (MAX_CAPTURES,)))
         for f, shape in fields:
             spec[f] = (off, shape)
             off += int(np.prod(shape))
