@@ -14,5 +14,6 @@ SSEP spans on hybrid models (docs/DESIGN.md section 5):
   span_cache.py        warm path: cached span maps, skipped spans, pins
   span_partial.py      spans longer than a step: captured in pieces, the map so far in one slot
   span_maps.py         the maps' device pool and their composition into an entry state
+  span_compose.py      the composition as a program of its own, run right before the step
   span_step.py         the runner's side: static span shapes, host fields, warm-step code
 """
