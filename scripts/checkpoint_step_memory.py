@@ -25,7 +25,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     a = p.parse_args()
     llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-              max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks)
+              max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
+              warmup=False)  # only the two steps below are compiled (the warm-up's 28 took > 150 s)
     runner = llm.llm_engine.runner
     top = runner.config.token_buckets[-1]
     for m in (checkpoint_plan.CHECKPOINTS_PER_STEP, 1):
