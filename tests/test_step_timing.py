@@ -11,6 +11,7 @@ step_time. Both loops: sync and async (a pool so small that preemptions force re
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import pytest
@@ -50,6 +51,28 @@ def test_step_timer_charges_the_innermost_phase():
     with pytest.raises(ValueError, match="unknown phase 'scheduling'"):
         with timer.phase("scheduling"):
             pass
+
+
+def test_a_step_timer_phase_is_a_reused_object():
+    """The engine opens 4-5 phases per step on the host's critical path: a phase is a reused
+    object (5 Python calls, 0.6 us on the CPU VM), not a generator context manager (8 calls and
+    a generator per use, 1.6 us)."""
+    timer = StepTimer()
+    timer.start()
+    calls = []
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(count)
+    try:
+        with timer.phase("build"):
+            pass
+    finally:
+        sys.setprofile(None)
+    assert calls == ["phase", "__enter__", "_charge", "__exit__", "_charge"], calls
+    assert timer.phase("build") is timer.phase("build")
 
 
 def charge(obj, attr, seconds, extra, counts):
