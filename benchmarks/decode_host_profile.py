@@ -4,9 +4,10 @@
 --profile N]`: an engine as the H200 decode measurement builds it (`minipic-bench engine
 --max-num-batched-tokens 512 --min-token-bucket 128`, async loop; a tiny preset so start-up
 takes seconds), `batch` sequences primed at context `ctx`, then `steps` decode steps per rep.
-Prints per rep the host ms per step (schedule / build / dispatch / overlap / post; work = schedule + build + post, as
-`decode_host_work_ms` counts it; host = work + overlap) and the minimum over reps (the CPU is
-noisy: compare minima, and alternate processes when comparing two trees). With --profile N, a
+Prints per rep the host ms per step (schedule / build / dispatch / overlap / post: medians over
+the steps; work = schedule + build + post, its median as `decode_host_work_ms` and its mean;
+wall on an outside clock) and the minimum over reps (the CPU is noisy: compare minima, and
+alternate processes when comparing two trees). With --profile N, a
 cProfile of one more rep, the N functions with the most own time (microseconds per step).
 Only the engine's public pieces are used, so the same file runs against older trees.
 """
@@ -57,23 +58,29 @@ def retire(engine, batch: int) -> None:
 
 
 def timed_rep(engine, steps: int, prof=None) -> dict:
-    """Host ms per step of `steps` decode steps, per part (EngineStats' running sums)."""
+    """Host ms per step of `steps` decode steps: per part the median over the steps (as
+    `minipic-bench engine` reports decode_host_work_ms; a block-allocation step every block_size
+    steps is the outlier the median leaves out), work = schedule + build + post (median), and
+    their means over the steps (mean_work; wall: engine.step() calls on an outside clock)."""
+    import numpy as np
     st = engine.stats
-    before = {p: getattr(st, p) for p in PARTS}
-    n0 = st.steps
+    per_step = {p: [] for p in PARTS}
     t = time.perf_counter()
     if prof is not None:
         prof.enable()
     for _ in range(steps):
+        before = {p: getattr(st, p) for p in PARTS}
         engine.step()
+        for p in PARTS:
+            per_step[p].append(1e3 * (getattr(st, p) - before[p]))
     if prof is not None:
         prof.disable()
     wall = time.perf_counter() - t
-    n = st.steps - n0
-    out = {p: 1e3 * (getattr(st, p) - before[p]) / n for p in PARTS}
-    out["work"] = out["schedule"] + out["build"] + out["post"]  # decode_host_work_ms
-    out["host"] = out["work"] + out["overlap"]
-    out["wall"] = 1e3 * wall / n
+    work = np.add(np.add(per_step["schedule"], per_step["build"]), per_step["post"])
+    out = {p: float(np.median(v)) for p, v in per_step.items()}
+    out["work"] = float(np.median(work))  # decode_host_work_ms
+    out["mean_work"] = float(np.mean(work))
+    out["wall"] = 1e3 * wall / steps
     return out
 
 
