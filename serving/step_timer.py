@@ -44,6 +44,16 @@ class StepTimer:
         except KeyError:
             raise ValueError(f"StepTimer: unknown phase {name!r} (phases: {self.phases})") from None
 
+    def enter(self, name: str) -> None:
+        """Open phase `name` (what `with timer.phase(name):` does on entry)."""
+        self._charge()
+        self._open.append(name)
+
+    def leave(self) -> None:
+        """Close the innermost phase (what `with timer.phase(name):` does on exit)."""
+        self._charge()
+        self._open.pop()
+
     def move(self, seconds: float, source: str, target: str) -> None:
         """Re-charge `seconds` measured elsewhere (e.g. inside a call) from one phase to another."""
         self.seconds[source] -= seconds
@@ -64,12 +74,8 @@ class _Phase:
         self.timer, self.name = timer, name
 
     def __enter__(self) -> None:
-        timer = self.timer
-        timer._charge()
-        timer._open.append(self.name)
+        self.timer.enter(self.name)
 
     def __exit__(self, *exc) -> bool:
-        timer = self.timer
-        timer._charge()
-        timer._open.pop()
+        self.timer.leave()
         return False
