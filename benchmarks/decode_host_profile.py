@@ -23,8 +23,35 @@ import time
 PARTS = ("schedule", "build", "dispatch", "overlap", "post")
 
 
-def build_engine(batch: int, ctx: int, model: str):
-    """The decode benchmark's engine (tiny preset, float32), its jitted step stubbed."""
+class Pending:
+    """A stubbed step's output that is ready only at `ready_at` (perf_counter): reading it
+    (np.asarray, as ModelRunner.fetch does) spins until then, like a wait for the device."""
+
+    def __init__(self, out, ready_at: float):
+        self.out, self.ready_at = out, ready_at
+
+    def __array__(self, dtype=None, copy=None):
+        while time.perf_counter() < self.ready_at:
+            pass
+        return self.out
+
+
+class DeviceBoundStub:
+    """StubStep whose steps take `device_ms` each on an emulated device that runs them one after
+    another from their dispatch: the loop is device-bound as on the H200 (13.7 ms steps)."""
+
+    def __init__(self, stub, device_ms: float):
+        self.stub, self.seconds, self.free_at = stub, device_ms / 1e3, 0.0
+
+    def __call__(self, *args, **kwargs):
+        cache, out, *rest = self.stub(*args, **kwargs)
+        self.free_at = max(self.free_at, time.perf_counter()) + self.seconds
+        return (cache, Pending(out, self.free_at), *rest)
+
+
+def build_engine(batch: int, ctx: int, model: str, device_ms: float = 0.0):
+    """The decode benchmark's engine (tiny preset, float32), its jitted step stubbed (with
+    device_ms, each step's outputs are ready that long after the previous step's)."""
     from benchmarks.engine_host import StubStep
     from minipic_jax import LLM
     bs = 16
@@ -33,7 +60,8 @@ def build_engine(batch: int, ctx: int, model: str):
               num_kv_blocks=batch * -(-(ctx + 64) // bs) + 64, min_token_bucket=128,
               async_scheduling=True)
     engine = llm.llm_engine
-    engine.runner._step = StubStep(engine.vocab_size)
+    stub = StubStep(engine.vocab_size)
+    engine.runner._step = DeviceBoundStub(stub, device_ms) if device_ms else stub
     return engine
 
 
@@ -64,14 +92,14 @@ def timed_rep(engine, steps: int, prof=None) -> dict:
     their means over the steps (mean_work; wall: engine.step() calls on an outside clock)."""
     import numpy as np
     st = engine.stats
-    per_step = {p: [] for p in PARTS}
+    per_step = {p: [] for p in PARTS + ("step_time",)}
     t = time.perf_counter()
     if prof is not None:
         prof.enable()
     for _ in range(steps):
-        before = {p: getattr(st, p) for p in PARTS}
+        before = {p: getattr(st, p) for p in PARTS + ("step_time",)}
         engine.step()
-        for p in PARTS:
+        for p in before:
             per_step[p].append(1e3 * (getattr(st, p) - before[p]))
     if prof is not None:
         prof.disable()
@@ -80,6 +108,7 @@ def timed_rep(engine, steps: int, prof=None) -> dict:
     out = {p: float(np.median(v)) for p, v in per_step.items()}
     out["work"] = float(np.median(work))  # decode_host_work_ms
     out["mean_work"] = float(np.mean(work))
+    out["step_wall"] = out.pop("step_time")  # decode_step_wall_ms: the timed part of step()
     out["wall"] = 1e3 * wall / steps
     return out
 
@@ -92,12 +121,16 @@ def main(argv=None) -> int:
                    help="decode steps per rep (at most 60: max_model_len is ctx + 64)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--model", default="tiny_llama3")
+    p.add_argument("--device-ms", type=float, default=0.0,
+                   help="emulate a device step of this many ms (a device-bound loop, as on the "
+                        "H200: step_wall is then the device step less the host work step() "
+                        "does outside its timer)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile one more rep; print the N functions with the most own time")
     args = p.parse_args(argv)
     import numpy as np
 
-    engine = build_engine(args.batch, args.ctx, args.model)
+    engine = build_engine(args.batch, args.ctx, args.model, args.device_ms)
     rng = np.random.default_rng(0)
     reps = []
     for _ in range(args.reps):
