@@ -3,8 +3,9 @@
 Every moment between `start` and `stop` is charged to exactly one phase: the innermost one open
 (`with timer.phase(name):`), else the base phase. Phases nest (time inside an inner phase is not
 charged to the outer one), so the phases always add up to the step's wall time, and the timing
-stays out of the step loop's logic. A phase is a reusable context-manager object, not a
-generator context manager: the engine opens four or five per step, on the host's critical path.
+stays out of the step loop's logic. A phase is a context-manager object made once and reused,
+not a generator context manager (a generator and a manager per use): the engine opens four or
+five phases every step.
 """
 
 from __future__ import annotations
