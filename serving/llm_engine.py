@@ -233,14 +233,14 @@ class LLMEngine:
         elif not self._in_flight:
             self._check_progress()
             return self._take_finished()
-        self._read_back_until(1 if batch else 0)
+        read = self._read_back_until(1 if batch else 0)  # freed on return, after the timer
         if batch:
             with timer.phase("overlap"):
                 self._advance(batch)
                 if self.config.async_scheduling:
                     self._hold_placeholders(batch)
         keep = self.config.async_scheduling and self.scheduler.has_unfinished()
-        self._read_back_until(1 if keep else 0)
+        read += self._read_back_until(1 if keep else 0)
         self.cache.after_read_back()
         seconds = timer.stop()
         if batch:
@@ -259,17 +259,22 @@ class LLMEngine:
             self.cache.after_launch()
         self._timer.move(self.runner.last_dispatch, "build", "dispatch")
 
-    def _read_back_until(self, keep: int) -> None:
+    def _read_back_until(self, keep: int) -> list:
         """Read back the oldest steps in flight (waits for each) and apply their tokens until
         `keep` are left. A step leaves `_in_flight` only once read, so after a failed read-back
-        recovery waits for it again (engine.drop_in_flight)."""
+        recovery waits for it again (engine.drop_in_flight). Returns the steps read, (batch,
+        handle, outputs): step() drops them once its timer has stopped, so freeing them is
+        not charged to the step's phases (as the loops before 8e11161's redesign did)."""
+        read = []
         while len(self._in_flight) > keep:
             batch, handle = self._in_flight[0]
             with self._timer.phase("device_wait"):
                 out = self.runner.fetch(handle)
             del self._in_flight[0]
+            read.append((batch, handle, out))
             self._early += self._postprocess(batch, out, handle[1],
                                              pending=self.config.async_scheduling)
+        return read
 
     def _read_back_early(self) -> bool:
         """Scheduler hook before a preemption: read back the step in flight now (a synchronous
