@@ -4,8 +4,9 @@ replay (maps applied in order; conv window = the last Kc - 1 of all earlier inpu
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from serving.hybrid import span_maps
+from serving.hybrid import chain_compose, span_maps
 
 LG, HV, DK, DV, C, K1 = 2, 2, 4, 3, 5, 3
 
@@ -30,6 +31,24 @@ def _pool(rng, slots):
     return pool, a, b, inputs
 
 
+def _replay(a, b, inputs, chain, conv0, delta0):
+    """float64 replay of one row: (conv window [LG, C, K1], delta [LG, HV, DK, DV])."""
+    want = delta0.astype(np.float64)
+    history = [np.swapaxes(conv0, 1, 2)]  # [LG, K1, C] oldest first
+    for p in (p for p in chain if p >= 0):
+        want = a[:, p] @ want + b[:, p]
+        history.append(inputs[p])
+    return np.swapaxes(np.concatenate(history, axis=1)[:, -K1:], 1, 2), want
+
+
+def _check_rows(entry, chains, conv0, delta0, a, b, inputs):
+    conv, delta = entry
+    for i, chain in enumerate(chains):
+        window, want = _replay(a, b, inputs, chain, conv0[:, i], delta0[:, i])
+        np.testing.assert_allclose(np.asarray(delta[:, i]), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(conv[:, i]), window)
+
+
 def test_entry_states_equal_float64_replay(fresh_rng):
     slots = 6
     pool, a, b, inputs = _pool(fresh_rng, slots)
@@ -37,17 +56,34 @@ def test_entry_states_equal_float64_replay(fresh_rng):
     s = len(chains)
     conv0 = fresh_rng.standard_normal((LG, s, C, K1)).astype(np.float32)
     delta0 = fresh_rng.standard_normal((LG, s, HV, DK, DV)).astype(np.float32)
-    conv, delta = jax.jit(span_maps.entry_states)(pool, jnp.asarray(chains, jnp.int32),
-                                                   conv0, delta0)
-    for i, chain in enumerate(chains):
-        want = delta0[:, i].astype(np.float64)
-        history = [np.swapaxes(conv0[:, i], 1, 2)]  # [LG, K1, C] oldest first
-        for p in (p for p in chain if p >= 0):
-            want = a[:, p] @ want + b[:, p]
-            history.append(inputs[p])
-        window = np.swapaxes(np.concatenate(history, axis=1)[:, -K1:], 1, 2)
-        np.testing.assert_allclose(np.asarray(delta[:, i]), want, rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(np.asarray(conv[:, i]), window)
+    entry = jax.jit(span_maps.entry_states)(pool, jnp.asarray(chains, jnp.int32), conv0, delta0)
+    _check_rows(entry, chains, conv0, delta0, a, b, inputs)
+
+
+@pytest.mark.parametrize("rows,lengths,applied", [
+    (4, (0, 12, 10, 8), 30),  # run 3 on the H200: 30 maps on 3 of 4 rows; was 4 x 12 = 48
+    (16, (1, 9, 0, 16, 5, 9, 3, 1), 47),  # 44 maps; widths 8, 6, 4, 3, 1 run (was 16 x 16)
+])
+def test_composition_applies_only_the_maps_its_chains_hold(fresh_rng, rows, lengths, applied):
+    """Issue 29, composition cost: the compose program applies each chain's maps to its row and
+    skips ended chains. Counted from the FLOPs of the dots the program runs for these chains
+    (tests/jaxpr_flops.py: loops at their real trip counts): exactly the maps held up to 4 rows,
+    at most 3/2 of them at 16 (static widths), and what chain_compose.applications plans (the
+    bench's figure). The states still equal the float64 replay."""
+    from jaxpr_flops import dot_flops
+    slots = 6
+    pool, a, b, inputs = _pool(fresh_rng, slots)
+    chains = np.full((rows, 16), -1, np.int32)
+    for r, n in enumerate(lengths):
+        chains[r, :n] = fresh_rng.integers(0, slots, n)
+    conv0 = fresh_rng.standard_normal((LG, rows, C, K1)).astype(np.float32)
+    delta0 = fresh_rng.standard_normal((LG, rows, HV, DK, DV)).astype(np.float32)
+    flops = dot_flops(span_maps.entry_states, pool, jnp.asarray(chains), conv0, delta0)
+    assert flops % (2 * LG * HV * DK * DK * DV) == 0
+    assert flops // (2 * LG * HV * DK * DK * DV) == applied <= 1.5 * sum(lengths)
+    assert chain_compose.applications(lengths, rows) == applied
+    entry = jax.jit(span_maps.entry_states)(pool, jnp.asarray(chains), conv0, delta0)
+    _check_rows(entry, chains, conv0, delta0, a, b, inputs)
 
 
 def test_map_nbytes_qwen3_5_0_8b():
