@@ -1,11 +1,14 @@
 """serving/hybrid/span_maps.py: the entry state composed from cached span maps on device vs a float64
 replay (maps applied in order; conv window = the last Kc - 1 of all earlier inputs), bytes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precision
 from serving.hybrid import chain_compose, span_maps
 
 LG, HV, DK, DV, C, K1 = 2, 2, 4, 3, 5, 3
@@ -115,3 +118,76 @@ def test_chain_shapes_pad_to_warm_variants():
     for s in (2, 4, 8, 32, 64):  # every step's shape is warm
         warm = set(span_step.warm_chains(s, 32))
         assert all(span_step.chain_shape(batch(*[32] * n), s, 32) in warm for n in range(1, s + 1))
+
+
+# The exactness bar each composition precision must hold (Config.span_maps.compose_precision):
+# the default's (1e-6 of the fp32 replay, as tests/test_gated_delta_affine.py) for IEEE float32
+# and the emulations that could replace it; bf16_x3 keeps ~16 mantissa bits (asked 1e-4).
+PRECISION_BARS = {"highest": 1e-6, "bf16_x6": 1e-6, "tf32_x3": 1e-6, "bf16_x3": 1e-4}
+
+
+@functools.lru_cache(maxsize=1)
+def _span_chain():
+    """Nine spans of 1..200 tokens (tests/test_gated_delta_affine.py), their maps in a one-layer
+    pool: (pool, chains [1, 16], s0, fp32 replay, float64 final state); computed once."""
+    from tests.test_gated_delta_affine import span_maps_and_replay
+    lengths = (1, 5, 64, 1, 63, 65, 200, 3, 128)
+    a, b, s0, replay, final64 = span_maps_and_replay(np.random.default_rng(29), lengths)
+    n, hv, dk, dv = len(lengths), s0.shape[1], s0.shape[2], s0.shape[3]
+    pool = span_maps.SpanMapPool(a=a, b=b, tail=jnp.zeros((n, 1, 1, 1)),
+                                 count=jnp.ones(n, jnp.int32))  # a [n, 1, ...]: one GDN layer
+    chains = np.full((1, 16), -1, np.int32)
+    chains[0, :n] = np.arange(n)
+    assert pool.a.shape == (n, 1, hv, dk, dk) and pool.b.shape == (n, 1, hv, dk, dv)
+    return pool, chains, s0, replay, final64
+
+
+@pytest.mark.parametrize("name", list(PRECISION_BARS))
+def test_composition_precision_holds_its_bar(name):
+    """The engine's composition (entry_states, as the compose program runs it) at each named
+    precision against the fp32 replay and the float64 recurrence. On CPU every name computes
+    IEEE float32 (affine.compose_precision); with MINIPIC_COMPILED=1 on a GPU the presets are
+    tensor-core emulations: benchmarks/runs/compose_next_device.sh reads the printed errors."""
+    from tests.test_gated_delta_affine import _rel
+    pool, chains, s0, replay, final64 = _span_chain()
+    run = jax.jit(functools.partial(span_maps.entry_states, precision=compose_precision(name)))
+    _, delta = run(pool, jnp.asarray(chains), jnp.zeros((1, 1, 1, 1)), jnp.asarray(s0)[None])
+    rel32, rel64 = _rel(delta[0], replay), _rel(delta[0], final64)
+    print(f"compose precision {name}: rel vs fp32 replay {rel32:.2e}, vs float64 {rel64:.2e}")
+    assert rel32 < PRECISION_BARS[name] and rel64 < max(1e-5, PRECISION_BARS[name])
+
+
+def test_compose_precision_names():
+    """Presets on a GPU only (XLA's CPU computes the bf16 ones as float32, rejects TF32_X3);
+    an unknown name is an error naming the choices, from the engine Config too; every name has
+    its bar above."""
+    from serving.config import Config
+    assert set(PRECISION_BARS) == set(COMPOSE_PRECISIONS)
+    assert compose_precision("highest", "gpu") == jax.lax.Precision.HIGHEST
+    assert compose_precision("tf32_x3", "gpu") == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    assert compose_precision("bf16_x6", "cpu") == jax.lax.Precision.HIGHEST
+    with pytest.raises(ValueError, match="bf16_x6"):
+        compose_precision("bf16", "gpu")
+    with pytest.raises(ValueError, match="span_map_compose_precision"):
+        Config.from_flat(span_map_compose_precision="tf32")
+    assert Config.from_flat(span_map_compose_precision="tf32_x3").span_maps.compose_precision \
+        == "tf32_x3"
+
+
+def test_engine_compose_program_takes_the_configured_precision(monkeypatch):
+    """span_map_compose_precision reaches the engine's compose program: traced as on a GPU (not
+    compiled), each of its dots asks the configured preset."""
+    from jaxpr_walk import outer_eqns
+
+    from kernels_pallas.gated_delta import affine
+    from minipic_jax import LLM
+    monkeypatch.setattr(affine, "_backend", lambda: "gpu")
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
+              min_token_bucket=64, max_model_len=512, block_size=16, num_kv_blocks=96,
+              warmup=False, span_map_compose_precision="tf32_x3")
+    runner = llm.llm_engine.runner
+    ints, _, kw = runner.composer.warmup_steps(runner.ck_pool is not None)[0]
+    args = runner._args(ints, None, False, kw)
+    jaxpr = jax.make_jaxpr(functools.partial(runner._step_impl, **kw))(*args).jaxpr
+    dots = [e.params["precision"] for e in outer_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(p == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 for p in dots), dots
