@@ -13,7 +13,8 @@ narrowest width to hold, applying that position's maps to the first w rows only.
 widths both come from the chain lengths (`bounds`): the same function plans on the host
 (`plan`, `applications`: what a step costs, what tests count) and bounds the loops on device.
 Work done / work needed <= the largest ratio of neighbouring widths (4/3 or 3/2 past 4 rows); up
-to 4 rows every width exists, so the work is exact.
+to 4 rows every width exists, so the work is exact, and a loop whose width is one more than the
+next one's runs no mask (every row of it composes at every position it runs).
 """
 
 from __future__ import annotations
@@ -89,16 +90,19 @@ def compose_sorted(pool, chains, n_maps, conv, delta, precision=None):
     """
     idx = jnp.clip(chains, 0, pool.a.shape[0] - 1)
     f32 = jnp.float32
-    for w, first, end in bounds(n_maps, chains.shape[0]):
-        def step(i, carry, w=w):
+    ws = widths(chains.shape[0])
+    for (w, first, end), narrower in zip(bounds(n_maps, chains.shape[0]), ws[1:] + (0,)):
+        def step(i, carry, w=w, all_run=w - narrower == 1):
             conv_w, delta_w = carry
             ids = idx[:w, i]  # [w]
-            use = i < n_maps[:w]  # the rows of this width whose chain has ended keep their state
             nxt = apply_map((pool.a[ids].astype(f32), pool.b[ids].astype(f32)), delta_w,
                             precision=precision)
-            delta_w = jnp.where(use[:, None, None, None, None], nxt, delta_w)
             shifted = shift_window(conv_w, pool.tail[ids], pool.count[ids][:, None])
-            return jnp.where(use[:, None, None, None], shifted, conv_w), delta_w
+            if all_run:  # exactly w chains run at every position of this loop: no mask
+                return shifted, nxt
+            use = i < n_maps[:w]  # the rows of this width whose chain has ended keep their state
+            return (jnp.where(use[:, None, None, None], shifted, conv_w),
+                    jnp.where(use[:, None, None, None, None], nxt, delta_w))
 
         conv_w, delta_w = jax.lax.fori_loop(first, end, step, (conv[:w], delta[:w]))
         conv, delta = conv.at[:w].set(conv_w), delta.at[:w].set(delta_w)
