@@ -150,7 +150,8 @@ def report(results: list) -> None:
                   + (f", {sp:.2f}x rotated" if sp is not None else ""))
         if "compose_cost" in res:
             from benchmarks.span_compose_cost import report as compose_report
-            print(f"[{name}] " + compose_report(res["compose_cost"]))
+            for line in compose_report(res["compose_cost"]).splitlines():
+                print(f"[{name}] {line}")
         if name == "ttft":
             print(f"[ttft] {res['num_spans']} x {res['span_tokens']} spans: cold "
                   f"{res['cold_ttft_ms']:.1f} ms, cached {_ms(res['cached_ttft_ms'])} ms "

@@ -14,16 +14,23 @@ not written back), on the engine's own cache and map pool, next to the step it p
             whose slope is the cost of one more map per row.
 
 cost per span = slope / rows / step (a span skipped by one sequence: one map on one row).
+plan: the map applications and GFLOP the composition runs (serving/hybrid/chain_compose.py),
+against the loop before it (every chain row up to the longest chain). precisions: the captured
+chains composed under each Config.span_maps.compose_precision (ms, share of the step, TFLOP/s,
+relative difference of the entry states from IEEE float32's).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import time_calls
-from serving.hybrid import span_compose, span_maps
+from kernels_pallas.gated_delta import affine
+from serving.hybrid import chain_compose, span_compose, span_maps
 
 
 class WarmStepCapture:
@@ -52,8 +59,10 @@ class WarmStepCapture:
 
 
 def _fields(runner, ints, kw):
+    """The compose call's fields, copied: the composer refills the same buffer every step
+    (span_compose.ComposeInputs), so views would hold the last call's chains at `measure`."""
     spec, _ = span_compose.layout(*kw["compose"], runner.ck_pool is not None)
-    return {k: np.asarray(ints[o:o + int(np.prod(shape))]).reshape(shape)
+    return {k: np.array(ints[o:o + int(np.prod(shape))]).reshape(shape)
             for k, (o, shape) in spec.items()}
 
 
@@ -62,22 +71,39 @@ def _median_ms(fn, reps):
     return 1e3 * time_calls(fn, iters=1, reps=reps)
 
 
+def _plan(pool, chains) -> dict:
+    """What composing these chains costs (serving/hybrid/chain_compose.py): maps held, map
+    applications run now and by the loop before it (every row up to the longest chain), GFLOP."""
+    lengths = [int(n) for n in (chains >= 0).cumprod(axis=1).sum(axis=1) if n]
+    rows = chains.shape[0]
+    _, lg, hv, dk, _ = pool.a.shape
+    per = chain_compose.flops_per_application(lg, hv, dk, pool.b.shape[-1])
+    now = chain_compose.applications(lengths, rows)
+    return dict(maps=sum(lengths), applications=now,
+                applications_before=rows * max(lengths, default=0),
+                gflop_per_application=per / 1e9, gflop=now * per / 1e9)
+
+
 def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
-    """The figures of the module doc (ms), from the captured step."""
+    """The figures of the module doc (ms), from the captured step; the captured chains also
+    under every composition precision (affine.COMPOSE_PRECISIONS): time, TFLOP/s and the
+    relative difference of the entry states from IEEE float32's."""
     if capture.best is None:
         return {"error": "no warm span step (with cached maps) was captured"}
     runner, family = engine.runner, engine.runner.family
     ints, floats, kw, use_prev, f = capture.best
     step_ms = _median_ms(lambda: runner._dispatch(ints, floats, use_prev, kw), reps)
 
-    @jax.jit
-    def compose(cache, pool, slots, chains):
+    @functools.partial(jax.jit, static_argnames="precision")
+    def compose(cache, pool, slots, chains, precision):
         conv0, delta0 = family.read_states(cache, slots)
-        return span_maps.entry_states(pool, chains, conv0, delta0)
+        return span_maps.entry_states(pool, chains, conv0, delta0,
+                                      precision=affine.compose_precision(precision))
 
-    def timed(chains):
+    def timed(chains, precision=runner.composer.precision):
         args = [jnp.asarray(x) for x in (f["slot"], chains)]
-        return _median_ms(lambda: compose(runner.cache, runner.span_pool, *args), reps)
+        return _median_ms(lambda: compose(runner.cache, runner.span_pool, *args, precision),
+                          reps)
 
     chains = f["chain"]
     rows, length = chains.shape
@@ -89,22 +115,49 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
         synth[n] = timed(c)
     per_map = (synth[16] - synth[1]) / 15  # one more map on every row
     compose_ms = timed(chains)
+    plan = _plan(runner.span_pool, chains)
     return dict(tokens=kw["t"], seqs=kw["s"], chain_shape=[rows, length],
                 chain_rows=int((f["chain"] >= 0).any(axis=1).sum()), maps_in_step=capture.maps,
                 warm_steps=capture.steps, reps=reps, step_ms=step_ms, compose_ms=compose_ms,
                 compose_share=compose_ms / step_ms, synthetic_compose_ms=synth,
                 per_map_all_rows_ms=per_map, per_span_ms=per_map / rows,
-                per_span_share=per_map / rows / step_ms,
+                per_span_share=per_map / rows / step_ms, plan=plan,
+                precisions=_precisions(compose, timed, runner, f, plan, step_ms),
                 map_bytes=int(runner.span_pool.a[0].nbytes + runner.span_pool.b[0].nbytes))
 
 
+def _precisions(compose, timed, runner, f, plan, step_ms) -> dict:
+    """name -> ms, share of the step, TFLOP/s and rel. difference from "highest" of the captured
+    chains' entry states."""
+    args = [jnp.asarray(x) for x in (f["slot"], f["chain"])]
+    exact = np.asarray(compose(runner.cache, runner.span_pool, *args, "highest")[1], np.float64)
+    out = {}
+    for name in affine.COMPOSE_PRECISIONS:
+        ms = timed(f["chain"], name)
+        got = np.asarray(compose(runner.cache, runner.span_pool, *args, name)[1], np.float64)
+        rel = float(np.linalg.norm(got - exact) / max(np.linalg.norm(exact), 1e-30))
+        out[name] = dict(ms=ms, share=ms / step_ms, tflops=plan["gflop"] / ms / 1e3,
+                         rel_vs_highest=rel)
+    return out
+
+
 def report(res: dict) -> str:
+    """The summary line, then the plan and one line per composition precision."""
     if "error" in res:
         return f"compose cost: {res['error']}"
-    return (f"compose cost ({res['tokens']}-token warm step, {res['maps_in_step']} cached maps on "
-            f"{res['chain_rows']} rows, chain shape {res['chain_shape']}): step "
-            f"{res['step_ms']:.2f} ms, its composition {res['compose_ms']:.3f} ms = "
-            f"{res['compose_share']:.2%}; one span on one row {res['per_span_ms']:.3f} ms = "
-            f"{res['per_span_share']:.3%} of the step (synthetic 1/4/16 maps x "
-            f"{res['chain_shape'][0]} rows: " + " / ".join(
-                f"{v:.3f}" for v in res["synthetic_compose_ms"].values()) + " ms)")
+    p = res["plan"]
+    lines = [
+        f"compose cost ({res['tokens']}-token warm step, {res['maps_in_step']} cached maps on "
+        f"{res['chain_rows']} rows, chain shape {res['chain_shape']}): step "
+        f"{res['step_ms']:.2f} ms, its composition {res['compose_ms']:.3f} ms = "
+        f"{res['compose_share']:.2%}; one span on one row {res['per_span_ms']:.3f} ms = "
+        f"{res['per_span_share']:.3%} of the step (synthetic 1/4/16 maps x "
+        f"{res['chain_shape'][0]} rows: " + " / ".join(
+            f"{v:.3f}" for v in res["synthetic_compose_ms"].values()) + " ms)",
+        f"compose plan: {p['maps']} maps, {p['applications']} applications (the loop before: "
+        f"{p['applications_before']}), {p['gflop']:.3f} GFLOP "
+        f"({p['gflop_per_application']:.3f} each)",
+        "compose precision | ms | share of step | TFLOP/s | rel. diff. from highest"]
+    lines += [f"compose {name:9s} | {v['ms']:.3f} | {v['share']:.2%} | {v['tflops']:.2f} | "
+              f"{v['rel_vs_highest']:.2e}" for name, v in res["precisions"].items()]
+    return "\n".join(lines)

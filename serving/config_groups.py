@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
+from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS
+
 CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
 
 
@@ -134,15 +136,26 @@ class HybridCacheConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpanMapConfig:
     """Hybrid models' cached SSEP span maps (serving/hybrid/span_cache.py; one map: A and B of
-    every recurrent layer, plus a conv tail). Host-only (the pool's size is its shape)."""
+    every recurrent layer, plus a conv tail). Host-only (the pool's size is its shape) but for
+    the composition's precision."""
 
     # device bytes of cached maps (None: 2% of the device's memory limit, or 64 maps without
     # memory stats; 0: spans always recomputed)
     budget_gb: float | None = option(None, flat="span_map_gb", host_only=True)
     # host bytes where evicted maps wait (0: none)
     host_gb: float = option(0.0, flat="span_map_host_gb", host_only=True)
+    # the dots that apply cached maps to a request's state (serving/hybrid/chain_compose.py):
+    # "highest" (IEEE float32, what every exactness test holds), or on a GPU a tensor-core
+    # emulation of float32, "bf16_x6", "bf16_x3" or "tf32_x3" (DotAlgorithmPreset; elsewhere
+    # plain float32: kernels_pallas/gated_delta/affine.py compose_precision). Read by the
+    # compose program, so it keys stored executables.
+    compose_precision: str = option("highest", flat="span_map_compose_precision")
 
     def __post_init__(self):
+        if self.compose_precision not in COMPOSE_PRECISIONS:
+            raise ValueError(f"span_map_compose_precision (Config.span_maps.compose_precision) "
+                             f"must be one of {tuple(COMPOSE_PRECISIONS)}, "
+                             f"got {self.compose_precision!r}")
         if self.budget_gb is not None and not self.budget_gb >= 0 or not self.host_gb >= 0:
             raise ValueError(f"span_map_gb (Config.span_maps.budget_gb) must be None or >= 0 and "
                              f"span_map_host_gb (Config.span_maps.host_gb) >= 0, "

@@ -37,11 +37,20 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _compose_vs_replay(rng, lengths, chunk=64, hk=1, hv=2, dk=16, dv=16, decay=0.05):
+def _compose_vs_replay(rng, lengths, **kw):
     """Relative errors of composing the spans' cached maps from a random entering state, against
-    (1) the fp32 replay: each span's inputs run through the chunked layer from the state entering
-    it (span-local chunk boundaries, as the engine would), (2) the float64 token recurrence over
-    all spans.
+    (1) the fp32 replay, (2) the float64 token recurrence over all spans (`span_maps_and_replay`).
+    """
+    a, b, s0, replay, final64 = span_maps_and_replay(rng, lengths, **kw)
+    composed = affine.apply_chain(a, b, jnp.asarray(s0))
+    return _rel(composed, replay), _rel(composed, final64)
+
+
+def span_maps_and_replay(rng, lengths, chunk=64, hk=1, hv=2, dk=16, dv=16, decay=0.05):
+    """The cached maps of spans of these lengths, a random entering state and what composing them
+    must give: (a [n, 1, Hv, Dk, Dk], b [n, 1, Hv, Dk, Dv], s0 [1, Hv, Dk, Dv], the fp32 replay:
+    each span's inputs run through the chunked layer from the state entering it (span-local chunk
+    boundaries, as the engine would), the float64 token recurrence's final state over all spans).
 
     Each span is run at one common padded length (trailing no-op tokens: g = beta = 0, k = 0, the
     identity map), so one compile serves every span. Gentle decay (g scaled by `decay`) keeps
@@ -63,9 +72,8 @@ def _compose_vs_replay(rng, lengths, chunk=64, hk=1, hv=2, dk=16, dv=16, decay=0
         b_list.append(b_span)
         replay, _ = run(*span, replay)
         start += n_tok
-    composed = affine.apply_chain(jnp.stack(a_list), jnp.stack(b_list), jnp.asarray(s0))
     _, states64 = reference.gated_delta_reference(q, k, v, g, beta, s0)
-    return _rel(composed, replay), _rel(composed, states64[:, -1])
+    return jnp.stack(a_list), jnp.stack(b_list), s0, replay, states64[:, -1]
 
 
 def test_composed_span_maps_equal_replay(fresh_rng):

@@ -33,6 +33,35 @@ def _by_dtype(precision, *arrays):
     return precision
 
 
+# Named precisions of the dots that apply cached span maps (serving's span_map_compose_precision):
+# "highest" is IEEE float32 (the exactness every test holds them to); the others emulate float32
+# on a GPU's tensor cores (DotAlgorithmPreset: 3 or 6 bf16 passes, 3 TF32 passes), several
+# times IEEE float32's throughput, exactness to be measured (benchmarks/runs/compose_next_device.sh).
+COMPOSE_PRECISIONS = {"highest": None, "bf16_x6": "BF16_BF16_F32_X6",
+                      "bf16_x3": "BF16_BF16_F32_X3", "tf32_x3": "TF32_TF32_F32_X3"}
+_PRESET_PLATFORMS = ("gpu", "cuda")
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def compose_precision(name: str, platform: str | None = None):
+    """The `precision` of composition dots (`apply`, `then`, `apply_chain`) for a name of
+    COMPOSE_PRECISIONS on `platform` (None: JAX's default backend): Precision.HIGHEST for
+    "highest" and on platforms other than a GPU (XLA on CPU computes the bf16 presets as plain
+    float32 and rejects TF32_TF32_F32_X3), else the DotAlgorithmPreset. ValueError naming the
+    choices for an unknown name."""
+    if name not in COMPOSE_PRECISIONS:
+        raise ValueError(f"compose precision must be one of {tuple(COMPOSE_PRECISIONS)}, "
+                         f"got {name!r}")
+    platform = _backend() if platform is None else platform
+    preset = COMPOSE_PRECISIONS[name]
+    if preset is None or platform not in _PRESET_PLATFORMS:
+        return jax.lax.Precision.HIGHEST
+    return getattr(jax.lax.DotAlgorithmPreset, preset)
+
+
 def chunk_maps(w, u, kd, decay_last, *, precision=None):
     """Per-chunk maps from the WY factors.
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.gated_delta.affine import compose_precision
 from serving.hybrid import span_step
 
 
@@ -80,10 +81,11 @@ def fill(batch, v: dict, cv: dict) -> None:
         c += 1
 
 
-def program(family, cache, ck_pool, maps, ints, rows: int, length: int):
+def program(family, cache, ck_pool, maps, ints, rows: int, length: int, *,
+            precision: str = "highest"):
     """On device: restore the chain rows' checkpoints (ck_pool: the checkpoint pool or None),
-    then compose each row's chain onto its state (span_step.enter on the rows alone).
-    Returns the cache."""
+    then compose each row's chain onto its state (span_step.enter on the rows alone), its dots
+    at `precision` (a name of affine.COMPOSE_PRECISIONS). Returns the cache."""
     spec, _ = layout(rows, length, ck_pool is not None)
     f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shp))).reshape(shp)
          for k, (o, shp) in spec.items()}
@@ -91,7 +93,8 @@ def program(family, cache, ck_pool, maps, ints, rows: int, length: int):
                   chain=f["chain"])
     if ck_pool is not None:
         fields["restore_slot"] = f["restore"]
-    cache, _, _ = span_step.enter(family, cache, ck_pool, maps, fields, f["reset"] > 0)
+    cache, _, _ = span_step.enter(family, cache, ck_pool, maps, fields, f["reset"] > 0,
+                                  precision=compose_precision(precision))
     return cache
 
 
@@ -106,10 +109,13 @@ class ComposeInputs:
     """The host side: buffers per (rows, parity), filled per step; the warm-up's empty calls.
 
     max_seqs: the sequences of the engine's largest step; length: its chain length
-    (span_step.chain_length); scratch_slot: the state slot padding rows name."""
+    (span_step.chain_length); scratch_slot: the state slot padding rows name; precision: the
+    programs' (Config.span_maps.compose_precision)."""
 
-    def __init__(self, max_seqs: int, length: int, scratch_slot: int):
+    def __init__(self, max_seqs: int, length: int, scratch_slot: int,
+                 precision: str = "highest"):
         self.max_seqs, self.length, self.scratch_slot = max_seqs, length, scratch_slot
+        self.precision = precision
         self._bufs: dict = {}
 
     def _buffer(self, rows: int, length: int, ckpt: bool, parity: int):

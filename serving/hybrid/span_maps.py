@@ -6,7 +6,8 @@ Kc - 1 layer inputs it saw (its conv tail). Both depend on the span's tokens onl
 span serves every request at any offset. A PDEP segment enters each layer with the state of the
 recurrence run over all earlier segments: the maps applied in order to the state before them, and
 the conv window shifted by each tail (docs/DESIGN.md section 5). `entry_states` does that on device,
-inside the jitted step: per position in the chains, one gather from the pool, one batched matmul.
+in the compose program before the step: per position in the chains, one gather from the pool, one
+batched matmul over the rows whose chain still runs (serving/hybrid/chain_compose.py).
 
 Shape letters: P pool slots, Lg GDN layers, S sequences, L maps per sequence (padded with -1),
 Hv/Dk/Dv delta heads and dims, C conv channels, K1 = Kc - 1.
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.gated_delta.api import apply_map
+from serving.hybrid import chain_compose
 from serving.tiers.offload import HostBatch
 
 # The dtype of cached maps' A and B (was Config.span_map_dtype, which nothing ever set): float32.
@@ -70,72 +71,70 @@ def store(pool: SpanMapPool, slot, a, b, tail, count) -> SpanMapPool:
                        count=put(pool.count, count))
 
 
-def shift_window(window, tail, n):
-    """The conv window after n more inputs whose last K1 are `tail` (right-aligned).
-
-    window, tail [..., C, K1]; n [...] int32 >= 0. Position j of the result holds tail[j] when it
-    is one of the n new inputs (j >= K1 - n), else window[j + n]."""
-    k1 = window.shape[-1]
-    j = jnp.arange(k1, dtype=jnp.int32)
-    n = jnp.asarray(n, jnp.int32)[..., None, None]
-    older = jnp.take_along_axis(window, jnp.broadcast_to(jnp.clip(j + n, 0, k1 - 1),
-                                                         window.shape), axis=-1)
-    return jnp.where(j >= k1 - n, tail.astype(window.dtype), older)
+def chain_lengths(slots):
+    """[S] int32 maps in each chain of slots [S, L] (a chain ends at its first -1)."""
+    return jnp.sum(jnp.cumprod(slots >= 0, axis=1), axis=1).astype(jnp.int32)
 
 
-def entry_states(pool: SpanMapPool, slots, conv0, delta0):
+def _longest_first(n_maps):
+    """The row order that sorts chains longest first (stable: equal lengths keep their order)."""
+    return jnp.argsort(-n_maps, stable=True)
+
+
+def _compose(pool, chains, n_maps, conv0, delta0, precision):
+    """chain_compose.compose_sorted on states in the cache's layout ([Lg, S, ...])."""
+    conv, delta = chain_compose.compose_sorted(
+        pool, chains, n_maps, jnp.moveaxis(conv0, 1, 0),
+        jnp.moveaxis(delta0.astype(jnp.float32), 1, 0), precision)
+    return jnp.moveaxis(conv, 0, 1), jnp.moveaxis(delta, 0, 1)
+
+
+def entry_states(pool: SpanMapPool, slots, conv0, delta0, *, precision=None):
     """Entry states of S segments, each after its chain of cached spans.
 
     Args:
       pool: the span maps.
       slots: [S, L] int32 pool slots in order (the first map runs first); -1 ends a chain.
       conv0: [Lg, S, C, K1] conv windows before the chain; delta0: [Lg, S, Hv, Dk, Dv] float32.
+      precision: of the composition's dots (affine.compose_precision; None: IEEE float32).
     Returns:
       conv [Lg, S, C, K1] (conv0's dtype), delta [Lg, S, Hv, Dk, Dv] float32.
 
-    One loop step per chain position, up to the longest chain only (a dynamic trip count): a
-    step gathers the S maps of that position from the pool and applies them (rows whose chain
-    has ended keep their state), so the padding of L costs nothing and no [S, L] gather of
-    whole maps is ever materialised.
+    Rows are sorted longest chain first, then composed by chain_compose.compose_sorted: per
+    chain position one gather of that position's maps and one batched matmul, over the rows
+    whose chain is still running (rounded up to a static width), so ended chains and the
+    padding of L cost nothing and no [S, L] gather of whole maps is ever materialised.
     """
-    n_maps = jnp.sum(jnp.cumprod(slots >= 0, axis=1), axis=1)  # [S] chain lengths
-    idx = jnp.clip(slots, 0, pool.a.shape[0] - 1)
-    f32 = jnp.float32
-
-    def step(i, carry):
-        conv, delta = carry
-        ids = idx[:, i]  # [S]
-        use = i < n_maps
-        a = jnp.moveaxis(pool.a[ids], 1, 0).astype(f32)  # [Lg, S, Hv, Dk, Dk]
-        b = jnp.moveaxis(pool.b[ids], 1, 0).astype(f32)
-        nxt = apply_map((a, b), delta, precision=jax.lax.Precision.HIGHEST)
-        delta = jnp.where(use[None, :, None, None, None], nxt, delta)
-        tail = jnp.moveaxis(pool.tail[ids], 1, 0)  # [Lg, S, C, K1]
-        shifted = shift_window(conv, tail, pool.count[ids][None, :])
-        return jnp.where(use[None, :, None, None], shifted, conv), delta
-
-    return jax.lax.fori_loop(0, jnp.max(n_maps, initial=0), step,
-                             (conv0, delta0.astype(f32)))
+    n_maps = chain_lengths(slots)
+    order = _longest_first(n_maps)
+    conv, delta = _compose(pool, slots[order], n_maps[order], conv0[:, order], delta0[:, order],
+                           precision)
+    back = jnp.argsort(order)
+    return conv[:, back], delta[:, back]
 
 
-def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chains):
-    """Inside the jitted step, before the model runs: the state slot of each sequence with a
-    chain of cached spans moves on by it, from zero where that sequence resets.
+def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chains, *,
+          precision=None):
+    """Before the model runs (the compose program, serving/hybrid/span_compose.py): the state
+    slot of each sequence with a chain of cached spans moves on by it, from zero where that
+    sequence resets.
 
     state_slots, reset: [S] the step's sequences; chain_seq: [Sc] int32 which sequence each
-    chain row is (-1 = none); chains: [Sc, L] pool slots in order (-1 ends a chain).
-    Returns (cache, reset [S] off for the sequences that entered: their slot holds the entry
-    state now)."""
+    chain row is (-1 = none); chains: [Sc, L] pool slots in order (-1 ends a chain);
+    precision: entry_states'. Returns (cache, reset [S] off for the sequences that entered:
+    their slot holds the entry state now)."""
     n_seqs = state_slots.shape[0]
+    n_maps = chain_lengths(chains)
+    order = _longest_first(n_maps)  # rows reordered before the states are read: no state moves
+    chain_seq, chains, n_maps = chain_seq[order], chains[order], n_maps[order]
     rows = jnp.clip(chain_seq, 0, n_seqs - 1)
-    n_maps = jnp.sum(jnp.cumprod(chains >= 0, axis=1), axis=1)  # [Sc]
     entering = (chain_seq >= 0) & (n_maps > 0)
     slots = state_slots[rows]
     conv0, delta0 = family.read_states(cache, slots)  # [Lg, Sc, ...]
     keep = ~reset[rows]
     conv0 = jnp.where(keep[None, :, None, None], conv0, 0).astype(conv0.dtype)
     delta0 = jnp.where(keep[None, :, None, None, None], delta0, 0.0)
-    conv, delta = entry_states(pool, chains, conv0, delta0)
+    conv, delta = _compose(pool, chains, n_maps, conv0, delta0, precision)
     cache = family.write_states(cache, slots, conv, delta, entering)
     entered = jnp.zeros(n_seqs, bool).at[jnp.where(entering, chain_seq, n_seqs)].set(
         True, mode="drop")

@@ -29,9 +29,9 @@ def piece_bound(t: int, s: int) -> int:
 
 
 # chain lengths: one static length per engine, the most maps a chain can hold (a skipped span
-# covers at least one block, so at most the block-table width; at least 16). The composing loop
-# stops at the longest chain (span_maps.entry_states), so padding costs nothing on device and
-# the length adds no step variant. A longer chain (never expected) pads up by 4x and compiles.
+# covers at least one block, so at most the block-table width; at least 16). The composing loops
+# stop where the chains end (serving/hybrid/chain_compose.py), so padding costs nothing on device
+# and the length adds no step variant. A longer chain (never expected) pads up by 4x and compiles.
 MIN_CHAIN_LENGTH = 16
 
 
@@ -126,18 +126,18 @@ def entry(maps, f) -> dict:
     return dict(use=use, slot=slot, count=maps.count[slot], a=maps.a, b=maps.b, tail=maps.tail)
 
 
-def enter(family, cache, pool, maps, f, reset):
+def enter(family, cache, pool, maps, f, reset, *, precision=None):
     """Restore rows' checkpoints (pool: the checkpoint pool or None), then every chain of cached
     spans (f: state_slots, chain_seq, chain, restore_slot with a pool). Returns (cache, reset,
-    f) with the restores marked done. The compose program runs it
-    (serving/hybrid/span_compose.program)."""
+    f) with the restores marked done; precision: the composition's dots
+    (span_maps.entry_states). The compose program runs it (serving/hybrid/span_compose.program)."""
     if pool is not None:  # a resume at c comes before the spans skipped right after c
         restore = f["restore_slot"]
         conv, delta = checkpoint_pool.rows(pool, restore)
         cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
         f = dict(f, restore_slot=jnp.full_like(restore, -1))
     cache, reset = span_maps.enter(family, cache, maps, f["state_slots"], reset, f["chain_seq"],
-                                   f["chain"])
+                                   f["chain"], precision=precision)
     return cache, reset, f
 
 

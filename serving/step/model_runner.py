@@ -67,7 +67,8 @@ class ModelRunner:
         seats = config.num_seats
         self.scratch_slot = seats  # recurrent slot for padding rows
         self.composer = span_compose.ComposeInputs(  # chains' programs (span_compose.py)
-            config.seq_bucket(config.token_buckets[-1]), self.chain_length, self.scratch_slot)
+            config.seq_bucket(config.token_buckets[-1]), self.chain_length, self.scratch_slot,
+            config.span_maps.compose_precision)
 
         def make_cache(n):
             def make():
@@ -129,8 +130,8 @@ class ModelRunner:
                    all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
                    attn_options=None, compose=()):
         if compose:  # the chains of cached span maps, before the step (span_compose.py)
-            return span_compose.program(self.family, cache, pool, maps, ints, *compose), None, \
-                prev, pool, maps
+            return span_compose.program(self.family, cache, pool, maps, ints, *compose,
+                                        precision=self.composer.precision), None, prev, pool, maps
         warm = spans and maps is not None  # the span-map warm path (serving/hybrid/span_step.py)
         spec, _ = layout(t, s, self.nb, pool is not None, spans, warm, block_size=self.block_size)
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)

@@ -1,0 +1,122 @@
+"""Composing chains of cached span maps onto their rows' states, only the map applications that
+are used (issue 29, "Composition cost").
+
+A compose program (serving/hybrid/span_compose.py) holds `rows` chain rows of up to L maps each.
+Applying one map to one row's state costs 2 Dk Dk Dv multiply-adds per GDN layer and value head
+(Qwen3.5-0.8B: 1.208 GFLOP); the loop this replaces applied a map to every row at every position
+up to the longest chain, so 30 maps on 3 of 4 rows (longest 12) cost 48 applications.
+
+Here the rows are sorted by chain length, longest first, so the rows still composing at
+position i are a prefix, k_i of them, and k_i only shrinks with i. The program runs one loop per
+static row width w of `widths(rows)` (widest first), each over the positions whose k_i it is the
+narrowest width to hold, applying that position's maps to the first w rows only. Positions and
+widths both come from the chain lengths (`bounds`): the same function plans on the host
+(`plan`, `applications`: what a step costs, what tests count) and bounds the loops on device.
+Work done / work needed <= the largest ratio of neighbouring widths (4/3 or 3/2 past 4 rows); up
+to 4 rows every width exists, so the work is exact, and a loop whose width is one more than the
+next one's runs no mask (every row of it composes at every position it runs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.gated_delta.api import apply_map
+
+EXACT_WIDTHS = 4  # every width up to this one; then 6, 8, 12, 16, 24, 32, 48, 64, ...
+
+
+def widths(rows: int) -> tuple[int, ...]:
+    """The static row widths of the loops of a compose program of `rows` chain rows, widest
+    first: `rows`, then each width below it (1..4, then w * 3/2 and 2w from 4 on). One loop each:
+    few (12 at 64 rows), since on a GPU every loop costs a host check of its trip count."""
+    ladder, w = set(range(1, EXACT_WIDTHS + 1)), EXACT_WIDTHS
+    while w < rows:
+        ladder |= {w * 3 // 2, w * 2}
+        w *= 2
+    return tuple(sorted({rows} | {x for x in ladder if x < rows}, reverse=True))
+
+
+def bounds(n_sorted, rows: int) -> list:
+    """[(w, first, end)]: the loop of width w runs positions first <= i < end, those where more
+    than the next width's rows but at most w still compose. n_sorted [rows]: the chain lengths,
+    longest first (numpy on the host, a traced array on device: only static indexing).
+
+    With n sorted, more than m rows compose at position i exactly when n[m] > i."""
+    ws = widths(rows)
+    out = []
+    for w, narrower in zip(ws, ws[1:] + (0,)):
+        first = n_sorted[w] if w < rows else 0
+        out.append((w, first, n_sorted[narrower]))
+    return out
+
+
+def plan(lengths, rows: int) -> list[tuple[int, int, int]]:
+    """`bounds` on the host for chains of these lengths (any order, at most `rows` of them):
+    [(width, first, end)] with first <= end, as the device loops will run."""
+    if len(lengths) > rows:
+        raise ValueError(f"chain_compose.plan: {len(lengths)} chains exceed {rows} rows")
+    n = np.zeros(rows, np.int64)
+    n[:len(lengths)] = sorted(lengths, reverse=True)
+    return [(w, int(first), int(end)) for w, first, end in bounds(n, rows)]
+
+
+def applications(lengths, rows: int) -> int:
+    """Map applications (one map on one row's state) the compose program runs for these chains:
+    sum(lengths) up to 4 rows, at most 3/2 of it above."""
+    return sum(w * (end - first) for w, first, end in plan(lengths, rows))
+
+
+def flops_per_application(gdn_layers: int, hv: int, dk: int, dv: int) -> int:
+    """FLOPs of one map applied to one row: A S over every GDN layer and value head (the + B and
+    the conv window shift are a rounding error)."""
+    return 2 * gdn_layers * hv * dk * dk * dv
+
+
+def compose_sorted(pool, chains, n_maps, conv, delta, precision=None):
+    """The states after each row's chain, rows sorted by chain length, longest first.
+
+    Args:
+      pool: the span-map pool (serving/hybrid/span_maps.SpanMapPool).
+      chains: [S, L] int32 pool slots in order (-1 past a chain's end); n_maps: [S] int32 the
+        chain lengths, non-increasing.
+      conv: [S, Lg, C, K1] conv windows; delta: [S, Lg, Hv, Dk, Dv] float32 (row-major, so a
+        width's rows are a leading slice and the gathered maps need no transpose).
+      precision: of the A S dots (affine.compose_precision; None: IEEE float32).
+    Returns:
+      conv, delta as given, moved on by each row's chain.
+    """
+    idx = jnp.clip(chains, 0, pool.a.shape[0] - 1)
+    f32 = jnp.float32
+    ws = widths(chains.shape[0])
+    for (w, first, end), narrower in zip(bounds(n_maps, chains.shape[0]), ws[1:] + (0,)):
+        def step(i, carry, w=w, all_run=w - narrower == 1):
+            conv_w, delta_w = carry
+            ids = idx[:w, i]  # [w]
+            nxt = apply_map((pool.a[ids].astype(f32), pool.b[ids].astype(f32)), delta_w,
+                            precision=precision)
+            shifted = shift_window(conv_w, pool.tail[ids], pool.count[ids][:, None])
+            if all_run:  # exactly w chains run at every position of this loop: no mask
+                return shifted, nxt
+            use = i < n_maps[:w]  # the rows of this width whose chain has ended keep their state
+            return (jnp.where(use[:, None, None, None], shifted, conv_w),
+                    jnp.where(use[:, None, None, None, None], nxt, delta_w))
+
+        conv_w, delta_w = jax.lax.fori_loop(first, end, step, (conv[:w], delta[:w]))
+        conv, delta = conv.at[:w].set(conv_w), delta.at[:w].set(delta_w)
+    return conv, delta
+
+
+def shift_window(window, tail, n):
+    """The conv window after n more inputs whose last K1 are `tail` (right-aligned).
+
+    window, tail [..., C, K1]; n [...] int32 >= 0. Position j of the result holds tail[j] when it
+    is one of the n new inputs (j >= K1 - n), else window[j + n]."""
+    k1 = window.shape[-1]
+    j = jnp.arange(k1, dtype=jnp.int32)
+    n = jnp.asarray(n, jnp.int32)[..., None, None]
+    older = jnp.take_along_axis(window, jnp.broadcast_to(jnp.clip(j + n, 0, k1 - 1),
+                                                         window.shape), axis=-1)
+    return jnp.where(j >= k1 - n, tail.astype(window.dtype), older)
