@@ -5,9 +5,11 @@
     compiles the two write programs, minipic_jax/weights_write.py), and the device memory it adds
     over what was in use before (peak - in use, after an earlier high-water mark is padded away;
     one layer at most expected), with the allocator's in-use and the live arrays after it.
-  --rollout-compare: G samples of one P-token prompt, N new tokens: the engine
-    (`generate_arrays`, n=G, the samples sharing the prompt's blocks) vs a plain jitted sampling
-    loop over the same model (benchmarks/dense_sampler.py: dense KV, no sharing), same process.
+  --rollout-compare: G samples of each of B P-token prompts, N new tokens: the engine
+    (`generate_arrays`, n=G, the samples sharing their prompt's blocks) vs a plain jitted
+    sampling loop over the same model (benchmarks/dense_sampler.py: dense KV, no sharing), same
+    process; each loop's decode step (what a token adds after the prefill) against the
+    weight-read floor (weights' bytes / the device copy rate measured in the same process).
 """
 
 from __future__ import annotations
@@ -116,43 +118,81 @@ def update_timing(model: str, dtype: str, repeats: int = 3, **engine_args) -> di
     return out
 
 
-def rollout_compare(model: str, dtype: str, *, samples: int = 8, prompt_len: int = 512,
-                    new_tokens: int = 256, repeats: int = 3, **engine_args) -> dict:
-    """Output tokens/s of both ways (best of `repeats`, each after a warm-up run)."""
+def _best_of(fn, repeats: int) -> float:
+    """Best seconds of `repeats` calls of fn(k) (seeds 1..), after a warm-up call (seed 0)."""
+    fn(0)
+    best = float("inf")
+    for k in range(repeats):
+        t0 = time.perf_counter()
+        fn(k + 1)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _weight_read_floor(llm, copy_gb: float) -> dict:
+    """A decode step reads every weight once: its floor is the weights' bytes over the device's
+    copy rate, measured here as engine_bench measures it."""
+    from benchmarks.engine_bench import copy_rate
+    rate = copy_rate(copy_gb)
+    weights = sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.params))
+    return dict(copy_rate_GBps=rate / 1e9, weights_bytes=weights, floor_ms=weights / rate * 1e3)
+
+
+def _loop_row(fn, repeats: int, new_tokens: int, rows: int, floor_ms: float) -> dict:
+    """Seconds of a whole rollout and of its prefill (one new token); the decode step is what
+    the other tokens add, each, against the weight-read floor. A loop out of device memory
+    (dense per-sample caches at many rows) gives its error instead."""
+    try:
+        seconds = _best_of(lambda k: fn(k, new_tokens), repeats)
+        prefill = _best_of(lambda k: fn(k, 1), repeats)
+    except jax.errors.JaxRuntimeError as e:
+        return dict(error=str(e).splitlines()[0][:300])
+    step_ms = (seconds - prefill) / max(new_tokens - 1, 1) * 1e3
+    return dict(seconds=seconds, output_tokens_per_s=rows * new_tokens / seconds,
+                prefill_seconds=prefill, decode_step_ms=step_ms, over_floor=step_ms / floor_ms)
+
+
+def rollout_compare(model: str, dtype: str, *, prompts: int = 1, samples: int = 8,
+                    prompt_len: int = 512, new_tokens: int = 256, repeats: int = 3,
+                    copy_gb: float = 4.0, **engine_args) -> dict:
+    """G samples of each of B random `prompt_len`-token prompts, `new_tokens` new tokens: the
+    engine (`generate_arrays`, n=G) vs the plain loop, best of `repeats` after a warm-up; each
+    loop's decode step against the weight-read floor (`_weight_read_floor`)."""
     from benchmarks import dense_sampler
     llm = LLM(model, dtype=dtype, seed=0, **engine_args)
     cfg = llm.llm_engine.loaded.cfg
     rng = np.random.default_rng(0)
-    prompt = rng.integers(3, min(cfg.vocab_size, 30000), (1, prompt_len)).astype(np.int32)
+    ids = rng.integers(3, min(cfg.vocab_size, 30000), (prompts, prompt_len)).astype(np.int32)
     sp = SamplingParams(temperature=1.0, max_tokens=new_tokens, n=samples, ignore_eos=True)
 
-    def engine_run(k):
-        llm.llm_engine.reset_prefix_cache()  # each run prefills the prompt (once, shared)
-        out = llm.generate_arrays(prompt, [prompt_len], dataclasses.replace(sp, seed=k))
+    def engine_run(k, tokens):
+        llm.llm_engine.reset_prefix_cache()  # each run prefills its prompts (once each, shared)
+        out = llm.generate_arrays(ids, [prompt_len] * prompts,
+                                  dataclasses.replace(sp, seed=k, max_tokens=tokens))
         return jax.block_until_ready(out.tokens)
     params = load_model(model, dtype=dtype, seed=0).params
     fns = dense_sampler.make_sampler(cfg)
 
-    def plain_run(k):
+    def plain_run(k, tokens):
         return jax.block_until_ready(dense_sampler.sample(
-            params, cfg, prompt[0].tolist(), samples, new_tokens, seed=k, dtype=jnp.dtype(dtype),
-            fns=fns))
-    times = {}
+            params, cfg, ids, samples, tokens, seed=k, dtype=jnp.dtype(dtype), fns=fns))
+    floor = _weight_read_floor(llm, copy_gb)
+    rows = prompts * samples
+    out = dict(prompts=prompts, samples=samples, prompt_len=prompt_len, new_tokens=new_tokens,
+               **floor)
     for name, fn in (("engine", engine_run), ("plain_loop", plain_run)):
-        fn(0)
-        best = float("inf")
-        for k in range(repeats):
-            t0 = time.perf_counter()
-            fn(k + 1)
-            best = min(best, time.perf_counter() - t0)
-        times[name] = best
-    tokens = samples * new_tokens
-    out = {name: dict(seconds=s, output_tokens_per_s=tokens / s) for name, s in times.items()}
-    out["speedup"] = times["plain_loop"] / times["engine"]
-    for name in ("engine", "plain_loop"):
-        print(f"{name}: Throughput: {1 / times[name]:.2f} requests/s, "
-              f"{(samples * (prompt_len + new_tokens)) / times[name]:.1f} total tokens/s, "
-              f"{out[name]['output_tokens_per_s']:.1f} output tokens/s")
-    print(f"engine / plain loop: {out['speedup']:.2f}x (G={samples}, prompt {prompt_len}, "
-          f"{new_tokens} new tokens)")
+        out[name] = row = _loop_row(fn, repeats, new_tokens, rows, floor["floor_ms"])
+        if "error" in row:
+            print(f"{name}: {row['error']}")
+            continue
+        print(f"{name}: Throughput: {prompts / row['seconds']:.2f} requests/s, "
+              f"{rows * (prompt_len + new_tokens) / row['seconds']:.1f} total tokens/s, "
+              f"{row['output_tokens_per_s']:.1f} output tokens/s; decode step "
+              f"{row['decode_step_ms']:.2f} ms = {row['over_floor']:.2f}x the weight-read floor "
+              f"({floor['floor_ms']:.2f} ms: {floor['weights_bytes'] / 1e9:.2f} GB at "
+              f"{floor['copy_rate_GBps']:.0f} GB/s)")
+    if "error" not in out["engine"] and "error" not in out["plain_loop"]:
+        out["speedup"] = out["plain_loop"]["seconds"] / out["engine"]["seconds"]
+        print(f"engine / plain loop: {out['speedup']:.2f}x (B={prompts} x G={samples}, prompt "
+              f"{prompt_len}, {new_tokens} new tokens)")
     return out

@@ -60,3 +60,19 @@ def test_update_timing_rows():
     assert [r["step_retraces"] for r in got["updates"]] == [0, 0]
     assert got["updates"][1]["compiles"] == 0 and got["generate_compiles_after"] == 0
     assert [r["live_growth"] for r in got["updates"]] == [0, 0]
+
+
+def test_rollout_compare_of_several_prompts_against_the_floor(tmp_path):
+    """`rl --rollout-compare` with B prompts x G samples: both loops timed, each decode step
+    against the weight-read floor measured in the same process."""
+    assert cli.main(["rl", "--rollout-compare", "--model", "tiny_llama", "--rollout-prompts",
+                     "2", "--samples", "2", "--rollout-prompt-len", "20",
+                     "--rollout-new-tokens", "4", "--copy-gb", "0.01",
+                     "--out-dir", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "rl_measure.json").read_text())["rollout_compare"]
+    assert (got["prompts"], got["samples"]) == (2, 2) and got["copy_rate_GBps"] > 0
+    assert got["floor_ms"] == got["weights_bytes"] / (got["copy_rate_GBps"] * 1e9) * 1e3
+    for name in ("engine", "plain_loop"):
+        row = got[name]
+        assert row["decode_step_ms"] > 0 and row["over_floor"] > 0 and row["prefill_seconds"] > 0
+    assert got["speedup"] > 0
