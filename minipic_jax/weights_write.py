@@ -8,12 +8,14 @@ the caller's arrays an update holds the programs' temporaries (at most one layer
 concatenations), and the served weights keep their addresses. The programs compile on the first
 update (one per layer kind); the step programs never re-trace (same avals, same buffers).
 
-Why not free the old layer and allocate the new one (what this replaced): a best-fit allocator
-(XLA's GPU BFC) places each new array in the smallest free chunk that fits and does not split a
-chunk under twice the request with under 128 MiB left over, so arrays of other sizes landing in
-the holes of the old ones each hold a larger chunk than they need. The llama3_8b bf16 update
-measured +1520 MiB of allocator bytes over in-use on its first update (in-use 1488 MiB higher
-before the second), while the arrays alive never grew (benchmarks/rl_measure.py records both).
+Why not free the old layer and allocate the new one (what this replaced): the device allocator
+then places new arrays in the holes the old ones left. XLA's GPU allocator (BFC) takes the
+smallest free chunk that fits and does not split one under twice the request with under 128 MiB
+left over, counting the whole chunk as in use; arrays landing in the holes of others' sizes hold
+more than they need. That fits issue 30's llama3_8b bf16 run: +1520 MiB over in-use on the first
+update, and since the peak is a high-water mark, +32 MiB on the second means in-use had grown by
+at least 1488 MiB in between, while the arrays alive stay the same across updates (CPU: exactly).
+benchmarks/rl_measure.py now records in-use growth and live-array growth apart.
 """
 
 from __future__ import annotations
