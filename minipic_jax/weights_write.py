@@ -59,6 +59,11 @@ class WeightsWriter:
                _avals(new))
         fn = self._compiled.get(key)
         if fn is None:
-            fn = self._compiled[key] = self._jit.lower(served, new, layer=layer).compile()
+            fn = self._compiled[key] = self.compile(served, new, layer=layer)
             self.compiles += 1
         return fn(served, new)
+
+    def compile(self, served, new, *, layer: bool):
+        """The write program for these arrays or ShapeDtypeStructs (its `memory_analysis()`
+        says what an update of that shape holds beyond the weights)."""
+        return self._jit.lower(served, new, layer=layer).compile()

@@ -152,3 +152,27 @@ def test_update_writes_into_the_served_buffers(new_params):
         # every output in place (what is not aliased: the output tuple's pointer table)
         assert mem.output_size_in_bytes - mem.alias_size_in_bytes <= 8 * 16
         assert mem.temp_size_in_bytes <= layer_bytes, (mem.temp_size_in_bytes, layer_bytes)
+
+
+def test_write_programs_at_the_8b_shape_hold_no_more_than_one_layer():
+    """The llama3_8b bf16 shape (issue 30's run), compiled for the host from shapes alone: every
+    output written in place, temporaries within one fused layer (416 MiB)."""
+    from configs.presets import get_preset
+    from minipic_jax.models import llama, llama_modules
+    from minipic_jax.weights_write import WeightsWriter
+    cfg = get_preset("llama3_8b")
+
+    def avals(fused):
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16),
+                            llama_modules.shapes(cfg, fused=fused),
+                            is_leaf=lambda s: isinstance(s, tuple) and not isinstance(s[0], dict))
+    served, new = avals(True), avals(False)
+    layer_bytes = sum(x.size * 2 for x in jax.tree.leaves(served["layers"][0]))
+    assert layer_bytes == 436_224_000  # rl_measure's "one layer: 416 MiB"
+    writer = WeightsWriter(llama, fuse=True)
+    top = [k for k in served if k != "layers"]
+    for old, given, layer in ((served["layers"][0], new["layers"][0], True),
+                              ({k: served[k] for k in top}, {k: new[k] for k in top}, False)):
+        mem = writer.compile(old, given, layer=layer).memory_analysis()
+        assert mem.output_size_in_bytes - mem.alias_size_in_bytes <= 8 * 16
+        assert mem.temp_size_in_bytes <= layer_bytes
