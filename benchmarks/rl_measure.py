@@ -68,6 +68,12 @@ def _pad_to_peak():
         return None, gap
 
 
+def _write_programs(llm) -> int:
+    """Write programs compiled so far (minipic_jax/weights_write.py: the first update's)."""
+    writer = llm.weights_version.writer
+    return 0 if writer is None else writer.compiles
+
+
 def _update_row(llm, params) -> dict:
     """One timed update: seconds, compiles, step re-traces, and its memory: `added_bytes` = the
     device's peak over the in-use bytes before it (the high-water mark raised to in-use first:
@@ -78,6 +84,7 @@ def _update_row(llm, params) -> dict:
     in_use, _ = _memory()
     live = _live_bytes()
     variants = runner.num_compiles  # step variants traced (a re-trace would add one)
+    writes = _write_programs(llm)
     with count_compiles() as compiles:
         t0 = time.perf_counter()
         llm.update_weights(params)
@@ -86,6 +93,7 @@ def _update_row(llm, params) -> dict:
     in_use_after, peak = _memory()
     row = dict(seconds=seconds, compiles=compiles[0], added_bytes=max(peak - in_use, 0),
                step_retraces=runner.num_compiles - variants,
+               write_program_compiles=_write_programs(llm) - writes,
                pad_bytes=0 if pad is None else pad.nbytes, earlier_peak_bytes=gap,
                in_use_growth=in_use_after - in_use, live_growth=_live_bytes() - live)
     del pad
@@ -109,7 +117,8 @@ def update_timing(model: str, dtype: str, repeats: int = 3, **engine_args) -> di
                generate_compiles_after=compiles[0])
     mib = 2 ** 20
     for r in rows:
-        print(f"update_weights: {r['seconds']:.3f} s, {r['compiles']} compiles, "
+        print(f"update_weights: {r['seconds']:.3f} s, {r['compiles']} compiles "
+              f"({r['write_program_compiles']} of them write programs), "
               f"{r['step_retraces']} step re-traces, peak +{r['added_bytes'] / mib:.0f} MiB over "
               f"in-use (one layer: {fused_layer / mib:.0f} MiB; an earlier high-water mark "
               f"+{r['earlier_peak_bytes'] / mib:.0f} MiB padded away), in-use after "

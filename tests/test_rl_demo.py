@@ -59,6 +59,7 @@ def test_update_timing_rows():
                                    max_model_len=64, num_kv_blocks=16, block_size=16)
     assert [r["step_retraces"] for r in got["updates"]] == [0, 0]
     assert got["updates"][1]["compiles"] == 0 and got["generate_compiles_after"] == 0
+    assert [r["write_program_compiles"] for r in got["updates"]] == [2, 0]
     assert [r["live_growth"] for r in got["updates"]] == [0, 0]
 
 
