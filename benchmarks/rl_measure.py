@@ -1,8 +1,9 @@
 """The GPU measurements of `minipic-bench rl`:
 
   --update-timing: `LLM.update_weights` at a model's shape (e.g. the llama3_8b preset, bf16):
-    seconds per update, XLA compiles during it (JAX's compile-time events; the first update
-    compiles the two write programs, minipic_jax/weights_write.py), and the device memory it adds
+    seconds per update, XLA compiles during it (JAX's compile-time events; 0 expected: the
+    write programs, minipic_jax/weights_write.py, are compiled first by `weights_update.prepare`,
+    as LLM's warm-up does, and timed apart), and the device memory it adds
     over what was in use before (peak - in use, after an earlier high-water mark is padded away;
     one layer at most expected), with the allocator's in-use and the live arrays after it.
   --rollout-compare: G samples of each of B P-token prompts, N new tokens: the engine
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minipic_jax import LLM, SamplingParams
+from minipic_jax import LLM, SamplingParams, weights_update
 from minipic_jax.loading import load_model
 
 
@@ -109,10 +110,16 @@ def update_timing(model: str, dtype: str, repeats: int = 3, **engine_args) -> di
     sets = [load_model(model, dtype=dtype, seed=s).params for s in (1, 2)]
     jax.block_until_ready(sets)
     fused_layer = sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.params["layers"][0]))
+    t0 = time.perf_counter()  # what LLM(warmup=True) does: the updates then compile nothing
+    prepared = weights_update.prepare(llm)
+    prepare_s = time.perf_counter() - t0
+    print(f"write programs: {prepared} compiled in {prepare_s:.2f} s (weights_update.prepare, "
+          f"part of LLM's warm-up; else the first update's)")
     rows = [_update_row(llm, sets[i % 2]) for i in range(repeats)]
     with count_compiles() as compiles:
         llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
     out = dict(model=model, dtype=dtype, updates=rows, layer_bytes=fused_layer,
+               write_programs_prepared=prepared, prepare_s=prepare_s,
                weights_bytes=sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.params)),
                generate_compiles_after=compiles[0])
     mib = 2 ** 20

@@ -138,6 +138,31 @@ def _placed(x, target, donate: bool, served: set):
                           and not x.sharding.is_equivalent_to(target, x.ndim))
 
 
+def _writer(version: WeightsVersion, runner):
+    if version.writer is None:
+        version.writer = weights_write.WeightsWriter(runner.family, runner.config.fuse_weights)
+    return version.writer
+
+
+def _top_keys(params: dict) -> list:
+    return [k for k in params if k != "layers"]
+
+
+def prepare(llm) -> int:
+    """Compile the write programs an update will run (`LLM` warm-up calls it), so no update
+    compiles anything; returns how many compiled now. Under tensor parallelism: none."""
+    runner, version = llm.llm_engine.runner, llm.weights_version
+    if runner.mesh is not None:
+        return 0
+    writer = _writer(version, runner)
+    before, old, spec = writer.compiles, runner.params, version.spec
+    top = _top_keys(old)
+    writer.ensure({k: old[k] for k in top}, {k: spec[k] for k in top}, layer=False)
+    for served, new in zip(old["layers"], spec["layers"]):
+        writer.ensure(served, new, layer=True)
+    return writer.compiles - before
+
+
 def install_single(runner, new: dict, donate: bool, writer) -> dict:
     """One device: the new weights written into the served buffers (minipic_jax/weights_write.py:
     the top-level leaves in one program, then each layer, fused as at load when `fuse_weights`),
@@ -146,7 +171,7 @@ def install_single(runner, new: dict, donate: bool, writer) -> dict:
     old = runner.params
     target = jax.tree.leaves(old)[0].sharding
     served = {id(x) for x in jax.tree.leaves(old)}
-    top_keys = [k for k in old if k != "layers"]
+    top_keys = _top_keys(old)
     top = writer({k: old[k] for k in top_keys},
                  {k: jax.tree.map(lambda x: _placed(x, target, donate, served), new[k])
                   for k in top_keys}, layer=False)
@@ -196,10 +221,7 @@ def update_weights(llm, params, *, donate: bool = False) -> int:
     _detach_span_store(engine)
     runner = engine.runner
     if runner.mesh is None:
-        if version.writer is None:
-            fuse = runner.config.fuse_weights
-            version.writer = weights_write.WeightsWriter(runner.family, fuse)
-        served = install_single(runner, params, donate, version.writer)
+        served = install_single(runner, params, donate, _writer(version, runner))
     else:
         served = install_sharded(runner, engine.loaded, params, donate)
     del params

@@ -5,8 +5,9 @@ writing every result into the donated buffer of its served counterpart: one for 
 leaves (embedding, final norm, LM head), one run per layer that also fuses QKV and gate/up as at
 load (`family.fuse_params`). The device allocator sees no weight freed and none allocated: beyond
 the caller's arrays an update holds the programs' temporaries (at most one layer's
-concatenations), and the served weights keep their addresses. The programs compile on the first
-update (one per layer kind); the step programs never re-trace (same avals, same buffers).
+concatenations), and the served weights keep their addresses. The programs compile at the
+warm-up (`weights_update.prepare`) or else on the first update (one per layer kind); the step
+programs never re-trace (same avals, same buffers).
 
 Why not free the old layer and allocate the new one (what this replaced): the device allocator
 then places new arrays in the holes the old ones left. XLA's GPU allocator (BFC) takes the
@@ -55,13 +56,18 @@ class WeightsWriter:
     def __call__(self, served, new, *, layer: bool):
         """`new` (a layer's params when `layer`, else the top-level leaves) written into
         `served`'s buffers, which it consumes; returns the arrays now serving."""
+        return self.ensure(served, new, layer=layer)(served, new)
+
+    def ensure(self, served, new, *, layer: bool):
+        """The compiled write program for these avals (`new` may be ShapeDtypeStructs),
+        compiled now if it is not yet."""
         key = (layer, jax.tree.structure(served), jax.tree.structure(new), _avals(served),
                _avals(new))
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = self.compile(served, new, layer=layer)
             self.compiles += 1
-        return fn(served, new)
+        return fn
 
     def compile(self, served, new, *, layer: bool):
         """The write program for these arrays or ShapeDtypeStructs (its `memory_analysis()`

@@ -176,3 +176,13 @@ def test_write_programs_at_the_8b_shape_hold_no_more_than_one_layer():
         mem = writer.compile(old, given, layer=layer).memory_analysis()
         assert mem.output_size_in_bytes - mem.alias_size_in_bytes <= 8 * 16
         assert mem.temp_size_in_bytes <= layer_bytes
+
+
+def test_prepared_write_programs_leave_the_update_nothing_to_compile(new_params):
+    """`weights_update.prepare` (the warm-up calls it) compiles from the served params and the
+    spec what the first update runs: the update then compiles nothing."""
+    from minipic_jax import weights_update
+    llm = make_tiny_llm()
+    assert weights_update.prepare(llm) == 2 and weights_update.prepare(llm) == 0
+    llm.update_weights(new_params)
+    assert llm.weights_version.writer.compiles == 2
