@@ -155,7 +155,10 @@ def prepare(llm) -> int:
     if runner.mesh is not None:
         return 0
     writer = _writer(version, runner)
-    before, old, spec = writer.compiles, runner.params, version.spec
+    before, old = writer.compiles, runner.params
+    target = jax.tree.leaves(old)[0].sharding  # where install_single puts the new leaves
+    spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=target),
+                        version.spec)
     top = _top_keys(old)
     writer.ensure({k: old[k] for k in top}, {k: spec[k] for k in top}, layer=False)
     for served, new in zip(old["layers"], spec["layers"]):
