@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kernels_pallas.rope import apply_rope
@@ -82,15 +83,19 @@ def make_sampler(cfg, temperature: float = 1.0):
 
 def sample(params, cfg, prompt, num_samples: int, max_tokens: int, seed: int = 0,
            dtype=jnp.float32, fns=None):
-    """[num_samples, max_tokens] sampled ids for one prompt (a list of ids)."""
+    """[B * num_samples, max_tokens] sampled ids (row b * num_samples + k: sample k of prompt b)
+    for one prompt (a list of ids, B = 1) or B prompts of one length ([B, L] ids): every row its
+    own dense cache, the prompt prefilled once per row."""
     prefill, decode = fns or make_sampler(cfg)
-    caches = init_caches(cfg, num_samples, len(prompt) + max_tokens, dtype)
-    tokens = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (num_samples, len(prompt)))
+    rows = np.atleast_2d(np.asarray(prompt, np.int32))
+    length = rows.shape[1]
+    caches = init_caches(cfg, rows.shape[0] * num_samples, length + max_tokens, dtype)
+    tokens = jnp.asarray(np.repeat(rows, num_samples, axis=0))
     key = jax.random.key(seed)
     tok, caches = prefill(params, tokens, caches, jax.random.fold_in(key, 0))
     out = [tok]
     for i in range(1, max_tokens):
-        tok, caches = decode(params, tok, jnp.int32(len(prompt) + i - 1), caches,
+        tok, caches = decode(params, tok, jnp.int32(length + i - 1), caches,
                              jax.random.fold_in(key, i))
         out.append(tok)
     return jnp.stack(out, axis=1)

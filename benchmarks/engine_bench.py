@@ -72,7 +72,7 @@ def add_parser(p):
     p.add_argument("--profile", action="store_true", help="with --host-only: cProfile top 25")
 
 
-def _copy_rate(gb: float) -> float:
+def copy_rate(gb: float) -> float:
     """Device copy rate (bytes read + written per second) of a jitted elementwise pass over a
     `gb` GiB bf16 array: 10 calls back to back per rep (so dispatch latency is not counted), median
     of 5 reps, as the attention benchmark times its anchors."""
@@ -298,7 +298,7 @@ def run(args) -> int:
            "fuse_weights": not args.no_fuse, "async_scheduling": not args.no_async,
            "tensor_parallel_size": args.tensor_parallel_size}
     t0 = time.perf_counter()
-    res["copy_rate_GBps"] = _copy_rate(args.copy_gb) / 1e9
+    res["copy_rate_GBps"] = copy_rate(args.copy_gb) / 1e9
     print(f"copy rate: {res['copy_rate_GBps']:.0f} GB/s", flush=True)
     llm, read_bytes = _load(args, res, compiles, t0)
     engine = llm.llm_engine

@@ -6,6 +6,7 @@
     minipic-bench rl --model <SmolLM2-135M-Instruct folder> --task add --dtype bfloat16
     minipic-bench rl --update-timing --model llama3_8b --dtype bfloat16
     minipic-bench rl --rollout-compare --model llama3_2_1b --dtype bfloat16
+    minipic-bench rl --rollout-compare --rollout-prompts 16 --model llama3_8b --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -40,12 +41,23 @@ def add_parser(p) -> None:
     p.add_argument("--update-timing", action="store_true",
                    help="time LLM.update_weights at the model's shape (e.g. llama3_8b, bf16)")
     p.add_argument("--rollout-compare", action="store_true",
-                   help="G samples of a 512-token prompt, 256 new tokens: engine vs a plain "
-                        "jitted sampling loop (dense KV, no sharing)")
+                   help="G (--samples) samples of B (--rollout-prompts) 512-token prompts, 256 "
+                        "new tokens: engine vs a plain jitted sampling loop (dense KV, no "
+                        "sharing), each decode step against the weight-read floor")
+    p.add_argument("--rollout-prompts", type=int, default=1,
+                   help="--rollout-compare: prompts (B), each sampled --samples times "
+                        "(default: %(default)s)")
+    p.add_argument("--rollout-prompt-len", type=int, default=512,
+                   help="--rollout-compare: tokens per prompt (default: %(default)s)")
+    p.add_argument("--rollout-new-tokens", type=int, default=256,
+                   help="--rollout-compare: tokens sampled per rollout (default: %(default)s)")
+    p.add_argument("--copy-gb", type=float, default=4.0,
+                   help="--rollout-compare: GiB of the copy that measures the device's copy "
+                        "rate (the weight-read floor; as engine_bench) (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool in blocks of the measuring engines (default: 256 for "
-                        "--update-timing, 1024 for --rollout-compare, so the plain loop fits "
-                        "beside it)")
+                        "--update-timing; for --rollout-compare what the rollouts need plus a "
+                        "quarter, so the plain loop fits beside it)")
 
 
 def _plot(history, path: pathlib.Path, title: str) -> bool:
@@ -78,6 +90,20 @@ def _time_split(history) -> dict:
     return {**split, **{k.replace("_s", "_share"): v / total for k, v in split.items()}}
 
 
+def _rollout_compare(args, extra: dict) -> dict:
+    """The engine batches every rollout (B x G seats); a bounded pool (the B prompts' blocks,
+    shared, and each rollout's own, plus a quarter): the plain loop's weights and dense caches
+    must fit beside it."""
+    from benchmarks import rl_measure
+    b, g, bs = args.rollout_prompts, args.samples, 16
+    plen, new = args.rollout_prompt_len, args.rollout_new_tokens
+    blocks = b * -(-plen // bs) + b * g * (-(-new // bs) + 1)
+    return rl_measure.rollout_compare(
+        args.model, args.dtype, prompts=b, samples=g, prompt_len=plen, new_tokens=new,
+        copy_gb=args.copy_gb, max_num_seqs=b * g, max_model_len=plen + new + bs, block_size=bs,
+        **({"num_kv_blocks": max(blocks * 5 // 4, 64)} | extra))
+
+
 def run(args) -> int:
     from benchmarks import rl_measure
     from benchmarks.rl_loop import RLConfig, run_loop
@@ -91,11 +117,7 @@ def run(args) -> int:
                 args.model, args.dtype, max_num_seqs=8, max_model_len=1024,
                 **({"num_kv_blocks": 256} | extra))
         if args.rollout_compare:
-            # a bounded pool (8 x 768 tokens need 384 blocks): the plain loop's weights and
-            # dense caches must fit beside it
-            result["rollout_compare"] = rl_measure.rollout_compare(
-                args.model, args.dtype, max_num_seqs=8, max_model_len=1024,
-                **({"num_kv_blocks": 1024} | extra))
+            result["rollout_compare"] = _rollout_compare(args, extra)
         (out_dir / "rl_measure.json").write_text(json.dumps(result, indent=1))
         print(f"wrote {out_dir / 'rl_measure.json'}")
         return 0

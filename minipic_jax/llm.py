@@ -72,8 +72,9 @@ class LLM:
         that many devices: serving/step/sharding.py). Group objects (kv_store=KVStoreConfig(...))
         are taken too; an unknown name is a TypeError (Config.from_flat).
       warmup: compile every step variant a greedy request needs (span steps too on a hybrid
-        model) before returning, with a line on stderr and the cost in `startup`
-        (minipic_jax/warmup.py); None: on for hybrid models only (minipic_jax/warmup.DEFAULT).
+        model) and update_weights' write programs before returning, with a line on stderr and
+        the cost in `startup` (minipic_jax/warmup.py); None: on for hybrid models only
+        (minipic_jax/warmup.DEFAULT).
         False: variants compile on first use (generate's bar says so).
       compilation_cache: JAX's persistent compilation cache folder (None: JAX's setting, else
         $MINIPIC_COMPILATION_CACHE_DIR ("off" disables it), else ~/.cache/minipic_jax/xla;
@@ -115,12 +116,15 @@ class LLM:
     def update_weights(self, params, *, donate: bool = False) -> int:
         """Serve `params` from now on: the family's params dict (unfused, as `load_model` or
         minipic-train give it), or a Flax NNX State / module of it, of exactly the served
-        shapes and dtypes. No reload, re-trace or recompile; beyond the caller's arrays the
-        update holds one extra layer at most. `donate=True`: the engine may consume the caller's
-        arrays (fused in place of copies). KV, checkpoints and span maps cached under the old
-        weights never hit again. Between generate() calls only. A missing leaf or one of another
-        shape or dtype: ValueError naming it, and the old weights keep serving. Returns the
-        weights generation (minipic_jax/weights_update.py)."""
+        shapes and dtypes. No reload, and the step never re-traces: on one device the new
+        weights are written into the served buffers (small write programs, compiled by the
+        warm-up or else the first update), so beyond the caller's arrays the update holds one
+        layer's temporaries at most. `donate=True`: the caller's arrays are deleted once written (the engine never
+        serves them, so a caller may also donate or delete them itself after the call). KV,
+        checkpoints and span maps cached under the old weights never hit again. Between
+        generate() calls only. A missing leaf or one of another shape or dtype: ValueError
+        naming it, and the old weights keep serving. Returns the weights generation
+        (minipic_jax/weights_update.py)."""
         return weights_update.update_weights(self, params, donate=donate)
 
     def generate_arrays(self, prompt_ids, prompt_lens, sampling_params=None, *,

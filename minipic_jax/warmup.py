@@ -15,6 +15,8 @@ from __future__ import annotations
 import sys
 import time
 
+from minipic_jax import weights_update
+
 # LLM(warmup=None) reads this. None: warm up hybrid models (a span request's step variants
 # stalled it for tens of seconds) and compile other models' variants on first use (a plain
 # model's first request compiles what it meets, and the bar says so). The suite sets False
@@ -38,9 +40,12 @@ def run(llm, show: bool = True) -> dict:
         llm.llm_engine.warmup()
     finally:
         steps.on_compile = None
+    # update_weights' write programs too: an RL loop's first update then compiles nothing
+    write_programs = weights_update.prepare(llm)
     cost = {"warmup_s": time.perf_counter() - t0,
             "warmup_variants": llm.llm_engine.runner.startup.get("variants", 0),
-            "warmup_compiled": steps.counts["compiled"] - before["compiled"]}
+            "warmup_compiled": steps.counts["compiled"] - before["compiled"],
+            "warmup_write_programs": write_programs}
     if show:
         print(f"minipic_jax: warm-up: {cost['warmup_variants']} step variants ready "
               f"({cost['warmup_compiled']} compiled) in {cost['warmup_s']:.1f} s",

@@ -5,9 +5,11 @@ The step executables take the params as an argument (serving/step/model_runner.p
 the same avals and placement run through the same compiled programs. What the engine does to
 weights at load time is done again here, the same way: fusing QKV and gate/up one layer at a time
 (`family.fuse_params`), or under tensor parallelism placing each leaf by the rules table
-(serving/step/sharding.py, KV heads replicated as at load). The engine serves arrays of its own
-(copies, or the caller's when donated), and frees each old layer before building its
-replacement, so beyond the caller's own params the update holds about one extra layer.
+(serving/step/sharding.py, KV heads replicated as at load). On one device the new weights are
+written into the served buffers (minipic_jax/weights_write.py), so the engine keeps serving arrays
+of its own, the allocator sees nothing freed or allocated, and beyond the caller's params the
+update holds one layer's temporaries at most. Under tensor parallelism each old leaf is freed
+before its replacement is placed.
 
 Everything cached under the old weights is invalidated: the prefix cache, host tier and hybrid
 checkpoint / span-map stores are forgotten (`reset_prefix_cache`), and a fresh random nonce enters
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from minipic_jax import weights_write
 from minipic_jax.models import nnx_pure
 from serving.step import sharding
 from serving.cache.hashing import root_hash
@@ -38,6 +41,7 @@ class WeightsVersion:
     generation: int = 0
     nonce: bytes = b""
     spec: object = None  # the family's (unfused) params as ShapeDtypeStructs
+    writer: object = None  # weights_write.WeightsWriter, made at the first update
 
     def root(self, cache_salt: str | None) -> int:
         h0 = root_hash(self.hash_fn, cache_salt)
@@ -125,28 +129,63 @@ def _free(old_leaves, keep: set) -> None:
             x.delete()
 
 
-def install_single(runner, new: dict, donate: bool) -> dict:
-    """One device: the top-level leaves (embedding, final norm, LM head) first, then layer by
-    layer the old layer freed and the new one fused as at load (`fuse_weights`: the family's
-    `fuse_params` on a one-layer params dict, reading the caller's arrays, so only the leaves it
-    passes through are copied). Returns the served params."""
+def _placed(x, target, donate: bool, served: set):
+    """`x` committed to the served weights' device (no copy when already there); a served array
+    passed back in is copied, as it is about to be written over."""
+    if id(x) in served:
+        return jax.device_put(x, target, may_alias=False)
+    return jax.device_put(x, target, donate=donate and isinstance(x, jax.Array)
+                          and not x.sharding.is_equivalent_to(target, x.ndim))
+
+
+def _writer(version: WeightsVersion, runner):
+    if version.writer is None:
+        version.writer = weights_write.WeightsWriter(runner.family, runner.config.fuse_weights)
+    return version.writer
+
+
+def _top_keys(params: dict) -> list:
+    return [k for k in params if k != "layers"]
+
+
+def prepare(llm) -> int:
+    """Compile the write programs an update will run (`LLM` warm-up calls it), so no update
+    compiles anything; returns how many compiled now. Under tensor parallelism: none."""
+    runner, version = llm.llm_engine.runner, llm.weights_version
+    if runner.mesh is not None:
+        return 0
+    writer = _writer(version, runner)
+    before, old = writer.compiles, runner.params
+    target = jax.tree.leaves(old)[0].sharding  # where install_single puts the new leaves
+    spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=target),
+                        version.spec)
+    top = _top_keys(old)
+    writer.ensure({k: old[k] for k in top}, {k: spec[k] for k in top}, layer=False)
+    for served, new in zip(old["layers"], spec["layers"]):
+        writer.ensure(served, new, layer=True)
+    return writer.compiles - before
+
+
+def install_single(runner, new: dict, donate: bool, writer) -> dict:
+    """One device: the new weights written into the served buffers (minipic_jax/weights_write.py:
+    the top-level leaves in one program, then each layer, fused as at load when `fuse_weights`),
+    so nothing is freed or allocated but one layer's temporaries. A donated caller's arrays are
+    deleted once written. Returns the served params (the same buffers)."""
     old = runner.params
     target = jax.tree.leaves(old)[0].sharding
-    theirs = {id(x) for x in jax.tree.leaves(new)}
-    _free((x for k, v in old.items() if k != "layers" for x in jax.tree.leaves(v)), theirs)
-    top = {k: (None if v is None else
-               jax.tree.map(lambda x: _own(_on(x, target, donate), theirs, donate), v))
-           for k, v in new.items() if k != "layers"}
+    served = {id(x) for x in jax.tree.leaves(old)}
+    top_keys = _top_keys(old)
+    top = writer({k: old[k] for k in top_keys},
+                 {k: jax.tree.map(lambda x: _placed(x, target, donate, served), new[k])
+                  for k in top_keys}, layer=False)
     layers = []
     for i, lp in enumerate(new["layers"]):
-        _free(jax.tree.leaves(old["layers"][i]), theirs)
-        lp = jax.tree.map(lambda x: _on(x, target, donate), lp)
-        if runner.config.fuse_weights:  # consumes the inputs only when they are the engine's
-            mine = donate or not any(id(x) in theirs for x in jax.tree.leaves(lp))
-            lp = runner.family.fuse_params({**top, "layers": (lp,)}, consume=mine)["layers"][0]
-        lp = jax.block_until_ready(jax.tree.map(lambda x: _own(x, theirs, donate), lp))
-        layers.append(lp)
-    return {**top, "layers": tuple(layers)}
+        lp = jax.tree.map(lambda x: _placed(x, target, donate, served), lp)
+        layers.append(jax.block_until_ready(writer(old["layers"][i], lp, layer=True)))
+        del lp  # a layer moved from elsewhere is freed before the next one moves
+    if donate:
+        _free(jax.tree.leaves(new), served)
+    return {**jax.block_until_ready(top), "layers": tuple(layers)}
 
 
 def install_sharded(runner, loaded, new: dict, donate: bool) -> dict:
@@ -185,7 +224,7 @@ def update_weights(llm, params, *, donate: bool = False) -> int:
     _detach_span_store(engine)
     runner = engine.runner
     if runner.mesh is None:
-        served = install_single(runner, params, donate)
+        served = install_single(runner, params, donate, _writer(version, runner))
     else:
         served = install_sharded(runner, engine.loaded, params, donate)
     del params

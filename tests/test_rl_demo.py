@@ -48,3 +48,33 @@ def test_plain_loop_samples_the_engine_model():
     fns = dense_sampler.make_sampler(loaded.cfg, temperature=0.0)
     got = dense_sampler.sample(params, loaded.cfg, prompt, 2, 6, dtype=jnp.float32, fns=fns)
     assert np.asarray(got).tolist() == [ref[0].outputs[0].token_ids] * 2
+
+
+def test_update_timing_rows():
+    """`rl --update-timing` on a tiny preset: the step never re-traces, the write programs are
+    prepared apart so no update compiles, and no array outlives an update (CPU has no allocator stats:
+    the memory columns are the live arrays')."""
+    from benchmarks import rl_measure
+    got = rl_measure.update_timing("tiny_llama", "float32", repeats=2, max_num_seqs=2,
+                                   max_model_len=64, num_kv_blocks=16, block_size=16)
+    assert [r["step_retraces"] for r in got["updates"]] == [0, 0]
+    assert got["updates"][1]["compiles"] == 0 and got["generate_compiles_after"] == 0
+    assert got["write_programs_prepared"] == 2
+    assert [r["compiles"] for r in got["updates"]] == [0, 0]
+    assert [r["live_growth"] for r in got["updates"]] == [0, 0]
+
+
+def test_rollout_compare_of_several_prompts_against_the_floor(tmp_path):
+    """`rl --rollout-compare` with B prompts x G samples: both loops timed, each decode step
+    against the weight-read floor measured in the same process."""
+    assert cli.main(["rl", "--rollout-compare", "--model", "tiny_llama", "--rollout-prompts",
+                     "2", "--samples", "2", "--rollout-prompt-len", "20",
+                     "--rollout-new-tokens", "4", "--copy-gb", "0.01",
+                     "--out-dir", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "rl_measure.json").read_text())["rollout_compare"]
+    assert (got["prompts"], got["samples"]) == (2, 2) and got["copy_rate_GBps"] > 0
+    assert got["floor_ms"] == got["weights_bytes"] / (got["copy_rate_GBps"] * 1e9) * 1e3
+    for name in ("engine", "plain_loop"):
+        row = got[name]
+        assert row["decode_step_ms"] > 0 and row["over_floor"] > 0 and row["prefill_seconds"] > 0
+    assert got["speedup"] > 0

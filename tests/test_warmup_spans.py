@@ -22,6 +22,7 @@ def test_span_requests_compile_nothing_after_the_default_warmup(capsys):
               max_num_batched_tokens=64, min_token_bucket=64, max_model_len=512,
               block_size=16, num_kv_blocks=96, warmup=True)
     assert llm.startup["warmup_variants"] >= 2 and llm.startup["warmup_s"] > 0
+    assert llm.startup["warmup_write_programs"] >= 2  # update_weights': top leaves, layers
     assert "warm-up" in capsys.readouterr().err  # the progress line on stderr
     steps = llm.llm_engine.runner._step
     rng = np.random.default_rng(29)

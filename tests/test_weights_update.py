@@ -121,3 +121,68 @@ def test_tensor_parallel_update_places_by_the_rules_table():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["changed"] and got["equal"] and got["same_place"] and got["retraces"] == 0
     assert got["err"] <= 1e-5
+
+
+def _live_bytes():
+    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+
+
+def test_update_writes_into_the_served_buffers(new_params):
+    """Nothing freed or allocated but one layer's temporaries: the served weights keep their
+    buffers (a best-fit device allocator never sees a hole to misfit; issue 30: +1520 MiB over
+    in-use on the first llama3_8b update when layers were freed and re-allocated)."""
+    llm = make_tiny_llm()
+    runner = llm.llm_engine.runner
+    llm.update_weights(new_params)  # (on CPU a loaded leaf may wrap host memory: copied once)
+    before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(runner.params)]
+    theirs = jax.tree.map(jnp.copy, new_params)
+    live = _live_bytes()
+    llm.update_weights(theirs, donate=True)  # donated: written, then deleted
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(runner.params)] == before
+    assert all(x.is_deleted() for x in jax.tree.leaves(theirs))
+    assert _live_bytes() == live - sum(x.nbytes for x in jax.tree.leaves(new_params))
+    served = runner.family.unfuse_params(runner.params)
+    for got, want in zip(jax.tree.leaves(served), jax.tree.leaves(new_params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    writer = llm.weights_version.writer
+    assert writer.compiles == 2  # the top-level leaves' program and the layers' one
+    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.params["layers"][0]))
+    for program in writer._compiled.values():
+        mem = program.memory_analysis()
+        # every output in place (what is not aliased: the output tuple's pointer table)
+        assert mem.output_size_in_bytes - mem.alias_size_in_bytes <= 8 * 16
+        assert mem.temp_size_in_bytes <= layer_bytes, (mem.temp_size_in_bytes, layer_bytes)
+
+
+def test_write_programs_at_the_8b_shape_hold_no_more_than_one_layer():
+    """The llama3_8b bf16 shape (issue 30's run), compiled for the host from shapes alone: every
+    output written in place, temporaries within one fused layer (416 MiB)."""
+    from configs.presets import get_preset
+    from minipic_jax.models import llama, llama_modules
+    from minipic_jax.weights_write import WeightsWriter
+    cfg = get_preset("llama3_8b")
+
+    def avals(fused):
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16),
+                            llama_modules.shapes(cfg, fused=fused),
+                            is_leaf=lambda s: isinstance(s, tuple) and not isinstance(s[0], dict))
+    served, new = avals(True), avals(False)
+    layer_bytes = sum(x.size * 2 for x in jax.tree.leaves(served["layers"][0]))
+    assert layer_bytes == 436_224_000  # rl_measure's "one layer: 416 MiB"
+    writer = WeightsWriter(llama, fuse=True)
+    top = [k for k in served if k != "layers"]
+    for old, given, layer in ((served["layers"][0], new["layers"][0], True),
+                              ({k: served[k] for k in top}, {k: new[k] for k in top}, False)):
+        mem = writer.compile(old, given, layer=layer).memory_analysis()
+        assert mem.output_size_in_bytes - mem.alias_size_in_bytes <= 8 * 16
+        assert mem.temp_size_in_bytes <= layer_bytes
+
+
+def test_prepared_write_programs_leave_the_update_nothing_to_compile(new_params):
+    """`weights_update.prepare` (the warm-up calls it) compiles from the served params and the
+    spec what the first update runs: the update then compiles nothing."""
+    from minipic_jax import weights_update
+    llm = make_tiny_llm()
+    assert weights_update.prepare(llm) == 2 and weights_update.prepare(llm) == 0
+    llm.update_weights(new_params)
+    assert llm.weights_version.writer.compiles == 2

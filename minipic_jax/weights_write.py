@@ -1,0 +1,75 @@
+"""New weights written into the served weights' own buffers (`LLM.update_weights`, one device).
+
+Two small jitted programs, each taking the served arrays donated and the new (unfused) ones and
+writing every result into the donated buffer of its served counterpart: one for the top-level
+leaves (embedding, final norm, LM head), one run per layer that also fuses QKV and gate/up as at
+load (`family.fuse_params`). The device allocator sees no weight freed and none allocated: beyond
+the caller's arrays an update holds the programs' temporaries (at most one layer's
+concatenations), and the served weights keep their addresses. The programs compile at the
+warm-up (`weights_update.prepare`) or else on the first update (one per layer kind); the step
+programs never re-trace (same avals, same buffers).
+
+Why not free the old layer and allocate the new one (what this replaced): the device allocator
+then places new arrays in the holes the old ones left. XLA's GPU allocator (BFC) takes the
+smallest free chunk that fits and does not split one under twice the request with under 128 MiB
+left over, counting the whole chunk as in use; arrays landing in the holes of others' sizes hold
+more than they need. That fits issue 30's llama3_8b bf16 run: +1520 MiB over in-use on the first
+update, and since the peak is a high-water mark, +32 MiB on the second means in-use had grown by
+at least 1488 MiB in between, while the arrays alive stay the same across updates (CPU: exactly).
+benchmarks/rl_measure.py now records in-use growth and live-array growth apart.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+
+
+def _into(old, value):
+    """`value` written over `old` (donated: the output takes its buffer)."""
+    return lax.dynamic_update_slice(old, value.astype(old.dtype), (0,) * old.ndim)
+
+
+def _avals(tree):
+    return tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(tree))
+
+
+def _write(fuse_family, served, new, *, layer: bool):
+    if layer and fuse_family is not None:  # fused as at load (serving/step/model_runner.py)
+        new = fuse_family.fuse_params({"embed": None, "lm_head": None, "layers": (new,)})
+        new = new["layers"][0]
+    return jax.tree.map(_into, served, new)
+
+
+class WeightsWriter:
+    """The write programs of one engine, compiled on first use and kept by the avals they take
+    (every layer of one kind shares one)."""
+
+    def __init__(self, family, fuse: bool):
+        self._jit = jax.jit(functools.partial(_write, family if fuse else None),
+                            donate_argnums=0, static_argnames="layer")
+        self._compiled: dict = {}
+        self.compiles = 0
+
+    def __call__(self, served, new, *, layer: bool):
+        """`new` (a layer's params when `layer`, else the top-level leaves) written into
+        `served`'s buffers, which it consumes; returns the arrays now serving."""
+        return self.ensure(served, new, layer=layer)(served, new)
+
+    def ensure(self, served, new, *, layer: bool):
+        """The compiled write program for these avals (`new` may be ShapeDtypeStructs),
+        compiled now if it is not yet."""
+        key = (layer, jax.tree.structure(served), jax.tree.structure(new), _avals(served),
+               _avals(new))
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = self.compile(served, new, layer=layer)
+            self.compiles += 1
+        return fn
+
+    def compile(self, served, new, *, layer: bool):
+        """The write program for these arrays or ShapeDtypeStructs (its `memory_analysis()`
+        says what an update of that shape holds beyond the weights)."""
+        return self._jit.lower(served, new, layer=layer).compile()
