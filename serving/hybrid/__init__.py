@@ -15,5 +15,6 @@ SSEP spans on hybrid models (docs/DESIGN.md section 5):
   span_partial.py      spans longer than a step: captured in pieces, the map so far in one slot
   span_maps.py         the maps' device pool and their composition into an entry state
   span_compose.py      the composition as a program of its own, run right before the step
+  chain_compose.py     the composition loops: rows longest chain first, one loop per row width
   span_step.py         the runner's side: static span shapes, host fields, warm-step code
 """
