@@ -69,6 +69,10 @@ def generate_calls(llm, samples, enc, sp, n: int, length: int, repeats: int) -> 
         parts["step_call"] = parts.pop("stub")  # the real step's launch here, not a stub
         rows.append({"cold": r == 0, "generate_ms": parts.pop("wall"), "device_wait_ms": wait_ms,
                      "steps": stats.steps - steps0, "cached_prompt_tokens": int(parts.pop("cached")),
+                     # minor page faults and this thread's CPU ms in the call (issue 28: is the
+                     # host slow per operation, or waiting for something else than the device?)
+                     "page_faults": int(parts.pop("faults")),
+                     "thread_cpu_ms": parts.pop("thread_cpu"),
                      "parts_ms": {k: v for k, v in parts.items() if k != "host"}})
         rows[-1]["host_ms"] = rows[-1]["generate_ms"] - wait_ms
     out = {"rows": rows, "cold_ms": rows[0]["generate_ms"]}
