@@ -18,7 +18,8 @@ into its parts by exclusive time (a part nested in another is counted once, in t
 `--fresh-lists` builds new id lists for every call from the ids kept (`Span(list(ids))`, as
 `rag --configs ttft` does through rag_workloads.segments), instead of passing the same lists.
 Each call's minor page faults are counted too (`faults`: they cost more on the GPU hosts'
-virtual machines than here).
+virtual machines than here), and the main thread's CPU time (`thread_cpu`: the host time less
+the time the thread was off the CPU, steadier than the wall on a loaded machine).
 
     minipic-bench ttft-host [--calls 3] [--repeats 5] [--fresh-lists] [--profile]
 """
@@ -129,7 +130,7 @@ def run(args) -> int:
         for c in range(args.calls):
             order = rng.permutation(args.spans)
             cached[c].append(timed_call(llm, pt, request(rng, spans, order, vocab, fresh), sp))
-    keys = ("wall", "host") + PARTS[:-1] + ("other", "stub", "faults")
+    keys = ("wall", "host", "thread_cpu") + PARTS[:-1] + ("other", "stub", "faults")
     for c in range(args.calls):
         rows.append((f"cached {c + 1}", {k: statistics.median(r[k] for r in cached[c])
                                          for k in keys + ("cached",)}))
