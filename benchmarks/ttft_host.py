@@ -22,6 +22,7 @@ virtual machines than here), and the main thread's CPU time (`thread_cpu`: the h
 the time the thread was off the CPU, steadier than the wall on a loaded machine).
 
     minipic-bench ttft-host [--calls 3] [--repeats 5] [--fresh-lists] [--profile]
+    minipic-bench ttft-host --fresh-lists --max-num-seqs 64 --min-token-bucket 128  # as `rag`
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def add_parser(p) -> None:
                    help="token ids per span (default: %(default)s)")
     p.add_argument("--calls", type=int, default=3, help="cached calls (reordered spans)")
     p.add_argument("--repeats", type=int, default=5, help="runs of the cached calls (median)")
+    p.add_argument("--max-num-seqs", type=int, default=4,
+                   help="seats (default: %(default)s; `rag --configs ttft` runs 64)")
+    p.add_argument("--min-token-bucket", type=int, default=None,
+                   help="smallest token bucket (default: the engine's; `rag` passes 128)")
     p.add_argument("--fresh-lists", action="store_true",
                    help="new id lists per call from the ids kept (as the rag ttft bench)")
     p.add_argument("--profile", action="store_true", help="cProfile one cached call")
@@ -60,9 +65,10 @@ def make_llm(args):
     bs = 16
     max_len = args.spans * (args.span_tokens + bs) + 256
     max_len = -(-max_len // 1024) * 1024
-    llm = LLM(args.model, dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=8192,
-              max_model_len=max_len, block_size=bs,
-              num_kv_blocks=3 * (max_len // bs) + 64)
+    extra = {} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}
+    llm = LLM(args.model, dtype="float32", seed=0, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=8192, max_model_len=max_len, block_size=bs,
+              num_kv_blocks=3 * (max_len // bs) + 64, **extra)
     engine = llm.llm_engine
     engine.runner._step = StubStep(engine.vocab_size)
     return llm
