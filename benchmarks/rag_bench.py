@@ -168,6 +168,9 @@ def report(results: list) -> None:
                       f"kernels busy {prof['kernel_busy_ms_per_step']:.2f} ms, first to last "
                       f"kernel {prof['first_to_last_kernel_ms_per_step']:.2f} ms, "
                       f"{prof['kernels_per_step']:.0f} kernels")
+                print(f"[ttft] its call returns after {prof['dispatch_ms']:.2f} ms "
+                      f"({prof['dispatch_inputs_on_device_ms']:.2f} ms with its "
+                      f"{prof['int_bytes'] / 1e6:.2f} MB of int inputs already on device)")
                 for k in prof["top"][:10]:
                     print(f"[ttft]   {k['ms_per_step']:7.3f} ms {k['calls_per_step']:5.0f}x "
                           f"{k['name']}")

@@ -69,6 +69,10 @@ def generate_calls(llm, samples, enc, sp, n: int, length: int, repeats: int) -> 
         parts["step_call"] = parts.pop("stub")  # the real step's launch here, not a stub
         rows.append({"cold": r == 0, "generate_ms": parts.pop("wall"), "device_wait_ms": wait_ms,
                      "steps": stats.steps - steps0, "cached_prompt_tokens": int(parts.pop("cached")),
+                     # minor page faults and this thread's CPU ms in the call (issue 28: is the
+                     # host slow per operation, or waiting for something else than the device?)
+                     "page_faults": int(parts.pop("faults")),
+                     "thread_cpu_ms": parts.pop("thread_cpu"),
                      "parts_ms": {k: v for k, v in parts.items() if k != "host"}})
         rows[-1]["host_ms"] = rows[-1]["generate_ms"] - wait_ms
     out = {"rows": rows, "cold_ms": rows[0]["generate_ms"]}
@@ -106,6 +110,7 @@ def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
         return r._dispatch(ints, floats, use_prev, kw)
 
     alone = blocked_ms(call, repeats)["ms"]
+    probe = dispatch_probe(r, ints, floats, use_prev, kw, repeats)
     prof = profile_kernels(call, steps=3, top=15)
     prof.pop("lines", None)
     try:  # the ops of the executable the replay ran (compiled or loaded at warm-up)
@@ -115,5 +120,29 @@ def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
                                                     "conditional", "gather", "scatter")}
     except Exception as e:  # noqa: BLE001 - a side figure
         hlo = {"error": repr(e)[:200]}
-    return {"step_alone_ms": alone, "tokens": kw["t"],
+    return {"step_alone_ms": alone, **probe, "tokens": kw["t"],
             "attn_options": repr(kw.get("attn_options")), "hlo_ops": hlo, **prof}
+
+
+def dispatch_probe(r, ints, floats, use_prev: bool, kw, repeats: int) -> dict:
+    """Where the step call's own host time goes (issue 28's `step_call`): the median ms until
+    the call returns (each call waited for before the next), with the host int/float buffers
+    as the engine passes them and with the same values already on device (the difference is
+    the host->device copy of the inputs: the [S, NB] block tables are most of `int_bytes`)."""
+    import time
+
+    import jax
+
+    def returns_ms(a, b) -> float:
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            out = r._dispatch(a, b, use_prev, kw)
+            times.append(time.perf_counter() - t0)
+            jax.block_until_ready(out)
+        return 1e3 * statistics.median(times[2:])
+
+    on_host = returns_ms(ints, floats)
+    dev = jax.block_until_ready(jax.device_put((ints, floats)))
+    return {"dispatch_ms": on_host, "dispatch_inputs_on_device_ms": returns_ms(*dev),
+            "int_bytes": int(ints.nbytes)}

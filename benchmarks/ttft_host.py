@@ -15,7 +15,14 @@ into its parts by exclusive time (a part nested in another is counted once, in t
     stub      the stubbed device step (not host work)
     other     the rest of `generate` (queueing, scheduling, ...)
 
-    minipic-bench ttft-host [--calls 3] [--repeats 5] [--profile]
+`--fresh-lists` builds new id lists for every call from the ids kept (`Span(list(ids))`, as
+`rag --configs ttft` does through rag_workloads.segments), instead of passing the same lists.
+Each call's minor page faults are counted too (`faults`: they cost more on the GPU hosts'
+virtual machines than here), and the main thread's CPU time (`thread_cpu`: the host time less
+the time the thread was off the CPU, steadier than the wall on a loaded machine).
+
+    minipic-bench ttft-host [--calls 3] [--repeats 5] [--fresh-lists] [--profile]
+    minipic-bench ttft-host --fresh-lists --max-num-seqs 64 --min-token-bucket 128  # as `rag`
 """
 
 from __future__ import annotations
@@ -33,6 +40,12 @@ def add_parser(p) -> None:
                    help="token ids per span (default: %(default)s)")
     p.add_argument("--calls", type=int, default=3, help="cached calls (reordered spans)")
     p.add_argument("--repeats", type=int, default=5, help="runs of the cached calls (median)")
+    p.add_argument("--max-num-seqs", type=int, default=4,
+                   help="seats (default: %(default)s; `rag --configs ttft` runs 64)")
+    p.add_argument("--min-token-bucket", type=int, default=None,
+                   help="smallest token bucket (default: the engine's; `rag` passes 128)")
+    p.add_argument("--fresh-lists", action="store_true",
+                   help="new id lists per call from the ids kept (as the rag ttft bench)")
     p.add_argument("--profile", action="store_true", help="cProfile one cached call")
 
 
@@ -52,9 +65,10 @@ def make_llm(args):
     bs = 16
     max_len = args.spans * (args.span_tokens + bs) + 256
     max_len = -(-max_len // 1024) * 1024
-    llm = LLM(args.model, dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=8192,
-              max_model_len=max_len, block_size=bs,
-              num_kv_blocks=3 * (max_len // bs) + 64)
+    extra = {} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}
+    llm = LLM(args.model, dtype="float32", seed=0, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=8192, max_model_len=max_len, block_size=bs,
+              num_kv_blocks=3 * (max_len // bs) + 64, **extra)
     engine = llm.llm_engine
     engine.runner._step = StubStep(engine.vocab_size)
     return llm
@@ -77,21 +91,28 @@ def instrument(llm):
     return pt
 
 
-def request(rng, spans, order, vocab: int):
+def request(rng, spans, order, vocab: int, fresh: bool = False):
     """[Prompt(system: 40 ids, the same in every call), spans in `order`, Prompt(a new
-    question: 30 ids)]."""
+    question: 30 ids)]; `fresh`: each span a new list of the ids kept."""
     from minipic_jax.prompts import Prompt, Span
     system = np.random.default_rng(1).integers(10, vocab - 10, 40).tolist()
     return ([Prompt(system)] +
-            [Span(spans[k]) for k in order] +
+            [Span(list(spans[k]) if fresh else spans[k]) for k in order] +
             [Prompt(rng.integers(10, vocab - 10, 30).tolist())])
 
 
 def timed_call(llm, pt, prompt, sp) -> dict:
+    import resource
+    import time
+    faults0, cpu0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.thread_time()
     pt.start()
     out = llm.generate(prompt, sp, use_tqdm=False)
     parts = {k: 1e3 * v for k, v in pt.stop().items()}
+    cpu = time.thread_time() - cpu0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     parts["wall"] = sum(parts.values())
+    parts["thread_cpu"] = 1e3 * cpu  # this thread's CPU time, ms
+    parts["faults"] = faults
     parts["host"] = parts["wall"] - parts["stub"]
     parts["cached"] = out[0].num_cached_tokens
     return parts
@@ -107,31 +128,34 @@ def run(args) -> int:
     spans = [rng.integers(10, vocab - 10, args.span_tokens).tolist() for _ in range(args.spans)]
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     pt = instrument(llm)
-    rows = [("cold", timed_call(llm, pt, request(rng, spans, range(args.spans), vocab), sp))]
+    fresh = args.fresh_lists
+    rows = [("cold", timed_call(llm, pt, request(rng, spans, range(args.spans), vocab, fresh),
+                                sp))]
     cached: list[list[dict]] = [[] for _ in range(args.calls)]
     for _ in range(args.repeats):
         for c in range(args.calls):
             order = rng.permutation(args.spans)
-            cached[c].append(timed_call(llm, pt, request(rng, spans, order, vocab), sp))
-    keys = ("wall", "host") + PARTS[:-1] + ("other", "stub")
+            cached[c].append(timed_call(llm, pt, request(rng, spans, order, vocab, fresh), sp))
+    keys = ("wall", "host", "thread_cpu") + PARTS[:-1] + ("other", "stub", "faults")
     for c in range(args.calls):
         rows.append((f"cached {c + 1}", {k: statistics.median(r[k] for r in cached[c])
                                          for k in keys + ("cached",)}))
     print(f"ttft-host: {args.model}, [Prompt(40), Span({args.span_tokens}) x {args.spans}, "
-          f"Prompt(30)], max_tokens=1, step stubbed; ms (cached calls: median of "
-          f"{args.repeats})")
+          f"Prompt(30)], max_tokens=1, step stubbed, {'new' if fresh else 'the same'} span lists "
+          f"per call; ms (cached calls: median of {args.repeats}), minor page faults")
     print(f"{'call':>9} " + " ".join(f"{k:>9}" for k in keys) + "  cached_tokens")
     for name, r in rows:
-        print(f"{name:>9} " + " ".join(f"{r[k]:9.3f}" for k in keys) + f"  {int(r['cached'])}")
+        print(f"{name:>9} " + " ".join(f"{r[k]:9.3f}" for k in keys[:-1]) +
+              f" {r['faults']:9.0f}  {int(r['cached'])}")
     if args.profile:
-        _profile(llm, rng, spans, sp, vocab, args.spans)
+        _profile(llm, rng, spans, sp, vocab, args.spans, fresh)
     return 0
 
 
-def _profile(llm, rng, spans, sp, vocab: int, n: int) -> None:
+def _profile(llm, rng, spans, sp, vocab: int, n: int, fresh: bool) -> None:
     import cProfile
     import pstats
-    prompt = request(rng, spans, rng.permutation(n), vocab)
+    prompt = request(rng, spans, rng.permutation(n), vocab, fresh)
     prof = cProfile.Profile()
     prof.enable()
     llm.generate(prompt, sp, use_tqdm=False)

@@ -12,6 +12,15 @@ the objects it held, ~20 us for 33K ids) and reuses the conversion when nothing 
 An entry changed after its first call to an equal value of another type (1 -> True or 1.0) still
 compares equal and is taken as the int it equals; any other change is converted (and checked)
 again.
+
+A caller that builds a new list (or tuple) for each request from ids it keeps (`Span(list(doc))`,
+as benchmarks/rag_ttft.py does) gives an equal list of the same int objects: it is found by its
+length and a few sampled ids, compared with the remembered copy (list equality, pointer compares
+again) and taken when it holds Python ints only (`sum` stays an int: no float, numpy scalar or
+other type that compares equal to an int) and no bool where the remembered ids are 0 or 1 (the
+only values a bool equals). Converting each new list cost ~100 us per 4K ids and, as the
+remembered copies churned, ~260 page faults per cached-span request (~1 ms of the 33K-id
+request; page faults cost more on the GPU hosts' virtual machines).
 """
 
 from __future__ import annotations
@@ -86,38 +95,53 @@ class SegmentMemo:
         self.max_ids = max_ids
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self._num_ids = 0
+        self._by_content: dict = {}  # _content_key -> the key of the entry that has it
         self._lock = threading.Lock()
         self.hits = 0
 
     def convert(self, content, what: str) -> tuple[list[int], np.ndarray | None]:
         """`convert(content, what)`, reused while `content` is the object converted before and
-        holds the same ids."""
+        holds the same ids, or a list / tuple equal to one converted before holding Python ints
+        (see the module doc)."""
         snap = _snapshot_kind(content)
         if snap is None or len(content) < MIN_MEMO_IDS:
             return convert(content, what)
-        key = id(content)
+        key, ckey = id(content), _content_key(content)
         with self._lock:
             entry = self._entries.get(key)
+            if entry is None or entry[0] is not content:
+                entry = self._entries.get(self._by_content.get(ckey))
+                same_object = False
+            else:
+                same_object = True
             if entry is not None:
-                self._entries.move_to_end(key)
-        if entry is not None and entry[0] is content and _unchanged(entry[1], content):
+                self._entries.move_to_end(id(entry[0]))
+        if entry is not None and _unchanged(entry[1], content) and (
+                same_object or _python_ints_as_remembered(content, entry[5])):
             self.hits += 1
             return entry[2], entry[3]
         ids, arr = convert(content, what)
         if arr is not None:
-            self._keep(key, (content, snap(content), ids, arr))
+            self._keep(key, (content, snap(content), ids, arr, ckey,
+                             np.flatnonzero((arr >> 1) == 0)))
         return ids, arr
 
     def _keep(self, key: int, entry: tuple) -> None:
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._num_ids -= len(old[2])
+            self._drop(self._entries.pop(key, None))
             self._entries[key] = entry  # holds `content`: its id is not reused meanwhile
             self._num_ids += len(entry[2])
+            if entry[4] is not None:
+                self._by_content[entry[4]] = key
             while self._num_ids > self.max_ids and len(self._entries) > 1:
-                _, dropped = self._entries.popitem(last=False)
-                self._num_ids -= len(dropped[2])
+                self._drop(self._entries.popitem(last=False)[1])
+
+    def _drop(self, entry) -> None:
+        if entry is None:
+            return
+        self._num_ids -= len(entry[2])
+        if entry[4] is not None and self._by_content.get(entry[4]) == id(entry[0]):
+            del self._by_content[entry[4]]
 
 
 def _snapshot_kind(content):
@@ -132,7 +156,33 @@ def _snapshot_kind(content):
     return None
 
 
+def _content_key(content):
+    """A list's or tuple's length and a few of its ids (None for an ndarray, or where an entry
+    cannot be hashed): finds an equal one converted before; equality is checked after."""
+    if type(content) is np.ndarray:
+        return None
+    n = len(content)
+    key = (type(content), n) + tuple(content[i] for i in (0, 1, n // 3, n // 2, 2 * n // 3, -1))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _python_ints_as_remembered(content, zero_one: np.ndarray) -> bool:
+    """Whether `content`, equal to remembered ids, holds what its conversion would give: Python
+    ints only (see _python_ints; a float, numpy scalar or Decimal makes the sum another type)
+    and no bool, which can only sit where the remembered ids are 0 or 1 (`zero_one`)."""
+    if not _python_ints(content):
+        return False
+    return not any(type(content[k]) is bool for k in zero_one.tolist())
+
+
 def _unchanged(snapshot, content) -> bool:
     if type(content) is np.ndarray:
         return snapshot.dtype == content.dtype and np.array_equal(snapshot, content)
-    return snapshot is content or snapshot == content
+    try:  # an entry whose comparison raises (an array in a list) is converted, which names it
+        return snapshot is content or bool(snapshot == content)
+    except (TypeError, ValueError):
+        return False

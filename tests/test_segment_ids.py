@@ -23,8 +23,8 @@ def test_the_same_list_is_converted_once_and_a_changed_one_again():
     ids[7] = 5  # changed in place: converted again
     changed, arr3 = memo.convert(ids, "Span")
     assert memo.hits == 1 and changed[7] == 5 and arr3[7] == 5
-    memo.convert(list(ids), "Span")  # an equal list, another object: converted
-    assert memo.hits == 1
+    memo.convert([t for t in ids], "Span")  # an equal list of the same ints: reused
+    assert memo.hits == 2
     ids[9] = True  # a bool put in after the first call is no more an id than before
     with pytest.raises(TypeError, match=r"Span token ids must be ints; index 9 is True"):
         memo.convert(ids, "Span")
@@ -41,6 +41,37 @@ def test_numpy_arrays_and_tuples_are_remembered_and_arrays_compared_by_value():
     a[3] = 77
     got, _ = memo.convert(a, "Span")
     assert memo.hits == 2 and got[3] == 77
+
+
+def test_a_new_equal_list_of_the_same_ints_is_not_converted_again(monkeypatch):
+    """A span list rebuilt per request (`Span(list(doc))`, the RAG benchmark's way) reuses the
+    conversion of an equal list (issue 28: ~100 us per 4K ids and page faults each request);
+    an equal one holding a bool, a float or numpy ints is converted (refused or made ints)."""
+    from minipic_jax import segment_ids
+    calls = []
+    real = segment_ids.convert
+    monkeypatch.setattr(segment_ids, "convert", lambda c, w: calls.append(1) or real(c, w))
+    memo = SegmentMemo()
+    doc = tuple(range(1000, 1000 + MIN_MEMO_IDS)) + (1, 0)
+    first, arr = memo.convert(list(doc), "Span")
+    for fresh in (list(doc), list(doc)):
+        got, arr2 = memo.convert(fresh, "Span")
+        assert got == list(doc) and arr2 is arr
+    assert len(calls) == 1 and memo.hits == 2
+    assert memo.convert(doc, "Span")[0] == list(doc) and len(calls) == 2  # a tuple: its own
+    assert memo.convert(tuple(doc), "Span")[1] is not None and len(calls) == 2
+    for k, bad in ((MIN_MEMO_IDS, True), (MIN_MEMO_IDS + 1, False), (3, 1003.0)):
+        odd = list(doc)
+        odd[k] = bad
+        with pytest.raises(TypeError, match=rf"index {k} is {bad!r}"):
+            memo.convert(odd, "Span")
+    numpy_ints = [np.int64(t) for t in doc]
+    got, _ = memo.convert(numpy_ints, "Span")
+    assert {type(t) for t in got} == {int} and got == list(doc)
+    other = list(doc)
+    other[5] = 7  # the same length and sampled ids, another id: converted, not taken
+    assert memo.convert(other, "Span")[0][5] == 7
+    assert memo.convert(list(doc), "Span")[0][5] == 1005  # the last converted equal one
 
 
 def test_the_memo_keeps_at_most_max_ids():

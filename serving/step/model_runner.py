@@ -36,7 +36,7 @@ from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
 from serving.cache.page_zeroing import PageZeroer, zero_pages
 from serving.step.sampler import SamplingMetadata, pack_outputs, sample, unpack_outputs
 from serving.step.step_executables import StepExecutables
-from serving.step.step_inputs import S_FIELDS_CKPT, SeatTables, fill_sampling, layout
+from serving.step.step_inputs import S_FIELDS_CKPT, SeatTables, clear_ints, fill_sampling, layout
 
 class ModelRunner:
     def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype, *, marker_rows=None,
@@ -86,6 +86,7 @@ class ModelRunner:
         self.tables = SeatTables(seats, self.nb, self.block_size, self.mcfg.vocab_size, marker_rows)
         self.zeroer = PageZeroer(self.num_blocks, config, source=fresh_pages)  # page_zeroing.py
         self._bufs: dict = {}
+        self._table_rows: dict = {}  # id(int buffer) -> block-table rows its last step wrote
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
         self.ck_pool, self.span_pool = ck_pool, span_pool  # hybrid: checkpoint_pool, span_maps
@@ -305,7 +306,8 @@ class ModelRunner:
         spans = self.hybrid and span_step.step_has_spans(batch, self.block_size)
         warm = spans and self.span_pool is not None
         ints, floats, v = self._buffers(t, s, self._parity if use_prev else 0, spans, warm)
-        ints.fill(0)
+        clear_ints(ints, v, self._table_rows.get(id(ints), 0))
+        self._table_rows[id(ints)] = len(batch)  # the rows copy_rows writes below
         floats[:s] = 0.0
         floats[s:] = 1.0
         v["slot_mapping"][:] = -1
