@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS
+from kernels_pallas.gated_delta.api import COMPOSE_PRECISIONS
 
 CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from kernels_pallas import registry
 from kernels_pallas.gated_delta import affine, chunked, dots, ragged, tree_scan
 from kernels_pallas.gated_delta.affine import apply as apply_map, maps_packing  # noqa: F401
+from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precision  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
 from kernels_pallas.gated_delta.ragged import packing as ragged_packing, take_rows  # noqa: F401
 from kernels_pallas.registry import Implementation

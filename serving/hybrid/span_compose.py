@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.gated_delta.affine import compose_precision
+from kernels_pallas.gated_delta.api import compose_precision
 from serving.hybrid import span_step
 
 
