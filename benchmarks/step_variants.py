@@ -118,3 +118,35 @@ def dispatch_probe(r, ints, floats, use_prev: bool, kw, repeats: int) -> dict:
     dev = jax.block_until_ready(jax.device_put((ints, floats)))
     return {"dispatch_ms": on_host, "dispatch_inputs_on_device_ms": returns_ms(*dev),
             "int_bytes": int(ints.nbytes)}
+
+
+def ttft_summary(runs: dict) -> list[str]:
+    """Lines of one table over `rag --configs ttft` results, {label: rag_bench.json path}: per
+    engine setting the cold and cached TTFT through LLM.generate, the host time of a cached call,
+    its step call's return (`step_call`), the replayed step's call return, lone wall and
+    kernels, then any in-process rows (`compare`) of that run."""
+    import json
+    import pathlib
+
+    out = [f"{'run':>10} {'cold':>8} {'cached':>7} {'ratio':>6} {'host':>6} {'step_call':>9} "
+           f"{'replay call':>11} {'alone':>6} {'busy':>6} {'kernels':>7}   (ms)"]
+    extra = []
+    for label, path in runs.items():
+        try:
+            res = next(r for r in json.loads(pathlib.Path(path).read_text())["results"]
+                       if r.get("config") == "ttft")
+            g, prof = res["generate"], res.get("cached_step_profile") or {}
+            calls = [r["parts_ms"]["step_call"] for r in g["rows"] if not r["cold"]]
+        except (OSError, StopIteration, KeyError, ValueError) as err:
+            out.append(f"{label:>10} no result ({type(err).__name__}: {err})"[:200])
+            continue
+        call = statistics.median(calls) if calls else float("nan")
+        out.append(f"{label:>10} {g['cold_ms']:8.1f} {g['cached_ms']:7.2f} "
+                   f"{g['cold_over_cached']:6.1f} {g['cached_host_ms']:6.2f} {call:9.2f} "
+                   f"{prof.get('dispatch_ms', float('nan')):11.2f} "
+                   f"{prof.get('step_alone_ms', float('nan')):6.2f} "
+                   f"{prof.get('kernel_busy_ms_per_step', float('nan')):6.2f} "
+                   f"{prof.get('kernels_per_step', float('nan')):7.0f}")
+        if prof.get("command_buffers"):
+            extra += [f"in-process A/B of run {label}'s cached step:"] + table(prof["command_buffers"])
+    return out + extra
