@@ -182,9 +182,9 @@ def report(results: list) -> None:
                 for k in prof["top"][:10]:
                     print(f"[ttft]   {k['ms_per_step']:7.3f} ms {k['calls_per_step']:5.0f}x "
                           f"{k['name']}")
-                if prof.get("command_buffers"):
+                if prof.get("command_buffer_ab"):
                     from benchmarks.step_variants import table
-                    for line in table(prof["command_buffers"]):
+                    for line in table(prof["command_buffer_ab"]):
                         print(f"[ttft] {line}")
                 for label, p in (("planned", prof), ("with decode part",
                                                      prof.get("with_decode_part"))):

@@ -92,7 +92,7 @@ def _profile_last_step(engine, repeats: int = 5, command_buffers=()) -> dict:
     of its compiled program; a step planned without the decode part (MixedOptions.decode_rows
     False) is replayed with it too (`with_decode_part`, the A/B). Replaying rewrites the same
     K/V rows with the same values. `command_buffers` (step_command_buffer settings): the same
-    step compiled with each and timed too (benchmarks/step_variants.py), in `command_buffers`."""
+    step compiled with each and timed too (benchmarks/step_variants.py), in `command_buffer_ab`."""
     import dataclasses
 
     from benchmarks.timing import profile_kernels
@@ -105,12 +105,13 @@ def _profile_last_step(engine, repeats: int = 5, command_buffers=()) -> dict:
         out["with_decode_part"] = _replay(r, ints, floats, kw_b, repeats, profile_kernels)
     if command_buffers:
         from benchmarks import step_variants
-        out["command_buffers"] = step_variants.compare(r, ints, floats, kw, command_buffers,
-                                                       repeats=repeats)
+        out["command_buffer_ab"] = step_variants.compare(r, ints, floats, kw, command_buffers,
+                                                         repeats=repeats)
     return out
 
 
 def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
+    from benchmarks import step_variants
     from benchmarks.timing import blocked_ms
     use_prev = r.config.async_scheduling
 
@@ -118,8 +119,7 @@ def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
         return r._dispatch(ints, floats, use_prev, kw)
 
     alone = blocked_ms(call, repeats)["ms"]
-    from benchmarks.step_variants import dispatch_probe
-    probe = dispatch_probe(r, ints, floats, use_prev, kw, repeats)
+    probe = step_variants.dispatch_probe(r, ints, floats, use_prev, kw, repeats)
     prof = profile_kernels(call, steps=3, top=15)
     prof.pop("lines", None)
     try:  # the ops of the executable the replay ran (compiled or loaded at warm-up)
@@ -127,6 +127,7 @@ def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
         text = r._step._table[r._step._key(args, kw)].as_text()
         hlo = {op: text.count(f" {op}(") for op in ("fusion", "custom-call", "while",
                                                     "conditional", "gather", "scatter")}
+        hlo["command_buffers"] = len(step_variants.command_buffer_computations(text))
     except Exception as e:  # noqa: BLE001 - a side figure
         hlo = {"error": repr(e)[:200]}
     return {"step_alone_ms": alone, **probe, "tokens": kw["t"],

@@ -2,13 +2,14 @@
 
 `compare(runner, ints, floats, kw, settings)` takes the inputs of a step the runner ran
 (`ModelRunner.last_inputs`), compiles that step's variant again for each Config.compilation
-command-buffer setting (serving/step/compile_options.py: "off", "on", a list of XLA
-command-buffer types), puts it in the runner's variant table in place of the engine's own and
-replays the step (the engine's own executable first, as row "engine"): per setting the ms until the call returns (`dispatch_ms`: the host's launch
-work; `dispatch_probe`, also rag_ttft's), a lone step's wall (`step_alone_ms`), the device kernels per step
-and their busy ms (a jax.profiler trace; kernels inside a CUDA graph are still listed one by
-one), the profiler's lines (graph launches show there) and the command-buffer computations XLA
-outlined into the program (`command_buffers`). The engine's executable is put back after each.
+command-buffer setting (serving/step/compile_options.py: "off", "on", a list of XLA command-buffer
+types), puts it in the runner's variant table in place of the engine's own and replays the step
+(the engine's own executable first, as row "engine"): per setting the ms until the call returns
+(`dispatch_ms`: the host's launch work; `dispatch_probe`, also rag_ttft's), a lone step's wall
+(`step_alone_ms`), the device kernels per step and their busy ms (a jax.profiler trace; kernels
+inside a CUDA graph are still listed one by one), the profiler's lines (graph launches show there)
+and the command-buffer computations XLA outlined into the program (`command_buffers`). The engine's
+executable is put back after each.
 
 Options are given to `Lowered.compile` over those of the engine's own jit, so run it in an engine
 whose step_command_buffer is "xla" (the default today): "xla" is then the engine's row.
@@ -37,21 +38,25 @@ def compare(runner, ints, floats, kw, settings, *, repeats: int = 5, profile: bo
     own = steps._table[key]
     rows = []
     for setting in (None, *settings):  # None: the engine's own executable
+        row = {"setting": "engine" if setting is None else setting}
         t0 = time.perf_counter()
-        if setting is None:
-            exe, options = own, steps.compiler_options
-        else:
-            options = step_compiler_options(setting, platform or jax.default_backend())
-            exe = steps.jitted.trace(*args, **kw).lower().compile(compiler_options=options or None)
-        row = {"setting": "engine" if setting is None else setting, "options": options,
-               "compile_s": time.perf_counter() - t0, **command_buffers(exe)}
-        steps._table[key] = exe
-        steps._spelled.clear()  # the callers' spellings point at the table's old entries
         try:
-            rows.append(_measure(runner, ints, floats, use_prev, kw, repeats, profile, row))
+            if setting is None:
+                exe, row["options"] = own, steps.compiler_options
+            else:
+                row["options"] = step_compiler_options(setting, platform or jax.default_backend())
+                exe = steps.jitted.trace(*args, **kw).lower().compile(
+                    compiler_options=row["options"] or None)
+            row.update(compile_s=time.perf_counter() - t0, **command_buffers(exe))
+            steps._table[key] = exe
+            steps._spelled.clear()  # the callers' spellings point at the table's old entries
+            _measure(runner, ints, floats, use_prev, kw, repeats, profile, row)
+        except Exception as err:  # noqa: BLE001 - one setting failing (a compile, the profiler on
+            row["error"] = f"{type(err).__name__}: {err}"[:400]  # graphs) keeps the others
         finally:
             steps._table[key] = own
             steps._spelled.clear()
+        rows.append(row)
     return rows
 
 
@@ -79,8 +84,14 @@ def command_buffers(exe) -> dict:
         text = exe.as_text()
     except Exception:  # noqa: BLE001 - a side figure (a loaded executable may have no text)
         return {"command_buffers": None}
-    defs = re.findall(r"^%?command_buffer[\w.\-]*\s*\(", text, re.M)
-    return {"command_buffers": len(defs), "command_buffer_mentions": text.count("command_buffer")}
+    return {"command_buffers": len(command_buffer_computations(text)),
+            "command_buffer_mentions": text.count("command_buffer")}
+
+
+def command_buffer_computations(hlo_text: str) -> list[str]:
+    """The names of the computations XLA's command-buffer scheduling outlined (a compiled
+    program's text defines each as `%command_buffer... (`)."""
+    return re.findall(r"^%?(command_buffer[\w.\-]*)\s*\(", hlo_text, re.M)
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -90,8 +101,12 @@ def table(rows: list[dict]) -> list[str]:
     out = [head]
     for r in rows:
         label = str(r["setting"])
+        label = label if len(label) <= 22 else "..." + label[-19:]
+        if "dispatch_ms" not in r:
+            out.append(f"{label:>22} failed: {r.get('error')}"[:200])
+            continue
         busy = r.get("kernel_busy_ms_per_step")
-        out.append(f"{label[:22]:>22} {r['dispatch_ms']:9.2f} ms {r['step_alone_ms']:5.2f} ms "
+        out.append(f"{label:>22} {r['dispatch_ms']:9.2f} ms {r['step_alone_ms']:5.2f} ms "
                    f"{'-' if busy is None else f'{busy:5.2f} ms':>8} "
                    f"{r.get('kernels_per_step', 0):8.0f} {str(r.get('command_buffers')):>6}")
     return out
@@ -124,12 +139,12 @@ def ttft_summary(runs: dict) -> list[str]:
     """Lines of one table over `rag --configs ttft` results, {label: rag_bench.json path}: per
     engine setting the cold and cached TTFT through LLM.generate, the host time of a cached call,
     its step call's return (`step_call`), the replayed step's call return, lone wall and
-    kernels, then any in-process rows (`compare`) of that run."""
+    kernels and command-buffer computations, then any in-process rows (`compare`) of that run."""
     import json
     import pathlib
 
     out = [f"{'run':>10} {'cold':>8} {'cached':>7} {'ratio':>6} {'host':>6} {'step_call':>9} "
-           f"{'replay call':>11} {'alone':>6} {'busy':>6} {'kernels':>7}   (ms)"]
+           f"{'replay call':>11} {'alone':>6} {'busy':>6} {'kernels':>7} {'graphs':>6}  (ms)"]
     extra = []
     for label, path in runs.items():
         try:
@@ -146,7 +161,9 @@ def ttft_summary(runs: dict) -> list[str]:
                    f"{prof.get('dispatch_ms', float('nan')):11.2f} "
                    f"{prof.get('step_alone_ms', float('nan')):6.2f} "
                    f"{prof.get('kernel_busy_ms_per_step', float('nan')):6.2f} "
-                   f"{prof.get('kernels_per_step', float('nan')):7.0f}")
-        if prof.get("command_buffers"):
-            extra += [f"in-process A/B of run {label}'s cached step:"] + table(prof["command_buffers"])
+                   f"{prof.get('kernels_per_step', float('nan')):7.0f} "
+                   f"{str(prof.get('hlo_ops', {}).get('command_buffers', '-')):>6}")
+        if prof.get("command_buffer_ab"):
+            extra += [f"in-process A/B of run {label}'s cached step:"]
+            extra += table(prof["command_buffer_ab"])
     return out + extra
