@@ -63,6 +63,14 @@ OPTIONS = {
     "ttft_profile": dict(type=int, default=0,
                          help="ttft: 1 = replay the cached step alone, time it and summarise "
                               "its device kernels (jax.profiler)"),
+    "ttft_command_buffers": dict(nargs="+", default=None,
+                                 help="ttft with --ttft-profile 1: step_command_buffer settings "
+                                      "the cached step is also compiled with and timed in the "
+                                      "same process, e.g. off on (benchmarks/step_variants.py)"),
+    "step_command_buffer": dict(default=None,
+                                help="Config.compilation.command_buffer of every engine: xla, "
+                                     "off, on or XLA command-buffer types (FUSION,CUBLAS,...); "
+                                     "default: the engine's"),
     "compose_cost": dict(type=int, default=0,
                          help="hybrid position_free configs: 1 = time the warm span step with "
                               "the most cached maps and its span-map composition alone "
@@ -174,6 +182,10 @@ def report(results: list) -> None:
                 for k in prof["top"][:10]:
                     print(f"[ttft]   {k['ms_per_step']:7.3f} ms {k['calls_per_step']:5.0f}x "
                           f"{k['name']}")
+                if prof.get("command_buffer_ab"):
+                    from benchmarks.step_variants import table
+                    for line in table(prof["command_buffer_ab"]):
+                        print(f"[ttft] {line}")
                 for label, p in (("planned", prof), ("with decode part",
                                                      prof.get("with_decode_part"))):
                     if p:

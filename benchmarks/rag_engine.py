@@ -27,7 +27,8 @@ def build_engine(opts, extra: dict, max_model_len: int, spans: bool = False):
               max_num_batched_tokens=opts.max_num_batched_tokens, max_model_len=max_model_len,
               min_token_bucket=opts.min_token_bucket, num_kv_blocks=opts.num_kv_blocks,
               attn_impl=opts.attn_impl,
-              tensor_parallel_size=getattr(opts, "tensor_parallel_size", 1), **extra)
+              tensor_parallel_size=getattr(opts, "tensor_parallel_size", 1),
+              step_command_buffer=getattr(opts, "step_command_buffer", None), **extra)
     load = time.perf_counter() - t0
     print(f"loaded {opts.model} in {load:.1f} s; warming up", flush=True)
     t1 = time.perf_counter()

@@ -9,7 +9,9 @@ One engine (position-free, fcfs), one structured request `[system, Span x n, que
      device wait inside it (the engine's stats), the host time (wall - device wait) and the host
      parts (benchmarks/ttft_host.py's split; with a real step, `output` holds the wait for the
      sampled token);
-  3. optionally (--ttft-profile 1) the last cached step replayed alone and profiled.
+  3. optionally (--ttft-profile 1) the last cached step replayed alone and profiled, and with
+     --ttft-command-buffers compiled with those step_command_buffer settings too and timed in
+     this process (benchmarks/step_variants.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def run_ttft(opts) -> dict:
                      "ttft_ms": 1e3 * run["ttft_s"][0], "steps": run["steps"],
                      "step_ms": 1e3 * run["step_time_s"] / max(run["steps"], 1)})
     if opts.ttft_profile and len(rows) > 1:  # the last cached request's one step, replayed
-        result["cached_step_profile"] = _profile_last_step(llm.llm_engine)
+        result["cached_step_profile"] = _profile_last_step(
+            llm.llm_engine, command_buffers=getattr(opts, "ttft_command_buffers", None) or ())
     result["generate"] = generate_calls(llm, samples, enc, sp, n, length, opts.ttft_repeats)
     cached_ttft = float(np.median([x["ttft_ms"] for x in rows[1:]])) if len(rows) > 1 else None
     result.update(rows=rows, cold_ttft_ms=rows[0]["ttft_ms"], cached_ttft_ms=cached_ttft,
@@ -83,12 +86,13 @@ def generate_calls(llm, samples, enc, sp, n: int, length: int, repeats: int) -> 
     return out
 
 
-def _profile_last_step(engine, repeats: int = 5) -> dict:
+def _profile_last_step(engine, repeats: int = 5, command_buffers=()) -> dict:
     """The runner's last step (same inputs, same shapes) replayed alone: its median wall time, a
     profiler summary of its device kernels (benchmarks/timing.profile_kernels) and the op counts
     of its compiled program; a step planned without the decode part (MixedOptions.decode_rows
     False) is replayed with it too (`with_decode_part`, the A/B). Replaying rewrites the same
-    K/V rows with the same values."""
+    K/V rows with the same values. `command_buffers` (step_command_buffer settings): the same
+    step compiled with each and timed too (benchmarks/step_variants.py), in `command_buffer_ab`."""
     import dataclasses
 
     from benchmarks.timing import profile_kernels
@@ -99,10 +103,15 @@ def _profile_last_step(engine, repeats: int = 5) -> dict:
     if getattr(plan, "decode_rows", True) is False:
         kw_b = dict(kw, attn_options=dataclasses.replace(plan, decode_rows=True))
         out["with_decode_part"] = _replay(r, ints, floats, kw_b, repeats, profile_kernels)
+    if command_buffers:
+        from benchmarks import step_variants
+        out["command_buffer_ab"] = step_variants.compare(r, ints, floats, kw, command_buffers,
+                                                         repeats=repeats)
     return out
 
 
 def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
+    from benchmarks import step_variants
     from benchmarks.timing import blocked_ms
     use_prev = r.config.async_scheduling
 
@@ -110,7 +119,7 @@ def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
         return r._dispatch(ints, floats, use_prev, kw)
 
     alone = blocked_ms(call, repeats)["ms"]
-    probe = dispatch_probe(r, ints, floats, use_prev, kw, repeats)
+    probe = step_variants.dispatch_probe(r, ints, floats, use_prev, kw, repeats)
     prof = profile_kernels(call, steps=3, top=15)
     prof.pop("lines", None)
     try:  # the ops of the executable the replay ran (compiled or loaded at warm-up)
@@ -118,31 +127,8 @@ def _replay(r, ints, floats, kw, repeats, profile_kernels) -> dict:
         text = r._step._table[r._step._key(args, kw)].as_text()
         hlo = {op: text.count(f" {op}(") for op in ("fusion", "custom-call", "while",
                                                     "conditional", "gather", "scatter")}
+        hlo["command_buffers"] = len(step_variants.command_buffer_computations(text))
     except Exception as e:  # noqa: BLE001 - a side figure
         hlo = {"error": repr(e)[:200]}
     return {"step_alone_ms": alone, **probe, "tokens": kw["t"],
             "attn_options": repr(kw.get("attn_options")), "hlo_ops": hlo, **prof}
-
-
-def dispatch_probe(r, ints, floats, use_prev: bool, kw, repeats: int) -> dict:
-    """Where the step call's own host time goes (issue 28's `step_call`): the median ms until
-    the call returns (each call waited for before the next), with the host int/float buffers
-    as the engine passes them and with the same values already on device (the difference is
-    the host->device copy of the inputs: the [S, NB] block tables are most of `int_bytes`)."""
-    import time
-
-    import jax
-
-    def returns_ms(a, b) -> float:
-        times = []
-        for _ in range(repeats + 2):
-            t0 = time.perf_counter()
-            out = r._dispatch(a, b, use_prev, kw)
-            times.append(time.perf_counter() - t0)
-            jax.block_until_ready(out)
-        return 1e3 * statistics.median(times[2:])
-
-    on_host = returns_ms(ints, floats)
-    dev = jax.block_until_ready(jax.device_put((ints, floats)))
-    return {"dispatch_ms": on_host, "dispatch_inputs_on_device_ms": returns_ms(*dev),
-            "int_bytes": int(ints.nbytes)}

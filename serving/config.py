@@ -14,8 +14,9 @@ import dataclasses
 import warnings
 
 from kernels_pallas.paged_attention.api import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from serving.config_groups import (CHECKPOINT_STRATEGIES, HybridCacheConfig,  # noqa: F401
-                                   KVStoreConfig, SpanMapConfig, grouped_kwargs, option, to_flat)
+from serving.config_groups import (CHECKPOINT_STRATEGIES, CompilationConfig,  # noqa: F401
+                                   HybridCacheConfig, KVStoreConfig, SpanMapConfig,
+                                   grouped_kwargs, option, to_flat)
 
 KV_MODES = ("position_free", "rotated", "pic_off")
 POLICIES = ("fcfs", "barrier", "isps")
@@ -83,11 +84,14 @@ class Config:
     # False = the synchronous loop (schedule, run, read back, then the next step).
     async_scheduling: bool = True
     # Option groups (serving/config_groups.py): the persistent span store, hybrid models'
-    # recurrent checkpoints and their span maps. `Config.from_flat` (what LLM uses) also takes
-    # their vLLM-style flat keywords (kv_store_dir=..., checkpoint_gb=..., span_map_gb=...).
+    # recurrent checkpoints and their span maps, the steps' compilation. `Config.from_flat`
+    # (what LLM uses) also takes their vLLM-style flat keywords (kv_store_dir=...,
+    # checkpoint_gb=..., span_map_gb=..., step_command_buffer=...).
     kv_store: KVStoreConfig = option(default_factory=KVStoreConfig)
     hybrid_cache: HybridCacheConfig = option(default_factory=HybridCacheConfig)
     span_maps: SpanMapConfig = option(default_factory=SpanMapConfig)
+    # how the step programs compile (step_command_buffer=...: XLA command buffers on a GPU)
+    compilation: CompilationConfig = option(default_factory=CompilationConfig)
     # Devices the model is split over (Megatron tensor parallelism, serving/step/sharding.py): must
     # divide the attention (and GDN) head counts and not exceed the device count. Under TP the
     # weights stay unfused (fuse_weights is ignored: a fused [q | k | v] axis would not split

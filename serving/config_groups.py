@@ -23,6 +23,13 @@ import difflib
 from kernels_pallas.gated_delta.api import COMPOSE_PRECISIONS
 
 CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
+# Config.compilation.command_buffer: these settings or a comma list of COMMAND_BUFFER_TYPES,
+# the xla_gpu_enable_command_buffer values this jaxlib's XLA knows (an unknown one is an
+# INVALID_ARGUMENT at compile; tests/test_step_compile_options.py compiles each on CPU).
+# serving/step/compile_options.py turns a setting into compiler options.
+COMMAND_BUFFER_SETTINGS = ("xla", "off", "on")
+COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "COLLECTIVES",
+                        "CONDITIONAL", "WHILE", "DYNAMIC_SLICE_FUSION")
 
 
 # Former options that nothing ever set, now constants where they are used (a keyword naming one
@@ -160,6 +167,39 @@ class SpanMapConfig:
             raise ValueError(f"span_map_gb (Config.span_maps.budget_gb) must be None or >= 0 and "
                              f"span_map_host_gb (Config.span_maps.host_gb) >= 0, "
                              f"got {self.budget_gb} and {self.host_gb}")
+
+
+def check_command_buffer(setting: str | None, where: str) -> None:
+    """ValueError naming `where` (the option) unless `setting` is None, one of
+    COMMAND_BUFFER_SETTINGS or a comma list of COMMAND_BUFFER_TYPES."""
+    if setting is None or setting in COMMAND_BUFFER_SETTINGS:
+        return
+    if isinstance(setting, str):
+        names = [n.strip() for n in setting.split(",")]
+        bad = [n for n in names if n not in COMMAND_BUFFER_TYPES]
+        if not bad:
+            return
+        why = f"unknown command-buffer type(s) {bad}"
+    else:
+        why = f"not a string: {setting!r}"
+    raise ValueError(f"{where} must be None, one of {COMMAND_BUFFER_SETTINGS} or a comma list "
+                     f"of {COMMAND_BUFFER_TYPES}; {why}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompilationConfig:
+    """How the engine's step programs are compiled (vLLM's `compilation_config`; flat keywords
+    here). Read by the compiler, so every field keys stored executables."""
+
+    # XLA command buffers (CUDA graphs) per step executable on a GPU (issue 28: each kernel
+    # launched alone cost a cached-span step ~3.3 ms of host time): None = the platform default,
+    # "xla" = XLA's own, "off", "on", or a comma list of XLA command-buffer types
+    # (serving/step/compile_options.py). Off a GPU nothing is passed.
+    command_buffer: str | None = option(None, flat="step_command_buffer")
+
+    def __post_init__(self):
+        check_command_buffer(self.command_buffer,
+                             "step_command_buffer (Config.compilation.command_buffer)")
 
 
 def _groups(cls) -> dict[str, type]:

@@ -4,6 +4,7 @@
   step_inputs.py       the packed int32 input buffer, per-seat block-table rows, row fills
   step_executables.py  the step's compiled variants, readied up front, called directly
   executable_store.py  compiled steps on disk, keyed so a changed program never loads
+  compile_options.py   XLA compiler options of the steps (command buffers on a GPU)
   sampler.py           sampling on device: greedy, temperature, top-k/p, logprobs
   sharding.py          tensor parallelism: mesh, logical-axis rules, param and pool placement
 """

@@ -2,9 +2,9 @@
 
 Per step the host packs every int input (tokens, attention metadata, recurrent slots, logits rows,
 sampling ints) into one int32 buffer and the float sampling inputs into one float32 buffer, so a
-step is one dispatch with two transfers in and one device_get out (the only host sync). Shapes
-are bucketed by `Config.token_buckets` (see serving/config.py); the KV cache is donated.
-Block-table rows live in host arrays indexed by seat and are updated incrementally.
+step is one dispatch with two transfers in and one device_get out (the only host sync). Shapes are
+bucketed by `Config.token_buckets` (see serving/config.py); the KV cache is donated. Block-table
+rows live in host arrays indexed by seat and are updated incrementally.
 
 Async scheduling (Config.async_scheduling): the step also takes `prev` [seats + 1], the last
 token sampled per seat, kept on device. An input token -(seat + 1) is read from it (a decode
@@ -29,7 +29,7 @@ from kernels_pallas.paged_attention.problem import Problem
 from serving.hybrid import span_compose, span_step
 from serving.hybrid.span_step import piece_bound
 from serving.hybrid import checkpoint_pool as ckpt_pool
-from serving.step import sharding
+from serving.step import compile_options, sharding
 from serving.cache.kv_pool import allocate_pool, default_num_blocks
 from serving.config_groups import step_key_fields
 from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
@@ -94,7 +94,8 @@ class ModelRunner:
         self._step = StepExecutables(self._step_impl, signature_of=self._step_body,
                                      donate_argnums=(1, 5, 6), context=self._program_context,
                                      source_dirs=(os.path.dirname(self.family.__file__),),
-                                     store_setting=config.step_cache)
+                                     store_setting=config.step_cache,
+                                     compiler_options=compile_options.for_config(config))
         general, decode = attention_choices(config, self.mcfg, dtype)
         self.attn_impl, self.attn_options = general
         self.decode_impl, self.decode_options = decode
@@ -108,9 +109,9 @@ class ModelRunner:
         return self._step._cache_size()
 
     def _program_context(self) -> str:
-        """What the traced step depends on besides its arguments (serving/step/executable_store.py
-        keys stored executables by it): the model, the engine Config fields that can reach the
-        step (those only the host reads are left out, so e.g. fcfs and barrier share programs)
+        """What the traced step depends on besides its arguments (executable_store.py keys stored
+        executables by it; StepExecutables adds the compiler options): the model, the Config
+        fields that can reach the step (host-only ones left out: fcfs and barrier share programs)
         and the attention plan."""
         fields = step_key_fields(self.config)  # all but the fields marked host_only
         return repr((self.family.__name__, self.mcfg, sorted(fields.items()), self.kv_mode,
@@ -186,9 +187,7 @@ class ModelRunner:
         layer: `static_recurrent_kind` False restores it for A/B, hybrid_step_profile.py)."""
         if not self.static_recurrent_kind:
             return None
-        if decode_only:
-            return True
-        return False if self.separate_decode else None
+        return True if decode_only else (False if self.separate_decode else None)
 
     def use_recurrent_pools(self, ck_pool, span_pool) -> None:
         """Step with these checkpoint and span-map pools from now on (a fresh hybrid store over

@@ -32,18 +32,23 @@ class StepExecutables:
     Static arguments are `fun`'s keyword-only parameters (defaults filled in, so an omitted one
     and its default name the same variant). `context()` (optional) describes everything else
     the traced program depends on; without it, or with the store off (`store_setting`, see
-    executable_store.store_folder), nothing is stored."""
+    executable_store.store_folder), nothing is stored. `compiler_options` (XLA options, e.g.
+    serving/step/compile_options.py's command buffers) go to every compile and key the store, so
+    an executable stored without them is never loaded with them (nor the reverse)."""
 
     def __init__(self, fun, *, signature_of, donate_argnums, context=None, source_dirs=(),
-                 store_setting=None):
+                 store_setting=None, compiler_options=None):
         params = inspect.signature(signature_of).parameters.values()
         self._static = tuple((p.name, p.default) for p in params
                              if p.kind is inspect.Parameter.KEYWORD_ONLY)
         # omitted trailing positional arguments are passed as their defaults: one variant
         self._defaults = tuple(p.default for p in inspect.signature(fun).parameters.values()
                                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self.compiler_options = dict(compiler_options or {})
+        # the options on the jit too: the plain-jit fallback of __call__ compiles with them
         self.jitted = jax.jit(fun, donate_argnums=donate_argnums,
-                              static_argnames=tuple(n for n, _ in self._static))
+                              static_argnames=tuple(n for n, _ in self._static),
+                              compiler_options=self.compiler_options or None)
         self.context = context
         self.source_dirs = tuple(source_dirs)
         self.store_setting = store_setting  # Config.step_cache (executable_store.store_folder)
@@ -87,7 +92,10 @@ class StepExecutables:
         folder = store_folder(self.store_setting)
         if folder is None or self.context is None:
             return None
-        return ExecutableStore(folder, self.context(), self.source_dirs)
+        context = self.context()
+        if self.compiler_options:
+            context += f"\ncompiler_options {sorted(self.compiler_options.items())!r}"
+        return ExecutableStore(folder, context, self.source_dirs)
 
     def prepare(self, calls) -> None:
         """Ready every (args, static kwargs) variant of `calls` not ready yet (see module doc).
@@ -127,7 +135,11 @@ class StepExecutables:
         with fresh_compiles() if store is not None else contextlib.nullcontext(), \
                 ThreadPoolExecutor(max_workers=min(len(lowered), 8)) as pool:
             compiled = {}
-            for key, exe in zip(lowered, pool.map(lambda low: low.compile(), lowered.values())):
+            options = self.compiler_options or None
+
+            def compile_one(low):
+                return low.compile(compiler_options=options)
+            for key, exe in zip(lowered, pool.map(compile_one, lowered.values())):
                 compiled[key] = exe
                 tell(len(compiled), len(lowered))
         t0 = self._tick("compile_s", t0)
