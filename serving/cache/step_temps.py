@@ -14,6 +14,7 @@ Pallas / Mosaic kernel bodies are not entered (their outputs count, their scratc
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from jax.extend import core
 
@@ -77,3 +78,22 @@ def peak_bytes(jaxpr) -> int:
             live -= max(held.pop(v, 0), 0)
     return peak
 
+
+
+def step_reserve(runner) -> int:
+    """Bytes to leave free for the engine step's temporaries: the largest `peak_bytes` over the
+    top token bucket's general variants (the warm-up's list; every attention plan it readies,
+    the overflow plan included), traced from runner.cache as it stands (an abstract pool is
+    enough: writes into the pool take its buffers). Smaller buckets hold no more (their
+    largest buffers are per-sequence tables, or scale with the bucket)."""
+    top = runner.config.token_buckets[-1]
+    peak = 0
+    for ints, floats, kw in runner.warmup_steps():
+        if kw["t"] != top or kw["decode_only"]:
+            continue
+        args = list(runner._args(ints, floats, False, kw))
+        args[2] = jax.ShapeDtypeStruct(ints.shape, ints.dtype)
+        args[3] = jax.ShapeDtypeStruct(floats.shape, floats.dtype)
+        jaxpr = jax.make_jaxpr(lambda *a, kw=kw: runner._step_impl(*a, **kw))(*args)
+        peak = max(peak, peak_bytes(jaxpr))
+    return peak
