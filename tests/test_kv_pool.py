@@ -55,7 +55,7 @@ def test_default_pool_leaves_the_traced_step_its_temporaries(monkeypatch):
     runner = ModelRunner(cfg, loaded, 2, jnp.bfloat16)
     per_block = kv_pool.kv_bytes_per_block(runner.cache, runner.num_blocks, cfg.block_size)
     # the reserve is the traced peak of the top bucket's steps: at least its logits [S, vocab]
-    assert runner.step_reserve == step_temps.step_reserve(runner)
+    assert runner.step_reserve == step_temps.step_reserve(runner, runner._args, runner._step_impl)
     assert runner.step_reserve >= cfg.seq_bucket(128) * mcfg.vocab_size * 4
     assert runner.num_blocks == int((limit * 0.5 - runner.step_reserve) // per_block)
 

@@ -87,11 +87,12 @@ def allocate_pool(make_cache, num_blocks: int, *, may_shrink: bool):
             num_blocks = max(2, int(num_blocks * 0.9))
 
 
-def size_pool(runner, make_cache, num_blocks: int, mcfg):
+def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
     """(cache, num_blocks, step reserve bytes) of a ModelRunner whose step is set up: an
     explicit `Config.num_kv_blocks` as given (a ValueError when it does not fit); a default one
     sized again now that the weights are placed (fused or sharded), leaving the step's
-    temporaries (step_temps.step_reserve, traced over an abstract pool of `num_blocks`; only
+    temporaries (step_temps.step_reserve of `step`, the runner's (args of, body) functions,
+    traced over an abstract pool of `num_blocks`; only
     where the device reports a memory limit and without tensor parallelism), then shrunk by
     allocate_pool until it fits."""
     from serving.cache.step_temps import step_reserve  # noqa: PLC0415 - it reads the runner
@@ -99,7 +100,7 @@ def size_pool(runner, make_cache, num_blocks: int, mcfg):
     if config.num_kv_blocks is None:
         if runner.mesh is None and "bytes_limit" in device_memory():
             runner.cache = jax.eval_shape(lambda: make_cache(num_blocks))  # traced only
-            reserve = step_reserve(runner)
+            reserve = step_reserve(runner, *step)
         num_blocks = default_num_blocks(config, mcfg, runner.cache_dtype, reserve)
         runner.num_blocks = num_blocks
     cache, num_blocks = allocate_pool(make_cache, num_blocks,

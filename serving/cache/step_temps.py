@@ -80,9 +80,10 @@ def peak_bytes(jaxpr) -> int:
 
 
 
-def step_reserve(runner) -> int:
+def step_reserve(runner, args_of, step_fn) -> int:
     """Bytes to leave free for the engine step's temporaries: the largest `peak_bytes` over the
-    top token bucket's general variants (the warm-up's list; every attention plan it readies,
+    top token bucket's general variants (runner.warmup_steps(); args_of(ints, floats, use_prev,
+    kw) and step_fn(*args, **kw) are the runner's own; every attention plan it readies,
     the overflow plan included), traced from runner.cache as it stands (an abstract pool is
     enough: writes into the pool take its buffers). Smaller buckets hold no more (their
     largest buffers are per-sequence tables, or scale with the bucket)."""
@@ -91,9 +92,9 @@ def step_reserve(runner) -> int:
     for ints, floats, kw in runner.warmup_steps():
         if kw["t"] != top or kw["decode_only"]:
             continue
-        args = list(runner._args(ints, floats, False, kw))
+        args = list(args_of(ints, floats, False, kw))
         args[2] = jax.ShapeDtypeStruct(ints.shape, ints.dtype)
         args[3] = jax.ShapeDtypeStruct(floats.shape, floats.dtype)
-        jaxpr = jax.make_jaxpr(lambda *a, kw=kw: runner._step_impl(*a, **kw))(*args)
+        jaxpr = jax.make_jaxpr(lambda *a, kw=kw: step_fn(*a, **kw))(*args)
         peak = max(peak, peak_bytes(jaxpr))
     return peak

@@ -95,8 +95,8 @@ class ModelRunner:
         self.separate_decode = decode != general
         self.static_recurrent_kind = True  # see _recurrent_kind
         # the pool last: a default one is sized now the weights are placed, less the traced step
-        self.cache, self.num_blocks, self.step_reserve = size_pool(self, make_cache, num_blocks,
-                                                                    loaded.cfg)
+        self.cache, self.num_blocks, self.step_reserve = size_pool(
+            self, make_cache, num_blocks, loaded.cfg, step=(self._args, self._step_impl))
         self.zeroer = PageZeroer(self.num_blocks, config, source=fresh_pages)  # page_zeroing.py
         # seconds per start-up phase: placing / fusing the weights, the KV pool, then warmup's
         self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
