@@ -30,6 +30,7 @@ def abstract_runner(preset: str, max_model_len: int, max_num_seqs: int, tokens: 
     from configs.presets import get_preset
     from minipic_jax.models import get_family, llama_modules
     from serving.config import Config
+    from serving.cache import kv_pool
     from serving.step import model_runner
     mcfg = get_preset(preset)
     if layers:  # fewer layers: the same per-layer buffers, a quicker compile
@@ -44,7 +45,7 @@ def abstract_runner(preset: str, max_model_len: int, max_num_seqs: int, tokens: 
     loaded = types.SimpleNamespace(cfg=mcfg, params=params, family=family, tokenizer=None)
     abstract_pool = lambda make, n, **kw: (jax.eval_shape(lambda: make(n)), n)  # noqa: E731
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(model_runner, "allocate_pool", abstract_pool))
+        stack.enter_context(_patched(kv_pool, "allocate_pool", abstract_pool))
         stack.enter_context(_patched(jax, "block_until_ready", lambda x: x))
         if backend != jax.default_backend():
             stack.enter_context(_patched(jax, "default_backend", lambda: backend))
