@@ -114,8 +114,12 @@ def main() -> None:
     from serving.cache.step_temps import peak_bytes
     with _patched(jax, "default_backend", lambda: runner.backend):
         jaxpr = jax.make_jaxpr(lambda *x: runner._step_impl(*x, **kw))(*args)
-    print(f"traced peak of intermediates (serving/cache/step_temps.py): "
-          f"{peak_bytes(jaxpr) / GIB:.2f} GiB", flush=True)
+    from serving.cache.step_temps import step_reserve
+    with _patched(jax, "default_backend", lambda: runner.backend):
+        reserve = step_reserve(runner, runner._args, runner._step_impl)
+    print(f"traced peak of intermediates (serving/cache/step_temps.py): this step "
+          f"{peak_bytes(jaxpr) / GIB:.2f} GiB, the pool's reserve (top bucket's variants) "
+          f"{reserve / GIB:.2f} GiB", flush=True)
     for (nbytes, shape, dtype, prim), n in largest_intermediates(runner, args, kw, a.top):
         print(f"  {nbytes / GIB:8.3f} GiB  {dtype:9s} {str(shape):34s} {prim} x{n}")
     if a.compile:
