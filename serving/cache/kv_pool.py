@@ -7,6 +7,7 @@ import gc
 import jax
 import numpy as np
 
+from serving.cache.step_temps import step_reserve
 from serving.config import Config
 
 
@@ -90,12 +91,11 @@ def allocate_pool(make_cache, num_blocks: int, *, may_shrink: bool):
 def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
     """(cache, num_blocks, step reserve bytes) of a ModelRunner whose step is set up: an
     explicit `Config.num_kv_blocks` as given (a ValueError when it does not fit); a default one
-    sized again now that the weights are placed (fused or sharded), leaving the step's
-    temporaries (step_temps.step_reserve of `step`, the runner's (args of, body) functions,
-    traced over an abstract pool of `num_blocks`; only
-    where the device reports a memory limit and without tensor parallelism), then shrunk by
-    allocate_pool until it fits."""
-    from serving.cache.step_temps import step_reserve  # noqa: PLC0415 - it reads the runner
+    sized again now that the weights are placed (fused or sharded), less the step's
+    temporaries (step_temps.step_reserve with `step`, the runner's (args of, body) functions,
+    traced over an abstract pool of `num_blocks`: about a second per variant at the 8B shape;
+    only where the device reports a memory limit and without tensor parallelism), then shrunk
+    by allocate_pool until it fits."""
     config, reserve = runner.config, 0
     if config.num_kv_blocks is None:
         if runner.mesh is None and "bytes_limit" in device_memory():
