@@ -33,3 +33,29 @@ def test_default_num_blocks_counts_only_paged_layers(monkeypatch, preset):
     assert got == int(limit * 0.5 // per_block)
     if preset == "tiny_qwen3_5":  # 1 of 4 layers is attention: 4x the blocks of counting all
         assert mcfg.num_kv_layers == 1 and got >= 4 * int(limit * 0.5 // (4 * per_block))
+
+
+def test_default_pool_leaves_the_traced_step_its_temporaries(monkeypatch):
+    """With a memory limit, the default pool is the limit's share less the weights in use less
+    the step's traced temporaries (the top bucket's largest peak), no blanket cut: at the
+    tulu3 shape the overflow variant's gather of every seat's table (~26 GiB at max_model_len
+    33,792) went unreserved and XLA warned it could not rematerialise."""
+    import types
+    from minipic_jax.models import llama
+    from serving.cache import step_temps
+    from serving.step.model_runner import ModelRunner
+    mcfg = get_preset("tiny_llama")
+    cfg = Config(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, block_size=16,
+                 min_token_bucket=128, gpu_memory_utilization=0.5)
+    params = llama.init_params(mcfg, jax.random.PRNGKey(0), jnp.bfloat16)
+    loaded = types.SimpleNamespace(cfg=mcfg, params=params, family=llama, tokenizer=None)
+    limit = 64 << 20
+    monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": limit})
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Device(limit)])
+    runner = ModelRunner(cfg, loaded, 2, jnp.bfloat16)
+    per_block = kv_pool.kv_bytes_per_block(runner.cache, runner.num_blocks, cfg.block_size)
+    # the reserve is the traced peak of the top bucket's steps: at least its logits [S, vocab]
+    assert runner.step_reserve == step_temps.step_reserve(runner, runner._args, runner._step_impl)
+    assert runner.step_reserve >= cfg.seq_bucket(128) * mcfg.vocab_size * 4
+    assert runner.num_blocks == int((limit * 0.5 - runner.step_reserve) // per_block)
+

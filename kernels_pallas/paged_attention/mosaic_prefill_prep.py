@@ -77,7 +77,7 @@ def gather_kv(k_pages, v_pages, md, inv_freq, *, rotate_keys: bool, attention_sc
     tables = jnp.clip(md.block_tables, 0, num_pages - 1)
     keys = k_pages[tables]  # [S, NB, B, K, D]
     if rotate_keys and inv_freq.shape[0]:
-        keys = rope_f32(keys, pos, inv_freq, attention_scaling)
+        keys = rope_f32(keys, pos, inv_freq, attention_scaling, out_dtype=k_pages.dtype)
     ok = valid[..., None, None]
     keys = jnp.where(ok, keys, 0).astype(k_pages.dtype)  # pads may hold NaN
 

@@ -240,7 +240,7 @@ def prerotate_keys(k_pages, md, inv_freq, attention_scaling):
     page_size = k_pages.shape[1]
     keys = k_pages[jnp.clip(md.block_tables, 0, k_pages.shape[0] - 1)]  # [S, NB, B, K, D]
     pos = md.block_pos_start[:, :, None] + jnp.arange(page_size, dtype=jnp.int32)  # [S, NB, B]
-    return rope_f32(keys, pos, inv_freq, attention_scaling).astype(k_pages.dtype)
+    return rope_f32(keys, pos, inv_freq, attention_scaling, out_dtype=k_pages.dtype)
 
 
 def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,

@@ -7,6 +7,7 @@ import gc
 import jax
 import numpy as np
 
+from serving.cache.step_temps import step_reserve
 from serving.config import Config
 
 
@@ -15,23 +16,23 @@ def page_leaf(x, num_pages: int, block_size: int) -> bool:
     return hasattr(x, "shape") and x.ndim >= 2 and x.shape[:2] == (num_pages, block_size)
 
 
-def default_num_blocks(config: Config, mcfg, dtype) -> int:
+def default_num_blocks(config: Config, mcfg, dtype, reserve_bytes: int = 0) -> int:
     """Blocks for `Config.num_kv_blocks=None`: gpu_memory_utilization of the device's memory
     limit less what is in use (K and V of every paged layer per token: a hybrid model's
-    recurrent layers keep no pages); without memory stats (CPU),
-    enough for max_num_seqs full sequences, at most 4096. Step temporaries are not reserved; a
-    span store's staging memory (kv_store_staging_gb, when kv_store_dir is set) is."""
+    recurrent layers keep no pages), less `reserve_bytes` (the engine step's temporaries:
+    ModelRunner passes step_temps.step_reserve, the traced peak of the top token bucket's
+    step variants, so XLA is not left to rematerialise a step that cannot fit) and a span
+    store's staging memory (kv_store_staging_gb, when kv_store_dir is set); without memory
+    stats (CPU), enough for max_num_seqs full sequences, at most 4096."""
     # per device: under tensor parallelism each holds its KV heads only (at least one)
     heads = max(mcfg.num_kv_heads // config.tensor_parallel_size, 1)
     per_token = 2 * mcfg.num_kv_layers * heads * mcfg.head_dim * np.dtype(dtype).itemsize
     want = config.max_num_seqs * config.max_blocks_per_seq
     gc.collect()  # an engine dropped earlier (jitted methods make cycles) still holds its pool
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - CPU backends may not report memory
-        stats = {}
+    stats = device_memory()
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        free -= reserve_bytes
         if config.kv_store.dir is not None:
             free -= staging_bytes(config)
         return max(2, int(free // (per_token * config.block_size)))
@@ -85,3 +86,23 @@ def allocate_pool(make_cache, num_blocks: int, *, may_shrink: bool):
                                  f"({str(e).splitlines()[0]}); lower Config.num_kv_blocks or "
                                  f"gpu_memory_utilization") from e
             num_blocks = max(2, int(num_blocks * 0.9))
+
+
+def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
+    """(cache, num_blocks, step reserve bytes) of a ModelRunner whose step is set up: an
+    explicit `Config.num_kv_blocks` as given (a ValueError when it does not fit); a default one
+    sized again now that the weights are placed (fused or sharded), less the step's
+    temporaries (step_temps.step_reserve with `step`, the runner's (args of, body) functions,
+    traced over an abstract pool of `num_blocks`: about a second per variant at the 8B shape;
+    only where the device reports a memory limit and without tensor parallelism), then shrunk
+    by allocate_pool until it fits."""
+    config, reserve = runner.config, 0
+    if config.num_kv_blocks is None:
+        if runner.mesh is None and "bytes_limit" in device_memory():
+            runner.cache = jax.eval_shape(lambda: make_cache(num_blocks))  # traced only
+            reserve = step_reserve(runner, *step)
+        num_blocks = default_num_blocks(config, mcfg, runner.cache_dtype, reserve)
+        runner.num_blocks = num_blocks
+    cache, num_blocks = allocate_pool(make_cache, num_blocks,
+                                      may_shrink=config.num_kv_blocks is None)
+    return cache, num_blocks, reserve

@@ -30,7 +30,7 @@ from serving.hybrid import span_compose, span_step
 from serving.hybrid.span_step import piece_bound
 from serving.hybrid import checkpoint_pool as ckpt_pool
 from serving.step import compile_options, sharding
-from serving.cache.kv_pool import allocate_pool, default_num_blocks
+from serving.cache.kv_pool import size_pool
 from serving.config_groups import step_key_fields
 from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
 from serving.cache.page_zeroing import PageZeroer, zero_pages
@@ -49,8 +49,6 @@ class ModelRunner:
         self.mesh = None
         if tp > 1:  # Megatron split by logical axes (serving/step/sharding.py), weights unfused
             self.mesh, self.mcfg = sharding.place_model(loaded, tp, dtype)
-            if config.num_kv_blocks is None:  # size the pool now that the weights are placed
-                num_blocks = default_num_blocks(config, loaded.cfg, dtype)
         elif config.fuse_weights:
             # one layer at a time, originals deleted as they are fused (peak: one extra layer)
             params, loaded.params = loaded.params, None
@@ -77,14 +75,9 @@ class ModelRunner:
                 return make()
             return sharding.init_sharded(make, self.family.cache_axes(self.mcfg), self.mesh)
 
-        self.cache, self.num_blocks = allocate_pool(
-            make_cache, num_blocks, may_shrink=config.num_kv_blocks is None)
-        jax.block_until_ready(self.cache)
-        # seconds per start-up phase: placing / fusing the weights, the KV pool, then warmup's
-        self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
+        self.num_blocks = num_blocks  # the step's trace reads it (kv_pool.size_pool)
         self.kv_mode = config.attention_kv_mode
         self.tables = SeatTables(seats, self.nb, self.block_size, self.mcfg.vocab_size, marker_rows)
-        self.zeroer = PageZeroer(self.num_blocks, config, source=fresh_pages)  # page_zeroing.py
         self._bufs: dict = {}
         self._table_rows: dict = {}  # id(int buffer) -> block-table rows its last step wrote
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
@@ -102,6 +95,12 @@ class ModelRunner:
         # decode-only steps compile their own variant only when it differs from the general one
         self.separate_decode = decode != general
         self.static_recurrent_kind = True  # see _recurrent_kind
+        # the pool last: a default one is sized now the weights are placed, less the traced step
+        self.cache, self.num_blocks, self.step_reserve = size_pool(
+            self, make_cache, num_blocks, loaded.cfg, step=(self._args, self._step_impl))
+        self.zeroer = PageZeroer(self.num_blocks, config, source=fresh_pages)  # page_zeroing.py
+        # seconds per start-up phase: placing / fusing the weights, the KV pool, then warmup's
+        self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
 
     @property
     def num_compiles(self) -> int:
