@@ -8,6 +8,7 @@
   hashing.py        chained block hashes (prefix and SSEP chains, `cache_salt`)
   prefix_keys.py    each sequence's block keys (generated blocks included) and their tokens
   kv_pool.py        how many KV blocks fit the device, and what one costs in bytes
+  step_temps.py     the step's peak temporaries, estimated from its jaxpr (the pool leaves them)
   page_zeroing.py   pages handed out for new content zeroed on device (request isolation)
   span_jobs.py      isps span jobs: span-only prefills of a waiting request's spans
 """
