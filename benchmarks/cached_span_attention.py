@@ -8,7 +8,7 @@ the float64 numpy reference, about a minute of host time), timed
 interleaved (ABBA) and profiled per kernel; the table gives ms per call, the gather's and the
 attention kernel's share, and GB/s of one read of K and V (the floor) over each.
 
-  PYTHONPATH=. python3 -m benchmarks.cached_span_attention [--variants old,direct_v,dv+idle]
+  PYTHONPATH=. python3 -m benchmarks.cached_span_attention [--variants old,direct_v,dv+idle,paged_k]
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import numpy as np
 VARIANTS = {"old": {"direct_v": False, "skip_idle": False},
             "direct_v": {"direct_v": True, "skip_idle": False},
             "dv+idle": {"direct_v": True, "skip_idle": True},
-            "idle": {"direct_v": False, "skip_idle": True}}
+            "idle": {"direct_v": False, "skip_idle": True},
+            # no pre-pass: K and V from the pages, keys rotated in the kernel (issue 28 item 2)
+            "paged_k": {"direct_v": True, "skip_idle": True, "paged_k": True}}
 
 
 @dataclasses.dataclass(frozen=True)

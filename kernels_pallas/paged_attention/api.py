@@ -56,7 +56,7 @@ ATTENTION: dict[str, Implementation] = {
 
 def _mixed_run(q_rot, k_pages, v_pages, metadata, inv_freq, *, rotate_keys, attention_scaling,
                sm_scale, interpret, prefill_seqs, splits, max_position, overflow, prefill_fits,
-               decode_rows, direct_v=False, skip_idle=False):
+               decode_rows, direct_v=False, skip_idle=False, paged_k=False):
     """implementation="mixed" (mosaic_mixed.py): its decode rows and overflow steps run the
     registry's choices for those problems."""
     kv_mode = "position_free" if rotate_keys else "rotated"
@@ -76,7 +76,8 @@ def _mixed_run(q_rot, k_pages, v_pages, metadata, inv_freq, *, rotate_keys, atte
         q_rot, k_pages, v_pages, metadata, inv_freq, decode=part("auto", True),
         overflow=part(overflow, False), prefill_seqs=prefill_seqs, splits=splits,
         prefill_fits=prefill_fits, decode_rows=decode_rows, direct_v=direct_v,
-        skip_idle=skip_idle, **common)
+        skip_idle=skip_idle, paged_k=paged_k, max_position=max_position if paged_k else None,
+        **common)
 
 
 ATTENTION["mixed"] = Implementation("mixed", _mixed_run, mosaic_mixed.MixedOptions,

@@ -39,6 +39,7 @@ from jax import lax
 from kernels_pallas.paged_attention.mosaic_prefill import (mosaic_prefill_limits,
                                                            prefill_attention_mosaic)
 from kernels_pallas.paged_attention.mosaic_prefill_prep import direct_v_limits
+from kernels_pallas.paged_attention.mosaic_prefill_paged import PagedOptions, paged_limits
 from kernels_pallas.paged_attention.mosaic_prefill_split import prefill_attention_split
 
 SPLIT_MAX_TOKENS = 512  # steps of at most this many query tokens split the key axis
@@ -121,7 +122,9 @@ class MixedOptions:
     warpgroups that own no row skip their work (mosaic_prefill._kernel). direct_v and skip_idle
     None: on (mixed_defaults; direct_v where direct_v_limits allows), measured on the H200 at
     the cached-span step's attention call: 0.87x the call's time with both off
-    (benchmarks/RESULTS.md, Attention: prefill)."""
+    (benchmarks/RESULTS.md, Attention: prefill). paged_k: no pre-pass at all, keys read from
+    the pages and rotated in the kernel (mosaic_prefill_paged.py; off until the H200 measures
+    it; the table bound is max_position when set, else max_model_len)."""
 
     prefill_seqs: int | None = None
     splits: int | None = None
@@ -131,6 +134,7 @@ class MixedOptions:
     decode_rows: bool = True
     direct_v: bool | None = None
     skip_idle: bool | None = None
+    paged_k: bool = False
 
 
 def plan_step(options: MixedOptions, tokens: int, seqs: int, prefill_count: int,
@@ -164,6 +168,9 @@ def mixed_limits(problem, options: MixedOptions) -> str:
     why = mosaic_prefill_limits(*problem.stand_ins())
     if not why and options.direct_v:
         why = direct_v_limits(problem.block_size, problem.table_cols)
+    if not why and options.paged_k:
+        why = paged_limits(problem.head_dim, problem.rotary_half, problem.rotate_keys,
+                           problem.dtype, problem.block_size, problem.table_cols)
     return why
 
 
@@ -171,7 +178,7 @@ def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, 
                     attention_scaling, sm_scale, prefill_seqs: int | None = None,
                     splits: int | None = None, prefill_fits: bool | None = None,
                     decode_rows: bool = True, direct_v: bool = False, skip_idle: bool = False,
-                    interpret=False):
+                    paged_k: bool = False, max_position: int | None = None, interpret=False):
     """One engine step (see module doc). q_rot: [T, H, D] rotated queries; decode(q_rot, md) and
     overflow(q_rot, md) run a decode-only batch and the whole step on other implementations
     (api.py binds them from the registry). prefill_fits: the caller's static decision (True /
@@ -190,6 +197,7 @@ def mixed_attention(q_rot, k_pages, v_pages, md, inv_freq, *, decode, overflow, 
     def prefill_part():
         kw = dict(rotate_keys=rotate_keys, attention_scaling=attention_scaling,
                   sm_scale=sm_scale, direct_v=direct_v, skip_idle=skip_idle,
+                  paged=PagedOptions(max_position=max_position) if paged_k else None,
                   interpret=interpret)
         if splits > 1:
             return prefill_attention_split(q_rot, k_pages, v_pages, compact, inv_freq,

@@ -52,33 +52,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (  # noqa: F401 (gather_kv: re-exported)
     _ALIGN, BLOCK_KV, BLOCK_Q, META_COLS, TILE_HI, TILE_LO, TILE_MHI, TILE_MLO, TILE_Q, TILE_Q0,
-    TILE_Q1, TILE_SEQ, TILE_START, gather_kv, prepare, scatter_tails)
-
-STAGES = 2  # K/V ring depth
-_SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
-
-
-def smem_bytes(head_dim: int, itemsize: int, interpret: bool = False) -> int:
-    """SMEM of one CTA: Q/O tiles, the K and V ring, positions, (P tiles when interpreted)."""
-    q = 2 * BLOCK_Q * head_dim * itemsize
-    kv = 2 * STAGES * BLOCK_KV * head_dim * itemsize
-    pos = STAGES * BLOCK_KV * 4 + 2 * 2 * BLOCK_Q * 4
-    p = 2 * BLOCK_Q * BLOCK_KV * itemsize if interpret else 0
-    return q + kv + pos + p + 1024
-
-
-def mosaic_prefill_limits(q, k_pages) -> str:
-    """Why this kernel cannot take these shapes ('' when it can)."""
-    head_dim = q.shape[-1]
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
-        return f"needs bf16/f16 q and pages of the same dtype, got {q.dtype}/{k_pages.dtype}"
-    if head_dim not in (64, 128):
-        return f"needs head_dim 64 or 128, got {head_dim}"
-    need = smem_bytes(head_dim, q.dtype.itemsize)
-    if need > _SMEM_LIMIT:
-        return f"needs {need} bytes of shared memory; the H200 has {_SMEM_LIMIT} per block"
-    return ""
-
+    TILE_Q1, TILE_SEQ, TILE_START, STAGES, gather_kv, mosaic_prefill_limits, prepare, scatter_tails,
+    smem_bytes)
+from kernels_pallas.paged_attention.mosaic_prefill_paged import paged_prepare
 
 def _idle_walk(*, lo, hi, wg, k_bar, v_bar, k_free, v_free, schedule_barrier, sched_bar):
     """An idle compute warpgroup's part of the protocol (_kernel's skip_idle): every barrier
@@ -115,7 +91,7 @@ def _idle_walk(*, lo, hi, wg, k_bar, v_bar, k_free, v_free, schedule_barrier, sc
 def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_ref, o_ref,
             side_ref, q_smem, k_smem, v_smem, kpos_smem, qpos_smem, qwin_smem, p_smem, lse_smem,
             tbl_smem, q_bar, k_bar, v_bar, k_free, v_free, sched_bar, tbl_bar, *, group, dtype,
-            interpret, split, v_pages_per_step, skip_idle):
+            interpret, split, v_pages_per_step, skip_idle, keys=None, registers=(232, 40)):
     """split: each grid entry is one key range of a tile (mosaic_prefill_split.py); o_ref and
     side_ref are then the partial outputs [E, H, TILE_Q, D] and their base-2 log-sum-exps
     [E, H, TILE_Q], merged after the kernel. v_pages_per_step > 0 (direct V): v_ref is the page
@@ -123,7 +99,11 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
     prepare()); a key step's values come as that many page boxes, not from a gathered buffer.
     skip_idle: a compute warpgroup that owns no row of its tile's sequence (the second half of
     a sequence's last tile when its rows end in the first) walks the key steps through the
-    barriers only (_idle_walk): no wgmma, no softmax, no store; its rows are never read."""
+    barriers only (_idle_walk): no wgmma, no softmax, no store; its rows are never read.
+    keys: None (k_ref is the gathered buffer) or the memory warpgroup's key loads from the pages
+    (mosaic_prefill_paged.PagedKeys: issue(step, slot, seq, kv_head, tbl_smem) starts a slot's
+    loads, finish(slot) rotates the landed keys and arrives on k_bar). registers: per-thread
+    registers of (each compute, the memory) warpgroup."""
     h = lax.axis_index("h")
     t = lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -148,7 +128,7 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
 
     @pl.when(computes)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(registers[0], action="increase")
         row0 = pl.multiple_of(start + wg * BLOCK_Q, _ALIGN)
         qo = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BLOCK_Q), h], qo, q_bar.at[wg])
@@ -267,13 +247,19 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
 
     @pl.when((seq >= 0) & (wg == 2))
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(registers[1], action="decrease")
         kv_head = lax.div(h, jnp.int32(group))
 
         def issue_k(step, slot):
-            keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
-            plgpu.copy_gmem_to_smem(k_ref.at[seq, keys, kv_head], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(kpos_ref.at[seq, keys], kpos_smem.at[slot], k_bar.at[slot])
+            if keys is not None:
+                return keys.issue(step, slot, seq, kv_head, tbl_smem)
+            rows = pl.ds(step * BLOCK_KV, BLOCK_KV)
+            plgpu.copy_gmem_to_smem(k_ref.at[seq, rows, kv_head], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(kpos_ref.at[seq, rows], kpos_smem.at[slot], k_bar.at[slot])
+
+        def finish_k(slot):  # paged keys: rotated once landed (V's loads already under way)
+            if keys is not None:
+                keys.finish(slot)
 
         def issue_v(step, slot):
             if not v_pages_per_step:
@@ -297,6 +283,7 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
             def _():
                 issue_k(lo + j, j)
                 issue_v(lo + j, j)
+                finish_k(j)
 
         def refill(i, _):
             slot = lax.rem(i, STAGES)
@@ -304,6 +291,7 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
             issue_k(lo + i + STAGES, slot)
             plgpu.barrier_wait(v_free.at[slot])
             issue_v(lo + i + STAGES, slot)
+            finish_k(slot)
             return _
 
         lax.fori_loop(0, jnp.maximum(n_steps - STAGES, 0), refill, None)
@@ -319,7 +307,7 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
 
 def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                              attention_scaling: float, sm_scale: float, direct_v: bool = False,
-                             skip_idle: bool = False, interpret=False):
+                             skip_idle: bool = False, paged=None, interpret=False):
     """Ragged causal, window-limited attention for prefill-shaped batches (see module doc).
 
     q_rot: [T, H, D] queries already rotated by their positions; k_pages, v_pages [P, B, K, D].
@@ -328,21 +316,29 @@ def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_ke
     plgpu.InterpretGPUParams. Returns [T, H, D] in q's dtype; rows of no sequence are garbage.
     direct_v: values read from the pages by the kernel, not gathered (prepare; needs finite
     values in every page slot). skip_idle: warpgroups that own no row skip their work (_kernel).
+    paged: None, or mosaic_prefill_paged.PagedOptions: no pre-pass at all, K and V read from
+    the pages through the table and keys rotated in the kernel (implies direct_v's contract).
     """
-    inputs = prepare(q_rot, k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
-                     attention_scaling=attention_scaling, sm_scale=sm_scale,
-                     live_gather=not interpret, direct_v=direct_v)
+    if paged is not None:
+        inputs, keys = paged_prepare(q_rot, k_pages, v_pages, md, inv_freq, paged,
+                                     rotate_keys=rotate_keys, attention_scaling=attention_scaling, sm_scale=sm_scale)
+    else:
+        keys = None
+        inputs = prepare(q_rot, k_pages, v_pages, md, inv_freq, rotate_keys=rotate_keys,
+                         attention_scaling=attention_scaling, sm_scale=sm_scale,
+                         live_gather=not interpret, direct_v=direct_v)
     out, side = run_kernel(inputs, kv_heads=k_pages.shape[2], interpret=interpret,
-                           skip_idle=skip_idle)
+                           skip_idle=skip_idle, keys=keys)
     return scatter_tails(out, side, md, q_rot.shape[0])
 
 
 def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False,
-               skip_idle: bool = False):
+               skip_idle: bool = False, keys=None):
     """The Mosaic GPU kernel on prepare()'s outputs -> (out [T8, H, D], side [S, 2, H, 128, D]);
     with split (one grid entry per key range of a tile, sched [E, 8]): (partial outputs
     [E, H, 128, D], base-2 log-sum-exps [E, H, 128] float32). skip_idle: see _kernel (the rows
-    of an idle warpgroup, which no sequence owns, are left unwritten)."""
+    of an idle warpgroup, which no sequence owns, are left unwritten). keys: paged_prepare's
+    PagedKeysSpec (inputs from paged_prepare: k and v are the page pools), or None."""
     sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win, v_table = inputs
     direct = v_table is not None
     v_pages_per_step = BLOCK_KV // v_buf.shape[1] if direct else 0
@@ -350,7 +346,7 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False,
         v_table = jnp.zeros((1, 1, META_COLS), jnp.int32)  # unread
     rows_out = q_in.shape[0] - TILE_Q
     _, heads, head_dim = q_in.shape
-    seqs = k_buf.shape[0]
+    seqs = key_pos.shape[0]
     dtype = q_in.dtype
     num_tiles = sched.shape[0]
     interp = bool(interpret)
@@ -367,7 +363,7 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False,
         plgpu.SMEM((2, BLOCK_Q), jnp.float32) if split else None,  # log-sum-exps (split)
         plgpu.SMEM(v_table.shape[1:], jnp.int32) if direct else None,  # page table (direct V)
         plgpu.Barrier(num_arrivals=3, num_barriers=2),  # q_bar: Q + positions + windows
-        plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # k_bar: K + key positions
+        plgpu.Barrier(num_arrivals=1 if keys else 2, num_barriers=STAGES),  # k_bar: K + positions
         plgpu.Barrier(num_arrivals=max(v_pages_per_step, 1), num_barriers=STAGES),  # v_bar
         plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # k_free (both compute wgs)
         plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # v_free
@@ -377,6 +373,11 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False,
     kernel = functools.partial(_kernel, group=heads // kv_heads, dtype=dtype, interpret=interp,
                                split=split, v_pages_per_step=v_pages_per_step,
                                skip_idle=skip_idle)
+    extra_inputs = ()
+    if keys is not None:  # the rope table as a last input, the key scratch last
+        kernel, extra_inputs = keys.bind(kernel, len(scratch)), (keys.rope,)
+        scratch += keys.scratch(tiled, dtype, STAGES)
+        interpret = keys.interpret_params(interpret) if interpret else False
     if split:
         out_type = (jax.ShapeDtypeStruct((num_tiles, heads, TILE_Q, head_dim), dtype),
                     jax.ShapeDtypeStruct((num_tiles, heads, TILE_Q), jnp.float32))
@@ -390,4 +391,4 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False,
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
-    return call(sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win, v_table)
+    return call(sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win, v_table, *extra_inputs)

@@ -28,6 +28,32 @@ _TABLE_ROWS = 128  # direct_v: rows of META_COLS page ids in SMEM at most
 TILE_SEQ, TILE_START, TILE_LO, TILE_MLO, TILE_MHI, TILE_HI, TILE_Q0, TILE_Q1 = range(8)
 
 
+STAGES = 2  # K/V ring depth
+_SMEM_LIMIT = 232448  # bytes per block on the H200, as Mosaic GPU reported it
+
+
+def smem_bytes(head_dim: int, itemsize: int, interpret: bool = False) -> int:
+    """SMEM of one CTA: Q/O tiles, the K and V ring, positions, (P tiles when interpreted)."""
+    q = 2 * BLOCK_Q * head_dim * itemsize
+    kv = 2 * STAGES * BLOCK_KV * head_dim * itemsize
+    pos = STAGES * BLOCK_KV * 4 + 2 * 2 * BLOCK_Q * 4
+    p = 2 * BLOCK_Q * BLOCK_KV * itemsize if interpret else 0
+    return q + kv + pos + p + 1024
+
+
+def mosaic_prefill_limits(q, k_pages) -> str:
+    """Why this kernel cannot take these shapes ('' when it can)."""
+    head_dim = q.shape[-1]
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
+        return f"needs bf16/f16 q and pages of the same dtype, got {q.dtype}/{k_pages.dtype}"
+    if head_dim not in (64, 128):
+        return f"needs head_dim 64 or 128, got {head_dim}"
+    need = smem_bytes(head_dim, q.dtype.itemsize)
+    if need > _SMEM_LIMIT:
+        return f"needs {need} bytes of shared memory; the H200 has {_SMEM_LIMIT} per block"
+    return ""
+
+
 # Compiled pre-pass: the Triton live-only gather (False: XLA's whole-table gather). It cannot
 # lower without a GPU, so the CUDA lowering test on a CPU-only machine turns it off.
 LIVE_GATHER = True
@@ -232,11 +258,18 @@ def prepare(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys, attention_sca
         v_buf, v_table = v_pages, page_table(md, k_pages.shape[0], k_pages.shape[1],
                                              key_pos.shape[1])
     sched = tile_schedule(md, key_pos, tokens)
-    # Row counts of tiled GMEM arrays must be multiples of _ALIGN. Rows past T (a tile's tail)
-    # read zeros / position -1 (sees no key).
+    q_in, q_pos, q_win = queries_in(q_rot, md, sm_scale)
+    return sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win, v_table
+
+
+def queries_in(q_rot, md, sm_scale):
+    """(q scaled by sm_scale * log2(e), positions, window starts), padded: row counts of tiled
+    GMEM arrays must be multiples of _ALIGN, and a tile's tail rows past T read zeros and
+    position -1 (they see no key)."""
+    tokens = q_rot.shape[0]
     extra = -(-tokens // _ALIGN) * _ALIGN - tokens + TILE_Q
     q_in = jnp.pad((q_rot.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(q_rot.dtype),
                    ((0, extra), (0, 0), (0, 0)))
     q_pos = jnp.pad(md.q_positions, (0, extra), constant_values=-1)
     q_win = jnp.pad(md.q_window_start, (0, extra))
-    return sched, q_in, k_buf, v_buf, key_pos, q_pos, q_win, v_table
+    return q_in, q_pos, q_win

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.paged_attention.mosaic_prefill import prepare, run_kernel
+from kernels_pallas.paged_attention.mosaic_prefill_paged import paged_prepare
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (TILE_HI, TILE_LO, TILE_MHI,
                                                                 TILE_MLO, TILE_Q, TILE_Q0,
                                                                 TILE_Q1, TILE_SEQ, TILE_START,
@@ -118,7 +119,7 @@ def unpack_gqa(out, group: int):
 def prefill_attention_split(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                             attention_scaling: float, sm_scale: float, splits: int = 16,
                             min_steps: int = MIN_STEPS, direct_v: bool = False,
-                            skip_idle: bool = False, interpret=False):
+                            skip_idle: bool = False, paged=None, interpret=False):
     """prefill_attention_mosaic with each tile's key steps split over up to `splits` CTAs (see
     module doc). Same arguments and result ([T, H, D] in q's dtype, rows of no sequence zero).
 
@@ -129,14 +130,20 @@ def prefill_attention_split(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_key
     direct_v: the kernel reads values from the pages (mosaic_prefill.prepare: the pre-pass then
     gathers keys only; every page slot must hold finite values). skip_idle: a compute warpgroup
     that owns no row (the empty half of a sequence's last tile: 72 queries x 4 heads = 288 rows,
-    the third tile's second 64) walks the barriers only (mosaic_prefill._kernel)."""
+    the third tile's second 64) walks the barriers only (mosaic_prefill._kernel). paged:
+    mosaic_prefill_paged.PagedOptions (no pre-pass: K and V from the pages, keys rotated in
+    the kernel) or None."""
     group = q_rot.shape[1] // k_pages.shape[2]
     q_p, md_p = pack_gqa(q_rot, md, group)
-    sched, *rest = prepare(q_p, k_pages, v_pages, md_p, inv_freq, rotate_keys=rotate_keys,
-                           attention_scaling=attention_scaling, sm_scale=sm_scale,
-                           live_gather=not interpret, direct_v=direct_v)
+    kw = dict(rotate_keys=rotate_keys, attention_scaling=attention_scaling, sm_scale=sm_scale)
+    keys = None
+    if paged is not None:
+        (sched, *rest), keys = paged_prepare(q_p, k_pages, v_pages, md_p, inv_freq, paged, **kw)
+    else:
+        sched, *rest = prepare(q_p, k_pages, v_pages, md_p, inv_freq, live_gather=not interpret,
+                               direct_v=direct_v, **kw)
     sched, used = split_schedule(sched, splits, min_steps)
     part, lse = run_kernel((sched, *rest), kv_heads=k_pages.shape[2], interpret=interpret,
-                           split=True, skip_idle=skip_idle)
+                           split=True, skip_idle=skip_idle, keys=keys)
     out = merge_split(part, lse, used, sched, splits, q_p.shape[0])
     return unpack_gqa(out, group).astype(q_rot.dtype)

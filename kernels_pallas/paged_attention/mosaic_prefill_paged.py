@@ -1,0 +1,215 @@
+"""The Mosaic GPU prefill kernel with no pre-pass: K and V read from the pages, keys rotated in SMEM.
+
+mosaic_prefill.py's kernel reads keys from a contiguous per-sequence buffer that a pre-pass
+(mosaic_prefill_prep.gather_kv; compiled, triton_gather.gather_live) fills with the live keys,
+rotated by their logical positions in position_free mode. On the H200's cached-span step
+(8 x 4096 cached keys, Llama-3.1-8B shapes) that pre-pass cost 1.45 ms of an ~11.5 ms step
+(benchmarks/RESULTS.md, RAG headline). With `paged` (PagedOptions) the step has no pre-pass:
+
+  * the memory warpgroup loads a key step's K like direct_v loads V: one TMA box [B, D] per page
+    through the sequence's page table (in SMEM once per CTA), into the K ring slot;
+  * in position_free mode, with each page also the page's cos | sin rows [B, R] from a table of
+    positions kept in 8 copies shifted by 0..7 rows (decode_common / mosaic_common's
+    shifted_rope_table: a TMA box into tiled SMEM starts at a multiple of 8; a page's first
+    position is arbitrary), into one [BLOCK_KV, R] buffer; the page starts sit in the table
+    copy's second half of rows;
+  * once the slot's boxes land (their own barrier, `raw_bar`), the memory warpgroup rotates the
+    keys in place (rotate-half, 64 rows x R/2 columns per load; float32 or 16-bit math), fences
+    its generic-proxy SMEM writes for the wgmma's async-proxy reads (plgpu.commit_smem:
+    fence.proxy.async, PTX's proxy rule) and arrives on the slot's k_bar, which the compute
+    warpgroups wait on as before; the same fence orders its reads of the cos | sin buffer before
+    the next step's TMA refills it.
+
+The compute warpgroups are mosaic_prefill's, unchanged. Key positions and the tile schedule stay
+in XLA (key_positions: [S, N] int32). The memory warpgroup's rotation needs registers: the
+split between the compute and memory warpgroups is an option (the compiled kernel needs it
+measured). The values' contract is direct_v's: every page slot holds finite values (keys of pad
+slots may be anything: masked scores are replaced, not multiplied).
+
+Limits (paged_limits): head_dim 128, bf16/f16, full rotary in position_free mode (R = D), page
+size a multiple of 8 dividing BLOCK_KV, page table + starts within SMEM next to the ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas.paged_attention.mosaic_common import META_COLS, SMEM_LIMIT, shifted_rope_table
+from kernels_pallas.paged_attention.mosaic_prefill_prep import (
+    BLOCK_KV, direct_v_limits, key_positions, page_table, queries_in, smem_bytes, tile_schedule)
+
+_ROWS = 64  # key rows per rotation load (the WGMMA register layout's row tile)
+_TMA_WORKERS = 256  # the Mosaic GPU interpreter's TMA worker threads (interpret_params)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedOptions:
+    """max_position: a bound on every position (the cos | sin table's rows; None: the table
+    width x page size, i.e. max_model_len); registers: per-thread registers of each compute and
+    of the memory warpgroup (the memory warpgroup rotates); packed: rotate in 16-bit math
+    (bf16x2 / f16x2) instead of float32 (fewer registers, one rounding per product)."""
+
+    max_position: int | None = None
+    registers: tuple[int, int] = (216, 72)
+    packed: bool = False
+
+
+def paged_limits(head_dim: int, rotary_half: int, rotate_keys: bool, dtype, page_size: int,
+                 table_cols: int, interpret: bool = False) -> str:
+    """Why the paged variant cannot take these shapes ('' when it can)."""
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"paged keys need bf16/f16, got {jnp.dtype(dtype).name}"
+    if head_dim != 128:
+        return f"paged keys need head_dim 128, got {head_dim}"
+    if rotate_keys and 2 * rotary_half != head_dim:
+        return f"paged keys need full rotary (R = D) in position_free mode, got R={2 * rotary_half}"
+    why = direct_v_limits(page_size, table_cols)
+    if why:
+        return f"paged keys: {why}"
+    need = paged_smem_bytes(table_cols, page_size, jnp.dtype(dtype).itemsize, interpret)
+    if need > SMEM_LIMIT:
+        return (f"paged keys need {need} bytes of shared memory for {table_cols} table entries; "
+                f"the H200 has {SMEM_LIMIT} per block")
+    return ""
+
+
+def paged_smem_bytes(table_cols: int, page_size: int, itemsize: int, interpret=False) -> int:
+    """The kernel's SMEM plus the cos | sin buffer and the page table with its starts."""
+    rows = _table_rows(table_cols, page_size)
+    return smem_bytes(128, itemsize, interpret) + BLOCK_KV * 128 * itemsize + 2 * rows * META_COLS * 4
+
+
+def _table_rows(table_cols: int, page_size: int) -> int:
+    n_pad = -(-table_cols * page_size // BLOCK_KV) * BLOCK_KV
+    return -(-(n_pad // page_size) // META_COLS)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKeysSpec:
+    """Host side of the paged keys: the rope table input and what the kernel binds."""
+    rope: object  # [8, P, R] shifted cos | sin table (a [8, 8, R] stand-in in rotated mode)
+    rotate: bool
+    page_size: int
+    table_rows: int  # rows of page ids in the SMEM table (the starts follow)
+    options: PagedOptions
+
+    def scratch(self, tiled, dtype, stages):
+        """cos | sin rows of one key step, and the slots' barriers for their raw boxes."""
+        per_page = 2 if self.rotate else 1
+        return [plgpu.SMEM((BLOCK_KV, self.rope.shape[-1]), dtype, transforms=tiled)
+                if self.rotate else None,
+                plgpu.Barrier(num_arrivals=1 + per_page * (BLOCK_KV // self.page_size),
+                              num_barriers=stages)]
+
+    def interpret_params(self, interpret):
+        """The interpreter's parameters: its TMA worker pool raised from 5 to 64 threads (with
+        a key step's 25 boxes in flight, 5 workers deadlocked the interpreted kernel)."""
+        params = plgpu.InterpretGPUParams() if interpret is True else interpret
+        return dataclasses.replace(params, num_tma_threads_per_device=max(
+            params.num_tma_threads_per_device, _TMA_WORKERS))
+
+    def bind(self, kernel, n_scratch: int):
+        """mosaic_prefill._kernel taking the rope input (after the 8 inputs) and the key scratch
+        (after its n_scratch entries), with `keys` bound to them."""
+        def wrapped(*refs):
+            ins, rope_ref, outs = refs[:8], refs[8], refs[9:11]
+            scratch, (cs_smem, raw_bar) = refs[11:11 + n_scratch], refs[11 + n_scratch:]
+            k_smem, kpos_smem, k_bar = scratch[1], scratch[3], scratch[10]
+            keys = PagedKeys(ins[2], ins[4], rope_ref, k_smem, kpos_smem, cs_smem, k_bar,
+                             raw_bar, self)
+            kernel(*ins, *outs, *scratch, keys=keys, registers=self.options.registers)
+        return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKeys:
+    """The memory warpgroup's key loads of one CTA (mosaic_prefill._kernel's `keys`)."""
+    k_ref: object  # [P, B, K, D] pages
+    kpos_ref: object  # [S, N] key positions
+    rope_ref: object
+    k_smem: object
+    kpos_smem: object
+    cs_smem: object
+    k_bar: object
+    raw_bar: object
+    spec: PagedKeysSpec
+
+    def issue(self, step, slot, seq, kv_head, tbl_smem):
+        """TMA loads of key step `step` into ring slot `slot`: key positions on k_bar, then per
+        page its K box and (position_free) its cos | sin rows on raw_bar."""
+        size, spec = self.spec.page_size, self.spec
+        plgpu.copy_gmem_to_smem(self.kpos_ref.at[seq, pl.ds(step * BLOCK_KV, BLOCK_KV)],
+                                self.kpos_smem.at[slot], self.raw_bar.at[slot])
+        for j in range(BLOCK_KV // size):
+            b = step * (BLOCK_KV // size) + j
+            row, col = lax.div(b, META_COLS), lax.rem(b, META_COLS)
+            rows = pl.ds(j * size, size)
+            plgpu.copy_gmem_to_smem(self.k_ref.at[tbl_smem[row, col], :, kv_head],
+                                    self.k_smem.at[slot, rows], self.raw_bar.at[slot])
+            if spec.rotate:
+                start = tbl_smem[spec.table_rows + row, col]  # clipped on the host side
+                shift = lax.rem(start, 8)
+                src = self.rope_ref.at[shift, pl.ds(pl.multiple_of(start - shift, 8), size)]
+                plgpu.copy_gmem_to_smem(src, self.cs_smem.at[rows], self.raw_bar.at[slot])
+
+    def finish(self, slot):
+        """Once the slot's boxes land: rotate its keys in place, fence, arrive on k_bar."""
+        plgpu.barrier_wait(self.raw_bar.at[slot])
+        if self.spec.rotate:
+            self._rotate(self.k_smem.at[slot])
+        # generic-proxy writes (the rotated keys) and reads (the cos | sin rows) before the
+        # async proxy's wgmma reads and TMA refills: fence.proxy.async (PTX's proxy rule)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(self.k_bar.at[slot])
+
+    def _rotate(self, k):
+        half = k.shape[-1] // 2
+        dtype = k.dtype
+        math = dtype if self.spec.options.packed else jnp.float32
+        layout = plgpu.Layout.WGMMA
+        for r in range(BLOCK_KV // _ROWS):
+            rows = pl.ds(r * _ROWS, _ROWS)
+            lo_ref, hi_ref = k.at[rows, pl.ds(0, half)], k.at[rows, pl.ds(half, half)]
+            cos = plgpu.load(self.cs_smem.at[rows, pl.ds(0, half)], layout=layout).astype(math)
+            sin = plgpu.load(self.cs_smem.at[rows, pl.ds(half, half)], layout=layout).astype(math)
+            lo = plgpu.load(lo_ref, layout=layout).astype(math)
+            hi = plgpu.load(hi_ref, layout=layout).astype(math)
+            lo_ref[...] = (lo * cos - hi * sin).astype(dtype)
+            hi_ref[...] = (hi * cos + lo * sin).astype(dtype)
+
+
+def paged_prepare(q_rot, k_pages, v_pages, md, inv_freq, options: PagedOptions, *, rotate_keys: bool,
+                  attention_scaling: float, sm_scale: float):
+    """Everything before the kernel without a pre-pass -> (run_kernel's inputs, PagedKeysSpec):
+    the page pools themselves for k and v, the page table with each entry's first position
+    ([S, 2R, 64]: page ids then starts, both clipped), key positions, the tile schedule, the
+    padded queries; the shifted cos | sin table in position_free mode."""
+    tokens = q_rot.shape[0]
+    num_pages, page_size, _, head_dim = k_pages.shape
+    seqs, cols = md.block_tables.shape
+    why = paged_limits(head_dim, inv_freq.shape[0], rotate_keys, q_rot.dtype, page_size, cols)
+    if why:
+        raise ValueError(why)
+    n_pad = -(-cols * page_size // BLOCK_KV) * BLOCK_KV
+    key_pos = key_positions(md, page_size, n_pad)
+    pages = page_table(md, num_pages, page_size, n_pad)  # [S, R, 64]
+    rows = pages.shape[1]
+    rotate = rotate_keys and inv_freq.shape[0] > 0
+    if rotate:
+        bound = options.max_position or cols * page_size
+        rope = shifted_rope_table(inv_freq, bound + page_size, attention_scaling, q_rot.dtype)
+        starts = jnp.clip(md.block_pos_start.astype(jnp.int32), 0, rope.shape[1] - page_size)
+    else:
+        rope = jnp.zeros((8, 8, head_dim), q_rot.dtype)  # unread
+        starts = jnp.zeros_like(md.block_pos_start, jnp.int32)
+    starts = jnp.pad(starts, ((0, 0), (0, rows * META_COLS - cols))).reshape(seqs, rows, -1)
+    table = jnp.concatenate([pages, starts], axis=1)
+    sched = tile_schedule(md, key_pos, tokens)
+    q_in, q_pos, q_win = queries_in(q_rot, md, sm_scale)
+    inputs = (sched, q_in, k_pages, v_pages, key_pos, q_pos, q_win, table)
+    return inputs, PagedKeysSpec(rope, rotate, page_size, rows, options)
