@@ -107,8 +107,8 @@ class PagedKeysSpec:
                               num_barriers=stages)]
 
     def interpret_params(self, interpret):
-        """The interpreter's parameters: its TMA worker pool raised from 5 to 64 threads (with
-        a key step's 25 boxes in flight, 5 workers deadlocked the interpreted kernel)."""
+        """The interpreter's parameters: its TMA worker pool raised from 5 to _TMA_WORKERS
+        (with a key step's 25 boxes in flight, 5 workers deadlocked the interpreted kernel)."""
         params = plgpu.InterpretGPUParams() if interpret is True else interpret
         return dataclasses.replace(params, num_tma_threads_per_device=max(
             params.num_tma_threads_per_device, _TMA_WORKERS))
