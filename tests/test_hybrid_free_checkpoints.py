@@ -174,6 +174,7 @@ def test_one_step_stores_every_cover_state_exactly_and_a_mid_chunk_resume_is_exa
     counts, (first, *rest) = [], _prompts()
     _count_steps(eng.runner, counts)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=0)
     llm.generate([first], sp, use_tqdm=False)
     assert len(counts) == 4  # one prefill step (it samples the first token), three decodes
     store = eng.hybrid_cache.store
@@ -181,8 +182,9 @@ def test_one_step_stores_every_cover_state_exactly_and_a_mid_chunk_resume_is_exa
     assert sorted(slots) == [64, 128, 256, 384, 448]
     for p, slot in sorted(slots.items()):
         conv, delta = checkpoint_pool.rows(eng.runner.ck_pool, jnp.asarray([slot]))
-        llm.generate([first[:p]], SamplingParams(max_tokens=1), use_tqdm=False,
-                     cache_salt=f"scratch{p}")  # seat 0, as the prompt had: its state stays
+        # seat 0, as the prompt had: its state stays. Sampled as `sp` (the state is the
+        # prefill's, whatever samples the one token): no step variant beyond the ones above
+        llm.generate([first[:p]], one, use_tqdm=False, cache_salt=f"scratch{p}")
         want = qwen3_5.extract_state(eng.runner.cache, 0)
         np.testing.assert_allclose(np.asarray(delta[:, 0]), want["delta"], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.asarray(conv[:, 0]), want["conv"], rtol=1e-4, atol=1e-5)
