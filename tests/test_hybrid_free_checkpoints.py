@@ -54,8 +54,10 @@ def test_cold_start_with_free_slots_resumes_at_half_the_shared_depth(free_room, 
         assert short == [(90, 0)]
         return
     assert not short, f"(shared, resumed) below half: {short}"
-    want = LLM("tiny_qwen3_5", enable_prefix_caching=False, **kw).generate(
-        prompts, SP, use_tqdm=False)
+    # the reference runs the prompts one at a time, as above: at the default chunk size all
+    # seven in one call would fill a 1,024-token step, a compile no other step here needs
+    ref = LLM("tiny_qwen3_5", enable_prefix_caching=False, **kw)
+    want = [ref.generate([p], SP, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
@@ -174,6 +176,7 @@ def test_one_step_stores_every_cover_state_exactly_and_a_mid_chunk_resume_is_exa
     counts, (first, *rest) = [], _prompts()
     _count_steps(eng.runner, counts)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=0)
     llm.generate([first], sp, use_tqdm=False)
     assert len(counts) == 4  # one prefill step (it samples the first token), three decodes
     store = eng.hybrid_cache.store
@@ -181,8 +184,9 @@ def test_one_step_stores_every_cover_state_exactly_and_a_mid_chunk_resume_is_exa
     assert sorted(slots) == [64, 128, 256, 384, 448]
     for p, slot in sorted(slots.items()):
         conv, delta = checkpoint_pool.rows(eng.runner.ck_pool, jnp.asarray([slot]))
-        llm.generate([first[:p]], SamplingParams(max_tokens=1), use_tqdm=False,
-                     cache_salt=f"scratch{p}")  # seat 0, as the prompt had: its state stays
+        # seat 0, as the prompt had: its state stays. Sampled as `sp` (the state is the
+        # prefill's, whatever samples the one token): no step variant beyond the ones above
+        llm.generate([first[:p]], one, use_tqdm=False, cache_salt=f"scratch{p}")
         want = qwen3_5.extract_state(eng.runner.cache, 0)
         np.testing.assert_allclose(np.asarray(delta[:, 0]), want["delta"], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.asarray(conv[:, 0]), want["conv"], rtol=1e-4, atol=1e-5)

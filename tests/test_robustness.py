@@ -33,8 +33,10 @@ def test_small_host_tier_serves_planned_copy_ins(fresh_rng):
     """Issue item 1: evictions entered the host tier before the step's planned copy-ins were
     read, and a full tier dropped exactly those (KeyError in HostKVTier.get)."""
     tier = 2
+    # one 64-token bucket (min_token_bucket): the copy-in plan is the scheduler's, whatever the
+    # padded step size; one compile instead of two (CI time)
     llm = make_tiny_llm(num_kv_blocks=6, max_num_seqs=1, max_num_batched_tokens=64,
-                        cpu_offload_gb=tier * BYTES_PER_BLOCK / 2**30)
+                        min_token_bucket=64, cpu_offload_gb=tier * BYTES_PER_BLOCK / 2**30)
     eng = llm.llm_engine
     assert eng.bytes_per_block == BYTES_PER_BLOCK and eng.offload.capacity == tier
     a, b, c = (tokens(fresh_rng, 40) for _ in range(3))

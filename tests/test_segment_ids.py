@@ -106,7 +106,10 @@ def test_generate_reuses_span_lists_and_outputs_what_their_ids_give():
     the outputs of the same prompt as plain ids; a bool put into a span later is refused."""
     from minipic_jax import SamplingParams
     from tests.conftest import make_tiny_llm
-    llm = make_tiny_llm(max_model_len=1024, num_kv_blocks=160, max_num_batched_tokens=256)
+    # one 256-token bucket (min_token_bucket): the claim compares this engine with itself,
+    # whatever the padded step size; one compile instead of three (CI time)
+    llm = make_tiny_llm(max_model_len=1024, num_kv_blocks=160, max_num_batched_tokens=256,
+                        min_token_bucket=256)
     rng = np.random.default_rng(3)
     docs = [rng.integers(5, 200, MIN_MEMO_IDS + 9 * k).tolist() for k in range(2)]
     sp = SamplingParams(temperature=0.0, max_tokens=3)
