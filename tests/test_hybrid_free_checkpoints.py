@@ -13,7 +13,7 @@ import pytest
 from minipic_jax import LLM, SamplingParams
 from serving.hybrid.checkpoint_plan import CheckpointPlanner, halving_cover
 
-SP = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+SP = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
 # the shapes of tests/test_engine_hybrid_spans.py's engine (the default pool: 64 checkpoint slots)
 KW = dict(dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
           min_token_bucket=64, max_model_len=512, block_size=16, num_kv_blocks=96)
@@ -59,6 +59,9 @@ def test_cold_start_with_free_slots_resumes_at_half_the_shared_depth(free_room, 
     ref = LLM("tiny_qwen3_5", enable_prefix_caching=False, **kw)
     want = [ref.generate([p], SP, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # tokens alone pass with zeroed checkpoint states on this tiny model: the logprobs do not
+    np.testing.assert_allclose([o.outputs[0].cumulative_logprob for o in got],
+                               [o.outputs[0].cumulative_logprob for o in want], atol=1e-4)
 
 
 def test_free_values_rank_off_plan_candidates_by_what_they_save():
