@@ -117,3 +117,16 @@ def replay_seed(request) -> int:
 def fresh_rng(request):
     """A numpy Generator seeded from the test id plus the run's salt (see `replay_seed`)."""
     return np.random.default_rng([replay_seed(request), zlib.crc32(request.node.nodeid.encode())])
+
+
+@pytest.fixture
+def compile_calls(monkeypatch):
+    """The `compiler_options` of every `Lowered.compile` call made while the test runs."""
+    seen = []
+    real = jax.stages.Lowered.compile
+
+    def spy(self, compiler_options=None):
+        seen.append(compiler_options)
+        return real(self, compiler_options=compiler_options)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    return seen

@@ -74,15 +74,9 @@ def _double(x, *, k=2):
     return x * k
 
 
-def test_options_reach_compile_and_key_the_store(tmp_path, monkeypatch):
+def test_options_reach_compile_and_key_the_store(tmp_path, compile_calls):
     """A step stored without the options is not loaded with them (and the reverse)."""
-    seen = []
-    real = jax.stages.Lowered.compile
-
-    def spy(self, compiler_options=None):
-        seen.append(compiler_options)
-        return real(self, compiler_options=compiler_options)
-    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    seen = compile_calls
 
     def start(options):
         steps = StepExecutables(_double, signature_of=_double, donate_argnums=(),

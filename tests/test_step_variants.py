@@ -5,7 +5,6 @@ options reach the compile, and the engine's executable is back in its table afte
 
 import json
 
-import jax
 
 from conftest import make_tiny_llm
 from benchmarks import step_variants
@@ -13,7 +12,7 @@ from minipic_jax import SamplingParams
 from serving.step.compile_options import step_compiler_options
 
 
-def test_compare_replays_each_setting_and_restores_the_engines_executable(monkeypatch):
+def test_compare_replays_each_setting_and_restores_the_engines_executable(compile_calls):
     llm = make_tiny_llm(max_num_batched_tokens=16, min_token_bucket=16, max_model_len=128)
     llm.generate([[256, 72, 101, 108, 108, 111]], SamplingParams(temperature=0.0, max_tokens=1),
                  use_tqdm=False)
@@ -21,13 +20,8 @@ def test_compare_replays_each_setting_and_restores_the_engines_executable(monkey
     ints, floats, kw = runner.last_inputs
     steps = runner._step
     table_before = dict(steps._table)
-    seen = []
-    real = jax.stages.Lowered.compile
-
-    def spy(self, compiler_options=None):
-        seen.append(compiler_options)
-        return real(self, compiler_options=compiler_options)
-    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    seen = compile_calls
+    seen.clear()  # the engine's own compiles above are not the comparison's
     rows = step_variants.compare(runner, ints, floats, kw, ["off", "on", "GRAPHS"], repeats=1,
                                  profile=True, platform="gpu")
     assert [r["setting"] for r in rows] == ["engine", "off", "on", "GRAPHS"]
