@@ -5,7 +5,6 @@ options reach the compile, and the engine's executable is back in its table afte
 
 import json
 
-
 from conftest import make_tiny_llm
 from benchmarks import step_variants
 from minipic_jax import SamplingParams
