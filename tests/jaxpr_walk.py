@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import collections
 
-KERNELS = frozenset({"pallas_call", "mpmd_map"})  # Pallas / Mosaic GPU kernel calls
+from serving.cache.step_temps import KERNELS, sub_jaxprs  # noqa: F401 - kernel calls: not entered
 
 
 def outer_eqns(jaxpr):
     """Every equation of `jaxpr` (a Jaxpr) and its sub-jaxprs, outside kernel bodies."""
     for eqn in jaxpr.eqns:
         yield eqn
-        if eqn.primitive.name in KERNELS:
-            continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                if hasattr(inner, "eqns"):
-                    yield from outer_eqns(inner)
+        for inner in sub_jaxprs(eqn):
+            yield from outer_eqns(inner)
 
 
 def primitive_counts(jaxpr) -> collections.Counter:

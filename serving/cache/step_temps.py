@@ -41,7 +41,8 @@ def nbytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def _sub_jaxprs(eqn):
+def sub_jaxprs(eqn):
+    """The sub-jaxprs of `eqn` (calls, conditionals, loops), none inside a kernel call."""
     if eqn.primitive.name in KERNELS:
         return
     for value in eqn.params.values():
@@ -62,7 +63,7 @@ def peak_bytes(jaxpr) -> int:
     held: dict = {}  # var -> the bytes it counts (0: an argument, or a buffer taken over)
     live = peak = 0
     for i, eqn in enumerate(jaxpr.eqns):
-        inner = max((peak_bytes(sub) for sub in _sub_jaxprs(eqn)), default=0)
+        inner = max((peak_bytes(sub) for sub in sub_jaxprs(eqn)), default=0)
         dying = dies_at.get(i, [])
         new = unread = 0
         for v in eqn.outvars:
