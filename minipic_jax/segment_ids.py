@@ -18,9 +18,9 @@ as benchmarks/rag_ttft.py does) gives an equal list of the same int objects: it 
 length and a few sampled ids, compared with the remembered copy (list equality, pointer compares
 again) and taken when it holds Python ints only (`sum` stays an int: no float, numpy scalar or
 other type that compares equal to an int) and no bool where the remembered ids are 0 or 1 (the
-only values a bool equals). Converting each new list cost ~100 us per 4K ids and, as the
-remembered copies churned, ~260 page faults per cached-span request (~1 ms of the 33K-id
-request; page faults cost more on the GPU hosts' virtual machines).
+only values a bool equals). Converting each new list again, and the page faults of the
+remembered copies churning, were most of a cached-span request's prompt time on that path
+(benchmarks/RESULTS.md, "RAG headline").
 """
 
 from __future__ import annotations

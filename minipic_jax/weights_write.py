@@ -13,10 +13,9 @@ Why not free the old layer and allocate the new one (what this replaced): the de
 then places new arrays in the holes the old ones left. XLA's GPU allocator (BFC) takes the
 smallest free chunk that fits and does not split one under twice the request with under 128 MiB
 left over, counting the whole chunk as in use; arrays landing in the holes of others' sizes hold
-more than they need. That fits issue 30's llama3_8b bf16 run: +1520 MiB over in-use on the first
-update, and since the peak is a high-water mark, +32 MiB on the second means in-use had grown by
-at least 1488 MiB in between, while the arrays alive stay the same across updates (CPU: exactly).
-benchmarks/rl_measure.py now records in-use growth and live-array growth apart.
+more than they need. That is what the first update's peak on the H200 showed while the live
+arrays stayed the same (benchmarks/RESULTS.md, "RL loop"); benchmarks/rl_measure.py records
+in-use growth and live-array growth apart.
 """
 
 from __future__ import annotations

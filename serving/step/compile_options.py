@@ -1,8 +1,8 @@
 """XLA compiler options of the engine's step programs (Config.compilation, issue 28).
 
-XLA's GPU runtime launches each kernel of a step from the calling thread (~5 us a launch on
-the H200; a cached-span step of the Llama-3.1-8B shape runs ~650 kernels, so its call took
-3.3-3.5 ms to return). A command buffer (a CUDA graph) records runs of kernels once and
+XLA's GPU runtime launches each kernel of a step from the calling thread, so a step of many
+kernels (a cached-span step runs hundreds) takes milliseconds to return before the device has
+done anything (benchmarks/RESULTS.md, "RAG headline": the step call). A command buffer (a CUDA graph) records runs of kernels once and
 launches each run as one graph. `step_command_buffer` asks for them per compiled step, through
 `Lowered.compile(compiler_options=...)`, so only the engine's steps get them (process-wide
 XLA_FLAGS would change every program, and every key of JAX's compilation cache).
