@@ -105,3 +105,14 @@ def test_tp_write_repeats_kv_heads_as_the_load_does(run):
     placement of the new weights (the head copied to each device), in the served buffers."""
     got = _part(run["replicated"])
     assert got == {"copies": 2, "same_buffers": True, "equal": True}
+
+
+def test_rl_measure_update_timing_under_tensor_parallelism(run):
+    """`minipic-bench rl --update-timing --tensor-parallel 2`'s measurement: the weight sets
+    arrive placed by the rules table, no update compiles, and "one layer" is one layer's shards
+    on a device (the fixture's layer: 6144 floats split, 64 norm floats on each device)."""
+    got = _part(run["bench"])
+    assert got["tensor_parallel_size"] == 2 and got["write_programs_prepared"] == 2
+    assert got["compiles"] == [0, 0] and got["step_retraces"] == [0, 0]
+    assert got["generate_compiles_after"] == 0
+    assert got["layer_bytes"] == (6144 // 2 + 64) * 4

@@ -192,6 +192,18 @@ def replicated_case() -> dict:
                          zip(jax.tree.leaves(got), jax.tree.leaves(want)))}
 
 
+def bench_case() -> dict:
+    """benchmarks/rl_measure.update_timing on this engine at TP=2 (what `minipic-bench rl
+    --update-timing --tensor-parallel 2` runs on GPUs; CPU devices keep no allocator stats)."""
+    from benchmarks import rl_measure
+    args = {k: v for k, v in ARGS.items() if k not in ("dtype", "seed")}
+    got = rl_measure.update_timing(str(FIXTURES / NAME), "float32", repeats=2, **args)
+    return {k: got[k] for k in ("tensor_parallel_size", "layer_bytes", "write_programs_prepared",
+                                "generate_compiles_after")} | {
+        "compiles": [r["compiles"] for r in got["updates"]],
+        "step_retraces": [r["step_retraces"] for r in got["updates"]]}
+
+
 def guarded(fn, *args):
     """fn's result, or its error (each part of the run is checked by a test of its own)."""
     try:
@@ -203,4 +215,4 @@ def guarded(fn, *args):
 if __name__ == "__main__":
     print(json.dumps({"engine": guarded(engine_case),
                       "memory": [guarded(memory_case, 8), guarded(memory_case, 1)],
-                      "replicated": guarded(replicated_case)}))
+                      "replicated": guarded(replicated_case), "bench": guarded(bench_case)}))
