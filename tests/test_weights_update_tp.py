@@ -72,7 +72,8 @@ def test_tp_bad_params_name_the_leaf_and_keep_serving(run):
     """Wrong shape, wrong dtype, a missing leaf, a deleted array: a ValueError naming the leaf,
     before anything changes (served buffers and generation kept, same outputs)."""
     e = _part(run["engine"])
-    errors = e["bad_errors"]
+    bad = _part(e["bad"])
+    errors = bad["errors"]
     assert errors[0].startswith("ValueError: update_weights: leaf params['layers'][1]['wq'] "
                                 "has shape (32, 4)"), errors[0]
     assert errors[1].startswith("ValueError: update_weights: leaf params['final_norm'] has "
@@ -81,8 +82,8 @@ def test_tp_bad_params_name_the_leaf_and_keep_serving(run):
                                 "missing"), errors[2]
     assert errors[3].startswith("ValueError: update_weights: leaf params['layers'][1]['wk'] "
                                 "is a deleted array"), errors[3]
-    assert e["bad_kept"]
-    _same(e["after_bad"], e["after"])
+    assert bad["kept"]
+    _same(bad["outputs"], e["final"])
 
 
 def test_tp_write_programs_at_the_8b_shape_hold_no_more_than_one_layer(run):
