@@ -40,10 +40,11 @@ def _same(got, want, tol=1e-5):
 
 def test_tp_update_writes_into_the_served_shards(run):
     """Every served shard keeps its buffer through updates from host arrays, from the caller's
-    arrays placed by the rules table (taken without a copy, left to the caller) and from donated
-    single-device arrays (deleted once written); shardings unchanged."""
+    arrays placed by the rules table (taken without a copy, left to the caller), from donated
+    single-device arrays (deleted once written) and from arrays replicated over the mesh;
+    shardings unchanged."""
     e = _part(run["engine"])
-    assert e["kept"] == [True, True]
+    assert e["kept"] == [True, True, True]
     assert e["placement_kept"] and e["theirs_kept"] and e["donated_deleted"]
 
 
@@ -56,6 +57,9 @@ def test_tp_update_serves_the_new_weights(run):
     _same(e["back"], e["before"])
     _same(e["final"], e["fresh"])
     assert e["step_retraces"] == 0
+    # arrays on the mesh in another layout: resharded inside their own write programs
+    _same(e["other_layout"], e["before"])
+    assert e["other_layout_programs"] == 4
 
 
 def test_tp_write_programs_are_prepared_and_the_update_compiles_nothing(run):
@@ -83,7 +87,7 @@ def test_tp_bad_params_name_the_leaf_and_keep_serving(run):
     assert errors[3].startswith("ValueError: update_weights: leaf params['layers'][1]['wk'] "
                                 "is a deleted array"), errors[3]
     assert bad["kept"]
-    _same(bad["outputs"], e["final"])
+    _same(bad["outputs"], e["other_layout"])
 
 
 def test_tp_write_programs_at_the_8b_shape_hold_no_more_than_one_layer(run):

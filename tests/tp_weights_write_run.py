@@ -14,6 +14,7 @@ import tempfile
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from minipic_jax import LLM, SamplingParams, weights_update
 from minipic_jax.loading import load_model
@@ -37,6 +38,15 @@ class Compiles:
     def _heard(self, event, duration, **kw):
         if self.on and event == "/jax/core/compile/backend_compile_duration":
             self.n += 1
+
+    def during(self, fn, *args) -> int:
+        """How many compiles `fn(*args)` ran."""
+        before, self.on = self.n, True
+        try:
+            fn(*args)
+        finally:
+            self.on = False
+        return self.n - before
 
 
 def outputs(llm, prompts) -> dict:
@@ -94,8 +104,9 @@ def by_rules_table(llm, params):
 
 
 def engine_case() -> dict:
-    """Updates from host arrays, from arrays placed by the rules table and from donated arrays
-    on one device: outputs, served buffers, compiles; then bad params."""
+    """Updates from host arrays, from arrays placed by the rules table, from donated arrays on
+    one device and from arrays replicated over the mesh: outputs, served buffers, compiles; then
+    bad params."""
     ref = np.load(FIXTURES / NAME / "reference.npz")
     llm = LLM(str(FIXTURES / NAME), **ARGS)
     prompts = sum(_prompts(llm, ref), [])
@@ -106,18 +117,11 @@ def engine_case() -> dict:
         out["fresh"] = outputs(LLM(tmp, **ARGS), prompts)
     out["prepared"] = [weights_update.prepare(llm), weights_update.prepare(llm)]
     steps, placement = runner.num_compiles, [x.sharding for x in jax.tree.leaves(runner.params)]
-    counts = []
-    compiles.on = True
-    llm.update_weights(new)  # host (numpy) arrays: each device receives its slice
-    counts.append(compiles.n)
-    compiles.on = False
+    counts = [compiles.during(llm.update_weights, new)]  # host (numpy) arrays: sliced per device
     out["after"] = outputs(llm, prompts)
     kept = pointers(runner.params)  # (the loaded leaves may wrap host memory: compared from here)
     theirs = by_rules_table(llm, old)
-    compiles.on = True
-    llm.update_weights(theirs)  # taken as they are: no copy
-    counts.append(compiles.n - counts[-1])
-    compiles.on = False
+    counts.append(compiles.during(llm.update_weights, theirs))  # taken as they are: no copy
     out["theirs_kept"] = not any(x.is_deleted() for x in jax.tree.leaves(theirs))
     out["kept"] = [pointers(runner.params) == kept]
     out["back"] = outputs(llm, prompts)
@@ -129,6 +133,11 @@ def engine_case() -> dict:
                donated_deleted=all(x.is_deleted() for x in jax.tree.leaves(theirs)),
                placement_kept=placement == [x.sharding for x in jax.tree.leaves(runner.params)],
                final=outputs(llm, prompts))
+    # another layout on the mesh (replicated): resharded inside new write programs
+    llm.update_weights(jax.device_put(old, NamedSharding(runner.mesh, PartitionSpec())))
+    out["kept"].append(pointers(runner.params) == kept)
+    out["other_layout"] = outputs(llm, prompts)
+    out["other_layout_programs"] = getattr(llm.weights_version.writer, "compiles", 0)
     out["bad"] = guarded(bad_case, llm, new, kept, prompts)  # last: the old code broke there
     return out
 
@@ -139,7 +148,7 @@ def bad_case(llm, new, kept, prompts) -> dict:
     errors = bad_inputs(llm, new)
     return {"errors": errors, "outputs": outputs(llm, prompts),
             "kept": pointers(llm.llm_engine.runner.params) == kept
-            and llm.weights_version.generation == 3}
+            and llm.weights_version.generation == 4}
 
 
 def memory_case(num_kv_heads: int) -> dict:
