@@ -128,8 +128,10 @@ def _placed(x, target, donate: bool, served: set):
 def _source(x, target, donate: bool, served: set):
     """A new leaf as a tensor-parallel write program takes it: an array already laid out over the
     mesh's devices as it is (the program reshards it on device; a layout other than the rules
-    table's compiles its program once), anything else placed by the rules table (`target`:
-    host arrays are sliced on the host, each device receiving its own slice)."""
+    table's compiles its program once), anything else placed by the rules table (`target`):
+    host arrays are sliced on the host, each device receiving its own slice; an array on one
+    device is sliced there by `jax.device_put`, whose small slicing programs (one per shape)
+    compile at the first update that passes such arrays."""
     mesh = target.mesh
     if (id(x) not in served and isinstance(x, jax.Array)
             and isinstance(x.sharding, jax.sharding.NamedSharding)
@@ -162,7 +164,10 @@ def _sharded_parts(runner, loaded, new: dict):
 
 def prepare(llm) -> int:
     """Compile the write programs an update will run (`LLM` warm-up calls it), so no update
-    compiles anything; returns how many compiled now."""
+    compiles anything; returns how many compiled now. Under tensor parallelism: the programs
+    for new leaves placed by the rules table (what host arrays, arrays on one device and arrays
+    so placed by the caller become); arrays on the mesh in another layout compile their own
+    at the first update that passes them (`_source`)."""
     engine, version = llm.llm_engine, llm.weights_version
     runner = engine.runner
     writer = _writer(version, runner, engine.loaded)

@@ -19,9 +19,10 @@ in-use growth and live-array growth apart.
 
 Under tensor parallelism (`ShardedWeightsWriter`) the same, per device: the programs are compiled
 for the mesh, take each new leaf placed by the rules table (serving/step/sharding.py,
-`source_shardings`), repeat the KV heads as the load does (`replicate_kv_heads`; weights stay
-unfused under TP), and write every shard into the served shard's buffer (output shardings = the
-served ones).
+`source_shardings`; or as the caller laid it out on the mesh: resharded inside), repeat the KV
+heads as the load does (`replicate_kv_heads`; weights stay unfused under TP), and write every
+shard into the served shard's buffer (output shardings = the served ones). At the llama3_8b
+shape over 2 devices they hold no temporaries (tests/test_weights_update_tp.py).
 """
 
 from __future__ import annotations
