@@ -5,6 +5,7 @@
     minipic-bench rl --model tiny_llama                   # CPU: about 3 minutes
     minipic-bench rl --model <SmolLM2-135M-Instruct folder> --task add --dtype bfloat16
     minipic-bench rl --update-timing --model llama3_8b --dtype bfloat16
+    minipic-bench rl --update-timing --model llama3_8b --dtype bfloat16 --tensor-parallel 2
     minipic-bench rl --rollout-compare --model llama3_2_1b --dtype bfloat16
     minipic-bench rl --rollout-compare --rollout-prompts 16 --model llama3_8b --dtype bfloat16
 """
@@ -40,6 +41,10 @@ def add_parser(p) -> None:
                    help="rl_reward.png, rl_run.json (rl_measure.json) here (default: %(default)s)")
     p.add_argument("--update-timing", action="store_true",
                    help="time LLM.update_weights at the model's shape (e.g. llama3_8b, bf16)")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="--update-timing: devices the engine is split over "
+                        "(tensor_parallel_size; the weight sets arrive placed by its rules "
+                        "table, memory per device) (default: %(default)s)")
     p.add_argument("--rollout-compare", action="store_true",
                    help="G (--samples) samples of B (--rollout-prompts) 512-token prompts, 256 "
                         "new tokens: engine vs a plain jitted sampling loop (dense KV, no "
@@ -115,7 +120,7 @@ def run(args) -> int:
         if args.update_timing:
             result["update_timing"] = rl_measure.update_timing(
                 args.model, args.dtype, max_num_seqs=8, max_model_len=1024,
-                **({"num_kv_blocks": 256} | extra))
+                tensor_parallel_size=args.tensor_parallel, **({"num_kv_blocks": 256} | extra))
         if args.rollout_compare:
             result["rollout_compare"] = _rollout_compare(args, extra)
         (out_dir / "rl_measure.json").write_text(json.dumps(result, indent=1))

@@ -42,31 +42,36 @@ def count_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def _memory():
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_in_use", 0), stats.get("peak_bytes_in_use", 0)
+def _memory(devices) -> tuple:
+    """(in-use bytes, peak bytes) of each device."""
+    stats = [d.memory_stats() or {} for d in devices]
+    return ([st.get("bytes_in_use", 0) for st in stats],
+            [st.get("peak_bytes_in_use", 0) for st in stats])
 
 
 def _live_bytes() -> int:
-    """Bytes of the jax arrays alive (what the allocator's in-use should hold, chunks aside)."""
+    """Bytes of the jax arrays alive (what the allocator's in-use should hold, chunks aside;
+    a sharded array counts its global size)."""
     return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
 
 
-def _pad_to_peak():
-    """An array filling the gap between the device's in-use bytes and its high-water mark (which
-    never comes down: loading the weight sets, say), so the next peak is the measured work's own.
-    Made from host memory: no program compiles for it. Returns (the array or None, the gap)."""
-    in_use, peak = _memory()
-    gap = peak - in_use
-    if gap <= 0:
-        return None, gap
-    try:
-        return jax.block_until_ready(jax.device_put(np.zeros(gap, np.uint8),
-                                                    jax.devices()[0])), gap
-    except jax.errors.JaxRuntimeError as e:  # no room for it: the peak below is an upper bound
-        print(f"rl_measure: no pad of {gap} bytes ({e}); the update's peak is at most "
-              f"the earlier high-water mark")
-        return None, gap
+def _pad_to_peak(devices):
+    """On each device an array filling the gap between its in-use bytes and its high-water mark
+    (which never comes down: loading the weight sets, say), so the next peak is the measured
+    work's own. Made from host memory: no program compiles for it. Returns (the arrays, the
+    largest gap)."""
+    pads, gaps = [], []
+    for device, in_use, peak in zip(devices, *_memory(devices)):
+        gap = peak - in_use
+        gaps.append(gap)
+        if gap <= 0:
+            continue
+        try:
+            pads.append(jax.block_until_ready(jax.device_put(np.zeros(gap, np.uint8), device)))
+        except jax.errors.JaxRuntimeError as e:  # no room: the peak below is an upper bound
+            print(f"rl_measure: no pad of {gap} bytes on {device} ({e}); the update's peak is "
+                  f"at most the earlier high-water mark")
+    return pads, max(gaps)
 
 
 def _write_programs(llm) -> int:
@@ -76,13 +81,15 @@ def _write_programs(llm) -> int:
 
 
 def _update_row(llm, params) -> dict:
-    """One timed update: seconds, compiles, step re-traces, and its memory: `added_bytes` = the
-    device's peak over the in-use bytes before it (the high-water mark raised to in-use first:
+    """One timed update: seconds, compiles, step re-traces, and its memory on the device that
+    grew most (under tensor parallelism each of the mesh's): `added_bytes` = the device's peak
+    over the in-use bytes before it (the high-water mark raised to in-use first:
     `_pad_to_peak`), `in_use_growth` (what the allocator still holds after it; a best-fit
     allocator's misfit chunks show here) and `live_growth` (the arrays alive)."""
     runner = llm.llm_engine.runner
-    pad, gap = _pad_to_peak()
-    in_use, _ = _memory()
+    devices = _devices(runner)
+    pads, gap = _pad_to_peak(devices)
+    in_use, _ = _memory(devices)
     live = _live_bytes()
     variants = runner.num_compiles  # step variants traced (a re-trace would add one)
     writes = _write_programs(llm)
@@ -91,25 +98,62 @@ def _update_row(llm, params) -> dict:
         llm.update_weights(params)
         jax.block_until_ready(runner.params)
         seconds = time.perf_counter() - t0
-    in_use_after, peak = _memory()
-    row = dict(seconds=seconds, compiles=compiles[0], added_bytes=max(peak - in_use, 0),
+    in_use_after, peak = _memory(devices)
+    row = dict(seconds=seconds, compiles=compiles[0],
+               added_bytes=max(max(p - u, 0) for p, u in zip(peak, in_use)),
                step_retraces=runner.num_compiles - variants,
                write_program_compiles=_write_programs(llm) - writes,
-               pad_bytes=0 if pad is None else pad.nbytes, earlier_peak_bytes=gap,
-               in_use_growth=in_use_after - in_use, live_growth=_live_bytes() - live)
-    del pad
+               pad_bytes=sum(p.nbytes for p in pads), earlier_peak_bytes=gap,
+               in_use_growth=max(a - u for a, u in zip(in_use_after, in_use)),
+               live_growth=_live_bytes() - live)
+    del pads
     return row
+
+
+def _devices(runner) -> list:
+    return [jax.devices()[0]] if runner.mesh is None else list(runner.mesh.devices.flat)
+
+
+def _weight_sets(llm, model: str, dtype: str) -> list:
+    """Two other weight sets, as a trainer would hand them over: on the device, or under tensor
+    parallelism placed by the engine's rules table (what a trainer sharded the same way holds:
+    the update takes them without a copy), made in host memory first (no device holds a set
+    whole)."""
+    runner, loaded = llm.llm_engine.runner, llm.llm_engine.loaded
+    if runner.mesh is None:
+        return jax.block_until_ready([load_model(model, dtype=dtype, seed=s).params
+                                      for s in (1, 2)])
+    from serving.step import sharding
+    axes = loaded.family.param_axes(loaded.cfg)
+    copies = sharding.kv_replication(loaded.cfg, runner.config.tensor_parallel_size)
+    sets = []
+    for s in (1, 2):
+        with jax.default_device(jax.devices("cpu")[0]):
+            host = load_model(model, dtype=dtype, seed=s).params
+        targets = sharding.source_shardings(host, axes, runner.mesh, copies)
+        sets.append(jax.block_until_ready(jax.tree.map(
+            lambda x, t: jax.device_put(np.asarray(x), t), host, targets)))  # host slices
+        del host
+    return sets
+
+
+def _layer_bytes(runner) -> int:
+    """One served layer's bytes on the first device (the whole layer on one device)."""
+    first = _devices(runner)[0]
+    return sum(s.data.nbytes for x in jax.tree.leaves(runner.params["layers"][0])
+               for s in x.addressable_shards if s.device == first)
 
 
 def update_timing(model: str, dtype: str, repeats: int = 3, **engine_args) -> dict:
     """Seconds, compiles and added device memory of `repeats` updates (two weight sets, taken
-    in turn), then a short generate with the last weights (compiles: 0 expected)."""
+    in turn), then a short generate with the last weights (compiles: 0 expected). With
+    `tensor_parallel_size` > 1 in `engine_args` the memory is each mesh device's (the largest)
+    and one layer means one layer's shards on a device."""
     llm = LLM(model, dtype=dtype, seed=0, **engine_args)
     sp = SamplingParams(temperature=0.0, max_tokens=8)
     llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)  # warm
-    sets = [load_model(model, dtype=dtype, seed=s).params for s in (1, 2)]
-    jax.block_until_ready(sets)
-    fused_layer = sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.params["layers"][0]))
+    sets = _weight_sets(llm, model, dtype)
+    fused_layer = _layer_bytes(llm.llm_engine.runner)
     t0 = time.perf_counter()  # what LLM(warmup=True) does: the updates then compile nothing
     prepared = weights_update.prepare(llm)
     prepare_s = time.perf_counter() - t0
@@ -119,6 +163,7 @@ def update_timing(model: str, dtype: str, repeats: int = 3, **engine_args) -> di
     with count_compiles() as compiles:
         llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
     out = dict(model=model, dtype=dtype, updates=rows, layer_bytes=fused_layer,
+               tensor_parallel_size=llm.config.tensor_parallel_size,
                write_programs_prepared=prepared, prepare_s=prepare_s,
                weights_bytes=sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.params)),
                generate_compiles_after=compiles[0])

@@ -116,14 +116,15 @@ class LLM:
     def update_weights(self, params, *, donate: bool = False) -> int:
         """Serve `params` from now on: the family's params dict (unfused, as `load_model` or
         minipic-train give it), or a Flax NNX State / module of it, of exactly the served
-        shapes and dtypes. No reload, and the step never re-traces: on one device the new
-        weights are written into the served buffers (small write programs, compiled by the
-        warm-up or else the first update), so beyond the caller's arrays the update holds one
-        layer's temporaries at most. `donate=True`: the caller's arrays are deleted once written (the engine never
-        serves them, so a caller may also donate or delete them itself after the call). KV,
-        checkpoints and span maps cached under the old weights never hit again. Between
-        generate() calls only. A missing leaf or one of another shape or dtype: ValueError
-        naming it, and the old weights keep serving. Returns the weights generation
+        shapes and dtypes. No reload, and the step never re-traces: the new weights are
+        written into the served buffers (small write programs, compiled by the warm-up or else
+        the first update; under tensor parallelism per device, each new leaf placed by the
+        rules table first), so beyond the caller's arrays the update holds one layer's
+        temporaries at most. `donate=True`: the caller's arrays are deleted once written (the
+        engine never serves them, so a caller may also donate or delete them itself after the
+        call). KV, checkpoints and span maps cached under the old weights never hit again.
+        Between generate() calls only. A missing or deleted leaf, or one of another shape or
+        dtype: ValueError naming it, and the old weights keep serving. Returns the weights generation
         (minipic_jax/weights_update.py)."""
         return weights_update.update_weights(self, params, donate=donate)
 

@@ -8,8 +8,9 @@ weights at load time is done again here, the same way: fusing QKV and gate/up on
 (serving/step/sharding.py, KV heads replicated as at load). On one device the new weights are
 written into the served buffers (minipic_jax/weights_write.py), so the engine keeps serving arrays
 of its own, the allocator sees nothing freed or allocated, and beyond the caller's params the
-update holds one layer's temporaries at most. Under tensor parallelism each old leaf is freed
-before its replacement is placed.
+update holds one layer's temporaries at most. Under tensor parallelism the same per device:
+each new leaf is placed by the rules table and written into the served shards by write programs
+compiled for the mesh (KV heads repeated inside them).
 
 Everything cached under the old weights is invalidated: the prefix cache, host tier and hybrid
 checkpoint / span-map stores are forgotten (`reset_prefix_cache`), and a fresh random nonce enters
@@ -41,7 +42,7 @@ class WeightsVersion:
     generation: int = 0
     nonce: bytes = b""
     spec: object = None  # the family's (unfused) params as ShapeDtypeStructs
-    writer: object = None  # weights_write.WeightsWriter, made at the first update
+    writer: object = None  # weights_write.(Sharded)WeightsWriter, made when first needed
 
     def root(self, cache_salt: str | None) -> int:
         h0 = root_hash(self.hash_fn, cache_salt)
@@ -78,8 +79,8 @@ def _dtype_of(x):
 
 
 def check_params(params, spec) -> None:
-    """ValueError naming the first leaf of `params` that is missing, extra, or of another shape
-    or dtype than `spec`'s; nothing is touched."""
+    """ValueError naming the first leaf of `params` that is missing, extra, deleted, or of
+    another shape or dtype than `spec`'s; nothing is touched."""
     want = dict(jax.tree_util.tree_flatten_with_path(spec)[0])
     got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
     names = {jax.tree_util.keystr(p): p for p in want}
@@ -89,6 +90,9 @@ def check_params(params, spec) -> None:
             raise ValueError(f"update_weights: leaf params{name} is missing (want shape "
                              f"{want[path].shape}, dtype {want[path].dtype})")
         x, w = got[got_names[name]], want[path]
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(f"update_weights: leaf params{name} is a deleted array (donated "
+                             f"or deleted before the call)")
         shape = tuple(np.shape(x))
         if shape != w.shape or _dtype_of(x) != w.dtype:
             raise ValueError(f"update_weights: leaf params{name} has shape {shape}, dtype "
@@ -102,23 +106,6 @@ def check_params(params, spec) -> None:
         raise ValueError(f"update_weights: params have the structure "
                          f"{jax.tree.structure(params)}, the served model "
                          f"{jax.tree.structure(spec)}")
-
-
-def _on(x, target, donate: bool):
-    """`x` on `target`: itself when already there, else moved (a new array, the engine's)."""
-    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
-        return x
-    return jax.device_put(x, target, donate=donate and isinstance(x, jax.Array))
-
-
-def _own(x, theirs: set, donate: bool):
-    """The engine's own array for `x`: a copy of a caller's array unless donated, so a caller that
-    later donates or deletes its params (an optimizer step) never frees what the engine serves.
-    A copy keeps the array's committedness (jit caches key on it: the family's fuse program stays
-    the one compiled at load)."""
-    if id(x) in theirs and not donate:
-        return jax.device_put(x, may_alias=False)
-    return x
 
 
 def _free(old_leaves, keep: set) -> None:
@@ -138,9 +125,27 @@ def _placed(x, target, donate: bool, served: set):
                           and not x.sharding.is_equivalent_to(target, x.ndim))
 
 
-def _writer(version: WeightsVersion, runner):
-    if version.writer is None:
+def _source(x, target, donate: bool, served: set):
+    """A new leaf as a tensor-parallel write program takes it: an array already laid out over the
+    mesh's devices as it is (the program reshards it on device; a layout other than the rules
+    table's compiles its program once), anything else placed by the rules table (`target`):
+    host arrays are sliced on the host, each device receiving its own slice; an array on one
+    device is sliced there by `jax.device_put`, whose small slicing programs (one per shape)
+    compile at the first update that passes such arrays."""
+    mesh = target.mesh
+    if (id(x) not in served and isinstance(x, jax.Array)
+            and isinstance(x.sharding, jax.sharding.NamedSharding)
+            and x.sharding.mesh.devices.tolist() == mesh.devices.tolist()):
+        return x
+    return _placed(x, target, donate, served)
+
+
+def _writer(version: WeightsVersion, runner, loaded):
+    if version.writer is None and runner.mesh is None:
         version.writer = weights_write.WeightsWriter(runner.family, runner.config.fuse_weights)
+    elif version.writer is None:  # tensor parallelism: KV heads repeated as at load
+        copies = sharding.kv_replication(loaded.cfg, runner.config.tensor_parallel_size)
+        version.writer = weights_write.ShardedWeightsWriter(copies)
     return version.writer
 
 
@@ -148,14 +153,32 @@ def _top_keys(params: dict) -> list:
     return [k for k in params if k != "layers"]
 
 
+def _sharded_parts(runner, loaded, new: dict):
+    """(served, new, logical axes) of the top-level leaves, then of each layer (the unit each
+    tensor-parallel write program takes)."""
+    axes = loaded.family.param_axes(loaded.cfg)
+    old, top = runner.params, _top_keys(runner.params)
+    yield {k: old[k] for k in top}, {k: new[k] for k in top}, {k: axes[k] for k in top}
+    yield from zip(old["layers"], new["layers"], axes["layers"])
+
+
 def prepare(llm) -> int:
     """Compile the write programs an update will run (`LLM` warm-up calls it), so no update
-    compiles anything; returns how many compiled now. Under tensor parallelism: none."""
-    runner, version = llm.llm_engine.runner, llm.weights_version
-    if runner.mesh is not None:
-        return 0
-    writer = _writer(version, runner)
+    compiles anything; returns how many compiled now. Under tensor parallelism: the programs
+    for new leaves placed by the rules table (what host arrays, arrays on one device and arrays
+    so placed by the caller become); arrays on the mesh in another layout compile their own
+    at the first update that passes them (`_source`)."""
+    engine, version = llm.llm_engine, llm.weights_version
+    runner = engine.runner
+    writer = _writer(version, runner, engine.loaded)
     before, old = writer.compiles, runner.params
+    if runner.mesh is not None:  # each new leaf as it will be placed (source_shardings)
+        for served, spec, axes in _sharded_parts(runner, engine.loaded, version.spec):
+            targets = sharding.source_shardings(spec, axes, runner.mesh, writer.copies)
+            writer.ensure(served, jax.tree.map(
+                lambda s, t: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=t), spec,
+                targets), axes)
+        return writer.compiles - before
     target = jax.tree.leaves(old)[0].sharding  # where install_single puts the new leaves
     spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=target),
                         version.spec)
@@ -188,20 +211,23 @@ def install_single(runner, new: dict, donate: bool, writer) -> dict:
     return {**jax.block_until_ready(top), "layers": tuple(layers)}
 
 
-def install_sharded(runner, loaded, new: dict, donate: bool) -> dict:
-    """Tensor parallelism: each leaf placed by the rules table (KV heads replicated as at load,
-    serving/step/sharding.place_model), the old leaf freed before its replacement lands."""
-    axes = loaded.family.param_axes(loaded.cfg)
-    copies = sharding.kv_replication(loaded.cfg, runner.config.tensor_parallel_size)
-    new = sharding.replicate_kv_heads(new, axes, copies)
-    targets = jax.tree.leaves(sharding.shardings(new, axes, runner.mesh))
-    new_leaves, treedef = jax.tree.flatten(new)
-    placed = []
-    theirs = {id(x) for x in new_leaves}
-    for x, s, o in zip(new_leaves, targets, jax.tree.leaves(runner.params)):
-        _free([o], theirs)
-        placed.append(jax.block_until_ready(_own(_on(x, s, donate), theirs, donate)))
-    return jax.tree.unflatten(treedef, placed)
+def install_sharded(runner, loaded, new: dict, donate: bool, writer) -> dict:
+    """Tensor parallelism: as `install_single`, per device. Each new leaf goes to the mesh as
+    `_source` says (by the rules table, `sharding.source_shardings`, unless already on the mesh),
+    and a write program compiled for the mesh repeats the KV heads as the load did
+    (`replicate_kv_heads`) and writes every shard into the served shard's buffer. Nothing served
+    is freed or allocated; beyond the caller's arrays an update holds one part's placed copies
+    (the top-level leaves' or one layer's) and the program's temporaries."""
+    served_ids = {id(x) for x in jax.tree.leaves(runner.params)}
+    out = []
+    for served, part, axes in _sharded_parts(runner, loaded, new):
+        targets = sharding.source_shardings(part, axes, runner.mesh, writer.copies)
+        part = jax.tree.map(lambda x, t: _source(x, t, donate, served_ids), part, targets)
+        out.append(jax.block_until_ready(writer(served, part, axes)))
+        del part  # a layer moved from elsewhere is freed before the next one moves
+    if donate:
+        _free(jax.tree.leaves(new), served_ids)
+    return {**out[0], "layers": tuple(out[1:])}
 
 
 def _detach_span_store(engine) -> None:
@@ -223,10 +249,11 @@ def update_weights(llm, params, *, donate: bool = False) -> int:
     engine.flush_kv_store()  # blocks of the old weights reach the store under the old keys
     _detach_span_store(engine)
     runner = engine.runner
+    writer = _writer(version, runner, engine.loaded)
     if runner.mesh is None:
-        served = install_single(runner, params, donate, _writer(version, runner))
+        served = install_single(runner, params, donate, writer)
     else:
-        served = install_sharded(runner, engine.loaded, params, donate)
+        served = install_sharded(runner, engine.loaded, params, donate, writer)
     del params
     runner.params = engine.loaded.params = served
     version.bump()

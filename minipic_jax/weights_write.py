@@ -1,4 +1,4 @@
-"""New weights written into the served weights' own buffers (`LLM.update_weights`, one device).
+"""New weights written into the served weights' own buffers (`LLM.update_weights`).
 
 Two small jitted programs, each taking the served arrays donated and the new (unfused) ones and
 writing every result into the donated buffer of its served counterpart: one for the top-level
@@ -16,6 +16,13 @@ left over, counting the whole chunk as in use; arrays landing in the holes of ot
 more than they need. That is what the first update's peak on the H200 showed while the live
 arrays stayed the same (benchmarks/RESULTS.md, "RL loop"); benchmarks/rl_measure.py records
 in-use growth and live-array growth apart.
+
+Under tensor parallelism (`ShardedWeightsWriter`) the same, per device: the programs are compiled
+for the mesh, take each new leaf placed by the rules table (serving/step/sharding.py,
+`source_shardings`; or as the caller laid it out on the mesh: resharded inside), repeat the KV
+heads as the load does (`replicate_kv_heads`; weights stay unfused under TP), and write every
+shard into the served shard's buffer (output shardings = the served ones). At the llama3_8b
+shape over 2 devices they hold no temporaries (tests/test_weights_update_tp.py).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import functools
 
 import jax
 from jax import lax
+
+from serving.step import sharding
 
 
 def _into(old, value):
@@ -72,3 +81,46 @@ class WeightsWriter:
         """The write program for these arrays or ShapeDtypeStructs (its `memory_analysis()`
         says what an update of that shape holds beyond the weights)."""
         return self._jit.lower(served, new, layer=layer).compile()
+
+
+def _write_sharded(axes, copies: int, served, new):
+    return jax.tree.map(_into, served, sharding.replicate_kv_heads(new, axes, copies))
+
+
+def _shardings(tree):
+    return tuple(x.sharding for x in jax.tree.leaves(tree))
+
+
+class ShardedWeightsWriter:
+    """Tensor parallelism: the write programs of one engine's mesh, compiled on first use and
+    kept by the avals, shardings and logical axes they take (every layer of one kind shares
+    one). `copies`: how many times each KV head is repeated (sharding.kv_replication)."""
+
+    def __init__(self, copies: int):
+        self.copies = copies
+        self._compiled: dict = {}
+        self.compiles = 0
+
+    def __call__(self, served, new, axes):
+        """`new` (placed at `sharding.source_shardings(new, axes, mesh, copies)`) written into
+        `served`'s buffers, which it consumes; returns the arrays now serving."""
+        return self.ensure(served, new, axes)(served, new)
+
+    def ensure(self, served, new, axes):
+        """The compiled write program for these arrays or ShapeDtypeStructs (with shardings)
+        and `axes` (the logical axes of `new`), compiled now if it is not yet."""
+        key = (repr(axes), jax.tree.structure(served), jax.tree.structure(new), _avals(served),
+               _avals(new), _shardings(served), _shardings(new))
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = self.compile(served, new, axes)
+            self.compiles += 1
+        return fn
+
+    def compile(self, served, new, axes):
+        """The write program: outputs at the served shardings, each aliasing its served input
+        (`memory_analysis()`: what an update of that shape holds per device beyond the
+        weights)."""
+        fn = jax.jit(functools.partial(_write_sharded, axes, self.copies), donate_argnums=0,
+                     out_shardings=jax.tree.map(lambda x: x.sharding, served))
+        return fn.lower(served, new).compile()

@@ -112,6 +112,19 @@ def shardings(tree, axes_tree, mesh: Mesh):
         axes_tree, tree, is_leaf=_is_axes)
 
 
+def source_shardings(tree, axes_tree, mesh: Mesh, copies: int = 1):
+    """NamedSharding per array of `tree` as given, before `replicate_kv_heads` repeats its KV
+    heads `copies` times: `shardings`' placement, but a "kv_heads" axis to be repeated stays
+    whole on every device (fewer heads than devices: each device then repeats and keeps its own
+    copies, with no communication). With copies == 1 the served placement itself."""
+    if copies > 1:
+        axes_tree = jax.tree.map(
+            lambda axes: axes if axes is None else tuple(None if a == "kv_heads" else a
+                                                         for a in axes),
+            axes_tree, is_leaf=_is_axes)
+    return shardings(tree, axes_tree, mesh)
+
+
 def shard_params(params, axes_tree, mesh: Mesh):
     """Params placed per their logical axes (each array's source is freed once moved)."""
     target = shardings(params, axes_tree, mesh)
