@@ -1,0 +1,218 @@
+"""Intra-chunk UT solve of the gated delta rule in Pallas Mosaic GPU (Hopper: TMA, wgmma).
+
+Same outputs as `intra_blocked.intra_chunk_blocked` (W, U, KD [N, T, Hv, D] in the 16-bit input
+dtype, gc [N, T, Hv] float32), for bf16 / f16 inputs and chunks of 64 rows. One warpgroup per
+(sequence, chunk, value head): its 64 rows are the M = 64 of every wgmma, so the chunk is never
+sliced into row blocks in registers; where the Triton kernel works on 16-row sub-blocks, this
+one masks whole [64, 64] tiles instead:
+  - exponents: every decay exponent a direct float32 sum of g over its own segment, never a
+    difference of two cumulative sums (tests/test_gated_delta_decay_precision.py says why): the
+    [64, 64] segment sums seg = L @ G (L the ones on and below the diagonal, G[m, j] = g_m for
+    m > j) on the tensor cores, G split into three bf16 parts that sum to it exactly (L is exact
+    in bf16, float32 accumulation); gc and the sums to the chunk end as row reductions of masked
+    tiles;
+  - A = tril(beta K K^T * exp(seg), -1): one wgmma K @ K^T in the input dtype, float32 accumulate;
+  - (I + A)^-1 without row substitution: D (A's 16 x 16 diagonal blocks) is nilpotent of index
+    16, so (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) exactly (the Triton kernel's product,
+    its blocks masked out of the whole tile); with M = (I + D)^-1 O (O = A - D, strictly lower
+    by blocks, M^4 = 0) the inverse is (I - M)(I + M^2)(I + D)^-1. Ten [64, 64] products, each by
+    wgmma on operands split into bf16 hi + lo parts (three passes: float32-like accuracy,
+    `_product`; passes=1 takes the bf16 parts alone);
+  - W = Tinv @ (beta exp(gc) K), U = Tinv @ (beta V) as the Triton kernel's final dots do: Tinv
+    and the right-hand sides rounded to the input dtype, float32 accumulation. KD = K exp(g over
+    (r, C - 1]).
+The gates travel as one [N, Hv, 2, T] float32 array (g, beta; a TMA box needs a contiguous last
+axis) and gc comes back [N, Hv, T], moved to [N, T, Hv] here.
+
+Interpret mode (plgpu.InterpretGPUParams, CPU) runs this same kernel body: every wgmma operand
+sits in SMEM, which the interpreter requires.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+CHUNK = 64  # rows of a chunk = M of a warpgroup's wgmma
+SUB = 16  # diagonal blocks inverted by the nilpotent product (the Triton kernel's sub-block)
+_WG = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, N] tile
+_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+_F32 = jnp.float32
+
+
+def _iota(dim):
+    return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), dim), _WG)
+
+
+def _wgmma(pairs, shape):
+    """sum of a @ b over the (a, b) SMEM operand pairs, float32, into registers."""
+    def body(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, _F32))
+
+
+def _hi_lo(x):
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(_F32)).astype(jnp.bfloat16)
+
+
+def _product(a, b, tiles, passes):
+    """a @ b for float32 [64, 64] register tiles through the four bf16 SMEM tiles: passes=3
+    sums a_hi b_hi + a_hi b_lo + a_lo b_hi (relative error ~2^-16, the a_lo b_lo term dropped),
+    passes=1 takes a_hi b_hi alone."""
+    (a_hi, a_lo), (b_hi, b_lo) = _hi_lo(a), _hi_lo(b)
+    tiles[0][...], tiles[2][...] = a_hi, b_hi
+    pairs = [(tiles[0], tiles[2])]
+    if passes == 3:
+        tiles[1][...], tiles[3][...] = a_lo, b_lo
+        pairs = [(tiles[1], tiles[2]), (tiles[0], tiles[3])] + pairs
+    plgpu.commit_smem()  # generic-proxy stores, then the tensor cores read them
+    return _wgmma(pairs, (CHUNK, CHUNK))
+
+
+def _exponents(gates, tiles):
+    """(gc [64] row layout: g over [0, r]; to_end [64]: g over (r, C - 1]; seg [64, 64]: g over
+    (j, i]), every one a sum over its own segment (module doc)."""
+    rows, cols = _iota(0), _iota(1)
+    g_by_col = lax.broadcast_in_dim(plgpu.load(gates.at[0], layout=_COL), (CHUNK, CHUNK), [1])
+    gc = jnp.sum(jnp.where(cols <= rows, g_by_col, 0.0), axis=1)
+    to_end = jnp.sum(jnp.where(cols > rows, g_by_col, 0.0), axis=1)
+    g_by_row = lax.broadcast_in_dim(plgpu.load(gates.at[0], layout=_ROW), (CHUNK, CHUNK), [0])
+    terms = jnp.where(rows > cols, g_by_row, 0.0)  # [m, j]: g_m where m > j
+    hi = terms.astype(jnp.bfloat16)
+    rest = terms - hi.astype(_F32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(_F32)).astype(jnp.bfloat16)  # hi + mid + lo == terms exactly
+    tiles[0][...] = jnp.where(cols <= rows, 1.0, 0.0).astype(jnp.bfloat16)  # L[i, m]: m <= i
+    tiles[1][...], tiles[2][...], tiles[3][...] = lo, mid, hi
+    plgpu.commit_smem()
+    seg = _wgmma([(tiles[0], tiles[1]), (tiles[0], tiles[2]), (tiles[0], tiles[3])],
+                 (CHUNK, CHUNK))
+    return gc, to_end, seg
+
+
+def _unit_lower_inverse(a, tiles, passes):
+    """(I + a)^-1 for a strictly lower [64, 64] (module doc: diagonal blocks by the nilpotent
+    product, then the block-level factor (I - M)(I + M^2))."""
+    rows, cols = _iota(0), _iota(1)
+    eye = jnp.where(rows == cols, 1.0, 0.0)
+    same = lax.shift_right_logical(rows, 4) == lax.shift_right_logical(cols, 4)
+    d = jnp.where(same, a, 0.0)
+    x, p = eye - d, d
+    power = 2
+    while power < SUB:
+        p = _product(p, p, tiles, passes)  # d^power
+        x = x + _product(x, p, tiles, passes)
+        power *= 2
+    m = _product(x, a - d, tiles, passes)
+    y = eye - m
+    y = y + _product(y, _product(m, m, tiles, passes), tiles, passes)
+    return _product(y, x, tiles, passes)
+
+
+def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem, gates,
+            tiles, tinv_smem, kd_smem, gc_smem, bar, *, rep, passes):
+    n, c, h = lax.axis_index("n"), lax.axis_index("c"), lax.axis_index("h")
+    rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
+    plgpu.copy_gmem_to_smem(k_ref.at[n, rows, lax.div(h, rep)], k_smem, bar)
+    plgpu.copy_gmem_to_smem(v_ref.at[n, rows, h], v_smem, bar)
+    plgpu.copy_gmem_to_smem(gate_ref.at[n, h, :, rows], gates, bar)
+    plgpu.barrier_wait(bar)
+    dtype = k_smem.dtype
+    tile = [tiles.at[i] for i in range(4)]
+    gc, to_end, seg = _exponents(gates, tile)
+    beta = plgpu.load(gates.at[1], layout=_ROW)
+    kk = _wgmma([(k_smem, k_smem.transpose((1, 0)))], (CHUNK, CHUNK))
+    r, cl = _iota(0), _iota(1)
+    a = jnp.where(r > cl, lax.broadcast_in_dim(beta, kk.shape, [0]) * kk * jnp.exp(seg), 0.0)
+    tinv = _unit_lower_inverse(a, tile, passes)
+
+    # K and V move to registers; their tiles take the right-hand sides, then W and U
+    k = plgpu.load(k_smem, layout=_WG).astype(_F32)
+    v = plgpu.load(v_smem, layout=_WG).astype(_F32)
+    k_smem[...] = (k * lax.broadcast_in_dim(beta * jnp.exp(gc), k.shape, [0])).astype(dtype)
+    v_smem[...] = (v * lax.broadcast_in_dim(beta, v.shape, [0])).astype(dtype)
+    tinv_smem[...] = tinv.astype(dtype)
+    plgpu.commit_smem()
+    w = _wgmma([(tinv_smem, k_smem)], k.shape)
+    u = _wgmma([(tinv_smem, v_smem)], v.shape)
+    k_smem[...] = w.astype(dtype)
+    v_smem[...] = u.astype(dtype)
+    kd_smem[...] = (k * lax.broadcast_in_dim(jnp.exp(to_end), k.shape, [0])).astype(dtype)
+    gc_smem[...] = gc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, w_ref.at[n, rows, h])
+    plgpu.copy_smem_to_gmem(v_smem, u_ref.at[n, rows, h])
+    plgpu.copy_smem_to_gmem(kd_smem, kd_ref.at[n, rows, h])
+    plgpu.copy_smem_to_gmem(gc_smem, gc_ref.at[n, h, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def limits(k, v, chunk, dot_dtype) -> str:
+    """Why the Mosaic intra kernel cannot take these operands ('' when it can)."""
+    dtype = jnp.dtype(k.dtype)
+    if dtype not in (jnp.bfloat16, jnp.float16) or v.dtype != dtype:
+        return f"needs bf16/f16 k and v of one dtype, got {k.dtype} and {v.dtype}"
+    if dot_dtype is not None and jnp.dtype(dot_dtype) != dtype:
+        return f"needs dot dtype = the inputs' ({dtype}), got {jnp.dtype(dot_dtype)}"
+    if chunk != CHUNK:
+        return f"needs chunk_size {CHUNK} (a warpgroup's rows), got {chunk}"
+    dk, dv = k.shape[-1], v.shape[-1]
+    if dk % 64 or dv % 64 or max(dk, dv) > 256:
+        return f"needs Dk, Dv multiples of 64 up to 256, got Dk={dk} Dv={dv}"
+    if k.shape[1] % chunk:
+        return f"needs T a multiple of {chunk}, got T={k.shape[1]}"
+    return ""
+
+
+def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=False,
+                       passes=3):
+    """Kernel 1 of the fused path on Mosaic GPU (module doc).
+
+    Args:
+      k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv] (bf16 or f16, one dtype); g, beta: [N, T, Hv].
+      dot_dtype: None or the inputs' dtype (the only one taken).
+      interpret: False (compile for the GPU), True or a plgpu.InterpretGPUParams (CPU).
+      passes: 3 (the solve's products at ~float32 accuracy) or 1 (bf16 operands alone).
+    Returns:
+      w, kd [N, T, Hv, Dk] and u [N, T, Hv, Dv] in the inputs' dtype, gc [N, T, Hv] float32.
+    """
+    why = limits(k, v, chunk, dot_dtype)
+    if why or passes not in (1, 3):
+        raise ValueError(f"gated_delta intra_chunk_mosaic: {why or f'passes must be 1 or 3, got {passes}'}")
+    n, t_len, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    dtype = k.dtype
+    gates = jnp.stack([g.astype(_F32), beta.astype(_F32)], axis=-1)  # [N, T, Hv, 2]
+    gates = jnp.transpose(gates, (0, 2, 3, 1))  # [N, Hv, 2, T]
+    sw = plgpu.SwizzleTransform(128)
+    tiled = (plgpu.TilingTransform((8, 64)), sw)
+    call = plgpu.kernel(
+        functools.partial(_kernel, rep=hv // hk, passes=passes),
+        out_type=(jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
+                  jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
+                  jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
+                  jax.ShapeDtypeStruct((n, hv, t_len), _F32)),
+        grid=(n, t_len // chunk, hv), grid_names=("n", "c", "h"),
+        scratch_types=[
+            plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # K, beta exp(gc) K, W
+            plgpu.SMEM((CHUNK, dv), dtype, transforms=tiled),  # V, beta V, U
+            plgpu.SMEM((2, CHUNK), _F32),  # g, beta
+            plgpu.SMEM((4, CHUNK, CHUNK), jnp.bfloat16, transforms=tiled),  # product operands
+            plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=tiled),  # (I + A)^-1
+            plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # KD
+            plgpu.SMEM((CHUNK,), _F32),  # gc
+            plgpu.Barrier(num_arrivals=3),
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
+    w, u, kd, gc = call(k, v, gates)
+    return w, u, kd, jnp.moveaxis(gc, 1, 2)
