@@ -59,7 +59,7 @@ def run_fla(inputs, reps):
 # benchmarks/history/gated_delta.md)
 OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
                    scan_stages=2, ckpt_store="when", out_warps=4)
-CKPT_VARIANTS = ("fused", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
+CKPT_VARIANTS = ("fused", "fused_mosaic", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
                  "tree_bf16maps", "blocked16", "blocked32")
 
 
@@ -102,9 +102,19 @@ def jax_variants():
     def fused_intra(q, k, v, g, beta, ck=None):
         return fused_triton.intra_chunk_fused(k, v, g, beta)
 
+    def intra_kernel(q, k, v, g, beta, ck=None, kind="blocked", **kw):  # kernel 1 alone
+        from kernels_pallas.gated_delta import intra_blocked, intra_mosaic
+        if kind == "mosaic":
+            return intra_mosaic.intra_chunk_mosaic(k, v, g, beta, **kw)
+        return intra_blocked.intra_chunk_blocked(k, v, g, beta, num_warps=2)
+
     return {
         "intra_only_fused": fused_intra,
         "fused": fused,  # fused_triton.DEFAULTS
+        "fused_mosaic": functools.partial(fused, intra="mosaic"),  # intra_mosaic.py's solve
+        "intra_only_blocked": intra_kernel,  # the Triton solve alone (fused's kernel 1)
+        "intra_only_mosaic": functools.partial(intra_kernel, kind="mosaic"),
+        "intra_only_mosaic_p1": functools.partial(intra_kernel, kind="mosaic", block_passes=1),
         "tree": tree,  # the associative scan over chunk maps (tree_scan.py)
         "tree_bf16maps": functools.partial(tree, map_dtype=bf16),
         # two-level scan: G segments of chunks (blocked{G}), options of both scan passes

@@ -138,7 +138,14 @@ def output_fused(q, k, g, v_new, states, *, scale, chunk, dot_dtype, out_dtype, 
 
 
 def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_warps=4, used=None):
-    """Kernel 1, "blocked" (intra_blocked.py) or "subst" (`intra_chunk_fused`)."""
+    """Kernel 1, "blocked" (intra_blocked.py), "subst" (`intra_chunk_fused`) or "mosaic"
+    (intra_mosaic.py: Mosaic GPU, bf16 / f16, chunk 64, every chunk: `used` must be None)."""
+    if kind == "mosaic":
+        if used is not None:
+            raise ValueError("gated_delta fused: intra='mosaic' solves every chunk (used=None)")
+        from kernels_pallas.gated_delta import intra_mosaic
+        return intra_mosaic.intra_chunk_mosaic(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
+                                               interpret=interpret)
     if kind == "blocked":
         return intra_blocked.intra_chunk_blocked(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                                  interpret=interpret, num_warps=num_warps,
@@ -146,7 +153,8 @@ def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_war
     if kind == "subst":
         return intra_chunk_fused(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                  interpret=interpret, num_warps=num_warps, used=used)
-    raise ValueError(f"gated_delta fused: intra must be 'blocked' or 'subst', got {kind!r}")
+    raise ValueError(f"gated_delta fused: intra must be 'blocked', 'subst' or 'mosaic', "
+                     f"got {kind!r}")
 
 
 # fastest correct options of the H200 sweep (benchmarks/RESULTS.md, Gated DeltaNet)
@@ -161,8 +169,8 @@ def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=6
     dot_dtype: matmul operand dtype (default: v's dtype; bf16 inputs -> bf16 MMAs, fp32 acc).
     Intermediates (W, U, KD, V', per-chunk states) are stored in dot_dtype; the carried state,
     the final state and the checkpoints are float32 (checkpoints are the carried state itself).
-    options (defaults in DEFAULTS): intra "blocked" (intra_blocked.py) or "subst" (row
-    substitution above), intra_warps; the scan's layout ("kv" / "vk"), block_v, scan_warps,
+    options (defaults in DEFAULTS): intra "blocked" (intra_blocked.py), "subst" (row
+    substitution above) or "mosaic" (intra_mosaic.py), intra_warps; the scan's layout ("kv" / "vk"), block_v, scan_warps,
     scan_stages, ckpt_store (scan_fused.py); out_warps for the output kernel.
     """
     unknown = set(options) - set(DEFAULTS)

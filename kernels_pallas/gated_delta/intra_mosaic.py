@@ -15,9 +15,9 @@ one masks whole [64, 64] tiles instead:
   - (I + A)^-1 without row substitution: D (A's 16 x 16 diagonal blocks) is nilpotent of index
     16, so (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) exactly (the Triton kernel's product,
     its blocks masked out of the whole tile); with M = (I + D)^-1 O (O = A - D, strictly lower
-    by blocks, M^4 = 0) the inverse is (I - M)(I + M^2)(I + D)^-1. Ten [64, 64] products, each by
-    wgmma on operands split into bf16 hi + lo parts (three passes: float32-like accuracy,
-    `_product`; passes=1 takes the bf16 parts alone);
+    by blocks, M^4 = 0) the inverse is (I - M)(I + M^2)(I + D)^-1. Ten [64, 64] products by
+    wgmma, each on operands split into bf16 hi + lo parts (three passes, `_product`; the four
+    block-level ones in one pass with block_passes=1);
   - W = Tinv @ (beta exp(gc) K), U = Tinv @ (beta V) as the Triton kernel's final dots do: Tinv
     and the right-hand sides rounded to the input dtype, float32 accumulation. KD = K exp(g over
     (r, C - 1]).
@@ -99,9 +99,11 @@ def _exponents(gates, tiles):
     return gc, to_end, seg
 
 
-def _unit_lower_inverse(a, tiles, passes):
-    """(I + a)^-1 for a strictly lower [64, 64] (module doc: diagonal blocks by the nilpotent
-    product, then the block-level factor (I - M)(I + M^2))."""
+def _unit_lower_inverse(a, tiles, block_passes):
+    """(I + a)^-1 for a strictly lower [64, 64] (module doc): the diagonal blocks by the
+    nilpotent product in three-pass products (the Triton kernel's float32 diagonal inverse),
+    then the block-level factor (I - M)(I + M^2) in `block_passes` (3, or 1 as the Triton
+    kernel's bf16 block substitution)."""
     rows, cols = _iota(0), _iota(1)
     eye = jnp.where(rows == cols, 1.0, 0.0)
     same = lax.shift_right_logical(rows, 4) == lax.shift_right_logical(cols, 4)
@@ -109,17 +111,17 @@ def _unit_lower_inverse(a, tiles, passes):
     x, p = eye - d, d
     power = 2
     while power < SUB:
-        p = _product(p, p, tiles, passes)  # d^power
-        x = x + _product(x, p, tiles, passes)
+        p = _product(p, p, tiles, 3)  # d^power
+        x = x + _product(x, p, tiles, 3)
         power *= 2
-    m = _product(x, a - d, tiles, passes)
+    m = _product(x, a - d, tiles, block_passes)
     y = eye - m
-    y = y + _product(y, _product(m, m, tiles, passes), tiles, passes)
-    return _product(y, x, tiles, passes)
+    y = y + _product(y, _product(m, m, tiles, block_passes), tiles, block_passes)
+    return _product(y, x, tiles, block_passes)
 
 
 def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem, gates,
-            tiles, tinv_smem, kd_smem, gc_smem, bar, *, rep, passes):
+            tiles, tinv_smem, kd_smem, gc_smem, bar, *, rep, block_passes):
     n, c, h = lax.axis_index("n"), lax.axis_index("c"), lax.axis_index("h")
     rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
     plgpu.copy_gmem_to_smem(k_ref.at[n, rows, lax.div(h, rep)], k_smem, bar)
@@ -133,7 +135,7 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
     kk = _wgmma([(k_smem, k_smem.transpose((1, 0)))], (CHUNK, CHUNK))
     r, cl = _iota(0), _iota(1)
     a = jnp.where(r > cl, lax.broadcast_in_dim(beta, kk.shape, [0]) * kk * jnp.exp(seg), 0.0)
-    tinv = _unit_lower_inverse(a, tile, passes)
+    tinv = _unit_lower_inverse(a, tile, block_passes)
 
     # K and V move to registers; their tiles take the right-hand sides, then W and U
     k = plgpu.load(k_smem, layout=_WG).astype(_F32)
@@ -174,20 +176,24 @@ def limits(k, v, chunk, dot_dtype) -> str:
 
 
 def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=False,
-                       passes=3):
+                       block_passes=3):
     """Kernel 1 of the fused path on Mosaic GPU (module doc).
 
     Args:
       k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv] (bf16 or f16, one dtype); g, beta: [N, T, Hv].
       dot_dtype: None or the inputs' dtype (the only one taken).
       interpret: False (compile for the GPU), True or a plgpu.InterpretGPUParams (CPU).
-      passes: 3 (the solve's products at ~float32 accuracy) or 1 (bf16 operands alone).
+      block_passes: the passes of the inverse's block-level products: 3 (the inverse to ~1e-4
+        of its scale on correlated keys) or 1 (bf16 operands, ~4e-3: the Triton kernel's bf16
+        block substitution; tests/test_gated_delta_mosaic.py measures both).
     Returns:
       w, kd [N, T, Hv, Dk] and u [N, T, Hv, Dv] in the inputs' dtype, gc [N, T, Hv] float32.
     """
     why = limits(k, v, chunk, dot_dtype)
-    if why or passes not in (1, 3):
-        raise ValueError(f"gated_delta intra_chunk_mosaic: {why or f'passes must be 1 or 3, got {passes}'}")
+    if block_passes not in (1, 3):
+        why = why or f"block_passes must be 1 or 3, got {block_passes}"
+    if why:
+        raise ValueError(f"gated_delta intra_chunk_mosaic: {why}")
     n, t_len, hk, dk = k.shape
     hv, dv = v.shape[2:]
     dtype = k.dtype
@@ -196,7 +202,7 @@ def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=
     sw = plgpu.SwizzleTransform(128)
     tiled = (plgpu.TilingTransform((8, 64)), sw)
     call = plgpu.kernel(
-        functools.partial(_kernel, rep=hv // hk, passes=passes),
+        functools.partial(_kernel, rep=hv // hk, block_passes=block_passes),
         out_type=(jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
                   jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
                   jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
