@@ -59,7 +59,7 @@ def run_fla(inputs, reps):
 # benchmarks/history/gated_delta.md)
 OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
                    scan_stages=2, ckpt_store="when", out_warps=4)
-CKPT_VARIANTS = ("fused", "fused_mosaic", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
+CKPT_VARIANTS = ("fused", "fused_mosaic", "fused_mosaic_out", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
                  "tree_bf16maps", "blocked16", "blocked32")
 
 
@@ -112,6 +112,7 @@ def jax_variants():
         "intra_only_fused": fused_intra,
         "fused": fused,  # fused_triton.DEFAULTS
         "fused_mosaic": functools.partial(fused, intra="mosaic"),  # intra_mosaic.py's solve
+        "fused_mosaic_out": functools.partial(fused, intra="mosaic", output="mosaic"),
         "intra_only_blocked": intra_kernel,  # the Triton solve alone (fused's kernel 1)
         "intra_only_mosaic": functools.partial(intra_kernel, kind="mosaic"),
         "intra_only_mosaic_p1": functools.partial(intra_kernel, kind="mosaic", block_passes=1),

@@ -1,11 +1,13 @@
-"""The Mosaic GPU intra-chunk solve (intra_mosaic.py, implementation="mosaic_intra").
+"""The Mosaic GPU gated delta kernels (intra_mosaic.py, output_mosaic.py; implementations
+"mosaic_intra" and "mosaic").
 
 On CPU its kernels run under the Mosaic GPU interpreter, whose buffers start as NaN (unwritten
 outputs show); MINIPIC_COMPILED=1 compiles them for the GPU instead. Its two numerical pieces are
 checked alone in one-CTA harness kernels (the exact segment sums after a hard reset, the
 block-nilpotent inverse on correlated keys), then the whole kernel against a float64 solve, the
-prefill through api.py against the float64 recurrence, what it rejects, and the lowering for
-CUDA at the real layer shape (T = 32768, 16 heads, D = 128) on this CPU-only machine.
+Mosaic output kernel (output_mosaic.py) against the float64 formula, the prefill through api.py
+against the float64 recurrence, what they reject, and the lowering for CUDA at the real layer
+shape (T = 32768, 16 heads, D = 128) on this CPU-only machine.
 """
 
 import functools
@@ -69,7 +71,7 @@ def test_segment_sums_are_exact_after_a_reset(fresh_rng):
     g = _reset_gates(fresh_rng).astype(np.float32)
 
     def body(gates, tiles):
-        gc, to_end, seg = intra_mosaic._exponents(gates, tiles)
+        gc, to_end, seg = intra_mosaic.exponents(gates, tiles)
         return seg, gc, to_end
     gates = np.stack([g, np.zeros_like(g)])
     seg, gc, to_end = _harness(body, [gates], [(C, C), (C,), (C,)])
@@ -101,14 +103,16 @@ def test_unit_lower_inverse_on_correlated_keys(fresh_rng, passes, tol):
     a = _correlated_a(fresh_rng)
     def body(a_ref, tiles):
         a_regs = plgpu.load(a_ref, layout=plgpu.Layout.WGMMA, optimized=False)
-        return [intra_mosaic._unit_lower_inverse(a_regs, tiles, passes)]
+        return [intra_mosaic.unit_lower_inverse(a_regs, tiles, passes)]
     [x] = _harness(body, [a.astype(np.float32)], [(C, C)])
     want = np.linalg.inv(np.eye(C) + a.astype(np.float32).astype(np.float64))
     err = np.abs(x - want).max() / np.abs(want).max()
     assert err < tol, f"relative error {err:.2e} with passes={passes}"
 
 
-def _inputs(rng, n, t, hk, hv, d, dtype=BF16):
+def _inputs(rng, n, t, hk, hv, d, dtype=BF16, reset=True):
+    """q, k (unit rows; keys around a shared direction), v, g, beta, state0; g with a reset per
+    chunk (`_reset_gates`) or, reset=False, mild decays -0.001 .. -0.3 per token."""
     def unit(x):
         return x / np.linalg.norm(x, axis=-1, keepdims=True)
     q = unit(rng.standard_normal((n, t, hk, d)))
@@ -116,6 +120,8 @@ def _inputs(rng, n, t, hk, hv, d, dtype=BF16):
     v = rng.standard_normal((n, t, hv, d))
     beta = rng.uniform(0.05, 1.0, (n, t, hv))
     g = np.stack([np.stack([_reset_gates(rng, t) for _ in range(hv)], -1) for _ in range(n)])
+    if not reset:
+        g = -rng.uniform(0.001, 0.3, (n, t, hv))
     s0 = rng.standard_normal((n, hv, d, d)).astype(np.float32)
     return (*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(g, jnp.float32),
             jnp.asarray(beta, dtype), s0)
@@ -141,11 +147,13 @@ def _intra_float64(k, v, g, beta):
 
 
 def test_kernel_matches_float64(fresh_rng):
-    """W, U, KD and gc against the float64 solve, GVA 2, two chunks with a reset each and keys
-    around a shared direction: W, U, KD within 2^-7 of each output's scale (bf16 roundings of
-    Tinv, of the right-hand sides and of the stored result: ~2^-9 each), gc to float32
-    accuracy; every row written (the interpreter's buffers start as NaN)."""
-    _, k, v, g, beta, _ = _inputs(fresh_rng, 1, 2 * C, 1, 2, 64)
+    """W, U, KD and gc against the float64 solve, GVA 2, one chunk of mild decays (after a
+    reset W ~ exp(gc) underflows float32: the segment sums have their own test above, two
+    chunks with resets the prefill test below) and keys around a shared direction: W, U, KD
+    within 2^-7 of each output's scale (bf16 roundings of Tinv, of the right-hand sides and of
+    the stored result: ~2^-9 each), gc to float32 accuracy; every row written (the
+    interpreter's buffers start as NaN)."""
+    _, k, v, g, beta, _ = _inputs(fresh_rng, 1, C, 1, 2, 64, reset=False)
     got = intra_mosaic.intra_chunk_mosaic(k, v, g, beta, interpret=INTERPRET)
     want = _intra_float64(jnp.repeat(k, 2, axis=2).astype(jnp.float32), v.astype(jnp.float32),
                           g, beta.astype(jnp.float32))
@@ -156,14 +164,45 @@ def test_kernel_matches_float64(fresh_rng):
         np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=name)
 
 
-def test_prefill_matches_float64_after_a_reset(fresh_rng):
-    """api.prefill(implementation="mosaic_intra") (the Mosaic solve, then the Triton scan and
-    output) against the float64 recurrence on the same bf16 values: outputs, final state and a
-    mid checkpoint within 2 eps_bf16 of the largest reference value, the bound the Triton
-    pipeline meets (test_gated_delta_decay_precision.py)."""
+@pytest.mark.slow  # ~3 s interpreted; the "mosaic" prefill below runs it in the default run
+def test_output_kernel_matches_float64(fresh_rng):
+    """output_mosaic against O = (scale Q exp(gc)) S + tril(scale Q K^T Gamma) V' in float64 on
+    the same bf16 values, entering states in both layouts, GVA 2, two chunks with a reset: within
+    2^-7 of the output's scale (bf16 roundings of the scaled queries, the masked scores and the
+    stored output)."""
+    from kernels_pallas.gated_delta import output_mosaic
+    q, k, v_new, g, _, _ = _inputs(fresh_rng, 1, 2 * C, 1, 2, 64)
+    states = jnp.asarray(fresh_rng.standard_normal((1, 2, 2, 64, 64)), BF16)  # [N, Hv, NT, Dk, Dv]
+    qf, kf = (np.repeat(np.asarray(x, np.float64), 2, axis=2) for x in (q, k))
+    vf, sf, gf = (np.asarray(x, np.float64) for x in (v_new, states, g))
+    want = np.zeros_like(vf)
+    below = np.tril(np.ones((C, C), bool))
+    for h, c in np.ndindex(2, 2):
+        r = slice(c * C, (c + 1) * C)
+        gc = np.cumsum(gf[0, r, h])
+        gamma = np.exp(np.where(below, gc[:, None] - gc, -np.inf))
+        qs = qf[0, r, h] * 0.125
+        want[0, r, h] = ((qs * np.exp(gc)[:, None]) @ sf[0, h, c]
+                         + (qs @ kf[0, r, h].T * gamma) @ vf[0, r, h])
+    for states_t in (False, True):
+        s_in = jnp.swapaxes(states, -1, -2) if states_t else states
+        got = output_mosaic.output_mosaic(q, k, g, v_new, s_in, scale=0.125, states_t=states_t,
+                                          interpret=INTERPRET)
+        got = np.asarray(got, np.float32)
+        assert np.all(np.isfinite(got)), "rows left unwritten"
+        np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -7 * np.abs(want).max(),
+                                   err_msg=f"states_t={states_t}")
+
+
+@pytest.mark.parametrize("impl", ["mosaic", pytest.param("mosaic_intra", marks=pytest.mark.slow)])
+def test_prefill_matches_float64_after_a_reset(fresh_rng, impl):
+    """api.prefill with the Mosaic kernels ("mosaic": solve and output; "mosaic_intra": the
+    solve, then the Triton scan and output) against the float64 recurrence on the same bf16
+    values: outputs, final state and a mid checkpoint within 2 eps_bf16 of the largest reference
+    value, the bound the Triton pipeline meets (test_gated_delta_decay_precision.py)."""
     q, k, v, g, beta, s0 = _inputs(fresh_rng, 1, 2 * C, 1, 2, 64)
     out, final, cks = api.prefill(q, k, v, g, beta, s0, checkpoint_at=[C], chunk_size=C,
-                                  implementation="mosaic_intra", interpret=INTERPRET)
+                                  implementation=impl, interpret=INTERPRET)
     wide = [np.asarray(x, np.float32) for x in (q, k, v, beta)]
     ref_out, ref_states = reference.gated_delta_reference(*wide[:3], np.asarray(g), wide[3], s0)
     eps = float(jnp.finfo(BF16).eps)
@@ -195,12 +234,17 @@ def test_rejects_what_it_cannot_run(fresh_rng):
 
 
 def test_lowers_for_cuda_at_the_layer_shape():
-    """The compiled kernel (no interpreter) lowers through Mosaic GPU for CUDA on this CPU-only
+    """Both compiled kernels (no interpreter) lower through Mosaic GPU for CUDA on this CPU-only
     machine at Qwen3.5-0.8B's GDN shape and a 32K prefill: layouts, TMA boxes, SMEM."""
     from jax import export
+    from kernels_pallas.gated_delta import output_mosaic
     s = jax.ShapeDtypeStruct
     x = s((1, 32768, 16, 128), BF16)
     gate = s((1, 32768, 16), jnp.float32)
-    fn = jax.jit(lambda k, v, g, b: intra_mosaic.intra_chunk_mosaic(k, v, g, b))
-    text = export.export(fn, platforms=["cuda"])(x, x, gate, gate.update(dtype=BF16)).mlir_module()
-    assert "mosaic_gpu" in text
+    states = s((1, 16, 512, 128, 128), BF16)
+    intra = jax.jit(lambda k, v, g, b: intra_mosaic.intra_chunk_mosaic(k, v, g, b))
+    output = jax.jit(lambda q, k, g, v, st: output_mosaic.output_mosaic(
+        q, k, g, v, st, scale=128 ** -0.5, states_t=True))
+    for fn, args in ((intra, (x, x, gate, gate.update(dtype=BF16))),
+                     (output, (x, x, gate, x, states))):
+        assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()

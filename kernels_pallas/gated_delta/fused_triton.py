@@ -159,7 +159,7 @@ def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_war
 
 # fastest correct options of the H200 sweep (benchmarks/RESULTS.md, Gated DeltaNet)
 DEFAULTS = dict(intra="blocked", intra_warps=2, layout="vk", block_v=16, scan_warps=4,
-                scan_stages=3, ckpt_store="segments", out_warps=4)
+                scan_stages=3, ckpt_store="segments", out_warps=4, output="triton")
 
 
 def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=64,
@@ -171,7 +171,8 @@ def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=6
     the final state and the checkpoints are float32 (checkpoints are the carried state itself).
     options (defaults in DEFAULTS): intra "blocked" (intra_blocked.py), "subst" (row
     substitution above) or "mosaic" (intra_mosaic.py), intra_warps; the scan's layout ("kv" / "vk"), block_v, scan_warps,
-    scan_stages, ckpt_store (scan_fused.py); out_warps for the output kernel.
+    scan_stages, ckpt_store (scan_fused.py); out_warps for the output kernel, output "triton"
+    (`output_fused`) or "mosaic" (output_mosaic.py; bf16 / f16).
     """
     unknown = set(options) - set(DEFAULTS)
     if unknown:
@@ -187,6 +188,11 @@ def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=6
         block_v=opt["block_v"], layout=opt["layout"], ckpt_store=opt["ckpt_store"],
         dot_dtype=dot_dtype, num_warps=opt["scan_warps"], num_stages=opt["scan_stages"],
         interpret=interpret)
+    if opt["output"] == "mosaic":
+        from kernels_pallas.gated_delta import output_mosaic
+        out = output_mosaic.output_mosaic(q, k, g, v_new, states, scale=scale, chunk=chunk,
+                                          states_t=opt["layout"] == "vk", interpret=interpret)
+        return out.astype(v.dtype), final, ckpt_states
     out = output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
                        out_dtype=v.dtype, interpret=interpret, num_warps=opt["out_warps"],
                        states_t=opt["layout"] == "vk")

@@ -46,11 +46,11 @@ _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 _F32 = jnp.float32
 
 
-def _iota(dim):
+def tile_iota(dim):
     return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), dim), _WG)
 
 
-def _wgmma(pairs, shape):
+def wgmma_sum(pairs, shape):
     """sum of a @ b over the (a, b) SMEM operand pairs, float32, into registers."""
     def body(acc):
         for a, b in pairs:
@@ -75,13 +75,13 @@ def _product(a, b, tiles, passes):
         tiles[1][...], tiles[3][...] = a_lo, b_lo
         pairs = [(tiles[1], tiles[2]), (tiles[0], tiles[3])] + pairs
     plgpu.commit_smem()  # generic-proxy stores, then the tensor cores read them
-    return _wgmma(pairs, (CHUNK, CHUNK))
+    return wgmma_sum(pairs, (CHUNK, CHUNK))
 
 
-def _exponents(gates, tiles):
+def exponents(gates, tiles):
     """(gc [64] row layout: g over [0, r]; to_end [64]: g over (r, C - 1]; seg [64, 64]: g over
     (j, i]), every one a sum over its own segment (module doc)."""
-    rows, cols = _iota(0), _iota(1)
+    rows, cols = tile_iota(0), tile_iota(1)
     g_by_col = lax.broadcast_in_dim(plgpu.load(gates.at[0], layout=_COL), (CHUNK, CHUNK), [1])
     gc = jnp.sum(jnp.where(cols <= rows, g_by_col, 0.0), axis=1)
     to_end = jnp.sum(jnp.where(cols > rows, g_by_col, 0.0), axis=1)
@@ -94,17 +94,17 @@ def _exponents(gates, tiles):
     tiles[0][...] = jnp.where(cols <= rows, 1.0, 0.0).astype(jnp.bfloat16)  # L[i, m]: m <= i
     tiles[1][...], tiles[2][...], tiles[3][...] = lo, mid, hi
     plgpu.commit_smem()
-    seg = _wgmma([(tiles[0], tiles[1]), (tiles[0], tiles[2]), (tiles[0], tiles[3])],
+    seg = wgmma_sum([(tiles[0], tiles[1]), (tiles[0], tiles[2]), (tiles[0], tiles[3])],
                  (CHUNK, CHUNK))
     return gc, to_end, seg
 
 
-def _unit_lower_inverse(a, tiles, block_passes):
+def unit_lower_inverse(a, tiles, block_passes):
     """(I + a)^-1 for a strictly lower [64, 64] (module doc): the diagonal blocks by the
     nilpotent product in three-pass products (the Triton kernel's float32 diagonal inverse),
     then the block-level factor (I - M)(I + M^2) in `block_passes` (3, or 1 as the Triton
     kernel's bf16 block substitution)."""
-    rows, cols = _iota(0), _iota(1)
+    rows, cols = tile_iota(0), tile_iota(1)
     eye = jnp.where(rows == cols, 1.0, 0.0)
     same = lax.shift_right_logical(rows, 4) == lax.shift_right_logical(cols, 4)
     d = jnp.where(same, a, 0.0)
@@ -130,12 +130,12 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
     plgpu.barrier_wait(bar)
     dtype = k_smem.dtype
     tile = [tiles.at[i] for i in range(4)]
-    gc, to_end, seg = _exponents(gates, tile)
+    gc, to_end, seg = exponents(gates, tile)
     beta = plgpu.load(gates.at[1], layout=_ROW)
-    kk = _wgmma([(k_smem, k_smem.transpose((1, 0)))], (CHUNK, CHUNK))
-    r, cl = _iota(0), _iota(1)
+    kk = wgmma_sum([(k_smem, k_smem.transpose((1, 0)))], (CHUNK, CHUNK))
+    r, cl = tile_iota(0), tile_iota(1)
     a = jnp.where(r > cl, lax.broadcast_in_dim(beta, kk.shape, [0]) * kk * jnp.exp(seg), 0.0)
-    tinv = _unit_lower_inverse(a, tile, block_passes)
+    tinv = unit_lower_inverse(a, tile, block_passes)
 
     # K and V move to registers; their tiles take the right-hand sides, then W and U
     k = plgpu.load(k_smem, layout=_WG).astype(_F32)
@@ -144,8 +144,8 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
     v_smem[...] = (v * lax.broadcast_in_dim(beta, v.shape, [0])).astype(dtype)
     tinv_smem[...] = tinv.astype(dtype)
     plgpu.commit_smem()
-    w = _wgmma([(tinv_smem, k_smem)], k.shape)
-    u = _wgmma([(tinv_smem, v_smem)], v.shape)
+    w = wgmma_sum([(tinv_smem, k_smem)], k.shape)
+    u = wgmma_sum([(tinv_smem, v_smem)], v.shape)
     k_smem[...] = w.astype(dtype)
     v_smem[...] = u.astype(dtype)
     kd_smem[...] = (k * lax.broadcast_in_dim(jnp.exp(to_end), k.shape, [0])).astype(dtype)
