@@ -27,30 +27,29 @@ BF16 = jnp.bfloat16
 
 
 def _harness(body, ins, out_shapes):
-    """Run body(*in_smem, tiles) -> [arrays] in one CTA: inputs [64] / [64, 64] float32 by
-    TMA into SMEM, outputs stored to SMEM and back by TMA."""
+    """Run body(*in_smem, ops) -> [arrays] in one CTA (ops: intra_mosaic.Operands): inputs
+    [64] / [64, 64] float32 by TMA into SMEM, outputs stored to SMEM and back by TMA."""
     def kernel(*refs):
         n_in, n_out = len(ins), len(out_shapes)
         in_refs, out_refs = refs[:n_in], refs[n_in:n_in + n_out]
-        in_smem, out_smem = refs[n_in + n_out:2 * n_in + n_out], refs[2 * n_in + n_out:-2]
-        tiles, bar = refs[-2:]
+        in_smem, out_smem = refs[n_in + n_out:2 * n_in + n_out], refs[2 * n_in + n_out:-4]
+        ops, bar = intra_mosaic.Operands.of(*refs[-4:-1]), refs[-1]
         for src, dst in zip(in_refs, in_smem):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
-        for dst, val in zip(out_smem, body(*in_smem, [tiles.at[i] for i in range(4)])):
+        for dst, val in zip(out_smem, body(*in_smem, ops)):
             dst[...] = val
         plgpu.commit_smem()
         for src, dst in zip(out_smem, out_refs):
             plgpu.copy_smem_to_gmem(src, dst)
         plgpu.wait_smem_to_gmem(0)
 
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     call = plgpu.kernel(
         kernel, out_type=[jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes],
         scratch_types=([plgpu.SMEM(x.shape, jnp.float32) for x in ins]
                        + [plgpu.SMEM(s, jnp.float32) for s in out_shapes]
-                       + [plgpu.SMEM((4, C, C), BF16, transforms=tiled),
-                          plgpu.Barrier(num_arrivals=len(ins))]),
+                       + intra_mosaic.Operands.scratch()
+                       + [plgpu.Barrier(num_arrivals=len(ins))]),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if INTERPRET else None)
     return [np.asarray(x, np.float64) for x in call(*map(jnp.asarray, ins))]
@@ -70,8 +69,8 @@ def test_segment_sums_are_exact_after_a_reset(fresh_rng):
     hundreds of times more on the small segments behind the reset."""
     g = _reset_gates(fresh_rng).astype(np.float32)
 
-    def body(gates, tiles):
-        gc, to_end, seg = intra_mosaic.exponents(gates, tiles)
+    def body(gates, ops):
+        gc, to_end, seg = intra_mosaic.exponents(gates, ops.tiles)
         return seg, gc, to_end
     gates = np.stack([g, np.zeros_like(g)])
     seg, gc, to_end = _harness(body, [gates], [(C, C), (C,), (C,)])
@@ -101,9 +100,9 @@ def test_unit_lower_inverse_on_correlated_keys(fresh_rng, passes, tol):
     kernel's bf16 block substitution) within 2 eps_bf16 (measured 3.5 .. 3.8e-3). One-pass
     products throughout, diagonal blocks included, measured 5 .. 9e-2 and fail both."""
     a = _correlated_a(fresh_rng)
-    def body(a_ref, tiles):
+    def body(a_ref, ops):
         a_regs = plgpu.load(a_ref, layout=plgpu.Layout.WGMMA, optimized=False)
-        return [intra_mosaic.unit_lower_inverse(a_regs, tiles, passes)]
+        return [intra_mosaic.unit_lower_inverse(a_regs, ops, passes)]
     [x] = _harness(body, [a.astype(np.float32)], [(C, C)])
     want = np.linalg.inv(np.eye(C) + a.astype(np.float32).astype(np.float64))
     err = np.abs(x - want).max() / np.abs(want).max()

@@ -13,11 +13,13 @@ one masks whole [64, 64] tiles instead:
     tiles;
   - A = tril(beta K K^T * exp(seg), -1): one wgmma K @ K^T in the input dtype, float32 accumulate;
   - (I + A)^-1 without row substitution: D (A's 16 x 16 diagonal blocks) is nilpotent of index
-    16, so (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) exactly (the Triton kernel's product,
-    its blocks masked out of the whole tile); with M = (I + D)^-1 O (O = A - D, strictly lower
-    by blocks, M^4 = 0) the inverse is (I - M)(I + M^2)(I + D)^-1. Ten [64, 64] products by
-    wgmma, each on operands split into bf16 hi + lo parts (three passes, `_product`; the four
-    block-level ones in one pass with block_passes=1);
+    16, so (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) exactly (the Triton kernel's product).
+    Its six products are block-diagonal: the right operand goes as its four diagonal blocks
+    stacked [64, 16], so each is one wgmma of N = 16 (a quarter of a [64, 64] product; row r of
+    the left operand is zero outside its block). With M = (I + D)^-1 O (O = A - D, strictly
+    lower by blocks, M^4 = 0) the inverse is (I - M)(I + M^2)(I + D)^-1: four [64, 64]
+    products. Every product's operands are split into bf16 hi + lo parts, three passes
+    (`_product`, `_block_diagonal_product`; block_passes=1: the four block-level ones in one);
   - W = Tinv @ (beta exp(gc) K), U = Tinv @ (beta V) as the Triton kernel's final dots do: Tinv
     and the right-hand sides rounded to the input dtype, float32 accumulation. KD = K exp(g over
     (r, C - 1]).
@@ -30,6 +32,7 @@ sits in SMEM, which the interpreter requires.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -44,6 +47,7 @@ _WG = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, N] tile
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 _F32 = jnp.float32
+_SW128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def tile_iota(dim):
@@ -99,29 +103,86 @@ def exponents(gates, tiles):
     return gc, to_end, seg
 
 
-def unit_lower_inverse(a, tiles, block_passes):
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """The SMEM operand tiles of the register products: tiles, four [64, 64] bf16 (128-byte
+    swizzle: full products, the segment sums); full, two [64, 64] and stacked, two [64, 16]
+    bf16 (32-byte swizzle, as a wgmma with N = 16 needs on both sides: block-diagonal
+    products, `_block_diagonal_product`)."""
+    tiles: list
+    full: list
+    stacked: list
+
+    @staticmethod
+    def scratch():
+        sw32 = (plgpu.TilingTransform((8, SUB)), plgpu.SwizzleTransform(32))
+        return [plgpu.SMEM((4, CHUNK, CHUNK), jnp.bfloat16, transforms=_SW128),
+                plgpu.SMEM((2, CHUNK, CHUNK), jnp.bfloat16, transforms=sw32),
+                plgpu.SMEM((2, CHUNK, SUB), jnp.bfloat16, transforms=sw32)]
+
+    @classmethod
+    def of(cls, tiles, full, stacked):
+        return cls([tiles.at[i] for i in range(4)], [full.at[i] for i in range(2)],
+                   [stacked.at[i] for i in range(2)])
+
+
+def _same_block(cols):
+    rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK, cols), 0), _WG)
+    if cols == SUB:
+        return lax.shift_right_logical(rows, 4)
+    c = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (CHUNK, cols), 1), _WG)
+    return lax.shift_right_logical(rows, 4) == lax.shift_right_logical(c, 4)
+
+
+def _stacked(x):
+    """Block-diagonal [64, 64] -> its four 16 x 16 diagonal blocks stacked, [64, 16]."""
+    block = _same_block(SUB)
+    return sum(jnp.where(block == i, x[:, SUB * i:SUB * (i + 1)], 0.0)
+               for i in range(CHUNK // SUB))
+
+
+def _unstacked(s):
+    """[64, 16] stacked diagonal blocks -> the block-diagonal [64, 64] (in registers, the
+    columns c and c + 16 of a row sit in one thread: no data moves)."""
+    return jnp.where(_same_block(CHUNK), jnp.concatenate([s] * (CHUNK // SUB), axis=1), 0.0)
+
+
+def _block_diagonal_product(a, b, ops):
+    """a @ b for block-diagonal a, b given stacked ([64, 16]), stacked, three passes: one
+    wgmma of N = 16 per pass (a quarter of a full [64, 64] product), since row r of a is zero
+    outside its block, where b's rows are that block's."""
+    (a_hi, a_lo), (b_hi, b_lo) = _hi_lo(_unstacked(a)), _hi_lo(b)
+    ops.full[0][...], ops.full[1][...] = a_hi, a_lo
+    ops.stacked[0][...], ops.stacked[1][...] = b_hi, b_lo
+    plgpu.commit_smem()
+    return wgmma_sum([(ops.full[1], ops.stacked[0]), (ops.full[0], ops.stacked[1]),
+                      (ops.full[0], ops.stacked[0])], (CHUNK, SUB))
+
+
+def unit_lower_inverse(a, ops, block_passes):
     """(I + a)^-1 for a strictly lower [64, 64] (module doc): the diagonal blocks by the
-    nilpotent product in three-pass products (the Triton kernel's float32 diagonal inverse),
-    then the block-level factor (I - M)(I + M^2) in `block_passes` (3, or 1 as the Triton
-    kernel's bf16 block substitution)."""
+    nilpotent product in three-pass block-diagonal products (the Triton kernel's float32
+    diagonal inverse), then the block-level factor (I - M)(I + M^2) in `block_passes` (3, or
+    1 as the Triton kernel's bf16 block substitution). ops: `Operands`."""
     rows, cols = tile_iota(0), tile_iota(1)
     eye = jnp.where(rows == cols, 1.0, 0.0)
-    same = lax.shift_right_logical(rows, 4) == lax.shift_right_logical(cols, 4)
-    d = jnp.where(same, a, 0.0)
-    x, p = eye - d, d
+    d = jnp.where(_same_block(CHUNK), a, 0.0)
+    p = _stacked(d)
+    x = _stacked(eye) - p
     power = 2
     while power < SUB:
-        p = _product(p, p, tiles, 3)  # d^power
-        x = x + _product(x, p, tiles, 3)
+        p = _block_diagonal_product(p, p, ops)  # d^power, stacked
+        x = x + _block_diagonal_product(x, p, ops)
         power *= 2
-    m = _product(x, a - d, tiles, block_passes)
+    x = _unstacked(x)  # (I + d)^-1
+    m = _product(x, a - d, ops.tiles, block_passes)
     y = eye - m
-    y = y + _product(y, _product(m, m, tiles, block_passes), tiles, block_passes)
-    return _product(y, x, tiles, block_passes)
+    y = y + _product(y, _product(m, m, ops.tiles, block_passes), ops.tiles, block_passes)
+    return _product(y, x, ops.tiles, block_passes)
 
 
 def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem, gates,
-            tiles, tinv_smem, kd_smem, gc_smem, bar, *, rep, block_passes):
+            tiles, full, stacked, tinv_smem, kd_smem, gc_smem, bar, *, rep, block_passes):
     n, c, h = lax.axis_index("n"), lax.axis_index("c"), lax.axis_index("h")
     rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
     plgpu.copy_gmem_to_smem(k_ref.at[n, rows, lax.div(h, rep)], k_smem, bar)
@@ -129,13 +190,13 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
     plgpu.copy_gmem_to_smem(gate_ref.at[n, h, :, rows], gates, bar)
     plgpu.barrier_wait(bar)
     dtype = k_smem.dtype
-    tile = [tiles.at[i] for i in range(4)]
-    gc, to_end, seg = exponents(gates, tile)
+    ops = Operands.of(tiles, full, stacked)
+    gc, to_end, seg = exponents(gates, ops.tiles)
     beta = plgpu.load(gates.at[1], layout=_ROW)
     kk = wgmma_sum([(k_smem, k_smem.transpose((1, 0)))], (CHUNK, CHUNK))
     r, cl = tile_iota(0), tile_iota(1)
     a = jnp.where(r > cl, lax.broadcast_in_dim(beta, kk.shape, [0]) * kk * jnp.exp(seg), 0.0)
-    tinv = unit_lower_inverse(a, tile, block_passes)
+    tinv = unit_lower_inverse(a, ops, block_passes)
 
     # K and V move to registers; their tiles take the right-hand sides, then W and U
     k = plgpu.load(k_smem, layout=_WG).astype(_F32)
@@ -212,7 +273,7 @@ def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=
             plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # K, beta exp(gc) K, W
             plgpu.SMEM((CHUNK, dv), dtype, transforms=tiled),  # V, beta V, U
             plgpu.SMEM((2, CHUNK), _F32),  # g, beta
-            plgpu.SMEM((4, CHUNK, CHUNK), jnp.bfloat16, transforms=tiled),  # product operands
+            *Operands.scratch(),  # product operands
             plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=tiled),  # (I + A)^-1
             plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # KD
             plgpu.SMEM((CHUNK,), _F32),  # gc
