@@ -84,7 +84,9 @@ def _product(a, b, tiles, passes):
 
 def exponents(gates, tiles):
     """(gc [64] row layout: g over [0, r]; to_end [64]: g over (r, C - 1]; seg [64, 64]: g over
-    (j, i]), every one a sum over its own segment (module doc)."""
+    (j, i]), every one a sum over its own segment (module doc). tiles: four [64, 64] bf16 SMEM
+    tiles (one wgmma of three passes) or two (three wgmmas one after the other, for a kernel
+    short of SMEM)."""
     rows, cols = tile_iota(0), tile_iota(1)
     g_by_col = lax.broadcast_in_dim(plgpu.load(gates.at[0], layout=_COL), (CHUNK, CHUNK), [1])
     gc = jnp.sum(jnp.where(cols <= rows, g_by_col, 0.0), axis=1)
@@ -96,10 +98,18 @@ def exponents(gates, tiles):
     mid = rest.astype(jnp.bfloat16)
     lo = (rest - mid.astype(_F32)).astype(jnp.bfloat16)  # hi + mid + lo == terms exactly
     tiles[0][...] = jnp.where(cols <= rows, 1.0, 0.0).astype(jnp.bfloat16)  # L[i, m]: m <= i
-    tiles[1][...], tiles[2][...], tiles[3][...] = lo, mid, hi
-    plgpu.commit_smem()
-    seg = wgmma_sum([(tiles[0], tiles[1]), (tiles[0], tiles[2]), (tiles[0], tiles[3])],
-                 (CHUNK, CHUNK))
+    if len(tiles) == 4:
+        tiles[1][...], tiles[2][...], tiles[3][...] = lo, mid, hi
+        plgpu.commit_smem()
+        seg = wgmma_sum([(tiles[0], tiles[1]), (tiles[0], tiles[2]), (tiles[0], tiles[3])],
+                        (CHUNK, CHUNK))
+        return gc, to_end, seg
+    seg = None
+    for part in (lo, mid, hi):  # the smallest first, as above
+        tiles[1][...] = part
+        plgpu.commit_smem()
+        term = wgmma_sum([(tiles[0], tiles[1])], (CHUNK, CHUNK))  # waits: tiles[1] free again
+        seg = term if seg is None else seg + term
     return gc, to_end, seg
 
 

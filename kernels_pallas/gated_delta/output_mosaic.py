@@ -7,7 +7,9 @@ with S the state entering the chunk (from the scan, [Dk, Dv] or transposed [Dv, 
 scan's corrected values. The decay exponents are intra_mosaic.exponents' segment sums (each a
 float32 sum over its own segment, on the tensor cores); Q K^T, the inter-chunk product and the
 intra-chunk product take the input dtype with float32 accumulation, as the Triton kernel's dots
-do, and the last two accumulate into one wgmma accumulator.
+do, and the last two accumulate into one wgmma accumulator. SMEM: ~105 KB at D = 128 (Q, K, V',
+S, the scores, two segment-sum tiles), so two CTAs share an SM and one's loads overlap the
+other's products.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _kernel(q_ref, k_ref, vnew_ref, s_ref, gate_ref, o_ref, q_smem, k_smem, v_sm
     plgpu.copy_gmem_to_smem(gate_ref.at[n, h, :, rows], gates, bar)
     plgpu.barrier_wait(bar)
     dtype = q_smem.dtype
-    gc, _, seg = exponents(gates, [tiles.at[i] for i in range(4)])
+    gc, _, seg = exponents(gates, [tiles.at[0], tiles.at[1]])
     qk = wgmma_sum([(q_smem, k_smem.transpose((1, 0)))], (CHUNK, CHUNK))
     rows_i, cols_j = tile_iota(0), tile_iota(1)
     attn = jnp.where(rows_i >= cols_j, qk * (scale * jnp.exp(seg)), 0.0)
@@ -83,7 +85,7 @@ def output_mosaic(q, k, g, v_new, states, *, scale, chunk=CHUNK, states_t=False,
             smem((dv, dk) if states_t else (dk, dv)),  # S
             smem((CHUNK, CHUNK)),  # the masked scores
             plgpu.SMEM((1, CHUNK), _F32),  # g
-            smem((4, CHUNK, CHUNK), jnp.bfloat16),  # segment-sum operands
+            smem((2, CHUNK, CHUNK), jnp.bfloat16),  # segment-sum operands (two: SMEM)
             plgpu.Barrier(num_arrivals=5),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
