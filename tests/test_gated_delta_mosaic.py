@@ -148,16 +148,16 @@ def _intra_float64(k, v, g, beta):
 
 
 def test_kernel_matches_float64(fresh_rng):
-    """W, U, KD and gc against the float64 solve, GVA 2, one chunk of mild decays (after a
-    reset W ~ exp(gc) underflows float32: the segment sums have their own test above, two
-    chunks with resets the prefill test below) and keys around a shared direction: W, U, KD
-    within 2^-7 of each output's scale (bf16 roundings of Tinv, of the right-hand sides and of
-    the stored result: ~2^-9 each), gc to float32 accuracy; every row written (the
+    """W, U, KD and gc against the float64 solve, two sequences of one chunk of mild decays
+    (after a reset W ~ exp(gc) underflows float32: the segment sums have their own test above;
+    GVA and two chunks with resets: the prefill test below), keys around a shared direction:
+    W, U, KD within 2^-7 of each output's scale (bf16 roundings of Tinv, of the right-hand sides
+    and of the stored result: ~2^-9 each), gc to float32 accuracy; every row written (the
     interpreter's buffers start as NaN)."""
-    _, k, v, g, beta, _ = _inputs(fresh_rng, 1, C, 1, 2, 64, reset=False)
+    _, k, v, g, beta, _ = _inputs(fresh_rng, 2, C, 1, 1, 64, reset=False)
     got = intra_mosaic.intra_chunk_mosaic(k, v, g, beta, interpret=INTERPRET)
-    want = _intra_float64(jnp.repeat(k, 2, axis=2).astype(jnp.float32), v.astype(jnp.float32),
-                          g, beta.astype(jnp.float32))
+    want = _intra_float64(k.astype(jnp.float32), v.astype(jnp.float32), g,
+                          beta.astype(jnp.float32))
     for name, a, b in zip(("w", "u", "kd", "gc"), got, want):
         a = np.asarray(a, np.float32)
         assert np.all(np.isfinite(a)), f"{name}: rows left unwritten"
