@@ -230,6 +230,12 @@ def test_rejects_what_it_cannot_run(fresh_rng):
                            interpret=True)
     with pytest.raises(ValueError, match="Dk, Dv multiples of 64"):
         intra_mosaic.intra_chunk_mosaic(k[..., :48], v, g, beta, interpret=True)
+    with pytest.raises(ValueError, match="Dk, Dv multiples of 64 up to 128"):  # SMEM
+        intra_mosaic.intra_chunk_mosaic(jnp.tile(k, 4), v, g, beta, interpret=True)
+    from kernels_pallas.gated_delta import output_mosaic
+    states = jnp.zeros((1, 1, 1, 64, 64), BF16)
+    with pytest.raises(ValueError, match="output_mosaic: needs chunk 64, q/k/V'/states of one"):
+        output_mosaic.output_mosaic(q, k, g, v.astype(jnp.float32), states, scale=0.1)
     with pytest.raises(ValueError, match="block_passes must be 1 or 3"):
         intra_mosaic.intra_chunk_mosaic(k, v, g, beta, interpret=True, block_passes=2)
 

@@ -239,8 +239,8 @@ def limits(k, v, chunk, dot_dtype) -> str:
     if chunk != CHUNK:
         return f"needs chunk_size {CHUNK} (a warpgroup's rows), got {chunk}"
     dk, dv = k.shape[-1], v.shape[-1]
-    if dk % 64 or dv % 64 or max(dk, dv) > 256:
-        return f"needs Dk, Dv multiples of 64 up to 256, got Dk={dk} Dv={dv}"
+    if dk % 64 or dv % 64 or max(dk, dv) > 128:  # 256 overflows SMEM (227 KB)
+        return f"needs Dk, Dv multiples of 64 up to 128, got Dk={dk} Dv={dv}"
     if k.shape[1] % chunk:
         return f"needs T a multiple of {chunk}, got T={k.shape[1]}"
     return ""

@@ -66,9 +66,9 @@ def output_mosaic(q, k, g, v_new, states, *, scale, chunk=CHUNK, states_t=False,
     dtype = v_new.dtype
     if (chunk != CHUNK or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
             or {q.dtype, k.dtype, states.dtype} != {dtype} or dk % 64 or dv % 64
-            or max(dk, dv) > 256 or t_len % chunk):
+            or max(dk, dv) > 128 or t_len % chunk):
         raise ValueError(f"gated_delta output_mosaic: needs chunk {CHUNK}, q/k/V'/states of one "
-                         f"bf16/f16 dtype, Dk and Dv multiples of 64 up to 256 and T a multiple "
+                         f"bf16/f16 dtype, Dk and Dv multiples of 64 up to 128 and T a multiple "
                          f"of the chunk; got chunk={chunk}, dtypes {q.dtype} {k.dtype} {dtype} "
                          f"{states.dtype}, Dk={dk}, Dv={dv}, T={t_len}")
     gates = jnp.moveaxis(g.astype(_F32), 1, 2)[:, :, None, :]  # [N, Hv, 1, T]
