@@ -33,7 +33,7 @@ def _harness(body, ins, out_shapes):
         n_in, n_out = len(ins), len(out_shapes)
         in_refs, out_refs = refs[:n_in], refs[n_in:n_in + n_out]
         in_smem, out_smem = refs[n_in + n_out:2 * n_in + n_out], refs[2 * n_in + n_out:-4]
-        ops, bar = intra_mosaic.Operands.of(*refs[-4:-1]), refs[-1]
+        ops, bar = intra_mosaic.Operands.of(*refs[-4:-1], regs_a=not INTERPRET), refs[-1]
         for src, dst in zip(in_refs, in_smem):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)

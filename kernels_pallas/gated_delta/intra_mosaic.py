@@ -26,8 +26,10 @@ one masks whole [64, 64] tiles instead:
 The gates travel as one [N, Hv, 2, T] float32 array (g, beta; a TMA box needs a contiguous last
 axis) and gc comes back [N, Hv, T], moved to [N, T, Hv] here.
 
-Interpret mode (plgpu.InterpretGPUParams, CPU) runs this same kernel body: every wgmma operand
-sits in SMEM, which the interpreter requires.
+Interpret mode (plgpu.InterpretGPUParams, CPU) runs this same kernel body with one difference
+(as mosaic_prefill.py's P): compiled, the left operands of the products stay in registers
+(wgmma's A); interpreted, they are stored to SMEM tiles first (the interpreter takes SMEM
+operands only). The CUDA lowering test and the compiled tests cover the register path.
 """
 
 from __future__ import annotations
@@ -68,18 +70,30 @@ def _hi_lo(x):
     return hi, (x - hi.astype(_F32)).astype(jnp.bfloat16)
 
 
-def _product(a, b, tiles, passes):
-    """a @ b for float32 [64, 64] register tiles through the four bf16 SMEM tiles: passes=3
-    sums a_hi b_hi + a_hi b_lo + a_lo b_hi (relative error ~2^-16, the a_lo b_lo term dropped),
-    passes=1 takes a_hi b_hi alone."""
+def _product(a, b, ops, passes):
+    """a @ b for float32 [64, 64] register tiles: passes=3 sums a_hi b_hi + a_hi b_lo +
+    a_lo b_hi (relative error ~2^-16, the a_lo b_lo term dropped), passes=1 takes a_hi b_hi
+    alone. The b parts go through SMEM tiles, the a parts as `_lhs` says."""
     (a_hi, a_lo), (b_hi, b_lo) = _hi_lo(a), _hi_lo(b)
-    tiles[0][...], tiles[2][...] = a_hi, b_hi
-    pairs = [(tiles[0], tiles[2])]
+    lhs = _lhs(ops, ops.tiles[:2], (a_hi, a_lo)[:1 if passes == 1 else 2])
+    ops.tiles[2][...] = b_hi
+    pairs = [(lhs[0], ops.tiles[2])]
     if passes == 3:
-        tiles[1][...], tiles[3][...] = a_lo, b_lo
-        pairs = [(tiles[1], tiles[2]), (tiles[0], tiles[3])] + pairs
+        ops.tiles[3][...] = b_lo
+        pairs = [(lhs[1], ops.tiles[2]), (lhs[0], ops.tiles[3])] + pairs
     plgpu.commit_smem()  # generic-proxy stores, then the tensor cores read them
     return wgmma_sum(pairs, (CHUNK, CHUNK))
+
+
+def _lhs(ops, slots, parts):
+    """Left wgmma operands: the 16-bit register arrays themselves when compiled (wgmma's A may
+    come from registers: no SMEM round trip), else stored to the SMEM tiles `slots` (the
+    interpreter takes SMEM operands only)."""
+    if ops.regs_a:
+        return list(parts)
+    for ref, x in zip(slots, parts):
+        ref[...] = x
+    return list(slots[:len(parts)])
 
 
 def exponents(gates, tiles):
@@ -122,6 +136,7 @@ class Operands:
     tiles: list
     full: list
     stacked: list
+    regs_a: bool  # left operands from registers (compiled), else SMEM (`_lhs`)
 
     @staticmethod
     def scratch():
@@ -131,9 +146,9 @@ class Operands:
                 plgpu.SMEM((2, CHUNK, SUB), jnp.bfloat16, transforms=sw32)]
 
     @classmethod
-    def of(cls, tiles, full, stacked):
+    def of(cls, tiles, full, stacked, *, regs_a):
         return cls([tiles.at[i] for i in range(4)], [full.at[i] for i in range(2)],
-                   [stacked.at[i] for i in range(2)])
+                   [stacked.at[i] for i in range(2)], regs_a)
 
 
 def _same_block(cols):
@@ -162,11 +177,11 @@ def _block_diagonal_product(a, b, ops):
     wgmma of N = 16 per pass (a quarter of a full [64, 64] product), since row r of a is zero
     outside its block, where b's rows are that block's."""
     (a_hi, a_lo), (b_hi, b_lo) = _hi_lo(_unstacked(a)), _hi_lo(b)
-    ops.full[0][...], ops.full[1][...] = a_hi, a_lo
+    lhs_hi, lhs_lo = _lhs(ops, ops.full, (a_hi, a_lo))
     ops.stacked[0][...], ops.stacked[1][...] = b_hi, b_lo
     plgpu.commit_smem()
-    return wgmma_sum([(ops.full[1], ops.stacked[0]), (ops.full[0], ops.stacked[1]),
-                      (ops.full[0], ops.stacked[0])], (CHUNK, SUB))
+    return wgmma_sum([(lhs_lo, ops.stacked[0]), (lhs_hi, ops.stacked[1]),
+                      (lhs_hi, ops.stacked[0])], (CHUNK, SUB))
 
 
 def unit_lower_inverse(a, ops, block_passes):
@@ -185,14 +200,15 @@ def unit_lower_inverse(a, ops, block_passes):
         x = x + _block_diagonal_product(x, p, ops)
         power *= 2
     x = _unstacked(x)  # (I + d)^-1
-    m = _product(x, a - d, ops.tiles, block_passes)
+    m = _product(x, a - d, ops, block_passes)
     y = eye - m
-    y = y + _product(y, _product(m, m, ops.tiles, block_passes), ops.tiles, block_passes)
-    return _product(y, x, ops.tiles, block_passes)
+    y = y + _product(y, _product(m, m, ops, block_passes), ops, block_passes)
+    return _product(y, x, ops, block_passes)
 
 
 def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem, gates,
-            tiles, full, stacked, tinv_smem, kd_smem, gc_smem, bar, *, rep, block_passes):
+            tiles, full, stacked, tinv_smem, kd_smem, gc_smem, bar, *, rep, block_passes,
+            interpret):
     n, c, h = lax.axis_index("n"), lax.axis_index("c"), lax.axis_index("h")
     rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
     plgpu.copy_gmem_to_smem(k_ref.at[n, rows, lax.div(h, rep)], k_smem, bar)
@@ -200,7 +216,7 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
     plgpu.copy_gmem_to_smem(gate_ref.at[n, h, :, rows], gates, bar)
     plgpu.barrier_wait(bar)
     dtype = k_smem.dtype
-    ops = Operands.of(tiles, full, stacked)
+    ops = Operands.of(tiles, full, stacked, regs_a=not interpret)
     gc, to_end, seg = exponents(gates, ops.tiles)
     beta = plgpu.load(gates.at[1], layout=_ROW)
     kk = wgmma_sum([(k_smem, k_smem.transpose((1, 0)))], (CHUNK, CHUNK))
@@ -213,10 +229,10 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
     v = plgpu.load(v_smem, layout=_WG).astype(_F32)
     k_smem[...] = (k * lax.broadcast_in_dim(beta * jnp.exp(gc), k.shape, [0])).astype(dtype)
     v_smem[...] = (v * lax.broadcast_in_dim(beta, v.shape, [0])).astype(dtype)
-    tinv_smem[...] = tinv.astype(dtype)
+    [tinv_lhs] = _lhs(ops, [tinv_smem], [tinv.astype(dtype)])
     plgpu.commit_smem()
-    w = wgmma_sum([(tinv_smem, k_smem)], k.shape)
-    u = wgmma_sum([(tinv_smem, v_smem)], v.shape)
+    w = wgmma_sum([(tinv_lhs, k_smem)], k.shape)
+    u = wgmma_sum([(tinv_lhs, v_smem)], v.shape)
     k_smem[...] = w.astype(dtype)
     v_smem[...] = u.astype(dtype)
     kd_smem[...] = (k * lax.broadcast_in_dim(jnp.exp(to_end), k.shape, [0])).astype(dtype)
@@ -273,7 +289,8 @@ def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=
     sw = plgpu.SwizzleTransform(128)
     tiled = (plgpu.TilingTransform((8, 64)), sw)
     call = plgpu.kernel(
-        functools.partial(_kernel, rep=hv // hk, block_passes=block_passes),
+        functools.partial(_kernel, rep=hv // hk, block_passes=block_passes,
+                          interpret=bool(interpret)),
         out_type=(jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
                   jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
                   jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),

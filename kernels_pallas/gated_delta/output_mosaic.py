@@ -28,7 +28,7 @@ _F32 = jnp.float32
 
 
 def _kernel(q_ref, k_ref, vnew_ref, s_ref, gate_ref, o_ref, q_smem, k_smem, v_smem, s_smem,
-            attn_smem, gates, tiles, bar, *, rep, scale, states_t):
+            attn_smem, gates, tiles, bar, *, rep, scale, states_t, interpret):
     n, c, h = lax.axis_index("n"), lax.axis_index("c"), lax.axis_index("h")
     rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
     kh = lax.div(h, rep)
@@ -44,11 +44,14 @@ def _kernel(q_ref, k_ref, vnew_ref, s_ref, gate_ref, o_ref, q_smem, k_smem, v_sm
     rows_i, cols_j = tile_iota(0), tile_iota(1)
     attn = jnp.where(rows_i >= cols_j, qk * (scale * jnp.exp(seg)), 0.0)
     q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(_F32)
-    q_smem[...] = (q * lax.broadcast_in_dim(scale * jnp.exp(gc), q.shape, [0])).astype(dtype)
-    attn_smem[...] = attn.astype(dtype)
+    qg = (q * lax.broadcast_in_dim(scale * jnp.exp(gc), q.shape, [0])).astype(dtype)
+    attn = attn.astype(dtype)
+    if interpret:  # the interpreter's wgmma takes SMEM operands only; compiled: A in registers
+        q_smem[...], attn_smem[...] = qg, attn
+        qg, attn = q_smem, attn_smem
     plgpu.commit_smem()
     state = s_smem.transpose((1, 0)) if states_t else s_smem  # [Dk, Dv]
-    o = wgmma_sum([(q_smem, state), (attn_smem, v_smem)], v_smem.shape)
+    o = wgmma_sum([(qg, state), (attn, v_smem)], v_smem.shape)
     v_smem[...] = o.astype(v_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(v_smem, o_ref.at[n, rows, h])
@@ -75,7 +78,8 @@ def output_mosaic(q, k, g, v_new, states, *, scale, chunk=CHUNK, states_t=False,
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=tiled)
     call = plgpu.kernel(
-        functools.partial(_kernel, rep=hv // hk, scale=scale, states_t=states_t),
+        functools.partial(_kernel, rep=hv // hk, scale=scale, states_t=states_t,
+                          interpret=bool(interpret)),
         out_type=jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
         grid=(n, t_len // chunk, hv), grid_names=("n", "c", "h"),
         scratch_types=[
@@ -83,7 +87,7 @@ def output_mosaic(q, k, g, v_new, states, *, scale, chunk=CHUNK, states_t=False,
             smem((CHUNK, dk)),  # K
             smem((CHUNK, dv)),  # V', then O
             smem((dv, dk) if states_t else (dk, dv)),  # S
-            smem((CHUNK, CHUNK)),  # the masked scores
+            smem((CHUNK, CHUNK)),  # the masked scores (interpreted only)
             plgpu.SMEM((1, CHUNK), _F32),  # g
             smem((2, CHUNK, CHUNK), jnp.bfloat16),  # segment-sum operands (two: SMEM)
             plgpu.Barrier(num_arrivals=5),
