@@ -59,7 +59,7 @@ def run_fla(inputs, reps):
 # benchmarks/history/gated_delta.md)
 OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
                    scan_stages=2, ckpt_store="when", out_warps=4)
-CKPT_VARIANTS = ("fused", "fused_mosaic", "fused_mosaic_out", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
+CKPT_VARIANTS = ("fused", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
                  "tree_bf16maps", "blocked16", "blocked32")
 
 
