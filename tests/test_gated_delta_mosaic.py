@@ -212,6 +212,26 @@ def test_prefill_matches_float64_after_a_reset(fresh_rng, impl):
                                    atol=2 * eps * np.abs(want).max())
 
 
+@pytest.mark.slow  # ~5 s interpreted; compiled in the next device run
+def test_ragged_prefill_matches_xla(fresh_rng):
+    """api.ragged_prefill with both Mosaic kernels (the packed stream of ragged_triton.py, its
+    unused worst-case chunks skipped: chunks_below) against the XLA ragged path on the same
+    bf16 values: two sequences, one resumed at a chunk boundary (pos0 = 64) from its own state,
+    outputs, final states and a checkpoint within 2 eps_bf16 of the largest XLA value."""
+    q, k, v, g, beta, _ = _inputs(fresh_rng, 1, 2 * C, 1, 2, 64)
+    cu, pos0 = np.array([0, 70, 110], np.int32), np.array([0, C], np.int32)
+    s0 = jnp.asarray(fresh_rng.standard_normal((2, 2, 64, 64)), jnp.float32)
+    ck = np.array([[C], [-1]], np.int32)
+    rows = [x[0, :110] for x in (q, k, v, g, beta)]
+    got, want = (api.ragged_prefill(*rows, cu, pos0, s0, checkpoint_at=ck, implementation=impl,
+                                    interpret=INTERPRET) for impl in ("mosaic", "xla"))
+    eps = float(jnp.finfo(BF16).eps)
+    for a, b in zip(got, want):
+        b = np.asarray(b, np.float32)
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0,
+                                   atol=2 * eps * np.abs(b).max())
+
+
 def test_rejects_what_it_cannot_run(fresh_rng):
     q, k, v, g, beta, s0 = _inputs(fresh_rng, 1, C, 1, 1, 64)
     call = functools.partial(api.prefill, implementation="mosaic_intra", interpret=True)
@@ -224,10 +244,10 @@ def test_rejects_what_it_cannot_run(fresh_rng):
         call(q, k, v, g, beta, s0, return_transition=True)
     with pytest.raises(ValueError, match="mosaic_intra.*sequential scan"):
         call(q, k, v, g, beta, s0, scan="tree")
-    with pytest.raises(ValueError, match="implementation must be 'xla' or 'pallas_fused'"):
-        api.ragged_prefill(q[0], k[0], v[0], g[0], beta[0], np.array([0, C], np.int32),
-                           np.zeros(1, np.int32), s0, implementation="mosaic_intra",
-                           interpret=True)
+    with pytest.raises(ValueError, match="intra_chunk_mosaic: needs bf16/f16"):
+        api.ragged_prefill(f32[0][0], f32[1][0], f32[2][0], g[0], beta[0],
+                           np.array([0, C], np.int32), np.zeros(1, np.int32), s0,
+                           implementation="mosaic", interpret=True)
     with pytest.raises(ValueError, match="Dk, Dv multiples of 64"):
         intra_mosaic.intra_chunk_mosaic(k[..., :48], v, g, beta, interpret=True)
     with pytest.raises(ValueError, match="Dk, Dv multiples of 64 up to 128"):  # SMEM
@@ -242,16 +262,18 @@ def test_rejects_what_it_cannot_run(fresh_rng):
 
 def test_lowers_for_cuda_at_the_layer_shape():
     """Both compiled kernels (no interpreter) lower through Mosaic GPU for CUDA on this CPU-only
-    machine at Qwen3.5-0.8B's GDN shape and a 32K prefill: layouts, TMA boxes, SMEM."""
+    machine at Qwen3.5-0.8B's GDN shape and a 32K prefill: layouts, TMA boxes, SMEM; the solve
+    with a used-chunk count (the ragged path), the output kernel without."""
     from jax import export
     from kernels_pallas.gated_delta import output_mosaic
     s = jax.ShapeDtypeStruct
     x = s((1, 32768, 16, 128), BF16)
     gate = s((1, 32768, 16), jnp.float32)
     states = s((1, 16, 512, 128, 128), BF16)
-    intra = jax.jit(lambda k, v, g, b: intra_mosaic.intra_chunk_mosaic(k, v, g, b))
+    used = s((), jnp.int32)  # the ragged path's count of used chunks (chunks_below)
+    intra = jax.jit(lambda k, v, g, b, n: intra_mosaic.intra_chunk_mosaic(k, v, g, b, used=n))
     output = jax.jit(lambda q, k, g, v, st: output_mosaic.output_mosaic(
         q, k, g, v, st, scale=128 ** -0.5, states_t=True))
-    for fn, args in ((intra, (x, x, gate, gate.update(dtype=BF16))),
+    for fn, args in ((intra, (x, x, gate, gate.update(dtype=BF16), used)),
                      (output, (x, x, gate, x, states))):
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()

@@ -139,13 +139,11 @@ def output_fused(q, k, g, v_new, states, *, scale, chunk, dot_dtype, out_dtype, 
 
 def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_warps=4, used=None):
     """Kernel 1, "blocked" (intra_blocked.py), "subst" (`intra_chunk_fused`) or "mosaic"
-    (intra_mosaic.py: Mosaic GPU, bf16 / f16, chunk 64, every chunk: `used` must be None)."""
+    (intra_mosaic.py: Mosaic GPU, bf16 / f16, chunk 64)."""
     if kind == "mosaic":
-        if used is not None:
-            raise ValueError("gated_delta fused: intra='mosaic' solves every chunk (used=None)")
         from kernels_pallas.gated_delta import intra_mosaic
         return intra_mosaic.intra_chunk_mosaic(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
-                                               interpret=interpret)
+                                               interpret=interpret, used=used)
     if kind == "blocked":
         return intra_blocked.intra_chunk_blocked(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                                  interpret=interpret, num_warps=num_warps,

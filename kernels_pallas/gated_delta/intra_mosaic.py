@@ -245,6 +245,22 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
     plgpu.wait_smem_to_gmem(0)
 
 
+def chunks_below(kernel, n_in: int, used, n_chunks: int):
+    """`kernel(*in_refs, *out_refs, *scratch)` of a grid (N, NT, H) named ("n", "c", "h"), run
+    only for chunks below `used` (an int32 scalar; None: every chunk, the kernel unchanged):
+    dots.chunks_below for the Mosaic kernels (a packed stream sized for the worst case costs its
+    used chunks only; the others' outputs are left unwritten, never read). Returns (kernel,
+    extra inputs): the count travels as one more input, [1] int32, after the n_in others."""
+    if used is None:
+        return kernel, ()
+
+    def body(*refs):
+        @pl.when(lax.axis_index("c") < refs[n_in][0])
+        def _():
+            kernel(*refs[:n_in], *refs[n_in + 1:])
+    return body, (jnp.reshape(jnp.minimum(used, n_chunks), (1,)).astype(jnp.int32),)
+
+
 def limits(k, v, chunk, dot_dtype) -> str:
     """Why the Mosaic intra kernel cannot take these operands ('' when it can)."""
     dtype = jnp.dtype(k.dtype)
@@ -263,13 +279,14 @@ def limits(k, v, chunk, dot_dtype) -> str:
 
 
 def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=False,
-                       block_passes=3):
+                       block_passes=3, used=None):
     """Kernel 1 of the fused path on Mosaic GPU (module doc).
 
     Args:
       k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv] (bf16 or f16, one dtype); g, beta: [N, T, Hv].
       dot_dtype: None or the inputs' dtype (the only one taken).
       interpret: False (compile for the GPU), True or a plgpu.InterpretGPUParams (CPU).
+      used: None or an int32 scalar: only chunks below it are solved (`chunks_below`).
       block_passes: the passes of the inverse's block-level products: 3 (the inverse to ~1e-4
         of its scale on correlated keys) or 1 (bf16 operands, ~4e-3: the Triton kernel's bf16
         block substitution; tests/test_gated_delta_mosaic.py measures both).
@@ -288,9 +305,11 @@ def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=
     gates = jnp.transpose(gates, (0, 2, 3, 1))  # [N, Hv, 2, T]
     sw = plgpu.SwizzleTransform(128)
     tiled = (plgpu.TilingTransform((8, 64)), sw)
+    kernel, extra = chunks_below(functools.partial(
+        _kernel, rep=hv // hk, block_passes=block_passes, interpret=bool(interpret)), 3, used,
+        t_len // chunk)
     call = plgpu.kernel(
-        functools.partial(_kernel, rep=hv // hk, block_passes=block_passes,
-                          interpret=bool(interpret)),
+        kernel,
         out_type=(jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
                   jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
                   jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
@@ -308,5 +327,5 @@ def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
-    w, u, kd, gc = call(k, v, gates)
+    w, u, kd, gc = call(k, v, gates, *extra)
     return w, u, kd, jnp.moveaxis(gc, 1, 2)

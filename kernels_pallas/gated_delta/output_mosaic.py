@@ -22,7 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.gated_delta.intra_mosaic import CHUNK, exponents, tile_iota, wgmma_sum
+from kernels_pallas.gated_delta.intra_mosaic import (CHUNK, chunks_below, exponents, tile_iota,
+                                                     wgmma_sum)
 
 _F32 = jnp.float32
 
@@ -59,11 +60,12 @@ def _kernel(q_ref, k_ref, vnew_ref, s_ref, gate_ref, o_ref, q_smem, k_smem, v_sm
 
 
 def output_mosaic(q, k, g, v_new, states, *, scale, chunk=CHUNK, states_t=False,
-                  interpret=False):
+                  interpret=False, used=None):
     """O [N, T, Hv, Dv] in v_new's dtype from q/k [N, T, Hk, Dk], g [N, T, Hv] (float32 log
     decays; the kernel sums them itself), V' [N, T, Hv, Dv] and the states entering each chunk
     [N, Hv, NT, Dk, Dv] ([N, Hv, NT, Dv, Dk] if states_t), all 16-bit of one dtype; interpret:
-    False (compile), True or a plgpu.InterpretGPUParams (CPU)."""
+    False (compile), True or a plgpu.InterpretGPUParams (CPU); used: None or an int32 scalar,
+    only chunks below it (intra_mosaic.chunks_below)."""
     n, t_len, hk, dk = k.shape
     hv, dv = v_new.shape[2:]
     dtype = v_new.dtype
@@ -77,9 +79,11 @@ def output_mosaic(q, k, g, v_new, states, *, scale, chunk=CHUNK, states_t=False,
     gates = jnp.moveaxis(g.astype(_F32), 1, 2)[:, :, None, :]  # [N, Hv, 1, T]
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=tiled)
+    kernel, extra = chunks_below(functools.partial(
+        _kernel, rep=hv // hk, scale=scale, states_t=states_t, interpret=bool(interpret)), 5,
+        used, t_len // chunk)
     call = plgpu.kernel(
-        functools.partial(_kernel, rep=hv // hk, scale=scale, states_t=states_t,
-                          interpret=bool(interpret)),
+        kernel,
         out_type=jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
         grid=(n, t_len // chunk, hv), grid_names=("n", "c", "h"),
         scratch_types=[
@@ -94,4 +98,4 @@ def output_mosaic(q, k, g, v_new, states, *, scale, chunk=CHUNK, states_t=False,
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
-    return call(q, k, v_new, states, gates)
+    return call(q, k, v_new, states, gates, *extra)
