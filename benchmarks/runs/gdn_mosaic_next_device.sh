@@ -6,7 +6,7 @@
 # .whl (fla + torch wheels, as gdn_next_device.sh).
 export PYTHONPATH=$PWD JAX_COMPILATION_CACHE_DIR=/tmp/jcc XLA_PYTHON_CLIENT_PREALLOCATE=false; R=$PWD
 timeout 60 python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=$R:/tmp/site
-MINIPIC_COMPILED=1 MINIPIC_RUN_SLOW=1 JAX_PLATFORMS=cuda timeout 60 python3 -m pytest -v -rfE -p no:cacheprovider -o addopts= tests/test_gated_delta_mosaic.py > $OUT/mosaic_tests.txt 2>&1
+MINIPIC_COMPILED=1 MINIPIC_RUN_SLOW=1 JAX_PLATFORMS=cuda timeout 75 python3 -m pytest -v -rfE -p no:cacheprovider -o addopts= tests/test_gated_delta_mosaic.py > $OUT/mosaic_tests.txt 2>&1
 B="python3 -m benchmarks.cli gdn --tokens 32768 --reps 5"
 timeout 45 $B --no-fla --variants intra_only_blocked intra_only_mosaic intra_only_mosaic_p1 > $OUT/bench_intra.txt 2>&1
 timeout 80 $B --variants fused fused_mosaic fused_mosaic_out > $OUT/bench_fused.txt 2>&1
