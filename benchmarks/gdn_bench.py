@@ -102,9 +102,20 @@ def jax_variants():
     def fused_intra(q, k, v, g, beta, ck=None):
         return fused_triton.intra_chunk_fused(k, v, g, beta)
 
+    def intra_kernel(q, k, v, g, beta, ck=None, kind="blocked", **kw):  # kernel 1 alone
+        from kernels_pallas.gated_delta import intra_blocked, intra_mosaic
+        if kind == "mosaic":
+            return intra_mosaic.intra_chunk_mosaic(k, v, g, beta, **kw)
+        return intra_blocked.intra_chunk_blocked(k, v, g, beta, num_warps=2)
+
     return {
         "intra_only_fused": fused_intra,
         "fused": fused,  # fused_triton.DEFAULTS
+        "fused_mosaic": functools.partial(fused, intra="mosaic"),  # intra_mosaic.py's solve
+        "fused_mosaic_out": functools.partial(fused, intra="mosaic", output="mosaic"),
+        "intra_only_blocked": intra_kernel,  # the Triton solve alone (fused's kernel 1)
+        "intra_only_mosaic": functools.partial(intra_kernel, kind="mosaic"),
+        "intra_only_mosaic_p1": functools.partial(intra_kernel, kind="mosaic", block_passes=1),
         "tree": tree,  # the associative scan over chunk maps (tree_scan.py)
         "tree_bf16maps": functools.partial(tree, map_dtype=bf16),
         # two-level scan: G segments of chunks (blocked{G}), options of both scan passes

@@ -99,16 +99,19 @@ def test_gated_delta_auto_picks_the_first_that_takes_the_problem():
     assert gdn_api.choose_gated_delta(blocked, None)[0].name == "pallas_fused"
     with pytest.raises(ValueError, match="no implementation takes this problem.*blocked"):
         gdn_api.choose_gated_delta(dataclasses.replace(blocked, platform="cpu"))
-    assert set(gdn_api.GATED_DELTA) == {"xla", "pallas_fused"}
-    assert gdn_api.IMPLEMENTATIONS == ("auto", "xla", "pallas_fused")
+    assert set(gdn_api.GATED_DELTA) == {"xla", "pallas_fused", "mosaic", "mosaic_intra"}
+    assert gdn_api.IMPLEMENTATIONS == ("auto", "xla", "pallas_fused", "mosaic", "mosaic_intra")
 
 
 def test_gated_delta_bad_names_and_problems_are_clear_errors():
     with pytest.raises(ValueError, match="gated_delta: unknown implementation 'cuda'; use "
-                                         "'auto' or one of \\('xla', 'pallas_fused'\\)"):
+                                         "'auto' or one of \\('xla', 'pallas_fused', "
+                                         "'mosaic', 'mosaic_intra'\\)"):
         gdn_api.choose_gated_delta(GDN_GPU, "cuda")
     with pytest.raises(ValueError, match="implementation='pallas_fused' needs a GPU"):
         gdn_api.choose_gated_delta(gdn_api.Problem(platform="cpu"), "pallas_fused")
+    with pytest.raises(ValueError, match="implementation='mosaic_intra' needs a GPU"):
+        gdn_api.choose_gated_delta(gdn_api.Problem(platform="cpu"), "mosaic_intra")
     with pytest.raises(ValueError, match="implementation='xla' cannot take scan='blocked'"):
         gdn_api.choose_gated_delta(dataclasses.replace(GDN_GPU, scan="blocked"), "xla")
     with pytest.raises(ValueError, match="unknown options \\['splits'\\]; it takes none"):

@@ -17,6 +17,7 @@ points and their helpers (`ragged_prefill`, `ragged_maps`, `ragged_packing`, `ma
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,25 @@ def _run_pallas_fused(q, k, v, g, beta, state0, ckpt, *, scale, chunk, kind, sol
     return fused_triton.fused_gated_delta(q, k, v, g, beta, state0, ckpt, **kw)
 
 
+def _run_mosaic(q, k, v, g, beta, state0, ckpt, *, scale, chunk, kind, solve, inter_dtype,
+                transition, interpret, output="mosaic"):
+    """implementation="mosaic" / "mosaic_intra": pallas_fused's sequential pipeline with the
+    intra-chunk solve on Mosaic GPU (intra_mosaic.py: bf16 / f16, chunk 64), the Triton scan,
+    then the Mosaic output kernel (output_mosaic.py; "mosaic") or the Triton one
+    ("mosaic_intra"). Opt-in until timed on the H200."""
+    del kind, solve
+    from kernels_pallas.gated_delta import fused_triton, intra_mosaic
+    name = "mosaic" if output == "mosaic" else "mosaic_intra"
+    why = intra_mosaic.limits(k, v, chunk, inter_dtype)
+    if transition:
+        why = "cannot return the span's transition (return_transition: xla or pallas_fused)"
+    if why:
+        raise ValueError(f"gated_delta.prefill: implementation={name!r} {why}")
+    return fused_triton.fused_gated_delta(q, k, v, g, beta, state0, ckpt, scale=scale,
+                                          chunk=chunk, dot_dtype=inter_dtype,
+                                          interpret=interpret, intra="mosaic", output=output)
+
+
 def _xla_limits(problem: Problem, options) -> str:
     del options
     if problem.scan == "blocked":
@@ -78,10 +98,24 @@ def _pallas_fused_limits(problem: Problem, options) -> str:
     return ""
 
 
+def _mosaic_limits(problem: Problem, options) -> str:
+    if problem.platform != "gpu" and not problem.interpret:
+        return "needs a GPU, or interpret=True on CPU (Mosaic GPU and Triton-lowered kernels)"
+    if problem.ragged_transition:
+        return "cannot return a ragged batch's transitions (return_transition: XLA only)"
+    if problem.scan not in (None, "sequential"):
+        return f"takes the sequential scan only, got scan={problem.scan!r}"
+    return ""
+
+
 GATED_DELTA: dict[str, Implementation] = {
     "xla": Implementation("xla", _run_xla, limits=_xla_limits),
     "pallas_fused": Implementation("pallas_fused", _run_pallas_fused,
                                    limits=_pallas_fused_limits, backend="triton"),
+    "mosaic": Implementation("mosaic", _run_mosaic, limits=_mosaic_limits, backend="mosaic"),
+    "mosaic_intra": Implementation("mosaic_intra", functools.partial(_run_mosaic,
+                                                                     output="triton"),
+                                   limits=_mosaic_limits, backend="mosaic"),
 }
 IMPLEMENTATIONS = ("auto",) + tuple(GATED_DELTA)
 
@@ -128,7 +162,10 @@ def prefill(q, k, v, g, beta, state0=None, *, checkpoint_at=None, scale=None, ch
       chunk_size: C, the checkpoint granularity.
       implementation: "xla" (lax.scan; the default here, where callers compare variants),
         "pallas_fused" (three GPU kernels: intra-chunk UT solve, state scan, output; see
-        fused_triton.py) or "auto" / None (`auto_order`).
+        fused_triton.py), "mosaic_intra" (the same with the solve on Mosaic GPU,
+        intra_mosaic.py; bf16 / f16, chunk 64, sequential scan, no return_transition),
+        "mosaic" (the solve and the output kernel on Mosaic GPU, output_mosaic.py; the same
+        limits) or "auto" / None (`auto_order`).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       solve: in-chunk UT solve, "blocked" (block-recursive inverse) or "trsm".
       inter_dtype: intermediates' dtype (None: float32; bfloat16 for speed with bf16 inputs).

@@ -125,6 +125,11 @@ def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transitio
     return out
 
 
+# the kernel pipelines of ragged_triton.packed_gated_delta by implementation name (api.py's)
+KERNEL_OPTIONS = {"pallas_fused": {}, "mosaic_intra": {"intra": "mosaic"},
+                  "mosaic": {"intra": "mosaic", "output": "mosaic"}}
+
+
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, scale=None,
                    chunk=64, implementation="xla", interpret=False, return_transition=False,
                    aligned=False, final_of=None, packing=None):
@@ -138,8 +143,10 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
         [1, Hv, Dk, Dv]: one state for every sequence (a zero start costs no [S] buffer).
       checkpoint_at: None or [S, M] int32 absolute positions (multiples of chunk, within
         [pos0, pos0 + len]) whose states to return; -1 = none (returns state0 there).
-      implementation: "xla" (lax.scan) or "pallas_fused" (ragged_triton.py, GPU; on CPU only
-        with interpret=True); api.ragged_prefill resolves "auto".
+      implementation: "xla" (lax.scan), "pallas_fused" (ragged_triton.py, GPU; on CPU only
+        with interpret=True) or "mosaic_intra" / "mosaic" (the same with the Mosaic GPU solve /
+        solve and output: `KERNEL_OPTIONS`; bf16 / f16, chunk 64); api.ragged_prefill
+        resolves "auto".
       return_transition: also return each sequence's transition over its new tokens (affine.py;
         identity for a sequence with none), so final = a_span state0 + final-from-zero. XLA only.
       aligned: the caller's promise that every pos0 is a multiple of chunk (zero, say): the
@@ -191,14 +198,14 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     if return_transition and implementation not in (None, "xla"):
         raise NotImplementedError("ragged_prefill: return_transition has the XLA path only "
                                   f"(implementation=None or 'xla'), got {implementation!r}")
-    if implementation == "pallas_fused":
+    if implementation in KERNEL_OPTIONS:
         from kernels_pallas.gated_delta import ragged_triton
         packed = [take_rows(x, pk["src"])[None] for x in (q, k, v, g, beta)]
         bounds = final_bound if ck_bound is None else jnp.concatenate(
             [final_bound, ck_bound.reshape(-1)])
         out, bound_states = ragged_triton.packed_gated_delta(
             *packed, pk["restart"], seq_state, state0, bounds, scale=scale, chunk=chunk,
-            interpret=interpret, n_used=pk["n_used"])
+            interpret=interpret, n_used=pk["n_used"], **KERNEL_OPTIONS[implementation])
         out = take_rows(out[0], pk["dest"])
         n_fin = fin.shape[0]
         final = jnp.where(has[:, None, None, None], bound_states[:n_fin], state0_fin)
@@ -209,8 +216,8 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
                              state0[:, None])
         return out.astype(jnp.float32), final, ckpt
     if implementation != "xla":
-        raise ValueError(f"ragged_prefill: implementation must be 'xla' or 'pallas_fused', "
-                         f"got {implementation!r}")
+        raise ValueError(f"ragged_prefill: implementation must be 'xla' or one of "
+                         f"{tuple(KERNEL_OPTIONS)}, got {implementation!r}")
     f32 = jnp.float32
     if hv != hk:
         q = jnp.repeat(q, hv // hk, axis=1)

@@ -115,9 +115,15 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
       s0.astype(jnp.float32), slot_map,
       jnp.full((1,), nc, jnp.int32) if n_used is None else jnp.reshape(n_used, (1,)).astype(
           jnp.int32))
-    out = fused_triton.output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk,
-                                    dot_dtype=dot_dtype, out_dtype=v.dtype, interpret=interpret,
-                                    num_warps=opt["out_warps"], states_t=vk, used=n_used)
+    if opt["output"] == "mosaic":
+        from kernels_pallas.gated_delta import output_mosaic
+        out = output_mosaic.output_mosaic(q, k, g, v_new, states, scale=scale, chunk=chunk,
+                                          states_t=vk, interpret=interpret, used=n_used)
+    else:
+        out = fused_triton.output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk,
+                                        dot_dtype=dot_dtype, out_dtype=v.dtype,
+                                        interpret=interpret, num_warps=opt["out_warps"],
+                                        states_t=vk, used=n_used)
     if vk:
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter
