@@ -81,7 +81,10 @@ class SeatTables:
         seat, k = seq.seat, seq.synced_blocks
         n = min(len(seq.block_table), len(seq.block_valid))
         if k < n:
-            self.tables[seat, k:n] = seq.block_table[k:n]
+            # many entries (an admitted cached prompt's): from the sequence's array, converted
+            # once for the chunk plan, these rows and the release (Sequence.table_array)
+            self.tables[seat, k:n] = seq.table_array()[k:n] if n - k >= 64 else \
+                seq.block_table[k:n]
             # the prompt's blocks from the layout's arrays (a cached 33K-token prompt's 2,000
             # rows copied, not converted from lists); only its last block gains tokens after
             lay, m = seq.layout, min(n, len(seq.layout.block_valid) - 1)
