@@ -4,6 +4,8 @@ would key them, and the token bytes kept with a cached block to confirm hits."""
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from serving.cache.hashing import block_keys_and_tail, next_block_key
@@ -116,12 +118,20 @@ def confirm_hits(got: list, bm, raw: bytes, block_size: int) -> list[int]:
     misses, start, collided = indices_of_none(got), 0, False
     for end in misses + [len(got)]:
         if end > start and not (joined and raw.startswith(
-                b"".join(map(kept.__getitem__, got[start:end])), start * step)):
+                _joined(kept, got[start:end]), start * step)):
             for j in range(start, end):
                 if kept[got[j]] != raw[j * step:(j + 1) * step]:
                     got[j], collided = None, True
         start = end + 1
     return indices_of_none(got) if collided else misses
+
+
+def _joined(kept: list, blocks: list) -> bytes:
+    """The kept bytes of `blocks`, joined: one itemgetter gathers them in C (a cached span
+    request's ~2,000 hits)."""
+    if len(blocks) == 1:  # itemgetter of one index gives the item, not a tuple
+        return kept[blocks[0]]
+    return b"".join(operator.itemgetter(*blocks)(kept))
 
 
 def indices_of_none(xs: list) -> list[int]:
