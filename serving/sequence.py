@@ -91,7 +91,7 @@ class Sequence:
         "finish_reason", "stop_reason", "text_end", "prompt_text", "stop_text",
         "output_logprobs", "cum_logprob", "arrival_time", "first_scheduled_time",
         "first_token_time", "finished_time", "num_preemptions", "num_pending",
-        "ends_with_pending", "block_valid", "block_pos_start", "num_valid",
+        "ends_with_pending", "tail_block", "tail_valid", "tail_pos_start", "num_valid",
         "hybrid", "span", "store", "memo")
 
     def __init__(self, request_id, prompt_token_ids, layout: PromptLayout, sampling_params,
@@ -140,9 +140,12 @@ class Sequence:
         # async: finished (blocks and seat freed) because its pending token reaches the length
         # limit, whatever its value; the token is still read back and reported
         self.ends_with_pending = False
-        # Block-level layout over all tokens (prompt blocks, then generated ones).
-        self.block_valid = _ints(layout.block_valid)
-        self.block_pos_start = _ints(layout.block_pos_start)
+        # Block-level layout over all tokens (prompt blocks, then generated ones): the layout's
+        # arrays up to the prompt's last block, which generated tokens may fill, and from there
+        # these lists (a cached 33K-token prompt's 2,000 blocks are not made lists)
+        self.tail_block = max(len(layout.block_valid) - 1, 0)
+        self.tail_valid = _ints(layout.block_valid[self.tail_block:])
+        self.tail_pos_start = _ints(layout.block_pos_start[self.tail_block:])
         self.num_valid = layout.num_valid
         self.hybrid = HybridState()
         self.span = SpanState()
@@ -172,6 +175,21 @@ class Sequence:
         return -(-len(self.token_ids) // self.block_size)
 
     @property
+    def num_counted_blocks(self) -> int:
+        """Blocks holding tokens: entries of the block-level layout (prompt, then generated)."""
+        return self.tail_block + len(self.tail_valid)
+
+    def block_valid_at(self, j: int) -> int:
+        """Valid tokens in block j (< num_counted_blocks)."""
+        return self.tail_valid[j - self.tail_block] if j >= self.tail_block else \
+            int(self.layout.block_valid[j])
+
+    def block_pos_starts(self) -> np.ndarray:
+        """[num_counted_blocks] int32: the logical position of each block's first slot."""
+        head = self.layout.block_pos_start[:self.tail_block]
+        return np.concatenate([head, np.asarray(self.tail_pos_start, np.int32)]).astype(np.int32)
+
+    @property
     def is_prefilling(self) -> bool:
         return self.num_computed < len(self.token_ids) - 1
 
@@ -182,11 +200,11 @@ class Sequence:
     def append_token(self, token: int) -> None:
         """A generated token: always valid, takes the next logical position, extends the last
         segment (its window start is the layout's last_win)."""
-        blk = len(self.token_ids) // self.block_size
-        if blk == len(self.block_valid):
-            self.block_valid.append(0)
-            self.block_pos_start.append(self.num_valid)
-        self.block_valid[blk] += 1
+        i = len(self.token_ids) // self.block_size - self.tail_block
+        if i == len(self.tail_valid):
+            self.tail_valid.append(0)
+            self.tail_pos_start.append(self.num_valid)
+        self.tail_valid[i] += 1
         self.token_ids.append(token)
         self.num_valid += 1
 
@@ -201,11 +219,12 @@ class Sequence:
         self.num_pending -= 1
         self.num_valid -= 1
         blk = len(self.token_ids) // self.block_size
-        self.block_valid[blk] -= 1
-        if (self.block_valid[blk] == 0 and blk == len(self.block_valid) - 1
+        i = blk - self.tail_block
+        self.tail_valid[i] -= 1
+        if (self.tail_valid[i] == 0 and i == len(self.tail_valid) - 1
                 and blk >= len(self.layout.block_valid)):
-            self.block_valid.pop()
-            self.block_pos_start.pop()
+            self.tail_valid.pop()
+            self.tail_pos_start.pop()
 
     def resolve_placeholder(self, token: int) -> None:
         """The pending last token's value, read back from its step."""
@@ -264,7 +283,7 @@ class Sequence:
         pos = np.where(gen, lay.num_valid + (idx - n_p), lay.pos[pi])
         win = np.where(gen, lay.last_win, lay.win[pi])
         blk = idx // self.block_size
-        bps = np.asarray(self.block_pos_start, np.int32)[blk]
+        bps = self.block_pos_starts()[blk]
         slot = np.where(gen, pos - bps, lay.slot_off[pi])
         pad = np.where(gen, False, lay.is_pad[pi])
         return (pos.astype(np.int32), win.astype(np.int32), slot.astype(np.int32),

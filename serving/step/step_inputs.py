@@ -79,7 +79,7 @@ class SeatTables:
         """Copy the sequence's new block-table entries (and its last block's fill) into its
         seat's rows."""
         seat, k = seq.seat, seq.synced_blocks
-        n = min(len(seq.block_table), len(seq.block_valid))
+        n = min(len(seq.block_table), seq.num_counted_blocks)
         if k < n:
             # many entries (an admitted cached prompt's): from the sequence's array, converted
             # once for the chunk plan, these rows and the release (Sequence.table_array)
@@ -92,11 +92,13 @@ class SeatTables:
                 self.pos_start[seat, k:m] = lay.block_pos_start[k:m]
                 self.valid[seat, k:m] = lay.block_valid[k:m]
             m = max(k, m)
-            self.pos_start[seat, m:n] = seq.block_pos_start[m:n]
-            self.valid[seat, m:n] = seq.block_valid[m:n]
+            if m < n:  # blocks from the prompt's last one on: the sequence's tail lists
+                t0 = seq.tail_block
+                self.pos_start[seat, m:n] = seq.tail_pos_start[m - t0:n - t0]
+                self.valid[seat, m:n] = seq.tail_valid[m - t0:n - t0]
             seq.synced_blocks = n
         if n:
-            self.valid[seat, n - 1] = seq.block_valid[n - 1]
+            self.valid[seat, n - 1] = seq.block_valid_at(n - 1)
 
     def decode_rows(self, entries, seats, v) -> None:
         """Rows 0..d-1 = one generated token per sequence, row i = sequence i."""
