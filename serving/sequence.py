@@ -277,14 +277,14 @@ class Sequence:
         """idx [n] token indices -> (pos, win, slot_off, is_pad), each [n]."""
         lay, n_p = self.layout, self.num_prompt_tokens
         if idx.size and idx[-1] < n_p:
-            return lay.pos[idx], lay.win[idx], lay.slot_off[idx], lay.is_pad[idx]
+            return lay.pos[idx], lay.win_at(idx), lay.slot_off_at(idx), lay.is_pad[idx]
         gen = idx >= n_p
         pi = np.minimum(idx, max(n_p - 1, 0))
         pos = np.where(gen, lay.num_valid + (idx - n_p), lay.pos[pi])
-        win = np.where(gen, lay.last_win, lay.win[pi])
+        win = np.where(gen, lay.last_win, lay.win_at(pi))
         blk = idx // self.block_size
         bps = self.block_pos_starts()[blk]
-        slot = np.where(gen, pos - bps, lay.slot_off[pi])
+        slot = np.where(gen, pos - bps, lay.slot_off_at(pi))
         pad = np.where(gen, False, lay.is_pad[pi])
         return (pos.astype(np.int32), win.astype(np.int32), slot.astype(np.int32),
                 pad.astype(bool))

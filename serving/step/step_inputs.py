@@ -146,8 +146,8 @@ class SeatTables:
                     lay = seq.layout
                     v["tokens"][row:row + n] = seq.token_ids[lo:last + 1]
                     v["q_positions"][row:row + n] = lay.pos[lo:last + 1]
-                    v["q_window_start"][row:row + n] = lay.win[lo:last + 1]
-                    off = lay.slot_off[lo:last + 1]
+                    v["q_window_start"][row:row + n] = lay.win_at(slice(lo, last + 1))
+                    off = lay.slot_off_at(slice(lo, last + 1))
                 else:
                     toks = seq.layout.tokens  # the prompt's int64 ids: no list conversion
                     if toks is None or last >= seq.num_prompt_tokens:
