@@ -12,7 +12,9 @@ into its parts by exclusive time (a part nested in another is counted once, in t
     admission cache admission (CacheManager.admit: lookup, hit confirmation, table fill)
     build     the step's host inputs (ModelRunner.launch less the stubbed step)
     output    tokens applied and RequestOutputs made (LLMEngine._postprocess)
-    stub      the stubbed device step (not host work)
+    stub      the stubbed device step (not host work); with `--step null*`, the call of a
+              compiled step that computes nothing (benchmarks/null_step.py): the step call's
+              own host cost (argument checks, input copies, output arrays), host work again
     other     the rest of `generate` (queueing, scheduling, ...)
 
 `--fresh-lists` builds new id lists for every call from the ids kept (`Span(list(ids))`, as
@@ -23,6 +25,7 @@ the time the thread was off the CPU, steadier than the wall on a loaded machine)
 
     minipic-bench ttft-host [--calls 3] [--repeats 5] [--fresh-lists] [--profile]
     minipic-bench ttft-host --fresh-lists --max-num-seqs 64 --min-token-bucket 128  # as `rag`
+    ... --step null-llama8b  # the step call's host cost with Llama-3.1-8B's params/cache leaves
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ def add_parser(p) -> None:
     p.add_argument("--fresh-lists", action="store_true",
                    help="new id lists per call from the ids kept (as the rag ttft bench)")
     p.add_argument("--profile", action="store_true", help="cProfile one cached call")
+    p.add_argument("--step", choices=("stub", "null", "null-llama8b"), default="stub",
+                   help="stub: a Python stand-in (default); null: a compiled step computing "
+                        "nothing, called as the runner calls its step (the engine's params and "
+                        "cache; null-llama8b: Llama-3.1-8B-like leaves instead)")
 
 
 def wrap(timer, owner, name: str, part: str) -> None:
@@ -70,7 +77,12 @@ def make_llm(args):
               max_num_batched_tokens=8192, max_model_len=max_len, block_size=bs,
               num_kv_blocks=3 * (max_len // bs) + 64, **extra)
     engine = llm.llm_engine
-    engine.runner._step = StubStep(engine.vocab_size)
+    step = getattr(args, "step", "stub")
+    if step == "stub":
+        engine.runner._step = StubStep(engine.vocab_size)
+    else:
+        from benchmarks import null_step
+        null_step.install(engine.runner, "llama8b" if step == "null-llama8b" else "engine")
     return llm
 
 
@@ -140,8 +152,10 @@ def run(args) -> int:
     for c in range(args.calls):
         rows.append((f"cached {c + 1}", {k: statistics.median(r[k] for r in cached[c])
                                          for k in keys + ("cached",)}))
+    step = {"stub": "stubbed", "null": "a null compiled step",
+            "null-llama8b": "a null compiled step on Llama-3.1-8B-like leaves"}[args.step]
     print(f"ttft-host: {args.model}, [Prompt(40), Span({args.span_tokens}) x {args.spans}, "
-          f"Prompt(30)], max_tokens=1, step stubbed, {'new' if fresh else 'the same'} span lists "
+          f"Prompt(30)], max_tokens=1, step {step}, {'new' if fresh else 'the same'} span lists "
           f"per call; ms (cached calls: median of {args.repeats}), minor page faults")
     print(f"{'call':>9} " + " ".join(f"{k:>9}" for k in keys) + "  cached_tokens")
     for name, r in rows:

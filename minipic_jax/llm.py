@@ -224,8 +224,10 @@ class LLM:
         # the bar also says when a step variant compiles (one the warm-up did not cover)
         bar = Progress(self, len(reqs), use_tqdm, desc="Processed prompts", unit="it")
         try:
-            for rid, ids, text, sp, layout, _, _ in reqs:
-                engine._enqueue(rid, ids, sp, layout, cache_salt=cache_salt, prompt=text)
+            for rid, ids, text, sp, layout, i, _ in reqs:
+                # `ids` is this call's own list: the one sequence of a request takes it
+                engine._enqueue(rid, ids, sp, layout, cache_salt=cache_salt, prompt=text,
+                                own_ids=sps[i].n == 1)
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.request_id in order:

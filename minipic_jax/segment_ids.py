@@ -71,15 +71,27 @@ def convert(content, what: str) -> tuple[list[int], np.ndarray | None]:
     return [int(t) for t in ids], None  # ints beyond int64: the request checks name them
 
 
-def _python_ints(content) -> bool:
+def _python_ints(content, sum_fits: bool = False) -> bool:
     """Whether the entries (ints or numpy ints, bools refused already) are all Python ints,
     which a list of them can keep: their sum stays a Python int only then (a numpy int makes it
-    a numpy scalar). sum() adds machine-size ints in C: half the cost of new int objects."""
+    a numpy scalar). sum() adds machine-size ints in C: half the cost of new int objects.
+    `sum_fits`: the ids are known to be such that no partial sum leaves int64 (`_sum_fits`), so
+    numpy ints among them cannot wrap and numpy's error state is left as it is (entering it
+    costs more than the sum of a short segment)."""
     try:
+        if sum_fits:
+            return type(sum(content)) is int
         with np.errstate(over="ignore"):  # numpy ints may wrap while summed: only the type counts
             return type(sum(content)) is int
     except (TypeError, ValueError, OverflowError):
         return False
+
+
+def _sum_fits(arr: np.ndarray) -> bool:
+    """No partial sum of these int64 ids, in any order, leaves int64."""
+    if not arr.size:
+        return True
+    return arr.size * max(abs(int(arr.min())), abs(int(arr.max()))) < 2 ** 63
 
 
 def _refuse(what: str, k: int, t) -> None:
@@ -117,13 +129,13 @@ class SegmentMemo:
             if entry is not None:
                 self._entries.move_to_end(id(entry[0]))
         if entry is not None and _unchanged(entry[1], content) and (
-                same_object or _python_ints_as_remembered(content, entry[5])):
+                same_object or _python_ints_as_remembered(content, entry[5], entry[6])):
             self.hits += 1
             return entry[2], entry[3]
         ids, arr = convert(content, what)
         if arr is not None:
             self._keep(key, (content, snap(content), ids, arr, ckey,
-                             np.flatnonzero((arr >> 1) == 0)))
+                             np.flatnonzero((arr >> 1) == 0), _sum_fits(arr)))
         return ids, arr
 
     def _keep(self, key: int, entry: tuple) -> None:
@@ -170,11 +182,11 @@ def _content_key(content):
     return key
 
 
-def _python_ints_as_remembered(content, zero_one: np.ndarray) -> bool:
+def _python_ints_as_remembered(content, zero_one: np.ndarray, sum_fits: bool) -> bool:
     """Whether `content`, equal to remembered ids, holds what its conversion would give: Python
     ints only (see _python_ints; a float, numpy scalar or Decimal makes the sum another type)
     and no bool, which can only sit where the remembered ids are 0 or 1 (`zero_one`)."""
-    if not _python_ints(content):
+    if not _python_ints(content, sum_fits):
         return False
     return not any(type(content[k]) is bool for k in zero_one.tolist())
 

@@ -17,8 +17,8 @@ import numpy as np
 class PromptLayout:
     is_pad: np.ndarray  # [N] bool
     pos: np.ndarray  # [N] int32 logical position (pads: the next valid token's)
-    win: np.ndarray  # [N] int32 smallest logical position the token may attend
-    slot_off: np.ndarray  # [N] int32 slot of the token inside its block (valid tokens only)
+    block_win: np.ndarray  # [NBp] int32 smallest logical position its tokens may attend
+    block_size: int
     block_valid: np.ndarray  # [NBp] int32 valid tokens per prompt block
     block_pos_start: np.ndarray  # [NBp] int32 logical position of each block's first slot
     span_block: np.ndarray  # [NBp] bool block lies in an SSEP span
@@ -30,6 +30,34 @@ class PromptLayout:
     has_markers: bool
     tokens: np.ndarray | None = None  # [N] int64 the prompt (hashed from here: no re-conversion)
 
+    # Per-token window starts and slots are read for the tokens a step computes (`win_at`,
+    # `slot_off_at`): a cached 33K-token prompt computes a few dozen, so its [N] arrays are
+    # made only where a caller asks for the whole prompt's (`win`, `slot_off`).
+    def win_at(self, idx) -> np.ndarray:
+        """[n] int32 smallest logical position tokens `idx` (indices or a slice) may attend."""
+        return self.block_win[self._token_blocks(idx)]
+
+    def slot_off_at(self, idx) -> np.ndarray:
+        """[n] int32 slot of tokens `idx` (indices or a slice) inside their blocks (valid
+        tokens; a pad's is the next valid token's)."""
+        return self.pos[idx] - self.block_pos_start[self._token_blocks(idx)]
+
+    def _token_blocks(self, idx) -> np.ndarray:
+        if isinstance(idx, slice):
+            idx = np.arange(*idx.indices(self.pos.shape[0]))
+        return np.asarray(idx) // self.block_size
+
+    @property
+    def win(self) -> np.ndarray:
+        """[N] int32 smallest logical position each token may attend."""
+        return np.repeat(self.block_win, self.block_size)[:self.pos.shape[0]]
+
+    @property
+    def slot_off(self) -> np.ndarray:
+        """[N] int32 slot of each token inside its block (valid tokens only)."""
+        n = self.pos.shape[0]
+        return self.pos - np.repeat(self.block_pos_start, self.block_size)[:n]
+
 
 def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | None,
                  pdep_id: int | None, markers: bool = True) -> PromptLayout:
@@ -39,7 +67,10 @@ def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | 
     nb = -(-n // block_size)
     is_pad = (t == pad_id) if (markers and pad_id is not None) else np.zeros(n, bool)
     valid = ~is_pad
-    before = np.cumsum(valid, dtype=np.int32) - valid  # valid tokens before each index
+    # valid tokens before each index: the logical positions (int32 throughout, no copies: a
+    # 33K-token prompt's layout is built inside its time to first token)
+    before = np.cumsum(valid, dtype=np.int32)
+    before -= valid
     starts = np.arange(nb) * block_size
     first = t[starts]
     if markers:
@@ -54,18 +85,23 @@ def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | 
     seg_span = is_ssep[seg_first_block]
     span_block = seg_span[seg_id]
     seg_win = np.where(seg_span, before[starts[seg_first_block]], 0).astype(np.int32)
-    # per-block values spread over the block's tokens by np.repeat (a 33K-token prompt's
-    # layout is built inside its time to first token; gathers by token cost more)
-    win = np.repeat(seg_win[seg_id], block_size)[:n]
-    block_pos_start = before[starts].astype(np.int32)
-    slot_off = (before - np.repeat(block_pos_start, block_size)[:n]).astype(np.int32)
+    block_pos_start = before[starts]
     num_valid = int(before[-1]) + bool(valid[-1]) if n else 0
     block_valid = np.diff(block_pos_start, append=np.int32(num_valid)).astype(np.int32)
-    last_valid = n - 1 - int(np.argmax(valid[::-1])) if valid.any() else -1
     return PromptLayout(
-        is_pad=is_pad, pos=before.astype(np.int32), win=win, slot_off=slot_off,
+        is_pad=is_pad, pos=before, block_win=seg_win[seg_id], block_size=block_size,
         block_valid=block_valid, block_pos_start=block_pos_start,
         span_block=span_block, span_start=is_ssep & seg_start, seg_start=seg_start,
         num_valid=num_valid, last_win=int(seg_win[-1]) if nb else 0,
-        last_valid_index=last_valid,
+        last_valid_index=_last_valid(valid, block_valid, block_size),
         has_markers=bool(is_ssep.any() or is_pdep.any()), tokens=t)
+
+
+def _last_valid(valid: np.ndarray, block_valid: np.ndarray, block_size: int) -> int:
+    """Index of the last non-pad token (-1: none), found in the last block holding one (a
+    whole-prompt search from the end costs as much as the layout's other passes)."""
+    full = np.flatnonzero(block_valid)
+    if not full.size:
+        return -1
+    start = int(full[-1]) * block_size
+    return start + int(np.flatnonzero(valid[start:start + block_size])[-1])

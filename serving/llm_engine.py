@@ -132,14 +132,15 @@ class LLMEngine:
                       cache_salt=cache_salt, arrival_time=arrival_time, prompt=prompt)
 
     def _enqueue(self, request_id, prompt_token_ids, sampling_params, layout, *,
-                 cache_salt=None, arrival_time=None, prompt=None) -> None:
-        """Queue a request that `validate` accepted, with the layout it returned."""
+                 cache_salt=None, arrival_time=None, prompt=None, own_ids: bool = False) -> None:
+        """Queue a request that `validate` accepted, with the layout it returned. `own_ids`:
+        the caller hands over its list of ids (Sequence keeps it uncopied)."""
         seed = sampling_params.seed
         if seed is None:
             seed = hash((self.seed, next(self._counter))) & 0x7FFFFFFF
         seq = Sequence(request_id, prompt_token_ids, layout, sampling_params,
                        self.config.block_size, seed=seed, cache_salt=cache_salt,
-                       arrival_time=arrival_time)
+                       arrival_time=arrival_time, own_ids=own_ids)
         seq.prompt_text = prompt
         self._seqs[request_id] = seq
         self.scheduler.add(seq)

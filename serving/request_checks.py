@@ -32,10 +32,11 @@ def check_token_ids(ids, who: str, vocab_size: int, markers: dict | None = None,
             arr = None
         if arr is not None and _first_bool(ids, arr) is not None:
             arr = None  # the loop below names it
-    if arr is not None:  # the common case, checked vectorized
-        if not ((arr < 0) | (arr >= vocab_size)).any():
+    if arr is not None:  # the common case, checked vectorized: two reductions, no temporaries
+        lo, hi = (int(arr.min()), int(arr.max())) if arr.size else (0, -1)
+        if lo >= 0 and hi < vocab_size:
             return arr
-        if not (arr < 0).any() and markers is not None:
+        if lo >= 0 and markers is not None:
             _check_beyond_vocab(arr, who, vocab_size, markers, block_size)
             return arr
         ids = arr.tolist()

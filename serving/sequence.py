@@ -23,6 +23,7 @@ _ids = itertools.count()
 # Stands in token_ids for a token sampled by a step still in flight (async scheduling): counted in
 # every length and block quantity like a real token; its value lives on the device until read.
 PLACEHOLDER = -1
+_EMPTY = np.zeros(0, np.int64)
 
 
 def _ints(x) -> list:
@@ -72,6 +73,8 @@ class Memos:
     final_start: int | None = None  # serving/scheduler.py
     span_intervals: list | None = None  # serving/hybrid/span_rows.py
     has_spans: bool | None = None  # serving/hybrid/span_step.py
+    # (block_table list, int64 array of its head): Sequence.table_array
+    table_array: tuple | None = None
 
 
 class Sequence:
@@ -88,15 +91,20 @@ class Sequence:
         "finish_reason", "stop_reason", "text_end", "prompt_text", "stop_text",
         "output_logprobs", "cum_logprob", "arrival_time", "first_scheduled_time",
         "first_token_time", "finished_time", "num_preemptions", "num_pending",
-        "ends_with_pending", "block_valid", "block_pos_start", "num_valid",
+        "ends_with_pending", "tail_block", "tail_valid", "tail_pos_start", "num_valid",
         "hybrid", "span", "store", "memo")
 
     def __init__(self, request_id, prompt_token_ids, layout: PromptLayout, sampling_params,
                  block_size: int, *, seed: int, cache_salt: str | None = None,
-                 is_span_job: bool = False, arrival_time: float | None = None):
+                 is_span_job: bool = False, arrival_time: float | None = None,
+                 own_ids: bool = False):
+        """`own_ids`: `prompt_token_ids` is a list no one else holds (LLM.generate's own), kept
+        as token_ids instead of copied (a 33K-token prompt's copy is ~0.1 ms of its TTFT)."""
         self.seq_id = next(_ids)
         self.request_id = request_id
-        self.token_ids = list(prompt_token_ids)  # the prompt's never change (prompt_token_ids)
+        # the prompt's ids never change (prompt_token_ids); generated ones are appended
+        self.token_ids = (prompt_token_ids if own_ids and type(prompt_token_ids) is list
+                          else list(prompt_token_ids))
         self.num_prompt_tokens = len(self.token_ids)
         self.layout = layout
         self.sampling_params = sampling_params
@@ -132,9 +140,12 @@ class Sequence:
         # async: finished (blocks and seat freed) because its pending token reaches the length
         # limit, whatever its value; the token is still read back and reported
         self.ends_with_pending = False
-        # Block-level layout over all tokens (prompt blocks, then generated ones).
-        self.block_valid = _ints(layout.block_valid)
-        self.block_pos_start = _ints(layout.block_pos_start)
+        # Block-level layout over all tokens (prompt blocks, then generated ones): the layout's
+        # arrays up to the prompt's last block, which generated tokens may fill, and from there
+        # these lists (a cached 33K-token prompt's 2,000 blocks are not made lists)
+        self.tail_block = max(len(layout.block_valid) - 1, 0)
+        self.tail_valid = _ints(layout.block_valid[self.tail_block:])
+        self.tail_pos_start = _ints(layout.block_pos_start[self.tail_block:])
         self.num_valid = layout.num_valid
         self.hybrid = HybridState()
         self.span = SpanState()
@@ -164,6 +175,21 @@ class Sequence:
         return -(-len(self.token_ids) // self.block_size)
 
     @property
+    def num_counted_blocks(self) -> int:
+        """Blocks holding tokens: entries of the block-level layout (prompt, then generated)."""
+        return self.tail_block + len(self.tail_valid)
+
+    def block_valid_at(self, j: int) -> int:
+        """Valid tokens in block j (< num_counted_blocks)."""
+        return self.tail_valid[j - self.tail_block] if j >= self.tail_block else \
+            int(self.layout.block_valid[j])
+
+    def block_pos_starts(self) -> np.ndarray:
+        """[num_counted_blocks] int32: the logical position of each block's first slot."""
+        head = self.layout.block_pos_start[:self.tail_block]
+        return np.concatenate([head, np.asarray(self.tail_pos_start, np.int32)]).astype(np.int32)
+
+    @property
     def is_prefilling(self) -> bool:
         return self.num_computed < len(self.token_ids) - 1
 
@@ -174,11 +200,11 @@ class Sequence:
     def append_token(self, token: int) -> None:
         """A generated token: always valid, takes the next logical position, extends the last
         segment (its window start is the layout's last_win)."""
-        blk = len(self.token_ids) // self.block_size
-        if blk == len(self.block_valid):
-            self.block_valid.append(0)
-            self.block_pos_start.append(self.num_valid)
-        self.block_valid[blk] += 1
+        i = len(self.token_ids) // self.block_size - self.tail_block
+        if i == len(self.tail_valid):
+            self.tail_valid.append(0)
+            self.tail_pos_start.append(self.num_valid)
+        self.tail_valid[i] += 1
         self.token_ids.append(token)
         self.num_valid += 1
 
@@ -193,11 +219,12 @@ class Sequence:
         self.num_pending -= 1
         self.num_valid -= 1
         blk = len(self.token_ids) // self.block_size
-        self.block_valid[blk] -= 1
-        if (self.block_valid[blk] == 0 and blk == len(self.block_valid) - 1
+        i = blk - self.tail_block
+        self.tail_valid[i] -= 1
+        if (self.tail_valid[i] == 0 and i == len(self.tail_valid) - 1
                 and blk >= len(self.layout.block_valid)):
-            self.block_valid.pop()
-            self.block_pos_start.pop()
+            self.tail_valid.pop()
+            self.tail_pos_start.pop()
 
     def resolve_placeholder(self, token: int) -> None:
         """The pending last token's value, read back from its step."""
@@ -227,19 +254,37 @@ class Sequence:
             return "length"
         return None
 
+    def table_array(self) -> np.ndarray:
+        """`block_table` as an int64 array (read-only), each entry converted once: a block
+        table is only appended to or replaced by a new list, so the array of a list's head
+        stays valid while that list is the table. A cached 33K-token request's ~2,000 entries
+        are read as an array by its chunk plan, its seat's rows and its release."""
+        table, memo = self.block_table, self.memo.table_array
+        arr = memo[1] if memo is not None and memo[0] is table else _EMPTY
+        n, k = len(table), arr.size
+        if k < n:
+            arr = np.concatenate([arr, np.fromiter(table[k:], np.int64, n - k)]) if k else \
+                np.fromiter(table, np.int64, n)
+            arr.flags.writeable = False
+            self.memo.table_array = (table, arr)
+        elif k > n:  # cannot happen while tables only grow; converted again to stay exact
+            self.memo.table_array = None
+            return self.table_array()
+        return arr
+
     # -- per-token geometry for a range of token indices ----------------------------------------
     def geometry(self, idx: np.ndarray):
         """idx [n] token indices -> (pos, win, slot_off, is_pad), each [n]."""
         lay, n_p = self.layout, self.num_prompt_tokens
         if idx.size and idx[-1] < n_p:
-            return lay.pos[idx], lay.win[idx], lay.slot_off[idx], lay.is_pad[idx]
+            return lay.pos[idx], lay.win_at(idx), lay.slot_off_at(idx), lay.is_pad[idx]
         gen = idx >= n_p
         pi = np.minimum(idx, max(n_p - 1, 0))
         pos = np.where(gen, lay.num_valid + (idx - n_p), lay.pos[pi])
-        win = np.where(gen, lay.last_win, lay.win[pi])
+        win = np.where(gen, lay.last_win, lay.win_at(pi))
         blk = idx // self.block_size
-        bps = np.asarray(self.block_pos_start, np.int32)[blk]
-        slot = np.where(gen, pos - bps, lay.slot_off[pi])
+        bps = self.block_pos_starts()[blk]
+        slot = np.where(gen, pos - bps, lay.slot_off_at(pi))
         pad = np.where(gen, False, lay.is_pad[pi])
         return (pos.astype(np.int32), win.astype(np.int32), slot.astype(np.int32),
                 pad.astype(bool))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
+
 from serving.cache.admission import AdmissionPlan
 from serving.cache.block_manager import BlockManager
 from serving.cache.chunks import skip_shared
@@ -34,7 +36,8 @@ def test_skip_shared_stops_where_the_per_block_loop_stops(fresh_rng):
                 bm.register(b, 1000 + b, bytes(8 * bs), owner=3, ready=kind > 1)
         owned = {int(j) for j in fresh_rng.choice(n, int(fresh_rng.integers(0, n + 1)),
                                                   replace=False)}
-        seq = types.SimpleNamespace(owned=owned, block_table=table)
+        seq = types.SimpleNamespace(owned=owned, block_table=table,
+                                    table_array=lambda t=table: np.asarray(t, np.int64))
         total = int(fresh_rng.integers(0, n * bs + 1))
         for j in range(n + 1):
             assert skip_shared(bm, seq, j, total, bs) == \

@@ -78,3 +78,23 @@ def test_build_prompt_from_text_keeps_bos_only_first():
     ids = build_prompt([Prompt("ab"), Span("cd")], block_size=4, pad_token_id=PAD,
                        ssep_token_id=SSEP, pdep_token_id=PDEP, tokenizer=_Tok())
     assert ids == [0, 97, 98, PAD, SSEP, 99, 100]
+
+
+def test_a_layout_keeps_three_token_arrays_and_gives_windows_and_slots_by_index(fresh_rng):
+    """A cached 33K-token prompt computes a few dozen tokens (issue 28): its layout holds per
+    token only the ids, pads and positions; window starts and slots come per block, read for
+    the indices a step asks (`win_at`, `slot_off_at`), equal to the whole-prompt arrays."""
+    import dataclasses
+    ids = [int(t) for t in fresh_rng.integers(3, 50, 90)]
+    for k in fresh_rng.integers(0, 90, 12):
+        ids[k] = int(fresh_rng.choice([0, 1, 2]))  # pads and markers
+    lay = build_layout(ids, 4, pad_id=0, ssep_id=1, pdep_id=2)
+    per_token = {f.name for f in dataclasses.fields(lay)
+                 if isinstance(getattr(lay, f.name), np.ndarray)
+                 and getattr(lay, f.name).shape == (len(ids),)}
+    assert per_token == {"is_pad", "pos", "tokens"}
+    idx = np.sort(fresh_rng.choice(len(ids), 30, replace=False))
+    assert lay.win_at(idx).tolist() == lay.win[idx].tolist()
+    assert lay.slot_off_at(idx).tolist() == lay.slot_off[idx].tolist()
+    assert lay.win_at(slice(7, 40)).tolist() == lay.win[7:40].tolist()
+    assert lay.slot_off_at(slice(7, 40)).dtype == np.int32

@@ -74,6 +74,34 @@ def test_a_new_equal_list_of_the_same_ints_is_not_converted_again(monkeypatch):
     assert memo.convert(list(doc), "Span")[0][5] == 1005  # the last converted equal one
 
 
+def test_an_equal_new_list_of_small_ids_is_taken_without_numpy_error_state(monkeypatch):
+    """The type check of an equal new list (a sum) needs numpy's overflow state only where numpy
+    ints among the ids could wrap: token ids never can (entering the state cost ~2 us a segment,
+    8 spans a cached request); ids near int64's limit still sum under it, warning nothing."""
+    import warnings
+
+    from minipic_jax import segment_ids
+    entered = []
+    real = np.errstate
+
+    def spy(**kw):
+        entered.append(kw)
+        return real(**kw)
+    monkeypatch.setattr(segment_ids.np, "errstate", spy)
+    memo = SegmentMemo()
+    doc = list(range(1000, 1000 + MIN_MEMO_IDS))
+    memo.convert(list(doc), "Span")
+    entered.clear()
+    memo.convert(list(doc), "Span")
+    assert memo.hits == 1 and entered == []
+    huge = [2 ** 62 + k for k in range(MIN_MEMO_IDS)]
+    memo.convert(list(huge), "Span")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a wrapped numpy sum would warn
+        got, _ = memo.convert([np.int64(t) for t in huge], "Span")
+    assert got == huge and {type(t) for t in got} == {int} and entered
+
+
 def test_the_memo_keeps_at_most_max_ids():
     memo = SegmentMemo(max_ids=2 * MIN_MEMO_IDS)
     lists = [list(range(k, k + MIN_MEMO_IDS)) for k in range(3)]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
+
 from serving.sequence import Status
 
 
@@ -49,10 +51,10 @@ class AdmissionPlan:
             start = j + 1
         return out + self.blocks[start:]
 
-    def blocks_needed(self, bm, hits: list[int]) -> int:
-        """Free blocks the plan takes from pool `bm`: one per miss, and each hit (`hits()`) no
-        one holds now."""
-        return len(self.misses) + bm.num_idle(hits)
+    def blocks_needed(self, bm, hits: list[int], arr=None) -> int:
+        """Free blocks the plan takes from pool `bm`: one per miss, and each hit (`hits()`; `arr`:
+        them as an int64 array, or None) no one holds now."""
+        return len(self.misses) + bm.num_idle(hits, arr)
 
 
 def fill_table(bm, keys, seq, plan: AdmissionPlan, hits: list[int], copy_in: list,
@@ -80,6 +82,22 @@ def fill_table(bm, keys, seq, plan: AdmissionPlan, hits: list[int], copy_in: lis
             bm.register(b, h, keys.confirm(seq, j), seq.seq_id)
     table.extend(plan.blocks[start:])
     return cached
+
+
+def seed_table_array(seq, plan: AdmissionPlan, hits) -> None:
+    """The block table `fill_table` just built from an empty one, as the int64 array
+    Sequence.table_array keeps, made from the hits' array (`hits`) and the few blocks allocated
+    at the misses: no entry converted from the list again."""
+    table, n = seq.block_table, len(plan.blocks)
+    if len(table) != n or n - len(plan.misses) != hits.size:
+        return  # not the plan's table: Sequence.table_array converts it when asked
+    arr = np.empty(n, np.int64)
+    is_miss = np.zeros(n, bool)
+    is_miss[plan.misses] = True
+    arr[~is_miss] = hits
+    arr[is_miss] = [table[j] for j in plan.misses]
+    arr.flags.writeable = False
+    seq.memo.table_array = (table, arr)
 
 
 def undo_fill(bm, seq, plan: AdmissionPlan, shared: list[int], copy_in: list) -> None:

@@ -23,8 +23,9 @@ from serving.cache.free_list import FreeList
 BULK = 64  # blocks from which share_many / release work on whole arrays
 
 
-def _block_array(blocks) -> np.ndarray:
-    return np.fromiter(blocks, np.int64, len(blocks))
+def block_array(blocks, arr=None) -> np.ndarray:
+    """`blocks` as int64 (`arr`: the caller's array of them already, e.g. Sequence.table_array)."""
+    return np.fromiter(blocks, np.int64, len(blocks)) if arr is None else arr
 
 
 def _distinct(arr: np.ndarray, num_blocks: int) -> bool:
@@ -72,10 +73,11 @@ class BlockManager:
         return len(blocks) >= BULK and all(isinstance(x, np.ndarray)
                                            for x in (self.ref, self.owner, self.ready))
 
-    def num_idle(self, blocks) -> int:
-        """How many entries of `blocks` no sequence holds (a repeated block counts each time)."""
+    def num_idle(self, blocks, arr=None) -> int:
+        """How many entries of `blocks` no sequence holds (a repeated block counts each time);
+        `arr`: `blocks` as an int64 array, when the caller has one."""
         if self._bulk(blocks):
-            return int(np.count_nonzero(self.ref[_block_array(blocks)] == 0))
+            return int(np.count_nonzero(self.ref[block_array(blocks, arr)] == 0))
         ref = self.ref
         return sum(1 for b in blocks if ref[b] == 0)
 
@@ -84,13 +86,14 @@ class BlockManager:
             del self.free[b]
         self.ref[b] += 1
 
-    def share_many(self, blocks: list[int]) -> None:
+    def share_many(self, blocks: list[int], arr=None) -> None:
         """`share` of each block in order (a block may repeat). If it raises part way, the
         blocks shared so far are released again (last first), so the caller holds none of
         them: what undoing the per-block calls did. Many distinct blocks: whole-array
-        operations (the free list's order is the same: a share only takes blocks out)."""
+        operations (the free list's order is the same: a share only takes blocks out); `arr`:
+        `blocks` as an int64 array, when the caller has one."""
         if self._bulk(blocks):
-            arr = _block_array(blocks)
+            arr = block_array(blocks, arr)
             if _distinct(arr, self.num_blocks):
                 idle = arr[self.ref[arr] == 0]
                 if not self.free.missing(idle):
@@ -151,11 +154,12 @@ class BlockManager:
     def is_pending(self, b: int) -> bool:
         return self.hash[b] != -1 and not self.ready[b]
 
-    def release(self, blocks, seq_id: int) -> None:
+    def release(self, blocks, seq_id: int, arr=None) -> None:
         """Drop one reference to each block, last block first. Many distinct blocks: whole-array
-        operations (freed blocks join the free list in the same order)."""
+        operations (freed blocks join the free list in the same order); `arr`: `blocks` as an
+        int64 array, when the caller has one."""
         if self._bulk(blocks):
-            arr = _block_array(blocks)[::-1]
+            arr = block_array(blocks, arr)[::-1]
             left = self.ref[arr] - 1
             if _distinct(arr, self.num_blocks) and left.min() >= 0:
                 self.owner[arr[self.owner[arr] == seq_id]] = -1

@@ -57,7 +57,7 @@ def skip_shared(bm, seq, j: int, total: int, block_size: int) -> int:
         end = min((k for k in owned if j <= k < end), default=end)
     else:
         end = next((k for k in range(j, end) if k in owned), end)
-    run = np.fromiter(table[j:end], np.int64, end - j)
+    run = seq.table_array()[j:end]  # converted once per entry (Sequence.table_array)
     for k in np.flatnonzero(~np.asarray(bm.ready)[run]).tolist():
         if hashes[table[j + k]] != -1:  # not ready, computed by someone: wait or claim it
             return j + k

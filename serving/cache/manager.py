@@ -21,7 +21,7 @@ a part plans, the manager counts, shares, allocates, registers, queues copy-ins 
 
 from __future__ import annotations
 
-from serving.cache import admission, chunks, span_jobs
+from serving.cache import admission, block_manager, chunks, span_jobs
 from serving.cache.admission import AdmissionPlan
 from serving.cache.block_manager import BlockManager
 
@@ -72,11 +72,13 @@ class CacheManager:
         if plan is None:  # the recurrent part waits (a checkpoint or span on its way)
             return False
         hits = plan.hits()
+        # a cached request's ~2,000 hits converted once, for the count, the share and the table
+        arr = block_manager.block_array(hits) if len(hits) >= block_manager.BULK else None
         spare = self.bm.num_free - self.config.watermark_blocks * (not seq.is_span_job)
-        if plan.blocks_needed(self.bm, hits) > spare:
+        if plan.blocks_needed(self.bm, hits, arr) > spare:
             self._cancel(plan)
             return False
-        self.fill_table(seq, plan, hits)
+        self.fill_table(seq, plan, hits, arr)
         if plan.detail is not None:
             self.recurrent.commit(self, seq, plan)
         admission.seat(seq, seats, plan.resume)
@@ -95,15 +97,16 @@ class CacheManager:
         if plan.detail is not None:
             self.recurrent.cancel(plan)
 
-    def fill_table(self, seq, plan: AdmissionPlan, hits: list[int]) -> None:
-        """Share the plan's `hits`, then fill the block table (admission.fill_table); on an
-        exception part way, everything taken is given back (the sequence is as it was) and the
-        plan's pins released. Sets num_cached_tokens on a first admission."""
-        shared = []
+    def fill_table(self, seq, plan: AdmissionPlan, hits: list[int], arr=None) -> None:
+        """Share the plan's `hits` (`arr`: them as an int64 array, or None), then fill the block
+        table (admission.fill_table); on an exception part way, everything taken is given back
+        (the sequence is as it was) and the plan's pins released. Sets num_cached_tokens on a
+        first admission."""
+        shared, empty = [], not seq.block_table
         try:
             # take every planned hit off the free list before allocating: an allocation evicts
             # the least recently freed block, which may be a cached block planned as a later hit
-            self.bm.share_many(hits)  # shares none if it raises
+            self.bm.share_many(hits, arr)  # shares none if it raises
             shared = hits
             cached = admission.fill_table(self.bm, self.keys, seq, plan, hits,
                                           self.pending_copy_in, self.offload)
@@ -111,6 +114,8 @@ class CacheManager:
             admission.undo_fill(self.bm, seq, plan, shared, self.pending_copy_in)
             self._cancel(plan)
             raise
+        if arr is not None and empty:
+            admission.seed_table_array(seq, plan, arr)
         if not seq.ever_admitted:
             seq.num_cached_tokens = cached * self.block_size
 
@@ -118,7 +123,9 @@ class CacheManager:
         """`seq` leaves (preempted, finished, aborted): its blocks and pins go."""
         if self.recurrent is not None:
             self.recurrent.release(seq)
-        self.bm.release(seq.block_table, seq.seq_id)
+        table = seq.block_table
+        self.bm.release(table, seq.seq_id,
+                        seq.table_array() if len(table) >= block_manager.BULK else None)
         seq.block_table = []
         seq.owned = set()
         self.seated.pop(seq.seq_id, None)

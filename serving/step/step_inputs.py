@@ -79,9 +79,12 @@ class SeatTables:
         """Copy the sequence's new block-table entries (and its last block's fill) into its
         seat's rows."""
         seat, k = seq.seat, seq.synced_blocks
-        n = min(len(seq.block_table), len(seq.block_valid))
+        n = min(len(seq.block_table), seq.num_counted_blocks)
         if k < n:
-            self.tables[seat, k:n] = seq.block_table[k:n]
+            # many entries (an admitted cached prompt's): from the sequence's array, converted
+            # once for the chunk plan, these rows and the release (Sequence.table_array)
+            self.tables[seat, k:n] = seq.table_array()[k:n] if n - k >= 64 else \
+                seq.block_table[k:n]
             # the prompt's blocks from the layout's arrays (a cached 33K-token prompt's 2,000
             # rows copied, not converted from lists); only its last block gains tokens after
             lay, m = seq.layout, min(n, len(seq.layout.block_valid) - 1)
@@ -89,11 +92,13 @@ class SeatTables:
                 self.pos_start[seat, k:m] = lay.block_pos_start[k:m]
                 self.valid[seat, k:m] = lay.block_valid[k:m]
             m = max(k, m)
-            self.pos_start[seat, m:n] = seq.block_pos_start[m:n]
-            self.valid[seat, m:n] = seq.block_valid[m:n]
+            if m < n:  # blocks from the prompt's last one on: the sequence's tail lists
+                t0 = seq.tail_block
+                self.pos_start[seat, m:n] = seq.tail_pos_start[m - t0:n - t0]
+                self.valid[seat, m:n] = seq.tail_valid[m - t0:n - t0]
             seq.synced_blocks = n
         if n:
-            self.valid[seat, n - 1] = seq.block_valid[n - 1]
+            self.valid[seat, n - 1] = seq.block_valid_at(n - 1)
 
     def decode_rows(self, entries, seats, v) -> None:
         """Rows 0..d-1 = one generated token per sequence, row i = sequence i."""
@@ -141,8 +146,8 @@ class SeatTables:
                     lay = seq.layout
                     v["tokens"][row:row + n] = seq.token_ids[lo:last + 1]
                     v["q_positions"][row:row + n] = lay.pos[lo:last + 1]
-                    v["q_window_start"][row:row + n] = lay.win[lo:last + 1]
-                    off = lay.slot_off[lo:last + 1]
+                    v["q_window_start"][row:row + n] = lay.win_at(slice(lo, last + 1))
+                    off = lay.slot_off_at(slice(lo, last + 1))
                 else:
                     toks = seq.layout.tokens  # the prompt's int64 ids: no list conversion
                     if toks is None or last >= seq.num_prompt_tokens:
