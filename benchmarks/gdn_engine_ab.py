@@ -14,6 +14,7 @@ Prints one line per kernel; --json writes them.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -22,7 +23,7 @@ from benchmarks.engine_args import add_options, engine_options, out_option
 
 def add_parser(p):
     add_options(p, engine_options(model="qwen3_5_0_8b", dtype="bfloat16", max_num_seqs=4,
-                                  max_num_batched_tokens=2048, max_tokens=8))
+                                  max_num_batched_tokens=2048, max_tokens=8, num_kv_blocks=1024))
     p.add_argument("--impls", nargs="+", default=["pallas_fused", "mosaic"],
                    help="Config.gdn.impl values to compare (the first is the reference)")
     p.add_argument("--prompts", type=int, default=8, help="prompts in the workload")
@@ -37,7 +38,8 @@ def _engine(args, impl):
     return LLM(args.model, dtype=args.dtype, gdn_impl=impl, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.prompt_len + args.max_tokens + 64,
-               enable_prefix_caching=False, async_scheduling=False, warmup=False)
+               num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False,
+               async_scheduling=False, warmup=False)  # a fixed pool: two engines, one device
 
 
 def _prefill_step_ms(llm, prompt, reps):
@@ -87,6 +89,7 @@ def run(args):
     rows, ref = [], None
     for impl in args.impls:
         res, tokens, logprobs = _one(args, impl, prompts, params)
+        gc.collect()  # the engine's device buffers, before the next one starts
         if ref is None:
             ref = (tokens, logprobs)
         same = [a == b for a, b in zip(tokens, ref[0])]
