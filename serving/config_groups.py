@@ -179,8 +179,8 @@ class GatedDeltaConfig:
     # the prefill kernel (kernels_pallas.gated_delta.api.IMPLEMENTATIONS): "auto" lets the
     # registry's policy pick (on a GPU the Triton kernels, "pallas_fused"; elsewhere "xla"); the
     # Mosaic GPU ones ("mosaic", "mosaic_intra": bf16 / f16, Dk and Dv 64 or 128) are opt-in
-    # until timed (docs/DESIGN.md, "Gated DeltaNet on Mosaic GPU"). Decode steps always run the
-    # one-step recurrence.
+    # until timed (docs/DESIGN.md, "Gated DeltaNet on Mosaic GPU"). Decode-only steps run the
+    # one-step recurrence whatever the name.
     impl: str = option("auto", flat="gdn_impl")
 
     def __post_init__(self):

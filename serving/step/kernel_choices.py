@@ -42,7 +42,7 @@ def gdn_choice(config, family, mcfg, dtype, platform: str | None = None) -> str 
     recurrent layers): Config.gdn.impl resolved once by the kernel registry's policy
     (gated_delta.api.choose_gated_delta) for the model's shapes (its values' dtype, Dk, Dv and
     chunk). A name that cannot take them is a ValueError naming the option, the name and why."""
-    if not getattr(family, "IS_HYBRID", False):
+    if not family.IS_HYBRID:  # the family contract's flag
         return None
     problem = gated_delta_api.Problem(
         platform=platform or jax.default_backend(), dtype=jnp.dtype(dtype).name,
