@@ -137,3 +137,29 @@ def test_mosaic_path_takes_the_models_float32_q_k(fresh_rng):
         b = np.asarray(b, np.float32)
         np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0,
                                    atol=2 * eps * np.abs(b).max())
+
+
+@pytest.mark.slow  # ~35 s with the kernels interpreted; compiled in the next device run
+def test_engine_with_the_mosaic_kernels_matches_xla(monkeypatch, fresh_rng):
+    """Two prompts (one over a chunk boundary) through a bf16 engine whose GDN layers take
+    Dk = Dv = 64: with "mosaic" (interpreted on CPU) the greedy tokens equal the XLA engine's
+    and the logprobs agree within 2e-2 (bf16 steps round differently:
+    test_engine_decode_kernel.py's bound)."""
+    from minipic_jax import LLM, SamplingParams
+    from serving.step import model_runner
+    monkeypatch.setitem(PRESETS, "tiny_qwen3_5_d64", dataclasses.replace(
+        TINY, linear_key_head_dim=64, linear_value_head_dim=64))
+    prompts = [fresh_rng.integers(1, 500, size=n).tolist() for n in (70, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
+    kw = dict(dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=128, max_model_len=256,
+              num_kv_blocks=64, enable_prefix_caching=False, warmup=False)
+    runs = {}
+    for impl in ("xla", "mosaic"):
+        name = impl + "_interpret" if impl == "mosaic" and INTERPRET else impl
+        monkeypatch.setattr(model_runner, "gdn_choice", lambda *a, name=name: name)
+        runs[impl] = LLM("tiny_qwen3_5_d64", **kw).generate(prompts, params, use_tqdm=False)
+    for want, got in zip(runs["xla"], runs["mosaic"]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        lp = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+              for o in (want, got)]
+        np.testing.assert_allclose(lp[1], lp[0], atol=2e-2)
