@@ -2,9 +2,9 @@
 # Issue 29 item 5, the engine side: the hybrid engine with the Mosaic GPU gated delta kernels
 # (Config.gdn.impl / gdn_impl). Its tests compiled (the slow one included: the model's float32
 # q/k through the Mosaic ragged path vs XLA; a tiny bf16 engine, mosaic vs xla tokens), then the
-# Qwen3.5-0.8B preset engine (random bf16
-# weights), 8 prompts x 2048 tokens + 8 greedy tokens, gdn kernel pallas_fused vs mosaic: greedy
-# tokens equal, max |dlogprob|, the 2048-token prefill step alone (ms). ~3 min; no wheels.
+# Qwen3.5-0.8B preset engine (random bf16 weights), 8 prompts x 2048 tokens + 8 greedy tokens,
+# gdn kernel pallas_fused vs mosaic: greedy tokens equal, max |dlogprob|, the 2048-token prefill
+# step alone (ms). At most 4 min (timeouts 60 + 180 s); no wheels.
 export PYTHONPATH=$PWD JAX_COMPILATION_CACHE_DIR=/tmp/jcc XLA_PYTHON_CLIENT_PREALLOCATE=false
 MINIPIC_COMPILED=1 MINIPIC_RUN_SLOW=1 JAX_PLATFORMS=cuda timeout 60 python3 -m pytest -v -rfE -p no:cacheprovider -o addopts= tests/test_engine_gdn_kernel.py > $OUT/engine_gdn_tests.txt 2>&1
 JAX_PLATFORMS=cuda timeout 180 python3 -m benchmarks.cli gdn-engine --json > $OUT/gdn_engine_ab.txt 2>&1
