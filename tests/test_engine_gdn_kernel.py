@@ -51,11 +51,17 @@ def test_gdn_impl_is_chosen_for_the_models_shapes():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="'mosaic' runs on a GPU")
-def test_llm_refuses_a_gdn_impl_it_cannot_run():
+def test_llm_refuses_a_gdn_impl_it_cannot_run(monkeypatch):
     from minipic_jax import LLM
+    from serving.hybrid import hybrid_prefix
     with pytest.raises(ValueError, match=r"gdn_impl \(Config.gdn.impl\) must be one of .*"
                                          r"got 'triton'"):
         LLM("tiny_qwen3_5", gdn_impl="triton")  # before the model is looked for
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the checkpoint pool was built before the kernel check")
+
+    monkeypatch.setattr(hybrid_prefix, "build", no_work)  # the engine's first device memory
     with pytest.raises(ValueError, match=r"gdn_impl \(Config.gdn.impl\): implementation="
                                          r"'mosaic' needs a GPU"):
         LLM("tiny_qwen3_5", gdn_impl="mosaic", max_num_seqs=2, max_num_batched_tokens=32,
