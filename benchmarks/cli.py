@@ -22,6 +22,9 @@ COMMANDS = {
                 "checkpoint placement: token savings vs budget per strategy, DP timing, drift"),
     "gdn": ("benchmarks.gdn_bench",
             "Gated DeltaNet chunked prefill (XLA / Pallas) vs fla chunk_gated_delta_rule"),
+    "gdn-engine": ("benchmarks.gdn_engine_ab",
+                   "hybrid engine, gated delta kernel A/B (Config.gdn.impl): greedy agreement, "
+                   "prefill step ms"),
     "engine": ("benchmarks.engine_bench",
                "paged engine: decode step vs memory floor, host share, compiles over a 1000-request run"),
     "hybrid-cache": ("benchmarks.hybrid_cache_bench",

@@ -15,8 +15,8 @@ import warnings
 
 from kernels_pallas.paged_attention.api import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from serving.config_groups import (CHECKPOINT_STRATEGIES, CompilationConfig,  # noqa: F401
-                                   HybridCacheConfig, KVStoreConfig, SpanMapConfig,
-                                   grouped_kwargs, option, to_flat)
+                                   GatedDeltaConfig, HybridCacheConfig, KVStoreConfig,
+                                   SpanMapConfig, grouped_kwargs, option, to_flat)
 
 KV_MODES = ("position_free", "rotated", "pic_off")
 POLICIES = ("fcfs", "barrier", "isps")
@@ -86,10 +86,12 @@ class Config:
     # Option groups (serving/config_groups.py): the persistent span store, hybrid models'
     # recurrent checkpoints and their span maps, the steps' compilation. `Config.from_flat`
     # (what LLM uses) also takes their vLLM-style flat keywords (kv_store_dir=...,
-    # checkpoint_gb=..., span_map_gb=..., step_command_buffer=...).
+    # checkpoint_gb=..., span_map_gb=..., gdn_impl=..., step_command_buffer=...).
     kv_store: KVStoreConfig = option(default_factory=KVStoreConfig)
     hybrid_cache: HybridCacheConfig = option(default_factory=HybridCacheConfig)
     span_maps: SpanMapConfig = option(default_factory=SpanMapConfig)
+    # hybrid models' gated delta prefill kernel (gdn_impl=...; "auto": the registry's choice)
+    gdn: GatedDeltaConfig = option(default_factory=GatedDeltaConfig)
     # how the step programs compile (step_command_buffer=...: XLA command buffers on a GPU)
     compilation: CompilationConfig = option(default_factory=CompilationConfig)
     # Devices the model is split over (Megatron tensor parallelism, serving/step/sharding.py): must

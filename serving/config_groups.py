@@ -3,7 +3,7 @@
 `Config` (serving/config.py) keeps the engine's core options flat, as vLLM does, and holds each
 subsystem's options as one group: `config.kv_store` (the persistent span store),
 `config.hybrid_cache` (recurrent checkpoints of hybrid models), `config.span_maps` (their SSEP
-span maps). Groups are frozen, so a copy of a Config (dataclasses.replace) never shares anything
+span maps), `config.gdn` (their gated delta kernel), `config.compilation` (the step's compiler). Groups are frozen, so a copy of a Config (dataclasses.replace) never shares anything
 mutable with the caller's.
 
 Field metadata says, per field:
@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 
 from kernels_pallas.gated_delta.api import COMPOSE_PRECISIONS
+from kernels_pallas.gated_delta.api import IMPLEMENTATIONS as GATED_DELTA_IMPLEMENTATIONS
 
 CHECKPOINT_STRATEGIES = ("none", "last", "block", "balanced", "dp")
 # Config.compilation.command_buffer: these settings or a comma list of COMMAND_BUFFER_TYPES,
@@ -167,6 +168,25 @@ class SpanMapConfig:
             raise ValueError(f"span_map_gb (Config.span_maps.budget_gb) must be None or >= 0 and "
                              f"span_map_host_gb (Config.span_maps.host_gb) >= 0, "
                              f"got {self.budget_gb} and {self.host_gb}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatedDeltaConfig:
+    """Hybrid models' Gated DeltaNet layers: which prefill kernel the step runs (the engine
+    resolves it once at start, serving/step/model_runner.py gdn_choice). Read by the step, so it
+    keys stored executables."""
+
+    # the prefill kernel (kernels_pallas.gated_delta.api.IMPLEMENTATIONS): "auto" lets the
+    # registry's policy pick (on a GPU the Triton kernels, "pallas_fused"; elsewhere "xla"); the
+    # Mosaic GPU ones ("mosaic", "mosaic_intra": bf16 / f16, Dk and Dv 64 or 128) are opt-in
+    # until timed (docs/DESIGN.md, "Gated DeltaNet on Mosaic GPU"). Decode-only steps run the
+    # one-step recurrence whatever the name.
+    impl: str = option("auto", flat="gdn_impl")
+
+    def __post_init__(self):
+        if self.impl not in GATED_DELTA_IMPLEMENTATIONS:
+            raise ValueError(f"gdn_impl (Config.gdn.impl) must be one of "
+                             f"{GATED_DELTA_IMPLEMENTATIONS}, got {self.impl!r}")
 
 
 def check_command_buffer(setting: str | None, where: str) -> None:

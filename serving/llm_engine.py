@@ -34,6 +34,7 @@ from serving.hybrid.recurrent_part import RecurrentCheckpoints
 from serving.tiers.engine_tiers import lower_tiers, store_fingerprint
 from serving.metrics import EngineStats
 from serving.model_contract import EngineModel, check_family
+from serving.step.kernel_choices import gdn_choice
 from serving.step.model_runner import ModelRunner
 from serving.recovery import recover
 from serving.request_checks import check_request
@@ -52,6 +53,7 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size
         check_family(loaded.family)
         check_model_len(config, mcfg)
+        gdn_choice(config, loaded.family, mcfg, dtype)  # one it cannot run: before the pools
         self.hybrid = loaded.family.IS_HYBRID
         # the engine's own Config: a copy where it differs from the caller's (never mutated)
         self.config = config = effective_config(config, self.hybrid)

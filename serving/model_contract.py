@@ -96,7 +96,9 @@ class ModelFamily(Protocol):
 @runtime_checkable
 class HybridModelFamily(ModelFamily, Protocol):
     """A family with recurrent layers: exact states can be taken at chunk boundaries (the
-    sparse prefix cache's checkpoints), read out of a slot and written back into one."""
+    sparse prefix cache's checkpoints), read out of a slot and written back into one. Its
+    `forward` also takes gdn_impl=, the gated delta prefill kernel (a name of
+    kernels_pallas.gated_delta.api, resolved once by the engine: kernel_choices.gdn_choice)."""
 
     CHUNK: int  # recurrent checkpoint granularity (the recurrent kernel's chunk size)
 

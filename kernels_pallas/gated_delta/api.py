@@ -105,6 +105,10 @@ def _mosaic_limits(problem: Problem, options) -> str:
         return "cannot return a ragged batch's transitions (return_transition: XLA only)"
     if problem.scan not in (None, "sequential"):
         return f"takes the sequential scan only, got scan={problem.scan!r}"
+    if problem.dtype is not None:  # the model's facts (an engine at start)
+        from kernels_pallas.gated_delta import intra_mosaic
+        return intra_mosaic.shape_limits(problem.dtype, problem.key_dim, problem.value_dim,
+                                         problem.chunk)
     return ""
 
 

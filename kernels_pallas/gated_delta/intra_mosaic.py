@@ -261,6 +261,19 @@ def chunks_below(kernel, n_in: int, used, n_chunks: int):
     return body, (jnp.reshape(jnp.minimum(used, n_chunks), (1,)).astype(jnp.int32),)
 
 
+def shape_limits(dtype, dk: int, dv: int, chunk: int) -> str:
+    """Why the Mosaic kernels cannot take a model's gated delta shape ('' when they can):
+    dtype (the values'), head dims and chunk, known before any operand exists (the engine
+    asks at start: api.Problem's model facts)."""
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"needs bf16/f16 values, got {jnp.dtype(dtype)}"
+    if chunk != CHUNK:
+        return f"needs chunk_size {CHUNK} (a warpgroup's rows), got {chunk}"
+    if dk % 64 or dv % 64 or max(dk, dv) > 128:  # 256 overflows SMEM (227 KB)
+        return f"needs Dk, Dv multiples of 64 up to 128, got Dk={dk} Dv={dv}"
+    return ""
+
+
 def limits(k, v, chunk, dot_dtype) -> str:
     """Why the Mosaic intra kernel cannot take these operands ('' when it can)."""
     dtype = jnp.dtype(k.dtype)
@@ -268,11 +281,9 @@ def limits(k, v, chunk, dot_dtype) -> str:
         return f"needs bf16/f16 k and v of one dtype, got {k.dtype} and {v.dtype}"
     if dot_dtype is not None and jnp.dtype(dot_dtype) != dtype:
         return f"needs dot dtype = the inputs' ({dtype}), got {jnp.dtype(dot_dtype)}"
-    if chunk != CHUNK:
-        return f"needs chunk_size {CHUNK} (a warpgroup's rows), got {chunk}"
-    dk, dv = k.shape[-1], v.shape[-1]
-    if dk % 64 or dv % 64 or max(dk, dv) > 128:  # 256 overflows SMEM (227 KB)
-        return f"needs Dk, Dv multiples of 64 up to 128, got Dk={dk} Dv={dv}"
+    why = shape_limits(dtype, k.shape[-1], v.shape[-1], chunk)
+    if why:
+        return why
     if k.shape[1] % chunk:
         return f"needs T a multiple of {chunk}, got T={k.shape[1]}"
     return ""

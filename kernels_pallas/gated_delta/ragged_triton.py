@@ -51,6 +51,15 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_
     jax.lax.fori_loop(used, n_chunks + 1, save_only, s)
 
 
+def _mosaic_operands(q, k, v):
+    """q, k in v's dtype where it is bf16 / f16: a model L2-normalises q/k in float32 (as HF
+    does); the Mosaic kernels take one dtype, and the Triton ones round q/k to the dot dtype
+    inside their dots anyway. Others are left for the kernels' own check."""
+    if v.dtype in (jnp.bfloat16, jnp.float16):
+        return q.astype(v.dtype), k.astype(v.dtype)
+    return q, k
+
+
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
                        chunk=64, dot_dtype=None, interpret=False, n_used=None, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
@@ -75,6 +84,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     nc = t_len // chunk
     seqs = state0.shape[0]
     dot_dtype = v.dtype if dot_dtype is None else dot_dtype
+    if "mosaic" in (opt["intra"], opt["output"]):
+        q, k = _mosaic_operands(q, k, v)
     w, u, kd, gc = fused_triton.intra(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                       interpret=interpret, kind=opt["intra"],
                                       num_warps=opt["intra_warps"], used=n_used)

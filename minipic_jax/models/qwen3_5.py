@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
-from kernels_pallas.gated_delta.api import ragged_packing
+from kernels_pallas.gated_delta.api import GATED_DELTA, IMPLEMENTATIONS, ragged_packing
 from kernels_pallas.paged_attention.api import KV_MODES
 from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
 from minipic_jax.models import qwen3_5_modules as modules
@@ -39,7 +39,10 @@ __all__ = ["CHUNK", "GDN_IMPLS", "IS_HYBRID", "LAYER_TYPES", "MODEL_TYPES", "Qwe
            "init_params", "param_axes", "read_states", "restore_state", "state_nbytes",
            "write_states"]
 CHUNK = 64  # recurrent checkpoint granularity (the chunked kernel's chunk size)
-GDN_IMPLS = (None, "xla", "pallas_fused", "pallas_fused_interpret")
+# the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
+# under the interpreter, for CPU tests): a new implementation needs no edit here
+GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
+                                             in GATED_DELTA.items() if impl.backend != "xla")
 
 
 # ----------------------------------------------------------------------------- params
@@ -117,8 +120,10 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
 
     checkpoint_at: None or [S, M] int32 absolute positions (multiples of CHUNK inside
       [pos0, pos0 + new tokens] of the sequence; -1 = none).
-    gdn_impl: GDN prefill kernel: None / "xla" (lax.scan), "pallas_fused" (Pallas Triton, GPU),
-      "pallas_fused_interpret" (same, interpret mode for CPU tests).
+    gdn_impl: GDN prefill kernel, one of GDN_IMPLS: a name of kernels_pallas.gated_delta.api
+      ("xla": lax.scan, "pallas_fused": Triton, "mosaic" / "mosaic_intra": Mosaic GPU; the
+      engine passes Config.gdn.impl as resolved at start), None / "auto" (the api's choice), or
+      a Pallas name + "_interpret" (those kernels interpreted, for CPU tests).
     span_pieces: None or qwen3_5_spans.SpanPieces when the step holds SSEP span rows (their
       attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side; with
       .entry, pieces continuing a long span enter with its map so far).

@@ -141,9 +141,10 @@ class GatedDeltaNet(nnx.Module):
           h: [T, E] normed hidden states; conv0 [S, C, Kc-1] and delta0 [S, Hv, Dk, Dv] (float32)
             the states of each sequence before its new tokens; cu_q_lens [S+1]; pos0 [S] position
             of each sequence's first new token; checkpoint_at None or [S, M] absolute positions
-            (multiples of 64, -1 = none); impl: ragged kernel, "xla", "pallas_fused" (GPU) or
-            "pallas_fused_interpret" (the same kernels in Pallas interpret mode, for CPU tests);
-            None: the kernel's policy (kernels_pallas.gated_delta.api.choose).
+            (multiples of 64, -1 = none); impl: ragged kernel, a name of gated_delta.api
+            ("xla", "pallas_fused", "mosaic", ...), that name + "_interpret" (its kernels in
+            Pallas interpret mode, for CPU tests) or None / "auto": the kernel's policy
+            (kernels_pallas.gated_delta.api.choose).
           pieces: None, qwen3_5_spans.SpanPieces or its `prepare` (computed once per step):
             SSEP span rows read a local pass (see there).
           decode: the step kind if the host knows it (True: <= 1 token per sequence; False: any),
@@ -182,8 +183,8 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        interpret = impl == "pallas_fused_interpret"
-        impl = choose("pallas_fused" if interpret else impl, interpret=interpret)
+        interpret = bool(impl) and impl.endswith("_interpret")
+        impl = choose(impl.removesuffix("_interpret") if interpret else impl, interpret=interpret)
         kernel = dict(implementation=impl, interpret=interpret)
         q, k = l2norm(q), l2norm(k)
         core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,

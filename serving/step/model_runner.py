@@ -15,7 +15,6 @@ dispatched before step N's tokens reach the host (`launch` now, `fetch` later).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -23,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.paged_attention.api import choose_attention, step_options
+from kernels_pallas.paged_attention.api import step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
-from kernels_pallas.paged_attention.problem import Problem
 from serving.hybrid import span_compose, span_step
 from serving.hybrid.span_step import piece_bound
 from serving.hybrid import checkpoint_pool as ckpt_pool
 from serving.step import compile_options, sharding
+from serving.step.kernel_choices import attention_choices, gdn_choice
 from serving.cache.kv_pool import size_pool
 from serving.config_groups import step_key_fields
 from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
@@ -44,6 +43,8 @@ class ModelRunner:
         self.config = config
         self.family = loaded.family
         self.mcfg = loaded.cfg
+        # the gated delta kernel, refused before any work when it cannot take the model
+        self.gdn_impl = gdn_choice(config, loaded.family, loaded.cfg, dtype)
         t0 = time.perf_counter()
         tp = config.tensor_parallel_size
         self.mesh = None
@@ -115,7 +116,7 @@ class ModelRunner:
         fields = step_key_fields(self.config)  # all but the fields marked host_only
         return repr((self.family.__name__, self.mcfg, sorted(fields.items()), self.kv_mode,
                      self.attn_impl, self.attn_options, self.decode_impl, self.decode_options,
-                     self.separate_decode, self.nb, self.block_size, self.scratch_slot,
+                     self.separate_decode, self.gdn_impl, self.nb, self.block_size, self.scratch_slot,
                      str(jnp.dtype(self.cache_dtype)), repr(self.mesh),
                      None if self.mesh is None else [d.id for d in self.mesh.devices.flat]))
 
@@ -152,6 +153,8 @@ class ModelRunner:
         if prev is not None:  # -(seat + 1): the token the previous step sampled for that seat
             tokens = jnp.where(tokens < 0, prev[jnp.maximum(-tokens - 1, 0)], tokens)
         extra = {"write_impl": self.config.write_kv_impl} if self.config.write_kv_impl else {}
+        if self.gdn_impl is not None:
+            extra["gdn_impl"] = self.gdn_impl
         if spans:
             extra["span_pieces"] = SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
                                               carry_local=f["carry_local"] > 0,
@@ -376,23 +379,3 @@ class ModelRunner:
                  for k, (o, shape) in spec.items()}
             self._bufs[key] = (ints, np.ones(2 * s, np.float32), v)
         return self._bufs[key]
-
-def attention_choices(config, mcfg, dtype, platform: str | None = None):
-    """The attention kernels of general and of decode-only steps, each (implementation name,
-    options), from the kernel registry's one policy (paged_attention.api.choose_attention),
-    asked with the model's shapes, the block-table width and max_model_len as the position
-    bound. Config.decode_attn_impl None: the same implementation setting as attn_impl (for
-    "auto", the decode-only list)."""
-    problem = Problem(heads=mcfg.num_heads, kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
-                      rotary_half=mcfg.rotary_dim // 2, dtype=jnp.dtype(dtype),
-                      block_size=config.block_size, table_cols=config.max_blocks_per_seq,
-                      kv_mode=config.attention_kv_mode, max_position=config.max_model_len,
-                      platform=platform or jax.default_backend())
-    general, general_options = choose_attention(problem, config.attn_impl)
-    if general.decode_only:
-        raise ValueError(f"Config.attn_impl={config.attn_impl!r} is decode-only; name it in "
-                         f"decode_attn_impl instead")
-    decode, decode_options = choose_attention(
-        dataclasses.replace(problem, decode_only=True),
-        config.decode_attn_impl or config.attn_impl, config.decode_attn_options)
-    return (general.name, general_options), (decode.name, decode_options)
