@@ -1,6 +1,7 @@
 """serving.step: the device step; imports cache, hybrid (and the records).
 
-  model_runner.py      one jitted (forward + sample) call per step; attention kernel choice
+  model_runner.py      one jitted (forward + sample) call per step
+  kernel_choices.py    attention and gated delta kernels chosen once at start (Config)
   step_inputs.py       the packed int32 input buffer, per-seat block-table rows, row fills
   step_executables.py  the step's compiled variants, readied up front, called directly
   executable_store.py  compiled steps on disk, keyed so a changed program never loads
