@@ -76,9 +76,15 @@ def test_paged_keys_rotate_in_16_bit_math(packed, fresh_rng):
     _check(out, q, k, v, md, inv, "position_free")
 
 
-def test_paged_keys_in_rotated_mode_read_the_pages_as_stored(fresh_rng):
+@pytest.mark.parametrize("specs,kv_heads,splits", [
+    pytest.param([(100, 5, 0)], 1, 2, id="one-step"),
+    # the unrotating path through ring refills and masked steps (a scratch run's 0.79 error
+    # "without rotation" was position_free keys left unrotated against the rotating reference)
+    pytest.param([(300, 5, 0), (40, 9, 17)], 2, 1, id="gqa-ragged-window", marks=slow)])
+def test_paged_keys_in_rotated_mode_read_the_pages_as_stored(specs, kv_heads, splits, fresh_rng):
     """kv_mode "rotated": the same page reads, no rotation (keys stored rotated)."""
-    out, q, k, v, md, inv = _run(fresh_rng, [(100, 5, 0)], kv_mode="rotated")
+    out, q, k, v, md, inv = _run(fresh_rng, specs, kv_heads=kv_heads, splits=splits,
+                                 kv_mode="rotated")
     _check(out, q, k, v, md, inv, "rotated")
 
 

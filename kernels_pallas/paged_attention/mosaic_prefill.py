@@ -259,7 +259,7 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
             plgpu.copy_gmem_to_smem(k_ref.at[seq, rows, kv_head], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(kpos_ref.at[seq, rows], kpos_smem.at[slot], k_bar.at[slot])
 
-        def finish_k(slot):  # paged keys: rotated once landed (V's loads already under way)
+        def finish_k(slot):  # paged keys: rotated once landed, then k_bar
             if keys is not None:
                 keys.finish(slot)
 
@@ -291,9 +291,10 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
             slot = lax.rem(i, STAGES)
             plgpu.barrier_wait(k_free.at[slot])
             issue_k(lo + i + STAGES, slot)
+            # paged keys: rotated as soon as they land (wanted a step before these values)
+            finish_k(slot)
             plgpu.barrier_wait(v_free.at[slot])
             issue_v(lo + i + STAGES, slot)
-            finish_k(slot)
             return _
 
         lax.fori_loop(0, jnp.maximum(n_steps - STAGES, 0), refill, None)
