@@ -9,7 +9,8 @@ creates the CPU client) says otherwise. With 2 CPUs, two warpgroups blocked in b
 hold both pool threads while the third warpgroup, the one they wait for, needs a pool thread to
 go on: nothing moves. Observed (2026-12-05) on the 2-core machine with the paged-keys prefill
 kernel (its rotating cases hung in some runs), and on one core with mosaic_prefill's gathered
-path and the paged kernel's unrotated case, which pass on 2 cores; with PJRT_NPROC=4 none hangs. The
+path and the paged kernel's unrotated case, which pass on 2 cores, and on 2 cores with
+mosaic_prefill under an outer jax.jit; with PJRT_NPROC=4 none hangs. The
 kernels' barrier protocols are not at fault: in each hang the third warpgroup's next operation
 was no wait, it never ran.
 

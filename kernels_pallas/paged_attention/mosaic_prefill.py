@@ -36,9 +36,9 @@ Limits (mosaic_prefill_limits): bf16/f16, head_dim 64 or 128 (SMEM), H a multipl
 Interpret mode (CPU, Mosaic GPU interpreter) routes P through SMEM for the PV wgmma (the
 interpreter supports only SMEM operands); compiled, P stays in registers (wgmma's A operand).
 Interpreted, the three warpgroups are threads whose barrier waits block XLA CPU pool threads:
-with fewer than 4 pool threads the interpreter can hang (interpret_threads.py; the hang under
-an outer jax.jit on the 2-core CI machine, 2026-11-30, fits it). The eager call takes ~15 s for
-the test batches.
+with fewer than 4 pool threads the interpreter can hang (interpret_threads.py: the hang under
+an outer jax.jit on the 2-core CI machine, 2026-11-30, was that; with 4 it runs). The eager call
+takes ~15 s for the test batches.
 """
 
 from __future__ import annotations
