@@ -38,7 +38,7 @@ def _offset(md, shift: int):
 
 
 def _run(rng, specs, *, kv_heads=1, group=2, splits=2, shift=0, kv_mode="position_free",
-         options=None):
+         options=None, skip_idle=False):
     """The split kernel with paged keys; the cos | sin table bound covers the shifted positions
     (its default, table width x page size, is the engine's max_model_len)."""
     options = options or PagedOptions(max_position=shift + 1024)
@@ -49,23 +49,25 @@ def _run(rng, specs, *, kv_heads=1, group=2, splits=2, shift=0, kv_mode="positio
     q_rot = apply_rope(q, md.q_positions, inv, 1.0)
     out = prefill_attention_split(q_rot, k, v, md, inv, rotate_keys=rotate, attention_scaling=1.0,
                                   sm_scale=128 ** -0.5, splits=splits, min_steps=1,
-                                  paged=options, interpret=INTERPRET)
+                                  skip_idle=skip_idle, paged=options, interpret=INTERPRET)
     return out, q, k, v, md, inv
 
 
-# (specs, kv_heads, group, splits, shift): (cached, new, window) per sequence
+# (specs, kv_heads, group, splits, shift, skip_idle): (cached, new, window) per sequence
 CASES = [
-    # a short span at offset 1003 over a permuted table with pads: one key step per split
-    pytest.param([(100, 5, 0)], 1, 2, 2, 1003, id="offset-span"),
+    # a short span at offset 1003 over a permuted table with pads: one key step per split; its
+    # 10 packed rows leave the second compute warpgroup idle (skip_idle, the mixed path's default)
+    pytest.param([(100, 5, 0)], 1, 2, 2, 1003, True, id="offset-span-idle"),
     # three key steps in one range (the ring refilled), GQA 2 x 2, ragged, a window
-    pytest.param([(300, 5, 0), (40, 9, 17)], 2, 2, 1, 0, id="gqa-ragged-window", marks=slow),
+    pytest.param([(300, 5, 0), (40, 9, 17)], 2, 2, 1, 0, False, id="gqa-ragged-window",
+                 marks=slow),
 ]
 
 
-@pytest.mark.parametrize("specs,kv_heads,group,splits,shift", CASES)
-def test_paged_keys_match_reference(specs, kv_heads, group, splits, shift, fresh_rng):
+@pytest.mark.parametrize("specs,kv_heads,group,splits,shift,skip_idle", CASES)
+def test_paged_keys_match_reference(specs, kv_heads, group, splits, shift, skip_idle, fresh_rng):
     out, q, k, v, md, inv = _run(fresh_rng, specs, kv_heads=kv_heads, group=group, splits=splits,
-                                 shift=shift)
+                                 shift=shift, skip_idle=skip_idle)
     _check(out, q, k, v, md, inv, "position_free")
 
 
