@@ -2,17 +2,19 @@
 
 The Mosaic GPU interpreter (jax/_src/pallas/mosaic_gpu/interpret) runs a CTA's warpgroups as
 threads, each executing the kernel as an XLA computation whose barrier waits block inside host
-callbacks (Barrier._wait: a condition variable). XLA's CPU client continues a computation on its
-intra-op thread pool ("tf_XLAEigen" threads) once some of its work went there, and that pool has
-one thread per schedulable CPU unless the PJRT_NPROC environment variable (read once, when JAX
-creates the CPU client) says otherwise. With 2 CPUs, two warpgroups blocked in barrier waits can
-hold both pool threads while the third warpgroup, the one they wait for, needs a pool thread to
-go on: nothing moves. Observed (2026-12-05) on the 2-core machine with the paged-keys prefill
-kernel (its rotating cases hung in some runs), and on one core with mosaic_prefill's gathered
-path and the paged kernel's unrotated case, which pass on 2 cores, and on 2 cores with
-mosaic_prefill under an outer jax.jit; with PJRT_NPROC=4 none hangs. The
-kernels' barrier protocols are not at fault: in each hang the third warpgroup's next operation
-was no wait, it never ran.
+callbacks (Barrier._wait: a condition variable). XLA's CPU client may continue a computation on
+its thread pools ("tf_XLAEigen" threads), each sized to the schedulable CPUs unless the
+PJRT_NPROC environment variable (read when JAX creates the CPU client) says otherwise. Two
+warpgroups blocked in barrier waits can then hold both threads of a 2-CPU pool while the third
+warpgroup, the one they wait for, waits for a thread of that pool to go on: nothing moves.
+Seen on 2026-12-05 (2-core machine): the paged-keys kernel's rotating cases hung in about half
+the runs; on one core (taskset) its unrotated case and mosaic_prefill's gathered path, which
+pass on 2 cores, hung at times; mosaic_prefill under an outer jax.jit hung on 2 cores (the
+2026-11-30 CI note). In each hang the two waiting warpgroups' callbacks sat on the two
+tf_XLAEigen threads and the third had made no call at all in its CTA, though its next
+operation was no wait (a TMA issue or a query load): the barrier protocols are not at fault.
+With PJRT_NPROC=4 none of these hung (tests/test_paged_attention_paged_keys.py's interpreted
+cases, on one core too).
 
 Four threads suffice: at most two warpgroups of the CTA wait while the third runs, and an
 outer jit may hold one more in the interpreter's thread-map callback. tests/conftest.py sets
