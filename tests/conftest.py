@@ -7,6 +7,14 @@ import pathlib
 import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The Mosaic GPU interpreter runs a CTA's warpgroups as threads whose barrier waits block inside
+# XLA host callbacks, and XLA's CPU client runs a computation's continuation on its intra-op pool
+# (one thread per schedulable CPU unless PJRT_NPROC says otherwise). On a 2-core machine two
+# waiting warpgroups held both pool threads and the third, the one they waited for, never ran:
+# the interpreted kernels hung at times (more often on one core). Four threads: a CTA's three
+# warpgroups and the caller (kernels_pallas/paged_attention/interpret_threads.py says more).
+_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+os.environ.setdefault("PJRT_NPROC", str(max(4, _cpus or 1)))
 # Engines in subprocesses of tests write no user-level compilation cache unless a test asks for one
 # (minipic_jax/compile_cache.py); this process uses the suite's cache below.
 os.environ.setdefault("MINIPIC_COMPILATION_CACHE_DIR", "off")

@@ -35,9 +35,10 @@ benchmarks/RESULTS.md, Attention: prefill.
 Limits (mosaic_prefill_limits): bf16/f16, head_dim 64 or 128 (SMEM), H a multiple of K.
 Interpret mode (CPU, Mosaic GPU interpreter) routes P through SMEM for the PV wgmma (the
 interpreter supports only SMEM operands); compiled, P stays in registers (wgmma's A operand).
-Call it interpreted eagerly, not under an outer jax.jit: there the interpreter (which runs the
-three warpgroups as threads of nested JAX computations) hung on the 2-core CI machine
-(2026-11-30), while the eager call takes ~15 s for the test batches.
+Interpreted, the three warpgroups are threads whose barrier waits block XLA CPU pool threads:
+with fewer than 4 pool threads the interpreter can hang (interpret_threads.py: the hang under
+an outer jax.jit on the 2-core CI machine, 2026-11-30, was that; with 4 it runs). The eager call
+takes ~15 s for the test batches.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from kernels_pallas.paged_attention.mosaic_prefill_prep import (  # noqa: F401 (
     _ALIGN, BLOCK_KV, BLOCK_Q, META_COLS, TILE_HI, TILE_LO, TILE_MHI, TILE_MLO, TILE_Q, TILE_Q0,
     TILE_Q1, TILE_SEQ, TILE_START, STAGES, gather_kv, mosaic_prefill_limits, prepare, scatter_tails,
     smem_bytes)
+from kernels_pallas.paged_attention.interpret_threads import warn_if_pool_too_small
 from kernels_pallas.paged_attention.mosaic_prefill_paged import paged_prepare
 
 def _idle_walk(*, lo, hi, wg, k_bar, v_bar, k_free, v_free, schedule_barrier, sched_bar):
@@ -257,7 +259,7 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
             plgpu.copy_gmem_to_smem(k_ref.at[seq, rows, kv_head], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(kpos_ref.at[seq, rows], kpos_smem.at[slot], k_bar.at[slot])
 
-        def finish_k(slot):  # paged keys: rotated once landed (V's loads already under way)
+        def finish_k(slot):  # paged keys: rotated once landed, then k_bar
             if keys is not None:
                 keys.finish(slot)
 
@@ -289,9 +291,10 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
             slot = lax.rem(i, STAGES)
             plgpu.barrier_wait(k_free.at[slot])
             issue_k(lo + i + STAGES, slot)
+            # paged keys: rotated as soon as they land (wanted a step before these values)
+            finish_k(slot)
             plgpu.barrier_wait(v_free.at[slot])
             issue_v(lo + i + STAGES, slot)
-            finish_k(slot)
             return _
 
         lax.fori_loop(0, jnp.maximum(n_steps - STAGES, 0), refill, None)
@@ -377,7 +380,8 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False,
     if keys is not None:  # the rope table as a last input, the key scratch last
         kernel, extra_inputs = keys.bind(kernel, len(scratch)), (keys.rope,)
         scratch += keys.scratch(tiled, dtype, STAGES)
-        interpret = keys.interpret_params(interpret) if interpret else False
+    if interp:
+        warn_if_pool_too_small()
     if split:
         out_type = (jax.ShapeDtypeStruct((num_tiles, heads, TILE_Q, head_dim), dtype),
                     jax.ShapeDtypeStruct((num_tiles, heads, TILE_Q), jnp.float32))

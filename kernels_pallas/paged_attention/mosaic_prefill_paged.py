@@ -44,7 +44,6 @@ from kernels_pallas.paged_attention.mosaic_prefill_prep import (
     BLOCK_KV, direct_v_limits, key_positions, page_table, queries_in, smem_bytes, tile_schedule)
 
 _ROWS = 64  # key rows per rotation load (the WGMMA register layout's row tile)
-_TMA_WORKERS = 256  # the Mosaic GPU interpreter's TMA worker threads (interpret_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,13 +104,6 @@ class PagedKeysSpec:
                 if self.rotate else None,
                 plgpu.Barrier(num_arrivals=1 + per_page * (BLOCK_KV // self.page_size),
                               num_barriers=stages)]
-
-    def interpret_params(self, interpret):
-        """The interpreter's parameters: its TMA worker pool raised from 5 to _TMA_WORKERS
-        (with a key step's 25 boxes in flight, 5 workers deadlocked the interpreted kernel)."""
-        params = plgpu.InterpretGPUParams() if interpret is True else interpret
-        return dataclasses.replace(params, num_tma_threads_per_device=max(
-            params.num_tma_threads_per_device, _TMA_WORKERS))
 
     def bind(self, kernel, n_scratch: int):
         """mosaic_prefill._kernel taking the rope input (after the 8 inputs) and the key scratch
