@@ -140,7 +140,8 @@ def test_tp_hybrid_generates_as_tp1(default_runs):
     prefix-cache hit that restores a recurrent checkpoint; the cache and the checkpoint and
     span-map pools are where the rules table places them before the first step (a variant
     compiled for pools still on one device would have XLA choose their placement) and after the
-    last (serving/step/state_placement.py)."""
+    last (serving/step/state_placement.py); the step's collectives are Megatron's all-reduces.
+    """
     base, r = default_runs["hybrid"]["1"], default_runs["hybrid"]["2"]
     assert "error" not in base, base["error"]
     assert "error" not in r, f"TP=2: {r['error']}"
@@ -152,6 +153,13 @@ def test_tp_hybrid_generates_as_tp1(default_runs):
     for when in ("placed_first", "placed_last"):  # the pools placed as the runner takes them
         assert {"cache.conv[0]", "ck_pool.conv", "span_pool.tail"} <= set(r[when]), r[when]
         assert all(r[when].values()), (when, r[when])
+    # Megatron's all-reduces only (4 layers); nothing gathered: not the logits, and not the conv
+    # state, which XLA computed split over its channels and gathered back to its placement
+    # before the GDN conv output was kept whole (kernels_pallas/sharding.whole)
+    assert r["collectives"], r
+    for variant, c in r["collectives"].items():
+        assert 2 * 4 + 1 <= c["all_reduces"] <= 2 * 4 + 6, (variant, c)
+        assert not c["all_gathers"], (variant, c)
 
 
 @pytest.mark.skipif(not RUN_SLOW, reason="slow: MINIPIC_RUN_SLOW=1 or --run-slow")

@@ -140,7 +140,19 @@ def hybrid(tp: int) -> dict:
                                                          o.outputs[0].token_ids)] for o in outs],
             "cached": [o.num_cached_tokens for o in outs],
             "checkpoint_hits": llm.llm_engine.get_stats().get("checkpoint_hits"),
-            "placed_first": first, "placed_last": _placement(llm.llm_engine.runner)}
+            "placed_first": first, "placed_last": _placement(llm.llm_engine.runner),
+            "collectives": _collectives(llm.llm_engine.runner)}
+
+
+def _collectives(runner) -> dict:
+    """Per compiled step variant (as the engine compiled it: no compile here), its all-reduce
+    count and all-gather shapes."""
+    out = {}
+    for key, exe in runner._step._table.items():
+        hlo = exe.as_text()
+        out[repr(key[0][:2])] = {"all_reduces": len(re.findall(r" all-reduce\(", hlo)),
+                                 "all_gathers": re.findall(r"= (\S+) all-gather\(", hlo)}
+    return out
 
 
 def checkpoints(name: str, tp: int) -> dict:
