@@ -33,6 +33,16 @@ def tp_mesh():
     return mesh
 
 
+def whole(x):
+    """`x` kept whole on every device of the trace's TP mesh (as is without one): for values
+    every device computes in full (a GDN layer's conv output: its [q | k | v] channels do not
+    split by heads), which XLA would otherwise split by its own choice and gather back."""
+    mesh = tp_mesh()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, _REPLICATED))
+
+
 def _per_shard(fn, mesh, in_specs, out_specs):
     # check_vma off: Pallas calls carry no varying-axis annotations
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)

@@ -4,8 +4,9 @@ all-reduces only (no logits gather), and clear errors for sizes the model cannot
 
 The runs need XLA_FLAGS=--xla_force_host_platform_device_count=4 before JAX starts, so they run
 in a subprocess (tests/tp_runs.py); the other tests' JAX stays on one device. The default run
-covers Llama GQA at TP=2 and 4 (4 > KV heads: KV heads replicated) and streamed loading (equal
-to the old path; one tensor's slices on the host at a time); MINIPIC_RUN_SLOW=1 (or --run-slow)
+covers Llama GQA at TP=2 and 4 (4 > KV heads: KV heads replicated), streamed loading (equal
+to the old path; one tensor's slices on the host at a time) and a small Qwen3.5 engine at TP=2
+(its recurrent state kept where the rules table places it, step after step); MINIPIC_RUN_SLOW=1 (or --run-slow)
 adds Llama MHA and Qwen3.5 (GDN + gated attention) at TP=2 and 4, each also with prefix caching
 and CPU offload at TP=2, and Qwen3.5 against the float64 reference.
 """
@@ -112,10 +113,17 @@ def _check_stream(r: dict) -> None:
     assert r["gained"] == 0 and r["old_default"] == r["total"], r
 
 
-def test_tp_llama_gqa_matches_tp1_and_errors():
+@pytest.fixture(scope="module")
+def default_runs() -> dict:
+    """The default (not slow) subprocess: Llama GQA at TP=1/2/4, its errors and streamed
+    loading, and the small Qwen3.5 engine at TP=1/2 (tp_runs.hybrid)."""
+    return _runs("llama_gqa2_llama3rope", "--errors", "--stream", "--hybrid")
+
+
+def test_tp_llama_gqa_matches_tp1_and_errors(default_runs):
     """GQA (4 query / 2 KV heads) at TP=2 (one KV head per device) and TP=4 (KV heads
     replicated); then the errors for TP=3 and TP=8 (4 devices), and streamed loading."""
-    runs = _runs("llama_gqa2_llama3rope", "--errors", "--stream")
+    runs = default_runs
     _check_stream(runs["stream"])
     base = _check(runs, "llama_gqa2_llama3rope", layers=2)
     assert min(base["cached"][1:]) > 0  # the repeated spans hit (position-free KV)
@@ -123,6 +131,35 @@ def test_tp_llama_gqa_matches_tp1_and_errors():
     assert "tensor_parallel_size=8 exceeds the 4 cpu device(s)" in runs["errors"][1]
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         Config(tensor_parallel_size=0)
+
+
+def test_tp_hybrid_generates_as_tp1(default_runs):
+    """A Qwen3.5 engine at TP=2 generates TP=1's greedy tokens, logprobs within TOL, through
+    steps that reuse one compiled variant (each takes the recurrent state the last returned:
+    it once came out split over the conv channels and the next step refused it), and a
+    prefix-cache hit that restores a recurrent checkpoint; the cache and the checkpoint and
+    span-map pools are where the rules table places them before the first step (a variant
+    compiled for pools still on one device would have XLA choose their placement) and after the
+    last (serving/step/state_placement.py); the step's collectives are Megatron's all-reduces.
+    """
+    base, r = default_runs["hybrid"]["1"], default_runs["hybrid"]["2"]
+    assert "error" not in base, base["error"]
+    assert "error" not in r, f"TP=2: {r['error']}"
+    assert r["tokens"] == base["tokens"]
+    err = max(abs(a - b) for x, y in zip(r["logprobs"], base["logprobs"]) for a, b in zip(x, y))
+    assert err <= TOL["qwen3_5_gva2"], f"TP=2: logprob error {err:.2e}"
+    assert r["cached"] == base["cached"] == [0, 0, 64], (r["cached"], base["cached"])
+    assert r["checkpoint_hits"] == base["checkpoint_hits"] == 1
+    for when in ("placed_first", "placed_last"):  # the pools placed as the runner takes them
+        assert {"cache.conv[0]", "ck_pool.conv", "span_pool.tail"} <= set(r[when]), r[when]
+        assert all(r[when].values()), (when, r[when])
+    # Megatron's all-reduces only (4 layers); nothing gathered: not the logits, and not the conv
+    # state, which XLA computed split over its channels and gathered back to its placement
+    # before the GDN conv output was kept whole (kernels_pallas/sharding.whole)
+    assert r["collectives"], r
+    for variant, c in r["collectives"].items():
+        assert 2 * 4 + 1 <= c["all_reduces"] <= 2 * 4 + 6, (variant, c)
+        assert not c["all_gathers"], (variant, c)
 
 
 @pytest.mark.skipif(not RUN_SLOW, reason="slow: MINIPIC_RUN_SLOW=1 or --run-slow")

@@ -2,7 +2,7 @@
 XLA_FLAGS=--xla_force_host_platform_device_count set before JAX starts, which the test does).
 
     python -m tests.tp_runs FIXTURE TP[,TP...] [--errors] [--checkpoints] [--stream]
-        [--cached] [--gdn]
+        [--cached] [--gdn] [--hybrid]
         -> one JSON line
 
 For each tensor_parallel_size: greedy generation with logprobs over the fixture's HF prompts
@@ -96,6 +96,63 @@ def cached(name: str, tp: int) -> dict:
                                                          o.outputs[0].token_ids)] for o in outs],
             "cached": [o.num_cached_tokens for o in outs],
             "stats": {k: stats[k] for k in keys if k in stats}}
+
+
+def _placement(runner) -> dict:
+    """Per state array (the cache, the checkpoint and span-map pools): whether it is where the
+    rules table places it (nothing without a mesh)."""
+    import jax
+
+    from serving.hybrid import checkpoint_pool, span_maps
+    from serving.step import sharding
+    if runner.mesh is None:
+        return {}
+    axes, out = runner.family.cache_axes(runner.mcfg), {}
+    for name, tree, tree_axes in (("cache", runner.cache, axes),
+                                  ("ck_pool", runner.ck_pool, checkpoint_pool.pool_axes(axes)),
+                                  ("span_pool", runner.span_pool, span_maps.pool_axes(axes))):
+        target = jax.tree.leaves(sharding.shardings(tree, tree_axes, runner.mesh))
+        for (path, x), want in zip(jax.tree_util.tree_leaves_with_path(tree), target):
+            out[name + jax.tree_util.keystr(path)] = x.sharding.is_equivalent_to(want, x.ndim)
+    return out
+
+
+def hybrid(tp: int) -> dict:
+    """A small Qwen3.5 engine (one compiled step variant: the 32-token bucket, reused by every
+    step): two requests, then one sharing the second's first 64 tokens (a prefix-cache hit that
+    restores the recurrent checkpoint at 64). Tokens, logprobs, cached tokens, checkpoint hits,
+    and whether the cache and the recurrent pools are where the rules table places them before
+    the first step and after the last; a failing step is reported as its error (the other runs
+    of the subprocess go on)."""
+    try:
+        llm = LLM(str(FIXTURES / "qwen3_5_gva2"), warmup=False, dtype="float32", seed=0,
+                  max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=32,
+                  min_token_bucket=32, max_model_len=192, tensor_parallel_size=tp)
+        first = _placement(llm.llm_engine.runner)
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+        long = list(range(10, 80))
+        outs = llm.generate([list(range(1, 8)), long], sp, use_tqdm=False)
+        outs += llm.generate([long[:64] + [3, 1, 4, 1, 5]], sp, use_tqdm=False)
+    except Exception as err:  # noqa: BLE001 - the test names it
+        return {"error": f"{type(err).__name__}: {err}"[:1500]}
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                         o.outputs[0].token_ids)] for o in outs],
+            "cached": [o.num_cached_tokens for o in outs],
+            "checkpoint_hits": llm.llm_engine.get_stats().get("checkpoint_hits"),
+            "placed_first": first, "placed_last": _placement(llm.llm_engine.runner),
+            "collectives": _collectives(llm.llm_engine.runner)}
+
+
+def _collectives(runner) -> dict:
+    """Per compiled step variant (as the engine compiled it: no compile here), its all-reduce
+    count and all-gather shapes."""
+    out = {}
+    for key, exe in runner._step._table.items():
+        hlo = exe.as_text()
+        out[repr(key[0][:2])] = {"all_reduces": len(re.findall(r" all-reduce\(", hlo)),
+                                 "all_gathers": re.findall(r"= (\S+) all-gather\(", hlo)}
+    return out
 
 
 def checkpoints(name: str, tp: int) -> dict:
@@ -261,6 +318,8 @@ def errors(name: str) -> list[str]:
 if __name__ == "__main__":
     fixture, sizes = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
     result = {tp: run(fixture, tp) for tp in sizes}
+    if "--hybrid" in sys.argv:  # a Qwen3.5 engine at TP=1 and 2 (any fixture's run)
+        result["hybrid"] = {tp: hybrid(tp) for tp in (1, 2)}
     if "--errors" in sys.argv:
         result["errors"] = errors(fixture)
     if "--cached" in sys.argv:  # TP=1 and the sizes after it

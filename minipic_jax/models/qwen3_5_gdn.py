@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.gated_delta.api import choose
-from kernels_pallas.sharding import ragged_gated_delta  # per head shard under TP
+from kernels_pallas.sharding import ragged_gated_delta, whole  # per head shard under TP
 from minipic_jax.models import qwen3_5_spans
 from minipic_jax.models.nnx_pure import param
 from serving.model_contract import SpanPieces
@@ -176,7 +176,9 @@ class GatedDeltaNet(nnx.Module):
             conv_out = jnp.where(pieces["row_span"][:, None],
                                  conv_silu(qwen3_5_spans.local_window(mixed, pieces), conv_w),
                                  conv_out)
-        conv_out = conv_out.astype(h.dtype)
+        # whole on every device under TP (the rules keep [q | k | v] whole): a split over the
+        # channels made the q / k L2 norms cross devices (kernels_pallas/sharding.whole)
+        conv_out = whole(conv_out.astype(h.dtype))
         q = conv_out[:, :hk * dk].reshape(n_tokens, hk, dk)
         k = conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk)
         v = conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv)

@@ -42,6 +42,14 @@ def state_layout(family, mcfg, block_size: int, dtype):
     return lg, probe.conv[0].shape[1:], probe.conv[0].dtype, probe.delta[0].shape[1:]
 
 
+def pool_axes(cache_axes) -> CheckpointPool:
+    """Logical axes of the pool (serving/step/sharding.py places it by them): each state's axes
+    in the cache (the family's `cache_axes`) behind the layer axis, so a checkpoint lives on the
+    devices, in the shards, of the state it is taken from and restored into."""
+    return CheckpointPool(conv=(None,) + tuple(cache_axes.conv[0]),
+                          delta=(None,) + tuple(cache_axes.delta[0]))
+
+
 def checkpoint_nbytes(layout) -> int:
     """Exact bytes of one checkpoint (every recurrent layer's conv + delta state)."""
     lg, conv_shape, conv_dtype, delta_shape = layout

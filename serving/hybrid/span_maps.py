@@ -40,6 +40,17 @@ class SpanMapPool:
     count: jax.Array  # [P] int32 the span's non-pad tokens (a span shorter than K1 shifts less)
 
 
+def pool_axes(cache_axes) -> SpanMapPool:
+    """Logical axes of the pool (serving/step/sharding.py places it by them), from the cache's
+    (the family's `cache_axes`, conv [slots, C, K1], delta [slots, Hv, Dk, Dv]): maps split as
+    the delta state they act on (by its heads axis), tails as the conv state they shift."""
+    _, heads, *_ = cache_axes.delta[0]
+    _, channels, _ = cache_axes.conv[0]
+    per_head = ("slots", None, heads, None, None)
+    return SpanMapPool(a=per_head, b=per_head, tail=("slots", None, channels, None),
+                       count=("slots",))
+
+
 def map_nbytes(hv, dk, dv, conv_channels, k1, gdn_layers, *, state_dtype=jnp.float32,
                conv_dtype=jnp.float32) -> dict:
     """Exact bytes of one cached span (all GDN layers), as the pool holds it."""

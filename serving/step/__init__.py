@@ -8,4 +8,5 @@
   compile_options.py   XLA compiler options of the steps (command buffers on a GPU)
   sampler.py           sampling on device: greedy, temperature, top-k/p, logprobs
   sharding.py          tensor parallelism: mesh, logical-axis rules, param and pool placement
+  state_placement.py   under TP: the cache and recurrent pools placed by the rules, step after step
 """

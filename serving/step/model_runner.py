@@ -24,10 +24,9 @@ import numpy as np
 
 from kernels_pallas.paged_attention.api import step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
-from serving.hybrid import span_compose, span_step
+from serving.hybrid import checkpoint_pool as ckpt_pool, span_compose, span_step
 from serving.hybrid.span_step import piece_bound
-from serving.hybrid import checkpoint_pool as ckpt_pool
-from serving.step import compile_options, sharding
+from serving.step import compile_options, sharding, state_placement
 from serving.step.kernel_choices import attention_choices, gdn_choice
 from serving.cache.kv_pool import size_pool
 from serving.config_groups import step_key_fields
@@ -83,7 +82,7 @@ class ModelRunner:
         self._table_rows: dict = {}  # id(int buffer) -> block-table rows its last step wrote
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
-        self.ck_pool, self.span_pool = ck_pool, span_pool  # hybrid: checkpoint_pool, span_maps
+        self.use_recurrent_pools(ck_pool, span_pool)  # hybrid: checkpoint_pool, span_maps
         # the static arguments are _step_body's keyword-only parameters
         self._step = StepExecutables(self._step_impl, signature_of=self._step_body,
                                      donate_argnums=(1, 5, 6), context=self._program_context,
@@ -124,9 +123,11 @@ class ModelRunner:
     def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, maps=None, **kw):
         if self.mesh is None:
             return self._step_body(params, cache, ints, floats, prev, pool, maps, **kw)
-        # the kernels run per head shard under this mesh (kernels_pallas/sharding.py)
+        # the kernels run per head shard under this mesh (kernels_pallas/sharding.py); the state
+        # comes out where it went in, so every variant takes it (state_placement.py)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return self._step_body(params, cache, ints, floats, prev, pool, maps, **kw)
+            out = self._step_body(params, cache, ints, floats, prev, pool, maps, **kw)
+        return state_placement.pin_outputs(self.family, self.mcfg, self.mesh, out)
 
     def _step_body(self, params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
                    all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
@@ -193,8 +194,9 @@ class ModelRunner:
 
     def use_recurrent_pools(self, ck_pool, span_pool) -> None:
         """Step with these checkpoint and span-map pools from now on (a fresh hybrid store over
-        the same device memory: LLMEngine.reset_prefix_cache)."""
-        self.ck_pool, self.span_pool = ck_pool, span_pool
+        the same device memory: LLMEngine.reset_prefix_cache), placed as the step takes them."""
+        self.ck_pool, self.span_pool = state_placement.place_pools(
+            self.family, self.mcfg, self.mesh, ck_pool, span_pool)
 
     def _args(self, ints, floats, use_prev: bool, kw) -> tuple:
         """The step's arguments: the span map pool goes only to span steps and compose programs

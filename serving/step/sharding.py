@@ -190,6 +190,25 @@ def place_model(loaded, tensor_parallel_size: int, dtype=None):
     return mesh, mcfg
 
 
+def pin(tree, axes_tree, mesh: Mesh):
+    """`tree` inside a traced program, constrained to its rules-table placement. State a program
+    takes and returns (the cache, the recurrent pools) must come out where it went in: otherwise
+    XLA's propagation picks the output's placement per program (a GDN conv state came out split
+    over its channels while the table keeps it whole), and the next variant, compiled for the
+    table's placement, refuses it."""
+    return jax.lax.with_sharding_constraint(tree, shardings(tree, axes_tree, mesh))
+
+
+def place(tree, axes_tree, mesh: Mesh):
+    """Arrays of `tree` moved to their rules-table placement; those already there are kept (no
+    copy)."""
+    def put(x, target):
+        if x is None or x.sharding.is_equivalent_to(target, x.ndim):
+            return x
+        return jax.device_put(x, target)
+    return jax.tree.map(put, tree, shardings(tree, axes_tree, mesh))
+
+
 def init_sharded(make, axes_tree, mesh: Mesh):
     """`make()` (e.g. a zeroed KV pool) created directly in its shards: no full copy on one
     device."""
