@@ -171,3 +171,27 @@ def test_host_tier_copy_in_arrives_intact_in_a_poisoned_pool(fresh_rng):
     for (tokens, lp), (want_tokens, want_lp) in zip(outs[True], outs[False]):
         assert tokens == want_tokens
         np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+
+
+def test_recurrent_state_shaped_like_pages_is_neither_zeroed_nor_moved():
+    """A page leaf is a K/V page array by field, not by shape alone: with 4 state slots, 4 value
+    heads and 4-token blocks, Qwen3.5's delta state [4, 4, Dk, Dv] has a page pool's leading dims
+    (as 16 heads do at the default block size 16 when max_num_seqs == num_kv_blocks); zeroing
+    fresh pages or moving pages to the host tier must leave it alone."""
+    from configs.presets import get_preset
+    from minipic_jax.models import qwen3_5
+    from serving.cache.page_zeroing import zero_pages
+    from serving.tiers.offload import PageMover
+
+    cfg = get_preset("tiny_qwen3_5")
+    slots = pages = cfg.linear_num_value_heads
+    cache = qwen3_5.init_cache(cfg, pages, pages, max_num_seqs=slots)
+    assert cache.delta[0].shape[:2] == (pages, pages)  # the collision this test is about
+    cache = jax.tree.map(jnp.ones_like, cache)
+    zeroed = zero_pages(cache, jnp.array([1], jnp.int32), pages, pages)
+    for x in zeroed.delta + zeroed.conv:
+        assert bool(jnp.all(x == 1))
+    for x in zeroed.k + zeroed.v:
+        assert bool(jnp.all(x[1] == 0)) and bool(jnp.all(x[0] == 1))
+    moved = PageMover(pages, pages).gather(cache, [1]).materialize()
+    assert len(moved) == len(cache.k) + len(cache.v)

@@ -11,9 +11,26 @@ from serving.cache.step_temps import step_reserve
 from serving.config import Config
 
 
+PAGE_FIELDS = ("k", "v")  # the model contract: a family's cache keeps its KV pages in k and v
+
+
 def page_leaf(x, num_pages: int, block_size: int) -> bool:
-    """Whether a cache leaf is a page array ([num_pages, block_size, ...])."""
+    """Whether an array has a page array's shape ([num_pages, block_size, ...]). The shape
+    alone does not make a leaf a page array: use `page_mask` on a cache."""
     return hasattr(x, "shape") and x.ndim >= 2 and x.shape[:2] == (num_pages, block_size)
+
+
+def page_mask(cache, num_pages: int, block_size: int) -> list[bool]:
+    """Per leaf of `jax.tree.leaves(cache)`: whether it is a KV page array, i.e. held under the
+    cache's `k` or `v` field with shape [num_pages, block_size, ...]. By field, not by shape
+    alone: a recurrent state [slots, Hv, Dk, Dv] has a page array's leading dims whenever
+    slots == num_pages and Hv == block_size (e.g. 16 heads, block 16), and page zeroing or a
+    tier move would then overwrite sequences' recurrent state."""
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        field = getattr(path[0], "name", None) if path else None
+        out.append(field in PAGE_FIELDS and page_leaf(x, num_pages, block_size))
+    return out
 
 
 def default_num_blocks(config: Config, mcfg, dtype, reserve_bytes: int = 0) -> int:
@@ -62,8 +79,8 @@ def device_memory() -> dict:
 
 def kv_bytes_per_block(cache, num_blocks: int, block_size: int) -> int:
     """Bytes of one block across every page-shaped leaf of the cache (for offload accounting)."""
-    return sum(x.nbytes for x in jax.tree.leaves(cache) if page_leaf(x, num_blocks, block_size)
-               ) // num_blocks
+    mask = page_mask(cache, num_blocks, block_size)
+    return sum(x.nbytes for x, m in zip(jax.tree.leaves(cache), mask) if m) // num_blocks
 
 
 def allocate_pool(make_cache, num_blocks: int, *, may_shrink: bool):

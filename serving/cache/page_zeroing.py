@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.cache.kv_pool import page_leaf
+from serving.cache.kv_pool import page_mask
 
 
 STEP_PAGES = 32  # at most this many page ids ride in a step's own input
@@ -62,8 +62,8 @@ def zero_pages(cache, ids, num_pages: int, block_size: int):
     """`cache` with pages `ids` [Z] int32 set to 0 in every page leaf (ids >= num_pages are
     padding, dropped). Pure; under tensor parallelism each shard zeroes its heads."""
     leaves, treedef = jax.tree.flatten(cache)
-    out = [x.at[ids].set(jnp.zeros((), x.dtype), mode="drop")
-           if page_leaf(x, num_pages, block_size) else x for x in leaves]
+    out = [x.at[ids].set(jnp.zeros((), x.dtype), mode="drop") if m else x
+           for x, m in zip(leaves, page_mask(cache, num_pages, block_size))]
     return jax.tree.unflatten(treedef, out)
 
 

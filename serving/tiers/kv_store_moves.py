@@ -81,8 +81,8 @@ class ChunkedPageMover(PageMover):
     def _scatter_packed(self, cache, ids, packed):
         leaves, treedef = jax.tree.flatten(cache)
         out, k = [], 0
-        for x in leaves:
-            if self._is_page(x):
+        for x, m in zip(leaves, self._mask(cache)):
+            if m:
                 x = x.at[ids].set(packed[k].astype(x.dtype), mode="drop")
                 k += 1
             out.append(x)

@@ -378,9 +378,9 @@ def open_kv_store(config, cache, num_blocks: int, keys, *, fingerprint: str, mod
     """The disk tier over `config.kv_store.dir` (raises StoreMismatch, a ValueError, when the
     folder was made by another model or settings)."""
     from serving.tiers.disk_store import StoreIdentity
-    from serving.cache.kv_pool import page_leaf
-    leaves = tuple((tuple(x.shape[1:]), x.dtype.name) for x in jax.tree.leaves(cache)
-                   if page_leaf(x, num_blocks, config.block_size))
+    from serving.cache.kv_pool import page_mask
+    leaves = tuple((tuple(x.shape[1:]), x.dtype.name) for x, m in
+                   zip(jax.tree.leaves(cache), page_mask(cache, num_blocks, config.block_size)) if m)
     identity = StoreIdentity(
         model=fingerprint, model_name=model_name, block_size=config.block_size,
         kv_mode=config.kv_mode, hash_algo=config.hash_algo,

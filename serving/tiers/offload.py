@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.cache.kv_pool import page_leaf
+from serving.cache.kv_pool import page_mask
 
 
 class HostBatch:
@@ -77,20 +77,20 @@ class PageMover:
         self.num_pages = num_pages
         self.block_size = block_size
 
-    def _is_page(self, x):
-        return page_leaf(x, self.num_pages, self.block_size)
+    def _mask(self, cache):
+        return page_mask(cache, self.num_pages, self.block_size)
 
     @functools.partial(jax.jit, static_argnums=(0,))
     def _gather(self, cache, ids):
-        leaves = [x[ids] for x in jax.tree.leaves(cache) if self._is_page(x)]
+        leaves = [x[ids] for x, m in zip(jax.tree.leaves(cache), self._mask(cache)) if m]
         return leaves  # list of [n, B, ...]
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
     def _scatter(self, cache, ids, data):
         leaves, treedef = jax.tree.flatten(cache)
         it = iter(data)
-        out = [x.at[ids].set(next(it).astype(x.dtype), mode="drop") if self._is_page(x) else x
-               for x in leaves]
+        out = [x.at[ids].set(next(it).astype(x.dtype), mode="drop") if m else x
+               for x, m in zip(leaves, self._mask(cache))]
         return jax.tree.unflatten(treedef, out)
 
     def gather(self, cache, blocks: list[int]) -> HostBatch:
