@@ -80,8 +80,10 @@ class ModelFamily(Protocol):
 
     def init_cache(self, cfg, num_pages: int, block_size: int, max_num_seqs: int,
                    dtype) -> Any:
-        """Zeroed cache pytree: KV pages [P, block_size, K, D] per attention layer (and
-        max_num_seqs recurrent-state slots per recurrent layer for hybrid families)."""
+        """Zeroed cache pytree: KV pages [P, block_size, K, D] per attention layer, held in
+        its fields `k` and `v` (page zeroing and the tiers find pages by these fields:
+        serving/cache/kv_pool.page_mask), and max_num_seqs recurrent-state slots per recurrent
+        layer in other fields for hybrid families."""
 
     def forward(self, params, tokens, metadata, cache, cfg, *, recurrent=None,
                 logits_indices=None, kv_mode: str = "position_free", attn_impl=None,
