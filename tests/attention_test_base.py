@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -153,11 +154,13 @@ class AttentionKernelTests:
             if options:  # an option run must fit the kernel
                 raise
             pytest.skip(str(err))
-        out = paged_attention(q, k, v, md, inv, kv_mode=case.kv_mode,
-                              attention_scaling=case.scaling, implementation=impl.name,
-                              kernel_options=options, decode_only=case.decode_only,
-                              max_position=max_position(case),
-                              interpret=self.interpret_arg(case))
+        # under jit, as a model's step calls it: one compile per case, not one per eager op
+        # (CI time; the value checks that need concrete metadata: test_validation_errors)
+        run = jax.jit(lambda q, k, v, md: paged_attention(
+            q, k, v, md, inv, kv_mode=case.kv_mode, attention_scaling=case.scaling,
+            implementation=impl.name, kernel_options=options, decode_only=case.decode_only,
+            max_position=max_position(case), interpret=self.interpret_arg(case)))
+        out = run(q, k, v, md)
         ref = paged_attention_reference(q, k, v, md, inv, kv_mode=case.kv_mode,
                                         attention_scaling=case.scaling)
         check(out, ref, md, case.dtype, zero_pad_rows=self.zero_pad_rows)

@@ -68,6 +68,8 @@ def test_engine_logprobs_equal_training_forward(llm):
                                                         n=3))
     loaded = llm.llm_engine.loaded
     params = loaded.family.unfuse_params(llm.llm_engine.runner.params)
-    train = rollout_logprobs(params, loaded.cfg, ids, LENS, got.tokens, got.lengths, 3)
+    # under jit, as an RL loss calls it: one compile, not one per eager op (CI time)
+    train = jax.jit(rollout_logprobs, static_argnums=(1, 6))(params, loaded.cfg, ids, LENS,
+                                                             got.tokens, got.lengths, 3)
     assert int(got.lengths.sum()) > 20
     np.testing.assert_allclose(np.asarray(train), np.asarray(got.logprobs), atol=1e-4, rtol=0)

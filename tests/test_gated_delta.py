@@ -32,8 +32,9 @@ def test_chunked_matches_token_recurrence(fresh_rng, solve):
     q, k, v, g, beta, s0 = _inputs(fresh_rng, n, t, hk, hv, dk, dv)
     ref_out, ref_states = reference.gated_delta_reference(q, k, v, g, beta, s0)
     ck = [0, 32, 64, 80, t]
-    out, final, cks = api.prefill(q, k, v, g, beta, s0, checkpoint_at=ck, chunk_size=chunk,
-                                  solve=solve)
+    # under jit, as a model calls it: one compile, not one per eager op (CI time)
+    out, final, cks = jax.jit(lambda *a: api.prefill(*a, checkpoint_at=ck, chunk_size=chunk,
+                                                     solve=solve))(q, k, v, g, beta, s0)
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(final), ref_states[:, -1], atol=2e-5, rtol=0)
     assert cks.shape == (n, len(ck), hv, dk, dv)
@@ -167,8 +168,9 @@ def test_ragged_decode_batch(fresh_rng, decode):
     q, k, v, g, beta, _ = _inputs(fresh_rng, 1, 4, 2, 2, 8, 8, state=False)
     s0 = fresh_rng.standard_normal((3, 2, 8, 8)).astype(np.float32)
     cu = np.cumsum([0] + lens).astype(np.int32)  # [0, 1, 1, 2]
-    out, fin, _ = api.ragged_gated_delta(q[0], k[0], v[0], g[0], beta[0], cu,
-                                         np.array(pos0, np.int32), s0, decode=decode)
+    # under jit, as a model calls it: one compile, not one per eager op (CI time)
+    out, fin, _ = jax.jit(functools.partial(api.ragged_gated_delta, decode=decode))(
+        q[0], k[0], v[0], g[0], beta[0], cu, np.array(pos0, np.int32), s0)
     np.testing.assert_array_equal(np.asarray(fin[1]), s0[1])
     for s, row in ((0, 0), (2, 1)):
         ro, rs = reference.gated_delta_reference(q[:, row:row + 1], k[:, row:row + 1],

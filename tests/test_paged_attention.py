@@ -7,6 +7,7 @@ set MINIPIC_COMPILED=1 to run the same cases compiled.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +58,11 @@ def test_ragged_kernel_writes_only_its_rows(case, variant):
     rows = out_rows(tokens, heads, case.kv_heads, opts.get("block_q") or bq_default,
                     opts.get("kv_group", 1))
     poison = jnp.full((rows, case.head_dim), jnp.nan, case.dtype)
-    out = ragged_paged_attention_triton(
+    # under jit, as a step calls it: one compile, not one per eager op (CI time)
+    out = jax.jit(lambda q_rot, k, v, md, out: ragged_paged_attention_triton(
         q_rot, k, v, md, inv, rotate_keys=case.kv_mode == "position_free", attention_scaling=1.0,
-        sm_scale=case.head_dim ** -0.5, block_k=max(16, case.page_size), out=poison,
-        interpret=INTERPRET, **opts)
+        sm_scale=case.head_dim ** -0.5, block_k=max(16, case.page_size), out=out,
+        interpret=INTERPRET, **opts))(q_rot, k, v, md, poison)
     check(out, ref, md, case.dtype)
     assert np.all(np.isnan(np.asarray(out, np.float32)[int(md.cu_q_lens[-1]):])), \
         "kernel wrote rows that belong to no sequence"
@@ -86,12 +88,34 @@ def test_api_under_jit_and_attention_scaling():
     check(fn(q, k, v, md), ref, md, case.dtype)
 
 
+@functools.partial(jax.jit, static_argnames="kv_mode")
+def _triton_attention(q, k, v, md, inv, *, kv_mode):
+    return paged_attention(q, k, v, md, inv, kv_mode=kv_mode, implementation="triton",
+                           interpret=INTERPRET, kernel_options={"block_k": 16})
+
+
+def _padded_to_largest(q, k, v, md, inv, specs):
+    """The pool and block tables grown to the largest random_batch draws for `specs` (every
+    block holding one token), the added pages NaN and table columns unused: every seed's inputs
+    have the same shapes, so the kernel is traced and compiled once per kv_mode, not once per
+    draw (CI time)."""
+    totals = [cached + new for cached, new, _ in specs]
+    pages = sum(totals) + 3 - k.shape[0]  # random_batch: 3 pages no sequence uses
+    cols = max(totals) + 1 - md.block_tables.shape[1]  # and 1 table column past the longest
+    k, v = (jnp.pad(x, ((0, pages), (0, 0), (0, 0), (0, 0)), constant_values=jnp.nan)
+            for x in (k, v))
+    md = _replace(md, **{f: jnp.pad(getattr(md, f), ((0, 0), (0, cols))) for f in (
+        "block_tables", "block_pos_start", "block_num_valid")})
+    return q, k, v, md, inv
+
+
 @settings(max_examples=8, deadline=None)
 @given(offset=st.integers(0, 200_000), seed=st.integers(0, 2**31 - 1))
 def test_rotation_at_read_equals_classic_path(offset, seed):
     """Keys stored unrotated + rotated at read == keys rotated before caching, at any offset."""
-    q, k, v, md, inv = _inputs(seed, jnp.float32, 1, 4, 64, 32, 4, [(10, 3, 0), (6, 1, 2)],
-                               share=False)
+    specs = [(10, 3, 0), (6, 1, 2)]
+    q, k, v, md, inv = _padded_to_largest(*_inputs(seed, jnp.float32, 1, 4, 64, 32, 4, specs,
+                                                   share=False), specs)
     md = _replace(md, q_positions=md.q_positions + offset,
                   q_window_start=md.q_window_start + offset,
                   block_pos_start=md.block_pos_start + offset)
@@ -107,9 +131,8 @@ def test_rotation_at_read_equals_classic_path(offset, seed):
             k_rot[page, : n_valid[s, b]] = rotate_keys_reference(k_np[page, : n_valid[s, b]], pos,
                                                                       np.asarray(inv))
     k_rot = jnp.asarray(k_rot, jnp.float32)
-    opts = dict(implementation="triton", interpret=INTERPRET, kernel_options={"block_k": 16})
-    free = paged_attention(q, k, v, md, inv, kv_mode="position_free", **opts)
-    classic = paged_attention(q, k_rot, v, md, inv, kv_mode="rotated", **opts)
+    free = _triton_attention(q, k, v, md, inv, kv_mode="position_free")
+    classic = _triton_attention(q, k_rot, v, md, inv, kv_mode="rotated")
     n = int(md.cu_q_lens[-1])
     assert _rel_l2(np.asarray(free)[:n], np.asarray(classic).astype(np.float64)[:n]) < 1e-5
 

@@ -129,8 +129,10 @@ def test_write_then_attend_sees_the_new_rows(fresh_rng):
     k, v = (jnp.asarray(fresh_rng.standard_normal((tokens, kv_heads, head_dim)), jnp.float32)
             for _ in range(2))
     inv = jnp.asarray(inv_freq_for(head_dim))
-    out, kp_w, vp_w = write_kv_and_attend(q, k, v, jnp.asarray(kp), jnp.asarray(vp), md, inv,
-                                          write_impl="xla", implementation="xla")
+    # under jit, as a layer calls it: one compile, not one per eager op (CI time)
+    out, kp_w, vp_w = jax.jit(lambda *a: write_kv_and_attend(
+        *a, inv, write_impl="xla", implementation="xla"))(q, k, v, jnp.asarray(kp),
+                                                          jnp.asarray(vp), md)
     want_k, want_v = _oracle(kp, vp, k, v, slots)
     np.testing.assert_array_equal(np.asarray(kp_w), want_k)
     np.testing.assert_array_equal(np.asarray(vp_w), want_v)

@@ -6,6 +6,8 @@ the whole span's rows, and the last piece's map (A, B, tail, count) is the whole
 of 20, 2 (shorter than the conv tail) and 23 rows, beside riders and a fresh capture of another
 sequence; the XLA and the Pallas (interpreted) kernels."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,13 +25,19 @@ def _kernel(impl):
     return dict(implementation=impl, interpret=impl != "xla" and INTERPRET)
 
 
+S = 2  # sequences per step: a step with fewer has empty ones after its last (as the engine pads)
+
+
 def _step(x, mixed, pieces_rows, cu_q, caps, entry, impl):
-    """One step: pieces_rows [(rows, is_span)] in order; caps [MC] piece ids (-1 none); entry
-    None or (use [MC], slot [MC], pool dict). Returns (outputs, conv windows, captured maps)."""
+    """One step: pieces_rows [(rows, is_span)] in order; cu_q the step's sequence bounds (at
+    most S sequences); caps [MC] piece ids (-1 none); entry None or (use [MC], slot [MC], pool
+    dict). Returns (outputs, conv windows, captured maps)."""
     t = x[0].shape[0]
     starts = np.cumsum([0] + [n for n, _ in pieces_rows])
     cu_p = np.full(G + 1, starts[-1], np.int32)
     cu_p[:len(pieces_rows)] = starts[:-1]
+    cu_s = np.full(S + 1, cu_q[-1], np.int32)
+    cu_s[:len(cu_q)] = cu_q
     row_span = np.zeros(t, bool)
     for (n, s), a in zip(pieces_rows, starts):
         row_span[a:a + n] = s
@@ -40,15 +48,19 @@ def _step(x, mixed, pieces_rows, cu_q, caps, entry, impl):
                    count=pool["count"][np.asarray(slot)], a=pool["a"], b=pool["b"],
                    tail=pool["tail"])
     pieces = SpanPieces(row_span=jnp.asarray(row_span), piece_cu=jnp.asarray(cu_p),
-                        carry_local=jnp.zeros(len(cu_q) - 1, bool),
+                        carry_local=jnp.zeros(S, bool),
                         capture=jnp.asarray(caps, jnp.int32), entry=ent)
+    return _run(x, mixed, pieces, jnp.asarray(cu_s), impl=impl)
 
-    def run(x, mixed, pieces):
-        plan = spans.for_layer(spans.prepare(pieces, jnp.asarray(cu_q), t, KC, CHUNK), 0)
-        out, final, a = spans.run_local(*x, plan["packings"], plan=plan, chunk=CHUNK,
-                                        **_kernel(impl))
-        return out, spans.local_window(mixed, plan), spans.captured_maps(mixed, plan, a, final)
-    return jax.jit(run)(x, mixed, pieces)
+
+# every step of a test has the same shapes (the sequence bounds an argument, padded to S): one
+# compile per impl with an entry and one without, not one per step (CI time)
+@functools.partial(jax.jit, static_argnames="impl")
+def _run(x, mixed, pieces, cu_q, *, impl):
+    t = x[0].shape[0]
+    plan = spans.for_layer(spans.prepare(pieces, cu_q, t, KC, CHUNK), 0)
+    out, final, a = spans.run_local(*x, plan["packings"], plan=plan, chunk=CHUNK, **_kernel(impl))
+    return out, spans.local_window(mixed, plan), spans.captured_maps(mixed, plan, a, final)
 
 
 def _pool(maps):

@@ -44,10 +44,13 @@ def run(name: str, tp: int) -> dict:
     outs = llm.generate(hf + structured, sp, use_tqdm=False)
     runner = llm.llm_engine.runner
     hlo = ""
-    if tp > 1:  # the last step, compiled again for its text (TP=1 has no collectives)
+    if tp > 1:  # the last step's executable, as the run compiled it, for its text (TP=1 has
+        # no collectives; not compiled again: CI time)
         ints, floats, kw = runner.last_inputs
         args = runner._args(ints, floats, llm.config.async_scheduling, kw)  # as _dispatch
-        hlo = runner._step.lower(*args, **kw).compile().as_text()
+        step = runner._step  # serving/step/step_executables.py: its table of compiled variants
+        args += step._defaults[len(args):]  # as StepExecutables.__call__
+        hlo = step._table[step._key(args, kw)].as_text()
     kv = runner.cache.k[0]
     return {
         "tokens": [o.outputs[0].token_ids for o in outs],
