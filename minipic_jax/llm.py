@@ -48,6 +48,18 @@ def _serialized(method):
     return locked
 
 
+def _check_span_caching(config) -> None:
+    """cache_spans' work is only the cache it leaves: with prefix caching off nothing is kept
+    (the call would compute every span and drop it), and rotated keys hold no span reusable at
+    another offset (its prompts would fail the marker check as an unnamed 'request 0')."""
+    if not config.enable_prefix_caching:
+        raise ValueError("cache_spans needs enable_prefix_caching=True: with it off no span's KV "
+                         "is kept for a later request")
+    if config.kv_mode == "rotated":
+        raise ValueError("cache_spans needs kv_mode='position_free' or 'pic_off', got "
+                         "kv_mode='rotated' (rotated keys cannot reuse a span at another offset)")
+
+
 class LLM:
     """Batch generation.
 
@@ -267,9 +279,12 @@ class LLM:
         `kv_store_dir`, in any later one (this call returns once the blocks are on disk).
         Duplicates are computed once; all spans go through one batched prefill.
 
-        Returns {"spans", "span_tokens", "blocks_written"}.
+        Returns {"spans", "span_tokens", "blocks_written"}. An engine that cannot keep a span
+        for later (enable_prefix_caching=False, kv_mode="rotated") is a ValueError naming the
+        option, before any work.
         """
         from minipic_jax.prompts import Span
+        _check_span_caching(self.config)
         m = self.llm_engine.markers
         seen, prompts = set(), []
         for k, content in enumerate(spans):

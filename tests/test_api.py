@@ -146,6 +146,16 @@ def test_request_that_never_fits_and_markers_in_rotated_mode():
     with pytest.raises(ValueError, match="request 0: .*marker at token index 16 .*rotated"):
         rot.generate([[Prompt([256, 1, 2]), Span([3, 4])]], SamplingParams(max_tokens=2),
                      use_tqdm=False)
+    with pytest.raises(ValueError, match="cache_spans needs kv_mode='position_free'.*rotated"):
+        rot.cache_spans([[3, 4]])
+
+
+def test_cache_spans_without_prefix_caching_is_refused():
+    # it would compute the spans and keep none (silently, before): refused before any step
+    plain = LLM("tiny_llama", num_kv_blocks=32, max_model_len=128, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="cache_spans needs enable_prefix_caching=True"):
+        plain.cache_spans([[3, 4]])
+    assert plain.llm_engine.runner.num_compiles == 0  # nothing ran
 
 
 def test_abort_frees_blocks_and_others_finish(llm):
