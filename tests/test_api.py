@@ -111,6 +111,24 @@ def test_bad_prompts_name_the_request(llm, prompt, match):
     assert llm.generate([[256, 1]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
+def test_generate_beside_a_custom_loop_takes_no_id_and_loses_no_output(llm):
+    # a request queued by add_request under the id generate would use next: generate ran it to
+    # the end and dropped its output (the loop never saw it), or refused its own "request id
+    # already in use"
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    want = llm.generate([[256, 7, 8, 9], [256, 1, 2]], sp, use_tqdm=False)
+    taken = str(llm._next_id)
+    eng.add_request(taken, [256, 7, 8, 9], sp)
+    out = llm.generate([[256, 1, 2]], sp, use_tqdm=False)[0]
+    assert out.request_id != taken and out.outputs[0].token_ids == want[1].outputs[0].token_ids
+    got = []
+    while eng.has_unfinished():
+        got += eng.step()
+    assert [o.request_id for o in got] == [taken]
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
 def test_bad_input_in_add_request_leaves_other_requests_alone(llm):
     eng = llm.llm_engine
     eng.add_request("ok", [256, 3, 4], SamplingParams(temperature=0, max_tokens=3))
