@@ -48,6 +48,18 @@ def _serialized(method):
     return locked
 
 
+def _check_span_caching(config) -> None:
+    """cache_spans' work is only the cache it leaves: with prefix caching off nothing is kept
+    (the call would compute every span and drop it), and rotated keys hold no span reusable at
+    another offset (its prompts would fail the marker check as an unnamed 'request 0')."""
+    if not config.enable_prefix_caching:
+        raise ValueError("cache_spans needs enable_prefix_caching=True: with it off no span's KV "
+                         "is kept for a later request")
+    if config.kv_mode == "rotated":
+        raise ValueError("cache_spans needs kv_mode='position_free' or 'pic_off', got "
+                         "kv_mode='rotated' (rotated keys cannot reuse a span at another offset)")
+
+
 class LLM:
     """Batch generation.
 
@@ -204,6 +216,7 @@ class LLM:
         if len(sps) != len(prompts):
             raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
+        self._skip_ids_in_use(len(prompts))
         reqs = []  # (request id, ids, text, params, layout, parent index, sample index)
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             ids, text, arr = self.prompt_ids(p, i)
@@ -223,6 +236,7 @@ class LLM:
         results: list = [[None] * sp.n for sp in sps]
         # the bar also says when a step variant compiles (one the warm-up did not cover)
         bar = Progress(self, len(reqs), use_tqdm, desc="Processed prompts", unit="it")
+        others = []  # outputs of a custom loop's requests (add_request): given back, not lost
         try:
             for rid, ids, text, sp, layout, i, _ in reqs:
                 # `ids` is this call's own list: the one sequence of a request takes it
@@ -230,18 +244,28 @@ class LLM:
                                 own_ids=sps[i].n == 1)
             while engine.has_unfinished():
                 for out in engine.step():
-                    if out.request_id in order:
-                        i, k = order[out.request_id]
-                        results[i][k] = out
-                        bar.update(1)
+                    if out.request_id not in order:
+                        others.append(out)
+                        continue
+                    i, k = order[out.request_id]
+                    results[i][k] = out
+                    bar.update(1)
             engine.flush_kv_store()
         except BaseException:
             engine.recover(list(order))
             raise
         finally:
             bar.close()
+            engine._early[:0] = others  # the custom loop's next step() returns them
         return [merge_samples(str(self._next_id - len(prompts) + i), r) if len(r) > 1 else r[0]
                 for i, r in enumerate(results)]
+
+    def _skip_ids_in_use(self, count: int) -> None:
+        """generate's request ids are str(k) (samples "k:j") for k from _next_id, vLLM's: moved
+        past every id a custom loop's add_request holds, so neither takes the other's."""
+        live = {str(s.request_id).split(":")[0] for s in self.llm_engine.live_sequences()}
+        while live and any(str(self._next_id + i) in live for i in range(count)):
+            self._next_id += 1
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -267,9 +291,12 @@ class LLM:
         `kv_store_dir`, in any later one (this call returns once the blocks are on disk).
         Duplicates are computed once; all spans go through one batched prefill.
 
-        Returns {"spans", "span_tokens", "blocks_written"}.
+        Returns {"spans", "span_tokens", "blocks_written"}. An engine that cannot keep a span
+        for later (enable_prefix_caching=False, kv_mode="rotated") is a ValueError naming the
+        option, before any work.
         """
         from minipic_jax.prompts import Span
+        _check_span_caching(self.config)
         m = self.llm_engine.markers
         seen, prompts = set(), []
         for k, content in enumerate(spans):

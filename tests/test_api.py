@@ -111,6 +111,24 @@ def test_bad_prompts_name_the_request(llm, prompt, match):
     assert llm.generate([[256, 1]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
+def test_generate_beside_a_custom_loop_takes_no_id_and_loses_no_output(llm):
+    # a request queued by add_request under the id generate would use next: generate ran it to
+    # the end and dropped its output (the loop never saw it), or refused its own "request id
+    # already in use"
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    want = llm.generate([[256, 7, 8, 9], [256, 1, 2]], sp, use_tqdm=False)
+    taken = str(llm._next_id)
+    eng.add_request(taken, [256, 7, 8, 9], sp)
+    out = llm.generate([[256, 1, 2]], sp, use_tqdm=False)[0]
+    assert out.request_id != taken and out.outputs[0].token_ids == want[1].outputs[0].token_ids
+    got = []
+    while eng.has_unfinished():
+        got += eng.step()
+    assert [o.request_id for o in got] == [taken]
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
 def test_bad_input_in_add_request_leaves_other_requests_alone(llm):
     eng = llm.llm_engine
     eng.add_request("ok", [256, 3, 4], SamplingParams(temperature=0, max_tokens=3))
@@ -146,6 +164,16 @@ def test_request_that_never_fits_and_markers_in_rotated_mode():
     with pytest.raises(ValueError, match="request 0: .*marker at token index 16 .*rotated"):
         rot.generate([[Prompt([256, 1, 2]), Span([3, 4])]], SamplingParams(max_tokens=2),
                      use_tqdm=False)
+    with pytest.raises(ValueError, match="cache_spans needs kv_mode='position_free'.*rotated"):
+        rot.cache_spans([[3, 4]])
+
+
+def test_cache_spans_without_prefix_caching_is_refused():
+    # it would compute the spans and keep none (silently, before): refused before any step
+    plain = LLM("tiny_llama", num_kv_blocks=32, max_model_len=128, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="cache_spans needs enable_prefix_caching=True"):
+        plain.cache_spans([[3, 4]])
+    assert plain.llm_engine.runner.num_compiles == 0  # nothing ran
 
 
 def test_abort_frees_blocks_and_others_finish(llm):
