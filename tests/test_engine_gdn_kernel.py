@@ -66,6 +66,9 @@ def test_llm_refuses_a_gdn_impl_it_cannot_run(monkeypatch):
                                          r"'mosaic' needs a GPU"):
         LLM("tiny_qwen3_5", gdn_impl="mosaic", max_num_seqs=2, max_num_batched_tokens=32,
             max_model_len=128, num_kv_blocks=32, warmup=False)
+    with pytest.raises(ValueError, match=r"gdn_impl \(Config.gdn.impl\)='xla' .* no gated delta"):
+        LLM("tiny_llama", gdn_impl="xla", max_num_seqs=2, max_num_batched_tokens=32,
+            max_model_len=128, num_kv_blocks=32, warmup=False)  # a Llama has no GDN layers
 
 
 def _gpu_runner(monkeypatch, mcfg, dtype, gdn_impl):

@@ -41,8 +41,13 @@ def gdn_choice(config, family, mcfg, dtype, platform: str | None = None) -> str 
     """The gated delta prefill kernel of a hybrid model's steps (None for a model without
     recurrent layers): Config.gdn.impl resolved once by the kernel registry's policy
     (gated_delta.api.choose_gated_delta) for the model's shapes (its values' dtype, Dk, Dv and
-    chunk). A name that cannot take them is a ValueError naming the option, the name and why."""
+    chunk). A name that cannot take them is a ValueError naming the option, the name and why;
+    so is any name but "auto" for a model without gated delta layers (nothing would run it)."""
     if not family.IS_HYBRID:  # the family contract's flag
+        if config.gdn.impl != "auto":
+            raise ValueError(f"gdn_impl (Config.gdn.impl)={config.gdn.impl!r} chooses the gated "
+                             f"delta kernel of hybrid models; this model has no gated delta "
+                             f"layers (leave it 'auto')")
         return None
     problem = gated_delta_api.Problem(
         platform=platform or jax.default_backend(), dtype=jnp.dtype(dtype).name,
