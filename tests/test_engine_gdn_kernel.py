@@ -41,7 +41,9 @@ def test_gdn_impl_is_chosen_for_the_models_shapes():
     assert _choose("auto") == "pallas_fused" and _choose("auto", platform="cpu") == "xla"
     assert _choose("mosaic", QWEN35_LAYERS) == "mosaic"
     assert _choose("mosaic_intra", QWEN35_LAYERS, jnp.float16) == "mosaic_intra"
-    assert _choose("mosaic", family=llama) is None  # no recurrent layers: nothing to choose
+    assert _choose("auto", family=llama) is None  # no recurrent layers: nothing to choose
+    with pytest.raises(ValueError, match="no gated delta layers"):
+        _choose("mosaic", family=llama)  # and naming a kernel for them is a mistake
     why = r"gdn_impl \(Config.gdn.impl\): implementation='mosaic' "
     with pytest.raises(ValueError, match=why + "needs Dk, Dv multiples of 64 up to 128, got "
                                                 "Dk=16 Dv=16"):
