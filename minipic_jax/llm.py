@@ -256,7 +256,7 @@ class LLM:
             raise
         finally:
             bar.close()
-            engine._early[:0] = others  # the custom loop's next step() returns them
+            engine.give_back(others)  # the custom loop's next step() returns them
         return [merge_samples(str(self._next_id - len(prompts) + i), r) if len(r) > 1 else r[0]
                 for i, r in enumerate(results)]
 

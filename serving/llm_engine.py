@@ -4,16 +4,15 @@ One `step()` = schedule (host) -> host-tier page moves -> one jitted device call
 frontiers, append sampled tokens, finish requests. Public so custom loops and Ray actors can
 drive it; `minipic_jax.LLM` is a thin batch wrapper over it.
 
-Async scheduling (Config.async_scheduling, the default) overlaps the host with the device, one
-step in flight: step() schedules and dispatches step N+1, then reads back step N's tokens (the
-one sync, while N+1 runs), finishes requests, and advances N+1's frontiers. A token sampled by
-the step in flight is a placeholder on the host (Sequence.num_pending) whose value the next
-decode reads on device. Consequences: requests finished at step N are returned by the next
-step() call; a request that stops on a stop/EOS token at step N had a row in N+1 whose output
-is discarded (its KV write lands in its own freed block, rewritten before any reader; its block
-is never published). Explicit synchronous fallback: before preempting, the scheduler has the
-engine read back the step in flight first (`_read_back_early`), so preempted sequences never hold
-a pending token (counted in get_stats()["sync_fallbacks"]).
+Async scheduling (Config.async_scheduling, the default) overlaps the host with the device, one step
+in flight: step() schedules and dispatches step N+1, then reads back step N's tokens (the one sync,
+while N+1 runs), finishes requests, and advances N+1's frontiers. A token sampled by the step in
+flight is a placeholder on the host (Sequence.num_pending) whose value the next decode reads on
+device. Consequences: requests finished at step N are returned by the next step() call; a request
+that stops on a stop/EOS token at step N had a row in N+1 whose output is discarded (its KV write
+lands in its own freed block, rewritten before any reader; its block is never published). Before
+preempting, the scheduler has the engine read back the step in flight (`_read_back_early`, counted
+in get_stats()["sync_fallbacks"]): a preempted sequence never holds a pending token.
 """
 
 from __future__ import annotations
@@ -166,7 +165,6 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._early) or self.scheduler.has_unfinished()
-
     has_unfinished_requests = has_unfinished
 
     @property
@@ -196,6 +194,10 @@ class LLMEngine:
         """Forget the finished outputs of `request_ids` that no step() has returned yet."""
         ids = set(request_ids)
         self._early = [o for o in self._early if o.request_id not in ids]
+
+    def give_back(self, outputs) -> None:
+        """Outputs another caller stepped (generate beside a custom loop), for the next step()."""
+        self._early[:0] = outputs
 
     # -- the cache manager's parts, for code that reads them ---------------------------------
     @property
