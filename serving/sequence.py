@@ -260,16 +260,15 @@ class Sequence:
         stays valid while that list is the table. A cached 33K-token request's ~2,000 entries
         are read as an array by its chunk plan, its seat's rows and its release."""
         table, memo = self.block_table, self.memo.table_array
-        arr = memo[1] if memo is not None and memo[0] is table else _EMPTY
-        n, k = len(table), arr.size
+        n = len(table)
+        valid = memo is not None and memo[0] is table and memo[1].size <= n  # a shrunk list: anew
+        arr = memo[1] if valid else _EMPTY
+        k = arr.size
         if k < n:
             arr = np.concatenate([arr, np.fromiter(table[k:], np.int64, n - k)]) if k else \
                 np.fromiter(table, np.int64, n)
             arr.flags.writeable = False
             self.memo.table_array = (table, arr)
-        elif k > n:  # cannot happen while tables only grow; converted again to stay exact
-            self.memo.table_array = None
-            return self.table_array()
         return arr
 
     # -- per-token geometry for a range of token indices ----------------------------------------

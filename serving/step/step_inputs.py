@@ -8,6 +8,7 @@ import functools
 
 import numpy as np
 
+from serving.cache.block_manager import BULK
 from serving.cache.page_zeroing import zero_rows
 from serving.hybrid.checkpoint_plan import CHECKPOINTS_PER_STEP
 from serving.hybrid.span_step import MAX_CAPTURES, piece_bound
@@ -83,7 +84,7 @@ class SeatTables:
         if k < n:
             # many entries (an admitted cached prompt's): from the sequence's array, converted
             # once for the chunk plan, these rows and the release (Sequence.table_array)
-            self.tables[seat, k:n] = seq.table_array()[k:n] if n - k >= 64 else \
+            self.tables[seat, k:n] = seq.table_array()[k:n] if n - k >= BULK else \
                 seq.block_table[k:n]
             # the prompt's blocks from the layout's arrays (a cached 33K-token prompt's 2,000
             # rows copied, not converted from lists); only its last block gains tokens after
