@@ -281,8 +281,10 @@ class Sequence:
         pi = np.minimum(idx, max(n_p - 1, 0))
         pos = np.where(gen, lay.num_valid + (idx - n_p), lay.pos[pi])
         win = np.where(gen, lay.last_win, lay.win_at(pi))
-        blk = idx // self.block_size
-        bps = self.block_pos_starts()[blk]
+        # generated tokens sit in the prompt's last block or later: only the tail's starts are
+        # read (the clamped index of a prompt token is masked below)
+        blk = np.maximum(idx // self.block_size - self.tail_block, 0)
+        bps = np.asarray(self.tail_pos_start, np.int32)[blk]
         slot = np.where(gen, pos - bps, lay.slot_off_at(pi))
         pad = np.where(gen, False, lay.is_pad[pi])
         return (pos.astype(np.int32), win.astype(np.int32), slot.astype(np.int32),
