@@ -51,15 +51,29 @@ def _write(fuse_family, served, new, *, layer: bool):
     return jax.tree.map(_into, served, new)
 
 
-class WeightsWriter:
+class _Programs:
+    """Write programs compiled on first use and kept by key; `compiles` counts them."""
+
+    def __init__(self):
+        self._compiled: dict = {}
+        self.compiles = 0
+
+    def _kept(self, key, compile_now):
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = compile_now()
+            self.compiles += 1
+        return fn
+
+
+class WeightsWriter(_Programs):
     """The write programs of one engine, compiled on first use and kept by the avals they take
     (every layer of one kind shares one)."""
 
     def __init__(self, family, fuse: bool):
+        super().__init__()
         self._jit = jax.jit(functools.partial(_write, family if fuse else None),
                             donate_argnums=0, static_argnames="layer")
-        self._compiled: dict = {}
-        self.compiles = 0
 
     def __call__(self, served, new, *, layer: bool):
         """`new` (a layer's params when `layer`, else the top-level leaves) written into
@@ -71,11 +85,7 @@ class WeightsWriter:
         compiled now if it is not yet."""
         key = (layer, jax.tree.structure(served), jax.tree.structure(new), _avals(served),
                _avals(new))
-        fn = self._compiled.get(key)
-        if fn is None:
-            fn = self._compiled[key] = self.compile(served, new, layer=layer)
-            self.compiles += 1
-        return fn
+        return self._kept(key, lambda: self.compile(served, new, layer=layer))
 
     def compile(self, served, new, *, layer: bool):
         """The write program for these arrays or ShapeDtypeStructs (its `memory_analysis()`
@@ -91,15 +101,14 @@ def _shardings(tree):
     return tuple(x.sharding for x in jax.tree.leaves(tree))
 
 
-class ShardedWeightsWriter:
+class ShardedWeightsWriter(_Programs):
     """Tensor parallelism: the write programs of one engine's mesh, compiled on first use and
     kept by the avals, shardings and logical axes they take (every layer of one kind shares
     one). `copies`: how many times each KV head is repeated (sharding.kv_replication)."""
 
     def __init__(self, copies: int):
+        super().__init__()
         self.copies = copies
-        self._compiled: dict = {}
-        self.compiles = 0
 
     def __call__(self, served, new, axes):
         """`new` (placed at `sharding.source_shardings(new, axes, mesh, copies)`) written into
@@ -111,11 +120,7 @@ class ShardedWeightsWriter:
         and `axes` (the logical axes of `new`), compiled now if it is not yet."""
         key = (repr(axes), jax.tree.structure(served), jax.tree.structure(new), _avals(served),
                _avals(new), _shardings(served), _shardings(new))
-        fn = self._compiled.get(key)
-        if fn is None:
-            fn = self._compiled[key] = self.compile(served, new, axes)
-            self.compiles += 1
-        return fn
+        return self._kept(key, lambda: self.compile(served, new, axes))
 
     def compile(self, served, new, axes):
         """The write program: outputs at the served shardings, each aliasing its served input
