@@ -77,7 +77,7 @@ def _chain_kernel(chain_ref, n_ref, a_ref, b_ref, s_ref, o_ref, *, heads, block_
     o_ref[...] = jax.lax.fori_loop(0, n_ref[r], step, s_ref[...].astype(_F32))
 
 
-def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int = 64,
+def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | None = None,
                 num_warps: int = 4, interpret: bool = False):
     """Each row's state after its chain of maps, in the cache's layout.
 
@@ -86,11 +86,13 @@ def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int = 6
       chains: [S, L] int32 pool slots in order (entries at or past a row's length are not read);
       n_maps: [S] int32 maps to apply per row (0: the state is copied).
       state: [Lg, S, Hv, Dk, Dv] float32 (serving's read_states layout).
-      precision: of the dots (module doc); block_v: value columns per program (divides Dv).
+      precision: of the dots (module doc); block_v: value columns per program (divides Dv;
+        None: min(64, Dv)).
     Returns:
       [Lg, S, Hv, Dk, Dv] float32.
     """
     layers, rows, heads, dk, dv = state.shape
+    block_v = min(64, dv) if block_v is None else block_v
     if a.shape[1:] != (layers, heads, dk, dk) or b.shape[1:] != (layers, heads, dk, dv):
         raise ValueError(f"chain_apply: pool a {a.shape} / b {b.shape} do not fit states "
                          f"{state.shape}")
