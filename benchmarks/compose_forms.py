@@ -4,7 +4,8 @@ heads, Dk = Dv = 128, float32), the captured step's chains (12, 10 and 8 maps on
 chain length 256), random maps of norm ~1: for each form of chain_compose (the Triton chain
 kernel, the per-position XLA loop) and each composition precision, the median ms of
 span_maps.entry_states, its TFLOP/s and its relative difference from the XLA loop at "highest".
-A form that fails to compile prints its error and the others still run.
+A form that fails to compile prints its error and the others still run. Then the kernel's
+(block_v, num_warps) at "highest" (`sweep`), to pick chain_triton's defaults.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import numpy as np
 
 from benchmarks.timing import time_calls
 from kernels_pallas.gated_delta import affine
+from kernels_pallas.gated_delta.chain_triton import chain_apply
 from serving.hybrid import chain_compose, span_maps
+
+SWEEP = ((64, 8), (64, 4), (32, 4), (128, 8), (128, 16))
 
 LAYERS, HEADS, DK, CONV, K1 = 18, 16, 128, 6144, 3
 LENGTHS, ROWS, LENGTH = (12, 10, 8), 4, 256
@@ -62,5 +66,23 @@ def main(reps: int = 10) -> None:
                   f"| rel. diff. from xla highest {rel:.2e}", flush=True)
 
 
+def sweep(reps: int = 10) -> None:
+    """chain_apply alone (delta states only) at each (block_v, num_warps) of SWEEP."""
+    pool, chains, _, delta0 = inputs()
+    n = span_maps.chain_lengths(chains)
+    gflop = sum(LENGTHS) * chain_compose.flops_per_application(LAYERS, HEADS, DK, DK) / 1e9
+    for block_v, warps in SWEEP:
+        call = jax.jit(functools.partial(chain_apply, block_v=block_v, num_warps=warps))
+        try:
+            ms = 1e3 * time_calls(call, pool.a, pool.b, chains, n, delta0, iters=1, reps=reps)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other settings
+            print(f"compose kernel block_v {block_v} warps {warps}: {type(e).__name__}: "
+                  f"{str(e)[:200]}")
+            continue
+        print(f"compose kernel block_v {block_v:3d} warps {warps:2d} | {ms:.3f} ms | "
+              f"{gflop / ms:.2f} TFLOP/s", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    sweep()

@@ -137,3 +137,17 @@ def test_compose_lowers_to_one_kernel_for_cuda(monkeypatch):
     assert ops["xla.gpu.triton"] == 1 and ops["stablehlo.while"] == 0, ops
     assert "x128x128xf32> = stablehlo.gather" not in text
     assert not re.search(r"stablehlo.gather.*-> tensor<\d+x18x16x128x128xf32>", text)
+
+
+@pytest.mark.slow  # ~2 min on CPU (an engine, its compose program running the kernel interpreted)
+def test_engine_composing_by_the_kernel_matches_the_reference(monkeypatch):
+    """tests/test_engine_hybrid_spans.py's cached-span scenario (12 spans skipped, chains of up
+    to 4 maps, one shorter than the conv window) with the engine's compose program on the
+    kernel: tokens and logprobs within 1e-5 of the float64 hybrid reference."""
+    import tests.test_engine_hybrid_spans as spans
+    from minipic_jax import LLM
+    monkeypatch.setattr(chain_compose, "use_kernel", lambda impl="auto": impl != "xla")
+    llm = spans._slow_decay(LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
+                                max_num_batched_tokens=64, min_token_bucket=64,
+                                max_model_len=512, block_size=16, num_kv_blocks=96))
+    spans.test_cached_spans_are_skipped_and_match_the_reference(llm)

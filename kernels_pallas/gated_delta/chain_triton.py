@@ -78,7 +78,7 @@ def _chain_kernel(chain_ref, n_ref, a_ref, b_ref, s_ref, o_ref, *, heads, block_
 
 
 def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | None = None,
-                num_warps: int = 4, interpret: bool = False):
+                num_warps: int = 8, interpret: bool = False):
     """Each row's state after its chain of maps, in the cache's layout.
 
     Args:
@@ -87,7 +87,9 @@ def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | N
       n_maps: [S] int32 maps to apply per row (0: the state is copied).
       state: [Lg, S, Hv, Dk, Dv] float32 (serving's read_states layout).
       precision: of the dots (module doc); block_v: value columns per program (divides Dv;
-        None: min(64, Dv)).
+        None: min(64, Dv)); num_warps: per program (8: a [Dk, Dk] float32 A, the state block,
+        B and the product stay in registers; not yet tuned on a device, see
+        benchmarks/compose_forms.py's sweep).
     Returns:
       [Lg, S, Hv, Dk, Dv] float32.
     """
