@@ -105,7 +105,7 @@ def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | N
                          lambda r, g, v: (g // heads, r, g % heads, 0, v))
     kernel = functools.partial(_chain_kernel, heads=heads, block_v=block_v,
                                precision=precision, interpret=interpret)
-    chains = jnp.asarray(chains, jnp.int32)
+    chains = jnp.clip(jnp.asarray(chains, jnp.int32), 0, a.shape[0] - 1)  # never read outside
     n_maps = jnp.minimum(jnp.asarray(n_maps, jnp.int32), chains.shape[1])
     return pl.pallas_call(
         kernel, grid=(rows, layers * heads, dv // block_v),
