@@ -15,9 +15,14 @@ not written back), on the engine's own cache and map pool, next to the step it p
 
 cost per span = slope / rows / step (a span skipped by one sequence: one map on one row).
 plan: the map applications and GFLOP the composition runs (serving/hybrid/chain_compose.py),
-against the loop before it (every chain row up to the longest chain). precisions: the captured
-chains composed under each Config.span_maps.compose_precision (ms, share of the step, TFLOP/s,
-relative difference of the entry states from IEEE float32's).
+against the loop before it (every chain row up to the longest chain). forms: the captured chains
+composed by each form of chain_compose.IMPLS in the same process (on a GPU "auto" is the Triton
+chain kernel, "xla" the per-position loop it replaced). precisions: the captured chains composed
+under each Config.span_maps.compose_precision (ms, share of the step, TFLOP/s, relative
+difference of the entry states from IEEE float32's), the difference measured on probe maps:
+the captured ones' A are exactly 0 on the random-weight presets (their decay, exp(g) ~ 0.03 a
+token, underflows over a 128-token span), so A S is 0 and every precision gives the same bits
+on them (`a_zero`: the share of the captured maps' A entries that are 0).
 """
 
 from __future__ import annotations
@@ -66,6 +71,29 @@ def _fields(runner, ints, kw):
             for k, (o, shape) in spec.items()}
 
 
+FORMS = ("triton", "xla")  # chain_compose.IMPLS timed side by side ("auto" is one of them)
+
+
+def tflops(gflop: float, ms: float) -> float:
+    """TFLOP/s of `gflop` GFLOP done in `ms` milliseconds (GFLOP per ms is TFLOP/s)."""
+    return gflop / ms
+
+
+def probe_pool(pool, chains, seed: int = 0):
+    """(pool, chains) holding only the maps `chains` name, with A replaced by a seeded random
+    [Dk, Dk] of norm ~1 per column (B, tails, counts kept): maps whose products every precision
+    rounds differently, unlike the random presets' A = 0."""
+    used = np.unique(chains[chains >= 0])
+    ids = jnp.asarray(used, jnp.int32)
+    remap = np.full(int(pool.a.shape[0]), -1, np.int32)
+    remap[used] = np.arange(used.size, dtype=np.int32)
+    dk = pool.a.shape[-1]
+    a = jax.random.normal(jax.random.key(seed), (used.size,) + pool.a.shape[1:], jnp.float32)
+    probe = span_maps.SpanMapPool(a=a / np.sqrt(dk), b=pool.b[ids], tail=pool.tail[ids],
+                                  count=pool.count[ids])
+    return probe, np.where(chains >= 0, remap[np.clip(chains, 0, None)], -1).astype(np.int32)
+
+
 def _median_ms(fn, reps):
     """Median ms of one call waited for, after two warm-up calls."""
     return 1e3 * time_calls(fn, iters=1, reps=reps)
@@ -94,16 +122,16 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
     ints, floats, kw, use_prev, f = capture.best
     step_ms = _median_ms(lambda: runner._dispatch(ints, floats, use_prev, kw), reps)
 
-    @functools.partial(jax.jit, static_argnames="precision")
-    def compose(cache, pool, slots, chains, precision):
+    @functools.partial(jax.jit, static_argnames=("precision", "impl"))
+    def compose(cache, pool, slots, chains, precision, impl="auto"):
         conv0, delta0 = family.read_states(cache, slots)
         return span_maps.entry_states(pool, chains, conv0, delta0,
-                                      precision=affine.compose_precision(precision))
+                                      precision=affine.compose_precision(precision), impl=impl)
 
-    def timed(chains, precision=runner.composer.precision):
+    def timed(chains, precision=runner.composer.precision, impl="auto"):
         args = [jnp.asarray(x) for x in (f["slot"], chains)]
-        return _median_ms(lambda: compose(runner.cache, runner.span_pool, *args, precision),
-                          reps)
+        return _median_ms(lambda: compose(runner.cache, runner.span_pool, *args, precision,
+                                          impl), reps)
 
     chains = f["chain"]
     rows, length = chains.shape
@@ -122,21 +150,30 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
                 compose_share=compose_ms / step_ms, synthetic_compose_ms=synth,
                 per_map_all_rows_ms=per_map, per_span_ms=per_map / rows,
                 per_span_share=per_map / rows / step_ms, plan=plan,
+                forms={impl: timed(chains, impl=impl) for impl in FORMS},
+                a_zero=_a_zero(runner.span_pool, chains),
                 precisions=_precisions(compose, timed, runner, f, plan, step_ms),
                 map_bytes=int(runner.span_pool.a[0].nbytes + runner.span_pool.b[0].nbytes))
 
 
+def _a_zero(pool, chains) -> float:
+    """The share of the chained maps' A entries that are exactly 0."""
+    ids = jnp.asarray(np.unique(chains[chains >= 0]), jnp.int32)
+    return float(jnp.mean(pool.a[ids] == 0)) if ids.size else 0.0
+
+
 def _precisions(compose, timed, runner, f, plan, step_ms) -> dict:
-    """name -> ms, share of the step, TFLOP/s and rel. difference from "highest" of the captured
-    chains' entry states."""
-    args = [jnp.asarray(x) for x in (f["slot"], f["chain"])]
-    exact = np.asarray(compose(runner.cache, runner.span_pool, *args, "highest")[1], np.float64)
+    """name -> ms, share of the step, TFLOP/s (captured chains) and rel. difference from
+    "highest" of the entry states (the same chains on `probe_pool`'s maps)."""
+    pool, chains = probe_pool(runner.span_pool, f["chain"])
+    args = [jnp.asarray(x) for x in (f["slot"], chains)]
+    exact = np.asarray(compose(runner.cache, pool, *args, "highest")[1], np.float64)
     out = {}
     for name in affine.COMPOSE_PRECISIONS:
         ms = timed(f["chain"], name)
-        got = np.asarray(compose(runner.cache, runner.span_pool, *args, name)[1], np.float64)
+        got = np.asarray(compose(runner.cache, pool, *args, name)[1], np.float64)
         rel = float(np.linalg.norm(got - exact) / max(np.linalg.norm(exact), 1e-30))
-        out[name] = dict(ms=ms, share=ms / step_ms, tflops=plan["gflop"] / ms / 1e3,
+        out[name] = dict(ms=ms, share=ms / step_ms, tflops=tflops(plan["gflop"], ms),
                          rel_vs_highest=rel)
     return out
 
@@ -157,7 +194,12 @@ def report(res: dict) -> str:
         f"compose plan: {p['maps']} maps, {p['applications']} applications (the loop before: "
         f"{p['applications_before']}), {p['gflop']:.3f} GFLOP "
         f"({p['gflop_per_application']:.3f} each)",
-        "compose precision | ms | share of step | TFLOP/s | rel. diff. from highest"]
+        "compose form | ms | share of step | TFLOP/s  (the engine's precision; triton: the chain "
+        "kernel, auto on a GPU; xla: the per-position loop)"]
+    lines += [f"compose form {impl:5s} | {ms:.3f} | {ms / res['step_ms']:.2%} | "
+              f"{tflops(p['gflop'], ms):.2f}" for impl, ms in res["forms"].items()]
+    lines += [f"compose precision | ms | share of step | TFLOP/s | rel. diff. from highest "
+              f"(probe maps; the captured maps' A are {res['a_zero']:.1%} zeros)"]
     lines += [f"compose {name:9s} | {v['ms']:.3f} | {v['share']:.2%} | {v['tflops']:.2f} | "
               f"{v['rel_vs_highest']:.2e}" for name, v in res["precisions"].items()]
     return "\n".join(lines)

@@ -40,3 +40,43 @@ def test_capture_keeps_the_chains_of_its_compose_call():
     plan = span_compose_cost._plan(pool, f["chain"])  # Qwen3.5-0.8B: 1.208 GFLOP a map
     assert (plan["maps"], plan["applications"], plan["applications_before"]) == (30, 30, 48)
     assert round(plan["gflop"], 1) == 36.2
+
+
+def test_tflop_rate_is_gflop_per_ms():
+    """36.239 GFLOP in 2.897 ms is 12.5 TFLOP/s (the report printed 0.01: one 1e3 too many)."""
+    assert abs(span_compose_cost.tflops(36.239, 2.897) - 12.51) < 0.01
+    res = dict(plan=dict(gflop=36.239), precisions={}, forms={"xla": 2.897}, step_ms=15.13,
+               a_zero=1.0)
+    lines = [x for x in _report_tail(res).splitlines() if x.startswith("compose form xla")]
+    assert lines and lines[0].split("|")[3].strip() == "12.51", lines
+
+
+def _report_tail(res):
+    """report() from its form lines on (the summary fields are not under test here)."""
+    full = dict(tokens=1024, maps_in_step=30, chain_rows=3, chain_shape=[4, 256], compose_ms=1.0,
+                compose_share=0.1, per_span_ms=0.1, per_span_share=0.01,
+                synthetic_compose_ms={1: 1.0}, **res)
+    full["plan"] = dict(maps=30, applications=30, applications_before=40,
+                        gflop_per_application=1.208, **res["plan"])
+    return span_compose_cost.report(full)
+
+
+def test_probe_pool_keeps_the_chained_maps_with_a_nonzero_a(fresh_rng):
+    """The random presets' captured A are 0 (every precision composes them to the same bits, so
+    the report's rel. diff. was 0 for all four): the probe keeps the chained slots' B, tails
+    and counts in a compact pool, chains remapped, with a random A of unit column norm."""
+    import jax.numpy as jnp
+
+    from serving.hybrid import span_maps
+    pool = span_maps.allocate(9, 2, 2, 8, 8, 3, 2)
+    pool = span_maps.SpanMapPool(a=pool.a, b=jnp.asarray(fresh_rng.standard_normal(pool.b.shape),
+                                                         jnp.float32),
+                                 tail=pool.tail, count=jnp.arange(9, dtype=jnp.int32))
+    chains = np.array([[7, 2, 7, -1], [5, -1, -1, -1]], np.int32)
+    assert span_compose_cost._a_zero(pool, chains) == 1.0
+    probe, remapped = span_compose_cost.probe_pool(pool, chains)
+    assert remapped.tolist() == [[2, 0, 2, -1], [1, -1, -1, -1]]
+    np.testing.assert_array_equal(np.asarray(probe.b), np.asarray(pool.b)[[2, 5, 7]])
+    assert probe.count.tolist() == [2, 5, 7] and span_compose_cost._a_zero(probe, remapped) == 0
+    norms = np.linalg.norm(np.asarray(probe.a), axis=-2)
+    assert 0.5 < norms.mean() < 1.5

@@ -12,7 +12,7 @@ or "auto", the first of `auto_order`'s list that takes the problem. A record's `
 equal-length chunked prefill; the ragged entry points (ragged.py, affine.py) run the chosen
 record's name. Models reach the op through this module only: it re-exports the ragged entry
 points and their helpers (`ragged_prefill`, `ragged_maps`, `ragged_packing`, `maps_packing`,
-`take_rows`, `apply_map`).
+`take_rows`, `apply_map`, `chain_apply`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from kernels_pallas import registry
 from kernels_pallas.gated_delta import affine, chunked, dots, ragged, tree_scan
 from kernels_pallas.gated_delta.affine import apply as apply_map, maps_packing  # noqa: F401
 from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precision  # noqa: F401
+from kernels_pallas.gated_delta.chain_triton import chain_apply  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
 from kernels_pallas.gated_delta.ragged import packing as ragged_packing, take_rows  # noqa: F401
 from kernels_pallas.registry import Implementation
 
-__all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "Problem", "apply_map", "auto_order", "choose",
-           "choose_gated_delta", "decode_step", "maps_packing", "prefill", "ragged_gated_delta",
+__all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "Problem", "apply_map", "auto_order", "chain_apply",
+           "choose", "choose_gated_delta", "decode_step", "maps_packing", "prefill", "ragged_gated_delta",
            "ragged_maps", "ragged_packing", "ragged_prefill", "take_rows"]
 
 

@@ -15,6 +15,13 @@ widths both come from the chain lengths (`bounds`): the same function plans on t
 Work done / work needed <= the largest ratio of neighbouring widths (4/3 or 3/2 past 4 rows); up
 to 4 rows every width exists, so the work is exact, and a loop whose width is one more than the
 next one's runs no mask (every row of it composes at every position it runs).
+
+On a GPU that loop is the slow form: each trip copies its maps out of the pool (a gather), then
+the dot, the add and the ended-chain select each pass over HBM, ~12 map-sized passes per
+application (~97 us for one Qwen3.5-0.8B map on one row on an H100, against ~13 us to read A and
+B once). `compose_kernel` replaces it there (`use_kernel`): one Triton program per (row, layer,
+head, value block) runs its row's whole chain with the state block in registers, reading each
+map from the pool by slot, and the conv windows come in closed form (`chain_window`).
 """
 
 from __future__ import annotations
@@ -23,9 +30,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.gated_delta.api import apply_map
+from kernels_pallas.gated_delta.api import apply_map, chain_apply
+from kernels_pallas.sharding import tp_mesh
 
 EXACT_WIDTHS = 4  # every width up to this one; then 6, 8, 12, 16, 24, 32, 48, 64, ...
+
+
+# Which form composes the chains: "auto" (the Triton kernel on a GPU without a TP mesh, else the
+# XLA loop), "triton" (the kernel; interpreted off a GPU) or "xla" (compose_sorted's loop).
+IMPLS = ("auto", "triton", "xla")
+_GPU = ("gpu", "cuda")
+
+
+def use_kernel(impl: str = "auto") -> bool:
+    """Whether chains are composed by the Triton kernel (`compose_kernel`): asked, or "auto" on a
+    GPU outside a tensor-parallel trace (there the pool and states split by heads, and the XLA
+    loop, which XLA partitions, serves). ValueError naming the choices for another name."""
+    if impl not in IMPLS:
+        raise ValueError(f"chain compose impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl == "triton"
+    return _platform() in _GPU and tp_mesh() is None
+
+
+def _platform() -> str:
+    """The platform the chains compose on (tests trace "gpu" on CPU by replacing this)."""
+    return jax.default_backend()
+
+
+def compose_kernel(pool, chains, n_maps, conv, delta, precision=None):
+    """The states after each row's chain (any row order), in the cache's layout: the delta states
+    by the Triton kernel (kernels_pallas/gated_delta/chain_triton.py: one pass per chain, maps
+    read from the pool by slot), the conv windows in closed form (`chain_window`).
+
+    chains [S, L] int32, n_maps [S] int32 (rows need no sorting); conv [Lg, S, C, K1]; delta
+    [Lg, S, Hv, Dk, Dv] float32. Returns (conv, delta) as given, moved on by the chains."""
+    delta = chain_apply(pool.a, pool.b, chains, n_maps, delta, precision=precision,
+                        interpret=_platform() not in _GPU)
+    return chain_window(pool, chains, n_maps, conv), delta
 
 
 def widths(rows: int) -> tuple[int, ...]:
@@ -120,3 +162,32 @@ def shift_window(window, tail, n):
     older = jnp.take_along_axis(window, jnp.broadcast_to(jnp.clip(j + n, 0, k1 - 1),
                                                          window.shape), axis=-1)
     return jnp.where(j >= k1 - n, tail.astype(window.dtype), older)
+
+
+def chain_window(pool, chains, n_maps, window):
+    """The conv windows after each row's chain, in closed form (no loop over positions): the
+    window's position j holds the d = K1 - j th most recent input, which comes from the last map
+    i whose inputs from i on number at least d (at its tail's K1 - (d - inputs after i)), or,
+    where the whole chain has fewer than d inputs, from the old window shifted by that count.
+    The same windows as `shift_window` run map by map, for any counts (0 included).
+
+    pool: the span-map pool (tail [P, Lg, C, K1], count [P]); chains [S, L] int32 pool slots;
+    n_maps [S] int32 the chains' lengths; window [Lg, S, C, K1]. Returns [Lg, S, C, K1]."""
+    k1, length = window.shape[-1], chains.shape[1]
+    slot = jnp.clip(chains, 0, pool.count.shape[0] - 1)
+    live = jnp.arange(length, dtype=jnp.int32)[None, :] < n_maps[:, None]
+    count = jnp.where(live, pool.count[slot], 0)  # [S, L]
+    from_i = jnp.flip(jnp.cumsum(jnp.flip(count, 1), 1), 1)  # inputs of maps i.. (non-increasing)
+    d = k1 - jnp.arange(k1, dtype=jnp.int32)  # [K1]
+    src = jnp.sum(from_i[:, None, :] >= d[None, :, None], axis=-1) - 1  # [S, K1]; -1: old window
+    at = jnp.clip(src, 0, length - 1)
+    after = (jnp.take_along_axis(from_i, at, 1) - jnp.take_along_axis(count, at, 1))
+    tails = pool.tail[jnp.take_along_axis(slot, at, 1)]  # [S, K1 (j), Lg, C, K1]
+    t_idx = jnp.clip(k1 - (d[None] - after), 0, k1 - 1)
+    new = jnp.take_along_axis(tails, t_idx[:, :, None, None, None], axis=-1)[..., 0]
+    old = jnp.moveaxis(window, 1, 0)  # [S, Lg, C, K1]
+    w_idx = jnp.clip(jnp.arange(k1, dtype=jnp.int32)[None] + from_i[:, :1], 0, k1 - 1)
+    kept = jnp.take_along_axis(old, jnp.broadcast_to(w_idx[:, None, None, :], old.shape), -1)
+    out = jnp.where((src >= 0)[:, None, None, :],
+                    jnp.moveaxis(new, 1, -1).astype(window.dtype), kept)
+    return jnp.moveaxis(out, 0, 1)

@@ -6,8 +6,9 @@ Kc - 1 layer inputs it saw (its conv tail). Both depend on the span's tokens onl
 span serves every request at any offset. A PDEP segment enters each layer with the state of the
 recurrence run over all earlier segments: the maps applied in order to the state before them, and
 the conv window shifted by each tail (docs/DESIGN.md section 5). `entry_states` does that on device,
-in the compose program before the step: per position in the chains, one gather from the pool, one
-batched matmul over the rows whose chain still runs (serving/hybrid/chain_compose.py).
+in the compose program before the step: on a GPU one Triton kernel pass per chain (its maps read
+from the pool by slot), elsewhere per position one gather from the pool and one batched matmul over
+the rows whose chain still runs (serving/hybrid/chain_compose.py).
 
 Shape letters: P pool slots, Lg GDN layers, S sequences, L maps per sequence (padded with -1),
 Hv/Dk/Dv delta heads and dims, C conv channels, K1 = Kc - 1.
@@ -92,15 +93,20 @@ def _longest_first(n_maps):
     return jnp.argsort(-n_maps, stable=True)
 
 
-def _compose(pool, chains, n_maps, conv0, delta0, precision):
-    """chain_compose.compose_sorted on states in the cache's layout ([Lg, S, ...])."""
+def _compose(pool, chains, n_maps, conv0, delta0, precision, impl="auto"):
+    """The chains composed on states in the cache's layout ([Lg, S, ...]): the Triton kernel
+    (chain_compose.use_kernel; any row order), else chain_compose.compose_sorted (rows sorted
+    longest first)."""
+    if chain_compose.use_kernel(impl):
+        return chain_compose.compose_kernel(pool, chains, n_maps, conv0,
+                                            delta0.astype(jnp.float32), precision)
     conv, delta = chain_compose.compose_sorted(
         pool, chains, n_maps, jnp.moveaxis(conv0, 1, 0),
         jnp.moveaxis(delta0.astype(jnp.float32), 1, 0), precision)
     return jnp.moveaxis(conv, 0, 1), jnp.moveaxis(delta, 0, 1)
 
 
-def entry_states(pool: SpanMapPool, slots, conv0, delta0, *, precision=None):
+def entry_states(pool: SpanMapPool, slots, conv0, delta0, *, precision=None, impl="auto"):
     """Entry states of S segments, each after its chain of cached spans.
 
     Args:
@@ -108,18 +114,22 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0, *, precision=None):
       slots: [S, L] int32 pool slots in order (the first map runs first); -1 ends a chain.
       conv0: [Lg, S, C, K1] conv windows before the chain; delta0: [Lg, S, Hv, Dk, Dv] float32.
       precision: of the composition's dots (affine.compose_precision; None: IEEE float32).
+      impl: chain_compose.IMPLS ("auto": the Triton kernel on a GPU, else the XLA loop).
     Returns:
       conv [Lg, S, C, K1] (conv0's dtype), delta [Lg, S, Hv, Dk, Dv] float32.
 
-    Rows are sorted longest chain first, then composed by chain_compose.compose_sorted: per
+    The kernel takes the rows as they are (chain_compose.compose_kernel). For the XLA loop rows
+    are sorted longest chain first, then composed by chain_compose.compose_sorted: per
     chain position one gather of that position's maps and one batched matmul, over the rows
     whose chain is still running (rounded up to a static width), so ended chains and the
     padding of L cost nothing and no [S, L] gather of whole maps is ever materialised.
     """
     n_maps = chain_lengths(slots)
+    if chain_compose.use_kernel(impl):
+        return _compose(pool, slots, n_maps, conv0, delta0, precision, impl)
     order = _longest_first(n_maps)
     conv, delta = _compose(pool, slots[order], n_maps[order], conv0[:, order], delta0[:, order],
-                           precision)
+                           precision, impl)
     back = jnp.argsort(order)
     return conv[:, back], delta[:, back]
 

@@ -1,0 +1,116 @@
+"""Pallas (Triton) kernel applying chains of cached span maps to recurrent states, one pass per
+chain (issue 29, "Composition cost").
+
+A row's chain is maps m_0, m_1, ... (pool slots) applied in order, S <- A_m S + B_m, per GDN layer
+and value head ("group", G = layers x heads, each [Dk, Dk] / [Dk, Dv] float32). The XLA loop
+(serving/hybrid/chain_compose.compose_sorted) runs one while-loop trip per chain position:
+gather the position's maps out of the pool (a copy of A and B), one batched dot, the add and
+the ended-chain select, each a pass over HBM (~12 map-sized passes an application, ~97 us on
+an H100 for one Qwen3.5-0.8B map on one row). Here one program per (row, group, Dv block) keeps
+its state block in registers for the whole chain: each position reads A and B straight from the
+pool by slot (no copy), so an application moves A and B once (37.7 MB at 0.8B: ~13 us at
+3 TB/s) and a chain's state is read and written once. Ended chains and padding rows cost no
+trip (the loop stops at the row's own length).
+
+Precision (the names of affine.COMPOSE_PRECISIONS as jax precisions): HIGHEST / None are IEEE
+float32 dots; TF32_TF32_F32_X3 is Triton's tf32x3 (on CPU, interpreted: IEEE, as XLA's CPU has
+no TF32); BF16_BF16_F32_X3 / _X6 split each operand into bf16 parts here (Triton's dot would
+cast to one bf16 pass) and sum 3 / 6 bf16 products in float32, the same on every platform.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_F32, _BF16 = jnp.float32, jnp.bfloat16
+_BF16_TERMS = {jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3: ((0, 0), (0, 1), (1, 0)),
+               jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6:
+                   ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0))}
+
+
+def _bf16_parts(x, n):
+    """x (float32) as n bf16 parts whose float32 sum approximates it (8 more bits each)."""
+    parts = []
+    for _ in range(n):
+        p = x.astype(_BF16)
+        parts.append(p)
+        x = x - p.astype(_F32)
+    return parts
+
+
+def _dot(a, s, precision, interpret):
+    """a @ s in float32 at `precision` (see the module doc)."""
+    if precision in _BF16_TERMS:
+        terms = _BF16_TERMS[precision]
+        n = 1 + max(max(t) for t in terms)
+        pa, ps = _bf16_parts(a, n), _bf16_parts(s, n)
+        out = None  # smallest products first, so the large one is added last
+        for i, j in reversed(terms):
+            d = jnp.dot(pa[i], ps[j], preferred_element_type=_F32)
+            out = d if out is None else out + d
+        return out
+    if precision is None or interpret or precision == jax.lax.Precision.HIGHEST:
+        precision = jax.lax.Precision.HIGHEST
+    return jnp.dot(a, s, precision=precision, preferred_element_type=_F32)
+
+
+def _chain_kernel(chain_ref, n_ref, a_ref, b_ref, s_ref, o_ref, *, heads, block_v, precision,
+                  interpret):
+    # chain [S, L] int32 (whole); n [S] int32; a [P, Lg, Hv, Dk, Dk], b [P, Lg, Hv, Dk, Dv] (the
+    # whole pool); s / o [Dk, BV]: this program's state block (row r, layer g // Hv, head
+    # g % Hv, value columns v*BV ...)
+    r, g, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, head = g // heads, g % heads
+    cols = pl.ds(pl.multiple_of(v * block_v, block_v), block_v)
+
+    def step(i, s):
+        slot = chain_ref[r, i]
+        a = a_ref[slot, layer, head]
+        b = b_ref[slot, layer, head, :, cols]
+        return _dot(a, s, precision, interpret) + b
+
+    o_ref[...] = jax.lax.fori_loop(0, n_ref[r], step, s_ref[...].astype(_F32))
+
+
+def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | None = None,
+                num_warps: int = 8, interpret: bool = False):
+    """Each row's state after its chain of maps, in the cache's layout.
+
+    Args:
+      a: [P, Lg, Hv, Dk, Dk], b: [P, Lg, Hv, Dk, Dv] the map pool (float32).
+      chains: [S, L] int32 pool slots in order (entries at or past a row's length are not read);
+      n_maps: [S] int32 maps to apply per row (0: the state is copied).
+      state: [Lg, S, Hv, Dk, Dv] float32 (serving's read_states layout).
+      precision: of the dots (module doc); block_v: value columns per program (divides Dv;
+        None: min(64, Dv)); num_warps: per program (8: a [Dk, Dk] float32 A, the state block,
+        B and the product stay in registers; not yet tuned on a device, see
+        benchmarks/compose_forms.py's sweep).
+    Returns:
+      [Lg, S, Hv, Dk, Dv] float32.
+    """
+    layers, rows, heads, dk, dv = state.shape
+    block_v = min(64, dv) if block_v is None else block_v
+    if a.shape[1:] != (layers, heads, dk, dk) or b.shape[1:] != (layers, heads, dk, dv):
+        raise ValueError(f"chain_apply: pool a {a.shape} / b {b.shape} do not fit states "
+                         f"{state.shape}")
+    if dv % block_v:
+        raise ValueError(f"chain_apply: block_v {block_v} does not divide Dv {dv}")
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    block = pl.BlockSpec((None, None, None, dk, block_v),
+                         lambda r, g, v: (g // heads, r, g % heads, 0, v))
+    kernel = functools.partial(_chain_kernel, heads=heads, block_v=block_v,
+                               precision=precision, interpret=interpret)
+    chains = jnp.clip(jnp.asarray(chains, jnp.int32), 0, a.shape[0] - 1)  # never read outside
+    n_maps = jnp.minimum(jnp.asarray(n_maps, jnp.int32), chains.shape[1])
+    return pl.pallas_call(
+        kernel, grid=(rows, layers * heads, dv // block_v),
+        in_specs=[whole(chains), whole(n_maps), whole(a), whole(b), block],
+        out_specs=block, out_shape=jax.ShapeDtypeStruct(state.shape, _F32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="span_chain_apply",
+    )(chains, n_maps, a, b, state.astype(_F32))

@@ -1,0 +1,153 @@
+"""The GPU form of span-map composition (issue 29, "Composition cost"): the Triton chain kernel
+(kernels_pallas/gated_delta/chain_triton.py, interpreted here) and the closed-form conv windows
+(serving/hybrid/chain_compose.chain_window) give what the XLA loop gives, at the exactness bar
+of tests/test_span_maps.py; on CUDA the compose program is one kernel call and no loop."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.gated_delta.chain_triton import chain_apply
+from serving.hybrid import chain_compose, span_maps
+
+_PRESETS = jax.lax.DotAlgorithmPreset
+
+
+def _pool(rng, slots=7, layers=2, heads=3, dk=16, conv=(5, 3)):
+    """A random pool, A scaled so long chains neither vanish nor blow up; counts 0..5."""
+    a = rng.standard_normal((slots, layers, heads, dk, dk)) / np.sqrt(dk)
+    return span_maps.SpanMapPool(
+        a=jnp.asarray(a, jnp.float32),
+        b=jnp.asarray(rng.standard_normal((slots, layers, heads, dk, dk)), jnp.float32),
+        tail=jnp.asarray(rng.standard_normal((slots, layers) + conv), jnp.float32),
+        count=jnp.asarray(rng.permutation([0, 1, 2, 3, 5, 1, 4][:slots]), jnp.int32))
+
+
+def _chains():
+    """Five rows, unsorted, one empty, one with a repeated slot."""
+    chains = np.full((5, 8), -1, np.int32)
+    chains[0, :4] = [1, 2, 0, 5]
+    chains[1, :2] = [4, 1]
+    chains[3, :6] = [0, 6, 1, 0, 5, 6]
+    chains[4, :1] = [3]
+    return chains
+
+
+def _states(rng, pool, rows):
+    layers, heads, dk = pool.a.shape[1:4]
+    conv = jnp.asarray(rng.standard_normal((layers, rows) + pool.tail.shape[2:]), jnp.float32)
+    delta = jnp.asarray(rng.standard_normal((layers, rows, heads, dk, dk)), jnp.float32)
+    return conv, delta
+
+
+def test_kernel_composes_as_the_xla_loop(fresh_rng):
+    """Unsorted rows of lengths 0..6 on a two-layer pool: the kernel's delta states match the
+    loop's (float32 rounding apart), its conv windows are the loop's bit for bit."""
+    pool = _pool(fresh_rng)
+    chains = jnp.asarray(_chains())
+    conv0, delta0 = _states(fresh_rng, pool, chains.shape[0])
+    run = lambda impl: span_maps.entry_states(pool, chains, conv0, delta0, impl=impl)  # noqa: E731
+    (conv_k, delta_k), (conv_x, delta_x) = run("triton"), run("xla")
+    np.testing.assert_array_equal(np.asarray(conv_k), np.asarray(conv_x))
+    scale = float(jnp.abs(delta_x).max())
+    np.testing.assert_allclose(np.asarray(delta_k), np.asarray(delta_x), rtol=0,
+                               atol=1e-6 * scale)
+    np.testing.assert_array_equal(np.asarray(delta_k[:, 2]), np.asarray(delta0[:, 2]))
+
+
+def test_chain_window_is_the_shift_loop(fresh_rng):
+    """The closed form equals shift_window run map by map, counts 0 to past K1 included."""
+    pool = _pool(fresh_rng)
+    chains = _chains()
+    n = np.asarray(span_maps.chain_lengths(jnp.asarray(chains)))
+    window = _states(fresh_rng, pool, chains.shape[0])[0]
+    got = chain_compose.chain_window(pool, jnp.asarray(chains), jnp.asarray(n), window)
+    want = np.array(window)
+    for r, row in enumerate(chains):
+        for s in row[:n[r]]:
+            want[:, r] = chain_compose.shift_window(jnp.asarray(want[:, r]), pool.tail[s],
+                                                    pool.count[s])
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_kernel_holds_the_exactness_bar():
+    """The nine-span chain of tests/test_span_maps.py (1..200 tokens) through the kernel:
+    within 1e-6 of the fp32 replay and 1e-5 of the float64 recurrence, as the loop is."""
+    from tests.test_gated_delta_affine import _rel
+    from tests.test_span_maps import _span_chain
+    pool, chains, s0, replay, final64 = _span_chain()
+    _, delta = span_maps.entry_states(pool, jnp.asarray(chains), jnp.zeros((1, 1, 1, 1)),
+                                      jnp.asarray(s0)[None], impl="triton")
+    assert _rel(delta[0], replay) < 1e-6 and _rel(delta[0], final64) < 1e-5
+
+
+@pytest.mark.parametrize("preset,bar", [(_PRESETS.BF16_BF16_F32_X3, 1e-4),
+                                        (_PRESETS.BF16_BF16_F32_X6, 1e-6)])
+def test_bf16_presets_are_computed_not_ignored(fresh_rng, preset, bar):
+    """The bf16 emulations split the operands by hand (Triton's dot would cast to one bf16
+    pass; XLA's CPU computes the presets as float32): on CPU too they give other bits than
+    IEEE float32, within their bar."""
+    pool = _pool(fresh_rng)
+    chains = jnp.asarray(_chains())
+    n = span_maps.chain_lengths(chains)
+    delta0 = _states(fresh_rng, pool, chains.shape[0])[1]
+    run = functools.partial(chain_apply, pool.a, pool.b, chains, n, delta0, block_v=8,
+                            interpret=True)
+    exact, got = np.asarray(run()), np.asarray(run(precision=preset))
+    assert not np.array_equal(got, exact)
+    assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < bar
+
+
+def test_use_kernel_names_the_choices(monkeypatch):
+    """Auto picks the kernel on a GPU only; an unknown name is an error naming the choices."""
+    assert chain_compose.use_kernel("auto") == (jax.default_backend() == "gpu")
+    assert chain_compose.use_kernel("triton") and not chain_compose.use_kernel("xla")
+    monkeypatch.setattr(chain_compose, "_platform", lambda: "gpu")
+    assert chain_compose.use_kernel("auto")
+    with pytest.raises(ValueError, match="'auto', 'triton', 'xla'"):
+        chain_compose.use_kernel("pallas")
+
+
+def test_compose_lowers_to_one_kernel_for_cuda(monkeypatch):
+    """Qwen3.5-0.8B's shapes (18 GDN layers x 16 heads, Dk = Dv = 128), 4 rows of up to 256
+    maps, lowered for an abstract H100: one Triton call, no while loop (the XLA form ran one per
+    row width, each trip gathering its maps out of the pool), no gather of whole maps."""
+    monkeypatch.setattr(chain_compose, "_platform", lambda: "gpu")
+    sd = jax.ShapeDtypeStruct
+    maps = sd((64, 18, 16, 128, 128), jnp.float32)
+    pool = span_maps.SpanMapPool(a=maps, b=maps, tail=sd((64, 18, 6144, 3), jnp.bfloat16),
+                                 count=sd((64,), jnp.int32))
+    args = (pool, sd((4, 256), jnp.int32), sd((18, 4, 6144, 3), jnp.bfloat16),
+            sd((18, 4, 16, 128, 128), jnp.float32))
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
+                                       platform="cuda")
+    fn = jax.jit(functools.partial(span_maps.entry_states,
+                                   precision=_PRESETS.TF32_TF32_F32_X3))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+            (1,), ("gpu",), abstract_device=h100)):  # Triton's lowering asks for the device
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    ops = collections.Counter(re.findall(r"(stablehlo\.[a-z_]+|xla\.gpu\.triton)", text))
+    assert ops["xla.gpu.triton"] == 1 and ops["stablehlo.while"] == 0, ops
+    assert "x128x128xf32> = stablehlo.gather" not in text
+    assert not re.search(r"stablehlo.gather.*-> tensor<\d+x18x16x128x128xf32>", text)
+
+
+@pytest.mark.slow  # ~2 min on CPU (an engine, its compose program running the kernel interpreted)
+def test_engine_composing_by_the_kernel_matches_the_reference(monkeypatch):
+    """tests/test_engine_hybrid_spans.py's cached-span scenario (12 spans skipped, chains of up
+    to 4 maps, one shorter than the conv window) with the engine's compose program on the
+    kernel: tokens and logprobs within 1e-5 of the float64 hybrid reference."""
+    import tests.test_engine_hybrid_spans as spans
+    from minipic_jax import LLM
+    monkeypatch.setattr(chain_compose, "use_kernel", lambda impl="auto": impl != "xla")
+    llm = spans._slow_decay(LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
+                                max_num_batched_tokens=64, min_token_bucket=64,
+                                max_model_len=512, block_size=16, num_kv_blocks=96))
+    spans.test_cached_spans_are_skipped_and_match_the_reference(llm)
