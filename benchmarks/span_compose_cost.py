@@ -195,7 +195,7 @@ def report(res: dict) -> str:
         f"{p['applications_before']}), {p['gflop']:.3f} GFLOP "
         f"({p['gflop_per_application']:.3f} each)",
         "compose form | ms | share of step | TFLOP/s  (the engine's precision; triton: the chain "
-        "kernel, auto on a GPU; xla: the per-position loop)"]
+        "kernel, 'auto' once AUTO_KERNEL is on; xla: the per-position loop, today's 'auto')"]
     lines += [f"compose form {impl:5s} | {ms:.3f} | {ms / res['step_ms']:.2%} | "
               f"{tflops(p['gflop'], ms):.2f}" for impl, ms in res["forms"].items()]
     lines += [f"compose precision | ms | share of step | TFLOP/s | rel. diff. from highest "

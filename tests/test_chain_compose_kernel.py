@@ -106,11 +106,15 @@ def test_bf16_presets_are_computed_not_ignored(fresh_rng, preset, bar):
 
 
 def test_use_kernel_names_the_choices(monkeypatch):
-    """Auto picks the kernel on a GPU only; an unknown name is an error naming the choices."""
-    assert chain_compose.use_kernel("auto") == (jax.default_backend() == "gpu")
+    """Auto keeps the XLA loop until the kernel is measured on a GPU (AUTO_KERNEL), then picks the
+    kernel on a GPU only; an unknown name is an error naming the choices."""
     assert chain_compose.use_kernel("triton") and not chain_compose.use_kernel("xla")
     monkeypatch.setattr(chain_compose, "_platform", lambda: "gpu")
+    assert chain_compose.use_kernel("auto") == chain_compose.AUTO_KERNEL
+    monkeypatch.setattr(chain_compose, "AUTO_KERNEL", True)
     assert chain_compose.use_kernel("auto")
+    monkeypatch.setattr(chain_compose, "_platform", lambda: "cpu")
+    assert not chain_compose.use_kernel("auto")
     with pytest.raises(ValueError, match="'auto', 'triton', 'xla'"):
         chain_compose.use_kernel("pallas")
 
@@ -120,6 +124,7 @@ def test_compose_lowers_to_one_kernel_for_cuda(monkeypatch):
     maps, lowered for an abstract H100: one Triton call, no while loop (the XLA form ran one per
     row width, each trip gathering its maps out of the pool), no gather of whole maps."""
     monkeypatch.setattr(chain_compose, "_platform", lambda: "gpu")
+    monkeypatch.setattr(chain_compose, "AUTO_KERNEL", True)
     sd = jax.ShapeDtypeStruct
     maps = sd((64, 18, 16, 128, 128), jnp.float32)
     pool = span_maps.SpanMapPool(a=maps, b=maps, tail=sd((64, 18, 6144, 3), jnp.bfloat16),

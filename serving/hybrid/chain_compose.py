@@ -36,21 +36,24 @@ from kernels_pallas.sharding import tp_mesh
 EXACT_WIDTHS = 4  # every width up to this one; then 6, 8, 12, 16, 24, 32, 48, 64, ...
 
 
-# Which form composes the chains: "auto" (the Triton kernel on a GPU without a TP mesh, else the
-# XLA loop), "triton" (the kernel; interpreted off a GPU) or "xla" (compose_sorted's loop).
+# Which form composes the chains: "auto" (today the XLA loop everywhere: the kernel has been lowered
+# for CUDA but never compiled or timed on a GPU; `AUTO_KERNEL` turns it on for a GPU without a TP
+# mesh once benchmarks/runs/compose_next_device.sh has measured it), "triton" (the kernel;
+# interpreted off a GPU) or "xla" (compose_sorted's loop).
 IMPLS = ("auto", "triton", "xla")
+AUTO_KERNEL = False
 _GPU = ("gpu", "cuda")
 
 
 def use_kernel(impl: str = "auto") -> bool:
-    """Whether chains are composed by the Triton kernel (`compose_kernel`): asked, or "auto" on a
-    GPU outside a tensor-parallel trace (there the pool and states split by heads, and the XLA
+    """Whether chains are composed by the Triton kernel (`compose_kernel`): asked, or "auto" with
+    AUTO_KERNEL on a GPU outside a tensor-parallel trace (there the pool and states split by heads, and the XLA
     loop, which XLA partitions, serves). ValueError naming the choices for another name."""
     if impl not in IMPLS:
         raise ValueError(f"chain compose impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl == "triton"
-    return _platform() in _GPU and tp_mesh() is None
+    return AUTO_KERNEL and _platform() in _GPU and tp_mesh() is None
 
 
 def _platform() -> str:
