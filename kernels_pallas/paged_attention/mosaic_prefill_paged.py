@@ -40,10 +40,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.paged_attention.mosaic_common import META_COLS, SMEM_LIMIT, shifted_rope_table
+from kernels_pallas.paged_attention.mosaic_prefill_paged_stream import stream_pages
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (
-    BLOCK_KV, direct_v_limits, key_positions, page_table, queries_in, smem_bytes, tile_schedule)
+    _SENTINEL, BLOCK_KV, direct_v_limits, key_positions, page_table, queries_in, smem_bytes, tile_schedule)
 
 _ROWS = 64  # key rows per rotation load (the WGMMA register layout's row tile)
+COS_SIN = ("keys", "pages")  # PagedOptions.cos_sin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +53,22 @@ class PagedOptions:
     """max_position: a bound on every position (the cos | sin table's rows; None: the table
     width x page size, i.e. max_model_len); registers: per-thread registers of each compute and
     of the memory warpgroup (the memory warpgroup rotates); packed: rotate in 16-bit math
-    (bf16x2 / f16x2) instead of float32 (fewer registers, one rounding per product)."""
+    (bf16x2 / f16x2) instead of float32 (fewer registers, one rounding per product).
+    cos_sin "keys": the cos | sin row of every key ([S, N, R], formed once per call from the
+    key positions, as key_positions; one TMA box per key step; max_position unused); "pages":
+    the shifted table (8 copies of max_position rows, ~69 MB at 33K positions, built per call)
+    and one box per page. v_first: the memory warpgroup issues a step's values before it waits
+    for the step's keys to land and rotates them (False: after; mosaic_prefill_paged_stream)."""
 
     max_position: int | None = None
     registers: tuple[int, int] = (216, 72)
     packed: bool = False
+    cos_sin: str = "keys"
+    v_first: bool = True
+
+    def __post_init__(self):
+        if self.cos_sin not in COS_SIN:
+            raise ValueError(f"PagedOptions.cos_sin must be one of {COS_SIN}, got {self.cos_sin!r}")
 
 
 def paged_limits(head_dim: int, rotary_half: int, rotate_keys: bool, dtype, page_size: int,
@@ -91,7 +104,8 @@ def _table_rows(table_cols: int, page_size: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class PagedKeysSpec:
     """Host side of the paged keys: the rope table input and what the kernel binds."""
-    rope: object  # [8, P, R] shifted cos | sin table (a [8, 8, R] stand-in in rotated mode)
+    rope: object  # cos | sin: [S, N, R] per key ("keys"), [8, P, R] shifted table ("pages"),
+    # a [8, 8, R] stand-in in rotated mode
     rotate: bool
     page_size: int
     table_rows: int  # rows of page ids in the SMEM table (the starts follow)
@@ -99,11 +113,11 @@ class PagedKeysSpec:
 
     def scratch(self, tiled, dtype, stages):
         """cos | sin rows of one key step, and the slots' barriers for their raw boxes."""
-        per_page = 2 if self.rotate else 1
+        pages = BLOCK_KV // self.page_size
+        cos_sin_boxes = 0 if not self.rotate else 1 if self.options.cos_sin == "keys" else pages
         return [plgpu.SMEM((BLOCK_KV, self.rope.shape[-1]), dtype, transforms=tiled)
                 if self.rotate else None,
-                plgpu.Barrier(num_arrivals=1 + per_page * (BLOCK_KV // self.page_size),
-                              num_barriers=stages)]
+                plgpu.Barrier(num_arrivals=1 + pages + cos_sin_boxes, num_barriers=stages)]
 
     def bind(self, kernel, n_scratch: int):
         """mosaic_prefill._kernel taking the rope input (after the 8 inputs) and the key scratch
@@ -132,22 +146,33 @@ class PagedKeys:
     spec: PagedKeysSpec
 
     def issue(self, step, slot, seq, kv_head, tbl_smem):
-        """TMA loads of key step `step` into ring slot `slot`: key positions on k_bar, then per
-        page its K box and (position_free) its cos | sin rows on raw_bar."""
+        """TMA loads of key step `step` into ring slot `slot`, all on raw_bar: key positions,
+        per page its K box, and (position_free) the step's cos | sin rows: one box ("keys") or
+        one per page ("pages")."""
         size, spec = self.spec.page_size, self.spec
-        plgpu.copy_gmem_to_smem(self.kpos_ref.at[seq, pl.ds(step * BLOCK_KV, BLOCK_KV)],
-                                self.kpos_smem.at[slot], self.raw_bar.at[slot])
+        keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
+        plgpu.copy_gmem_to_smem(self.kpos_ref.at[seq, keys], self.kpos_smem.at[slot],
+                                self.raw_bar.at[slot])
+        by_key = spec.rotate and spec.options.cos_sin == "keys"
+        if by_key:
+            plgpu.copy_gmem_to_smem(self.rope_ref.at[seq, keys], self.cs_smem,
+                                    self.raw_bar.at[slot])
         for j in range(BLOCK_KV // size):
             b = step * (BLOCK_KV // size) + j
             row, col = lax.div(b, META_COLS), lax.rem(b, META_COLS)
             rows = pl.ds(j * size, size)
             plgpu.copy_gmem_to_smem(self.k_ref.at[tbl_smem[row, col], :, kv_head],
                                     self.k_smem.at[slot, rows], self.raw_bar.at[slot])
-            if spec.rotate:
+            if spec.rotate and not by_key:
                 start = tbl_smem[spec.table_rows + row, col]  # clipped on the host side
                 shift = lax.rem(start, 8)
                 src = self.rope_ref.at[shift, pl.ds(pl.multiple_of(start - shift, 8), size)]
                 plgpu.copy_gmem_to_smem(src, self.cs_smem.at[rows], self.raw_bar.at[slot])
+
+    def stream(self, **refs):
+        """The whole memory warpgroup: K and V from the pages in PagedOptions.v_first's order
+        (mosaic_prefill_paged_stream.stream_pages; refs: its keyword arguments)."""
+        stream_pages(self, **refs)
 
     def finish(self, slot):
         """Once the slot's boxes land: rotate its keys in place, fence, arrive on k_bar."""
@@ -175,12 +200,24 @@ class PagedKeys:
             hi_ref[...] = (hi * cos + lo * sin).astype(dtype)
 
 
+def key_cos_sin(key_pos, inv_freq, attention_scaling: float, dtype):
+    """[S, N] key positions -> [S, N, R] cos | sin rows (rope_table_in_graph's float32 angle,
+    so the same values; pad slots' sentinel positions read as 0): what the cos_sin="keys"
+    kernel reads, one box per key step. One elementwise fusion writing 2 x R bytes a key
+    (17 MB for two 33K-key sequences), formed once per step (the layers' copies are the same
+    graph); the shifted table it replaces was 8 x max_position rows."""
+    live = jnp.where(key_pos < _SENTINEL, key_pos, 0).astype(jnp.float32)
+    ang = live[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return (jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1) * attention_scaling).astype(dtype)
+
+
 def paged_prepare(q_rot, k_pages, v_pages, md, inv_freq, options: PagedOptions, *, rotate_keys: bool,
                   attention_scaling: float, sm_scale: float):
     """Everything before the kernel without a pre-pass -> (run_kernel's inputs, PagedKeysSpec):
-    the page pools themselves for k and v, the page table with each entry's first position
-    ([S, 2R, 64]: page ids then starts, both clipped), key positions, the tile schedule, the
-    padded queries; the shifted cos | sin table in position_free mode."""
+    the page pools themselves for k and v, the page table ([S, R, 64] page ids, clipped; with
+    cos_sin "pages" each entry's first position after them: [S, 2R, 64]), key positions, the
+    tile schedule, the padded queries; in position_free mode the cos | sin rows (key_cos_sin,
+    or the shifted table)."""
     tokens = q_rot.shape[0]
     num_pages, page_size, _, head_dim = k_pages.shape
     seqs, cols = md.block_tables.shape
@@ -192,15 +229,19 @@ def paged_prepare(q_rot, k_pages, v_pages, md, inv_freq, options: PagedOptions, 
     pages = page_table(md, num_pages, page_size, n_pad)  # [S, R, 64]
     rows = pages.shape[1]
     rotate = rotate_keys and inv_freq.shape[0] > 0
-    if rotate:
+    starts = None
+    if rotate and options.cos_sin == "keys":
+        rope = key_cos_sin(key_pos, inv_freq, attention_scaling, q_rot.dtype)
+    elif rotate:
         bound = options.max_position or cols * page_size
         rope = shifted_rope_table(inv_freq, bound + page_size, attention_scaling, q_rot.dtype)
         starts = jnp.clip(md.block_pos_start.astype(jnp.int32), 0, rope.shape[1] - page_size)
     else:
         rope = jnp.zeros((8, 8, head_dim), q_rot.dtype)  # unread
-        starts = jnp.zeros_like(md.block_pos_start, jnp.int32)
-    starts = jnp.pad(starts, ((0, 0), (0, rows * META_COLS - cols))).reshape(seqs, rows, -1)
-    table = jnp.concatenate([pages, starts], axis=1)
+    table = pages
+    if starts is not None:  # each entry's first position, the rows after the page ids
+        starts = jnp.pad(starts, ((0, 0), (0, rows * META_COLS - cols))).reshape(seqs, rows, -1)
+        table = jnp.concatenate([pages, starts], axis=1)
     sched = tile_schedule(md, key_pos, tokens)
     q_in, q_pos, q_win = queries_in(q_rot, md, sm_scale)
     inputs = (sched, q_in, k_pages, v_pages, key_pos, q_pos, q_win, table)
