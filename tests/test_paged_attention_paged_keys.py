@@ -71,6 +71,38 @@ def test_paged_keys_match_reference(specs, kv_heads, group, splits, shift, skip_
     _check(out, q, k, v, md, inv, "position_free")
 
 
+@pytest.mark.parametrize("cos_sin,v_first", [
+    ("keys", True),  # the defaults, through a ring refill (3 key steps in one range)
+    pytest.param("keys", False, marks=slow), pytest.param("pages", True, marks=slow),
+    pytest.param("pages", False, marks=slow)])  # the last: the first version
+def test_paged_keys_options_match_reference(cos_sin, v_first, fresh_rng):
+    """Both cos | sin sources and both memory warpgroup orders (PagedOptions), page starts no
+    multiple of 8 (offset 37)."""
+    options = PagedOptions(max_position=1024 + 37, cos_sin=cos_sin, v_first=v_first)
+    out, q, k, v, md, inv = _run(fresh_rng, [(300, 5, 0)], splits=1, shift=37, options=options)
+    _check(out, q, k, v, md, inv, "position_free")
+
+
+def test_key_cos_sin_rows_are_the_rope_tables():
+    """cos_sin "keys": each key's row is rope_table_in_graph's row of its position (the values
+    the shifted table gave), the pads' sentinel reads as position 0."""
+    from kernels_pallas.paged_attention.decode_common import rope_table_in_graph
+    from kernels_pallas.paged_attention.mosaic_prefill_paged import key_cos_sin
+    from kernels_pallas.paged_attention.mosaic_prefill_prep import _SENTINEL
+    from kernels_pallas.paged_attention.random_inputs import inv_freq_for
+    inv = inv_freq_for(128, None)
+    pos = np.array([[0, 5, 33791, _SENTINEL], [1003, 1004, 7, 8]], np.int32)
+    got = key_cos_sin(jnp.asarray(pos), inv, 0.5, jnp.bfloat16)
+    table = rope_table_in_graph(inv, 33792, 0.5, jnp.bfloat16)
+    want = table[jnp.asarray(np.where(pos == _SENTINEL, 0, pos))]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_paged_options_name_a_bad_cos_sin():
+    with pytest.raises(ValueError, match="cos_sin"):
+        PagedOptions(cos_sin="table")
+
+
 @pytest.mark.parametrize("packed", [pytest.param(True, marks=slow)])
 def test_paged_keys_rotate_in_16_bit_math(packed, fresh_rng):
     out, q, k, v, md, inv = _run(fresh_rng, [(100, 5, 0)], shift=37,
