@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.paged_attention.mosaic_common import META_COLS, SMEM_LIMIT, shifted_rope_table
-from kernels_pallas.paged_attention.mosaic_prefill_paged_stream import stream_pages
+from kernels_pallas.paged_attention.mosaic_prefill_paged_stream import step_pages, stream_pages
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (
     _SENTINEL, BLOCK_KV, direct_v_limits, key_positions, page_table, queries_in, smem_bytes, tile_schedule)
 
@@ -145,29 +145,38 @@ class PagedKeys:
     raw_bar: object
     spec: PagedKeysSpec
 
-    def issue(self, step, slot, seq, kv_head, tbl_smem):
+    def issue(self, step, slot, seq, kv_head, tbl_smem, cos_sin: bool = True):
         """TMA loads of key step `step` into ring slot `slot`, all on raw_bar: key positions,
-        per page its K box, and (position_free) the step's cos | sin rows: one box ("keys") or
-        one per page ("pages")."""
-        size, spec = self.spec.page_size, self.spec
+        per page its K box, and (position_free, unless cos_sin is False: issue_cos_sin later)
+        the step's cos | sin rows."""
+        size = self.spec.page_size
         keys = pl.ds(step * BLOCK_KV, BLOCK_KV)
         plgpu.copy_gmem_to_smem(self.kpos_ref.at[seq, keys], self.kpos_smem.at[slot],
                                 self.raw_bar.at[slot])
-        by_key = spec.rotate and spec.options.cos_sin == "keys"
-        if by_key:
-            plgpu.copy_gmem_to_smem(self.rope_ref.at[seq, keys], self.cs_smem,
+        for j, page in enumerate(step_pages(tbl_smem, step, BLOCK_KV // size)):
+            plgpu.copy_gmem_to_smem(self.k_ref.at[page, :, kv_head],
+                                    self.k_smem.at[slot, pl.ds(j * size, size)],
                                     self.raw_bar.at[slot])
-        for j in range(BLOCK_KV // size):
-            b = step * (BLOCK_KV // size) + j
-            row, col = lax.div(b, META_COLS), lax.rem(b, META_COLS)
-            rows = pl.ds(j * size, size)
-            plgpu.copy_gmem_to_smem(self.k_ref.at[tbl_smem[row, col], :, kv_head],
-                                    self.k_smem.at[slot, rows], self.raw_bar.at[slot])
-            if spec.rotate and not by_key:
-                start = tbl_smem[spec.table_rows + row, col]  # clipped on the host side
-                shift = lax.rem(start, 8)
-                src = self.rope_ref.at[shift, pl.ds(pl.multiple_of(start - shift, 8), size)]
-                plgpu.copy_gmem_to_smem(src, self.cs_smem.at[rows], self.raw_bar.at[slot])
+        if cos_sin:
+            self.issue_cos_sin(step, slot, seq, tbl_smem)
+
+    def issue_cos_sin(self, step, slot, seq, tbl_smem):
+        """The cos | sin rows of key step `step` into the one cos | sin buffer, on the slot's
+        raw_bar: one box ("keys") or one per page from the shifted table ("pages"); nothing
+        without rotation. The buffer must be free: the previous step's keys rotated."""
+        spec, size = self.spec, self.spec.page_size
+        if not spec.rotate:
+            return
+        if spec.options.cos_sin == "keys":
+            plgpu.copy_gmem_to_smem(self.rope_ref.at[seq, pl.ds(step * BLOCK_KV, BLOCK_KV)],
+                                    self.cs_smem, self.raw_bar.at[slot])
+            return
+        starts = step_pages(tbl_smem, step, BLOCK_KV // size, spec.table_rows)  # clipped
+        for j, start in enumerate(starts):
+            shift = lax.rem(start, 8)
+            src = self.rope_ref.at[shift, pl.ds(pl.multiple_of(start - shift, 8), size)]
+            plgpu.copy_gmem_to_smem(src, self.cs_smem.at[pl.ds(j * size, size)],
+                                    self.raw_bar.at[slot])
 
     def stream(self, **refs):
         """The whole memory warpgroup: K and V from the pages in PagedOptions.v_first's order

@@ -14,9 +14,11 @@ between two issues delays every later issue:
     values' load overlaps the keys' latency and the chain per step is the larger of the
     keys' latency and the compute warpgroups' release of the values, plus the rotation.
 
-The prologue is the same in both orders: both cos_sin modes keep one cos | sin buffer (a second
-would not fit next to the ring), so a slot's keys are rotated before the next slot's cos | sin
-rows are requested (PagedKeys.issue writes that buffer).
+Both cos_sin modes keep one cos | sin buffer (a second would not fit next to the ring), so a
+slot's keys are rotated before the next slot's cos | sin rows are requested. The prologue with
+v_first issues both slots' keys and values first and the second slot's cos | sin rows after the
+first slot's rotation (one load latency before the second step instead of two); without, each
+slot is issued and rotated in turn (the first version).
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ from kernels_pallas.paged_attention.mosaic_common import META_COLS
 from kernels_pallas.paged_attention.mosaic_prefill_prep import BLOCK_KV, STAGES
 
 
+def step_pages(tbl_smem, step, pages: int, first_row: int = 0):
+    """The table entries of key step `step` (`pages` a step; first_row: the starts' rows),
+    all read before any is used: a TMA issue writes SMEM, so a read written after one cannot
+    move before it, and reads interleaved with the issues would each wait out the SMEM
+    latency on the memory warpgroup's serial path."""
+    return [tbl_smem[first_row + lax.div(b, META_COLS), lax.rem(b, META_COLS)]
+            for b in (step * pages + j for j in range(pages))]
+
+
 def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar, v_ref, v_smem,
                  v_bar, k_free, v_free):
     """The memory warpgroup's loop over key steps [lo, lo + n_steps) of one CTA (module doc):
@@ -40,9 +51,7 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
     v_first = keys.spec.options.v_first
 
     def issue_v(step, slot):
-        for j in range(pages):
-            b = step * pages + j
-            page = tbl_smem[lax.div(b, META_COLS), lax.rem(b, META_COLS)]
+        for j, page in enumerate(step_pages(tbl_smem, step, pages)):
             plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head],
                                     v_smem.at[slot, pl.ds(j * page_size, page_size)],
                                     v_bar.at[slot])
@@ -53,12 +62,25 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
     plgpu.copy_gmem_to_smem(tbl_ref.at[seq], tbl_smem, tbl_bar)  # an SMEM read per page after
     plgpu.barrier_wait(tbl_bar)
 
-    for j in range(STAGES):
-        @pl.when(j < n_steps)
-        def _():
-            issue_k(lo + j, j)
-            issue_v(lo + j, j)
-            keys.finish(j)  # the one cos | sin buffer: rotated before the next slot's rows
+    if v_first:  # every slot's keys and values in flight before the first wait
+        for j in range(STAGES):
+            @pl.when(j < n_steps)
+            def _():
+                keys.issue(lo + j, j, seq, kv_head, tbl_smem, cos_sin=j == 0)
+                issue_v(lo + j, j)
+        for j in range(STAGES):
+            @pl.when(j < n_steps)
+            def _():
+                if j > 0:  # the one cos | sin buffer: the previous slot's keys are rotated
+                    keys.issue_cos_sin(lo + j, j, seq, tbl_smem)
+                keys.finish(j)
+    else:
+        for j in range(STAGES):
+            @pl.when(j < n_steps)
+            def _():
+                issue_k(lo + j, j)
+                issue_v(lo + j, j)
+                keys.finish(j)  # the one cos | sin buffer: rotated before the next slot's rows
 
     def refill(i, _):
         slot = lax.rem(i, STAGES)
