@@ -97,22 +97,32 @@ def attention_call(extra: dict, args):
     """The variant's jitted call, compiled (run once on `args`). A "paged" entry holds
     PagedOptions fields: MixedOptions has only paged_k (on / off), so the first call, which
     traces, runs with mosaic_mixed's PagedOptions replaced by one with those defaults; later
-    calls reuse that trace (same shapes), so the timed calls carry no patch."""
-    import functools
+    calls reuse that trace (same shapes), so the timed calls carry no patch. api._run_once (a
+    jit keyed on MixedOptions, the same for every pk:* variant) forgets its traces first, and a
+    variant whose options were never built fails rather than time another variant's kernel."""
     from unittest import mock
 
     import jax
-    from kernels_pallas.paged_attention import mosaic_mixed
-    from kernels_pallas.paged_attention.api import paged_attention
+    from kernels_pallas.paged_attention import api, mosaic_mixed
     extra = dict(extra)
     fields = dict(extra.pop("paged", {}))
     kv_mode = fields.pop("kv_mode", "position_free")
     options = dict(prefill_seqs=2, prefill_fits=True, decode_rows=False, **extra)
-    fn = jax.jit(lambda q, k, v, md, inv: paged_attention(
+    fn = jax.jit(lambda q, k, v, md, inv: api.paged_attention(
         q, k, v, md, inv, kv_mode=kv_mode, implementation="mixed", kernel_options=options))
-    paged = functools.partial(mosaic_mixed.PagedOptions, **fields)
+    built = []
+    base = mosaic_mixed.PagedOptions
+
+    def paged(**kw):
+        built.append(base(**{**kw, **fields}))
+        return built[-1]
+
+    api._run_once.clear_cache()
     with mock.patch.object(mosaic_mixed, "PagedOptions", paged):
         jax.block_until_ready(fn(*args))
+    if extra.get("paged_k") and not built:
+        raise RuntimeError(f"paged variant {fields}: its PagedOptions were never built (a "
+                           "cached trace?)")
     return fn
 
 
@@ -134,12 +144,12 @@ def main(argv=None) -> int:
                          "default: against the first variant's output")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cached_span.json"))
     args = ap.parse_args(argv)
-    shape = Shape()
-    q, k, v, md, inv = inputs(shape, args.seed)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    shape = Shape()
+    q, k, v, md, inv = inputs(shape, args.seed)
     ref = None
     if args.reference:
         ref = paged_attention_reference(q, k, v, md, inv, kv_mode="position_free")[: shape.new]
@@ -154,7 +164,11 @@ def main(argv=None) -> int:
     fns = {}
     for n in names:  # each row printed when measured: a variant that hangs loses only itself
         print(f"compiling {n}", flush=True)  # (ptxas reports, when dumped, follow this line)
-        fn = fns[n] = attention_call(VARIANTS[n], (q, k, v, md, inv))
+        try:  # one variant that does not compile costs only its own row
+            fn = fns[n] = attention_call(VARIANTS[n], (q, k, v, md, inv))
+        except Exception as e:  # noqa: BLE001 (printed, the sweep goes on)
+            print(f"{n:<10} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
         out = jax.block_until_ready(fn(q, k, v, md, inv))
         out = np.asarray(out.astype(np.float32), np.float64)[: shape.new]
         ref = out if ref is None else ref  # the first variant's, unless --reference
@@ -168,15 +182,15 @@ def main(argv=None) -> int:
         rest = r["busy_ms"] - r["gather_ms"] - r["attn_kernel_ms"]
         print(f"{n:<10} {r['busy_ms']:8.4f} {r['gather_ms']:8.4f} {r['attn_kernel_ms']:8.4f} "
               f"{rest:8.4f} {kv_bytes / r['busy_ms'] / 1e6:6.0f} {err:9.2e}", flush=True)
-    base = names[0]
-    for n in names[1:]:
-        ma, mb, med, lo, hi = ab_time(fns[base], fns[n], q, k, v, md, inv, iters=args.iters,
-                                      reps=args.reps)
-        rows[n].update(wall_ms=mb, base_wall_ms=ma, ratio=med, ratio_iqr=(lo, hi))
-        print(f"A/B wall per call (interleaved): {base} {ma:.4f} ms, {n} {mb:.4f} ms, ratio "
-              f"{med:.3f} [IQR {lo:.3f}-{hi:.3f}]", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(shape=dataclasses.asdict(shape), rows=rows), f, indent=1)
+        base = names[0]  # timed against the first variant now: a sweep cut short keeps these
+        if n != base and base in fns:
+            ma, mb, med, lo, hi = ab_time(fns[base], fn, q, k, v, md, inv, iters=args.iters,
+                                          reps=args.reps)
+            r.update(wall_ms=mb, base_wall_ms=ma, ratio=med, ratio_iqr=(lo, hi))
+            print(f"  A/B wall per call (interleaved): {base} {ma:.4f} ms, {n} {mb:.4f} ms, "
+                  f"ratio {med:.3f} [IQR {lo:.3f}-{hi:.3f}]", flush=True)
+        with open(args.out, "w") as f:  # after every variant: a sweep cut short keeps its rows
+            json.dump(dict(shape=dataclasses.asdict(shape), rows=rows), f, indent=1)
     return 0
 
 
