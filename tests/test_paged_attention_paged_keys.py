@@ -85,17 +85,18 @@ def test_paged_keys_options_match_reference(cos_sin, v_first, fresh_rng):
 
 def test_key_cos_sin_rows_are_the_rope_tables():
     """cos_sin "keys": each key's row is rope_table_in_graph's row of its position (the values
-    the shifted table gave), the pads' sentinel reads as position 0."""
+    the shifted table gave); a pad's sentinel position (1 << 30) gives a finite row."""
     from kernels_pallas.paged_attention.decode_common import rope_table_in_graph
     from kernels_pallas.paged_attention.mosaic_prefill_paged import key_cos_sin
-    from kernels_pallas.paged_attention.mosaic_prefill_prep import _SENTINEL
     from kernels_pallas.paged_attention.random_inputs import inv_freq_for
     inv = inv_freq_for(128, None)
-    pos = np.array([[0, 5, 33791, _SENTINEL], [1003, 1004, 7, 8]], np.int32)
-    got = key_cos_sin(jnp.asarray(pos), inv, 0.5, jnp.bfloat16)
+    pos = np.array([[0, 5, 33791, 1 << 30], [1003, 1004, 7, 8]], np.int32)
+    got = np.asarray(key_cos_sin(jnp.asarray(pos), inv, 0.5, jnp.bfloat16), np.float32)
     table = rope_table_in_graph(inv, 33792, 0.5, jnp.bfloat16)
-    want = table[jnp.asarray(np.where(pos == _SENTINEL, 0, pos))]
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    live = pos < 1 << 30
+    want = np.asarray(table[jnp.asarray(np.where(live, pos, 0))], np.float32)
+    np.testing.assert_array_equal(got[live], want[live])
+    assert np.isfinite(got).all()
 
 
 def test_paged_options_name_a_bad_cos_sin():

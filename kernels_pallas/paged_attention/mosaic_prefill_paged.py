@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas.paged_attention.mosaic_common import META_COLS, SMEM_LIMIT, shifted_rope_table
 from kernels_pallas.paged_attention.mosaic_prefill_paged_stream import step_pages, stream_pages
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (
-    _SENTINEL, BLOCK_KV, direct_v_limits, key_positions, page_table, queries_in, smem_bytes, tile_schedule)
+    BLOCK_KV, direct_v_limits, key_positions, page_table, queries_in, smem_bytes, tile_schedule)
 
 _ROWS = 64  # key rows per rotation load (the WGMMA register layout's row tile)
 COS_SIN = ("keys", "pages")  # PagedOptions.cos_sin
@@ -211,12 +211,12 @@ class PagedKeys:
 
 def key_cos_sin(key_pos, inv_freq, attention_scaling: float, dtype):
     """[S, N] key positions -> [S, N, R] cos | sin rows (rope_table_in_graph's float32 angle,
-    so the same values; pad slots' sentinel positions read as 0): what the cos_sin="keys"
-    kernel reads, one box per key step. One elementwise fusion writing 2 x R bytes a key
-    (17 MB for two 33K-key sequences), formed once per step (the layers' copies are the same
-    graph); the shifted table it replaces was 8 x max_position rows."""
-    live = jnp.where(key_pos < _SENTINEL, key_pos, 0).astype(jnp.float32)
-    ang = live[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    so the same values; a pad slot's sentinel position gives some finite row: its keys are
+    masked): what the cos_sin="keys" kernel reads, one box per key step. One elementwise
+    fusion writing 2 x R bytes a key (17 MB for two 33K-key sequences), formed once per step
+    (the layers' copies are the same graph); the shifted table it replaces was 8 x
+    max_position rows (69 MB at 33K)."""
+    ang = key_pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     return (jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1) * attention_scaling).astype(dtype)
 
 
