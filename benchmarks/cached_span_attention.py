@@ -34,6 +34,8 @@ VARIANTS = {"old": {"direct_v": False, "skip_idle": False},
 PAGED = {"pk:v1": {"cos_sin": "pages", "v_first": False},  # the first version, measured 1.41x
          "pk:pages": {"cos_sin": "pages"},  # the shifted table, the new order
          "pk:k_first": {"v_first": False},  # cos | sin per key, the first version's order
+         "pk:pf1": {"prefetch": 1},  # L2 prefetch of the keys one step ahead
+         "pk:pf2": {"prefetch": 2},
          "pk:packed": {"packed": True},  # rotation in bf16x2 math
          "pk:r200": {"registers": (200, 112)},  # more registers for the rotating warpgroup
          "pk:r184": {"registers": (184, 144)},

@@ -38,7 +38,7 @@ if [ "${ALSO_OTHERS:-0}" = 1 ]; then
   tail -3 "$OUT/compiled_tests.txt"
 fi
 # most telling first: a sweep cut by the timeout keeps the rows (and A/B lines) measured so far
-VARIANTS=dv+idle,paged_k,pk:v1,pk:k_first,pk:norot,pk:packed,pk:pages,pk:r200,pk:r184
+VARIANTS=dv+idle,paged_k,pk:v1,pk:pf1,pk:k_first,pk:norot,pk:packed,pk:pf2,pk:r200
 mkdir -p "$OUT/ptxas_sweep"
 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/ptxas_sweep" \
   timeout 230 python3 -m benchmarks.cached_span_attention \

@@ -58,17 +58,22 @@ class PagedOptions:
     key positions, as key_positions; one TMA box per key step; max_position unused); "pages":
     the shifted table (8 copies of max_position rows, ~69 MB at 33K positions, built per call)
     and one box per page. v_first: the memory warpgroup issues a step's values before it waits
-    for the step's keys to land and rotates them (False: after; mosaic_prefill_paged_stream)."""
+    for the step's keys to land and rotates them (False: after; mosaic_prefill_paged_stream).
+    prefetch: when a step's keys are issued, the pages (and cos | sin rows) of the step that
+    many steps later are prefetched into L2 (0: none), so that step's wait is an L2 hit."""
 
     max_position: int | None = None
     registers: tuple[int, int] = (216, 72)
     packed: bool = False
     cos_sin: str = "keys"
     v_first: bool = True
+    prefetch: int = 0
 
     def __post_init__(self):
         if self.cos_sin not in COS_SIN:
             raise ValueError(f"PagedOptions.cos_sin must be one of {COS_SIN}, got {self.cos_sin!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"PagedOptions.prefetch must be an int >= 0, got {self.prefetch!r}")
 
 
 def paged_limits(head_dim: int, rotary_half: int, rotate_keys: bool, dtype, page_size: int,
@@ -159,6 +164,14 @@ class PagedKeys:
                                     self.raw_bar.at[slot])
         if cos_sin:
             self.issue_cos_sin(step, slot, seq, tbl_smem)
+
+    def prefetch(self, step, seq, kv_head, tbl_smem):
+        """L2 prefetches (no SMEM, no barrier) of key step `step`'s pages and, cos_sin "keys",
+        its cos | sin rows."""
+        for page in step_pages(tbl_smem, step, BLOCK_KV // self.spec.page_size):
+            plgpu.async_prefetch(self.k_ref.at[page, :, kv_head])
+        if self.spec.rotate and self.spec.options.cos_sin == "keys":
+            plgpu.async_prefetch(self.rope_ref.at[seq, pl.ds(step * BLOCK_KV, BLOCK_KV)])
 
     def issue_cos_sin(self, step, slot, seq, tbl_smem):
         """The cos | sin rows of key step `step` into the one cos | sin buffer, on the slot's

@@ -14,6 +14,10 @@ between two issues delays every later issue:
     values' load overlaps the keys' latency and the chain per step is the larger of the
     keys' latency and the compute warpgroups' release of the values, plus the rotation.
 
+With PagedOptions.prefetch = d the warpgroup also asks L2 for the pages (and cos | sin rows) of
+the step d after the one it issues (plgpu.async_prefetch: no SMEM, no barrier): that step's
+own load is then an L2 hit, so the latency in its chain is L2's, not HBM's.
+
 Both cos_sin modes keep one cos | sin buffer (a second would not fit next to the ring), so a
 slot's keys are rotated before the next slot's cos | sin rows are requested. The prologue with
 v_first issues both slots' keys and values first and the second slot's cos | sin rows after the
@@ -59,6 +63,13 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
     def issue_k(step, slot):
         keys.issue(step, slot, seq, kv_head, tbl_smem)
 
+    ahead = keys.spec.options.prefetch
+
+    def prefetch(step):  # L2 prefetch of a later step's keys (PagedOptions.prefetch)
+        @pl.when(step < lo + n_steps)
+        def _():
+            keys.prefetch(step, seq, kv_head, tbl_smem)
+
     plgpu.copy_gmem_to_smem(tbl_ref.at[seq], tbl_smem, tbl_bar)  # an SMEM read per page after
     plgpu.barrier_wait(tbl_bar)
 
@@ -68,6 +79,8 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
             def _():
                 keys.issue(lo + j, j, seq, kv_head, tbl_smem, cos_sin=j == 0)
                 issue_v(lo + j, j)
+        for j in range(ahead):  # the steps the first refills load
+            prefetch(lo + STAGES + j)
         for j in range(STAGES):
             @pl.when(j < n_steps)
             def _():
@@ -75,6 +88,8 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
                     keys.issue_cos_sin(lo + j, j, seq, tbl_smem)
                 keys.finish(j)
     else:
+        for j in range(ahead):
+            prefetch(lo + STAGES + j)
         for j in range(STAGES):
             @pl.when(j < n_steps)
             def _():
@@ -87,6 +102,8 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
         step = lo + i + STAGES
         plgpu.barrier_wait(k_free.at[slot])
         issue_k(step, slot)
+        if ahead:
+            prefetch(step + ahead)
         if v_first:
             plgpu.barrier_wait(v_free.at[slot])
             issue_v(step, slot)
