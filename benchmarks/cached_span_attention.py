@@ -29,16 +29,17 @@ VARIANTS = {"old": {"direct_v": False, "skip_idle": False},
             "idle": {"direct_v": False, "skip_idle": True},
             # no pre-pass: K and V from the pages, keys rotated in the kernel (issue 28 item 2)
             "paged_k": {"direct_v": True, "skip_idle": True, "paged_k": True}}
-# paged_k with other mosaic_prefill_paged.PagedOptions fields (the sweep of issue 28 item 2):
-# "paged_k" is the defaults (cos | sin per key, values issued before the keys' wait)
-PAGED = {"pk:v1": {"cos_sin": "pages", "v_first": False},  # the first version, measured 1.41x
-         "pk:pages": {"cos_sin": "pages"},  # the shifted table, the new order
-         "pk:k_first": {"v_first": False},  # cos | sin per key, the first version's order
-         "pk:pf1": {"prefetch": 1},  # L2 prefetch of the keys one step ahead
-         "pk:pf2": {"prefetch": 2},
+# paged_k with mosaic_prefill_paged.PagedOptions fields (the sweep of issue 28 item 2), spelled
+# out; "paged_k" alone is PagedOptions' defaults (pk:pf1's fields)
+_ORDER = {"v_first": False, "prefetch": 0}
+PAGED = {"pk:v1": {"cos_sin": "pages", **_ORDER},  # the first version, measured 1.41x
+         "pk:keys": {"cos_sin": "keys", **_ORDER},  # cos | sin per key: one box, no big table
+         "pk:vfirst": {"cos_sin": "keys", "v_first": True, "prefetch": 0},
+         "pk:pf1": {"cos_sin": "keys", "v_first": False, "prefetch": 1},  # L2 prefetch
+         "pk:vf_pf1": {"cos_sin": "keys", "v_first": True, "prefetch": 1},
+         "pk:pf2": {"cos_sin": "keys", "v_first": False, "prefetch": 2},
          "pk:packed": {"packed": True},  # rotation in bf16x2 math
          "pk:r200": {"registers": (200, 112)},  # more registers for the rotating warpgroup
-         "pk:r184": {"registers": (184, 144)},
          # timing only: keys read as stored (kv_mode "rotated"), no rotation and no cos | sin:
          # the rotation's share of the time (its error against the others is meaningless)
          "pk:norot": {"kv_mode": "rotated"}}

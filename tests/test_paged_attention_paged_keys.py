@@ -72,9 +72,9 @@ def test_paged_keys_match_reference(specs, kv_heads, group, splits, shift, skip_
 
 
 @pytest.mark.parametrize("cos_sin,v_first,prefetch", [
-    ("keys", True, 0),  # the defaults, through a ring refill (3 key steps in one range)
-    pytest.param("keys", True, 1, marks=slow), pytest.param("keys", False, 2, marks=slow),
-    pytest.param("pages", True, 0, marks=slow),
+    ("keys", False, 1),  # the defaults, through a ring refill (3 key steps in one range)
+    pytest.param("keys", True, 0, marks=slow), pytest.param("keys", True, 2, marks=slow),
+    pytest.param("pages", True, 1, marks=slow),
     pytest.param("pages", False, 0, marks=slow)])  # the last: the first version
 def test_paged_keys_options_match_reference(cos_sin, v_first, prefetch, fresh_rng):
     """Both cos | sin sources, both memory warpgroup orders and L2 prefetches (PagedOptions;
@@ -156,8 +156,9 @@ def test_paged_keys_option_reaches_the_mixed_path():
 
 
 @pytest.mark.parametrize("rotate,options", [
-    (True, PagedOptions()), (False, PagedOptions()), (True, PagedOptions(prefetch=2)),
-    (True, PagedOptions(cos_sin="pages", v_first=False, prefetch=1))])
+    (True, PagedOptions()), (False, PagedOptions()),
+    (True, PagedOptions(v_first=True, prefetch=2)),
+    (True, PagedOptions(cos_sin="pages", v_first=True, prefetch=0))])
 def test_paged_keys_lower_for_cuda(rotate, options, fresh_rng):
     """The compiled kernel (rotation loads in the WGMMA layout from swizzled SMEM, page and
     cos | sin boxes through the SMEM table) lowers through Mosaic GPU for CUDA on this CPU-only

@@ -23,7 +23,7 @@ PYTEST="python3 -m pytest -q -o addopts= -p no:cacheprovider"
 ptxas_lines() { grep -i "^compiling \|used [0-9]* registers\|bytes spill" "$1" \
   | sed 's/^.*\(Used [0-9]* registers\).*$/  \1/; s/^ *\([0-9]* bytes stack.*\)$/  \1/'; }
 MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda MOSAIC_GPU_DUMP_PTXAS=1 \
-  timeout 120 $PYTEST -s tests/test_paged_attention_paged_keys.py \
+  timeout 100 $PYTEST -s tests/test_paged_attention_paged_keys.py \
   -k "match_reference or options_match or rotated_mode" > "$OUT/paged_keys_tests.txt" 2>&1
 rc=$?
 tail -3 "$OUT/paged_keys_tests.txt"
@@ -38,10 +38,10 @@ if [ "${ALSO_OTHERS:-0}" = 1 ]; then
   tail -3 "$OUT/compiled_tests.txt"
 fi
 # most telling first: a sweep cut by the timeout keeps the rows (and A/B lines) measured so far
-VARIANTS=dv+idle,paged_k,pk:v1,pk:pf1,pk:k_first,pk:norot,pk:packed,pk:pf2,pk:r200
+VARIANTS=dv+idle,pk:v1,pk:keys,pk:pf1,pk:vfirst,pk:vf_pf1,pk:norot,pk:pf2,pk:packed,pk:r200
 mkdir -p "$OUT/ptxas_sweep"
 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/ptxas_sweep" \
-  timeout 230 python3 -m benchmarks.cached_span_attention \
+  timeout 240 python3 -m benchmarks.cached_span_attention \
   --variants "$VARIANTS" --out "$OUT/cached_span_paged_sweep.json" \
   > "$OUT/cached_span_paged_sweep.log" 2>&1
 echo "sweep rc=$?"

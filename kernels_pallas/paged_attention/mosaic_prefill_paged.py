@@ -60,14 +60,17 @@ class PagedOptions:
     and one box per page. v_first: the memory warpgroup issues a step's values before it waits
     for the step's keys to land and rotates them (False: after; mosaic_prefill_paged_stream).
     prefetch: when a step's keys are issued, the pages (and cos | sin rows) of the step that
-    many steps later are prefetched into L2 (0: none), so that step's wait is an L2 hit."""
+    many steps later are prefetched into L2 (0: none), so that step's wait is an L2 hit.
+    The defaults are the prediction of mosaic_prefill_paged_stream's arithmetic (keys first,
+    their latency cut by the prefetch), not yet measured: benchmarks/runs/
+    kernel_prefill_paged_next_device.sh sweeps them."""
 
     max_position: int | None = None
     registers: tuple[int, int] = (216, 72)
     packed: bool = False
     cos_sin: str = "keys"
-    v_first: bool = True
-    prefetch: int = 0
+    v_first: bool = False
+    prefetch: int = 1
 
     def __post_init__(self):
         if self.cos_sin not in COS_SIN:

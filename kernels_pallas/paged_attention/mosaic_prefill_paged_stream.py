@@ -3,26 +3,34 @@
 mosaic_prefill._kernel hands its memory warpgroup to `stream_pages` when the keys come from the
 pages. Per key step the warpgroup issues the keys' TMA boxes (raw_bar), waits for them to land,
 rotates them in SMEM and arrives on k_bar (PagedKeys.issue / finish); the values are page boxes
-on v_bar, as direct_v's. One warpgroup does all of it in program order, so what it waits on
-between two issues delays every later issue:
+on v_bar, as direct_v's. One warpgroup does all of it in program order, so each wait delays
+every later issue: its serial chain per key step, not bandwidth, set the first version's speed.
 
-  * v_first False (the first version, measured 1.41x slower than gather + contiguous kernel on
-    the H100): wait k_free, issue K, wait for K to land, rotate, wait v_free, issue V. The
-    values of a step leave only after its keys' full load latency plus the rotation, and the
-    warpgroup's serial chain per step is issue K + latency + rotation + issue V.
-  * v_first True: wait k_free, issue K, wait v_free, issue V, then wait for K and rotate. The
-    values' load overlaps the keys' latency and the chain per step is the larger of the
-    keys' latency and the compute warpgroups' release of the values, plus the rotation.
+The arithmetic (H100 call of 2026-12-05, 72 rows x 4 heads packed = 3 tiles of 128 per kv head,
+16 splits: 384 CTAs of ~17 key steps, one CTA per SM for SMEM, ~2.9 waves, ~51 step slots per
+SM). Gathered keys (dv+idle): 0.101 ms, ~2 us a step, tensor and exp2 bound (the kernel runs
+3 x 128 x 33K x 128 x 4 flop x 8 heads = 52 GFLOP). Bytes in flight are no limit: 16 boxes of
+4 KB a step x 2 slots = 128 KB a CTA, 17 MB over 132 SMs, against ~3-4 MB that 3 TB/s x ~1 us
+of latency needs. The first version's kernel took 0.204 ms, ~4 us a step: its chain was
+17 key-side TMA issues (each after its own SMEM read of the table) + the keys' load latency L
+(~1-1.5 us) + the rotation R (~0.6-0.8 us, f32 with spills at 72 registers) + 8 value issues.
+Each order's chain per step, with Dv the values' release after the keys' (~0.9 us):
+
+  * v_first False (keys first): wait k_free, issue K, wait for K, rotate, arrive k_bar, wait
+    v_free, issue V: issue + L + R + issue V (v_free has passed by then).
+  * v_first True: wait k_free, issue K, wait v_free, issue V, wait for K, rotate: issue +
+    max(L, Dv + issue V) + R; the values leave earlier, but the rotation waits for Dv too.
 
 With PagedOptions.prefetch = d the warpgroup also asks L2 for the pages (and cos | sin rows) of
 the step d after the one it issues (plgpu.async_prefetch: no SMEM, no barrier): that step's
-own load is then an L2 hit, so the latency in its chain is L2's, not HBM's.
+own load is then an L2 hit, L ~0.6 us. Keys first with a prefetch is then the shortest chain
+(~2 us: the compute's step), v_first the better one without (its max hides part of L).
 
 Both cos_sin modes keep one cos | sin buffer (a second would not fit next to the ring), so a
-slot's keys are rotated before the next slot's cos | sin rows are requested. The prologue with
-v_first issues both slots' keys and values first and the second slot's cos | sin rows after the
-first slot's rotation (one load latency before the second step instead of two); without, each
-slot is issued and rotated in turn (the first version).
+slot's keys are rotated before the next slot's cos | sin rows are requested. The prologue (both
+orders) issues both slots' keys and values first and the second slot's cos | sin rows after the
+first slot's rotation: one load latency before the second step, where the first version, which
+issued and rotated each slot in turn, had two.
 """
 
 from __future__ import annotations
@@ -73,29 +81,19 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
     plgpu.copy_gmem_to_smem(tbl_ref.at[seq], tbl_smem, tbl_bar)  # an SMEM read per page after
     plgpu.barrier_wait(tbl_bar)
 
-    if v_first:  # every slot's keys and values in flight before the first wait
-        for j in range(STAGES):
-            @pl.when(j < n_steps)
-            def _():
-                keys.issue(lo + j, j, seq, kv_head, tbl_smem, cos_sin=j == 0)
-                issue_v(lo + j, j)
-        for j in range(ahead):  # the steps the first refills load
-            prefetch(lo + STAGES + j)
-        for j in range(STAGES):
-            @pl.when(j < n_steps)
-            def _():
-                if j > 0:  # the one cos | sin buffer: the previous slot's keys are rotated
-                    keys.issue_cos_sin(lo + j, j, seq, tbl_smem)
-                keys.finish(j)
-    else:
-        for j in range(ahead):
-            prefetch(lo + STAGES + j)
-        for j in range(STAGES):
-            @pl.when(j < n_steps)
-            def _():
-                issue_k(lo + j, j)
-                issue_v(lo + j, j)
-                keys.finish(j)  # the one cos | sin buffer: rotated before the next slot's rows
+    for j in range(STAGES):  # every slot's keys and values in flight before the first wait
+        @pl.when(j < n_steps)
+        def _():
+            keys.issue(lo + j, j, seq, kv_head, tbl_smem, cos_sin=j == 0)
+            issue_v(lo + j, j)
+    for j in range(ahead):  # the steps the first refills load
+        prefetch(lo + STAGES + j)
+    for j in range(STAGES):
+        @pl.when(j < n_steps)
+        def _():
+            if j > 0:  # the one cos | sin buffer: the previous slot's keys are rotated
+                keys.issue_cos_sin(lo + j, j, seq, tbl_smem)
+            keys.finish(j)
 
     def refill(i, _):
         slot = lax.rem(i, STAGES)
