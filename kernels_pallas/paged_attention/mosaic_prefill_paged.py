@@ -8,17 +8,23 @@ rotated by their logical positions in position_free mode. On the H200's cached-s
 
   * the memory warpgroup loads a key step's K like direct_v loads V: one TMA box [B, D] per page
     through the sequence's page table (in SMEM once per CTA), into the K ring slot;
-  * in position_free mode, with each page also the page's cos | sin rows [B, R] from a table of
-    positions kept in 8 copies shifted by 0..7 rows (decode_common / mosaic_common's
+  * in position_free mode, the step's cos | sin rows into one [BLOCK_KV, R] buffer: with
+    cos_sin "keys" (default) one box of the rows XLA forms once per call for every key from
+    its position (key_cos_sin, [S, N, R]: 17 MB for two 33K-key sequences); with "pages" one
+    box per page from a table of positions kept in 8 copies shifted by 0..7 rows (mosaic_common's
     shifted_rope_table: a TMA box into tiled SMEM starts at a multiple of 8; a page's first
-    position is arbitrary), into one [BLOCK_KV, R] buffer; the page starts sit in the table
-    copy's second half of rows;
+    position is arbitrary; the page starts sit in the table copy's second half of rows). The
+    H100 call of 2026-12-05 measured that table's build at 0.042 ms a call (69 MB);
   * once the slot's boxes land (their own barrier, `raw_bar`), the memory warpgroup rotates the
     keys in place (rotate-half, 64 rows x R/2 columns per load; float32 or 16-bit math), fences
     its generic-proxy SMEM writes for the wgmma's async-proxy reads (plgpu.commit_smem:
     fence.proxy.async, PTX's proxy rule) and arrives on the slot's k_bar, which the compute
     warpgroups wait on as before; the same fence orders its reads of the cos | sin buffer before
     the next step's TMA refills it.
+
+The memory warpgroup's order of waits and issues, and an L2 prefetch of later steps' keys, are
+mosaic_prefill_paged_stream.py's (its docstring: why the first version, 1.41x slower than the
+gather + contiguous kernel on the H100, lost, with the arithmetic).
 
 The compute warpgroups are mosaic_prefill's, unchanged. Key positions and the tile schedule stay
 in XLA (key_positions: [S, N] int32). The memory warpgroup's rotation needs registers: the
