@@ -38,6 +38,11 @@ PAGED = {"pk:v1": {"cos_sin": "pages", **_ORDER},  # the first version, measured
          "pk:pf1": {"cos_sin": "keys", "v_first": False, "prefetch": 1},  # L2 prefetch
          "pk:vf_pf1": {"cos_sin": "keys", "v_first": True, "prefetch": 1},
          "pk:pf2": {"cos_sin": "keys", "v_first": False, "prefetch": 2},
+         # a fourth warpgroup rotates (registers: compute, memory, rotator): the memory
+         # warpgroup never waits for a landing
+         "pk:rot": {"rotator": (208, 24, 72)},
+         "pk:rot200": {"rotator": (200, 40, 72)},
+         "pk:rot_pk": {"rotator": (208, 24, 72), "packed": True},
          "pk:packed": {"packed": True},  # rotation in bf16x2 math
          "pk:r200": {"registers": (200, 112)},  # more registers for the rotating warpgroup
          # timing only: keys read as stored (kv_mode "rotated"), no rotation and no cos | sin:

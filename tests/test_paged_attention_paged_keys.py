@@ -158,7 +158,8 @@ def test_paged_keys_option_reaches_the_mixed_path():
 @pytest.mark.parametrize("rotate,options", [
     (True, PagedOptions()), (False, PagedOptions()),
     (True, PagedOptions(v_first=True, prefetch=2)),
-    (True, PagedOptions(cos_sin="pages", v_first=True, prefetch=0))])
+    (True, PagedOptions(cos_sin="pages", v_first=True, prefetch=0)),
+    (True, PagedOptions(rotator=(208, 24, 72)))])
 def test_paged_keys_lower_for_cuda(rotate, options, fresh_rng):
     """The compiled kernel (rotation loads in the WGMMA layout from swizzled SMEM, page and
     cos | sin boxes through the SMEM table) lowers through Mosaic GPU for CUDA on this CPU-only

@@ -12,6 +12,12 @@
 #    "compiling" line, profile per kernel (busy = union of kernels; rest = XLA glue), ABBA wall
 #    time against dv+idle, error against dv+idle's output (about 4e-3 between two correct
 #    kernels; pk:norot reads the keys unrotated, its error is meaningless).
+# Variants (benchmarks/cached_span_attention.py PAGED; predictions in the s17-pagedk report):
+# pk:v1 the first version; pk:keys its cos | sin per key; pk:vfirst values before the keys'
+# wait; pk:pf1 / pk:pf2 keys first + L2 prefetch 1 / 2 steps ahead (pk:pf1 = the defaults);
+# pk:vf_pf1 both; pk:rot / pk:rot200 / pk:rot_pk a fourth warpgroup rotates (registers
+# 208/24/72, 200/40/72; rot_pk in bf16x2); pk:packed bf16x2 rotation; pk:r200 registers 200/112;
+# pk:norot no rotation (timing only). The last ones are cut first if the sweep runs long.
 # ALSO_OTHERS=1 also runs the other compiled prefill/mixed tests (~2 min more).
 #   bash benchmarks/runs/kernel_prefill_paged_next_device.sh        # ~5 min (at most 6)
 set -u
@@ -22,8 +28,8 @@ PYTEST="python3 -m pytest -q -o addopts= -p no:cacheprovider"
 ptxas_lines() { grep -i "^compiling \|used [0-9]* registers\|bytes spill" "$1" \
   | sed 's/^.*\(Used [0-9]* registers\).*$/  \1/; s/^ *\([0-9]* bytes stack.*\)$/  \1/'; }
 MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda MOSAIC_GPU_DUMP_PTXAS=1 \
-  timeout 100 $PYTEST -s tests/test_paged_attention_paged_keys.py \
-  -k "match_reference or options_match or (rotated_mode and one-step)" \
+  timeout 110 $PYTEST -s tests/test_paged_attention_paged_keys.py tests/test_paged_attention_paged_rotator.py \
+  -k "match_reference or options_match or (rotated_mode and one-step) or rotating" \
   > "$OUT/paged_keys_tests.txt" 2>&1
 rc=$?
 tail -3 "$OUT/paged_keys_tests.txt"
@@ -40,7 +46,8 @@ if [ "${ALSO_OTHERS:-0}" = 1 ]; then
   tail -3 "$OUT/compiled_tests.txt"
 fi
 # most telling first: a sweep cut by the timeout keeps the rows (and A/B lines) measured so far
-VARIANTS=dv+idle,pk:v1,pk:keys,pk:pf1,pk:vfirst,pk:vf_pf1,pk:norot,pk:pf2,pk:packed,pk:r200
+VARIANTS=dv+idle,pk:v1,pk:pf1,pk:rot,pk:keys,pk:norot,pk:vfirst,pk:packed,pk:rot200,pk:rot_pk
+VARIANTS=$VARIANTS,pk:vf_pf1,pk:pf2,pk:r200
 mkdir -p "$OUT/ptxas_sweep"
 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/ptxas_sweep" \
   timeout 240 python3 -m benchmarks.cached_span_attention \

@@ -385,7 +385,8 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False,
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(heads, num_tiles), grid_names=("h", "t"), num_threads=3, thread_name="wg",
+        grid=(heads, num_tiles), grid_names=("h", "t"), thread_name="wg",
+        num_threads=keys.warpgroups if keys is not None else 3,  # paged keys: a rotator?
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))

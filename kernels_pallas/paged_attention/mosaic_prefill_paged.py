@@ -22,7 +22,8 @@ rotated by their logical positions in position_free mode. On the H200's cached-s
     warpgroups wait on as before; the same fence orders its reads of the cos | sin buffer before
     the next step's TMA refills it.
 
-The memory warpgroup's order of waits and issues, and an L2 prefetch of later steps' keys, are
+The memory warpgroup's order of waits and issues, an L2 prefetch of later steps' keys and the
+option of a fourth warpgroup that does the rotation instead (PagedOptions.rotator) are
 mosaic_prefill_paged_stream.py's (its docstring: why the first version, 1.41x slower than the
 gather + contiguous kernel on the H100, lost, with the arithmetic).
 
@@ -46,7 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.paged_attention.mosaic_common import META_COLS, SMEM_LIMIT, shifted_rope_table
-from kernels_pallas.paged_attention.mosaic_prefill_paged_stream import step_pages, stream_pages
+from kernels_pallas.paged_attention.mosaic_prefill_paged_stream import (rotate_steps, step_pages,
+                                                                        stream_pages)
 from kernels_pallas.paged_attention.mosaic_prefill_prep import (
     BLOCK_KV, direct_v_limits, key_positions, page_table, queries_in, smem_bytes, tile_schedule)
 
@@ -67,6 +69,9 @@ class PagedOptions:
     for the step's keys to land and rotates them (False: after; mosaic_prefill_paged_stream).
     prefetch: when a step's keys are issued, the pages (and cos | sin rows) of the step that
     many steps later are prefetched into L2 (0: none), so that step's wait is an L2 hit.
+    rotator: None (the memory warpgroup rotates) or the per-thread registers (compute,
+    memory, rotator) of a kernel with a fourth warpgroup that only rotates (it loads the cos |
+    sin rows itself; cos_sin "keys"): the memory warpgroup then never waits for a landing.
     The defaults are the prediction of mosaic_prefill_paged_stream's arithmetic (keys first,
     their latency cut by the prefetch), not yet measured: benchmarks/runs/
     kernel_prefill_paged_next_device.sh sweeps them."""
@@ -77,12 +82,28 @@ class PagedOptions:
     cos_sin: str = "keys"
     v_first: bool = False
     prefetch: int = 1
+    rotator: tuple[int, int, int] | None = None
 
     def __post_init__(self):
         if self.cos_sin not in COS_SIN:
             raise ValueError(f"PagedOptions.cos_sin must be one of {COS_SIN}, got {self.cos_sin!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"PagedOptions.prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.rotator is not None:
+            why = rotator_limits(self.rotator, self.cos_sin)
+            if why:
+                raise ValueError(f"PagedOptions.rotator={self.rotator!r}: {why}")
+
+
+def rotator_limits(registers, cos_sin: str) -> str:
+    """Why a fourth, rotating warpgroup cannot take these options ('' when it can)."""
+    if cos_sin != "keys":
+        return 'the rotating warpgroup loads its cos | sin rows itself: cos_sin must be "keys"'
+    if len(registers) != 3 or any(r % 8 or not 24 <= r <= 256 for r in registers):
+        return "needs 3 register counts (compute, memory, rotator), multiples of 8 in [24, 256]"
+    if 2 * registers[0] + registers[1] + registers[2] > 512:  # 64K registers / 128 threads
+        return "2 x compute + memory + rotator registers exceed 512 (64K per SM)"
+    return ""
 
 
 def paged_limits(head_dim: int, rotary_half: int, rotate_keys: bool, dtype, page_size: int,
@@ -125,24 +146,41 @@ class PagedKeysSpec:
     table_rows: int  # rows of page ids in the SMEM table (the starts follow)
     options: PagedOptions
 
+    @property
+    def rotator(self) -> bool:
+        """Whether a fourth warpgroup rotates (PagedOptions.rotator, position_free mode)."""
+        return self.rotate and self.options.rotator is not None
+
+    @property
+    def warpgroups(self) -> int:
+        return 4 if self.rotator else 3
+
     def scratch(self, tiled, dtype, stages):
-        """cos | sin rows of one key step, and the slots' barriers for their raw boxes."""
+        """cos | sin rows of one key step, the slots' barriers for their raw boxes (with the
+        cos | sin box unless the rotating warpgroup loads it, on its own barrier)."""
         pages = BLOCK_KV // self.page_size
-        cos_sin_boxes = 0 if not self.rotate else 1 if self.options.cos_sin == "keys" else pages
+        cos_sin_boxes = (0 if not self.rotate or self.rotator else
+                         1 if self.options.cos_sin == "keys" else pages)
         return [plgpu.SMEM((BLOCK_KV, self.rope.shape[-1]), dtype, transforms=tiled)
                 if self.rotate else None,
-                plgpu.Barrier(num_arrivals=1 + pages + cos_sin_boxes, num_barriers=stages)]
+                plgpu.Barrier(num_arrivals=1 + pages + cos_sin_boxes, num_barriers=stages),
+                plgpu.Barrier() if self.rotator else None]
 
     def bind(self, kernel, n_scratch: int):
         """mosaic_prefill._kernel taking the rope input (after the 8 inputs) and the key scratch
-        (after its n_scratch entries), with `keys` bound to them."""
+        (after its n_scratch entries), with `keys` bound to them; with a rotator, its fourth
+        warpgroup's loop (mosaic_prefill_paged_stream.rotate_steps) after _kernel's three."""
+        registers = self.options.rotator[:2] if self.rotator else self.options.registers
+
         def wrapped(*refs):
             ins, rope_ref, outs = refs[:8], refs[8], refs[9:11]
-            scratch, (cs_smem, raw_bar) = refs[11:11 + n_scratch], refs[11 + n_scratch:]
+            scratch, (cs_smem, raw_bar, cs_bar) = refs[11:11 + n_scratch], refs[11 + n_scratch:]
             k_smem, kpos_smem, k_bar = scratch[1], scratch[3], scratch[10]
             keys = PagedKeys(ins[2], ins[4], rope_ref, k_smem, kpos_smem, cs_smem, k_bar,
                              raw_bar, self)
-            kernel(*ins, *outs, *scratch, keys=keys, registers=self.options.registers)
+            kernel(*ins, *outs, *scratch, keys=keys, registers=registers)
+            if self.rotator:
+                rotate_steps(keys, ins[0], cs_bar, self.options.rotator[2])
         return wrapped
 
 
@@ -182,16 +220,16 @@ class PagedKeys:
         if self.spec.rotate and self.spec.options.cos_sin == "keys":
             plgpu.async_prefetch(self.rope_ref.at[seq, pl.ds(step * BLOCK_KV, BLOCK_KV)])
 
-    def issue_cos_sin(self, step, slot, seq, tbl_smem):
-        """The cos | sin rows of key step `step` into the one cos | sin buffer, on the slot's
-        raw_bar: one box ("keys") or one per page from the shifted table ("pages"); nothing
-        without rotation. The buffer must be free: the previous step's keys rotated."""
+    def issue_cos_sin(self, step, slot, seq, tbl_smem, bar=None):
+        """The cos | sin rows of key step `step` into the one cos | sin buffer, on `bar` (None:
+        the slot's raw_bar): one box ("keys") or one per page from the shifted table ("pages");
+        nothing without rotation. The buffer must be free: the previous step's keys rotated."""
         spec, size = self.spec, self.spec.page_size
         if not spec.rotate:
             return
         if spec.options.cos_sin == "keys":
             plgpu.copy_gmem_to_smem(self.rope_ref.at[seq, pl.ds(step * BLOCK_KV, BLOCK_KV)],
-                                    self.cs_smem, self.raw_bar.at[slot])
+                                    self.cs_smem, self.raw_bar.at[slot] if bar is None else bar)
             return
         starts = step_pages(tbl_smem, step, BLOCK_KV // size, spec.table_rows)  # clipped
         for j, start in enumerate(starts):

@@ -26,6 +26,12 @@ the step d after the one it issues (plgpu.async_prefetch: no SMEM, no barrier): 
 own load is then an L2 hit, L ~0.6 us. Keys first with a prefetch is then the shortest chain
 (~2 us: the compute's step), v_first the better one without (its max hides part of L).
 
+With PagedOptions.rotator a fourth warpgroup (rotate_steps) waits for each slot's keys, loads
+the cos | sin rows and rotates; the memory warpgroup only issues and waits for free slots. The
+chains split: issues alone (~1 us a step) and cos | sin latency + R (~1.3 us with the prefetch),
+both under the compute's ~2 us, at the price of registers: 64K / 512 threads, e.g. 208 for
+each compute warpgroup (232 with three warpgroups), 24 for the memory one, 72 for the rotator.
+
 Both cos_sin modes keep one cos | sin buffer (a second would not fit next to the ring), so a
 slot's keys are rotated before the next slot's cos | sin rows are requested. The prologue (both
 orders) issues both slots' keys and values first and the second slot's cos | sin rows after the
@@ -41,7 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.paged_attention.mosaic_common import META_COLS
-from kernels_pallas.paged_attention.mosaic_prefill_prep import BLOCK_KV, STAGES
+from kernels_pallas.paged_attention.mosaic_prefill_prep import (BLOCK_KV, STAGES, TILE_HI,
+                                                                TILE_LO, TILE_SEQ)
 
 
 def step_pages(tbl_smem, step, pages: int, first_row: int = 0):
@@ -61,6 +68,11 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
     page_size = keys.spec.page_size
     pages = BLOCK_KV // page_size
     v_first = keys.spec.options.v_first
+    rotates = not keys.spec.rotator  # else a fourth warpgroup finishes the keys (rotate_steps)
+
+    def finish(slot):
+        if rotates:
+            keys.finish(slot)
 
     def issue_v(step, slot):
         for j, page in enumerate(step_pages(tbl_smem, step, pages)):
@@ -69,7 +81,7 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
                                     v_bar.at[slot])
 
     def issue_k(step, slot):
-        keys.issue(step, slot, seq, kv_head, tbl_smem)
+        keys.issue(step, slot, seq, kv_head, tbl_smem, cos_sin=rotates)
 
     ahead = keys.spec.options.prefetch
 
@@ -84,11 +96,11 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
     for j in range(STAGES):  # every slot's keys and values in flight before the first wait
         @pl.when(j < n_steps)
         def _():
-            keys.issue(lo + j, j, seq, kv_head, tbl_smem, cos_sin=j == 0)
+            keys.issue(lo + j, j, seq, kv_head, tbl_smem, cos_sin=rotates and j == 0)
             issue_v(lo + j, j)
     for j in range(ahead):  # the steps the first refills load
         prefetch(lo + STAGES + j)
-    for j in range(STAGES):
+    for j in range(STAGES if rotates else 0):
         @pl.when(j < n_steps)
         def _():
             if j > 0:  # the one cos | sin buffer: the previous slot's keys are rotated
@@ -105,9 +117,9 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
         if v_first:
             plgpu.barrier_wait(v_free.at[slot])
             issue_v(step, slot)
-            keys.finish(slot)
+            finish(slot)
         else:
-            keys.finish(slot)
+            finish(slot)
             plgpu.barrier_wait(v_free.at[slot])
             issue_v(step, slot)
         return _
@@ -121,3 +133,28 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
         return _
 
     lax.fori_loop(jnp.maximum(n_steps - STAGES, 0), n_steps, drain, None)
+
+
+def rotate_steps(keys, sched_ref, cs_bar, registers: int):
+    """The fourth warpgroup (PagedOptions.rotator): per key step of its tile, load the step's
+    cos | sin rows (its own barrier, cs_bar: the one buffer is free once its previous rotation
+    is done, which only this warpgroup knows), wait for the slot's keys, rotate them, fence
+    and arrive on k_bar (PagedKeys.finish). Its chain per step is the cos | sin rows' latency
+    (an L2 hit with the memory warpgroup's prefetch) plus the rotation; the memory warpgroup,
+    which then never waits for a landing, only issues."""
+    t, wg = lax.axis_index("t"), lax.axis_index("wg")
+    seq = sched_ref[t, TILE_SEQ]
+    lo, hi = sched_ref[t, TILE_LO], sched_ref[t, TILE_HI]
+
+    @pl.when((seq >= 0) & (wg == 3))
+    def _():
+        plgpu.set_max_registers(registers, action="decrease")
+
+        def step(i, _):
+            slot = lax.rem(i, STAGES)
+            keys.issue_cos_sin(lo + i, slot, seq, None, bar=cs_bar)
+            plgpu.barrier_wait(cs_bar)
+            keys.finish(slot)
+            return _
+
+        lax.fori_loop(0, hi - lo, step, None)
