@@ -9,6 +9,8 @@ interleaved (ABBA) and profiled per kernel; the table gives ms per call, the gat
 attention kernel's share, and GB/s of one read of K and V (the floor) over each.
 
   PYTHONPATH=. python3 -m benchmarks.cached_span_attention [--variants old,direct_v,dv+idle,paged_k]
+
+(paged_k's PagedOptions sweep: the pk:* variants, PAGED.)
 """
 
 from __future__ import annotations
@@ -27,6 +29,26 @@ VARIANTS = {"old": {"direct_v": False, "skip_idle": False},
             "idle": {"direct_v": False, "skip_idle": True},
             # no pre-pass: K and V from the pages, keys rotated in the kernel (issue 28 item 2)
             "paged_k": {"direct_v": True, "skip_idle": True, "paged_k": True}}
+# paged_k with mosaic_prefill_paged.PagedOptions fields (the sweep of issue 28 item 2), spelled
+# out; "paged_k" alone is PagedOptions' defaults (pk:pf1's fields)
+_ORDER = {"v_first": False, "prefetch": 0}
+PAGED = {"pk:v1": {"cos_sin": "pages", **_ORDER},  # the first version, measured 1.41x
+         "pk:keys": {"cos_sin": "keys", **_ORDER},  # cos | sin per key: one box, no big table
+         "pk:vfirst": {"cos_sin": "keys", "v_first": True, "prefetch": 0},
+         "pk:pf1": {"cos_sin": "keys", "v_first": False, "prefetch": 1},  # L2 prefetch
+         "pk:vf_pf1": {"cos_sin": "keys", "v_first": True, "prefetch": 1},
+         "pk:pf2": {"cos_sin": "keys", "v_first": False, "prefetch": 2},
+         # a fourth warpgroup rotates (registers: compute, memory, rotator): the memory
+         # warpgroup never waits for a landing
+         "pk:rot": {"rotator": (208, 24, 72)},
+         "pk:rot200": {"rotator": (200, 40, 72)},
+         "pk:rot_pk": {"rotator": (208, 24, 72), "packed": True},
+         "pk:packed": {"packed": True},  # rotation in bf16x2 math
+         "pk:r200": {"registers": (200, 112)},  # more registers for the rotating warpgroup
+         # timing only: keys read as stored (kv_mode "rotated"), no rotation and no cos | sin:
+         # the rotation's share of the time (its error against the others is meaningless)
+         "pk:norot": {"kv_mode": "rotated"}}
+VARIANTS.update({n: {**VARIANTS["paged_k"], "paged": f} for n, f in PAGED.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,17 +101,41 @@ def inputs(shape: Shape, seed: int):
     return q, k, v, md, jnp.asarray(inv_freq_for(s.head_dim, None))
 
 
-def attention_call(extra: dict):
+def attention_call(extra: dict, args):
+    """The variant's jitted call, compiled (run once on `args`). A "paged" entry holds
+    PagedOptions fields: MixedOptions has only paged_k (on / off), so the first call, which
+    traces, runs with mosaic_mixed's PagedOptions replaced by one with those defaults; later
+    calls reuse that trace (same shapes), so the timed calls carry no patch. api._run_once (a
+    jit keyed on MixedOptions, the same for every pk:* variant) forgets its traces first, and a
+    variant whose options were never built fails rather than time another variant's kernel."""
+    from unittest import mock
+
     import jax
-    from kernels_pallas.paged_attention.api import paged_attention
+    from kernels_pallas.paged_attention import api, mosaic_mixed
+    extra = dict(extra)
+    fields = dict(extra.pop("paged", {}))
+    kv_mode = fields.pop("kv_mode", "position_free")
     options = dict(prefill_seqs=2, prefill_fits=True, decode_rows=False, **extra)
-    return jax.jit(lambda q, k, v, md, inv: paged_attention(
-        q, k, v, md, inv, kv_mode="position_free", implementation="mixed",
-        kernel_options=options))
+    fn = jax.jit(lambda q, k, v, md, inv: api.paged_attention(
+        q, k, v, md, inv, kv_mode=kv_mode, implementation="mixed", kernel_options=options))
+    built = []
+    base = mosaic_mixed.PagedOptions
+
+    def paged(**kw):
+        built.append(base(**{**kw, **fields}))
+        return built[-1]
+
+    api._run_once.clear_cache()
+    with mock.patch.object(mosaic_mixed, "PagedOptions", paged):
+        jax.block_until_ready(fn(*args))
+    if extra.get("paged_k") and not built:
+        raise RuntimeError(f"paged variant {fields}: its PagedOptions were never built (a "
+                           "cached trace?)")
+    return fn
 
 
 def _kernel_ms(prof: dict, name: str) -> float:
-    return sum(r["ms_per_step"] for r in prof["top"] if r["name"].startswith(name))
+    return sum(r["ms_per_step"] for r in prof["top"] if name in r["name"])
 
 
 def main(argv=None) -> int:
@@ -106,10 +152,12 @@ def main(argv=None) -> int:
                          "default: against the first variant's output")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cached_span.json"))
     args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
     shape = Shape()
     q, k, v, md, inv = inputs(shape, args.seed)
-    names = args.variants.split(",")
-    fns = {n: attention_call(VARIANTS[n]) for n in names}
     ref = None
     if args.reference:
         ref = paged_attention_reference(q, k, v, md, inv, kv_mode="position_free")[: shape.new]
@@ -118,10 +166,17 @@ def main(argv=None) -> int:
           f"keys, H{shape.heads}/K{shape.kv_heads} D{shape.head_dim}; K+V once = "
           f"{kv_bytes / 1e6:.1f} MB; kernel times by profile, GB/s = K+V once / busy time; "
           f"rel err vs {'the float64 reference' if ref is not None else names[0]}")
-    print(f"{'variant':<10} {'busy ms':>8} {'gather':>8} {'kernel':>8} {'GB/s':>6} {'rel err':>9}",
-          flush=True)
+    print(f"{'variant':<10} {'busy ms':>8} {'gather':>8} {'kernel':>8} {'rest':>8} {'GB/s':>6} "
+          f"{'rel err':>9}   (rest: the XLA glue, e.g. cos | sin rows)", flush=True)
     rows = {}
-    for n, fn in fns.items():  # each row printed when measured: a variant that hangs loses only itself
+    fns = {}
+    for n in names:  # each row printed when measured: a variant that hangs loses only itself
+        print(f"compiling {n}", flush=True)  # (ptxas reports, when dumped, follow this line)
+        try:  # one variant that does not compile costs only its own row
+            fn = fns[n] = attention_call(VARIANTS[n], (q, k, v, md, inv))
+        except Exception as e:  # noqa: BLE001 (printed, the sweep goes on)
+            print(f"{n:<10} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
         out = jax.block_until_ready(fn(q, k, v, md, inv))
         out = np.asarray(out.astype(np.float32), np.float64)[: shape.new]
         ref = out if ref is None else ref  # the first variant's, unless --reference
@@ -129,19 +184,21 @@ def main(argv=None) -> int:
         prof = profile_kernels(lambda fn=fn: fn(q, k, v, md, inv), steps=5)
         r = rows[n] = dict(rel_err=err, busy_ms=prof["kernel_busy_ms_per_step"],
                            gather_ms=_kernel_ms(prof, "gather_live"),
-                           attn_kernel_ms=_kernel_ms(prof, "anonymous_mosaic_gpu_kernel"),
+                           # "anonymous_" or, with paged keys (bound kernel), "wrapped_"
+                           attn_kernel_ms=_kernel_ms(prof, "mosaic_gpu_kernel"),
                            top=prof["top"][:8])
+        rest = r["busy_ms"] - r["gather_ms"] - r["attn_kernel_ms"]
         print(f"{n:<10} {r['busy_ms']:8.4f} {r['gather_ms']:8.4f} {r['attn_kernel_ms']:8.4f} "
-              f"{kv_bytes / r['busy_ms'] / 1e6:6.0f} {err:9.2e}", flush=True)
-    base = names[0]
-    for n in names[1:]:
-        ma, mb, med, lo, hi = ab_time(fns[base], fns[n], q, k, v, md, inv, iters=args.iters,
-                                      reps=args.reps)
-        rows[n].update(wall_ms=mb, base_wall_ms=ma, ratio=med, ratio_iqr=(lo, hi))
-        print(f"A/B wall per call (interleaved): {base} {ma:.4f} ms, {n} {mb:.4f} ms, ratio "
-              f"{med:.3f} [IQR {lo:.3f}-{hi:.3f}]", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(shape=dataclasses.asdict(shape), rows=rows), f, indent=1)
+              f"{rest:8.4f} {kv_bytes / r['busy_ms'] / 1e6:6.0f} {err:9.2e}", flush=True)
+        base = names[0]  # timed against the first variant now: a sweep cut short keeps these
+        if n != base and base in fns:
+            ma, mb, med, lo, hi = ab_time(fns[base], fn, q, k, v, md, inv, iters=args.iters,
+                                          reps=args.reps)
+            r.update(wall_ms=mb, base_wall_ms=ma, ratio=med, ratio_iqr=(lo, hi))
+            print(f"  A/B wall per call (interleaved): {base} {ma:.4f} ms, {n} {mb:.4f} ms, "
+                  f"ratio {med:.3f} [IQR {lo:.3f}-{hi:.3f}]", flush=True)
+        with open(args.out, "w") as f:  # after every variant: a sweep cut short keeps its rows
+            json.dump(dict(shape=dataclasses.asdict(shape), rows=rows), f, indent=1)
     return 0
 
 

@@ -71,6 +71,44 @@ def test_paged_keys_match_reference(specs, kv_heads, group, splits, shift, skip_
     _check(out, q, k, v, md, inv, "position_free")
 
 
+@pytest.mark.parametrize("cos_sin,v_first,prefetch", [
+    ("keys", False, 1),  # the defaults, through a ring refill (3 key steps in one range)
+    pytest.param("keys", True, 0, marks=slow), pytest.param("keys", True, 2, marks=slow),
+    pytest.param("pages", True, 1, marks=slow),
+    pytest.param("pages", False, 0, marks=slow)])  # the last: the first version
+def test_paged_keys_options_match_reference(cos_sin, v_first, prefetch, fresh_rng):
+    """Both cos | sin sources, both memory warpgroup orders and L2 prefetches (PagedOptions;
+    interpreted, a prefetch is a no-op: this checks the schedule around it), page starts no
+    multiple of 8 (offset 37)."""
+    options = PagedOptions(max_position=1024 + 37, cos_sin=cos_sin, v_first=v_first,
+                           prefetch=prefetch)
+    out, q, k, v, md, inv = _run(fresh_rng, [(300, 5, 0)], splits=1, shift=37, options=options)
+    _check(out, q, k, v, md, inv, "position_free")
+
+
+def test_key_cos_sin_rows_are_the_rope_tables():
+    """cos_sin "keys": each key's row is rope_table_in_graph's row of its position (the values
+    the shifted table gave); a pad's sentinel position (1 << 30) gives a finite row."""
+    from kernels_pallas.paged_attention.decode_common import rope_table_in_graph
+    from kernels_pallas.paged_attention.mosaic_prefill_paged import key_cos_sin
+    from kernels_pallas.paged_attention.random_inputs import inv_freq_for
+    inv = inv_freq_for(128, None)
+    pos = np.array([[0, 5, 33791, 1 << 30], [1003, 1004, 7, 8]], np.int32)
+    got = np.asarray(key_cos_sin(jnp.asarray(pos), inv, 0.5, jnp.bfloat16), np.float32)
+    table = rope_table_in_graph(inv, 33792, 0.5, jnp.bfloat16)
+    live = pos < 1 << 30
+    want = np.asarray(table[jnp.asarray(np.where(live, pos, 0))], np.float32)
+    np.testing.assert_array_equal(got[live], want[live])
+    assert np.isfinite(got).all()
+
+
+def test_paged_options_name_a_bad_field():
+    with pytest.raises(ValueError, match="cos_sin"):
+        PagedOptions(cos_sin="table")
+    with pytest.raises(ValueError, match="prefetch"):
+        PagedOptions(prefetch=-1)
+
+
 @pytest.mark.parametrize("packed", [pytest.param(True, marks=slow)])
 def test_paged_keys_rotate_in_16_bit_math(packed, fresh_rng):
     out, q, k, v, md, inv = _run(fresh_rng, [(100, 5, 0)], shift=37,
@@ -117,8 +155,12 @@ def test_paged_keys_option_reaches_the_mixed_path():
         api.choose_attention(wide, "mixed", {"paged_k": True})
 
 
-@pytest.mark.parametrize("rotate", [True, False])
-def test_paged_keys_lower_for_cuda(rotate, fresh_rng):
+@pytest.mark.parametrize("rotate,options", [
+    (True, PagedOptions()), (False, PagedOptions()),
+    (True, PagedOptions(v_first=True, prefetch=2)),
+    (True, PagedOptions(cos_sin="pages", v_first=True, prefetch=0)),
+    (True, PagedOptions(rotator=(208, 24, 72)))])
+def test_paged_keys_lower_for_cuda(rotate, options, fresh_rng):
     """The compiled kernel (rotation loads in the WGMMA layout from swizzled SMEM, page and
     cos | sin boxes through the SMEM table) lowers through Mosaic GPU for CUDA on this CPU-only
     machine."""
@@ -127,6 +169,6 @@ def test_paged_keys_lower_for_cuda(rotate, fresh_rng):
                                [(300, 41, 0), (0, 20, 5)])
     fn = jax.jit(lambda q, k, v, md: prefill_attention_split(
         q, k, v, md, inv, rotate_keys=rotate, attention_scaling=1.0, sm_scale=0.1, splits=4,
-        paged=PagedOptions()))
+        paged=options))
     text = export.export(fn, platforms=["cuda"])(q, k, v, md).mlir_module()
     assert "mosaic_gpu" in text

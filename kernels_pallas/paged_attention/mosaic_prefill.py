@@ -102,9 +102,8 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
     skip_idle: a compute warpgroup that owns no row of its tile's sequence (the second half of
     a sequence's last tile when its rows end in the first) walks the key steps through the
     barriers only (_idle_walk): no wgmma, no softmax, no store; its rows are never read.
-    keys: None (k_ref is the gathered buffer) or the memory warpgroup's key loads from the pages
-    (mosaic_prefill_paged.PagedKeys: issue(step, slot, seq, kv_head, tbl_smem) starts a slot's
-    loads, finish(slot) rotates the landed keys and arrives on k_bar). registers: per-thread
+    keys: None (k_ref is the gathered buffer) or the paged keys (mosaic_prefill_paged.PagedKeys:
+    its stream() is the whole memory warpgroup, K and V from the pages). registers: per-thread
     registers of (each compute, the memory) warpgroup."""
     h = lax.axis_index("h")
     t = lax.axis_index("t")
@@ -251,17 +250,15 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
     def _memory():
         plgpu.set_max_registers(registers[1], action="decrease")
         kv_head = lax.div(h, jnp.int32(group))
+        if keys is not None:  # paged keys: mosaic_prefill_paged_stream orders the loads
+            return keys.stream(lo=lo, n_steps=n_steps, seq=seq, kv_head=kv_head, tbl_ref=tbl_ref,
+                               tbl_smem=tbl_smem, tbl_bar=tbl_bar, v_ref=v_ref, v_smem=v_smem,
+                               v_bar=v_bar, k_free=k_free, v_free=v_free)
 
         def issue_k(step, slot):
-            if keys is not None:
-                return keys.issue(step, slot, seq, kv_head, tbl_smem)
             rows = pl.ds(step * BLOCK_KV, BLOCK_KV)
             plgpu.copy_gmem_to_smem(k_ref.at[seq, rows, kv_head], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(kpos_ref.at[seq, rows], kpos_smem.at[slot], k_bar.at[slot])
-
-        def finish_k(slot):  # paged keys: rotated once landed, then k_bar
-            if keys is not None:
-                keys.finish(slot)
 
         def issue_v(step, slot):
             if not v_pages_per_step:
@@ -285,14 +282,11 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
             def _():
                 issue_k(lo + j, j)
                 issue_v(lo + j, j)
-                finish_k(j)
 
         def refill(i, _):
             slot = lax.rem(i, STAGES)
             plgpu.barrier_wait(k_free.at[slot])
             issue_k(lo + i + STAGES, slot)
-            # paged keys: rotated as soon as they land (wanted a step before these values)
-            finish_k(slot)
             plgpu.barrier_wait(v_free.at[slot])
             issue_v(lo + i + STAGES, slot)
             return _
@@ -391,7 +385,8 @@ def run_kernel(inputs, *, kv_heads: int, interpret=False, split: bool = False,
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(heads, num_tiles), grid_names=("h", "t"), num_threads=3, thread_name="wg",
+        grid=(heads, num_tiles), grid_names=("h", "t"), thread_name="wg",
+        num_threads=keys.warpgroups if keys is not None else 3,  # paged keys: a rotator?
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))

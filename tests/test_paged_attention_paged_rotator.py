@@ -1,0 +1,54 @@
+"""The paged-keys kernel with a fourth, rotating warpgroup (PagedOptions.rotator) vs the numpy
+reference: a ring refill (3 key steps in one range) and one-step splits, page starts at an
+offset of 37 (no multiple of 8).
+
+Interpreted, four warpgroups are four threads whose barrier waits block XLA CPU pool threads:
+three may wait while the fourth runs, and the caller holds one more, so the suite's 4 pool
+threads (tests/conftest.py, interpret_threads.py) may not do; the check then runs in a child
+process with PJRT_NPROC=6. Compiled (MINIPIC_COMPILED=1) it runs here.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from kernels_pallas.paged_attention.mosaic_prefill_paged import PagedOptions
+
+INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check_rotator(seed: int) -> None:
+    """Both batches through the rotating warpgroup, each against the reference."""
+    from tests.test_paged_attention_mixed import _check
+    from tests.test_paged_attention_paged_keys import _run
+    rng = np.random.default_rng(seed)
+    options = PagedOptions(max_position=1024 + 37, rotator=(208, 24, 72))
+    for specs, splits in (([(300, 5, 0)], 1), ([(100, 5, 0)], 2)):
+        out, q, k, v, md, inv = _run(rng, specs, splits=splits, shift=37, options=options)
+        _check(out, q, k, v, md, inv, "position_free")
+
+
+def test_rotating_warpgroup_matches_reference(fresh_rng):
+    seed = int(fresh_rng.integers(1 << 31))
+    if not INTERPRET:
+        check_rotator(seed)
+        return
+    env = dict(os.environ, PJRT_NPROC="6", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([_ROOT, os.path.join(_ROOT, "tests")]))
+    code = f"from tests.test_paged_attention_paged_rotator import check_rotator; check_rotator({seed})"
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=_ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_rotator_options_name_what_is_wrong():
+    import pytest
+    with pytest.raises(ValueError, match='cos_sin must be "keys"'):
+        PagedOptions(cos_sin="pages", rotator=(208, 24, 72))
+    with pytest.raises(ValueError, match="exceed 512"):
+        PagedOptions(rotator=(232, 40, 72))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        PagedOptions(rotator=(208, 20, 72))
