@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LLAMA_8B_LAYERS = 32
 LAYER_WEIGHTS = ("attn_norm", "mlp_norm", "w_down", "w_gate_up", "wo", "wqkv")
@@ -67,3 +68,74 @@ def install(runner, shape: str = "engine"):
 def num_leaves(runner) -> int:
     """Leaves of the params and cache the step is called with."""
     return len(jax.tree.leaves((runner.params, runner.cache)))
+
+
+def tables_ab(argv=None) -> int:
+    """Issue 28's cached-span request (benchmarks/ttft_host.py) with the null step, the block
+    tables resident on the device (serving/step/resident_tables.py) vs each step carrying its
+    seats' [S, NB] rows, alternating in blocks of calls (the first call of a block, which
+    uploads the tables after the switch, is not counted). Prints per mode the median ms of
+    the step call (`stub`), the input build, the host time, the thread's CPU time (steadier on
+    a loaded machine), and the cached step's int bytes.
+
+        python -m benchmarks.null_step [--step null-llama8b] [--blocks 4] [--calls 3] [--real]
+    """
+    import argparse
+    import statistics
+
+    from benchmarks import ttft_host
+    from minipic_jax import SamplingParams
+    from serving.step import resident_tables
+    p = argparse.ArgumentParser(prog="null_step")
+    ttft_host.add_parser(p)
+    p.add_argument("--blocks", type=int, default=4, help="blocks of calls per mode")
+    p.add_argument("--real", action="store_true", help="the engine's own step (its device work "
+                   "timed too), not a null one")
+    p.set_defaults(step="null-llama8b", max_num_seqs=64, min_token_bucket=128, fresh_lists=True)
+    args = p.parse_args(argv)
+    if args.real:  # make_llm installs the null step through this module: not this time
+        install_null, globals()["install"] = install, lambda runner, shape="engine": None
+        args.step = "null"
+    llm = ttft_host.make_llm(args)
+    if args.real:
+        globals()["install"], args.step = install_null, "real"
+    runner, vocab = llm.llm_engine.runner, llm.llm_engine.vocab_size
+    rng = np.random.default_rng(0)
+    spans = [rng.integers(10, vocab - 10, args.span_tokens).tolist() for _ in range(args.spans)]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    pt = ttft_host.instrument(llm)
+    uploads, upload = [0], resident_tables.upload
+
+    def counted(stack, mesh=None):  # a step whose changes did not fit uploads the whole array
+        uploads[0] += 1
+        return upload(stack, mesh)
+    resident_tables.upload = counted
+
+    def call():
+        prompt = ttft_host.request(rng, spans, rng.permutation(args.spans), vocab, True)
+        return ttft_host.timed_call(llm, pt, prompt, sp)
+    call()  # the cold call: every block computed
+    rows: dict = {"rows": [], "resident": []}
+    nbytes, measured_uploads = {}, 0
+    for _ in range(args.blocks):
+        for mode in rows:
+            runner.dev_tables.set(mode == "resident")
+            call()  # after the switch: the resident mode's first step uploads the whole array
+            before = uploads[0]
+            rows[mode] += [call() for _ in range(args.calls)]
+            measured_uploads += uploads[0] - before
+            nbytes[mode] = runner.last_inputs[0].nbytes
+    resident_tables.upload = upload
+    print(f"null_step tables A/B ({args.step}, {args.max_num_seqs} seats, NB {runner.nb}): "
+          f"median ms of {args.blocks} x {args.calls} cached calls per mode")
+    print(f"{'mode':>9} {'stub':>7} {'build':>7} {'host':>7} {'cpu':>7} {'int_bytes':>10}")
+    for mode, rs in rows.items():
+        cols = [statistics.median(r[k] for r in rs) for k in ("stub", "build", "host",
+                                                                "thread_cpu")]
+        print(f"{mode:>9} " + " ".join(f"{x:7.3f}" for x in cols) + f" {nbytes[mode]:10d}")
+    print(f"whole-table uploads in the measured resident calls: {measured_uploads}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(tables_ab())
