@@ -137,5 +137,54 @@ def tables_ab(argv=None) -> int:
     return 0
 
 
+def stacked_like(params, cache, *, layers: bool, kv: bool):
+    """`llama8b_like`'s pytrees with each per-layer weight stacked over the layers ([32, ...]:
+    9 param leaves, not 195) and/or K and V each one array (2 cache leaves, not 64): what the
+    step call would cost if the model held them so (item 2 of issue 28's step call)."""
+    from minipic_jax.models.llama import KVCache
+    if layers:
+        stacked = {k: jnp.stack([lay[k] for lay in params["layers"]]) for k in LAYER_WEIGHTS}
+        params = dict(params, layers=stacked)
+    if kv:
+        cache = KVCache(k=jnp.stack(cache.k), v=jnp.stack(cache.v))
+    return params, cache
+
+
+def leaves_ab(repeats: int = 200) -> list[str]:
+    """Median us until the null step's call returns, per params/cache pytree (Llama-3.1-8B's
+    leaves as the engine holds them, then stacked over the layers), interleaved; the int input
+    is 1 KB so only the leaves differ. The cache is donated and taken back, as in the engine."""
+    import statistics
+    import time
+
+    from serving.step.step_executables import StepExecutables
+    base = llama8b_like()
+    trees = {"8b (195 + 64)": base,
+             "layers stacked (9 + 64)": stacked_like(*base, layers=True, kv=False),
+             "kv stacked (195 + 2)": stacked_like(*base, layers=False, kv=True),
+             "both (9 + 2)": stacked_like(*base, layers=True, kv=True)}
+    steps = {name: StepExecutables(_null_body, signature_of=_null_body,  # one variant each
+                                   donate_argnums=(1, 5, 6, 7)) for name in trees}
+    ints, floats = np.zeros(256, np.int32), np.ones(8, np.float32)
+    kw = dict(t=8, s=4, all_greedy=True, use_filter=False, num_logprobs=0)
+    state = {name: [params, jax.tree.map(jnp.copy, cache)] for name, (params, cache) in
+             trees.items()}
+    times: dict = {name: [] for name in trees}
+    for i in range(repeats + 10):
+        for name, st in state.items():
+            t0 = time.perf_counter()
+            out = steps[name](st[0], st[1], ints, floats, None, None, None, None, **kw)
+            dt = time.perf_counter() - t0
+            st[1] = out[0]
+            jax.block_until_ready(out[1])
+            if i >= 10:
+                times[name].append(dt)
+    return [f"{name:>24}: {1e6 * statistics.median(ts):7.1f} us" for name, ts in times.items()]
+
+
 if __name__ == "__main__":
-    raise SystemExit(tables_ab())
+    import sys
+    if sys.argv[1:2] == ["leaves"]:
+        print("\n".join(leaves_ab()))
+    else:
+        raise SystemExit(tables_ab())
