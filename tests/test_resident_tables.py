@@ -134,3 +134,26 @@ def test_packed_runs_rebuild_the_host_tables_on_device():
         for got, want in zip(rows, host[:, v["table_seat"]]):
             np.testing.assert_array_equal(np.asarray(got), want)
         assert not np.asarray(rows[0])[2].any()  # the scratch seat's row stays zero
+
+
+def test_hybrid_span_steps_keep_the_device_tables_equal():
+    """Qwen3.5 (GDN + attention) with SSEP spans and a span-map pool: span steps and the
+    compose programs before them (which take no tables) leave the device tables equal to the
+    host's (tokens against the rows path: the Llama test above)."""
+    from minipic_jax import LLM
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=2, max_num_batched_tokens=64,
+              min_token_bucket=64, max_model_len=512, block_size=16, num_kv_blocks=24,
+              span_map_gb=3.5 * 29188 / (1 << 30), warmup=False)
+    eng = llm.llm_engine
+    seen, _ = _watch(eng.runner)
+    kinds = []
+    dispatch = eng.runner._dispatch
+    eng.runner._dispatch = lambda ints, floats, use_prev, kw: (
+        kinds.append("compose" if kw.get("compose") else "spans" if kw.get("spans") else "plain"),
+        dispatch(ints, floats, use_prev, kw))[1]
+    prompts, _ = _workload(llm, 3)
+    sps = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    got = llm.generate(prompts, sps, use_tqdm=False)
+    assert seen["mismatch"] == [] and seen["steps"] > 5
+    assert sum(o.num_cached_tokens for o in got) > 0
+    assert {"spans", "compose", "plain"} <= set(kinds), kinds
