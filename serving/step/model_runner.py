@@ -141,8 +141,11 @@ class ModelRunner:
                                         precision=self.composer.precision), None, prev, pool, \
                 maps, tables
         warm = spans and maps is not None  # the span-map warm path (serving/hybrid/span_step.py)
-        spec, _ = layout(t, s, self.nb, pool is not None, spans, warm, block_size=self.block_size,
-                         resident=tables is not None)
+        spec, size = layout(t, s, self.nb, pool is not None, spans, warm,
+                            block_size=self.block_size, resident=tables is not None)
+        if ints.shape[0] != size:  # e.g. a replay passing a resident-table step's ints, no tables
+            raise ValueError(f"step ints hold {ints.shape[0]} entries, the layout needs {size} "
+                             f"(resident tables: {tables is not None}; see resident_tables.py)")
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
         if tables is not None:  # this step's changes applied, then its seats' rows gathered
