@@ -157,3 +157,30 @@ def test_hybrid_span_steps_keep_the_device_tables_equal():
     assert seen["mismatch"] == [] and seen["steps"] > 5
     assert sum(o.num_cached_tokens for o in got) > 0
     assert {"spans", "compose", "plain"} <= set(kinds), kinds
+
+
+def test_a_step_that_raises_after_its_changes_were_packed_leaves_the_tables_exact():
+    """The step's changes were taken from the host log but never reached the device: the next
+    step uploads the whole host array (DeviceTables.pending), so nothing is lost."""
+    llm = make_tiny_llm(num_kv_blocks=20)
+    eng = llm.llm_engine
+    runner = eng.runner
+    prompts, sps = _workload(llm, 4)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+    eng.reset_prefix_cache()
+    real_step, calls = runner._step, [0]
+
+    def failing(*args, **kw):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected into the step call")
+        return real_step(*args, **kw)
+    runner._step = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(prompts, sps, use_tqdm=False)
+    runner._step = real_step
+    seen, _ = _watch(runner)
+    eng.reset_prefix_cache()
+    got = llm.generate(prompts, sps, use_tqdm=False)
+    assert seen["mismatch"] == [], seen
+    assert [o.outputs[0].token_ids for o in got] == want

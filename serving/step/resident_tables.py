@@ -99,6 +99,9 @@ class DeviceTables:
     def __init__(self, host, mesh, scratch_seat: int, on: bool = True):
         self.host, self.mesh, self.scratch_seat = host, mesh, scratch_seat
         self.on, self.array = on, None
+        # a step's changes were packed but its tables never came back (the step raised, or
+        # was never dispatched): the next step uploads the whole host array instead
+        self.pending = False
 
     def set(self, on: bool) -> None:
         """Switch paths; switching on uploads the host tables at the next step."""
@@ -115,7 +118,8 @@ class DeviceTables:
         return self.array
 
     def keep(self, tables) -> None:
-        self.array = tables
+        """The tables a step returned: the device copy from now on."""
+        self.array, self.pending = tables, False
 
     def fill(self, seats, v) -> None:
         """The batch's block tables into the step's fields: the changes since the last step, or
@@ -126,5 +130,6 @@ class DeviceTables:
             return
         v["table_seat"][:] = self.scratch_seat
         v["table_seat"][:len(seats)] = seats
-        if not pack(self.host.stack, runs, v):
+        if self.pending or not pack(self.host.stack, runs, v):
             self.array = None  # arg() uploads the host tables, these changes included
+        self.pending = True
