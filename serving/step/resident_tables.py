@@ -83,7 +83,9 @@ def apply(tables, f: dict):
     starts, lens, vals = f["tbl_start"], f["tbl_len"], f["tbl_val"]
     ends = jnp.cumsum(lens)
     j = jnp.arange(vals.shape[0], dtype=ends.dtype)
-    run = jnp.minimum(jnp.searchsorted(ends, j, side="right"), lens.shape[0] - 1)
+    # unrolled: the default binary search is a while loop, on a GPU a host round trip per level
+    run = jnp.searchsorted(ends, j, side="right", method="scan_unrolled")
+    run = jnp.minimum(run, lens.shape[0] - 1)
     idx = starts[run] + j - (ends[run] - lens[run])
     idx = jnp.where(j < ends[-1], idx, flat.shape[0])  # past the last run: dropped
     tables = flat.at[idx].set(vals, mode="drop").reshape(shape)
