@@ -3,10 +3,12 @@
 - `tables_ab`: the cached-span request (benchmarks/ttft_host.py) with the block tables resident on
   the device (serving/step/resident_tables.py) vs each step carrying its seats' [S, NB] rows;
 - `leaves_ab`: the null step's call (benchmarks/null_step.py) with Llama-3.1-8B's 259 leaves vs
-  its per-layer weights and/or K and V stacked over the layers (what fewer leaves would save).
+  its per-layer weights and/or K and V stacked over the layers (what fewer leaves would save);
+- `decode_ab`: the CPU engine decoding, resident tables vs rows.
 
     python -m benchmarks.step_call_ab [--step null-llama8b] [--blocks 4] [--calls 3] [--real]
     python -m benchmarks.step_call_ab leaves
+    python -m benchmarks.step_call_ab decode   # the CPU engine decoding, resident vs rows
 """
 
 from __future__ import annotations
@@ -131,9 +133,49 @@ def leaves_ab(repeats: int = 200) -> list[str]:
     return [f"{name:>24}: {1e6 * statistics.median(ts):7.1f} us" for name, ts in times.items()]
 
 
+def decode_ab(rounds: int = 3, seqs: int = 32, tokens: int = 64) -> list[str]:
+    """The CPU engine (tiny_llama3, real step) decoding `seqs` sequences of `tokens` tokens,
+    resident tables vs [S, NB] rows, alternating `rounds` times: median ms of the step call
+    (ModelRunner.last_dispatch) and of a whole step (generate's wall / steps)."""
+    import statistics
+    import time
+
+    from minipic_jax import LLM, SamplingParams
+    llm = LLM("tiny_llama3", dtype="float32", seed=0, max_num_seqs=seqs, max_model_len=4096,
+              block_size=16, num_kv_blocks=seqs * 16 + 64, min_token_bucket=seqs)
+    eng, runner = llm.llm_engine, llm.llm_engine.runner
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 1000, 100).tolist() for _ in range(seqs)]
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)  # compiles
+    res: dict = {"rows": ([], []), "resident": ([], [])}
+    dispatch, calls = runner._dispatch, []
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        out = dispatch(*args)
+        calls.append(time.perf_counter() - t0)
+        return out
+    runner._dispatch = timed
+    for _ in range(rounds):
+        for mode, (call_ms, step_ms) in res.items():
+            runner.dev_tables.set(mode == "resident")
+            llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # the upload
+            calls.clear()
+            steps0, t0 = eng.stats.steps, time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            step_ms.append(1e3 * (time.perf_counter() - t0) / (eng.stats.steps - steps0))
+            call_ms.append(1e3 * statistics.median(calls))
+    runner._dispatch = dispatch
+    return [f"{mode:>9}: step call {statistics.median(c):.3f} ms, step {statistics.median(s):.3f} "
+            f"ms (NB {runner.nb}, {seqs} seqs)" for mode, (c, s) in res.items()]
+
+
 if __name__ == "__main__":
     import sys
     if sys.argv[1:2] == ["leaves"]:
         print("\n".join(leaves_ab()))
+    elif sys.argv[1:2] == ["decode"]:
+        print("\n".join(decode_ab()))
     else:
         raise SystemExit(tables_ab())
