@@ -150,8 +150,12 @@ def run_breakdown(engine, args) -> dict:
 
     def stepper(fn, params, ii):
         def call():
-            result = fn(params, state["cache"], ii, floats, *prev, **kw)
+            # the engine's arguments past the cache (prev tokens, pools, device block tables)
+            rest = r._args(ii, floats, bool(prev), kw)[2:]
+            result = fn(params, state["cache"], *rest, **kw)
             state["cache"], out = result[0], result[1]
+            if rest[5] is not None:  # the tables the step returns (donated by r._step)
+                r.dev_tables.keep(result[5])
             return out
         return call
 

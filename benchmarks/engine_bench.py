@@ -160,23 +160,19 @@ def _blocked_step_times(runner, async_scheduling: bool, short_inputs) -> tuple[l
     after 2 warm-up calls), on its last inputs and on `short_inputs`; the cache is kept."""
     import jax
     ints, floats, kw = runner.last_inputs
-    # the engine's own step variant (async: with the device-side last tokens, see ModelRunner)
-    prev = (runner.prev_tokens,) if async_scheduling else ()
-    state = {"cache": runner.cache}
 
     def blocked(ii, n=10):
         times = []
         for _ in range(n + 2):
             t = time.perf_counter()
-            state["cache"], out = runner._step(runner.params, state["cache"], ii, floats, *prev,
-                                               **kw)[:2]
+            # the engine's own step variant and state (async: the device-side last tokens; the
+            # device block tables), kept across calls as ModelRunner keeps them
+            out = runner._dispatch(ii, floats, async_scheduling, kw)
             jax.block_until_ready(out)
             times.append(time.perf_counter() - t)
         return times[2:]
 
-    full, short = blocked(ints), blocked(short_inputs)
-    runner.cache = state["cache"]
-    return full, short
+    return blocked(ints), blocked(short_inputs)
 
 
 def _measure_decode(engine, args, res: dict, read_bytes: int, rng) -> None:

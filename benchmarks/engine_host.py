@@ -19,12 +19,13 @@ class StubStep:
         self.rng = np.random.default_rng(seed)
         self.vocab = vocab
 
-    def __call__(self, params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
+    def __call__(self, params, cache, ints, floats, prev=None, pool=None, maps=None, tables=None,
+                 *, t, s,
                  num_logprobs=0, **_):
         import numpy as np
         out = np.zeros((s, 2 + (1 + 2 * num_logprobs if num_logprobs else 0)), np.float32)
         out[:, 0] = self.rng.integers(0, self.vocab, s)
-        return cache, out, prev, pool, maps
+        return cache, out, prev, pool, maps, tables
 
     def _cache_size(self) -> int:
         return 0

@@ -41,6 +41,8 @@ class StepCapture:
         self.top = runner.config.token_buckets[-1]
         self._orig = runner._dispatch
         runner._dispatch = self._dispatch
+        # the captured ints are replayed without the device tables: steps carry their rows
+        runner.dev_tables.set(False)
 
     def _dispatch(self, ints, floats, use_prev, kw):
         if kw.get("t") == self.top and not kw.get("decode_only") and not kw.get("spans"):
@@ -56,6 +58,7 @@ class StepCapture:
 
     def close(self):
         self.runner._dispatch = self._orig
+        self.runner.dev_tables.set(True)
 
 
 def start_plain_compile(runner) -> threading.Thread:
@@ -108,9 +111,9 @@ def measure(runner, family, capture: StepCapture, reps: int = 20) -> dict:
 
     def step(pool_on: bool):
         prev = runner._prev() if use_prev else None
-        cache, packed, prev, pool, _ = runner._step(
+        cache, packed, prev, pool = runner._step(
             runner.params, runner.cache, ints if pool_on else plain, floats, prev,
-            runner.ck_pool if pool_on else None, None, **kw)
+            runner.ck_pool if pool_on else None, None, **kw)[:4]
         runner.cache = cache
         if pool_on:
             runner.ck_pool = pool

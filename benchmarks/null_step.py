@@ -40,7 +40,7 @@ def llama8b_like(dtype=jnp.bfloat16):
     return params, cache
 
 
-def _null_body(params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
+def _null_body(params, cache, ints, floats, prev=None, pool=None, maps=None, tables=None, *, t, s,
                all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
                attn_options=None, compose=()):
     """The step's signature and outputs, no work: the cache back, a zero [S, C] output. The
@@ -48,7 +48,7 @@ def _null_body(params, cache, ints, floats, prev=None, pool=None, maps=None, *, 
     compiled program, and its host->device copy with it."""
     width = 2 + (1 + 2 * num_logprobs if num_logprobs else 0)
     read = (ints[0] + ints[-1]).astype(jnp.float32) + floats[0]
-    return cache, jnp.zeros((s, width), jnp.float32) + 0.0 * read, prev, pool, maps
+    return cache, jnp.zeros((s, width), jnp.float32) + 0.0 * read, prev, pool, maps, tables
 
 
 def install(runner, shape: str = "engine"):
@@ -59,7 +59,7 @@ def install(runner, shape: str = "engine"):
         runner.params, runner.cache = llama8b_like()
     elif shape != "engine":
         raise ValueError(f"null step shape {shape!r}: 'engine' or 'llama8b'")
-    step = StepExecutables(_null_body, signature_of=_null_body, donate_argnums=(1, 5, 6))
+    step = StepExecutables(_null_body, signature_of=_null_body, donate_argnums=(1, 5, 6, 7))
     runner._step = step
     return step
 

@@ -19,10 +19,11 @@ def test_null_step_takes_the_runners_call_and_the_8b_leaves():
     step = null_step.install(runner, "llama8b")
     assert runner._step is step and null_step.num_leaves(runner) == 32 * 6 + 3 + 2 * 32
     ints, floats = np.zeros(64, np.int32), np.ones(8, np.float32)
-    prev = jnp.zeros(5, jnp.int32)
-    cache, packed, prev_out, pool, maps = step(runner.params, runner.cache, ints, floats, prev,
-                                               None, None, t=8, s=4, all_greedy=True,
-                                               use_filter=False, num_logprobs=2)
+    prev, tables = jnp.zeros(5, jnp.int32), jnp.ones((3, 5, 7), jnp.int32)  # resident tables
+    cache, packed, prev_out, pool, maps, tables_out = step(
+        runner.params, runner.cache, ints, floats, prev, None, None, tables, t=8, s=4,
+        all_greedy=True, use_filter=False, num_logprobs=2)
     assert packed.shape == (4, 2 + 1 + 2 * 2) and pool is None and maps is None
+    assert tables_out.shape == (3, 5, 7)  # given back, as the runner keeps it for the next step
     assert jax.tree.structure(cache) == jax.tree.structure(runner.cache)
     assert step.counts["compiled"] == 1

@@ -18,6 +18,7 @@ def test_only_the_table_rows_a_buffer_last_wrote_are_zeroed():
     llm = make_tiny_llm(max_model_len=512, num_kv_blocks=160)
     runner = llm.llm_engine.runner
     runner._step = StubStep(llm.llm_engine.vocab_size)
+    runner.dev_tables.set(False)  # the path whose steps carry [S, NB] rows (resident_tables.py)
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([rng.integers(5, 200, 20).tolist() for _ in range(3)], sp, use_tqdm=False)

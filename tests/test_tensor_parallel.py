@@ -42,6 +42,8 @@ def _runs(fixture: str, *flags: str, sizes: str = "1,2,4") -> dict:
 
 def _check(runs: dict, fixture: str, layers: int) -> dict:
     base = runs["1"]
+    for tp in ("1", "2", "4"):  # the device block tables equal the host's, whole on every device
+        assert runs[tp]["tables_equal"] and runs[tp]["tables_replicated"], f"TP={tp} tables"
     for i, (got, want) in enumerate(zip(base["tokens"], base["hf_greedy"])):
         assert got == want, f"TP=1 prompt {i}: {got} != HF {want}"
     for tp in ("2", "4"):

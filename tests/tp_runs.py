@@ -52,7 +52,10 @@ def run(name: str, tp: int) -> dict:
         args += step._defaults[len(args):]  # as StepExecutables.__call__
         hlo = step._table[step._key(args, kw)].as_text()
     kv = runner.cache.k[0]
+    tables = runner.dev_tables.array  # the device block tables (serving/step/resident_tables.py)
     return {
+        "tables_equal": bool(np.array_equal(np.asarray(tables), runner.tables.stack)),
+        "tables_replicated": bool(tables.sharding.is_fully_replicated),
         "tokens": [o.outputs[0].token_ids for o in outs],
         "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                      for o in outs],

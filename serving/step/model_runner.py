@@ -26,7 +26,7 @@ from kernels_pallas.paged_attention.api import step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from serving.hybrid import checkpoint_pool as ckpt_pool, span_compose, span_step
 from serving.hybrid.span_step import piece_bound
-from serving.step import compile_options, sharding, state_placement
+from serving.step import compile_options, resident_tables, sharding, state_placement
 from serving.step.kernel_choices import attention_choices, gdn_choice
 from serving.cache.kv_pool import size_pool
 from serving.config_groups import step_key_fields
@@ -82,10 +82,12 @@ class ModelRunner:
         self._table_rows: dict = {}  # id(int buffer) -> block-table rows its last step wrote
         self._parity = 0  # async: two host buffer sets alternate (one step in flight)
         self.prev_tokens = None  # async: [seats + 1] int32 device array, last token per seat
+        # the seats' block tables on device, updated by each step (resident_tables.py)
+        self.dev_tables = resident_tables.DeviceTables(self.tables, self.mesh, seats)
         self.use_recurrent_pools(ck_pool, span_pool)  # hybrid: checkpoint_pool, span_maps
         # the static arguments are _step_body's keyword-only parameters
         self._step = StepExecutables(self._step_impl, signature_of=self._step_body,
-                                     donate_argnums=(1, 5, 6), context=self._program_context,
+                                     donate_argnums=(1, 5, 6, 7), context=self._program_context,
                                      source_dirs=(os.path.dirname(self.family.__file__),),
                                      store_setting=config.step_cache,
                                      compiler_options=compile_options.for_config(config))
@@ -120,25 +122,35 @@ class ModelRunner:
                      None if self.mesh is None else [d.id for d in self.mesh.devices.flat]))
 
     # -- device --------------------------------------------------------------------------------
-    def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, maps=None, **kw):
+    def _step_impl(self, params, cache, ints, floats, prev=None, pool=None, maps=None,
+                   tables=None, **kw):
         if self.mesh is None:
-            return self._step_body(params, cache, ints, floats, prev, pool, maps, **kw)
+            return self._step_body(params, cache, ints, floats, prev, pool, maps, tables, **kw)
         # the kernels run per head shard under this mesh (kernels_pallas/sharding.py); the state
         # comes out where it went in, so every variant takes it (state_placement.py)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            out = self._step_body(params, cache, ints, floats, prev, pool, maps, **kw)
-        return state_placement.pin_outputs(self.family, self.mcfg, self.mesh, out)
+            out = self._step_body(params, cache, ints, floats, prev, pool, maps, tables, **kw)
+        tables = None if out[5] is None else resident_tables.pin(out[5], self.mesh)
+        return state_placement.pin_outputs(self.family, self.mcfg, self.mesh, out[:5]) + (tables,)
 
-    def _step_body(self, params, cache, ints, floats, prev=None, pool=None, maps=None, *, t, s,
-                   all_greedy, use_filter, num_logprobs, decode_only=False, spans=False,
-                   attn_options=None, compose=()):
+    def _step_body(self, params, cache, ints, floats, prev=None, pool=None, maps=None,
+                   tables=None, *, t, s, all_greedy, use_filter, num_logprobs, decode_only=False,
+                   spans=False, attn_options=None, compose=()):
         if compose:  # the chains of cached span maps, before the step (span_compose.py)
             return span_compose.program(self.family, cache, pool, maps, ints, *compose,
-                                        precision=self.composer.precision), None, prev, pool, maps
+                                        precision=self.composer.precision), None, prev, pool, \
+                maps, tables
         warm = spans and maps is not None  # the span-map warm path (serving/hybrid/span_step.py)
-        spec, _ = layout(t, s, self.nb, pool is not None, spans, warm, block_size=self.block_size)
+        spec, size = layout(t, s, self.nb, pool is not None, spans, warm,
+                            block_size=self.block_size, resident=tables is not None)
+        if ints.shape[0] != size:  # e.g. a replay passing a resident-table step's ints, no tables
+            raise ValueError(f"step ints hold {ints.shape[0]} entries, the layout needs {size} "
+                             f"(resident tables: {tables is not None}; see resident_tables.py)")
         f = {k: jax.lax.dynamic_slice_in_dim(ints, o, int(np.prod(shape))).reshape(shape)
              for k, (o, shape) in spec.items()}
+        if tables is not None:  # this step's changes applied, then its seats' rows gathered
+            tables, rows = resident_tables.apply(tables, f)
+            f["block_tables"], f["block_pos_start"], f["block_num_valid"] = rows
         # fresh pages are zeroed before anything writes (serving/cache/page_zeroing.py)
         cache = zero_pages(cache, f["zero_pages"], self.num_blocks, self.block_size)
         md = AttentionMetadata(
@@ -180,7 +192,7 @@ class ModelRunner:
                      num_logprobs=num_logprobs)
         if prev is not None:
             prev = prev.at[f["sample_seat"]].set(out["tokens"])  # [seats + 1]
-        return cache, pack_outputs(out, num_logprobs), prev, pool, maps
+        return cache, pack_outputs(out, num_logprobs), prev, pool, maps, tables
 
     def _recurrent_kind(self, decode_only: bool):
         """RecurrentMetadata.decode of a step (static): decode-only steps run the one-step
@@ -202,16 +214,20 @@ class ModelRunner:
         """The step's arguments: the span map pool goes only to span steps and compose programs
         (span_compose.py; they never take the previous tokens)."""
         maps = kw.get("spans") or kw.get("compose")
+        compose = kw.get("compose")
         return (self.params, self.cache, ints, floats,
-                self._prev() if use_prev and not kw.get("compose") else None,
-                self.ck_pool, self.span_pool if maps else None)
+                self._prev() if use_prev and not compose else None,
+                self.ck_pool, self.span_pool if maps else None,
+                None if compose else self.dev_tables.arg())
 
     def _dispatch(self, ints, floats, use_prev: bool, kw):
         """One step; keeps the donated cache (and prev tokens, checkpoint pool, span map pool)."""
         args = self._args(ints, floats, use_prev, kw)
-        self.cache, packed, prev, pool, maps = self._step(*args, **kw)
+        self.cache, packed, prev, pool, maps, tables = self._step(*args, **kw)
         if args[4] is not None:
             self.prev_tokens = prev
+        if args[7] is not None:
+            self.dev_tables.keep(tables)
         self.ck_pool = pool
         if args[6] is not None:
             self.span_pool = maps
@@ -265,15 +281,16 @@ class ModelRunner:
             s = self.config.seq_bucket(t)
             warm = span_step_ and self.span_pool is not None
             spec, size = layout(t, s, self.nb, self.ck_pool is not None, span_step_, warm,
-                                block_size=self.block_size)
+                                block_size=self.block_size, resident=self.dev_tables.on)
             ints = np.zeros(size, np.int32)
             for name in ("slot_mapping",) + (S_FIELDS_CKPT if self.ck_pool is not None else ()) \
                     + (("cap_piece", "cap_slot") if warm else ()):
                 o, shape = spec[name]
                 ints[o:o + int(np.prod(shape))] = -1
-            for name, fill in (("state_slots", self.scratch_slot),
-                               ("sample_seat", self.scratch_slot), ("zero_pages", self.num_blocks)):
-                o, (n,) = spec[name]
+            scratch = self.scratch_slot
+            for name, fill in (("state_slots", scratch), ("table_seat", scratch),
+                               ("sample_seat", scratch), ("zero_pages", self.num_blocks)):
+                o, (n,) = spec.get(name, (0, (0,)))
                 ints[o:o + n] = fill
             floats = np.ones(2 * s, np.float32)
             kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
@@ -340,7 +357,7 @@ class ModelRunner:
         v["state_slots"][:n_seq] = seats
         v["reset"][:n_seq] = [e.reset for e in batch]
         all_greedy, use_filter = fill_sampling(batch, seats, v, floats, s)
-        self.tables.copy_rows(seats, v)
+        self.dev_tables.fill(seats, v)
         decode_only = d == n_seq and self.separate_decode
         n_pre = sum(e.token_idx.size > 1 for e in batch)
         plan = None if decode_only else self._plan(t, s, n_pre, n_seq - n_pre)
@@ -372,10 +389,10 @@ class ModelRunner:
         the device before its outputs are read, which happens before the next build of the
         same buffer set (sync: the next step; async: the step after next, see `launch`).
         Reuse also avoids fresh page faults every step."""
-        key = (t, s, parity, spans, maps)
+        key = (t, s, parity, spans, maps, self.dev_tables.on)
         if key not in self._bufs:
             spec, size = layout(t, s, self.nb, self.ck_pool is not None, spans, maps,
-                                block_size=self.block_size)
+                                block_size=self.block_size, resident=self.dev_tables.on)
             ints = np.zeros(size, np.int32)
             v = {k: ints[o:o + int(np.prod(shape))].reshape(shape)
                  for k, (o, shape) in spec.items()}

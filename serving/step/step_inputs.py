@@ -12,6 +12,7 @@ from serving.cache.block_manager import BULK
 from serving.cache.page_zeroing import zero_rows
 from serving.hybrid.checkpoint_plan import CHECKPOINTS_PER_STEP
 from serving.hybrid.span_step import MAX_CAPTURES, piece_bound
+from serving.step import resident_tables
 
 _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
 _S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "seed", "step",
@@ -25,10 +26,11 @@ S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
 
 @functools.lru_cache(maxsize=None)
 def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
-           maps: bool = False, *, block_size: int):
+           maps: bool = False, *, block_size: int, resident: bool = False):
     """Static offsets of each field in the packed int32 buffer. maps: the step carries the
     span-map capture fields (serving/hybrid/span_step.py; the chains of cached maps go to their
-    own program, serving/hybrid/span_compose.py). Last,
+    own program, serving/hybrid/span_compose.py). resident: the block tables live on the device
+    and the step carries their changes (serving/step/resident_tables.py), not [S, NB] rows. Last,
     `zero_pages`: the fresh pages the step zeroes first (serving/cache/page_zeroing.py)."""
     spec, off = {}, 0
     if spans:  # hybrid steps holding SSEP span rows
@@ -49,9 +51,11 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
         shape = (s, CHECKPOINTS_PER_STEP) if f in ("ck_pos", "ck_slot") else (s,)
         spec[f] = (off, shape)
         off += int(np.prod(shape))
-    for f in _SB_FIELDS:
-        spec[f] = (off, (s, nb))
-        off += s * nb
+    table_fields = resident_tables.layout_fields(t, s, nb, block_size) if resident else \
+        tuple((f, (s, nb)) for f in _SB_FIELDS)
+    for f, shape in table_fields:
+        spec[f] = (off, shape)
+        off += int(np.prod(shape))
     z = zero_rows(t, s, block_size)
     spec["zero_pages"] = (off, (z,))
     return spec, off + z
@@ -72,9 +76,20 @@ class SeatTables:
         self.vocab_size = vocab_size
         self.marker_ids = np.array([k for k, _ in pairs], np.int64)
         self.marker_rows = np.array([r for _, r in pairs], np.int32)
-        self.tables = np.zeros((seats, nb), np.int32)
-        self.pos_start = np.zeros((seats, nb), np.int32)
-        self.valid = np.zeros((seats, nb), np.int32)
+        # one array, the device copy's layout (serving/step/resident_tables.py): row `seats`
+        # is the scratch seat padding rows read, never written
+        self.stack = np.zeros((3, seats + 1, nb), np.int32)
+        self.tables, self.pos_start, self.valid = self.stack
+        self.nb, self.rows = nb, seats + 1
+        self.runs: list = []  # (flat start, length) of every write since take_runs
+
+    def _log(self, field: int, seat: int, lo: int, hi: int) -> None:
+        self.runs.append(((field * self.rows + seat) * self.nb + lo, hi - lo))
+
+    def take_runs(self) -> list:
+        """The writes logged since the last call (the device copy's update), cleared."""
+        runs, self.runs = self.runs, []
+        return runs
 
     def sync(self, seq) -> None:
         """Copy the sequence's new block-table entries (and its last block's fill) into its
@@ -98,8 +113,11 @@ class SeatTables:
                 self.pos_start[seat, m:n] = seq.tail_pos_start[m - t0:n - t0]
                 self.valid[seat, m:n] = seq.tail_valid[m - t0:n - t0]
             seq.synced_blocks = n
+            for field in range(3):
+                self._log(field, seat, k, n)
         if n:
             self.valid[seat, n - 1] = seq.block_valid_at(n - 1)
+            self._log(2, seat, n - 1, n)
 
     def decode_rows(self, entries, seats, v) -> None:
         """Rows 0..d-1 = one generated token per sequence, row i = sequence i."""
@@ -118,6 +136,8 @@ class SeatTables:
         blk = last // bs
         bps = self.pos_start[seats, blk]
         self.valid[seats, blk] = pos - bps + 1
+        flat = (2 * self.rows + seats) * self.nb + blk
+        self.runs.extend(zip(flat.tolist(), [1] * d))
         tok = cols[:, 3]
         v["tokens"][:d] = np.where(tok < 0, -1 - seats, tok)  # pending: -(seat + 1), see launch
         v["q_positions"][:d] = pos
@@ -188,7 +208,11 @@ def clear_ints(ints: np.ndarray, v: dict, table_rows: int) -> None:
     """Zero a reused step int buffer (ModelRunner._buffers) for a new step. Its [S, NB] block-
     table fields are most of it (1.6 MB at 64 seats and a 33K-token max_model_len: NB 2,112)
     and only SeatTables.copy_rows writes them, rows [0, n): of those only the `table_rows`
-    rows the buffer's last step wrote are zeroed, the rest of the buffer whole."""
+    rows the buffer's last step wrote are zeroed, the rest of the buffer whole. A resident-
+    table buffer (no such fields: a few KB) is zeroed whole."""
+    if _SB_FIELDS[0] not in v:
+        ints[:] = 0
+        return
     start = _offset(ints, v[_SB_FIELDS[0]])
     end = _offset(ints, v[_SB_FIELDS[-1]]) + v[_SB_FIELDS[-1]].size
     ints[:start] = 0
