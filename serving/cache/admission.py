@@ -30,6 +30,7 @@ class AdmissionPlan:
     host_recomputes: bool = True
     resume: int | None = None  # hybrid: token index the sequence resumes at; None: as it is
     detail: object = None  # the recurrent part's own record (CacheManager: commit / cancel)
+    hits_array: object = None  # hits() as an int64 array when the planner has it, else None
 
     @classmethod
     def from_kinds(cls, n: int, planned: dict, resume: int, detail) -> "AdmissionPlan":

@@ -42,6 +42,11 @@ class BlockManager:
         self.ref = np.zeros(num_blocks, np.int64)
         self.hash = [-1] * num_blocks
         self.confirm: list[tuple | None] = [None] * num_blocks  # tokens kept to confirm hits
+        # per block, a number new at each change of its kept tokens (so of its key too: both
+        # change together), 0 while it keeps none: a run of blocks whose stamps are as they
+        # were still holds the keys and tokens it held then (serving/cache/run_memo.py)
+        self.stamp = np.zeros(num_blocks, np.int64)
+        self._last_stamp = 0
         self.ready = np.zeros(num_blocks, bool)
         self.owner = np.full(num_blocks, -1, np.int64)
         self.free = FreeList(num_blocks, range(num_blocks))
@@ -196,6 +201,11 @@ class BlockManager:
     def _keep(self, b: int, confirm) -> None:
         self.num_odd_confirms += self._odd(confirm) - self._odd(self.confirm[b])
         self.confirm[b] = confirm
+        if confirm is None:
+            self.stamp[b] = 0
+        else:
+            self._last_stamp += 1
+            self.stamp[b] = self._last_stamp
 
     def _odd(self, confirm) -> bool:
         return confirm is not None and (type(confirm) is not bytes

@@ -1,0 +1,75 @@
+"""The blocks a cached span was found in last time, so that admission finds it again as a whole.
+
+A cached span request (issue 28: 8 spans of 4,096 ids, ~2,000 blocks, all cached) looked every
+block's key up in the pool's table, gathered each block's kept tokens to confirm the hits, and
+converted the blocks found to an array: per block work, inside its time to first token. A span
+run (one SSEP span's blocks) that was a whole hit is remembered here with its keys, its blocks,
+their stamps (BlockManager.stamp: new at every change of a block's key or kept tokens) and its
+tokens' bytes. The next request holding the same run finds the same blocks when
+
+  * its keys are the remembered ones (the same list compare: the span-chain memo hands out the
+    same int objects),
+  * every block's stamp is as remembered: each still holds the key and the kept tokens it held
+    when the run was confirmed (a block evicted, reused or re-registered since has a new stamp),
+  * its token bytes equal the remembered ones, which equal those blocks' kept tokens:
+    the hit confirmation of DESIGN §3, one compare per run instead of one join per block.
+
+Those are exactly the blocks the per-block lookup and confirmation would give (the table maps a
+key to the one block whose stamp says it holds it), so nothing else changes. Runs shorter than
+MIN_RUN_BLOCKS are looked up block by block as before (remembering them would not pay).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MIN_RUN_BLOCKS = 8
+MAX_BLOCKS = 1 << 16  # blocks remembered in all (their token bytes are kept); then start again
+
+
+class RunMemo:
+    def __init__(self, max_blocks: int = MAX_BLOCKS):
+        self.max_blocks = max_blocks
+        self._runs: dict = {}  # (last key, length) -> (pool, keys, blocks, array, stamps, bytes)
+        self._num_blocks = 0
+        self.hits = 0
+
+    def known(self, bm, runs, hashes: list, raw: bytes, step: int) -> list[tuple]:
+        """(first, end, blocks, blocks as int64) of each of `runs` ((first, end) block ranges,
+        ascending) whose blocks in pool `bm` are the ones remembered and still hold its keys
+        and tokens (`raw`: the sequence's int64 token bytes, `step` bytes a block)."""
+        found = []
+        for first, end in runs:
+            if end - first < MIN_RUN_BLOCKS:
+                continue
+            got = self._runs.get((hashes[end - 1], end - first))
+            if got is None or got[0] is not bm:
+                continue
+            _, keys, blocks, arr, stamps, tokens = got
+            if (keys == hashes[first:end] and np.array_equal(bm.stamp[arr], stamps)
+                    and raw.startswith(tokens, first * step)):
+                found.append((first, end, blocks, arr))
+        self.hits += len(found)
+        return found
+
+    def remember(self, bm, runs, hashes: list, raw: bytes, step: int, got: list,
+                 known: list) -> None:
+        """Remember each of `runs` not `known` whose blocks `got` (per block: the confirmed
+        hit, or None) are all hits."""
+        skip = {k[0] for k in known}
+        for first, end in runs:
+            if end - first < MIN_RUN_BLOCKS or first in skip:
+                continue
+            blocks = got[first:end]
+            if None in blocks:
+                continue
+            if self._num_blocks + len(blocks) > self.max_blocks:
+                self._runs.clear()
+                self._num_blocks = 0
+            arr = np.array(blocks, np.int64)
+            arr.flags.writeable = False
+            key = (hashes[end - 1], end - first)
+            old = self._runs.pop(key, None)
+            self._num_blocks += len(blocks) - (0 if old is None else len(old[2]))
+            self._runs[key] = (bm, hashes[first:end], blocks, arr, bm.stamp[arr],
+                               raw[first * step:end * step])
