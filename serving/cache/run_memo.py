@@ -38,17 +38,21 @@ class RunMemo:
         """(first, end, blocks, blocks as int64) of each of `runs` ((first, end) block ranges,
         ascending) whose blocks in pool `bm` are the ones remembered and still hold its keys
         and tokens (`raw`: the sequence's int64 token bytes, `step` bytes a block)."""
-        found = []
+        found, arrays, stamps = [], [], []
         for first, end in runs:
             if end - first < MIN_RUN_BLOCKS:
                 continue
             got = self._runs.get((hashes[end - 1], end - first))
-            if got is None or got[0] is not bm:
-                continue
-            _, keys, blocks, arr, stamps, tokens = got
-            if (keys == hashes[first:end] and np.array_equal(bm.stamp[arr], stamps)
-                    and raw.startswith(tokens, first * step)):
-                found.append((first, end, blocks, arr))
+            if (got is not None and got[0] is bm and got[1] == hashes[first:end]
+                    and raw.startswith(got[5], first * step)):
+                found.append((first, end, got[2], got[3]))
+                arrays.append(got[3])
+                stamps.append(got[4])
+        if len(found) > 1:  # the stamps of all in one gather (one run's mismatch: look closer)
+            if not np.array_equal(bm.stamp[np.concatenate(arrays)], np.concatenate(stamps)):
+                found = [f for f, s in zip(found, stamps) if np.array_equal(bm.stamp[f[3]], s)]
+        elif found and not np.array_equal(bm.stamp[arrays[0]], stamps[0]):
+            found = []
         self.hits += len(found)
         return found
 
