@@ -69,7 +69,8 @@ class PrefixKeys:
         host = set()
         if offload is not None and misses:
             host = {j for j in misses if offload.contains(hashes[j])}
-        return got + [None] * (n - lim), misses + list(range(lim, n)), host, hits
+        got += [None] * (n - lim)  # in place: a cached request's list is ~2,000 long
+        return got, misses + list(range(lim, n)), host, hits
 
     def _lookup(self, seq: Sequence, bm, hashes: list, lim: int):
         """admission_plan's blocks [0, lim): the span runs remembered whole (RunMemo.known),
