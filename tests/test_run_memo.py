@@ -106,3 +106,19 @@ def test_a_changed_block_makes_its_run_looked_up_again(fresh_rng):
     others = [j for j in range(len(keys)) if j != 5 and seq.layout.span_block[j]]
     assert all(bm.hash[seq.block_table[j]] == keys[j] for j in others)
     assert np.all(bm.ref[[seq.block_table[j] for j in others]] >= 1)
+
+
+def test_table_array_seeded_around_a_new_span(fresh_rng):
+    """Cached spans (remembered whole) around a new one: the table array seeded at admission
+    (the hits' array with the misses put between) is the block table, misses in the middle or
+    only at the end."""
+    cfg, bm, sched = make("fcfs", 600, seqs=2, budget=64)
+    docs = [[int(t) for t in fresh_rng.integers(0, 1000, 20 * B - 1)] for _ in range(4)]
+    _run_to_end(sched, _request("first", docs[:3], [9, 10]))
+    _run_to_end(sched, _request("again", docs[:3], [11, 12]))
+    for name, order in (("middle", [docs[0], docs[3], docs[1]]), ("end", docs[1:3])):
+        seq = _request(name, order, [13, 14])
+        assert sched.cache.admit(seq, [0])
+        assert seq.memo.table_array is not None  # seeded, not converted from the list
+        assert seq.table_array().tolist() == list(seq.block_table)
+        sched.cache.release(seq)
