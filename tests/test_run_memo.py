@@ -122,3 +122,19 @@ def test_table_array_seeded_around_a_new_span(fresh_rng):
         assert seq.memo.table_array is not None  # seeded, not converted from the list
         assert seq.table_array().tolist() == list(seq.block_table)
         sched.cache.release(seq)
+
+
+def test_span_jobs_copy_their_spans_only(fresh_rng, monkeypatch):
+    """isps span jobs of a waiting request take their spans' ids, not a copy of the whole
+    prompt per job (Sequence.prompt_token_ids is never read); each job holds its span."""
+    from serving.cache import span_jobs
+    cfg, bm, sched = make("isps", 400, seqs=2, budget=64)
+    docs = [[int(t) for t in fresh_rng.integers(0, 1000, 12 * B - 1)] for _ in range(3)]
+    seq = _request("waiting", docs, [9, 10])
+
+    def whole_copy(self):
+        raise AssertionError("a copy of the whole prompt")
+    monkeypatch.setattr(Sequence, "prompt_token_ids", property(whole_copy))
+    jobs = span_jobs.jobs_for(seq, B, sched.cache.keys, bm, None,
+                              sched.cache.keys.markers)
+    assert [j.token_ids[1:] for j in jobs] == docs and len(jobs) == 3
