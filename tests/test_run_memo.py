@@ -138,3 +138,19 @@ def test_span_jobs_copy_their_spans_only(fresh_rng, monkeypatch):
     jobs = span_jobs.jobs_for(seq, B, sched.cache.keys, bm, None,
                               sched.cache.keys.markers)
     assert [j.token_ids[1:] for j in jobs] == docs and len(jobs) == 3
+
+
+def test_remembered_runs_stay_within_the_pool_least_recent_out():
+    """Runs of 10 blocks remembered in a 30-block pool: three at most (the blocks remembered
+    never outnumber the pool's), the least recently found going first."""
+    from serving.cache.block_manager import BlockManager
+    bm, memo, step = BlockManager(30, B), run_memo.RunMemo(), 8 * B
+    raw = bytes(np.arange(10 * step, dtype=np.uint8))
+    keys = [[1000 * r + i for i in range(10)] for r in range(5)]
+    for r in range(3):
+        memo.remember(bm, [(0, 10)], keys[r], raw, step, list(range(10)), [])
+    assert memo.known(bm, [(0, 10)], keys[0], raw, step)  # run 0 found: now the most recent
+    memo.remember(bm, [(0, 10)], keys[3], raw, step, list(range(10)), [])  # run 1 goes
+    assert [bool(memo.known(bm, [(0, 10)], keys[r], raw, step)) for r in range(4)] == \
+        [True, False, True, True]
+    assert memo._num_blocks == 30

@@ -21,16 +21,20 @@ MIN_RUN_BLOCKS are looked up block by block as before (remembering them would no
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 MIN_RUN_BLOCKS = 8
-MAX_BLOCKS = 1 << 16  # blocks remembered in all (their token bytes are kept); then start again
 
 
 class RunMemo:
-    def __init__(self, max_blocks: int = MAX_BLOCKS):
-        self.max_blocks = max_blocks
-        self._runs: dict = {}  # (last key, length) -> (pool, keys, blocks, array, stamps, bytes)
+    """Runs remembered, least recently found first out: at most as many blocks in all as the
+    pool has (their token bytes kept here are then at most the pool's kept tokens again)."""
+
+    def __init__(self):
+        # (last key, length) -> (pool, keys, blocks, array, stamps, bytes)
+        self._runs: collections.OrderedDict = collections.OrderedDict()
         self._num_blocks = 0
         self.hits = 0
 
@@ -42,9 +46,11 @@ class RunMemo:
         for first, end in runs:
             if end - first < MIN_RUN_BLOCKS:
                 continue
-            got = self._runs.get((hashes[end - 1], end - first))
+            key = (hashes[end - 1], end - first)
+            got = self._runs.get(key)
             if (got is not None and got[0] is bm and got[1] == hashes[first:end]
                     and raw.startswith(got[5], first * step)):
+                self._runs.move_to_end(key)
                 found.append((first, end, got[2], got[3]))
                 arrays.append(got[3])
                 stamps.append(got[4])
@@ -67,13 +73,16 @@ class RunMemo:
             blocks = got[first:end]
             if None in blocks:
                 continue
-            if self._num_blocks + len(blocks) > self.max_blocks:
-                self._runs.clear()
-                self._num_blocks = 0
+            key = (hashes[end - 1], end - first)
+            self._forget(self._runs.pop(key, None))
+            while self._runs and self._num_blocks + len(blocks) > bm.num_blocks:
+                self._forget(self._runs.popitem(last=False)[1])
             arr = np.array(blocks, np.int64)
             arr.flags.writeable = False
-            key = (hashes[end - 1], end - first)
-            old = self._runs.pop(key, None)
-            self._num_blocks += len(blocks) - (0 if old is None else len(old[2]))
             self._runs[key] = (bm, hashes[first:end], blocks, arr, bm.stamp[arr],
                                raw[first * step:end * step])
+            self._num_blocks += len(blocks)
+
+    def _forget(self, run) -> None:
+        if run is not None:
+            self._num_blocks -= len(run[2])
