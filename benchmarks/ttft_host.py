@@ -23,7 +23,7 @@ Each call's minor page faults are counted too (`faults`: they cost more on the G
 virtual machines than here), and the main thread's CPU time (`thread_cpu`: the host time less
 the time the thread was off the CPU, steadier than the wall on a loaded machine).
 
-    minipic-bench ttft-host [--calls 3] [--repeats 5] [--fresh-lists] [--profile]
+    minipic-bench ttft-host [--calls 3] [--repeats 5] [--fresh-lists] [--profile] [--floors]
     minipic-bench ttft-host --fresh-lists --max-num-seqs 64 --min-token-bucket 128  # as `rag`
     ... --step null-llama8b  # the step call's host cost with Llama-3.1-8B's params/cache leaves
 """
@@ -47,9 +47,15 @@ def add_parser(p) -> None:
                    help="seats (default: %(default)s; `rag --configs ttft` runs 64)")
     p.add_argument("--min-token-bucket", type=int, default=None,
                    help="smallest token bucket (default: the engine's; `rag` passes 128)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size (default: 3 requests' blocks + 64, ~6,200; Llama-3.1-8B on "
+                        "an 80 GB card has ~30,000 blocks of 16: pool-sized host work shows)")
     p.add_argument("--fresh-lists", action="store_true",
                    help="new id lists per call from the ids kept (as the rag ttft bench)")
     p.add_argument("--profile", action="store_true", help="cProfile one cached call")
+    p.add_argument("--floors", action="store_true",
+                   help="also time the whole-list passes a call cannot avoid over its span ids "
+                        "on this host (the floors of the prompt part)")
     p.add_argument("--step", choices=("stub", "null", "null-llama8b"), default="stub",
                    help="stub: a Python stand-in (default); null: a compiled step computing "
                         "nothing, called as the runner calls its step (the engine's params and "
@@ -75,7 +81,8 @@ def make_llm(args):
     extra = {} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}
     llm = LLM(args.model, dtype="float32", seed=0, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=8192, max_model_len=max_len, block_size=bs,
-              num_kv_blocks=3 * (max_len // bs) + 64, **extra)
+              num_kv_blocks=getattr(args, "num_kv_blocks", None) or 3 * (max_len // bs) + 64,
+              **extra)
     engine = llm.llm_engine
     step = getattr(args, "step", "stub")
     if step == "stub":
@@ -163,7 +170,37 @@ def run(args) -> int:
               f" {r['faults']:9.0f}  {int(r['cached'])}")
     if args.profile:
         _profile(llm, rng, spans, sp, vocab, args.spans, fresh)
+    if args.floors:
+        print_floors(spans)
     return 0
+
+
+def print_floors(spans) -> None:
+    """us per call of the passes over all span ids that bound the prompt part from below: a
+    list converted to int64 (array("q"): the floor for ids seen for the first time), the type
+    check of a new list equal to a remembered one (sum: stays an int only over Python ints),
+    the equality with the remembered copy (pointer compares), and the prompt's list of ids
+    (extend); then the int64 concatenation and the list's copy for the output."""
+    import array
+    import timeit
+    fresh = [list(ids) for ids in spans]
+    arrays = [np.asarray(ids, np.int64) for ids in spans]
+
+    def extend():
+        out = []
+        for ids in fresh:
+            out += ids
+        return out
+    flat = extend()
+    passes = {"array(q)": lambda: [array.array("q", ids) for ids in fresh],
+              "sum": lambda: [sum(ids) for ids in fresh],
+              "equal": lambda: [a == b for a, b in zip(fresh, spans)],
+              "extend": extend, "concat": lambda: np.concatenate(arrays),
+              "out_copy": lambda: flat[:]}
+    print(f"floors, us per call over {len(spans)} x {len(spans[0])} ids (min of 7 x 50):")
+    for name, f in passes.items():
+        us = 1e6 * min(timeit.repeat(f, number=50, repeat=7)) / 50
+        print(f"  {name:>9} {us:9.1f}")
 
 
 def _profile(llm, rng, spans, sp, vocab: int, n: int, fresh: bool) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import collections
 import numbers
+import operator
 import threading
 
 import numpy as np
@@ -135,7 +136,7 @@ class SegmentMemo:
         ids, arr = convert(content, what)
         if arr is not None:
             self._keep(key, (content, snap(content), ids, arr, ckey,
-                             np.flatnonzero((arr >> 1) == 0), _sum_fits(arr)))
+                             np.flatnonzero((arr >> 1) == 0).tolist(), _sum_fits(arr)))
         return ids, arr
 
     def _keep(self, key: int, entry: tuple) -> None:
@@ -174,7 +175,7 @@ def _content_key(content):
     if type(content) is np.ndarray:
         return None
     n = len(content)
-    key = (type(content), n) + tuple(content[i] for i in (0, 1, n // 3, n // 2, 2 * n // 3, -1))
+    key = (type(content), n) + operator.itemgetter(0, 1, n // 3, n // 2, 2 * n // 3, -1)(content)
     try:
         hash(key)
     except TypeError:
@@ -182,13 +183,13 @@ def _content_key(content):
     return key
 
 
-def _python_ints_as_remembered(content, zero_one: np.ndarray, sum_fits: bool) -> bool:
+def _python_ints_as_remembered(content, zero_one: list[int], sum_fits: bool) -> bool:
     """Whether `content`, equal to remembered ids, holds what its conversion would give: Python
     ints only (see _python_ints; a float, numpy scalar or Decimal makes the sum another type)
     and no bool, which can only sit where the remembered ids are 0 or 1 (`zero_one`)."""
     if not _python_ints(content, sum_fits):
         return False
-    return not any(type(content[k]) is bool for k in zero_one.tolist())
+    return not any(type(content[k]) is bool for k in zero_one)
 
 
 def _unchanged(snapshot, content) -> bool:

@@ -66,13 +66,13 @@ def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | 
     n = t.shape[0]
     nb = -(-n // block_size)
     is_pad = (t == pad_id) if (markers and pad_id is not None) else np.zeros(n, bool)
-    valid = ~is_pad
-    # valid tokens before each index: the logical positions (int32 throughout, no copies: a
-    # 33K-token prompt's layout is built inside its time to first token)
-    before = np.cumsum(valid, dtype=np.int32)
-    before -= valid
-    starts = np.arange(nb) * block_size
-    first = t[starts]
+    # valid tokens before each index: the logical positions, summed straight into place (int32,
+    # no temporaries: a 33K-token prompt's layout is built inside its time to first token)
+    before = np.empty(n, np.int32)
+    if n:
+        before[0] = 0
+        np.cumsum(~is_pad[:-1], dtype=np.int32, out=before[1:])
+    first = t[::block_size]  # each block's first token (strided views: no index array)
     if markers:
         is_ssep = first == ssep_id if ssep_id is not None else np.zeros(nb, bool)
         is_pdep = first == pdep_id if pdep_id is not None else np.zeros(nb, bool)
@@ -84,24 +84,28 @@ def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | 
     seg_first_block = np.flatnonzero(seg_start)
     seg_span = is_ssep[seg_first_block]
     span_block = seg_span[seg_id]
-    seg_win = np.where(seg_span, before[starts[seg_first_block]], 0).astype(np.int32)
-    block_pos_start = before[starts]
-    num_valid = int(before[-1]) + bool(valid[-1]) if n else 0
-    block_valid = np.diff(block_pos_start, append=np.int32(num_valid)).astype(np.int32)
+    block_pos_start = np.ascontiguousarray(before[::block_size])
+    seg_win = np.where(seg_span, block_pos_start[seg_first_block], 0).astype(np.int32,
+                                                                              copy=False)
+    num_valid = int(before[-1]) + (not is_pad[-1]) if n else 0
+    block_valid = np.empty(nb, np.int32)
+    np.subtract(block_pos_start[1:], block_pos_start[:-1], out=block_valid[:-1])
+    if nb:
+        block_valid[-1] = num_valid - block_pos_start[-1]
     return PromptLayout(
         is_pad=is_pad, pos=before, block_win=seg_win[seg_id], block_size=block_size,
         block_valid=block_valid, block_pos_start=block_pos_start,
         span_block=span_block, span_start=is_ssep & seg_start, seg_start=seg_start,
         num_valid=num_valid, last_win=int(seg_win[-1]) if nb else 0,
-        last_valid_index=_last_valid(valid, block_valid, block_size),
+        last_valid_index=_last_valid(is_pad, block_valid, block_size),
         has_markers=bool(is_ssep.any() or is_pdep.any()), tokens=t)
 
 
-def _last_valid(valid: np.ndarray, block_valid: np.ndarray, block_size: int) -> int:
+def _last_valid(is_pad: np.ndarray, block_valid: np.ndarray, block_size: int) -> int:
     """Index of the last non-pad token (-1: none), found in the last block holding one (a
     whole-prompt search from the end costs as much as the layout's other passes)."""
     full = np.flatnonzero(block_valid)
     if not full.size:
         return -1
     start = int(full[-1]) * block_size
-    return start + int(np.flatnonzero(valid[start:start + block_size])[-1])
+    return start + int(np.flatnonzero(~is_pad[start:start + block_size])[-1])

@@ -30,6 +30,7 @@ class AdmissionPlan:
     host_recomputes: bool = True
     resume: int | None = None  # hybrid: token index the sequence resumes at; None: as it is
     detail: object = None  # the recurrent part's own record (CacheManager: commit / cancel)
+    hits_array: object = None  # hits() as an int64 array when the planner has it, else None
 
     @classmethod
     def from_kinds(cls, n: int, planned: dict, resume: int, detail) -> "AdmissionPlan":
@@ -91,11 +92,16 @@ def seed_table_array(seq, plan: AdmissionPlan, hits) -> None:
     table, n = seq.block_table, len(plan.blocks)
     if len(table) != n or n - len(plan.misses) != hits.size:
         return  # not the plan's table: Sequence.table_array converts it when asked
-    arr = np.empty(n, np.int64)
-    is_miss = np.zeros(n, bool)
-    is_miss[plan.misses] = True
-    arr[~is_miss] = hits
-    arr[is_miss] = [table[j] for j in plan.misses]
+    tail = [table[j] for j in plan.misses]
+    if not plan.misses or plan.misses[0] == hits.size:  # the misses follow every hit (a
+        # cached request: its last block): no mask over the ~2,000 hits
+        arr = np.concatenate([hits, np.array(tail, np.int64)])
+    else:
+        arr = np.empty(n, np.int64)
+        is_miss = np.zeros(n, bool)
+        is_miss[plan.misses] = True
+        arr[~is_miss] = hits
+        arr[is_miss] = tail
     arr.flags.writeable = False
     seq.memo.table_array = (table, arr)
 

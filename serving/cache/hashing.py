@@ -12,7 +12,6 @@ h_0 is derived from the cache salt, which isolates tenants. Kinds keep the chain
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 
 import numpy as np
@@ -60,7 +59,8 @@ def block_keys(hash_fn, tokens, block_size: int, span_block, span_start, h0: int
 
 
 def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start, h0: int,
-                        memo: dict | None = None) -> tuple[list[int], tuple[int, int]]:
+                        memo: dict | None = None,
+                        runs: list | None = None) -> tuple[list[int], tuple[int, int]]:
     """Hash of every full block of `tokens`, and the chains' tail (prefix, span) after them.
 
     Args:
@@ -72,6 +72,8 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
         so a span seen before (the common case for position-free reuse) is not hashed again.
         Its key holds a 128-bit digest of the span's tokens; a digest collision could only give
         wrong keys, which miss (a hit also compares the block's kept tokens).
+      runs: optional list that gets (first, end) of each span run (blocks [first, end) of one
+        SSEP span), ascending: admission looks a cached span up as a whole (run_memo.py).
     Returns:
       one int per full block (a partial last block gets none), and (prefix, span): the two
       chains after the last full block, from which `next_block_key` continues.
@@ -83,49 +85,48 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
     else:
         n = len(tokens) // block_size
         raw = np.asarray(tokens[:n * block_size], dtype=np.int64).tobytes()
-    run_ends, span_block, span_start = _runs(span_block, span_start, n)
+    visits, in_span, restarts = _visits(span_block, span_start, n)
     keys, prefix, span = [], h0, h0
-    j = 0
-    while j < n:
-        if not span_block[j]:
+    for i, j in enumerate(visits[:-1]):
+        if not in_span[i]:  # a PDEP block
             prefix = hash_fn(prefix, raw[j * step:(j + 1) * step], b"P")
             keys.append(prefix)
-            j += 1
             continue
         # a span run: from here while blocks stay in the span (a new SSEP restarts the chain)
-        end = run_ends[bisect.bisect_right(run_ends, j)]
+        end = visits[i + 1]
         got = None
-        if memo is not None and span_start[j]:  # keyed by a digest: hashing 64 KB keys costs
+        if memo is not None and restarts[i]:  # keyed by a digest: hashing 64 KB keys costs
             mk = (h0, block_size, end - j, xxhash.xxh3_128_intdigest(raw[j * step:end * step]))
             got = memo.get(mk)
         if got is None:
-            got, span = [], (h0 if span_start[j] else span)
-            for i in range(j, end):
-                span = hash_fn(span, raw[i * step:(i + 1) * step], b"S")
+            got, span = [], (h0 if restarts[i] else span)
+            for k in range(j, end):
+                span = hash_fn(span, raw[k * step:(k + 1) * step], b"S")
                 got.append(span)
-            if memo is not None and span_start[j]:
+            if memo is not None and restarts[i]:
                 memo[mk] = got
         keys.extend(got)
+        if runs is not None:
+            runs.append((j, end))
         span = got[-1]
         prefix = hash_fn(prefix, span.to_bytes(8, "little"), b"J")  # the whole run in one step
-        j = end
     return keys, (prefix, span)
 
 
-def _runs(span_block, span_start, n: int) -> tuple[list[int], list, list]:
-    """(run_ends, span_block, span_start) over the first n blocks: the ascending indices where a
-    span run cannot go on (a PDEP block, a new span's first block), then n (a run from j ends at
-    the first of them after j); the flags as plain lists (numpy scalars index slowly)."""
-    sb, ss = _flags(span_block, n), _flags(span_start, n)
-    if n <= 64:  # numpy's fixed costs would dominate
-        return [i for i in range(1, n) if not sb[i] or ss[i]] + [n], sb, ss
-    ends = np.flatnonzero(~np.asarray(span_block[1:n], bool) | np.asarray(span_start[1:n], bool))
-    return (ends + 1).tolist() + [n], sb, ss
-
-
-def _flags(x, n: int) -> list:
-    """The first n per-block flags as a plain list (numpy scalars index slowly in a loop)."""
-    return x[:n].tolist() if isinstance(x, np.ndarray) else list(x[:n])
+def _visits(span_block, span_start, n: int) -> tuple[list[int], list, list]:
+    """(visits, in_span, restarts) over the first n blocks: the ascending blocks the chains stop
+    at -- each PDEP block, each span run's first block (block 0, a new span's first block, a
+    span block after a PDEP one) -- then n; per visit (n aside) whether it is in a span and
+    whether its span starts there. Only the visits become Python values: a cached span
+    request's 2,000 blocks are ~20 visits."""
+    sb = np.asarray(span_block[:n], bool)
+    ss = np.asarray(span_start[:n], bool)
+    stop = ~sb
+    stop[1:] |= ss[1:] | ~sb[:-1]
+    if n:
+        stop[0] = True
+    at = np.flatnonzero(stop)
+    return at.tolist() + [n], sb[at].tolist(), ss[at].tolist()
 
 
 def next_block_key(hash_fn, tail: tuple[int, int], tokens, in_span: bool, starts_span: bool,

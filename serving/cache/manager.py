@@ -72,8 +72,11 @@ class CacheManager:
         if plan is None:  # the recurrent part waits (a checkpoint or span on its way)
             return False
         hits = plan.hits()
-        # a cached request's ~2,000 hits converted once, for the count, the share and the table
-        arr = block_manager.block_array(hits) if len(hits) >= block_manager.BULK else None
+        # a cached request's ~2,000 hits as one array, for the count, the share and the table:
+        # the plan's (its spans' remembered arrays), else converted once here
+        arr = plan.hits_array
+        if arr is None and len(hits) >= block_manager.BULK:
+            arr = block_manager.block_array(hits)
         spare = self.bm.num_free - self.config.watermark_blocks * (not seq.is_span_job)
         if plan.blocks_needed(self.bm, hits, arr) > spare:
             self._cancel(plan)
@@ -89,9 +92,9 @@ class CacheManager:
         if self.recurrent is not None and self.recurrent.caches:
             return self.recurrent.plan_admission(self, seq)
         keys = self.keys
-        blocks, misses, host = keys.admission_plan(seq, self.bm, keys.hit_limit(seq),
-                                                   self.offload)
-        return AdmissionPlan(blocks, misses, host)
+        blocks, misses, host, arr = keys.admission_plan(seq, self.bm, keys.hit_limit(seq),
+                                                        self.offload)
+        return AdmissionPlan(blocks, misses, host, hits_array=arr)
 
     def _cancel(self, plan: AdmissionPlan) -> None:
         if plan.detail is not None:

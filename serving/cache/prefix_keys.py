@@ -10,6 +10,7 @@ import operator
 import numpy as np
 
 from serving.cache.hashing import block_keys_and_tail, next_block_key
+from serving.cache.run_memo import RunMemo
 from serving.sequence import Sequence
 
 _MEMO_LIMIT = 65536  # span-chain memo entries (it only saves hashing)
@@ -23,6 +24,7 @@ class PrefixKeys:
         self.markers = markers  # {"pad", "ssep", "pdep"} -> id
         self.caching = caching
         self.span_memo: dict = {}  # (h0, block size, span bytes) -> span chain keys
+        self.runs = RunMemo()  # the blocks of span runs found whole (admission_plan)
 
     def hashes(self, seq: Sequence) -> list[int]:
         """Keys of the sequence's full prompt blocks (computed once), then of its published
@@ -35,9 +37,11 @@ class PrefixKeys:
                 if len(self.span_memo) > _MEMO_LIMIT:
                     self.span_memo.clear()
                 raw = self.token_bytes(seq)[:8 * seq.num_prompt_tokens]
+                seq.memo.span_runs = []
                 seq.block_hashes, seq.chain_tail = block_keys_and_tail(
                     self.hash_fn, raw, self.block_size, lay.span_block,
-                    lay.span_start, self.root_hash_fn(seq.cache_salt), self.span_memo)
+                    lay.span_start, self.root_hash_fn(seq.cache_salt), self.span_memo,
+                    seq.memo.span_runs)
         return seq.block_hashes
 
     def hit_limit(self, seq: Sequence) -> int:
@@ -48,28 +52,52 @@ class PrefixKeys:
         return min(len(self.hashes(seq)), last // self.block_size)
 
     def admission_plan(self, seq: Sequence, bm, limit: int, offload=None):
-        """(blocks, misses, host): per logical block of `seq`, the cached block whose kept
+        """(blocks, misses, host, hits): per logical block of `seq`, the cached block whose kept
         tokens match its own (a hash collision is a miss), else None; the indices of the None
-        ones, ascending; those of them the host tier holds. Blocks [0, limit) may hit.
+        ones, ascending; those of them the host tier holds; the blocks found as an int64 array
+        in block order, or None (not made: the caller converts them). Blocks [0, limit) may hit.
         Whole-request operations, not a loop per block: a cached 32K-token request has 2,000
-        blocks, all hits, and this runs inside its time to first token."""
+        blocks, all hits, and this runs inside its time to first token; its spans are found
+        whole where they were found before (serving/cache/run_memo.py)."""
         hashes, n = self.hashes(seq), seq.num_blocks_needed
         lim = max(0, min(limit, n))
-        got = [None] * lim
+        got, hits = [None] * lim, None
         if bm.enable_caching and lim:
-            # a lookup's default is -1 (block ids are >= 0): list.index finds an int among ints
-            # faster than None (each entry compared as ints, not through NotImplemented)
-            got = list(map(bm.table.get, hashes[:lim], itertools.repeat(-1, lim)))
-            misses = indices_of(got, -1)
-            for j in misses:
-                got[j] = None
-            misses = confirm_hits(got, bm, self.token_bytes(seq), self.block_size, misses)
+            got, misses, hits = self._lookup(seq, bm, hashes, lim)
         else:
             misses = list(range(lim))
         host = set()
         if offload is not None and misses:
             host = {j for j in misses if offload.contains(hashes[j])}
-        return got + [None] * (n - lim), misses + list(range(lim, n)), host
+        got += [None] * (n - lim)  # in place: a cached request's list is ~2,000 long
+        return got, misses + list(range(lim, n)), host, hits
+
+    def _lookup(self, seq: Sequence, bm, hashes: list, lim: int):
+        """admission_plan's blocks [0, lim): the span runs remembered whole (RunMemo.known),
+        the blocks between them looked up and confirmed one by one (in C: see confirm_hits);
+        then the runs found whole this time are remembered. Returns (got, misses, hits array
+        or None)."""
+        raw, step = self.token_bytes(seq), 8 * self.block_size
+        runs = [r for r in (seq.memo.span_runs or ()) if r[1] <= lim]
+        known = self.runs.known(bm, runs, hashes, raw, step)
+        get, got, gaps, misses = bm.table.get, [], [], []
+        for first, _, blocks, _ in known + [(lim, lim, [], None)]:
+            a = len(got)
+            if first > a:  # a lookup's default is -1 (block ids are >= 0): list.index finds an
+                # int among ints faster than None (compared as ints, not through NotImplemented)
+                part = list(map(get, hashes[a:first], itertools.repeat(-1, first - a)))
+                for j in indices_of(part, -1):
+                    part[j] = None
+                    misses.append(a + j)
+                got += part
+                gaps.append((a, first))
+            got += blocks
+        if not known:
+            misses = confirm_hits(got, bm, raw, self.block_size, misses)
+        else:
+            misses = _confirm_gaps(got, gaps, bm, raw, self.block_size, misses)
+        self.runs.remember(bm, runs, hashes, raw, step, got, known)
+        return got, misses, _hits_array(got, gaps, known)
 
     @staticmethod
     def token_bytes(seq: Sequence) -> bytes:
@@ -114,10 +142,10 @@ class PrefixKeys:
 
 
 def confirm_hits(got: list, bm, raw: bytes, block_size: int,
-                 misses: list[int] | None = None) -> list[int]:
+                 misses: list[int] | None = None, offset: int = 0) -> list[int]:
     """Replace by None (in place) each candidate `got[j]` whose kept tokens differ from block
-    j's tokens in `raw` (int64 bytes); returns the ascending indices of the None entries
-    (`misses`: those before, when the caller has them). A run
+    j's tokens in `raw` (int64 bytes; `got[j]` is block j + `offset` of `raw`); returns the
+    ascending indices of the None entries (`misses`: those before, when the caller has them). A run
     of candidates is compared in one go, its kept bytes joined against its part of `raw`; a run
     that differs (a collision), or a pool keeping other confirms than full blocks' bytes, is
     compared block by block."""
@@ -128,12 +156,38 @@ def confirm_hits(got: list, bm, raw: bytes, block_size: int,
     start, collided = 0, False
     for end in misses + [len(got)]:
         if end > start and not (joined and raw.startswith(
-                _joined(kept, got[start:end]), start * step)):
+                _joined(kept, got[start:end]), (start + offset) * step)):
             for j in range(start, end):
-                if kept[got[j]] != raw[j * step:(j + 1) * step]:
+                if kept[got[j]] != raw[(j + offset) * step:(j + offset + 1) * step]:
                     got[j], collided = None, True
         start = end + 1
     return indices_of_none(got) if collided else misses
+
+
+def _confirm_gaps(got: list, gaps: list, bm, raw: bytes, block_size: int,
+                  misses: list[int]) -> list[int]:
+    """confirm_hits over the blocks [a, b) of each of `gaps` only (the rest of `got` is
+    confirmed already); returns the ascending indices of the None entries of `got`."""
+    collided = False
+    for a, b in gaps:
+        part = got[a:b]
+        before = [j - a for j in misses if a <= j < b]
+        if confirm_hits(part, bm, raw, block_size, before, offset=a) != before:
+            got[a:b] = part
+            collided = True
+    return indices_of_none(got) if collided else misses
+
+
+def _hits_array(got: list, gaps: list, known: list):
+    """The blocks found (`got` less its None entries) as int64, in block order, from the
+    known runs' arrays and the gaps' few blocks; None where no run was known (the caller
+    converts the list)."""
+    if not known:
+        return None
+    pieces = [(a, np.array([x for x in got[a:b] if x is not None], np.int64)) for a, b in gaps]
+    pieces += [(first, arr) for first, _, _, arr in known]
+    pieces.sort(key=lambda p: p[0])
+    return np.concatenate([p[1] for p in pieces])
 
 
 def _joined(kept: list, blocks: list) -> bytes:

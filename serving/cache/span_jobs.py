@@ -29,7 +29,7 @@ def jobs_for(seq: Sequence, block_size: int, keys, bm, offload, markers: dict) -
             continue
         if offload is not None and offload.contains(hashes[last]):
             continue
-        toks = seq.prompt_token_ids[j0 * bs:j1 * bs]
+        toks = seq.token_ids[j0 * bs:j1 * bs]  # prompt blocks (j1 <= limit): no whole copy
         job_layout = build_layout(toks, bs, pad_id=markers.get("pad"),
                                   ssep_id=markers.get("ssep"), pdep_id=markers.get("pdep"))
         job = Sequence(f"span:{seq.request_id}:{j0}", toks, job_layout, None, bs, seed=0,
