@@ -7,6 +7,7 @@
   free_list.py      the LRU free list as numpy arrays (whole-array share and release)
   hashing.py        chained block hashes (prefix and SSEP chains, `cache_salt`)
   prefix_keys.py    each sequence's block keys (generated blocks included) and their tokens
+  run_memo.py       cached span runs found whole at admission (block stamps prove them unchanged)
   kv_pool.py        how many KV blocks fit the device, and what one costs in bytes
   step_temps.py     the step's peak temporaries, estimated from its jaxpr (the pool leaves them)
   page_zeroing.py   pages handed out for new content zeroed on device (request isolation)
