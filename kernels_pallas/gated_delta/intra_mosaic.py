@@ -245,6 +245,17 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
     plgpu.wait_smem_to_gmem(0)
 
 
+def one_kernel_per_shape(*static_argnames):
+    """jax.jit (these arguments static) for a function that calls a Mosaic GPU kernel. Inside
+    an outer jit, every call of one shape (the GDN layers of an engine step) then lowers to one
+    function holding one kernel, called once per layer. Called bare, each call lowers a module of its own that Mosaic
+    GPU stamps with a fresh name (mosaic_gpu.dump_basename = "body_<counter>"), so its kernel
+    hash differs and the GPU compiles the same kernel again: Qwen3.5-0.8B's 2048-token step had
+    36 distinct kernels (18 layers x 2), ~20 s of lowering on the host before the GPU compiles
+    each (tests/test_engine_gdn_kernel.py counts them)."""
+    return functools.partial(jax.jit, static_argnames=static_argnames)
+
+
 def chunks_below(kernel, n_in: int, used, n_chunks: int):
     """`kernel(*in_refs, *out_refs, *scratch)` of a grid (N, NT, H) named ("n", "c", "h"), run
     only for chunks below `used` (an int32 scalar; None: every chunk, the kernel unchanged):
@@ -289,6 +300,39 @@ def limits(k, v, chunk, dot_dtype) -> str:
     return ""
 
 
+@one_kernel_per_shape("block_passes", "interpret")
+def _solve(k, v, gates, used, *, block_passes, interpret):
+    """The kernel call (gates [N, Hv, 2, T] float32; used: None or an int32 scalar), jitted so
+    that every call of one shape lowers one kernel (`one_kernel_per_shape`)."""
+    n, t_len, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    dtype = k.dtype
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel, extra = chunks_below(functools.partial(
+        _kernel, rep=hv // hk, block_passes=block_passes, interpret=bool(interpret)), 3, used,
+        t_len // CHUNK)
+    call = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
+                  jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
+                  jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
+                  jax.ShapeDtypeStruct((n, hv, t_len), _F32)),
+        grid=(n, t_len // CHUNK, hv), grid_names=("n", "c", "h"),
+        scratch_types=[
+            plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # K, beta exp(gc) K, W
+            plgpu.SMEM((CHUNK, dv), dtype, transforms=tiled),  # V, beta V, U
+            plgpu.SMEM((2, CHUNK), _F32),  # g, beta
+            *Operands.scratch(),  # product operands
+            plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=tiled),  # (I + A)^-1
+            plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # KD
+            plgpu.SMEM((CHUNK,), _F32),  # gc
+            plgpu.Barrier(num_arrivals=3),
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
+    return call(k, v, gates, *extra)
+
+
 def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=False,
                        block_passes=3, used=None):
     """Kernel 1 of the fused path on Mosaic GPU (module doc).
@@ -309,34 +353,7 @@ def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=
         why = why or f"block_passes must be 1 or 3, got {block_passes}"
     if why:
         raise ValueError(f"gated_delta intra_chunk_mosaic: {why}")
-    n, t_len, hk, dk = k.shape
-    hv, dv = v.shape[2:]
-    dtype = k.dtype
     gates = jnp.stack([g.astype(_F32), beta.astype(_F32)], axis=-1)  # [N, T, Hv, 2]
     gates = jnp.transpose(gates, (0, 2, 3, 1))  # [N, Hv, 2, T]
-    sw = plgpu.SwizzleTransform(128)
-    tiled = (plgpu.TilingTransform((8, 64)), sw)
-    kernel, extra = chunks_below(functools.partial(
-        _kernel, rep=hv // hk, block_passes=block_passes, interpret=bool(interpret)), 3, used,
-        t_len // chunk)
-    call = plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
-                  jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
-                  jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
-                  jax.ShapeDtypeStruct((n, hv, t_len), _F32)),
-        grid=(n, t_len // chunk, hv), grid_names=("n", "c", "h"),
-        scratch_types=[
-            plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # K, beta exp(gc) K, W
-            plgpu.SMEM((CHUNK, dv), dtype, transforms=tiled),  # V, beta V, U
-            plgpu.SMEM((2, CHUNK), _F32),  # g, beta
-            *Operands.scratch(),  # product operands
-            plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=tiled),  # (I + A)^-1
-            plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # KD
-            plgpu.SMEM((CHUNK,), _F32),  # gc
-            plgpu.Barrier(num_arrivals=3),
-        ],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
-    w, u, kd, gc = call(k, v, gates, *extra)
+    w, u, kd, gc = _solve(k, v, gates, used, block_passes=block_passes, interpret=interpret)
     return w, u, kd, jnp.moveaxis(gc, 1, 2)
