@@ -23,7 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.gated_delta.intra_mosaic import (CHUNK, chunks_below, exponents,
-                                                     one_kernel_per_shape, tile_iota, wgmma_sum)
+                                                     named, one_kernel_per_shape, tile_iota,
+                                                     wgmma_sum)
 
 _F32 = jnp.float32
 
@@ -94,7 +95,7 @@ def _output(q, k, v_new, states, gates, used, *, scale, states_t, interpret):
         _kernel, rep=hv // hk, scale=scale, states_t=states_t, interpret=bool(interpret)), 5,
         used, t_len // CHUNK)
     call = plgpu.kernel(
-        kernel,
+        named(kernel, "gdn_output_mosaic"),
         out_type=jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
         grid=(n, t_len // CHUNK, hv), grid_names=("n", "c", "h"),
         scratch_types=[
