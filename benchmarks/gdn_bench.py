@@ -70,6 +70,24 @@ CKPT_VARIANTS = ("fused", "fused_old", "fused_best", "fused_best_mask", "fused_w
                  "tree_bf16maps", "blocked16", "blocked32")
 
 
+def fused_mosaic_lean(q, k, v, g, beta, ck=None):
+    """fused_mosaic_out with the lean Mosaic solve (intra_mosaic.py lean=True): the fused
+    pipeline (fused_triton.fused_gated_delta, its DEFAULTS) from a zero state, composed here."""
+    import jax.numpy as jnp
+    from kernels_pallas.gated_delta import fused_triton, intra_mosaic, output_mosaic, scan_fused
+    del ck
+    opt = fused_triton.DEFAULTS
+    w, u, kd, gc = intra_mosaic.intra_chunk_mosaic(k, v, g, beta, lean=True)
+    dl = jnp.moveaxis(jnp.exp(gc[:, 63::64, :]), 1, 2)  # [N, Hv, NT]
+    s0 = jnp.zeros((k.shape[0], v.shape[2], k.shape[3], v.shape[3]), jnp.float32)
+    v_new, states, final, _ = scan_fused.state_scan(
+        w, u, kd, dl, s0, block_v=opt["block_v"], layout=opt["layout"],
+        num_warps=opt["scan_warps"], num_stages=opt["scan_stages"])
+    out = output_mosaic.output_mosaic(q, k, g, v_new, states, scale=k.shape[-1] ** -0.5,
+                                      states_t=opt["layout"] == "vk")
+    return out, final, None
+
+
 def jax_variants():
     import jax.numpy as jnp
     from kernels_pallas.gated_delta import api
@@ -115,25 +133,12 @@ def jax_variants():
             return intra_mosaic.intra_chunk_mosaic(k, v, g, beta, **kw)
         return intra_blocked.intra_chunk_blocked(k, v, g, beta, num_warps=2)
 
-    def mosaic_lean(q, k, v, g, beta, ck=None):  # fused_mosaic_out with the lean solve
-        from kernels_pallas.gated_delta import intra_mosaic, output_mosaic, scan_fused
-        opt = fused_triton.DEFAULTS
-        w, u, kd, gc = intra_mosaic.intra_chunk_mosaic(k, v, g, beta, lean=True)
-        dl = jnp.moveaxis(jnp.exp(gc[:, 63::64, :]), 1, 2)  # [N, Hv, NT]
-        s0 = jnp.zeros((k.shape[0], v.shape[2], k.shape[3], v.shape[3]), jnp.float32)
-        v_new, states, final, _ = scan_fused.state_scan(
-            w, u, kd, dl, s0, block_v=opt["block_v"], layout=opt["layout"],
-            num_warps=opt["scan_warps"], num_stages=opt["scan_stages"])
-        out = output_mosaic.output_mosaic(q, k, g, v_new, states, scale=k.shape[-1] ** -0.5,
-                                          states_t=opt["layout"] == "vk")
-        return out, final, None
-
     return {
         "intra_only_fused": fused_intra,
         "fused": fused,  # fused_triton.DEFAULTS
         "fused_mosaic": functools.partial(fused, intra="mosaic"),  # intra_mosaic.py's solve
         "fused_mosaic_out": functools.partial(fused, intra="mosaic", output="mosaic"),
-        "fused_mosaic_out_lean": mosaic_lean,
+        "fused_mosaic_out_lean": fused_mosaic_lean,
         "intra_only_blocked": intra_kernel,  # the Triton solve alone (fused's kernel 1)
         "intra_only_mosaic": functools.partial(intra_kernel, kind="mosaic"),
         "intra_only_mosaic_p1": functools.partial(intra_kernel, kind="mosaic", block_passes=1),
