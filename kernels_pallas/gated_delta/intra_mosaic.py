@@ -251,13 +251,16 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
         k_smem[...] = kd
         plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem if lean else extra[-1], kd_ref.at[n, rows, h])
-    plgpu.wait_smem_to_gmem(0)
+    # lean: the CTA leaves once its stores have read SMEM (as CUTLASS epilogues do; the writes
+    # land before the next kernel starts), not after they reach HBM: its SMEM frees sooner
+    plgpu.wait_smem_to_gmem(0, wait_read_only=lean)
 
 
 def _scratch(dk, dv, dtype, interpret, lean):
-    """SMEM of the solve (`_kernel`'s order): 69 KB at D = 128 compiled and lean (three CTAs
-    per SM: one's loads and stores overlap the others' dependent products), 85 KB with KD's own
-    tile; interpreted, also the left-operand tiles the interpreter needs (`_lhs`)."""
+    """SMEM of the solve (`_kernel`'s order): 69 KB at D = 128 compiled and lean (room for
+    three CTAs per SM, registers permitting: the solve is a chain of ~14 dependent products,
+    so more CTAs in flight hide its latency), 85 KB with KD's own tile (two per SM); when
+    interpreted, also the left-operand tiles the interpreter needs (`_lhs`)."""
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     tiles, full, stacked = Operands.scratch()
     out = [plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # K, beta exp(gc) K, W (, KD)
@@ -274,11 +277,12 @@ def _scratch(dk, dv, dtype, interpret, lean):
 def one_kernel_per_shape(*static_argnames):
     """jax.jit (these arguments static) for a function that calls a Mosaic GPU kernel. Inside
     an outer jit, every call of one shape (the GDN layers of an engine step) then lowers to one
-    function holding one kernel, called once per layer. Called bare, each call lowers a module of its own that Mosaic
-    GPU stamps with a fresh name (mosaic_gpu.dump_basename = "body_<counter>"), so its kernel
-    hash differs and the GPU compiles the same kernel again: Qwen3.5-0.8B's 2048-token step had
-    36 distinct kernels (18 layers x 2), ~20 s of lowering on the host before the GPU compiles
-    each (tests/test_engine_gdn_kernel.py counts them)."""
+    function holding one kernel, called once per layer. Called bare, each call lowers a module
+    of its own that Mosaic GPU stamps with a fresh name (mosaic_gpu.dump_basename =
+    "body_<counter>"), so its kernel hash differs and the GPU compiles the same kernel again:
+    Qwen3.5-0.8B's 2048-token step held 36 distinct kernels (18 layers x 2) and took ~20 s more
+    host lowering, before the GPU compiled each (tests/test_engine_gdn_kernel.py counts them).
+    Separate step variants (jit programs) still compile their own copies."""
     return functools.partial(jax.jit, static_argnames=static_argnames)
 
 
@@ -371,7 +375,7 @@ def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=
         of its scale on correlated keys) or 1 (bf16 operands, ~4e-3: the Triton kernel's bf16
         block substitution; tests/test_gated_delta_mosaic.py measures both).
       lean: KD stored through K's tile after W's store (no tile of its own: 69 KB of SMEM, not
-        85, `_scratch`), the same values.
+        85, `_scratch`), and the CTA ends once its stores have read SMEM; the same values.
     Returns:
       w, kd [N, T, Hv, Dk] and u [N, T, Hv, Dv] in the inputs' dtype, gc [N, T, Hv] float32.
     """
