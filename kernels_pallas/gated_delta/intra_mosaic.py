@@ -282,8 +282,18 @@ def one_kernel_per_shape(*static_argnames):
     "body_<counter>"), so its kernel hash differs and the GPU compiles the same kernel again:
     Qwen3.5-0.8B's 2048-token step held 36 distinct kernels (18 layers x 2) and took ~20 s more
     host lowering, before the GPU compiled each (tests/test_engine_gdn_kernel.py counts them).
-    Separate step variants (jit programs) still compile their own copies."""
-    return functools.partial(jax.jit, static_argnames=static_argnames)
+    Separate step variants (jit programs) still compile their own copies. Interpreted (the
+    keyword `interpret` true) the function runs as it is: the interpreter's callbacks dispatch
+    jax ops themselves, and a jit dispatched eagerly around them deadlocked the CPU client
+    against the caller's next op (a ragged prefill after another, in one test process)."""
+    def wrap(fn):
+        jitted = jax.jit(fn, static_argnames=static_argnames)
+
+        @functools.wraps(fn)
+        def call(*args, interpret, **kwargs):
+            return (fn if interpret else jitted)(*args, interpret=interpret, **kwargs)
+        return call
+    return wrap
 
 
 def named(fn, name: str):
