@@ -119,7 +119,7 @@ def test_mosaic_engine_step_lowers_for_cuda(monkeypatch):
     scan, sampling) at Qwen3.5-0.8B's layer shapes in bf16, lowered for an abstract H100, with
     one Mosaic kernel per shape: two GDN layers share the solve and the output kernel (a kernel
     lowered per layer gets a fresh name, so a distinct hash, and the GPU compiled each again:
-    the 0.8B engine's 2048-token step held 36, intra_mosaic.one_kernel_per_shape)."""
+    the 0.8B engine's 2048-token step held 36, mosaic_calls.one_kernel_per_shape)."""
     two_gdn = dataclasses.replace(QWEN35_LAYERS, num_layers=3, layer_types=(
         "linear_attention", "linear_attention", "full_attention"))
     runner = _gpu_runner(monkeypatch, two_gdn, jnp.bfloat16, "mosaic")
