@@ -4,7 +4,9 @@ One sequence, Qwen3.5-0.8B GDN layer shape (16 heads, Dk = Dv = 128, bf16 inputs
 Times the recurrent core only (q/k already L2-normalised, gates given), median of repeats, and
 checks each variant's output against fla's (relative error) in the same run.
 
-  minipic-bench gdn --tokens 8192 32768 [--no-fla] [--json out.json]
+  minipic-bench gdn --tokens 8192 32768 [--no-fla] [--profile] [--json out.json]
+--profile adds each variant's kernels by part (solve / scan / output / glue) next to their floors
+at H100 rates (benchmarks/gdn_profile.py).
   python -m benchmarks.gdn_bench ...   (same)
 """
 
@@ -38,17 +40,19 @@ def time_jax(fn, args, reps):
     return time_calls(fn, *args, iters=10, reps=reps) * 1e3
 
 
-def run_fla(inputs, reps):
+def fla_call(inputs):
+    """fla's chunk_gated_delta_rule on `inputs` (bf16 q, k, v, beta on the GPU), as a call."""
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    import triton
     q, k, v, g, beta = (torch.from_numpy(x).cuda() for x in inputs)
-    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
-    beta = beta.to(torch.bfloat16)
+    q, k, v, beta = (x.to(torch.bfloat16) for x in (q, k, v, beta))
+    return lambda: chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
 
-    def call():
-        return chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
 
+def run_fla(inputs, reps):
+    import torch
+    import triton
+    call = fla_call(inputs)
     out, final = call()
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(call, warmup=100, rep=max(200, reps * 20), return_mode="median")
@@ -61,6 +65,24 @@ OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_w
                    scan_stages=2, ckpt_store="when", out_warps=4)
 CKPT_VARIANTS = ("fused", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
                  "tree_bf16maps", "blocked16", "blocked32")
+
+
+def fused_mosaic_lean(q, k, v, g, beta, ck=None):
+    """fused_mosaic_out with the lean Mosaic solve (intra_mosaic.py lean=True): the fused
+    pipeline (fused_triton.fused_gated_delta, its DEFAULTS) from a zero state, composed here."""
+    import jax.numpy as jnp
+    from kernels_pallas.gated_delta import fused_triton, intra_mosaic, output_mosaic, scan_fused
+    del ck
+    opt = fused_triton.DEFAULTS
+    w, u, kd, gc = intra_mosaic.intra_chunk_mosaic(k, v, g, beta, lean=True)
+    dl = jnp.moveaxis(jnp.exp(gc[:, 63::64, :]), 1, 2)  # [N, Hv, NT]
+    s0 = jnp.zeros((k.shape[0], v.shape[2], k.shape[3], v.shape[3]), jnp.float32)
+    v_new, states, final, _ = scan_fused.state_scan(
+        w, u, kd, dl, s0, block_v=opt["block_v"], layout=opt["layout"],
+        num_warps=opt["scan_warps"], num_stages=opt["scan_stages"])
+    out = output_mosaic.output_mosaic(q, k, g, v_new, states, scale=k.shape[-1] ** -0.5,
+                                      states_t=opt["layout"] == "vk")
+    return out, final, None
 
 
 def jax_variants():
@@ -113,9 +135,14 @@ def jax_variants():
         "fused": fused,  # fused_triton.DEFAULTS
         "fused_mosaic": functools.partial(fused, intra="mosaic"),  # intra_mosaic.py's solve
         "fused_mosaic_out": functools.partial(fused, intra="mosaic", output="mosaic"),
+        "fused_mosaic_out_lean": fused_mosaic_lean,
         "intra_only_blocked": intra_kernel,  # the Triton solve alone (fused's kernel 1)
         "intra_only_mosaic": functools.partial(intra_kernel, kind="mosaic"),
         "intra_only_mosaic_p1": functools.partial(intra_kernel, kind="mosaic", block_passes=1),
+        # KD through K's tile: 69 KB of SMEM, three CTAs per SM (intra_mosaic.py `_scratch`)
+        "intra_only_mosaic_lean": functools.partial(intra_kernel, kind="mosaic", lean=True),
+        "intra_only_mosaic_lean_p1": functools.partial(intra_kernel, kind="mosaic", lean=True,
+                                                       block_passes=1),
         "tree": tree,  # the associative scan over chunk maps (tree_scan.py)
         "tree_bf16maps": functools.partial(tree, map_dtype=bf16),
         # two-level scan: G segments of chunks (blocked{G}), options of both scan passes
@@ -225,6 +252,33 @@ def sweep(inputs, reps, deadline):
     return rows, best
 
 
+def _profile(f, jin, label):
+    """gdn_profile.profile_jax of one variant, printed against the floors; None if it fails."""
+    from benchmarks import gdn_profile
+    try:
+        prof = gdn_profile.profile_jax(f, jin)
+    except Exception as e:  # the timed row stands without its trace
+        print(f"{label} profile failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+    _, tokens, heads, dim = jin[2].shape
+    print(gdn_profile.line(label, prof, gdn_profile.floors(tokens, heads, dim)), flush=True)
+    return prof
+
+
+def _profile_fla(tokens):
+    """gdn_profile.profile_fla of fla at T tokens, printed against the floors; None if it
+    fails."""
+    from benchmarks import gdn_profile
+    try:
+        prof = gdn_profile.profile_fla(fla_call(make_inputs(tokens)))
+    except Exception as e:  # the timed row stands without its trace
+        print(f"T={tokens} fla profile failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+    print(gdn_profile.line(f"T={tokens} fla", prof, gdn_profile.floors(tokens, 16, 128)),
+          flush=True)
+    return prof
+
+
 def add_parser(parser):
     """Arguments of `minipic-bench gdn`."""
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768],
@@ -236,6 +290,9 @@ def add_parser(parser):
     parser.add_argument("--no-fla", action="store_true",
                         help="skip the flash-linear-attention reference (needs torch + CUDA)")
     parser.add_argument("--json", default=None, help="write all rows to this file")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace each variant (and fla): its kernels by part, next to "
+                             "the parts' floors at H100 rates (gdn_profile.py)")
     parser.add_argument("--sweep", action="store_true",
                         help="time the fused kernels alone over their options at the largest T "
                              "and add fused_best (the fastest correct combination)")
@@ -305,8 +362,14 @@ def run(args):
                     label = name + (f"+ckpt{args.checkpoints}" if with_ck else "")
                     rows.append(dict(tokens=tokens, variant=label, ms=ms, rel_err=err))
                     print(f"T={tokens} {label}: {ms:.3f} ms rel_err_vs_fla={err}", flush=True)
+                    if args.profile and not with_ck:
+                        rows[-1]["profile"] = _profile(f, jin, f"T={tokens} {label}")
                 except Exception as e:
                     print(f"T={tokens} {name} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    if args.profile:  # torch.profiler last: its CUPTI session must not precede jax.profiler's
+        for r in rows:
+            if r["variant"].startswith("fla") and "profile" not in r:
+                r["profile"] = _profile_fla(r["tokens"])
     print(f"\n{'tokens':>7} {'variant':<34} {'ms':>8} {'x fla':>6} {'rel_err':>9}")
     fla = {r["tokens"]: r["ms"] for r in rows if r["variant"].startswith("fla")}
     for r in rows:

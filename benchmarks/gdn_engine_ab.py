@@ -9,7 +9,9 @@ is prefilled in full) and greedy sampling of --max-tokens tokens with their logp
   * the prefill step alone: one prompt of --prompt-len tokens (one step of that bucket), its
     jitted step replayed blocked, median ms over --reps;
   * the workload's wall time after a first, compiling run.
-Prints one line per kernel; --json writes them.
+Prints one line per kernel; --json writes them. Before it, one progress line per phase of each
+engine (start, first generate = its compiles, timed generate, prefill step: seconds, step variants
+compiled so far), flushed: a run killed by a timeout shows the phase it was in.
 """
 
 from __future__ import annotations
@@ -62,16 +64,41 @@ def _prefill_step_ms(llm, prompt, reps):
     return float(np.median(times[2:])) * 1e3
 
 
+class _Progress:
+    """One flushed line per phase of one engine: `phase(name)` starts one (and prints the one
+    before it as done); each line says the seconds it took and the step variants compiled."""
+
+    def __init__(self, impl):
+        self.impl, self.runner, self.name, self.t0, self.s = impl, None, None, 0.0, {}
+
+    def phase(self, name=None):
+        now = time.perf_counter()
+        if self.name is not None:
+            self.s[self.name] = now - self.t0
+            compiled = "-" if self.runner is None else self.runner.num_compiles
+            print(f"gdn-engine {self.impl}: {self.name} done in {now - self.t0:.1f} s "
+                  f"(step variants compiled: {compiled})", flush=True)
+        if name is not None:
+            print(f"gdn-engine {self.impl}: {name} ...", flush=True)
+        self.name, self.t0 = name, now
+
+
 def _one(args, impl, prompts, params):
-    t0 = time.perf_counter()
+    progress = _Progress(impl)
+    progress.phase("start")
     llm = _engine(args, impl)
-    start_s = time.perf_counter() - t0
-    outs = llm.generate(prompts, params, use_tqdm=False)  # compiles its steps
-    t0 = time.perf_counter()
+    progress.runner = llm.llm_engine.runner
+    progress.phase("first generate (compiles its steps)")
     outs = llm.generate(prompts, params, use_tqdm=False)
-    wall_s = time.perf_counter() - t0
-    res = dict(impl=impl, ran=llm.llm_engine.runner.gdn_impl, start_s=start_s, wall_s=wall_s,
-               prefill_step_ms=_prefill_step_ms(llm, prompts[0], args.reps))
+    progress.phase("timed generate")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    progress.phase("prefill step")
+    step_ms = _prefill_step_ms(llm, prompts[0], args.reps)
+    progress.phase()
+    res = dict(impl=impl, ran=llm.llm_engine.runner.gdn_impl, start_s=progress.s["start"],
+               wall_s=progress.s["timed generate"], prefill_step_ms=step_ms,
+               first_generate_s=progress.s["first generate (compiles its steps)"],
+               step_variants=llm.llm_engine.runner.num_compiles)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                 for o in outs]
@@ -101,7 +128,9 @@ def run(args):
               f"{res['prefill_step_ms']:.2f} ms | workload {args.prompts}x{args.prompt_len} "
               f"+{args.max_tokens} wall {res['wall_s']:.3f} s | greedy tokens equal to "
               f"{args.impls[0]}: {res['tokens_equal']}, max |dlogprob| "
-              f"{res['max_logprob_diff']:.2e} | start {res['start_s']:.1f} s", flush=True)
+              f"{res['max_logprob_diff']:.2e} | start {res['start_s']:.1f} s, first generate "
+              f"{res['first_generate_s']:.1f} s ({res['step_variants']} step variants)",
+              flush=True)
     if args.json:
         import os
         with open(os.path.join(args.out, "gdn_engine_ab.json"), "w") as f:

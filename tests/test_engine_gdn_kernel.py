@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 
 import jax
@@ -115,16 +116,22 @@ def test_the_chosen_kernel_reaches_the_step(impl, runs, monkeypatch):
 
 def test_mosaic_engine_step_lowers_for_cuda(monkeypatch):
     """The whole step (attention, GDN with the Mosaic solve and output kernels and the Triton
-    scan, sampling) at Qwen3.5-0.8B's layer shapes in bf16, lowered for an abstract H100."""
-    runner = _gpu_runner(monkeypatch, QWEN35_LAYERS, jnp.bfloat16, "mosaic")
+    scan, sampling) at Qwen3.5-0.8B's layer shapes in bf16, lowered for an abstract H100, with
+    one Mosaic kernel per shape: two GDN layers share the solve and the output kernel (a kernel
+    lowered per layer gets a fresh name, so a distinct hash, and the GPU compiled each again:
+    the 0.8B engine's 2048-token step held 36, mosaic_calls.one_kernel_per_shape)."""
+    two_gdn = dataclasses.replace(QWEN35_LAYERS, num_layers=3, layer_types=(
+        "linear_attention", "linear_attention", "full_attention"))
+    runner = _gpu_runner(monkeypatch, two_gdn, jnp.bfloat16, "mosaic")
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
                                        platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
             (1,), ("gpu",), abstract_device=h100)):  # Triton's lowering asks for the device
         traced, asked = _traced_step(runner, monkeypatch)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert set(asked) == {"mosaic"}, asked
-    assert text.count("mosaic_gpu") >= 2  # the solve and the output kernel
+    assert asked == ["mosaic", "mosaic"], asked
+    kernels = re.findall(r'kernel_hash = "([^"]*)"', text)  # one per Mosaic kernel emitted
+    assert len(kernels) == len(set(kernels)) == 2, len(kernels)  # the solve and the output
     assert "xla.gpu.triton" in text  # the state scan (and attention)
 
 

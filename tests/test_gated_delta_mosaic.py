@@ -147,15 +147,17 @@ def _intra_float64(k, v, g, beta):
     return outs
 
 
-def test_kernel_matches_float64(fresh_rng):
-    """W, U, KD and gc against the float64 solve, two sequences of one chunk of mild decays
+@pytest.mark.parametrize("lean", [False, True])
+def test_kernel_matches_float64(fresh_rng, lean):
+    """W, U, KD and gc against the float64 solve (lean: KD stored through K's tile, the
+    69 KB-SMEM kernel), two sequences of one chunk of mild decays
     (after a reset W ~ exp(gc) underflows float32: the segment sums have their own test above;
     GVA and two chunks with resets: the prefill test below), keys around a shared direction:
     W, U, KD within 2^-7 of each output's scale (bf16 roundings of Tinv, of the right-hand sides
     and of the stored result: ~2^-9 each), gc to float32 accuracy; every row written (the
     interpreter's buffers start as NaN)."""
     _, k, v, g, beta, _ = _inputs(fresh_rng, 2, C, 1, 1, 64, reset=False)
-    got = intra_mosaic.intra_chunk_mosaic(k, v, g, beta, interpret=INTERPRET)
+    got = intra_mosaic.intra_chunk_mosaic(k, v, g, beta, interpret=INTERPRET, lean=lean)
     want = _intra_float64(k.astype(jnp.float32), v.astype(jnp.float32), g,
                           beta.astype(jnp.float32))
     for name, a, b in zip(("w", "u", "kd", "gc"), got, want):
@@ -263,7 +265,8 @@ def test_rejects_what_it_cannot_run(fresh_rng):
 def test_lowers_for_cuda_at_the_layer_shape():
     """Both compiled kernels (no interpreter) lower through Mosaic GPU for CUDA on this CPU-only
     machine at Qwen3.5-0.8B's GDN shape and a 32K prefill: layouts, TMA boxes, SMEM; the solve
-    with a used-chunk count (the ragged path), the output kernel without."""
+    with a used-chunk count (the ragged path) and lean (KD through K's tile), the output kernel
+    without."""
     from jax import export
     from kernels_pallas.gated_delta import output_mosaic
     s = jax.ShapeDtypeStruct
@@ -272,8 +275,10 @@ def test_lowers_for_cuda_at_the_layer_shape():
     states = s((1, 16, 512, 128, 128), BF16)
     used = s((), jnp.int32)  # the ragged path's count of used chunks (chunks_below)
     intra = jax.jit(lambda k, v, g, b, n: intra_mosaic.intra_chunk_mosaic(k, v, g, b, used=n))
+    lean = jax.jit(lambda k, v, g, b: intra_mosaic.intra_chunk_mosaic(k, v, g, b, lean=True))
     output = jax.jit(lambda q, k, g, v, st: output_mosaic.output_mosaic(
         q, k, g, v, st, scale=128 ** -0.5, states_t=True))
     for fn, args in ((intra, (x, x, gate, gate.update(dtype=BF16), used)),
+                     (lean, (x, x, gate, gate.update(dtype=BF16))),
                      (output, (x, x, gate, x, states))):
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()

@@ -43,6 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.gated_delta.mosaic_calls import chunks_below, named, one_kernel_per_shape
+
 CHUNK = 64  # rows of a chunk = M of a warpgroup's wgmma
 SUB = 16  # diagonal blocks inverted by the nilpotent product (the Triton kernel's sub-block)
 _WG = plgpu.Layout.WGMMA
@@ -147,7 +149,8 @@ class Operands:
 
     @classmethod
     def of(cls, tiles, full, stacked, *, regs_a):
-        return cls([tiles.at[i] for i in range(4)], [full.at[i] for i in range(2)],
+        return cls([tiles.at[i] for i in range(4)],
+                   [] if full is None else [full.at[i] for i in range(2)],  # compiled: unused
                    [stacked.at[i] for i in range(2)], regs_a)
 
 
@@ -207,8 +210,9 @@ def unit_lower_inverse(a, ops, block_passes):
 
 
 def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem, gates,
-            tiles, full, stacked, tinv_smem, kd_smem, gc_smem, bar, *, rep, block_passes,
-            interpret):
+            tiles, stacked, gc_smem, bar, *extra, rep, block_passes, interpret, lean):
+    # extra (`_scratch`): full, tinv_smem (interpreted only), kd_smem (unless lean)
+    full, tinv_smem = extra[:2] if interpret else (None, None)
     n, c, h = lax.axis_index("n"), lax.axis_index("c"), lax.axis_index("h")
     rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
     plgpu.copy_gmem_to_smem(k_ref.at[n, rows, lax.div(h, rep)], k_smem, bar)
@@ -226,39 +230,50 @@ def _kernel(k_ref, v_ref, gate_ref, w_ref, u_ref, kd_ref, gc_ref, k_smem, v_smem
 
     # K and V move to registers; their tiles take the right-hand sides, then W and U
     k = plgpu.load(k_smem, layout=_WG).astype(_F32)
-    v = plgpu.load(v_smem, layout=_WG).astype(_F32)
     k_smem[...] = (k * lax.broadcast_in_dim(beta * jnp.exp(gc), k.shape, [0])).astype(dtype)
+    kd = (k * lax.broadcast_in_dim(jnp.exp(to_end), k.shape, [0])).astype(dtype)
+    v = plgpu.load(v_smem, layout=_WG).astype(_F32)
     v_smem[...] = (v * lax.broadcast_in_dim(beta, v.shape, [0])).astype(dtype)
     [tinv_lhs] = _lhs(ops, [tinv_smem], [tinv.astype(dtype)])
-    plgpu.commit_smem()
-    w = wgmma_sum([(tinv_lhs, k_smem)], k.shape)
-    u = wgmma_sum([(tinv_lhs, v_smem)], v.shape)
-    k_smem[...] = w.astype(dtype)
-    v_smem[...] = u.astype(dtype)
-    kd_smem[...] = (k * lax.broadcast_in_dim(jnp.exp(to_end), k.shape, [0])).astype(dtype)
     gc_smem[...] = gc
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, w_ref.at[n, rows, h])
-    plgpu.copy_smem_to_gmem(v_smem, u_ref.at[n, rows, h])
-    plgpu.copy_smem_to_gmem(kd_smem, kd_ref.at[n, rows, h])
     plgpu.copy_smem_to_gmem(gc_smem, gc_ref.at[n, h, rows])
-    plgpu.wait_smem_to_gmem(0)
+    w = wgmma_sum([(tinv_lhs, k_smem)], k.shape)
+    k_smem[...] = w.astype(dtype)
+    if not lean:
+        extra[-1][...] = kd
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, w_ref.at[n, rows, h])
+    u = wgmma_sum([(tinv_lhs, v_smem)], v.shape)
+    v_smem[...] = u.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(v_smem, u_ref.at[n, rows, h])
+    if lean:  # KD (held in registers, 16-bit) takes K's tile once W's store has read it
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        k_smem[...] = kd
+        plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem if lean else extra[-1], kd_ref.at[n, rows, h])
+    # lean: the CTA leaves once its stores have read SMEM (as CUTLASS epilogues do; the writes
+    # land before the next kernel starts), not after they reach HBM: its SMEM frees sooner
+    plgpu.wait_smem_to_gmem(0, wait_read_only=lean)
 
 
-def chunks_below(kernel, n_in: int, used, n_chunks: int):
-    """`kernel(*in_refs, *out_refs, *scratch)` of a grid (N, NT, H) named ("n", "c", "h"), run
-    only for chunks below `used` (an int32 scalar; None: every chunk, the kernel unchanged):
-    dots.chunks_below for the Mosaic kernels (a packed stream sized for the worst case costs its
-    used chunks only; the others' outputs are left unwritten, never read). Returns (kernel,
-    extra inputs): the count travels as one more input, [1] int32, after the n_in others."""
-    if used is None:
-        return kernel, ()
-
-    def body(*refs):
-        @pl.when(lax.axis_index("c") < refs[n_in][0])
-        def _():
-            kernel(*refs[:n_in], *refs[n_in + 1:])
-    return body, (jnp.reshape(jnp.minimum(used, n_chunks), (1,)).astype(jnp.int32),)
+def _scratch(dk, dv, dtype, interpret, lean):
+    """SMEM of the solve (`_kernel`'s order): 69 KB at D = 128 compiled and lean (room for
+    three CTAs per SM, registers permitting: the solve is a chain of ~14 dependent products,
+    so more CTAs in flight hide its latency), 85 KB with KD's own tile (two per SM); when
+    interpreted, also the left-operand tiles the interpreter needs (`_lhs`)."""
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tiles, full, stacked = Operands.scratch()
+    out = [plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # K, beta exp(gc) K, W (, KD)
+           plgpu.SMEM((CHUNK, dv), dtype, transforms=tiled),  # V, beta V, U
+           plgpu.SMEM((2, CHUNK), _F32),  # g, beta
+           tiles, stacked,  # product operands
+           plgpu.SMEM((CHUNK,), _F32),  # gc
+           plgpu.Barrier(num_arrivals=3)]
+    if interpret:
+        out += [full, plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=tiled)]  # (I + A)^-1
+    return out + ([] if lean else [plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled)])  # KD
 
 
 def shape_limits(dtype, dk: int, dv: int, chunk: int) -> str:
@@ -289,8 +304,31 @@ def limits(k, v, chunk, dot_dtype) -> str:
     return ""
 
 
+@one_kernel_per_shape("block_passes", "interpret", "lean")
+def _solve(k, v, gates, used, *, block_passes, interpret, lean):
+    """The kernel call (gates [N, Hv, 2, T] float32; used: None or an int32 scalar), jitted so
+    that every call of one shape lowers one kernel (`one_kernel_per_shape`)."""
+    n, t_len, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    dtype = k.dtype
+    kernel, extra = chunks_below(functools.partial(
+        _kernel, rep=hv // hk, block_passes=block_passes, interpret=bool(interpret),
+        lean=lean), 3, used, t_len // CHUNK)
+    call = plgpu.kernel(
+        named(kernel, "gdn_solve_mosaic"),
+        out_type=(jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
+                  jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
+                  jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
+                  jax.ShapeDtypeStruct((n, hv, t_len), _F32)),
+        grid=(n, t_len // CHUNK, hv), grid_names=("n", "c", "h"),
+        scratch_types=_scratch(dk, dv, dtype, bool(interpret), lean),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
+    return call(k, v, gates, *extra)
+
+
 def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=False,
-                       block_passes=3, used=None):
+                       block_passes=3, used=None, lean=False):
     """Kernel 1 of the fused path on Mosaic GPU (module doc).
 
     Args:
@@ -301,6 +339,8 @@ def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=
       block_passes: the passes of the inverse's block-level products: 3 (the inverse to ~1e-4
         of its scale on correlated keys) or 1 (bf16 operands, ~4e-3: the Triton kernel's bf16
         block substitution; tests/test_gated_delta_mosaic.py measures both).
+      lean: KD stored through K's tile after W's store (no tile of its own: 69 KB of SMEM, not
+        85, `_scratch`), and the CTA ends once its stores have read SMEM; the same values.
     Returns:
       w, kd [N, T, Hv, Dk] and u [N, T, Hv, Dv] in the inputs' dtype, gc [N, T, Hv] float32.
     """
@@ -309,34 +349,8 @@ def intra_chunk_mosaic(k, v, g, beta, *, chunk=CHUNK, dot_dtype=None, interpret=
         why = why or f"block_passes must be 1 or 3, got {block_passes}"
     if why:
         raise ValueError(f"gated_delta intra_chunk_mosaic: {why}")
-    n, t_len, hk, dk = k.shape
-    hv, dv = v.shape[2:]
-    dtype = k.dtype
     gates = jnp.stack([g.astype(_F32), beta.astype(_F32)], axis=-1)  # [N, T, Hv, 2]
     gates = jnp.transpose(gates, (0, 2, 3, 1))  # [N, Hv, 2, T]
-    sw = plgpu.SwizzleTransform(128)
-    tiled = (plgpu.TilingTransform((8, 64)), sw)
-    kernel, extra = chunks_below(functools.partial(
-        _kernel, rep=hv // hk, block_passes=block_passes, interpret=bool(interpret)), 3, used,
-        t_len // chunk)
-    call = plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
-                  jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
-                  jax.ShapeDtypeStruct((n, t_len, hv, dk), dtype),
-                  jax.ShapeDtypeStruct((n, hv, t_len), _F32)),
-        grid=(n, t_len // chunk, hv), grid_names=("n", "c", "h"),
-        scratch_types=[
-            plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # K, beta exp(gc) K, W
-            plgpu.SMEM((CHUNK, dv), dtype, transforms=tiled),  # V, beta V, U
-            plgpu.SMEM((2, CHUNK), _F32),  # g, beta
-            *Operands.scratch(),  # product operands
-            plgpu.SMEM((CHUNK, CHUNK), dtype, transforms=tiled),  # (I + A)^-1
-            plgpu.SMEM((CHUNK, dk), dtype, transforms=tiled),  # KD
-            plgpu.SMEM((CHUNK,), _F32),  # gc
-            plgpu.Barrier(num_arrivals=3),
-        ],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None))
-    w, u, kd, gc = call(k, v, gates, *extra)
+    w, u, kd, gc = _solve(k, v, gates, used, block_passes=block_passes, interpret=interpret,
+                          lean=lean)
     return w, u, kd, jnp.moveaxis(gc, 1, 2)

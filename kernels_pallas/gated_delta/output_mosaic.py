@@ -22,8 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.gated_delta.intra_mosaic import (CHUNK, chunks_below, exponents, tile_iota,
-                                                     wgmma_sum)
+from kernels_pallas.gated_delta.intra_mosaic import CHUNK, exponents, tile_iota, wgmma_sum
+from kernels_pallas.gated_delta.mosaic_calls import chunks_below, named, one_kernel_per_shape
 
 _F32 = jnp.float32
 
@@ -65,7 +65,7 @@ def output_mosaic(q, k, g, v_new, states, *, scale, chunk=CHUNK, states_t=False,
     decays; the kernel sums them itself), V' [N, T, Hv, Dv] and the states entering each chunk
     [N, Hv, NT, Dk, Dv] ([N, Hv, NT, Dv, Dk] if states_t), all 16-bit of one dtype; interpret:
     False (compile), True or a plgpu.InterpretGPUParams (CPU); used: None or an int32 scalar,
-    only chunks below it (intra_mosaic.chunks_below)."""
+    only chunks below it (mosaic_calls.chunks_below)."""
     n, t_len, hk, dk = k.shape
     hv, dv = v_new.shape[2:]
     dtype = v_new.dtype
@@ -77,15 +77,26 @@ def output_mosaic(q, k, g, v_new, states, *, scale, chunk=CHUNK, states_t=False,
                          f"of the chunk; got chunk={chunk}, dtypes {q.dtype} {k.dtype} {dtype} "
                          f"{states.dtype}, Dk={dk}, Dv={dv}, T={t_len}")
     gates = jnp.moveaxis(g.astype(_F32), 1, 2)[:, :, None, :]  # [N, Hv, 1, T]
+    return _output(q, k, v_new, states, gates, used, scale=scale, states_t=states_t,
+                   interpret=interpret)
+
+
+@one_kernel_per_shape("scale", "states_t", "interpret")
+def _output(q, k, v_new, states, gates, used, *, scale, states_t, interpret):
+    """The kernel call (gates [N, Hv, 1, T] float32; used: None or an int32 scalar), jitted so
+    that every call of one shape lowers one kernel (mosaic_calls.one_kernel_per_shape)."""
+    n, t_len, hk, dk = k.shape
+    hv, dv = v_new.shape[2:]
+    dtype = v_new.dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=tiled)
     kernel, extra = chunks_below(functools.partial(
         _kernel, rep=hv // hk, scale=scale, states_t=states_t, interpret=bool(interpret)), 5,
-        used, t_len // chunk)
+        used, t_len // CHUNK)
     call = plgpu.kernel(
-        kernel,
+        named(kernel, "gdn_output_mosaic"),
         out_type=jax.ShapeDtypeStruct((n, t_len, hv, dv), dtype),
-        grid=(n, t_len // chunk, hv), grid_names=("n", "c", "h"),
+        grid=(n, t_len // CHUNK, hv), grid_names=("n", "c", "h"),
         scratch_types=[
             smem((CHUNK, dk)),  # Q, then scale Q exp(gc)
             smem((CHUNK, dk)),  # K
