@@ -52,12 +52,12 @@ def _workload(llm, n: int = 6):
 
 
 def test_device_tables_follow_the_host_and_outputs_equal_the_rows_path(monkeypatch):
-    """Async then sync engines on the resident tables, each against the sync rows path, token
-    for token and logprob for logprob (this workload has no stop ids, so the async loop's
-    batches equal the sync loop's: one rows reference spares compiling the async rows path's
-    step variants, CI time)."""
+    """Sync then async engines on the resident tables, each against the async rows path (the
+    engine default, as the tests below), token for token and logprob for logprob: this workload
+    has no stop ids, so the async loop's batches equal the sync loop's, and one rows reference
+    spares compiling the sync rows path's step variants (CI time)."""
     runs = {}
-    for mode in ("async", "sync"):
+    for mode in ("sync", "async"):
         # 20 blocks for 4 seats of up to 13 blocks each: preemptions, releases and reused seats
         llm = make_tiny_llm(num_kv_blocks=20, async_scheduling=mode == "async")
         eng = llm.llm_engine
