@@ -155,4 +155,4 @@ def test_engine_composing_by_the_kernel_matches_the_reference(monkeypatch):
     llm = spans._slow_decay(LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
                                 max_num_batched_tokens=64, min_token_bucket=64,
                                 max_model_len=512, block_size=16, num_kv_blocks=96))
-    spans.test_cached_spans_are_skipped_and_match_the_reference(llm)
+    spans.test_cached_spans_are_skipped_and_match_the_reference(llm, monkeypatch)
