@@ -47,13 +47,19 @@ def _states(rng, pool, rows):
     return conv, delta
 
 
+def _jitted(impl: str):
+    """entry_states under jit, as the engine's compose program calls it (eager, each op of the
+    loop and of the interpreted kernel compiles on its own: 3x the time, CI)."""
+    return jax.jit(functools.partial(span_maps.entry_states, impl=impl))
+
+
 def test_kernel_composes_as_the_xla_loop(fresh_rng):
     """Unsorted rows of lengths 0..6 on a two-layer pool: the kernel's delta states match the
     loop's (float32 rounding apart), its conv windows are the loop's bit for bit."""
     pool = _pool(fresh_rng)
     chains = jnp.asarray(_chains())
     conv0, delta0 = _states(fresh_rng, pool, chains.shape[0])
-    run = lambda impl: span_maps.entry_states(pool, chains, conv0, delta0, impl=impl)  # noqa: E731
+    run = lambda impl: _jitted(impl)(pool, chains, conv0, delta0)  # noqa: E731
     (conv_k, delta_k), (conv_x, delta_x) = run("triton"), run("xla")
     np.testing.assert_array_equal(np.asarray(conv_k), np.asarray(conv_x))
     scale = float(jnp.abs(delta_x).max())
@@ -68,12 +74,11 @@ def test_chain_window_is_the_shift_loop(fresh_rng):
     chains = _chains()
     n = np.asarray(span_maps.chain_lengths(jnp.asarray(chains)))
     window = _states(fresh_rng, pool, chains.shape[0])[0]
-    got = chain_compose.chain_window(pool, jnp.asarray(chains), jnp.asarray(n), window)
-    want = np.array(window)
+    got = jax.jit(chain_compose.chain_window)(pool, jnp.asarray(chains), jnp.asarray(n), window)
+    want, shift = np.array(window), jax.jit(chain_compose.shift_window)  # one compile, not per op
     for r, row in enumerate(chains):
         for s in row[:n[r]]:
-            want[:, r] = chain_compose.shift_window(jnp.asarray(want[:, r]), pool.tail[s],
-                                                    pool.count[s])
+            want[:, r] = shift(jnp.asarray(want[:, r]), pool.tail[s], pool.count[s])
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -83,8 +88,8 @@ def test_kernel_holds_the_exactness_bar():
     from tests.test_gated_delta_affine import _rel
     from tests.test_span_maps import _span_chain
     pool, chains, s0, replay, final64 = _span_chain()
-    _, delta = span_maps.entry_states(pool, jnp.asarray(chains), jnp.zeros((1, 1, 1, 1)),
-                                      jnp.asarray(s0)[None], impl="triton")
+    _, delta = _jitted("triton")(pool, jnp.asarray(chains), jnp.zeros((1, 1, 1, 1)),
+                                 jnp.asarray(s0)[None])
     assert _rel(delta[0], replay) < 1e-6 and _rel(delta[0], final64) < 1e-5
 
 
@@ -155,4 +160,4 @@ def test_engine_composing_by_the_kernel_matches_the_reference(monkeypatch):
     llm = spans._slow_decay(LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
                                 max_num_batched_tokens=64, min_token_bucket=64,
                                 max_model_len=512, block_size=16, num_kv_blocks=96))
-    spans.test_cached_spans_are_skipped_and_match_the_reference(llm)
+    spans.test_cached_spans_are_skipped_and_match_the_reference(llm, monkeypatch)

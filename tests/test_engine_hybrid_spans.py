@@ -19,6 +19,7 @@ import hybrid_span_reference as hsr
 from minipic_jax import LLM, SamplingParams
 from minipic_jax.prompts import Prompt, Span
 from serving.config_groups import flat_names
+from tests.test_resident_tables import _watch
 
 SP = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
 
@@ -126,6 +127,20 @@ def _fresh(llm, **options):
     return llm.llm_engine
 
 
+def _watch_tables(runner, monkeypatch):
+    """The step kinds dispatched, and the device tables checked against the host's after every
+    step (tests/test_resident_tables.py's _watch); monkeypatch puts the dispatch back."""
+    monkeypatch.setattr(runner, "_dispatch", runner._dispatch)
+    seen, _ = _watch(runner)
+    kinds, dispatch = [], runner._dispatch
+
+    def kind_noted(ints, floats, use_prev, kw):
+        kinds.append("compose" if kw.get("compose") else "spans" if kw.get("spans") else "plain")
+        return dispatch(ints, floats, use_prev, kw)
+    runner._dispatch = kind_noted
+    return kinds, seen
+
+
 def _span_stats(eng):
     return {k: v for k, v in eng.get_stats().items() if k.startswith("span")}
 
@@ -141,13 +156,16 @@ def _run(llm, batches):
     return max(errs)
 
 
-def test_cached_spans_are_skipped_and_match_the_reference(llm):
+def test_cached_spans_are_skipped_and_match_the_reference(llm, monkeypatch):
     """A request waits for the spans another one is computing, then skips them. A second batch
     reuses five cached spans at other offsets, in other orders, as one chain of
     four (the last shorter than the conv window), split by a plain segment (two chains), and
     around a new span (computed and captured). (Chains of 4 keep to one compiled shape; the slow
-    sweep draws longer ones.)"""
+    sweep draws longer ones.) Span steps and the compose programs before them (which take no
+    tables) leave the device block tables equal to the host's (serving/step/resident_tables.py;
+    checked on this engine, which compiles once for the file, rather than on one of its own)."""
     eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
+    kinds, seen = _watch_tables(eng.runner, monkeypatch)
     rng = np.random.default_rng(7)
     sys_a, sys_b, q1, q2 = (Prompt(bytes(rng.integers(97, 123, n).tolist()).decode())
                             for n in (20, 45, 9, 3))
@@ -161,6 +179,8 @@ def test_cached_spans_are_skipped_and_match_the_reference(llm):
     assert err < 1e-5
     assert st["spans_skipped"] == 12 and st["span_maps_captured"] == 6
     assert st["span_admission_waits"] > 0
+    assert seen["mismatch"] == [] and seen["steps"] > 5, seen
+    assert {"spans", "compose", "plain"} <= set(kinds), kinds
     # blocks of 16 tokens (SSEP + text, padded): d1 3, d2 1, d3 2, d4 2, d5 1
     assert st["span_tokens_skipped"] == 16 * ((1 + 3) + (1 + 3) + (2 + 3 + 2 + 1) + (1 + 2)
                                               + (3 + 2))
