@@ -5,7 +5,7 @@
 # (0) benchmarks/compose_forms.py: both forms x every precision on random Qwen3.5-0.8B-shaped maps, no model
 # (the same 30 maps on 3 rows; a form that fails to compile prints its error), and the kernel's block_v x
 # num_warps; (1) the kernel and composition tests compiled (tests/test_chain_compose_kernel.py;
-# test_span_maps.py's per-precision exactness, now through the kernel: rel. errors vs the fp32 replay
+# test_span_maps.py's per-precision exactness, through the loop while chain_compose.AUTO_KERNEL is off: rel. errors vs the fp32 replay
 # printed), (2) rag fcfs on
 # qwen3_5_0_8b with --compose-cost 1 (benchmarks/span_compose_cost.py): the warm step, its composition,
 # "compose form triton | xla" timed in the same process on the same captured chains, and every precision
