@@ -110,6 +110,14 @@ def instrument(llm):
     return pt
 
 
+def id_ceiling(engine) -> int:
+    """The bound random token ids stay under: below the vocabulary's end and below every marker
+    (pad, SSEP, PDEP) and EOS id, so a drawn span holds no primitive (Llama 3's specials sit at
+    the vocabulary's top; a drawn pad would be an invisible token)."""
+    special = [i for i in (*engine.markers.values(), *engine.eos_ids) if i is not None]
+    return min([engine.vocab_size - 10, *special])
+
+
 def request(rng, spans, order, vocab: int, fresh: bool = False):
     """[Prompt(system: 40 ids, the same in every call), spans in `order`, Prompt(a new
     question: 30 ids)]; `fresh`: each span a new list of the ids kept."""
@@ -142,7 +150,7 @@ def run(args) -> int:
 
     from minipic_jax import SamplingParams
     llm = make_llm(args)
-    vocab = llm.llm_engine.vocab_size
+    vocab = id_ceiling(llm.llm_engine)
     rng = np.random.default_rng(0)
     spans = [rng.integers(10, vocab - 10, args.span_tokens).tolist() for _ in range(args.spans)]
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
