@@ -57,6 +57,7 @@ from kernels_pallas.paged_attention.mosaic_prefill_prep import (  # noqa: F401 (
     smem_bytes)
 from kernels_pallas.paged_attention.interpret_threads import warn_if_pool_too_small
 from kernels_pallas.paged_attention.mosaic_prefill_paged import paged_prepare
+from kernels_pallas.paged_attention.mosaic_prefill_paged_stream import drain_releases
 
 def _idle_walk(*, lo, hi, wg, k_bar, v_bar, k_free, v_free, schedule_barrier, sched_bar):
     """An idle compute warpgroup's part of the protocol (_kernel's skip_idle): every barrier
@@ -292,14 +293,7 @@ def _kernel(sched_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, qwin_ref, tbl_re
             return _
 
         lax.fori_loop(0, jnp.maximum(n_steps - STAGES, 0), refill, None)
-
-        def drain(i, _):  # observe the last steps' releases too (the interpreter checks it)
-            slot = lax.rem(i, STAGES)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            return _
-
-        lax.fori_loop(jnp.maximum(n_steps - STAGES, 0), n_steps, drain, None)
+        drain_releases(k_free, v_free, n_steps)
 
 
 def prefill_attention_mosaic(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,

@@ -125,8 +125,13 @@ def stream_pages(keys, *, lo, n_steps, seq, kv_head, tbl_ref, tbl_smem, tbl_bar,
         return _
 
     lax.fori_loop(0, jnp.maximum(n_steps - STAGES, 0), refill, None)
+    drain_releases(k_free, v_free, n_steps)
 
-    def drain(i, _):  # observe the last steps' releases too (the interpreter checks it)
+
+def drain_releases(k_free, v_free, n_steps):
+    """The memory warpgroup's last act: wait on the K and V slots' releases of the last STAGES
+    key steps too (every barrier arrival observed; the interpreter checks it)."""
+    def drain(i, _):
         slot = lax.rem(i, STAGES)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])

@@ -19,7 +19,8 @@ next one's runs no mask (every row of it composes at every position it runs).
 On a GPU that loop is the slow form: each trip copies its maps out of the pool (a gather), then
 the dot, the add and the ended-chain select each pass over HBM, ~12 map-sized passes per
 application (~97 us for one Qwen3.5-0.8B map on one row on an H100, against ~13 us to read A and
-B once). `compose_kernel` replaces it there (`use_kernel`): one Triton program per (row, layer,
+B once). `compose_kernel` replaces it there (`use_kernel`: asked for, or by "auto" once
+`AUTO_KERNEL` is set after a device measurement): one Triton program per (row, layer,
 head, value block) runs its row's whole chain with the state block in registers, reading each
 map from the pool by slot, and the conv windows come in closed form (`chain_window`).
 """

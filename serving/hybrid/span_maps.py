@@ -6,9 +6,10 @@ Kc - 1 layer inputs it saw (its conv tail). Both depend on the span's tokens onl
 span serves every request at any offset. A PDEP segment enters each layer with the state of the
 recurrence run over all earlier segments: the maps applied in order to the state before them, and
 the conv window shifted by each tail (docs/DESIGN.md section 5). `entry_states` does that on device,
-in the compose program before the step: on a GPU one Triton kernel pass per chain (its maps read
-from the pool by slot), elsewhere per position one gather from the pool and one batched matmul over
-the rows whose chain still runs (serving/hybrid/chain_compose.py).
+in the compose program before the step: per position one gather from the pool and one batched
+matmul over the rows whose chain still runs, or (chain_compose.use_kernel: asked for, or on a GPU
+once AUTO_KERNEL is set) one Triton kernel pass per chain, its maps read from the pool by slot
+(serving/hybrid/chain_compose.py).
 
 Shape letters: P pool slots, Lg GDN layers, S sequences, L maps per sequence (padded with -1),
 Hv/Dk/Dv delta heads and dims, C conv channels, K1 = Kc - 1.
@@ -114,7 +115,8 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0, *, precision=None, imp
       slots: [S, L] int32 pool slots in order (the first map runs first); -1 ends a chain.
       conv0: [Lg, S, C, K1] conv windows before the chain; delta0: [Lg, S, Hv, Dk, Dv] float32.
       precision: of the composition's dots (affine.compose_precision; None: IEEE float32).
-      impl: chain_compose.IMPLS ("auto": the Triton kernel on a GPU, else the XLA loop).
+      impl: chain_compose.IMPLS ("auto": the XLA loop until chain_compose.AUTO_KERNEL turns the
+        Triton kernel on for GPUs).
     Returns:
       conv [Lg, S, C, K1] (conv0's dtype), delta [Lg, S, Hv, Dk, Dv] float32.
 
