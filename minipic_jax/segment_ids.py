@@ -15,8 +15,10 @@ again.
 
 A caller that builds a new list (or tuple) for each request from ids it keeps (`Span(list(doc))`,
 as benchmarks/rag_ttft.py does) gives an equal list of the same int objects: it is found by its
-length and a few sampled ids, compared with the remembered copy (list equality, pointer compares
-again) and taken when it holds Python ints only (`sum` stays an int: no float, numpy scalar or
+length and a few sampled ids and taken when its items are the very objects of the remembered
+copy (their pointers compared as bytes: minipic_jax/list_items.py, ~3 ns an id). Otherwise (other
+int objects of equal values, or an interpreter whose lists are not read that way) it is compared
+with the remembered copy (list equality) and taken when it holds Python ints only (`sum` stays an int: no float, numpy scalar or
 other type that compares equal to an int) and no bool where the remembered ids are 0 or 1 (the
 only values a bool equals). Converting each new list again, and the page faults of the
 remembered copies churning, were most of a cached-span request's prompt time on that path
@@ -33,8 +35,10 @@ import threading
 
 import numpy as np
 
+from minipic_jax.list_items import item_bytes
+
 MIN_MEMO_IDS = 256  # shorter segments are converted every time (cheaper than remembering them)
-MEMO_IDS = 1 << 19  # ids remembered in all (each ~50 bytes: its int, the copies, the array)
+MEMO_IDS = 1 << 19  # ids remembered in all (each ~60 bytes: its int, the copies, the array)
 
 
 def is_token(t) -> bool:
@@ -129,14 +133,17 @@ class SegmentMemo:
                 same_object = True
             if entry is not None:
                 self._entries.move_to_end(id(entry[0]))
-        if entry is not None and _unchanged(entry[1], content) and (
-                same_object or _python_ints_as_remembered(content, entry[5], entry[6])):
+        if entry is not None and (_same_objects(entry[7], content) or (
+                _unchanged(entry[1], content) and (
+                    same_object or _python_ints_as_remembered(content, entry[5], entry[6])))):
             self.hits += 1
             return entry[2], entry[3]
         ids, arr = convert(content, what)
         if arr is not None:
-            self._keep(key, (content, snap(content), ids, arr, ckey,
-                             np.flatnonzero((arr >> 1) == 0).tolist(), _sum_fits(arr)))
+            copy = snap(content)  # holds the objects: their pointers (item_bytes) stay theirs
+            self._keep(key, (content, copy, ids, arr, ckey,
+                             np.flatnonzero((arr >> 1) == 0).tolist(), _sum_fits(arr),
+                             item_bytes(copy) if type(copy) is list else None))
         return ids, arr
 
     def _keep(self, key: int, entry: tuple) -> None:
@@ -190,6 +197,13 @@ def _python_ints_as_remembered(content, zero_one: list[int], sum_fits: bool) -> 
     if not _python_ints(content, sum_fits):
         return False
     return not any(type(content[k]) is bool for k in zero_one)
+
+
+def _same_objects(remembered: bytes | None, content) -> bool:
+    """Whether `content` is a list of exactly the objects remembered (list_items.item_bytes):
+    ids checked when they were converted, so taken with no further check."""
+    return remembered is not None and type(content) is list and \
+        item_bytes(content) == remembered
 
 
 def _unchanged(snapshot, content) -> bool:
