@@ -60,6 +60,14 @@ def convert(content, what: str) -> tuple[list[int], np.ndarray | None]:
             return arr.tolist(), None
         arr = arr.astype(np.int64)
         return arr.tolist(), arr
+    if type(content) in (list, tuple) and len(content) < MIN_MEMO_IDS and \
+            set(map(type, content)) <= {int}:
+        # a short list of Python ints (a prompt's question): one type pass, ~3 us instead of
+        # the C passes below (~7 us: their fixed costs outweigh the ids)
+        try:
+            return list(content), np.array(content, np.int64)
+        except OverflowError:  # an id beyond int64: below, which leaves it to the checks
+            pass
     try:  # ints and numpy ints (array("q") takes their __index__); bools checked below
         arr = np.frombuffer(array.array("q", content), np.int64)
     except (TypeError, OverflowError):
