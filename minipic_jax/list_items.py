@@ -6,14 +6,13 @@ caller) hold the same int objects as lists converted before (minipic_jax/segment
 equality cannot tell 1 from 1.0 or True, so the memo proved the types with a `sum` over every
 id (~7 ns an id: ~0.23 ms of the request's 33K ids, the largest host cost left in issue 28);
 the same objects as a remembered copy, whose ids were checked when it was converted, need no
-check at all, and comparing pointers is a memcmp (~3 ns an id with the copy out).
+check at all, and comparing pointers is a memcmp (~0.5 ns an id, ~2 us a 4K-id span).
 
 How: CPython's PyListObject (the object header, ob_size, then `PyObject **ob_item`) is read
-through ctypes, holding the GIL (ctypes.string_at is a Python-API call), as PyList_GET_ITEM does
-in C. The layout is probed once at import on a list of known objects; any other interpreter or
-build (free-threaded, trace-refs, another implementation) gets None from `item_bytes`, and
-callers take their general path. A list changed by another thread while it is read is the
-caller's race, as with any read of a list in C: its bytes then match nothing remembered.
+through ctypes, holding the GIL (ctypes.string_at and a PyDLL memcmp are Python-API calls), as
+PyList_GET_ITEM does in C. The layout is probed once at import on a list of known objects; any
+other interpreter or build (free-threaded, trace-refs, another implementation) gets None from
+`item_bytes` (and False from `same_items`), and callers take their general path.
 """
 
 from __future__ import annotations
@@ -50,7 +49,21 @@ def _probe(offset: int | None) -> int | None:
     return offset if _read(objects, offset) == want else None
 
 
+def _memcmp():
+    """libc's memcmp called holding the GIL (a PyDLL function: no other thread runs while it
+    reads a list's items), or None where the process exposes none (then the items are copied
+    out and compared as bytes)."""
+    try:
+        fn = ctypes.PyDLL(None).memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t)
+    return fn
+
+
 _OFFSET = _probe(_size_offset())
+_MEMCMP = _memcmp() if _OFFSET is not None else None
 
 
 def item_bytes(lst: list) -> bytes | None:
@@ -59,3 +72,16 @@ def item_bytes(lst: list) -> bytes | None:
     if _OFFSET is None or type(lst) is not list:
         return None
     return _read(lst, _OFFSET)
+
+
+def same_items(lst, remembered: bytes | None) -> bool:
+    """Whether `lst` is a list of exactly the objects whose pointers `remembered` holds
+    (`item_bytes` of a list of them, which must be kept alive so that no other object takes
+    an address), in order; compared in place, without copying `lst`'s items out."""
+    if remembered is None or _OFFSET is None or type(lst) is not list:
+        return False
+    if _MEMCMP is None:
+        return _read(lst, _OFFSET) == remembered
+    size, items = _HEAD.unpack(ctypes.string_at(id(lst) + _OFFSET, _HEAD.size))
+    n = len(remembered)
+    return size * _PTR == n and (not n or _MEMCMP(items, remembered, n) == 0)

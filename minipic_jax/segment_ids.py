@@ -16,13 +16,13 @@ again.
 A caller that builds a new list (or tuple) for each request from ids it keeps (`Span(list(doc))`,
 as benchmarks/rag_ttft.py does) gives an equal list of the same int objects: it is found by its
 length and a few sampled ids and taken when its items are the very objects of the remembered
-copy (their pointers compared as bytes: minipic_jax/list_items.py, ~3 ns an id). Otherwise (other
-int objects of equal values, or an interpreter whose lists are not read that way) it is compared
-with the remembered copy (list equality) and taken when it holds Python ints only (`sum` stays an int: no float, numpy scalar or
-other type that compares equal to an int) and no bool where the remembered ids are 0 or 1 (the
-only values a bool equals). Converting each new list again, and the page faults of the
-remembered copies churning, were most of a cached-span request's prompt time on that path
-(benchmarks/RESULTS.md, "RAG headline").
+copy (their pointers compared in place: minipic_jax/list_items.py, ~2 us a 4K-id span).
+Otherwise (other int objects of equal values, or an interpreter whose lists are not read that
+way) it is compared with the remembered copy (list equality) and taken when it holds Python ints
+only (`sum` stays an int: no float, numpy scalar or other type that compares equal to an int)
+and no bool where the remembered ids are 0 or 1 (the only values a bool equals). Converting
+each new list again, and the page faults of the remembered copies churning, were most of a
+cached-span request's prompt time on that path (benchmarks/RESULTS.md, "RAG headline").
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import threading
 
 import numpy as np
 
-from minipic_jax.list_items import item_bytes
+from minipic_jax.list_items import item_bytes, same_items
 
 MIN_MEMO_IDS = 256  # shorter segments are converted every time (cheaper than remembering them)
 MEMO_IDS = 1 << 19  # ids remembered in all (each ~60 bytes: its int, the copies, the array)
@@ -210,8 +210,7 @@ def _python_ints_as_remembered(content, zero_one: list[int], sum_fits: bool) -> 
 def _same_objects(remembered: bytes | None, content) -> bool:
     """Whether `content` is a list of exactly the objects remembered (list_items.item_bytes):
     ids checked when they were converted, so taken with no further check."""
-    return remembered is not None and type(content) is list and \
-        item_bytes(content) == remembered
+    return same_items(content, remembered)
 
 
 def _unchanged(snapshot, content) -> bool:
