@@ -289,10 +289,10 @@ class Sequence:
         """idx [n] token indices -> (pos, win, slot_off, is_pad), each [n]."""
         lay, n_p = self.layout, self.num_prompt_tokens
         if idx.size and idx[-1] < n_p:
-            return lay.pos[idx], lay.win_at(idx), lay.slot_off_at(idx), lay.is_pad[idx]
+            return lay.pos_at(idx), lay.win_at(idx), lay.slot_off_at(idx), lay.is_pad[idx]
         gen = idx >= n_p
         pi = np.minimum(idx, max(n_p - 1, 0))
-        pos = np.where(gen, lay.num_valid + (idx - n_p), lay.pos[pi])
+        pos = np.where(gen, lay.num_valid + (idx - n_p), lay.pos_at(pi))
         win = np.where(gen, lay.last_win, lay.win_at(pi))
         # generated tokens sit in the prompt's last block or later: only the tail's starts are
         # read (the clamped index of a prompt token is masked below)
