@@ -133,12 +133,13 @@ def build_prompt(segments, *, block_size: int, pad_token_id: int, ssep_token_id:
 
 
 def build_prompt_ids(segments, *, block_size: int, pad_token_id: int, ssep_token_id: int,
-                     pdep_token_id: int, tokenizer=None,
-                     memo=None) -> tuple[list[int], np.ndarray | None]:
+                     pdep_token_id: int, tokenizer=None, memo=None,
+                     starts: list | None = None) -> tuple[list[int], np.ndarray | None]:
     """`build_prompt`'s ids and the same as a read-only int64 array (None where an id does not
     fit int64: the request checks name it), built from each segment's converted ids (minipic_jax/
     segment_ids.py; `memo`: a SegmentMemo, so a list given again is not converted again): no
-    pass over the prompt's ids in Python, and none in C beyond copying them."""
+    pass over the prompt's ids in Python, and none in C beyond copying them. `starts`: a list
+    that gets (first, end, segment index, kind) of each segment's ids in the prompt."""
     out: list[int] = []
     pieces: list = []  # int64 arrays, concatenated at the end (None: one segment has none)
     prev = None
@@ -157,6 +158,8 @@ def build_prompt_ids(segments, *, block_size: int, pad_token_id: int, ssep_token
             head, head_arr = _head(pad_token_id, -len(out) % block_size if out else 0, marker)
             out += head
             pieces.append(head_arr)
+        if starts is not None:
+            starts.append((len(out), len(out) + len(ids), k, type(seg).__name__))
         out += ids
         pieces.append(arr)
         prev = seg
@@ -165,3 +168,15 @@ def build_prompt_ids(segments, *, block_size: int, pad_token_id: int, ssep_token
     arr = np.concatenate(pieces)
     arr.flags.writeable = False  # the request checks keep it as the prompt's ids, uncopied
     return out, arr
+
+
+def segment_of(segments, index: int, **build) -> tuple[int, str, int] | None:
+    """(segment index, its kind, the index inside its ids) of token `index` of the prompt
+    `build_prompt_ids(segments, **build)` gives, or None for a pad or marker placed between
+    segments. For error messages: the prompt is built again."""
+    starts: list = []
+    build_prompt_ids(segments, starts=starts, **build)
+    for first, end, k, kind in starts:
+        if first <= index < end:
+            return k, kind, index - first
+    return None
