@@ -141,7 +141,8 @@ class SegmentMemo:
                 same_object = True
             if entry is not None:
                 self._entries.move_to_end(id(entry[0]))
-        if entry is not None and (_same_objects(entry[7], content) or (
+        # the very objects remembered (ids checked when converted) need no further check
+        if entry is not None and (same_items(content, entry[7]) or (
                 _unchanged(entry[1], content) and (
                     same_object or _python_ints_as_remembered(content, entry[5], entry[6])))):
             self.hits += 1
@@ -205,12 +206,6 @@ def _python_ints_as_remembered(content, zero_one: list[int], sum_fits: bool) -> 
     if not _python_ints(content, sum_fits):
         return False
     return not any(type(content[k]) is bool for k in zero_one)
-
-
-def _same_objects(remembered: bytes | None, content) -> bool:
-    """Whether `content` is a list of exactly the objects remembered (list_items.item_bytes):
-    ids checked when they were converted, so taken with no further check."""
-    return same_items(content, remembered)
 
 
 def _unchanged(snapshot, content) -> bool:
