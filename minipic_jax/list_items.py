@@ -12,7 +12,10 @@ How: CPython's PyListObject (the object header, ob_size, then `PyObject **ob_ite
 through ctypes, holding the GIL (ctypes.string_at and a PyDLL memcmp are Python-API calls), as
 PyList_GET_ITEM does in C. The layout is probed once at import on a list of known objects; any
 other interpreter or build (free-threaded, trace-refs, another implementation) gets None from
-`item_bytes` (and False from `same_items`), and callers take their general path.
+`item_bytes` (and False from `same_items`), and callers take their general path. Between the
+header's read and the compare other threads may run: a list that another thread grows or
+shrinks meanwhile (a race in the caller, whose request holds that list) may be compared
+against its old item storage.
 """
 
 from __future__ import annotations
