@@ -52,7 +52,8 @@ def add_parser(p) -> None:
                         "an 80 GB card has ~30,000 blocks of 16: pool-sized host work shows)")
     p.add_argument("--fresh-lists", action="store_true",
                    help="new id lists per call from the ids kept (as the rag ttft bench)")
-    p.add_argument("--profile", action="store_true", help="cProfile one cached call")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile 50 cached calls (us per call)")
     p.add_argument("--floors", action="store_true",
                    help="also time the whole-list passes a call cannot avoid over its span ids "
                         "on this host (the floors of the prompt part)")
@@ -187,12 +188,18 @@ def print_floors(spans) -> None:
     """us per call of the passes over all span ids that bound the prompt part from below: a
     list converted to int64 (array("q"): the floor for ids seen for the first time), the type
     check of a new list equal to a remembered one (sum: stays an int only over Python ints),
-    the equality with the remembered copy (pointer compares), and the prompt's list of ids
-    (extend); then the int64 concatenation and the list's copy for the output."""
+    the equality with the remembered copy (pointer compares), the same objects as remembered
+    (items: their pointers compared in place, minipic_jax/list_items.py: what a new list of
+    the ids kept costs now, with neither of the two before), and the prompt's list of ids
+    (extend); then the int64 concatenation and the list's copy for the output (gone: a
+    finished request hands its list over)."""
     import array
     import timeit
+
+    from minipic_jax.list_items import item_bytes, same_items
     fresh = [list(ids) for ids in spans]
     arrays = [np.asarray(ids, np.int64) for ids in spans]
+    kept = [item_bytes(ids) for ids in spans]
 
     def extend():
         out = []
@@ -203,6 +210,7 @@ def print_floors(spans) -> None:
     passes = {"array(q)": lambda: [array.array("q", ids) for ids in fresh],
               "sum": lambda: [sum(ids) for ids in fresh],
               "equal": lambda: [a == b for a, b in zip(fresh, spans)],
+              "items": lambda: [same_items(a, b) for a, b in zip(fresh, kept)],
               "extend": extend, "concat": lambda: np.concatenate(arrays),
               "out_copy": lambda: flat[:]}
     print(f"floors, us per call over {len(spans)} x {len(spans[0])} ids (min of 7 x 50):")
@@ -211,12 +219,21 @@ def print_floors(spans) -> None:
         print(f"  {name:>9} {us:9.1f}")
 
 
-def _profile(llm, rng, spans, sp, vocab: int, n: int, fresh: bool) -> None:
+def _profile(llm, rng, spans, sp, vocab: int, n: int, fresh: bool, calls: int = 50) -> None:
+    """cProfile over `calls` cached calls, printed as us per call (one call's times round to
+    0.000 s in pstats' table): the 25 functions of most own time, with their cumulative time
+    and calls per call (cProfile's overhead inflates the many small ones)."""
     import cProfile
     import pstats
-    prompt = request(rng, spans, rng.permutation(n), vocab, fresh)
+    prompts = [request(rng, spans, rng.permutation(n), vocab, fresh) for _ in range(calls)]
     prof = cProfile.Profile()
     prof.enable()
-    llm.generate(prompt, sp, use_tqdm=False)
+    for prompt in prompts:
+        llm.generate(prompt, sp, use_tqdm=False)
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:25]
+    print(f"cProfile over {calls} cached calls, per call: own us, cumulative us, calls")
+    for (path, line, name), (_, ncalls, own, cum, _) in rows:
+        where = "/".join(path.split("/")[-2:])
+        print(f"  {1e6 * own / calls:8.1f} {1e6 * cum / calls:8.1f} {ncalls / calls:6.1f}  "
+              f"{where}:{line}({name})")

@@ -17,7 +17,8 @@ from minipic_jax.batch.progress import Progress
 from minipic_jax.loading import load_model
 from minipic_jax.loading.chat_template import render_conversations
 from minipic_jax.parallel_samples import fan_out, merge_samples
-from minipic_jax.prompts import as_prompt_list, build_prompt, build_prompt_ids, is_structured
+from minipic_jax.prompts import (as_prompt_list, build_prompt, build_prompt_ids,
+                                 is_structured, segment_of)
 from minipic_jax.segment_ids import SegmentMemo
 from minipic_jax.sampling_params import SamplingParams
 from serving.config import Config
@@ -222,8 +223,14 @@ class LLM:
             ids, text, arr = self.prompt_ids(p, i)
             rid = str(self._next_id + i)
             # segments come with their int64 array: the checks take it as it is
-            layout = engine.validate(rid, ids if arr is None else arr, sp, label=f"request {i}",
-                                     cache_salt=cache_salt)
+            try:
+                layout = engine.validate(rid, ids if arr is None else arr, sp,
+                                         label=f"request {i}", cache_salt=cache_salt)
+            except ValueError as err:
+                where = self._in_segment(err, p, i)
+                if where is None:
+                    raise
+                raise ValueError(where) from None
             if not is_structured(p):  # build_prompt gives Python ints already
                 # validated integers (numpy ones included) as Python ints: the layout's int64
                 # copy converts in C (a per-token int() cost ~2 ms of a 33K-token prompt's TTFT)
@@ -259,6 +266,21 @@ class LLM:
             engine.give_back(others)  # the custom loop's next step() returns them
         return [merge_samples(str(self._next_id - len(prompts) + i), r) if len(r) > 1 else r[0]
                 for i, r in enumerate(results)]
+
+    def _in_segment(self, err: ValueError, prompt, index: int) -> str | None:
+        """A token id the request checks refused (`err`: its index in the prompt) inside a
+        segment of a structured prompt, named by its segment and its index there, as a
+        segment's type errors are; None where `err` is no such error."""
+        k = getattr(err, "token_index", None)
+        if k is None or not is_structured(prompt):
+            return None
+        where = segment_of(prompt, k, block_size=self.config.block_size,
+                           tokenizer=self.tokenizer, **self.llm_engine.markers)
+        if where is None:
+            return None
+        seg, kind, j = where
+        what, problem = err.parts
+        return f"request {index}: segment {seg}: {kind} {what} at index {j} {problem}"
 
     def _skip_ids_in_use(self, count: int) -> None:
         """generate's request ids are str(k) (samples "k:j") for k from _next_id, vLLM's: moved

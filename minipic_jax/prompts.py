@@ -22,6 +22,7 @@ Recipes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence, Union
 
 import numpy as np
@@ -108,6 +109,16 @@ def _encode(seg, tokenizer, first: bool, memo) -> tuple[list[int], np.ndarray | 
     return convert(ids, what)
 
 
+@functools.lru_cache(maxsize=1024)
+def _head(pad_token_id: int, num_pads: int, marker: int | None) -> tuple[tuple, np.ndarray]:
+    """A segment's head: the pads that end the block before it, then its marker (None: none),
+    as ids and as a read-only int64 array (made once: ~1 us a segment)."""
+    head = (pad_token_id,) * num_pads + (() if marker is None else (marker,))
+    arr = np.array(head, np.int64)
+    arr.flags.writeable = False
+    return head, arr
+
+
 def build_prompt(segments, *, block_size: int, pad_token_id: int, ssep_token_id: int,
                  pdep_token_id: int, tokenizer=None) -> list[int]:
     """Segments (Prompt / Span, text or ids) -> flat token ids with markers and pads.
@@ -122,12 +133,13 @@ def build_prompt(segments, *, block_size: int, pad_token_id: int, ssep_token_id:
 
 
 def build_prompt_ids(segments, *, block_size: int, pad_token_id: int, ssep_token_id: int,
-                     pdep_token_id: int, tokenizer=None,
-                     memo=None) -> tuple[list[int], np.ndarray | None]:
+                     pdep_token_id: int, tokenizer=None, memo=None,
+                     starts: list | None = None) -> tuple[list[int], np.ndarray | None]:
     """`build_prompt`'s ids and the same as a read-only int64 array (None where an id does not
     fit int64: the request checks name it), built from each segment's converted ids (minipic_jax/
     segment_ids.py; `memo`: a SegmentMemo, so a list given again is not converted again): no
-    pass over the prompt's ids in Python, and none in C beyond copying them."""
+    pass over the prompt's ids in Python, and none in C beyond copying them. `starts`: a list
+    that gets (first, end, segment index, kind) of each segment's ids in the prompt."""
     out: list[int] = []
     pieces: list = []  # int64 arrays, concatenated at the end (None: one segment has none)
     prev = None
@@ -142,13 +154,12 @@ def build_prompt_ids(segments, *, block_size: int, pad_token_id: int, ssep_token
             raise ValueError(f"segment {k}: empty {type(seg).__name__}")
         if not (isinstance(seg, Prompt) and isinstance(prev, Prompt)):
             # a new segment (consecutive Prompt segments are one PDEP segment)
-            head = [pad_token_id] * (-len(out) % block_size) if out else []
-            if isinstance(seg, Span):
-                head.append(ssep_token_id)
-            elif out:
-                head.append(pdep_token_id)
+            marker = ssep_token_id if isinstance(seg, Span) else pdep_token_id if out else None
+            head, head_arr = _head(pad_token_id, -len(out) % block_size if out else 0, marker)
             out += head
-            pieces.append(np.array(head, np.int64))
+            pieces.append(head_arr)
+        if starts is not None:
+            starts.append((len(out), len(out) + len(ids), k, type(seg).__name__))
         out += ids
         pieces.append(arr)
         prev = seg
@@ -157,3 +168,15 @@ def build_prompt_ids(segments, *, block_size: int, pad_token_id: int, ssep_token
     arr = np.concatenate(pieces)
     arr.flags.writeable = False  # the request checks keep it as the prompt's ids, uncopied
     return out, arr
+
+
+def segment_of(segments, index: int, **build) -> tuple[int, str, int] | None:
+    """(segment index, its kind, the index inside its ids) of token `index` of the prompt
+    `build_prompt_ids(segments, **build)` gives, or None for a pad or marker placed between
+    segments. For error messages: the prompt is built again."""
+    starts: list = []
+    build_prompt_ids(segments, starts=starts, **build)
+    for first, end, k, kind in starts:
+        if first <= index < end:
+            return k, kind, index - first
+    return None

@@ -15,12 +15,14 @@ again.
 
 A caller that builds a new list (or tuple) for each request from ids it keeps (`Span(list(doc))`,
 as benchmarks/rag_ttft.py does) gives an equal list of the same int objects: it is found by its
-length and a few sampled ids, compared with the remembered copy (list equality, pointer compares
-again) and taken when it holds Python ints only (`sum` stays an int: no float, numpy scalar or
-other type that compares equal to an int) and no bool where the remembered ids are 0 or 1 (the
-only values a bool equals). Converting each new list again, and the page faults of the
-remembered copies churning, were most of a cached-span request's prompt time on that path
-(benchmarks/RESULTS.md, "RAG headline").
+length and a few sampled ids and taken when its items are the very objects of the remembered
+copy (their pointers compared in place: minipic_jax/list_items.py, ~2 us a 4K-id span).
+Otherwise (other int objects of equal values, or an interpreter whose lists are not read that
+way) it is compared with the remembered copy (list equality) and taken when it holds Python ints
+only (`sum` stays an int: no float, numpy scalar or other type that compares equal to an int)
+and no bool where the remembered ids are 0 or 1 (the only values a bool equals). Converting
+each new list again, and the page faults of the remembered copies churning, were most of a
+cached-span request's prompt time on that path (benchmarks/RESULTS.md, "RAG headline").
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ import threading
 
 import numpy as np
 
+from minipic_jax.list_items import item_bytes, same_items
+
 MIN_MEMO_IDS = 256  # shorter segments are converted every time (cheaper than remembering them)
-MEMO_IDS = 1 << 19  # ids remembered in all (each ~50 bytes: its int, the copies, the array)
+MEMO_IDS = 1 << 19  # ids remembered in all (each ~60 bytes: its int, the copies, the array)
 
 
 def is_token(t) -> bool:
@@ -56,6 +60,14 @@ def convert(content, what: str) -> tuple[list[int], np.ndarray | None]:
             return arr.tolist(), None
         arr = arr.astype(np.int64)
         return arr.tolist(), arr
+    if type(content) in (list, tuple) and len(content) < MIN_MEMO_IDS and \
+            set(map(type, content)) <= {int}:
+        # a short list of Python ints (a prompt's question): one type pass, ~3 us instead of
+        # the C passes below (~7 us: their fixed costs outweigh the ids)
+        try:
+            return list(content), np.array(content, np.int64)
+        except OverflowError:  # an id beyond int64: below, which leaves it to the checks
+            pass
     try:  # ints and numpy ints (array("q") takes their __index__); bools checked below
         arr = np.frombuffer(array.array("q", content), np.int64)
     except (TypeError, OverflowError):
@@ -129,14 +141,18 @@ class SegmentMemo:
                 same_object = True
             if entry is not None:
                 self._entries.move_to_end(id(entry[0]))
-        if entry is not None and _unchanged(entry[1], content) and (
-                same_object or _python_ints_as_remembered(content, entry[5], entry[6])):
+        # the very objects remembered (ids checked when converted) need no further check
+        if entry is not None and (same_items(content, entry[7]) or (
+                _unchanged(entry[1], content) and (
+                    same_object or _python_ints_as_remembered(content, entry[5], entry[6])))):
             self.hits += 1
             return entry[2], entry[3]
         ids, arr = convert(content, what)
         if arr is not None:
-            self._keep(key, (content, snap(content), ids, arr, ckey,
-                             np.flatnonzero((arr >> 1) == 0).tolist(), _sum_fits(arr)))
+            copy = snap(content)  # holds the objects: their pointers (item_bytes) stay theirs
+            self._keep(key, (content, copy, ids, arr, ckey,
+                             np.flatnonzero((arr >> 1) == 0).tolist(), _sum_fits(arr),
+                             item_bytes(copy) if type(copy) is list else None))
         return ids, arr
 
     def _keep(self, key: int, entry: tuple) -> None:

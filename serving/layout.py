@@ -16,7 +16,7 @@ import numpy as np
 @dataclasses.dataclass
 class PromptLayout:
     is_pad: np.ndarray  # [N] bool
-    pos: np.ndarray  # [N] int32 logical position (pads: the next valid token's)
+    pad_index: np.ndarray  # [P] int64 ascending indices of the pads (a prompt has few)
     block_win: np.ndarray  # [NBp] int32 smallest logical position its tokens may attend
     block_size: int
     block_valid: np.ndarray  # [NBp] int32 valid tokens per prompt block
@@ -29,10 +29,35 @@ class PromptLayout:
     last_valid_index: int  # index of the last non-pad prompt token
     has_markers: bool
     tokens: np.ndarray | None = None  # [N] int64 the prompt (hashed from here: no re-conversion)
+    _pos: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
 
-    # Per-token window starts and slots are read for the tokens a step computes (`win_at`,
-    # `slot_off_at`): a cached 33K-token prompt computes a few dozen, so its [N] arrays are
-    # made only where a caller asks for the whole prompt's (`win`, `slot_off`).
+    # Per-token positions, window starts and slots are read for the tokens a step computes
+    # (`pos_at`, `win_at`, `slot_off_at`): a cached 33K-token prompt computes a few dozen, so
+    # its [N] arrays are made only where a caller asks for the whole prompt's (`pos`, `win`,
+    # `slot_off`): the positions' cumsum was ~20 us of that request's host time (issue 28).
+    @property
+    def num_tokens(self) -> int:
+        return self.is_pad.shape[0]
+
+    def pos_at(self, idx) -> np.ndarray:
+        """[n] int32 logical position of tokens `idx` (indices or a slice): the valid tokens
+        before each (a pad's is the next valid token's)."""
+        if isinstance(idx, slice):
+            idx = np.arange(*idx.indices(self.num_tokens))
+        idx = np.asarray(idx)
+        return (idx - np.searchsorted(self.pad_index, idx)).astype(np.int32)
+
+    @property
+    def pos(self) -> np.ndarray:
+        """[N] int32 logical position of every token (made once, on first use)."""
+        if self._pos is None:
+            before = np.empty(self.num_tokens, np.int32)
+            if before.size:
+                before[0] = 0
+                np.cumsum(~self.is_pad[:-1], dtype=np.int32, out=before[1:])
+            self._pos = before
+        return self._pos
+
     def win_at(self, idx) -> np.ndarray:
         """[n] int32 smallest logical position tokens `idx` (indices or a slice) may attend."""
         return self.block_win[self._token_blocks(idx)]
@@ -40,22 +65,24 @@ class PromptLayout:
     def slot_off_at(self, idx) -> np.ndarray:
         """[n] int32 slot of tokens `idx` (indices or a slice) inside their blocks (valid
         tokens; a pad's is the next valid token's)."""
-        return self.pos[idx] - self.block_pos_start[self._token_blocks(idx)]
+        if isinstance(idx, slice):
+            idx = np.arange(*idx.indices(self.num_tokens))
+        return self.pos_at(idx) - self.block_pos_start[self._token_blocks(idx)]
 
     def _token_blocks(self, idx) -> np.ndarray:
         if isinstance(idx, slice):
-            idx = np.arange(*idx.indices(self.pos.shape[0]))
+            idx = np.arange(*idx.indices(self.num_tokens))
         return np.asarray(idx) // self.block_size
 
     @property
     def win(self) -> np.ndarray:
         """[N] int32 smallest logical position each token may attend."""
-        return np.repeat(self.block_win, self.block_size)[:self.pos.shape[0]]
+        return np.repeat(self.block_win, self.block_size)[:self.num_tokens]
 
     @property
     def slot_off(self) -> np.ndarray:
         """[N] int32 slot of each token inside its block (valid tokens only)."""
-        n = self.pos.shape[0]
+        n = self.num_tokens
         return self.pos - np.repeat(self.block_pos_start, self.block_size)[:n]
 
 
@@ -66,12 +93,15 @@ def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | 
     n = t.shape[0]
     nb = -(-n // block_size)
     is_pad = (t == pad_id) if (markers and pad_id is not None) else np.zeros(n, bool)
-    # valid tokens before each index: the logical positions, summed straight into place (int32,
-    # no temporaries: a 33K-token prompt's layout is built inside its time to first token)
-    before = np.empty(n, np.int32)
-    if n:
-        before[0] = 0
-        np.cumsum(~is_pad[:-1], dtype=np.int32, out=before[1:])
+    # a token's logical position is its index less the pads before it: blocks' valid tokens
+    # and first positions come from the few pads' indices (a 33K-token prompt's layout is
+    # built inside its time to first token: no pass over its tokens beyond finding the pads)
+    pads = np.flatnonzero(is_pad)
+    block_valid = (block_size - np.bincount(pads // block_size, minlength=nb)).astype(np.int32)
+    if nb:
+        block_valid[-1] -= nb * block_size - n  # a partial last block
+    block_pos_start = np.zeros(nb, np.int32)
+    np.cumsum(block_valid[:-1], out=block_pos_start[1:])
     first = t[::block_size]  # each block's first token (strided views: no index array)
     if markers:
         is_ssep = first == ssep_id if ssep_id is not None else np.zeros(nb, bool)
@@ -84,16 +114,11 @@ def build_layout(tokens, block_size: int, *, pad_id: int | None, ssep_id: int | 
     seg_first_block = np.flatnonzero(seg_start)
     seg_span = is_ssep[seg_first_block]
     span_block = seg_span[seg_id]
-    block_pos_start = np.ascontiguousarray(before[::block_size])
     seg_win = np.where(seg_span, block_pos_start[seg_first_block], 0).astype(np.int32,
                                                                               copy=False)
-    num_valid = int(before[-1]) + (not is_pad[-1]) if n else 0
-    block_valid = np.empty(nb, np.int32)
-    np.subtract(block_pos_start[1:], block_pos_start[:-1], out=block_valid[:-1])
-    if nb:
-        block_valid[-1] = num_valid - block_pos_start[-1]
+    num_valid = n - pads.size
     return PromptLayout(
-        is_pad=is_pad, pos=before, block_win=seg_win[seg_id], block_size=block_size,
+        is_pad=is_pad, pad_index=pads, block_win=seg_win[seg_id], block_size=block_size,
         block_valid=block_valid, block_pos_start=block_pos_start,
         span_block=span_block, span_start=is_ssep & seg_start, seg_start=seg_start,
         num_valid=num_valid, last_win=int(seg_win[-1]) if nb else 0,

@@ -47,8 +47,8 @@ def check_token_ids(ids, who: str, vocab_size: int, markers: dict | None = None,
                             f"({type(t).__name__})")
         t = int(t)
         if not 0 <= t < vocab_size and not (markers and t in markers.values()):
-            raise ValueError(f"{who}: token id {t} at index {k} is outside "
-                             f"the vocabulary [0, {vocab_size})")
+            raise id_error(who, f"token id {t}", k,
+                           f"is outside the vocabulary [0, {vocab_size})")
         out.append(t)
     arr = np.asarray(out, np.int64)
     if markers:
@@ -79,12 +79,21 @@ def _check_beyond_vocab(arr: np.ndarray, who: str, vocab_size: int, markers: dic
     k = int(over[np.flatnonzero(~ok)[0]])
     t = int(arr[k])
     if t in heads:
-        raise ValueError(f"{who}: marker id {t} at index {k} is not at a block start "
-                         f"(a multiple of block_size={block_size}); beyond the vocabulary "
-                         f"[0, {vocab_size}) a marker id means nothing as text")
-    raise ValueError(f"{who}: token id {t} at index {k} is outside the vocabulary "
-                     f"[0, {vocab_size}) (ids from there up are marker ids only: "
-                     f"{sorted(v for v in markers.values() if v >= vocab_size)})")
+        raise id_error(who, f"marker id {t}", k, f"is not at a block start (a multiple of "
+                       f"block_size={block_size}); beyond the vocabulary [0, {vocab_size}) a "
+                       f"marker id means nothing as text")
+    raise id_error(who, f"token id {t}", k, f"is outside the vocabulary [0, {vocab_size}) (ids "
+                   f"from there up are marker ids only: "
+                   f"{sorted(v for v in markers.values() if v >= vocab_size)})")
+
+
+def id_error(who: str, what: str, k: int, problem: str) -> ValueError:
+    """"{who}: {what} at index {k} {problem}", the index and the parts kept on the error
+    (`token_index`, `parts`): a caller that built the prompt from segments names the segment
+    and the index inside it instead (LLM.generate)."""
+    err = ValueError(f"{who}: {what} at index {k} {problem}")
+    err.token_index, err.parts = k, (what, problem)
+    return err
 
 
 def check_sampling(sp, who: str, vocab_size: int, tokenizer) -> None:

@@ -8,7 +8,8 @@ from serving.sequence import Sequence
 
 def request_output(seq: Sequence, tokenizer) -> RequestOutput:
     """The vLLM-shaped RequestOutput of a finished (or running) sequence; text and logprob
-    tokens decoded with `tokenizer` when there is one."""
+    tokens decoded with `tokenizer` when there is one. A finished sequence hands its token list
+    over as the output's prompt ids (Sequence.hand_over_prompt_ids): made once per sequence."""
     sp = seq.sampling_params
     ids = seq.output_token_ids
     text = tokenizer.decode(ids) if tokenizer is not None else ""
@@ -25,6 +26,7 @@ def request_output(seq: Sequence, tokenizer) -> RequestOutput:
                             seq.finish_reason, seq.stop_reason)
     metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                              seq.finished_time, seq.num_preemptions)
-    return RequestOutput(seq.request_id, seq.prompt_text,
-                         seq.prompt_token_ids, [comp], seq.is_finished,
+    # a finished sequence's own list is the prompt's (uncopied: its output ids are read above)
+    prompt = seq.hand_over_prompt_ids() if seq.is_finished else seq.prompt_token_ids
+    return RequestOutput(seq.request_id, seq.prompt_text, prompt, [comp], seq.is_finished,
                          seq.num_cached_tokens, metrics)

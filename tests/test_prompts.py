@@ -36,6 +36,8 @@ def test_layout_matches_brute_force(tokens, bs):
     pos, win, slot = brute(tokens, bs)
     valid = np.asarray(tokens) != PAD
     assert lay.pos.tolist() == pos
+    assert lay.pos_at(np.arange(len(tokens))).tolist() == pos
+    assert lay.pos_at(slice(0, len(tokens))).tolist() == pos
     assert lay.win[valid].tolist() == np.asarray(win)[valid].tolist()
     assert lay.slot_off[valid].tolist() == np.asarray(slot)[valid].tolist()
     for j in range(len(lay.block_valid)):
@@ -80,10 +82,11 @@ def test_build_prompt_from_text_keeps_bos_only_first():
     assert ids == [0, 97, 98, PAD, SSEP, 99, 100]
 
 
-def test_a_layout_keeps_three_token_arrays_and_gives_windows_and_slots_by_index(fresh_rng):
+def test_a_layout_keeps_two_token_arrays_and_gives_positions_windows_slots_by_index(fresh_rng):
     """A cached 33K-token prompt computes a few dozen tokens (issue 28): its layout holds per
-    token only the ids, pads and positions; window starts and slots come per block, read for
-    the indices a step asks (`win_at`, `slot_off_at`), equal to the whole-prompt arrays."""
+    token only the ids and pads; positions (from the pads' indices), window starts and slots
+    (per block) are read for the indices a step asks (`pos_at`, `win_at`, `slot_off_at`),
+    equal to the whole-prompt arrays."""
     import dataclasses
     ids = [int(t) for t in fresh_rng.integers(3, 50, 90)]
     for k in fresh_rng.integers(0, 90, 12):
@@ -92,8 +95,11 @@ def test_a_layout_keeps_three_token_arrays_and_gives_windows_and_slots_by_index(
     per_token = {f.name for f in dataclasses.fields(lay)
                  if isinstance(getattr(lay, f.name), np.ndarray)
                  and getattr(lay, f.name).shape == (len(ids),)}
-    assert per_token == {"is_pad", "pos", "tokens"}
+    assert per_token == {"is_pad", "tokens"}  # positions too per index (`pos_at`, issue 28)
     idx = np.sort(fresh_rng.choice(len(ids), 30, replace=False))
+    assert lay.pos_at(idx).tolist() == lay.pos[idx].tolist()
+    assert lay.pos_at(slice(7, 40)).tolist() == lay.pos[7:40].tolist()
+    assert lay.pos_at(idx).dtype == np.int32
     assert lay.win_at(idx).tolist() == lay.win[idx].tolist()
     assert lay.slot_off_at(idx).tolist() == lay.slot_off[idx].tolist()
     assert lay.win_at(slice(7, 40)).tolist() == lay.win[7:40].tolist()

@@ -177,3 +177,28 @@ def test_the_update_has_no_while_loop():
     f = {k: jnp.zeros(shape, jnp.int32) for k, shape in spec.items()}
     text = jax.jit(resident_tables.apply).lower(jnp.zeros((3, 65, 2112), jnp.int32), f).as_text()
     assert "stablehlo.while" not in text and "stablehlo.scatter" in text
+
+
+def test_few_long_runs_are_copied_by_slices_and_many_by_one_gather(monkeypatch):
+    """A cached admission logs a few ~2,000-entry runs: copied slice by slice (the one gather's
+    index cost ~23 us of issue 28's host time), many short runs (decodes) by the gather; both
+    write each run's entries in order."""
+    rng = np.random.default_rng(5)
+    host = rng.integers(0, 1000, (3, 5, 40)).astype(np.int32)
+    flat = host.reshape(-1)
+    spec = dict(resident_tables.layout_fields(512, 64, 40, 16))
+    repeats = []
+    real_repeat = np.repeat
+    monkeypatch.setattr(resident_tables.np, "repeat",
+                        lambda *a, **k: repeats.append(1) or real_repeat(*a, **k))
+    for count in (3, resident_tables.FEW_RUNS, resident_tables.FEW_RUNS + 1, 60):
+        starts = np.sort(rng.choice(flat.size - 40, count, replace=False))
+        runs = [(int(a), int(rng.integers(0, 12))) for a in starts]
+        v = {k: np.zeros(shape, np.int32) for k, shape in spec.items()}
+        repeats.clear()
+        assert resident_tables.pack(host, runs, v)
+        want = np.concatenate([flat[a:a + k] for a, k in runs])
+        np.testing.assert_array_equal(v["tbl_val"][:want.size], want)
+        assert v["tbl_start"][:count].tolist() == [a for a, _ in runs]
+        assert v["tbl_len"][:count].tolist() == [k for _, k in runs]
+        assert bool(repeats) == (count > resident_tables.FEW_RUNS)

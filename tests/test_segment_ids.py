@@ -171,3 +171,43 @@ def test_numpy_ints_of_any_width_in_a_list_become_python_ints():
         got, arr = SegmentMemo().convert(ids, "Span")
         assert {type(t) for t in got} == {int} and got == [int(t) for t in ids]
         assert arr.tolist() == got
+
+
+def test_a_new_list_of_the_very_ints_remembered_is_taken_with_no_pass_over_its_ids(monkeypatch):
+    """A span list rebuilt per request from the ids a caller keeps holds the same int objects
+    as the list converted before: taken by comparing the items' pointers (list_items), with no
+    equality or type pass over its ids (the sum was ~0.23 ms of issue 28's cached request);
+    an equal list of other int objects is still checked and taken, one with a float refused."""
+    from minipic_jax import list_items, segment_ids
+    if list_items.item_bytes([]) is None:
+        pytest.skip("this interpreter's lists are not read by pointer")
+    memo = SegmentMemo()
+    doc = list(range(1000, 1000 + MIN_MEMO_IDS))
+    _, arr = memo.convert(list(doc), "Span")
+    passes = []
+    real_sum, real_eq = segment_ids._python_ints, segment_ids._unchanged
+    monkeypatch.setattr(segment_ids, "_python_ints", lambda *a: passes.append(1) or real_sum(*a))
+    monkeypatch.setattr(segment_ids, "_unchanged", lambda *a: passes.append(2) or real_eq(*a))
+    got, arr2 = memo.convert(list(doc), "Span")
+    assert got == doc and arr2 is arr and memo.hits == 1 and passes == []
+    other_objects = [int(str(t)) for t in doc]  # equal values, new int objects
+    assert memo.convert(other_objects, "Span")[1] is arr and memo.hits == 2 and passes
+    floats = list(doc)
+    floats[5] = 1005.0
+    with pytest.raises(TypeError, match=r"index 5 is 1005.0 \(float\)"):
+        memo.convert(floats, "Span")
+
+
+def test_a_short_list_of_python_ints_is_converted_by_one_type_pass(monkeypatch):
+    """A prompt's question (tens of ids) skips array("q") and its bool and type passes, whose
+    fixed costs were ~7 us a segment; what it gives, and what it refuses, is unchanged."""
+    from minipic_jax import segment_ids
+    made = []
+    real = segment_ids.array.array
+    monkeypatch.setattr(segment_ids.array, "array", lambda *a: made.append(1) or real(*a))
+    ids, arr = segment_ids.convert(list(range(300, 340)), "Prompt")
+    assert made == [] and ids == list(range(300, 340)) and arr.tolist() == ids
+    assert segment_ids.convert((3, 2 ** 64), "Prompt") == ([3, 2 ** 64], None)
+    for bad, k in (([5, True], 1), ([5, 6, 7.0], 2)):
+        with pytest.raises(TypeError, match=rf"Prompt token ids must be ints; index {k} is"):
+            segment_ids.convert(bad, "Prompt")

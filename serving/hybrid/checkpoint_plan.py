@@ -63,9 +63,9 @@ def candidates(layout, num_tokens: int, block_size: int, chunk: int) -> np.ndarr
 def positions_of(layout, token_idx) -> np.ndarray:
     """Logical position of token index c: the valid (non-pad) tokens before it."""
     idx = np.asarray(token_idx, np.int64)
-    n = layout.pos.shape[0]
+    n = layout.num_tokens
     inside = np.minimum(idx, n - 1)
-    pos = np.where(idx < n, layout.pos[inside], layout.num_valid)
+    pos = np.where(idx < n, layout.pos_at(inside), layout.num_valid)
     return pos.astype(np.int64)
 
 

@@ -22,6 +22,10 @@ import numpy as np
 
 FIELDS = ("table_seat", "tbl_start", "tbl_len", "tbl_val")
 RUNS_PER_SEQ = 5  # a sequence's runs per step: 3 synced slices, its last block's fill, a decode
+# up to this many runs are copied slice by slice (a cached admission's three ~2,000-entry runs:
+# ~4 us, where building the index of one gather over them cost ~23 us); more (decodes: a few
+# entries a sequence), by that one gather
+FEW_RUNS = 16
 
 
 def capacity(t: int, s: int, nb: int, block_size: int) -> tuple[int, int]:
@@ -51,7 +55,12 @@ def pack(stack: np.ndarray, runs: list, v: dict) -> bool:
     if total > v["tbl_val"].size:
         return False
     flat = stack.reshape(-1)
-    if total:
+    if len(runs) <= FEW_RUNS:
+        at = 0
+        for start, k in runs:
+            v["tbl_val"][at:at + k] = flat[start:start + k]
+            at += k
+    elif total:
         # every run's entries, gathered in one go: run r covers lo[r] .. lo[r] + n[r]
         ends = np.cumsum(n)
         idx = np.arange(total) - np.repeat(ends - n, n) + np.repeat(lo, n)

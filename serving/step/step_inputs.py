@@ -166,7 +166,7 @@ class SeatTables:
                     # contiguous prompt tokens (no pads skipped): slices instead of gathers
                     lay = seq.layout
                     v["tokens"][row:row + n] = seq.token_ids[lo:last + 1]
-                    v["q_positions"][row:row + n] = lay.pos[lo:last + 1]
+                    v["q_positions"][row:row + n] = lay.pos_at(slice(lo, last + 1))
                     v["q_window_start"][row:row + n] = lay.win_at(slice(lo, last + 1))
                     off = lay.slot_off_at(slice(lo, last + 1))
                 else:
