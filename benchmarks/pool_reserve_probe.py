@@ -1,17 +1,18 @@
 """Issue 28: does the default KV pool leave XLA the memory the step needs? Starts the rag `ttft`
 engine (fcfs config, position_free, spans warm-up) at a given max_model_len with the default pool,
 warms it up (XLA's rematerialisation warnings, if any, go to stderr), then prints one JSON line:
-the device's memory figures, the pool (blocks, GiB; `share_blocks`: what the old rule, the
-memory share less the reserve alone, would have taken), the reserve it left the step
+the device's memory figures, the pool (blocks, GiB; `xla_blocks`: what kv_pool's XLA-limit
+cap, xla_limit.py, would allow), the reserve it left the step
 (ModelRunner.step_reserve, serving/cache/step_temps.py), the weights, and each compiled step
 variant's memory analysis (temp / argument / output / alias GiB) with its token bucket and plan,
 next to XLA's limit for it by serving/cache/xla_limit.py (`limit_gib`, `limit_bytes`: the figure
 XLA's warning prints) and what XLA's rematerialisation compares with it (`peak_gib`: temp +
-output; `fits`), and the same for the traced programs the pool was sized by (`traced`, at the
-pool's size). `--share-rule` sizes the default pool by the old rule (the A/B).
+every output; `fits`; `peak_unaliased_gib`: temp + the outputs not aliased), and the same for
+the traced programs the pool was sized by (`traced`, at the pool's size). `--xla-rule` turns
+the cap on (kv_pool.CAP_BY_XLA_LIMIT, off by default: the A/B).
 
   PYTHONPATH=. python -m benchmarks.pool_reserve_probe [--max-model-len 40960]
-      [--model tulu3_block_ft] [--num-kv-blocks N] [--share-rule]
+      [--model tulu3_block_ft] [--num-kv-blocks N] [--xla-rule]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def limit_row(limit: int, prog) -> dict:
     return {"limit_gib": round(xla_limit.xla_limit(limit, prog) / GIB, 3),
             "limit_bytes": xla_limit.xla_limit(limit, prog),
             "peak_gib": round(xla_limit.remat_peak(prog) / GIB, 3),
+            "peak_unaliased_gib": round((xla_limit.remat_peak(prog) - prog.alias) / GIB, 3),
             "fits": xla_limit.fits(limit, prog)}
 
 
@@ -42,6 +44,15 @@ def traced_rows(runner, limit: int, per_block: int) -> list:
         rows.append({**{f"{k}_gib": round(getattr(q, k) / GIB, 3)
                         for k in ("temp", "argument", "output", "alias")}, **limit_row(limit, q)})
     return rows
+
+
+def xla_blocks(runner, limit: int, per_block: int):
+    """The most blocks kv_pool's XLA-limit cap allows (None without traced programs)."""
+    from serving.cache.xla_limit import blocks_within_limit
+    progs = getattr(runner, "step_programs", ())
+    if not (limit and progs):
+        return None
+    return min(blocks_within_limit(limit, p, runner.traced_blocks, per_block) for p in progs)
 
 
 def variant_memory(runner, limit: int) -> list:
@@ -72,10 +83,11 @@ def main() -> None:
     p.add_argument("--model", default="tulu3_block_ft")
     p.add_argument("--max-model-len", type=int, default=40960)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--share-rule", action="store_true",
-                   help="the default pool by the old rule (memory share less the reserve only)")
+    p.add_argument("--xla-rule", action="store_true",
+                   help="cap the default pool by XLA's limit (kv_pool.CAP_BY_XLA_LIMIT)")
     a = p.parse_args()
-    share = watch_default_rule(a.share_rule)
+    from serving.cache import kv_pool
+    kv_pool.CAP_BY_XLA_LIMIT = a.xla_rule
     opts = types.SimpleNamespace(model=a.model, dtype="bfloat16", max_num_seqs=64,
                                  max_num_batched_tokens=8192, min_token_bucket=128,
                                  num_kv_blocks=a.num_kv_blocks, attn_impl=None)
@@ -88,27 +100,12 @@ def main() -> None:
     print(json.dumps({
         "max_model_len": a.max_model_len, "device_before": before, "device_after": device_memory(),
         "num_blocks": runner.num_blocks, "pool_gib": round(runner.num_blocks * per_block / GIB, 2),
-        "share_blocks": share.get("blocks"), "rule": "share" if a.share_rule else "xla_limit",
+        "xla_blocks": xla_blocks(runner, limit, per_block), "xla_rule": a.xla_rule,
         "step_reserve_gib": round(getattr(runner, "step_reserve", 0) / GIB, 2),
         "weights_gib": round(weights / GIB, 2), "warmup_s": round(timing["warmup_s"], 1),
         "pool_s": round(runner.startup.get("pool_s", 0.0), 2),
         "traced": traced_rows(runner, limit, per_block) if limit else [],
         "variants": variant_memory(runner, limit)}), flush=True)
-
-
-def watch_default_rule(share_rule: bool) -> dict:
-    """Records the old rule's block count (kv_pool.default_num_blocks without the step programs)
-    into the returned dict; with `share_rule` the engine's default pool takes it."""
-    from serving.cache import kv_pool
-    seen: dict = {}
-    rule = kv_pool.default_num_blocks
-
-    def default_num_blocks(config, mcfg, dtype, reserve_bytes=0, programs=(), traced_blocks=0):
-        seen["blocks"] = rule(config, mcfg, dtype, reserve_bytes)
-        return seen["blocks"] if share_rule else rule(config, mcfg, dtype, reserve_bytes,
-                                                       programs, traced_blocks)
-    kv_pool.default_num_blocks = default_num_blocks
-    return seen
 
 
 if __name__ == "__main__":

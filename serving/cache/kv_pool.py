@@ -12,6 +12,11 @@ from serving.cache.xla_limit import blocks_within_limit
 from serving.config import Config
 
 
+# Cap the default pool by XLA's limit (xla_limit.py) too? Off: the one device measurement
+# (H100, jaxlib 0.11.2, max_model_len 40,960: 0 warnings where the bytes_limit-based formula
+# predicts a 5.5 GiB overshoot) says XLA's base or its output count differs from the source
+# read; benchmarks/pool_reserve_probe.py --xla-rule turns it on for the A/B.
+CAP_BY_XLA_LIMIT = False
 PAGE_FIELDS = ("k", "v")  # the model contract: a family's cache keeps its KV pages in k and v
 
 
@@ -50,9 +55,8 @@ def default_num_blocks(config: Config, mcfg, dtype, reserve_bytes: int = 0,
     ModelRunner passes step_temps.step_reserve, the traced peak of the top token bucket's
     step variants) and a span store's staging memory (kv_store_staging_gb, when kv_store_dir
     is set); and no more than every step program in `programs` (xla_limit.ProgramBytes,
-    traced with a pool of `traced_blocks`) leaves under XLA's own memory limit, which counts
-    the donated pool twice (xla_limit.py), so XLA is never left to rematerialise a step it
-    thinks cannot fit. Without memory stats (CPU), enough for max_num_seqs full sequences,
+    traced with a pool of `traced_blocks`; size_pool passes them only with CAP_BY_XLA_LIMIT)
+    leaves under XLA's memory limit as xla_limit.py reads it from XLA's source. Without memory stats (CPU), enough for max_num_seqs full sequences,
     at most 4096."""
     per_block = block_bytes(config, mcfg, dtype)
     want = config.max_num_seqs * config.max_blocks_per_seq
@@ -124,11 +128,11 @@ def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
     """(cache, num_blocks, step reserve bytes) of a ModelRunner whose step is set up: an
     explicit `Config.num_kv_blocks` as given (a ValueError when it does not fit); a default one
     sized again now that the weights are placed (fused or sharded), less the step's
-    temporaries and within XLA's limit for every traced step program (step_temps.step_programs
-    with `step`, the runner's (args of, body) functions, traced over an abstract pool of
-    `num_blocks`: about a second per variant at the 8B shape; only where the device reports a
-    memory limit and without tensor parallelism), then shrunk by allocate_pool until it
-    fits."""
+    temporaries (step_temps.step_programs with `step`, the runner's (args of, body)
+    functions, traced over an abstract pool of `num_blocks`: about a second per variant at the
+    8B shape; only where the device reports a memory limit and without tensor parallelism; with
+    CAP_BY_XLA_LIMIT also within XLA's limit for each), then shrunk by allocate_pool until it
+    fits. The traced programs stay on the runner (`step_programs`, `traced_blocks`)."""
     config, reserve, programs = runner.config, 0, ()
     if config.num_kv_blocks is None:
         if runner.mesh is None and "bytes_limit" in device_memory():
@@ -136,7 +140,8 @@ def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
             programs = tuple(step_programs(runner, *step, runner._step.donate_argnums))
             reserve = max((p.temp for p in programs), default=0)
         traced, num_blocks = num_blocks, default_num_blocks(
-            config, mcfg, runner.cache_dtype, reserve, programs, num_blocks)
+            config, mcfg, runner.cache_dtype, reserve,
+            programs if CAP_BY_XLA_LIMIT else (), num_blocks)
         runner.num_blocks = num_blocks
         runner.step_programs = programs  # the probe (benchmarks/pool_reserve_probe.py) reads them
         runner.traced_blocks = traced

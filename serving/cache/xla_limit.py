@@ -18,6 +18,14 @@ How XLA (jaxlib 0.11.2) gets the limit it warns about:
 So the donated KV pool counts twice (in io as a parameter, then as an output): a program fits
 when temp + output <= slop% of (bytes_limit - argument - output + alias), and each pool block
 costs (1 + slop%) of its bytes against the limit.
+
+Not confirmed on a device: the one measurement (H100, 2026-12-05, benchmarks/
+pool_reserve_probe.py at max_model_len 40,960, bytes_limit 59.38 GiB, pool 21.13 GiB) compiled
+18 variants without a warning, where this reading gives the top one a 22.13 GiB limit against a
+27.64 GiB peak; and with 14.96 GiB of weights among the arguments it can never give the 43.35
+GiB the H100 ttft engine warned about (slop% of bytes_limit - weights is 42.4 GiB). XLA's base
+is larger than bytes_limit there (the card's total fits both runs) or the aliased outputs are
+not counted; kv_pool.CAP_BY_XLA_LIMIT stays off until the probe's VLOG run says which.
 """
 
 from __future__ import annotations
