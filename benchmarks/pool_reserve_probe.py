@@ -7,7 +7,8 @@ cap, xla_limit.py, would allow), the reserve it left the step
 variant's memory analysis (temp / argument / output / alias GiB) with its token bucket and plan,
 next to XLA's limit for it by serving/cache/xla_limit.py (`limit_gib`, `limit_bytes`: the figure
 XLA's warning prints) and what XLA's rematerialisation compares with it (`peak_gib`: temp +
-every output; `fits`; `peak_unaliased_gib`: temp + the outputs not aliased), and the same for
+the arguments not aliased + every output; `fits`; temp is XLA's after its rematerialisation, so
+a variant XLA had to cut shows as just fitting), and the same for
 the traced programs the pool was sized by (`traced`, at the pool's size). `--xla-rule` turns
 the cap on (kv_pool.CAP_BY_XLA_LIMIT, off by default: the A/B).
 
@@ -30,7 +31,6 @@ def limit_row(limit: int, prog) -> dict:
     return {"limit_gib": round(xla_limit.xla_limit(limit, prog) / GIB, 3),
             "limit_bytes": xla_limit.xla_limit(limit, prog),
             "peak_gib": round(xla_limit.remat_peak(prog) / GIB, 3),
-            "peak_unaliased_gib": round((xla_limit.remat_peak(prog) - prog.alias) / GIB, 3),
             "fits": xla_limit.fits(limit, prog)}
 
 

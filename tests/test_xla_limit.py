@@ -1,6 +1,7 @@
 """serving/cache/xla_limit.py: XLA's memory limit for a GPU step program (the base JAX passes,
-the arguments and outputs it subtracts, the donated pool rematerialisation counts again), and the
-most KV blocks that keep a program under it."""
+the arguments and outputs it subtracts, the aliased outputs it adds back) and the peak it holds
+to it (the weights counted again), checked against the device's figures; and the most KV blocks
+that keep a program under it."""
 
 import jax
 import jax.numpy as jnp
@@ -41,5 +42,25 @@ def test_program_bytes_counts_what_xla_counts():
     assert got.argument == mem.argument_size_in_bytes
     assert got.alias == mem.alias_size_in_bytes == 1000 * 64 * 4
     assert 0 <= mem.output_size_in_bytes - got.output <= 64
-    assert remat_peak(got) == got.temp + got.output
-    assert xla_limit(GIB, got) == (GIB - got.argument - got.output + got.alias) * 95 // 100
+    assert remat_peak(got) == got.temp + got.argument - got.alias + got.output
+    assert xla_limit(GIB, got) == \
+        (GIB - got.argument - got.output + got.alias) * 95 // 100 + got.alias
+
+
+def test_the_device_figures_follow_from_the_formula():
+    """H100 (jaxlib 0.11.2, bytes_limit 63,763,906,560 = 75% of the card), the probe's top
+    step at max_model_len 40,960: XLA's VLOG said limit 43.26 GiB, adjusted for the 21.13 GiB
+    of outputs 22.13 GiB, peak 47.85 GiB (entry 26.73 = 14.96 GiB of weights + 11.77 of
+    temporaries). The two warnings on record (the ttft engine at max_model_len 33,792, pool by
+    the share rule: 0.8 of bytes_limit less the weights less the ~9 GiB reserve): 43.35 GiB on
+    the H100, 88.83 GiB on the H200 (143,771 MiB card)."""
+    weights = int(14.9575 * GIB)
+    pool = int(21.129 * GIB)
+    top = ProgramBytes(temp=int(11.77 * GIB), argument=weights + pool, output=pool, alias=pool)
+    assert abs(xla_limit(63763906560, top) / GIB - 43.26) < 0.01
+    assert abs((xla_limit(63763906560, top) - top.output) / GIB - 22.13) < 0.01
+    assert abs(remat_peak(top) / GIB - 47.85) < 0.01 and not fits(63763906560, top)
+    for bytes_limit, warned in ((63763906560, 43.35), (int(0.75 * 143771 * 2**20), 88.83)):
+        pool = int(0.8 * bytes_limit) - weights - int(8.95 * GIB)
+        prog = ProgramBytes(temp=0, argument=weights + pool, output=pool, alias=pool)
+        assert abs(xla_limit(bytes_limit, prog) / GIB - warned) < 0.05

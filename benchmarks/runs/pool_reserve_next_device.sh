@@ -8,13 +8,12 @@
 # benchmarks/pool_reserve_probe.py's JSON: device memory (bytes_limit is XLA's base), pool
 # blocks/GiB, the XLA-limit cap's blocks (xla_blocks), the step reserve, weights, and each variant's
 # compiled memory analysis next to serving/cache/xla_limit.py's limit for it (limit_bytes: the
-# figure the warning prints) and the peak XLA compares (peak_gib = temp + output; fits).
-# What it decides: whether XLA's limit is xla_limit.py's (base = bytes_limit, every output
-# counted): the VLOG'd "memory limit of X" per compile against the variants' limit_gib, and the
-# VLOG'd "Peak memory usage of module" against peak_gib / peak_unaliased_gib. Measured before
-# (H100, 2026-12-05, this probe at 40,960, cap off): 0 warnings, bytes_limit 59.38 GiB, pool
-# 21.13 GiB, top variant temp 6.51 + arguments 36.09 + outputs 21.13 (aliased 21.13): the
-# formula gives a 22.13 GiB limit against a 27.64 GiB peak, so it over-counts. XLA_RULE=1 turns
+# figure the warning prints) and the peak XLA compares (peak_gib = temp + weights + outputs; fits).
+# What to compare: the VLOG'd "memory limit of X" of each step compile against the variants'
+# limit_gib, and "Peak memory usage of module (before)" against the traced peaks (`traced`).
+# Measured (H100, 2026-12-05, cap off, max_model_len 40,960): 0 warnings but XLA
+# rematerialised the top step (limit 43.26 GiB = xla_limit.py's, peak 47.85 -> under 43.26):
+# pool 21.13 GiB, weights 14.96, XLA's temporaries 11.77 GiB before, 6.51 after. XLA_RULE=1 turns
 # kv_pool.CAP_BY_XLA_LIMIT on (the A/B); BLOCKS=<n> starts the engine with an explicit pool.
 # $OUT/pool_reserve${TAG}.txt. CPU check: JAX_PLATFORMS=cpu MODEL=tiny_llama OUT=/tmp/x bash <this>
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1

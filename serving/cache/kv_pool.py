@@ -12,10 +12,10 @@ from serving.cache.xla_limit import blocks_within_limit
 from serving.config import Config
 
 
-# Cap the default pool by XLA's limit (xla_limit.py) too? Off: the one device measurement
-# (H100, jaxlib 0.11.2, max_model_len 40,960: 0 warnings where the bytes_limit-based formula
-# predicts a 5.5 GiB overshoot) says XLA's base or its output count differs from the source
-# read; benchmarks/pool_reserve_probe.py --xla-rule turns it on for the A/B.
+# Cap the default pool by XLA's limit (xla_limit.py) too? Off for now: the cap shrinks the
+# H100 pool at max_model_len 40,960 from 21.1 to ~17.3 GiB (XLA counts the weights twice), and
+# sized with the traced temporaries (10.8 GiB there, XLA's own 11.8) it may still leave XLA a
+# little to rematerialise; benchmarks/pool_reserve_probe.py --xla-rule is the A/B that decides.
 CAP_BY_XLA_LIMIT = False
 PAGE_FIELDS = ("k", "v")  # the model contract: a family's cache keeps its KV pages in k and v
 
