@@ -59,3 +59,38 @@ def test_default_pool_leaves_the_traced_step_its_temporaries(monkeypatch):
     assert runner.step_reserve >= cfg.seq_bucket(128) * mcfg.vocab_size * 4
     assert runner.num_blocks == int((limit * 0.5 - runner.step_reserve) // per_block)
 
+
+def test_xla_limit_cap_keeps_every_step_program_under_the_limit(monkeypatch):
+    """Issue 28, kv_pool.CAP_BY_XLA_LIMIT (off by default, see there): XLA's rematerialisation
+    holds each step program to slop% of (bytes_limit - arguments - outputs + aliased) plus the
+    aliased bytes, against its temporaries, weights and outputs (serving/cache/xla_limit.py).
+    With the cap, the default pool leaves every top-bucket program under that limit when
+    traced again with the pool as allocated, and one block more does not; the share rule alone
+    (all of 64 MiB less the reserve) takes more blocks than fit."""
+    import types
+    from minipic_jax.models import llama
+    from serving.cache import step_temps, xla_limit
+    from serving.step.model_runner import ModelRunner
+    mcfg = get_preset("tiny_llama")
+    cfg = Config(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, block_size=16,
+                 min_token_bucket=128, gpu_memory_utilization=1.0)
+    params = llama.init_params(mcfg, jax.random.PRNGKey(0), jnp.bfloat16)
+    loaded = types.SimpleNamespace(cfg=mcfg, params=params, family=llama, tokenizer=None)
+    limit = 64 << 20
+    monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": limit})
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Device(limit)])
+    monkeypatch.setattr(kv_pool, "CAP_BY_XLA_LIMIT", True)
+    runner = ModelRunner(cfg, loaded, 2, jnp.bfloat16)
+    share = int((limit * 1.0 - runner.step_reserve) // kv_pool.block_bytes(cfg, mcfg,
+                                                                           jnp.bfloat16))
+    assert runner.num_blocks < share  # XLA's limit binds here, not the share
+    programs = step_temps.step_programs(runner, runner._args, runner._step_impl,
+                                        runner._step.donate_argnums)
+    pool_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.cache))
+    assert programs and all(p.alias >= pool_bytes for p in programs)  # the donated pool
+    assert all(xla_limit.fits(limit, p) for p in programs)
+    # the largest such pool: one block more and some program no longer fits
+    more = [xla_limit.ProgramBytes(p.temp, *(x + kv_pool.block_bytes(cfg, mcfg, jnp.bfloat16)
+                                             for x in (p.argument, p.output, p.alias)))
+            for p in programs]
+    assert not all(xla_limit.fits(limit, p) for p in more)

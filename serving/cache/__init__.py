@@ -10,6 +10,7 @@
   run_memo.py       cached span runs found whole at admission (block stamps prove them unchanged)
   kv_pool.py        how many KV blocks fit the device, and what one costs in bytes
   step_temps.py     the step's peak temporaries, estimated from its jaxpr (the pool leaves them)
+  xla_limit.py      XLA's memory limit for a step program, and the most blocks that keep under it
   page_zeroing.py   pages handed out for new content zeroed on device (request isolation)
   span_jobs.py      isps span jobs: span-only prefills of a waiting request's spans
 """

@@ -7,10 +7,16 @@ import gc
 import jax
 import numpy as np
 
-from serving.cache.step_temps import step_reserve
+from serving.cache.step_temps import step_programs
+from serving.cache.xla_limit import blocks_within_limit
 from serving.config import Config
 
 
+# Cap the default pool by XLA's limit (xla_limit.py) too? Off for now: the cap shrinks the
+# H100 pool at max_model_len 40,960 from 21.1 to ~17.3 GiB (XLA counts the weights twice), and
+# sized with the traced temporaries (10.8 GiB there, XLA's own 11.8) it may still leave XLA a
+# little to rematerialise; benchmarks/pool_reserve_probe.py --xla-rule is the A/B that decides.
+CAP_BY_XLA_LIMIT = False
 PAGE_FIELDS = ("k", "v")  # the model contract: a family's cache keeps its KV pages in k and v
 
 
@@ -33,17 +39,26 @@ def page_mask(cache, num_pages: int, block_size: int) -> list[bool]:
     return out
 
 
-def default_num_blocks(config: Config, mcfg, dtype, reserve_bytes: int = 0) -> int:
-    """Blocks for `Config.num_kv_blocks=None`: gpu_memory_utilization of the device's memory
-    limit less what is in use (K and V of every paged layer per token: a hybrid model's
-    recurrent layers keep no pages), less `reserve_bytes` (the engine step's temporaries:
-    ModelRunner passes step_temps.step_reserve, the traced peak of the top token bucket's
-    step variants, so XLA is not left to rematerialise a step that cannot fit) and a span
-    store's staging memory (kv_store_staging_gb, when kv_store_dir is set); without memory
-    stats (CPU), enough for max_num_seqs full sequences, at most 4096."""
-    # per device: under tensor parallelism each holds its KV heads only (at least one)
+def block_bytes(config: Config, mcfg, dtype) -> int:
+    """Device bytes of one KV block: K and V of every paged layer (a hybrid model's recurrent
+    layers keep no pages); under tensor parallelism each device holds its KV heads only (at
+    least one)."""
     heads = max(mcfg.num_kv_heads // config.tensor_parallel_size, 1)
     per_token = 2 * mcfg.num_kv_layers * heads * mcfg.head_dim * np.dtype(dtype).itemsize
+    return per_token * config.block_size
+
+
+def default_num_blocks(config: Config, mcfg, dtype, reserve_bytes: int = 0,
+                       programs: tuple = (), traced_blocks: int = 0) -> int:
+    """Blocks for `Config.num_kv_blocks=None`: gpu_memory_utilization of the device's memory
+    limit less what is in use, less `reserve_bytes` (the engine step's temporaries:
+    ModelRunner passes step_temps.step_reserve, the traced peak of the top token bucket's
+    step variants) and a span store's staging memory (kv_store_staging_gb, when kv_store_dir
+    is set); and no more than every step program in `programs` (xla_limit.ProgramBytes,
+    traced with a pool of `traced_blocks`; size_pool passes them only with CAP_BY_XLA_LIMIT)
+    leaves under XLA's memory limit as xla_limit.py reads it from XLA's source. Without memory stats (CPU), enough for max_num_seqs full sequences,
+    at most 4096."""
+    per_block = block_bytes(config, mcfg, dtype)
     want = config.max_num_seqs * config.max_blocks_per_seq
     gc.collect()  # an engine dropped earlier (jitted methods make cycles) still holds its pool
     stats = device_memory()
@@ -52,7 +67,11 @@ def default_num_blocks(config: Config, mcfg, dtype, reserve_bytes: int = 0) -> i
         free -= reserve_bytes
         if config.kv_store.dir is not None:
             free -= staging_bytes(config)
-        return max(2, int(free // (per_token * config.block_size)))
+        blocks = int(free // per_block)
+        for prog in programs:
+            blocks = min(blocks, blocks_within_limit(stats["bytes_limit"], prog, traced_blocks,
+                                                     per_block))
+        return max(2, blocks)
     return max(2, min(want, 4096))
 
 
@@ -109,17 +128,23 @@ def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
     """(cache, num_blocks, step reserve bytes) of a ModelRunner whose step is set up: an
     explicit `Config.num_kv_blocks` as given (a ValueError when it does not fit); a default one
     sized again now that the weights are placed (fused or sharded), less the step's
-    temporaries (step_temps.step_reserve with `step`, the runner's (args of, body) functions,
-    traced over an abstract pool of `num_blocks`: about a second per variant at the 8B shape;
-    only where the device reports a memory limit and without tensor parallelism), then shrunk
-    by allocate_pool until it fits."""
-    config, reserve = runner.config, 0
+    temporaries (step_temps.step_programs with `step`, the runner's (args of, body)
+    functions, traced over an abstract pool of `num_blocks`: about a second per variant at the
+    8B shape; only where the device reports a memory limit and without tensor parallelism; with
+    CAP_BY_XLA_LIMIT also within XLA's limit for each), then shrunk by allocate_pool until it
+    fits. The traced programs stay on the runner (`step_programs`, `traced_blocks`)."""
+    config, reserve, programs = runner.config, 0, ()
     if config.num_kv_blocks is None:
         if runner.mesh is None and "bytes_limit" in device_memory():
             runner.cache = jax.eval_shape(lambda: make_cache(num_blocks))  # traced only
-            reserve = step_reserve(runner, *step)
-        num_blocks = default_num_blocks(config, mcfg, runner.cache_dtype, reserve)
+            programs = tuple(step_programs(runner, *step, runner._step.donate_argnums))
+            reserve = max((p.temp for p in programs), default=0)
+        traced, num_blocks = num_blocks, default_num_blocks(
+            config, mcfg, runner.cache_dtype, reserve,
+            programs if CAP_BY_XLA_LIMIT else (), num_blocks)
         runner.num_blocks = num_blocks
+        runner.step_programs = programs  # the probe (benchmarks/pool_reserve_probe.py) reads them
+        runner.traced_blocks = traced
     cache, num_blocks = allocate_pool(make_cache, num_blocks,
                                       may_shrink=config.num_kv_blocks is None)
     return cache, num_blocks, reserve

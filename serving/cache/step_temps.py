@@ -22,6 +22,8 @@ import jax
 import numpy as np
 from jax.extend import core
 
+from serving.cache.xla_limit import ProgramBytes
+
 KERNELS = frozenset({"pallas_call", "mpmd_map"})  # kernel calls: bodies not entered
 # elementwise and layout ops XLA fuses into their readers' loops (a value one of them makes for
 # readers of this set only is never a buffer of its own)
@@ -122,21 +124,51 @@ def _liveness(jaxpr):
     return last_use, fused
 
 
-def step_reserve(runner, args_of, step_fn) -> int:
-    """Bytes to leave free for the engine step's temporaries: the largest `peak_bytes` over the
-    top token bucket's general variants (runner.warmup_steps(); args_of(ints, floats, use_prev,
-    kw) and step_fn(*args, **kw) are the runner's own; every attention plan it readies,
-    the overflow plan included), traced from runner.cache as it stands (an abstract pool is
-    enough: writes into the pool take its buffers). Smaller buckets hold no more (their
-    largest buffers are per-sequence tables, or scale with the bucket)."""
+def program_bytes(jaxpr, donated) -> ProgramBytes:
+    """A traced program's bytes as XLA will count them (serving/cache/xla_limit.py): `peak_bytes`
+    as its temporaries, its inputs as arguments, its outputs, and as aliased the outputs that
+    take a donated input's buffer (`donated`: per flat input; JAX gives each output the first
+    unused donated input of the same shape and dtype, in order)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    free: dict = {}  # (shape, dtype) -> donated inputs not yet taken
+    for v, d in zip(jaxpr.invars, donated):
+        if d:
+            key = (tuple(v.aval.shape), np.dtype(v.aval.dtype))
+            free[key] = free.get(key, 0) + 1
+    alias = 0
+    for v in jaxpr.outvars:
+        key = (tuple(getattr(v.aval, "shape", ())), np.dtype(getattr(v.aval, "dtype", "int8")))
+        if free.get(key):
+            free[key] -= 1
+            alias += nbytes(v.aval)
+    return ProgramBytes(temp=peak_bytes(jaxpr), alias=alias,
+                        argument=sum(nbytes(v.aval) for v in jaxpr.invars),
+                        output=sum(nbytes(v.aval) for v in jaxpr.outvars))
+
+
+def step_programs(runner, args_of, step_fn, donate_argnums=()) -> list:
+    """`program_bytes` of the top token bucket's general variants (runner.warmup_steps();
+    args_of(ints, floats, use_prev, kw) and step_fn(*args, **kw) are the runner's own; every
+    attention plan it readies, the overflow plan included), traced from runner.cache as it
+    stands (an abstract pool is enough: writes into the pool take its buffers), the arguments
+    at `donate_argnums` donated. Smaller buckets hold no more (their largest buffers are
+    per-sequence tables, or scale with the bucket)."""
     top = runner.config.token_buckets[-1]
-    peak = 0
+    out = []
     for ints, floats, kw in runner.warmup_steps():
         if kw["t"] != top or kw["decode_only"]:
             continue
         args = list(args_of(ints, floats, False, kw))
         args[2] = jax.ShapeDtypeStruct(ints.shape, ints.dtype)
         args[3] = jax.ShapeDtypeStruct(floats.shape, floats.dtype)
+        donated = [i in donate_argnums for i, a in enumerate(args)
+                   for _ in jax.tree.leaves(a)]
         jaxpr = jax.make_jaxpr(lambda *a, kw=kw: step_fn(*a, **kw))(*args)
-        peak = max(peak, peak_bytes(jaxpr))
-    return peak
+        out.append(program_bytes(jaxpr, donated))
+    return out
+
+
+def step_reserve(runner, args_of, step_fn) -> int:
+    """Bytes to leave free for the engine step's temporaries: the largest `peak_bytes` over
+    `step_programs` (the top token bucket's general variants)."""
+    return max((p.temp for p in step_programs(runner, args_of, step_fn)), default=0)

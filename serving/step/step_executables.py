@@ -45,6 +45,7 @@ class StepExecutables:
         self._defaults = tuple(p.default for p in inspect.signature(fun).parameters.values()
                                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self.compiler_options = dict(compiler_options or {})
+        self.donate_argnums = tuple(donate_argnums)  # kv_pool.size_pool: what XLA aliases
         # the options on the jit too: the plain-jit fallback of __call__ compiles with them
         self.jitted = jax.jit(fun, donate_argnums=donate_argnums,
                               static_argnames=tuple(n for n, _ in self._static),
