@@ -1,0 +1,39 @@
+#!/bin/bash
+# The next device session's calls, in order (each one `run` call, <= 9.5 min; session 18 got none of
+# them: the machines did not start). Each prints a short table last; raw files under $OUT.
+#   T  the compiled kernel tests of every kernel changed since its last GPU run (~2.5 min): the chain
+#      kernel's bf16 presets failed on the H100 (fixed in d2247e8, not re-run)
+#   A  T + issue 27's decode before/after (2 rounds alternating; carry .dev1/before.tgz = git archive
+#      8e11161) + issue 29's composition cost if time is left
+#   B  issue 27's RAG before/after (rotated vs fcfs, 40 requests; carry .dev1/before.tgz)
+#   C  issue 28: the paged-keys sweep (compiled tests first) + the pool cap A/B at 40,960 (XLA_RULE=1)
+#   D  issue 28: TTFT through LLM.generate (today's host path and resident tables), then issue 29's span
+#      request (hybrid_spans) if time is left
+#   E  issue 29: the GDN Mosaic kernels and the engine A/B (carry .whl: fla_core, einops)
+# usage: OUT=$OUT bash benchmarks/runs/next_device.sh A
+set -u; T0=$SECONDS; export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+left() { echo $((${1} - SECONDS + T0)); }
+compiled_tests() {
+  MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD timeout 200 \
+    python3 -m pytest -q -o addopts= -p no:cacheprovider -n 8 -rfE tests/test_paged_attention*.py \
+    tests/test_gated_delta*.py tests/test_chain_compose_kernel.py tests/test_kernel_registry.py \
+    tests/test_kernel_entry_points.py tests/test_block_table_array.py > "$OUT/compiled_tests.txt" 2>&1
+  echo "compiled tests rc=$? t=$((SECONDS-T0)) s"
+  grep -E "^(FAILED|ERROR) " "$OUT/compiled_tests.txt" | cut -c1-200 | head -20; tail -1 "$OUT/compiled_tests.txt"
+}
+case "${1:-T}" in
+T) compiled_tests;;
+A) compiled_tests
+   ROUNDS=2 BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_next_device.sh engine 2>&1 \
+     | grep -v "^W1\|bfc_allocator\|^If this\|^Current alloc" | tail -24
+   L=$(left 570); [ "$L" -gt 200 ] && RAG_LIMIT=$((L - 140)) bash benchmarks/runs/compose_next_device.sh 2>&1 | tail -30;;
+B) BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_next_device.sh rag 2>&1 | tail -30;;
+C) bash benchmarks/runs/kernel_prefill_paged_next_device.sh 2>&1 | tail -40
+   L=$(left 570); [ "$L" -gt 150 ] && XLA_RULE=1 LIMIT=$((L - 20)) bash benchmarks/runs/pool_reserve_next_device.sh 2>&1 | tail -30;;
+D) LIMIT_XLA=200 LIMIT_ON=1 bash benchmarks/runs/ttft_next_device.sh 2>&1 | tail -30
+   L=$(left 570); [ "$L" -gt 160 ] && bash benchmarks/runs/hybrid_spans_next_device.sh 2>&1 | tail -20;;
+E) bash benchmarks/runs/gdn_mosaic_next_device.sh 2>&1 | tail -30
+   bash benchmarks/runs/gdn_mosaic_engine_next_device.sh 2>&1 | tail -20;;
+*) echo "usage: $0 T|A|B|C|D|E"; exit 2;;
+esac
+echo "== total t=$((SECONDS-T0)) s"
