@@ -40,9 +40,10 @@ def traced_rows(runner, limit: int, per_block: int) -> list:
     extra = (runner.num_blocks - getattr(runner, "traced_blocks", 0)) * per_block
     rows = []
     for p in getattr(runner, "step_programs", ()):
-        q = ProgramBytes(p.temp, p.argument + extra, p.output + extra, p.alias + extra)
-        rows.append({**{f"{k}_gib": round(getattr(q, k) / GIB, 3)
-                        for k in ("temp", "argument", "output", "alias")}, **limit_row(limit, q)})
+        moved = ProgramBytes(p.temp, p.argument + extra, p.output + extra, p.alias + extra)
+        rows.append({**{f"{k}_gib": round(getattr(moved, k) / GIB, 3)
+                        for k in ("temp", "argument", "output", "alias")},
+                     **limit_row(limit, moved)})
     return rows
 
 
