@@ -133,8 +133,9 @@ def make_llm(args, counter: CompileCounter):
     return llm, startup
 
 
-def span_calls(llm, args, counter: CompileCounter) -> dict:
-    """Calls a-g (module doc) on the started engine: name -> row."""
+def span_calls(llm, args, counter: CompileCounter, on_row=None) -> dict:
+    """Calls a-g (module doc) on the started engine: name -> row; `on_row(key, row)` after each
+    (a run cut off by its time limit still shows the calls it made)."""
     from minipic_jax import SamplingParams
     from minipic_jax.prompts import Prompt, Span
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -161,9 +162,12 @@ def span_calls(llm, args, counter: CompileCounter) -> dict:
     second = cold()
     prompts = {"a": [Prompt(ids(total))], "b": first, "c": reordered(first), "d": second,
                "e": reordered(second), "f": [Prompt(ids(total))]}
+    on_row = on_row or (lambda key, row: None)
     for key, _ in CALLS[:-1]:
         rows[key] = timed_generate(llm, prompts[key], sp, counter)
+        on_row(key, rows[key])
     rows["g"] = long_span_call(llm, args, counter, sp, ids)
+    on_row("g", rows["g"])
     return rows
 
 
@@ -201,7 +205,7 @@ def goal_lines(rows: dict) -> list[dict]:
     return goals
 
 
-def print_report(args, startup: dict, rows: dict, goals: list[dict]) -> None:
+def print_startup(args, startup: dict) -> None:
     print(f"hybrid-spans: {args.model} {args.dtype}, [Prompt({args.system_tokens}), "
           f"Span({args.span_tokens}) x {args.spans}, Prompt({args.question_tokens})], "
           f"max_tokens={args.max_tokens}; engine {startup['engine_options']}")
@@ -210,31 +214,41 @@ def print_report(args, startup: dict, rows: dict, goals: list[dict]) -> None:
           f"compiles at start {startup['xla_compiles_at_start']}, cache loads "
           f"{startup['xla_cache_loads_at_start']})")
     print(f"{'call':<16} {'wall_ms':>10} {'prompt':>7} {'cached':>7} {'steps_c':>7} "
-          f"{'xla_c':>6} {'xla_ld':>6}")
-    for key, name in CALLS:
-        r = rows[key]
-        if not r["accepted"]:
-            print(f"{key} {name:<14} not accepted: {r['error']}")
-            continue
-        print(f"{key} {name:<14} {r['wall_ms']:10.1f} {r['prompt_tokens']:7d} "
-              f"{r['cached_tokens']:7d} {r['step_compiles']:7d} {r['xla_compiles']:6d} "
-              f"{r['xla_cache_loads']:6d}")
-    for g in goals:
-        print(f"goal {'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}")
+          f"{'xla_c':>6} {'xla_ld':>6}", flush=True)
+
+
+def print_row(key: str, r: dict) -> None:
+    name = dict(CALLS)[key]
+    if not r["accepted"]:
+        print(f"{key} {name:<14} not accepted: {r['error']}", flush=True)
+        return
+    print(f"{key} {name:<14} {r['wall_ms']:10.1f} {r['prompt_tokens']:7d} "
+          f"{r['cached_tokens']:7d} {r['step_compiles']:7d} {r['xla_compiles']:6d} "
+          f"{r['xla_cache_loads']:6d}", flush=True)
 
 
 def run(args) -> int:
     counter = CompileCounter()
     llm, startup = make_llm(args, counter)
-    rows = span_calls(llm, args, counter)
-    goals = goal_lines(rows)
-    print_report(args, startup, rows, goals)
-    if args.json:
-        result = {"model": args.model, "dtype": args.dtype, "startup": startup,
-                  "request": {k: getattr(args, k) for k in (
-                      "system_tokens", "spans", "span_tokens", "question_tokens",
-                      "long_span_tokens", "max_tokens", "seed")},
-                  "rows": {f"{k} {name}": rows[k] for k, name in CALLS}, "goals": goals}
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    print_startup(args, startup)
+    result = {"model": args.model, "dtype": args.dtype, "startup": startup,
+              "request": {k: getattr(args, k) for k in (
+                  "system_tokens", "spans", "span_tokens", "question_tokens",
+                  "long_span_tokens", "max_tokens", "seed")}, "rows": {}}
+
+    def on_row(key, row):
+        print_row(key, row)
+        result["rows"][f"{key} {dict(CALLS)[key]}"] = row
+        write_json(args.json, result)  # after every call: a cut-off run keeps what it measured
+    rows = span_calls(llm, args, counter, on_row)
+    result["goals"] = goal_lines(rows)
+    for g in result["goals"]:
+        print(f"goal {'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}")
+    write_json(args.json, result)
     return 0
+
+
+def write_json(path, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
