@@ -65,19 +65,21 @@ def add_parser(p) -> None:
 
 
 class CompileCounter:
-    """XLA backend compiles and persistent-cache loads seen through jax.monitoring. The
-    listeners are registered once per process (jax has no public way to remove them); `read()`
-    gives the totals so far, callers take differences."""
+    """XLA backend compiles and persistent-cache loads seen through jax.monitoring. JAX times
+    its compile-or-load call as "backend_compile_duration", so a cache load fires that event
+    too: compiles are those events less the cache hits. The listeners are registered once per
+    process (jax has no public way to remove them); `read()` gives the totals so far, callers
+    take differences."""
     _totals: dict | None = None
 
     def __init__(self):
         if CompileCounter._totals is None:
             from jax import monitoring
-            totals = CompileCounter._totals = {"xla_compiles": 0, "xla_cache_loads": 0}
+            totals = CompileCounter._totals = {"xla_programs": 0, "xla_cache_loads": 0}
 
             def on_duration(name, *a, **k):
                 if name == "/jax/core/compile/backend_compile_duration":
-                    totals["xla_compiles"] += 1
+                    totals["xla_programs"] += 1  # compiled or loaded from the cache
 
             def on_event(name, *a, **k):
                 if name == "/jax/compilation_cache/cache_hits":
@@ -87,7 +89,9 @@ class CompileCounter:
 
     def read(self, llm=None) -> dict:
         """The totals, with the step variants the engine compiled and loaded when `llm`."""
-        out = dict(CompileCounter._totals)
+        totals = CompileCounter._totals
+        out = {"xla_compiles": totals["xla_programs"] - totals["xla_cache_loads"],
+               "xla_cache_loads": totals["xla_cache_loads"]}
         if llm is not None:
             counts = llm.llm_engine.runner._step.counts
             out["step_compiles"] = counts["compiled"] + counts["loaded"]

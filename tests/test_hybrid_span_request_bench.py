@@ -60,3 +60,21 @@ def test_a_compile_during_a_call_is_counted():
     assert row["xla_compiles"] + row["xla_cache_loads"] >= 1
     again = bench.timed_generate(llm, [Prompt(list(range(70, 120)))], sp, counter)
     assert again["compiles"] == 0
+
+
+def test_a_program_loaded_from_the_persistent_cache_is_a_load_not_a_compile():
+    """JAX fires its backend-compile event for a persistent-cache load too: the counter tells
+    them apart (the suite's compilation cache is on, every compile written: tests/conftest.py)."""
+    import jax
+    import jax.numpy as jnp
+    counter = bench.CompileCounter()
+    x = jnp.ones((7, 13), jnp.float32)
+    c0 = counter.read()
+    jax.jit(lambda v: v * 3.0 + 1.0)(x).block_until_ready()  # compiled, or loaded on a rerun
+    c1 = counter.read()
+    assert (c1["xla_compiles"] - c0["xla_compiles"]) + (
+        c1["xla_cache_loads"] - c0["xla_cache_loads"]) == 1
+    jax.jit(lambda v: v * 3.0 + 1.0)(x).block_until_ready()  # a new function: the same program
+    c2 = counter.read()
+    assert c2["xla_compiles"] == c1["xla_compiles"]
+    assert c2["xla_cache_loads"] == c1["xla_cache_loads"] + 1
