@@ -1,5 +1,6 @@
 """minipic-bench: cli.py and one module per subcommand (`attention`, `engine`, `gdn`, `planner`,
-`hybrid-cache`, `hybrid-step`, `rag`, `route`, `write-kv`, `train`, `block-ft`, `rl`, `cpu-vs-hf`);
+`hybrid-cache`, `hybrid-step`, `hybrid-spans` (hybrid_span_request.py), `rag`, `route`,
+`write-kv`, `train`, `block-ft`, `rl`, `cpu-vs-hf`);
 a subcommand's parts in files named after it (attention_decode.py, engine_host.py, ...).
 Standalone: kv_store_bench.py, cached_span_attention.py, span_step_ops.py, rag_steps.py,
 page_zeroing_cost.py, cached_admission.py (python -m benchmarks.<name>). Shared: timing.py,

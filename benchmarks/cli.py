@@ -37,6 +37,9 @@ COMMANDS = {
     "rag": ("benchmarks.rag_bench",
             "RAG headline on MuSiQue: rotated / pic_off / position_free x (fcfs, barrier, isps), "
             "offline + online, cached-span TTFT, load and warm-up times"),
+    "hybrid-spans": ("benchmarks.hybrid_span_request",
+                     "issue 29's span request on a started hybrid engine: compiles, cold vs "
+                     "plain, reordered vs cold, 4,096-token spans"),
     "ttft-host": ("benchmarks.ttft_host",
                   "cached-span TTFT request through LLM.generate, step stubbed: host ms per part"),
     "block-ft": ("benchmarks.block_ft_bench",
