@@ -119,9 +119,9 @@ class HybridCacheConfig:
     # (serving/hybrid/hybrid_prefix.py); they ride in the chunk's step (up to
     # checkpoint_plan.CHECKPOINTS_PER_STEP per sequence: no extra step); the store evicts such
     # entries by their value once it is full, and a full store takes the DP's placement alone.
-    # Off by default: on, a chunk's free checkpoint (768 of a 908-token system prompt) serves the
-    # second request of tests/test_hybrid_cache_replay.py's wait case before the wait it tests
-    free_room: bool = option(False, flat="checkpoint_free_room", host_only=True)
+    # On by default: host only (the step program and the [Lg, S, M] checkpoint states are the same
+    # either way), no extra step on CPU; off tests the DP's placement alone (the budgeted case)
+    free_room: bool = option(True, flat="checkpoint_free_room", host_only=True)
 
     def __post_init__(self):
         if self.strategy not in CHECKPOINT_STRATEGIES:

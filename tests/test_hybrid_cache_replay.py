@@ -55,7 +55,9 @@ def test_a_request_waits_for_the_checkpoint_its_prefix_is_computing():
     step for the checkpoint at 832 rather than recompute from 448 (the 384 tokens saved exceed
     Config.hybrid_cache.step_tokens = 256; at 0 it never waits). The third is admitted in the step
     in which the second takes its checkpoint at 896: that state is not written before the step
-    runs, so it resumes at 832 (it used to restore the unwritten slot)."""
+    runs, so it resumes at 832 (it used to restore the unwritten slot). Free room off: the wait
+    is the DP placement's path; with it (the default) the first's chunk ending at 768 stores a
+    free checkpoint there, which the second resumes from without waiting."""
     import numpy as np
 
     from minipic_jax import SamplingParams
@@ -65,10 +67,12 @@ def test_a_request_waits_for_the_checkpoint_its_prefix_is_computing():
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     cached = {}
     for wait in (0.0, 256.0):
-        llm = _stub_llm(checkpoint_step_tokens=wait)
+        llm = _stub_llm(checkpoint_step_tokens=wait, checkpoint_free_room=False)
         cached[wait] = [o.num_cached_tokens for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert llm.llm_engine.hybrid_cache.planner.strategy == "dp"
     assert cached[256.0] == [0, 832, 832] and cached[0.0] == [0, 448, 832], cached
+    free = _stub_llm(checkpoint_step_tokens=256.0).generate(prompts, sp, use_tqdm=False)
+    assert [o.num_cached_tokens for o in free] == [0, 768, 832]
 
 
 def test_bucket_fit_cuts_chunks_at_buckets():

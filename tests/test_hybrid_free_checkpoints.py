@@ -34,15 +34,18 @@ def _prompts():
     return [first] + [first[:d] + rng.integers(0, 256, 12).tolist() for d in SHARES]
 
 
-@pytest.mark.parametrize("free_room,chunk", [(True, 64), (False, 64), (True, None)])
+@pytest.mark.parametrize("free_room,chunk", [(True, 64), (False, 64), ("default", None)])
 def test_cold_start_with_free_slots_resumes_at_half_the_shared_depth(free_room, chunk):
     """Each later request shares SHARES[i] tokens with the first: with free room each resumes
     at >= half of it (before: the one sharing 90 resumed at 0; at the default chunk size of 1024
     tokens, where the first prompt is one chunk, those sharing 300, 137 and 90 resumed at 0),
     outputs equal an engine without prefix caching; free_room=False keeps the DP's placement
-    alone (the 90-token one misses)."""
+    alone (the 90-token one misses). "default": no checkpoint option at all, at the default
+    chunk size (issue 29's cold-start goal is met by an engine as a user builds it)."""
     kw = dict(KW) if chunk else _default_chunk_kw()
-    llm = LLM("tiny_qwen3_5", checkpoint_free_room=free_room, **kw)
+    if free_room != "default":
+        kw["checkpoint_free_room"] = free_room
+    llm = LLM("tiny_qwen3_5", **kw)
     prompts = _prompts()
     got = [llm.generate([p], SP, use_tqdm=False)[0] for p in prompts]
     depths = [o.num_cached_tokens for o in got[1:]]
