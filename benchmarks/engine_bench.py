@@ -11,7 +11,8 @@ Three measurements, one engine, one run:
      time plus whatever host work does not fit under it;
   3. a R-request RAG-style run (shared system prompt, SSEP document spans, random questions and
      output lengths) after `engine.warmup()`: XLA backend compiles counted through
-     jax.monitoring during the run (goal 0), throughput in vLLM's line format, cache hit rate.
+     jax.monitoring during the run (goal 0; persistent-cache loads counted apart:
+     benchmarks/compile_counter.py), throughput in vLLM's line format, cache hit rate.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import time
 
+from benchmarks.compile_counter import CompileCounter
 from benchmarks.engine_args import add_options, engine_options, out_option
 from benchmarks.engine_workload import prime_decode, rag_workload
 
@@ -101,20 +103,7 @@ def _randomize_cache(runner, seed: int = 1):
     runner.cache = jax.tree.unflatten(treedef, [fill(x, k) for x, k in zip(leaves, keys)])
 
 
-def _count_compiles() -> dict:
-    """A counter of XLA backend compiles (jax.monitoring), from now on."""
-    from jax import monitoring
-    compiles = {"n": 0}
-
-    def on_event(name, *a, **k):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles["n"] += 1
-
-    monitoring.register_event_duration_secs_listener(on_event)
-    return compiles
-
-
-def _load(args, res: dict, compiles: dict, t0: float):
+def _load(args, res: dict, compiles: CompileCounter, t0: float):
     """The LLM for the decode batch, warmed up; records the load time (since t0, the run's start)
     and warm-up time and the bytes of weights a decode step reads. Returns (llm, read_bytes)."""
     import jax
@@ -146,7 +135,9 @@ def _load(args, res: dict, compiles: dict, t0: float):
     if not args.no_warmup:
         engine.warmup()
     res["warmup_s"] = time.perf_counter() - t
-    res["compiles_in_warmup"] = compiles["n"]
+    counted = compiles.read()  # since the run's start: the copy-rate program and the warm-up
+    res["compiles_in_warmup"] = counted["xla_compiles"]
+    res["cache_loads_in_warmup"] = counted["xla_cache_loads"]
     from benchmarks import startup
     res["startup"] = startup.collect(llm)
     print(f"loaded in {res['load_s']:.1f} s, warm-up readied {engine.runner.num_compiles} step "
@@ -231,7 +222,7 @@ def _measure_decode(engine, args, res: dict, read_bytes: int, rng) -> None:
           f"{res['decode_kv_read_TBps']:.2f} TB/s", flush=True)
 
 
-def _measure_run(llm, args, res: dict, compiles: dict, rng) -> None:
+def _measure_run(llm, args, res: dict, compiles: CompileCounter, rng) -> None:
     """The R-request RAG run after warm-up: throughput (vLLM's line), compiles, host share."""
     from minipic_jax import SamplingParams
     engine = llm.llm_engine
@@ -240,13 +231,14 @@ def _measure_run(llm, args, res: dict, compiles: dict, rng) -> None:
                                        max_len=args.ctx + 64)
     sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     before = dict(engine.get_stats())
-    c0 = compiles["n"]
+    c0 = compiles.read()
     dw0 = st.device_wait
     hw0 = st.schedule + st.build + st.post
     t = time.perf_counter()
     outs = llm.generate(prompts, sps, use_tqdm=False)
     elapsed = time.perf_counter() - t
     after = engine.get_stats()
+    c1 = compiles.read()
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = after["steps"] - before["steps"]
@@ -254,7 +246,8 @@ def _measure_run(llm, args, res: dict, compiles: dict, rng) -> None:
     res.update(
         run_requests=len(outs), run_elapsed_s=elapsed, requests_per_second=len(outs) / elapsed,
         tokens_per_second=(n_in + n_out) / elapsed, output_tokens_per_second=n_out / elapsed,
-        run_compiles_after_warmup=compiles["n"] - c0,
+        run_compiles_after_warmup=c1["xla_compiles"] - c0["xla_compiles"],
+        run_cache_loads_after_warmup=c1["xla_cache_loads"] - c0["xla_cache_loads"],
         run_step_shapes_added=after["num_compiles"] - before["num_compiles"],
         run_steps=steps, run_prompt_tokens=n_in, run_output_tokens=n_out,
         run_cached_tokens=sum(o.num_cached_tokens for o in outs),
@@ -264,7 +257,8 @@ def _measure_run(llm, args, res: dict, compiles: dict, rng) -> None:
     print(f"Throughput: {len(outs) / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.2f} "
           f"total tokens/s, {n_out / elapsed:.2f} output tokens/s")
     print(f"{len(outs)} requests in {steps} steps: compiles after warm-up "
-          f"{res['run_compiles_after_warmup']}, cache hits {res['run_cached_tokens']} of "
+          f"{res['run_compiles_after_warmup']} (persistent-cache loads "
+          f"{res['run_cache_loads_after_warmup']}), cache hits {res['run_cached_tokens']} of "
           f"{n_in} prompt tokens, preemptions {res['run_preemptions']}, host work "
           f"{100 * res['run_host_work_share']:.1f}% of step time (per step ms: "
           + ", ".join(f"{k} {v:.2f}" for k, v in after["host_ms_per_step"].items())
@@ -288,7 +282,7 @@ def run(args) -> int:
     import jax
     import numpy as np
 
-    compiles = _count_compiles()
+    compiles = CompileCounter()
     res = {"device": str(jax.devices()[0].device_kind), "model": args.model, "dtype": args.dtype,
            "batch": args.batch, "ctx": args.ctx, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "fuse_weights": not args.no_fuse, "async_scheduling": not args.no_async,

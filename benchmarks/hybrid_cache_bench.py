@@ -2,7 +2,8 @@
 
 One engine (Qwen3.5-0.8B shape by default, random weights) compiles once; for each workload,
 checkpoint budget (device slots; one slot = one checkpoint of every GDN layer, bytes printed) and
-strategy (none, last, block, balanced, dp), the prefix cache is reset and the workload's requests
+strategy (none, last, block, balanced, dp; checkpoint free room as --free-room, on by default
+as in the engine), the prefix cache is reset and the workload's requests
 run in order through `LLM.generate` (FCFS, max_num_seqs seats). Reported per run: prompt tokens
 recomputed (matched by cached blocks but behind the resumed checkpoint), prompt tokens computed,
 hit rate (cached / prompt tokens), prefill throughput (prompt tokens / wall), mean TTFT, wall, and
@@ -68,6 +69,9 @@ def add_parser(p) -> None:
     p.add_argument("--bucket-fit", nargs="+", default=["off"], choices=["on", "off"],
                    help="Config.hybrid_cache.bucket_fit per pass (both: an A/B of the chunk cut at "
                         "token buckets, serving/hybrid/bucket_fit.py) (default: %(default)s)")
+    p.add_argument("--free-room", default="on", choices=["on", "off"],
+                   help="Config.hybrid_cache.free_room for every strategy (on: the engine "
+                        "default; off: as RESULTS' hybrid-cache runs 4-5) (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="PNG of tokens recomputed vs budget")
 
@@ -168,7 +172,8 @@ def _engine(args, loaded, nbytes):
               max_num_batched_tokens=args.max_num_batched_tokens,
               min_token_bucket=args.min_token_bucket, max_model_len=args.max_model_len,
               checkpoint_gb=max(args.budgets) * nbytes / 2**30,
-              checkpoints_per_prompt=args.per_prompt, num_kv_blocks=args.num_kv_blocks)
+              checkpoints_per_prompt=args.per_prompt, num_kv_blocks=args.num_kv_blocks,
+              checkpoint_free_room=args.free_room == "on")
     if not args.stub_device:
         return LLM(args.model, warmup=False, **kw)
     # the stub never reads positions: a tiny preset may take long prompts
@@ -217,7 +222,7 @@ def run(args) -> int:
     kv_token = 2 * loaded.cfg.num_kv_layers * loaded.cfg.num_kv_heads * loaded.cfg.head_dim * \
         jnp.dtype(args.dtype).itemsize
     print(f"checkpoint: {nbytes / 2**20:.2f} MiB (= KV of {nbytes / kv_token:.0f} tokens); "
-          f"budgets {args.budgets} slots", flush=True)
+          f"budgets {args.budgets} slots; free room {args.free_room}", flush=True)
     llm = _engine(args, loaded, nbytes)
     engine = llm.llm_engine
     cost = args.cost and not args.stub_device
@@ -239,7 +244,7 @@ def run(args) -> int:
     for name in loads:  # ids kept inside the vocabulary (below the marker ids), lengths in room
         vocab = loaded.cfg.vocab_size - 8
         loads[name] = [[t % vocab for t in p] for p in loads[name] if len(p) <= room]
-    results, extra = [], {}
+    results, extra = [], {"free_room": engine.config.hybrid_cache.free_room}
     for name, prompts in loads.items():
         print(f"== {name}: {len(prompts)} requests, "
               f"{sum(map(len, prompts))} prompt tokens", flush=True)

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from benchmarks.compile_counter import CompileCounter
 from benchmarks.engine_args import add_options, engine_options
 from benchmarks.ttft_host import id_ceiling
 
@@ -62,40 +63,6 @@ def add_parser(p) -> None:
                    help="LLM(warmup=False): the variants compile on first use (counted)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random ids")
     p.add_argument("--json", default=None, help="write every figure to this file")
-
-
-class CompileCounter:
-    """XLA backend compiles and persistent-cache loads seen through jax.monitoring. JAX times
-    its compile-or-load call as "backend_compile_duration", so a cache load fires that event
-    too: compiles are those events less the cache hits. The listeners are registered once per
-    process (jax has no public way to remove them); `read()` gives the totals so far, callers
-    take differences."""
-    _totals: dict | None = None
-
-    def __init__(self):
-        if CompileCounter._totals is None:
-            from jax import monitoring
-            totals = CompileCounter._totals = {"xla_programs": 0, "xla_cache_loads": 0}
-
-            def on_duration(name, *a, **k):
-                if name == "/jax/core/compile/backend_compile_duration":
-                    totals["xla_programs"] += 1  # compiled or loaded from the cache
-
-            def on_event(name, *a, **k):
-                if name == "/jax/compilation_cache/cache_hits":
-                    totals["xla_cache_loads"] += 1
-            monitoring.register_event_duration_secs_listener(on_duration)
-            monitoring.register_event_listener(on_event)
-
-    def read(self, llm=None) -> dict:
-        """The totals, with the step variants the engine compiled and loaded when `llm`."""
-        totals = CompileCounter._totals
-        out = {"xla_compiles": totals["xla_programs"] - totals["xla_cache_loads"],
-               "xla_cache_loads": totals["xla_cache_loads"]}
-        if llm is not None:
-            counts = llm.llm_engine.runner._step.counts
-            out["step_compiles"] = counts["compiled"] + counts["loaded"]
-        return out
 
 
 def timed_generate(llm, prompt, sp, counter: CompileCounter) -> dict:

@@ -1,9 +1,10 @@
 """The GPU measurements of `minipic-bench rl`:
 
   --update-timing: `LLM.update_weights` at a model's shape (e.g. the llama3_8b preset, bf16):
-    seconds per update, XLA compiles during it (JAX's compile-time events; 0 expected: the
-    write programs, minipic_jax/weights_write.py, are compiled first by `weights_update.prepare`,
-    as LLM's warm-up does, and timed apart), and the device memory it adds
+    seconds per update, XLA compiles during it (JAX's compile-time events less persistent-cache
+    loads: benchmarks/compile_counter.py; 0 expected: the write programs,
+    minipic_jax/weights_write.py, are compiled first by `weights_update.prepare`, as LLM's
+    warm-up does, and timed apart), and the device memory it adds
     over what was in use before (peak - in use, after an earlier high-water mark is padded away;
     one layer at most expected), with the allocator's in-use and the live arrays after it.
   --rollout-compare: G samples of each of B P-token prompts, N new tokens: the engine
@@ -23,23 +24,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.compile_counter import CompileCounter
 from minipic_jax import LLM, SamplingParams, weights_update
 from minipic_jax.loading import load_model
 
 
 @contextlib.contextmanager
 def count_compiles():
-    """A one-item list: how many XLA backend compiles ran inside the block."""
-    seen = [0]
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen[0] += 1
-    jax.monitoring.register_event_duration_secs_listener(listener)
+    """A one-item list, filled when the block ends: how many XLA backend compiles ran inside it
+    (a program loaded from the persistent compilation cache is not one:
+    benchmarks/compile_counter.py)."""
+    counter, seen = CompileCounter(), [0]
     try:
         yield seen
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+        seen[0] = counter.read()["xla_compiles"]
 
 
 def _memory(devices) -> tuple:

@@ -33,6 +33,12 @@ def _shared_prompts(n):
             for i in range(n)]
 
 
+def _written_slots(e) -> set:
+    """Every checkpoint-pool slot a scheduled chunk's step writes: its first checkpoint
+    (ck_slot) and the deeper ones (ck_more), the rows of the step's [S, M] ck_slot array."""
+    return {e.ck_slot} | {slot for _, slot in e.ck_more}
+
+
 def _record_steps(cache):
     """[(restore slots, checkpoint slots)] per launched step of a HybridPrefixCache."""
     steps, cur = [], (set(), set())
@@ -41,7 +47,7 @@ def _record_steps(cache):
     def on_annotate(sched, e):
         annotate(sched, e)
         cur[0].add(e.restore_slot)
-        cur[1].add(e.ck_slot)
+        cur[1].update(_written_slots(e))
 
     def on_launch():
         after_launch()
@@ -51,6 +57,29 @@ def _record_steps(cache):
 
     cache.annotate, cache.after_launch = on_annotate, on_launch
     return steps
+
+
+def _restoring_a_written_slot(steps) -> list:
+    """The recorded steps that restored a slot they write (its old contents: not yet written)."""
+    return [s for s in steps if s[0] & s[1]]
+
+
+def test_the_recorder_sees_a_slot_written_through_the_extra_checkpoints():
+    """A step in which one sequence restores slot 5 while another writes slot 5 as its second
+    checkpoint (ck_more, column 1 of the step's ck_slot array): the check flags it."""
+    from types import SimpleNamespace
+
+    from serving.scheduler import ScheduledSeq
+    cache = SimpleNamespace(annotate=lambda sched, e: None, after_launch=lambda: None)
+    steps = _record_steps(cache)
+    chunk = dict(seq=None, token_idx=np.arange(4), new_computed=256, sample=False, reset=False)
+    cache.annotate(None, ScheduledSeq(**chunk, restore_slot=5))
+    cache.annotate(None, ScheduledSeq(**chunk, ck_pos=128, ck_slot=3, ck_more=((192, 5),)))
+    cache.after_launch()
+    cache.annotate(None, ScheduledSeq(**chunk, restore_slot=3))  # a later step: slot 3 written
+    cache.after_launch()
+    assert steps == [({5}, {3, 5}), ({3}, set())]
+    assert _restoring_a_written_slot(steps) == [steps[0]]
 
 
 # two hybrid engines (~45 s on CI's cores): --run-slow. The default run keeps the same shape on the
@@ -70,7 +99,7 @@ def test_later_calls_never_restore_a_checkpoint_their_step_writes():
     llm.generate(_shared_prompts(4), sp, use_tqdm=False)
     steps = _record_steps(llm.llm_engine.hybrid_cache)
     got = llm.generate(_shared_prompts(12), sp, use_tqdm=False)
-    assert not [s for s in steps if s[0] & s[1]], "a step restored a slot it writes"
+    assert not _restoring_a_written_slot(steps), "a step restored a slot it writes"
     assert sorted({o.num_cached_tokens for o in got}) == [128, 192]  # resumed at both depths
     want = LLM("tiny_qwen3_5", enable_prefix_caching=False, **kw).generate(
         _shared_prompts(12), sp, use_tqdm=False)

@@ -10,17 +10,33 @@ import pytest
 from benchmarks import hybrid_cache_bench
 
 
-def _replay(tmp_path, workload, budgets, scale, strategies):
+def _replay(tmp_path, workload, budgets, scale, strategies, more=()):
     p = argparse.ArgumentParser()
     hybrid_cache_bench.add_parser(p)
     out = tmp_path / "replay.json"
     args = p.parse_args(["--model", "tiny_qwen3_5", "--dtype", "float32", "--stub-device",
                          "--num-kv-blocks", "20000", "--max-num-seqs", "4", "--scale", str(scale),
                          "--workloads", workload, "--budgets", *map(str, budgets),
-                         "--strategies", *strategies, "--json", str(out)])
+                         "--strategies", *strategies, "--json", str(out), *more])
     hybrid_cache_bench.run(args)
     rows = json.loads(out.read_text())["results"]
     return {(r["budget"], r["strategy"]): r["tokens_recomputed"] for r in rows}
+
+
+@pytest.mark.parametrize("flag", ["off", "on"])
+def test_free_room_flag_reaches_the_engine_and_the_json(tmp_path, monkeypatch, flag):
+    """--free-room sets Config.hybrid_cache.free_room of the bench's engine (on by default, as the
+    engine's own default; off: comparable with RESULTS' hybrid-cache runs 4-5), kept through the
+    per-strategy resets, and the JSON records it."""
+    engines, make = [], hybrid_cache_bench._engine
+    monkeypatch.setattr(hybrid_cache_bench, "_engine",
+                        lambda *a: engines.append(make(*a)) or engines[-1])
+    more = ["--max-tokens", "2"] + (["--free-room", flag] if flag == "off" else [])
+    _replay(tmp_path, "sysprompt", [8], 0.01, ["last", "dp"], more)
+    engine = engines[0].llm_engine
+    assert engine.config.hybrid_cache.free_room is (flag == "on")
+    assert engine.hybrid_cache.free_room is (flag == "on")  # the store of the last reset
+    assert json.loads((tmp_path / "replay.json").read_text())["free_room"] is (flag == "on")
 
 
 def test_dp_recomputes_least_on_system_prompts(tmp_path):
