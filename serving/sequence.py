@@ -76,6 +76,8 @@ class Memos:
     has_spans: bool | None = None  # serving/hybrid/span_step.py
     # (block_table list, int64 array of its head): Sequence.table_array
     table_array: tuple | None = None
+    # the block_table list known to hold no block twice: serving/cache/manager.py
+    distinct_table: list | None = None
 
 
 class Sequence:
