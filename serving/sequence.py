@@ -70,7 +70,7 @@ class Memos:
     """Values derived from the tokens or the layout, kept by the module that derives them
     (None until first asked)."""
     token_bytes: bytes | None = None  # serving/cache/prefix_keys.py
-    span_runs: list | None = None  # (first, end) block runs of its spans: prefix_keys.py
+    span_runs: list | None = None  # (first, end, keys) block runs of its spans: prefix_keys.py
     final_start: int | None = None  # serving/scheduler.py
     span_intervals: list | None = None  # serving/hybrid/span_rows.py
     has_spans: bool | None = None  # serving/hybrid/span_step.py
