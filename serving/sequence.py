@@ -70,12 +70,14 @@ class Memos:
     """Values derived from the tokens or the layout, kept by the module that derives them
     (None until first asked)."""
     token_bytes: bytes | None = None  # serving/cache/prefix_keys.py
-    span_runs: list | None = None  # (first, end) block runs of its spans: prefix_keys.py
+    span_runs: list | None = None  # (first, end, keys) block runs of its spans: prefix_keys.py
     final_start: int | None = None  # serving/scheduler.py
     span_intervals: list | None = None  # serving/hybrid/span_rows.py
     has_spans: bool | None = None  # serving/hybrid/span_step.py
     # (block_table list, int64 array of its head): Sequence.table_array
     table_array: tuple | None = None
+    # the block_table list known to hold no block twice: serving/cache/manager.py
+    distinct_table: list | None = None
 
 
 class Sequence:

@@ -104,3 +104,21 @@ def test_a_layout_keeps_two_token_arrays_and_gives_positions_windows_slots_by_in
     assert lay.slot_off_at(idx).tolist() == lay.slot_off[idx].tolist()
     assert lay.win_at(slice(7, 40)).tolist() == lay.win[7:40].tolist()
     assert lay.slot_off_at(slice(7, 40)).dtype == np.int32
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, PAD, SSEP, PDEP]), min_size=1, max_size=70),
+       st.sampled_from([2, 4]))
+def test_layout_block_fields_match_brute_force(tokens, bs):
+    """Per block: in a span, a span's first block, a segment's first block, the window start
+    (the segments' values repeated over their blocks); a last block of pads only included."""
+    lay = build_layout(tokens, bs, pad_id=PAD, ssep_id=SSEP, pdep_id=PDEP)
+    starts = [j for j in range(0, len(tokens), bs) if j == 0 or tokens[j] in (SSEP, PDEP)]
+    _, win, _ = brute(tokens, bs)
+    span = [tokens[max(s for s in starts if s <= j)] == SSEP for j in range(0, len(tokens), bs)]
+    assert lay.span_block.tolist() == span
+    assert lay.seg_start.tolist() == [j in starts for j in range(0, len(tokens), bs)]
+    assert lay.span_start.tolist() == [j in starts and tokens[j] == SSEP
+                                       for j in range(0, len(tokens), bs)]
+    assert lay.block_win.tolist() == [win[j] for j in range(0, len(tokens), bs)]
+    assert lay.block_win.dtype == np.int32 and lay.span_block.dtype == bool

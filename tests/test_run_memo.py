@@ -154,3 +154,28 @@ def test_remembered_runs_stay_within_the_pool_least_recent_out():
     assert [bool(memo.known(bm, [(0, 10)], keys[r], raw, step)) for r in range(4)] == \
         [True, False, True, True]
     assert memo._num_blocks == 30
+
+
+class NoSlices(list):
+    """A sequence's keys that refuse to be sliced (a slice copies a run's keys to compare)."""
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            raise AssertionError("keys sliced")
+        return super().__getitem__(i)
+
+
+def test_run_with_its_keys_list_is_found_without_a_copy():
+    """A run given with its keys' list (hashing.block_keys_and_tail's runs: the span-chain
+    memo's list, the same object for a span seen again) is found by that list's identity, its
+    keys neither sliced nor compared; an equal other list is compared, an unequal one misses."""
+    from serving.cache.block_manager import BlockManager
+    bm, memo, step = BlockManager(30, B), run_memo.RunMemo(), 8 * B
+    raw = bytes(np.arange(10 * step, dtype=np.uint8))
+    chain = [7000 + i for i in range(10)]
+    memo.remember(bm, [(0, 10, chain)], NoSlices(chain), raw, step, list(range(10)), [])
+    found = memo.known(bm, [(0, 10, chain)], NoSlices(chain), raw, step)
+    assert [f[:3] for f in found] == [(0, 10, list(range(10)))]
+    assert memo.known(bm, [(0, 10, list(chain))], list(chain), raw, step)
+    other = chain[:5] + [1] + chain[6:]
+    assert not memo.known(bm, [(0, 10, other)], other, raw, step)

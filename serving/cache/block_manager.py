@@ -98,20 +98,23 @@ class BlockManager:
             del self.free[b]
         self.ref[b] += 1
 
-    def share_many(self, blocks: list[int], arr=None) -> None:
+    def share_many(self, blocks: list[int], arr=None) -> bool:
         """`share` of each block in order (a block may repeat). If it raises part way, the
         blocks shared so far are released again (last first), so the caller holds none of
         them: what undoing the per-block calls did. Many distinct blocks: whole-array
         operations (the free list's order is the same: a share only takes blocks out); `arr`:
-        `blocks` as an int64 array, when the caller has one."""
+        `blocks` as an int64 array, when the caller has one. True: the blocks were checked
+        distinct (else not known either way)."""
         if self._bulk(blocks):
             arr = block_array(blocks, arr)
             if _distinct(arr, self._scratch):
-                idle = arr[self.ref[arr] == 0]
+                refs = self.ref[arr]  # gathered once (distinct: one increment each)
+                idle = arr[refs == 0]
                 if not self.free.missing(idle):
                     self.free.take_many(idle)
-                    self.ref[arr] += 1
-                    return
+                    refs += 1
+                    self.ref[arr] = refs
+                    return True
         ref, free, i = self.ref, self.free, 0
         try:
             for i, b in enumerate(blocks):
@@ -121,6 +124,7 @@ class BlockManager:
         except BaseException:
             self.release(blocks[:i], -1)
             raise
+        return False
 
     def allocate(self) -> int:
         """Take the least recently freed block (evicting its cached content)."""
@@ -166,14 +170,17 @@ class BlockManager:
     def is_pending(self, b: int) -> bool:
         return self.hash[b] != -1 and not self.ready[b]
 
-    def release(self, blocks, seq_id: int, arr=None) -> None:
+    def release(self, blocks, seq_id: int, arr=None, distinct: bool = False) -> None:
         """Drop one reference to each block, last block first. Many distinct blocks: whole-array
         operations (freed blocks join the free list in the same order); `arr`: `blocks` as an
-        int64 array, when the caller has one."""
+        int64 array, when the caller has one; `distinct`: the caller knows no block repeats
+        (Memos.distinct_table), so the check is skipped (~7 us over a cached request's 2,000)."""
         if self._bulk(blocks):
-            arr = block_array(blocks, arr)[::-1]
+            # last first, copied contiguous: a scatter through the reversed view cost twice
+            # as much as the copy and a contiguous scatter
+            arr = np.ascontiguousarray(block_array(blocks, arr)[::-1])
             left = self.ref[arr] - 1
-            if _distinct(arr, self._scratch) and left.min() >= 0:
+            if (distinct or _distinct(arr, self._scratch)) and left.min() >= 0:
                 self.owner[arr[self.owner[arr] == seq_id]] = -1
                 self.ref[arr] = left
                 freed = arr[left == 0]

@@ -72,8 +72,10 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
         so a span seen before (the common case for position-free reuse) is not hashed again.
         Its key holds a 128-bit digest of the span's tokens; a digest collision could only give
         wrong keys, which miss (a hit also compares the block's kept tokens).
-      runs: optional list that gets (first, end) of each span run (blocks [first, end) of one
-        SSEP span), ascending: admission looks a cached span up as a whole (run_memo.py).
+      runs: optional list that gets (first, end, keys) of each span run (blocks [first, end) of
+        one SSEP span; `keys`: its keys, the span-chain memo's list for a span seen before, the
+        same object each time), ascending: admission looks a cached span up as a whole
+        (run_memo.py).
     Returns:
       one int per full block (a partial last block gets none), and (prefix, span): the two
       chains after the last full block, from which `next_block_key` continues.
@@ -107,7 +109,7 @@ def block_keys_and_tail(hash_fn, tokens, block_size: int, span_block, span_start
                 memo[mk] = got
         keys.extend(got)
         if runs is not None:
-            runs.append((j, end))
+            runs.append((j, end, got))
         span = got[-1]
         prefix = hash_fn(prefix, span.to_bytes(8, "little"), b"J")  # the whole run in one step
     return keys, (prefix, span)

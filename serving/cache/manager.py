@@ -109,7 +109,7 @@ class CacheManager:
         try:
             # take every planned hit off the free list before allocating: an allocation evicts
             # the least recently freed block, which may be a cached block planned as a later hit
-            self.bm.share_many(hits, arr)  # shares none if it raises
+            distinct = self.bm.share_many(hits, arr)  # shares none if it raises
             shared = hits
             cached = admission.fill_table(self.bm, self.keys, seq, plan, hits,
                                           self.pending_copy_in, self.offload)
@@ -119,6 +119,9 @@ class CacheManager:
             raise
         if arr is not None and empty:
             admission.seed_table_array(seq, plan, arr)
+        # distinct hits, and every other block allocated (so held by no one before): no block
+        # repeats in this table while it is only appended to (append_block allocates too)
+        seq.memo.distinct_table = seq.block_table if empty and distinct else None
         if not seq.ever_admitted:
             seq.num_cached_tokens = cached * self.block_size
 
@@ -128,7 +131,9 @@ class CacheManager:
             self.recurrent.release(seq)
         table = seq.block_table
         self.bm.release(table, seq.seq_id,
-                        seq.table_array() if len(table) >= block_manager.BULK else None)
+                        seq.table_array() if len(table) >= block_manager.BULK else None,
+                        distinct=seq.memo.distinct_table is table)
+        seq.memo.distinct_table = None
         seq.block_table = []
         seq.owned = set()
         self.seated.pop(seq.seq_id, None)

@@ -7,8 +7,8 @@ run (one SSEP span's blocks) that was a whole hit is remembered here with its ke
 their stamps (BlockManager.stamp: new at every change of a block's key or kept tokens) and its
 tokens' bytes. The next request holding the same run finds the same blocks when
 
-  * its keys are the remembered ones (the same list compare: the span-chain memo hands out the
-    same int objects),
+  * its keys are the remembered ones (the same list object: the span-chain memo hands out
+    one list per span; else a list compare, fast too: the memo's lists hold the same ints),
   * every block's stamp is as remembered: each still holds the key and the kept tokens it held
     when the run was confirmed (a block evicted, reused or re-registered since has a new stamp),
   * its token bytes equal the remembered ones, which equal those blocks' kept tokens:
@@ -40,15 +40,18 @@ class RunMemo:
 
     def known(self, bm, runs, hashes: list, raw: bytes, step: int) -> list[tuple]:
         """(first, end, blocks, blocks as int64) of each of `runs` ((first, end) block ranges,
-        ascending) whose blocks in pool `bm` are the ones remembered and still hold its keys
-        and tokens (`raw`: the sequence's int64 token bytes, `step` bytes a block)."""
+        ascending, each optionally with its keys' list: hashing.block_keys_and_tail's runs)
+        whose blocks in pool `bm` are the ones remembered and still hold its keys and tokens
+        (`raw`: the sequence's int64 token bytes, `step` bytes a block)."""
         found, arrays, stamps = [], [], []
-        for first, end in runs:
+        for first, end, *chain in runs:
             if end - first < MIN_RUN_BLOCKS:
                 continue
             key = (hashes[end - 1], end - first)
             got = self._runs.get(key)
-            if (got is not None and got[0] is bm and got[1] == hashes[first:end]
+            # the keys' list remembered is this run's own (no slice, no compare), or equal
+            if (got is not None and got[0] is bm
+                    and ((chain and got[1] is chain[0]) or got[1] == hashes[first:end])
                     and raw.startswith(got[5], first * step)):
                 self._runs.move_to_end(key)
                 found.append((first, end, got[2], got[3]))
@@ -67,7 +70,7 @@ class RunMemo:
         """Remember each of `runs` not `known` whose blocks `got` (per block: the confirmed
         hit, or None) are all hits."""
         skip = {k[0] for k in known}
-        for first, end in runs:
+        for first, end, *chain in runs:
             if end - first < MIN_RUN_BLOCKS or first in skip:
                 continue
             blocks = got[first:end]
@@ -79,7 +82,8 @@ class RunMemo:
                 self._forget(self._runs.popitem(last=False)[1])
             arr = np.array(blocks, np.int64)
             arr.flags.writeable = False
-            self._runs[key] = (bm, hashes[first:end], blocks, arr, bm.stamp[arr],
+            keys = chain[0] if chain else hashes[first:end]  # never changed: kept as it is
+            self._runs[key] = (bm, keys, blocks, arr, bm.stamp[arr],
                                raw[first * step:end * step])
             self._num_blocks += len(blocks)
 
