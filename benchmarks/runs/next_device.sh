@@ -10,6 +10,8 @@
 #   D  issue 28: TTFT through LLM.generate (today's host path and resident tables), then issue 29's span
 #      request (hybrid_spans) if time is left
 #   E  issue 29: the GDN Mosaic kernels and the engine A/B (carry .whl: fla_core, einops)
+#   F  issue 29: the hybrid span request alone (`minipic-bench hybrid-spans`, default options: its
+#      warm-up of ~27 variants may not fit D's remainder), LIMIT 540
 # usage: OUT=$OUT bash benchmarks/runs/next_device.sh A
 set -u; T0=$SECONDS; export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 left() { echo $((${1} - SECONDS + T0)); }
@@ -34,6 +36,7 @@ D) LIMIT_XLA=200 LIMIT_ON=1 bash benchmarks/runs/ttft_next_device.sh 2>&1 | tail
    L=$(left 570); [ "$L" -gt 160 ] && bash benchmarks/runs/hybrid_spans_next_device.sh 2>&1 | tail -20;;
 E) bash benchmarks/runs/gdn_mosaic_next_device.sh 2>&1 | tail -30
    bash benchmarks/runs/gdn_mosaic_engine_next_device.sh 2>&1 | tail -20;;
-*) echo "usage: $0 T|A|B|C|D|E"; exit 2;;
+F) LIMIT=540 bash benchmarks/runs/hybrid_spans_next_device.sh 2>&1 | tail -30;;
+*) echo "usage: $0 T|A|B|C|D|E|F"; exit 2;;
 esac
 echo "== total t=$((SECONDS-T0)) s"
