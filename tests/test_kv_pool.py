@@ -18,6 +18,23 @@ class _Device:
         return {"bytes_limit": self.limit, "bytes_in_use": 0}
 
 
+def _tiny_runner(monkeypatch, utilization: float):
+    """A tiny_llama ModelRunner (bf16, 4 seats, 128-token steps) whose default pool is sized
+    against a 64 MiB device memory limit: (model config, Config, runner, limit)."""
+    import types
+    from minipic_jax.models import llama
+    from serving.step.model_runner import ModelRunner
+    mcfg = get_preset("tiny_llama")
+    cfg = Config(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, block_size=16,
+                 min_token_bucket=128, gpu_memory_utilization=utilization)
+    params = llama.init_params(mcfg, jax.random.PRNGKey(0), jnp.bfloat16)
+    loaded = types.SimpleNamespace(cfg=mcfg, params=params, family=llama, tokenizer=None)
+    limit = 64 << 20
+    monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": limit})
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Device(limit)])
+    return mcfg, cfg, ModelRunner(cfg, loaded, 2, jnp.bfloat16), limit
+
+
 @pytest.mark.parametrize("preset", ["tiny_qwen3_5", "tiny_llama"])
 def test_default_num_blocks_counts_only_paged_layers(monkeypatch, preset):
     """The oracle is the cache itself: bytes of the page-shaped leaves of a 2-page cache of the
@@ -40,19 +57,8 @@ def test_default_pool_leaves_the_traced_step_its_temporaries(monkeypatch):
     the step's traced temporaries (the top bucket's largest peak), no blanket cut: at the
     tulu3 shape the overflow variant's gather of every seat's table (~26 GiB at max_model_len
     33,792) went unreserved and XLA warned it could not rematerialise."""
-    import types
-    from minipic_jax.models import llama
     from serving.cache import step_temps
-    from serving.step.model_runner import ModelRunner
-    mcfg = get_preset("tiny_llama")
-    cfg = Config(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, block_size=16,
-                 min_token_bucket=128, gpu_memory_utilization=0.5)
-    params = llama.init_params(mcfg, jax.random.PRNGKey(0), jnp.bfloat16)
-    loaded = types.SimpleNamespace(cfg=mcfg, params=params, family=llama, tokenizer=None)
-    limit = 64 << 20
-    monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": limit})
-    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Device(limit)])
-    runner = ModelRunner(cfg, loaded, 2, jnp.bfloat16)
+    mcfg, cfg, runner, limit = _tiny_runner(monkeypatch, 0.5)
     per_block = kv_pool.kv_bytes_per_block(runner.cache, runner.num_blocks, cfg.block_size)
     # the reserve is the traced peak of the top bucket's steps: at least its logits [S, vocab]
     assert runner.step_reserve == step_temps.step_reserve(runner, runner._args, runner._step_impl)
@@ -67,20 +73,9 @@ def test_xla_limit_cap_keeps_every_step_program_under_the_limit(monkeypatch):
     With the cap, the default pool leaves every top-bucket program under that limit when
     traced again with the pool as allocated, and one block more does not; the share rule alone
     (all of 64 MiB less the reserve) takes more blocks than fit."""
-    import types
-    from minipic_jax.models import llama
     from serving.cache import step_temps, xla_limit
-    from serving.step.model_runner import ModelRunner
-    mcfg = get_preset("tiny_llama")
-    cfg = Config(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, block_size=16,
-                 min_token_bucket=128, gpu_memory_utilization=1.0)
-    params = llama.init_params(mcfg, jax.random.PRNGKey(0), jnp.bfloat16)
-    loaded = types.SimpleNamespace(cfg=mcfg, params=params, family=llama, tokenizer=None)
-    limit = 64 << 20
-    monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": limit})
-    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Device(limit)])
     monkeypatch.setattr(kv_pool, "CAP_BY_XLA_LIMIT", True)
-    runner = ModelRunner(cfg, loaded, 2, jnp.bfloat16)
+    mcfg, cfg, runner, limit = _tiny_runner(monkeypatch, 1.0)
     share = int((limit * 1.0 - runner.step_reserve) // kv_pool.block_bytes(cfg, mcfg,
                                                                            jnp.bfloat16))
     assert runner.num_blocks < share  # XLA's limit binds here, not the share
