@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from benchmarks.compile_counter import CompileCounter
 from minipic_jax import LLM, SamplingParams, weights_update
 from minipic_jax.loading import load_model
 from tests.conftest import FIXTURES
@@ -28,25 +29,11 @@ ARGS = dict(warmup=False, dtype="float32", seed=0, max_num_seqs=4, max_num_batch
 SP = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
 
 
-class Compiles:
-    """Every XLA backend compile (jit's own and `Lowered.compile`'s) while counting."""
-
-    def __init__(self):
-        self.n, self.on = 0, False
-        jax.monitoring.register_event_duration_secs_listener(self._heard)
-
-    def _heard(self, event, duration, **kw):
-        if self.on and event == "/jax/core/compile/backend_compile_duration":
-            self.n += 1
-
-    def during(self, fn, *args) -> int:
-        """How many compiles `fn(*args)` ran."""
-        before, self.on = self.n, True
-        try:
-            fn(*args)
-        finally:
-            self.on = False
-        return self.n - before
+def compiles_during(fn, *args) -> int:
+    """How many XLA programs `fn(*args)` compiled (benchmarks/compile_counter.py)."""
+    counter = CompileCounter()
+    fn(*args)
+    return counter.read()["xla_compiles"]
 
 
 def outputs(llm, prompts) -> dict:
@@ -110,18 +97,18 @@ def engine_case() -> dict:
     ref = np.load(FIXTURES / NAME / "reference.npz")
     llm = LLM(str(FIXTURES / NAME), **ARGS)
     prompts = sum(_prompts(llm, ref), [])
-    runner, out, compiles = llm.llm_engine.runner, {}, Compiles()
+    runner, out = llm.llm_engine.runner, {}
     out["before"] = outputs(llm, prompts)
     with tempfile.TemporaryDirectory() as tmp:
         new, old = rolled_checkpoint(pathlib.Path(tmp))
         out["fresh"] = outputs(LLM(tmp, **ARGS), prompts)
     out["prepared"] = [weights_update.prepare(llm), weights_update.prepare(llm)]
     steps, placement = runner.num_compiles, [x.sharding for x in jax.tree.leaves(runner.params)]
-    counts = [compiles.during(llm.update_weights, new)]  # host (numpy) arrays: sliced per device
+    counts = [compiles_during(llm.update_weights, new)]  # host (numpy) arrays: sliced per device
     out["after"] = outputs(llm, prompts)
     kept = pointers(runner.params)  # (the loaded leaves may wrap host memory: compared from here)
     theirs = by_rules_table(llm, old)
-    counts.append(compiles.during(llm.update_weights, theirs))  # taken as they are: no copy
+    counts.append(compiles_during(llm.update_weights, theirs))  # taken as they are: no copy
     out["theirs_kept"] = not any(x.is_deleted() for x in jax.tree.leaves(theirs))
     out["kept"] = [pointers(runner.params) == kept]
     out["back"] = outputs(llm, prompts)
