@@ -16,6 +16,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/before
 BEFORE=8e11161
 if [ -n "${BEFORE_TGZ:-}" ]; then tar -xzf "$BEFORE_TGZ" -C /tmp/before  # git archive of $BEFORE's code
 else git archive $BEFORE | tar -x -C /tmp/before || { echo "no .git here: carry a git archive of $BEFORE (BEFORE_TGZ=)"; exit 2; }; fi
+# the archive has no benchmark data (added to git after $BEFORE): both trees read this tree's
+mkdir -p /tmp/before/benchmarks/data && cp -n benchmarks/data/* /tmp/before/benchmarks/data/
 case "${1:-engine}" in
 tests)
   MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -q -o addopts= -p no:cacheprovider -n 4 \
@@ -23,12 +25,14 @@ tests)
     tests/test_xla_attention_bounds.py tests/test_kernel_entry_points.py > "$OUT/compiled_tests.txt" 2>&1
   tail -3 "$OUT/compiled_tests.txt";;
 engine)
-  B="python3 -m benchmarks.cli engine --max-num-batched-tokens 512 --min-token-bucket 128 --skip-run"
+  # BATCH=64 on an 80 GB H100: at 128 both trees ran out of memory filling the pool with random K/V
+  # (2026-12-05, session 19); the H200 runs 128
+  B="python3 -m benchmarks.cli engine --max-num-batched-tokens 512 --min-token-bucket 128 --skip-run --batch ${BATCH:-128}"
   for round in $(seq ${ROUNDS:-2}); do
     (cd /tmp/before && PYTHONPATH=/tmp/before timeout 110 $B --out "$OUT/engine_before_$round" > "$OUT/engine_before_$round.txt" 2>&1)
     timeout 110 $B --out "$OUT/engine_after_$round" > "$OUT/engine_after_$round.txt" 2>&1
   done
-  for f in "$OUT"/engine_*.txt; do echo "-- $f"; tail -4 "$f"; done;;
+  for f in "$OUT"/engine_*.txt; do echo "-- $f"; grep -v "^W1\|^If this\|^Current alloc" "$f" | tail -3 | cut -c1-300; done;;
 rag)
   R="python3 -m benchmarks.cli rag --configs rotated fcfs --workloads multi --modes offline --num-requests 40"
   (cd /tmp/before && PYTHONPATH=/tmp/before timeout 280 $R --out "$OUT/rag_before" > "$OUT/rag_before.txt" 2>&1)

@@ -12,6 +12,8 @@
 #   E  issue 29: the GDN Mosaic kernels and the engine A/B (carry .whl: fla_core, einops)
 #   F  issue 29: the hybrid span request alone (`minipic-bench hybrid-spans`, default options: its
 #      warm-up of ~27 variants may not fit D's remainder), LIMIT 540
+#   G  (H100) issue 27 again after A/B failed there: the decode before/after at --batch 64 (128 ran out
+#      of memory in both trees) and the RAG before/after (the archive lacked the data file)
 # usage: OUT=$OUT bash benchmarks/runs/next_device.sh A
 set -u; T0=$SECONDS; export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 left() { echo $((${1} - SECONDS + T0)); }
@@ -36,7 +38,9 @@ D) LIMIT_XLA=200 LIMIT_ON=1 bash benchmarks/runs/ttft_next_device.sh 2>&1 | tail
    L=$(left 570); [ "$L" -gt 160 ] && bash benchmarks/runs/hybrid_spans_next_device.sh 2>&1 | tail -20;;
 E) bash benchmarks/runs/gdn_mosaic_next_device.sh 2>&1 | tail -30
    bash benchmarks/runs/gdn_mosaic_engine_next_device.sh 2>&1 | tail -20;;
+G) BATCH=64 ROUNDS=2 BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_next_device.sh engine 2>&1 | tail -16
+   BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_next_device.sh rag 2>&1 | grep -v "^W1" | tail -12;;
 F) LIMIT=540 bash benchmarks/runs/hybrid_spans_next_device.sh 2>&1 | tail -30;;
-*) echo "usage: $0 T|A|B|C|D|E|F"; exit 2;;
+*) echo "usage: $0 T|A|B|C|D|E|F|G"; exit 2;;
 esac
 echo "== total t=$((SECONDS-T0)) s"
