@@ -1,6 +1,7 @@
 #!/bin/bash
-# The next device session's calls, in order (each one `run` call, <= 9.5 min; session 18 got none of
-# them: the machines did not start). Each prints a short table last; raw files under $OUT.
+# The next device session's calls (each one `run` call, <= 9.5 min; each prints a short table last; raw
+# files under $OUT). Session 19 ran A, B and G on an H100: compiled tests 214 passed, issue 27's
+# before/after done (benchmarks/RESULTS.md, Engine). Next, in this order: H (composition), C, D, F, E.
 #   T  the compiled kernel tests of every kernel changed since its last GPU run (~2.5 min): the chain
 #      kernel's bf16 presets failed on the H100 (fixed in d2247e8, not re-run)
 #   A  T + issue 27's decode before/after (2 rounds alternating; carry .dev1/before.tgz = git archive
@@ -14,6 +15,7 @@
 #      warm-up of ~27 variants may not fit D's remainder), LIMIT 540
 #   G  (H100) issue 27 again after A/B failed there: the decode before/after at --batch 64 (128 ran out
 #      of memory in both trees) and the RAG before/after (the archive lacked the data file)
+#   H  issue 29: the composition cost alone (A's tail; it did not get time in session 19)
 # usage: OUT=$OUT bash benchmarks/runs/next_device.sh A
 set -u; T0=$SECONDS; export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 left() { echo $((${1} - SECONDS + T0)); }
@@ -40,7 +42,8 @@ E) bash benchmarks/runs/gdn_mosaic_next_device.sh 2>&1 | tail -30
    bash benchmarks/runs/gdn_mosaic_engine_next_device.sh 2>&1 | tail -20;;
 G) BATCH=64 ROUNDS=2 BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_next_device.sh engine 2>&1 | tail -16
    BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_next_device.sh rag 2>&1 | grep -v "^W1" | tail -12;;
+H) RAG_LIMIT=400 bash benchmarks/runs/compose_next_device.sh 2>&1 | tail -30;;
 F) LIMIT=540 bash benchmarks/runs/hybrid_spans_next_device.sh 2>&1 | tail -30;;
-*) echo "usage: $0 T|A|B|C|D|E|F|G"; exit 2;;
+*) echo "usage: $0 T|A|B|C|D|E|F|G|H"; exit 2;;
 esac
 echo "== total t=$((SECONDS-T0)) s"
