@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--xla-rule", action="store_true",
                    help="cap the default pool by XLA's limit (kv_pool.CAP_BY_XLA_LIMIT)")
+    p.add_argument("--xla-memory-limit", choices=("xla", "exact"), default="xla",
+                   help="Config.compilation.xla_memory_limit: XLA's rule or the exact factor")
     a = p.parse_args()
     from serving.cache import kv_pool
     kv_pool.CAP_BY_XLA_LIMIT = a.xla_rule
@@ -93,7 +95,8 @@ def main() -> None:
                                  max_num_batched_tokens=8192, min_token_bucket=128,
                                  num_kv_blocks=a.num_kv_blocks, attn_impl=None)
     before = device_memory()
-    llm, timing = build_engine(opts, CONFIGS["fcfs"][0], a.max_model_len, spans=True)
+    llm, timing = build_engine(opts, {**CONFIGS["fcfs"][0], "xla_memory_limit": a.xla_memory_limit},
+                               a.max_model_len, spans=True)
     runner = llm.llm_engine.runner
     per_block = kv_bytes_per_block(runner.cache, runner.num_blocks, runner.block_size)
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
@@ -102,6 +105,8 @@ def main() -> None:
         "max_model_len": a.max_model_len, "device_before": before, "device_after": device_memory(),
         "num_blocks": runner.num_blocks, "pool_gib": round(runner.num_blocks * per_block / GIB, 2),
         "xla_blocks": xla_blocks(runner, limit, per_block), "xla_rule": a.xla_rule,
+        "xla_memory_limit": a.xla_memory_limit,
+        "compiler_options": runner._step.compiler_options,
         "step_reserve_gib": round(getattr(runner, "step_reserve", 0) / GIB, 2),
         "weights_gib": round(weights / GIB, 2), "warmup_s": round(timing["warmup_s"], 1),
         "pool_s": round(runner.startup.get("pool_s", 0.0), 2),

@@ -189,6 +189,9 @@ class GatedDeltaConfig:
                              f"{GATED_DELTA_IMPLEMENTATIONS}, got {self.impl!r}")
 
 
+XLA_MEMORY_LIMITS = ("xla", "exact")
+
+
 def check_command_buffer(setting: str | None, where: str) -> None:
     """ValueError naming `where` (the option) unless `setting` is None, one of
     COMMAND_BUFFER_SETTINGS or a comma list of COMMAND_BUFFER_TYPES."""
@@ -216,10 +219,18 @@ class CompilationConfig:
     # "xla" = XLA's own, "off", "on", or a comma list of XLA command-buffer types
     # (serving/step/compile_options.py). Off a GPU nothing is passed.
     command_buffer: str | None = option(None, flat="step_command_buffer")
+    # the memory limit XLA holds each step program to on a GPU (issue 28: XLA rematerialised
+    # steps that fit, counting the weights twice; serving/cache/xla_limit.py): "xla" = its own
+    # rule; "exact" = temporaries within 95% of what the program's buffers leave, set per engine
+    # from the steps traced to size a default pool (none traced: XLA's rule)
+    xla_memory_limit: str = option("xla", flat="xla_memory_limit")
 
     def __post_init__(self):
         check_command_buffer(self.command_buffer,
                              "step_command_buffer (Config.compilation.command_buffer)")
+        if self.xla_memory_limit not in XLA_MEMORY_LIMITS:
+            raise ValueError(f"xla_memory_limit (Config.compilation.xla_memory_limit) must be "
+                             f"one of {XLA_MEMORY_LIMITS}, got {self.xla_memory_limit!r}")
 
 
 def _groups(cls) -> dict[str, type]:

@@ -18,15 +18,16 @@ class _Device:
         return {"bytes_limit": self.limit, "bytes_in_use": 0}
 
 
-def _tiny_runner(monkeypatch, utilization: float):
+def _tiny_runner(monkeypatch, utilization: float, **config):
     """A tiny_llama ModelRunner (bf16, 4 seats, 128-token steps) whose default pool is sized
     against a 64 MiB device memory limit: (model config, Config, runner, limit)."""
     import types
     from minipic_jax.models import llama
     from serving.step.model_runner import ModelRunner
     mcfg = get_preset("tiny_llama")
-    cfg = Config(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128, block_size=16,
-                 min_token_bucket=128, gpu_memory_utilization=utilization)
+    cfg = Config.from_flat(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=128,
+                           block_size=16, min_token_bucket=128,
+                           gpu_memory_utilization=utilization, **config)
     params = llama.init_params(mcfg, jax.random.PRNGKey(0), jnp.bfloat16)
     loaded = types.SimpleNamespace(cfg=mcfg, params=params, family=llama, tokenizer=None)
     limit = 64 << 20
@@ -89,3 +90,28 @@ def test_xla_limit_cap_keeps_every_step_program_under_the_limit(monkeypatch):
                                              for x in (p.argument, p.output, p.alias)))
             for p in programs]
     assert not all(xla_limit.fits(limit, p) for p in more)
+
+
+def test_exact_xla_limit_is_set_from_the_steps_at_the_allocated_pool(monkeypatch):
+    """Config.compilation.xla_memory_limit "exact" (issue 28): the default pool is sized as
+    before, and the step's compiles get XLA's slop factor that holds every top-bucket program
+    traced with the pool as allocated to temporaries within 95% of the room its buffers leave
+    (xla_limit.exact_limit_options); XLA's rule (the default) passes no factor. Options cannot
+    change once a variant is compiled."""
+    from serving.cache import step_temps, xla_limit
+    _, _, plain, _ = _tiny_runner(monkeypatch, 0.5)
+    assert "xla_gpu_memory_limit_slop_factor" not in plain._step.compiler_options
+    _, _, runner, limit = _tiny_runner(monkeypatch, 0.5, xla_memory_limit="exact")
+    assert runner.num_blocks == plain.num_blocks
+    programs = step_temps.step_programs(runner, runner._args, runner._step_impl,
+                                        runner._step.donate_argnums)
+    want = xla_limit.exact_limit_options(limit, programs)
+    assert want and runner._step.compiler_options == want
+    runner.warmup()  # compiles (XLA:CPU takes the GPU option by name and ignores it)
+    with pytest.raises(ValueError, match="after step variants were compiled"):
+        runner._step.add_compiler_options({"xla_gpu_memory_limit_slop_factor": 100})
+
+
+def test_xla_memory_limit_setting_is_checked():
+    with pytest.raises(ValueError, match=r"xla_memory_limit \(Config.compilation.xla_memory_limit\)"):
+        Config.from_flat(xla_memory_limit="loose")

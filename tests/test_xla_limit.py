@@ -3,6 +3,8 @@ the arguments and outputs it subtracts, the aliased outputs it adds back) and th
 to it (the weights counted again), checked against the device's figures; and the most KV blocks
 that keep a program under it."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -64,3 +66,48 @@ def test_the_device_figures_follow_from_the_formula():
         pool = int(0.8 * bytes_limit) - weights - int(8.95 * GIB)
         prog = ProgramBytes(temp=0, argument=weights + pool, output=pool, alias=pool)
         assert abs(xla_limit(bytes_limit, prog) / GIB - warned) < 0.05
+
+
+def test_exact_slop_holds_temporaries_to_the_margin_of_the_room_left():
+    """Config.compilation.xla_memory_limit "exact": with exact_slop's factor XLA's check reads
+    "temporaries within 95% of bytes_limit less the program's buffers" (the weights counted once):
+    every program that passes it keeps that margin, and every one within 94% passes. Brute force
+    over random programs (seeded)."""
+    import numpy as np
+    from serving.cache.xla_limit import exact_slop
+    rng = np.random.default_rng(28)
+    for _ in range(2000):
+        limit = int(rng.integers(1, 200)) * GIB // 4
+        weights, pool, out = (int(rng.integers(0, limit // 2)) for _ in range(3))
+        io = weights + pool + out
+        if io >= limit:
+            assert exact_slop(limit, ProgramBytes(0, weights + pool, pool + out, pool)) is None
+            continue
+        room = limit - io
+        temp = int(rng.integers(0, room + 1))
+        prog = ProgramBytes(temp, weights + pool, pool + out, pool)
+        s = exact_slop(limit, prog)
+        if fits(limit, prog, s):
+            assert temp * 100 <= 95 * room
+        if temp * 100 <= 94 * room:
+            assert fits(limit, prog, s)
+
+
+def test_exact_slop_keeps_the_h100_step_that_xla_rematerialised():
+    """The H100 step of test_the_device_figures_follow_from_the_formula: 11.77 GiB of temporaries
+    beside 14.96 GiB of weights and a 21.13 GiB pool, under a 59.38 GiB bytes_limit: 23.29 GiB
+    are free, yet XLA's own rule rematerialised it; under the exact factor (159) it fits, and a
+    program whose temporaries need more than 95% of the free memory still does not."""
+    from serving.cache.xla_limit import exact_limit_options, exact_slop, with_pool_bytes
+    weights, pool, bytes_limit = int(14.9575 * GIB), int(21.129 * GIB), 63763906560
+    top = ProgramBytes(temp=int(11.77 * GIB), argument=weights + pool, output=pool, alias=pool)
+    assert not fits(bytes_limit, top)
+    s = exact_slop(bytes_limit, top)
+    assert s == 159 and fits(bytes_limit, top, s)
+    room = bytes_limit - weights - pool
+    assert not fits(bytes_limit, dataclasses.replace(top, temp=int(0.96 * room)), s)
+    # the options: one factor for all programs, the smallest; the pool moved to its final size
+    small = with_pool_bytes(top, -GIB)
+    opts = exact_limit_options(bytes_limit, [small, dataclasses.replace(small, temp=GIB)], GIB)
+    assert opts == {"xla_gpu_memory_limit_slop_factor": s}
+    assert exact_limit_options(GIB, [top]) == {}

@@ -14,17 +14,19 @@
 # Measured (H100, 2026-12-05, cap off, max_model_len 40,960): 0 warnings but XLA
 # rematerialised the top step (limit 43.26 GiB = xla_limit.py's, peak 47.85 -> under 43.26):
 # pool 21.13 GiB, weights 14.96, XLA's temporaries 11.77 GiB before, 6.51 after. XLA_RULE=1 turns
-# kv_pool.CAP_BY_XLA_LIMIT on (the A/B); BLOCKS=<n> starts the engine with an explicit pool.
-# $OUT/pool_reserve${TAG}.txt. CPU check: JAX_PLATFORMS=cpu MODEL=tiny_llama OUT=/tmp/x bash <this>
+# kv_pool.CAP_BY_XLA_LIMIT on (the A/B); XLA_LIMIT=exact gives the steps the exact slop factor
+# (Config.compilation.xla_memory_limit, session 19: the pool as before, XLA told the truth); BLOCKS=<n> starts the engine with an explicit pool.
+# $OUT/pool_reserve${TAG}.txt. CPU check: JAX_PLATFORMS=cpu MODEL=tiny_llama MAX_LEN=2048 OUT=/tmp/x bash <this>
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
 export TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_rematerialization=1
-R=$OUT/pool_reserve${TAG:-}.txt; L=$OUT/pool_reserve${TAG:-}_warmup.log; T0=$SECONDS
+mkdir -p "$OUT"; R=$OUT/pool_reserve${TAG:-}.txt; L=$OUT/pool_reserve${TAG:-}_warmup.log; T0=$SECONDS
 git log --oneline -1 > $R 2>/dev/null
 timeout ${LIMIT:-330} python3 -m benchmarks.pool_reserve_probe --model ${MODEL:-tulu3_block_ft} \
   --max-model-len ${MAX_LEN:-40960} ${BLOCKS:+--num-kv-blocks $BLOCKS} ${XLA_RULE:+--xla-rule} \
+  ${XLA_LIMIT:+--xla-memory-limit $XLA_LIMIT} \
   > $L 2>&1
-echo "probe rc=$? t=$((SECONDS-T0)) s max_len=${MAX_LEN:-40960} xla_rule=${XLA_RULE:-0} card: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)" >> $R
+echo "probe rc=$? t=$((SECONDS-T0)) s max_len=${MAX_LEN:-40960} xla_rule=${XLA_RULE:-0} xla_limit=${XLA_LIMIT:-xla} card: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)" >> $R
 echo "remat warnings: $(grep -c 'by rematerialization' $L)" >> $R
 grep 'by rematerialization' $L | sed 's/.*Can/Can/' | cut -c1-230 | head -20 >> $R
 grep -h -E "with memory limit of|Adjusted memory limit|Peak memory usage of module" $L \

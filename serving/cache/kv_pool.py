@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from serving.cache.step_temps import step_programs
-from serving.cache.xla_limit import blocks_within_limit
+from serving.cache.xla_limit import blocks_within_limit, exact_limit_options
 from serving.config import Config
 
 
@@ -132,7 +132,9 @@ def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
     functions, traced over an abstract pool of `num_blocks`: about a second per variant at the
     8B shape; only where the device reports a memory limit and without tensor parallelism; with
     CAP_BY_XLA_LIMIT also within XLA's limit for each), then shrunk by allocate_pool until it
-    fits. The traced programs stay on the runner (`step_programs`, `traced_blocks`)."""
+    fits. The traced programs stay on the runner (`step_programs`, `traced_blocks`); with
+    Config.compilation.xla_memory_limit "exact" they set the step's XLA memory limit
+    (xla_limit.exact_limit_options, at the pool's final size)."""
     config, reserve, programs = runner.config, 0, ()
     if config.num_kv_blocks is None:
         if runner.mesh is None and "bytes_limit" in device_memory():
@@ -147,4 +149,9 @@ def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
         runner.traced_blocks = traced
     cache, num_blocks = allocate_pool(make_cache, num_blocks,
                                       may_shrink=config.num_kv_blocks is None)
+    if config.compilation.xla_memory_limit == "exact" and programs:
+        extra = (num_blocks - runner.traced_blocks) * kv_bytes_per_block(
+            cache, num_blocks, config.block_size)
+        runner._step.add_compiler_options(exact_limit_options(
+            device_memory()["bytes_limit"], programs, extra))
     return cache, num_blocks, reserve

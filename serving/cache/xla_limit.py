@@ -24,6 +24,12 @@ So the weights count twice (in io, and again in the peak): a program fits when
 and each donated pool block costs slop% of its bytes against that margin. The two warnings on
 record fit it: the ttft engine at max_model_len 33,792 (share-rule pool of ~23.6 GiB on the H100,
 ~60.3 GiB on the H200) gives 43.4 and 88.8 GiB, the limits warned (43.35, 88.83).
+
+Two ways out: a pool small enough for XLA's rule (`blocks_within_limit`, kv_pool.CAP_BY_XLA_LIMIT,
+off: ~18% of the pool at 40,960 on the H100), or XLA told the truth (`exact_slop`,
+Config.compilation.xla_memory_limit "exact"): a slop factor per engine under which the check reads
+"temporaries within 95% of the room the program's buffers leave", the weights counted once
+(159 for the H100 step above, whose 11.77 GiB of temporaries had 23.29 GiB free).
 """
 
 from __future__ import annotations
@@ -71,3 +77,31 @@ def blocks_within_limit(bytes_limit: int, prog: ProgramBytes, num_blocks: int,
     room = slop * (bytes_limit - (prog.argument + prog.output - prog.alias)) \
         - 100 * (remat_peak(prog) - prog.alias)
     return num_blocks + room // (slop * block_bytes)
+
+
+def with_pool_bytes(prog: ProgramBytes, extra: int) -> ProgramBytes:
+    """`prog` with `extra` more bytes of donated pool (traced with one pool size, run with
+    another): each pool byte is an argument, an output and an alias."""
+    return ProgramBytes(prog.temp, prog.argument + extra, prog.output + extra, prog.alias + extra)
+
+
+def exact_slop(bytes_limit: int, prog: ProgramBytes, margin: int = SLOP_PERCENT) -> int | None:
+    """The xla_gpu_memory_limit_slop_factor under which XLA's check for `prog` reads "the
+    temporaries fit in `margin`% of the memory the program's buffers leave" (bytes_limit - io),
+    instead of counting the buffers that are not aliased (the weights, the new outputs) a second
+    time: fits(bytes_limit, prog, s) implies temp <= margin% of that room, and holds whenever
+    temp <= (margin - 1)% of it. None when the buffers alone fill the limit."""
+    io = prog.argument + prog.output - prog.alias
+    room = bytes_limit - io
+    if room <= 0:
+        return None
+    return margin + 100 * (io - prog.alias) // room
+
+
+def exact_limit_options(bytes_limit: int, programs, extra_pool_bytes: int = 0) -> dict:
+    """Compiler options that give every step program in `programs` (traced with a pool
+    `extra_pool_bytes` smaller than the one allocated) XLA's check of `exact_slop`: one factor,
+    the smallest, so no program gets more than its margin. {} when there is nothing to set."""
+    slops = [exact_slop(bytes_limit, with_pool_bytes(p, extra_pool_bytes)) for p in programs]
+    slops = [s for s in slops if s is not None]
+    return {"xla_gpu_memory_limit_slop_factor": min(slops)} if slops else {}

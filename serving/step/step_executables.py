@@ -61,6 +61,19 @@ class StepExecutables:
         # ends, so a front end can say why the first steps take seconds (progress bars)
         self.on_compile = None
 
+    def add_compiler_options(self, options: dict) -> None:
+        """More XLA options for every compile from now on (kv_pool.size_pool's memory limit,
+        known once the pool is sized); a ValueError once a variant is ready (it would keep
+        the old ones)."""
+        if not options:
+            return
+        if self._cache_size():
+            raise ValueError("compiler options added after step variants were compiled")
+        self.compiler_options.update(options)
+        self.jitted = jax.jit(self.jitted.__wrapped__, donate_argnums=self.donate_argnums,
+                              static_argnames=tuple(n for n, _ in self._static),
+                              compiler_options=self.compiler_options)
+
     def _key(self, args, kw):
         static = tuple(kw.get(n, d) for n, d in self._static)
         return static, tuple([a is None for a in args])
