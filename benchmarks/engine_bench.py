@@ -106,9 +106,10 @@ def _fill_program(sharding):
     return jax.jit(fill, donate_argnums=(0,), keep_unused=True, out_shardings=sharding)
 
 
-def _randomize_cache(runner, seed: int = 1):
+def _randomize_cache(runner, seed: int = 1, after_leaf=None):
     """Random K/V in every page (never time on zeros), one leaf at a time in place (donated):
-    the pool's memory plus one leaf's temporaries at most."""
+    the pool's memory plus one leaf's temporaries at most. after_leaf(i): called after leaf i
+    (benchmarks/live_bytes.py reads the device's memory there)."""
     import jax
 
     leaves, treedef = jax.tree.flatten(runner.cache)
@@ -117,6 +118,8 @@ def _randomize_cache(runner, seed: int = 1):
     try:
         for i, key in enumerate(keys):
             leaves[i] = _fill_program(leaves[i].sharding)(leaves[i], key)
+            if after_leaf is not None:
+                after_leaf(i)
     finally:
         runner.cache = jax.tree.unflatten(treedef, leaves)
 
