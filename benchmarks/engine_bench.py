@@ -89,18 +89,39 @@ def copy_rate(gb: float) -> float:
     return 2 * n * 2 / t
 
 
-def _randomize_cache(runner, seed: int = 1):
-    """Random K/V in every page (never time on zeros), one leaf at a time to bound memory."""
+@functools.cache
+def _fill_program(sharding):
+    """jit(x, key -> random normal values of x's shape and dtype), x donated, the output placed
+    as x (`sharding`), so each new leaf takes its old leaf's buffer."""
     import jax
     import jax.numpy as jnp
 
-    @functools.partial(jax.jit, donate_argnums=(0,))
     def fill(x, key):
         return (0.5 * jax.random.normal(key, x.shape, jnp.float32)).astype(x.dtype)
 
+    # keep_unused: the program reads x for its shape only, and jit drops an argument it never
+    # reads, donation and all: every new leaf then took fresh memory while the old one stayed
+    # alive, the whole pool twice over by the last leaf (weights 16 GB + 2 x 35.6 GB: the H100
+    # ran out at batch 128, 2026-12-05; tests/test_engine_bench_fill.py)
+    return jax.jit(fill, donate_argnums=(0,), keep_unused=True, out_shardings=sharding)
+
+
+def _randomize_cache(runner, seed: int = 1, after_leaf=None):
+    """Random K/V in every page (never time on zeros), one leaf at a time in place (donated):
+    the pool's memory plus one leaf's temporaries at most. after_leaf(i): called after leaf i
+    (benchmarks/live_bytes.py reads the device's memory there)."""
+    import jax
+
     leaves, treedef = jax.tree.flatten(runner.cache)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    runner.cache = jax.tree.unflatten(treedef, [fill(x, k) for x, k in zip(leaves, keys)])
+    runner.cache = None  # the leaves list holds the only references: each is replaced in turn
+    try:
+        for i, key in enumerate(keys):
+            leaves[i] = _fill_program(leaves[i].sharding)(leaves[i], key)
+            if after_leaf is not None:
+                after_leaf(i)
+    finally:
+        runner.cache = jax.tree.unflatten(treedef, leaves)
 
 
 def _load(args, res: dict, compiles: CompileCounter, t0: float):
