@@ -52,10 +52,13 @@ def owners(engine) -> dict:
     return {id(x): name for name, tree in named.items() for x in jax.tree.leaves(tree)}
 
 
-def account(stage: str, engine=None) -> dict:
-    """One stage's row: MiB per owner, the other arrays by shape, the allocator's figures."""
+def account(stage: str, engine=None, before: dict | None = None) -> dict:
+    """One stage's row: MiB per owner, the other arrays by shape, the allocator's figures.
+    `before` (id -> array, kept alive so no id is reused) holds the arrays live before the
+    bench started (another caller's, e.g. earlier tests in one pytest process): their own owner."""
     import jax
     who = owners(engine) if engine is not None else {}
+    who.update(dict.fromkeys(before or {}, "before the bench"))
     by_owner: dict = {}
     other = []
     for x in jax.live_arrays():
@@ -115,6 +118,8 @@ def fill_ab(args) -> dict:
     n = int(args.leaf_mib * MIB) // 2
     out = {}
     for name in ("before_585ecae", "now"):
+        # the arrays already live (another caller's) held, so none is freed mid-count
+        held = [x for x in jax.live_arrays() if not x.is_deleted()]
         leaves = [jnp.zeros((n,), jnp.bfloat16) for _ in range(args.leaves)]
         jax.block_until_ready(leaves)
         fill = _old_fill() if name == "before_585ecae" else _fill_program(leaves[0].sharding)
@@ -130,47 +135,52 @@ def fill_ab(args) -> dict:
         print(f"fill {name}: live bytes beyond the leaves after each leaf (MiB): "
               f"{[r['live_extra_MiB'] for r in rows]}; device after the last: "
               f"{ {k: v for k, v in rows[-1].items() if k in STATS} }", flush=True)
-        del leaves, new, rows
+        del leaves, new, rows, held
     return out
 
 
 def stages(args) -> list:
     """The engine bench's stages, one `account` row each."""
+    import jax
     import numpy as np
 
     from benchmarks import engine_bench
     from benchmarks.compile_counter import CompileCounter
     from benchmarks.engine_workload import prime_decode
     from benchmarks.pool_reserve_probe import variant_memory
-    rows = [account("start")]
+    before = {id(x): x for x in jax.live_arrays() if not x.is_deleted()}
+    rows = [account("start", before=before)]
+
+    def account_(stage, engine=None):
+        return account(stage, engine, before)
     res = {"copy_rate_GBps": engine_bench.copy_rate(args.copy_gb) / 1e9}
-    rows.append(account(f"copy-rate anchor ({args.copy_gb} GiB) done"))
+    rows.append(account_(f"copy-rate anchor ({args.copy_gb} GiB) done"))
     args.no_warmup, warm = True, not args.no_warmup
     llm, _ = engine_bench._load(args, res, CompileCounter(), time.perf_counter())
     engine = llm.llm_engine
     r = engine.runner
-    rows.append(account(f"engine loaded ({r.num_blocks} blocks)", engine))
+    rows.append(account_(f"engine loaded ({r.num_blocks} blocks)", engine))
     if warm:
         engine.warmup()
-        rows.append(account(f"warmed up ({r.num_compiles} variants)", engine))
+        rows.append(account_(f"warmed up ({r.num_compiles} variants)", engine))
     limit = int(device_stats().get("bytes_limit", 0) * MIB)
     rows[-1]["step_variants"] = variant_memory(r, limit)
     temps = [v.get("temp_gib", 0) for v in rows[-1]["step_variants"]]
     print(f"step variants' temporaries (GiB, XLA): {temps}", flush=True)
     prime_decode(engine, args.batch, args.ctx, args.decode_steps, np.random.default_rng(0))
-    rows.append(account(f"primed ({args.batch} x {args.ctx})", engine))
+    rows.append(account_(f"primed ({args.batch} x {args.ctx})", engine))
     per_leaf = []
     engine_bench._randomize_cache(r, after_leaf=lambda i: per_leaf.append(device_stats()))
-    rows.append(account("random K/V filled", engine))
+    rows.append(account_("random K/V filled", engine))
     rows[-1]["per_leaf_device_MiB"] = per_leaf
     engine.step()
-    rows.append(account("first decode step", engine))
+    rows.append(account_("first decode step", engine))
     for _ in range(args.decode_steps):
         engine.step()
-    rows.append(account(f"{args.decode_steps} more decode steps", engine))
+    rows.append(account_(f"{args.decode_steps} more decode steps", engine))
     for i in range(args.batch):
         engine.abort_request(f"decode-{i}")
-    rows.append(account("decode batch aborted", engine))
+    rows.append(account_("decode batch aborted", engine))
     return rows
 
 
