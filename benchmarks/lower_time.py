@@ -7,11 +7,15 @@ and no weights: this builds a ModelRunner whose kernels are chosen as on a GPU
 test_engine_gdn_kernel.py does), with abstract weights and KV pool (jax.ShapeDtypeStruct: no
 16 GB of weights), takes the variants `ModelRunner.warmup_steps` lists, and times for each
 `jitted.trace(...)` then `.lower(lowering_platforms=("cuda",))` under an abstract H100 (Triton's
-lowering asks for the device kind). Nothing is compiled.
+lowering asks for the device kind). Nothing is compiled. The KV pool is abstract and no
+checkpoint or span-map pool is made (a hybrid model's variants are those without prefix caching).
 
     minipic-bench lower-time --model llama3_8b --variants 3 --profile 25
 
-`--profile N` prints cProfile's top N functions (cumulative) over every trace and lower.
+Per variant it prints the seconds, the lowered text's custom calls and functions, and the
+program's ops as XLA sees them once it inlines nested jits (`program_ops`: their count and a
+digest, so two trees that lower the same program print the same digests). `--profile N` prints
+cProfile's top N functions (`--sort`) over every trace and lower.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import hashlib
 import io
 import json
 import pstats
-import statistics
 import re
+import statistics
 import time
 import types
 
@@ -118,18 +122,18 @@ def time_variants(runner, variants, profiler=None) -> list[dict]:
     for args, kw in variants:
         if profiler is not None:
             profiler.enable()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with on_h100():
             traced = runner._step.jitted.trace(*args, **kw)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             lowered = traced.lower(lowering_platforms=("cuda",))
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         if profiler is not None:
             profiler.disable()
         text = lowered.as_text()
         ops = program_ops(text)
         rows.append({"kw": {k: repr(v) for k, v in kw.items()}, "trace_s": t1 - t0,
-                     "lower_s": t2 - t1, "ops": sum(ops.values()), "ops_digest": ops_digest(ops),
+                     "lower_s": t2 - t1, "trace_cpu_s": c1 - c0, "lower_cpu_s": c2 - c1, "ops": sum(ops.values()), "ops_digest": ops_digest(ops),
                      "custom_calls": text.count("stablehlo.custom_call"),
                      "funcs": text.count("func.func")})
         del traced, lowered, text
@@ -195,17 +199,19 @@ def run(args) -> int:
         setup_s = time.perf_counter() - t0
         steps = runner.warmup_steps(spans=args.spans)[:args.variants]
         rows = time_variants(runner, variant_args(runner, steps), profiler)
-    trace = [r["trace_s"] for r in rows]
-    lower = [r["lower_s"] for r in rows]
+    total = {k: sum(r[k] for r in rows) for k in ("trace_s", "lower_s", "trace_cpu_s",
+                                                  "lower_cpu_s")}
     for r in sorted(rows, key=lambda r: repr(sorted(r["kw"].items()))):
         kw = r["kw"]
         print(f"t={kw['t']:>5} decode_only={kw['decode_only']:5} plan={kw['attn_options'][:60]:60}"
               f" trace {r['trace_s']:6.2f} s  lower {r['lower_s']:6.2f} s  "
               f"custom calls {r['custom_calls']:3d}  funcs {r['funcs']:3d}  ops {r['ops']:6d} "
               f"{r['ops_digest']}")
-    print(f"{args.model}: {len(rows)} variants, runner {setup_s:.1f} s; trace {sum(trace):.2f} s "
-          f"(median {statistics.median(trace):.2f}), lower {sum(lower):.2f} s "
-          f"(median {statistics.median(lower):.2f})")
+    print(f"{args.model}: {len(rows)} variants, runner {setup_s:.1f} s; trace "
+          f"{total['trace_s']:.2f} s (median {statistics.median(r['trace_s'] for r in rows):.2f}),"
+          f" lower {total['lower_s']:.2f} s (median "
+          f"{statistics.median(r['lower_s'] for r in rows):.2f}); process CPU: trace "
+          f"{total['trace_cpu_s']:.2f} s, lower {total['lower_cpu_s']:.2f} s")
     if profiler is not None:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats(args.sort).print_stats(args.profile)
@@ -213,5 +219,5 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "engine": engine, "setup_s": setup_s, "rows": rows,
-                       "trace_s": sum(trace), "lower_s": sum(lower)}, f, indent=1)
+                       **total}, f, indent=1)
     return 0
