@@ -46,6 +46,10 @@ def add_parser(p) -> None:
                    help="print cProfile's top N functions by cumulative time")
     p.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"),
                    help="cProfile order (default: %(default)s)")
+    p.add_argument("--no-locations", action="store_true",
+                   help="lower without source locations (jax_traceback_in_locations_limit 0): "
+                        "kernels' IR then holds no file paths, so trees in two folders print "
+                        "equal digests for equal programs (times are then not the engine's)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
 
 
@@ -193,6 +197,9 @@ def run(args) -> int:
                                             "min_token_bucket", "max_model_len", "block_size",
                                             "num_kv_blocks")}
     profiler = cProfile.Profile() if args.profile else None
+    if args.no_locations:
+        import jax
+        jax.config.update("jax_traceback_in_locations_limit", 0)
     with as_on_gpu():
         t0 = time.perf_counter()
         runner = build_runner(args.model, args.dtype, **engine)

@@ -144,3 +144,19 @@ def test_program_ops_counts_calls_as_their_functions():
               for f in (nested, flat, other)]
     assert counts[0] == counts[1] != counts[2]
     assert counts[0]["stablehlo.multiply"] == 2
+
+
+def test_the_bench_prints_each_variant(tmp_path, capsys):
+    """`minipic-bench lower-time` end to end at a tiny shape: a row per warm-up variant with its
+    ops digest, the totals, and the JSON."""
+    import json
+
+    from benchmarks.cli import main
+    out = tmp_path / "lower.json"
+    assert main(["lower-time", "--model", "tiny_llama3", "--max-num-batched-tokens", "64",
+                 "--min-token-bucket", "64", "--max-model-len", "256", "--num-kv-blocks", "64",
+                 "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(r["ops_digest"] in "\n".join(lines) for r in rows)
+    assert lines[-1].startswith("tiny_llama3: 2 variants") and "process CPU" in lines[-1]
