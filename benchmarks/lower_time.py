@@ -14,7 +14,8 @@ checkpoint or span-map pool is made (a hybrid model's variants are those without
 
 Per variant it prints the seconds, the lowered text's custom calls and functions, and the
 program's ops as XLA sees them once it inlines nested jits (`program_ops`: their count and a
-digest, so two trees that lower the same program print the same digests). `--profile N` prints
+digest, so two trees that lower the same program print the same digests when run from the same
+folder with --no-locations: kernels embed source paths and lines). `--profile N` prints
 cProfile's top N functions (`--sort`) over every trace and lower.
 """
 
@@ -47,9 +48,10 @@ def add_parser(p) -> None:
     p.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"),
                    help="cProfile order (default: %(default)s)")
     p.add_argument("--no-locations", action="store_true",
-                   help="lower without source locations (jax_traceback_in_locations_limit 0): "
-                        "kernels' IR then holds no file paths, so trees in two folders print "
-                        "equal digests for equal programs (times are then not the engine's)")
+                   help="lower without source locations (jax_traceback_in_locations_limit 0) "
+                        "for digests that do not depend on line numbers (times are then not "
+                        "the engine's); Mosaic kernels still embed file paths: run two trees "
+                        "from one folder to compare their digests")
     p.add_argument("--json", default=None, help="also write the figures to this file")
 
 
@@ -155,7 +157,9 @@ def program_ops(text: str) -> collections.Counter:
     jit) counted as that function's ops, as XLA sees the program once it inlines the calls:
     op name -> count, each custom call (a kernel) keyed by its target and a digest of its
     attributes (the kernel's IR, grid, options; SSA names left out). Two modules with the same
-    counts run the same ops and the same kernels, however the calls were nested."""
+    counts run the same ops and the same kernels, however the calls were nested. A kernel's IR
+    holds its source file paths (and, unless lowered without locations, lines): compare two
+    trees' digests run from the same folder."""
     funcs: dict = {}
     body = None
     for line in text.splitlines():
