@@ -1,11 +1,13 @@
 #!/bin/bash
 # Next device call, session 19 "lower": the K/V write and the GDN prefill kernels under their own jit
-# (traced and lowered once per step variant, not per layer). One call (~8 min on the H100):
+# (traced and lowered once per step variant, not per layer), and each variant compiled as soon as it
+# is lowered. One call (~7 min on the H100; ROUNDS=2 needs a second call's time):
 #   1. the compiled tests of the two wrapped paths (write_kv, GDN ragged prefill, the engine's GDN
 #      kernel, test_step_lowering) (~2 min);
 #   2. the decode bench's warm-up (llama3_8b, 10 variants) on the tree before (6241c40) and this
-#      one, alternating, 2 rounds: the `start-up:` line (trace / lower / compile / store) and the
-#      decode step (must stay within noise: the program is the same, test_step_lowering.py).
+#      one, alternating: the `start-up:` line (trace / lower / compile / store; compile is now the
+#      wait after the last lowering) and the decode step (must stay within noise: the program is
+#      the same, test_step_lowering.py).
 # usage: OUT=$OUT bash benchmarks/runs/lower_next_device.sh   (needs .git, or BEFORE_TGZ= a git
 # archive of 6241c40 carried)
 set -u
@@ -20,7 +22,7 @@ MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -o addopt
   tests/test_engine_gdn_kernel.py tests/test_step_lowering.py > "$OUT/compiled_tests.txt" 2>&1
 echo "compiled tests rc=$?"; grep -E "^(FAILED|ERROR) " "$OUT/compiled_tests.txt" | head; tail -1 "$OUT/compiled_tests.txt"
 B="python3 -m benchmarks.cli engine --max-num-batched-tokens 512 --min-token-bucket 128 --skip-run --batch ${BATCH:-64}"
-for round in $(seq ${ROUNDS:-2}); do
+for round in $(seq ${ROUNDS:-1}); do
   for tree in before after; do  # a fresh persistent cache each run: every variant compiled
     dir=$PWD; [ $tree = before ] && dir=/tmp/before
     (cd $dir && PYTHONPATH=$dir JAX_COMPILATION_CACHE_DIR=/tmp/jcc_${tree}_$round timeout 150 \
