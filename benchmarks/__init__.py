@@ -1,6 +1,7 @@
 """minipic-bench: cli.py and one module per subcommand (`attention`, `engine`, `gdn`, `planner`,
 `hybrid-cache`, `hybrid-step`, `hybrid-spans` (hybrid_span_request.py), `rag`, `route`,
-`write-kv`, `train`, `block-ft`, `rl`, `cpu-vs-hf`);
+`write-kv`, `train`, `block-ft`, `rl`, `cpu-vs-hf`, `lower-time` (lower_time.py: the step
+variants' trace and lower for CUDA on this CPU));
 a subcommand's parts in files named after it (attention_decode.py, engine_host.py, ...).
 Standalone: kv_store_bench.py, cached_span_attention.py, span_step_ops.py, rag_steps.py,
 page_zeroing_cost.py, cached_admission.py, free_room_ab.py, live_bytes.py (device memory by

@@ -46,6 +46,9 @@ COMMANDS = {
                  "synthetic multi-document task: full attention vs Block-Attention vs block FT"),
     "cpu-vs-hf": ("benchmarks.cpu_vs_hf",
                   "CPU: this engine vs HF transformers, same weights, prompts, threads, float32"),
+    "lower-time": ("benchmarks.lower_time",
+                   "trace and lower (for CUDA, on this CPU) of the engine's step variants at a "
+                   "preset's shape, abstract weights; cProfile top list"),
     "train": ("benchmarks.train_bench",
               "block fine-tuning step at a ~1B Llama shape: tokens/s and MFU vs a measured matmul"),
     "rl": ("benchmarks.rl_bench",

@@ -87,3 +87,33 @@ def test_the_step_cache_environment_variable_is_no_longer_read(monkeypatch, tmp_
     assert executable_store.store_folder("off") is None
     monkeypatch.setattr(executable_store, "DEFAULT_SETTING", "off")
     assert executable_store.store_folder(None) is None
+
+
+def test_a_variant_compiles_while_the_next_is_traced(monkeypatch):
+    """prepare hands each lowered variant to a compile thread before tracing the next (XLA
+    compiles off the GIL while Python lowers: the warm-up's compile no longer waits for every
+    lowering). The second variant's trace waits (at most 10 s) for the first compile to start."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from serving.step.step_executables import StepExecutables
+
+    started, seen = threading.Event(), []
+    compile_ = jax.stages.Lowered.compile
+
+    def compile_spy(self, *args, **kwargs):
+        started.set()
+        return compile_(self, *args, **kwargs)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_spy)
+
+    def fun(x, *, scale=2):
+        if scale == 3:  # traced second
+            seen.append(started.wait(10))
+        return x * scale
+    steps = StepExecutables(fun, signature_of=fun, donate_argnums=())
+    steps.prepare([((jnp.ones(3),), {"scale": 2}), ((jnp.ones(3),), {"scale": 3})])
+    assert seen == [True]
+    assert steps.counts["compiled"] == 2
+    np.testing.assert_array_equal(steps(jnp.ones(3), scale=3), np.full(3, 3.0))

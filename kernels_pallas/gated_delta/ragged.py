@@ -15,6 +15,8 @@ instead (no chunk padding).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -167,6 +169,17 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
                                final_of, packing)
 
 
+@functools.partial(jax.jit, static_argnames=("run", "options"))
+def _packed_once(*args, run, options):
+    """`run` (ragged_triton.packed_gated_delta, read at the call: benchmarks swap it) compiled,
+    under its own jit: the GDN layers of a step call it with the same shapes, so its three
+    kernels are traced and lowered once per step variant and each layer calls that one function
+    (XLA inlines the call: the same program). Traced per layer they were most of Qwen3.5's
+    trace and lower time on the host (benchmarks/lower_time.py)."""
+    *arrays, n_used = args
+    return run(*arrays, interpret=False, n_used=n_used, **dict(options))
+
+
 def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -> int:
     """Static bound on the packed chunks of a ragged batch (module doc)."""
     if aligned:  # sum ceil(len / C) <= (sum len + S (C - 1)) / C
@@ -203,9 +216,15 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
         packed = [take_rows(x, pk["src"])[None] for x in (q, k, v, g, beta)]
         bounds = final_bound if ck_bound is None else jnp.concatenate(
             [final_bound, ck_bound.reshape(-1)])
-        out, bound_states = ragged_triton.packed_gated_delta(
-            *packed, pk["restart"], seq_state, state0, bounds, scale=scale, chunk=chunk,
-            interpret=interpret, n_used=pk["n_used"], **KERNEL_OPTIONS[implementation])
+        args = (*packed, pk["restart"], seq_state, state0, bounds)
+        options = dict(scale=scale, chunk=chunk, **KERNEL_OPTIONS[implementation])
+        if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
+            out, bound_states = ragged_triton.packed_gated_delta(
+                *args, interpret=True, n_used=pk["n_used"], **options)
+        else:
+            out, bound_states = _packed_once(*args, pk["n_used"],
+                                             run=ragged_triton.packed_gated_delta,
+                                             options=tuple(sorted(options.items())))
         out = take_rows(out[0], pk["dest"])
         n_fin = fin.shape[0]
         final = jnp.where(has[:, None, None, None], bound_states[:n_fin], state0_fin)

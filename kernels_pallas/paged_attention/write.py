@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -74,5 +75,18 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, implementation: str | None
     impl, opts = registry.choose("write_kv", WRITE, auto_order(problem), problem,
                                  implementation or "auto", options)
     interpret = interpret or (impl.backend != "xla" and problem.platform == "cpu")
+    if problem.platform == "gpu" and not interpret:
+        return _write_once(k_pages, v_pages, k, v, slot_mapping, name=impl.name, options=opts)
     return impl.run(k_pages, v_pages, k, v, slot_mapping, interpret=interpret,
                     **impl.kwargs(opts))
+
+
+@functools.partial(jax.jit, static_argnames=("name", "options"))
+def _write_once(k_pages, v_pages, k, v, slot_mapping, *, name, options):
+    """The write under its own jit, as paged_attention's kernels (api._run_once): a model's
+    layers call it with the same shapes, so it is traced and lowered once per step variant and
+    each layer calls that one function (XLA inlines the call: the same program). Traced per
+    layer, the Triton write was a third of the 8B step's trace and lower time on the host
+    (benchmarks/lower_time.py)."""
+    impl = WRITE[name]
+    return impl.run(k_pages, v_pages, k, v, slot_mapping, interpret=False, **impl.kwargs(options))
