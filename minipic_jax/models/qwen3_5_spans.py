@@ -160,16 +160,17 @@ def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int, piece_entry=None
     src = jnp.zeros(n_rows, jnp.int32).at[jnp.where(span, before[:-1], n_rows)].set(
         rows, mode="drop")  # compact row j <- row src[j] (past the span rows: none read)
     cu = before[pieces.piece_cu]  # the pieces' span rows only
+    bound = pieces.local_chunks  # the host's promise (SpanPieces): the stream's size is work
     if pieces.capture is not None:
         plain, sel = maps_packing(cu, n_rows, pieces.capture, fin, chunk=chunk, source_rows=src,
-                                  n_source=n_rows)
+                                  n_source=n_rows, max_chunks=bound)
         if piece_entry is not None:  # a piece's initial state: 0 zero, 1 + m capture m's entry B
             e = piece_entry[plain["seq_of_chunk"]]
             plain = dict(plain, seq_of_chunk=jnp.where(e >= 0, 1 + e, 0).astype(jnp.int32))
         return plain, sel
     n = pieces.piece_cu.shape[0] - 1
     return ragged_packing(cu, jnp.zeros(n, jnp.int32), n_rows, chunk=chunk, aligned=True,
-                          final_of=fin, source_rows=src, n_source=n_rows)
+                          final_of=fin, source_rows=src, n_source=n_rows, max_chunks=bound)
 
 
 def local_window(mixed, plan):
