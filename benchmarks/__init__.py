@@ -2,8 +2,9 @@
 `hybrid-cache`, `hybrid-step`, `hybrid-spans` (hybrid_span_request.py), `rag`, `route`,
 `write-kv`, `train`, `block-ft`, `rl`, `cpu-vs-hf`);
 a subcommand's parts in files named after it (attention_decode.py, engine_host.py, ...).
-Standalone: kv_store_bench.py, cached_span_attention.py, span_step_ops.py, rag_steps.py,
-page_zeroing_cost.py, cached_admission.py, free_room_ab.py (python -m benchmarks.<name>).
+Standalone: kv_store_bench.py, cached_span_attention.py, span_step_ops.py, span_step_work.py,
+rag_steps.py, page_zeroing_cost.py, cached_admission.py, free_room_ab.py (python -m
+benchmarks.<name>).
 Shared: timing.py, engine_args.py (one flag and help per engine option), compile_counter.py (XLA
 compiles apart from persistent-cache loads). Workloads from shipped data in data/.
 Figures: RESULTS.md; their raw data: runs/; the past: history/ (its README.md indexes it).
