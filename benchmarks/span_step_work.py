@@ -16,7 +16,9 @@ Each is compiled for the CPU with the GDN kernels replaced by opaque callbacks, 
 `compiled.cost_analysis()` gives the XLA work around the kernels (flops, bytes accessed); the
 kernels' own work is counted from the chunks they run (`kernel_work`: the Triton pipeline's dots
 and stream reads per used chunk) and the packed buffers they are handed (`packed rows`: the
-static stream the XLA gathers fill, against the rows that hold tokens). Steps are built with 1
+static stream the XLA gathers fill, against the rows that hold tokens). `warm`'s XLA bytes include
+the span-map pool's scatter, which the CPU's cost analysis counts as the whole pool (POOL_SLOTS
+slots; in place on a GPU, where only the stored maps are written). Steps are built with 1
 and 2 GDN layers (+ 1 attention layer); the difference is one GDN layer, and `step` extrapolates
 to the model's 18.
 
