@@ -3,7 +3,7 @@ span step's extra cost goes). Its packed stream used to be sized for every piece
 bound padded to a chunk (165 chunks = 10,560 rows at the rag bench's 1,024 tokens and 16 seats,
 for ~1,000 span rows); its XLA gathers and buffers cost the whole stream in every GDN layer. Now
 the scheduler keeps each chunk's span pieces within LOCAL_SLACK chunks of its rows
-(span_rows.cut_local), so a step's fit `local_chunk_bound` (64 chunks there), which the runner
+(span_rows.cut_local), so a step's fit `local_chunk_bound` (72 chunks there), which the runner
 checks and the model's packing takes (SpanPieces.local_chunks), with the same outputs."""
 
 from __future__ import annotations
@@ -54,6 +54,19 @@ def test_a_chunk_of_many_short_spans_is_cut_before_the_span_that_overflows():
     assert end == 31 and kept.tolist() == rest.tolist()
 
 
+def test_rag_passages_never_cut_however_they_align():
+    """rag's span pieces are an SSEP and 128 passage tokens: 129 rows, 3 chunks of 64 each (one
+    row past two). Seven of them in one 910-row chunk take 21 chunks; 910 rows may give 15 + 2 +
+    7: no cut, so the rag bench schedules as before (with LOCAL_SLACK alone, 17, it cut)."""
+    passage = [SSEP] + [9] * 128 + [PAD] * 3  # 33 blocks of 4
+    seq = _seq([5, 6, 7, 8] + passage * 7 + [PDEP, 3, 4])
+    idx = np.flatnonzero(~seq.layout.is_pad)
+    assert idx.size == 4 + 7 * 129 + 3
+    assert span_rows.local_chunks(seq, idx, BS) == 21
+    got, frontier = span_rows.cut_chunk(seq, idx, len(seq.layout.is_pad), BS)
+    assert got.size == idx.size and frontier == len(seq.layout.is_pad)
+
+
 def _entry(seq, idx):
     return types.SimpleNamespace(seq=seq, token_idx=np.asarray(idx), map_chain=(), map_caps=())
 
@@ -93,8 +106,8 @@ def _pieces(rng, t: int, s: int, g: int, longest: int):
 
 def test_the_rag_step_hands_the_local_pass_its_bound_not_the_piece_bound():
     """At the rag bench's step (1,024 rows, 16 sequences) the runner's pieces size the local
-    pass's packed stream at local_chunk_bound = 16 + 3 x 16 chunks (4,096 rows, was 165 chunks:
-    10,560 rows), and with captures both passes (maps_packing)."""
+    pass's packed stream at local_chunk_bound = 16 + 3 x 16 + 1024 / 128 chunks (4,608 rows, was
+    165 chunks: 10,560 rows), and with captures both passes (maps_packing)."""
     t, s, g = 1024, 16, span_step.piece_bound(1024, 16)
     pieces, cu = _pieces(np.random.default_rng(0), t, s, g, 20)
     f = dict(row_span=pieces.row_span, piece_cu=pieces.piece_cu,
@@ -102,13 +115,13 @@ def test_the_rag_step_hands_the_local_pass_its_bound_not_the_piece_bound():
              cap_slot=jnp.full(8, -1, jnp.int32), cap_cont=jnp.zeros(8, jnp.int32))
     maps = types.SimpleNamespace(a=jnp.zeros((2, 1, 1, 1, 1)), b=jnp.zeros((2, 1, 1, 1, 1)),
                                  tail=jnp.zeros((2, 1, 1, 1)), count=jnp.zeros(2, jnp.int32))
-    assert span_rows.local_chunk_bound(t, s) == 64
+    assert span_rows.local_chunk_bound(t, s) == 72
     for warm in (False, True):
         plan = qwen3_5_spans.prepare(span_step.pieces(f, maps, warm, t, s), cu, t, 4, 64)
         plain = plan["packings"][0] if warm else plan["packings"]
-        assert plain["src"].shape == (64 * 64,)
+        assert plain["src"].shape == (72 * 64,)
         if warm:
-            assert plan["packings"][1]["src"].shape[0] <= 64 * 64
+            assert plan["packings"][1]["src"].shape[0] <= 72 * 64
     old = qwen3_5_spans.prepare(pieces, cu, t, 4, 64)["packings"]
     assert old["src"].shape == (165 * 64,)
 

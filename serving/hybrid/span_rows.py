@@ -16,11 +16,17 @@ import numpy as np
 
 # The local pass pads each span piece to whole chunks (the GDN kernels' chunk, qwen3_5.CHUNK), and
 # its packed stream is static: its XLA gathers and buffers cost the stream, not the rows in it. A
-# chunk's span pieces may take at most LOCAL_SLACK chunks more than its rows would packed alone
+# chunk of r rows may give its span pieces LOCAL_SLACK + r // (2 C) chunks more than ceil(r / C)
 # (`cut_local`), so a step's take at most `local_chunk_bound` (over its chunks, sum ceil(r / C) <=
 # ceil(T / C) + S - 1). A chunk of LOCAL_SLACK + 1 span pieces or fewer always fits (k ceilings
-# sum to at most the ceiling of the sum + k - 1); rag's 128-token passages fill whole chunks.
+# sum to at most the ceiling of the sum + k - 1), and so does one whose pieces hold 2 C rows or
+# more each, however they align (rag's pieces: SSEP + 128 passage tokens = 129 rows, 3 chunks).
 LOCAL_CHUNK, LOCAL_SLACK = 64, 2
+
+
+def _local_budget(rows: int, chunk: int) -> int:
+    """The chunks a chunk of `rows` rows may give its span pieces (module comment)."""
+    return -(-rows // chunk) + LOCAL_SLACK + rows // (2 * chunk)
 
 
 def span_intervals(layout, block_size: int, num_prompt_tokens: int):
@@ -81,7 +87,7 @@ def _cut_spans(seq, idx, frontier: int, block_size: int, split):
 def local_chunk_bound(t: int, s: int, chunk: int = LOCAL_CHUNK) -> int:
     """Static bound on the local pass's packed chunks in a step of t rows and s sequences
     (SpanPieces.local_chunks), given every chunk keeps `cut_local`'s rule."""
-    return -(-t // chunk) + (1 + LOCAL_SLACK) * s
+    return -(-t // chunk) + (1 + LOCAL_SLACK) * s + t // (2 * chunk)
 
 
 def _span_pieces(seq, idx, block_size: int) -> list[int]:
@@ -103,11 +109,11 @@ def local_chunks(seq, idx, block_size: int, chunk: int = LOCAL_CHUNK) -> int:
 
 
 def cut_local(seq, idx, frontier: int, block_size: int, chunk: int = LOCAL_CHUNK):
-    """(idx, frontier), cut before a span start if its span pieces would take more than
-    LOCAL_SLACK chunks beyond ceil(rows / chunk) (many short spans in one chunk): the longest
-    prefix that fits, ending before a span start (LOCAL_SLACK + 1 pieces always fit)."""
+    """(idx, frontier), cut before a span start if its span pieces would take more chunks than
+    its rows may (`_local_budget`: many short spans in one chunk): the longest prefix that fits,
+    ending before a span start (LOCAL_SLACK + 1 pieces always fit)."""
     def fits(rows):
-        return local_chunks(seq, rows, block_size, chunk) <= -(-rows.size // chunk) + LOCAL_SLACK
+        return local_chunks(seq, rows, block_size, chunk) <= _local_budget(rows.size, chunk)
     if fits(idx):
         return idx, frontier
     lo = int(idx[0])
