@@ -117,7 +117,7 @@ def local_chunks(piece, span_row, chunk: int = span_rows.LOCAL_CHUNK) -> int:
 
 def pieces(f, maps, warm: bool, t: int, s: int) -> SpanPieces:
     """The step's SpanPieces from its int fields (traced); warm: with the span-map pool's capture
-    and entry fields. The local pass is sized by local_chunk_bound(t, s), which fill_rows checked."""
+    and entry fields. The local pass is sized by local_chunk_bound(t, s) (fill_rows checked)."""
     return SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
                       carry_local=f["carry_local"] > 0, capture=f["cap_piece"] if warm else None,
                       entry=entry(maps, f) if warm else None,
