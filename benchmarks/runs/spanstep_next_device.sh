@@ -5,10 +5,11 @@
 #   bash benchmarks/runs/spanstep_next_device.sh pic_off   # the prefix-caching anchor (either tree), ~4 min
 # "before" is the tree before s19-spanstep (the local pass's packed stream sized for every piece of
 # the piece bound: 165 chunks = 10,560 rows per GDN layer at 1,024 tokens x 16 seats); "after" this
-# tree (local_chunk_bound: 64 chunks = 4,096 rows; benchmarks/span_step_work.py counts both on CPU).
-# Read: per workload req/s, computed tokens and ms/step of fcfs (before, after) against pic_off; the
-# compose line (its share of the warm step, goal <= 5%). Same step and token counts before and after
-# are expected on rag (its 128-token passages never cut: span_rows.cut_local).
+# tree (local_chunk_bound: 72 chunks = 4,608 rows; one conv window per row; the map store without a
+# transposed copy; benchmarks/span_step_work.py counts both on CPU). Read: per workload req/s,
+# computed tokens and ms/step of fcfs (before, after) against pic_off; the compose line (its share
+# of the warm step, goal <= 5%). Same steps and tokens before and after (the CPU run of these flags
+# on tiny_qwen3_5: multi 26 steps, 30,336 cached; zipf 41, 14,928 in both trees; same greedy tokens).
 # Needs .git in the device copy (git archive), or BEFORE_TGZ= a git archive of 6241c40.
 # CPU check (~3 min): JAX_PLATFORMS=cpu MODEL=tiny_qwen3_5 DTYPE=float32 NREQ=8 bash <this> fcfs
 set -u
