@@ -11,13 +11,13 @@
 # of the warm step, goal <= 5%). Same steps and tokens before and after (the CPU run of these flags
 # on tiny_qwen3_5: multi 26 steps, 30,336 cached; zipf 41, 14,928 in both trees; same greedy tokens).
 # Needs .git in the device copy (git archive), or BEFORE_TGZ= a git archive of 6241c40.
-# CPU check (~3 min): JAX_PLATFORMS=cpu MODEL=tiny_qwen3_5 DTYPE=float32 NREQ=8 bash <this> fcfs
+# CPU check (~3 min): PYTHON=/work/main/.venv/bin/python JAX_PLATFORMS=cpu MODEL=tiny_qwen3_5 DTYPE=float32 NREQ=8 bash <this> fcfs
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jcc_spanstep}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/before
 BEFORE=6241c40
-R="python3 -m benchmarks.cli rag --model ${MODEL:-qwen3_5_0_8b} --dtype ${DTYPE:-bfloat16}
+R="${PYTHON:-python3} -m benchmarks.cli rag --model ${MODEL:-qwen3_5_0_8b} --dtype ${DTYPE:-bfloat16}
   --num-requests ${NREQ:-24} --passage-tokens 128 --max-num-batched-tokens 1024 --min-token-bucket 1024
   --max-num-seqs ${SEATS:-16} --max-model-len 4096 --num-kv-blocks 4096 --workloads multi zipf
   --modes offline --max-tokens 8"
@@ -33,4 +33,4 @@ pic_off)
   timeout ${LIMIT:-280} $R --configs pic_off --out "$OUT/rag_pic_off" > "$OUT/rag_pic_off.txt" 2>&1;;
 esac
 for f in "$OUT"/rag_*.txt; do echo "-- $f"; grep -E "requests/s|compose|rror" "$f" | cut -c1-300 | tail -8; done
-python3 benchmarks/runs/rag_table.py --root "$OUT" before after pic_off  # steps, ms/step, computed
+${PYTHON:-python3} benchmarks/runs/rag_table.py --root "$OUT" before after pic_off  # steps, ms/step, computed
