@@ -3,9 +3,9 @@
 `write-kv`, `train`, `block-ft`, `rl`, `cpu-vs-hf`, `lower-time` (lower_time.py: the step
 variants' trace and lower for CUDA on this CPU));
 a subcommand's parts in files named after it (attention_decode.py, engine_host.py, ...).
-Standalone: kv_store_bench.py, cached_span_attention.py, span_step_ops.py, rag_steps.py,
-page_zeroing_cost.py, cached_admission.py, free_room_ab.py, live_bytes.py (device memory by
-owner per stage of the engine bench) (python -m benchmarks.<name>).
+Standalone: kv_store_bench.py, cached_span_attention.py, span_step_ops.py, span_step_work.py,
+rag_steps.py, page_zeroing_cost.py, cached_admission.py, free_room_ab.py, live_bytes.py (device
+memory by owner per stage of the engine bench) (python -m benchmarks.<name>).
 Shared: timing.py, engine_args.py (one flag and help per engine option), compile_counter.py (XLA
 compiles apart from persistent-cache loads). Workloads from shipped data in data/.
 Figures: RESULTS.md; their raw data: runs/; the past: history/ (its README.md indexes it).

@@ -50,6 +50,10 @@ class SpanPieces:
     # (the maps' own), and the span-map pool's a [P, Lg, Hv, Dk, Dk], b [P, Lg, Hv, Dk, Dv], tail
     # [P, Lg, C, Kc-1] (each layer gathers its rows); None: every capture starts at zero
     entry: dict | None = None
+    # static: the most packed chunks the local pass's span rows take (each piece padded to whole
+    # chunks); the host promises the step fits (serving/hybrid/span_rows.local_chunk_bound, kept
+    # by the scheduler's cut and checked by the runner). None: the worst case of piece_cu's bound
+    local_chunks: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @runtime_checkable

@@ -160,13 +160,14 @@ def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, packing
 
 
 def maps_packing(cu_q_lens, n_tokens: int, select=None, final_of=None, *, chunk: int = 64,
-                 source_rows=None, n_source: int | None = None):
+                 source_rows=None, n_source: int | None = None, max_chunks: int | None = None):
     """ragged_maps' two packings (ragged.packing, aligned zero starts): the plain pass's and the
     transition pass's (over the `select`ed sequences' rows only), from the batch's metadata
     alone, so a caller running several layers computes them once. source_rows, n_source: the
-    batch's rows in a larger stream (ragged.packing)."""
+    batch's rows in a larger stream (ragged.packing). max_chunks: ragged.packing's, for both
+    passes (the selected pieces are some of the batch's)."""
     seqs = cu_q_lens.shape[0] - 1
-    kw = dict(chunk=chunk, aligned=True, n_source=n_source)
+    kw = dict(chunk=chunk, aligned=True, n_source=n_source, max_chunks=max_chunks)
     plain = ragged_packing(cu_q_lens, jnp.zeros(seqs, jnp.int32), n_tokens, final_of=final_of,
                            source_rows=source_rows, **kw)
     if select is None:

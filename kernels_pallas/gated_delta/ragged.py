@@ -46,7 +46,8 @@ def _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks):
 
 
 def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = False,
-            final_of=None, source_rows=None, n_source: int | None = None):
+            final_of=None, source_rows=None, n_source: int | None = None,
+            max_chunks: int | None = None):
     """Everything ragged_prefill derives from the batch's metadata alone, for callers that run
     several layers over the same rows: compute it once per step and pass it as `packing`.
 
@@ -55,6 +56,9 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
       of n_source rows that the layer holds (a gather of rows folded into the packing: the layer
       passes the stream's [n_source] arrays, and the output comes back in the stream's rows,
       zeros where no batch row comes from).
+    max_chunks: None, or a static bound on the packed chunks tighter than `packed_chunks`'s worst
+      case, which the caller promises the batch fits (the XLA gathers fill the whole packed
+      stream, so its size is work; tokens past it are lost: callers check on the host).
     Returns a dict of int32 / bool arrays: src [NC*C] (the row each packed slot reads; out of
     range: a no-op slot), dest [n_source] (the slot each row's output is in; out of range: none),
     restart, seq_of_chunk [NC], fin, final_bound, has_final [K or S], n_used (scalar), lens,
@@ -63,6 +67,8 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     seqs = cu_q_lens.shape[0] - 1
     n_chunks = packed_chunks(n_tokens, seqs, chunk, aligned)
+    if max_chunks is not None:
+        n_chunks = max(1, min(n_chunks, int(max_chunks)))
     pk = _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks)
     size = n_chunks * chunk
     rows = jnp.arange(n_tokens, dtype=jnp.int32)

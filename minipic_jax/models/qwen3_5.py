@@ -87,12 +87,15 @@ def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces) ->
     (RecurrentMetadata.decode): no conditional per GDN layer."""
     cu, n_rows = metadata.cu_q_lens, metadata.num_tokens
     seq_of_row = qwen3_5_gdn.rows_of_seqs(cu, n_rows)
+    k1 = cfg.linear_conv_kernel_dim - 1
+    conv_idx = qwen3_5_gdn.conv_index(cu, pos0, seq_of_row, k1, checkpoint_at)
+    pieces = None
+    if span_pieces is not None:  # one conv window per row (the piece's or the flow's)
+        pieces = qwen3_5_spans.with_windows(qwen3_5_spans.prepare(
+            span_pieces, cu, n_rows, k1 + 1, CHUNK), conv_idx["rows"], cu.shape[0] - 1, k1)
     return dict(checkpoint_at=checkpoint_at, decode=decode, seq_of_row=seq_of_row,
                 packing=None if decode else ragged_packing(cu, pos0, n_rows, chunk=CHUNK),
-                conv_idx=qwen3_5_gdn.conv_index(cu, pos0, seq_of_row,
-                                                cfg.linear_conv_kernel_dim - 1, checkpoint_at),
-                pieces=None if span_pieces is None else qwen3_5_spans.prepare(
-                    span_pieces, cu, n_rows, cfg.linear_conv_kernel_dim, CHUNK))
+                conv_idx=conv_idx, pieces=pieces)
 
 
 def _attention_mix(attend, pages, cfg):

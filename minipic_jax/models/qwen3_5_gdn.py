@@ -165,17 +165,18 @@ class GatedDeltaNet(nnx.Module):
             conv_idx = conv_index(cu_q_lens, pos0, seq_of_row, kc - 1, checkpoint_at)
         if isinstance(pieces, SpanPieces):
             pieces = qwen3_5_spans.prepare(pieces, cu_q_lens, n_tokens, kc)
+        if pieces is not None and "window_rows" not in pieces:
+            pieces = qwen3_5_spans.with_windows(pieces, conv_idx["rows"], conv0.shape[0], kc - 1)
         mixed = jnp.einsum("te,ec->tc", h, self.w_qkv[...])  # [T, C]
         z = jnp.einsum("te,ehv->thv", h, self.w_z[...])  # [T, Hv, Dv]
         b = jnp.einsum("te,eh->th", h, self.w_b[...])  # [T, Hv]
         a = jnp.einsum("te,eh->th", h, self.w_a[...])  # [T, Hv]
         conv_w = self.conv_w[...]  # [C, Kc]
-        conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row,
-                               conv_idx["rows"])
-        if pieces is not None:  # span rows: their piece's window (zeros before the span start)
-            conv_out = jnp.where(pieces["row_span"][:, None],
-                                 conv_silu(qwen3_5_spans.local_window(mixed, pieces), conv_w),
-                                 conv_out)
+        if pieces is None:
+            conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row,
+                                   conv_idx["rows"])
+        else:  # span rows: their piece's window (zeros before the span start); others the flow's
+            conv_out = conv_silu(qwen3_5_spans.window(mixed, conv0, pieces), conv_w)
         # whole on every device under TP (the rules keep [q | k | v] whole): a split over the
         # channels made the q / k L2 norms cross devices (kernels_pallas/sharding.whole)
         conv_out = whole(conv_out.astype(h.dtype))

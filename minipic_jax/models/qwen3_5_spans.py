@@ -160,16 +160,42 @@ def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int, piece_entry=None
     src = jnp.zeros(n_rows, jnp.int32).at[jnp.where(span, before[:-1], n_rows)].set(
         rows, mode="drop")  # compact row j <- row src[j] (past the span rows: none read)
     cu = before[pieces.piece_cu]  # the pieces' span rows only
+    bound = pieces.local_chunks  # the host's promise (SpanPieces): the stream's size is work
     if pieces.capture is not None:
         plain, sel = maps_packing(cu, n_rows, pieces.capture, fin, chunk=chunk, source_rows=src,
-                                  n_source=n_rows)
+                                  n_source=n_rows, max_chunks=bound)
         if piece_entry is not None:  # a piece's initial state: 0 zero, 1 + m capture m's entry B
             e = piece_entry[plain["seq_of_chunk"]]
             plain = dict(plain, seq_of_chunk=jnp.where(e >= 0, 1 + e, 0).astype(jnp.int32))
         return plain, sel
     n = pieces.piece_cu.shape[0] - 1
     return ragged_packing(cu, jnp.zeros(n, jnp.int32), n_rows, chunk=chunk, aligned=True,
-                          final_of=fin, source_rows=src, n_source=n_rows)
+                          final_of=fin, source_rows=src, n_source=n_rows, max_chunks=bound)
+
+
+def with_windows(plan, flow_index, n_seqs: int, k1: int):
+    """plan with "window_rows" [T, Kc]: each row's conv window, oldest first, as rows of
+    `window_source` (the stream, then the K1 conv-state rows of each sequence, then zeros): a
+    span row's inside its piece (`local_window`'s), any other row's the flow's (the conv state
+    before the step, then the step's rows: qwen3_5_gdn.read_history's `flow_index`). Metadata
+    only (once per step), so a layer gathers one window per row and runs one conv, not both
+    over every row."""
+    rows, seq, col, from_x = flow_index
+    n_rows = rows.shape[0]
+    length = n_rows + (plan["entry_use"].shape[0] * k1 if "entry" in plan else 0)
+    zero = length + n_seqs * k1  # out of range: a zero row
+    flow = jnp.concatenate([jnp.where(from_x, rows, length + seq * k1 + col),
+                            jnp.arange(n_rows, dtype=jnp.int32)[:, None]], axis=1)
+    local = jnp.where(plan["conv_rows"] >= length, zero, plan["conv_rows"])
+    return dict(plan, window_rows=jnp.where(plan["row_span"][:, None], local, flow).astype(
+        jnp.int32))
+
+
+def window(mixed, conv0, plan):
+    """[T, C, Kc] every row's conv window (`with_windows`): one gather from the step's layer
+    inputs (and entry tails) and the conv states conv0 [S, C, K1]."""
+    old = jnp.swapaxes(conv0, 1, 2).reshape(-1, conv0.shape[1]).astype(mixed.dtype)
+    return _window(jnp.concatenate([stream(mixed, plan), old], axis=0), plan["window_rows"])
 
 
 def local_window(mixed, plan):

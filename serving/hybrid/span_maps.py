@@ -75,13 +75,16 @@ def store(pool: SpanMapPool, slot, a, b, tail, count) -> SpanMapPool:
     """Write the maps of S spans into their slots (slot [S] int32, -1 = skip).
 
     a [Lg, S, Hv, Dk, Dk], b [Lg, S, Hv, Dk, Dv], tail [Lg, S, C, K1], count [S] (layer-major, as
-    the model returns per-layer states)."""
-    p = pool.a.shape[0]
-    dest = jnp.where(slot >= 0, slot, p)  # out of range: dropped
-    put = lambda buf, x: buf.at[dest].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
-    return SpanMapPool(a=put(pool.a, jnp.moveaxis(a, 0, 1)), b=put(pool.b, jnp.moveaxis(b, 0, 1)),
-                       tail=put(pool.tail, jnp.moveaxis(tail, 0, 1)),
-                       count=put(pool.count, count))
+    the model returns per-layer states). Each map is scattered to (slot, layer) straight from
+    the layer-major arrays: no [S, Lg, ...] transposed copy (a warm step stores MAX_CAPTURES
+    maps of every GDN layer, captured or not: 151 MB of A for Qwen3.5-0.8B)."""
+    p, lg = pool.a.shape[0], a.shape[0]
+    dest = jnp.where(slot >= 0, slot, p)[None, :]  # out of range: dropped
+    layer = jnp.arange(lg, dtype=jnp.int32)[:, None]
+    put = lambda buf, x: buf.at[dest, layer].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
+    return SpanMapPool(a=put(pool.a, a), b=put(pool.b, b), tail=put(pool.tail, tail),
+                       count=pool.count.at[dest[0]].set(count.astype(pool.count.dtype),
+                                                        mode="drop"))
 
 
 def chain_lengths(slots):

@@ -14,6 +14,20 @@ from __future__ import annotations
 
 import numpy as np
 
+# The local pass pads each span piece to whole chunks (the GDN kernels' chunk, qwen3_5.CHUNK), and
+# its packed stream is static: its XLA gathers and buffers cost the stream, not the rows in it. A
+# chunk of r rows may give its span pieces LOCAL_SLACK + r // (2 C) chunks more than ceil(r / C)
+# (`cut_local`), so a step's take at most `local_chunk_bound` (over its chunks, sum ceil(r / C) <=
+# ceil(T / C) + S - 1). A chunk of LOCAL_SLACK + 1 span pieces or fewer always fits (k ceilings
+# sum to at most the ceiling of the sum + k - 1), and so does one whose pieces hold 2 C rows or
+# more each, however they align (rag's pieces: SSEP + 128 passage tokens = 129 rows, 3 chunks).
+LOCAL_CHUNK, LOCAL_SLACK = 64, 2
+
+
+def _local_budget(rows: int, chunk: int) -> int:
+    """The chunks a chunk of `rows` rows may give its span pieces (module comment)."""
+    return -(-rows // chunk) + LOCAL_SLACK + rows // (2 * chunk)
+
 
 def span_intervals(layout, block_size: int, num_prompt_tokens: int):
     """[(start, end, final)] token-index intervals of the prompt's SSEP spans."""
@@ -47,11 +61,16 @@ def long_span(seq, a: int, b: int, budget: int) -> bool:
     return int((~seq.layout.is_pad[a:b]).sum()) > budget
 
 
-def cut_chunk(seq, idx, frontier: int, block_size: int, split=None):
+def cut_chunk(seq, idx, frontier: int, block_size: int, split=None, chunk: int = LOCAL_CHUNK):
     """(idx, frontier) cut back so the chunk does not end inside a non-final span (unless
     `split(a, b)` says the span [a, b) is computed in pieces), nor run past a span the warm path
     skips (serving/hybrid/span_cache.py) once it has rows: the chunk after it enters with its
-    map."""
+    map; then so its span pieces fit the local pass's stream (`cut_local`)."""
+    idx, frontier = _cut_spans(seq, idx, frontier, block_size, split)
+    return cut_local(seq, idx, frontier, block_size, chunk)
+
+
+def _cut_spans(seq, idx, frontier: int, block_size: int, split):
     if idx.size:
         for a, _ in seq.span.skips:
             if idx[0] < a < frontier:
@@ -62,6 +81,47 @@ def cut_chunk(seq, idx, frontier: int, block_size: int, split=None):
                 break
             return idx[idx < a], max(a, seq.num_computed)
     return idx, frontier
+
+
+
+def local_chunk_bound(t: int, s: int, chunk: int = LOCAL_CHUNK) -> int:
+    """Static bound on the local pass's packed chunks in a step of t rows and s sequences
+    (SpanPieces.local_chunks), given every chunk keeps `cut_local`'s rule."""
+    return -(-t // chunk) + (1 + LOCAL_SLACK) * s + t // (2 * chunk)
+
+
+def _span_pieces(seq, idx, block_size: int) -> list[int]:
+    """Span rows of each piece of the chunk `idx` that holds span rows (step_rows' pieces: a span
+    starting in it, or the continued piece of a long non-final span at its first row)."""
+    if not idx.size:
+        return []
+    lo, hi = int(idx[0]), int(idx[-1]) + 1
+    out = []
+    for a, b, final in _spans(seq, block_size):
+        if lo <= a < hi or (a < lo < b and not final):
+            out.append(int(np.searchsorted(idx, b) - np.searchsorted(idx, max(a, lo))))
+    return out
+
+
+def local_chunks(seq, idx, block_size: int, chunk: int = LOCAL_CHUNK) -> int:
+    """Packed chunks the local pass gives the chunk `idx`'s span pieces."""
+    return sum(-(-n // chunk) for n in _span_pieces(seq, idx, block_size))
+
+
+def cut_local(seq, idx, frontier: int, block_size: int, chunk: int = LOCAL_CHUNK):
+    """(idx, frontier), cut before a span start if its span pieces would take more chunks than
+    its rows may (`_local_budget`: many short spans in one chunk): the longest prefix that fits,
+    ending before a span start (LOCAL_SLACK + 1 pieces always fit)."""
+    def fits(rows):
+        return local_chunks(seq, rows, block_size, chunk) <= _local_budget(rows.size, chunk)
+    if fits(idx):
+        return idx, frontier
+    lo = int(idx[0])
+    for a in sorted((a for a, _, _ in _spans(seq, block_size) if lo < a <= int(idx[-1])),
+                    reverse=True):
+        if fits(idx[idx < a]):
+            return idx[idx < a], a
+    raise RuntimeError(f"span rows: no cut of sequence {seq.seq_id}'s chunk fits the local pass")
 
 
 def starts_span(e, block_size: int) -> bool:

@@ -19,6 +19,7 @@ import numpy as np
 
 from serving.hybrid import checkpoint_pool, span_maps, span_rows
 from serving.hybrid.span_cache import MAX_CAPTURES  # noqa: F401 (the runner's static capture count)
+from serving.model_contract import SpanPieces
 
 
 def piece_bound(t: int, s: int) -> int:
@@ -82,19 +83,45 @@ def step_has_spans(batch, block_size: int) -> bool:
                                      or span_rows.starts_span(e, block_size)) for e in batch)
 
 
-def fill_rows(batch, v, rows: int, block_size: int, bound: int) -> np.ndarray:
-    """row_span / piece_cu / carry_local of a step holding span rows (serving/hybrid/span_rows.py);
-    returns the pieces' first rows."""
+def fill_rows(batch, v, rows: int, block_size: int, t: int, s: int) -> np.ndarray:
+    """row_span / piece_cu / carry_local of a step of t rows and s sequences holding span rows
+    (serving/hybrid/span_rows.py); returns the pieces' first rows. Checks the static bounds the
+    device relies on: the pieces (piece_bound) and the local pass's chunks (local_chunk_bound:
+    tokens past it would be lost)."""
     piece, span_row, carry = span_rows.step_rows(batch, block_size)
     starts = np.flatnonzero(np.r_[True, piece[1:] != piece[:-1]]) if rows else np.zeros(0, int)
+    bound = piece_bound(t, s)
     if starts.size > bound:
         raise RuntimeError(f"model runner: {starts.size} span pieces in one step exceed the "
                            f"bound {bound}")
+    chunks = local_chunks(piece, span_row)
+    if chunks > span_rows.local_chunk_bound(t, s):
+        raise RuntimeError(f"model runner: the step's span pieces take {chunks} local-pass "
+                           f"chunks, more than its bound {span_rows.local_chunk_bound(t, s)} "
+                           f"(span_rows.cut_local keeps every chunk within it)")
     v["piece_cu"][:] = rows
     v["piece_cu"][:starts.size] = starts
     v["row_span"][:rows] = span_row
     v["carry_local"][:len(carry)] = carry
     return starts
+
+
+def local_chunks(piece, span_row, chunk: int = span_rows.LOCAL_CHUNK) -> int:
+    """Packed chunks the local pass takes for a step's rows (piece id and is-span per row: each
+    piece's span rows padded to whole chunks)."""
+    if not len(piece):
+        return 0
+    n = np.bincount(np.asarray(piece)[np.asarray(span_row, bool)], minlength=int(piece.max()) + 1)
+    return int(np.sum(-(-n // chunk)))
+
+
+def pieces(f, maps, warm: bool, t: int, s: int) -> SpanPieces:
+    """The step's SpanPieces from its int fields (traced); warm: with the span-map pool's capture
+    and entry fields. The local pass is sized by local_chunk_bound(t, s) (fill_rows checked)."""
+    return SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
+                      carry_local=f["carry_local"] > 0, capture=f["cap_piece"] if warm else None,
+                      entry=entry(maps, f) if warm else None,
+                      local_chunks=span_rows.local_chunk_bound(t, s))
 
 
 def fill_maps(batch, v, starts) -> None:

@@ -25,12 +25,11 @@ import numpy as np
 from kernels_pallas.paged_attention.api import step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from serving.hybrid import checkpoint_pool as ckpt_pool, span_compose, span_step
-from serving.hybrid.span_step import piece_bound
 from serving.step import compile_options, resident_tables, sharding, state_placement
 from serving.step.kernel_choices import attention_choices, gdn_choice
 from serving.cache.kv_pool import size_pool
 from serving.config_groups import step_key_fields
-from serving.model_contract import EngineModel, RecurrentMetadata, SpanPieces
+from serving.model_contract import EngineModel, RecurrentMetadata
 from serving.cache.page_zeroing import PageZeroer, zero_pages
 from serving.step.sampler import SamplingMetadata, pack_outputs, sample, unpack_outputs
 from serving.step.step_executables import StepExecutables
@@ -169,10 +168,7 @@ class ModelRunner:
         if self.gdn_impl is not None:
             extra["gdn_impl"] = self.gdn_impl
         if spans:
-            extra["span_pieces"] = SpanPieces(row_span=f["row_span"] > 0, piece_cu=f["piece_cu"],
-                                              carry_local=f["carry_local"] > 0,
-                                              capture=f["cap_piece"] if warm else None,
-                                              entry=span_step.entry(maps, f) if warm else None)
+            extra["span_pieces"] = span_step.pieces(f, maps, warm, t, s)
         if attn_options is None:  # a caller without the step's plan (launch always has one)
             attn_options = self.attn_options
         kw = dict(recurrent=rec, logits_indices=f["logits_indices"], kv_mode=self.kv_mode,
@@ -364,7 +360,7 @@ class ModelRunner:
         kw = dict(t=t, s=s, all_greedy=all_greedy, use_filter=use_filter,
                   num_logprobs=num_logprobs, decode_only=decode_only, attn_options=plan)
         if spans:
-            starts = span_step.fill_rows(batch, v, row, self.block_size, piece_bound(t, s))
+            starts = span_step.fill_rows(batch, v, row, self.block_size, t, s)
             kw["spans"] = True
             if warm and not decode_only:
                 span_step.fill_maps(batch, v, starts)

@@ -1,0 +1,37 @@
+"""A warm span step's store of its captured maps (serving/hybrid/span_maps.store; issue 29: work in
+a span step beyond what its tokens need). Every warm step stores MAX_CAPTURES maps of every GDN
+layer, captured or not (slot -1: dropped); the store scatters them to (slot, layer) straight from
+the model's layer-major arrays, with no transposed [S, Lg, ...] copy of them first."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpr_walk import primitive_counts
+from serving.hybrid import span_maps
+
+
+def _maps(rng, lg, s, hv=2, dk=4, dv=3, c=5, k1=3):
+    a = rng.standard_normal((lg, s, hv, dk, dk)).astype(np.float32)
+    b = rng.standard_normal((lg, s, hv, dk, dv)).astype(np.float32)
+    tail = rng.standard_normal((lg, s, c, k1)).astype(np.float32)
+    return a, b, tail, rng.integers(1, 99, s).astype(np.int32)
+
+
+def test_store_scatters_layer_major_maps_without_a_transposed_copy(fresh_rng):
+    lg, s, slots = 3, 4, 6
+    a, b, tail, count = _maps(fresh_rng, lg, s)
+    pool = span_maps.allocate(slots, lg, 2, 4, 3, 5, 3)
+    slot = jnp.asarray([4, -1, 0, 2], jnp.int32)
+    ops = primitive_counts(jax.make_jaxpr(span_maps.store)(pool, slot, a, b, tail, count).jaxpr)
+    assert ops["transpose"] == 0 and ops["scatter"] == 4, ops
+    got = span_maps.store(pool, slot, a, b, tail, count)
+    for name, x in (("a", a), ("b", b), ("tail", tail)):
+        want = np.zeros(getattr(pool, name).shape, np.float32)
+        for j, sl in enumerate(np.asarray(slot)):
+            if sl >= 0:
+                want[sl] = x[:, j]
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), want)
+    np.testing.assert_array_equal(np.asarray(got.count), [count[2], 0, count[3], 0, count[0], 0])
