@@ -34,6 +34,14 @@ def _seq(tokens):
 SHORT_SPANS = [5, 6, 7, 8] + [SSEP, 9, PAD, PAD] * 6 + [PDEP, 3, 4]
 
 
+def test_the_host_counts_chunks_of_the_kernels_size():
+    """The scheduler and the runner count the local pass's chunks in LOCAL_CHUNK rows and the
+    model packs in qwen3_5.CHUNK rows: were the kernel's chunk smaller, a step within the host's
+    bound would overflow the packed stream and lose tokens without a word."""
+    from minipic_jax.models import qwen3_5
+    assert span_rows.LOCAL_CHUNK == qwen3_5.CHUNK
+
+
 def test_a_chunk_of_many_short_spans_is_cut_before_the_span_that_overflows():
     """19 rows, 6 span pieces of 2 rows: with 16-row chunks they take 6 chunks, more than
     ceil(19 / 16) + LOCAL_SLACK = 4, so the chunk ends before the 4th span (3 pieces always fit)
