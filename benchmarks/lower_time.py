@@ -139,7 +139,8 @@ def time_variants(runner, variants, profiler=None) -> list[dict]:
         text = lowered.as_text()
         ops = program_ops(text)
         rows.append({"kw": {k: repr(v) for k, v in kw.items()}, "trace_s": t1 - t0,
-                     "lower_s": t2 - t1, "trace_cpu_s": c1 - c0, "lower_cpu_s": c2 - c1, "ops": sum(ops.values()), "ops_digest": ops_digest(ops),
+                     "lower_s": t2 - t1, "trace_cpu_s": c1 - c0, "lower_cpu_s": c2 - c1,
+                     "ops": sum(ops.values()), "ops_digest": ops_digest(ops),
                      "custom_calls": text.count("stablehlo.custom_call"),
                      "funcs": text.count("func.func")})
         del traced, lowered, text

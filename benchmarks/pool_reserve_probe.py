@@ -80,13 +80,14 @@ def main() -> None:
     import jax
     from benchmarks.rag_engine import CONFIGS, build_engine
     from serving.cache.kv_pool import device_memory, kv_bytes_per_block
+    from serving.config_groups import XLA_MEMORY_LIMITS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tulu3_block_ft")
     p.add_argument("--max-model-len", type=int, default=40960)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--xla-rule", action="store_true",
                    help="cap the default pool by XLA's limit (kv_pool.CAP_BY_XLA_LIMIT)")
-    p.add_argument("--xla-memory-limit", choices=("xla", "exact"), default="xla",
+    p.add_argument("--xla-memory-limit", choices=XLA_MEMORY_LIMITS, default="xla",
                    help="Config.compilation.xla_memory_limit: XLA's rule or the exact factor")
     a = p.parse_args()
     from serving.cache import kv_pool

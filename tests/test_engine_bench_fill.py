@@ -22,19 +22,30 @@ def _runner(num_layers: int = 3):
                                   "v": [pages() for _ in range(num_layers)]})
 
 
-def _live_bytes() -> int:
-    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+def _leave_cyclic_garbage() -> None:
+    """An unreachable cycle holding a device array (freed by a gc run, not when dropped)."""
+    cycle = SimpleNamespace(array=jnp.ones(1000, jnp.float32))
+    cycle.me = cycle
+
+
+def _live_since(held) -> list:
+    """Arrays live now that were not in `held` (a jax.live_arrays() list the caller keeps, so
+    no array of an earlier test is freed meanwhile, nor its id reused: the count reads this
+    test's arrays only, whatever ran before it)."""
+    ids = {id(x) for x in held}
+    return [x for x in jax.live_arrays() if id(x) not in ids and not x.is_deleted()]
 
 
 def test_fill_replaces_every_leaf_in_its_own_buffer():
     runner = _runner()
     old = jax.tree.leaves(runner.cache)
-    before = _live_bytes()
+    _leave_cyclic_garbage()  # as an earlier test may: the next gc run (in the fill) frees it
+    held = jax.live_arrays()
     engine_bench._randomize_cache(runner)
     # each old leaf was donated: its buffer is the new leaf's, so no second pool was ever live
     assert [x.is_deleted() for x in old] == [True] * len(old)
-    assert _live_bytes() == before
     new = jax.tree.leaves(runner.cache)
+    assert sorted(map(id, _live_since(held))) == sorted(map(id, new)), "the new leaves only"
     assert [(x.shape, x.dtype) for x in new] == [(SHAPE, jnp.bfloat16)] * len(old)
     values = [np.asarray(x, np.float32) for x in new]
     assert all(v.std() > 0.3 for v in values), "random K/V, never zeros"

@@ -34,6 +34,14 @@ def _seq(tokens):
 SHORT_SPANS = [5, 6, 7, 8] + [SSEP, 9, PAD, PAD] * 6 + [PDEP, 3, 4]
 
 
+def test_the_host_counts_chunks_of_the_kernels_size():
+    """The scheduler and the runner count the local pass's chunks in LOCAL_CHUNK rows and the
+    model packs in qwen3_5.CHUNK rows: were the kernel's chunk smaller, a step within the host's
+    bound would overflow the packed stream and lose tokens without a word."""
+    from minipic_jax.models import qwen3_5
+    assert span_rows.LOCAL_CHUNK == qwen3_5.CHUNK
+
+
 def test_a_chunk_of_many_short_spans_is_cut_before_the_span_that_overflows():
     """19 rows, 6 span pieces of 2 rows: with 16-row chunks they take 6 chunks, more than
     ceil(19 / 16) + LOCAL_SLACK = 4, so the chunk ends before the 4th span (3 pieces always fit)
@@ -78,7 +86,7 @@ def test_the_runner_refuses_a_step_past_the_local_bound():
     seq = _seq(SHORT_SPANS)
     idx = np.flatnonzero(~seq.layout.is_pad)
     piece, span_row, _ = span_rows.step_rows([_entry(seq, idx)], BS)
-    assert span_step.local_chunks(piece, span_row) == 6
+    assert span_step.step_local_chunks(piece, span_row) == 6
     t, s = 64, 1
     v = dict(piece_cu=np.zeros(span_step.piece_bound(t, s) + 1, np.int32),
              row_span=np.zeros(t, np.int32), carry_local=np.zeros(s, np.int32))
@@ -86,6 +94,26 @@ def test_the_runner_refuses_a_step_past_the_local_bound():
         span_step.fill_rows([_entry(seq, idx)], v, idx.size, BS, t, s)
     cut, _ = span_rows.cut_chunk(seq, idx, 31, BS)  # the scheduler's chunk: 64-row chunks fit
     span_step.fill_rows([_entry(seq, cut)], v, cut.size, BS, t, s)
+
+
+def test_the_runner_counts_the_chunks_the_scheduler_counted(fresh_rng):
+    """The runner's check (step_local_chunks over step_rows' pieces) and the scheduler's cut
+    (span_rows.local_chunks over the sequence's spans) count one chunk alike, wherever it
+    starts (mid-span: a long span's continued piece) or ends: were the runner's higher, a step
+    the scheduler let through would stop the engine."""
+    for _ in range(60):
+        tokens = [5, 6]
+        for _ in range(int(fresh_rng.integers(1, 6))):
+            tokens += [SSEP] + [9] * int(fresh_rng.integers(1, 40))
+            tokens += [PAD] * (-len(tokens) % BS)
+        seq = _seq(tokens + [PDEP, 3, 4] * int(fresh_rng.integers(0, 2)))
+        rows = np.flatnonzero(~seq.layout.is_pad)
+        lo = int(fresh_rng.integers(0, rows.size))
+        idx = rows[lo:int(fresh_rng.integers(lo + 1, rows.size + 1))]
+        piece, span_row, _ = span_rows.step_rows([_entry(seq, idx)], BS)
+        for chunk in (4, 16, 64):
+            assert (span_step.step_local_chunks(piece, span_row, chunk)
+                    == span_rows.local_chunks(seq, idx, BS, chunk)), (tokens, idx[0], chunk)
 
 
 def _pieces(rng, t: int, s: int, g: int, longest: int):
@@ -134,7 +162,7 @@ def test_the_bounded_local_pass_gives_the_same_bits(fresh_rng, impl):
     pieces, cu = _pieces(fresh_rng, t, s, g, 40)
     piece_cu = np.asarray(pieces.piece_cu)
     piece = np.searchsorted(piece_cu, np.arange(t), side="right") - 1
-    need = span_step.local_chunks(piece, np.asarray(pieces.row_span), chunk)
+    need = span_step.step_local_chunks(piece, np.asarray(pieces.row_span), chunk)
     q, k, v, g_, beta = (jnp.asarray(x[0]) for x in gdn_inputs(fresh_rng, 1, t, hk, hv, dk, dv,
                                                                 decay=0.05))
     kernel = dict(implementation=impl, interpret=impl != "xla")

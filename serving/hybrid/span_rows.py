@@ -83,7 +83,6 @@ def _cut_spans(seq, idx, frontier: int, block_size: int, split):
     return idx, frontier
 
 
-
 def local_chunk_bound(t: int, s: int, chunk: int = LOCAL_CHUNK) -> int:
     """Static bound on the local pass's packed chunks in a step of t rows and s sequences
     (SpanPieces.local_chunks), given every chunk keeps `cut_local`'s rule."""

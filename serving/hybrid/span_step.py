@@ -94,10 +94,10 @@ def fill_rows(batch, v, rows: int, block_size: int, t: int, s: int) -> np.ndarra
     if starts.size > bound:
         raise RuntimeError(f"model runner: {starts.size} span pieces in one step exceed the "
                            f"bound {bound}")
-    chunks = local_chunks(piece, span_row)
-    if chunks > span_rows.local_chunk_bound(t, s):
+    chunks, chunk_bound = step_local_chunks(piece, span_row), span_rows.local_chunk_bound(t, s)
+    if chunks > chunk_bound:
         raise RuntimeError(f"model runner: the step's span pieces take {chunks} local-pass "
-                           f"chunks, more than its bound {span_rows.local_chunk_bound(t, s)} "
+                           f"chunks, more than its bound {chunk_bound} "
                            f"(span_rows.cut_local keeps every chunk within it)")
     v["piece_cu"][:] = rows
     v["piece_cu"][:starts.size] = starts
@@ -106,9 +106,10 @@ def fill_rows(batch, v, rows: int, block_size: int, t: int, s: int) -> np.ndarra
     return starts
 
 
-def local_chunks(piece, span_row, chunk: int = span_rows.LOCAL_CHUNK) -> int:
+def step_local_chunks(piece, span_row, chunk: int = span_rows.LOCAL_CHUNK) -> int:
     """Packed chunks the local pass takes for a step's rows (piece id and is-span per row: each
-    piece's span rows padded to whole chunks)."""
+    piece's span rows padded to whole chunks): the step's sum of span_rows.local_chunks, which
+    counts one scheduled chunk's from its sequence's spans."""
     if not len(piece):
         return 0
     n = np.bincount(np.asarray(piece)[np.asarray(span_row, bool)], minlength=int(piece.max()) + 1)
