@@ -56,7 +56,10 @@ def account(stage: str, engine=None, before: dict | None = None) -> dict:
     """One stage's row: MiB per owner, the other arrays by shape, the allocator's figures.
     `before` (id -> array, kept alive so no id is reused) holds the arrays live before the
     bench started (another caller's, e.g. earlier tests in one pytest process): their own owner."""
+    import gc
+
     import jax
+    gc.collect()  # garbage not collected yet is nobody's: not counted as an unexplained array
     who = owners(engine) if engine is not None else {}
     who.update(dict.fromkeys(before or {}, "before the bench"))
     by_owner: dict = {}

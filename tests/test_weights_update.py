@@ -136,11 +136,15 @@ def test_update_writes_into_the_served_buffers(new_params):
     llm.update_weights(new_params)  # (on CPU a loaded leaf may wrap host memory: copied once)
     before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(runner.params)]
     theirs = jax.tree.map(jnp.copy, new_params)
+    # every array live now held (earlier tests' uncollected ones too), so a garbage collection
+    # during the update frees none of them and the byte count is this update's alone
+    held = jax.live_arrays()
     live = _live_bytes()
     llm.update_weights(theirs, donate=True)  # donated: written, then deleted
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(runner.params)] == before
     assert all(x.is_deleted() for x in jax.tree.leaves(theirs))
     assert _live_bytes() == live - sum(x.nbytes for x in jax.tree.leaves(new_params))
+    del held
     served = runner.family.unfuse_params(runner.params)
     for got, want in zip(jax.tree.leaves(served), jax.tree.leaves(new_params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

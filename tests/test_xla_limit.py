@@ -111,3 +111,9 @@ def test_exact_slop_keeps_the_h100_step_that_xla_rematerialised():
     opts = exact_limit_options(bytes_limit, [small, dataclasses.replace(small, temp=GIB)], GIB)
     assert opts == {"xla_gpu_memory_limit_slop_factor": s}
     assert exact_limit_options(GIB, [top]) == {}
+
+
+def test_exact_slop_fits_xla_int32_flag_when_the_room_is_a_byte():
+    from serving.cache.xla_limit import INT32_MAX, exact_slop
+    prog = ProgramBytes(temp=0, argument=60 * GIB, output=0, alias=0)
+    assert exact_slop(60 * GIB + 1, prog) == INT32_MAX

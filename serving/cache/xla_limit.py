@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SLOP_PERCENT = 95  # XLA's default xla_gpu_memory_limit_slop_factor (the engine passes none)
+INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def exact_slop(bytes_limit: int, prog: ProgramBytes, margin: int = SLOP_PERCENT)
     room = bytes_limit - io
     if room <= 0:
         return None
-    return margin + 100 * (io - prog.alias) // room
+    return min(margin + 100 * (io - prog.alias) // room, INT32_MAX)  # XLA's flag is an int32
 
 
 def exact_limit_options(bytes_limit: int, programs, extra_pool_bytes: int = 0) -> dict:
