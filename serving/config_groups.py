@@ -222,7 +222,9 @@ class CompilationConfig:
     # the memory limit XLA holds each step program to on a GPU (issue 28: XLA rematerialised
     # steps that fit, counting the weights twice; serving/cache/xla_limit.py): "xla" = its own
     # rule; "exact" = temporaries within 95% of what the program's buffers leave, set per engine
-    # from the steps traced to size a default pool (none traced: XLA's rule)
+    # from its traced top-bucket steps, explicit pools too (kv_pool.size_pool); where nothing is
+    # traced (no device memory limit: CPU; tensor parallelism) XLA's rule. The hybrid span
+    # composition program keeps XLA's rule (small: its maps and states only)
     xla_memory_limit: str = option("xla", flat="xla_memory_limit")
 
     def __post_init__(self):

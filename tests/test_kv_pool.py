@@ -33,7 +33,9 @@ def _tiny_runner(monkeypatch, utilization: float, **config):
     limit = 64 << 20
     monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": limit})
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Device(limit)])
-    return mcfg, cfg, ModelRunner(cfg, loaded, 2, jnp.bfloat16), limit
+    # the engine passes an explicit pool's size; 2 is the default pool's first trace
+    blocks = cfg.num_kv_blocks or 2
+    return mcfg, cfg, ModelRunner(cfg, loaded, blocks, jnp.bfloat16), limit
 
 
 @pytest.mark.parametrize("preset", ["tiny_qwen3_5", "tiny_llama"])
@@ -115,3 +117,18 @@ def test_exact_xla_limit_is_set_from_the_steps_at_the_allocated_pool(monkeypatch
 def test_xla_memory_limit_setting_is_checked():
     with pytest.raises(ValueError, match=r"xla_memory_limit \(Config.compilation.xla_memory_limit\)"):
         Config.from_flat(xla_memory_limit="loose")
+
+
+def test_exact_xla_limit_covers_an_explicit_pool(monkeypatch):
+    """An explicit num_kv_blocks keeps its size and still gets the exact factor (its steps
+    traced with that pool); without "exact" an explicit pool traces nothing."""
+    from serving.cache import step_temps, xla_limit
+    _, _, plain, _ = _tiny_runner(monkeypatch, 0.5, num_kv_blocks=40)
+    assert plain.num_blocks == 40 and not plain._step.compiler_options
+    assert not hasattr(plain, "step_programs")
+    _, _, runner, limit = _tiny_runner(monkeypatch, 0.5, num_kv_blocks=40, xla_memory_limit="exact")
+    assert runner.num_blocks == 40
+    programs = step_temps.step_programs(runner, runner._args, runner._step_impl,
+                                        runner._step.donate_argnums)
+    want = xla_limit.exact_limit_options(limit, programs)
+    assert want and runner._step.compiler_options == want

@@ -133,23 +133,24 @@ def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
     8B shape; only where the device reports a memory limit and without tensor parallelism; with
     CAP_BY_XLA_LIMIT also within XLA's limit for each), then shrunk by allocate_pool until it
     fits. The traced programs stay on the runner (`step_programs`, `traced_blocks`); with
-    Config.compilation.xla_memory_limit "exact" they set the step's XLA memory limit
-    (xla_limit.exact_limit_options, at the pool's final size)."""
+    Config.compilation.xla_memory_limit "exact" they are traced for an explicit pool too and
+    set the step's XLA memory limit (xla_limit.exact_limit_options, at the pool's final size)."""
     config, reserve, programs = runner.config, 0, ()
-    if config.num_kv_blocks is None:
-        if runner.mesh is None and "bytes_limit" in device_memory():
-            runner.cache = jax.eval_shape(lambda: make_cache(num_blocks))  # traced only
-            programs = tuple(step_programs(runner, *step, runner._step.donate_argnums))
-            reserve = max((p.temp for p in programs), default=0)
-        traced, num_blocks = num_blocks, default_num_blocks(
-            config, mcfg, runner.cache_dtype, reserve,
-            programs if CAP_BY_XLA_LIMIT else (), num_blocks)
-        runner.num_blocks = num_blocks
+    exact = config.compilation.xla_memory_limit == "exact"
+    if (config.num_kv_blocks is None or exact) and runner.mesh is None \
+            and "bytes_limit" in device_memory():
+        runner.cache = jax.eval_shape(lambda: make_cache(num_blocks))  # traced only
+        programs = tuple(step_programs(runner, *step, runner._step.donate_argnums))
         runner.step_programs = programs  # the probe (benchmarks/pool_reserve_probe.py) reads them
-        runner.traced_blocks = traced
+        runner.traced_blocks = num_blocks
+    if config.num_kv_blocks is None:
+        reserve = max((p.temp for p in programs), default=0)
+        num_blocks = default_num_blocks(config, mcfg, runner.cache_dtype, reserve,
+                                        programs if CAP_BY_XLA_LIMIT else (), num_blocks)
+        runner.num_blocks = num_blocks
     cache, num_blocks = allocate_pool(make_cache, num_blocks,
                                       may_shrink=config.num_kv_blocks is None)
-    if config.compilation.xla_memory_limit == "exact" and programs:
+    if exact and programs:
         extra = (num_blocks - runner.traced_blocks) * kv_bytes_per_block(
             cache, num_blocks, config.block_size)
         runner._step.add_compiler_options(exact_limit_options(
