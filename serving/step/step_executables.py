@@ -142,8 +142,8 @@ class StepExecutables:
         """Trace and lower each variant in turn (Python, under the GIL) and hand it to a compile
         thread at once: XLA compiles (off the GIL) run while the next variants are traced and
         lowered, so `compile_s` is the wait for the compiles after the last lowering (it was the
-        whole compile when every variant was lowered first: on the H100 the decode engine's
-        lower 19 s then compile 22 s, RAG's 40 then 51 s)."""
+        whole compile when every variant was lowered first: benchmarks/RESULTS.md, Engine, the
+        H100 warm-up phases)."""
         tell = self.on_compile or (lambda done, total: None)
         tell(0, len(todo))
         options = self.compiler_options or None
