@@ -219,7 +219,11 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
                                   f"(implementation=None or 'xla'), got {implementation!r}")
     if implementation in KERNEL_OPTIONS:
         from kernels_pallas.gated_delta import ragged_triton
-        packed = [take_rows(x, pk["src"])[None] for x in (q, k, v, g, beta)]
+        streams = {}  # one gather per distinct array (affine.ragged_maps passes k as q)
+        for x in (q, k, v, g, beta):
+            streams.setdefault(id(x), x)
+        rows = {i: take_rows(x, pk["src"])[None] for i, x in streams.items()}
+        packed = [rows[id(x)] for x in (q, k, v, g, beta)]
         bounds = final_bound if ck_bound is None else jnp.concatenate(
             [final_bound, ck_bound.reshape(-1)])
         args = (*packed, pk["restart"], seq_state, state0, bounds)
