@@ -24,6 +24,7 @@ to the model's 18.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_work [--json out.json]
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_work --time tiny_qwen3_5
+    PYTHONPATH=. python -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16  # GPU
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
 
 
 def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7) -> float:
-    """Median ms of one step of `kind` on the CPU, the whole preset with its real GDN path (the
+    """Median ms of one step of `kind` on this backend, the whole preset with its real GDN path (the
     engine's choice on this backend; no stubs), the cache and pool fed back as the runner does."""
     cfg = PRESETS[preset]
     md, logits_idx, f, rec = step_inputs(cfg, kind, caps)
@@ -262,12 +263,16 @@ def main(argv=None):
                     help="instead: CPU ms per step of each variant on this preset (float32, "
                          "its real GDN path), e.g. tiny_qwen3_5")
     ap.add_argument("--reps", type=int, default=7, help="--time: steps timed (median)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="--time: the model's dtype (bfloat16 on a GPU: its GDN kernels' "
+                         "dtype) (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.time:
         for v in args.variants:
             kind, _, caps = v.partition("/")
-            ms = time_variant(kind, int(caps or 0), args.time, jnp.float32, args.reps)
-            print(f"time {args.time} {v:8s} T={T} S={S}: {ms:.2f} ms/step", flush=True)
+            ms = time_variant(kind, int(caps or 0), args.time, jnp.dtype(args.dtype), args.reps)
+            print(f"time {args.time} {args.dtype} {v:8s} T={T} S={S}: {ms:.2f} ms/step",
+                  flush=True)
         return
     stub_kernels()
     rows = []

@@ -154,7 +154,9 @@ def ragged_maps(q, k, v, g, beta, cu_q_lens, select=None, final_of=None, packing
     s0 = jnp.zeros((1, hv, dk, dv), _F32) if b0 is None else b0.astype(_F32)
     out, b, _ = ragged_prefill(q, k, v, g, beta, None, None, s0, packing=plain, **kernel)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (sel["lens"].shape[0], hv, dk, dk))
-    _, a, _ = ragged_prefill(q, k, jnp.zeros((n_tokens, hv, dk), v.dtype), g, beta, None, None,
+    # the transition pass's outputs are dropped and q enters no state, so it reads k as q: a
+    # kernel pass gathers one stream fewer (ragged_prefill gathers each distinct array once)
+    _, a, _ = ragged_prefill(k, k, jnp.zeros((n_tokens, hv, dk), v.dtype), g, beta, None, None,
                              eye if a0 is None else a0.astype(_F32), packing=sel, **kernel)
     return out, b, a
 

@@ -62,7 +62,9 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
     Returns a dict of int32 / bool arrays: src [NC*C] (the row each packed slot reads; out of
     range: a no-op slot), dest [n_source] (the slot each row's output is in; out of range: none),
     restart, seq_of_chunk [NC], fin, final_bound, has_final [K or S], n_used (scalar), lens,
-    shift, first [S] (checkpoints); and the static own_final, chunk.
+    shift, first [S] (checkpoints); and the static own_final, chunk. A caller that maps
+    seq_of_chunk to other state0 rows may add the static empty_final_first: finals of empty
+    sequences are then state0[0] (ragged_prefill gathers no [K] initial states for them).
     """
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     seqs = cu_q_lens.shape[0] - 1
@@ -213,13 +215,20 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     final_bound, has, fin = pk["final_bound"], pk["has_final"], pk["fin"]
     last_state = state0.shape[0] - 1  # 0 when one state0 serves every sequence
     seq_state = pk["seq_of_chunk"] if last_state else jnp.zeros_like(pk["seq_of_chunk"])
-    state0_fin = state0[fin] if last_state and not pk["own_final"] else state0  # [K, S or 1]
+    if pk.get("empty_final_first"):  # a caller's seq_of_chunk picks state0 rows, not sequences:
+        state0_fin = state0[:1]  # an empty one ends in state0[0] (no [K] gather of states)
+    else:
+        state0_fin = state0[fin] if last_state and not pk["own_final"] else state0  # [K or 1]
     if return_transition and implementation not in (None, "xla"):
         raise NotImplementedError("ragged_prefill: return_transition has the XLA path only "
                                   f"(implementation=None or 'xla'), got {implementation!r}")
     if implementation in KERNEL_OPTIONS:
         from kernels_pallas.gated_delta import ragged_triton
-        packed = [take_rows(x, pk["src"])[None] for x in (q, k, v, g, beta)]
+        streams = {}  # one gather per distinct array (affine.ragged_maps passes k as q)
+        for x in (q, k, v, g, beta):
+            streams.setdefault(id(x), x)
+        rows = {i: take_rows(x, pk["src"])[None] for i, x in streams.items()}
+        packed = [rows[id(x)] for x in (q, k, v, g, beta)]
         bounds = final_bound if ck_bound is None else jnp.concatenate(
             [final_bound, ck_bound.reshape(-1)])
         args = (*packed, pk["restart"], seq_state, state0, bounds)

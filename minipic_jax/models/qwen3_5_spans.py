@@ -166,7 +166,10 @@ def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int, piece_entry=None
                                   n_source=n_rows, max_chunks=bound)
         if piece_entry is not None:  # a piece's initial state: 0 zero, 1 + m capture m's entry B
             e = piece_entry[plain["seq_of_chunk"]]
-            plain = dict(plain, seq_of_chunk=jnp.where(e >= 0, 1 + e, 0).astype(jnp.int32))
+            # an empty piece ends in the zero state 0 (a continuing piece is never empty), not
+            # in a [S + Mc] gather of initial states by piece id (ids the states are not keyed by)
+            plain = dict(plain, seq_of_chunk=jnp.where(e >= 0, 1 + e, 0).astype(jnp.int32),
+                         empty_final_first=True)
         return plain, sel
     n = pieces.piece_cu.shape[0] - 1
     return ragged_packing(cu, jnp.zeros(n, jnp.int32), n_rows, chunk=chunk, aligned=True,
