@@ -2,7 +2,7 @@
 # The next device session's calls (each one `run` call, <= 9.5 min; each prints a short table last; raw
 # files under $OUT). Session 19 ran A, B and G on an H100: compiled tests 214 passed, issue 27's
 # before/after done (benchmarks/RESULTS.md, Engine). Next, in this order: W (the jitted kernels: their compiled tests first), X (exact XLA limit),
-# S, P (hybrid spans at 16 seats), H (composition), D, F, C, E, L.
+# S, P (hybrid spans at 16 seats), V (warm step), H (composition), D, F, C, E, L.
 #   T  the compiled kernel tests of every kernel changed since its last GPU run (~2.5 min): the chain
 #      kernel's bf16 presets: fixed in d2247e8, passed on the H100 in session 19
 #   A  T + issue 27's decode before/after (2 rounds alternating; carry .dev1/before.tgz = git archive
@@ -25,6 +25,8 @@
 #      paths, then the decode warm-up + step before/after (the program must be the same)
 #   S  (carry .dev1/lower_before.tgz) issue 29 goal 1: rag fcfs at 16 seats before/after session 19's span
 #      step cuts (s19-spanstep), ~8 min; P the pic_off anchor (~4 min)
+#   V  (carry .dev1/warm_before.tgz = git archive 8f05913^1) issue 29: GPU ms per step of span, warm/0,
+#      warm/4 at rag's shape before/after s19-warm's cuts (2 alternating rounds, ~6-8 min)
 #   L  the engine bench's fill fix (585ecae) at batch 128 on the H100: memory by stage, then the decode bench
 # usage: OUT=$OUT bash benchmarks/runs/next_device.sh A
 set -u; T0=$SECONDS; export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -48,6 +50,11 @@ C) bash benchmarks/runs/kernel_prefill_paged_next_device.sh 2>&1 | tail -40
    L=$(left 570); [ "$L" -gt 150 ] && XLA_LIMIT=exact LIMIT=$((L - 20)) bash benchmarks/runs/pool_reserve_next_device.sh 2>&1 | tail -30;;
 S) BEFORE_TGZ=.dev1/lower_before.tgz bash benchmarks/runs/spanstep_next_device.sh fcfs 2>&1 | tail -24;;
 P) bash benchmarks/runs/spanstep_next_device.sh pic_off 2>&1 | tail -16;;
+V) mkdir -p /tmp/wbefore && tar -xzf .dev1/warm_before.tgz -C /tmp/wbefore
+   for r in 1 2; do
+     (cd /tmp/wbefore && ROUNDS=1 OUT=$OUT/warm_before_$r bash benchmarks/runs/warm_step_device.sh 2>&1 | tail -5)
+     ROUNDS=1 OUT=$OUT/warm_after_$r bash benchmarks/runs/warm_step_device.sh 2>&1 | tail -5
+   done;;
 W) BEFORE_TGZ=.dev1/lower_before.tgz bash benchmarks/runs/lower_next_device.sh 2>&1 | tail -30;;
 L) bash benchmarks/runs/live_bytes_next_device.sh 2>&1 | tail -30;;
 X) TAG=_exact_40960 XLA_LIMIT=exact LIMIT=250 bash benchmarks/runs/pool_reserve_next_device.sh 2>&1 | tail -24
@@ -61,6 +68,6 @@ G) BATCH=64 ROUNDS=2 BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_ne
    BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_next_device.sh rag 2>&1 | grep -v "^W1" | tail -12;;
 H) RAG_LIMIT=400 bash benchmarks/runs/compose_next_device.sh 2>&1 | tail -30;;
 F) LIMIT=540 bash benchmarks/runs/hybrid_spans_next_device.sh 2>&1 | tail -30;;
-*) echo "usage: $0 T|A|B|C|D|E|F|G|H|X|L|W|S|P"; exit 2;;
+*) echo "usage: $0 T|A|B|C|D|E|F|G|H|X|L|W|S|P|V"; exit 2;;
 esac
 echo "== total t=$((SECONDS-T0)) s"
