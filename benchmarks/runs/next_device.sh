@@ -25,7 +25,8 @@
 #      paths, then the decode warm-up + step before/after (the program must be the same)
 #   S  (carry .dev1/lower_before.tgz) issue 29 goal 1: rag fcfs at 16 seats before/after session 19's span
 #      step cuts (s19-spanstep), ~8 min; P the pic_off anchor (~4 min)
-#   V  (carry .dev1/warm_before.tgz = git archive 8f05913^1) issue 29: GPU ms per step of span, warm/0,
+#   V  (carry .dev1/warm_before.tgz = git archive of this tree with s19-warm's two cuts reverted:
+#      branch s19-warm-before, `git revert 2cdee85 6abba05` on 8434314) issue 29: GPU ms per step of span, warm/0,
 #      warm/4 at rag's shape before/after s19-warm's cuts (2 alternating rounds, ~6-8 min)
 #   L  the engine bench's fill fix (585ecae) at batch 128 on the H100: memory by stage, then the decode bench
 # usage: OUT=$OUT bash benchmarks/runs/next_device.sh A
