@@ -36,11 +36,11 @@ def limit_row(limit: int, prog) -> dict:
 
 def traced_rows(runner, limit: int, per_block: int) -> list:
     """The traced programs the default pool was sized by, moved to the pool's actual size."""
-    from serving.cache.xla_limit import ProgramBytes
+    from serving.cache.xla_limit import with_pool_bytes
     extra = (runner.num_blocks - getattr(runner, "traced_blocks", 0)) * per_block
     rows = []
     for p in getattr(runner, "step_programs", ()):
-        moved = ProgramBytes(p.temp, p.argument + extra, p.output + extra, p.alias + extra)
+        moved = with_pool_bytes(p, extra)
         rows.append({**{f"{k}_gib": round(getattr(moved, k) / GIB, 3)
                         for k in ("temp", "argument", "output", "alias")},
                      **limit_row(limit, moved)})

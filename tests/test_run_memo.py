@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import test_admission_bulk as bulk
+from list_guards import NoSlices
 from minipic_jax.prompts import Prompt, Span, build_prompt
 from minipic_jax.sampling_params import SamplingParams
 from serving.cache import run_memo
@@ -154,15 +155,6 @@ def test_remembered_runs_stay_within_the_pool_least_recent_out():
     assert [bool(memo.known(bm, [(0, 10)], keys[r], raw, step)) for r in range(4)] == \
         [True, False, True, True]
     assert memo._num_blocks == 30
-
-
-class NoSlices(list):
-    """A sequence's keys that refuse to be sliced (a slice copies a run's keys to compare)."""
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            raise AssertionError("keys sliced")
-        return super().__getitem__(i)
 
 
 def test_run_with_its_keys_list_is_found_without_a_copy():

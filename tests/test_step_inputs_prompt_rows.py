@@ -6,19 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from list_guards import NoSlices
 from serving.layout import build_layout
 from serving.scheduler import ScheduledSeq
 from serving.sequence import Sequence
 from serving.step.step_inputs import SeatTables
-
-
-class NoSliceList(list):
-    """A token list that refuses slicing (what converting a chunk of it needs)."""
-
-    def __getitem__(self, k):
-        if isinstance(k, slice):
-            raise AssertionError("prompt tokens sliced from the token list")
-        return super().__getitem__(k)
 
 
 def test_pad_skipping_chunk_reads_prompt_tokens_from_the_layout():
@@ -26,7 +18,7 @@ def test_pad_skipping_chunk_reads_prompt_tokens_from_the_layout():
     tokens = [5, 6, 7, pad, ssep, 8, 9, pad, pdep, 10, 11, 12, 13]
     lay = build_layout(tokens, bs, pad_id=pad, ssep_id=ssep, pdep_id=pdep)
     seq = Sequence("r", tokens, lay, None, bs, seed=0)
-    seq.token_ids = NoSliceList(tokens)
+    seq.token_ids = NoSlices(tokens)
     seq.block_table, seq.seat = [7, 3, 9, 4], 0
     idx = np.flatnonzero(~lay.is_pad)  # every valid prompt token: pads skipped
     entry = ScheduledSeq(seq, idx, len(tokens), True, True)

@@ -51,13 +51,13 @@ def block_bytes(config: Config, mcfg, dtype) -> int:
 def default_num_blocks(config: Config, mcfg, dtype, reserve_bytes: int = 0,
                        programs: tuple = (), traced_blocks: int = 0) -> int:
     """Blocks for `Config.num_kv_blocks=None`: gpu_memory_utilization of the device's memory
-    limit less what is in use, less `reserve_bytes` (the engine step's temporaries:
-    ModelRunner passes step_temps.step_reserve, the traced peak of the top token bucket's
-    step variants) and a span store's staging memory (kv_store_staging_gb, when kv_store_dir
-    is set); and no more than every step program in `programs` (xla_limit.ProgramBytes,
-    traced with a pool of `traced_blocks`; size_pool passes them only with CAP_BY_XLA_LIMIT)
-    leaves under XLA's memory limit as xla_limit.py reads it from XLA's source. Without memory stats (CPU), enough for max_num_seqs full sequences,
-    at most 4096."""
+    limit less what is in use, less `reserve_bytes` (the engine step's temporaries: size_pool
+    passes the largest traced peak of the top token bucket's step variants) and a span store's
+    staging memory (kv_store_staging_gb, when kv_store_dir is set); and no more than every step
+    program in `programs` (xla_limit.ProgramBytes, traced with a pool of `traced_blocks`;
+    size_pool passes them only with CAP_BY_XLA_LIMIT) leaves under XLA's memory limit as
+    xla_limit.py reads it from XLA's source. Without memory stats (CPU), enough for
+    max_num_seqs full sequences, at most 4096."""
     per_block = block_bytes(config, mcfg, dtype)
     want = config.max_num_seqs * config.max_blocks_per_seq
     gc.collect()  # an engine dropped earlier (jitted methods make cycles) still holds its pool
