@@ -17,15 +17,16 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/before
 BEFORE=6241c40
 if [ -n "${BEFORE_TGZ:-}" ]; then tar -xzf "$BEFORE_TGZ" -C /tmp/before
 else git archive $BEFORE | tar -x -C /tmp/before || { echo "no .git: carry BEFORE_TGZ"; exit 2; }; fi
-MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -o addopts= -p no:cacheprovider \
+if [ -z "${SKIP_TESTS:-}" ]; then MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -o addopts= -p no:cacheprovider \
   -n 4 -rfE tests/test_paged_attention_write.py tests/test_gated_delta.py \
   tests/test_engine_gdn_kernel.py tests/test_step_lowering.py > "$OUT/compiled_tests.txt" 2>&1
-echo "compiled tests rc=$?"; grep -E "^(FAILED|ERROR) " "$OUT/compiled_tests.txt" | head; tail -1 "$OUT/compiled_tests.txt"
+  echo "compiled tests rc=$?"; grep -E "^(FAILED|ERROR) " "$OUT/compiled_tests.txt" | head; tail -1 "$OUT/compiled_tests.txt"
+fi  # SKIP_TESTS=1: next_device.sh Y ran them
 B="python3 -m benchmarks.cli engine --max-num-batched-tokens 512 --min-token-bucket 128 --skip-run --batch ${BATCH:-64}"
 for round in $(seq ${ROUNDS:-1}); do
   for tree in before after; do  # a fresh persistent cache each run: every variant compiled
     dir=$PWD; [ $tree = before ] && dir=/tmp/before
-    (cd $dir && PYTHONPATH=$dir JAX_COMPILATION_CACHE_DIR=/tmp/jcc_${tree}_$round timeout 150 \
+    (cd $dir && PYTHONPATH=$dir JAX_COMPILATION_CACHE_DIR=/tmp/jcc_${tree}_$round timeout ${LIMIT:-150} \
       $B --out "$OUT/engine_${tree}_$round" > "$OUT/engine_${tree}_$round.txt" 2>&1)
     echo "-- $tree $round"; grep -E "start-up|warm-up readied|^decode batch" "$OUT/engine_${tree}_$round.txt" \
       | grep -v "^W1" | tail -4 | cut -c1-400

@@ -28,15 +28,17 @@
 #   V  (carry .dev1/warm_before.tgz = git archive of this tree with s19-warm's two cuts reverted:
 #      branch s19-warm-before, `git revert 2cdee85 6abba05` on 8434314) issue 29: GPU ms per step of span, warm/0,
 #      warm/4 at rag's shape before/after s19-warm's cuts (2 alternating rounds, ~6-8 min)
+#   Y  (session 20: W with T's whole compiled set) T + the engine's GDN kernel, step lowering, span maps and
+#      the Qwen3.5 span step compiled (s19-warm's ragged.py/affine.py cuts), then W's warm-up before/after
 #   L  the engine bench's fill fix (585ecae) at batch 128 on the H100: memory by stage, then the decode bench
 # usage: OUT=$OUT bash benchmarks/runs/next_device.sh A
 set -u; T0=$SECONDS; export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 left() { echo $((${1} - SECONDS + T0)); }
 compiled_tests() {
-  MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD timeout 200 \
+  MINIPIC_COMPILED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD timeout ${TLIMIT:-200} \
     python3 -m pytest -q -o addopts= -p no:cacheprovider -n 8 -rfE tests/test_paged_attention*.py \
     tests/test_gated_delta*.py tests/test_chain_compose_kernel.py tests/test_kernel_registry.py \
-    tests/test_kernel_entry_points.py tests/test_block_table_array.py > "$OUT/compiled_tests.txt" 2>&1
+    tests/test_kernel_entry_points.py tests/test_block_table_array.py ${EXTRA:-} > "$OUT/compiled_tests.txt" 2>&1
   echo "compiled tests rc=$? t=$((SECONDS-T0)) s"
   grep -E "^(FAILED|ERROR) " "$OUT/compiled_tests.txt" | cut -c1-200 | head -20; tail -1 "$OUT/compiled_tests.txt"
 }
@@ -57,6 +59,9 @@ V) mkdir -p /tmp/wbefore && tar -xzf .dev1/warm_before.tgz -C /tmp/wbefore
      ROUNDS=1 OUT=$OUT/warm_after_$r bash benchmarks/runs/warm_step_device.sh 2>&1 | tail -5
    done;;
 W) BEFORE_TGZ=.dev1/lower_before.tgz bash benchmarks/runs/lower_next_device.sh 2>&1 | tail -30;;
+Y) EXTRA="tests/test_engine_gdn_kernel.py tests/test_step_lowering.py tests/test_span_maps.py tests/test_qwen3_5_spans.py" \
+     TLIMIT=230 compiled_tests
+   SKIP_TESTS=1 LIMIT=130 BEFORE_TGZ=.dev1/lower_before.tgz bash benchmarks/runs/lower_next_device.sh 2>&1 | tail -12;;
 L) bash benchmarks/runs/live_bytes_next_device.sh 2>&1 | tail -30;;
 X) TAG=_exact_40960 XLA_LIMIT=exact LIMIT=250 bash benchmarks/runs/pool_reserve_next_device.sh 2>&1 | tail -24
    L=$(left 570); [ "$L" -gt 150 ] && TAG=_exact_33792 MAX_LEN=33792 XLA_LIMIT=exact LIMIT=$((L - 20)) \
@@ -69,6 +74,6 @@ G) BATCH=64 ROUNDS=2 BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_ne
    BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_next_device.sh rag 2>&1 | grep -v "^W1" | tail -12;;
 H) RAG_LIMIT=400 bash benchmarks/runs/compose_next_device.sh 2>&1 | tail -30;;
 F) LIMIT=540 bash benchmarks/runs/hybrid_spans_next_device.sh 2>&1 | tail -30;;
-*) echo "usage: $0 T|A|B|C|D|E|F|G|H|X|L|W|S|P|V"; exit 2;;
+*) echo "usage: $0 Y|T|A|B|C|D|E|F|G|H|X|L|W|S|P|V"; exit 2;;
 esac
 echo "== total t=$((SECONDS-T0)) s"
