@@ -29,6 +29,10 @@ fcfs)
     --out "$OUT/rag_before" > "$OUT/rag_fcfs_before.txt" 2>&1)
   timeout ${LIMIT:-280} $R --configs fcfs --compose-cost 1 --out "$OUT/rag_after" \
     > "$OUT/rag_fcfs_after.txt" 2>&1;;
+after)  # this tree's fcfs + the pic_off anchor in one call (the goal's ratio), ~2 x 4 min
+  timeout ${LIMIT:-280} $R --configs fcfs --compose-cost 1 --out "$OUT/rag_after" \
+    > "$OUT/rag_fcfs_after.txt" 2>&1
+  timeout ${LIMIT:-280} $R --configs pic_off --out "$OUT/rag_pic_off" > "$OUT/rag_pic_off.txt" 2>&1;;
 pic_off)
   timeout ${LIMIT:-280} $R --configs pic_off --out "$OUT/rag_pic_off" > "$OUT/rag_pic_off.txt" 2>&1;;
 esac
