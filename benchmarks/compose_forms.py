@@ -21,7 +21,8 @@ from kernels_pallas.gated_delta import affine
 from kernels_pallas.gated_delta.chain_triton import chain_apply
 from serving.hybrid import chain_compose, span_maps
 
-SWEEP = ((64, 8), (64, 4), (32, 4), (128, 8), (128, 16))
+SWEEP = ((64, 8), (64, 4), (32, 4), (128, 8), (128, 16), (32, 8), (16, 4))
+SWEEP_PRECISIONS = ("highest", "tf32_x3", "bf16_x3", "bf16_x6")
 
 LAYERS, HEADS, DK, CONV, K1 = 18, 16, 128, 6144, 3
 LENGTHS, ROWS, LENGTH = (12, 10, 8), 4, 256
@@ -67,20 +68,27 @@ def main(reps: int = 10) -> None:
 
 
 def sweep(reps: int = 10) -> None:
-    """chain_apply alone (delta states only) at each (block_v, num_warps) of SWEEP."""
+    """chain_apply alone (delta states only) at each precision of SWEEP_PRECISIONS and
+    (block_v, num_warps) of SWEEP, with its relative difference from the first that ran."""
     pool, chains, _, delta0 = inputs()
     n = span_maps.chain_lengths(chains)
     gflop = sum(LENGTHS) * chain_compose.flops_per_application(LAYERS, HEADS, DK, DK) / 1e9
-    for block_v, warps in SWEEP:
-        call = jax.jit(functools.partial(chain_apply, block_v=block_v, num_warps=warps))
-        try:
-            ms = 1e3 * time_calls(call, pool.a, pool.b, chains, n, delta0, iters=1, reps=reps)
-        except Exception as e:  # noqa: BLE001 - report and go on with the other settings
-            print(f"compose kernel block_v {block_v} warps {warps}: {type(e).__name__}: "
-                  f"{str(e)[:200]}")
-            continue
-        print(f"compose kernel block_v {block_v:3d} warps {warps:2d} | {ms:.3f} ms | "
-              f"{gflop / ms:.2f} TFLOP/s", flush=True)
+    ref = None
+    for name in SWEEP_PRECISIONS:
+        for block_v, warps in SWEEP:
+            call = jax.jit(functools.partial(chain_apply, block_v=block_v, num_warps=warps,
+                                             precision=affine.compose_precision(name)))
+            try:
+                got = np.asarray(call(pool.a, pool.b, chains, n, delta0), np.float64)
+                ms = 1e3 * time_calls(call, pool.a, pool.b, chains, n, delta0, iters=1, reps=reps)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other settings
+                print(f"compose kernel {name} block_v {block_v} warps {warps}: "
+                      f"{type(e).__name__}: {str(e)[:200]}")
+                continue
+            ref = got if ref is None else ref
+            rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+            print(f"compose kernel {name:8s} block_v {block_v:3d} warps {warps:2d} | {ms:.3f} ms "
+                  f"| {gflop / ms:.2f} TFLOP/s | rel. diff. {rel:.2e}", flush=True)
 
 
 if __name__ == "__main__":

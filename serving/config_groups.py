@@ -224,8 +224,9 @@ class CompilationConfig:
     # rule; "exact" = temporaries within 95% of what the program's buffers leave, set per engine
     # from its traced top-bucket steps, explicit pools too (kv_pool.size_pool); where nothing is
     # traced (no device memory limit: CPU; tensor parallelism) XLA's rule. The hybrid span
-    # composition program keeps XLA's rule (small: its maps and states only)
-    xla_memory_limit: str = option("xla", flat="xla_memory_limit")
+    # composition program keeps XLA's rule (small: its maps and states only). Default "exact"
+    # since its H100 check (benchmarks/RESULTS.md, Engine: no remat at 40,960 or 33,792)
+    xla_memory_limit: str = option("exact", flat="xla_memory_limit")
 
     def __post_init__(self):
         check_command_buffer(self.command_buffer,

@@ -98,10 +98,10 @@ def test_exact_xla_limit_is_set_from_the_steps_at_the_allocated_pool(monkeypatch
     """Config.compilation.xla_memory_limit "exact" (issue 28): the default pool is sized as
     before, and the step's compiles get XLA's slop factor that holds every top-bucket program
     traced with the pool as allocated to temporaries within 95% of the room its buffers leave
-    (xla_limit.exact_limit_options); XLA's rule (the default) passes no factor. Options cannot
+    (xla_limit.exact_limit_options; the default since session 20); XLA's rule passes no factor. Options cannot
     change once a variant is compiled."""
     from serving.cache import step_temps, xla_limit
-    _, _, plain, _ = _tiny_runner(monkeypatch, 0.5)
+    _, _, plain, _ = _tiny_runner(monkeypatch, 0.5, xla_memory_limit="xla")
     assert "xla_gpu_memory_limit_slop_factor" not in plain._step.compiler_options
     _, _, runner, limit = _tiny_runner(monkeypatch, 0.5, xla_memory_limit="exact")
     assert runner.num_blocks == plain.num_blocks
@@ -121,9 +121,9 @@ def test_xla_memory_limit_setting_is_checked():
 
 def test_exact_xla_limit_covers_an_explicit_pool(monkeypatch):
     """An explicit num_kv_blocks keeps its size and still gets the exact factor (its steps
-    traced with that pool); without "exact" an explicit pool traces nothing."""
+    traced with that pool); with XLA's rule an explicit pool traces nothing."""
     from serving.cache import step_temps, xla_limit
-    _, _, plain, _ = _tiny_runner(monkeypatch, 0.5, num_kv_blocks=40)
+    _, _, plain, _ = _tiny_runner(monkeypatch, 0.5, num_kv_blocks=40, xla_memory_limit="xla")
     assert plain.num_blocks == 40 and not plain._step.compiler_options
     assert not hasattr(plain, "step_programs")
     _, _, runner, limit = _tiny_runner(monkeypatch, 0.5, num_kv_blocks=40, xla_memory_limit="exact")
