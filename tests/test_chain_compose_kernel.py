@@ -111,15 +111,21 @@ def test_bf16_presets_are_computed_not_ignored(fresh_rng, preset, bar):
 
 
 def test_use_kernel_names_the_choices(monkeypatch):
-    """Auto keeps the XLA loop until the kernel is measured on a GPU (AUTO_KERNEL), then picks the
-    kernel on a GPU only; an unknown name is an error naming the choices."""
-    assert chain_compose.use_kernel("triton") and not chain_compose.use_kernel("xla")
+    """Auto picks the kernel on a GPU only, and only at a tensor-core precision (its IEEE float32
+    dots ran at ~0.5 TFLOP/s on an H100, 22x the XLA loop); AUTO_KERNEL off keeps the loop; an
+    unknown name is an error naming the choices."""
+    tf32 = _PRESETS.TF32_TF32_F32_X3
+    assert chain_compose.use_kernel("triton") and not chain_compose.use_kernel("xla", tf32)
     monkeypatch.setattr(chain_compose, "_platform", lambda: "gpu")
-    assert chain_compose.use_kernel("auto") == chain_compose.AUTO_KERNEL
+    assert chain_compose.use_kernel("auto", tf32)
+    assert chain_compose.use_kernel("auto", _PRESETS.BF16_BF16_F32_X6)
+    assert not chain_compose.use_kernel("auto") and not chain_compose.use_kernel(
+        "auto", jax.lax.Precision.HIGHEST)
+    monkeypatch.setattr(chain_compose, "AUTO_KERNEL", False)
+    assert not chain_compose.use_kernel("auto", tf32)
     monkeypatch.setattr(chain_compose, "AUTO_KERNEL", True)
-    assert chain_compose.use_kernel("auto")
     monkeypatch.setattr(chain_compose, "_platform", lambda: "cpu")
-    assert not chain_compose.use_kernel("auto")
+    assert not chain_compose.use_kernel("auto", tf32)
     with pytest.raises(ValueError, match="'auto', 'triton', 'xla'"):
         chain_compose.use_kernel("pallas")
 
@@ -156,7 +162,7 @@ def test_engine_composing_by_the_kernel_matches_the_reference(monkeypatch):
     kernel: tokens and logprobs within 1e-5 of the float64 hybrid reference."""
     import tests.test_engine_hybrid_spans as spans
     from minipic_jax import LLM
-    monkeypatch.setattr(chain_compose, "use_kernel", lambda impl="auto": impl != "xla")
+    monkeypatch.setattr(chain_compose, "use_kernel", lambda impl="auto", precision=None: impl != "xla")
     llm = spans._slow_decay(LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
                                 max_num_batched_tokens=64, min_token_bucket=64,
                                 max_model_len=512, block_size=16, num_kv_blocks=96))

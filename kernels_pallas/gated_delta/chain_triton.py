@@ -82,7 +82,7 @@ def _chain_kernel(chain_ref, n_ref, a_ref, b_ref, s_ref, o_ref, *, heads, block_
 
 
 def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | None = None,
-                num_warps: int = 8, interpret: bool = False):
+                num_warps: int = 8, num_stages: int = 1, interpret: bool = False):
     """Each row's state after its chain of maps, in the cache's layout.
 
     Args:
@@ -91,14 +91,17 @@ def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | N
       n_maps: [S] int32 maps to apply per row (0: the state is copied).
       state: [Lg, S, Hv, Dk, Dv] float32 (serving's read_states layout).
       precision: of the dots (module doc); block_v: value columns per program (divides Dv;
-        None: min(64, Dv)); num_warps: per program (8: a [Dk, Dk] float32 A, the state block,
-        B and the product stay in registers; not yet tuned on a device, see
-        benchmarks/compose_forms.py's sweep).
+        None: min(128, Dv)); num_warps, num_stages: per program. The defaults are the fastest
+        of benchmarks/compose_forms.py's sweep on an H100 (session 20, Qwen3.5-0.8B maps, 30 on
+        3 rows): block_v 128 / 8 warps at every tensor-core precision (tf32_x3 1.25 ms, bf16_x6
+        1.42, bf16_x3 1.09; 64 / 8: 1.54, 1.52, 1.27). At "highest" (IEEE float32 FMA, no
+        tensor cores) every setting ran at ~0.5 TFLOP/s (62-89 ms): chain_compose.use_kernel
+        keeps that precision on the XLA loop (3.1 ms).
     Returns:
       [Lg, S, Hv, Dk, Dv] float32.
     """
     layers, rows, heads, dk, dv = state.shape
-    block_v = min(64, dv) if block_v is None else block_v
+    block_v = min(128, dv) if block_v is None else block_v
     if a.shape[1:] != (layers, heads, dk, dk) or b.shape[1:] != (layers, heads, dk, dv):
         raise ValueError(f"chain_apply: pool a {a.shape} / b {b.shape} do not fit states "
                          f"{state.shape}")
@@ -115,6 +118,6 @@ def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | N
         kernel, grid=(rows, layers * heads, dv // block_v),
         in_specs=[whole(chains), whole(n_maps), whole(a), whole(b), block],
         out_specs=block, out_shape=jax.ShapeDtypeStruct(state.shape, _F32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="span_chain_apply",
     )(chains, n_maps, a, b, state.astype(_F32))

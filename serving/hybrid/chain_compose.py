@@ -19,8 +19,8 @@ next one's runs no mask (every row of it composes at every position it runs).
 On a GPU that loop is the slow form: each trip copies its maps out of the pool (a gather), then
 the dot, the add and the ended-chain select each pass over HBM, ~12 map-sized passes per
 application (~97 us for one Qwen3.5-0.8B map on one row on an H100, against ~13 us to read A and
-B once). `compose_kernel` replaces it there (`use_kernel`: asked for, or by "auto" once
-`AUTO_KERNEL` is set after a device measurement): one Triton program per (row, layer,
+B once). `compose_kernel` replaces it there at a tensor-core precision (`use_kernel`: asked for,
+or by "auto"): one Triton program per (row, layer,
 head, value block) runs its row's whole chain with the state block in registers, reading each
 map from the pool by slot, and the conv windows come in closed form (`chain_window`).
 """
@@ -37,24 +37,29 @@ from kernels_pallas.sharding import tp_mesh
 EXACT_WIDTHS = 4  # every width up to this one; then 6, 8, 12, 16, 24, 32, 48, 64, ...
 
 
-# Which form composes the chains: "auto" (today the XLA loop everywhere: the kernel has been lowered
-# for CUDA but never compiled or timed on a GPU; `AUTO_KERNEL` turns it on for a GPU without a TP
-# mesh once benchmarks/runs/compose_next_device.sh has measured it), "triton" (the kernel;
-# interpreted off a GPU) or "xla" (compose_sorted's loop).
+# Which form composes the chains: "auto" (on a GPU without a TP mesh, the kernel at a tensor-core
+# precision, else the XLA loop), "triton" (the kernel; interpreted off a GPU) or "xla"
+# (compose_sorted's loop). Measured on an H100 (session 20, benchmarks/compose_forms.py, 30
+# Qwen3.5-0.8B maps on 3 rows): the kernel 1.25 ms at tf32_x3 against the loop's 3.14; at
+# "highest" its IEEE float32 dots run on the CUDA cores at ~0.5 TFLOP/s (67.6 ms), so "auto"
+# keeps IEEE float32 on the loop. AUTO_KERNEL = False is the loop everywhere.
 IMPLS = ("auto", "triton", "xla")
-AUTO_KERNEL = False
+AUTO_KERNEL = True
 _GPU = ("gpu", "cuda")
 
 
-def use_kernel(impl: str = "auto") -> bool:
+def use_kernel(impl: str = "auto", precision=None) -> bool:
     """Whether chains are composed by the Triton kernel (`compose_kernel`): asked, or "auto" with
-    AUTO_KERNEL on a GPU outside a tensor-parallel trace (there the pool and states split by heads, and the XLA
-    loop, which XLA partitions, serves). ValueError naming the choices for another name."""
+    AUTO_KERNEL on a GPU outside a tensor-parallel trace (there the pool and states split by
+    heads, and the XLA loop, which XLA partitions, serves) at a tensor-core `precision` (a
+    DotAlgorithmPreset; None / HIGHEST: IEEE float32, faster on the loop). ValueError naming the
+    choices for another name."""
     if impl not in IMPLS:
         raise ValueError(f"chain compose impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl == "triton"
-    return AUTO_KERNEL and _platform() in _GPU and tp_mesh() is None
+    tensor_cores = isinstance(precision, jax.lax.DotAlgorithmPreset)
+    return AUTO_KERNEL and tensor_cores and _platform() in _GPU and tp_mesh() is None
 
 
 def _platform() -> str:

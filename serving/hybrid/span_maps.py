@@ -8,7 +8,7 @@ recurrence run over all earlier segments: the maps applied in order to the state
 the conv window shifted by each tail (docs/DESIGN.md section 5). `entry_states` does that on device,
 in the compose program before the step: per position one gather from the pool and one batched
 matmul over the rows whose chain still runs, or (chain_compose.use_kernel: asked for, or on a GPU
-once AUTO_KERNEL is set) one Triton kernel pass per chain, its maps read from the pool by slot
+at a tensor-core precision) one Triton kernel pass per chain, its maps read from the pool by slot
 (serving/hybrid/chain_compose.py).
 
 Shape letters: P pool slots, Lg GDN layers, S sequences, L maps per sequence (padded with -1),
@@ -101,7 +101,7 @@ def _compose(pool, chains, n_maps, conv0, delta0, precision, impl="auto"):
     """The chains composed on states in the cache's layout ([Lg, S, ...]): the Triton kernel
     (chain_compose.use_kernel; any row order), else chain_compose.compose_sorted (rows sorted
     longest first)."""
-    if chain_compose.use_kernel(impl):
+    if chain_compose.use_kernel(impl, precision):
         return chain_compose.compose_kernel(pool, chains, n_maps, conv0,
                                             delta0.astype(jnp.float32), precision)
     conv, delta = chain_compose.compose_sorted(
@@ -118,8 +118,8 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0, *, precision=None, imp
       slots: [S, L] int32 pool slots in order (the first map runs first); -1 ends a chain.
       conv0: [Lg, S, C, K1] conv windows before the chain; delta0: [Lg, S, Hv, Dk, Dv] float32.
       precision: of the composition's dots (affine.compose_precision; None: IEEE float32).
-      impl: chain_compose.IMPLS ("auto": the XLA loop until chain_compose.AUTO_KERNEL turns the
-        Triton kernel on for GPUs).
+      impl: chain_compose.IMPLS ("auto": the Triton kernel on a GPU at a tensor-core precision,
+        else the XLA loop: chain_compose.use_kernel).
     Returns:
       conv [Lg, S, C, K1] (conv0's dtype), delta [Lg, S, Hv, Dk, Dv] float32.
 
@@ -130,7 +130,7 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0, *, precision=None, imp
     padding of L cost nothing and no [S, L] gather of whole maps is ever materialised.
     """
     n_maps = chain_lengths(slots)
-    if chain_compose.use_kernel(impl):
+    if chain_compose.use_kernel(impl, precision):
         return _compose(pool, slots, n_maps, conv0, delta0, precision, impl)
     order = _longest_first(n_maps)
     conv, delta = _compose(pool, slots[order], n_maps[order], conv0[:, order], delta0[:, order],
