@@ -5,7 +5,8 @@ chain length 256), random maps of norm ~1: for each form of chain_compose (the T
 kernel, the per-position XLA loop) and each composition precision, the median ms of
 span_maps.entry_states, its TFLOP/s and its relative difference from the XLA loop at "highest".
 A form that fails to compile prints its error and the others still run. Then the kernel's
-(block_v, num_warps) at "highest" (`sweep`), to pick chain_triton's defaults.
+(block_v, num_warps) at every precision (`sweep`), to pick chain_triton's defaults;
+`python -m benchmarks.compose_forms stages`: its num_stages at the tensor-core precisions.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from serving.hybrid import chain_compose, span_maps
 
 SWEEP = ((64, 8), (64, 4), (32, 4), (128, 8), (128, 16), (32, 8), (16, 4))
 SWEEP_PRECISIONS = ("highest", "tf32_x3", "bf16_x3", "bf16_x6")
+# session 20 (H100): at "highest" every setting ran at ~0.5 TFLOP/s and 128 / 8 led at every
+# tensor-core precision; `stages` times Triton's software pipelining (the next map's A and B
+# loaded while this one's dot runs) at the tensor-core precisions
+STAGES = ((128, 8, 2), (128, 8, 3), (64, 8, 2), (64, 4, 2), (64, 4, 3), (32, 4, 2))
 
 LAYERS, HEADS, DK, CONV, K1 = 18, 16, 128, 6144, 3
 LENGTHS, ROWS, LENGTH = (12, 10, 8), 4, 256
@@ -91,6 +96,30 @@ def sweep(reps: int = 10) -> None:
                   f"| {gflop / ms:.2f} TFLOP/s | rel. diff. {rel:.2e}", flush=True)
 
 
+def stages(reps: int = 10) -> None:
+    """chain_apply at each (block_v, num_warps, num_stages) of STAGES, tensor-core precisions."""
+    pool, chains, _, delta0 = inputs()
+    n = span_maps.chain_lengths(chains)
+    gflop = sum(LENGTHS) * chain_compose.flops_per_application(LAYERS, HEADS, DK, DK) / 1e9
+    for name in SWEEP_PRECISIONS[1:]:
+        for block_v, warps, n_stages in STAGES:
+            call = jax.jit(functools.partial(chain_apply, block_v=block_v, num_warps=warps,
+                                             num_stages=n_stages,
+                                             precision=affine.compose_precision(name)))
+            try:
+                ms = 1e3 * time_calls(call, pool.a, pool.b, chains, n, delta0, iters=1, reps=reps)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other settings
+                print(f"compose stages {name} {block_v}/{warps}/{n_stages}: {type(e).__name__}: "
+                      f"{str(e)[:200]}")
+                continue
+            print(f"compose stages {name:8s} block_v {block_v:3d} warps {warps:2d} stages "
+                  f"{n_stages} | {ms:.3f} ms | {gflop / ms:.2f} TFLOP/s", flush=True)
+
+
 if __name__ == "__main__":
-    main()
-    sweep()
+    import sys
+    if sys.argv[1:] == ["stages"]:
+        stages()
+    else:
+        main()
+        sweep()
