@@ -15,6 +15,9 @@ engine.step() call:
                serving/hybrid/span_compose.py) and its buckets t (tokens) / s (sequences);
                `read-back`: a step() that launched nothing (async: it read back the last step)
   rows, tokens the batch's sequences and query tokens
+  first_uses   programs (the step, its composition) dispatched for the first time since the
+               trace was attached (after the warm-up, whose empty steps ran each once): a cost
+               that only such rows pay is a first use of the program on real inputs
   host_ms      step() entry to the step's dispatch: scheduling (admit_ms: cache admission;
                moves_ms: lower-tier page copies and checkpoint / span-map slot moves) and the
                input build (compose_build_ms, zero_ms: page zeroing's fill, compose_ms: the
@@ -48,7 +51,7 @@ import jax
 
 TIMED = ("admit_ms", "moves_ms", "compose_build_ms", "zero_ms", "compose_ms", "copies_ms",
          "gc_ms")
-SUMMED = ("rows", "tokens", "host_ms", "dispatch_ms", "read_ms", "post_ms", "step_ms",
+SUMMED = ("first_uses", "rows", "tokens", "host_ms", "dispatch_ms", "read_ms", "post_ms", "step_ms",
           "wait_ms", "ready_ms", "busy_ms", "compose_dev_ms", "step_dev_ms") + TIMED
 
 
@@ -63,6 +66,7 @@ class StepTrace:
         self._rows: list[dict] = []
         self._dispatched: dict = {}  # id(step output) -> (its row, dispatch time)
         self._gc_outside = 0.0
+        self._seen: set = set()  # programs (static arguments) dispatched since attach
 
     # -- wrapping ------------------------------------------------------------------------------
     def attach(self) -> "StepTrace":
@@ -175,11 +179,14 @@ class StepTrace:
         def dispatch(ints, floats, use_prev, kw):
             row, runner = self._row, self.engine.runner
             compose = bool(kw.get("compose"))
-            t0 = self.clock()
+            key = tuple(sorted((k, repr(v)) for k, v in kw.items()))
+            first, t0 = key not in self._seen, self.clock()
+            self._seen.add(key)
             out = inner(ints, floats, use_prev, kw)
             t1 = self.clock()
             if row is None:
                 return out
+            row["first_uses"] = row.get("first_uses", 0) + first
             if compose:
                 row["compose_ms"] = row.get("compose_ms", 0.0) + 1e3 * (t1 - t0)
                 row["compose_rows"] = kw["compose"][0]
@@ -283,9 +290,11 @@ def table_lines(trace: dict, sync: bool = False) -> list[str]:
     keys = ["host_ms", "dispatch_ms", "post_ms", "step_ms", "wait_ms", "ready_ms", "busy_ms",
             "admit_ms", "moves_ms", "compose_build_ms", "compose_ms", "zero_ms"] + (
         ["compose_dev_ms", "step_dev_ms"] if sync else [])
-    lines = [f"    {'kind':<36} {'n':>2} {'tok':>5} " + " ".join(f"{c:>7}" for c in cols)]
+    lines = [f"    {'kind':<36} {'n':>2} {'1st':>3} {'tok':>5} "
+             + " ".join(f"{c:>7}" for c in cols)]
     for kind, s in trace["by_kind"].items():
-        lines.append(f"    {kind[:36]:<36} {s['n']:2d} {s['tokens']:5d} "
+        lines.append(f"    {kind[:36]:<36} {s['n']:2d} {s.get('first_uses', 0):3d} "
+                     f"{s['tokens']:5d} "
                      + " ".join(f"{s.get(k, 0.0):7.2f}" for k in keys))
     o = trace["outside"]
     gc_ms = o["gc_ms"] + sum(s.get("gc_ms", 0.0) for s in trace["by_kind"].values())
