@@ -37,5 +37,5 @@ timeout ${LIMIT:-225} ${PYTHON:-python3} -m benchmarks.cli hybrid-spans --steps 
 echo "hybrid-spans --steps rc=$? t=$((SECONDS-T0)) s" >> "$R"
 # the tables last: warm-up progress, start-up, each call and its steps, the goals, the exit line
 grep -o "compiling step variant [0-9]*/[0-9]*" "$R" | tail -1
-grep -E "^(CUDA_MODULE|minipic_jax: warm-up: [0-9]+ |hybrid-spans|start-up|call |[a-i] |    |goal )" \
-  "$R" | tail -90
+KEEP="CUDA_MODULE|minipic_jax: warm-up: [0-9]+ |hybrid-spans|start-up|call |[a-i] |    |goal "
+grep -E "^($KEEP)" "$R" | tail -90
