@@ -13,7 +13,8 @@ engine.step() call:
                span-map pool; warm: with the pool, `+capN` when N of its rows capture a span
                map; `+compose(R)`: the compose program of R chain rows ran before it:
                serving/hybrid/span_compose.py) and its buckets t (tokens) / s (sequences);
-               `read-back`: a step() that launched nothing (async: it read back the last step)
+               `read-back`: a step() that launched nothing (async: it read back the last step);
+               decode-only: the engine's separate decode variant (runner.separate_decode)
   rows, tokens the batch's sequences and query tokens
   first_uses   programs (the step, its composition) dispatched for the first time since the
                trace was attached (after the warm-up, whose empty steps ran each once): a cost
@@ -166,7 +167,7 @@ class StepTrace:
     def _variant(self, row: dict) -> str:
         runner = self.engine.runner
         ints, _, kw = runner.last_inputs
-        name = "plain"
+        name = "decode-only" if kw.get("decode_only") else "plain"
         if kw.get("spans"):
             name = "warm" if runner.span_pool is not None else "span"
             caps = _captures(runner, ints, kw) if name == "warm" else 0
