@@ -1,5 +1,6 @@
 """minipic-bench: cli.py and one module per subcommand (`attention`, `engine`, `gdn`, `planner`,
-`hybrid-cache`, `hybrid-step`, `hybrid-spans` (hybrid_span_request.py), `rag`, `route`,
+`hybrid-cache`, `hybrid-step`, `hybrid-spans` (hybrid_span_request.py; its `--steps` trace:
+hybrid_span_steps.py), `rag`, `route`,
 `write-kv`, `train`, `block-ft`, `rl`, `cpu-vs-hf`, `lower-time` (lower_time.py: the step
 variants' trace and lower for CUDA on this CPU));
 a subcommand's parts in files named after it (attention_decode.py, engine_host.py, ...).

@@ -20,6 +20,16 @@ Per call: the wall ms of `generate`, the compiles during the call (step variants
 compiled or loaded: StepExecutables.counts; XLA backend compiles and persistent-cache loads:
 jax.monitoring events, so programs outside the step count too) and the cached prompt tokens.
 Goals printed: b compiles 0; b/a <= 1.3 and d/f <= 1.3; c/b <= 0.2 and e/d <= 0.2; g accepted.
+`--steps` (on; `--no-steps` off) adds each call's engine steps (benchmarks/hybrid_span_steps.py:
+kind, rows, host / dispatch / wait / ready ms, admission, moves, composition, the time outside
+the steps): a table per call (sums per kind) and the rows in the JSON (`trace`); `--steps-sync`
+also waits for each program right after its dispatch (exact device ms per step and composition;
+the calls' walls then include the waits, so the goals are not comparable); `--sync-repeat`
+keeps a-g as they are and adds, after g, calls h and i: c and e again (a new order and question;
+no longer the first reordered calls), traced with those waits:
+
+    h  reordered sync     b's spans permuted anew, a new question
+    i  reordered 2 sync   d's spans permuted anew, a new question
 
     minipic-bench hybrid-spans [--json PATH]                      # the GPU run
     minipic-bench hybrid-spans --model tiny_qwen3_5 --dtype float32 --max-num-seqs 4 \\
@@ -30,6 +40,7 @@ Goals printed: b compiles 0; b/a <= 1.3 and d/f <= 1.3; c/b <= 0.2 and e/d <= 0.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -41,6 +52,8 @@ from benchmarks.ttft_host import id_ceiling
 
 CALLS = (("a", "plain"), ("b", "spans cold"), ("c", "reordered"), ("d", "spans cold 2"),
          ("e", "reordered 2"), ("f", "plain 2"), ("g", "long spans"))
+# --sync-repeat: c and e again (new order and question), each program waited for (device ms)
+SYNC_CALLS = (("h", "reordered sync"), ("i", "reordered 2 sync"))
 # (numerator, denominator, bound, what): the ratio goals of issue 29
 RATIO_GOALS = (("b", "a", 1.3, "cold spans <= 1.3x the same tokens as a plain prompt"),
                ("d", "f", 1.3, "cold spans <= 1.3x plain, both kinds compiled"),
@@ -63,19 +76,32 @@ def add_parser(p) -> None:
                    help="LLM(warmup=False): the variants compile on first use (counted)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random ids")
     p.add_argument("--json", default=None, help="write every figure to this file")
+    p.add_argument("--steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="per-call engine steps (benchmarks/hybrid_span_steps.py; default: on)")
+    p.add_argument("--steps-sync", action="store_true",
+                   help="with --steps: wait for each program after its dispatch (device ms)")
+    p.add_argument("--sync-repeat", action="store_true",
+                   help="with --steps: after g, calls h / i = c / e again (new order and "
+                        "question), each program waited for: their device ms")
 
 
-def timed_generate(llm, prompt, sp, counter: CompileCounter) -> dict:
-    """One `llm.generate([prompt])`: wall ms, compiles during it, prompt and cached tokens."""
+def timed_generate(llm, prompt, sp, counter: CompileCounter, trace=None) -> dict:
+    """One `llm.generate([prompt])`: wall ms, compiles during it, prompt and cached tokens;
+    with a StepTrace (benchmarks/hybrid_span_steps.py) its steps too (`trace`)."""
     before = counter.read(llm)
+    if trace is not None:
+        trace.begin()
     t0 = time.perf_counter()
     out = llm.generate([prompt], sp, use_tqdm=False)[0]
     wall = time.perf_counter() - t0
+    steps = None if trace is None else trace.end()
     after = counter.read(llm)
     row = {"wall_ms": 1e3 * wall, "prompt_tokens": len(out.prompt_token_ids),
            "cached_tokens": int(out.num_cached_tokens), "accepted": True}
     row.update({k: after[k] - before[k] for k in after})
     row["compiles"] = row["step_compiles"] + row["xla_compiles"] + row["xla_cache_loads"]
+    if steps is not None:
+        row["trace"] = steps
     return row
 
 
@@ -104,9 +130,9 @@ def make_llm(args, counter: CompileCounter):
     return llm, startup
 
 
-def span_calls(llm, args, counter: CompileCounter, on_row=None) -> dict:
+def span_calls(llm, args, counter: CompileCounter, on_row=None, trace=None) -> dict:
     """Calls a-g (module doc) on the started engine: name -> row; `on_row(key, row)` after each
-    (a run cut off by its time limit still shows the calls it made)."""
+    (a run cut off by its time limit still shows the calls it made); `trace`: a StepTrace."""
     from minipic_jax import SamplingParams
     from minipic_jax.prompts import Prompt, Span
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -135,14 +161,20 @@ def span_calls(llm, args, counter: CompileCounter, on_row=None) -> dict:
                "e": reordered(second), "f": [Prompt(ids(total))]}
     on_row = on_row or (lambda key, row: None)
     for key, _ in CALLS[:-1]:
-        rows[key] = timed_generate(llm, prompts[key], sp, counter)
+        rows[key] = timed_generate(llm, prompts[key], sp, counter, trace)
         on_row(key, rows[key])
-    rows["g"] = long_span_call(llm, args, counter, sp, ids)
+    rows["g"] = long_span_call(llm, args, counter, sp, ids, trace)
     on_row("g", rows["g"])
+    if trace is not None and args.sync_repeat:  # after g: a-g's ids are as without it
+        for (key, _), request in zip(SYNC_CALLS, (first, second)):
+            trace.sync = True
+            rows[key] = timed_generate(llm, reordered(request), sp, counter, trace)
+            trace.sync = args.steps_sync
+            on_row(key, rows[key])
     return rows
 
 
-def long_span_call(llm, args, counter, sp, ids) -> dict:
+def long_span_call(llm, args, counter, sp, ids, trace=None) -> dict:
     """Call g: as many spans of --long-span-tokens as max_model_len holds (--spans at most)."""
     from minipic_jax.prompts import Prompt, Span
     room = (llm.config.max_model_len - args.system_tokens - args.question_tokens
@@ -156,7 +188,7 @@ def long_span_call(llm, args, counter, sp, ids) -> dict:
                *(Span(ids(args.long_span_tokens)) for _ in range(n)),
                Prompt(ids(args.question_tokens))]
     try:
-        row = timed_generate(llm, request, sp, counter)
+        row = timed_generate(llm, request, sp, counter, trace)
     except Exception as err:  # noqa: BLE001 - the goal is "accepted": its error is the figure
         return {"accepted": False, "num_spans": n, "error": f"{type(err).__name__}: {err}"}
     return {**row, "num_spans": n}
@@ -188,14 +220,17 @@ def print_startup(args, startup: dict) -> None:
           f"{'xla_c':>6} {'xla_ld':>6}", flush=True)
 
 
-def print_row(key: str, r: dict) -> None:
-    name = dict(CALLS)[key]
+def print_row(key: str, r: dict, sync: bool = False) -> None:
+    name = dict(CALLS + SYNC_CALLS)[key]
     if not r["accepted"]:
         print(f"{key} {name:<14} not accepted: {r['error']}", flush=True)
         return
     print(f"{key} {name:<14} {r['wall_ms']:10.1f} {r['prompt_tokens']:7d} "
           f"{r['cached_tokens']:7d} {r['step_compiles']:7d} {r['xla_compiles']:6d} "
           f"{r['xla_cache_loads']:6d}", flush=True)
+    if "trace" in r:
+        from benchmarks.hybrid_span_steps import table_lines
+        print("\n".join(table_lines(r["trace"], sync=sync)), flush=True)
 
 
 def run(args) -> int:
@@ -208,10 +243,14 @@ def run(args) -> int:
                   "long_span_tokens", "max_tokens", "seed")}, "rows": {}}
 
     def on_row(key, row):
-        print_row(key, row)
-        result["rows"][f"{key} {dict(CALLS)[key]}"] = row
+        print_row(key, row, sync=args.steps_sync or key in dict(SYNC_CALLS))
+        result["rows"][f"{key} {dict(CALLS + SYNC_CALLS)[key]}"] = row
         write_json(args.json, result)  # after every call: a cut-off run keeps what it measured
-    rows = span_calls(llm, args, counter, on_row)
+    trace = None
+    if args.steps:  # after the warm-up: its steps are no call's
+        from benchmarks.hybrid_span_steps import StepTrace
+        trace = StepTrace(llm, sync=args.steps_sync).attach()
+    rows = span_calls(llm, args, counter, on_row, trace)
     result["goals"] = goal_lines(rows)
     for g in result["goals"]:
         print(f"goal {'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}")
