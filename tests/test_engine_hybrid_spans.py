@@ -214,9 +214,10 @@ def test_small_span_map_store_evicts_and_offloads_exactly(llm):
 
 
 def test_span_prompts_resume_from_checkpoints_then_skip_spans(llm):
-    """Prefix checkpoints in span prompts (after PDEP blocks only): a second request resumes from
-    the 128-token checkpoint inside a long system prompt, then skips the cached spans; a third
-    resumes exactly at a span's start and enters that cached span right after the restore."""
+    """Prefix checkpoints in span prompts (after PDEP blocks only): a second request resumes at
+    the first span's start after a 151-token system prompt (token 160, off the GDN chunk grid:
+    the cold chunk stopped there), then skips the cached spans; a third resumes exactly at a
+    span's start on the grid (128) and enters that cached span right after the restore."""
     eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
     rng = np.random.default_rng(3)
     text = lambda n: bytes(rng.integers(97, 123, n).tolist()).decode()  # noqa: E731
@@ -230,8 +231,30 @@ def test_span_prompts_resume_from_checkpoints_then_skip_spans(llm):
     print(f"max abs logprob error vs the float64 reference: {err:.2e}; {_span_stats(eng)}")
     assert err < 1e-5
     assert st["checkpoint_hits"] - before["checkpoint_hits"] == 2
-    assert st["tokens_resumed"] - before["tokens_resumed"] == 2 * 128
+    assert st["tokens_resumed"] - before["tokens_resumed"] == 160 + 128
     assert st["spans_skipped"] == 5
+
+
+def test_a_reordered_request_resumes_at_the_first_span_start_in_one_step(llm):
+    """Issue 29: a cold span prompt checkpoints the state at its first span's start (a 70-token
+    system prompt: position 70, off the 64-token GDN chunk grid; its chunk stops there), so the
+    same system prompt and spans reordered with a new question resume there, skip every span and
+    compute the question in the one prefill step before the decodes; tokens and logprobs equal
+    the float64 reference."""
+    eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
+    rng = np.random.default_rng(5)
+    text = lambda n: bytes(rng.integers(97, 123, n).tolist()).decode()  # noqa: E731
+    system, q1, q2 = Prompt(text(69)), Prompt(text(9)), Prompt(text(7))  # + BOS: 70 tokens
+    d = _docs(rng, 40, 25, 33)
+    err = _run(llm, [[[system, *d, q1]]])
+    before = dict(eng.get_stats())
+    err = max(err, _run(llm, [[[system, d[2], d[0], d[1], q2]]]))
+    st = eng.get_stats()
+    print(f"max abs logprob error vs the float64 reference: {err:.2e}; {_span_stats(eng)}")
+    assert err < 1e-5
+    assert st["tokens_resumed"] - before["tokens_resumed"] == 80  # 70 tokens + pads to block 5
+    assert st["spans_skipped"] - before["spans_skipped"] == 3
+    assert st["steps"] - before["steps"] == SP.max_tokens  # 1 prefill (the question) + 3 decodes
 
 
 @pytest.mark.slow  # CI time (another compiled step variant): --run-slow

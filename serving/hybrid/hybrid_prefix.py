@@ -29,7 +29,7 @@ from __future__ import annotations
 from serving.cache.admission import AdmissionPlan
 from serving.hybrid.bucket_fit import BucketFit
 from serving.hybrid.checkpoint_plan import (CHECKPOINTS_PER_STEP, candidates, halving_cover,
-                                            positions_of)
+                                            on_grid, positions_of)
 from serving.hybrid.resume import Resume
 
 
@@ -197,6 +197,10 @@ class HybridPrefixCache:
         if len(ahead) > CHECKPOINTS_PER_STEP:
             cut = ahead[CHECKPOINTS_PER_STEP]
             stop_at = cut if stop_at is None else min(stop_at, cut)
+        off = [p for p in ahead[:CHECKPOINTS_PER_STEP] if p > seq.num_computed
+               and not on_grid(seq.layout, p, self.planner.chunk)]
+        if off:  # exact only as the chunk's last row (a span start: checkpoint_plan)
+            stop_at = off[0] if stop_at is None else min(stop_at, off[0])
         if self.fit is not None and not seq.layout.span_block.any():
             total = len(seq) if stop_at is None else min(stop_at, len(seq))
             cut = self.fit.stop(seq.num_computed, total, budget)
@@ -218,7 +222,9 @@ class HybridPrefixCache:
         if seq.is_span_job:
             return
         h = seq.hybrid
-        take = [p for p in self._ahead(seq) if p <= e.new_computed][:CHECKPOINTS_PER_STEP]
+        take = [p for p in self._ahead(seq) if p <= e.new_computed and (
+            p in (seq.num_computed, e.new_computed) or on_grid(seq.layout, p, self.planner.chunk))
+        ][:CHECKPOINTS_PER_STEP]
         got = []
         for p in take:
             if p in h.ck_positions:
