@@ -73,13 +73,15 @@ def positions_of(layout, token_idx) -> np.ndarray:
 
 
 def first_span_start(layout, num_tokens: int, block_size: int) -> int | None:
-    """Token index of the prompt's first SSEP span start when a checkpoint there is addressable,
-    else None: after a PDEP block (its prefix-chain key covers every token before it), at a
-    positive logical position, inside the prompt. The state there is what a request that reuses
-    the prompt's spans in any order (a new question after them) resumes from: every span after
-    it is skipped through its map, so that request computes its question in one step."""
+    """Token index of the prompt's first SSEP span start when a checkpoint there is addressable
+    and serves span reuse, else None: after a PDEP block (its prefix-chain key covers every token
+    before it), at a positive logical position, inside the prompt, and a segment follows the span
+    (only a non-final span is ever skipped). The state there is what a request that reuses the
+    prompt's spans in any order (a new question after them) resumes from: every span after it is
+    skipped through its map, so that request computes its question in one step."""
     starts = np.flatnonzero(layout.span_start)
-    if not starts.size or starts[0] == 0 or layout.span_block[starts[0] - 1]:
+    if not starts.size or starts[0] == 0 or layout.span_block[starts[0] - 1] or \
+            not layout.seg_start[starts[0] + 1:].any():
         return None
     p = int(starts[0]) * block_size
     if p >= num_tokens or int(positions_of(layout, [p])[0]) <= 0:
