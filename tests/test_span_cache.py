@@ -128,4 +128,5 @@ def test_the_first_span_start_is_where_a_reordered_request_resumes():
     assert first_span_start(lay([5, 6, 7, PAD, SSEP, 9, 9]), 7, BS) is None
     padded = [5, 6, 7, PAD, SSEP, 9, PAD, PAD, PDEP, 3]
     assert first_span_start(lay(padded), len(padded), BS) == 4
-    assert on_grid(lay(padded), 4, 3) and not on_grid(lay(padded), 4, 4)
+    assert on_grid(lay(padded), [4, 8], 3).tolist() == [True, False]
+    assert on_grid(lay(padded), [4, 8], 4).tolist() == [False, False]

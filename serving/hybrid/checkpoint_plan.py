@@ -89,10 +89,10 @@ def first_span_start(layout, num_tokens: int, block_size: int) -> int | None:
     return p
 
 
-def on_grid(layout, p: int, chunk: int) -> bool:
-    """Whether token index p's logical position is a multiple of the GDN chunk (a checkpoint
-    there can sit anywhere in a chunk; one off the grid only where a chunk ends)."""
-    return int(positions_of(layout, [p])[0]) % chunk == 0
+def on_grid(layout, ps, chunk: int) -> np.ndarray:
+    """Per token index in `ps`: whether its logical position is a multiple of the GDN chunk (a
+    checkpoint there can sit anywhere in a chunk; one off the grid only where a chunk ends)."""
+    return positions_of(layout, ps) % chunk == 0
 
 
 def halving_cover(cand, start: int, planned, num_tokens: int) -> list[int]:
