@@ -198,6 +198,17 @@ def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -
     return -(-n_tokens // chunk) + 2 * seqs
 
 
+def _checkpoint_bounds(checkpoint_at, pos0, pk, chunk: int, n_chunks: int):
+    """(use [S, M], boundary index [S, M]: the state after packed chunk bound - 1) of each
+    checkpoint. The index rounds up: a position off the chunk grid is the end of the sequence's
+    rows (the no-op slots after it in its last chunk pass the state through)."""
+    ck_rel = checkpoint_at - jnp.asarray(pos0, jnp.int32)[:, None] + pk["shift"][:, None]
+    ck_use = (checkpoint_at >= 0) & (ck_rel > 0) & (pk["lens"] > 0)[:, None]
+    ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] - (-ck_rel // chunk), 0), 0,
+                        n_chunks)
+    return ck_use, ck_bound
+
+
 def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale, chunk,
                     implementation, interpret, return_transition, aligned, final_of, pk):
     n_tokens, hk, dk = k.shape
@@ -207,16 +218,10 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
         pk = packing(cu_q_lens, pos0, n_tokens, chunk=chunk, aligned=aligned, final_of=final_of)
     if pk["chunk"] != chunk:
         raise ValueError(f"ragged_prefill: packing made for chunk {pk['chunk']}, run at {chunk}")
-    pos0 = None if checkpoint_at is None else jnp.asarray(pos0, jnp.int32)
     n_chunks = pk["src"].shape[0] // chunk
-    ck_rel = ck_bound = None
+    ck_use = ck_bound = None
     if checkpoint_at is not None:
-        ck_rel = checkpoint_at - pos0[:, None] + pk["shift"][:, None]  # [S, M] packed offset
-        ck_use = (checkpoint_at >= 0) & (ck_rel > 0) & (pk["lens"] > 0)[:, None]
-        # boundary index (end of chunk bound - 1), rounded up: a position off the chunk grid is
-        # the end of the sequence's rows (the no-op slots after it pass the state through)
-        ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] - (-ck_rel // chunk), 0),
-                            0, n_chunks)
+        ck_use, ck_bound = _checkpoint_bounds(checkpoint_at, pos0, pk, chunk, n_chunks)
     final_bound, has, fin = pk["final_bound"], pk["has_final"], pk["fin"]
     last_state = state0.shape[0] - 1  # 0 when one state0 serves every sequence
     seq_state = pk["seq_of_chunk"] if last_state else jnp.zeros_like(pk["seq_of_chunk"])
