@@ -256,3 +256,28 @@ def test_ragged_pallas_at_qwen3_5_fixture_layout(fresh_rng):
             rel = ck[s, m] - pos0[s]
             want = s0[s] if ck[s, m] < 0 else rs[0, rel - 1]
             np.testing.assert_allclose(cks[s, m], want, atol=2e-5, err_msg=f"sequence {s}")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused"])
+def test_ragged_checkpoint_at_a_sequence_end_off_the_chunk_grid(fresh_rng, impl):
+    """A checkpoint at the end of a sequence's rows that is no multiple of the chunk (a hybrid
+    span prompt's chunk ending at its first span start) is the sequence's final state, bit for
+    bit: the state a prefill that stopped there computes."""
+    hk, hv, dk, dv, chunk = 1, 2, 16, 16, 16
+    lens, pos0 = [21, 9, 40], [0, 3, 16]  # ends 21, 12, 56: all off the 16-grid
+    t = sum(lens) + 3
+    q, k, v, g, beta, _ = _inputs(fresh_rng, 1, t, hk, hv, dk, dv, state=False)
+    s0 = fresh_rng.standard_normal((len(lens), hv, dk, dv)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    ends = np.array(pos0) + np.array(lens)
+    ck = np.stack([ends, [16, -1, 48]], axis=1).astype(np.int32)
+    fn = jax.jit(lambda *a: api.ragged_gated_delta(
+        *a, checkpoint_at=jnp.asarray(ck), chunk=chunk, implementation=impl,
+        interpret=impl != "xla" and INTERPRET))
+    _, fin, cks = fn(q[0], k[0], v[0], g[0], beta[0], cu, np.array(pos0, np.int32), s0)
+    fin, cks = np.asarray(fin), np.asarray(cks)
+    for s in range(len(lens)):
+        np.testing.assert_array_equal(cks[s, 0], fin[s])
+    _, rs = reference.gated_delta_reference(q[:, :21], k[:, :21], v[:, :21], g[:, :21],
+                                            beta[:, :21], s0[:1])
+    np.testing.assert_allclose(cks[0, 1], rs[0, 15], atol=2e-5)  # aligned ones as before

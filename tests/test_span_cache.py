@@ -112,3 +112,21 @@ def test_pool_moves_out_and_back_keep_the_map(fresh_rng):
     np.testing.assert_array_equal(np.asarray(pool.b[2]), b[:, 0])
     np.testing.assert_array_equal(np.asarray(pool.tail[2]), tail[:, 0])
     assert int(pool.count[2]) == 9
+
+
+def test_the_first_span_start_is_where_a_reordered_request_resumes():
+    """checkpoint_plan.first_span_start (issue 29): the first span's start after a PDEP prefix
+    when a segment follows the span; none for a leading span or a prompt whose one span is
+    final (never skipped). on_grid reads logical positions (pads take none): token 4 after
+    three valid tokens and a pad is position 3."""
+    from serving.hybrid.checkpoint_plan import first_span_start, on_grid
+
+    def lay(tokens):
+        return build_layout(tokens, BS, pad_id=PAD, ssep_id=SSEP, pdep_id=PDEP)
+    assert first_span_start(lay(TOKENS), len(TOKENS), BS) == 4
+    assert first_span_start(lay([SSEP, 9, 9, PAD, PDEP, 3]), 6, BS) is None
+    assert first_span_start(lay([5, 6, 7, PAD, SSEP, 9, 9]), 7, BS) is None
+    padded = [5, 6, 7, PAD, SSEP, 9, PAD, PAD, PDEP, 3]
+    assert first_span_start(lay(padded), len(padded), BS) == 4
+    assert on_grid(lay(padded), [4, 8], 3).tolist() == [True, False]
+    assert on_grid(lay(padded), [4, 8], 4).tolist() == [False, False]

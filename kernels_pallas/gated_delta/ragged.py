@@ -4,6 +4,8 @@ Prefill packs the tokens into chunks: sequence s starts a fresh chunk and is shi
 `pos0[s] % C` no-op tokens (g = 0, beta = 0, k = q = v = 0: the state passes through unchanged), so
 chunk boundaries fall on multiples of C of each sequence's *own* position. A state checkpoint at an
 aligned position c is then computed by exactly the operations of a prefill that stopped at c.
+So is one at the end of a sequence's rows in the batch, wherever it falls (the state after the
+last chunk: the no-op slots that fill it change nothing).
 Static bound on packed chunks: ceil(T / C) + 2 S, or floor((T + S (C - 1)) / C) when the caller
 promises chunk-aligned starts (`aligned`: e.g. pieces run from a zero state, which are never
 shifted; each sequence then pads less than one chunk). One state scan runs over all packed chunks and
@@ -151,8 +153,9 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
       pos0: [S] int32 position (tokens already in the state) of each sequence's first new token.
       state0: [S, Hv, Dk, Dv] float32 state of each sequence before its new tokens, or
         [1, Hv, Dk, Dv]: one state for every sequence (a zero start costs no [S] buffer).
-      checkpoint_at: None or [S, M] int32 absolute positions (multiples of chunk, within
-        [pos0, pos0 + len]) whose states to return; -1 = none (returns state0 there).
+      checkpoint_at: None or [S, M] int32 absolute positions (multiples of chunk, or the
+        sequence's end pos0 + len, within [pos0, pos0 + len]) whose states to return; -1 = none
+        (returns state0 there).
       implementation: "xla" (lax.scan), "pallas_fused" (ragged_triton.py, GPU; on CPU only
         with interpret=True) or "mosaic_intra" / "mosaic" (the same with the Mosaic GPU solve /
         solve and output: `KERNEL_OPTIONS`; bf16 / f16, chunk 64); api.ragged_prefill
@@ -195,6 +198,17 @@ def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -
     return -(-n_tokens // chunk) + 2 * seqs
 
 
+def _checkpoint_bounds(checkpoint_at, pos0, pk, chunk: int, n_chunks: int):
+    """(use [S, M], boundary index [S, M]: the state after packed chunk bound - 1) of each
+    checkpoint. The index rounds up: a position off the chunk grid is the end of the sequence's
+    rows (the no-op slots after it in its last chunk pass the state through)."""
+    ck_rel = checkpoint_at - jnp.asarray(pos0, jnp.int32)[:, None] + pk["shift"][:, None]
+    ck_use = (checkpoint_at >= 0) & (ck_rel > 0) & (pk["lens"] > 0)[:, None]
+    ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] - (-ck_rel // chunk), 0), 0,
+                        n_chunks)
+    return ck_use, ck_bound
+
+
 def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale, chunk,
                     implementation, interpret, return_transition, aligned, final_of, pk):
     n_tokens, hk, dk = k.shape
@@ -204,14 +218,10 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
         pk = packing(cu_q_lens, pos0, n_tokens, chunk=chunk, aligned=aligned, final_of=final_of)
     if pk["chunk"] != chunk:
         raise ValueError(f"ragged_prefill: packing made for chunk {pk['chunk']}, run at {chunk}")
-    pos0 = None if checkpoint_at is None else jnp.asarray(pos0, jnp.int32)
     n_chunks = pk["src"].shape[0] // chunk
-    ck_rel = ck_bound = None
+    ck_use = ck_bound = None
     if checkpoint_at is not None:
-        ck_rel = checkpoint_at - pos0[:, None] + pk["shift"][:, None]  # [S, M] packed offset
-        ck_use = (checkpoint_at >= 0) & (ck_rel > 0) & (pk["lens"] > 0)[:, None]
-        ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] + ck_rel // chunk, 0), 0,
-                            n_chunks)  # boundary index: end of chunk bound - 1
+        ck_use, ck_bound = _checkpoint_bounds(checkpoint_at, pos0, pk, chunk, n_chunks)
     final_bound, has, fin = pk["final_bound"], pk["has_final"], pk["fin"]
     last_state = state0.shape[0] - 1  # 0 when one state0 serves every sequence
     seq_state = pk["seq_of_chunk"] if last_state else jnp.zeros_like(pk["seq_of_chunk"])

@@ -141,10 +141,10 @@ class GatedDeltaNet(nnx.Module):
           h: [T, E] normed hidden states; conv0 [S, C, Kc-1] and delta0 [S, Hv, Dk, Dv] (float32)
             the states of each sequence before its new tokens; cu_q_lens [S+1]; pos0 [S] position
             of each sequence's first new token; checkpoint_at None or [S, M] absolute positions
-            (multiples of 64, -1 = none); impl: ragged kernel, a name of gated_delta.api
-            ("xla", "pallas_fused", "mosaic", ...), that name + "_interpret" (its kernels in
-            Pallas interpret mode, for CPU tests) or None / "auto": the kernel's policy
-            (kernels_pallas.gated_delta.api.choose).
+            (multiples of 64 or the sequence's end, -1 = none); impl: ragged kernel, a name of
+            gated_delta.api ("xla", "pallas_fused", "mosaic", ...), that name + "_interpret"
+            (its kernels in Pallas interpret mode, for CPU tests) or None / "auto": the kernel's
+            policy (kernels_pallas.gated_delta.api.choose).
           pieces: None, qwen3_5_spans.SpanPieces or its `prepare` (computed once per step):
             SSEP span rows read a local pass (see there).
           decode: the step kind if the host knows it (True: <= 1 token per sequence; False: any),

@@ -5,6 +5,9 @@ is the prefix-chain hash of block c/B - 1) whose logical position (valid tokens 
 positive multiple of the GDN kernel's chunk (the ragged kernel aligns chunks on positions, so the
 state there is what a prefill that stopped at c computes). For plain prompts with B | 64 those are
 the multiples of 64.
+A span prompt's first span start (`first_span_start`) is one more, wherever it falls: a chunk
+stops there (serving/hybrid/hybrid_prefix.py `chunk_stop`), and the kernel's checkpoint at a
+sequence's last row is its final state, what a prefill that stopped there computes.
 
 A prompt of n tokens is planned on the pmf of how deep later requests will share *its* prefix
 (serving/hybrid/overlap_estimate.py: recurrences along its own matched blocks, extensions read from its
@@ -67,6 +70,29 @@ def positions_of(layout, token_idx) -> np.ndarray:
     inside = np.minimum(idx, n - 1)
     pos = np.where(idx < n, layout.pos_at(inside), layout.num_valid)
     return pos.astype(np.int64)
+
+
+def first_span_start(layout, num_tokens: int, block_size: int) -> int | None:
+    """Token index of the prompt's first SSEP span start when a checkpoint there is addressable
+    and serves span reuse, else None: after a PDEP block (its prefix-chain key covers every token
+    before it), at a positive logical position, inside the prompt, and a segment follows the span
+    (only a non-final span is ever skipped). The state there is what a request that reuses the
+    prompt's spans in any order (a new question after them) resumes from: every span after it is
+    skipped through its map, so that request computes its question in one step."""
+    starts = np.flatnonzero(layout.span_start)
+    if not starts.size or starts[0] == 0 or layout.span_block[starts[0] - 1] or \
+            not layout.seg_start[starts[0] + 1:].any():
+        return None
+    p = int(starts[0]) * block_size
+    if p >= num_tokens or int(positions_of(layout, [p])[0]) <= 0:
+        return None
+    return p
+
+
+def on_grid(layout, ps, chunk: int) -> np.ndarray:
+    """Per token index in `ps`: whether its logical position is a multiple of the GDN chunk (a
+    checkpoint there can sit anywhere in a chunk; one off the grid only where a chunk ends)."""
+    return positions_of(layout, ps) % chunk == 0
 
 
 def halving_cover(cand, start: int, planned, num_tokens: int) -> list[int]:

@@ -21,7 +21,8 @@ checkpoint_plan.halving_cover), so every depth d >= 64 it computes has a checkpo
 at any chunk size; they ride in the chunk's step, costing no step while a chunk holds <= M
 positions. Full, the store takes the plan's alone.
 Prompts with SSEP spans go to the span-map cache (serving/hybrid/span_cache.py: a
-cached span is skipped, its recurrent effect composed from its map); they take no checkpoints.
+cached span is skipped, its recurrent effect composed from its map); their checkpoints sit after
+PDEP blocks, one at the first span's start (span_cache.py `_checkpoints`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 from serving.cache.admission import AdmissionPlan
 from serving.hybrid.bucket_fit import BucketFit
 from serving.hybrid.checkpoint_plan import (CHECKPOINTS_PER_STEP, candidates, halving_cover,
-                                            positions_of)
+                                            on_grid, positions_of)
 from serving.hybrid.resume import Resume
 
 
@@ -190,14 +191,22 @@ class HybridPrefixCache:
     def chunk_stop(self, seq, stop_at, budget: int = 0):
         """A chunk [s, e] takes the first M = CHECKPOINTS_PER_STEP positions ahead in [s, e]
         (one at s: the state the chunk starts from, which the kernel returns as is), all in its
-        one step; it stops at the next, which the next chunk takes at its start. A plain
+        one step; it stops at the next, which the next chunk takes at its start, and at a span
+        prompt's position off the GDN chunk grid (its first span start). A plain
         prompt's chunk that would overflow a token bucket by a little stops at the bucket
         (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
         ahead = self._ahead(seq)
         if len(ahead) > CHECKPOINTS_PER_STEP:
             cut = ahead[CHECKPOINTS_PER_STEP]
             stop_at = cut if stop_at is None else min(stop_at, cut)
-        if self.fit is not None and not seq.layout.span_block.any():
+        spans = seq.layout.span_block.any()
+        if spans:  # a position off the GDN chunk grid (a span start) is exact as a last row only
+            near = [p for p in ahead[:CHECKPOINTS_PER_STEP] if p > seq.num_computed]
+            off = [p for p, ok in zip(near, on_grid(seq.layout, near, self.planner.chunk))
+                   if not ok]
+            if off:
+                stop_at = off[0] if stop_at is None else min(stop_at, off[0])
+        if self.fit is not None and not spans:
             total = len(seq) if stop_at is None else min(stop_at, len(seq))
             cut = self.fit.stop(seq.num_computed, total, budget)
             if cut is not None:
@@ -218,7 +227,12 @@ class HybridPrefixCache:
         if seq.is_span_job:
             return
         h = seq.hybrid
-        take = [p for p in self._ahead(seq) if p <= e.new_computed][:CHECKPOINTS_PER_STEP]
+        take = [p for p in self._ahead(seq) if p <= e.new_computed]
+        if take and seq.layout.span_block.any():  # off the chunk grid: at a chunk's ends only
+            grid = on_grid(seq.layout, take, self.planner.chunk)
+            take = [p for p, ok in zip(take, grid) if ok or p in (seq.num_computed,
+                                                                  e.new_computed)]
+        take = take[:CHECKPOINTS_PER_STEP]
         got = []
         for p in take:
             if p in h.ck_positions:

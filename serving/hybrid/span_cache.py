@@ -39,7 +39,7 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
 from __future__ import annotations
 
 from serving.cache.admission import AdmissionPlan
-from serving.hybrid import span_partial, span_rows
+from serving.hybrid import checkpoint_plan, span_partial, span_rows
 from serving.hybrid.resume import Resume
 
 MAX_CAPTURES = 8  # span maps one step may capture (a static shape of the runner's step)
@@ -149,6 +149,8 @@ class SpanMapCache:
         skipped = {a for a, _ in seq.span.skips}
         positions, values = hybrid.planner.prompt_plan(
             lay, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs], shared)
+        if hybrid.planner.per_prompt and hybrid.planner.strategy != "none":
+            positions, values = _with_span_start(hybrid, seq, positions, values)
         keep = [i for i, p in enumerate(positions)
                 if not lay.span_block[p // bs - 1] and p not in skipped]
         return [positions[i] for i in keep], [values[i] for i in keep]
@@ -294,6 +296,20 @@ class SpanMapCache:
                 "span_map_host_slots": s["checkpoint_host_slots"],
                 "span_maps_captured": self.spans_captured, "spans_skipped": self.spans_skipped,
                 "span_tokens_skipped": self.tokens_skipped, "span_admission_waits": self.waits}
+
+
+def _with_span_start(hybrid, seq, positions, values):
+    """The plan plus the first span's start (checkpoint_plan.first_span_start) while the
+    checkpoint store has a free slot: a request reusing the spans in another order resumes
+    there and skips them all, so its first step computes its question (issue 29); the planner's
+    pmf may not pick it (off the chunk grid, or not where plain prefixes end). Its value: the
+    logical tokens it saves next to the plan's shallower checkpoint."""
+    p = checkpoint_plan.first_span_start(seq.layout, seq.num_prompt_tokens, hybrid.block_size)
+    if p is None or p in positions or not hybrid.store.free_slots:
+        return positions, values
+    pos = checkpoint_plan.positions_of(seq.layout, [p] + [q for q in positions if q < p])
+    order = sorted(zip(positions + [p], values + [float(pos[0] - max(pos[1:], default=0))]))
+    return [q for q, _ in order], [v for _, v in order]
 
 
 def build(config, family, mcfg, dtype, pool=None):
