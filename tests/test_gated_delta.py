@@ -281,3 +281,27 @@ def test_ragged_checkpoint_at_a_sequence_end_off_the_chunk_grid(fresh_rng, impl)
     _, rs = reference.gated_delta_reference(q[:, :21], k[:, :21], v[:, :21], g[:, :21],
                                             beta[:, :21], s0[:1])
     np.testing.assert_allclose(cks[0, 1], rs[0, 15], atol=2e-5)  # aligned ones as before
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused"])
+def test_ragged_checkpoint_at_an_off_grid_start_is_the_state_before(fresh_rng, impl):
+    """A checkpoint at a sequence's first position off the chunk grid (a chunk that starts at a
+    span prompt's first span start, which the chunk before it ended at) is the state it starts
+    from, not the state after its first packed chunk: only a sequence's end rounds up."""
+    hk, hv, dk, dv, chunk = 1, 2, 16, 16, 16
+    lens, pos0 = [21, 9], [5, 3]
+    t = sum(lens) + 2
+    q, k, v, g, beta, _ = _inputs(fresh_rng, 1, t, hk, hv, dk, dv, state=False)
+    s0 = fresh_rng.standard_normal((len(lens), hv, dk, dv)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    ck = np.array([[5, 16], [3, -1]], np.int32)  # each sequence's own start, off the grid
+    fn = jax.jit(lambda *a: api.ragged_gated_delta(
+        *a, checkpoint_at=jnp.asarray(ck), chunk=chunk, implementation=impl,
+        interpret=impl != "xla" and INTERPRET))
+    _, _, cks = fn(q[0], k[0], v[0], g[0], beta[0], cu, np.array(pos0, np.int32), s0)
+    cks = np.asarray(cks)
+    np.testing.assert_array_equal(cks[0, 0], s0[0])
+    np.testing.assert_array_equal(cks[1, 0], s0[1])
+    _, rs = reference.gated_delta_reference(q[:, :21], k[:, :21], v[:, :21], g[:, :21],
+                                            beta[:, :21], s0[:1])
+    np.testing.assert_allclose(cks[0, 1], rs[0, 16 - 5 - 1], atol=2e-5)  # position 16 as before

@@ -7,7 +7,9 @@
 #      engine (goal <= 5%), multi / zipf requests/s (pic_off: runs/rag_qwen3_5_16seats_*_s20.json) (~1.5 min);
 #   3. GDN prefill at 32K, fla vs the fused variants incl. the lean Mosaic one (goal <= 0.8x fla) (~2 min);
 #   4. the chain kernel's num_stages at the tensor-core precisions (~1 min);
-#   5. if time is left: `minipic-bench hybrid-spans` (the reordered request, goal <= 0.2x cold).
+#   5. if time is left: `minipic-bench hybrid-spans --steps --sync-repeat` with
+#      CUDA_MODULE_LOADING=EAGER (the reordered request, goal <= 0.2x cold; session 20's first run
+#      showed every first call of its kind ~20-27 ms slower, a - f, b - d, c - e: lazy loading?).
 # usage: OUT=$OUT bash benchmarks/runs/final20_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -34,8 +36,9 @@ timeout 75 python3 -m benchmarks.compose_forms stages 2>&1 | grep -E "compose st
 echo "stages t=$((SECONDS-T0)) s" >> $R
 L=$((555 - SECONDS + T0))
 if [ $L -gt 150 ]; then
-  timeout $((L - 5)) python3 -m benchmarks.cli hybrid-spans ${HYBRID_ARGS:-} --json $OUT/hybrid_spans.json \
+  CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER} timeout $((L - 5)) python3 -m benchmarks.cli hybrid-spans \
+    --steps --sync-repeat --json $OUT/hybrid_spans.json \
     > $OUT/hybrid_spans.txt 2>&1
-  echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> $R; grep -vE "^W1|compiling step" $OUT/hybrid_spans.txt | tail -40 >> $R
+  echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> $R; grep -vE "^W1|compiling step" $OUT/hybrid_spans.txt | tail -60 | cut -c1-200 >> $R
 fi
 cat $R

@@ -200,12 +200,16 @@ def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -
 
 def _checkpoint_bounds(checkpoint_at, pos0, pk, chunk: int, n_chunks: int):
     """(use [S, M], boundary index [S, M]: the state after packed chunk bound - 1) of each
-    checkpoint. The index rounds up: a position off the chunk grid is the end of the sequence's
-    rows (the no-op slots after it in its last chunk pass the state through)."""
-    ck_rel = checkpoint_at - jnp.asarray(pos0, jnp.int32)[:, None] + pk["shift"][:, None]
-    ck_use = (checkpoint_at >= 0) & (ck_rel > 0) & (pk["lens"] > 0)[:, None]
-    ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] - (-ck_rel // chunk), 0), 0,
-                        n_chunks)
+    checkpoint. On the chunk grid the index is exact; off it only a sequence's start (the state
+    it starts from, state0) and its end (rounded up: the no-op slots after its last row pass
+    the state through) are states of the sequence."""
+    pos0 = jnp.asarray(pos0, jnp.int32)[:, None]
+    ck_rel = checkpoint_at - pos0 + pk["shift"][:, None]
+    # at or before the start: state0 (as at an unused checkpoint)
+    ck_use = (checkpoint_at >= 0) & (checkpoint_at > pos0) & (pk["lens"] > 0)[:, None]
+    at_end = checkpoint_at == pos0 + pk["lens"][:, None]
+    chunks = jnp.where(at_end, -(-ck_rel // chunk), ck_rel // chunk)
+    ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] + chunks, 0), 0, n_chunks)
     return ck_use, ck_bound
 
 
