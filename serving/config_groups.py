@@ -153,13 +153,14 @@ class SpanMapConfig:
     # host bytes where evicted maps wait (0: none)
     host_gb: float = option(0.0, flat="span_map_host_gb", host_only=True)
     # the dots that apply cached maps to a request's state (serving/hybrid/chain_compose.py): on
-    # a GPU a tensor-core emulation of float32, "tf32_x3" (the default: the chain kernel, 1.25 ms
-    # against the XLA loop's 3.14 for 30 Qwen3.5-0.8B maps on an H100, within 1e-6 of IEEE
-    # float32: tests/test_span_maps.py PRECISION_BARS), "bf16_x6" or "bf16_x3" (~1e-4), or
-    # "highest" (IEEE float32, on the XLA loop); off a GPU every name is plain float32
+    # a GPU a tensor-core emulation of float32 on the chain kernel, "bf16_x6" (the default: six
+    # bf16 products; in the engine on an H100, 30 Qwen3.5-0.8B maps: 1.31 ms at one stage, rel.
+    # 9.9e-7 from IEEE float32), "tf32_x3" (1.51 ms, 1.8e-6) or "bf16_x3" (1.07 ms, 1.4e-4),
+    # each within its bar of tests/test_span_maps.py PRECISION_BARS, or "highest" (IEEE
+    # float32, on the XLA loop: 2.92 ms); off a GPU every name is plain float32
     # (kernels_pallas/gated_delta/affine.py compose_precision). Read by the compose program, so
     # it keys stored executables.
-    compose_precision: str = option("tf32_x3", flat="span_map_compose_precision")
+    compose_precision: str = option("bf16_x6", flat="span_map_compose_precision")
 
     def __post_init__(self):
         if self.compose_precision not in COMPOSE_PRECISIONS:

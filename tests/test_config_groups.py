@@ -83,7 +83,7 @@ STEP = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 1024,
         "pdep_token_id": 3, "min_token_bucket": 4, "attn_impl": "xla",
         "decode_attn_impl": "triton_decode", "decode_attn_options": {"rope": "table"},
         "write_kv_impl": "xla", "fuse_weights": False, "async_scheduling": False,
-        "tensor_parallel_size": 2, "span_maps.compose_precision": "bf16_x6",
+        "tensor_parallel_size": 2, "span_maps.compose_precision": "tf32_x3",
         "compilation.command_buffer": "on", "compilation.xla_memory_limit": "xla",
         "gdn.impl": "xla"}
 BASE = Config(attn_impl="triton")  # so a decode_attn_options change is valid on its own

@@ -175,12 +175,14 @@ def test_compose_precision_names():
 
 
 def test_engine_compose_program_takes_the_configured_precision(monkeypatch):
-    """span_map_compose_precision reaches the engine's compose program: traced as on a GPU (not
-    compiled), each of its dots asks the configured preset."""
+    """span_map_compose_precision reaches the engine's compose program, traced as on a GPU (not
+    compiled) in both forms: on the XLA loop each of its dots asks the configured preset; on the
+    chain kernel (a GPU's "auto" at a tensor-core preset) the kernel is called with it."""
     from jaxpr_walk import outer_eqns
 
     from kernels_pallas.gated_delta import affine
     from minipic_jax import LLM
+    from serving.hybrid import chain_compose
     monkeypatch.setattr(affine, "_backend", lambda: "gpu")
     llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
               min_token_bucket=64, max_model_len=512, block_size=16, num_kv_blocks=96,
@@ -188,6 +190,19 @@ def test_engine_compose_program_takes_the_configured_precision(monkeypatch):
     runner = llm.llm_engine.runner
     ints, _, kw = runner.composer.warmup_steps(runner.ck_pool is not None)[0]
     args = runner._args(ints, None, False, kw)
-    jaxpr = jax.make_jaxpr(functools.partial(runner._step_impl, **kw))(*args).jaxpr
-    dots = [e.params["precision"] for e in outer_eqns(jaxpr) if e.primitive.name == "dot_general"]
-    assert dots and all(p == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 for p in dots), dots
+
+    def trace(platform):
+        monkeypatch.setattr(chain_compose, "_platform", lambda: platform)
+        return jax.make_jaxpr(functools.partial(runner._step_impl, **kw))(*args).jaxpr
+
+    preset = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    dots = [e.params["precision"] for e in outer_eqns(trace("cpu"))
+            if e.primitive.name == "dot_general"]
+    assert dots and all(p == preset for p in dots), dots
+    seen = []
+    real = chain_compose.chain_apply
+    monkeypatch.setattr(chain_compose, "chain_apply",
+                        lambda *a, **k: seen.append(k["precision"]) or real(*a, **k))
+    jaxpr = trace("gpu")
+    assert seen == [preset], seen
+    assert not [e for e in outer_eqns(jaxpr) if e.primitive.name == "dot_general"]

@@ -82,7 +82,7 @@ def _chain_kernel(chain_ref, n_ref, a_ref, b_ref, s_ref, o_ref, *, heads, block_
 
 
 def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | None = None,
-                num_warps: int = 8, num_stages: int = 1, interpret: bool = False):
+                num_warps: int = 8, num_stages: int | None = None, interpret: bool = False):
     """Each row's state after its chain of maps, in the cache's layout.
 
     Args:
@@ -91,10 +91,13 @@ def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | N
       n_maps: [S] int32 maps to apply per row (0: the state is copied).
       state: [Lg, S, Hv, Dk, Dv] float32 (serving's read_states layout).
       precision: of the dots (module doc); block_v: value columns per program (divides Dv;
-        None: min(128, Dv)); num_warps, num_stages: per program. The defaults are the fastest
-        of benchmarks/compose_forms.py's sweep on an H100 (session 20, Qwen3.5-0.8B maps, 30 on
-        3 rows): block_v 128 / 8 warps at every tensor-core precision (tf32_x3 1.25 ms, bf16_x6
-        1.42, bf16_x3 1.09; 64 / 8: 1.54, 1.52, 1.27). At "highest" (IEEE float32 FMA, no
+        None: min(128, Dv)); num_warps, num_stages: per program (None: 2 for the bf16 presets,
+        else 1). The defaults are the fastest of benchmarks/compose_forms.py's sweeps on an H100
+        (session 20, Qwen3.5-0.8B maps, 30 on 3 rows): block_v 128 / 8 warps at every
+        tensor-core precision (one stage: tf32_x3 1.25 ms, bf16_x6 1.42, bf16_x3 1.09; 64 / 8:
+        1.54, 1.52, 1.27); two stages (the next map loaded while this one's dots run) bf16_x6
+        1.21, bf16_x3 0.98 (three: no better); tf32_x3 at 128 / 8 with two stages asks 256 KB of
+        shared memory (232 KB on an H100; 64 / 8 / 2: 1.34). At "highest" (IEEE float32 FMA, no
         tensor cores) every setting ran at ~0.5 TFLOP/s (62-89 ms): chain_compose.use_kernel
         keeps that precision on the XLA loop (3.1 ms).
     Returns:
@@ -102,6 +105,8 @@ def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | N
     """
     layers, rows, heads, dk, dv = state.shape
     block_v = min(128, dv) if block_v is None else block_v
+    if num_stages is None:
+        num_stages = 2 if precision in _BF16_TERMS else 1
     if a.shape[1:] != (layers, heads, dk, dk) or b.shape[1:] != (layers, heads, dk, dv):
         raise ValueError(f"chain_apply: pool a {a.shape} / b {b.shape} do not fit states "
                          f"{state.shape}")
