@@ -1,8 +1,13 @@
 #!/bin/bash
 # The next device session's calls (each one `run` call, <= 9.5 min; each prints a short table last; raw
-# files under $OUT). Session 19 ran A, B and G on an H100: compiled tests 214 passed, issue 27's
-# before/after done (benchmarks/RESULTS.md, Engine). Next, in this order: W (the jitted kernels: their compiled tests first), X (exact XLA limit),
-# S, P (hybrid spans at 16 seats), V (warm step), H (composition), D, F, C, E, L.
+# files under $OUT). Session 20 ran Y, X, spanstep `after`, F, the ttft script, compose_sweep_device.sh
+# and final20_device.sh on an H100 (benchmarks/RESULTS.md). Next, in this order:
+#   1. T + the compose tests at the new default (bf16_x6, two stages: tests/test_chain_compose_kernel.py,
+#      tests/test_span_maps.py compiled), then final20_device.sh's rag part: composition share (goal 5%)
+#   2. benchmarks/runs/fixed_step_device.sh if session 20's s20-fixed landed (the ~45-50 ms hybrid
+#      prefill step at 64 seats / 25,600 whatever its tokens), then hybrid_steps_device.sh
+#   3. on an H200 when one comes: D (issue 28's TTFT, goal 100x), X again (no remat), F, rag 16 seats
+# (The device's `git log` line prints a stale commit: its .git is not refreshed; name the commit here.)
 #   T  the compiled kernel tests of every kernel changed since its last GPU run (~2.5 min): the chain
 #      kernel's bf16 presets: fixed in d2247e8, passed on the H100 in session 19
 #   A  T + issue 27's decode before/after (2 rounds alternating; carry .dev1/before.tgz = git archive
