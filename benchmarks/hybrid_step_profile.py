@@ -121,7 +121,7 @@ def without_checkpoints(runner, ints, kw):
 def checkpoint_rows(runner, ints, kw) -> int:
     from serving.step.step_inputs import layout
     o, shape = layout(kw["t"], kw["s"], runner.nb, True, block_size=runner.block_size)[0]["ck_slot"]
-    return int((ints[o:o + int(np.prod(shape))] >= 0).sum())  # [S, M]: checkpoints, not rows
+    return int((ints[o:o + int(np.prod(shape))] >= 0).sum())  # [K] flat rows: checkpoints
 
 
 # ----------------------------------------------------------------------------- programs

@@ -96,6 +96,7 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
 
     def fn_ck(*ops):
         return _gdn.ragged_gated_delta(*ops[:-1], checkpoint_at=ops[-1], **kw)
-    return _per_shard(fn_ck, mesh, ins + (_REPLICATED,),
-                      (_HEADS, state, P(None, None, TP_AXIS, None, None)))(
+    flat = isinstance(checkpoint_at, _gdn.CheckpointRows)  # [K, Hv, ...], else [S, M, Hv, ...]
+    ck_spec = P(None, TP_AXIS, None, None) if flat else P(None, None, TP_AXIS, None, None)
+    return _per_shard(fn_ck, mesh, ins + (_REPLICATED,), (_HEADS, state, ck_spec))(
         q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at)

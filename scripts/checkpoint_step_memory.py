@@ -1,7 +1,7 @@
-"""Device memory of a hybrid prefill step with M = checkpoint_plan.CHECKPOINTS_PER_STEP
-checkpoints per sequence against the same step with M = 1 (the model's checkpoint states are
-[Lg, S, M, ...]; whether XLA materialises them grows with S M). Compiles the top token bucket's
-general step twice in one process and prints XLA's memory analysis of each.
+"""Device memory of a hybrid prefill step with K = checkpoint_plan.step_rows(S) checkpoint rows
+against the same step with K = 1 (the model's checkpoint states are [Lg, K, ...]; before issue
+29's flat rows they were [Lg, S, M, ...]). Compiles the top token bucket's general step twice in
+one process and prints XLA's memory analysis of each.
 
   PYTHONPATH=. python scripts/checkpoint_step_memory.py [--model qwen3_5_0_8b]
       [--dtype bfloat16] [--max-num-seqs 256] [--max-num-batched-tokens 2048]
@@ -29,14 +29,14 @@ def main() -> None:
               warmup=False)  # only the two steps below are compiled (the warm-up's 28 took > 150 s)
     runner = llm.llm_engine.runner
     top = runner.config.token_buckets[-1]
-    for m in (checkpoint_plan.CHECKPOINTS_PER_STEP, 1):
-        step_inputs.CHECKPOINTS_PER_STEP = m  # the layout reads it when it is (re)built
+    for m in (checkpoint_plan.CHECKPOINT_ROWS, 1):
+        step_inputs.step_rows = lambda s, m=m: min(s, m)  # the layout reads it when (re)built
         step_inputs.layout.cache_clear()
         ints, floats, kw = next(x for x in runner.warmup_steps()
                                 if x[2]["t"] == top and not x[2]["decode_only"])
         mem = runner._step.lower(*runner._args(ints, floats, False, kw), **kw).compile() \
             .memory_analysis()
-        print(f"M {m}: tokens {top} seqs {kw['s']} temp {mem.temp_size_in_bytes / 2**20:.1f} MiB"
+        print(f"K {m}: tokens {top} seqs {kw['s']} temp {mem.temp_size_in_bytes / 2**20:.1f} MiB"
               f" arguments {mem.argument_size_in_bytes / 2**20:.1f} MiB", flush=True)
 
 

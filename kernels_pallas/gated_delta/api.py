@@ -27,6 +27,7 @@ from kernels_pallas.gated_delta import affine, chunked, dots, ragged, tree_scan
 from kernels_pallas.gated_delta.affine import apply as apply_map, maps_packing  # noqa: F401
 from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precision  # noqa: F401
 from kernels_pallas.gated_delta.chain_triton import chain_apply  # noqa: F401
+from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows, as_rows  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
 from kernels_pallas.gated_delta.ragged import packing as ragged_packing, take_rows  # noqa: F401
 from kernels_pallas.registry import Implementation
@@ -300,9 +301,11 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
         dest = jnp.where(has, rows, q_.shape[0])
         out = jnp.zeros(v_.shape, jnp.float32).at[dest].set(out_s, mode="drop")
         ckpt = None
-        if checkpoint_at is not None:
-            after = (checkpoint_at == (pos0 + lens)[:, None]) & has[:, None]
-            ckpt = jnp.where(after[..., None, None, None], new[:, None], s0[:, None])
+        if checkpoint_at is not None:  # flat rows (checkpoint_rows.py), [K] or [S, M] out
+            rows, shape = as_rows(checkpoint_at)
+            after = (rows.pos == (pos0 + lens)[rows.seq]) & has[rows.seq]
+            ckpt = jnp.where(after[:, None, None, None], new[rows.seq], s0[rows.seq])
+            ckpt = ckpt.reshape(tuple(shape) + ckpt.shape[1:])
         return out, new, ckpt
 
     def prefill(ops):

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.gated_delta import chunked, dots
+from kernels_pallas.gated_delta.checkpoint_rows import as_rows
 
 
 def _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks):
@@ -155,7 +156,8 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
         [1, Hv, Dk, Dv]: one state for every sequence (a zero start costs no [S] buffer).
       checkpoint_at: None or [S, M] int32 absolute positions (multiples of chunk, or the
         sequence's end pos0 + len, within [pos0, pos0 + len]) whose states to return; -1 = none
-        (returns state0 there).
+        (returns state0 there); or checkpoint_rows.CheckpointRows (seq [K], pos [K]): the same
+        as K flat rows, results [K, ...] (a step writes K states, not S M).
       implementation: "xla" (lax.scan), "pallas_fused" (ragged_triton.py, GPU; on CPU only
         with interpret=True) or "mosaic_intra" / "mosaic" (the same with the Mosaic GPU solve /
         solve and output: `KERNEL_OPTIONS`; bf16 / f16, chunk 64); api.ragged_prefill
@@ -171,7 +173,8 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
         cu_q_lens, pos0, aligned and final_of are read from it, not from the arguments; with its
         source_rows the inputs and the output are the stream's rows).
     Returns:
-      out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] or None,
+      out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] ([K, ...]
+        for CheckpointRows) or None,
       and with return_transition a_span [S, Hv, Dk, Dk] float32.
     """
     with dots.exact_for(v.dtype):
@@ -198,19 +201,29 @@ def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -
     return -(-n_tokens // chunk) + 2 * seqs
 
 
-def _checkpoint_bounds(checkpoint_at, pos0, pk, chunk: int, n_chunks: int):
-    """(use [S, M], boundary index [S, M]: the state after packed chunk bound - 1) of each
-    checkpoint. On the chunk grid the index is exact; off it only a sequence's start (the state
-    it starts from, state0) and its end (rounded up: the no-op slots after its last row pass
-    the state through) are states of the sequence."""
-    pos0 = jnp.asarray(pos0, jnp.int32)[:, None]
-    ck_rel = checkpoint_at - pos0 + pk["shift"][:, None]
+def _checkpoint_bounds(rows, pos0, pk, chunk: int, n_chunks: int):
+    """(use [K], boundary index [K]: the state after packed chunk bound - 1) of each checkpoint
+    row (checkpoint_rows.CheckpointRows). On the chunk grid the index is exact; off it only a
+    sequence's start (the state it starts from, state0) and its end (rounded up: the no-op slots
+    after its last row pass the state through) are states of the sequence."""
+    seq, at = rows
+    start = jnp.asarray(pos0, jnp.int32)[seq]
+    lens = pk["lens"][seq]
+    ck_rel = at - start + pk["shift"][seq]
     # at or before the start: state0 (as at an unused checkpoint)
-    ck_use = (checkpoint_at >= 0) & (checkpoint_at > pos0) & (pk["lens"] > 0)[:, None]
-    at_end = checkpoint_at == pos0 + pk["lens"][:, None]
+    ck_use = (at >= 0) & (at > start) & (lens > 0)
+    at_end = at == start + lens
     chunks = jnp.where(at_end, -(-ck_rel // chunk), ck_rel // chunk)
-    ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][:, None] + chunks, 0), 0, n_chunks)
+    ck_bound = jnp.clip(jnp.where(ck_use, pk["first"][seq] + chunks, 0), 0, n_chunks)
     return ck_use, ck_bound
+
+
+def _rows_states(use, states, state0, seq, shape):
+    """Each checkpoint row's state: `states` [K, ...] where used, else the state its sequence
+    starts from (one state0 row serves all when state0 has one); [K] reshaped to `shape`."""
+    start = state0[seq] if state0.shape[0] > 1 else jnp.broadcast_to(state0, states.shape)
+    out = jnp.where(use[:, None, None, None], states, start)
+    return out.reshape(tuple(shape) + out.shape[1:])
 
 
 def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale, chunk,
@@ -224,8 +237,9 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
         raise ValueError(f"ragged_prefill: packing made for chunk {pk['chunk']}, run at {chunk}")
     n_chunks = pk["src"].shape[0] // chunk
     ck_use = ck_bound = None
-    if checkpoint_at is not None:
-        ck_use, ck_bound = _checkpoint_bounds(checkpoint_at, pos0, pk, chunk, n_chunks)
+    if checkpoint_at is not None:  # flat rows (checkpoint_rows.py); results [K] or [S, M]
+        ck_rows, ck_shape = as_rows(checkpoint_at)
+        ck_use, ck_bound = _checkpoint_bounds(ck_rows, pos0, pk, chunk, n_chunks)
     final_bound, has, fin = pk["final_bound"], pk["has_final"], pk["fin"]
     last_state = state0.shape[0] - 1  # 0 when one state0 serves every sequence
     seq_state = pk["seq_of_chunk"] if last_state else jnp.zeros_like(pk["seq_of_chunk"])
@@ -243,8 +257,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
             streams.setdefault(id(x), x)
         rows = {i: take_rows(x, pk["src"])[None] for i, x in streams.items()}
         packed = [rows[id(x)] for x in (q, k, v, g, beta)]
-        bounds = final_bound if ck_bound is None else jnp.concatenate(
-            [final_bound, ck_bound.reshape(-1)])
+        bounds = final_bound if ck_bound is None else jnp.concatenate([final_bound, ck_bound])
         args = (*packed, pk["restart"], seq_state, state0, bounds)
         options = dict(scale=scale, chunk=chunk, **KERNEL_OPTIONS[implementation])
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
@@ -259,9 +272,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
         final = jnp.where(has[:, None, None, None], bound_states[:n_fin], state0_fin)
         ckpt = None
         if ck_bound is not None:
-            ckpt = jnp.where(ck_use[..., None, None, None],
-                             bound_states[n_fin:].reshape(ck_bound.shape + state0.shape[1:]),
-                             state0[:, None])
+            ckpt = _rows_states(ck_use, bound_states[n_fin:], state0, ck_rows.seq, ck_shape)
         return out.astype(jnp.float32), final, ckpt
     if implementation != "xla":
         raise ValueError(f"ragged_prefill: implementation must be 'xla' or one of "
@@ -283,7 +294,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     final = jnp.where(has[:, None, None, None], before[final_bound], state0_fin)
     ckpt = None
     if ck_bound is not None:
-        ckpt = jnp.where(ck_use[..., None, None, None], before[ck_bound], state0[:, None])
+        ckpt = _rows_states(ck_use, before[ck_bound], state0, ck_rows.seq, ck_shape)
     if return_transition:
         eye = jnp.eye(dk, dtype=f32)
         return out, final, ckpt, jnp.where(has[:, None, None, None], prod[0][final_bound],

@@ -122,7 +122,9 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     """`forward`, plus the recurrent states at chunk-aligned positions of each sequence.
 
     checkpoint_at: None or [S, M] int32 absolute positions (multiples of CHUNK, or the end
-      pos0 + new tokens, inside [pos0, pos0 + new tokens] of the sequence; -1 = none).
+      pos0 + new tokens, inside [pos0, pos0 + new tokens] of the sequence; -1 = none), or
+      gated_delta.api.CheckpointRows (seq [K], pos [K]): the same as K flat rows (checkpoints
+      then [Lg, K, ...]: the engine's step, which writes K states, not S M).
     gdn_impl: GDN prefill kernel, one of GDN_IMPLS: a name of kernels_pallas.gated_delta.api
       ("xla": lax.scan, "pallas_fused": Triton, "mosaic" / "mosaic_intra": Mosaic GPU; the
       engine passes Config.gdn.impl as resolved at start), None / "auto" (the api's choice), or

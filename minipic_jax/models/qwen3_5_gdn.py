@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.gated_delta.api import choose
+from kernels_pallas.gated_delta.api import CheckpointRows, as_rows, choose  # noqa: F401
 from kernels_pallas.sharding import ragged_gated_delta, whole  # per head shard under TP
 from minipic_jax.models import qwen3_5_spans
 from minipic_jax.models.nnx_pure import param
@@ -81,10 +81,11 @@ def conv_index(cu_q_lens, pos0, seq_of_row, hist: int, checkpoint_at=None):
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
     index = dict(rows=history_index(cu_q_lens, pos0, seq_of_row, end, n_tokens, hist),
                  end=history_index(cu_q_lens, pos0, seq_ids, pos0 + lens, n_tokens, hist))
-    if checkpoint_at is not None:
-        ck_pos = jnp.where(checkpoint_at >= 0, checkpoint_at, pos0[:, None])
-        index["ckpt"] = history_index(cu_q_lens, pos0, jnp.broadcast_to(
-            seq_ids[:, None], ck_pos.shape), ck_pos, n_tokens, hist)
+    if checkpoint_at is not None:  # per row (checkpoint_rows.py): [K] or [S, M] windows
+        rows_, shape = as_rows(checkpoint_at)
+        ck_pos = jnp.where(rows_.pos >= 0, rows_.pos, pos0[rows_.seq])
+        index["ckpt"] = tuple(x.reshape(tuple(shape) + x.shape[1:]) for x in history_index(
+            cu_q_lens, pos0, rows_.seq, ck_pos, n_tokens, hist))
     return index
 
 
@@ -141,7 +142,8 @@ class GatedDeltaNet(nnx.Module):
           h: [T, E] normed hidden states; conv0 [S, C, Kc-1] and delta0 [S, Hv, Dk, Dv] (float32)
             the states of each sequence before its new tokens; cu_q_lens [S+1]; pos0 [S] position
             of each sequence's first new token; checkpoint_at None or [S, M] absolute positions
-            (multiples of 64 or the sequence's end, -1 = none); impl: ragged kernel, a name of
+            (multiples of 64 or the sequence's end, -1 = none) or CheckpointRows (the same as K
+            flat rows: checkpoints [K, ...]); impl: ragged kernel, a name of
             gated_delta.api ("xla", "pallas_fused", "mosaic", ...), that name + "_interpret"
             (its kernels in Pallas interpret mode, for CPU tests) or None / "auto": the kernel's
             policy (kernels_pallas.gated_delta.api.choose).

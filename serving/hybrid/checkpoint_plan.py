@@ -48,11 +48,21 @@ BLOCK_TOKENS = 512
 # prompt is planned fresh at admission), so these values change no placement.
 REPLAN_EVERY = 64
 REPLAN_TV = 0.1
-# Checkpoints one step takes per sequence at most (the step's checkpoint fields are [S, M]; one
-# static M per engine, so the count adds no step variant): a chunk holds its planned checkpoints
-# and the free-room halving cover (64, 128, ... 4096 from a cold start) without being cut, up to
-# this many; a chunk holding more stops before the next.
+# Checkpoints one step takes per sequence at most: a chunk holds its planned checkpoints and the
+# free-room halving cover (64, 128, ... 4096 from a cold start) without being cut, up to this
+# many; a chunk holding more stops before the next.
 CHECKPOINTS_PER_STEP = 8
+# ... and in all, over its sequences: the step's checkpoint fields are K = `step_rows(S)` flat
+# rows (one static K per token bucket, so the count adds no step variant). Each row is a state
+# per GDN layer the step moves (1 MiB each at Qwen3.5-0.8B: 18 MiB a row); [S, M] rows were
+# 576 states a layer at 64 seats, ~18 ms of a prefill step on an H100 (issue 29). A sequence
+# scheduled when fewer rows are left stops its chunk before the first checkpoint that does not fit.
+CHECKPOINT_ROWS = 2 * CHECKPOINTS_PER_STEP
+
+
+def step_rows(seqs: int) -> int:
+    """K, the checkpoint rows of a step of `seqs` sequences (its static bound)."""
+    return min(seqs * CHECKPOINTS_PER_STEP, CHECKPOINT_ROWS)
 
 
 def candidates(layout, num_tokens: int, block_size: int, chunk: int) -> np.ndarray:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.gated_delta.api import CheckpointRows
 from serving.tiers.offload import HostBatch
 
 
@@ -86,8 +87,9 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
     """The hybrid forward with the checkpoint pool (inside the jitted step): restore rows'
     states are written into their slots before the model runs (their reset flag is off), and the
     states at each row's checkpoint position go to the pool after. Decode-only steps neither
-    restore nor checkpoint (a checkpoint position is a prefill chunk's). A row takes up to M
-    checkpoints (f["ck_pos"], f["ck_slot"]: [S, M], -1 = none), each written into its slot.
+    restore nor checkpoint (a checkpoint position is a prefill chunk's). The step's checkpoints
+    are K flat rows (f["ck_seq"], f["ck_pos"], f["ck_slot"]: [K], -1 = none,
+    checkpoint_plan.step_rows), each written into its slot.
     with_extras: also return the model's third output (e.g. captured span maps,
     serving/hybrid/span_maps.py)."""
     if decode_only:
@@ -96,11 +98,11 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
     restore = f["restore_slot"]  # [S]
     conv, delta = rows(pool, restore)
     cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
+    ck_rows = CheckpointRows(f["ck_seq"], f["ck_pos"])  # K flat rows: K states written, not S M
     logits, cache, ck = family.forward_with_checkpoints(
-        params, tokens, md, cache, mcfg, checkpoint_at=f["ck_pos"], **kw)
-    if ck is not None:  # [Lg, S, M, ...] -> [Lg, S M, ...], row-major like the slots
-        flat = lambda x: x.reshape((x.shape[0], -1) + x.shape[3:])  # noqa: E731
-        pool = store_rows(pool, f["ck_slot"].reshape(-1), flat(ck["conv"]), flat(ck["delta"]))
+        params, tokens, md, cache, mcfg, checkpoint_at=ck_rows, **kw)
+    if ck is not None:  # [Lg, K, ...], like the slots
+        pool = store_rows(pool, f["ck_slot"], ck["conv"], ck["delta"])
     return (logits, cache, pool, ck) if with_extras else (logits, cache, pool)
 
 

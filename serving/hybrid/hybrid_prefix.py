@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from serving.cache.admission import AdmissionPlan
 from serving.hybrid.bucket_fit import BucketFit
-from serving.hybrid.checkpoint_plan import (CHECKPOINTS_PER_STEP, candidates, halving_cover,
-                                            on_grid, positions_of)
+from serving.hybrid.checkpoint_plan import (CHECKPOINT_ROWS, CHECKPOINTS_PER_STEP, candidates,
+                                            halving_cover, on_grid, positions_of)
 from serving.hybrid.resume import Resume
 
 
@@ -45,6 +45,7 @@ class HybridPrefixCache:
         self.admissions = self.checkpoint_hits = 0
         self.tokens_matched = self.tokens_resumed = 0
         self.prompt_len: dict[int, int] = {}  # block hash -> length of the prompt that made it
+        self.rows_left = CHECKPOINT_ROWS  # the step being scheduled: checkpoint rows still free
 
     # -- admission (the recurrent part of CacheManager.admit) ----------------------------------
     def match(self, mgr, seq):
@@ -190,15 +191,15 @@ class HybridPrefixCache:
 
     def chunk_stop(self, seq, stop_at, budget: int = 0):
         """A chunk [s, e] takes the first M = CHECKPOINTS_PER_STEP positions ahead in [s, e]
-        (one at s: the state the chunk starts from, which the kernel returns as is), all in its
-        one step; it stops at the next, which the next chunk takes at its start, and at a span
-        prompt's position off the GDN chunk grid (its first span start). A plain
-        prompt's chunk that would overflow a token bucket by a little stops at the bucket
-        (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
-        ahead = self._ahead(seq)
-        if len(ahead) > CHECKPOINTS_PER_STEP:
-            cut = ahead[CHECKPOINTS_PER_STEP]
-            stop_at = cut if stop_at is None else min(stop_at, cut)
+        (one at s: the state it starts from, which the kernel returns as is; fewer when fewer of
+        the step's rows are left), all in its one step; it stops at the next, which the next
+        chunk takes at its start, and at a span prompt's position off the GDN chunk grid (its
+        first span start). A plain prompt's chunk that would overflow a token bucket by a little
+        stops there (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
+        ahead, m = self._ahead(seq), min(CHECKPOINTS_PER_STEP, self.rows_left)
+        ahead = ahead[1:] if not m and ahead and ahead[0] <= seq.num_computed else ahead
+        if len(ahead) > m:  # (the one at s, with no row left for it, is not taken)
+            stop_at = ahead[m] if stop_at is None else min(stop_at, ahead[m])
         spans = seq.layout.span_block.any()
         if spans:  # a position off the GDN chunk grid (a span start) is exact as a last row only
             near = [p for p in ahead[:CHECKPOINTS_PER_STEP] if p > seq.num_computed]
@@ -232,18 +233,19 @@ class HybridPrefixCache:
             grid = on_grid(seq.layout, take, self.planner.chunk)
             take = [p for p, ok in zip(take, grid) if ok or p in (seq.num_computed,
                                                                   e.new_computed)]
-        take = take[:CHECKPOINTS_PER_STEP]
+        take = take[:min(CHECKPOINTS_PER_STEP, self.rows_left)]
         got = []
         for p in take:
             if p in h.ck_positions:
                 got.append(self._reserve(mgr, seq, p, h.ck_values[h.ck_positions.index(p)]))
             elif self.store.free_slots:  # a cover position: only into a free slot
                 got.append(self._reserve(mgr, seq, p, h.ck_free[p]))
-        if not take:
+        if not take and self.rows_left:
             p = self._free_position(mgr, seq, e.new_computed)
             if p is not None:
                 got.append(self._reserve(mgr, seq, p, h.ck_free[p]))
         got = [x for x in got if x is not None]
+        self.rows_left -= len(got)
         if got:
             (e.ck_pos, e.ck_slot), e.ck_more = got[0], tuple(got[1:])
 
@@ -278,6 +280,7 @@ class HybridPrefixCache:
     def after_launch(self) -> None:
         """The step built from this schedule is launched: its pins go."""
         self.store.after_launch()
+        self.rows_left = CHECKPOINT_ROWS
         if self.spans is not None:
             self.spans.after_launch()
 
@@ -285,6 +288,7 @@ class HybridPrefixCache:
         """After a fault (serving/recovery.py, every sequence preempted): the checkpoints and
         span maps of a step that was never launched go; with device_ok False (a device step
         failed: the pools' contents are unknown) all of them go."""
+        self.rows_left = CHECKPOINT_ROWS
         for store in [self.store] + ([self.spans.store] if self.spans is not None else []):
             if device_ok:
                 store.abandon_launch()

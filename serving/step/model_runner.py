@@ -33,7 +33,8 @@ from serving.model_contract import EngineModel, RecurrentMetadata
 from serving.cache.page_zeroing import PageZeroer, zero_pages
 from serving.step.sampler import SamplingMetadata, pack_outputs, sample, unpack_outputs
 from serving.step.step_executables import StepExecutables
-from serving.step.step_inputs import S_FIELDS_CKPT, SeatTables, clear_ints, fill_sampling, layout
+from serving.step.step_inputs import (S_FIELDS_CKPT, SeatTables, clear_ints, fill_checkpoints,
+                                      fill_sampling, layout)
 
 class ModelRunner:
     def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype, *, marker_rows=None,
@@ -331,14 +332,7 @@ class ModelRunner:
         v["sample_seat"][:] = self.scratch_slot
         n_seq = len(batch)
         if self.ck_pool is not None:
-            for name in S_FIELDS_CKPT:
-                v[name][:] = -1
-            for i, e in enumerate(batch):
-                if e.ck_slot >= 0 or e.restore_slot >= 0:
-                    v["ck_pos"][i, 0], v["ck_slot"][i, 0] = e.ck_pos, e.ck_slot
-                    v["restore_slot"][i] = e.restore_slot
-                for j, (pos, slot) in enumerate(e.ck_more, 1):
-                    v["ck_pos"][i, j], v["ck_slot"][i, j] = pos, slot
+            fill_checkpoints(batch, v)
         seats = [e.seq.seat for e in batch]
         # Decodes come first (scheduler order): one generated token each, filled vectorised.
         d = 0

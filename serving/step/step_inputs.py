@@ -10,7 +10,7 @@ import numpy as np
 
 from serving.cache.block_manager import BULK
 from serving.cache.page_zeroing import zero_rows
-from serving.hybrid.checkpoint_plan import CHECKPOINTS_PER_STEP
+from serving.hybrid.checkpoint_plan import step_rows
 from serving.hybrid.span_step import MAX_CAPTURES, piece_bound
 from serving.step import resident_tables
 
@@ -18,10 +18,10 @@ _T_FIELDS = ("tokens", "q_positions", "q_window_start", "q_seq", "slot_mapping")
 _S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "seed", "step",
              "sample_seat")
 _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
-# hybrid prefix caching (a checkpoint pool is attached): per sequence, the logical positions of
-# the checkpoints this step takes and their pool slots ([S, CHECKPOINTS_PER_STEP], -1 = none), and
-# the pool slot its state is restored from ([S])
-S_FIELDS_CKPT = ("ck_pos", "ck_slot", "restore_slot")
+# hybrid prefix caching (a checkpoint pool is attached): the checkpoints this step takes as K =
+# checkpoint_plan.step_rows(S) flat rows (their sequence's row in the batch, logical position and
+# pool slot, -1 = none), and per sequence the pool slot its state is restored from ([S])
+S_FIELDS_CKPT = ("ck_seq", "ck_pos", "ck_slot", "restore_slot")
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +48,7 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
     spec["cu_q_lens"] = (off, (s + 1,))
     off += s + 1
     for f in _S_FIELDS + (S_FIELDS_CKPT if ckpt else ()):
-        shape = (s, CHECKPOINTS_PER_STEP) if f in ("ck_pos", "ck_slot") else (s,)
+        shape = (step_rows(s),) if f in ("ck_seq", "ck_pos", "ck_slot") else (s,)
         spec[f] = (off, shape)
         off += int(np.prod(shape))
     table_fields = resident_tables.layout_fields(t, s, nb, block_size) if resident else \
@@ -61,6 +61,25 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
     return spec, off + z
 
 
+
+
+def fill_checkpoints(batch, v) -> None:
+    """The restore slot of each scheduled sequence and its checkpoints as flat rows (sequence's
+    row, position, slot), the scheduler's at most K (hybrid_prefix.py keeps the step's count);
+    unused rows -1."""
+    for name in S_FIELDS_CKPT:
+        v[name][:] = -1
+    k, rows = 0, v["ck_slot"].shape[0]
+    for i, e in enumerate(batch):
+        v["restore_slot"][i] = e.restore_slot
+        taken = (((e.ck_pos, e.ck_slot),) if e.ck_slot >= 0 else ()) + tuple(e.ck_more)
+        if k + len(taken) > rows:
+            raise ValueError(f"step checkpoints: sequence {e.seq.seq_id} (batch row {i}) takes "
+                             f"{len(taken)} after {k}; the step has {rows} rows "
+                             f"(checkpoint_plan.step_rows)")
+        for pos, slot in taken:
+            v["ck_seq"][k], v["ck_pos"][k], v["ck_slot"][k] = i, pos, slot
+            k += 1
 
 class SeatTables:
     """Block-table rows per seat ([seats, NB] each: block ids, the logical position each block
