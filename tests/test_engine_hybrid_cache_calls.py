@@ -35,7 +35,7 @@ def _shared_prompts(n):
 
 def _written_slots(e) -> set:
     """Every checkpoint-pool slot a scheduled chunk's step writes: its first checkpoint
-    (ck_slot) and the deeper ones (ck_more), the rows of the step's [S, M] ck_slot array."""
+    (ck_slot) and the deeper ones (ck_more), the step's flat [K] ck_slot rows."""
     return {e.ck_slot} | {slot for _, slot in e.ck_more}
 
 
