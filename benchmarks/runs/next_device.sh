@@ -4,8 +4,9 @@
 # and final20_device.sh on an H100 (benchmarks/RESULTS.md). Next, in this order:
 #   1. T + the compose tests at the new default (bf16_x6, two stages: tests/test_chain_compose_kernel.py,
 #      tests/test_span_maps.py compiled), then final20_device.sh's rag part: composition share (goal 5%)
-#   2. benchmarks/runs/fixed_step_device.sh if session 20's s20-fixed landed (the ~45-50 ms hybrid
-#      prefill step at 64 seats / 25,600 whatever its tokens), then hybrid_steps_device.sh
+#   2. K (below): s20-fixed's flat checkpoint rows (the ~45-50 ms hybrid prefill step at 64 seats /
+#      25,600 whatever its tokens): compiled GDN tests, then fixed_step_device.sh before (82b4d81,
+#      carry .dev1/fixed_before.tgz) and after on the same machine; then F / hybrid_steps_device.sh
 #   3. on an H200 when one comes: D (issue 28's TTFT, goal 100x), X again (no remat), F, rag 16 seats
 # (The device's `git log` line prints a stale commit: its .git is not refreshed; name the commit here.)
 #   T  the compiled kernel tests of every kernel changed since its last GPU run (~2.5 min): the chain
@@ -64,6 +65,10 @@ V) mkdir -p /tmp/wbefore && tar -xzf .dev1/warm_before.tgz -C /tmp/wbefore
      ROUNDS=1 OUT=$OUT/warm_after_$r bash benchmarks/runs/warm_step_device.sh 2>&1 | tail -5
    done;;
 W) BEFORE_TGZ=.dev1/lower_before.tgz bash benchmarks/runs/lower_next_device.sh 2>&1 | tail -30;;
+K) EXTRA="tests/test_hybrid_checkpoint_rows.py tests/test_engine_hybrid_span_start.py" TLIMIT=200 compiled_tests
+   mkdir -p /tmp/kbefore && tar -xzf .dev1/fixed_before.tgz -C /tmp/kbefore
+   (cd /tmp/kbefore && OUT=$OUT/fixed_before LIMIT=90 bash benchmarks/runs/fixed_step_device.sh 2>&1 | tail -6)
+   OUT=$OUT/fixed_after LIMIT=90 bash benchmarks/runs/fixed_step_device.sh 2>&1 | tail -6;;
 Y) EXTRA="tests/test_engine_gdn_kernel.py tests/test_step_lowering.py tests/test_span_maps.py tests/test_qwen3_5_spans.py" \
      TLIMIT=230 compiled_tests
    SKIP_TESTS=1 LIMIT=130 BEFORE_TGZ=.dev1/lower_before.tgz bash benchmarks/runs/lower_next_device.sh 2>&1 | tail -12;;
@@ -79,6 +84,6 @@ G) BATCH=64 ROUNDS=2 BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_ne
    BEFORE_TGZ=.dev1/before.tgz bash benchmarks/runs/issue27_next_device.sh rag 2>&1 | grep -v "^W1" | tail -12;;
 H) RAG_LIMIT=400 bash benchmarks/runs/compose_next_device.sh 2>&1 | tail -30;;
 F) LIMIT=540 bash benchmarks/runs/hybrid_spans_next_device.sh 2>&1 | tail -30;;
-*) echo "usage: $0 Y|T|A|B|C|D|E|F|G|H|X|L|W|S|P|V"; exit 2;;
+*) echo "usage: $0 K|Y|T|A|B|C|D|E|F|G|H|X|L|W|S|P|V"; exit 2;;
 esac
 echo "== total t=$((SECONDS-T0)) s"
