@@ -72,48 +72,37 @@ def main(reps: int = 10) -> None:
                   f"| rel. diff. from xla highest {rel:.2e}", flush=True)
 
 
-def sweep(reps: int = 10) -> None:
-    """chain_apply alone (delta states only) at each precision of SWEEP_PRECISIONS and
-    (block_v, num_warps) of SWEEP, with its relative difference from the first that ran."""
+def sweep(reps: int = 10, settings=None, label: str = "compose kernel") -> None:
+    """chain_apply alone (delta states only) at each (precision, block_v, num_warps, num_stages)
+    of `settings` (default: every SWEEP_PRECISIONS x SWEEP at one stage), with its relative
+    difference from the first that ran."""
     pool, chains, _, delta0 = inputs()
     n = span_maps.chain_lengths(chains)
     gflop = sum(LENGTHS) * chain_compose.flops_per_application(LAYERS, HEADS, DK, DK) / 1e9
+    if settings is None:
+        settings = [(p, bv, w, 1) for p in SWEEP_PRECISIONS for bv, w in SWEEP]
     ref = None
-    for name in SWEEP_PRECISIONS:
-        for block_v, warps in SWEEP:
-            call = jax.jit(functools.partial(chain_apply, block_v=block_v, num_warps=warps,
-                                             precision=affine.compose_precision(name)))
-            try:
-                got = np.asarray(call(pool.a, pool.b, chains, n, delta0), np.float64)
-                ms = 1e3 * time_calls(call, pool.a, pool.b, chains, n, delta0, iters=1, reps=reps)
-            except Exception as e:  # noqa: BLE001 - report and go on with the other settings
-                print(f"compose kernel {name} block_v {block_v} warps {warps}: "
-                      f"{type(e).__name__}: {str(e)[:200]}")
-                continue
-            ref = got if ref is None else ref
-            rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-            print(f"compose kernel {name:8s} block_v {block_v:3d} warps {warps:2d} | {ms:.3f} ms "
-                  f"| {gflop / ms:.2f} TFLOP/s | rel. diff. {rel:.2e}", flush=True)
+    for name, block_v, warps, n_stages in settings:
+        what = f"{label} {name:8s} block_v {block_v:3d} warps {warps:2d} stages {n_stages}"
+        call = jax.jit(functools.partial(chain_apply, block_v=block_v, num_warps=warps,
+                                         num_stages=n_stages,
+                                         precision=affine.compose_precision(name)))
+        try:
+            got = np.asarray(call(pool.a, pool.b, chains, n, delta0), np.float64)
+            ms = 1e3 * time_calls(call, pool.a, pool.b, chains, n, delta0, iters=1, reps=reps)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other settings
+            print(f"{what}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        ref = got if ref is None else ref
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        print(f"{what} | {ms:.3f} ms | {gflop / ms:.2f} TFLOP/s | rel. diff. {rel:.2e}",
+              flush=True)
 
 
 def stages(reps: int = 10) -> None:
     """chain_apply at each (block_v, num_warps, num_stages) of STAGES, tensor-core precisions."""
-    pool, chains, _, delta0 = inputs()
-    n = span_maps.chain_lengths(chains)
-    gflop = sum(LENGTHS) * chain_compose.flops_per_application(LAYERS, HEADS, DK, DK) / 1e9
-    for name in SWEEP_PRECISIONS[1:]:
-        for block_v, warps, n_stages in STAGES:
-            call = jax.jit(functools.partial(chain_apply, block_v=block_v, num_warps=warps,
-                                             num_stages=n_stages,
-                                             precision=affine.compose_precision(name)))
-            try:
-                ms = 1e3 * time_calls(call, pool.a, pool.b, chains, n, delta0, iters=1, reps=reps)
-            except Exception as e:  # noqa: BLE001 - report and go on with the other settings
-                print(f"compose stages {name} {block_v}/{warps}/{n_stages}: {type(e).__name__}: "
-                      f"{str(e)[:200]}")
-                continue
-            print(f"compose stages {name:8s} block_v {block_v:3d} warps {warps:2d} stages "
-                  f"{n_stages} | {ms:.3f} ms | {gflop / ms:.2f} TFLOP/s", flush=True)
+    sweep(reps, [(p, bv, w, st) for p in SWEEP_PRECISIONS[1:] for bv, w, st in STAGES],
+          label="compose stages")
 
 
 if __name__ == "__main__":
