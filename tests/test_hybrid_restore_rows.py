@@ -1,0 +1,83 @@
+"""A hybrid step's restores are R = checkpoint_plan.restore_rows(S) flat rows (issue 29): the step
+gathers and writes R pool states per GDN layer, not one per sequence (at 64 seats ~0.95 GB per
+layer, CPU count, whatever the step restored); the scheduler keeps a step's restores within R,
+an admission that finds no row left waiting a step in its place."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minipic_jax import SamplingParams
+from serving.hybrid import checkpoint_plan
+from tests.test_hybrid_checkpoint_rows import _stub_llm
+
+
+def _layer_stacked(jaxpr, tail, layers: int) -> list[int]:
+    """Leading sizes of every value in a jaxpr (nested ones included) shaped [layers, n, *tail]:
+    states stacked over the GDN layers, what the step gathers from and writes to the pool."""
+    out = []
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            shape = tuple(getattr(v.aval, "shape", ()))
+            if len(shape) == len(tail) + 2 and shape[0] == layers and shape[2:] == tail:
+                out.append(shape[1])
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _layer_stacked(inner, tail, layers)
+    return out
+
+
+def test_the_engine_step_gathers_restore_rows_not_one_state_per_sequence():
+    """The plain prefill step of a 64-seat tiny_qwen3_5 engine with an 8-slot checkpoint pool,
+    traced (abstract weights): no value stacked over the GDN layers holds more states than the
+    pool's slots, the K checkpoint rows or the R restore rows. Before, the restore gathered the
+    pool at every one of the S = 64 sequences ([Lg, 64, ...]) and wrote all 64 masked."""
+    from benchmarks.lower_time import abstract, build_runner
+    from configs.presets import get_preset
+    from serving.hybrid import checkpoint_pool
+    seats, t, slots = 64, 64, 8
+    r = build_runner("tiny_qwen3_5", "float32", max_num_seqs=seats, max_num_batched_tokens=64,
+                     min_token_bucket=64, max_model_len=512, block_size=16, num_kv_blocks=64)
+    lay = checkpoint_pool.state_layout(r.family, r.mcfg, 16, jnp.float32)
+    r.ck_pool = jax.eval_shape(lambda: checkpoint_pool.allocate(lay, slots))
+    ints, floats, kw = next(st for st in r.warmup_steps()
+                            if st[2]["t"] == t and not st[2]["decode_only"])
+    s = kw["s"]
+    traced = r._step.jitted.trace(*abstract(r._args(ints, floats, False, kw)), **kw)
+    cfg = get_preset("tiny_qwen3_5")
+    tail = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    sizes = _layer_stacked(traced.jaxpr.jaxpr, tail, cfg.layer_types.count("linear_attention"))
+    bound = max(slots, checkpoint_plan.step_rows(s), checkpoint_plan.restore_rows(s))
+    assert checkpoint_plan.restore_rows(s) in sizes, sizes  # the restore gather, R rows
+    assert max(sizes) <= bound < s, (sizes, bound, s)
+
+
+def test_a_crowded_step_keeps_its_restores_within_the_rows_in_order():
+    """A 200-token prompt stores its checkpoints; then twelve prompts sharing its first 192
+    tokens are submitted together (one 2,048-token step could admit all twelve, each resuming
+    from a checkpoint): every launched step restores at most RESTORE_ROWS (here 8, then 4),
+    every prompt is restored exactly once, in submission order. Before, the first step
+    restored all twelve (the step's [S] restore field)."""
+    rng = np.random.default_rng(7)
+    kw = dict(max_num_seqs=12, max_num_batched_tokens=2048, min_token_bucket=64,
+              max_model_len=512, num_kv_blocks=400, checkpoint_free_room=True)
+    llm = _stub_llm(**kw)
+    base = rng.integers(0, 256, 200).tolist()
+    sp = SamplingParams(max_tokens=1)
+    llm.generate([base], sp, use_tqdm=False)
+    cache, per_step, cur = llm.llm_engine.hybrid_cache, [], []
+    annotate, launched = cache.annotate, cache.after_launch
+    cache.annotate = lambda mgr, e: annotate(mgr, e) or (
+        e.restore_slot >= 0 and cur.append(e.seq.seq_id))
+    cache.after_launch = lambda: (launched(), per_step.append(list(cur)), cur.clear())
+    prompts = [base[:192] + rng.integers(0, 256, 8).tolist() for _ in range(12)]
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in got), [o.num_cached_tokens for o in got]
+    counts = [len(step) for step in per_step if step]
+    assert max(counts) <= checkpoint_plan.RESTORE_ROWS < sum(counts) == 12, counts
+    order = [i for step in per_step for i in step]
+    assert order == sorted(order) and len(set(order)) == 12, order
