@@ -5,9 +5,12 @@ an admission that finds no row left waiting a step in its place."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from minipic_jax import SamplingParams
 from serving.hybrid import checkpoint_plan
@@ -81,3 +84,30 @@ def test_a_crowded_step_keeps_its_restores_within_the_rows_in_order():
     assert max(counts) <= checkpoint_plan.RESTORE_ROWS < sum(counts) == 12, counts
     order = [i for step in per_step for i in step]
     assert order == sorted(order) and len(set(order)) == 12, order
+
+
+def test_a_running_sequence_whose_restore_finds_no_row_runs_no_chunk():
+    """A sequence admitted without its chunk running (e.g. held at a barrier) still holds its
+    restore; in a step with no restore row left it computes nothing (and keeps its restore for
+    the next step) rather than overflowing the step's R rows."""
+    from serving.hybrid.hybrid_prefix import HybridPrefixCache
+    cache = HybridPrefixCache(SimpleNamespace(free_slots=0), SimpleNamespace(chunk=64), 16)
+    seq = SimpleNamespace(num_computed=128, hybrid=SimpleNamespace(
+        restore_entry=object(), ck_positions=[], ck_cuts=[]),
+        layout=SimpleNamespace(span_block=np.zeros(1, bool)))
+    assert cache.chunk_stop(seq, None) is None  # a row left: the chunk runs
+    cache.restores_left = 0
+    assert cache.chunk_stop(seq, None) == 128
+
+
+def test_more_restores_than_the_step_rows_is_an_error_naming_the_sequence():
+    from serving.step.step_inputs import fill_checkpoints
+    v = {name: np.zeros(n, np.int32) for name, n in
+         (("ck_seq", 4), ("ck_pos", 4), ("ck_slot", 4), ("restore_seq", 2), ("restore_slot", 2))}
+    def e(seq_id, slot):
+        return SimpleNamespace(seq=SimpleNamespace(seq_id=seq_id), restore_slot=slot,
+                               ck_pos=-1, ck_slot=-1, ck_more=())
+    fill_checkpoints([e(1, 5), e(2, -1), e(3, 6)], v)
+    assert v["restore_seq"].tolist() == [0, 2] and v["restore_slot"].tolist() == [5, 6]
+    with pytest.raises(ValueError, match=r"restores: sequence 9 \(batch row 2\) takes 1 after 2"):
+        fill_checkpoints([e(1, 5), e(2, 4), e(9, 6)], v)

@@ -207,7 +207,7 @@ class HybridPrefixCache:
         chunk takes at its start, and at a span prompt's position off the GDN chunk grid (its
         first span start). A plain prompt's chunk that would overflow a token bucket by a little
         stops there (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
-        if seq.hybrid.restore_entry is not None and not self.restores_left:
+        if not self.restores_left and seq.hybrid.restore_entry is not None:
             return seq.num_computed  # its restore waits for a step with a row left: no chunk
         ahead, m = self._ahead(seq), min(CHECKPOINTS_PER_STEP, self.rows_left)
         ahead = ahead[1:] if not m and ahead and ahead[0] <= seq.num_computed else ahead

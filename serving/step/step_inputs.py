@@ -23,8 +23,6 @@ _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
 # pool slot, -1 = none), and its restores as R = checkpoint_plan.restore_rows(S) flat rows (the
 # sequence's row in the batch, the pool slot its state is restored from; -1 = none)
 S_FIELDS_CKPT = ("ck_seq", "ck_pos", "ck_slot", "restore_seq", "restore_slot")
-_ROWS = {"ck_seq": step_rows, "ck_pos": step_rows, "ck_slot": step_rows,
-         "restore_seq": restore_rows, "restore_slot": restore_rows}
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,8 +48,9 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
         off += t
     spec["cu_q_lens"] = (off, (s + 1,))
     off += s + 1
+    rows = {"ck": step_rows(s), "restore": restore_rows(s)}  # flat rows (read when built)
     for f in _S_FIELDS + (S_FIELDS_CKPT if ckpt else ()):
-        shape = (_ROWS[f](s),) if f in _ROWS else (s,)
+        shape = (rows[f.split("_")[0]],) if f in S_FIELDS_CKPT else (s,)
         spec[f] = (off, shape)
         off += int(np.prod(shape))
     table_fields = resident_tables.layout_fields(t, s, nb, block_size) if resident else \
