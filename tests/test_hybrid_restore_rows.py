@@ -111,3 +111,19 @@ def test_more_restores_than_the_step_rows_is_an_error_naming_the_sequence():
     assert v["restore_seq"].tolist() == [0, 2] and v["restore_slot"].tolist() == [5, 6]
     with pytest.raises(ValueError, match=r"restores: sequence 9 \(batch row 2\) takes 1 after 2"):
         fill_checkpoints([e(1, 5), e(2, 4), e(9, 6)], v)
+
+
+def test_the_compose_program_takes_its_sequences_restore_row():
+    """A sequence entering cached span maps has its restore done by the compose program
+    (span_compose.fill): its flat restore row moves there and is cleared in the step's inputs;
+    another sequence's row stays."""
+    from serving.hybrid import span_compose
+    v = dict(state_slots=np.array([3, 4, 5], np.int32), reset=np.array([1, 0, 0], np.int32),
+             restore_seq=np.array([0, 2], np.int32), restore_slot=np.array([7, 9], np.int32))
+    cv = dict(slot=np.zeros(1, np.int32), reset=np.zeros(1, np.int32),
+              restore=np.full(1, -1, np.int32), chain=np.full((1, 2), -1, np.int32))
+    batch = [SimpleNamespace(map_chain=()), SimpleNamespace(map_chain=()),
+             SimpleNamespace(map_chain=(11,))]
+    span_compose.fill(batch, v, cv)
+    assert cv["slot"].tolist() == [5] and cv["restore"].tolist() == [9]
+    assert v["restore_seq"].tolist() == [0, -1] and v["restore_slot"].tolist() == [7, -1]
