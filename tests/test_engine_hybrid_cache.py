@@ -187,6 +187,34 @@ def test_a_checkpoint_whose_step_never_launched_is_not_restored(llm, monkeypatch
     _assert_exact(llm, got, prompts)
 
 
+def test_more_restores_than_the_step_has_rows_wait_in_order_and_stay_exact(llm, monkeypatch):
+    """Four requests sharing a 128-token prefix arrive together, 16 tokens each to compute: one
+    64-token step could admit and restore all four. With one restore row a step (hybrid_prefix
+    .RESTORE_ROWS; this engine's steps carry R = restore_rows(4) = 4) each admission that finds
+    no row waits a step in its place: one restore a step, in submission order, and every output
+    equals its prompt computed from scratch (issue 29)."""
+    from serving.hybrid import hybrid_prefix
+    rng = np.random.default_rng(16)
+    base, salt = _tokens(rng, 140), f"rows{next(_salts)}"
+    llm.generate([base], SP, use_tqdm=False, cache_salt=salt)
+    cache, per_step, cur = llm.llm_engine.hybrid_cache, [], []
+    annotate, launched = cache.annotate, cache.after_launch
+    monkeypatch.setattr(hybrid_prefix, "RESTORE_ROWS", 1)
+    monkeypatch.setattr(cache, "restores_left", 1)
+    monkeypatch.setattr(cache, "annotate", lambda mgr, e: annotate(mgr, e) or (
+        e.restore_slot >= 0 and cur.append(e.seq.seq_id)))
+    monkeypatch.setattr(cache, "after_launch", lambda: (
+        launched(), per_step.append(list(cur)), cur.clear()))
+    prompts = [base[:128] + _tokens(rng, 16) for _ in range(4)]
+    got = llm.generate(prompts, SP, use_tqdm=False, cache_salt=salt)
+    assert [o.num_cached_tokens for o in got] == [128] * 4
+    order = [i for step in per_step for i in step]
+    assert [len(step) for step in per_step if step] == [1] * 4 and order == sorted(order), per_step
+    monkeypatch.undo()
+    cache.restores_left = hybrid_prefix.RESTORE_ROWS
+    _assert_same(got, _alone(llm, prompts))
+
+
 def _on_host(llm, prefixes, salt):
     """(prefix index, depth) of the checkpoints of these prefixes now on the host tier."""
     from serving.cache.hashing import block_keys, make_hash_fn, root_hash

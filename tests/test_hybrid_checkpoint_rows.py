@@ -135,7 +135,7 @@ def test_more_checkpoints_than_the_step_rows_is_an_error_naming_the_sequence():
     from serving.step.step_inputs import fill_checkpoints
     k = 4
     v = {name: np.zeros(n, np.int32) for name, n in
-         (("ck_seq", k), ("ck_pos", k), ("ck_slot", k), ("restore_slot", 2))}
+         (("ck_seq", k), ("ck_pos", k), ("ck_slot", k), ("restore_seq", 2), ("restore_slot", 2))}
     seq = SimpleNamespace(seq_id=7)
     e = SimpleNamespace(seq=seq, restore_slot=-1, ck_pos=64, ck_slot=1, ck_more=((128, 2),))
     fill_checkpoints([e, e], v)

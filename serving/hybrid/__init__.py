@@ -6,6 +6,7 @@ Prefix caching with recurrent checkpoints:
   hybrid_prefix.py     admission with a checkpoint restore; checkpoints taken per chunk
   checkpoint_store.py  host bookkeeping: keys, GreedyDual eviction, pins, the host tier
   checkpoint_pool.py   the device pool of recurrent states
+  slot_moves.py        the stores' slot moves applied to the device pools before a step
   checkpoint_plan.py   where a prefill takes checkpoints (the planner's DP)
   overlap_estimate.py  how deep later requests will share a prompt (the DP's pmf)
   bucket_fit.py        chunks cut to fit a smaller token bucket (opt-in)

@@ -60,9 +60,22 @@ CHECKPOINTS_PER_STEP = 8
 CHECKPOINT_ROWS = 2 * CHECKPOINTS_PER_STEP
 
 
+# A step's restores (a sequence resuming from a checkpoint: its state written from the pool before
+# the model runs) are flat rows too, R = `restore_rows(S)`, not one per sequence: [S] restores
+# gathered and scattered all S states per GDN layer whatever the step restored (~0.95 GB per
+# layer at 64 seats, CPU count; issue 29). An admission that would restore when none is left
+# waits a step (its place kept, hybrid_prefix.py).
+RESTORE_ROWS = CHECKPOINTS_PER_STEP
+
+
 def step_rows(seqs: int) -> int:
     """K, the checkpoint rows of a step of `seqs` sequences (its static bound)."""
     return min(seqs * CHECKPOINTS_PER_STEP, CHECKPOINT_ROWS)
+
+
+def restore_rows(seqs: int) -> int:
+    """R, the restore rows of a step of `seqs` sequences (its static bound; one a sequence)."""
+    return min(seqs, RESTORE_ROWS)
 
 
 def candidates(layout, num_tokens: int, block_size: int, chunk: int) -> np.ndarray:

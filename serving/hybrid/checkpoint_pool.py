@@ -82,22 +82,30 @@ def store_rows(pool: CheckpointPool, idx, conv, delta) -> CheckpointPool:
                                                              mode="drop"))
 
 
+def restore(family, cache, pool: CheckpointPool, state_slots, idx):
+    """Write pool slots idx [R] (-1 = none) into the cache's state slots state_slots [R]: R
+    states gathered and scattered per recurrent layer."""
+    conv, delta = rows(pool, idx)
+    return family.write_states(cache, state_slots, conv, delta, idx >= 0)
+
+
 def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decode_only, kw,
                          with_extras: bool = False):
     """The hybrid forward with the checkpoint pool (inside the jitted step): restore rows'
     states are written into their slots before the model runs (their reset flag is off), and the
     states at each row's checkpoint position go to the pool after. Decode-only steps neither
-    restore nor checkpoint (a checkpoint position is a prefill chunk's). The step's checkpoints
-    are K flat rows (f["ck_seq"], f["ck_pos"], f["ck_slot"]: [K], -1 = none,
-    checkpoint_plan.step_rows), each written into its slot.
+    restore nor checkpoint (a checkpoint position is a prefill chunk's). The step's restores are
+    R flat rows (f["restore_seq"], f["restore_slot"]: [R], -1 = none,
+    checkpoint_plan.restore_rows), its checkpoints K (f["ck_seq"], f["ck_pos"], f["ck_slot"]:
+    [K], checkpoint_plan.step_rows), each written into its slot.
     with_extras: also return the model's third output (e.g. captured span maps,
     serving/hybrid/span_maps.py)."""
     if decode_only:
         logits, cache = family.forward(params, tokens, md, cache, mcfg, **kw)
         return (logits, cache, pool, {}) if with_extras else (logits, cache, pool)
-    restore = f["restore_slot"]  # [S]
-    conv, delta = rows(pool, restore)
-    cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
+    # R flat rows: R states gathered and written per GDN layer, not one per sequence
+    targets = f["state_slots"][jnp.maximum(f["restore_seq"], 0)]
+    cache = restore(family, cache, pool, targets, f["restore_slot"])
     ck_rows = CheckpointRows(f["ck_seq"], f["ck_pos"])  # K flat rows: K states written, not S M
     logits, cache, ck = family.forward_with_checkpoints(
         params, tokens, md, cache, mcfg, checkpoint_at=ck_rows, **kw)

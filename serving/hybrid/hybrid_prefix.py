@@ -13,7 +13,8 @@ A recurrent layer cannot skip cached tokens without their state, so on admission
 
 During prefill, checkpoints are taken at the positions serving/hybrid/checkpoint_plan.py chooses
 for the prompt; a chunk holds up to M = CHECKPOINTS_PER_STEP of them (it stops before one more),
-all stored by its one step (the model returns [S, M] states). With
+all stored by its one step (a step's checkpoints and restores are flat rows, at most
+checkpoint_plan.step_rows / restore_rows: `rows_left`, `restores_left`). With
 Config.hybrid_cache.free_room, while the store has a free slot, a chunk that holds no planned
 checkpoint takes one at the deepest candidate it passes (`_free_position`), and a prefill also
 takes its halving cover (`ck_cuts`: 64, 128, 256... from where it resumed,
@@ -29,8 +30,8 @@ from __future__ import annotations
 
 from serving.cache.admission import AdmissionPlan
 from serving.hybrid.bucket_fit import BucketFit
-from serving.hybrid.checkpoint_plan import (CHECKPOINT_ROWS, CHECKPOINTS_PER_STEP, candidates,
-                                            halving_cover, on_grid, positions_of)
+from serving.hybrid.checkpoint_plan import (CHECKPOINT_ROWS, CHECKPOINTS_PER_STEP, RESTORE_ROWS,
+                                            candidates, halving_cover, on_grid, positions_of)
 from serving.hybrid.resume import Resume
 
 
@@ -46,6 +47,7 @@ class HybridPrefixCache:
         self.tokens_matched = self.tokens_resumed = 0
         self.prompt_len: dict[int, int] = {}  # block hash -> length of the prompt that made it
         self.rows_left = CHECKPOINT_ROWS  # the step being scheduled: checkpoint rows still free
+        self.restores_left = RESTORE_ROWS  # ... and restore rows
 
     # -- admission (the recurrent part of CacheManager.admit) ----------------------------------
     def match(self, mgr, seq):
@@ -84,7 +86,16 @@ class HybridPrefixCache:
 
     def plan_admission(self, mgr, seq) -> AdmissionPlan | None:
         """The hybrid plan (module docstring): resume at the deepest checkpoint, the blocks below
-        it shared or copied in (never recomputed), every other block new; None to wait."""
+        it shared or copied in (never recomputed), every other block new; None to wait, also
+        when it would restore and the step has no restore row left (it keeps its place in the
+        queue and the next step admits it: nothing taken, nothing lost)."""
+        plan = self._plan_admission(mgr, seq)
+        if plan is not None and plan.detail.entry is not None and not self.restores_left:
+            self.cancel(plan.detail)
+            return None
+        return plan
+
+    def _plan_admission(self, mgr, seq) -> AdmissionPlan | None:
         spans = bool(seq.layout.span_block.any())
         if spans and self.spans is not None:  # warm span path (serving/hybrid/span_cache.py)
             return self.spans.plan_admission(mgr, seq, self)
@@ -196,6 +207,8 @@ class HybridPrefixCache:
         chunk takes at its start, and at a span prompt's position off the GDN chunk grid (its
         first span start). A plain prompt's chunk that would overflow a token bucket by a little
         stops there (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
+        if not self.restores_left and seq.hybrid.restore_entry is not None:
+            return seq.num_computed  # its restore waits for a step with a row left: no chunk
         ahead, m = self._ahead(seq), min(CHECKPOINTS_PER_STEP, self.rows_left)
         ahead = ahead[1:] if not m and ahead and ahead[0] <= seq.num_computed else ahead
         if len(ahead) > m:  # (the one at s, with no row left for it, is not taken)
@@ -223,6 +236,7 @@ class HybridPrefixCache:
         if entry is not None:
             e.restore_slot = entry.slot
             e.reset = False
+            self.restores_left -= 1
             self.store.hand_to_launch(entry)
             seq.hybrid.restore_entry = None
         if seq.is_span_job:
@@ -280,7 +294,7 @@ class HybridPrefixCache:
     def after_launch(self) -> None:
         """The step built from this schedule is launched: its pins go."""
         self.store.after_launch()
-        self.rows_left = CHECKPOINT_ROWS
+        self.rows_left, self.restores_left = CHECKPOINT_ROWS, RESTORE_ROWS
         if self.spans is not None:
             self.spans.after_launch()
 
@@ -288,7 +302,7 @@ class HybridPrefixCache:
         """After a fault (serving/recovery.py, every sequence preempted): the checkpoints and
         span maps of a step that was never launched go; with device_ok False (a device step
         failed: the pools' contents are unknown) all of them go."""
-        self.rows_left = CHECKPOINT_ROWS
+        self.rows_left, self.restores_left = CHECKPOINT_ROWS, RESTORE_ROWS
         for store in [self.store] + ([self.spans.store] if self.spans is not None else []):
             if device_ok:
                 store.abandon_launch()
@@ -369,25 +383,6 @@ def build(config, family, mcfg, dtype, pool=None, span_pool=None):
                               spans, BucketFit.from_config(config), config.hybrid_cache.step_tokens,
                               config.hybrid_cache.free_room)
     return cache, pool
-
-
-def apply_moves(cache: HybridPrefixCache, runner) -> None:
-    """The step's slot moves of the checkpoint store and (spans) the span-map store between
-    their device pools and host tiers, applied to the runner's pools before the launch."""
-    from serving.hybrid import checkpoint_pool, span_maps
-    ck_pool, span_pool = runner.ck_pool, runner.span_pool
-    moved = False
-    spans = cache.spans
-    if spans is not None:  # span maps (serving/hybrid/span_cache.py), the same store bookkeeping
-        out, inn = spans.store.take_moves()
-        if out or inn:
-            span_pool, moved = span_maps.apply_moves(span_pool, out, inn), True
-    if ck_pool is not None:
-        out, inn = cache.store.take_moves()
-        if out or inn:
-            ck_pool, moved = checkpoint_pool.apply_moves(ck_pool, out, inn), True
-    if moved:  # pools nothing moved are the runner's, already placed: no host work per step
-        runner.use_recurrent_pools(ck_pool, span_pool)
 
 
 def take_span_pool(cache: HybridPrefixCache | None):

@@ -9,7 +9,7 @@ stores' slot moves. Without prefix caching (`cache` None) only the span cut is l
 
 from __future__ import annotations
 
-from serving.hybrid import hybrid_prefix, span_rows
+from serving.hybrid import slot_moves, span_rows
 
 
 class RecurrentCheckpoints:
@@ -60,7 +60,7 @@ class RecurrentCheckpoints:
     def move_slots(self, runner) -> None:
         """The checkpoint and span-map stores' slot moves, applied to the runner's pools."""
         if self.cache is not None:
-            hybrid_prefix.apply_moves(self.cache, runner)
+            slot_moves.apply_moves(self.cache, runner)
 
     def abandon_step(self, device_ok: bool) -> None:
         if self.cache is not None:

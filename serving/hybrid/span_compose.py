@@ -64,9 +64,9 @@ def empty(ints: np.ndarray, spec: dict, scratch_slot: int) -> None:
 
 
 def fill(batch, v: dict, cv: dict) -> None:
-    """The compose inputs `cv` of a step whose inputs are `v` (filled: state_slots, reset,
-    restore_slot); the sequences that enter with cached maps lose their reset and restore in
-    `v` (the compose program does both before the step runs)."""
+    """The compose inputs `cv` of a step whose inputs are `v` (filled: state_slots, reset, the
+    restore rows restore_seq / restore_slot); the sequences that enter with cached maps lose their
+    reset and restore row in `v` (the compose program does both before the step runs)."""
     c = 0
     for i, e in enumerate(batch):
         if not e.map_chain:
@@ -75,9 +75,10 @@ def fill(batch, v: dict, cv: dict) -> None:
         cv["reset"][c] = v["reset"][i]
         cv["chain"][c, :len(e.map_chain)] = e.map_chain
         v["reset"][i] = 0
-        if "restore" in cv:
-            cv["restore"][c] = v["restore_slot"][i]
-            v["restore_slot"][i] = -1
+        if "restore" in cv:  # the step's restores are flat rows (step_inputs.fill_checkpoints)
+            row = np.flatnonzero((v["restore_seq"] == i) & (v["restore_slot"] >= 0))
+            cv["restore"][c] = v["restore_slot"][row[0]] if row.size else -1
+            v["restore_seq"][row], v["restore_slot"][row] = -1, -1
         c += 1
 
 

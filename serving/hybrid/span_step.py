@@ -160,9 +160,8 @@ def enter(family, cache, pool, maps, f, reset, *, precision=None):
     f) with the restores marked done; precision: the composition's dots
     (span_maps.entry_states). The compose program runs it (serving/hybrid/span_compose.program)."""
     if pool is not None:  # a resume at c comes before the spans skipped right after c
-        restore = f["restore_slot"]
-        conv, delta = checkpoint_pool.rows(pool, restore)
-        cache = family.write_states(cache, f["state_slots"], conv, delta, restore >= 0)
+        restore = f["restore_slot"]  # one a chain row (span_compose.py's own field)
+        cache = checkpoint_pool.restore(family, cache, pool, f["state_slots"], restore)
         f = dict(f, restore_slot=jnp.full_like(restore, -1))
     cache, reset = span_maps.enter(family, cache, maps, f["state_slots"], reset, f["chain_seq"],
                                    f["chain"], precision=precision)

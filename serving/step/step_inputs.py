@@ -10,7 +10,7 @@ import numpy as np
 
 from serving.cache.block_manager import BULK
 from serving.cache.page_zeroing import zero_rows
-from serving.hybrid.checkpoint_plan import step_rows
+from serving.hybrid.checkpoint_plan import restore_rows, step_rows
 from serving.hybrid.span_step import MAX_CAPTURES, piece_bound
 from serving.step import resident_tables
 
@@ -20,8 +20,9 @@ _S_FIELDS = ("num_blocks", "logits_indices", "state_slots", "reset", "top_k", "s
 _SB_FIELDS = ("block_tables", "block_pos_start", "block_num_valid")
 # hybrid prefix caching (a checkpoint pool is attached): the checkpoints this step takes as K =
 # checkpoint_plan.step_rows(S) flat rows (their sequence's row in the batch, logical position and
-# pool slot, -1 = none), and per sequence the pool slot its state is restored from ([S])
-S_FIELDS_CKPT = ("ck_seq", "ck_pos", "ck_slot", "restore_slot")
+# pool slot, -1 = none), and its restores as R = checkpoint_plan.restore_rows(S) flat rows (the
+# sequence's row in the batch, the pool slot its state is restored from; -1 = none)
+S_FIELDS_CKPT = ("ck_seq", "ck_pos", "ck_slot", "restore_seq", "restore_slot")
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,8 +48,9 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
         off += t
     spec["cu_q_lens"] = (off, (s + 1,))
     off += s + 1
+    rows = {"ck": step_rows(s), "restore": restore_rows(s)}  # flat rows (read when built)
     for f in _S_FIELDS + (S_FIELDS_CKPT if ckpt else ()):
-        shape = (step_rows(s),) if f in ("ck_seq", "ck_pos", "ck_slot") else (s,)
+        shape = (rows[f.split("_")[0]],) if f in S_FIELDS_CKPT else (s,)
         spec[f] = (off, shape)
         off += int(np.prod(shape))
     table_fields = resident_tables.layout_fields(t, s, nb, block_size) if resident else \
@@ -64,22 +66,29 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
 
 
 def fill_checkpoints(batch, v) -> None:
-    """The restore slot of each scheduled sequence and its checkpoints as flat rows (sequence's
-    row, position, slot), the scheduler's at most K (hybrid_prefix.py keeps the step's count);
-    unused rows -1."""
+    """The step's restores and checkpoints as flat rows: (sequence's row in the batch, pool slot)
+    per restore and (sequence's row, position, slot) per checkpoint, the scheduler's at most R
+    and K (hybrid_prefix.py keeps the step's counts); unused rows -1."""
     for name in S_FIELDS_CKPT:
         v[name][:] = -1
-    k, rows = 0, v["ck_slot"].shape[0]
+    k, r = 0, 0
     for i, e in enumerate(batch):
-        v["restore_slot"][i] = e.restore_slot
         taken = (((e.ck_pos, e.ck_slot),) if e.ck_slot >= 0 else ()) + tuple(e.ck_more)
-        if k + len(taken) > rows:
-            raise ValueError(f"step checkpoints: sequence {e.seq.seq_id} (batch row {i}) takes "
-                             f"{len(taken)} after {k}; the step has {rows} rows "
-                             f"(checkpoint_plan.step_rows)")
+        _check_rows(e, i, "checkpoints", len(taken), k, v["ck_slot"].shape[0], "step_rows")
         for pos, slot in taken:
             v["ck_seq"][k], v["ck_pos"][k], v["ck_slot"][k] = i, pos, slot
             k += 1
+        if e.restore_slot >= 0:
+            _check_rows(e, i, "restores", 1, r, v["restore_slot"].shape[0], "restore_rows")
+            v["restore_seq"][r], v["restore_slot"][r] = i, e.restore_slot
+            r += 1
+
+
+def _check_rows(e, i: int, what: str, n: int, used: int, rows: int, bound: str) -> None:
+    if used + n > rows:
+        raise ValueError(f"step {what}: sequence {e.seq.seq_id} (batch row {i}) takes {n} "
+                         f"after {used}; the step has {rows} rows (checkpoint_plan.{bound})")
+
 
 class SeatTables:
     """Block-table rows per seat ([seats, NB] each: block ids, the logical position each block
