@@ -146,12 +146,15 @@ class Scheduler:
 
     def _decodes(self) -> list[ScheduledSeq]:
         """One row per running sequence whose prompt is computed (a new block when it needs one;
-        a sequence that cannot get it preempts itself)."""
+        a sequence that cannot get it preempts itself). A hybrid sequence resumed at n - 1 whose
+        checkpoint restore has not run yet takes its last prompt token as a prefill chunk, where
+        the restore rides (`_entry` -> cache.annotate)."""
         bs, running, ar = self.cfg.block_size, Status.RUNNING, self._arange
         batch = []
         for seq in list(self.running):
             n = len(seq.token_ids)
-            if seq.status is not running or seq.num_computed < n - 1:
+            if seq.status is not running or seq.num_computed < n - 1 or \
+                    seq.hybrid.restore_entry is not None:
                 continue
             if (n - 1) // bs >= len(seq.block_table) and not self._ensure_block(seq):
                 continue  # preempted itself

@@ -146,3 +146,23 @@ def test_span_in_flight_is_waited_for_not_recomputed():
     for blk in span_blocks:  # every token of the shared span computed by one request only
         assert computed[blk] == sum(t != PAD for t in blk), blk
     assert [q.num_cached_tokens for q in qs] == [0, 3 * B, 3 * B]
+
+
+def test_a_sequence_with_a_pending_restore_is_not_taken_as_a_decode_row():
+    """A hybrid sequence resumed at n - 1 (its checkpoint one token before the prompt's end) whose
+    restore has not run yet (the barrier held its chunk back) must get its last prompt token as a
+    prefill row, where the restore rides (`HybridPrefixCache.annotate`); as a decode row its state
+    slot would run without the restored state. A sequence without one is a decode row as before."""
+    cfg, bm, sched = make("barrier", 40)
+    ids = build_prompt([Prompt(list(range(10, 19)))], block_size=B, pad_token_id=PAD,
+                       ssep_token_id=SSEP, pdep_token_id=PDEP)
+    lay = build_layout(ids, B, pad_id=PAD, ssep_id=SSEP, pdep_id=PDEP)
+    seqs = []
+    for r in range(2):
+        q = Sequence(str(r), ids, lay, SamplingParams(max_tokens=2), B, seed=r)
+        q.status, q.num_computed = Status.RUNNING, len(ids) - 1
+        sched.running.append(q)
+        seqs.append(q)
+    seqs[0].hybrid.restore_entry = object()  # resumed here, its restore still to run
+    taken = [e.seq for e in sched._decodes()]
+    assert seqs[1] in taken and seqs[0] not in taken
