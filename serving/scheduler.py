@@ -126,7 +126,7 @@ class Scheduler:
         for seq in self.running:  # running prefills
             if budget <= 0:
                 break
-            if seq.is_prefilling:
+            if self._needs_chunk(seq):
                 budget = self._add_chunk(batch, seq, budget,
                                          None if barrier_open else self._final_start(seq))
         budget = self._admit(batch, budget, barrier, barrier_open)
@@ -136,7 +136,7 @@ class Scheduler:
             for seq in self.running:
                 if budget <= 0:
                     break
-                if seq.is_prefilling:
+                if self._needs_chunk(seq):
                     budget = self._add_chunk(batch, seq, budget)
         if cfg.scheduling_policy == "isps" and self.cache.caching:
             self._add_span_jobs(batch, budget)
@@ -163,6 +163,12 @@ class Scheduler:
             self._resolved_early = False
             batch = [e for e in batch if e.seq.status is running]
         return batch
+
+    @staticmethod
+    def _needs_chunk(seq: Sequence) -> bool:
+        """Prompt rows left beyond the last token, or a hybrid checkpoint restore still to run
+        (it rides a prefill chunk: a sequence resumed at n - 1 is no decode row until it ran)."""
+        return seq.is_prefilling or seq.hybrid.restore_entry is not None
 
     def _any_before_final(self) -> bool:
         return any(s.num_computed < self._final_start(s) for s in self.running)
