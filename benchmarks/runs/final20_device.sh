@@ -21,7 +21,10 @@ MINIPIC_COMPILED=1 timeout 130 python3 -m pytest -q -p no:cacheprovider -o addop
   tests/test_gated_delta.py tests/test_chain_compose_kernel.py tests/test_span_maps.py > $OUT/tests.txt 2>&1
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 $OUT/tests.txt)" >> $R
 grep -E "^(FAILED|ERROR) " $OUT/tests.txt | cut -c1-200 >> $R
-CUDA_MODULE_LOADING=EAGER timeout 170 python3 -m benchmarks.cli hybrid-spans --steps --sync-repeat \
+# PREALLOC=1: the allocator preallocated (the users' default) to test the first-call gap
+[ -n "${PREALLOC:-}" ] && PA=true || PA=false
+XLA_PYTHON_CLIENT_PREALLOCATE=$PA CUDA_MODULE_LOADING=EAGER timeout 170 python3 -m benchmarks.cli \
+  hybrid-spans --steps --sync-repeat \
   --json $OUT/hybrid_spans.json > $OUT/hybrid_spans.txt 2>&1
 echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> $R
 grep -E "^(call|[a-i] )|goal|warm-up" $OUT/hybrid_spans.txt | grep -v "^W1" | cut -c1-200 >> $R

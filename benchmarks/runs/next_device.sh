@@ -7,6 +7,8 @@
 #   2. K (below): s20-fixed's flat checkpoint rows (the ~45-50 ms hybrid prefill step at 64 seats /
 #      25,600 whatever its tokens): compiled GDN tests, then fixed_step_device.sh before (82b4d81,
 #      carry .dev1/fixed_before.tgz) and after on the same machine; then F / hybrid_steps_device.sh
+#   2b. final20_device.sh again with PREALLOC=1 (carry .whl): compose tests at the bf16_x6 two-stage
+#      default, the span request with the allocator preallocated (the first-call gap), rag, GDN
 #   3. on an H200 when one comes: D (issue 28's TTFT, goal 100x), X again (no remat), F, rag 16 seats
 # (The device's `git log` line prints a stale commit: its .git is not refreshed; name the commit here.)
 #   T  the compiled kernel tests of every kernel changed since its last GPU run (~2.5 min): the chain
