@@ -2,13 +2,13 @@
 # The next device session's calls (each one `run` call, <= 9.5 min; each prints a short table last; raw
 # files under $OUT). Session 20 ran Y, X, spanstep `after`, F, the ttft script, compose_sweep_device.sh
 # and final20_device.sh on an H100 (benchmarks/RESULTS.md). Next, in this order:
-#   1. T + the compose tests at the new default (bf16_x6, two stages: tests/test_chain_compose_kernel.py,
-#      tests/test_span_maps.py compiled), then final20_device.sh's rag part: composition share (goal 5%)
-#   2. K (below): s20-fixed's flat checkpoint rows (the ~45-50 ms hybrid prefill step at 64 seats /
-#      25,600 whatever its tokens): compiled GDN tests, then fixed_step_device.sh before (82b4d81,
-#      carry .dev1/fixed_before.tgz) and after on the same machine; then F / hybrid_steps_device.sh
-#   2b. final20_device.sh again with PREALLOC=1 (carry .whl): compose tests at the bf16_x6 two-stage
-#      default, the span request with the allocator preallocated (the first-call gap), rag, GDN
+#   1. K (carry .dev1/fixed_before.tgz): compiled tests (T's set + the flat checkpoint / restore rows +
+#      the span-start engine test), then fixed_step_device.sh before (82b4d81) and after on the same
+#      machine (the ~45-50 ms hybrid prefill step at 64 seats whatever its tokens). If the tests fail,
+#      revert the s20-restore (b0b0419) and s20-fixed (ad70adb) merges first.
+#   2. PREALLOC=1 final20_device.sh (carry .whl): compose tests at the bf16_x6 two-stage default, the
+#      span request with the allocator preallocated (reordered goal 0.2; the first-call gap), rag at
+#      16 seats (composition share, goal 5%), GDN vs fla
 #   3. on an H200 when one comes: D (issue 28's TTFT, goal 100x), X again (no remat), F, rag 16 seats
 # (The device's `git log` line prints a stale commit: its .git is not refreshed; name the commit here.)
 #   T  the compiled kernel tests of every kernel changed since its last GPU run (~2.5 min): the chain
