@@ -67,7 +67,7 @@ V) mkdir -p /tmp/wbefore && tar -xzf .dev1/warm_before.tgz -C /tmp/wbefore
      ROUNDS=1 OUT=$OUT/warm_after_$r bash benchmarks/runs/warm_step_device.sh 2>&1 | tail -5
    done;;
 W) BEFORE_TGZ=.dev1/lower_before.tgz bash benchmarks/runs/lower_next_device.sh 2>&1 | tail -30;;
-K) EXTRA="tests/test_hybrid_checkpoint_rows.py tests/test_engine_hybrid_span_start.py" TLIMIT=200 compiled_tests
+K) EXTRA="tests/test_hybrid_checkpoint_rows.py tests/test_hybrid_restore_rows.py tests/test_engine_hybrid_span_start.py tests/test_engine_hybrid_barrier.py" TLIMIT=220 compiled_tests
    mkdir -p /tmp/kbefore && tar -xzf .dev1/fixed_before.tgz -C /tmp/kbefore
    (cd /tmp/kbefore && OUT=$OUT/fixed_before LIMIT=90 bash benchmarks/runs/fixed_step_device.sh 2>&1 | tail -6)
    OUT=$OUT/fixed_after LIMIT=90 bash benchmarks/runs/fixed_step_device.sh 2>&1 | tail -6;;
