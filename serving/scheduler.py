@@ -153,8 +153,7 @@ class Scheduler:
         batch = []
         for seq in list(self.running):
             n = len(seq.token_ids)
-            if seq.status is not running or seq.num_computed < n - 1 or \
-                    seq.hybrid.restore_entry is not None:
+            if seq.status is not running or self._needs_chunk(seq):
                 continue
             if (n - 1) // bs >= len(seq.block_table) and not self._ensure_block(seq):
                 continue  # preempted itself

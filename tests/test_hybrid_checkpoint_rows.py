@@ -17,24 +17,43 @@ from kernels_pallas.gated_delta import ragged
 from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows
 from minipic_jax import LLM, SamplingParams
 from serving.hybrid import checkpoint_plan
+from tests.jaxpr_walk import outer_eqns
+
+
+def traced_prefill_step(seats: int, pool_slots: int, t: int = 64):
+    """(jaxpr, S, state tail [Hv, Dk, Dv], GDN layers) of the plain prefill step of bucket `t` of a
+    `seats`-seat tiny_qwen3_5 engine with a `pool_slots`-slot checkpoint pool, traced with
+    abstract weights."""
+    from benchmarks.lower_time import abstract, build_runner
+    from configs.presets import get_preset
+    from serving.hybrid import checkpoint_pool
+    r = build_runner("tiny_qwen3_5", "float32", max_num_seqs=seats, max_num_batched_tokens=64,
+                     min_token_bucket=64, max_model_len=512, block_size=16, num_kv_blocks=64)
+    lay = checkpoint_pool.state_layout(r.family, r.mcfg, 16, jnp.float32)
+    r.ck_pool = jax.eval_shape(lambda: checkpoint_pool.allocate(lay, pool_slots))
+    ints, floats, kw = next(st for st in r.warmup_steps()
+                            if st[2]["t"] == t and not st[2]["decode_only"])
+    traced = r._step.jitted.trace(*abstract(r._args(ints, floats, False, kw)), **kw)
+    cfg = get_preset("tiny_qwen3_5")
+    tail = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return traced.jaxpr.jaxpr, kw["s"], tail, cfg.layer_types.count("linear_attention")
+
+
+def value_shapes(jaxpr):
+    """The shape of every value the step computes (jaxpr_walk.outer_eqns: sub-jaxprs included)."""
+    return [tuple(v.aval.shape) for eqn in outer_eqns(jaxpr) for v in eqn.outvars
+            if hasattr(v.aval, "shape")]
 
 
 def _state_values(jaxpr, tail, layers: int) -> list[int]:
-    """States per GDN layer of every value in a jaxpr, nested ones included, whose trailing
-    dims are `tail` (a recurrent state's [Hv, Dk, Dv]): its leading size, less a leading layer
-    axis (values stacked over the `layers` GDN layers: restores, checkpoints)."""
+    """States per GDN layer of every value whose trailing dims are `tail` (a recurrent state's
+    [Hv, Dk, Dv]): its leading size, less a leading layer axis (values stacked over the `layers`
+    GDN layers: restores, checkpoints)."""
     out = []
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            lead = tuple(getattr(v.aval, "shape", ()))[:-len(tail)]
-            if lead and tuple(v.aval.shape[-len(tail):]) == tail:
-                out.append(int(np.prod(lead[1:] if len(lead) > 1 and lead[0] == layers
-                                       else lead)))
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out += _state_values(inner, tail, layers)
+    for shape in value_shapes(jaxpr):
+        lead = shape[:-len(tail)]
+        if lead and shape[-len(tail):] == tail:
+            out.append(int(np.prod(lead[1:] if len(lead) > 1 and lead[0] == layers else lead)))
     return out
 
 
@@ -43,21 +62,9 @@ def test_the_engine_step_holds_no_state_per_sequence_and_checkpoint_column():
     (abstract weights): no value holds more recurrent states per GDN layer than the cache's
     seats + 1, the packed scan's chunks + 1 or S + K (the kernel's finals and checkpoint rows).
     Before, the checkpoints were [S, M] = 128 states a layer (the kernel path: S + S M)."""
-    from benchmarks.lower_time import abstract, build_runner
-    from configs.presets import get_preset
-    from serving.hybrid import checkpoint_pool
     seats, t = 16, 64
-    r = build_runner("tiny_qwen3_5", "float32", max_num_seqs=seats, max_num_batched_tokens=64,
-                     min_token_bucket=64, max_model_len=512, block_size=16, num_kv_blocks=64)
-    lay = checkpoint_pool.state_layout(r.family, r.mcfg, 16, jnp.float32)
-    r.ck_pool = jax.eval_shape(lambda: checkpoint_pool.allocate(lay, 8))
-    ints, floats, kw = next(st for st in r.warmup_steps()
-                            if st[2]["t"] == t and not st[2]["decode_only"])
-    s = kw["s"]
-    traced = r._step.jitted.trace(*abstract(r._args(ints, floats, False, kw)), **kw)
-    cfg = get_preset("tiny_qwen3_5")
-    tail = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    sizes = _state_values(traced.jaxpr.jaxpr, tail, cfg.layer_types.count("linear_attention"))
+    jaxpr, s, tail, layers = traced_prefill_step(seats, 8, t)
+    sizes = _state_values(jaxpr, tail, layers)
     chunks = ragged.packed_chunks(t, s, 64)
     bound = max(seats + 1, chunks + 1, s + checkpoint_plan.step_rows(s))
     assert sizes and max(sizes) <= bound < s * checkpoint_plan.CHECKPOINTS_PER_STEP, \

@@ -7,31 +7,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from minipic_jax import SamplingParams
 from serving.hybrid import checkpoint_plan
-from tests.test_hybrid_checkpoint_rows import _stub_llm
-
-
-def _layer_stacked(jaxpr, tail, layers: int) -> list[int]:
-    """Leading sizes of every value in a jaxpr (nested ones included) shaped [layers, n, *tail]:
-    states stacked over the GDN layers, what the step gathers from and writes to the pool."""
-    out = []
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            shape = tuple(getattr(v.aval, "shape", ()))
-            if len(shape) == len(tail) + 2 and shape[0] == layers and shape[2:] == tail:
-                out.append(shape[1])
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out += _layer_stacked(inner, tail, layers)
-    return out
+from tests.test_hybrid_checkpoint_rows import _stub_llm, traced_prefill_step, value_shapes
 
 
 def test_the_engine_step_gathers_restore_rows_not_one_state_per_sequence():
@@ -39,21 +20,10 @@ def test_the_engine_step_gathers_restore_rows_not_one_state_per_sequence():
     traced (abstract weights): no value stacked over the GDN layers holds more states than the
     pool's slots, the K checkpoint rows or the R restore rows. Before, the restore gathered the
     pool at every one of the S = 64 sequences ([Lg, 64, ...]) and wrote all 64 masked."""
-    from benchmarks.lower_time import abstract, build_runner
-    from configs.presets import get_preset
-    from serving.hybrid import checkpoint_pool
-    seats, t, slots = 64, 64, 8
-    r = build_runner("tiny_qwen3_5", "float32", max_num_seqs=seats, max_num_batched_tokens=64,
-                     min_token_bucket=64, max_model_len=512, block_size=16, num_kv_blocks=64)
-    lay = checkpoint_pool.state_layout(r.family, r.mcfg, 16, jnp.float32)
-    r.ck_pool = jax.eval_shape(lambda: checkpoint_pool.allocate(lay, slots))
-    ints, floats, kw = next(st for st in r.warmup_steps()
-                            if st[2]["t"] == t and not st[2]["decode_only"])
-    s = kw["s"]
-    traced = r._step.jitted.trace(*abstract(r._args(ints, floats, False, kw)), **kw)
-    cfg = get_preset("tiny_qwen3_5")
-    tail = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    sizes = _layer_stacked(traced.jaxpr.jaxpr, tail, cfg.layer_types.count("linear_attention"))
+    slots = 8
+    jaxpr, s, tail, layers = traced_prefill_step(64, slots)
+    sizes = [shape[1] for shape in value_shapes(jaxpr)  # [layers, n, *tail]: stacked states
+             if len(shape) == len(tail) + 2 and shape[0] == layers and shape[2:] == tail]
     bound = max(slots, checkpoint_plan.step_rows(s), checkpoint_plan.restore_rows(s))
     assert checkpoint_plan.restore_rows(s) in sizes, sizes  # the restore gather, R rows
     assert max(sizes) <= bound < s, (sizes, bound, s)

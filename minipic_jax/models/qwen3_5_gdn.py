@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.gated_delta.api import CheckpointRows, as_rows, choose  # noqa: F401
+from kernels_pallas.gated_delta.api import as_rows, choose
 from kernels_pallas.sharding import ragged_gated_delta, whole  # per head shard under TP
 from minipic_jax.models import qwen3_5_spans
 from minipic_jax.models.nnx_pure import param

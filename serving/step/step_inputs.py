@@ -48,9 +48,9 @@ def layout(t: int, s: int, nb: int, ckpt: bool = False, spans: bool = False,
         off += t
     spec["cu_q_lens"] = (off, (s + 1,))
     off += s + 1
-    rows = {"ck": step_rows(s), "restore": restore_rows(s)}  # flat rows (read when built)
-    for f in _S_FIELDS + (S_FIELDS_CKPT if ckpt else ()):
-        shape = (rows[f.split("_")[0]],) if f in S_FIELDS_CKPT else (s,)
+    for f in _S_FIELDS + (S_FIELDS_CKPT if ckpt else ()):  # the row bounds read when built
+        shape = ((step_rows(s),) if f.startswith("ck_") else
+                 (restore_rows(s),) if f.startswith("restore_") else (s,))
         spec[f] = (off, shape)
         off += int(np.prod(shape))
     table_fields = resident_tables.layout_fields(t, s, nb, block_size) if resident else \
