@@ -28,7 +28,7 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64, ma
               block_size=16, num_kv_blocks=64)
 # (kernel name in the lowered text, calls of it per general step) by model
 KERNELS = {"llama": (TINY4, {"write_kv": 4}),
-           "qwen": (TINY_QWEN, {"write_kv": 1, "_restart_scan_kernel": 3})}
+           "qwen": (TINY_QWEN, {"write_kv": 1, "_seq_scan_kernel": 3})}
 
 
 def _lowered_steps(mcfg) -> tuple[list[str], list[int]]:

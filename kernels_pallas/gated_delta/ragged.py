@@ -8,8 +8,9 @@ So is one at the end of a sequence's rows in the batch, wherever it falls (the s
 last chunk: the no-op slots that fill it change nothing).
 Static bound on packed chunks: ceil(T / C) + 2 S, or floor((T + S (C - 1)) / C) when the caller
 promises chunk-aligned starts (`aligned`: e.g. pieces run from a zero state, which are never
-shifted; each sequence then pads less than one chunk). One state scan runs over all packed chunks and
-restarts from the sequence's initial state at its first chunk.
+shifted; each sequence then pads less than one chunk). The state scan runs each sequence's packed
+chunks from its initial state (the XLA path: one scan over all of them, restarting at each
+sequence's first chunk; the kernels: one program per sequence, side by side).
 
 When no sequence has more than one token (decode), a lax.cond takes the one-step recurrence
 instead (no chunk padding).
@@ -65,7 +66,8 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
     Returns a dict of int32 / bool arrays: src [NC*C] (the row each packed slot reads; out of
     range: a no-op slot), dest [n_source] (the slot each row's output is in; out of range: none),
     restart, seq_of_chunk [NC], fin, final_bound, has_final [K or S], n_used (scalar), lens,
-    shift, first [S] (checkpoints); and the static own_final, chunk. A caller that maps
+    shift, first (checkpoints), n_ch [S] (each sequence's packed chunks: first .. + n_ch, so the
+    kernel's scan runs the sequences side by side); and the static own_final, chunk. A caller that maps
     seq_of_chunk to other state0 rows may add the static empty_final_first: finals of empty
     sequences are then state0[0] (ragged_prefill gathers no [K] initial states for them).
     """
@@ -91,8 +93,8 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
         final_bound, has = final_bound[fin], has[fin]
     return dict(src=src, dest=dest, restart=pk["restart"], seq_of_chunk=pk["seq_of_chunk"],
                 fin=fin, final_bound=final_bound, has_final=has, n_used=jnp.sum(pk["n_ch"]),
-                lens=pk["lens"], shift=pk["shift"], first=pk["first"], own_final=final_of is None,
-                chunk=chunk)
+                lens=pk["lens"], shift=pk["shift"], first=pk["first"], n_ch=pk["n_ch"],
+                own_final=final_of is None, chunk=chunk)
 
 
 def take_rows(x, rows):
@@ -190,8 +192,9 @@ def _packed_once(*args, run, options):
     kernels are traced and lowered once per step variant and each layer calls that one function
     (XLA inlines the call: the same program). Traced per layer they were most of Qwen3.5's
     trace and lower time on the host (benchmarks/lower_time.py)."""
-    *arrays, n_used = args
-    return run(*arrays, interpret=False, n_used=n_used, **dict(options))
+    *arrays, n_used, first, n_ch = args
+    return run(*arrays, interpret=False, n_used=n_used, seq_first=first, seq_chunks=n_ch,
+               **dict(options))
 
 
 def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -> int:
@@ -262,9 +265,10 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
         options = dict(scale=scale, chunk=chunk, **KERNEL_OPTIONS[implementation])
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
             out, bound_states = ragged_triton.packed_gated_delta(
-                *args, interpret=True, n_used=pk["n_used"], **options)
+                *args, interpret=True, n_used=pk["n_used"], seq_first=pk["first"],
+                seq_chunks=pk["n_ch"], **options)
         else:
-            out, bound_states = _packed_once(*args, pk["n_used"],
+            out, bound_states = _packed_once(*args, pk["n_used"], pk["first"], pk["n_ch"],
                                              run=ragged_triton.packed_gated_delta,
                                              options=tuple(sorted(options.items())))
         out = take_rows(out[0], pk["dest"])

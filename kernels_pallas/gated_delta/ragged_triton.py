@@ -2,14 +2,16 @@
 run through fused_triton's intra-chunk and output kernels plus a state scan that restarts from a
 sequence's initial state at its first chunk.
 
-Scan kernel, grid (Hv, Dv / BV), one packed stream (N = 1): at chunk c
-    boundary state (before any restart) -> fp32 slot `slot[c]` if asked (finals, checkpoints)
-    s = state0[seq[c]] if restart[c] else s
+Scan kernel, grid (Hv, Dv / BV, S): each program walks the packed chunks of one sequence only
+(`seq_first[s]` .. + `seq_chunks[s]`), from its initial state, so the sequences of a step run side
+by side and the dependent chain is the longest sequence's chunks, not the whole stream's. At chunk c
     state entering c -> states[c] (for the output kernel); V' = U - W s; s = dl s + KD^T V'
-The chunk loop stops at `n_used` (the packed chunks that hold tokens, a device scalar): the
-static chunk count covers the worst case (token bucket / C + 2 S), and the no-op chunks past the
-last sequence would cost a dependent step each (~6 us on the H200) without changing the state.
-Their boundary slots still get the final state; their states / V' rows are left unwritten, and
+    state leaving c -> fp32 slot `slot[c + 1]` if asked (finals, checkpoints)
+Each chunk's arithmetic is that of the serial scan (`SEQ_PARALLEL = False`: one program walks
+every packed chunk and restarts from a sequence's initial state at its first chunk), so both give
+the same bits. A boundary no sequence's chunks end at (one before any chunk, an empty sequence's)
+is left unwritten: ragged.py reads the initial state there instead. The chunks past the last
+sequence (the static bound covers the worst case: token bucket / C + 2 S) belong to no program;
 the intra-chunk and output kernels skip them too (dots.chunks_below: their rows are never read),
 so the worst-case bound costs nothing beyond the packed buffers.
 The state layout ("kv" [Dk, BV] or "vk" [BV, Dk]) and the other kernel options follow
@@ -28,11 +30,16 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas.gated_delta import fused_triton, scan_fused
 
 
+# False: the serial scan (one program per head and value block walks every packed chunk), kept
+# for A/B timing and as the form the per-sequence one must equal bit for bit
+SEQ_PARALLEL = True
+
+
 def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_ref, slot_ref,
                          used_ref, vnew_ref, states_ref, bound_ref, *, n_chunks, chunk, dot_dtype,
                          layout):
-    # w/kd [T, Dk]; u/vnew [T, BV]; dl/restart/seq [NC]; slot [NC + 1]; used [1]; "kv": s0
-    # [S, Dk, BV], states [NC, Dk, BV], bound [M, Dk, BV] float32; "vk": last two axes swapped
+    # serial: w/kd [T, Dk]; u/vnew [T, BV]; dl/restart/seq [NC]; slot [NC + 1]; used [1]; "kv":
+    # s0 [S, Dk, BV], states [NC, Dk, BV], bound [M, Dk, BV] float32; "vk": last two axes swapped
     save = scan_fused.saver(slot_ref, bound_ref)
 
     def body(c, s):
@@ -51,6 +58,28 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_
     jax.lax.fori_loop(used, n_chunks + 1, save_only, s)
 
 
+def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref, s0_ref,
+                     slot_ref, vnew_ref, states_ref, bound_ref, *, n_chunks, chunk, dot_dtype,
+                     layout):
+    # per sequence (grid axis 2): first/count [S] its packed chunks; the rest as the serial one
+    save = scan_fused.saver(slot_ref, bound_ref)
+    sid = pl.program_id(2)
+    start = jnp.minimum(first_ref[sid], n_chunks)
+    end = jnp.minimum(start + count_ref[sid], n_chunks)  # a broken bound loses chunks, not memory
+
+    def body(c, s):
+        states_ref[c] = s.astype(states_ref.dtype)
+        s = scan_fused.step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
+                            dot_dtype=dot_dtype, layout=layout)
+        save(c + 1, s)
+        return s
+
+    @pl.when(end > start)
+    def _():
+        s0 = s0_ref[seq_ref[jnp.minimum(start, n_chunks - 1)]].astype(jnp.float32)
+        jax.lax.fori_loop(start, end, body, s0)
+
+
 def _mosaic_operands(q, k, v):
     """q, k in v's dtype where it is bf16 / f16: a model L2-normalises q/k in float32 (as HF
     does); the Mosaic kernels take one dtype, and the Triton ones round q/k to the dot dtype
@@ -61,7 +90,8 @@ def _mosaic_operands(q, k, v):
 
 
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
-                       chunk=64, dot_dtype=None, interpret=False, n_used=None, **options):
+                       chunk=64, dot_dtype=None, interpret=False, n_used=None, seq_first=None,
+                       seq_chunks=None, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -71,6 +101,9 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         j = end of chunk j - 1).
       n_used: None or an int32 scalar: chunks [n_used, NC) hold no tokens (the scan stops
         there; their outputs are undefined). None: all NC.
+      seq_first, seq_chunks: None, or [S'] int32 each sequence's first packed chunk and chunk
+        count (ragged.packing's first, n_ch): the scan then runs one program per sequence
+        (`SEQ_PARALLEL`); a boundary no sequence ends at is undefined (read state0 there).
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
       out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32.
@@ -82,7 +115,6 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     _, t_len, hk, dk = k.shape
     hv, dv = v.shape[2:]
     nc = t_len // chunk
-    seqs = state0.shape[0]
     dot_dtype = v.dtype if dot_dtype is None else dot_dtype
     if "mosaic" in (opt["intra"], opt["output"]):
         q, k = _mosaic_operands(q, k, v)
@@ -92,40 +124,23 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     dl = jnp.exp(gc[0, chunk - 1::chunk, :]).T  # [Hv, NC]
     n_b = bounds.shape[0]
     slot_map = jnp.full((nc + 1,), -1, jnp.int32).at[bounds].set(jnp.arange(n_b, dtype=jnp.int32))
-    block_v = min(opt["block_v"], dv)
     layout = opt["layout"]
     if layout not in scan_fused.LAYOUTS:
         raise ValueError(f"gated_delta packed_gated_delta: layout must be one of "
                          f"{scan_fused.LAYOUTS}, got {layout!r}")
     vk = layout == "vk"
-    blk = (block_v, dk) if vk else (dk, block_v)
-    s_idx = (lambda j: (j, 0)) if vk else (lambda j: (0, j))
-    seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j: (0, 0, h, 0))
-    seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda h, j: (0, 0, h, j))
-    per_chunk = pl.BlockSpec((nc,), lambda h, j: (0,))
-    st = (dv, dk) if vk else (dk, dv)
     s0 = jnp.swapaxes(state0, -1, -2) if vk else state0
-    v_new, states, bound = pl.pallas_call(
-        functools.partial(_restart_scan_kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype,
-                          layout=layout),
-        grid=(hv, dv // block_v),
-        in_specs=[seq_k, seq_v, seq_k, pl.BlockSpec((None, nc), lambda h, j: (h, 0)), per_chunk,
-                  per_chunk, pl.BlockSpec((seqs, None, *blk), lambda h, j: (0, h, *s_idx(j))),
-                  pl.BlockSpec((nc + 1,), lambda h, j: (0,)),
-                  pl.BlockSpec((1,), lambda h, j: (0,))],
-        out_specs=[seq_v, pl.BlockSpec((None, None, nc, *blk),
-                                       lambda h, j: (0, h, 0, *s_idx(j))),
-                   pl.BlockSpec((n_b, None, *blk), lambda h, j: (0, h, *s_idx(j)))],
-        out_shape=[jax.ShapeDtypeStruct((1, t_len, hv, dv), dot_dtype),
-                   jax.ShapeDtypeStruct((1, hv, nc, *st), dot_dtype),
-                   jax.ShapeDtypeStruct((n_b, hv, *st), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=opt["scan_warps"],
-                                             num_stages=opt["scan_stages"]),
-        interpret=interpret,
-    )(w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
-      s0.astype(jnp.float32), slot_map,
-      jnp.full((1,), nc, jnp.int32) if n_used is None else jnp.reshape(n_used, (1,)).astype(
-          jnp.int32))
+    used = jnp.full((1,), nc, jnp.int32) if n_used is None else jnp.reshape(
+        n_used, (1,)).astype(jnp.int32)
+    if SEQ_PARALLEL and seq_first is not None:
+        per_seq = (jnp.asarray(seq_first, jnp.int32), jnp.asarray(seq_chunks, jnp.int32))
+    else:
+        per_seq = None
+    v_new, states, bound = _state_scan(
+        w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
+        s0.astype(jnp.float32), slot_map, used, per_seq, n_b=n_b, chunk=chunk,
+        dot_dtype=dot_dtype, layout=layout, block_v=min(opt["block_v"], dv),
+        num_warps=opt["scan_warps"], num_stages=opt["scan_stages"], interpret=interpret)
     if opt["output"] == "mosaic":
         from kernels_pallas.gated_delta import output_mosaic
         out = output_mosaic.output_mosaic(q, k, g, v_new, states, scale=scale, chunk=chunk,
@@ -139,3 +154,44 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter
     return out, bound[winner]
+
+
+def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq, *, n_b, chunk,
+                dot_dtype, layout, block_v, num_warps, num_stages, interpret):
+    """The scan kernel's call: serial (grid (Hv, Dv / BV)) or, with per_seq = (first, count)
+    [S'] each, one program per sequence (grid (Hv, Dv / BV, S')). Returns (v_new [1, T, Hv, Dv],
+    states [1, Hv, NC, ...], bound [n_b, Hv, ...]) in the layout's axis order."""
+    _, t_len, hv, dk = w.shape
+    dv = u.shape[-1]
+    nc = t_len // chunk
+    vk = layout == "vk"
+    blk = (block_v, dk) if vk else (dk, block_v)
+    st = (dv, dk) if vk else (dk, dv)
+    seqs = s0.shape[0]
+    grid = (hv, dv // block_v) + (() if per_seq is None else (per_seq[0].shape[0],))
+    s_idx = (lambda j: (j, 0)) if vk else (lambda j: (0, j))
+    seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j, *_: (0, 0, h, 0))
+    seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda h, j, *_: (0, 0, h, j))
+    whole = lambda n: pl.BlockSpec((n,), lambda h, j, *_: (0,))  # noqa: E731
+    common = [seq_k, seq_v, seq_k, pl.BlockSpec((None, nc), lambda h, j, *_: (h, 0))]
+    state_in = pl.BlockSpec((seqs, None, *blk), lambda h, j, *_: (0, h, *s_idx(j)))
+    if per_seq is None:
+        kernel, operands = _restart_scan_kernel, (restart, seq_of_chunk, s0, slot_map, used)
+        in_specs = common + [whole(nc), whole(nc), state_in, whole(nc + 1), whole(1)]
+    else:
+        n_seq = per_seq[0].shape[0]
+        kernel, operands = _seq_scan_kernel, (*per_seq, seq_of_chunk, s0, slot_map)
+        in_specs = common + [whole(n_seq), whole(n_seq), whole(nc), state_in, whole(nc + 1)]
+    return pl.pallas_call(
+        functools.partial(kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype, layout=layout),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[seq_v, pl.BlockSpec((None, None, nc, *blk),
+                                       lambda h, j, *_: (0, h, 0, *s_idx(j))),
+                   pl.BlockSpec((n_b, None, *blk), lambda h, j, *_: (0, h, *s_idx(j)))],
+        out_shape=[jax.ShapeDtypeStruct((1, t_len, hv, dv), dot_dtype),
+                   jax.ShapeDtypeStruct((1, hv, nc, *st), dot_dtype),
+                   jax.ShapeDtypeStruct((n_b, hv, *st), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(w, u, kd, dl, *operands)
