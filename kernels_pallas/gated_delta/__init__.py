@@ -8,7 +8,9 @@ boundaries. Callers use api.py only (`prefill`, `decode_step`, `ragged_gated_del
                     the output kernel; dots.py: their matmul helpers (IEEE float32 for float32)
   intra_mosaic.py   the intra-chunk solve as a Mosaic GPU kernel (wgmma; opt-in "mosaic_intra")
   output_mosaic.py  the output kernel on Mosaic GPU (with intra_mosaic.py: opt-in "mosaic")
-  ragged.py, ragged_triton.py   ragged batches (many sequences in one token stream)
+  ragged.py, ragged_triton.py   ragged batches (many sequences in one token stream; the scan
+                    runs one program per sequence)
+  joint.py          several ragged passes over one batch's rows as one stream (one kernel call)
   checkpoint_rows.py  a ragged step's checkpoints as flat (sequence, position) rows
   affine.py         a span's exact affine map (A, B) from the chunk WY factors; composition
   tree_scan.py      associative scan over chunk maps (opt-in `scan="tree"`)

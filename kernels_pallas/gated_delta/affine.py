@@ -175,14 +175,14 @@ def maps_packing(cu_q_lens, n_tokens: int, select=None, final_of=None, *, chunk:
     if select is None:
         return plain, ragged_packing(cu_q_lens, jnp.zeros(seqs, jnp.int32), n_tokens,
                                      source_rows=source_rows, **kw)
-    src, cu_sel = _selected_rows(cu_q_lens, select, n_tokens)
+    src, cu_sel = selected_rows(cu_q_lens, select, n_tokens)
     rows = src if source_rows is None else jnp.asarray(source_rows, jnp.int32)[src]
     kw["n_source"] = n_tokens if n_source is None else n_source
     return plain, ragged_packing(cu_sel, jnp.zeros(select.shape[0], jnp.int32), n_tokens,
                                  source_rows=rows, **kw)
 
 
-def _selected_rows(cu_q_lens, select, n_tokens):
+def selected_rows(cu_q_lens, select, n_tokens):
     """The rows of sequences `select` [M] (-1: none; distinct, so they fit T rows) back to back:
     (source row of each of the T rows [T] int32, their cu_q_lens [M + 1] int32). Rows past the
     last selected one are padding (ragged_prefill ignores them)."""

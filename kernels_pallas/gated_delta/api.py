@@ -27,14 +27,18 @@ from kernels_pallas.gated_delta import affine, chunked, dots, ragged, tree_scan
 from kernels_pallas.gated_delta.affine import apply as apply_map, maps_packing  # noqa: F401
 from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precision  # noqa: F401
 from kernels_pallas.gated_delta.chain_triton import chain_apply  # noqa: F401
+from kernels_pallas.gated_delta.affine import selected_rows  # noqa: F401
 from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows, as_rows  # noqa: F401
+from kernels_pallas.gated_delta.joint import Pass as JointPass, joint_packing, run_joint  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
-from kernels_pallas.gated_delta.ragged import packing as ragged_packing, take_rows  # noqa: F401
+from kernels_pallas.gated_delta.ragged import packed_chunks, take_rows  # noqa: F401
+from kernels_pallas.gated_delta.ragged import packing as ragged_packing  # noqa: F401
 from kernels_pallas.registry import Implementation
 
-__all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "Problem", "apply_map", "auto_order", "chain_apply",
-           "choose", "choose_gated_delta", "decode_step", "maps_packing", "prefill", "ragged_gated_delta",
-           "ragged_maps", "ragged_packing", "ragged_prefill", "take_rows"]
+__all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "JointPass", "Problem", "apply_map", "auto_order",
+           "chain_apply", "choose", "choose_gated_delta", "decode_step", "joint_packing",
+           "maps_packing", "packed_chunks", "prefill", "ragged_gated_delta", "ragged_maps",
+           "ragged_packing", "ragged_prefill", "run_joint", "selected_rows", "take_rows"]
 
 
 def _run_xla(q, k, v, g, beta, state0, ckpt, *, scale, chunk, kind, solve, inter_dtype,

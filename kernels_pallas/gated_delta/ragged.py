@@ -27,7 +27,7 @@ from kernels_pallas.gated_delta import chunked, dots
 from kernels_pallas.gated_delta.checkpoint_rows import as_rows
 
 
-def _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks):
+def chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks):
     """Where each token and chunk goes. Returns dict of int32 arrays (see ragged_prefill)."""
     seqs = cu_q_lens.shape[0] - 1
     lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
@@ -76,7 +76,7 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
     n_chunks = packed_chunks(n_tokens, seqs, chunk, aligned)
     if max_chunks is not None:
         n_chunks = max(1, min(n_chunks, int(max_chunks)))
-    pk = _packing(cu_q_lens, pos0, n_tokens, chunk, n_chunks)
+    pk = chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks)
     size = n_chunks * chunk
     rows = jnp.arange(n_tokens, dtype=jnp.int32)
     if source_rows is None:
@@ -204,7 +204,7 @@ def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -
     return -(-n_tokens // chunk) + 2 * seqs
 
 
-def _checkpoint_bounds(rows, pos0, pk, chunk: int, n_chunks: int):
+def checkpoint_bounds(rows, pos0, pk, chunk: int, n_chunks: int):
     """(use [K], boundary index [K]: the state after packed chunk bound - 1) of each checkpoint
     row (checkpoint_rows.CheckpointRows). On the chunk grid the index is exact; off it only a
     sequence's start (the state it starts from, state0) and its end (rounded up: the no-op slots
@@ -221,7 +221,7 @@ def _checkpoint_bounds(rows, pos0, pk, chunk: int, n_chunks: int):
     return ck_use, ck_bound
 
 
-def _rows_states(use, states, state0, seq, shape):
+def rows_states(use, states, state0, seq, shape):
     """Each checkpoint row's state: `states` [K, ...] where used, else the state its sequence
     starts from (one state0 row serves all when state0 has one); [K] reshaped to `shape`."""
     start = state0[seq] if state0.shape[0] > 1 else jnp.broadcast_to(state0, states.shape)
@@ -231,8 +231,7 @@ def _rows_states(use, states, state0, seq, shape):
 
 def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale, chunk,
                     implementation, interpret, return_transition, aligned, final_of, pk):
-    n_tokens, hk, dk = k.shape
-    hv, dv = v.shape[1:]
+    n_tokens, dk = k.shape[0], k.shape[2]
     scale = dk ** -0.5 if scale is None else scale
     if pk is None:
         pk = packing(cu_q_lens, pos0, n_tokens, chunk=chunk, aligned=aligned, final_of=final_of)
@@ -242,7 +241,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     ck_use = ck_bound = None
     if checkpoint_at is not None:  # flat rows (checkpoint_rows.py); results [K] or [S, M]
         ck_rows, ck_shape = as_rows(checkpoint_at)
-        ck_use, ck_bound = _checkpoint_bounds(ck_rows, pos0, pk, chunk, n_chunks)
+        ck_use, ck_bound = checkpoint_bounds(ck_rows, pos0, pk, chunk, n_chunks)
     final_bound, has, fin = pk["final_bound"], pk["has_final"], pk["fin"]
     last_state = state0.shape[0] - 1  # 0 when one state0 serves every sequence
     seq_state = pk["seq_of_chunk"] if last_state else jnp.zeros_like(pk["seq_of_chunk"])
@@ -253,14 +252,42 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     if return_transition and implementation not in (None, "xla"):
         raise NotImplementedError("ragged_prefill: return_transition has the XLA path only "
                                   f"(implementation=None or 'xla'), got {implementation!r}")
+    bounds = final_bound if ck_bound is None else jnp.concatenate([final_bound, ck_bound])
+    out, bound_states, prod = run_stream(
+        q, k, v, g, beta, pk, state0, seq_state, bounds, scale=scale, chunk=chunk,
+        implementation=implementation, interpret=interpret, transition=return_transition)
+    out = take_rows(out, pk["dest"]).astype(jnp.float32)  # [T, Hv, Dv]
+    n_fin = fin.shape[0]
+    final = jnp.where(has[:, None, None, None], bound_states[:n_fin], state0_fin)
+    ckpt = None
+    if ck_bound is not None:
+        ckpt = rows_states(ck_use, bound_states[n_fin:], state0, ck_rows.seq, ck_shape)
+    if return_transition:
+        eye = jnp.eye(dk, dtype=jnp.float32)
+        return out, final, ckpt, jnp.where(has[:, None, None, None], prod[:n_fin], eye)
+    return out, final, ckpt
+
+
+def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk, implementation,
+               interpret=False, transition=False):
+    """The packed stream's kernels (or the XLA scan): q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
+    [T, Hv] rows of the source stream, gathered into the packed slots by pk["src"] (v by
+    pk["src_v"] where a packing has one: joint.py's v = 0 rows); state0 [N, Hv, Dk, Dv] float32,
+    seq_state [NC] the state0 row each chunk's sequence starts from (read at its first chunk);
+    bounds [B] boundary indices (boundary j: the state after packed chunk j - 1).
+    Returns (out [NC * C, Hv, Dv] in the packed slots, the state at each bound [B, Hv, Dk, Dv]
+    float32, and with `transition` (XLA only) the chunk maps' product there [B, Hv, Dk, Dk],
+    else None)."""
+    hk, hv = k.shape[1], v.shape[1]
+    src_v = pk.get("src_v", pk["src"])
+    pairs = ((q, pk["src"]), (k, pk["src"]), (v, src_v), (g, pk["src"]), (beta, pk["src"]))
     if implementation in KERNEL_OPTIONS:
         from kernels_pallas.gated_delta import ragged_triton
-        streams = {}  # one gather per distinct array (affine.ragged_maps passes k as q)
-        for x in (q, k, v, g, beta):
-            streams.setdefault(id(x), x)
-        rows = {i: take_rows(x, pk["src"])[None] for i, x in streams.items()}
-        packed = [rows[id(x)] for x in (q, k, v, g, beta)]
-        bounds = final_bound if ck_bound is None else jnp.concatenate([final_bound, ck_bound])
+        streams = {}  # one gather per distinct (array, rows) (affine.ragged_maps passes k as q)
+        for x, src in pairs:
+            if (id(x), id(src)) not in streams:
+                streams[(id(x), id(src))] = take_rows(x, src)[None]
+        packed = [streams[(id(x), id(src))] for x, src in pairs]
         args = (*packed, pk["restart"], seq_state, state0, bounds)
         options = dict(scale=scale, chunk=chunk, **KERNEL_OPTIONS[implementation])
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
@@ -271,13 +298,7 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
             out, bound_states = _packed_once(*args, pk["n_used"], pk["first"], pk["n_ch"],
                                              run=ragged_triton.packed_gated_delta,
                                              options=tuple(sorted(options.items())))
-        out = take_rows(out[0], pk["dest"])
-        n_fin = fin.shape[0]
-        final = jnp.where(has[:, None, None, None], bound_states[:n_fin], state0_fin)
-        ckpt = None
-        if ck_bound is not None:
-            ckpt = _rows_states(ck_use, bound_states[n_fin:], state0, ck_rows.seq, ck_shape)
-        return out.astype(jnp.float32), final, ckpt
+        return out[0], bound_states, None
     if implementation != "xla":
         raise ValueError(f"ragged_prefill: implementation must be 'xla' or one of "
                          f"{tuple(KERNEL_OPTIONS)}, got {implementation!r}")
@@ -285,22 +306,13 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     if hv != hk:
         q = jnp.repeat(q, hv // hk, axis=1)
         k = jnp.repeat(k, hv // hk, axis=1)
-    packed = [take_rows(x.astype(f32), pk["src"])[None] for x in (q, k, v, g, beta)]
+    pairs = ((q, pk["src"]), (k, pk["src"])) + pairs[2:]  # q, k with their heads repeated
+    packed = [take_rows(x.astype(f32), src)[None] for x, src in pairs]
     qc, kc, vc, gc, bc = (chunked.to_chunks(x, chunk) for x in packed)  # [1, H, NC, C, ...]
     parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
     v_new, entering, before, *prod = _restart_scan(
         parts["w"], parts["u"], parts["kd"], parts["decay_last"], pk["restart"],
-        seq_state, state0.astype(f32), transition=return_transition)
+        seq_state, state0.astype(f32), transition=transition)
     out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
                                jnp.moveaxis(entering, 0, 1)[None])
-    out = chunked.from_chunks(out)[0]  # [NC * C, Hv, Dv]
-    out = take_rows(out, pk["dest"])  # [T, Hv, Dv]
-    final = jnp.where(has[:, None, None, None], before[final_bound], state0_fin)
-    ckpt = None
-    if ck_bound is not None:
-        ckpt = _rows_states(ck_use, before[ck_bound], state0, ck_rows.seq, ck_shape)
-    if return_transition:
-        eye = jnp.eye(dk, dtype=f32)
-        return out, final, ckpt, jnp.where(has[:, None, None, None], prod[0][final_bound],
-                                           eye)
-    return out, final, ckpt
+    return chunked.from_chunks(out)[0], before[bounds], prod[0][bounds] if transition else None

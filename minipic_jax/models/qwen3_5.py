@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from configs.model_config import ModelConfig
 from kernels_pallas.gated_delta.api import GATED_DELTA, IMPLEMENTATIONS, ragged_packing
 from kernels_pallas.paged_attention.api import KV_MODES
-from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
+from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
 from minipic_jax.models import qwen3_5_modules as modules
 from minipic_jax.models import layers, rope
 from minipic_jax.models.paged_cache import paged_attend
@@ -90,11 +90,14 @@ def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces) ->
     k1 = cfg.linear_conv_kernel_dim - 1
     conv_idx = qwen3_5_gdn.conv_index(cu, pos0, seq_of_row, k1, checkpoint_at)
     pieces = None
+    joint = span_pieces is not None and qwen3_5_joint.usable(cfg, decode)
     if span_pieces is not None:  # one conv window per row (the piece's or the flow's)
         pieces = qwen3_5_spans.with_windows(qwen3_5_spans.prepare(
-            span_pieces, cu, n_rows, k1 + 1, CHUNK), conv_idx["rows"], cu.shape[0] - 1, k1)
+            span_pieces, cu, n_rows, k1 + 1, CHUNK, pos0 if joint else None),
+            conv_idx["rows"], cu.shape[0] - 1, k1)
+    flow = not (decode or joint)  # the flow's own packing (a joint stream has its own)
     return dict(checkpoint_at=checkpoint_at, decode=decode, seq_of_row=seq_of_row,
-                packing=None if decode else ragged_packing(cu, pos0, n_rows, chunk=CHUNK),
+                packing=ragged_packing(cu, pos0, n_rows, chunk=CHUNK) if flow else None,
                 conv_idx=conv_idx, pieces=pieces)
 
 

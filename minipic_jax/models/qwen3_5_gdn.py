@@ -17,7 +17,7 @@ from flax import nnx
 
 from kernels_pallas.gated_delta.api import as_rows, choose
 from kernels_pallas.sharding import ragged_gated_delta, whole  # per head shard under TP
-from minipic_jax.models import qwen3_5_spans
+from minipic_jax.models import qwen3_5_joint, qwen3_5_spans
 from minipic_jax.models.nnx_pure import param
 from serving.model_contract import SpanPieces
 
@@ -117,6 +117,27 @@ def gated_rms_norm(x, gate, weight, eps):
     return (out.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
 
 
+def recurrent_core(x, cu_q_lens, pos0, delta0, pieces, *, checkpoint_at, decode, packing,
+                   **kernel):
+    """The gated delta rule over the step's rows x = (q, k, v, g, beta): the flow (each
+    sequence from its state) and, with span pieces, the local pass (span rows read it) and the
+    captured pieces' transitions, as one stream where the step planned one (qwen3_5_joint),
+    else pass by pass. Returns (core [T, Hv, Dv] float32, delta [S], checkpoints or None, local
+    finals or None, transitions or None)."""
+    if pieces is not None and "joint" in pieces:  # flow, local, transition: one stream
+        return qwen3_5_joint.run(*x, delta0, pos0, pieces["joint"], pieces, checkpoint_at,
+                                 **kernel)
+    core, delta, delta_ck = ragged_gated_delta(*x, cu_q_lens, pos0, delta0,
+                                               checkpoint_at=checkpoint_at, decode=decode,
+                                               packing=packing, **kernel)
+    local_final = a_span = None
+    if pieces is not None:  # span rows: outputs of their piece from a zero state
+        local, local_final, a_span = qwen3_5_spans.run_local(*x, pieces["packings"],
+                                                             plan=pieces, **kernel)
+        core = jnp.where(pieces["row_span"][:, None, None], local, core)
+    return core, delta, delta_ck, local_final, a_span
+
+
 class GatedDeltaNet(nnx.Module):
     """The GDN token mixer of one linear-attention layer (HF Qwen3_5GatedDeltaNet's weights)."""
 
@@ -192,13 +213,9 @@ class GatedDeltaNet(nnx.Module):
         impl = choose(impl.removesuffix("_interpret") if interpret else impl, interpret=interpret)
         kernel = dict(implementation=impl, interpret=interpret)
         q, k = l2norm(q), l2norm(k)
-        core, delta, delta_ck = ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, delta0,
-                                                   checkpoint_at=checkpoint_at, decode=decode,
-                                                   packing=packing, **kernel)
-        if pieces is not None:  # span rows: outputs of their piece from a zero state
-            local, local_final, a_span = qwen3_5_spans.run_local(
-                q, k, v, g, beta, pieces["packings"], plan=pieces, **kernel)
-            core = jnp.where(pieces["row_span"][:, None, None], local, core)
+        core, delta, delta_ck, local_final, a_span = recurrent_core(
+            (q, k, v, g, beta), cu_q_lens, pos0, delta0, pieces, checkpoint_at=checkpoint_at,
+            decode=decode, packing=packing, **kernel)
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
         out = jnp.einsum("thv,hve->te", normed, self.w_out[...])

@@ -29,6 +29,7 @@ import numpy as np
 
 from kernels_pallas.gated_delta.api import (maps_packing, ragged_maps, ragged_packing,
                                             ragged_prefill, take_rows)
+from minipic_jax.models import qwen3_5_joint
 from serving.model_contract import SpanPieces
 
 
@@ -51,7 +52,8 @@ def pieces_from_segments(seg_rows, num_rows: int, num_pieces: int, span_of_row, 
                       carry_local=jnp.asarray(carry_local, bool))
 
 
-def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk: int = 64):
+def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk: int = 64,
+            pos0=None):
     """Everything the GDN layers' span work derives from the step's metadata alone, computed once
     per step (forward_with_checkpoints) and read by every layer, so a layer runs its data
     movement and kernels only (a GPU launches each small op of each layer). Returns a dict:
@@ -60,7 +62,9 @@ def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk:
     carry_rows [S, Kc-1], carry_use [S] (`carry_local`); with pieces.capture cap_rows
     [Mc, Kc-1], cap_count [Mc] (`captured_maps`); with pieces.entry also entry_use [Mc] and
     entry (`for_layer` picks each layer's maps), window rows before a continuing piece pointing
-    at its entry tail in the `stream`, and the plain packing's initial states per piece."""
+    at its entry tail in the `stream`, and the plain packing's initial states per piece.
+    pos0: None, or the step's [S] first positions: the layer's passes then run as one stream
+    (qwen3_5_joint: "joint" in place of "packings")."""
     g = pieces.piece_cu.shape[0] - 1
     rows = jnp.arange(n_rows, dtype=jnp.int32)
     # compare_all: one [T, G + 1] fusion (the default method loops, a few kernels per level)
@@ -76,10 +80,14 @@ def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk:
     row_base = None if piece_entry is None else _entry_base(piece_entry[piece_of_row], n_rows, k1)
     plan = dict(row_span=pieces.row_span,
                 conv_rows=_window_rows(start, rows + 1, conv_kernel, oor, row_base, k1),
-                packings=_packings(pieces, fin, n_rows, chunk, piece_entry),
                 carry_rows=_window_rows(pieces.piece_cu[carry], pieces.piece_cu[carry]
                                         + piece_len[carry], k1, oor),
                 carry_use=pieces.carry_local & (lens > 0))
+    if pos0 is None:
+        plan["packings"] = _packings(pieces, fin, n_rows, chunk, piece_entry)
+    else:
+        plan["joint"] = dict(qwen3_5_joint.plan(pieces, fin, cu_q_lens, pos0, n_rows, chunk),
+                             piece_entry=piece_entry)
     if cap is not None:
         plan["cap_count"] = piece_len[cap]
         cap_base = None

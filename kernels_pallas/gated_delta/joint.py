@@ -1,0 +1,108 @@
+"""Several ragged passes over one batch's rows as one packed stream: one kernel call.
+
+A hybrid span step runs the same chunked kernels over its rows several times (the flow, the local
+pass, the transition pass: minipic_jax/models/qwen3_5_spans.py), each a ragged batch over some of
+the step's rows with its own initial states. Laid side by side as one batch of all their
+sequences they are one stream: one gather per input, one intra-chunk, scan and output kernel, and
+the scan's programs (one per sequence: ragged_triton) run every pass's sequences side by side. Each
+chunk computes what it computed in its own pass (the packing puts a sequence's rows at the same
+offsets inside its chunks), so the results are those of the separate passes.
+
+    passes = [Pass(cu, pos0, rows), Pass(cu2, zeros, rows2, zero_v=True), ...]
+    jp = joint_packing(passes, n_source=T, chunk=64, max_chunks=...)   # once per step
+    out, final, ckpt = run_joint(q, k, v, g, beta, jp, table, state_row, finals)  # per layer
+    pass p's row i -> out[jp["slot_of"][p][i]]; sequence j of pass p -> jp["seq_offset"][p] + j
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.gated_delta import dots, ragged
+from kernels_pallas.gated_delta.checkpoint_rows import as_rows
+
+
+class Pass(NamedTuple):
+    """One ragged pass over some rows of a source stream.
+
+    cu: [n + 1] int32 offsets of its n sequences in its own rows (cu[0] = 0); pos0: [n] int32 each
+    sequence's first position (chunk boundaries fall on multiples of the chunk of it); rows: [R]
+    int32 the source row of each of its rows (R static; rows past cu[-1] are unused); zero_v:
+    its rows read v = 0 (a transition pass: the state then carries the maps' product)."""
+    cu: jax.Array
+    pos0: jax.Array
+    rows: jax.Array
+    zero_v: bool = False
+
+
+def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | None = None):
+    """The packing of all passes' sequences back to back (ragged.packing's fields for
+    run_stream: src, src_v, restart, seq_of_chunk, first, n_ch, lens, shift, n_used, chunk),
+    plus seq_offset (static: pass p's sequence j is sequence seq_offset[p] + j) and slot_of
+    (per pass [R]: the packed slot of each of its rows; out of range where unused).
+    max_chunks: a static bound on the packed chunks the caller promises (ragged.packing's)."""
+    counts = [jnp.asarray(p.cu[-1], jnp.int32) for p in passes]
+    offs = [jnp.int32(0)]
+    for c in counts[:-1]:
+        offs.append(offs[-1] + c)
+    total = offs[-1] + counts[-1]
+    n_virtual = sum(int(p.rows.shape[0]) for p in passes)
+    cu = jnp.concatenate([p.cu[:-1] + o for p, o in zip(passes, offs)]
+                         + [total[None]]).astype(jnp.int32)
+    pos0 = jnp.concatenate([jnp.asarray(p.pos0, jnp.int32) for p in passes])
+    seqs = int(pos0.shape[0])
+    n_chunks = ragged.packed_chunks(n_virtual, seqs, chunk)
+    if max_chunks is not None:
+        n_chunks = max(1, min(n_chunks, int(max_chunks)))
+    pk = ragged.chunk_layout(cu, pos0, n_virtual, chunk, n_chunks)
+    size = n_chunks * chunk
+    vrow_src = jnp.full(n_virtual, n_source, jnp.int32)
+    vrow_zero_v = jnp.zeros(n_virtual, bool)
+    slot_of, seq_offset, first_seq = [], [], 0
+    for p, o, c in zip(passes, offs, counts):
+        i = jnp.arange(p.rows.shape[0], dtype=jnp.int32)
+        at = jnp.where(i < c, o + i, n_virtual)  # this pass's rows in the joint rows
+        vrow_src = vrow_src.at[at].set(jnp.asarray(p.rows, jnp.int32), mode="drop")
+        vrow_zero_v = vrow_zero_v.at[at].set(p.zero_v, mode="drop")
+        slot_of.append(pk["dest"].at[at].get(mode="fill", fill_value=size))
+        seq_offset.append(first_seq)
+        first_seq += int(p.pos0.shape[0])
+    src = jnp.full(size, n_source, jnp.int32).at[pk["dest"]].set(vrow_src, mode="drop")
+    src_v = jnp.full(size, n_source, jnp.int32).at[pk["dest"]].set(
+        jnp.where(vrow_zero_v, n_source, vrow_src), mode="drop")
+    return dict(src=src, src_v=src_v, restart=pk["restart"], seq_of_chunk=pk["seq_of_chunk"],
+                first=pk["first"], n_ch=pk["n_ch"], lens=pk["lens"], shift=pk["shift"],
+                n_used=jnp.sum(pk["n_ch"]), chunk=chunk, seq_offset=tuple(seq_offset),
+                slot_of=slot_of)
+
+
+def run_joint(q, k, v, g, beta, jp, table, state_row, finals, *, checkpoint_at=None, pos0=None,
+              scale=None, chunk=64, implementation="xla", interpret=False):
+    """The joint stream's kernels. table [N, Hv, Dk, Dv] float32: the initial states; state_row
+    [S'] (every joint sequence's row of it: several may share one); finals [F] joint sequence ids
+    whose final state to return; checkpoint_at: None or CheckpointRows of the first pass's
+    sequences (their ids are the joint ones), with pos0 that pass's [S] first positions.
+    Returns (out [NC * C, Hv, Dv] in the packed slots: a pass's rows are
+    take_rows(out, jp["slot_of"][p]); final states [F, Hv, Dk, Dv] float32 (a sequence with no
+    rows: its initial state); checkpoints [K, ...] (ragged_prefill's) or None)."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    n_chunks = jp["src"].shape[0] // jp["chunk"]
+    bounds, has = jp["first"][finals] + jp["n_ch"][finals], jp["lens"][finals] > 0
+    if checkpoint_at is not None:
+        ck_rows, ck_shape = as_rows(checkpoint_at)
+        ck_use, ck_bound = ragged.checkpoint_bounds(ck_rows, pos0, jp, jp["chunk"], n_chunks)
+        bounds = jnp.concatenate([bounds, ck_bound])
+    with dots.exact_for(v.dtype):
+        out, states, _ = ragged.run_stream(q, k, v, g, beta, jp, table,
+                                           state_row[jp["seq_of_chunk"]], bounds, scale=scale,
+                                           chunk=chunk, implementation=implementation,
+                                           interpret=interpret)
+    n_fin = finals.shape[0]
+    final = jnp.where(has[:, None, None, None], states[:n_fin], table[state_row[finals]])
+    ckpt = None
+    if checkpoint_at is not None:
+        ckpt = ragged.rows_states(ck_use, states[n_fin:], table, ck_rows.seq, ck_shape)
+    return out, final, ckpt

@@ -1,0 +1,109 @@
+"""A span step's GDN passes in one kernel call (kernels_pallas/gated_delta/joint.py).
+
+qwen3_5_spans runs up to three ragged passes per GDN layer over a span step's rows: the flow
+(every row from its sequence's state), the local pass (span rows per piece from zero, or from a
+long span's entry map) and, in a capturing step, the transition pass (captured pieces' rows,
+v = 0, from I or the entry's A). Each costs a gather per input and three kernels. Here they are
+one stream of S + G + Mc sequences: their initial states are rows of one table
+[delta0 (S) | zero | I | entry B (Mc) | entry A (Mc)], and the step's metadata (the packing, each
+sequence's state row, each row's output slot) is computed once per step (`plan`), so a layer
+gathers its inputs once and launches three kernels. Same results as the separate passes (each
+chunk computes what it computed in its pass; tests/test_span_joint_pass.py).
+
+Used where the passes can share a stream: Dk = Dv (a transition's A is a state-sized row), no
+tensor-parallel mesh (the flow's shard_map recomputes its packing per shard) and a prefill step.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kernels_pallas.gated_delta.api import (JointPass, joint_packing, packed_chunks, run_joint,
+                                            selected_rows, take_rows)
+from kernels_pallas.sharding import tp_mesh
+from serving.model_contract import SpanPieces
+
+# False: every span step runs its passes separately (qwen3_5_spans.run_local): for A/B timing
+# and as the form the joint stream must equal; read when a step is traced
+ENABLED = True
+
+
+def usable(cfg, decode) -> bool:
+    """Whether a span step's GDN passes run as one stream (module doc)."""
+    return (ENABLED and not decode and tp_mesh() is None
+            and cfg.linear_key_head_dim == cfg.linear_value_head_dim)
+
+
+def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk: int = 64):
+    """The joint stream's metadata, once per step: dict joint (joint_packing), dest [T] (each
+    row's output slot: a span row's in the local pass, any other's in the flow), state_row [NC]
+    (the state table row each chunk starts from, entries not yet known: `_state_rows`),
+    piece_entry [G] or None, and the static counts S, G, Mc.
+    local_final_of: [S (+ Mc)] the pieces whose final local state the step reads
+    (qwen3_5_spans.final_pieces)."""
+    seqs, g = cu_q_lens.shape[0] - 1, pieces.piece_cu.shape[0] - 1
+    span = pieces.row_span
+    before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(span.astype(jnp.int32))])
+    rows = jnp.arange(n_rows, dtype=jnp.int32)
+    compact = jnp.zeros(n_rows, jnp.int32).at[jnp.where(span, before[:-1], n_rows)].set(
+        rows, mode="drop")  # the local pass's row j is the step's row compact[j]
+    cu_local = before[pieces.piece_cu].astype(jnp.int32)
+    local_chunks = pieces.local_chunks or packed_chunks(n_rows, g, chunk, aligned=True)
+    passes = [JointPass(cu_q_lens, pos0, rows), JointPass(cu_local, jnp.zeros(g, jnp.int32),
+                                                            compact)]
+    bound = packed_chunks(n_rows, seqs, chunk) + local_chunks
+    mc = 0
+    if pieces.capture is not None:
+        mc = pieces.capture.shape[0]
+        sel, cu_sel = selected_rows(cu_local, pieces.capture, n_rows)
+        passes.append(JointPass(cu_sel, jnp.zeros(mc, jnp.int32), compact[sel], zero_v=True))
+        bound += local_chunks
+    jp = joint_packing(passes, n_rows, chunk=chunk, max_chunks=bound)
+    flow_slot, local_slot = jp["slot_of"][0], jp["slot_of"][1]
+    dest = jnp.where(span, local_slot.at[before[:-1]].get(mode="fill", fill_value=0), flow_slot)
+    return dict(joint=jp, dest=dest, local_final_of=local_final_of, seqs=seqs, pieces=g, mc=mc)
+
+
+def _state_rows(p, entry_use):
+    """[S + G + Mc] the state table row of every joint sequence: a flow sequence its own, a
+    local piece the zero row or (continuing a long span) its entry's B, a transition I or its
+    entry's A. entry_use: [Mc] bool or None; p["piece_entry"]: [G] the capture a piece
+    continues (-1: none), with entries."""
+    s, g, mc = p["seqs"], p["pieces"], p["mc"]
+    zero, eye = s, s + 1
+    local = jnp.full(g, zero, jnp.int32)
+    trans = jnp.full(mc, eye, jnp.int32)
+    if entry_use is not None:
+        e = p["piece_entry"]
+        local = jnp.where(e >= 0, s + 2 + e, zero).astype(jnp.int32)
+        trans = jnp.where(entry_use, s + 2 + mc + jnp.arange(mc, dtype=jnp.int32), eye)
+    return jnp.concatenate([jnp.arange(s, dtype=jnp.int32), local, trans])
+
+
+def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **kernel):
+    """The layer's three passes as one (module doc). q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
+    [T, Hv]; delta0 [S, Hv, Dk, Dv] float32; p: `plan`; layer_plan: qwen3_5_spans's plan for
+    this layer (entry maps picked by for_layer). Returns core [T, Hv, Dv] float32 (each row's
+    output: the local pass's for span rows), the flow's final states [S], its checkpoints (as
+    ragged_prefill's) or None, the local finals [S (+ Mc)] (final_pieces order) and the captured
+    pieces' transitions [Mc, Hv, Dk, Dk] (None without captures)."""
+    jp, s, mc = p["joint"], p["seqs"], p["mc"]
+    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    f32 = jnp.float32
+    use = layer_plan.get("entry_use") if "entry" in layer_plan else None
+    table = [delta0.astype(f32), jnp.zeros((1, hv, dk, dv), f32),
+             jnp.broadcast_to(jnp.eye(dk, dtype=f32), (1, hv, dk, dk))]
+    if use is not None:
+        table += [jnp.where(use[:, None, None, None], layer_plan["entry_b"], 0.0).astype(f32),
+                  jnp.where(use[:, None, None, None], layer_plan["entry_a"],
+                            jnp.eye(dk, dtype=f32)).astype(f32)]
+    local_of = jp["seq_offset"][1] + p["local_final_of"]
+    finals = jnp.concatenate([jnp.arange(s, dtype=jnp.int32), local_of]
+                             + ([jp["seq_offset"][2] + jnp.arange(mc, dtype=jnp.int32)]
+                                if mc else []))
+    out, fin, ck = run_joint(q, k, v, g, beta, jp, jnp.concatenate(table), _state_rows(p, use),
+                             finals, checkpoint_at=checkpoint_at, pos0=pos0, chunk=jp["chunk"],
+                             **kernel)
+    n_local = local_of.shape[0]
+    return (take_rows(out, p["dest"]).astype(f32), fin[:s], ck, fin[s:s + n_local],
+            fin[s + n_local:] if mc else None)

@@ -1,0 +1,89 @@
+"""A span step's GDN passes as one stream (minipic_jax/models/qwen3_5_joint.py) against the same
+passes run one after another (qwen3_5_joint.ENABLED = False): the step's logits, new recurrent
+states, checkpoints and captured span maps are the same, for a cold span step, a capturing warm
+step and one whose captures continue long spans (entry maps from the pool), with the XLA scan
+and the Pallas kernels (interpret mode), on tiny Qwen3.5 in float32 with random weights and
+random initial states."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import span_step_work as work
+from configs.presets import PRESETS
+from kernels_pallas.gated_delta.api import CheckpointRows
+from minipic_jax.models import qwen3_5, qwen3_5_joint
+from serving.hybrid import span_step
+
+CFG = PRESETS["tiny_qwen3_5"]
+T, S = 128, 4
+
+
+def _inputs(kind, cont, rng):
+    md, logits_idx, f, rec = work.step_inputs(CFG, kind, 3, t=T, s=S)
+    params = qwen3_5.init_params(CFG, jax.random.key(1), jnp.float32)
+    cache = qwen3_5.init_cache(CFG, 16 * 40, 16, S, jnp.float32)
+    cache = dataclasses.replace(cache, delta=tuple(
+        0.1 * jnp.asarray(rng.standard_normal(d.shape), d.dtype) for d in cache.delta))
+    maps = work.pool(CFG, 8)
+    if cont:  # the captures continue long spans: their slots hold random maps so far
+        maps = dataclasses.replace(maps, a=0.2 * jnp.asarray(rng.standard_normal(maps.a.shape), jnp.float32),
+                             b=0.2 * jnp.asarray(rng.standard_normal(maps.b.shape), jnp.float32),
+                             count=jnp.full(maps.count.shape, 40, jnp.int32))
+        f = dict(f, cap_cont=jnp.where(f["cap_piece"] >= 0, 40, 0).astype(jnp.int32))
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, md.num_tokens), jnp.int32)
+    cu = np.asarray(md.cu_q_lens)
+    pos0 = np.asarray(md.q_positions)[np.minimum(cu[:-1], md.num_tokens - 1)]
+    ck = CheckpointRows(seq=jnp.arange(S, dtype=jnp.int32),  # each sequence's end
+                        pos=jnp.asarray(pos0 + np.diff(cu), jnp.int32))
+    return params, tokens, md, cache, rec, logits_idx, f, maps, ck
+
+
+def _step(enabled, impl, kind, args):
+    params, tokens, md, cache, rec, logits_idx, f, maps, ck = args
+    qwen3_5_joint.ENABLED = enabled
+    try:
+        return jax.jit(lambda p, c, m: qwen3_5.forward_with_checkpoints(
+            p, tokens, md, c, CFG, recurrent=rec, logits_indices=logits_idx, gdn_impl=impl,
+            checkpoint_at=ck, span_pieces=span_step.pieces(f, m, kind == "warm", T, S)))(
+                params, cache, maps)
+    finally:
+        qwen3_5_joint.ENABLED = True
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused_interpret"])
+@pytest.mark.parametrize("kind,cont", [("cold", False), ("warm", False), ("warm", True)])
+def test_joint_stream_equals_the_separate_passes(fresh_rng, impl, kind, cont):
+    args = _inputs(kind, cont, fresh_rng)
+    joint = jax.tree.leaves(_step(True, impl, kind, args))
+    apart = jax.tree.leaves(_step(False, impl, kind, args))
+    assert len(joint) == len(apart)
+    for i, (a, b) in enumerate(zip(apart, joint)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape, i
+        np.testing.assert_allclose(b, a, rtol=2e-6, atol=2e-6, err_msg=f"leaf {i} {a.shape}")
+    assert np.isfinite(np.asarray(joint[0])).all()
+
+
+def test_joint_stream_runs_one_kernel_pass_per_layer():
+    """A capturing span step's GDN layer launches one intra-chunk, scan and output kernel, not
+    three of each (flow, local, transition)."""
+    args = _inputs("warm", False, np.random.default_rng(0))
+    params, tokens, md, cache, rec, logits_idx, f, maps, ck = args
+    counts = {}
+    for enabled in (True, False):
+        qwen3_5_joint.ENABLED = enabled
+        try:
+            text = jax.jit(lambda p, c, m: qwen3_5.forward_with_checkpoints(
+                p, tokens, md, c, CFG, recurrent=rec, logits_indices=logits_idx,
+                gdn_impl="pallas_fused_interpret",
+                span_pieces=span_step.pieces(f, m, True, T, S))).trace(
+                    params, cache, maps).jaxpr
+        finally:
+            qwen3_5_joint.ENABLED = True
+        counts[enabled] = str(text).count("pallas_call")
+    gdn_layers = sum(t == "linear_attention" for t in CFG.layer_types)
+    assert counts[False] - counts[True] == 2 * 3 * gdn_layers, counts
