@@ -25,11 +25,13 @@ to the model's 18.
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_work [--json out.json]
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_work --time tiny_qwen3_5
     PYTHONPATH=. python -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16  # GPU
+    ... --time ... --forms new old   # each variant with today's GDN passes and session 20's (FORMS)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
@@ -208,6 +210,25 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
                 bytes=float(apps * gdn_layers * hv * dk * (dk + dv) * 4))
 
 
+# --time's forms of a step's GDN passes: (ragged_triton.SEQ_PARALLEL: the scan runs one program
+# per sequence, qwen3_5_joint.ENABLED: a span step's passes in one stream)
+FORMS = {"new": (True, True), "serial_scan": (False, True), "apart": (True, False),
+         "old": (False, False)}
+
+
+@contextlib.contextmanager
+def as_form(form: str):
+    """The GDN passes in `form` (FORMS) while a step is traced."""
+    from kernels_pallas.gated_delta import ragged_triton
+    from minipic_jax.models import qwen3_5_joint
+    saved = ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED
+    ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED = FORMS[form]
+    try:
+        yield
+    finally:
+        ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED = saved
+
+
 def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7) -> float:
     """Median ms of one step of `kind` on this backend, the whole preset with its real GDN path (the
     engine's choice on this backend; no stubs), the cache and pool fed back as the runner does."""
@@ -263,6 +284,9 @@ def main(argv=None):
                     help="instead: CPU ms per step of each variant on this preset (float32, "
                          "its real GDN path), e.g. tiny_qwen3_5")
     ap.add_argument("--reps", type=int, default=7, help="--time: steps timed (median)")
+    ap.add_argument("--forms", nargs="+", default=["new"], choices=sorted(FORMS),
+                    help="--time: each variant in these forms of the GDN passes, one after the "
+                         "other (FORMS; default: %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="--time: the model's dtype (bfloat16 on a GPU: its GDN kernels' "
                          "dtype) (default: %(default)s)")
@@ -270,9 +294,12 @@ def main(argv=None):
     if args.time:
         for v in args.variants:
             kind, _, caps = v.partition("/")
-            ms = time_variant(kind, int(caps or 0), args.time, jnp.dtype(args.dtype), args.reps)
-            print(f"time {args.time} {args.dtype} {v:8s} T={T} S={S}: {ms:.2f} ms/step",
-                  flush=True)
+            for form in args.forms:
+                with as_form(form):
+                    ms = time_variant(kind, int(caps or 0), args.time, jnp.dtype(args.dtype),
+                                      args.reps)
+                print(f"time {args.time} {args.dtype} {v:8s} {form:11s} T={T} S={S}: "
+                      f"{ms:.2f} ms/step", flush=True)
         return
     stub_kernels()
     rows = []

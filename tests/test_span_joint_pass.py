@@ -6,6 +6,7 @@ and the Pallas kernels (interpret mode), on tiny Qwen3.5 in float32 with random 
 random initial states."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ from minipic_jax.models import qwen3_5, qwen3_5_joint
 from serving.hybrid import span_step
 
 CFG = PRESETS["tiny_qwen3_5"]
+# the Pallas kernels interpreted on CPU, compiled on a GPU with MINIPIC_COMPILED=1
+PALLAS = "pallas_fused" if os.environ.get("MINIPIC_COMPILED") == "1" else "pallas_fused_interpret"
 T, S = 128, 4
 
 
@@ -54,7 +57,7 @@ def _step(enabled, impl, kind, args):
         qwen3_5_joint.ENABLED = True
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_fused_interpret"])
+@pytest.mark.parametrize("impl", ["xla", PALLAS])
 @pytest.mark.parametrize("kind,cont", [("cold", False), ("warm", False), ("warm", True)])
 def test_joint_stream_equals_the_separate_passes(fresh_rng, impl, kind, cont):
     args = _inputs(kind, cont, fresh_rng)
@@ -79,7 +82,7 @@ def test_joint_stream_runs_one_kernel_pass_per_layer():
         try:
             text = jax.jit(lambda p, c, m: qwen3_5.forward_with_checkpoints(
                 p, tokens, md, c, CFG, recurrent=rec, logits_indices=logits_idx,
-                gdn_impl="pallas_fused_interpret",
+                gdn_impl=PALLAS,
                 span_pieces=span_step.pieces(f, m, True, T, S))).trace(
                     params, cache, maps).jaxpr
         finally:

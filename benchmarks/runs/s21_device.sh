@@ -1,10 +1,12 @@
 #!/bin/bash
 # Session 21's device calls (each one `run` call, <= 9.5 min, a short table last; raw files under $OUT):
 #   A  compiled tests of the kernels changed since their last GPU run (the per-sequence ragged scan,
-#      the flat checkpoint / restore rows, the chain kernel's two-stage default) (~3 min); the
-#      ragged scan A/B at a 0.8B GDN layer's step shapes (benchmarks/ragged_scan.py, ~1 min); rag
-#      at 16 seats, pic_off and fcfs in one process (issue 29's >= 1.0x, composition share), then
-#      fcfs with the serial scan (the scan's end-to-end A/B) (~4 min)
+#      the joint span passes, the flat checkpoint / restore rows, the chain kernel's two-stage
+#      default) (~3 min); the ragged scan A/B at a 0.8B GDN layer's step shapes
+#      (benchmarks/ragged_scan.py, ~1 min); the step variants at rag's shape (plain, span, warm/0,
+#      warm/4) with today's GDN passes and session 20's (span_step_work --time --forms new old,
+#      ~2.5 min); rag at 16 seats, pic_off and fcfs in one process (issue 29's >= 1.0x,
+#      composition share) (~2.5 min)
 #   B  (carry .dev1/fixed_before.tgz = git archive 82b4d81) issue 29's span request with the
 #      allocator preallocated (reordered goal 0.2x; first-call gap), then the plain hybrid step at
 #      64 seats before (82b4d81) / after (flat checkpoint and restore rows)
@@ -21,7 +23,8 @@ RAG="-m benchmarks.cli rag --model qwen3_5_0_8b --dtype bfloat16 --num-requests 
 case "$1" in
 A)
   MINIPIC_COMPILED=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
-    tests/test_gated_delta_seq_scan.py tests/test_gated_delta.py tests/test_hybrid_checkpoint_rows.py \
+    tests/test_gated_delta_seq_scan.py tests/test_span_joint_pass.py tests/test_gated_delta.py \
+    tests/test_hybrid_checkpoint_rows.py \
     tests/test_hybrid_restore_rows.py tests/test_engine_hybrid_span_start.py \
     tests/test_engine_hybrid_barrier.py tests/test_chain_compose_kernel.py tests/test_span_maps.py \
     tests/test_engine_gdn_kernel.py > "$OUT/tests.txt" 2>&1
@@ -30,20 +33,16 @@ A)
   timeout 120 python3 -m benchmarks.ragged_scan --reps 15 --json "$OUT/ragged_scan.json" \
     > "$OUT/ragged_scan.txt" 2>&1
   echo "ragged scan rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^ragged scan" "$OUT/ragged_scan.txt" >> "$R"
-  timeout $(left 430) python3 $RAG --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" \
+  timeout 170 python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 9 \
+    --forms new old > "$OUT/step_forms.txt" 2>&1
+  echo "step forms rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^time" "$OUT/step_forms.txt" >> "$R"
+  L=$(left 575); [ "$L" -lt 60 ] && L=60
+  timeout $L python3 $RAG --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" \
     > "$OUT/rag.txt" 2>&1
   echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
   grep -E "requests/s|compose (cost|form triton|bf16_x6)|speed-up|^ *(multi|zipf)" "$OUT/rag.txt" \
     | cut -c1-240 >> "$R"
-  L=$(left 570)
-  if [ "$L" -gt 70 ]; then
-    timeout "$L" python3 -c "import sys; from kernels_pallas.gated_delta import ragged_triton as r
-r.SEQ_PARALLEL = False
-from benchmarks.cli import main; sys.exit(main(sys.argv[1:]))" ${RAG#-m benchmarks.cli } \
-      --configs fcfs --out "$OUT/rag_serial" > "$OUT/rag_serial.txt" 2>&1
-    echo "rag serial scan rc=$? t=$((SECONDS-T0)) s" >> "$R"
-    grep -E "requests/s" "$OUT/rag_serial.txt" | cut -c1-200 >> "$R"
-  fi;;
+;;
 B)
   XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 200 python3 -m benchmarks.cli hybrid-spans --steps \
     --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1

@@ -10,7 +10,7 @@ offsets inside its chunks), so the results are those of the separate passes.
 
     passes = [Pass(cu, pos0, rows), Pass(cu2, zeros, rows2, zero_v=True), ...]
     jp = joint_packing(passes, n_source=T, chunk=64, max_chunks=...)   # once per step
-    out, final, ckpt = run_joint(q, k, v, g, beta, jp, table, state_row, finals)  # per layer
+    out, final, has, ckpt = run_joint(q, k, v, g, beta, jp, table, state_row, finals)  # per layer
     pass p's row i -> out[jp["slot_of"][p][i]]; sequence j of pass p -> jp["seq_offset"][p] + j
 """
 
@@ -84,10 +84,12 @@ def run_joint(q, k, v, g, beta, jp, table, state_row, finals, *, checkpoint_at=N
     """The joint stream's kernels. table [N, Hv, Dk, Dv] float32: the initial states; state_row
     [S'] (every joint sequence's row of it: several may share one); finals [F] joint sequence ids
     whose final state to return; checkpoint_at: None or CheckpointRows of the first pass's
-    sequences (their ids are the joint ones), with pos0 that pass's [S] first positions.
+    sequences (their ids are the joint ones; the table's first rows are their states), with pos0
+    that pass's [S] first positions.
     Returns (out [NC * C, Hv, Dv] in the packed slots: a pass's rows are
-    take_rows(out, jp["slot_of"][p]); final states [F, Hv, Dk, Dv] float32 (a sequence with no
-    rows: its initial state); checkpoints [K, ...] (ragged_prefill's) or None)."""
+    take_rows(out, jp["slot_of"][p]); final states [F, Hv, Dk, Dv] float32, undefined where
+    `has` [F] is False (a sequence with no rows: the caller's initial state); checkpoints
+    [K, ...] (ragged_prefill's) or None)."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     n_chunks = jp["src"].shape[0] // jp["chunk"]
     bounds, has = jp["first"][finals] + jp["n_ch"][finals], jp["lens"][finals] > 0
@@ -101,8 +103,7 @@ def run_joint(q, k, v, g, beta, jp, table, state_row, finals, *, checkpoint_at=N
                                            chunk=chunk, implementation=implementation,
                                            interpret=interpret)
     n_fin = finals.shape[0]
-    final = jnp.where(has[:, None, None, None], states[:n_fin], table[state_row[finals]])
     ckpt = None
     if checkpoint_at is not None:
         ckpt = ragged.rows_states(ck_use, states[n_fin:], table, ck_rows.seq, ck_shape)
-    return out, final, ckpt
+    return out, states[:n_fin], has, ckpt

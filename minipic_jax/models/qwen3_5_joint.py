@@ -57,7 +57,7 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
         mc = pieces.capture.shape[0]
         sel, cu_sel = selected_rows(cu_local, pieces.capture, n_rows)
         passes.append(JointPass(cu_sel, jnp.zeros(mc, jnp.int32), compact[sel], zero_v=True))
-        bound += local_chunks
+        bound += min(local_chunks, packed_chunks(n_rows, mc, chunk, aligned=True))
     jp = joint_packing(passes, n_rows, chunk=chunk, max_chunks=bound)
     flow_slot, local_slot = jp["slot_of"][0], jp["slot_of"][1]
     dest = jnp.where(span, local_slot.at[before[:-1]].get(mode="fill", fill_value=0), flow_slot)
@@ -101,9 +101,17 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     finals = jnp.concatenate([jnp.arange(s, dtype=jnp.int32), local_of]
                              + ([jp["seq_offset"][2] + jnp.arange(mc, dtype=jnp.int32)]
                                 if mc else []))
-    out, fin, ck = run_joint(q, k, v, g, beta, jp, jnp.concatenate(table), _state_rows(p, use),
-                             finals, checkpoint_at=checkpoint_at, pos0=pos0, chunk=jp["chunk"],
-                             **kernel)
+    out, fin, has, ck = run_joint(q, k, v, g, beta, jp, jnp.concatenate(table),
+                                  _state_rows(p, use), finals, checkpoint_at=checkpoint_at,
+                                  pos0=pos0, chunk=jp["chunk"], **kernel)
+    has = has[:, None, None, None]
     n_local = local_of.shape[0]
-    return (take_rows(out, p["dest"]).astype(f32), fin[:s], ck, fin[s:s + n_local],
-            fin[s + n_local:] if mc else None)
+    # a sequence with no rows ends where it starts: the flow in its state, a piece at zero (a
+    # piece that continues a long span is never empty), a transition at I or its entry's A
+    flow = jnp.where(has[:s], fin[:s], delta0)
+    local = jnp.where(has[s:s + n_local], fin[s:s + n_local], 0.0)
+    a_span = None
+    if mc:
+        a0 = jnp.eye(dk, dtype=f32) if use is None else table[-1]
+        a_span = jnp.where(has[s + n_local:], fin[s + n_local:], a0)
+    return take_rows(out, p["dest"]).astype(f32), flow, ck, local, a_span
