@@ -1,15 +1,14 @@
 #!/bin/bash
 # The next device session's calls (each one `run` call, <= 9.5 min; each prints a short table last; raw
-# files under $OUT). Session 20 ran Y, X, spanstep `after`, F, the ttft script, compose_sweep_device.sh
-# and final20_device.sh on an H100 (benchmarks/RESULTS.md). Next, in this order:
-#   1. K (carry .dev1/fixed_before.tgz): compiled tests (T's set + the flat checkpoint / restore rows +
-#      the span-start engine test), then fixed_step_device.sh before (82b4d81) and after on the same
-#      machine (the ~45-50 ms hybrid prefill step at 64 seats whatever its tokens). If the tests fail,
-#      revert the s20-restore (b0b0419) and s20-fixed (ad70adb) merges first.
-#   2. PREALLOC=1 final20_device.sh (carry .whl): compose tests at the bf16_x6 two-stage default, the
-#      span request with the allocator preallocated (reordered goal 0.2; the first-call gap), rag at
-#      16 seats (composition share, goal 5%), GDN vs fla
+# files under $OUT). Session 21 had no device (lending paused); its calls are in s21_device.sh:
+#   1. OUT=$OUT bash benchmarks/runs/s21_device.sh A: compiled tests of the per-sequence ragged scan,
+#      the joint span passes, the flat checkpoint / restore rows and the chain kernel's default;
+#      the ragged scan A/B; the step variants new vs old forms; rag at 16 seats (pic_off + fcfs)
+#   2. s21_device.sh B (carry .dev1/fixed_before.tgz = git archive 82b4d81): the span request with
+#      the allocator preallocated (reordered goal 0.2x), the plain step at 64 seats before/after
 #   3. on an H200 when one comes: D (issue 28's TTFT, goal 100x), X again (no remat), F, rag 16 seats
+# Session 20 ran Y, X, spanstep `after`, F, the ttft script, compose_sweep_device.sh and
+# final20_device.sh on an H100 (benchmarks/RESULTS.md); K below is folded into s21_device.sh.
 # (The device's `git log` line prints a stale commit: its .git is not refreshed; name the commit here.)
 #   T  the compiled kernel tests of every kernel changed since its last GPU run (~2.5 min): the chain
 #      kernel's bf16 presets: fixed in d2247e8, passed on the H100 in session 19
