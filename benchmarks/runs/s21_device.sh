@@ -7,7 +7,8 @@
 #      warm/4) with today's GDN passes and session 20's (span_step_work --time --forms new old,
 #      ~2.5 min); rag at 16 seats, pic_off and fcfs in one process (issue 29's >= 1.0x,
 #      composition share) (~2.5 min)
-#   B  (carry .dev1/fixed_before.tgz = git archive 82b4d81) issue 29's span request with the
+#   B  (carry .dev1/fixed_before.tgz: `mkdir -p .dev1 && git archive -o .dev1/fixed_before.tgz
+#      82b4d81`, .dev1 is ignored, so name it in the call's carry) issue 29's span request with the
 #      allocator preallocated (reordered goal 0.2x; first-call gap), then the plain hybrid step at
 #      64 seats before (82b4d81) / after (flat checkpoint and restore rows)
 # usage: OUT=$OUT bash benchmarks/runs/s21_device.sh A|B
