@@ -1,8 +1,9 @@
 """The ragged scan kernel's per-sequence programs (ragged_triton.SEQ_PARALLEL: the sequences of a
 step run side by side) against the serial scan (one program walks every packed chunk): the same
 outputs, finals and checkpoints bit for bit, on batches with shifted starts, empty sequences,
-bucket padding, checkpoints at chunk boundaries and sequence ends, and the local pass's remapped
-initial states. Interpret mode on CPU; `MINIPIC_COMPILED=1` compiles both on a GPU."""
+one-token rows, bucket padding, and checkpoints at chunk boundaries and sequence ends (remapped
+initial states: tests/test_span_joint_layer.py). Interpret mode on CPU; `MINIPIC_COMPILED=1`
+compiles both on a GPU (the switch is part of the compiled call's jit key: the last test)."""
 
 import os
 
@@ -13,7 +14,7 @@ import pytest
 
 from gdn_inputs import gdn_inputs
 from jaxpr_walk import outer_eqns
-from kernels_pallas.gated_delta import api, fused_triton, ragged_triton, reference
+from kernels_pallas.gated_delta import api, fused_triton, ragged, ragged_triton, reference
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 
@@ -71,3 +72,26 @@ def test_per_sequence_scan_runs_one_program_per_sequence(monkeypatch):
     assert len(grids[True]) == len(grids[False]) == 3  # intra, scan, output
     changed = [(a, b) for a, b in zip(grids[False], grids[True]) if a != b]
     assert changed == [((2, 1), (2, 1, 3))]  # the scan: heads x value blocks (x 3 sequences)
+
+
+def test_the_switch_and_the_layout_are_part_of_the_compiled_calls_key(monkeypatch):
+    """The compiled path runs the kernels under one module-level jit (ragged._packed_once): a
+    switch flipped between two calls of the same shapes must give a new trace, not the first
+    one's (else a GPU A/B compares a kernel with itself). Traced without lowering: CPU is fine."""
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta = (x[0] for x in gdn_inputs(rng, 1, 40, 1, 2, 16, 16))
+    args = (q, k, v, g, beta, np.array([0, 10, 25, 40], np.int32), np.zeros(3, np.int32),
+            np.zeros((3, 2, 16, 16), np.float32))
+
+    def scan_grid():
+        jaxpr = jax.make_jaxpr(lambda *a: ragged.ragged_prefill(  # below api's GPU check
+            *a, chunk=16, implementation="pallas_fused", interpret=False))(*args)
+        calls = [e for e in outer_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+        return [tuple(e.params["grid_mapping"].grid) for e in calls][1]  # intra, scan, output
+
+    for first in (True, False):
+        grids = {}
+        for flag in (first, not first):
+            monkeypatch.setattr(ragged_triton, "SEQ_PARALLEL", flag)
+            grids[flag] = scan_grid()
+        assert grids == {True: (2, 1, 3), False: (2, 1)}

@@ -282,14 +282,17 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     src_v = pk.get("src_v", pk["src"])
     pairs = ((q, pk["src"]), (k, pk["src"]), (v, src_v), (g, pk["src"]), (beta, pk["src"]))
     if implementation in KERNEL_OPTIONS:
-        from kernels_pallas.gated_delta import ragged_triton
+        from kernels_pallas.gated_delta import fused_triton, ragged_triton
         streams = {}  # one gather per distinct (array, rows) (affine.ragged_maps passes k as q)
         for x, src in pairs:
             if (id(x), id(src)) not in streams:
                 streams[(id(x), id(src))] = take_rows(x, src)[None]
         packed = [streams[(id(x), id(src))] for x, src in pairs]
         args = (*packed, pk["restart"], seq_state, state0, bounds)
-        options = dict(scale=scale, chunk=chunk, **KERNEL_OPTIONS[implementation])
+        # everything the trace reads goes in the jit's static key (module switches included: a
+        # benchmark flips them between calls of the same shapes)
+        options = dict(scale=scale, chunk=chunk, seq_parallel=ragged_triton.SEQ_PARALLEL,
+                       layout=fused_triton.DEFAULTS["layout"], **KERNEL_OPTIONS[implementation])
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
             out, bound_states = ragged_triton.packed_gated_delta(
                 *args, interpret=True, n_used=pk["n_used"], seq_first=pk["first"],

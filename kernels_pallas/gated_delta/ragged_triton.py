@@ -91,7 +91,7 @@ def _mosaic_operands(q, k, v):
 
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
                        chunk=64, dot_dtype=None, interpret=False, n_used=None, seq_first=None,
-                       seq_chunks=None, **options):
+                       seq_chunks=None, seq_parallel=None, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -104,6 +104,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
       seq_first, seq_chunks: None, or [S'] int32 each sequence's first packed chunk and chunk
         count (ragged.packing's first, n_ch): the scan then runs one program per sequence
         (`SEQ_PARALLEL`); a boundary no sequence ends at is undefined (read state0 there).
+      seq_parallel: None (`SEQ_PARALLEL`) or a bool: whether it does (a caller under a jit
+        passes it, so the switch is part of the jit's key).
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
       out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32.
@@ -132,7 +134,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     s0 = jnp.swapaxes(state0, -1, -2) if vk else state0
     used = jnp.full((1,), nc, jnp.int32) if n_used is None else jnp.reshape(
         n_used, (1,)).astype(jnp.int32)
-    if SEQ_PARALLEL and seq_first is not None:
+    if (SEQ_PARALLEL if seq_parallel is None else seq_parallel) and seq_first is not None:
         per_seq = (jnp.asarray(seq_first, jnp.int32), jnp.asarray(seq_chunks, jnp.int32))
     else:
         per_seq = None

@@ -1,0 +1,119 @@
+"""A GDN layer's recurrent core with span pieces (qwen3_5_gdn.recurrent_core): the joint stream
+(one ragged batch of the flow, the local pieces and the captured pieces' transitions:
+minipic_jax/models/qwen3_5_joint.py) against the passes run one after another, on layouts the
+model-level test (test_span_joint_pass.py) lacks: shifted first positions, sequences and pieces
+across chunks, empty sequences (leading ones too), captures of -1, long-span entries (the local
+piece from the entry's B, the transition from its A), checkpoints at sequence ends and chunk
+boundaries, and the local stream's static bound. Decays are mild enough that a transition's A is
+far from zero (so a wrong initial A shows). With the Pallas kernels the scan's outputs start as
+NaN, as a GPU's unwritten memory may: whatever reads a boundary no program wrote shows."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from gdn_inputs import gdn_inputs
+from kernels_pallas.gated_delta import ragged_triton
+from kernels_pallas.gated_delta.api import CheckpointRows, ragged_packing
+from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
+from serving.model_contract import SpanPieces
+
+KC, CHUNK, T = 4, 64, 256
+HK, HV, DK, DV = 1, 2, 16, 16
+CASES = {  # name -> (lens, pos0, piece bound G, captures or None, entry use, local_chunks)
+    "shifted, empty, captures of -1": ([90, 0, 70, 1, 60], [70, 5, 0, 31, 130], 24,
+                                       [1, -1, 3, -1], [True, False, True, False], None),
+    "the local stream's bound": ([90, 0, 70, 1, 60], [70, 5, 0, 31, 130], 24,
+                                 [1, -1, 3, -1], [True, False, True, False], 12),
+    "no capture": ([120, 40, 0, 80], [3, 64, 9, 127], 16, None, None, None),
+    "leading empty sequences": ([0, 0, 200, 30], [0, 0, 65, 1], 16, [2, 0], [True, True], None),
+}
+
+
+@pytest.fixture
+def nan_scan_outputs(monkeypatch):
+    """The ragged scan kernel's outputs start as NaN (aliased inputs), not zeros."""
+    def poisoned(kernel, *, grid, in_specs, out_specs, out_shape, **kw):
+        def call(*args):
+            fills = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
+            n_in = len(args)
+
+            def body(*refs):
+                return kernel(*refs[:n_in], *refs[n_in + len(out_shape):])
+            return pl.pallas_call(
+                body, grid=grid, in_specs=list(in_specs) + list(out_specs),
+                out_specs=out_specs, out_shape=out_shape,
+                input_output_aliases={n_in + i: i for i in range(len(out_shape))}, **kw)(
+                    *args, *fills)
+        return call
+    shim = types.SimpleNamespace(**{n: getattr(pl, n) for n in dir(pl) if not n.startswith("_")})
+    shim.pallas_call = poisoned
+    monkeypatch.setattr(ragged_triton, "pl", shim)
+
+
+def _pieces(rng, lens, g, caps, cont, local_chunks):
+    seg, span, base = [], [], 0
+    for n in lens:  # each sequence: PDEP, span, PDEP ... segments at random cuts
+        if n == 0:
+            continue
+        ids = np.zeros(n, int)
+        for c in sorted(rng.choice(np.arange(1, n), size=min(2, n - 1), replace=False)):
+            ids[c:] += 1
+        seg += (ids + base).tolist()
+        span += (ids % 2 == 1).tolist()
+        base += ids.max() + 1
+    p = qwen3_5_spans.pieces_from_segments(np.asarray(seg), T, g, np.asarray(span, bool),
+                                           rng.random(len(lens)) < 0.5)
+    capture = entry = None
+    if caps is not None:
+        capture, mc = jnp.asarray(caps, jnp.int32), len(caps)
+        conv_c = 2 * HK * DK + HV * DV
+        entry = dict(use=jnp.asarray(cont) & (capture >= 0), slot=jnp.arange(mc, dtype=jnp.int32),
+                     count=jnp.full(mc, 40, jnp.int32),
+                     a=jnp.asarray(0.2 * rng.standard_normal((8, 1, HV, DK, DK)), jnp.float32),
+                     b=jnp.asarray(0.2 * rng.standard_normal((8, 1, HV, DK, DV)), jnp.float32),
+                     tail=jnp.asarray(rng.standard_normal((8, 1, conv_c, KC - 1)), jnp.float32))
+    return SpanPieces(row_span=p.row_span, piece_cu=p.piece_cu, carry_local=p.carry_local,
+                      capture=capture, entry=entry, local_chunks=local_chunks)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_fused_interpret"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_joint_core_equals_the_separate_passes(fresh_rng, nan_scan_outputs, impl, case):
+    lens, pos0, g, caps, cont, local_chunks = CASES[case]
+    pieces = _pieces(fresh_rng, lens, g, caps, cont, local_chunks)
+    x = tuple(jnp.asarray(a[0]) for a in gdn_inputs(fresh_rng, 1, T, HK, HV, DK, DV))
+    delta0 = jnp.asarray(fresh_rng.standard_normal((len(lens), HV, DK, DV)), jnp.float32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    p0 = jnp.asarray(pos0, jnp.int32)
+    ends = np.asarray(pos0) + np.asarray(lens)
+    ck = CheckpointRows(seq=jnp.asarray(np.repeat(np.arange(len(lens)), 2), jnp.int32),
+                        pos=jnp.asarray(np.stack([ends, (np.asarray(pos0) // CHUNK + 1) * CHUNK],
+                                                 1).reshape(-1), jnp.int32))
+    kernel = dict(implementation=impl.removesuffix("_interpret"),
+                  interpret=impl.endswith("_interpret"))
+    outs = {}
+    for joint in (False, True):
+        def core(*x, joint=joint):
+            plan = qwen3_5_spans.for_layer(qwen3_5_spans.prepare(
+                pieces, cu, T, KC, CHUNK, p0 if joint else None), 0)
+            packing = None if joint else ragged_packing(cu, p0, T, chunk=CHUNK)
+            return qwen3_5_gdn.recurrent_core(x, cu, p0, delta0, plan, checkpoint_at=ck,
+                                              decode=False, packing=packing, **kernel)
+        outs[joint] = [None if a is None else np.asarray(a) for a in jax.jit(core)(*x)]
+    rows = int(cu[-1])
+    for name, a, b in zip(("core", "delta", "checkpoints", "local finals", "transitions"),
+                          outs[False], outs[True]):
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        if name == "core":
+            a, b = a[:rows], b[:rows]
+        assert np.isfinite(b).all(), name
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5, err_msg=name)
+    if caps is not None:  # the transitions are far from zero: a wrong initial A would show
+        assert np.abs(outs[True][4]).max() > 1e-2
