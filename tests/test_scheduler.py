@@ -166,3 +166,30 @@ def test_a_sequence_with_a_pending_restore_is_not_taken_as_a_decode_row():
     seqs[0].hybrid.restore_entry = object()  # resumed here, its restore still to run
     taken = [e.seq for e in sched._decodes()]
     assert seqs[1] in taken and seqs[0] not in taken
+
+
+def test_admission_looks_past_waiting_requests_but_not_past_a_full_one(monkeypatch):
+    """A request refused because work it needs is in flight (Refused.WAITS) keeps its place and
+    up to LOOK_PAST_WAITING requests behind it may be admitted; one refused for room (FULL)
+    stops admission, as FCFS does."""
+    from serving import scheduler as scheduler_mod
+    from serving.cache.manager import Refused
+    cfg, bm, sched = make("fcfs", 200, seqs=8, budget=200)
+    ids = build_prompt([Prompt(list(range(10, 19)))], block_size=B, pad_token_id=PAD,
+                       ssep_token_id=SSEP, pdep_token_id=PDEP)
+    lay = build_layout(ids, B, pad_id=PAD, ssep_id=SSEP, pdep_id=PDEP)
+    seqs = [Sequence(str(r), ids, lay, SamplingParams(max_tokens=2), B, seed=r) for r in range(6)]
+    for q in seqs:
+        sched.add(q)
+    admit = sched.cache.admit
+    refusals = {"1": Refused.WAITS, "2": Refused.WAITS, "4": Refused.FULL}
+    monkeypatch.setattr(sched.cache, "admit", lambda q, seats: refusals[q.request_id]
+                        if q.request_id in refusals else admit(q, seats))  # (refusals are falsy)
+    monkeypatch.setattr(scheduler_mod, "LOOK_PAST_WAITING", 2)
+    sched.schedule()
+    assert [q.request_id for q in sched.running] == ["0", "3"]  # 1, 2 wait; 4 is full: stop
+    assert [q.request_id for q in sched.waiting] == ["1", "2", "4", "5"]
+    monkeypatch.setattr(scheduler_mod, "LOOK_PAST_WAITING", 1)
+    refusals = {"1": Refused.WAITS, "2": Refused.WAITS}
+    sched.schedule()  # looks past one waiting request only: 2 waits in turn and stops it
+    assert [q.request_id for q in sched.waiting] == ["1", "2", "4", "5"]

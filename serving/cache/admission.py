@@ -12,11 +12,24 @@ share, allocate, register, plan copy-ins, set num_cached_tokens, undo on an exce
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 
 import numpy as np
 
 from serving.sequence import Status
+
+
+class Refused(enum.Enum):
+    """Why CacheManager.admit took nothing (falsy, as its False was)."""
+
+    FULL = "no seat or not enough blocks"  # nothing behind it may go first (FCFS)
+    # the request waits on work in flight: a span or checkpoint another request is computing, or
+    # no restore row left this step. It keeps its place; a later request may go first
+    WAITS = "waits on work in flight"
+
+    def __bool__(self) -> bool:
+        return False
 
 
 @dataclasses.dataclass(slots=True)

@@ -22,7 +22,7 @@ a part plans, the manager counts, shares, allocates, registers, queues copy-ins 
 from __future__ import annotations
 
 from serving.cache import admission, block_manager, chunks, span_jobs
-from serving.cache.admission import AdmissionPlan
+from serving.cache.admission import AdmissionPlan, Refused
 from serving.cache.block_manager import BlockManager
 
 
@@ -63,14 +63,16 @@ class CacheManager:
         self.recurrent.drop_dependent(h)
 
     # -- the scheduler's side ------------------------------------------------------------------
-    def admit(self, seq, seats: list[int]) -> bool:
+    def admit(self, seq, seats: list[int]) -> bool | Refused:
         """Admit `seq` into one of `seats` if its blocks fit (watermark kept, span jobs aside):
-        the one admission routine for every model. False changes nothing."""
+        the one admission routine for every model. True, or a falsy Refused saying
+        why not (FULL: no seat or blocks; WAITS: work it needs is in flight); a refusal changes
+        nothing."""
         if not seats:
-            return False
+            return Refused.FULL
         plan = self._plan(seq)
         if plan is None:  # the recurrent part waits (a checkpoint or span on its way)
-            return False
+            return Refused.WAITS
         hits = plan.hits()
         # a cached request's ~2,000 hits as one array, for the count, the share and the table:
         # the plan's (its spans' remembered arrays), else converted once here
@@ -80,7 +82,7 @@ class CacheManager:
         spare = self.bm.num_free - self.config.watermark_blocks * (not seq.is_span_job)
         if plan.blocks_needed(self.bm, hits, arr) > spare:
             self._cancel(plan)
-            return False
+            return Refused.FULL
         self.fill_table(seq, plan, hits, arr)
         if plan.detail is not None:
             self.recurrent.commit(self, seq, plan)

@@ -20,8 +20,9 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
     (a pending block dropped unready). With a KV host tier the map stays while its blocks live on
     the host; a block the host tier drops leaves an unusable map to age out (as checkpoints).
   * Waiting: a request whose span another running request is computing right now (published,
-    not ready) is not admitted until it is ready (FCFS: the queue behind it waits
-    too): a few steps later it skips the span instead of computing it a second time beside it.
+    not ready) is not admitted until it is ready (it keeps its place; the scheduler may admit up
+    to LOOK_PAST_WAITING requests behind it meanwhile): a few steps later it skips the span
+    instead of computing it a second time beside it.
     The owner always progresses (a hybrid never shares a pending block), and a preempted owner
     unpublishes its pending blocks, so the wait ends.
   * Chunks: a chunk enters after the skipped spans between its frontier and its first row, and
