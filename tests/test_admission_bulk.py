@@ -146,7 +146,8 @@ def admit(sched, seq, how, fault_at):
         return real()
     sched.cache.bm.allocate = allocate
     try:
-        return how(sched, seq, [0, 1, 2])
+        got = how(sched, seq, [0, 1, 2])
+        return got if got is True else False  # a refusal (CacheManager's falsy Refused) as False
     except RuntimeError as err:
         return str(err)
     finally:

@@ -8,6 +8,7 @@ boundaries, and the local stream's static bound. Decays are mild enough that a t
 far from zero (so a wrong initial A shows). With the Pallas kernels the scan's outputs start as
 NaN, as a GPU's unwritten memory may: whatever reads a boundary no program wrote shows."""
 
+import os
 import types
 
 import jax
@@ -23,6 +24,8 @@ from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
 from serving.model_contract import SpanPieces
 
 KC, CHUNK, T = 4, 64, 256
+# the Pallas kernels interpreted on CPU, compiled on a GPU with MINIPIC_COMPILED=1
+PALLAS = "pallas_fused" if os.environ.get("MINIPIC_COMPILED") == "1" else "pallas_fused_interpret"
 HK, HV, DK, DV = 1, 2, 16, 16
 CASES = {  # name -> (lens, pos0, piece bound G, captures or None, entry use, local_chunks)
     "shifted, empty, captures of -1": ([90, 0, 70, 1, 60], [70, 5, 0, 31, 130], 24,
@@ -81,7 +84,7 @@ def _pieces(rng, lens, g, caps, cont, local_chunks):
                       capture=capture, entry=entry, local_chunks=local_chunks)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_fused_interpret"])
+@pytest.mark.parametrize("impl", ["xla", PALLAS])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_joint_core_equals_the_separate_passes(fresh_rng, nan_scan_outputs, impl, case):
     lens, pos0, g, caps, cont, local_chunks = CASES[case]

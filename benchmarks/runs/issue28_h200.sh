@@ -30,7 +30,7 @@ case "$1" in
   tail -12 "$OUT/xla.txt" | cut -c1-220 >> "$R";;
 2)
   MINIPIC_COMPILED=1 timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
-    tests/test_paged_attention*.py tests/test_gated_delta*.py tests/test_span_joint_pass.py \
+    tests/test_paged_attention*.py tests/test_gated_delta*.py tests/test_span_joint_*.py \
     tests/test_chain_compose_kernel.py tests/test_span_maps.py tests/test_kernel_registry.py \
     tests/test_kernel_entry_points.py tests/test_block_table_array.py > "$OUT/tests.txt" 2>&1
   echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"

@@ -24,7 +24,8 @@ RAG="-m benchmarks.cli rag --model qwen3_5_0_8b --dtype bfloat16 --num-requests 
 case "$1" in
 A)
   MINIPIC_COMPILED=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
-    tests/test_gated_delta_seq_scan.py tests/test_span_joint_pass.py tests/test_gated_delta.py \
+    tests/test_gated_delta_seq_scan.py tests/test_span_joint_pass.py tests/test_span_joint_layer.py \
+    tests/test_gated_delta.py \
     tests/test_hybrid_checkpoint_rows.py \
     tests/test_hybrid_restore_rows.py tests/test_engine_hybrid_span_start.py \
     tests/test_engine_hybrid_barrier.py tests/test_chain_compose_kernel.py tests/test_span_maps.py \
