@@ -1,8 +1,8 @@
 """A span step's GDN passes as one stream (minipic_jax/models/qwen3_5_joint.py) against the same
 passes run one after another (qwen3_5_joint.ENABLED = False): the step's logits, new recurrent
-states, checkpoints and captured span maps are the same, for a cold span step and a capturing
-warm step whose captures continue long spans (entry maps from the pool), with the XLA scan and
-the Pallas kernels (interpret mode), on tiny Qwen3.5 in float32 with random weights and random
+states, checkpoints and captured span maps are the same, for a capturing warm step whose captures
+continue long spans (entry maps from the pool), with the XLA scan and the Pallas kernels
+(interpret mode), on tiny Qwen3.5 in float32 with random weights and random
 initial states. (Its decays leave a captured piece's A near zero: the layer-level test,
 tests/test_span_joint_layer.py, checks transitions with milder ones.)"""
 
@@ -58,9 +58,9 @@ def _step(enabled, impl, kind, args):
         qwen3_5_joint.ENABLED = True
 
 
-# the whole step at three points (layouts, entries and both kernels: test_span_joint_layer.py)
-@pytest.mark.parametrize("kind,cont,impl", [("cold", False, "xla"), ("warm", True, "xla"),
-                                            ("warm", True, PALLAS)])
+# the whole step with captures continuing long spans, XLA and the kernels (layouts, cold steps
+# and transitions: test_span_joint_layer.py)
+@pytest.mark.parametrize("kind,cont,impl", [("warm", True, "xla"), ("warm", True, PALLAS)])
 def test_joint_stream_equals_the_separate_passes(fresh_rng, impl, kind, cont):
     args = _inputs(kind, cont, fresh_rng)
     joint = jax.tree.leaves(_step(True, impl, kind, args))
