@@ -35,10 +35,11 @@ def usable(cfg, decode) -> bool:
 
 
 def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk: int = 64):
-    """The joint stream's metadata, once per step: dict joint (joint_packing), dest [T] (each
-    row's output slot: a span row's in the local pass, any other's in the flow), state_row [NC]
-    (the state table row each chunk starts from, entries not yet known: `_state_rows`),
-    piece_entry [G] or None, and the static counts S, G, Mc.
+    """The joint stream's metadata, once per step: dict joint (joint_packing: flow, local,
+    transition passes in that order), dest [T] (each row's output slot: a span row's in the
+    local pass, any other's in the flow), local_final_of, and the static counts seqs (S), pieces
+    (G), mc (Mc). qwen3_5_spans.prepare adds piece_entry ([G] the capture each piece continues,
+    or None); each layer picks its initial states' rows (`_state_rows`, `run`).
     local_final_of: [S (+ Mc)] the pieces whose final local state the step reads
     (qwen3_5_spans.final_pieces)."""
     seqs, g = cu_q_lens.shape[0] - 1, pieces.piece_cu.shape[0] - 1
