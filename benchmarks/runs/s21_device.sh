@@ -35,8 +35,8 @@ A)
   timeout 120 python3 -m benchmarks.ragged_scan --reps 15 --json "$OUT/ragged_scan.json" \
     > "$OUT/ragged_scan.txt" 2>&1
   echo "ragged scan rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^ragged scan" "$OUT/ragged_scan.txt" >> "$R"
-  timeout 170 python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 9 \
-    --forms new old > "$OUT/step_forms.txt" 2>&1
+  timeout 180 python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 9 \
+    --variants plain warm/0 warm/4 --forms new old > "$OUT/step_forms.txt" 2>&1
   echo "step forms rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^time" "$OUT/step_forms.txt" >> "$R"
   L=$(left 575); [ "$L" -lt 60 ] && L=60
   timeout $L python3 $RAG --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" \
