@@ -71,7 +71,9 @@ def test_the_engine_step_holds_no_state_per_sequence_and_checkpoint_column():
         (max(sizes), bound)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_fused"])
+# the XLA form runs end to end in the CPU engine tests; the default run checks the kernels' here
+# (CI time: the suite is near its 10 minutes on a 2-core machine); --run-slow runs both
+@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "pallas_fused"])
 def test_flat_rows_give_the_states_of_the_per_sequence_form(fresh_rng, impl):
     """Three sequences, checkpoints as [S, M] and as the same rows flattened (and as a reordered
     subset): equal states, and a row's unused entry returns its sequence's state0."""
