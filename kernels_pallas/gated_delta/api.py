@@ -29,14 +29,16 @@ from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precis
 from kernels_pallas.gated_delta.chain_triton import chain_apply  # noqa: F401
 from kernels_pallas.gated_delta.affine import selected_rows  # noqa: F401
 from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows, as_rows  # noqa: F401
-from kernels_pallas.gated_delta.joint import Pass as JointPass, joint_packing, run_joint  # noqa: F401
+from kernels_pallas.gated_delta.joint import Pass as JointPass, final_bounds, joint_packing  # noqa: F401
+from kernels_pallas.gated_delta.joint import run_joint  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
 from kernels_pallas.gated_delta.ragged import packed_chunks, take_rows  # noqa: F401
 from kernels_pallas.gated_delta.ragged import packing as ragged_packing  # noqa: F401
 from kernels_pallas.registry import Implementation
 
 __all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "JointPass", "Problem", "apply_map", "auto_order",
-           "chain_apply", "choose", "choose_gated_delta", "decode_step", "joint_packing",
+           "chain_apply", "choose", "choose_gated_delta", "decode_step", "final_bounds",
+           "joint_packing",
            "maps_packing", "packed_chunks", "prefill", "ragged_gated_delta", "ragged_maps",
            "ragged_packing", "ragged_prefill", "run_joint", "selected_rows", "take_rows"]
 

@@ -10,7 +10,8 @@ offsets inside its chunks), so the results are those of the separate passes.
 
     passes = [Pass(cu, pos0, rows), Pass(cu2, zeros, rows2, zero_v=True), ...]
     jp = joint_packing(passes, n_source=T, chunk=64, max_chunks=...)   # once per step
-    out, final, has, ckpt = run_joint(q, k, v, g, beta, jp, table, state_row, finals)  # per layer
+    bounds, has = final_bounds(jp, finals)                             # once per step
+    out, final, ckpt = run_joint(q, k, v, g, beta, jp, table, chunk_state, bounds)  # per layer
     pass p's row i -> out[jp["slot_of"][p][i]]; sequence j of pass p -> jp["seq_offset"][p] + j
 """
 
@@ -79,31 +80,36 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
                 slot_of=slot_of)
 
 
-def run_joint(q, k, v, g, beta, jp, table, state_row, finals, *, checkpoint_at=None, pos0=None,
-              scale=None, chunk=64, implementation="xla", interpret=False):
-    """The joint stream's kernels. table [N, Hv, Dk, Dv] float32: the initial states; state_row
-    [S'] (every joint sequence's row of it: several may share one); finals [F] joint sequence ids
-    whose final state to return; checkpoint_at: None or CheckpointRows of the first pass's
-    sequences (their ids are the joint ones; the table's first rows are their states), with pos0
-    that pass's [S] first positions.
+def final_bounds(jp, finals):
+    """(boundary [F] of the state after the last chunk of joint sequences `finals` [F], has
+    rows [F] bool): metadata, once per step (`run_joint` reads the bounds)."""
+    return jp["first"][finals] + jp["n_ch"][finals], jp["lens"][finals] > 0
+
+
+def run_joint(q, k, v, g, beta, jp, table, chunk_state, fin_bounds, *, checkpoint_at=None,
+              pos0=None, scale=None, chunk=64, implementation="xla", interpret=False):
+    """The joint stream's kernels. table [N, Hv, Dk, Dv] float32: the initial states;
+    chunk_state [NC] the table row each chunk's sequence starts from (several sequences may
+    share one); fin_bounds [F] (`final_bounds`) the boundaries whose states to return;
+    checkpoint_at: None or CheckpointRows of the first pass's sequences (their ids are the joint
+    ones; the table's first rows are their states), with pos0 that pass's [S] first positions.
     Returns (out [NC * C, Hv, Dv] in the packed slots: a pass's rows are
-    take_rows(out, jp["slot_of"][p]); final states [F, Hv, Dk, Dv] float32, undefined where
-    `has` [F] is False (a sequence with no rows: the caller's initial state); checkpoints
+    take_rows(out, jp["slot_of"][p]); the states at fin_bounds [F, Hv, Dk, Dv] float32, undefined
+    where a sequence has no rows (`final_bounds`' has: the caller's initial state); checkpoints
     [K, ...] (ragged_prefill's) or None)."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     n_chunks = jp["src"].shape[0] // jp["chunk"]
-    bounds, has = jp["first"][finals] + jp["n_ch"][finals], jp["lens"][finals] > 0
+    bounds = fin_bounds
     if checkpoint_at is not None:
         ck_rows, ck_shape = as_rows(checkpoint_at)
         ck_use, ck_bound = ragged.checkpoint_bounds(ck_rows, pos0, jp, jp["chunk"], n_chunks)
         bounds = jnp.concatenate([bounds, ck_bound])
     with dots.exact_for(v.dtype):
-        out, states, _ = ragged.run_stream(q, k, v, g, beta, jp, table,
-                                           state_row[jp["seq_of_chunk"]], bounds, scale=scale,
-                                           chunk=chunk, implementation=implementation,
-                                           interpret=interpret)
-    n_fin = finals.shape[0]
+        out, states, _ = ragged.run_stream(q, k, v, g, beta, jp, table, chunk_state, bounds,
+                                           scale=scale, chunk=chunk,
+                                           implementation=implementation, interpret=interpret)
+    n_fin = fin_bounds.shape[0]
     ckpt = None
     if checkpoint_at is not None:
         ckpt = ragged.rows_states(ck_use, states[n_fin:], table, ck_rows.seq, ck_shape)
-    return out, states[:n_fin], has, ckpt
+    return out, states[:n_fin], ckpt

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta.api import (JointPass, joint_packing, packed_chunks, run_joint,
-                                            selected_rows, take_rows)
+from kernels_pallas.gated_delta.api import (JointPass, final_bounds, joint_packing,
+                                            packed_chunks, run_joint, selected_rows, take_rows)
 from kernels_pallas.sharding import tp_mesh
 from serving.model_contract import SpanPieces
 
@@ -34,21 +34,31 @@ def usable(cfg, decode) -> bool:
             and cfg.linear_key_head_dim == cfg.linear_value_head_dim)
 
 
-def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk: int = 64):
+def span_compaction(row_span, piece_cu, n_rows: int):
+    """The span rows gathered to the front (the local pass runs them only): (compact [T]: local
+    row j is the step's row compact[j], row_local [T]: each row's index among the span rows,
+    cu_local [G + 1]: the pieces' offsets in the local rows)."""
+    before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(row_span.astype(jnp.int32))])
+    rows = jnp.arange(n_rows, dtype=jnp.int32)
+    compact = jnp.zeros(n_rows, jnp.int32).at[jnp.where(row_span, before[:-1], n_rows)].set(
+        rows, mode="drop")
+    return compact, before[:-1], before[piece_cu].astype(jnp.int32)
+
+
+def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk: int = 64,
+         piece_entry=None, entry_use=None):
     """The joint stream's metadata, once per step: dict joint (joint_packing: flow, local,
     transition passes in that order), dest [T] (each row's output slot: a span row's in the
-    local pass, any other's in the flow), local_final_of, and the static counts seqs (S), pieces
-    (G), mc (Mc). qwen3_5_spans.prepare adds piece_entry ([G] the capture each piece continues,
-    or None); each layer picks its initial states' rows (`_state_rows`, `run`).
+    local pass, any other's in the flow), chunk_state [NC] (the state table row each packed
+    chunk starts from: `_state_rows`), fin_bounds, has [F] (`final_bounds` of the flow's
+    sequences, then local_final_of's pieces, then the transitions), the static counts seqs (S),
+    mc (Mc), n_local, and with_entries (the table holds the entries' B and A).
     local_final_of: [S (+ Mc)] the pieces whose final local state the step reads
-    (qwen3_5_spans.final_pieces)."""
+    (qwen3_5_spans.final_pieces); piece_entry [G] (the capture each piece continues, -1: none)
+    and entry_use [Mc], or None without entries (qwen3_5_spans._entries)."""
     seqs, g = cu_q_lens.shape[0] - 1, pieces.piece_cu.shape[0] - 1
-    span = pieces.row_span
-    before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(span.astype(jnp.int32))])
     rows = jnp.arange(n_rows, dtype=jnp.int32)
-    compact = jnp.zeros(n_rows, jnp.int32).at[jnp.where(span, before[:-1], n_rows)].set(
-        rows, mode="drop")  # the local pass's row j is the step's row compact[j]
-    cu_local = before[pieces.piece_cu].astype(jnp.int32)
+    compact, row_local, cu_local = span_compaction(pieces.row_span, pieces.piece_cu, n_rows)
     local_chunks = pieces.local_chunks or packed_chunks(n_rows, g, chunk, aligned=True)
     passes = [JointPass(cu_q_lens, pos0, rows), JointPass(cu_local, jnp.zeros(g, jnp.int32),
                                                             compact)]
@@ -61,22 +71,28 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
         bound += min(local_chunks, packed_chunks(n_rows, mc, chunk, aligned=True))
     jp = joint_packing(passes, n_rows, chunk=chunk, max_chunks=bound)
     flow_slot, local_slot = jp["slot_of"][0], jp["slot_of"][1]
-    dest = jnp.where(span, local_slot.at[before[:-1]].get(mode="fill", fill_value=0), flow_slot)
-    return dict(joint=jp, dest=dest, local_final_of=local_final_of, seqs=seqs, pieces=g, mc=mc)
+    dest = jnp.where(pieces.row_span, local_slot.at[row_local].get(mode="fill", fill_value=0),
+                     flow_slot)
+    state_row = _state_rows(seqs, g, mc, piece_entry, entry_use)
+    finals = jnp.concatenate([jnp.arange(seqs, dtype=jnp.int32),
+                              jp["seq_offset"][1] + local_final_of]
+                             + ([jp["seq_offset"][2] + jnp.arange(mc, dtype=jnp.int32)]
+                                if mc else []))
+    fin_bounds, has = final_bounds(jp, finals)
+    return dict(joint=jp, dest=dest, chunk_state=state_row[jp["seq_of_chunk"]],
+                fin_bounds=fin_bounds, has=has, seqs=seqs, mc=mc,
+                n_local=local_final_of.shape[0], with_entries=entry_use is not None)
 
 
-def _state_rows(p, entry_use):
+def _state_rows(s: int, g: int, mc: int, piece_entry, entry_use):
     """[S + G + Mc] the state table row of every joint sequence: a flow sequence its own, a
     local piece the zero row or (continuing a long span) its entry's B, a transition I or its
-    entry's A. entry_use: [Mc] bool or None; p["piece_entry"]: [G] the capture a piece
-    continues (-1: none), with entries."""
-    s, g, mc = p["seqs"], p["pieces"], p["mc"]
+    entry's A (table: [delta0 (S) | zero | I | entry B (Mc) | entry A (Mc)])."""
     zero, eye = s, s + 1
     local = jnp.full(g, zero, jnp.int32)
     trans = jnp.full(mc, eye, jnp.int32)
     if entry_use is not None:
-        e = p["piece_entry"]
-        local = jnp.where(e >= 0, s + 2 + e, zero).astype(jnp.int32)
+        local = jnp.where(piece_entry >= 0, s + 2 + piece_entry, zero).astype(jnp.int32)
         trans = jnp.where(entry_use, s + 2 + mc + jnp.arange(mc, dtype=jnp.int32), eye)
     return jnp.concatenate([jnp.arange(s, dtype=jnp.int32), local, trans])
 
@@ -88,31 +104,25 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     output: the local pass's for span rows), the flow's final states [S], its checkpoints (as
     ragged_prefill's) or None, the local finals [S (+ Mc)] (final_pieces order) and the captured
     pieces' transitions [Mc, Hv, Dk, Dk] (None without captures)."""
-    jp, s, mc = p["joint"], p["seqs"], p["mc"]
+    s, mc, n_local = p["seqs"], p["mc"], p["n_local"]
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
     f32 = jnp.float32
-    use = layer_plan.get("entry_use") if "entry" in layer_plan else None
     table = [delta0.astype(f32), jnp.zeros((1, hv, dk, dv), f32),
              jnp.broadcast_to(jnp.eye(dk, dtype=f32), (1, hv, dk, dk))]
-    if use is not None:
-        table += [jnp.where(use[:, None, None, None], layer_plan["entry_b"], 0.0).astype(f32),
-                  jnp.where(use[:, None, None, None], layer_plan["entry_a"],
-                            jnp.eye(dk, dtype=f32)).astype(f32)]
-    local_of = jp["seq_offset"][1] + p["local_final_of"]
-    finals = jnp.concatenate([jnp.arange(s, dtype=jnp.int32), local_of]
-                             + ([jp["seq_offset"][2] + jnp.arange(mc, dtype=jnp.int32)]
-                                if mc else []))
-    out, fin, has, ck = run_joint(q, k, v, g, beta, jp, jnp.concatenate(table),
-                                  _state_rows(p, use), finals, checkpoint_at=checkpoint_at,
-                                  pos0=pos0, chunk=jp["chunk"], **kernel)
-    has = has[:, None, None, None]
-    n_local = local_of.shape[0]
+    if p["with_entries"]:
+        use = layer_plan["entry_use"][:, None, None, None]
+        table += [jnp.where(use, layer_plan["entry_b"], 0.0).astype(f32),
+                  jnp.where(use, layer_plan["entry_a"], jnp.eye(dk, dtype=f32)).astype(f32)]
+    out, fin, ck = run_joint(q, k, v, g, beta, p["joint"], jnp.concatenate(table),
+                             p["chunk_state"], p["fin_bounds"], checkpoint_at=checkpoint_at,
+                             pos0=pos0, chunk=p["joint"]["chunk"], **kernel)
+    has = p["has"][:, None, None, None]
     # a sequence with no rows ends where it starts: the flow in its state, a piece at zero (a
     # piece that continues a long span is never empty), a transition at I or its entry's A
     flow = jnp.where(has[:s], fin[:s], delta0)
     local = jnp.where(has[s:s + n_local], fin[s:s + n_local], 0.0)
     a_span = None
     if mc:
-        a0 = jnp.eye(dk, dtype=f32) if use is None else table[-1]
+        a0 = table[-1] if p["with_entries"] else jnp.eye(dk, dtype=f32)
         a_span = jnp.where(has[s + n_local:], fin[s + n_local:], a0)
     return take_rows(out, p["dest"]).astype(f32), flow, ck, local, a_span

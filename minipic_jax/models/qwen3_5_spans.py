@@ -86,8 +86,8 @@ def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk:
     if pos0 is None:
         plan["packings"] = _packings(pieces, fin, n_rows, chunk, piece_entry)
     else:
-        plan["joint"] = dict(qwen3_5_joint.plan(pieces, fin, cu_q_lens, pos0, n_rows, chunk),
-                             piece_entry=piece_entry)
+        plan["joint"] = qwen3_5_joint.plan(pieces, fin, cu_q_lens, pos0, n_rows, chunk,
+                                           piece_entry, use)
     if cap is not None:
         plan["cap_count"] = piece_len[cap]
         cap_base = None
@@ -162,12 +162,8 @@ def _packings(pieces: SpanPieces, fin, n_rows: int, chunk: int, piece_entry=None
     """The local pass's packings (maps_packing with pieces.capture, else ragged_packing):
     only span rows run, gathered to the front (see local_pass), folded into the packing as
     source rows, so a layer packs its q, k, v, g, beta with one gather each."""
-    span = pieces.row_span
-    before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(span.astype(jnp.int32))])
-    rows = jnp.arange(n_rows, dtype=jnp.int32)
-    src = jnp.zeros(n_rows, jnp.int32).at[jnp.where(span, before[:-1], n_rows)].set(
-        rows, mode="drop")  # compact row j <- row src[j] (past the span rows: none read)
-    cu = before[pieces.piece_cu]  # the pieces' span rows only
+    # compact row j <- row src[j] (past the span rows: none read); cu: the pieces' span rows
+    src, _, cu = qwen3_5_joint.span_compaction(pieces.row_span, pieces.piece_cu, n_rows)
     bound = pieces.local_chunks  # the host's promise (SpanPieces): the stream's size is work
     if pieces.capture is not None:
         plain, sel = maps_packing(cu, n_rows, pieces.capture, fin, chunk=chunk, source_rows=src,
