@@ -211,22 +211,26 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
 
 
 # --time's forms of a step's GDN passes: (ragged_triton.SEQ_PARALLEL: the scan runs one program
-# per sequence, qwen3_5_joint.ENABLED: a span step's passes in one stream)
-FORMS = {"new": (True, True), "serial_scan": (False, True), "apart": (True, False),
-         "old": (False, False)}
+# per sequence, qwen3_5_joint.ENABLED: a span step's passes in one stream,
+# ragged.STREAM_QK_IN_V_DTYPE: the packed stream holds q / k in bf16); "old" is session 20's
+FORMS = {"new": (True, True, True), "f32_qk": (True, True, False),
+         "serial_scan": (False, True, True), "apart": (True, False, True),
+         "old": (False, False, False)}
 
 
 @contextlib.contextmanager
 def as_form(form: str):
     """The GDN passes in `form` (FORMS) while a step is traced."""
-    from kernels_pallas.gated_delta import ragged_triton
+    from kernels_pallas.gated_delta import ragged, ragged_triton
     from minipic_jax.models import qwen3_5_joint
-    saved = ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED
-    ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED = FORMS[form]
+    saved = ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED, ragged.STREAM_QK_IN_V_DTYPE
+    (ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED,
+     ragged.STREAM_QK_IN_V_DTYPE) = FORMS[form]
     try:
         yield
     finally:
-        ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED = saved
+        (ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED,
+         ragged.STREAM_QK_IN_V_DTYPE) = saved
 
 
 def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7) -> float:

@@ -14,7 +14,8 @@
 #   C  (session 22, when device time is short: A and B regrouped) the compiled tests of the new
 #      kernels only (per-sequence scan, joint passes, the engine's GDN kernel path), the ragged
 #      scan A/B, rag at 16 seats (pic_off + fcfs)
-#   D  issue 29's span request (preallocated), then the step variants' forms (new / old)
+#   D  issue 29's span request (preallocated), then the step variants' forms (new / f32_qk: the
+#      packed stream's q / k in float32 as before session 22 / old: session 20's passes)
 # usage: OUT=$OUT bash benchmarks/runs/s21_device.sh A|B|C|D
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -86,7 +87,7 @@ D)
   grep -E "^(call|[a-i] )|goal|warm-up" "$OUT/hybrid_spans.txt" | grep -v "^W1" | cut -c1-200 >> "$R"
   L=$(left 560); [ "$L" -lt 60 ] && L=60
   timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 9 \
-    --variants plain warm/0 warm/4 --forms new old > "$OUT/step_forms.txt" 2>&1
+    --variants plain warm/0 warm/4 --forms new f32_qk old > "$OUT/step_forms.txt" 2>&1
   echo "step forms rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^time" "$OUT/step_forms.txt" >> "$R";;
 *) echo "usage: $0 A|B|C|D"; exit 2;;
 esac

@@ -140,6 +140,13 @@ def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transitio
     return out
 
 
+# The kernels' packed stream takes q and k in v's dtype where v is bf16 / f16 (ragged_triton.
+# qk_in_v_dtype): the model L2-normalises them in float32 (as HF does), the kernels round them to
+# the dot dtype in every dot, and the gathers that fill the static stream move half the q / k
+# bytes (~40% of a row's). False gathers float32 q / k (the form before; A/B timing). Read when
+# a step is traced.
+STREAM_QK_IN_V_DTYPE = True
+
 # the kernel pipelines of ragged_triton.packed_gated_delta by implementation name (api.py's)
 KERNEL_OPTIONS = {"pallas_fused": {}, "mosaic_intra": {"intra": "mosaic"},
                   "mosaic": {"intra": "mosaic", "output": "mosaic"}}
@@ -283,6 +290,9 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     pairs = ((q, pk["src"]), (k, pk["src"]), (v, src_v), (g, pk["src"]), (beta, pk["src"]))
     if implementation in KERNEL_OPTIONS:
         from kernels_pallas.gated_delta import fused_triton, ragged_triton
+        if STREAM_QK_IN_V_DTYPE:
+            low = ragged_triton.qk_in_v_dtype(q, k, v)
+            pairs = ((low[0], pk["src"]), (low[1], pk["src"])) + pairs[2:]
         streams = {}  # one gather per distinct (array, rows) (affine.ragged_maps passes k as q)
         for x, src in pairs:
             if (id(x), id(src)) not in streams:

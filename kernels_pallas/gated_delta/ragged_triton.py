@@ -80,13 +80,15 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
         jax.lax.fori_loop(start, end, body, s0)
 
 
-def _mosaic_operands(q, k, v):
+def qk_in_v_dtype(q, k, v):
     """q, k in v's dtype where it is bf16 / f16: a model L2-normalises q/k in float32 (as HF
     does); the Mosaic kernels take one dtype, and the Triton ones round q/k to the dot dtype
-    inside their dots anyway. Others are left for the kernels' own check."""
-    if v.dtype in (jnp.bfloat16, jnp.float16):
-        return q.astype(v.dtype), k.astype(v.dtype)
-    return q, k
+    inside their dots anyway. Others are left for the kernels' own check. q is k (affine's
+    transition maps) stays one array."""
+    if v.dtype not in (jnp.bfloat16, jnp.float16):
+        return q, k
+    k_low = k.astype(v.dtype)
+    return (k_low if q is k else q.astype(v.dtype)), k_low
 
 
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
@@ -119,7 +121,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     nc = t_len // chunk
     dot_dtype = v.dtype if dot_dtype is None else dot_dtype
     if "mosaic" in (opt["intra"], opt["output"]):
-        q, k = _mosaic_operands(q, k, v)
+        q, k = qk_in_v_dtype(q, k, v)
     w, u, kd, gc = fused_triton.intra(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                       interpret=interpret, kind=opt["intra"],
                                       num_warps=opt["intra_warps"], used=n_used)
