@@ -67,7 +67,7 @@ B)
 C)
   MINIPIC_COMPILED=1 timeout 170 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
     tests/test_gated_delta_seq_scan.py tests/test_span_joint_pass.py tests/test_span_joint_layer.py \
-    tests/test_engine_gdn_kernel.py tests/test_hybrid_checkpoint_rows.py \
+    tests/test_engine_gdn_kernel.py tests/test_gated_delta_stream_dtype.py tests/test_hybrid_checkpoint_rows.py \
     tests/test_hybrid_restore_rows.py > "$OUT/tests.txt" 2>&1
   echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
   grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
