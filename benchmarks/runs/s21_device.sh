@@ -16,7 +16,7 @@
 #      scan A/B, rag at 16 seats (pic_off + fcfs)
 #   D  issue 29's span request (preallocated), then the step variants' forms (new / f32_qk: the
 #      packed stream's q / k in float32 as before session 22 / old: session 20's passes)
-# usage: OUT=$OUT bash benchmarks/runs/s21_device.sh A|B|C|D
+# usage: OUT=$OUT [TOTAL=seconds, C only] bash benchmarks/runs/s21_device.sh A|B|C|D
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s21
@@ -74,7 +74,7 @@ C)
   timeout 100 python3 -m benchmarks.ragged_scan --reps 15 --json "$OUT/ragged_scan.json" \
     > "$OUT/ragged_scan.txt" 2>&1
   echo "ragged scan rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^ragged scan" "$OUT/ragged_scan.txt" >> "$R"
-  L=$(left 570); [ "$L" -lt 60 ] && L=60
+  L=$(left ${TOTAL:-570}); [ "$L" -lt 60 ] && L=60
   timeout $L python3 $RAG --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" \
     > "$OUT/rag.txt" 2>&1
   echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
