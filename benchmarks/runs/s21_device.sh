@@ -16,7 +16,9 @@
 #      scan A/B, rag at 16 seats (pic_off + fcfs)
 #   D  issue 29's span request (preallocated), then the step variants' forms (new / f32_qk: the
 #      packed stream's q / k in float32 as before session 22 / old: session 20's passes)
-# usage: OUT=$OUT [TOTAL=seconds, C only] bash benchmarks/runs/s21_device.sh A|B|C|D
+#   E  (one call left) C's compiled tests, D's span request, then rag at 16 seats in what is
+#      left of TOTAL (default 560 s)
+# usage: OUT=$OUT [TOTAL=seconds, C / E] bash benchmarks/runs/s21_device.sh A|B|C|D|E
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s21
@@ -89,7 +91,24 @@ D)
   timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 9 \
     --variants plain warm/0 warm/4 --forms new f32_qk old > "$OUT/step_forms.txt" 2>&1
   echo "step forms rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^time" "$OUT/step_forms.txt" >> "$R";;
-*) echo "usage: $0 A|B|C|D"; exit 2;;
+E)
+  MINIPIC_COMPILED=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
+    tests/test_gated_delta_seq_scan.py tests/test_span_joint_pass.py tests/test_span_joint_layer.py \
+    tests/test_engine_gdn_kernel.py tests/test_gated_delta_stream_dtype.py \
+    tests/test_hybrid_checkpoint_rows.py tests/test_hybrid_restore_rows.py > "$OUT/tests.txt" 2>&1
+  echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
+  grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
+  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 220 python3 -m benchmarks.cli hybrid-spans --steps \
+    --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
+  echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
+  grep -E "^(call|[a-i] )|goal|warm-up" "$OUT/hybrid_spans.txt" | grep -v "^W1" | cut -c1-200 >> "$R"
+  L=$(left ${TOTAL:-560}); [ "$L" -lt 60 ] && L=60
+  timeout $L python3 $RAG --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" \
+    > "$OUT/rag.txt" 2>&1
+  echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
+  grep -E "requests/s|compose (cost|form triton|bf16_x6)|speed-up|^ *(multi|zipf)" "$OUT/rag.txt" \
+    | cut -c1-240 >> "$R";;
+*) echo "usage: $0 A|B|C|D|E"; exit 2;;
 esac
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"
