@@ -16,8 +16,8 @@
 #      scan A/B, rag at 16 seats (pic_off + fcfs)
 #   D  issue 29's span request (preallocated), then the step variants' forms (new / f32_qk: the
 #      packed stream's q / k in float32 as before session 22 / old: session 20's passes)
-#   E  (one call left) C's compiled tests, D's span request, then rag at 16 seats in what is
-#      left of TOTAL (default 560 s)
+#   E  (one call left) C's compiled tests, D's span request, rag at 16 seats, then the step forms
+#      (plain, warm/0) while TOTAL (default 560 s) leaves time
 # usage: OUT=$OUT [TOTAL=seconds, C / E] bash benchmarks/runs/s21_device.sh A|B|C|D|E
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -107,7 +107,13 @@ E)
     > "$OUT/rag.txt" 2>&1
   echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
   grep -E "requests/s|compose (cost|form triton|bf16_x6)|speed-up|^ *(multi|zipf)" "$OUT/rag.txt" \
-    | cut -c1-240 >> "$R";;
+    | cut -c1-240 >> "$R"
+  L=$(left ${TOTAL:-560})
+  if [ "$L" -gt 70 ]; then
+    timeout $((L - 5)) python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 \
+      --reps 7 --variants plain warm/0 --forms new f32_qk old > "$OUT/step_forms.txt" 2>&1
+    echo "step forms rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^time" "$OUT/step_forms.txt" >> "$R"
+  fi;;
 *) echo "usage: $0 A|B|C|D|E"; exit 2;;
 esac
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
