@@ -82,10 +82,11 @@ def test_jitted_kernels_keep_the_program(model, monkeypatch):
         assert "sdy.sharding_constraint" not in a  # the Auto mesh: none, as on one GPU
     # the KV pool's reserve for the step (step_temps' liveness walk, which adds a nested
     # jit's own peak while it runs): the same for the Llama; for Qwen3.5 the GDN call's small
-    # int buffers count a little differently (11.8 kB of 448 kB here; 256 bytes of 1.17 GB at
-    # Qwen3.5-0.8B's 2048-token step, where a KV block holds 196 kB)
+    # int buffers count a little differently (11,760 bytes here, of 374 kB since the packed
+    # stream holds q / k in bf16, 448 kB before; 256 bytes of 1.17 GB at Qwen3.5-0.8B's
+    # 2048-token step, where a KV block holds 196 kB)
     assert temps == temps_per_layer if model == "llama" else \
-        abs(temps[0] - temps_per_layer[0]) < 0.03 * temps_per_layer[0]
+        abs(temps[0] - temps_per_layer[0]) <= 12 * 1024
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="counts XLA:CPU's instructions")
