@@ -68,24 +68,54 @@ def _check_depths(depths, n: int) -> np.ndarray:
 
 
 class EmpiricalHistogram:
-    """Counts of observed depths, additively (Laplace) smoothed: (count + a) / (total + a (N+1))."""
+    """Counts of observed depths, additively (Laplace) smoothed: (count + a) / (total + a (N+1)).
+
+    An observation costs O(its depths), not O(N) (an engine observes one depth per admitted
+    request, N = max_model_len). `track_bins` keeps per-bin sums beside the counts, so the pmf's
+    bin masses (`bin_pmf`, what a Replanner with candidates compares) cost O(bins)."""
 
     def __init__(self, n: int, smoothing: float = 0.5):
         if n < 0 or smoothing < 0:
             raise ValueError(f"need n >= 0 and smoothing >= 0, got n={n}, smoothing={smoothing}")
         self.n, self.smoothing = n, float(smoothing)
         self.counts = np.zeros(n + 1)
+        self._scale = 1.0  # stored counts are weights x _scale (DecayingHistogram grows it)
+        self._bins = self.bin_counts = self._bin_width = None
 
     @property
     def total(self) -> float:
-        return float(self.counts.sum())
+        return float(self.counts.sum() / self._scale)
+
+    def _add(self, d: np.ndarray, w) -> None:
+        np.add.at(self.counts, d, w)
+        if self._bins is not None:
+            np.add.at(self.bin_counts, self._bins[d], w)
 
     def observe(self, depths) -> None:
-        d = _check_depths(depths, self.n)
-        self.counts += np.bincount(d, minlength=self.n + 1)
+        self._add(_check_depths(depths, self.n), 1.0)
 
     def pmf(self) -> np.ndarray:
-        w = self.counts + self.smoothing
+        w = self.counts / self._scale + self.smoothing
+        if not w.sum() > 0:
+            raise ValueError("no observations yet and smoothing = 0: the pmf is undefined")
+        return w / w.sum()
+
+    def track_bins(self, bins) -> None:
+        """Keep the counts summed per bin (bins: [N + 1] the bin of each depth, 0-based). One
+        binning per estimator: a second, different one raises (its owner's drift would read
+        the wrong sums)."""
+        bins = np.asarray(bins, np.int64)
+        if self._bins is not None and not np.array_equal(bins, self._bins):
+            raise ValueError("this histogram already keeps sums for another binning (one "
+                             "Replanner with candidates per estimator)")
+        self._bins = bins
+        n_bins = int(self._bins.max()) + 1
+        self.bin_counts = np.bincount(self._bins, weights=self.counts, minlength=n_bins)
+        self._bin_width = np.bincount(self._bins, minlength=n_bins).astype(np.float64)
+
+    def bin_pmf(self) -> np.ndarray:
+        """The pmf's mass per tracked bin (`track_bins` first): the pmf binned, in O(bins)."""
+        w = self.bin_counts / self._scale + self.smoothing * self._bin_width
         if not w.sum() > 0:
             raise ValueError("no observations yet and smoothing = 0: the pmf is undefined")
         return w / w.sum()
@@ -103,11 +133,7 @@ class DecayingHistogram(EmpiricalHistogram):
         if not half_life > 0:
             raise ValueError(f"half_life must be > 0, got {half_life}")
         self.decay = 0.5 ** (1.0 / half_life)
-        self._scale = 1.0  # weight of the next observation in stored units
-
-    @property
-    def total(self) -> float:
-        return float(self.counts.sum() / self._scale)
+        # _scale: the weight of the next observation in stored units
 
     def observe(self, depths) -> None:
         d = _check_depths(depths, self.n)
@@ -117,16 +143,12 @@ class DecayingHistogram(EmpiricalHistogram):
             # observation i of a piece has weight decay^(len - 1 - i) right after it
             w = self._scale * self.decay ** -np.arange(1, part.size + 1)
             self._scale = self._scale * self.decay ** -part.size
-            self.counts += np.bincount(part, weights=w, minlength=self.n + 1)
+            self._add(part, w)
             if self._scale > 1e100:  # keep stored numbers finite
                 self.counts /= self._scale
+                if self._bins is not None:
+                    self.bin_counts /= self._scale
                 self._scale = 1.0
-
-    def pmf(self) -> np.ndarray:
-        w = self.counts / self._scale + self.smoothing
-        if not w.sum() > 0:
-            raise ValueError("no observations yet and smoothing = 0: the pmf is undefined")
-        return w / w.sum()
 
 
 class Replanner:
@@ -142,19 +164,27 @@ class Replanner:
                 f"need every >= 1 and 0 < tv_threshold <= 1, got {every}, {tv_threshold}")
         self.estimator, self.budget, self.strategy = estimator, budget, strategy
         self.candidates, self.every, self.tv_threshold = candidates, every, tv_threshold
+        if candidates is not None:  # drift compares bin masses: kept per bin by the estimator
+            cand = check_positions(candidates, estimator.n, name="candidates")
+            estimator.track_bins(np.searchsorted(cand, np.arange(estimator.n + 1), side="right"))
         self.replans = 0
         self._since = 0
         self._replan()
 
     def _replan(self) -> None:
         self.plan_pmf = self.estimator.pmf()
+        if self.candidates is not None:
+            self._plan_bins = self.estimator.bin_pmf()
         self.positions = place(self.plan_pmf, self.budget, self.strategy, self.candidates)
         self._since = 0
         self.replans += 1
 
     def drift(self) -> float:
-        """TV distance between the current estimate and the pmf the plan was made for."""
-        return tv_distance(self.estimator.pmf(), self.plan_pmf, self.candidates)
+        """TV distance between the current estimate and the pmf the plan was made for (over
+        candidate bins with candidates: `tv_distance`'s, from the estimator's bin sums)."""
+        if self.candidates is not None:
+            return 0.5 * float(np.abs(self.estimator.bin_pmf() - self._plan_bins).sum())
+        return tv_distance(self.estimator.pmf(), self.plan_pmf)
 
     def observe(self, depths) -> bool:
         """Records observed depths; returns True if this call triggered a new plan."""

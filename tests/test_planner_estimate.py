@@ -110,3 +110,23 @@ def test_robustness_bound_holds(n, budget, seed, mix, chunk):
     if cand is None:  # the per-placement step of the proof: |E_p[C] - E_q[C]| <= TV * G(C)
         gap = abs(expected_recompute(p, c_q) - expected_recompute(q, c_q))
         assert gap <= tv * max_gap(c_q, n) + 1e-12
+
+
+@pytest.mark.parametrize("make", [lambda n: EmpiricalHistogram(n, smoothing=0.3),
+                                  lambda n: DecayingHistogram(n, half_life=3, smoothing=1e-4)])
+def test_drift_from_bin_sums_equals_the_binned_tv_distance(fresh_rng, make):
+    """The Replanner's drift reads the estimator's per-bin sums (kept as it observes, O(depths)
+    an observation, not O(N)); it equals tv_distance over the candidate bins of the whole pmf,
+    also across the decaying histogram's rescales (half-life 3: 1e100 within ~1,000 depths)."""
+    n = 97
+    cand = [5, 17, 40, 41, 90]
+    est = make(n)
+    est.observe(fresh_rng.integers(0, n + 1, size=30))  # before the Replanner starts tracking
+    rp = Replanner(est, budget=2, candidates=cand, every=10**9, tv_threshold=1.0)
+    for k in (1, 1, 7, 400, 1500, 1):
+        rp.observe(fresh_rng.integers(0, 30, size=k))
+        want = tv_distance(est.pmf(), rp.plan_pmf, cand)
+        assert rp.drift() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert rp.drift() > 0.05  # the traffic moved: the check compares something
+    with pytest.raises(ValueError, match="another binning"):
+        Replanner(est, budget=2, candidates=[3, 50], tv_threshold=1.0)
