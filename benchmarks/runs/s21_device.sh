@@ -102,12 +102,14 @@ E)
     --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
   echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
   grep -E "^(call|[a-i] )|goal|warm-up" "$OUT/hybrid_spans.txt" | grep -v "^W1" | cut -c1-200 >> "$R"
-  L=$(left ${TOTAL:-560}); [ "$L" -lt 60 ] && L=60
-  timeout $L python3 $RAG --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" \
-    > "$OUT/rag.txt" 2>&1
-  echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "requests/s|compose (cost|form triton|bf16_x6)|speed-up|^ *(multi|zipf)" "$OUT/rag.txt" \
-    | cut -c1-240 >> "$R"
+  L=$(left ${TOTAL:-560})
+  if [ "$L" -ge 90 ]; then
+    timeout $L python3 $RAG --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" \
+      > "$OUT/rag.txt" 2>&1
+    echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
+    grep -E "requests/s|compose (cost|form triton|bf16_x6)|speed-up|^ *(multi|zipf)" \
+      "$OUT/rag.txt" | cut -c1-240 >> "$R"
+  fi
   L=$(left ${TOTAL:-560})
   if [ "$L" -gt 70 ]; then
     timeout $((L - 5)) python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 \
