@@ -39,7 +39,10 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
 
 from __future__ import annotations
 
+import numpy as np
+
 from serving.cache.admission import AdmissionPlan
+from serving.cache.prefix_keys import confirm_hits
 from serving.hybrid import checkpoint_plan, span_partial, span_rows
 from serving.hybrid.resume import Resume
 
@@ -61,8 +64,15 @@ class SpanMapCache:
         KV host tier, else None."""
         bm, keys, bs = mgr.bm, mgr.keys, self.block_size
         hashes = keys.hashes(seq)
+        j0, j1 = a // bs, b // bs
+        got = [bm.table.get(h) for h in hashes[j0:j1]]
+        if None not in got:  # every block on the device: one check of the whole span
+            ready = bm.ready[np.asarray(got, np.int64)].all()
+            if not ready or confirm_hits(got, bm, keys.token_bytes(seq), bs, offset=j0):
+                return None
+            return [("hit", blk) for blk in got]
         kinds = []
-        for j in range(a // bs, b // bs):
+        for j in range(j0, j1):
             blk = bm.table.get(hashes[j])
             if blk is not None and bm.ready[blk] and bm.confirm[blk] == keys.confirm(seq, j):
                 kinds.append(("hit", blk))
