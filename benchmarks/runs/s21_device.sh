@@ -98,7 +98,8 @@ E)
     tests/test_hybrid_checkpoint_rows.py tests/test_hybrid_restore_rows.py > "$OUT/tests.txt" 2>&1
   echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
   grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
-  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 220 python3 -m benchmarks.cli hybrid-spans --steps \
+  L=$(left ${TOTAL:-560}); [ "$L" -gt 220 ] && L=220
+  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $L python3 -m benchmarks.cli hybrid-spans --steps \
     --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
   echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
   grep -E "^(call|[a-i] )|goal|warm-up" "$OUT/hybrid_spans.txt" | grep -v "^W1" | cut -c1-200 >> "$R"
