@@ -47,3 +47,47 @@ def test_span_hits(case, want):
         assert got == [("hit", 11), ("host", None), ("hit", 13)]
     else:
         assert got == want
+
+
+def _match_block_by_block(mgr, seq, bs):
+    """HybridPrefixCache.match's rule, one block at a time (the form before the run check)."""
+    bm, keys = mgr.bm, mgr.keys
+    hashes, limit, raw, step = keys.hashes(seq), keys.hit_limit(seq), keys.token_bytes(seq), 8 * bs
+    kinds, shared = [], 0
+    for j in range(limit):
+        b = bm.table.get(hashes[j])
+        same = b is not None and bm.confirm[b] == raw[j * step:(j + 1) * step]
+        host = b is None and mgr.offload is not None and mgr.offload.contains(hashes[j])
+        if not (same or host):
+            break
+        if len(kinds) == j and (host or bm.ready[b]):
+            kinds.append(("host", None) if host else ("hit", b))
+        shared = j + 1
+    return kinds, shared
+
+
+def test_prefix_match_equals_the_block_by_block_rule(fresh_rng):
+    """HybridPrefixCache.match checks the leading run of device blocks as a whole; on random
+    pools (blocks missing, in the host tier, not ready, colliding) it gives the kinds and shared
+    depth of the block-by-block rule."""
+    from serving.hybrid.hybrid_prefix import HybridPrefixCache
+    for trial in range(200):
+        n = int(fresh_rng.integers(0, 12))
+        cache, mgr = _setup(n_blocks=max(n, 1))
+        hashes = mgr.keys.hashes(None)[:n]
+        state = fresh_rng.integers(0, 6, size=n)  # 0-2 hit, 3 not ready, 4 collides, 5 gone
+        host = set()
+        for j, st in enumerate(state):
+            if st == 3:
+                mgr.bm.ready[10 + j] = False
+            elif st == 4:
+                mgr.bm.confirm[10 + j] = b"\1" * (8 * BS)
+            elif st == 5:
+                del mgr.bm.table[hashes[j]]
+                if fresh_rng.random() < 0.5:
+                    host.add(hashes[j])
+        mgr.offload = SimpleNamespace(contains=host.__contains__) if trial % 3 else None
+        mgr.keys.hit_limit = lambda seq, n=n: n
+        want = _match_block_by_block(mgr, None, BS)
+        got = HybridPrefixCache.match(SimpleNamespace(block_size=BS), mgr, None)
+        assert got == want, (trial, state.tolist(), sorted(host))
