@@ -164,6 +164,19 @@ def confirm_hits(got: list, bm, raw: bytes, block_size: int,
     return indices_of_none(got) if collided else misses
 
 
+def device_run(bm, hashes, raw: bytes, block_size: int, offset: int = 0):
+    """(blocks, ready): the leading run of `hashes` whose blocks the pool holds with kept tokens
+    equal to theirs in `raw` (`hashes[i]` is block i + `offset` of `raw`), checked as a whole
+    (`confirm_hits`), and how many of those lead the run ready. A span admission and a hybrid
+    prefix match read hundreds of blocks per request this way instead of a loop per block."""
+    got = [bm.table.get(h) for h in hashes]
+    run = got[:got.index(None)] if None in got else got
+    misses = confirm_hits(run, bm, raw, block_size, offset=offset)
+    run = run[:misses[0]] if misses else run
+    ready = bm.ready[np.asarray(run, np.int64)]
+    return run, (int(np.argmin(ready)) if not ready.all() else len(run))
+
+
 def _confirm_gaps(got: list, gaps: list, bm, raw: bytes, block_size: int,
                   misses: list[int]) -> list[int]:
     """confirm_hits over the blocks [a, b) of each of `gaps` only (the rest of `got` is

@@ -28,10 +28,8 @@ PDEP blocks, one at the first span's start (span_cache.py `_checkpoints`).
 
 from __future__ import annotations
 
-import numpy as np
-
 from serving.cache.admission import AdmissionPlan
-from serving.cache.prefix_keys import confirm_hits
+from serving.cache.prefix_keys import device_run
 from serving.hybrid.bucket_fit import BucketFit
 from serving.hybrid.checkpoint_plan import (CHECKPOINT_ROWS, CHECKPOINTS_PER_STEP, RESTORE_ROWS,
                                             candidates, halving_cover, on_grid, positions_of)
@@ -60,14 +58,8 @@ class HybridPrefixCache:
         bm, keys, bs = mgr.bm, mgr.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
         raw, step = keys.token_bytes(seq), 8 * bs
-        # the leading run of blocks on the device whose kept tokens match, checked as a whole
-        got = [bm.table.get(h) for h in hashes[:limit]]
-        run = got[:got.index(None)] if None in got else got
-        misses = confirm_hits(run, bm, raw, bs)
-        shared = misses[0] if misses else len(run)
-        ready = bm.ready[np.asarray(run[:shared], np.int64)]
-        r = int(np.argmin(ready)) if not ready.all() else shared
-        kinds = [("hit", b) for b in run[:r]]
+        run, ready = device_run(bm, hashes[:limit], raw, bs)  # the device's leading run, whole
+        kinds, shared = [("hit", b) for b in run[:ready]], len(run)
         for j in range(shared, limit):  # the host tier, and matches past it (as block by block)
             b = bm.table.get(hashes[j])
             same = b is not None and bm.confirm[b] == raw[j * step:(j + 1) * step]

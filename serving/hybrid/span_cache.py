@@ -39,10 +39,8 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
 
 from __future__ import annotations
 
-import numpy as np
-
 from serving.cache.admission import AdmissionPlan
-from serving.cache.prefix_keys import confirm_hits
+from serving.cache.prefix_keys import device_run
 from serving.hybrid import checkpoint_plan, span_partial, span_rows
 from serving.hybrid.resume import Resume
 
@@ -65,13 +63,10 @@ class SpanMapCache:
         bm, keys, bs = mgr.bm, mgr.keys, self.block_size
         hashes = keys.hashes(seq)
         j0, j1 = a // bs, b // bs
-        got = [bm.table.get(h) for h in hashes[j0:j1]]
-        if None not in got:  # every block on the device: one check of the whole span
-            ready = bm.ready[np.asarray(got, np.int64)].all()
-            if not ready or confirm_hits(got, bm, keys.token_bytes(seq), bs, offset=j0):
-                return None
-            return [("hit", blk) for blk in got]
-        kinds = []
+        run, ready = device_run(bm, hashes[j0:j1], keys.token_bytes(seq), bs, offset=j0)
+        if len(run) == j1 - j0:  # every block on the device and matching: checked as a whole
+            return [("hit", blk) for blk in run] if ready == len(run) else None
+        kinds = []  # a block elsewhere (the host tier?) or colliding: block by block
         for j in range(j0, j1):
             blk = bm.table.get(hashes[j])
             if blk is not None and bm.ready[blk] and bm.confirm[blk] == keys.confirm(seq, j):
