@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     import importlib
 
     from benchmarks.engine_host import StubStep
+    from benchmarks.ttft_host import id_ceiling
     from configs.presets import PRESETS
     from minipic_jax import LLM, Prompt, SamplingParams, Span
     PRESETS.setdefault("tiny_qwen3_5_long", dataclasses.replace(
@@ -62,25 +63,20 @@ def main(argv=None) -> int:
     engine = llm.llm_engine
     engine.runner._step = StubStep(engine.vocab_size)
     rng = np.random.default_rng(0)
-    vocab = engine.vocab_size - 8
+    vocab = id_ceiling(engine)  # no marker or EOS id among the drawn ones
     spans = [rng.integers(0, vocab, 900).tolist() for _ in range(6)]
     system = rng.integers(0, vocab, 200).tolist()
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-    def request(order):
+    def run(order):
+        """One request through `generate`: the system prompt, the spans in `order`, a new
+        question; its cached prompt tokens."""
         question = rng.integers(0, vocab, 120).tolist()
         segs = [Prompt(system), *[Span(spans[j]) for j in order], Prompt(question)]
-        return llm.to_token_ids(segs)[0]
+        return llm.generate([segs], sp, use_tqdm=False)[0].num_cached_tokens
 
-    def run(rid, ids):
-        engine.add_request(rid, ids, sp)
-        outs = []
-        while engine.has_unfinished():
-            outs += engine.step()
-        return outs
-
-    run("cold", request(range(6)))
-    run("warm", request(rng.permutation(6)))
+    run(range(6))  # cold: computes the spans
+    run(rng.permutation(6))  # warm: the maps' bookkeeping
     admits, parts = [], collections.defaultdict(list)
     mgr = engine.scheduler.cache
     mgr.admit = _timed(mgr.admit, admits)
@@ -93,7 +89,7 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         if prof is not None and r == args.repeats // 2:
             prof.enable()
-        cached.append(run(f"r{r}", request(rng.permutation(6)))[0].num_cached_tokens)
+        cached.append(run(rng.permutation(6)))
     if prof is not None:
         prof.disable()
     print(f"reordered 6 x 900 span request, {int(np.median(cached))} of its tokens cached: "

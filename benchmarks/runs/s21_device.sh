@@ -11,14 +11,11 @@
 #      82b4d81`, .dev1 is ignored, so name it in the call's carry) issue 29's span request with the
 #      allocator preallocated (reordered goal 0.2x; first-call gap), then the plain hybrid step at
 #      64 seats before (82b4d81) / after (flat checkpoint and restore rows)
-#   C  (session 22, when device time is short: A and B regrouped) the compiled tests of the new
-#      kernels only (per-sequence scan, joint passes, the engine's GDN kernel path), the ragged
-#      scan A/B, rag at 16 seats (pic_off + fcfs)
-#   D  issue 29's span request (preallocated), then the step variants' forms (new / f32_qk: the
-#      packed stream's q / k in float32 as before session 22 / old: session 20's passes)
-#   E  (one call left) C's compiled tests, D's span request, rag at 16 seats, then the step forms
-#      (plain, warm/0) while TOTAL (default 560 s) leaves time
-# usage: OUT=$OUT [TOTAL=seconds, C / E] bash benchmarks/runs/s21_device.sh A|B|C|D|E
+#   E  (session 22: the budget for one call only) the compiled tests of the new kernels, B's
+#      span request, rag at 16 seats, then the step forms (plain, warm/0; new / f32_qk: the
+#      packed stream's q / k in float32 as before session 22 / old: session 20's passes), each
+#      part within TOTAL (default 560 s)
+# usage: OUT=$OUT [TOTAL=seconds, E only] bash benchmarks/runs/s21_device.sh A|B|E
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s21
@@ -32,7 +29,7 @@ case "$1" in
 A)
   MINIPIC_COMPILED=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
     tests/test_gated_delta_seq_scan.py tests/test_span_joint_pass.py tests/test_span_joint_layer.py \
-    tests/test_gated_delta.py \
+    tests/test_gated_delta.py tests/test_gated_delta_stream_dtype.py \
     tests/test_hybrid_checkpoint_rows.py \
     tests/test_hybrid_restore_rows.py tests/test_engine_hybrid_span_start.py \
     tests/test_engine_hybrid_barrier.py tests/test_chain_compose_kernel.py tests/test_span_maps.py \
@@ -43,7 +40,7 @@ A)
     > "$OUT/ragged_scan.txt" 2>&1
   echo "ragged scan rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^ragged scan" "$OUT/ragged_scan.txt" >> "$R"
   timeout 180 python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 9 \
-    --variants plain warm/0 warm/4 --forms new old > "$OUT/step_forms.txt" 2>&1
+    --variants plain warm/0 warm/4 --forms new f32_qk old > "$OUT/step_forms.txt" 2>&1
   echo "step forms rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^time" "$OUT/step_forms.txt" >> "$R"
   L=$(left 575); [ "$L" -lt 60 ] && L=60
   timeout $L python3 $RAG --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" \
@@ -66,31 +63,6 @@ B)
     echo "fixed step $tree t=$((SECONDS-T0)) s" >> "$R"
     grep "ms/step\|rc=[^0]" "$OUT/fixed_$tree/fixed_step.txt" | cut -c1-200 >> "$R"
   done;;
-C)
-  MINIPIC_COMPILED=1 timeout 170 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
-    tests/test_gated_delta_seq_scan.py tests/test_span_joint_pass.py tests/test_span_joint_layer.py \
-    tests/test_engine_gdn_kernel.py tests/test_gated_delta_stream_dtype.py tests/test_hybrid_checkpoint_rows.py \
-    tests/test_hybrid_restore_rows.py > "$OUT/tests.txt" 2>&1
-  echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
-  grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
-  timeout 100 python3 -m benchmarks.ragged_scan --reps 15 --json "$OUT/ragged_scan.json" \
-    > "$OUT/ragged_scan.txt" 2>&1
-  echo "ragged scan rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^ragged scan" "$OUT/ragged_scan.txt" >> "$R"
-  L=$(left ${TOTAL:-570}); [ "$L" -lt 60 ] && L=60
-  timeout $L python3 $RAG --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" \
-    > "$OUT/rag.txt" 2>&1
-  echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "requests/s|compose (cost|form triton|bf16_x6)|speed-up|^ *(multi|zipf)" "$OUT/rag.txt" \
-    | cut -c1-240 >> "$R";;
-D)
-  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 230 python3 -m benchmarks.cli hybrid-spans --steps \
-    --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
-  echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "^(call|[a-i] )|goal|warm-up" "$OUT/hybrid_spans.txt" | grep -v "^W1" | cut -c1-200 >> "$R"
-  L=$(left 560); [ "$L" -lt 60 ] && L=60
-  timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 9 \
-    --variants plain warm/0 warm/4 --forms new f32_qk old > "$OUT/step_forms.txt" 2>&1
-  echo "step forms rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^time" "$OUT/step_forms.txt" >> "$R";;
 E)
   L=$(left ${TOTAL:-560}); [ "$L" -gt 150 ] && L=150
   MINIPIC_COMPILED=1 timeout $L python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
@@ -121,7 +93,7 @@ E)
       --reps 7 --variants plain warm/0 --forms new f32_qk old > "$OUT/step_forms.txt" 2>&1
     echo "step forms rc=$? t=$((SECONDS-T0)) s" >> "$R"; grep "^time" "$OUT/step_forms.txt" >> "$R"
   fi;;
-*) echo "usage: $0 A|B|C|D|E"; exit 2;;
+*) echo "usage: $0 A|B|E"; exit 2;;
 esac
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"

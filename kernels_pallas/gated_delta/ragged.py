@@ -290,9 +290,9 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     pairs = ((q, pk["src"]), (k, pk["src"]), (v, src_v), (g, pk["src"]), (beta, pk["src"]))
     if implementation in KERNEL_OPTIONS:
         from kernels_pallas.gated_delta import fused_triton, ragged_triton
-        if STREAM_QK_IN_V_DTYPE:
-            low = ragged_triton.qk_in_v_dtype(q, k, v)
-            pairs = ((low[0], pk["src"]), (low[1], pk["src"])) + pairs[2:]
+        if STREAM_QK_IN_V_DTYPE:  # the XLA path below keeps float32 q / k
+            q_low, k_low = ragged_triton.qk_in_v_dtype(q, k, v)
+            pairs = ((q_low, pk["src"]), (k_low, pk["src"])) + pairs[2:]
         streams = {}  # one gather per distinct (array, rows) (affine.ragged_maps passes k as q)
         for x, src in pairs:
             if (id(x), id(src)) not in streams:
