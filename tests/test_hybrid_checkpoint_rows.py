@@ -110,14 +110,17 @@ def _stub_llm(**kw):
 
 
 def test_a_crowded_step_keeps_its_checkpoints_within_the_rows_and_loses_none():
-    """Twelve cold 200-token prompts admitted together (2,048-token steps, free room on: 24
-    checkpoints, two a prompt): every launched step takes at most CHECKPOINT_ROWS (here 16, then
-    8), and every prompt still stores the checkpoints it takes alone. Before, the first step
-    took more than its rows (the runner's fill_checkpoints refuses it)."""
+    """Twelve cold 200-token prompts admitted together (2,048-token steps, free room on: 36
+    checkpoints, three a prompt, as a GPU's pool sizes them): every launched step takes at most
+    CHECKPOINT_ROWS, and every prompt still stores the checkpoints it takes alone. Before, the
+    first step took more than its rows (the runner's fill_checkpoints refuses it); then a prompt
+    whose chunk started at a checkpoint with no row left moved on without it (the H100 run of
+    session 23: two a prompt, CPU's pool of 64 slots, never left one at a chunk's start)."""
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, 200).tolist() for _ in range(12)]
     kw = dict(max_num_seqs=12, max_num_batched_tokens=2048, min_token_bucket=64,
-              max_model_len=512, num_kv_blocks=400, checkpoint_free_room=True)
+              max_model_len=512, num_kv_blocks=400, checkpoint_free_room=True,
+              checkpoints_per_prompt=4)
     taken = {}
     for crowd in (True, False):
         llm = _stub_llm(**kw)

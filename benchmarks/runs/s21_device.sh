@@ -55,7 +55,7 @@ B)
   echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
   grep -E "^(call|[a-i] )|goal|warm-up" "$OUT/hybrid_spans.txt" | grep -v "^W1" | cut -c1-200 >> "$R"
   mkdir -p /tmp/kbefore && tar -xzf .dev1/fixed_before.tgz -C /tmp/kbefore
-  L=$(left 560); EACH=$(( (L - 10) / 2 ))
+  L=$(left ${TOTAL:-560}); EACH=$(( (L - 10) / 2 ))
   for tree in before after; do
     dir=$PWD; [ $tree = before ] && dir=/tmp/kbefore
     (cd $dir && PYTHONPATH=$dir OUT=$OUT/fixed_$tree SEATS=64 LENS=25600 LIMIT=$EACH \

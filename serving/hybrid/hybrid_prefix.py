@@ -205,15 +205,16 @@ class HybridPrefixCache:
     def chunk_stop(self, seq, stop_at, budget: int = 0):
         """A chunk [s, e] takes the first M = CHECKPOINTS_PER_STEP positions ahead in [s, e]
         (one at s: the state it starts from, which the kernel returns as is; fewer when fewer of
-        the step's rows are left), all in its one step; it stops at the next, which the next
-        chunk takes at its start, and at a span prompt's position off the GDN chunk grid (its
+        the step's rows are left; with none left and one at s, no chunk: it waits a step), all in
+        its one step; it stops at the next, which the next chunk takes at its start, and at a span prompt's position off the GDN chunk grid (its
         first span start). A plain prompt's chunk that would overflow a token bucket by a little
         stops there (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
         if not self.restores_left and seq.hybrid.restore_entry is not None:
             return seq.num_computed  # its restore waits for a step with a row left: no chunk
         ahead, m = self._ahead(seq), min(CHECKPOINTS_PER_STEP, self.rows_left)
-        ahead = ahead[1:] if not m and ahead and ahead[0] <= seq.num_computed else ahead
-        if len(ahead) > m:  # (the one at s, with no row left for it, is not taken)
+        if not m and ahead and ahead[0] <= seq.num_computed:
+            return seq.num_computed  # the one at s waits for a step with a row (moving on loses it)
+        if len(ahead) > m:
             stop_at = ahead[m] if stop_at is None else min(stop_at, ahead[m])
         spans = seq.layout.span_block.any()
         if spans:  # a position off the GDN chunk grid (a span start) is exact as a last row only
