@@ -22,7 +22,11 @@ under each Config.span_maps.compose_precision (ms, share of the step, TFLOP/s, r
 difference of the entry states from IEEE float32's), the difference measured on probe maps:
 the captured ones' A are exactly 0 on the random-weight presets (their decay, exp(g) ~ 0.03 a
 token, underflows over a 128-token span), so A S is 0 and every precision gives the same bits
-on them (`a_zero`: the share of the captured maps' A entries that are 0).
+on them (`a_zero`: the share of the captured maps' A entries that are 0). The Triton kernel
+starts each head's chain at its last map whose A is zero (chain_compose.reset_starts;
+`reset_skipped`: the share of (map, layer, head) applications that saves), so on those presets
+a chain costs one map: `probe_compose_ms` times the same chains on the probe maps (no zero
+head), the cost where a trained model's decays leave every head's A nonzero.
 """
 
 from __future__ import annotations
@@ -89,8 +93,8 @@ def probe_pool(pool, chains, seed: int = 0):
     remap[used] = np.arange(used.size, dtype=np.int32)
     dk = pool.a.shape[-1]
     a = jax.random.normal(jax.random.key(seed), (used.size,) + pool.a.shape[1:], jnp.float32)
-    probe = span_maps.SpanMapPool(a=a / np.sqrt(dk), b=pool.b[ids], tail=pool.tail[ids],
-                                  count=pool.count[ids])
+    probe = span_maps.pool_of(a=a / np.sqrt(dk), b=pool.b[ids], tail=pool.tail[ids],
+                              count=pool.count[ids])
     return probe, np.where(chains >= 0, remap[np.clip(chains, 0, None)], -1).astype(np.int32)
 
 
@@ -128,10 +132,10 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
         return span_maps.entry_states(pool, chains, conv0, delta0,
                                       precision=affine.compose_precision(precision), impl=impl)
 
-    def timed(chains, precision=runner.composer.precision, impl="auto"):
+    def timed(chains, precision=runner.composer.precision, impl="auto", pool=None):
         args = [jnp.asarray(x) for x in (f["slot"], chains)]
-        return _median_ms(lambda: compose(runner.cache, runner.span_pool, *args, precision,
-                                          impl), reps)
+        pool = runner.span_pool if pool is None else pool
+        return _median_ms(lambda: compose(runner.cache, pool, *args, precision, impl), reps)
 
     chains = f["chain"]
     rows, length = chains.shape
@@ -143,17 +147,30 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
         synth[n] = timed(c)
     per_map = (synth[16] - synth[1]) / 15  # one more map on every row
     compose_ms = timed(chains)
+    probe, probe_chains = probe_pool(runner.span_pool, chains)  # no zero heads: no reset starts
+    probe_ms = timed(probe_chains, pool=probe)
     plan = _plan(runner.span_pool, chains)
     return dict(tokens=kw["t"], seqs=kw["s"], chain_shape=[rows, length],
                 chain_rows=int((f["chain"] >= 0).any(axis=1).sum()), maps_in_step=capture.maps,
                 warm_steps=capture.steps, reps=reps, step_ms=step_ms, compose_ms=compose_ms,
-                compose_share=compose_ms / step_ms, synthetic_compose_ms=synth,
+                compose_share=compose_ms / step_ms, probe_compose_ms=probe_ms,
+                reset_skipped=_reset_skipped(runner.span_pool, chains), synthetic_compose_ms=synth,
                 per_map_all_rows_ms=per_map, per_span_ms=per_map / rows,
                 per_span_share=per_map / rows / step_ms, plan=plan,
                 forms={impl: timed(chains, impl=impl) for impl in FORMS},
                 a_zero=_a_zero(runner.span_pool, chains),
                 precisions=_precisions(compose, timed, runner, f, plan, step_ms),
                 map_bytes=int(runner.span_pool.a[0].nbytes + runner.span_pool.b[0].nbytes))
+
+
+def _reset_skipped(pool, chains) -> float:
+    """The share of the chains' (map, layer, head) A S dots the reset starts skip
+    (chain_compose.reset_starts: a head starts from the B of its last map whose A is zero)."""
+    c = jnp.asarray(chains)
+    n = span_maps.chain_lengths(c)
+    start = chain_compose.reset_starts(pool.zero_a, c, n)  # [S, Lg, Hv]
+    total = float(jnp.sum(n)) * start[0].size
+    return float(jnp.sum(jnp.where(start >= 0, start + 1, 0))) / total if total else 0.0
 
 
 def _a_zero(pool, chains) -> float:
@@ -187,7 +204,9 @@ def report(res: dict) -> str:
         f"compose cost ({res['tokens']}-token warm step, {res['maps_in_step']} cached maps on "
         f"{res['chain_rows']} rows, chain shape {res['chain_shape']}): step "
         f"{res['step_ms']:.2f} ms, its composition {res['compose_ms']:.3f} ms = "
-        f"{res['compose_share']:.2%}; one span on one row {res['per_span_ms']:.3f} ms = "
+        f"{res['compose_share']:.2%} (the reset starts skip {res['reset_skipped']:.1%} of the "
+        f"head dots; on probe maps, no zero A: {res['probe_compose_ms']:.3f} ms = "
+        f"{res['probe_compose_ms'] / res['step_ms']:.2%}); one span on one row {res['per_span_ms']:.3f} ms = "
         f"{res['per_span_share']:.3%} of the step (synthetic 1/4/16 maps x "
         f"{res['chain_shape'][0]} rows: " + " / ".join(
             f"{v:.3f}" for v in res["synthetic_compose_ms"].values()) + " ms)",

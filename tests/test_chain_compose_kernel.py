@@ -23,7 +23,7 @@ _PRESETS = jax.lax.DotAlgorithmPreset
 def _pool(rng, slots=7, layers=2, heads=3, dk=16, conv=(5, 3)):
     """A random pool, A scaled so long chains neither vanish nor blow up; counts 0..5."""
     a = rng.standard_normal((slots, layers, heads, dk, dk)) / np.sqrt(dk)
-    return span_maps.SpanMapPool(
+    return span_maps.pool_of(
         a=jnp.asarray(a, jnp.float32),
         b=jnp.asarray(rng.standard_normal((slots, layers, heads, dk, dk)), jnp.float32),
         tail=jnp.asarray(rng.standard_normal((slots, layers) + conv), jnp.float32),
@@ -93,6 +93,49 @@ def test_kernel_holds_the_exactness_bar():
     assert _rel(delta[0], replay) < 1e-6 and _rel(delta[0], final64) < 1e-5
 
 
+def _with_zero_heads():
+    """The chains' pool with some (slot, layer, head) A blocks exactly zero: slot 6 in layer 0
+    (every head), slot 0 in layer 1 head 2, slot 5 in layer 1 head 0."""
+    pool = _pool(np.random.default_rng(7))
+    a = np.array(pool.a)
+    a[6, 0], a[0, 1, 2], a[5, 1, 0] = 0.0, 0.0, 0.0
+    return span_maps.pool_of(jnp.asarray(a), pool.b, pool.tail, pool.count)
+
+
+def test_reset_starts_are_the_last_zero_map_of_each_head():
+    """reset_starts against a loop over every row, layer and head (ended positions ignored)."""
+    pool, chains = _with_zero_heads(), _chains()
+    chains[2, :3] = [0, 0, 6]  # the empty row gets a chain ending in a zero map
+    chains[1, 2:4] = [-1, 6]  # past the row's end: not a start
+    n = np.asarray(span_maps.chain_lengths(jnp.asarray(chains)))
+    got = np.asarray(chain_compose.reset_starts(pool.zero_a, jnp.asarray(chains), jnp.asarray(n)))
+    a = np.asarray(pool.a)
+    want = np.full(got.shape, -1)
+    for r in range(chains.shape[0]):
+        for i in range(n[r]):
+            want[r][np.all(a[chains[r, i]] == 0, axis=(-2, -1))] = i
+    np.testing.assert_array_equal(got, want)
+    assert (want >= 0).sum() >= 10 and (want == -1).sum() >= 10
+
+
+def test_a_chain_starts_at_its_last_zero_map_bit_for_bit():
+    """With the starts, the kernel gives the bits of the whole chain applied (A S + B = B where
+    A is zero), and the maps before a head's start are not read: NaN put in them changes
+    nothing there (row 3, layer 0: chain [0, 6, 1, 0, 5, 6], slot 6 zero in layer 0)."""
+    pool, chains = _with_zero_heads(), jnp.asarray(_chains())
+    n = span_maps.chain_lengths(chains)
+    delta0 = _states(np.random.default_rng(8), pool, chains.shape[0])[1]
+    start = chain_compose.reset_starts(pool.zero_a, chains, n)
+    run = lambda a, start: np.asarray(chain_apply(a, pool.b, chains, n, delta0, start=start,  # noqa: E731
+                                                  block_v=8, interpret=True))
+    whole, skipped = run(pool.a, None), run(pool.a, start)
+    np.testing.assert_array_equal(skipped, whole)
+    assert not np.array_equal(whole[0, 3], np.asarray(delta0)[0, 3])
+    poisoned = run(pool.a.at[jnp.asarray([0, 1, 5]), 0].set(jnp.nan), start)
+    np.testing.assert_array_equal(poisoned[0, 3], whole[0, 3])
+    assert np.isnan(run(pool.a.at[jnp.asarray([0, 1, 5]), 0].set(jnp.nan), None)[0, 3]).all()
+
+
 @pytest.mark.parametrize("preset,bar", [(_PRESETS.BF16_BF16_F32_X3, 1e-4),
                                         (_PRESETS.BF16_BF16_F32_X6, 1e-6)])
 def test_bf16_presets_are_computed_not_ignored(fresh_rng, preset, bar):
@@ -139,7 +182,7 @@ def test_compose_lowers_to_one_kernel_for_cuda(monkeypatch):
     sd = jax.ShapeDtypeStruct
     maps = sd((64, 18, 16, 128, 128), jnp.float32)
     pool = span_maps.SpanMapPool(a=maps, b=maps, tail=sd((64, 18, 6144, 3), jnp.bfloat16),
-                                 count=sd((64,), jnp.int32))
+                                 count=sd((64,), jnp.int32), zero_a=sd((64, 18, 16), bool))
     args = (pool, sd((4, 256), jnp.int32), sd((18, 4, 6144, 3), jnp.bfloat16),
             sd((18, 4, 16, 128, 128), jnp.float32))
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,

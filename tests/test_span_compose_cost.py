@@ -54,8 +54,8 @@ def test_tflop_rate_is_gflop_per_ms():
 def _report_tail(res):
     """report() from its form lines on (the summary fields are not under test here)."""
     full = dict(tokens=1024, maps_in_step=30, chain_rows=3, chain_shape=[4, 256], compose_ms=1.0,
-                compose_share=0.1, per_span_ms=0.1, per_span_share=0.01,
-                synthetic_compose_ms={1: 1.0}, **res)
+                compose_share=0.1, per_span_ms=0.1, per_span_share=0.01, reset_skipped=0.5,
+                probe_compose_ms=2.0, synthetic_compose_ms={1: 1.0}, **res)
     full["plan"] = dict(maps=30, applications=30, applications_before=40,
                         gflop_per_application=1.208, **res["plan"])
     return span_compose_cost.report(full)
@@ -69,11 +69,16 @@ def test_probe_pool_keeps_the_chained_maps_with_a_nonzero_a(fresh_rng):
 
     from serving.hybrid import span_maps
     pool = span_maps.allocate(9, 2, 2, 8, 8, 3, 2)
-    pool = span_maps.SpanMapPool(a=pool.a, b=jnp.asarray(fresh_rng.standard_normal(pool.b.shape),
-                                                         jnp.float32),
-                                 tail=pool.tail, count=jnp.arange(9, dtype=jnp.int32))
+    pool = span_maps.pool_of(a=pool.a, b=jnp.asarray(fresh_rng.standard_normal(pool.b.shape),
+                                                     jnp.float32),
+                             tail=pool.tail, count=jnp.arange(9, dtype=jnp.int32))
     chains = np.array([[7, 2, 7, -1], [5, -1, -1, -1]], np.int32)
     assert span_compose_cost._a_zero(pool, chains) == 1.0
+    # every map's A is zero: each head starts at its chain's last map (its B read, no dot), so
+    # every A S dot is skipped; with row 0's last map nonzero, 2 of row 0's 3 are
+    assert span_compose_cost._reset_skipped(pool, chains) == 1.0
+    nonzero = span_maps.pool_of(pool.a.at[7].set(1.0), pool.b, pool.tail, pool.count)
+    assert span_compose_cost._reset_skipped(nonzero, np.array([[2, 7, -1, -1]], np.int32)) == 0.5
     probe, remapped = span_compose_cost.probe_pool(pool, chains)
     assert remapped.tolist() == [[2, 0, 2, -1], [1, -1, -1, -1]]
     np.testing.assert_array_equal(np.asarray(probe.b), np.asarray(pool.b)[[2, 5, 7]])

@@ -23,10 +23,12 @@ def _maps(rng, lg, s, hv=2, dk=4, dv=3, c=5, k1=3):
 def test_store_scatters_layer_major_maps_without_a_transposed_copy(fresh_rng):
     lg, s, slots = 3, 4, 6
     a, b, tail, count = _maps(fresh_rng, lg, s)
+    a[1, 0, 1] = a[2, 3, 0] = a[0, 1, 1] = 0.0  # stored (0 -> slot 4, 3 -> slot 2) / dropped
+    a[0, 2, 0, 1, 2] = 0.0  # one zero entry is no zero map
     pool = span_maps.allocate(slots, lg, 2, 4, 3, 5, 3)
     slot = jnp.asarray([4, -1, 0, 2], jnp.int32)
     ops = primitive_counts(jax.make_jaxpr(span_maps.store)(pool, slot, a, b, tail, count).jaxpr)
-    assert ops["transpose"] == 0 and ops["scatter"] == 4, ops
+    assert ops["transpose"] == 0 and ops["scatter"] == 5, ops
     got = span_maps.store(pool, slot, a, b, tail, count)
     for name, x in (("a", a), ("b", b), ("tail", tail)):
         want = np.zeros(getattr(pool, name).shape, np.float32)
@@ -35,3 +37,6 @@ def test_store_scatters_layer_major_maps_without_a_transposed_copy(fresh_rng):
                 want[sl] = x[:, j]
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), want)
     np.testing.assert_array_equal(np.asarray(got.count), [count[2], 0, count[3], 0, count[0], 0])
+    zero = np.zeros((slots, lg, 2), bool)  # [slot, layer, head]
+    zero[4, 1, 1] = zero[2, 2, 0] = True
+    np.testing.assert_array_equal(np.asarray(got.zero_a), zero)

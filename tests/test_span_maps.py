@@ -134,8 +134,8 @@ def _span_chain():
     lengths = (1, 5, 64, 1, 63, 65, 200, 3, 128)
     a, b, s0, replay, final64 = span_maps_and_replay(np.random.default_rng(29), lengths)
     n, hv, dk, dv = len(lengths), s0.shape[1], s0.shape[2], s0.shape[3]
-    pool = span_maps.SpanMapPool(a=a, b=b, tail=jnp.zeros((n, 1, 1, 1)),
-                                 count=jnp.ones(n, jnp.int32))  # a [n, 1, ...]: one GDN layer
+    pool = span_maps.pool_of(a=a, b=b, tail=jnp.zeros((n, 1, 1, 1)),
+                             count=jnp.ones(n, jnp.int32))  # a [n, 1, ...]: one GDN layer
     chains = np.full((1, 16), -1, np.int32)
     chains[0, :n] = np.arange(n)
     assert pool.a.shape == (n, 1, hv, dk, dk) and pool.b.shape == (n, 1, hv, dk, dv)

@@ -10,7 +10,9 @@ an H100 for one Qwen3.5-0.8B map on one row). Here one program per (row, group, 
 its state block in registers for the whole chain: each position reads A and B straight from the
 pool by slot (no copy), so an application moves A and B once (37.7 MB at 0.8B: ~13 us at
 3 TB/s) and a chain's state is read and written once. Ended chains and padding rows cost no
-trip (the loop stops at the row's own length).
+trip (the loop stops at the row's own length), and a chain whose map i has A exactly zero in
+this program's layer and head (`start`: its decay underflowed over the span) starts there from
+that map's B: A S + B is B for any finite S, bit for bit, so the maps before it are not read.
 
 Precision (the names of affine.COMPOSE_PRECISIONS as jax precisions): HIGHEST / None are IEEE
 float32 dots; TF32_TF32_F32_X3 is Triton's tf32x3 (on CPU, interpreted: IEEE, as XLA's CPU has
@@ -63,14 +65,15 @@ def _dot(a, s, precision, interpret):
     return jnp.dot(a, s, precision=precision, preferred_element_type=_F32)
 
 
-def _chain_kernel(chain_ref, n_ref, a_ref, b_ref, s_ref, o_ref, *, heads, block_v, precision,
-                  interpret):
-    # chain [S, L] int32 (whole); n [S] int32; a [P, Lg, Hv, Dk, Dk], b [P, Lg, Hv, Dk, Dv] (the
-    # whole pool); s / o [Dk, BV]: this program's state block (row r, layer g // Hv, head
-    # g % Hv, value columns v*BV ...)
+def _chain_kernel(chain_ref, n_ref, start_ref, a_ref, b_ref, s_ref, o_ref, *, heads, block_v,
+                  precision, interpret):
+    # chain [S, L] int32 (whole); n [S] int32; start [S, G] int32 (-1: none); a [P, Lg, Hv, Dk,
+    # Dk], b [P, Lg, Hv, Dk, Dv] (the whole pool); s / o [Dk, BV]: this program's state block
+    # (row r, layer g // Hv, head g % Hv, value columns v*BV ...)
     r, g, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, head = g // heads, g % heads
     cols = pl.ds(pl.multiple_of(v * block_v, block_v), block_v)
+    first = start_ref[r, g]
 
     def step(i, s):
         slot = chain_ref[r, i]
@@ -78,11 +81,14 @@ def _chain_kernel(chain_ref, n_ref, a_ref, b_ref, s_ref, o_ref, *, heads, block_
         b = b_ref[slot, layer, head, :, cols]
         return _dot(a, s, precision, interpret) + b
 
-    o_ref[...] = jax.lax.fori_loop(0, n_ref[r], step, s_ref[...].astype(_F32))
+    reset = b_ref[chain_ref[r, jnp.maximum(first, 0)], layer, head, :, cols]
+    s0 = jnp.where(first >= 0, reset, s_ref[...].astype(_F32))
+    o_ref[...] = jax.lax.fori_loop(first + 1, n_ref[r], step, s0)
 
 
-def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | None = None,
-                num_warps: int = 8, num_stages: int | None = None, interpret: bool = False):
+def chain_apply(a, b, chains, n_maps, state, *, start=None, precision=None,
+                block_v: int | None = None, num_warps: int = 8, num_stages: int | None = None,
+                interpret: bool = False):
     """Each row's state after its chain of maps, in the cache's layout.
 
     Args:
@@ -90,6 +96,9 @@ def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | N
       chains: [S, L] int32 pool slots in order (entries at or past a row's length are not read);
       n_maps: [S] int32 maps to apply per row (0: the state is copied).
       state: [Lg, S, Hv, Dk, Dv] float32 (serving's read_states layout).
+      start: None, or [S, Lg, Hv] int32: per row, layer and head the last chain position < n
+        whose map's A is exactly zero there (the row continues from its B), -1 for none
+        (chain_compose.reset_starts). Positions not below n_maps are the caller's error.
       precision: of the dots (module doc); block_v: value columns per program (divides Dv;
         None: min(128, Dv)); num_warps, num_stages: per program (None: 2 for the bf16 presets,
         else 1). The defaults are the fastest of benchmarks/compose_forms.py's sweeps on an H100
@@ -119,10 +128,14 @@ def chain_apply(a, b, chains, n_maps, state, *, precision=None, block_v: int | N
                                precision=precision, interpret=interpret)
     chains = jnp.clip(jnp.asarray(chains, jnp.int32), 0, a.shape[0] - 1)  # never read outside
     n_maps = jnp.minimum(jnp.asarray(n_maps, jnp.int32), chains.shape[1])
+    if start is None:
+        start = jnp.full((rows, layers * heads), -1, jnp.int32)
+    else:
+        start = jnp.asarray(start, jnp.int32).reshape(rows, layers * heads)
     return pl.pallas_call(
         kernel, grid=(rows, layers * heads, dv // block_v),
-        in_specs=[whole(chains), whole(n_maps), whole(a), whole(b), block],
+        in_specs=[whole(chains), whole(n_maps), whole(start), whole(a), whole(b), block],
         out_specs=block, out_shape=jax.ShapeDtypeStruct(state.shape, _F32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="span_chain_apply",
-    )(chains, n_maps, a, b, state.astype(_F32))
+    )(chains, n_maps, start, a, b, state.astype(_F32))

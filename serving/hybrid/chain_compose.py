@@ -22,7 +22,10 @@ application (~97 us for one Qwen3.5-0.8B map on one row on an H100, against ~13 
 B once). `compose_kernel` replaces it there at a tensor-core precision (`use_kernel`: asked for,
 or by "auto"): one Triton program per (row, layer,
 head, value block) runs its row's whole chain with the state block in registers, reading each
-map from the pool by slot, and the conv windows come in closed form (`chain_window`).
+map from the pool by slot, and the conv windows come in closed form (`chain_window`). A chain
+starts at its last map whose A is exactly zero in the program's layer and head (the pool's
+zero_a flags, `reset_starts`): a span long against a head's decay leaves that head in its B
+whatever it entered with, so the maps before it need not be read (exact, bit for bit).
 """
 
 from __future__ import annotations
@@ -74,9 +77,22 @@ def compose_kernel(pool, chains, n_maps, conv, delta, precision=None):
 
     chains [S, L] int32, n_maps [S] int32 (rows need no sorting); conv [Lg, S, C, K1]; delta
     [Lg, S, Hv, Dk, Dv] float32. Returns (conv, delta) as given, moved on by the chains."""
-    delta = chain_apply(pool.a, pool.b, chains, n_maps, delta, precision=precision,
+    delta = chain_apply(pool.a, pool.b, chains, n_maps, delta,
+                        start=reset_starts(pool.zero_a, chains, n_maps), precision=precision,
                         interpret=_platform() not in _GPU)
     return chain_window(pool, chains, n_maps, conv), delta
+
+
+def reset_starts(zero_a, chains, n_maps):
+    """[S, Lg, Hv] int32: per chain row, GDN layer and value head, the last position i <
+    n_maps whose map has A exactly zero there (the state after it is its B: the chain starts
+    there), -1 where none has. zero_a [P, Lg, Hv] bool (the pool's flags); chains [S, L] int32
+    pool slots; n_maps [S] int32."""
+    length = chains.shape[1]
+    pos = jnp.arange(length, dtype=jnp.int32)
+    zero = zero_a[jnp.clip(chains, 0, zero_a.shape[0] - 1)]  # [S, L, Lg, Hv]
+    live = (pos[None, :] < n_maps[:, None])[:, :, None, None]
+    return jnp.max(jnp.where(zero & live, pos[None, :, None, None], -1), axis=1)
 
 
 def widths(rows: int) -> tuple[int, ...]:

@@ -40,6 +40,10 @@ class SpanMapPool:
     b: jax.Array  # [P, Lg, Hv, Dk, Dv] state the span leaves from zero (state dtype)
     tail: jax.Array  # [P, Lg, C, K1] last K1 layer inputs, right-aligned, zeros before (conv dtype)
     count: jax.Array  # [P] int32 the span's non-pad tokens (a span shorter than K1 shifts less)
+    # [P, Lg, Hv] bool: that layer's and head's A is exactly zero (the span's decay underflowed),
+    # so the head leaves the span in state B whatever it entered with: a chain starts there
+    # (chain_compose.reset_starts). False is always safe (the map is applied).
+    zero_a: jax.Array
 
 
 def pool_axes(cache_axes) -> SpanMapPool:
@@ -50,7 +54,7 @@ def pool_axes(cache_axes) -> SpanMapPool:
     _, channels, _ = cache_axes.conv[0]
     per_head = ("slots", None, heads, None, None)
     return SpanMapPool(a=per_head, b=per_head, tail=("slots", None, channels, None),
-                       count=("slots",))
+                       count=("slots",), zero_a=("slots", None, heads))
 
 
 def map_nbytes(hv, dk, dv, conv_channels, k1, gdn_layers, *, state_dtype=jnp.float32,
@@ -68,7 +72,15 @@ def allocate(slots, gdn_layers, hv, dk, dv, conv_channels, k1, *, state_dtype=jn
     return SpanMapPool(a=jnp.zeros((slots, gdn_layers, hv, dk, dk), state_dtype),
                        b=jnp.zeros((slots, gdn_layers, hv, dk, dv), state_dtype),
                        tail=jnp.zeros((slots, gdn_layers, conv_channels, k1), conv_dtype),
-                       count=jnp.zeros((slots,), jnp.int32))
+                       count=jnp.zeros((slots,), jnp.int32),
+                       zero_a=jnp.zeros((slots, gdn_layers, hv), bool))
+
+
+def pool_of(a, b, tail, count) -> SpanMapPool:
+    """A pool holding these maps (slot-major: a [P, Lg, Hv, Dk, Dk], ...), its zero_a flags
+    read off a (benchmarks and tests build pools this way)."""
+    return SpanMapPool(a=a, b=b, tail=tail, count=count,
+                       zero_a=jnp.all(jnp.asarray(a) == 0, axis=(-2, -1)))
 
 
 def store(pool: SpanMapPool, slot, a, b, tail, count) -> SpanMapPool:
@@ -84,7 +96,8 @@ def store(pool: SpanMapPool, slot, a, b, tail, count) -> SpanMapPool:
     put = lambda buf, x: buf.at[dest, layer].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
     return SpanMapPool(a=put(pool.a, a), b=put(pool.b, b), tail=put(pool.tail, tail),
                        count=pool.count.at[dest[0]].set(count.astype(pool.count.dtype),
-                                                        mode="drop"))
+                                                        mode="drop"),
+                       zero_a=put(pool.zero_a, jnp.all(a == 0, axis=(-2, -1))))
 
 
 def chain_lengths(slots):
@@ -175,14 +188,13 @@ def _bucket(n: int) -> int:
 
 @jax.jit
 def _gather(pool, ids):
-    return [pool.a[ids], pool.b[ids], pool.tail[ids], pool.count[ids]]
+    return [getattr(pool, f.name)[ids] for f in dataclasses.fields(pool)]
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(pool, ids, a, b, tail, count):
-    put = lambda buf, x: buf.at[ids].set(x, mode="drop")  # noqa: E731
-    return SpanMapPool(a=put(pool.a, a), b=put(pool.b, b), tail=put(pool.tail, tail),
-                       count=put(pool.count, count))
+def _scatter(pool, ids, *rows):
+    return SpanMapPool(*(getattr(pool, f.name).at[ids].set(x, mode="drop")
+                         for f, x in zip(dataclasses.fields(pool), rows)))
 
 
 def apply_moves(pool: SpanMapPool, moves_out, moves_in) -> SpanMapPool:
@@ -198,8 +210,7 @@ def apply_moves(pool: SpanMapPool, moves_out, moves_in) -> SpanMapPool:
         n = _bucket(len(moves_in))
         ids = np.full(n, pool.a.shape[0], np.int32)  # out of range rows are dropped
         ids[:len(moves_in)] = [s for s, _ in moves_in]
-        rows = [np.zeros((n,) + x.shape[1:], x.dtype) for x in (pool.a, pool.b, pool.tail,
-                                                                  pool.count)]
+        rows = [np.zeros((n,) + x.shape[1:], x.dtype) for x in (getattr(pool, f.name) for f in dataclasses.fields(pool))]
         for k, (_, e) in enumerate(moves_in):
             batch, row = e.host
             for dst, src in zip(rows, batch.materialize()):
