@@ -233,9 +233,11 @@ def as_form(form: str):
          ragged.STREAM_QK_IN_V_DTYPE) = saved
 
 
-def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7) -> float:
+def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7,
+                 profile_top: int = 0):
     """Median ms of one step of `kind` on this backend, the whole preset with its real GDN path (the
-    engine's choice on this backend; no stubs), the cache and pool fed back as the runner does."""
+    engine's choice on this backend; no stubs), the cache and pool fed back as the runner does.
+    With profile_top, (ms, benchmarks.timing.profile_kernels of 3 more steps, that many kernels)."""
     cfg = PRESETS[preset]
     md, logits_idx, f, rec = step_inputs(cfg, kind, caps)
     params = qwen3_5.init_params(cfg, jax.random.key(0), dtype)
@@ -250,7 +252,16 @@ def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7) -> flo
         _, cache, maps = jax.block_until_ready(fn(params, tokens, md, cache, rec, logits_idx, f,
                                                   maps))
         times.append(1e3 * (time.perf_counter() - t0))
-    return float(np.median(times[1:]))
+    if not profile_top:
+        return float(np.median(times[1:]))
+    from benchmarks.timing import profile_kernels
+    state = [cache, maps]
+
+    def call():
+        out = fn(params, tokens, md, state[0], rec, logits_idx, f, state[1])
+        state[:] = out[1:]
+        return out
+    return float(np.median(times[1:])), profile_kernels(call, top=profile_top)
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -291,6 +302,9 @@ def main(argv=None):
     ap.add_argument("--forms", nargs="+", default=["new"], choices=sorted(FORMS),
                     help="--time: each variant in these forms of the GDN passes, one after the "
                          "other (FORMS; default: %(default)s)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="--time on a GPU: also trace 3 steps of each variant and print its N "
+                         "costliest kernels (benchmarks.timing.profile_kernels)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="--time: the model's dtype (bfloat16 on a GPU: its GDN kernels' "
                          "dtype) (default: %(default)s)")
@@ -301,9 +315,18 @@ def main(argv=None):
             for form in args.forms:
                 with as_form(form):
                     ms = time_variant(kind, int(caps or 0), args.time, jnp.dtype(args.dtype),
-                                      args.reps)
+                                      args.reps, args.profile)
+                if args.profile:
+                    ms, prof = ms
                 print(f"time {args.time} {args.dtype} {v:8s} {form:11s} T={T} S={S}: "
                       f"{ms:.2f} ms/step", flush=True)
+                if args.profile:
+                    print(f"profile {v} {form}: {prof['kernels_per_step']:.0f} kernels, busy "
+                          f"{prof['kernel_busy_ms_per_step']:.2f} ms, first-to-last "
+                          f"{prof['first_to_last_kernel_ms_per_step']:.2f} ms per step")
+                    for k in prof["top"]:
+                        print(f"profile {v} {form} | {k['ms_per_step']:7.3f} ms | "
+                              f"{k['calls_per_step']:5.1f} | {k['name']}", flush=True)
         return
     stub_kernels()
     rows = []

@@ -3,7 +3,8 @@
 # the compiled tests of what changed since session 21's call A (the chain kernel's reset starts,
 # the span-map store's zero_a flags, the two tests A failed and their fixes), issue 29's span
 # request (benchmarks.cli hybrid-spans, allocator preallocated), rag at 16 seats (pic_off, fcfs,
-# --compose-cost 1: the composition with and without zero heads), then, within TOTAL, the plain
+# --compose-cost 1: the composition with and without zero heads), the plain and warm span steps
+# profiled kernel by kernel (span_step_work --profile), then, within TOTAL, the plain
 # hybrid step at 64 seats before (82b4d81) / after the flat checkpoint and restore rows (carry
 # .dev1: `mkdir -p .dev1 && git archive -o .dev1/fixed_before.tgz 82b4d81`).
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s23_device.sh
@@ -31,6 +32,13 @@ if [ "$L" -ge 60 ]; then
     --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" > "$OUT/rag.txt" 2>&1
   echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
   grep -E "requests/s|compose (cost|form triton|bf16_x6)" "$OUT/rag.txt" | cut -c1-330 >> "$R"
+fi
+L=$(left); [ "$L" -gt 100 ] && L=100
+if [ "$L" -ge 50 ]; then  # where a warm span step's extra time over a plain one goes
+  timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 5 \
+    --variants plain warm/0 --profile 14 > "$OUT/step_profile.txt" 2>&1
+  echo "step profile rc=$? t=$((SECONDS-T0)) s" >> "$R"
+  grep -E "^(time|profile [a-z/0-9]+ new:)" "$OUT/step_profile.txt" >> "$R"
 fi
 L=$(left)
 if [ "$L" -ge 80 ] && [ -f .dev1/fixed_before.tgz ]; then
