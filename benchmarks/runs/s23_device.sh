@@ -33,10 +33,10 @@ if [ "$L" -ge 60 ]; then
   echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
   grep -E "requests/s|compose (cost|form triton|bf16_x6)" "$OUT/rag.txt" | cut -c1-330 >> "$R"
 fi
-L=$(left); [ "$L" -gt 100 ] && L=100
+L=$(left); [ "$L" -gt 130 ] && L=130
 if [ "$L" -ge 50 ]; then  # where a warm span step's extra time over a plain one goes
   timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 5 \
-    --variants plain warm/0 --profile 14 > "$OUT/step_profile.txt" 2>&1
+    --variants plain warm/0 span --profile 14 > "$OUT/step_profile.txt" 2>&1
   echo "step profile rc=$? t=$((SECONDS-T0)) s" >> "$R"
   grep -E "^(time|profile [a-z/0-9]+ new:)" "$OUT/step_profile.txt" >> "$R"
 fi
