@@ -1,9 +1,9 @@
 #!/bin/bash
 # Session 23's second device call (one `run`, <= 9.5 min, a short table last; raw files under $OUT):
 # the compiled tests of what changed since session 21's call A (the chain kernel's reset starts,
-# the span-map store's zero_a flags, the two tests A failed and their fixes), issue 29's span
-# request (benchmarks.cli hybrid-spans, allocator preallocated), rag at 16 seats (pic_off, fcfs,
-# --compose-cost 1: the composition with and without zero heads), the plain and warm span steps
+# the span-map store's zero_a flags, the two tests A failed and their fixes), rag at 16 seats
+# (pic_off, fcfs, --compose-cost 1: the composition with and without zero heads), issue 29's span
+# request (benchmarks.cli hybrid-spans, allocator preallocated), the plain and warm span steps
 # profiled kernel by kernel (span_step_work --profile), then, within TOTAL, the plain
 # hybrid step at 64 seats before (82b4d81) / after the flat checkpoint and restore rows (carry
 # .dev1: `mkdir -p .dev1 && git archive -o .dev1/fixed_before.tgz 82b4d81`).
@@ -19,11 +19,6 @@ MINIPIC_COMPILED=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addop
   tests/test_hybrid_checkpoint_rows.py > "$OUT/tests.txt" 2>&1
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
-L=$(left); [ "$L" -gt 200 ] && L=200
-XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $L python3 -m benchmarks.cli hybrid-spans --steps \
-  --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
-echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "^(call|[a-i] )|goal|warm-up" "$OUT/hybrid_spans.txt" | grep -v "^W1" | cut -c1-200 >> "$R"
 L=$(left); [ "$L" -gt 150 ] && L=150
 if [ "$L" -ge 60 ]; then
   timeout $L python3 -m benchmarks.cli rag --model qwen3_5_0_8b --dtype bfloat16 --num-requests 24 \
@@ -32,6 +27,13 @@ if [ "$L" -ge 60 ]; then
     --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" > "$OUT/rag.txt" 2>&1
   echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
   grep -E "requests/s|compose (cost|form triton|bf16_x6)" "$OUT/rag.txt" | cut -c1-330 >> "$R"
+fi
+L=$(left); [ "$L" -gt 200 ] && L=200
+if [ "$L" -ge 60 ]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $L python3 -m benchmarks.cli hybrid-spans --steps \
+    --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
+  echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
+  grep -E "^(call|[a-i] )|goal|warm-up" "$OUT/hybrid_spans.txt" | grep -v "^W1" | cut -c1-200 >> "$R"
 fi
 L=$(left); [ "$L" -gt 130 ] && L=130
 if [ "$L" -ge 50 ]; then  # where a warm span step's extra time over a plain one goes
