@@ -210,3 +210,22 @@ def test_engine_composing_by_the_kernel_matches_the_reference(monkeypatch):
                                 max_num_batched_tokens=64, min_token_bucket=64,
                                 max_model_len=512, block_size=16, num_kv_blocks=96))
     spans.test_cached_spans_are_skipped_and_match_the_reference(llm, monkeypatch)
+
+
+def test_engine_chains_start_at_zero_maps_and_match_the_reference(monkeypatch):
+    """The same scenario on the preset's own decays (exp(g) ~ 0.03 a token): the spans of 29 and
+    40 tokens leave every head's A exactly zero, so the engine's pool flags them (store) and the
+    compose program's kernel starts those chains at them (reset_starts); tokens and logprobs stay
+    within 1e-5 of the float64 reference."""
+    import tests.test_engine_hybrid_spans as spans
+    from minipic_jax import LLM
+    monkeypatch.setattr(chain_compose, "use_kernel", lambda impl="auto", precision=None: impl != "xla")
+    starts, find = [], chain_compose.reset_starts
+    monkeypatch.setattr(chain_compose, "reset_starts",
+                        lambda *a: starts.append(out := find(*a)) or out)
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
+              max_num_batched_tokens=64, min_token_bucket=64, max_model_len=512, block_size=16,
+              num_kv_blocks=96)
+    spans.test_cached_spans_are_skipped_and_match_the_reference(llm, monkeypatch)
+    assert starts, "the compose program never ran the kernel"
+    assert int(llm.llm_engine.runner.span_pool.zero_a.sum()) > 0
