@@ -76,8 +76,15 @@ def test_joint_stream_equals_the_separate_passes(fresh_rng, impl, kind, cont):
     for i, (a, b) in enumerate(zip(apart, joint)):
         a, b = np.asarray(a), np.asarray(b)
         assert a.shape == b.shape, i
-        np.testing.assert_allclose(b, a, rtol=2e-6, atol=2e-6, err_msg=f"leaf {i} {a.shape}")
+        np.testing.assert_allclose(b, a, rtol=_BAR, atol=_BAR, err_msg=f"leaf {i} {a.shape}")
     assert np.isfinite(np.asarray(joint[0])).all()
+
+
+# CPU computes both forms' float32 sums in the same order; on a GPU XLA picks its dot kernels by
+# shape (the joint stream's are not the passes'), so the orders differ: the H200 (session 23) put
+# one KV entry of 327,680 1.4e-5 apart (value 0.175) on the XLA path, as test_span_joint_layer's
+# bar allows; the H100 held 2e-6
+_BAR = 2e-6 if jax.default_backend() == "cpu" else 2e-5
 
 
 def test_joint_stream_runs_one_kernel_pass_per_layer():
