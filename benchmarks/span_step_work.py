@@ -25,7 +25,7 @@ to the model's 18.
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_work [--json out.json]
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_work --time tiny_qwen3_5
     PYTHONPATH=. python -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16  # GPU
-    ... --time ... --forms new old   # each variant with today's GDN passes and session 20's (FORMS)
+    ... --time ... --forms new old   # each variant as today's step and session 20's (FORMS)
 """
 
 from __future__ import annotations
@@ -213,24 +213,33 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
 # --time's forms of a step's GDN passes: (ragged_triton.SEQ_PARALLEL: the scan runs one program
 # per sequence, qwen3_5_joint.ENABLED: a span step's passes in one stream,
 # ragged.STREAM_QK_IN_V_DTYPE: the packed stream holds q / k in bf16); "old" is session 20's
-FORMS = {"new": (True, True, True), "f32_qk": (True, True, False),
-         "serial_scan": (False, True, True), "apart": (True, False, True),
-         "old": (False, False, False)}
+# The forms a step can be traced in: module flags set while it is traced (FLAGS), each form
+# naming what differs from today's defaults ("new"); "old" is session 20's step.
+FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
+         "joint": ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
+         "stream_bf16": ("kernels_pallas.gated_delta.ragged", "STREAM_QK_IN_V_DTYPE"),
+         "store_stacked": ("serving.hybrid.span_maps", "STORE_STACKED"),
+         "zero_flags": ("serving.hybrid.span_maps", "ZERO_FLAGS")}
+FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
+         "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
+         "no_zero_flags": {"zero_flags": False},
+         "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
+                 "store_stacked": True, "zero_flags": False}}
 
 
 @contextlib.contextmanager
 def as_form(form: str):
-    """The GDN passes in `form` (FORMS) while a step is traced."""
-    from kernels_pallas.gated_delta import ragged, ragged_triton
-    from minipic_jax.models import qwen3_5_joint
-    saved = ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED, ragged.STREAM_QK_IN_V_DTYPE
-    (ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED,
-     ragged.STREAM_QK_IN_V_DTYPE) = FORMS[form]
+    """The step traced in `form` (FORMS): its flags set, all restored after."""
+    import importlib
+    mods = {name: importlib.import_module(m) for name, (m, _) in FLAGS.items()}
+    saved = {name: getattr(mods[name], attr) for name, (_, attr) in FLAGS.items()}
+    for name, value in FORMS[form].items():
+        setattr(mods[name], FLAGS[name][1], value)
     try:
         yield
     finally:
-        (ragged_triton.SEQ_PARALLEL, qwen3_5_joint.ENABLED,
-         ragged.STREAM_QK_IN_V_DTYPE) = saved
+        for name, value in saved.items():
+            setattr(mods[name], FLAGS[name][1], value)
 
 
 def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7,

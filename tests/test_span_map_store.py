@@ -1,15 +1,17 @@
 """A warm span step's store of its captured maps (serving/hybrid/span_maps.store; issue 29: work in
 a span step beyond what its tokens need). Every warm step stores MAX_CAPTURES maps of every GDN
 layer, captured or not (slot -1: dropped); the store scatters them to (slot, layer) straight from
-the model's layer-major arrays, with no transposed [S, Lg, ...] copy of them first."""
+the model's per-layer arrays, with no transposed [S, Lg, ...] copy of them first, and (unless
+span_maps.STORE_STACKED) no stacked [Lg, S, ...] one either."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxpr_walk import primitive_counts
+from jaxpr_walk import outer_eqns, primitive_counts
 from serving.hybrid import span_maps
 
 
@@ -20,16 +22,28 @@ def _maps(rng, lg, s, hv=2, dk=4, dv=3, c=5, k1=3):
     return a, b, tail, rng.integers(1, 99, s).astype(np.int32)
 
 
-def test_store_scatters_layer_major_maps_without_a_transposed_copy(fresh_rng):
+@pytest.mark.parametrize("stacked", [False, True])
+def test_store_scatters_layer_major_maps_without_a_transposed_copy(fresh_rng, monkeypatch,
+                                                                   stacked):
+    monkeypatch.setattr(span_maps, "STORE_STACKED", stacked)
     lg, s, slots = 3, 4, 6
     a, b, tail, count = _maps(fresh_rng, lg, s)
     a[1, 0, 1] = a[2, 3, 0] = a[0, 1, 1] = 0.0  # stored (0 -> slot 4, 3 -> slot 2) / dropped
     a[0, 2, 0, 1, 2] = 0.0  # one zero entry is no zero map
     pool = span_maps.allocate(slots, lg, 2, 4, 3, 5, 3)
     slot = jnp.asarray([4, -1, 0, 2], jnp.int32)
-    ops = primitive_counts(jax.make_jaxpr(span_maps.store)(pool, slot, a, b, tail, count).jaxpr)
-    assert ops["transpose"] == 0 and ops["scatter"] == 5, ops
-    got = span_maps.store(pool, slot, a, b, tail, count)
+    per_layer = [list(x) for x in (a, b, tail)]  # as the model returns them
+    # a fresh function: make_jaxpr caches a traced function, and STORE_STACKED is read in it
+    jaxpr = jax.make_jaxpr(lambda *x: span_maps.store(*x))(pool, slot, *per_layer, count).jaxpr
+    ops = primitive_counts(jaxpr)
+    stacks = [e for e in outer_eqns(jaxpr)  # of the maps, not of scatter indices
+              if e.primitive.name == "concatenate" and e.outvars[0].aval.size >= lg * s * 2]
+    assert ops["transpose"] == 0, ops
+    if stacked:  # one scatter a field (a, b, tail, zero_a stacked first)
+        assert ops["scatter"] == 5 and len(stacks) == 4, ops
+    else:  # one a field and layer, and count's: nothing stacked
+        assert ops["scatter"] == 4 * lg + 1 and not stacks, ops
+    got = span_maps.store(pool, slot, *per_layer, count)
     for name, x in (("a", a), ("b", b), ("tail", tail)):
         want = np.zeros(getattr(pool, name).shape, np.float32)
         for j, sl in enumerate(np.asarray(slot)):

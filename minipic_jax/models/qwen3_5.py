@@ -137,8 +137,9 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
       .entry, pieces continuing a long span enter with its map so far).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
       conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers); with
-      span_pieces.capture also span_maps: a [Lg, Mc, Hv, Dk, Dk], b [Lg, Mc, Hv, Dk, Dv],
-      tail [Lg, Mc, C, Kc-1], count [Mc] (the captured pieces' maps, serving/hybrid/span_maps.py).
+      span_pieces.capture also span_maps: per GDN layer (tuples of Lg) a [Mc, Hv, Dk, Dk],
+      b [Mc, Hv, Dk, Dv], tail [Mc, C, Kc-1], and count [Mc] (the captured pieces' maps,
+      serving/hybrid/span_maps.py; not stacked: the store scatters each layer's).
     """
     if kv_mode not in KV_MODES:
         raise ValueError(f"forward: kv_mode must be one of {KV_MODES}, got {kv_mode!r}")
@@ -189,9 +190,9 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     if checkpoint_at is not None and ck_conv:
         ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta))
     if span_maps:  # span_pieces.capture: the captured pieces' maps, layer-major
-        ckpts = dict(ckpts or {}, span_maps=dict(
-            a=jnp.stack([m["a"] for m in span_maps]), b=jnp.stack([m["b"] for m in span_maps]),
-            tail=jnp.stack([m["tail"] for m in span_maps]), count=span_maps[0]["count"]))
+        ckpts = dict(ckpts or {}, span_maps=dict(  # per layer: span_maps.store scatters each
+            a=tuple(m["a"] for m in span_maps), b=tuple(m["b"] for m in span_maps),
+            tail=tuple(m["tail"] for m in span_maps), count=span_maps[0]["count"]))
     return logits, cache, ckpts
 
 

@@ -83,21 +83,41 @@ def pool_of(a, b, tail, count) -> SpanMapPool:
                        zero_a=jnp.all(jnp.asarray(a) == 0, axis=(-2, -1)))
 
 
+# How a warm step stores its captured maps (A/B'd by benchmarks/span_step_work.py's forms):
+# STORE_STACKED stacks each field over the GDN layers and scatters it once (on an H200 the stack
+# of A and B was a 0.69 ms copy of a 14 ms step, session 23); off, each layer's maps are
+# scattered straight into their layer of the pool. ZERO_FLAGS off writes the stored slots'
+# zero_a as False (safe: their chains then apply every map).
+STORE_STACKED = False
+ZERO_FLAGS = True
+
+
 def store(pool: SpanMapPool, slot, a, b, tail, count) -> SpanMapPool:
     """Write the maps of S spans into their slots (slot [S] int32, -1 = skip).
 
-    a [Lg, S, Hv, Dk, Dk], b [Lg, S, Hv, Dk, Dv], tail [Lg, S, C, K1], count [S] (layer-major, as
-    the model returns per-layer states). Each map is scattered to (slot, layer) straight from
-    the layer-major arrays: no [S, Lg, ...] transposed copy (a warm step stores MAX_CAPTURES
-    maps of every GDN layer, captured or not: 151 MB of A for Qwen3.5-0.8B)."""
-    p, lg = pool.a.shape[0], a.shape[0]
-    dest = jnp.where(slot >= 0, slot, p)[None, :]  # out of range: dropped
-    layer = jnp.arange(lg, dtype=jnp.int32)[:, None]
-    put = lambda buf, x: buf.at[dest, layer].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
+    a, b, tail: per GDN layer (a sequence of Lg arrays, or one array with the layers first)
+    a [S, Hv, Dk, Dk], b [S, Hv, Dk, Dv], tail [S, C, K1], as the model returns them; count [S].
+    Each layer's maps go to (slot, layer) straight from the model's arrays: no transposed or
+    stacked copy (a warm step stores MAX_CAPTURES maps of every GDN layer, captured or not: 151
+    MB of A for Qwen3.5-0.8B). Each map's zero_a flags are read off its A."""
+    p, lg = pool.a.shape[0], len(a)
+    dest = jnp.where(slot >= 0, slot, p)  # out of range: dropped
+    zero = [jnp.all(x == 0, axis=(-2, -1)) if ZERO_FLAGS else jnp.zeros(x.shape[:2], bool)
+            for x in a]
+    count = pool.count.at[dest].set(count.astype(pool.count.dtype), mode="drop")
+    if STORE_STACKED:
+        layer = jnp.arange(lg, dtype=jnp.int32)[:, None]
+        put = lambda buf, x: buf.at[dest[None, :], layer].set(  # noqa: E731
+            jnp.stack(x).astype(buf.dtype), mode="drop")
+        return SpanMapPool(a=put(pool.a, a), b=put(pool.b, b), tail=put(pool.tail, tail),
+                           count=count, zero_a=put(pool.zero_a, zero))
+
+    def put(buf, x):
+        for i in range(lg):
+            buf = buf.at[dest, i].set(x[i].astype(buf.dtype), mode="drop")
+        return buf
     return SpanMapPool(a=put(pool.a, a), b=put(pool.b, b), tail=put(pool.tail, tail),
-                       count=pool.count.at[dest[0]].set(count.astype(pool.count.dtype),
-                                                        mode="drop"),
-                       zero_a=put(pool.zero_a, jnp.all(a == 0, axis=(-2, -1))))
+                       count=count, zero_a=put(pool.zero_a, zero))
 
 
 def chain_lengths(slots):
