@@ -206,7 +206,8 @@ def report(res: dict) -> str:
         f"{res['step_ms']:.2f} ms, its composition {res['compose_ms']:.3f} ms = "
         f"{res['compose_share']:.2%} (the reset starts skip {res['reset_skipped']:.1%} of the "
         f"head dots; on probe maps, no zero A: {res['probe_compose_ms']:.3f} ms = "
-        f"{res['probe_compose_ms'] / res['step_ms']:.2%}); one span on one row {res['per_span_ms']:.3f} ms = "
+        f"{res['probe_compose_ms'] / res['step_ms']:.2%}); one span on one row "
+        f"{res['per_span_ms']:.3f} ms = "
         f"{res['per_span_share']:.3%} of the step (synthetic 1/4/16 maps x "
         f"{res['chain_shape'][0]} rows: " + " / ".join(
             f"{v:.3f}" for v in res["synthetic_compose_ms"].values()) + " ms)",

@@ -126,8 +126,9 @@ def test_a_chain_starts_at_its_last_zero_map_bit_for_bit():
     n = span_maps.chain_lengths(chains)
     delta0 = _states(np.random.default_rng(8), pool, chains.shape[0])[1]
     start = chain_compose.reset_starts(pool.zero_a, chains, n)
-    run = lambda a, start: np.asarray(chain_apply(a, pool.b, chains, n, delta0, start=start,  # noqa: E731
-                                                  block_v=8, interpret=True))
+    def run(a, start):
+        return np.asarray(chain_apply(a, pool.b, chains, n, delta0, start=start, block_v=8,
+                                      interpret=True))
     whole, skipped = run(pool.a, None), run(pool.a, start)
     np.testing.assert_array_equal(skipped, whole)
     assert not np.array_equal(whole[0, 3], np.asarray(delta0)[0, 3])

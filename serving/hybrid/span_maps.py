@@ -230,7 +230,8 @@ def apply_moves(pool: SpanMapPool, moves_out, moves_in) -> SpanMapPool:
         n = _bucket(len(moves_in))
         ids = np.full(n, pool.a.shape[0], np.int32)  # out of range rows are dropped
         ids[:len(moves_in)] = [s for s, _ in moves_in]
-        rows = [np.zeros((n,) + x.shape[1:], x.dtype) for x in (getattr(pool, f.name) for f in dataclasses.fields(pool))]
+        fields = [getattr(pool, f.name) for f in dataclasses.fields(pool)]
+        rows = [np.zeros((n,) + x.shape[1:], x.dtype) for x in fields]
         for k, (_, e) in enumerate(moves_in):
             batch, row = e.host
             for dst, src in zip(rows, batch.materialize()):
