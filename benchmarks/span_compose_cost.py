@@ -159,7 +159,8 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
                 per_span_share=per_map / rows / step_ms, plan=plan,
                 forms={impl: timed(chains, impl=impl) for impl in FORMS},
                 a_zero=_a_zero(runner.span_pool, chains),
-                precisions=_precisions(compose, timed, runner, f, plan, step_ms),
+                precisions=_precisions(compose, timed, runner, f, (probe, probe_chains), plan,
+                                       step_ms),
                 map_bytes=int(runner.span_pool.a[0].nbytes + runner.span_pool.b[0].nbytes))
 
 
@@ -179,10 +180,11 @@ def _a_zero(pool, chains) -> float:
     return float(jnp.mean(pool.a[ids] == 0)) if ids.size else 0.0
 
 
-def _precisions(compose, timed, runner, f, plan, step_ms) -> dict:
+def _precisions(compose, timed, runner, f, probed, plan, step_ms) -> dict:
     """name -> ms, share of the step, TFLOP/s (captured chains) and rel. difference from
-    "highest" of the entry states (the same chains on `probe_pool`'s maps)."""
-    pool, chains = probe_pool(runner.span_pool, f["chain"])
+    "highest" of the entry states (the same chains on `probe_pool`'s maps: probed, its
+    (pool, chains))."""
+    pool, chains = probed
     args = [jnp.asarray(x) for x in (f["slot"], chains)]
     exact = np.asarray(compose(runner.cache, pool, *args, "highest")[1], np.float64)
     out = {}

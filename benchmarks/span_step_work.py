@@ -210,11 +210,10 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
                 bytes=float(apps * gdn_layers * hv * dk * (dk + dv) * 4))
 
 
-# --time's forms of a step's GDN passes: (ragged_triton.SEQ_PARALLEL: the scan runs one program
-# per sequence, qwen3_5_joint.ENABLED: a span step's passes in one stream,
-# ragged.STREAM_QK_IN_V_DTYPE: the packed stream holds q / k in bf16); "old" is session 20's
-# The forms a step can be traced in: module flags set while it is traced (FLAGS), each form
-# naming what differs from today's defaults ("new"); "old" is session 20's step.
+# --time's forms of a step: module flags set while it is traced (FLAGS: the scan's one program
+# per sequence, a span step's passes in one stream, the packed stream's q / k in bf16, the map
+# store stacked over layers, the zero_a flags), each form naming what differs from today's
+# defaults ("new"); "old" is session 20's step.
 FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
          "joint": ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
          "stream_bf16": ("kernels_pallas.gated_delta.ragged", "STREAM_QK_IN_V_DTYPE"),
@@ -246,7 +245,8 @@ def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7,
                  profile_top: int = 0):
     """Median ms of one step of `kind` on this backend, the whole preset with its real GDN path (the
     engine's choice on this backend; no stubs), the cache and pool fed back as the runner does.
-    With profile_top, (ms, benchmarks.timing.profile_kernels of 3 more steps, that many kernels)."""
+    Returns (ms, None), or with profile_top (ms, benchmarks.timing.profile_kernels of 3 more
+    steps, that many kernels)."""
     cfg = PRESETS[preset]
     md, logits_idx, f, rec = step_inputs(cfg, kind, caps)
     params = qwen3_5.init_params(cfg, jax.random.key(0), dtype)
@@ -262,7 +262,7 @@ def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7,
                                                   maps))
         times.append(1e3 * (time.perf_counter() - t0))
     if not profile_top:
-        return float(np.median(times[1:]))
+        return float(np.median(times[1:])), None
     from benchmarks.timing import profile_kernels
     state = [cache, maps]
 
@@ -323,13 +323,11 @@ def main(argv=None):
             kind, _, caps = v.partition("/")
             for form in args.forms:
                 with as_form(form):
-                    ms = time_variant(kind, int(caps or 0), args.time, jnp.dtype(args.dtype),
-                                      args.reps, args.profile)
-                if args.profile:
-                    ms, prof = ms
+                    ms, prof = time_variant(kind, int(caps or 0), args.time,
+                                            jnp.dtype(args.dtype), args.reps, args.profile)
                 print(f"time {args.time} {args.dtype} {v:8s} {form:11s} T={T} S={S}: "
                       f"{ms:.2f} ms/step", flush=True)
-                if args.profile:
+                if prof is not None:
                     print(f"profile {v} {form}: {prof['kernels_per_step']:.0f} kernels, busy "
                           f"{prof['kernel_busy_ms_per_step']:.2f} ms, first-to-last "
                           f"{prof['first_to_last_kernel_ms_per_step']:.2f} ms per step")

@@ -1,68 +1,17 @@
 #!/bin/bash
-# Session 24's first device call (one `run`, <= 9.5 min, a short table last; raw files under $OUT):
-# first the warm span step's store A/B (span_step_work --forms new stacked_store no_zero_flags:
-# the maps scattered per layer vs stacked first, the zero_a flags on / off; session 23's H200
-# profile put a 0.69 ms stack copy and a 0.5 ms reduce fusion in a warm step), then as session 23's
-# second call:
-# the compiled tests of what changed since session 21's call A (the chain kernel's reset starts,
-# the span-map store's zero_a flags, the two tests A failed and their fixes), rag at 16 seats
-# (pic_off, fcfs, --compose-cost 1: the composition with and without zero heads), issue 29's span
-# request (benchmarks.cli hybrid-spans, allocator preallocated), the plain and warm span steps
-# profiled kernel by kernel (span_step_work --profile), then, within TOTAL, the plain
-# hybrid step at 64 seats before (82b4d81) / after the flat checkpoint and restore rows (carry
-# .dev1: `mkdir -p .dev1 && git archive -o .dev1/fixed_before.tgz 82b4d81`).
+# Session 24's first device call (one `run`, <= 9.5 min, raw files under $OUT): the warm span
+# step's store A/B (span_step_work --forms new stacked_store no_zero_flags: the captured maps
+# scattered per layer vs stacked first, the zero_a flags on / off; session 23's H200 profile put a
+# 0.69 ms stack copy and a 0.5 ms reduce fusion in a warm step), then session 23's second call
+# (s23_device.sh: compiled tests, rag at 16 seats, issue 29's span request, step profiles, the
+# 64-seat fixed step) within what is left of TOTAL. Carry .dev1 as s23_device.sh says.
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s24_device.sh
 set -u; T0=$SECONDS
-export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
-export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s24
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s24.txt
-left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
-nvidia-smi -L > "$R" 2>/dev/null
-MINIPIC_COMPILED=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
-  tests/test_chain_compose_kernel.py tests/test_span_map_store.py tests/test_span_joint_pass.py \
-  tests/test_hybrid_checkpoint_rows.py > "$OUT/tests.txt" 2>&1
-echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
-grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
-timeout 170 python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 7 \
-  --variants warm/0 warm/4 --forms new stacked_store no_zero_flags --profile 8 \
-  > "$OUT/store_forms.txt" 2>&1
-echo "store forms rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "^(time|profile [a-z/0-9]+ [a-z_]+:)" "$OUT/store_forms.txt" >> "$R"
-L=$(left); [ "$L" -gt 150 ] && L=150
-if [ "$L" -ge 60 ]; then
-  timeout $L python3 -m benchmarks.cli rag --model qwen3_5_0_8b --dtype bfloat16 --num-requests 24 \
-    --passage-tokens 128 --max-num-batched-tokens 1024 --min-token-bucket 1024 --max-num-seqs 16 \
-    --max-model-len 4096 --num-kv-blocks 4096 --workloads multi zipf --modes offline --max-tokens 8 \
-    --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" > "$OUT/rag.txt" 2>&1
-  echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "requests/s|compose (cost|form triton|bf16_x6)" "$OUT/rag.txt" | cut -c1-330 >> "$R"
-fi
-L=$(left); [ "$L" -gt 200 ] && L=200
-if [ "$L" -ge 60 ]; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $L python3 -m benchmarks.cli hybrid-spans --steps \
-    --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
-  echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "^(call|[a-i] )|goal|warm-up" "$OUT/hybrid_spans.txt" | grep -v "^W1" | cut -c1-200 >> "$R"
-fi
-L=$(left); [ "$L" -gt 130 ] && L=130
-if [ "$L" -ge 50 ]; then  # where a warm span step's extra time over a plain one goes
-  timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 5 \
-    --variants plain warm/0 span --profile 14 > "$OUT/step_profile.txt" 2>&1
-  echo "step profile rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "^(time|profile [a-z/0-9]+ new:)" "$OUT/step_profile.txt" >> "$R"
-fi
-L=$(left)
-if [ "$L" -ge 80 ] && [ -f .dev1/fixed_before.tgz ]; then
-  mkdir -p /tmp/kbefore && tar -xzf .dev1/fixed_before.tgz -C /tmp/kbefore
-  EACH=$(( (L - 10) / 2 ))
-  for tree in before after; do
-    dir=$PWD; [ $tree = before ] && dir=/tmp/kbefore
-    (cd $dir && PYTHONPATH=$dir OUT=/tmp/fixed_$tree SEATS=64 LENS=25600 LIMIT=$EACH \
-      bash benchmarks/runs/fixed_step_device.sh > /dev/null 2>&1)
-    echo "fixed step $tree t=$((SECONDS-T0)) s" >> "$R"
-    grep "ms/step\|rc=[^0]" /tmp/fixed_$tree/fixed_step.txt | cut -c1-200 >> "$R"
-  done
-fi
-rm -f "$OUT/rag/rag_bench.png"
-echo "== total t=$((SECONDS-T0)) s" >> "$R"
-cat "$R"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PYTHONPATH=$PWD JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s23 timeout 170 python3 -m benchmarks.span_step_work \
+  --time qwen3_5_0_8b --dtype bfloat16 --reps 7 --variants warm/0 warm/4 \
+  --forms new stacked_store no_zero_flags --profile 8 > "$OUT/store_forms.txt" 2>&1
+echo "store forms rc=$? t=$((SECONDS-T0)) s"
+grep -E "^(time|profile [a-z/0-9]+ [a-z_]+:)" "$OUT/store_forms.txt"
+OUT=$OUT TOTAL=$((${TOTAL:-560} - SECONDS + T0)) bash benchmarks/runs/s23_device.sh

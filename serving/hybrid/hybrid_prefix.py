@@ -207,8 +207,9 @@ class HybridPrefixCache:
         (one at s: the state it starts from, which the kernel returns as is; fewer when fewer of
         the step's rows are left; with none left and one at s, no chunk: it waits a step), all in
         its one step; it stops at the next, which the next chunk takes at its start, and at a
-        span prompt's position off the GDN chunk grid (its first span start). A plain prompt's chunk that would overflow a token bucket by a little
-        stops there (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
+        span prompt's position off the GDN chunk grid (its first span start). A plain prompt's
+        chunk that would overflow a token bucket by a little stops there
+        (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
         if not self.restores_left and seq.hybrid.restore_entry is not None:
             return seq.num_computed  # its restore waits for a step with a row left: no chunk
         ahead, m = self._ahead(seq), min(CHECKPOINTS_PER_STEP, self.rows_left)
