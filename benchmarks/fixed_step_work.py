@@ -112,10 +112,11 @@ def count_line(p: dict) -> str:
 
 
 def time_point(seats: int, max_model_len: int, tokens: list[int], reps: int, caching: bool,
-               preset: str, num_kv_blocks: int) -> list[str]:
-    """Device ms of the plain prefill step of each token bucket (one engine, one prompt each)."""
-    import jax
-
+               preset: str, num_kv_blocks: int, decode: bool = False,
+               profile_top: int = 0) -> list[str]:
+    """Device ms of the plain prefill step of each token bucket (one engine, one prompt each),
+    with `decode` also of the decode step that follows it (the prompt again, max_tokens 2: its
+    last step), with `profile_top` each step's costliest kernels too (a jax.profiler trace)."""
     from minipic_jax import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(preset, dtype="bfloat16", max_num_seqs=seats, max_model_len=max_model_len,
@@ -124,19 +125,46 @@ def time_point(seats: int, max_model_len: int, tokens: list[int], reps: int, cac
     runner, rng, lines = llm.llm_engine.runner, np.random.default_rng(0), []
     for t in tokens:
         ids = rng.integers(10, 500, size=t - 8).tolist()  # t - 8: the bucket is t
-        llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1),
-                     use_tqdm=False)
-        ints, floats, kw = runner.last_inputs
-        times = []
-        for _ in range(reps + 2):  # _dispatch keeps the donated cache, pools and tables
-            t1 = time.perf_counter()
-            jax.block_until_ready(runner._dispatch(ints, floats, False, kw))
-            times.append(1e3 * (time.perf_counter() - t1))
-        lines.append(f"time {preset} seats={seats} max_model_len={max_model_len} "
-                     f"caching={int(caching)} t={kw['t']} s={kw['s']}: "
-                     f"{statistics.median(times[2:]):.2f} ms/step (min {min(times[2:]):.2f}; "
-                     f"engine + steps {time.perf_counter() - t0:.0f} s)")
-        print(lines[-1], flush=True)
+        for max_tokens in (1, 2) if decode else (1,):
+            if max_tokens == 2:
+                llm.llm_engine.reset_prefix_cache()
+            llm.generate([{"prompt_token_ids": ids}],
+                         SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                         use_tqdm=False)
+            kind = ("prefill", "decode")[max_tokens - 1]
+            lines += _time_last_step(runner, reps, profile_top, kind,
+                                     f"time {preset} seats={seats} max_model_len={max_model_len} "
+                                     f"caching={int(caching)}", t0)
+    return lines
+
+
+def _time_last_step(runner, reps: int, profile_top: int, kind: str, label: str,
+                    t0: float) -> list[str]:
+    """The runner's last step replayed reps (+2) times, each waited for: a line with the median
+    ms, and with profile_top the trace's summary and top kernels."""
+    import jax
+    ints, floats, kw = runner.last_inputs
+
+    def call():  # _dispatch keeps the donated cache, pools and tables
+        return runner._dispatch(ints, floats, False, kw)
+
+    times = []
+    for _ in range(reps + 2):
+        t1 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(1e3 * (time.perf_counter() - t1))
+    lines = [f"{label} {kind} t={kw['t']} s={kw['s']}: {statistics.median(times[2:]):.2f} ms/step "
+             f"(min {min(times[2:]):.2f}; engine + steps {time.perf_counter() - t0:.0f} s)"]
+    print(lines[-1], flush=True)
+    if profile_top:
+        from benchmarks.timing import profile_kernels
+        prof = profile_kernels(call, top=profile_top)
+        lines.append(f"profile {kind} t={kw['t']} s={kw['s']}: {prof['kernels_per_step']:.0f} "
+                     f"kernels, busy {prof['kernel_busy_ms_per_step']:.2f} ms, first-to-last "
+                     f"{prof['first_to_last_kernel_ms_per_step']:.2f} ms per step")
+        lines += [f"profile {kind} t={kw['t']} s={kw['s']} | {k['ms_per_step']:7.3f} ms | "
+                  f"{k['calls_per_step']:5.1f} | {k['name'][:70]}" for k in prof["top"]]
+        print("\n".join(lines[1:]), flush=True)
     return lines
 
 
@@ -156,6 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default=PRESET, help="--time: the model (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=10, help="--time: replays timed (median)")
     ap.add_argument("--num-kv-blocks", type=int, default=4096, help="--time: KV pool blocks")
+    ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="--time: each step's N costliest kernels (a jax.profiler trace)")
     a = ap.parse_args(argv)
     if a.top:
         from benchmarks.span_step_work import stub_kernels
@@ -170,7 +201,7 @@ def main(argv=None) -> int:
             for mml in a.max_model_len:
                 if a.time:
                     time_point(seats, mml, a.tokens, a.reps, bool(ckpt), a.preset,
-                               a.num_kv_blocks)
+                               a.num_kv_blocks, a.decode, a.profile)
                     continue
                 from benchmarks.span_step_work import stub_kernels
                 stub_kernels()
