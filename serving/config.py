@@ -3,7 +3,8 @@
 Bucketing (the only place that says how shapes are padded so compiles stay bounded):
   * query tokens per step T: powers of two from `min_token_bucket` (None: 1 on CPU, 8 on an
     accelerator) up to `max_num_batched_tokens` (rounded up to a power of two);
-  * sequences per step S: min(T bucket, seat count), so one step shape per T bucket;
+  * sequences per step S: min(T bucket, seat count), and with `small_seq_bucket` also that many
+    rows for a step of at most that many sequences (two step shapes per T bucket);
   * block-table width NB: fixed at ceil(max_model_len / block_size).
 So the runner compiles at most len(token_buckets) step variants per sampling mode.
 """
@@ -59,6 +60,13 @@ class Config:
     # padded row costs its share of every matmul (SmolLM2-135M shape, one thread: a decode step's
     # matmuls took 80 ms for 1 row, 127 ms for 8), and 8 on an accelerator.
     min_token_bucket: int | None = None
+    # A second, small sequence bucket: a step of at most this many sequences runs with S = this
+    # many rows instead of min(T, seats); 0: none. A hybrid step's recurrent-state work follows S
+    # (each GDN layer gathers and stores S states, and its packed chunk stream holds
+    # ceil(T / 64) + 2 S chunks): on the H200 a 128-token step of one request at 64 seats cost
+    # 16 ms, as much as 1,024 tokens at 16 seats (issue 29). Each bucket is a step variant per
+    # token bucket that warm-up compiles. None: 8 on a hybrid model on an accelerator, else 0.
+    small_seq_bucket: int | None = option(None, host_only=True)  # the step reads S, not this
     # Attention kernel (kernels_pallas.paged_attention.api.IMPLEMENTATIONS): "auto" (None: the
     # same) lets the kernel registry's policy pick per step kind, on a GPU the ragged Triton
     # kernel for general steps and, for decode-only steps, the Mosaic decode kernel where it
@@ -123,6 +131,9 @@ class Config:
         if self.min_token_bucket is not None and self.min_token_bucket < 1:
             raise ValueError(f"Config.min_token_bucket must be None or >= 1, "
                              f"got {self.min_token_bucket}")
+        if self.small_seq_bucket is not None and self.small_seq_bucket < 0:
+            raise ValueError(f"Config.small_seq_bucket must be None or >= 0, "
+                             f"got {self.small_seq_bucket}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"Config.tensor_parallel_size must be >= 1, "
                              f"got {self.tensor_parallel_size}")
@@ -208,21 +219,38 @@ class Config:
                 return b
         raise ValueError(f"{n} tokens exceed the largest bucket {self.token_buckets[-1]}")
 
-    def seq_bucket(self, token_bucket: int) -> int:
-        return min(token_bucket, self.num_seats)
+    def seq_buckets(self, token_bucket: int) -> tuple[int, ...]:
+        """The sequence buckets S of a step of `token_bucket` rows, ascending."""
+        full = min(token_bucket, self.num_seats)
+        small = min(self.small_seq_bucket or full, full)
+        return (small, full) if small < full else (full,)
+
+    def seq_bucket(self, token_bucket: int, num_seqs: int | None = None) -> int:
+        """The S a step of `token_bucket` rows and `num_seqs` sequences runs with (None: the
+        largest, min(T, seats))."""
+        buckets = self.seq_buckets(token_bucket)
+        if num_seqs is None:
+            return buckets[-1]
+        return next((b for b in buckets if num_seqs <= b), buckets[-1])
 
 
 def effective_config(config: Config, hybrid: bool) -> Config:
     """The Config an engine runs: `config` itself, or a copy (dataclasses.replace; the caller's
     object is never changed) where the model needs another setting. isps's span-only prefill
     jobs (serving/cache/span_jobs.py) serve attention-only models, so on a hybrid model isps
-    falls back to fcfs, with a warning naming both."""
+    falls back to fcfs, with a warning naming both. An unset small_seq_bucket becomes its
+    default for the model and backend (the field's comment)."""
+    changes = {}
     if hybrid and config.scheduling_policy == "isps":
         warnings.warn("scheduling_policy='isps' is not supported on hybrid models (its span-only "
                       "prefill jobs serve attention-only models); this engine runs 'fcfs'",
                       UserWarning, stacklevel=3)
-        return dataclasses.replace(config, scheduling_policy="fcfs")
-    return config
+        changes["scheduling_policy"] = "fcfs"
+    if config.small_seq_bucket is None:
+        import jax
+        accelerator = jax.default_backend() != "cpu"
+        changes["small_seq_bucket"] = HYBRID_SMALL_SEQ_BUCKET if hybrid and accelerator else 0
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def check_watermark(config: Config, num_blocks: int) -> int:
@@ -236,6 +264,10 @@ def check_watermark(config: Config, num_blocks: int) -> int:
                          f"num_kv_blocks")
     return num_blocks
 
+
+# Config.small_seq_bucket's default on a hybrid model on an accelerator (one request's steps;
+# its checkpoint and restore rows, checkpoint_plan.step_rows / restore_rows, stay at full count)
+HYBRID_SMALL_SEQ_BUCKET = 8
 
 # the smallest step on a CPU backend: one row (a padded row costs its share of every matmul there)
 CPU_MIN_TOKEN_BUCKET = 1

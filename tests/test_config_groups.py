@@ -70,7 +70,7 @@ def test_group_values_are_checked_naming_the_flat_keyword():
 # a changed value for every field: those only the host reads, then those that reach the step
 HOST_ONLY = {"num_kv_blocks": 64, "gpu_memory_utilization": 0.5, "kv_mode": "pic_off",
              "hash_algo": "sha256", "scheduling_policy": "barrier", "isps_span_seats": 4,
-             "cpu_offload_gb": 1.0, "max_logprobs": 5, "watermark_blocks": 2,
+             "cpu_offload_gb": 1.0, "max_logprobs": 5, "watermark_blocks": 2, "small_seq_bucket": 4,
              "step_cache": "off", "kv_store.dir": "/tmp/store", "kv_store.gb": 8.0,
              "kv_store.spans_only": True, "kv_store.staging_gb": 2.0, "kv_store.pinned": True,
              "hybrid_cache.strategy": "last", "hybrid_cache.step_tokens": 0.0,
@@ -141,7 +141,9 @@ def test_engine_never_changes_the_callers_config_and_warns_on_isps_for_hybrid():
         engine = LLMEngine(loaded, config, dtype=jnp.float32)
     assert config == before and config.scheduling_policy == "isps"
     assert engine.config.scheduling_policy == "fcfs"
-    assert engine.config == dataclasses.replace(before, scheduling_policy="fcfs")
+    # ... and an unset small_seq_bucket takes its default (0 on a CPU backend)
+    assert engine.config == dataclasses.replace(before, scheduling_policy="fcfs",
+                                                small_seq_bucket=0)
     runner, context = engine.runner, engine.runner._program_context()
     runner.config = _changed(engine.config, "hybrid_cache.strategy", "last")
     assert runner._program_context() == context

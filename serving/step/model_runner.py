@@ -265,17 +265,17 @@ class ModelRunner:
         """The (ints, floats, static kwargs) of every empty step `warmup` runs."""
         variants = []
         for t in self.config.token_buckets:
-            s = self.config.seq_bucket(t)
-            plans = {self._plan(t, s, n, d) for n, d in ((0, 1), (min(s, t // 2), 1), (1, 0))}
-            variants += [(t, False, plan, False) for plan in plans]
-            if spans and self.hybrid:
-                variants += [(t, False, plan, True) for plan in plans]
+            for s in self.config.seq_buckets(t):
+                plans = {self._plan(t, s, n, d) for n, d in ((0, 1), (min(s, t // 2), 1), (1, 0))}
+                variants += [(t, s, False, plan, False) for plan in plans]
+                if spans and self.hybrid:
+                    variants += [(t, s, False, plan, True) for plan in plans]
         if self.separate_decode:
             top = self.config.token_bucket(self.config.num_seats)
-            variants += [(t, True, None, False) for t in self.config.token_buckets if t <= top]
+            variants += [(t, s, True, None, False) for t in self.config.token_buckets if t <= top
+                         for s in self.config.seq_buckets(t)]
         steps = []
-        for t, decode_only, plan, span_step_ in variants:
-            s = self.config.seq_bucket(t)
+        for t, s, decode_only, plan, span_step_ in variants:
             warm = span_step_ and self.span_pool is not None
             spec, size = layout(t, s, self.nb, self.ck_pool is not None, span_step_, warm,
                                 block_size=self.block_size, resident=self.dev_tables.on)
@@ -315,9 +315,10 @@ class ModelRunner:
         between two sets, so building step N+1 never touches step N's (still in flight)."""
         cfg = self.config
         real = sum(e.token_idx.size for e in batch)
-        # S = min(T, seats) rows must hold every entry, also one without a query token this step
+        # S rows must hold every entry, also one without a query token this step: the smallest
+        # sequence bucket that does (Config.small_seq_bucket), else min(T, seats)
         t = cfg.token_bucket(max(real, len(batch), 1))
-        s = cfg.seq_bucket(t)
+        s = cfg.seq_bucket(t, len(batch))
         if use_prev:
             self._parity ^= 1
         spans = self.hybrid and span_step.step_has_spans(batch, self.block_size)
