@@ -113,7 +113,7 @@ def count_line(p: dict) -> str:
 
 def time_point(seats: int, max_model_len: int, tokens: list[int], reps: int, caching: bool,
                preset: str, num_kv_blocks: int, decode: bool = False,
-               profile_top: int = 0) -> list[str]:
+               profile_top: int = 0, small_seq_bucket: int | None = None) -> list[str]:
     """Device ms of the plain prefill step of each token bucket (one engine, one prompt each),
     with `decode` also of the decode step that follows it (the prompt again, max_tokens 2: its
     last step), with `profile_top` each step's costliest kernels too (a jax.profiler trace)."""
@@ -121,7 +121,8 @@ def time_point(seats: int, max_model_len: int, tokens: list[int], reps: int, cac
     t0 = time.perf_counter()
     llm = LLM(preset, dtype="bfloat16", max_num_seqs=seats, max_model_len=max_model_len,
               max_num_batched_tokens=1024, num_kv_blocks=num_kv_blocks, warmup=False,
-              enable_prefix_caching=caching, async_scheduling=False)
+              enable_prefix_caching=caching, async_scheduling=False,
+              small_seq_bucket=small_seq_bucket)
     runner, rng, lines = llm.llm_engine.runner, np.random.default_rng(0), []
     for t in tokens:
         ids = rng.integers(10, 500, size=t - 8).tolist()  # t - 8: the bucket is t
@@ -134,7 +135,8 @@ def time_point(seats: int, max_model_len: int, tokens: list[int], reps: int, cac
             kind = ("prefill", "decode")[max_tokens - 1]
             lines += _time_last_step(runner, reps, profile_top, kind,
                                      f"time {preset} seats={seats} max_model_len={max_model_len} "
-                                     f"caching={int(caching)}", t0)
+                                     f"caching={int(caching)} small_seq_bucket="
+                                     f"{llm.config.small_seq_bucket}", t0)
     return lines
 
 
@@ -184,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default=PRESET, help="--time: the model (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=10, help="--time: replays timed (median)")
     ap.add_argument("--num-kv-blocks", type=int, default=4096, help="--time: KV pool blocks")
+    ap.add_argument("--small-seq-bucket", type=int, nargs="+", default=[None],
+                    help="--time: Config.small_seq_bucket values, an engine each (default: unset)")
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")
@@ -200,8 +204,9 @@ def main(argv=None) -> int:
         for seats in a.seats:
             for mml in a.max_model_len:
                 if a.time:
-                    time_point(seats, mml, a.tokens, a.reps, bool(ckpt), a.preset,
-                               a.num_kv_blocks, a.decode, a.profile)
+                    for small in a.small_seq_bucket:
+                        time_point(seats, mml, a.tokens, a.reps, bool(ckpt), a.preset,
+                                   a.num_kv_blocks, a.decode, a.profile, small)
                     continue
                 from benchmarks.span_step_work import stub_kernels
                 stub_kernels()
