@@ -16,12 +16,13 @@ XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 270 python3 -m benchmarks.cli hybrid-
 echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^(call|[a-i] )|goal|warm-up|^    (prefill|decode)" "$OUT/hybrid_spans.txt" | grep -v "^W1" \
   | cut -c1-200 >> "$R"
-L=$(left); [ "$L" -gt 150 ] && L=150
+L=$(left); [ "$L" -gt 180 ] && L=180
 if [ "$L" -ge 60 ]; then
   timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
-    --tokens 128 1024 --reps 10 --decode --small-seq-bucket 0 8 > "$OUT/fixed_step.txt" 2>&1
+    --tokens 128 1024 --reps 10 --decode --small-seq-bucket 0 8 --profile 12 \
+    > "$OUT/fixed_step.txt" 2>&1
   echo "fixed step rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep "ms/step" "$OUT/fixed_step.txt" | cut -c1-200 >> "$R"
+  grep -E "ms/step|kernels, busy" "$OUT/fixed_step.txt" | cut -c1-200 >> "$R"
 fi
 L=$(left); [ "$L" -gt 150 ] && L=150
 if [ "$L" -ge 70 ]; then
