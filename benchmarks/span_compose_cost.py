@@ -47,6 +47,7 @@ class WarmStepCapture:
 
     def __init__(self, runner):
         self.runner, self.best, self.maps, self.steps = runner, None, -1, 0
+        self.program = None
         self._pending = None  # a compose call whose step comes next
         self._orig = runner._dispatch
         runner._dispatch = self._dispatch
@@ -58,6 +59,7 @@ class WarmStepCapture:
             n = int((f["chain"] >= 0).sum())
             if n > self.maps:
                 self._pending, self.maps = f, n
+                self.program = (ints.copy(), dict(kw))  # the engine's compose call itself
         elif self._pending is not None:
             self.best = (ints.copy(), floats.copy(), dict(kw), use_prev, self._pending)
             self._pending = None
@@ -150,7 +152,16 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
     probe, probe_chains = probe_pool(runner.span_pool, chains)  # no zero heads: no reset starts
     probe_ms = timed(probe_chains, pool=probe)
     plan = _plan(runner.span_pool, chains)
-    return dict(tokens=kw["t"], seqs=kw["s"], chain_shape=[rows, length],
+    program = {}
+    if jax.default_backend() == "gpu":  # the engine's compose program replayed, kernel by kernel
+        from benchmarks.timing import profile_kernels
+        c_ints, c_kw = capture.program
+
+        def call():  # its output is the cache (waited for), not the step's packed tokens
+            runner._dispatch(c_ints, None, False, c_kw)
+            return runner.cache
+        program = dict(ms=_median_ms(call, reps), profile=profile_kernels(call, top=10))
+    return dict(program=program, tokens=kw["t"], seqs=kw["s"], chain_shape=[rows, length],
                 chain_rows=int((f["chain"] >= 0).any(axis=1).sum()), maps_in_step=capture.maps,
                 warm_steps=capture.steps, reps=reps, step_ms=step_ms, compose_ms=compose_ms,
                 compose_share=compose_ms / step_ms, probe_compose_ms=probe_ms,
@@ -224,4 +235,11 @@ def report(res: dict) -> str:
               f"(probe maps; the captured maps' A are {res['a_zero']:.1%} zeros)"]
     lines += [f"compose {name:9s} | {v['ms']:.3f} | {v['share']:.2%} | {v['tflops']:.2f} | "
               f"{v['rel_vs_highest']:.2e}" for name, v in res["precisions"].items()]
+    if res.get("program"):  # the engine's own compose program (restores and writes included)
+        prof = res["program"]["profile"]
+        lines += [f"compose program {res['program']['ms']:.3f} ms: {prof['kernels_per_step']:.0f} "
+                  f"kernels, busy {prof['kernel_busy_ms_per_step']:.3f} ms, first-to-last "
+                  f"{prof['first_to_last_kernel_ms_per_step']:.3f} ms"]
+        lines += [f"compose program | {k['ms_per_step']:.3f} ms | {k['calls_per_step']:.0f} | "
+                  f"{k['name'][:60]}" for k in prof["top"]]
     return "\n".join(lines)
