@@ -237,7 +237,9 @@ def report(res: dict) -> str:
               f"{v['rel_vs_highest']:.2e}" for name, v in res["precisions"].items()]
     if res.get("program"):  # the engine's own compose program (restores and writes included)
         prof = res["program"]["profile"]
-        lines += [f"compose program {res['program']['ms']:.3f} ms: {prof['kernels_per_step']:.0f} "
+        ms = res["program"]["ms"]
+        lines += [f"compose program {ms:.3f} ms = {ms / res['step_ms']:.2%} of the step: "
+                  f"{prof['kernels_per_step']:.0f} "
                   f"kernels, busy {prof['kernel_busy_ms_per_step']:.3f} ms, first-to-last "
                   f"{prof['first_to_last_kernel_ms_per_step']:.3f} ms"]
         lines += [f"compose program | {k['ms_per_step']:.3f} ms | {k['calls_per_step']:.0f} | "

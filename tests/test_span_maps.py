@@ -101,7 +101,7 @@ def test_map_nbytes_qwen3_5_0_8b():
 
 def test_chain_shapes_pad_to_warm_variants():
     """Chains pad to the engine's one length (a longer one, never expected, goes up by 4x);
-    rows are powers of four from 4, at most the step's sequences; warm-up covers every shape a
+    rows are powers of two from 4, at most the step's sequences; warm-up covers every shape a
     step of s sequences can take."""
     from types import SimpleNamespace
 
@@ -110,11 +110,12 @@ def test_chain_shapes_pad_to_warm_variants():
     assert span_step.chain_length(8) == 16 and span_step.chain_length(128) == 128
     assert span_step.chain_shape(batch(3, 0, 1), 8) == (4, 16)
     assert span_step.chain_shape(batch(16, 2, 2, 2, 2), 8) == (8, 16)
-    assert span_step.chain_shape(batch(*[1] * 5), 64, 128) == (16, 128)
-    assert span_step.chain_shape(batch(*[1] * 17), 64, 128) == (64, 128)
+    assert span_step.chain_shape(batch(*[1] * 5), 64, 128) == (8, 128)
+    assert span_step.chain_shape(batch(*[1] * 9), 64, 128) == (16, 128)
+    assert span_step.chain_shape(batch(*[1] * 17), 64, 128) == (32, 128)
     assert span_step.chain_shape(batch(17), 2) == (2, 64)
     assert span_step.warm_chains(4, 32) == [(4, 32)]
-    assert span_step.warm_chains(64, 32) == [(4, 32), (16, 32), (64, 32)]
+    assert span_step.warm_chains(64, 32) == [(4, 32), (8, 32), (16, 32), (32, 32), (64, 32)]
     for s in (2, 4, 8, 32, 64):  # every step's shape is warm
         warm = set(span_step.warm_chains(s, 32))
         assert all(span_step.chain_shape(batch(*[32] * n), s, 32) in warm for n in range(1, s + 1))

@@ -58,7 +58,7 @@ def test_generate_says_when_a_variant_compiles_outside_warmup(capsys):
 def test_warmup_readies_one_span_variant_per_token_bucket_and_plan():
     """At 16 seats the span steps' variants no longer multiply by the chain-row buckets: one
     per (token bucket, attention plan), as many as the plain steps, plus one small compose program
-    per row bucket (4 and 16 rows), shared by every bucket (serving/hybrid/span_compose.py). Was
+    per row bucket (4, 8 and 16 rows), shared by every bucket (serving/hybrid/span_compose.py). Was
     two span variants per bucket and plan (rows 4 and 16), each a whole model compile. Counted
     from the warm-up's list, nothing compiled."""
     llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=16,
@@ -71,7 +71,8 @@ def test_warmup_readies_one_span_variant_per_token_bucket_and_plan():
     compose = sorted(kw["compose"] for kw in steps if kw.get("compose"))
     assert llm.config.token_buckets == (16, 32, 64) and len(plain) >= 3
     assert len(span) == len(plain), (len(span), len(plain))
-    assert compose == [(4, runner.chain_length), (16, runner.chain_length)]
+    assert compose == [(4, runner.chain_length), (8, runner.chain_length),
+                       (16, runner.chain_length)]
 
 
 @pytest.mark.slow  # CI time (~45 s on CPU: its own 16-seat warm-up): --run-slow

@@ -7,7 +7,7 @@ variant had one more static shape, the chain rows [Sc, L]: per token bucket and 
 one span variant per row bucket (at 64 seats and 1,024 tokens per step, 22 span variants, each a
 whole model compile). Here it is a small program keyed only by (rows, length): no model, no
 attention, shared by every token bucket, so warm-up readies len(warm_chains(seats)) of them (1 at
-4 seats, 2 at 16, 3 at 64) next to one span variant per token bucket and plan.
+4 seats, 3 at 16, 5 at 64) next to one span variant per token bucket and plan.
 
 Inputs: one packed int32 buffer (`layout`): per chain row the sequence's state slot, its reset
 flag, the checkpoint its state is restored from (with a checkpoint pool; a resume at c comes

@@ -173,15 +173,19 @@ def entry_states(pool: SpanMapPool, slots, conv0, delta0, *, precision=None, imp
 
 
 def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chains, *,
-          precision=None):
+          precision=None, restore=None):
     """Before the model runs (the compose program, serving/hybrid/span_compose.py): the state
     slot of each sequence with a chain of cached spans moves on by it, from zero where that
     sequence resets.
 
     state_slots, reset: [S] the step's sequences; chain_seq: [Sc] int32 which sequence each
     chain row is (-1 = none); chains: [Sc, L] pool slots in order (-1 ends a chain);
-    precision: entry_states'. Returns (cache, reset [S] off for the sequences that entered:
-    their slot holds the entry state now)."""
+    precision: entry_states'; restore: None, or (conv [Lg, Sc, ...], delta [Lg, Sc, ...], [Sc]
+    int32 checkpoint slot, -1 = none) per chain row (checkpoint_pool.rows): a row with a slot
+    starts from that checkpoint instead of its state slot (a resume at c comes before the spans
+    skipped right after c); it is written once, with the chain's result (restoring first wrote
+    every restored state into the cache and read it back: two scatters per GDN layer more). Returns (cache, reset [S] off for the sequences that entered: their slot
+    holds the entry state now)."""
     n_seqs = state_slots.shape[0]
     n_maps = chain_lengths(chains)
     order = _longest_first(n_maps)  # rows reordered before the states are read: no state moves
@@ -190,11 +194,19 @@ def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chain
     entering = (chain_seq >= 0) & (n_maps > 0)
     slots = state_slots[rows]
     conv0, delta0 = family.read_states(cache, slots)  # [Lg, Sc, ...]
+    written = entering
+    if restore is not None:
+        conv_r, delta_r, ck_slot = restore[0][:, order], restore[1][:, order], restore[2][order]
+        restored = ck_slot >= 0
+        conv0 = jnp.where(restored[None, :, None, None], conv_r.astype(conv0.dtype), conv0)
+        delta0 = jnp.where(restored[None, :, None, None, None], delta_r.astype(delta0.dtype),
+                           delta0)
+        written = entering | restored  # a restored row without maps keeps its checkpoint
     keep = ~reset[rows]
     conv0 = jnp.where(keep[None, :, None, None], conv0, 0).astype(conv0.dtype)
     delta0 = jnp.where(keep[None, :, None, None, None], delta0, 0.0)
     conv, delta = _compose(pool, chains, n_maps, conv0, delta0, precision)
-    cache = family.write_states(cache, slots, conv, delta, entering)
+    cache = family.write_states(cache, slots, conv, delta, written)
     entered = jnp.zeros(n_seqs, bool).at[jnp.where(entering, chain_seq, n_seqs)].set(
         True, mode="drop")
     return cache, reset & ~entered
