@@ -33,7 +33,8 @@ def test_seq_buckets_pick_the_smallest_that_holds_the_sequences():
 def test_the_default_is_on_for_hybrid_models_on_an_accelerator(monkeypatch):
     import jax
     cfg = Config()
-    assert effective_config(cfg, hybrid=True).small_seq_bucket == 0  # this CPU backend
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert effective_config(cfg, hybrid=True).small_seq_bucket == 0
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert effective_config(cfg, hybrid=True).small_seq_bucket == HYBRID_SMALL_SEQ_BUCKET
     assert effective_config(cfg, hybrid=False).small_seq_bucket == 0
