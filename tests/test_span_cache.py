@@ -42,10 +42,11 @@ def test_a_captured_span_piece_holds_its_rows_only():
 
 
 def test_only_steps_with_span_work_take_the_span_variant():
-    """A step takes the span variant (serving/span_step.step_has_spans) when a row starts a span,
-    or a sequence enters with cached maps or captures one; decodes and chunks past the spans are
-    plain steps (their rows all read the flow: `step_rows` marks no span row there), so they
-    never compile a span variant of the decode step mid-run."""
+    """A step takes the span variant (serving/span_step.step_has_spans) when a row starts a span
+    or a sequence captures a span's map; decodes and chunks past the spans are plain steps (their
+    rows all read the flow: `step_rows` marks no span row there), so they never compile a span
+    variant of the decode step mid-run. So is a chunk that only enters with cached maps (the
+    compose program before the step leaves its entry state in its slot)."""
     seq = _seq(TOKENS)
 
     def entry(idx, **kw):
@@ -53,7 +54,7 @@ def test_only_steps_with_span_work_take_the_span_variant():
         return types.SimpleNamespace(**{**e, **kw})
 
     for e, want in ((entry(range(0, 6)), True), (entry([12]), True), (entry([16, 17, 18]), False),
-                    (entry([19]), False), (entry([16, 17], map_chain=(3,)), True),
+                    (entry([19]), False), (entry([16, 17], map_chain=(3,)), False),
                     (entry([5, 6], map_caps=((12, 0),)), True), (entry([]), False)):
         assert span_step.step_has_spans([e], BS) is want, e.token_idx
         if not want and e.token_idx.size:

@@ -359,9 +359,10 @@ class ModelRunner:
             kw["spans"] = True
             if warm and not decode_only:
                 span_step.fill_maps(batch, v, starts)
-                compose = self.composer.build(batch, v, self._parity if use_prev else 0)
-                if compose:  # cached maps' chains, a program of its own before the step
-                    self._dispatch(compose[0], None, False, compose[1])
+        if self.span_pool is not None and not decode_only:
+            compose = self.composer.build(batch, v, self._parity if use_prev else 0)
+            if compose:  # cached maps' chains, a program of its own before the step (any kind)
+                self._dispatch(compose[0], None, False, compose[1])
         self.cache = self.zeroer.fill(v["zero_pages"], self.cache)  # the fresh pages
         self.last_inputs = (ints, floats, kw)  # for benchmarks that time the jitted step alone
         t0 = time.perf_counter()
