@@ -82,9 +82,10 @@ class Config:
     # write_kv implementation for attention layers (Llama family): None = the Pallas row copy
     # on GPU, XLA elsewhere; "xla" or "triton" to force one.
     write_kv_impl: str | None = None
-    # Concatenate the weights that read the same input (Llama: QKV, gate/up) once at engine
-    # start, so each is one GEMM per layer (fewer kernels; the engine then holds the fused
-    # arrays in loaded.params). A family with nothing to fuse keeps its params.
+    # Concatenate the weights that read the same input (Llama: QKV, gate/up; Qwen3.5: the GDN's
+    # qkv / z / b / a, the attention's q / gate / k / v, gate/up) once at engine start, so each
+    # is one GEMM per layer (fewer kernels; the engine then holds the fused arrays in
+    # loaded.params). A family with nothing to fuse keeps its params.
     fuse_weights: bool = True
     # Overlap the host with the device (vLLM's option name): step N+1 is scheduled, built and
     # dispatched before step N's sampled tokens are read back; decode rows take their input

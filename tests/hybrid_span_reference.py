@@ -152,8 +152,10 @@ def reference_logprobs(params, cfg, kept, seg, span, trace=None):
     """log-softmax over the vocab at every kept token: [n, V] float64. trace: None or a list that
     receives one dict per GDN layer (delta inputs k [n, Hk, Dk], v [n, Hv, Dv], g, beta [n, Hv];
     entering / window: segment -> flow delta state [Hv, Dk, Dv] / conv window [Kc-1, C])."""
+    from minipic_jax.models.qwen3_5 import unfuse_params
     n = len(kept)
-    params = _attrs({"lm_head": None, **params})  # no lm_head when tied
+    # an engine's params are fused (qwen3_5.fuse_params): read the HF layout's matrices
+    params = _attrs({"lm_head": None, **unfuse_params(params)})  # no lm_head when tied
     x = _f(params.embed)[embedding_input(kept, cfg)]
     q_i, k_i = np.arange(n)[:, None], np.arange(n)[None, :]
     in_span = np.asarray([span[s] for s in seg])

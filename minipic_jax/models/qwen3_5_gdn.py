@@ -141,18 +141,34 @@ def recurrent_core(x, cu_q_lens, pos0, delta0, pieces, *, checkpoint_at, decode,
 class GatedDeltaNet(nnx.Module):
     """The GDN token mixer of one linear-attention layer (HF Qwen3_5GatedDeltaNet's weights)."""
 
-    def __init__(self, cfg, dtype=jnp.float32):
+    def __init__(self, cfg, dtype=jnp.float32, *, fused: bool = False):
         e = cfg.hidden_size
         hk, hv, dk, dv, c, kc = gdn_dims(cfg)
-        self.w_qkv = param((e, c), ("embed", "gdn_conv"), dtype)
-        self.w_z = param((e, hv, dv), ("embed", "gdn_heads", "gdn_v"), dtype)
-        self.w_b = param((e, hv), ("embed", "gdn_heads"), dtype)
-        self.w_a = param((e, hv), ("embed", "gdn_heads"), dtype)
+        if fused:  # [w_qkv | w_z | w_b | w_a] over their outputs: one GEMM (qwen3_5.fuse_params)
+            self.w_in = param((e, c + hv * dv + 2 * hv), ("embed", "gdn_in"), dtype)
+        else:
+            self.w_qkv = param((e, c), ("embed", "gdn_conv"), dtype)
+            self.w_z = param((e, hv, dv), ("embed", "gdn_heads", "gdn_v"), dtype)
+            self.w_b = param((e, hv), ("embed", "gdn_heads"), dtype)
+            self.w_a = param((e, hv), ("embed", "gdn_heads"), dtype)
         self.conv_w = param((c, kc), ("gdn_conv", None), dtype)
         self.dt_bias = param((hv,), ("gdn_heads",), dtype)
         self.a_log = param((hv,), ("gdn_heads",), dtype)
         self.norm = param((dv,), ("gdn_v",), dtype)
         self.w_out = param((hv, dv, e), ("gdn_heads", "gdn_v", "embed"), dtype)
+
+    def projections(self, h, cfg):
+        """(mixed [T, C], z [T, Hv, Dv], b, a [T, Hv]) of normed h [T, E]."""
+        if not hasattr(self, "w_in"):
+            return (jnp.einsum("te,ec->tc", h, self.w_qkv[...]),
+                    jnp.einsum("te,ehv->thv", h, self.w_z[...]),
+                    jnp.einsum("te,eh->th", h, self.w_b[...]),
+                    jnp.einsum("te,eh->th", h, self.w_a[...]))
+        _, hv, _, dv, c, _ = gdn_dims(cfg)
+        x = jnp.einsum("te,ec->tc", h, self.w_in[...])  # [T, C + Hv Dv + 2 Hv]
+        z_end = c + hv * dv
+        return (x[:, :c], x[:, c:z_end].reshape(-1, hv, dv), x[:, z_end:z_end + hv],
+                x[:, z_end + hv:])
 
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
                  impl=None, pieces=None, decode=None, seq_of_row=None, packing=None,
@@ -190,10 +206,7 @@ class GatedDeltaNet(nnx.Module):
             pieces = qwen3_5_spans.prepare(pieces, cu_q_lens, n_tokens, kc)
         if pieces is not None and "window_rows" not in pieces:
             pieces = qwen3_5_spans.with_windows(pieces, conv_idx["rows"], conv0.shape[0], kc - 1)
-        mixed = jnp.einsum("te,ec->tc", h, self.w_qkv[...])  # [T, C]
-        z = jnp.einsum("te,ehv->thv", h, self.w_z[...])  # [T, Hv, Dv]
-        b = jnp.einsum("te,eh->th", h, self.w_b[...])  # [T, Hv]
-        a = jnp.einsum("te,eh->th", h, self.w_a[...])  # [T, Hv]
+        mixed, z, b, a = self.projections(h, cfg)
         conv_w = self.conv_w[...]  # [C, Kc]
         if pieces is None:
             conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row,

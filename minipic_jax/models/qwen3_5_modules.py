@@ -37,25 +37,35 @@ class GatedAttention(nnx.Module):
     """Full attention with q/k RMSNorm and a sigmoid output gate (the second half of HF's q_proj
     per head). Rotary (partial) is the attention call's: keys reach it unrotated."""
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, fused: bool = False):
         e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.wq = param((e, h, d), ("embed", "heads", "head_dim"), dtype)
-        self.wgate = param((e, h, d), ("embed", "heads", "head_dim"), dtype)
-        self.wk = param((e, k, d), ("embed", "kv_heads", "head_dim"), dtype)
-        self.wv = param((e, k, d), ("embed", "kv_heads", "head_dim"), dtype)
+        self.num_heads, self.num_kv_heads = h, k
+        if fused:  # [wq | wgate | wk | wv] over heads: one GEMM (qwen3_5.fuse_params)
+            self.wqgkv = param((e, 2 * h + 2 * k, d), ("embed", "qkv_heads", "head_dim"), dtype)
+        else:
+            self.wq = param((e, h, d), ("embed", "heads", "head_dim"), dtype)
+            self.wgate = param((e, h, d), ("embed", "heads", "head_dim"), dtype)
+            self.wk = param((e, k, d), ("embed", "kv_heads", "head_dim"), dtype)
+            self.wv = param((e, k, d), ("embed", "kv_heads", "head_dim"), dtype)
         self.wo = param((h, d, e), ("heads", "head_dim", "embed"), dtype)
         self.q_norm = param((d,), ("head_dim",), dtype)
         self.k_norm = param((d,), ("head_dim",), dtype)
 
+    def projections(self, h):
+        """(q, gate [T, H, D], k, v [T, K, D]) before the norms."""
+        if not hasattr(self, "wqgkv"):
+            return tuple(jnp.einsum("te,end->tnd", h, w[...])
+                         for w in (self.wq, self.wgate, self.wk, self.wv))
+        nh, nk = self.num_heads, self.num_kv_heads
+        x = jnp.einsum("te,end->tnd", h, self.wqgkv[...])  # [T, 2H + 2K, D]
+        return x[:, :nh], x[:, nh:2 * nh], x[:, 2 * nh:2 * nh + nk], x[:, 2 * nh + nk:]
+
     def __call__(self, h, cfg: ModelConfig, attend: Attend, kv_state):
         """h [T, E] normed -> (out [T, E], kv_state as `attend` returns it)."""
         eps = cfg.rms_norm_eps
-        q = layers.rms_norm(jnp.einsum("te,ehd->thd", h, self.wq[...]), self.q_norm[...], eps,
-                            unit_offset=True)  # [T, H, D]
-        gate = jnp.einsum("te,ehd->thd", h, self.wgate[...])  # [T, H, D]
-        k = layers.rms_norm(jnp.einsum("te,ekd->tkd", h, self.wk[...]), self.k_norm[...], eps,
-                            unit_offset=True)  # [T, K, D]
-        v = jnp.einsum("te,ekd->tkd", h, self.wv[...])  # [T, K, D]
+        q, gate, k, v = self.projections(h)
+        q = layers.rms_norm(q, self.q_norm[...], eps, unit_offset=True)  # [T, H, D]
+        k = layers.rms_norm(k, self.k_norm[...], eps, unit_offset=True)  # [T, K, D]
         attn, kv_state = attend(q, k, v, kv_state)  # [T, H, D]
         attn = attn * jax.nn.sigmoid(gate)
         return layers.heads_out(attn, self.wo[...]), kv_state
@@ -64,15 +74,28 @@ class GatedAttention(nnx.Module):
 class Qwen35Block(nnx.Module):
     """One decoder layer: pre-norm token mixer (attention or GDN) and pre-norm SwiGLU MLP."""
 
-    def __init__(self, cfg: ModelConfig, layer_type: str, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, layer_type: str, dtype=jnp.float32, *,
+                 fused: bool = False):
         e, f = cfg.hidden_size, cfg.intermediate_size
         self.attn_norm = param((e,), ("embed",), dtype)
-        self.mixer = (GatedAttention(cfg, dtype) if layer_type == "full_attention"
-                      else GatedDeltaNet(cfg, dtype))
+        self.mixer = (GatedAttention(cfg, dtype, fused=fused) if layer_type == "full_attention"
+                      else GatedDeltaNet(cfg, dtype, fused=fused))
         self.mlp_norm = param((e,), ("embed",), dtype)
-        self.w_gate = param((e, f), ("embed", "mlp"), dtype)
-        self.w_up = param((e, f), ("embed", "mlp"), dtype)
+        if fused:  # [w_gate | w_up] over F: one GEMM (qwen3_5.fuse_params)
+            self.w_gate_up = param((e, 2 * f), ("embed", "mlp"), dtype)
+        else:
+            self.w_gate = param((e, f), ("embed", "mlp"), dtype)
+            self.w_up = param((e, f), ("embed", "mlp"), dtype)
         self.w_down = param((f, e), ("mlp", "embed"), dtype)
+
+    def mlp(self, h):
+        """The SwiGLU MLP of normed h [T, E]."""
+        if not hasattr(self, "w_gate_up"):
+            return layers.swiglu_mlp(h, self.w_gate[...], self.w_up[...], self.w_down[...])
+        f = self.w_down.shape[0]
+        gate_up = jnp.einsum("te,ef->tf", h, self.w_gate_up[...])  # [T, 2F]
+        return jnp.einsum("tf,fe->te", jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:],
+                          self.w_down[...])
 
     def __call__(self, x, cfg: ModelConfig, mix):
         """x [T, E] -> (x [T, E], what `mix(self.mixer, h)` returned besides its output)."""
@@ -83,7 +106,7 @@ class Qwen35Block(nnx.Module):
             x = x + out
         with jax.named_scope("mlp"):
             h = layers.rms_norm(x, self.mlp_norm[...], eps, unit_offset=True)
-            x = x + layers.swiglu_mlp(h, self.w_gate[...], self.w_up[...], self.w_down[...])
+            x = x + self.mlp(h)
         return x, aux
 
 
@@ -91,11 +114,12 @@ class Qwen35(nnx.Module):
     """Token embedding, the decoder blocks of cfg.layer_types, final norm and LM head (tied to
     the embedding when cfg.tie_word_embeddings)."""
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, fused: bool = False):
         check(cfg)
         e, v = cfg.hidden_size, cfg.vocab_size
         self.embed = param((v, e), ("vocab", "embed"), dtype)
-        self.layers = nnx.List([Qwen35Block(cfg, t, dtype) for t in cfg.layer_types])
+        self.layers = nnx.List([Qwen35Block(cfg, t, dtype, fused=fused)
+                                for t in cfg.layer_types])
         self.final_norm = param((e,), ("embed",), dtype)
         self.lm_head = None if cfg.tie_word_embeddings else param((e, v), ("embed", "vocab"),
                                                                   dtype)
@@ -116,22 +140,30 @@ class Qwen35(nnx.Module):
 
 
 @functools.lru_cache(maxsize=32)
-def _abstract(cfg: ModelConfig):
+def _abstract(cfg: ModelConfig, fused: bool = False):
     """(graphdef, abstract state) of a model (nnx_pure.abstract)."""
-    return nnx_pure.abstract(lambda: Qwen35(cfg, jnp.float32))
+    return nnx_pure.abstract(lambda: Qwen35(cfg, jnp.float32, fused=fused))
 
 
-def shapes(cfg: ModelConfig) -> dict:
+def is_fused(params) -> bool:
+    """Whether a params dict holds fused layers (qwen3_5.fuse_params; all must agree)."""
+    kinds = {"w_gate_up" in lp for lp in params["layers"]}
+    if len(kinds) > 1:
+        raise ValueError("qwen3_5 params mix fused and unfused layers; fuse all or none")
+    return kinds == {True}
+
+
+def shapes(cfg: ModelConfig, *, fused: bool = False) -> dict:
     """The params dict with shape tuples as leaves."""
-    return nnx_pure.shapes(_abstract(cfg)[1])
+    return nnx_pure.shapes(_abstract(cfg, fused)[1])
 
 
-def logical_axes(cfg: ModelConfig) -> dict:
+def logical_axes(cfg: ModelConfig, *, fused: bool = False) -> dict:
     """The params dict with each leaf's logical axis names, read from the modules' nnx.Param
     annotations."""
-    return nnx_pure.logical_axes(_abstract(cfg)[1])
+    return nnx_pure.logical_axes(_abstract(cfg, fused)[1])
 
 
 def bind(params: dict, cfg: ModelConfig) -> Qwen35:
     """A Qwen35 module whose parameters are `params` (traced arrays inside jit: no copies)."""
-    return nnx_pure.merge(_abstract(cfg)[0], params)
+    return nnx_pure.merge(_abstract(cfg, is_fused(params))[0], params)
