@@ -113,7 +113,8 @@ def count_line(p: dict) -> str:
 
 def time_point(seats: int, max_model_len: int, tokens: list[int], reps: int, caching: bool,
                preset: str, num_kv_blocks: int, decode: bool = False,
-               profile_top: int = 0, small_seq_bucket: int | None = None) -> list[str]:
+               profile_top: int = 0, small_seq_bucket: int | None = None,
+               fuse_weights: bool = True) -> list[str]:
     """Device ms of the plain prefill step of each token bucket (one engine, one prompt each),
     with `decode` also of the decode step that follows it (the prompt again, max_tokens 2: its
     last step), with `profile_top` each step's costliest kernels too (a jax.profiler trace)."""
@@ -122,7 +123,7 @@ def time_point(seats: int, max_model_len: int, tokens: list[int], reps: int, cac
     llm = LLM(preset, dtype="bfloat16", max_num_seqs=seats, max_model_len=max_model_len,
               max_num_batched_tokens=1024, num_kv_blocks=num_kv_blocks, warmup=False,
               enable_prefix_caching=caching, async_scheduling=False,
-              small_seq_bucket=small_seq_bucket)
+              small_seq_bucket=small_seq_bucket, fuse_weights=fuse_weights)
     runner, rng, lines = llm.llm_engine.runner, np.random.default_rng(0), []
     for t in tokens:
         ids = rng.integers(10, 500, size=t - 8).tolist()  # t - 8: the bucket is t
@@ -136,7 +137,8 @@ def time_point(seats: int, max_model_len: int, tokens: list[int], reps: int, cac
             lines += _time_last_step(runner, reps, profile_top, kind,
                                      f"time {preset} seats={seats} max_model_len={max_model_len} "
                                      f"caching={int(caching)} small_seq_bucket="
-                                     f"{llm.config.small_seq_bucket}", t0)
+                                     f"{llm.config.small_seq_bucket} fuse={int(fuse_weights)}",
+                                     t0)
     return lines
 
 
@@ -188,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=4096, help="--time: KV pool blocks")
     ap.add_argument("--small-seq-bucket", type=int, nargs="+", default=[None],
                     help="--time: Config.small_seq_bucket values, an engine each (default: unset)")
+    ap.add_argument("--fuse-weights", type=int, nargs="+", default=[1], choices=[0, 1],
+                    help="--time: Config.fuse_weights values, an engine each (default: 1)")
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")
@@ -205,8 +209,9 @@ def main(argv=None) -> int:
             for mml in a.max_model_len:
                 if a.time:
                     for small in a.small_seq_bucket:
-                        time_point(seats, mml, a.tokens, a.reps, bool(ckpt), a.preset,
-                                   a.num_kv_blocks, a.decode, a.profile, small)
+                        for fuse in a.fuse_weights:
+                            time_point(seats, mml, a.tokens, a.reps, bool(ckpt), a.preset,
+                                       a.num_kv_blocks, a.decode, a.profile, small, bool(fuse))
                     continue
                 from benchmarks.span_step_work import stub_kernels
                 stub_kernels()
