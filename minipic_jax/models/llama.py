@@ -25,6 +25,7 @@ from minipic_jax.models.llama_config import (ARCHITECTURES, MODEL_TYPES, config_
                                              to_hf_config)
 from minipic_jax.models.llama_hf import convert_hf, hf_tensor_names, to_hf
 from minipic_jax.models.llama_train import training_forward
+from minipic_jax.models.param_fusion import fuse_layers
 from minipic_jax.models.param_init import init_from_shapes
 
 IS_HYBRID = False
@@ -69,26 +70,8 @@ def fuse_params(params: dict, *, consume: bool = False) -> dict:
     with consume=True each original layer's arrays are deleted once fused, so peak memory grows
     by one layer only (the caller must hold no other reference to `params`)."""
     names = ("wq", "wk", "wv", "w_gate", "w_up")
-    uses: dict[int, int] = {}  # array id -> layers still to fuse that read it (shared arrays)
-    for lp in params["layers"]:
-        if "wqkv" not in lp:
-            for n in names:
-                uses[id(lp[n])] = uses.get(id(lp[n]), 0) + 1
-    keep = {id(params["embed"]), id(params.get("lm_head"))}
-    fused = []
-    for lp in params["layers"]:
-        if "wqkv" in lp:
-            fused.append(lp)
-            continue
-        f = _fuse_layer(lp)
-        if consume:
-            jax.block_until_ready(f)
-            for n in names:
-                uses[id(lp[n])] -= 1
-                if uses[id(lp[n])] == 0 and id(lp[n]) not in keep:
-                    lp[n].delete()
-        fused.append(f)
-    return {**params, "layers": tuple(fused)}
+    return fuse_layers(params, _fuse_layer, lambda lp: [lp[n] for n in names],
+                       lambda lp: "wqkv" in lp, consume=consume)
 
 
 def unfuse_params(params: dict) -> dict:

@@ -23,6 +23,7 @@ from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
 from minipic_jax.models import qwen3_5_modules as modules
 from minipic_jax.models import layers, rope
 from minipic_jax.models.paged_cache import paged_attend
+from minipic_jax.models.param_fusion import fuse_layers
 from minipic_jax.models.param_init import init_from_shapes
 from minipic_jax.models.qwen3_5_cache import (Qwen35Cache, cache_axes, extract_state,
                                               init_cache, read_states, restore_state,
@@ -63,6 +64,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32) -> dict:
 _MLP, _GDN, _ATTN = ("w_gate", "w_up"), ("w_qkv", "w_z", "w_b", "w_a"), ("wq", "wgate", "wk", "wv")
 
 
+@jax.jit
 def _fuse_layer(lp: dict) -> dict:
     """One layer's projections that read the same input, concatenated over their outputs."""
     mixer = dict(lp["mixer"])
@@ -87,28 +89,9 @@ def fuse_params(params: dict, *, consume: bool = False) -> dict:
     GDN's qkv, z, b and a; the attention's q, gate, k and v; the MLP's gate and up), so a step
     runs 3 fewer GEMMs per GDN layer, 3 per attention layer and 1 per MLP (the same products:
     outputs agree up to each GEMM's accumulation order). One layer at a time; with consume=True
-    each original array is deleted once fused (peak: one extra layer; the caller must hold no
-    other reference to `params`)."""
-    uses: dict[int, int] = {}  # array id -> layers still to fuse that read it (shared arrays)
-    for lp in params["layers"]:
-        if "w_gate_up" not in lp:
-            for x in _consumed(lp):
-                uses[id(x)] = uses.get(id(x), 0) + 1
-    keep = {id(params["embed"]), id(params.get("lm_head"))}
-    fused = []
-    for lp in params["layers"]:
-        if "w_gate_up" in lp:
-            fused.append(lp)
-            continue
-        f = _fuse_layer(lp)
-        if consume:
-            jax.block_until_ready(f)
-            for x in _consumed(lp):
-                uses[id(x)] -= 1
-                if uses[id(x)] == 0 and id(x) not in keep:
-                    x.delete()
-        fused.append(f)
-    return {**params, "layers": tuple(fused)}
+    each original array is deleted once fused (param_fusion.fuse_layers)."""
+    return fuse_layers(params, _fuse_layer, _consumed, lambda lp: "w_gate_up" in lp,
+                       consume=consume)
 
 
 def unfuse_params(params: dict) -> dict:
