@@ -67,3 +67,19 @@ def test_a_small_step_runs_with_the_small_bucket_and_matches_the_reference():
     key = lambda kw: tuple(sorted((k, v) for k, v in kw.items()))  # noqa: E731
     warmed = {key(kw) for _, _, kw in runner.warmup_steps(spans=True)}
     assert all(key(kw) in warmed for kw in seen), [kw for kw in seen if key(kw) not in warmed]
+
+
+def test_warmup_readies_small_decode_variants_only_where_a_decode_can_take_them():
+    """n decodes run at T = token_bucket(n), so a decode-only variant with the small S exists
+    only at the token buckets a decode of <= that many sequences reaches: with min_token_bucket
+    16 and a bucket of 4 at 64 seats, T = 16 only (S = 4 at T = 32 or 64 would never run).
+    Counted from the warm-up list with the separate decode variant on (as on a GPU)."""
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=64,
+              max_num_batched_tokens=64, min_token_bucket=16, max_model_len=512,
+              block_size=16, num_kv_blocks=160, small_seq_bucket=4, warmup=False)
+    runner = llm.llm_engine.runner
+    runner.separate_decode = True
+    decode = sorted((kw["t"], kw["s"]) for _, _, kw in runner.warmup_steps() if kw["decode_only"])
+    assert decode == [(16, 4), (16, 16), (32, 32), (64, 64)]
+    prefill = {(kw["t"], kw["s"]) for _, _, kw in runner.warmup_steps() if not kw["decode_only"]}
+    assert prefill == {(16, 4), (16, 16), (32, 4), (32, 32), (64, 4), (64, 64)}

@@ -270,10 +270,11 @@ class ModelRunner:
                 variants += [(t, s, False, plan, False) for plan in plans]
                 if spans and self.hybrid:
                     variants += [(t, s, False, plan, True) for plan in plans]
-        if self.separate_decode:
-            top = self.config.token_bucket(self.config.num_seats)
-            variants += [(t, s, True, None, False) for t in self.config.token_buckets if t <= top
-                         for s in self.config.seq_buckets(t)]
+        if self.separate_decode:  # n decodes run at T = token_bucket(n): a small S only there
+            top, cfg = self.config.token_bucket(self.config.num_seats), self.config
+            variants += [(t, s, True, None, False) for t in cfg.token_buckets if t <= top
+                         for s in cfg.seq_buckets(t) if t <= cfg.token_bucket(s)
+                         or s == cfg.seq_bucket(t)]
         steps = []
         for t, s, decode_only, plan, span_step_ in variants:
             warm = span_step_ and self.span_pool is not None
