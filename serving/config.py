@@ -6,7 +6,8 @@ Bucketing (the only place that says how shapes are padded so compiles stay bound
   * sequences per step S: min(T bucket, seat count), and with `small_seq_bucket` also that many
     rows for a step of at most that many sequences (two step shapes per T bucket);
   * block-table width NB: fixed at ceil(max_model_len / block_size).
-So the runner compiles at most len(token_buckets) step variants per sampling mode.
+So the runner compiles at most 2 len(token_buckets) step variants per sampling mode and
+attention plan.
 """
 
 from __future__ import annotations

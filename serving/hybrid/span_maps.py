@@ -184,8 +184,9 @@ def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chain
     int32 checkpoint slot, -1 = none) per chain row (checkpoint_pool.rows): a row with a slot
     starts from that checkpoint instead of its state slot (a resume at c comes before the spans
     skipped right after c); it is written once, with the chain's result (restoring first wrote
-    every restored state into the cache and read it back: two scatters per GDN layer more). Returns (cache, reset [S] off for the sequences that entered: their slot
-    holds the entry state now)."""
+    every restored state into the cache and read it back: two scatters per GDN layer more).
+    Returns (cache, reset [S] off for the sequences that entered: their slot holds the entry
+    state now)."""
     n_seqs = state_slots.shape[0]
     n_maps = chain_lengths(chains)
     order = _longest_first(n_maps)  # rows reordered before the states are read: no state moves
