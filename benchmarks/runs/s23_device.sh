@@ -21,12 +21,7 @@ echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> 
 grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
 L=$(left); [ "$L" -gt 150 ] && L=150
 if [ "$L" -ge 60 ]; then
-  timeout $L python3 -m benchmarks.cli rag --model qwen3_5_0_8b --dtype bfloat16 --num-requests 24 \
-    --passage-tokens 128 --max-num-batched-tokens 1024 --min-token-bucket 1024 --max-num-seqs 16 \
-    --max-model-len 4096 --num-kv-blocks 4096 --workloads multi zipf --modes offline --max-tokens 8 \
-    --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" > "$OUT/rag.txt" 2>&1
-  echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "requests/s|compose (cost|form triton|bf16_x6)" "$OUT/rag.txt" | cut -c1-330 >> "$R"
+  OUT=$OUT LIMIT=$L bash benchmarks/runs/rag16_device.sh >> "$R"
 fi
 L=$(left); [ "$L" -gt 200 ] && L=200
 if [ "$L" -ge 60 ]; then
@@ -54,6 +49,5 @@ if [ "$L" -ge 80 ] && [ -f .dev1/fixed_before.tgz ]; then
     grep "ms/step\|rc=[^0]" /tmp/fixed_$tree/fixed_step.txt | cut -c1-200 >> "$R"
   done
 fi
-rm -f "$OUT/rag/rag_bench.png"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"

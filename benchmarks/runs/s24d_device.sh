@@ -18,13 +18,7 @@ echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> 
 grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
 L=$(left); [ "$L" -gt 170 ] && L=170
 if [ "$L" -ge 70 ]; then
-  timeout $L python3 -m benchmarks.cli rag --model qwen3_5_0_8b --dtype bfloat16 --num-requests 24 \
-    --passage-tokens 128 --max-num-batched-tokens 1024 --min-token-bucket 1024 --max-num-seqs 16 \
-    --max-model-len 4096 --num-kv-blocks 4096 --workloads multi zipf --modes offline --max-tokens 8 \
-    --configs pic_off fcfs --compose-cost 1 --out "$OUT/rag" > "$OUT/rag.txt" 2>&1
-  echo "rag rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "requests/s|compose (cost|program)" "$OUT/rag.txt" | cut -c1-300 >> "$R"
+  OUT=$OUT LIMIT=$L bash benchmarks/runs/rag16_device.sh >> "$R"
 fi
-rm -f "$OUT/rag/rag_bench.png"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"

@@ -21,6 +21,7 @@ from flax import nnx
 from configs.model_config import ModelConfig
 from minipic_jax.models import layers, nnx_pure
 from minipic_jax.models.nnx_pure import param as _param
+from minipic_jax.models.param_fusion import all_fused
 
 # attend(q [T, H, D], k [T, K, D], v [T, K, D], kv_state) -> (attn [T, H, D], kv_state)
 Attend = Callable
@@ -130,10 +131,7 @@ def _abstract(cfg: ModelConfig, fused: bool):
 
 def is_fused(params) -> bool:
     """Whether a params dict holds fused layers (all of them must agree)."""
-    kinds = {"wqkv" in lp for lp in params["layers"]}
-    if len(kinds) > 1:
-        raise ValueError("llama params mix fused and unfused layers; fuse all or none")
-    return kinds == {True}
+    return all_fused(params, "wqkv", "llama")
 
 
 def shapes(cfg: ModelConfig, *, fused: bool = False) -> dict:

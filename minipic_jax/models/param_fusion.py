@@ -35,3 +35,12 @@ def fuse_layers(params: dict, fuse_layer: Callable, consumed: Callable, is_fused
                     x.delete()
         fused.append(f)
     return {**params, "layers": tuple(fused)}
+
+
+def all_fused(params: dict, fused_key: str, family: str) -> bool:
+    """Whether every layer of a params dict is fused (holds `fused_key`); False when none is, a
+    ValueError naming `family` when they mix."""
+    kinds = {fused_key in lp for lp in params["layers"]}
+    if len(kinds) > 1:
+        raise ValueError(f"{family} params mix fused and unfused layers; fuse all or none")
+    return kinds == {True}

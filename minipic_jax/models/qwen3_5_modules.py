@@ -26,6 +26,7 @@ from flax import nnx
 from configs.model_config import ModelConfig
 from minipic_jax.models import layers, nnx_pure
 from minipic_jax.models.nnx_pure import param
+from minipic_jax.models.param_fusion import all_fused
 from minipic_jax.models.qwen3_5_config import check
 from minipic_jax.models.qwen3_5_gdn import GatedDeltaNet
 
@@ -147,10 +148,7 @@ def _abstract(cfg: ModelConfig, fused: bool = False):
 
 def is_fused(params) -> bool:
     """Whether a params dict holds fused layers (qwen3_5.fuse_params; all must agree)."""
-    kinds = {"w_gate_up" in lp for lp in params["layers"]}
-    if len(kinds) > 1:
-        raise ValueError("qwen3_5 params mix fused and unfused layers; fuse all or none")
-    return kinds == {True}
+    return all_fused(params, "w_gate_up", "qwen3_5")
 
 
 def shapes(cfg: ModelConfig, *, fused: bool = False) -> dict:

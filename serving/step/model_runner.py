@@ -271,10 +271,11 @@ class ModelRunner:
                 if spans and self.hybrid:
                     variants += [(t, s, False, plan, True) for plan in plans]
         if self.separate_decode:  # n decodes run at T = token_bucket(n): a small S only there
-            top, cfg = self.config.token_bucket(self.config.num_seats), self.config
+            cfg = self.config
+            top = cfg.token_bucket(cfg.num_seats)
             variants += [(t, s, True, None, False) for t in cfg.token_buckets if t <= top
-                         for s in cfg.seq_buckets(t) if t <= cfg.token_bucket(s)
-                         or s == cfg.seq_bucket(t)]
+                         for s in cfg.seq_buckets(t)
+                         if s == cfg.seq_bucket(t) or t <= cfg.token_bucket(s)]
         steps = []
         for t, s, decode_only, plan, span_step_ in variants:
             warm = span_step_ and self.span_pool is not None
