@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import os
 import re
 import statistics
 import time
@@ -192,6 +193,9 @@ def main(argv=None) -> int:
                     help="--time: Config.small_seq_bucket values, an engine each (default: unset)")
     ap.add_argument("--fuse-weights", type=int, nargs="+", default=[1], choices=[0, 1],
                     help="--time: Config.fuse_weights values, an engine each (default: 1)")
+    ap.add_argument("--live-prerotate", type=int, nargs="+", default=[1], choices=[0, 1],
+                    help="--time: triton_ragged.LIVE_PREROTATE values, an engine each (0: the "
+                         "whole-table key pre-rotation; default: 1)")
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")
@@ -208,10 +212,17 @@ def main(argv=None) -> int:
         for seats in a.seats:
             for mml in a.max_model_len:
                 if a.time:
-                    for small in a.small_seq_bucket:
-                        for fuse in a.fuse_weights:
-                            time_point(seats, mml, a.tokens, a.reps, bool(ckpt), a.preset,
-                                       a.num_kv_blocks, a.decode, a.profile, small, bool(fuse))
+                    from kernels_pallas.paged_attention import triton_ragged
+                    for live in a.live_prerotate:
+                        triton_ragged.LIVE_PREROTATE = bool(live)
+                        # the step store keys on MINIPIC_ variables: executables of their own
+                        os.environ["MINIPIC_AB_LIVE_PREROTATE"] = str(live)
+                        print(f"live_prerotate={live}", flush=True)
+                        for small in a.small_seq_bucket:
+                            for fuse in a.fuse_weights:
+                                time_point(seats, mml, a.tokens, a.reps, bool(ckpt), a.preset,
+                                           a.num_kv_blocks, a.decode, a.profile, small,
+                                           bool(fuse))
                     continue
                 from benchmarks.span_step_work import stub_kernels
                 stub_kernels()

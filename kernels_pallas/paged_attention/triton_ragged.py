@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas.paged_attention.triton_common import (NEG_INF, cos_sin, dot, dot_nt,
                                                           online_softmax, tile_rows,
                                                           triton_limits)
+from kernels_pallas.paged_attention.triton_gather import gather_live, gather_live_limits
 from kernels_pallas.registry import Implementation
 from kernels_pallas.rope import rope_f32
 
@@ -233,6 +234,26 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
                        mask=jnp.broadcast_to(row_ok[:, None], out.shape))
 
 
+# Pre-rotation writes only the key steps the kernel reads (triton_gather.gather_live); False:
+# XLA's whole-table gather, every seat's max_model_len keys a layer (A/B, benchmarks).
+LIVE_PREROTATE = True
+
+
+def rotated_keys(k_pages, md, inv_freq, attention_scaling, block_k: int, interpret: bool):
+    """The kernel's k_contiguous keys [S * NB * B * K, D]: prerotate_keys' layout, written by
+    gather_live on the key steps (block_k keys) below each sequence's last block in use (the
+    steps tile_step_range lets a tile visit; the rest stays undefined and is never read), or by
+    prerotate_keys whole where gather_live cannot take the shapes or LIVE_PREROTATE is off."""
+    seqs, max_blocks = md.block_tables.shape
+    head_dim, n_pad = k_pages.shape[-1], max_blocks * k_pages.shape[1]
+    if LIVE_PREROTATE and not gather_live_limits(k_pages, seqs, n_pad, block_k):
+        keys, _ = gather_live(k_pages, k_pages, md, inv_freq, n_pad=n_pad, step_keys=block_k,
+                              rotate_keys=True, attention_scaling=attention_scaling,
+                              values=False, interpret=interpret)
+        return keys.reshape(-1, head_dim)
+    return prerotate_keys(k_pages, md, inv_freq, attention_scaling).reshape(-1, head_dim)
+
+
 def prerotate_keys(k_pages, md, inv_freq, attention_scaling):
     """Gather each sequence's keys through its block table and rotate them by their logical
     positions (float32 math): [S, NB, B, K, D]. For prefill, where each key is read by many query
@@ -285,7 +306,7 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     q_flat = (q_flat.astype(jnp.float32) * sm_scale).astype(q_rot.dtype)
     k_contiguous = bool(rotate_keys and half and prerotate)
     if k_contiguous:
-        k_flat = prerotate_keys(k_pages, md, inv_freq, attention_scaling).reshape(-1, head_dim)
+        k_flat = rotated_keys(k_pages, md, inv_freq, attention_scaling, block_k, interpret)
     else:
         k_flat = k_pages.reshape(num_pages * page_size * kv_heads, head_dim)
     v_flat = v_pages.reshape(num_pages * page_size * kv_heads, head_dim)
