@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import itertools
 import os
 import re
 import statistics
@@ -196,6 +197,10 @@ def main(argv=None) -> int:
     ap.add_argument("--live-prerotate", type=int, nargs="+", default=[1], choices=[0, 1],
                     help="--time: triton_ragged.LIVE_PREROTATE values, an engine each (0: the "
                          "whole-table key pre-rotation; default: 1)")
+    ap.add_argument("--ck-forms", nargs="+", default=["new"], choices=["new", "old"],
+                    help="--time: new = a layer's checkpoints before its write-back and stored "
+                         "per layer (qwen3_5.CHECKPOINTS_FIRST, checkpoint_pool.PER_LAYER_STORE), "
+                         "old = neither; an engine each (default: new)")
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")
@@ -213,11 +218,15 @@ def main(argv=None) -> int:
             for mml in a.max_model_len:
                 if a.time:
                     from kernels_pallas.paged_attention import triton_ragged
-                    for live in a.live_prerotate:
+                    from minipic_jax.models import qwen3_5
+                    from serving.hybrid import checkpoint_pool
+                    for live, form in itertools.product(a.live_prerotate, a.ck_forms):
                         triton_ragged.LIVE_PREROTATE = bool(live)
+                        qwen3_5.CHECKPOINTS_FIRST = checkpoint_pool.PER_LAYER_STORE = \
+                            form == "new"
                         # the step store keys on MINIPIC_ variables: executables of their own
-                        os.environ["MINIPIC_AB_LIVE_PREROTATE"] = str(live)
-                        print(f"live_prerotate={live}", flush=True)
+                        os.environ["MINIPIC_AB_FORM"] = f"{live} {form}"
+                        print(f"live_prerotate={live} ck_form={form}", flush=True)
                         for small in a.small_seq_bucket:
                             for fuse in a.fuse_weights:
                                 time_point(seats, mml, a.tokens, a.reps, bool(ckpt), a.preset,

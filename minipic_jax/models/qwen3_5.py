@@ -40,6 +40,9 @@ __all__ = ["CHUNK", "GDN_IMPLS", "IS_HYBRID", "LAYER_TYPES", "MODEL_TYPES", "Qwe
            "init_params", "param_axes", "read_states", "restore_state", "state_nbytes",
            "unfuse_params", "write_states"]
 CHUNK = 64  # recurrent checkpoint granularity (the chunked kernel's chunk size)
+# A layer's checkpoint states are computed before its states are written back (an optimization
+# barrier; forward_with_checkpoints' Returns says why). False: no barrier (A/B, benchmarks).
+CHECKPOINTS_FIRST = True
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
 GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
@@ -189,7 +192,12 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
       attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side; with
       .entry, pieces continuing a long span enter with its map so far).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
-      conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers); with
+      conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers), and the
+      same per layer, unstacked (conv_layers, delta_layers: tuples of Lg, what the engine's
+      checkpoint pool stores; each layer's are computed before its states are written back,
+      an optimization barrier: else XLA fused every layer's selects of its starting states into
+      one late fusion and copied each layer's 68 MB state cache twice to keep them, 14 copies
+      per step at 64 seats on the H100, benchmarks/RESULTS.md); with
       span_pieces.capture also span_maps: per GDN layer (tuples of Lg) a [Mc, Hv, Dk, Dk],
       b [Mc, Hv, Dk, Dv], tail [Mc, C, Kc-1], and count [Mc] (the captured pieces' maps,
       serving/hybrid/span_maps.py; not stacked: the store scatters each layer's).
@@ -227,6 +235,8 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
             kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], len(new["conv"])))
             x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, metadata.cu_q_lens,
                                                                 pos0, cfg, **kw))
+            if ck is not None and CHECKPOINTS_FIRST:  # before the states are written back
+                ck, conv, delta = jax.lax.optimization_barrier((ck, conv, delta))
             new["conv"].append(conv_c.at[slots].set(conv))
             new["delta"].append(delta_c.at[slots].set(delta))
             if ck is not None:
@@ -241,7 +251,8 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     cache = Qwen35Cache(**{name: tuple(arrays) for name, arrays in new.items()})
     ckpts = None
     if checkpoint_at is not None and ck_conv:
-        ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta))
+        ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta),
+                     conv_layers=tuple(ck_conv), delta_layers=tuple(ck_delta))
     if span_maps:  # span_pieces.capture: the captured pieces' maps, layer-major
         ckpts = dict(ckpts or {}, span_maps=dict(  # per layer: span_maps.store scatters each
             a=tuple(m["a"] for m in span_maps), b=tuple(m["b"] for m in span_maps),
