@@ -37,9 +37,8 @@ import time
 import numpy as np
 
 PRESET, CK_SLOTS = "qwen3_5_0_8b", 16
-# --ck-forms: (qwen3_5.CHECKPOINTS_FIRST, checkpoint_pool.PER_LAYER_STORE)
-CK_FORMS = {"new": (True, True), "old": (False, False), "barrier": (True, False),
-            "per_layer": (False, True)}
+# --ck-forms: qwen3_5.CHECKPOINTS_FIRST (session 25 also timed a per-layer pool store: RESULTS.md)
+CK_FORMS = {"barrier": True, "old": False}
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8}
 
 
@@ -200,11 +199,10 @@ def main(argv=None) -> int:
     ap.add_argument("--live-prerotate", type=int, nargs="+", default=[1], choices=[0, 1],
                     help="--time: triton_ragged.LIVE_PREROTATE values, an engine each (0: the "
                          "whole-table key pre-rotation; default: 1)")
-    ap.add_argument("--ck-forms", nargs="+", default=["new"], choices=list(CK_FORMS),
-                    help="--time: the step's checkpoint forms, an engine each: new = a layer's "
-                         "checkpoints before its write-back (qwen3_5.CHECKPOINTS_FIRST) and stored "
-                         "per layer (checkpoint_pool.PER_LAYER_STORE), old = neither, barrier / "
-                         "per_layer = one of them (default: new)")
+    ap.add_argument("--ck-forms", nargs="+", default=["barrier"], choices=list(CK_FORMS),
+                    help="--time: barrier = a layer's checkpoints taken before its states are "
+                         "written back (qwen3_5.CHECKPOINTS_FIRST), old = not; an engine each "
+                         "(default: barrier)")
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")
@@ -223,11 +221,9 @@ def main(argv=None) -> int:
                 if a.time:
                     from kernels_pallas.paged_attention import triton_ragged
                     from minipic_jax.models import qwen3_5
-                    from serving.hybrid import checkpoint_pool
                     for live, form in itertools.product(a.live_prerotate, a.ck_forms):
                         triton_ragged.LIVE_PREROTATE = bool(live)
-                        qwen3_5.CHECKPOINTS_FIRST, checkpoint_pool.PER_LAYER_STORE = \
-                            CK_FORMS[form]
+                        qwen3_5.CHECKPOINTS_FIRST = CK_FORMS[form]
                         # the step store keys on MINIPIC_ variables: executables of their own
                         os.environ["MINIPIC_AB_FORM"] = f"{live} {form}"
                         print(f"live_prerotate={live} ck_form={form}", flush=True)

@@ -154,3 +154,25 @@ def test_more_checkpoints_than_the_step_rows_is_an_error_naming_the_sequence():
     assert v["ck_seq"].tolist() == [0, 0, 1, 1] and v["ck_slot"].tolist() == [1, 2, 1, 2]
     with pytest.raises(ValueError, match=r"sequence 7 \(batch row 2\) takes 2 after 4"):
         fill_checkpoints([e, e, e], {**v, "restore_slot": np.zeros(3, np.int32)})
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_each_layer_takes_its_checkpoints_before_writing_its_states_back(first, monkeypatch):
+    """The engine's prefill step orders each GDN layer's checkpoint states before the write of
+    its states into the cache (qwen3_5.CHECKPOINTS_FIRST: one optimization barrier a layer,
+    whose outputs the cache scatter reads). Without it XLA fused every layer's checkpoint
+    selects, which read the layer's starting states, into one fusion after the last layer and
+    copied seven layers' [65, 16, 128, 128] state caches twice to keep them (H100 HLO of the
+    qwen3_5_0_8b step at 64 seats, benchmarks/RESULTS.md); the flag off is the old program."""
+    from minipic_jax.models import qwen3_5
+    monkeypatch.setattr(qwen3_5, "CHECKPOINTS_FIRST", first)
+    jaxpr, _, tail, layers = traced_prefill_step(4, 8)
+    eqns = list(outer_eqns(jaxpr))
+    barriers = [e for e in eqns if e.primitive.name == "optimization_barrier"  # of states
+                and any(tuple(v.aval.shape[-3:]) == tail for v in e.outvars)]
+    assert len(barriers) == (layers if first else 0)
+    held = {id(v) for e in barriers for v in e.outvars}
+    written = [e for e in eqns if e.primitive.name == "scatter"
+               and tuple(e.invars[0].aval.shape[1:]) == tail
+               and any(id(v) in held for v in e.invars)]
+    assert len(written) == (layers if first else 0)  # each layer's delta write-back reads one

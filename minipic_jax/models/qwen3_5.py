@@ -192,12 +192,11 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
       attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side; with
       .entry, pieces continuing a long span enter with its map so far).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
-      conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers), and the
-      same per layer, unstacked (conv_layers, delta_layers: tuples of Lg, what the engine's
-      checkpoint pool stores; each layer's are computed before its states are written back,
-      an optimization barrier: else XLA fused every layer's selects of its starting states into
-      one late fusion and copied each layer's 68 MB state cache twice to keep them, 14 copies
-      per step at 64 seats on the H100, benchmarks/RESULTS.md); with
+      conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers), each
+      layer's computed before its states are written back (an optimization barrier: without
+      it XLA fused every layer's selects of its starting states into one late fusion and copied
+      seven layers' state caches twice to keep them, 14 x 68 MB a step at 64 seats; -4.0% /
+      -1.8% a 128 / 1,024-token prefill step on the H100, benchmarks/RESULTS.md); with
       span_pieces.capture also span_maps: per GDN layer (tuples of Lg) a [Mc, Hv, Dk, Dk],
       b [Mc, Hv, Dk, Dv], tail [Mc, C, Kc-1], and count [Mc] (the captured pieces' maps,
       serving/hybrid/span_maps.py; not stacked: the store scatters each layer's).
@@ -251,8 +250,7 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     cache = Qwen35Cache(**{name: tuple(arrays) for name, arrays in new.items()})
     ckpts = None
     if checkpoint_at is not None and ck_conv:
-        ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta),
-                     conv_layers=tuple(ck_conv), delta_layers=tuple(ck_delta))
+        ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta))
     if span_maps:  # span_pieces.capture: the captured pieces' maps, layer-major
         ckpts = dict(ckpts or {}, span_maps=dict(  # per layer: span_maps.store scatters each
             a=tuple(m["a"] for m in span_maps), b=tuple(m["b"] for m in span_maps),

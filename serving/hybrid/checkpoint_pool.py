@@ -33,11 +33,6 @@ class CheckpointPool:
         return self.conv.shape[1]
 
 
-# The step's checkpoints go into the pool layer by layer (store_rows); False: stacked first
-# (A/B, benchmarks).
-PER_LAYER_STORE = True
-
-
 def state_layout(family, mcfg, block_size: int, dtype):
     """(Lg, conv slot shape, conv dtype, delta slot shape) of a hybrid family's recurrent cache,
     read off a one-page, one-slot cache (contract: `conv`, `delta` tuples of [slots, ...])."""
@@ -79,21 +74,12 @@ def rows(pool: CheckpointPool, idx):
 
 
 def store_rows(pool: CheckpointPool, idx, conv, delta) -> CheckpointPool:
-    """Write conv / delta into slots idx [K] (-1 = dropped): arrays [Lg, K, ...], or tuples of
-    Lg arrays [K, ...] (the model's per-layer checkpoints), written layer by layer into the pool
-    in place (a stacked [Lg, K, ...] update made XLA transpose it to [K, Lg, ...] first: 302 MB
-    a step at K = 16, 0.36 ms on the H100)."""
+    """Write conv [Lg, K, ...] / delta [Lg, K, ...] into slots idx [K] (-1 = dropped)."""
     target = jnp.where(idx >= 0, idx, pool.slots)
-    if not isinstance(delta, (tuple, list)):
-        return CheckpointPool(conv=pool.conv.at[:, target].set(conv.astype(pool.conv.dtype),
-                                                               mode="drop"),
-                              delta=pool.delta.at[:, target].set(delta.astype(jnp.float32),
-                                                                 mode="drop"))
-    pc, pd = pool.conv, pool.delta
-    for layer, (c, d) in enumerate(zip(conv, delta)):
-        pc = pc.at[layer, target].set(c.astype(pc.dtype), mode="drop")
-        pd = pd.at[layer, target].set(d.astype(jnp.float32), mode="drop")
-    return CheckpointPool(conv=pc, delta=pd)
+    return CheckpointPool(conv=pool.conv.at[:, target].set(conv.astype(pool.conv.dtype),
+                                                           mode="drop"),
+                          delta=pool.delta.at[:, target].set(delta.astype(jnp.float32),
+                                                             mode="drop"))
 
 
 def restore(family, cache, pool: CheckpointPool, state_slots, idx):
@@ -124,8 +110,7 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
     logits, cache, ck = family.forward_with_checkpoints(
         params, tokens, md, cache, mcfg, checkpoint_at=ck_rows, **kw)
     if ck is not None:  # [Lg, K, ...], like the slots
-        per_layer = ("conv_layers", "delta_layers") if PER_LAYER_STORE else ("conv", "delta")
-        pool = store_rows(pool, f["ck_slot"], *(ck[k] for k in per_layer))
+        pool = store_rows(pool, f["ck_slot"], ck["conv"], ck["delta"])
     return (logits, cache, pool, ck) if with_extras else (logits, cache, pool)
 
 
