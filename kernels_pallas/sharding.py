@@ -11,6 +11,8 @@ model code is the same for one device and many. Signatures match the api functio
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -68,6 +70,22 @@ def paged_attention(q, k_pages, v_pages, metadata, inv_freq, **kw):
     return _per_shard(lambda q_, kp, vp, md: _attn.paged_attention(q_, kp, vp, md, inv_freq, **kw),
                       mesh, (_HEADS, _PAGES, _PAGES, _REPLICATED), _HEADS)(
         q, k_pages, v_pages, metadata)
+
+
+def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, **kw):
+    """gated_delta.api.ragged_decode_in_place per head shard (the cache split over heads as
+    the states are in ragged_gated_delta)."""
+    mesh = tp_mesh()
+    if mesh is None:
+        return _gdn.ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, **kw)
+    n, hk = mesh.shape[TP_AXIS], q.shape[1]
+    if hk % n:
+        q, k = jnp.repeat(q, n // hk, axis=1), jnp.repeat(k, n // hk, axis=1)
+    state, gates = P(None, TP_AXIS, None, None), P(None, TP_AXIS)
+    ins = (_HEADS, _HEADS, _HEADS, gates, gates, _REPLICATED, state, _REPLICATED, _REPLICATED)
+    fn = functools.partial(_gdn.ragged_decode_in_place, **kw)
+    return _per_shard(fn, mesh, ins, (_HEADS, state))(q, k, v, g, beta, cu_q_lens, cache, slots,
+                                                      keep)
 
 
 def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, **kw):

@@ -68,3 +68,33 @@ def test_decode_in_place_names_what_does_not_fit():
     with pytest.raises(ValueError, match="block_v"):
         decode_in_place(q, k, v, g, beta, state, jnp.zeros(2, jnp.int32), jnp.ones(2, bool),
                         jnp.ones(2, bool), block_v=24, interpret=True)
+
+
+def test_engine_decode_steps_step_states_in_place(monkeypatch):
+    """qwen3_5.GDN_DECODE_IN_PLACE on: a tiny_qwen3_5 engine's decode-only steps (their own
+    variant: decode_attn_impl) reach the kernel in every GDN layer and give the tokens and
+    logprobs of the gather / step / scatter path (the GDN kernels interpreted in both)."""
+    from kernels_pallas.gated_delta import api
+    from minipic_jax import LLM, SamplingParams
+    from minipic_jax.models import qwen3_5
+    calls = []
+    kernel = api.decode_in_place
+    monkeypatch.setattr(api, "decode_in_place", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(5, 200, 20 + 7 * i).tolist()} for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(qwen3_5, "GDN_DECODE_IN_PLACE", on)
+        # step_cache off: the flag is not part of a stored executable's key
+        llm = LLM("tiny_qwen3_5", max_num_seqs=4, decode_attn_impl="triton_decode",
+                  warmup=False, step_cache="off")
+        llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"  # Config takes compiled names
+        outs[on] = llm.generate(prompts, sp, use_tqdm=False)
+        assert len(calls) == (3 if on else 0)  # one decode variant traced, three GDN layers
+    for want, got in zip(outs[False], outs[True]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for lw, lg in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
+            assert lw.keys() == lg.keys()
+            np.testing.assert_allclose([lg[t].logprob for t in lw], [lw[t].logprob for t in lw],
+                                       atol=1e-5)

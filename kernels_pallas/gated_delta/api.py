@@ -29,6 +29,7 @@ from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precis
 from kernels_pallas.gated_delta.chain_triton import chain_apply  # noqa: F401
 from kernels_pallas.gated_delta.affine import selected_rows  # noqa: F401
 from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows, as_rows  # noqa: F401
+from kernels_pallas.gated_delta.decode_triton import decode_in_place
 from kernels_pallas.gated_delta.joint import Pass as JointPass, final_bounds, joint_packing  # noqa: F401
 from kernels_pallas.gated_delta.joint import run_joint  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
@@ -325,6 +326,20 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
         if decode is None:
             return jax.lax.cond(jnp.max(lens) <= 1, one_step, prefill, ops)
         return one_step(ops) if decode else prefill(ops)
+
+
+def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, *, scale=None,
+                           interpret=False):
+    """ragged_gated_delta's one-step branch with the state cache read and written in place
+    (decode_triton.decode_in_place: no gather of the step's states, no scatter back): each
+    sequence's one row (if it has one) steps the state in cache slot slots[i], from zeros where
+    keep[i] is False. Returns (out [T, Hv, Dv] float32, the updated cache)."""
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    rows = jnp.clip(cu_q_lens[:-1], 0, q.shape[0] - 1)  # [S] the one row of each sequence
+    out_s, cache = decode_in_place(q[rows], k[rows], v[rows], g[rows], beta[rows], cache, slots,
+                                   keep, lens > 0, scale=scale, interpret=interpret)
+    dest = jnp.where(lens > 0, rows, q.shape[0])
+    return jnp.zeros(v.shape, jnp.float32).at[dest].set(out_s, mode="drop"), cache
 
 
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, implementation="xla",

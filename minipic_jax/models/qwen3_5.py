@@ -43,6 +43,9 @@ CHUNK = 64  # recurrent checkpoint granularity (the chunked kernel's chunk size)
 # A layer's checkpoint states are computed before its states are written back (an optimization
 # barrier; forward_with_checkpoints' Returns says why). False: no barrier (A/B, benchmarks).
 CHECKPOINTS_FIRST = True
+# Decode steps step each GDN layer's states in place in the cache (`decode_in_place`). Off until
+# compiled and timed on a GPU (built in session 25; tests/test_gdn_decode_kernel.py).
+GDN_DECODE_IN_PLACE = False
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
 GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
@@ -157,6 +160,38 @@ def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces) ->
                 conv_idx=conv_idx, pieces=pieces)
 
 
+def decode_in_place(decode, gdn_impl, checkpoint_at, span_pieces) -> bool:
+    """Whether a step's GDN layers step their states in place in the cache
+    (gated_delta.decode_triton): GDN_DECODE_IN_PLACE, a step the host knows is decode-only
+    (no checkpoints, no span pieces) and a Pallas GDN implementation (compiled on a GPU, or
+    "<name>_interpret" on the CPU); XLA ("xla", or None / "auto" as the api may pick it) keeps
+    the gather / step / scatter."""
+    return (GDN_DECODE_IN_PLACE and decode is True and checkpoint_at is None
+            and span_pieces is None and gdn_impl not in (None, "auto", "xla"))
+
+
+def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_place, cu_q_lens,
+               pos0):
+    """One GDN block over the layer's state caches conv_c / delta_c: (x, the new caches,
+    checkpoints or None, captured span maps or None). Its checkpoints are taken before its
+    states are written back (CHECKPOINTS_FIRST); with `in_place` (decode_in_place) the kernel
+    steps the states in delta_c itself."""
+    slots, reset = recurrent.state_slots, recurrent.reset
+    keep = ~reset[:, None, None]
+    conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
+    kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], layer))
+    if in_place:  # the decode kernel reads and writes the layer's states in the cache
+        delta0, kw["state_cache"] = None, (delta_c, slots, ~reset)
+    else:
+        delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
+    x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, cu_q_lens, pos0, cfg,
+                                                        **kw))
+    if ck is not None and CHECKPOINTS_FIRST:  # before the states are written back
+        ck, conv, delta = jax.lax.optimization_barrier((ck, conv, delta))
+    delta = delta if in_place else delta_c.at[slots].set(delta)
+    return x, conv_c.at[slots].set(conv), delta, ck, maps
+
+
 def _attention_mix(attend, pages, cfg):
     """mix(mixer, h) for a full-attention block: (out, (k_pages, v_pages))."""
     return lambda mixer, h: mixer(h, cfg, attend, pages)
@@ -207,7 +242,6 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
         raise ValueError(f"forward: gdn_impl must be one of {GDN_IMPLS}, got {gdn_impl!r}")
     check(cfg)
     pos0, recurrent = _recurrent_inputs(metadata, recurrent, metadata.num_seqs)
-    slots, reset = recurrent.state_slots, recurrent.reset
     model = modules.bind(params, cfg)
     inv = rope.inv_freq(cfg)  # [R/2] numpy: a host constant (kernels build cos|sin tables once)
     attend = paged_attend(metadata, inv, attention_scaling=rope.attention_scaling(cfg),
@@ -215,6 +249,7 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
                           attn_options=attn_options)
     gdn_kw = _gdn_step_inputs(metadata, pos0, recurrent.decode, cfg, checkpoint_at, span_pieces)
     gdn_kw["impl"] = gdn_impl
+    in_place = decode_in_place(recurrent.decode, gdn_impl, checkpoint_at, span_pieces)
     x = model.embed_tokens(tokens)  # [T, E]
     new = dict(k=[], v=[], conv=[], delta=[])
     ck_conv, ck_delta, span_maps = [], [], []
@@ -227,17 +262,12 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
                 new["k"].append(kp)
                 new["v"].append(vp)
                 continue
-            conv_c, delta_c = cache.conv[len(new["conv"])], cache.delta[len(new["delta"])]
-            keep = ~reset[:, None, None]
-            conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
-            delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
-            kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], len(new["conv"])))
-            x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, metadata.cu_q_lens,
-                                                                pos0, cfg, **kw))
-            if ck is not None and CHECKPOINTS_FIRST:  # before the states are written back
-                ck, conv, delta = jax.lax.optimization_barrier((ck, conv, delta))
-            new["conv"].append(conv_c.at[slots].set(conv))
-            new["delta"].append(delta_c.at[slots].set(delta))
+            g = len(new["conv"])
+            x, conv, delta, ck, maps = _gdn_layer(block, x, cfg, cache.conv[g], cache.delta[g],
+                                                  recurrent, gdn_kw, g, in_place,
+                                                  metadata.cu_q_lens, pos0)
+            new["conv"].append(conv)
+            new["delta"].append(delta)
             if ck is not None:
                 ck_conv.append(ck[0])
                 ck_delta.append(ck[1])

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.gated_delta.api import as_rows, choose
-from kernels_pallas.sharding import ragged_gated_delta, whole  # per head shard under TP
+from kernels_pallas.sharding import ragged_decode_in_place, ragged_gated_delta, whole  # per head
 from minipic_jax.models import qwen3_5_joint, qwen3_5_spans
 from minipic_jax.models.nnx_pure import param
 from serving.model_contract import SpanPieces
@@ -172,7 +172,7 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
                  impl=None, pieces=None, decode=None, seq_of_row=None, packing=None,
-                 conv_idx=None):
+                 conv_idx=None, state_cache=None):
         """The GDN token mixer for a ragged batch.
 
         Args:
@@ -191,6 +191,9 @@ class GatedDeltaNet(nnx.Module):
           seq_of_row: None or [T] int32 the sequence of each row (`rows_of_seqs`), packing:
             None or the flow prefill's gated_delta.ragged.packing, conv_idx: None or
             `conv_index(...)` (with checkpoint_at's): all three computed once per step.
+          state_cache: None, or on a decode step (no checkpoints, no pieces; delta0 unused)
+            (cache [P, Hv, Dk, Dv] float32, slots [S], keep [S]): the layer's state cache, which
+            gated_delta.api.ragged_decode_in_place steps in place; `delta` is then the cache.
         Returns:
           out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], checkpoints (conv
           [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None, and the captured span maps
@@ -226,9 +229,14 @@ class GatedDeltaNet(nnx.Module):
         impl = choose(impl.removesuffix("_interpret") if interpret else impl, interpret=interpret)
         kernel = dict(implementation=impl, interpret=interpret)
         q, k = l2norm(q), l2norm(k)
-        core, delta, delta_ck, local_final, a_span = recurrent_core(
-            (q, k, v, g, beta), cu_q_lens, pos0, delta0, pieces, checkpoint_at=checkpoint_at,
-            decode=decode, packing=packing, **kernel)
+        if state_cache is not None:  # a decode step, the states stepped in place in the cache
+            core, delta = ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, *state_cache,
+                                                 interpret=interpret)
+            delta_ck = local_final = a_span = None
+        else:
+            core, delta, delta_ck, local_final, a_span = recurrent_core(
+                (q, k, v, g, beta), cu_q_lens, pos0, delta0, pieces,
+                checkpoint_at=checkpoint_at, decode=decode, packing=packing, **kernel)
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
         out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
