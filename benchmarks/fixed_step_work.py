@@ -219,13 +219,18 @@ def main(argv=None) -> int:
         for seats in a.seats:
             for mml in a.max_model_len:
                 if a.time:
+                    import jax
+
                     from kernels_pallas.paged_attention import triton_ragged
                     from minipic_jax.models import qwen3_5
                     for live, form in itertools.product(a.live_prerotate, a.ck_forms):
                         triton_ragged.LIVE_PREROTATE = bool(live)
                         qwen3_5.CHECKPOINTS_FIRST = CK_FORMS[form]
-                        # the step store keys on MINIPIC_ variables: executables of their own
+                        # the step store keys on MINIPIC_ variables: executables of their own;
+                        # and the kernels' own jits (paged_attention's _run_once) trace anew:
+                        # session 25's first prerotation A/B timed one form twice without this
                         os.environ["MINIPIC_AB_FORM"] = f"{live} {form}"
+                        jax.clear_caches()
                         print(f"live_prerotate={live} ck_form={form}", flush=True)
                         for small in a.small_seq_bucket:
                             for fuse in a.fuse_weights:
