@@ -176,6 +176,30 @@ def _time_last_step(runner, reps: int, profile_top: int, kind: str, label: str,
     return lines
 
 
+def time_forms(a, ckpt: bool, seats: int, mml: int) -> None:
+    """--time: an engine per combination of the module-flag forms asked for (live
+    pre-rotation, checkpoint form, in-place GDN decode) and the Config values."""
+    import jax
+
+    from kernels_pallas.paged_attention import triton_ragged
+    from minipic_jax.models import qwen3_5
+    for live, form, in_place in itertools.product(a.live_prerotate, a.ck_forms,
+                                                  a.decode_in_place):
+        triton_ragged.LIVE_PREROTATE = bool(live)
+        qwen3_5.CHECKPOINTS_FIRST = CK_FORMS[form]
+        qwen3_5.GDN_DECODE_IN_PLACE = bool(in_place)
+        # the step store keys on MINIPIC_ variables: executables of their own; and the kernels'
+        # own jits (paged_attention's _run_once) trace anew: session 25's first pre-rotation
+        # A/B timed one form twice without this
+        os.environ["MINIPIC_AB_FORM"] = f"{live} {form} {in_place}"
+        jax.clear_caches()
+        print(f"live_prerotate={live} ck_form={form} decode_in_place={in_place}", flush=True)
+        for small in a.small_seq_bucket:
+            for fuse in a.fuse_weights:
+                time_point(seats, mml, a.tokens, a.reps, ckpt, a.preset, a.num_kv_blocks,
+                           a.decode, a.profile, small, bool(fuse))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.fixed_step_work",
                                  description=__doc__.split("\n\n")[0])
@@ -203,6 +227,8 @@ def main(argv=None) -> int:
                     help="--time: barrier = a layer's checkpoints taken before its states are "
                          "written back (qwen3_5.CHECKPOINTS_FIRST), old = not; an engine each "
                          "(default: barrier)")
+    ap.add_argument("--decode-in-place", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="--time: qwen3_5.GDN_DECODE_IN_PLACE values, an engine each (default: 0)")
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")
@@ -219,24 +245,7 @@ def main(argv=None) -> int:
         for seats in a.seats:
             for mml in a.max_model_len:
                 if a.time:
-                    import jax
-
-                    from kernels_pallas.paged_attention import triton_ragged
-                    from minipic_jax.models import qwen3_5
-                    for live, form in itertools.product(a.live_prerotate, a.ck_forms):
-                        triton_ragged.LIVE_PREROTATE = bool(live)
-                        qwen3_5.CHECKPOINTS_FIRST = CK_FORMS[form]
-                        # the step store keys on MINIPIC_ variables: executables of their own;
-                        # and the kernels' own jits (paged_attention's _run_once) trace anew:
-                        # session 25's first prerotation A/B timed one form twice without this
-                        os.environ["MINIPIC_AB_FORM"] = f"{live} {form}"
-                        jax.clear_caches()
-                        print(f"live_prerotate={live} ck_form={form}", flush=True)
-                        for small in a.small_seq_bucket:
-                            for fuse in a.fuse_weights:
-                                time_point(seats, mml, a.tokens, a.reps, bool(ckpt), a.preset,
-                                           a.num_kv_blocks, a.decode, a.profile, small,
-                                           bool(fuse))
+                    time_forms(a, bool(ckpt), seats, mml)
                     continue
                 from benchmarks.span_step_work import stub_kernels
                 stub_kernels()

@@ -88,6 +88,24 @@ def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, **kw
                                                       keep)
 
 
+def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache, slots,
+                                 keep, **kw):
+    """gated_delta.api.ragged_decode_layer_in_place per head shard (as ragged_decode_in_place;
+    the gates' per-head vectors and z split over heads too)."""
+    args = (q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache, slots, keep)
+    mesh = tp_mesh()
+    if mesh is None:
+        return _gdn.ragged_decode_layer_in_place(*args, **kw)
+    n, hk = mesh.shape[TP_AXIS], q.shape[1]
+    if hk % n:
+        args = (jnp.repeat(q, n // hk, axis=1), jnp.repeat(k, n // hk, axis=1)) + args[2:]
+    state, gates, per_head = P(None, TP_AXIS, None, None), P(None, TP_AXIS), P(TP_AXIS)
+    ins = (_HEADS, _HEADS, _HEADS, gates, gates, per_head, per_head, _HEADS, _REPLICATED,
+           _REPLICATED, state, _REPLICATED, _REPLICATED)
+    fn = functools.partial(_gdn.ragged_decode_layer_in_place, **kw)
+    return _per_shard(fn, mesh, ins, (_HEADS, state))(*args)
+
+
 def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, **kw):
     """gated_delta.ragged.ragged_gated_delta per head shard: q/k [T, Hk, Dk], v [T, Hv, Dv],
     g/beta [T, Hv], state [S, Hv, Dk, Dv] split over heads (value head j reads key head

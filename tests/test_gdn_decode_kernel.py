@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.gated_delta.chunked import recurrent_step
-from kernels_pallas.gated_delta.decode_triton import decode_in_place
+from kernels_pallas.gated_delta.decode_triton import decode_in_place, decode_layer_in_place
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 
@@ -60,6 +60,40 @@ def test_decode_in_place_matches_the_xla_step(hk, hv, dk, dv, dtype):
                                rtol=2e-6, atol=2e-6)
 
 
+def test_decode_layer_in_place_matches_the_xla_layer():
+    """The kernel with the layer's glue (l2 norms, gates, gated RMS norm) against the XLA
+    layer's own functions around the step: qwen3_5_gdn.l2norm, sigmoid / softplus gates,
+    gated_rms_norm, in bf16 as the model runs (its rounding points replayed in the kernel)."""
+    from minipic_jax.models.qwen3_5_gdn import gated_rms_norm, l2norm
+    rows, slots_n, hk, hv, dk, dv, dtype = 5, 8, 2, 4, 16, 32, jnp.bfloat16
+    rng = np.random.default_rng(3)
+    q, k = (jnp.asarray(rng.standard_normal((rows, hk, dk)), dtype) for _ in range(2))
+    v, z = (jnp.asarray(rng.standard_normal((rows, hv, dv)), dtype) for _ in range(2))
+    a, b = (jnp.asarray(rng.standard_normal((rows, hv)), dtype) for _ in range(2))
+    a_log, dt_bias = (jnp.asarray(rng.standard_normal(hv) * 0.5, dtype) for _ in range(2))
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal(dv), dtype)
+    state = jnp.asarray(rng.standard_normal((slots_n, hv, dk, dv)), jnp.float32)
+    slots = jnp.array([6, 1, 4, 7, 7], jnp.int32)  # 7: the scratch slot of a padding row
+    keep = jnp.array([True, False, True, True, True])
+    has = jnp.array([True, True, False, True, False])
+    eps = 1e-6
+    beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    core, want_state = _reference(l2norm(q), l2norm(k), v, g, beta, state, slots, keep, has,
+                                  dk ** -0.5)
+    want = gated_rms_norm(core.astype(dtype), z, norm, eps)
+    got, got_state = decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, state, slots,
+                                           keep, has, eps=eps, interpret=INTERPRET)
+    real, kept = np.array([0, 1, 2, 3]), np.arange(7)
+    assert got.dtype == dtype
+    # bf16 outputs: one unit in the last place where a float32 sum's order differs
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real],
+                               np.asarray(want, np.float32)[real], rtol=8e-3, atol=8e-3)
+    np.testing.assert_allclose(np.asarray(got_state)[kept], np.asarray(want_state)[kept],
+                               rtol=2e-6, atol=2e-6)
+
+
 def test_decode_in_place_names_what_does_not_fit():
     q, k, v, g, beta, state = _inputs(1, 2, 3, 2, 4, 16, 32, jnp.float32)
     with pytest.raises(ValueError, match="float32"):
@@ -70,16 +104,20 @@ def test_decode_in_place_names_what_does_not_fit():
                         jnp.ones(2, bool), block_v=24, interpret=True)
 
 
-def test_engine_decode_steps_step_states_in_place(monkeypatch):
+@pytest.mark.parametrize("glue", [False, True])
+def test_engine_decode_steps_step_states_in_place(glue, monkeypatch):
     """qwen3_5.GDN_DECODE_IN_PLACE on: a tiny_qwen3_5 engine's decode-only steps (their own
-    variant: decode_attn_impl) reach the kernel in every GDN layer and give the tokens and
-    logprobs of the gather / step / scatter path (the GDN kernels interpreted in both)."""
+    variant: decode_attn_impl) reach the kernel in every GDN layer (with GDN_DECODE_GLUE, the
+    one with the layer's glue) and give the tokens and logprobs of the gather / step / scatter
+    path (the GDN kernels interpreted in both)."""
     from kernels_pallas.gated_delta import api
     from minipic_jax import LLM, SamplingParams
     from minipic_jax.models import qwen3_5
     calls = []
-    kernel = api.decode_in_place
-    monkeypatch.setattr(api, "decode_in_place", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    name = "decode_layer_in_place" if glue else "decode_in_place"
+    kernel = getattr(api, name)
+    monkeypatch.setattr(api, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(qwen3_5, "GDN_DECODE_GLUE", glue)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(5, 200, 20 + 7 * i).tolist()} for i in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)

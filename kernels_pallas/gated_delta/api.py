@@ -29,7 +29,7 @@ from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precis
 from kernels_pallas.gated_delta.chain_triton import chain_apply  # noqa: F401
 from kernels_pallas.gated_delta.affine import selected_rows  # noqa: F401
 from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows, as_rows  # noqa: F401
-from kernels_pallas.gated_delta.decode_triton import decode_in_place
+from kernels_pallas.gated_delta.decode_triton import decode_in_place, decode_layer_in_place
 from kernels_pallas.gated_delta.joint import Pass as JointPass, final_bounds, joint_packing  # noqa: F401
 from kernels_pallas.gated_delta.joint import run_joint  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
@@ -340,6 +340,21 @@ def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, *, s
                                    keep, lens > 0, scale=scale, interpret=interpret)
     dest = jnp.where(lens > 0, rows, q.shape[0])
     return jnp.zeros(v.shape, jnp.float32).at[dest].set(out_s, mode="drop"), cache
+
+
+def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache,
+                                 slots, keep, *, eps, interpret=False):
+    """ragged_decode_in_place with the GDN layer's glue in the kernel
+    (decode_triton.decode_layer_in_place: q / k before their l2 norm, the gates' inputs a / b,
+    the gated RMS norm's z and weight). Returns (the normed gated output [T, Hv, Dv] in z's
+    dtype, zeros on rows no sequence steps, the updated cache)."""
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    rows = jnp.clip(cu_q_lens[:-1], 0, q.shape[0] - 1)
+    out_s, cache = decode_layer_in_place(q[rows], k[rows], v[rows], a[rows], b[rows], a_log,
+                                         dt_bias, z[rows], norm, cache, slots, keep, lens > 0,
+                                         eps=eps, interpret=interpret)
+    dest = jnp.where(lens > 0, rows, q.shape[0])
+    return jnp.zeros(z.shape, z.dtype).at[dest].set(out_s, mode="drop"), cache
 
 
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, implementation="xla",

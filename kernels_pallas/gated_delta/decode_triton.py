@@ -15,6 +15,12 @@ A row whose `keep` is 0 starts from the zero state (a reset); a row with no toke
 (zeroed if not kept) and outputs zeros: exactly the one-step branch of
 `api.ragged_gated_delta`. Padding rows share the engine's scratch slot, which nothing reads.
 
+`decode_layer_in_place` also takes the layer's glue into the kernel (one program per row and
+value head, the whole head): the q / k l2 norms, the gates beta = sigmoid(b) and g = -exp(a_log)
+softplus(a + dt_bias), and the gated RMS norm of the output, each cast where the XLA layer
+casts (qwen3_5_gdn.GatedDeltaNet), so a decode step's GDN layer is its projections, the conv and
+this one kernel.
+
 Triton rather than Mosaic GPU: the step is two reductions over the Dk axis of a float32
 register tile and a rank-1 update, IEEE float32 as the XLA path (no tensor-core op fits a
 matrix-vector product at this precision); Triton reduces across a tile's rows directly.
@@ -49,6 +55,85 @@ def _kernel(slot_ref, keep_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s
     has = has_ref[n] != 0
     o_ref[n, h, cols] = jnp.where(has, jnp.sum(q[:, None] * s, axis=0), 0.0)
     state_out_ref[slot, h, :, cols] = jnp.where(has, s, s0)
+
+
+def _sigmoid_in(x, dtype):
+    """jax.nn.sigmoid(x) for x of `dtype` as JAX computes it, 1 / (1 + exp(-x)) rounded to
+    `dtype` after each op (one rounding of the float32 value differs in 1 of 3 bf16 values by
+    a unit in the last place), returned as float32."""
+    def r(y):
+        return y.astype(dtype).astype(_F32)
+    e = r(jnp.exp(-x.astype(_F32)))
+    return r(1.0 / r(e + 1.0))
+
+
+def _layer_kernel(slot_ref, keep_ref, has_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref,
+                  dt_bias_ref, z_ref, norm_ref, state_ref, o_ref, state_out_ref, *, rep, scale,
+                  eps, qk_eps):
+    # _kernel's step over a whole head (Dv), with the layer's glue around it, each value cast as
+    # the XLA layer casts it (qwen3_5_gdn.GatedDeltaNet): q / k l2-normed in float32; beta =
+    # sigmoid(b) in the model dtype, op by op (_sigmoid_in); g = -exp(a_log) softplus(a + dt_bias) in float32; the
+    # output in the model dtype, RMS-normed over Dv, times `norm` (in the model dtype), times
+    # silu(z) in float32. a, b [N, Hv]; a_log, dt_bias [Hv]; z [N, Hv, Dv]; norm [Dv]; o [N, Hv,
+    # Dv] in the model dtype.
+    n, h = pl.program_id(0), pl.program_id(1)
+    slot, kh, dtype = slot_ref[n], h // rep, z_ref.dtype
+    s0 = jnp.where(keep_ref[n] != 0, state_ref[slot, h, :, :], 0.0)  # [Dk, Dv]
+
+    def l2norm(x):
+        return x * jax.lax.rsqrt(jnp.sum(x * x) + qk_eps)
+    q = l2norm(q_ref[n, kh, :].astype(_F32)) * scale  # [Dk]
+    k = l2norm(k_ref[n, kh, :].astype(_F32))
+    v = v_ref[n, h, :].astype(_F32)  # [Dv]
+    beta = _sigmoid_in(b_ref[n, h], dtype)
+    g = -jnp.exp(a_log_ref[h].astype(_F32)) * jax.nn.softplus(
+        a_ref[n, h].astype(_F32) + dt_bias_ref[h].astype(_F32))
+    s = s0 * jnp.exp(g)
+    kv = jnp.sum(k[:, None] * s, axis=0)  # [Dv]
+    s = s + k[:, None] * ((v - kv) * beta)[None, :]
+    has = has_ref[n] != 0
+    core = jnp.where(has, jnp.sum(q[:, None] * s, axis=0), 0.0).astype(dtype).astype(_F32)
+    normed = (core * jax.lax.rsqrt(jnp.mean(core * core) + eps)).astype(dtype)
+    out = (norm_ref[...] * normed).astype(_F32) * jax.nn.silu(z_ref[n, h, :].astype(_F32))
+    o_ref[n, h, :] = out.astype(dtype)
+    state_out_ref[slot, h, :, :] = jnp.where(has, s, s0)
+
+
+def decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, state, slots, keep, has, *,
+                          eps: float, qk_eps: float = 1e-6, scale=None, num_warps: int = 8,
+                          interpret: bool = False):
+    """`decode_in_place` with the GDN layer's glue fused around the step (one program per row
+    and value head, the whole head): q / k [N, Hk, Dk] before their l2 norm (qk_eps), the
+    gates' inputs a, b [N, Hv] with a_log, dt_bias [Hv], and the gated RMS norm's z [N, Hv, Dv],
+    weight norm [Dv] and eps. Returns (the normed gated output [N, Hv, Dv] in z's dtype, zeros
+    where has is False, and the updated cache)."""
+    rows, hk, dk = k.shape
+    slots_n, hv, dk_s, dv = state.shape
+    if q.shape != k.shape or v.shape != (rows, hv, dv) or z.shape != v.shape or dk_s != dk \
+            or hv % hk or a.shape != (rows, hv) or b.shape != a.shape:
+        raise ValueError(f"decode_layer_in_place: q {q.shape}, k {k.shape}, v {v.shape}, z "
+                         f"{z.shape}, a {a.shape}, b {b.shape} do not fit the state cache "
+                         f"{state.shape}")
+    if state.dtype != _F32:
+        raise ValueError(f"decode_layer_in_place: the state cache must be float32, got "
+                         f"{state.dtype}")
+    scale = dk ** -0.5 if scale is None else scale
+    flags = [jnp.asarray(x).astype(jnp.int32) for x in (keep, has)]
+    slots = jnp.clip(jnp.asarray(slots, jnp.int32), 0, slots_n - 1)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    args = [slots, *flags, q, k, v, a, b, a_log, dt_bias, z, norm, state]
+    kernel = functools.partial(_layer_kernel, rep=hv // hk, scale=float(scale), eps=float(eps),
+                               qk_eps=float(qk_eps))
+    out = jax.ShapeDtypeStruct((rows, hv, dv), z.dtype)
+    return pl.pallas_call(
+        kernel, grid=(rows, hv),
+        in_specs=[whole(x) for x in args],
+        out_specs=[whole(out), whole(state)],
+        out_shape=[out, jax.ShapeDtypeStruct(state.shape, _F32)],
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="gdn_decode_layer_in_place",
+    )(*args)
 
 
 def decode_in_place(q, k, v, g, beta, state, slots, keep, has, *, scale=None,

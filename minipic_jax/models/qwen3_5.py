@@ -46,6 +46,8 @@ CHECKPOINTS_FIRST = True
 # Decode steps step each GDN layer's states in place in the cache (`decode_in_place`). Off until
 # compiled and timed on a GPU (built in session 25; tests/test_gdn_decode_kernel.py).
 GDN_DECODE_IN_PLACE = False
+# ... with the layer's l2 norms, gates and gated norm in the same kernel (decode_layer_in_place).
+GDN_DECODE_GLUE = True
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
 GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
@@ -181,7 +183,8 @@ def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_plac
     conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
     kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], layer))
     if in_place:  # the decode kernel reads and writes the layer's states in the cache
-        delta0, kw["state_cache"] = None, (delta_c, slots, ~reset)
+        delta0 = None
+        kw["state_cache"] = qwen3_5_gdn.StateCache(delta_c, slots, ~reset, GDN_DECODE_GLUE)
     else:
         delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
     x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, cu_q_lens, pos0, cfg,

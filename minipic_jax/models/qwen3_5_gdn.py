@@ -11,12 +11,15 @@ no unit offset) times silu(z); out_proj.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.gated_delta.api import as_rows, choose
-from kernels_pallas.sharding import ragged_decode_in_place, ragged_gated_delta, whole  # per head
+from kernels_pallas.sharding import (ragged_decode_in_place,  # per head shard under TP
+                                     ragged_decode_layer_in_place, ragged_gated_delta, whole)
 from minipic_jax.models import qwen3_5_joint, qwen3_5_spans
 from minipic_jax.models.nnx_pure import param
 from serving.model_contract import SpanPieces
@@ -138,6 +141,14 @@ def recurrent_core(x, cu_q_lens, pos0, delta0, pieces, *, checkpoint_at, decode,
     return core, delta, delta_ck, local_final, a_span
 
 
+class StateCache(NamedTuple):
+    """A decode step's GDN state cache, stepped in place (GatedDeltaNet's state_cache)."""
+    cache: jax.Array  # [P, Hv, Dk, Dv] float32
+    slots: jax.Array  # [S] int32 each sequence's slot
+    keep: jax.Array  # [S] bool: False starts the sequence from zeros
+    glue: bool  # the layer's l2 norms, gates and gated norm in the same kernel
+
+
 class GatedDeltaNet(nnx.Module):
     """The GDN token mixer of one linear-attention layer (HF Qwen3_5GatedDeltaNet's weights)."""
 
@@ -170,6 +181,23 @@ class GatedDeltaNet(nnx.Module):
         return (x[:, :c], x[:, c:z_end].reshape(-1, hv, dv), x[:, z_end:z_end + hv],
                 x[:, z_end + hv:])
 
+    def conv_qkv(self, mixed, dtype, conv0, cu_q_lens, pos0, seq_of_row, rows, pieces, cfg):
+        """q, k [T, Hk, Dk] and v [T, Hv, Dv] (in `dtype`, before the l2 norms) of the mixed
+        projection [T, C]: its causal conv from each sequence's conv state (span rows: their
+        piece's window, zeros before the span start)."""
+        hk, hv, dk, dv, _, _ = gdn_dims(cfg)
+        n_tokens, conv_w = mixed.shape[0], self.conv_w[...]  # [C, Kc]
+        if pieces is None:
+            conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row, rows)
+        else:
+            conv_out = conv_silu(qwen3_5_spans.window(mixed, conv0, pieces), conv_w)
+        # whole on every device under TP (the rules keep [q | k | v] whole): a split over the
+        # channels made the q / k L2 norms cross devices (kernels_pallas/sharding.whole)
+        conv_out = whole(conv_out.astype(dtype))
+        return (conv_out[:, :hk * dk].reshape(n_tokens, hk, dk),
+                conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk),
+                conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv))
+
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
                  impl=None, pieces=None, decode=None, seq_of_row=None, packing=None,
                  conv_idx=None, state_cache=None):
@@ -191,15 +219,16 @@ class GatedDeltaNet(nnx.Module):
           seq_of_row: None or [T] int32 the sequence of each row (`rows_of_seqs`), packing:
             None or the flow prefill's gated_delta.ragged.packing, conv_idx: None or
             `conv_index(...)` (with checkpoint_at's): all three computed once per step.
-          state_cache: None, or on a decode step (no checkpoints, no pieces; delta0 unused)
-            (cache [P, Hv, Dk, Dv] float32, slots [S], keep [S]): the layer's state cache, which
-            gated_delta.api.ragged_decode_in_place steps in place; `delta` is then the cache.
+          state_cache: None, or on a decode step (no checkpoints, no pieces; delta0 unused) a
+            StateCache: the layer's state cache, which gated_delta.api.ragged_decode_in_place
+            steps in place (with `glue`, ragged_decode_layer_in_place: the l2 norms, gates and
+            gated norm in the same kernel); `delta` is then the cache.
         Returns:
           out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], checkpoints (conv
           [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None, and the captured span maps
           (pieces.capture: qwen3_5_spans.captured_maps) or None.
         """
-        hk, hv, dk, dv, c, kc = gdn_dims(cfg)
+        kc = gdn_dims(cfg)[-1]
         n_tokens = h.shape[0]
         if seq_of_row is None:
             seq_of_row = rows_of_seqs(cu_q_lens, n_tokens)
@@ -210,27 +239,25 @@ class GatedDeltaNet(nnx.Module):
         if pieces is not None and "window_rows" not in pieces:
             pieces = qwen3_5_spans.with_windows(pieces, conv_idx["rows"], conv0.shape[0], kc - 1)
         mixed, z, b, a = self.projections(h, cfg)
-        conv_w = self.conv_w[...]  # [C, Kc]
-        if pieces is None:
-            conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row,
-                                   conv_idx["rows"])
-        else:  # span rows: their piece's window (zeros before the span start); others the flow's
-            conv_out = conv_silu(qwen3_5_spans.window(mixed, conv0, pieces), conv_w)
-        # whole on every device under TP (the rules keep [q | k | v] whole): a split over the
-        # channels made the q / k L2 norms cross devices (kernels_pallas/sharding.whole)
-        conv_out = whole(conv_out.astype(h.dtype))
-        q = conv_out[:, :hk * dk].reshape(n_tokens, hk, dk)
-        k = conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk)
-        v = conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv)
+        q, k, v = self.conv_qkv(mixed, h.dtype, conv0, cu_q_lens, pos0, seq_of_row,
+                                conv_idx["rows"], pieces, cfg)
+        interpret = bool(impl) and impl.endswith("_interpret")
+        conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
+        if state_cache is not None and state_cache.glue:  # the layer's decode in one kernel
+            normed, delta = ragged_decode_layer_in_place(
+                q, k, v, a, b, self.a_log[...], self.dt_bias[...], z, self.norm[...], cu_q_lens,
+                state_cache.cache, state_cache.slots, state_cache.keep, eps=cfg.rms_norm_eps,
+                interpret=interpret)
+            return jnp.einsum("thv,hve->te", normed, self.w_out[...]), conv, delta, None, None
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        interpret = bool(impl) and impl.endswith("_interpret")
         impl = choose(impl.removesuffix("_interpret") if interpret else impl, interpret=interpret)
         kernel = dict(implementation=impl, interpret=interpret)
         q, k = l2norm(q), l2norm(k)
         if state_cache is not None:  # a decode step, the states stepped in place in the cache
-            core, delta = ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, *state_cache,
+            core, delta = ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, state_cache.cache,
+                                                 state_cache.slots, state_cache.keep,
                                                  interpret=interpret)
             delta_ck = local_final = a_span = None
         else:
@@ -240,7 +267,6 @@ class GatedDeltaNet(nnx.Module):
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
         out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
-        conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
         maps = None
         if pieces is not None:
             conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, conv, delta)

@@ -1,0 +1,46 @@
+#!/bin/bash
+# The next device call after session 25 (one `run`, <= 9.5 min, a short table last; raw files
+# under $OUT): what session 25 built and could not time. 1. compiled tests of the in-place GDN
+# decode kernel (gated_delta/decode_triton.py); 2. that kernel against the XLA decode step at
+# Qwen3.5-0.8B's layer shapes (8 and 64 rows, block_v sweep); 3. the 64-seat prefill and decode
+# steps with the live key pre-rotation off / on (session 25's A/B timed one form twice) and the
+# in-place decode off / on, profiled; 4. issue 29's span request with the in-place decode on.
+# If the in-place decode wins, flip qwen3_5.GDN_DECODE_IN_PLACE to True (one line).
+# usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s26_device.sh
+set -u; T0=$SECONDS
+export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s26
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s26.txt
+left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
+nvidia-smi -L > "$R" 2>/dev/null
+MINIPIC_COMPILED=1 timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE \
+  tests/test_gdn_decode_kernel.py -k "not engine" > "$OUT/tests.txt" 2>&1
+echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
+grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
+for rows in 8 64; do
+  timeout 60 python3 -m benchmarks.gdn_decode_bench --rows $rows --block-v 32 64 128 \
+    >> "$OUT/gdn_decode.txt" 2>&1
+done
+echo "gdn decode bench t=$((SECONDS-T0)) s" >> "$R"
+grep -E "gdn decode|in place" "$OUT/gdn_decode.txt" | cut -c1-160 >> "$R"
+L=$(left); [ "$L" -gt 200 ] && L=200
+timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
+  --tokens 128 1024 --reps 10 --decode --live-prerotate 0 1 --decode-in-place 0 1 --ckpt 1 \
+  --profile 6 > "$OUT/fixed_step.txt" 2>&1
+echo "fixed step rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "ms/step|kernels, busy|live_prerotate" "$OUT/fixed_step.txt" | cut -c1-200 >> "$R"
+L=$(left); [ "$L" -gt 170 ] && L=170
+if [ "$L" -ge 100 ]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $L python3 -c "
+import sys
+from minipic_jax.models import qwen3_5
+qwen3_5.GDN_DECODE_IN_PLACE = True
+from benchmarks.cli import main
+sys.exit(main(['hybrid-spans', '--steps', '--sync-repeat', '--json', '$OUT/hybrid_spans.json']))
+" > "$OUT/hybrid_spans.txt" 2>&1
+  echo "hybrid-spans (decode in place) rc=$? t=$((SECONDS-T0)) s" >> "$R"
+  grep -E "^(call|[a-i] )|goal|warm-up|^    (prefill|decode)" "$OUT/hybrid_spans.txt" \
+    | cut -c1-200 >> "$R"
+fi
+echo "== total t=$((SECONDS-T0)) s" >> "$R"
+cat "$R"
