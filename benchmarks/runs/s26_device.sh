@@ -3,8 +3,10 @@
 # under $OUT): what session 25 built and could not time. 1. compiled tests of the in-place GDN
 # decode kernel (gated_delta/decode_triton.py); 2. that kernel against the XLA decode step at
 # Qwen3.5-0.8B's layer shapes (8 and 64 rows, block_v sweep); 3. the 64-seat prefill and decode
-# steps with the live key pre-rotation off / on (session 25's A/B timed one form twice) and the
-# in-place decode off / on, profiled; 4. issue 29's span request with the in-place decode on.
+# prefill steps with the live key pre-rotation off / on (session 25's A/B timed one form twice),
+# the decode step with the GDN decode as before / in place / in place with the layer's glue
+# (fixed_step_work --decode-in-place 0 1 2), profiled; 4. issue 29's span request with the
+# in-place decode (glue on).
 # If the in-place decode wins, flip qwen3_5.GDN_DECODE_IN_PLACE to True (one line).
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s26_device.sh
 set -u; T0=$SECONDS
@@ -23,12 +25,16 @@ for rows in 8 64; do
 done
 echo "gdn decode bench t=$((SECONDS-T0)) s" >> "$R"
 grep -E "gdn decode|in place" "$OUT/gdn_decode.txt" | cut -c1-160 >> "$R"
-L=$(left); [ "$L" -gt 200 ] && L=200
-timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
-  --tokens 128 1024 --reps 10 --decode --live-prerotate 0 1 --decode-in-place 0 1 --ckpt 1 \
-  --profile 6 > "$OUT/fixed_step.txt" 2>&1
-echo "fixed step rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "ms/step|kernels, busy|live_prerotate" "$OUT/fixed_step.txt" | cut -c1-200 >> "$R"
+timeout 110 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
+  --tokens 128 1024 --reps 10 --live-prerotate 0 1 --ckpt 1 --profile 6 \
+  > "$OUT/fixed_step_prefill.txt" 2>&1
+echo "fixed step (prefill) rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "ms/step|kernels, busy|live_prerotate" "$OUT/fixed_step_prefill.txt" | cut -c1-200 >> "$R"
+timeout 140 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
+  --tokens 128 --reps 20 --decode --decode-in-place 0 1 2 --ckpt 1 --profile 6 \
+  > "$OUT/fixed_step_decode.txt" 2>&1
+echo "fixed step (decode) rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "decode t=|live_prerotate" "$OUT/fixed_step_decode.txt" | cut -c1-200 >> "$R"
 L=$(left); [ "$L" -gt 170 ] && L=170
 if [ "$L" -ge 100 ]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $L python3 -c "
