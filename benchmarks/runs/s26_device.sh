@@ -2,9 +2,9 @@
 # The next device call after session 25 (one `run`, <= 9.5 min, a short table last; raw files
 # under $OUT): what session 25 built and could not time. 1. compiled tests of the in-place GDN
 # decode kernel (gated_delta/decode_triton.py); 2. that kernel against the XLA decode step at
-# Qwen3.5-0.8B's layer shapes (8 and 64 rows, block_v sweep); 3. the 64-seat prefill and decode
-# prefill steps with the live key pre-rotation off / on (session 25's A/B timed one form twice),
-# the decode step with the GDN decode as before / in place / in place with the layer's glue
+# Qwen3.5-0.8B's layer shapes (8 and 64 rows, block_v sweep); 3. the 64-seat prefill steps
+# with the live key pre-rotation off / on (session 25's A/B timed one form twice), the decode
+# step with the GDN decode as before / in place / in place with the layer's glue
 # (fixed_step_work --decode-in-place 0 1 2), profiled; 4. issue 29's span request with the
 # in-place decode (glue on).
 # If the in-place decode wins, flip qwen3_5.GDN_DECODE_IN_PLACE to True (one line).
