@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas.gated_delta.chunked import recurrent_step
-from kernels_pallas.gated_delta.decode_triton import decode_in_place, decode_layer_in_place
+from kernels_pallas.gated_delta.decode_triton import (decode_conv_layer_in_place,
+                                                      decode_in_place, decode_layer_in_place)
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 
@@ -94,11 +95,70 @@ def test_decode_layer_in_place_matches_the_xla_layer():
                                rtol=2e-6, atol=2e-6)
 
 
+def _layer_inputs(seed, rows, slots_n, hk, hv, dk, dv, dtype):
+    rng = np.random.default_rng(seed)
+    c = 2 * hk * dk + hv * dv
+    x = jnp.asarray(rng.standard_normal((rows, c)), dtype)
+    conv_w = jnp.asarray(rng.standard_normal((c, 4)) * 0.5, dtype)
+    conv_cache = jnp.asarray(rng.standard_normal((slots_n, c, 3)), dtype)
+    z = jnp.asarray(rng.standard_normal((rows, hv, dv)), dtype)
+    a, b = (jnp.asarray(rng.standard_normal((rows, hv)), dtype) for _ in range(2))
+    a_log, dt_bias = (jnp.asarray(rng.standard_normal(hv) * 0.5, dtype) for _ in range(2))
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal(dv), dtype)
+    state = jnp.asarray(rng.standard_normal((slots_n, hv, dk, dv)), jnp.float32)
+    return x, conv_w, conv_cache, a, b, a_log, dt_bias, z, norm, state
+
+
+def test_decode_conv_layer_in_place_matches_the_xla_layer():
+    """The kernel with the layer's causal conv too: each row's conv window from its conv state
+    (zeros on a reset), silu(conv) split into q / k / v, then the glue and the step, against
+    qwen3_5_gdn's conv_silu / l2norm / gated_rms_norm; the conv state moves on by the row's
+    input (stays where the row has no token) in place, like the recurrent state."""
+    from minipic_jax.models.qwen3_5_gdn import conv_silu, gated_rms_norm, l2norm
+    rows, slots_n, h, dk, dv, dtype = 5, 8, 2, 16, 32, jnp.bfloat16
+    x, conv_w, conv_cache, a, b, a_log, dt_bias, z, norm, state = _layer_inputs(
+        4, rows, slots_n, h, h, dk, dv, dtype)
+    slots = jnp.array([6, 1, 4, 7, 7], jnp.int32)  # 7: the scratch slot of a padding row
+    keep = jnp.array([True, False, True, True, True])
+    has = jnp.array([True, True, False, True, False])
+    past = jnp.where(keep[:, None, None], conv_cache[slots], 0).astype(dtype)  # [N, C, 3]
+    window = jnp.concatenate([past, x[:, :, None]], axis=-1)
+    qkv = conv_silu(window, conv_w).astype(dtype)
+    q = qkv[:, :h * dk].reshape(rows, h, dk)
+    k = qkv[:, h * dk:2 * h * dk].reshape(rows, h, dk)
+    v = qkv[:, 2 * h * dk:].reshape(rows, h, dv)
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    core, want_state = _reference(l2norm(q), l2norm(k), v, g, jax.nn.sigmoid(b), state, slots,
+                                  keep, has, dk ** -0.5)
+    want = gated_rms_norm(core.astype(dtype), z, norm, 1e-6)
+    want_conv = conv_cache.at[slots].set(jnp.where(has[:, None, None], window[:, :, 1:], past))
+    got, got_conv, got_state = decode_conv_layer_in_place(
+        x, conv_w, conv_cache, a, b, a_log, dt_bias, z, norm, state, slots, keep, has, eps=1e-6,
+        interpret=INTERPRET)
+    real, kept = np.array([0, 1, 2, 3]), np.arange(7)
+    np.testing.assert_array_equal(np.asarray(got_conv)[kept], np.asarray(want_conv)[kept])
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real],
+                               np.asarray(want, np.float32)[real], rtol=8e-3, atol=8e-3)
+    # interpreted, the conv sums in the reference's order: the states agree to 2.4e-7 (CPU);
+    # compiled, XLA's conv may sum in another order, and a bf16 q / k / v one ulp apart moves
+    # the state by up to that much (~4e-3 relative)
+    tol = 2e-6 if INTERPRET else 1e-2
+    np.testing.assert_allclose(np.asarray(got_state)[kept], np.asarray(want_state)[kept],
+                               rtol=tol, atol=tol)
+
+
 def test_decode_in_place_names_what_does_not_fit():
     q, k, v, g, beta, state = _inputs(1, 2, 3, 2, 4, 16, 32, jnp.float32)
     with pytest.raises(ValueError, match="float32"):
         decode_in_place(q, k, v, g, beta, state.astype(jnp.bfloat16), jnp.zeros(2, jnp.int32),
                         jnp.ones(2, bool), jnp.ones(2, bool), interpret=True)
+    x, conv_w, conv_cache, a, b, a_log, dt_bias, z, norm, state2 = _layer_inputs(
+        2, 2, 3, 2, 4, 16, 32, jnp.float32)  # Hk 2 < Hv 4: shared q / k channels
+    with pytest.raises(ValueError, match="as many key heads"):
+        decode_conv_layer_in_place(x, conv_w, conv_cache, a, b, a_log, dt_bias, z, norm, state2,
+                                   jnp.zeros(2, jnp.int32), jnp.ones(2, bool), jnp.ones(2, bool),
+                                   eps=1e-6, interpret=True)
     with pytest.raises(ValueError, match="block_v"):
         decode_in_place(q, k, v, g, beta, state, jnp.zeros(2, jnp.int32), jnp.ones(2, bool),
                         jnp.ones(2, bool), block_v=24, interpret=True)

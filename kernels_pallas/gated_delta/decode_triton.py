@@ -67,36 +67,95 @@ def _sigmoid_in(x, dtype):
     return r(1.0 / r(e + 1.0))
 
 
-def _layer_kernel(slot_ref, keep_ref, has_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref,
-                  dt_bias_ref, z_ref, norm_ref, state_ref, o_ref, state_out_ref, *, rep, scale,
-                  eps, qk_eps):
+def _conv_silu(x_ref, w_ref, c_ref, c_out_ref, n, slot, keep, has, c0, width, dtype):
+    """Channels [c0, c0 + width) of a row's causal conv (qwen3_5_gdn.causal_conv at one token:
+    the Kc - 1 inputs of the conv state, oldest first, zeros where not kept, then the new
+    input x; float32 products summed oldest first, silu, cast to `dtype`) as float32, and the
+    conv state moved on by the row's input where it has one, written back in place."""
+    chans = pl.ds(c0, width)
+    kc, c_dtype = w_ref.shape[1], c_ref.dtype
+    past = [jnp.where(keep, c_ref[slot, chans, j], 0).astype(c_dtype) for j in range(kc - 1)]
+    window = [p.astype(x_ref.dtype) for p in past] + [x_ref[n, chans]]
+    acc = window[0].astype(_F32) * w_ref[chans, 0].astype(_F32)
+    for j in range(1, kc):
+        acc = acc + window[j].astype(_F32) * w_ref[chans, j].astype(_F32)
+    for j in range(kc - 1):
+        c_out_ref[slot, chans, j] = jnp.where(has, window[j + 1].astype(c_dtype), past[j])
+    return jax.nn.silu(acc).astype(dtype).astype(_F32)
+
+
+def _layer_kernel(*refs, rep, hk, scale, eps, qk_eps, conv):
     # _kernel's step over a whole head (Dv), with the layer's glue around it, each value cast as
     # the XLA layer casts it (qwen3_5_gdn.GatedDeltaNet): q / k l2-normed in float32; beta =
-    # sigmoid(b) in the model dtype, op by op (_sigmoid_in); g = -exp(a_log) softplus(a + dt_bias) in float32; the
-    # output in the model dtype, RMS-normed over Dv, times `norm` (in the model dtype), times
-    # silu(z) in float32. a, b [N, Hv]; a_log, dt_bias [Hv]; z [N, Hv, Dv]; norm [Dv]; o [N, Hv,
-    # Dv] in the model dtype.
+    # sigmoid(b) in the model dtype, op by op (_sigmoid_in); g = -exp(a_log) softplus(a +
+    # dt_bias) in float32; the output in the model dtype, RMS-normed over Dv, times `norm` (in
+    # the model dtype), times silu(z) in float32. a, b [N, Hv]; a_log, dt_bias [Hv]; z [N, Hv,
+    # Dv]; norm [Dv]; o [N, Hv, Dv] in the model dtype. With `conv`, q / k / v come from the
+    # causal conv of the mixed projection x [N, C] (_conv_silu; conv_w [C, Kc], the conv cache
+    # [P, C, Kc - 1] aliased in and out), else q, k [N, Hk, Dk] and v [N, Hv, Dv] are given.
+    if conv:
+        (slot_ref, keep_ref, has_ref, x_ref, w_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, z_ref,
+         norm_ref, c_ref, state_ref, o_ref, c_out_ref, state_out_ref) = refs
+    else:
+        (slot_ref, keep_ref, has_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref,
+         z_ref, norm_ref, state_ref, o_ref, state_out_ref) = refs
     n, h = pl.program_id(0), pl.program_id(1)
     slot, kh, dtype = slot_ref[n], h // rep, z_ref.dtype
-    s0 = jnp.where(keep_ref[n] != 0, state_ref[slot, h, :, :], 0.0)  # [Dk, Dv]
+    keep, has = keep_ref[n] != 0, has_ref[n] != 0
+    _, _, dk, dv = state_ref.shape
+    s0 = jnp.where(keep, state_ref[slot, h, :, :], 0.0)  # [Dk, Dv]
+    if conv:  # channels [q | k | v]; rep == 1: each program owns its head's channels
+        qkv = [_conv_silu(x_ref, w_ref, c_ref, c_out_ref, n, slot, keep, has, c0, width, dtype)
+               for c0, width in ((kh * dk, dk), ((hk + kh) * dk, dk), (2 * hk * dk + h * dv, dv))]
+    else:
+        qkv = [q_ref[n, kh, :], k_ref[n, kh, :], v_ref[n, h, :]]
+    q, k, v = (x.astype(_F32) for x in qkv)
 
     def l2norm(x):
         return x * jax.lax.rsqrt(jnp.sum(x * x) + qk_eps)
-    q = l2norm(q_ref[n, kh, :].astype(_F32)) * scale  # [Dk]
-    k = l2norm(k_ref[n, kh, :].astype(_F32))
-    v = v_ref[n, h, :].astype(_F32)  # [Dv]
+    q, k = l2norm(q) * scale, l2norm(k)  # [Dk]
     beta = _sigmoid_in(b_ref[n, h], dtype)
     g = -jnp.exp(a_log_ref[h].astype(_F32)) * jax.nn.softplus(
         a_ref[n, h].astype(_F32) + dt_bias_ref[h].astype(_F32))
     s = s0 * jnp.exp(g)
     kv = jnp.sum(k[:, None] * s, axis=0)  # [Dv]
     s = s + k[:, None] * ((v - kv) * beta)[None, :]
-    has = has_ref[n] != 0
     core = jnp.where(has, jnp.sum(q[:, None] * s, axis=0), 0.0).astype(dtype).astype(_F32)
     normed = (core * jax.lax.rsqrt(jnp.mean(core * core) + eps)).astype(dtype)
     out = (norm_ref[...] * normed).astype(_F32) * jax.nn.silu(z_ref[n, h, :].astype(_F32))
     o_ref[n, h, :] = out.astype(dtype)
     state_out_ref[slot, h, :, :] = jnp.where(has, s, s0)
+
+
+def _check_layer(name, rows, hv, dv, a, b, z, state):
+    if z.shape != (rows, hv, dv) or a.shape != (rows, hv) or b.shape != a.shape:
+        raise ValueError(f"{name}: z {z.shape}, a {a.shape}, b {b.shape} do not fit {rows} rows "
+                         f"and the state cache {state.shape}")
+    if state.dtype != _F32:
+        raise ValueError(f"{name}: the state cache must be float32, got {state.dtype}")
+
+
+def _layer_call(args, aliased, out_dtype, grid, kernel, num_warps, interpret, name):
+    """pallas_call of _layer_kernel: `args` with the aliased caches last (`aliased` of them),
+    outputs the layer's output [N, Hv, Dv] then those caches."""
+    rows, hv = grid
+    dv = args[-1].shape[-1]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    out = jax.ShapeDtypeStruct((rows, hv, dv), out_dtype)
+    caches = args[len(args) - aliased:]
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=[whole(x) for x in args],
+        out_specs=[whole(out)] + [whole(c) for c in caches],
+        out_shape=[out] + [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
+        input_output_aliases={len(args) - aliased + i: 1 + i for i in range(aliased)},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name=name,
+    )(*args)
+
+
+def _row_flags(slots, keep, has, slots_n):
+    return [jnp.clip(jnp.asarray(slots, jnp.int32), 0, slots_n - 1),
+            *(jnp.asarray(x).astype(jnp.int32) for x in (keep, has))]
 
 
 def decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, state, slots, keep, has, *,
@@ -109,31 +168,42 @@ def decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, state, slots, 
     where has is False, and the updated cache)."""
     rows, hk, dk = k.shape
     slots_n, hv, dk_s, dv = state.shape
-    if q.shape != k.shape or v.shape != (rows, hv, dv) or z.shape != v.shape or dk_s != dk \
-            or hv % hk or a.shape != (rows, hv) or b.shape != a.shape:
-        raise ValueError(f"decode_layer_in_place: q {q.shape}, k {k.shape}, v {v.shape}, z "
-                         f"{z.shape}, a {a.shape}, b {b.shape} do not fit the state cache "
-                         f"{state.shape}")
-    if state.dtype != _F32:
-        raise ValueError(f"decode_layer_in_place: the state cache must be float32, got "
-                         f"{state.dtype}")
-    scale = dk ** -0.5 if scale is None else scale
-    flags = [jnp.asarray(x).astype(jnp.int32) for x in (keep, has)]
-    slots = jnp.clip(jnp.asarray(slots, jnp.int32), 0, slots_n - 1)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    args = [slots, *flags, q, k, v, a, b, a_log, dt_bias, z, norm, state]
-    kernel = functools.partial(_layer_kernel, rep=hv // hk, scale=float(scale), eps=float(eps),
-                               qk_eps=float(qk_eps))
-    out = jax.ShapeDtypeStruct((rows, hv, dv), z.dtype)
-    return pl.pallas_call(
-        kernel, grid=(rows, hv),
-        in_specs=[whole(x) for x in args],
-        out_specs=[whole(out), whole(state)],
-        out_shape=[out, jax.ShapeDtypeStruct(state.shape, _F32)],
-        input_output_aliases={len(args) - 1: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret, name="gdn_decode_layer_in_place",
-    )(*args)
+    if q.shape != k.shape or v.shape != (rows, hv, dv) or dk_s != dk or hv % hk:
+        raise ValueError(f"decode_layer_in_place: q {q.shape}, k {k.shape}, v {v.shape} do not "
+                         f"fit the state cache {state.shape}")
+    _check_layer("decode_layer_in_place", rows, hv, dv, a, b, z, state)
+    kernel = functools.partial(_layer_kernel, rep=hv // hk, hk=hk, eps=float(eps),
+                               scale=float(dk ** -0.5 if scale is None else scale),
+                               qk_eps=float(qk_eps), conv=False)
+    args = [*_row_flags(slots, keep, has, slots_n), q, k, v, a, b, a_log, dt_bias, z, norm, state]
+    return _layer_call(args, 1, z.dtype, (rows, hv), kernel, num_warps, interpret,
+                       "gdn_decode_layer_in_place")
+
+
+def decode_conv_layer_in_place(x, conv_w, conv_cache, a, b, a_log, dt_bias, z, norm, state,
+                               slots, keep, has, *, eps: float, qk_eps: float = 1e-6,
+                               scale=None, num_warps: int = 8, interpret: bool = False):
+    """`decode_layer_in_place` with the layer's causal conv too: x [N, C] the mixed projection
+    (C = 2 Hk Dk + Hv Dv, channels [q | k | v]), conv_w [C, Kc], conv_cache [P, C, Kc - 1] the
+    layer's conv state cache, moved on in place. Needs Hk = Hv (each program owns its head's
+    channels: with shared q / k heads one program would overwrite a conv state another still
+    reads). Returns (output, conv cache, state cache)."""
+    rows, c = x.shape
+    slots_n, hv, dk, dv = state.shape
+    hk = (c - hv * dv) // (2 * dk)
+    if hk != hv or 2 * hk * dk + hv * dv != c or conv_w.shape[0] != c \
+            or conv_cache.shape != (slots_n, c, conv_w.shape[1] - 1):
+        raise ValueError(f"decode_conv_layer_in_place: x {x.shape}, conv_w {conv_w.shape}, conv "
+                         f"cache {conv_cache.shape} do not fit the state cache {state.shape} "
+                         f"with as many key heads as value heads")
+    _check_layer("decode_conv_layer_in_place", rows, hv, dv, a, b, z, state)
+    kernel = functools.partial(_layer_kernel, rep=1, hk=hk, eps=float(eps),
+                               scale=float(dk ** -0.5 if scale is None else scale),
+                               qk_eps=float(qk_eps), conv=True)
+    args = [*_row_flags(slots, keep, has, slots_n), x, conv_w, a, b, a_log, dt_bias, z, norm,
+            conv_cache, state]
+    return _layer_call(args, 2, z.dtype, (rows, hv), kernel, num_warps, interpret,
+                       "gdn_decode_conv_layer_in_place")
 
 
 def decode_in_place(q, k, v, g, beta, state, slots, keep, has, *, scale=None,
