@@ -187,7 +187,8 @@ def time_forms(a, ckpt: bool, seats: int, mml: int) -> None:
                                                   a.decode_in_place):
         triton_ragged.LIVE_PREROTATE = bool(live)
         qwen3_5.CHECKPOINTS_FIRST = CK_FORMS[form]
-        qwen3_5.GDN_DECODE_IN_PLACE, qwen3_5.GDN_DECODE_GLUE = in_place > 0, in_place == 2
+        qwen3_5.GDN_DECODE_IN_PLACE, qwen3_5.GDN_DECODE_GLUE = in_place > 0, in_place >= 2
+        qwen3_5.GDN_DECODE_CONV = in_place == 3
         # the step store keys on MINIPIC_ variables: executables of their own; and the kernels'
         # own jits (paged_attention's _run_once) trace anew: session 25's first pre-rotation
         # A/B timed one form twice without this
@@ -227,10 +228,10 @@ def main(argv=None) -> int:
                     help="--time: barrier = a layer's checkpoints taken before its states are "
                          "written back (qwen3_5.CHECKPOINTS_FIRST), old = not; an engine each "
                          "(default: barrier)")
-    ap.add_argument("--decode-in-place", type=int, nargs="+", default=[0], choices=[0, 1, 2],
+    ap.add_argument("--decode-in-place", type=int, nargs="+", default=[0], choices=[0, 1, 2, 3],
                     help="--time: the GDN decode, an engine each: 0 gather / step / scatter, 1 in "
-                         "place (qwen3_5.GDN_DECODE_IN_PLACE), 2 in place with the layer's glue "
-                         "(GDN_DECODE_GLUE) (default: 0)")
+                         "place (qwen3_5.GDN_DECODE_IN_PLACE), 2 with the layer's glue "
+                         "(GDN_DECODE_GLUE), 3 and its conv (GDN_DECODE_CONV) (default: 0)")
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")

@@ -164,20 +164,31 @@ def test_decode_in_place_names_what_does_not_fit():
                         jnp.ones(2, bool), block_v=24, interpret=True)
 
 
-@pytest.mark.parametrize("glue", [False, True])
-def test_engine_decode_steps_step_states_in_place(glue, monkeypatch):
-    """qwen3_5.GDN_DECODE_IN_PLACE on: a tiny_qwen3_5 engine's decode-only steps (their own
-    variant: decode_attn_impl) reach the kernel in every GDN layer (with GDN_DECODE_GLUE, the
-    one with the layer's glue) and give the tokens and logprobs of the gather / step / scatter
-    path (the GDN kernels interpreted in both)."""
+# form -> (qwen3_5 flags GDN_DECODE_GLUE, GDN_DECODE_CONV; the api function the layers call;
+# the model: the conv form needs as many key heads as value heads, tiny_qwen3_5 has 2 / 4)
+FORMS = {"state": (False, False, "decode_in_place", "tiny_qwen3_5"),
+         "glue": (True, False, "decode_layer_in_place", "tiny_qwen3_5"),
+         "conv": (True, True, "decode_conv_layer_in_place", "qwen3_5_tied")}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_engine_decode_steps_step_states_in_place(form, monkeypatch):
+    """qwen3_5.GDN_DECODE_IN_PLACE on: an engine's decode-only steps (their own variant:
+    decode_attn_impl) reach the form's kernel in every GDN layer and give the tokens and
+    logprobs of the gather / step / scatter path (the GDN kernels interpreted in both)."""
+    from pathlib import Path
+
     from kernels_pallas.gated_delta import api
     from minipic_jax import LLM, SamplingParams
     from minipic_jax.models import qwen3_5
+    glue, conv, name, model = FORMS[form]
+    if model != "tiny_qwen3_5":
+        model = str(Path(__file__).parent / "fixtures" / model)
     calls = []
-    name = "decode_layer_in_place" if glue else "decode_in_place"
     kernel = getattr(api, name)
     monkeypatch.setattr(api, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
     monkeypatch.setattr(qwen3_5, "GDN_DECODE_GLUE", glue)
+    monkeypatch.setattr(qwen3_5, "GDN_DECODE_CONV", conv)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(5, 200, 20 + 7 * i).tolist()} for i in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -185,11 +196,12 @@ def test_engine_decode_steps_step_states_in_place(glue, monkeypatch):
     for on in (False, True):
         monkeypatch.setattr(qwen3_5, "GDN_DECODE_IN_PLACE", on)
         # step_cache off: the flag is not part of a stored executable's key
-        llm = LLM("tiny_qwen3_5", max_num_seqs=4, decode_attn_impl="triton_decode",
-                  warmup=False, step_cache="off")
+        llm = LLM(model, max_num_seqs=4, decode_attn_impl="triton_decode", warmup=False,
+                  step_cache="off")
         llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"  # Config takes compiled names
         outs[on] = llm.generate(prompts, sp, use_tqdm=False)
-        assert len(calls) == (3 if on else 0)  # one decode variant traced, three GDN layers
+        layers = llm.llm_engine.runner.mcfg.layer_types.count("linear_attention")
+        assert len(calls) == (layers if on else 0)  # one decode variant traced
     for want, got in zip(outs[False], outs[True]):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         for lw, lg in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):

@@ -4,9 +4,9 @@
 # decode kernel (gated_delta/decode_triton.py); 2. that kernel against the XLA decode step at
 # Qwen3.5-0.8B's layer shapes (8 and 64 rows, block_v sweep); 3. the 64-seat prefill steps
 # with the live key pre-rotation off / on (session 25's A/B timed one form twice), the decode
-# step with the GDN decode as before / in place / in place with the layer's glue
-# (fixed_step_work --decode-in-place 0 1 2), profiled; 4. issue 29's span request with the
-# in-place decode (glue on).
+# step with the GDN decode as before / in place / with the layer's glue / and its conv
+# (fixed_step_work --decode-in-place 0 1 2 3), profiled; 4. issue 29's span request with the
+# in-place decode (glue and conv on).
 # If the in-place decode wins, flip qwen3_5.GDN_DECODE_IN_PLACE to True (one line).
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s26_device.sh
 set -u; T0=$SECONDS
@@ -30,8 +30,8 @@ timeout 110 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-
   > "$OUT/fixed_step_prefill.txt" 2>&1
 echo "fixed step (prefill) rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "ms/step|kernels, busy|live_prerotate" "$OUT/fixed_step_prefill.txt" | cut -c1-200 >> "$R"
-timeout 140 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
-  --tokens 128 --reps 20 --decode --decode-in-place 0 1 2 --ckpt 1 --profile 6 \
+timeout 170 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
+  --tokens 128 --reps 20 --decode --decode-in-place 0 1 2 3 --ckpt 1 --profile 6 \
   > "$OUT/fixed_step_decode.txt" 2>&1
 echo "fixed step (decode) rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "decode t=|live_prerotate" "$OUT/fixed_step_decode.txt" | cut -c1-200 >> "$R"

@@ -29,7 +29,8 @@ from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precis
 from kernels_pallas.gated_delta.chain_triton import chain_apply  # noqa: F401
 from kernels_pallas.gated_delta.affine import selected_rows  # noqa: F401
 from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows, as_rows  # noqa: F401
-from kernels_pallas.gated_delta.decode_triton import decode_in_place, decode_layer_in_place
+from kernels_pallas.gated_delta.decode_triton import (decode_conv_layer_in_place,
+                                                      decode_in_place, decode_layer_in_place)
 from kernels_pallas.gated_delta.joint import Pass as JointPass, final_bounds, joint_packing  # noqa: F401
 from kernels_pallas.gated_delta.joint import run_joint  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
@@ -355,6 +356,20 @@ def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_le
                                          eps=eps, interpret=interpret)
     dest = jnp.where(lens > 0, rows, q.shape[0])
     return jnp.zeros(z.shape, z.dtype).at[dest].set(out_s, mode="drop"), cache
+
+
+def ragged_decode_conv_layer_in_place(x, conv_w, conv_cache, a, b, a_log, dt_bias, z, norm,
+                                      cu_q_lens, cache, slots, keep, *, eps, interpret=False):
+    """ragged_decode_layer_in_place with the layer's causal conv in the kernel too
+    (decode_triton.decode_conv_layer_in_place: x [T, C] the mixed projection, the conv state
+    cache moved on in place). Returns (output [T, Hv, Dv], conv cache, state cache)."""
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    rows = jnp.clip(cu_q_lens[:-1], 0, x.shape[0] - 1)
+    out_s, conv_cache, cache = decode_conv_layer_in_place(
+        x[rows], conv_w, conv_cache, a[rows], b[rows], a_log, dt_bias, z[rows], norm, cache,
+        slots, keep, lens > 0, eps=eps, interpret=interpret)
+    dest = jnp.where(lens > 0, rows, x.shape[0])
+    return jnp.zeros(z.shape, z.dtype).at[dest].set(out_s, mode="drop"), conv_cache, cache
 
 
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, implementation="xla",

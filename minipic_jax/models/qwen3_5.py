@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from configs.model_config import ModelConfig
 from kernels_pallas.gated_delta.api import GATED_DELTA, IMPLEMENTATIONS, ragged_packing
 from kernels_pallas.paged_attention.api import KV_MODES
+from kernels_pallas.sharding import tp_mesh
 from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
 from minipic_jax.models import qwen3_5_modules as modules
 from minipic_jax.models import layers, rope
@@ -48,6 +49,9 @@ CHECKPOINTS_FIRST = True
 GDN_DECODE_IN_PLACE = False
 # ... with the layer's l2 norms, gates and gated norm in the same kernel (decode_layer_in_place).
 GDN_DECODE_GLUE = True
+# ... and the causal conv, its conv state moved on in place too (decode_conv_layer_in_place;
+# where each value head has its own key head, and not under tensor parallelism).
+GDN_DECODE_CONV = True
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
 GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
@@ -180,11 +184,14 @@ def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_plac
     steps the states in delta_c itself."""
     slots, reset = recurrent.state_slots, recurrent.reset
     keep = ~reset[:, None, None]
-    conv0 = jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
     kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], layer))
+    conv_in = in_place and GDN_DECODE_CONV and tp_mesh() is None \
+        and cfg.linear_num_key_heads == cfg.linear_num_value_heads
+    conv0 = None if conv_in else jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
     if in_place:  # the decode kernel reads and writes the layer's states in the cache
         delta0 = None
-        kw["state_cache"] = qwen3_5_gdn.StateCache(delta_c, slots, ~reset, GDN_DECODE_GLUE)
+        kw["state_cache"] = qwen3_5_gdn.StateCache(delta_c, slots, ~reset, GDN_DECODE_GLUE,
+                                                   conv_c if conv_in else None)
     else:
         delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
     x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, cu_q_lens, pos0, cfg,
@@ -192,7 +199,7 @@ def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_plac
     if ck is not None and CHECKPOINTS_FIRST:  # before the states are written back
         ck, conv, delta = jax.lax.optimization_barrier((ck, conv, delta))
     delta = delta if in_place else delta_c.at[slots].set(delta)
-    return x, conv_c.at[slots].set(conv), delta, ck, maps
+    return x, conv if conv_in else conv_c.at[slots].set(conv), delta, ck, maps
 
 
 def _attention_mix(attend, pages, cfg):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.gated_delta.api import as_rows, choose
+from kernels_pallas.gated_delta.api import ragged_decode_conv_layer_in_place  # no TP form
 from kernels_pallas.sharding import (ragged_decode_in_place,  # per head shard under TP
                                      ragged_decode_layer_in_place, ragged_gated_delta, whole)
 from minipic_jax.models import qwen3_5_joint, qwen3_5_spans
@@ -147,6 +148,7 @@ class StateCache(NamedTuple):
     slots: jax.Array  # [S] int32 each sequence's slot
     keep: jax.Array  # [S] bool: False starts the sequence from zeros
     glue: bool  # the layer's l2 norms, gates and gated norm in the same kernel
+    conv: jax.Array | None = None  # [P, C, Kc-1] the conv state cache: the conv in it too
 
 
 class GatedDeltaNet(nnx.Module):
@@ -198,6 +200,25 @@ class GatedDeltaNet(nnx.Module):
                 conv_out[:, hk * dk:2 * hk * dk].reshape(n_tokens, hk, dk),
                 conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv))
 
+    def decode_in_place(self, mixed, z, b, a, dtype, conv0, cu_q_lens, pos0, seq_of_row,
+                        conv_idx, cfg, state_cache, interpret):
+        """A decode step's layer core in one kernel over the state cache (StateCache with glue;
+        with its conv cache, the causal conv too): (the normed gated output [T, Hv, Dv], the
+        conv state: per sequence [S, C, Kc-1], or the whole conv cache moved on in place, the
+        state cache)."""
+        sc, norm = state_cache, (self.a_log[...], self.dt_bias[...], z, self.norm[...])
+        if sc.conv is not None:
+            return ragged_decode_conv_layer_in_place(
+                mixed, self.conv_w[...], sc.conv, a, b, *norm, cu_q_lens, sc.cache, sc.slots,
+                sc.keep, eps=cfg.rms_norm_eps, interpret=interpret)
+        q, k, v = self.conv_qkv(mixed, dtype, conv0, cu_q_lens, pos0, seq_of_row,
+                                conv_idx["rows"], None, cfg)
+        conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
+        out, delta = ragged_decode_layer_in_place(q, k, v, a, b, *norm, cu_q_lens, sc.cache,
+                                                  sc.slots, sc.keep, eps=cfg.rms_norm_eps,
+                                                  interpret=interpret)
+        return out, conv, delta
+
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
                  impl=None, pieces=None, decode=None, seq_of_row=None, packing=None,
                  conv_idx=None, state_cache=None):
@@ -222,7 +243,8 @@ class GatedDeltaNet(nnx.Module):
           state_cache: None, or on a decode step (no checkpoints, no pieces; delta0 unused) a
             StateCache: the layer's state cache, which gated_delta.api.ragged_decode_in_place
             steps in place (with `glue`, ragged_decode_layer_in_place: the l2 norms, gates and
-            gated norm in the same kernel); `delta` is then the cache.
+            gated norm in the same kernel; with `conv`, ..._conv_layer_in_place: the causal conv
+            too); `delta` is then the cache (and with `conv`, `conv` the conv cache).
         Returns:
           out [T, E], conv [S, C, Kc-1], delta [S, Hv, Dk, Dv], checkpoints (conv
           [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None, and the captured span maps
@@ -239,16 +261,15 @@ class GatedDeltaNet(nnx.Module):
         if pieces is not None and "window_rows" not in pieces:
             pieces = qwen3_5_spans.with_windows(pieces, conv_idx["rows"], conv0.shape[0], kc - 1)
         mixed, z, b, a = self.projections(h, cfg)
+        interpret = bool(impl) and impl.endswith("_interpret")
+        if state_cache is not None and (state_cache.glue or state_cache.conv is not None):
+            normed, conv, delta = self.decode_in_place(mixed, z, b, a, h.dtype, conv0,
+                                                       cu_q_lens, pos0, seq_of_row, conv_idx,
+                                                       cfg, state_cache, interpret)
+            return jnp.einsum("thv,hve->te", normed, self.w_out[...]), conv, delta, None, None
         q, k, v = self.conv_qkv(mixed, h.dtype, conv0, cu_q_lens, pos0, seq_of_row,
                                 conv_idx["rows"], pieces, cfg)
-        interpret = bool(impl) and impl.endswith("_interpret")
         conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
-        if state_cache is not None and state_cache.glue:  # the layer's decode in one kernel
-            normed, delta = ragged_decode_layer_in_place(
-                q, k, v, a, b, self.a_log[...], self.dt_bias[...], z, self.norm[...], cu_q_lens,
-                state_cache.cache, state_cache.slots, state_cache.keep, eps=cfg.rms_norm_eps,
-                interpret=interpret)
-            return jnp.einsum("thv,hve->te", normed, self.w_out[...]), conv, delta, None, None
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
