@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import io
 import itertools
-import os
 import re
 import statistics
 import time
@@ -189,10 +188,9 @@ def time_forms(a, ckpt: bool, seats: int, mml: int) -> None:
         qwen3_5.CHECKPOINTS_FIRST = CK_FORMS[form]
         qwen3_5.GDN_DECODE_IN_PLACE, qwen3_5.GDN_DECODE_GLUE = in_place > 0, in_place >= 2
         qwen3_5.GDN_DECODE_CONV = in_place == 3
-        # the step store keys on MINIPIC_ variables: executables of their own; and the kernels'
+        # the step store keys on the switches (serving/step/program_switches.py); the kernels'
         # own jits (paged_attention's _run_once) trace anew: session 25's first pre-rotation
         # A/B timed one form twice without this
-        os.environ["MINIPIC_AB_FORM"] = f"{live} {form} {in_place}"
         jax.clear_caches()
         print(f"live_prerotate={live} ck_form={form} decode_in_place={in_place}", flush=True)
         for small in a.small_seq_bucket:

@@ -195,7 +195,7 @@ def test_engine_decode_steps_step_states_in_place(form, monkeypatch):
     outs = {}
     for on in (False, True):
         monkeypatch.setattr(qwen3_5, "GDN_DECODE_IN_PLACE", on)
-        # step_cache off: the flag is not part of a stored executable's key
+        # step_cache off: the step is traced here (the spy counts trace-time calls), not loaded
         llm = LLM(model, max_num_seqs=4, decode_attn_impl="triton_decode", warmup=False,
                   step_cache="off")
         llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"  # Config takes compiled names

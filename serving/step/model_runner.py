@@ -25,7 +25,8 @@ import numpy as np
 from kernels_pallas.paged_attention.api import step_options
 from kernels_pallas.paged_attention.metadata import AttentionMetadata
 from serving.hybrid import checkpoint_pool as ckpt_pool, span_compose, span_step
-from serving.step import compile_options, resident_tables, sharding, state_placement
+from serving.step import (compile_options, program_switches, resident_tables, sharding,
+                          state_placement)
 from serving.step.kernel_choices import attention_choices, gdn_choice
 from serving.cache.kv_pool import size_pool
 from serving.config_groups import step_key_fields
@@ -113,9 +114,10 @@ class ModelRunner:
         """What the traced step depends on besides its arguments (executable_store.py keys stored
         executables by it; StepExecutables adds the compiler options): the model, the Config
         fields that can reach the step (host-only ones left out: fcfs and barrier share programs)
-        and the attention plan."""
+        and the attention plan, and the module switches' values (program_switches.py)."""
         fields = step_key_fields(self.config)  # all but the fields marked host_only
-        return repr((self.family.__name__, self.mcfg, sorted(fields.items()), self.kv_mode,
+        return repr((program_switches.values(), self.family.__name__, self.mcfg,
+                     sorted(fields.items()), self.kv_mode,
                      self.attn_impl, self.attn_options, self.decode_impl, self.decode_options,
                      self.separate_decode, self.gdn_impl, self.nb, self.block_size, self.scratch_slot,
                      str(jnp.dtype(self.cache_dtype)), repr(self.mesh),

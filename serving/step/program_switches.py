@@ -1,0 +1,49 @@
+"""The module-level switches that change what a step compiles to.
+
+Each keeps the other form of a measured change for A/B timing (benchmarks flip them in-process,
+between engines). Two caches could serve a flipped switch the other form's program:
+  * the stored step executables (executable_store.py): the runner's program context includes
+    `values()`, so an executable is keyed by every switch's value;
+  * JAX's in-process traces: a kernel under its own module-level jit (paged_attention's
+    `_run_once`) keeps the form it was first traced with, so a bench calls `jax.clear_caches()`
+    after a flip (benchmarks/fixed_step_work.py; session 25's first pre-rotation A/B timed one
+    form twice without it).
+A new switch of this kind goes in SWITCHES (tests/test_program_switches.py finds any module-level
+boolean constant of the engine's packages that is in neither list).
+"""
+
+from __future__ import annotations
+
+import sys
+
+SWITCHES = (
+    ("kernels_pallas.gated_delta.ragged", "STREAM_QK_IN_V_DTYPE"),
+    ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
+    ("kernels_pallas.paged_attention.mosaic_prefill_prep", "LIVE_GATHER"),
+    ("kernels_pallas.paged_attention.triton_ragged", "LIVE_PREROTATE"),
+    ("minipic_jax.models.qwen3_5", "CHECKPOINTS_FIRST"),
+    ("minipic_jax.models.qwen3_5", "GDN_DECODE_IN_PLACE"),
+    ("minipic_jax.models.qwen3_5", "GDN_DECODE_GLUE"),
+    ("minipic_jax.models.qwen3_5", "GDN_DECODE_CONV"),
+    ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
+    ("serving.hybrid.chain_compose", "AUTO_KERNEL"),
+    ("serving.hybrid.span_maps", "STORE_STACKED"),
+    ("serving.hybrid.span_maps", "ZERO_FLAGS"),
+)
+# module-level booleans that do not change a step's program (what a model family is; the pool's
+# size, which reaches the step through its arguments' shapes)
+NOT_SWITCHES = (
+    ("minipic_jax.models.llama", "IS_HYBRID"),
+    ("minipic_jax.models.qwen3_5", "IS_HYBRID"),
+    ("serving.cache.kv_pool", "CAP_BY_XLA_LIMIT"),
+)
+
+
+def values() -> tuple:
+    """(module, name, value) of every switch of a module already imported (one not imported
+    cannot have shaped a trace of this process: None)."""
+    out = []
+    for module, name in SWITCHES:
+        mod = sys.modules.get(module)
+        out.append((module, name, None if mod is None else getattr(mod, name)))
+    return tuple(out)
