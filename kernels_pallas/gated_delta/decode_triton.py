@@ -38,6 +38,15 @@ from jax.experimental.pallas import triton as pltriton
 _F32 = jnp.float32
 
 
+def _step(s0, k, v, g, beta, has):
+    """The state after one token, [Dk, BV]: exp(g) s0 + k (beta (v - (exp(g) s0)^T k))^T; s0
+    itself where `has` is False (decay 1, write 0: s0 + 0, so no second tile stays live for a
+    final select)."""
+    s = s0 * jnp.where(has, jnp.exp(g), 1.0)
+    kv = jnp.sum(k[:, None] * s, axis=0)  # [BV]
+    return s + k[:, None] * ((v - kv) * jnp.where(has, beta, 0.0))[None, :]
+
+
 def _kernel(slot_ref, keep_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref,
             o_ref, state_out_ref, *, rep, scale, block_v):
     # slot / keep / has [N] int32; q, k [N, Hk, Dk]; v [N, Hv, Dv]; g, beta [N, Hv]; state
@@ -49,12 +58,10 @@ def _kernel(slot_ref, keep_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s
     q = q_ref[n, kh, :].astype(_F32) * scale  # [Dk]
     k = k_ref[n, kh, :].astype(_F32)
     v = v_ref[n, h, cols].astype(_F32)  # [BV]
-    s = s0 * jnp.exp(g_ref[n, h].astype(_F32))
-    kv = jnp.sum(k[:, None] * s, axis=0)  # [BV]
-    s = s + k[:, None] * ((v - kv) * beta_ref[n, h].astype(_F32))[None, :]
     has = has_ref[n] != 0
+    s = _step(s0, k, v, g_ref[n, h].astype(_F32), beta_ref[n, h].astype(_F32), has)
     o_ref[n, h, cols] = jnp.where(has, jnp.sum(q[:, None] * s, axis=0), 0.0)
-    state_out_ref[slot, h, :, cols] = jnp.where(has, s, s0)
+    state_out_ref[slot, h, :, cols] = s
 
 
 def _sigmoid_in(x, dtype):
@@ -117,14 +124,12 @@ def _layer_kernel(*refs, rep, hk, scale, eps, qk_eps, conv):
     beta = _sigmoid_in(b_ref[n, h], dtype)
     g = -jnp.exp(a_log_ref[h].astype(_F32)) * jax.nn.softplus(
         a_ref[n, h].astype(_F32) + dt_bias_ref[h].astype(_F32))
-    s = s0 * jnp.exp(g)
-    kv = jnp.sum(k[:, None] * s, axis=0)  # [Dv]
-    s = s + k[:, None] * ((v - kv) * beta)[None, :]
+    s = _step(s0, k, v, g, beta, has)
     core = jnp.where(has, jnp.sum(q[:, None] * s, axis=0), 0.0).astype(dtype).astype(_F32)
     normed = (core * jax.lax.rsqrt(jnp.mean(core * core) + eps)).astype(dtype)
     out = (norm_ref[...] * normed).astype(_F32) * jax.nn.silu(z_ref[n, h, :].astype(_F32))
     o_ref[n, h, :] = out.astype(dtype)
-    state_out_ref[slot, h, :, :] = jnp.where(has, s, s0)
+    state_out_ref[slot, h, :, :] = s
 
 
 def _check_layer(name, rows, hv, dv, a, b, z, state):
