@@ -22,25 +22,10 @@ timeout 130 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-
   > "$OUT/fixed_step.txt" 2>&1
 echo "fixed step rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "ms/step|kernels, busy|live_prerotate" "$OUT/fixed_step.txt" | cut -c1-200 >> "$R"
-D=/tmp/dump_s25; rm -rf $D
-XLA_FLAGS="--xla_dump_to=$D --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step_impl.*" \
-  JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s25_dump timeout 90 python3 -m benchmarks.fixed_step_work \
-  --time --seats 64 --max-model-len 25600 --tokens 128 --reps 2 --ckpt 1 > "$OUT/dump_run.txt" 2>&1
-echo "hlo dump rc=$? t=$((SECONDS-T0)) s: $(ls $D | wc -l) files" >> "$R"
-for f in $(ls -S $D/*after_optimizations.txt 2>/dev/null | head -2); do
-  echo "== $(basename $f) $(wc -c < $f) bytes" >> "$OUT/hlo_copies.txt"
-  grep -E "^\s*(ROOT )?%?(copy|[a-z_]*transpose_fusion|[a-z_]*concatenate_fusion)[.0-9_]* = " $f \
-    | grep -vE "= (s32|pred|u32)\[[0-9,]{0,12}\]" | cut -c1-400 >> "$OUT/hlo_copies.txt"
-  cp $f "$OUT/" 2>/dev/null
-done
-grep -cE "copy" "$OUT/hlo_copies.txt" >> "$R"
+OUT=$OUT bash benchmarks/runs/step_hlo_device.sh >> "$R"
 L=$(left); [ "$L" -gt 170 ] && L=170
 if [ "$L" -ge 100 ]; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $L python3 -m benchmarks.cli hybrid-spans --steps \
-    --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
-  echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "^(call|[a-i] )|goal|warm-up|^    (prefill|decode)" "$OUT/hybrid_spans.txt" \
-    | cut -c1-200 >> "$R"
+  OUT=$OUT LIMIT=$L bash benchmarks/runs/span_request_device.sh >> "$R"
 fi
 L=$(left); [ "$L" -gt 150 ] && L=150
 if [ "$L" -ge 70 ]; then

@@ -37,16 +37,8 @@ echo "fixed step (decode) rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "decode t=|live_prerotate" "$OUT/fixed_step_decode.txt" | cut -c1-200 >> "$R"
 L=$(left); [ "$L" -gt 170 ] && L=170
 if [ "$L" -ge 100 ]; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $L python3 -c "
-import sys
-from minipic_jax.models import qwen3_5
-qwen3_5.GDN_DECODE_IN_PLACE = True
-from benchmarks.cli import main
-sys.exit(main(['hybrid-spans', '--steps', '--sync-repeat', '--json', '$OUT/hybrid_spans.json']))
-" > "$OUT/hybrid_spans.txt" 2>&1
-  echo "hybrid-spans (decode in place) rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -E "^(call|[a-i] )|goal|warm-up|^    (prefill|decode)" "$OUT/hybrid_spans.txt" \
-    | cut -c1-200 >> "$R"
+  OUT=$OUT LIMIT=$L PRE=$'from minipic_jax.models import qwen3_5\nqwen3_5.GDN_DECODE_IN_PLACE = True' \
+    bash benchmarks/runs/span_request_device.sh >> "$R"
 fi
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"
