@@ -335,12 +335,18 @@ def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, *, s
     (decode_triton.decode_in_place: no gather of the step's states, no scatter back): each
     sequence's one row (if it has one) steps the state in cache slot slots[i], from zeros where
     keep[i] is False. Returns (out [T, Hv, Dv] float32, the updated cache)."""
-    lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    rows = jnp.clip(cu_q_lens[:-1], 0, q.shape[0] - 1)  # [S] the one row of each sequence
+    rows, has, dest = _decode_rows(cu_q_lens, q.shape[0])
     out_s, cache = decode_in_place(q[rows], k[rows], v[rows], g[rows], beta[rows], cache, slots,
-                                   keep, lens > 0, scale=scale, interpret=interpret)
-    dest = jnp.where(lens > 0, rows, q.shape[0])
+                                   keep, has, scale=scale, interpret=interpret)
     return jnp.zeros(v.shape, jnp.float32).at[dest].set(out_s, mode="drop"), cache
+
+
+def _decode_rows(cu_q_lens, n_tokens: int):
+    """A decode step's rows: each sequence's one row [S], whether it has one, and where its
+    output goes (n_tokens, out of range, where it has none)."""
+    has = cu_q_lens[1:] > cu_q_lens[:-1]
+    rows = jnp.clip(cu_q_lens[:-1], 0, n_tokens - 1)
+    return rows, has, jnp.where(has, rows, n_tokens)
 
 
 def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache,
@@ -349,12 +355,10 @@ def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_le
     (decode_triton.decode_layer_in_place: q / k before their l2 norm, the gates' inputs a / b,
     the gated RMS norm's z and weight). Returns (the normed gated output [T, Hv, Dv] in z's
     dtype, zeros on rows no sequence steps, the updated cache)."""
-    lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    rows = jnp.clip(cu_q_lens[:-1], 0, q.shape[0] - 1)
+    rows, has, dest = _decode_rows(cu_q_lens, q.shape[0])
     out_s, cache = decode_layer_in_place(q[rows], k[rows], v[rows], a[rows], b[rows], a_log,
-                                         dt_bias, z[rows], norm, cache, slots, keep, lens > 0,
+                                         dt_bias, z[rows], norm, cache, slots, keep, has,
                                          eps=eps, interpret=interpret)
-    dest = jnp.where(lens > 0, rows, q.shape[0])
     return jnp.zeros(z.shape, z.dtype).at[dest].set(out_s, mode="drop"), cache
 
 
@@ -363,12 +367,10 @@ def ragged_decode_conv_layer_in_place(x, conv_w, conv_cache, a, b, a_log, dt_bia
     """ragged_decode_layer_in_place with the layer's causal conv in the kernel too
     (decode_triton.decode_conv_layer_in_place: x [T, C] the mixed projection, the conv state
     cache moved on in place). Returns (output [T, Hv, Dv], conv cache, state cache)."""
-    lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    rows = jnp.clip(cu_q_lens[:-1], 0, x.shape[0] - 1)
+    rows, has, dest = _decode_rows(cu_q_lens, x.shape[0])
     out_s, conv_cache, cache = decode_conv_layer_in_place(
         x[rows], conv_w, conv_cache, a[rows], b[rows], a_log, dt_bias, z[rows], norm, cache,
-        slots, keep, lens > 0, eps=eps, interpret=interpret)
-    dest = jnp.where(lens > 0, rows, x.shape[0])
+        slots, keep, has, eps=eps, interpret=interpret)
     return jnp.zeros(z.shape, z.dtype).at[dest].set(out_s, mode="drop"), conv_cache, cache
 
 
