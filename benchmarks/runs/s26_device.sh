@@ -37,7 +37,15 @@ echo "fixed step (decode) rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "decode t=|live_prerotate" "$OUT/fixed_step_decode.txt" | cut -c1-200 >> "$R"
 L=$(left); [ "$L" -gt 170 ] && L=170
 if [ "$L" -ge 100 ]; then
-  OUT=$OUT LIMIT=$L PRE=$'from minipic_jax.models import qwen3_5\nqwen3_5.GDN_DECODE_IN_PLACE = True' \
+  # the forms whose compiled tests passed: conv, else glue, else the kernel alone
+  T=$OUT/tests.txt; GLUE=True; CONV=True; ON=True
+  grep -q "^FAILED.*decode_conv_layer" $T && CONV=False
+  grep -q "^FAILED.*decode_layer_in_place" $T && GLUE=False && CONV=False
+  grep -q "^FAILED.*decode_in_place_matches" $T && ON=False
+  grep -q " passed" $T || ON=False
+  echo "span request with GDN_DECODE_IN_PLACE=$ON GLUE=$GLUE CONV=$CONV" >> "$R"
+  OUT=$OUT LIMIT=$L PRE="from minipic_jax.models import qwen3_5
+qwen3_5.GDN_DECODE_IN_PLACE, qwen3_5.GDN_DECODE_GLUE, qwen3_5.GDN_DECODE_CONV = $ON, $GLUE, $CONV" \
     bash benchmarks/runs/span_request_device.sh >> "$R"
 fi
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
