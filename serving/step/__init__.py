@@ -6,6 +6,7 @@
   resident_tables.py   the seats' block tables kept on the device, changed runs sent per step
   step_executables.py  the step's compiled variants, readied up front, called directly
   executable_store.py  compiled steps on disk, keyed so a changed program never loads
+  program_switches.py  the module switches (A/B forms) that shape a step, part of that key
   compile_options.py   XLA compiler options of the steps (command buffers on a GPU)
   sampler.py           sampling on device: greedy, temperature, top-k/p, logprobs
   sharding.py          tensor parallelism: mesh, logical-axis rules, param and pool placement
