@@ -12,6 +12,7 @@ boundaries. Callers use api.py only (`prefill`, `decode_step`, `ragged_gated_del
                     runs one program per sequence)
   joint.py          several ragged passes over one batch's rows as one stream (one kernel call)
   checkpoint_rows.py  a ragged step's checkpoints as flat (sequence, position) rows
+  decode_triton.py  a decode step in place in the state cache (with the layer's glue and conv)
   affine.py         a span's exact affine map (A, B) from the chunk WY factors; composition
   tree_scan.py      associative scan over chunk maps (opt-in `scan="tree"`)
   scan_blocked.py   two-level scan: segment maps composed, segments re-scanned (opt-in)
