@@ -8,12 +8,14 @@ boundaries. Callers use api.py only (`prefill`, `decode_step`, `ragged_gated_del
                     the output kernel; dots.py: their matmul helpers (IEEE float32 for float32)
   intra_mosaic.py   the intra-chunk solve as a Mosaic GPU kernel (wgmma; opt-in "mosaic_intra")
   output_mosaic.py  the output kernel on Mosaic GPU (with intra_mosaic.py: opt-in "mosaic")
+  mosaic_calls.py   how those two are called: one kernel per shape, over the chunks in use
   ragged.py, ragged_triton.py   ragged batches (many sequences in one token stream; the scan
                     runs one program per sequence)
   joint.py          several ragged passes over one batch's rows as one stream (one kernel call)
   checkpoint_rows.py  a ragged step's checkpoints as flat (sequence, position) rows
   decode_triton.py  a decode step in place in the state cache (with the layer's glue and conv)
   affine.py         a span's exact affine map (A, B) from the chunk WY factors; composition
+  chain_triton.py   chains of cached span maps applied to states, one pass per chain
   tree_scan.py      associative scan over chunk maps (opt-in `scan="tree"`)
   scan_blocked.py   two-level scan: segment maps composed, segments re-scanned (opt-in)
 """
