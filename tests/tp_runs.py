@@ -150,6 +150,37 @@ def hybrid(tp: int) -> dict:
             "collectives": _collectives(llm.llm_engine.runner)}
 
 
+def hybrid_in_place(tp: int) -> dict:
+    """`hybrid`'s requests with the GDN decode stepped in place (qwen3_5.GDN_DECODE_IN_PLACE,
+    with the layer's glue; the conv form does not run under TP): decode-only steps of their own
+    (decode_attn_impl), the GDN kernels interpreted, each layer's decode kernel per head shard
+    (kernels_pallas/sharding.ragged_decode_layer_in_place). Tokens, logprobs and how many times
+    the kernel was traced."""
+    from kernels_pallas.gated_delta import api
+    from minipic_jax.models import qwen3_5
+    calls, kernel = [], api.decode_layer_in_place
+    api.decode_layer_in_place = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    qwen3_5.GDN_DECODE_IN_PLACE = True
+    try:
+        llm = LLM(str(FIXTURES / "qwen3_5_gva2"), warmup=False, dtype="float32", seed=0,
+                  max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=32,
+                  min_token_bucket=32, max_model_len=192, tensor_parallel_size=tp,
+                  decode_attn_impl="triton_decode", step_cache="off")
+        llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+        long = list(range(10, 80))
+        outs = llm.generate([list(range(1, 8)), long], sp, use_tqdm=False)
+        outs += llm.generate([long[:64] + [3, 1, 4, 1, 5]], sp, use_tqdm=False)
+    except Exception as err:  # noqa: BLE001 - the test names it
+        return {"error": f"{type(err).__name__}: {err}"[:1500]}
+    finally:
+        qwen3_5.GDN_DECODE_IN_PLACE, api.decode_layer_in_place = False, kernel
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                         o.outputs[0].token_ids)] for o in outs],
+            "kernel_calls": len(calls)}
+
+
 def _collectives(runner) -> dict:
     """Per compiled step variant (as the engine compiled it: no compile here), its all-reduce
     count and all-gather shapes."""
@@ -326,6 +357,7 @@ if __name__ == "__main__":
     result = {tp: run(fixture, tp) for tp in sizes}
     if "--hybrid" in sys.argv:  # a Qwen3.5 engine at TP=1 and 2 (any fixture's run)
         result["hybrid"] = {tp: hybrid(tp) for tp in (1, 2)}
+        result["hybrid_in_place"] = hybrid_in_place(2)
     if "--errors" in sys.argv:
         result["errors"] = errors(fixture)
     if "--cached" in sys.argv:  # TP=1 and the sizes after it
