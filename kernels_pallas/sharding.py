@@ -72,38 +72,43 @@ def paged_attention(q, k_pages, v_pages, metadata, inv_freq, **kw):
         q, k_pages, v_pages, metadata)
 
 
-def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, **kw):
-    """gated_delta.api.ragged_decode_in_place per head shard (the cache split over heads as
-    the states are in ragged_gated_delta)."""
-    mesh = tp_mesh()
-    if mesh is None:
-        return _gdn.ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, **kw)
+def _key_heads_per_device(q, k, mesh):
+    """q / k [T, Hk, D] with each key head repeated to one per device where Hk < devices (a
+    contiguous split of the value heads then keeps each with the key head it reads)."""
     n, hk = mesh.shape[TP_AXIS], q.shape[1]
     if hk % n:
         q, k = jnp.repeat(q, n // hk, axis=1), jnp.repeat(k, n // hk, axis=1)
-    state, gates = P(None, TP_AXIS, None, None), P(None, TP_AXIS)
-    ins = (_HEADS, _HEADS, _HEADS, gates, gates, _REPLICATED, state, _REPLICATED, _REPLICATED)
-    fn = functools.partial(_gdn.ragged_decode_in_place, **kw)
-    return _per_shard(fn, mesh, ins, (_HEADS, state))(q, k, v, g, beta, cu_q_lens, cache, slots,
-                                                      keep)
+    return q, k
+
+
+def _decode_per_shard(fn, args, gate_specs, kw):
+    """One of gated_delta.api's decode-in-place calls, args (q, k, v, *gates, cu_q_lens, cache,
+    slots, keep) with the gates' specs `gate_specs`, per head shard: the state cache split over
+    heads as ragged_gated_delta's states are. Returns (out, cache)."""
+    mesh = tp_mesh()
+    if mesh is None:
+        return fn(*args, **kw)
+    state = P(None, TP_AXIS, None, None)
+    ins = (_HEADS, _HEADS, _HEADS) + gate_specs + (_REPLICATED, state, _REPLICATED, _REPLICATED)
+    args = _key_heads_per_device(args[0], args[1], mesh) + tuple(args[2:])
+    return _per_shard(functools.partial(fn, **kw), mesh, ins, (_HEADS, state))(*args)
+
+
+def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, **kw):
+    """gated_delta.api.ragged_decode_in_place per head shard."""
+    gates = P(None, TP_AXIS)
+    return _decode_per_shard(_gdn.ragged_decode_in_place,
+                             (q, k, v, g, beta, cu_q_lens, cache, slots, keep), (gates, gates), kw)
 
 
 def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache, slots,
                                  keep, **kw):
-    """gated_delta.api.ragged_decode_layer_in_place per head shard (as ragged_decode_in_place;
-    the gates' per-head vectors and z split over heads too)."""
-    args = (q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache, slots, keep)
-    mesh = tp_mesh()
-    if mesh is None:
-        return _gdn.ragged_decode_layer_in_place(*args, **kw)
-    n, hk = mesh.shape[TP_AXIS], q.shape[1]
-    if hk % n:
-        args = (jnp.repeat(q, n // hk, axis=1), jnp.repeat(k, n // hk, axis=1)) + args[2:]
-    state, gates, per_head = P(None, TP_AXIS, None, None), P(None, TP_AXIS), P(TP_AXIS)
-    ins = (_HEADS, _HEADS, _HEADS, gates, gates, per_head, per_head, _HEADS, _REPLICATED,
-           _REPLICATED, state, _REPLICATED, _REPLICATED)
-    fn = functools.partial(_gdn.ragged_decode_layer_in_place, **kw)
-    return _per_shard(fn, mesh, ins, (_HEADS, state))(*args)
+    """gated_delta.api.ragged_decode_layer_in_place per head shard (the gates' per-head vectors
+    and z split over heads too)."""
+    gates, per_head = P(None, TP_AXIS), P(TP_AXIS)
+    return _decode_per_shard(_gdn.ragged_decode_layer_in_place,
+                             (q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache, slots,
+                              keep), (gates, gates, per_head, per_head, _HEADS, _REPLICATED), kw)
 
 
 def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=None, **kw):
@@ -116,9 +121,7 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
         return _gdn.ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0,
                                        checkpoint_at=checkpoint_at, **kw)
     kw.pop("packing", None)  # per shard: recomputed inside (its arrays are not shard inputs)
-    n, hk = mesh.shape[TP_AXIS], q.shape[1]
-    if hk % n:  # fewer key heads than devices: each device gets a copy of the one it reads
-        q, k = jnp.repeat(q, n // hk, axis=1), jnp.repeat(k, n // hk, axis=1)
+    q, k = _key_heads_per_device(q, k, mesh)
     state = P(None, TP_AXIS, None, None)
     gates = P(None, TP_AXIS)
     ins = (_HEADS, _HEADS, _HEADS, gates, gates, _REPLICATED, _REPLICATED, state)

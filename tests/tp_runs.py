@@ -123,28 +123,40 @@ def _placement(runner) -> dict:
     return out
 
 
+def _hybrid_llm(tp: int, **kw):
+    """The small Qwen3.5 engine of `hybrid` (one compiled step variant: the 32-token bucket)."""
+    return LLM(str(FIXTURES / "qwen3_5_gva2"), warmup=False, dtype="float32", seed=0,
+               max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=32, min_token_bucket=32,
+               max_model_len=192, tensor_parallel_size=tp, **kw)
+
+
+def _hybrid_requests(llm) -> list:
+    """Two requests, then one sharing the second's first 64 tokens (a prefix-cache hit that
+    restores the recurrent checkpoint at 64): their outputs."""
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+    long = list(range(10, 80))
+    outs = llm.generate([list(range(1, 8)), long], sp, use_tqdm=False)
+    return outs + llm.generate([long[:64] + [3, 1, 4, 1, 5]], sp, use_tqdm=False)
+
+
+def _tokens_and_logprobs(outs) -> dict:
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                         o.outputs[0].token_ids)] for o in outs]}
+
+
 def hybrid(tp: int) -> dict:
-    """A small Qwen3.5 engine (one compiled step variant: the 32-token bucket, reused by every
-    step): two requests, then one sharing the second's first 64 tokens (a prefix-cache hit that
-    restores the recurrent checkpoint at 64). Tokens, logprobs, cached tokens, checkpoint hits,
+    """`_hybrid_requests` on `_hybrid_llm`: tokens, logprobs, cached tokens, checkpoint hits,
     and whether the cache and the recurrent pools are where the rules table places them before
     the first step and after the last; a failing step is reported as its error (the other runs
     of the subprocess go on)."""
     try:
-        llm = LLM(str(FIXTURES / "qwen3_5_gva2"), warmup=False, dtype="float32", seed=0,
-                  max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=32,
-                  min_token_bucket=32, max_model_len=192, tensor_parallel_size=tp)
+        llm = _hybrid_llm(tp)
         first = _placement(llm.llm_engine.runner)
-        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
-        long = list(range(10, 80))
-        outs = llm.generate([list(range(1, 8)), long], sp, use_tqdm=False)
-        outs += llm.generate([long[:64] + [3, 1, 4, 1, 5]], sp, use_tqdm=False)
+        outs = _hybrid_requests(llm)
     except Exception as err:  # noqa: BLE001 - the test names it
         return {"error": f"{type(err).__name__}: {err}"[:1500]}
-    return {"tokens": [o.outputs[0].token_ids for o in outs],
-            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
-                                                         o.outputs[0].token_ids)] for o in outs],
-            "cached": [o.num_cached_tokens for o in outs],
+    return {**_tokens_and_logprobs(outs), "cached": [o.num_cached_tokens for o in outs],
             "checkpoint_hits": llm.llm_engine.get_stats().get("checkpoint_hits"),
             "placed_first": first, "placed_last": _placement(llm.llm_engine.runner),
             "collectives": _collectives(llm.llm_engine.runner)}
@@ -162,23 +174,14 @@ def hybrid_in_place(tp: int) -> dict:
     api.decode_layer_in_place = lambda *a, **k: calls.append(1) or kernel(*a, **k)
     qwen3_5.GDN_DECODE_IN_PLACE = True
     try:
-        llm = LLM(str(FIXTURES / "qwen3_5_gva2"), warmup=False, dtype="float32", seed=0,
-                  max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=32,
-                  min_token_bucket=32, max_model_len=192, tensor_parallel_size=tp,
-                  decode_attn_impl="triton_decode", step_cache="off")
+        llm = _hybrid_llm(tp, decode_attn_impl="triton_decode", step_cache="off")
         llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"
-        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
-        long = list(range(10, 80))
-        outs = llm.generate([list(range(1, 8)), long], sp, use_tqdm=False)
-        outs += llm.generate([long[:64] + [3, 1, 4, 1, 5]], sp, use_tqdm=False)
+        outs = _hybrid_requests(llm)
     except Exception as err:  # noqa: BLE001 - the test names it
         return {"error": f"{type(err).__name__}: {err}"[:1500]}
     finally:
         qwen3_5.GDN_DECODE_IN_PLACE, api.decode_layer_in_place = False, kernel
-    return {"tokens": [o.outputs[0].token_ids for o in outs],
-            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
-                                                         o.outputs[0].token_ids)] for o in outs],
-            "kernel_calls": len(calls)}
+    return {**_tokens_and_logprobs(outs), "kernel_calls": len(calls)}
 
 
 def _collectives(runner) -> dict:

@@ -11,11 +11,7 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s24
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s24c.txt
 left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
 { git log --oneline -1 2>/dev/null; nvidia-smi -L 2>/dev/null; } > "$R" 2>&1
-XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 330 python3 -m benchmarks.cli hybrid-spans --steps \
-  --sync-repeat --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
-echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "^(call|[a-i] )|goal|warm-up|^    (prefill|decode)" "$OUT/hybrid_spans.txt" | grep -v "^W1" \
-  | cut -c1-200 >> "$R"
+OUT=$OUT LIMIT=330 bash benchmarks/runs/span_request_device.sh >> "$R"
 L=$(left); [ "$L" -gt 170 ] && L=170
 if [ "$L" -ge 60 ]; then
   timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \

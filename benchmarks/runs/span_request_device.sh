@@ -13,4 +13,5 @@ from benchmarks.cli import main
 sys.exit(main(['hybrid-spans', '--steps', '--sync-repeat', '--json', '$OUT/hybrid_spans.json']))
 " > "$OUT/hybrid_spans.txt" 2>&1
 echo "hybrid-spans rc=$? ($((SECONDS-T0)) s)"
-grep -E "^(call|[a-i] )|goal|warm-up|^    (prefill|decode)" "$OUT/hybrid_spans.txt" | cut -c1-200
+grep -E "^(call|[a-i] )|goal|warm-up|^    (prefill|decode)" "$OUT/hybrid_spans.txt" | grep -v "^W1" \
+  | cut -c1-200
