@@ -1,4 +1,4 @@
-"""One decode step of the gated delta rule, in place in the state cache, in Pallas (Triton lowering).
+"""One decode step of the gated delta rule in place in the state cache, Pallas (Triton lowering).
 
 The XLA decode path of a GDN layer (`chunked.recurrent_step` between the model's gather of the
 step's states out of the cache and its scatter of the new ones back) is a gather, the decay,

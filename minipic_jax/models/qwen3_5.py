@@ -49,8 +49,8 @@ CHECKPOINTS_FIRST = True
 GDN_DECODE_IN_PLACE = False
 # ... with the layer's l2 norms, gates and gated norm in the same kernel (decode_layer_in_place).
 GDN_DECODE_GLUE = True
-# ... and the causal conv, its conv state moved on in place too (decode_conv_layer_in_place;
-# where each value head has its own key head, and not under tensor parallelism).
+# ... with the glue, also the causal conv, its conv state moved on in place too
+# (decode_conv_layer_in_place; where each value head has its own key head, not under TP).
 GDN_DECODE_CONV = True
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
@@ -185,7 +185,7 @@ def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_plac
     slots, reset = recurrent.state_slots, recurrent.reset
     keep = ~reset[:, None, None]
     kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], layer))
-    conv_in = in_place and GDN_DECODE_CONV and tp_mesh() is None \
+    conv_in = in_place and GDN_DECODE_GLUE and GDN_DECODE_CONV and tp_mesh() is None \
         and cfg.linear_num_key_heads == cfg.linear_num_value_heads
     conv0 = None if conv_in else jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
     if in_place:  # the decode kernel reads and writes the layer's states in the cache

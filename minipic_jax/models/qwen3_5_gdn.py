@@ -148,7 +148,7 @@ class StateCache(NamedTuple):
     slots: jax.Array  # [S] int32 each sequence's slot
     keep: jax.Array  # [S] bool: False starts the sequence from zeros
     glue: bool  # the layer's l2 norms, gates and gated norm in the same kernel
-    conv: jax.Array | None = None  # [P, C, Kc-1] the conv state cache: the conv in it too
+    conv: jax.Array | None = None  # [P, C, Kc-1] the conv state cache (with glue): the conv too
 
 
 class GatedDeltaNet(nnx.Module):
@@ -262,7 +262,7 @@ class GatedDeltaNet(nnx.Module):
             pieces = qwen3_5_spans.with_windows(pieces, conv_idx["rows"], conv0.shape[0], kc - 1)
         mixed, z, b, a = self.projections(h, cfg)
         interpret = bool(impl) and impl.endswith("_interpret")
-        if state_cache is not None and (state_cache.glue or state_cache.conv is not None):
+        if state_cache is not None and state_cache.glue:  # the layer's decode in one kernel
             normed, conv, delta = self.decode_in_place(mixed, z, b, a, h.dtype, conv0,
                                                        cu_q_lens, pos0, seq_of_row, conv_idx,
                                                        cfg, state_cache, interpret)
