@@ -226,10 +226,10 @@ def main(argv=None) -> int:
                     help="--time: barrier = a layer's checkpoints taken before its states are "
                          "written back (qwen3_5.CHECKPOINTS_FIRST), old = not; an engine each "
                          "(default: barrier)")
-    ap.add_argument("--decode-in-place", type=int, nargs="+", default=[0], choices=[0, 1, 2, 3],
+    ap.add_argument("--decode-in-place", type=int, nargs="+", default=[2], choices=[0, 1, 2, 3],
                     help="--time: the GDN decode, an engine each: 0 gather / step / scatter, 1 in "
                          "place (qwen3_5.GDN_DECODE_IN_PLACE), 2 with the layer's glue "
-                         "(GDN_DECODE_GLUE), 3 and its conv (GDN_DECODE_CONV) (default: 0)")
+                         "(GDN_DECODE_GLUE), 3 and its conv (GDN_DECODE_CONV) (default: 2, the engine's)")
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")

@@ -44,9 +44,9 @@ def test_a_flipped_switch_changes_the_program_context(monkeypatch):
     r = build_runner("tiny_qwen3_5", "float32", max_num_seqs=2, max_num_batched_tokens=32,
                      min_token_bucket=32, max_model_len=128, block_size=16, num_kv_blocks=16)
     before = r._program_context()
-    assert ("minipic_jax.models.qwen3_5", "GDN_DECODE_IN_PLACE", False) in \
-        program_switches.values()
-    monkeypatch.setattr(qwen3_5, "GDN_DECODE_IN_PLACE", True)
+    on = qwen3_5.GDN_DECODE_IN_PLACE
+    assert ("minipic_jax.models.qwen3_5", "GDN_DECODE_IN_PLACE", on) in program_switches.values()
+    monkeypatch.setattr(qwen3_5, "GDN_DECODE_IN_PLACE", not on)
     assert r._program_context() != before
-    monkeypatch.setattr(qwen3_5, "GDN_DECODE_IN_PLACE", False)
+    monkeypatch.setattr(qwen3_5, "GDN_DECODE_IN_PLACE", on)
     assert r._program_context() == before

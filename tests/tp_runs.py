@@ -170,7 +170,7 @@ def hybrid_in_place(tp: int) -> dict:
     the kernel was traced."""
     from kernels_pallas.gated_delta import api
     from minipic_jax.models import qwen3_5
-    calls, kernel = [], api.decode_layer_in_place
+    calls, kernel, was = [], api.decode_layer_in_place, qwen3_5.GDN_DECODE_IN_PLACE
     api.decode_layer_in_place = lambda *a, **k: calls.append(1) or kernel(*a, **k)
     qwen3_5.GDN_DECODE_IN_PLACE = True
     try:
@@ -180,7 +180,7 @@ def hybrid_in_place(tp: int) -> dict:
     except Exception as err:  # noqa: BLE001 - the test names it
         return {"error": f"{type(err).__name__}: {err}"[:1500]}
     finally:
-        qwen3_5.GDN_DECODE_IN_PLACE, api.decode_layer_in_place = False, kernel
+        qwen3_5.GDN_DECODE_IN_PLACE, api.decode_layer_in_place = was, kernel
     return {**_tokens_and_logprobs(outs), "kernel_calls": len(calls)}
 
 

@@ -44,14 +44,17 @@ CHUNK = 64  # recurrent checkpoint granularity (the chunked kernel's chunk size)
 # A layer's checkpoint states are computed before its states are written back (an optimization
 # barrier; forward_with_checkpoints' Returns says why). False: no barrier (A/B, benchmarks).
 CHECKPOINTS_FIRST = True
-# Decode steps step each GDN layer's states in place in the cache (`decode_in_place`). Off until
-# compiled and timed on a GPU (built in session 25; tests/test_gdn_decode_kernel.py).
-GDN_DECODE_IN_PLACE = False
+# Decode steps step each GDN layer's states in place in the cache (`decode_in_place`; H100,
+# 64 seats, 0.8B: decode step 2.28 -> 2.05 ms with the glue below, 507 -> 417 kernels;
+# benchmarks/RESULTS.md, session 26).
+GDN_DECODE_IN_PLACE = True
 # ... with the layer's l2 norms, gates and gated norm in the same kernel (decode_layer_in_place).
 GDN_DECODE_GLUE = True
 # ... with the glue, also the causal conv, its conv state moved on in place too
-# (decode_conv_layer_in_place; where each value head has its own key head, not under TP).
-GDN_DECODE_CONV = True
+# (decode_conv_layer_in_place; where each value head has its own key head, not under TP). Off:
+# its kernel took 0.235 ms a step against the glue kernel's 0.127 (strided conv-state access)
+# and the step 2.23 ms against 2.05 (H100, session 26).
+GDN_DECODE_CONV = False
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
 GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
