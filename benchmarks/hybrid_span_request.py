@@ -31,6 +31,11 @@ no longer the first reordered calls), traced with those waits:
     h  reordered sync     b's spans permuted anew, a new question
     i  reordered 2 sync   d's spans permuted anew, a new question
 
+`--profile-top N` (after the calls above): b's spans reordered twice more with a new question,
+max_tokens 1 and 2, and each call's last step (the reordered prefill step, then a decode step at
+that context) replayed alone and profiled: its device ms and N costliest kernels
+(benchmarks/fixed_step_work._time_last_step).
+
     minipic-bench hybrid-spans [--json PATH]                      # the GPU run
     minipic-bench hybrid-spans --model tiny_qwen3_5 --dtype float32 --max-num-seqs 4 \\
         --max-num-batched-tokens 64 --min-token-bucket 64 --max-model-len 512 --block-size 16 \\
@@ -83,6 +88,9 @@ def add_parser(p) -> None:
     p.add_argument("--sync-repeat", action="store_true",
                    help="with --steps: after g, calls h / i = c / e again (new order and "
                         "question), each program waited for: their device ms")
+    p.add_argument("--profile-top", type=int, default=0, metavar="N",
+                   help="after the calls: the reordered prefill step and a decode step replayed "
+                        "alone, each with its N costliest kernels (a jax.profiler trace)")
 
 
 def timed_generate(llm, prompt, sp, counter: CompileCounter, trace=None) -> dict:
@@ -171,7 +179,25 @@ def span_calls(llm, args, counter: CompileCounter, on_row=None, trace=None) -> d
             rows[key] = timed_generate(llm, reordered(request), sp, counter, trace)
             trace.sync = args.steps_sync
             on_row(key, rows[key])
+    if args.profile_top:
+        rows["profile"] = profile_reordered(llm, args, lambda: reordered(first), trace)
     return rows
+
+
+def profile_reordered(llm, args, make_request, trace=None) -> list[str]:
+    """--profile-top: a reordered call with max_tokens 1, then 2; each call's last step (the
+    prefill, then a decode step) replayed alone with its costliest kernels. Printed lines."""
+    from benchmarks.fixed_step_work import _time_last_step
+    from minipic_jax import SamplingParams
+    if trace is not None:
+        trace.detach()
+    lines, t0 = [], time.perf_counter()
+    for max_tokens, kind in ((1, "reordered prefill"), (2, "reordered decode")):
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate([make_request()], sp, use_tqdm=False)
+        lines += _time_last_step(llm.llm_engine.runner, 20, args.profile_top, kind,
+                                 "profile-top", t0)
+    return lines
 
 
 def long_span_call(llm, args, counter, sp, ids, trace=None) -> dict:
@@ -252,6 +278,7 @@ def run(args) -> int:
         trace = StepTrace(llm, sync=args.steps_sync).attach()
     rows = span_calls(llm, args, counter, on_row, trace)
     result["goals"] = goal_lines(rows)
+    result["profile"] = rows.get("profile")
     for g in result["goals"]:
         print(f"goal {'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}")
     write_json(args.json, result)
