@@ -34,7 +34,8 @@ no longer the first reordered calls), traced with those waits:
 `--profile-top N` (after the calls above): b's spans reordered twice more with a new question,
 max_tokens 1 and 2, and each call's last step (the reordered prefill step, then a decode step at
 that context) replayed alone and profiled: its device ms and N costliest kernels
-(benchmarks/fixed_step_work._time_last_step).
+(benchmarks/fixed_step_work._time_last_step); `--profile-forms` replays both again under each
+form, a comma list of program switches (serving/step/program_switches.py) NAME=0|1, recompiled.
 
     minipic-bench hybrid-spans [--json PATH]                      # the GPU run
     minipic-bench hybrid-spans --model tiny_qwen3_5 --dtype float32 --max-num-seqs 4 \\
@@ -46,6 +47,8 @@ that context) replayed alone and profiled: its device ms and N costliest kernels
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import time
 
@@ -91,6 +94,9 @@ def add_parser(p) -> None:
     p.add_argument("--profile-top", type=int, default=0, metavar="N",
                    help="after the calls: the reordered prefill step and a decode step replayed "
                         "alone, each with its N costliest kernels (a jax.profiler trace)")
+    p.add_argument("--profile-forms", nargs="*", default=[], metavar="NAME=0|1,...",
+                   help="with --profile-top: both steps again under each form (program "
+                        "switches, e.g. RAGGED_SPLITS=0,WIDE_SPLITS=0)")
 
 
 def timed_generate(llm, prompt, sp, counter: CompileCounter, trace=None) -> dict:
@@ -191,13 +197,55 @@ def profile_reordered(llm, args, make_request, trace=None) -> list[str]:
     from minipic_jax import SamplingParams
     if trace is not None:
         trace.detach()
-    lines, t0 = [], time.perf_counter()
+    runner, steps, lines, t0 = llm.llm_engine.runner, {}, [], time.perf_counter()
     for max_tokens, kind in ((1, "reordered prefill"), (2, "reordered decode")):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate([make_request()], sp, use_tqdm=False)
-        lines += _time_last_step(llm.llm_engine.runner, 20, args.profile_top, kind,
-                                 "profile-top", t0)
+        steps[kind] = runner.last_inputs
+    for form in [""] + list(args.profile_forms):
+        with program_form(runner, form):
+            for kind, inputs in steps.items():
+                runner.last_inputs = inputs
+                lines += _time_last_step(runner, 20, args.profile_top, kind,
+                                         f"profile-top{' ' + form if form else ''}", t0)
     return lines
+
+
+def parse_form(form: str) -> tuple[dict, dict]:
+    """A --profile-forms item -> ({switch: its module}, {switch: bool}); a clear error on a name
+    that is no program switch or a value that is not 0 / 1."""
+    from serving.step import program_switches
+    modules = {name: importlib.import_module(mod) for mod, name in program_switches.SWITCHES}
+    settings = {}
+    for item in filter(None, form.split(",")):
+        name, _, value = item.partition("=")
+        if name not in modules or value not in ("0", "1"):
+            raise ValueError(f"--profile-forms {form!r}: {item!r} is not NAME=0|1 of a program "
+                             f"switch ({', '.join(sorted(modules))})")
+        settings[name] = value == "1"
+    return modules, settings
+
+
+@contextlib.contextmanager
+def program_form(runner, form: str):
+    """Program switches set (a comma list of NAME=0|1; "" = as they are) and the runner's step
+    programs dropped, so its next steps compile under them; put back after."""
+    modules, settings = parse_form(form)
+    before = {name: getattr(modules[name], name) for name in settings}
+
+    def apply(values):
+        import jax
+        for name, value in values.items():
+            setattr(modules[name], name, value)
+        if values:  # kernels under their own jits and the stored step programs: traced anew
+            jax.clear_caches()
+            runner._step._spelled.clear()
+            runner._step._table.clear()
+    apply(settings)
+    try:
+        yield
+    finally:
+        apply(before)
 
 
 def long_span_call(llm, args, counter, sp, ids, trace=None) -> dict:
@@ -260,6 +308,8 @@ def print_row(key: str, r: dict, sync: bool = False) -> None:
 
 
 def run(args) -> int:
+    for form in args.profile_forms:  # bad names fail before the engine starts
+        parse_form(form)
     counter = CompileCounter()
     llm, startup = make_llm(args, counter)
     print_startup(args, startup)

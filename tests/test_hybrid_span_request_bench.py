@@ -25,7 +25,10 @@ def _args(argv):
 
 def test_bench_writes_every_row_and_the_reordered_calls_hit(tmp_path, capsys):
     out = tmp_path / "hspan.json"
-    assert bench.run(_args(SHAPE + SIZES + ["--json", str(out)])) == 0
+    from kernels_pallas.paged_attention import triton_ragged
+    assert bench.run(_args(SHAPE + SIZES + ["--json", str(out), "--profile-top", "1",
+                                           "--profile-forms", "RAGGED_SPLITS=0"])) == 0
+    assert triton_ragged.RAGGED_SPLITS is True  # the form's switch put back
     result = json.loads(out.read_text())
     assert list(result["rows"]) == [f"{k} {name}" for k, name in bench.CALLS]
     rows = {k.split()[0]: r for k, r in result["rows"].items()}
@@ -44,6 +47,20 @@ def test_bench_writes_every_row_and_the_reordered_calls_hit(tmp_path, capsys):
     assert len(goals) == 6 and goals[0].startswith("compiles in b")
     table = capsys.readouterr().out
     assert "c reordered" in table and "goal" in table
+    # --profile-top: the reordered prefill and decode steps replayed, as they are and under the
+    # form (recompiled: the runner's programs dropped), each a timing line
+    timed = [line for line in result["profile"] if "ms/step" in line]
+    assert [line.split(" t=")[0].split(": ")[0] for line in timed] == [
+        "profile-top reordered prefill", "profile-top reordered decode",
+        "profile-top RAGGED_SPLITS=0 reordered prefill",
+        "profile-top RAGGED_SPLITS=0 reordered decode"]
+
+
+def test_a_bad_profile_form_is_refused_before_the_engine_starts():
+    import pytest
+    for form in ("RAGGED_SPLITS=2", "NO_SUCH_SWITCH=1", "RAGGED_SPLITS"):
+        with pytest.raises(ValueError, match="is not NAME=0\\|1 of a program switch"):
+            bench.run(_args(SHAPE + SIZES + ["--profile-top", "1", "--profile-forms", form]))
 
 
 def test_a_compile_during_a_call_is_counted():

@@ -20,6 +20,7 @@ from attention_test_base import (CASES, INTERPRET, AttentionKernelTests, Case, c
 from kernels_pallas.paged_attention.api import paged_attention, write_kv
 from kernels_pallas.paged_attention.reference import (paged_attention_reference,
                                                      rotate_keys_reference)
+from kernels_pallas.paged_attention import triton_ragged
 from kernels_pallas.paged_attention.triton_ragged import (default_block_q, out_rows,
                                                           ragged_paged_attention_triton)
 from kernels_pallas.rope import apply_rope
@@ -33,7 +34,8 @@ class TestTriton(AttentionKernelTests):
     implementation = "triton"
     option_runs = (("f32-K1G4-D128R32-B8-mixed", {"block_k": 16}, False),
                    ("f32-K2G1-D64-B4-mixed", {"block_q": 1, "kv_group": 2}, False),
-                   ("f32-K1G4-D64-B4-rotated-mixed", {"prerotate": True}, False))
+                   ("f32-K1G4-D64-B4-rotated-mixed", {"prerotate": True}, False),
+                   ("bf16-K1G8-D256R64-B4-mixed", {"splits": 4}, True))  # split-K
     slow_cases = ("bf16-K1G8-D256R64-B4-mixed", "bf16-K2G4-D128-B16-decode",
                   "f16-K1G8-D128-B16-rotated-decode", "bf16-K2G2-D128-B16-mixed")
 
@@ -66,6 +68,51 @@ def test_ragged_kernel_writes_only_its_rows(case, variant):
     check(out, ref, md, case.dtype)
     assert np.all(np.isnan(np.asarray(out, np.float32)[int(md.cu_q_lens[-1]):])), \
         "kernel wrote rows that belong to no sequence"
+
+
+# Split-K (triton_ragged module doc): (case, options) with one key step per page, so tiles span
+# up to 6 steps; each run with a share of >= 1 step (every split works, some tiles' short ranges
+# leave splits empty) and of >= MIN_SPLIT_STEPS (the later splits of every tile empty)
+SPLIT_RUNS = [("f32-K2G1-D64-B4-mixed", {"block_q": 1, "kv_group": 2}),
+              ("f32-K1G4-D128R32-B8-mixed", {}), ("f32-K2G4-D64R16-B4-decode-scaled", {})]
+
+
+@pytest.mark.parametrize("min_steps", [1, triton_ragged.MIN_SPLIT_STEPS])
+@pytest.mark.parametrize("name,opts", SPLIT_RUNS, ids=[n for n, _ in SPLIT_RUNS])
+def test_split_key_ranges_merge_to_the_reference(name, opts, min_steps, monkeypatch):
+    """Each tile's key steps split over 3 programs whose normalized partials and log-sum-exps
+    are merged after the kernel: the reference's output, rows of no sequence left as `out` had
+    them (NaN), and with one-step shares some tile's range really is split."""
+    case = {c.name: c for c in CASES}[name]
+    monkeypatch.setattr(triton_ragged, "MIN_SPLIT_STEPS", min_steps)
+    q, k, v, md, inv = make_inputs(case)
+    ref = paged_attention_reference(q, k, v, md, inv, kv_mode=case.kv_mode,
+                                    attention_scaling=case.scaling)
+    tokens, heads, _ = q.shape
+    block_q = opts.get("block_q") or default_block_q(tokens, md.num_seqs, case.group)
+    seq, start = triton_ragged.tile_schedule(md.cu_q_lens, tokens, block_q)
+    lo, hi = triton_ragged.tile_step_range(md, seq, start, block_q, 1)
+    assert min_steps > 1 or int(jnp.max(hi - lo)) >= 3, "no tile's range splits"
+    poison = jnp.full((out_rows(tokens, heads, case.kv_heads, block_q, opts.get("kv_group", 1)),
+                       case.head_dim), jnp.nan, case.dtype)
+    out = jax.jit(lambda q_rot, k, v, md, out: ragged_paged_attention_triton(
+        q_rot, k, v, md, inv, rotate_keys=case.kv_mode == "position_free",
+        attention_scaling=case.scaling, sm_scale=case.head_dim ** -0.5, block_k=case.page_size,
+        splits=3, out=out, interpret=INTERPRET, **opts))(
+            apply_rope(q, md.q_positions, inv, attention_scaling=case.scaling), k, v, md, poison)
+    check(out, ref, md, case.dtype)
+    assert np.all(np.isnan(np.asarray(out, np.float32)[int(md.cu_q_lens[-1]):]))
+
+
+def test_default_splits_fill_the_gpu_from_few_tiles_over_long_tables(monkeypatch):
+    """A reordered span request's 128-token step (4 tiles x 2 kv heads) over a 25,600-key table
+    splits 32 ways; a 1,024-token step 5 ways; tables of few steps and RAGGED_SPLITS off: less."""
+    assert triton_ragged.default_splits(128, 32, 2, 400) == 32
+    assert triton_ragged.default_splits(1024, 32, 2, 400) == 5
+    assert triton_ragged.default_splits(128, 32, 2, 9) == 2
+    assert triton_ragged.default_splits(8192, 32, 2, 400) == 1
+    monkeypatch.setattr(triton_ragged, "RAGGED_SPLITS", False)
+    assert triton_ragged.default_splits(128, 32, 2, 400) == 1
 
 
 def _inputs(seed, dtype, kv_heads, group, head_dim, rotary_dim, page_size, specs, share=True):

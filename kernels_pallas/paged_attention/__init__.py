@@ -6,7 +6,8 @@
   validation.py             input checks; metadata.py: the `AttentionMetadata` pytree
   reference.py              numpy reference
   xla.py                    gather + dense fallback (CPU, anything the kernels do not take)
-  triton_ragged.py          ragged prefill + decode, RoPE at read
+  triton_ragged.py          ragged prefill + decode, RoPE at read, split-K over long contexts
+  triton_tiles.py           its query tiles and the key steps each can see
   triton_decode.py          decode only, split-K, table RoPE with bf16x2 key rotation
   mosaic_decode.py          the GPU decode default for head_dim 128 (Mosaic GPU: TMA page ring,
                             warp-level MMAs, keys rotated in registers)

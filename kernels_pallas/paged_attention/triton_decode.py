@@ -241,6 +241,11 @@ def _fma2_bf16(a, c, b, s, fast):
     return out
 
 
+# Default splits of few sequences up to 64 instead of 16 (a reordered span request's one decode
+# row over 5,800 keys ran 16 programs: 48 us a layer on an H100); False: 16 (A/B, benchmarks).
+WIDE_SPLITS = True
+
+
 def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                                   attention_scaling: float, sm_scale: float, kv_group: int = 2,
                                   splits: int | None = None, block_k: int = 64,
@@ -252,8 +257,8 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
 
     q_rot [T, H, D] rotated by its positions; kv_group kv heads per program (cos/sin computed once
     per key for all of them; 8 with block_k 64 overflows SMEM at D=128); splits programs per
-    sequence over its key range (default: enough for ~1024 programs, at most 16). Returns
-    [T, H, D]; rows that are no sequence's query are zero.
+    sequence over its key range (default: enough for ~1024 programs, at most 64; WIDE_SPLITS).
+    Returns [T, H, D]; rows that are no sequence's query are zero.
 
     rope (position_free only) picks how keys get their cos/sin:
       "trig": range reduction + SFU cos/sin of pos * inv_freq per key (shared by kv_group heads).
@@ -270,7 +275,7 @@ def decode_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     seqs = md.block_tables.shape[0]
     if splits is None:
         programs = seqs * (kv_heads // kv_group)
-        splits = max(1, min(16, -(-1024 // programs)))
+        splits = max(1, min(64 if WIDE_SPLITS else 16, -(-1024 // programs)))
     half = inv_freq.shape[0]
     cdtype = jnp.float32 if q_rot.dtype == jnp.float32 else q_rot.dtype
     q_flat = (q_rot.reshape(tokens * heads, head_dim).astype(jnp.float32) * sm_scale)

@@ -12,6 +12,13 @@ their two halves, rotated in float32 by each key's logical position (block_pos_s
 contracted against the matching halves of the (already rotated) queries; the pass-through dims
 (partial rotary) are a third product. Online softmax in float32.
 
+Split-K (`splits`, flash-decoding for prefill tiles): a step of few query tiles over a long
+context (a reordered span request's 121 tokens after 5,680 cached ones: 8 programs, 91 key steps
+each) leaves most SMs idle, so each tile's key range is split over `splits` programs (a third
+grid axis) that store their normalized partial output and log-sum-exp; one elementwise pass
+merges them (decode_common.merge_partials). Default: enough splits for ~TARGET_PROGRAMS
+programs, each at least MIN_SPLIT_STEPS key steps of the longest table.
+
 Backend: Pallas' Triton lowering (deprecated in JAX 0.11, a stepping stone behind api.py). It is
 the path of general (mixed prefill + decode) steps because it handles the whole ragged batch
 (prefill tiles, decode, any G, partial rotary, fp32); see benchmarks/RESULTS.md, Attention:
@@ -29,10 +36,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.paged_attention.decode_common import merge_partials
 from kernels_pallas.paged_attention.triton_common import (NEG_INF, cos_sin, dot, dot_nt,
                                                           online_softmax, tile_rows,
                                                           triton_limits)
 from kernels_pallas.paged_attention.triton_gather import gather_live, gather_live_limits
+from kernels_pallas.paged_attention.triton_tiles import tile_schedule, tile_step_range
 from kernels_pallas.registry import Implementation
 from kernels_pallas.rope import rope_f32
 
@@ -48,6 +57,7 @@ class TritonRaggedOptions:
     prerotate: bool | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    splits: int | None = None
 
 
 def limits(problem, options: TritonRaggedOptions) -> str:
@@ -55,55 +65,6 @@ def limits(problem, options: TritonRaggedOptions) -> str:
     if problem.kv_heads % options.kv_group:
         return f"needs kv_group dividing the {problem.kv_heads} kv heads, got {options.kv_group}"
     return triton_limits(problem, options.block_k or max(64, problem.block_size))
-
-def tile_step_range(md, tile_seq, tile_start, block_q: int, pages_per_step: int):
-    """[lo, hi) key steps that can hold a key visible to some query of each tile.
-
-    A step is live for a tile when some valid key in it has window_start_min <= pos <= q_pos_max
-    over the tile's queries; steps outside the first..last live step are skipped by the loop
-    bounds (no branch inside the loop, so Triton can pipeline the loads). With block positions
-    ascending (the usual case) this is exactly causal + window block skipping.
-    """
-    seqs, max_blocks = md.block_tables.shape
-    steps = -(-max_blocks // pages_per_step)
-    pad = steps * pages_per_step - max_blocks
-    start = jnp.pad(md.block_pos_start, ((0, 0), (0, pad)))
-    n_valid = jnp.pad(md.block_num_valid, ((0, 0), (0, pad)))
-    in_use = jnp.arange(steps * pages_per_step)[None, :] < md.num_blocks[:, None]
-    used = in_use & (n_valid > 0)
-    big = jnp.iinfo(jnp.int32).max
-    lo_pos = jnp.where(used, start, big).reshape(seqs, steps, pages_per_step).min(-1)  # [S, St]
-    hi_pos = jnp.where(used, start + n_valid - 1, -1).reshape(seqs, steps, pages_per_step).max(-1)
-    tokens = md.q_positions.shape[0]
-    seq = jnp.maximum(tile_seq, 0)
-    rows = jnp.clip(tile_start[:, None] + jnp.arange(block_q)[None, :], 0, tokens - 1)  # [NT, Q]
-    row_ok = tile_start[:, None] + jnp.arange(block_q)[None, :] < md.cu_q_lens[seq + 1][:, None]
-    q_max = jnp.where(row_ok, md.q_positions[rows], -1).max(-1)  # [NT]
-    w_min = jnp.where(row_ok, md.q_window_start[rows], big).min(-1)
-    live = (lo_pos[seq] <= q_max[:, None]) & (hi_pos[seq] >= w_min[:, None])  # [NT, St]
-    live &= (tile_seq >= 0)[:, None]
-    idx = jnp.arange(steps, dtype=jnp.int32)
-    lo = jnp.min(jnp.where(live, idx, steps), axis=1)
-    hi = jnp.max(jnp.where(live, idx + 1, 0), axis=1)
-    return lo.astype(jnp.int32), jnp.maximum(hi, lo).astype(jnp.int32)
-
-
-def tile_schedule(cu_q_lens, num_tokens: int, block_q: int):
-    """Tiles of block_q tokens per sequence -> (tile_seq [NT], tile_start [NT]); seq -1 = spare."""
-    seqs = cu_q_lens.shape[0] - 1
-    num_tiles = -(-num_tokens // block_q) + seqs
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-    n_tiles = (q_lens + block_q - 1) // block_q
-    last = jnp.cumsum(n_tiles)  # [S] one past each sequence's last tile
-    tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    # compare_all: one fusion (the default method is a while loop: kernels per level, per layer)
-    seq = jnp.searchsorted(last, tile, side="right", method="compare_all").astype(jnp.int32)
-    live = seq < seqs
-    seq_c = jnp.minimum(seq, seqs - 1)
-    first = last[seq_c] - n_tiles[seq_c]
-    start = cu_q_lens[seq_c] + (tile - first) * block_q
-    return jnp.where(live, seq, -1), jnp.where(live, start, 0)
-
 
 def out_rows(tokens: int, heads: int, kv_heads: int, block_q: int, kv_group: int = 1) -> int:
     """Rows of the flat output buffer: spare tile rows land past T * H (unique rows per tile)."""
@@ -113,6 +74,23 @@ def out_rows(tokens: int, heads: int, kv_heads: int, block_q: int, kv_group: int
 def default_block_q(tokens: int, seqs: int, group: int) -> int:
     """Decode-only batches: one token per tile; otherwise 128 query rows per tile."""
     return max(1, 16 // group) if tokens <= seqs else max(1, 128 // group)
+
+
+# Split-K (module doc): on by default; False = one program per (tile, kv head) (A/B, benchmarks)
+RAGGED_SPLITS = True
+TARGET_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
+MAX_SPLITS = 32
+MIN_SPLIT_STEPS = 4
+
+
+def default_splits(tokens: int, block_q: int, kv_programs: int, max_steps: int) -> int:
+    """Splits of each tile's key range (module doc): enough for ~TARGET_PROGRAMS programs over
+    the ceil(tokens / block_q) tiles a dense batch has, none shorter than MIN_SPLIT_STEPS of the
+    longest table's max_steps key steps; 1 with RAGGED_SPLITS off."""
+    if not RAGGED_SPLITS:
+        return 1
+    programs = -(-tokens // block_q) * kv_programs
+    return max(1, min(-(-TARGET_PROGRAMS // programs), MAX_SPLITS, max_steps // MIN_SPLIT_STEPS))
 
 
 def default_options(tokens: int, seqs: int, group: int) -> dict:
@@ -128,8 +106,8 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
             nb_ref, bt_ref, bps_ref,
             bnv_ref, inv_ref, q_ref, k_ref, v_ref, *rest, heads, kv_heads, head_dim, page_size,
             block_q, block_k, kv_group, half, rotate_keys, k_contiguous, scaling,
-            fast_trig, cdtype):
-    o_ref = rest[-1]
+            fast_trig, cdtype, splits):
+    o_ref, lse_ref = (rest[-1], None) if splits == 1 else rest[-2:]
     group = heads // kv_heads
     row_heads = group * kv_group  # query heads served by one program (kv_group kv heads)
     rows = tile_rows(block_q, row_heads)
@@ -138,6 +116,7 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
     precise = cdtype == jnp.float32
     tile = pl.program_id(0)
     h0 = pl.program_id(1) * kv_group
+    part = pl.program_id(2)  # split of the tile's key steps (read here: not under the when)
     seq = tile_seq_ref[tile]
 
     @pl.when(seq >= 0)
@@ -226,12 +205,27 @@ def _kernel(tile_seq_ref, tile_start_ref, tile_lo_ref, tile_hi_ref, cu_ref, qpos
         acc = jnp.zeros((rows, head_dim), jnp.float32)
         m_i = jnp.full((rows,), NEG_INF, jnp.float32)
         l_i = jnp.zeros((rows,), jnp.float32)
-        acc, m_i, l_i = lax.fori_loop(tile_lo_ref[tile], tile_hi_ref[tile], body, (acc, m_i, l_i))
-        out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
+        lo, hi = tile_lo_ref[tile], tile_hi_ref[tile]
         o_row = tok * heads + h0 * group + r % row_heads  # unclamped: spare rows stay unique
-        # Both indices as arrays: the interpreter can discharge a masked store only in that form.
-        pltriton.store(o_ref.at[o_row[:, None], col], out.astype(o_ref.dtype),
-                       mask=jnp.broadcast_to(row_ok[:, None], out.shape))
+        if splits > 1:  # this program's share of the tile's key steps; partials by split
+            per = jnp.maximum((hi - lo + splits - 1) // splits, MIN_SPLIT_STEPS)
+            lo = lo + part * per
+            hi = jnp.maximum(lo, jnp.minimum(hi, lo + per))
+            o_row = o_row + part * (o_ref.shape[0] // splits)
+        acc, m_i, l_i = lax.fori_loop(lo, hi, body, (acc, m_i, l_i))
+        safe_l = jnp.where(l_i == 0.0, 1.0, l_i)
+        out = acc / safe_l[:, None]
+        store = jnp.broadcast_to(row_ok[:, None], out.shape)
+        if splits == 1:
+            # Both indices as arrays: the interpreter can discharge a masked store only so.
+            pltriton.store(o_ref.at[o_row[:, None], col], out.astype(o_ref.dtype), mask=store)
+        else:  # an empty share stores only its log-sum-exp (-inf: weight 0 in the merge)
+            pltriton.store(lse_ref.at[o_row], jnp.where(l_i == 0.0, NEG_INF,
+                                                        m_i + jnp.log(safe_l)), mask=row_ok)
+
+            @pl.when(hi > lo)
+            def _():
+                pltriton.store(o_ref.at[o_row[:, None], col], out, mask=store)
 
 
 # Pre-rotation writes only the key steps the kernel reads (triton_gather.gather_live); False:
@@ -266,11 +260,10 @@ def prerotate_keys(k_pages, md, inv_freq, attention_scaling):
 
 def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rotate_keys: bool,
                                   attention_scaling: float, sm_scale: float,
-                                  block_q: int | None = None,
-                                  block_k: int | None = None, kv_group: int = 1,
-                                  prerotate: bool | None = None, num_warps: int | None = None,
-                                  num_stages: int | None = None, out=None,
-                                  interpret: bool = False):
+                                  block_q: int | None = None, block_k: int | None = None,
+                                  kv_group: int = 1, prerotate: bool | None = None,
+                                  num_warps: int | None = None, num_stages: int | None = None,
+                                  splits: int | None = None, out=None, interpret: bool = False):
     """Pallas/Triton ragged paged attention. q_rot [T, H, D] already rotated by its positions.
 
     rotate_keys: keys are stored unrotated (position_free) and rotated by logical position.
@@ -280,7 +273,8 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
     kv_group: kv heads per program through a block-diagonal tile (their K/V rows are adjacent;
     cos/sin once per key for all of them; slower than 1 on the H200, benchmarks/history/
     attention.md); prerotate: rotate keys once per sequence before the kernel (default: for
-    prefill-shaped tiles, where every key is read by many query tiles).
+    prefill-shaped tiles, where every key is read by many query tiles); splits: programs per
+    tile over its key range (default_splits; module doc).
     `out`, if given, is an [out_rows(...), D] buffer the kernel writes into (aliased; tests
     poison it); rows of no sequence keep its contents. Returns [T, H, D].
     """
@@ -301,9 +295,12 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         raise ValueError(f"block_k {block_k} must be a multiple of the page size {page_size}")
     tile_seq, tile_start = tile_schedule(md.cu_q_lens, tokens, block_q)
     tile_lo, tile_hi = tile_step_range(md, tile_seq, tile_start, block_q, block_k // page_size)
+    if splits is None:
+        splits = default_splits(tokens, block_q, kv_heads // kv_group,
+                                -(-md.block_tables.shape[1] * page_size // block_k))
     cdtype = jnp.float32 if q_rot.dtype == jnp.float32 else q_rot.dtype
-    q_flat = q_rot.reshape(tokens * heads, head_dim)
-    q_flat = (q_flat.astype(jnp.float32) * sm_scale).astype(q_rot.dtype)
+    q_flat = (q_rot.reshape(tokens * heads, head_dim).astype(jnp.float32) * sm_scale)
+    q_flat = q_flat.astype(q_rot.dtype)
     k_contiguous = bool(rotate_keys and half and prerotate)
     if k_contiguous:
         k_flat = rotated_keys(k_pages, md, inv_freq, attention_scaling, block_k, interpret)
@@ -316,26 +313,44 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         block_q=block_q, block_k=block_k, kv_group=kv_group, half=half,
         rotate_keys=rotate_keys and not k_contiguous, k_contiguous=k_contiguous,
         scaling=float(attention_scaling),
-        fast_trig=not interpret, cdtype=cdtype)
+        fast_trig=not interpret, cdtype=cdtype, splits=splits)
     args = [tile_seq, tile_start, tile_lo, tile_hi, md.cu_q_lens, md.q_positions,
             md.q_window_start, md.num_blocks,
             md.block_tables, md.block_pos_start, md.block_num_valid,
             inv_freq.astype(jnp.float32) if half else jnp.zeros((1,), jnp.float32),
             q_flat, k_flat, v_flat]
-    aliases = {}
-    if out is not None:
+    aliases, out_shape = {}, jax.ShapeDtypeStruct((n_out, head_dim), q_rot.dtype)
+    if splits > 1:  # normalized partials [splits * n_out, D] and their log-sum-exps
+        out_shape = (jax.ShapeDtypeStruct((splits * n_out, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((splits * n_out,), jnp.float32))
+    elif out is not None:
         aliases = {len(args): 0}
         args.append(out)
     res = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n_out, head_dim), q_rot.dtype),
-        grid=(tile_seq.shape[0], kv_heads // kv_group),
+        out_shape=out_shape,
+        grid=(tile_seq.shape[0], kv_heads // kv_group, splits),
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
     )(*args)
+    if splits > 1:
+        return _merge(res, md, out, splits, tokens, heads).astype(q_rot.dtype)
     return res[: tokens * heads].reshape(tokens, heads, head_dim)
+
+
+def _merge(res, md, out, splits: int, tokens: int, heads: int):
+    """The split programs' partials merged: [T, H, D] float32; rows of no sequence (tokens past
+    cu_q_lens[-1]) are `out`'s rows, or 0 without it."""
+    o_part, lse = res
+    n = tokens * heads
+    o_part = o_part.reshape(splits, -1, o_part.shape[-1])[:, :n]
+    merged = merge_partials(o_part.reshape(splits, tokens, heads, -1),
+                            lse.reshape(splits, -1)[:, :n].reshape(splits, tokens, heads))
+    rest = jnp.zeros_like(merged) if out is None else out[:n].reshape(merged.shape)
+    written = jnp.arange(tokens) < md.cu_q_lens[-1]
+    return jnp.where(written[:, None, None], merged, rest.astype(merged.dtype))
 
 
 IMPLEMENTATION = Implementation(

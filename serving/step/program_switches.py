@@ -21,6 +21,8 @@ SWITCHES = (
     ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
     ("kernels_pallas.paged_attention.mosaic_prefill_prep", "LIVE_GATHER"),
     ("kernels_pallas.paged_attention.triton_ragged", "LIVE_PREROTATE"),
+    ("kernels_pallas.paged_attention.triton_decode", "WIDE_SPLITS"),
+    ("kernels_pallas.paged_attention.triton_ragged", "RAGGED_SPLITS"),
     ("minipic_jax.models.qwen3_5", "CHECKPOINTS_FIRST"),
     ("minipic_jax.models.qwen3_5", "GDN_DECODE_IN_PLACE"),
     ("minipic_jax.models.qwen3_5", "GDN_DECODE_GLUE"),
