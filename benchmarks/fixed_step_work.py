@@ -182,8 +182,9 @@ def time_forms(a, ckpt: bool, seats: int, mml: int) -> None:
 
     from kernels_pallas.paged_attention import triton_ragged
     from minipic_jax.models import qwen3_5
-    for live, form, in_place in itertools.product(a.live_prerotate, a.ck_forms,
-                                                  a.decode_in_place):
+    from benchmarks.program_forms import program_form
+    for live, form, in_place, switches in itertools.product(a.live_prerotate, a.ck_forms,
+                                                            a.decode_in_place, a.forms):
         triton_ragged.LIVE_PREROTATE = bool(live)
         qwen3_5.CHECKPOINTS_FIRST = CK_FORMS[form]
         qwen3_5.GDN_DECODE_IN_PLACE, qwen3_5.GDN_DECODE_GLUE = in_place > 0, in_place >= 2
@@ -192,11 +193,13 @@ def time_forms(a, ckpt: bool, seats: int, mml: int) -> None:
         # own jits (paged_attention's _run_once) trace anew: session 25's first pre-rotation
         # A/B timed one form twice without this
         jax.clear_caches()
-        print(f"live_prerotate={live} ck_form={form} decode_in_place={in_place}", flush=True)
-        for small in a.small_seq_bucket:
-            for fuse in a.fuse_weights:
-                time_point(seats, mml, a.tokens, a.reps, ckpt, a.preset, a.num_kv_blocks,
-                           a.decode, a.profile, small, bool(fuse))
+        print(f"live_prerotate={live} ck_form={form} decode_in_place={in_place} "
+              f"forms={switches or '-'}", flush=True)
+        with program_form(switches):
+            for small in a.small_seq_bucket:
+                for fuse in a.fuse_weights:
+                    time_point(seats, mml, a.tokens, a.reps, ckpt, a.preset, a.num_kv_blocks,
+                               a.decode, a.profile, small, bool(fuse))
 
 
 def main(argv=None) -> int:
@@ -230,10 +233,16 @@ def main(argv=None) -> int:
                     help="--time: the GDN decode, an engine each: 0 gather / step / scatter, 1 in "
                          "place (qwen3_5.GDN_DECODE_IN_PLACE), 2 with the layer's glue "
                          "(GDN_DECODE_GLUE), 3 and its conv (GDN_DECODE_CONV) (default: 2, the engine's)")
+    ap.add_argument("--forms", nargs="+", default=[""], metavar="NAME=0|1,...",
+                    help="--time: program switch forms (benchmarks/program_forms.py), an engine "
+                         "each (default: the switches as they are)")
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")
     a = ap.parse_args(argv)
+    from benchmarks.program_forms import parse_form
+    for form in a.forms:  # a bad name fails before any engine starts
+        parse_form(form)
     if a.top:
         from benchmarks.span_step_work import stub_kernels
         stub_kernels()

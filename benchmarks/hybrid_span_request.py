@@ -47,8 +47,6 @@ form, a comma list of program switches (serving/step/program_switches.py) NAME=0
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import time
 
@@ -56,6 +54,7 @@ import numpy as np
 
 from benchmarks.compile_counter import CompileCounter
 from benchmarks.engine_args import add_options, engine_options
+from benchmarks.program_forms import parse_form, program_form
 from benchmarks.ttft_host import id_ceiling
 
 CALLS = (("a", "plain"), ("b", "spans cold"), ("c", "reordered"), ("d", "spans cold 2"),
@@ -203,49 +202,12 @@ def profile_reordered(llm, args, make_request, trace=None) -> list[str]:
         llm.generate([make_request()], sp, use_tqdm=False)
         steps[kind] = runner.last_inputs
     for form in [""] + list(args.profile_forms):
-        with program_form(runner, form):
+        with program_form(form, runner, "--profile-forms"):
             for kind, inputs in steps.items():
                 runner.last_inputs = inputs
                 lines += _time_last_step(runner, 20, args.profile_top, kind,
                                          f"profile-top{' ' + form if form else ''}", t0)
     return lines
-
-
-def parse_form(form: str) -> tuple[dict, dict]:
-    """A --profile-forms item -> ({switch: its module}, {switch: bool}); a clear error on a name
-    that is no program switch or a value that is not 0 / 1."""
-    from serving.step import program_switches
-    modules = {name: importlib.import_module(mod) for mod, name in program_switches.SWITCHES}
-    settings = {}
-    for item in filter(None, form.split(",")):
-        name, _, value = item.partition("=")
-        if name not in modules or value not in ("0", "1"):
-            raise ValueError(f"--profile-forms {form!r}: {item!r} is not NAME=0|1 of a program "
-                             f"switch ({', '.join(sorted(modules))})")
-        settings[name] = value == "1"
-    return modules, settings
-
-
-@contextlib.contextmanager
-def program_form(runner, form: str):
-    """Program switches set (a comma list of NAME=0|1; "" = as they are) and the runner's step
-    programs dropped, so its next steps compile under them; put back after."""
-    modules, settings = parse_form(form)
-    before = {name: getattr(modules[name], name) for name in settings}
-
-    def apply(values):
-        import jax
-        for name, value in values.items():
-            setattr(modules[name], name, value)
-        if values:  # kernels under their own jits and the stored step programs: traced anew
-            jax.clear_caches()
-            runner._step._spelled.clear()
-            runner._step._table.clear()
-    apply(settings)
-    try:
-        yield
-    finally:
-        apply(before)
 
 
 def long_span_call(llm, args, counter, sp, ids, trace=None) -> dict:
@@ -309,7 +271,7 @@ def print_row(key: str, r: dict, sync: bool = False) -> None:
 
 def run(args) -> int:
     for form in args.profile_forms:  # bad names fail before the engine starts
-        parse_form(form)
+        parse_form(form, "--profile-forms")
     counter = CompileCounter()
     llm, startup = make_llm(args, counter)
     print_startup(args, startup)
