@@ -8,6 +8,7 @@
   xla.py                    gather + dense fallback (CPU, anything the kernels do not take)
   triton_ragged.py          ragged prefill + decode, RoPE at read, split-K over long contexts
   triton_tiles.py           its query tiles and the key steps each can see
+  triton_merge.py           its split-K partials merged (reads only the splits that saw keys)
   triton_decode.py          decode only, split-K, table RoPE with bf16x2 key rotation
   mosaic_decode.py          the GPU decode default for head_dim 128 (Mosaic GPU: TMA page ring,
                             warp-level MMAs, keys rotated in registers)

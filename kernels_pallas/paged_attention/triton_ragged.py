@@ -15,9 +15,9 @@ contracted against the matching halves of the (already rotated) queries; the pas
 Split-K (`splits`, flash-decoding for prefill tiles): a step of few query tiles over a long
 context (a reordered span request's 121 tokens after 5,680 cached ones: 8 programs, 91 key steps
 each) leaves most SMs idle, so each tile's key range is split over `splits` programs (a third
-grid axis) that store their normalized partial output and log-sum-exp; one elementwise pass
-merges them (decode_common.merge_partials). Default: enough splits for ~TARGET_PROGRAMS
-programs, each at least MIN_SPLIT_STEPS key steps of the longest table.
+grid axis) that store their normalized partial output and log-sum-exp; a second kernel merges
+them, reading only the splits that saw keys (triton_merge.py). Default: enough splits for
+~TARGET_PROGRAMS programs, each at least MIN_SPLIT_STEPS key steps of the longest table.
 
 Backend: Pallas' Triton lowering (deprecated in JAX 0.11, a stepping stone behind api.py). It is
 the path of general (mixed prefill + decode) steps because it handles the whole ragged batch
@@ -36,11 +36,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.paged_attention.decode_common import merge_partials
 from kernels_pallas.paged_attention.triton_common import (NEG_INF, cos_sin, dot, dot_nt,
                                                           online_softmax, tile_rows,
                                                           triton_limits)
 from kernels_pallas.paged_attention.triton_gather import gather_live, gather_live_limits
+from kernels_pallas.paged_attention.triton_merge import merge_split_rows
 from kernels_pallas.paged_attention.triton_tiles import tile_schedule, tile_step_range
 from kernels_pallas.registry import Implementation
 from kernels_pallas.rope import rope_f32
@@ -335,22 +335,10 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         interpret=interpret,
         name="ragged_paged_attention",
     )(*args)
-    if splits > 1:
-        return _merge(res, md, out, splits, tokens, heads).astype(q_rot.dtype)
+    if splits > 1:  # rows of no sequence: `out`'s, as the unsplit kernel leaves them
+        res = merge_split_rows(*res, md.cu_q_lens, splits=splits, tokens=tokens, heads=heads,
+                               dtype=q_rot.dtype, out=out, interpret=interpret)
     return res[: tokens * heads].reshape(tokens, heads, head_dim)
-
-
-def _merge(res, md, out, splits: int, tokens: int, heads: int):
-    """The split programs' partials merged: [T, H, D] float32; rows of no sequence (tokens past
-    cu_q_lens[-1]) are `out`'s rows, or 0 without it."""
-    o_part, lse = res
-    n = tokens * heads
-    o_part = o_part.reshape(splits, -1, o_part.shape[-1])[:, :n]
-    merged = merge_partials(o_part.reshape(splits, tokens, heads, -1),
-                            lse.reshape(splits, -1)[:, :n].reshape(splits, tokens, heads))
-    rest = jnp.zeros_like(merged) if out is None else out[:n].reshape(merged.shape)
-    written = jnp.arange(tokens) < md.cu_q_lens[-1]
-    return jnp.where(written[:, None, None], merged, rest.astype(merged.dtype))
 
 
 IMPLEMENTATION = Implementation(
