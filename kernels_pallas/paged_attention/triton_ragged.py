@@ -327,13 +327,10 @@ def ragged_paged_attention_triton(q_rot, k_pages, v_pages, md, inv_freq, *, rota
         aliases = {len(args): 0}
         args.append(out)
     res = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(tile_seq.shape[0], kv_heads // kv_group, splits),
+        kernel, out_shape=out_shape, grid=(tile_seq.shape[0], kv_heads // kv_group, splits),
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention",
+        interpret=interpret, name="ragged_paged_attention",
     )(*args)
     if splits > 1:  # rows of no sequence: `out`'s, as the unsplit kernel leaves them
         res = merge_split_rows(*res, md.cu_q_lens, splits=splits, tokens=tokens, heads=heads,
