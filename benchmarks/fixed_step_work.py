@@ -232,7 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-in-place", type=int, nargs="+", default=[2], choices=[0, 1, 2, 3],
                     help="--time: the GDN decode, an engine each: 0 gather / step / scatter, 1 in "
                          "place (qwen3_5.GDN_DECODE_IN_PLACE), 2 with the layer's glue "
-                         "(GDN_DECODE_GLUE), 3 and its conv (GDN_DECODE_CONV) (default: 2, the engine's)")
+                         "(GDN_DECODE_GLUE), 3 and its conv (GDN_DECODE_CONV) (default: 2, the "
+                         "engine's)")
     ap.add_argument("--forms", nargs="+", default=[""], metavar="NAME=0|1,...",
                     help="--time: program switch forms (benchmarks/program_forms.py), an engine "
                          "each (default: the switches as they are)")

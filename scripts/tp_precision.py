@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import os
 import sys
-import types
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
@@ -31,25 +29,9 @@ from minipic_jax.models import testing  # noqa: E402
 from serving.step import sharding  # noqa: E402
 from tests import hybrid_span_reference as hsr  # noqa: E402
 from tests.conftest import FIXTURES  # noqa: E402
+from tests.float32_reference import float32_reference, log_softmax  # noqa: E402
 
 NAME = "qwen3_5_gva2"
-
-
-def float32_reference() -> types.ModuleType:
-    """tests/hybrid_span_reference.py with every float64 array made float32."""
-    src = inspect.getsource(hsr).replace("np.float64", "np.float32")
-    for alloc in ("np.zeros((kc, mixed.shape[1]))", "np.zeros((hv, dk, dv))",
-                  "np.zeros((h.shape[0], hv, dv))"):
-        src = src.replace(alloc, alloc[:-1] + ", np.float32)")
-    mod = types.ModuleType("hybrid_span_reference_f32")
-    exec(src, mod.__dict__)
-    return mod
-
-
-def log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
 def truncated(depth: int):
