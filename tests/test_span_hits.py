@@ -91,3 +91,34 @@ def test_prefix_match_equals_the_block_by_block_rule(fresh_rng):
         want = _match_block_by_block(mgr, None, BS)
         got = HybridPrefixCache.match(SimpleNamespace(block_size=BS), mgr, None)
         assert got == want, (trial, state.tolist(), sorted(host))
+
+
+def test_a_span_inside_the_prompts_match_is_not_looked_up_again():
+    """The blocks HybridPrefixCache.match found (ready device hits or host-tier blocks, from the
+    prompt's start) serve a span inside them as they are; a span reaching past them is looked
+    up (here: nothing in the pool, so None)."""
+    cache, mgr = _setup()
+    matched = [("hit", 10), ("hit", 11), ("host", None), ("hit", 13)]
+    mgr.bm.table = {}  # a lookup would find nothing
+    assert cache._span_hits(mgr, None, 1 * BS, 4 * BS, matched) == matched[1:4]
+    assert cache._span_hits(mgr, None, 2 * BS, 5 * BS, matched) is None
+
+
+def _in_span_block_by_block(span, j):
+    """The rule depths_outside_spans applies, one block at a time: block j is a span block (a
+    generated block past the layout continues its last segment)."""
+    if j < len(span):
+        return bool(span[j])
+    return bool(span[-1]) if len(span) else False
+
+
+def test_depths_outside_spans_equal_the_block_by_block_rule():
+    from serving.hybrid.span_rows import depths_outside_spans
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(0, 12))
+        span = rng.random(n) < rng.random()
+        depth = int(rng.integers(0, n + 4))
+        want = [k for k in range(depth, 0, -1) if not _in_span_block_by_block(span, k - 1)]
+        got = depths_outside_spans(SimpleNamespace(span_block=span), depth)
+        assert got == want, (span, depth)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from serving.cache.admission import AdmissionPlan
 from serving.cache.prefix_keys import device_run
+from serving.hybrid import span_rows
 from serving.hybrid.bucket_fit import BucketFit
 from serving.hybrid.checkpoint_plan import (CHECKPOINT_ROWS, CHECKPOINTS_PER_STEP, RESTORE_ROWS,
                                             candidates, halving_cover, on_grid, positions_of)
@@ -76,9 +77,8 @@ class HybridPrefixCache:
         preempted sequence matches its generated blocks too: they are keyed as a prompt repeating
         them would key them (serving/cache/prefix_keys.py), so a checkpoint that prompt took serves."""
         step, bs = 8 * self.block_size, self.block_size
-        for k in range(depth_blocks, 0, -1):
-            if _in_span(seq.layout, k - 1):  # a span block's key does not cover what is before
-                continue
+        # a span block's key does not cover what is before it: only other blocks' depths
+        for k in span_rows.depths_outside_spans(seq.layout, depth_blocks):
             e = self.store.get(hashes[k - 1], raw[(k - 1) * step:k * step])
             if e is None or e.position != _position(seq, k * bs):
                 continue
@@ -174,8 +174,8 @@ class HybridPrefixCache:
                 self.store.revalue(entry, kc * bs * self.planner.overlap.share(hashes[kc - 1]))
             if len(self.prompt_len) > (1 << 20):
                 self.prompt_len.clear()
-            for h in blocks:
-                self.prompt_len.setdefault(h, seq.num_prompt_tokens)
+            known = self.prompt_len
+            known.update((h, seq.num_prompt_tokens) for h in blocks if h not in known)
         self.admissions += 1
         self.checkpoint_hits += kc > 0
         self.tokens_matched += len(kinds) * bs
@@ -332,15 +332,6 @@ class HybridPrefixCache:
         if self.spans is not None:
             out.update(self.spans.stats())
         return out
-
-
-def _in_span(layout, j: int) -> bool:
-    """Whether block j's key restarts at a span (a generated block past the prompt's layout
-    continues its last segment, as PrefixKeys.publish_generated keys it)."""
-    span = layout.span_block
-    if j < len(span):
-        return bool(span[j])
-    return bool(span[-1]) if len(span) else False
 
 
 def _position(seq, c: int) -> int:

@@ -73,8 +73,10 @@ class OverlapEstimate:
                      and blocks[shared - 1] not in self.through)
         w = self._advance()
         self.requests += w
+        through = self.through
+        get = through.get
         for h in blocks[:shared]:
-            self.through[h] = self.through.get(h, 0.0) + w
+            through[h] = get(h, 0.0) + w
         if extension:
             self.extensions += w
             if origin_len is not None:

@@ -57,12 +57,15 @@ class SpanMapCache:
         self.spans_skipped = self.tokens_skipped = self.spans_captured = self.waits = 0
 
     # -- admission -----------------------------------------------------------------------------
-    def _span_hits(self, mgr, seq, a: int, b: int):
+    def _span_hits(self, mgr, seq, a: int, b: int, matched=()):
         """[(kind, block)] for the span's blocks when every one is a ready device hit or in the
-        KV host tier, else None."""
+        KV host tier, else None. `matched`: the prompt's leading blocks known to be such
+        (HybridPrefixCache.match's kinds): a span inside them is not looked up again."""
         bm, keys, bs = mgr.bm, mgr.keys, self.block_size
-        hashes = keys.hashes(seq)
         j0, j1 = a // bs, b // bs
+        if j1 <= len(matched):
+            return list(matched[j0:j1])
+        hashes = keys.hashes(seq)
         run, ready = device_run(bm, hashes[j0:j1], keys.token_bytes(seq), bs, offset=j0)
         if len(run) == j1 - j0:  # every block on the device and matching: checked as a whole
             return [("hit", blk) for blk in run] if ready == len(run) else None
@@ -77,13 +80,13 @@ class SpanMapCache:
                 return None
         return kinds
 
-    def _plan_skips(self, mgr, seq, start: int):
+    def _plan_skips(self, mgr, seq, start: int, matched=()):
         """[(a, b, entry)] spans at or after token `start` to skip (their map pinned), and
-        {block: (kind, block)} of their blocks."""
+        {block: (kind, block)} of their blocks (`matched`: see _span_hits)."""
         keys, bs = mgr.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
         skips, plan = [], {}
-        spans = span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens)
+        spans = span_rows.spans_of(seq, bs)
         # a long span it may compute needs a slot while its later skips are pinned: keep one
         pins = self.store.device_slots - any(
             not final and a >= start and span_rows.long_span(seq, a, b, self.step_tokens)
@@ -91,7 +94,7 @@ class SpanMapCache:
         for a, b, final in spans:
             if final or a < start or b // bs > limit or len(skips) >= pins:
                 continue
-            kinds = self._span_hits(mgr, seq, a, b)
+            kinds = self._span_hits(mgr, seq, a, b, matched)
             if kinds is None:
                 continue
             e = self.store.get(hashes[b // bs - 1], keys.confirm(seq, b // bs - 1))
@@ -107,7 +110,7 @@ class SpanMapCache:
         scheduled, which computes it)."""
         bm, keys, bs = mgr.bm, mgr.keys, self.block_size
         hashes, limit = keys.hashes(seq), keys.hit_limit(seq)
-        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+        for a, b, final in span_rows.spans_of(seq, bs):
             if final or a < start or b // bs > limit:
                 continue
             blk = bm.table.get(hashes[b // bs - 1])
@@ -129,7 +132,7 @@ class SpanMapCache:
                 hybrid.store.release(ck)
             self.waits += 1
             return None
-        skips, plan = self._plan_skips(mgr, seq, kc * bs)
+        skips, plan = self._plan_skips(mgr, seq, kc * bs, kinds)
         plan.update(enumerate(kinds[:kc]))
         return AdmissionPlan.from_kinds(seq.num_blocks_needed, plan, kc * bs,
                                         Resume(kinds, kc, shared, ck, skips))
@@ -197,7 +200,7 @@ class SpanMapCache:
         """Captures of the chunk's long-span pieces: the one it continues (from its first row)
         and the one it starts and leaves unfinished (`cut` made room for both)."""
         seq, caps, bs = e.seq, [], self.block_size
-        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+        for a, b, final in span_rows.spans_of(seq, bs):
             p = seq.span.partial.get(a)
             if p is not None and a < first < b:
                 caps.append((first, p.entry.slot, 1))
@@ -251,7 +254,7 @@ class SpanMapCache:
         caps, skipped = [], {a for a, _ in seq.span.skips} | {c[0] for c in long_caps}
         keys, bs = mgr.keys, self.block_size
         hashes = keys.hashes(seq)
-        for a, b, final in span_rows.span_intervals(seq.layout, bs, seq.num_prompt_tokens):
+        for a, b, final in span_rows.spans_of(seq, bs):
             if final or a in skipped or a < first or b > e.new_computed or \
                     b // bs > len(hashes) or self.captures >= MAX_CAPTURES or \
                     not self._publishes(mgr.bm, seq, hashes, a // bs, b // bs):

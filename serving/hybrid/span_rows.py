@@ -75,7 +75,7 @@ def _cut_spans(seq, idx, frontier: int, block_size: int, split):
         for a, _ in seq.span.skips:
             if idx[0] < a < frontier:
                 return idx[idx < a], a
-    for a, b, final in _spans(seq, block_size):
+    for a, b, final in spans_of(seq, block_size):
         if not final and a < frontier < b and frontier < seq.num_prompt_tokens:
             if split is not None and split(a, b):
                 break
@@ -96,7 +96,7 @@ def _span_pieces(seq, idx, block_size: int) -> list[int]:
         return []
     lo, hi = int(idx[0]), int(idx[-1]) + 1
     out = []
-    for a, b, final in _spans(seq, block_size):
+    for a, b, final in spans_of(seq, block_size):
         if lo <= a < hi or (a < lo < b and not final):
             out.append(int(np.searchsorted(idx, b) - np.searchsorted(idx, max(a, lo))))
     return out
@@ -116,7 +116,7 @@ def cut_local(seq, idx, frontier: int, block_size: int, chunk: int = LOCAL_CHUNK
     if fits(idx):
         return idx, frontier
     lo = int(idx[0])
-    for a in sorted((a for a, _, _ in _spans(seq, block_size) if lo < a <= int(idx[-1])),
+    for a in sorted((a for a, _, _ in spans_of(seq, block_size) if lo < a <= int(idx[-1])),
                     reverse=True):
         if fits(idx[idx < a]):
             return idx[idx < a], a
@@ -127,10 +127,11 @@ def starts_span(e, block_size: int) -> bool:
     """Whether a scheduled entry's rows hold the first token of one of its sequence's spans."""
     idx = e.token_idx
     return bool(idx.size) and any(int(idx[0]) <= a <= int(idx[-1])
-                                  for a, _, _ in _spans(e.seq, block_size))
+                                  for a, _, _ in spans_of(e.seq, block_size))
 
 
-def _spans(seq, block_size):
+def spans_of(seq, block_size: int):
+    """span_intervals of the sequence's prompt, computed once a sequence (its layout is fixed)."""
     if seq.memo.span_intervals is None:
         seq.memo.span_intervals = span_intervals(seq.layout, block_size, seq.num_prompt_tokens)
     return seq.memo.span_intervals
@@ -153,7 +154,7 @@ def step_rows(batch, block_size: int):
         lo = int(idx[0]) if idx.size else 0
         hi = int(idx[-1]) + 1 if idx.size else 0
         starts = {}
-        for a, b, final in _spans(seq, block_size):
+        for a, b, final in spans_of(seq, block_size):
             if lo <= a < hi:
                 starts[a] = (b, final)
             elif a < lo < b and not final and idx.size:  # a long span's next piece
@@ -172,3 +173,14 @@ def step_rows(batch, block_size: int):
             piece.append(pid)
         carry.append(bool(idx.size) and last_final and span_row[-1])
     return np.asarray(piece, np.int64), np.asarray(span_row, bool), carry
+
+
+def depths_outside_spans(layout, depth: int) -> list[int]:
+    """k = depth, ..., 1 (descending) whose block k - 1 is no span block, i.e. where a prefix
+    checkpoint's key can cover everything before it (a span block's key restarts at its span).
+    A generated block past the prompt's layout continues its last segment. One array pass: a
+    span prompt's match covers hundreds of span blocks (was a call a block)."""
+    span = np.asarray(layout.span_block, bool)
+    n = len(span)
+    past = [] if n and span[-1] else list(range(depth, n, -1))
+    return past + (np.flatnonzero(~span[:min(depth, n)])[::-1] + 1).tolist()
