@@ -26,6 +26,8 @@ the time the thread was off the CPU, steadier than the wall on a loaded machine)
     minipic-bench ttft-host [--calls 3] [--repeats 5] [--fresh-lists] [--profile] [--floors]
     minipic-bench ttft-host --fresh-lists --max-num-seqs 64 --min-token-bucket 128  # as `rag`
     ... --step null-llama8b  # the step call's host cost with Llama-3.1-8B's params/cache leaves
+    ... --model tiny_qwen3_5 --stretch-positions --spans 6 --span-tokens 900  # a hybrid
+        # span request (issue 29's shape; its system prompt 40 ids, question 30)
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ def add_parser(p) -> None:
     p.add_argument("--floors", action="store_true",
                    help="also time the whole-list passes a call cannot avoid over its span ids "
                         "on this host (the floors of the prompt part)")
+    p.add_argument("--stretch-positions", action="store_true",
+                   help="a preset whose max_position_embeddings is below the request's length "
+                        "runs as a copy with enough positions (the step is stubbed: host work "
+                        "only), e.g. tiny_qwen3_5 for a hybrid span request")
     p.add_argument("--step", choices=("stub", "null", "null-llama8b"), default="stub",
                    help="stub: a Python stand-in (default); null: a compiled step computing "
                         "nothing, called as the runner calls its step (the engine's params and "
@@ -80,7 +86,9 @@ def make_llm(args):
     max_len = args.spans * (args.span_tokens + bs) + 256
     max_len = -(-max_len // 1024) * 1024
     extra = {} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}
-    llm = LLM(args.model, dtype="float32", seed=0, max_num_seqs=args.max_num_seqs,
+    model = stretched(args.model, max_len) if getattr(args, "stretch_positions", False) \
+        else args.model
+    llm = LLM(model, dtype="float32", seed=0, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=8192, max_model_len=max_len, block_size=bs,
               num_kv_blocks=getattr(args, "num_kv_blocks", None) or 3 * (max_len // bs) + 64,
               **extra)
@@ -92,6 +100,20 @@ def make_llm(args):
         from benchmarks import null_step
         null_step.install(engine.runner, "llama8b" if step == "null-llama8b" else "engine")
     return llm
+
+
+def stretched(name: str, max_len: int) -> str:
+    """A preset registered again as "<name>_stretched" with max_position_embeddings >= max_len
+    (configs/presets.PRESETS, this process only); the name itself when it has enough."""
+    import dataclasses
+
+    from configs import presets
+    cfg = presets.get_preset(name)
+    if cfg.max_position_embeddings >= max_len:
+        return name
+    key = presets.normalize_name(name) + "_stretched"
+    presets.PRESETS[key] = dataclasses.replace(cfg, max_position_embeddings=max_len)
+    return key
 
 
 def instrument(llm):
