@@ -89,7 +89,7 @@ def default_splits(tokens: int, block_q: int, kv_programs: int, max_steps: int) 
     longest table's max_steps key steps; 1 with RAGGED_SPLITS off."""
     if not RAGGED_SPLITS:
         return 1
-    programs = -(-tokens // block_q) * kv_programs
+    programs = max(1, -(-tokens // block_q) * kv_programs)
     return max(1, min(-(-TARGET_PROGRAMS // programs), MAX_SPLITS, max_steps // MIN_SPLIT_STEPS))
 
 
