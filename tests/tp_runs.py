@@ -269,12 +269,14 @@ def stream(name: str) -> dict:
                               head_dim=64)
     del old, new, lm.params
 
-    def on_default():  # array id -> bytes it holds on devices 0-1 (not read: no new arrays)
-        return {id(a): sum(d.id < 2 for d in a.sharding.device_set) * a.dtype.itemsize *
-                int(np.prod(a.sharding.shard_shape(a.shape))) for a in jax.live_arrays()}
+    def on_default():  # array id -> (the array, bytes it holds on devices 0-1; not read: no
+        # new arrays). The array is kept: an id is an address, and an array freed while a
+        # snapshot is compared would lend its id to a new one (counted as old: flaky).
+        return {id(a): (a, sum(d.id < 2 for d in a.sharding.device_set) * a.dtype.itemsize *
+                        int(np.prod(a.sharding.shard_shape(a.shape)))) for a in jax.live_arrays()}
 
     def new_bytes(before, after):
-        return sum(n for i, n in after.items() if i not in before)
+        return sum(n for i, (_, n) in after.items() if i not in before)
     staged, gained, make = [], [], jax.make_array_from_callback
 
     def measured(*args):  # stream_params' one call per tensor
