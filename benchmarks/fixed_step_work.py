@@ -176,26 +176,19 @@ def _time_last_step(runner, reps: int, profile_top: int, kind: str, label: str,
 
 
 def time_forms(a, ckpt: bool, seats: int, mml: int) -> None:
-    """--time: an engine per combination of the module-flag forms asked for (live
-    pre-rotation, checkpoint form, in-place GDN decode) and the Config values."""
-    import jax
-
-    from kernels_pallas.paged_attention import triton_ragged
-    from minipic_jax.models import qwen3_5
+    """--time: an engine per combination of the switch forms asked for (live pre-rotation,
+    checkpoint form, in-place GDN decode, --forms), each set through program_forms (JAX's
+    traces cleared, the switches put back after), and the Config values."""
     from benchmarks.program_forms import program_form
     for live, form, in_place, switches in itertools.product(a.live_prerotate, a.ck_forms,
                                                             a.decode_in_place, a.forms):
-        triton_ragged.LIVE_PREROTATE = bool(live)
-        qwen3_5.CHECKPOINTS_FIRST = CK_FORMS[form]
-        qwen3_5.GDN_DECODE_IN_PLACE, qwen3_5.GDN_DECODE_GLUE = in_place > 0, in_place >= 2
-        qwen3_5.GDN_DECODE_CONV = in_place == 3
-        # the step store keys on the switches (serving/step/program_switches.py); the kernels'
-        # own jits (paged_attention's _run_once) trace anew: session 25's first pre-rotation
-        # A/B timed one form twice without this
-        jax.clear_caches()
+        fixed = {"LIVE_PREROTATE": live, "CHECKPOINTS_FIRST": int(CK_FORMS[form]),
+                 "GDN_DECODE_IN_PLACE": int(in_place > 0), "GDN_DECODE_GLUE": int(in_place >= 2),
+                 "GDN_DECODE_CONV": int(in_place == 3)}
         print(f"live_prerotate={live} ck_form={form} decode_in_place={in_place} "
               f"forms={switches or '-'}", flush=True)
-        with program_form(switches):
+        # --forms last: a switch it names overrides the flags' value
+        with program_form(",".join([f"{k}={v}" for k, v in fixed.items()] + [switches])):
             for small in a.small_seq_bucket:
                 for fuse in a.fuse_weights:
                     time_point(seats, mml, a.tokens, a.reps, ckpt, a.preset, a.num_kv_blocks,

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import blocked_ms
 from kernels_pallas.gated_delta.chunked import recurrent_step
 from kernels_pallas.gated_delta.decode_triton import decode_conv_layer_in_place, decode_in_place
 
@@ -52,19 +51,19 @@ def xla_layer(x, conv_w, conv_cache, a, b, a_log, dt_bias, z, norm, state, slots
 
 
 def time_form(fn, args, reps, donate):
-    """Median ms of fn over reps (5 warm-up calls first), the caches `donate` (argument
-    indices) fed back each call; returns (ms, the last outputs)."""
+    """Median ms of fn over reps (timing.blocked_ms: each call waited for, after two warm
+    ones), the caches `donate` (argument indices) fed back each call; returns (ms, the last
+    outputs)."""
     f = jax.jit(fn, donate_argnums=donate)
-    args, outs, times = list(args), None, []
-    for i in range(reps + 5):
-        t0 = time.perf_counter()
+    args, last = list(args), []
+
+    def call():
         outs = f(*args)
         for j, arg in enumerate(donate):
             args[arg] = outs[1 + j]
-        jax.block_until_ready(outs)
-        if i >= 5:
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times), outs
+        last[:] = [outs]
+        return outs
+    return blocked_ms(call, reps)["ms"], last[0]
 
 
 def rel_diff(x, ref) -> float:
@@ -95,7 +94,7 @@ def main(argv=None) -> int:
                                 a.reps, (5,))
     print(f"gdn decode rows={n} slots={a.slots} heads={h} dim={d}: state xla {ms_x:.4f} ms",
           flush=True)
-    for bv in a.block_v:  # each form runs reps + 5 steps from the same state
+    for bv in a.block_v:  # each form runs reps + 2 steps from the same state
         fn = functools.partial(decode_in_place, block_v=bv)
         ms_k, (_, st_k) = time_form(fn, (q, k, v, g, beta, base.copy(), slots, keep, has),
                                     a.reps, (5,))

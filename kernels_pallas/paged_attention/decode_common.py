@@ -11,18 +11,14 @@ import numpy as np
 
 
 def merge_splits(out, lse, md):
-    """merge_partials for decode rows: rows that are no sequence's query (never written by the
-    kernel) come back zero."""
+    """Log-sum-exp merge of the splits' partial results, one elementwise pass (splits unrolled).
+
+    out [splits, T, H, D], lse [splits, T, H]; a split that saw no visible key has lse = -inf and
+    weight 0. Rows that are no sequence's query (never written by the kernel) come back zero.
+    """
     seq = jnp.clip(md.q_seq, 0, md.num_blocks.shape[0] - 1)
     t = jnp.arange(md.q_seq.shape[0], dtype=jnp.int32)
     is_query = (md.cu_q_lens[seq] == t) & (md.cu_q_lens[seq + 1] > t)  # [T]
-    return jnp.where(is_query[:, None, None], merge_partials(out, lse), 0.0)
-
-
-def merge_partials(out, lse):
-    """Log-sum-exp merge of split programs' normalized partial results, one elementwise pass
-    (splits unrolled). out [splits, T, H, D], lse [splits, T, H]; a split that saw no visible key
-    has lse = -inf and weight 0 (its out rows may be unwritten: never read into the sum)."""
     m = functools.reduce(jnp.maximum, list(lse))  # [T, H]
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     num = den = 0.0
@@ -30,7 +26,8 @@ def merge_partials(out, lse):
         w = jnp.exp(lse_i - m)[..., None]  # [T, H, 1]
         num = num + jnp.where(w > 0, o_i, 0.0) * w
         den = den + w
-    return num / jnp.where(den == 0, 1.0, den)
+    merged = num / jnp.where(den == 0, 1.0, den)
+    return jnp.where(is_query[:, None, None], merged, 0.0)
 
 
 def rope_table_in_graph(inv_freq, max_position: int, attention_scaling: float, dtype):

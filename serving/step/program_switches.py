@@ -5,9 +5,9 @@ between engines). Two caches could serve a flipped switch the other form's progr
   * the stored step executables (executable_store.py): the runner's program context includes
     `values()`, so an executable is keyed by every switch's value;
   * JAX's in-process traces: a kernel under its own module-level jit (paged_attention's
-    `_run_once`) keeps the form it was first traced with, so a bench calls `jax.clear_caches()`
-    after a flip (benchmarks/fixed_step_work.py; session 25's first pre-rotation A/B timed one
-    form twice without it).
+    `_run_once`) keeps the form it was first traced with, so a bench flips switches through
+    benchmarks/program_forms.py, which clears JAX's traces (session 25's first pre-rotation A/B
+    timed one form twice without it).
 A new switch of this kind goes in SWITCHES (tests/test_program_switches.py finds any module-level
 boolean constant of the engine's packages that is in neither list).
 """
