@@ -13,6 +13,13 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s27
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s27.txt
 left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
 nvidia-smi -L > "$R" 2>/dev/null
+if grep -q H200 "$R"; then  # compiled tests of the kernels changed since the last H200 run
+  MINIPIC_COMPILED=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
+    tests/test_paged_attention.py tests/test_paged_attention_decode.py \
+    tests/test_gdn_decode_kernel.py > "$OUT/tests.txt" 2>&1
+  echo "compiled tests (H200) rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
+  grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-200 >> "$R"
+fi
 XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 240 python3 -m benchmarks.cli hybrid-spans --steps \
   --sync-repeat --profile-top 30 --profile-forms RAGGED_SPLITS=0 \
   > "$OUT/hybrid_spans.txt" 2>&1
