@@ -93,19 +93,33 @@ def add_parser(p) -> None:
     p.add_argument("--profile-top", type=int, default=0, metavar="N",
                    help="after the calls: the reordered prefill step and a decode step replayed "
                         "alone, each with its N costliest kernels (a jax.profiler trace)")
+    p.add_argument("--host-trace", type=int, default=0, metavar="N",
+                   help="calls a-f each under a jax.profiler trace: their N costliest host events "
+                        "(driver calls, XLA / PjRt scopes) by name, to compare a call that "
+                        "first uses a program with its repeat (a / f, b / d, c / e)")
     p.add_argument("--profile-forms", nargs="*", default=[], metavar="NAME=0|1,...",
                    help="with --profile-top: both steps again under each form (program "
                         "switches, e.g. RAGGED_SPLITS=0,WIDE_SPLITS=0)")
 
 
-def timed_generate(llm, prompt, sp, counter: CompileCounter, trace=None) -> dict:
+def timed_generate(llm, prompt, sp, counter: CompileCounter, trace=None,
+                   host_trace: int = 0) -> dict:
     """One `llm.generate([prompt])`: wall ms, compiles during it, prompt and cached tokens;
-    with a StepTrace (benchmarks/hybrid_span_steps.py) its steps too (`trace`)."""
+    with a StepTrace (benchmarks/hybrid_span_steps.py) its steps too (`trace`); host_trace N:
+    the call under a jax.profiler trace, its N costliest host events by name (`host_events`;
+    the wall then includes the tracer's cost)."""
     before = counter.read(llm)
     if trace is not None:
         trace.begin()
     t0 = time.perf_counter()
-    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    events = None
+    if host_trace:
+        from benchmarks.timing import host_events
+        out, events = host_events(lambda: llm.generate([prompt], sp, use_tqdm=False),
+                                  top=host_trace)
+        out = out[0]
+    else:
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
     wall = time.perf_counter() - t0
     steps = None if trace is None else trace.end()
     after = counter.read(llm)
@@ -115,6 +129,8 @@ def timed_generate(llm, prompt, sp, counter: CompileCounter, trace=None) -> dict
     row["compiles"] = row["step_compiles"] + row["xla_compiles"] + row["xla_cache_loads"]
     if steps is not None:
         row["trace"] = steps
+    if events is not None:
+        row["host_events"] = events
     return row
 
 
@@ -174,7 +190,7 @@ def span_calls(llm, args, counter: CompileCounter, on_row=None, trace=None) -> d
                "e": reordered(second), "f": [Prompt(ids(total))]}
     on_row = on_row or (lambda key, row: None)
     for key, _ in CALLS[:-1]:
-        rows[key] = timed_generate(llm, prompts[key], sp, counter, trace)
+        rows[key] = timed_generate(llm, prompts[key], sp, counter, trace, args.host_trace)
         on_row(key, rows[key])
     rows["g"] = long_span_call(llm, args, counter, sp, ids, trace)
     on_row("g", rows["g"])
@@ -267,6 +283,8 @@ def print_row(key: str, r: dict, sync: bool = False) -> None:
     if "trace" in r:
         from benchmarks.hybrid_span_steps import table_lines
         print("\n".join(table_lines(r["trace"], sync=sync)), flush=True)
+    for name, count, ms in r.get("host_events", []):
+        print(f"    host {ms:9.3f} ms {count:6d}  {name}", flush=True)
 
 
 def run(args) -> int:

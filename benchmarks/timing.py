@@ -154,3 +154,34 @@ def profile_kernels(call, steps: int = 3, top: int = 25) -> dict:
             "lines": {k: {"events": n, "ms": t} for k, (n, t) in lines.items()},
             "top": [{"name": k[:90], "calls_per_step": n / steps, "ms_per_step": t / steps}
                     for k, (n, t) in rows[:top]]}
+
+
+def host_events(call, top: int = 15) -> tuple:
+    """call() under a jax.profiler trace: (its result, the host-side events of the trace (every
+    plane but the GPUs' kernel lines and Python frames: PjRt and XLA TraceMe scopes, CUDA
+    driver calls) summed by
+    name, [(name, count, ms)] costliest first, `top` of them). What a call's host time went to
+    that another call's did not (benchmarks/hybrid_span_request.py --host-trace)."""
+    import glob
+    import os
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        out = call()
+        jax.block_until_ready(out)
+    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    by_name = {}
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                if e.name.startswith("$"):  # Python frames (the tracer's): not the runtime's
+                    continue
+                n, t = by_name.get(e.name, (0, 0.0))
+                by_name[e.name] = (n + 1, t + e.duration_ns / 1e6)
+    rows = sorted(((k[:80], n, t) for k, (n, t) in by_name.items()), key=lambda r: -r[2])
+    return out, rows[:top]
