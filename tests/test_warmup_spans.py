@@ -18,9 +18,23 @@ SP = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
 
 
 def test_span_requests_compile_nothing_after_the_default_warmup(capsys):
-    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
-              max_num_batched_tokens=64, min_token_bucket=64, max_model_len=512,
-              block_size=16, num_kv_blocks=96, warmup=True)
+    from collections import Counter
+    from unittest import mock
+
+    from serving.step import model_runner
+    runs = Counter()  # warm-up runs per variant (its static kwargs)
+    dispatch = model_runner.ModelRunner._dispatch
+
+    def counted(self, ints, floats, use_prev, kw):
+        runs[tuple(sorted((k, repr(v)) for k, v in kw.items()))] += 1
+        return dispatch(self, ints, floats, use_prev, kw)
+    with mock.patch.object(model_runner.ModelRunner, "_dispatch", counted):
+        llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
+                  max_num_batched_tokens=64, min_token_bucket=64, max_model_len=512,
+                  block_size=16, num_kv_blocks=96, warmup=True)
+    # each variant runs twice: on a GPU, XLA builds a program's CUDA graphs on its second run,
+    # which would otherwise fall on the first request's step (model_runner.FIRST_CALLS)
+    assert runs and min(runs.values()) >= model_runner.FIRST_CALLS == 2, runs
     assert llm.startup["warmup_variants"] >= 2 and llm.startup["warmup_s"] > 0
     assert llm.startup["warmup_write_programs"] >= 2  # update_weights': top leaves, layers
     assert "warm-up" in capsys.readouterr().err  # the progress line on stderr

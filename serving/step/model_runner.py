@@ -37,6 +37,14 @@ from serving.step.step_executables import StepExecutables
 from serving.step.step_inputs import (S_FIELDS_CKPT, SeatTables, clear_ints, fill_checkpoints,
                                       fill_sampling, layout)
 
+# Runs of each warm-up variant: on a GPU, XLA runs an executable's command buffers op by op on
+# its first run (their warm-up iteration) and records and instantiates the CUDA graphs on the
+# second (xla/backends/gpu/runtime/command_buffer_thunk.cc). With one run, each program's first
+# real step paid that: 3-6 ms of dispatch on an H100 (the graph's instantiation 2.3-4.3 ms and
+# its ~700 nodes added; benchmarks/RESULTS.md, session 27), once per variant a request meets.
+FIRST_CALLS = 2
+
+
 class ModelRunner:
     def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype, *, marker_rows=None,
                  ck_pool=None, span_pool=None, fresh_pages=None):
@@ -240,8 +248,8 @@ class ModelRunner:
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
                num_logprobs: int = 0, spans: bool = False) -> None:
         """Ready the step of every token bucket for one sampling mode, with every per-step
-        attention plan a step of that bucket can take (fits / overflows), then run each once as an
-        empty step (nothing written). spans (hybrid models): also each bucket's span step, and
+        attention plan a step of that bucket can take (fits / overflows), then run each
+        FIRST_CALLS times as an empty step (nothing written). spans (hybrid models): also each bucket's span step, and
         with a span-map pool the compose program of every chain-row bucket at the engine's one
         chain length (serving/hybrid/span_compose.py). Ready = loaded from the executable store
         or traced, lowered and compiled in threads (serving/step/step_executables.py);
@@ -252,10 +260,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._step.prepare([(self._args(ints, floats, use_prev, kw), kw)
                             for ints, floats, kw in steps])
-        self.cache = self.zeroer.warmup(self.cache)
+        for _ in range(FIRST_CALLS):
+            self.cache = self.zeroer.warmup(self.cache)
         t1 = time.perf_counter()
-        for ints, floats, kw in steps:  # one-time costs of each executable's first run
-            jax.block_until_ready(self._dispatch(ints, floats, use_prev, kw))
+        for _ in range(FIRST_CALLS):  # one-time costs of each executable's first runs
+            for ints, floats, kw in steps:
+                jax.block_until_ready(self._dispatch(ints, floats, use_prev, kw))
         st = self.startup
         st["prepare_s"] = st.get("prepare_s", 0.0) + t1 - t0
         st["first_calls_s"] = st.get("first_calls_s", 0.0) + time.perf_counter() - t1
