@@ -95,20 +95,20 @@ class LLMEngine:
         self.num_discarded_rows = 0  # rows of requests that had finished (or were aborted)
 
     def warmup(self, modes=((True, False, 0),), spans: bool | None = None) -> None:
-        """Ready the step of each bucket and (all_greedy, use_filter, num_logprobs) mode, so a run
-        compiles nothing (runner.warmup; seconds: runner.startup). spans: a hybrid's span steps
-        too (None: on a hybrid model, so a span request, cold or cached, compiles nothing)."""
+        """Ready the step of each bucket and (all_greedy, use_filter, num_logprobs) mode: a run
+        compiles nothing (runner.warmup). spans: the span steps too (None: on hybrid models)."""
         if spans is None:
             spans = self.runner.hybrid
+        t0 = time.perf_counter()  # page moves first: a later program would evict the step
+        self.runner.cache = self.cache.warmup(self.runner.cache)  # graphs (runner.first_calls)
+        t1 = time.perf_counter()
         for all_greedy, use_filter, num_logprobs in modes:
             self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
                                num_logprobs=num_logprobs, spans=spans)
-        t0 = time.perf_counter()
-        self.runner.cache = self.cache.warmup(self.runner.cache)  # span store's page moves
-        t1 = time.perf_counter()
+        t2 = time.perf_counter()
         gc.collect()  # tracing leaves millions of long-lived objects: out of the GC's reach
         gc.freeze()
-        self.runner.startup.update(movers_s=t1 - t0, gc_s=time.perf_counter() - t1)
+        self.runner.startup.update(movers_s=t1 - t0, gc_s=time.perf_counter() - t2)
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, request_id, prompt_token_ids, sampling_params, *, label: str | None = None,

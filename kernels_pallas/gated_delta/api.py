@@ -36,6 +36,8 @@ from kernels_pallas.gated_delta.joint import run_joint  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
 from kernels_pallas.gated_delta.ragged import packed_chunks, take_rows  # noqa: F401
 from kernels_pallas.gated_delta.ragged import packing as ragged_packing  # noqa: F401
+from kernels_pallas.gated_delta.state_rows import (EYE, ZERO, StateRows, as_array,  # noqa: F401
+                                                   from_cache, rows_of)
 from kernels_pallas.registry import Implementation
 
 __all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "JointPass", "Problem", "apply_map", "auto_order",
@@ -321,7 +323,9 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
                               scale=scale, chunk=chunk, implementation=implementation,
                               interpret=interpret, packing=packing)
 
-    ops = tuple(map(jnp.asarray, (q, k, v, g, beta))) + (jnp.asarray(state0, jnp.float32),)
+    rows = isinstance(state0, StateRows) and decode is False  # the prefill reads it in place
+    state0 = state0 if rows else jnp.asarray(as_array(state0), jnp.float32)
+    ops = tuple(map(jnp.asarray, (q, k, v, g, beta))) + (state0,)
     del seqs
     with dots.exact_for(v.dtype):
         if decode is None:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.gated_delta import chunked, dots
 from kernels_pallas.gated_delta.checkpoint_rows import as_rows
+from kernels_pallas.gated_delta.state_rows import as_array, rows_of
 
 
 def chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks):
@@ -230,8 +231,10 @@ def checkpoint_bounds(rows, pos0, pk, chunk: int, n_chunks: int):
 
 def rows_states(use, states, state0, seq, shape):
     """Each checkpoint row's state: `states` [K, ...] where used, else the state its sequence
-    starts from (one state0 row serves all when state0 has one); [K] reshaped to `shape`."""
-    start = state0[seq] if state0.shape[0] > 1 else jnp.broadcast_to(state0, states.shape)
+    starts from (one state0 row serves all when state0 has one; an array or a StateRows); [K]
+    reshaped to `shape`."""
+    start = rows_of(state0, seq) if state0.shape[0] > 1 else jnp.broadcast_to(
+        rows_of(state0, jnp.zeros(1, jnp.int32)), states.shape)
     out = jnp.where(use[:, None, None, None], states, start)
     return out.reshape(tuple(shape) + out.shape[1:])
 
@@ -253,9 +256,11 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
     last_state = state0.shape[0] - 1  # 0 when one state0 serves every sequence
     seq_state = pk["seq_of_chunk"] if last_state else jnp.zeros_like(pk["seq_of_chunk"])
     if pk.get("empty_final_first"):  # a caller's seq_of_chunk picks state0 rows, not sequences:
-        state0_fin = state0[:1]  # an empty one ends in state0[0] (no [K] gather of states)
-    else:
-        state0_fin = state0[fin] if last_state and not pk["own_final"] else state0  # [K or 1]
+        state0_fin = rows_of(state0, jnp.zeros(1, jnp.int32))  # an empty one ends in state0[0]
+    elif last_state and not pk["own_final"]:  # [K]
+        state0_fin = rows_of(state0, fin)
+    else:  # [S] or [1]
+        state0_fin = as_array(state0)
     if return_transition and implementation not in (None, "xla"):
         raise NotImplementedError("ragged_prefill: return_transition has the XLA path only "
                                   f"(implementation=None or 'xla'), got {implementation!r}")
@@ -325,7 +330,7 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
     v_new, entering, before, *prod = _restart_scan(
         parts["w"], parts["u"], parts["kd"], parts["decay_last"], pk["restart"],
-        seq_state, state0.astype(f32), transition=transition)
+        seq_state, as_array(state0).astype(f32), transition=transition)
     out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
                                jnp.moveaxis(entering, 0, 1)[None])
     return chunked.from_chunks(out)[0], before[bounds], prod[0][bounds] if transition else None

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.gated_delta import fused_triton, scan_fused
+from kernels_pallas.gated_delta import fused_triton, scan_fused, state_rows
+from kernels_pallas.gated_delta.state_rows import StateRows
 
 
 # False: the serial scan (one program per head and value block walks every packed chunk), kept
@@ -58,14 +59,30 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_
     jax.lax.fori_loop(used, n_chunks + 1, save_only, s)
 
 
-def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref, s0_ref,
-                     slot_ref, vnew_ref, states_ref, bound_ref, *, n_chunks, chunk, dot_dtype,
-                     layout):
-    # per sequence (grid axis 2): first/count [S] its packed chunks; the rest as the serial one
-    save = scan_fused.saver(slot_ref, bound_ref)
+def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref, *refs,
+                     n_chunks, chunk, dot_dtype, layout, n_sources, block_v):
+    # per sequence (grid axis 2): first/count [S] its packed chunks; the rest as the serial one,
+    # except: with n_sources the initial states are a StateRows (kind, index [N], then each
+    # source's [P, Dk, BV] block: state_rows.load_tile), and bound [M, Dk, BV] is stored in the
+    # "kv" order whatever the layout (no transposed copy after the kernel)
+    if n_sources:
+        kind_ref, index_ref = refs[:2]
+        src_refs = refs[2:2 + n_sources]
+        slot_ref, vnew_ref, states_ref, bound_ref = refs[2 + n_sources:]
+    else:
+        s0_ref, slot_ref, vnew_ref, states_ref, bound_ref = refs
+    vk = layout == "vk"
+    j = pl.program_id(1)  # read here: the interpreter has no program_id under a pl.when
     sid = pl.program_id(2)
     start = jnp.minimum(first_ref[sid], n_chunks)
     end = jnp.minimum(start + count_ref[sid], n_chunks)  # a broken bound loses chunks, not memory
+
+    def save(c, s):
+        slot = slot_ref[c]
+
+        @pl.when(slot >= 0)
+        def _():
+            bound_ref[slot] = s.T if vk and n_sources else s
 
     def body(c, s):
         states_ref[c] = s.astype(states_ref.dtype)
@@ -76,7 +93,12 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
 
     @pl.when(end > start)
     def _():
-        s0 = s0_ref[seq_ref[jnp.minimum(start, n_chunks - 1)]].astype(jnp.float32)
+        row = seq_ref[jnp.minimum(start, n_chunks - 1)]
+        if n_sources:
+            s0 = state_rows.load_tile(row, kind_ref, index_ref, src_refs, j=j,
+                                      block_v=block_v, transpose=vk)
+        else:
+            s0 = s0_ref[row].astype(jnp.float32)
         jax.lax.fori_loop(start, end, body, s0)
 
 
@@ -133,16 +155,20 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         raise ValueError(f"gated_delta packed_gated_delta: layout must be one of "
                          f"{scan_fused.LAYOUTS}, got {layout!r}")
     vk = layout == "vk"
-    s0 = jnp.swapaxes(state0, -1, -2) if vk else state0
     used = jnp.full((1,), nc, jnp.int32) if n_used is None else jnp.reshape(
         n_used, (1,)).astype(jnp.int32)
     if (SEQ_PARALLEL if seq_parallel is None else seq_parallel) and seq_first is not None:
         per_seq = (jnp.asarray(seq_first, jnp.int32), jnp.asarray(seq_chunks, jnp.int32))
     else:
         per_seq = None
+    if per_seq is not None and isinstance(state0, StateRows):
+        s0 = state0  # read in place by the kernel; its bound states come in the "kv" order
+    else:
+        s0 = state_rows.as_array(state0).astype(jnp.float32)
+        s0 = jnp.swapaxes(s0, -1, -2) if vk else s0
     v_new, states, bound = _state_scan(
         w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
-        s0.astype(jnp.float32), slot_map, used, per_seq, n_b=n_b, chunk=chunk,
+        s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk,
         dot_dtype=dot_dtype, layout=layout, block_v=min(opt["block_v"], dv),
         num_warps=opt["scan_warps"], num_stages=opt["scan_stages"], interpret=interpret)
     if opt["output"] == "mosaic":
@@ -154,7 +180,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
                                         dot_dtype=dot_dtype, out_dtype=v.dtype,
                                         interpret=interpret, num_warps=opt["out_warps"],
                                         states_t=vk, used=n_used)
-    if vk:
+    if vk and not isinstance(s0, StateRows):
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter
     return out, bound[winner]
@@ -163,39 +189,63 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
 def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq, *, n_b, chunk,
                 dot_dtype, layout, block_v, num_warps, num_stages, interpret):
     """The scan kernel's call: serial (grid (Hv, Dv / BV)) or, with per_seq = (first, count)
-    [S'] each, one program per sequence (grid (Hv, Dv / BV, S')). Returns (v_new [1, T, Hv, Dv],
-    states [1, Hv, NC, ...], bound [n_b, Hv, ...]) in the layout's axis order."""
+    [S'] each, one program per sequence (grid (Hv, Dv / BV, S')). s0: the initial states in the
+    layout's axis order, or (per_seq only) a StateRows read in place. Returns (v_new [1, T, Hv,
+    Dv], states [1, Hv, NC, ...], bound [n_b, Hv, ...]) in the layout's axis order (bound in
+    the "kv" order with a StateRows)."""
     _, t_len, hv, dk = w.shape
     dv = u.shape[-1]
     nc = t_len // chunk
     vk = layout == "vk"
     blk = (block_v, dk) if vk else (dk, block_v)
     st = (dv, dk) if vk else (dk, dv)
-    seqs = s0.shape[0]
+    rows_in = isinstance(s0, StateRows)
     grid = (hv, dv // block_v) + (() if per_seq is None else (per_seq[0].shape[0],))
     s_idx = (lambda j: (j, 0)) if vk else (lambda j: (0, j))
     seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j, *_: (0, 0, h, 0))
     seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda h, j, *_: (0, 0, h, j))
     whole = lambda n: pl.BlockSpec((n,), lambda h, j, *_: (0,))  # noqa: E731
     common = [seq_k, seq_v, seq_k, pl.BlockSpec((None, nc), lambda h, j, *_: (h, 0))]
-    state_in = pl.BlockSpec((seqs, None, *blk), lambda h, j, *_: (0, h, *s_idx(j)))
+    n_sources, bound_blk, bound_st, bound_idx = 0, blk, st, s_idx
     if per_seq is None:
+        state_in = pl.BlockSpec((s0.shape[0], None, *blk), lambda h, j, *_: (0, h, *s_idx(j)))
         kernel, operands = _restart_scan_kernel, (restart, seq_of_chunk, s0, slot_map, used)
         in_specs = common + [whole(nc), whole(nc), state_in, whole(nc + 1), whole(1)]
     else:
         n_seq = per_seq[0].shape[0]
-        kernel, operands = _seq_scan_kernel, (*per_seq, seq_of_chunk, s0, slot_map)
-        in_specs = common + [whole(n_seq), whole(n_seq), whole(nc), state_in, whole(nc + 1)]
+        if rows_in:  # kind, index, then each source's (head, value block) of every row
+            n_sources = len(s0.sources)
+            bound_blk, bound_st, bound_idx = (dk, block_v), (dk, dv), (lambda j: (0, j))
+            states_in = [whole(s0.kind.shape[0]), whole(s0.kind.shape[0])] + [
+                _source_spec(src, s0.layer_of(i), dk, block_v)
+                for i, src in enumerate(s0.sources)]
+            state_ops = (s0.kind, s0.index, *s0.sources)
+        else:
+            states_in = [pl.BlockSpec((s0.shape[0], None, *blk),
+                                      lambda h, j, *_: (0, h, *s_idx(j)))]
+            state_ops = (s0,)
+        kernel = functools.partial(_seq_scan_kernel, n_sources=n_sources, block_v=block_v)
+        operands = (*per_seq, seq_of_chunk, *state_ops, slot_map)
+        in_specs = common + [whole(n_seq), whole(n_seq), whole(nc)] + states_in + [whole(nc + 1)]
     return pl.pallas_call(
         functools.partial(kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype, layout=layout),
         grid=grid,
         in_specs=in_specs,
         out_specs=[seq_v, pl.BlockSpec((None, None, nc, *blk),
                                        lambda h, j, *_: (0, h, 0, *s_idx(j))),
-                   pl.BlockSpec((n_b, None, *blk), lambda h, j, *_: (0, h, *s_idx(j)))],
+                   pl.BlockSpec((n_b, None, *bound_blk), lambda h, j, *_: (0, h, *bound_idx(j)))],
         out_shape=[jax.ShapeDtypeStruct((1, t_len, hv, dv), dot_dtype),
                    jax.ShapeDtypeStruct((1, hv, nc, *st), dot_dtype),
-                   jax.ShapeDtypeStruct((n_b, hv, *st), jnp.float32)],
+                   jax.ShapeDtypeStruct((n_b, hv, *bound_st), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(w, u, kd, dl, *operands)
+
+
+def _source_spec(src, layer, dk: int, block_v: int):
+    """A StateRows source's block for program (head h, value block j): every row's [Dk, BV]
+    tile ([P, Lg, Hv, Dk, Dv] sources: of `layer`)."""
+    if layer is None:
+        return pl.BlockSpec((src.shape[0], None, dk, block_v), lambda h, j, *_: (0, h, 0, j))
+    return pl.BlockSpec((src.shape[0], None, None, dk, block_v),
+                        lambda h, j, *_: (0, layer, h, 0, j))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
-from kernels_pallas.gated_delta.api import GATED_DELTA, IMPLEMENTATIONS, ragged_packing
+from kernels_pallas.gated_delta.api import GATED_DELTA, IMPLEMENTATIONS, from_cache, ragged_packing
 from kernels_pallas.paged_attention.api import KV_MODES
 from kernels_pallas.sharding import tp_mesh
 from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
@@ -195,7 +195,9 @@ def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_plac
         delta0 = None
         kw["state_cache"] = qwen3_5_gdn.StateCache(delta_c, slots, ~reset, GDN_DECODE_GLUE,
                                                    conv_c if conv_in else None)
-    else:
+    elif tp_mesh() is None:  # the flow's states read in the cache by the kernels (no [S] copy)
+        delta0 = from_cache(delta_c, slots, ~reset)
+    else:  # per head shard: an array
         delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
     x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, cu_q_lens, pos0, cfg,
                                                         **kw))

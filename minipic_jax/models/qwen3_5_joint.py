@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta.api import (JointPass, final_bounds, joint_packing,
-                                            packed_chunks, run_joint, selected_rows, take_rows)
+from kernels_pallas.gated_delta.api import (EYE, ZERO, JointPass, StateRows, final_bounds,
+                                            joint_packing, packed_chunks, rows_of, run_joint,
+                                            selected_rows, take_rows)
 from kernels_pallas.sharding import tp_mesh
 from serving.model_contract import SpanPieces
 
@@ -84,6 +85,28 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
                 n_local=local_final_of.shape[0], with_entries=entry_use is not None)
 
 
+def _table(delta0, layer_plan) -> StateRows:
+    """The state table [delta0 (S) | zero | I | entry B (Mc) | entry A (Mc)] as a StateRows: the
+    flow's rows where delta0 names them (the layer's cache) or delta0 itself, the entries' in the
+    span-map pool's layer (layer_plan: for_layer's, with entries; None without), nothing copied."""
+    if not isinstance(delta0, StateRows):  # an array [S, ...]: itself, row by row
+        n = delta0.shape[0]
+        delta0 = StateRows((delta0,), jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32))
+    sources = list(delta0.sources)
+    layers = list(delta0.layers or (None,) * len(sources))
+    kind = [delta0.kind, jnp.asarray([ZERO, EYE], jnp.int32)]
+    index = [delta0.index, jnp.zeros(2, jnp.int32)]
+    if layer_plan is not None:
+        e, use, n = layer_plan["entry"], layer_plan["entry_use"], len(sources)
+        sources += [e["b"], e["a"]]
+        layers += [layer_plan["layer"]] * 2
+        kind += [jnp.where(use, n, ZERO).astype(jnp.int32),
+                 jnp.where(use, n + 1, EYE).astype(jnp.int32)]
+        index += [e["slot"], e["slot"]]
+    return StateRows(tuple(sources), jnp.concatenate(kind), jnp.concatenate(index),
+                     tuple(layers))
+
+
 def _state_rows(s: int, g: int, mc: int, piece_entry, entry_use):
     """[S + G + Mc] the state table row of every joint sequence: a flow sequence its own, a
     local piece the zero row or (continuing a long span) its entry's B, a transition I or its
@@ -105,24 +128,21 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     ragged_prefill's) or None, the local finals [S (+ Mc)] (final_pieces order) and the captured
     pieces' transitions [Mc, Hv, Dk, Dk] (None without captures)."""
     s, mc, n_local = p["seqs"], p["mc"], p["n_local"]
-    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    dk = k.shape[2]
     f32 = jnp.float32
-    table = [delta0.astype(f32), jnp.zeros((1, hv, dk, dv), f32),
-             jnp.broadcast_to(jnp.eye(dk, dtype=f32), (1, hv, dk, dk))]
-    if p["with_entries"]:
-        use = layer_plan["entry_use"][:, None, None, None]
-        table += [jnp.where(use, layer_plan["entry_b"], 0.0).astype(f32),
-                  jnp.where(use, layer_plan["entry_a"], jnp.eye(dk, dtype=f32)).astype(f32)]
-    out, fin, ck = run_joint(q, k, v, g, beta, p["joint"], jnp.concatenate(table),
+    table = _table(delta0, layer_plan if p["with_entries"] else None)
+    out, fin, ck = run_joint(q, k, v, g, beta, p["joint"], table,
                              p["chunk_state"], p["fin_bounds"], checkpoint_at=checkpoint_at,
                              pos0=pos0, chunk=p["joint"]["chunk"], **kernel)
     has = p["has"][:, None, None, None]
     # a sequence with no rows ends where it starts: the flow in its state, a piece at zero (a
     # piece that continues a long span is never empty), a transition at I or its entry's A
-    flow = jnp.where(has[:s], fin[:s], delta0)
+    flow = jnp.where(has[:s], fin[:s], rows_of(delta0, jnp.arange(s, dtype=jnp.int32)))
     local = jnp.where(has[s:s + n_local], fin[s:s + n_local], 0.0)
     a_span = None
     if mc:
-        a0 = table[-1] if p["with_entries"] else jnp.eye(dk, dtype=f32)
+        n = table.kind.shape[0]  # the entries' A: the table's last Mc rows
+        a0 = rows_of(table, jnp.arange(n - mc, n, dtype=jnp.int32)) if p["with_entries"] \
+            else jnp.eye(dk, dtype=f32)
         a_span = jnp.where(has[s + n_local:], fin[s + n_local:], a0)
     return take_rows(out, p["dest"]).astype(f32), flow, ck, local, a_span

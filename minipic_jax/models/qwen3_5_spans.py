@@ -137,7 +137,8 @@ def for_layer(plan, layer: int):
         return plan
     e = plan["entry"]
     pick = lambda x: x[e["slot"], layer]  # noqa: E731 ([Mc, ...]: one gather per layer)
-    return dict(plan, entry_b=pick(e["b"]), entry_a=pick(e["a"]), entry_tail=pick(e["tail"]))
+    return dict(plan, entry_b=pick(e["b"]), entry_a=pick(e["a"]), entry_tail=pick(e["tail"]),
+                layer=layer)
 
 
 def _window_rows(start, end, width: int, oor: int, entry_base=None, k1: int = 0):

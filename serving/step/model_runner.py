@@ -37,14 +37,6 @@ from serving.step.step_executables import StepExecutables
 from serving.step.step_inputs import (S_FIELDS_CKPT, SeatTables, clear_ints, fill_checkpoints,
                                       fill_sampling, layout)
 
-# Runs of each warm-up variant: on a GPU, XLA runs an executable's command buffers op by op on
-# its first run (their warm-up iteration) and records and instantiates the CUDA graphs on the
-# second (xla/backends/gpu/runtime/command_buffer_thunk.cc). With one run, each program's first
-# real step paid that: 3-6 ms of dispatch on an H100 (the graph's instantiation 2.3-4.3 ms and
-# its ~700 nodes added; benchmarks/RESULTS.md, session 27), once per variant a request meets.
-FIRST_CALLS = 2
-
-
 class ModelRunner:
     def __init__(self, config, loaded: EngineModel, num_blocks: int, dtype, *, marker_rows=None,
                  ck_pool=None, span_pool=None, fresh_pages=None):
@@ -110,8 +102,9 @@ class ModelRunner:
         self.cache, self.num_blocks, self.step_reserve = size_pool(
             self, make_cache, num_blocks, loaded.cfg, step=(self._args, self._step_impl))
         self.zeroer = PageZeroer(self.num_blocks, config, source=fresh_pages)  # page_zeroing.py
-        # seconds per start-up phase: placing / fusing the weights, the KV pool, then warmup's
+        # seconds per start-up phase (weights placed / fused, KV pool, warm-up); warmed variants
         self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
+        self._warm_steps: list = []  # (ints, floats, use_prev, kw) each
 
     @property
     def num_compiles(self) -> int:
@@ -248,29 +241,30 @@ class ModelRunner:
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
                num_logprobs: int = 0, spans: bool = False) -> None:
         """Ready the step of every token bucket for one sampling mode, with every per-step
-        attention plan a step of that bucket can take (fits / overflows), then run each
-        FIRST_CALLS times as an empty step (nothing written). spans (hybrid models): also each bucket's span step, and
+        attention plan a step of that bucket can take (fits / overflows), then run each once as
+        an empty step (`first_calls`). spans (hybrid models): also each bucket's span step, and
         with a span-map pool the compose program of every chain-row bucket at the engine's one
         chain length (serving/hybrid/span_compose.py). Ready = loaded from the executable store
-        or traced, lowered and compiled in threads (serving/step/step_executables.py);
-        `startup` gets the seconds of each phase."""
-        steps = self.warmup_steps(all_greedy=all_greedy, use_filter=use_filter,
-                                  num_logprobs=num_logprobs, spans=spans)
-        use_prev = self.config.async_scheduling
+        or traced, lowered and compiled in threads (serving/step/step_executables.py)."""
+        warm = [(*w[:2], self.config.async_scheduling, w[2]) for w in self.warmup_steps(
+            all_greedy=all_greedy, use_filter=use_filter, num_logprobs=num_logprobs, spans=spans)]
         t0 = time.perf_counter()
-        self._step.prepare([(self._args(ints, floats, use_prev, kw), kw)
-                            for ints, floats, kw in steps])
-        for _ in range(FIRST_CALLS):
-            self.cache = self.zeroer.warmup(self.cache)
+        self._step.prepare([(self._args(*w), w[3]) for w in warm])
+        self._warm_steps += warm
         t1 = time.perf_counter()
-        for _ in range(FIRST_CALLS):  # one-time costs of each executable's first runs
-            for ints, floats, kw in steps:
-                jax.block_until_ready(self._dispatch(ints, floats, use_prev, kw))
+        self.first_calls(warm)  # one-time costs of each executable's first run
         st = self.startup
         st["prepare_s"] = st.get("prepare_s", 0.0) + t1 - t0
         st["first_calls_s"] = st.get("first_calls_s", 0.0) + time.perf_counter() - t1
-        st["variants"] = st.get("variants", 0) + len(steps)
+        st["variants"] = st.get("variants", 0) + len(warm)
         st.update(self._step.timings, **self._step.counts)
+
+    def first_calls(self, steps=None) -> None:
+        """The zeroer and `steps` (default: all warmed) run once, empty. XLA drops every CUDA
+        graph when it makes a program (rebuilt at a run: 3-6 ms, RESULTS.md): warmup.run re-runs."""
+        self.cache = self.zeroer.warmup(self.cache)
+        for args in self._warm_steps if steps is None else steps:
+            jax.block_until_ready(self._dispatch(*args))
 
     def warmup_steps(self, *, all_greedy: bool = True, use_filter: bool = False,
                      num_logprobs: int = 0, spans: bool = False) -> list:

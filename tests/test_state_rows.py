@@ -1,0 +1,65 @@
+"""The ragged scan reads its sequences' initial states where they live (state_rows.StateRows:
+the layer's state cache by slot, zeros, the identity, a layered span-map pool) instead of a table
+built before the kernel: the same outputs, finals and checkpoints bit for bit as with that table
+materialized, in both state layouts, and `take` is the table's gather. Interpret mode on CPU;
+`MINIPIC_COMPILED=1` compiles the kernels on a GPU."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn_inputs import gdn_inputs
+from kernels_pallas.gated_delta import api, fused_triton
+from kernels_pallas.gated_delta.state_rows import EYE, ZERO, StateRows, from_cache
+
+INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
+HK, HV, DK, DV, CHUNK = 1, 2, 16, 16, 16
+
+
+def _table(rng):
+    """Rows: 3 cache slots (one reset to zero), zero, I, a pool entry of layer 1, I again."""
+    cache = jnp.asarray(rng.standard_normal((9, HV, DK, DV)), jnp.float32)
+    pool = jnp.asarray(0.3 * rng.standard_normal((5, 3, HV, DK, DV)), jnp.float32)
+    flow = from_cache(cache, jnp.asarray([7, 2, 4], jnp.int32), jnp.asarray([True, False, True]))
+    kind = jnp.concatenate([flow.kind, jnp.asarray([ZERO, EYE, 1, EYE], jnp.int32)])
+    index = jnp.concatenate([flow.index, jnp.asarray([0, 0, 3, 0], jnp.int32)])
+    rows = StateRows((cache, pool), kind, index, (None, 1))
+    eye = np.broadcast_to(np.eye(DK, dtype=np.float32), (HV, DK, DV))
+    c, zero = np.asarray(cache), np.zeros((HV, DK, DV), np.float32)
+    want = np.stack([c[7], zero, c[4], zero, eye, np.asarray(pool)[3, 1], eye])
+    return rows, want
+
+
+def test_take_is_the_table_gather(fresh_rng):
+    rows, want = _table(fresh_rng)
+    np.testing.assert_array_equal(np.asarray(rows.materialize()), want)
+    pick = jnp.asarray([6, 0, 5, 5], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(rows.take(pick)), want[np.asarray(pick)])
+    assert rows.shape == want.shape
+
+
+@pytest.mark.parametrize("layout", ["vk", "kv"])
+def test_the_scan_reads_state_rows_in_place_bit_for_bit(fresh_rng, monkeypatch, layout):
+    rows, table = _table(fresh_rng)
+    lens, pos0 = [20, 0, 5, 37, 16, 1, 9], [3, 0, 16, 0, 32, 7, 0]  # one sequence per row
+    t = sum(lens) + 7
+    q, k, v, g, beta = (x[0] for x in gdn_inputs(fresh_rng, 1, t, HK, HV, DK, DV))
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    ends = np.array(pos0) + np.array(lens)
+    ck = np.stack([ends, [16, -1, 16, 32, 48, -1, -1]], axis=1).astype(np.int32)
+    monkeypatch.setitem(fused_triton.DEFAULTS, "layout", layout)
+
+    def run(state0):
+        fn = jax.jit(lambda *a: api.ragged_gated_delta(
+            *a, checkpoint_at=jnp.asarray(ck), chunk=CHUNK, implementation="pallas_fused",
+            interpret=INTERPRET, decode=False))
+        return [np.asarray(x) for x in fn(q, k, v, g, beta, cu, np.array(pos0, np.int32),
+                                          state0)]
+    in_place, built = run(rows), run(jnp.asarray(table))
+    for name, a, b in zip(("out", "final", "checkpoints"), built, in_place):
+        np.testing.assert_array_equal(b, a, err_msg=name)
+    np.testing.assert_array_equal(in_place[1][1], table[1])  # an empty sequence keeps its row
+    assert np.isfinite(in_place[0][: cu[-1]]).all()
