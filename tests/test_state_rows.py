@@ -2,7 +2,7 @@
 the layer's state cache by slot, zeros, the identity, a layered span-map pool) instead of a table
 built before the kernel: the same outputs, finals and checkpoints bit for bit as with that table
 materialized, in both state layouts, and `take` is the table's gather. Interpret mode on CPU;
-`MINIPIC_COMPILED=1` compiles the kernels on a GPU."""
+`MINIPIC_COMPILED=1` compiles the kernels on a GPU (there within float32 summation order)."""
 
 import os
 
@@ -60,6 +60,10 @@ def test_the_scan_reads_state_rows_in_place_bit_for_bit(fresh_rng, monkeypatch, 
                                           state0)]
     in_place, built = run(rows), run(jnp.asarray(table))
     for name, a, b in zip(("out", "final", "checkpoints"), built, in_place):
-        np.testing.assert_array_equal(b, a, err_msg=name)
+        if INTERPRET:
+            np.testing.assert_array_equal(b, a, err_msg=name)
+        else:  # compiled, "vk": the state tile arrives transposed in registers, and Triton's
+            # float32 dots then sum in another order (H100: 11 of 3,040 outputs 3.7e-9 apart)
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7, err_msg=name)
     np.testing.assert_array_equal(in_place[1][1], table[1])  # an empty sequence keeps its row
     assert np.isfinite(in_place[0][: cu[-1]]).all()

@@ -87,8 +87,10 @@ def final_bounds(jp, finals):
 
 
 def run_joint(q, k, v, g, beta, jp, table, chunk_state, fin_bounds, *, checkpoint_at=None,
-              pos0=None, scale=None, chunk=64, implementation="xla", interpret=False):
-    """The joint stream's kernels. table [N, Hv, Dk, Dv] float32: the initial states;
+              pos0=None, scale=None, chunk=64, implementation="xla", interpret=False,
+              first_states=None):
+    """The joint stream's kernels. table [N, Hv, Dk, Dv] float32 or a StateRows: the initial
+    states (first_states: the first pass's alone, where cheaper to read: its checkpoints';
     chunk_state [NC] the table row each chunk's sequence starts from (several sequences may
     share one); fin_bounds [F] (`final_bounds`) the boundaries whose states to return;
     checkpoint_at: None or CheckpointRows of the first pass's sequences (their ids are the joint
@@ -111,5 +113,7 @@ def run_joint(q, k, v, g, beta, jp, table, chunk_state, fin_bounds, *, checkpoin
     n_fin = fin_bounds.shape[0]
     ckpt = None
     if checkpoint_at is not None:
-        ckpt = ragged.rows_states(ck_use, states[n_fin:], table, ck_rows.seq, ck_shape)
+        ckpt = ragged.rows_states(ck_use, states[n_fin:],
+                                  table if first_states is None else first_states, ck_rows.seq,
+                                  ck_shape)
     return out, states[:n_fin], ckpt

@@ -85,10 +85,12 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
                 n_local=local_final_of.shape[0], with_entries=entry_use is not None)
 
 
-def _table(delta0, layer_plan) -> StateRows:
+def _table(delta0, layer_plan):
     """The state table [delta0 (S) | zero | I | entry B (Mc) | entry A (Mc)] as a StateRows: the
     flow's rows where delta0 names them (the layer's cache) or delta0 itself, the entries' in the
-    span-map pool's layer (layer_plan: for_layer's, with entries; None without), nothing copied."""
+    span-map pool's layer (layer_plan: for_layer's, with entries; None without), nothing copied.
+    Also the entries' A rows alone (a StateRows of the pool's A; None without entries): read
+    through the whole table, each row would gather from every source."""
     if not isinstance(delta0, StateRows):  # an array [S, ...]: itself, row by row
         n = delta0.shape[0]
         delta0 = StateRows((delta0,), jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32))
@@ -103,8 +105,12 @@ def _table(delta0, layer_plan) -> StateRows:
         kind += [jnp.where(use, n, ZERO).astype(jnp.int32),
                  jnp.where(use, n + 1, EYE).astype(jnp.int32)]
         index += [e["slot"], e["slot"]]
+    entry_a = None
+    if layer_plan is not None:
+        entry_a = StateRows((e["a"],), jnp.where(use, 0, EYE).astype(jnp.int32), e["slot"],
+                            (layer_plan["layer"],))
     return StateRows(tuple(sources), jnp.concatenate(kind), jnp.concatenate(index),
-                     tuple(layers))
+                     tuple(layers)), entry_a
 
 
 def _state_rows(s: int, g: int, mc: int, piece_entry, entry_use):
@@ -130,10 +136,11 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     s, mc, n_local = p["seqs"], p["mc"], p["n_local"]
     dk = k.shape[2]
     f32 = jnp.float32
-    table = _table(delta0, layer_plan if p["with_entries"] else None)
+    table, entry_a = _table(delta0, layer_plan if p["with_entries"] else None)
     out, fin, ck = run_joint(q, k, v, g, beta, p["joint"], table,
                              p["chunk_state"], p["fin_bounds"], checkpoint_at=checkpoint_at,
-                             pos0=pos0, chunk=p["joint"]["chunk"], **kernel)
+                             pos0=pos0, chunk=p["joint"]["chunk"], first_states=delta0,
+                             **kernel)
     has = p["has"][:, None, None, None]
     # a sequence with no rows ends where it starts: the flow in its state, a piece at zero (a
     # piece that continues a long span is never empty), a transition at I or its entry's A
@@ -141,8 +148,6 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     local = jnp.where(has[s:s + n_local], fin[s:s + n_local], 0.0)
     a_span = None
     if mc:
-        n = table.kind.shape[0]  # the entries' A: the table's last Mc rows
-        a0 = rows_of(table, jnp.arange(n - mc, n, dtype=jnp.int32)) if p["with_entries"] \
-            else jnp.eye(dk, dtype=f32)
+        a0 = entry_a.materialize() if p["with_entries"] else jnp.eye(dk, dtype=f32)
         a_span = jnp.where(has[s + n_local:], fin[s + n_local:], a0)
     return take_rows(out, p["dest"]).astype(f32), flow, ck, local, a_span
