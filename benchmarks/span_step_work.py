@@ -218,12 +218,13 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "joint": ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
          "stream_bf16": ("kernels_pallas.gated_delta.ragged", "STREAM_QK_IN_V_DTYPE"),
          "store_stacked": ("serving.hybrid.span_maps", "STORE_STACKED"),
-         "zero_flags": ("serving.hybrid.span_maps", "ZERO_FLAGS")}
+         "zero_flags": ("serving.hybrid.span_maps", "ZERO_FLAGS"),
+         "states_in_place": ("kernels_pallas.gated_delta.state_rows", "STATES_IN_PLACE")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
-         "no_zero_flags": {"zero_flags": False},
+         "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
-                 "store_stacked": True, "zero_flags": False}}
+                 "store_stacked": True, "zero_flags": False, "states_in_place": False}}
 
 
 @contextlib.contextmanager

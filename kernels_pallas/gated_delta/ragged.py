@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.gated_delta import chunked, dots
 from kernels_pallas.gated_delta.checkpoint_rows import as_rows
+from kernels_pallas.gated_delta import state_rows
 from kernels_pallas.gated_delta.state_rows import as_array, rows_of
 
 
@@ -307,6 +308,7 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         # everything the trace reads goes in the jit's static key (module switches included: a
         # benchmark flips them between calls of the same shapes)
         options = dict(scale=scale, chunk=chunk, seq_parallel=ragged_triton.SEQ_PARALLEL,
+                       states_in_place=state_rows.STATES_IN_PLACE,
                        layout=fused_triton.DEFAULTS["layout"], **KERNEL_OPTIONS[implementation])
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
             out, bound_states = ragged_triton.packed_gated_delta(

@@ -115,7 +115,7 @@ def qk_in_v_dtype(q, k, v):
 
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
                        chunk=64, dot_dtype=None, interpret=False, n_used=None, seq_first=None,
-                       seq_chunks=None, seq_parallel=None, **options):
+                       seq_chunks=None, seq_parallel=None, states_in_place=None, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -129,7 +129,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         count (ragged.packing's first, n_ch): the scan then runs one program per sequence
         (`SEQ_PARALLEL`); a boundary no sequence ends at is undefined (read state0 there).
       seq_parallel: None (`SEQ_PARALLEL`) or a bool: whether it does (a caller under a jit
-        passes it, so the switch is part of the jit's key).
+        passes it, so the switch is part of the jit's key); states_in_place the same for
+        state_rows.STATES_IN_PLACE (state0 a StateRows read by the kernel, or built first).
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
       out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32.
@@ -161,7 +162,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         per_seq = (jnp.asarray(seq_first, jnp.int32), jnp.asarray(seq_chunks, jnp.int32))
     else:
         per_seq = None
-    if per_seq is not None and isinstance(state0, StateRows):
+    in_place = state_rows.STATES_IN_PLACE if states_in_place is None else states_in_place
+    if per_seq is not None and isinstance(state0, StateRows) and in_place:
         s0 = state0  # read in place by the kernel; its bound states come in the "kv" order
     else:
         s0 = state_rows.as_array(state0).astype(jnp.float32)

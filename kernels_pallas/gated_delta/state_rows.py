@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 
 ZERO, EYE = -1, -2
+# False: the scan kernel gets the table built (gathered, concatenated, transposed) as before
+# session 27, for A/B timing (benchmarks/span_step_work.py's forms); read when a step is traced
+STATES_IN_PLACE = True
 
 
 @jax.tree_util.register_dataclass
