@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import os
 import dataclasses
 import pstats
 import time
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     for name, xs in parts.items():
         print(f"  {name:34s} {1e3 * sum(xs) / args.repeats:.3f} ms per request")
     if prof is not None:
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(prof).sort_stats(os.environ.get("PSTATS_SORT", "cumulative")).print_stats(30)
     return 0
 
 
