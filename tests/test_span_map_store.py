@@ -54,3 +54,28 @@ def test_store_scatters_layer_major_maps_without_a_transposed_copy(fresh_rng, mo
     zero = np.zeros((slots, lg, 2), bool)  # [slot, layer, head]
     zero[4, 1, 1] = zero[2, 2, 0] = True
     np.testing.assert_array_equal(np.asarray(got.zero_a), zero)
+
+
+def test_the_store_writes_the_pool_after_the_layers_read_it_without_a_copy(fresh_rng):
+    """A warm step's layers read their entries' maps from the pool and the store then writes it
+    in place: the store orders itself after every read (its maps depend on them), so XLA keeps
+    no copy of the pool's A and B to protect the reads (on an H100, 2 x 302 MiB a step at rag's
+    16 slots). A chain of layers as the model runs them: each reads its layer of the pool and
+    the next one's input depends on the last; compiled for the CPU, the pool donated."""
+    lg, s, slots = 3, 4, 6
+    pool = span_maps.allocate(slots, lg, 2, 4, 4, 5, 3)
+    slot = jnp.asarray([4, -1, 0, 2], jnp.int32)
+
+    def step(pool, slot, x):
+        a, b, tail = [], [], []
+        for layer in range(lg):  # entries read per layer, the layer's maps built from them
+            x = jnp.tanh(x + pool.a[jnp.maximum(slot, 0), layer].sum())
+            a.append(x * pool.a[jnp.maximum(slot, 0), layer])
+            b.append(x * pool.b[jnp.maximum(slot, 0), layer])
+            tail.append(jnp.broadcast_to(x[:1, :1, :1, 0].reshape(-1, 1, 1), (s, 5, 3)))
+        return span_maps.store(pool, slot, a, b, tail, jnp.full(s, 3, jnp.int32))
+    x = jnp.asarray(fresh_rng.standard_normal((s, 2, 4, 4)), jnp.float32)
+    hlo = jax.jit(step, donate_argnums=0).lower(pool, slot, x).compile().as_text()
+    copies = [ln for ln in hlo.splitlines() if " copy(" in ln
+              and f"[{slots},{lg},2,4,4]" in ln.split("copy(")[0]]
+    assert not copies, copies

@@ -99,7 +99,11 @@ def store(pool: SpanMapPool, slot, a, b, tail, count) -> SpanMapPool:
     a [S, Hv, Dk, Dk], b [S, Hv, Dk, Dv], tail [S, C, K1], as the model returns them; count [S].
     Each layer's maps go to (slot, layer) straight from the model's arrays: no transposed or
     stacked copy (a warm step stores MAX_CAPTURES maps of every GDN layer, captured or not: 151
-    MB of A for Qwen3.5-0.8B). Each map's zero_a flags are read off its A."""
+    MB of A for Qwen3.5-0.8B). Each map's zero_a flags are read off its A.
+    The pool is written after every read of it in the step (the layers read their entries'
+    maps; each layer's maps here depend on them): without that order XLA copied the whole pool's
+    A and B to keep the reads safe (2 x 302 MiB a warm step at rag's 16 slots, ~0.4 ms on an H100)."""
+    pool, a, b, tail = jax.lax.optimization_barrier((pool, tuple(a), tuple(b), tuple(tail)))
     p, lg = pool.a.shape[0], len(a)
     dest = jnp.where(slot >= 0, slot, p)  # out of range: dropped
     zero = [jnp.all(x == 0, axis=(-2, -1)) if ZERO_FLAGS else jnp.zeros(x.shape[:2], bool)
