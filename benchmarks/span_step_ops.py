@@ -108,12 +108,14 @@ def stub_kernels():
     from kernels_pallas.gated_delta import ragged_triton
 
     def packed(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, **kw):
-        shapes = (jax.ShapeDtypeStruct(v.shape, v.dtype),
+        src = kw.get("src")  # the kernels read source rows (stream_rows.py): v is [R, Hv, Dv]
+        out = v.shape if src is None else (1, src[0].shape[0]) + v.shape[1:]
+        shapes = (jax.ShapeDtypeStruct(out, v.dtype),
                   jax.ShapeDtypeStruct((bounds.shape[0],) + state0.shape[1:], jnp.float32))
         host = lambda *a: (np.zeros(shapes[0].shape, shapes[0].dtype),  # noqa: E731
                            np.zeros(shapes[1].shape, np.float32))
         return jax.pure_callback(host, shapes, q, k, v, g, beta, restart, seq_of_chunk, state0,
-                                 bounds, kw.get("n_used", jnp.int32(0)))
+                                 bounds, kw.get("n_used", jnp.int32(0)), src)
     ragged_triton.packed_gated_delta = packed
 
 

@@ -131,9 +131,11 @@ def stub_kernels():
     from kernels_pallas.gated_delta import ragged_triton
 
     def packed(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, chunk=CHUNK, **kw):
-        shapes = (jax.ShapeDtypeStruct(v.shape, v.dtype),
+        src = kw.get("src")  # the kernels read source rows (stream_rows.py): v is [R, Hv, Dv]
+        out = v.shape if src is None else (1, src[0].shape[0]) + v.shape[1:]
+        shapes = (jax.ShapeDtypeStruct(out, v.dtype),
                   jax.ShapeDtypeStruct((bounds.shape[0],) + state0.shape[1:], jnp.float32))
-        static = (int(v.shape[1]), int(v.shape[2]), int(k.shape[3]), int(v.shape[3]),
+        static = (int(out[1]), int(out[2]), int(k.shape[-1]), int(out[3]),
                   jnp.dtype(q.dtype).itemsize, jnp.dtype(v.dtype).itemsize)
 
         def host(n_used):
@@ -145,7 +147,7 @@ def stub_kernels():
         used = jnp.int32(v.shape[1] // chunk) if used is None else used
         # the stream arrays are operands so XLA keeps the gathers that fill them
         return jax.pure_callback(lambda n, *_: host(n), shapes, used, q, k, v, g, beta, restart,
-                                 seq_of_chunk, state0, bounds)
+                                 seq_of_chunk, state0, bounds, src)
     ragged_triton.packed_gated_delta = packed
 
 
@@ -219,12 +221,15 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "stream_bf16": ("kernels_pallas.gated_delta.ragged", "STREAM_QK_IN_V_DTYPE"),
          "store_stacked": ("serving.hybrid.span_maps", "STORE_STACKED"),
          "zero_flags": ("serving.hybrid.span_maps", "ZERO_FLAGS"),
-         "states_in_place": ("kernels_pallas.gated_delta.state_rows", "STATES_IN_PLACE")}
+         "states_in_place": ("kernels_pallas.gated_delta.state_rows", "STATES_IN_PLACE"),
+         "stream_in_kernel": ("kernels_pallas.gated_delta.stream_rows", "STREAM_IN_KERNEL")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
+         "stream_in_kernel": {"stream_in_kernel": True},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
-                 "store_stacked": True, "zero_flags": False, "states_in_place": False}}
+                 "store_stacked": True, "zero_flags": False, "states_in_place": False,
+                 "stream_in_kernel": False}}
 
 
 @contextlib.contextmanager

@@ -2,10 +2,12 @@
 # The next device call after session 27 (one `run`, <= 9.5 min, a short table last). Before it:
 #   rm -rf old_tree && mkdir old_tree && git archive 7ce3acd | tar -x -C old_tree
 # (the tree before the span-map pool's store barrier; untracked, it travels with the tree; delete
-# it after). 1. compiled tests of session 27's kernels and the store; 2. the warm span steps
-# before / after the barrier (XLA copied the pool's A and B in every warm step: memcpy128 x 2,
-# ~0.4 ms on an H100), one process each, same card; 3. issue 29's span request (goals; the
-# first-use rows should stay flat, s27d) and rag at 16 seats.
+# it after). 1. compiled tests of session 27's kernels (the in-place states, the stream read
+# through its source rows: stream_rows.STREAM_IN_KERNEL, off until this call says it compiles
+# and pays); 2. the warm span steps before / after the store barrier (XLA copied the pool's A
+# and B in every warm step: memcpy128 x 2, ~0.4 ms on an H100), one process each, same card,
+# and in-process the stream form A/B (`--forms new stream_in_kernel`, profiled); 3. issue 29's
+# span request (goals; the first-use rows should stay flat, s27d) and rag at 16 seats.
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s28_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -14,7 +16,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s28.txt
 left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
 nvidia-smi -L > "$R" 2>/dev/null
 MINIPIC_COMPILED=1 timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 4 \
-  tests/test_state_rows.py tests/test_gated_delta_seq_scan.py tests/test_span_joint_layer.py \
+  tests/test_state_rows.py tests/test_stream_rows.py tests/test_gated_delta_seq_scan.py \
+  tests/test_span_joint_layer.py \
   > "$OUT/tests.txt" 2>&1
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-200 >> "$R"
@@ -23,7 +26,8 @@ if [ -d old_tree ]; then
   (cd old_tree && PYTHONPATH=$PWD timeout 90 python3 -m benchmarks.span_step_work $ARGS 2>&1 \
     | grep "^time" | sed 's/^/before 7ce3acd: /') >> "$R"
 fi
-timeout 120 python3 -m benchmarks.span_step_work $ARGS --profile 10 > "$OUT/steps.txt" 2>&1
+timeout 170 python3 -m benchmarks.span_step_work $ARGS --forms new stream_in_kernel --profile 10 \
+  > "$OUT/steps.txt" 2>&1
 grep -E "^time|memcpy|kernels, busy" "$OUT/steps.txt" | sed 's/^/after: /' >> "$R"
 XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 230 python3 -m benchmarks.cli hybrid-spans --steps \
   --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1

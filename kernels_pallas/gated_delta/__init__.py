@@ -13,6 +13,7 @@ boundaries. Callers use api.py only (`prefill`, `decode_step`, `ragged_gated_del
                     runs one program per sequence)
   joint.py          several ragged passes over one batch's rows as one stream (one kernel call)
   state_rows.py     their initial states read where they live (cache slots, zeros, I, a pool)
+  stream_rows.py    their packed stream read through its source rows inside the kernels
   checkpoint_rows.py  a ragged step's checkpoints as flat (sequence, position) rows
   decode_triton.py  a decode step in place in the state cache (with the layer's glue and conv)
   affine.py         a span's exact affine map (A, B) from the chunk WY factors; composition

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.gated_delta import intra_blocked, scan_fused
+from kernels_pallas.gated_delta import intra_blocked, scan_fused, stream_rows
 from kernels_pallas.gated_delta.chunked import segment_sums
 from kernels_pallas.gated_delta.dots import chunks_below, is_exact
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t
@@ -112,34 +112,51 @@ def intra_chunk_fused(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=Fals
 
 
 def output_fused(q, k, g, v_new, states, *, scale, chunk, dot_dtype, out_dtype, interpret=False,
-                 num_warps=4, states_t=False, used=None):
+                 num_warps=4, states_t=False, used=None, src=None):
     """Kernel 3 alone: O [N, T, Hv, Dv] from q/k [N, T, Hk, Dk], the gates g [N, T, Hv] (the
     kernel sums them itself: `chunked.segment_sums`), V' and the states entering each chunk,
     [N, Hv, NT, Dk, Dv] ([N, Hv, NT, Dv, Dk] if states_t); used: None or an int32 scalar, only
-    chunks below it (dots.chunks_below)."""
-    n, t_len, hk, dk = k.shape
+    chunks below it (dots.chunks_below); src: None or [T] int32: q, k, g are a ragged step's
+    source rows ([R, Hk, Dk], [R, Hv]; N = 1) read through it (stream_rows.py)."""
     hv, dv = v_new.shape[2:]
+    hk, dk = k.shape[-2:]
+    n, t_len = v_new.shape[:2]
     tok, gate_spec = _specs(chunk, hv // hk)
     sb = (dv, dk) if states_t else (dk, dv)
     kernel, used_spec, used_arg = chunks_below(functools.partial(
         _output_kernel, chunk=chunk, scale=scale, dot_dtype=dot_dtype, states_t=states_t), 5,
         used, t_len // chunk)
+    ins = [q, k, g.astype(jnp.float32)]
+    in_specs = [tok(dk, False), tok(dk, False), gate_spec]
+    srcs = []
+    if src is not None:  # q, k, g through the source rows; v_new and the states as packed
+        rows, rep = q.shape[0], hv // hk
+        ins = [stream_rows.flat_source(x) for x in ins]
+        in_specs = [stream_rows.whole(x) for x in ins]
+        kernel = stream_rows.through_rows(kernel, [(0, hk, rep, rows), (0, hk, rep, rows),
+                                                   (0, hv, 1, rows), None, None],
+                                          len(used_arg), chunk)
+        srcs = [src]
     return pl.pallas_call(
         kernel,
         grid=(n, t_len // chunk, hv),
-        in_specs=[tok(dk, False), tok(dk, False), gate_spec, tok(dv),
-                  pl.BlockSpec((None, None, None, *sb), lambda b, c, h: (b, h, c, 0, 0))]
-        + used_spec,
+        in_specs=in_specs + [tok(dv),
+                             pl.BlockSpec((None, None, None, *sb), lambda b, c, h: (b, h, c, 0, 0))]
+        + used_spec + [stream_rows.whole(x) for x in srcs],
         out_specs=tok(dv),
         out_shape=jax.ShapeDtypeStruct((n, t_len, hv, dv), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
-    )(q, k, g.astype(jnp.float32), v_new, states, *used_arg)
+    )(*ins, v_new, states, *used_arg, *srcs)
 
 
-def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_warps=4, used=None):
+def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_warps=4, used=None,
+          src=None):
     """Kernel 1, "blocked" (intra_blocked.py), "subst" (`intra_chunk_fused`) or "mosaic"
-    (intra_mosaic.py: Mosaic GPU, bf16 / f16, chunk 64)."""
+    (intra_mosaic.py: Mosaic GPU, bf16 / f16, chunk 64); src: (src, src_v) for "blocked" only
+    (intra_chunk_blocked)."""
+    if src is not None and kind != "blocked":
+        raise ValueError(f"gated_delta fused: source rows (src) need intra 'blocked', got {kind!r}")
     if kind == "mosaic":
         from kernels_pallas.gated_delta import intra_mosaic
         return intra_mosaic.intra_chunk_mosaic(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
@@ -147,7 +164,7 @@ def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_war
     if kind == "blocked":
         return intra_blocked.intra_chunk_blocked(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                                  interpret=interpret, num_warps=num_warps,
-                                                 used=used)
+                                                 used=used, src=src)
     if kind == "subst":
         return intra_chunk_fused(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                  interpret=interpret, num_warps=num_warps, used=used)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.gated_delta import stream_rows
 from kernels_pallas.gated_delta.chunked import segment_sums
 from kernels_pallas.gated_delta.dots import chunks_below, is_exact
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t
@@ -110,16 +111,23 @@ def _intra_blocked_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, g
 
 
 def intra_chunk_blocked(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=False,
-                        num_warps=4, num_stages=2, used=None):
+                        num_warps=4, num_stages=2, used=None, src=None):
     """Kernel 1 of the fused path, blocked solve.
 
     Args:
       k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv]; g, beta: [N, T, Hv] (T a multiple of chunk).
       used: None or an int32 scalar: only chunks below it are solved (dots.chunks_below).
+      src: None, or (src, src_v) [T'] int32 each: k, v, g, beta are then a ragged step's source
+        rows (N = 1 dropped: [R, Hk, Dk], ...) read through them (stream_rows.py; v by src_v),
+        and T = T' (the packed stream's slots).
     Returns:
       w, kd [N, T, Hv, Dk] and u [N, T, Hv, Dv] in dot_dtype (default v's dtype), gc [N, T, Hv]
       float32 (gates cumulated inside each chunk).
     """
+    if src is not None:
+        return _through_src(k, v, g, beta, src, chunk=chunk, dot_dtype=dot_dtype,
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                            used=used)
     n, t_len, hk, dk = k.shape
     hv, dv = v.shape[2:]
     if t_len % chunk:
@@ -151,3 +159,34 @@ def intra_chunk_blocked(k, v, g, beta, *, chunk=64, dot_dtype=None, interpret=Fa
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(k, v, g.astype(jnp.float32), beta, *used_arg)
+
+
+def _through_src(k, v, g, beta, src, *, chunk, dot_dtype, interpret, num_warps, num_stages, used):
+    """intra_chunk_blocked on a packed stream read through its source rows (`src`)."""
+    src, src_v = src
+    rows, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    t_len = src.shape[0]
+    sub = min(_SUB, chunk)
+    dot_dtype = v.dtype if dot_dtype is None else dot_dtype
+    rep = hv // hk
+    ins = [stream_rows.flat_source(x) for x in (k, v, g.astype(jnp.float32), beta)]
+    views = [(0, hk, rep, rows), (1, hv, 1, rows), (0, hv, 1, rows), (0, hv, 1, rows)]
+    kernel, used_spec, used_arg = chunks_below(functools.partial(
+        _intra_blocked_kernel, chunk=chunk, sub=sub, dot_dtype=dot_dtype), 4, used,
+        t_len // chunk)
+    tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda b, c, h: (b, c, h, 0))  # noqa: E731
+    gate = pl.BlockSpec((None, chunk, None), lambda b, c, h: (b, c, h))
+    return pl.pallas_call(
+        stream_rows.through_rows(kernel, views, len(used_arg), chunk),
+        grid=(1, t_len // chunk, hv),
+        in_specs=[stream_rows.whole(x) for x in ins] + used_spec
+        + [stream_rows.whole(src), stream_rows.whole(src_v)],
+        out_specs=[tok(dk), tok(dv), tok(dk), gate],
+        out_shape=[jax.ShapeDtypeStruct((1, t_len, hv, dk), dot_dtype),
+                   jax.ShapeDtypeStruct((1, t_len, hv, dv), dot_dtype),
+                   jax.ShapeDtypeStruct((1, t_len, hv, dk), dot_dtype),
+                   jax.ShapeDtypeStruct((1, t_len, hv), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(*ins, *used_arg, src, src_v)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.gated_delta import chunked, dots
 from kernels_pallas.gated_delta.checkpoint_rows import as_rows
-from kernels_pallas.gated_delta import state_rows
+from kernels_pallas.gated_delta import state_rows, stream_rows
 from kernels_pallas.gated_delta.state_rows import as_array, rows_of
 
 
@@ -201,9 +201,9 @@ def _packed_once(*args, run, options):
     kernels are traced and lowered once per step variant and each layer calls that one function
     (XLA inlines the call: the same program). Traced per layer they were most of Qwen3.5's
     trace and lower time on the host (benchmarks/lower_time.py)."""
-    *arrays, n_used, first, n_ch = args
+    *arrays, n_used, first, n_ch, src = args
     return run(*arrays, interpret=False, n_used=n_used, seq_first=first, seq_chunks=n_ch,
-               **dict(options))
+               src=src, **dict(options))
 
 
 def packed_chunks(n_tokens: int, seqs: int, chunk: int, aligned: bool = False) -> int:
@@ -299,23 +299,30 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         if STREAM_QK_IN_V_DTYPE:  # the XLA path below keeps float32 q / k
             q_low, k_low = ragged_triton.qk_in_v_dtype(q, k, v)
             pairs = ((q_low, pk["src"]), (k_low, pk["src"])) + pairs[2:]
-        streams = {}  # one gather per distinct (array, rows) (affine.ragged_maps passes k as q)
-        for x, src in pairs:
-            if (id(x), id(src)) not in streams:
-                streams[(id(x), id(src))] = take_rows(x, src)[None]
-        packed = [streams[(id(x), id(src))] for x, src in pairs]
+        kinds = {**fused_triton.DEFAULTS, **KERNEL_OPTIONS[implementation]}
+        srcs = None
+        if stream_rows.STREAM_IN_KERNEL and (kinds["intra"], kinds["output"]) == ("blocked",
+                                                                                "triton"):
+            srcs = (pk["src"], src_v)  # the kernels read the source rows (stream_rows.py)
+            packed = [x for x, _ in pairs]
+        else:  # one gather per distinct (array, rows) (affine.ragged_maps passes k as q)
+            streams = {}
+            for x, src in pairs:
+                if (id(x), id(src)) not in streams:
+                    streams[(id(x), id(src))] = take_rows(x, src)[None]
+            packed = [streams[(id(x), id(src))] for x, src in pairs]
         args = (*packed, pk["restart"], seq_state, state0, bounds)
         # everything the trace reads goes in the jit's static key (module switches included: a
-        # benchmark flips them between calls of the same shapes)
+        # benchmark flips them between calls of the same shapes; srcs or None changes the args)
         options = dict(scale=scale, chunk=chunk, seq_parallel=ragged_triton.SEQ_PARALLEL,
                        states_in_place=state_rows.STATES_IN_PLACE,
                        layout=fused_triton.DEFAULTS["layout"], **KERNEL_OPTIONS[implementation])
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
             out, bound_states = ragged_triton.packed_gated_delta(
                 *args, interpret=True, n_used=pk["n_used"], seq_first=pk["first"],
-                seq_chunks=pk["n_ch"], **options)
+                seq_chunks=pk["n_ch"], src=srcs, **options)
         else:
-            out, bound_states = _packed_once(*args, pk["n_used"], pk["first"], pk["n_ch"],
+            out, bound_states = _packed_once(*args, pk["n_used"], pk["first"], pk["n_ch"], srcs,
                                              run=ragged_triton.packed_gated_delta,
                                              options=tuple(sorted(options.items())))
         return out[0], bound_states, None

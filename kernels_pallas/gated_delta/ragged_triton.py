@@ -115,7 +115,8 @@ def qk_in_v_dtype(q, k, v):
 
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
                        chunk=64, dot_dtype=None, interpret=False, n_used=None, seq_first=None,
-                       seq_chunks=None, seq_parallel=None, states_in_place=None, **options):
+                       seq_chunks=None, seq_parallel=None, states_in_place=None, src=None,
+                       **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -131,6 +132,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
       seq_parallel: None (`SEQ_PARALLEL`) or a bool: whether it does (a caller under a jit
         passes it, so the switch is part of the jit's key); states_in_place the same for
         state_rows.STATES_IN_PLACE (state0 a StateRows read by the kernel, or built first).
+      src: None, or (src, src_v) [NC*C] int32: q, k, v, g, beta are the step's source rows
+        ([R, Hk, Dk], ...), read by intra "blocked" and output "triton" (stream_rows.py).
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
       out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32.
@@ -139,15 +142,18 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     if unknown:
         raise ValueError(f"gated_delta packed_gated_delta: unknown options {sorted(unknown)}")
     opt = {**fused_triton.DEFAULTS, **options}
-    _, t_len, hk, dk = k.shape
-    hv, dv = v.shape[2:]
+    hk, dk = k.shape[-2:]
+    hv, dv = v.shape[-2:]
+    t_len = k.shape[1] if src is None else src[0].shape[0]
     nc = t_len // chunk
     dot_dtype = v.dtype if dot_dtype is None else dot_dtype
+    if src is not None and (opt["intra"], opt["output"]) != ("blocked", "triton"):
+        raise ValueError(f"packed_gated_delta: src needs intra / output blocked / triton: {opt}")
     if "mosaic" in (opt["intra"], opt["output"]):
         q, k = qk_in_v_dtype(q, k, v)
     w, u, kd, gc = fused_triton.intra(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                       interpret=interpret, kind=opt["intra"],
-                                      num_warps=opt["intra_warps"], used=n_used)
+                                      num_warps=opt["intra_warps"], used=n_used, src=src)
     dl = jnp.exp(gc[0, chunk - 1::chunk, :]).T  # [Hv, NC]
     n_b = bounds.shape[0]
     slot_map = jnp.full((nc + 1,), -1, jnp.int32).at[bounds].set(jnp.arange(n_b, dtype=jnp.int32))
@@ -181,7 +187,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         out = fused_triton.output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk,
                                         dot_dtype=dot_dtype, out_dtype=v.dtype,
                                         interpret=interpret, num_warps=opt["out_warps"],
-                                        states_t=vk, used=n_used)
+                                        states_t=vk, used=n_used,
+                                        src=None if src is None else src[0])
     if vk and not isinstance(s0, StateRows):
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter
