@@ -7,7 +7,9 @@
 # and pays); 2. the warm span steps before / after the store barrier (XLA copied the pool's A
 # and B in every warm step: memcpy128 x 2, ~0.4 ms on an H100), one process each, same card,
 # and in-process the stream form A/B (`--forms new stream_in_kernel`, profiled); 3. issue 29's
-# span request (goals; the first-use rows should stay flat, s27d) and rag at 16 seats.
+# span request (goals; the first-use rows should stay flat, s27d; its decode step profiled: the
+# GDN decode's output mapped to rows by a gather after the projection, not a scatter: 417 ->
+# ~399 kernels expected) and rag at 16 seats.
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s28_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -29,10 +31,10 @@ fi
 timeout 170 python3 -m benchmarks.span_step_work $ARGS --forms new stream_in_kernel --profile 10 \
   > "$OUT/steps.txt" 2>&1
 grep -E "^time|memcpy|kernels, busy" "$OUT/steps.txt" | sed 's/^/after: /' >> "$R"
-XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 230 python3 -m benchmarks.cli hybrid-spans --steps \
+XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 260 python3 -m benchmarks.cli hybrid-spans --steps --profile-top 12 \
   --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
 echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "^(call|[a-g] )|goal|warm-up [0-9]|^    (prefill|decode)" "$OUT/hybrid_spans.txt" \
+grep -E "^(call|[a-g] )|goal|warm-up [0-9]|^    (prefill|decode)|kernels, busy" "$OUT/hybrid_spans.txt" \
   | grep -v "^W1" | cut -c1-150 >> "$R"
 L=$(left); [ "$L" -gt 110 ] && L=110
 [ "$L" -ge 80 ] && OUT=$OUT LIMIT=$L bash benchmarks/runs/rag16_device.sh >> "$R"

@@ -308,8 +308,7 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
                                             scale=scale_)
         has = lens > 0
         new = jnp.where(has[:, None, None, None], new, s0)
-        dest = jnp.where(has, rows, q_.shape[0])
-        out = jnp.zeros(v_.shape, jnp.float32).at[dest].set(out_s, mode="drop")
+        out = on_rows(out_s, cu_q_lens, q_.shape[0], jnp.float32)
         ckpt = None
         if checkpoint_at is not None:  # flat rows (checkpoint_rows.py), [K] or [S, M] out
             rows, shape = as_rows(checkpoint_at)
@@ -339,31 +338,43 @@ def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, *, s
     (decode_triton.decode_in_place: no gather of the step's states, no scatter back): each
     sequence's one row (if it has one) steps the state in cache slot slots[i], from zeros where
     keep[i] is False. Returns (out [T, Hv, Dv] float32, the updated cache)."""
-    rows, has, dest = _decode_rows(cu_q_lens, q.shape[0])
+    rows, has = _decode_rows(cu_q_lens, q.shape[0])
     out_s, cache = decode_in_place(q[rows], k[rows], v[rows], g[rows], beta[rows], cache, slots,
                                    keep, has, scale=scale, interpret=interpret)
-    return jnp.zeros(v.shape, jnp.float32).at[dest].set(out_s, mode="drop"), cache
+    return on_rows(out_s, cu_q_lens, q.shape[0], jnp.float32), cache
 
 
 def _decode_rows(cu_q_lens, n_tokens: int):
-    """A decode step's rows: each sequence's one row [S], whether it has one, and where its
-    output goes (n_tokens, out of range, where it has none)."""
-    has = cu_q_lens[1:] > cu_q_lens[:-1]
-    rows = jnp.clip(cu_q_lens[:-1], 0, n_tokens - 1)
-    return rows, has, jnp.where(has, rows, n_tokens)
+    """A decode step's rows: each sequence's one row [S] and whether it has one."""
+    return jnp.clip(cu_q_lens[:-1], 0, n_tokens - 1), cu_q_lens[1:] > cu_q_lens[:-1]
+
+
+def on_rows(out_s, cu_q_lens, n_tokens: int, dtype):
+    """Per-sequence outputs [S, ...] of a step whose sequences have <= 1 row each, as the step's
+    rows [T, ...] in dtype (zeros on rows no sequence has). A gather and a select, which XLA fuses
+    into their consumer, where a scatter into zeros is a kernel of its own (18 a decode step of
+    Qwen3.5-0.8B; session 27)."""
+    t = jnp.arange(n_tokens, dtype=jnp.int32)
+    seq = jnp.sum(cu_q_lens[1:][None, :] <= t[:, None], axis=1)  # the sequence holding row t
+    got = out_s[jnp.minimum(seq, out_s.shape[0] - 1)].astype(dtype)
+    inside = (t < cu_q_lens[-1]).reshape((n_tokens,) + (1,) * (out_s.ndim - 1))
+    return jnp.where(inside, got, jnp.zeros((), dtype))
 
 
 def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache,
-                                 slots, keep, *, eps, interpret=False):
+                                 slots, keep, *, eps, interpret=False, on_rows=True):
     """ragged_decode_in_place with the GDN layer's glue in the kernel
     (decode_triton.decode_layer_in_place: q / k before their l2 norm, the gates' inputs a / b,
     the gated RMS norm's z and weight). Returns (the normed gated output [T, Hv, Dv] in z's
-    dtype, zeros on rows no sequence steps, the updated cache)."""
-    rows, has, dest = _decode_rows(cu_q_lens, q.shape[0])
+    dtype, zeros on rows no sequence steps, the updated cache); on_rows=False: the output per
+    sequence [S, Hv, Dv] (undefined where a sequence has no row: `on_rows` maps it later)."""
+    rows, has = _decode_rows(cu_q_lens, q.shape[0])
     out_s, cache = decode_layer_in_place(q[rows], k[rows], v[rows], a[rows], b[rows], a_log,
                                          dt_bias, z[rows], norm, cache, slots, keep, has,
                                          eps=eps, interpret=interpret)
-    return jnp.zeros(z.shape, z.dtype).at[dest].set(out_s, mode="drop"), cache
+    if not on_rows:
+        return out_s.astype(z.dtype), cache
+    return on_rows(out_s, cu_q_lens, q.shape[0], z.dtype), cache
 
 
 def ragged_decode_conv_layer_in_place(x, conv_w, conv_cache, a, b, a_log, dt_bias, z, norm,
@@ -371,11 +382,11 @@ def ragged_decode_conv_layer_in_place(x, conv_w, conv_cache, a, b, a_log, dt_bia
     """ragged_decode_layer_in_place with the layer's causal conv in the kernel too
     (decode_triton.decode_conv_layer_in_place: x [T, C] the mixed projection, the conv state
     cache moved on in place). Returns (output [T, Hv, Dv], conv cache, state cache)."""
-    rows, has, dest = _decode_rows(cu_q_lens, x.shape[0])
+    rows, has = _decode_rows(cu_q_lens, x.shape[0])
     out_s, conv_cache, cache = decode_conv_layer_in_place(
         x[rows], conv_w, conv_cache, a[rows], b[rows], a_log, dt_bias, z[rows], norm, cache,
         slots, keep, has, eps=eps, interpret=interpret)
-    return jnp.zeros(z.shape, z.dtype).at[dest].set(out_s, mode="drop"), conv_cache, cache
+    return on_rows(out_s, cu_q_lens, x.shape[0], z.dtype), conv_cache, cache
 
 
 def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, implementation="xla",

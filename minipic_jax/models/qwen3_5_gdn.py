@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.gated_delta.api import as_rows, choose
+from kernels_pallas.gated_delta.api import as_rows, choose, on_rows
 from kernels_pallas.gated_delta.api import ragged_decode_conv_layer_in_place  # no TP form
 from kernels_pallas.sharding import (ragged_decode_in_place,  # per head shard under TP
                                      ragged_decode_layer_in_place, ragged_gated_delta, whole)
@@ -203,9 +203,10 @@ class GatedDeltaNet(nnx.Module):
     def decode_in_place(self, mixed, z, b, a, dtype, conv0, cu_q_lens, pos0, seq_of_row,
                         conv_idx, cfg, state_cache, interpret):
         """A decode step's layer core in one kernel over the state cache (StateCache with glue;
-        with its conv cache, the causal conv too): (the normed gated output [T, Hv, Dv], the
-        conv state: per sequence [S, C, Kc-1], or the whole conv cache moved on in place, the
-        state cache)."""
+        with its conv cache, the causal conv too): (the normed gated output [T, Hv, Dv] (without
+        the conv: per sequence, [S, Hv, Dv], for `__call__` to map to rows after the output
+        projection), the conv state: per sequence [S, C, Kc-1], or the whole conv cache moved on
+        in place, the state cache)."""
         sc, norm = state_cache, (self.a_log[...], self.dt_bias[...], z, self.norm[...])
         if sc.conv is not None:
             return ragged_decode_conv_layer_in_place(
@@ -216,7 +217,7 @@ class GatedDeltaNet(nnx.Module):
         conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
         out, delta = ragged_decode_layer_in_place(q, k, v, a, b, *norm, cu_q_lens, sc.cache,
                                                   sc.slots, sc.keep, eps=cfg.rms_norm_eps,
-                                                  interpret=interpret)
+                                                  interpret=interpret, on_rows=False)
         return out, conv, delta
 
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
@@ -266,7 +267,11 @@ class GatedDeltaNet(nnx.Module):
             normed, conv, delta = self.decode_in_place(mixed, z, b, a, h.dtype, conv0,
                                                        cu_q_lens, pos0, seq_of_row, conv_idx,
                                                        cfg, state_cache, interpret)
-            return jnp.einsum("thv,hve->te", normed, self.w_out[...]), conv, delta, None, None
+            out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
+            if state_cache.conv is None:  # per sequence: its rows mapped after the projection
+                # (a gather the residual add takes in, where a scatter was a kernel a layer)
+                out = on_rows(out, cu_q_lens, n_tokens, out.dtype)
+            return out, conv, delta, None, None
         q, k, v = self.conv_qkv(mixed, h.dtype, conv0, cu_q_lens, pos0, seq_of_row,
                                 conv_idx["rows"], pieces, cfg)
         conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
