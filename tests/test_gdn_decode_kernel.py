@@ -178,7 +178,7 @@ def test_engine_decode_steps_step_states_in_place(form, monkeypatch):
     logprobs of the gather / step / scatter path (the GDN kernels interpreted in both)."""
     from pathlib import Path
 
-    from kernels_pallas.gated_delta import api
+    from kernels_pallas.gated_delta import decode_rows as api  # where the kernels are called
     from minipic_jax import LLM, SamplingParams
     from minipic_jax.models import qwen3_5
     glue, conv, name, model = FORMS[form]

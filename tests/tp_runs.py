@@ -168,7 +168,7 @@ def hybrid_in_place(tp: int) -> dict:
     (decode_attn_impl), the GDN kernels interpreted, each layer's decode kernel per head shard
     (kernels_pallas/sharding.ragged_decode_layer_in_place). Tokens, logprobs and how many times
     the kernel was traced."""
-    from kernels_pallas.gated_delta import api
+    from kernels_pallas.gated_delta import decode_rows as api  # where the kernel is called
     from minipic_jax.models import qwen3_5
     calls, kernel, was = [], api.decode_layer_in_place, qwen3_5.GDN_DECODE_IN_PLACE
     api.decode_layer_in_place = lambda *a, **k: calls.append(1) or kernel(*a, **k)

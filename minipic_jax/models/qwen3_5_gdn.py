@@ -203,22 +203,25 @@ class GatedDeltaNet(nnx.Module):
     def decode_in_place(self, mixed, z, b, a, dtype, conv0, cu_q_lens, pos0, seq_of_row,
                         conv_idx, cfg, state_cache, interpret):
         """A decode step's layer core in one kernel over the state cache (StateCache with glue;
-        with its conv cache, the causal conv too): (the normed gated output [T, Hv, Dv] (without
-        the conv: per sequence, [S, Hv, Dv], for `__call__` to map to rows after the output
-        projection), the conv state: per sequence [S, C, Kc-1], or the whole conv cache moved on
-        in place, the state cache)."""
+        with its conv cache, the causal conv too): (the mixer's output [T, E], the conv state:
+        per sequence [S, C, Kc-1], or the whole conv cache moved on in place, the state cache).
+        Without the conv the projection runs on the sequences' rows and a gather the residual
+        add takes in maps them to the step's rows (a scatter was a kernel a layer)."""
         sc, norm = state_cache, (self.a_log[...], self.dt_bias[...], z, self.norm[...])
+        w_out = self.w_out[...]
         if sc.conv is not None:
-            return ragged_decode_conv_layer_in_place(
+            normed, conv, delta = ragged_decode_conv_layer_in_place(
                 mixed, self.conv_w[...], sc.conv, a, b, *norm, cu_q_lens, sc.cache, sc.slots,
                 sc.keep, eps=cfg.rms_norm_eps, interpret=interpret)
+            return jnp.einsum("thv,hve->te", normed, w_out), conv, delta
         q, k, v = self.conv_qkv(mixed, dtype, conv0, cu_q_lens, pos0, seq_of_row,
                                 conv_idx["rows"], None, cfg)
         conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
-        out, delta = ragged_decode_layer_in_place(q, k, v, a, b, *norm, cu_q_lens, sc.cache,
-                                                  sc.slots, sc.keep, eps=cfg.rms_norm_eps,
-                                                  interpret=interpret, on_rows=False)
-        return out, conv, delta
+        normed, delta = ragged_decode_layer_in_place(q, k, v, a, b, *norm, cu_q_lens, sc.cache,
+                                                     sc.slots, sc.keep, eps=cfg.rms_norm_eps,
+                                                     interpret=interpret, to_rows=False)
+        out = jnp.einsum("thv,hve->te", normed, w_out)
+        return on_rows(out, cu_q_lens, mixed.shape[0], out.dtype), conv, delta
 
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
                  impl=None, pieces=None, decode=None, seq_of_row=None, packing=None,
@@ -264,13 +267,9 @@ class GatedDeltaNet(nnx.Module):
         mixed, z, b, a = self.projections(h, cfg)
         interpret = bool(impl) and impl.endswith("_interpret")
         if state_cache is not None and state_cache.glue:  # the layer's decode in one kernel
-            normed, conv, delta = self.decode_in_place(mixed, z, b, a, h.dtype, conv0,
-                                                       cu_q_lens, pos0, seq_of_row, conv_idx,
-                                                       cfg, state_cache, interpret)
-            out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
-            if state_cache.conv is None:  # per sequence: its rows mapped after the projection
-                # (a gather the residual add takes in, where a scatter was a kernel a layer)
-                out = on_rows(out, cu_q_lens, n_tokens, out.dtype)
+            out, conv, delta = self.decode_in_place(mixed, z, b, a, h.dtype, conv0, cu_q_lens,
+                                                    pos0, seq_of_row, conv_idx, cfg,
+                                                    state_cache, interpret)
             return out, conv, delta, None, None
         q, k, v = self.conv_qkv(mixed, h.dtype, conv0, cu_q_lens, pos0, seq_of_row,
                                 conv_idx["rows"], pieces, cfg)
