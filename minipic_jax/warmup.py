@@ -44,7 +44,7 @@ def run(llm, show: bool = True) -> dict:
     write_programs = weights_update.prepare(llm)
     # last: XLA dropped every step's CUDA graphs when it made those programs; rebuilt here, not
     # on a request's first steps (ModelRunner.first_calls)
-    llm.llm_engine.runner.first_calls()
+    llm.llm_engine.first_calls()
     cost = {"warmup_s": time.perf_counter() - t0,
             "warmup_variants": llm.llm_engine.runner.startup.get("variants", 0),
             "warmup_compiled": steps.counts["compiled"] - before["compiled"],

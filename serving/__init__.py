@@ -10,6 +10,7 @@ Records, used by every layer below (they import nothing else of serving):
 
 The engine on top (uses the sub-packages; nothing below imports it):
   llm_engine.py      `LLMEngine`: add_request / step / abort / recover; the step loop
+  engine_warmup.py   its warm-up: every program compiled, then all run again last (CUDA graphs)
   scheduler.py       continuous batching: what runs this step (decodes, chunks, span jobs)
   recovery.py        an exception inside a step: abort the call's requests, keep the rest
   request_checks.py  input checks naming request, field and index, before any work

@@ -17,10 +17,10 @@ in get_stats()["sync_fallbacks"]): a preempted sequence never holds a pending to
 
 from __future__ import annotations
 
-import gc
 import itertools
 import time
 
+from serving import engine_warmup
 from serving.hybrid import hybrid_prefix
 from serving.outputs import RequestOutput
 from serving.cache.manager import CacheManager
@@ -96,19 +96,12 @@ class LLMEngine:
 
     def warmup(self, modes=((True, False, 0),), spans: bool | None = None) -> None:
         """Ready the step of each bucket and (all_greedy, use_filter, num_logprobs) mode: a run
-        compiles nothing (runner.warmup). spans: the span steps too (None: on hybrid models)."""
-        if spans is None:
-            spans = self.runner.hybrid
-        t0 = time.perf_counter()  # page moves first: a later program would evict the step
-        self.runner.cache = self.cache.warmup(self.runner.cache)  # graphs (runner.first_calls)
-        t1 = time.perf_counter()
-        for all_greedy, use_filter, num_logprobs in modes:
-            self.runner.warmup(all_greedy=all_greedy, use_filter=use_filter,
-                               num_logprobs=num_logprobs, spans=spans)
-        t2 = time.perf_counter()
-        gc.collect()  # tracing leaves millions of long-lived objects: out of the GC's reach
-        gc.freeze()
-        self.runner.startup.update(movers_s=t1 - t0, gc_s=time.perf_counter() - t2)
+        compiles nothing (serving/engine_warmup.py). spans: the span steps too (None: hybrids)."""
+        engine_warmup.warmup(self, modes, spans)
+
+    def first_calls(self) -> None:
+        """Every warmed program run once more (engine_warmup.first_calls)."""
+        engine_warmup.first_calls(self)
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, request_id, prompt_token_ids, sampling_params, *, label: str | None = None,

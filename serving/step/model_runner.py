@@ -104,7 +104,7 @@ class ModelRunner:
         self.zeroer = PageZeroer(self.num_blocks, config, source=fresh_pages)  # page_zeroing.py
         # seconds per start-up phase (weights placed / fused, KV pool, warm-up); warmed variants
         self.startup: dict = {"weights_place_s": t1 - t0, "pool_s": time.perf_counter() - t1}
-        self._warm_steps: list = []  # (ints, floats, use_prev, kw) each
+        self._warm_steps: dict = {}  # variant -> (ints, floats, use_prev, kw)
 
     @property
     def num_compiles(self) -> int:
@@ -250,7 +250,7 @@ class ModelRunner:
             all_greedy=all_greedy, use_filter=use_filter, num_logprobs=num_logprobs, spans=spans)]
         t0 = time.perf_counter()
         self._step.prepare([(self._args(*w), w[3]) for w in warm])
-        self._warm_steps += warm
+        self._warm_steps.update((repr(sorted(w[3].items())), w) for w in warm)
         t1 = time.perf_counter()
         self.first_calls(warm)  # one-time costs of each executable's first run
         st = self.startup
@@ -263,7 +263,7 @@ class ModelRunner:
         """The zeroer and `steps` (default: all warmed) run once, empty. XLA drops every CUDA
         graph when it makes a program (rebuilt at a run: 3-6 ms, RESULTS.md): warmup.run re-runs."""
         self.cache = self.zeroer.warmup(self.cache)
-        for args in self._warm_steps if steps is None else steps:
+        for args in self._warm_steps.values() if steps is None else steps:
             jax.block_until_ready(self._dispatch(*args))
 
     def warmup_steps(self, *, all_greedy: bool = True, use_filter: bool = False,
