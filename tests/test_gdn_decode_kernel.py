@@ -208,3 +208,19 @@ def test_engine_decode_steps_step_states_in_place(form, monkeypatch):
             assert lw.keys() == lg.keys()
             np.testing.assert_allclose([lg[t].logprob for t in lw], [lw[t].logprob for t in lw],
                                        atol=1e-5)
+
+
+def test_on_rows_is_the_scatter_of_each_sequences_output_to_its_row(fresh_rng):
+    """decode_rows.on_rows (a gather the consumer takes in) gives what a scatter of each
+    sequence's output into its row of zeros gave: sequences with no row in the middle, padding
+    rows past the last sequence, a garbage (NaN) output of a sequence with no row never read."""
+    from kernels_pallas.gated_delta.decode_rows import on_rows
+    lens = np.array([1, 0, 1, 1, 0, 1])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    out_s = fresh_rng.standard_normal((6, 2, 3)).astype(np.float32)
+    out_s[lens == 0] = np.nan
+    t = 7  # two padding rows
+    want = np.zeros((t, 2, 3), np.float32)
+    want[np.asarray(cu[:-1])[lens > 0]] = out_s[lens > 0]
+    got = np.asarray(on_rows(jnp.asarray(out_s), cu, t, jnp.float32))
+    np.testing.assert_array_equal(got, want)
