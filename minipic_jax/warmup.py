@@ -43,7 +43,7 @@ def run(llm, show: bool = True) -> dict:
     # update_weights' write programs too: an RL loop's first update then compiles nothing
     write_programs = weights_update.prepare(llm)
     # last: XLA dropped every step's CUDA graphs when it made those programs; rebuilt here, not
-    # on a request's first steps (ModelRunner.first_calls)
+    # on a request's first steps (serving/engine_warmup.py)
     llm.llm_engine.first_calls()
     cost = {"warmup_s": time.perf_counter() - t0,
             "warmup_variants": llm.llm_engine.runner.startup.get("variants", 0),

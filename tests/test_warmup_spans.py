@@ -21,21 +21,31 @@ def test_span_requests_compile_nothing_after_the_default_warmup(capsys):
     from collections import Counter
     from unittest import mock
 
+    from minipic_jax import weights_update
     from serving.step import model_runner
-    runs = Counter()  # warm-up runs per variant (its static kwargs)
-    dispatch = model_runner.ModelRunner._dispatch
+    runs, events = Counter(), []  # warm-up runs per variant (its static kwargs), in order
+    dispatch, prepare = model_runner.ModelRunner._dispatch, weights_update.prepare
 
     def counted(self, ints, floats, use_prev, kw):
-        runs[tuple(sorted((k, repr(v)) for k, v in kw.items()))] += 1
+        key = tuple(sorted((k, repr(v)) for k, v in kw.items()))
+        runs[key] += 1
+        events.append(key)
         return dispatch(self, ints, floats, use_prev, kw)
-    with mock.patch.object(model_runner.ModelRunner, "_dispatch", counted):
+
+    def marked(llm):  # update_weights' write programs: the warm-up's last compiles
+        events.append("write programs")
+        return prepare(llm)
+    with mock.patch.object(model_runner.ModelRunner, "_dispatch", counted), \
+            mock.patch.object(weights_update, "prepare", marked):
         llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4,
                   max_num_batched_tokens=64, min_token_bucket=64, max_model_len=512,
                   block_size=16, num_kv_blocks=96, warmup=True)
     # each variant runs when compiled and again after the last program the warm-up makes: on a
     # GPU, XLA drops every program's CUDA graphs whenever it makes a new one and rebuilds them
-    # on the next run, which would otherwise fall on a request's step (ModelRunner.first_calls)
+    # on the next run, which would otherwise fall on a request's step (engine_warmup.py)
     assert runs and min(runs.values()) >= 2, runs
+    last = events.index("write programs")
+    assert set(events[last + 1:]) == set(runs), "a variant not run after the last compile"
     assert llm.startup["warmup_variants"] >= 2 and llm.startup["warmup_s"] > 0
     assert llm.startup["warmup_write_programs"] >= 2  # update_weights': top leaves, layers
     assert "warm-up" in capsys.readouterr().err  # the progress line on stderr
