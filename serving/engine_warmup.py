@@ -24,9 +24,9 @@ def warmup(engine, modes, spans) -> None:
     t0 = time.perf_counter()
     runner.cache = engine.cache.warmup(runner.cache)  # the span store's page moves
     t1 = time.perf_counter()
-    for all_greedy, use_filter, num_logprobs in modes:
+    for all_greedy, use_filter, num_logprobs in modes:  # every mode compiled, then all run
         runner.warmup(all_greedy=all_greedy, use_filter=use_filter, num_logprobs=num_logprobs,
-                      spans=spans)
+                      spans=spans, run=False)
     first_calls(engine)
     t2 = time.perf_counter()
     gc.collect()  # tracing leaves millions of long-lived objects: out of the GC's reach

@@ -31,11 +31,7 @@ fi
 timeout 170 python3 -m benchmarks.span_step_work $ARGS --forms new stream_in_kernel --profile 10 \
   > "$OUT/steps.txt" 2>&1
 grep -E "^time|memcpy|kernels, busy" "$OUT/steps.txt" | sed 's/^/after: /' >> "$R"
-XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 260 python3 -m benchmarks.cli hybrid-spans --steps --profile-top 12 \
-  --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
-echo "hybrid-spans rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "^(call|[a-g] )|goal|warm-up [0-9]|^    (prefill|decode)|kernels, busy" "$OUT/hybrid_spans.txt" \
-  | grep -v "^W1" | cut -c1-150 >> "$R"
+OUT=$OUT LIMIT=260 EXTRA="--profile-top 12" bash benchmarks/runs/span_request_device.sh >> "$R"
 L=$(left); [ "$L" -gt 110 ] && L=110
 [ "$L" -ge 80 ] && OUT=$OUT LIMIT=$L bash benchmarks/runs/rag16_device.sh >> "$R"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"

@@ -195,10 +195,9 @@ def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_plac
         delta0 = None
         kw["state_cache"] = qwen3_5_gdn.StateCache(delta_c, slots, ~reset, GDN_DECODE_GLUE,
                                                    conv_c if conv_in else None)
-    elif tp_mesh() is None:  # the flow's states read in the cache by the kernels (no [S] copy)
-        delta0 = from_cache(delta_c, slots, ~reset)
-    else:  # per head shard: an array
-        delta0 = jnp.where(keep[..., None], delta_c[slots], 0.0)
+    else:  # the flow's states read in the cache by the kernels (no [S] copy); per head shard
+        delta0 = from_cache(delta_c, slots, ~reset)  # under TP, an array
+        delta0 = delta0 if tp_mesh() is None else delta0.materialize()
     x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, cu_q_lens, pos0, cfg,
                                                         **kw))
     if ck is not None and CHECKPOINTS_FIRST:  # before the states are written back

@@ -98,6 +98,7 @@ def _table(delta0, layer_plan):
     layers = list(delta0.layers or (None,) * len(sources))
     kind = [delta0.kind, jnp.asarray([ZERO, EYE], jnp.int32)]
     index = [delta0.index, jnp.zeros(2, jnp.int32)]
+    entry_a = None
     if layer_plan is not None:
         e, use, n = layer_plan["entry"], layer_plan["entry_use"], len(sources)
         sources += [e["b"], e["a"]]
@@ -105,8 +106,6 @@ def _table(delta0, layer_plan):
         kind += [jnp.where(use, n, ZERO).astype(jnp.int32),
                  jnp.where(use, n + 1, EYE).astype(jnp.int32)]
         index += [e["slot"], e["slot"]]
-    entry_a = None
-    if layer_plan is not None:
         entry_a = StateRows((e["a"],), jnp.where(use, 0, EYE).astype(jnp.int32), e["slot"],
                             (layer_plan["layer"],))
     return StateRows(tuple(sources), jnp.concatenate(kind), jnp.concatenate(index),

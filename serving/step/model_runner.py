@@ -239,32 +239,32 @@ class ModelRunner:
         return self.prev_tokens
 
     def warmup(self, *, all_greedy: bool = True, use_filter: bool = False,
-               num_logprobs: int = 0, spans: bool = False) -> None:
+               num_logprobs: int = 0, spans: bool = False, run: bool = True) -> None:
         """Ready the step of every token bucket for one sampling mode, with every per-step
-        attention plan a step of that bucket can take (fits / overflows), then run each once as
-        an empty step (`first_calls`). spans (hybrid models): also each bucket's span step, and
-        with a span-map pool the compose program of every chain-row bucket at the engine's one
-        chain length (serving/hybrid/span_compose.py). Ready = loaded from the executable store
-        or traced, lowered and compiled in threads (serving/step/step_executables.py)."""
+        attention plan a step of that bucket can take (fits / overflows), then (`run`) run each
+        once, empty (`first_calls`). spans (hybrid models): each bucket's span step too, and with
+        a span-map pool the compose program of every chain-row bucket at the engine's one chain
+        length (serving/hybrid/span_compose.py). Ready = loaded from the executable store or
+        traced, lowered and compiled in threads (serving/step/step_executables.py)."""
         warm = [(*w[:2], self.config.async_scheduling, w[2]) for w in self.warmup_steps(
             all_greedy=all_greedy, use_filter=use_filter, num_logprobs=num_logprobs, spans=spans)]
         t0 = time.perf_counter()
         self._step.prepare([(self._args(*w), w[3]) for w in warm])
         self._warm_steps.update((repr(sorted(w[3].items())), w) for w in warm)
-        t1 = time.perf_counter()
-        self.first_calls(warm)  # one-time costs of each executable's first run
         st = self.startup
-        st["prepare_s"] = st.get("prepare_s", 0.0) + t1 - t0
-        st["first_calls_s"] = st.get("first_calls_s", 0.0) + time.perf_counter() - t1
-        st["variants"] = st.get("variants", 0) + len(warm)
-        st.update(self._step.timings, **self._step.counts)
+        st["prepare_s"] = st.get("prepare_s", 0.0) + time.perf_counter() - t0
+        st.update(self._step.timings, **self._step.counts, variants=len(self._warm_steps))
+        if run:
+            self.first_calls(warm)  # one-time costs of each executable's first run
 
     def first_calls(self, steps=None) -> None:
-        """The zeroer and `steps` (default: all warmed) run once, empty. XLA drops every CUDA
-        graph when it makes a program (rebuilt at a run: 3-6 ms, RESULTS.md): warmup.run re-runs."""
+        """The zeroer and `steps` (default: all warmed) run once, empty: XLA drops every CUDA graph
+        when it makes a program, rebuilt at a run (3-6 ms, serving/engine_warmup.py)."""
+        t0, st = time.perf_counter(), self.startup
         self.cache = self.zeroer.warmup(self.cache)
         for args in self._warm_steps.values() if steps is None else steps:
             jax.block_until_ready(self._dispatch(*args))
+        st["first_calls_s"] = st.get("first_calls_s", 0.0) + time.perf_counter() - t0
 
     def warmup_steps(self, *, all_greedy: bool = True, use_filter: bool = False,
                      num_logprobs: int = 0, spans: bool = False) -> list:
