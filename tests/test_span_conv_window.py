@@ -9,32 +9,53 @@ against the float64 reference)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks.span_step_ops import model_cfg, step_inputs
 from jaxpr_walk import outer_eqns
-from minipic_jax.models import qwen3_5
+from minipic_jax.models import qwen3_5, qwen3_5_gdn
 
 T, S = 128, 4
 
 
-def _conv_dots(kind: str) -> int:
-    """dot_generals over a [T, C, Kc] window in a step with one GDN layer."""
+def _convs(kind: str, monkeypatch) -> int:
+    """Convs of [T, C] rows (qwen3_5_gdn.conv_rows_silu calls, Kc inputs each) traced in a step
+    with one GDN layer."""
     cfg = model_cfg(1)
     md, logits_idx, pieces, rec = step_inputs(T, S, kind == "capture", np.random.default_rng(0))
     params = jax.eval_shape(lambda: qwen3_5.init_params(cfg, jax.random.key(0), jnp.bfloat16))
     cache = jax.eval_shape(lambda: qwen3_5.init_cache(cfg, 16 * 40, 16, S, jnp.bfloat16))
-    jaxpr = jax.make_jaxpr(lambda p, c: qwen3_5.forward_with_checkpoints(
-        p, jnp.zeros(md.num_tokens, jnp.int32), md, c, cfg, recurrent=rec,
-        logits_indices=logits_idx, gdn_impl="pallas_fused_interpret",
-        span_pieces=None if kind == "plain" else pieces))(params, cache).jaxpr
     c = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim \
         + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    window = (T, c, cfg.linear_conv_kernel_dim)
-    return sum(1 for e in outer_eqns(jaxpr) if e.primitive.name == "dot_general"
-               and any(tuple(getattr(v.aval, "shape", ())) == window for v in e.invars))
+    calls, conv = [], qwen3_5_gdn.conv_rows_silu
+
+    def counted(rows, conv_w):
+        if len(rows) == cfg.linear_conv_kernel_dim and all(r.shape == (T, c) for r in rows):
+            calls.append(1)
+        return conv(rows, conv_w)
+    monkeypatch.setattr(qwen3_5_gdn, "conv_rows_silu", counted)
+    jax.make_jaxpr(lambda p, c: qwen3_5.forward_with_checkpoints(
+        p, jnp.zeros(md.num_tokens, jnp.int32), md, c, cfg, recurrent=rec,
+        logits_indices=logits_idx, gdn_impl="pallas_fused_interpret",
+        span_pieces=None if kind == "plain" else pieces))(params, cache)
+    return len(calls)
 
 
-def test_a_span_step_runs_one_conv_per_gdn_layer_like_a_plain_step():
-    assert _conv_dots("plain") == 1
-    assert _conv_dots("span") == 1
-    assert _conv_dots("capture") == 1
+def test_a_span_step_runs_one_conv_per_gdn_layer_like_a_plain_step(monkeypatch):
+    assert _convs("plain", monkeypatch) == 1
+    assert _convs("span", monkeypatch) == 1
+    assert _convs("capture", monkeypatch) == 1
+
+
+@pytest.mark.parametrize("row_sum", [True, False])
+def test_the_conv_forms_agree(monkeypatch, row_sum):
+    """conv_rows_silu's two forms (CONV_ROW_SUM: the taps summed in order; else the einsum over
+    the window) against a float64 conv of the same inputs: each within float32 rounding."""
+    rng = np.random.default_rng(0)
+    rows = [jnp.asarray(rng.standard_normal((9, 24)), jnp.bfloat16) for _ in range(4)]
+    w = rng.standard_normal((24, 4)).astype(np.float32)
+    monkeypatch.setattr(qwen3_5_gdn, "CONV_ROW_SUM", row_sum)
+    got = np.asarray(qwen3_5_gdn.conv_rows_silu(rows, jnp.asarray(w)))
+    x = sum(np.asarray(r, np.float64) * w[:, i].astype(np.float64) for i, r in enumerate(rows))
+    want = x / (1 + np.exp(-x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -6,7 +6,9 @@
 # through its source rows: stream_rows.STREAM_IN_KERNEL, off until this call says it compiles
 # and pays); 2. the warm span steps before / after the store barrier (XLA copied the pool's A
 # and B in every warm step: memcpy128 x 2, ~0.4 ms on an H100), one process each, same card,
-# and in-process the stream form A/B (`--forms new stream_in_kernel`, profiled); 3. issue 29's
+# and in-process the stream form and the conv's A/B (`--forms new stream_in_kernel conv_reduce`:
+# the causal conv as summed taps, qwen3_5_gdn.CONV_ROW_SUM, against the einsum over the window's
+# minor axis, a reduce fusion of ~40 us a layer on an H100; profiled); 3. issue 29's
 # span request (goals; the first-use rows should stay flat, s27d; its decode step profiled: the
 # GDN decode's output mapped to rows by a gather after the projection, not a scatter: 417 ->
 # ~399 kernels expected) and rag at 16 seats.
@@ -28,7 +30,8 @@ if [ -d old_tree ]; then
   (cd old_tree && PYTHONPATH=$PWD timeout 90 python3 -m benchmarks.span_step_work $ARGS 2>&1 \
     | grep "^time" | sed 's/^/before 7ce3acd: /') >> "$R"
 fi
-timeout 170 python3 -m benchmarks.span_step_work $ARGS --forms new stream_in_kernel --profile 10 \
+timeout 230 python3 -m benchmarks.span_step_work $ARGS --forms new stream_in_kernel conv_reduce \
+  --profile 10 \
   > "$OUT/steps.txt" 2>&1
 grep -E "^time|memcpy|kernels, busy" "$OUT/steps.txt" | sed 's/^/after: /' >> "$R"
 OUT=$OUT LIMIT=260 EXTRA="--profile-top 12" bash benchmarks/runs/span_request_device.sh >> "$R"

@@ -26,6 +26,11 @@ from minipic_jax.models.nnx_pure import param
 from serving.model_contract import SpanPieces
 
 
+# The causal conv as its Kc tap products summed in order over [T, C] rows (conv_rows_silu); False:
+# an einsum over the window's minor Kc axis, a reduce fusion that reads across C (A/B timing)
+CONV_ROW_SUM = True
+
+
 def gdn_dims(cfg):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -58,13 +63,17 @@ def history_index(cu_q_lens, pos0, seq, end_pos, n_tokens: int, hist: int):
 
 def read_history(x, conv0, index):
     """The conv inputs `history_index` located: x [T, C] new inputs, conv0 [S, C, Kc-1] those
-    before pos0 (oldest first). Returns [..., C, Kc - 1]."""
+    before pos0 (oldest first). Returns [..., C, Kc - 1] (a conv state's layout)."""
+    return jnp.swapaxes(history_rows(x, conv0, index), -1, -2)
+
+
+def history_rows(x, conv0, index):
+    """read_history's inputs as rows [..., Kc - 1, C] (oldest first)."""
     rows, seq, col, from_x = index
     # indices are in range (clipped): no negative-index wrap ops
     new = x.at[rows].get(wrap_negative_indices=False)
     old = conv0.at[seq, :, col].get(wrap_negative_indices=False)
-    out = jnp.where(from_x[..., None], new, old.astype(x.dtype))
-    return jnp.swapaxes(out, -1, -2)
+    return jnp.where(from_x[..., None], new, old.astype(x.dtype))
 
 
 def rows_of_seqs(cu_q_lens, n_tokens: int):
@@ -101,14 +110,27 @@ def causal_conv(x, conv_w, conv0, cu_q_lens, pos0, seq_of_row, index=None):
     """
     if index is None:
         index = conv_index(cu_q_lens, pos0, seq_of_row, conv0.shape[-1])["rows"]
-    past = read_history(x, conv0, index)  # [T, C, Kc-1]
-    return conv_silu(jnp.concatenate([past, x[:, :, None]], axis=-1), conv_w)
+    past = history_rows(x, conv0, index)  # [T, Kc-1, C]
+    return conv_rows_silu([past[:, i] for i in range(past.shape[1])] + [x], conv_w)
 
 
 def conv_silu(window, conv_w):
     """silu of the depthwise conv of windows [T, C, Kc] (oldest first) with conv_w [C, Kc]:
     [T, C], float32 math."""
-    out = jnp.einsum("tck,ck->tc", window.astype(jnp.float32), conv_w.astype(jnp.float32))
+    return conv_rows_silu([window[..., i] for i in range(window.shape[-1])], conv_w)
+
+
+def conv_rows_silu(rows, conv_w):
+    """silu of the depthwise conv of the Kc inputs `rows` (a list of [T, C], oldest first) with
+    conv_w [C, Kc]: [T, C], float32 math. CONV_ROW_SUM: the products summed in tap order, an
+    elementwise fusion that reads each input along C; else the einsum over a [T, C, Kc] window."""
+    w = conv_w.astype(jnp.float32)
+    if not CONV_ROW_SUM:
+        window = jnp.stack(rows, axis=-1).astype(jnp.float32)
+        return jax.nn.silu(jnp.einsum("tck,ck->tc", window, w))
+    out = rows[0].astype(jnp.float32) * w[:, 0]
+    for i in range(1, len(rows)):
+        out = out + rows[i].astype(jnp.float32) * w[:, i]
     return jax.nn.silu(out)
 
 
@@ -192,7 +214,7 @@ class GatedDeltaNet(nnx.Module):
         if pieces is None:
             conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row, rows)
         else:
-            conv_out = conv_silu(qwen3_5_spans.window(mixed, conv0, pieces), conv_w)
+            conv_out = conv_rows_silu(qwen3_5_spans.window_rows(mixed, conv0, pieces), conv_w)
         # whole on every device under TP (the rules keep [q | k | v] whole): a split over the
         # channels made the q / k L2 norms cross devices (kernels_pallas/sharding.whole)
         conv_out = whole(conv_out.astype(dtype))

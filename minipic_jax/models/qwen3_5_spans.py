@@ -199,11 +199,13 @@ def with_windows(plan, flow_index, n_seqs: int, k1: int):
         jnp.int32))
 
 
-def window(mixed, conv0, plan):
-    """[T, C, Kc] every row's conv window (`with_windows`): one gather from the step's layer
-    inputs (and entry tails) and the conv states conv0 [S, C, K1]."""
+def window_rows(mixed, conv0, plan):
+    """Every row's conv window (`with_windows`) as its Kc inputs [T, C] (oldest first), for
+    qwen3_5_gdn.conv_rows_silu: gathers from the step's layer inputs (and entry tails) and the
+    conv states conv0 [S, C, K1]."""
     old = jnp.swapaxes(conv0, 1, 2).reshape(-1, conv0.shape[1]).astype(mixed.dtype)
-    return _window(jnp.concatenate([stream(mixed, plan), old], axis=0), plan["window_rows"])
+    src, rows = jnp.concatenate([stream(mixed, plan), old], axis=0), plan["window_rows"]
+    return [take_rows(src, rows[:, i]) for i in range(rows.shape[1])]
 
 
 def local_window(mixed, plan):
