@@ -3,11 +3,14 @@ recurrent pass, and where chunks may end (docs/DESIGN.md section 5; the model si
 minipic_jax/models/qwen3_5_spans.py). Plain host Python over numpy.
 
 A span row reads the local pass when its span starts in the same step, or when the step
-continues a long span: a non-final span longer than a step (`check_prompt`'s budget) is computed
-in pieces over several steps, each piece's local state and map carried to the next in the span's
-map-pool slot (serving/hybrid/span_partial.py). A final span carries its local state on itself
-(`carry_local`: its remaining rows and generated tokens continue it as ordinary rows). Any other
-non-final span stays in one step: a chunk ends before it rather than inside it (`cut_chunk`).
+continues a span computed in pieces: a non-final span longer than a step (`check_prompt`'s
+budget), or one that does not fit the rest of a step of which at least FILL_PIECE rows do
+(span_cache.SpanMapCache.cut), is computed in pieces over several steps, each piece's local state
+and map carried to the next in the span's map-pool slot (serving/hybrid/span_partial.py). Pieces
+end on the local pass's chunk grid (`piece_end`), so a span's maps and outputs are the same
+bits however it is split. A final span carries its local state on itself (`carry_local`: its
+remaining rows and generated tokens continue it as ordinary rows). Any other non-final span
+stays in one step: a chunk ends before it rather than inside it (`cut_chunk`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ import numpy as np
 # sum to at most the ceiling of the sum + k - 1), and so does one whose pieces hold 2 C rows or
 # more each, however they align (rag's pieces: SSEP + 128 passage tokens = 129 rows, 3 chunks).
 LOCAL_CHUNK, LOCAL_SLACK = 64, 2
+# A span that does not fit the rest of a step goes in pieces when this many of its rows fit (and
+# the span-map cache can carry them): the step is filled instead of ending before the span (the
+# 6 x 900-token span request took 7 prefill steps, its first of 200 tokens, against 6 as a plain
+# prompt). Shorter room is left to other sequences (rag's 129-row passages never split).
+FILL_PIECE = 256
 
 
 def _local_budget(rows: int, chunk: int) -> int:
@@ -58,29 +66,46 @@ def check_prompt(layout, block_size: int, num_prompt_tokens: int, budget: int, w
 def long_span(seq, a: int, b: int, budget: int) -> bool:
     """Whether the span [a, b) has more valid tokens than `budget` (one step's): computed in
     pieces (serving/hybrid/span_partial.py)."""
-    return int((~seq.layout.is_pad[a:b]).sum()) > budget
+    return valid_rows(seq, a, b) > budget
 
 
-def cut_chunk(seq, idx, frontier: int, block_size: int, split=None, chunk: int = LOCAL_CHUNK):
+def cut_chunk(seq, idx, frontier: int, block_size: int, split=None, chunk: int = LOCAL_CHUNK,
+              grid: int = LOCAL_CHUNK):
     """(idx, frontier) cut back so the chunk does not end inside a non-final span (unless
-    `split(a, b)` says the span [a, b) is computed in pieces), nor run past a span the warm path
-    skips (serving/hybrid/span_cache.py) once it has rows: the chunk after it enters with its
-    map; then so its span pieces fit the local pass's stream (`cut_local`)."""
-    idx, frontier = _cut_spans(seq, idx, frontier, block_size, split)
+    `split(a, b)` says the span [a, b) is computed in pieces: then it ends at `piece_end` on a
+    `grid` of rows), nor run past a span the warm path skips (serving/hybrid/span_cache.py) once
+    it has rows: the chunk after it enters with its map; then so its span pieces fit the local
+    pass's stream (`cut_local`)."""
+    idx, frontier = _cut_spans(seq, idx, frontier, block_size, split, grid)
     return cut_local(seq, idx, frontier, block_size, chunk)
 
 
-def _cut_spans(seq, idx, frontier: int, block_size: int, split):
+def _cut_spans(seq, idx, frontier: int, block_size: int, split, grid: int):
     if idx.size:
         for a, _ in seq.span.skips:
             if idx[0] < a < frontier:
                 return idx[idx < a], a
     for a, b, final in spans_of(seq, block_size):
         if not final and a < frontier < b and frontier < seq.num_prompt_tokens:
-            if split is not None and split(a, b):
-                break
-            return idx[idx < a], max(a, seq.num_computed)
+            end = piece_end(seq, a, frontier, grid) if split is not None and split(a, b) else a
+            return idx[idx < end], max(end, seq.num_computed)
     return idx, frontier
+
+
+def valid_rows(seq, a: int, b: int) -> int:
+    """Tokens of [a, b) that are rows (not padding)."""
+    return int((~seq.layout.is_pad[a:b]).sum())
+
+
+def piece_end(seq, a: int, frontier: int, chunk: int = LOCAL_CHUNK) -> int:
+    """Where a chunk ending inside the span that starts at `a` ends: after a whole number of
+    `chunk` rows of the span (at most `frontier`), so each piece starts on the local pass's chunk
+    grid of the span computed whole and its maps and outputs are those bits however the span is
+    split; `a` when not one chunk of rows fits (the sequence waits for room: SpanMapCache.cut
+    passes chunk 1, no grid, to an engine whose steps cannot hold a chunk of rows)."""
+    rows = np.flatnonzero(~seq.layout.is_pad[a:frontier])
+    n = rows.size // chunk * chunk
+    return a + int(rows[n - 1]) + 1 if n else a
 
 
 def local_chunk_bound(t: int, s: int, chunk: int = LOCAL_CHUNK) -> int:
