@@ -19,6 +19,14 @@ from typing import Any, Generic, Protocol, runtime_checkable
 import jax
 
 
+# Checkpoints off the recurrent layers' chunk grid (a span prompt's first span start) that one
+# prefill step may hold inside its sequences' rows: each is a break in the chunked packing (the
+# rows after it start a chunk of their own, kernels_pallas/gated_delta/ragged.py `packing`), so
+# the checkpoint is exact without ending its chunk there; the host's chunk_stop keeps to it
+# (serving/hybrid/hybrid_prefix.py), the model sizes its packed stream by it.
+CHECKPOINT_BREAKS = 2
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RecurrentMetadata:

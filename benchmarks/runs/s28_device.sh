@@ -21,7 +21,7 @@ left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
 nvidia-smi -L > "$R" 2>/dev/null
 MINIPIC_COMPILED=1 timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 4 \
   tests/test_state_rows.py tests/test_stream_rows.py tests/test_gated_delta_seq_scan.py \
-  tests/test_span_joint_layer.py \
+  tests/test_span_joint_layer.py tests/test_gated_delta_breaks.py \
   > "$OUT/tests.txt" 2>&1
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-200 >> "$R"

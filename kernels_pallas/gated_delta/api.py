@@ -35,14 +35,14 @@ from kernels_pallas.gated_delta.decode_rows import (on_rows, ragged_decode_conv_
 from kernels_pallas.gated_delta.joint import Pass as JointPass, final_bounds, joint_packing  # noqa: F401
 from kernels_pallas.gated_delta.joint import run_joint  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
-from kernels_pallas.gated_delta.ragged import packed_chunks, take_rows  # noqa: F401
+from kernels_pallas.gated_delta.ragged import break_rows, packed_chunks, take_rows  # noqa: F401
 from kernels_pallas.gated_delta.ragged import packing as ragged_packing  # noqa: F401
 from kernels_pallas.gated_delta.state_rows import (EYE, ZERO, StateRows, as_array,  # noqa: F401
                                                    from_cache, rows_of)
 from kernels_pallas.registry import Implementation
 
 __all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "JointPass", "Problem", "apply_map", "auto_order",
-           "chain_apply", "choose", "choose_gated_delta", "decode_step", "final_bounds",
+           "break_rows", "chain_apply", "choose", "choose_gated_delta", "decode_step", "final_bounds",
            "joint_packing",
            "maps_packing", "packed_chunks", "prefill", "ragged_gated_delta", "ragged_maps",
            "ragged_packing", "ragged_prefill", "run_joint", "selected_rows", "take_rows"]

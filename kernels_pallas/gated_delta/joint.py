@@ -32,19 +32,23 @@ class Pass(NamedTuple):
     cu: [n + 1] int32 offsets of its n sequences in its own rows (cu[0] = 0); pos0: [n] int32 each
     sequence's first position (chunk boundaries fall on multiples of the chunk of it); rows: [R]
     int32 the source row of each of its rows (R static; rows past cu[-1] are unused); zero_v:
-    its rows read v = 0 (a transition pass: the state then carries the maps' product)."""
+    its rows read v = 0 (a transition pass: the state then carries the maps' product); breaks:
+    None or [n] int32, its sequences' breaks (ragged.packing's)."""
     cu: jax.Array
     pos0: jax.Array
     rows: jax.Array
     zero_v: bool = False
+    breaks: jax.Array | None = None
 
 
-def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | None = None):
+def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | None = None,
+                  max_breaks: int = 0):
     """The packing of all passes' sequences back to back (ragged.packing's fields for
     run_stream: src, src_v, restart, seq_of_chunk, first, n_ch, lens, shift, n_used, chunk),
     plus seq_offset (static: pass p's sequence j is sequence seq_offset[p] + j) and slot_of
     (per pass [R]: the packed slot of each of its rows; out of range where unused).
-    max_chunks: a static bound on the packed chunks the caller promises (ragged.packing's)."""
+    max_chunks: a static bound on the packed chunks the caller promises (ragged.packing's);
+    max_breaks: the sequences with a break at most (each may add a chunk)."""
     counts = [jnp.asarray(p.cu[-1], jnp.int32) for p in passes]
     offs = [jnp.int32(0)]
     for c in counts[:-1]:
@@ -55,10 +59,14 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
                          + [total[None]]).astype(jnp.int32)
     pos0 = jnp.concatenate([jnp.asarray(p.pos0, jnp.int32) for p in passes])
     seqs = int(pos0.shape[0])
-    n_chunks = ragged.packed_chunks(n_virtual, seqs, chunk)
+    breaks = None
+    if any(p.breaks is not None for p in passes):  # 0: none
+        breaks = jnp.concatenate([jnp.zeros(p.pos0.shape[0], jnp.int32) if p.breaks is None
+                                  else jnp.asarray(p.breaks, jnp.int32) for p in passes])
+    n_chunks = ragged.packed_chunks(n_virtual, seqs, chunk) + max_breaks
     if max_chunks is not None:
         n_chunks = max(1, min(n_chunks, int(max_chunks)))
-    pk = ragged.chunk_layout(cu, pos0, n_virtual, chunk, n_chunks)
+    pk = ragged.chunk_layout(cu, pos0, n_virtual, chunk, n_chunks, breaks)
     size = n_chunks * chunk
     vrow_src = jnp.full(n_virtual, n_source, jnp.int32)
     vrow_zero_v = jnp.zeros(n_virtual, bool)
@@ -75,9 +83,8 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
     src_v = jnp.full(size, n_source, jnp.int32).at[pk["dest"]].set(
         jnp.where(vrow_zero_v, n_source, vrow_src), mode="drop")
     return dict(src=src, src_v=src_v, restart=pk["restart"], seq_of_chunk=pk["seq_of_chunk"],
-                first=pk["first"], n_ch=pk["n_ch"], lens=pk["lens"], shift=pk["shift"],
                 n_used=jnp.sum(pk["n_ch"]), chunk=chunk, seq_offset=tuple(seq_offset),
-                slot_of=slot_of)
+                slot_of=slot_of, **ragged.layout_fields(pk))
 
 
 def final_bounds(jp, finals):

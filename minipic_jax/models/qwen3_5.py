@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
-from kernels_pallas.gated_delta.api import GATED_DELTA, IMPLEMENTATIONS, from_cache, ragged_packing
+from kernels_pallas.gated_delta.api import (GATED_DELTA, IMPLEMENTATIONS, as_rows, break_rows,
+                                            from_cache, ragged_packing)
 from kernels_pallas.paged_attention.api import KV_MODES
 from kernels_pallas.sharding import tp_mesh
 from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
@@ -31,7 +32,7 @@ from minipic_jax.models.qwen3_5_cache import (Qwen35Cache, cache_axes, extract_s
                                               state_nbytes, write_states)
 from minipic_jax.models.qwen3_5_config import LAYER_TYPES, MODEL_TYPES, check, config_from_hf
 from minipic_jax.models.qwen3_5_hf import convert_hf, hf_tensor_names
-from serving.model_contract import RecurrentMetadata
+from serving.model_contract import CHECKPOINT_BREAKS, RecurrentMetadata
 
 IS_HYBRID = True
 
@@ -157,16 +158,19 @@ def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces) ->
     seq_of_row = qwen3_5_gdn.rows_of_seqs(cu, n_rows)
     k1 = cfg.linear_conv_kernel_dim - 1
     conv_idx = qwen3_5_gdn.conv_index(cu, pos0, seq_of_row, k1, checkpoint_at)
-    pieces = None
+    pieces, breaks = None, None
+    if checkpoint_at is not None and decode is not True:  # one off-grid checkpoint a sequence
+        breaks = break_rows(as_rows(checkpoint_at)[0], pos0, cu[1:] - cu[:-1], CHUNK)
     joint = span_pieces is not None and qwen3_5_joint.usable(cfg, decode)
     if span_pieces is not None:  # one conv window per row (the piece's or the flow's)
         pieces = qwen3_5_spans.with_windows(qwen3_5_spans.prepare(
-            span_pieces, cu, n_rows, k1 + 1, CHUNK, pos0 if joint else None),
+            span_pieces, cu, n_rows, k1 + 1, CHUNK, pos0 if joint else None, breaks),
             conv_idx["rows"], cu.shape[0] - 1, k1)
     flow = not (decode or joint)  # the flow's own packing (a joint stream has its own)
     return dict(checkpoint_at=checkpoint_at, decode=decode, seq_of_row=seq_of_row,
-                packing=ragged_packing(cu, pos0, n_rows, chunk=CHUNK) if flow else None,
-                conv_idx=conv_idx, pieces=pieces)
+                packing=ragged_packing(cu, pos0, n_rows, chunk=CHUNK, breaks=breaks,
+                                       max_breaks=CHECKPOINT_BREAKS * (breaks is not None))
+                if flow else None, conv_idx=conv_idx, pieces=pieces)
 
 
 def decode_in_place(decode, gdn_impl, checkpoint_at, span_pieces) -> bool:

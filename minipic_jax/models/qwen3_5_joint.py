@@ -22,7 +22,7 @@ from kernels_pallas.gated_delta.api import (EYE, ZERO, JointPass, StateRows, fin
                                             joint_packing, packed_chunks, rows_of, run_joint,
                                             selected_rows, take_rows)
 from kernels_pallas.sharding import tp_mesh
-from serving.model_contract import SpanPieces
+from serving.model_contract import CHECKPOINT_BREAKS, SpanPieces
 
 # False: every span step runs its passes separately (qwen3_5_spans.run_local): for A/B timing
 # and as the form the joint stream must equal; read when a step is traced
@@ -47,7 +47,7 @@ def span_compaction(row_span, piece_cu, n_rows: int):
 
 
 def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk: int = 64,
-         piece_entry=None, entry_use=None):
+         piece_entry=None, entry_use=None, breaks=None):
     """The joint stream's metadata, once per step: dict joint (joint_packing: flow, local,
     transition passes in that order), dest [T] (each row's output slot: a span row's in the
     local pass, any other's in the flow), chunk_state [NC] (the state table row each packed
@@ -56,21 +56,23 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     mc (Mc), n_local, and with_entries (the table holds the entries' B and A).
     local_final_of: [S (+ Mc)] the pieces whose final local state the step reads
     (qwen3_5_spans.final_pieces); piece_entry [G] (the capture each piece continues, -1: none)
-    and entry_use [Mc], or None without entries (qwen3_5_spans._entries)."""
+    and entry_use [Mc], or None without entries (qwen3_5_spans._entries); breaks: None or the
+    flow's [S] (ragged.packing's), at most CHECKPOINT_BREAKS of them."""
     seqs, g = cu_q_lens.shape[0] - 1, pieces.piece_cu.shape[0] - 1
     rows = jnp.arange(n_rows, dtype=jnp.int32)
     compact, row_local, cu_local = span_compaction(pieces.row_span, pieces.piece_cu, n_rows)
     local_chunks = pieces.local_chunks or packed_chunks(n_rows, g, chunk, aligned=True)
-    passes = [JointPass(cu_q_lens, pos0, rows), JointPass(cu_local, jnp.zeros(g, jnp.int32),
-                                                            compact)]
-    bound = packed_chunks(n_rows, seqs, chunk) + local_chunks
+    passes = [JointPass(cu_q_lens, pos0, rows, breaks=breaks),
+              JointPass(cu_local, jnp.zeros(g, jnp.int32), compact)]
+    n_breaks = CHECKPOINT_BREAKS * (breaks is not None)
+    bound = packed_chunks(n_rows, seqs, chunk) + n_breaks + local_chunks
     mc = 0
     if pieces.capture is not None:
         mc = pieces.capture.shape[0]
         sel, cu_sel = selected_rows(cu_local, pieces.capture, n_rows)
         passes.append(JointPass(cu_sel, jnp.zeros(mc, jnp.int32), compact[sel], zero_v=True))
         bound += min(local_chunks, packed_chunks(n_rows, mc, chunk, aligned=True))
-    jp = joint_packing(passes, n_rows, chunk=chunk, max_chunks=bound)
+    jp = joint_packing(passes, n_rows, chunk=chunk, max_chunks=bound, max_breaks=n_breaks)
     flow_slot, local_slot = jp["slot_of"][0], jp["slot_of"][1]
     dest = jnp.where(pieces.row_span, local_slot.at[row_local].get(mode="fill", fill_value=0),
                      flow_slot)

@@ -35,6 +35,7 @@ from serving.hybrid.bucket_fit import BucketFit
 from serving.hybrid.checkpoint_plan import (CHECKPOINT_ROWS, CHECKPOINTS_PER_STEP, RESTORE_ROWS,
                                             candidates, halving_cover, on_grid, positions_of)
 from serving.hybrid.resume import Resume
+from serving.model_contract import CHECKPOINT_BREAKS
 
 
 class HybridPrefixCache:
@@ -50,6 +51,7 @@ class HybridPrefixCache:
         self.prompt_len: dict[int, int] = {}  # block hash -> length of the prompt that made it
         self.rows_left = CHECKPOINT_ROWS  # the step being scheduled: checkpoint rows still free
         self.restores_left = RESTORE_ROWS  # ... and restore rows
+        self.breaks_left = CHECKPOINT_BREAKS  # ... and off-grid checkpoints inside a chunk
 
     # -- admission (the recurrent part of CacheManager.admit) ----------------------------------
     def match(self, mgr, seq):
@@ -207,7 +209,8 @@ class HybridPrefixCache:
         (one at s: the state it starts from, which the kernel returns as is; fewer when fewer of
         the step's rows are left; with none left and one at s, no chunk: it waits a step), all in
         its one step; it stops at the next, which the next chunk takes at its start, and at a
-        span prompt's position off the GDN chunk grid (its first span start). A plain prompt's
+        span prompt's position off the GDN chunk grid (its first span start) unless the step has
+        a break left (the packing then starts a chunk there: CHECKPOINT_BREAKS). A plain prompt's
         chunk that would overflow a token bucket by a little stops there
         (serving/hybrid/bucket_fit.py; `budget` more tokens fit in the step)."""
         if not self.restores_left and seq.hybrid.restore_entry is not None:
@@ -218,10 +221,13 @@ class HybridPrefixCache:
         if len(ahead) > m:
             stop_at = ahead[m] if stop_at is None else min(stop_at, ahead[m])
         spans = seq.layout.span_block.any()
-        if spans:  # a position off the GDN chunk grid (a span start) is exact as a last row only
+        if spans:  # a position off the GDN chunk grid (a span start) is exact as a last row, or
+            # as the chunk's break (model_contract.CHECKPOINT_BREAKS a step): it stops at the next
             near = [p for p in ahead[:CHECKPOINTS_PER_STEP] if p > seq.num_computed]
             off = [p for p, ok in zip(near, on_grid(seq.layout, near, self.planner.chunk))
                    if not ok]
+            if off and self.breaks_left and (stop_at is None or off[0] < stop_at):
+                self.breaks_left, off = self.breaks_left - 1, off[1:]
             if off:
                 stop_at = off[0] if stop_at is None else min(stop_at, off[0])
         if self.fit is not None and not spans:
@@ -247,10 +253,12 @@ class HybridPrefixCache:
             return
         h = seq.hybrid
         take = [p for p in self._ahead(seq) if p <= e.new_computed]
-        if take and seq.layout.span_block.any():  # off the chunk grid: at a chunk's ends only
-            grid = on_grid(seq.layout, take, self.planner.chunk)
+        if take and seq.layout.span_block.any():  # off the chunk grid: at a chunk's ends, or
+            grid = on_grid(seq.layout, take, self.planner.chunk)  # its one break (chunk_stop)
+            inner = [p for p, ok in zip(take, grid)
+                     if not ok and seq.num_computed < p < e.new_computed][:1]
             take = [p for p, ok in zip(take, grid) if ok or p in (seq.num_computed,
-                                                                  e.new_computed)]
+                                                                  e.new_computed, *inner)]
         take = take[:min(CHECKPOINTS_PER_STEP, self.rows_left)]
         got = []
         for p in take:
@@ -299,6 +307,7 @@ class HybridPrefixCache:
         """The step built from this schedule is launched: its pins go."""
         self.store.after_launch()
         self.rows_left, self.restores_left = CHECKPOINT_ROWS, RESTORE_ROWS
+        self.breaks_left = CHECKPOINT_BREAKS
         if self.spans is not None:
             self.spans.after_launch()
 
@@ -307,6 +316,7 @@ class HybridPrefixCache:
         span maps of a step that was never launched go; with device_ok False (a device step
         failed: the pools' contents are unknown) all of them go."""
         self.rows_left, self.restores_left = CHECKPOINT_ROWS, RESTORE_ROWS
+        self.breaks_left = CHECKPOINT_BREAKS
         for store in [self.store] + ([self.spans.store] if self.spans is not None else []):
             if device_ok:
                 store.abandon_launch()

@@ -180,10 +180,10 @@ class SpanMapCache:
 
     # -- long spans ----------------------------------------------------------------------------
     def cut(self, seq, idx, frontier: int):
-        """span_rows.cut_chunk, letting the chunk end inside a span (at span_rows.piece_end)
-        when the step can capture its piece (a capture left, and a slot for a first piece) and
-        the span is long, or at least span_rows.FILL_PIECE of its rows fit; a chunk that would
-        continue a span in pieces with no capture left this step computes nothing."""
+        """span_rows.cut_chunk, letting the chunk end inside a span when the step can capture
+        its piece (a capture left, and a slot for a first piece) and the span is long, or at
+        least span_rows.FILL_PIECE of its rows fit; a chunk that would continue a span in pieces
+        with no capture left this step computes nothing."""
         part = seq.span.partial
         cont = bool(idx.size) and any(a < int(idx[0]) for a in part)
         if cont and self.captures >= MAX_CAPTURES:
@@ -197,8 +197,7 @@ class SpanMapCache:
                 return False
             return (span_rows.long_span(seq, a, b, self.step_tokens)
                     or span_rows.valid_rows(seq, a, frontier) >= span_rows.FILL_PIECE)
-        grid = span_rows.LOCAL_CHUNK if self.step_tokens >= span_rows.LOCAL_CHUNK else 1
-        return span_rows.cut_chunk(seq, idx, frontier, self.block_size, split, grid=grid)
+        return span_rows.cut_chunk(seq, idx, frontier, self.block_size, split)
 
     def _long_caps(self, mgr, e, first: int) -> list:
         """Captures of the chunk's long-span pieces: the one it continues (from its first row)

@@ -6,9 +6,9 @@ A span row reads the local pass when its span starts in the same step, or when t
 continues a span computed in pieces: a non-final span longer than a step (`check_prompt`'s
 budget), or one that does not fit the rest of a step of which at least FILL_PIECE rows do
 (span_cache.SpanMapCache.cut), is computed in pieces over several steps, each piece's local state
-and map carried to the next in the span's map-pool slot (serving/hybrid/span_partial.py). Pieces
-end on the local pass's chunk grid (`piece_end`), so a span's maps and outputs are the same
-bits however it is split. A final span carries its local state on itself (`carry_local`: its
+and map carried to the next in the span's map-pool slot (serving/hybrid/span_partial.py). (A
+split changes a span's bits at float32 rounding, as chunking any prompt does: its later rows'
+attention reads the earlier ones from the pages.) A final span carries its local state on itself (`carry_local`: its
 remaining rows and generated tokens continue it as ordinary rows). Any other non-final span
 stays in one step: a chunk ends before it rather than inside it (`cut_chunk`).
 """
@@ -69,43 +69,31 @@ def long_span(seq, a: int, b: int, budget: int) -> bool:
     return valid_rows(seq, a, b) > budget
 
 
-def cut_chunk(seq, idx, frontier: int, block_size: int, split=None, chunk: int = LOCAL_CHUNK,
-              grid: int = LOCAL_CHUNK):
+def cut_chunk(seq, idx, frontier: int, block_size: int, split=None, chunk: int = LOCAL_CHUNK):
     """(idx, frontier) cut back so the chunk does not end inside a non-final span (unless
-    `split(a, b)` says the span [a, b) is computed in pieces: then it ends at `piece_end` on a
-    `grid` of rows), nor run past a span the warm path skips (serving/hybrid/span_cache.py) once
-    it has rows: the chunk after it enters with its map; then so its span pieces fit the local
-    pass's stream (`cut_local`)."""
-    idx, frontier = _cut_spans(seq, idx, frontier, block_size, split, grid)
+    `split(a, b)` says the span [a, b) is computed in pieces), nor run past a span the warm path
+    skips (serving/hybrid/span_cache.py) once it has rows: the chunk after it enters with its
+    map; then so its span pieces fit the local pass's stream (`cut_local`)."""
+    idx, frontier = _cut_spans(seq, idx, frontier, block_size, split)
     return cut_local(seq, idx, frontier, block_size, chunk)
 
 
-def _cut_spans(seq, idx, frontier: int, block_size: int, split, grid: int):
+def _cut_spans(seq, idx, frontier: int, block_size: int, split):
     if idx.size:
         for a, _ in seq.span.skips:
             if idx[0] < a < frontier:
                 return idx[idx < a], a
     for a, b, final in spans_of(seq, block_size):
         if not final and a < frontier < b and frontier < seq.num_prompt_tokens:
-            end = piece_end(seq, a, frontier, grid) if split is not None and split(a, b) else a
-            return idx[idx < end], max(end, seq.num_computed)
+            if split is not None and split(a, b):
+                break
+            return idx[idx < a], max(a, seq.num_computed)
     return idx, frontier
 
 
 def valid_rows(seq, a: int, b: int) -> int:
     """Tokens of [a, b) that are rows (not padding)."""
     return int((~seq.layout.is_pad[a:b]).sum())
-
-
-def piece_end(seq, a: int, frontier: int, chunk: int = LOCAL_CHUNK) -> int:
-    """Where a chunk ending inside the span that starts at `a` ends: after a whole number of
-    `chunk` rows of the span (at most `frontier`), so each piece starts on the local pass's chunk
-    grid of the span computed whole and its maps and outputs are those bits however the span is
-    split; `a` when not one chunk of rows fits (the sequence waits for room: SpanMapCache.cut
-    passes chunk 1, no grid, to an engine whose steps cannot hold a chunk of rows)."""
-    rows = np.flatnonzero(~seq.layout.is_pad[a:frontier])
-    n = rows.size // chunk * chunk
-    return a + int(rows[n - 1]) + 1 if n else a
 
 
 def local_chunk_bound(t: int, s: int, chunk: int = LOCAL_CHUNK) -> int:
