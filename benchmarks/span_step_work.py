@@ -223,11 +223,13 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "zero_flags": ("serving.hybrid.span_maps", "ZERO_FLAGS"),
          "states_in_place": ("kernels_pallas.gated_delta.state_rows", "STATES_IN_PLACE"),
          "stream_in_kernel": ("kernels_pallas.gated_delta.stream_rows", "STREAM_IN_KERNEL"),
-         "conv_row_sum": ("minipic_jax.models.qwen3_5_gdn", "CONV_ROW_SUM")}
+         "conv_row_sum": ("minipic_jax.models.qwen3_5_gdn", "CONV_ROW_SUM"),
+         "conv_shifted": ("minipic_jax.models.qwen3_5_gdn", "CONV_SHIFTED")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
          "stream_in_kernel": {"stream_in_kernel": True}, "conv_reduce": {"conv_row_sum": False},
+         "conv_shifted": {"conv_shifted": True},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
                  "stream_in_kernel": False, "conv_row_sum": False}}

@@ -59,3 +59,24 @@ def test_the_conv_forms_agree(monkeypatch, row_sum):
     x = sum(np.asarray(r, np.float64) * w[:, i].astype(np.float64) for i, r in enumerate(rows))
     want = x / (1 + np.exp(-x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_shifted_taps_read_the_values_the_gathers_read(monkeypatch):
+    """CONV_SHIFTED (the taps as static shifts of the step's rows, else the conv state's rows)
+    against the gathers (`history_rows`): the same conv, bit for bit, over a ragged batch whose
+    sequences start before, at and after their conv windows' reach (and a padding tail)."""
+    rng = np.random.default_rng(1)
+    c, k1 = 24, 3
+    lens, pos0 = np.array([5, 1, 2, 9, 0]), np.array([7, 0, 1, 30, 4])
+    cu = jnp.asarray(np.r_[0, np.cumsum(lens)], jnp.int32)
+    t = int(lens.sum()) + 3
+    x = jnp.asarray(rng.standard_normal((t, c)), jnp.float32)
+    conv0 = jnp.asarray(rng.standard_normal((5, c, k1)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((c, k1 + 1)), jnp.float32)
+    seq_of_row = qwen3_5_gdn.rows_of_seqs(cu, t)
+    outs = []
+    for shifted in (False, True):
+        monkeypatch.setattr(qwen3_5_gdn, "CONV_SHIFTED", shifted)
+        outs.append(np.asarray(qwen3_5_gdn.causal_conv(x, w, conv0, cu, jnp.asarray(pos0),
+                                                       seq_of_row)))
+    np.testing.assert_array_equal(outs[0][:int(lens.sum())], outs[1][:int(lens.sum())])

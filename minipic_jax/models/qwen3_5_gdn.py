@@ -29,6 +29,11 @@ from serving.model_contract import SpanPieces
 # The causal conv as its Kc tap products summed in order over [T, C] rows (conv_rows_silu); False:
 # an einsum over the window's minor Kc axis, a reduce fusion that reads across C (A/B timing)
 CONV_ROW_SUM = True
+# ... and its taps read as static shifts of the step's inputs (rows of the same sequence) or rows
+# of the conv state laid [S * (Kc-1), C] (before): no per-element row index, both reads along C.
+# The same values and sums as the gathers (CONV_SHIFTED False: `history_rows`); the row-sum
+# conv's fusion took 51 us a layer on an H100 (s28), ~4x its bytes. Off until timed.
+CONV_SHIFTED = False
 
 
 def gdn_dims(cfg):
@@ -110,8 +115,25 @@ def causal_conv(x, conv_w, conv0, cu_q_lens, pos0, seq_of_row, index=None):
     """
     if index is None:
         index = conv_index(cu_q_lens, pos0, seq_of_row, conv0.shape[-1])["rows"]
+    if CONV_SHIFTED:
+        return conv_rows_silu(shifted_taps(x, conv0, index) + [x], conv_w)
     past = history_rows(x, conv0, index)  # [T, Kc-1, C]
     return conv_rows_silu([past[:, i] for i in range(past.shape[1])] + [x], conv_w)
+
+
+def shifted_taps(x, conv0, index):
+    """history_rows of the rows' own windows as Kc-1 arrays [T, C] (oldest first): tap j of row
+    t is row t - (Kc-1) + j of the step's inputs where that row is the sequence's (`from_x`:
+    history_index puts it there), else the conv state's column."""
+    _, seq, col, from_x = index
+    n, k1 = x.shape[0], conv0.shape[-1]
+    old = jnp.swapaxes(conv0, 1, 2).reshape(-1, conv0.shape[1]).astype(x.dtype)  # [S*K1, C]
+    taps = []
+    for j in range(k1):
+        shift = jnp.pad(x, ((k1 - j, 0), (0, 0)))[:n]
+        state = old.at[seq[:, j] * k1 + col[:, j]].get(wrap_negative_indices=False)
+        taps.append(jnp.where(from_x[:, j, None], shift, state))
+    return taps
 
 
 def conv_silu(window, conv_w):
