@@ -15,7 +15,7 @@ echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^time|kernels, busy|fusion" "$OUT/steps.txt" | grep -E "^time|kernels|convert|select|reduce" \
   | cut -c1-150 >> "$R"
 timeout 110 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
-  --tokens 1024 --decode --forms "" CONV_SHIFTED=1 --profile 8 > "$OUT/fixed.txt" 2>&1
+  --tokens 1024 --ckpt 1 --decode --forms "" CONV_SHIFTED=1 --profile 8 > "$OUT/fixed.txt" 2>&1
 echo "fixed_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -v "^W1" "$OUT/fixed.txt" | grep -E "ms|kernels" | tail -40 | cut -c1-170 >> "$R"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
