@@ -8,9 +8,10 @@ budget), or one that does not fit the rest of a step of which at least FILL_PIEC
 (span_cache.SpanMapCache.cut), is computed in pieces over several steps, each piece's local state
 and map carried to the next in the span's map-pool slot (serving/hybrid/span_partial.py). (A
 split changes a span's bits at float32 rounding, as chunking any prompt does: its later rows'
-attention reads the earlier ones from the pages.) A final span carries its local state on itself (`carry_local`: its
-remaining rows and generated tokens continue it as ordinary rows). Any other non-final span
-stays in one step: a chunk ends before it rather than inside it (`cut_chunk`).
+attention reads the earlier ones from the pages.) A final span carries its local state on
+itself (`carry_local`: its remaining rows and generated tokens continue it as ordinary rows).
+Any other non-final span stays in one step: a chunk ends before it rather than inside it
+(`cut_chunk`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import numpy as np
 # more each, however they align (rag's pieces: SSEP + 128 passage tokens = 129 rows, 3 chunks).
 LOCAL_CHUNK, LOCAL_SLACK = 64, 2
 # A span that does not fit the rest of a step goes in pieces when this many of its rows fit (and
-# the span-map cache can carry them): the step is filled instead of ending before the span (the
-# 6 x 900-token span request took 7 prefill steps, its first of 200 tokens, against 6 as a plain
-# prompt). Shorter room is left to other sequences (rag's 129-row passages never split).
+# the span-map cache can carry them): the step is filled instead of ending before the span (with
+# the first span start's break, issue 29's 6 x 900-token span request takes a plain prompt's 6
+# prefill steps, was 7). Shorter room is left to other sequences (rag's 129-row passages never
+# split).
 FILL_PIECE = 256
 
 
