@@ -31,9 +31,10 @@ from serving.model_contract import SpanPieces
 CONV_ROW_SUM = True
 # ... and its taps read as static shifts of the step's inputs (rows of the same sequence) or rows
 # of the conv state laid [S * (Kc-1), C] (before): no per-element row index, both reads along C.
-# The same values and sums as the gathers (CONV_SHIFTED False: `history_rows`); the row-sum
-# conv's fusion took 51 us a layer on an H100 (s28), ~4x its bytes. Off until timed.
-CONV_SHIFTED = False
+# The same values and sums as the gathers (False: `history_rows`). H100, 1,024 tokens x 16 seats:
+# the conv's fusion 0.90 -> 0.68 ms a step, the plain step 9.20 -> 8.83 ms (benchmarks/RESULTS.md,
+# "Position-independent spans on hybrid models"; span steps read their windows another way).
+CONV_SHIFTED = True
 
 
 def gdn_dims(cfg):
