@@ -80,3 +80,14 @@ def test_break_rows_finds_the_first_off_grid_checkpoint_inside_each_sequence():
     # 40; seq 3: 30 = its end; the unused row changes nothing
     got = ragged.break_rows(rows, pos0, lens, C)
     np.testing.assert_array_equal(np.asarray(got), [26, 21, 9, 30])
+
+
+def test_break_rows_keeps_at_most_max_breaks():
+    """The packed stream holds max_breaks more chunks: the breaks past them are dropped (their
+    checkpoints lose exactness, no row is lost); the host never asks for more."""
+    lens, pos0 = jnp.asarray([70, 21, 45, 30]), jnp.asarray([3, 64, 24, 0])
+    rows = _rows([0, 1, 2, 3], [29, 69, 33, 5])
+    np.testing.assert_array_equal(np.asarray(ragged.break_rows(rows, pos0, lens, C)),
+                                  [26, 5, 9, 5])
+    np.testing.assert_array_equal(np.asarray(ragged.break_rows(rows, pos0, lens, C, 2)),
+                                  [26, 5, 45, 30])

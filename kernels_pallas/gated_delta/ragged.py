@@ -122,17 +122,23 @@ def layout_fields(pk) -> dict:
     return {k: pk[k] for k in keys if k in pk}
 
 
-def break_rows(rows, pos0, lens, chunk: int):
+def break_rows(rows, pos0, lens, chunk: int, max_breaks: int | None = None):
     """[S] each sequence's break (`packing`): the row of its first checkpoint off the chunk grid
     strictly inside its rows (rows: as_rows' CheckpointRows; lens [S] the rows), else its row
     count (none).
     The host lets a chunk run past one such checkpoint per sequence only (the scheduler's
-    chunk_stop), in at most `packing`'s max_breaks sequences."""
+    chunk_stop), in at most `packing`'s max_breaks sequences; `max_breaks` keeps the first that
+    many here too (the packed stream's static size holds no more: one past them would lose
+    rows, where a missing break costs that checkpoint its exactness only)."""
     seq, at = rows
     lens = jnp.asarray(lens, jnp.int32)
     rel = at - jnp.asarray(pos0, jnp.int32)[seq]
     inside = (at >= 0) & (at % chunk != 0) & (rel > 0) & (rel < lens[seq])
-    return lens.at[seq].min(jnp.where(inside, rel, lens[seq]), mode="drop")
+    brk = lens.at[seq].min(jnp.where(inside, rel, lens[seq]), mode="drop")
+    if max_breaks is None:
+        return brk
+    has = brk < lens
+    return jnp.where(has & (jnp.cumsum(has) <= max_breaks), brk, lens)
 
 
 def take_rows(x, rows):

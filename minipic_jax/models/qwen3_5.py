@@ -160,7 +160,8 @@ def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces) ->
     conv_idx = qwen3_5_gdn.conv_index(cu, pos0, seq_of_row, k1, checkpoint_at)
     pieces, breaks = None, None
     if checkpoint_at is not None and decode is not True:  # one off-grid checkpoint a sequence
-        breaks = break_rows(as_rows(checkpoint_at)[0], pos0, cu[1:] - cu[:-1], CHUNK)
+        breaks = break_rows(as_rows(checkpoint_at)[0], pos0, cu[1:] - cu[:-1], CHUNK,
+                            CHECKPOINT_BREAKS)
     joint = span_pieces is not None and qwen3_5_joint.usable(cfg, decode)
     if span_pieces is not None:  # one conv window per row (the piece's or the flow's)
         pieces = qwen3_5_spans.with_windows(qwen3_5_spans.prepare(

@@ -227,7 +227,7 @@ class HybridPrefixCache:
             off = [p for p, ok in zip(near, on_grid(seq.layout, near, self.planner.chunk))
                    if not ok]
             if off and self.breaks_left and (stop_at is None or off[0] < stop_at):
-                self.breaks_left, off = self.breaks_left - 1, off[1:]
+                off = off[1:]  # counted where its checkpoint is taken (`annotate`)
             if off:
                 stop_at = off[0] if stop_at is None else min(stop_at, off[0])
         if self.fit is not None and not spans:
@@ -252,20 +252,20 @@ class HybridPrefixCache:
         if seq.is_span_job:
             return
         h = seq.hybrid
-        take = [p for p in self._ahead(seq) if p <= e.new_computed]
+        take, inner = [p for p in self._ahead(seq) if p <= e.new_computed], []
         if take and seq.layout.span_block.any():  # off the chunk grid: at a chunk's ends, or
-            grid = on_grid(seq.layout, take, self.planner.chunk)  # its one break (chunk_stop)
-            inner = [p for p, ok in zip(take, grid)
-                     if not ok and seq.num_computed < p < e.new_computed][:1]
+            grid = on_grid(seq.layout, take, self.planner.chunk)  # one break while a step has
+            inner = [p for p, ok in zip(take, grid) if not ok and seq.num_computed < p
+                     < e.new_computed][:1 if self.breaks_left else 0]  # one (chunk_stop)
             take = [p for p, ok in zip(take, grid) if ok or p in (seq.num_computed,
                                                                   e.new_computed, *inner)]
         take = take[:min(CHECKPOINTS_PER_STEP, self.rows_left)]
         got = []
-        for p in take:
-            if p in h.ck_positions:
-                got.append(self._reserve(mgr, seq, p, h.ck_values[h.ck_positions.index(p)]))
-            elif self.store.free_slots:  # a cover position: only into a free slot
-                got.append(self._reserve(mgr, seq, p, h.ck_free[p]))
+        for p in take:  # a cover position (not planned): only into a free slot
+            value = h.ck_values[h.ck_positions.index(p)] if p in h.ck_positions else \
+                h.ck_free[p] if self.store.free_slots else None
+            got.append(None if value is None else self._reserve(mgr, seq, p, value))
+            self.breaks_left -= p in inner and got[-1] is not None
         if not take and self.rows_left:
             p = self._free_position(mgr, seq, e.new_computed)
             if p is not None:
