@@ -298,19 +298,23 @@ def run(args) -> int:
                   "system_tokens", "spans", "span_tokens", "question_tokens",
                   "long_span_tokens", "max_tokens", "seed")}, "rows": {}}
 
+    done = {}
+
     def on_row(key, row):
         print_row(key, row, sync=args.steps_sync or key in dict(SYNC_CALLS))
-        result["rows"][f"{key} {dict(CALLS + SYNC_CALLS)[key]}"] = row
+        result["rows"][f"{key} {dict(CALLS + SYNC_CALLS)[key]}"] = done[key] = row
+        if key == CALLS[-1][0]:  # a-g done: the goals, before the repeats and the profile
+            result["goals"] = goal_lines(done)
+            for g in result["goals"]:
+                print(f"goal {'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}",
+                      flush=True)
         write_json(args.json, result)  # after every call: a cut-off run keeps what it measured
     trace = None
     if args.steps:  # after the warm-up: its steps are no call's
         from benchmarks.hybrid_span_steps import StepTrace
         trace = StepTrace(llm, sync=args.steps_sync).attach()
     rows = span_calls(llm, args, counter, on_row, trace)
-    result["goals"] = goal_lines(rows)
     result["profile"] = rows.get("profile")
-    for g in result["goals"]:
-        print(f"goal {'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['value']}")
     write_json(args.json, result)
     return 0
 
