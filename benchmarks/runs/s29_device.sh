@@ -24,7 +24,7 @@ echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^time|kernels, busy" "$OUT/steps.txt" >> "$R"
 L=$(left); [ "$L" -gt 330 ] && L=330
 OUT=$OUT LIMIT=$L EXTRA="--profile-top 15" bash benchmarks/runs/span_request_device.sh >> "$R"
-grep -E "^profile-top" "$OUT/hybrid_spans.txt" | cut -c1-160 >> "$R"
+grep -E "^profile" "$OUT/hybrid_spans.txt" | cut -c1-160 >> "$R"
 L=$(left); [ "$L" -gt 110 ] && L=110
 [ "$L" -ge 90 ] && OUT=$OUT LIMIT=$L bash benchmarks/runs/rag16_device.sh >> "$R"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
