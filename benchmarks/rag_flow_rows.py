@@ -1,0 +1,73 @@
+"""How much of a capturing span step's flow a flow that skipped its captured spans would save
+(host only, any backend; issue 29's zipf gap, an idea not built).
+
+    python -m benchmarks.rag_flow_rows CONFIG [rag options...]
+
+A capturing span step runs the flow over every row, the captured spans' too, though the state
+after a span it captures whole is A S + B of the map it captures. If a chunk ends with such spans
+(no other rows after them), its flow could stop before them and the sequence's next chunk enter
+through the compose program, as after skipped spans. Runs configuration CONFIG in this process
+(as `benchmarks/rag_steps.py` does) and prints per workload run: the capturing steps, their
+rows, and the rows of spans captured whole at the tail of their chunk (what the flow would not
+run). Each such chunk's next one would need a compose program unless it has one already.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+
+def tail_rows(e) -> int:
+    """Rows at the end of scheduled entry `e` that are spans it captures whole."""
+    from serving.hybrid import span_rows
+    idx = np.asarray(e.token_idx)
+    if not idx.size or not e.map_caps:
+        return 0
+    ends = {a: b for a, b, _ in span_rows.spans_of(e.seq, e.seq.block_size)}
+    covered = np.zeros(idx.size, bool)
+    for a, _, cont in e.map_caps:
+        if not cont and a >= idx[0] and ends.get(a, 1 << 62) <= e.new_computed:
+            covered |= (idx >= a) & (idx < ends[a])
+    k = idx.size
+    while k and covered[k - 1]:
+        k -= 1
+    return idx.size - k
+
+
+def main(argv) -> int:
+    import argparse
+
+    from benchmarks import rag_bench, rag_runs
+    from serving.scheduler import Scheduler
+    steps = []
+    schedule, drive = Scheduler.schedule, rag_runs.drive
+
+    def logged_schedule(self):
+        batch = schedule(self)
+        steps.append((sum(len(e.token_idx) for e in batch), sum(tail_rows(e) for e in batch),
+                      any(e.map_caps for e in batch)))
+        return batch
+
+    def logged_drive(engine, prompts, sp, **kw):
+        steps.clear()
+        out = drive(engine, prompts, sp, **kw)
+        a = np.array(steps, dtype=np.int64).reshape(-1, 3)
+        cap = a[a[:, 2] == 1]
+        rows, tail = int(cap[:, 0].sum()), int(cap[:, 1].sum())
+        print(f"{kw.get('salt')}: {len(a)} steps, {len(cap)} capturing; their rows {rows}, "
+              f"rows of spans captured whole at a chunk's tail {tail} ({tail / max(rows, 1):.1%})",
+              flush=True)
+        return out
+
+    Scheduler.schedule, rag_runs.drive = logged_schedule, logged_drive
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.rag_flow_rows")
+    rag_bench.add_parser(parser)
+    args = parser.parse_args(argv[1:])
+    rag_runs.run_config(argv[0], args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
