@@ -9,7 +9,8 @@ after a span it captures whole is A S + B of the map it captures. If a chunk end
 through the compose program, as after skipped spans. Runs configuration CONFIG in this process
 (as `benchmarks/rag_steps.py` does) and prints per workload run: the capturing steps, their
 rows, and the rows of spans captured whole at the tail of their chunk (what the flow would not
-run). Each such chunk's next one would need a compose program unless it has one already.
+run), and the steps that would need a compose program for it though they have none (the
+price: ~1 ms each on an H100, a launch-bound program of 53 kernels).
 """
 
 from __future__ import annotations
@@ -41,23 +42,30 @@ def main(argv) -> int:
 
     from benchmarks import rag_bench, rag_runs
     from serving.scheduler import Scheduler
-    steps = []
+    steps, lagging = [], set()
     schedule, drive = Scheduler.schedule, rag_runs.drive
 
     def logged_schedule(self):
         batch = schedule(self)
-        steps.append((sum(len(e.token_idx) for e in batch), sum(tail_rows(e) for e in batch),
-                      any(e.map_caps for e in batch)))
+        enters = [e.seq.seq_id in lagging for e in batch if len(e.token_idx)]
+        lagging.difference_update(e.seq.seq_id for e in batch if len(e.token_idx))
+        tails = [tail_rows(e) for e in batch]
+        lagging.update(e.seq.seq_id for e, t in zip(batch, tails) if t)
+        new_compose = any(enters) and not any(e.map_chain for e in batch)
+        steps.append((sum(len(e.token_idx) for e in batch), sum(tails),
+                      any(e.map_caps for e in batch), new_compose))
         return batch
 
     def logged_drive(engine, prompts, sp, **kw):
         steps.clear()
+        lagging.clear()
         out = drive(engine, prompts, sp, **kw)
-        a = np.array(steps, dtype=np.int64).reshape(-1, 3)
+        a = np.array(steps, dtype=np.int64).reshape(-1, 4)
         cap = a[a[:, 2] == 1]
         rows, tail = int(cap[:, 0].sum()), int(cap[:, 1].sum())
         print(f"{kw.get('salt')}: {len(a)} steps, {len(cap)} capturing; their rows {rows}, "
-              f"rows of spans captured whole at a chunk's tail {tail} ({tail / max(rows, 1):.1%})",
+              f"rows of spans captured whole at a chunk's tail {tail} ({tail / max(rows, 1):.1%}); "
+              f"steps that would need a compose program they lack: {int(a[:, 3].sum())}",
               flush=True)
         return out
 

@@ -214,8 +214,8 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
 
 # --time's forms of a step: module flags set while it is traced (FLAGS: the scan's one program
 # per sequence, a span step's passes in one stream, the packed stream's q / k in bf16, the map
-# store stacked over layers, the zero_a flags, the conv as summed taps), each form naming what differs from today's
-# defaults ("new"); "old" is session 20's step.
+# store stacked over layers, the zero_a flags, the conv's forms), each form naming what differs
+# from today's defaults ("new"); "old" is session 20's step.
 FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
          "joint": ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
          "stream_bf16": ("kernels_pallas.gated_delta.ragged", "STREAM_QK_IN_V_DTYPE"),
@@ -224,15 +224,17 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "states_in_place": ("kernels_pallas.gated_delta.state_rows", "STATES_IN_PLACE"),
          "stream_in_kernel": ("kernels_pallas.gated_delta.stream_rows", "STREAM_IN_KERNEL"),
          "conv_row_sum": ("minipic_jax.models.qwen3_5_gdn", "CONV_ROW_SUM"),
-         "conv_shifted": ("minipic_jax.models.qwen3_5_gdn", "CONV_SHIFTED")}
+         "conv_shifted": ("minipic_jax.models.qwen3_5_gdn", "CONV_SHIFTED"),
+         "conv_stacked": ("minipic_jax.models.qwen3_5_gdn", "CONV_STACKED_GATHER")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
          "stream_in_kernel": {"stream_in_kernel": True}, "conv_reduce": {"conv_row_sum": False},
-         "conv_shifted": {"conv_shifted": True},
+         "conv_shifted": {"conv_shifted": True}, "conv_gathered": {"conv_shifted": False},
+         "conv_stacked": {"conv_stacked": True},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
-                 "stream_in_kernel": False, "conv_row_sum": False}}
+                 "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False}}
 
 
 @contextlib.contextmanager

@@ -75,8 +75,10 @@ def test_shifted_taps_read_the_values_the_gathers_read(monkeypatch):
     w = jnp.asarray(rng.standard_normal((c, k1 + 1)), jnp.float32)
     seq_of_row = qwen3_5_gdn.rows_of_seqs(cu, t)
     outs = []
-    for shifted in (False, True):
+    for shifted, stacked in ((False, False), (True, False), (False, True)):
         monkeypatch.setattr(qwen3_5_gdn, "CONV_SHIFTED", shifted)
+        monkeypatch.setattr(qwen3_5_gdn, "CONV_STACKED_GATHER", stacked)
         outs.append(np.asarray(qwen3_5_gdn.causal_conv(x, w, conv0, cu, jnp.asarray(pos0),
                                                        seq_of_row)))
-    np.testing.assert_array_equal(outs[0][:int(lens.sum())], outs[1][:int(lens.sum())])
+    for out in outs[1:]:  # CONV_STACKED_GATHER (one gather a tap, no select) too
+        np.testing.assert_array_equal(outs[0][:int(lens.sum())], out[:int(lens.sum())])

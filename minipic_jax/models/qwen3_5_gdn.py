@@ -35,6 +35,10 @@ CONV_ROW_SUM = True
 # the conv's fusion 0.90 -> 0.68 ms a step, the plain step 9.20 -> 8.83 ms (benchmarks/RESULTS.md,
 # "Position-independent spans on hybrid models"; span steps read their windows another way).
 CONV_SHIFTED = True
+# ... or read as one row gather each from the step's inputs and the conv state's rows stacked
+# (the span steps' form, `qwen3_5_spans.window_rows`, whose conv fusion was below 0.29 ms a step
+# where the plain step's shifted one took 0.68 on the H100: s28). Off until timed.
+CONV_STACKED_GATHER = False
 
 
 def gdn_dims(cfg):
@@ -116,10 +120,23 @@ def causal_conv(x, conv_w, conv0, cu_q_lens, pos0, seq_of_row, index=None):
     """
     if index is None:
         index = conv_index(cu_q_lens, pos0, seq_of_row, conv0.shape[-1])["rows"]
+    if CONV_STACKED_GATHER:
+        return conv_rows_silu(stacked_taps(x, conv0, index) + [x], conv_w)
     if CONV_SHIFTED:
         return conv_rows_silu(shifted_taps(x, conv0, index) + [x], conv_w)
     past = history_rows(x, conv0, index)  # [T, Kc-1, C]
     return conv_rows_silu([past[:, i] for i in range(past.shape[1])] + [x], conv_w)
+
+
+def stacked_taps(x, conv0, index):
+    """history_rows as Kc-1 arrays [T, C] (oldest first), each one gather from the step's inputs
+    stacked over the conv state's rows [S * (Kc-1), C] (no select)."""
+    rows, seq, col, from_x = index
+    n, k1 = x.shape[0], conv0.shape[-1]
+    old = jnp.swapaxes(conv0, 1, 2).reshape(-1, conv0.shape[1]).astype(x.dtype)
+    src = jnp.concatenate([x, old], axis=0)
+    at = jnp.where(from_x, rows, n + seq * k1 + col)
+    return [src.at[at[:, j]].get(wrap_negative_indices=False) for j in range(k1)]
 
 
 def shifted_taps(x, conv0, index):
