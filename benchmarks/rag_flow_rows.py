@@ -38,15 +38,10 @@ def tail_rows(e) -> int:
 
 
 def main(argv) -> int:
-    import argparse
-
-    from benchmarks import rag_bench, rag_runs
-    from serving.scheduler import Scheduler
+    from benchmarks.rag_steps import run_logged
     steps, lagging = [], set()
-    schedule, drive = Scheduler.schedule, rag_runs.drive
 
-    def logged_schedule(self):
-        batch = schedule(self)
+    def on_batch(batch):
         enters = [e.seq.seq_id in lagging for e in batch if len(e.token_idx)]
         lagging.difference_update(e.seq.seq_id for e in batch if len(e.token_idx))
         tails = [tail_rows(e) for e in batch]
@@ -54,27 +49,20 @@ def main(argv) -> int:
         new_compose = any(enters) and not any(e.map_chain for e in batch)
         steps.append((sum(len(e.token_idx) for e in batch), sum(tails),
                       any(e.map_caps for e in batch), new_compose))
-        return batch
 
-    def logged_drive(engine, prompts, sp, **kw):
+    def begin():
         steps.clear()
         lagging.clear()
-        out = drive(engine, prompts, sp, **kw)
+
+    def end(salt):
         a = np.array(steps, dtype=np.int64).reshape(-1, 4)
         cap = a[a[:, 2] == 1]
         rows, tail = int(cap[:, 0].sum()), int(cap[:, 1].sum())
-        print(f"{kw.get('salt')}: {len(a)} steps, {len(cap)} capturing; their rows {rows}, "
+        print(f"{salt}: {len(a)} steps, {len(cap)} capturing; their rows {rows}, "
               f"rows of spans captured whole at a chunk's tail {tail} ({tail / max(rows, 1):.1%}); "
               f"steps that would need a compose program they lack: {int(a[:, 3].sum())}",
               flush=True)
-        return out
-
-    Scheduler.schedule, rag_runs.drive = logged_schedule, logged_drive
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.rag_flow_rows")
-    rag_bench.add_parser(parser)
-    args = parser.parse_args(argv[1:])
-    rag_runs.run_config(argv[0], args)
-    return 0
+    return run_logged(argv, "python -m benchmarks.rag_flow_rows", on_batch, begin, end)
 
 
 if __name__ == "__main__":

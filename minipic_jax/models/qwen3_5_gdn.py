@@ -133,8 +133,7 @@ def stacked_taps(x, conv0, index):
     stacked over the conv state's rows [S * (Kc-1), C] (no select)."""
     rows, seq, col, from_x = index
     n, k1 = x.shape[0], conv0.shape[-1]
-    old = jnp.swapaxes(conv0, 1, 2).reshape(-1, conv0.shape[1]).astype(x.dtype)
-    src = jnp.concatenate([x, old], axis=0)
+    src = jnp.concatenate([x, qwen3_5_spans.state_rows(conv0, x.dtype)], axis=0)
     at = jnp.where(from_x, rows, n + seq * k1 + col)
     return [src.at[at[:, j]].get(wrap_negative_indices=False) for j in range(k1)]
 
@@ -145,7 +144,7 @@ def shifted_taps(x, conv0, index):
     history_index puts it there), else the conv state's column."""
     _, seq, col, from_x = index
     n, k1 = x.shape[0], conv0.shape[-1]
-    old = jnp.swapaxes(conv0, 1, 2).reshape(-1, conv0.shape[1]).astype(x.dtype)  # [S*K1, C]
+    old = qwen3_5_spans.state_rows(conv0, x.dtype)  # [S * K1, C]
     taps = []
     for j in range(k1):
         shift = jnp.pad(x, ((k1 - j, 0), (0, 0)))[:n]

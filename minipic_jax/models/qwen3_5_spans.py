@@ -122,14 +122,19 @@ def _entry_base(entry, n_rows: int, k1: int):
     return jnp.where(entry >= 0, n_rows + entry * k1, -1)
 
 
+def state_rows(conv, dtype):
+    """Conv states [N, C, K1] as rows [N * K1, C] in `dtype` (each state's inputs oldest first):
+    what a conv window gathers from besides the step's inputs."""
+    return jnp.swapaxes(conv, -1, -2).reshape(-1, conv.shape[1]).astype(dtype)
+
+
 def stream(mixed, plan):
     """The rows windows read (`prepare`): the step's layer inputs, then with entries each
     capture's entry tail (its last K1 inputs so far, oldest first) for this layer."""
     if "entry" not in plan:
         return mixed
     tail = plan["entry_tail"]  # [Mc, C, K1] this layer's (for_layer)
-    rows = jnp.swapaxes(tail, -1, -2).reshape(-1, tail.shape[1]).astype(mixed.dtype)
-    return jnp.concatenate([mixed, rows], axis=0)
+    return jnp.concatenate([mixed, state_rows(tail, mixed.dtype)], axis=0)
 
 
 def for_layer(plan, layer: int):
@@ -204,8 +209,8 @@ def window_rows(mixed, conv0, plan):
     """Every row's conv window (`with_windows`) as its Kc inputs [T, C] (oldest first), for
     qwen3_5_gdn.conv_rows_silu: gathers from the step's layer inputs (and entry tails) and the
     conv states conv0 [S, C, K1]."""
-    old = jnp.swapaxes(conv0, 1, 2).reshape(-1, conv0.shape[1]).astype(mixed.dtype)
-    src, rows = jnp.concatenate([stream(mixed, plan), old], axis=0), plan["window_rows"]
+    src = jnp.concatenate([stream(mixed, plan), state_rows(conv0, mixed.dtype)], axis=0)
+    rows = plan["window_rows"]
     return [take_rows(src, rows[:, i]) for i in range(rows.shape[1])]
 
 
