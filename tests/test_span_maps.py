@@ -178,7 +178,8 @@ def test_compose_precision_names():
 def test_engine_compose_program_takes_the_configured_precision(monkeypatch):
     """span_map_compose_precision reaches the engine's compose program, traced as on a GPU (not
     compiled) in both forms: on the XLA loop each of its dots asks the configured preset; on the
-    chain kernel (a GPU's "auto" at a tensor-core preset) the kernel is called with it."""
+    chain kernel (a GPU's "auto" at a tensor-core preset: in place on the state cache) the
+    kernel is called with it."""
     from jaxpr_walk import outer_eqns
 
     from kernels_pallas.gated_delta import affine
@@ -201,8 +202,8 @@ def test_engine_compose_program_takes_the_configured_precision(monkeypatch):
             if e.primitive.name == "dot_general"]
     assert dots and all(p == preset for p in dots), dots
     seen = []
-    real = chain_compose.chain_apply
-    monkeypatch.setattr(chain_compose, "chain_apply",
+    real = chain_compose.chain_in_place
+    monkeypatch.setattr(chain_compose, "chain_in_place",
                         lambda *a, **k: seen.append(k["precision"]) or real(*a, **k))
     jaxpr = trace("gpu")
     assert seen == [preset], seen

@@ -12,7 +12,7 @@ or "auto", the first of `auto_order`'s list that takes the problem. A record's `
 equal-length chunked prefill; the ragged entry points (ragged.py, affine.py) run the chosen
 record's name. Models reach the op through this module only: it re-exports the ragged entry
 points and their helpers (`ragged_prefill`, `ragged_maps`, `ragged_packing`, `maps_packing`,
-`take_rows`, `apply_map`, `chain_apply`).
+`take_rows`, `apply_map`, `chain_apply`, `chain_in_place` with its row sources).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from kernels_pallas.gated_delta import affine, chunked, dots, ragged, tree_scan
 from kernels_pallas.gated_delta.affine import apply as apply_map, maps_packing  # noqa: F401
 from kernels_pallas.gated_delta.affine import COMPOSE_PRECISIONS, compose_precision  # noqa: F401
 from kernels_pallas.gated_delta.chain_triton import chain_apply  # noqa: F401
+from kernels_pallas.gated_delta.chain_in_place import (FROM_CHECKPOINT, FROM_SLOT, FROM_ZERO,  # noqa: F401
+                                                       NO_WRITE, chain_in_place)
 from kernels_pallas.gated_delta.affine import selected_rows  # noqa: F401
 from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows, as_rows  # noqa: F401
 from kernels_pallas.gated_delta.decode_rows import (on_rows, ragged_decode_conv_layer_in_place,  # noqa: F401
@@ -42,8 +44,8 @@ from kernels_pallas.gated_delta.state_rows import (EYE, ZERO, StateRows, as_arra
 from kernels_pallas.registry import Implementation
 
 __all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "JointPass", "Problem", "apply_map", "auto_order",
-           "break_rows", "chain_apply", "choose", "choose_gated_delta", "decode_step", "final_bounds",
-           "joint_packing",
+           "break_rows", "chain_apply", "chain_in_place", "choose", "choose_gated_delta", "decode_step",
+           "final_bounds", "joint_packing",
            "maps_packing", "packed_chunks", "prefill", "ragged_gated_delta", "ragged_maps",
            "ragged_packing", "ragged_prefill", "run_joint", "selected_rows", "take_rows"]
 

@@ -29,7 +29,8 @@ from minipic_jax.models.param_fusion import fuse_layers
 from minipic_jax.models.param_init import init_from_shapes
 from minipic_jax.models.qwen3_5_cache import (Qwen35Cache, cache_axes, extract_state,
                                               init_cache, read_states, restore_state,
-                                              state_nbytes, write_states)
+                                              state_layers, state_nbytes, with_state_layers,
+                                              write_states)
 from minipic_jax.models.qwen3_5_config import LAYER_TYPES, MODEL_TYPES, check, config_from_hf
 from minipic_jax.models.qwen3_5_hf import convert_hf, hf_tensor_names
 from serving.model_contract import CHECKPOINT_BREAKS, RecurrentMetadata
@@ -39,8 +40,8 @@ IS_HYBRID = True
 __all__ = ["CHUNK", "GDN_IMPLS", "IS_HYBRID", "LAYER_TYPES", "MODEL_TYPES", "Qwen35Cache",
            "cache_axes", "config_from_hf", "convert_hf", "extract_state", "forward",
            "forward_with_checkpoints", "fuse_params", "hf_tensor_names", "init_cache",
-           "init_params", "param_axes", "read_states", "restore_state", "state_nbytes",
-           "unfuse_params", "write_states"]
+           "init_params", "param_axes", "read_states", "restore_state", "state_layers",
+           "state_nbytes", "unfuse_params", "with_state_layers", "write_states"]
 CHUNK = 64  # recurrent checkpoint granularity (the chunked kernel's chunk size)
 # A layer's checkpoint states are computed before its states are written back (an optimization
 # barrier; forward_with_checkpoints' Returns says why). False: no barrier (A/B, benchmarks).

@@ -83,6 +83,17 @@ def read_states(cache: Qwen35Cache, slots):
             jnp.stack([d[slots] for d in cache.delta]))
 
 
+def state_layers(cache: Qwen35Cache) -> tuple[tuple, tuple]:
+    """The GDN layers' state caches themselves (conv [slots, C, Kc-1] x Lg, delta [slots, Hv, Dk,
+    Dv] x Lg), for kernels that move slots on in place (span_maps.enter)."""
+    return cache.conv, cache.delta
+
+
+def with_state_layers(cache: Qwen35Cache, conv, delta) -> Qwen35Cache:
+    """The cache with state_layers' arrays replaced (the same structure)."""
+    return dataclasses.replace(cache, conv=tuple(conv), delta=tuple(delta))
+
+
 def write_states(cache: Qwen35Cache, slots, conv, delta, mask) -> Qwen35Cache:
     """Jit-able restore of checkpoints into state slots (the engine's hybrid prefix cache hook).
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.gated_delta.api import apply_map, chain_apply
+from kernels_pallas.gated_delta.api import apply_map, chain_apply, chain_in_place
 from kernels_pallas.sharding import tp_mesh
 
 EXACT_WIDTHS = 4  # every width up to this one; then 6, 8, 12, 16, 24, 32, 48, 64, ...
@@ -81,6 +81,20 @@ def compose_kernel(pool, chains, n_maps, conv, delta, precision=None):
                         start=reset_starts(pool.zero_a, chains, n_maps), precision=precision,
                         interpret=_platform() not in _GPU)
     return chain_window(pool, chains, n_maps, conv), delta
+
+
+def compose_in_place(pool, chains, n_maps, slots, source, convs, deltas, windows, *,
+                     ck_delta=None, ck_slots=None, precision=None):
+    """compose_kernel on the cache itself (kernels_pallas/gated_delta/chain_in_place.py): each
+    chain row's state slot moves on by its chain, from its `source` (the slot, zero or a
+    checkpoint of ck_delta [Lg, Pc, ...] at ck_slots [S]; or untouched), and its conv slot takes
+    its window from `windows` [Lg, S, C, K1] (chain_window's). slots, source [S] int32; convs /
+    deltas: the GDN layers' state caches. Returns (convs, deltas), the same buffers."""
+    deltas, convs = chain_in_place(
+        pool.a, pool.b, chains, n_maps, reset_starts(pool.zero_a, chains, n_maps), source, slots,
+        deltas, convs, windows, ck_delta=ck_delta, ck_slots=ck_slots, precision=precision,
+        interpret=_platform() not in _GPU)
+    return convs, deltas
 
 
 def reset_starts(zero_a, chains, n_maps):

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.gated_delta.api import FROM_CHECKPOINT, FROM_SLOT, FROM_ZERO, NO_WRITE
 from serving.hybrid import chain_compose
 from serving.tiers.offload import HostBatch
 
@@ -184,34 +185,56 @@ def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chain
 
     state_slots, reset: [S] the step's sequences; chain_seq: [Sc] int32 which sequence each
     chain row is (-1 = none); chains: [Sc, L] pool slots in order (-1 ends a chain);
-    precision: entry_states'; restore: None, or (conv [Lg, Sc, ...], delta [Lg, Sc, ...], [Sc]
-    int32 checkpoint slot, -1 = none) per chain row (checkpoint_pool.rows): a row with a slot
-    starts from that checkpoint instead of its state slot (a resume at c comes before the spans
-    skipped right after c); it is written once, with the chain's result (restoring first wrote
-    every restored state into the cache and read it back: two scatters per GDN layer more).
+    precision: entry_states'; restore: None, or (the checkpoint pool, [Sc] int32 checkpoint
+    slot per chain row, -1 = none): a row with a slot starts from that checkpoint instead of its
+    state slot (a resume at c comes before the spans skipped right after c); it is written once,
+    with the chain's result (restoring first wrote every restored state into the cache and read
+    it back: two scatters per GDN layer more).
+    Where the chain kernel composes (chain_compose.use_kernel) and the family hands out its
+    layers' state caches (`state_layers`), the kernel moves the slots on in place
+    (chain_compose.compose_in_place: no stacked copy of the rows' states, no scatter back);
+    else the rows' states are read, composed (`_compose`) and written back.
     Returns (cache, reset [S] off for the sequences that entered: their slot holds the entry
     state now)."""
     n_seqs = state_slots.shape[0]
     n_maps = chain_lengths(chains)
-    order = _longest_first(n_maps)  # rows reordered before the states are read: no state moves
-    chain_seq, chains, n_maps = chain_seq[order], chains[order], n_maps[order]
+    in_place = chain_compose.use_kernel("auto", precision) and hasattr(family, "state_layers")
+    ck, ck_slot = restore if restore is not None else (None, None)
+    if not in_place:  # rows reordered before the states are read: no state moves
+        order = _longest_first(n_maps)
+        chain_seq, chains, n_maps = chain_seq[order], chains[order], n_maps[order]
+        ck_slot = None if ck is None else ck_slot[order]
     rows = jnp.clip(chain_seq, 0, n_seqs - 1)
     entering = (chain_seq >= 0) & (n_maps > 0)
     slots = state_slots[rows]
-    conv0, delta0 = family.read_states(cache, slots)  # [Lg, Sc, ...]
-    written = entering
-    if restore is not None:
-        conv_r, delta_r, ck_slot = restore[0][:, order], restore[1][:, order], restore[2][order]
+    if in_place:
+        conv_layers, delta_layers = family.state_layers(cache)
+        conv0 = jnp.stack([c[slots] for c in conv_layers])  # [Lg, Sc, C, K1]
+    else:
+        conv0, delta0 = family.read_states(cache, slots)  # [Lg, Sc, ...]
+    written, restored = entering, jnp.zeros_like(entering)
+    if ck is not None:
         restored = ck_slot >= 0
-        conv0 = jnp.where(restored[None, :, None, None], conv_r.astype(conv0.dtype), conv0)
-        delta0 = jnp.where(restored[None, :, None, None, None], delta_r.astype(delta0.dtype),
-                           delta0)
+        at = jnp.maximum(ck_slot, 0)
+        conv0 = jnp.where(restored[None, :, None, None], ck.conv[:, at].astype(conv0.dtype), conv0)
+        if not in_place:
+            delta0 = jnp.where(restored[None, :, None, None, None],
+                               ck.delta[:, at].astype(delta0.dtype), delta0)
         written = entering | restored  # a restored row without maps keeps its checkpoint
     keep = ~reset[rows]
     conv0 = jnp.where(keep[None, :, None, None], conv0, 0).astype(conv0.dtype)
-    delta0 = jnp.where(keep[None, :, None, None, None], delta0, 0.0)
-    conv, delta = _compose(pool, chains, n_maps, conv0, delta0, precision)
-    cache = family.write_states(cache, slots, conv, delta, written)
+    if in_place:
+        window = chain_compose.chain_window(pool, chains, n_maps, conv0)
+        source = jnp.where(~written, NO_WRITE, jnp.where(
+            ~keep, FROM_ZERO, jnp.where(restored, FROM_CHECKPOINT, FROM_SLOT)))
+        convs, deltas = chain_compose.compose_in_place(
+            pool, chains, n_maps, slots, source, conv_layers, delta_layers, window,
+            ck_delta=None if ck is None else ck.delta, ck_slots=ck_slot, precision=precision)
+        cache = family.with_state_layers(cache, convs, deltas)
+    else:
+        delta0 = jnp.where(keep[None, :, None, None, None], delta0, 0.0)
+        conv, delta = _compose(pool, chains, n_maps, conv0, delta0, precision)
+        cache = family.write_states(cache, slots, conv, delta, written)
     entered = jnp.zeros(n_seqs, bool).at[jnp.where(entering, chain_seq, n_seqs)].set(
         True, mode="drop")
     return cache, reset & ~entered

@@ -166,7 +166,7 @@ def enter(family, cache, pool, maps, f, reset, *, precision=None):
     restore = None
     if pool is not None:  # a resume at c comes before the spans skipped right after c
         # one a chain row (span_compose.py's own field), read with the chain row's state
-        restore = (*checkpoint_pool.rows(pool, f["restore_slot"]), f["restore_slot"])
+        restore = (pool, f["restore_slot"])
         f = dict(f, restore_slot=jnp.full_like(f["restore_slot"], -1))
     cache, reset = span_maps.enter(family, cache, maps, f["state_slots"], reset, f["chain_seq"],
                                    f["chain"], precision=precision, restore=restore)
