@@ -4,7 +4,9 @@
 #    kernel, tests/test_chain_in_place.py), the chain kernel, and sessions 26-28's GDN kernels;
 # 2. rag at 16 seats (the compose program profiled: before, 53 kernels / 1.05 ms = 11.05% of its
 #    warm step on an H100 in s28b);
-# 3. the step variants at rag's 1,024 tokens x 16 seats: today's form against the in-kernel stream
+# 3. the decode step's kernels by named scope (step_hlo_device.sh DECODE=1: what a decode step's
+#    ~416 kernels are, for the decode work of issue 29's reordered goal);
+# 4. the step variants at rag's 1,024 tokens x 16 seats: today's form against the in-kernel stream
 #    and the stacked conv gather (s29_device.sh's part 2), if time is left.
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s29a_device.sh
 set -u; T0=$SECONDS
@@ -21,6 +23,8 @@ echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> 
 grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-200 >> "$R"
 L=$(left); [ "$L" -gt 150 ] && L=150
 OUT=$OUT LIMIT=$L bash benchmarks/runs/rag16_device.sh >> "$R"
+OUT=$OUT DECODE=1 LIMIT=100 bash benchmarks/runs/step_hlo_device.sh >> "$R"
+head -3 "$OUT/hlo_kernels.txt" >> "$R" 2>/dev/null
 L=$(left)
 [ "$L" -ge 100 ] && timeout $((L - 10)) python3 -m benchmarks.span_step_work --time qwen3_5_0_8b \
   --dtype bfloat16 --reps 9 --variants plain warm/0 --forms new stream_in_kernel conv_stacked \
