@@ -39,6 +39,11 @@ CONV_SHIFTED = True
 # (the span steps' form, `qwen3_5_spans.window_rows`, whose conv fusion was below 0.29 ms a step
 # where the plain step's shifted one took 0.68 on the H100: s28). Off until timed.
 CONV_STACKED_GATHER = False
+# A decode step's conv (the in-place decode with glue, each sequence <= 1 new token) read
+# straight from the conv state: a row's Kc - 1 earlier inputs are its sequence's state columns,
+# and the state moves on by the sequence's one row (`decode_taps`, `decode_history`), with no
+# history index (the same values as the general form, bit for bit). False: the general form.
+DECODE_CONV_DIRECT = True
 
 
 def gdn_dims(cfg):
@@ -153,6 +158,26 @@ def shifted_taps(x, conv0, index):
     return taps
 
 
+def decode_taps(x, conv0, seq_of_row):
+    """A decode step's conv inputs as Kc arrays [T, C] (oldest first): row t's Kc - 1 earlier
+    inputs are the conv state columns of its sequence (one new token each), then x itself.
+    x [T, C]; conv0 [S, C, Kc-1]; seq_of_row [T]. The same values as shifted_taps there."""
+    old = conv0.astype(x.dtype)[seq_of_row]  # [T, C, Kc-1]
+    return [old[:, :, j] for j in range(conv0.shape[-1])] + [x]
+
+
+def decode_history(x, conv0, cu_q_lens):
+    """A decode step's conv states after it, [S, C, Kc-1]: each sequence with a new row moves
+    its window on by that row, the others keep theirs (read_history's values there: the state's
+    columns pass through x's dtype as read_history's do)."""
+    n = x.shape[0]
+    has_row = (cu_q_lens[1:] > cu_q_lens[:-1])[:, None, None]
+    new = x[jnp.clip(cu_q_lens[:-1], 0, n - 1)]  # [S, C]
+    old = conv0.astype(x.dtype)
+    moved = jnp.concatenate([old[:, :, 1:], new[:, :, None]], axis=-1)
+    return jnp.where(has_row, moved, old).astype(conv0.dtype)
+
+
 def conv_silu(window, conv_w):
     """silu of the depthwise conv of windows [T, C, Kc] (oldest first) with conv_w [C, Kc]:
     [T, C], float32 math."""
@@ -248,12 +273,18 @@ class GatedDeltaNet(nnx.Module):
         """q, k [T, Hk, Dk] and v [T, Hv, Dv] (in `dtype`, before the l2 norms) of the mixed
         projection [T, C]: its causal conv from each sequence's conv state (span rows: their
         piece's window, zeros before the span start)."""
-        hk, hv, dk, dv, _, _ = gdn_dims(cfg)
-        n_tokens, conv_w = mixed.shape[0], self.conv_w[...]  # [C, Kc]
+        conv_w = self.conv_w[...]  # [C, Kc]
         if pieces is None:
             conv_out = causal_conv(mixed, conv_w, conv0, cu_q_lens, pos0, seq_of_row, rows)
         else:
             conv_out = conv_rows_silu(qwen3_5_spans.window_rows(mixed, conv0, pieces), conv_w)
+        return self.split_qkv(conv_out, dtype, cfg)
+
+    @staticmethod
+    def split_qkv(conv_out, dtype, cfg):
+        """q, k [T, Hk, Dk] and v [T, Hv, Dv] in `dtype` of the conv's output [T, C]."""
+        hk, hv, dk, dv, _, _ = gdn_dims(cfg)
+        n_tokens = conv_out.shape[0]
         # whole on every device under TP (the rules keep [q | k | v] whole): a split over the
         # channels made the q / k L2 norms cross devices (kernels_pallas/sharding.whole)
         conv_out = whole(conv_out.astype(dtype))
@@ -275,9 +306,14 @@ class GatedDeltaNet(nnx.Module):
                 mixed, self.conv_w[...], sc.conv, a, b, *norm, cu_q_lens, sc.cache, sc.slots,
                 sc.keep, eps=cfg.rms_norm_eps, interpret=interpret)
             return jnp.einsum("thv,hve->te", normed, w_out), conv, delta
-        q, k, v = self.conv_qkv(mixed, dtype, conv0, cu_q_lens, pos0, seq_of_row,
-                                conv_idx["rows"], None, cfg)
-        conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
+        if DECODE_CONV_DIRECT:
+            q, k, v = self.split_qkv(conv_rows_silu(decode_taps(mixed, conv0, seq_of_row),
+                                                    self.conv_w[...]), dtype, cfg)
+            conv = decode_history(mixed, conv0, cu_q_lens)
+        else:
+            q, k, v = self.conv_qkv(mixed, dtype, conv0, cu_q_lens, pos0, seq_of_row,
+                                    conv_idx["rows"], None, cfg)
+            conv = read_history(mixed, conv0, conv_idx["end"]).astype(conv0.dtype)
         normed, delta = ragged_decode_layer_in_place(q, k, v, a, b, *norm, cu_q_lens, sc.cache,
                                                      sc.slots, sc.keep, eps=cfg.rms_norm_eps,
                                                      interpret=interpret, to_rows=False)

@@ -1,0 +1,77 @@
+"""A decode step's GDN conv read straight from the conv state (qwen3_5_gdn.DECODE_CONV_DIRECT:
+`decode_taps`, `decode_history`): each sequence has at most one new token, so a row's Kc - 1
+earlier inputs are its sequence's state columns and the state moves on by that one row. The
+same bits as the general form (shifted_taps / read_history through the step's history index)
+on every row that belongs to a sequence and for every sequence's next state, over random
+ragged decode layouts: sequences with no token, padding rows, bf16 inputs over a float32 or a
+bf16 state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minipic_jax.models import qwen3_5_gdn as gdn
+
+K1 = 3
+
+
+def _decode_layout(rng, n_seqs: int, n_rows: int):
+    """cu_q_lens of a decode step: each sequence 0 or 1 token, rows past the last one padding."""
+    lens = rng.integers(0, 2, n_seqs)
+    lens[rng.integers(n_seqs)] = 1
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    assert cu[-1] <= n_rows
+    return jnp.asarray(cu), jnp.asarray(rng.integers(0, 500, n_seqs), jnp.int32)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_conv_is_the_general_conv_bit_for_bit(fresh_rng, state_dtype):
+    channels = 24
+    for case in range(12):
+        n_seqs, n_rows = int(fresh_rng.integers(1, 9)), 8
+        cu, pos0 = _decode_layout(fresh_rng, n_seqs, n_rows)
+        x = jnp.asarray(fresh_rng.standard_normal((n_rows, channels)), jnp.bfloat16)
+        conv0 = jnp.asarray(fresh_rng.standard_normal((n_seqs, channels, K1)), state_dtype)
+        w = jnp.asarray(fresh_rng.standard_normal((channels, K1 + 1)), jnp.float32)
+        seq_of_row = gdn.rows_of_seqs(cu, n_rows)
+        index = gdn.conv_index(cu, pos0, seq_of_row, K1)
+        real = np.arange(n_rows) < int(cu[-1])
+        want = gdn.conv_rows_silu(gdn.shifted_taps(x, conv0, index["rows"]) + [x], w)
+        got = gdn.conv_rows_silu(gdn.decode_taps(x, conv0, seq_of_row), w)
+        np.testing.assert_array_equal(np.asarray(got)[real], np.asarray(want)[real], f"{case}")
+        want_state = gdn.read_history(x, conv0, index["end"]).astype(conv0.dtype)
+        got_state = gdn.decode_history(x, conv0, cu)
+        assert got_state.dtype == want_state.dtype
+        np.testing.assert_array_equal(np.asarray(got_state, np.float32),
+                                      np.asarray(want_state, np.float32), f"{case}")
+        moved = np.asarray(cu[1:] > cu[:-1])
+        if moved.any():  # the state did move where a sequence had its token
+            assert not np.array_equal(np.asarray(got_state, np.float32)[moved],
+                                      np.asarray(conv0, np.float32)[moved])
+
+
+def test_decode_steps_take_the_direct_conv(monkeypatch):
+    """The in-place decode with glue (an engine's decode-only steps) calls decode_taps once per
+    GDN layer when DECODE_CONV_DIRECT is on, never when off."""
+    from benchmarks.span_step_ops import model_cfg
+    from minipic_jax.models import qwen3_5
+    from minipic_jax.models.testing import SimplePager
+    from serving.model_contract import RecurrentMetadata
+    cfg = model_cfg(2)
+    calls, taps = [], gdn.decode_taps
+    monkeypatch.setattr(gdn, "decode_taps", lambda *a: calls.append(1) or taps(*a))
+    pager = SimplePager(4, 32, 16, seed=0)
+    pager.step([5, 7, 3, 9])
+    md, _, _ = pager.step([1, 1, 1, 1])
+    rec = RecurrentMetadata(state_slots=jnp.arange(4, dtype=jnp.int32), reset=jnp.zeros(4, bool),
+                            decode=True)
+    params = jax.eval_shape(lambda: qwen3_5.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    cache = jax.eval_shape(lambda: qwen3_5.init_cache(cfg, 64, 16, 4, jnp.bfloat16))
+    for direct, want in ((True, 2), (False, 0)):
+        calls.clear()
+        monkeypatch.setattr(gdn, "DECODE_CONV_DIRECT", direct)
+        jax.make_jaxpr(lambda p, c: qwen3_5.forward(
+            p, jnp.zeros(md.num_tokens, jnp.int32), md, c, cfg, recurrent=rec,
+            gdn_impl="pallas_fused_interpret"))(params, cache)
+        assert len(calls) == want
