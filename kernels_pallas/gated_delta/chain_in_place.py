@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.gated_delta.chain_triton import _BF16_TERMS, _dot
+from kernels_pallas.gated_delta.chain_triton import BF16_TERMS, chain_dot
 
 _F32 = jnp.float32
 # where a chain row's state comes from before its chain (`source`)
@@ -58,7 +58,7 @@ def _kernel(chain_ref, n_ref, start_ref, source_ref, slot_ref, ck_slot_ref, a_re
 
         def step(i, s):
             m = chain_ref[r, i]
-            return _dot(a_ref[m, layer, head], s, precision, interpret) + \
+            return chain_dot(a_ref[m, layer, head], s, precision, interpret) + \
                 b_ref[m, layer, head, :, cols]
 
         here = jax.lax.switch(layer, [functools.partial(lambda d: d[slot, head, :, cols], d)
@@ -116,7 +116,7 @@ def chain_in_place(a, b, chains, n_maps, start, source, slots, deltas, convs, wi
     rows = chains.shape[0]
     block_v = min(128, dv) if block_v is None else block_v
     if num_stages is None:
-        num_stages = 2 if precision in _BF16_TERMS else 1
+        num_stages = 2 if precision in BF16_TERMS else 1
     if a.shape[1:] != (layers, heads, dk, dk) or b.shape[1:] != (layers, heads, dk, dv):
         raise ValueError(f"chain_in_place: pool a {a.shape} / b {b.shape} do not fit states "
                          f"{deltas[0].shape} x {layers} layers")

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-_BF16_TERMS = {jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3: ((0, 0), (0, 1), (1, 0)),
+BF16_TERMS = {jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3: ((0, 0), (0, 1), (1, 0)),
                jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6:
                    ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0))}
 
@@ -49,10 +49,10 @@ def _bf16_parts(x, n):
     return parts
 
 
-def _dot(a, s, precision, interpret):
+def chain_dot(a, s, precision, interpret):
     """a @ s in float32 at `precision` (see the module doc)."""
-    if precision in _BF16_TERMS:
-        terms = _BF16_TERMS[precision]
+    if precision in BF16_TERMS:
+        terms = BF16_TERMS[precision]
         n = 1 + max(max(t) for t in terms)
         pa, ps = _bf16_parts(a, n), _bf16_parts(s, n)
         out = None  # smallest products first, so the large one is added last
@@ -79,7 +79,7 @@ def _chain_kernel(chain_ref, n_ref, start_ref, a_ref, b_ref, s_ref, o_ref, *, he
         slot = chain_ref[r, i]
         a = a_ref[slot, layer, head]
         b = b_ref[slot, layer, head, :, cols]
-        return _dot(a, s, precision, interpret) + b
+        return chain_dot(a, s, precision, interpret) + b
 
     reset = b_ref[chain_ref[r, jnp.maximum(first, 0)], layer, head, :, cols]
     s0 = jnp.where(first >= 0, reset, s_ref[...].astype(_F32))
@@ -115,7 +115,7 @@ def chain_apply(a, b, chains, n_maps, state, *, start=None, precision=None,
     layers, rows, heads, dk, dv = state.shape
     block_v = min(128, dv) if block_v is None else block_v
     if num_stages is None:
-        num_stages = 2 if precision in _BF16_TERMS else 1
+        num_stages = 2 if precision in BF16_TERMS else 1
     if a.shape[1:] != (layers, heads, dk, dk) or b.shape[1:] != (layers, heads, dk, dv):
         raise ValueError(f"chain_apply: pool a {a.shape} / b {b.shape} do not fit states "
                          f"{state.shape}")
