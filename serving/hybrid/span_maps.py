@@ -32,6 +32,10 @@ from serving.tiers.offload import HostBatch
 # A chain composes its maps by matmuls (A2 A1, A2 B1 + B2), so rounding adds up along it; the
 # warm path is tested bit-for-bit in float32 against the float64 reference, never in bfloat16.
 STATE_DTYPE = jnp.float32
+# The compose program's chain kernel on the state cache in place (chain_compose.compose_in_place,
+# session 29); False: the rows' states read out, composed and scattered back (53 kernels, 1.05
+# ms on an H100 at rag's 16 seats; the same bits). benchmarks/span_compose_cost.py times both.
+COMPOSE_IN_PLACE = True
 
 
 @jax.tree_util.register_dataclass
@@ -198,7 +202,8 @@ def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chain
     state now)."""
     n_seqs = state_slots.shape[0]
     n_maps = chain_lengths(chains)
-    in_place = chain_compose.use_kernel("auto", precision) and hasattr(family, "state_layers")
+    in_place = COMPOSE_IN_PLACE and chain_compose.use_kernel("auto", precision) and \
+        hasattr(family, "state_layers")
     ck, ck_slot = restore if restore is not None else (None, None)
     if not in_place:  # rows reordered before the states are read: no state moves
         order = _longest_first(n_maps)

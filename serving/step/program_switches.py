@@ -35,6 +35,7 @@ SWITCHES = (
     ("minipic_jax.models.qwen3_5_gdn", "DECODE_CONV_DIRECT"),
     ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
     ("serving.hybrid.chain_compose", "AUTO_KERNEL"),
+    ("serving.hybrid.span_maps", "COMPOSE_IN_PLACE"),
     ("serving.hybrid.span_maps", "STORE_STACKED"),
     ("serving.hybrid.span_maps", "ZERO_FLAGS"),
 )

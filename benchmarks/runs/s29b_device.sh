@@ -1,0 +1,32 @@
+#!/bin/bash
+# Session 29's device call (one `run` on an H100 or H200, <= 9.7 min, a short table last):
+# 1. compiled tests: the chain kernel in place on the state cache (tests/test_chain_in_place.py:
+#    the compose program as one kernel), the chain kernel, the GDN decode kernels;
+# 2. rag at 16 seats, its compose program profiled in place and, same process, in the form before
+#    (COMPOSE_IN_PLACE=0: 53 kernels, 1.05 ms = 11.05% of its warm step on an H100 in s28b);
+# 3. the 64-seat decode step with the conv read straight from the state against the general
+#    conv (DECODE_CONV_DIRECT=1 / 0, one process, profiled);
+# 4. issue 29's span request (its reordered call's decodes take both changes).
+# usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s29b_device.sh
+set -u; T0=$SECONDS
+export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s29
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s29b.txt
+left() { echo $((${TOTAL:-570} - SECONDS + T0)); }
+nvidia-smi -L > "$R" 2>/dev/null
+MINIPIC_COMPILED=1 timeout 110 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 4 \
+  tests/test_chain_in_place.py tests/test_chain_compose_kernel.py tests/test_gdn_decode_kernel.py \
+  tests/test_decode_conv.py > "$OUT/tests.txt" 2>&1
+echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
+grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-200 >> "$R"
+OUT=$OUT LIMIT=130 bash benchmarks/runs/rag16_device.sh >> "$R"
+timeout 100 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
+  --tokens 128 --ckpt 1 --decode --reps 9 --profile 6 \
+  --forms DECODE_CONV_DIRECT=0 DECODE_CONV_DIRECT=1 > "$OUT/decode_ab.txt" 2>&1
+echo "decode A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "^live_prerotate|^time .*decode|^profile decode" "$OUT/decode_ab.txt" | cut -c1-170 >> "$R"
+L=$(left); [ "$L" -gt 330 ] && L=330
+OUT=$OUT LIMIT=$L EXTRA="--profile-top 15" bash benchmarks/runs/span_request_device.sh >> "$R"
+grep -E "^profile" "$OUT/hybrid_spans.txt" | cut -c1-160 >> "$R"
+echo "== total t=$((SECONDS-T0)) s" >> "$R"
+cat "$R"
