@@ -34,7 +34,9 @@ class RecurrentMetadata:
 
     state_slots: jax.Array  # [S] int32 slot of each sequence in the recurrent-state cache
     reset: jax.Array  # [S] bool start this sequence from the zero state (first chunk of a prompt)
-    # static, known on the host: True every sequence has <= 1 new token (decode-only step), False
+    # static, known on the host: True every sequence has <= 1 new token (decode-only step), and
+    # sequence i's is row i (those with none come last: the runner lays a decode-only step so;
+    # the hybrid's in-place decode reads rows as sequences, qwen3_5_gdn.DECODE_SEQ_ROWS), False
     # some may have more (the recurrent layers run their chunked prefill), None decide on device
     decode: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
 

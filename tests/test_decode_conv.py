@@ -4,7 +4,8 @@ earlier inputs are its sequence's state columns and the state moves on by that o
 same bits as the general form (shifted_taps / read_history through the step's history index)
 on every row that belongs to a sequence and for every sequence's next state, over random
 ragged decode layouts: sequences with no token, padding rows, bf16 inputs over a float32 or a
-bf16 state."""
+bf16 state. And the whole decode layer per sequence (DECODE_SEQ_ROWS: an engine's decode-only
+step has sequence i's token on row i), the same bits through the model's forward."""
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,7 @@ def test_decode_conv_is_the_general_conv_bit_for_bit(fresh_rng, state_dtype):
 
 def test_decode_steps_take_the_direct_conv(monkeypatch):
     """The in-place decode with glue (an engine's decode-only steps) calls decode_taps once per
-    GDN layer when DECODE_CONV_DIRECT is on, never when off."""
+    GDN layer when DECODE_SEQ_ROWS or DECODE_CONV_DIRECT is on, never when both are off."""
     from benchmarks.span_step_ops import model_cfg
     from minipic_jax.models import qwen3_5
     from minipic_jax.models.testing import SimplePager
@@ -68,10 +69,51 @@ def test_decode_steps_take_the_direct_conv(monkeypatch):
                             decode=True)
     params = jax.eval_shape(lambda: qwen3_5.init_params(cfg, jax.random.key(0), jnp.bfloat16))
     cache = jax.eval_shape(lambda: qwen3_5.init_cache(cfg, 64, 16, 4, jnp.bfloat16))
-    for direct, want in ((True, 2), (False, 0)):
+    for seq_rows, direct, want in ((True, False, 2), (False, True, 2), (False, False, 0)):
         calls.clear()
+        monkeypatch.setattr(gdn, "DECODE_SEQ_ROWS", seq_rows)
         monkeypatch.setattr(gdn, "DECODE_CONV_DIRECT", direct)
         jax.make_jaxpr(lambda p, c: qwen3_5.forward(
             p, jnp.zeros(md.num_tokens, jnp.int32), md, c, cfg, recurrent=rec,
             gdn_impl="pallas_fused_interpret"))(params, cache)
         assert len(calls) == want
+
+
+@pytest.mark.parametrize("counts,min_tokens", [([1, 1, 1, 1], 0), ([1, 1, 1, 0], 0),
+                                                ([1, 1, 0, 0], 16)])
+def test_decode_layer_per_sequence_is_the_row_form_bit_for_bit(counts, min_tokens):
+    """An engine's decode-only step (sequence i's token on row i, the ones with none last) on
+    tiny_qwen3_5 with its GDN decode kernel interpreted: the layer run per sequence
+    (DECODE_SEQ_ROWS), the direct conv on rows (DECODE_CONV_DIRECT) and the general form give
+    the same logits, conv and state caches bit for bit, with as many rows as sequences, fewer
+    and more."""
+    from configs.presets import PRESETS
+    from minipic_jax.models import qwen3_5
+    from minipic_jax.models.testing import SimplePager
+    from serving.model_contract import RecurrentMetadata
+    cfg = PRESETS["tiny_qwen3_5"]
+    n = len(counts)
+    pager = SimplePager(n, 48, 8, seed=0)
+    pager.step([5, 9, 3, 7])
+    md, logits_idx, _ = pager.step(counts, min_tokens)
+    assert md.num_tokens != n or min_tokens == 0
+    rec = RecurrentMetadata(state_slots=jnp.asarray([2, 0, 3, 1], jnp.int32),
+                            reset=jnp.zeros(n, bool), decode=True)
+    params = qwen3_5.init_params(cfg, jax.random.key(1), jnp.float32)
+    cache = qwen3_5.init_cache(cfg, 64, 8, n, jnp.float32)
+    rng = np.random.default_rng(3)
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
+    outs = {}
+    for form in ((False, False), (False, True), (True, True)):
+        gdn.DECODE_SEQ_ROWS, gdn.DECODE_CONV_DIRECT = form
+        try:
+            outs[form] = jax.jit(lambda p, c: qwen3_5.forward(
+                p, tokens, md, c, cfg, recurrent=rec, logits_indices=logits_idx,
+                gdn_impl="pallas_fused_interpret"))(params, cache)
+        finally:
+            gdn.DECODE_SEQ_ROWS, gdn.DECODE_CONV_DIRECT = True, True
+    want = jax.tree.leaves(outs[(False, False)])
+    for form in ((False, True), (True, True)):
+        for got, ref in zip(jax.tree.leaves(outs[form]), want):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref), f"{form}")

@@ -4,8 +4,8 @@
 #    the compose program as one kernel), the chain kernel, the GDN decode kernels;
 # 2. rag at 16 seats, its compose program profiled in place and, same process, in the form before
 #    (COMPOSE_IN_PLACE=0: 53 kernels, 1.05 ms = 11.05% of its warm step on an H100 in s28b);
-# 3. the 64-seat decode step with the conv read straight from the state against the general
-#    conv (DECODE_CONV_DIRECT=1 / 0, one process, profiled);
+# 3. the 64-seat decode step: the general form, the conv read straight from the state
+#    (DECODE_CONV_DIRECT), the GDN layer run per sequence (DECODE_SEQ_ROWS), one process, profiled;
 # 4. issue 29's span request (its reordered call's decodes take both changes).
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s29b_device.sh
 set -u; T0=$SECONDS
@@ -20,9 +20,10 @@ MINIPIC_COMPILED=1 timeout 110 python3 -m pytest -q -p no:cacheprovider -o addop
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-200 >> "$R"
 OUT=$OUT LIMIT=130 bash benchmarks/runs/rag16_device.sh >> "$R"
-timeout 100 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
+timeout 130 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
   --tokens 128 --ckpt 1 --decode --reps 9 --profile 6 \
-  --forms DECODE_CONV_DIRECT=0 DECODE_CONV_DIRECT=1 > "$OUT/decode_ab.txt" 2>&1
+  --forms DECODE_SEQ_ROWS=0,DECODE_CONV_DIRECT=0 DECODE_SEQ_ROWS=0,DECODE_CONV_DIRECT=1 \
+  DECODE_SEQ_ROWS=1 > "$OUT/decode_ab.txt" 2>&1
 echo "decode A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^live_prerotate|^time .*decode|^profile decode" "$OUT/decode_ab.txt" | cut -c1-170 >> "$R"
 L=$(left); [ "$L" -gt 330 ] && L=330

@@ -31,7 +31,8 @@ from kernels_pallas.gated_delta.chain_in_place import (FROM_CHECKPOINT, FROM_SLO
                                                        NO_WRITE, chain_in_place)
 from kernels_pallas.gated_delta.affine import selected_rows  # noqa: F401
 from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows, as_rows  # noqa: F401
-from kernels_pallas.gated_delta.decode_rows import (on_rows, ragged_decode_conv_layer_in_place,  # noqa: F401
+from kernels_pallas.gated_delta.decode_rows import (on_rows, on_seq_rows, seq_rows,  # noqa: F401
+                                                    ragged_decode_conv_layer_in_place,
                                                     ragged_decode_in_place,
                                                     ragged_decode_layer_in_place)
 from kernels_pallas.gated_delta.joint import Pass as JointPass, final_bounds, joint_packing  # noqa: F401

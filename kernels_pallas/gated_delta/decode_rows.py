@@ -26,6 +26,27 @@ def _decode_rows(cu_q_lens, n_tokens: int):
     return jnp.clip(cu_q_lens[:-1], 0, n_tokens - 1), cu_q_lens[1:] > cu_q_lens[:-1]
 
 
+def seq_rows(x, n_seqs: int):
+    """x [T, ...] of a step whose sequence i's one new row, if it has one, is row i (an engine's
+    decode-only step: RecurrentMetadata.decode) as [S, ...] per sequence: a static slice (zero
+    rows appended past T), no gather; rows of sequences with no token are undefined."""
+    n = x.shape[0]
+    if n >= n_seqs:
+        return x[:n_seqs]
+    return jnp.pad(x, [(0, n_seqs - n)] + [(0, 0)] * (x.ndim - 1))
+
+
+def on_seq_rows(out_s, cu_q_lens, n_tokens: int, dtype):
+    """on_rows of such a step: sequence i's output on row i (a static slice, zeros past the
+    sequences' rows), no gather."""
+    s = out_s.shape[0]
+    got = out_s[:n_tokens] if s >= n_tokens else jnp.pad(
+        out_s, [(0, n_tokens - s)] + [(0, 0)] * (out_s.ndim - 1))
+    inside = (jnp.arange(n_tokens, dtype=jnp.int32) < cu_q_lens[-1]).reshape(
+        (n_tokens,) + (1,) * (out_s.ndim - 1))
+    return jnp.where(inside, got.astype(dtype), jnp.zeros((), dtype))
+
+
 def on_rows(out_s, cu_q_lens, n_tokens: int, dtype):
     """Per-sequence outputs [S, ...] of a step whose sequences have <= 1 row each, as the step's
     rows [T, ...] in dtype (zeros on rows no sequence has). A gather and a select, which XLA fuses
@@ -39,13 +60,19 @@ def on_rows(out_s, cu_q_lens, n_tokens: int, dtype):
 
 
 def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache,
-                                 slots, keep, *, eps, interpret=False, to_rows=True):
+                                 slots, keep, *, eps, interpret=False, to_rows=True,
+                                 per_seq=False):
     """ragged_decode_in_place with the GDN layer's glue in the kernel
     (decode_triton.decode_layer_in_place: q / k before their l2 norm, the gates' inputs a / b,
     the gated RMS norm's z and weight). Returns (the normed gated output [T, Hv, Dv] in z's
     dtype, zeros on rows no sequence steps, the updated cache); to_rows=False: the output per
-    sequence [S, Hv, Dv] (undefined where a sequence has no row: `on_rows` maps it later)."""
-    rows, has = _decode_rows(cu_q_lens, q.shape[0])
+    sequence [S, Hv, Dv] (undefined where a sequence has no row: `on_rows` maps it later).
+    per_seq: q, k, v, a, b, z are already per sequence ([S, ...], `seq_rows`; with to_rows
+    False: no gather at all)."""
+    if per_seq:
+        rows, has = slice(None), cu_q_lens[1:] > cu_q_lens[:-1]
+    else:
+        rows, has = _decode_rows(cu_q_lens, q.shape[0])
     out_s, cache = decode_layer_in_place(q[rows], k[rows], v[rows], a[rows], b[rows], a_log,
                                          dt_bias, z[rows], norm, cache, slots, keep, has,
                                          eps=eps, interpret=interpret)

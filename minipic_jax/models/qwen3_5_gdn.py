@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.gated_delta.api import as_rows, choose, on_rows
+from kernels_pallas.gated_delta.api import as_rows, choose, on_rows, on_seq_rows, seq_rows
 from kernels_pallas.gated_delta.api import ragged_decode_conv_layer_in_place  # no TP form
 from kernels_pallas.sharding import (ragged_decode_in_place,  # per head shard under TP
                                      ragged_decode_layer_in_place, ragged_gated_delta, whole)
@@ -44,6 +44,11 @@ CONV_STACKED_GATHER = False
 # and the state moves on by the sequence's one row (`decode_taps`, `decode_history`), with no
 # history index (the same values as the general form, bit for bit). False: the general form.
 DECODE_CONV_DIRECT = True
+# ... and the whole decode layer run per sequence: an engine's decode-only step lays sequence i's
+# token on row i (RecurrentMetadata.decode), so the rows are the sequences by a static slice
+# (decode_rows.seq_rows) where the general form gathered each input of the kernel (q, k, v, z,
+# a, b) at its sequence's row and mapped the output back by a gather. Bit for bit the same.
+DECODE_SEQ_ROWS = True
 
 
 def gdn_dims(cfg):
@@ -158,21 +163,23 @@ def shifted_taps(x, conv0, index):
     return taps
 
 
-def decode_taps(x, conv0, seq_of_row):
+def decode_taps(x, conv0, seq_of_row=None):
     """A decode step's conv inputs as Kc arrays [T, C] (oldest first): row t's Kc - 1 earlier
     inputs are the conv state columns of its sequence (one new token each), then x itself.
-    x [T, C]; conv0 [S, C, Kc-1]; seq_of_row [T]. The same values as shifted_taps there."""
-    old = conv0.astype(x.dtype)[seq_of_row]  # [T, C, Kc-1]
+    x [T, C]; conv0 [S, C, Kc-1]; seq_of_row [T], or None: x is per sequence ([S, C], row i
+    sequence i's). The same values as shifted_taps there."""
+    old = conv0.astype(x.dtype)
+    old = old if seq_of_row is None else old[seq_of_row]  # [T, C, Kc-1]
     return [old[:, :, j] for j in range(conv0.shape[-1])] + [x]
 
 
-def decode_history(x, conv0, cu_q_lens):
+def decode_history(x, conv0, cu_q_lens, per_seq: bool = False):
     """A decode step's conv states after it, [S, C, Kc-1]: each sequence with a new row moves
     its window on by that row, the others keep theirs (read_history's values there: the state's
-    columns pass through x's dtype as read_history's do)."""
+    columns pass through x's dtype as read_history's do). per_seq: x is [S, C] per sequence."""
     n = x.shape[0]
     has_row = (cu_q_lens[1:] > cu_q_lens[:-1])[:, None, None]
-    new = x[jnp.clip(cu_q_lens[:-1], 0, n - 1)]  # [S, C]
+    new = x if per_seq else x[jnp.clip(cu_q_lens[:-1], 0, n - 1)]  # [S, C]
     old = conv0.astype(x.dtype)
     moved = jnp.concatenate([old[:, :, 1:], new[:, :, None]], axis=-1)
     return jnp.where(has_row, moved, old).astype(conv0.dtype)
@@ -306,6 +313,19 @@ class GatedDeltaNet(nnx.Module):
                 mixed, self.conv_w[...], sc.conv, a, b, *norm, cu_q_lens, sc.cache, sc.slots,
                 sc.keep, eps=cfg.rms_norm_eps, interpret=interpret)
             return jnp.einsum("thv,hve->te", normed, w_out), conv, delta
+        if DECODE_SEQ_ROWS:  # sequence i's token is row i: the layer runs per sequence
+            n_seqs = conv0.shape[0]
+            xs = seq_rows(mixed, n_seqs)
+            q, k, v = self.split_qkv(conv_rows_silu(decode_taps(xs, conv0), self.conv_w[...]),
+                                     dtype, cfg)
+            conv = decode_history(xs, conv0, cu_q_lens, per_seq=True)
+            norm = (*norm[:2], seq_rows(z, n_seqs), norm[3])
+            normed, delta = ragged_decode_layer_in_place(
+                q, k, v, seq_rows(a, n_seqs), seq_rows(b, n_seqs), *norm, cu_q_lens, sc.cache,
+                sc.slots, sc.keep, eps=cfg.rms_norm_eps, interpret=interpret, to_rows=False,
+                per_seq=True)
+            out = jnp.einsum("thv,hve->te", normed, w_out)
+            return on_seq_rows(out, cu_q_lens, mixed.shape[0], out.dtype), conv, delta
         if DECODE_CONV_DIRECT:
             q, k, v = self.split_qkv(conv_rows_silu(decode_taps(mixed, conv0, seq_of_row),
                                                     self.conv_w[...]), dtype, cfg)
