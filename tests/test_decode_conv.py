@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from minipic_jax.models import qwen3_5_decode_conv as decode_conv
 from minipic_jax.models import qwen3_5_gdn as gdn
 
 K1 = 3
@@ -39,10 +40,10 @@ def test_decode_conv_is_the_general_conv_bit_for_bit(fresh_rng, state_dtype):
         index = gdn.conv_index(cu, pos0, seq_of_row, K1)
         real = np.arange(n_rows) < int(cu[-1])
         want = gdn.conv_rows_silu(gdn.shifted_taps(x, conv0, index["rows"]) + [x], w)
-        got = gdn.conv_rows_silu(gdn.decode_taps(x, conv0, seq_of_row), w)
+        got = gdn.conv_rows_silu(decode_conv.decode_taps(x, conv0, seq_of_row), w)
         np.testing.assert_array_equal(np.asarray(got)[real], np.asarray(want)[real], f"{case}")
         want_state = gdn.read_history(x, conv0, index["end"]).astype(conv0.dtype)
-        got_state = gdn.decode_history(x, conv0, cu)
+        got_state = decode_conv.decode_history(x, conv0, cu)
         assert got_state.dtype == want_state.dtype
         np.testing.assert_array_equal(np.asarray(got_state, np.float32),
                                       np.asarray(want_state, np.float32), f"{case}")
@@ -60,7 +61,7 @@ def test_decode_steps_take_the_direct_conv(monkeypatch):
     from minipic_jax.models.testing import SimplePager
     from serving.model_contract import RecurrentMetadata
     cfg = model_cfg(2)
-    calls, taps = [], gdn.decode_taps
+    calls, taps = [], decode_conv.decode_taps
     monkeypatch.setattr(gdn, "decode_taps", lambda *a: calls.append(1) or taps(*a))
     pager = SimplePager(4, 32, 16, seed=0)
     pager.step([5, 7, 3, 9])

@@ -22,6 +22,7 @@ from kernels_pallas.gated_delta.api import ragged_decode_conv_layer_in_place  # 
 from kernels_pallas.sharding import (ragged_decode_in_place,  # per head shard under TP
                                      ragged_decode_layer_in_place, ragged_gated_delta, whole)
 from minipic_jax.models import qwen3_5_joint, qwen3_5_spans
+from minipic_jax.models.qwen3_5_decode_conv import decode_history, decode_taps
 from minipic_jax.models.nnx_pure import param
 from serving.model_contract import SpanPieces
 
@@ -161,28 +162,6 @@ def shifted_taps(x, conv0, index):
         state = old.at[seq[:, j] * k1 + col[:, j]].get(wrap_negative_indices=False)
         taps.append(jnp.where(from_x[:, j, None], shift, state))
     return taps
-
-
-def decode_taps(x, conv0, seq_of_row=None):
-    """A decode step's conv inputs as Kc arrays [T, C] (oldest first): row t's Kc - 1 earlier
-    inputs are the conv state columns of its sequence (one new token each), then x itself.
-    x [T, C]; conv0 [S, C, Kc-1]; seq_of_row [T], or None: x is per sequence ([S, C], row i
-    sequence i's). The same values as shifted_taps there."""
-    old = conv0.astype(x.dtype)
-    old = old if seq_of_row is None else old[seq_of_row]  # [T, C, Kc-1]
-    return [old[:, :, j] for j in range(conv0.shape[-1])] + [x]
-
-
-def decode_history(x, conv0, cu_q_lens, per_seq: bool = False):
-    """A decode step's conv states after it, [S, C, Kc-1]: each sequence with a new row moves
-    its window on by that row, the others keep theirs (read_history's values there: the state's
-    columns pass through x's dtype as read_history's do). per_seq: x is [S, C] per sequence."""
-    n = x.shape[0]
-    has_row = (cu_q_lens[1:] > cu_q_lens[:-1])[:, None, None]
-    new = x if per_seq else x[jnp.clip(cu_q_lens[:-1], 0, n - 1)]  # [S, C]
-    old = conv0.astype(x.dtype)
-    moved = jnp.concatenate([old[:, :, 1:], new[:, :, None]], axis=-1)
-    return jnp.where(has_row, moved, old).astype(conv0.dtype)
 
 
 def conv_silu(window, conv_w):
