@@ -4,9 +4,11 @@
 #    the compose program as one kernel), the chain kernel, the GDN decode kernels;
 # 2. rag at 16 seats, its compose program profiled in place and, same process, in the form before
 #    (COMPOSE_IN_PLACE=0: 53 kernels, 1.05 ms = 11.05% of its warm step on an H100 in s28b);
-# 3. the 64-seat decode step: the general form, the conv read straight from the state
-#    (DECODE_CONV_DIRECT), the GDN layer run per sequence (DECODE_SEQ_ROWS), one process, profiled;
-# 4. issue 29's span request (its reordered call's decodes take both changes).
+# 3. the 64-seat decode step: the general form against the GDN layer run per sequence with its
+#    conv read straight from the state (DECODE_SEQ_ROWS), one process, profiled;
+# 4. the plain 1,024-token step's conv taps as one stacked gather each (CONV_STACKED_GATHER, the
+#    span steps' form: their conv fusion < 0.29 ms a step, the plain one's 0.68) against today's;
+# 5. issue 29's span request (its reordered call's decodes take both changes), if time is left.
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s29b_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -20,12 +22,15 @@ MINIPIC_COMPILED=1 timeout 110 python3 -m pytest -q -p no:cacheprovider -o addop
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-200 >> "$R"
 OUT=$OUT LIMIT=130 bash benchmarks/runs/rag16_device.sh >> "$R"
-timeout 130 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
+timeout 110 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
   --tokens 128 --ckpt 1 --decode --reps 9 --profile 6 \
-  --forms DECODE_SEQ_ROWS=0,DECODE_CONV_DIRECT=0 DECODE_SEQ_ROWS=0,DECODE_CONV_DIRECT=1 \
-  DECODE_SEQ_ROWS=1 > "$OUT/decode_ab.txt" 2>&1
+  --forms DECODE_SEQ_ROWS=0,DECODE_CONV_DIRECT=0 DECODE_SEQ_ROWS=1 > "$OUT/decode_ab.txt" 2>&1
 echo "decode A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^live_prerotate|^time .*decode|^profile decode" "$OUT/decode_ab.txt" | cut -c1-170 >> "$R"
+timeout 100 python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 9 \
+  --variants plain --forms new conv_stacked --profile 8 > "$OUT/steps.txt" 2>&1
+echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "^time|kernels, busy" "$OUT/steps.txt" >> "$R"
 L=$(left); [ "$L" -gt 330 ] && L=330
 OUT=$OUT LIMIT=$L EXTRA="--profile-top 15" bash benchmarks/runs/span_request_device.sh >> "$R"
 grep -E "^profile" "$OUT/hybrid_spans.txt" | cut -c1-160 >> "$R"
