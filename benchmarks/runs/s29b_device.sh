@@ -8,7 +8,9 @@
 #    conv read straight from the state (DECODE_SEQ_ROWS), one process, profiled;
 # 4. the plain 1,024-token step's conv taps as one stacked gather each (CONV_STACKED_GATHER, the
 #    span steps' form: their conv fusion < 0.29 ms a step, the plain one's 0.68) against today's;
-# 5. issue 29's span request (its reordered call's decodes take both changes), if time is left.
+# 5. the LM head alone at 1-64 rows in four forms (benchmarks/lm_head_forms.py: a 16-row prefill
+#    step ran it as a 0.71 ms cuBLAS kernel, 8% of the step, where 8 decode rows took 0.17 ms);
+# 6. issue 29's span request (its reordered call's decodes take both changes), if time is left.
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s29b_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -27,6 +29,9 @@ timeout 110 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-
   --forms DECODE_SEQ_ROWS=0,DECODE_CONV_DIRECT=0 DECODE_SEQ_ROWS=1 > "$OUT/decode_ab.txt" 2>&1
 echo "decode A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^live_prerotate|^time .*decode|^profile decode" "$OUT/decode_ab.txt" | cut -c1-170 >> "$R"
+timeout 70 python3 -m benchmarks.lm_head_forms --rows 1 8 16 64 --reps 20 > "$OUT/lm_head.txt" 2>&1
+echo "lm_head_forms rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "^rows" "$OUT/lm_head.txt" | cut -c1-150 >> "$R"
 timeout 100 python3 -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16 --reps 9 \
   --variants plain --forms new conv_stacked --profile 8 > "$OUT/steps.txt" 2>&1
 echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"

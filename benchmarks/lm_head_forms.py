@@ -1,0 +1,87 @@
+"""The LM head of a small-batch step, alone: logits [N, V] of N rows against the tied [V, E]
+embedding in the forms XLA might compile differently (issue 29's steps, Qwen3.5-0.8B: V 248,320,
+E 1,024, bf16; the table is 508 MB, ~0.17 ms to read at 3 TB/s).
+
+Why: on an H100 a 1,024-token hybrid prefill step of 16 sequences ran its LM head as one cuBLAS
+kernel (`nvjet_sm90_tss_144x128_64x6_1x2_h_bz_TNN`) of 0.71 ms, 8% of the step, where the
+decode step's 8 rows took a Triton GEMM fusion of 0.17 ms (benchmarks/runs/
+span_step_conv_shifted_2026-12-06_h100_s28c.txt, fixed_step_decode_inplace_..._s26a.txt).
+
+Forms (each a jitted function of (x, table)): `tied` today's layers.tied_logits (contract E of
+the table as stored); `transposed` the same against a pre-transposed [E, V] copy; `chunks4` the
+vocabulary in 4 slices, concatenated; `rows64` the rows padded to 64. Prints per N the median ms,
+the effective TB/s of the table read and the costliest kernel's name (on a GPU).
+
+    python -m benchmarks.lm_head_forms [--rows 1 8 16 64] [--reps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def forms(v_chunks: int = 4, pad_rows: int = 64) -> dict:
+    import jax.numpy as jnp
+    f32 = jnp.float32
+
+    def tied(x, table_ve, table_ev):
+        return jnp.einsum("ne,ve->nv", x, table_ve, preferred_element_type=f32)
+
+    def transposed(x, table_ve, table_ev):
+        return jnp.einsum("ne,ev->nv", x, table_ev, preferred_element_type=f32)
+
+    def chunks(x, table_ve, table_ev):
+        parts = jnp.array_split(table_ve, v_chunks, axis=0)
+        return jnp.concatenate([jnp.einsum("ne,ve->nv", x, p, preferred_element_type=f32)
+                                for p in parts], axis=1)
+
+    def rows_padded(x, table_ve, table_ev):
+        n = x.shape[0]
+        xp = jnp.pad(x, ((0, max(pad_rows - n, 0)), (0, 0)))
+        return jnp.einsum("ne,ve->nv", xp, table_ve, preferred_element_type=f32)[:n]
+    return {"tied": tied, "transposed": transposed, f"chunks{v_chunks}": chunks,
+            f"rows{pad_rows}": rows_padded}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64])
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--embed", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=30)
+    a = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.timing import blocked_ms, profile_kernels
+    rng = np.random.default_rng(0)
+    table_ve = jnp.asarray(rng.standard_normal((a.vocab, a.embed)) * 0.02, jnp.bfloat16)
+    table_ev = jnp.asarray(table_ve.T)  # a copy in [E, V] order
+    gpu = jax.default_backend() == "gpu"
+    mb = table_ve.size * 2 / 1e6
+    print(f"lm head forms: V {a.vocab}, E {a.embed}, bf16 table {mb:.0f} MB, "
+          f"{jax.devices()[0].device_kind}")
+    for n in a.rows:
+        x = jnp.asarray(rng.standard_normal((n, a.embed)), jnp.bfloat16)
+        ref = None
+        for name, fn in forms().items():
+            f = jax.jit(fn)
+            call = lambda: f(x, table_ve, table_ev)  # noqa: E731
+            out = np.asarray(call())
+            ref = out if ref is None else ref
+            diff = float(np.max(np.abs(out - ref)))
+            ms = blocked_ms(call, a.reps)["ms"]
+            top = ""
+            if gpu:
+                prof = profile_kernels(call, top=1)
+                top = f" | {prof['top'][0]['name'][:50]} {prof['top'][0]['ms_per_step']:.3f} ms" \
+                    if prof["top"] else ""
+            print(f"rows {n:3d} {name:10s} {ms:7.3f} ms  {mb / 1e3 / ms:5.2f} TB/s  "
+                  f"max |diff| vs tied {diff:.2e}{top}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
