@@ -202,47 +202,69 @@ def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chain
     state now)."""
     n_seqs = state_slots.shape[0]
     n_maps = chain_lengths(chains)
-    in_place = COMPOSE_IN_PLACE and chain_compose.use_kernel("auto", precision) and \
-        hasattr(family, "state_layers")
     ck, ck_slot = restore if restore is not None else (None, None)
-    if not in_place:  # rows reordered before the states are read: no state moves
-        order = _longest_first(n_maps)
-        chain_seq, chains, n_maps = chain_seq[order], chains[order], n_maps[order]
-        ck_slot = None if ck is None else ck_slot[order]
-    rows = jnp.clip(chain_seq, 0, n_seqs - 1)
+    if COMPOSE_IN_PLACE and chain_compose.use_kernel("auto", precision) and \
+            hasattr(family, "state_layers"):
+        cache = _enter_in_place(family, cache, pool, state_slots, reset, chain_seq, chains,
+                                n_maps, ck, ck_slot, precision)
+    else:
+        order = _longest_first(n_maps)  # rows reordered before the states are read
+        cache = _enter_read_write(family, cache, pool, state_slots, reset, chain_seq[order],
+                                  chains[order], n_maps[order], ck,
+                                  None if ck is None else ck_slot[order], precision)
     entering = (chain_seq >= 0) & (n_maps > 0)
-    slots = state_slots[rows]
-    if in_place:
-        conv_layers, delta_layers = family.state_layers(cache)
-        conv0 = jnp.stack([c[slots] for c in conv_layers])  # [Lg, Sc, C, K1]
-    else:
-        conv0, delta0 = family.read_states(cache, slots)  # [Lg, Sc, ...]
-    written, restored = entering, jnp.zeros_like(entering)
-    if ck is not None:
-        restored = ck_slot >= 0
-        at = jnp.maximum(ck_slot, 0)
-        conv0 = jnp.where(restored[None, :, None, None], ck.conv[:, at].astype(conv0.dtype), conv0)
-        if not in_place:
-            delta0 = jnp.where(restored[None, :, None, None, None],
-                               ck.delta[:, at].astype(delta0.dtype), delta0)
-        written = entering | restored  # a restored row without maps keeps its checkpoint
-    keep = ~reset[rows]
-    conv0 = jnp.where(keep[None, :, None, None], conv0, 0).astype(conv0.dtype)
-    if in_place:
-        window = chain_compose.chain_window(pool, chains, n_maps, conv0)
-        source = jnp.where(~written, NO_WRITE, jnp.where(
-            ~keep, FROM_ZERO, jnp.where(restored, FROM_CHECKPOINT, FROM_SLOT)))
-        convs, deltas = chain_compose.compose_in_place(
-            pool, chains, n_maps, slots, source, conv_layers, delta_layers, window,
-            ck_delta=None if ck is None else ck.delta, ck_slots=ck_slot, precision=precision)
-        cache = family.with_state_layers(cache, convs, deltas)
-    else:
-        delta0 = jnp.where(keep[None, :, None, None, None], delta0, 0.0)
-        conv, delta = _compose(pool, chains, n_maps, conv0, delta0, precision)
-        cache = family.write_states(cache, slots, conv, delta, written)
     entered = jnp.zeros(n_seqs, bool).at[jnp.where(entering, chain_seq, n_seqs)].set(
         True, mode="drop")
     return cache, reset & ~entered
+
+
+def _rows(state_slots, reset, chain_seq, n_maps, ck_slot):
+    """Per chain row: (its state slot, whether its slot is written, restored from a checkpoint,
+    kept (not reset))."""
+    rows = jnp.clip(chain_seq, 0, state_slots.shape[0] - 1)
+    entering = (chain_seq >= 0) & (n_maps > 0)
+    restored = jnp.zeros_like(entering) if ck_slot is None else ck_slot >= 0
+    # a restored row without maps keeps its checkpoint
+    return state_slots[rows], entering | restored, restored, ~reset[rows]
+
+
+def _windows0(conv0, ck, ck_slot, restored, keep):
+    """The rows' conv windows before their chains [Lg, Sc, C, K1]: the slot's, a restored row's
+    checkpoint's, zeros on a reset."""
+    if ck is not None:
+        conv0 = jnp.where(restored[None, :, None, None],
+                          ck.conv[:, jnp.maximum(ck_slot, 0)].astype(conv0.dtype), conv0)
+    return jnp.where(keep[None, :, None, None], conv0, 0).astype(conv0.dtype)
+
+
+def _enter_in_place(family, cache, pool, state_slots, reset, chain_seq, chains, n_maps, ck,
+                    ck_slot, precision):
+    """enter by the chain kernel on the family's state caches (rows in any order)."""
+    slots, written, restored, keep = _rows(state_slots, reset, chain_seq, n_maps, ck_slot)
+    conv_layers, delta_layers = family.state_layers(cache)
+    conv0 = _windows0(jnp.stack([c[slots] for c in conv_layers]), ck, ck_slot, restored, keep)
+    source = jnp.where(~written, NO_WRITE, jnp.where(
+        ~keep, FROM_ZERO, jnp.where(restored, FROM_CHECKPOINT, FROM_SLOT)))
+    convs, deltas = chain_compose.compose_in_place(
+        pool, chains, n_maps, slots, source, conv_layers, delta_layers,
+        chain_compose.chain_window(pool, chains, n_maps, conv0),
+        ck_delta=None if ck is None else ck.delta, ck_slots=ck_slot, precision=precision)
+    return family.with_state_layers(cache, convs, deltas)
+
+
+def _enter_read_write(family, cache, pool, state_slots, reset, chain_seq, chains, n_maps, ck,
+                      ck_slot, precision):
+    """enter by reading the rows' states out, composing them (`_compose`; rows sorted longest
+    chain first) and writing them back."""
+    slots, written, restored, keep = _rows(state_slots, reset, chain_seq, n_maps, ck_slot)
+    conv0, delta0 = family.read_states(cache, slots)  # [Lg, Sc, ...]
+    conv0 = _windows0(conv0, ck, ck_slot, restored, keep)
+    if ck is not None:
+        delta0 = jnp.where(restored[None, :, None, None, None],
+                           ck.delta[:, jnp.maximum(ck_slot, 0)].astype(delta0.dtype), delta0)
+    delta0 = jnp.where(keep[None, :, None, None, None], delta0, 0.0)
+    conv, delta = _compose(pool, chains, n_maps, conv0, delta0, precision)
+    return family.write_states(cache, slots, conv, delta, written)
 
 
 # -- host tier: whole slots move out (an evicted map kept on the host) and back in ------------
