@@ -118,3 +118,37 @@ def test_decode_layer_per_sequence_is_the_row_form_bit_for_bit(counts, min_token
     for form in ((False, True), (True, True)):
         for got, ref in zip(jax.tree.leaves(outs[form]), want):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref), f"{form}")
+
+
+def test_decode_only_steps_lay_sequence_i_on_row_i():
+    """The contract DECODE_SEQ_ROWS reads (RecurrentMetadata.decode): in an engine's decode-only
+    steps sequence i's token is row i and the sequences with none come last, cu_q_lens [0, 1,
+    ..., d, d, ...], also as sequences finish at different steps and the batch shrinks."""
+    from minipic_jax import LLM, SamplingParams
+    llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
+              min_token_bucket=16, max_model_len=256, block_size=16, warmup=False)
+    runner = llm.llm_engine.runner
+    runner.separate_decode = True  # the GPU's layout: decode-only steps are a variant of their own
+    views, seen = {}, []
+    buffers, dispatch = runner._buffers, runner._dispatch
+
+    def keep_views(*a, **k):
+        out = buffers(*a, **k)
+        views["v"] = out[2]
+        return out
+
+    def check(ints, floats, use_prev, kw):
+        if kw.get("decode_only"):
+            cu = np.array(views["v"]["cu_q_lens"])
+            d = int(cu[-1])
+            np.testing.assert_array_equal(cu[:d + 1], np.arange(d + 1))
+            assert (cu[d + 1:] == d).all() and d >= 1
+            seen.append(d)
+        return dispatch(ints, floats, use_prev, kw)
+    runner._buffers, runner._dispatch = keep_views, check
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(5, 200, 9 + 6 * i).tolist()} for i in range(4)]
+    sps = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True)
+           for i in range(4)]
+    llm.generate(prompts, sps, use_tqdm=False)
+    assert len(set(seen)) >= 3, seen  # the batch shrank as sequences finished
