@@ -216,11 +216,12 @@ def test_engine_composing_by_the_kernel_matches_the_reference(monkeypatch):
 def test_engine_chains_start_at_zero_maps_and_match_the_reference(monkeypatch):
     """The same scenario on the preset's own decays (exp(g) ~ 0.03 a token): the spans of 29 and
     40 tokens leave every head's A exactly zero, so the engine's pool flags them (store) and the
-    compose program's kernel starts those chains at them (reset_starts); tokens and logprobs stay
-    within 1e-5 of the float64 reference."""
+    compose program's kernel (in place on the state cache) starts those chains at them
+    (reset_starts); tokens and logprobs stay within 1e-5 of the float64 reference."""
     import tests.test_engine_hybrid_spans as spans
     from minipic_jax import LLM
     monkeypatch.setattr(chain_compose, "use_kernel", lambda impl="auto", precision=None: impl != "xla")
+    monkeypatch.setattr(span_maps, "COMPOSE_IN_PLACE", True)  # the kernel on the cache in place
     starts, find = [], chain_compose.reset_starts
     monkeypatch.setattr(chain_compose, "reset_starts",
                         lambda *a: starts.append(out := find(*a)) or out)

@@ -75,6 +75,7 @@ def test_in_place_enter_is_read_compose_write_bit_for_bit(fresh_rng, monkeypatch
     resets cleared; and the composed slots did change."""
     monkeypatch.setattr(chain_compose, "use_kernel",
                         lambda impl="auto", precision=None: impl != "xla")
+    monkeypatch.setattr(span_maps, "COMPOSE_IN_PLACE", True)
     pool, args, restore = _scenario(fresh_rng)
     cache = _cache(fresh_rng, pool)
     before = jax.tree.map(np.asarray, cache)
@@ -118,6 +119,7 @@ def test_in_place_compose_lowers_to_one_kernel_for_cuda(monkeypatch):
     no gather or scatter of whole states (the read-compose-write form stacked the rows' [18, 16,
     16, 128, 128] states and scattered them back, one scatter per layer)."""
     monkeypatch.setattr(chain_compose, "_platform", lambda: "gpu")
+    monkeypatch.setattr(span_maps, "COMPOSE_IN_PLACE", True)
     sd = jax.ShapeDtypeStruct
     maps = sd((64, 18, 16, 128, 128), jnp.float32)
     pool = span_maps.SpanMapPool(a=maps, b=maps, tail=sd((64, 18, 6144, 3), jnp.bfloat16),

@@ -178,8 +178,8 @@ def test_compose_precision_names():
 def test_engine_compose_program_takes_the_configured_precision(monkeypatch):
     """span_map_compose_precision reaches the engine's compose program, traced as on a GPU (not
     compiled) in both forms: on the XLA loop each of its dots asks the configured preset; on the
-    chain kernel (a GPU's "auto" at a tensor-core preset: in place on the state cache) the
-    kernel is called with it."""
+    chain kernel (a GPU's "auto" at a tensor-core preset; read-compose-write or in place on the
+    state cache, COMPOSE_IN_PLACE) the kernel is called with it."""
     from jaxpr_walk import outer_eqns
 
     from kernels_pallas.gated_delta import affine
@@ -201,10 +201,12 @@ def test_engine_compose_program_takes_the_configured_precision(monkeypatch):
     dots = [e.params["precision"] for e in outer_eqns(trace("cpu"))
             if e.primitive.name == "dot_general"]
     assert dots and all(p == preset for p in dots), dots
-    seen = []
-    real = chain_compose.chain_in_place
-    monkeypatch.setattr(chain_compose, "chain_in_place",
-                        lambda *a, **k: seen.append(k["precision"]) or real(*a, **k))
-    jaxpr = trace("gpu")
-    assert seen == [preset], seen
-    assert not [e for e in outer_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    for in_place, kernel in ((False, "chain_apply"), (True, "chain_in_place")):
+        seen = []
+        real = getattr(chain_compose, kernel)
+        monkeypatch.setattr(span_maps, "COMPOSE_IN_PLACE", in_place)
+        monkeypatch.setattr(chain_compose, kernel,
+                            lambda *a, real=real, **k: seen.append(k["precision"]) or real(*a, **k))
+        jaxpr = trace("gpu")
+        assert seen == [preset], (kernel, seen)
+        assert not [e for e in outer_eqns(jaxpr) if e.primitive.name == "dot_general"]
