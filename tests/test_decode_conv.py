@@ -152,3 +152,14 @@ def test_decode_only_steps_lay_sequence_i_on_row_i():
            for i in range(4)]
     llm.generate(prompts, sps, use_tqdm=False)
     assert len(set(seen)) >= 3, seen  # the batch shrank as sequences finished
+
+
+def test_a_decode_layer_per_sequence_gathers_only_its_conv_state():
+    """benchmarks/decode_step_ops.py's jaxpr counts per GDN layer of a decode step: per sequence
+    one gather (the conv state by slot) and one scatter (it, written back), where the general
+    form gathered 13 times (each kernel input at its sequence's row, the conv's history)."""
+    from benchmarks import decode_step_ops
+    per_seq = decode_step_ops.per_layer("per_seq", decode_step_ops.jaxpr_ops)
+    general = decode_step_ops.per_layer("general", decode_step_ops.jaxpr_ops)
+    assert per_seq["gather"] == 1 and per_seq["scatter"] == 1 and per_seq["transpose"] == 0
+    assert general["gather"] > 5 * per_seq["gather"]
