@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.gated_delta.chain_in_place import chain_in_place, conv_piece
+from kernels_pallas.gated_delta.chain_triton import chain_apply
 from minipic_jax.models import qwen3_5
 from serving.hybrid import chain_compose, span_maps
 from serving.hybrid.checkpoint_pool import CheckpointPool
@@ -89,6 +90,82 @@ def test_in_place_enter_is_read_compose_write_bit_for_bit(fresh_rng, monkeypatch
         assert not np.array_equal(np.asarray(got)[[4, 1, 5, 0]], old[[4, 1, 5, 0]])
     ck = restore[0]  # the restored row without maps holds its checkpoint (slot 1 of the pool)
     np.testing.assert_array_equal(np.asarray(got_cache.delta[1][0]), np.asarray(ck.delta[1, 1]))
+
+
+def _random_case(rng, layers, conv, conv_dtype):
+    """A random pool (some A blocks exactly zero), cache and chain rows over it: 6 rows of up to
+    5 maps (repeats, an empty row, a padding row with a restore slot), resets, restores."""
+    heads, dk, dv, n_pool, n_seqs, slots = 2, 8, 16, 6, 5, 8
+    a = rng.standard_normal((n_pool, layers, heads, dk, dk)) / np.sqrt(dk)
+    a[rng.integers(n_pool), rng.integers(layers)] = 0.0
+    a[rng.integers(n_pool), rng.integers(layers), rng.integers(heads)] = 0.0
+    pool = span_maps.pool_of(
+        a=jnp.asarray(a, jnp.float32),
+        b=jnp.asarray(rng.standard_normal((n_pool, layers, heads, dk, dv)), jnp.float32),
+        tail=jnp.asarray(rng.standard_normal((n_pool, layers) + conv), jnp.float32),
+        count=jnp.asarray(rng.integers(0, 6, n_pool), jnp.int32))
+    cache = qwen3_5.Qwen35Cache(k=(), v=(), conv=tuple(
+        jnp.asarray(rng.standard_normal((slots,) + conv), conv_dtype) for _ in range(layers)),
+        delta=tuple(jnp.asarray(rng.standard_normal((slots, heads, dk, dv)), jnp.float32)
+                    for _ in range(layers)))
+    chains = np.full((6, 5), -1, np.int32)
+    for r, n in enumerate(rng.integers(0, 6, 6)):
+        chains[r, :n] = rng.integers(0, n_pool, n)
+    chain_seq = np.r_[rng.permutation(n_seqs), -1].astype(np.int32)
+    ck = CheckpointPool(
+        conv=jnp.asarray(rng.standard_normal((layers, 3) + conv), conv_dtype),
+        delta=jnp.asarray(rng.standard_normal((layers, 3, heads, dk, dv)), jnp.float32))
+    ck_slot = np.where(rng.random(6) < 0.5, rng.integers(0, 3, 6), -1).astype(np.int32)
+    ck_slot[-1] = 1  # the padding row's: nothing is written for it
+    args = dict(state_slots=jnp.asarray(rng.permutation(slots)[:n_seqs], jnp.int32),
+                reset=jnp.asarray(rng.random(n_seqs) < 0.3), chain_seq=jnp.asarray(chain_seq),
+                chains=jnp.asarray(chains))
+    return pool, cache, args, (ck, jnp.asarray(ck_slot))
+
+
+@pytest.mark.parametrize("layers,conv,conv_dtype,precision", [
+    (1, (6, 3), jnp.float32, None), (3, (12, 3), jnp.bfloat16, _PRESETS.BF16_BF16_F32_X3),
+    (2, (7, 2), jnp.float32, _PRESETS.BF16_BF16_F32_X6), (2, (4, 3), jnp.bfloat16, None)])
+def test_random_cases_are_read_compose_write_bit_for_bit(fresh_rng, monkeypatch, layers, conv,
+                                                         conv_dtype, precision):
+    """Random pools (zero A heads: chains start there), chains, resets, restores and conv
+    shapes whose rows are no power of two: both forms equal bit for bit, with the checkpoint
+    pool and without."""
+    monkeypatch.setattr(chain_compose, "use_kernel",
+                        lambda impl="auto", precision=None: impl != "xla")
+    monkeypatch.setattr(span_maps, "COMPOSE_IN_PLACE", True)
+    pool, cache, args, restore = _random_case(fresh_rng, layers, conv, conv_dtype)
+    for r in (restore, None):
+        got = _enter(_WITH_LAYERS, pool, cache, args, r, precision)
+        want = _enter(_WITHOUT_LAYERS, pool, cache, args, r, precision)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_narrow_value_blocks_compose_as_the_chain_kernel(fresh_rng):
+    """block_v below Dv (several value blocks per head: the conv pieces spread over them too):
+    the slots hold chain_triton.chain_apply's states at the same block_v, the conv slots the
+    windows, the other slots their old bits."""
+    pool, cache, args, _ = _random_case(fresh_rng, 2, (12, 3), jnp.float32)
+    chains = args["chains"][:5]
+    n = span_maps.chain_lengths(chains)
+    slots = jnp.asarray([3, 0, 6, 1, 4], jnp.int32)
+    start = chain_compose.reset_starts(pool.zero_a, chains, n)
+    windows = jnp.asarray(fresh_rng.standard_normal((2, 5, 12, 3)), jnp.float32)
+    source = jnp.asarray([0, 0, 0, 1, -1], jnp.int32)  # FROM_SLOT x 3, FROM_ZERO, NO_WRITE
+    deltas, convs = chain_in_place(pool.a, pool.b, chains, n, start, source, slots, cache.delta,
+                                   cache.conv, windows, block_v=8, interpret=True)
+    old = jnp.stack([d[slots] for d in cache.delta]).at[:, 3].set(0.0)
+    want = chain_apply(pool.a, pool.b, chains, n, old, start=start, block_v=8, interpret=True)
+    for i in range(2):
+        got = np.asarray(deltas[i])
+        np.testing.assert_array_equal(got[[3, 0, 6, 1]], np.asarray(want[i, :4]))
+        np.testing.assert_array_equal(np.asarray(convs[i])[[3, 0, 6, 1]],
+                                      np.asarray(windows[i, :4]))
+        others = [2, 4, 5, 7]  # slot 4 is the NO_WRITE row's
+        np.testing.assert_array_equal(got[others], np.asarray(cache.delta[i])[others])
+        np.testing.assert_array_equal(np.asarray(convs[i])[others],
+                                      np.asarray(cache.conv[i])[others])
 
 
 def test_rows_that_write_nothing_leave_the_cache_as_it_was(fresh_rng):

@@ -80,14 +80,17 @@ def test_decode_steps_take_the_direct_conv(monkeypatch):
         assert len(calls) == want
 
 
-@pytest.mark.parametrize("counts,min_tokens", [([1, 1, 1, 1], 0), ([1, 1, 1, 0], 0),
-                                                ([1, 1, 0, 0], 16)])
-def test_decode_layer_per_sequence_is_the_row_form_bit_for_bit(counts, min_tokens):
+@pytest.mark.parametrize("counts,min_tokens,dtype,reset", [
+    ([1, 1, 1, 1], 0, jnp.float32, [0, 0, 0, 0]), ([1, 1, 1, 0], 0, jnp.bfloat16, [0, 1, 0, 0]),
+    ([1, 1, 0, 0], 16, jnp.float32, [1, 0, 0, 0]), ([1], 0, jnp.bfloat16, [0]),
+    ([1, 1, 1] + [0] * 9, 0, jnp.float32, [0, 0, 1] + [0] * 9)])
+def test_decode_layer_per_sequence_is_the_row_form_bit_for_bit(monkeypatch, counts, min_tokens,
+                                                               dtype, reset):
     """An engine's decode-only step (sequence i's token on row i, the ones with none last) on
     tiny_qwen3_5 with its GDN decode kernel interpreted: the layer run per sequence
     (DECODE_SEQ_ROWS), the direct conv on rows (DECODE_CONV_DIRECT) and the general form give
-    the same logits, conv and state caches bit for bit, with as many rows as sequences, fewer
-    and more."""
+    the same logits, conv and state caches bit for bit: as many rows as sequences, fewer (idle
+    sequences past them) and more, one sequence, float32 and bfloat16, resets."""
     from configs.presets import PRESETS
     from minipic_jax.models import qwen3_5
     from minipic_jax.models.testing import SimplePager
@@ -95,29 +98,45 @@ def test_decode_layer_per_sequence_is_the_row_form_bit_for_bit(counts, min_token
     cfg = PRESETS["tiny_qwen3_5"]
     n = len(counts)
     pager = SimplePager(n, 48, 8, seed=0)
-    pager.step([5, 9, 3, 7])
+    pager.step([3 + 2 * i for i in range(n)])
     md, logits_idx, _ = pager.step(counts, min_tokens)
-    assert md.num_tokens != n or min_tokens == 0
-    rec = RecurrentMetadata(state_slots=jnp.asarray([2, 0, 3, 1], jnp.int32),
-                            reset=jnp.zeros(n, bool), decode=True)
-    params = qwen3_5.init_params(cfg, jax.random.key(1), jnp.float32)
-    cache = qwen3_5.init_cache(cfg, 64, 8, n, jnp.float32)
     rng = np.random.default_rng(3)
+    rec = RecurrentMetadata(state_slots=jnp.asarray(rng.permutation(n + 2)[:n], jnp.int32),
+                            reset=jnp.asarray(reset, bool), decode=True)
+    params = qwen3_5.init_params(cfg, jax.random.key(1), dtype)
+    cache = qwen3_5.init_cache(cfg, 160, 8, n + 2, dtype)
     cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
     outs = {}
     for form in ((False, False), (False, True), (True, True)):
-        gdn.DECODE_SEQ_ROWS, gdn.DECODE_CONV_DIRECT = form
-        try:
-            outs[form] = jax.jit(lambda p, c: qwen3_5.forward(
-                p, tokens, md, c, cfg, recurrent=rec, logits_indices=logits_idx,
-                gdn_impl="pallas_fused_interpret"))(params, cache)
-        finally:
-            gdn.DECODE_SEQ_ROWS, gdn.DECODE_CONV_DIRECT = True, True
+        monkeypatch.setattr(gdn, "DECODE_SEQ_ROWS", form[0])
+        monkeypatch.setattr(gdn, "DECODE_CONV_DIRECT", form[1])
+        outs[form] = jax.jit(lambda p, c: qwen3_5.forward(
+            p, tokens, md, c, cfg, recurrent=rec, logits_indices=logits_idx,
+            gdn_impl="pallas_fused_interpret"))(params, cache)
     want = jax.tree.leaves(outs[(False, False)])
     for form in ((False, True), (True, True)):
         for got, ref in zip(jax.tree.leaves(outs[form]), want):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref), f"{form}")
+            np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                          np.asarray(ref, np.float32), f"{form}")
+
+
+def test_seq_rows_and_back_are_static_slices(fresh_rng):
+    """decode_rows.seq_rows / on_seq_rows against the gathers they replace, T < S, T = S, T > S:
+    sequence i's row i per sequence, and back on the rows zeros past the sequences' rows
+    whatever the idle sequences' outputs hold (NaN here)."""
+    from kernels_pallas.gated_delta.decode_rows import on_rows, on_seq_rows, seq_rows
+    for n_rows, n_seqs, used in ((4, 6, 3), (5, 5, 5), (8, 3, 2)):
+        cu = jnp.asarray(np.r_[np.arange(used + 1), np.full(n_seqs - used, used)], jnp.int32)
+        x = jnp.asarray(fresh_rng.standard_normal((n_rows, 3)), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(seq_rows(x, n_seqs))[:used],
+                                      np.asarray(x)[:used])
+        assert seq_rows(x, n_seqs).shape == (n_seqs, 3)
+        out_s = jnp.asarray(fresh_rng.standard_normal((n_seqs, 2)), jnp.float32)
+        out_s = out_s.at[used:].set(jnp.nan)
+        got = np.asarray(on_seq_rows(out_s, cu, n_rows, jnp.float32))
+        np.testing.assert_array_equal(got, np.asarray(on_rows(out_s, cu, n_rows, jnp.float32)))
+        assert got.shape == (n_rows, 2) and not np.isnan(got).any()
 
 
 def test_decode_only_steps_lay_sequence_i_on_row_i():

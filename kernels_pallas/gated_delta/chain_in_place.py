@@ -100,7 +100,8 @@ def chain_in_place(a, b, chains, n_maps, start, source, slots, deltas, convs, wi
       start: [S, Lg, Hv] int32 chain_compose.reset_starts (-1: none).
       source: [S] int32 each row's state before its chain: FROM_SLOT (its slot), FROM_ZERO,
         FROM_CHECKPOINT (ck_delta at ck_slots), or NO_WRITE (the row writes nothing).
-      slots: [S] int32 the rows' state slots (distinct among the rows that write).
+      slots: [S] int32 the rows' state slots (distinct among the rows that write: two programs
+        writing one slot would race).
       deltas: Lg arrays [P, Hv, Dk, Dv] float32, the GDN layers' state caches.
       convs: Lg arrays [P, C, K1], the conv state caches; windows: [Lg, S, C, K1] the rows' conv
         windows after their chains (written where the row writes).
@@ -127,7 +128,15 @@ def chain_in_place(a, b, chains, n_maps, start, source, slots, deltas, convs, wi
         raise ValueError(f"chain_in_place: windows {windows.shape} do not fit {rows} rows of "
                          f"conv states {conv_shape} x {layers} layers")
     flat = conv_shape[1] * conv_shape[2]
+    if any(d.shape != deltas[0].shape or d.dtype != _F32 for d in deltas):
+        raise ValueError(f"chain_in_place: delta caches must be float32 of one shape, got "
+                         f"{[(d.shape, str(d.dtype)) for d in deltas]}")
     checkpoints = ck_delta is not None
+    if checkpoints and (ck_slots is None or ck_delta.ndim != 5
+                        or ck_delta.shape[0] != layers or ck_delta.shape[2:] != (heads, dk, dv)):
+        raise ValueError(f"chain_in_place: ck_delta must be [{layers}, Pc, {heads}, {dk}, {dv}] "
+                         f"with ck_slots [{rows}], got {ck_delta.shape} and "
+                         f"{None if ck_slots is None else ck_slots.shape}")
     if not checkpoints:
         ck_delta, ck_slots = jnp.zeros((1, 1, 1, dk, dv), _F32), jnp.zeros(rows, jnp.int32)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731

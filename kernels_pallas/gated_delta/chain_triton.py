@@ -31,8 +31,8 @@ from jax.experimental.pallas import triton as plgpu
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 BF16_TERMS = {jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3: ((0, 0), (0, 1), (1, 0)),
-               jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6:
-                   ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0))}
+              jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6:
+                  ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0))}
 
 
 def _bf16_parts(x, n):

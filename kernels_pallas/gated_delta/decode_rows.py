@@ -70,6 +70,9 @@ def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_le
     per_seq: q, k, v, a, b, z are already per sequence ([S, ...], `seq_rows`; with to_rows
     False: no gather at all)."""
     if per_seq:
+        if to_rows:
+            raise ValueError("ragged_decode_layer_in_place: per_seq inputs hold no row count; "
+                             "pass to_rows=False and map the output with on_seq_rows")
         rows, has = slice(None), cu_q_lens[1:] > cu_q_lens[:-1]
     else:
         rows, has = _decode_rows(cu_q_lens, q.shape[0])

@@ -335,8 +335,8 @@ class GatedDeltaNet(nnx.Module):
             policy (kernels_pallas.gated_delta.api.choose).
           pieces: None, qwen3_5_spans.SpanPieces or its `prepare` (computed once per step):
             SSEP span rows read a local pass (see there).
-          decode: the step kind if the host knows it (True: <= 1 token per sequence; False: any),
-            None: decided on the device (gated_delta.api.ragged_gated_delta).
+          decode: the step kind if the host knows it (True: RecurrentMetadata.decode's layout;
+            False: any), None: decided on the device (gated_delta.api.ragged_gated_delta).
           seq_of_row: None or [T] int32 the sequence of each row (`rows_of_seqs`), packing:
             None or the flow prefill's gated_delta.ragged.packing, conv_idx: None or
             `conv_index(...)` (with checkpoint_at's): all three computed once per step.

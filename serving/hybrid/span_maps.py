@@ -190,7 +190,8 @@ def enter(family, cache, pool: SpanMapPool, state_slots, reset, chain_seq, chain
     sequence resets.
 
     state_slots, reset: [S] the step's sequences; chain_seq: [Sc] int32 which sequence each
-    chain row is (-1 = none); chains: [Sc, L] pool slots in order (-1 ends a chain);
+    chain row is (-1 = none; at most one row per sequence: rows write their sequence's slot);
+    chains: [Sc, L] pool slots in order (-1 ends a chain);
     precision: entry_states'; restore: None, or (the checkpoint pool, [Sc] int32 checkpoint
     slot per chain row, -1 = none): a row with a slot starts from that checkpoint instead of its
     state slot (a resume at c comes before the spans skipped right after c); it is written once,
@@ -225,7 +226,9 @@ def _rows(state_slots, reset, chain_seq, n_maps, ck_slot):
     kept (not reset))."""
     rows = jnp.clip(chain_seq, 0, state_slots.shape[0] - 1)
     entering = (chain_seq >= 0) & (n_maps > 0)
-    restored = jnp.zeros_like(entering) if ck_slot is None else ck_slot >= 0
+    # a row of no sequence writes nothing, a restore slot notwithstanding (it would write
+    # sequence 0's slot: the compose program's padding rows never hold one)
+    restored = jnp.zeros_like(entering) if ck_slot is None else (ck_slot >= 0) & (chain_seq >= 0)
     # a restored row without maps keeps its checkpoint
     return state_slots[rows], entering | restored, restored, ~reset[rows]
 
