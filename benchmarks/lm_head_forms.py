@@ -9,7 +9,7 @@ span_step_conv_shifted_2026-12-06_h100_s28c.txt, fixed_step_decode_inplace_..._s
 
 Forms (each a jitted function of (x, table)): `tied` today's layers.tied_logits (contract E of
 the table as stored); `transposed` the same against a pre-transposed [E, V] copy; `chunks4` the
-vocabulary in 4 slices, concatenated; `rows64` the rows padded to 64. Prints per N the median ms,
+vocabulary in 4 slices, concatenated; `rows32` / `rows64` / `rows128` the rows padded to that. Prints per N the median ms,
 the effective TB/s of the table read and the costliest kernel's name (on a GPU).
 
     python -m benchmarks.lm_head_forms [--rows 1 8 16 64] [--reps 30]
@@ -37,17 +37,20 @@ def forms(v_chunks: int = 4, pad_rows: int = 64) -> dict:
         return jnp.concatenate([jnp.einsum("ne,ve->nv", x, p, preferred_element_type=f32)
                                 for p in parts], axis=1)
 
-    def rows_padded(x, table_ve, table_ev):
-        n = x.shape[0]
-        xp = jnp.pad(x, ((0, max(pad_rows - n, 0)), (0, 0)))
-        return jnp.einsum("ne,ve->nv", xp, table_ve, preferred_element_type=f32)[:n]
+    def padded(to):
+        def rows_padded(x, table_ve, table_ev):
+            n = x.shape[0]
+            xp = jnp.pad(x, ((0, max(to - n, 0)), (0, 0)))
+            return jnp.einsum("ne,ve->nv", xp, table_ve, preferred_element_type=f32)[:n]
+        return rows_padded
     return {"tied": tied, "transposed": transposed, f"chunks{v_chunks}": chunks,
-            f"rows{pad_rows}": rows_padded}
+            "rows32": padded(32), f"rows{pad_rows}": padded(pad_rows), "rows128": padded(128)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64])
+    ap.add_argument("--forms", nargs="+", default=None, help="a subset of the forms")
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--embed", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=30)
@@ -67,6 +70,8 @@ def main(argv=None) -> int:
         x = jnp.asarray(rng.standard_normal((n, a.embed)), jnp.bfloat16)
         ref = None
         for name, fn in forms().items():
+            if a.forms and name not in a.forms and name != "tied":
+                continue
             f = jax.jit(fn)
             call = lambda: f(x, table_ve, table_ev)  # noqa: E731
             out = np.asarray(call())
@@ -76,8 +81,10 @@ def main(argv=None) -> int:
             top = ""
             if gpu:
                 prof = profile_kernels(call, top=1)
-                top = f" | {prof['top'][0]['name'][:50]} {prof['top'][0]['ms_per_step']:.3f} ms" \
-                    if prof["top"] else ""
+                top = (f" | {prof['kernels_per_step']:.0f} kernels, busy "
+                       f"{prof['kernel_busy_ms_per_step']:.3f} ms, top "
+                       f"{prof['top'][0]['name'][:40]} {prof['top'][0]['ms_per_step']:.3f}"
+                       if prof["top"] else "")
             print(f"rows {n:3d} {name:10s} {ms:7.3f} ms  {mb / 1e3 / ms:5.2f} TB/s  "
                   f"max |diff| vs tied {diff:.2e}{top}", flush=True)
     return 0

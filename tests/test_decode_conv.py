@@ -89,8 +89,9 @@ def test_decode_layer_per_sequence_is_the_row_form_bit_for_bit(monkeypatch, coun
     """An engine's decode-only step (sequence i's token on row i, the ones with none last) on
     tiny_qwen3_5 with its GDN decode kernel interpreted: the layer run per sequence
     (DECODE_SEQ_ROWS), the direct conv on rows (DECODE_CONV_DIRECT) and the general form give
-    the same logits, conv and state caches bit for bit: as many rows as sequences, fewer (idle
-    sequences past them) and more, one sequence, float32 and bfloat16, resets."""
+    the same logits, conv and state caches bit for bit: as many rows as sequences, more, one
+    sequence, float32 and bfloat16, resets; with fewer rows than sequences (idle ones past them)
+    the layer keeps the rows form (padded rows cost the last bits on an H100, s29d)."""
     from configs.presets import PRESETS
     from minipic_jax.models import qwen3_5
     from minipic_jax.models.testing import SimplePager
@@ -129,9 +130,13 @@ def test_seq_rows_and_back_are_static_slices(fresh_rng):
     for n_rows, n_seqs, used in ((4, 6, 3), (5, 5, 5), (8, 3, 2)):
         cu = jnp.asarray(np.r_[np.arange(used + 1), np.full(n_seqs - used, used)], jnp.int32)
         x = jnp.asarray(fresh_rng.standard_normal((n_rows, 3)), jnp.float32)
-        np.testing.assert_array_equal(np.asarray(seq_rows(x, n_seqs))[:used],
-                                      np.asarray(x)[:used])
-        assert seq_rows(x, n_seqs).shape == (n_seqs, 3)
+        if n_rows < n_seqs:  # the layer keeps the rows form there
+            with pytest.raises(ValueError, match="no row per sequence"):
+                seq_rows(x, n_seqs)
+        else:
+            np.testing.assert_array_equal(np.asarray(seq_rows(x, n_seqs))[:used],
+                                          np.asarray(x)[:used])
+            assert seq_rows(x, n_seqs).shape == (n_seqs, 3)
         out_s = jnp.asarray(fresh_rng.standard_normal((n_seqs, 2)), jnp.float32)
         out_s = out_s.at[used:].set(jnp.nan)
         got = np.asarray(on_seq_rows(out_s, cu, n_rows, jnp.float32))

@@ -28,12 +28,11 @@ def _decode_rows(cu_q_lens, n_tokens: int):
 
 def seq_rows(x, n_seqs: int):
     """x [T, ...] of a step whose sequence i's one new row, if it has one, is row i (an engine's
-    decode-only step: RecurrentMetadata.decode) as [S, ...] per sequence: a static slice (zero
-    rows appended past T), no gather; rows of sequences with no token are undefined."""
-    n = x.shape[0]
-    if n >= n_seqs:
-        return x[:n_seqs]
-    return jnp.pad(x, [(0, n_seqs - n)] + [(0, 0)] * (x.ndim - 1))
+    decode-only step: RecurrentMetadata.decode) as [S, ...] per sequence: a static slice, no
+    gather (T >= S); rows of sequences with no token are undefined."""
+    if x.shape[0] < n_seqs:
+        raise ValueError(f"seq_rows: {x.shape[0]} rows hold no row per sequence of {n_seqs}")
+    return x[:n_seqs]
 
 
 def on_seq_rows(out_s, cu_q_lens, n_tokens: int, dtype):

@@ -292,8 +292,9 @@ class GatedDeltaNet(nnx.Module):
                 mixed, self.conv_w[...], sc.conv, a, b, *norm, cu_q_lens, sc.cache, sc.slots,
                 sc.keep, eps=cfg.rms_norm_eps, interpret=interpret)
             return jnp.einsum("thv,hve->te", normed, w_out), conv, delta
-        if DECODE_SEQ_ROWS:  # sequence i's token is row i: the layer runs per sequence
-            n_seqs = conv0.shape[0]
+        n_seqs = conv0.shape[0]
+        # sequence i's token is row i (fewer rows than sequences: the rows form, s29d's H100)
+        if DECODE_SEQ_ROWS and mixed.shape[0] >= n_seqs:
             xs = seq_rows(mixed, n_seqs)
             q, k, v = self.split_qkv(conv_rows_silu(decode_taps(xs, conv0), self.conv_w[...]),
                                      dtype, cfg)
