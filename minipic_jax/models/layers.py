@@ -55,16 +55,34 @@ def embed(tokens, table):
     return jnp.take(table, tokens, axis=0, mode="clip")
 
 
+# The LM head's rows padded to LOGITS_PAD_TO when PAD_ROWS_FROM <= N < LOGITS_PAD_TO. On an H100
+# (Qwen3.5-0.8B's 248,320 x 1,024 bf16 table, the head alone: benchmarks/lm_head_forms.py, s29d)
+# 8 / 16 rows took 0.65 / 0.87 ms as they are and 0.36 / 0.37 padded to 64, the same bits; 1 row
+# 0.28 as it is, 0.66 padded; and a 16-sequence prefill step ran its head as one 0.71 ms cuBLAS
+# kernel. Off until timed inside a step (`fixed_step_work --forms PAD_LOGITS_ROWS=1`).
+PAD_LOGITS_ROWS = False
+PAD_ROWS_FROM, LOGITS_PAD_TO = 8, 64
+
+
+def _head(spec, x, table):
+    """einsum(spec) of rows x [N, E] and an LM head table in float32, rows padded (above)."""
+    n = x.shape[0]
+    if PAD_LOGITS_ROWS and PAD_ROWS_FROM <= n < LOGITS_PAD_TO:
+        x = jnp.pad(x, ((0, LOGITS_PAD_TO - n), (0, 0)))
+        return jnp.einsum(spec, x, table, preferred_element_type=jnp.float32)[:n]
+    return jnp.einsum(spec, x, table, preferred_element_type=jnp.float32)
+
+
 def logits_from_hidden(x, lm_head_ev):
     """x [N, E], lm_head [E, V] -> logits [N, V] float32 (accumulated in float32)."""
-    return jnp.einsum("ne,ev->nv", x, lm_head_ev, preferred_element_type=jnp.float32)
+    return _head("ne,ev->nv", x, lm_head_ev)
 
 
 def tied_logits(x, embed_ve):
     """x [N, E], the embedding [V, E] as the LM head -> logits [N, V] float32. Contracts E of
     the table as stored: spelled `embed.T` then `ne,ev`, a one-row step on CPU materialised the
     transposed 113 MB table each step (SmolLM2-135M: 28 ms of a 60 ms step, vs 6 ms)."""
-    return jnp.einsum("ne,ve->nv", x, embed_ve, preferred_element_type=jnp.float32)
+    return _head("ne,ve->nv", x, embed_ve)
 
 
 def heads_out(attn, wo):
