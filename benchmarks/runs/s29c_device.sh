@@ -1,8 +1,8 @@
 #!/bin/bash
-# s29b cut to the device time session 29 had left (<= 6.5 min, a short table last): compiled tests
+# s30_device.sh cut to the device time session 29 had left (<= 6.5 min, a short table last): compiled tests
 # of the in-place chain kernel and the per-sequence GDN decode; rag at 16 seats with the compose
 # program in place against the form before (same process); the 64-seat decode step, general form
-# against per sequence; the LM head alone in four forms. No span request (s29b has it).
+# against per sequence; the LM head alone in four forms. No span request (s30_device.sh has it).
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s29c_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
