@@ -9,8 +9,9 @@ span_step_conv_shifted_2026-12-06_h100_s28c.txt, fixed_step_decode_inplace_..._s
 
 Forms (each a jitted function of (x, table)): `tied` today's layers.tied_logits (contract E of
 the table as stored); `transposed` the same against a pre-transposed [E, V] copy; `chunks4` the
-vocabulary in 4 slices, concatenated; `rows32` / `rows64` / `rows128` the rows padded to that. Prints per N the median ms,
-the effective TB/s of the table read and the costliest kernel's name (on a GPU).
+vocabulary in 4 slices, concatenated; `rows32` / `rows64` / `rows128` the rows padded to that.
+Prints per N the median ms, the effective TB/s of the table read and (on a GPU) the kernels per
+call, their busy time and the costliest kernel.
 
     python -m benchmarks.lm_head_forms [--rows 1 8 16 64] [--reps 30]
 """

@@ -45,8 +45,8 @@ from kernels_pallas.gated_delta.state_rows import (EYE, ZERO, StateRows, as_arra
 from kernels_pallas.registry import Implementation
 
 __all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "JointPass", "Problem", "apply_map", "auto_order",
-           "break_rows", "chain_apply", "chain_in_place", "choose", "choose_gated_delta", "decode_step",
-           "final_bounds", "joint_packing",
+           "break_rows", "chain_apply", "chain_in_place", "choose", "choose_gated_delta",
+           "decode_step", "final_bounds", "joint_packing",
            "maps_packing", "packed_chunks", "prefill", "ragged_gated_delta", "ragged_maps",
            "ragged_packing", "ragged_prefill", "run_joint", "selected_rows", "take_rows"]
 
