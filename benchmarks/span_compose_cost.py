@@ -243,20 +243,20 @@ def report(res: dict) -> str:
     lines += [f"compose {name:9s} | {v['ms']:.3f} | {v['share']:.2%} | {v['tflops']:.2f} | "
               f"{v['rel_vs_highest']:.2e}" for name, v in res["precisions"].items()]
     if res.get("program"):  # the engine's own compose program (restores and writes included)
-        prof = res["program"]["profile"]
-        ms = res["program"]["ms"]
+        prof, ms = res["program"]["profile"], res["program"]["ms"]
+        form = {True: "in place", False: "read-compose-write"}
         lines += [f"compose program {ms:.3f} ms = {ms / res['step_ms']:.2%} of the step: "
                   f"{prof['kernels_per_step']:.0f} "
                   f"kernels, busy {prof['kernel_busy_ms_per_step']:.3f} ms, first-to-last "
-                  f"{prof['first_to_last_kernel_ms_per_step']:.3f} ms"]
+                  f"{prof['first_to_last_kernel_ms_per_step']:.3f} ms"
+                  + (f" ({form[res['program']['in_place']]})" if "in_place" in res["program"]
+                     else "")]
         lines += [f"compose program | {k['ms_per_step']:.3f} ms | {k['calls_per_step']:.0f} | "
                   f"{k['name'][:60]}" for k in prof["top"]]
         if "other_form" in res["program"]:
-            o, here = res["program"]["other_form"], res["program"]["in_place"]
-            names = {True: "in place", False: "read-compose-write"}
-            in_place_ms, read_write_ms = (ms, o["ms"]) if here else (o["ms"], ms)
-            lines[-1 - len(prof["top"])] += f" ({names[here]})"
-            lines += [f"compose program {names[o['in_place']]} (COMPOSE_IN_PLACE="
+            o = res["program"]["other_form"]
+            in_place_ms, read_write_ms = (o["ms"], ms) if o["in_place"] else (ms, o["ms"])
+            lines += [f"compose program {form[o['in_place']]} (COMPOSE_IN_PLACE="
                       f"{int(o['in_place'])}, same process) {o['ms']:.3f} ms = "
                       f"{o['ms'] / res['step_ms']:.2%}: {o['profile']['kernels_per_step']:.0f} "
                       f"kernels, busy {o['profile']['kernel_busy_ms_per_step']:.3f} ms; in place "

@@ -16,6 +16,7 @@ import pytest
 
 from kernels_pallas.gated_delta.chain_triton import chain_apply
 from serving.hybrid import chain_compose, span_maps
+from tests.cuda_lowering import abstract_h100, map_pool_0_8b
 
 _PRESETS = jax.lax.DotAlgorithmPreset
 
@@ -181,17 +182,11 @@ def test_compose_lowers_to_one_kernel_for_cuda(monkeypatch):
     monkeypatch.setattr(chain_compose, "_platform", lambda: "gpu")
     monkeypatch.setattr(chain_compose, "AUTO_KERNEL", True)
     sd = jax.ShapeDtypeStruct
-    maps = sd((64, 18, 16, 128, 128), jnp.float32)
-    pool = span_maps.SpanMapPool(a=maps, b=maps, tail=sd((64, 18, 6144, 3), jnp.bfloat16),
-                                 count=sd((64,), jnp.int32), zero_a=sd((64, 18, 16), bool))
-    args = (pool, sd((4, 256), jnp.int32), sd((18, 4, 6144, 3), jnp.bfloat16),
+    args = (map_pool_0_8b(), sd((4, 256), jnp.int32), sd((18, 4, 6144, 3), jnp.bfloat16),
             sd((18, 4, 16, 128, 128), jnp.float32))
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
-                                       platform="cuda")
     fn = jax.jit(functools.partial(span_maps.entry_states,
                                    precision=_PRESETS.TF32_TF32_F32_X3))
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-            (1,), ("gpu",), abstract_device=h100)):  # Triton's lowering asks for the device
+    with abstract_h100():
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     ops = collections.Counter(re.findall(r"(stablehlo\.[a-z_]+|xla\.gpu\.triton)", text))
     assert ops["xla.gpu.triton"] == 1 and ops["stablehlo.while"] == 0, ops

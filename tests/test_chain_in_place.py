@@ -20,6 +20,7 @@ from kernels_pallas.gated_delta.chain_triton import chain_apply
 from minipic_jax.models import qwen3_5
 from serving.hybrid import chain_compose, span_maps
 from serving.hybrid.checkpoint_pool import CheckpointPool
+from tests.cuda_lowering import abstract_h100, map_pool_0_8b
 from tests.test_chain_compose_kernel import _chains, _pool
 
 _PRESETS = jax.lax.DotAlgorithmPreset
@@ -198,9 +199,7 @@ def test_in_place_compose_lowers_to_one_kernel_for_cuda(monkeypatch):
     monkeypatch.setattr(chain_compose, "_platform", lambda: "gpu")
     monkeypatch.setattr(span_maps, "COMPOSE_IN_PLACE", True)
     sd = jax.ShapeDtypeStruct
-    maps = sd((64, 18, 16, 128, 128), jnp.float32)
-    pool = span_maps.SpanMapPool(a=maps, b=maps, tail=sd((64, 18, 6144, 3), jnp.bfloat16),
-                                 count=sd((64,), jnp.int32), zero_a=sd((64, 18, 16), bool))
+    pool = map_pool_0_8b()
     cache = qwen3_5.Qwen35Cache(k=(), v=(), conv=(sd((17, 6144, 3), jnp.bfloat16),) * 18,
                                 delta=(sd((17, 16, 128, 128), jnp.float32),) * 18)
     ck = CheckpointPool(conv=sd((18, 32, 6144, 3), jnp.bfloat16),
@@ -210,10 +209,7 @@ def test_in_place_compose_lowers_to_one_kernel_for_cuda(monkeypatch):
     def program(cache, pool, ck, slots, reset, seq, chains, ck_slot):
         return span_maps.enter(qwen3_5, cache, pool, slots, reset, seq, chains,
                                precision=_PRESETS.BF16_BF16_F32_X6, restore=(ck, ck_slot))
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
-                                       platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-            (1,), ("gpu",), abstract_device=h100)):  # Triton's lowering asks for the device
+    with abstract_h100():
         text = jax.jit(program, donate_argnums=(0,)).trace(
             cache, pool, ck, ints, sd((16,), bool), ints, sd((16, 8), jnp.int32), ints).lower(
             lowering_platforms=("cuda",)).as_text()

@@ -24,6 +24,7 @@ from serving.config import Config
 from serving.step.kernel_choices import gdn_choice
 from serving.step.model_runner import ModelRunner
 from serving.step.step_inputs import layout
+from tests.cuda_lowering import abstract_h100
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"  # as test_gated_delta_mosaic.py
 TINY = PRESETS["tiny_qwen3_5"]  # Dk = Dv = 16
@@ -123,10 +124,7 @@ def test_mosaic_engine_step_lowers_for_cuda(monkeypatch):
     two_gdn = dataclasses.replace(QWEN35_LAYERS, num_layers=3, layer_types=(
         "linear_attention", "linear_attention", "full_attention"))
     runner = _gpu_runner(monkeypatch, two_gdn, jnp.bfloat16, "mosaic")
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
-                                       platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-            (1,), ("gpu",), abstract_device=h100)):  # Triton's lowering asks for the device
+    with abstract_h100():
         traced, asked = _traced_step(runner, monkeypatch)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert asked == ["mosaic", "mosaic"], asked

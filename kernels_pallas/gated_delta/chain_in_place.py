@@ -8,8 +8,8 @@ H100), run chain_triton.chain_apply on it, and scatter conv and delta states bac
 layer and state (36 kernels of ~6 us at Qwen3.5-0.8B): 53 kernels and 1.05 ms for 0.18 ms of
 chain work. Here the cache's per-layer arrays are the kernel's operands, aliased to its outputs:
 program (row, layer x head, value block) loads its state block from the row's slot (or from a
-checkpoint, or zero), runs the chain as chain_triton does (same dots in the same order: the same
-bits), and stores it in place; the layer is a program id, so each load and store picks its
+checkpoint, or zero), runs the chain by chain_triton's `run_chain` (the same bits), and stores
+it in place; the layer is a program id, so each load and store picks its
 layer's array through a switch. The programs of a (row, layer) also copy the row's conv window
 (computed by the caller in closed form, chain_compose.chain_window) into the layer's conv slot,
 in pieces of a power-of-two size. Rows whose source is NO_WRITE touch nothing.
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.gated_delta.chain_triton import BF16_TERMS, chain_dot
+from kernels_pallas.gated_delta.chain_triton import launch_options, run_chain
 
 _F32 = jnp.float32
 # where a chain row's state comes from before its chain (`source`)
@@ -54,21 +54,14 @@ def _kernel(chain_ref, n_ref, start_ref, source_ref, slot_ref, ck_slot_ref, a_re
 
     @pl.when(source != NO_WRITE)
     def _():
-        first = start_ref[r, g]
-
-        def step(i, s):
-            m = chain_ref[r, i]
-            return chain_dot(a_ref[m, layer, head], s, precision, interpret) + \
-                b_ref[m, layer, head, :, cols]
-
         here = jax.lax.switch(layer, [functools.partial(lambda d: d[slot, head, :, cols], d)
                                       for d in delta_in]).astype(_F32)
         if checkpoints:
             ck = ck_ref[layer, jnp.maximum(ck_slot_ref[r], 0), head, :, cols].astype(_F32)
             here = jnp.where(source == FROM_CHECKPOINT, ck, here)
         s0 = jnp.where(source == FROM_ZERO, jnp.zeros((dk, block_v), _F32), here)
-        reset = b_ref[chain_ref[r, jnp.maximum(first, 0)], layer, head, :, cols]
-        s = jax.lax.fori_loop(first + 1, n_ref[r], step, jnp.where(first >= 0, reset, s0))
+        s = run_chain(s0, r, start_ref[r, g], layer, head, cols, chain_ref, n_ref, a_ref, b_ref,
+                      precision, interpret)
 
         def put(d):
             d[slot, head, :, cols] = s
@@ -115,14 +108,8 @@ def chain_in_place(a, b, chains, n_maps, start, source, slots, deltas, convs, wi
         raise ValueError(f"chain_in_place: {layers} delta and {len(convs)} conv layers")
     _, heads, dk, dv = deltas[0].shape
     rows = chains.shape[0]
-    block_v = min(128, dv) if block_v is None else block_v
-    if num_stages is None:
-        num_stages = 2 if precision in BF16_TERMS else 1
-    if a.shape[1:] != (layers, heads, dk, dk) or b.shape[1:] != (layers, heads, dk, dv):
-        raise ValueError(f"chain_in_place: pool a {a.shape} / b {b.shape} do not fit states "
-                         f"{deltas[0].shape} x {layers} layers")
-    if dv % block_v:
-        raise ValueError(f"chain_in_place: block_v {block_v} does not divide Dv {dv}")
+    block_v, num_stages = launch_options(a, b, (layers, heads, dk, dv), block_v, num_stages,
+                                         precision, "chain_in_place")
     conv_shape = convs[0].shape
     if windows.shape != (layers, rows) + conv_shape[1:]:
         raise ValueError(f"chain_in_place: windows {windows.shape} do not fit {rows} rows of "

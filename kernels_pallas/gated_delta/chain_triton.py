@@ -30,9 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-BF16_TERMS = {jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3: ((0, 0), (0, 1), (1, 0)),
-              jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6:
-                  ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0))}
+_BF16_TERMS = {jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3: ((0, 0), (0, 1), (1, 0)),
+               jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6:
+                   ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0))}
 
 
 def _bf16_parts(x, n):
@@ -49,10 +49,10 @@ def _bf16_parts(x, n):
     return parts
 
 
-def chain_dot(a, s, precision, interpret):
+def _dot(a, s, precision, interpret):
     """a @ s in float32 at `precision` (see the module doc)."""
-    if precision in BF16_TERMS:
-        terms = BF16_TERMS[precision]
+    if precision in _BF16_TERMS:
+        terms = _BF16_TERMS[precision]
         n = 1 + max(max(t) for t in terms)
         pa, ps = _bf16_parts(a, n), _bf16_parts(s, n)
         out = None  # smallest products first, so the large one is added last
@@ -65,25 +65,45 @@ def chain_dot(a, s, precision, interpret):
     return jnp.dot(a, s, precision=precision, preferred_element_type=_F32)
 
 
+def run_chain(s0, r, first, layer, head, cols, chain_ref, n_ref, a_ref, b_ref, precision,
+              interpret):
+    """Row r's chain on its state block s0 [Dk, BV] (float32) in one program: from position
+    first + 1 on, from that map's B where first >= 0 (a reset start), else from s0; each map's
+    A and B read from the pool by slot. Both chain kernels run this (chain_in_place.py)."""
+    def step(i, s):
+        slot = chain_ref[r, i]
+        return _dot(a_ref[slot, layer, head], s, precision, interpret) + \
+            b_ref[slot, layer, head, :, cols]
+
+    reset = b_ref[chain_ref[r, jnp.maximum(first, 0)], layer, head, :, cols]
+    return jax.lax.fori_loop(first + 1, n_ref[r], step, jnp.where(first >= 0, reset, s0))
+
+
+def launch_options(a, b, state_shape, block_v, num_stages, precision, name: str):
+    """(block_v, num_stages) of a chain kernel over states [..., Hv, Dk, Dv] of Lg layers
+    (state_shape: (Lg, Hv, Dk, Dv)), defaults filled (chain_apply's doc), the pool's shapes and
+    block_v checked (ValueError naming `name`)."""
+    layers, heads, dk, dv = state_shape
+    block_v = min(128, dv) if block_v is None else block_v
+    if num_stages is None:
+        num_stages = 2 if precision in _BF16_TERMS else 1
+    if a.shape[1:] != (layers, heads, dk, dk) or b.shape[1:] != (layers, heads, dk, dv):
+        raise ValueError(f"{name}: pool a {a.shape} / b {b.shape} do not fit {layers} layers of "
+                         f"[{heads}, {dk}, {dv}] states")
+    if dv % block_v:
+        raise ValueError(f"{name}: block_v {block_v} does not divide Dv {dv}")
+    return block_v, num_stages
+
+
 def _chain_kernel(chain_ref, n_ref, start_ref, a_ref, b_ref, s_ref, o_ref, *, heads, block_v,
                   precision, interpret):
     # chain [S, L] int32 (whole); n [S] int32; start [S, G] int32 (-1: none); a [P, Lg, Hv, Dk,
     # Dk], b [P, Lg, Hv, Dk, Dv] (the whole pool); s / o [Dk, BV]: this program's state block
     # (row r, layer g // Hv, head g % Hv, value columns v*BV ...)
     r, g, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer, head = g // heads, g % heads
     cols = pl.ds(pl.multiple_of(v * block_v, block_v), block_v)
-    first = start_ref[r, g]
-
-    def step(i, s):
-        slot = chain_ref[r, i]
-        a = a_ref[slot, layer, head]
-        b = b_ref[slot, layer, head, :, cols]
-        return chain_dot(a, s, precision, interpret) + b
-
-    reset = b_ref[chain_ref[r, jnp.maximum(first, 0)], layer, head, :, cols]
-    s0 = jnp.where(first >= 0, reset, s_ref[...].astype(_F32))
-    o_ref[...] = jax.lax.fori_loop(first + 1, n_ref[r], step, s0)
+    o_ref[...] = run_chain(s_ref[...].astype(_F32), r, start_ref[r, g], g // heads, g % heads,
+                           cols, chain_ref, n_ref, a_ref, b_ref, precision, interpret)
 
 
 def chain_apply(a, b, chains, n_maps, state, *, start=None, precision=None,
@@ -113,14 +133,8 @@ def chain_apply(a, b, chains, n_maps, state, *, start=None, precision=None,
       [Lg, S, Hv, Dk, Dv] float32.
     """
     layers, rows, heads, dk, dv = state.shape
-    block_v = min(128, dv) if block_v is None else block_v
-    if num_stages is None:
-        num_stages = 2 if precision in BF16_TERMS else 1
-    if a.shape[1:] != (layers, heads, dk, dk) or b.shape[1:] != (layers, heads, dk, dv):
-        raise ValueError(f"chain_apply: pool a {a.shape} / b {b.shape} do not fit states "
-                         f"{state.shape}")
-    if dv % block_v:
-        raise ValueError(f"chain_apply: block_v {block_v} does not divide Dv {dv}")
+    block_v, num_stages = launch_options(a, b, (layers, heads, dk, dv), block_v, num_stages,
+                                         precision, "chain_apply")
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     block = pl.BlockSpec((None, None, None, dk, block_v),
                          lambda r, g, v: (g // heads, r, g % heads, 0, v))
