@@ -162,7 +162,6 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
             return runner.cache
         program = dict(ms=_median_ms(call, reps), profile=profile_kernels(call, top=10))
         from benchmarks.program_forms import program_form
-        from serving.hybrid import span_maps
         other = int(not span_maps.COMPOSE_IN_PLACE)  # the engine's form above, the other here
         with program_form(f"COMPOSE_IN_PLACE={other}", runner):
             program["other_form"] = dict(in_place=bool(other), ms=_median_ms(call, reps),

@@ -85,3 +85,24 @@ def test_probe_pool_keeps_the_chained_maps_with_a_nonzero_a(fresh_rng):
     assert probe.count.tolist() == [2, 5, 7] and span_compose_cost._a_zero(probe, remapped) == 0
     norms = np.linalg.norm(np.asarray(probe.a), axis=-2)
     assert 0.5 < norms.mean() < 1.5
+
+
+def test_rag_compose_cost_measures_a_hybrid_run(tmp_path, capsys):
+    """`rag --compose-cost 1` end to end on a tiny hybrid (CPU): `measure` ran (a local import
+    inside it once shadowed the module its jitted closure composes with: a NameError on the
+    device, caught only there), its figures are in the JSON and the report lines printed."""
+    import json
+
+    from benchmarks import cli
+    argv = ["rag", "--model", "tiny_qwen3_5", "--dtype", "float32", "--num-requests", "4",
+            "--passage-tokens", "32", "--max-num-batched-tokens", "256", "--min-token-bucket",
+            "256", "--max-num-seqs", "8", "--max-model-len", "1024", "--num-kv-blocks", "256",
+            "--workloads", "multi", "--modes", "offline", "--max-tokens", "2", "--configs",
+            "fcfs", "--compose-cost", "1", "--questions-per-set", "4", "--in-process",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    cost = json.loads((tmp_path / "rag_bench.json").read_text())["results"][0]["compose_cost"]
+    assert "error" not in cost, cost
+    assert cost["maps_in_step"] > 0 and cost["step_ms"] > 0 and cost["compose_ms"] > 0
+    assert set(cost["synthetic_compose_ms"]) == {"1", "4", "16"}  # JSON keys
+    assert "[fcfs] compose cost (" in capsys.readouterr().out
