@@ -55,21 +55,10 @@ def embed(tokens, table):
     return jnp.take(table, tokens, axis=0, mode="clip")
 
 
-# The LM head's rows padded to LOGITS_PAD_TO when PAD_ROWS_FROM <= N < LOGITS_PAD_TO. On an H100
-# (Qwen3.5-0.8B's 248,320 x 1,024 bf16 table, the head alone: benchmarks/lm_head_forms.py, s29d)
-# 8 / 16 rows took 0.65 / 0.87 ms as they are and 0.36 / 0.37 padded to 64, the same bits; 1 row
-# 0.28 as it is, 0.66 padded; and a 16-sequence prefill step ran its head as one 0.71 ms cuBLAS
-# kernel. Off until timed inside a step (`fixed_step_work --forms PAD_LOGITS_ROWS=1`).
-PAD_LOGITS_ROWS = False
-PAD_ROWS_FROM, LOGITS_PAD_TO = 8, 64
-
-
 def _head(spec, x, table):
-    """einsum(spec) of rows x [N, E] and an LM head table in float32, rows padded (above)."""
-    n = x.shape[0]
-    if PAD_LOGITS_ROWS and PAD_ROWS_FROM <= n < LOGITS_PAD_TO:
-        x = jnp.pad(x, ((0, LOGITS_PAD_TO - n), (0, 0)))
-        return jnp.einsum(spec, x, table, preferred_element_type=jnp.float32)[:n]
+    """einsum(spec) of rows x [N, E] and an LM head table, accumulated in float32. (Padding a
+    small step's rows to 64 did not pay on an H100: benchmarks/history/gated_delta.md,
+    "Session 30".)"""
     return jnp.einsum(spec, x, table, preferred_element_type=jnp.float32)
 
 
