@@ -55,10 +55,22 @@ def embed(tokens, table):
     return jnp.take(table, tokens, axis=0, mode="clip")
 
 
+# The LM head's rows padded to LOGITS_PAD_TO when PAD_ROWS_FROM <= N < LOGITS_PAD_TO. The head
+# alone (benchmarks/lm_head_forms.py, H100, s30) is one 0.17 ms Triton GEMM fusion at 8-32 rows
+# as stored, padded no faster; but inside a 1,024-token step of 16 sequences XLA ran the 16-row
+# head as a 0.71 ms cuBLAS kernel (s28-s30 profiles). Padding was timed in 8-row steps only
+# (no gain, s30): off until `span_step_work --variants plain --forms new pad_logits` times the
+# 16-row step.
+PAD_LOGITS_ROWS = False
+PAD_ROWS_FROM, LOGITS_PAD_TO = 8, 64
+
+
 def _head(spec, x, table):
-    """einsum(spec) of rows x [N, E] and an LM head table, accumulated in float32. (Padding a
-    small step's rows to 64 did not pay on an H100: benchmarks/history/gated_delta.md,
-    "Session 30".)"""
+    """einsum(spec) of rows x [N, E] and an LM head table in float32, rows padded (above)."""
+    n = x.shape[0]
+    if PAD_LOGITS_ROWS and PAD_ROWS_FROM <= n < LOGITS_PAD_TO:
+        x = jnp.pad(x, ((0, LOGITS_PAD_TO - n), (0, 0)))
+        return jnp.einsum(spec, x, table, preferred_element_type=jnp.float32)[:n]
     return jnp.einsum(spec, x, table, preferred_element_type=jnp.float32)
 
 
