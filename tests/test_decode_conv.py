@@ -187,3 +187,75 @@ def test_a_decode_layer_per_sequence_gathers_only_its_conv_state():
     general = decode_step_ops.per_layer("general", decode_step_ops.jaxpr_ops)
     assert per_seq["gather"] == 1 and per_seq["scatter"] == 1 and per_seq["transpose"] == 0
     assert general["gather"] > 5 * per_seq["gather"]
+
+
+@pytest.mark.parametrize("counts,min_tokens,dtype,reset", [
+    ([1, 1, 1, 1], 0, jnp.float32, [0, 1, 0, 0]), ([1, 1, 1, 0], 16, jnp.bfloat16, [1, 0, 0, 0]),
+    ([1], 0, jnp.bfloat16, [0])])
+def test_decode_gates_read_in_the_projection_bit_for_bit(monkeypatch, counts, min_tokens, dtype,
+                                                         reset):
+    """qwen3_5_gdn.DECODE_GATES_IN_PROJ: with fused weights the per-sequence decode layer's
+    kernel reads a, b and z as columns of the layer's projection (no sliced operands, each a
+    copy kernel on a GPU): the same logits and caches bit for bit, rows past the sequences
+    (min_tokens) and idle sequences included; and the kernel's call takes the projection."""
+    from configs.presets import PRESETS
+    from kernels_pallas.gated_delta import decode_rows
+    from minipic_jax.models import qwen3_5
+    from minipic_jax.models.testing import SimplePager
+    from serving.model_contract import RecurrentMetadata
+    cfg = PRESETS["tiny_qwen3_5"]
+    n = len(counts)
+    pager = SimplePager(n, 48, 8, seed=1)
+    pager.step([4 + 3 * i for i in range(n)])
+    md, logits_idx, _ = pager.step(counts, min_tokens)
+    rng = np.random.default_rng(5)
+    rec = RecurrentMetadata(state_slots=jnp.asarray(rng.permutation(n + 2)[:n], jnp.int32),
+                            reset=jnp.asarray(reset, bool), decode=True)
+    params = qwen3_5.fuse_params(qwen3_5.init_params(cfg, jax.random.key(2), dtype))
+    cache = qwen3_5.init_cache(cfg, 160, 8, n + 2, dtype)
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
+    widths, kernel = [], decode_rows.decode_layer_in_place
+
+    def spy(*a, proj=None, **k):
+        widths.append(None if proj is None else proj[0].shape)
+        return kernel(*a, proj=proj, **k)
+    monkeypatch.setattr(decode_rows, "decode_layer_in_place", spy)  # where the layer calls it
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(gdn, "DECODE_GATES_IN_PROJ", on)
+        widths.clear()
+        outs[on] = jax.jit(lambda p, c: qwen3_5.forward(
+            p, tokens, md, c, cfg, recurrent=rec, logits_indices=logits_idx,
+            gdn_impl="pallas_fused_interpret"))(params, cache)
+        hk, hv, dk, dv, c, _ = gdn.gdn_dims(cfg)
+        want = (md.num_tokens, c + hv * dv + 2 * hv) if on else None
+        assert widths and all(w == want for w in widths), widths
+    for got, ref in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+def test_decode_gates_in_the_projection_lower_for_cuda():
+    """The kernel reading a, b, z in the projection lowers for an H100 (Triton) at Qwen3.5-0.8B's
+    widths (8 rows, 16 heads x 128, projection 6,144 + 2,048 + 32 wide, bf16): one Triton call,
+    the projection its operand whole (no [8, 16] / [8, 2048] slices made for it)."""
+    import re
+
+    from kernels_pallas.gated_delta.decode_triton import decode_layer_in_place
+    from tests.cuda_lowering import abstract_h100
+    sd = jax.ShapeDtypeStruct
+    rows, hv, dk, slots = 8, 16, 128, 65
+    qk = sd((rows, hv, dk), jnp.bfloat16)
+    proj = sd((rows, 6144 + hv * dk + 2 * hv), jnp.bfloat16)
+    vec = sd((hv,), jnp.bfloat16)
+    ints = sd((rows,), jnp.int32)
+
+    def call(q, k, v, x, a_log, dt_bias, norm, state, slots_, keep, has):
+        return decode_layer_in_place(q, k, v, None, None, a_log, dt_bias, None, norm, state,
+                                     slots_, keep, has, eps=1e-6, proj=(x, 6144))
+    with abstract_h100():
+        text = jax.jit(call).trace(qk, qk, qk, proj, vec, vec, sd((dk,), jnp.bfloat16),
+                                   sd((slots, hv, dk, dk), jnp.float32), ints, ints,
+                                   ints).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
+    assert not re.search(r"stablehlo.slice.*tensor<8x8224xbf16>", text)

@@ -67,3 +67,63 @@ def test_the_scan_reads_state_rows_in_place_bit_for_bit(fresh_rng, monkeypatch, 
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7, err_msg=name)
     np.testing.assert_array_equal(in_place[1][1], table[1])  # an empty sequence keeps its row
     assert np.isfinite(in_place[0][: cu[-1]]).all()
+
+
+@pytest.mark.parametrize("layout", ["vk", "kv"])
+@pytest.mark.parametrize("impl,seq_parallel", [("pallas_fused", True), ("pallas_fused", False),
+                                                ("xla", True)])
+def test_finals_written_into_the_cache_are_the_scatter_bit_for_bit(fresh_rng, monkeypatch,
+                                                                   layout, impl, seq_parallel):
+    """StateRows.write_final (the plain prefill step's flow, qwen3_5.GDN_FINALS_IN_PLACE): the
+    scan kernel writes each sequence's final state into its cache slot in place, and the
+    prefill returns the cache: bit for bit the cache the model scattered the [S] finals into
+    (with its outputs and checkpoints), for sequences with and without tokens, kept and reset
+    (a reset one without tokens ends at zero), other slots untouched. The serial scan and the
+    XLA path scatter after the scan (`finals_in_kernel` False): the same values."""
+    from kernels_pallas.gated_delta import ragged, ragged_triton
+    monkeypatch.setitem(fused_triton.DEFAULTS, "layout", layout)
+    monkeypatch.setattr(ragged_triton, "SEQ_PARALLEL", seq_parallel)
+    cache = jnp.asarray(fresh_rng.standard_normal((10, HV, DK, DV)), jnp.float32)
+    slots = jnp.asarray([7, 2, 4, 0, 9, 5], jnp.int32)
+    keep = jnp.asarray([True, False, True, False, True, True])
+    lens, pos0 = [20, 0, 37, 5, 0, 16], [3, 0, 0, 16, 7, 32]  # slots 2 (reset), 9: no tokens
+    t = sum(lens) + 5
+    q, k, v, g, beta = (x[0] for x in gdn_inputs(fresh_rng, 1, t, HK, HV, DK, DV))
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    ends = np.array(pos0) + np.array(lens)
+    ck = np.stack([ends, [16, -1, 32, -1, -1, -1]], axis=1).astype(np.int32)
+    interpret = INTERPRET and impl != "xla"
+
+    def run(write_final):
+        def step(cache, *a):
+            rows = from_cache(cache, slots, keep, write_final=write_final)
+            out, final, ckpt = api.ragged_gated_delta(
+                *a, rows, checkpoint_at=jnp.asarray(ck), chunk=CHUNK, implementation=impl,
+                interpret=interpret, decode=False)
+            return out, (final if write_final else cache.at[slots].set(final)), ckpt
+        return [np.asarray(x) for x in jax.jit(step)(cache, q, k, v, g, beta, cu,
+                                                     np.array(pos0, np.int32))]
+    assert ragged.finals_in_kernel(from_cache(cache, slots, keep, True), impl) == (
+        impl != "xla" and seq_parallel)
+    scattered, written = run(False), run(True)
+    for name, a, b in zip(("out", "cache", "checkpoints"), scattered, written):
+        np.testing.assert_array_equal(b, a, err_msg=name)
+    c = np.asarray(cache)
+    np.testing.assert_array_equal(written[1][2], 0)  # reset, no tokens: zeros
+    np.testing.assert_array_equal(written[1][9], c[9])  # kept, no tokens: as it was
+    for untouched in (1, 3, 6, 8):
+        np.testing.assert_array_equal(written[1][untouched], c[untouched])
+    assert not np.array_equal(written[1][7], c[7])  # a sequence with tokens moved on
+
+
+def test_write_final_needs_one_cache_source_and_the_prefill():
+    cache = jnp.zeros((4, HV, DK, DV), jnp.float32)
+    with pytest.raises(ValueError, match="one source without layers"):
+        StateRows((cache, cache), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
+                  write_final=True)
+    rows = from_cache(cache, jnp.asarray([1, 2], jnp.int32), jnp.asarray([True, True]), True)
+    x = jnp.zeros((2, HK, DK), jnp.float32)
+    with pytest.raises(ValueError, match="needs decode=False"):
+        api.ragged_gated_delta(x, x, jnp.zeros((2, HV, DV)), jnp.zeros((2, HV)),
+                               jnp.zeros((2, HV)), jnp.asarray([0, 1, 2], jnp.int32),
+                               jnp.zeros(2, jnp.int32), rows, decode=True)

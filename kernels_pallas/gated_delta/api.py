@@ -327,6 +327,9 @@ def ragged_gated_delta(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_
                               interpret=interpret, packing=packing)
 
     rows = isinstance(state0, StateRows) and decode is False  # the prefill reads it in place
+    if isinstance(state0, StateRows) and state0.write_final and not rows:
+        raise ValueError("ragged_gated_delta: a write_final StateRows (finals written into its "
+                         f"source) needs decode=False (the chunked prefill), got {decode!r}")
     state0 = state0 if rows else jnp.asarray(as_array(state0), jnp.float32)
     ops = tuple(map(jnp.asarray, (q, k, v, g, beta))) + (state0,)
     del seqs

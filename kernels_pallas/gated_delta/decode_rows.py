@@ -60,21 +60,27 @@ def on_rows(out_s, cu_q_lens, n_tokens: int, dtype):
 
 def ragged_decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cu_q_lens, cache,
                                  slots, keep, *, eps, interpret=False, to_rows=True,
-                                 per_seq=False):
+                                 per_seq=False, proj=None):
     """ragged_decode_in_place with the GDN layer's glue in the kernel
     (decode_triton.decode_layer_in_place: q / k before their l2 norm, the gates' inputs a / b,
     the gated RMS norm's z and weight). Returns (the normed gated output [T, Hv, Dv] in z's
     dtype, zeros on rows no sequence steps, the updated cache); to_rows=False: the output per
     sequence [S, Hv, Dv] (undefined where a sequence has no row: `on_rows` maps it later).
     per_seq: q, k, v, a, b, z are already per sequence ([S, ...], `seq_rows`; with to_rows
-    False: no gather at all)."""
+    False: no gather at all); with per_seq, proj = (x, z_col) may give a, b, z (None) as
+    columns of the step's fused projection x [T, W] (decode_triton.decode_layer_in_place)."""
+    if proj is not None and not per_seq:
+        raise ValueError("ragged_decode_layer_in_place: proj needs per_seq (row i sequence i)")
     if per_seq:
         if to_rows:
             raise ValueError("ragged_decode_layer_in_place: per_seq inputs hold no row count; "
                              "pass to_rows=False and map the output with on_seq_rows")
-        rows, has = slice(None), cu_q_lens[1:] > cu_q_lens[:-1]
-    else:
-        rows, has = _decode_rows(cu_q_lens, q.shape[0])
+        has = cu_q_lens[1:] > cu_q_lens[:-1]
+        out_s, cache = decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, cache,
+                                             slots, keep, has, eps=eps, interpret=interpret,
+                                             proj=proj)
+        return out_s, cache
+    rows, has = _decode_rows(cu_q_lens, q.shape[0])
     out_s, cache = decode_layer_in_place(q[rows], k[rows], v[rows], a[rows], b[rows], a_log,
                                          dt_bias, z[rows], norm, cache, slots, keep, has,
                                          eps=eps, interpret=interpret)

@@ -91,7 +91,7 @@ def _conv_silu(x_ref, w_ref, c_ref, c_out_ref, n, slot, keep, has, c0, width, dt
     return jax.nn.silu(acc).astype(dtype).astype(_F32)
 
 
-def _layer_kernel(*refs, rep, hk, scale, eps, qk_eps, conv):
+def _layer_kernel(*refs, rep, hk, scale, eps, qk_eps, conv, proj_cols=None):
     # _kernel's step over a whole head (Dv), with the layer's glue around it, each value cast as
     # the XLA layer casts it (qwen3_5_gdn.GatedDeltaNet): q / k l2-normed in float32; beta =
     # sigmoid(b) in the model dtype, op by op (_sigmoid_in); g = -exp(a_log) softplus(a +
@@ -100,16 +100,27 @@ def _layer_kernel(*refs, rep, hk, scale, eps, qk_eps, conv):
     # Dv]; norm [Dv]; o [N, Hv, Dv] in the model dtype. With `conv`, q / k / v come from the
     # causal conv of the mixed projection x [N, C] (_conv_silu; conv_w [C, Kc], the conv cache
     # [P, C, Kc - 1] aliased in and out), else q, k [N, Hk, Dk] and v [N, Hv, Dv] are given.
+    # With proj_cols (z0, b0, a0) a, b, z are read from the layer's projection [N, W] itself,
+    # row n's columns z0 + h Dv.., b0 + h, a0 + h (no [N, ...] slices made for the call).
     if conv:
         (slot_ref, keep_ref, has_ref, x_ref, w_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, z_ref,
          norm_ref, c_ref, state_ref, o_ref, c_out_ref, state_out_ref) = refs
+    elif proj_cols is not None:
+        (slot_ref, keep_ref, has_ref, q_ref, k_ref, v_ref, proj_ref, a_log_ref, dt_bias_ref,
+         norm_ref, state_ref, o_ref, state_out_ref) = refs
     else:
         (slot_ref, keep_ref, has_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref,
          z_ref, norm_ref, state_ref, o_ref, state_out_ref) = refs
     n, h = pl.program_id(0), pl.program_id(1)
-    slot, kh, dtype = slot_ref[n], h // rep, z_ref.dtype
-    keep, has = keep_ref[n] != 0, has_ref[n] != 0
     _, _, dk, dv = state_ref.shape
+    if proj_cols is not None:
+        z0, b0, a0 = proj_cols
+        a_in, b_in = proj_ref[n, a0 + h], proj_ref[n, b0 + h]
+        z_in = proj_ref[n, pl.ds(pl.multiple_of(z0 + h * dv, dv), dv)]
+    else:
+        a_in, b_in, z_in = a_ref[n, h], b_ref[n, h], z_ref[n, h, :]
+    slot, kh, dtype = slot_ref[n], h // rep, z_in.dtype
+    keep, has = keep_ref[n] != 0, has_ref[n] != 0
     s0 = jnp.where(keep, state_ref[slot, h, :, :], 0.0)  # [Dk, Dv]
     if conv:  # channels [q | k | v]; rep == 1: each program owns its head's channels
         qkv = [_conv_silu(x_ref, w_ref, c_ref, c_out_ref, n, slot, keep, has, c0, width, dtype)
@@ -121,13 +132,13 @@ def _layer_kernel(*refs, rep, hk, scale, eps, qk_eps, conv):
     def l2norm(x):
         return x * jax.lax.rsqrt(jnp.sum(x * x) + qk_eps)
     q, k = l2norm(q) * scale, l2norm(k)  # [Dk]
-    beta = _sigmoid_in(b_ref[n, h], dtype)
+    beta = _sigmoid_in(b_in, dtype)
     g = -jnp.exp(a_log_ref[h].astype(_F32)) * jax.nn.softplus(
-        a_ref[n, h].astype(_F32) + dt_bias_ref[h].astype(_F32))
+        a_in.astype(_F32) + dt_bias_ref[h].astype(_F32))
     s = _step(s0, k, v, g, beta, has)
     core = jnp.where(has, jnp.sum(q[:, None] * s, axis=0), 0.0).astype(dtype).astype(_F32)
     normed = (core * jax.lax.rsqrt(jnp.mean(core * core) + eps)).astype(dtype)
-    out = (norm_ref[...] * normed).astype(_F32) * jax.nn.silu(z_ref[n, h, :].astype(_F32))
+    out = (norm_ref[...] * normed).astype(_F32) * jax.nn.silu(z_in.astype(_F32))
     o_ref[n, h, :] = out.astype(dtype)
     state_out_ref[slot, h, :, :] = s
 
@@ -165,22 +176,42 @@ def _row_flags(slots, keep, has, slots_n):
 
 def decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, state, slots, keep, has, *,
                           eps: float, qk_eps: float = 1e-6, scale=None, num_warps: int = 8,
-                          interpret: bool = False):
+                          interpret: bool = False, proj=None):
     """`decode_in_place` with the GDN layer's glue fused around the step (one program per row
     and value head, the whole head): q / k [N, Hk, Dk] before their l2 norm (qk_eps), the
     gates' inputs a, b [N, Hv] with a_log, dt_bias [Hv], and the gated RMS norm's z [N, Hv, Dv],
-    weight norm [Dv] and eps. Returns (the normed gated output [N, Hv, Dv] in z's dtype, zeros
-    where has is False, and the updated cache)."""
+    weight norm [Dv] and eps. proj: None, or (x, z_col) with a, b, z None: they are columns of
+    the layer's fused projection x [N', W] (N' >= N rows, row n is row n), z [Hv Dv] from
+    z_col, then b [Hv], then a [Hv] (Qwen3.5's [w_qkv | w_z | w_b | w_a]), read by the kernel
+    there: on a GPU each sliced operand was a copy kernel of its own (3 a GDN layer, session
+    30). Returns (the normed gated output [N, Hv, Dv] in z's dtype, zeros where has is False,
+    and the updated cache)."""
     rows, hk, dk = k.shape
     slots_n, hv, dk_s, dv = state.shape
     if q.shape != k.shape or v.shape != (rows, hv, dv) or dk_s != dk or hv % hk:
         raise ValueError(f"decode_layer_in_place: q {q.shape}, k {k.shape}, v {v.shape} do not "
                          f"fit the state cache {state.shape}")
-    _check_layer("decode_layer_in_place", rows, hv, dv, a, b, z, state)
     kernel = functools.partial(_layer_kernel, rep=hv // hk, hk=hk, eps=float(eps),
                                scale=float(dk ** -0.5 if scale is None else scale),
                                qk_eps=float(qk_eps), conv=False)
-    args = [*_row_flags(slots, keep, has, slots_n), q, k, v, a, b, a_log, dt_bias, z, norm, state]
+    flags = _row_flags(slots, keep, has, slots_n)
+    if proj is not None:
+        x, z_col = proj
+        if a is not None or b is not None or z is not None:
+            raise ValueError("decode_layer_in_place: give a, b, z or proj, not both")
+        if x.ndim != 2 or x.shape[0] < rows or z_col + hv * dv + 2 * hv > x.shape[1]:
+            raise ValueError(f"decode_layer_in_place: proj {x.shape} holds no z, b, a of "
+                             f"{hv} heads x {dv} from column {z_col} for {rows} rows")
+        if state.dtype != _F32:
+            raise ValueError(f"decode_layer_in_place: the state cache must be float32, got "
+                             f"{state.dtype}")
+        cols = (z_col, z_col + hv * dv, z_col + hv * dv + hv)
+        kernel = functools.partial(kernel, proj_cols=cols)
+        args = [*flags, q, k, v, x, a_log, dt_bias, norm, state]
+        return _layer_call(args, 1, x.dtype, (rows, hv), kernel, num_warps, interpret,
+                           "gdn_decode_layer_in_place")
+    _check_layer("decode_layer_in_place", rows, hv, dv, a, b, z, state)
+    args = [*flags, q, k, v, a, b, a_log, dt_bias, z, norm, state]
     return _layer_call(args, 1, z.dtype, (rows, hv), kernel, num_warps, interpret,
                        "gdn_decode_layer_in_place")
 

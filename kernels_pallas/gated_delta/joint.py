@@ -114,7 +114,7 @@ def run_joint(q, k, v, g, beta, jp, table, chunk_state, fin_bounds, *, checkpoin
         ck_use, ck_bound = ragged.checkpoint_bounds(ck_rows, pos0, jp, jp["chunk"], n_chunks)
         bounds = jnp.concatenate([bounds, ck_bound])
     with dots.exact_for(v.dtype):
-        out, states, _ = ragged.run_stream(q, k, v, g, beta, jp, table, chunk_state, bounds,
+        out, states, _, _ = ragged.run_stream(q, k, v, g, beta, jp, table, chunk_state, bounds,
                                            scale=scale, chunk=chunk,
                                            implementation=implementation, interpret=interpret)
     n_fin = fin_bounds.shape[0]

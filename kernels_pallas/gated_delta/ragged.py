@@ -18,6 +18,7 @@ instead (no chunk padding).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from kernels_pallas.gated_delta import chunked, dots
 from kernels_pallas.gated_delta.checkpoint_rows import as_rows
 from kernels_pallas.gated_delta import state_rows, stream_rows
-from kernels_pallas.gated_delta.state_rows import as_array, rows_of
+from kernels_pallas.gated_delta.state_rows import StateRows, as_array, rows_of, written_finals
 
 
 def chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks, breaks=None):
@@ -228,7 +229,9 @@ def ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, *, checkpoint_at=N
     Returns:
       out [T, Hv, Dv] float32, final [S, Hv, Dk, Dv] float32, ckpt [S, M, Hv, Dk, Dv] ([K, ...]
         for CheckpointRows) or None,
-      and with return_transition a_span [S, Hv, Dk, Dk] float32.
+      and with return_transition a_span [S, Hv, Dk, Dk] float32. For a state0 StateRows with
+      write_final, final is its source [P, Hv, Dk, Dv] with each sequence's final state
+      written at its row (by the scan kernel in place where `finals_in_kernel`, else scattered).
     """
     with dots.exact_for(v.dtype):
         return _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale,
@@ -278,14 +281,32 @@ def checkpoint_bounds(rows, pos0, pk, chunk: int, n_chunks: int):
     return ck_use, ck_bound
 
 
-def rows_states(use, states, state0, seq, shape):
+def rows_states(use, states, state0, seq, shape, start=None):
     """Each checkpoint row's state: `states` [K, ...] where used, else the state its sequence
-    starts from (one state0 row serves all when state0 has one; an array or a StateRows); [K]
-    reshaped to `shape`."""
-    start = rows_of(state0, seq) if state0.shape[0] > 1 else jnp.broadcast_to(
-        rows_of(state0, jnp.zeros(1, jnp.int32)), states.shape)
+    starts from (one state0 row serves all when state0 has one; an array or a StateRows; or
+    `start` [K, ...], those rows read already); [K] reshaped to `shape`."""
+    if start is None:
+        start = start_rows(state0, seq, states.shape)
     out = jnp.where(use[:, None, None, None], states, start)
     return out.reshape(tuple(shape) + out.shape[1:])
+
+
+def start_rows(state0, seq, shape):
+    """The state each of the rows' sequences `seq` [K] starts from, [K, ...] (`shape`)."""
+    if state0.shape[0] > 1:
+        return rows_of(state0, seq)
+    return jnp.broadcast_to(rows_of(state0, jnp.zeros(1, jnp.int32)), shape)
+
+
+def finals_in_kernel(state0, implementation: str) -> bool:
+    """Whether the scan kernel writes a write_final StateRows' finals in place: the Pallas
+    stream with its per-sequence scan reading the rows in place (else `_ragged_prefill`
+    scatters them into the source after the scan: the same values)."""
+    if not (isinstance(state0, StateRows) and state0.write_final
+            and implementation in KERNEL_OPTIONS):
+        return False
+    from kernels_pallas.gated_delta import ragged_triton
+    return ragged_triton.SEQ_PARALLEL and state_rows.STATES_IN_PLACE
 
 
 def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale, chunk,
@@ -307,31 +328,57 @@ def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, sc
         ck_rows, ck_shape = as_rows(checkpoint_at)
         ck_use, ck_bound = checkpoint_bounds(ck_rows, pos0, pk, chunk, n_chunks)
     final_bound, has, fin = pk["final_bound"], pk["has_final"], pk["fin"]
+    write_final = isinstance(state0, StateRows) and state0.write_final
+    if write_final and (not pk["own_final"] or pk.get("empty_final_first") or return_transition):
+        raise ValueError("ragged_prefill: a write_final StateRows needs one final per sequence "
+                         "(no final_of, empty_final_first or return_transition)")
+    in_kernel = finals_in_kernel(state0, implementation)
+    if write_final and not in_kernel:  # the scan returns the finals; scattered below
+        state0 = dataclasses.replace(state0, write_final=False)
     last_state = state0.shape[0] - 1  # 0 when one state0 serves every sequence
     seq_state = pk["seq_of_chunk"] if last_state else jnp.zeros_like(pk["seq_of_chunk"])
-    if pk.get("empty_final_first"):  # a caller's seq_of_chunk picks state0 rows, not sequences:
-        state0_fin = rows_of(state0, jnp.zeros(1, jnp.int32))  # an empty one ends in state0[0]
-    elif last_state and not pk["own_final"]:  # [K]
-        state0_fin = rows_of(state0, fin)
-    else:  # [S] or [1]
-        state0_fin = as_array(state0)
     if return_transition and implementation not in (None, "xla"):
         raise NotImplementedError("ragged_prefill: return_transition has the XLA path only "
                                   f"(implementation=None or 'xla'), got {implementation!r}")
-    bounds = final_bound if ck_bound is None else jnp.concatenate([final_bound, ck_bound])
-    out, bound_states, prod = run_stream(
+    ck_start = None
+    if in_kernel:  # the kernel writes the finals into the source: read what else it holds first
+        n_fin = 0
+        bounds = jnp.zeros(1, jnp.int32) if ck_bound is None else ck_bound  # 0: never stored
+        if ck_bound is not None:
+            ck_start = start_rows(state0, ck_rows.seq, (ck_rows.seq.shape[0],) + state0.shape[1:])
+            ck_start, src = jax.lax.optimization_barrier((ck_start, state0.sources[0]))
+            state0 = dataclasses.replace(state0, sources=(src,))
+    else:
+        n_fin = fin.shape[0]
+        bounds = final_bound if ck_bound is None else jnp.concatenate([final_bound, ck_bound])
+    out, bound_states, prod, written = run_stream(
         q, k, v, g, beta, pk, state0, seq_state, bounds, scale=scale, chunk=chunk,
         implementation=implementation, interpret=interpret, transition=return_transition)
     out = take_rows(out, pk["dest"]).astype(jnp.float32)  # [T, Hv, Dv]
-    n_fin = fin.shape[0]
-    final = jnp.where(has[:, None, None, None], bound_states[:n_fin], state0_fin)
+    if in_kernel:
+        final = written
+    else:
+        final = jnp.where(has[:, None, None, None], bound_states[:n_fin],
+                          _state0_finals(state0, pk, fin))
+        if write_final:
+            final = written_finals(state0, final)
     ckpt = None
     if ck_bound is not None:
-        ckpt = rows_states(ck_use, bound_states[n_fin:], state0, ck_rows.seq, ck_shape)
+        ckpt = rows_states(ck_use, bound_states[n_fin:n_fin + ck_bound.shape[0]], state0,
+                           ck_rows.seq, ck_shape, start=ck_start)
     if return_transition:
         eye = jnp.eye(dk, dtype=jnp.float32)
         return out, final, ckpt, jnp.where(has[:, None, None, None], prod[:n_fin], eye)
     return out, final, ckpt
+
+
+def _state0_finals(state0, pk, fin):
+    """The finals of sequences without tokens: the state each starts from ([K] or [S] rows)."""
+    if pk.get("empty_final_first"):  # a caller's seq_of_chunk picks state0 rows, not sequences:
+        return rows_of(state0, jnp.zeros(1, jnp.int32))  # an empty one ends in state0[0]
+    if state0.shape[0] > 1 and not pk["own_final"]:  # [K]
+        return rows_of(state0, fin)
+    return as_array(state0)  # [S] or [1]
 
 
 def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk, implementation,
@@ -342,8 +389,9 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     seq_state [NC] the state0 row each chunk's sequence starts from (read at its first chunk);
     bounds [B] boundary indices (boundary j: the state after packed chunk j - 1).
     Returns (out [NC * C, Hv, Dv] in the packed slots, the state at each bound [B, Hv, Dk, Dv]
-    float32, and with `transition` (XLA only) the chunk maps' product there [B, Hv, Dk, Dk],
-    else None)."""
+    float32, with `transition` (XLA only) the chunk maps' product there [B, Hv, Dk, Dk], else
+    None, and for a write_final StateRows (the kernels only) its source with the sequences'
+    finals written in place, else None)."""
     hk, hv = k.shape[1], v.shape[1]
     src_v = pk.get("src_v", pk["src"])
     pairs = ((q, pk["src"]), (k, pk["src"]), (v, src_v), (g, pk["src"]), (beta, pk["src"]))
@@ -371,14 +419,14 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
                        states_in_place=state_rows.STATES_IN_PLACE,
                        layout=fused_triton.DEFAULTS["layout"], **KERNEL_OPTIONS[implementation])
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
-            out, bound_states = ragged_triton.packed_gated_delta(
+            out, bound_states, *written = ragged_triton.packed_gated_delta(
                 *args, interpret=True, n_used=pk["n_used"], seq_first=pk["first"],
                 seq_chunks=pk["n_ch"], src=srcs, **options)
         else:
-            out, bound_states = _packed_once(*args, pk["n_used"], pk["first"], pk["n_ch"], srcs,
-                                             run=ragged_triton.packed_gated_delta,
-                                             options=tuple(sorted(options.items())))
-        return out[0], bound_states, None
+            out, bound_states, *written = _packed_once(
+                *args, pk["n_used"], pk["first"], pk["n_ch"], srcs,
+                run=ragged_triton.packed_gated_delta, options=tuple(sorted(options.items())))
+        return out[0], bound_states, None, written[0] if written else None
     if implementation != "xla":
         raise ValueError(f"ragged_prefill: implementation must be 'xla' or one of "
                          f"{tuple(KERNEL_OPTIONS)}, got {implementation!r}")
@@ -395,4 +443,5 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         seq_state, as_array(state0).astype(f32), transition=transition)
     out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
                                jnp.moveaxis(entering, 0, 1)[None])
-    return chunked.from_chunks(out)[0], before[bounds], prod[0][bounds] if transition else None
+    return (chunked.from_chunks(out)[0], before[bounds], prod[0][bounds] if transition else None,
+            None)

@@ -60,15 +60,19 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_
 
 
 def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref, *refs,
-                     n_chunks, chunk, dot_dtype, layout, n_sources, block_v):
+                     n_chunks, chunk, dot_dtype, layout, n_sources, block_v, write_final=False):
     # per sequence (grid axis 2): first/count [S] its packed chunks; the rest as the serial one,
     # except: with n_sources the initial states are a StateRows (kind, index [N], then each
     # source's [P, Dk, BV] block: state_rows.load_tile), and bound [M, Dk, BV] is stored in the
-    # "kv" order whatever the layout (no transposed copy after the kernel)
+    # "kv" order whatever the layout (no transposed copy after the kernel); with write_final
+    # (StateRows.write_final: row sid is sequence sid's) the last output is the source aliased,
+    # where the sequence's final state goes, in the "kv" order
+    final_ref = None
     if n_sources:
         kind_ref, index_ref = refs[:2]
         src_refs = refs[2:2 + n_sources]
-        slot_ref, vnew_ref, states_ref, bound_ref = refs[2 + n_sources:]
+        slot_ref, vnew_ref, states_ref, bound_ref, *rest = refs[2 + n_sources:]
+        final_ref = rest[0] if write_final else None
     else:
         s0_ref, slot_ref, vnew_ref, states_ref, bound_ref = refs
     vk = layout == "vk"
@@ -99,7 +103,22 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
                                       block_v=block_v, transpose=vk)
         else:
             s0 = s0_ref[row].astype(jnp.float32)
-        jax.lax.fori_loop(start, end, body, s0)
+        s = jax.lax.fori_loop(start, end, body, s0)
+        if final_ref is not None:
+            final_ref[_final_row(index_ref, sid, final_ref)] = (s.T if vk else s).astype(
+                final_ref.dtype)
+
+    if final_ref is not None:  # no tokens: a sequence starting from zeros ends there
+        @pl.when((end <= start) & (kind_ref[sid] == state_rows.ZERO))
+        def _():
+            final_ref[_final_row(index_ref, sid, final_ref)] = jnp.zeros(
+                final_ref.shape[1:], final_ref.dtype)
+
+
+def _final_row(index_ref, sid, final_ref):
+    """The source row sequence `sid`'s final state goes to (clipped: a bad index cannot write
+    outside the source)."""
+    return jnp.clip(index_ref[sid], 0, final_ref.shape[0] - 1)
 
 
 def qk_in_v_dtype(q, k, v):
@@ -136,7 +155,9 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         ([R, Hk, Dk], ...), read by intra "blocked" and output "triton" (stream_rows.py).
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
-      out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32.
+      out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32, and where
+      state0 is a write_final StateRows its source with every sequence's final state written
+      in place (the source aliased to the scan kernel's last output).
     """
     unknown = set(options) - set(fused_triton.DEFAULTS)
     if unknown:
@@ -174,11 +195,17 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     else:
         s0 = state_rows.as_array(state0).astype(jnp.float32)
         s0 = jnp.swapaxes(s0, -1, -2) if vk else s0
-    v_new, states, bound = _state_scan(
+    write_final = isinstance(state0, StateRows) and state0.write_final
+    if write_final and not isinstance(s0, StateRows):
+        raise ValueError("packed_gated_delta: a write_final StateRows needs the per-sequence "
+                         "scan reading it in place (seq_first / seq_chunks, SEQ_PARALLEL and "
+                         "STATES_IN_PLACE on); ragged.ragged_prefill falls back for others")
+    v_new, states, bound, *written = _state_scan(
         w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
         s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk,
         dot_dtype=dot_dtype, layout=layout, block_v=min(opt["block_v"], dv),
         num_warps=opt["scan_warps"], num_stages=opt["scan_stages"], interpret=interpret)
+    written = written[0] if written else None
     if opt["output"] == "mosaic":
         from kernels_pallas.gated_delta import output_mosaic
         out = output_mosaic.output_mosaic(q, k, g, v_new, states, scale=scale, chunk=chunk,
@@ -192,6 +219,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     if vk and not isinstance(s0, StateRows):
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter
+    if written is not None:
+        return out, bound[winner], written
     return out, bound[winner]
 
 
@@ -201,7 +230,8 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
     [S'] each, one program per sequence (grid (Hv, Dv / BV, S')). s0: the initial states in the
     layout's axis order, or (per_seq only) a StateRows read in place. Returns (v_new [1, T, Hv,
     Dv], states [1, Hv, NC, ...], bound [n_b, Hv, ...]) in the layout's axis order (bound in
-    the "kv" order with a StateRows)."""
+    the "kv" order with a StateRows), and for a write_final StateRows its source, each
+    sequence's final state written in place (StateRows.write_final)."""
     _, t_len, hv, dk = w.shape
     dv = u.shape[-1]
     nc = t_len // chunk
@@ -209,6 +239,7 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
     blk = (block_v, dk) if vk else (dk, block_v)
     st = (dv, dk) if vk else (dk, dv)
     rows_in = isinstance(s0, StateRows)
+    write_final = False
     grid = (hv, dv // block_v) + (() if per_seq is None else (per_seq[0].shape[0],))
     s_idx = (lambda j: (j, 0)) if vk else (lambda j: (0, j))
     seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j, *_: (0, 0, h, 0))
@@ -233,19 +264,34 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
             states_in = [pl.BlockSpec((s0.shape[0], None, *blk),
                                       lambda h, j, *_: (0, h, *s_idx(j)))]
             state_ops = (s0,)
-        kernel = functools.partial(_seq_scan_kernel, n_sources=n_sources, block_v=block_v)
+        write_final = rows_in and s0.write_final
+        if write_final and s0.kind.shape[0] != n_seq:
+            raise ValueError(f"gated_delta scan: write_final needs one state row per sequence, "
+                             f"got {s0.kind.shape[0]} rows for {n_seq} sequences")
+        kernel = functools.partial(_seq_scan_kernel, n_sources=n_sources, block_v=block_v,
+                                   write_final=write_final)
         operands = (*per_seq, seq_of_chunk, *state_ops, slot_map)
         in_specs = common + [whole(n_seq), whole(n_seq), whole(nc)] + states_in + [whole(nc + 1)]
+    out_specs = [seq_v,
+                 pl.BlockSpec((None, None, nc, *blk), lambda h, j, *_: (0, h, 0, *s_idx(j))),
+                 pl.BlockSpec((n_b, None, *bound_blk), lambda h, j, *_: (0, h, *bound_idx(j)))]
+    out_shape = [jax.ShapeDtypeStruct((1, t_len, hv, dv), dot_dtype),
+                 jax.ShapeDtypeStruct((1, hv, nc, *st), dot_dtype),
+                 jax.ShapeDtypeStruct((n_b, hv, *bound_st), jnp.float32)]
+    aliases = {}
+    if per_seq is not None and write_final:  # the source, in place: its (head, block) tiles
+        src = s0.sources[0]
+        out_specs.append(_source_spec(src, None, dk, block_v))
+        out_shape.append(jax.ShapeDtypeStruct(src.shape, src.dtype))
+        # operands: w, u, kd, dl, the per_seq pair, seq_of_chunk, kind, index, then the source
+        aliases = {4 + len(per_seq) + 1 + 2: len(out_shape) - 1}
     return pl.pallas_call(
         functools.partial(kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype, layout=layout),
         grid=grid,
         in_specs=in_specs,
-        out_specs=[seq_v, pl.BlockSpec((None, None, nc, *blk),
-                                       lambda h, j, *_: (0, h, 0, *s_idx(j))),
-                   pl.BlockSpec((n_b, None, *bound_blk), lambda h, j, *_: (0, h, *bound_idx(j)))],
-        out_shape=[jax.ShapeDtypeStruct((1, t_len, hv, dv), dot_dtype),
-                   jax.ShapeDtypeStruct((1, hv, nc, *st), dot_dtype),
-                   jax.ShapeDtypeStruct((n_b, hv, *bound_st), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(w, u, kd, dl, *operands)

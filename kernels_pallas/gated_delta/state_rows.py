@@ -31,11 +31,19 @@ class StateRows:
     kind: jax.Array  # [N] int32: the source of each row, ZERO or EYE
     index: jax.Array  # [N] int32: its row in that source (ignored for ZERO / EYE)
     layers: tuple = dataclasses.field(default=(), metadata=dict(static=True))  # per source
+    # the prefill writes sequence i's final state to sources[0][index[i]] in place (zeros for
+    # a ZERO row without tokens, the row kept for others without) and returns sources[0] as
+    # the finals: no [S] finals and no scatter after the kernel (`from_cache`)
+    write_final: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __post_init__(self):
         if len(self.layers) not in (0, len(self.sources)):
             raise ValueError(f"StateRows: {len(self.layers)} layers for "
                              f"{len(self.sources)} sources")
+        if self.write_final and (len(self.sources) != 1 or self.layers):
+            raise ValueError("StateRows: write_final needs one source without layers (a "
+                             f"state cache), got {len(self.sources)} sources, layers "
+                             f"{self.layers}")
 
     @property
     def shape(self) -> tuple:
@@ -62,10 +70,20 @@ class StateRows:
         return self.take(jnp.arange(self.kind.shape[0], dtype=jnp.int32))
 
 
-def from_cache(cache, slots, keep) -> StateRows:
-    """A step's flow states: sequence i from cache slot slots[i], zeros where keep[i] is False."""
+def from_cache(cache, slots, keep, write_final: bool = False) -> StateRows:
+    """A step's flow states: sequence i from cache slot slots[i], zeros where keep[i] is False;
+    with write_final its final state goes back to slot slots[i] (StateRows.write_final)."""
     slots = jnp.asarray(slots, jnp.int32)
-    return StateRows((cache,), jnp.where(keep, 0, ZERO).astype(jnp.int32), slots)
+    return StateRows((cache,), jnp.where(keep, 0, ZERO).astype(jnp.int32), slots,
+                     write_final=write_final)
+
+
+def written_finals(state0, final_rows) -> jax.Array:
+    """What a write_final prefill returns where its kernel does not write in place (the XLA
+    scan): the source with each row's final state [N, ...] (`final_rows`, already the row's
+    own state or zeros where the sequence had no tokens) stored at its index."""
+    src = state0.sources[0]
+    return src.at[state0.index].set(final_rows.astype(src.dtype))
 
 
 def rows_of(state0, rows) -> jax.Array:

@@ -57,6 +57,11 @@ GDN_DECODE_GLUE = True
 # its kernel took 0.235 ms a step against the glue kernel's 0.127 (strided conv-state access)
 # and the step 2.23 ms against 2.05 (H100, session 26).
 GDN_DECODE_CONV = False
+# A prefill step's flow (no span pieces, the host's static prefill kind) writes each sequence's
+# final state into the layer's state cache from the scan kernel, in place (StateRows
+# .write_final): no [S] finals and no scatter after it (on an H100 the scatter is 18 x 23 us,
+# 0.41 ms of a 9.2 ms 1,024-token step of 16 sequences, s28-s30 profiles). Off until timed.
+GDN_FINALS_IN_PLACE = False
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
 GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
@@ -190,25 +195,29 @@ def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_plac
     """One GDN block over the layer's state caches conv_c / delta_c: (x, the new caches,
     checkpoints or None, captured span maps or None). Its checkpoints are taken before its
     states are written back (CHECKPOINTS_FIRST); with `in_place` (decode_in_place) the kernel
-    steps the states in delta_c itself."""
+    steps the states in delta_c itself; a plain prefill with GDN_FINALS_IN_PLACE has the scan
+    write its finals into delta_c."""
     slots, reset = recurrent.state_slots, recurrent.reset
     keep = ~reset[:, None, None]
     kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], layer))
     conv_in = in_place and GDN_DECODE_GLUE and GDN_DECODE_CONV and tp_mesh() is None \
         and cfg.linear_num_key_heads == cfg.linear_num_value_heads
     conv0 = None if conv_in else jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
+    finals_in_place = (not in_place and GDN_FINALS_IN_PLACE and recurrent.decode is False
+                       and kw["pieces"] is None and tp_mesh() is None)
     if in_place:  # the decode kernel reads and writes the layer's states in the cache
         delta0 = None
         kw["state_cache"] = qwen3_5_gdn.StateCache(delta_c, slots, ~reset, GDN_DECODE_GLUE,
                                                    conv_c if conv_in else None)
     else:  # the flow's states read in the cache by the kernels (no [S] copy); per head shard
-        delta0 = from_cache(delta_c, slots, ~reset)  # under TP, an array
+        # under TP, an array; with finals_in_place the finals go back there (delta: the cache)
+        delta0 = from_cache(delta_c, slots, ~reset, write_final=finals_in_place)
         delta0 = delta0 if tp_mesh() is None else delta0.materialize()
     x, (conv, delta, ck, maps) = block(x, cfg, _gdn_mix(conv0, delta0, cu_q_lens, pos0, cfg,
                                                         **kw))
     if ck is not None and CHECKPOINTS_FIRST:  # before the states are written back
         ck, conv, delta = jax.lax.optimization_barrier((ck, conv, delta))
-    delta = delta if in_place else delta_c.at[slots].set(delta)
+    delta = delta if in_place or finals_in_place else delta_c.at[slots].set(delta)
     return x, conv if conv_in else conv_c.at[slots].set(conv), delta, ck, maps
 
 

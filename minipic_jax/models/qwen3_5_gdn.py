@@ -49,7 +49,13 @@ DECODE_CONV_DIRECT = True
 # token on row i (RecurrentMetadata.decode), so the rows are the sequences by a static slice
 # (decode_rows.seq_rows) where the general form gathered each input of the kernel (q, k, v, z,
 # a, b) at its sequence's row and mapped the output back by a gather. Bit for bit the same.
+# (H100, 64 seats: decode step 2.31 ms vs 2.33 general, 381 kernels vs 365: s30.)
 DECODE_SEQ_ROWS = True
+# ... with the gates' inputs a, b and the norm's z read by the decode kernel from the layer's
+# fused projection itself (fused weights): each sliced operand of the kernel's call was a copy
+# kernel (`wrapped_slice`), 3 a GDN layer, 54 of the 380 kernels of the 64-seat decode step on
+# an H100 (s30b's module). The same bits. Off until compiled and timed.
+DECODE_GATES_IN_PROJ = False
 
 
 def gdn_dims(cfg):
@@ -243,17 +249,19 @@ class GatedDeltaNet(nnx.Module):
         self.w_out = param((hv, dv, e), ("gdn_heads", "gdn_v", "embed"), dtype)
 
     def projections(self, h, cfg):
-        """(mixed [T, C], z [T, Hv, Dv], b, a [T, Hv]) of normed h [T, E]."""
+        """(mixed [T, C], z [T, Hv, Dv], b, a [T, Hv]) of normed h [T, E], and with fused
+        weights the fused projection x [T, C + Hv Dv + 2 Hv] they are columns of (z from
+        column C, then b, then a), else None."""
         if not hasattr(self, "w_in"):
             return (jnp.einsum("te,ec->tc", h, self.w_qkv[...]),
                     jnp.einsum("te,ehv->thv", h, self.w_z[...]),
                     jnp.einsum("te,eh->th", h, self.w_b[...]),
-                    jnp.einsum("te,eh->th", h, self.w_a[...]))
+                    jnp.einsum("te,eh->th", h, self.w_a[...])), None
         _, hv, _, dv, c, _ = gdn_dims(cfg)
         x = jnp.einsum("te,ec->tc", h, self.w_in[...])  # [T, C + Hv Dv + 2 Hv]
         z_end = c + hv * dv
         return (x[:, :c], x[:, c:z_end].reshape(-1, hv, dv), x[:, z_end:z_end + hv],
-                x[:, z_end + hv:])
+                x[:, z_end + hv:]), x
 
     def conv_qkv(self, mixed, dtype, conv0, cu_q_lens, pos0, seq_of_row, rows, pieces, cfg):
         """q, k [T, Hk, Dk] and v [T, Hv, Dv] (in `dtype`, before the l2 norms) of the mixed
@@ -279,7 +287,7 @@ class GatedDeltaNet(nnx.Module):
                 conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv))
 
     def decode_in_place(self, mixed, z, b, a, dtype, conv0, cu_q_lens, pos0, seq_of_row,
-                        conv_idx, cfg, state_cache, interpret):
+                        conv_idx, cfg, state_cache, interpret, proj=None):
         """A decode step's layer core in one kernel over the state cache (StateCache with glue;
         with its conv cache, the causal conv too): (the mixer's output [T, E], the conv state:
         per sequence [S, C, Kc-1], or the whole conv cache moved on in place, the state cache).
@@ -299,11 +307,16 @@ class GatedDeltaNet(nnx.Module):
             q, k, v = self.split_qkv(conv_rows_silu(decode_taps(xs, conv0), self.conv_w[...]),
                                      dtype, cfg)
             conv = decode_history(xs, conv0, cu_q_lens, per_seq=True)
-            norm = (*norm[:2], seq_rows(z, n_seqs), norm[3])
+            if DECODE_GATES_IN_PROJ and proj is not None:  # a, b, z: columns of the projection
+                gates, in_proj = (None, None), (proj, gdn_dims(cfg)[4])
+                norm = (*norm[:2], None, norm[3])
+            else:
+                gates, in_proj = (seq_rows(a, n_seqs), seq_rows(b, n_seqs)), None
+                norm = (*norm[:2], seq_rows(z, n_seqs), norm[3])
             normed, delta = ragged_decode_layer_in_place(
-                q, k, v, seq_rows(a, n_seqs), seq_rows(b, n_seqs), *norm, cu_q_lens, sc.cache,
-                sc.slots, sc.keep, eps=cfg.rms_norm_eps, interpret=interpret, to_rows=False,
-                per_seq=True)
+                q, k, v, *gates, *norm, cu_q_lens, sc.cache, sc.slots, sc.keep,
+                eps=cfg.rms_norm_eps, interpret=interpret, to_rows=False, per_seq=True,
+                proj=in_proj)
             out = jnp.einsum("thv,hve->te", normed, w_out)
             return on_seq_rows(out, cu_q_lens, mixed.shape[0], out.dtype), conv, delta
         if DECODE_CONV_DIRECT:
@@ -361,12 +374,12 @@ class GatedDeltaNet(nnx.Module):
             pieces = qwen3_5_spans.prepare(pieces, cu_q_lens, n_tokens, kc)
         if pieces is not None and "window_rows" not in pieces:
             pieces = qwen3_5_spans.with_windows(pieces, conv_idx["rows"], conv0.shape[0], kc - 1)
-        mixed, z, b, a = self.projections(h, cfg)
+        (mixed, z, b, a), proj = self.projections(h, cfg)
         interpret = bool(impl) and impl.endswith("_interpret")
         if state_cache is not None and state_cache.glue:  # the layer's decode in one kernel
             out, conv, delta = self.decode_in_place(mixed, z, b, a, h.dtype, conv0, cu_q_lens,
                                                     pos0, seq_of_row, conv_idx, cfg,
-                                                    state_cache, interpret)
+                                                    state_cache, interpret, proj)
             return out, conv, delta, None, None
         q, k, v = self.conv_qkv(mixed, h.dtype, conv0, cu_q_lens, pos0, seq_of_row,
                                 conv_idx["rows"], pieces, cfg)

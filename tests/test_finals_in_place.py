@@ -1,0 +1,90 @@
+"""A hybrid prefill step's GDN finals written into the state cache by the scan kernel
+(qwen3_5.GDN_FINALS_IN_PLACE, StateRows.write_final) instead of scattered after it: the same
+logits, caches and checkpoints bit for bit on tiny_qwen3_5, its GDN kernels interpreted, over
+ragged batches with resets, sequences without tokens this step and checkpoints; and on a
+CUDA lowering the layer's scan aliases the state cache and no state scatter is left."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minipic_jax.models import qwen3_5
+
+
+def _step(counts, reset, dtype, checkpoints: bool, seed: int, impl="pallas_fused_interpret"):
+    from configs.presets import PRESETS
+    from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows
+    from minipic_jax.models.testing import SimplePager
+    from serving.model_contract import RecurrentMetadata
+    cfg = PRESETS["tiny_qwen3_5"]
+    n = len(counts)
+    rng = np.random.default_rng(seed)
+    pager = SimplePager(n, 96, 8, seed=seed)
+    pager.step([5 + 3 * i for i in range(n)])
+    md, logits_idx, _ = pager.step(counts)
+    rec = RecurrentMetadata(state_slots=jnp.asarray(rng.permutation(n + 3)[:n], jnp.int32),
+                            reset=jnp.asarray(reset, bool), decode=False)
+    params = qwen3_5.init_params(cfg, jax.random.key(seed), dtype)
+    cache = qwen3_5.init_cache(cfg, 240, 8, n + 3, dtype)
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
+    ck = None
+    if checkpoints:  # each sequence's end, and one unused row
+        pos0 = np.asarray(md.q_positions)[np.asarray(md.cu_q_lens)[:-1].clip(0, md.num_tokens - 1)]
+        ends = pos0 + np.asarray(counts)
+        ck = CheckpointRows(seq=jnp.asarray(list(range(n)) + [0], jnp.int32),
+                            pos=jnp.asarray(list(ends) + [-1], jnp.int32))
+
+    def run(p, c):
+        return qwen3_5.forward_with_checkpoints(
+            p, tokens, md, c, cfg, recurrent=rec, logits_indices=logits_idx,
+            gdn_impl=impl, checkpoint_at=ck)
+    return run, params, cache
+
+
+@pytest.mark.parametrize("counts,reset,dtype,checkpoints", [
+    ([9, 0, 17, 4], [0, 1, 1, 0], jnp.float32, True),
+    ([33, 2, 0], [1, 0, 0], jnp.bfloat16, False),
+    ([70], [0], jnp.float32, True)])
+def test_finals_in_place_is_the_scatter_bit_for_bit(monkeypatch, counts, reset, dtype,
+                                                    checkpoints):
+    run, params, cache = _step(counts, reset, dtype, checkpoints, seed=len(counts))
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(qwen3_5, "GDN_FINALS_IN_PLACE", on)
+        outs[on] = jax.jit(run)(params, cache)  # a new function per form: its own trace
+    for got, ref in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+def test_finals_in_place_lowers_to_an_aliased_scan_and_no_state_scatter(monkeypatch):
+    """Lowered for CUDA (abstract H100, Triton kernels): with the switch the step's GDN scan
+    calls alias an operand to an output, and the [S] state scatters into the layers' state
+    caches are gone."""
+    from configs.presets import PRESETS
+    from tests.cuda_lowering import abstract_h100
+    run, params, cache = _step([9, 0, 17, 4], [0, 1, 1, 0], jnp.bfloat16, True, seed=4,
+                               impl="pallas_fused")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # Pallas compiled, not interpreted
+    texts = {}
+    for on in (False, True):
+        monkeypatch.setattr(qwen3_5, "GDN_FINALS_IN_PLACE", on)
+
+        def step(p, c):
+            return run(p, c)
+        with abstract_h100():
+            texts[on] = jax.jit(step).trace(params, cache).lower(
+                lowering_platforms=("cuda",)).as_text()
+    n_gdn = PRESETS["tiny_qwen3_5"].layer_types.count("linear_attention")
+    state = "x".join(map(str, cache.delta[0].shape))  # [P, Hv, Dk, Dv] float32
+
+    def state_scatters(text):  # scatters whose result is a layer's state cache
+        lines = text.splitlines()
+        return sum(f"-> tensor<{state}xf32>" in " ".join(lines[i:i + 5])
+                   for i, line in enumerate(lines) if "stablehlo.scatter" in line)
+    assert state_scatters(texts[False]) == n_gdn and state_scatters(texts[True]) == 0
+    aliases = {on: len(re.findall(r"output_operand_alias<", t)) for on, t in texts.items()}
+    assert aliases[True] == aliases[False] + 1, aliases  # the layers call one scan function
