@@ -226,13 +226,15 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "conv_row_sum": ("minipic_jax.models.qwen3_5_gdn", "CONV_ROW_SUM"),
          "conv_shifted": ("minipic_jax.models.qwen3_5_gdn", "CONV_SHIFTED"),
          "conv_stacked": ("minipic_jax.models.qwen3_5_gdn", "CONV_STACKED_GATHER"),
-         "pad_logits": ("minipic_jax.models.layers", "PAD_LOGITS_ROWS")}
+         "pad_logits": ("minipic_jax.models.layers", "PAD_LOGITS_ROWS"),
+         "finals": ("minipic_jax.models.qwen3_5", "GDN_FINALS_IN_PLACE")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
          "stream_in_kernel": {"stream_in_kernel": True}, "conv_reduce": {"conv_row_sum": False},
          "conv_shifted": {"conv_shifted": True}, "conv_gathered": {"conv_shifted": False},
          "conv_stacked": {"conv_stacked": True}, "pad_logits": {"pad_logits": True},
+         "finals_in_place": {"finals": True},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False}}

@@ -7,6 +7,8 @@ ragged decode layouts: sequences with no token, padding rows, bf16 inputs over a
 bf16 state. And the whole decode layer per sequence (DECODE_SEQ_ROWS: an engine's decode-only
 step has sequence i's token on row i), the same bits through the model's forward."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,10 @@ import pytest
 
 from minipic_jax.models import qwen3_5_decode_conv as decode_conv
 from minipic_jax.models import qwen3_5_gdn as gdn
+
+# the new tests' GDN kernels: compiled with MINIPIC_COMPILED=1 on a GPU, else interpreted
+COMPILED_OR_INTERPRETED = ("pallas_fused" if os.environ.get("MINIPIC_COMPILED") == "1"
+                           else "pallas_fused_interpret")
 
 K1 = 3
 
@@ -227,7 +233,7 @@ def test_decode_gates_read_in_the_projection_bit_for_bit(monkeypatch, counts, mi
         widths.clear()
         outs[on] = jax.jit(lambda p, c: qwen3_5.forward(
             p, tokens, md, c, cfg, recurrent=rec, logits_indices=logits_idx,
-            gdn_impl="pallas_fused_interpret"))(params, cache)
+            gdn_impl=COMPILED_OR_INTERPRETED))(params, cache)
         hk, hv, dk, dv, c, _ = gdn.gdn_dims(cfg)
         want = (md.num_tokens, c + hv * dv + 2 * hv) if on else None
         assert widths and all(w == want for w in widths), widths

@@ -2,8 +2,10 @@
 (qwen3_5.GDN_FINALS_IN_PLACE, StateRows.write_final) instead of scattered after it: the same
 logits, caches and checkpoints bit for bit on tiny_qwen3_5, its GDN kernels interpreted, over
 ragged batches with resets, sequences without tokens this step and checkpoints; and on a
-CUDA lowering the layer's scan aliases the state cache and no state scatter is left."""
+CUDA lowering the layer's scan aliases the state cache and no state scatter is left.
+MINIPIC_COMPILED=1 runs the kernels compiled on a GPU."""
 
+import os
 import re
 
 import jax
@@ -13,8 +15,10 @@ import pytest
 
 from minipic_jax.models import qwen3_5
 
+IMPL = "pallas_fused" if os.environ.get("MINIPIC_COMPILED") == "1" else "pallas_fused_interpret"
 
-def _step(counts, reset, dtype, checkpoints: bool, seed: int, impl="pallas_fused_interpret"):
+
+def _step(counts, reset, dtype, checkpoints: bool, seed: int, impl=IMPL):
     from configs.presets import PRESETS
     from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows
     from minipic_jax.models.testing import SimplePager

@@ -36,6 +36,7 @@ SWITCHES = (
     ("minipic_jax.models.qwen3_5_gdn", "CONV_STACKED_GATHER"),
     ("minipic_jax.models.qwen3_5_gdn", "DECODE_CONV_DIRECT"),
     ("minipic_jax.models.qwen3_5_gdn", "DECODE_SEQ_ROWS"),
+    ("minipic_jax.models.qwen3_5_gdn", "DECODE_GATES_IN_PROJ"),
     ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
     ("serving.hybrid.chain_compose", "AUTO_KERNEL"),
     ("serving.hybrid.span_maps", "COMPOSE_IN_PLACE"),
