@@ -92,3 +92,34 @@ def test_finals_in_place_lowers_to_an_aliased_scan_and_no_state_scatter(monkeypa
     assert state_scatters(texts[False]) == n_gdn and state_scatters(texts[True]) == 0
     aliases = {on: len(re.findall(r"output_operand_alias<", t)) for on, t in texts.items()}
     assert aliases[True] == aliases[False] + 1, aliases  # the layers call one scan function
+
+
+def test_an_engine_with_both_switches_gives_the_same_tokens_and_logprobs(monkeypatch):
+    """Through LLM.generate (tiny_qwen3_5, its GDN kernels interpreted, a decode variant of its
+    own so prefill steps are known prefill on the host): GDN_FINALS_IN_PLACE and
+    qwen3_5_gdn.DECODE_GATES_IN_PROJ on give the tokens and logprobs of both off, exactly, over
+    chunked prompts (a prompt longer than a step), checkpoints and three sequences decoding
+    together; the prefill steps did take the in-place finals."""
+    from kernels_pallas.gated_delta import ragged
+    from minipic_jax import LLM, SamplingParams
+    from minipic_jax.models import qwen3_5_gdn
+    rng = np.random.default_rng(7)
+    prompts = [{"prompt_token_ids": rng.integers(5, 200, n).tolist()} for n in (23, 90, 41)]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    seen, real = [], ragged.finals_in_kernel
+    monkeypatch.setattr(ragged, "finals_in_kernel",
+                        lambda *a: seen.append(real(*a)) or seen[-1])
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(qwen3_5, "GDN_FINALS_IN_PLACE", on)
+        monkeypatch.setattr(qwen3_5_gdn, "DECODE_GATES_IN_PROJ", on)
+        seen.clear()
+        llm = LLM("tiny_qwen3_5", max_num_seqs=4, max_num_batched_tokens=64,
+                  decode_attn_impl="triton_decode", warmup=False, step_cache="off")
+        llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"  # Config takes compiled names
+        outs[on] = llm.generate(prompts, sp, use_tqdm=False)
+        assert any(seen) == on, seen  # the prefill steps wrote their finals in place
+    for want, got in zip(outs[False], outs[True]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for lw, lg in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
+            assert {t: p.logprob for t, p in lg.items()} == {t: p.logprob for t, p in lw.items()}

@@ -131,6 +131,18 @@ def test_poisoned_pool_unwritten_slots_are_zero_and_outputs_equal(async_scheduli
                       int(fresh_rng.integers(1 << 30)))
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the zeroing kernel runs on a GPU")
+def test_poisoned_pool_with_the_zeroing_kernel(fresh_rng, monkeypatch):
+    """page_zeroing.ZERO_KERNEL on (the step's zeroing as one Pallas kernel, compiled): the same
+    isolation and outputs as the scatters."""
+    from serving.cache import page_zeroing
+    monkeypatch.setattr(page_zeroing, "ZERO_KERNEL", True)
+    poisoned_vs_clean(lambda: make_tiny_llm(async_scheduling=True, num_kv_blocks=40,
+                                            max_num_seqs=4, max_num_batched_tokens=64,
+                                            min_token_bucket=64),
+                      int(fresh_rng.integers(1 << 30)))
+
+
 def test_hybrid_model_pages_are_zeroed_too(fresh_rng):
     """Qwen3.5 (Gated DeltaNet + attention): its attention layers' pages are zeroed (its
     recurrent slots are reset by their own flags). One token bucket (CI time: each step variant
@@ -195,3 +207,45 @@ def test_recurrent_state_shaped_like_pages_is_neither_zeroed_nor_moved():
         assert bool(jnp.all(x[1] == 0)) and bool(jnp.all(x[0] == 1))
     moved = PageMover(pages, pages).gather(cache, [1]).materialize()
     assert len(moved) == len(cache.k) + len(cache.v)
+
+
+def test_one_zeroing_kernel_is_the_per_leaf_scatter(fresh_rng):
+    """paged_attention/triton_zero.py (page_zeroing.ZERO_KERNEL): one program per page id zeroes
+    that page in every leaf, interpreted here: the leaves the per-leaf XLA scatters give, bit
+    for bit, with padding ids (P, -1), a repeated id and pages left alone; `takes` refuses
+    mixed leaves and non-power-of-2 rows."""
+    from kernels_pallas.paged_attention import triton_zero
+    leaves = [jnp.asarray(fresh_rng.standard_normal((9, 4, 2, 8)), jnp.bfloat16)
+              for _ in range(5)]
+    ids = jnp.asarray([3, 9, 0, 3, -1, 7, 9, 9], jnp.int32)
+    got = jax.jit(lambda ls, i: triton_zero.zero_pages_triton(ls, i, interpret=True))(leaves, ids)
+    for x, y in zip(leaves, got):
+        want = x.at[jnp.asarray([3, 0, 7])].set(0)  # (JAX's .at would wrap -1 to page 8)
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+        assert bool(jnp.all(y[1] == x[1]))
+    assert triton_zero.takes(leaves, 4) == ""
+    assert "several shapes" in triton_zero.takes(leaves + [leaves[0][:, :2]], 4)
+    assert "power of 2" in triton_zero.takes([jnp.zeros((9, 4, 3, 8))], 4)
+
+
+def test_a_steps_zeroing_lowers_to_one_kernel_on_a_gpu(monkeypatch):
+    """With ZERO_KERNEL a one-GPU step's zeroing (Qwen3.5-0.8B's 6 attention layers: 12 page
+    leaves of [P, 16, 2, 256] bf16) lowers for an H100 to one Triton call aliasing the 12
+    leaves, and no scatter; off, 12 scatters."""
+    from serving.cache import page_zeroing
+    from tests.cuda_lowering import abstract_h100
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    sd = jax.ShapeDtypeStruct
+    cache = {"k": [sd((512, 16, 2, 256), jnp.bfloat16)] * 6,
+             "v": [sd((512, 16, 2, 256), jnp.bfloat16)] * 6}
+    monkeypatch.setattr(page_zeroing, "page_mask", lambda c, p, b: [True] * 12)
+    texts = {}
+    for on in (False, True):
+        monkeypatch.setattr(page_zeroing, "ZERO_KERNEL", on)
+        with abstract_h100():
+            texts[on] = jax.jit(lambda c, i: page_zeroing.zero_pages(
+                c, i, 512, 16, kernel=True)).trace(cache, sd((32,), jnp.int32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert texts[False].count("stablehlo.scatter") >= 12 and "xla.gpu.triton" not in texts[False]
+    assert texts[True].count("xla.gpu.triton") == 1 and "stablehlo.scatter" not in texts[True]
+    assert texts[True].count("output_operand_alias<") == 12
