@@ -244,7 +244,7 @@ def test_a_steps_zeroing_lowers_to_one_kernel_on_a_gpu(monkeypatch):
         monkeypatch.setattr(page_zeroing, "ZERO_KERNEL", on)
         with abstract_h100():
             texts[on] = jax.jit(lambda c, i: page_zeroing.zero_pages(
-                c, i, 512, 16, kernel=True)).trace(cache, sd((32,), jnp.int32)).lower(
+                c, i, 512, 16)).trace(cache, sd((32,), jnp.int32)).lower(
                 lowering_platforms=("cuda",)).as_text()
     assert texts[False].count("stablehlo.scatter") >= 12 and "xla.gpu.triton" not in texts[False]
     assert texts[True].count("xla.gpu.triton") == 1 and "stablehlo.scatter" not in texts[True]

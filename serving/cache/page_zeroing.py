@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.paged_attention import triton_zero
+from kernels_pallas.sharding import tp_mesh
 from serving.cache.kv_pool import page_mask
 
 
@@ -63,15 +64,16 @@ def zero_rows(t: int, s: int, block_size: int) -> int:
     return min(s + -(-t // block_size), STEP_PAGES)
 
 
-def zero_pages(cache, ids, num_pages: int, block_size: int, kernel: bool = False):
+def zero_pages(cache, ids, num_pages: int, block_size: int, kernel: bool = True):
     """`cache` with pages `ids` [Z] int32 set to 0 in every page leaf (ids >= num_pages are
-    padding, dropped). Pure; under tensor parallelism each shard zeroes its heads. kernel: the
-    caller's step runs on one GPU without a mesh, so with ZERO_KERNEL the page leaves go through
-    one Pallas kernel (where it takes them; else, and on other platforms, XLA scatters)."""
+    padding, dropped). Pure; under tensor parallelism each shard zeroes its heads. With
+    ZERO_KERNEL, on a GPU, in a trace with no TP mesh, the page leaves go through one Pallas
+    kernel where it takes them (else XLA scatters); kernel=False: never (a caller whose arrays
+    may be sharded without a mesh in its trace: `PageZeroer`'s own call)."""
     leaves, treedef = jax.tree.flatten(cache)
     mask = page_mask(cache, num_pages, block_size)
     pages = [x for x, m in zip(leaves, mask) if m]
-    if kernel and ZERO_KERNEL and jax.default_backend() == "gpu" \
+    if kernel and ZERO_KERNEL and jax.default_backend() == "gpu" and tp_mesh() is None \
             and not triton_zero.takes(pages, block_size):
         zeroed = iter(triton_zero.zero_pages_triton(pages, ids))
         return jax.tree.unflatten(treedef, [next(zeroed) if m else x
@@ -90,7 +92,7 @@ class PageZeroer:
         self.chunk = CALL_PAGES  # the separate call's ids (one compiled variant)
         self.source = source
         self._zero = jax.jit(functools.partial(zero_pages, num_pages=num_pages,
-                                               block_size=config.block_size),
+                                               block_size=config.block_size, kernel=False),
                              donate_argnums=(0,))
         self.num_zeroed = 0  # pages zeroed so far
         self.num_separate = 0  # pages zeroed by separate calls (more than a step's input holds)

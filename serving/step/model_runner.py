@@ -155,8 +155,7 @@ class ModelRunner:
             tables, rows = resident_tables.apply(tables, f)
             f["block_tables"], f["block_pos_start"], f["block_num_valid"] = rows
         # fresh pages are zeroed before anything writes (serving/cache/page_zeroing.py)
-        cache = zero_pages(cache, f["zero_pages"], self.num_blocks, self.block_size,
-                           kernel=self.mesh is None)
+        cache = zero_pages(cache, f["zero_pages"], self.num_blocks, self.block_size)
         md = AttentionMetadata(
             q_positions=f["q_positions"], q_window_start=f["q_window_start"], q_seq=f["q_seq"],
             cu_q_lens=f["cu_q_lens"], num_blocks=f["num_blocks"], block_tables=f["block_tables"],
