@@ -116,7 +116,8 @@ def _layer_kernel(*refs, rep, hk, scale, eps, qk_eps, conv, proj_cols=None):
     if proj_cols is not None:
         z0, b0, a0 = proj_cols
         a_in, b_in = proj_ref[n, a0 + h], proj_ref[n, b0 + h]
-        z_in = proj_ref[n, pl.ds(pl.multiple_of(z0 + h * dv, dv), dv)]
+        z_start = z0 + h * dv
+        z_in = proj_ref[n, pl.ds(pl.multiple_of(z_start, dv) if z0 % dv == 0 else z_start, dv)]
     else:
         a_in, b_in, z_in = a_ref[n, h], b_ref[n, h], z_ref[n, h, :]
     slot, kh, dtype = slot_ref[n], h // rep, z_in.dtype

@@ -18,7 +18,7 @@ from flax import nnx
 from kernels_pallas.gated_delta.api import as_rows, choose, on_rows, on_seq_rows, seq_rows
 from kernels_pallas.gated_delta.api import ragged_decode_conv_layer_in_place  # no TP form
 from kernels_pallas.sharding import (ragged_decode_in_place,  # per head shard under TP
-                                     ragged_decode_layer_in_place, whole)
+                                     ragged_decode_layer_in_place, tp_mesh, whole)
 from minipic_jax.models import qwen3_5_spans
 # the recurrence over a step's rows and a decode step's state cache (qwen3_5_gdn_core.py)
 from minipic_jax.models.qwen3_5_gdn_core import StateCache, recurrent_core  # noqa: F401
@@ -277,7 +277,8 @@ class GatedDeltaNet(nnx.Module):
             q, k, v = self.split_qkv(conv_rows_silu(decode_taps(xs, conv0), self.conv_w[...]),
                                      dtype, cfg)
             conv = decode_history(xs, conv0, cu_q_lens, per_seq=True)
-            if DECODE_GATES_IN_PROJ and proj is not None:  # a, b, z: columns of the projection
+            # a, b, z read in the projection (one device: its columns' heads are global)
+            if DECODE_GATES_IN_PROJ and proj is not None and tp_mesh() is None:
                 gates, in_proj = (None, None), (proj, gdn_dims(cfg)[4])
                 norm = (*norm[:2], None, norm[3])
             else:
