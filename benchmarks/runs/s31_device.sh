@@ -6,7 +6,7 @@
 # 2. compiled tests of session 30's kernels: the scan writing its finals in place
 #    (test_state_rows.py, test_finals_in_place.py), the decode kernel reading its gates in
 #    the projection (test_decode_conv.py), the page-zeroing kernel in a NaN-poisoned engine
-#    (test_page_zeroing.py), the compose program's in place kernel;
+#    (test_page_zeroing.py; the compose program's in-place kernel passed on the H100 in s30b);
 # 3. the 64-seat decode step: today's vs DECODE_GATES_IN_PROJ=1 (-54 copy kernels expected);
 #    the t = 128 prefill: today's vs GDN_FINALS_IN_PLACE=1; both vs ZERO_KERNEL=1 (the fresh
 #    pages zeroed by one kernel, not 12 scatters); one process, profiled;
@@ -27,12 +27,12 @@ MINIPIC_COMPILED=1 timeout 90 python3 -m pytest -x -q -p no:cacheprovider -o add
   > "$OUT/tests_failed.txt" 2>&1
 echo "the s30b failure alone rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^E  |passed|failed" "$OUT/tests_failed.txt" | cut -c1-220 | head -12 >> "$R"
-MINIPIC_COMPILED=1 timeout 120 python3 -m pytest -v -p no:cacheprovider -o addopts= -rfE -n 4 \
+MINIPIC_COMPILED=1 timeout 140 python3 -m pytest -v -p no:cacheprovider -o addopts= -rfE -n 4 \
   tests/test_state_rows.py tests/test_finals_in_place.py tests/test_decode_conv.py \
-  tests/test_page_zeroing.py tests/test_chain_in_place.py > "$OUT/tests.txt" 2>&1
+  tests/test_page_zeroing.py -k "finals or gates or kernel" > "$OUT/tests.txt" 2>&1
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt" | cut -c1-120)" >> "$R"
 grep -E "(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-200 | sort -u | head -12 >> "$R"
-timeout 160 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
+timeout 150 python3 -m benchmarks.fixed_step_work --time --seats 64 --max-model-len 25600 \
   --tokens 128 --ckpt 1 --decode --reps 9 --profile 6 \
   --forms "" DECODE_GATES_IN_PROJ=1,GDN_FINALS_IN_PLACE=1 ZERO_KERNEL=1 > "$OUT/decode_ab.txt" 2>&1
 echo "decode / prefill A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
