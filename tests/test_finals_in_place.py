@@ -94,6 +94,8 @@ def test_finals_in_place_lowers_to_an_aliased_scan_and_no_state_scatter(monkeypa
     assert aliases[True] == aliases[False] + 1, aliases  # the layers call one scan function
 
 
+@pytest.mark.slow  # two engines' compiles (~18 s of CI's 2 cores); the switches are off by
+# default and the model-level tests above hold their bits in every run; s31_device.sh runs it
 def test_an_engine_with_both_switches_gives_the_same_tokens_and_logprobs(monkeypatch):
     """Through LLM.generate (tiny_qwen3_5, its GDN kernels interpreted, a decode variant of its
     own so prefill steps are known prefill on the host): GDN_FINALS_IN_PLACE and

@@ -27,7 +27,7 @@ MINIPIC_COMPILED=1 timeout 90 python3 -m pytest -x -q -p no:cacheprovider -o add
   > "$OUT/tests_failed.txt" 2>&1
 echo "the s30b failure alone rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^E  |passed|failed" "$OUT/tests_failed.txt" | cut -c1-220 | head -12 >> "$R"
-MINIPIC_COMPILED=1 timeout 140 python3 -m pytest -v -p no:cacheprovider -o addopts= -rfE -n 4 \
+MINIPIC_COMPILED=1 MINIPIC_RUN_SLOW=1 timeout 140 python3 -m pytest -v -p no:cacheprovider -o addopts= -rfE -n 4 \
   tests/test_state_rows.py tests/test_finals_in_place.py tests/test_decode_conv.py \
   tests/test_page_zeroing.py -k "finals or gates or kernel" > "$OUT/tests.txt" 2>&1
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt" | cut -c1-120)" >> "$R"
