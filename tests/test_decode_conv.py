@@ -86,6 +86,32 @@ def test_decode_steps_take_the_direct_conv(monkeypatch):
         assert len(calls) == want
 
 
+def _decode_step(counts, min_tokens, reset, dtype, *, pager_seed, before, rng_seed, key,
+                 fused=False):
+    """An engine-like decode-only step on tiny_qwen3_5 (sequence i's token on row i): each
+    sequence first holds before[0] + before[1] i tokens; random params (fused with `fused`),
+    caches and tokens. Returns (cfg, metadata, logits rows, RecurrentMetadata, params, cache,
+    tokens)."""
+    from configs.presets import PRESETS
+    from minipic_jax.models import qwen3_5
+    from minipic_jax.models.testing import SimplePager
+    from serving.model_contract import RecurrentMetadata
+    cfg = PRESETS["tiny_qwen3_5"]
+    n = len(counts)
+    pager = SimplePager(n, 48, 8, seed=pager_seed)
+    pager.step([before[0] + before[1] * i for i in range(n)])
+    md, logits_idx, _ = pager.step(counts, min_tokens)
+    rng = np.random.default_rng(rng_seed)
+    rec = RecurrentMetadata(state_slots=jnp.asarray(rng.permutation(n + 2)[:n], jnp.int32),
+                            reset=jnp.asarray(reset, bool), decode=True)
+    params = qwen3_5.init_params(cfg, jax.random.key(key), dtype)
+    params = qwen3_5.fuse_params(params) if fused else params
+    cache = qwen3_5.init_cache(cfg, 160, 8, n + 2, dtype)
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
+    return cfg, md, logits_idx, rec, params, cache, tokens
+
+
 @pytest.mark.parametrize("counts,min_tokens,dtype,reset", [
     ([1, 1, 1, 1], 0, jnp.float32, [0, 0, 0, 0]), ([1, 1, 1, 0], 0, jnp.bfloat16, [0, 1, 0, 0]),
     ([1, 1, 0, 0], 16, jnp.float32, [1, 0, 0, 0]), ([1], 0, jnp.bfloat16, [0]),
@@ -98,22 +124,9 @@ def test_decode_layer_per_sequence_is_the_row_form_bit_for_bit(monkeypatch, coun
     the same logits, conv and state caches bit for bit: as many rows as sequences, more, one
     sequence, float32 and bfloat16, resets; with fewer rows than sequences (idle ones past them)
     the layer keeps the rows form (padded rows cost the last bits on an H100, s29d)."""
-    from configs.presets import PRESETS
     from minipic_jax.models import qwen3_5
-    from minipic_jax.models.testing import SimplePager
-    from serving.model_contract import RecurrentMetadata
-    cfg = PRESETS["tiny_qwen3_5"]
-    n = len(counts)
-    pager = SimplePager(n, 48, 8, seed=0)
-    pager.step([3 + 2 * i for i in range(n)])
-    md, logits_idx, _ = pager.step(counts, min_tokens)
-    rng = np.random.default_rng(3)
-    rec = RecurrentMetadata(state_slots=jnp.asarray(rng.permutation(n + 2)[:n], jnp.int32),
-                            reset=jnp.asarray(reset, bool), decode=True)
-    params = qwen3_5.init_params(cfg, jax.random.key(1), dtype)
-    cache = qwen3_5.init_cache(cfg, 160, 8, n + 2, dtype)
-    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
+    cfg, md, logits_idx, rec, params, cache, tokens = _decode_step(
+        counts, min_tokens, reset, dtype, pager_seed=0, before=(3, 2), rng_seed=3, key=1)
     outs = {}
     for form in ((False, False), (False, True), (True, True)):
         monkeypatch.setattr(gdn, "DECODE_SEQ_ROWS", form[0])
@@ -204,23 +217,11 @@ def test_decode_gates_read_in_the_projection_bit_for_bit(monkeypatch, counts, mi
     kernel reads a, b and z as columns of the layer's projection (no sliced operands, each a
     copy kernel on a GPU): the same logits and caches bit for bit, rows past the sequences
     (min_tokens) and idle sequences included; and the kernel's call takes the projection."""
-    from configs.presets import PRESETS
     from kernels_pallas.gated_delta import decode_rows
     from minipic_jax.models import qwen3_5
-    from minipic_jax.models.testing import SimplePager
-    from serving.model_contract import RecurrentMetadata
-    cfg = PRESETS["tiny_qwen3_5"]
-    n = len(counts)
-    pager = SimplePager(n, 48, 8, seed=1)
-    pager.step([4 + 3 * i for i in range(n)])
-    md, logits_idx, _ = pager.step(counts, min_tokens)
-    rng = np.random.default_rng(5)
-    rec = RecurrentMetadata(state_slots=jnp.asarray(rng.permutation(n + 2)[:n], jnp.int32),
-                            reset=jnp.asarray(reset, bool), decode=True)
-    params = qwen3_5.fuse_params(qwen3_5.init_params(cfg, jax.random.key(2), dtype))
-    cache = qwen3_5.init_cache(cfg, 160, 8, n + 2, dtype)
-    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
+    cfg, md, logits_idx, rec, params, cache, tokens = _decode_step(
+        counts, min_tokens, reset, dtype, pager_seed=1, before=(4, 3), rng_seed=5, key=2,
+        fused=True)
     widths, kernel = [], decode_rows.decode_layer_in_place
 
     def spy(*a, proj=None, **k):

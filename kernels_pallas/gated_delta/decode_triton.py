@@ -148,6 +148,10 @@ def _check_layer(name, rows, hv, dv, a, b, z, state):
     if z.shape != (rows, hv, dv) or a.shape != (rows, hv) or b.shape != a.shape:
         raise ValueError(f"{name}: z {z.shape}, a {a.shape}, b {b.shape} do not fit {rows} rows "
                          f"and the state cache {state.shape}")
+    _check_state(name, state)
+
+
+def _check_state(name, state):
     if state.dtype != _F32:
         raise ValueError(f"{name}: the state cache must be float32, got {state.dtype}")
 
@@ -196,24 +200,21 @@ def decode_layer_in_place(q, k, v, a, b, a_log, dt_bias, z, norm, state, slots, 
                                scale=float(dk ** -0.5 if scale is None else scale),
                                qk_eps=float(qk_eps), conv=False)
     flags = _row_flags(slots, keep, has, slots_n)
-    if proj is not None:
+    if proj is None:
+        _check_layer("decode_layer_in_place", rows, hv, dv, a, b, z, state)
+        args, out_dtype = [*flags, q, k, v, a, b, a_log, dt_bias, z, norm, state], z.dtype
+    else:
         x, z_col = proj
         if a is not None or b is not None or z is not None:
             raise ValueError("decode_layer_in_place: give a, b, z or proj, not both")
         if x.ndim != 2 or x.shape[0] < rows or z_col + hv * dv + 2 * hv > x.shape[1]:
             raise ValueError(f"decode_layer_in_place: proj {x.shape} holds no z, b, a of "
                              f"{hv} heads x {dv} from column {z_col} for {rows} rows")
-        if state.dtype != _F32:
-            raise ValueError(f"decode_layer_in_place: the state cache must be float32, got "
-                             f"{state.dtype}")
-        cols = (z_col, z_col + hv * dv, z_col + hv * dv + hv)
-        kernel = functools.partial(kernel, proj_cols=cols)
-        args = [*flags, q, k, v, x, a_log, dt_bias, norm, state]
-        return _layer_call(args, 1, x.dtype, (rows, hv), kernel, num_warps, interpret,
-                           "gdn_decode_layer_in_place")
-    _check_layer("decode_layer_in_place", rows, hv, dv, a, b, z, state)
-    args = [*flags, q, k, v, a, b, a_log, dt_bias, z, norm, state]
-    return _layer_call(args, 1, z.dtype, (rows, hv), kernel, num_warps, interpret,
+        _check_state("decode_layer_in_place", state)
+        kernel = functools.partial(kernel, proj_cols=(z_col, z_col + hv * dv,
+                                                      z_col + hv * dv + hv))
+        args, out_dtype = [*flags, q, k, v, x, a_log, dt_bias, norm, state], x.dtype
+    return _layer_call(args, 1, out_dtype, (rows, hv), kernel, num_warps, interpret,
                        "gdn_decode_layer_in_place")
 
 

@@ -168,7 +168,7 @@ def finals_in_kernel(state0, implementation: str) -> bool:
             and implementation in KERNEL_OPTIONS):
         return False
     from kernels_pallas.gated_delta import ragged_triton
-    return ragged_triton.SEQ_PARALLEL and state_rows.STATES_IN_PLACE
+    return ragged_triton.reads_rows_in_place()  # run_stream passes the switches as they are
 
 
 def _ragged_prefill(q, k, v, g, beta, cu_q_lens, pos0, state0, checkpoint_at, scale, chunk,

@@ -189,8 +189,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         per_seq = (jnp.asarray(seq_first, jnp.int32), jnp.asarray(seq_chunks, jnp.int32))
     else:
         per_seq = None
-    in_place = state_rows.STATES_IN_PLACE if states_in_place is None else states_in_place
-    s0 = _scan_states(state0, per_seq is not None and in_place, vk)
+    s0 = _scan_states(state0, seq_first is not None
+                      and reads_rows_in_place(seq_parallel, states_in_place), vk)
     v_new, states, bound, *written = _state_scan(
         w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
         s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk,
@@ -210,6 +210,14 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter
     return (out, bound[winner], *written)  # written: the write_final source, if any
+
+
+def reads_rows_in_place(seq_parallel=None, states_in_place=None) -> bool:
+    """Whether the scan reads a StateRows where its rows live (its per-sequence form, given the
+    sequences' chunks, with STATES_IN_PLACE): what writing finals in place needs
+    (ragged.finals_in_kernel). None: the module switch."""
+    return bool((SEQ_PARALLEL if seq_parallel is None else seq_parallel)
+                and (state_rows.STATES_IN_PLACE if states_in_place is None else states_in_place))
 
 
 def _scan_states(state0, rows_in_place: bool, vk: bool):
@@ -281,7 +289,7 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
                  jax.ShapeDtypeStruct((1, hv, nc, *st), dot_dtype),
                  jax.ShapeDtypeStruct((n_b, hv, *bound_st), jnp.float32)]
     aliases = {}
-    if per_seq is not None and write_final:  # the source, in place: its (head, block) tiles
+    if write_final:  # (per-sequence scan only) the source, in place: its (head, block) tiles
         src = s0.sources[0]
         out_specs.append(_source_spec(src, None, dk, block_v))
         out_shape.append(jax.ShapeDtypeStruct(src.shape, src.dtype))
