@@ -70,8 +70,9 @@ def test_the_scan_reads_state_rows_in_place_bit_for_bit(fresh_rng, monkeypatch, 
 
 
 @pytest.mark.parametrize("layout", ["vk", "kv"])
-@pytest.mark.parametrize("impl,seq_parallel", [("pallas_fused", True), ("pallas_fused", False),
-                                                ("xla", True)])
+@pytest.mark.parametrize("impl,seq_parallel", [  # the serial scan (A/B form): slow tier, CI time
+    ("pallas_fused", True), pytest.param("pallas_fused", False, marks=pytest.mark.slow),
+    ("xla", True)])
 def test_finals_written_into_the_cache_are_the_scatter_bit_for_bit(fresh_rng, monkeypatch,
                                                                    layout, impl, seq_parallel):
     """StateRows.write_final (the plain prefill step's flow, qwen3_5.GDN_FINALS_IN_PLACE): the
