@@ -117,7 +117,8 @@ def test_an_engine_with_both_switches_gives_the_same_tokens_and_logprobs(monkeyp
         monkeypatch.setattr(qwen3_5_gdn, "DECODE_GATES_IN_PROJ", on)
         seen.clear()
         llm = LLM("tiny_qwen3_5", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64,
-                  decode_attn_impl="triton_decode", warmup=False, step_cache="off")
+                  decode_attn_impl="triton_decode", warmup=False, step_cache="off",
+                  num_kv_blocks=64)  # its own pool size on a GPU too (the default is 4,096 on CPU)
         llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"  # Config takes compiled names
         outs[on] = llm.generate(prompts, sp, use_tqdm=False)
         assert any(seen) == on, seen  # the prefill steps wrote their finals in place

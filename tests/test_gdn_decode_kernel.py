@@ -199,7 +199,7 @@ def test_engine_decode_steps_step_states_in_place(form, monkeypatch):
         monkeypatch.setattr(qwen3_5, "GDN_DECODE_IN_PLACE", on)
         # step_cache off: the step is traced here (the spy counts trace-time calls), not loaded
         llm = LLM(model, max_num_seqs=4, decode_attn_impl="triton_decode", warmup=False,
-                  step_cache="off")
+                  step_cache="off", num_kv_blocks=64)  # a pool of its own size on a GPU too
         llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"  # Config takes compiled names
         outs[on] = llm.generate(prompts, sp, use_tqdm=False)
         layers = llm.llm_engine.runner.mcfg.layer_types.count("linear_attention")

@@ -18,7 +18,7 @@ class _Device:
         return {"bytes_limit": self.limit, "bytes_in_use": 0}
 
 
-def _tiny_runner(monkeypatch, utilization: float, **config):
+def _tiny_runner(monkeypatch, utilization: float, limit: int = 64 << 20, **config):
     """A tiny_llama ModelRunner (bf16, 4 seats, 128-token steps) whose default pool is sized
     against a 64 MiB device memory limit: (model config, Config, runner, limit)."""
     import types
@@ -30,7 +30,6 @@ def _tiny_runner(monkeypatch, utilization: float, **config):
                            gpu_memory_utilization=utilization, **config)
     params = llama.init_params(mcfg, jax.random.PRNGKey(0), jnp.bfloat16)
     loaded = types.SimpleNamespace(cfg=mcfg, params=params, family=llama, tokenizer=None)
-    limit = 64 << 20
     monkeypatch.setattr(kv_pool, "device_memory", lambda: {"bytes_limit": limit})
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Device(limit)])
     # the engine passes an explicit pool's size; 2 is the default pool's first trace
@@ -132,3 +131,18 @@ def test_exact_xla_limit_covers_an_explicit_pool(monkeypatch):
                                         runner._step.donate_argnums)
     want = xla_limit.exact_limit_options(limit, programs)
     assert want and runner._step.compiler_options == want
+
+
+def test_a_default_pool_short_of_one_sequence_is_an_error_at_start(monkeypatch):
+    """A default pool that cannot hold one max_model_len sequence (here a 1 MiB limit's half less
+    the step's 0.55 MiB of temporaries) is a ValueError at start naming its figures, not a
+    2-block engine whose requests fail one by one (what a GPU engine did in s31, with the pool's
+    flat view counted as a copy); an explicit num_kv_blocks is the user's to choose."""
+    with pytest.raises(ValueError, match=r"default KV pool came to \d+ blocks .* fewer than the "
+                       r"16 one sequence of max_model_len 256 needs: device memory limit 0\.00 "
+                       r"GiB x gpu_memory_utilization 0\.5, .*set num_kv_blocks"):
+        _tiny_runner(monkeypatch, 0.5, limit=1 << 20)
+    _, cfg, runner, _ = _tiny_runner(monkeypatch, 0.5, limit=1 << 20, num_kv_blocks=4)
+    assert runner.num_blocks == 4
+    _, cfg, runner, _ = _tiny_runner(monkeypatch, 0.5)
+    assert runner.num_blocks >= cfg.max_blocks_per_seq

@@ -75,6 +75,25 @@ def default_num_blocks(config: Config, mcfg, dtype, reserve_bytes: int = 0,
     return max(2, min(want, 4096))
 
 
+def check_default_pool(config: Config, num_blocks: int, reserve: int, per_block: int) -> None:
+    """A default pool sized from device memory must hold one sequence of max_model_len (as
+    vLLM asks of its KV cache at start): else a ValueError at start with the figures it came
+    from, not an engine whose long requests fail one by one."""
+    stats = device_memory()
+    need = config.max_blocks_per_seq
+    if "bytes_limit" not in stats or num_blocks >= need:
+        return
+    gib = 1 << 30
+    raise ValueError(
+        f"the default KV pool came to {num_blocks} blocks of {config.block_size} tokens "
+        f"({per_block} bytes each), fewer than the {need} one sequence of max_model_len "
+        f"{config.max_model_len} needs: device memory limit {stats['bytes_limit'] / gib:.2f} GiB "
+        f"x gpu_memory_utilization {config.gpu_memory_utilization}, in use "
+        f"{stats.get('bytes_in_use', 0) / gib:.2f} GiB, the step's temporaries "
+        f"{reserve / gib:.2f} GiB; lower max_model_len or max_num_batched_tokens, raise "
+        f"gpu_memory_utilization, or set num_kv_blocks")
+
+
 def staging_bytes(config: Config) -> int:
     """The span store's staging memory in bytes: `Config.kv_store.staging_gb`, or (None)
     min(16 GiB, 16% of the device's memory limit), 4 GiB where the backend reports no limit."""
@@ -150,6 +169,9 @@ def size_pool(runner, make_cache, num_blocks: int, mcfg, *, step):
         runner.num_blocks = num_blocks
     cache, num_blocks = allocate_pool(make_cache, num_blocks,
                                       may_shrink=config.num_kv_blocks is None)
+    if config.num_kv_blocks is None:
+        check_default_pool(config, num_blocks, reserve,
+                           block_bytes(config, mcfg, runner.cache_dtype))
     if exact and programs:
         extra = (num_blocks - runner.traced_blocks) * kv_bytes_per_block(
             cache, num_blocks, config.block_size)

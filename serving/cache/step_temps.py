@@ -34,6 +34,10 @@ FUSIBLE = frozenset({
     "gt", "ge", "broadcast_in_dim", "slice", "concatenate", "squeeze", "expand_dims", "copy"})
 LAYOUT = frozenset({"convert_element_type", "broadcast_in_dim", "slice", "squeeze",
                     "expand_dims", "copy"})  # free to recompute in every reader's loop
+# ops whose output XLA gives its operand's buffer (a bitcast of a row-major array): no bytes of
+# their own, and the operand stays live while the view is read (the flat page view a kernel
+# reads while the pages are written later in the step: counted as a copy of the pool before)
+VIEWS = frozenset({"reshape"})
 
 
 def nbytes(aval) -> int:
@@ -59,6 +63,7 @@ def peak_bytes(jaxpr) -> int:
     included, arguments not (see the module docstring for the rules)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     last_use, fused = _liveness(jaxpr)
+    views = _views(jaxpr, last_use)
     dies_at: dict = {}  # equation index -> the vars last used there (read, or read fused)
     for v, i in last_use.items():
         dies_at.setdefault(i, []).append(v)
@@ -69,9 +74,11 @@ def peak_bytes(jaxpr) -> int:
         dying = dies_at.get(i, [])
         new = unread = 0
         for v in eqn.outvars:
-            size = 0 if v in fused else nbytes(v.aval)
+            size = 0 if v in fused or v in views else nbytes(v.aval)
+            # a view gives its buffer away only when its base dies with it (else XLA copies)
             donor = next((d for d in dying if size and d not in fused and d in eqn.invars
-                          and held.get(d, 0) != -1 and nbytes(d.aval) == size), None)
+                          and held.get(d, 0) != -1 and nbytes(d.aval) == size
+                          and last_use.get(views.get(d, d), i) <= i), None)
             if donor is not None:  # the output takes the dying operand's buffer
                 counted = held.get(donor, 0)
                 held[donor] = -1  # given away: its death frees nothing
@@ -87,6 +94,21 @@ def peak_bytes(jaxpr) -> int:
         for v in dying:
             live -= max(held.pop(v, 0), 0)
     return peak
+
+
+def _views(jaxpr, last_use) -> dict:
+    """view var -> its base (the first non-view operand up the chain), for the VIEWS equations
+    of `jaxpr`; each base's last use extended to its views' (in place in `last_use`)."""
+    views: dict = {}
+    for eqn in jaxpr.eqns:
+        src = eqn.invars[0] if eqn.invars else None
+        if eqn.primitive.name in VIEWS and isinstance(src, core.Var) \
+                and nbytes(eqn.outvars[0].aval) == nbytes(src.aval):
+            views[eqn.outvars[0]] = views.get(src, src)
+    for view, base in views.items():
+        if view in last_use and base in last_use:
+            last_use[base] = max(last_use[base], last_use[view])
+    return views
 
 
 def _liveness(jaxpr):
