@@ -79,6 +79,8 @@ def step_inputs(cfg, kind: str, caps: int, t: int = T, s: int = S, seed: int = 0
     lens, seg, span = rag_rows(t, s, rng)
     pager = SimplePager(s, int(lens.max()) + 8, 16, seed=0)
     md, logits_idx, _ = pager.step(lens.tolist())
+    logits_idx = logits_idx[:s]  # one row per sequence, as the engine's head (the pager pads to T:
+    # a 1,024-row head was the 0.70 ms cuBLAS GEMM these steps showed, s29-s31b)
     rec = RecurrentMetadata(state_slots=jnp.arange(s, dtype=jnp.int32), reset=jnp.zeros(s, bool),
                             decode=False)
     if kind == "plain":
