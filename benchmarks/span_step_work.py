@@ -236,10 +236,11 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
          "stream_in_kernel": {"stream_in_kernel": True}, "conv_reduce": {"conv_row_sum": False},
          "conv_shifted": {"conv_shifted": True}, "conv_gathered": {"conv_shifted": False},
          "conv_stacked": {"conv_stacked": True}, "pad_logits": {"pad_logits": True},
-         "finals_in_place": {"finals": True},
+         "finals_in_place": {"finals": True}, "finals_scattered": {"finals": False},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
-                 "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False}}
+                 "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,
+                 "finals": False}}
 
 
 @contextlib.contextmanager

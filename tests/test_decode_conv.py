@@ -209,9 +209,10 @@ def test_a_decode_layer_per_sequence_gathers_only_its_conv_state():
     assert general["gather"] > 5 * per_seq["gather"]
 
 
-@pytest.mark.parametrize("counts,min_tokens,dtype,reset", [
-    ([1, 1, 1, 1], 0, jnp.float32, [0, 1, 0, 0]), ([1, 1, 1, 0], 16, jnp.bfloat16, [1, 0, 0, 0]),
-    ([1], 0, jnp.bfloat16, [0])])
+@pytest.mark.parametrize("counts,min_tokens,dtype,reset", [  # DECODE_GATES_IN_PROJ is off:
+    ([1, 1, 1, 0], 16, jnp.bfloat16, [1, 0, 0, 0])] + [  # its other cases in the slow tier
+    pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ([1, 1, 1, 1], 0, jnp.float32, [0, 1, 0, 0]), ([1], 0, jnp.bfloat16, [0])]])
 def test_decode_gates_read_in_the_projection_bit_for_bit(monkeypatch, counts, min_tokens, dtype,
                                                          reset):
     """qwen3_5_gdn.DECODE_GATES_IN_PROJ: with fused weights the per-sequence decode layer's

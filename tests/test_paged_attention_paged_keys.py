@@ -155,10 +155,10 @@ def test_paged_keys_option_reaches_the_mixed_path():
         api.choose_attention(wide, "mixed", {"paged_k": True})
 
 
-@pytest.mark.parametrize("rotate,options", [
+@pytest.mark.parametrize("rotate,options", [  # paged_k is off: its option forms in the slow tier
     (True, PagedOptions()), (False, PagedOptions()),
-    (True, PagedOptions(v_first=True, prefetch=2)),
-    (True, PagedOptions(cos_sin="pages", v_first=True, prefetch=0)),
+    pytest.param(True, PagedOptions(v_first=True, prefetch=2), marks=slow),
+    pytest.param(True, PagedOptions(cos_sin="pages", v_first=True, prefetch=0), marks=slow),
     (True, PagedOptions(rotator=(208, 24, 72)))])
 def test_paged_keys_lower_for_cuda(rotate, options, fresh_rng):
     """The compiled kernel (rotation loads in the WGMMA layout from swizzled SMEM, page and

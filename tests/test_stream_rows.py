@@ -58,7 +58,9 @@ def test_ragged_batch_reads_its_source_rows_bit_for_bit(fresh_rng, monkeypatch):
     assert np.abs(in_kernel[0][: cu[-1]]).max() > 0
 
 
-@pytest.mark.parametrize("case", ["shifted, empty, captures of -1", "leading empty sequences"])
+@pytest.mark.parametrize("case", [  # STREAM_IN_KERNEL is off (slower, s28): one case in CI
+    "shifted, empty, captures of -1",
+    pytest.param("leading empty sequences", marks=pytest.mark.slow)])
 def test_joint_stream_reads_its_source_rows_bit_for_bit(fresh_rng, monkeypatch, case):
     import test_span_joint_layer as t
     lens, pos0, g, caps, cont, local_chunks = t.CASES[case]

@@ -60,8 +60,10 @@ GDN_DECODE_CONV = False
 # A prefill step's flow (no span pieces, the host's static prefill kind) writes each sequence's
 # final state into the layer's state cache from the scan kernel, in place (StateRows
 # .write_final): no [S] finals and no scatter after it (on an H100 the scatter is 18 x 23 us,
-# 0.41 ms of a 9.2 ms 1,024-token step of 16 sequences, s28-s30 profiles). Off until timed.
-GDN_FINALS_IN_PLACE = False
+# 0.41 ms of a 9.2 ms 1,024-token step of 16 sequences, s28-s30 profiles). On since session 31:
+# rag's plain 1,024-token step 8.66 -> 7.96 ms on an H100 (benchmarks/RESULTS.md, "Position-
+# independent spans on hybrid models"); its kernel's compiled tests pass there.
+GDN_FINALS_IN_PLACE = True
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
 GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
