@@ -1,0 +1,29 @@
+#!/bin/bash
+# The first device call after session 31 (one `run`, <= 9.5 min, a short table last):
+# 1. the compiled engine tests s31 owed (GDN_FINALS_IN_PLACE, on since session 31, and
+#    DECODE_GATES_IN_PROJ through LLM.generate; the in-place decode engine steps) and the tiny
+#    engine's default pool on the GPU after step_temps.VIEWS (s31: 2 blocks);
+# 2. the 64-seat decode step, today's vs DECODE_GATES_IN_PROJ + ZERO_KERNEL, alternated twice
+#    (s31: one sample each, untimed 1.88 vs 2.15 ms, profiled 2.42 vs 2.26: undecided);
+# 3. rag at 16 seats with the finals in place and the compose program's pipelined cost (the
+#    composition goal: compose + step dispatched ahead against the step alone).
+# If (1) fails on the finals, set qwen3_5.GDN_FINALS_IN_PLACE = False again.
+# usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s32_device.sh
+set -u; T0=$SECONDS
+export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s32
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s32.txt
+left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
+OUT=$OUT bash benchmarks/runs/s31d_device.sh > /dev/null 2>&1
+cat "$OUT/s31d.txt" > "$R"
+L=$(left); [ "$L" -gt 150 ] && L=150
+[ "$L" -ge 90 ] && timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 \
+  --max-model-len 25600 --tokens 128 --ckpt 1 --decode --reps 15 --profile 4 \
+  --forms "" DECODE_GATES_IN_PROJ=1,ZERO_KERNEL=1 "" DECODE_GATES_IN_PROJ=1,ZERO_KERNEL=1 \
+  > "$OUT/decode_ab.txt" 2>&1
+echo "decode A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "^live_prerotate|^time |^profile (decode|prefill) [^|]*:" "$OUT/decode_ab.txt" | cut -c1-170 >> "$R"
+L=$(left); [ "$L" -gt 150 ] && L=150
+[ "$L" -ge 90 ] && OUT=$OUT LIMIT=$L bash benchmarks/runs/rag16_device.sh >> "$R"
+echo "== total t=$((SECONDS-T0)) s" >> "$R"
+cat "$R"
