@@ -41,7 +41,7 @@ def _columns(inv_freq, head_dim: int, cols: int):
     d = jnp.arange(cols, dtype=jnp.int32)
     lo = d < half
     hi = (d >= half) & (d < 2 * half)
-    inv = inv_freq.astype(jnp.float32)
+    inv = jnp.asarray(inv_freq, jnp.float32)  # a host numpy constant too (the interpreted path)
     freq = jnp.where(lo | hi, inv[jnp.clip(jnp.where(lo, d, d - half), 0, max(half - 1, 0))], 0.0)
     partner = jnp.where(lo, d + half, jnp.where(hi, d - half, d))
     sign = jnp.where(lo, -1.0, jnp.where(hi, 1.0, 0.0)).astype(jnp.float32)
