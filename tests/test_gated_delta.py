@@ -64,8 +64,9 @@ FUSED_OPTIONS = [{}, dict(intra="subst", layout="kv", ckpt_store="mask", block_v
                  dict(intra="subst", layout="kv", ckpt_store="segments", block_v=32)]
 
 
-@pytest.mark.parametrize("opts", FUSED_OPTIONS, ids=lambda o: "-".join(map(str, o.values()))
-                         or "default")
+@pytest.mark.parametrize("opts", [FUSED_OPTIONS[0]] + [  # the other options: slow tier (CI time)
+    pytest.param(o, marks=pytest.mark.slow) for o in FUSED_OPTIONS[1:]],
+    ids=lambda o: "-".join(map(str, o.values())) or "default")
 def test_fused_options_match_reference(fresh_rng, opts):
     """Chunk 64 (four 16-row sub-blocks in the blocked solve), GVA 2, Dv split in BV blocks;
     checkpoints (duplicates, 0, the end) equal the recurrence's states."""

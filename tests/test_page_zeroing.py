@@ -143,6 +143,7 @@ def test_poisoned_pool_with_the_zeroing_kernel(fresh_rng, monkeypatch):
                       int(fresh_rng.integers(1 << 30)))
 
 
+@pytest.mark.slow  # CI time (14 s of compiles); the Llama engines above cover the zeroing in CI
 def test_hybrid_model_pages_are_zeroed_too(fresh_rng):
     """Qwen3.5 (Gated DeltaNet + attention): its attention layers' pages are zeroed (its
     recurrent slots are reset by their own flags). One token bucket (CI time: each step variant

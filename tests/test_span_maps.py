@@ -65,7 +65,8 @@ def test_entry_states_equal_float64_replay(fresh_rng):
 
 @pytest.mark.parametrize("rows,lengths,applied", [
     (4, (0, 12, 10, 8), 30),  # run 3 on the H200: 30 maps on 3 of 4 rows; was 4 x 12 = 48
-    (16, (1, 9, 0, 16, 5, 9, 3, 1), 47),  # 44 maps; widths 8, 6, 4, 3, 1 run (was 16 x 16)
+    pytest.param(16, (1, 9, 0, 16, 5, 9, 3, 1), 47,  # 44 maps; widths 8, 6, 4, 3, 1 run (was
+                 marks=pytest.mark.slow),  # 16 x 16); slow tier: CI time
 ])
 def test_composition_applies_only_the_maps_its_chains_hold(fresh_rng, rows, lengths, applied):
     """Issue 29, composition cost: the compose program applies each chain's maps to its row and
