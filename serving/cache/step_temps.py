@@ -9,7 +9,9 @@ their last use, except a value an elementwise or layout op (FUSIBLE) makes for r
 kind only: XLA fuses those into one loop, so it is no buffer (its operands stay live until the
 loop's last reader instead). An output may take the buffer of an operand of the same byte size
 that dies at that equation and is read by it directly (XLA does the same: an in-place update of
-a donated page array, a reshape), so writes into the donated KV pool cost nothing. Arguments
+a donated page array, a reshape), so writes into the donated KV pool cost nothing; a reshape
+of a value that lives on is a view of it (no bytes; the value stays live while the view is read,
+and is not written in place before that). Arguments
 are never counted. A call (pjit, custom_jvp, a loop body) adds its own peak while it runs;
 Pallas / Mosaic kernel bodies are not entered (their outputs count, their scratch does not).
 Checked against XLA's figures on the host: the overflow step's key pre-rotation at the tulu3
