@@ -107,6 +107,5 @@ def test_rag_compose_cost_measures_a_hybrid_run(tmp_path, capsys):
     assert set(cost["synthetic_compose_ms"]) == {"1", "4", "16"}  # JSON keys
     pipe = cost["program"]["pipelined"]  # the compose program dispatched ahead of its step
     assert pipe["pair_ms"] > 0 and pipe["step_ms"] > 0
-    assert abs(pipe["compose_ms"] - (pipe["pair_ms"] - pipe["step_ms"])) < 1e-9
     out = capsys.readouterr().out
     assert "[fcfs] compose cost (" in out and "[fcfs] compose program pipelined: " in out

@@ -19,13 +19,6 @@ L=$(left); [ "$L" -gt 120 ] && L=120
 echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^time|kernels, busy" "$OUT/steps.txt" | cut -c1-150 >> "$R"
 L=$(left)
-if [ "$L" -ge 60 ] && ls .whl/fla_core*.whl > /dev/null 2>&1; then
-  timeout 40 python3 -m pip install -q --no-deps --no-index --target /tmp/site \
-    .whl/fla_core*.whl .whl/einops*.whl > /dev/null 2>&1
-  PYTHONPATH=$PWD:/tmp/site timeout $L python3 -m benchmarks.cli gdn --tokens 32768 --reps 5 \
-    --variants fused fused_mosaic_out --profile > "$OUT/gdn.txt" 2>&1
-  echo "gdn rc=$? t=$((SECONDS-T0)) s" >> "$R"
-  grep -v "^W1" "$OUT/gdn.txt" | tail -12 | cut -c1-200 >> "$R"
-fi
+[ "$L" -ge 60 ] && OUT=$OUT LIMIT=$L bash benchmarks/runs/gdn32k_device.sh >> "$R"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"

@@ -56,11 +56,9 @@ def embed(tokens, table):
 
 
 # The LM head's rows padded to LOGITS_PAD_TO when PAD_ROWS_FROM <= N < LOGITS_PAD_TO. The head
-# alone (benchmarks/lm_head_forms.py, H100, s30) is one 0.17 ms Triton GEMM fusion at 8-32 rows
-# as stored, padded no faster; but inside a 1,024-token step of 16 sequences XLA ran the 16-row
-# head as a 0.71 ms cuBLAS kernel (s28-s30 profiles). Padding was timed in 8-row steps only
-# (no gain, s30): off until `span_step_work --variants plain --forms new pad_logits` times the
-# 16-row step.
+# (benchmarks/lm_head_forms.py, H100, s30-s31) is one 0.17 ms Triton GEMM fusion at 8-32 rows as
+# stored, padded no faster, and so is it in the engine's steps (the "0.71 ms cuBLAS head" of
+# s28-s31b's bench steps was span_step_work's own 1,024-row head). Off: no gain measured.
 PAD_LOGITS_ROWS = False
 PAD_ROWS_FROM, LOGITS_PAD_TO = 8, 64
 

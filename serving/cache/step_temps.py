@@ -104,8 +104,7 @@ def _views(jaxpr, last_use) -> dict:
     views: dict = {}
     for eqn in jaxpr.eqns:
         src = eqn.invars[0] if eqn.invars else None
-        if eqn.primitive.name in VIEWS and isinstance(src, core.Var) \
-                and nbytes(eqn.outvars[0].aval) == nbytes(src.aval):
+        if eqn.primitive.name in VIEWS and isinstance(src, core.Var):
             views[eqn.outvars[0]] = views.get(src, src)
     for view, base in views.items():
         if view in last_use and base in last_use:
