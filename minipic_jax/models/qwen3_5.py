@@ -243,7 +243,7 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
                              kv_mode: str = "position_free", attn_impl: str | None = None,
                              checkpoint_at=None, gdn_impl: str | None = None,
                              write_impl: str | None = None, attn_options: dict | None = None,
-                             span_pieces=None):
+                             span_pieces=None, stack_checkpoints: bool = True):
     """`forward`, plus the recurrent states at chunk-aligned positions of each sequence.
 
     checkpoint_at: None or [S, M] int32 absolute positions (multiples of CHUNK, or the end
@@ -257,6 +257,9 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     span_pieces: None or qwen3_5_spans.SpanPieces when the step holds SSEP span rows (their
       attention window is metadata.q_window_start; see qwen3_5_spans.py for the GDN side; with
       .entry, pieces continuing a long span enter with its map so far).
+    stack_checkpoints: False returns the checkpoints' conv and delta as tuples of Lg per-layer
+      arrays (no stacked copy: a store can write each layer's rows straight into its pool
+      layer, serving/hybrid/checkpoint_pool.py).
     Returns (logits [N, V] float32, cache, checkpoints) with checkpoints None or a dict
       conv [Lg, S, M, C, Kc-1], delta [Lg, S, M, Hv, Dk, Dv] float32 (Lg = GDN layers), each
       layer's computed before its states are written back (an optimization barrier: without
@@ -311,7 +314,8 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     cache = Qwen35Cache(**{name: tuple(arrays) for name, arrays in new.items()})
     ckpts = None
     if checkpoint_at is not None and ck_conv:
-        ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta))
+        ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta)) if stack_checkpoints \
+            else dict(conv=tuple(ck_conv), delta=tuple(ck_delta))
     if span_maps:  # span_pieces.capture: the captured pieces' maps, layer-major
         ckpts = dict(ckpts or {}, span_maps=dict(  # per layer: span_maps.store scatters each
             a=tuple(m["a"] for m in span_maps), b=tuple(m["b"] for m in span_maps),

@@ -21,6 +21,13 @@ import numpy as np
 from kernels_pallas.gated_delta.api import CheckpointRows
 from serving.tiers.offload import HostBatch
 
+# How a prefill step stores its K checkpoint rows (A/B'd by benchmarks/fixed_step_work.py's
+# forms): CHECKPOINTS_STACKED has the model stack each GDN layer's rows ([Lg, K, ...]: 288 MiB of
+# float32 states at Qwen3.5-0.8B, K = 16, written whole however few checkpoints the step takes)
+# and scatters the stack once; off, each layer's rows are scattered straight into their layer
+# of the pool (the span-map pool's store made the same change, span_maps.STORE_STACKED).
+CHECKPOINTS_STACKED = True
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +81,16 @@ def rows(pool: CheckpointPool, idx):
 
 
 def store_rows(pool: CheckpointPool, idx, conv, delta) -> CheckpointPool:
-    """Write conv [Lg, K, ...] / delta [Lg, K, ...] into slots idx [K] (-1 = dropped)."""
+    """Write conv [Lg, K, ...] / delta [Lg, K, ...] into slots idx [K] (-1 = dropped); conv
+    and delta may also be sequences of Lg arrays [K, ...] (each layer scattered into its layer
+    of the pool: no stacked copy)."""
     target = jnp.where(idx >= 0, idx, pool.slots)
+    if isinstance(conv, (tuple, list)):
+        def put(buf, rows):
+            for layer, x in enumerate(rows):
+                buf = buf.at[layer, target].set(x.astype(buf.dtype), mode="drop")
+            return buf
+        return CheckpointPool(conv=put(pool.conv, conv), delta=put(pool.delta, delta))
     return CheckpointPool(conv=pool.conv.at[:, target].set(conv.astype(pool.conv.dtype),
                                                            mode="drop"),
                           delta=pool.delta.at[:, target].set(delta.astype(jnp.float32),
@@ -107,6 +122,8 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
     targets = f["state_slots"][jnp.maximum(f["restore_seq"], 0)]
     cache = restore(family, cache, pool, targets, f["restore_slot"])
     ck_rows = CheckpointRows(f["ck_seq"], f["ck_pos"])  # K flat rows: K states written, not S M
+    if not CHECKPOINTS_STACKED:
+        kw = dict(kw, stack_checkpoints=False)  # per layer, into the pool's layers
     logits, cache, ck = family.forward_with_checkpoints(
         params, tokens, md, cache, mcfg, checkpoint_at=ck_rows, **kw)
     if ck is not None:  # [Lg, K, ...], like the slots
