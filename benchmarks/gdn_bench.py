@@ -338,6 +338,11 @@ def run(args):
         fused = jax_variants()["fused"]
         variants["fused_best"] = functools.partial(fused, **best)
         variants["fused_best_mask"] = functools.partial(fused, **best, ckpt_store="mask")
+        # the Mosaic solve and output with the swept scan (what the engine's "mosaic" would run)
+        scan = {k: best[k] for k in ("layout", "block_v", "scan_warps", "scan_stages")
+                if k in best}
+        variants["fused_mosaic_out_best"] = functools.partial(fused, intra="mosaic",
+                                                              output="mosaic", **scan)
     for tokens in args.tokens:
         inputs = make_inputs(tokens)
         ref_out = fla_ref.get(tokens)
