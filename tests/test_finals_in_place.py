@@ -59,7 +59,11 @@ def test_finals_in_place_is_the_scatter_bit_for_bit(monkeypatch, counts, reset, 
     outs = {}
     for on in (False, True):
         monkeypatch.setattr(qwen3_5, "GDN_FINALS_IN_PLACE", on)
-        outs[on] = jax.jit(run)(params, cache)  # a new function per form: its own trace
+        # each form traced anew: jax.jit(run) of the same `run` reused the first form's trace
+        # (JAX caches traces by the function object, and the switch is read while tracing),
+        # so the two "forms" were one program; clear_caches also drops any inner cached trace
+        jax.clear_caches()
+        outs[on] = jax.jit(run)(params, cache)
     for got, ref in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
 
