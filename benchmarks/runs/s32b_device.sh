@@ -1,11 +1,15 @@
 #!/bin/bash
-# The second device call of session 32 (<= 9.5 min): issue 29's span request with the GDN
-# finals in place (on since session 31: its cold and plain calls' prefill steps are plain
-# steps), its reordered prefill and decode profiled again with the checkpoint rows stored layer
-# by layer (checkpoint_pool.CHECKPOINTS_STACKED=0: no [Lg, K] stack, session 32); the 64-seat
-# 128- and 1,024-token prefill steps with the checkpoint pool in both store forms, alternated
-# twice; then the 32K GDN layer against fla (carry `.whl`: fla-core and einops wheels) if time
-# is left.
+# The second device call of session 32 (<= 9.5 min, a short table last):
+# 1. issue 29's span request with the GDN finals in place (on since session 31: its cold and
+#    plain calls' prefill steps are plain steps), its reordered prefill and decode profiled
+#    again with the checkpoint rows stored layer by layer (CHECKPOINTS_STACKED=0, session 32);
+# 2. where a warm span step's premium over a plain one goes (rag's 1,024-token steps at 16
+#    seats, the 40 costliest kernels of each; s31: 12.16 vs 7.96 ms, 797 vs 612 kernels);
+# 3. the 32K GDN layer against fla with the scan's options swept on this card (`gdn --sweep`:
+#    fused_triton.DEFAULTS came from an H200 sweep; the scan is 0.455 of the 1.14 ms
+#    `fused_mosaic_out` layer on an H100, s26b). Carry `.whl` (fla-core and einops wheels:
+#    `mkdir .whl; cp /opt/pypi/files/{fla_core,flash_linear_attention}-0.5.2*.whl
+#    /opt/pypi/files/einops-0.8.2*.whl .whl/`) for the fla rows.
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s32b_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -13,15 +17,25 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s32
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s32b.txt
 left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
 nvidia-smi -L > "$R" 2>/dev/null
-OUT=$OUT LIMIT=300 EXTRA="--profile-top 12 --profile-forms CHECKPOINTS_STACKED=0" \
+OUT=$OUT LIMIT=280 EXTRA="--profile-top 12 --profile-forms CHECKPOINTS_STACKED=0" \
   bash benchmarks/runs/span_request_device.sh >> "$R"
-L=$(left); [ "$L" -gt 170 ] && L=170
-[ "$L" -ge 80 ] && timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 \
-  --max-model-len 25600 --tokens 128 1024 --ckpt 1 --reps 15 --profile 4 \
-  --forms "" CHECKPOINTS_STACKED=0 "" CHECKPOINTS_STACKED=0 > "$OUT/ckpt_store_ab.txt" 2>&1
-echo "checkpoint store A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "^live_prerotate|^time |^profile prefill [^|]*:" "$OUT/ckpt_store_ab.txt" | cut -c1-170 >> "$R"
+L=$(left); [ "$L" -gt 110 ] && L=110
+[ "$L" -ge 60 ] && timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b \
+  --dtype bfloat16 --reps 9 --variants plain warm/0 --forms new --profile 40 \
+  > "$OUT/steps_top40.txt" 2>&1
+echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "^time|kernels, busy" "$OUT/steps_top40.txt" | cut -c1-150 >> "$R"
+if ls .whl/fla_core*.whl > /dev/null 2>&1; then
+  timeout 40 python3 -m pip install -q --no-deps --no-index --target /tmp/site \
+    .whl/fla_core*.whl .whl/einops*.whl > /dev/null 2>&1
+fi
 L=$(left)
-[ "$L" -ge 60 ] && OUT=$OUT LIMIT=$L bash benchmarks/runs/gdn32k_device.sh >> "$R"
+[ "$L" -ge 90 ] && PYTHONPATH=$PWD:/tmp/site timeout $L python3 -m benchmarks.cli gdn \
+  --tokens 32768 --reps 5 --variants fused_mosaic_out --sweep --sweep-budget-s 100 \
+  --profile > "$OUT/gdn_sweep.txt" 2>&1
+echo "gdn sweep rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "^sweep scan" "$OUT/gdn_sweep.txt" | sort -t: -k2 -n | head -6 | cut -c1-120 >> "$R"
+grep -E "^sweep best|^ +32768 " "$OUT/gdn_sweep.txt" | cut -c1-120 >> "$R"
+grep -E "profile: busy" "$OUT/gdn_sweep.txt" | cut -c1-170 >> "$R"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"
