@@ -252,6 +252,16 @@ def sweep(inputs, reps, deadline):
     return rows, best
 
 
+def best_variants(best: dict) -> dict:
+    """The sweep's best as variants, also with the Mosaic solve and output (the engine's)."""
+    fused = jax_variants()["fused"]
+    scan = {k: best[k] for k in ("layout", "block_v", "scan_warps", "scan_stages") if k in best}
+    return {"fused_best": functools.partial(fused, **best),
+            "fused_best_mask": functools.partial(fused, **best, ckpt_store="mask"),
+            "fused_mosaic_out_best": functools.partial(fused, intra="mosaic", output="mosaic",
+                                                       **scan)}
+
+
 def _profile(f, jin, label):
     """gdn_profile.profile_jax of one variant, printed against the floors; None if it fails."""
     from benchmarks import gdn_profile
@@ -335,14 +345,7 @@ def run(args):
         t_sweep = max(args.tokens)
         sweep_rows, best = sweep(make_inputs(t_sweep), max(3, args.reps // 3),
                                  time.perf_counter() + args.sweep_budget_s)
-        fused = jax_variants()["fused"]
-        variants["fused_best"] = functools.partial(fused, **best)
-        variants["fused_best_mask"] = functools.partial(fused, **best, ckpt_store="mask")
-        # the Mosaic solve and output with the swept scan (what the engine's "mosaic" would run)
-        scan = {k: best[k] for k in ("layout", "block_v", "scan_warps", "scan_stages")
-                if k in best}
-        variants["fused_mosaic_out_best"] = functools.partial(fused, intra="mosaic",
-                                                              output="mosaic", **scan)
+        variants.update(best_variants(best))
     for tokens in args.tokens:
         inputs = make_inputs(tokens)
         ref_out = fla_ref.get(tokens)

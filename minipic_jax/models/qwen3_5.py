@@ -312,15 +312,23 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
             x = x[logits_indices]  # [N, E]
         logits = model.logits(x, cfg)  # [N, V] float32
     cache = Qwen35Cache(**{name: tuple(arrays) for name, arrays in new.items()})
-    ckpts = None
-    if checkpoint_at is not None and ck_conv:
-        ckpts = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta)) if stack_checkpoints \
-            else dict(conv=tuple(ck_conv), delta=tuple(ck_delta))
-    if span_maps:  # span_pieces.capture: the captured pieces' maps, layer-major
-        ckpts = dict(ckpts or {}, span_maps=dict(  # per layer: span_maps.store scatters each
-            a=tuple(m["a"] for m in span_maps), b=tuple(m["b"] for m in span_maps),
-            tail=tuple(m["tail"] for m in span_maps), count=span_maps[0]["count"]))
+    ckpts = _extras(ck_conv, ck_delta, span_maps, stack_checkpoints) \
+        if (checkpoint_at is not None and ck_conv) or span_maps else None
     return logits, cache, ckpts
+
+
+def _extras(ck_conv, ck_delta, span_maps, stack: bool) -> dict:
+    """forward_with_checkpoints' third output: the layers' checkpoints (stacked, or tuples of
+    per-layer arrays) and the captured span maps, layer-major."""
+    out = {}
+    if ck_conv:
+        out = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta)) if stack \
+            else dict(conv=tuple(ck_conv), delta=tuple(ck_delta))
+    if span_maps:  # span_pieces.capture: per layer, span_maps.store scatters each
+        out["span_maps"] = dict(
+            a=tuple(m["a"] for m in span_maps), b=tuple(m["b"] for m in span_maps),
+            tail=tuple(m["tail"] for m in span_maps), count=span_maps[0]["count"])
+    return out
 
 
 def forward(params: dict, tokens, metadata, cache: Qwen35Cache, cfg: ModelConfig, *,
