@@ -50,3 +50,11 @@ def test_a_flipped_switch_changes_the_program_context(monkeypatch):
     assert r._program_context() != before
     monkeypatch.setattr(qwen3_5, "GDN_DECODE_IN_PLACE", on)
     assert r._program_context() == before
+
+
+def test_switch_names_are_unique():
+    """Benchmarks name a switch by its bare name (`--forms NAME=0|1`, benchmarks/program_forms.py
+    maps names to modules): two switches of one name would make a form set only one of them
+    (session 32's checkpoint store was first called STORE_STACKED, as span_maps' is)."""
+    names = [name for _, name in program_switches.SWITCHES]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
