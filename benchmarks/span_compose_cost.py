@@ -263,13 +263,14 @@ def report(res: dict) -> str:
               f"(probe maps; the captured maps' A are {res['a_zero']:.1%} zeros)"]
     lines += [f"compose {name:9s} | {v['ms']:.3f} | {v['share']:.2%} | {v['tflops']:.2f} | "
               f"{v['rel_vs_highest']:.2e}" for name, v in res["precisions"].items()]
-    pipe = (res.get("program") or {}).get("pipelined")
+    prog = res.get("program") or {}
+    pipe = prog.get("pipelined")
     if pipe:
         lines += [f"compose program pipelined: step + compose {pipe['pair_ms']:.3f} ms against the "
                   f"step alone {pipe['step_ms']:.3f} ms = +{pipe['share']:.2%} (IQR "
                   f"{pipe['share_iqr'][0]:+.2%} .. {pipe['share_iqr'][1]:+.2%}; {pipe['iters']} "
                   f"pairs dispatched, one wait)"]
-    if res.get("program", {}).get("profile"):  # the engine's own compose program, replayed
+    if prog.get("profile"):  # the engine's own compose program, replayed
         prof, ms = res["program"]["profile"], res["program"]["ms"]
         form = {True: "in place", False: "read-compose-write"}
         lines += [f"compose program {ms:.3f} ms = {ms / res['step_ms']:.2%} of the step: "

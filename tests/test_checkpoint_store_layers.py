@@ -11,7 +11,11 @@ import pytest
 
 from minipic_jax.models import qwen3_5
 from serving.hybrid import checkpoint_pool
+from serving.hybrid.checkpoint_plan import step_rows
+from tests.jaxpr_walk import outer_eqns
 from tests.test_hybrid_checkpoint_rows import traced_prefill_step, value_shapes
+
+POOL_SLOTS = 8  # the traced step's checkpoint pool
 
 
 def _pool_step(seed: int):
@@ -90,12 +94,9 @@ def test_the_traced_step_holds_no_stack_of_checkpoint_rows(stacked, monkeypatch)
     stacked store a [Lg, K, Hv, Dk, Dv] value exists and one scatter writes the pool's delta;
     layer by layer, no such value and one scatter a GDN layer."""
     monkeypatch.setattr(checkpoint_pool, "CHECKPOINTS_STACKED", stacked)
-    jaxpr, s, tail, layers = traced_prefill_step(16, 8)
-    from serving.hybrid.checkpoint_plan import step_rows
-    k = step_rows(s)
-    stack = (layers, k) + tail
+    jaxpr, s, tail, layers = traced_prefill_step(16, POOL_SLOTS)
+    stack = (layers, step_rows(s)) + tail
     assert (stack in value_shapes(jaxpr)) == stacked
-    from tests.jaxpr_walk import outer_eqns
     pool_writes = [e for e in outer_eqns(jaxpr) if e.primitive.name == "scatter"
-                   and tuple(e.invars[0].aval.shape) == (layers, 8) + tail]
+                   and tuple(e.invars[0].aval.shape) == (layers, POOL_SLOTS) + tail]
     assert len(pool_writes) == (1 if stacked else layers)

@@ -312,14 +312,12 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
             x = x[logits_indices]  # [N, E]
         logits = model.logits(x, cfg)  # [N, V] float32
     cache = Qwen35Cache(**{name: tuple(arrays) for name, arrays in new.items()})
-    ckpts = _extras(ck_conv, ck_delta, span_maps, stack_checkpoints) \
-        if (checkpoint_at is not None and ck_conv) or span_maps else None
-    return logits, cache, ckpts
+    return logits, cache, _extras(ck_conv, ck_delta, span_maps, stack_checkpoints) or None
 
 
 def _extras(ck_conv, ck_delta, span_maps, stack: bool) -> dict:
     """forward_with_checkpoints' third output: the layers' checkpoints (stacked, or tuples of
-    per-layer arrays) and the captured span maps, layer-major."""
+    per-layer arrays; none without checkpoint_at) and the captured span maps, layer-major."""
     out = {}
     if ck_conv:
         out = dict(conv=jnp.stack(ck_conv), delta=jnp.stack(ck_delta)) if stack \

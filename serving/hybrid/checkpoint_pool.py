@@ -126,7 +126,7 @@ def checkpointed_forward(family, params, tokens, md, cache, mcfg, pool, f, decod
         kw = dict(kw, stack_checkpoints=False)  # per layer, into the pool's layers
     logits, cache, ck = family.forward_with_checkpoints(
         params, tokens, md, cache, mcfg, checkpoint_at=ck_rows, **kw)
-    if ck is not None:  # [Lg, K, ...], like the slots
+    if ck is not None:  # [Lg, K, ...] (or Lg arrays [K, ...]), like the slots
         pool = store_rows(pool, f["ck_slot"], ck["conv"], ck["delta"])
     return (logits, cache, pool, ck) if with_extras else (logits, cache, pool)
 
