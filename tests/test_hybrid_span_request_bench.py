@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from benchmarks import hybrid_span_request as bench
 
 SHAPE = ["--model", "tiny_qwen3_5", "--dtype", "float32", "--max-num-seqs", "4",
@@ -23,6 +25,9 @@ def _args(argv):
     return p.parse_args(argv)
 
 
+# ~15 s on CPU (six span requests, then two replayed under a form): slow tier for CI time; run it
+# before a device call of the bench (MINIPIC_RUN_SLOW=1 ./minipic test tests/test_hybrid_span_request_bench.py)
+@pytest.mark.slow
 def test_bench_writes_every_row_and_the_reordered_calls_hit(tmp_path, capsys):
     out = tmp_path / "hspan.json"
     from kernels_pallas.paged_attention import triton_ragged

@@ -5,6 +5,7 @@ and its plan counts what chain_compose runs."""
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from benchmarks import span_compose_cost
 from serving.hybrid import span_compose
@@ -87,6 +88,9 @@ def test_probe_pool_keeps_the_chained_maps_with_a_nonzero_a(fresh_rng):
     assert 0.5 < norms.mean() < 1.5
 
 
+# ~20 s on CPU (a hybrid rag run): slow tier for CI time; run it before a device call that times
+# `rag --compose-cost` (MINIPIC_RUN_SLOW=1 ./minipic test tests/test_span_compose_cost.py)
+@pytest.mark.slow
 def test_rag_compose_cost_measures_a_hybrid_run(tmp_path, capsys):
     """`rag --compose-cost 1` end to end on a tiny hybrid (CPU): `measure` ran (a local import
     inside it once shadowed the module its jitted closure composes with: a NameError on the
