@@ -76,6 +76,10 @@ OPTIONS = {
                               "the most cached maps and its span-map composition alone "
                               "(benchmarks/span_compose_cost.py)"),
     "seed": dict(type=int, default=0, help="workload seed (default: %(default)s)"),
+    "program_form": dict(default="", metavar="NAME=0|1,...",
+                         help="program switches (serving/step/program_switches.py) every "
+                              "configuration's engine is built and run under, e.g. "
+                              "TRANSITIONS_IN_STREAM=0 (default: as they are)"),
 }
 
 
@@ -88,6 +92,14 @@ def add_parser(p):
                    help="run every configuration in this process (tests; no fresh GPU each)")
     p.add_argument("--worker", default=None, help=argparse_hidden())
     p.add_argument("--worker-out", default=None, help=argparse_hidden())
+
+
+def _run_config(name: str, args) -> dict:
+    """rag_runs.run_config under --program-form's switches."""
+    from benchmarks.program_forms import program_form
+    from benchmarks.rag_runs import run_config
+    with program_form(args.program_form or "", flag="--program-form"):
+        return run_config(name, args)
 
 
 def argparse_hidden():
@@ -107,9 +119,8 @@ def _worker_argv(args, name: str, path: str) -> list[str]:
 
 
 def _run_one(args, name: str) -> dict:
-    from benchmarks.rag_runs import run_config
     if args.in_process:
-        return run_config(name, args)
+        return _run_config(name, args)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(pathlib.Path(tmp) / f"{name}.json")
         proc = subprocess.run(_worker_argv(args, name, path), env=os.environ.copy())
@@ -235,8 +246,7 @@ def plot(results: list, path: pathlib.Path) -> str | None:
 
 def run(args) -> int:
     if args.worker:
-        from benchmarks.rag_runs import run_config
-        res = run_config(args.worker, args)
+        res = _run_config(args.worker, args)
         pathlib.Path(args.worker_out).write_text(json.dumps(res))
         return 0
     out = pathlib.Path(args.out)

@@ -95,7 +95,7 @@ def final_bounds(jp, finals):
 
 def run_joint(q, k, v, g, beta, jp, table, chunk_state, fin_bounds, *, checkpoint_at=None,
               pos0=None, scale=None, chunk=64, implementation="xla", interpret=False,
-              first_states=None):
+              first_states=None, transitions=None):
     """The joint stream's kernels. table [N, Hv, Dk, Dv] float32 or a StateRows: the initial
     states (first_states: the first pass's alone, where cheaper to read: its checkpoints';
     chunk_state [NC] the table row each chunk's sequence starts from (several sequences may
@@ -105,7 +105,9 @@ def run_joint(q, k, v, g, beta, jp, table, chunk_state, fin_bounds, *, checkpoin
     Returns (out [NC * C, Hv, Dv] in the packed slots: a pass's rows are
     take_rows(out, jp["slot_of"][p]); the states at fin_bounds [F, Hv, Dk, Dv] float32, undefined
     where a sequence has no rows (`final_bounds`' has: the caller's initial state); checkpoints
-    [K, ...] (ragged_prefill's) or None)."""
+    [K, ...] (ragged_prefill's) or None); with `transitions` (run_stream's: chunks of the
+    stream's own sequences, whose maps' products the caller wants) also their products
+    [M, Hv, Dk, Dk] float32, a fourth result."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     n_chunks = jp["src"].shape[0] // jp["chunk"]
     bounds = fin_bounds
@@ -114,13 +116,15 @@ def run_joint(q, k, v, g, beta, jp, table, chunk_state, fin_bounds, *, checkpoin
         ck_use, ck_bound = ragged.checkpoint_bounds(ck_rows, pos0, jp, jp["chunk"], n_chunks)
         bounds = jnp.concatenate([bounds, ck_bound])
     with dots.exact_for(v.dtype):
-        out, states, _, _ = ragged.run_stream(q, k, v, g, beta, jp, table, chunk_state, bounds,
-                                           scale=scale, chunk=chunk,
-                                           implementation=implementation, interpret=interpret)
+        out, states, products, _ = ragged.run_stream(
+            q, k, v, g, beta, jp, table, chunk_state, bounds, scale=scale, chunk=chunk,
+            implementation=implementation, interpret=interpret, transitions=transitions)
     n_fin = fin_bounds.shape[0]
     ckpt = None
     if checkpoint_at is not None:
         ckpt = ragged.rows_states(ck_use, states[n_fin:],
                                   table if first_states is None else first_states, ck_rows.seq,
                                   ck_shape)
+    if transitions is not None:
+        return out, states[:n_fin], ckpt, products
     return out, states[:n_fin], ckpt

@@ -77,6 +77,30 @@ def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transitio
     return out
 
 
+def _chunk_products(w, kd, decay_last, first, count, init):
+    """XLA: [M, H, Dk, Dk] the product of the maps of packed chunks first[m] .. + count[m]
+    (w, kd [1, H, NC, C, Dk], decay_last [1, H, NC]) from I (init None) or init's row m (a
+    StateRows or [M, H, Dk, Dk]): the scan's state step with U = 0, every product carried
+    through every chunk and changed in its own."""
+    m, (hv, dk) = first.shape[0], w.shape[1:2] + w.shape[-1:]
+    p0 = (jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (m, hv, dk, dk)) if init is None
+          else rows_of(init, jnp.arange(m, dtype=jnp.int32)))
+    end = first + jnp.maximum(count, 0)
+
+    def step(p, xs):  # per product the scan's state step with U = 0 (the same dots)
+        c, w_c, kd_c, dl_c = xs  # [H, C, Dk], [H, C, Dk], [H]
+        nxt = []
+        for i in range(m):
+            v_new = -jnp.einsum("hcd,hde->hce", w_c, p[i])
+            nxt.append(p[i] * dl_c[:, None, None] + jnp.einsum("hcd,hce->hde", kd_c, v_new))
+        return jnp.where(((first <= c) & (c < end))[:, None, None, None], jnp.stack(nxt),
+                         p), None
+
+    xs = (jnp.arange(w.shape[2], dtype=jnp.int32),) + tuple(
+        jnp.moveaxis(x[0], 1, 0) for x in (w, kd, decay_last))
+    return jax.lax.scan(step, p0, xs)[0]
+
+
 # The kernels' packed stream takes q and k in v's dtype where v is bf16 / f16 (ragged_triton.
 # qk_in_v_dtype): the model L2-normalises them in float32 (as HF does), the kernels round them to
 # the dot dtype in every dot, and the gathers that fill the static stream move half the q / k
@@ -138,9 +162,10 @@ def _packed_once(*args, run, options):
     kernels are traced and lowered once per step variant and each layer calls that one function
     (XLA inlines the call: the same program). Traced per layer they were most of Qwen3.5's
     trace and lower time on the host (benchmarks/lower_time.py)."""
-    *arrays, n_used, first, n_ch, src = args
+    *arrays, n_used, first, n_ch, src, transitions = args
+    extra = {} if transitions is None else {"transitions": transitions}
     return run(*arrays, interpret=False, n_used=n_used, seq_first=first, seq_chunks=n_ch,
-               src=src, **dict(options))
+               src=src, **extra, **dict(options))
 
 
 def rows_states(use, states, state0, seq, shape, start=None):
@@ -244,16 +269,22 @@ def _state0_finals(state0, pk, fin):
 
 
 def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk, implementation,
-               interpret=False, transition=False):
+               interpret=False, transition=False, transitions=None):
     """The packed stream's kernels (or the XLA scan): q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
     [T, Hv] rows of the source stream, gathered into the packed slots by pk["src"] (v by
     pk["src_v"] where a packing has one: joint.py's v = 0 rows); state0 [N, Hv, Dk, Dv] float32,
     seq_state [NC] the state0 row each chunk's sequence starts from (read at its first chunk);
     bounds [B] boundary indices (boundary j: the state after packed chunk j - 1).
+    transitions: None, or (first [M], count [M] int32, init): the maps' products of chunks
+    first[m] .. + count[m] of this stream (a captured span piece's), from I (init None) or
+    init's row m (a StateRows of M rows), over the stream's own W / KD (ragged_triton.packed_gated_delta's; Dk = Dv).
     Returns (out [NC * C, Hv, Dv] in the packed slots, the state at each bound [B, Hv, Dk, Dv]
-    float32, with `transition` (XLA only) the chunk maps' product there [B, Hv, Dk, Dk], else
-    None, and for a write_final StateRows (the kernels only) its source with the sequences'
-    finals written in place, else None)."""
+    float32, with `transition` (XLA only) the chunk maps' product there [B, Hv, Dk, Dk], with
+    `transitions` their products [M, Hv, Dk, Dk] float32, else None, and for a write_final
+    StateRows (the kernels only) its source with the sequences' finals written in place, else
+    None)."""
+    if transition and transitions is not None:
+        raise ValueError("run_stream: transition and transitions exclude each other")
     hk, hv = k.shape[1], v.shape[1]
     src_v = pk.get("src_v", pk["src"])
     pairs = ((q, pk["src"]), (k, pk["src"]), (v, src_v), (g, pk["src"]), (beta, pk["src"]))
@@ -283,12 +314,16 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
             out, bound_states, *written = ragged_triton.packed_gated_delta(
                 *args, interpret=True, n_used=pk["n_used"], seq_first=pk["first"],
-                seq_chunks=pk["n_ch"], src=srcs, **options)
+                seq_chunks=pk["n_ch"], src=srcs,
+                **({} if transitions is None else {"transitions": transitions}), **options)
         else:
             out, bound_states, *written = _packed_once(
-                *args, pk["n_used"], pk["first"], pk["n_ch"], srcs,
+                *args, pk["n_used"], pk["first"], pk["n_ch"], srcs, transitions,
                 run=ragged_triton.packed_gated_delta, options=tuple(sorted(options.items())))
-        return out[0], bound_states, None, written[0] if written else None
+        prod = None
+        if transitions is not None:
+            prod, *written = written
+        return out[0], bound_states, prod, written[0] if written else None
     if implementation != "xla":
         raise ValueError(f"ragged_prefill: implementation must be 'xla' or one of "
                          f"{tuple(KERNEL_OPTIONS)}, got {implementation!r}")
@@ -305,5 +340,9 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         seq_state, as_array(state0).astype(f32), transition=transition)
     out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
                                jnp.moveaxis(entering, 0, 1)[None])
-    return (chunked.from_chunks(out)[0], before[bounds], prod[0][bounds] if transition else None,
+    if transitions is not None:
+        prod = [_chunk_products(parts["w"], parts["kd"], parts["decay_last"], *transitions)]
+    elif transition:
+        prod = [prod[0][bounds]]
+    return (chunked.from_chunks(out)[0], before[bounds], prod[0] if prod else None,
             None)

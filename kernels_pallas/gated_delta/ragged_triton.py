@@ -115,6 +115,65 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
                 final_ref.shape[1:], final_ref.dtype)
 
 
+def _transition_kernel(w_ref, kd_ref, dl_ref, first_ref, count_ref, *refs, n_chunks, chunk,
+                       dot_dtype, layout, n_sources, block_v):
+    # per transition (grid axis 2): the product of the maps (affine.py) of packed chunks
+    # first .. first + count (another sequence's: its W, KD, decay), from I or, with n_sources,
+    # row `sid` of a StateRows (kind, index, its sources' blocks: a long span's A so far);
+    # out [M, Dk, BV] in the "kv" order. No V', no per-chunk states: the chunks' own sequence
+    # stores those.
+    out_ref = refs[-1]
+    vk = layout == "vk"
+    j = pl.program_id(1)
+    sid = pl.program_id(2)
+    start = jnp.minimum(first_ref[sid], n_chunks)
+    end = jnp.minimum(start + jnp.maximum(count_ref[sid], 0), n_chunks)
+    if n_sources:
+        kind_ref, index_ref, *src_refs = refs[:-1]
+        p0 = state_rows.load_tile(sid, kind_ref, index_ref, src_refs, j=j, block_v=block_v,
+                                  transpose=vk)
+    else:
+        p0 = state_rows.eye_tile(out_ref.shape[1:], j=j, block_v=block_v)
+        p0 = p0.T if vk else p0
+
+    def body(c, p):
+        return scan_fused.step(c, p, w_ref, None, kd_ref, dl_ref, None, chunk=chunk,
+                               dot_dtype=dot_dtype, layout=layout)
+
+    p = jax.lax.fori_loop(start, end, body, p0)
+    out_ref[sid] = p.T if vk else p
+
+
+def _transition_scan(w, kd, dl, first, count, init, *, chunk, dot_dtype, layout, block_v,
+                     num_warps, num_stages, interpret):
+    """[M, Hv, Dk, Dk] float32: for each transition m the product of the maps of packed chunks
+    first[m] .. + count[m] (`_transition_kernel`), from I (init None) or init's row m (a
+    StateRows of M rows). Dk = Dv (a product is a state-sized block)."""
+    _, t_len, hv, dk = w.shape
+    nc = t_len // chunk
+    m = first.shape[0]
+    seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j, *_: (0, 0, h, 0))
+    whole = lambda n: pl.BlockSpec((n,), lambda h, j, *_: (0,))  # noqa: E731
+    in_specs = [seq_k, seq_k, pl.BlockSpec((None, nc), lambda h, j, *_: (h, 0)),
+                whole(m), whole(m)]
+    init_ops = ()
+    if init is not None:
+        in_specs += [whole(m), whole(m)] + [_source_spec(src, init.layer_of(i), dk, block_v)
+                                            for i, src in enumerate(init.sources)]
+        init_ops = (init.kind, init.index, *init.sources)
+    return pl.pallas_call(
+        functools.partial(_transition_kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype,
+                          layout=layout, n_sources=0 if init is None else len(init.sources),
+                          block_v=block_v),
+        grid=(hv, dk // block_v, m),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((m, None, dk, block_v), lambda h, j, *_: (0, h, 0, j))],
+        out_shape=[jax.ShapeDtypeStruct((m, hv, dk, dk), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(w, kd, dl, jnp.asarray(first, jnp.int32), jnp.asarray(count, jnp.int32), *init_ops)[0]
+
+
 def _final_row(index_ref, sid, final_ref):
     """The source row sequence `sid`'s final state goes to (clipped: a bad index cannot write
     outside the source)."""
@@ -135,7 +194,7 @@ def qk_in_v_dtype(q, k, v):
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
                        chunk=64, dot_dtype=None, interpret=False, n_used=None, seq_first=None,
                        seq_chunks=None, seq_parallel=None, states_in_place=None, src=None,
-                       **options):
+                       transitions=None, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -153,11 +212,18 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         state_rows.STATES_IN_PLACE (state0 a StateRows read by the kernel, or built first).
       src: None, or (src, src_v) [NC*C] int32: q, k, v, g, beta are the step's source rows
         ([R, Hk, Dk], ...), read by intra "blocked" and output "triton" (stream_rows.py).
+      transitions: None, or (first [M], count [M] int32, init): also the product of the maps
+        of packed chunks first[m] .. + count[m] (chunks of the stream's own sequences: a
+        captured span piece's, whose map the caller wants) from I (init None) or init's row m
+        (a StateRows of M rows),
+        by a second scan over the same W / KD (no stream rows, intra or output work of their
+        own; `_transition_kernel`). Needs Dk = Dv.
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
-      out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32, and where
-      state0 is a write_final StateRows its source with every sequence's final state written
-      in place (the source aliased to the scan kernel's last output).
+      out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32, with
+      transitions their products [M, Hv, Dk, Dk] float32, and where state0 is a write_final
+      StateRows its source with every sequence's final state written in place (the source
+      aliased to the scan kernel's last output).
     """
     unknown = set(options) - set(fused_triton.DEFAULTS)
     if unknown:
@@ -209,7 +275,15 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     if vk and not isinstance(s0, StateRows):
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter
-    return (out, bound[winner], *written)  # written: the write_final source, if any
+    products = ()
+    if transitions is not None:
+        first, count, init = transitions
+        products = (_transition_scan(w, kd, dl, first, count, init, chunk=chunk,
+                                     dot_dtype=dot_dtype, layout=layout,
+                                     block_v=min(opt["block_v"], dk),
+                                     num_warps=opt["scan_warps"],
+                                     num_stages=opt["scan_stages"], interpret=interpret),)
+    return (out, bound[winner], *products, *written)  # written: the write_final source, if any
 
 
 def reads_rows_in_place(seq_parallel=None, states_in_place=None) -> bool:

@@ -35,15 +35,21 @@ CKPT_STORES = ("segments", "when", "mask")
 
 
 def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout):
-    """One chunk: V' (stored) from the state s entering chunk c, and the state leaving it."""
+    """One chunk: V' (stored) from the state s entering chunk c, and the state leaving it.
+    u_ref None: U = 0 (a transition: the state carries the chunk maps' product, affine.py), and
+    vnew_ref None: V' is not stored."""
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     if layout == "kv":  # s [Dk, BV]
-        v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], s, dot_dtype)
-        vnew_ref[rows, :] = v_new.astype(vnew_ref.dtype)
+        ws = _dot(w_ref[rows, :], s, dot_dtype)
+        v_new = -ws if u_ref is None else u_ref[rows, :].astype(jnp.float32) - ws
+        if vnew_ref is not None:
+            vnew_ref[rows, :] = v_new.astype(vnew_ref.dtype)
         return s * dl_ref[c] + _dot_tn(kd_ref[rows, :], v_new, dot_dtype)
     # s = S^T [BV, Dk]
-    v_t = u_ref[rows, :].astype(jnp.float32).T - _dot_t(s, w_ref[rows, :], dot_dtype)
-    vnew_ref[rows, :] = v_t.T.astype(vnew_ref.dtype)
+    sw = _dot_t(s, w_ref[rows, :], dot_dtype)
+    v_t = -sw if u_ref is None else u_ref[rows, :].astype(jnp.float32).T - sw
+    if vnew_ref is not None:
+        vnew_ref[rows, :] = v_t.T.astype(vnew_ref.dtype)
     return s * dl_ref[c] + _dot(v_t, kd_ref[rows, :], dot_dtype)
 
 

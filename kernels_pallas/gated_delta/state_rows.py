@@ -108,7 +108,12 @@ def load_tile(row, kind_ref, index_ref, src_refs, *, j, block_v: int, transpose:
     for i, ref in enumerate(src_refs):
         got = ref[jnp.clip(index, 0, ref.shape[0] - 1)].astype(jnp.float32)
         tile = jnp.where(kind == i, got, 0.0 if tile is None else tile)
-    r = jax.lax.broadcasted_iota(jnp.int32, tile.shape, 0)
-    c = jax.lax.broadcasted_iota(jnp.int32, tile.shape, 1) + j * block_v
-    tile = jnp.where(kind == EYE, jnp.where(r == c, 1.0, 0.0), tile)
+    tile = jnp.where(kind == EYE, eye_tile(tile.shape, j=j, block_v=block_v), tile)
     return tile.T if transpose else tile
+
+
+def eye_tile(shape, *, j, block_v: int):
+    """Inside a kernel: value block j of the identity, a float32 [Dk, block_v] tile (`shape`)."""
+    r = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + j * block_v
+    return jnp.where(r == c, 1.0, 0.0)

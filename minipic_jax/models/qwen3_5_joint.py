@@ -27,6 +27,12 @@ from serving.model_contract import CHECKPOINT_BREAKS, SpanPieces
 # False: every span step runs its passes separately (qwen3_5_spans.run_local): for A/B timing
 # and as the form the joint stream must equal; read when a step is traced
 ENABLED = True
+# True: the transition pass is a pass of the stream (its rows gathered again, through the intra
+# and output kernels, outputs dropped; its chunks in every warm step's static stream). False: a
+# captured piece's map product is a second scan over the W / KD its local piece's chunks already
+# have (ragged_triton._transition_kernel): no rows, intra or output work of its own, the same
+# bits. Off until a device compiles and times it; read when a step is traced.
+TRANSITIONS_IN_STREAM = True
 
 
 def usable(cfg, decode) -> bool:
@@ -67,11 +73,14 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     n_breaks = CHECKPOINT_BREAKS * (breaks is not None)
     bound = packed_chunks(n_rows, seqs, chunk) + n_breaks + local_chunks
     mc = 0
+    in_stream = TRANSITIONS_IN_STREAM
     if pieces.capture is not None:
         mc = pieces.capture.shape[0]
-        sel, cu_sel = selected_rows(cu_local, pieces.capture, n_rows)
-        passes.append(JointPass(cu_sel, jnp.zeros(mc, jnp.int32), compact[sel], zero_v=True))
-        bound += min(local_chunks, packed_chunks(n_rows, mc, chunk, aligned=True))
+        if in_stream:
+            sel, cu_sel = selected_rows(cu_local, pieces.capture, n_rows)
+            passes.append(JointPass(cu_sel, jnp.zeros(mc, jnp.int32), compact[sel],
+                                    zero_v=True))
+            bound += min(local_chunks, packed_chunks(n_rows, mc, chunk, aligned=True))
     jp = joint_packing(passes, n_rows, chunk=chunk, max_chunks=bound, max_breaks=n_breaks)
     flow_slot, local_slot = jp["slot_of"][0], jp["slot_of"][1]
     dest = jnp.where(pieces.row_span, local_slot.at[row_local].get(mode="fill", fill_value=0),
@@ -80,11 +89,16 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     finals = jnp.concatenate([jnp.arange(seqs, dtype=jnp.int32),
                               jp["seq_offset"][1] + local_final_of]
                              + ([jp["seq_offset"][2] + jnp.arange(mc, dtype=jnp.int32)]
-                                if mc else []))
-    fin_bounds, has = final_bounds(jp, finals)
-    return dict(joint=jp, dest=dest, chunk_state=state_row[jp["seq_of_chunk"]],
-                fin_bounds=fin_bounds, has=has, seqs=seqs, mc=mc,
-                n_local=local_final_of.shape[0], with_entries=entry_use is not None)
+                                if mc and in_stream else []))
+    out = dict(joint=jp, dest=dest, seqs=seqs, mc=mc, n_local=local_final_of.shape[0],
+               with_entries=entry_use is not None, trans_in_stream=in_stream)
+    if mc and not in_stream:  # each capture's product over its local piece's chunks
+        piece = jp["seq_offset"][1] + jnp.clip(pieces.capture, 0, g - 1)
+        out.update(trans_first=jp["first"][piece],
+                   trans_count=jnp.where(pieces.capture >= 0, jp["n_ch"][piece], 0))
+    out["fin_bounds"], out["has"] = final_bounds(jp, finals)
+    out["chunk_state"] = state_row[jp["seq_of_chunk"]]
+    return out
 
 
 def _table(delta0, layer_plan):
@@ -138,17 +152,20 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     dk = k.shape[2]
     f32 = jnp.float32
     table, entry_a = _table(delta0, layer_plan if p["with_entries"] else None)
-    out, fin, ck = run_joint(q, k, v, g, beta, p["joint"], table,
-                             p["chunk_state"], p["fin_bounds"], checkpoint_at=checkpoint_at,
-                             pos0=pos0, chunk=p["joint"]["chunk"], first_states=delta0,
-                             **kernel)
+    by_scan = mc and not p["trans_in_stream"]
+    if by_scan:  # the captures' products: a scan over their local pieces' chunks
+        kernel = dict(kernel, transitions=(p["trans_first"], p["trans_count"], entry_a))
+    out, fin, ck, *products = run_joint(
+        q, k, v, g, beta, p["joint"], table, p["chunk_state"], p["fin_bounds"],
+        checkpoint_at=checkpoint_at, pos0=pos0, chunk=p["joint"]["chunk"], first_states=delta0,
+        **kernel)
     has = p["has"][:, None, None, None]
     # a sequence with no rows ends where it starts: the flow in its state, a piece at zero (a
     # piece that continues a long span is never empty), a transition at I or its entry's A
     flow = jnp.where(has[:s], fin[:s], rows_of(delta0, jnp.arange(s, dtype=jnp.int32)))
     local = jnp.where(has[s:s + n_local], fin[s:s + n_local], 0.0)
-    a_span = None
-    if mc:
+    a_span = products[0] if by_scan else None  # an empty capture's is its initial row
+    if mc and not by_scan:
         a0 = entry_a.materialize() if p["with_entries"] else jnp.eye(dk, dtype=f32)
         a_span = jnp.where(has[s + n_local:], fin[s + n_local:], a0)
     return take_rows(out, p["dest"]).astype(f32), flow, ck, local, a_span

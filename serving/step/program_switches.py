@@ -38,6 +38,7 @@ SWITCHES = (
     ("minipic_jax.models.qwen3_5_gdn", "DECODE_SEQ_ROWS"),
     ("minipic_jax.models.qwen3_5_gdn", "DECODE_GATES_IN_PROJ"),
     ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
+    ("minipic_jax.models.qwen3_5_joint", "TRANSITIONS_IN_STREAM"),
     ("serving.hybrid.chain_compose", "AUTO_KERNEL"),
     ("serving.hybrid.checkpoint_pool", "CHECKPOINTS_STACKED"),
     ("serving.hybrid.span_maps", "COMPOSE_IN_PLACE"),

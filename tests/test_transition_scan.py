@@ -1,0 +1,107 @@
+"""A capturing span step's map products by a scan over the local pieces' chunks
+(qwen3_5_joint.TRANSITIONS_IN_STREAM = False: ragged_triton._transition_kernel, ragged.
+_chunk_products on the XLA path) against the transition pass inside the joint stream (True, the
+form before): the layer's core outputs, states, checkpoints, local finals and transitions bit for
+bit, on test_span_joint_layer.py's layouts with captures (captures of -1, empty and leading empty
+sequences, long-span entries: a product from the entry's A), with the XLA scan and the Pallas
+kernels (interpreted on CPU, compiled with MINIPIC_COMPILED=1), the kernels' outputs starting as
+NaN. The stream loses the transition pass's chunks, the layer gains one kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn_inputs import gdn_inputs
+from kernels_pallas.gated_delta.api import CheckpointRows
+from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
+from test_span_joint_layer import CASES, CHUNK, DK, DV, HK, HV, KC, PALLAS, T, _pieces
+from test_span_joint_layer import nan_scan_outputs  # noqa: F401 (a fixture)
+from tests.jaxpr_walk import primitive_counts
+
+
+def _layer(rng, case, impl):
+    """(jitted fn of the layer's inputs running both forms, its inputs, rows used)."""
+    lens, pos0, g, caps, cont, local_chunks = CASES[case]
+    pieces = _pieces(rng, lens, g, caps, cont, local_chunks)
+    x = tuple(jnp.asarray(a[0]) for a in gdn_inputs(rng, 1, T, HK, HV, DK, DV))
+    delta0 = jnp.asarray(rng.standard_normal((len(lens), HV, DK, DV)), jnp.float32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    p0 = jnp.asarray(pos0, jnp.int32)
+    ends = np.asarray(pos0) + np.asarray(lens)  # checkpoints at the ends and a chunk boundary
+    ck = CheckpointRows(seq=jnp.asarray(np.repeat(np.arange(len(lens)), 2), jnp.int32),
+                        pos=jnp.asarray(np.stack([ends, (np.asarray(pos0) // CHUNK + 1) * CHUNK],
+                                                 1).reshape(-1), jnp.int32))
+    kernel = dict(implementation=impl.removesuffix("_interpret"),
+                  interpret=impl.endswith("_interpret"))
+
+    def core(in_stream, *x):
+        qwen3_5_joint.TRANSITIONS_IN_STREAM = in_stream  # read by `prepare` as it is traced
+        try:
+            plan = qwen3_5_spans.for_layer(
+                qwen3_5_spans.prepare(pieces, cu, T, KC, CHUNK, p0), 0)
+            out = qwen3_5_gdn.recurrent_core(x, cu, p0, delta0, plan, checkpoint_at=ck,
+                                             decode=False, packing=None, **kernel)
+        finally:
+            qwen3_5_joint.TRANSITIONS_IN_STREAM = True
+        return out, plan["joint"]["joint"]["src"].shape[0] // CHUNK
+    return core, x, int(cu[-1])
+
+
+@pytest.mark.parametrize("case,impl", [("shifted, empty, captures of -1", PALLAS),
+                                       ("shifted, empty, captures of -1", "xla"),
+                                       ("leading empty sequences", PALLAS)])
+def test_products_by_scan_are_the_stream_pass_bit_for_bit(fresh_rng, nan_scan_outputs, case,
+                                                          impl):
+    core, x, rows = _layer(fresh_rng, case, impl)
+    outs, chunks = {}, {}
+    for in_stream in (True, False):  # a fresh function each: its own trace
+        run = jax.jit(lambda *x, s=in_stream: core(s, *x))
+        got, chunks[in_stream] = run(*x)
+        outs[in_stream] = [None if a is None else np.asarray(a) for a in got]
+    names = ("core", "delta", "checkpoints", "local finals", "transitions")
+    for name, a, b in zip(names, outs[True], outs[False]):
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        if name == "core":
+            a, b = a[:rows], b[:rows]
+        assert np.isfinite(b).all(), name
+        np.testing.assert_array_equal(b, a, err_msg=name)
+    # the products are far from zero and from I: a wrong initial row or chunk range would show
+    a_span = outs[False][4]
+    assert np.abs(a_span).max() > 1e-2
+    assert np.abs(a_span - np.eye(DK)).max() > 1e-2
+    assert chunks[False] < chunks[True], chunks  # the static stream lost the pass's chunks
+
+
+def test_the_scan_form_adds_one_kernel_a_layer(fresh_rng):
+    core, x, _ = _layer(fresh_rng, "shifted, empty, captures of -1", PALLAS)
+    counts = {}
+    for in_stream in (True, False):
+        jaxpr = jax.jit(lambda *x, s=in_stream: core(s, *x)).trace(*x).jaxpr
+        counts[in_stream] = primitive_counts(jaxpr.jaxpr)["pallas_call"]
+    assert counts[False] == counts[True] + 1, counts
+
+
+def test_a_capturing_step_is_the_stream_form_bit_for_bit(fresh_rng):
+    """The whole warm step (tiny Qwen3.5, XLA scan, captures continuing long spans): logits,
+    recurrent states, checkpoints and the span-map pool after the captures' store."""
+    from minipic_jax.models import qwen3_5
+    from serving.hybrid import span_step
+    from test_span_joint_pass import CFG, S, T as ROWS, _inputs
+    params, tokens, md, cache, rec, logits_idx, f, maps, ck = _inputs("warm", True, fresh_rng)
+    leaves = {}
+    for in_stream in (True, False):
+        qwen3_5_joint.TRANSITIONS_IN_STREAM = in_stream
+        try:
+            out = jax.jit(lambda p, c, m: qwen3_5.forward_with_checkpoints(
+                p, tokens, md, c, CFG, recurrent=rec, logits_indices=logits_idx,
+                gdn_impl="xla", checkpoint_at=ck,
+                span_pieces=span_step.pieces(f, m, True, ROWS, S)))(params, cache, maps)
+        finally:
+            qwen3_5_joint.TRANSITIONS_IN_STREAM = True
+        leaves[in_stream] = [np.asarray(x) for x in jax.tree.leaves(out)]
+    assert len(leaves[True]) == len(leaves[False])
+    for i, (a, b) in enumerate(zip(leaves[True], leaves[False])):
+        np.testing.assert_array_equal(b, a, err_msg=f"leaf {i} {a.shape}")
