@@ -48,11 +48,15 @@ def _layer(rng, case, impl):
     return core, x, int(cu[-1])
 
 
-@pytest.mark.parametrize("case,impl", [("shifted, empty, captures of -1", PALLAS),
-                                       ("shifted, empty, captures of -1", "xla"),
-                                       ("leading empty sequences", PALLAS)])
-def test_products_by_scan_are_the_stream_pass_bit_for_bit(fresh_rng, nan_scan_outputs, case,
-                                                          impl):
+@pytest.mark.parametrize("case,impl,layout", [("shifted, empty, captures of -1", PALLAS, "vk"),
+                                              ("shifted, empty, captures of -1", PALLAS, "kv"),
+                                              ("shifted, empty, captures of -1", "xla", None),
+                                              ("leading empty sequences", PALLAS, "vk")])
+def test_products_by_scan_are_the_stream_pass_bit_for_bit(fresh_rng, nan_scan_outputs,
+                                                          monkeypatch, case, impl, layout):
+    if layout is not None:  # the scan kernels' state layout (fused_triton.DEFAULTS: "vk")
+        from kernels_pallas.gated_delta import fused_triton
+        monkeypatch.setitem(fused_triton.DEFAULTS, "layout", layout)
     core, x, rows = _layer(fresh_rng, case, impl)
     outs, chunks = {}, {}
     for in_stream in (True, False):  # a fresh function each: its own trace
@@ -105,3 +109,31 @@ def test_a_capturing_step_is_the_stream_form_bit_for_bit(fresh_rng):
     assert len(leaves[True]) == len(leaves[False])
     for i, (a, b) in enumerate(zip(leaves[True], leaves[False])):
         np.testing.assert_array_equal(b, a, err_msg=f"leaf {i} {a.shape}")
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_the_kernel_lowers_for_cuda_at_qwen3_5_widths(layout, with_init):
+    """The transition kernel lowered for an H100 (Triton) at Qwen3.5-0.8B's GDN widths (16 value
+    heads, Dk = 128, bf16 W / KD), from I and from a span-map pool layer's A: what a CPU can
+    check of the compiled kernel before a device compiles it."""
+    from kernels_pallas.gated_delta import fused_triton, ragged_triton
+    from kernels_pallas.gated_delta.state_rows import StateRows
+    from tests.cuda_lowering import abstract_h100, map_pool_0_8b
+    SD = jax.ShapeDtypeStruct
+    nc, hv, dk, m = 24, 16, 128, 8
+    opt = fused_triton.DEFAULTS
+    wk = SD((1, nc * CHUNK, hv, dk), jnp.bfloat16)
+    args = [wk, wk, SD((hv, nc), jnp.float32), SD((m,), jnp.int32), SD((m,), jnp.int32)]
+
+    def run(w, kd, dl, first, count, *init):
+        rows = StateRows((init[0],), init[1], init[2], (3,)) if init else None
+        return ragged_triton._transition_scan(
+            w, kd, dl, first, count, rows, chunk=CHUNK, dot_dtype=jnp.bfloat16, layout=layout,
+            block_v=min(opt["block_v"], dk), num_warps=opt["scan_warps"],
+            num_stages=opt["scan_stages"], interpret=False)
+    if with_init:
+        args += [map_pool_0_8b().a, SD((m,), jnp.int32), SD((m,), jnp.int32)]
+    with abstract_h100():
+        text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
