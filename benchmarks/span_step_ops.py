@@ -8,7 +8,7 @@ T = 1024 rows, S = 16 sequences) with 1 and 2 GDN layers, and the difference is 
          (one custom-call each; what is left is what XLA runs around them): fusions, gathers,
          scatters, loops... as `_replay` of benchmarks/rag_ttft.py counts them.
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_ops [--hlo]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_ops [--hlo] [--form ...]
 """
 
 from __future__ import annotations
@@ -112,10 +112,14 @@ def stub_kernels():
         out = v.shape if src is None else (1, src[0].shape[0]) + v.shape[1:]
         shapes = (jax.ShapeDtypeStruct(out, v.dtype),
                   jax.ShapeDtypeStruct((bounds.shape[0],) + state0.shape[1:], jnp.float32))
-        host = lambda *a: (np.zeros(shapes[0].shape, shapes[0].dtype),  # noqa: E731
-                           np.zeros(shapes[1].shape, np.float32))
+        trans = kw.get("transitions")  # the captures' products (a second scan kernel)
+        if trans is not None:
+            dk = k.shape[-1]
+            shapes += (jax.ShapeDtypeStruct((trans[0].shape[0], v.shape[-2], dk, dk),
+                                            jnp.float32),)
+        host = lambda *a: tuple(np.zeros(x.shape, x.dtype) for x in shapes)  # noqa: E731
         return jax.pure_callback(host, shapes, q, k, v, g, beta, restart, seq_of_chunk, state0,
-                                 bounds, kw.get("n_used", jnp.int32(0)), src)
+                                 bounds, kw.get("n_used", jnp.int32(0)), src, trans)
     ragged_triton.packed_gated_delta = packed
 
 
@@ -128,12 +132,17 @@ def per_layer(kind: str, t: int = 1024, s: int = 16, hlo: bool = False) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hlo", action="store_true", help="also compiled CPU HLO counts")
+    ap.add_argument("--form", default="", metavar="NAME=0|1,...",
+                    help="program switches the steps are traced under (benchmarks/"
+                         "program_forms.py), e.g. TRANSITIONS_IN_STREAM=0")
     args = ap.parse_args(argv)
     if args.hlo:
         stub_kernels()
+    from benchmarks.program_forms import program_form
     rows = {}
-    for kind in ("plain", "span", "capture"):
-        rows[kind] = per_layer(kind, hlo=args.hlo)
+    with program_form(args.form, flag="--form"):
+        for kind in ("plain", "span", "capture"):
+            rows[kind] = per_layer(kind, hlo=args.hlo)
     key = "hlo" if args.hlo else "jaxpr"
     for kind, r in rows.items():
         per = r["per_gdn_layer"][key]

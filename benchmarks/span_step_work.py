@@ -124,6 +124,7 @@ def step_fn(cfg, kind: str, gdn_impl: str | None = "pallas_fused_interpret"):
 
 
 CALLS: list = []  # (static packed rows, used rows, Hv, Dk, Dv, q bytes, v bytes) per kernel call
+TRANSITIONS: list = []  # (flops, bytes) of each transition scan (TRANSITIONS_IN_STREAM off)
 
 
 def stub_kernels():
@@ -140,17 +141,30 @@ def stub_kernels():
         static = (int(out[1]), int(out[2]), int(k.shape[-1]), int(out[3]),
                   jnp.dtype(q.dtype).itemsize, jnp.dtype(v.dtype).itemsize)
 
-        def host(n_used):
+        trans = kw.get("transitions")  # the captures' products: a second scan kernel
+        if trans is not None:
+            shapes += (jax.ShapeDtypeStruct((trans[0].shape[0],) + state0.shape[1:2]
+                                            + (static[2], static[2]), jnp.float32),)
+
+        def host(n_used, count):
             rows, hv, dk, dv, qb, vb = static
             CALLS.append((rows, min(int(n_used) * chunk, rows), hv, dk, dv, qb, vb))
-            return (np.zeros(shapes[0].shape, shapes[0].dtype),
-                    np.zeros(shapes[1].shape, np.float32))
+            if count is not None:  # its chunks' W / KD read, two dk x dk dots a chunk
+                TRANSITIONS.append(transition_work(int(np.sum(count)), hv, dk, vb, chunk))
+            return tuple(np.zeros(x.shape, x.dtype) for x in shapes)
         used = kw.get("n_used")
         used = jnp.int32(v.shape[1] // chunk) if used is None else used
+        count = None if trans is None else trans[1]
         # the stream arrays are operands so XLA keeps the gathers that fill them
-        return jax.pure_callback(lambda n, *_: host(n), shapes, used, q, k, v, g, beta, restart,
-                                 seq_of_chunk, state0, bounds, src)
+        return jax.pure_callback(lambda n, c, *_: host(n, c), shapes, used, count, q, k, v, g,
+                                 beta, restart, seq_of_chunk, state0, bounds, src, trans)
     ragged_triton.packed_gated_delta = packed
+
+
+def transition_work(chunks: int, hv: int, dk: int, vb: int, c: int = CHUNK):
+    """(flops, bytes) of the transition scan (ragged_triton._transition_kernel) over `chunks`
+    chunks: per chunk and head W P and KD^T V' (dk x dk products), W and KD read."""
+    return chunks * hv * 4 * c * dk * dk, chunks * c * hv * 2 * dk * vb
 
 
 def kernel_work(rows: int, hv: int, dk: int, dv: int, qb: int, vb: int, c: int = CHUNK):
@@ -178,9 +192,10 @@ def measure(gdn_layers: int, kind: str, caps: int = 0) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     CALLS.clear()
+    TRANSITIONS.clear()
     jax.block_until_ready(compiled(*args))
     calls = list(CALLS)
-    kernel = [kernel_work(used, *c[2:]) for c in calls for used in [c[1]]]
+    kernel = [kernel_work(used, *c[2:]) for c in calls for used in [c[1]]] + TRANSITIONS
     return dict(xla_flops=float(cost.get("flops", 0.0)),
                 xla_bytes=float(cost.get("bytes accessed", 0.0)),
                 packed_rows=sum(c[0] for c in calls), used_rows=sum(c[1] for c in calls),
@@ -297,21 +312,23 @@ def table(rows: list[dict]) -> list[str]:
     """The bench's lines: per variant the step's rows and span rows, flops and bytes (XLA +
     kernels), both per computed token (step row), and the packed rows the kernels are handed
     against those that hold tokens."""
-    head = (f"{'variant':>10} {'rows':>5} {'span':>5} {'GFLOP xla':>10} {'GFLOP kern':>10} "
+    head = (f"{'variant':>16} {'rows':>5} {'span':>5} {'GFLOP xla':>10} {'GFLOP kern':>10} "
             f"{'GB xla':>7} {'GB kern':>7} {'MFLOP/tok':>9} {'GB/1k tok':>9} "
             f"{'packed rows':>11} {'used':>7}  (step, 18 GDN layers)")
     out = [head]
     for r in rows:
         st = r["step"]
         if r["kind"] == "compose":
-            out.append(f"{'compose':>10} {r['rows']:5d} {r['maps']:5d} {st['flops'] / 1e9:10.2f} "
+            out.append(f"{'compose':>16} {r['rows']:5d} {r['maps']:5d} {st['flops'] / 1e9:10.2f} "
                        f"{'-':>10} {st['bytes'] / 1e9:7.3f}  ({r['applications']} applications)")
             continue
         tokens = r["rows"]  # the prompt tokens the step computes (span rows run twice)
         flops = st["xla_flops"] + st["kernel_flops"]
         gb = (st["xla_bytes"] + st["kernel_bytes"]) / 1e9
         name = r["kind"] + (f"/{r['caps']}" if r["kind"] == "warm" else "")
-        out.append(f"{name:>10} {r['rows']:5d} {r['span_rows']:5d} {st['xla_flops'] / 1e9:10.2f} "
+        if r.get("form", "new") != "new":
+            name += f" {r['form']}"
+        out.append(f"{name:>16} {r['rows']:5d} {r['span_rows']:5d} {st['xla_flops'] / 1e9:10.2f} "
                    f"{st['kernel_flops'] / 1e9:10.2f} {st['xla_bytes'] / 1e9:7.3f} "
                    f"{st['kernel_bytes'] / 1e9:7.3f} {flops / tokens / 1e6:9.2f} "
                    f"{gb / tokens * 1e3:9.3f} {int(st['packed_rows']):11d} "
@@ -329,8 +346,8 @@ def main(argv=None):
                          "its real GDN path), e.g. tiny_qwen3_5")
     ap.add_argument("--reps", type=int, default=7, help="--time: steps timed (median)")
     ap.add_argument("--forms", nargs="+", default=["new"], choices=sorted(FORMS),
-                    help="--time: each variant in these forms of the GDN passes, one after the "
-                         "other (FORMS; default: %(default)s)")
+                    help="each variant in these forms of the GDN passes, one after the other "
+                         "(FORMS; default: %(default)s)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time on a GPU: also trace 3 steps of each variant and print its N "
                          "costliest kernels (benchmarks.timing.profile_kernels)")
@@ -364,8 +381,10 @@ def main(argv=None):
                              applications=c["applications"], step=c))
             continue
         kind, _, caps = v.partition("/")
-        rows.append(variant(kind, int(caps or 0)))
-        print(table(rows)[-1], flush=True)
+        for form in args.forms:
+            with as_form(form):
+                rows.append(dict(variant(kind, int(caps or 0)), form=form))
+            print(table(rows)[-1], flush=True)
     print("\n".join(table(rows)))
     if args.json:
         with open(args.json, "w") as fh:
