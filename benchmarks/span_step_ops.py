@@ -117,6 +117,8 @@ def stub_kernels():
             dk = k.shape[-1]
             shapes += (jax.ShapeDtypeStruct((trans[0].shape[0], v.shape[-2], dk, dk),
                                             jnp.float32),)
+        if getattr(state0, "write_final", False):  # the state cache, finals written in place
+            shapes += (jax.ShapeDtypeStruct(state0.sources[0].shape, state0.sources[0].dtype),)
         host = lambda *a: tuple(np.zeros(x.shape, x.dtype) for x in shapes)  # noqa: E731
         return jax.pure_callback(host, shapes, q, k, v, g, beta, restart, seq_of_chunk, state0,
                                  bounds, kw.get("n_used", jnp.int32(0)), src, trans)

@@ -145,6 +145,8 @@ def stub_kernels():
         if trans is not None:
             shapes += (jax.ShapeDtypeStruct((trans[0].shape[0],) + state0.shape[1:2]
                                             + (static[2], static[2]), jnp.float32),)
+        if getattr(state0, "write_final", False):  # the state cache, finals written in place
+            shapes += (jax.ShapeDtypeStruct(state0.sources[0].shape, state0.sources[0].dtype),)
 
         def host(n_used, count):
             rows, hv, dk, dv, qb, vb = static
@@ -232,7 +234,8 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
 # --time's forms of a step: module flags set while it is traced (FLAGS: the scan's one program
 # per sequence, a span step's passes in one stream, the packed stream's q / k in bf16, the map
 # store stacked over layers, the zero_a flags, the conv's forms, the captures' products by a
-# scan over their local chunks), each form naming what differs
+# scan over their local chunks, a span step's finals written in place), each form naming what
+# differs
 # from today's defaults ("new"); "old" is session 20's step.
 FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
          "joint": ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
@@ -246,7 +249,8 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "conv_stacked": ("minipic_jax.models.qwen3_5_gdn", "CONV_STACKED_GATHER"),
          "pad_logits": ("minipic_jax.models.layers", "PAD_LOGITS_ROWS"),
          "finals": ("minipic_jax.models.qwen3_5", "GDN_FINALS_IN_PLACE"),
-         "trans_in_stream": ("minipic_jax.models.qwen3_5_joint", "TRANSITIONS_IN_STREAM")}
+         "trans_in_stream": ("minipic_jax.models.qwen3_5_joint", "TRANSITIONS_IN_STREAM"),
+         "span_finals": ("minipic_jax.models.qwen3_5_joint", "FINALS_IN_PLACE")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
@@ -255,6 +259,8 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
          "conv_stacked": {"conv_stacked": True}, "pad_logits": {"pad_logits": True},
          "finals_in_place": {"finals": True}, "finals_scattered": {"finals": False},
          "trans_scan": {"trans_in_stream": False}, "trans_in_stream": {"trans_in_stream": True},
+         "span_finals": {"span_finals": True},
+         "span_both": {"span_finals": True, "trans_in_stream": False},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,

@@ -39,19 +39,24 @@ CASES = {  # name -> (lens, pos0, piece bound G, captures or None, entry use, lo
 
 @pytest.fixture
 def nan_scan_outputs(monkeypatch):
-    """The ragged scan kernel's outputs start as NaN (aliased inputs), not zeros."""
-    def poisoned(kernel, *, grid, in_specs, out_specs, out_shape, **kw):
+    """The ragged scan kernel's outputs start as NaN (aliased inputs), not zeros; an output the
+    kernel already aliases to an input (a state cache written in place) keeps its input."""
+    def poisoned(kernel, *, grid, in_specs, out_specs, out_shape, input_output_aliases=None,
+                 **kw):
+        aliases = dict(input_output_aliases or {})
+        fresh = [i for i in range(len(out_shape)) if i not in aliases.values()]
+
         def call(*args):
-            fills = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
+            fills = [jnp.full(out_shape[i].shape, jnp.nan, out_shape[i].dtype) for i in fresh]
             n_in = len(args)
 
             def body(*refs):
-                return kernel(*refs[:n_in], *refs[n_in + len(out_shape):])
+                return kernel(*refs[:n_in], *refs[n_in + len(fresh):])
             return pl.pallas_call(
-                body, grid=grid, in_specs=list(in_specs) + list(out_specs),
+                body, grid=grid, in_specs=list(in_specs) + [out_specs[i] for i in fresh],
                 out_specs=out_specs, out_shape=out_shape,
-                input_output_aliases={n_in + i: i for i in range(len(out_shape))}, **kw)(
-                    *args, *fills)
+                input_output_aliases={**aliases, **{n_in + j: i for j, i in enumerate(fresh)}},
+                **kw)(*args, *fills)
         return call
     shim = types.SimpleNamespace(**{n: getattr(pl, n) for n in dir(pl) if not n.startswith("_")})
     shim.pallas_call = poisoned

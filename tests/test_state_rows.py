@@ -119,9 +119,14 @@ def test_finals_written_into_the_cache_are_the_scatter_bit_for_bit(fresh_rng, mo
 
 def test_write_final_needs_one_cache_source_and_the_prefill():
     cache = jnp.zeros((4, HV, DK, DV), jnp.float32)
-    with pytest.raises(ValueError, match="one source without layers"):
-        StateRows((cache, cache), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
-                  write_final=True)
+    pool = jnp.zeros((4, 3, HV, DK, DV), jnp.float32)
+    two = ((cache, cache), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="and one source unless final_rows"):
+        StateRows(*two, write_final=True)
+    with pytest.raises(ValueError, match="first source without a layer"):
+        StateRows((pool,), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), (1,),
+                  write_final=True, final_rows=jnp.zeros(2, jnp.int32))
+    StateRows(*two, write_final=True, final_rows=jnp.asarray([1, -1], jnp.int32))  # a joint table
     rows = from_cache(cache, jnp.asarray([1, 2], jnp.int32), jnp.asarray([True, True]), True)
     x = jnp.zeros((2, HK, DK), jnp.float32)
     with pytest.raises(ValueError, match="needs decode=False"):

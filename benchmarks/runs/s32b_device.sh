@@ -11,10 +11,11 @@
 #    `mkdir .whl; cp /opt/pypi/files/{fla_core,flash_linear_attention}-0.5.2*.whl
 #    /opt/pypi/files/einops-0.8.2*.whl .whl/`) for the fla rows.
 # Session 33 put first: the captures' map products by a scan over their local chunks
-# (qwen3_5_joint.TRANSITIONS_IN_STREAM=0, off until this): its compiled bit-for-bit tests, then
-# (2) times warm/0 / warm/4 in both forms, twice (the form drops the transition pass's chunks
-# from every warm step's stream); the span request runs without its CHECKPOINTS_STACKED
-# profile (s32_device.sh's fixed-step A/B decides the store).
+# (qwen3_5_joint.TRANSITIONS_IN_STREAM=0) and a span step's finals written in place by the scan
+# (qwen3_5_joint.FINALS_IN_PLACE=1), both off until this: their compiled bit-for-bit tests,
+# then (2) times warm/4 / warm/0 today, with both (span_both) and with the scan alone
+# (trans_scan); the span request runs without its CHECKPOINTS_STACKED profile (s32_device.sh's
+# fixed-step A/B decides the store).
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s32b_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -22,14 +23,14 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jcc_s32
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s32b.txt
 left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
 nvidia-smi -L > "$R" 2>/dev/null
-MINIPIC_COMPILED=1 timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE \
-  tests/test_transition_scan.py > "$OUT/tests_trans.txt" 2>&1
-echo "compiled transition-scan tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests_trans.txt" | cut -c1-120)" >> "$R"
+MINIPIC_COMPILED=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE \
+  tests/test_transition_scan.py tests/test_span_finals_in_place.py > "$OUT/tests_trans.txt" 2>&1
+echo "compiled transition-scan + span finals tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests_trans.txt" | cut -c1-120)" >> "$R"
 grep -E "^(FAILED|ERROR) |^E  " "$OUT/tests_trans.txt" | cut -c1-200 | sort -u | head -6 >> "$R"
-OUT=$OUT LIMIT=220 EXTRA="--profile-top 12" bash benchmarks/runs/span_request_device.sh >> "$R"
-L=$(left); [ "$L" -gt 150 ] && L=150
+OUT=$OUT LIMIT=200 EXTRA="--profile-top 12" bash benchmarks/runs/span_request_device.sh >> "$R"
+L=$(left); [ "$L" -gt 160 ] && L=160
 [ "$L" -ge 60 ] && timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b \
-  --dtype bfloat16 --reps 9 --variants warm/0 warm/4 --forms new trans_scan new trans_scan \
+  --dtype bfloat16 --reps 9 --variants warm/4 warm/0 --forms new span_both trans_scan \
   --profile 40 > "$OUT/steps_top40.txt" 2>&1
 echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^time|kernels, busy" "$OUT/steps_top40.txt" | cut -c1-150 >> "$R"

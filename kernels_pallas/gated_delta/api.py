@@ -38,10 +38,11 @@ from kernels_pallas.gated_delta.decode_rows import (on_rows, on_seq_rows, seq_ro
 from kernels_pallas.gated_delta.joint import Pass as JointPass, final_bounds, joint_packing  # noqa: F401
 from kernels_pallas.gated_delta.joint import run_joint  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
-from kernels_pallas.gated_delta.ragged import break_rows, packed_chunks, take_rows  # noqa: F401
+from kernels_pallas.gated_delta.ragged import (break_rows, finals_in_kernel,  # noqa: F401
+                                               packed_chunks, take_rows)
 from kernels_pallas.gated_delta.ragged import packing as ragged_packing  # noqa: F401
 from kernels_pallas.gated_delta.state_rows import (EYE, ZERO, StateRows, as_array,  # noqa: F401
-                                                   from_cache, rows_of)
+                                                   from_cache, rows_of, written_finals)
 from kernels_pallas.registry import Implementation
 
 __all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "JointPass", "Problem", "apply_map", "auto_order",

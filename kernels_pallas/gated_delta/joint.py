@@ -11,12 +11,13 @@ offsets inside its chunks), so the results are those of the separate passes.
     passes = [Pass(cu, pos0, rows), Pass(cu2, zeros, rows2, zero_v=True), ...]
     jp = joint_packing(passes, n_source=T, chunk=64, max_chunks=...)   # once per step
     bounds, has = final_bounds(jp, finals)                             # once per step
-    out, final, ckpt = run_joint(q, k, v, g, beta, jp, table, chunk_state, bounds)  # per layer
+    out, final, ckpt, _, _ = run_joint(q, k, v, g, beta, jp, table, chunk_state, bounds)
     pass p's row i -> out[jp["slot_of"][p][i]]; sequence j of pass p -> jp["seq_offset"][p] + j
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -105,26 +106,32 @@ def run_joint(q, k, v, g, beta, jp, table, chunk_state, fin_bounds, *, checkpoin
     Returns (out [NC * C, Hv, Dv] in the packed slots: a pass's rows are
     take_rows(out, jp["slot_of"][p]); the states at fin_bounds [F, Hv, Dk, Dv] float32, undefined
     where a sequence has no rows (`final_bounds`' has: the caller's initial state); checkpoints
-    [K, ...] (ragged_prefill's) or None); with `transitions` (run_stream's: chunks of the
-    stream's own sequences, whose maps' products the caller wants) also their products
-    [M, Hv, Dk, Dk] float32, a fourth result."""
+    [K, ...] (ragged_prefill's) or None; with `transitions` (run_stream's: chunks of the
+    stream's own sequences, whose maps' products the caller wants) their products
+    [M, Hv, Dk, Dk] float32, else None; for a write_final table (StateRows.final_rows: the
+    kernels only, ragged.finals_in_kernel) its first source with the finals written in place,
+    else None)."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     n_chunks = jp["src"].shape[0] // jp["chunk"]
     bounds = fin_bounds
+    start = table if first_states is None else first_states
+    ck_start = None
     if checkpoint_at is not None:
         ck_rows, ck_shape = as_rows(checkpoint_at)
         ck_use, ck_bound = ragged.checkpoint_bounds(ck_rows, pos0, jp, jp["chunk"], n_chunks)
         bounds = jnp.concatenate([bounds, ck_bound])
+        if getattr(table, "write_final", False):  # read the starts before the kernel writes
+            ck_start = ragged.start_rows(start, ck_rows.seq,
+                                         (ck_rows.seq.shape[0],) + table.shape[1:])
+            ck_start, src = jax.lax.optimization_barrier((ck_start, table.sources[0]))
+            table = dataclasses.replace(table, sources=(src,) + table.sources[1:])
     with dots.exact_for(v.dtype):
-        out, states, products, _ = ragged.run_stream(
+        out, states, products, written = ragged.run_stream(
             q, k, v, g, beta, jp, table, chunk_state, bounds, scale=scale, chunk=chunk,
             implementation=implementation, interpret=interpret, transitions=transitions)
     n_fin = fin_bounds.shape[0]
     ckpt = None
     if checkpoint_at is not None:
-        ckpt = ragged.rows_states(ck_use, states[n_fin:],
-                                  table if first_states is None else first_states, ck_rows.seq,
-                                  ck_shape)
-    if transitions is not None:
-        return out, states[:n_fin], ckpt, products
-    return out, states[:n_fin], ckpt
+        ckpt = ragged.rows_states(ck_use, states[n_fin:], start, ck_rows.seq, ck_shape,
+                                  start=ck_start)
+    return out, states[:n_fin], ckpt, products, written

@@ -60,18 +60,23 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_
 
 
 def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref, *refs,
-                     n_chunks, chunk, dot_dtype, layout, n_sources, block_v, write_final=False):
+                     n_chunks, chunk, dot_dtype, layout, n_sources, block_v, write_final=False,
+                     final_rows=False):
     # per sequence (grid axis 2): first/count [S] its packed chunks; the rest as the serial one,
     # except: with n_sources the initial states are a StateRows (kind, index [N], then each
     # source's [P, Dk, BV] block: state_rows.load_tile), and bound [M, Dk, BV] is stored in the
     # "kv" order whatever the layout (no transposed copy after the kernel); with write_final
     # (StateRows.write_final: row sid is sequence sid's) the last output is the source aliased,
-    # where the sequence's final state goes, in the "kv" order
-    final_ref = None
+    # where the sequence's final state goes, in the "kv" order; with final_rows (after the
+    # sources: StateRows.final_rows [S]) the source row each sequence's final goes to (-1: none)
+    final_ref = dest_ref = None
     if n_sources:
         kind_ref, index_ref = refs[:2]
         src_refs = refs[2:2 + n_sources]
-        slot_ref, vnew_ref, states_ref, bound_ref, *rest = refs[2 + n_sources:]
+        rest = refs[2 + n_sources:]
+        if final_rows:
+            dest_ref, *rest = rest
+        slot_ref, vnew_ref, states_ref, bound_ref, *rest = rest
         final_ref = rest[0] if write_final else None
     else:
         s0_ref, slot_ref, vnew_ref, states_ref, bound_ref = refs
@@ -80,6 +85,17 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
     sid = pl.program_id(2)
     start = jnp.minimum(first_ref[sid], n_chunks)
     end = jnp.minimum(start + count_ref[sid], n_chunks)  # a broken bound loses chunks, not memory
+    if final_ref is not None:  # where this sequence's final goes (clipped: never outside)
+        dest = _final_row(dest_ref if final_rows else index_ref, sid, final_ref)
+        keep = (dest_ref[sid] >= 0) if final_rows else None
+
+        def write_final_state(value):
+            def store():
+                final_ref[dest] = value.astype(final_ref.dtype)
+            if keep is None:
+                store()
+            else:
+                pl.when(keep)(store)
 
     def save(c, s):
         slot = slot_ref[c]
@@ -105,14 +121,17 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
             s0 = s0_ref[row].astype(jnp.float32)
         s = jax.lax.fori_loop(start, end, body, s0)
         if final_ref is not None:
-            final_ref[_final_row(index_ref, sid, final_ref)] = (s.T if vk else s).astype(
-                final_ref.dtype)
+            write_final_state(s.T if vk else s)
 
-    if final_ref is not None:  # no tokens: a sequence starting from zeros ends there
-        @pl.when((end <= start) & (kind_ref[sid] == state_rows.ZERO))
+    if final_ref is not None:  # no tokens: a sequence starting from zeros ends there (with
+        # final_rows the caller names only such empty sequences: StateRows.final_rows)
+        empty_zero = end <= start
+        if not final_rows:
+            empty_zero = empty_zero & (kind_ref[sid] == state_rows.ZERO)
+
+        @pl.when(empty_zero)
         def _():
-            final_ref[_final_row(index_ref, sid, final_ref)] = jnp.zeros(
-                final_ref.shape[1:], final_ref.dtype)
+            write_final_state(jnp.zeros(final_ref.shape[1:], jnp.float32))
 
 
 def _transition_kernel(w_ref, kd_ref, dl_ref, first_ref, count_ref, *refs, n_chunks, chunk,
@@ -349,11 +368,18 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
                                       lambda h, j, *_: (0, h, *s_idx(j)))]
             state_ops = (s0,)
         write_final = rows_in and s0.write_final
-        if write_final and s0.kind.shape[0] != n_seq:
+        dests = write_final and s0.final_rows is not None
+        if dests and s0.final_rows.shape[0] != n_seq:
+            raise ValueError(f"gated_delta scan: final_rows needs one row per sequence, got "
+                             f"{s0.final_rows.shape[0]} for {n_seq} sequences")
+        if write_final and not dests and s0.kind.shape[0] != n_seq:
             raise ValueError(f"gated_delta scan: write_final needs one state row per sequence, "
                              f"got {s0.kind.shape[0]} rows for {n_seq} sequences")
         kernel = functools.partial(_seq_scan_kernel, n_sources=n_sources, block_v=block_v,
-                                   write_final=write_final)
+                                   write_final=write_final, final_rows=dests)
+        if dests:  # after the sources (the alias index of the first source stays)
+            state_ops += (s0.final_rows.astype(jnp.int32),)
+            states_in = states_in + [whole(n_seq)]
         operands = (*per_seq, seq_of_chunk, *state_ops, slot_map)
         in_specs = common + [whole(n_seq), whole(n_seq), whole(nc)] + states_in + [whole(nc + 1)]
     out_specs = [seq_v,

@@ -35,14 +35,22 @@ class StateRows:
     # a ZERO row without tokens, the row kept for others without) and returns sources[0] as
     # the finals: no [S] finals and no scatter after the kernel (`from_cache`)
     write_final: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # with write_final: None (row i is sequence i's and its final goes to index[i]), or
+    # [n_seq] int32, the sources[0] row each sequence's final goes to (-1: none; a sequence
+    # without tokens named here ends in zeros, so name only those starting from zeros): a table
+    # whose rows are not one per sequence (a span step's joint stream, minipic_jax/models/
+    # qwen3_5_joint.py), sources after the first read only
+    final_rows: jax.Array | None = None
 
     def __post_init__(self):
         if len(self.layers) not in (0, len(self.sources)):
             raise ValueError(f"StateRows: {len(self.layers)} layers for "
                              f"{len(self.sources)} sources")
-        if self.write_final and (len(self.sources) != 1 or self.layers):
-            raise ValueError("StateRows: write_final needs one source without layers (a "
-                             f"state cache), got {len(self.sources)} sources, layers "
+        if self.write_final and (self.layer_of(0) is not None or (
+                self.final_rows is None and len(self.sources) != 1)):
+            raise ValueError("StateRows: write_final needs its first source without a layer (a "
+                             "state cache), and one source unless final_rows names each "
+                             f"sequence's row; got {len(self.sources)} sources, layers "
                              f"{self.layers}")
 
     @property
@@ -81,9 +89,13 @@ def from_cache(cache, slots, keep, write_final: bool = False) -> StateRows:
 def written_finals(state0, final_rows) -> jax.Array:
     """What a write_final prefill returns where its kernel does not write in place (the XLA
     scan): the source with each row's final state [N, ...] (`final_rows`, already the row's
-    own state or zeros where the sequence had no tokens) stored at its index."""
+    own state or zeros where the sequence had no tokens) stored at its index (or at
+    state0.final_rows, -1 dropped)."""
     src = state0.sources[0]
-    return src.at[state0.index].set(final_rows.astype(src.dtype))
+    at = state0.index
+    if state0.final_rows is not None:
+        at = jnp.where(state0.final_rows >= 0, state0.final_rows, src.shape[0])
+    return src.at[at].set(final_rows.astype(src.dtype), mode="drop")
 
 
 def rows_of(state0, rows) -> jax.Array:

@@ -197,16 +197,18 @@ def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_plac
     """One GDN block over the layer's state caches conv_c / delta_c: (x, the new caches,
     checkpoints or None, captured span maps or None). Its checkpoints are taken before its
     states are written back (CHECKPOINTS_FIRST); with `in_place` (decode_in_place) the kernel
-    steps the states in delta_c itself; a plain prefill with GDN_FINALS_IN_PLACE has the scan
-    write its finals into delta_c."""
+    steps the states in delta_c itself; a plain prefill with GDN_FINALS_IN_PLACE (a span step's
+    joint stream planned with qwen3_5_joint.FINALS_IN_PLACE) has the scan write its finals into
+    delta_c."""
     slots, reset = recurrent.state_slots, recurrent.reset
     keep = ~reset[:, None, None]
     kw = dict(gdn_kw, pieces=qwen3_5_spans.for_layer(gdn_kw["pieces"], layer))
     conv_in = in_place and GDN_DECODE_GLUE and GDN_DECODE_CONV and tp_mesh() is None \
         and cfg.linear_num_key_heads == cfg.linear_num_value_heads
     conv0 = None if conv_in else jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
-    finals_in_place = (not in_place and GDN_FINALS_IN_PLACE and recurrent.decode is False
-                       and kw["pieces"] is None and tp_mesh() is None)
+    finals_in_place = (not in_place and recurrent.decode is False and tp_mesh() is None
+                       and (GDN_FINALS_IN_PLACE if kw["pieces"] is None
+                            else kw["pieces"].get("joint", {}).get("finals_in_place", False)))
     if in_place:  # the decode kernel reads and writes the layer's states in the cache
         delta0 = None
         kw["state_cache"] = qwen3_5_gdn.StateCache(delta_c, slots, ~reset, GDN_DECODE_GLUE,

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.gated_delta.api import as_rows, choose, on_rows, on_seq_rows, seq_rows
+from kernels_pallas.gated_delta.api import (StateRows, as_rows, choose, on_rows, on_seq_rows,
+                                            seq_rows)
 from kernels_pallas.gated_delta.api import ragged_decode_conv_layer_in_place  # no TP form
 from kernels_pallas.sharding import (ragged_decode_in_place,  # per head shard under TP
                                      ragged_decode_layer_in_place, tp_mesh, whole)
@@ -374,8 +375,11 @@ class GatedDeltaNet(nnx.Module):
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
         out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
         maps = None
-        if pieces is not None:
-            conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, conv, delta)
+        if pieces is not None:  # (a cache written in place holds the carried finals already)
+            written = isinstance(delta0, StateRows) and delta0.write_final
+            conv, carried = qwen3_5_spans.carry_local(mixed, pieces, local_final, conv,
+                                                      None if written else delta)
+            delta = delta if written else carried
             if a_span is not None:
                 maps = qwen3_5_spans.captured_maps(mixed, pieces, a_span, local_final)
         ckpt = None

@@ -16,11 +16,14 @@ tensor-parallel mesh (the flow's shard_map recomputes its packing per shard) and
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from kernels_pallas.gated_delta.api import (EYE, ZERO, JointPass, StateRows, final_bounds,
-                                            joint_packing, packed_chunks, rows_of, run_joint,
-                                            selected_rows, take_rows)
+                                            finals_in_kernel, joint_packing, packed_chunks,
+                                            rows_of, run_joint, selected_rows, take_rows,
+                                            written_finals)
 from kernels_pallas.sharding import tp_mesh
 from serving.model_contract import CHECKPOINT_BREAKS, SpanPieces
 
@@ -33,6 +36,13 @@ ENABLED = True
 # have (ragged_triton._transition_kernel): no rows, intra or output work of its own, the same
 # bits. Off until a device compiles and times it; read when a step is traced.
 TRANSITIONS_IN_STREAM = True
+# True: the scan kernel writes each sequence's final state into the layer's state cache in
+# place (StateRows.final_rows: a flow sequence's from its program, a carry_local sequence's from
+# its last local piece's), as a plain step's GDN_FINALS_IN_PLACE does: no [S] flow finals
+# gathered, selected, carried and scattered back (~5 passes over 16 MiB a GDN layer at 16
+# seats). The XLA path computes the same finals and scatters them. Off until a device compiles
+# and times it; read when a step is traced (`plan`).
+FINALS_IN_PLACE = False
 
 
 def usable(cfg, decode) -> bool:
@@ -91,20 +101,40 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
                              + ([jp["seq_offset"][2] + jnp.arange(mc, dtype=jnp.int32)]
                                 if mc and in_stream else []))
     out = dict(joint=jp, dest=dest, seqs=seqs, mc=mc, n_local=local_final_of.shape[0],
-               with_entries=entry_use is not None, trans_in_stream=in_stream)
+               with_entries=entry_use is not None, trans_in_stream=in_stream,
+               finals_in_place=FINALS_IN_PLACE,
+               final_seq=_final_seqs(pieces, cu_q_lens, local_final_of[:seqs], g,
+                                     mc if in_stream else 0))
     if mc and not in_stream:  # each capture's product over its local piece's chunks
         piece = jp["seq_offset"][1] + jnp.clip(pieces.capture, 0, g - 1)
         out.update(trans_first=jp["first"][piece],
                    trans_count=jnp.where(pieces.capture >= 0, jp["n_ch"][piece], 0))
     out["fin_bounds"], out["has"] = final_bounds(jp, finals)
     out["chunk_state"] = state_row[jp["seq_of_chunk"]]
+    out["state_row"], out["nonempty"] = state_row[:jp["lens"].shape[0]], jp["lens"] > 0
     return out
 
 
-def _table(delta0, layer_plan):
+def _final_seqs(pieces: SpanPieces, cu_q_lens, last_piece, g: int, n_trans: int):
+    """[S + G + n_trans] the flow sequence whose final state each joint sequence ends in (-1:
+    none): flow sequence i its own, unless it carries its last piece's local state on
+    (carry_local, with rows in the step), which then does."""
+    seqs = cu_q_lens.shape[0] - 1
+    carry = pieces.carry_local & (cu_q_lens[1:] > cu_q_lens[:-1])
+    ids = jnp.arange(seqs, dtype=jnp.int32)
+    piece_seq = jnp.full(g, -1, jnp.int32).at[jnp.where(carry, last_piece, g)].set(
+        ids, mode="drop")
+    return jnp.concatenate([jnp.where(carry, -1, ids), piece_seq,
+                            jnp.full(n_trans, -1, jnp.int32)])
+
+
+def _table(delta0, layer_plan, finals=None):
     """The state table [delta0 (S) | zero | I | entry B (Mc) | entry A (Mc)] as a StateRows: the
     flow's rows where delta0 names them (the layer's cache) or delta0 itself, the entries' in the
     span-map pool's layer (layer_plan: for_layer's, with entries; None without), nothing copied.
+    With finals (the `plan`; delta0 a write_final StateRows) each joint sequence's final goes
+    to its flow sequence's cache row (`_final_seqs`, StateRows.final_rows): an empty flow
+    sequence's only where it starts from zeros (others keep their row), an empty piece's zeros.
     Also the entries' A rows alone (a StateRows of the pool's A; None without entries): read
     through the whole table, each row would gather from every source."""
     if not isinstance(delta0, StateRows):  # an array [S, ...]: itself, row by row
@@ -124,8 +154,18 @@ def _table(delta0, layer_plan):
         index += [e["slot"], e["slot"]]
         entry_a = StateRows((e["a"],), jnp.where(use, 0, EYE).astype(jnp.int32), e["slot"],
                             (layer_plan["layer"],))
-    return StateRows(tuple(sources), jnp.concatenate(kind), jnp.concatenate(index),
-                     tuple(layers)), entry_a
+    kind = jnp.concatenate(kind)
+    dests = {}
+    if finals is not None:
+        seq = finals["final_seq"]
+        at = delta0.index[jnp.clip(seq, 0, delta0.index.shape[0] - 1)]
+        # an empty one ends where it starts: a flow sequence in its state (written only if
+        # zeros), a local piece in zeros (as `run`'s bounds path: `local`)
+        piece = jnp.arange(seq.shape[0]) >= delta0.index.shape[0]
+        ends = finals["nonempty"] | piece | (kind[finals["state_row"]] == ZERO)
+        dests = dict(write_final=True, final_rows=jnp.where((seq >= 0) & ends, at, -1))
+    return StateRows(tuple(sources), kind, jnp.concatenate(index), tuple(layers),
+                     **dests), entry_a
 
 
 def _state_rows(s: int, g: int, mc: int, piece_entry, entry_use):
@@ -143,29 +183,48 @@ def _state_rows(s: int, g: int, mc: int, piece_entry, entry_use):
 
 def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **kernel):
     """The layer's three passes as one (module doc). q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
-    [T, Hv]; delta0 [S, Hv, Dk, Dv] float32; p: `plan`; layer_plan: qwen3_5_spans's plan for
+    [T, Hv]; delta0 [S, Hv, Dk, Dv] float32 or a StateRows (with write_final: the plan's
+    finals_in_place, the layer's cache written); p: `plan`; layer_plan: qwen3_5_spans's plan for
     this layer (entry maps picked by for_layer). Returns core [T, Hv, Dv] float32 (each row's
-    output: the local pass's for span rows), the flow's final states [S], its checkpoints (as
-    ragged_prefill's) or None, the local finals [S (+ Mc)] (final_pieces order) and the captured
+    output: the local pass's for span rows), the flow's final states [S] (with write_final: the
+    cache with every sequence's final state written at its slot, a carry_local one's its last
+    piece's), its checkpoints (as ragged_prefill's) or None, the local finals [S (+ Mc)]
+    (final_pieces order; with write_final [Mc], the captured pieces' only) and the captured
     pieces' transitions [Mc, Hv, Dk, Dk] (None without captures)."""
     s, mc, n_local = p["seqs"], p["mc"], p["n_local"]
     dk = k.shape[2]
     f32 = jnp.float32
-    table, entry_a = _table(delta0, layer_plan if p["with_entries"] else None)
+    write = isinstance(delta0, StateRows) and delta0.write_final
+    if write and not p["finals_in_place"]:
+        raise ValueError("qwen3_5_joint.run: a write_final delta0 needs a plan made with "
+                         "FINALS_IN_PLACE (the step's plan and its layers disagree)")
+    table, entry_a = _table(delta0, layer_plan if p["with_entries"] else None,
+                            p if write else None)
+    in_kernel = write and finals_in_kernel(table, kernel.get("implementation", "xla"))
+    if write and not in_kernel:  # the finals come back as bounds and are scattered below
+        table = dataclasses.replace(table, write_final=False, final_rows=None)
+    skip = 2 * s if in_kernel else 0  # the kernel writes the flow's and carried finals itself
+    bounds, has = p["fin_bounds"][skip:], p["has"][skip:, None, None, None]
     by_scan = mc and not p["trans_in_stream"]
     if by_scan:  # the captures' products: a scan over their local pieces' chunks
         kernel = dict(kernel, transitions=(p["trans_first"], p["trans_count"], entry_a))
-    out, fin, ck, *products = run_joint(
-        q, k, v, g, beta, p["joint"], table, p["chunk_state"], p["fin_bounds"],
-        checkpoint_at=checkpoint_at, pos0=pos0, chunk=p["joint"]["chunk"], first_states=delta0,
-        **kernel)
-    has = p["has"][:, None, None, None]
-    # a sequence with no rows ends where it starts: the flow in its state, a piece at zero (a
-    # piece that continues a long span is never empty), a transition at I or its entry's A
-    flow = jnp.where(has[:s], fin[:s], rows_of(delta0, jnp.arange(s, dtype=jnp.int32)))
-    local = jnp.where(has[s:s + n_local], fin[s:s + n_local], 0.0)
-    a_span = products[0] if by_scan else None  # an empty capture's is its initial row
+    out, fin, ck, products, written = run_joint(
+        q, k, v, g, beta, p["joint"], table, p["chunk_state"],
+        bounds if bounds.shape[0] else jnp.zeros(1, jnp.int32), checkpoint_at=checkpoint_at,
+        pos0=pos0, chunk=p["joint"]["chunk"], first_states=delta0, **kernel)
+    n_local -= skip - s if in_kernel else 0  # [Mc]: the captured pieces' local finals only
+    flow = written
+    if not in_kernel:
+        # a sequence with no rows ends where it starts: the flow in its state, a piece at zero
+        # (a piece that continues a long span is never empty), a transition at I or its A
+        flow = jnp.where(has[:s], fin[:s], rows_of(delta0, jnp.arange(s, dtype=jnp.int32)))
+        fin, has = fin[s:], has[s:]
+    local = jnp.where(has[:n_local], fin[:n_local], 0.0)
+    if write and not in_kernel:  # the XLA path: the carried finals, scattered into the cache
+        carried = (p["final_seq"][:s] < 0)[:, None, None, None]
+        flow = written_finals(delta0, jnp.where(carried, local[:s], flow))
+    a_span = products if by_scan else None  # an empty capture's is its initial row
     if mc and not by_scan:
         a0 = entry_a.materialize() if p["with_entries"] else jnp.eye(dk, dtype=f32)
-        a_span = jnp.where(has[s + n_local:], fin[s + n_local:], a0)
+        a_span = jnp.where(has[n_local:], fin[n_local:], a0)
     return take_rows(out, p["dest"]).astype(f32), flow, ck, local, a_span

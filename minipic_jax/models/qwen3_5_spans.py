@@ -286,8 +286,10 @@ def captured_maps(mixed, plan, a_span, local_final):
 def carry_local(mixed, plan, local_final, conv, delta):
     """The states a sequence carries on: for carry_local ones, the local conv window and delta
     state at the end of its last piece (local_final[:S]: local_pass's final_pieces order); else
-    the flow's `conv` [S, C, K1], `delta`."""
+    the flow's `conv` [S, C, K1], `delta` (None: the conv only; the delta comes back None)."""
     use = plan["carry_use"]
     local_conv_end = _window(mixed, plan["carry_rows"]).astype(conv.dtype)
-    return (jnp.where(use[:, None, None], local_conv_end, conv),
-            jnp.where(use[:, None, None, None], local_final[:use.shape[0]], delta))
+    conv = jnp.where(use[:, None, None], local_conv_end, conv)
+    if delta is None:
+        return conv, None
+    return conv, jnp.where(use[:, None, None, None], local_final[:use.shape[0]], delta)

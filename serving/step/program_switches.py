@@ -39,6 +39,7 @@ SWITCHES = (
     ("minipic_jax.models.qwen3_5_gdn", "DECODE_GATES_IN_PROJ"),
     ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
     ("minipic_jax.models.qwen3_5_joint", "TRANSITIONS_IN_STREAM"),
+    ("minipic_jax.models.qwen3_5_joint", "FINALS_IN_PLACE"),
     ("serving.hybrid.chain_compose", "AUTO_KERNEL"),
     ("serving.hybrid.checkpoint_pool", "CHECKPOINTS_STACKED"),
     ("serving.hybrid.span_maps", "COMPOSE_IN_PLACE"),

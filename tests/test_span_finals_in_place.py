@@ -1,0 +1,145 @@
+"""A span step's GDN finals written into the layer's state cache by the scan kernel
+(qwen3_5_joint.FINALS_IN_PLACE: StateRows.final_rows, a carry_local sequence's final from its
+last local piece's program) against the finals gathered, carried and scattered back (the form
+before): the written cache, the core outputs, checkpoints, the captured pieces' local finals and
+transitions bit for bit, on test_span_joint_layer.py's layouts (empty and leading empty
+sequences, captures of -1, long-span entries) with reset sequences and random carry_local, the
+Pallas kernels interpreted (compiled with MINIPIC_COMPILED=1, outputs starting as NaN) and the
+XLA path (its finals scattered); and the whole capturing step (tiny Qwen3.5)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn_inputs import gdn_inputs
+from kernels_pallas.gated_delta.api import CheckpointRows, from_cache
+from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
+from test_span_joint_layer import CASES, CHUNK, DK, DV, HK, HV, KC, PALLAS, T, _pieces
+from test_span_joint_layer import nan_scan_outputs  # noqa: F401 (a fixture)
+
+SLOTS = 12  # the state cache's rows: more than the sequences, in a shuffled order
+
+
+def _run(rng, case, impl, trans_in_stream):
+    lens, pos0, g, caps, cont, local_chunks = CASES[case]
+    pieces = _pieces(rng, lens, g, caps, cont, local_chunks)
+    s = len(lens)
+    x = tuple(jnp.asarray(a[0]) for a in gdn_inputs(rng, 1, T, HK, HV, DK, DV))
+    cache = jnp.asarray(rng.standard_normal((SLOTS, HV, DK, DV)), jnp.float32)
+    slots = jnp.asarray(rng.permutation(SLOTS)[:s], jnp.int32)
+    keep = jnp.asarray(np.arange(s) % 3 != 1)  # every third sequence starts from zeros
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    p0 = jnp.asarray(pos0, jnp.int32)
+    ends = np.asarray(pos0) + np.asarray(lens)
+    ck = CheckpointRows(seq=jnp.asarray(np.repeat(np.arange(s), 2), jnp.int32),
+                        pos=jnp.asarray(np.stack([ends, (np.asarray(pos0) // CHUNK + 1) * CHUNK],
+                                                 1).reshape(-1), jnp.int32))
+    kernel = dict(implementation=impl.removesuffix("_interpret"),
+                  interpret=impl.endswith("_interpret"))
+
+    def layer(in_place, cache, *x):
+        qwen3_5_joint.FINALS_IN_PLACE = in_place  # read by `prepare` as it is traced
+        qwen3_5_joint.TRANSITIONS_IN_STREAM = trans_in_stream
+        try:
+            plan = qwen3_5_spans.for_layer(
+                qwen3_5_spans.prepare(pieces, cu, T, KC, CHUNK, p0), 0)
+            d0 = from_cache(cache, slots, keep, write_final=in_place)
+            core, delta, ckpt, local, a_span = qwen3_5_gdn.recurrent_core(
+                x, cu, p0, d0, plan, checkpoint_at=ck, decode=False, packing=None, **kernel)
+        finally:
+            qwen3_5_joint.FINALS_IN_PLACE = False
+            qwen3_5_joint.TRANSITIONS_IN_STREAM = True
+        if not in_place:  # the form before: carried, then scattered (qwen3_5._gdn_layer)
+            use = plan["carry_use"][:, None, None, None]
+            delta = cache.at[slots].set(jnp.where(use, local[:s], delta))
+        mc = 0 if caps is None else len(caps)
+        return core, delta, ckpt, local[local.shape[0] - mc:], a_span
+
+    outs = {}
+    for in_place in (False, True):  # a fresh function each: its own trace
+        got = jax.jit(lambda c, *x, f=in_place: layer(f, c, *x))(cache, *x)
+        outs[in_place] = [None if a is None else np.asarray(a) for a in got]
+    return outs, int(cu[-1]), np.asarray(cache), np.asarray(slots)
+
+
+@pytest.mark.parametrize("case,impl,trans_in_stream", [
+    ("shifted, empty, captures of -1", PALLAS, True),
+    ("shifted, empty, captures of -1", PALLAS, False),
+    ("leading empty sequences", PALLAS, False),
+    ("no capture", PALLAS, True),
+    ("shifted, empty, captures of -1", "xla", False)])
+def test_finals_written_by_the_kernel_are_the_scattered_ones_bit_for_bit(
+        fresh_rng, nan_scan_outputs, case, impl, trans_in_stream):
+    outs, rows, cache, slots = _run(fresh_rng, case, impl, trans_in_stream)
+    names = ("core", "cache", "checkpoints", "captured local finals", "transitions")
+    for name, a, b in zip(names, outs[False], outs[True]):
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        if name == "core":
+            a, b = a[:rows], b[:rows]
+        assert np.isfinite(b).all(), name
+        np.testing.assert_array_equal(b, a, err_msg=name)
+    written = outs[True][1]
+    others = np.setdiff1d(np.arange(SLOTS), slots)  # rows of no sequence: untouched
+    np.testing.assert_array_equal(written[others], cache[others])
+    assert not np.array_equal(written[slots], cache[slots])  # ... and the step's written
+
+
+def test_a_capturing_step_writes_the_same_caches(fresh_rng):
+    """The whole warm step (tiny Qwen3.5, XLA; captures continuing long spans): logits, caches,
+    checkpoints and the span-map pool."""
+    from minipic_jax.models import qwen3_5
+    from serving.hybrid import span_step
+    from test_span_joint_pass import CFG, S, T as ROWS, _inputs
+    params, tokens, md, cache, rec, logits_idx, f, maps, ck = _inputs("warm", True, fresh_rng)
+    leaves = {}
+    for in_place in (False, True):
+        qwen3_5_joint.FINALS_IN_PLACE = in_place
+        try:
+            out = jax.jit(lambda p, c, m: qwen3_5.forward_with_checkpoints(
+                p, tokens, md, c, CFG, recurrent=rec, logits_indices=logits_idx,
+                gdn_impl="xla", checkpoint_at=ck,
+                span_pieces=span_step.pieces(f, m, True, ROWS, S)))(params, cache, maps)
+        finally:
+            qwen3_5_joint.FINALS_IN_PLACE = False
+        leaves[in_place] = [np.asarray(x) for x in jax.tree.leaves(out)]
+    for i, (a, b) in enumerate(zip(leaves[False], leaves[True])):
+        np.testing.assert_array_equal(b, a, err_msg=f"leaf {i} {a.shape}")
+
+
+def test_the_capturing_step_lowers_for_cuda_with_both_forms(monkeypatch):
+    """Qwen3.5-0.8B's widths (one GDN layer), a capturing warm step's shapes (rag's 1,024 rows x
+    16 sequences), finals in place and the transitions by a scan, lowered for an H100: the
+    scan kernel's final_rows operand and the transition kernel reach Triton, once each."""
+    import re
+
+    from benchmarks import span_step_ops
+    from minipic_jax.models import qwen3_5
+    from tests.cuda_lowering import abstract_h100
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels chosen as on one
+    cfg = span_step_ops.model_cfg(1)
+    md, logits_idx, pieces, rec = span_step_ops.step_inputs(1024, 16, True,
+                                                            np.random.default_rng(0))
+    params = jax.eval_shape(lambda: qwen3_5.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    cache = jax.eval_shape(lambda: qwen3_5.init_cache(cfg, 16 * 80, 16, 16, jnp.bfloat16))
+
+    def step(params, tokens, md, cache, rec, logits_idx, span):
+        return qwen3_5.forward_with_checkpoints(
+            params, tokens, md, cache, cfg, recurrent=rec, logits_indices=logits_idx,
+            gdn_impl="pallas_fused", span_pieces=span)
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        (params, jnp.zeros(md.num_tokens, jnp.int32), md, cache, rec,
+                         logits_idx, pieces))
+    texts = {}
+    for forms in ((False, True), (True, False)):
+        qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM = forms
+        try:
+            with abstract_h100():
+                texts[forms] = jax.jit(lambda *a: step(*a)).trace(*args).lower(
+                    lowering_platforms=("cuda",)).as_text()
+        finally:
+            qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM = False, True
+    kernels = {f: len(re.findall("xla.gpu.triton", t)) for f, t in texts.items()}
+    assert kernels[(True, False)] == kernels[(False, True)] + 1, kernels  # + the transitions
