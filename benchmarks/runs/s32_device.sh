@@ -8,8 +8,9 @@
 #    stacked (today) and layer by layer (checkpoint_pool.CHECKPOINTS_STACKED=0), alternated twice;
 # 3. rag at 16 seats with the finals in place and the compose program's pipelined cost (the
 #    composition goal: compose + step dispatched ahead against the step alone);
-# 4. the 64-seat decode step, today's vs DECODE_GATES_IN_PROJ + ZERO_KERNEL, alternated twice
-#    (s31: one sample each, untimed 1.88 vs 2.15 ms, profiled 2.42 vs 2.26: undecided).
+# 4. (session 33, was the decode A/B) the warm span step with 4 captures, today's against the
+#    transitions by a scan + span finals in place (`span_both`), alternated twice; session 33's
+#    compiled tests of those two kernels ride with (1).
 # If (1) fails on the finals, set qwen3_5.GDN_FINALS_IN_PLACE = False again.
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s32_device.sh
 set -u; T0=$SECONDS
@@ -19,9 +20,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s32.txt
 left() { echo $((${TOTAL:-560} - SECONDS + T0)); }
 OUT=$OUT bash benchmarks/runs/s31d_device.sh > /dev/null 2>&1
 cat "$OUT/s31d.txt" > "$R"
-MINIPIC_COMPILED=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE \
+MINIPIC_COMPILED=1 timeout 140 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE \
   tests/test_checkpoint_store_layers.py "tests/test_finals_in_place.py::test_finals_in_place_is_the_scatter_bit_for_bit" \
-  > "$OUT/tests_store.txt" 2>&1
+  tests/test_transition_scan.py tests/test_span_finals_in_place.py > "$OUT/tests_store.txt" 2>&1
 echo "compiled store + finals tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests_store.txt" | cut -c1-120)" >> "$R"
 grep -E "^(FAILED|ERROR) |^E  " "$OUT/tests_store.txt" | cut -c1-200 | sort -u | head -8 >> "$R"
 L=$(left); [ "$L" -gt 170 ] && L=170
@@ -33,11 +34,10 @@ grep -E "^live_prerotate|^time |^profile prefill [^|]*:" "$OUT/ckpt_store_ab.txt
 L=$(left); [ "$L" -gt 150 ] && L=150
 [ "$L" -ge 90 ] && OUT=$OUT LIMIT=$L bash benchmarks/runs/rag16_device.sh >> "$R"
 L=$(left); [ "$L" -gt 150 ] && L=150
-[ "$L" -ge 90 ] && timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 \
-  --max-model-len 25600 --tokens 128 --ckpt 1 --decode --reps 15 --profile 4 \
-  --forms "" DECODE_GATES_IN_PROJ=1,ZERO_KERNEL=1 "" DECODE_GATES_IN_PROJ=1,ZERO_KERNEL=1 \
-  > "$OUT/decode_ab.txt" 2>&1
-echo "decode A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "^live_prerotate|^time |^profile (decode|prefill) [^|]*:" "$OUT/decode_ab.txt" | cut -c1-170 >> "$R"
+[ "$L" -ge 60 ] && timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b \
+  --dtype bfloat16 --reps 9 --variants warm/4 --forms new span_both new span_both \
+  > "$OUT/span_both_ab.txt" 2>&1
+echo "span_both A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "^time " "$OUT/span_both_ab.txt" | cut -c1-150 >> "$R"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"
