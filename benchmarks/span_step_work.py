@@ -235,8 +235,7 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
 # per sequence, a span step's passes in one stream, the packed stream's q / k in bf16, the map
 # store stacked over layers, the zero_a flags, the conv's forms, the captures' products by a
 # scan over their local chunks, a span step's finals written in place), each form naming what
-# differs
-# from today's defaults ("new"); "old" is session 20's step.
+# differs from today's defaults ("new"); "old" is session 20's step.
 FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
          "joint": ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
          "stream_bf16": ("kernels_pallas.gated_delta.ragged", "STREAM_QK_IN_V_DTYPE"),
@@ -259,8 +258,8 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
          "conv_stacked": {"conv_stacked": True}, "pad_logits": {"pad_logits": True},
          "finals_in_place": {"finals": True}, "finals_scattered": {"finals": False},
          "trans_scan": {"trans_in_stream": False}, "trans_in_stream": {"trans_in_stream": True},
-         "span_finals": {"span_finals": True},
-         "span_both": {"span_finals": True, "trans_in_stream": False},
+         "span_finals": {"span_finals": True}, "span_both": {"span_finals": True,
+                                                             "trans_in_stream": False},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,

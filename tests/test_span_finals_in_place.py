@@ -12,31 +12,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn_inputs import gdn_inputs
-from kernels_pallas.gated_delta.api import CheckpointRows, from_cache
+from kernels_pallas.gated_delta.api import from_cache
 from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
-from test_span_joint_layer import CASES, CHUNK, DK, DV, HK, HV, KC, PALLAS, T, _pieces
+from test_span_joint_layer import (CHUNK, DK, DV, HV, KC, PALLAS, T, assert_outputs_equal,
+                                   kernel_options, layer_case)
 from test_span_joint_layer import nan_scan_outputs  # noqa: F401 (a fixture)
+from test_span_joint_pass import _inputs, assert_switch_keeps_the_step
 
 SLOTS = 12  # the state cache's rows: more than the sequences, in a shuffled order
 
 
 def _run(rng, case, impl, trans_in_stream):
-    lens, pos0, g, caps, cont, local_chunks = CASES[case]
-    pieces = _pieces(rng, lens, g, caps, cont, local_chunks)
-    s = len(lens)
-    x = tuple(jnp.asarray(a[0]) for a in gdn_inputs(rng, 1, T, HK, HV, DK, DV))
+    """Both forms' (core, cache, checkpoints, captured local finals, transitions), the rows
+    used, the cache before and the sequences' slots."""
+    pieces, x, cu, p0, ck = layer_case(rng, case)
+    s = cu.shape[0] - 1
     cache = jnp.asarray(rng.standard_normal((SLOTS, HV, DK, DV)), jnp.float32)
     slots = jnp.asarray(rng.permutation(SLOTS)[:s], jnp.int32)
     keep = jnp.asarray(np.arange(s) % 3 != 1)  # every third sequence starts from zeros
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-    p0 = jnp.asarray(pos0, jnp.int32)
-    ends = np.asarray(pos0) + np.asarray(lens)
-    ck = CheckpointRows(seq=jnp.asarray(np.repeat(np.arange(s), 2), jnp.int32),
-                        pos=jnp.asarray(np.stack([ends, (np.asarray(pos0) // CHUNK + 1) * CHUNK],
-                                                 1).reshape(-1), jnp.int32))
-    kernel = dict(implementation=impl.removesuffix("_interpret"),
-                  interpret=impl.endswith("_interpret"))
+    kernel = kernel_options(impl)
+    mc = 0 if pieces.capture is None else pieces.capture.shape[0]
 
     def layer(in_place, cache, *x):
         qwen3_5_joint.FINALS_IN_PLACE = in_place  # read by `prepare` as it is traced
@@ -53,7 +48,6 @@ def _run(rng, case, impl, trans_in_stream):
         if not in_place:  # the form before: carried, then scattered (qwen3_5._gdn_layer)
             use = plan["carry_use"][:, None, None, None]
             delta = cache.at[slots].set(jnp.where(use, local[:s], delta))
-        mc = 0 if caps is None else len(caps)
         return core, delta, ckpt, local[local.shape[0] - mc:], a_span
 
     outs = {}
@@ -72,15 +66,9 @@ def _run(rng, case, impl, trans_in_stream):
 def test_finals_written_by_the_kernel_are_the_scattered_ones_bit_for_bit(
         fresh_rng, nan_scan_outputs, case, impl, trans_in_stream):
     outs, rows, cache, slots = _run(fresh_rng, case, impl, trans_in_stream)
-    names = ("core", "cache", "checkpoints", "captured local finals", "transitions")
-    for name, a, b in zip(names, outs[False], outs[True]):
-        assert (a is None) == (b is None), name
-        if a is None:
-            continue
-        if name == "core":
-            a, b = a[:rows], b[:rows]
-        assert np.isfinite(b).all(), name
-        np.testing.assert_array_equal(b, a, err_msg=name)
+    assert_outputs_equal(outs[False], outs[True], rows, exact=True,
+                         names=("core", "cache", "checkpoints", "captured local finals",
+                                "transitions"))
     written = outs[True][1]
     others = np.setdiff1d(np.arange(SLOTS), slots)  # rows of no sequence: untouched
     np.testing.assert_array_equal(written[others], cache[others])
@@ -89,24 +77,10 @@ def test_finals_written_by_the_kernel_are_the_scattered_ones_bit_for_bit(
 
 def test_a_capturing_step_writes_the_same_caches(fresh_rng):
     """The whole warm step (tiny Qwen3.5, XLA; captures continuing long spans): logits, caches,
-    checkpoints and the span-map pool."""
-    from minipic_jax.models import qwen3_5
-    from serving.hybrid import span_step
-    from test_span_joint_pass import CFG, S, T as ROWS, _inputs
-    params, tokens, md, cache, rec, logits_idx, f, maps, ck = _inputs("warm", True, fresh_rng)
-    leaves = {}
-    for in_place in (False, True):
-        qwen3_5_joint.FINALS_IN_PLACE = in_place
-        try:
-            out = jax.jit(lambda p, c, m: qwen3_5.forward_with_checkpoints(
-                p, tokens, md, c, CFG, recurrent=rec, logits_indices=logits_idx,
-                gdn_impl="xla", checkpoint_at=ck,
-                span_pieces=span_step.pieces(f, m, True, ROWS, S)))(params, cache, maps)
-        finally:
-            qwen3_5_joint.FINALS_IN_PLACE = False
-        leaves[in_place] = [np.asarray(x) for x in jax.tree.leaves(out)]
-    for i, (a, b) in enumerate(zip(leaves[False], leaves[True])):
-        np.testing.assert_array_equal(b, a, err_msg=f"leaf {i} {a.shape}")
+    checkpoints and the span-map pool.
+    The plumbing through the model: its decays make a state forget where it started, so the
+    layer tests above are the ones that tell a wrong final or product apart."""
+    assert_switch_keeps_the_step(_inputs("warm", True, fresh_rng), "FINALS_IN_PLACE", False, True)
 
 
 def test_the_capturing_step_lowers_for_cuda_with_both_forms(monkeypatch):

@@ -96,18 +96,9 @@ def _pieces(rng, lens, g, caps, cont, local_chunks):
     pytest.param(*case, marks=pytest.mark.slow) for case in [
         ("shifted, empty, captures of -1", "xla"), ("leading empty sequences", PALLAS)]])
 def test_joint_core_equals_the_separate_passes(fresh_rng, nan_scan_outputs, impl, case):
-    lens, pos0, g, caps, cont, local_chunks = CASES[case]
-    pieces = _pieces(fresh_rng, lens, g, caps, cont, local_chunks)
-    x = tuple(jnp.asarray(a[0]) for a in gdn_inputs(fresh_rng, 1, T, HK, HV, DK, DV))
-    delta0 = jnp.asarray(fresh_rng.standard_normal((len(lens), HV, DK, DV)), jnp.float32)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-    p0 = jnp.asarray(pos0, jnp.int32)
-    ends = np.asarray(pos0) + np.asarray(lens)
-    ck = CheckpointRows(seq=jnp.asarray(np.repeat(np.arange(len(lens)), 2), jnp.int32),
-                        pos=jnp.asarray(np.stack([ends, (np.asarray(pos0) // CHUNK + 1) * CHUNK],
-                                                 1).reshape(-1), jnp.int32))
-    kernel = dict(implementation=impl.removesuffix("_interpret"),
-                  interpret=impl.endswith("_interpret"))
+    pieces, x, cu, p0, ck = layer_case(fresh_rng, case)
+    delta0 = jnp.asarray(fresh_rng.standard_normal((cu.shape[0] - 1, HV, DK, DV)), jnp.float32)
+    kernel = kernel_options(impl)
 
     def core(*x):  # both forms in one program (one compile)
         out = []
@@ -118,17 +109,44 @@ def test_joint_core_equals_the_separate_passes(fresh_rng, nan_scan_outputs, impl
             out.append(qwen3_5_gdn.recurrent_core(x, cu, p0, delta0, plan, checkpoint_at=ck,
                                                   decode=False, packing=packing, **kernel))
         return out
-    outs = {j: [None if a is None else np.asarray(a) for a in o]
-            for j, o in zip((False, True), jax.jit(core)(*x))}
-    rows = int(cu[-1])
-    for name, a, b in zip(("core", "delta", "checkpoints", "local finals", "transitions"),
-                          outs[False], outs[True]):
+    outs = [[None if a is None else np.asarray(a) for a in o] for o in jax.jit(core)(*x)]
+    assert_outputs_equal(outs[0], outs[1], int(cu[-1]), exact=False,
+                         names=("core", "delta", "checkpoints", "local finals", "transitions"))
+    if CASES[case][3] is not None:  # transitions far from zero: a wrong initial A would show
+        assert np.abs(outs[1][4]).max() > 1e-2
+
+
+def layer_case(rng, case):
+    """A CASES layout's (pieces, x = (q, k, v, g, beta), cu_q_lens, pos0, checkpoint rows at
+    each sequence's end and the chunk boundary after its start), random inputs."""
+    lens, pos0, g, caps, cont, local_chunks = CASES[case]
+    pieces = _pieces(rng, lens, g, caps, cont, local_chunks)
+    x = tuple(jnp.asarray(a[0]) for a in gdn_inputs(rng, 1, T, HK, HV, DK, DV))
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    ends = np.asarray(pos0) + np.asarray(lens)
+    ck = CheckpointRows(seq=jnp.asarray(np.repeat(np.arange(len(lens)), 2), jnp.int32),
+                        pos=jnp.asarray(np.stack([ends, (np.asarray(pos0) // CHUNK + 1) * CHUNK],
+                                                 1).reshape(-1), jnp.int32))
+    return pieces, x, cu, jnp.asarray(pos0, jnp.int32), ck
+
+
+def kernel_options(impl: str) -> dict:
+    """recurrent_core's implementation / interpret for a test's impl name."""
+    return dict(implementation=impl.removesuffix("_interpret"),
+                interpret=impl.endswith("_interpret"))
+
+
+def assert_outputs_equal(want, got, rows: int, *, exact: bool, names):
+    """Two forms' layer outputs (lists of arrays or None, by `names`) the same: bit for bit
+    (exact) or within 2e-5; the core compared on its `rows` real rows; the second finite."""
+    for name, a, b in zip(names, want, got):
         assert (a is None) == (b is None), name
         if a is None:
             continue
         if name == "core":
             a, b = a[:rows], b[:rows]
         assert np.isfinite(b).all(), name
-        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5, err_msg=name)
-    if caps is not None:  # the transitions are far from zero: a wrong initial A would show
-        assert np.abs(outs[True][4]).max() > 1e-2
+        if exact:
+            np.testing.assert_array_equal(b, a, err_msg=name)
+        else:
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5, err_msg=name)

@@ -48,15 +48,34 @@ def _inputs(kind, cont, rng):
 
 
 def _step(enabled, impl, kind, args):
+    return step_under(args, impl, kind, ENABLED=enabled)
+
+
+def assert_switch_keeps_the_step(args, name: str, before: bool, after: bool):
+    """The XLA warm step (`_inputs`' args) with qwen3_5_joint.<name> at `after` gives the bits it
+    gives at `before`, every output leaf."""
+    want, got = (jax.tree.leaves(step_under(args, "xla", "warm", **{name: value}))
+                 for value in (before, after))
+    assert len(want) == len(got)
+    for i, (a, b) in enumerate(zip(want, got)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"leaf {i}")
+
+
+def step_under(args, impl, kind, **switches):
+    """The step's outputs (`_inputs`' args) traced anew with qwen3_5_joint's switches set
+    (each put back after)."""
     params, tokens, md, cache, rec, logits_idx, f, maps, ck = args
-    qwen3_5_joint.ENABLED = enabled
+    before = {name: getattr(qwen3_5_joint, name) for name in switches}
+    for name, value in switches.items():
+        setattr(qwen3_5_joint, name, value)
     try:
         return jax.jit(lambda p, c, m: qwen3_5.forward_with_checkpoints(
             p, tokens, md, c, CFG, recurrent=rec, logits_indices=logits_idx, gdn_impl=impl,
             checkpoint_at=ck, span_pieces=span_step.pieces(f, m, kind == "warm", T, S)))(
                 params, cache, maps)
     finally:
-        qwen3_5_joint.ENABLED = True
+        for name, value in before.items():
+            setattr(qwen3_5_joint, name, value)
 
 
 # the whole step with captures continuing long spans; the kernels' whole step (interpreted: ~20 s

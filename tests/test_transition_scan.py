@@ -12,28 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn_inputs import gdn_inputs
-from kernels_pallas.gated_delta.api import CheckpointRows
 from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
-from test_span_joint_layer import CASES, CHUNK, DK, DV, HK, HV, KC, PALLAS, T, _pieces
+from test_span_joint_layer import (CHUNK, DK, DV, HV, KC, PALLAS, T, assert_outputs_equal,
+                                   kernel_options, layer_case)
 from test_span_joint_layer import nan_scan_outputs  # noqa: F401 (a fixture)
+from test_span_joint_pass import _inputs, assert_switch_keeps_the_step
 from tests.jaxpr_walk import primitive_counts
 
 
 def _layer(rng, case, impl):
-    """(jitted fn of the layer's inputs running both forms, its inputs, rows used)."""
-    lens, pos0, g, caps, cont, local_chunks = CASES[case]
-    pieces = _pieces(rng, lens, g, caps, cont, local_chunks)
-    x = tuple(jnp.asarray(a[0]) for a in gdn_inputs(rng, 1, T, HK, HV, DK, DV))
-    delta0 = jnp.asarray(rng.standard_normal((len(lens), HV, DK, DV)), jnp.float32)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-    p0 = jnp.asarray(pos0, jnp.int32)
-    ends = np.asarray(pos0) + np.asarray(lens)  # checkpoints at the ends and a chunk boundary
-    ck = CheckpointRows(seq=jnp.asarray(np.repeat(np.arange(len(lens)), 2), jnp.int32),
-                        pos=jnp.asarray(np.stack([ends, (np.asarray(pos0) // CHUNK + 1) * CHUNK],
-                                                 1).reshape(-1), jnp.int32))
-    kernel = dict(implementation=impl.removesuffix("_interpret"),
-                  interpret=impl.endswith("_interpret"))
+    """(fn(in_stream, *x) running the layer in that form, x, rows used)."""
+    pieces, x, cu, p0, ck = layer_case(rng, case)
+    delta0 = jnp.asarray(rng.standard_normal((cu.shape[0] - 1, HV, DK, DV)), jnp.float32)
+    kernel = kernel_options(impl)
 
     def core(in_stream, *x):
         qwen3_5_joint.TRANSITIONS_IN_STREAM = in_stream  # read by `prepare` as it is traced
@@ -60,18 +51,10 @@ def test_products_by_scan_are_the_stream_pass_bit_for_bit(fresh_rng, nan_scan_ou
     core, x, rows = _layer(fresh_rng, case, impl)
     outs, chunks = {}, {}
     for in_stream in (True, False):  # a fresh function each: its own trace
-        run = jax.jit(lambda *x, s=in_stream: core(s, *x))
-        got, chunks[in_stream] = run(*x)
+        got, chunks[in_stream] = jax.jit(lambda *x, s=in_stream: core(s, *x))(*x)
         outs[in_stream] = [None if a is None else np.asarray(a) for a in got]
-    names = ("core", "delta", "checkpoints", "local finals", "transitions")
-    for name, a, b in zip(names, outs[True], outs[False]):
-        assert (a is None) == (b is None), name
-        if a is None:
-            continue
-        if name == "core":
-            a, b = a[:rows], b[:rows]
-        assert np.isfinite(b).all(), name
-        np.testing.assert_array_equal(b, a, err_msg=name)
+    assert_outputs_equal(outs[True], outs[False], rows, exact=True,
+                         names=("core", "delta", "checkpoints", "local finals", "transitions"))
     # the products are far from zero and from I: a wrong initial row or chunk range would show
     a_span = outs[False][4]
     assert np.abs(a_span).max() > 1e-2
@@ -90,25 +73,10 @@ def test_the_scan_form_adds_one_kernel_a_layer(fresh_rng):
 
 def test_a_capturing_step_is_the_stream_form_bit_for_bit(fresh_rng):
     """The whole warm step (tiny Qwen3.5, XLA scan, captures continuing long spans): logits,
-    recurrent states, checkpoints and the span-map pool after the captures' store."""
-    from minipic_jax.models import qwen3_5
-    from serving.hybrid import span_step
-    from test_span_joint_pass import CFG, S, T as ROWS, _inputs
-    params, tokens, md, cache, rec, logits_idx, f, maps, ck = _inputs("warm", True, fresh_rng)
-    leaves = {}
-    for in_stream in (True, False):
-        qwen3_5_joint.TRANSITIONS_IN_STREAM = in_stream
-        try:
-            out = jax.jit(lambda p, c, m: qwen3_5.forward_with_checkpoints(
-                p, tokens, md, c, CFG, recurrent=rec, logits_indices=logits_idx,
-                gdn_impl="xla", checkpoint_at=ck,
-                span_pieces=span_step.pieces(f, m, True, ROWS, S)))(params, cache, maps)
-        finally:
-            qwen3_5_joint.TRANSITIONS_IN_STREAM = True
-        leaves[in_stream] = [np.asarray(x) for x in jax.tree.leaves(out)]
-    assert len(leaves[True]) == len(leaves[False])
-    for i, (a, b) in enumerate(zip(leaves[True], leaves[False])):
-        np.testing.assert_array_equal(b, a, err_msg=f"leaf {i} {a.shape}")
+    recurrent states, checkpoints and the span-map pool after the captures' store.
+    The plumbing through the model: its decays make a state forget where it started, so the
+    layer tests above are the ones that tell a wrong final or product apart."""
+    assert_switch_keeps_the_step(_inputs("warm", True, fresh_rng), "TRANSITIONS_IN_STREAM", True, False)
 
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
@@ -117,7 +85,7 @@ def test_the_kernel_lowers_for_cuda_at_qwen3_5_widths(layout, with_init):
     """The transition kernel lowered for an H100 (Triton) at Qwen3.5-0.8B's GDN widths (16 value
     heads, Dk = 128, bf16 W / KD), from I and from a span-map pool layer's A: what a CPU can
     check of the compiled kernel before a device compiles it."""
-    from kernels_pallas.gated_delta import fused_triton, ragged_triton
+    from kernels_pallas.gated_delta import fused_triton, transition_scan
     from kernels_pallas.gated_delta.state_rows import StateRows
     from tests.cuda_lowering import abstract_h100, map_pool_0_8b
     SD = jax.ShapeDtypeStruct
@@ -128,10 +96,9 @@ def test_the_kernel_lowers_for_cuda_at_qwen3_5_widths(layout, with_init):
 
     def run(w, kd, dl, first, count, *init):
         rows = StateRows((init[0],), init[1], init[2], (3,)) if init else None
-        return ragged_triton._transition_scan(
-            w, kd, dl, first, count, rows, chunk=CHUNK, dot_dtype=jnp.bfloat16, layout=layout,
-            block_v=min(opt["block_v"], dk), num_warps=opt["scan_warps"],
-            num_stages=opt["scan_stages"], interpret=False)
+        return transition_scan.products(w, kd, dl, first, count, rows, chunk=CHUNK,
+                                        dot_dtype=jnp.bfloat16,
+                                        options=dict(opt, layout=layout), interpret=False)
     if with_init:
         args += [map_pool_0_8b().a, SD((m,), jnp.int32), SD((m,), jnp.int32)]
     with abstract_h100():

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.gated_delta import fused_triton, scan_fused, state_rows
+from kernels_pallas.gated_delta import fused_triton, scan_fused, state_rows, transition_scan
 from kernels_pallas.gated_delta.state_rows import StateRows
 
 
@@ -134,65 +134,6 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
             write_final_state(jnp.zeros(final_ref.shape[1:], jnp.float32))
 
 
-def _transition_kernel(w_ref, kd_ref, dl_ref, first_ref, count_ref, *refs, n_chunks, chunk,
-                       dot_dtype, layout, n_sources, block_v):
-    # per transition (grid axis 2): the product of the maps (affine.py) of packed chunks
-    # first .. first + count (another sequence's: its W, KD, decay), from I or, with n_sources,
-    # row `sid` of a StateRows (kind, index, its sources' blocks: a long span's A so far);
-    # out [M, Dk, BV] in the "kv" order. No V', no per-chunk states: the chunks' own sequence
-    # stores those.
-    out_ref = refs[-1]
-    vk = layout == "vk"
-    j = pl.program_id(1)
-    sid = pl.program_id(2)
-    start = jnp.minimum(first_ref[sid], n_chunks)
-    end = jnp.minimum(start + jnp.maximum(count_ref[sid], 0), n_chunks)
-    if n_sources:
-        kind_ref, index_ref, *src_refs = refs[:-1]
-        p0 = state_rows.load_tile(sid, kind_ref, index_ref, src_refs, j=j, block_v=block_v,
-                                  transpose=vk)
-    else:
-        p0 = state_rows.eye_tile(out_ref.shape[1:], j=j, block_v=block_v)
-        p0 = p0.T if vk else p0
-
-    def body(c, p):
-        return scan_fused.step(c, p, w_ref, None, kd_ref, dl_ref, None, chunk=chunk,
-                               dot_dtype=dot_dtype, layout=layout)
-
-    p = jax.lax.fori_loop(start, end, body, p0)
-    out_ref[sid] = p.T if vk else p
-
-
-def _transition_scan(w, kd, dl, first, count, init, *, chunk, dot_dtype, layout, block_v,
-                     num_warps, num_stages, interpret):
-    """[M, Hv, Dk, Dk] float32: for each transition m the product of the maps of packed chunks
-    first[m] .. + count[m] (`_transition_kernel`), from I (init None) or init's row m (a
-    StateRows of M rows). Dk = Dv (a product is a state-sized block)."""
-    _, t_len, hv, dk = w.shape
-    nc = t_len // chunk
-    m = first.shape[0]
-    seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j, *_: (0, 0, h, 0))
-    whole = lambda n: pl.BlockSpec((n,), lambda h, j, *_: (0,))  # noqa: E731
-    in_specs = [seq_k, seq_k, pl.BlockSpec((None, nc), lambda h, j, *_: (h, 0)),
-                whole(m), whole(m)]
-    init_ops = ()
-    if init is not None:
-        in_specs += [whole(m), whole(m)] + [_source_spec(src, init.layer_of(i), dk, block_v)
-                                            for i, src in enumerate(init.sources)]
-        init_ops = (init.kind, init.index, *init.sources)
-    return pl.pallas_call(
-        functools.partial(_transition_kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype,
-                          layout=layout, n_sources=0 if init is None else len(init.sources),
-                          block_v=block_v),
-        grid=(hv, dk // block_v, m),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((m, None, dk, block_v), lambda h, j, *_: (0, h, 0, j))],
-        out_shape=[jax.ShapeDtypeStruct((m, hv, dk, dk), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-    )(w, kd, dl, jnp.asarray(first, jnp.int32), jnp.asarray(count, jnp.int32), *init_ops)[0]
-
-
 def _final_row(index_ref, sid, final_ref):
     """The source row sequence `sid`'s final state goes to (clipped: a bad index cannot write
     outside the source)."""
@@ -236,7 +177,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         captured span piece's, whose map the caller wants) from I (init None) or init's row m
         (a StateRows of M rows),
         by a second scan over the same W / KD (no stream rows, intra or output work of their
-        own; `_transition_kernel`). Needs Dk = Dv.
+        own; transition_scan.py). Needs Dk = Dv.
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
       out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32, with
@@ -270,10 +211,9 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     vk = layout == "vk"
     used = jnp.full((1,), nc, jnp.int32) if n_used is None else jnp.reshape(
         n_used, (1,)).astype(jnp.int32)
+    per_seq = None  # the per-sequence scan, where the caller gives the sequences' chunks
     if (SEQ_PARALLEL if seq_parallel is None else seq_parallel) and seq_first is not None:
         per_seq = (jnp.asarray(seq_first, jnp.int32), jnp.asarray(seq_chunks, jnp.int32))
-    else:
-        per_seq = None
     s0 = _scan_states(state0, seq_first is not None
                       and reads_rows_in_place(seq_parallel, states_in_place), vk)
     v_new, states, bound, *written = _state_scan(
@@ -281,28 +221,31 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk,
         dot_dtype=dot_dtype, layout=layout, block_v=min(opt["block_v"], dv),
         num_warps=opt["scan_warps"], num_stages=opt["scan_stages"], interpret=interpret)
-    if opt["output"] == "mosaic":
-        from kernels_pallas.gated_delta import output_mosaic
-        out = output_mosaic.output_mosaic(q, k, g, v_new, states, scale=scale, chunk=chunk,
-                                          states_t=vk, interpret=interpret, used=n_used)
-    else:
-        out = fused_triton.output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk,
-                                        dot_dtype=dot_dtype, out_dtype=v.dtype,
-                                        interpret=interpret, num_warps=opt["out_warps"],
-                                        states_t=vk, used=n_used,
-                                        src=None if src is None else src[0])
+    out = _output(q, k, g, v_new, states, opt, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
+                  out_dtype=v.dtype, interpret=interpret, used=n_used,
+                  src=None if src is None else src[0])
     if vk and not isinstance(s0, StateRows):
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter
-    products = ()
-    if transitions is not None:
-        first, count, init = transitions
-        products = (_transition_scan(w, kd, dl, first, count, init, chunk=chunk,
-                                     dot_dtype=dot_dtype, layout=layout,
-                                     block_v=min(opt["block_v"], dk),
-                                     num_warps=opt["scan_warps"],
-                                     num_stages=opt["scan_stages"], interpret=interpret),)
+    products = () if transitions is None else (transition_scan.products(
+        w, kd, dl, *transitions, chunk=chunk, dot_dtype=dot_dtype, options=opt,
+        interpret=interpret),)
     return (out, bound[winner], *products, *written)  # written: the write_final source, if any
+
+
+def _output(q, k, g, v_new, states, opt, *, scale, chunk, dot_dtype, out_dtype, interpret, used,
+            src):
+    """The output kernel opt["output"] names: Mosaic GPU or Triton (with `src`: reading the
+    step's source rows, stream_rows.py)."""
+    vk = opt["layout"] == "vk"
+    if opt["output"] == "mosaic":
+        from kernels_pallas.gated_delta import output_mosaic
+        return output_mosaic.output_mosaic(q, k, g, v_new, states, scale=scale, chunk=chunk,
+                                           states_t=vk, interpret=interpret, used=used)
+    return fused_triton.output_fused(q, k, g, v_new, states, scale=scale, chunk=chunk,
+                                     dot_dtype=dot_dtype, out_dtype=out_dtype,
+                                     interpret=interpret, num_warps=opt["out_warps"],
+                                     states_t=vk, used=used, src=src)
 
 
 def reads_rows_in_place(seq_parallel=None, states_in_place=None) -> bool:
@@ -360,7 +303,7 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
             n_sources = len(s0.sources)
             bound_blk, bound_st, bound_idx = (dk, block_v), (dk, dv), (lambda j: (0, j))
             states_in = [whole(s0.kind.shape[0]), whole(s0.kind.shape[0])] + [
-                _source_spec(src, s0.layer_of(i), dk, block_v)
+                state_rows.source_spec(src, s0.layer_of(i), dk, block_v)
                 for i, src in enumerate(s0.sources)]
             state_ops = (s0.kind, s0.index, *s0.sources)
         else:
@@ -391,7 +334,7 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
     aliases = {}
     if write_final:  # (per-sequence scan only) the source, in place: its (head, block) tiles
         src = s0.sources[0]
-        out_specs.append(_source_spec(src, None, dk, block_v))
+        out_specs.append(state_rows.source_spec(src, None, dk, block_v))
         out_shape.append(jax.ShapeDtypeStruct(src.shape, src.dtype))
         # operands: w, u, kd, dl, the per_seq pair, seq_of_chunk, kind, index, then the source
         aliases = {4 + len(per_seq) + 1 + 2: len(out_shape) - 1}
@@ -405,12 +348,3 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(w, u, kd, dl, *operands)
-
-
-def _source_spec(src, layer, dk: int, block_v: int):
-    """A StateRows source's block for program (head h, value block j): every row's [Dk, BV]
-    tile ([P, Lg, Hv, Dk, Dv] sources: of `layer`)."""
-    if layer is None:
-        return pl.BlockSpec((src.shape[0], None, dk, block_v), lambda h, j, *_: (0, h, 0, j))
-    return pl.BlockSpec((src.shape[0], None, None, dk, block_v),
-                        lambda h, j, *_: (0, layer, h, 0, j))

@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 ZERO, EYE = -1, -2
 # False: the scan kernel gets the table built (gathered, concatenated, transposed) as before
@@ -129,3 +130,13 @@ def eye_tile(shape, *, j, block_v: int):
     r = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
     c = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + j * block_v
     return jnp.where(r == c, 1.0, 0.0)
+
+
+def source_spec(src, layer, dk: int, block_v: int):
+    """Inside a scan kernel's pallas_call (grid (Hv, Dv / BV, ...)): a StateRows source's block
+    for program (head h, value block j), every row's [Dk, BV] tile ([P, Lg, Hv, Dk, Dv]
+    sources: of `layer`)."""
+    if layer is None:
+        return pl.BlockSpec((src.shape[0], None, dk, block_v), lambda h, j, *_: (0, h, 0, j))
+    return pl.BlockSpec((src.shape[0], None, None, dk, block_v),
+                        lambda h, j, *_: (0, layer, h, 0, j))

@@ -376,10 +376,9 @@ class GatedDeltaNet(nnx.Module):
         out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
         maps = None
         if pieces is not None:  # (a cache written in place holds the carried finals already)
-            written = isinstance(delta0, StateRows) and delta0.write_final
-            conv, carried = qwen3_5_spans.carry_local(mixed, pieces, local_final, conv,
-                                                      None if written else delta)
-            delta = delta if written else carried
+            conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, conv, delta,
+                                                    written=isinstance(delta0, StateRows)
+                                                    and delta0.write_final)
             if a_span is not None:
                 maps = qwen3_5_spans.captured_maps(mixed, pieces, a_span, local_final)
         ckpt = None

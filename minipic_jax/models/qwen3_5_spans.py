@@ -283,13 +283,14 @@ def captured_maps(mixed, plan, a_span, local_final):
                 tail=_window(stream(mixed, plan), plan["cap_rows"]), count=plan["cap_count"])
 
 
-def carry_local(mixed, plan, local_final, conv, delta):
+def carry_local(mixed, plan, local_final, conv, delta, written: bool = False):
     """The states a sequence carries on: for carry_local ones, the local conv window and delta
     state at the end of its last piece (local_final[:S]: local_pass's final_pieces order); else
-    the flow's `conv` [S, C, K1], `delta` (None: the conv only; the delta comes back None)."""
+    the flow's `conv` [S, C, K1], `delta`. `written`: delta is the state cache with every final
+    written already (qwen3_5_joint.FINALS_IN_PLACE), returned as it is."""
     use = plan["carry_use"]
     local_conv_end = _window(mixed, plan["carry_rows"]).astype(conv.dtype)
     conv = jnp.where(use[:, None, None], local_conv_end, conv)
-    if delta is None:
-        return conv, None
+    if written:
+        return conv, delta
     return conv, jnp.where(use[:, None, None, None], local_final[:use.shape[0]], delta)
