@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import cli
 from benchmarks import rag_workloads as W
 
@@ -80,3 +82,20 @@ def _run_tiny(tmp_path, capsys):
     assert all(r["host_ms"] > 0 and r["steps"] >= 1 for r in g["rows"])
     assert "[ttft] through LLM.generate: cold " in text
     assert (tmp_path / "rag_bench.png").exists()
+
+
+def test_a_program_form_is_set_for_the_run_and_a_bad_one_refused(tmp_path, monkeypatch):
+    """--program-form: the named switches hold while the configuration runs (put back after);
+    a name that is no program switch is refused before an engine starts, naming the flag."""
+    from benchmarks import rag_runs
+    from minipic_jax.models import qwen3_5_joint
+    seen = []
+    monkeypatch.setattr(rag_runs, "run_config", lambda name, opts: seen.append(
+        (name, qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM))
+                        or {"config": name, "error": "not run (a test)"})
+    argv = ["rag", "--configs", "fcfs", "--in-process", "--out", str(tmp_path)]
+    cli.main(argv + ["--program-form", "FINALS_IN_PLACE=1,TRANSITIONS_IN_STREAM=0"])
+    assert seen == [("fcfs", True, False)]
+    assert (qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM) == (False, True)
+    with pytest.raises(ValueError, match="--program-form 'NO_SUCH=1'"):
+        cli.main(argv + ["--program-form", "NO_SUCH=1"])
