@@ -206,9 +206,9 @@ def _gdn_layer(block, x, cfg, conv_c, delta_c, recurrent, gdn_kw, layer, in_plac
     conv_in = in_place and GDN_DECODE_GLUE and GDN_DECODE_CONV and tp_mesh() is None \
         and cfg.linear_num_key_heads == cfg.linear_num_value_heads
     conv0 = None if conv_in else jnp.where(keep, conv_c[slots], 0).astype(conv_c.dtype)
-    finals_in_place = (not in_place and recurrent.decode is False and tp_mesh() is None
-                       and (GDN_FINALS_IN_PLACE if kw["pieces"] is None
-                            else kw["pieces"].get("joint", {}).get("finals_in_place", False)))
+    finals_in_place = not in_place and tp_mesh() is None and (
+        GDN_FINALS_IN_PLACE and recurrent.decode is False if kw["pieces"] is None
+        else kw["pieces"].get("joint", {}).get("finals_in_place", False))  # joint: a prefill
     if in_place:  # the decode kernel reads and writes the layer's states in the cache
         delta0 = None
         kw["state_cache"] = qwen3_5_gdn.StateCache(delta_c, slots, ~reset, GDN_DECODE_GLUE,
