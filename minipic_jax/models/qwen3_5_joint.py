@@ -103,8 +103,7 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     out = dict(joint=jp, dest=dest, seqs=seqs, mc=mc, n_local=local_final_of.shape[0],
                with_entries=entry_use is not None, trans_in_stream=in_stream,
                finals_in_place=FINALS_IN_PLACE,
-               final_seq=_final_seqs(pieces, cu_q_lens, local_final_of[:seqs], g,
-                                     mc if in_stream else 0))
+               final_seq=_final_seqs(pieces, cu_q_lens, g, mc if in_stream else 0))
     if mc and not in_stream:  # each capture's product over its local piece's chunks
         piece = jp["seq_offset"][1] + jnp.clip(pieces.capture, 0, g - 1)
         out.update(trans_first=jp["first"][piece],
@@ -115,17 +114,16 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     return out
 
 
-def _final_seqs(pieces: SpanPieces, cu_q_lens, last_piece, g: int, n_trans: int):
-    """[S + G + n_trans] the flow sequence whose final state each joint sequence ends in (-1:
-    none): flow sequence i its own, unless it carries its last piece's local state on
-    (carry_local, with rows in the step), which then does."""
+def _final_seqs(pieces: SpanPieces, cu_q_lens, g: int, n_trans: int):
+    """[S + G + n_trans] the flow sequence whose final state each joint sequence's program writes
+    into the cache (-1: none): flow sequence i its own, unless it carries its last piece's local
+    state on (carry_local, with rows in the step). A piece's program never writes one: the
+    flow's program of that sequence reads its slot, in no order with the piece's (GPU programs
+    run in any order), so `run` scatters the carried ones after the kernel."""
     seqs = cu_q_lens.shape[0] - 1
     carry = pieces.carry_local & (cu_q_lens[1:] > cu_q_lens[:-1])
-    ids = jnp.arange(seqs, dtype=jnp.int32)
-    piece_seq = jnp.full(g, -1, jnp.int32).at[jnp.where(carry, last_piece, g)].set(
-        ids, mode="drop")
-    return jnp.concatenate([jnp.where(carry, -1, ids), piece_seq,
-                            jnp.full(n_trans, -1, jnp.int32)])
+    return jnp.concatenate([jnp.where(carry, -1, jnp.arange(seqs, dtype=jnp.int32)),
+                            jnp.full(g + n_trans, -1, jnp.int32)])
 
 
 def _table(delta0, layer_plan, finals=None):
@@ -133,8 +131,8 @@ def _table(delta0, layer_plan, finals=None):
     flow's rows where delta0 names them (the layer's cache) or delta0 itself, the entries' in the
     span-map pool's layer (layer_plan: for_layer's, with entries; None without), nothing copied.
     With finals (the `plan`; delta0 a write_final StateRows) each joint sequence's final goes
-    to its flow sequence's cache row (`_final_seqs`, StateRows.final_rows): an empty flow
-    sequence's only where it starts from zeros (others keep their row), an empty piece's zeros.
+    to its flow sequence's cache row (`_final_seqs`, StateRows.final_rows): an empty one's only
+    where it starts from zeros (others keep their row).
     Also the entries' A rows alone (a StateRows of the pool's A; None without entries): read
     through the whole table, each row would gather from every source."""
     if not isinstance(delta0, StateRows):  # an array [S, ...]: itself, row by row
@@ -159,10 +157,8 @@ def _table(delta0, layer_plan, finals=None):
     if finals is not None:
         seq = finals["final_seq"]
         at = delta0.index[jnp.clip(seq, 0, delta0.index.shape[0] - 1)]
-        # an empty one ends where it starts: a flow sequence in its state (written only if
-        # zeros), a local piece in zeros (as `run`'s bounds path: `local`)
-        piece = jnp.arange(seq.shape[0]) >= delta0.index.shape[0]
-        ends = finals["nonempty"] | piece | (kind[finals["state_row"]] == ZERO)
+        # an empty one ends where it starts: in its state, written only if that is zeros
+        ends = finals["nonempty"] | (kind[finals["state_row"]] == ZERO)
         dests = dict(write_final=True, final_rows=jnp.where((seq >= 0) & ends, at, -1))
     return StateRows(tuple(sources), kind, jnp.concatenate(index), tuple(layers),
                      **dests), entry_a
@@ -189,8 +185,8 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     output: the local pass's for span rows), the flow's final states [S] (with write_final: the
     cache with every sequence's final state written at its slot, a carry_local one's its last
     piece's), its checkpoints (as ragged_prefill's) or None, the local finals [S (+ Mc)]
-    (final_pieces order; with write_final [Mc], the captured pieces' only) and the captured
-    pieces' transitions [Mc, Hv, Dk, Dk] (None without captures)."""
+    (final_pieces order; with write_final those of sequences that carry nothing undefined)
+    and the captured pieces' transitions [Mc, Hv, Dk, Dk] (None without captures)."""
     s, mc, n_local = p["seqs"], p["mc"], p["n_local"]
     dk = k.shape[2]
     f32 = jnp.float32
@@ -203,16 +199,18 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     in_kernel = write and finals_in_kernel(table, kernel.get("implementation", "xla"))
     if write and not in_kernel:  # the finals come back as bounds and are scattered below
         table = dataclasses.replace(table, write_final=False, final_rows=None)
-    skip = 2 * s if in_kernel else 0  # the kernel writes the flow's and carried finals itself
-    bounds, has = p["fin_bounds"][skip:], p["has"][skip:, None, None, None]
+    carried = p["final_seq"][:s] < 0  # their last pieces' local states: scattered below
+    bounds, has = p["fin_bounds"], p["has"][:, None, None, None]
+    if in_kernel:  # the kernel writes the flow's finals; of the last pieces', the carried only
+        bounds = jnp.concatenate([jnp.where(carried, bounds[s:2 * s], 0), bounds[2 * s:]])
+        has = has[s:]  # (boundary 0 is never stored: no [S] states written for nothing)
     by_scan = mc and not p["trans_in_stream"]
     if by_scan:  # the captures' products: a scan over their local pieces' chunks
         kernel = dict(kernel, transitions=(p["trans_first"], p["trans_count"], entry_a))
     out, fin, ck, products, written = run_joint(
-        q, k, v, g, beta, p["joint"], table, p["chunk_state"],
-        bounds if bounds.shape[0] else jnp.zeros(1, jnp.int32), checkpoint_at=checkpoint_at,
-        pos0=pos0, chunk=p["joint"]["chunk"], first_states=delta0, **kernel)
-    n_local -= skip - s if in_kernel else 0  # [Mc]: the captured pieces' local finals only
+        q, k, v, g, beta, p["joint"], table, p["chunk_state"], bounds,
+        checkpoint_at=checkpoint_at, pos0=pos0, chunk=p["joint"]["chunk"], first_states=delta0,
+        **kernel)
     flow = written
     if not in_kernel:
         # a sequence with no rows ends where it starts: the flow in its state, a piece at zero
@@ -220,9 +218,11 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
         flow = jnp.where(has[:s], fin[:s], rows_of(delta0, jnp.arange(s, dtype=jnp.int32)))
         fin, has = fin[s:], has[s:]
     local = jnp.where(has[:n_local], fin[:n_local], 0.0)
-    if write and not in_kernel:  # the XLA path: the carried finals, scattered into the cache
-        carried = (p["final_seq"][:s] < 0)[:, None, None, None]
-        flow = written_finals(delta0, jnp.where(carried, local[:s], flow))
+    if in_kernel:  # the carried finals, after the kernel (no program writes another's slot)
+        at = jnp.where(carried, delta0.index, flow.shape[0])
+        flow = flow.at[at].set(local[:s].astype(flow.dtype), mode="drop")
+    elif write:  # the XLA path: every final, carried ones swapped in, scattered into the cache
+        flow = written_finals(delta0, jnp.where(carried[:, None, None, None], local[:s], flow))
     a_span = products if by_scan else None  # an empty capture's is its initial row
     if mc and not by_scan:
         a0 = entry_a.materialize() if p["with_entries"] else jnp.eye(dk, dtype=f32)
