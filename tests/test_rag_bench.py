@@ -94,8 +94,10 @@ def test_a_program_form_is_set_for_the_run_and_a_bad_one_refused(tmp_path, monke
         (name, qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM))
                         or {"config": name, "error": "not run (a test)"})
     argv = ["rag", "--configs", "fcfs", "--in-process", "--out", str(tmp_path)]
-    cli.main(argv + ["--program-form", "FINALS_IN_PLACE=1,TRANSITIONS_IN_STREAM=0"])
-    assert seen == [("fcfs", True, False)]
-    assert (qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM) == (False, True)
+    before = (qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM)
+    form = f"FINALS_IN_PLACE={int(not before[0])},TRANSITIONS_IN_STREAM={int(not before[1])}"
+    cli.main(argv + ["--program-form", form])
+    assert seen == [("fcfs", not before[0], not before[1])]
+    assert (qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM) == before
     with pytest.raises(ValueError, match="--program-form 'NO_SUCH=1'"):
         cli.main(argv + ["--program-form", "NO_SUCH=1"])

@@ -49,6 +49,8 @@ def _run(rng, case, impl, trans_in_stream):
     kernel = kernel_options(impl)
     mc = 0 if pieces.capture is None else pieces.capture.shape[0]
 
+    saved = qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM
+
     def layer(in_place, cache, *x):
         qwen3_5_joint.FINALS_IN_PLACE = in_place  # read by `prepare` as it is traced
         qwen3_5_joint.TRANSITIONS_IN_STREAM = trans_in_stream
@@ -59,8 +61,7 @@ def _run(rng, case, impl, trans_in_stream):
             core, delta, ckpt, local, a_span = qwen3_5_gdn.recurrent_core(
                 x, cu, p0, d0, plan, checkpoint_at=ck, decode=False, packing=None, **kernel)
         finally:
-            qwen3_5_joint.FINALS_IN_PLACE = False
-            qwen3_5_joint.TRANSITIONS_IN_STREAM = True
+            qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM = saved
         if not in_place:  # the form before: carried, then scattered (qwen3_5._gdn_layer)
             use = plan["carry_use"][:, None, None, None]
             delta = cache.at[slots].set(jnp.where(use, local[:s], delta))
@@ -122,7 +123,7 @@ def test_the_capturing_step_lowers_for_cuda_with_both_forms(monkeypatch):
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                         (params, jnp.zeros(md.num_tokens, jnp.int32), md, cache, rec,
                          logits_idx, pieces))
-    texts = {}
+    texts, saved = {}, (qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM)
     for forms in ((False, True), (True, False)):
         qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM = forms
         try:
@@ -130,6 +131,6 @@ def test_the_capturing_step_lowers_for_cuda_with_both_forms(monkeypatch):
                 texts[forms] = jax.jit(lambda *a: step(*a)).trace(*args).lower(
                     lowering_platforms=("cuda",)).as_text()
         finally:
-            qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM = False, True
+            qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM = saved
     kernels = {f: len(re.findall("xla.gpu.triton", t)) for f, t in texts.items()}
     assert kernels[(True, False)] == kernels[(False, True)] + 1, kernels  # + the transitions

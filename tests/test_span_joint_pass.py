@@ -106,9 +106,11 @@ def test_joint_stream_equals_the_separate_passes(fresh_rng, impl, kind, cont):
 _BAR = 2e-6 if jax.default_backend() == "cpu" else 2e-5
 
 
-def test_joint_stream_runs_one_kernel_pass_per_layer():
+def test_joint_stream_runs_one_kernel_pass_per_layer(monkeypatch):
     """A capturing span step's GDN layer launches one intra-chunk, scan and output kernel, not
-    three of each (flow, local, transition)."""
+    three of each (flow, local, transition), with the transition pass in the stream (the
+    default's transition scan adds one kernel: tests/test_transition_scan.py)."""
+    monkeypatch.setattr(qwen3_5_joint, "TRANSITIONS_IN_STREAM", True)
     args = _inputs("warm", False, np.random.default_rng(0))
     params, tokens, md, cache, rec, logits_idx, f, maps, ck = args
     counts = {}

@@ -1,5 +1,5 @@
 """A capturing span step's map products by a scan over the local pieces' chunks
-(qwen3_5_joint.TRANSITIONS_IN_STREAM = False: ragged_triton._transition_kernel, ragged.
+(qwen3_5_joint.TRANSITIONS_IN_STREAM = False, the default since session 33: transition_scan.py, ragged.
 _chunk_products on the XLA path) against the transition pass inside the joint stream (True, the
 form before): the layer's core outputs, states, checkpoints, local finals and transitions bit for
 bit, on test_span_joint_layer.py's layouts with captures (captures of -1, empty and leading empty
@@ -26,6 +26,8 @@ def _layer(rng, case, impl):
     delta0 = jnp.asarray(rng.standard_normal((cu.shape[0] - 1, HV, DK, DV)), jnp.float32)
     kernel = kernel_options(impl)
 
+    saved = qwen3_5_joint.TRANSITIONS_IN_STREAM
+
     def core(in_stream, *x):
         qwen3_5_joint.TRANSITIONS_IN_STREAM = in_stream  # read by `prepare` as it is traced
         try:
@@ -34,7 +36,7 @@ def _layer(rng, case, impl):
             out = qwen3_5_gdn.recurrent_core(x, cu, p0, delta0, plan, checkpoint_at=ck,
                                              decode=False, packing=None, **kernel)
         finally:
-            qwen3_5_joint.TRANSITIONS_IN_STREAM = True
+            qwen3_5_joint.TRANSITIONS_IN_STREAM = saved
         return out, plan["joint"]["joint"]["src"].shape[0] // CHUNK
     return core, x, int(cu[-1])
 

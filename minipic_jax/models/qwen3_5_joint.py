@@ -33,9 +33,11 @@ ENABLED = True
 # True: the transition pass is a pass of the stream (its rows gathered again, through the intra
 # and output kernels, outputs dropped; its chunks in every warm step's static stream). False: a
 # captured piece's map product is a second scan over the W / KD its local piece's chunks already
-# have (ragged_triton._transition_kernel): no rows, intra or output work of its own, the same
-# bits. Off until a device compiles and times it; read when a step is traced.
-TRANSITIONS_IN_STREAM = True
+# have (transition_scan.py): no rows, intra or output work of its own, the same bits on CPU and
+# within float32 summation order compiled. On since session 33 (H100, rag at 16 seats in one
+# call: fcfs / pic_off zipf 0.771x -> 0.863x, multi 1.485x -> 1.552x; benchmarks/RESULTS.md).
+# Read when a step is traced.
+TRANSITIONS_IN_STREAM = False
 # True: the scan kernel writes each sequence's final state into the layer's state cache in
 # place (StateRows.final_rows: a flow sequence's from its program, a carry_local sequence's from
 # its last local piece's), as a plain step's GDN_FINALS_IN_PLACE does: no [S] flow finals
