@@ -46,6 +46,6 @@ L=$(left); [ "$L" -gt 170 ] && L=170
   --max-model-len 25600 --tokens 128 1024 --ckpt 1 --reps 15 \
   --forms "" CHECKPOINTS_STACKED=0 "" CHECKPOINTS_STACKED=0 > "$OUT/ckpt_store_ab.txt" 2>&1
 echo "checkpoint store A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "^time " "$OUT/ckpt_store_ab.txt" | cut -c1-170 >> "$R"
+grep -E "^live_prerotate|^time " "$OUT/ckpt_store_ab.txt" | cut -c1-170 >> "$R"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"
