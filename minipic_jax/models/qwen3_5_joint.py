@@ -38,12 +38,15 @@ ENABLED = True
 # call: fcfs / pic_off zipf 0.771x -> 0.863x, multi 1.485x -> 1.552x; benchmarks/RESULTS.md).
 # Read when a step is traced.
 TRANSITIONS_IN_STREAM = False
-# True: the scan kernel writes each sequence's final state into the layer's state cache in
-# place (StateRows.final_rows: a flow sequence's from its program, a carry_local sequence's from
-# its last local piece's), as a plain step's GDN_FINALS_IN_PLACE does: no [S] flow finals
-# gathered, selected, carried and scattered back (~5 passes over 16 MiB a GDN layer at 16
-# seats). The XLA path computes the same finals and scatters them. Off until a device compiles
-# and times it; read when a step is traced (`plan`).
+# True: the scan kernel writes each flow sequence's final state into the layer's state cache in
+# place (StateRows.final_rows), as a plain step's GDN_FINALS_IN_PLACE does: no [S] flow finals
+# gathered, selected and scattered back a GDN layer. A carry_local sequence's final (its last
+# local piece's) is scattered after the kernel: written by the piece's program it raced the
+# flow program's read of the slot (H100, session 33); the [S] bounds that scatter reads cost
+# ~3 passes over 16 MiB a layer at 16 seats whether or not a sequence carries (a static carry
+# bound, or the piece writing a side buffer copied by a row kernel, would remove them). The XLA
+# path computes the same finals and scatters them. Off until a device compiles and times the
+# race-free form; read when a step is traced (`plan`).
 FINALS_IN_PLACE = False
 
 
