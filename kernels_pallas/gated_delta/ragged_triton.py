@@ -68,14 +68,17 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
     # "kv" order whatever the layout (no transposed copy after the kernel); with write_final
     # (StateRows.write_final: row sid is sequence sid's) the last output is the source aliased,
     # where the sequence's final state goes, in the "kv" order; with final_rows (after the
-    # sources: StateRows.final_rows [S]) the source row each sequence's final goes to (-1: none)
+    # sources: StateRows.final_rows [S], then final_from's first chunk and count [S] each) the
+    # source row each sequence's final goes to (-1: none), and where a count is >= 0 the final
+    # is that run of chunks' state from zero instead (a carried span piece's, run again here:
+    # its own program would write the slot this one reads, in no order)
     final_ref = dest_ref = None
     if n_sources:
         kind_ref, index_ref = refs[:2]
         src_refs = refs[2:2 + n_sources]
         rest = refs[2 + n_sources:]
         if final_rows:
-            dest_ref, *rest = rest
+            dest_ref, from_first_ref, from_count_ref, *rest = rest
         slot_ref, vnew_ref, states_ref, bound_ref, *rest = rest
         final_ref = rest[0] if write_final else None
     else:
@@ -120,6 +123,15 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
         else:
             s0 = s0_ref[row].astype(jnp.float32)
         s = jax.lax.fori_loop(start, end, body, s0)
+        if final_rows:  # a carried piece's state, from zero, no outputs stored
+            c0 = jnp.minimum(from_first_ref[sid], n_chunks)
+            n = from_count_ref[sid]
+            t = jax.lax.fori_loop(c0, jnp.minimum(c0 + jnp.maximum(n, 0), n_chunks),
+                                  lambda c, t: scan_fused.step(
+                                      c, t, w_ref, u_ref, kd_ref, dl_ref, None, chunk=chunk,
+                                      dot_dtype=dot_dtype, layout=layout),
+                                  jnp.zeros_like(s))
+            s = jnp.where(n >= 0, t, s)
         if final_ref is not None:
             write_final_state(s.T if vk else s)
 
@@ -132,6 +144,14 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
         @pl.when(empty_zero)
         def _():
             write_final_state(jnp.zeros(final_ref.shape[1:], jnp.float32))
+
+
+def _final_operands(s0: StateRows, n_seq: int):
+    """A StateRows' final_rows and final_from (first chunk, count) as the scan's [S] int32
+    operands (final_from None: every count -1, each sequence its own final)."""
+    first, count = (jnp.zeros(n_seq, jnp.int32), jnp.full(n_seq, -1, jnp.int32)) \
+        if s0.final_from is None else s0.final_from
+    return tuple(jnp.asarray(x, jnp.int32) for x in (s0.final_rows, first, count))
 
 
 def _final_row(index_ref, sid, final_ref):
@@ -321,8 +341,8 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
         kernel = functools.partial(_seq_scan_kernel, n_sources=n_sources, block_v=block_v,
                                    write_final=write_final, final_rows=dests)
         if dests:  # after the sources (the alias index of the first source stays)
-            state_ops += (s0.final_rows.astype(jnp.int32),)
-            states_in = states_in + [whole(n_seq)]
+            state_ops += _final_operands(s0, n_seq)
+            states_in = states_in + [whole(n_seq)] * 3
         operands = (*per_seq, seq_of_chunk, *state_ops, slot_map)
         in_specs = common + [whole(n_seq), whole(n_seq), whole(nc)] + states_in + [whole(nc + 1)]
     out_specs = [seq_v,

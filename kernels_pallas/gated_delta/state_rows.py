@@ -42,6 +42,11 @@ class StateRows:
     # whose rows are not one per sequence (a span step's joint stream, minipic_jax/models/
     # qwen3_5_joint.py), sources after the first read only
     final_rows: jax.Array | None = None
+    # with final_rows: None, or (first chunk, count) [n_seq] int32 each: where count >= 0 the
+    # sequence's final is instead the state from zero after packed chunks first .. + count (a
+    # carried span piece's, minipic_jax/models/qwen3_5_joint.py), computed by the sequence's own
+    # program (a program writes only the row it read)
+    final_from: tuple | None = None
 
     def __post_init__(self):
         if len(self.layers) not in (0, len(self.sources)):

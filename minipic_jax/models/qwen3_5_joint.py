@@ -39,14 +39,12 @@ ENABLED = True
 # Read when a step is traced.
 TRANSITIONS_IN_STREAM = False
 # True: the scan kernel writes each flow sequence's final state into the layer's state cache in
-# place (StateRows.final_rows), as a plain step's GDN_FINALS_IN_PLACE does: no [S] flow finals
-# gathered, selected and scattered back a GDN layer. A carry_local sequence's final (its last
-# local piece's) is scattered after the kernel: written by the piece's program it raced the
-# flow program's read of the slot (H100, session 33); the [S] bounds that scatter reads cost
-# ~3 passes over 16 MiB a layer at 16 seats whether or not a sequence carries (a static carry
-# bound, or the piece writing a side buffer copied by a row kernel, would remove them). The XLA
-# path computes the same finals and scatters them. Off until a device compiles and times the
-# race-free form; read when a step is traced (`plan`).
+# place (StateRows.final_rows), as a plain step's GDN_FINALS_IN_PLACE does: no [2 S] finals
+# gathered, selected, carried and scattered back a GDN layer. A carry_local sequence's final
+# (its last local piece's state) is computed again by the flow's own program from that piece's
+# chunks (StateRows.final_from): written by the piece's program it raced the flow program's
+# read of the slot (H100, session 33). The XLA path computes the same finals and scatters
+# them. Off until a device compiles and times the race-free form; read when a step is traced.
 FINALS_IN_PLACE = False
 
 
@@ -107,8 +105,7 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
                                 if mc and in_stream else []))
     out = dict(joint=jp, dest=dest, seqs=seqs, mc=mc, n_local=local_final_of.shape[0],
                with_entries=entry_use is not None, trans_in_stream=in_stream,
-               finals_in_place=FINALS_IN_PLACE,
-               final_seq=_final_seqs(pieces, cu_q_lens, g, mc if in_stream else 0))
+               finals_in_place=FINALS_IN_PLACE)
     if mc and not in_stream:  # each capture's product over its local piece's chunks
         piece = jp["seq_offset"][1] + jnp.clip(pieces.capture, 0, g - 1)
         out.update(trans_first=jp["first"][piece],
@@ -116,28 +113,33 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     out["fin_bounds"], out["has"] = final_bounds(jp, finals)
     out["chunk_state"] = state_row[jp["seq_of_chunk"]]
     out["state_row"], out["nonempty"] = state_row[:jp["lens"].shape[0]], jp["lens"] > 0
+    out["carry_first"], out["carry_count"] = _carried_chunks(pieces, cu_q_lens, jp,
+                                                             local_final_of[:seqs])
     return out
 
 
-def _final_seqs(pieces: SpanPieces, cu_q_lens, g: int, n_trans: int):
-    """[S + G + n_trans] the flow sequence whose final state each joint sequence's program writes
-    into the cache (-1: none): flow sequence i its own, unless it carries its last piece's local
-    state on (carry_local, with rows in the step). A piece's program never writes one: the
-    flow's program of that sequence reads its slot, in no order with the piece's (GPU programs
-    run in any order), so `run` scatters the carried ones after the kernel."""
+def _carried_chunks(pieces: SpanPieces, cu_q_lens, jp, last_piece):
+    """(first chunk, count) [joint sequences] of the packed chunks whose state from zero is a
+    flow sequence's final: its last local piece's where it carries that piece's state on
+    (carry_local, with rows in the step); count -1 elsewhere (the sequence's own final)."""
     seqs = cu_q_lens.shape[0] - 1
+    n = jp["lens"].shape[0]
     carry = pieces.carry_local & (cu_q_lens[1:] > cu_q_lens[:-1])
-    return jnp.concatenate([jnp.where(carry, -1, jnp.arange(seqs, dtype=jnp.int32)),
-                            jnp.full(g + n_trans, -1, jnp.int32)])
+    piece = jp["seq_offset"][1] + last_piece
+    pad = n - seqs
+    first = jnp.concatenate([jp["first"][piece], jnp.zeros(pad, jnp.int32)])
+    count = jnp.concatenate([jnp.where(carry, jp["n_ch"][piece], -1),
+                             jnp.full(pad, -1, jnp.int32)])
+    return first.astype(jnp.int32), count.astype(jnp.int32)
 
 
 def _table(delta0, layer_plan, finals=None):
     """The state table [delta0 (S) | zero | I | entry B (Mc) | entry A (Mc)] as a StateRows: the
     flow's rows where delta0 names them (the layer's cache) or delta0 itself, the entries' in the
     span-map pool's layer (layer_plan: for_layer's, with entries; None without), nothing copied.
-    With finals (the `plan`; delta0 a write_final StateRows) each joint sequence's final goes
-    to its flow sequence's cache row (`_final_seqs`, StateRows.final_rows): an empty one's only
-    where it starts from zeros (others keep their row).
+    With finals (the `plan`; delta0 a write_final StateRows) each flow sequence's final goes
+    to its cache row (StateRows.final_rows; an empty one's only where it starts from zeros,
+    others keep their row), a carried one's from its last piece's chunks (final_from).
     Also the entries' A rows alone (a StateRows of the pool's A; None without entries): read
     through the whole table, each row would gather from every source."""
     if not isinstance(delta0, StateRows):  # an array [S, ...]: itself, row by row
@@ -160,11 +162,13 @@ def _table(delta0, layer_plan, finals=None):
     kind = jnp.concatenate(kind)
     dests = {}
     if finals is not None:
-        seq = finals["final_seq"]
-        at = delta0.index[jnp.clip(seq, 0, delta0.index.shape[0] - 1)]
+        s, n = delta0.index.shape[0], finals["nonempty"].shape[0]
         # an empty one ends where it starts: in its state, written only if that is zeros
-        ends = finals["nonempty"] | (kind[finals["state_row"]] == ZERO)
-        dests = dict(write_final=True, final_rows=jnp.where((seq >= 0) & ends, at, -1))
+        ends = finals["nonempty"][:s] | (kind[finals["state_row"][:s]] == ZERO)
+        rows = jnp.concatenate([jnp.where(ends, delta0.index, -1),
+                                jnp.full(n - s, -1, jnp.int32)])
+        dests = dict(write_final=True, final_rows=rows.astype(jnp.int32),
+                     final_from=(finals["carry_first"], finals["carry_count"]))
     return StateRows(tuple(sources), kind, jnp.concatenate(index), tuple(layers),
                      **dests), entry_a
 
@@ -190,8 +194,8 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     output: the local pass's for span rows), the flow's final states [S] (with write_final: the
     cache with every sequence's final state written at its slot, a carry_local one's its last
     piece's), its checkpoints (as ragged_prefill's) or None, the local finals [S (+ Mc)]
-    (final_pieces order; with write_final those of sequences that carry nothing undefined)
-    and the captured pieces' transitions [Mc, Hv, Dk, Dk] (None without captures)."""
+    (final_pieces order; written in the kernel: [Mc], the captured pieces' only) and the
+    captured pieces' transitions [Mc, Hv, Dk, Dk] (None without captures)."""
     s, mc, n_local = p["seqs"], p["mc"], p["n_local"]
     dk = k.shape[2]
     f32 = jnp.float32
@@ -204,16 +208,16 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     in_kernel = write and finals_in_kernel(table, kernel.get("implementation", "xla"))
     if write and not in_kernel:  # the finals come back as bounds and are scattered below
         table = dataclasses.replace(table, write_final=False, final_rows=None)
-    carried = p["final_seq"][:s] < 0  # their last pieces' local states: scattered below
+    carried = p["carry_count"][:s] >= 0  # finals their last pieces' local states
     bounds, has = p["fin_bounds"], p["has"][:, None, None, None]
-    if in_kernel:  # the kernel writes the flow's finals; of the last pieces', the carried only
-        bounds = jnp.concatenate([jnp.where(carried, bounds[s:2 * s], 0), bounds[2 * s:]])
-        has = has[s:]  # (boundary 0 is never stored: no [S] states written for nothing)
+    if in_kernel:  # the kernel writes every final (a carried one's too): no [2 S] bounds
+        bounds, has, n_local = bounds[2 * s:], has[2 * s:], n_local - s
     by_scan = mc and not p["trans_in_stream"]
     if by_scan:  # the captures' products: a scan over their local pieces' chunks
         kernel = dict(kernel, transitions=(p["trans_first"], p["trans_count"], entry_a))
     out, fin, ck, products, written = run_joint(
-        q, k, v, g, beta, p["joint"], table, p["chunk_state"], bounds,
+        q, k, v, g, beta, p["joint"], table, p["chunk_state"],
+        bounds if bounds.shape[0] else jnp.zeros(1, jnp.int32),  # (0: never stored)
         checkpoint_at=checkpoint_at, pos0=pos0, chunk=p["joint"]["chunk"], first_states=delta0,
         **kernel)
     flow = written
@@ -223,10 +227,7 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
         flow = jnp.where(has[:s], fin[:s], rows_of(delta0, jnp.arange(s, dtype=jnp.int32)))
         fin, has = fin[s:], has[s:]
     local = jnp.where(has[:n_local], fin[:n_local], 0.0)
-    if in_kernel:  # the carried finals, after the kernel (no program writes another's slot)
-        at = jnp.where(carried, delta0.index, flow.shape[0])
-        flow = flow.at[at].set(local[:s].astype(flow.dtype), mode="drop")
-    elif write:  # the XLA path: every final, carried ones swapped in, scattered into the cache
+    if write and not in_kernel:  # the XLA path: the finals, carried ones swapped in, scattered
         flow = written_finals(delta0, jnp.where(carried[:, None, None, None], local[:s], flow))
     a_span = products if by_scan else None  # an empty capture's is its initial row
     if mc and not by_scan:
