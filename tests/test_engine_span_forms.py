@@ -16,8 +16,8 @@ from test_engine_hybrid_spans import _fresh, _long_doc, _run, _span_stats, llm  
 def test_span_step_forms_of_session_33_match_the_reference(llm):
     """The engine with the captures' products by a scan and a span step's finals written in
     place (qwen3_5_joint.TRANSITIONS_IN_STREAM = False, the default since session 33;
-    FINALS_IN_PLACE = True, off until timed): cold spans captured (long ones in pieces, carried final spans), then skipped
-    at other offsets, every token the float64 reference's."""
+    FINALS_IN_PLACE = True, off until timed): cold spans captured (long ones in pieces,
+    carried final spans), then skipped at other offsets, every token the float64 reference's."""
     from benchmarks.program_forms import program_form
     eng = _fresh(llm, span_map_gb=None, span_map_host_gb=0.0)
     rng = np.random.default_rng(43)

@@ -26,7 +26,8 @@ def _args(argv):
 
 
 # ~15 s on CPU (six span requests, then two replayed under a form): slow tier for CI time; run it
-# before a device call of the bench (MINIPIC_RUN_SLOW=1 ./minipic test tests/test_hybrid_span_request_bench.py)
+# before a device call of the bench
+# (MINIPIC_RUN_SLOW=1 ./minipic test tests/test_hybrid_span_request_bench.py)
 @pytest.mark.slow
 def test_bench_writes_every_row_and_the_reordered_calls_hit(tmp_path, capsys):
     out = tmp_path / "hspan.json"

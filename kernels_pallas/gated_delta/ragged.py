@@ -277,7 +277,8 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     bounds [B] boundary indices (boundary j: the state after packed chunk j - 1).
     transitions: None, or (first [M], count [M] int32, init): the maps' products of chunks
     first[m] .. + count[m] of this stream (a captured span piece's), from I (init None) or
-    init's row m (a StateRows of M rows), over the stream's own W / KD (ragged_triton.packed_gated_delta's; Dk = Dv).
+    init's row m (a StateRows of M rows), over the stream's own W / KD
+    (ragged_triton.packed_gated_delta's; Dk = Dv).
     Returns (out [NC * C, Hv, Dv] in the packed slots, the state at each bound [B, Hv, Dk, Dv]
     float32, with `transition` (XLA only) the chunk maps' product there [B, Hv, Dk, Dk], with
     `transitions` their products [M, Hv, Dk, Dk] float32, else None, and for a write_final

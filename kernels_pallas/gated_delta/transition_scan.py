@@ -66,8 +66,9 @@ def products(w, kd, dl, first, count, init, *, chunk, dot_dtype, options, interp
                 whole(m), whole(m)]
     init_ops = ()
     if init is not None:
-        in_specs += [whole(m), whole(m)] + [state_rows.source_spec(src, init.layer_of(i), dk, block_v)
-                                            for i, src in enumerate(init.sources)]
+        in_specs += [whole(m), whole(m)] + [
+            state_rows.source_spec(src, init.layer_of(i), dk, block_v)
+            for i, src in enumerate(init.sources)]
         init_ops = (init.kind, init.index, *init.sources)
     return pl.pallas_call(
         functools.partial(_transition_kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype,
