@@ -27,20 +27,12 @@ L=$(left); [ "$L" -gt 120 ] && L=120
   --profile 8 > "$OUT/steps_s33b.txt" 2>&1
 echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^time|kernels, busy" "$OUT/steps_s33b.txt" | cut -c1-150 >> "$R"
-RAG="--model qwen3_5_0_8b --dtype bfloat16 --num-requests 24 --passage-tokens 128
-  --max-num-batched-tokens 1024 --min-token-bucket 1024 --max-num-seqs 16 --max-model-len 4096
-  --num-kv-blocks 4096 --workloads multi zipf --modes offline --max-tokens 8"
 L=$(left); [ "$L" -gt 130 ] && L=130
-[ "$L" -ge 90 ] && timeout $L python3 -m benchmarks.cli rag $RAG --configs pic_off fcfs \
-  --out "$OUT/rag_today" > "$OUT/rag_today.txt" 2>&1
-echo "rag today rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "requests/s" "$OUT/rag_today.txt" | cut -c1-200 >> "$R"
+[ "$L" -ge 90 ] && OUT=$OUT LIMIT=$L NAME=rag_today COMPOSE=0 \
+  bash benchmarks/runs/rag16_device.sh >> "$R"
 L=$(left); [ "$L" -gt 80 ] && L=80
-[ "$L" -ge 60 ] && timeout $L python3 -m benchmarks.cli rag $RAG --configs fcfs \
-  --program-form FINALS_IN_PLACE=1 --out "$OUT/rag_finals" > "$OUT/rag_finals.txt" 2>&1
-echo "rag finals rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "requests/s" "$OUT/rag_finals.txt" | cut -c1-200 >> "$R"
-rm -f "$OUT"/rag_*/rag_bench.png
+[ "$L" -ge 60 ] && OUT=$OUT LIMIT=$L NAME=rag_finals CONFIGS=fcfs COMPOSE=0 \
+  FORM=FINALS_IN_PLACE=1 bash benchmarks/runs/rag16_device.sh >> "$R"
 L=$(left); [ "$L" -gt 170 ] && L=170
 [ "$L" -ge 80 ] && timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 \
   --max-model-len 25600 --tokens 128 1024 --ckpt 1 --reps 15 \

@@ -163,9 +163,8 @@ def _packed_once(*args, run, options):
     (XLA inlines the call: the same program). Traced per layer they were most of Qwen3.5's
     trace and lower time on the host (benchmarks/lower_time.py)."""
     *arrays, n_used, first, n_ch, src, transitions = args
-    extra = {} if transitions is None else {"transitions": transitions}
     return run(*arrays, interpret=False, n_used=n_used, seq_first=first, seq_chunks=n_ch,
-               src=src, **extra, **dict(options))
+               src=src, transitions=transitions, **dict(options))
 
 
 def rows_states(use, states, state0, seq, shape, start=None):
@@ -315,8 +314,7 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
             out, bound_states, *written = ragged_triton.packed_gated_delta(
                 *args, interpret=True, n_used=pk["n_used"], seq_first=pk["first"],
-                seq_chunks=pk["n_ch"], src=srcs,
-                **({} if transitions is None else {"transitions": transitions}), **options)
+                seq_chunks=pk["n_ch"], src=srcs, transitions=transitions, **options)
         else:
             out, bound_states, *written = _packed_once(
                 *args, pk["n_used"], pk["first"], pk["n_ch"], srcs, transitions,

@@ -195,9 +195,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
       transitions: None, or (first [M], count [M] int32, init): also the product of the maps
         of packed chunks first[m] .. + count[m] (chunks of the stream's own sequences: a
         captured span piece's, whose map the caller wants) from I (init None) or init's row m
-        (a StateRows of M rows),
-        by a second scan over the same W / KD (no stream rows, intra or output work of their
-        own; transition_scan.py). Needs Dk = Dv.
+        (a StateRows of M rows), by a second scan over the same W / KD (no stream rows, intra
+        or output work of their own; transition_scan.py). Needs Dk = Dv.
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
       out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32, with

@@ -112,9 +112,10 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
                    trans_count=jnp.where(pieces.capture >= 0, jp["n_ch"][piece], 0))
     out["fin_bounds"], out["has"] = final_bounds(jp, finals)
     out["chunk_state"] = state_row[jp["seq_of_chunk"]]
-    out["state_row"], out["nonempty"] = state_row[:jp["lens"].shape[0]], jp["lens"] > 0
-    out["carry_first"], out["carry_count"] = _carried_chunks(pieces, cu_q_lens, jp,
-                                                             local_final_of[:seqs])
+    if FINALS_IN_PLACE:  # what the table's final_rows / final_from need (`_table`)
+        out["state_row"], out["nonempty"] = state_row[:jp["lens"].shape[0]], jp["lens"] > 0
+        out["carry_first"], out["carry_count"] = _carried_chunks(pieces, cu_q_lens, jp,
+                                                                 local_final_of[:seqs])
     return out
 
 
@@ -208,7 +209,6 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
     in_kernel = write and finals_in_kernel(table, kernel.get("implementation", "xla"))
     if write and not in_kernel:  # the finals come back as bounds and are scattered below
         table = dataclasses.replace(table, write_final=False, final_rows=None)
-    carried = p["carry_count"][:s] >= 0  # finals their last pieces' local states
     bounds, has = p["fin_bounds"], p["has"][:, None, None, None]
     if in_kernel:  # the kernel writes every final (a carried one's too): no [2 S] bounds
         bounds, has, n_local = bounds[2 * s:], has[2 * s:], n_local - s
@@ -228,7 +228,8 @@ def run(q, k, v, g, beta, delta0, pos0, p, layer_plan, checkpoint_at=None, **ker
         fin, has = fin[s:], has[s:]
     local = jnp.where(has[:n_local], fin[:n_local], 0.0)
     if write and not in_kernel:  # the XLA path: the finals, carried ones swapped in, scattered
-        flow = written_finals(delta0, jnp.where(carried[:, None, None, None], local[:s], flow))
+        carried = layer_plan["carry_use"][:, None, None, None]  # (qwen3_5_spans.prepare's)
+        flow = written_finals(delta0, jnp.where(carried, local[:s], flow))
     a_span = products if by_scan else None  # an empty capture's is its initial row
     if mc and not by_scan:
         a0 = entry_a.materialize() if p["with_entries"] else jnp.eye(dk, dtype=f32)
