@@ -231,11 +231,9 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
                 bytes=float(apps * gdn_layers * hv * dk * (dk + dv) * 4))
 
 
-# --time's forms of a step: module flags set while it is traced (FLAGS: the scan's one program
-# per sequence, a span step's passes in one stream, the packed stream's q / k in bf16, the map
-# store stacked over layers, the zero_a flags, the conv's forms, the captures' products by a
-# scan over their local chunks, a span step's finals written in place), each form naming what
-# differs from today's defaults ("new"); "old" is session 20's step.
+# --time's forms of a step: module flags set while it is traced (FLAGS: program switches,
+# serving/step/program_switches.py), each form naming what differs from today's defaults
+# ("new"); "old" is session 20's step.
 FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
          "joint": ("minipic_jax.models.qwen3_5_joint", "ENABLED"),
          "stream_bf16": ("kernels_pallas.gated_delta.ragged", "STREAM_QK_IN_V_DTYPE"),
@@ -249,7 +247,8 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "pad_logits": ("minipic_jax.models.layers", "PAD_LOGITS_ROWS"),
          "finals": ("minipic_jax.models.qwen3_5", "GDN_FINALS_IN_PLACE"),
          "trans_in_stream": ("minipic_jax.models.qwen3_5_joint", "TRANSITIONS_IN_STREAM"),
-         "span_finals": ("minipic_jax.models.qwen3_5_joint", "FINALS_IN_PLACE")}
+         "span_finals": ("minipic_jax.models.qwen3_5_joint", "FINALS_IN_PLACE"),
+         "pack_kernel": ("kernels_pallas.gated_delta.stream_pack", "PACK_KERNEL")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
@@ -258,8 +257,9 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
          "conv_stacked": {"conv_stacked": True}, "pad_logits": {"pad_logits": True},
          "finals_in_place": {"finals": True}, "finals_scattered": {"finals": False},
          "trans_scan": {"trans_in_stream": False}, "trans_in_stream": {"trans_in_stream": True},
-         "span_finals": {"span_finals": True}, "span_both": {"span_finals": True,
-                                                             "trans_in_stream": False},
+         "span_both": {"span_finals": True, "trans_in_stream": False},
+         "span_finals": {"span_finals": True}, "pack_kernel": {"pack_kernel": True},
+         "pack_finals": {"pack_kernel": True, "span_finals": True},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.gated_delta import chunked, dots
 from kernels_pallas.gated_delta.checkpoint_rows import as_rows
-from kernels_pallas.gated_delta import state_rows, stream_rows
+from kernels_pallas.gated_delta import state_rows, stream_pack, stream_rows
 from kernels_pallas.gated_delta.state_rows import StateRows, as_array, rows_of, written_finals
 # the packing's index work (ragged_packing.py), under the names callers use (ragged.packing, ...)
 from kernels_pallas.gated_delta.ragged_packing import (break_rows, checkpoint_bounds,  # noqa: F401
@@ -38,6 +38,27 @@ def take_rows(x, rows):
     """x [T, ...] -> [rows..., ...]: row rows[i] of x, zeros where out of range (>= T; indices
     are never negative here, so no wrap-around ops: one gather)."""
     return jnp.asarray(x).at[rows].get(mode="fill", fill_value=0, wrap_negative_indices=False)
+
+
+def _gathered(pairs, n_used, chunk: int, interpret: bool):
+    """[1, NC * C, ...] packed stream of each (array, rows) pair: one gather per distinct pair
+    (affine.ragged_maps passes k as q), by XLA (every slot) or with stream_pack.PACK_KERNEL
+    by one kernel per distinct rows array (the used chunks only)."""
+    distinct = {}
+    for x, src in pairs:
+        distinct.setdefault((id(x), id(src)), (x, src))
+    if stream_pack.PACK_KERNEL:
+        by_src = {}
+        for key, (x, src) in distinct.items():
+            by_src.setdefault(id(src), (src, []))[1].append(key)
+        streams = {}
+        for src, keys in by_src.values():
+            got = stream_pack.pack([distinct[key][0] for key in keys], src, n_used,
+                                   chunk=chunk, interpret=interpret)
+            streams.update((key, a[None]) for key, a in zip(keys, got))
+    else:
+        streams = {key: take_rows(x, src)[None] for key, (x, src) in distinct.items()}
+    return [streams[(id(x), id(src))] for x, src in pairs]
 
 
 def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transition=False):
@@ -300,11 +321,7 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
             srcs = (pk["src"], src_v)  # the kernels read the source rows (stream_rows.py)
             packed = [x for x, _ in pairs]
         else:  # one gather per distinct (array, rows) (affine.ragged_maps passes k as q)
-            streams = {}
-            for x, src in pairs:
-                if (id(x), id(src)) not in streams:
-                    streams[(id(x), id(src))] = take_rows(x, src)[None]
-            packed = [streams[(id(x), id(src))] for x, src in pairs]
+            packed = _gathered(pairs, pk["n_used"], chunk, interpret)
         args = (*packed, pk["restart"], seq_state, state0, bounds)
         # everything the trace reads goes in the jit's static key (module switches included: a
         # benchmark flips them between calls of the same shapes; srcs or None changes the args)

@@ -21,6 +21,7 @@ SWITCHES = (
     ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
     ("kernels_pallas.gated_delta.state_rows", "STATES_IN_PLACE"),
     ("kernels_pallas.gated_delta.stream_rows", "STREAM_IN_KERNEL"),
+    ("kernels_pallas.gated_delta.stream_pack", "PACK_KERNEL"),
     ("kernels_pallas.paged_attention.mosaic_prefill_prep", "LIVE_GATHER"),
     ("kernels_pallas.paged_attention.triton_ragged", "LIVE_PREROTATE"),
     ("kernels_pallas.paged_attention.triton_decode", "WIDE_SPLITS"),
