@@ -24,7 +24,7 @@ grep -E "^(FAILED|ERROR) |^E  " "$OUT/tests_s33b.txt" | cut -c1-200 | sort -u | 
 L=$(left); [ "$L" -gt 150 ] && L=150
 [ "$L" -ge 60 ] && timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b \
   --dtype bfloat16 --reps 7 --variants plain warm/4 warm/0 \
-  --forms new span_finals pack_kernel pack_finals --profile 8 > "$OUT/steps_s33b.txt" 2>&1
+  --forms new span_finals pack_kernel pack_finals --profile 30 > "$OUT/steps_s33b.txt" 2>&1
 echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^time|kernels, busy" "$OUT/steps_s33b.txt" | cut -c1-150 >> "$R"
 L=$(left); [ "$L" -gt 130 ] && L=130
