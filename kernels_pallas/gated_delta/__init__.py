@@ -15,6 +15,7 @@ boundaries. Callers use api.py only (`prefill`, `decode_step`, `ragged_gated_del
   transition_scan.py  maps' products over chunks the stream already holds (a span capture's A)
   state_rows.py     their initial states read where they live (cache slots, zeros, I, a pool)
   stream_rows.py    their packed stream read through its source rows inside the kernels
+  stream_pack.py    ... or gathered by one kernel that writes the chunks a step uses only
   checkpoint_rows.py  a ragged step's checkpoints as flat (sequence, position) rows
   decode_triton.py  a decode step in place in the state cache (with the layer's glue and conv)
   decode_rows.py    its calls on a ragged step: each sequence's row in, outputs mapped to rows
