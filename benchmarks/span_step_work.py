@@ -23,9 +23,8 @@ and 2 GDN layers (+ 1 attention layer); the difference is one GDN layer, and `st
 to the model's 18.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_work [--json out.json]
-    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_work --time tiny_qwen3_5
     PYTHONPATH=. python -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16  # GPU
-    ... --time ... --forms new old   # each variant as today's step and session 20's (FORMS)
+    ... --time ... --forms new old bv64  # each variant as today's step, session 20's (FORMS)...
 """
 
 from __future__ import annotations
@@ -223,8 +222,7 @@ def compose_work(rows: int = 16, maps_per_row: int = 4, gdn_layers: int = 18) ->
     applied map (A and B in float32: the floor of any form; the XLA loop makes ~12 map-sized
     passes per application, docs/DESIGN.md section 5)."""
     cfg = PRESETS[PRESET]
-    hv, dk, dv = (cfg.linear_num_value_heads,
-                  cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     apps = chain_compose.applications([maps_per_row] * rows, rows)
     per = chain_compose.flops_per_application(gdn_layers, hv, dk, dv)
     return dict(rows=rows, maps=rows * maps_per_row, applications=apps, flops=float(apps * per),
@@ -248,7 +246,8 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "finals": ("minipic_jax.models.qwen3_5", "GDN_FINALS_IN_PLACE"),
          "trans_in_stream": ("minipic_jax.models.qwen3_5_joint", "TRANSITIONS_IN_STREAM"),
          "span_finals": ("minipic_jax.models.qwen3_5_joint", "FINALS_IN_PLACE"),
-         "pack_kernel": ("kernels_pallas.gated_delta.stream_pack", "PACK_KERNEL")}
+         "pack_kernel": ("kernels_pallas.gated_delta.stream_pack", "PACK_KERNEL"),
+         "scan_bv": ("kernels_pallas.gated_delta.ragged", "SCAN_BLOCK_V")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
@@ -258,12 +257,13 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
          "finals_in_place": {"finals": True}, "finals_scattered": {"finals": False},
          "trans_scan": {"trans_in_stream": False}, "trans_in_stream": {"trans_in_stream": True},
          "span_both": {"span_finals": True, "trans_in_stream": False},
-         "span_finals": {"span_finals": True}, "pack_kernel": {"pack_kernel": True},
-         "pack_finals": {"pack_kernel": True, "span_finals": True},
+         "span_finals_off": {"span_finals": False}, "pack_off": {"pack_kernel": False},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,
-                 "finals": False}}
+                 "finals": False, "trans_in_stream": True, "span_finals": False,
+                 "pack_kernel": False}}
+FORMS.update({f"bv{n}": {"scan_bv": n} for n in (32, 64, 128)})  # the scan's block_v
 
 
 @contextlib.contextmanager

@@ -128,6 +128,12 @@ def _chunk_products(w, kd, decay_last, first, count, init):
 # bytes (~40% of a row's). False gathers float32 q / k (the form before; A/B timing). Read when
 # a step is traced.
 STREAM_QK_IN_V_DTYPE = True
+# The state scan's value-column block (fused_triton.DEFAULTS' block_v) for a ragged step: None
+# keeps the default (16, from an H200 sweep of one 32K sequence, where 8 programs a head are the
+# parallelism); a step of many short sequences (a span step's flow + local pieces) has programs
+# to spare, and each program reloads its chunks' W / KD. An int sets it for every ragged call
+# (benchmarks' forms); read when a step is traced.
+SCAN_BLOCK_V = None
 
 # the kernel pipelines of ragged_triton.packed_gated_delta by implementation name (api.py's)
 KERNEL_OPTIONS = {"pallas_fused": {}, "mosaic_intra": {"intra": "mosaic"},
@@ -328,6 +334,8 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         options = dict(scale=scale, chunk=chunk, seq_parallel=ragged_triton.SEQ_PARALLEL,
                        states_in_place=state_rows.STATES_IN_PLACE,
                        layout=fused_triton.DEFAULTS["layout"], **KERNEL_OPTIONS[implementation])
+        if SCAN_BLOCK_V is not None:
+            options["block_v"] = SCAN_BLOCK_V
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
             out, bound_states, *written = ragged_triton.packed_gated_delta(
                 *args, interpret=True, n_used=pk["n_used"], seq_first=pk["first"],

@@ -44,8 +44,9 @@ TRANSITIONS_IN_STREAM = False
 # (its last local piece's state) is computed again by the flow's own program from that piece's
 # chunks (StateRows.final_from): written by the piece's program it raced the flow program's
 # read of the slot (H100, session 33). The XLA path computes the same finals and scatters
-# them. Off until a device compiles and times the race-free form; read when a step is traced.
-FINALS_IN_PLACE = False
+# them. On since session 34 (H100, compiled tests pass; rag's warm/0 step 12.44 -> 11.69 ms,
+# busy -0.54 ms: benchmarks/RESULTS.md); read when a step is traced.
+FINALS_IN_PLACE = True
 
 
 def usable(cfg, decode) -> bool:
