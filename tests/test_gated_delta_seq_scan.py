@@ -14,7 +14,8 @@ import pytest
 
 from gdn_inputs import gdn_inputs
 from jaxpr_walk import outer_eqns
-from kernels_pallas.gated_delta import api, fused_triton, ragged, ragged_triton, reference
+from kernels_pallas.gated_delta import (api, fused_triton, ragged, ragged_triton, reference,
+                                        stream_pack)
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
 
@@ -68,7 +69,8 @@ def test_per_sequence_scan_runs_one_program_per_sequence(monkeypatch):
         jaxpr = jax.make_jaxpr(lambda *a: api.ragged_gated_delta(
             *a, chunk=16, implementation="pallas_fused", interpret=True, decode=False))(*args)
         grids[flag] = [tuple(e.params["grid_mapping"].grid) for e in outer_eqns(jaxpr.jaxpr)
-                       if e.primitive.name == "pallas_call"]
+                       if e.primitive.name == "pallas_call"
+                       and e.params["name"] != stream_pack.NAME]  # (the stream's gather)
     assert len(grids[True]) == len(grids[False]) == 3  # intra, scan, output
     changed = [(a, b) for a, b in zip(grids[False], grids[True]) if a != b]
     assert changed == [((2, 1), (2, 1, 3))]  # the scan: heads x value blocks (x 3 sequences)
@@ -86,7 +88,8 @@ def test_the_switch_and_the_layout_are_part_of_the_compiled_calls_key(monkeypatc
     def scan_grid():
         jaxpr = jax.make_jaxpr(lambda *a: ragged.ragged_prefill(  # below api's GPU check
             *a, chunk=16, implementation="pallas_fused", interpret=False))(*args)
-        calls = [e for e in outer_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+        calls = [e for e in outer_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"
+                 and e.params["name"] != stream_pack.NAME]
         return [tuple(e.params["grid_mapping"].grid) for e in calls][1]  # intra, scan, output
 
     for first in (True, False):

@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks import span_step_work as work
 from configs.presets import PRESETS
+from kernels_pallas.gated_delta import stream_pack
 from kernels_pallas.gated_delta.api import CheckpointRows
 from minipic_jax.models import qwen3_5, qwen3_5_joint
 from serving.hybrid import span_step
@@ -109,8 +110,10 @@ _BAR = 2e-6 if jax.default_backend() == "cpu" else 2e-5
 def test_joint_stream_runs_one_kernel_pass_per_layer(monkeypatch):
     """A capturing span step's GDN layer launches one intra-chunk, scan and output kernel, not
     three of each (flow, local, transition), with the transition pass in the stream (the
-    default's transition scan adds one kernel: tests/test_transition_scan.py)."""
+    default's transition scan adds one kernel: tests/test_transition_scan.py; the gathers as
+    XLA's, not the pack kernel's: one more kernel a gathered stream, stream_pack.py)."""
     monkeypatch.setattr(qwen3_5_joint, "TRANSITIONS_IN_STREAM", True)
+    monkeypatch.setattr(stream_pack, "PACK_KERNEL", False)
     args = _inputs("warm", False, np.random.default_rng(0))
     params, tokens, md, cache, rec, logits_idx, f, maps, ck = args
     counts = {}
