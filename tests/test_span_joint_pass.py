@@ -79,13 +79,14 @@ def step_under(args, impl, kind, **switches):
             setattr(qwen3_5_joint, name, value)
 
 
-# the whole step with captures continuing long spans; the kernels' whole step (interpreted: ~20 s
-# of CPU compile) under --run-slow or compiled on a GPU (layouts, cold steps and transitions on
-# the kernels: test_span_joint_layer.py)
+# the whole step with captures continuing long spans, under --run-slow (CI time: ~14 s on XLA,
+# ~20 s of CPU compile interpreted) or compiled on a GPU; the default tier checks the same
+# layer by layer (layouts, cold steps and transitions: test_span_joint_layer.py)
 _PALLAS_MARKS = () if PALLAS == "pallas_fused" else (pytest.mark.slow,)
 
 
-@pytest.mark.parametrize("kind,cont,impl", [("warm", True, "xla"),
+@pytest.mark.parametrize("kind,cont,impl", [pytest.param("warm", True, "xla",
+                                                         marks=pytest.mark.slow),
                                             pytest.param("warm", True, PALLAS,
                                                          marks=_PALLAS_MARKS)])
 def test_joint_stream_equals_the_separate_passes(fresh_rng, impl, kind, cont):
