@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.kernel_stubs import stub_pack
 from configs.presets import PRESETS
 from minipic_jax.models import qwen3_5, qwen3_5_spans
 from minipic_jax.models.testing import SimplePager
@@ -123,6 +124,7 @@ def stub_kernels():
         return jax.pure_callback(host, shapes, q, k, v, g, beta, restart, seq_of_chunk, state0,
                                  bounds, kw.get("n_used", jnp.int32(0)), src, trans)
     ragged_triton.packed_gated_delta = packed
+    stub_pack()  # the stream's gather too (benchmarks/kernel_stubs.py)
 
 
 def per_layer(kind: str, t: int = 1024, s: int = 16, hlo: bool = False) -> dict:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.kernel_stubs import stub_pack
 from configs.presets import PRESETS
 from minipic_jax.models import qwen3_5, qwen3_5_spans
 from minipic_jax.models.testing import SimplePager
@@ -127,9 +128,8 @@ TRANSITIONS: list = []  # (flops, bytes) of each transition scan (TRANSITIONS_IN
 
 
 def stub_kernels():
-    """The GDN Pallas pipeline as an opaque host callback of the same shapes (interpret mode
-    would inline the kernel bodies into the CPU program); each call records its packed stream's
-    static and used rows."""
+    """The GDN Pallas pipeline (and the stream's gather) as opaque host callbacks of the same
+    shapes (benchmarks/kernel_stubs.py); each call records its stream's static and used rows."""
     from kernels_pallas.gated_delta import ragged_triton
 
     def packed(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, chunk=CHUNK, **kw):
@@ -139,7 +139,6 @@ def stub_kernels():
                   jax.ShapeDtypeStruct((bounds.shape[0],) + state0.shape[1:], jnp.float32))
         static = (int(out[1]), int(out[2]), int(k.shape[-1]), int(out[3]),
                   jnp.dtype(q.dtype).itemsize, jnp.dtype(v.dtype).itemsize)
-
         trans = kw.get("transitions")  # the captures' products: a second scan kernel
         if trans is not None:
             shapes += (jax.ShapeDtypeStruct((trans[0].shape[0],) + state0.shape[1:2]
@@ -160,6 +159,7 @@ def stub_kernels():
         return jax.pure_callback(lambda n, c, *_: host(n, c), shapes, used, count, q, k, v, g,
                                  beta, restart, seq_of_chunk, state0, bounds, src, trans)
     ragged_triton.packed_gated_delta = packed
+    stub_pack()
 
 
 def transition_work(chunks: int, hv: int, dk: int, vb: int, c: int = CHUNK):
