@@ -20,8 +20,9 @@ MINIPIC_COMPILED=1 MINIPIC_RUN_SLOW=1 timeout 140 python3 -m pytest -q -p no:cac
 echo "compiled engine tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests_s34c.txt" | cut -c1-120)" >> "$R"
 grep -E "^(FAILED|ERROR) |^E  " "$OUT/tests_s34c.txt" | cut -c1-200 | sort -u | head -8 >> "$R"
 L=$(left); [ "$L" -gt 140 ] && L=140
-[ "$L" -ge 50 ] && timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b \
-  --dtype bfloat16 --reps 5 --variants warm/4 plain --forms new bv64 bv128 bv32 \
+F="new bv64"; [ "$L" -ge 90 ] && F="new bv64 bv128 bv32"
+[ "$L" -ge 35 ] && timeout $L python3 -m benchmarks.span_step_work --time qwen3_5_0_8b \
+  --dtype bfloat16 --reps 5 --variants warm/4 plain --forms $F \
   --profile 30 > "$OUT/steps_s34c.txt" 2>&1
 echo "span_step_work rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^time|kernels, busy" "$OUT/steps_s34c.txt" | cut -c1-150 >> "$R"
