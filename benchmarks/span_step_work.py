@@ -247,7 +247,8 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "trans_in_stream": ("minipic_jax.models.qwen3_5_joint", "TRANSITIONS_IN_STREAM"),
          "span_finals": ("minipic_jax.models.qwen3_5_joint", "FINALS_IN_PLACE"),
          "pack_kernel": ("kernels_pallas.gated_delta.stream_pack", "PACK_KERNEL"),
-         "scan_bv": ("kernels_pallas.gated_delta.ragged", "SCAN_BLOCK_V")}
+         "scan_bv": ("kernels_pallas.gated_delta.ragged", "SCAN_BLOCK_V"),
+         "seq_stride": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_STRIDE")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
@@ -263,7 +264,8 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,
                  "finals": False, "trans_in_stream": True, "span_finals": False,
                  "pack_kernel": False}}
-FORMS.update({f"bv{n}": {"scan_bv": n} for n in (32, 64, 128)})  # the scan's block_v
+FORMS.update({f"bv{n}": {"scan_bv": n} for n in (32, 64, 128)})  # the scan's block_v ...
+FORMS.update({f"stride{n}": {"seq_stride": n} for n in (16, 32, 64)})  # ... its programs
 
 
 @contextlib.contextmanager
@@ -351,14 +353,12 @@ def main(argv=None):
                          "its real GDN path), e.g. tiny_qwen3_5")
     ap.add_argument("--reps", type=int, default=7, help="--time: steps timed (median)")
     ap.add_argument("--forms", nargs="+", default=["new"], choices=sorted(FORMS),
-                    help="each variant in these forms of the GDN passes, one after the other "
-                         "(FORMS; default: %(default)s)")
+                    help="each variant in these forms, one after the other (FORMS; %(default)s)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time on a GPU: also trace 3 steps of each variant and print its N "
                          "costliest kernels (benchmarks.timing.profile_kernels)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="--time: the model's dtype (bfloat16 on a GPU: its GDN kernels' "
-                         "dtype) (default: %(default)s)")
+                    help="--time: the model's dtype (bfloat16 on a GPU) (%(default)s)")
     args = ap.parse_args(argv)
     if args.time:
         for v in args.variants:

@@ -332,6 +332,7 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         # everything the trace reads goes in the jit's static key (module switches included: a
         # benchmark flips them between calls of the same shapes; srcs or None changes the args)
         options = dict(scale=scale, chunk=chunk, seq_parallel=ragged_triton.SEQ_PARALLEL,
+                       seq_stride=ragged_triton.SEQ_STRIDE,
                        states_in_place=state_rows.STATES_IN_PLACE,
                        layout=fused_triton.DEFAULTS["layout"], **KERNEL_OPTIONS[implementation])
         if SCAN_BLOCK_V is not None:

@@ -11,11 +11,9 @@ Each chunk's arithmetic is that of the serial scan (`SEQ_PARALLEL = False`: one 
 every packed chunk and restarts from a sequence's initial state at its first chunk), so both give
 the same bits. A boundary no sequence's chunks end at (one before any chunk, an empty sequence's)
 is left unwritten: ragged.py reads the initial state there instead. The chunks past the last
-sequence (the static bound covers the worst case: token bucket / C + 2 S) belong to no program;
-the intra-chunk and output kernels skip them too (dots.chunks_below: their rows are never read),
-so the worst-case bound costs nothing beyond the packed buffers.
-The state layout ("kv" [Dk, BV] or "vk" [BV, Dk]) and the other kernel options follow
-fused_triton.DEFAULTS (see scan_fused.py).
+sequence (the static bound: token bucket / C + 2 S) belong to no program; the intra-chunk and
+output kernels skip them too (dots.chunks_below). The state layout ("kv" [Dk, BV] or "vk"
+[BV, Dk]) and the other options follow fused_triton.DEFAULTS (see scan_fused.py).
 """
 
 from __future__ import annotations
@@ -34,6 +32,10 @@ from kernels_pallas.gated_delta.state_rows import StateRows
 # False: the serial scan (one program per head and value block walks every packed chunk), kept
 # for A/B timing and as the form the per-sequence one must equal bit for bit
 SEQ_PARALLEL = True
+# None: the per-sequence scan runs a program per sequence; P: P programs, program p walking
+# sequences p, p + P, ... (a span step's ~176 static sequences hold ~60 real ones: ~20K programs
+# launched only to exit at block_v 16). Off until timed (same bits: test_span_finals_in_place).
+SEQ_STRIDE = None
 
 
 def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_ref, slot_ref,
@@ -61,7 +63,7 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_
 
 def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref, *refs,
                      n_chunks, chunk, dot_dtype, layout, n_sources, block_v, write_final=False,
-                     final_rows=False):
+                     final_rows=False, stride=None):
     # per sequence (grid axis 2): first/count [S] its packed chunks; the rest as the serial one,
     # except: with n_sources the initial states are a StateRows (kind, index [N], then each
     # source's [P, Dk, BV] block: state_rows.load_tile), and bound [M, Dk, BV] is stored in the
@@ -72,7 +74,7 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
     # source row each sequence's final goes to (-1: none), and where a count is >= 0 the final
     # is that run of chunks' state from zero instead (a carried span piece's, run again here:
     # its own program would write the slot this one reads, in no order)
-    final_ref = dest_ref = None
+    final_ref = dest_ref = from_first_ref = from_count_ref = kind_ref = index_ref = None
     if n_sources:
         kind_ref, index_ref = refs[:2]
         src_refs = refs[2:2 + n_sources]
@@ -83,9 +85,31 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
         final_ref = rest[0] if write_final else None
     else:
         s0_ref, slot_ref, vnew_ref, states_ref, bound_ref = refs
-    vk = layout == "vk"
     j = pl.program_id(1)  # read here: the interpreter has no program_id under a pl.when
-    sid = pl.program_id(2)
+    p = pl.program_id(2)
+    one = functools.partial(
+        _scan_sequence, j=j, refs=(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref),
+        srcs=(kind_ref, index_ref, src_refs) if n_sources else s0_ref, finals=(
+            final_ref, dest_ref, from_first_ref, from_count_ref) if write_final else None,
+        outs=(slot_ref, vnew_ref, states_ref, bound_ref), n_chunks=n_chunks, chunk=chunk,
+        dot_dtype=dot_dtype, layout=layout, n_sources=n_sources, block_v=block_v,
+        final_rows=final_rows)
+    if stride is None:
+        one(p)
+    else:  # sequences p, p + stride, ... (SEQ_STRIDE)
+        jax.lax.fori_loop(0, (first_ref.shape[0] - p + stride - 1) // stride,
+                          lambda k, c: (one(p + k * stride), c)[1], 0)
+
+
+def _scan_sequence(sid, *, j, refs, srcs, finals, outs, n_chunks, chunk, dot_dtype, layout,
+                   n_sources, block_v, final_rows):
+    """_seq_scan_kernel's work for sequence sid (value block j)."""
+    w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref = refs
+    slot_ref, vnew_ref, states_ref, bound_ref = outs
+    kind_ref, index_ref, src_refs = srcs if n_sources else (None,) * 3
+    s0_ref = None if n_sources else srcs
+    final_ref, dest_ref, from_first_ref, from_count_ref = finals or (None,) * 4
+    vk = layout == "vk"
     start = jnp.minimum(first_ref[sid], n_chunks)
     end = jnp.minimum(start + count_ref[sid], n_chunks)  # a broken bound loses chunks, not memory
     if final_ref is not None:  # where this sequence's final goes (clipped: never outside)
@@ -174,7 +198,7 @@ def qk_in_v_dtype(q, k, v):
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
                        chunk=64, dot_dtype=None, interpret=False, n_used=None, seq_first=None,
                        seq_chunks=None, seq_parallel=None, states_in_place=None, src=None,
-                       transitions=None, **options):
+                       transitions=None, seq_stride=None, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -188,8 +212,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         count (ragged.packing's first, n_ch): the scan then runs one program per sequence
         (`SEQ_PARALLEL`); a boundary no sequence ends at is undefined (read state0 there).
       seq_parallel: None (`SEQ_PARALLEL`) or a bool: whether it does (a caller under a jit
-        passes it, so the switch is part of the jit's key); states_in_place the same for
-        state_rows.STATES_IN_PLACE (state0 a StateRows read by the kernel, or built first).
+        passes it: the switch is in the jit's key); seq_stride, states_in_place: the same for
+        SEQ_STRIDE, state_rows.STATES_IN_PLACE (state0 a StateRows read in place, or built).
       src: None, or (src, src_v) [NC*C] int32: q, k, v, g, beta are the step's source rows
         ([R, Hk, Dk], ...), read by intra "blocked" and output "triton" (stream_rows.py).
       transitions: None, or (first [M], count [M] int32, init): also the product of the maps
@@ -237,7 +261,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
                       and reads_rows_in_place(seq_parallel, states_in_place), vk)
     v_new, states, bound, *written = _state_scan(
         w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
-        s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk,
+        s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk, stride=seq_stride or SEQ_STRIDE,
         dot_dtype=dot_dtype, layout=layout, block_v=min(opt["block_v"], dv),
         num_warps=opt["scan_warps"], num_stages=opt["scan_stages"], interpret=interpret)
     out = _output(q, k, g, v_new, states, opt, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
@@ -290,7 +314,7 @@ def _scan_states(state0, rows_in_place: bool, vk: bool):
 
 
 def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq, *, n_b, chunk,
-                dot_dtype, layout, block_v, num_warps, num_stages, interpret):
+                dot_dtype, layout, block_v, num_warps, num_stages, interpret, stride=None):
     """The scan kernel's call: serial (grid (Hv, Dv / BV)) or, with per_seq = (first, count)
     [S'] each, one program per sequence (grid (Hv, Dv / BV, S')). s0: the initial states in the
     layout's axis order, or (per_seq only) a StateRows read in place. Returns (v_new [1, T, Hv,
@@ -305,7 +329,8 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
     st = (dv, dk) if vk else (dk, dv)
     rows_in = isinstance(s0, StateRows)
     write_final = False
-    grid = (hv, dv // block_v) + (() if per_seq is None else (per_seq[0].shape[0],))
+    n_prog = None if per_seq is None else min(per_seq[0].shape[0], stride or 1 << 30)
+    grid = (hv, dv // block_v) + (() if n_prog is None else (n_prog,))
     s_idx = (lambda j: (j, 0)) if vk else (lambda j: (0, j))
     seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j, *_: (0, 0, h, 0))
     seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda h, j, *_: (0, 0, h, j))
@@ -338,7 +363,8 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
             raise ValueError(f"gated_delta scan: write_final needs one state row per sequence, "
                              f"got {s0.kind.shape[0]} rows for {n_seq} sequences")
         kernel = functools.partial(_seq_scan_kernel, n_sources=n_sources, block_v=block_v,
-                                   write_final=write_final, final_rows=dests)
+                                   write_final=write_final, final_rows=dests,
+                                   stride=None if stride is None or stride >= n_seq else stride)
         if dests:  # after the sources (the alias index of the first source stays)
             state_ops += _final_operands(s0, n_seq)
             states_in = states_in + [whole(n_seq)] * 3
