@@ -13,23 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn_inputs import gdn_inputs
-from kernels_pallas.gated_delta import api, stream_pack
-from kernels_pallas.gated_delta.api import CheckpointRows
+import test_span_joint_layer
+from kernels_pallas.gated_delta import stream_pack
 from kernels_pallas.gated_delta.ragged import take_rows
-from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
+from test_stream_rows import (JOINT_OUTPUTS, RAGGED_OUTPUTS, both_forms, joint_case,
+                              ragged_case)
 
 INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
-
-
-def _both(monkeypatch, fn):
-    out = {}
-    for flag in (False, True):
-        monkeypatch.setattr(stream_pack, "PACK_KERNEL", flag)
-        # a new function each time: jax.jit caches a trace by the function, and the switch is
-        # read when it traces
-        out[flag] = [None if x is None else np.asarray(x) for x in jax.jit(lambda: fn())()]
-    return out[False], out[True]
 
 
 @pytest.mark.parametrize("n_used", [0, 5, 9])
@@ -60,24 +50,11 @@ def test_pack_refuses_a_row_it_cannot_tile():
 
 
 def test_ragged_batch_is_the_gathered_stream_bit_for_bit(fresh_rng, monkeypatch):
-    hk, hv, dk, dv, chunk = 1, 2, 16, 16, 16
-    lens, pos0 = [20, 0, 5, 37, 16, 1], [3, 0, 16, 0, 32, 7]
-    t = sum(lens) + 7  # bucket padding rows
-    x = tuple(a[0] for a in gdn_inputs(fresh_rng, 1, t, hk, hv, dk, dv))
-    s0 = fresh_rng.standard_normal((len(lens), hv, dk, dv)).astype(np.float32)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    ends = np.array(pos0) + np.array(lens)
-    ck = np.stack([ends, [16, -1, 16, 32, 48, -1]], axis=1).astype(np.int32)
-
-    def fn():
-        return api.ragged_gated_delta(*x, cu, np.array(pos0, np.int32), s0,
-                                      checkpoint_at=jnp.asarray(ck), chunk=chunk,
-                                      implementation="pallas_fused", interpret=INTERPRET,
-                                      decode=False)
-    gathered, packed = _both(monkeypatch, fn)
-    for name, a, b in zip(("out", "final", "checkpoints"), gathered, packed):
+    fn, rows = ragged_case(fresh_rng)
+    gathered, packed = both_forms(monkeypatch, stream_pack, "PACK_KERNEL", fn)
+    for name, a, b in zip(RAGGED_OUTPUTS, gathered, packed):
         np.testing.assert_array_equal(b, a, err_msg=name)
-    assert np.abs(packed[0][: cu[-1]]).max() > 0
+    assert np.abs(packed[0][:rows]).max() > 0
 
 
 # CI time: slow tier (--run-slow); by default the joint streams run the pack kernel in
@@ -85,33 +62,16 @@ def test_ragged_batch_is_the_gathered_stream_bit_for_bit(fresh_rng, monkeypatch)
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["shifted, empty, captures of -1", "leading empty sequences"])
 def test_joint_stream_is_the_gathered_stream_bit_for_bit(fresh_rng, monkeypatch, case):
-    import test_span_joint_layer as t
-    lens, pos0, g, caps, cont, local_chunks = t.CASES[case]
-    pieces = t._pieces(fresh_rng, lens, g, caps, cont, local_chunks)
-    x = tuple(jnp.asarray(a[0]) for a in gdn_inputs(fresh_rng, 1, t.T, t.HK, t.HV, t.DK, t.DV))
-    delta0 = jnp.asarray(fresh_rng.standard_normal((len(lens), t.HV, t.DK, t.DV)), jnp.float32)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-    p0 = jnp.asarray(pos0, jnp.int32)
-    ends = np.asarray(pos0) + np.asarray(lens)
-    ck = CheckpointRows(seq=jnp.asarray(np.repeat(np.arange(len(lens)), 2), jnp.int32),
-                        pos=jnp.asarray(np.stack([ends, (np.asarray(pos0) // t.CHUNK + 1)
-                                                  * t.CHUNK], 1).reshape(-1), jnp.int32))
-    plan = qwen3_5_spans.for_layer(qwen3_5_spans.prepare(pieces, cu, t.T, t.KC, t.CHUNK, p0), 0)
-
-    def fn():
-        return qwen3_5_gdn.recurrent_core(x, cu, p0, delta0, plan, checkpoint_at=ck,
-                                          decode=False, packing=None,
-                                          implementation="pallas_fused", interpret=INTERPRET)
-    gathered, packed = _both(monkeypatch, fn)
-    rows = int(cu[-1])
-    names = ("core", "delta", "checkpoints", "local finals", "transitions")
-    for name, a, b in zip(names, gathered, packed):
+    fn, rows, plan = joint_case(fresh_rng, case)
+    gathered, packed = both_forms(monkeypatch, stream_pack, "PACK_KERNEL", fn)
+    for name, a, b in zip(JOINT_OUTPUTS, gathered, packed):
         assert (a is None) == (b is None), name
         if a is not None:
             np.testing.assert_array_equal(b[:rows] if name == "core" else b,
                                           a[:rows] if name == "core" else a, err_msg=name)
+    chunk = test_span_joint_layer.CHUNK
     used = int(plan["joint"]["joint"]["n_used"])
-    slots = plan["joint"]["joint"]["src"].shape[0] // t.CHUNK
+    slots = plan["joint"]["joint"]["src"].shape[0] // chunk
     assert 0 < used < slots  # the stream has chunks the kernel leaves unwritten
 
 

@@ -96,9 +96,12 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
         final_rows=final_rows)
     if stride is None:
         one(p)
-    else:  # sequences p, p + stride, ... (SEQ_STRIDE)
-        jax.lax.fori_loop(0, (first_ref.shape[0] - p + stride - 1) // stride,
-                          lambda k, c: (one(p + k * stride), c)[1], 0)
+        return
+
+    def each(k, carry):  # sequences p, p + stride, ... (SEQ_STRIDE)
+        one(p + k * stride)
+        return carry
+    jax.lax.fori_loop(0, (first_ref.shape[0] - p + stride - 1) // stride, each, 0)
 
 
 def _scan_sequence(sid, *, j, refs, srcs, finals, outs, n_chunks, chunk, dot_dtype, layout,
@@ -261,9 +264,10 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
                       and reads_rows_in_place(seq_parallel, states_in_place), vk)
     v_new, states, bound, *written = _state_scan(
         w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
-        s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk, stride=seq_stride or SEQ_STRIDE,
-        dot_dtype=dot_dtype, layout=layout, block_v=min(opt["block_v"], dv),
-        num_warps=opt["scan_warps"], num_stages=opt["scan_stages"], interpret=interpret)
+        s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk, dot_dtype=dot_dtype, layout=layout,
+        block_v=min(opt["block_v"], dv), num_warps=opt["scan_warps"],
+        num_stages=opt["scan_stages"], interpret=interpret,
+        stride=SEQ_STRIDE if seq_stride is None else seq_stride)
     out = _output(q, k, g, v_new, states, opt, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
                   out_dtype=v.dtype, interpret=interpret, used=n_used,
                   src=None if src is None else src[0])
@@ -329,8 +333,9 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
     st = (dv, dk) if vk else (dk, dv)
     rows_in = isinstance(s0, StateRows)
     write_final = False
-    n_prog = None if per_seq is None else min(per_seq[0].shape[0], stride or 1 << 30)
-    grid = (hv, dv // block_v) + (() if n_prog is None else (n_prog,))
+    if per_seq is None or (stride is not None and stride >= per_seq[0].shape[0]):
+        stride = None  # a program per sequence
+    grid = (hv, dv // block_v) + (() if per_seq is None else (stride or per_seq[0].shape[0],))
     s_idx = (lambda j: (j, 0)) if vk else (lambda j: (0, j))
     seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j, *_: (0, 0, h, 0))
     seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda h, j, *_: (0, 0, h, j))
@@ -363,8 +368,7 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
             raise ValueError(f"gated_delta scan: write_final needs one state row per sequence, "
                              f"got {s0.kind.shape[0]} rows for {n_seq} sequences")
         kernel = functools.partial(_seq_scan_kernel, n_sources=n_sources, block_v=block_v,
-                                   write_final=write_final, final_rows=dests,
-                                   stride=None if stride is None or stride >= n_seq else stride)
+                                   write_final=write_final, final_rows=dests, stride=stride)
         if dests:  # after the sources (the alias index of the first source stays)
             state_ops += _final_operands(s0, n_seq)
             states_in = states_in + [whole(n_seq)] * 3

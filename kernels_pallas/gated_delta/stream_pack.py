@@ -13,7 +13,7 @@ loads and moves only the gather.
 
 Grid (NC, tiles): program (c, j) copies columns [j BF, (j + 1) BF) of chunk c's rows of every
 operand with more than j tiles; an operand [T, ...] is read as [T * tiles, BF] rows (tiles
-innermost), the gather stream_rows.RowsRef does.
+innermost) through stream_rows.RowsRef, the gather the in-kernel stream reads use.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.gated_delta import stream_rows
 
 # True: ragged.run_stream's kernel paths gather their packed stream with `pack` (the chunks a
 # step uses only); False: XLA's take_rows (every slot). On since session 34 (H100: the gathers'
@@ -41,14 +43,11 @@ def _pack_kernel(*refs, n_ops: int, tiles: tuple, chunk: int):
 
     @pl.when(c < used_ref[0])
     def _():
-        src = src_ref[pl.ds(c * chunk, chunk)]
         for x_ref, out_ref, n_tiles in zip(ins, outs, tiles):
-            rows = x_ref.shape[0] // n_tiles
-
-            def copy(x_ref=x_ref, out_ref=out_ref, n_tiles=n_tiles, rows=rows):
-                ok = src < rows
-                flat = jnp.minimum(src, rows - 1) * n_tiles + jnp.minimum(j, n_tiles - 1)
-                out_ref[...] = jnp.where(ok[:, None], x_ref[flat, :], 0).astype(out_ref.dtype)
+            def copy(x_ref=x_ref, out_ref=out_ref, n_tiles=n_tiles):  # tile j: a "head" of x
+                rows = stream_rows.RowsRef(x_ref, src_ref, c * chunk, jnp.minimum(j, n_tiles - 1),
+                                           n_tiles, x_ref.shape[0] // n_tiles, chunk)
+                out_ref[...] = rows[...].astype(out_ref.dtype)
             if n_tiles == max(tiles):
                 copy()
             else:
@@ -76,13 +75,13 @@ def pack(xs, src, n_used, *, chunk: int, block_f: int = BLOCK_F, num_warps: int 
     n_chunks = slots // chunk
     flat, tiles, blocks = zip(*(_tiling(x, block_f) for x in xs))
     used = jnp.reshape(jnp.minimum(n_used, n_chunks), (1,)).astype(jnp.int32)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
     out_specs = [pl.BlockSpec((chunk, bf), lambda c, j, n=n: (c, jnp.minimum(j, n - 1)))
                  for bf, n in zip(blocks, tiles)]
     out = pl.pallas_call(
         functools.partial(_pack_kernel, n_ops=len(xs), tiles=tiles, chunk=chunk),
         grid=(n_chunks, max(tiles)),
-        in_specs=[whole(a) for a in flat] + [whole(src), pl.BlockSpec((1,), lambda *_: (0,))],
+        in_specs=[stream_rows.whole(a) for a in flat]
+        + [stream_rows.whole(src), pl.BlockSpec((1,), lambda *_: (0,))],
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((slots, n * bf), x.dtype)
                    for x, n, bf in zip(xs, tiles, blocks)],
