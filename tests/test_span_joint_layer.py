@@ -124,9 +124,17 @@ def layer_case(rng, case):
     x = tuple(jnp.asarray(a[0]) for a in gdn_inputs(rng, 1, T, HK, HV, DK, DV))
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     ends = np.asarray(pos0) + np.asarray(lens)
-    ck = CheckpointRows(seq=jnp.asarray(np.repeat(np.arange(len(lens)), 2), jnp.int32),
-                        pos=jnp.asarray(np.stack([ends, (np.asarray(pos0) // CHUNK + 1) * CHUNK],
-                                                 1).reshape(-1), jnp.int32))
+    seq = np.repeat(np.arange(len(lens)), 2)
+    pos = np.stack([ends, (np.asarray(pos0) // CHUNK + 1) * CHUNK], 1).reshape(-1)
+    # none strictly inside a span piece, as the engine asks (serving/hybrid/span_cache.py
+    # `_checkpoints`; a flow borrowing a captured piece's chunks is on that piece's chunk grid:
+    # qwen3_5_joint.FLOW_BORROWS)
+    row = np.asarray(cu)[seq] + pos - np.asarray(pos0)[seq]
+    piece_cu, span = np.asarray(pieces.piece_cu), np.asarray(pieces.row_span)
+    piece = np.searchsorted(piece_cu, row, side="right") - 1
+    inside = (row > piece_cu[np.minimum(piece, piece_cu.size - 1)]) & span[np.minimum(row, T - 1)]
+    ck = CheckpointRows(seq=jnp.asarray(seq[~inside], jnp.int32),
+                        pos=jnp.asarray(pos[~inside], jnp.int32))
     return pieces, x, cu, jnp.asarray(pos0, jnp.int32), ck
 
 

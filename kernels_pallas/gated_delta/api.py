@@ -35,8 +35,8 @@ from kernels_pallas.gated_delta.decode_rows import (on_rows, on_seq_rows, seq_ro
                                                     ragged_decode_conv_layer_in_place,
                                                     ragged_decode_in_place,
                                                     ragged_decode_layer_in_place)
-from kernels_pallas.gated_delta.joint import Pass as JointPass, final_bounds, joint_packing  # noqa: F401
-from kernels_pallas.gated_delta.joint import run_joint  # noqa: F401
+from kernels_pallas.gated_delta.joint import Cuts as JointCuts, Pass as JointPass  # noqa: F401
+from kernels_pallas.gated_delta.joint import final_bounds, joint_packing, run_joint  # noqa: F401
 from kernels_pallas.gated_delta.problem import Problem
 from kernels_pallas.gated_delta.ragged import (break_rows, finals_in_kernel,  # noqa: F401
                                                packed_chunks, take_rows)
@@ -45,7 +45,8 @@ from kernels_pallas.gated_delta.state_rows import (EYE, ZERO, StateRows, as_arra
                                                    from_cache, rows_of, written_finals)
 from kernels_pallas.registry import Implementation
 
-__all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "JointPass", "Problem", "apply_map", "auto_order",
+__all__ = ["GATED_DELTA", "IMPLEMENTATIONS", "JointCuts", "JointPass", "Problem", "apply_map",
+           "auto_order",
            "break_rows", "chain_apply", "chain_in_place", "choose", "choose_gated_delta",
            "decode_step", "final_bounds", "joint_packing",
            "maps_packing", "packed_chunks", "prefill", "ragged_gated_delta", "ragged_maps",

@@ -49,18 +49,30 @@ def dot_tn(a, b, dtype):  # a.T @ b
 def chunks_below(kernel, n_in: int, used, n_chunks: int):
     """`kernel(*in_refs, *out_refs)` of a grid (N, NT, H), run only for chunks (grid axis 1) below
     `used` (an int32 scalar; None: every chunk, the kernel unchanged), so a packed stream sized
-    for the worst case (ragged.py) costs its used chunks only. The skipped chunks' output blocks
-    are left unwritten; callers never read them. Returns (kernel, extra in_specs, extra args):
-    the count travels as one more input, a [1] int32 block after the n_in others."""
+    for the worst case (ragged.py) costs its used chunks only; `used` (count, live [NT] int32)
+    also skips the chunks live marks 0 (borrowed ones: ragged_triton.own_chunks). The skipped
+    chunks' output blocks are left unwritten; callers never read them. Returns (kernel, extra
+    in_specs, extra args): the count travels as one more input, a [1] int32 block after the
+    n_in others (then live, whole)."""
     if used is None:
         return kernel, [], []
     from jax.experimental import pallas as pl
+    count, live = used if isinstance(used, tuple) else (used, None)
+    n_extra = 1 if live is None else 2
 
     def body(*refs):
-        ins, count, outs = refs[:n_in], refs[n_in], refs[n_in + 1:]
+        ins, extra, outs = refs[:n_in], refs[n_in:n_in + n_extra], refs[n_in + n_extra:]
+        c = pl.program_id(1)
+        run = c < extra[0][0]
+        if live is not None:
+            run = run & (extra[1][jnp.minimum(c, n_chunks - 1)] != 0)
 
-        @pl.when(pl.program_id(1) < count[0])
+        @pl.when(run)
         def _():
             kernel(*ins, *outs)
-    count = jnp.reshape(jnp.minimum(used, n_chunks), (1,)).astype(jnp.int32)
-    return body, [pl.BlockSpec((1,), lambda *_: (0,))], [count]
+    count = jnp.reshape(jnp.minimum(count, n_chunks), (1,)).astype(jnp.int32)
+    specs, args = [pl.BlockSpec((1,), lambda *_: (0,))], [count]
+    if live is not None:
+        specs.append(pl.BlockSpec((n_chunks,), lambda *_: (0,)))
+        args.append(jnp.asarray(live, jnp.int32))
+    return body, specs, args

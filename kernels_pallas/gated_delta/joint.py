@@ -27,6 +27,18 @@ from kernels_pallas.gated_delta import dots, ragged
 from kernels_pallas.gated_delta.checkpoint_rows import as_rows
 
 
+class Cuts(NamedTuple):
+    """Rows of a pass where a packing unit starts (besides its sequences' starts and breaks).
+
+    rows: [K] int32 offsets in the pass's rows (outside its rows: none); borrow: [K] int32, -1: a
+    grid cut (the rows from it start a chunk at their own position's offset, as a break), j >= 0:
+    the rows from it to the next cut are joint sequence j's, packed as j packs them (from a
+    chunk's first slot), and the scan reads j's chunks there instead of its own (`joint_packing`:
+    borrowed chunks)."""
+    rows: jax.Array
+    borrow: jax.Array
+
+
 class Pass(NamedTuple):
     """One ragged pass over some rows of a source stream.
 
@@ -34,20 +46,58 @@ class Pass(NamedTuple):
     sequence's first position (chunk boundaries fall on multiples of the chunk of it); rows: [R]
     int32 the source row of each of its rows (R static; rows past cu[-1] are unused); zero_v:
     its rows read v = 0 (a transition pass: the state then carries the maps' product); breaks:
-    None or [n] int32, its sequences' breaks (ragged.packing's)."""
+    None or [n] int32, its sequences' breaks (ragged.packing's); cuts: None or `Cuts`."""
     cu: jax.Array
     pos0: jax.Array
     rows: jax.Array
     zero_v: bool = False
     breaks: jax.Array | None = None
+    cuts: Cuts | None = None
+
+
+def _units(p: Pass, chunk: int):
+    """A pass's packing units in row order: (start [U] in its rows, shift [U] (the no-op slots
+    before a unit's first row in its first chunk), seq [U] its sequence, borrow [U] (`Cuts`)).
+    Every sequence starts a unit (an empty one's is empty); so do its break and its cuts; a
+    borrowing cut sorts after a grid one at the same row (the earlier one is then empty)."""
+    n = p.pos0.shape[0]
+    cu, pos0 = jnp.asarray(p.cu, jnp.int32), jnp.asarray(p.pos0, jnp.int32)
+    count = cu[-1]
+    seqs = jnp.arange(n, dtype=jnp.int32)
+    start, seq, borrow = [cu[:-1]], [seqs], [jnp.full(n, -1, jnp.int32)]
+    if p.breaks is not None:
+        b = jnp.asarray(p.breaks, jnp.int32)
+        inside = (b > 0) & (b < cu[1:] - cu[:-1])
+        start.append(jnp.where(inside, cu[:-1] + b, count))
+        seq.append(seqs)
+        borrow.append(jnp.full(n, -1, jnp.int32))
+    if p.cuts is not None:
+        r = jnp.asarray(p.cuts.rows, jnp.int32)
+        r = jnp.where((r >= 0) & (r < count), r, count)
+        start.append(r)
+        seq.append(jnp.clip(jnp.searchsorted(cu, r, side="right", method="compare_all") - 1,
+                            0, n - 1).astype(jnp.int32))
+        borrow.append(jnp.where(r < count, jnp.asarray(p.cuts.borrow, jnp.int32), -1))
+    start, seq, borrow = (jnp.concatenate(x) for x in (start, seq, borrow))
+    order = jnp.argsort(start * 2 + (borrow >= 0), stable=True)
+    start, seq, borrow = start[order], seq[order], borrow[order]
+    shift = jnp.where(borrow >= 0, 0, (pos0[seq] + start - cu[seq]) % chunk)
+    return start, shift, seq, borrow
 
 
 def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | None = None,
-                  max_breaks: int = 0):
+                  max_breaks: int = 0, borrow: bool = True):
     """The packing of all passes' sequences back to back (ragged.packing's fields for
-    run_stream: src, src_v, restart, seq_of_chunk, first, n_ch, lens, shift, n_used, chunk),
-    plus seq_offset (static: pass p's sequence j is sequence seq_offset[p] + j) and slot_of
-    (per pass [R]: the packed slot of each of its rows; out of range where unused).
+    run_stream: src, src_v, restart, seq_of_chunk, first, n_ch, lens, n_used, chunk), plus
+    seq_offset (static: pass p's sequence j is sequence seq_offset[p] + j), slot_of (per pass
+    [R]: the packed slot of each of its rows; out of range where unused), units (`_units`' in
+    joint rows, with their chunks: `checkpoint_bounds`) and row0 (each sequence's first joint
+    row).
+    Each sequence is packed as its units back to back, each from a fresh chunk. With `borrow`
+    and a borrowing cut, chunk_src [NC] is each chunk's source chunk: a borrowing unit's chunks
+    read the chunks of the sequence it names (the same rows packed the same way: the same W,
+    U, KD), so the intra, output and pack kernels skip them and the scan reads those instead
+    (its state still runs through them: a flow over rows a span piece already has); else None.
     max_chunks: a static bound on the packed chunks the caller promises (ragged.packing's);
     max_breaks: the sequences with a break at most (each may add a chunk)."""
     counts = [jnp.asarray(p.cu[-1], jnp.int32) for p in passes]
@@ -58,34 +108,72 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
     n_virtual = sum(int(p.rows.shape[0]) for p in passes)
     cu = jnp.concatenate([p.cu[:-1] + o for p, o in zip(passes, offs)]
                          + [total[None]]).astype(jnp.int32)
-    pos0 = jnp.concatenate([jnp.asarray(p.pos0, jnp.int32) for p in passes])
-    seqs = int(pos0.shape[0])
-    breaks = None
-    if any(p.breaks is not None for p in passes):  # 0: none
-        breaks = jnp.concatenate([jnp.zeros(p.pos0.shape[0], jnp.int32) if p.breaks is None
-                                  else jnp.asarray(p.breaks, jnp.int32) for p in passes])
+    seqs = sum(int(p.pos0.shape[0]) for p in passes)
     n_chunks = ragged.packed_chunks(n_virtual, seqs, chunk) + max_breaks
     if max_chunks is not None:
         n_chunks = max(1, min(n_chunks, int(max_chunks)))
-    pk = ragged.chunk_layout(cu, pos0, n_virtual, chunk, n_chunks, breaks)
+    starts, shifts, useq, borrows, seq_offset, first_seq = [], [], [], [], [], 0
+    for p, o in zip(passes, offs):
+        start, shift, seq, b = _units(p, chunk)
+        starts.append(start + o)
+        shifts.append(shift)
+        useq.append(seq + first_seq)
+        borrows.append(b)
+        seq_offset.append(first_seq)
+        first_seq += int(p.pos0.shape[0])
+    ustart, useq, uborrow = (jnp.concatenate(x) for x in (starts, useq, borrows))
+    pk = ragged.chunk_layout(jnp.concatenate([ustart, total[None]]), jnp.concatenate(shifts),
+                             n_virtual, chunk, n_chunks)
+    first = jnp.full(seqs, n_chunks, jnp.int32).at[useq].min(pk["first"])
+    n_ch = jnp.zeros(seqs, jnp.int32).at[useq].add(pk["n_ch"])
+    chunk_ids = jnp.arange(n_chunks, dtype=jnp.int32)
+    unit_of_chunk = pk["seq_of_chunk"]
+    seq_of_chunk = useq[unit_of_chunk]
+    restart = (chunk_ids == first[seq_of_chunk]) & (n_ch[seq_of_chunk] > 0)
+    chunk_src = None
+    if borrow and any(p.cuts is not None for p in passes):
+        lender = jnp.maximum(uborrow, 0)  # (a lender of other chunks than the unit's: none)
+        lend = (uborrow >= 0) & (pk["n_ch"] > 0) & (n_ch[lender] == pk["n_ch"])
+        off = jnp.where(lend, first[lender] - pk["first"], 0)
+        chunk_src = (chunk_ids + off[unit_of_chunk]).astype(jnp.int32)
     size = n_chunks * chunk
     vrow_src = jnp.full(n_virtual, n_source, jnp.int32)
     vrow_zero_v = jnp.zeros(n_virtual, bool)
-    slot_of, seq_offset, first_seq = [], [], 0
+    slot_of = []
     for p, o, c in zip(passes, offs, counts):
         i = jnp.arange(p.rows.shape[0], dtype=jnp.int32)
         at = jnp.where(i < c, o + i, n_virtual)  # this pass's rows in the joint rows
         vrow_src = vrow_src.at[at].set(jnp.asarray(p.rows, jnp.int32), mode="drop")
         vrow_zero_v = vrow_zero_v.at[at].set(p.zero_v, mode="drop")
         slot_of.append(pk["dest"].at[at].get(mode="fill", fill_value=size))
-        seq_offset.append(first_seq)
-        first_seq += int(p.pos0.shape[0])
     src = jnp.full(size, n_source, jnp.int32).at[pk["dest"]].set(vrow_src, mode="drop")
     src_v = jnp.full(size, n_source, jnp.int32).at[pk["dest"]].set(
         jnp.where(vrow_zero_v, n_source, vrow_src), mode="drop")
-    return dict(src=src, src_v=src_v, restart=pk["restart"], seq_of_chunk=pk["seq_of_chunk"],
-                n_used=jnp.sum(pk["n_ch"]), chunk=chunk, seq_offset=tuple(seq_offset),
-                slot_of=slot_of, **ragged.layout_fields(pk))
+    units = dict(start=ustart, lens=pk["lens"], shift=pk["shift"], first=pk["first"])
+    return dict(src=src, src_v=src_v, restart=restart, seq_of_chunk=seq_of_chunk,
+                n_used=jnp.sum(n_ch), chunk=chunk, seq_offset=tuple(seq_offset),
+                slot_of=slot_of, lens=cu[1:] - cu[:-1], first=first, n_ch=n_ch, units=units,
+                row0=cu[:-1], chunk_src=chunk_src)
+
+
+def checkpoint_bounds(rows, pos0, jp, n_chunks: int):
+    """(use [K], boundary index [K]) of each checkpoint row (checkpoint_rows.CheckpointRows of
+    joint sequences with first positions pos0), as ragged.checkpoint_bounds over the units: a
+    checkpoint is exact on its unit's chunk grid and at a unit's end (a cut, a break, the
+    sequence's end: the no-op slots after a unit's last row pass the state through)."""
+    seq, at = rows
+    u = jp["units"]
+    chunk = jp["chunk"]
+    start = jnp.asarray(pos0, jnp.int32)[seq]
+    ck_use = (at >= 0) & (at > start) & (jp["lens"][seq] > 0)
+    # the state after the rows before it (one past the sequence's rows: its end)
+    row = jp["row0"][seq] + jnp.minimum(at - start, jp["lens"][seq])
+    k = jnp.clip(jnp.searchsorted(u["start"], row, side="left", method="compare_all") - 1,
+                 0, u["start"].shape[0] - 1)  # the last unit starting before it
+    rel = row - u["start"][k] + u["shift"][k]
+    at_end = row == u["start"][k] + u["lens"][k]
+    chunks = jnp.where(at_end, -(-rel // chunk), rel // chunk)
+    return ck_use, jnp.clip(jnp.where(ck_use, u["first"][k] + chunks, 0), 0, n_chunks)
 
 
 def final_bounds(jp, finals):
@@ -118,7 +206,7 @@ def run_joint(q, k, v, g, beta, jp, table, chunk_state, fin_bounds, *, checkpoin
     ck_start = None
     if checkpoint_at is not None:
         ck_rows, ck_shape = as_rows(checkpoint_at)
-        ck_use, ck_bound = ragged.checkpoint_bounds(ck_rows, pos0, jp, jp["chunk"], n_chunks)
+        ck_use, ck_bound = checkpoint_bounds(ck_rows, pos0, jp, n_chunks)
         bounds = jnp.concatenate([bounds, ck_bound])
         if getattr(table, "write_final", False):  # read the starts before the kernel writes
             ck_start = ragged.start_rows(start, ck_rows.seq,

@@ -47,9 +47,13 @@ def chunks_below(kernel, n_in: int, used, n_chunks: int):
     only for chunks below `used` (an int32 scalar; None: every chunk, the kernel unchanged):
     dots.chunks_below for the Mosaic kernels (a packed stream sized for the worst case costs its
     used chunks only; the others' outputs are left unwritten, never read). Returns (kernel,
-    extra inputs): the count travels as one more input, [1] int32, after the n_in others."""
+    extra inputs): the count travels as one more input, [1] int32, after the n_in others.
+    A (count, live) pair (dots.chunks_below's) runs the chunks below count: the ones live marks
+    0 are computed and never read."""
     if used is None:
         return kernel, ()
+    if isinstance(used, tuple):
+        used = used[0]
 
     def body(*refs):
         @pl.when(lax.axis_index("c") < refs[n_in][0])

@@ -40,10 +40,11 @@ def take_rows(x, rows):
     return jnp.asarray(x).at[rows].get(mode="fill", fill_value=0, wrap_negative_indices=False)
 
 
-def _gathered(pairs, n_used, chunk: int, interpret: bool):
+def _gathered(pairs, n_used, chunk: int, interpret: bool, live=None):
     """[1, NC * C, ...] packed stream of each (array, rows) pair: one gather per distinct pair
     (affine.ragged_maps passes k as q), by XLA (every slot) or with stream_pack.PACK_KERNEL
-    by one kernel per distinct rows array (the used chunks only)."""
+    by one kernel per distinct rows array (the used chunks only; with live [NC], those of them
+    it marks: a borrowed chunk's slots are never read)."""
     distinct = {}
     for x, src in pairs:
         distinct.setdefault((id(x), id(src)), (x, src))
@@ -54,7 +55,7 @@ def _gathered(pairs, n_used, chunk: int, interpret: bool):
         streams = {}
         for src, keys in by_src.values():
             got = stream_pack.pack([distinct[key][0] for key in keys], src, n_used,
-                                   chunk=chunk, interpret=interpret)
+                                   chunk=chunk, interpret=interpret, live=live)
             streams.update((key, a[None]) for key, a in zip(keys, got))
     else:
         streams = {key: take_rows(x, src)[None] for key, (x, src) in distinct.items()}
@@ -189,9 +190,9 @@ def _packed_once(*args, run, options):
     kernels are traced and lowered once per step variant and each layer calls that one function
     (XLA inlines the call: the same program). Traced per layer they were most of Qwen3.5's
     trace and lower time on the host (benchmarks/lower_time.py)."""
-    *arrays, n_used, first, n_ch, src, transitions = args
+    *arrays, n_used, first, n_ch, src, transitions, chunk_src = args
     return run(*arrays, interpret=False, n_used=n_used, seq_first=first, seq_chunks=n_ch,
-               src=src, transitions=transitions, **dict(options))
+               src=src, transitions=transitions, chunk_src=chunk_src, **dict(options))
 
 
 def rows_states(use, states, state0, seq, shape, start=None):
@@ -300,7 +301,9 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     [T, Hv] rows of the source stream, gathered into the packed slots by pk["src"] (v by
     pk["src_v"] where a packing has one: joint.py's v = 0 rows); state0 [N, Hv, Dk, Dv] float32,
     seq_state [NC] the state0 row each chunk's sequence starts from (read at its first chunk);
-    bounds [B] boundary indices (boundary j: the state after packed chunk j - 1).
+    bounds [B] boundary indices (boundary j: the state after packed chunk j - 1); a packing's
+    chunk_src (joint.joint_packing's borrowed chunks; None or absent: each chunk its own) makes
+    the scan read chunk chunk_src[c]'s W, U, KD and decay at chunk c.
     transitions: None, or (first [M], count [M] int32, init): the maps' products of chunks
     first[m] .. + count[m] of this stream (a captured span piece's), from I (init None) or
     init's row m (a StateRows of M rows), over the stream's own W / KD
@@ -314,6 +317,7 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         raise ValueError("run_stream: transition and transitions exclude each other")
     hk, hv = k.shape[1], v.shape[1]
     src_v = pk.get("src_v", pk["src"])
+    chunk_src = pk.get("chunk_src")
     pairs = ((q, pk["src"]), (k, pk["src"]), (v, src_v), (g, pk["src"]), (beta, pk["src"]))
     if implementation in KERNEL_OPTIONS:
         from kernels_pallas.gated_delta import fused_triton, ragged_triton
@@ -327,7 +331,8 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
             srcs = (pk["src"], src_v)  # the kernels read the source rows (stream_rows.py)
             packed = [x for x, _ in pairs]
         else:  # one gather per distinct (array, rows) (affine.ragged_maps passes k as q)
-            packed = _gathered(pairs, pk["n_used"], chunk, interpret)
+            live = None if chunk_src is None else ragged_triton.own_chunks(chunk_src)
+            packed = _gathered(pairs, pk["n_used"], chunk, interpret, live)
         args = (*packed, pk["restart"], seq_state, state0, bounds)
         # everything the trace reads goes in the jit's static key (module switches included: a
         # benchmark flips them between calls of the same shapes; srcs or None changes the args)
@@ -340,10 +345,11 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
             out, bound_states, *written = ragged_triton.packed_gated_delta(
                 *args, interpret=True, n_used=pk["n_used"], seq_first=pk["first"],
-                seq_chunks=pk["n_ch"], src=srcs, transitions=transitions, **options)
+                seq_chunks=pk["n_ch"], src=srcs, transitions=transitions, chunk_src=chunk_src,
+                **options)
         else:
             out, bound_states, *written = _packed_once(
-                *args, pk["n_used"], pk["first"], pk["n_ch"], srcs, transitions,
+                *args, pk["n_used"], pk["first"], pk["n_ch"], srcs, transitions, chunk_src,
                 run=ragged_triton.packed_gated_delta, options=tuple(sorted(options.items())))
         prod = None
         if transitions is not None:
@@ -360,8 +366,11 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     packed = [take_rows(x.astype(f32), src)[None] for x, src in pairs]
     qc, kc, vc, gc, bc = (chunked.to_chunks(x, chunk) for x in packed)  # [1, H, NC, C, ...]
     parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
+    scan_in = [parts[key] for key in ("w", "u", "kd", "decay_last")]
+    if chunk_src is not None:  # borrowed chunks: their lender's
+        scan_in = [jnp.take(x, chunk_src, axis=2) for x in scan_in]
     v_new, entering, before, *prod = _restart_scan(
-        parts["w"], parts["u"], parts["kd"], parts["decay_last"], pk["restart"],
+        *scan_in, pk["restart"],
         seq_state, as_array(state0).astype(f32), transition=transition)
     out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
                                jnp.moveaxis(entering, 0, 1)[None])

@@ -38,10 +38,11 @@ SEQ_PARALLEL = True
 SEQ_STRIDE = None
 
 
-def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_ref, slot_ref,
-                         used_ref, vnew_ref, states_ref, bound_ref, *, n_chunks, chunk, dot_dtype,
-                         layout):
-    # serial: w/kd [T, Dk]; u/vnew [T, BV]; dl/restart/seq [NC]; slot [NC + 1]; used [1]; "kv":
+def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, src_ref, restart_ref, seq_ref, s0_ref,
+                         slot_ref, used_ref, vnew_ref, states_ref, bound_ref, *, n_chunks, chunk,
+                         dot_dtype, layout):
+    # serial: w/kd [T, Dk]; u/vnew [T, BV]; dl/src/restart/seq [NC] (src: the chunk whose W, U,
+    # KD, decay chunk c reads: packed_gated_delta's chunk_src); slot [NC + 1]; used [1]; "kv":
     # s0 [S, Dk, BV], states [NC, Dk, BV], bound [M, Dk, BV] float32; "vk": last two axes swapped
     save = scan_fused.saver(slot_ref, bound_ref)
 
@@ -50,7 +51,7 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_
         s = jnp.where(restart_ref[c] > 0, s0_ref[seq_ref[c]].astype(jnp.float32), s)
         states_ref[c] = s.astype(states_ref.dtype)
         return scan_fused.step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
-                               dot_dtype=dot_dtype, layout=layout)
+                               dot_dtype=dot_dtype, layout=layout, src=src_ref[c])
 
     used = jnp.minimum(used_ref[0], n_chunks)
     s = jax.lax.fori_loop(0, used, body, jnp.zeros(states_ref.shape[1:], jnp.float32))
@@ -61,7 +62,7 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, restart_ref, seq_ref, s0_
     jax.lax.fori_loop(used, n_chunks + 1, save_only, s)
 
 
-def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref, *refs,
+def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, src_ref, first_ref, count_ref, seq_ref, *refs,
                      n_chunks, chunk, dot_dtype, layout, n_sources, block_v, write_final=False,
                      final_rows=False, stride=None):
     # per sequence (grid axis 2): first/count [S] its packed chunks; the rest as the serial one,
@@ -88,7 +89,8 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
     j = pl.program_id(1)  # read here: the interpreter has no program_id under a pl.when
     p = pl.program_id(2)
     one = functools.partial(
-        _scan_sequence, j=j, refs=(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref),
+        _scan_sequence, j=j, refs=(w_ref, u_ref, kd_ref, dl_ref, src_ref, first_ref, count_ref,
+                                   seq_ref),
         srcs=(kind_ref, index_ref, src_refs) if n_sources else s0_ref, finals=(
             final_ref, dest_ref, from_first_ref, from_count_ref) if write_final else None,
         outs=(slot_ref, vnew_ref, states_ref, bound_ref), n_chunks=n_chunks, chunk=chunk,
@@ -107,7 +109,7 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref
 def _scan_sequence(sid, *, j, refs, srcs, finals, outs, n_chunks, chunk, dot_dtype, layout,
                    n_sources, block_v, final_rows):
     """_seq_scan_kernel's work for sequence sid (value block j)."""
-    w_ref, u_ref, kd_ref, dl_ref, first_ref, count_ref, seq_ref = refs
+    w_ref, u_ref, kd_ref, dl_ref, src_ref, first_ref, count_ref, seq_ref = refs
     slot_ref, vnew_ref, states_ref, bound_ref = outs
     kind_ref, index_ref, src_refs = srcs if n_sources else (None,) * 3
     s0_ref = None if n_sources else srcs
@@ -137,7 +139,7 @@ def _scan_sequence(sid, *, j, refs, srcs, finals, outs, n_chunks, chunk, dot_dty
     def body(c, s):
         states_ref[c] = s.astype(states_ref.dtype)
         s = scan_fused.step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
-                            dot_dtype=dot_dtype, layout=layout)
+                            dot_dtype=dot_dtype, layout=layout, src=src_ref[c])
         save(c + 1, s)
         return s
 
@@ -201,7 +203,7 @@ def qk_in_v_dtype(q, k, v):
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
                        chunk=64, dot_dtype=None, interpret=False, n_used=None, seq_first=None,
                        seq_chunks=None, seq_parallel=None, states_in_place=None, src=None,
-                       transitions=None, seq_stride=None, **options):
+                       transitions=None, seq_stride=None, chunk_src=None, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -224,6 +226,10 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         captured span piece's, whose map the caller wants) from I (init None) or init's row m
         (a StateRows of M rows), by a second scan over the same W / KD (no stream rows, intra
         or output work of their own; transition_scan.py). Needs Dk = Dv.
+      chunk_src: None, or [NC] int32 each chunk's source chunk (joint.joint_packing's borrowed
+        chunks): the scan reads chunk chunk_src[c]'s W, U, KD and decay at chunk c (storing V'
+        and the entering state at c as always); the intra-chunk and output kernels skip the
+        chunks that read another's (`own_chunks`; the Mosaic ones compute them unread).
       options: fused_triton.DEFAULTS keys (ckpt_store is ignored: bounds use a branch).
     Returns:
       out [1, NC*C, Hv, Dv] in v's dtype, bound_states [B, Hv, Dk, Dv] float32, with
@@ -244,9 +250,13 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         raise ValueError(f"packed_gated_delta: src needs intra / output blocked / triton: {opt}")
     if "mosaic" in (opt["intra"], opt["output"]):
         q, k = qk_in_v_dtype(q, k, v)
+    used_by = n_used  # what the intra and output kernels run: chunks below n_used (own ones)
+    if chunk_src is not None:
+        chunk_src = jnp.asarray(chunk_src, jnp.int32)
+        used_by = (jnp.int32(nc) if n_used is None else n_used, own_chunks(chunk_src))
     w, u, kd, gc = fused_triton.intra(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype,
                                       interpret=interpret, kind=opt["intra"],
-                                      num_warps=opt["intra_warps"], used=n_used, src=src)
+                                      num_warps=opt["intra_warps"], used=used_by, src=src)
     dl = jnp.exp(gc[0, chunk - 1::chunk, :]).T  # [Hv, NC]
     n_b = bounds.shape[0]
     slot_map = jnp.full((nc + 1,), -1, jnp.int32).at[bounds].set(jnp.arange(n_b, dtype=jnp.int32))
@@ -267,9 +277,9 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk, dot_dtype=dot_dtype, layout=layout,
         block_v=min(opt["block_v"], dv), num_warps=opt["scan_warps"],
         num_stages=opt["scan_stages"], interpret=interpret,
-        stride=SEQ_STRIDE if seq_stride is None else seq_stride)
+        stride=SEQ_STRIDE if seq_stride is None else seq_stride, chunk_src=chunk_src)
     out = _output(q, k, g, v_new, states, opt, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
-                  out_dtype=v.dtype, interpret=interpret, used=n_used,
+                  out_dtype=v.dtype, interpret=interpret, used=used_by,
                   src=None if src is None else src[0])
     if vk and not isinstance(s0, StateRows):
         bound = jnp.swapaxes(bound, -1, -2)
@@ -295,6 +305,12 @@ def _output(q, k, g, v_new, states, opt, *, scale, chunk, dot_dtype, out_dtype, 
                                      states_t=vk, used=used, src=src)
 
 
+def own_chunks(chunk_src):
+    """[NC] int32, 1 where a chunk reads its own W, U, KD (chunk_src[c] = c): the chunks whose
+    stream slots, intra-chunk and output work anyone reads."""
+    return (chunk_src == jnp.arange(chunk_src.shape[0], dtype=jnp.int32)).astype(jnp.int32)
+
+
 def reads_rows_in_place(seq_parallel=None, states_in_place=None) -> bool:
     """Whether the scan reads a StateRows where its rows live (its per-sequence form, given the
     sequences' chunks, with STATES_IN_PLACE): what writing finals in place needs
@@ -318,13 +334,15 @@ def _scan_states(state0, rows_in_place: bool, vk: bool):
 
 
 def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq, *, n_b, chunk,
-                dot_dtype, layout, block_v, num_warps, num_stages, interpret, stride=None):
+                dot_dtype, layout, block_v, num_warps, num_stages, interpret, stride=None,
+                chunk_src=None):
     """The scan kernel's call: serial (grid (Hv, Dv / BV)) or, with per_seq = (first, count)
     [S'] each, one program per sequence (grid (Hv, Dv / BV, S')). s0: the initial states in the
     layout's axis order, or (per_seq only) a StateRows read in place. Returns (v_new [1, T, Hv,
     Dv], states [1, Hv, NC, ...], bound [n_b, Hv, ...]) in the layout's axis order (bound in
     the "kv" order with a StateRows), and for a write_final StateRows its source, each
-    sequence's final state written in place (StateRows.write_final)."""
+    sequence's final state written in place (StateRows.write_final). chunk_src: None or [NC]
+    (packed_gated_delta's)."""
     _, t_len, hv, dk = w.shape
     dv = u.shape[-1]
     nc = t_len // chunk
@@ -340,7 +358,9 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
     seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j, *_: (0, 0, h, 0))
     seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda h, j, *_: (0, 0, h, j))
     whole = lambda n: pl.BlockSpec((n,), lambda h, j, *_: (0,))  # noqa: E731
-    common = [seq_k, seq_v, seq_k, pl.BlockSpec((None, nc), lambda h, j, *_: (h, 0))]
+    common = [seq_k, seq_v, seq_k, pl.BlockSpec((None, nc), lambda h, j, *_: (h, 0)), whole(nc)]
+    if chunk_src is None:
+        chunk_src = jnp.arange(nc, dtype=jnp.int32)
     n_sources, bound_blk, bound_st, bound_idx = 0, blk, st, s_idx
     if per_seq is None:
         state_in = pl.BlockSpec((s0.shape[0], None, *blk), lambda h, j, *_: (0, h, *s_idx(j)))
@@ -385,8 +405,9 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
         src = s0.sources[0]
         out_specs.append(state_rows.source_spec(src, None, dk, block_v))
         out_shape.append(jax.ShapeDtypeStruct(src.shape, src.dtype))
-        # operands: w, u, kd, dl, the per_seq pair, seq_of_chunk, kind, index, then the source
-        aliases = {4 + len(per_seq) + 1 + 2: len(out_shape) - 1}
+        # operands: w, u, kd, dl, chunk_src, the per_seq pair, seq_of_chunk, kind, index, then
+        # the source
+        aliases = {5 + len(per_seq) + 1 + 2: len(out_shape) - 1}
     return pl.pallas_call(
         functools.partial(kernel, n_chunks=nc, chunk=chunk, dot_dtype=dot_dtype, layout=layout),
         grid=grid,
@@ -396,4 +417,4 @@ def _state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq
         **({"input_output_aliases": aliases} if aliases else {}),  # (tests wrap pallas_call)
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-    )(w, u, kd, dl, *operands)
+    )(w, u, kd, dl, chunk_src, *operands)

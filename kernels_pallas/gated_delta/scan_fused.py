@@ -34,23 +34,26 @@ LAYOUTS = ("kv", "vk")
 CKPT_STORES = ("segments", "when", "mask")
 
 
-def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout):
+def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout, src=None):
     """One chunk: V' (stored) from the state s entering chunk c, and the state leaving it.
     u_ref None: U = 0 (a transition: the state carries the chunk maps' product, affine.py), and
-    vnew_ref None: V' is not stored."""
-    rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    vnew_ref None: V' is not stored. src: None, or the chunk whose W, U, KD and decay chunk c
+    reads (a borrowed chunk: joint.joint_packing); V' is stored at c either way."""
+    src = c if src is None else src
+    rows = pl.ds(pl.multiple_of(src * chunk, chunk), chunk)
+    out = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     if layout == "kv":  # s [Dk, BV]
         ws = _dot(w_ref[rows, :], s, dot_dtype)
         v_new = -ws if u_ref is None else u_ref[rows, :].astype(jnp.float32) - ws
         if vnew_ref is not None:
-            vnew_ref[rows, :] = v_new.astype(vnew_ref.dtype)
-        return s * dl_ref[c] + _dot_tn(kd_ref[rows, :], v_new, dot_dtype)
+            vnew_ref[out, :] = v_new.astype(vnew_ref.dtype)
+        return s * dl_ref[src] + _dot_tn(kd_ref[rows, :], v_new, dot_dtype)
     # s = S^T [BV, Dk]
     sw = _dot_t(s, w_ref[rows, :], dot_dtype)
     v_t = -sw if u_ref is None else u_ref[rows, :].astype(jnp.float32).T - sw
     if vnew_ref is not None:
-        vnew_ref[rows, :] = v_t.T.astype(vnew_ref.dtype)
-    return s * dl_ref[c] + _dot(v_t, kd_ref[rows, :], dot_dtype)
+        vnew_ref[out, :] = v_t.T.astype(vnew_ref.dtype)
+    return s * dl_ref[src] + _dot(v_t, kd_ref[rows, :], dot_dtype)
 
 
 def saver(slot_ref, ckpt_ref, store="when"):

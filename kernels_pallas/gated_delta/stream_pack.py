@@ -38,10 +38,11 @@ NAME = "stream_pack"  # the pallas_call's name (tests that count the GDN kernels
 
 
 def _pack_kernel(*refs, n_ops: int, tiles: tuple, chunk: int):
-    ins, src_ref, used_ref, outs = refs[:n_ops], refs[n_ops], refs[n_ops + 1], refs[n_ops + 2:]
+    ins, (src_ref, used_ref, live_ref) = refs[:n_ops], refs[n_ops:n_ops + 3]
+    outs = refs[n_ops + 3:]
     c, j = pl.program_id(0), pl.program_id(1)  # read here: none under a pl.when (interpreter)
 
-    @pl.when(c < used_ref[0])
+    @pl.when((c < used_ref[0]) & (live_ref[jnp.minimum(c, live_ref.shape[0] - 1)] != 0))
     def _():
         for x_ref, out_ref, n_tiles in zip(ins, outs, tiles):
             def copy(x_ref=x_ref, out_ref=out_ref, n_tiles=n_tiles):  # tile j: a "head" of x
@@ -65,27 +66,30 @@ def _tiling(x, block_f: int):
 
 
 def pack(xs, src, n_used, *, chunk: int, block_f: int = BLOCK_F, num_warps: int = 4,
-         interpret: bool = False):
+         interpret: bool = False, live=None):
     """Each of xs ([T, ...], the same T) gathered into the packed slots src [NC * C] int32:
-    take_rows(x, src) in chunks [0, n_used) (an int32 scalar), undefined in the others (the
-    stream's kernels never read them). Returns a list of [NC * C, ...] arrays in xs' dtypes."""
+    take_rows(x, src) in chunks [0, n_used) (an int32 scalar) that live ([NC] int32, None:
+    all) marks nonzero, undefined in the others (the stream's kernels never read them: chunks
+    past n_used and borrowed ones, ragged_triton.own_chunks). Returns a list of [NC * C, ...]
+    arrays in xs' dtypes."""
     slots = src.shape[0]
     if slots % chunk:
         raise ValueError(f"stream_pack: {slots} slots are not whole chunks of {chunk}")
     n_chunks = slots // chunk
     flat, tiles, blocks = zip(*(_tiling(x, block_f) for x in xs))
     used = jnp.reshape(jnp.minimum(n_used, n_chunks), (1,)).astype(jnp.int32)
+    live = jnp.ones(n_chunks, jnp.int32) if live is None else jnp.asarray(live, jnp.int32)
     out_specs = [pl.BlockSpec((chunk, bf), lambda c, j, n=n: (c, jnp.minimum(j, n - 1)))
                  for bf, n in zip(blocks, tiles)]
     out = pl.pallas_call(
         functools.partial(_pack_kernel, n_ops=len(xs), tiles=tiles, chunk=chunk),
         grid=(n_chunks, max(tiles)),
         in_specs=[stream_rows.whole(a) for a in flat]
-        + [stream_rows.whole(src), pl.BlockSpec((1,), lambda *_: (0,))],
+        + [stream_rows.whole(src), pl.BlockSpec((1,), lambda *_: (0,)), stream_rows.whole(live)],
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((slots, n * bf), x.dtype)
                    for x, n, bf in zip(xs, tiles, blocks)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name=NAME,
-    )(*flat, src.astype(jnp.int32), used)
+    )(*flat, src.astype(jnp.int32), used, live)
     return [o.reshape((slots,) + x.shape[1:]) for o, x in zip(out, xs)]

@@ -1,0 +1,205 @@
+"""The flow reading its captured pieces' chunks (qwen3_5_joint.FLOW_BORROWS: joint.py's borrowed
+chunks): a capturing step's flow is cut around each captured piece, packs the piece's rows as the
+local pass does and its scan reads the local piece's W, U, KD there while the pack, intra-chunk
+and output kernels skip the flow's own copies.
+
+- Bit for bit the stream with the same cuts and no borrowing (every chunk computed for itself)
+  on test_span_joint_layer.py's layouts (captures of -1, long-span entries, empty and leading
+  empty sequences), the Pallas kernels interpreted with the scan's outputs and the skipped
+  chunks starting as NaN (a chunk read that nothing wrote shows), and the XLA path.
+- The flow's checkpoints at a captured piece's start and end (cuts) and at its sequences' ends
+  against the token-by-token recurrence in float64, and the layer against the separate passes.
+- The capturing step lowers for CUDA with it."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.gated_delta import joint
+from kernels_pallas.gated_delta.api import CheckpointRows
+from kernels_pallas.gated_delta.reference import gated_delta_reference
+from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
+from test_span_joint_layer import (CHUNK, KC, PALLAS, T, assert_outputs_equal, kernel_options,
+                                   layer_case)
+from test_span_joint_layer import nan_scan_outputs  # noqa: F401 (a fixture)
+
+NAMES = ("core", "delta", "checkpoints", "local finals", "transitions")
+SLOW = pytest.mark.slow  # (CI time)
+
+
+def _layer(pieces, x, cu, p0, delta0, ck, kernel, *, borrow: bool):
+    """recurrent_core of the joint stream with FLOW_BORROWS, its chunks borrowed (or, borrow
+    False, the same cuts with every chunk computed for itself); traced here."""
+    saved, packing = qwen3_5_joint.FLOW_BORROWS, qwen3_5_joint.joint_packing
+    qwen3_5_joint.FLOW_BORROWS = True
+    qwen3_5_joint.joint_packing = functools.partial(packing, borrow=borrow)
+    try:
+        plan = qwen3_5_spans.for_layer(qwen3_5_spans.prepare(pieces, cu, T, KC, CHUNK, p0), 0)
+        return qwen3_5_gdn.recurrent_core(x, cu, p0, delta0, plan, checkpoint_at=ck,
+                                          decode=False, packing=None, **kernel)
+    finally:
+        qwen3_5_joint.FLOW_BORROWS, qwen3_5_joint.joint_packing = saved, packing
+
+
+def _span_case(rng, case):
+    """layer_case's layout with its captures moved onto span pieces (the engine captures spans
+    only; the layer tests capture any piece), and checkpoints at each captured piece's cuts;
+    checks that some chunks are borrowed."""
+    pieces, x, cu, p0, ck = layer_case(rng, case)
+    piece_cu, span = np.asarray(pieces.piece_cu), np.asarray(pieces.row_span)
+    spans = iter(p for p in range(piece_cu.size - 1)
+                 if piece_cu[p] < piece_cu[p + 1] and span[piece_cu[p]])
+    capture = [next(spans) if c >= 0 else -1 for c in np.asarray(pieces.capture)]
+    pieces = dataclasses.replace(pieces, capture=jnp.asarray(capture, jnp.int32))
+    saved = qwen3_5_joint.FLOW_BORROWS
+    qwen3_5_joint.FLOW_BORROWS = True
+    try:
+        jp = qwen3_5_spans.prepare(pieces, cu, T, KC, CHUNK, p0)["joint"]["joint"]
+    finally:
+        qwen3_5_joint.FLOW_BORROWS = saved
+    src = np.asarray(jp["chunk_src"])
+    assert (src != np.arange(src.size)).sum() >= 2, src  # chunks are borrowed
+    return pieces, x, cu, p0, _with_piece_checkpoints(pieces, cu, p0, ck)
+
+
+def _with_piece_checkpoints(pieces, cu, p0, ck):
+    """ck without those strictly inside a captured piece (off its chunk grid; the engine never
+    asks for one inside a span: serving/hybrid/span_cache.py `_checkpoints`), plus one at every
+    captured piece's first row and after its last."""
+    piece_cu, cu, p0 = np.asarray(pieces.piece_cu), np.asarray(cu), np.asarray(p0)
+    caps = [(piece_cu[p], piece_cu[p + 1]) for p in np.asarray(pieces.capture) if p >= 0]
+    seq, pos = [], []
+    for s, at in zip(np.asarray(ck.seq), np.asarray(ck.pos)):
+        row = cu[s] + at - p0[s]
+        if not any(a < row < b for a, b in caps):
+            seq.append(s)
+            pos.append(at)
+    for a, b in caps:
+        s = int(np.searchsorted(cu, a, side="right") - 1)
+        for row in (a, b):
+            seq.append(s)
+            pos.append(int(p0[s]) + int(row - cu[s]))
+    return CheckpointRows(seq=jnp.asarray(seq, jnp.int32), pos=jnp.asarray(pos, jnp.int32))
+
+
+@pytest.mark.parametrize("case,impl", [
+    ("shifted, empty, captures of -1", PALLAS), ("leading empty sequences", "xla"),
+    pytest.param("leading empty sequences", PALLAS, marks=SLOW),
+    pytest.param("the local stream's bound", PALLAS, marks=SLOW)])
+def test_borrowed_chunks_are_the_cut_stream_bit_for_bit(fresh_rng, nan_scan_outputs, case,
+                                                        impl):
+    pieces, x, cu, p0, ck = _span_case(fresh_rng, case)
+    delta0 = jnp.asarray(fresh_rng.standard_normal((cu.shape[0] - 1,) + (2, 16, 16)),
+                         jnp.float32)
+    kernel = kernel_options(impl)
+
+    def both(*x):  # one program (one compile)
+        return [_layer(pieces, x, cu, p0, delta0, ck, kernel, borrow=b) for b in (False, True)]
+    own, borrowed = ([None if a is None else np.asarray(a) for a in o] for o in jax.jit(both)(*x))
+    assert_outputs_equal(own, borrowed, int(cu[-1]), exact=True, names=NAMES)
+
+
+@pytest.mark.parametrize("impl", [PALLAS, pytest.param("xla", marks=SLOW)])
+def test_the_flow_over_borrowed_chunks_is_the_recurrence(fresh_rng, nan_scan_outputs, impl):
+    """Checkpoints at the captured pieces' cuts and the sequences' ends against float64 token by
+    token; the whole layer against the separate passes (the flow packed on its own grid)."""
+    pieces, x, cu, p0, ck = _span_case(fresh_rng, "shifted, empty, captures of -1")
+    delta0 = jnp.asarray(fresh_rng.standard_normal((cu.shape[0] - 1,) + (2, 16, 16)),
+                         jnp.float32)
+    kernel = kernel_options(impl)
+
+    def both(*x):
+        separate = qwen3_5_gdn.recurrent_core(
+            x, cu, p0, delta0, qwen3_5_spans.for_layer(qwen3_5_spans.prepare(
+                pieces, cu, T, KC, CHUNK), 0), checkpoint_at=ck, decode=False,
+            packing=qwen3_5_spans.ragged_packing(cu, p0, T, chunk=CHUNK), **kernel)
+        return separate, _layer(pieces, x, cu, p0, delta0, ck, kernel, borrow=True)
+    separate, borrowed = ([None if a is None else np.asarray(a) for a in o]
+                          for o in jax.jit(both)(*x))
+    for name, a, b in zip(NAMES, separate, borrowed):  # checkpoints: off-grid in the separate
+        if name != "checkpoints" and a is not None:    # pass (rounded), exact here: below
+            rows = int(cu[-1]) if name == "core" else len(a)
+            np.testing.assert_allclose(b[:rows], a[:rows], rtol=2e-5, atol=2e-5, err_msg=name)
+    cu_np, p0_np = np.asarray(cu), np.asarray(p0)
+    checked = 0
+    for i, (s, pos) in enumerate(zip(np.asarray(ck.seq), np.asarray(ck.pos))):
+        n = int(pos - p0_np[s])
+        if not 0 < n <= cu_np[s + 1] - cu_np[s]:
+            continue
+        rows = slice(int(cu_np[s]), int(cu_np[s]) + n)
+        _, states = gated_delta_reference(*(np.asarray(a)[None, rows] for a in x),
+                                          np.asarray(delta0)[s:s + 1])
+        np.testing.assert_allclose(borrowed[2][i], states[0, -1], rtol=1e-4, atol=1e-4,
+                                   err_msg=f"checkpoint {i} (sequence {s}, {n} rows)")
+        checked += 1
+    assert checked >= 6, checked  # the pieces' starts and ends among them
+
+
+def test_a_borrowing_unit_reads_its_lenders_chunks():
+    """joint_packing's chunk_src: a cut's rows packed from a chunk's first slot, its chunks
+    mapped onto the lender's one to one; every other chunk its own; checkpoint bounds at the
+    cut and after it."""
+    flow = joint.Pass(jnp.asarray([0, 150, 200], jnp.int32), jnp.asarray([10, 70], jnp.int32),
+                      jnp.arange(200, dtype=jnp.int32),
+                      cuts=joint.Cuts(jnp.asarray([40, 130, 500], jnp.int32),
+                                      jnp.asarray([2, -1, -1], jnp.int32)))
+    local = joint.Pass(jnp.asarray([0, 90], jnp.int32), jnp.zeros(1, jnp.int32),
+                       jnp.arange(40, 130, dtype=jnp.int32))
+    jp = joint.joint_packing([flow, local], 200, chunk=CHUNK)
+    src, slot = np.asarray(jp["chunk_src"]), np.asarray(jp["slot_of"][0])
+    assert slot[40] % CHUNK == 0  # the borrowed rows start a chunk
+    lender = int(jp["first"][2])
+    borrowed = np.arange(slot[40] // CHUNK, slot[129] // CHUNK + 1)
+    np.testing.assert_array_equal(src[borrowed], lender + np.arange(borrowed.size))
+    assert borrowed.size == int(jp["n_ch"][2]) == 2
+    own = np.setdiff1d(np.arange(src.size), borrowed)
+    np.testing.assert_array_equal(src[own], own)
+    np.testing.assert_array_equal(np.asarray(jp["slot_of"][1]), slot[40:130] - (
+        slot[40] - lender * CHUNK))  # the lender's rows in the same slots of its chunks
+    # after the cut (row 130, position 140) the rows start a chunk at their own offset: 140 % 64
+    assert slot[130] % CHUNK == 140 % CHUNK
+    use, bound = joint.checkpoint_bounds(
+        (jnp.asarray([0, 0, 0], jnp.int32), jnp.asarray([50, 140, 160], jnp.int32)),
+        flow.pos0, jp, jp["src"].shape[0] // CHUNK)
+    assert np.asarray(use).all()
+    assert int(bound[0]) == slot[39] // CHUNK + 1  # at the cut: after the unit before it
+    assert int(bound[1]) == borrowed[-1] + 1  # after the borrowed rows: their last chunk
+    assert int(bound[2]) == slot[149] // CHUNK + 1  # the sequence's end
+
+
+def test_the_capturing_step_lowers_for_cuda_with_borrowed_chunks(monkeypatch):
+    """Qwen3.5-0.8B's widths (one GDN layer), rag's capturing step shapes, lowered for an H100
+    with FLOW_BORROWS: the scan's chunk_src and the skipping intra / output / pack kernels reach
+    Triton (as many kernels as without)."""
+    import re
+
+    from benchmarks import span_step_ops
+    from minipic_jax.models import qwen3_5
+    from tests.cuda_lowering import abstract_h100
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = span_step_ops.model_cfg(1)
+    md, logits_idx, pieces, rec = span_step_ops.step_inputs(1024, 16, True,
+                                                            np.random.default_rng(0))
+    params = jax.eval_shape(lambda: qwen3_5.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+    cache = jax.eval_shape(lambda: qwen3_5.init_cache(cfg, 16 * 80, 16, 16, jnp.bfloat16))
+
+    def step(params, tokens, md, cache, rec, logits_idx, span):
+        return qwen3_5.forward_with_checkpoints(
+            params, tokens, md, cache, cfg, recurrent=rec, logits_indices=logits_idx,
+            gdn_impl="pallas_fused", span_pieces=span)
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        (params, jnp.zeros(md.num_tokens, jnp.int32), md, cache, rec,
+                         logits_idx, pieces))
+    texts, saved = {}, qwen3_5_joint.FLOW_BORROWS
+    for borrows in (False, True):
+        monkeypatch.setattr(qwen3_5_joint, "FLOW_BORROWS", borrows)
+        with abstract_h100():
+            texts[borrows] = jax.jit(lambda *a: step(*a)).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+    monkeypatch.setattr(qwen3_5_joint, "FLOW_BORROWS", saved)
+    kernels = {b: len(re.findall("xla.gpu.triton", t)) for b, t in texts.items()}
+    assert kernels[True] == kernels[False] > 0, kernels
