@@ -163,7 +163,8 @@ def measure(engine, capture: WarmStepCapture, reps: int = 10) -> dict:
         def call():  # its output is the cache (waited for), not the step's packed tokens
             runner._dispatch(c_ints, None, False, c_kw)
             return runner.cache
-        program = dict(ms=_median_ms(call, reps), profile=profile_kernels(call, top=10))
+        # (update: the pipelined figure above stays; assigned anew it was dropped on a GPU)
+        program.update(ms=_median_ms(call, reps), profile=profile_kernels(call, top=10))
         from benchmarks.program_forms import program_form
         other = int(not span_maps.COMPOSE_IN_PLACE)  # the engine's form above, the other here
         with program_form(f"COMPOSE_IN_PLACE={other}", runner):

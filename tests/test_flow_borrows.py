@@ -149,7 +149,7 @@ def test_a_borrowing_unit_reads_its_lenders_chunks():
                                       jnp.asarray([2, -1, -1], jnp.int32)))
     local = joint.Pass(jnp.asarray([0, 90], jnp.int32), jnp.zeros(1, jnp.int32),
                        jnp.arange(40, 130, dtype=jnp.int32))
-    jp = joint.joint_packing([flow, local], 200, chunk=CHUNK)
+    jp = jax.jit(lambda: joint.joint_packing([flow, local], 200, chunk=CHUNK))()  # (one compile)
     src, slot = np.asarray(jp["chunk_src"]), np.asarray(jp["slot_of"][0])
     assert slot[40] % CHUNK == 0  # the borrowed rows start a chunk
     lender = int(jp["first"][2])

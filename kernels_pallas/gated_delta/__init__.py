@@ -11,7 +11,8 @@ boundaries. Callers use api.py only (`prefill`, `decode_step`, `ragged_gated_del
   mosaic_calls.py   how those two are called: one kernel per shape, over the chunks in use
   ragged.py, ragged_triton.py   ragged batches (many sequences in one token stream; the scan
                     runs one program per sequence)
-  joint.py          several ragged passes over one batch's rows as one stream (one kernel call)
+  joint.py          several ragged passes over one batch's rows as one stream (one kernel call;
+                    a sequence cut into units may borrow another's chunks: `chunk_src`)
   transition_scan.py  maps' products over chunks the stream already holds (a span capture's A)
   state_rows.py     their initial states read where they live (cache slots, zeros, I, a pool)
   stream_rows.py    their packed stream read through its source rows inside the kernels
