@@ -28,8 +28,8 @@ def sequences_in_reverse(nan_scan_outputs, monkeypatch):
     """The scan kernel's programs take their sequences last first (the interpreter runs a grid in
     order; a GPU in any): a program that wrote a slot another one still has to read (a carried
     piece's final into its flow's slot) shows."""
-    from kernels_pallas.gated_delta import ragged_triton
-    shim = ragged_triton.pl  # nan_scan_outputs' namespace
+    from kernels_pallas.gated_delta import seq_scan
+    shim = seq_scan.pl  # nan_scan_outputs' namespace
     first = shim.program_id
 
     def reversed_id(axis):

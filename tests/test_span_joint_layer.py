@@ -18,7 +18,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from gdn_inputs import gdn_inputs
-from kernels_pallas.gated_delta import ragged_triton
+from kernels_pallas.gated_delta import seq_scan
 from kernels_pallas.gated_delta.api import CheckpointRows, ragged_packing
 from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
 from serving.model_contract import SpanPieces
@@ -60,7 +60,7 @@ def nan_scan_outputs(monkeypatch):
         return call
     shim = types.SimpleNamespace(**{n: getattr(pl, n) for n in dir(pl) if not n.startswith("_")})
     shim.pallas_call = poisoned
-    monkeypatch.setattr(ragged_triton, "pl", shim)
+    monkeypatch.setattr(seq_scan, "pl", shim)
 
 
 def _pieces(rng, lens, g, caps, cont, local_chunks):

@@ -315,7 +315,6 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     None)."""
     if transition and transitions is not None:
         raise ValueError("run_stream: transition and transitions exclude each other")
-    hk, hv = k.shape[1], v.shape[1]
     src_v = pk.get("src_v", pk["src"])
     chunk_src = pk.get("chunk_src")
     pairs = ((q, pk["src"]), (k, pk["src"]), (v, src_v), (g, pk["src"]), (beta, pk["src"]))
@@ -358,6 +357,15 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     if implementation != "xla":
         raise ValueError(f"ragged_prefill: implementation must be 'xla' or one of "
                          f"{tuple(KERNEL_OPTIONS)}, got {implementation!r}")
+    return _xla_stream(q, k, pairs, pk, state0, seq_state, bounds, scale=scale, chunk=chunk,
+                       transition=transition, transitions=transitions)
+
+
+def _xla_stream(q, k, pairs, pk, state0, seq_state, bounds, *, scale, chunk, transition,
+                transitions):
+    """run_stream's XLA path (lax.scan over the packed chunks; the same returns)."""
+    hk, hv = k.shape[1], pairs[2][0].shape[1]
+    chunk_src = pk.get("chunk_src")
     f32 = jnp.float32
     if hv != hk:
         q = jnp.repeat(q, hv // hk, axis=1)
