@@ -41,7 +41,7 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,
                  "finals": False, "trans_in_stream": True, "span_finals": False,
                  "pack_kernel": False, "flow_borrows": False}}
-FORMS.update({f"bv{n}": {"scan_bv": n} for n in (32, 64, 128)})  # the scan's block_v ...
+FORMS.update({f"bv{n}": {"scan_bv": n} for n in (16, 32, 64, 128)})  # the scan's block_v ...
 FORMS.update({f"stride{n}": {"seq_stride": n} for n in (16, 32, 64)})  # ... its programs
 
 

@@ -8,6 +8,7 @@ a chunk boundary, so the scheduler ended every chunk there (a 200-token first st
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax.numpy as jnp
@@ -61,15 +62,19 @@ def test_a_break_computes_the_bits_of_a_prefill_stopped_there(fresh_rng, impl):
     out2, final2, ck2 = _call(second, lens - brk, pos0 + brk, mid, rows2, impl)
     out, out1, out2 = (np.asarray(o) for o in (out, out1, out2))
     cu1, cu2 = np.r_[0, np.cumsum(brk)], np.r_[0, np.cumsum(lens - brk)]
+    # bit for bit, but XLA compiled for a GPU: its dots tile by shape (cuBLAS / Triton), so two
+    # calls of other shapes agree to float32 rounding only (an H100: 2.2e-8, session 35)
+    same = np.testing.assert_array_equal if INTERPRET or impl != "xla" else functools.partial(
+        np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
     for s in range(3):
-        np.testing.assert_array_equal(out[cu[s]:cu[s] + brk[s]], out1[cu1[s]:cu1[s + 1]])
-        np.testing.assert_array_equal(out[cu[s] + brk[s]:cu[s + 1]], out2[cu2[s]:cu2[s + 1]])
-    np.testing.assert_array_equal(np.asarray(final), np.asarray(final2))
+        same(out[cu[s]:cu[s] + brk[s]], out1[cu1[s]:cu1[s + 1]])
+        same(out[cu[s] + brk[s]:cu[s + 1]], out2[cu2[s]:cu2[s + 1]])
+    same(np.asarray(final), np.asarray(final2))
     ckpt, mid, ck2 = np.asarray(ckpt), np.asarray(mid), np.asarray(ck2)
-    np.testing.assert_array_equal(ckpt[0], mid[0])  # at the break
-    np.testing.assert_array_equal(ckpt[2], mid[2])
-    np.testing.assert_array_equal(ckpt[1], ck2[0])  # on the grid after it
-    np.testing.assert_array_equal(ckpt[3], ck2[1])
+    same(ckpt[0], mid[0])  # at the break
+    same(ckpt[2], mid[2])
+    same(ckpt[1], ck2[0])  # on the grid after it
+    same(ckpt[3], ck2[1])
     np.testing.assert_array_equal(ckpt[4], np.asarray(s0[1]))  # an unused row: its state0
 
 

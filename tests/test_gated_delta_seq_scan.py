@@ -98,3 +98,42 @@ def test_the_switch_and_the_layout_are_part_of_the_compiled_calls_key(monkeypatc
             monkeypatch.setattr(ragged_triton, "SEQ_PARALLEL", flag)
             grids[flag] = scan_grid()
         assert grids == {True: (2, 1, 3), False: (2, 1)}
+
+
+def test_a_step_of_many_sequences_scans_wide_value_blocks_with_the_same_results(fresh_rng,
+                                                                                monkeypatch):
+    """ragged.scan_block_v: 16 sequences (the step's bucket) scan WIDE_BLOCK_V columns a program,
+    8 keep DEFAULTS' block; at Dv = 64 the wide scan gives the narrow one's outputs, finals and
+    checkpoints (bit for bit interpreted; a compiled dot of another tile may sum otherwise) and
+    the recurrence's."""
+    hk, hv, dk, dv, chunk = 1, 2, 16, 64, 16
+    lens = [int(x) for x in fresh_rng.integers(0, 24, 16)]
+    pos0 = [int(x) for x in fresh_rng.integers(0, 40, 16)]
+    t = sum(lens) + 5
+    q, k, v, g, beta = (x[0] for x in gdn_inputs(fresh_rng, 1, t, hk, hv, dk, dv))
+    s0 = fresh_rng.standard_normal((16, hv, dk, dv)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    pk = ragged.packing(jnp.asarray(cu), jnp.asarray(pos0, jnp.int32), t, chunk=chunk)
+    assert ragged.scan_block_v(pk) == ragged.WIDE_BLOCK_V == 64
+    assert ragged.scan_block_v(ragged.packing(jnp.asarray(cu[:9]), jnp.asarray(pos0[:8]), t,
+                                              chunk=chunk)) is None
+    seen = []
+    real = ragged_triton.packed_gated_delta
+    monkeypatch.setattr(ragged_triton, "packed_gated_delta",
+                        lambda *a, **kw: seen.append(kw.get("block_v")) or real(*a, **kw))
+    args = (q, k, v, g, beta, cu, np.array(pos0, np.int32), s0)
+    kw = dict(checkpoint_at=jnp.asarray(np.array(pos0) + np.array(lens))[:, None], chunk=chunk)
+    wide = _run(monkeypatch, True, args, **kw)
+    monkeypatch.setattr(ragged, "SCAN_BLOCK_V", 16)
+    narrow = _run(monkeypatch, True, args, **kw)
+    assert seen == [64, 16], seen
+    for name, a, b in zip(("out", "final", "checkpoints"), narrow, wide):
+        if INTERPRET:
+            np.testing.assert_array_equal(b, a, err_msg=name)
+        else:
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
+    for s in np.flatnonzero(np.diff(cu)):
+        a, e = cu[s], cu[s + 1]
+        _, rs = reference.gated_delta_reference(q[None, a:e], k[None, a:e], v[None, a:e],
+                                                g[None, a:e], beta[None, a:e], s0[s:s + 1])
+        np.testing.assert_allclose(wide[1][s], rs[0, -1], atol=2e-5, err_msg=f"sequence {s}")

@@ -73,6 +73,7 @@ def test_the_scan_form_adds_one_kernel_a_layer(fresh_rng):
     assert counts[False] == counts[True] + 1, counts
 
 
+@pytest.mark.slow  # (CI time: the in-stream form is off; the layer-level twins run by default)
 def test_a_capturing_step_is_the_stream_form_bit_for_bit(fresh_rng):
     """The whole warm step (tiny Qwen3.5, XLA scan, captures continuing long spans): logits,
     recurrent states, checkpoints and the span-map pool after the captures' store.

@@ -24,20 +24,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.gated_delta import chunked, dots
+from kernels_pallas.gated_delta import dots
 from kernels_pallas.gated_delta.checkpoint_rows import as_rows
-from kernels_pallas.gated_delta import state_rows, stream_pack, stream_rows
+from kernels_pallas.gated_delta import ragged_xla, state_rows, stream_pack, stream_rows
+from kernels_pallas.gated_delta.ragged_xla import take_rows
 from kernels_pallas.gated_delta.state_rows import StateRows, as_array, rows_of, written_finals
 # the packing's index work (ragged_packing.py), under the names callers use (ragged.packing, ...)
 from kernels_pallas.gated_delta.ragged_packing import (break_rows, checkpoint_bounds,  # noqa: F401
                                                        chunk_layout, layout_fields,
                                                        packed_chunks, packing)
-
-
-def take_rows(x, rows):
-    """x [T, ...] -> [rows..., ...]: row rows[i] of x, zeros where out of range (>= T; indices
-    are never negative here, so no wrap-around ops: one gather)."""
-    return jnp.asarray(x).at[rows].get(mode="fill", fill_value=0, wrap_negative_indices=False)
 
 
 def _gathered(pairs, n_used, chunk: int, interpret: bool, live=None):
@@ -62,79 +57,23 @@ def _gathered(pairs, n_used, chunk: int, interpret: bool, live=None):
     return [streams[(id(x), id(src))] for x, src in pairs]
 
 
-def _restart_scan(w, u, kd, decay_last, restart, seq_of_chunk, state0, transition=False):
-    """lax.scan over packed chunks; at a restart chunk the carry is replaced by state0[seq].
-
-    w, kd [1, H, NC, C, Dk], u [1, H, NC, C, Dv], decay_last [1, H, NC], state0 [S, H, Dk, Dv].
-    transition: also carry the product of the chunk maps (affine.py) since the sequence's first
-    chunk, restarted at the identity like the state.
-    Returns v_new [1, H, NC, C, Dv], entering [NC, H, Dk, Dv] (state entering each chunk),
-    before [NC + 1, H, Dk, Dv] (the carry before any restart substitution: state at the end of
-    chunk c - 1; entry NC is the end of the last chunk), and with transition the same for the
-    product, [NC + 1, H, Dk, Dk].
-    """
-    dk = w.shape[-1]
-    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), state0.shape[1:2] + (dk, dk))
-
-    def step(carry, xs):
-        s, p = carry
-        w_c, u_c, kd_c, dl_c, rs_c, sq_c = xs
-        s = jnp.where(rs_c, state0[sq_c], s)
-        v_new = u_c - jnp.einsum("hcd,hde->hce", w_c, s)
-        s_next = s * dl_c[:, None, None] + jnp.einsum("hcd,hce->hde", kd_c, v_new)
-        if p is not None:
-            p = jnp.where(rs_c, eye, p)
-            p = p * dl_c[:, None, None] - jnp.einsum(
-                "hcd,hce->hde", kd_c, jnp.einsum("hcd,hde->hce", w_c, p))
-        return (s_next, p), (v_new, s, s_next, p)
-
-    xs = tuple(jnp.moveaxis(x[0], 1, 0) for x in (w, u, kd, decay_last)) + (restart, seq_of_chunk)
-    init = jnp.zeros(state0.shape[1:], jnp.float32)
-    _, (v_new, entering, ends, p_ends) = jax.lax.scan(step, (init, eye if transition else None),
-                                                      xs)
-    before = jnp.concatenate([init[None], ends], axis=0)
-    out = (jnp.moveaxis(v_new, 0, 1)[None], entering, before)
-    if transition:
-        out += (jnp.concatenate([eye[None], p_ends], axis=0),)
-    return out
-
-
-def _chunk_products(w, kd, decay_last, first, count, init):
-    """XLA: [M, H, Dk, Dk] the product of the maps of packed chunks first[m] .. + count[m]
-    (w, kd [1, H, NC, C, Dk], decay_last [1, H, NC]) from I (init None) or init's row m (a
-    StateRows or [M, H, Dk, Dk]): the scan's state step with U = 0, every product carried
-    through every chunk and changed in its own."""
-    m, (hv, dk) = first.shape[0], w.shape[1:2] + w.shape[-1:]
-    p0 = (jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (m, hv, dk, dk)) if init is None
-          else rows_of(init, jnp.arange(m, dtype=jnp.int32)))
-    end = first + jnp.maximum(count, 0)
-
-    def step(p, xs):  # per product the scan's state step with U = 0 (the same dots)
-        c, w_c, kd_c, dl_c = xs  # [H, C, Dk], [H, C, Dk], [H]
-        nxt = []
-        for i in range(m):
-            v_new = -jnp.einsum("hcd,hde->hce", w_c, p[i])
-            nxt.append(p[i] * dl_c[:, None, None] + jnp.einsum("hcd,hce->hde", kd_c, v_new))
-        return jnp.where(((first <= c) & (c < end))[:, None, None, None], jnp.stack(nxt),
-                         p), None
-
-    xs = (jnp.arange(w.shape[2], dtype=jnp.int32),) + tuple(
-        jnp.moveaxis(x[0], 1, 0) for x in (w, kd, decay_last))
-    return jax.lax.scan(step, p0, xs)[0]
-
-
 # The kernels' packed stream takes q and k in v's dtype where v is bf16 / f16 (ragged_triton.
 # qk_in_v_dtype): the model L2-normalises them in float32 (as HF does), the kernels round them to
 # the dot dtype in every dot, and the gathers that fill the static stream move half the q / k
 # bytes (~40% of a row's). False gathers float32 q / k (the form before; A/B timing). Read when
 # a step is traced.
 STREAM_QK_IN_V_DTYPE = True
-# The state scan's value-column block (fused_triton.DEFAULTS' block_v) for a ragged step: None
-# keeps the default (16, from an H200 sweep of one 32K sequence, where 8 programs a head are the
-# parallelism); a step of many short sequences (a span step's flow + local pieces) has programs
-# to spare, and each program reloads its chunks' W / KD. An int sets it for every ragged call
-# (benchmarks' forms); read when a step is traced.
+# The state scan's value-column block for a ragged step (`scan_block_v`): a stream of many
+# sequences (its first pass's static sequences >= WIDE_SCAN_SEQS: the step's sequence bucket)
+# has programs to spare, and each program reloads its chunks' W / KD, so it scans WIDE_BLOCK_V
+# columns a program; fewer keep fused_triton.DEFAULTS' 16 (from an H200 sweep of one 32K
+# sequence: 8 programs a head are the parallelism; a small-bucket step, one request's, keeps
+# them). At rag's 1,024 tokens x 16 seats block_v 64 took a capturing (warm/4) step 10.32 ->
+# 9.64 ms and a plain one 7.21 -> 6.96 (H100, session 35; H200 s35a: warm/4 busy 8.86 -> 7.96
+# ms; 128 and strided programs were slower). SCAN_BLOCK_V: None (the rule) or an int for every
+# ragged call (benchmarks' forms); read when a step is traced.
 SCAN_BLOCK_V = None
+WIDE_SCAN_SEQS, WIDE_BLOCK_V = 16, 64
 
 # the kernel pipelines of ragged_triton.packed_gated_delta by implementation name (api.py's)
 KERNEL_OPTIONS = {"pallas_fused": {}, "mosaic_intra": {"intra": "mosaic"},
@@ -295,6 +234,15 @@ def _state0_finals(state0, pk, fin):
     return as_array(state0)  # [S] or [1]
 
 
+def scan_block_v(pk) -> int | None:
+    """The scan's block_v for packing `pk` (SCAN_BLOCK_V's rule above), None: DEFAULTS'."""
+    if SCAN_BLOCK_V is not None:
+        return SCAN_BLOCK_V
+    offsets = pk.get("seq_offset") or (0,)  # a joint stream: its first pass's (the flow's)
+    seqs = offsets[1] if len(offsets) > 1 else pk["first"].shape[0]
+    return WIDE_BLOCK_V if seqs >= WIDE_SCAN_SEQS else None
+
+
 def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk, implementation,
                interpret=False, transition=False, transitions=None):
     """The packed stream's kernels (or the XLA scan): q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
@@ -339,8 +287,9 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
                        seq_stride=ragged_triton.SEQ_STRIDE,
                        states_in_place=state_rows.STATES_IN_PLACE,
                        layout=fused_triton.DEFAULTS["layout"], **KERNEL_OPTIONS[implementation])
-        if SCAN_BLOCK_V is not None:
-            options["block_v"] = SCAN_BLOCK_V
+        block_v = scan_block_v(pk)
+        if block_v is not None:
+            options["block_v"] = block_v
         if interpret:  # as is: the interpreter's callbacks (mosaic_calls.one_kernel_per_shape)
             out, bound_states, *written = ragged_triton.packed_gated_delta(
                 *args, interpret=True, n_used=pk["n_used"], seq_first=pk["first"],
@@ -357,34 +306,5 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
     if implementation != "xla":
         raise ValueError(f"ragged_prefill: implementation must be 'xla' or one of "
                          f"{tuple(KERNEL_OPTIONS)}, got {implementation!r}")
-    return _xla_stream(q, k, pairs, pk, state0, seq_state, bounds, scale=scale, chunk=chunk,
-                       transition=transition, transitions=transitions)
-
-
-def _xla_stream(q, k, pairs, pk, state0, seq_state, bounds, *, scale, chunk, transition,
-                transitions):
-    """run_stream's XLA path (lax.scan over the packed chunks; the same returns)."""
-    hk, hv = k.shape[1], pairs[2][0].shape[1]
-    chunk_src = pk.get("chunk_src")
-    f32 = jnp.float32
-    if hv != hk:
-        q = jnp.repeat(q, hv // hk, axis=1)
-        k = jnp.repeat(k, hv // hk, axis=1)
-    pairs = ((q, pk["src"]), (k, pk["src"])) + pairs[2:]  # q, k with their heads repeated
-    packed = [take_rows(x.astype(f32), src)[None] for x, src in pairs]
-    qc, kc, vc, gc, bc = (chunked.to_chunks(x, chunk) for x in packed)  # [1, H, NC, C, ...]
-    parts = chunked.intra_chunk(qc, kc, vc, gc, bc, scale=scale)
-    scan_in = [parts[key] for key in ("w", "u", "kd", "decay_last")]
-    if chunk_src is not None:  # borrowed chunks: their lender's
-        scan_in = [jnp.take(x, chunk_src, axis=2) for x in scan_in]
-    v_new, entering, before, *prod = _restart_scan(
-        *scan_in, pk["restart"],
-        seq_state, as_array(state0).astype(f32), transition=transition)
-    out = chunked.chunk_output(parts["qg"], parts["attn"], v_new,
-                               jnp.moveaxis(entering, 0, 1)[None])
-    if transitions is not None:
-        prod = [_chunk_products(parts["w"], parts["kd"], parts["decay_last"], *transitions)]
-    elif transition:
-        prod = [prod[0][bounds]]
-    return (chunked.from_chunks(out)[0], before[bounds], prod[0] if prod else None,
-            None)
+    return ragged_xla.stream(q, k, pairs, pk, state0, seq_state, bounds, scale=scale,
+                             chunk=chunk, transition=transition, transitions=transitions)
