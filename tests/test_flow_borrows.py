@@ -1,13 +1,14 @@
-"""The flow reading its captured pieces' chunks (qwen3_5_joint.FLOW_BORROWS: joint.py's borrowed
-chunks): a capturing step's flow is cut around each captured piece, packs the piece's rows as the
-local pass does and its scan reads the local piece's W, U, KD there while the pack, intra-chunk
-and output kernels skip the flow's own copies.
+"""The flow reading the local pieces' chunks (qwen3_5_joint.FLOW_BORROWS: joint.py's borrowed
+chunks): a span step's flow is cut around each piece's span rows, packs them as the local pass
+does and its scan reads the local piece's W, U, KD there while the pack, intra-chunk and output
+kernels skip the flow's own copies. Pieces as the engine cuts them (span rows, then rows of
+other segments riding in the piece, except after a captured span).
 
 - Bit for bit the stream with the same cuts and no borrowing (every chunk computed for itself)
   on test_span_joint_layer.py's layouts (captures of -1, long-span entries, empty and leading
   empty sequences), the Pallas kernels interpreted with the scan's outputs and the skipped
   chunks starting as NaN (a chunk read that nothing wrote shows), and the XLA path.
-- The flow's checkpoints at a captured piece's start and end (cuts) and at its sequences' ends
+- The flow's checkpoints at each span's start and end (cuts) and at its sequences' ends
   against the token-by-token recurrence in float64, and the layer against the separate passes.
 - The capturing step lowers for CUDA with it."""
 
@@ -46,15 +47,32 @@ def _layer(pieces, x, cu, p0, delta0, ck, kernel, *, borrow: bool):
 
 
 def _span_case(rng, case):
-    """layer_case's layout with its captures moved onto span pieces (the engine captures spans
-    only; the layer tests capture any piece), and checkpoints at each captured piece's cuts;
-    checks that some chunks are borrowed."""
+    """layer_case's layout cut into pieces as the engine cuts them (serving/hybrid/span_rows.py
+    `step_rows`: a piece starts at a sequence start, at a span start and after a captured span;
+    other rows ride in the piece before them, so a piece is its span rows, then others), its
+    captures moved onto span pieces, and checkpoints at every span's start and end; checks that
+    some chunks are borrowed."""
     pieces, x, cu, p0, ck = layer_case(rng, case)
-    piece_cu, span = np.asarray(pieces.piece_cu), np.asarray(pieces.row_span)
-    spans = iter(p for p in range(piece_cu.size - 1)
-                 if piece_cu[p] < piece_cu[p + 1] and span[piece_cu[p]])
-    capture = [next(spans) if c >= 0 else -1 for c in np.asarray(pieces.capture)]
-    pieces = dataclasses.replace(pieces, capture=jnp.asarray(capture, jnp.int32))
+    pure, span = np.asarray(pieces.piece_cu), np.asarray(pieces.row_span)
+    n, cu_np = int(cu[-1]), np.asarray(cu)
+    spans = [p for p in range(pure.size - 1) if pure[p] < pure[p + 1] and span[pure[p]]]
+    want = [c >= 0 for c in np.asarray(pieces.capture)]
+    caps = iter(spans[:sum(want)])
+    captured = [next(caps) if w else -1 for w in want]
+    seg, starts, prev_captured = np.zeros(n, int), [], False
+    for p in range(pure.size - 1):
+        a, b = pure[p], pure[p + 1]
+        if a == b:
+            continue
+        if span[a] or a in cu_np or prev_captured or not starts:
+            starts.append(p)
+        seg[a:b] = len(starts) - 1
+        prev_captured = p in captured
+    riding = qwen3_5_spans.pieces_from_segments(seg, T, pure.size - 1, span[:n],
+                                                np.asarray(pieces.carry_local))
+    new_id = {p: starts.index(p) for p in starts}
+    capture = jnp.asarray([new_id[c] if c >= 0 else -1 for c in captured], jnp.int32)
+    pieces = dataclasses.replace(pieces, piece_cu=riding.piece_cu, capture=capture)
     saved = qwen3_5_joint.FLOW_BORROWS
     qwen3_5_joint.FLOW_BORROWS = True
     try:
@@ -63,22 +81,24 @@ def _span_case(rng, case):
         qwen3_5_joint.FLOW_BORROWS = saved
     src = np.asarray(jp["chunk_src"])
     assert (src != np.arange(src.size)).sum() >= 2, src  # chunks are borrowed
-    return pieces, x, cu, p0, _with_piece_checkpoints(pieces, cu, p0, ck)
+    assert len(spans) == sum(want) or any(  # every span captured, or one with rows after it
+        pure[p + 1] < int(riding.piece_cu[new_id[p] + 1]) for p in spans), "no riding rows"
+    return pieces, x, cu, p0, _with_span_checkpoints(pure, span, cu, p0, ck, spans)
 
 
-def _with_piece_checkpoints(pieces, cu, p0, ck):
-    """ck without those strictly inside a captured piece (off its chunk grid; the engine never
-    asks for one inside a span: serving/hybrid/span_cache.py `_checkpoints`), plus one at every
-    captured piece's first row and after its last."""
-    piece_cu, cu, p0 = np.asarray(pieces.piece_cu), np.asarray(cu), np.asarray(p0)
-    caps = [(piece_cu[p], piece_cu[p + 1]) for p in np.asarray(pieces.capture) if p >= 0]
+def _with_span_checkpoints(pure, span, cu, p0, ck, spans):
+    """ck without those strictly inside a span (the engine asks for none there:
+    serving/hybrid/span_cache.py `_checkpoints`; the flow over a span runs on its grid), plus one
+    at every span's first row and after its last."""
+    cu, p0 = np.asarray(cu), np.asarray(p0)
+    runs = [(pure[p], pure[p + 1]) for p in spans]
     seq, pos = [], []
     for s, at in zip(np.asarray(ck.seq), np.asarray(ck.pos)):
         row = cu[s] + at - p0[s]
-        if not any(a < row < b for a, b in caps):
+        if not any(a < row < b for a, b in runs):
             seq.append(s)
             pos.append(at)
-    for a, b in caps:
+    for a, b in runs:
         s = int(np.searchsorted(cu, a, side="right") - 1)
         for row in (a, b):
             seq.append(s)

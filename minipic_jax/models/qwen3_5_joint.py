@@ -48,14 +48,15 @@ TRANSITIONS_IN_STREAM = False
 # them. On since session 34 (H100, compiled tests pass; rag's warm/0 step 12.44 -> 11.69 ms,
 # busy -0.54 ms: benchmarks/RESULTS.md); read when a step is traced.
 FINALS_IN_PLACE = True
-# True: in a capturing step the flow's rows of each captured piece are packed as the piece's
-# local rows are (from a chunk's first slot, a cut after them) and the scan reads the piece's
-# chunks there (kernels_pallas/gated_delta/joint.py: borrowed chunks), so the flow gathers,
-# solves and outputs nothing of its own over captured rows (their outputs were the local
-# pass's anyway): rag's capturing steps hold ~58% captured rows. The flow's state over them is
-# the same chunk recurrence on the piece's chunk grid: float32 summation order differs from the
-# flow packed on its own grid (FLOW_BORROWS False), checkpoints stay exact (at a piece's start
-# and end: a cut). Read when a step is traced.
+# True: a span step's flow packs each piece's span rows as the local piece packs them
+# (from a chunk's first slot, a cut after them) and its scan reads the local piece's chunks
+# there (kernels_pallas/gated_delta/joint.py: borrowed chunks), so the flow gathers, solves and
+# outputs nothing of its own over span rows (their outputs were the local pass's anyway). The
+# flow's state over them is the same chunk recurrence on the piece's chunk grid: float32
+# summation order differs from the flow packed on its own grid (FLOW_BORROWS False);
+# checkpoints stay exact (at a piece's start and end: a cut; the engine asks for none inside a
+# span). Session 35: captured pieces only first (H100 rag 1.534x / 0.864x -> 1.629x / 0.906x),
+# then every span piece. Read when a step is traced.
 FLOW_BORROWS = True
 
 
@@ -93,12 +94,14 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     compact, row_local, cu_local = span_compaction(pieces.row_span, pieces.piece_cu, n_rows)
     local_chunks = pieces.local_chunks or packed_chunks(n_rows, g, chunk, aligned=True)
     mc = 0 if pieces.capture is None else pieces.capture.shape[0]
-    cuts = _borrowing_cuts(pieces, seqs, n_rows) if mc and FLOW_BORROWS else None
+    cuts = _borrowing_cuts(pieces, cu_local, seqs, n_rows) if FLOW_BORROWS else None
     passes = [JointPass(cu_q_lens, pos0, rows, breaks=breaks, cuts=cuts),
               JointPass(cu_local, jnp.zeros(g, jnp.int32), compact)]
     n_breaks = CHECKPOINT_BREAKS * (breaks is not None)
-    # a borrowed piece adds a chunk at most: the flow's rows around it stay on one grid
-    bound = packed_chunks(n_rows, seqs, chunk) + n_breaks + local_chunks + (mc if cuts else 0)
+    # a borrowed piece adds a chunk at most (the flow's rows around it stay on one grid), and
+    # each has a local chunk at least
+    bound = packed_chunks(n_rows, seqs, chunk) + n_breaks + local_chunks + (
+        min(g, local_chunks) if cuts else 0)
     in_stream = TRANSITIONS_IN_STREAM
     if mc:
         if in_stream:
@@ -131,19 +134,20 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     return out
 
 
-def _borrowing_cuts(pieces: SpanPieces, seqs: int, n_rows: int):
-    """The flow's cuts (joint.Cuts) around each captured span piece: at its first row,
-    borrowing the local piece's chunks (joint sequence seqs + piece: its span rows, all of its
-    rows), and a grid cut after its last."""
-    g = pieces.piece_cu.shape[0] - 1
-    piece = jnp.clip(pieces.capture, 0, g - 1)
-    ok = (pieces.capture >= 0) & pieces.row_span.at[pieces.piece_cu[piece]].get(
-        mode="fill", fill_value=False)
-    start = jnp.where(ok, pieces.piece_cu[piece], n_rows)
-    end = jnp.where(ok, pieces.piece_cu[piece + 1], n_rows)
-    lend = jnp.where(ok, seqs + piece, -1)
-    return JointCuts(jnp.concatenate([start, end]).astype(jnp.int32),
-                     jnp.concatenate([lend, jnp.full_like(lend, -1)]).astype(jnp.int32))
+def _borrowing_cuts(pieces: SpanPieces, cu_local, seqs: int, n_rows: int):
+    """The flow's cuts (joint.Cuts) around each piece's span rows (the piece's first rows: a
+    piece starts at a span start, and rows of other segments after the span ride in it,
+    serving/hybrid/span_rows.py `step_rows`): at the first, borrowing the local piece's chunks
+    (joint sequence seqs + piece, those rows: cu_local, `span_compaction`'s), and a grid cut
+    after the last."""
+    start = pieces.piece_cu[:-1]
+    n_span = cu_local[1:] - cu_local[:-1]
+    lend = n_span > 0
+    seq = seqs + jnp.arange(start.shape[0], dtype=jnp.int32)
+    return JointCuts(jnp.concatenate([jnp.where(lend, start, n_rows),
+                                      jnp.where(lend, start + n_span, n_rows)]).astype(jnp.int32),
+                     jnp.concatenate([jnp.where(lend, seq, -1),
+                                      jnp.full_like(seq, -1)]).astype(jnp.int32))
 
 
 def _carried_chunks(pieces: SpanPieces, cu_q_lens, jp, last_piece):
