@@ -1,7 +1,8 @@
 #!/bin/bash
 # Session 35's third device call (one `run`, <= 7.5 min, a short table last), with the flow
-# borrowing its captured pieces' chunks (qwen3_5_joint.FLOW_BORROWS, compiled tests passed on an
-# H100 in s35b) and the scan's wide value blocks for steps of >= 16 sequences
+# borrowing the local pieces' chunks over every span's rows (qwen3_5_joint.FLOW_BORROWS;
+# captured pieces only compiled on an H100 in s35b) and the scan's wide value blocks for steps
+# of >= 16 sequences
 # (ragged.scan_block_v, from s35b's bv64 rows):
 # 1. compiled: the wide-block rule's test and the scan's other tests, the breaks test (its XLA
 #    form compared within float32 rounding on a GPU now), test_flow_borrows;
