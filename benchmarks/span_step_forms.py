@@ -23,7 +23,6 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "span_finals": ("minipic_jax.models.qwen3_5_joint", "FINALS_IN_PLACE"),
          "pack_kernel": ("kernels_pallas.gated_delta.stream_pack", "PACK_KERNEL"),
          "scan_bv": ("kernels_pallas.gated_delta.ragged", "SCAN_BLOCK_V"),
-         "seq_stride": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_STRIDE"),
          "flow_borrows": ("minipic_jax.models.qwen3_5_joint", "FLOW_BORROWS")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
@@ -41,8 +40,7 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,
                  "finals": False, "trans_in_stream": True, "span_finals": False,
                  "pack_kernel": False, "flow_borrows": False}}
-FORMS.update({f"bv{n}": {"scan_bv": n} for n in (16, 32, 64, 128)})  # the scan's block_v ...
-FORMS.update({f"stride{n}": {"seq_stride": n} for n in (16, 32, 64)})  # ... its programs
+FORMS.update({f"bv{n}": {"scan_bv": n} for n in (16, 32, 64, 128)})  # the scan's block_v
 
 
 @contextlib.contextmanager

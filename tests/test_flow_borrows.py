@@ -81,6 +81,7 @@ def _span_case(rng, case):
         qwen3_5_joint.FLOW_BORROWS = saved
     src = np.asarray(jp["chunk_src"])
     assert (src != np.arange(src.size)).sum() >= 2, src  # chunks are borrowed
+    assert int(jp["n_used"]) <= src.size, (int(jp["n_used"]), src.size)  # within the bound
     assert len(spans) == sum(want) or any(  # every span captured, or one with rows after it
         pure[p + 1] < int(riding.piece_cu[new_id[p] + 1]) for p in spans), "no riding rows"
     return pieces, x, cu, p0, _with_span_checkpoints(pure, span, cu, p0, ck, spans)
@@ -223,3 +224,58 @@ def test_the_capturing_step_lowers_for_cuda_with_borrowed_chunks(monkeypatch):
     monkeypatch.setattr(qwen3_5_joint, "FLOW_BORROWS", saved)
     kernels = {b: len(re.findall("xla.gpu.triton", t)) for b, t in texts.items()}
     assert kernels[True] == kernels[False] > 0, kernels
+
+
+def test_the_static_bound_holds_the_cut_flow(fresh_rng):
+    """qwen3_5_joint.plan's static stream bound (+ one chunk a borrowed piece) holds the used
+    chunks of random engine-like layouts at the host's own bounds (span_step.piece_bound,
+    span_rows.local_chunk_bound): short spans at awkward offsets, riding rows, one-row
+    sequences, shifted starts."""
+    from serving.hybrid import span_rows, span_step
+    from serving.model_contract import SpanPieces
+    t, s = 512, 8
+    g, local_bound = span_step.piece_bound(t, s), span_rows.local_chunk_bound(t, s)
+
+    @jax.jit
+    def used(piece_cu, row_span, cu, pos0):
+        pieces = SpanPieces(row_span=row_span, piece_cu=piece_cu,
+                            carry_local=jnp.zeros(s, bool), local_chunks=local_bound)
+        jp = qwen3_5_joint.plan(pieces, jnp.zeros(s, jnp.int32), cu, pos0, t, CHUNK)["joint"]
+        return jp["n_used"], jp["src"].shape[0] // CHUNK
+    def check(lens, seg, span, pos0):
+        p = qwen3_5_spans.pieces_from_segments(np.asarray(seg), t, g, np.asarray(span),
+                                               np.zeros(s, bool))
+        piece = np.searchsorted(np.asarray(p.piece_cu), np.arange(len(seg)), "right") - 1
+        if span_step.step_local_chunks(piece, np.asarray(span)) > local_bound:
+            return 0  # the host cuts such a step (span_rows.cut_local)
+        cu = jnp.asarray(np.r_[0, np.cumsum(lens)], jnp.int32)
+        n_used, n_chunks = used(p.piece_cu, p.row_span, cu, jnp.asarray(pos0, jnp.int32))
+        assert int(n_used) <= n_chunks, (int(n_used), n_chunks, lens)
+        return int(n_used)
+
+    saved = qwen3_5_joint.FLOW_BORROWS
+    qwen3_5_joint.FLOW_BORROWS = True
+    try:  # the worst case: one-row spans inside cells (each takes three chunks for its cell)
+        lens, seg, span = [64] * s, [], []
+        for q in range(s):  # 4 one-row spans a sequence after 7 PDEP rows each: 32 pieces
+            ids = np.repeat(np.arange(8), [7, 1, 7, 1, 7, 1, 7, 1 + 64 - 32])
+            seg += (q * 8 + np.where(np.arange(64) < 32, (ids + 1) // 2, 4)).tolist()
+            span += ([False] * 7 + [True]) * 4 + [False] * 32
+        assert check(lens, seg, span, [3] * s) > 100  # (above the bound of one chunk a piece)
+        checked = 0
+        while checked < 24:
+            lens = fresh_rng.multinomial(t - int(fresh_rng.integers(0, 40)), np.ones(s) / s)
+            seg, span, base = [], [], 0
+            for n in lens:
+                k, sid = 0, 0
+                while k < n:  # PDEP and span runs of 1..90 rows; a span starts a piece
+                    run = min(int(fresh_rng.integers(1, 91)), n - k)
+                    is_span = bool(fresh_rng.random() < 0.6)
+                    sid += is_span or k == 0
+                    seg += [base + sid] * run
+                    span += [is_span] * run
+                    k += run
+                base += sid + 1
+            checked += bool(check(lens, seg, span, fresh_rng.integers(0, 200, s)))
+    finally:
+        qwen3_5_joint.FLOW_BORROWS = saved

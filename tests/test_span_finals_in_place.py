@@ -92,26 +92,6 @@ def test_finals_written_by_the_kernel_are_the_scattered_ones_bit_for_bit(
     assert not np.array_equal(written[slots], cache[slots])  # ... and the step's written
 
 
-# slow tier: SEQ_STRIDE is off (slower on an H200, session 35); run by default once it is on
-@pytest.mark.slow
-@pytest.mark.parametrize("stride", [1, 5])
-def test_the_strided_scan_is_the_same_bit_for_bit(fresh_rng, sequences_in_reverse, monkeypatch,
-                                                   stride):
-    """ragged_triton.SEQ_STRIDE: each scan program walks every stride-th sequence (fewer
-    programs than sequences) and gives the one-program-per-sequence form's bits, finals
-    written in place included (the programs taken last first; the transitions in the stream,
-    so the last sequences hold rows: stride 5 drops one if a program stops one short)."""
-    from kernels_pallas.gated_delta import ragged_triton
-    case, seed = "shifted, empty, captures of -1", int(fresh_rng.integers(1 << 30))
-    want, rows, _, _ = _run(np.random.default_rng(seed), case, PALLAS, True)
-    monkeypatch.setattr(ragged_triton, "SEQ_STRIDE", stride)
-    got, _, _, _ = _run(np.random.default_rng(seed), case, PALLAS, True)
-    for form in (False, True):
-        assert_outputs_equal(want[form], got[form], rows, exact=EXACT_ON_THIS_BACKEND,
-                             names=("core", "cache", "checkpoints", "captured local finals",
-                                    "transitions"))
-
-
 @pytest.mark.slow  # (CI time: the layer tests above tell the forms apart; the engine runs this one)
 def test_a_capturing_step_writes_the_same_caches(fresh_rng):
     """The whole warm step (tiny Qwen3.5, XLA; captures continuing long spans): logits, caches,

@@ -109,7 +109,9 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
     cu = jnp.concatenate([p.cu[:-1] + o for p, o in zip(passes, offs)]
                          + [total[None]]).astype(jnp.int32)
     seqs = sum(int(p.pos0.shape[0]) for p in passes)
-    n_chunks = ragged.packed_chunks(n_virtual, seqs, chunk) + max_breaks
+    n_cuts = sum(int(p.cuts.rows.shape[0]) for p in passes if p.cuts is not None)
+    # a cut starts a unit: up to two chunks more (max_chunks: the caller's tighter bound)
+    n_chunks = ragged.packed_chunks(n_virtual, seqs, chunk) + max_breaks + 2 * n_cuts
     if max_chunks is not None:
         n_chunks = max(1, min(n_chunks, int(max_chunks)))
     starts, shifts, useq, borrows, seq_offset, first_seq = [], [], [], [], [], 0

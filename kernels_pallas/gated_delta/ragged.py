@@ -70,7 +70,7 @@ STREAM_QK_IN_V_DTYPE = True
 # sequence: 8 programs a head are the parallelism; a small-bucket step, one request's, keeps
 # them). At rag's 1,024 tokens x 16 seats block_v 64 took a capturing (warm/4) step 10.32 ->
 # 9.64 ms and a plain one 7.21 -> 6.96 (H100, session 35; H200 s35a: warm/4 busy 8.86 -> 7.96
-# ms; 128 and strided programs were slower). SCAN_BLOCK_V: None (the rule) or an int for every
+# ms; 128, and programs walking every P-th sequence, were slower: that form is gone). SCAN_BLOCK_V: None (the rule) or an int for every
 # ragged call (benchmarks' forms); read when a step is traced.
 SCAN_BLOCK_V = None
 WIDE_SCAN_SEQS, WIDE_BLOCK_V = 16, 64
@@ -284,7 +284,6 @@ def run_stream(q, k, v, g, beta, pk, state0, seq_state, bounds, *, scale, chunk,
         # everything the trace reads goes in the jit's static key (module switches included: a
         # benchmark flips them between calls of the same shapes; srcs or None changes the args)
         options = dict(scale=scale, chunk=chunk, seq_parallel=ragged_triton.SEQ_PARALLEL,
-                       seq_stride=ragged_triton.SEQ_STRIDE,
                        states_in_place=state_rows.STATES_IN_PLACE,
                        layout=fused_triton.DEFAULTS["layout"], **KERNEL_OPTIONS[implementation])
         block_v = scan_block_v(pk)

@@ -18,10 +18,6 @@ from kernels_pallas.gated_delta.state_rows import StateRows
 # False: the serial scan (one program per head and value block walks every packed chunk), kept
 # for A/B timing and as the form the per-sequence one must equal bit for bit
 SEQ_PARALLEL = True
-# None: the per-sequence scan runs a program per sequence; P: P programs, program p walking
-# sequences p, p + P, ... (a span step's ~176 static sequences hold ~60 real ones: ~20K programs
-# launched only to exit at block_v 16). Off until timed (same bits: test_span_finals_in_place).
-SEQ_STRIDE = None
 
 
 def qk_in_v_dtype(q, k, v):
@@ -38,7 +34,7 @@ def qk_in_v_dtype(q, k, v):
 def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, *, scale,
                        chunk=64, dot_dtype=None, interpret=False, n_used=None, seq_first=None,
                        seq_chunks=None, seq_parallel=None, states_in_place=None, src=None,
-                       transitions=None, seq_stride=None, chunk_src=None, **options):
+                       transitions=None, chunk_src=None, **options):
     """Packed stream of NC chunks (several sequences, each starting at a restart chunk).
 
     Args:
@@ -52,8 +48,8 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
         count (ragged.packing's first, n_ch): the scan then runs one program per sequence
         (`SEQ_PARALLEL`); a boundary no sequence ends at is undefined (read state0 there).
       seq_parallel: None (`SEQ_PARALLEL`) or a bool: whether it does (a caller under a jit
-        passes it: the switch is in the jit's key); seq_stride, states_in_place: the same for
-        SEQ_STRIDE, state_rows.STATES_IN_PLACE (state0 a StateRows read in place, or built).
+        passes it: the switch is in the jit's key); states_in_place: the same for
+        state_rows.STATES_IN_PLACE (state0 a StateRows read in place, or built).
       src: None, or (src, src_v) [NC*C] int32: q, k, v, g, beta are the step's source rows
         ([R, Hk, Dk], ...), read by intra "blocked" and output "triton" (stream_rows.py).
       transitions: None, or (first [M], count [M] int32, init): also the product of the maps
@@ -98,8 +94,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
     v_new, states, bound, written = _scan(
         w, u, kd, dl, restart, seq_of_chunk, state0, bounds, opt, n_used=n_used,
         per_seq=per_seq, in_place=in_place, chunk=chunk, dot_dtype=dot_dtype,
-        interpret=interpret, stride=SEQ_STRIDE if seq_stride is None else seq_stride,
-        chunk_src=chunk_src)
+        interpret=interpret, chunk_src=chunk_src)
     out = _output(q, k, g, v_new, states, opt, scale=scale, chunk=chunk, dot_dtype=dot_dtype,
                   out_dtype=v.dtype, interpret=interpret, used=used_by,
                   src=None if src is None else src[0])
@@ -110,7 +105,7 @@ def packed_gated_delta(q, k, v, g, beta, restart, seq_of_chunk, state0, bounds, 
 
 
 def _scan(w, u, kd, dl, restart, seq_of_chunk, state0, bounds, opt, *, n_used, per_seq,
-          in_place, chunk, dot_dtype, interpret, stride, chunk_src):
+          in_place, chunk, dot_dtype, interpret, chunk_src):
     """packed_gated_delta's state scan (seq_scan.state_scan): (V', the states entering each
     chunk, the states at `bounds` [B, Hv, Dk, Dv] float32, [the write_final source] or [])."""
     nc = w.shape[1] // chunk
@@ -128,7 +123,7 @@ def _scan(w, u, kd, dl, restart, seq_of_chunk, state0, bounds, opt, *, n_used, p
         w, u, kd, dl, restart.astype(jnp.int32), seq_of_chunk.astype(jnp.int32),
         s0, slot_map, used, per_seq, n_b=n_b, chunk=chunk, dot_dtype=dot_dtype, layout=layout,
         block_v=min(opt["block_v"], u.shape[-1]), num_warps=opt["scan_warps"],
-        num_stages=opt["scan_stages"], interpret=interpret, stride=stride, chunk_src=chunk_src)
+        num_stages=opt["scan_stages"], interpret=interpret, chunk_src=chunk_src)
     if vk and not isinstance(s0, StateRows):
         bound = jnp.swapaxes(bound, -1, -2)
     winner = slot_map[bounds]  # duplicates share the slot that won the scatter

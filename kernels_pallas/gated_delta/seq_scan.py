@@ -52,7 +52,7 @@ def _restart_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, src_ref, restart_ref, seq
 
 def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, src_ref, first_ref, count_ref, seq_ref, *refs,
                      n_chunks, chunk, dot_dtype, layout, n_sources, block_v, write_final=False,
-                     final_rows=False, stride=None):
+                     final_rows=False):
     # per sequence (grid axis 2): first/count [S] its packed chunks; the rest as the serial one,
     # except: with n_sources the initial states are a StateRows (kind, index [N], then each
     # source's [P, Dk, BV] block: state_rows.load_tile), and bound [M, Dk, BV] is stored in the
@@ -75,23 +75,14 @@ def _seq_scan_kernel(w_ref, u_ref, kd_ref, dl_ref, src_ref, first_ref, count_ref
     else:
         s0_ref, slot_ref, vnew_ref, states_ref, bound_ref = refs
     j = pl.program_id(1)  # read here: the interpreter has no program_id under a pl.when
-    p = pl.program_id(2)
-    one = functools.partial(
-        _scan_sequence, j=j, refs=(w_ref, u_ref, kd_ref, dl_ref, src_ref, first_ref, count_ref,
+    _scan_sequence(
+        pl.program_id(2), j=j, refs=(w_ref, u_ref, kd_ref, dl_ref, src_ref, first_ref, count_ref,
                                    seq_ref),
         srcs=(kind_ref, index_ref, src_refs) if n_sources else s0_ref, finals=(
             final_ref, dest_ref, from_first_ref, from_count_ref) if write_final else None,
         outs=(slot_ref, vnew_ref, states_ref, bound_ref), n_chunks=n_chunks, chunk=chunk,
         dot_dtype=dot_dtype, layout=layout, n_sources=n_sources, block_v=block_v,
         final_rows=final_rows)
-    if stride is None:
-        one(p)
-        return
-
-    def each(k, carry):  # sequences p, p + stride, ... (SEQ_STRIDE)
-        one(p + k * stride)
-        return carry
-    jax.lax.fori_loop(0, (first_ref.shape[0] - p + stride - 1) // stride, each, 0)
 
 
 def _scan_sequence(sid, *, j, refs, srcs, finals, outs, n_chunks, chunk, dot_dtype, layout,
@@ -205,8 +196,7 @@ def _initial_states(s0, blk, s_idx, dk: int, block_v: int):
 
 
 def state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq, *, n_b, chunk,
-                dot_dtype, layout, block_v, num_warps, num_stages, interpret, stride=None,
-                chunk_src=None):
+                dot_dtype, layout, block_v, num_warps, num_stages, interpret, chunk_src=None):
     """The scan kernel's call: serial (grid (Hv, Dv / BV)) or, with per_seq = (first, count)
     [S'] each, one program per sequence (grid (Hv, Dv / BV, S')). s0: the initial states in the
     layout's axis order, or (per_seq only) a StateRows read in place. Returns (v_new [1, T, Hv,
@@ -222,9 +212,7 @@ def state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq,
     st = (dv, dk) if vk else (dk, dv)
     rows_in = isinstance(s0, StateRows)
     write_final = False
-    if per_seq is None or (stride is not None and stride >= per_seq[0].shape[0]):
-        stride = None  # a program per sequence
-    grid = (hv, dv // block_v) + (() if per_seq is None else (stride or per_seq[0].shape[0],))
+    grid = (hv, dv // block_v) + (() if per_seq is None else (per_seq[0].shape[0],))
     s_idx = (lambda j: (j, 0)) if vk else (lambda j: (0, j))
     seq_k = pl.BlockSpec((None, t_len, None, dk), lambda h, j, *_: (0, 0, h, 0))
     seq_v = pl.BlockSpec((None, t_len, None, block_v), lambda h, j, *_: (0, 0, h, j))
@@ -252,7 +240,7 @@ def state_scan(w, u, kd, dl, restart, seq_of_chunk, s0, slot_map, used, per_seq,
             raise ValueError(f"gated_delta scan: write_final needs one state row per sequence, "
                              f"got {s0.kind.shape[0]} rows for {n_seq} sequences")
         kernel = functools.partial(_seq_scan_kernel, n_sources=n_sources, block_v=block_v,
-                                   write_final=write_final, final_rows=dests, stride=stride)
+                                   write_final=write_final, final_rows=dests)
         if dests:  # after the sources (the alias index of the first source stays)
             state_ops += _final_operands(s0, n_seq)
             states_in = states_in + [whole(n_seq)] * 3

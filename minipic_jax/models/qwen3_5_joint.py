@@ -98,10 +98,11 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     passes = [JointPass(cu_q_lens, pos0, rows, breaks=breaks, cuts=cuts),
               JointPass(cu_local, jnp.zeros(g, jnp.int32), compact)]
     n_breaks = CHECKPOINT_BREAKS * (breaks is not None)
-    # a borrowed piece adds a chunk at most (the flow's rows around it stay on one grid), and
-    # each has a local chunk at least
+    # a borrowed piece adds two chunks at most (its own, from a chunk's first slot, and the cell
+    # its neighbours on the flow's grid then both hold: a 1-row span inside a cell takes three
+    # chunks for that cell), and each has a local chunk at least
     bound = packed_chunks(n_rows, seqs, chunk) + n_breaks + local_chunks + (
-        min(g, local_chunks) if cuts else 0)
+        2 * min(g, local_chunks) if cuts else 0)
     in_stream = TRANSITIONS_IN_STREAM
     if mc:
         if in_stream:
