@@ -194,14 +194,15 @@ def test_a_borrowing_unit_reads_its_lenders_chunks():
 
 def test_the_capturing_step_lowers_for_cuda_with_borrowed_chunks(monkeypatch):
     """Qwen3.5-0.8B's widths (one GDN layer), rag's capturing step shapes, lowered for an H100
-    with FLOW_BORROWS: the scan's chunk_src and the skipping intra / output / pack kernels reach
-    Triton (as many kernels as without)."""
+    with FLOW_BORROWS: the scan's chunk_src and the intra / output / pack kernels' live chunks
+    reach Triton (the pack kernel, intra, scan, output and transition kernels of the layer)."""
     import re
 
     from benchmarks import span_step_ops
     from minipic_jax.models import qwen3_5
     from tests.cuda_lowering import abstract_h100
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(qwen3_5_joint, "FLOW_BORROWS", True)
     cfg = span_step_ops.model_cfg(1)
     md, logits_idx, pieces, rec = span_step_ops.step_inputs(1024, 16, True,
                                                             np.random.default_rng(0))
@@ -215,15 +216,9 @@ def test_the_capturing_step_lowers_for_cuda_with_borrowed_chunks(monkeypatch):
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                         (params, jnp.zeros(md.num_tokens, jnp.int32), md, cache, rec,
                          logits_idx, pieces))
-    texts, saved = {}, qwen3_5_joint.FLOW_BORROWS
-    for borrows in (False, True):
-        monkeypatch.setattr(qwen3_5_joint, "FLOW_BORROWS", borrows)
-        with abstract_h100():
-            texts[borrows] = jax.jit(lambda *a: step(*a)).trace(*args).lower(
-                lowering_platforms=("cuda",)).as_text()
-    monkeypatch.setattr(qwen3_5_joint, "FLOW_BORROWS", saved)
-    kernels = {b: len(re.findall("xla.gpu.triton", t)) for b, t in texts.items()}
-    assert kernels[True] == kernels[False] > 0, kernels
+    with abstract_h100():
+        text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall("xla.gpu.triton", text)) >= 5
 
 
 def test_the_static_bound_holds_the_cut_flow(fresh_rng):
