@@ -10,7 +10,7 @@ boundaries. Callers use api.py only (`prefill`, `decode_step`, `ragged_gated_del
   output_mosaic.py  the output kernel on Mosaic GPU (with intra_mosaic.py: opt-in "mosaic")
   mosaic_calls.py   how those two are called: one kernel per shape, over the chunks in use
   ragged.py, ragged_triton.py   ragged batches (many sequences in one token stream; the scan
-                    runs one program per sequence)
+                    runs one program per sequence: seq_scan.py; the XLA path: ragged_xla.py)
   joint.py          several ragged passes over one batch's rows as one stream (one kernel call;
                     a sequence cut into units may borrow another's chunks: `chunk_src`)
   transition_scan.py  maps' products over chunks the stream already holds (a span capture's A)
