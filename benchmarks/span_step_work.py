@@ -56,11 +56,19 @@ def model_cfg(gdn_layers: int):
     return dataclasses.replace(base, vocab_size=1024, num_layers=len(types), layer_types=types)
 
 
+LAYOUTS = ("spread", "long")  # --layout: rows spread over the seats, or one long prefill
+LAYOUT = "spread"
+
+
 def rag_rows(t: int, s: int, rng):
     """(rows per sequence, segment id per row, is-span per row) of a rag-like span step: each
     sequence's rows are a PDEP head of 0-32 rows, then SPAN_TOKENS-row spans (the last one cut
-    where the sequence's rows end)."""
+    where the sequence's rows end). LAYOUT "spread": the rows spread over the s seats; "long":
+    one sequence holds t - s + 1 of them (a chunked prefill, as rag's steps at 16 seats mostly
+    are), the others one row each."""
     lens = rng.multinomial(t - s, np.ones(s) / s) + 1
+    if LAYOUT == "long":
+        lens = np.r_[t - s + 1, np.ones(s - 1, int)]
     seg, span, base = [], [], 0
     for n in lens:
         head = int(rng.integers(0, 33)) if n > 32 else 0
@@ -146,9 +154,12 @@ def stub_kernels():
         if getattr(state0, "write_final", False):  # the state cache, finals written in place
             shapes += (jax.ShapeDtypeStruct(state0.sources[0].shape, state0.sources[0].dtype),)
 
-        def host(n_used, count):
+        def host(n_used, count, chunk_src):
             rows, hv, dk, dv, qb, vb = static
-            CALLS.append((rows, min(int(n_used) * chunk, rows), hv, dk, dv, qb, vb))
+            used = min(int(n_used) * chunk, rows)
+            own = used if chunk_src is None else chunk * int(np.sum(  # borrowed chunks: no
+                np.asarray(chunk_src)[:used // chunk] == np.arange(used // chunk)))  # intra, output
+            CALLS.append((rows, used, hv, dk, dv, qb, vb, own))
             if count is not None:  # its chunks' W / KD read, two dk x dk dots a chunk
                 TRANSITIONS.append(transition_work(int(np.sum(count)), hv, dk, vb, chunk))
             return tuple(np.zeros(x.shape, x.dtype) for x in shapes)
@@ -156,8 +167,9 @@ def stub_kernels():
         used = jnp.int32(v.shape[1] // chunk) if used is None else used
         count = None if trans is None else trans[1]
         # the stream arrays are operands so XLA keeps the gathers that fill them
-        return jax.pure_callback(lambda n, c, *_: host(n, c), shapes, used, count, q, k, v, g,
-                                 beta, restart, seq_of_chunk, state0, bounds, src, trans)
+        return jax.pure_callback(lambda n, c, cs, *_: host(n, c, cs), shapes, used, count,
+                                 kw.get("chunk_src"), q, k, v, g, beta, restart, seq_of_chunk,
+                                 state0, bounds, src, trans)
     ragged_triton.packed_gated_delta = packed
     stub_pack()
 
@@ -168,15 +180,22 @@ def transition_work(chunks: int, hv: int, dk: int, vb: int, c: int = CHUNK):
     return chunks * hv * 4 * c * dk * dk, chunks * c * hv * 2 * dk * vb
 
 
-def kernel_work(rows: int, hv: int, dk: int, dv: int, qb: int, vb: int, c: int = CHUNK):
-    """(flops, bytes) of the Triton pipeline over `rows` packed rows (rows / c chunks): per chunk
-    and head the intra-chunk dots (k k^T, w, u), the scan's (W s, KD^T V'), the output's (q s,
-    q k^T, attn V'); bytes: the stream read (q, k twice, v, g, beta), w / u / kd / V' written
-    and read in the dot dtype (v's), the output written, each chunk's entering state."""
-    chunks = rows // c
-    flops = chunks * hv * (2 * c * c * (3 * dk + 2 * dv) + 6 * c * dk * dv)
-    per_row = hv * (3 * dk * qb + dv * vb + 8 + 2 * (2 * dk + dv) * vb + 2 * dv * vb + dv * vb)
-    return flops, rows * per_row + chunks * hv * 2 * dk * dv * vb
+def kernel_work(rows: int, hv: int, dk: int, dv: int, qb: int, vb: int, c: int = CHUNK,
+                own: int | None = None):
+    """(flops, bytes) of the Triton pipeline over `rows` packed rows (rows / c chunks), of which
+    `own` (None: all) read their own W / U / KD (the others borrow a lender's: joint.py): per
+    chunk and head the scan's dots (W s, KD^T V') over every row, the intra-chunk (k k^T, w, u)
+    and output (q s, q k^T, attn V') ones over own rows; bytes: the scan reads w / u / kd and
+    writes V' and each chunk's entering state; the rest (own rows) reads the stream (q, k twice,
+    v, g, beta), writes w / u / kd, reads V' and the states, writes the output (dot dtype: v's)."""
+    own = rows if own is None else own
+    chunks, own_chunks = rows // c, own // c
+    flops = (chunks * hv * 4 * c * dk * dv
+             + own_chunks * hv * (2 * c * c * (3 * dk + 2 * dv) + 2 * c * dk * dv))
+    scan_row = hv * ((2 * dk + dv) * vb + dv * vb)
+    own_row = hv * (3 * dk * qb + dv * vb + 8 + (2 * dk + dv) * vb + 2 * dv * vb)
+    state = hv * dk * dv * vb
+    return flops, rows * scan_row + chunks * state + own * own_row + own_chunks * state
 
 
 def measure(gdn_layers: int, kind: str, caps: int = 0) -> dict:
@@ -196,10 +215,11 @@ def measure(gdn_layers: int, kind: str, caps: int = 0) -> dict:
     TRANSITIONS.clear()
     jax.block_until_ready(compiled(*args))
     calls = list(CALLS)
-    kernel = [kernel_work(used, *c[2:]) for c in calls for used in [c[1]]] + TRANSITIONS
+    kernel = [kernel_work(c[1], *c[2:7], own=c[7]) for c in calls] + TRANSITIONS
     return dict(xla_flops=float(cost.get("flops", 0.0)),
                 xla_bytes=float(cost.get("bytes accessed", 0.0)),
                 packed_rows=sum(c[0] for c in calls), used_rows=sum(c[1] for c in calls),
+                own_rows=sum(c[7] for c in calls),
                 kernel_flops=float(sum(k[0] for k in kernel)),
                 kernel_bytes=float(sum(k[1] for k in kernel)), kernel_calls=len(calls),
                 real_rows=int(md.cu_q_lens[-1]),
@@ -264,10 +284,11 @@ def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7,
 def table(rows: list[dict]) -> list[str]:
     """The bench's lines: per variant the step's rows and span rows, flops and bytes (XLA +
     kernels), both per computed token (step row), and the packed rows the kernels are handed
-    against those that hold tokens."""
+    against those that hold tokens (used) and those whose chunks are their own (the others'
+    intra-chunk and output work is their lender's: joint.py's borrowed chunks)."""
     head = (f"{'variant':>16} {'rows':>5} {'span':>5} {'GFLOP xla':>10} {'GFLOP kern':>10} "
             f"{'GB xla':>7} {'GB kern':>7} {'MFLOP/tok':>9} {'GB/1k tok':>9} "
-            f"{'packed rows':>11} {'used':>7}  (step, 18 GDN layers)")
+            f"{'packed rows':>11} {'used':>7} {'own':>7}  (step, 18 GDN layers)")
     out = [head]
     for r in rows:
         st = r["step"]
@@ -285,11 +306,12 @@ def table(rows: list[dict]) -> list[str]:
                    f"{st['kernel_flops'] / 1e9:10.2f} {st['xla_bytes'] / 1e9:7.3f} "
                    f"{st['kernel_bytes'] / 1e9:7.3f} {flops / tokens / 1e6:9.2f} "
                    f"{gb / tokens * 1e3:9.3f} {int(st['packed_rows']):11d} "
-                   f"{int(st['used_rows']):7d}")
+                   f"{int(st['used_rows']):7d} {int(st.get('own_rows', st['used_rows'])):7d}")
     return out
 
 
 def main(argv=None):
+    global LAYOUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", nargs="+", default=["plain", "span", "warm/0", "warm/4"],
                     help="plain, span, warm/N (N captures), compose (default: %(default)s)")
@@ -305,7 +327,10 @@ def main(argv=None):
                          "costliest kernels (benchmarks.timing.profile_kernels)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="--time: the model's dtype (bfloat16 on a GPU) (%(default)s)")
+    ap.add_argument("--layout", default="spread", choices=LAYOUTS,
+                    help="the step's rows over its seats (rag_rows; %(default)s)")
     args = ap.parse_args(argv)
+    LAYOUT = args.layout
     if args.time:
         for v in args.variants:
             kind, _, caps = v.partition("/")

@@ -29,6 +29,14 @@ from test_span_joint_layer import (CHUNK, KC, PALLAS, T, assert_outputs_equal, k
 from test_span_joint_layer import nan_scan_outputs  # noqa: F401 (a fixture)
 
 NAMES = ("core", "delta", "checkpoints", "local finals", "transitions")
+
+
+@pytest.fixture(autouse=True)
+def every_span_run_borrows(monkeypatch):
+    """The layouts here hold short span runs (the hardest for the packing): every one borrows
+    (the engine's runs borrow from a chunk of rows: qwen3_5_joint.BORROW_MIN_ROWS; the last
+    test keeps it)."""
+    monkeypatch.setattr(qwen3_5_joint, "BORROW_MIN_ROWS", 1)
 SLOW = pytest.mark.slow  # (CI time)
 
 
@@ -274,3 +282,25 @@ def test_the_static_bound_holds_the_cut_flow(fresh_rng):
             checked += bool(check(lens, seg, span, fresh_rng.integers(0, 200, s)))
     finally:
         qwen3_5_joint.FLOW_BORROWS = saved
+
+
+def test_only_span_runs_of_a_chunk_borrow(monkeypatch):
+    """The engine's threshold (BORROW_MIN_ROWS, a chunk): a 100-row span's flow rows read its
+    local piece's two chunks, a 30-row span's stay on the flow's grid (its cuts would add scan
+    steps for less than a chunk of work)."""
+    from serving.model_contract import SpanPieces
+    monkeypatch.setattr(qwen3_5_joint, "BORROW_MIN_ROWS", 64)
+    monkeypatch.setattr(qwen3_5_joint, "FLOW_BORROWS", True)
+    # one sequence: PDEP 10, span 100 (+ 5 riding PDEP rows), span 30 (+ 15 riding)
+    seg = np.repeat([0, 1, 2], [10, 105, 45])
+    span = np.r_[np.zeros(10, bool), np.ones(100, bool), np.zeros(5, bool), np.ones(30, bool),
+                 np.zeros(15, bool)]
+    p = qwen3_5_spans.pieces_from_segments(seg, T, 8, span, np.zeros(1, bool))
+    pieces = SpanPieces(row_span=p.row_span, piece_cu=p.piece_cu, carry_local=p.carry_local)
+    jp = jax.jit(lambda: qwen3_5_joint.plan(
+        pieces, jnp.zeros(1, jnp.int32), jnp.asarray([0, 160], jnp.int32),
+        jnp.asarray([0], jnp.int32), T, CHUNK)["joint"])()
+    src = np.asarray(jp["chunk_src"])
+    borrowed = np.flatnonzero(src != np.arange(src.size))
+    lender = int(jp["first"][1 + 1])  # the local pass's piece 1 (the 100-row span)
+    np.testing.assert_array_equal(src[borrowed], [lender, lender + 1])

@@ -48,16 +48,21 @@ TRANSITIONS_IN_STREAM = False
 # them. On since session 34 (H100, compiled tests pass; rag's warm/0 step 12.44 -> 11.69 ms,
 # busy -0.54 ms: benchmarks/RESULTS.md); read when a step is traced.
 FINALS_IN_PLACE = True
-# True: a span step's flow packs each piece's span rows as the local piece packs them
-# (from a chunk's first slot, a cut after them) and its scan reads the local piece's chunks
-# there (kernels_pallas/gated_delta/joint.py: borrowed chunks), so the flow gathers, solves and
-# outputs nothing of its own over span rows (their outputs were the local pass's anyway). The
-# flow's state over them is the same chunk recurrence on the piece's chunk grid: float32
-# summation order differs from the flow packed on its own grid (FLOW_BORROWS False);
-# checkpoints stay exact (at a piece's start and end: a cut; the engine asks for none inside a
-# span). Session 35: captured pieces only first (H100 rag 1.534x / 0.864x -> 1.629x / 0.906x),
-# then every span piece. Read when a step is traced.
+# True: a span step's flow packs each piece's span rows (a chunk of them at least) as the local
+# piece packs them (from a chunk's first slot, a cut after them) and its scan reads the local
+# piece's chunks there (kernels_pallas/gated_delta/joint.py: borrowed chunks), so the flow
+# gathers, solves and outputs nothing of its own over those rows (their outputs were the local
+# pass's anyway). The flow's state over them is the same chunk recurrence on the piece's chunk
+# grid: float32 summation order differs from the flow packed on its own grid (FLOW_BORROWS
+# False); checkpoints stay exact (at a span's start and end: a cut; the engine asks for none
+# inside a span). Session 35 (H100): captured pieces only, rag 1.534x / 0.864x -> 1.629x /
+# 0.906x; every span piece with block_v 64, 1.650x / 0.937x; pieces of a chunk at least since
+# (shorter ones added scan steps: CPU count, benchmarks/RESULTS.md). Read when a step is traced.
 FLOW_BORROWS = True
+# the span rows a piece needs for its flow rows to borrow (a chunk: a shorter run adds up to two
+# chunk steps to the flow's scan for less than a chunk of intra-chunk and output work); tests
+# set 1 to borrow every span run. Read when a step is traced (not a program switch: an int).
+BORROW_MIN_ROWS = 64
 
 
 def usable(cfg, decode) -> bool:
@@ -99,10 +104,9 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
               JointPass(cu_local, jnp.zeros(g, jnp.int32), compact)]
     n_breaks = CHECKPOINT_BREAKS * (breaks is not None)
     # a borrowed piece adds two chunks at most (its own, from a chunk's first slot, and the cell
-    # its neighbours on the flow's grid then both hold: a 1-row span inside a cell takes three
-    # chunks for that cell), and each has a local chunk at least
+    # its neighbours on the flow's grid then both hold), has a local chunk and BORROW_MIN_ROWS
     bound = packed_chunks(n_rows, seqs, chunk) + n_breaks + local_chunks + (
-        2 * min(g, local_chunks) if cuts else 0)
+        2 * min(g, local_chunks, n_rows // max(1, BORROW_MIN_ROWS)) if cuts else 0)
     in_stream = TRANSITIONS_IN_STREAM
     if mc:
         if in_stream:
@@ -136,14 +140,15 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
 
 
 def _borrowing_cuts(pieces: SpanPieces, cu_local, seqs: int, n_rows: int):
-    """The flow's cuts (joint.Cuts) around each piece's span rows (the piece's first rows: a
-    piece starts at a span start, and rows of other segments after the span ride in it,
-    serving/hybrid/span_rows.py `step_rows`): at the first, borrowing the local piece's chunks
-    (joint sequence seqs + piece, those rows: cu_local, `span_compaction`'s), and a grid cut
-    after the last."""
+    """The flow's cuts (joint.Cuts) around each piece's span rows where they are
+    BORROW_MIN_ROWS at least (a piece's first rows: a piece starts at a span start, and rows
+    of other segments after the span ride in it, serving/hybrid/span_rows.py `step_rows`): at
+    the first, borrowing the local piece's chunks (joint sequence seqs + piece, those rows:
+    cu_local, `span_compaction`'s), and a grid cut after the last. A shorter run stays on the
+    flow's grid."""
     start = pieces.piece_cu[:-1]
     n_span = cu_local[1:] - cu_local[:-1]
-    lend = n_span > 0
+    lend = (n_span > 0) & (n_span >= BORROW_MIN_ROWS)
     seq = seqs + jnp.arange(start.shape[0], dtype=jnp.int32)
     return JointCuts(jnp.concatenate([jnp.where(lend, start, n_rows),
                                       jnp.where(lend, start + n_span, n_rows)]).astype(jnp.int32),
