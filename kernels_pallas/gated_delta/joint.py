@@ -64,6 +64,8 @@ def _units(p: Pass, chunk: int):
     cu, pos0 = jnp.asarray(p.cu, jnp.int32), jnp.asarray(p.pos0, jnp.int32)
     count = cu[-1]
     seqs = jnp.arange(n, dtype=jnp.int32)
+    if p.breaks is None and p.cuts is None:  # its sequences, in order (no sort: fewer ops)
+        return cu[:-1], pos0 % chunk, seqs, jnp.full(n, -1, jnp.int32)
     start, seq, borrow = [cu[:-1]], [seqs], [jnp.full(n, -1, jnp.int32)]
     if p.breaks is not None:
         b = jnp.asarray(p.breaks, jnp.int32)
@@ -126,12 +128,16 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
     ustart, useq, uborrow = (jnp.concatenate(x) for x in (starts, useq, borrows))
     pk = ragged.chunk_layout(jnp.concatenate([ustart, total[None]]), jnp.concatenate(shifts),
                              n_virtual, chunk, n_chunks)
-    first = jnp.full(seqs, n_chunks, jnp.int32).at[useq].min(pk["first"])
-    n_ch = jnp.zeros(seqs, jnp.int32).at[useq].add(pk["n_ch"])
     chunk_ids = jnp.arange(n_chunks, dtype=jnp.int32)
     unit_of_chunk = pk["seq_of_chunk"]
-    seq_of_chunk = useq[unit_of_chunk]
-    restart = (chunk_ids == first[seq_of_chunk]) & (n_ch[seq_of_chunk] > 0)
+    if all(p.breaks is None and p.cuts is None for p in passes):  # units are the sequences
+        first, n_ch, seq_of_chunk, restart = (pk[k] for k in ("first", "n_ch", "seq_of_chunk",
+                                                              "restart"))
+    else:
+        first = jnp.full(seqs, n_chunks, jnp.int32).at[useq].min(pk["first"])
+        n_ch = jnp.zeros(seqs, jnp.int32).at[useq].add(pk["n_ch"])
+        seq_of_chunk = useq[unit_of_chunk]
+        restart = (chunk_ids == first[seq_of_chunk]) & (n_ch[seq_of_chunk] > 0)
     chunk_src = None
     if borrow and any(p.cuts is not None for p in passes):
         lender = jnp.maximum(uborrow, 0)  # (a lender of other chunks than the unit's: none)
