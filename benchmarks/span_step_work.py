@@ -24,7 +24,7 @@ to the model's 18.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.span_step_work [--json out.json]
     PYTHONPATH=. python -m benchmarks.span_step_work --time qwen3_5_0_8b --dtype bfloat16  # GPU
-    ... --time ... --forms new old bv64  # each variant as today's step, session 20's (span_step_forms.FORMS)...
+    ... --time ... --forms new old bv64  # each variant in each form (span_step_forms.FORMS)
 """
 
 from __future__ import annotations

@@ -206,26 +206,10 @@ def test_the_capturing_step_lowers_for_cuda_with_borrowed_chunks(monkeypatch):
     reach Triton (the pack kernel, intra, scan, output and transition kernels of the layer)."""
     import re
 
-    from benchmarks import span_step_ops
-    from minipic_jax.models import qwen3_5
-    from tests.cuda_lowering import abstract_h100
+    from tests.cuda_lowering import capturing_step_text
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(qwen3_5_joint, "FLOW_BORROWS", True)
-    cfg = span_step_ops.model_cfg(1)
-    md, logits_idx, pieces, rec = span_step_ops.step_inputs(1024, 16, True,
-                                                            np.random.default_rng(0))
-    params = jax.eval_shape(lambda: qwen3_5.init_params(cfg, jax.random.key(0), jnp.bfloat16))
-    cache = jax.eval_shape(lambda: qwen3_5.init_cache(cfg, 16 * 80, 16, 16, jnp.bfloat16))
-
-    def step(params, tokens, md, cache, rec, logits_idx, span):
-        return qwen3_5.forward_with_checkpoints(
-            params, tokens, md, cache, cfg, recurrent=rec, logits_indices=logits_idx,
-            gdn_impl="pallas_fused", span_pieces=span)
-    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        (params, jnp.zeros(md.num_tokens, jnp.int32), md, cache, rec,
-                         logits_idx, pieces))
-    with abstract_h100():
-        text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = capturing_step_text()
     assert len(re.findall("xla.gpu.triton", text)) >= 5
 
 

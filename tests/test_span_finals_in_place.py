@@ -109,31 +109,12 @@ def test_the_capturing_step_lowers_for_cuda_with_both_forms(monkeypatch):
     scan kernel's final_rows operand and the transition kernel reach Triton, once each."""
     import re
 
-    from benchmarks import span_step_ops
-    from minipic_jax.models import qwen3_5
-    from tests.cuda_lowering import abstract_h100
+    from tests.cuda_lowering import capturing_step_text
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels chosen as on one
-    cfg = span_step_ops.model_cfg(1)
-    md, logits_idx, pieces, rec = span_step_ops.step_inputs(1024, 16, True,
-                                                            np.random.default_rng(0))
-    params = jax.eval_shape(lambda: qwen3_5.init_params(cfg, jax.random.key(0), jnp.bfloat16))
-    cache = jax.eval_shape(lambda: qwen3_5.init_cache(cfg, 16 * 80, 16, 16, jnp.bfloat16))
-
-    def step(params, tokens, md, cache, rec, logits_idx, span):
-        return qwen3_5.forward_with_checkpoints(
-            params, tokens, md, cache, cfg, recurrent=rec, logits_indices=logits_idx,
-            gdn_impl="pallas_fused", span_pieces=span)
-    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        (params, jnp.zeros(md.num_tokens, jnp.int32), md, cache, rec,
-                         logits_idx, pieces))
-    texts, saved = {}, (qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM)
+    texts = {}
     for forms in ((False, True), (True, False)):
-        qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM = forms
-        try:
-            with abstract_h100():
-                texts[forms] = jax.jit(lambda *a: step(*a)).trace(*args).lower(
-                    lowering_platforms=("cuda",)).as_text()
-        finally:
-            qwen3_5_joint.FINALS_IN_PLACE, qwen3_5_joint.TRANSITIONS_IN_STREAM = saved
+        monkeypatch.setattr(qwen3_5_joint, "FINALS_IN_PLACE", forms[0])
+        monkeypatch.setattr(qwen3_5_joint, "TRANSITIONS_IN_STREAM", forms[1])
+        texts[forms] = capturing_step_text()
     kernels = {f: len(re.findall("xla.gpu.triton", t)) for f, t in texts.items()}
     assert kernels[(True, False)] == kernels[(False, True)] + 1, kernels  # + the transitions

@@ -1,8 +1,8 @@
 #!/bin/bash
-# Session 35's last device call (one `run`, <= 4 min, a short table last; what s35c_device.sh
-# would have run, cut to the device time left): the flow borrowing the local pieces' chunks over
-# every span's rows (qwen3_5_joint.FLOW_BORROWS) and the scan's wide value blocks for steps of
-# >= 16 sequences (ragged.scan_block_v):
+# Session 35's last device call (one `run`, <= 4 min, a short table last; what an unstarted
+# call would have run, cut to the device time left): the flow borrowing the local pieces'
+# chunks over every span's rows (qwen3_5_joint.FLOW_BORROWS) and the scan's wide value blocks
+# for steps of >= 16 sequences (ragged.scan_block_v):
 # 1. compiled: test_flow_borrows (engine-cut pieces), the wide-block test, the joint layer;
 # 2. rag at 16 seats (pic_off, fcfs) with --compose-cost 1 (its "compose program pipelined"
 #    line: the composition goal as the engine runs it).

@@ -70,8 +70,9 @@ STREAM_QK_IN_V_DTYPE = True
 # sequence: 8 programs a head are the parallelism; a small-bucket step, one request's, keeps
 # them). At rag's 1,024 tokens x 16 seats block_v 64 took a capturing (warm/4) step 10.32 ->
 # 9.64 ms and a plain one 7.21 -> 6.96 (H100, session 35; H200 s35a: warm/4 busy 8.86 -> 7.96
-# ms; 128, and programs walking every P-th sequence, were slower: that form is gone). SCAN_BLOCK_V: None (the rule) or an int for every
-# ragged call (benchmarks' forms); read when a step is traced.
+# ms; 128, and programs walking every P-th sequence, were slower: that form is gone).
+# SCAN_BLOCK_V: None (the rule) or an int for every ragged call (benchmarks' forms); read when
+# a step is traced.
 SCAN_BLOCK_V = None
 WIDE_SCAN_SEQS, WIDE_BLOCK_V = 16, 64
 
