@@ -32,6 +32,7 @@ from kernels_pallas.gated_delta.chain_in_place import (FROM_CHECKPOINT, FROM_SLO
 from kernels_pallas.gated_delta.affine import selected_rows  # noqa: F401
 from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows, as_rows  # noqa: F401
 from kernels_pallas.gated_delta.decode_rows import (on_rows, on_seq_rows, seq_rows,  # noqa: F401
+                                                    one_rows_in_place,
                                                     ragged_decode_conv_layer_in_place,
                                                     ragged_decode_in_place,
                                                     ragged_decode_layer_in_place)

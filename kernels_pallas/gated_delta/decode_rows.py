@@ -21,6 +21,20 @@ def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, *, s
     return on_rows(out_s, cu_q_lens, q.shape[0], jnp.float32), cache
 
 
+def one_rows_in_place(q, k, v, g, beta, cu_q_lens, one_row, cache, slots, keep, *, scale=None,
+                      interpret=False):
+    """decode_in_place for the sequences of a prefill step marked `one_row` [S] bool (each has
+    one row this step, its first): their states stepped in the cache in place, every other
+    sequence's state left as it is (a chunked pass packed them, `ragged.packing`'s skip, and
+    may have written their finals there already). Inputs as ragged_decode_in_place's.
+    Returns (out [S, Hv, Dv] float32: each marked sequence's output, zeros for the others,
+    the updated cache)."""
+    rows = jnp.clip(cu_q_lens[:-1], 0, q.shape[0] - 1)
+    # an unmarked sequence keeps what the cache holds: not zeroed where its keep is False
+    return decode_in_place(q[rows], k[rows], v[rows], g[rows], beta[rows], cache, slots,
+                           keep | ~one_row, one_row, scale=scale, interpret=interpret)
+
+
 def _decode_rows(cu_q_lens, n_tokens: int):
     """A decode step's rows: each sequence's one row [S] and whether it has one."""
     return jnp.clip(cu_q_lens[:-1], 0, n_tokens - 1), cu_q_lens[1:] > cu_q_lens[:-1]

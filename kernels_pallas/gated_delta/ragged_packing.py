@@ -9,12 +9,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks, breaks=None):
+def chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks, breaks=None, skip=None):
     """Where each token and chunk goes. Returns dict of int32 arrays (see ragged_prefill).
     breaks: None, or [S] int32 each sequence's break (`packing`): rows from it start a chunk,
-    shifted by their own position (`shift2`) after `pre` rows in `n1` chunks."""
+    shifted by their own position (`shift2`) after `pre` rows in `n1` chunks. skip: None, or
+    [S] bool: those sequences are packed as if they had no rows (their rows get no slot)."""
     seqs = cu_q_lens.shape[0] - 1
     lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+    if skip is not None:
+        lens = jnp.where(skip, 0, lens)
     shift = jnp.where(lens > 0, pos0 % chunk, 0)  # [S]
     pre = lens if breaks is None else jnp.where(breaks > 0, jnp.minimum(breaks, lens), lens)
     n1 = (shift + pre + chunk - 1) // chunk  # [S] chunks before the break (all without one)
@@ -26,6 +29,8 @@ def chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks, breaks=None):
     seq_of_row = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right",
                                            method="compare_all") - 1, 0, seqs - 1)
     valid = rows < cu_q_lens[-1]
+    if skip is not None:
+        valid &= ~skip[seq_of_row]
     i = rows - cu_q_lens[seq_of_row]
     dest = first[seq_of_row] * chunk + shift[seq_of_row] + i
     if breaks is not None:
@@ -46,7 +51,7 @@ def chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks, breaks=None):
 
 def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = False,
             final_of=None, source_rows=None, n_source: int | None = None,
-            max_chunks: int | None = None, breaks=None, max_breaks: int = 0):
+            max_chunks: int | None = None, breaks=None, max_breaks: int = 0, skip=None):
     """Everything ragged_prefill derives from the batch's metadata alone, for callers that run
     several layers over the same rows: compute it once per step and pass it as `packing`.
 
@@ -60,6 +65,9 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
       of n_source rows that the layer holds (a gather of rows folded into the packing: the layer
       passes the stream's [n_source] arrays, and the output comes back in the stream's rows,
       zeros where no batch row comes from).
+    skip: None, or [S] bool: sequences packed as if they had no rows (a step that runs them
+      another way: minipic_jax/models/qwen3_5.py's one-row sequences); their finals are the
+      states they start from, their rows' outputs zeros.
     max_chunks: None, or a static bound on the packed chunks tighter than `packed_chunks`'s worst
       case, which the caller promises the batch fits (the XLA gathers fill the whole packed
       stream, so its size is work; tokens past it are lost: callers check on the host).
@@ -67,16 +75,16 @@ def packing(cu_q_lens, pos0, n_tokens: int, *, chunk: int = 64, aligned: bool = 
     range: a no-op slot), dest [n_source] (the slot each row's output is in; out of range: none),
     restart, seq_of_chunk [NC], fin, final_bound, has_final [K or S], n_used (scalar), lens,
     shift, first (checkpoints), n_ch [S] (each sequence's packed chunks: first .. + n_ch, so the
-    kernel's scan runs the sequences side by side); and the static own_final, chunk. A caller that maps
-    seq_of_chunk to other state0 rows may add the static empty_final_first: finals of empty
-    sequences are then state0[0] (ragged_prefill gathers no [K] initial states for them).
+    kernel's scan runs the sequences side by side); and the static own_final, chunk. A caller
+    that maps seq_of_chunk to other state0 rows may add the static empty_final_first: finals of
+    empty sequences are then state0[0] (ragged_prefill gathers no [K] initial states for them).
     """
     cu_q_lens, pos0 = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(pos0, jnp.int32)
     seqs = cu_q_lens.shape[0] - 1
     n_chunks = packed_chunks(n_tokens, seqs, chunk, aligned) + max_breaks
     if max_chunks is not None:
         n_chunks = max(1, min(n_chunks, int(max_chunks)))
-    pk = chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks, breaks)
+    pk = chunk_layout(cu_q_lens, pos0, n_tokens, chunk, n_chunks, breaks, skip)
     size = n_chunks * chunk
     rows = jnp.arange(n_tokens, dtype=jnp.int32)
     if source_rows is None:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
 from kernels_pallas.gated_delta.api import (GATED_DELTA, IMPLEMENTATIONS, as_rows, break_rows,
-                                            from_cache, ragged_packing)
+                                            choose, from_cache, ragged_packing)
 from kernels_pallas.paged_attention.api import KV_MODES
 from kernels_pallas.sharding import tp_mesh
 from minipic_jax.models import qwen3_5_gdn, qwen3_5_joint, qwen3_5_spans
@@ -64,6 +64,13 @@ GDN_DECODE_CONV = False
 # rag's plain 1,024-token step 8.66 -> 7.96 ms on an H100 (benchmarks/RESULTS.md, "Position-
 # independent spans on hybrid models"); its kernel's compiled tests pass there.
 GDN_FINALS_IN_PLACE = True
+# ... and its sequences of one row without a checkpoint (decodes riding with a prefill chunk)
+# step their states with the decode kernel in place (gated_delta.api.one_rows_in_place): the
+# chunked pass packs them as if they had no rows (ragged.packing's skip), where each took a
+# whole 64-row chunk of its solve, output, pack and scan (rag's 1,024-token steps at 16 seats:
+# a prefill and 15 decodes, 31 chunks where the prefill fills 16). Their rows' outputs are the
+# decode kernel's, as in a decode-only step. Pallas GDN implementations only. Off until timed.
+ONE_ROWS_IN_PLACE = False
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
 GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
@@ -156,7 +163,8 @@ def _recurrent_inputs(metadata, recurrent, n_seqs):
     return pos0, recurrent
 
 
-def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces) -> dict:
+def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces,
+                     gdn_impl=None) -> dict:
     """The GDN layers' keyword inputs: what they derive from the step's metadata alone is
     computed here, once per step, not in each layer (a GPU launches every small op of every
     layer): each row's sequence and conv window indices, the flow prefill's packing, and with
@@ -176,10 +184,32 @@ def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces) ->
             span_pieces, cu, n_rows, k1 + 1, CHUNK, pos0 if joint else None, breaks),
             conv_idx["rows"], cu.shape[0] - 1, k1)
     flow = not (decode or joint)  # the flow's own packing (a joint stream has its own)
+    one_row = _one_rows(cu, checkpoint_at) if (
+        ONE_ROWS_IN_PLACE and decode is False and span_pieces is None and tp_mesh() is None
+        and _pallas_gdn(gdn_impl)) else None
     return dict(checkpoint_at=checkpoint_at, decode=decode, seq_of_row=seq_of_row,
                 packing=ragged_packing(cu, pos0, n_rows, chunk=CHUNK, breaks=breaks,
-                                       max_breaks=CHECKPOINT_BREAKS * (breaks is not None))
-                if flow else None, conv_idx=conv_idx, pieces=pieces)
+                                       max_breaks=CHECKPOINT_BREAKS * (breaks is not None),
+                                       skip=one_row)
+                if flow else None, conv_idx=conv_idx, pieces=pieces, one_row=one_row)
+
+
+def _pallas_gdn(gdn_impl) -> bool:
+    """Whether the GDN layers run Pallas kernels (a compiled name, or one interpreted)."""
+    interpret = bool(gdn_impl) and gdn_impl.endswith("_interpret")
+    name = gdn_impl.removesuffix("_interpret") if interpret else gdn_impl
+    return choose(name, interpret=interpret) != "xla"
+
+
+def _one_rows(cu_q_lens, checkpoint_at):
+    """[S] bool the sequences a prefill step's GDN layers step with the decode kernel
+    (ONE_ROWS_IN_PLACE): one row this step and no checkpoint."""
+    one = cu_q_lens[1:] - cu_q_lens[:-1] == 1
+    if checkpoint_at is None:
+        return one
+    seq, at = as_rows(checkpoint_at)[0]
+    has_ck = jnp.zeros(one.shape, bool).at[seq].max(at >= 0, mode="drop")
+    return one & ~has_ck
 
 
 def decode_in_place(decode, gdn_impl, checkpoint_at, span_pieces) -> bool:
@@ -283,7 +313,8 @@ def forward_with_checkpoints(params: dict, tokens, metadata, cache: Qwen35Cache,
     attend = paged_attend(metadata, inv, attention_scaling=rope.attention_scaling(cfg),
                           kv_mode=kv_mode, attn_impl=attn_impl, write_impl=write_impl,
                           attn_options=attn_options)
-    gdn_kw = _gdn_step_inputs(metadata, pos0, recurrent.decode, cfg, checkpoint_at, span_pieces)
+    gdn_kw = _gdn_step_inputs(metadata, pos0, recurrent.decode, cfg, checkpoint_at, span_pieces,
+                              gdn_impl)
     gdn_kw["impl"] = gdn_impl
     in_place = decode_in_place(recurrent.decode, gdn_impl, checkpoint_at, span_pieces)
     x = model.embed_tokens(tokens)  # [T, E]

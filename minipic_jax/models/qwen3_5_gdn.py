@@ -307,7 +307,7 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
                  impl=None, pieces=None, decode=None, seq_of_row=None, packing=None,
-                 conv_idx=None, state_cache=None):
+                 conv_idx=None, state_cache=None, one_row=None):
         """The GDN token mixer for a ragged batch.
 
         Args:
@@ -325,7 +325,8 @@ class GatedDeltaNet(nnx.Module):
             False: any), None: decided on the device (gated_delta.api.ragged_gated_delta).
           seq_of_row: None or [T] int32 the sequence of each row (`rows_of_seqs`), packing:
             None or the flow prefill's gated_delta.ragged.packing, conv_idx: None or
-            `conv_index(...)` (with checkpoint_at's): all three computed once per step.
+            `conv_index(...)` (with checkpoint_at's): all three computed once per step; one_row:
+            None or [S] bool, the sequences `packing` skips (qwen3_5.ONE_ROWS_IN_PLACE).
           state_cache: None, or on a decode step (no checkpoints, no pieces; delta0 unused) a
             StateCache: the layer's state cache, which gated_delta.api.ragged_decode_in_place
             steps in place (with `glue`, ragged_decode_layer_in_place: the l2 norms, gates and
@@ -336,10 +337,8 @@ class GatedDeltaNet(nnx.Module):
           [S, M, C, Kc-1], delta [S, M, Hv, Dk, Dv]) or None, and the captured span maps
           (pieces.capture: qwen3_5_spans.captured_maps) or None.
         """
-        kc = gdn_dims(cfg)[-1]
-        n_tokens = h.shape[0]
-        if seq_of_row is None:
-            seq_of_row = rows_of_seqs(cu_q_lens, n_tokens)
+        kc, n_tokens = gdn_dims(cfg)[-1], h.shape[0]
+        seq_of_row = rows_of_seqs(cu_q_lens, n_tokens) if seq_of_row is None else seq_of_row
         if conv_idx is None:
             conv_idx = conv_index(cu_q_lens, pos0, seq_of_row, kc - 1, checkpoint_at)
         if isinstance(pieces, SpanPieces):
@@ -370,7 +369,8 @@ class GatedDeltaNet(nnx.Module):
         else:
             core, delta, delta_ck, local_final, a_span = recurrent_core(
                 (q, k, v, g, beta), cu_q_lens, pos0, delta0, pieces,
-                checkpoint_at=checkpoint_at, decode=decode, packing=packing, **kernel)
+                checkpoint_at=checkpoint_at, decode=decode, packing=packing, one_row=one_row,
+                seq_of_row=seq_of_row, **kernel)
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
         out = jnp.einsum("thv,hve->te", normed, self.w_out[...])

@@ -32,6 +32,7 @@ SWITCHES = (
     ("minipic_jax.models.qwen3_5", "GDN_DECODE_GLUE"),
     ("minipic_jax.models.qwen3_5", "GDN_DECODE_CONV"),
     ("minipic_jax.models.qwen3_5", "GDN_FINALS_IN_PLACE"),
+    ("minipic_jax.models.qwen3_5", "ONE_ROWS_IN_PLACE"),
     ("minipic_jax.models.qwen3_5_gdn", "CONV_ROW_SUM"),
     ("minipic_jax.models.qwen3_5_gdn", "CONV_SHIFTED"),
     ("minipic_jax.models.qwen3_5_gdn", "CONV_STACKED_GATHER"),

@@ -1,0 +1,207 @@
+"""A hybrid prefill step's one-row sequences stepped by the GDN decode kernel
+(qwen3_5.ONE_ROWS_IN_PLACE): the chunked pass packs them as if they had no rows
+(ragged.packing's skip) and the decode kernel steps their states in place after it.
+
+- the packing: a skipped sequence's rows get no slot and every other sequence is packed and
+  computed exactly as in the batch without the skipped rows (XLA path, bit for bit);
+- the step (tiny_qwen3_5, its GDN kernels interpreted): the other sequences' logits, states and
+  checkpoints bit for bit the chunked form's; the one-row sequences' within float32 rounding
+  of it (the decode kernel's step against a one-row chunk), resets and checkpoints included;
+- lowered for CUDA: the step calls the decode kernel after the chunked pass.
+MINIPIC_COMPILED=1 runs the kernels compiled on a GPU."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.gated_delta import ragged
+from minipic_jax.models import qwen3_5, qwen3_5_gdn_core
+
+IMPL = "pallas_fused" if os.environ.get("MINIPIC_COMPILED") == "1" else "pallas_fused_interpret"
+
+
+def _inputs(counts, seed, hk=2, hv=4, d=16):
+    rng = np.random.default_rng(seed)
+    t = sum(counts) + 3  # padding rows past the last sequence
+    q = rng.standard_normal((t, hk, d)).astype(np.float32)
+    k = rng.standard_normal((t, hk, d)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((t, hv, d)).astype(np.float32)
+    g = -rng.uniform(0.01, 0.5, (t, hv)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (t, hv)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    pos0 = rng.integers(0, 200, len(counts)).astype(np.int32)
+    state0 = rng.standard_normal((len(counts), hv, d, d)).astype(np.float32)
+    return [jnp.asarray(x) for x in (q, k, v, g, beta)], cu, pos0, jnp.asarray(state0)
+
+
+def test_skipped_sequences_are_packed_as_the_batch_without_their_rows():
+    counts = [9, 1, 70, 1, 0, 4, 1]
+    skip = np.array([c == 1 for c in counts])
+    x, cu, pos0, state0 = _inputs(counts, seed=3)
+    t = x[0].shape[0]
+    pk = ragged.packing(cu, pos0, t, skip=jnp.asarray(skip))
+    out, final, _ = ragged.ragged_prefill(*x, cu, pos0, state0, packing=pk)
+    # the reference: the same batch with the skipped sequences' rows taken out
+    seq_of_row = np.searchsorted(cu, np.arange(t), side="right") - 1
+    kept = np.flatnonzero((np.arange(t) < cu[-1]) & ~skip[np.clip(seq_of_row, 0, len(counts) - 1)])
+    lens = np.where(skip, 0, counts)
+    cu_ref = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    pad = [(0, t - kept.size)]
+    x_ref = [jnp.asarray(np.pad(np.asarray(a)[kept], pad + [(0, 0)] * (a.ndim - 1))) for a in x]
+    out_ref, final_ref, _ = ragged.ragged_prefill(*x_ref, cu_ref, pos0, state0)
+    np.testing.assert_array_equal(np.asarray(out)[kept], np.asarray(out_ref)[:kept.size])
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(final_ref))
+    skipped_rows = np.setdiff1d(np.arange(t), kept)
+    assert not np.asarray(out)[skipped_rows].any()  # no slot: zeros
+    np.testing.assert_array_equal(np.asarray(final)[skip], np.asarray(state0)[skip])
+    assert int(pk["n_used"]) < int(ragged.packing(cu, pos0, t)["n_used"])
+
+
+def _step(counts, reset, ck_seqs, seed, impl=IMPL):
+    from configs.presets import PRESETS
+    from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows
+    from minipic_jax.models.testing import SimplePager
+    from serving.model_contract import RecurrentMetadata
+    cfg = PRESETS["tiny_qwen3_5"]
+    n = len(counts)
+    rng = np.random.default_rng(seed)
+    pager = SimplePager(n, 96, 8, seed=seed)
+    pager.step([5 + 3 * i for i in range(n)])
+    md, logits_idx, _ = pager.step(counts)
+    slots = rng.permutation(n + 3)[:n]
+    rec = RecurrentMetadata(state_slots=jnp.asarray(slots, jnp.int32),
+                            reset=jnp.asarray(reset, bool), decode=False)
+    params = qwen3_5.init_params(cfg, jax.random.key(seed), jnp.float32)
+    cache = qwen3_5.init_cache(cfg, 240, 8, n + 3, jnp.float32)
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
+    pos0 = np.asarray(md.q_positions)[np.asarray(md.cu_q_lens)[:-1].clip(0, md.num_tokens - 1)]
+    ends = pos0 + np.asarray(counts)  # a checkpoint at the end of each sequence in ck_seqs
+    ck = CheckpointRows(seq=jnp.asarray(list(ck_seqs) + [0], jnp.int32),
+                        pos=jnp.asarray([int(ends[s]) for s in ck_seqs] + [-1], jnp.int32))
+
+    def run(p, c):
+        return qwen3_5.forward_with_checkpoints(
+            p, tokens, md, c, cfg, recurrent=rec, logits_indices=logits_idx, gdn_impl=impl,
+            checkpoint_at=ck)
+    return run, params, cache, slots
+
+
+def test_one_rows_step_by_the_decode_kernel(monkeypatch):
+    """Sequences 1 (reset), 3 and 6 have one row; 6 has a checkpoint, so the chunked pass keeps
+    it; 0 (multi-row, reset) must keep the chunked pass's final though the decode kernel runs
+    after it; 4 has no row."""
+    counts, reset = [9, 1, 17, 1, 0, 4, 1], [1, 1, 0, 0, 0, 0, 0]
+    run, params, cache, slots = _step(counts, reset, ck_seqs=(0, 2, 6), seed=5)
+    calls = []
+    real = qwen3_5_gdn_core.gdn_one_rows
+    monkeypatch.setattr(qwen3_5_gdn_core, "gdn_one_rows",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(qwen3_5, "ONE_ROWS_IN_PLACE", on)
+        jax.clear_caches()  # the switch is read while tracing
+        outs[on] = jax.jit(run)(params, cache)
+        assert bool(calls) == on
+    from configs.presets import PRESETS
+    assert len(calls) == PRESETS["tiny_qwen3_5"].layer_types.count("linear_attention")
+    one = np.array([1, 3])  # the sequences the decode kernel steps; their logits rows too (a
+    # row per sequence with rows, in order: sequence 4 has none)
+    (lg_off, cache_off, ck_off), (lg_on, cache_on, ck_on) = outs[False], outs[True]
+    lg_off, lg_on = np.asarray(lg_off), np.asarray(lg_on)
+    others = np.setdiff1d(np.arange(lg_on.shape[0]), one)
+    np.testing.assert_array_equal(lg_on[others], lg_off[others])
+    np.testing.assert_allclose(lg_on[one], lg_off[one], rtol=2e-5, atol=2e-5)
+    for got, want in zip(jax.tree.leaves(ck_on), jax.tree.leaves(ck_off)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for layer_on, layer_off in zip(cache_on.delta, cache_off.delta):
+        layer_on, layer_off = np.asarray(layer_on), np.asarray(layer_off)
+        keep_slots = np.setdiff1d(np.arange(layer_on.shape[0]), slots[one])
+        np.testing.assert_array_equal(layer_on[keep_slots], layer_off[keep_slots])
+        np.testing.assert_allclose(layer_on[slots[one]], layer_off[slots[one]], rtol=2e-5,
+                                   atol=2e-6)
+        assert np.abs(layer_on[slots[one]] - layer_off[slots[one]]).max() > 0  # another path
+    for got, want in zip(cache_on.conv, cache_off.conv):  # later layers' inputs of the
+        # one-row sequences differ by the earlier layers' rounding
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_array_equal(got[keep_slots], want[keep_slots])
+        np.testing.assert_allclose(got[slots[one]], want[slots[one]], rtol=2e-5, atol=2e-6)
+
+
+def test_the_one_row_sequences_are_those_without_a_checkpoint():
+    from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows
+    cu = jnp.asarray([0, 9, 10, 27, 28, 28, 32, 33], jnp.int32)
+    assert qwen3_5._one_rows(cu, None).tolist() == [0, 1, 0, 1, 0, 0, 1]
+    ck = CheckpointRows(seq=jnp.asarray([0, 6, 3], jnp.int32),
+                        pos=jnp.asarray([64, 200, -1], jnp.int32))  # 3's row is unused
+    assert qwen3_5._one_rows(cu, ck).tolist() == [0, 1, 0, 1, 0, 0, 0]
+
+
+def test_one_rows_lower_to_the_decode_kernel_after_the_chunked_pass(monkeypatch):
+    """Lowered for CUDA (abstract H100): with the switch each GDN layer calls the in-place
+    decode kernel, aliased to the state cache; without it, none."""
+    from tests.cuda_lowering import abstract_h100
+    texts = {}
+    for on in (False, True):
+        monkeypatch.setattr(qwen3_5, "ONE_ROWS_IN_PLACE", on)
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        run, params, cache, _ = _step([9, 1, 17, 1], [0, 0, 1, 0], ck_seqs=(0,), seed=2,
+                                      impl="pallas_fused")
+        with abstract_h100():
+            texts[on] = jax.jit(run).trace(params, cache).lower(
+                lowering_platforms=("cuda",)).as_text()
+    from configs.presets import PRESETS
+    n_gdn = PRESETS["tiny_qwen3_5"].layer_types.count("linear_attention")
+    assert texts[False].count("gdn_decode_in_place") == 0
+    assert texts[True].count("gdn_decode_in_place") >= n_gdn
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1], [1, 0, 2]])
+def test_steps_without_a_chunk_to_run_or_with_one_row_only(monkeypatch, counts):
+    """Every sequence of one row (none left for the chunked pass), and a step mixing one with a
+    two-row sequence: the same results as the chunked form within float32 rounding."""
+    run, params, cache, _ = _step(counts, [0] * len(counts), ck_seqs=(), seed=9)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(qwen3_5, "ONE_ROWS_IN_PLACE", on)
+        jax.clear_caches()
+        outs[on] = jax.jit(run)(params, cache)
+    for got, want in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.slow  # two engines' compiles (~20 s of CI's 2 cores); the model-level tests above
+# hold the switch's results in every run
+def test_an_engine_with_one_rows_in_place_gives_the_same_tokens(monkeypatch):
+    """Through LLM.generate (tiny_qwen3_5, its GDN kernels interpreted, a decode variant of its
+    own so prefill steps are known prefill on the host): decodes riding with a later request's
+    chunked prefill give the tokens of the chunked form, logprobs within float32 rounding, and
+    the prefill steps did step one-row sequences by the decode kernel."""
+    from minipic_jax import LLM, SamplingParams
+    rng = np.random.default_rng(11)
+    prompts = [{"prompt_token_ids": rng.integers(5, 200, n).tolist()} for n in (7, 150, 12, 90)]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    calls, real = [], qwen3_5_gdn_core.gdn_one_rows
+    monkeypatch.setattr(qwen3_5_gdn_core, "gdn_one_rows",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(qwen3_5, "ONE_ROWS_IN_PLACE", on)
+        calls.clear()
+        llm = LLM("tiny_qwen3_5", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64,
+                  decode_attn_impl="triton_decode", warmup=False, step_cache="off",
+                  num_kv_blocks=64)
+        llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"  # Config takes compiled names
+        outs[on] = llm.generate(prompts, sp, use_tqdm=False)
+        assert bool(calls) == on  # traced into the prefill variants
+    for want, got in zip(outs[False], outs[True]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for lw, lg in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
+            assert lg.keys() == lw.keys()
+            for t in lw:
+                assert abs(lg[t].logprob - lw[t].logprob) < 1e-4
