@@ -24,7 +24,8 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "pack_kernel": ("kernels_pallas.gated_delta.stream_pack", "PACK_KERNEL"),
          "scan_bv": ("kernels_pallas.gated_delta.ragged", "SCAN_BLOCK_V"),
          "flow_borrows": ("minipic_jax.models.qwen3_5_joint", "FLOW_BORROWS"),
-         "one_rows": ("minipic_jax.models.qwen3_5", "ONE_ROWS_IN_PLACE")}
+         "one_rows": ("minipic_jax.models.qwen3_5", "ONE_ROWS_IN_PLACE"),
+         "joint_one_rows": ("minipic_jax.models.qwen3_5_joint", "ONE_ROWS")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
@@ -35,12 +36,13 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
          "trans_scan": {"trans_in_stream": False}, "trans_in_stream": {"trans_in_stream": True},
          "span_both": {"span_finals": True, "trans_in_stream": False},
          "span_finals_off": {"span_finals": False}, "pack_off": {"pack_kernel": False},
-         "borrow_off": {"flow_borrows": False}, "one_rows": {"one_rows": True},
+         "borrow_off": {"flow_borrows": False}, "one_rows_off": {"one_rows": False},
+         "span_one_rows": {"joint_one_rows": True},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,
                  "finals": False, "trans_in_stream": True, "span_finals": False,
-                 "pack_kernel": False, "flow_borrows": False}}
+                 "pack_kernel": False, "flow_borrows": False, "one_rows": False}}
 FORMS.update({f"bv{n}": {"scan_bv": n} for n in (16, 32, 64, 128)})  # the scan's block_v
 
 

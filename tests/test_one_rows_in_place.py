@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.gated_delta import ragged
-from minipic_jax.models import qwen3_5, qwen3_5_gdn_core
+from minipic_jax.models import qwen3_5, qwen3_5_gdn_core, qwen3_5_joint
 
 IMPL = "pallas_fused" if os.environ.get("MINIPIC_COMPILED") == "1" else "pallas_fused_interpret"
 
@@ -175,33 +175,103 @@ def test_steps_without_a_chunk_to_run_or_with_one_row_only(monkeypatch, counts):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.slow  # two engines' compiles (~20 s of CI's 2 cores); the model-level tests above
-# hold the switch's results in every run
-def test_an_engine_with_one_rows_in_place_gives_the_same_tokens(monkeypatch):
+@pytest.mark.slow  # two engines' compiles each (~20-40 s of CI's 2 cores); the model-level
+# tests above hold the switch's results in every run
+@pytest.mark.parametrize("spans", [False, True])
+def test_an_engine_with_one_rows_in_place_gives_the_same_tokens(monkeypatch, spans):
     """Through LLM.generate (tiny_qwen3_5, its GDN kernels interpreted, a decode variant of its
     own so prefill steps are known prefill on the host): decodes riding with a later request's
-    chunked prefill give the tokens of the chunked form, logprobs within float32 rounding, and
-    the prefill steps did step one-row sequences by the decode kernel."""
-    from minipic_jax import LLM, SamplingParams
+    chunked prefill (plain prompts, or span prompts: span steps' joint streams) give the tokens
+    of the chunked form, logprobs within float32 rounding, and the prefill steps did step
+    one-row sequences by the decode kernel."""
+    from minipic_jax import LLM, Prompt, SamplingParams, Span
     rng = np.random.default_rng(11)
-    prompts = [{"prompt_token_ids": rng.integers(5, 200, n).tolist()} for n in (7, 150, 12, 90)]
+    ids = lambda n: rng.integers(5, 200, n).tolist()  # noqa: E731
+    prompts = [{"prompt_token_ids": ids(n)} for n in (7, 150, 12, 90)]
+    if spans:
+        doc = [Span(ids(40)), Span(ids(70))]
+        prompts = [[Prompt(ids(9)), doc[0], Prompt(ids(5))], [Prompt(ids(12))],
+                   [Prompt(ids(20)), doc[1], doc[0], Prompt(ids(8))], [Prompt(ids(6))]]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     calls, real = [], qwen3_5_gdn_core.gdn_one_rows
     monkeypatch.setattr(qwen3_5_gdn_core, "gdn_one_rows",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
+    joint_skips, plan = [], qwen3_5_joint.plan  # span steps' streams that skip one-row flows
+    monkeypatch.setattr(qwen3_5_joint, "plan", lambda *a, **k: joint_skips.append(
+        (a[9:] + (k.get("one_row"),))[0] is not None) or plan(*a, **k))
     outs = {}
     for on in (False, True):
         monkeypatch.setattr(qwen3_5, "ONE_ROWS_IN_PLACE", on)
+        monkeypatch.setattr(qwen3_5_joint, "ONE_ROWS", on)
         calls.clear()
+        joint_skips.clear()
         llm = LLM("tiny_qwen3_5", max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64,
                   decode_attn_impl="triton_decode", warmup=False, step_cache="off",
                   num_kv_blocks=64)
         llm.llm_engine.runner.gdn_impl = "pallas_fused_interpret"  # Config takes compiled names
         outs[on] = llm.generate(prompts, sp, use_tqdm=False)
         assert bool(calls) == on  # traced into the prefill variants
+        assert any(joint_skips) == (on and spans), joint_skips
     for want, got in zip(outs[False], outs[True]):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         for lw, lg in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
             assert lg.keys() == lw.keys()
             for t in lw:
                 assert abs(lg[t].logprob - lw[t].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("in_place", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_a_span_steps_one_rows_leave_the_joint_stream(monkeypatch, in_place):
+    """A span step's joint stream (qwen3_5_joint) with its one-row flow sequences skipped and
+    stepped by the decode kernel after it: every other output bit for bit the stream's with
+    them (core rows, the layer's states, checkpoints, the captured pieces' local finals and
+    transitions), theirs within float32 rounding; the finals written in place (in_place, the
+    engine's form) or returned [S]."""
+    import dataclasses
+    from kernels_pallas.gated_delta.api import CheckpointRows, from_cache
+    from minipic_jax.models import qwen3_5_gdn, qwen3_5_spans
+    from test_span_joint_layer import (CASES, CHUNK, DK, DV, HV, KC, PALLAS, T, kernel_options,
+                                       layer_case)
+    monkeypatch.setitem(CASES, "one rows", ([90, 1, 70, 1, 1, 60], [70, 5, 0, 31, 9, 130], 24,
+                                            [1, -1, 3, -1], [True, False, True, False], None))
+    rng = np.random.default_rng(21)
+    pieces, x, cu, p0, ck = layer_case(rng, "one rows")
+    one = np.array([0, 1, 0, 1, 1, 0], bool)
+    pieces = dataclasses.replace(pieces, carry_local=pieces.carry_local & ~jnp.asarray(one))
+    keep_ck = ~one[np.asarray(ck.seq)]  # checkpoints of the chunked sequences only
+    ck = CheckpointRows(seq=ck.seq[keep_ck], pos=ck.pos[keep_ck])
+    assert np.asarray(qwen3_5._one_rows(cu, ck, pieces)).tolist() == one.tolist()
+    slots = jnp.asarray(rng.permutation(12)[:6], jnp.int32)
+    keep = jnp.asarray([1, 0, 0, 1, 1, 1], bool)  # a reset one-row and a reset chunked one
+    cache = jnp.asarray(rng.standard_normal((12, HV, DK, DV)), jnp.float32)
+    kernel = kernel_options(PALLAS)
+    seq_of_row = qwen3_5_gdn.rows_of_seqs(cu, T)
+
+    def layer(one_row, cache, *x):
+        plan = qwen3_5_spans.for_layer(qwen3_5_spans.prepare(pieces, cu, T, KC, CHUNK, p0,
+                                                             one_row=one_row), 0)
+        d0 = from_cache(cache, slots, keep, write_final=in_place)
+        core, delta, ckpt, local, a_span = qwen3_5_gdn.recurrent_core(
+            x, cu, p0, d0, plan, checkpoint_at=ck, decode=False, packing=None, one_row=one_row,
+            seq_of_row=seq_of_row, **kernel)
+        if not in_place:  # carried, then scattered (qwen3_5._gdn_layer)
+            use = plan["carry_use"][:, None, None, None]
+            delta = cache.at[slots].set(jnp.where(use, local[:6], delta))
+        return core, delta, ckpt, local, a_span
+
+    monkeypatch.setattr(qwen3_5_joint, "FINALS_IN_PLACE", in_place)
+    outs = [[None if a is None else np.asarray(a) for a in jax.jit(
+        lambda c, *x, o=o: layer(o, c, *x))(cache, *x)] for o in (None, jnp.asarray(one))]
+    (core0, delta0, ck0, local0, a0), (core1, delta1, ck1, local1, a1) = outs
+    rows = np.arange(T)
+    mine = (rows < int(cu[-1])) & one[np.asarray(seq_of_row)]
+    other = (rows < int(cu[-1])) & ~mine
+    np.testing.assert_array_equal(core1[other], core0[other])
+    np.testing.assert_allclose(core1[mine], core0[mine], rtol=2e-5, atol=2e-5)
+    s_one = np.asarray(slots)[one]
+    s_other = np.setdiff1d(np.arange(12), s_one)
+    np.testing.assert_array_equal(delta1[s_other], delta0[s_other])
+    np.testing.assert_allclose(delta1[s_one], delta0[s_one], rtol=2e-5, atol=2e-5)
+    assert np.abs(delta1[s_one] - delta0[s_one]).max() > 0  # the decode kernel's step
+    for got, want in [(ck1, ck0), (local1[6:], local0[6:]), (a1, a0)]:
+        np.testing.assert_array_equal(got, want)

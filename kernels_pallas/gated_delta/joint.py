@@ -46,13 +46,15 @@ class Pass(NamedTuple):
     sequence's first position (chunk boundaries fall on multiples of the chunk of it); rows: [R]
     int32 the source row of each of its rows (R static; rows past cu[-1] are unused); zero_v:
     its rows read v = 0 (a transition pass: the state then carries the maps' product); breaks:
-    None or [n] int32, its sequences' breaks (ragged.packing's); cuts: None or `Cuts`."""
+    None or [n] int32, its sequences' breaks (ragged.packing's); cuts: None or `Cuts`; skip: None
+    or [n] bool, sequences packed as if they had no rows (ragged.packing's skip)."""
     cu: jax.Array
     pos0: jax.Array
     rows: jax.Array
     zero_v: bool = False
     breaks: jax.Array | None = None
     cuts: Cuts | None = None
+    skip: jax.Array | None = None
 
 
 def _units(p: Pass, chunk: int):
@@ -117,6 +119,7 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
     if max_chunks is not None:
         n_chunks = max(1, min(n_chunks, int(max_chunks)))
     starts, shifts, useq, borrows, seq_offset, first_seq = [], [], [], [], [], 0
+    skips = []  # per joint sequence
     for p, o in zip(passes, offs):
         start, shift, seq, b = _units(p, chunk)
         starts.append(start + o)
@@ -125,9 +128,11 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
         borrows.append(b)
         seq_offset.append(first_seq)
         first_seq += int(p.pos0.shape[0])
+        skips.append(jnp.zeros(p.pos0.shape[0], bool) if p.skip is None else p.skip)
     ustart, useq, uborrow = (jnp.concatenate(x) for x in (starts, useq, borrows))
+    skip = jnp.concatenate(skips) if any(p.skip is not None for p in passes) else None
     pk = ragged.chunk_layout(jnp.concatenate([ustart, total[None]]), jnp.concatenate(shifts),
-                             n_virtual, chunk, n_chunks)
+                             n_virtual, chunk, n_chunks, skip=None if skip is None else skip[useq])
     chunk_ids = jnp.arange(n_chunks, dtype=jnp.int32)
     unit_of_chunk = pk["seq_of_chunk"]
     if all(p.breaks is None and p.cuts is None for p in passes):  # units are the sequences
@@ -158,9 +163,10 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
     src_v = jnp.full(size, n_source, jnp.int32).at[pk["dest"]].set(
         jnp.where(vrow_zero_v, n_source, vrow_src), mode="drop")
     units = dict(start=ustart, lens=pk["lens"], shift=pk["shift"], first=pk["first"])
+    lens = cu[1:] - cu[:-1] if skip is None else jnp.where(skip, 0, cu[1:] - cu[:-1])
     return dict(src=src, src_v=src_v, restart=restart, seq_of_chunk=seq_of_chunk,
                 n_used=jnp.sum(n_ch), chunk=chunk, seq_offset=tuple(seq_offset),
-                slot_of=slot_of, lens=cu[1:] - cu[:-1], first=first, n_ch=n_ch, units=units,
+                slot_of=slot_of, lens=lens, first=first, n_ch=n_ch, units=units,
                 row0=cu[:-1], chunk_src=chunk_src)
 
 

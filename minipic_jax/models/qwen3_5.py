@@ -67,10 +67,12 @@ GDN_FINALS_IN_PLACE = True
 # ... and its sequences of one row without a checkpoint (decodes riding with a prefill chunk)
 # step their states with the decode kernel in place (gated_delta.api.one_rows_in_place): the
 # chunked pass packs them as if they had no rows (ragged.packing's skip), where each took a
-# whole 64-row chunk of its solve, output, pack and scan (rag's 1,024-token steps at 16 seats:
-# a prefill and 15 decodes, 31 chunks where the prefill fills 16). Their rows' outputs are the
-# decode kernel's, as in a decode-only step. Pallas GDN implementations only. Off until timed.
-ONE_ROWS_IN_PLACE = False
+# whole 64-row chunk of its solve, output, pack and scan. Their rows' outputs are the decode
+# kernel's, as in a decode-only step. Pallas GDN implementations only; a span step's joint
+# stream too where qwen3_5_joint.ONE_ROWS. On since session 36 (H100: rag's 1,024-token plain
+# step of a prefill and 15 decodes 8.60 -> 8.27 ms, busy 7.30 -> 6.81; compiled tests pass;
+# benchmarks/RESULTS.md, "Position-independent spans on hybrid models").
+ONE_ROWS_IN_PLACE = True
 # the gated delta api's names (None: "auto"), and each Pallas one + "_interpret" (its kernels
 # under the interpreter, for CPU tests): a new implementation needs no edit here
 GDN_IMPLS = (None,) + IMPLEMENTATIONS + tuple(f"{name}_interpret" for name, impl
@@ -179,14 +181,14 @@ def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces,
         breaks = break_rows(as_rows(checkpoint_at)[0], pos0, cu[1:] - cu[:-1], CHUNK,
                             CHECKPOINT_BREAKS)
     joint = span_pieces is not None and qwen3_5_joint.usable(cfg, decode)
+    one_row = _one_rows(cu, checkpoint_at, span_pieces) if (
+        ONE_ROWS_IN_PLACE and decode is False and tp_mesh() is None and _pallas_gdn(gdn_impl)
+        and (span_pieces is None or joint and qwen3_5_joint.ONE_ROWS)) else None
     if span_pieces is not None:  # one conv window per row (the piece's or the flow's)
         pieces = qwen3_5_spans.with_windows(qwen3_5_spans.prepare(
-            span_pieces, cu, n_rows, k1 + 1, CHUNK, pos0 if joint else None, breaks),
+            span_pieces, cu, n_rows, k1 + 1, CHUNK, pos0 if joint else None, breaks, one_row),
             conv_idx["rows"], cu.shape[0] - 1, k1)
     flow = not (decode or joint)  # the flow's own packing (a joint stream has its own)
-    one_row = _one_rows(cu, checkpoint_at) if (
-        ONE_ROWS_IN_PLACE and decode is False and span_pieces is None and tp_mesh() is None
-        and _pallas_gdn(gdn_impl)) else None
     return dict(checkpoint_at=checkpoint_at, decode=decode, seq_of_row=seq_of_row,
                 packing=ragged_packing(cu, pos0, n_rows, chunk=CHUNK, breaks=breaks,
                                        max_breaks=CHECKPOINT_BREAKS * (breaks is not None),
@@ -201,10 +203,14 @@ def _pallas_gdn(gdn_impl) -> bool:
     return choose(name, interpret=interpret) != "xla"
 
 
-def _one_rows(cu_q_lens, checkpoint_at):
+def _one_rows(cu_q_lens, checkpoint_at, span_pieces=None):
     """[S] bool the sequences a prefill step's GDN layers step with the decode kernel
-    (ONE_ROWS_IN_PLACE): one row this step and no checkpoint."""
+    (ONE_ROWS_IN_PLACE): one row this step, no checkpoint, and in a span step a flow row (not
+    a span row) of a sequence that carries no local state (SpanPieces.carry_local)."""
     one = cu_q_lens[1:] - cu_q_lens[:-1] == 1
+    if span_pieces is not None:
+        row = jnp.clip(cu_q_lens[:-1], 0, span_pieces.row_span.shape[0] - 1)
+        one &= ~span_pieces.row_span[row] & ~span_pieces.carry_local
     if checkpoint_at is None:
         return one
     seq, at = as_rows(checkpoint_at)[0]

@@ -26,8 +26,12 @@ def recurrent_core(x, cu_q_lens, pos0, delta0, pieces, *, checkpoint_at, decode,
     finals or None, transitions or None). one_row: None, or [S] bool the sequences `packing`
     skips, stepped by the decode kernel after the chunked pass (`one_rows_in_place`)."""
     if pieces is not None and "joint" in pieces:  # flow, local, transition: one stream
-        return qwen3_5_joint.run(*x, delta0, pos0, pieces["joint"], pieces, checkpoint_at,
-                                 **kernel)
+        core, delta, delta_ck, local_final, a_span = qwen3_5_joint.run(
+            *x, delta0, pos0, pieces["joint"], pieces, checkpoint_at, **kernel)
+        if one_row is not None:
+            core, delta = one_rows_in_place(x, cu_q_lens, one_row, seq_of_row, core, delta,
+                                            delta0, kernel["interpret"])
+        return core, delta, delta_ck, local_final, a_span
     core, delta, delta_ck = ragged_gated_delta(*x, cu_q_lens, pos0, delta0,
                                                checkpoint_at=checkpoint_at, decode=decode,
                                                packing=packing, **kernel)

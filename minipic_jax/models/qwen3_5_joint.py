@@ -59,6 +59,11 @@ FINALS_IN_PLACE = True
 # 0.906x; every span piece with block_v 64, 1.650x / 0.937x; pieces of a chunk at least since
 # (shorter ones added scan steps: CPU count, benchmarks/RESULTS.md). Read when a step is traced.
 FLOW_BORROWS = True
+# True (with qwen3_5.ONE_ROWS_IN_PLACE): the flow's one-row sequences (not span rows, no
+# checkpoint, no carried local state) leave the stream and the decode kernel steps them after it,
+# as a plain step's do (`plan`'s one_row). The same bits elsewhere; theirs within float32
+# rounding (tests/test_one_rows_in_place.py). Off until compiled and timed on a GPU.
+ONE_ROWS = False
 # the span rows a piece needs for its flow rows to borrow (a chunk: a shorter run adds up to two
 # chunk steps to the flow's scan for less than a chunk of intra-chunk and output work); tests
 # set 1 to borrow every span run. Read when a step is traced (not a program switch: an int).
@@ -83,7 +88,7 @@ def span_compaction(row_span, piece_cu, n_rows: int):
 
 
 def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk: int = 64,
-         piece_entry=None, entry_use=None, breaks=None):
+         piece_entry=None, entry_use=None, breaks=None, one_row=None):
     """The joint stream's metadata, once per step: dict joint (joint_packing: flow, local,
     transition passes in that order), dest [T] (each row's output slot: a span row's in the
     local pass, any other's in the flow), chunk_state [NC] (the state table row each packed
@@ -93,14 +98,16 @@ def plan(pieces: SpanPieces, local_final_of, cu_q_lens, pos0, n_rows: int, chunk
     local_final_of: [S (+ Mc)] the pieces whose final local state the step reads
     (qwen3_5_spans.final_pieces); piece_entry [G] (the capture each piece continues, -1: none)
     and entry_use [Mc], or None without entries (qwen3_5_spans._entries); breaks: None or the
-    flow's [S] (ragged.packing's), at most CHECKPOINT_BREAKS of them."""
+    flow's [S] (ragged.packing's), at most CHECKPOINT_BREAKS of them; one_row: None or [S]
+    bool, flow sequences packed as if they had no rows (qwen3_5.ONE_ROWS_IN_PLACE: the decode
+    kernel steps them after the stream; their final rows are then left as they are)."""
     seqs, g = cu_q_lens.shape[0] - 1, pieces.piece_cu.shape[0] - 1
     rows = jnp.arange(n_rows, dtype=jnp.int32)
     compact, row_local, cu_local = span_compaction(pieces.row_span, pieces.piece_cu, n_rows)
     local_chunks = pieces.local_chunks or packed_chunks(n_rows, g, chunk, aligned=True)
     mc = 0 if pieces.capture is None else pieces.capture.shape[0]
     cuts = _borrowing_cuts(pieces, cu_local, seqs, n_rows) if FLOW_BORROWS else None
-    passes = [JointPass(cu_q_lens, pos0, rows, breaks=breaks, cuts=cuts),
+    passes = [JointPass(cu_q_lens, pos0, rows, breaks=breaks, cuts=cuts, skip=one_row),
               JointPass(cu_local, jnp.zeros(g, jnp.int32), compact)]
     n_breaks = CHECKPOINT_BREAKS * (breaks is not None)
     # a borrowed piece adds two chunks at most (its own, from a chunk's first slot, and the cell

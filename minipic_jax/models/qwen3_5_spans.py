@@ -53,7 +53,7 @@ def pieces_from_segments(seg_rows, num_rows: int, num_pieces: int, span_of_row, 
 
 
 def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk: int = 64,
-            pos0=None, breaks=None):
+            pos0=None, breaks=None, one_row=None):
     """Everything the GDN layers' span work derives from the step's metadata alone, computed once
     per step (forward_with_checkpoints) and read by every layer, so a layer runs its data
     movement and kernels only (a GPU launches each small op of each layer). Returns a dict:
@@ -65,7 +65,7 @@ def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk:
     at its entry tail in the `stream`, and the plain packing's initial states per piece.
     pos0: None, or the step's [S] first positions: the layer's passes then run as one stream
     (qwen3_5_joint: "joint" in place of "packings"), the flow's sequences with their `breaks`
-    (None or [S]: ragged.packing's)."""
+    (None or [S]: ragged.packing's) and one_row (None or [S]: qwen3_5_joint.plan's)."""
     g = pieces.piece_cu.shape[0] - 1
     rows = jnp.arange(n_rows, dtype=jnp.int32)
     # compare_all: one [T, G + 1] fusion (the default method loops, a few kernels per level)
@@ -88,7 +88,7 @@ def prepare(pieces: SpanPieces, cu_q_lens, n_rows: int, conv_kernel: int, chunk:
         plan["packings"] = _packings(pieces, fin, n_rows, chunk, piece_entry)
     else:
         plan["joint"] = qwen3_5_joint.plan(pieces, fin, cu_q_lens, pos0, n_rows, chunk,
-                                           piece_entry, use, breaks)
+                                           piece_entry, use, breaks, one_row)
     if cap is not None:
         plan["cap_count"] = piece_len[cap]
         cap_base = None

@@ -43,6 +43,7 @@ SWITCHES = (
     ("minipic_jax.models.qwen3_5_joint", "TRANSITIONS_IN_STREAM"),
     ("minipic_jax.models.qwen3_5_joint", "FINALS_IN_PLACE"),
     ("minipic_jax.models.qwen3_5_joint", "FLOW_BORROWS"),
+    ("minipic_jax.models.qwen3_5_joint", "ONE_ROWS"),
     ("serving.hybrid.chain_compose", "AUTO_KERNEL"),
     ("serving.hybrid.checkpoint_pool", "CHECKPOINTS_STACKED"),
     ("serving.hybrid.span_maps", "COMPOSE_IN_PLACE"),
