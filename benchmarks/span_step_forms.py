@@ -25,7 +25,8 @@ FLAGS = {"seq_parallel": ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARAL
          "scan_bv": ("kernels_pallas.gated_delta.ragged", "SCAN_BLOCK_V"),
          "flow_borrows": ("minipic_jax.models.qwen3_5_joint", "FLOW_BORROWS"),
          "one_rows": ("minipic_jax.models.qwen3_5", "ONE_ROWS_IN_PLACE"),
-         "joint_one_rows": ("minipic_jax.models.qwen3_5_joint", "ONE_ROWS")}
+         "joint_one_rows": ("minipic_jax.models.qwen3_5_joint", "ONE_ROWS"),
+         "rows_in_kernel": ("kernels_pallas.gated_delta.decode_rows", "ROWS_IN_KERNEL")}
 FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_parallel": False},
          "apart": {"joint": False}, "stacked_store": {"store_stacked": True},
          "no_zero_flags": {"zero_flags": False}, "built_states": {"states_in_place": False},
@@ -37,7 +38,8 @@ FORMS = {"new": {}, "f32_qk": {"stream_bf16": False}, "serial_scan": {"seq_paral
          "span_both": {"span_finals": True, "trans_in_stream": False},
          "span_finals_off": {"span_finals": False}, "pack_off": {"pack_kernel": False},
          "borrow_off": {"flow_borrows": False}, "one_rows_off": {"one_rows": False},
-         "span_one_rows": {"joint_one_rows": True},
+         "span_one_rows": {"joint_one_rows": True}, "rows_in_kernel": {"rows_in_kernel": True},
+         "span_one_rows_ik": {"joint_one_rows": True, "rows_in_kernel": True},
          "old": {"seq_parallel": False, "joint": False, "stream_bf16": False,
                  "store_stacked": True, "zero_flags": False, "states_in_place": False,
                  "stream_in_kernel": False, "conv_row_sum": False, "conv_shifted": False,

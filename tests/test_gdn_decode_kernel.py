@@ -191,6 +191,9 @@ def test_engine_decode_steps_step_states_in_place(form, monkeypatch):
     monkeypatch.setattr(api, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
     monkeypatch.setattr(qwen3_5, "GDN_DECODE_GLUE", glue)
     monkeypatch.setattr(qwen3_5, "GDN_DECODE_CONV", conv)
+    # the spy counts the decode steps' calls: prefill steps' one-row sequences call the state
+    # form's kernel too (ONE_ROWS_IN_PLACE, tests/test_one_rows_in_place.py)
+    monkeypatch.setattr(qwen3_5, "ONE_ROWS_IN_PLACE", False)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(5, 200, 20 + 7 * i).tolist()} for i in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)

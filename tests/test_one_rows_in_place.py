@@ -161,7 +161,7 @@ def test_one_rows_lower_to_the_decode_kernel_after_the_chunked_pass(monkeypatch)
     assert texts[True].count("gdn_decode_in_place") >= n_gdn
 
 
-@pytest.mark.parametrize("counts", [[1, 1, 1], [1, 0, 2]])
+@pytest.mark.parametrize("counts", [[1, 1, 1], pytest.param([1, 0, 2], marks=pytest.mark.slow)])
 def test_steps_without_a_chunk_to_run_or_with_one_row_only(monkeypatch, counts):
     """Every sequence of one row (none left for the chunked pass), and a step mixing one with a
     two-row sequence: the same results as the chunked form within float32 rounding."""
@@ -275,3 +275,26 @@ def test_a_span_steps_one_rows_leave_the_joint_stream(monkeypatch, in_place):
     assert np.abs(delta1[s_one] - delta0[s_one]).max() > 0  # the decode kernel's step
     for got, want in [(ck1, ck0), (local1[6:], local0[6:]), (a1, a0)]:
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_decode_kernel_reads_the_rows_itself_bit_for_bit(monkeypatch):
+    """decode_rows.ROWS_IN_KERNEL: the decode kernel reads each sequence's row in the step's
+    arrays (no gathers before it): the same outputs and cache bit for bit, resets, unmarked and
+    padding sequences included."""
+    from kernels_pallas.gated_delta import decode_rows
+    counts = [9, 1, 70, 1, 0, 4, 1]
+    x, cu, _, _ = _inputs(counts, seed=8)
+    rng = np.random.default_rng(8)
+    cache = jnp.asarray(rng.standard_normal((10, 4, 16, 16)), jnp.float32)
+    slots = jnp.asarray(rng.permutation(10)[:7], jnp.int32)
+    keep = jnp.asarray([1, 0, 1, 1, 1, 0, 1], bool)
+    one = jnp.asarray([c == 1 for c in counts])
+    interpret = IMPL.endswith("_interpret")
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(decode_rows, "ROWS_IN_KERNEL", on)
+        outs.append(jax.jit(lambda *a: decode_rows.one_rows_in_place(
+            *a, interpret=interpret))(*x, jnp.asarray(cu), one, cache, slots, keep))
+    for got, want in zip(jax.tree.leaves(outs[1]), jax.tree.leaves(outs[0])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.abs(np.asarray(outs[1][0])[np.asarray(one)]).max() > 0

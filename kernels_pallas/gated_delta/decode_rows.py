@@ -21,6 +21,13 @@ def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, *, s
     return on_rows(out_s, cu_q_lens, q.shape[0], jnp.float32), cache
 
 
+# True: one_rows_in_place's decode kernel reads each sequence's row of q, k, v, g, beta in the
+# step's [T] arrays itself (decode_in_place's `rows`), where five gathers of [S] rows a GDN layer
+# ran before it (H100, session 36: the plain step's +108 kernels with ONE_ROWS_IN_PLACE). The same
+# bits. Off until compiled on a GPU (read when a step is traced).
+ROWS_IN_KERNEL = False
+
+
 def one_rows_in_place(q, k, v, g, beta, cu_q_lens, one_row, cache, slots, keep, *, scale=None,
                       interpret=False):
     """decode_in_place for the sequences of a prefill step marked `one_row` [S] bool (each has
@@ -31,8 +38,12 @@ def one_rows_in_place(q, k, v, g, beta, cu_q_lens, one_row, cache, slots, keep, 
     the updated cache)."""
     rows = jnp.clip(cu_q_lens[:-1], 0, q.shape[0] - 1)
     # an unmarked sequence keeps what the cache holds: not zeroed where its keep is False
+    keep = keep | ~one_row
+    if ROWS_IN_KERNEL:
+        return decode_in_place(q, k, v, g, beta, cache, slots, keep, one_row, scale=scale,
+                               interpret=interpret, rows=rows)
     return decode_in_place(q[rows], k[rows], v[rows], g[rows], beta[rows], cache, slots,
-                           keep | ~one_row, one_row, scale=scale, interpret=interpret)
+                           keep, one_row, scale=scale, interpret=interpret)
 
 
 def _decode_rows(cu_q_lens, n_tokens: int):

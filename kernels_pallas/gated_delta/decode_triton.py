@@ -47,19 +47,22 @@ def _step(s0, k, v, g, beta, has):
     return s + k[:, None] * ((v - kv) * jnp.where(has, beta, 0.0))[None, :]
 
 
-def _kernel(slot_ref, keep_ref, has_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref,
-            o_ref, state_out_ref, *, rep, scale, block_v):
-    # slot / keep / has [N] int32; q, k [N, Hk, Dk]; v [N, Hv, Dv]; g, beta [N, Hv]; state
-    # [P, Hv, Dk, Dv] float32 (the cache, aliased to state_out); o [N, Hv, Dv] float32
+def _kernel(slot_ref, keep_ref, has_ref, *refs, rep, scale, block_v, indexed):
+    # slot / keep / has [N] int32; with `indexed` row [N] int32 next (row n's inputs are row
+    # row[n] of q, k, v, g, beta: [T, ...]); q, k [N, Hk, Dk]; v [N, Hv, Dv]; g, beta [N, Hv];
+    # state [P, Hv, Dk, Dv] float32 (the cache, aliased to state_out); o [N, Hv, Dv] float32
+    row_ref, refs = (refs[0], refs[1:]) if indexed else (None, refs)
+    q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, state_out_ref = refs
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
     slot, kh = slot_ref[n], h // rep
+    r = n if row_ref is None else row_ref[n]
     s0 = jnp.where(keep_ref[n] != 0, state_ref[slot, h, :, cols], 0.0)  # [Dk, BV]
-    q = q_ref[n, kh, :].astype(_F32) * scale  # [Dk]
-    k = k_ref[n, kh, :].astype(_F32)
-    v = v_ref[n, h, cols].astype(_F32)  # [BV]
+    q = q_ref[r, kh, :].astype(_F32) * scale  # [Dk]
+    k = k_ref[r, kh, :].astype(_F32)
+    v = v_ref[r, h, cols].astype(_F32)  # [BV]
     has = has_ref[n] != 0
-    s = _step(s0, k, v, g_ref[n, h].astype(_F32), beta_ref[n, h].astype(_F32), has)
+    s = _step(s0, k, v, g_ref[r, h].astype(_F32), beta_ref[r, h].astype(_F32), has)
     o_ref[n, h, cols] = jnp.where(has, jnp.sum(q[:, None] * s, axis=0), 0.0)
     state_out_ref[slot, h, :, cols] = s
 
@@ -245,7 +248,8 @@ def decode_conv_layer_in_place(x, conv_w, conv_cache, a, b, a_log, dt_bias, z, n
 
 
 def decode_in_place(q, k, v, g, beta, state, slots, keep, has, *, scale=None,
-                    block_v: int | None = None, num_warps: int = 4, interpret: bool = False):
+                    block_v: int | None = None, num_warps: int = 4, interpret: bool = False,
+                    rows=None):
     """One gated delta step for each row, reading and writing the state cache in place.
 
     Args:
@@ -255,14 +259,17 @@ def decode_in_place(q, k, v, g, beta, state, slots, keep, has, *, scale=None,
         bool (keep False: start from zeros; has False: no token, the state stays).
       scale: of q (None: Dk ** -0.5); block_v: value columns per program (divides Dv; None:
         min(32, Dv)); num_warps: per program.
+      rows: None, or [N] int32: row n's inputs are row rows[n] of q, k, v, g, beta ([T, ...],
+        a step's rows: read by the kernel, no gather before it).
     Returns:
       out [N, Hv, Dv] float32 (zeros where has is False), the updated cache [P, Hv, Dk, Dv].
     """
-    rows, hk, dk = k.shape
+    n_in, hk, dk = k.shape
     slots_n, hv, dk_s, dv = state.shape
-    if q.shape != k.shape or v.shape[:2] != (rows, hv) or dk_s != dk or hv % hk:
+    if q.shape != k.shape or v.shape[:2] != (n_in, hv) or dk_s != dk or hv % hk:
         raise ValueError(f"decode_in_place: q {q.shape}, k {k.shape}, v {v.shape} do not fit the "
                          f"state cache {state.shape}")
+    n = n_in if rows is None else rows.shape[0]
     if state.dtype != _F32:
         raise ValueError(f"decode_in_place: the state cache must be float32, got {state.dtype}")
     block_v = min(32, dv) if block_v is None else block_v
@@ -272,11 +279,13 @@ def decode_in_place(q, k, v, g, beta, state, slots, keep, has, *, scale=None,
     flags = [jnp.asarray(x).astype(jnp.int32) for x in (keep, has)]
     slots = jnp.clip(jnp.asarray(slots, jnp.int32), 0, slots_n - 1)  # never write outside
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    args = [slots, *flags, q, k, v, g, beta, state]
-    kernel = functools.partial(_kernel, rep=hv // hk, scale=float(scale), block_v=block_v)
-    out = jax.ShapeDtypeStruct((rows, hv, dv), _F32)
+    indexed = [] if rows is None else [jnp.clip(jnp.asarray(rows, jnp.int32), 0, n_in - 1)]
+    args = [slots, *flags, *indexed, q, k, v, g, beta, state]
+    kernel = functools.partial(_kernel, rep=hv // hk, scale=float(scale), block_v=block_v,
+                               indexed=bool(indexed))
+    out = jax.ShapeDtypeStruct((n, hv, dv), _F32)
     return pl.pallas_call(
-        kernel, grid=(rows, hv, dv // block_v),
+        kernel, grid=(n, hv, dv // block_v),
         in_specs=[whole(x) for x in args],
         out_specs=[whole(out), whole(state)],
         out_shape=[out, jax.ShapeDtypeStruct(state.shape, _F32)],

@@ -20,6 +20,7 @@ SWITCHES = (
     ("kernels_pallas.gated_delta.ragged", "STREAM_QK_IN_V_DTYPE"),
     ("kernels_pallas.gated_delta.ragged_triton", "SEQ_PARALLEL"),
     ("kernels_pallas.gated_delta.state_rows", "STATES_IN_PLACE"),
+    ("kernels_pallas.gated_delta.decode_rows", "ROWS_IN_KERNEL"),
     ("kernels_pallas.gated_delta.stream_rows", "STREAM_IN_KERNEL"),
     ("kernels_pallas.gated_delta.stream_pack", "PACK_KERNEL"),
     ("kernels_pallas.paged_attention.mosaic_prefill_prep", "LIVE_GATHER"),
