@@ -20,6 +20,7 @@ boundaries. Callers use api.py only (`prefill`, `decode_step`, `ragged_gated_del
   checkpoint_rows.py  a ragged step's checkpoints as flat (sequence, position) rows
   decode_triton.py  a decode step in place in the state cache (with the layer's glue and conv)
   decode_rows.py    its calls on a ragged step: each sequence's row in, outputs mapped to rows
+                    (a prefill step's one-row sequences too: one_rows_in_place)
   affine.py         a span's exact affine map (A, B) from the chunk WY factors; composition
   chain_triton.py   chains of cached span maps applied to states, one pass per chain
   tree_scan.py      associative scan over chunk maps (opt-in `scan="tree"`)
