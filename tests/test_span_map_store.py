@@ -22,10 +22,11 @@ def _maps(rng, lg, s, hv=2, dk=4, dv=3, c=5, k1=3):
     return a, b, tail, rng.integers(1, 99, s).astype(np.int32)
 
 
-@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("stacked", [False, True, "small"])
 def test_store_scatters_layer_major_maps_without_a_transposed_copy(fresh_rng, monkeypatch,
                                                                    stacked):
-    monkeypatch.setattr(span_maps, "STORE_STACKED", stacked)
+    monkeypatch.setattr(span_maps, "STORE_STACKED", stacked is True)
+    monkeypatch.setattr(span_maps, "STORE_SMALL_STACKED", stacked == "small")
     lg, s, slots = 3, 4, 6
     a, b, tail, count = _maps(fresh_rng, lg, s)
     a[1, 0, 1] = a[2, 3, 0] = a[0, 1, 1] = 0.0  # stored (0 -> slot 4, 3 -> slot 2) / dropped
@@ -39,8 +40,10 @@ def test_store_scatters_layer_major_maps_without_a_transposed_copy(fresh_rng, mo
     stacks = [e for e in outer_eqns(jaxpr)  # of the maps, not of scatter indices
               if e.primitive.name == "concatenate" and e.outvars[0].aval.size >= lg * s * 2]
     assert ops["transpose"] == 0, ops
-    if stacked:  # one scatter a field (a, b, tail, zero_a stacked first)
+    if stacked is True:  # one scatter a field (a, b, tail, zero_a stacked first)
         assert ops["scatter"] == 5 and len(stacks) == 4, ops
+    elif stacked:  # a and b per layer, the tails and zero flags stacked, count's
+        assert ops["scatter"] == 2 * lg + 3 and len(stacks) == 2, ops
     else:  # one a field and layer, and count's: nothing stacked
         assert ops["scatter"] == 4 * lg + 1 and not stacks, ops
     got = span_maps.store(pool, slot, *per_layer, count)

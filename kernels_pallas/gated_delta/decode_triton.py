@@ -55,16 +55,29 @@ def _kernel(slot_ref, keep_ref, has_ref, *refs, rep, scale, block_v, indexed):
     q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, state_out_ref = refs
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
-    slot, kh = slot_ref[n], h // rep
-    r = n if row_ref is None else row_ref[n]
-    s0 = jnp.where(keep_ref[n] != 0, state_ref[slot, h, :, cols], 0.0)  # [Dk, BV]
-    q = q_ref[r, kh, :].astype(_F32) * scale  # [Dk]
-    k = k_ref[r, kh, :].astype(_F32)
-    v = v_ref[r, h, cols].astype(_F32)  # [BV]
     has = has_ref[n] != 0
-    s = _step(s0, k, v, g_ref[r, h].astype(_F32), beta_ref[r, h].astype(_F32), has)
-    o_ref[n, h, cols] = jnp.where(has, jnp.sum(q[:, None] * s, axis=0), 0.0)
-    state_out_ref[slot, h, :, cols] = s
+
+    def step():
+        slot, kh = slot_ref[n], h // rep
+        r = n if row_ref is None else row_ref[n]
+        s0 = jnp.where(keep_ref[n] != 0, state_ref[slot, h, :, cols], 0.0)  # [Dk, BV]
+        q = q_ref[r, kh, :].astype(_F32) * scale  # [Dk]
+        k = k_ref[r, kh, :].astype(_F32)
+        v = v_ref[r, h, cols].astype(_F32)  # [BV]
+        s = _step(s0, k, v, g_ref[r, h].astype(_F32), beta_ref[r, h].astype(_F32), has)
+        o_ref[n, h, cols] = jnp.where(has, jnp.sum(q[:, None] * s, axis=0), 0.0)
+        state_out_ref[slot, h, :, cols] = s
+
+    if row_ref is None:
+        step()
+        return
+    # indexed (a prefill step's one-row sequences): a sequence it does not step and keeps
+    # (the chunked pass's) is left alone, its state neither read nor written back
+    pl.when(has | (keep_ref[n] == 0))(step)
+
+    @pl.when(~has & (keep_ref[n] != 0))
+    def _():
+        o_ref[n, h, cols] = jnp.zeros((block_v,), _F32)
 
 
 def _sigmoid_in(x, dtype):
@@ -260,7 +273,8 @@ def decode_in_place(q, k, v, g, beta, state, slots, keep, has, *, scale=None,
       scale: of q (None: Dk ** -0.5); block_v: value columns per program (divides Dv; None:
         min(32, Dv)); num_warps: per program.
       rows: None, or [N] int32: row n's inputs are row rows[n] of q, k, v, g, beta ([T, ...],
-        a step's rows: read by the kernel, no gather before it).
+        a step's rows: read by the kernel, no gather before it); a row with has and keep False
+        then leaves its state unread and unwritten (the same cache).
     Returns:
       out [N, Hv, Dv] float32 (zeros where has is False), the updated cache [P, Hv, Dk, Dv].
     """

@@ -50,6 +50,7 @@ SWITCHES = (
     ("serving.hybrid.span_maps", "COMPOSE_IN_PLACE"),
     ("serving.cache.page_zeroing", "ZERO_KERNEL"),
     ("serving.hybrid.span_maps", "STORE_STACKED"),
+    ("serving.hybrid.span_maps", "STORE_SMALL_STACKED"),
     ("serving.hybrid.span_maps", "ZERO_FLAGS"),
 )
 # module-level booleans that do not change a step's program (what a model family is; the pool's
