@@ -60,6 +60,11 @@ def test_skipped_sequences_are_packed_as_the_batch_without_their_rows():
     assert not np.asarray(out)[skipped_rows].any()  # no slot: zeros
     np.testing.assert_array_equal(np.asarray(final)[skip], np.asarray(state0)[skip])
     assert int(pk["n_used"]) < int(ragged.packing(cu, pos0, t)["n_used"])
+    # every sequence skipped: no chunk used, every final its start
+    all_skip = ragged.packing(cu, pos0, t, skip=jnp.ones(len(counts), bool))
+    out, final, _ = ragged.ragged_prefill(*x, cu, pos0, state0, packing=all_skip)
+    assert int(all_skip["n_used"]) == 0 and not np.asarray(out).any()
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(state0))
 
 
 def _step(counts, reset, ck_seqs, seed, impl=IMPL):
@@ -161,7 +166,8 @@ def test_one_rows_lower_to_the_decode_kernel_after_the_chunked_pass(monkeypatch)
     assert texts[True].count("gdn_decode_in_place") >= n_gdn
 
 
-@pytest.mark.parametrize("counts", [[1, 1, 1], pytest.param([1, 0, 2], marks=pytest.mark.slow)])
+@pytest.mark.slow  # (CI time) the packing test runs a batch with nothing to pack by default
+@pytest.mark.parametrize("counts", [[1, 1, 1], [1, 0, 2]])
 def test_steps_without_a_chunk_to_run_or_with_one_row_only(monkeypatch, counts):
     """Every sequence of one row (none left for the chunked pass), and a step mixing one with a
     two-row sequence: the same results as the chunked form within float32 rounding."""
