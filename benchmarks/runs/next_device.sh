@@ -1,7 +1,7 @@
 #!/bin/bash
 # The next device session's calls (each one `run` call, <= 9.5 min; each prints a short table last; raw
 # files under $OUT). Session 21 had no device (lending paused); its calls are in s21_device.sh:
-#   1. OUT=$OUT bash benchmarks/runs/s21_device.sh A: compiled tests of the per-sequence ragged scan,
+#   1. OUT=$OUT bash benchmarks/history/scripts/s21_device.sh A: compiled tests of the per-sequence ragged scan,
 #      the joint span passes, the flat checkpoint / restore rows and the chain kernel's default;
 #      the ragged scan A/B; the step variants new vs old forms; rag at 16 seats (pic_off + fcfs)
 #   2. s21_device.sh B (carry .dev1/fixed_before.tgz = git archive 82b4d81): the span request with

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 
 # True: the kernels read the source rows; False: XLA gathers the packed stream first (the form
 # the in-kernel reads equal bit for bit, tests/test_stream_rows.py). Off until a device has
-# compiled and timed it (benchmarks/runs/s28_device.sh; CPU counts: -0.76 / -2.1 GB of XLA
+# compiled and timed it (benchmarks/history/scripts/s28_device.sh; CPU counts: -0.76 / -2.1 GB of XLA
 # bytes a plain / warm span step at rag's shape); read when a step is traced (ragged.run_stream)
 STREAM_IN_KERNEL = False
 

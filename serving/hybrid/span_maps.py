@@ -36,7 +36,7 @@ STATE_DTYPE = jnp.float32
 # session 29); False: the rows' states read out, composed and scattered back (53 kernels, 1.05
 # ms on an H100 at rag's 16 seats; the same bits). benchmarks/span_compose_cost.py times both.
 # Its compiled tests pass on an H100 (bit for bit the other form, s29d); its time is owed:
-# `benchmarks/runs/s29c_device.sh` runs rag's compose program in both forms.
+# `benchmarks/history/scripts/s29c_device.sh` runs rag's compose program in both forms.
 COMPOSE_IN_PLACE = True
 
 
