@@ -1,13 +1,17 @@
 """A hybrid prefill step's one-row sequences stepped by the GDN decode kernel
-(qwen3_5.ONE_ROWS_IN_PLACE): the chunked pass packs them as if they had no rows
-(ragged.packing's skip) and the decode kernel steps their states in place after it.
+(qwen3_5.ONE_ROWS_IN_PLACE; a span step's joint stream with qwen3_5_joint.ONE_ROWS): the chunked
+pass packs them as if they had no rows (ragged.packing's skip, joint.Pass's) and the decode
+kernel steps their states in place after it.
 
 - the packing: a skipped sequence's rows get no slot and every other sequence is packed and
   computed exactly as in the batch without the skipped rows (XLA path, bit for bit);
 - the step (tiny_qwen3_5, its GDN kernels interpreted): the other sequences' logits, states and
   checkpoints bit for bit the chunked form's; the one-row sequences' within float32 rounding
   of it (the decode kernel's step against a one-row chunk), resets and checkpoints included;
-- lowered for CUDA: the step calls the decode kernel after the chunked pass.
+- a span step's joint stream: the same, against the stream with them (both finals forms);
+- decode_rows.ROWS_IN_KERNEL: the kernel reading the rows itself, bit for bit the gathers;
+- lowered for CUDA: the step calls the decode kernel after the chunked pass; engines' tokens
+  (plain and span prompts, slow tier).
 MINIPIC_COMPILED=1 runs the kernels compiled on a GPU."""
 
 import os
