@@ -9,7 +9,9 @@
 # 2. rag's step shape (`span_step_work --layout long`), plain and warm/4: new / rows_in_kernel
 #    / span_one_rows / span_one_rows_ik / small_stacked;
 # 3. rag at 16 seats today and with all three on, twice each (A B A B: a process's first rag run
-#    was slow for both configurations in s36d).
+#    was slow for both configurations in s36d);
+# 4. with the time left, the 1,024-token plain step's optimized module (step_hlo_device.sh): what
+#    its wrapped_concatenate_19 / _20 are (42 calls, ~0.5 ms of a 9 ms step, plain and warm: s36c).
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s37_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -34,5 +36,8 @@ for i in 1 2; do
       bash benchmarks/runs/rag16_device.sh >> "$R"
   done
 done
+L=$(left); [ "$L" -gt 100 ] && L=100
+[ "$L" -ge 60 ] && OUT=$OUT/hlo TOKENS=1024 LIMIT=$L bash benchmarks/runs/step_hlo_device.sh >> "$R"
+grep -E "wrapped_concatenate|concatenate" "$OUT/hlo/hlo_kernels.txt" 2>/dev/null | head -6 >> "$R"
 echo "== total t=$((SECONDS-T0)) s" >> "$R"
 cat "$R"
