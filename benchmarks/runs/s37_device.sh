@@ -10,8 +10,9 @@
 #    / span_one_rows / span_one_rows_ik / small_stacked;
 # 3. rag at 16 seats today and with all three on, twice each (A B A B: a process's first rag run
 #    was slow for both configurations in s36d);
-# 4. with the time left, the 1,024-token plain step's optimized module (step_hlo_device.sh): what
-#    its wrapped_concatenate_19 / _20 are (42 calls, ~0.5 ms of a 9 ms step, plain and warm: s36c).
+# 4. with the time left, the 1,024-token plain step's optimized module (step_hlo_device.sh, the
+#    engine's fused weights): that no wrapped_concatenate is left (s36c's 66, ~0.6 ms a step, came
+#    from span_step_work's unfused weights, fused since).
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s37_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
