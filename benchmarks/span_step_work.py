@@ -257,9 +257,9 @@ def time_variant(kind: str, caps: int, preset: str, dtype, reps: int = 7,
     steps, that many kernels)."""
     cfg = PRESETS[preset]
     md, logits_idx, f, rec = step_inputs(cfg, kind, caps)
-    # fused projections, as the engine's (Config.fuse_weights): unfused, XLA on a GPU merged the
-    # dots that share an input and concatenated their weights every step (wrapped_concatenate,
-    # 66 kernels and ~0.6 ms of each timed step until session 36)
+    # fused projections, as the engine's (Config.fuse_weights): unfused, the timed steps held 66
+    # wrapped_concatenate kernels (~0.6 ms; H100, session 36), as many as XLA merging the dots
+    # that share an input by concatenating their weights every step would make
     params = qwen3_5.fuse_params(qwen3_5.init_params(cfg, jax.random.key(0), dtype))
     cache, maps = qwen3_5.init_cache(cfg, S * 80, 16, S, dtype), None
     if kind == "warm":
