@@ -14,38 +14,15 @@ import numpy as np
 import pytest
 
 from minipic_jax.models import qwen3_5
+from tiny_hybrid_step import tiny_step
 
 IMPL = "pallas_fused" if os.environ.get("MINIPIC_COMPILED") == "1" else "pallas_fused_interpret"
 
 
 def _step(counts, reset, dtype, checkpoints: bool, seed: int, impl=IMPL):
-    from configs.presets import PRESETS
-    from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows
-    from minipic_jax.models.testing import SimplePager
-    from serving.model_contract import RecurrentMetadata
-    cfg = PRESETS["tiny_qwen3_5"]
-    n = len(counts)
-    rng = np.random.default_rng(seed)
-    pager = SimplePager(n, 96, 8, seed=seed)
-    pager.step([5 + 3 * i for i in range(n)])
-    md, logits_idx, _ = pager.step(counts)
-    rec = RecurrentMetadata(state_slots=jnp.asarray(rng.permutation(n + 3)[:n], jnp.int32),
-                            reset=jnp.asarray(reset, bool), decode=False)
-    params = qwen3_5.init_params(cfg, jax.random.key(seed), dtype)
-    cache = qwen3_5.init_cache(cfg, 240, 8, n + 3, dtype)
-    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
-    ck = None
-    if checkpoints:  # each sequence's end, and one unused row
-        pos0 = np.asarray(md.q_positions)[np.asarray(md.cu_q_lens)[:-1].clip(0, md.num_tokens - 1)]
-        ends = pos0 + np.asarray(counts)
-        ck = CheckpointRows(seq=jnp.asarray(list(range(n)) + [0], jnp.int32),
-                            pos=jnp.asarray(list(ends) + [-1], jnp.int32))
-
-    def run(p, c):
-        return qwen3_5.forward_with_checkpoints(
-            p, tokens, md, c, cfg, recurrent=rec, logits_indices=logits_idx,
-            gdn_impl=impl, checkpoint_at=ck)
+    """tiny_step's (run, params, cache); with checkpoints one at each sequence's end."""
+    run, params, cache, _ = tiny_step(counts, reset, dtype, seed, impl,
+                                      range(len(counts)) if checkpoints else None)
     return run, params, cache
 
 

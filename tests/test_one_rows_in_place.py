@@ -23,6 +23,7 @@ import pytest
 
 from kernels_pallas.gated_delta import ragged
 from minipic_jax.models import qwen3_5, qwen3_5_gdn_core, qwen3_5_joint
+from tiny_hybrid_step import tiny_step
 
 IMPL = "pallas_fused" if os.environ.get("MINIPIC_COMPILED") == "1" else "pallas_fused_interpret"
 
@@ -72,33 +73,8 @@ def test_skipped_sequences_are_packed_as_the_batch_without_their_rows():
 
 
 def _step(counts, reset, ck_seqs, seed, impl=IMPL):
-    from configs.presets import PRESETS
-    from kernels_pallas.gated_delta.checkpoint_rows import CheckpointRows
-    from minipic_jax.models.testing import SimplePager
-    from serving.model_contract import RecurrentMetadata
-    cfg = PRESETS["tiny_qwen3_5"]
-    n = len(counts)
-    rng = np.random.default_rng(seed)
-    pager = SimplePager(n, 96, 8, seed=seed)
-    pager.step([5 + 3 * i for i in range(n)])
-    md, logits_idx, _ = pager.step(counts)
-    slots = rng.permutation(n + 3)[:n]
-    rec = RecurrentMetadata(state_slots=jnp.asarray(slots, jnp.int32),
-                            reset=jnp.asarray(reset, bool), decode=False)
-    params = qwen3_5.init_params(cfg, jax.random.key(seed), jnp.float32)
-    cache = qwen3_5.init_cache(cfg, 240, 8, n + 3, jnp.float32)
-    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
-    pos0 = np.asarray(md.q_positions)[np.asarray(md.cu_q_lens)[:-1].clip(0, md.num_tokens - 1)]
-    ends = pos0 + np.asarray(counts)  # a checkpoint at the end of each sequence in ck_seqs
-    ck = CheckpointRows(seq=jnp.asarray(list(ck_seqs) + [0], jnp.int32),
-                        pos=jnp.asarray([int(ends[s]) for s in ck_seqs] + [-1], jnp.int32))
-
-    def run(p, c):
-        return qwen3_5.forward_with_checkpoints(
-            p, tokens, md, c, cfg, recurrent=rec, logits_indices=logits_idx, gdn_impl=impl,
-            checkpoint_at=ck)
-    return run, params, cache, slots
+    """tiny_step in float32, a checkpoint at the end of each sequence in ck_seqs."""
+    return tiny_step(counts, reset, jnp.float32, seed, impl, ck_seqs)
 
 
 def test_one_rows_step_by_the_decode_kernel(monkeypatch):

@@ -36,7 +36,7 @@ def one_rows_in_place(q, k, v, g, beta, cu_q_lens, one_row, cache, slots, keep, 
     may have written their finals there already). Inputs as ragged_decode_in_place's.
     Returns (out [S, Hv, Dv] float32: each marked sequence's output, zeros for the others,
     the updated cache)."""
-    rows = jnp.clip(cu_q_lens[:-1], 0, q.shape[0] - 1)
+    rows = _decode_rows(cu_q_lens, q.shape[0])[0]
     # an unmarked sequence keeps what the cache holds: not zeroed where its keep is False
     keep = keep | ~one_row
     if ROWS_IN_KERNEL:

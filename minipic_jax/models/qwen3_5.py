@@ -198,8 +198,7 @@ def _gdn_step_inputs(metadata, pos0, decode, cfg, checkpoint_at, span_pieces,
 
 def _pallas_gdn(gdn_impl) -> bool:
     """Whether the GDN layers run Pallas kernels (a compiled name, or one interpreted)."""
-    interpret = bool(gdn_impl) and gdn_impl.endswith("_interpret")
-    name = gdn_impl.removesuffix("_interpret") if interpret else gdn_impl
+    name, interpret = qwen3_5_gdn.interpreted(gdn_impl)
     return choose(name, interpret=interpret) != "xla"
 
 

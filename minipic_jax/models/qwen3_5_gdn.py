@@ -59,6 +59,13 @@ DECODE_SEQ_ROWS = True
 DECODE_GATES_IN_PROJ = False
 
 
+def interpreted(impl):
+    """(the kernel name, whether interpreted) of a GDN `impl` name: a Pallas name + "_interpret"
+    runs that kernel under the interpreter."""
+    interpret = bool(impl) and impl.endswith("_interpret")
+    return (impl.removesuffix("_interpret") if interpret else impl), interpret
+
+
 def gdn_dims(cfg):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -346,7 +353,7 @@ class GatedDeltaNet(nnx.Module):
         if pieces is not None and "window_rows" not in pieces:
             pieces = qwen3_5_spans.with_windows(pieces, conv_idx["rows"], conv0.shape[0], kc - 1)
         (mixed, z, b, a), proj = self.projections(h, cfg)
-        interpret = bool(impl) and impl.endswith("_interpret")
+        impl, interpret = interpreted(impl)
         if state_cache is not None and state_cache.glue:  # the layer's decode in one kernel
             out, conv, delta = self.decode_in_place(mixed, z, b, a, h.dtype, conv0, cu_q_lens,
                                                     pos0, seq_of_row, conv_idx, cfg,
@@ -358,8 +365,7 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        impl = choose(impl.removesuffix("_interpret") if interpret else impl, interpret=interpret)
-        kernel = dict(implementation=impl, interpret=interpret)
+        kernel = dict(implementation=choose(impl, interpret=interpret), interpret=interpret)
         q, k = l2norm(q), l2norm(k)
         if state_cache is not None:  # a decode step, the states stepped in place in the cache
             core, delta = ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, state_cache.cache,
