@@ -119,7 +119,6 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
     if max_chunks is not None:
         n_chunks = max(1, min(n_chunks, int(max_chunks)))
     starts, shifts, useq, borrows, seq_offset, first_seq = [], [], [], [], [], 0
-    skips = []  # per joint sequence
     for p, o in zip(passes, offs):
         start, shift, seq, b = _units(p, chunk)
         starts.append(start + o)
@@ -128,9 +127,11 @@ def joint_packing(passes, n_source: int, *, chunk: int = 64, max_chunks: int | N
         borrows.append(b)
         seq_offset.append(first_seq)
         first_seq += int(p.pos0.shape[0])
-        skips.append(jnp.zeros(p.pos0.shape[0], bool) if p.skip is None else p.skip)
     ustart, useq, uborrow = (jnp.concatenate(x) for x in (starts, useq, borrows))
-    skip = jnp.concatenate(skips) if any(p.skip is not None for p in passes) else None
+    skip = None  # per joint sequence
+    if any(p.skip is not None for p in passes):
+        skip = jnp.concatenate([jnp.zeros(p.pos0.shape[0], bool) if p.skip is None else p.skip
+                                for p in passes])
     pk = ragged.chunk_layout(jnp.concatenate([ustart, total[None]]), jnp.concatenate(shifts),
                              n_virtual, chunk, n_chunks, skip=None if skip is None else skip[useq])
     chunk_ids = jnp.arange(n_chunks, dtype=jnp.int32)

@@ -121,23 +121,18 @@ def store(pool: SpanMapPool, slot, a, b, tail, count) -> SpanMapPool:
     zero = [jnp.all(x == 0, axis=(-2, -1)) if ZERO_FLAGS else jnp.zeros(x.shape[:2], bool)
             for x in a]
     count = pool.count.at[dest].set(count.astype(pool.count.dtype), mode="drop")
-    if STORE_STACKED:
-        layer = jnp.arange(lg, dtype=jnp.int32)[:, None]
-        put = lambda buf, x: buf.at[dest[None, :], layer].set(  # noqa: E731
-            jnp.stack(x).astype(buf.dtype), mode="drop")
-        return SpanMapPool(a=put(pool.a, a), b=put(pool.b, b), tail=put(pool.tail, tail),
-                           count=count, zero_a=put(pool.zero_a, zero))
 
-    def put(buf, x):
+    def per_layer(buf, x):
         for i in range(lg):
             buf = buf.at[dest, i].set(x[i].astype(buf.dtype), mode="drop")
         return buf
 
-    def put_stacked(buf, x):
+    def stacked(buf, x):
         layer = jnp.arange(lg, dtype=jnp.int32)[:, None]
         return buf.at[dest[None, :], layer].set(jnp.stack(x).astype(buf.dtype), mode="drop")
-    small = put_stacked if STORE_SMALL_STACKED else put
-    return SpanMapPool(a=put(pool.a, a), b=put(pool.b, b), tail=small(pool.tail, tail),
+    big = stacked if STORE_STACKED else per_layer
+    small = stacked if STORE_STACKED or STORE_SMALL_STACKED else per_layer
+    return SpanMapPool(a=big(pool.a, a), b=big(pool.b, b), tail=small(pool.tail, tail),
                        count=count, zero_a=small(pool.zero_a, zero))
 
 
