@@ -24,8 +24,10 @@ def ragged_decode_in_place(q, k, v, g, beta, cu_q_lens, cache, slots, keep, *, s
 # True: one_rows_in_place's decode kernel reads each sequence's row of q, k, v, g, beta in the
 # step's [T] arrays itself (decode_in_place's `rows`), where five gathers of [S] rows a GDN layer
 # ran before it (H100, session 36: the plain step's +108 kernels with ONE_ROWS_IN_PLACE). The same
-# bits. Off until compiled on a GPU (read when a step is traced).
-ROWS_IN_KERNEL = False
+# bits. On since session 37 (H100: compiled tests pass; rag's 1,024-token plain step 7.49 -> 7.35
+# ms, 730 -> 694 kernels; benchmarks/RESULTS.md, "Position-independent spans on hybrid
+# models"). Read when a step is traced.
+ROWS_IN_KERNEL = True
 
 
 def one_rows_in_place(q, k, v, g, beta, cu_q_lens, one_row, cache, slots, keep, *, scale=None,

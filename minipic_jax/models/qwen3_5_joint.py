@@ -62,7 +62,8 @@ FLOW_BORROWS = True
 # True (with qwen3_5.ONE_ROWS_IN_PLACE): the flow's one-row sequences (not span rows, no
 # checkpoint, no carried local state) leave the stream and the decode kernel steps them after it,
 # as a plain step's do (`plan`'s one_row). The same bits elsewhere; theirs within float32
-# rounding (tests/test_one_rows_in_place.py). Off until compiled and timed on a GPU.
+# rounding (tests/test_one_rows_in_place.py). Off: compiled, its tests pass, but rag's capturing
+# step got slower (H100, session 37: 9.89 -> 10.32 ms, 796 -> 905 kernels, busy +0.60 ms).
 ONE_ROWS = False
 # the span rows a piece needs for its flow rows to borrow (a chunk: a shorter run adds up to two
 # chunk steps to the flow's scan for less than a chunk of intra-chunk and output work); tests
