@@ -285,3 +285,28 @@ def test_priced_dp_is_the_brute_force_optimum_of_recompute_plus_extra_checkpoint
         best = min(score(c) for m in (1, 2, 3) for c in itertools.combinations(cand, m))
         assert score(got) == pytest.approx(best, rel=1e-12, abs=1e-12), price
         assert len(got) == 1 or price < 1e4
+
+
+def test_a_plan_among_allowed_candidates_is_their_brute_force_optimum():
+    """`allowed` (span prompts: only positions after a PDEP block are addressable) restricts the
+    dp to those candidates, and its plan is the optimum among them; planning over every
+    candidate and dropping the unaddressable ones afterwards (before session 37) lost
+    checkpoints and scored worse."""
+    rng = np.random.default_rng(11)
+    n = 1280
+    pmf = np.zeros(n + 1)
+    pmf[rng.choice(np.arange(1, n + 1), 20, replace=False)] = rng.random(20)
+    pmf[0] = 1.0
+    pmf /= pmf.sum()
+    ok = lambda c: (c < 320) | (c > 1024)  # noqa: E731 -- a span over tokens 320..1024
+    allowed = [c for c in range(64, n + 1, 64) if ok(c)]
+    planner = CheckpointPlanner("dp", 3, 512, n, 64, step_tokens=n)
+    planner.prompt_pmf = lambda n_, blocks, shared=0: pmf
+    got, _ = planner.prompt_plan(_plain(n), n, 16, allowed=ok)
+    assert all(ok(c) for c in got)
+    best = min(expected_recompute(pmf, c) for m in (1, 2, 3)
+               for c in itertools.combinations(allowed, m))
+    assert expected_recompute(pmf, got) == pytest.approx(best, rel=1e-12, abs=1e-12)
+    dropped = [c for c in planner.prompt_plan(_plain(n), n, 16)[0] if ok(c)]
+    assert len(dropped) < len(got)
+    assert expected_recompute(pmf, dropped) > expected_recompute(pmf, got)

@@ -183,15 +183,19 @@ class CheckpointPlanner:
                 for i in range(1, len(edges) - 1)]
 
     def prompt_plan(self, layout, num_tokens: int, block_size: int, blocks=(), shared: int = 0,
-                    free: dict | None = None):
+                    free: dict | None = None, allowed=None):
         """(token indices where this prompt's prefill takes checkpoints, sorted; their values).
         `blocks`: hashes of the prompt's full blocks, the first `shared` held by earlier prompts
         (the prompt not yet observed). With `free` (a dict), every other candidate's value next
         to the plan goes into it (position -> value): where a chunk may take a checkpoint while
-        the store has free slots (serving/hybrid/hybrid_prefix.py, `free_room`)."""
+        the store has free slots (serving/hybrid/hybrid_prefix.py, `free_room`). `allowed`:
+        None, or a function of the candidate token indices [N] -> [N] bool, those the prompt
+        can address (span prompts: span_cache._checkpoints); the plan is optimal among them."""
         if self.strategy == "none" or self.per_prompt == 0:
             return [], []
         cand = candidates(layout, num_tokens, block_size, self.chunk)
+        if allowed is not None and cand.size:
+            cand = cand[allowed(cand)]
         if cand.size == 0:
             return [], []
         pmf = self.prompt_pmf(int(num_tokens), blocks, shared)

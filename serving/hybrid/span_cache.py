@@ -39,6 +39,8 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
 
 from __future__ import annotations
 
+import numpy as np
+
 from serving.cache.admission import AdmissionPlan
 from serving.cache.prefix_keys import device_run
 from serving.hybrid import checkpoint_plan, span_partial, span_rows
@@ -156,11 +158,16 @@ class SpanMapCache:
         starts after its map)."""
         bs, lay = self.block_size, seq.layout
         skipped = {a for a, _ in seq.span.skips}
+
+        def addressable(cand):  # the planner places its checkpoints among these only
+            return ~lay.span_block[cand // bs - 1] & ~np.isin(cand, list(skipped))
+
         positions, values = hybrid.planner.prompt_plan(
-            lay, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs], shared)
+            lay, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs], shared,
+            allowed=addressable)
         if hybrid.planner.per_prompt and hybrid.planner.strategy != "none":
             positions, values = _with_span_start(hybrid, seq, positions, values)
-        keep = [i for i, p in enumerate(positions)
+        keep = [i for i, p in enumerate(positions)  # the span start's, if it is not
                 if not lay.span_block[p // bs - 1] and p not in skipped]
         return [positions[i] for i in keep], [values[i] for i in keep]
 
