@@ -80,7 +80,7 @@ def _kernel(slot_ref, keep_ref, has_ref, *refs, rep, scale, block_v, indexed):
         o_ref[n, h, cols] = jnp.zeros((block_v,), _F32)
 
 
-def _sigmoid_in(x, dtype):
+def sigmoid_in(x, dtype):
     """jax.nn.sigmoid(x) for x of `dtype` as JAX computes it, 1 / (1 + exp(-x)) rounded to
     `dtype` after each op (one rounding of the float32 value differs in 1 of 3 bf16 values by
     a unit in the last place), returned as float32."""
@@ -110,7 +110,7 @@ def _conv_silu(x_ref, w_ref, c_ref, c_out_ref, n, slot, keep, has, c0, width, dt
 def _layer_kernel(*refs, rep, hk, scale, eps, qk_eps, conv, proj_cols=None):
     # _kernel's step over a whole head (Dv), with the layer's glue around it, each value cast as
     # the XLA layer casts it (qwen3_5_gdn.GatedDeltaNet): q / k l2-normed in float32; beta =
-    # sigmoid(b) in the model dtype, op by op (_sigmoid_in); g = -exp(a_log) softplus(a +
+    # sigmoid(b) in the model dtype, op by op (sigmoid_in); g = -exp(a_log) softplus(a +
     # dt_bias) in float32; the output in the model dtype, RMS-normed over Dv, times `norm` (in
     # the model dtype), times silu(z) in float32. a, b [N, Hv]; a_log, dt_bias [Hv]; z [N, Hv,
     # Dv]; norm [Dv]; o [N, Hv, Dv] in the model dtype. With `conv`, q / k / v come from the
@@ -149,7 +149,7 @@ def _layer_kernel(*refs, rep, hk, scale, eps, qk_eps, conv, proj_cols=None):
     def l2norm(x):
         return x * jax.lax.rsqrt(jnp.sum(x * x) + qk_eps)
     q, k = l2norm(q) * scale, l2norm(k)  # [Dk]
-    beta = _sigmoid_in(b_in, dtype)
+    beta = sigmoid_in(b_in, dtype)
     g = -jnp.exp(a_log_ref[h].astype(_F32)) * jax.nn.softplus(
         a_in.astype(_F32) + dt_bias_ref[h].astype(_F32))
     s = _step(s0, k, v, g, beta, has)

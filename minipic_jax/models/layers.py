@@ -8,6 +8,27 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.row_matmul import api as row_matmul
+from kernels_pallas.sharding import tp_mesh
+
+# A step of at most row_matmul.MAX_ROWS rows (a decode step) runs each block's MLP, with its norm
+# and its residual add, as two kernels (kernels_pallas/row_matmul: the norm with the gate/up
+# product and SwiGLU, the down product with the residual), where XLA runs ~5 a block; fused
+# weights, one device (interpreted on a CPU), both model families. Within the float32 sums'
+# order of the XLA form (tests/test_row_matmul.py). Off until compiled and timed on a GPU (read
+# when a step is traced).
+MLP_ROW_KERNEL = False
+
+
+def mlp_in_kernels(x, norm_w, w_gate_up, w_down, eps: float, unit_offset: bool):
+    """x + the SwiGLU MLP of rms_norm(x) (fused weights) in row_matmul's kernels, or None where
+    they do not run: MLP_ROW_KERNEL off, rows or widths they do not take, tensor parallel."""
+    if not (MLP_ROW_KERNEL and tp_mesh() is None
+            and row_matmul.fits(x.shape[0], *w_down.shape)):
+        return None
+    return row_matmul.mlp(x, norm_w, w_gate_up, w_down, eps=eps, unit_offset=unit_offset,
+                          interpret=jax.default_backend() == "cpu")
+
 
 def float32_matmuls(params):
     """Trace context for a forward over `params`: all-float32 params -> every dot at IEEE float32

@@ -62,6 +62,12 @@ class LlamaBlock(nnx.Module):
             attn, kv_state = attend(q, k, v, kv_state)  # [T, H, D]
             x = x + layers.heads_out(attn, self.wo[...])
         with jax.named_scope("mlp"):
+            if hasattr(self, "w_gate_up"):  # a decode step's rows: two kernels (or None)
+                out = layers.mlp_in_kernels(x, self.mlp_norm[...], self.w_gate_up[...],
+                                            self.w_down[...], cfg.rms_norm_eps,
+                                            unit_offset=False)
+                if out is not None:
+                    return out, kv_state
             h = layers.rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
             gate, up = self.gate_up(h)
             x = x + jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, self.w_down[...])  # [T, E]

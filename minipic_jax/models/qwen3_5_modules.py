@@ -106,6 +106,11 @@ class Qwen35Block(nnx.Module):
             out, aux = mix(self.mixer, h)  # [T, E]
             x = x + out
         with jax.named_scope("mlp"):
+            if hasattr(self, "w_gate_up"):  # a decode step's rows: two kernels (or None)
+                out = layers.mlp_in_kernels(x, self.mlp_norm[...], self.w_gate_up[...],
+                                            self.w_down[...], eps, unit_offset=True)
+                if out is not None:
+                    return out, aux
             h = layers.rms_norm(x, self.mlp_norm[...], eps, unit_offset=True)
             x = x + self.mlp(h)
         return x, aux
