@@ -9,12 +9,14 @@ product and SwiGLU, the down product with the residual add), interpreted on the 
 - shapes the kernels do not take raise errors naming them;
 - a Qwen3.5 decode step with layers.MLP_ROW_KERNEL on: the kernels in its program, its
   logits and caches those of the XLA step within float32 rounding; lowered for CUDA, its MLPs are the two
-  Triton kernels a block (compiled on a GPU: MINIPIC_COMPILED=1).
+  Triton kernels a block.
+MINIPIC_COMPILED=1 runs the kernels compiled (on a GPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,8 @@ import pytest
 from kernels_pallas.row_matmul import api, reference
 
 SEED = 37  # every draw below comes from it
+INTERPRET = os.environ.get("MINIPIC_COMPILED") != "1"
+GDN_IMPL = "pallas_fused_interpret" if INTERPRET else "pallas_fused"
 
 
 def _mlp_inputs(rows, e, f, dtype, seed=SEED):
@@ -41,12 +45,13 @@ def _mlp_inputs(rows, e, f, dtype, seed=SEED):
 def test_kernels_are_the_reference_mlp(rows, dtype, unit_offset):
     x, norm_w, w_gate_up, w_down = _mlp_inputs(rows, 256, 384, dtype)
     kw = dict(eps=1e-6, unit_offset=unit_offset)
-    want = reference.mlp(x, norm_w, w_gate_up, w_down, **kw)
-    got = api.mlp(x, norm_w, w_gate_up, w_down, interpret=True, **kw)
+    with jax.default_matmul_precision("highest" if dtype == jnp.float32 else None):
+        want = reference.mlp(x, norm_w, w_gate_up, w_down, **kw)  # (IEEE float32, as the kernel)
+        h = reference.rms_norm(x, norm_w, 1e-6, unit_offset)
+        gu = jnp.einsum("te,ef->tf", h, w_gate_up)
+    got = api.mlp(x, norm_w, w_gate_up, w_down, interpret=INTERPRET, **kw)
     assert got.dtype == x.dtype and got.shape == x.shape
-    h = reference.rms_norm(x, norm_w, 1e-6, unit_offset)
-    gu = jnp.einsum("te,ef->tf", h, w_gate_up)
-    act = api.norm_swiglu(x, norm_w, w_gate_up, interpret=True, **kw)
+    act = api.norm_swiglu(x, norm_w, w_gate_up, interpret=INTERPRET, **kw)
     for a, b in ((got, want), (act, jax.nn.silu(gu[:, :384]) * gu[:, 384:])):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         if dtype == jnp.float32:
@@ -91,7 +96,7 @@ def test_shapes_the_kernels_do_not_take_raise_errors_that_name_them():
     assert (api.block(3584, 32), api.block(48, 128), api.block(1024, 128)) == (32, 16, 128)
 
 
-def _decode_step(monkeypatch, on: bool, dtype=jnp.float32, gdn_impl="pallas_fused_interpret"):
+def _decode_step(monkeypatch, on: bool, dtype=jnp.float32, gdn_impl=GDN_IMPL):
     """A tiny Qwen3.5 decode step (4 sequences, one token each, an 8-row bucket) at widths the
     kernels take (hidden 128, MLP 256): (run(params, cache), params, cache)."""
     from configs.presets import PRESETS
