@@ -176,6 +176,7 @@ def test_llama_with_the_mlp_kernels_matches_hf(monkeypatch):
     assert [tokens[i] for i in range(len(ref["greedy"]))] == list(ref["greedy"])
 
 
+@pytest.mark.slow  # (CI time: 8 s) the Llama fixture's test is the fast tier's HF oracle
 def test_qwen3_5_with_the_mlp_kernels_matches_hf(monkeypatch):
     """The Qwen3.5 HF fixture (hidden 32, MLP 48: blocks of 16 and 32) with the switch on: its
     greedy decode steps (3 sequences in an 8-row bucket) run the MLPs in the kernels; the tokens
