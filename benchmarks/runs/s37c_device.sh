@@ -2,12 +2,11 @@
 # Session 37's device call (one `run`, <= 9.5 min, a short table last; any card): the decode
 # step's MLP in two kernels (kernels_pallas/row_matmul, layers.MLP_ROW_KERNEL, off until this):
 # 1. compiled tests (MINIPIC_COMPILED=1 tests/test_row_matmul.py);
-# 2. the MLP alone, kernels vs XLA, A/B interleaved (benchmarks/row_matmul_bench.py: the
-#    kernels' block and warp options swept at Qwen3.5-0.8B's widths and 8 rows, the defaults at
-#    8 / 16 / 64 rows of both shapes);
-# 3. the hybrid decode step (t = 8, s = 8, 64 seats) today and with the switch, A B A B, every
-#    kernel of today's step (where its ~380 kernels go: the design input of the fused decode
-#    layer's next kernels);
+# 2. the hybrid decode step (t = 8, s = 8, 64 seats) today and with the switch, every kernel of
+#    each (where its ~380 kernels go: the design input of the fused decode layer's next kernels);
+# 3. the MLP alone, kernels vs XLA, A/B interleaved (benchmarks/row_matmul_bench.py: the
+#    defaults at 8 / 16 / 64 rows of both shapes, then the kernels' block and warp options swept
+#    at Qwen3.5-0.8B's widths and 8 rows);
 # 4. with the time left, rag at 16 seats with session 37's defaults, twice (zipf's 1.0x goal).
 # First, 10 s: the reordered span request's admission on this host's CPU (benchmarks.
 # span_admission_host).
@@ -24,25 +23,28 @@ JAX_PLATFORMS=cpu timeout 60 python3 -m benchmarks.span_admission_host --parts \
   > "$OUT/admission_host.txt" 2>&1
 echo "admission (host, stubbed) rc=$? t=$((SECONDS-T0)) s" >> "$R"
 tail -7 "$OUT/admission_host.txt" | cut -c1-120 >> "$R"
-MINIPIC_COMPILED=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE \
+MINIPIC_COMPILED=1 timeout 80 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE \
   tests/test_row_matmul.py > "$OUT/tests_s37c.txt" 2>&1
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests_s37c.txt" | cut -c1-120)" >> "$R"
 grep -E "^(FAILED|ERROR) |^E  " "$OUT/tests_s37c.txt" | cut -c1-200 | sort -u | head -8 >> "$R"
-timeout 100 python3 -m benchmarks.row_matmul_bench --shapes qwen3_5_0_8b --rows 8 --sweep \
-  > "$OUT/mlp_sweep.txt" 2>&1
-echo "mlp sweep rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "rows" "$OUT/mlp_sweep.txt" | sort -k14 -g | head -5 | cut -c1-170 >> "$R"
-timeout 80 python3 -m benchmarks.row_matmul_bench --rows 8 16 64 > "$OUT/mlp_ab.txt" 2>&1
-echo "mlp A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "rows" "$OUT/mlp_ab.txt" | cut -c1-170 >> "$R"
-L=$(left); L=$((L - 130)); [ "$L" -gt 200 ] && L=200
+L=$(left); L=$((L - 60)); [ "$L" -gt 170 ] && L=170
 [ "$L" -ge 60 ] && timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 \
   --max-model-len 25600 --tokens 128 --ckpt 1 --decode --reps 15 --profile 400 \
-  --forms "" MLP_ROW_KERNEL=1 "" MLP_ROW_KERNEL=1 > "$OUT/decode_ab.txt" 2>&1
+  --forms "" MLP_ROW_KERNEL=1 > "$OUT/decode_ab.txt" 2>&1
 echo "decode A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^live|^time|^profile (decode|prefill) t=[0-9]+ s=[0-9]+:" "$OUT/decode_ab.txt" \
   | sed "s/time qwen3_5_0_8b seats=64 max_model_len=25600 caching=1 small_seq_bucket=8 fuse=1//" \
   | cut -c1-160 >> "$R"
+L=$(left); [ "$L" -gt 70 ] && L=70
+[ "$L" -ge 30 ] && timeout $L python3 -m benchmarks.row_matmul_bench --rows 8 16 64 \
+  > "$OUT/mlp_ab.txt" 2>&1
+echo "mlp A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "rows" "$OUT/mlp_ab.txt" | cut -c1-170 >> "$R"
+L=$(left); [ "$L" -gt 100 ] && L=100
+[ "$L" -ge 40 ] && timeout $L python3 -m benchmarks.row_matmul_bench --shapes qwen3_5_0_8b \
+  --rows 8 --sweep > "$OUT/mlp_sweep.txt" 2>&1
+echo "mlp sweep rc=$? t=$((SECONDS-T0)) s" >> "$R"
+grep -E "rows" "$OUT/mlp_sweep.txt" | sort -k14 -g | head -5 | cut -c1-170 >> "$R"
 for i in 1 2; do
   L=$(left); L=$((L - 10)); [ "$L" -gt 100 ] && L=100
   [ "$L" -ge 60 ] && OUT=$OUT LIMIT=$L NAME=rag_$i COMPOSE=0 \
