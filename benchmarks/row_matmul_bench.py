@@ -37,8 +37,9 @@ def inputs(rows, e, f, seed=0):
 def kernel_form(block_n, block_k, warps, interpret):
     """The two kernels at one block / warp option (both kernels the same options)."""
     def run(x, nw, wgu, wd):
-        act = triton_rows.norm_swiglu(x, nw, wgu, eps=1e-6, unit_offset=True, block_n=block_n,
-                                      block_k=block_k, num_warps=warps, interpret=interpret)
+        act = triton_rows.norm_matmul(x, nw, wgu, eps=1e-6, unit_offset=True, swiglu=True,
+                                      block_n=block_n, block_k=block_k, num_warps=warps,
+                                      interpret=interpret)
         return triton_rows.matmul_residual(act, wd, x, block_n=block_n, block_k=block_k,
                                            num_warps=warps, interpret=interpret)
     return jax.jit(run)

@@ -7,9 +7,9 @@ product and SwiGLU, the down product with the residual add), interpreted on the 
   rounding boundary, by a unit or two in the last place); reference.mlp against the model's own XLA
   MLP (qwen3_5_modules.Qwen35Block), bit for bit;
 - shapes the kernels do not take raise errors naming them;
-- a Qwen3.5 decode step with layers.MLP_ROW_KERNEL on: the kernels in its program, its
-  logits and caches those of the XLA step within float32 rounding; lowered for CUDA, its MLPs are the two
-  Triton kernels a block.
+- a Qwen3.5 decode step with layers.MLP_ROW_KERNEL, MIXER_ROW_KERNELS or both on: the kernels
+  in its program, its logits and caches those of the XLA step within float32 rounding; lowered
+  for CUDA, the kernels' calls a block; the HF fixtures' tokens with them (Llama, Qwen3.5).
 MINIPIC_COMPILED=1 runs the kernels compiled (on a GPU).
 """
 
@@ -52,7 +52,8 @@ def test_kernels_are_the_reference_mlp(rows, dtype, unit_offset):
     got = api.mlp(x, norm_w, w_gate_up, w_down, interpret=INTERPRET, **kw)
     assert got.dtype == x.dtype and got.shape == x.shape
     act = api.norm_swiglu(x, norm_w, w_gate_up, interpret=INTERPRET, **kw)
-    for a, b in ((got, want), (act, jax.nn.silu(gu[:, :384]) * gu[:, 384:])):
+    proj = api.norm_matmul(x, norm_w, w_gate_up, interpret=INTERPRET, **kw)  # a plain product
+    for a, b in ((got, want), (act, jax.nn.silu(gu[:, :384]) * gu[:, 384:]), (proj, gu)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         if dtype == jnp.float32:
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
@@ -82,7 +83,7 @@ def test_shapes_the_kernels_do_not_take_raise_errors_that_name_them():
     x, norm_w, w_gate_up, w_down = _mlp_inputs(8, 256, 384, jnp.float32)
     with pytest.raises(ValueError, match=r"norm_swiglu: 12 rows"):
         api.norm_swiglu(x[:6].repeat(2, 0), norm_w, w_gate_up, eps=1e-6, unit_offset=True)
-    with pytest.raises(ValueError, match=r"norm_swiglu: x \(8, 256\), norm_w \(255,\)"):
+    with pytest.raises(ValueError, match=r"norm_swiglu: x \(8, 256\), norm_w \(255,\), w \(256, 768\)"):
         api.norm_swiglu(x, norm_w[:255], w_gate_up, eps=1e-6, unit_offset=True)
     with pytest.raises(ValueError, match=r"matmul_residual: y \(8, 384\), w \(384, 256\), "
                                          r"residual \(8, 128\)"):
@@ -96,16 +97,28 @@ def test_shapes_the_kernels_do_not_take_raise_errors_that_name_them():
     assert (api.block(3584, 32), api.block(48, 128), api.block(1024, 128)) == (32, 16, 128)
 
 
-def _decode_step(monkeypatch, on: bool, dtype=jnp.float32, gdn_impl=GDN_IMPL):
+# the switch sets the model tests run: each fusion alone, both
+SWITCH_SETS = [("MLP_ROW_KERNEL",), ("MIXER_ROW_KERNELS",), ("MLP_ROW_KERNEL", "MIXER_ROW_KERNELS")]
+
+
+def _switches(monkeypatch, on=()):
+    from minipic_jax.models import layers
+    for name in ("MLP_ROW_KERNEL", "MIXER_ROW_KERNELS"):
+        monkeypatch.setattr(layers, name, name in on)
+
+
+def _decode_step(monkeypatch, on=(), dtype=jnp.float32, gdn_impl=GDN_IMPL):
     """A tiny Qwen3.5 decode step (4 sequences, one token each, an 8-row bucket) at widths the
-    kernels take (hidden 128, MLP 256): (run(params, cache), params, cache)."""
+    kernels take (hidden 128, MLP 256, GDN projection 336), with the layers switches `on`: (run(params, cache),
+    params, cache)."""
     from configs.presets import PRESETS
     from minipic_jax.models import qwen3_5
-    from minipic_jax.models import layers
     from minipic_jax.models.testing import SimplePager
     from serving.model_contract import RecurrentMetadata
-    monkeypatch.setattr(layers, "MLP_ROW_KERNEL", on)
-    cfg = dataclasses.replace(PRESETS["tiny_qwen3_5"], hidden_size=128, intermediate_size=256)
+    _switches(monkeypatch, on)
+    # 8 value heads: the GDN projection's 336 columns (C + Hv Dv + 2 Hv) whole blocks of 16
+    cfg = dataclasses.replace(PRESETS["tiny_qwen3_5"], hidden_size=128, intermediate_size=256,
+                              linear_num_value_heads=8)
     rng = np.random.default_rng(SEED)
     pager = SimplePager(4, 64, 8, seed=SEED)
     pager.step([9, 5, 12, 7])
@@ -124,74 +137,92 @@ def _decode_step(monkeypatch, on: bool, dtype=jnp.float32, gdn_impl=GDN_IMPL):
     return run, params, cache
 
 
-def test_a_decode_step_with_the_mlp_kernels_is_the_xla_step(monkeypatch):
+# Triton calls a block of the tiny step (3 GDN + 1 attention layer) per switch: the MLP's two; the
+# mixer's norm with its projection and its output projection with the residual
+CALLS = {"MLP_ROW_KERNEL": (4, 4), "MIXER_ROW_KERNELS": (4, 4)}
+
+
+@pytest.mark.parametrize("on", SWITCH_SETS)
+def test_a_decode_step_with_the_row_kernels_is_the_xla_step(monkeypatch, on):
     outs = {}
-    for on in (False, True):
-        run, params, cache = _decode_step(monkeypatch, on)
+    for form in ((), on):
+        run, params, cache = _decode_step(monkeypatch, form)
         text = str(jax.make_jaxpr(run)(params, cache))
-        assert ("name=norm_swiglu" in text) == on and ("name=matmul_residual" in text) == on
-        outs[on] = jax.jit(run)(params, cache)
-    for a, b in zip(jax.tree.leaves(outs[False]), jax.tree.leaves(outs[True])):
+        assert ("name=rows_norm_swiglu" in text) == ("MLP_ROW_KERNEL" in form)
+        assert ("name=rows_norm_matmul" in text) == ("MIXER_ROW_KERNELS" in form)
+        assert ("name=rows_matmul_residual" in text) == bool(form)
+        outs[form] = jax.jit(run)(params, cache)
+    for a, b in zip(jax.tree.leaves(outs[()]), jax.tree.leaves(outs[on])):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
-    logits = (np.asarray(outs[False][0]), np.asarray(outs[True][0]))
+    logits = (np.asarray(outs[()][0]), np.asarray(outs[on][0]))
     assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()
 
 
-def test_a_decode_step_lowers_its_mlps_to_the_triton_kernels(monkeypatch):
+def test_a_decode_step_lowers_to_the_triton_kernels(monkeypatch):
     """Lowered for an H100 on the CPU (Triton's lowering asks for the device): the step's
-    program holds two Triton calls a block where the switch is on, none where it is off."""
+    program calls the norm kernels and matmul_residual once a block for each switch on, none
+    with both off (a function each, with its one Triton kernel)."""
     from tests.cuda_lowering import abstract_h100
     counts = {}
-    for on in (False, True):
+    for on in [()] + SWITCH_SETS:
         run, params, cache = _decode_step(monkeypatch, on, jnp.bfloat16, "pallas_fused")
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
         with abstract_h100():
             text = jax.jit(run).trace(params, cache).lower(
                 lowering_platforms=("cuda",)).as_text()
         monkeypatch.undo()
-        counts[on] = (text.count("call @norm_swiglu("), text.count("call @matmul_residual("),
-                      text.count('xla.gpu.triton') - text.count("gdn_decode"))
-    assert counts[False][:2] == (0, 0) and counts[True][:2] == (4, 4)  # a block each
-    assert counts[True][2] == counts[False][2] + 2  # each function's one Triton kernel
+        counts[on] = (text.count("call @norm_matmul"), text.count("call @matmul_residual"))
+    for on, got in counts.items():
+        assert got == tuple(sum(CALLS[n][i] for n in on) for i in (0, 1)), (on, got)
 
 
-def test_llama_with_the_mlp_kernels_matches_hf(monkeypatch):
-    """The HF fixture (hidden 32, MLP 32: blocks of 16 and 32) with layers.MLP_ROW_KERNEL on:
-    every step of <= 64 rows (all of them here) runs its MLPs in the kernels; prefill logits
-    within test_llama_fused's tolerance of HF's, greedy tokens HF's."""
+@pytest.mark.parametrize("on", SWITCH_SETS)
+def test_llama_with_the_row_kernels_matches_hf(monkeypatch, on):
+    """The HF fixture (hidden 32, MLP 32: blocks of 16 and 32) with the switches `on`: every
+    step of <= 64 rows (all of them here) runs its MLPs / mixers' norms and output projections
+    in the kernels; prefill logits within test_llama_fused's tolerance of HF's, greedy tokens
+    HF's."""
     from conftest import FIXTURES, LLAMA_FIXTURES, hf_reference
 
     from minipic_jax.loading import load_model
-    from minipic_jax.models import layers, llama, testing
-    monkeypatch.setattr(layers, "MLP_ROW_KERNEL", True)
+    from minipic_jax.models import llama, testing
     name = LLAMA_FIXTURES[1]
     m, ref = load_model(FIXTURES / name), hf_reference(FIXTURES / name)
     fused = llama.fuse_params(m.params)
-    got = testing.prefill_logits(m.family, fused, m.cfg, ref["prompts"], page_size=4)
-    for i, (g, want) in enumerate(zip(got, ref["logits"])):
-        assert np.abs(g - want[:len(g)]).max() <= 1e-4, f"prompt {i}"
     max_new = max(len(g) for g in ref["greedy"])
-    tokens, _ = testing.greedy_generate(m.family, fused, m.cfg, ref["prompts"], max_new,
-                                        page_size=4)
+    runs = {}
+    for form in ((), on):
+        _switches(monkeypatch, form)
+        jax.clear_caches()
+        got = testing.prefill_logits(m.family, fused, m.cfg, ref["prompts"], page_size=4)
+        for i, (g, want) in enumerate(zip(got, ref["logits"])):
+            assert np.abs(g - want[:len(g)]).max() <= 1e-4, f"prompt {i}"
+        runs[form] = testing.greedy_generate(m.family, fused, m.cfg, ref["prompts"], max_new,
+                                             page_size=4)
+    tokens, step_logits = runs[on]
     assert [tokens[i] for i in range(len(ref["greedy"]))] == list(ref["greedy"])
+    for got, want in zip(step_logits, runs[()][1]):  # each decode step's, the XLA step's
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.slow  # (CI time: 8 s) the Llama fixture's test is the fast tier's HF oracle
-def test_qwen3_5_with_the_mlp_kernels_matches_hf(monkeypatch):
-    """The Qwen3.5 HF fixture (hidden 32, MLP 48: blocks of 16 and 32) with the switch on: its
-    greedy decode steps (3 sequences in an 8-row bucket) run the MLPs in the kernels; the tokens
-    are HF's, each step's logits the XLA steps' within float32 rounding."""
+def test_qwen3_5_with_the_row_kernels_matches_hf(monkeypatch):
+    """The Qwen3.5 HF fixture (hidden 32, MLP 48: blocks of 16 and 32) with both switches on:
+    its greedy decode steps (3 sequences in an 8-row bucket) run the MLPs and the mixers' norms
+    and output projections in the kernels; the tokens are HF's, each step's logits the XLA
+    steps' within float32 rounding."""
     from conftest import FIXTURES
     from test_qwen3_5 import QWEN_FIXTURES, _ref
 
     from minipic_jax.loading import load_model
-    from minipic_jax.models import layers, qwen3_5, testing
+    from minipic_jax.models import qwen3_5, testing
     name = QWEN_FIXTURES[0]
     m, ref = load_model(str(FIXTURES / name)), _ref(name)
     fused = qwen3_5.fuse_params(m.params)
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(layers, "MLP_ROW_KERNEL", on)
+        _switches(monkeypatch, SWITCH_SETS[-1] if on else ())
         jax.clear_caches()
         runs[on] = testing.greedy_generate(m.family, fused, m.cfg, ref["prompt"],
                                            len(ref["greedy"][0]), page_size=16,

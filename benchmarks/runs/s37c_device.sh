@@ -2,8 +2,10 @@
 # Session 37's device call (one `run`, <= 9.5 min, a short table last; any card): the decode
 # step's MLP in two kernels (kernels_pallas/row_matmul, layers.MLP_ROW_KERNEL, off until this):
 # 1. compiled tests (MINIPIC_COMPILED=1 tests/test_row_matmul.py);
-# 2. the hybrid decode step (t = 8, s = 8, 64 seats) today and with the switch, every kernel of
-#    each (where its ~380 kernels go: the design input of the fused decode layer's next kernels);
+# 2. the hybrid decode step (t = 8, s = 8, 64 seats) today, with both row-kernel switches
+#    (layers.MLP_ROW_KERNEL and MIXER_ROW_KERNELS: the mixers' norms in their projections, their
+#    output projections with the residual) and with the MLP's only, every kernel of each (where
+#    its ~380 kernels go);
 # 3. the MLP alone, kernels vs XLA, A/B interleaved (benchmarks/row_matmul_bench.py: the
 #    defaults at 8 / 16 / 64 rows of both shapes, then the kernels' block and warp options swept
 #    at Qwen3.5-0.8B's widths and 8 rows);
@@ -27,10 +29,10 @@ MINIPIC_COMPILED=1 timeout 80 python3 -m pytest -q -p no:cacheprovider -o addopt
   tests/test_row_matmul.py > "$OUT/tests_s37c.txt" 2>&1
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests_s37c.txt" | cut -c1-120)" >> "$R"
 grep -E "^(FAILED|ERROR) |^E  " "$OUT/tests_s37c.txt" | cut -c1-200 | sort -u | head -8 >> "$R"
-L=$(left); L=$((L - 60)); [ "$L" -gt 170 ] && L=170
+L=$(left); L=$((L - 60)); [ "$L" -gt 210 ] && L=210
 [ "$L" -ge 60 ] && timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 \
   --max-model-len 25600 --tokens 128 --ckpt 1 --decode --reps 15 --profile 400 \
-  --forms "" MLP_ROW_KERNEL=1 > "$OUT/decode_ab.txt" 2>&1
+  --forms "" MLP_ROW_KERNEL=1,MIXER_ROW_KERNELS=1 MLP_ROW_KERNEL=1 > "$OUT/decode_ab.txt" 2>&1
 echo "decode A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^live|^time|^profile (decode|prefill) t=[0-9]+ s=[0-9]+:" "$OUT/decode_ab.txt" \
   | sed "s/time qwen3_5_0_8b seats=64 max_model_len=25600 caching=1 small_seq_bucket=8 fuse=1//" \

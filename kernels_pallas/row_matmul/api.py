@@ -31,21 +31,30 @@ def _check(name, rows, *dims):
                          f"power of two in 8..{MAX_ROWS}, widths multiples of 16)")
 
 
+def norm_matmul(x, norm_w, w, *, eps: float, unit_offset: bool, swiglu: bool = False,
+                interpret: bool = False):
+    """h W of h = rms_norm(x, norm_w, eps) (Qwen3.5's (1 + w) where `unit_offset`): x [M, E],
+    norm_w [E], w [E, N] -> [M, N] in x's dtype (a mixer's input projection with its norm);
+    `swiglu`: w = [W_gate | W_up], silu(h W_gate) * (h W_up) [M, N / 2] (the fused MLP's first
+    half)."""
+    m, e = x.shape
+    name = "norm_swiglu" if swiglu else "norm_matmul"
+    if norm_w.shape != (e,) or w.ndim != 2 or w.shape[0] != e or (swiglu and w.shape[1] % 2):
+        raise ValueError(f"{name}: x {x.shape}, norm_w {norm_w.shape}, w {w.shape} (want "
+                         f"[M, E], [E], [E, {'2F' if swiglu else 'N'}])")
+    n = w.shape[1] // 2 if swiglu else w.shape[1]
+    _check(name, m, e, n)
+    return triton_rows.norm_matmul(x, norm_w, w.astype(x.dtype), eps=eps,
+                                   unit_offset=unit_offset, swiglu=swiglu,
+                                   block_n=block(n, BLOCK_N), block_k=block(e, BLOCK_K),
+                                   interpret=interpret)
+
+
 def norm_swiglu(x, norm_w, w_gate_up, *, eps: float, unit_offset: bool,
                 interpret: bool = False):
-    """silu(h W_gate) * (h W_up) of h = layers.rms_norm(x, norm_w, eps, unit_offset=...):
-    x [M, E], norm_w [E], w_gate_up [E, 2F] -> [M, F] in x's dtype (the fused MLP's first half,
-    with its norm)."""
-    m, e = x.shape
-    if norm_w.shape != (e,) or w_gate_up.ndim != 2 or w_gate_up.shape[0] != e \
-            or w_gate_up.shape[1] % 2:
-        raise ValueError(f"norm_swiglu: x {x.shape}, norm_w {norm_w.shape}, w_gate_up "
-                         f"{w_gate_up.shape} (want [M, E], [E], [E, 2F])")
-    _check("norm_swiglu", m, e, w_gate_up.shape[1] // 2)
-    return triton_rows.norm_swiglu(x, norm_w, w_gate_up.astype(x.dtype), eps=eps,
-                                   unit_offset=unit_offset, block_n=block(w_gate_up.shape[1] // 2,
-                                                                          BLOCK_N),
-                                   block_k=block(e, BLOCK_K), interpret=interpret)
+    """norm_matmul(..., swiglu=True): x [M, E], norm_w [E], w_gate_up [E, 2F] -> [M, F]."""
+    return norm_matmul(x, norm_w, w_gate_up, eps=eps, unit_offset=unit_offset, swiglu=True,
+                       interpret=interpret)
 
 
 def matmul_residual(y, w, residual, *, interpret: bool = False):

@@ -5,8 +5,8 @@ At decode a block's MLP is a pass over its weights for a handful of rows, and XL
 several kernels (the norm, the gate/up product, silu(gate) * up, the down product, the residual
 add): each a launch of a few microseconds around ~5 us of weight reads. Here two kernels do it:
 
-  norm_swiglu     out = silu(h W_gate) * (h W_up),  h = RMSNorm(x) (the block's norm, cast to
-                  the model dtype as the XLA form casts it); W = [W_gate | W_up] as fused
+  norm_matmul     out = h W,  h = RMSNorm(x) (the block's norm, cast to the model dtype as the
+                  XLA form casts it); with `swiglu` silu(h W_gate) * (h W_up), W = [W_gate | W_up]
   matmul_residual out = residual + y W
 
 One program per BN output columns reads its [E, BN] weight columns once in BK-row blocks
@@ -61,22 +61,22 @@ def _normed(x_ref, w_ref, inv, ks, unit_offset, dtype):
     return w[None, :] * x.astype(dtype)  # Llama: cast, then times w
 
 
-def _norm_swiglu_kernel(x_ref, nw_ref, wg_ref, wu_ref, o_ref, *, eps, unit_offset, block_k):
-    # x [M, E]; nw [E]; wg, wu [E, BN] (this program's gate and up columns); o [M, BN]
+def _norm_kernel(x_ref, nw_ref, *refs, eps, unit_offset, block_k):
+    # x [M, E]; nw [E]; then one weight block [E, BN] (norm_matmul: o = h W) or two (norm_swiglu:
+    # this program's gate and up columns, o = silu(h W_gate) * (h W_up)); o [M, BN]
+    *w_refs, o_ref = refs
     dtype = o_ref.dtype
     inv = _inv_rms(x_ref, eps, block_k)
-    e, bn = wg_ref.shape
+    e, bn = w_refs[0].shape
 
     def body(i, accs):
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         h = _normed(x_ref, nw_ref, inv, ks, unit_offset, dtype)
-        g = accs[0] + _dot(h, wg_ref[ks, :])
-        u = accs[1] + _dot(h, wu_ref[ks, :])
-        return g, u
+        return tuple(acc + _dot(h, w_ref[ks, :]) for acc, w_ref in zip(accs, w_refs))
 
     zero = jnp.zeros((x_ref.shape[0], bn), _F32)
-    g, u = jax.lax.fori_loop(0, e // block_k, body, (zero, zero))
-    o_ref[...] = _swiglu(g, u, dtype)
+    accs = jax.lax.fori_loop(0, e // block_k, body, (zero,) * len(w_refs))
+    o_ref[...] = accs[0].astype(dtype) if len(accs) == 1 else _swiglu(*accs, dtype)
 
 
 def _swiglu(g, u, dtype):
@@ -106,25 +106,26 @@ def _whole(x):
     return pl.BlockSpec(x.shape, lambda j: (0,) * x.ndim)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "unit_offset", "block_n", "block_k",
-                                             "num_warps", "interpret"))
-def norm_swiglu(x, norm_w, w_gate_up, *, eps: float, unit_offset: bool, block_n: int = 32,
-                block_k: int = 128, num_warps: int = 4, interpret: bool = False):
-    """silu(h W_gate) * (h W_up) for h = RMSNorm(x): x [M, E], norm_w [E], w_gate_up [E, 2F]
-    ([W_gate | W_up]) -> [M, F] in x's dtype. Shapes checked by api.norm_swiglu."""
+@functools.partial(jax.jit, static_argnames=("eps", "unit_offset", "swiglu", "block_n",
+                                             "block_k", "num_warps", "interpret"))
+def norm_matmul(x, norm_w, w, *, eps: float, unit_offset: bool, swiglu: bool = False,
+                block_n: int = 32, block_k: int = 128, num_warps: int = 4,
+                interpret: bool = False):
+    """h W for h = RMSNorm(x): x [M, E], norm_w [E], w [E, N] -> [M, N] in x's dtype; with
+    `swiglu` (w = [W_gate | W_up], N = 2F) silu(h W_gate) * (h W_up) [M, F]. Shapes checked by
+    api.norm_matmul / api.norm_swiglu."""
     m, e = x.shape
-    f = w_gate_up.shape[1] // 2
+    n = w.shape[1] // 2 if swiglu else w.shape[1]
     cols = lambda off: pl.BlockSpec((e, block_n), lambda j: (0, j + off))  # noqa: E731
-    kernel = functools.partial(_norm_swiglu_kernel, eps=eps, unit_offset=unit_offset,
-                               block_k=block_k)
+    w_specs = [cols(0), cols(n // block_n)] if swiglu else [cols(0)]
+    kernel = functools.partial(_norm_kernel, eps=eps, unit_offset=unit_offset, block_k=block_k)
     return pl.pallas_call(
-        kernel, grid=(f // block_n,),
-        in_specs=[_whole(x), _whole(norm_w), cols(0), cols(f // block_n)],
+        kernel, grid=(n // block_n,), in_specs=[_whole(x), _whole(norm_w)] + w_specs,
         out_specs=pl.BlockSpec((m, block_n), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((m, f), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
-        interpret=interpret, name="norm_swiglu",
-    )(x, norm_w, w_gate_up, w_gate_up)
+        interpret=interpret, name="rows_norm_swiglu" if swiglu else "rows_norm_matmul",
+    )(x, norm_w, *([w] * len(w_specs)))
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "interpret"))
@@ -141,5 +142,5 @@ def matmul_residual(y, w, residual, *, block_n: int = 32, block_k: int = 128,
         out_specs=pl.BlockSpec((m, block_n), lambda j: (0, j)),
         out_shape=jax.ShapeDtypeStruct((m, n), residual.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
-        interpret=interpret, name="matmul_residual",
+        interpret=interpret, name="rows_matmul_residual",
     )(y, w, residual)

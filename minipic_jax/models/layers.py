@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +21,101 @@ from kernels_pallas.sharding import tp_mesh
 MLP_ROW_KERNEL = False
 
 
+# ... and each mixer's norm in its input projection's kernel (row_matmul.norm_matmul) and its
+# output projection with the residual add (matmul_residual): `pre_norm` hands the mixer a Normed
+# instead of the normed rows, its projections go through `project`, its output projection
+# through `out_projection`, and the block adds it with `add_residual`. Off until compiled and
+# timed on a GPU.
+MIXER_ROW_KERNELS = False
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _kernels_take(rows: int, *widths: int) -> bool:
+    return tp_mesh() is None and row_matmul.fits(rows, *widths)
+
+
 def mlp_in_kernels(x, norm_w, w_gate_up, w_down, eps: float, unit_offset: bool):
     """x + the SwiGLU MLP of rms_norm(x) (fused weights) in row_matmul's kernels, or None where
     they do not run: MLP_ROW_KERNEL off, rows or widths they do not take, tensor parallel."""
-    if not (MLP_ROW_KERNEL and tp_mesh() is None
-            and row_matmul.fits(x.shape[0], *w_down.shape)):
+    if not (MLP_ROW_KERNEL and _kernels_take(x.shape[0], *w_down.shape)):
         return None
     return row_matmul.mlp(x, norm_w, w_gate_up, w_down, eps=eps, unit_offset=unit_offset,
-                          interpret=jax.default_backend() == "cpu")
+                          interpret=_interpret())
+
+
+class Normed(NamedTuple):
+    """rms_norm(x, weight) not computed yet: a mixer's input projection takes the norm into its
+    kernel (`project`). `value()` computes it (what any other use of the rows reads)."""
+    x: jax.Array
+    weight: jax.Array
+    eps: float
+    unit_offset: bool
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+    def value(self):
+        return rms_norm(self.x, self.weight, self.eps, unit_offset=self.unit_offset)
+
+
+class Projected(NamedTuple):
+    """y @ w not computed yet: the block adds it to its residual in one kernel (`add_residual`)."""
+    y: jax.Array
+    w: jax.Array
+
+
+def pre_norm(x, weight, eps: float, *, unit_offset: bool = False):
+    """A block's norm before its mixer: rms_norm(x), or (MIXER_ROW_KERNELS, rows the kernels
+    take, one device) a Normed its projections take into their kernels."""
+    if MIXER_ROW_KERNELS and _kernels_take(*x.shape):
+        return Normed(x, weight, eps, unit_offset)
+    return rms_norm(x, weight, eps, unit_offset=unit_offset)
+
+
+def normed(h):
+    """The normed rows of `pre_norm`'s result."""
+    return h.value() if isinstance(h, Normed) else h
+
+
+def project(h, w):
+    """h [T, E] (rows or a Normed) @ w [E, N] -> [T, N] in h's dtype: a Normed's norm and the
+    product in one kernel (row_matmul.norm_matmul) where it takes the widths."""
+    if isinstance(h, Normed) and _kernels_take(h.shape[0], h.shape[1], w.shape[1]):
+        return row_matmul.norm_matmul(h.x, h.weight, w, eps=h.eps, unit_offset=h.unit_offset,
+                                      interpret=_interpret())
+    return jnp.einsum("te,en->tn", normed(h), w)
+
+
+def out_projection(y, w, h):
+    """A mixer's output y [T, K] @ w [K, E]: a Projected the block adds in one kernel where its
+    input `h` was a Normed and the kernel takes the widths, else the product."""
+    if isinstance(h, Normed) and _kernels_take(y.shape[0], *w.shape):
+        return Projected(y, w)
+    return jnp.einsum("tk,ke->te", y, w)
+
+
+def heads_projection(attn, wo, h):
+    """An attention mixer's output attn [T, H, D] @ wo [H, D, E]: `heads_out`, or where its input
+    `h` was a Normed, `out_projection` of the [T, H*D] rows."""
+    if not isinstance(h, Normed):
+        return heads_out(attn, wo)
+    nh, d, e = wo.shape
+    return out_projection(attn.reshape(attn.shape[0], nh * d), wo.reshape(nh * d, e), h)
+
+
+def add_residual(x, out):
+    """x + a mixer's output (an array, or a Projected: row_matmul.matmul_residual)."""
+    if isinstance(out, Projected):
+        return row_matmul.matmul_residual(out.y, out.w, x, interpret=_interpret())
+    return x + out
 
 
 def float32_matmuls(params):

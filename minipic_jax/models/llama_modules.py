@@ -44,7 +44,8 @@ class LlamaBlock(nnx.Module):
         self.w_down = _param((f, e), ("mlp", "embed"), dtype)
 
     def qkv(self, h):
-        """h [T, E] -> q [T, H, D], k [T, K, D], v [T, K, D]."""
+        """h [T, E] (or a layers.Normed) -> q [T, H, D], k [T, K, D], v [T, K, D]."""
+        h = layers.normed(h)
         return (jnp.einsum("te,ehd->thd", h, self.wq[...]),
                 jnp.einsum("te,ekd->tkd", h, self.wk[...]),
                 jnp.einsum("te,ekd->tkd", h, self.wv[...]))
@@ -56,11 +57,11 @@ class LlamaBlock(nnx.Module):
 
     def __call__(self, x, cfg: ModelConfig, attend: Attend, kv_state):
         """x [T, E] -> (x [T, E], kv_state as `attend` returns it)."""
-        with jax.named_scope("attention"):
-            h = layers.rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)  # [T, E]
+        with jax.named_scope("attention"):  # (layers.MIXER_ROW_KERNELS: norm, residual in
+            h = layers.pre_norm(x, self.attn_norm[...], cfg.rms_norm_eps)  # the kernels)
             q, k, v = self.qkv(h)
             attn, kv_state = attend(q, k, v, kv_state)  # [T, H, D]
-            x = x + layers.heads_out(attn, self.wo[...])
+            x = layers.add_residual(x, layers.heads_projection(attn, self.wo[...], h))
         with jax.named_scope("mlp"):
             if hasattr(self, "w_gate_up"):  # a decode step's rows: two kernels (or None)
                 out = layers.mlp_in_kernels(x, self.mlp_norm[...], self.w_gate_up[...],
@@ -92,7 +93,11 @@ class FusedLlamaBlock(LlamaBlock):
 
     def qkv(self, h):
         nh, nk = self.num_heads, self.num_kv_heads
-        qkv = jnp.einsum("te,end->tnd", h, self.wqkv[...])  # [T, H + 2K, D]
+        if isinstance(h, layers.Normed):  # the norm in the projection's kernel
+            e, n, d = self.wqkv.shape
+            qkv = layers.project(h, self.wqkv[...].reshape(e, n * d)).reshape(-1, n, d)
+        else:
+            qkv = jnp.einsum("te,end->tnd", h, self.wqkv[...])  # [T, H + 2K, D]
         return qkv[:, :nh], qkv[:, nh:nh + nk], qkv[:, nh + nk:]
 
     def gate_up(self, h):

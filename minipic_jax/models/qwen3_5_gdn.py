@@ -15,14 +15,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.gated_delta.api import (StateRows, as_rows, choose, on_rows, on_seq_rows,
+from kernels_pallas.gated_delta.api import (StateRows, choose, on_rows, on_seq_rows,
                                             seq_rows)
 from kernels_pallas.gated_delta.api import ragged_decode_conv_layer_in_place  # no TP form
 from kernels_pallas.sharding import (ragged_decode_in_place,  # per head shard under TP
                                      ragged_decode_layer_in_place, tp_mesh, whole)
-from minipic_jax.models import qwen3_5_spans
+from minipic_jax.models import layers, qwen3_5_spans
 # the recurrence over a step's rows and a decode step's state cache (qwen3_5_gdn_core.py)
 from minipic_jax.models.qwen3_5_gdn_core import StateCache, recurrent_core  # noqa: F401
+from minipic_jax.models.qwen3_5_conv_index import (conv_index, history_index,  # noqa: F401
+                                                   history_rows, read_history, rows_of_seqs)
 from minipic_jax.models.qwen3_5_decode_conv import decode_history, decode_taps
 from minipic_jax.models.nnx_pure import param
 from serving.model_contract import SpanPieces
@@ -37,25 +39,21 @@ CONV_ROW_SUM = True
 # the conv's fusion 0.90 -> 0.68 ms a step, the plain step 9.20 -> 8.83 ms (benchmarks/RESULTS.md,
 # "Position-independent spans on hybrid models"; span steps read their windows another way).
 CONV_SHIFTED = True
-# ... or read as one row gather each from the step's inputs and the conv state's rows stacked
-# (the span steps' form, `qwen3_5_spans.window_rows`, whose conv fusion was below 0.29 ms a step
-# where the plain step's shifted one took 0.68 on the H100: s28). Off until timed.
+# ... or one row gather each from the step's inputs over the conv state's rows stacked (the span
+# steps' `qwen3_5_spans.window_rows`: < 0.29 ms a step vs 0.68 shifted, H100 s28). Off: untimed.
 CONV_STACKED_GATHER = False
-# A decode step's conv (the in-place decode with glue, each sequence <= 1 new token) read
-# straight from the conv state: a row's Kc - 1 earlier inputs are its sequence's state columns,
-# and the state moves on by the sequence's one row (`decode_taps`, `decode_history`), with no
-# history index (the same values as the general form, bit for bit). False: the general form.
+# A decode step's conv (in-place decode with glue, <= 1 new token a sequence) read straight from
+# the conv state, which moves on by the sequence's row (`decode_taps`, `decode_history`): no
+# history index, bit for bit the general form's values. False: the general form.
 DECODE_CONV_DIRECT = True
-# ... and the whole decode layer run per sequence: an engine's decode-only step lays sequence i's
-# token on row i (RecurrentMetadata.decode), so the rows are the sequences by a static slice
-# (decode_rows.seq_rows) where the general form gathered each input of the kernel (q, k, v, z,
-# a, b) at its sequence's row and mapped the output back by a gather. Bit for bit the same.
-# (H100, 64 seats: decode step 2.31 ms vs 2.33 general, 381 kernels vs 365: s30.)
+# ... and the whole decode layer run per sequence: a decode-only step lays sequence i's token on
+# row i (RecurrentMetadata.decode), so rows are sequences by a static slice (decode_rows.seq_rows)
+# where the general form gathered the kernel's inputs and its output. Bit for bit the same
+# (H100, 64 seats: decode step 2.31 ms vs 2.33 general, 381 kernels vs 365: s30).
 DECODE_SEQ_ROWS = True
-# ... with the gates' inputs a, b and the norm's z read by the decode kernel from the layer's
-# fused projection itself (fused weights): each sliced operand of the kernel's call was a copy
-# kernel (`wrapped_slice`), 3 a GDN layer, 54 of the 380 kernels of the 64-seat decode step on
-# an H100 (s30b's module). The same bits. Off until compiled and timed.
+# ... with a, b and z read by the decode kernel in the fused projection itself: each sliced
+# operand was a copy kernel (`wrapped_slice`), 54 of the 64-seat decode step's 380 on an H100
+# (s30b). The same bits. Off: undecided (s36c: busy -0.05 ms, wall within noise).
 DECODE_GATES_IN_PROJ = False
 
 
@@ -81,60 +79,6 @@ def state_shapes(cfg, slots: int):
 def l2norm(x, eps=1e-6):
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def history_index(cu_q_lens, pos0, seq, end_pos, n_tokens: int, hist: int):
-    """Where the hist = Kc - 1 conv inputs just before positions `end_pos` [...] of sequences
-    `seq` [...] are (in the new inputs, T rows, or in the conv state: the inputs before pos0,
-    oldest first): metadata only, so a step computes it once for all its GDN layers.
-    Returns (rows [..., hist] of the new inputs, conv-state index (seq, column) [..., hist] each,
-    from_x [..., hist] bool: the new inputs hold it, else the state)."""
-    offs = jnp.arange(hist, dtype=jnp.int32) - hist  # -(Kc-1) .. -1
-    rel = end_pos[..., None] - pos0[seq][..., None] + offs  # [..., Kc-1] relative to pos0
-    rows = jnp.clip(cu_q_lens[seq][..., None] + rel, 0, n_tokens - 1)
-    seq_b = jnp.broadcast_to(seq[..., None], rel.shape)
-    return rows, seq_b, jnp.clip(hist + rel, 0, hist - 1), rel >= 0
-
-
-def read_history(x, conv0, index):
-    """The conv inputs `history_index` located: x [T, C] new inputs, conv0 [S, C, Kc-1] those
-    before pos0 (oldest first). Returns [..., C, Kc - 1] (a conv state's layout)."""
-    return jnp.swapaxes(history_rows(x, conv0, index), -1, -2)
-
-
-def history_rows(x, conv0, index):
-    """read_history's inputs as rows [..., Kc - 1, C] (oldest first)."""
-    rows, seq, col, from_x = index
-    # indices are in range (clipped): no negative-index wrap ops
-    new = x.at[rows].get(wrap_negative_indices=False)
-    old = conv0.at[seq, :, col].get(wrap_negative_indices=False)
-    return jnp.where(from_x[..., None], new, old.astype(x.dtype))
-
-
-def rows_of_seqs(cu_q_lens, n_tokens: int):
-    """[T] int32 the sequence of each row (padding rows: the last sequence's)."""
-    rows = jnp.arange(n_tokens, dtype=jnp.int32)
-    # compare_all: one [T, S+1] fusion; the default method is a while loop (kernels per level)
-    return jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right", method="compare_all") - 1,
-                    0, cu_q_lens.shape[0] - 2)
-
-
-def conv_index(cu_q_lens, pos0, seq_of_row, hist: int, checkpoint_at=None):
-    """The `history_index`es a GDN layer reads, once per step: each row's conv window ("rows"),
-    each sequence's state after its new tokens ("end") and at its checkpoints ("ckpt")."""
-    n_tokens = seq_of_row.shape[0]
-    rows = jnp.arange(n_tokens, dtype=jnp.int32)
-    end = pos0[seq_of_row] + rows - cu_q_lens[seq_of_row]  # position of each token
-    seq_ids = jnp.arange(cu_q_lens.shape[0] - 1, dtype=jnp.int32)
-    lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    index = dict(rows=history_index(cu_q_lens, pos0, seq_of_row, end, n_tokens, hist),
-                 end=history_index(cu_q_lens, pos0, seq_ids, pos0 + lens, n_tokens, hist))
-    if checkpoint_at is not None:  # per row (checkpoint_rows.py): [K] or [S, M] windows
-        rows_, shape = as_rows(checkpoint_at)
-        ck_pos = jnp.where(rows_.pos >= 0, rows_.pos, pos0[rows_.seq])
-        index["ckpt"] = tuple(x.reshape(tuple(shape) + x.shape[1:]) for x in history_index(
-            cu_q_lens, pos0, rows_.seq, ck_pos, n_tokens, hist))
-    return index
 
 
 def causal_conv(x, conv_w, conv0, cu_q_lens, pos0, seq_of_row, index=None):
@@ -231,12 +175,14 @@ class GatedDeltaNet(nnx.Module):
         weights the fused projection x [T, C + Hv Dv + 2 Hv] they are columns of (z from
         column C, then b, then a), else None."""
         if not hasattr(self, "w_in"):
+            h = layers.normed(h)
             return (jnp.einsum("te,ec->tc", h, self.w_qkv[...]),
                     jnp.einsum("te,ehv->thv", h, self.w_z[...]),
                     jnp.einsum("te,eh->th", h, self.w_b[...]),
                     jnp.einsum("te,eh->th", h, self.w_a[...])), None
         _, hv, _, dv, c, _ = gdn_dims(cfg)
-        x = jnp.einsum("te,ec->tc", h, self.w_in[...])  # [T, C + Hv Dv + 2 Hv]
+        x = (layers.project(h, self.w_in[...]) if isinstance(h, layers.Normed)  # norm in it
+             else jnp.einsum("te,ec->tc", h, self.w_in[...]))  # [T, C + Hv Dv + 2 Hv]
         z_end = c + hv * dv
         return (x[:, :c], x[:, c:z_end].reshape(-1, hv, dv), x[:, z_end:z_end + hv],
                 x[:, z_end + hv:]), x
@@ -265,7 +211,7 @@ class GatedDeltaNet(nnx.Module):
                 conv_out[:, 2 * hk * dk:].reshape(n_tokens, hv, dv))
 
     def decode_in_place(self, mixed, z, b, a, dtype, conv0, cu_q_lens, pos0, seq_of_row,
-                        conv_idx, cfg, state_cache, interpret, proj=None):
+                        conv_idx, cfg, state_cache, interpret, proj=None, h=None):
         """A decode step's layer core in one kernel over the state cache (StateCache with glue;
         with its conv cache, the causal conv too): (the mixer's output [T, E], the conv state:
         per sequence [S, C, Kc-1], or the whole conv cache moved on in place, the state cache).
@@ -296,6 +242,9 @@ class GatedDeltaNet(nnx.Module):
                 q, k, v, *gates, *norm, cu_q_lens, sc.cache, sc.slots, sc.keep,
                 eps=cfg.rms_norm_eps, interpret=interpret, to_rows=False, per_seq=True,
                 proj=in_proj)
+            if isinstance(h, layers.Normed):  # rows first, the product in the block's kernel
+                rows = on_seq_rows(normed, cu_q_lens, mixed.shape[0], normed.dtype)
+                return self.output(rows, h), conv, delta
             out = jnp.einsum("thv,hve->te", normed, w_out)
             return on_seq_rows(out, cu_q_lens, mixed.shape[0], out.dtype), conv, delta
         if DECODE_CONV_DIRECT:
@@ -312,13 +261,22 @@ class GatedDeltaNet(nnx.Module):
         out = jnp.einsum("thv,hve->te", normed, w_out)
         return on_rows(out, cu_q_lens, mixed.shape[0], out.dtype), conv, delta
 
+    def output(self, normed, h):
+        """normed [T, Hv, Dv] @ w_out -> [T, E] (a layers.Projected where h is a layers.Normed)."""
+        if isinstance(h, layers.Normed):
+            w = self.w_out[...]
+            return layers.out_projection(normed.reshape(normed.shape[0], -1),
+                                         w.reshape(-1, w.shape[-1]), h)
+        return jnp.einsum("thv,hve->te", normed, self.w_out[...])
+
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,
                  impl=None, pieces=None, decode=None, seq_of_row=None, packing=None,
                  conv_idx=None, state_cache=None, one_row=None):
         """The GDN token mixer for a ragged batch.
 
         Args:
-          h: [T, E] normed hidden states; conv0 [S, C, Kc-1] and delta0 [S, Hv, Dk, Dv] (float32)
+          h: [T, E] normed hidden states, or a layers.Normed (out: a layers.Projected where
+            the kernels take it); conv0 [S, C, Kc-1], delta0 [S, Hv, Dk, Dv] (float32)
             the states of each sequence before its new tokens; cu_q_lens [S+1]; pos0 [S] position
             of each sequence's first new token; checkpoint_at None or [S, M] absolute positions
             (multiples of 64 or the sequence's end, -1 = none) or CheckpointRows (the same as K
@@ -357,7 +315,7 @@ class GatedDeltaNet(nnx.Module):
         if state_cache is not None and state_cache.glue:  # the layer's decode in one kernel
             out, conv, delta = self.decode_in_place(mixed, z, b, a, h.dtype, conv0, cu_q_lens,
                                                     pos0, seq_of_row, conv_idx, cfg,
-                                                    state_cache, interpret, proj)
+                                                    state_cache, interpret, proj, h)
             return out, conv, delta, None, None
         q, k, v = self.conv_qkv(mixed, h.dtype, conv0, cu_q_lens, pos0, seq_of_row,
                                 conv_idx["rows"], pieces, cfg)
@@ -379,7 +337,7 @@ class GatedDeltaNet(nnx.Module):
                 seq_of_row=seq_of_row, **kernel)
         core = core.astype(h.dtype)  # [T, Hv, Dv]
         normed = gated_rms_norm(core, z, self.norm[...], cfg.rms_norm_eps)
-        out = jnp.einsum("thv,hve->te", normed, self.w_out[...])
+        out = self.output(normed, h)
         maps = None
         if pieces is not None:  # (a cache written in place holds the carried finals already)
             conv, delta = qwen3_5_spans.carry_local(mixed, pieces, local_final, conv, delta,

@@ -53,23 +53,28 @@ class GatedAttention(nnx.Module):
         self.k_norm = param((d,), ("head_dim",), dtype)
 
     def projections(self, h):
-        """(q, gate [T, H, D], k, v [T, K, D]) before the norms."""
+        """(q, gate [T, H, D], k, v [T, K, D]) before the norms (h: rows or a layers.Normed)."""
         if not hasattr(self, "wqgkv"):
-            return tuple(jnp.einsum("te,end->tnd", h, w[...])
+            return tuple(jnp.einsum("te,end->tnd", layers.normed(h), w[...])
                          for w in (self.wq, self.wgate, self.wk, self.wv))
         nh, nk = self.num_heads, self.num_kv_heads
-        x = jnp.einsum("te,end->tnd", h, self.wqgkv[...])  # [T, 2H + 2K, D]
+        if isinstance(h, layers.Normed):  # the norm in the projection's kernel
+            e, n, d = self.wqgkv.shape
+            x = layers.project(h, self.wqgkv[...].reshape(e, n * d)).reshape(-1, n, d)
+        else:
+            x = jnp.einsum("te,end->tnd", h, self.wqgkv[...])  # [T, 2H + 2K, D]
         return x[:, :nh], x[:, nh:2 * nh], x[:, 2 * nh:2 * nh + nk], x[:, 2 * nh + nk:]
 
     def __call__(self, h, cfg: ModelConfig, attend: Attend, kv_state):
-        """h [T, E] normed -> (out [T, E], kv_state as `attend` returns it)."""
+        """h [T, E] normed (or a layers.Normed) -> (out [T, E] or a layers.Projected, kv_state
+        as `attend` returns it)."""
         eps = cfg.rms_norm_eps
         q, gate, k, v = self.projections(h)
         q = layers.rms_norm(q, self.q_norm[...], eps, unit_offset=True)  # [T, H, D]
         k = layers.rms_norm(k, self.k_norm[...], eps, unit_offset=True)  # [T, K, D]
         attn, kv_state = attend(q, k, v, kv_state)  # [T, H, D]
         attn = attn * jax.nn.sigmoid(gate)
-        return layers.heads_out(attn, self.wo[...]), kv_state
+        return layers.heads_projection(attn, self.wo[...], h), kv_state
 
 
 class Qwen35Block(nnx.Module):
@@ -101,10 +106,10 @@ class Qwen35Block(nnx.Module):
     def __call__(self, x, cfg: ModelConfig, mix):
         """x [T, E] -> (x [T, E], what `mix(self.mixer, h)` returned besides its output)."""
         eps = cfg.rms_norm_eps
-        with jax.named_scope("mixer"):
-            h = layers.rms_norm(x, self.attn_norm[...], eps, unit_offset=True)
+        with jax.named_scope("mixer"):  # (with layers.MIXER_ROW_KERNELS: norm, residual in
+            h = layers.pre_norm(x, self.attn_norm[...], eps, unit_offset=True)  # the kernels)
             out, aux = mix(self.mixer, h)  # [T, E]
-            x = x + out
+            x = layers.add_residual(x, out)
         with jax.named_scope("mlp"):
             if hasattr(self, "w_gate_up"):  # a decode step's rows: two kernels (or None)
                 out = layers.mlp_in_kernels(x, self.mlp_norm[...], self.w_gate_up[...],

@@ -29,6 +29,7 @@ SWITCHES = (
     ("kernels_pallas.paged_attention.triton_ragged", "RAGGED_SPLITS"),
     ("minipic_jax.models.layers", "PAD_LOGITS_ROWS"),
     ("minipic_jax.models.layers", "MLP_ROW_KERNEL"),
+    ("minipic_jax.models.layers", "MIXER_ROW_KERNELS"),
     ("minipic_jax.models.qwen3_5", "CHECKPOINTS_FIRST"),
     ("minipic_jax.models.qwen3_5", "GDN_DECODE_IN_PLACE"),
     ("minipic_jax.models.qwen3_5", "GDN_DECODE_GLUE"),
