@@ -107,10 +107,11 @@ def _switches(monkeypatch, on=()):
         monkeypatch.setattr(layers, name, name in on)
 
 
-def _decode_step(monkeypatch, on=(), dtype=jnp.float32, gdn_impl=GDN_IMPL):
-    """A tiny Qwen3.5 decode step (4 sequences, one token each, an 8-row bucket) at widths the
-    kernels take (hidden 128, MLP 256, GDN projection 336), with the layers switches `on`: (run(params, cache),
-    params, cache)."""
+def _decode_step(monkeypatch, on=(), dtype=jnp.float32, gdn_impl=GDN_IMPL, seqs=4):
+    """A tiny Qwen3.5 decode step in an 8-row bucket (4 sequences with a token each, or 8 of
+    which the last has none: as many sequences as rows) at widths the kernels take (hidden 128,
+    MLP 256, GDN projection 336), with the layers switches `on`: (run(params, cache), params,
+    cache)."""
     from configs.presets import PRESETS
     from minipic_jax.models import qwen3_5
     from minipic_jax.models.testing import SimplePager
@@ -120,13 +121,13 @@ def _decode_step(monkeypatch, on=(), dtype=jnp.float32, gdn_impl=GDN_IMPL):
     cfg = dataclasses.replace(PRESETS["tiny_qwen3_5"], hidden_size=128, intermediate_size=256,
                               linear_num_value_heads=8)
     rng = np.random.default_rng(SEED)
-    pager = SimplePager(4, 64, 8, seed=SEED)
-    pager.step([9, 5, 12, 7])
-    md, logits_idx, _ = pager.step([1, 1, 1, 1], min_tokens=8)
-    rec = RecurrentMetadata(state_slots=jnp.asarray([2, 0, 5, 3], jnp.int32),
-                            reset=jnp.zeros(4, bool), decode=True)
+    pager = SimplePager(seqs, 64, 8, seed=SEED)
+    pager.step([9, 5, 12, 7, 3, 8, 4, 6][:seqs])
+    md, logits_idx, _ = pager.step([1] * 4 if seqs == 4 else [1] * 7 + [0], min_tokens=8)
+    rec = RecurrentMetadata(state_slots=jnp.asarray(rng.permutation(10)[:seqs], jnp.int32),
+                            reset=jnp.zeros(seqs, bool), decode=True)
     params = qwen3_5.fuse_params(qwen3_5.init_params(cfg, jax.random.key(SEED), dtype))
-    cache = qwen3_5.init_cache(cfg, 160, 8, 6, dtype)
+    cache = qwen3_5.init_cache(cfg, 160, 8, 10, dtype)
     cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, md.num_tokens), jnp.int32)
 
@@ -142,11 +143,11 @@ def _decode_step(monkeypatch, on=(), dtype=jnp.float32, gdn_impl=GDN_IMPL):
 CALLS = {"MLP_ROW_KERNEL": (4, 4), "MIXER_ROW_KERNELS": (4, 4)}
 
 
-@pytest.mark.parametrize("on", SWITCH_SETS)
-def test_a_decode_step_with_the_row_kernels_is_the_xla_step(monkeypatch, on):
+@pytest.mark.parametrize("on, seqs", [(on, 4) for on in SWITCH_SETS] + [(SWITCH_SETS[1], 8)])
+def test_a_decode_step_with_the_row_kernels_is_the_xla_step(monkeypatch, on, seqs):
     outs = {}
     for form in ((), on):
-        run, params, cache = _decode_step(monkeypatch, form)
+        run, params, cache = _decode_step(monkeypatch, form, seqs=seqs)
         text = str(jax.make_jaxpr(run)(params, cache))
         assert ("name=rows_norm_swiglu" in text) == ("MLP_ROW_KERNEL" in form)
         assert ("name=rows_norm_matmul" in text) == ("MIXER_ROW_KERNELS" in form)

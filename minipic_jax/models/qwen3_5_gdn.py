@@ -242,8 +242,9 @@ class GatedDeltaNet(nnx.Module):
                 q, k, v, *gates, *norm, cu_q_lens, sc.cache, sc.slots, sc.keep,
                 eps=cfg.rms_norm_eps, interpret=interpret, to_rows=False, per_seq=True,
                 proj=in_proj)
-            if isinstance(h, layers.Normed):  # rows first, the product in the block's kernel
-                rows = on_seq_rows(normed, cu_q_lens, mixed.shape[0], normed.dtype)
+            if isinstance(h, layers.Normed):  # rows first (the kernel's are 0 where no token:
+                rows = normed if n_seqs == mixed.shape[0] else on_seq_rows(  # no select then)
+                    normed, cu_q_lens, mixed.shape[0], normed.dtype)
                 return self.output(rows, h), conv, delta
             out = jnp.einsum("thv,hve->te", normed, w_out)
             return on_seq_rows(out, cu_q_lens, mixed.shape[0], out.dtype), conv, delta
