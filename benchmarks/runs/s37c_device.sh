@@ -1,6 +1,8 @@
 #!/bin/bash
-# Session 37's device call (one `run`, <= 9.5 min, a short table last; any card): the decode
-# step's MLP in two kernels (kernels_pallas/row_matmul, layers.MLP_ROW_KERNEL, off until this):
+# The row kernels' first device call (built in session 37, whose later starts all failed: the
+# next session's first call; one `run`, <= 9.5 min, a short table last; any card): a decode
+# step's MLP in two kernels and the mixers' norms / output projections in them
+# (kernels_pallas/row_matmul; layers.MLP_ROW_KERNEL, MIXER_ROW_KERNELS, off until this):
 # 1. compiled tests (MINIPIC_COMPILED=1 tests/test_row_matmul.py);
 # 2. the hybrid decode step (t = 8, s = 8, 64 seats) today, with both row-kernel switches
 #    (layers.MLP_ROW_KERNEL and MIXER_ROW_KERNELS: the mixers' norms in their projections, their
