@@ -9,8 +9,8 @@
 #    output projections with the residual) and with the MLP's only, every kernel of each (where
 #    its ~380 kernels go);
 # 3. the MLP alone, kernels vs XLA, A/B interleaved (benchmarks/row_matmul_bench.py: the
-#    defaults at 8 / 16 / 64 rows of both shapes, then the kernels' block and warp options swept
-#    at Qwen3.5-0.8B's widths and 8 rows);
+#    defaults at 8 / 16 / 64 rows of both shapes, then each kernel alone at every block and warp
+#    option, Qwen3.5-0.8B's widths and 8 rows: `--parts`, the best three of each);
 # 4. with the time left, rag at 16 seats with session 37's defaults, twice (zipf's 1.0x goal).
 # First, 10 s: the reordered span request's admission on this host's CPU (benchmarks.
 # span_admission_host).
@@ -46,9 +46,11 @@ echo "mlp A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "rows" "$OUT/mlp_ab.txt" | cut -c1-170 >> "$R"
 L=$(left); [ "$L" -gt 100 ] && L=100
 [ "$L" -ge 40 ] && timeout $L python3 -m benchmarks.row_matmul_bench --shapes qwen3_5_0_8b \
-  --rows 8 --sweep > "$OUT/mlp_sweep.txt" 2>&1
-echo "mlp sweep rc=$? t=$((SECONDS-T0)) s" >> "$R"
-grep -E "rows" "$OUT/mlp_sweep.txt" | sort -k14 -g | head -5 | cut -c1-170 >> "$R"
+  --rows 8 --parts > "$OUT/mlp_parts.txt" 2>&1
+echo "mlp parts (each kernel's options) rc=$? t=$((SECONDS-T0)) s" >> "$R"
+for k in norm_swiglu matmul_residual; do
+  grep " $k " "$OUT/mlp_parts.txt" | sort -k15 -g | head -3 | cut -c1-150 >> "$R"
+done
 for i in 1 2; do
   L=$(left); L=$((L - 10)); [ "$L" -gt 100 ] && L=100
   [ "$L" -ge 60 ] && OUT=$OUT LIMIT=$L NAME=rag_$i COMPOSE=0 \
