@@ -233,3 +233,30 @@ def test_qwen3_5_with_the_row_kernels_matches_hf(monkeypatch):
         assert t == want.tolist(), f"prompt {i}"
         for a, b in zip(step_logits[i], runs[False][1][i]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
+
+
+def test_a_training_forward_keeps_xla_with_the_switches_on(monkeypatch):
+    """The row kernels have no gradient: a training forward (unfused weights, 2 x 8 = 16 rows,
+    a size the kernels take) runs the XLA blocks whatever the switches say, so its loss and
+    gradients are those with the switches off, bit for bit."""
+    from conftest import FIXTURES, LLAMA_FIXTURES
+
+    from minipic_jax.loading import load_model
+    from minipic_jax.models import llama
+    m = load_model(FIXTURES / LLAMA_FIXTURES[1])
+    rng = np.random.default_rng(SEED)
+    tokens = jnp.asarray(rng.integers(0, m.cfg.vocab_size, (2, 8)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+    valid = jnp.ones((2, 8), bool)
+
+    def loss(p):
+        logits = llama.training_forward(p, tokens, positions, jnp.zeros_like(tokens), valid,
+                                        m.cfg, remat=False)
+        return jnp.mean(jax.nn.logsumexp(logits, -1))
+    got = {}
+    for on in ((), SWITCH_SETS[-1]):
+        _switches(monkeypatch, on)
+        jax.clear_caches()
+        got[on] = jax.value_and_grad(loss)(m.params)
+    for a, b in zip(jax.tree.leaves(got[()]), jax.tree.leaves(got[SWITCH_SETS[-1]])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

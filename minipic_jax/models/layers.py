@@ -72,10 +72,11 @@ class Projected(NamedTuple):
     w: jax.Array
 
 
-def pre_norm(x, weight, eps: float, *, unit_offset: bool = False):
-    """A block's norm before its mixer: rms_norm(x), or (MIXER_ROW_KERNELS, rows the kernels
-    take, one device) a Normed its projections take into their kernels."""
-    if MIXER_ROW_KERNELS and _kernels_take(*x.shape):
+def pre_norm(x, weight, eps: float, *, unit_offset: bool = False, fused: bool = False):
+    """A block's norm before its mixer: rms_norm(x), or (MIXER_ROW_KERNELS, the mixer's fused
+    weights: an engine's, not a training forward's, rows the kernels take, one device) a Normed
+    its projections take into their kernels."""
+    if MIXER_ROW_KERNELS and fused and _kernels_take(*x.shape):
         return Normed(x, weight, eps, unit_offset)
     return rms_norm(x, weight, eps, unit_offset=unit_offset)
 

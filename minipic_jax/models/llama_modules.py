@@ -58,7 +58,8 @@ class LlamaBlock(nnx.Module):
     def __call__(self, x, cfg: ModelConfig, attend: Attend, kv_state):
         """x [T, E] -> (x [T, E], kv_state as `attend` returns it)."""
         with jax.named_scope("attention"):  # (layers.MIXER_ROW_KERNELS: norm, residual in
-            h = layers.pre_norm(x, self.attn_norm[...], cfg.rms_norm_eps)  # the kernels)
+            h = layers.pre_norm(x, self.attn_norm[...], cfg.rms_norm_eps,  # the kernels)
+                                fused=hasattr(self, "wqkv"))
             q, k, v = self.qkv(h)
             attn, kv_state = attend(q, k, v, kv_state)  # [T, H, D]
             x = layers.add_residual(x, layers.heads_projection(attn, self.wo[...], h))

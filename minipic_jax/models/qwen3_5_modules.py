@@ -107,7 +107,8 @@ class Qwen35Block(nnx.Module):
         """x [T, E] -> (x [T, E], what `mix(self.mixer, h)` returned besides its output)."""
         eps = cfg.rms_norm_eps
         with jax.named_scope("mixer"):  # (with layers.MIXER_ROW_KERNELS: norm, residual in
-            h = layers.pre_norm(x, self.attn_norm[...], eps, unit_offset=True)  # the kernels)
+            h = layers.pre_norm(x, self.attn_norm[...], eps, unit_offset=True,  # the kernels)
+                                fused=hasattr(self, "w_gate_up"))
             out, aux = mix(self.mixer, h)  # [T, E]
             x = layers.add_residual(x, out)
         with jax.named_scope("mlp"):
