@@ -177,7 +177,8 @@ def test_a_decode_step_lowers_to_the_triton_kernels(monkeypatch):
         assert got == tuple(sum(CALLS[n][i] for n in on) for i in (0, 1)), (on, got)
 
 
-@pytest.mark.parametrize("on", SWITCH_SETS)
+@pytest.mark.parametrize("on", [SWITCH_SETS[-1]] + [  # (CI time: each alone in the slow tier)
+    pytest.param(on, marks=pytest.mark.slow) for on in SWITCH_SETS[:-1]])
 def test_llama_with_the_row_kernels_matches_hf(monkeypatch, on):
     """The HF fixture (hidden 32, MLP 32: blocks of 16 and 32) with the switches `on`: every
     step of <= 64 rows (all of them here) runs its MLPs / mixers' norms and output projections
