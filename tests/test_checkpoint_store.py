@@ -266,16 +266,21 @@ def test_unshared_tails_put_a_checkpoint_just_before_each_prompts_own_suffix():
     assert planner.prompt_positions(_plain(3000), 3000, 16) == [2944]
 
 
+def _sparse_pmf(seed: int, n: int, k: int) -> np.ndarray:
+    """A depth pmf over 0..n: mass at depth 0 and at k random depths."""
+    rng = np.random.default_rng(seed)
+    pmf = np.zeros(n + 1)
+    pmf[rng.choice(np.arange(1, n + 1), k, replace=False)] = rng.random(k)
+    pmf[0] = 1.0
+    return pmf / pmf.sum()
+
+
 def test_priced_dp_is_the_brute_force_optimum_of_recompute_plus_extra_checkpoints():
     """Each checkpoint past one per chunk costs `extra_price` (a chunk split): over every subset
     of at most per_prompt candidates, dp minimises E[recompute] + price * max(|C| - chunks, 0)
     (here the prompt is one chunk)."""
-    rng = np.random.default_rng(7)
     n = 640
-    pmf = np.zeros(n + 1)
-    pmf[rng.choice(np.arange(1, n + 1), 12, replace=False)] = rng.random(12)
-    pmf[0] = 1.0
-    pmf /= pmf.sum()
+    pmf = _sparse_pmf(7, n, 12)
     cand = list(range(64, n + 1, 64))
     for price in (0.0, 5.0, 40.0, 1e4):
         planner = CheckpointPlanner("dp", 3, 512, n, 64, extra_price=price, step_tokens=n)
@@ -292,12 +297,8 @@ def test_a_plan_among_allowed_candidates_is_their_brute_force_optimum():
     dp to those candidates, and its plan is the optimum among them; planning over every
     candidate and dropping the unaddressable ones afterwards (before session 37) lost
     checkpoints and scored worse."""
-    rng = np.random.default_rng(11)
     n = 1280
-    pmf = np.zeros(n + 1)
-    pmf[rng.choice(np.arange(1, n + 1), 20, replace=False)] = rng.random(20)
-    pmf[0] = 1.0
-    pmf /= pmf.sum()
+    pmf = _sparse_pmf(11, n, 20)
     ok = lambda c: (c < 320) | (c > 1024)  # noqa: E731 -- a span over tokens 320..1024
     allowed = [c for c in range(64, n + 1, 64) if ok(c)]
     planner = CheckpointPlanner("dp", 3, 512, n, 64, step_tokens=n)
