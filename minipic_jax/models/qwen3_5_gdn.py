@@ -181,8 +181,7 @@ class GatedDeltaNet(nnx.Module):
                     jnp.einsum("te,eh->th", h, self.w_b[...]),
                     jnp.einsum("te,eh->th", h, self.w_a[...])), None
         _, hv, _, dv, c, _ = gdn_dims(cfg)
-        x = (layers.project(h, self.w_in[...]) if isinstance(h, layers.Normed)  # norm in it
-             else jnp.einsum("te,ec->tc", h, self.w_in[...]))  # [T, C + Hv Dv + 2 Hv]
+        x = layers.project(h, self.w_in[...])  # [T, C + Hv Dv + 2 Hv] (a Normed's norm in it)
         z_end = c + hv * dv
         return (x[:, :c], x[:, c:z_end].reshape(-1, hv, dv), x[:, z_end:z_end + hv],
                 x[:, z_end + hv:]), x

@@ -166,10 +166,8 @@ class SpanMapCache:
             lay, seq.num_prompt_tokens, bs, hashes[:seq.num_prompt_tokens // bs], shared,
             allowed=addressable)
         if hybrid.planner.per_prompt and hybrid.planner.strategy != "none":
-            positions, values = _with_span_start(hybrid, seq, positions, values)
-        keep = [i for i, p in enumerate(positions)  # the span start's, if it is not
-                if not lay.span_block[p // bs - 1] and p not in skipped]
-        return [positions[i] for i in keep], [values[i] for i in keep]
+            positions, values = _with_span_start(hybrid, seq, positions, values, skipped)
+        return positions, values
 
     def drop(self, seq) -> None:
         """The sequence leaves (preempted, finished, aborted): unpin maps it never entered, and
@@ -317,14 +315,16 @@ class SpanMapCache:
                 "span_tokens_skipped": self.tokens_skipped, "span_admission_waits": self.waits}
 
 
-def _with_span_start(hybrid, seq, positions, values):
+def _with_span_start(hybrid, seq, positions, values, skipped):
     """The plan plus the first span's start (checkpoint_plan.first_span_start) while the
     checkpoint store has a free slot: a request reusing the spans in another order resumes
     there and skips them all, so its first step computes its question (issue 29); the planner's
-    pmf may not pick it (off the chunk grid, or not where plain prefixes end). Its value: the
-    logical tokens it saves next to the plan's shallower checkpoint."""
+    pmf may not pick it (off the chunk grid, or not where plain prefixes end). Not where a
+    skipped span starts (`skipped`: its chunk starts after the map); the block before it is a
+    PDEP one by first_span_start's rule. Its value: the logical tokens it saves next to the
+    plan's shallower checkpoint."""
     p = checkpoint_plan.first_span_start(seq.layout, seq.num_prompt_tokens, hybrid.block_size)
-    if p is None or p in positions or not hybrid.store.free_slots:
+    if p is None or p in positions or p in skipped or not hybrid.store.free_slots:
         return positions, values
     pos = checkpoint_plan.positions_of(seq.layout, [p] + [q for q in positions if q < p])
     order = sorted(zip(positions + [p], values + [float(pos[0] - max(pos[1:], default=0))]))
