@@ -233,7 +233,18 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", action="store_true", help="--time: the decode step after each too")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--time: each step's N costliest kernels (a jax.profiler trace)")
+    ap.add_argument("--row-options", metavar="FILE",
+                    help="--time: kernels_pallas.row_matmul.api.OPTIONS updated from this JSON "
+                         "(row_matmul_bench --sweep --best-out) before any engine starts")
     a = ap.parse_args(argv)
+    if a.row_options:
+        import json
+
+        from kernels_pallas.row_matmul import api as row_api
+        with open(a.row_options) as fh:
+            for kernel, option in json.load(fh).items():
+                row_api.OPTIONS[kernel] = row_api.OPTIONS[kernel] | option
+        print(f"row_matmul options {row_api.OPTIONS}", flush=True)
     from benchmarks.program_forms import parse_form
     for form in a.forms:  # a bad name fails before any engine starts
         parse_form(form)

@@ -64,6 +64,27 @@ def test_kernels_are_the_reference_mlp(rows, dtype, unit_offset):
         assert np.mean(a != b) < 0.05  # only values near a rounding boundary differ
 
 
+@pytest.mark.parametrize("option", [
+    dict(block_n=16, block_k=64, num_warps=8, num_stages=3, split_k=1),
+    dict(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=2),
+    dict(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=8)])
+def test_every_launch_option_is_the_reference(monkeypatch, option):
+    """api.OPTIONS change how the kernels split the work, not the result: split-K's float32
+    partials summed by XLA, other blocks and pipelines, against the XLA form (float32 IEEE)."""
+    monkeypatch.setitem(api.OPTIONS, "matmul_residual", option)
+    norm = {k: v for k, v in option.items() if k != "split_k"}
+    monkeypatch.setitem(api.OPTIONS, "norm_swiglu", norm)
+    x, norm_w, w_gate_up, w_down = _mlp_inputs(8, 256, 384, jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        want = reference.mlp(x, norm_w, w_gate_up, w_down, eps=1e-6, unit_offset=True)
+    got = api.mlp(x, norm_w, w_gate_up, w_down, eps=1e-6, unit_offset=True,
+                  interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    # split-K slices: the most that leave whole 16-column dots (384 = 8 x 48; 24 / 16 no)
+    assert (api.split_k(384, 8), api.split_k(384, 16), api.split_k(3584, 8),
+            api.split_k(40, 4)) == (8, 8, 8, 1)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_reference_is_the_models_mlp(dtype):
     """reference.mlp is what a Qwen3.5 block's XLA path computes (its norm, fused weights)."""

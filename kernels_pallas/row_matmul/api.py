@@ -7,7 +7,14 @@ from __future__ import annotations
 from kernels_pallas.row_matmul import reference, triton_rows
 
 MAX_ROWS = 64  # the products keep every row of a column block in registers
-BLOCK_N, BLOCK_K = 32, 128  # output columns a program, contraction rows a loop step (at most)
+# Each kernel's launch options (at most: `block` fits them to a width): output columns a program,
+# contraction rows a loop step, warps, pipeline stages, and for the residual product the K
+# slices a column block is split into (float32 partials an XLA fusion adds).
+OPTIONS = {
+    "norm_matmul": dict(block_n=32, block_k=128, num_warps=4, num_stages=2),
+    "norm_swiglu": dict(block_n=32, block_k=128, num_warps=4, num_stages=2),
+    "matmul_residual": dict(block_n=32, block_k=128, num_warps=4, num_stages=2, split_k=1),
+}
 
 
 def block(width: int, most: int) -> int | None:
@@ -44,9 +51,11 @@ def norm_matmul(x, norm_w, w, *, eps: float, unit_offset: bool, swiglu: bool = F
                          f"[M, E], [E], [E, {'2F' if swiglu else 'N'}])")
     n = w.shape[1] // 2 if swiglu else w.shape[1]
     _check(name, m, e, n)
+    o = OPTIONS[name]
     return triton_rows.norm_matmul(x, norm_w, w.astype(x.dtype), eps=eps,
                                    unit_offset=unit_offset, swiglu=swiglu,
-                                   block_n=block(n, BLOCK_N), block_k=block(e, BLOCK_K),
+                                   block_n=block(n, o["block_n"]), block_k=block(e, o["block_k"]),
+                                   num_warps=o["num_warps"], num_stages=o["num_stages"],
                                    interpret=interpret)
 
 
@@ -64,9 +73,22 @@ def matmul_residual(y, w, residual, *, interpret: bool = False):
         raise ValueError(f"matmul_residual: y {y.shape}, w {w.shape}, residual "
                          f"{residual.shape} (want [M, K], [K, N], [M, N])")
     _check("matmul_residual", m, k, w.shape[1])
+    o = OPTIONS["matmul_residual"]
+    split = split_k(k, o["split_k"])
     return triton_rows.matmul_residual(y, w.astype(y.dtype), residual,
-                                       block_n=block(w.shape[1], BLOCK_N),
-                                       block_k=block(k, BLOCK_K), interpret=interpret)
+                                       block_n=block(w.shape[1], o["block_n"]),
+                                       block_k=block(k // split, o["block_k"]),
+                                       num_warps=o["num_warps"], num_stages=o["num_stages"],
+                                       split_k=split, interpret=interpret)
+
+
+def split_k(k: int, most: int) -> int:
+    """The most K slices (<= `most`, a power of two) whose width is a multiple of 16 (a dot's
+    least): 1 where none."""
+    s = most
+    while s > 1 and (k % s or (k // s) % 16):
+        s //= 2
+    return max(s, 1)
 
 
 def mlp(x, norm_w, w_gate_up, w_down, *, eps: float, unit_offset: bool,

@@ -91,15 +91,30 @@ def _swiglu(g, u, dtype):
 
 def _matmul_residual_kernel(y_ref, w_ref, r_ref, o_ref, *, block_k):
     # y [M, K]; w [K, BN]; residual, o [M, BN]
+    acc = _row_products(y_ref, w_ref, block_k)
+    dtype = o_ref.dtype
+    o_ref[...] = _add_rounded(r_ref[...], acc, dtype)
+
+
+def _partial_kernel(y_ref, w_ref, o_ref, *, block_k):
+    # split-K: y [M, K / S]; w [K / S, BN]; o [1, M, BN] float32, this K slice's products
+    o_ref[0] = _row_products(y_ref, w_ref, block_k)
+
+
+def _row_products(y_ref, w_ref, block_k):
+    """[M, BN] float32: y W over the block's K rows in BK-row steps."""
     k, bn = w_ref.shape
 
     def body(i, acc):
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         return acc + _dot(y_ref[:, ks], w_ref[ks, :])
 
-    acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((y_ref.shape[0], bn), _F32))
-    dtype = o_ref.dtype
-    o_ref[...] = (r_ref[...].astype(_F32) + acc.astype(dtype).astype(_F32)).astype(dtype)
+    return jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((y_ref.shape[0], bn), _F32))
+
+
+def _add_rounded(residual, acc, dtype):
+    """residual + acc as the XLA form rounds it: the product to the model dtype, then the add."""
+    return (residual.astype(_F32) + acc.astype(dtype).astype(_F32)).astype(dtype)
 
 
 def _whole(x):
@@ -107,9 +122,10 @@ def _whole(x):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "unit_offset", "swiglu", "block_n",
-                                             "block_k", "num_warps", "interpret"))
+                                             "block_k", "num_warps", "num_stages",
+                                             "interpret"))
 def norm_matmul(x, norm_w, w, *, eps: float, unit_offset: bool, swiglu: bool = False,
-                block_n: int = 32, block_k: int = 128, num_warps: int = 4,
+                block_n: int = 32, block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
                 interpret: bool = False):
     """h W for h = RMSNorm(x): x [M, E], norm_w [E], w [E, N] -> [M, N] in x's dtype; with
     `swiglu` (w = [W_gate | W_up], N = 2F) silu(h W_gate) * (h W_up) [M, F]. Shapes checked by
@@ -123,24 +139,39 @@ def norm_matmul(x, norm_w, w, *, eps: float, unit_offset: bool, swiglu: bool = F
         kernel, grid=(n // block_n,), in_specs=[_whole(x), _whole(norm_w)] + w_specs,
         out_specs=pl.BlockSpec((m, block_n), lambda j: (0, j)),
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="rows_norm_swiglu" if swiglu else "rows_norm_matmul",
     )(x, norm_w, *([w] * len(w_specs)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
+                                             "split_k", "interpret"))
 def matmul_residual(y, w, residual, *, block_n: int = 32, block_k: int = 128,
-                    num_warps: int = 4, interpret: bool = False):
+                    num_warps: int = 4, num_stages: int = 2, split_k: int = 1,
+                    interpret: bool = False):
     """residual + y W: y [M, K], w [K, N], residual [M, N] -> [M, N] in residual's dtype.
-    Shapes checked by api.matmul_residual."""
+    `split_k` > 1: S programs a column block, each over K / S rows, writing float32 partial
+    products that an XLA fusion sums and adds to the residual (more programs for a narrow
+    output: the down product's E columns). Shapes checked by api.matmul_residual."""
     m, k = y.shape
     n = w.shape[1]
-    return pl.pallas_call(
-        functools.partial(_matmul_residual_kernel, block_k=block_k), grid=(n // block_n,),
-        in_specs=[_whole(y), pl.BlockSpec((k, block_n), lambda j: (0, j)),
-                  pl.BlockSpec((m, block_n), lambda j: (0, j))],
-        out_specs=pl.BlockSpec((m, block_n), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((m, n), residual.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
-        interpret=interpret, name="rows_matmul_residual",
-    )(y, w, residual)
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if split_k == 1:
+        return pl.pallas_call(
+            functools.partial(_matmul_residual_kernel, block_k=block_k), grid=(n // block_n,),
+            in_specs=[_whole(y), pl.BlockSpec((k, block_n), lambda j: (0, j)),
+                      pl.BlockSpec((m, block_n), lambda j: (0, j))],
+            out_specs=pl.BlockSpec((m, block_n), lambda j: (0, j)),
+            out_shape=jax.ShapeDtypeStruct((m, n), residual.dtype),
+            compiler_params=params, interpret=interpret, name="rows_matmul_residual",
+        )(y, w, residual)
+    ks = k // split_k  # (block_k divides it: api.matmul_residual picks it so)
+    partials = pl.pallas_call(
+        functools.partial(_partial_kernel, block_k=block_k), grid=(n // block_n, split_k),
+        in_specs=[pl.BlockSpec((m, ks), lambda j, s: (0, s)),
+                  pl.BlockSpec((ks, block_n), lambda j, s: (s, j))],
+        out_specs=pl.BlockSpec((1, m, block_n), lambda j, s: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((split_k, m, n), _F32),
+        compiler_params=params, interpret=interpret, name="rows_matmul_partial",
+    )(y, w)
+    return _add_rounded(residual, partials.sum(axis=0), residual.dtype)
