@@ -129,20 +129,29 @@ def _run_one(args, name: str) -> dict:
         return json.loads(pathlib.Path(path).read_text())
 
 
+def baseline(results: list) -> str | None:
+    """The configuration the others are compared with: rotated where it ran, else the first."""
+    names = [res["config"] for res in results if "runs" in res]
+    return "rotated" if "rotated" in names else (names[0] if names else None)
+
+
 def speedups(results: list) -> None:
-    """Adds speedup_vs_rotated (requests/s) and same_outputs_as_rotated (share of requests whose
-    greedy tokens equal rotated's) to every run that has a rotated counterpart."""
-    base = {(r["workload"], r["mode"]): r for res in results if res.get("config") == "rotated"
+    """Adds speedup (requests/s over the baseline's), same_outputs (share of requests whose
+    greedy tokens equal the baseline's) and baseline to every run that has a baseline
+    counterpart (`baseline`)."""
+    name = baseline(results)
+    base = {(r["workload"], r["mode"]): r for res in results if res.get("config") == name
             for r in res.get("runs", [])}
     for res in results:
         for r in res.get("runs", []):
             b = base.get((r["workload"], r["mode"]))
             if b is None:
                 continue
-            r["speedup_vs_rotated"] = r["requests_per_second"] / b["requests_per_second"]
+            r["baseline"] = name
+            r["speedup"] = r["requests_per_second"] / b["requests_per_second"]
             ours, theirs = list(r["outputs"].values()), list(b["outputs"].values())
             same = sum(x == y for x, y in zip(ours, theirs))
-            r["same_outputs_as_rotated"] = same / max(len(ours), 1)
+            r["same_outputs"] = same / max(len(ours), 1)
 
 
 def report(results: list) -> None:
@@ -157,7 +166,7 @@ def report(results: list) -> None:
             from benchmarks.startup import line
             print(f"[{name}] start-up: {line(res['startup'])}")
         for r in res.get("runs", []):
-            sp = r.get("speedup_vs_rotated")
+            sp = r.get("speedup")
             print(f"[{name}] {r['workload']} {r['mode']}: Throughput: "
                   f"{r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total "
                   f"tokens/s, {r['output_throughput']:.2f} output tokens/s | "
@@ -166,7 +175,7 @@ def report(results: list) -> None:
                   f"tok/s (computed {r['computed_prompt_tokens_per_second']:.0f}), TTFT p50/p99 "
                   f"{_ms(r['median_ttft_ms'])}/{_ms(r['p99_ttft_ms'])} ms, TPOT p50 "
                   f"{_ms(r['median_tpot_ms'])} ms"
-                  + (f", {sp:.2f}x rotated" if sp is not None else ""))
+                  + (f", {sp:.3f}x {r['baseline']}" if sp is not None else ""))
         if "compose_cost" in res:
             from benchmarks.span_compose_cost import report as compose_report
             for line in compose_report(res["compose_cost"]).splitlines():
@@ -258,12 +267,12 @@ def run(args) -> int:
         speedups(results)
         (out / "rag_bench.json").write_text(json.dumps(
             {"options": {k: getattr(args, k) for k in OPTIONS}, "results": results}, indent=1))
-    print("speed-up over rotated (requests/s), same greedy tokens as rotated:")
+    print(f"speed-up over {baseline(results)} (requests/s), same greedy tokens as it:")
     for res in results:
         for r in res.get("runs", []):
-            if "speedup_vs_rotated" in r:
+            if "speedup" in r:
                 print(f"  {res['config']:8s} {r['workload']:6s} {r['mode']:7s} "
-                      f"{r['speedup_vs_rotated']:.3f}x  {r['same_outputs_as_rotated']:.0%}")
+                      f"{r['speedup']:.3f}x  {r['same_outputs']:.0%}")
     png = plot(results, out / "rag_bench.png")
     print(f"wrote {out / 'rag_bench.json'}" + (f" and {png}" if png else ""))
     return 1 if any("error" in r for r in results) else 0
