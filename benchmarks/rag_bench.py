@@ -27,11 +27,12 @@ import tempfile
 from benchmarks.rag_workloads import WORKLOADS
 
 ALL_CONFIGS = ("rotated", "pic_off", "fcfs", "barrier", "isps", "ttft")
+EXTRA_CONFIGS = ("fcfs_all",)  # on request only (rag_engine.CONFIGS)
 # option -> argparse kwargs; also the list of options a worker process is handed
 OPTIONS = {
     "model": dict(default="tulu3_block_ft", help="preset or HF folder (random weights for presets)"),
     "dtype": dict(default="bfloat16", help="weight and KV dtype (default: %(default)s)"),
-    "configs": dict(nargs="+", default=list(ALL_CONFIGS), choices=ALL_CONFIGS,
+    "configs": dict(nargs="+", default=list(ALL_CONFIGS), choices=ALL_CONFIGS + EXTRA_CONFIGS,
                     help="configurations to run (default: all)"),
     "workloads": dict(nargs="+", default=["single", "multi"], choices=WORKLOADS,
                       help="workloads to run (default: single multi)"),

@@ -15,6 +15,10 @@ CONFIGS = {
     "rotated": ({"kv_mode": "rotated"}, False),
     "pic_off": ({"kv_mode": "pic_off"}, False),
     "fcfs": ({"kv_mode": "position_free", "scheduling_policy": "fcfs"}, True),
+    # fcfs capturing every computed span's map on a hybrid (span_map_capture's default "auto"
+    # captures those another request holds, and the rest while spans mostly recur)
+    "fcfs_all": ({"kv_mode": "position_free", "scheduling_policy": "fcfs",
+                  "span_map_capture": "always"}, True),
     "barrier": ({"kv_mode": "position_free", "scheduling_policy": "barrier"}, True),
     "isps": ({"kv_mode": "position_free", "scheduling_policy": "isps"}, True),
 }

@@ -161,8 +161,16 @@ class SpanMapConfig:
     # (kernels_pallas/gated_delta/affine.py compose_precision). Read by the compose program, so
     # it keys stored executables.
     compose_precision: str = option("bf16_x6", flat="span_map_compose_precision")
+    # which computed spans have their map captured (serving/hybrid/span_capture.py): "auto"
+    # (those another request holds, and the rest while spans mostly recur), "shared" (only
+    # those another request holds) or "always"; outputs are the same either way
+    capture: str = option("auto", flat="span_map_capture", host_only=True)
 
     def __post_init__(self):
+        from serving.hybrid.span_capture import POLICIES
+        if self.capture not in POLICIES:
+            raise ValueError(f"span_map_capture (Config.span_maps.capture) must be one of "
+                             f"{POLICIES}, got {self.capture!r}")
         if self.compose_precision not in COMPOSE_PRECISIONS:
             raise ValueError(f"span_map_compose_precision (Config.span_maps.compose_precision) "
                              f"must be one of {tuple(COMPOSE_PRECISIONS)}, "

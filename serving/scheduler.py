@@ -75,6 +75,7 @@ class Scheduler:
         self._resolved_early = False
 
     def add(self, seq: Sequence) -> None:
+        self.cache.note_request(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:

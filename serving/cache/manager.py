@@ -152,6 +152,11 @@ class CacheManager:
             idx, frontier = rec.cut_chunk(seq, idx, frontier)
         return idx, frontier
 
+    def note_request(self, seq) -> None:
+        """A request was added to the engine (hybrid spans: the capture policy counts them)."""
+        if self.recurrent is not None:
+            self.recurrent.note_request(self, seq)
+
     def annotate(self, entry) -> None:
         """A scheduled chunk's restore, checkpoint and span-map fields (hybrid models)."""
         if self.recurrent is not None:

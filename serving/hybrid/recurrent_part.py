@@ -36,6 +36,12 @@ class RecurrentCheckpoints:
         if self.cache is not None:
             self.cache.drop_restore(seq)
 
+    def note_request(self, mgr, seq) -> None:
+        """A request was added: a span prompt's spans are counted (span_capture)."""
+        spans = None if self.cache is None else self.cache.spans
+        if spans is not None and seq.layout.span_block.any():
+            spans.note(mgr, seq)
+
     def chunk_stop(self, seq, stop_at, budget: int):
         return stop_at if self.cache is None else self.cache.chunk_stop(seq, stop_at, budget)
 

@@ -45,18 +45,29 @@ from serving.cache.admission import AdmissionPlan
 from serving.cache.prefix_keys import device_run
 from serving.hybrid import checkpoint_plan, span_partial, span_rows
 from serving.hybrid.resume import Resume
+from serving.hybrid.span_capture import CapturePolicy
 
 MAX_CAPTURES = 8  # span maps one step may capture (a static shape of the runner's step)
 
 
 class SpanMapCache:
-    def __init__(self, store, block_size: int, pool=None, step_tokens: int = 1 << 62):
+    def __init__(self, store, block_size: int, pool=None, step_tokens: int = 1 << 62,
+                 capture: str = "auto"):
         self.store, self.block_size = store, block_size
+        self.capture = CapturePolicy(capture)  # which computed spans are captured
         self.pool = pool  # the device pool until the runner takes it
         self.step_tokens = step_tokens  # a longer non-final span goes in pieces (span_partial)
         self.captures = 0  # captures in the step being scheduled
         self.held, self.done, self.doomed = [], [], []  # long spans' slots (span_partial)
         self.spans_skipped = self.tokens_skipped = self.spans_captured = self.waits = 0
+
+    def note(self, mgr, seq) -> None:
+        """A span prompt was added to the engine: its non-final spans' keys are counted
+        (span_capture: the queue is the capture policy's lookahead)."""
+        bs = self.block_size
+        hashes = mgr.keys.hashes(seq)
+        self.capture.note(hashes[b // bs - 1] for a, b, final in span_rows.spans_of(seq, bs)
+                          if not final and 0 < b // bs <= len(hashes))
 
     # -- admission -----------------------------------------------------------------------------
     def _span_hits(self, mgr, seq, a: int, b: int, matched=()):
@@ -265,7 +276,8 @@ class SpanMapCache:
         for a, b, final in span_rows.spans_of(seq, bs):
             if final or a in skipped or a < first or b > e.new_computed or \
                     b // bs > len(hashes) or self.captures >= MAX_CAPTURES or \
-                    not self._publishes(mgr.bm, seq, hashes, a // bs, b // bs):
+                    not self._publishes(mgr.bm, seq, hashes, a // bs, b // bs) or \
+                    not self.capture.worth(hashes[b // bs - 1]):
                 continue
             j1 = b // bs
             slot = self.store.reserve(hashes[j1 - 1], keys.confirm(seq, j1 - 1), 0,
@@ -312,6 +324,7 @@ class SpanMapCache:
                 "span_map_device_slots": s["checkpoint_device_slots"],
                 "span_map_host_slots": s["checkpoint_host_slots"],
                 "span_maps_captured": self.spans_captured, "spans_skipped": self.spans_skipped,
+                "span_maps_declined": self.capture.declined,
                 "span_tokens_skipped": self.tokens_skipped, "span_admission_waits": self.waits}
 
 
@@ -364,4 +377,5 @@ def build(config, family, mcfg, dtype, pool=None):
         pool = span_maps.allocate(slots, lg, hv, dk, dv, c, k1, state_dtype=state_dtype,
                                   conv_dtype=conv_dtype)
     return SpanMapCache(CheckpointStore(slots, host, nbytes), config.block_size, pool,
-                        config.max_num_batched_tokens - config.max_num_seqs)
+                        config.max_num_batched_tokens - config.max_num_seqs,
+                        config.span_maps.capture)

@@ -1,0 +1,107 @@
+"""Which computed spans a hybrid step captures (serving/hybrid/span_capture.py,
+Config.span_maps.capture):
+
+- the policy alone: "always" captures everything, "shared" only spans another added request
+  holds, "auto" also the rest while the share of recurring span keys (REUSE_PRIOR assumed) is at
+  least CAPTURE_MIN_REUSE; declines are counted; a bad name is an error naming the option;
+- through the engine (tiny_qwen3_5): a batch where some spans occur in one request only gives
+  the same tokens and logprobs under every policy, "shared" declines exactly the singletons and
+  still skips every span a second request holds (the queue is the lookahead), and on a fresh
+  engine "auto" captures a lone request's spans so the same spans reordered are skipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipic_jax import LLM, SamplingParams
+from minipic_jax.prompts import Prompt, Span
+from serving.hybrid import span_capture
+from serving.hybrid.span_capture import CapturePolicy
+
+SEED = 38  # every draw below comes from it
+SP = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
+
+
+def test_the_policies_choose_as_documented():
+    always, shared, auto = (CapturePolicy(p) for p in ("always", "shared", "auto"))
+    for p in (always, shared, auto):
+        p.note([1, 2, 2])  # a request holding spans 1 and 2 (2 twice: counted once)
+        p.note([2, 3])
+    assert [always.worth(k) for k in (1, 2, 3, 9)] == [True] * 4 and always.declined == 0
+    assert [shared.worth(k) for k in (1, 2, 3, 9)] == [False, True, False, False]
+    assert shared.declined == 3
+    # auto: 1 of 3 keys recurs: (1 + 8) / (3 + 8) = 0.82 >= 0.5, so singletons are captured
+    assert auto.reuse() == pytest.approx(9 / 11) and auto.worth(1) and auto.worth(9)
+    auto.note(range(100, 120))  # 20 singletons more: (1 + 8) / (23 + 8) < 0.5
+    assert auto.reuse() == pytest.approx(9 / 31)
+    assert (auto.worth(100), auto.worth(2), auto.declined) == (False, True, 1)
+    with pytest.raises(ValueError, match=r"span_map_capture \(Config.span_maps.capture\) must "
+                                         r"be one of \('always', 'shared', 'auto'\), got 'some'"):
+        CapturePolicy("some")
+    with pytest.raises(ValueError, match="span_map_capture"):
+        LLM("tiny_qwen3_5", dtype="float32", span_map_capture="never")
+
+
+def test_the_count_starts_over_past_its_limit(monkeypatch):
+    monkeypatch.setattr(span_capture, "HOLDERS_LIMIT", 4)
+    p = CapturePolicy("shared")
+    p.note([1, 2, 3, 4, 5])
+    p.note([1])  # past the limit: counted afresh
+    assert (p.holders, p.recurring) == ({1: 1}, 0)
+
+
+def _engine(policy):
+    return LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
+               min_token_bucket=64, max_model_len=512, block_size=16, num_kv_blocks=160,
+               span_map_capture=policy)
+
+
+def _text(rng, n):
+    return bytes(rng.integers(97, 123, n).tolist()).decode()
+
+
+def _tokens(outs):
+    return [(list(o.outputs[0].token_ids),
+             [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_policies_change_captures_not_outputs():
+    rng = np.random.default_rng(SEED)
+    system = Prompt(_text(rng, 20))
+    docs = [Span(_text(rng, 40)) for _ in range(5)]
+    q = [Prompt(_text(rng, 9)) for _ in range(4)]
+    # docs 0 and 1 in two requests each, 2 / 3 / 4 in one only
+    batch = [[system, docs[0], docs[2], q[0]], [system, docs[3], docs[1], q[1]],
+             [system, docs[1], docs[4], q[2]], [system, docs[0], q[3]]]
+    got = {}
+    for policy in ("always", "shared", "auto"):
+        llm = _engine(policy)
+        got[policy] = _tokens(llm.generate(batch, SP, use_tqdm=False))
+        st = llm.llm_engine.cache.stats()
+        if policy == "shared":  # the three singletons declined, the shared two still hit
+            assert st["span_maps_declined"] == 3 and st["span_maps_captured"] == 2, st
+            assert st["spans_skipped"] == 2, st
+        if policy == "always":
+            assert st["span_maps_declined"] == 0 and st["span_maps_captured"] == 5, st
+    for policy in ("shared", "auto"):
+        for (tok_a, lp_a), (tok_b, lp_b) in zip(got["always"], got[policy]):
+            assert tok_a == tok_b
+            np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)  # map composed vs computed
+
+
+def test_auto_captures_a_lone_request_on_a_fresh_engine():
+    """Issue 29's request: spans sent once, then the same spans reordered with a new question:
+    the second request skips them all under the default policy."""
+    rng = np.random.default_rng(SEED + 1)
+    system = Prompt(_text(rng, 20))
+    docs = [Span(_text(rng, 40)) for _ in range(3)]
+    llm = _engine("auto")
+    llm.generate([[system, *docs, Prompt(_text(rng, 9))]], SP, use_tqdm=False)
+    before = llm.llm_engine.cache.stats()
+    llm.generate([[system, docs[2], docs[0], docs[1], Prompt(_text(rng, 9))]], SP,
+                 use_tqdm=False)
+    st = llm.llm_engine.cache.stats()
+    assert before["span_maps_captured"] == 3 and before["span_maps_declined"] == 0, before
+    assert st["spans_skipped"] - before["spans_skipped"] == 3, st
