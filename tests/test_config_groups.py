@@ -77,7 +77,7 @@ HOST_ONLY = {"num_kv_blocks": 64, "gpu_memory_utilization": 0.5, "kv_mode": "pic
              "hybrid_cache.per_prompt": 2, "hybrid_cache.budget_gb": 0.5,
              "hybrid_cache.half_life": 16.0, "hybrid_cache.bucket_fit": True,
              "hybrid_cache.free_room": False,
-             "span_maps.budget_gb": 0.0, "span_maps.host_gb": 1.0}
+             "span_maps.budget_gb": 0.0, "span_maps.host_gb": 1.0, "span_maps.capture": "always"}
 STEP = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 1024,
         "block_size": 32, "enable_prefix_caching": False, "pad_token_id": 1, "ssep_token_id": 2,
         "pdep_token_id": 3, "min_token_bucket": 4, "attn_impl": "xla",
