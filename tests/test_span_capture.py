@@ -76,7 +76,7 @@ def test_policies_change_captures_not_outputs():
     batch = [[system, docs[0], docs[2], q[0]], [system, docs[3], docs[1], q[1]],
              [system, docs[1], docs[4], q[2]], [system, docs[0], q[3]]]
     got = {}
-    for policy in ("always", "shared", "auto"):
+    for policy in ("always", "shared"):  # ("auto" is "always" here: 2 of 5 keys recur)
         llm = _engine(policy)
         got[policy] = _tokens(llm.generate(batch, SP, use_tqdm=False))
         st = llm.llm_engine.cache.stats()
@@ -85,10 +85,9 @@ def test_policies_change_captures_not_outputs():
             assert st["spans_skipped"] == 2, st
         if policy == "always":
             assert st["span_maps_declined"] == 0 and st["span_maps_captured"] == 5, st
-    for policy in ("shared", "auto"):
-        for (tok_a, lp_a), (tok_b, lp_b) in zip(got["always"], got[policy]):
-            assert tok_a == tok_b
-            np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)  # map composed vs computed
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(got["always"], got["shared"]):
+        assert tok_a == tok_b
+        np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)  # map composed vs computed
 
 
 def test_auto_captures_a_lone_request_on_a_fresh_engine():
