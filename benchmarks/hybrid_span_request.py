@@ -97,6 +97,10 @@ def add_parser(p) -> None:
                    help="calls a-f each under a jax.profiler trace: their N costliest host events "
                         "(driver calls, XLA / PjRt scopes) by name, to compare a call that "
                         "first uses a program with its repeat (a / f, b / d, c / e)")
+    p.add_argument("--admit-profile", default=None, metavar="FILE",
+                   help="cProfile every CacheManager.admit of the calls into FILE (the 20 "
+                        "costliest functions by own time: the engine's admission against "
+                        "benchmarks.span_admission_host's stub)")
     p.add_argument("--profile-forms", nargs="*", default=[], metavar="NAME=0|1,...",
                    help="with --profile-top: both steps again under each form (program "
                         "switches, e.g. RAGGED_SPLITS=0,WIDE_SPLITS=0)")
@@ -313,10 +317,32 @@ def run(args) -> int:
     if args.steps:  # after the warm-up: its steps are no call's
         from benchmarks.hybrid_span_steps import StepTrace
         trace = StepTrace(llm, sync=args.steps_sync).attach()
+    prof = profiled_admit(llm) if args.admit_profile else None
     rows = span_calls(llm, args, counter, on_row, trace)
     result["profile"] = rows.get("profile")
     write_json(args.json, result)
+    if prof is not None:
+        import pstats
+        with open(args.admit_profile, "w") as fh:
+            pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(20)
     return 0
+
+
+def profiled_admit(llm):
+    """A cProfile.Profile on every later CacheManager.admit call (an instance attribute; the
+    StepTrace's wrapper, if any, stays inside it)."""
+    import cProfile
+    prof, cache = cProfile.Profile(), llm.llm_engine.cache
+    admit = cache.admit
+
+    def wrapper(*a, **k):
+        prof.enable()
+        try:
+            return admit(*a, **k)
+        finally:
+            prof.disable()
+    cache.admit = wrapper
+    return prof
 
 
 def write_json(path, result: dict) -> None:

@@ -13,6 +13,14 @@ if nvidia-smi -L 2>/dev/null | grep -q H200; then
   OUT=$OUT bash benchmarks/runs/issue28_h200.sh 1
 else
   nvidia-smi -L > "$OUT/s38d.txt" 2>/dev/null
-  OUT=$OUT LIMIT=420 bash benchmarks/runs/span_request_device.sh >> "$OUT/s38d.txt"
+  OUT=$OUT LIMIT=420 EXTRA="--admit-profile $OUT/admit_profile.txt" \
+    bash benchmarks/runs/span_request_device.sh >> "$OUT/s38d.txt"
+  # the engine's admission by function (own time) against the stub's on this host's CPU
+  grep -E "function calls|tottime|\.py" "$OUT/admit_profile.txt" | head -14 | cut -c1-140 \
+    >> "$OUT/s38d.txt"
+  JAX_PLATFORMS=cpu PSTATS_SORT=tottime timeout 60 python3 -m benchmarks.span_admission_host \
+    --profile > "$OUT/admit_stub.txt" 2>&1
+  grep -E "admit [0-9]|function calls|tottime|\.py" "$OUT/admit_stub.txt" | head -14 \
+    | cut -c1-140 >> "$OUT/s38d.txt"
   cat "$OUT/s38d.txt"
 fi
