@@ -177,6 +177,10 @@ def report(results: list) -> None:
                   f"{_ms(r['median_ttft_ms'])}/{_ms(r['p99_ttft_ms'])} ms, TPOT p50 "
                   f"{_ms(r['median_tpot_ms'])} ms"
                   + (f", {sp:.3f}x {r['baseline']}" if sp is not None else ""))
+            if "span_maps_captured" in r:
+                print(f"[{name}] {r['workload']} {r['mode']}: span maps captured "
+                      f"{r['span_maps_captured']}, declined {r['span_maps_declined']}, spans "
+                      f"skipped {r['spans_skipped']}, steps {r['steps']}")
         if "compose_cost" in res:
             from benchmarks.span_compose_cost import report as compose_report
             for line in compose_report(res["compose_cost"]).splitlines():

@@ -52,6 +52,7 @@ def drive(engine, prompts, sp, *, salt: str, arrivals=None) -> dict:
     st = engine.stats
     before = (st.prompt_tokens, st.cached_prompt_tokens, st.steps, st.step_time,
               engine.runner.num_compiles)
+    spans_before = _span_counts(engine)
     start = time.time()
     offsets = np.zeros(len(prompts)) if arrivals is None else np.asarray(arrivals)
     nxt, outs, compiled = 0, [], []
@@ -81,4 +82,14 @@ def drive(engine, prompts, sp, *, salt: str, arrivals=None) -> dict:
             "compiles_during_run": engine.runner.num_compiles - before[4],
             "variants_compiled_during_run": compiled,
             "ttft_s": ttft, "tpot_s": tpot,
+            **{k: v - spans_before[k] for k, v in _span_counts(engine).items()},
             "outputs": {o.request_id: list(o.outputs[0].token_ids) for o in outs}}
+
+
+SPAN_COUNTS = ("span_maps_captured", "span_maps_declined", "spans_skipped")
+
+
+def _span_counts(engine) -> dict:
+    """A hybrid engine's span-map counts so far (serving/hybrid/span_cache.py stats); {} else."""
+    stats = engine.cache.stats()
+    return {k: stats[k] for k in SPAN_COUNTS if k in stats}

@@ -39,6 +39,7 @@ def metrics(run: dict, samples: int) -> dict:
                                                   - run["cached_prompt_tokens"]) / wall,
                samples_per_second=samples / wall,
                prefix_cache_hit_rate=run["cached_prompt_tokens"] / max(run["prompt_tokens"], 1))
+    out.update({k: run[k] for k in E.SPAN_COUNTS if k in run})  # hybrid span maps
     out["request_throughput"] = out["requests_per_second"]
     out["total_token_throughput"] = out["tokens_per_second"]
     for key in ("ttft", "tpot"):

@@ -15,7 +15,7 @@ for i in 1 2; do
   L=$(left); L=$((L - 300)); [ "$L" -gt 110 ] && L=110
   [ "$L" -ge 50 ] && OUT=$OUT LIMIT=$L NAME=rag_cap_$i COMPOSE=0 CONFIGS="pic_off fcfs fcfs_all" \
     bash benchmarks/runs/rag16_device.sh | grep " rc=" >> "$R"
-  grep -E "^  (fcfs|fcfs_all) |hit rate" "$OUT/rag_cap_$i.txt" \
+  grep -E "^  (fcfs|fcfs_all) |hit rate|span maps" "$OUT/rag_cap_$i.txt" \
     | sed -E "s/, [0-9.]+ total tokens.*hit rate/, hit rate/; s/TTFT.*//" | cut -c1-150 >> "$R"
 done
 echo "== rag t=$((SECONDS-T0)) s" >> "$R"
