@@ -170,7 +170,7 @@ def test_decode_only_steps_lay_sequence_i_on_row_i():
     ..., d, d, ...], also as sequences finish at different steps and the batch shrinks."""
     from minipic_jax import LLM, SamplingParams
     llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
-              min_token_bucket=16, max_model_len=256, block_size=16, warmup=False)
+              min_token_bucket=64, max_model_len=256, block_size=16, warmup=False)  # one bucket
     runner = llm.llm_engine.runner
     runner.separate_decode = True  # the GPU's layout: decode-only steps are a variant of their own
     views, seen = {}, []
