@@ -148,3 +148,20 @@ def compile_calls(monkeypatch):
         return real(self, compiler_options=compiler_options)
     monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
     return seen
+
+
+def once_per_run(tmp_path_factory, name: str, compute):
+    """compute()'s JSON-able result, computed once per test run: under pytest-xdist the tests of
+    a module may be spread over the workers, and a module fixture then ran once on each (a
+    30 s subprocess twice: CI time); the first worker computes it under a file lock, the others
+    read its file. Without xdist: compute()."""
+    import json
+
+    from filelock import FileLock
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return compute()
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"
+    with FileLock(str(path) + ".lock"):
+        if not path.is_file():
+            path.write_text(json.dumps(compute()))
+        return json.loads(path.read_text())

@@ -33,6 +33,19 @@ def _decode_layout(rng, n_seqs: int, n_rows: int):
     return jnp.asarray(cu), jnp.asarray(rng.integers(0, 500, n_seqs), jnp.int32)
 
 
+@jax.jit
+def _both_forms(x, conv0, w, cu, pos0):
+    """The general form's (shifted_taps / read_history) and the direct form's conv outputs and
+    next states, in one program per layout shape (op-by-op dispatch compiled each op for each
+    shape: CI time)."""
+    seq_of_row = gdn.rows_of_seqs(cu, x.shape[0])
+    index = gdn.conv_index(cu, pos0, seq_of_row, K1)
+    want = gdn.conv_rows_silu(gdn.shifted_taps(x, conv0, index["rows"]) + [x], w)
+    got = gdn.conv_rows_silu(decode_conv.decode_taps(x, conv0, seq_of_row), w)
+    want_state = gdn.read_history(x, conv0, index["end"]).astype(conv0.dtype)
+    return want, got, want_state, decode_conv.decode_history(x, conv0, cu)
+
+
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_conv_is_the_general_conv_bit_for_bit(fresh_rng, state_dtype):
     channels = 24
@@ -42,14 +55,9 @@ def test_decode_conv_is_the_general_conv_bit_for_bit(fresh_rng, state_dtype):
         x = jnp.asarray(fresh_rng.standard_normal((n_rows, channels)), jnp.bfloat16)
         conv0 = jnp.asarray(fresh_rng.standard_normal((n_seqs, channels, K1)), state_dtype)
         w = jnp.asarray(fresh_rng.standard_normal((channels, K1 + 1)), jnp.float32)
-        seq_of_row = gdn.rows_of_seqs(cu, n_rows)
-        index = gdn.conv_index(cu, pos0, seq_of_row, K1)
+        want, got, want_state, got_state = _both_forms(x, conv0, w, cu, pos0)
         real = np.arange(n_rows) < int(cu[-1])
-        want = gdn.conv_rows_silu(gdn.shifted_taps(x, conv0, index["rows"]) + [x], w)
-        got = gdn.conv_rows_silu(decode_conv.decode_taps(x, conv0, seq_of_row), w)
         np.testing.assert_array_equal(np.asarray(got)[real], np.asarray(want)[real], f"{case}")
-        want_state = gdn.read_history(x, conv0, index["end"]).astype(conv0.dtype)
-        got_state = decode_conv.decode_history(x, conv0, cu)
         assert got_state.dtype == want_state.dtype
         np.testing.assert_array_equal(np.asarray(got_state, np.float32),
                                       np.asarray(want_state, np.float32), f"{case}")
@@ -170,7 +178,7 @@ def test_decode_only_steps_lay_sequence_i_on_row_i():
     ..., d, d, ...], also as sequences finish at different steps and the batch shrinks."""
     from minipic_jax import LLM, SamplingParams
     llm = LLM("tiny_qwen3_5", dtype="float32", seed=0, max_num_seqs=4, max_num_batched_tokens=64,
-              min_token_bucket=16, max_model_len=256, block_size=16, warmup=False)
+              min_token_bucket=64, max_model_len=256, block_size=16, warmup=False)  # one bucket
     runner = llm.llm_engine.runner
     runner.separate_decode = True  # the GPU's layout: decode-only steps are a variant of their own
     views, seen = {}, []

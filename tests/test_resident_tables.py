@@ -58,8 +58,10 @@ def test_device_tables_follow_the_host_and_outputs_equal_the_rows_path(monkeypat
     spares compiling the sync rows path's step variants (CI time)."""
     runs = {}
     for mode in ("sync", "async"):
-        # 20 blocks for 4 seats of up to 13 blocks each: preemptions, releases and reused seats
-        llm = make_tiny_llm(num_kv_blocks=20, async_scheduling=mode == "async")
+        # 20 blocks for 4 seats of up to 13 blocks each: preemptions, releases and reused seats;
+        # one token bucket (each further one compiled its own variants: CI time)
+        llm = make_tiny_llm(num_kv_blocks=20, async_scheduling=mode == "async",
+                            min_token_bucket=64)
         eng = llm.llm_engine
         seen, counted = _watch(eng.runner)
         monkeypatch.setattr(resident_tables, "upload", counted)
@@ -80,7 +82,7 @@ def test_device_tables_follow_the_host_and_outputs_equal_the_rows_path(monkeypat
 
 
 def test_changes_that_do_not_fit_upload_the_whole_tables(monkeypatch):
-    llm = make_tiny_llm(num_kv_blocks=20)
+    llm = make_tiny_llm(num_kv_blocks=20, min_token_bucket=64)
     eng = llm.llm_engine
     seen, counted = _watch(eng.runner)
     monkeypatch.setattr(resident_tables, "upload", counted)
@@ -146,7 +148,7 @@ def test_packed_runs_rebuild_the_host_tables_on_device():
 def test_a_step_that_raises_after_its_changes_were_packed_leaves_the_tables_exact():
     """The step's changes were taken from the host log but never reached the device: the next
     step uploads the whole host array (DeviceTables.pending), so nothing is lost."""
-    llm = make_tiny_llm(num_kv_blocks=20)
+    llm = make_tiny_llm(num_kv_blocks=20, min_token_bucket=64)
     eng = llm.llm_engine
     runner = eng.runner
     prompts, sps = _workload(llm, 4)

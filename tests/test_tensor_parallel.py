@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from serving.config import Config
-from tests.conftest import FIXTURES, REPO
+from tests.conftest import FIXTURES, REPO, once_per_run
 
 RUN_SLOW = os.environ.get("MINIPIC_RUN_SLOW") == "1" or "--run-slow" in sys.argv
 # per fixture: the largest logprob difference to TP=1 allowed (fp32 summation order only; the
@@ -124,10 +124,12 @@ def _check_stream(r: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def default_runs() -> dict:
+def default_runs(tmp_path_factory) -> dict:
     """The default (not slow) subprocess: Llama GQA at TP=1/2/4, its errors and streamed
-    loading, and the small Qwen3.5 engine at TP=1/2 (tp_runs.hybrid)."""
-    return _runs("llama_gqa2_llama3rope", "--errors", "--stream", "--hybrid")
+    loading, and the small Qwen3.5 engine at TP=1/2 (tp_runs.hybrid); once per test run
+    (tests/conftest.once_per_run)."""
+    return once_per_run(tmp_path_factory, "tp_default_runs", lambda: _runs(
+        "llama_gqa2_llama3rope", "--errors", "--stream", "--hybrid"))
 
 
 def test_tp_llama_gqa_matches_tp1_and_errors(default_runs):

@@ -14,17 +14,22 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, once_per_run
 
 
-@pytest.fixture(scope="module")
-def run():
+def _subprocess() -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-m", "tests.tp_weights_write_run"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The subprocess's results, once per test run (tests/conftest.once_per_run)."""
+    return once_per_run(tmp_path_factory, "tp_weights_write_run", _subprocess)
 
 
 def _part(got):
