@@ -338,8 +338,10 @@ class LLM:
             prompts.append(ids + [m["pdep_token_id"]])
         stats = self.llm_engine.get_stats().get("kv_store", {})
         before = stats.get("blocks_written", 0)
-        self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1),
-                      use_tqdm=use_tqdm, cache_salt=cache_salt)
+        policy = self.llm_engine.cache.span_capture  # a hybrid's span maps: every one captured
+        with contextlib.nullcontext() if policy is None else policy.capture_all():
+            self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1),
+                          use_tqdm=use_tqdm, cache_salt=cache_salt)
         after = self.llm_engine.get_stats().get("kv_store", {}).get("blocks_written", 0)
         return {"spans": len(prompts), "span_tokens": sum(len(p) - 1 for p in prompts),
                 "blocks_written": after - before}

@@ -104,3 +104,19 @@ def test_auto_captures_a_lone_request_on_a_fresh_engine():
     st = llm.llm_engine.cache.stats()
     assert before["span_maps_captured"] == 3 and before["span_maps_declined"] == 0, before
     assert st["spans_skipped"] - before["spans_skipped"] == 3, st
+
+
+def test_cache_spans_captures_every_span_whatever_the_policy():
+    """LLM.cache_spans says its spans will be reused: 12 spans no request shares (under "auto"
+    alone, (0 + 8) / (12 + 8) < 0.5 would decline them) are all captured, and a request holding
+    them skips them."""
+    rng = np.random.default_rng(SEED + 2)
+    docs = [_text(rng, 40) for _ in range(12)]
+    llm = _engine("auto")
+    llm.cache_spans(docs)
+    st = llm.llm_engine.cache.stats()
+    assert st["span_maps_captured"] == 12 and st["span_maps_declined"] == 0, st
+    assert not llm.llm_engine.cache.span_capture.forced  # back to the policy after the call
+    llm.generate([[Prompt(_text(rng, 20)), *(Span(d) for d in docs[3:6]),
+                   Prompt(_text(rng, 9))]], SP, use_tqdm=False)
+    assert llm.llm_engine.cache.stats()["spans_skipped"] == 3

@@ -152,6 +152,14 @@ class CacheManager:
             idx, frontier = rec.cut_chunk(seq, idx, frontier)
         return idx, frontier
 
+    @property
+    def span_capture(self):
+        """The capture policy of a hybrid model's span maps (serving/hybrid/span_capture.py), or
+        None (no span-map cache)."""
+        cache = None if self.recurrent is None else self.recurrent.cache
+        spans = None if cache is None else cache.spans
+        return None if spans is None else spans.capture
+
     def note_request(self, seq) -> None:
         """A request was added to the engine (hybrid spans: the capture policy counts them)."""
         if self.recurrent is not None:

@@ -18,12 +18,15 @@ added (the queue is the lookahead an offline batch gives), and
     REUSE_PRIOR keys counted as recurring (a fresh engine captures: a user who sends spans and
     then the same spans reordered gets the hit), at least CAPTURE_MIN_REUSE.
 
-Only the choice of capture changes: outputs are the same whichever spans are captured (a span
+LLM.cache_spans captures every span it computes (`capture_all`). Only the choice of capture
+changes: outputs are the same whichever spans are captured (a span
 without a map is computed, as any prompt rows), and long spans computed in pieces are always
 captured (span_partial carries the map across steps).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 POLICIES = ("always", "shared", "auto")
 CAPTURE_MIN_REUSE = 0.5  # a map costs about what its span costs to compute (module doc)
@@ -40,6 +43,17 @@ class CapturePolicy:
         self.holders: dict[int, int] = {}  # span key -> requests added that hold it
         self.recurring = 0  # keys of `holders` held by >= 2 requests
         self.declined = 0  # computed spans not captured by this policy
+        self.forced = False  # every computed span captured (`capture_all`)
+
+    @contextlib.contextmanager
+    def capture_all(self):
+        """Every span computed inside the block is captured whatever the policy (LLM.cache_spans:
+        the caller says the spans will be reused)."""
+        before, self.forced = self.forced, True
+        try:
+            yield
+        finally:
+            self.forced = before
 
     def note(self, keys) -> None:
         """A request was added holding the spans keyed `keys` (each counted once)."""
@@ -59,7 +73,7 @@ class CapturePolicy:
 
     def worth(self, key: int) -> bool:
         """Whether the computed span keyed `key` is captured; counts a decline."""
-        take = (self.policy == "always" or self.holders.get(key, 1) >= 2
+        take = (self.forced or self.policy == "always" or self.holders.get(key, 1) >= 2
                 or self.policy == "auto" and self.reuse() >= CAPTURE_MIN_REUSE)
         self.declined += not take
         return take
