@@ -88,10 +88,9 @@ def options(kernel, k, n):
     """Every launch option of `kernel` that fits widths k, n (api.block's rule)."""
     out_n = n // 2 if kernel == "norm_swiglu" else n
     splits = (1, 2, 4, 8) if kernel == "matmul_residual" else (1,)
-    for bn, bk, warps, stages, split in itertools.product((16, 32, 64), (128, 256, 512),
-                                                          (4, 8), (2, 4), splits):
-        if split > 1 and (api.split_k(k, split) != split or stages != 4 or warps != 4
-                          or bk == 512):
+    for bn, bk, warps, stages, split in itertools.product((16, 32, 64), (128, 256), (4, 8),
+                                                          (2, 4), splits):
+        if split > 1 and (api.split_k(k, split) != split or stages != 4 or warps != 4):
             continue
         if api.block(out_n, bn) != bn or api.block(k // split, bk) != bk:
             continue

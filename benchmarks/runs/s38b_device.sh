@@ -8,7 +8,7 @@
 #    three profiled; the best over each kernel's parts written to best.json;
 # 3. the hybrid decode step (t = 8, s = 8, 64 seats) with those options: today, both row
 #    switches, both + the decode kernel reading a / b / z in the projection (DECODE_GATES_IN_PROJ),
-#    DECODE_GATES_IN_PROJ alone, today again (the replays spread +-0.2 ms);
+#    today again (the replays spread +-0.2 ms);
 # 4. the MLP chain at 8 / 16 rows, both models, with the best options.
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s38b_device.sh
 set -u; T0=$SECONDS
@@ -21,17 +21,17 @@ MINIPIC_COMPILED=1 timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopt
   > "$OUT/tests_s38b.txt" 2>&1
 echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests_s38b.txt" | cut -c1-120)" >> "$R"
 grep -E "^(FAILED|ERROR) |^E  " "$OUT/tests_s38b.txt" | cut -c1-200 | sort -u | head -6 >> "$R"
-L=$(left); L=$((L - 200)); [ "$L" -gt 270 ] && L=270
+L=$(left); L=$((L - 130)); [ "$L" -gt 220 ] && L=220
 timeout $L python3 -m benchmarks.row_matmul_bench --sweep --models qwen3_5_0_8b --rows 8 \
   --best-out "$OUT/best.json" > "$OUT/sweep.txt" 2>&1
 echo "sweep rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep "^==" "$OUT/sweep.txt" | cut -c1-200 >> "$R"
 OPT=""; [ -s "$OUT/best.json" ] && OPT="--row-options $OUT/best.json"
 ROWS=MLP_ROW_KERNEL=1,MIXER_ROW_KERNELS=1
-L=$(left); L=$((L - 45)); [ "$L" -gt 200 ] && L=200
+L=$(left); L=$((L - 25)); [ "$L" -gt 170 ] && L=170
 [ "$L" -ge 60 ] && timeout $L python3 -m benchmarks.fixed_step_work --time --seats 64 \
   --max-model-len 25600 --tokens 128 --ckpt 1 --decode --reps 15 --profile 8 $OPT \
-  --forms "" $ROWS $ROWS,DECODE_GATES_IN_PROJ=1 DECODE_GATES_IN_PROJ=1 "" \
+  --forms "" $ROWS $ROWS,DECODE_GATES_IN_PROJ=1 "" \
   > "$OUT/decode_ab.txt" 2>&1
 echo "decode A/B rc=$? t=$((SECONDS-T0)) s" >> "$R"
 grep -E "^row_matmul|^live|^time.*decode|^profile decode" \
