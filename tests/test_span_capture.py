@@ -120,3 +120,18 @@ def test_cache_spans_captures_every_span_whatever_the_policy():
     llm.generate([[Prompt(_text(rng, 20)), *(Span(d) for d in docs[3:6]),
                    Prompt(_text(rng, 9))]], SP, use_tqdm=False)
     assert llm.llm_engine.cache.stats()["spans_skipped"] == 3
+
+
+def test_a_declined_span_is_captured_by_its_next_holder():
+    """Online: a span declined as a singleton (its blocks cached by its first request) is
+    captured by the next request that holds it, which computes it beside those ready blocks
+    (span_cache's capture condition `_keyed`), so a third request skips it."""
+    rng = np.random.default_rng(SEED + 3)
+    system, doc = Prompt(_text(rng, 20)), Span(_text(rng, 40))
+    llm = _engine("shared")
+    for k in range(3):
+        llm.generate([[system, doc, Prompt(_text(rng, 9))]], SP, use_tqdm=False)
+        st = llm.llm_engine.cache.stats()
+        want = [(0, 1, 0), (1, 1, 0), (1, 1, 1)][k]  # captured, declined, skipped so far
+        assert (st["span_maps_captured"], st["span_maps_declined"], st["spans_skipped"]) == \
+            want, (k, st)

@@ -15,9 +15,11 @@ step has its map captured by that step (the model's local pass returns (A, B, ta
     GreedyDual eviction valued by the span's tokens, pins from admission until the step that
     composes the map is launched.
   * Consistency: an entry lists its span's block hashes; when the device pool evicts one of them
-    for good (no KV host tier), the map is dropped (`drop_dependent`). Only the request that
-    publishes the span's blocks captures its map, so a map never outlives them by another way
-    (a pending block dropped unready). With a KV host tier the map stays while its blocks live on
+    for good (no KV host tier), the map is dropped (`drop_dependent`). A request captures a map
+    only where the span's blocks under their hashes are its own or ready (`_keyed`), so a map
+    never outlives them by another way (a pending block dropped unready); a span the capture
+    policy declined (span_capture.py) is captured by its next holder beside the first one's
+    ready blocks. With a KV host tier the map stays while its blocks live on
     the host; a block the host tier drops leaves an unusable map to age out (as checkpoints).
   * Waiting: a request whose span another running request is computing right now (published,
     not ready) is not admitted until it is ready (it keeps its place; the scheduler may admit up
@@ -276,7 +278,7 @@ class SpanMapCache:
         for a, b, final in span_rows.spans_of(seq, bs):
             if final or a in skipped or a < first or b > e.new_computed or \
                     b // bs > len(hashes) or self.captures >= MAX_CAPTURES or \
-                    not self._publishes(mgr.bm, seq, hashes, a // bs, b // bs) or \
+                    not self._keyed(mgr, seq, hashes, a // bs, b // bs) or \
                     not self.capture.worth(hashes[b // bs - 1]):
                 continue
             j1 = b // bs
@@ -290,15 +292,16 @@ class SpanMapCache:
 
     @staticmethod
     def _publishes(bm, seq, hashes, j0: int, j1: int) -> bool:
-        """The sequence's blocks [j0, j1) are the ones the block table holds under their hashes.
-        Only then does the map capture: a duplicate computed beside another request's pending
-        blocks would outlive them when that request leaves before they are ready."""
+        """The sequence's blocks [j0, j1) are the ones the block table holds under their hashes."""
         return all(bm.hash[seq.block_table[j]] == hashes[j] for j in range(j0, j1))
 
     @staticmethod
     def _keyed(mgr, seq, hashes, j0: int, j1: int) -> bool:
-        """`_publishes`, or the table's block for the hash is ready (a piece computed before a
-        preemption is cached; its content is this block's, and lives as long as the key)."""
+        """`_publishes`, or the table's block for the hash is ready (its content is this block's,
+        and lives as long as the key: a piece computed before a preemption, a span another
+        request computed without capturing it). Only then does a map capture: a duplicate
+        computed beside another request's pending blocks would outlive them when that request
+        leaves before they are ready."""
         bm = mgr.bm
         for j in range(j0, j1):
             blk = bm.table.get(hashes[j])
