@@ -15,7 +15,9 @@ from minipic_jax import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return make_tiny_llm()
+    # one token bucket (min_token_bucket = max_num_batched_tokens = 64): no test here is about
+    # bucket sizes, and each bucket compiled its own step variants (CI time)
+    return make_tiny_llm(min_token_bucket=64)
 
 
 class LetterTokenizer:

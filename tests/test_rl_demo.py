@@ -41,7 +41,7 @@ def test_task_checker():
 
 
 def test_plain_loop_samples_the_engine_model():
-    llm = make_tiny_llm()
+    llm = make_tiny_llm(min_token_bucket=64)  # one step variant, not a prefill and a decode one
     prompt = list(range(40, 70))
     ref = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     loaded = llm.llm_engine.loaded

@@ -22,6 +22,9 @@ from tests.conftest import REPO, make_tiny_llm
 
 SP = SamplingParams(temperature=1.0, max_tokens=6, seed=11, logprobs=0, n=2)
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 37, 20)]
+# the engines at one token bucket (min_token_bucket = max_num_batched_tokens = 64): no test here
+# is about bucket sizes, and each bucket compiled its own step variants (CI time)
+ONE = dict(min_token_bucket=64)
 
 
 def _run(llm):
@@ -38,11 +41,11 @@ def new_params():
 
 @pytest.fixture(scope="module")
 def fresh_outputs():
-    return _run(make_tiny_llm(seed=1))
+    return _run(make_tiny_llm(seed=1, **ONE))
 
 
 def test_update_serves_new_weights_without_recompiling(new_params, fresh_outputs):
-    llm = make_tiny_llm()
+    llm = make_tiny_llm(**ONE)
     before = _run(llm)
     _run(llm)  # every step variant of these requests is ready now
     compiles, fuse_compiles = llm.llm_engine.runner.num_compiles, _fuse_layer._cache_size()
@@ -61,7 +64,7 @@ def test_update_serves_new_weights_without_recompiling(new_params, fresh_outputs
 
 
 def test_old_cache_entries_never_hit_after_update(new_params, tmp_path):
-    llm = make_tiny_llm(kv_store_dir=str(tmp_path))
+    llm = make_tiny_llm(kv_store_dir=str(tmp_path), **ONE)
     first = _run(llm)
     assert _run(llm)[2][1] > 0  # the 37-token prompt hits its cached blocks
     llm.llm_engine.flush_kv_store()
@@ -84,7 +87,7 @@ def test_old_cache_entries_never_hit_after_update(new_params, tmp_path):
 
 
 def test_bad_params_name_the_leaf_and_keep_serving(new_params):
-    llm = make_tiny_llm()
+    llm = make_tiny_llm(**ONE)
     before = _run(llm)
     wrong_shape = jax.tree.map(lambda x: x, new_params)
     wrong_shape["layers"] = (new_params["layers"][0], {**new_params["layers"][1],
@@ -105,7 +108,7 @@ def test_bad_params_name_the_leaf_and_keep_serving(new_params):
 
 
 def test_nnx_state_and_donation(new_params, fresh_outputs):
-    llm = make_tiny_llm()
+    llm = make_tiny_llm(**ONE)
     state = nnx.State(nnx_pure.to_state_dict(jax.tree.map(jnp.copy, new_params)))
     llm.update_weights(state, donate=True)
     assert _run(llm)[0] == fresh_outputs[0]
@@ -131,7 +134,7 @@ def test_update_writes_into_the_served_buffers(new_params):
     """Nothing freed or allocated but one layer's temporaries: the served weights keep their
     buffers (a best-fit device allocator never sees a hole to misfit; issue 30: +1520 MiB over
     in-use on the first llama3_8b update when layers were freed and re-allocated)."""
-    llm = make_tiny_llm()
+    llm = make_tiny_llm(**ONE)
     runner = llm.llm_engine.runner
     llm.update_weights(new_params)  # (on CPU a loaded leaf may wrap host memory: copied once)
     before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(runner.params)]
@@ -186,7 +189,7 @@ def test_prepared_write_programs_leave_the_update_nothing_to_compile(new_params)
     """`weights_update.prepare` (the warm-up calls it) compiles from the served params and the
     spec what the first update runs: the update then compiles nothing."""
     from minipic_jax import weights_update
-    llm = make_tiny_llm()
+    llm = make_tiny_llm(**ONE)
     assert weights_update.prepare(llm) == 2 and weights_update.prepare(llm) == 0
     llm.update_weights(new_params)
     assert llm.weights_version.writer.compiles == 2
