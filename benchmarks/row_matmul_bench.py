@@ -37,6 +37,7 @@ PARTS = {
              ("matmul_residual", 256, 128, 2)],  # (a CPU run checks the bench)
 }
 MLP = {"qwen3_5_0_8b": (1024, 3584, 24), "llama3_8b": (4096, 14336, 32), "tiny": (128, 256, 2)}
+STAGES = 3  # the sweep's pipeline stages (a second value doubles its ~1 s an option)
 L2_BYTES = 200 << 20  # weights a chain streams at least (the H100's L2 is 50 MB)
 _BF = jnp.bfloat16
 
@@ -89,8 +90,8 @@ def options(kernel, k, n):
     out_n = n // 2 if kernel == "norm_swiglu" else n
     splits = (1, 2, 4, 8) if kernel == "matmul_residual" else (1,)
     for bn, bk, warps, stages, split in itertools.product((16, 32, 64), (128, 256), (4, 8),
-                                                          (2, 4), splits):
-        if split > 1 and (api.split_k(k, split) != split or stages != 4 or warps != 4):
+                                                          (STAGES,), splits):
+        if split > 1 and (api.split_k(k, split) != split or warps != 4 or bn == 64):
             continue
         if api.block(out_n, bn) != bn or api.block(k // split, bk) != bk:
             continue
@@ -191,15 +192,16 @@ def main(argv=None) -> int:
             if not args.sweep:
                 time_mlp(model, rows, args, interpret)
                 continue
-            swept = [(kernel, layers,
-                      sweep_part(model, kernel, k, n, layers, rows, args, interpret))
-                     for kernel, k, n, layers in PARTS[model] if kernel in args.kernels]
-            best = best_options(swept)
-            print(f"== best {model} rows {rows}: {json.dumps(best)}", flush=True)
-            if args.best_out:  # the first model and rows asked for: what fixed_step_work reads
-                with open(args.best_out, "w") as fh:
-                    json.dump(best, fh)
-                args.best_out = None
+            swept = []
+            for kernel, k, n, layers in PARTS[model]:
+                if kernel in args.kernels:
+                    swept.append((kernel, layers, sweep_part(model, kernel, k, n, layers, rows,
+                                                             args, interpret)))
+                    if args.best_out:  # after each part: a run cut short keeps what it found
+                        with open(args.best_out, "w") as fh:
+                            json.dump(best_options(swept), fh)
+            print(f"== best {model} rows {rows}: {json.dumps(best_options(swept))}", flush=True)
+            args.best_out = None  # (the first model and rows asked for: fixed_step_work reads it)
     return 0
 
 
