@@ -167,10 +167,7 @@ class SpanMapConfig:
     capture: str = option("auto", flat="span_map_capture", host_only=True)
 
     def __post_init__(self):
-        from serving.hybrid.span_capture import POLICIES
-        if self.capture not in POLICIES:
-            raise ValueError(f"span_map_capture (Config.span_maps.capture) must be one of "
-                             f"{POLICIES}, got {self.capture!r}")
+        check_capture(self.capture)
         if self.compose_precision not in COMPOSE_PRECISIONS:
             raise ValueError(f"span_map_compose_precision (Config.span_maps.compose_precision) "
                              f"must be one of {tuple(COMPOSE_PRECISIONS)}, "
@@ -179,6 +176,16 @@ class SpanMapConfig:
             raise ValueError(f"span_map_gb (Config.span_maps.budget_gb) must be None or >= 0 and "
                              f"span_map_host_gb (Config.span_maps.host_gb) >= 0, "
                              f"got {self.budget_gb} and {self.host_gb}")
+
+
+SPAN_CAPTURE_POLICIES = ("always", "shared", "auto")  # serving/hybrid/span_capture.py
+
+
+def check_capture(policy: str) -> None:
+    """A ValueError naming Config.span_maps.capture for a policy it does not know."""
+    if policy not in SPAN_CAPTURE_POLICIES:
+        raise ValueError(f"span_map_capture (Config.span_maps.capture) must be one of "
+                         f"{SPAN_CAPTURE_POLICIES}, got {policy!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

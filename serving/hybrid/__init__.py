@@ -13,6 +13,7 @@ Prefix caching with recurrent checkpoints:
 SSEP spans on hybrid models (docs/DESIGN.md section 5):
   span_rows.py         cold path: a step's span rows and pieces; where chunks may end
   span_cache.py        warm path: cached span maps, skipped spans, pins
+  span_capture.py      which computed spans capture their map (the capture policy)
   span_partial.py      spans longer than a step: captured in pieces, the map so far in one slot
   span_maps.py         the maps' device pool and their composition into an entry state
   span_compose.py      the composition as a program of its own, run right before the step

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 
-POLICIES = ("always", "shared", "auto")
+from serving.config_groups import check_capture
+
 CAPTURE_MIN_REUSE = 0.5  # a map costs about what its span costs to compute (module doc)
 REUSE_PRIOR = 8  # recurring span keys assumed before any is seen
 HOLDERS_LIMIT = 1 << 16  # span keys counted before the count starts over
@@ -36,9 +37,7 @@ HOLDERS_LIMIT = 1 << 16  # span keys counted before the count starts over
 
 class CapturePolicy:
     def __init__(self, policy: str = "auto"):
-        if policy not in POLICIES:
-            raise ValueError(f"span_map_capture (Config.span_maps.capture) must be one of "
-                             f"{POLICIES}, got {policy!r}")
+        check_capture(policy)
         self.policy = policy
         self.holders: dict[int, int] = {}  # span key -> requests added that hold it
         self.recurring = 0  # keys of `holders` held by >= 2 requests
