@@ -140,3 +140,33 @@ def test_a_declined_span_is_captured_by_its_next_holder():
         want = [(0, 1, 0), (1, 1, 0), (1, 1, 1)][k]  # captured, declined, skipped so far
         assert (st["span_maps_captured"], st["span_maps_declined"], st["spans_skipped"]) == \
             want, (k, st)
+
+
+def test_declined_spans_run_in_variants_the_warmup_readies():
+    """A step that computes spans without capturing them runs a step variant the default
+    warm-up readies (so declining never compiles while serving): every variant the batch
+    dispatches under "shared" is in the warm-up's list."""
+    from unittest import mock
+
+    from serving.step import model_runner
+
+    def key(kw):
+        return tuple(sorted((k, repr(v)) for k, v in kw.items()))
+    rng = np.random.default_rng(SEED + 4)
+    system = Prompt(_text(rng, 20))
+    docs = [Span(_text(rng, 40)) for _ in range(3)]
+    batch = [[system, docs[0], docs[1], Prompt(_text(rng, 9))],
+             [system, docs[2], docs[0], Prompt(_text(rng, 9))]]
+    llm = _engine("shared")
+    runner = llm.llm_engine.runner
+    warmed = {key(kw) for _, _, kw in runner.warmup_steps(spans=True)}
+    dispatched, dispatch = set(), model_runner.ModelRunner._dispatch
+
+    def counted(self, ints, floats, use_prev, kw):
+        dispatched.add(key(kw))
+        return dispatch(self, ints, floats, use_prev, kw)
+    with mock.patch.object(model_runner.ModelRunner, "_dispatch", counted):
+        llm.generate(batch, SP, use_tqdm=False)
+    st = llm.llm_engine.cache.stats()
+    assert st["span_maps_declined"] == 2 and st["span_maps_captured"] == 1, st
+    assert dispatched and dispatched <= warmed, dispatched - warmed
