@@ -174,4 +174,16 @@ def matmul_residual(y, w, residual, *, block_n: int = 32, block_k: int = 128,
         out_shape=jax.ShapeDtypeStruct((split_k, m, n), _F32),
         compiler_params=params, interpret=interpret, name="rows_matmul_partial",
     )(y, w)
-    return _add_rounded(residual, partials.sum(axis=0), residual.dtype)
+    return _add_partials(residual, partials)
+
+
+def _add_partials(residual, partials):
+    """residual + the summed partials, the product rounded to the model dtype first as the XLA
+    form rounds it: by reduce_precision, since XLA (excess precision allowed, its default) drops
+    a float32 -> bf16 -> float32 round trip inside a fusion."""
+    acc = partials.sum(axis=0)
+    dtype = jnp.dtype(residual.dtype)
+    if dtype != _F32:
+        info = jnp.finfo(dtype)
+        acc = jax.lax.reduce_precision(acc, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return (residual.astype(_F32) + acc).astype(dtype)
