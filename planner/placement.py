@@ -44,12 +44,15 @@ def check_budget(budget) -> int:
 
 def check_positions(positions, n: int, name: str = "positions") -> np.ndarray:
     """Returns sorted unique int64 positions, each in 1..n; raises ValueError otherwise."""
-    c = np.asarray(positions if positions is not None else [], dtype=np.float64).reshape(-1)
-    if c.size and not np.all(np.isfinite(c)):
-        raise ValueError(f"{name} must be finite, got {c[~np.isfinite(c)][0]}")
-    if c.size and np.any(c != np.round(c)):
-        raise ValueError(f"{name} must be integers, got {c[c != np.round(c)][0]}")
-    c = c.astype(np.int64)
+    if isinstance(positions, np.ndarray) and positions.dtype.kind in "iu":
+        c = positions.astype(np.int64).reshape(-1)  # integers already (the planner's own)
+    else:
+        c = np.asarray(positions if positions is not None else [], dtype=np.float64).reshape(-1)
+        if c.size and not np.all(np.isfinite(c)):
+            raise ValueError(f"{name} must be finite, got {c[~np.isfinite(c)][0]}")
+        if c.size and np.any(c != np.round(c)):
+            raise ValueError(f"{name} must be integers, got {c[c != np.round(c)][0]}")
+        c = c.astype(np.int64)
     out = np.flatnonzero((c < 1) | (c > n))
     if out.size:
         raise ValueError(
@@ -70,10 +73,16 @@ def expected_recompute(pmf, positions) -> float:
     p = check_pmf(pmf)
     n = p.size - 1
     c = check_positions(positions, n)
-    t = np.arange(n + 1)
     starts = np.concatenate([[0], c])  # [|C|+1]
-    last = starts[np.searchsorted(starts, t, side="right") - 1]  # [N+1] l(t; C)
-    return float(np.dot(p, t - last))
+    last = np.repeat(starts, _bin_sizes(c, n))  # [N+1] l(t; C)
+    return float(np.dot(p, np.arange(n + 1) - last))
+
+
+def _bin_sizes(cand: np.ndarray, n: int) -> np.ndarray:
+    """[K+1] depths in each bin [c_k, c_{k+1}) of sorted positions c_1 < ... < c_K in 1..n
+    (bin 0 = [0, c_1)): np.repeat of a value per bin by these is the bins' step function over
+    depths 0..n, what a searchsorted of every depth gives, in O(N) without the search."""
+    return np.diff(np.concatenate([[0], cand, [n + 1]]))
 
 
 def max_gap(positions, n: int) -> int:
@@ -97,7 +106,7 @@ def compress(p: np.ndarray, candidates) -> tuple[np.ndarray, np.ndarray, float, 
     cand = check_positions(candidates, n, name="candidates")
     x = np.concatenate([[0], cand]).astype(np.float64)  # [K+1]
     t = np.arange(n + 1)
-    bins = np.searchsorted(cand, t, side="right")  # [N+1] bin index of each depth
+    bins = np.repeat(np.arange(x.size), _bin_sizes(cand, n))  # [N+1] bin index of each depth
     q = np.bincount(bins, weights=p, minlength=x.size)
     const = float(np.dot(p, t - x[bins]))
     return x, q, const, cand

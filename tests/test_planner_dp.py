@@ -187,3 +187,31 @@ def test_dp_and_lagrangian_agree_on_irregular_candidates(fresh_rng):
         assert res.attained and len(res.positions) == budget  # generic data: no ties
         assert close(res.cost, opts[budget])
         assert close(direct_cost(p, res.positions.tolist()), opts[budget])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(n=st.integers(1, 400), seed=st.integers(0, 2**31 - 1), k=st.integers(0, 40),
+       as_list=st.booleans())
+def test_compression_and_cost_are_the_depth_search_bit_for_bit(n, seed, k, as_list):
+    """placement.compress / expected_recompute bin the depths by a step function
+    (`_bin_sizes`, np.repeat) where they searched every depth (np.searchsorted): the same bins,
+    masses, constant and cost, bit for bit, for integer arrays and for float lists (the checked
+    path)."""
+    from planner import placement
+    rng = np.random.default_rng(seed)
+    p = placement.check_pmf(rng.random(n + 1) * (rng.random(n + 1) < 0.7) + 1e-3)
+    cand = np.unique(rng.integers(1, n + 1, k)).astype(np.int64)
+    given_cand = [float(c) for c in cand] if as_list else cand
+    t = np.arange(n + 1)
+    bins = np.searchsorted(cand, t, side="right")  # the search the step function replaces
+    x = np.concatenate([[0], cand]).astype(np.float64)
+    q = np.bincount(bins, weights=p, minlength=x.size)
+    got = placement.compress(p, given_cand)
+    np.testing.assert_array_equal(got[0], x)
+    np.testing.assert_array_equal(got[1], q)
+    assert got[2] == float(np.dot(p, t - x[bins]))
+    starts = np.concatenate([[0], cand])
+    last = starts[np.searchsorted(starts, t, side="right") - 1]
+    p2 = placement.check_pmf(p)  # (expected_recompute normalises its pmf again)
+    assert placement.expected_recompute(p, given_cand) == float(np.dot(p2, t - last))
+    assert placement.expected_recompute(p, given_cand) == pytest.approx(direct_cost(p, cand))
