@@ -5,5 +5,5 @@ projection with its norm, its output projection with the residual). Callers use 
   api.py          the entry points (`mlp`, `norm_matmul`, `norm_swiglu`, `matmul_residual`), their
                   shape checks
   reference.py    the XLA form they replace (plain jnp)
-  triton_rows.py  the two Pallas kernels (Triton lowering)
+  triton_rows.py  the Pallas kernels (Triton lowering)
 """

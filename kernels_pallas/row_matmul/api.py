@@ -86,11 +86,9 @@ def matmul_residual(y, w, residual, *, interpret: bool = False):
 
 def split_k(k: int, most: int) -> int:
     """The most K slices (<= `most`, a power of two) whose width is a multiple of 16 (a dot's
-    least): 1 where none."""
-    s = most
-    while s > 1 and (k % s or (k // s) % 16):
-        s //= 2
-    return max(s, 1)
+    least): 1 where none. (S slices of 16 k-multiples: 16 S divides k, `block`'s search.)"""
+    b = block(k, 16 * most)
+    return b // 16 if b else 1
 
 
 def mlp(x, norm_w, w_gate_up, w_down, *, eps: float, unit_offset: bool,

@@ -7,7 +7,8 @@ add): each a launch of a few microseconds around ~5 us of weight reads. Here two
 
   norm_matmul     out = h W,  h = RMSNorm(x) (the block's norm, cast to the model dtype as the
                   XLA form casts it); with `swiglu` silu(h W_gate) * (h W_up), W = [W_gate | W_up]
-  matmul_residual out = residual + y W
+  matmul_residual out = residual + y W (with `split_k`: float32 partials of K / S rows each, the
+                  sum and the residual add an XLA fusion)
 
 One program per BN output columns reads its [E, BN] weight columns once in BK-row blocks
 (the rows' x / y blocks from L2), float32 accumulation, the products and epilogue rounded to the

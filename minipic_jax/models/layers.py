@@ -95,6 +95,15 @@ def project(h, w):
     return jnp.einsum("te,en->tn", normed(h), w)
 
 
+def project_heads(h, w):
+    """h [T, E] (rows or a Normed) @ w [E, N, D] -> [T, N, D]: a Normed through `project` of the
+    [E, N*D] weights (its norm in the kernel), rows by the einsum."""
+    if isinstance(h, Normed):
+        e, n, d = w.shape
+        return project(h, w.reshape(e, n * d)).reshape(-1, n, d)
+    return jnp.einsum("te,end->tnd", h, w)
+
+
 def out_projection(y, w, h):
     """A mixer's output y [T, K] @ w [K, E]: a Projected the block adds in one kernel where its
     input `h` was a Normed and the kernel takes the widths, else the product."""

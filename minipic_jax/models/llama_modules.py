@@ -94,11 +94,7 @@ class FusedLlamaBlock(LlamaBlock):
 
     def qkv(self, h):
         nh, nk = self.num_heads, self.num_kv_heads
-        if isinstance(h, layers.Normed):  # the norm in the projection's kernel
-            e, n, d = self.wqkv.shape
-            qkv = layers.project(h, self.wqkv[...].reshape(e, n * d)).reshape(-1, n, d)
-        else:
-            qkv = jnp.einsum("te,end->tnd", h, self.wqkv[...])  # [T, H + 2K, D]
+        qkv = layers.project_heads(h, self.wqkv[...])  # [T, H + 2K, D] (a Normed's norm in it)
         return qkv[:, :nh], qkv[:, nh:nh + nk], qkv[:, nh + nk:]
 
     def gate_up(self, h):

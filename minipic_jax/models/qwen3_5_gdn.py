@@ -264,9 +264,7 @@ class GatedDeltaNet(nnx.Module):
     def output(self, normed, h):
         """normed [T, Hv, Dv] @ w_out -> [T, E] (a layers.Projected where h is a layers.Normed)."""
         if isinstance(h, layers.Normed):
-            w = self.w_out[...]
-            return layers.out_projection(normed.reshape(normed.shape[0], -1),
-                                         w.reshape(-1, w.shape[-1]), h)
+            return layers.heads_projection(normed, self.w_out[...], h)
         return jnp.einsum("thv,hve->te", normed, self.w_out[...])
 
     def __call__(self, h, conv0, delta0, cu_q_lens, pos0, cfg, *, checkpoint_at=None,

@@ -58,11 +58,7 @@ class GatedAttention(nnx.Module):
             return tuple(jnp.einsum("te,end->tnd", layers.normed(h), w[...])
                          for w in (self.wq, self.wgate, self.wk, self.wv))
         nh, nk = self.num_heads, self.num_kv_heads
-        if isinstance(h, layers.Normed):  # the norm in the projection's kernel
-            e, n, d = self.wqgkv.shape
-            x = layers.project(h, self.wqgkv[...].reshape(e, n * d)).reshape(-1, n, d)
-        else:
-            x = jnp.einsum("te,end->tnd", h, self.wqgkv[...])  # [T, 2H + 2K, D]
+        x = layers.project_heads(h, self.wqgkv[...])  # [T, 2H + 2K, D] (a Normed's norm in it)
         return x[:, :nh], x[:, nh:2 * nh], x[:, 2 * nh:2 * nh + nk], x[:, 2 * nh + nk:]
 
     def __call__(self, h, cfg: ModelConfig, attend: Attend, kv_state):
