@@ -16,7 +16,6 @@ Modes (bf16, rows 8-64 as a decode bucket; the models' widths in PARTS):
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 
