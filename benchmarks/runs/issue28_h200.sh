@@ -8,7 +8,8 @@
 #      limit at max_model_len 40,960 (goal: no "Can't reduce memory use below ... by
 #      rematerialization" warning, no module cut) (~4 + ~3 min)
 #   2  compiled tests of every kernel changed since the last H200 run (paged attention, the GDN
-#      kernels incl. the per-sequence ragged scan and the joint span passes, the chain kernel),
+#      kernels incl. the per-sequence ragged scan and the joint span passes, the chain kernel,
+#      the row kernels with session 38's split-K and launch options),
 #      then the decode step vs its floor (goal <= 1.12x floor, Llama-3-8B shape, batch 128)
 #      (~4 + ~2 min)
 #   3  the MuSiQue multi-question RAG run, 100 requests, rotated vs fcfs (goals: rotated prefill
@@ -32,7 +33,8 @@ case "$1" in
   MINIPIC_COMPILED=1 timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE -n 8 \
     tests/test_paged_attention*.py tests/test_gated_delta*.py tests/test_span_joint_*.py \
     tests/test_chain_compose_kernel.py tests/test_span_maps.py tests/test_kernel_registry.py \
-    tests/test_kernel_entry_points.py tests/test_block_table_array.py > "$OUT/tests.txt" 2>&1
+    tests/test_kernel_entry_points.py tests/test_block_table_array.py tests/test_row_matmul.py \
+    > "$OUT/tests.txt" 2>&1
   echo "compiled tests rc=$? t=$((SECONDS-T0)) s: $(tail -1 "$OUT/tests.txt")" >> "$R"
   grep -E "^(FAILED|ERROR) " "$OUT/tests.txt" | cut -c1-220 >> "$R"
   L=$(left 570); [ "$L" -lt 90 ] && L=90
