@@ -63,9 +63,6 @@ def run_fla(inputs, reps):
 # benchmarks/history/gated_delta.md)
 OLD_DEFAULT = dict(intra="subst", intra_warps=4, layout="kv", block_v=16, scan_warps=4,
                    scan_stages=2, ckpt_store="when", out_warps=4)
-# the scan-with-output's launch options beside its default (vk, block_v 16, 4 warps, 3 stages)
-SCAN_OUT_OPTIONS = {"bv32": dict(block_v=32), "w8": dict(scan_warps=8), "s2": dict(scan_stages=2),
-                    "kv": dict(layout="kv"), "bv32_w8": dict(block_v=32, scan_warps=8)}
 CKPT_VARIANTS = ("fused", "fused_old", "fused_best", "fused_best_mask", "fused_when", "tree",
                  "tree_bf16maps", "blocked16", "blocked32")
 
@@ -139,12 +136,6 @@ def jax_variants():
         "fused_mosaic": functools.partial(fused, intra="mosaic"),  # intra_mosaic.py's solve
         "fused_mosaic_out": functools.partial(fused, intra="mosaic", output="mosaic"),
         "fused_mosaic_out_lean": fused_mosaic_lean,
-        # the output computed in the scan (no per-chunk states, no output kernel)
-        "fused_scan_out": functools.partial(fused, output="scan"),
-        "fused_mosaic_scan_out": functools.partial(fused, intra="mosaic", output="scan"),
-        **{f"fused_mosaic_scan_out_{name}": functools.partial(fused, intra="mosaic",
-                                                              output="scan", **opts)
-           for name, opts in SCAN_OUT_OPTIONS.items()},
         "intra_only_blocked": intra_kernel,  # the Triton solve alone (fused's kernel 1)
         "intra_only_mosaic": functools.partial(intra_kernel, kind="mosaic"),
         "intra_only_mosaic_p1": functools.partial(intra_kernel, kind="mosaic", block_passes=1),
