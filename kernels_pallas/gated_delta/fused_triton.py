@@ -24,9 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.gated_delta import intra_blocked, scan_fused, stream_rows
-from kernels_pallas.gated_delta.chunk_output import output_tile
 from kernels_pallas.gated_delta.chunked import segment_sums
-from kernels_pallas.gated_delta.dots import chunks_below
+from kernels_pallas.gated_delta.dots import chunks_below, is_exact
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t
 
 
@@ -61,10 +60,22 @@ def _intra_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, *
 def _output_kernel(q_ref, k_ref, g_ref, vnew_ref, s_ref, o_ref, *, chunk, scale, dot_dtype,
                    states_t):
     # q/k [C, Dk]; g [C] float32; vnew [C, Dv]; s [Dk, Dv] ([Dv, Dk] if states_t); o [C, Dv]
-    del chunk  # the blocks' own
-    o_ref[...] = output_tile(q_ref[...], k_ref[...], g_ref[...], vnew_ref[...], s_ref[...],
-                             scale=scale, dot_dtype=dot_dtype, states_t=states_t
-                             ).astype(o_ref.dtype)
+    g = g_ref[...]
+    gc = jnp.cumsum(g)
+    q = q_ref[...].astype(jnp.float32) * scale
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    # float32: exponents summed directly (exact to a few ulps of each segment); bf16 / f16 dots
+    # keep the difference of cumsums (its ~eps32 * |gc| exponent error is far below their
+    # rounding, and the [C, C] segment sums are a measurable share of a long prefill on the H200:
+    # benchmarks/RESULTS.md, Gated DeltaNet)
+    seg = segment_sums(g) if is_exact(dot_dtype) else gc[:, None] - gc[None, :]
+    gamma = jnp.exp(jnp.where(rows >= cols, seg, -jnp.inf))
+    attn = _dot_t(q, k_ref[...], dot_dtype) * gamma  # [C, C]
+    qg = q * jnp.exp(gc)[:, None]
+    inter = _dot_t(qg, s_ref[...], dot_dtype) if states_t else _dot(qg, s_ref[...], dot_dtype)
+    o = inter + _dot(attn, vnew_ref[...], dot_dtype)
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 def _specs(chunk, rep):
@@ -161,7 +172,6 @@ def intra(k, v, g, beta, *, chunk, dot_dtype, interpret, kind="blocked", num_war
                      f"got {kind!r}")
 
 
-OUTPUTS = ("triton", "mosaic", "scan")
 # fastest correct options of the H200 sweep (benchmarks/RESULTS.md, Gated DeltaNet)
 DEFAULTS = dict(intra="blocked", intra_warps=2, layout="vk", block_v=16, scan_warps=4,
                 scan_stages=3, ckpt_store="segments", out_warps=4, output="triton")
@@ -177,30 +187,22 @@ def fused_gated_delta(q, k, v, g, beta, state0, ckpt_idx=None, *, scale, chunk=6
     options (defaults in DEFAULTS): intra "blocked" (intra_blocked.py), "subst" (row
     substitution above) or "mosaic" (intra_mosaic.py), intra_warps; the scan's layout ("kv" / "vk"), block_v, scan_warps,
     scan_stages, ckpt_store (scan_fused.py); out_warps for the output kernel, output "triton"
-    (`output_fused`), "mosaic" (output_mosaic.py; bf16 / f16) or "scan" (no output kernel: the
-    scan computes each chunk's output from the state and V' in its registers, and writes
-    neither; chunk_output.py).
+    (`output_fused`) or "mosaic" (output_mosaic.py; bf16 / f16).
     """
     unknown = set(options) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"gated_delta fused_gated_delta: unknown options {sorted(unknown)}; "
                          f"known: {sorted(DEFAULTS)}")
     opt = {**DEFAULTS, **options}
-    if opt["output"] not in OUTPUTS:
-        raise ValueError(f"gated_delta fused_gated_delta: output must be one of {OUTPUTS}, "
-                         f"got {opt['output']!r}")
     dot_dtype = v.dtype if dot_dtype is None else dot_dtype
     w, u, kd, gc = intra(k, v, g, beta, chunk=chunk, dot_dtype=dot_dtype, interpret=interpret,
                          kind=opt["intra"], num_warps=opt["intra_warps"])
     dl = jnp.moveaxis(jnp.exp(gc[:, chunk - 1::chunk, :]), 1, 2)  # [N, Hv, NT]
-    in_scan = (q, k, g, scale, v.dtype) if opt["output"] == "scan" else None
     v_new, states, final, ckpt_states = scan_fused.state_scan(
         w, u, kd, dl, state0.astype(jnp.float32), ckpt_idx, chunk=chunk,
         block_v=opt["block_v"], layout=opt["layout"], ckpt_store=opt["ckpt_store"],
         dot_dtype=dot_dtype, num_warps=opt["scan_warps"], num_stages=opt["scan_stages"],
-        interpret=interpret, output=in_scan)
-    if in_scan is not None:  # the scan wrote O itself
-        return v_new, final, ckpt_states
+        interpret=interpret)
     if opt["output"] == "mosaic":
         from kernels_pallas.gated_delta import output_mosaic
         out = output_mosaic.output_mosaic(q, k, g, v_new, states, scale=scale, chunk=chunk,

@@ -28,20 +28,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.gated_delta.chunk_output import output_tile
 from kernels_pallas.gated_delta.dots import dot as _dot, dot_t as _dot_t, dot_tn as _dot_tn
 
 LAYOUTS = ("kv", "vk")
 CKPT_STORES = ("segments", "when", "mask")
 
 
-def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout, src=None,
-         emit=None):
+def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layout, src=None):
     """One chunk: V' (stored) from the state s entering chunk c, and the state leaving it.
     u_ref None: U = 0 (a transition: the state carries the chunk maps' product, affine.py), and
     vnew_ref None: V' is not stored. src: None, or the chunk whose W, U, KD and decay chunk c
-    reads (a borrowed chunk: joint.joint_packing); V' is stored at c either way. emit: None, or
-    emit(v_new [C, BV] float32), called with V' (the scan's output in place)."""
+    reads (a borrowed chunk: joint.joint_packing); V' is stored at c either way."""
     src = c if src is None else src
     rows = pl.ds(pl.multiple_of(src * chunk, chunk), chunk)
     out = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
@@ -50,16 +47,12 @@ def step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, *, chunk, dot_dtype, layo
         v_new = -ws if u_ref is None else u_ref[rows, :].astype(jnp.float32) - ws
         if vnew_ref is not None:
             vnew_ref[out, :] = v_new.astype(vnew_ref.dtype)
-        if emit is not None:
-            emit(v_new)
         return s * dl_ref[src] + _dot_tn(kd_ref[rows, :], v_new, dot_dtype)
     # s = S^T [BV, Dk]
     sw = _dot_t(s, w_ref[rows, :], dot_dtype)
     v_t = -sw if u_ref is None else u_ref[rows, :].astype(jnp.float32).T - sw
     if vnew_ref is not None:
         vnew_ref[out, :] = v_t.T.astype(vnew_ref.dtype)
-    if emit is not None:
-        emit(v_t.T)
     return s * dl_ref[src] + _dot(v_t, kd_ref[rows, :], dot_dtype)
 
 
@@ -82,43 +75,25 @@ def saver(slot_ref, ckpt_ref, store="when"):
 
 
 def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, dot_dtype, layout,
-                 store, n_ckpt, out_scale=None):
+                 store, n_ckpt):
     # w/kd [T, Dk]; u/vnew [T, BV]; dl [NT]; "kv": s0/final [Dk, BV],
     # states [NT, Dk, BV]; "vk": the same with the last two axes swapped.
-    # out_scale not None (the output in place): q/k [T, Dk], g [T] after s0; o [T, BV] for
-    # vnew and states. "segments": bnd/order [M] (sorted boundaries, their checkpoint index),
-    # ckpt [M, Dk, BV]; "when"/"mask": slot [NT + 1], ckpt [M, Dk, BV] ("kv") / [M, BV, Dk] ("vk")
-    qkg = None
-    if out_scale is not None:
-        qkg, refs = refs[:3], refs[3:]
+    # "segments": bnd/order [M] (sorted boundaries, their checkpoint index), ckpt [M, Dk, BV];
+    # "when"/"mask": slot [NT + 1], ckpt [M, Dk, BV] ("kv") / [M, BV, Dk] ("vk")
     slot_ref = bnd_ref = order_ref = ckpt_ref = None
-    if n_ckpt and store == "segments":
-        (bnd_ref, order_ref), refs = refs[:2], refs[2:]
-    elif n_ckpt:
-        slot_ref, refs = refs[0], refs[1:]
-    if n_ckpt:
-        refs, ckpt_ref = refs[:-1], refs[-1]
-    vnew_ref = states_ref = o_ref = None
-    if qkg is None:
+    if not n_ckpt:
         vnew_ref, states_ref, final_ref = refs
+    elif store == "segments":
+        bnd_ref, order_ref, vnew_ref, states_ref, final_ref, ckpt_ref = refs
     else:
-        o_ref, final_ref = refs
+        slot_ref, vnew_ref, states_ref, final_ref, ckpt_ref = refs
     save = saver(slot_ref, ckpt_ref, store)
 
-    def output(c, s, v_new):  # the chunk's O from the state entering it and its V'
-        q_ref, k_ref, g_ref = qkg
-        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        o_ref[rows, :] = output_tile(q_ref[rows, :], k_ref[rows, :], g_ref[rows], v_new, s,
-                                     scale=out_scale, dot_dtype=dot_dtype,
-                                     states_t=layout == "vk").astype(o_ref.dtype)
-
     def body(c, s):
-        if states_ref is not None:
-            states_ref[c] = s.astype(states_ref.dtype)
+        states_ref[c] = s.astype(states_ref.dtype)
         save(c, s)
         return step(c, s, w_ref, u_ref, kd_ref, dl_ref, vnew_ref, chunk=chunk,
-                    dot_dtype=dot_dtype, layout=layout,
-                    emit=None if qkg is None else functools.partial(output, c, s))
+                    dot_dtype=dot_dtype, layout=layout)
 
     s, start = s0_ref[...].astype(jnp.float32), 0
     if bnd_ref is not None:  # run up to each boundary in turn; the loops hold no checkpoint code
@@ -136,7 +111,7 @@ def _scan_kernel(w_ref, u_ref, kd_ref, dl_ref, s0_ref, *refs, n_chunks, chunk, d
 
 def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, layout="vk",
                ckpt_store="segments", dot_dtype=None, num_warps=4, num_stages=3,
-               interpret=False, output=None):
+               interpret=False):
     """Run the scan kernel.
 
     Args:
@@ -148,14 +123,10 @@ def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, lay
       ckpt_store: "segments" (the chunk loop runs from one sorted boundary to the next and
         stores the state in between: no per-chunk checkpoint code), "when" (a branch on a
         per-boundary slot map each chunk) or "mask" (a predicated store each chunk).
-      output: None, or (q, k, g, scale, out_dtype) with q / k [N, T, Hk, Dk] and the gates g
-        [N, T, Hv] float32: the kernel computes each chunk's output itself
-        (chunk_output.output_tile) from the state and V' it holds, and writes neither.
     Returns:
-      v_new [N, T, Hv, Dv] in dot dtype (with `output`: O [N, T, Hv, Dv] in out_dtype); the
-      states entering each chunk, [N, Hv, NT, Dk, Dv] ("kv") or [N, Hv, NT, Dv, Dk] ("vk"), dot
-      dtype (None with `output`); final [N, Hv, Dk, Dv] float32; checkpoints [N, M, Hv, Dk, Dv]
-      float32 (None without ckpt_idx).
+      v_new [N, T, Hv, Dv] in dot dtype; the states entering each
+      chunk, [N, Hv, NT, Dk, Dv] ("kv") or [N, Hv, NT, Dv, Dk] ("vk"), dot dtype; final
+      [N, Hv, Dk, Dv] float32; checkpoints [N, M, Hv, Dk, Dv] float32 (None without ckpt_idx).
     """
     if layout not in LAYOUTS or ckpt_store not in CKPT_STORES:
         raise ValueError(f"gated_delta state_scan: layout must be one of {LAYOUTS} and ckpt_store "
@@ -189,17 +160,6 @@ def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, lay
     out_specs = [seq_v, st_spec(nt), st_spec()]
     out_shape = [jax.ShapeDtypeStruct((n, t_len, hv, dv), dot_dtype),
                  st_shape(nt, dtype=dot_dtype), st_shape(dtype=jnp.float32)]
-    out_scale = None
-    if output is not None:  # O in place of V' and the states
-        q, k, g, out_scale, out_dtype = output
-        rep = hv // k.shape[2]
-        qk_spec = pl.BlockSpec((None, t_len, None, dk), lambda b, h, j: (b, 0, h // rep, 0))
-        in_specs += [qk_spec, qk_spec, pl.BlockSpec((None, t_len, None),
-                                                     lambda b, h, j: (b, 0, h))]
-        args += [q, k, g.astype(jnp.float32)]
-        out_specs = [seq_v, st_spec()]
-        out_shape = [jax.ShapeDtypeStruct((n, t_len, hv, dv), out_dtype),
-                     st_shape(dtype=jnp.float32)]
     n_ckpt = 0 if ckpt_idx is None else ckpt_idx.shape[1]
     slot_map = None
     if n_ckpt:
@@ -211,25 +171,23 @@ def state_scan(w, u, kd, dl, state0, ckpt_idx=None, *, chunk=64, block_v=16, lay
         out_shape.append(o_shape)
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, n_chunks=nt, chunk=chunk, dot_dtype=dot_dtype,
-                          layout=layout, store=ckpt_store, n_ckpt=n_ckpt, out_scale=out_scale),
+                          layout=layout, store=ckpt_store, n_ckpt=n_ckpt),
         grid=(n, hv, dv // block_v),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(*args)
-    n_main = 3 if output is None else 2  # (v_new, states, final) or (O, final)
-    main, ckpt_out = outs[:n_main], (outs[n_main] if n_ckpt else None)
-    v_new, states, final = main if output is None else (main[0], None, main[1])
+    v_new, states, final = outs[:3]
     if vk:
         final = jnp.swapaxes(final, -1, -2)
     ckpt = None
     if slot_map is not None:
-        ckpt = jnp.swapaxes(ckpt_out, -1, -2) if vk else ckpt_out  # [N, Hv, slots, Dk, Dv]
+        ckpt = jnp.swapaxes(outs[3], -1, -2) if vk else outs[3]  # [N, Hv, slots, Dk, Dv]
         winner = jnp.take_along_axis(slot_map, ckpt_idx, axis=1)  # [N, M] slot holding each
         ckpt = jnp.moveaxis(jnp.take_along_axis(ckpt, winner[:, None, :, None, None], axis=2),
                             2, 1)
     elif n_ckpt:
-        ckpt = ckpt_out
+        ckpt = outs[3]
     return v_new, states, final, ckpt
 
 
