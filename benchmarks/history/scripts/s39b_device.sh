@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran at 6e181d2 (s39c_gdn_device.sh is in this folder now; check that commit out to rerun).
 # Session 39's second call (one `run`, <= 9.5 min, any card): first the gated delta rule's
 # output computed in the state scan against fla at 32K (s39c_gdn_device.sh, wheels in $WHL;
 # issue 29's GDN goal), then rag at 16 seats once (issue 29's goal, spans >= 1.0x prefix
