@@ -77,6 +77,9 @@ OPTIONS = {
                               "the most cached maps and its span-map composition alone "
                               "(benchmarks/span_compose_cost.py)"),
     "seed": dict(type=int, default=0, help="workload seed (default: %(default)s)"),
+    "repeats": dict(type=int, default=1,
+                    help="runs of each workload and mode on one engine, each under its own cache "
+                         "salt; the median by requests/s is reported (default: %(default)s)"),
     "program_form": dict(default="", metavar="NAME=0|1,...",
                          help="program switches (serving/step/program_switches.py) every "
                               "configuration's engine is built and run under, e.g. "
@@ -177,6 +180,10 @@ def report(results: list) -> None:
                   f"{_ms(r['median_ttft_ms'])}/{_ms(r['p99_ttft_ms'])} ms, TPOT p50 "
                   f"{_ms(r['median_tpot_ms'])} ms"
                   + (f", {sp:.3f}x {r['baseline']}" if sp is not None else ""))
+            if len(r.get("requests_per_second_runs", ())) > 1:
+                print(f"[{name}] {r['workload']} {r['mode']}: requests/s of the repeats "
+                      + " ".join(f"{x:.2f}" for x in r["requests_per_second_runs"])
+                      + " (the median's row above)")
             if "span_maps_captured" in r:
                 print(f"[{name}] {r['workload']} {r['mode']}: span maps captured "
                       f"{r['span_maps_captured']}, declined {r['span_maps_declined']}, spans "
