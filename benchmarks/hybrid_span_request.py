@@ -97,6 +97,10 @@ def add_parser(p) -> None:
                    help="calls a-f each under a jax.profiler trace: their N costliest host events "
                         "(driver calls, XLA / PjRt scopes) by name, to compare a call that "
                         "first uses a program with its repeat (a / f, b / d, c / e)")
+    p.add_argument("--device-trace", action="store_true",
+                   help="after the calls: one more reordered call under a jax.profiler trace, its "
+                        "GPU kernels grouped into bursts by idle gaps (a step each): device busy "
+                        "and idle time per step in the engine (benchmarks/timing.device_bursts)")
     p.add_argument("--admit-profile", default=None, metavar="FILE",
                    help="cProfile every CacheManager.admit of the calls into FILE (the 20 "
                         "costliest functions by own time: the engine's admission against "
@@ -206,7 +210,20 @@ def span_calls(llm, args, counter: CompileCounter, on_row=None, trace=None) -> d
             on_row(key, rows[key])
     if args.profile_top:
         rows["profile"] = profile_reordered(llm, args, lambda: reordered(first), trace)
+    if args.device_trace:
+        rows["device_bursts"] = device_timeline(llm, [reordered(first)], sp)
     return rows
+
+
+def device_timeline(llm, prompts, sp) -> list[dict]:
+    """--device-trace: the call's GPU kernels in bursts (timing.device_bursts), printed."""
+    from benchmarks.timing import device_bursts
+    _, found = device_bursts(lambda: llm.generate(prompts, sp, use_tqdm=False))
+    print(f"device timeline of a reordered call: {len(found)} bursts (idle > 50 us splits them)")
+    for i, b in enumerate(found):
+        print(f"  burst {i:2d}: {b['kernels']:4d} kernels, busy {b['busy_ms']:7.3f} ms over "
+              f"{b['span_ms']:7.3f} ms, device idle {b['idle_before_ms']:7.3f} ms before it")
+    return found
 
 
 def profile_reordered(llm, args, make_request, trace=None) -> list[str]:
@@ -320,6 +337,7 @@ def run(args) -> int:
     prof = profiled_admit(llm) if args.admit_profile else None
     rows = span_calls(llm, args, counter, on_row, trace)
     result["profile"] = rows.get("profile")
+    result["device_bursts"] = rows.get("device_bursts")
     write_json(args.json, result)
     if prof is not None:
         import pstats

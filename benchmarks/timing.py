@@ -185,3 +185,46 @@ def host_events(call, top: int = 15) -> tuple:
                 by_name[e.name] = (n + 1, t + e.duration_ns / 1e6)
     rows = sorted(((k[:80], n, t) for k, (n, t) in by_name.items()), key=lambda r: -r[2])
     return out, rows[:top]
+
+
+def bursts(intervals, gap_ns: int) -> list[dict]:
+    """Device kernel intervals [(start_ns, end_ns)] grouped into bursts: a new burst starts where
+    the device has been idle (no kernel running) for more than gap_ns. Per burst: kernels, busy
+    ms (the union of its kernels), span ms (first start to last end), idle ms before it."""
+    out, end = [], None
+    for s, e in sorted(intervals):
+        if end is None or s - end > gap_ns:
+            out.append({"kernels": 0, "busy_ms": 0.0, "start": s, "end": s,
+                        "idle_before_ms": 0.0 if end is None else (s - end) / 1e6})
+        b = out[-1]
+        b["kernels"] += 1
+        b["busy_ms"] += max(0, e - max(s, b["end"])) / 1e6  # the part no earlier kernel covered
+        b["end"] = end = max(b["end"], e)
+    for b in out:
+        b["span_ms"] = (b.pop("end") - b.pop("start")) / 1e6
+    return out
+
+
+def device_bursts(call, gap_us: float = 50.0) -> tuple:
+    """call() under a jax.profiler trace: (its result, `bursts` of the GPU kernels it ran, idle
+    gaps over gap_us splitting them): how long each engine step kept the device busy and how long
+    the device waited between steps (benchmarks/hybrid_span_request.py --device-trace)."""
+    import glob
+    import os
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        out = call()
+        jax.block_until_ready(out)
+    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    spans = []
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")]
+        for line in lines or [ln for ln in plane.lines if not ln.name.startswith("XLA")]:
+            spans += [(e.start_ns, e.end_ns) for e in line.events]
+    return out, bursts(spans, int(gap_us * 1e3))

@@ -33,7 +33,8 @@ def test_bench_writes_every_row_and_the_reordered_calls_hit(tmp_path, capsys):
     out = tmp_path / "hspan.json"
     from kernels_pallas.paged_attention import triton_ragged
     assert bench.run(_args(SHAPE + SIZES + ["--json", str(out), "--profile-top", "1",
-                                           "--profile-forms", "RAGGED_SPLITS=0"])) == 0
+                                           "--profile-forms", "RAGGED_SPLITS=0",
+                                           "--device-trace"])) == 0
     assert triton_ragged.RAGGED_SPLITS is True  # the form's switch put back
     result = json.loads(out.read_text())
     assert list(result["rows"]) == [f"{k} {name}" for k, name in bench.CALLS]
@@ -53,6 +54,8 @@ def test_bench_writes_every_row_and_the_reordered_calls_hit(tmp_path, capsys):
     assert len(goals) == 6 and goals[0].startswith("compiles in b")
     table = capsys.readouterr().out
     assert "c reordered" in table and "goal" in table
+    assert result["device_bursts"] == []  # --device-trace ran the call; a CPU has no GPU plane
+    assert "device timeline of a reordered call: 0 bursts" in table
     # --profile-top: the reordered prefill and decode steps replayed, as they are and under the
     # form (recompiled: the runner's programs dropped), each a timing line
     timed = [line for line in result["profile"] if "ms/step" in line]
