@@ -170,7 +170,8 @@ def program_bytes(jaxpr, donated) -> ProgramBytes:
 
 
 def step_programs(runner, args_of, step_fn, donate_argnums=()) -> list:
-    """`program_bytes` of the top token bucket's general variants (runner.warmup_steps();
+    """`program_bytes` of the top token bucket's general variants (runner.warmup_steps(); a
+    hybrid's span steps too, which it warms and runs under the same compile options;
     args_of(ints, floats, use_prev, kw) and step_fn(*args, **kw) are the runner's own; every
     attention plan it readies, the overflow plan included), traced from runner.cache as it
     stands (an abstract pool is enough: writes into the pool take its buffers), the arguments
@@ -178,8 +179,8 @@ def step_programs(runner, args_of, step_fn, donate_argnums=()) -> list:
     per-sequence tables, or scale with the bucket)."""
     top = runner.config.token_buckets[-1]
     out = []
-    for ints, floats, kw in runner.warmup_steps():
-        if kw["t"] != top or kw["decode_only"]:
+    for ints, floats, kw in runner.warmup_steps(spans=runner.hybrid):
+        if "compose" in kw or kw["t"] != top or kw["decode_only"]:
             continue
         args = list(args_of(ints, floats, False, kw))
         args[2] = jax.ShapeDtypeStruct(ints.shape, ints.dtype)
