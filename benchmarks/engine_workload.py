@@ -10,7 +10,8 @@ def prime_decode(engine, batch: int, ctx: int, steps: int, rng):
     from minipic_jax import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"decode-{i}", rng.integers(0, 120000, ctx - 1).tolist(), sp)
+        engine.add_request(f"decode-{i}", rng.integers(0, min(120000, engine.vocab_size), ctx - 1)
+                           .tolist(), sp)
     sched = engine.scheduler
     while sched.waiting:
         seq = sched.waiting[0]
