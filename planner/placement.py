@@ -88,8 +88,8 @@ def _bin_sizes(cand: np.ndarray, n: int) -> np.ndarray:
 def weighted_sum(p: np.ndarray, v: np.ndarray) -> float:
     """sum_t p[t] * v[t] by numpy's pairwise sum, not `np.dot`: np.dot hands vectors of over
     10,000 entries to OpenBLAS's worker threads, and waking them on a busy host (an engine's XLA
-    threads, the device wait) cost the admission of a 25,601-depth pmf 1-1.4 ms a call on the H100
-    host (session 39's profile; p90 10 ms for sparse calls on a loaded 2-core VM)."""
+    threads, the device wait) cost the admission of a 25,601-depth pmf 1-1.4 ms a call on an
+    H100 host (benchmarks/RESULTS.md, Position-independent spans on hybrid models)."""
     return float(np.add.reduce(p * v))
 
 
