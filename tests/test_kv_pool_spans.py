@@ -1,8 +1,8 @@
-"""A hybrid engine's default pool and XLA memory limit count its span steps (session 39): it
+"""A hybrid engine's default pool and XLA memory limit count its span steps: it
 warms and runs them under the step's compile options, and their temporaries are the largest of
 the top bucket (tiny_qwen3_5: 2.8x a plain step's), so a pool sized from the plain steps alone
 left them too little (XLA's "Can't reduce memory use below ... by rematerialization" at the
-Qwen3.5-0.8B span request's warm-up on an H100)."""
+Qwen3.5-0.8B span request's warm-up on an H100: benchmarks/RESULTS.md, Known gaps)."""
 
 import types
 
