@@ -17,6 +17,7 @@ token for token) and rag_bench.png into --out.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -77,7 +78,7 @@ OPTIONS = {
                               "the most cached maps and its span-map composition alone "
                               "(benchmarks/span_compose_cost.py)"),
     "seed": dict(type=int, default=0, help="workload seed (default: %(default)s)"),
-    "repeats": dict(type=int, default=1,
+    "repeats": dict(type=lambda x: _at_least_one(x, "--repeats"), default=1,
                     help="runs of each workload and mode on one engine, each under its own cache "
                          "salt; the median by requests/s is reported (default: %(default)s)"),
     "program_form": dict(default="", metavar="NAME=0|1,...",
@@ -85,6 +86,13 @@ OPTIONS = {
                               "configuration's engine is built and run under, e.g. "
                               "TRANSITIONS_IN_STREAM=0 (default: as they are)"),
 }
+
+
+def _at_least_one(text: str, flag: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {n}")
+    return n
 
 
 def add_parser(p):
@@ -107,7 +115,6 @@ def _run_config(name: str, args) -> dict:
 
 
 def argparse_hidden():
-    import argparse
     return argparse.SUPPRESS
 
 

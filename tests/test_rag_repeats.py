@@ -16,3 +16,12 @@ def test_the_median_run_is_reported_with_every_repeat_beside_it():
     assert median_run(runs[:3], tie)[0] == "run1"
     run, row = median_run(runs[:1], rows[:1])
     assert run == "run0" and row["requests_per_second_runs"] == [80.0]
+
+
+def test_repeats_below_one_are_refused_by_name(capsys):
+    import pytest
+
+    from benchmarks import cli
+    with pytest.raises(SystemExit):
+        cli.main(["rag", "--repeats", "0"])
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
