@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.presets import get_preset
-from serving.cache import kv_pool, step_temps, xla_limit
+from serving.cache import kv_pool, xla_limit
 from serving.config import Config
 
 
@@ -36,8 +36,7 @@ def test_span_steps_set_the_reserve_and_the_exact_limit(monkeypatch):
     runner = ModelRunner(cfg, loaded, 2, jnp.float32)
     steps = [kw for _, _, kw in runner.warmup_steps(spans=True)
              if "compose" not in kw and kw["t"] == cfg.token_buckets[-1] and not kw["decode_only"]]
-    programs = step_temps.step_programs(runner, runner._args, runner._step_impl,
-                                        runner._step.donate_argnums)
+    programs = runner.step_programs  # size_pool's step_temps.step_programs, in warm-up order
     assert len(programs) == len(steps) and any(kw.get("spans") for kw in steps)
     by_kind = {}
     for kw, p in zip(steps, programs):
