@@ -18,6 +18,9 @@ nvidia-smi -L > "$R" 2>/dev/null
 OUT=$OUT LIMIT=$(($(left) - 120)) \
   EXTRA="--admit-profile $OUT/admit_profile.txt --device-trace" \
   bash benchmarks/runs/span_request_device.sh >> "$R"
+echo "XLA remat warnings at the warm-up: $(grep -c "Can't reduce memory use" \
+  "$OUT/hybrid_spans.txt") (session 39: 1 before the span steps counted in the pool's reserve)" \
+  >> "$R"
 grep -E "device timeline|  burst" "$OUT/hybrid_spans.txt" | head -12 >> "$R"
 grep -E "function calls|tottime|\.py" "$OUT/admit_profile.txt" | head -10 | cut -c1-140 >> "$R"
 L=$(left); [ "$L" -gt 110 ] && L=110
