@@ -5,8 +5,8 @@ warm-up, then runs every workload offline (all requests queued at once) and onli
 arrivals at `opts.request_rate` requests/s), each under its own cache salt so no run reuses
 another's cache; `opts.repeats` times each (salts of their own), reporting the run of median
 requests/s with every repeat's figure beside it (a 24-request run lasts ~0.3 s on a GPU, where one
-host stall moves its throughput 10-20%). Returns a JSON-able dict. The cached-span TTFT pair is configuration `ttft`
-(benchmarks/rag_ttft.py).
+host stall moves its throughput 10-20%). Returns a JSON-able dict. The cached-span TTFT pair is
+configuration `ttft` (benchmarks/rag_ttft.py).
 """
 
 from __future__ import annotations

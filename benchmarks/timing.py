@@ -109,48 +109,57 @@ def safe(rows, case, impl, fn, *args, iters, reps, work, unit):
     return t
 
 
-def profile_kernels(call, steps: int = 3, top: int = 25) -> dict:
-    """jax.profiler trace of `steps` calls; device kernels aggregated by name (per call)."""
+def _traced(call, runs: int = 1):
+    """(the last result, ProfileData) of `runs` calls under one jax.profiler trace, each waited
+    for."""
     import glob
     import os
     import tempfile
 
     import jax
     from jax.profiler import ProfileData
-    jax.block_until_ready(call())
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
-        for _ in range(steps):
-            jax.block_until_ready(call())
+        for _ in range(runs):
+            out = call()
+            jax.block_until_ready(out)
     path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-    data = ProfileData.from_file(path)
-    by_name, lines, spans, kernel_lines = {}, {}, [], []
+    return out, ProfileData.from_file(path)
+
+
+def _kernel_lines(data) -> tuple[dict, list]:
+    """A trace's GPU planes: {plane/line: (events, ms)} of every line, and the kernel events
+    (the Stream lines; where a plane has none, its lines other than XLA's own)."""
+    lines, kernels = {}, []
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        for line in plane.lines:
-            evs = list(line.events)
-            lines[f"{plane.name}/{line.name}"] = (len(evs), sum(e.duration_ns for e in evs) / 1e6)
-            kernel_lines.append((line.name, evs))
-    streams = [x for x in kernel_lines if x[0].startswith("Stream")]
-    for _, evs in streams or [x for x in kernel_lines if not x[0].startswith("XLA")]:
-        for e in evs:
-            n, t = by_name.get(e.name, (0, 0.0))
-            by_name[e.name] = (n + 1, t + e.duration_ns / 1e6)
-            spans.append((e.start_ns, e.end_ns))
-    busy, end = 0.0, None
-    for s, e in sorted(spans):  # union of kernel intervals
-        if end is None or s > end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0
+        by_line = [(line.name, list(line.events)) for line in plane.lines]
+        for name, evs in by_line:
+            lines[f"{plane.name}/{name}"] = (len(evs), sum(e.duration_ns for e in evs) / 1e6)
+        streams = [evs for name, evs in by_line if name.startswith("Stream")]
+        for evs in streams or [evs for name, evs in by_line if not name.startswith("XLA")]:
+            kernels += evs
+    return lines, kernels
+
+
+def profile_kernels(call, steps: int = 3, top: int = 25) -> dict:
+    """jax.profiler trace of `steps` calls; device kernels aggregated by name (per call)."""
+    import jax
+    jax.block_until_ready(call())
+    _, data = _traced(call, steps)
+    lines, kernels = _kernel_lines(data)
+    by_name = {}
+    for e in kernels:
+        n, t = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, t + e.duration_ns / 1e6)
+    whole = bursts([(e.start_ns, e.end_ns) for e in kernels], gap_ns=math.inf)  # one burst
+    busy = sum(b["busy_ms"] for b in whole)
+    span = sum(b["span_ms"] for b in whole)
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     return {"kernels_per_step": sum(n for n, _ in by_name.values()) / steps,
-            "kernel_busy_ms_per_step": busy / 1e6 / steps,
-            "first_to_last_kernel_ms_per_step": span / 1e6 / steps,
+            "kernel_busy_ms_per_step": busy / steps,
+            "first_to_last_kernel_ms_per_step": span / steps,
             "lines": {k: {"events": n, "ms": t} for k, (n, t) in lines.items()},
             "top": [{"name": k[:90], "calls_per_step": n / steps, "ms_per_step": t / steps}
                     for k, (n, t) in rows[:top]]}
@@ -162,19 +171,9 @@ def host_events(call, top: int = 15) -> tuple:
     driver calls) summed by
     name, [(name, count, ms)] costliest first, `top` of them). What a call's host time went to
     that another call's did not (benchmarks/hybrid_span_request.py --host-trace)."""
-    import glob
-    import os
-    import tempfile
-
-    import jax
-    from jax.profiler import ProfileData
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-        out = call()
-        jax.block_until_ready(out)
-    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    out, data = _traced(call)
     by_name = {}
-    for plane in ProfileData.from_file(path).planes:
+    for plane in data.planes:
         if plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
@@ -187,7 +186,7 @@ def host_events(call, top: int = 15) -> tuple:
     return out, rows[:top]
 
 
-def bursts(intervals, gap_ns: int) -> list[dict]:
+def bursts(intervals, gap_ns: float) -> list[dict]:
     """Device kernel intervals [(start_ns, end_ns)] grouped into bursts: a new burst starts where
     the device has been idle (no kernel running) for more than gap_ns. Per burst: kernels, busy
     ms (the union of its kernels), span ms (first start to last end), idle ms before it."""
@@ -209,22 +208,6 @@ def device_bursts(call, gap_us: float = 50.0) -> tuple:
     """call() under a jax.profiler trace: (its result, `bursts` of the GPU kernels it ran, idle
     gaps over gap_us splitting them): how long each engine step kept the device busy and how long
     the device waited between steps (benchmarks/hybrid_span_request.py --device-trace)."""
-    import glob
-    import os
-    import tempfile
-
-    import jax
-    from jax.profiler import ProfileData
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-        out = call()
-        jax.block_until_ready(out)
-    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-    spans = []
-    for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")]
-        for line in lines or [ln for ln in plane.lines if not ln.name.startswith("XLA")]:
-            spans += [(e.start_ns, e.end_ns) for e in line.events]
-    return out, bursts(spans, int(gap_us * 1e3))
+    out, data = _traced(call)
+    _, kernels = _kernel_lines(data)
+    return out, bursts([(e.start_ns, e.end_ns) for e in kernels], gap_us * 1e3)

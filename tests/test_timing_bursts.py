@@ -18,3 +18,26 @@ def test_kernels_group_into_bursts_at_idle_gaps_with_overlaps_counted_once():
     assert got[1]["busy_ms"] == pytest.approx(0.019) and got[1]["span_ms"] == pytest.approx(0.020)
     assert got[2]["idle_before_ms"] == pytest.approx(0.260) and got[0]["idle_before_ms"] == 0.0
     assert bursts([], gap_ns=1) == []
+
+
+def test_kernel_lines_take_the_stream_lines_of_gpu_planes():
+    """timing._kernel_lines (profile_kernels, device_bursts): every GPU line counted, kernels
+    from the Stream lines, from the non-XLA lines of a plane that has none; host planes out."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.timing import _kernel_lines
+
+    def ev(name, start, dur):
+        return NS(name=name, start_ns=start, end_ns=start + dur, duration_ns=dur)
+    planes = [NS(name="/host:CPU", lines=[NS(name="Stream #1", events=[ev("h", 0, 5)])]),
+              NS(name="/device:GPU:0", lines=[
+                  NS(name="Stream #7(compute)", events=[ev("k1", 0, 2_000_000),
+                                                        ev("k2", 3, 1_000_000)]),
+                  NS(name="XLA Ops", events=[ev("op", 0, 9)])]),
+              NS(name="/device:GPU:1", lines=[NS(name="XLA Modules", events=[ev("m", 0, 9)]),
+                                              NS(name="Kernels", events=[ev("k3", 1, 4)])])]
+    lines, kernels = _kernel_lines(NS(planes=planes))
+    assert [e.name for e in kernels] == ["k1", "k2", "k3"]
+    assert lines["/device:GPU:0/Stream #7(compute)"] == (2, 3.0)
+    assert set(lines) == {"/device:GPU:0/Stream #7(compute)", "/device:GPU:0/XLA Ops",
+                          "/device:GPU:1/XLA Modules", "/device:GPU:1/Kernels"}

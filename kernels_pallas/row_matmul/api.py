@@ -10,8 +10,8 @@ MAX_ROWS = 64  # the products keep every row of a column block in registers
 # Each kernel's launch options (at most: `block` fits them to a width): output columns a program,
 # contraction rows a loop step, warps, pipeline stages, and for the residual product the K
 # slices a column block is split into (float32 partials an XLA fusion adds). The best of
-# `row_matmul_bench --sweep` at Qwen3.5-0.8B's widths and 8 rows (H100, session 38: per layer
-# 14.1 / 12.6 / 6.5-7.2 us against XLA's 15.4 / 15.0 / 7.7-8.1; benchmarks/RESULTS.md).
+# `row_matmul_bench --sweep` at Qwen3.5-0.8B's widths and 8 rows (H100: per layer 14.1 / 12.6 /
+# 6.5-7.2 us against XLA's 15.4 / 15.0 / 7.7-8.1; benchmarks/RESULTS.md, Known gaps).
 OPTIONS = {
     "norm_matmul": dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
     "norm_swiglu": dict(block_n=16, block_k=256, num_warps=4, num_stages=3),

@@ -291,15 +291,11 @@ class SpanMapCache:
         e.map_caps = tuple(sorted(long_caps + caps))
 
     @staticmethod
-    def _publishes(bm, seq, hashes, j0: int, j1: int) -> bool:
-        """The sequence's blocks [j0, j1) are the ones the block table holds under their hashes."""
-        return all(bm.hash[seq.block_table[j]] == hashes[j] for j in range(j0, j1))
-
-    @staticmethod
     def _keyed(mgr, seq, hashes, j0: int, j1: int) -> bool:
-        """`_publishes`, or the table's block for the hash is ready (its content is this block's,
-        and lives as long as the key: a piece computed before a preemption, a span another
-        request computed without capturing it). Only then does a map capture: a duplicate
+        """Each of the sequence's blocks [j0, j1) is the one the block table holds under its hash,
+        or the table's block for the hash is ready (its content is this block's, and lives as
+        long as the key: a piece computed before a preemption, a span another request computed
+        without capturing it). Only then does a map capture: a duplicate
         computed beside another request's pending blocks would outlive them when that request
         leaves before they are ready."""
         bm = mgr.bm

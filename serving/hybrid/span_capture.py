@@ -21,8 +21,9 @@ added (the queue is the lookahead an offline batch gives), and
 LLM.cache_spans captures every span it computes (`capture_all`); long spans computed in pieces
 always capture (span_partial carries the map across steps). Only the choice of capture changes:
 outputs are the same whichever spans are captured (a span without a map is computed, as any
-prompt rows). Rag at 16 seats on an H100 (benchmarks/RESULTS.md, session 38): zipf 0.946x ->
-1.083x prefix caching, captures 165 -> 35, multi's work unchanged.
+prompt rows). Rag at 16 seats on an H100 (benchmarks/RESULTS.md, Position-independent spans on
+hybrid models): zipf 0.946x -> 1.083x prefix caching in one run, captures 165 -> 35, multi's
+work unchanged.
 """
 
 from __future__ import annotations
