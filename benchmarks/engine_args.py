@@ -24,6 +24,8 @@ ENGINE_OPTIONS = {
     "block_size": (int, "Config.block_size (tokens per KV block)"),
     "max_tokens": (int, "output tokens per request (EOS ignored)"),
     "tensor_parallel_size": (int, "devices the model is split over (Config.tensor_parallel_size)"),
+    "step_command_buffer": (str, "Config.compilation.command_buffer: xla, off, on or a comma "
+                                 "list of XLA command-buffer types (GPU only)"),
 }
 
 

@@ -67,7 +67,7 @@ RATIO_GOALS = (("b", "a", 1.3, "cold spans <= 1.3x the same tokens as a plain pr
                ("c", "b", 0.2, "reordered with a new question <= 0.2x its cold time"),
                ("e", "d", 0.2, "reordered <= 0.2x its cold time, second set"))
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "min_token_bucket", "max_model_len",
-                "num_kv_blocks", "block_size")
+                "num_kv_blocks", "block_size", "step_command_buffer")
 
 
 def add_parser(p) -> None:
