@@ -6,13 +6,14 @@
 # step into launches). The same request with step_command_buffer=on (custom calls in the graphs,
 # any graph size) against the default, each in its own process on this host, without the
 # warm-up (the variants compile at first use; calls c and e are timed after theirs compiled).
-# usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s40b_device.sh
+# usage: OUT=$OUT [TOTAL=seconds] [CBS="on xla"] bash benchmarks/runs/s40b_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=true PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/s40b.txt
 nvidia-smi -L > "$R" 2>/dev/null
-half=$(( (${TOTAL:-400} - 10) / 2 ))
-for cb in on xla; do
+CBS=${CBS:-on xla}; set -- $CBS
+half=$(( (${TOTAL:-400} - 10) / $# ))
+for cb in $CBS; do
   t=$SECONDS
   timeout $half python3 -m benchmarks.cli hybrid-spans --no-warmup --steps --device-trace \
     --step-command-buffer $cb --json "$OUT/hs_$cb.json" > "$OUT/hs_$cb.txt" 2>&1
