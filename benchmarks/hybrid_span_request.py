@@ -222,7 +222,11 @@ def device_timeline(llm, prompts, sp) -> list[dict]:
     print(f"device timeline of a reordered call: {len(found)} bursts (idle > 50 us splits them)")
     for i, b in enumerate(found):
         print(f"  burst {i:2d}: {b['kernels']:4d} kernels, busy {b['busy_ms']:7.3f} ms over "
-              f"{b['span_ms']:7.3f} ms, device idle {b['idle_before_ms']:7.3f} ms before it")
+              f"{b['span_ms']:7.3f} ms, device idle {b['idle_before_ms']:7.3f} ms before it; "
+              f"first {b['first_kernel'][:40]}")
+        for key in ("host_in_idle", "python_in_idle"):
+            if b[key]:
+                print(f"      {key}: " + "; ".join(f"{n} {ms:.3f}" for n, ms in b[key]))
     return found
 
 

@@ -3,8 +3,8 @@ interleaved A/B ratios, and rows that survive a variant that fails to build."""
 
 from __future__ import annotations
 
+import bisect
 import math
-
 import statistics
 import time
 
@@ -200,14 +200,51 @@ def bursts(intervals, gap_ns: float) -> list[dict]:
         b["busy_ms"] += max(0, e - max(s, b["end"])) / 1e6  # the part no earlier kernel covered
         b["end"] = end = max(b["end"], e)
     for b in out:
-        b["span_ms"] = (b.pop("end") - b.pop("start")) / 1e6
+        b["span_ms"] = (b["end"] - b["start"]) / 1e6
+        b["start_ns"], b["end_ns"] = b.pop("start"), b.pop("end")
     return out
+
+
+def idle_activity(data, found: list[dict], top: int = 3) -> None:
+    """Adds to each burst of `found` (bursts of a trace `data`) what the host did in the device
+    idle before it: `host_in_idle`, the runtime events (PjRt / XLA scopes, driver calls) and
+    `python_in_idle`, the Python frames (only those shorter than 4x the gap: not the loop around
+    it), each [(name, ms of it inside the gap)] most first; `first_kernel` names the burst's
+    first kernel."""
+    events = [(e.start_ns, e.end_ns, e.name) for plane in data.planes
+              if not plane.name.startswith("/device:GPU") for line in plane.lines
+              for e in line.events]
+    _, kernels = _kernel_lines(data)
+    starts = sorted((e.start_ns, e.name) for e in kernels)
+    prev_end = None
+    for b in found:
+        i = bisect.bisect_left(starts, (b["start_ns"], ""))
+        b["first_kernel"] = starts[i][1][:60] if i < len(starts) else ""
+        lo, hi = prev_end, b["start_ns"]
+        prev_end = b["end_ns"]
+        runtime, frames = {}, {}
+        if lo is not None and hi > lo:
+            for s, e, name in events:
+                inside = min(e, hi) - max(s, lo)
+                if inside <= 0:
+                    continue
+                if name.startswith("$"):
+                    if e - s < 4 * (hi - lo):
+                        frames[name] = frames.get(name, 0) + inside
+                else:
+                    runtime[name] = runtime.get(name, 0) + inside
+        for key, got in (("host_in_idle", runtime), ("python_in_idle", frames)):
+            ranked = sorted(got.items(), key=lambda kv: -kv[1])[:top]
+            b[key] = [(k[:70], v / 1e6) for k, v in ranked]
 
 
 def device_bursts(call, gap_us: float = 50.0) -> tuple:
     """call() under a jax.profiler trace: (its result, `bursts` of the GPU kernels it ran, idle
     gaps over gap_us splitting them): how long each engine step kept the device busy and how long
-    the device waited between steps (benchmarks/hybrid_span_request.py --device-trace)."""
+    the device waited between steps, and what the host did meanwhile (`idle_activity`;
+    benchmarks/hybrid_span_request.py --device-trace)."""
     out, data = _traced(call)
     _, kernels = _kernel_lines(data)
-    return out, bursts([(e.start_ns, e.end_ns) for e in kernels], gap_us * 1e3)
+    found = bursts([(e.start_ns, e.end_ns) for e in kernels], gap_us * 1e3)
+    idle_activity(data, found)
+    return out, found
