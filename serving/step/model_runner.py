@@ -7,10 +7,9 @@ Shapes are bucketed by `Config.token_buckets`; the KV cache is donated. Block-ta
 host arrays indexed by seat and are updated incrementally.
 
 Async scheduling (Config.async_scheduling): the step also takes `prev` [seats + 1], the last
-token sampled per seat, kept on device. An input token -(seat + 1) is read from it (a decode
-whose token the previous step sampled and the host has not read yet), and every sampling row
-writes its token to prev[sample_seat] (other rows write the scratch entry). So step N+1 is
-dispatched before step N's tokens reach the host (`launch` now, `fetch` later).
+token sampled per seat, on device. An input token -(seat + 1) is read from it (a decode whose
+token the host has not read yet), and each sampling row writes its token to prev[sample_seat]
+(others the scratch entry): step N+1 is dispatched before N's tokens reach the host (`fetch`).
 """
 
 from __future__ import annotations
@@ -375,7 +374,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         packed = self._dispatch(ints, floats, use_prev, kw)
         self.last_dispatch = time.perf_counter() - t0
-        packed.copy_to_host_async()  # queued behind the step's kernels: `fetch` finds it there
+        if isinstance(packed, jax.Array):  # (not a stubbed step's numpy)
+            packed.copy_to_host_async()  # queued behind the step's kernels: `fetch` finds it
         return packed, num_logprobs
 
     def _plan(self, t: int, s: int, prefill_count: int, decode_count: int):
