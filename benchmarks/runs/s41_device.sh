@@ -3,8 +3,10 @@
 # On an H200: issue 28's first run (issue28_h200.sh 1). Elsewhere, issue 29's reordered span
 # request, whose decodes are host-bound (session 40, H100: a decode step 383 kernels, 1.45 ms busy,
 # ~2 ms of device idle before it, dispatch 0.92 ms a step):
-#   1. the 0.8B decode step under step_command_buffer on / xla (the default) / off, each in its
-#      own process on this host (s40c_device.sh: ms a decode step, median of 5);
+#   1. the 0.8B decode step under step_command_buffer xla (the default) / off / on, and on and
+#      xla with XLA's command-buffer update mode SKIP_PROFILED (graphs not updated for buffers
+#      that keep their place), each in its own process on this host (s40c_device.sh: ms a
+#      decode step, median of 5);
 #   2. the span request without the warm-up (calls d-f timed after their variants compiled),
 #      with the outputs' copy queued at launch, and its reordered call's device timeline naming
 #      what the host did in each idle gap (`--device-trace`: host_in_idle / python_in_idle).
@@ -17,7 +19,8 @@ if nvidia-smi -L 2>/dev/null | grep -q H200; then
   OUT=$OUT bash benchmarks/runs/issue28_h200.sh 1; exit
 fi
 nvidia-smi -L > "$R" 2>/dev/null
-OUT=$OUT CBS="on xla off" timeout 240 bash benchmarks/runs/s40c_device.sh > /dev/null 2>&1
+OUT=$OUT CBS="xla off on on:SKIP_PROFILED xla:SKIP_PROFILED" timeout 300 \
+  bash benchmarks/runs/s40c_device.sh > /dev/null 2>&1
 grep -E "step_command_buffer|rc=" "$OUT/s40c.txt" >> "$R"
 L=$(left); t=$SECONDS
 XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $((L - 10)) python3 -m benchmarks.cli hybrid-spans \
