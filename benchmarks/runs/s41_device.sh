@@ -8,8 +8,8 @@
 #      that keep their place), each in its own process on this host (s40c_device.sh: ms a
 #      decode step, median of 5);
 #   2. the span request without the warm-up (calls d-f timed after their variants compiled),
-#      with the outputs' copy queued at launch, and its reordered call's device timeline naming
-#      what the host did in each idle gap (`--device-trace`: host_in_idle / python_in_idle).
+#      its reordered call's device timeline naming what the host did in each idle gap
+#      (`--device-trace`: host_in_idle / python_in_idle).
 # usage: OUT=$OUT [TOTAL=seconds] bash benchmarks/runs/s41_device.sh
 set -u; T0=$SECONDS
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda

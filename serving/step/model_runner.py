@@ -1,15 +1,16 @@
 """Runs one engine step on device: host metadata -> one jitted (forward + sample) call.
 
 Per step the host packs every int input (tokens, attention metadata, recurrent slots, logits rows,
-sampling ints) into one int32 buffer and the float sampling inputs into one float32 buffer: one
-dispatch, two transfers in, one out (queued at launch; `fetch` waits for it: the only host sync).
-Shapes are bucketed by `Config.token_buckets`; the KV cache is donated. Block-table rows live in
-host arrays indexed by seat and are updated incrementally.
+sampling ints) into one int32 buffer and the float sampling inputs into one float32 buffer, so a
+step is one dispatch with two transfers in and one device_get out (the only host sync). Shapes are
+bucketed by `Config.token_buckets` (see serving/config.py); the KV cache is donated. Block-table
+rows live in host arrays indexed by seat and are updated incrementally.
 
 Async scheduling (Config.async_scheduling): the step also takes `prev` [seats + 1], the last
-token sampled per seat, on device. An input token -(seat + 1) is read from it (a decode whose
-token the host has not read yet), and each sampling row writes its token to prev[sample_seat]
-(others the scratch entry): step N+1 is dispatched before N's tokens reach the host (`fetch`).
+token sampled per seat, kept on device. An input token -(seat + 1) is read from it (a decode
+whose token the previous step sampled and the host has not read yet), and every sampling row
+writes its token to prev[sample_seat] (other rows write the scratch entry). So step N+1 is
+dispatched before step N's tokens reach the host (`launch` now, `fetch` later).
 """
 
 from __future__ import annotations
@@ -308,8 +309,9 @@ class ModelRunner:
 
     # -- host ----------------------------------------------------------------------------------
     def fetch(self, handle) -> dict:
-        """A launched step's outputs (transfer queued by `launch`; the one host sync), numpy,
-        batch order: tokens [S], logprob [S]; num_logprobs: rank [S], top ids/logprobs [S, k]."""
+        """Wait for a launched step and read its outputs, the step's one host sync (one
+        transfer): host numpy arrays, rows in batch order: tokens [S], logprob [S], and with
+        num_logprobs: rank [S], top_ids / top_logprobs [S, k]."""
         packed, num_logprobs = handle
         return unpack_outputs(np.asarray(packed), num_logprobs)
 
@@ -374,8 +376,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         packed = self._dispatch(ints, floats, use_prev, kw)
         self.last_dispatch = time.perf_counter() - t0
-        if isinstance(packed, jax.Array):  # (not a stubbed step's numpy)
-            packed.copy_to_host_async()  # queued behind the step's kernels: `fetch` finds it
         return packed, num_logprobs
 
     def _plan(self, t: int, s: int, prefill_count: int, decode_count: int):
