@@ -21,7 +21,7 @@ fi
 nvidia-smi -L > "$R" 2>/dev/null
 OUT=$OUT CBS="xla off on on:SKIP_PROFILED xla:SKIP_PROFILED" timeout 300 \
   bash benchmarks/runs/s40c_device.sh > /dev/null 2>&1
-grep -E "step_command_buffer|rc=" "$OUT/s40c.txt" >> "$R"
+grep -E "step_command_buffer|rc=|Error" "$OUT/s40c.txt" | cut -c1-200 | head -20 >> "$R"
 L=$(left); t=$SECONDS
 XLA_PYTHON_CLIENT_PREALLOCATE=true timeout $((L - 10)) python3 -m benchmarks.cli hybrid-spans \
   --no-warmup --steps --device-trace --json "$OUT/hybrid_spans.json" > "$OUT/hybrid_spans.txt" 2>&1
