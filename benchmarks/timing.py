@@ -205,16 +205,15 @@ def bursts(intervals, gap_ns: float) -> list[dict]:
     return out
 
 
-def idle_activity(data, found: list[dict], top: int = 3) -> None:
-    """Adds to each burst of `found` (bursts of a trace `data`) what the host did in the device
-    idle before it: `host_in_idle`, the runtime events (PjRt / XLA scopes, driver calls) and
+def idle_activity(data, kernels, found: list[dict], top: int = 3) -> None:
+    """Adds to each burst of `found` (the `bursts` of `kernels`, the kernel events of a trace
+    `data`) what the host did in the device idle before it: `host_in_idle`, the runtime events (PjRt / XLA scopes, driver calls) and
     `python_in_idle`, the Python frames (only those shorter than 4x the gap: not the loop around
     it), each [(name, ms of it inside the gap)] most first; `first_kernel` names the burst's
     first kernel."""
     events = [(e.start_ns, e.end_ns, e.name) for plane in data.planes
               if not plane.name.startswith("/device:GPU") for line in plane.lines
               for e in line.events]
-    _, kernels = _kernel_lines(data)
     starts = sorted((e.start_ns, e.name) for e in kernels)
     prev_end = None
     for b in found:
@@ -246,5 +245,5 @@ def device_bursts(call, gap_us: float = 50.0) -> tuple:
     out, data = _traced(call)
     _, kernels = _kernel_lines(data)
     found = bursts([(e.start_ns, e.end_ns) for e in kernels], gap_us * 1e3)
-    idle_activity(data, found)
+    idle_activity(data, kernels, found)
     return out, found

@@ -65,7 +65,7 @@ def test_idle_activity_names_what_the_host_did_while_the_device_waited():
     data = NS(planes=[NS(name="/host:CPU", lines=[NS(name="python", events=host)]),
                       NS(name="/device:GPU:0", lines=[NS(name="Stream #1", events=kernels)])])
     found = bursts([(k.start_ns, k.end_ns) for k in kernels], gap_ns=50 * us)
-    idle_activity(data, found)
+    idle_activity(data, kernels, found)
     assert [b["first_kernel"] for b in found] == ["step_a", "tiny", "step_b"]
     assert found[0]["host_in_idle"] == [] and found[0]["python_in_idle"] == []
     assert found[1]["python_in_idle"] == [("$runner.py:9 fetch", pytest.approx(0.080))]
