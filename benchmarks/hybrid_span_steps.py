@@ -285,11 +285,15 @@ def by_kind(rows: list[dict]) -> dict:
 
 
 def table_lines(trace: dict, sync: bool = False) -> list[str]:
-    """A compact table of one call: a line per kind (sums), then the time outside the steps."""
-    cols = ["host", "disp", "post", "step()", "wait", "ready", "busy", "admit", "moves",
+    """A compact table of one call: a line per kind (sums), then the time outside the steps.
+    A row's step() is host + disp + read + post, read being the read-backs that call made (async
+    scheduling: of the step before), while wait is charged to the step read: the first decode
+    row's step() holds the prefill step's wait (H100, session 41: 3.75 ms of the reordered
+    call's decode rows was the prefill step's device time)."""
+    cols = ["host", "disp", "read", "post", "step()", "wait", "ready", "busy", "admit", "moves",
             "cmp_b", "cmp_d", "zero"] + (["cmp_dev", "dev"] if sync else [])
-    keys = ["host_ms", "dispatch_ms", "post_ms", "step_ms", "wait_ms", "ready_ms", "busy_ms",
-            "admit_ms", "moves_ms", "compose_build_ms", "compose_ms", "zero_ms"] + (
+    keys = ["host_ms", "dispatch_ms", "read_ms", "post_ms", "step_ms", "wait_ms", "ready_ms",
+            "busy_ms", "admit_ms", "moves_ms", "compose_build_ms", "compose_ms", "zero_ms"] + (
         ["compose_dev_ms", "step_dev_ms"] if sync else [])
     lines = [f"    {'kind':<36} {'n':>2} {'1st':>3} {'tok':>5} "
              + " ".join(f"{c:>7}" for c in cols)]

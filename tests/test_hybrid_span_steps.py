@@ -71,6 +71,7 @@ def test_a_reordered_call_shows_its_composed_prefill_and_decodes(llm, monkeypatc
     assert sum(s["n"] for s in by_kind.values()) == len(rows)
     table = "\n".join(steps.table_lines(row["trace"]))
     assert "+compose(" in table and "outside steps" in table
+    assert " read " in table.splitlines()[0]  # each row's step() adds up: host + disp + read + post
 
 
 def test_sync_times_the_composition_and_the_step_on_device(llm):
