@@ -56,7 +56,8 @@ def main(argv=None) -> int:
         llm.generate([prompt], sp, use_tqdm=False)
         return time.perf_counter() - t, spent[0]
 
-    timed(2), timed(34)
+    timed(2)
+    timed(34)
     per = []
     for _ in range(args.repeats):
         (w2, d2), (w34, d34) = timed(2), timed(34)
