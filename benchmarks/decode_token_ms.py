@@ -1,14 +1,15 @@
 """Milliseconds a decode token through `LLM.generate`, and the host ms of its dispatch.
 
     python -m benchmarks.decode_token_ms [--model qwen3_5_0_8b] [--options '{"max_model_len": 1024}']
-        [--name NAME] [--repeats 5]
+        [--name NAME] [--repeats 5] [--form NAME=0|1,...]
 
 One engine (no warm-up), one 64-token prompt, greedy, EOS ignored: after an untimed pair,
 `repeats` times generate with max_tokens 2 and 34; ms a token = (t34 - t2) / 32, median. The
 dispatch column is the runner's compiled-step call (`ModelRunner._dispatch`) over the same 32
 tokens: under async scheduling it overlaps the device, so a token near the dispatch means the
-host bounds it. Run one process per setting (XLA flags, allocator) to A/B them on one host
-(benchmarks/runs/s42_device.sh). Prints one line.
+host bounds it. Run one process per setting (XLA flags, allocator, `--form`: program switches,
+benchmarks/program_forms.py) to A/B them on one host (benchmarks/runs/s42_device.sh,
+s42b_device.sh). Prints one line.
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ def main(argv=None) -> int:
     ap.add_argument("--options", default="{}", help="engine options as JSON")
     ap.add_argument("--name", default="", help="label of the printed line")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--form", default="", help="program switches NAME=0|1,... set for the run")
     args = ap.parse_args(argv)
 
     import jax
 
+    from benchmarks.program_forms import program_form
+    with program_form(args.form, flag="--form"):
+        return _run(args, jax)
+
+
+def _run(args, jax) -> int:
     from minipic_jax import LLM, SamplingParams
     opts = json.loads(args.options)
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
@@ -66,7 +74,8 @@ def main(argv=None) -> int:
     disp = statistics.median(p[1] for p in per)
     print(f"{args.name or args.model}: {token:.3f} ms a decode token, dispatch {disp:.3f} ms "
           f"(min {min(p[0] for p in per):.3f}; blocks {llm.config.num_kv_blocks}; start "
-          f"{start:.1f} s; {jax.devices()[0].device_kind}; {opts})", flush=True)
+          f"{start:.1f} s; {jax.devices()[0].device_kind}; form {args.form or '-'}; {opts})",
+          flush=True)
     return 0
 
 
