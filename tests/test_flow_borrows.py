@@ -84,7 +84,9 @@ def _span_case(rng, case):
     saved = qwen3_5_joint.FLOW_BORROWS
     qwen3_5_joint.FLOW_BORROWS = True
     try:
-        jp = qwen3_5_spans.prepare(pieces, cu, T, KC, CHUNK, p0)["joint"]["joint"]
+        # jitted: eagerly each of the plan's ops was an XLA program of its own (~400)
+        jp = jax.jit(lambda pc, c, p: qwen3_5_spans.prepare(pc, c, T, KC, CHUNK, p))(
+            pieces, cu, p0)["joint"]["joint"]
     finally:
         qwen3_5_joint.FLOW_BORROWS = saved
     src = np.asarray(jp["chunk_src"])

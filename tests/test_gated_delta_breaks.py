@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,9 +33,11 @@ def _inputs(rng, t, hv=2, dk=16):
 
 def _call(x, lens, pos0, s0, rows, impl):
     cu = jnp.asarray(np.r_[0, np.cumsum(lens)], jnp.int32)
-    return ragged.ragged_prefill(*x, cu, jnp.asarray(pos0, jnp.int32), s0, checkpoint_at=rows,
-                                 chunk=C, implementation=impl,
-                                 interpret=impl != "xla" and INTERPRET)
+    # jitted: eagerly the packing's ops were an XLA program each
+    return jax.jit(lambda *a, rows: ragged.ragged_prefill(
+        *a, checkpoint_at=rows, chunk=C, implementation=impl,
+        interpret=impl != "xla" and INTERPRET))(*x, cu, jnp.asarray(pos0, jnp.int32), s0,
+                                                 rows=rows)
 
 
 def _rows(seq, pos):

@@ -38,8 +38,9 @@ def test_the_stream_takes_q_k_in_v_dtype(fresh_rng, monkeypatch, v_dtype, switch
 
     monkeypatch.setattr(ragged, "STREAM_QK_IN_V_DTYPE", switch)
     monkeypatch.setattr(ragged_triton, "packed_gated_delta", record)
-    api.ragged_gated_delta(*_batch(fresh_rng, v_dtype), implementation="pallas_fused",
-                           interpret=True, decode=False, chunk=16)
+    jax.jit(lambda *a: api.ragged_gated_delta(  # jitted: eagerly an XLA program an op
+        *a, implementation="pallas_fused", interpret=True, decode=False, chunk=16))(
+        *_batch(fresh_rng, v_dtype))
     assert seen == [(want, want)]
 
 

@@ -92,10 +92,12 @@ def test_flat_rows_give_the_states_of_the_per_sequence_form(fresh_rng, impl):
     ck = np.array([[64, 70], [69, -1], [64, -1]], np.int32)  # grid, end, end, -1, grid
     kw = dict(chunk=16, implementation=impl, interpret=impl != "xla")
     args = (q, k, v, g, beta, cu, jnp.asarray(pos0, jnp.int32), s0)
-    _, _, want = ragged.ragged_prefill(*args, checkpoint_at=jnp.asarray(ck), **kw)
+    # jitted: eagerly each op of the packing was an XLA program of its own
+    prefill = jax.jit(lambda *a, at: ragged.ragged_prefill(*a, checkpoint_at=at, **kw))
+    _, _, want = prefill(*args, at=jnp.asarray(ck))
     rows = CheckpointRows(jnp.asarray([2, 0, 1, 0, 1], jnp.int32),
                           jnp.asarray([64, 70, 69, 64, -1], jnp.int32))
-    _, _, got = ragged.ragged_prefill(*args, checkpoint_at=rows, **kw)
+    _, _, got = prefill(*args, at=rows)
     want = np.asarray(want)
     np.testing.assert_array_equal(np.asarray(got),
                                   np.stack([want[2, 0], want[0, 1], want[1, 0], want[0, 0],

@@ -90,8 +90,10 @@ def test_split_key_ranges_merge_to_the_reference(name, opts, min_steps, monkeypa
                                     attention_scaling=case.scaling)
     tokens, heads, _ = q.shape
     block_q = opts.get("block_q") or default_block_q(tokens, md.num_seqs, case.group)
-    seq, start = triton_ragged.tile_schedule(md.cu_q_lens, tokens, block_q)
-    lo, hi = triton_ragged.tile_step_range(md, seq, start, block_q, 1)
+    # jitted: eagerly each op of the schedule was an XLA program of its own
+    seq, start = jax.jit(lambda cu: triton_ragged.tile_schedule(cu, tokens, block_q))(
+        md.cu_q_lens)
+    lo, hi = jax.jit(lambda *a: triton_ragged.tile_step_range(*a, block_q, 1))(md, seq, start)
     assert min_steps > 1 or int(jnp.max(hi - lo)) >= 3, "no tile's range splits"
     poison = jnp.full((out_rows(tokens, heads, case.kv_heads, block_q, opts.get("kv_group", 1)),
                        case.head_dim), jnp.nan, case.dtype)

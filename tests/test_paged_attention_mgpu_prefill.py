@@ -63,8 +63,9 @@ def test_mosaic_prefill_matches_reference(case, fresh_rng):
                                shuffle, specs)
     first = case == CASES[0]
     interpret = (plgpu.InterpretGPUParams(detect_races=first) if INTERPRET else False)
-    out = paged_attention(q, k, v, md, inv, kv_mode=kv_mode, implementation="mosaic_prefill",
-                          interpret=interpret)
+    # jitted: eagerly the kernel's preparation ran op by op (an XLA program each)
+    out = jax.jit(lambda *a: paged_attention(*a, kv_mode=kv_mode, implementation="mosaic_prefill",
+                                             interpret=interpret))(q, k, v, md, inv)
     ref = paged_attention_reference(q, k, v, md, inv, kv_mode=kv_mode)
     out = np.asarray(out.astype(jnp.float32)).astype(np.float64)
     assert np.all(np.isfinite(out)), "kernel left output rows unwritten (NaN) or read a pad"
@@ -86,9 +87,9 @@ def test_ring_slots_refilled_after_masked_steps_are_race_free(fresh_rng):
     q, k, v, md, inv = _inputs(fresh_rng, jnp.bfloat16, 1, 2, 64, None, 0.2, True,
                                [(600, 5, 0), (130, 36, 0)])
     q_rot = apply_rope(q, md.q_positions, inv, 1.0)
-    out = prefill_attention_mosaic(q_rot, k, v, md, inv, rotate_keys=True, attention_scaling=1.0,
-                                   sm_scale=64 ** -0.5,
-                                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+    out = jax.jit(lambda *a: prefill_attention_mosaic(
+        *a, rotate_keys=True, attention_scaling=1.0, sm_scale=64 ** -0.5,
+        interpret=plgpu.InterpretGPUParams(detect_races=True)))(q_rot, k, v, md, inv)
     ref = paged_attention_reference(q, k, v, md, inv, kv_mode="position_free")
     rows = int(np.asarray(md.cu_q_lens)[-1])
     out = np.asarray(out.astype(jnp.float32)).astype(np.float64)[:rows]

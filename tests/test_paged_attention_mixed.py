@@ -89,7 +89,9 @@ def test_split_with_values_from_the_pages_matches_reference(kv_heads, group, hea
     q_rot = apply_rope(q, md.q_positions, inv, 1.0)
     kw = dict(rotate_keys=True, attention_scaling=1.0, sm_scale=head_dim ** -0.5, splits=splits,
               min_steps=2, interpret=INTERPRET)
-    out = prefill_attention_split(q_rot, k, v, md, inv, direct_v=True, **kw)
+    # jitted: eagerly the kernel's preparation ran op by op (~200 XLA programs a case)
+    out = jax.jit(lambda *a: prefill_attention_split(*a, direct_v=True, **kw))(q_rot, k, v, md,
+                                                                                inv)
     _check(out, q, k, v, md, inv, "position_free")
 
 
@@ -120,10 +122,11 @@ def test_idle_warpgroups_skip_their_work(split, fresh_rng):
     q_rot = apply_rope(q, md.q_positions, inv, 1.0)
     kw = dict(rotate_keys=True, attention_scaling=1.0, sm_scale=64 ** -0.5, skip_idle=True,
               interpret=plgpu.InterpretGPUParams(detect_races=True) if INTERPRET else False)
-    if split:
-        out = prefill_attention_split(q_rot, k, v, md, inv, splits=2, min_steps=2, **kw)
+    if split:  # jitted: eagerly an XLA program an op of the kernel's preparation
+        out = jax.jit(lambda *a: prefill_attention_split(*a, splits=2, min_steps=2, **kw))(
+            q_rot, k, v, md, inv)
     else:
-        out = prefill_attention_mosaic(q_rot, k, v, md, inv, **kw)
+        out = jax.jit(lambda *a: prefill_attention_mosaic(*a, **kw))(q_rot, k, v, md, inv)
     _check(out, q, k, v, md, inv, "position_free")
     if INTERPRET:
         from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc

@@ -47,9 +47,11 @@ def _run(rng, specs, *, kv_heads=1, group=2, splits=2, shift=0, kv_mode="positio
     md = _offset(md, shift)
     rotate = kv_mode == "position_free"
     q_rot = apply_rope(q, md.q_positions, inv, 1.0)
-    out = prefill_attention_split(q_rot, k, v, md, inv, rotate_keys=rotate, attention_scaling=1.0,
-                                  sm_scale=128 ** -0.5, splits=splits, min_steps=1,
-                                  skip_idle=skip_idle, paged=options, interpret=INTERPRET)
+    # jitted: the kernel's preparation ran op by op eagerly (~180 XLA programs a case)
+    out = jax.jit(lambda *a: prefill_attention_split(
+        *a, rotate_keys=rotate, attention_scaling=1.0, sm_scale=128 ** -0.5, splits=splits,
+        min_steps=1, skip_idle=skip_idle, paged=options, interpret=INTERPRET))(
+        q_rot, k, v, md, inv)
     return out, q, k, v, md, inv
 
 
