@@ -29,6 +29,8 @@ and comparable across prompts.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from planner import DecayingHistogram
@@ -97,7 +99,9 @@ class OverlapEstimate:
         (before that prompt is observed)."""
         bs, total = self.block_size, self.weight(self.requests)
         pmf = np.zeros(n + 1)
-        ge = np.array([self.weight(self.through.get(h, 0.0)) for h in blocks] + [0.0])
+        get = self.through.get  # stored weights, divided by the scale as one array (weight())
+        ge = np.fromiter(itertools.chain(map(get, blocks, itertools.repeat(0.0)), (0.0,)),
+                         np.float64) / self._scale
         ge = np.minimum.accumulate(ge)  # a match through block j + 1 went through block j
         k = int(np.count_nonzero(ge))
         pmf[bs * np.arange(1, k + 1)] = (ge[:k] - ge[1:k + 1]) / total
