@@ -1,7 +1,7 @@
 """Milliseconds a decode token through `LLM.generate`, and the host ms of its dispatch.
 
-    python -m benchmarks.decode_token_ms [--model qwen3_5_0_8b] [--options '{"max_model_len": 1024}']
-        [--name NAME] [--repeats 5] [--form NAME=0|1,...]
+    python -m benchmarks.decode_token_ms [--model qwen3_5_0_8b]
+        [--options '{"max_model_len": 1024}'] [--name NAME] [--repeats 5] [--form NAME=0|1,...]
 
 One engine (no warm-up), one 64-token prompt, greedy, EOS ignored: after an untimed pair,
 `repeats` times generate with max_tokens 2 and 34; ms a token = (t34 - t2) / 32, median. The
@@ -29,14 +29,14 @@ def main(argv=None) -> int:
     ap.add_argument("--form", default="", help="program switches NAME=0|1,... set for the run")
     args = ap.parse_args(argv)
 
-    import jax
-
     from benchmarks.program_forms import program_form
     with program_form(args.form, flag="--form"):
-        return _run(args, jax)
+        return _run(args)
 
 
-def _run(args, jax) -> int:
+def _run(args) -> int:
+    import jax
+
     from minipic_jax import LLM, SamplingParams
     opts = json.loads(args.options)
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"

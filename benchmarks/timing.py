@@ -208,9 +208,9 @@ def bursts(intervals, gap_ns: float) -> list[dict]:
 def idle_activity(data, kernels, found: list[dict], top: int = 3) -> None:
     """Adds to each burst of `found` (the `bursts` of `kernels`, the kernel events of a trace
     `data`) what the host did in the device idle before it: `host_in_idle`, the runtime events
-    (PjRt / XLA scopes, driver calls) and `python_in_idle`, the Python frames (only those shorter than 4x the gap: not the loop around
-    it), each [(name, ms of it inside the gap)] most first; `first_kernel` names the burst's
-    first kernel."""
+    (PjRt / XLA scopes, driver calls) and `python_in_idle`, the Python frames (only those
+    shorter than 4x the gap: not the loop around it), each [(name, ms of it inside the gap)]
+    most first; `first_kernel` names the burst's first kernel."""
     events = [(e.start_ns, e.end_ns, e.name) for plane in data.planes
               if not plane.name.startswith("/device:GPU") for line in plane.lines
               for e in line.events]

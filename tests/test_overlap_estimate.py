@@ -1,8 +1,8 @@
 """serving/hybrid/overlap_estimate.OverlapEstimate.prompt_pmf against its definition written out
 per block: the probability mass at each full-block boundary is the drop in the (decayed) share of
 requests whose match went through that block, the rest an extension's tail past the deepest
-shared block, and the pmf sums to 1. Randomized prompts over a small hash alphabet, so prefixes
-recur (seeded: MINIPIC_TEST_SEED replays)."""
+shared block, and the pmf sums to 1. Randomized prompts, most extending a prefix of an earlier
+one, so matches recur (seeded: MINIPIC_TEST_SEED replays)."""
 
 import numpy as np
 
